@@ -42,6 +42,11 @@ class PagedKVCache:
         """Tokens every layer can take before its policy must evict."""
         return min(pages.free_slots() for pages in self.layers)
 
+    def can_append(self, n: int) -> bool:
+        """Whether n more tokens fit, by eviction if the policy evicts. Check before a step so that a
+        full cache fails before any layer has changed."""
+        return self.policy.evicts or self.free_slots() >= n
+
     def append(self, layer: int, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> None:
         """Write n tokens' K/V (each (n, n_kv_heads, head_dim)) at their positions, evicting as needed."""
         pages = self.layers[layer]
@@ -50,6 +55,10 @@ class PagedKVCache:
                 self._evict(pages)
             flat = pages.take_slot(self.step, self.events)
             pages.write(flat, k[i], v[i], int(position), self.step, self.events)
+
+    def ensure_room(self, n: int) -> None:
+        if not self.can_append(n):
+            self.policy.choose_victims(self.layers[0])  # raises the policy's CacheFullError
 
     def _evict(self, pages: LayerPages) -> None:
         victims, scores = self.policy.choose_victims(pages)

@@ -21,6 +21,7 @@ class EvictionPolicy:
     name: ClassVar[str]
     citation: ClassVar[str]
     reason: ClassVar[str] = "lowest score"
+    evicts: ClassVar[bool] = True  # False: the cache refuses tokens once full
 
     def bind(self, capacity: int, page_size: int) -> None:
         """Fix the budget this policy works in; raise ConfigError if its parameters cannot fit."""

@@ -9,6 +9,7 @@ class NoEviction(EvictionPolicy):
     """Never evict: when every page is full, appending fails with CacheFullError."""
 
     name = "none"
+    evicts = False
     citation = "Full cache, as in vLLM without preemption (Kwon et al. 2023, arXiv:2309.06180)."
 
     def score(self, pages):

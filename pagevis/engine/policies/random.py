@@ -23,4 +23,8 @@ class RandomEviction(EvictionPolicy):
         self.rng = np.random.default_rng(self.seed)
 
     def score(self, pages):
-        return self.rng.random(pages.positions.shape)
+        return np.zeros(pages.positions.shape)  # no token is preferred; the draw decides
+
+    def choose_victims(self, pages):
+        victim = self.rng.choice(np.flatnonzero(pages.occupied()))
+        return np.array([victim]), np.zeros(1)

@@ -1,0 +1,50 @@
+"""The full-cache oracle: the same token stream through a cache that never evicts, compared per step."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..engine import CacheConfig, PagedKVCache
+from .record import OracleStep
+from .sampling import log_softmax
+
+
+class FullCacheOracle:
+    def __init__(self, model, bounded: CacheConfig, max_tokens: int):
+        pages = math.ceil(max_tokens / bounded.page_size)
+        config = CacheConfig(page_size=bounded.page_size, max_pages=pages, n_layers=bounded.n_layers,
+                             n_heads=bounded.n_heads, n_kv_heads=bounded.n_kv_heads,
+                             head_dim=bounded.head_dim, dtype=bounded.dtype, policy="none")
+        self.model = model
+        self.cache = PagedKVCache(config)
+        self._bounded: PagedKVCache | None = None
+        self._lost: list[float] = []
+
+    def step(self, tokens: np.ndarray, positions: np.ndarray, bounded: PagedKVCache,
+             bounded_logits: np.ndarray, chosen: int) -> OracleStep:
+        """Feed the step's tokens and compare the next-token distributions; `chosen` is the token
+        that comes next (sampled, or the prompt's own mid-prefill)."""
+        self._bounded, self._lost = bounded, []
+        self.cache.step = bounded.step
+        full_logits = self.model.forward(tokens, positions, self._attend)
+        self.cache.take_events()
+        full = log_softmax(full_logits)
+        part = log_softmax(bounded_logits)
+        return OracleStep(
+            kl=float(np.sum(np.exp(full) * (full - part))),
+            top1_agree=bool(np.argmax(full) == np.argmax(part)),
+            logprob_bounded=float(part[chosen]), logprob_full=float(full[chosen]),
+            lost_attention=float(np.mean(self._lost)),
+        )
+
+    def _attend(self, layer, q, k, v, positions):
+        self.cache.append(layer, k, v, positions)
+        result = self.cache.attend(layer, q, positions)
+        # The last query's attention, by slot of the full cache, on positions the bounded layer lacks.
+        bounded = self._bounded.layers[layer].positions
+        full_positions = self.cache.slot_positions(layer)
+        evicted = (full_positions >= 0) & ~np.isin(full_positions, bounded[bounded >= 0])
+        self._lost.append(float(result.weights[-1][:, evicted].sum(axis=-1).mean()))
+        return result.output

@@ -1,0 +1,80 @@
+"""StepRecord: the immutable snapshot of one decode (or prefill) step — everything a view, a trace or a
+summary needs, so nothing downstream ever reads the live engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..engine import CacheEvent, EventKind
+
+
+@dataclass(frozen=True)
+class OracleStep:
+    """The bounded cache against the full (never-evicting) cache on the same token stream."""
+
+    kl: float  # KL(full || bounded) of the next-token distributions, nats
+    top1_agree: bool  # do both caches put the same token first?
+    logprob_bounded: float  # log-probability of the chosen token under the bounded cache
+    logprob_full: float  # ... and under the full cache
+    lost_attention: float  # share of the full model's attention on tokens the bounded cache evicted
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step of a session.
+
+    step 0.. counts records; kind is "prefill" (a chunk of prompt tokens) or "decode" (one token).
+    `token_ids`/`positions` are the tokens that entered the cache in this step; `next_token` is the
+    token sampled from this step's logits (-1 for a prefill chunk that is not the prompt's last).
+
+    Per-layer state is stored for every layer as arrays with a leading layer axis:
+      slot_maps:   (n_layers, max_pages, page_size) int32, token position per physical slot, -1 empty
+      protected:   (n_layers, max_pages, page_size) bool, slots the policy will not evict (e.g. sinks)
+      scores:      (n_layers, max_pages, page_size) float32, the policy's keep-score per slot (NaN empty)
+      block_tables: per layer, the physical page ids in logical order
+    Attention is stored for the layers in `attention_layers` only (the session's `record_layers`):
+      attention[i]: (n_heads, max_pages * page_size) float16, the step's last query's weights over
+      flat slots (page * page_size + slot); exactly 0 on empty slots and on evicted tokens.
+    """
+
+    step: int
+    kind: str
+    token_ids: tuple[int, ...]
+    positions: tuple[int, ...]
+    next_token: int
+    next_text: str
+    slot_maps: np.ndarray
+    protected: np.ndarray
+    scores: np.ndarray
+    block_tables: tuple[tuple[int, ...], ...]
+    events: tuple[CacheEvent, ...]
+    attention_layers: tuple[int, ...]
+    attention: tuple[np.ndarray, ...]
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: forward, sample, oracle, total
+    resident_tokens: int = 0  # in layer 0
+    pages_used: int = 0  # in layer 0
+    evictions_total: int = 0  # over all layers, since the session began
+    oracle: OracleStep | None = None
+
+    @property
+    def evictions(self) -> tuple[CacheEvent, ...]:
+        return tuple(e for e in self.events if e.kind is EventKind.EVICT)
+
+    def attention_over_positions(self, layer: int, n_positions: int) -> np.ndarray:
+        """(n_heads, n_positions) float32 attention of this step's last query by token position."""
+        weights = self.attention[self.attention_layers.index(layer)]
+        slots = self.slot_maps[layer].ravel()
+        resident = slots >= 0
+        out = np.zeros((weights.shape[0], n_positions), dtype=np.float32)
+        keep = resident & (slots < n_positions)
+        out[:, slots[keep]] = weights[:, keep]
+        return out
+
+    def resident_mask(self, layer: int, n_positions: int) -> np.ndarray:
+        """(n_positions,) bool: which token positions are in the cache of `layer` after this step."""
+        slots = self.slot_maps[layer].ravel()
+        mask = np.zeros(n_positions, dtype=bool)
+        mask[slots[(slots >= 0) & (slots < n_positions)]] = True
+        return mask

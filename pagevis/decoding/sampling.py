@@ -1,0 +1,65 @@
+"""Next-token sampling: greedy, or temperature with optional top-k and top-p, from a seeded generator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..engine import ConfigError
+from ..engine.config import check_int
+
+SAMPLING_MODES = ("greedy", "sample")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    mode: str = "greedy"
+    temperature: float = 0.7
+    top_k: int = 0  # 0 = no top-k cut
+    top_p: float = 1.0  # 1 = no nucleus cut
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in SAMPLING_MODES:
+            raise ConfigError("sampling.mode", self.mode, f"one of {', '.join(SAMPLING_MODES)}")
+        if not (isinstance(self.temperature, (int, float)) and 0 < self.temperature <= 10):
+            raise ConfigError("sampling.temperature", self.temperature, "a number in (0, 10]")
+        check_int("sampling.top_k", self.top_k, 0, 1 << 20)
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ConfigError("sampling.top_p", self.top_p, "a number in (0, 1]")
+        check_int("sampling.seed", self.seed, 0, 2**32 - 1)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float64 log-probabilities (the oracle compares them, so precision matters more than speed)."""
+    shifted = logits.astype(np.float64) - np.max(logits)
+    return shifted - np.log(np.exp(shifted).sum())
+
+
+class Sampler:
+    def __init__(self, config: SamplingConfig):
+        self.config = config
+        self.rng = np.random.default_rng(config.seed)
+
+    def sample_probabilities(self, logits: np.ndarray) -> np.ndarray:
+        """The distribution `sample` draws from (after temperature, top-k and top-p)."""
+        c = self.config
+        probs = np.exp(log_softmax(logits / c.temperature))
+        if c.top_k and c.top_k < probs.size:
+            cut = np.partition(probs, -c.top_k)[-c.top_k]
+            probs = np.where(probs >= cut, probs, 0.0)
+        if c.top_p < 1.0:
+            order = np.argsort(probs)[::-1]
+            cumulative = np.cumsum(probs[order]) / probs.sum()
+            keep = order[: int(np.searchsorted(cumulative, c.top_p)) + 1]
+            kept = np.zeros_like(probs)
+            kept[keep] = probs[keep]
+            probs = kept
+        return probs / probs.sum()
+
+    def sample(self, logits: np.ndarray) -> int:
+        if self.config.mode == "greedy":
+            return int(np.argmax(logits))
+        probs = self.sample_probabilities(logits)
+        return int(self.rng.choice(probs.size, p=probs))

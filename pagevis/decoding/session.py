@@ -1,0 +1,201 @@
+"""A decoding session: a model, a paged cache and a sampler, advanced one step at a time.
+
+Each call to `step()` returns one StepRecord. The prompt enters the cache in prefill chunks that fit in
+the free slots (so a prompt longer than the cache is evicted from like any other text); decode steps
+then feed one sampled token at a time. With `oracle` on, the same token stream also runs through a
+full cache that never evicts, and every record carries the comparison.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from ..engine import CacheConfig, ConfigError, EventKind, PagedKVCache
+from ..engine.config import check_int
+from .oracle import FullCacheOracle
+from .record import StepRecord
+from .sampling import Sampler, SamplingConfig
+
+MAX_NEW_TOKENS = 100_000
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    page_size: int = 16
+    max_pages: int = 16
+    dtype: str = "float32"
+    policy: str = "sinks"
+    policy_params: Mapping[str, Any] = field(default_factory=dict)
+    max_new_tokens: int = 64
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    oracle: bool = False
+    chat: bool = True  # wrap the prompt in the model's chat template
+    record_layers: tuple[int, ...] | None = None  # layers whose attention records keep; None = all
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy_params", MappingProxyType(dict(self.policy_params)))
+        check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
+
+    def cache_config(self, model_config) -> CacheConfig:
+        return CacheConfig(
+            page_size=self.page_size, max_pages=self.max_pages, n_layers=model_config.n_layers,
+            n_heads=model_config.n_heads, n_kv_heads=model_config.n_kv_heads,
+            head_dim=model_config.head_dim, dtype=self.dtype, policy=self.policy,
+            policy_params=dict(self.policy_params),
+        )
+
+
+class DecodeSession:
+    def __init__(self, model, prompt: str, config: SessionConfig | None = None,
+                 prompt_ids: list[int] | None = None):
+        self.model = model
+        self.config = config or SessionConfig()
+        self.cache_config = self.config.cache_config(model.config)
+        n_layers = model.config.n_layers
+        layers = tuple(range(n_layers)) if self.config.record_layers is None else tuple(self.config.record_layers)
+        for layer in layers:
+            check_int("record_layers", layer, 0, n_layers - 1)
+        self.record_layers = layers
+        self.prompt = prompt
+        self.prompt_ids = tuple(prompt_ids if prompt_ids is not None else encode_prompt(model, prompt, self.config.chat))
+        if not self.prompt_ids:
+            raise ConfigError("prompt", prompt, "text that encodes to at least one token")
+        self.cache = PagedKVCache(self.cache_config)
+        self.sampler = Sampler(self.config.sampling)
+        self.oracle = (FullCacheOracle(model, self.cache_config, len(self.prompt_ids) + self.config.max_new_tokens)
+                       if self.config.oracle else None)
+        self.records: list[StepRecord] = []
+        self.generated: list[int] = []  # sampled tokens, in order
+        self.stop_reason: str | None = None
+        self._fed = 0  # prompt tokens already in the cache
+        self._evictions = 0
+        self._last_weights: dict[int, np.ndarray] = {}
+
+    # --- state ---------------------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.stop_reason is not None
+
+    @property
+    def next_position(self) -> int:
+        return self._fed + max(len(self.generated) - 1, 0)
+
+    def text(self) -> str:
+        """The generated text so far (not the prompt)."""
+        return decode_ids(self.model, self.generated)
+
+    def token_text(self, token_id: int) -> str:
+        return token_text(self.model, token_id)
+
+    # --- stepping ------------------------------------------------------------------------------------
+    def run(self) -> Iterator[StepRecord]:
+        while not self.done:
+            yield self.step()
+
+    def step(self) -> StepRecord:
+        """Advance one step. Raises CacheFullError (policy 'none') before changing anything."""
+        if self.done:
+            raise RuntimeError(f"the session has finished ({self.stop_reason}); reset to decode again")
+        started = time.perf_counter()
+        if self._fed < len(self.prompt_ids):
+            room = self.cache.free_slots()
+            chunk = max(1, min(len(self.prompt_ids) - self._fed, room))
+            tokens = self.prompt_ids[self._fed: self._fed + chunk]
+            positions = np.arange(self._fed, self._fed + chunk, dtype=np.int64)
+            kind = "prefill"
+        else:
+            tokens = (self.generated[-1],)
+            positions = np.array([self.next_position], dtype=np.int64)
+            kind = "decode"
+        self.cache.ensure_room(len(tokens))
+        self.cache.step = len(self.records)
+        token_array = np.asarray(tokens, dtype=np.int64)
+
+        logits = self.model.forward(token_array, positions, self._attend)
+        forward_done = time.perf_counter()
+        if kind == "prefill":
+            self._fed += len(tokens)
+        last_chunk = kind == "decode" or self._fed == len(self.prompt_ids)
+        next_token = self.sampler.sample(logits) if last_chunk else -1
+        sampled = time.perf_counter()
+
+        oracle_step = None
+        if self.oracle is not None:
+            # Mid-prefill the next token is known (the prompt's), so the comparison is teacher-forced.
+            scored = next_token if last_chunk else self.prompt_ids[self._fed]
+            oracle_step = self.oracle.step(token_array, positions, self.cache, logits, scored)
+        oracle_done = time.perf_counter()
+
+        if next_token >= 0:
+            self.generated.append(next_token)
+            if next_token in self.model.config.eos_ids:
+                self.stop_reason = "eos"
+            elif len(self.generated) >= self.config.max_new_tokens:
+                self.stop_reason = "max_new_tokens"
+        record = self._record(kind, tokens, positions, next_token, oracle_step)
+        finished = time.perf_counter()
+        record.timings.update(forward=forward_done - started, sample=sampled - forward_done,
+                              oracle=oracle_done - sampled, record=finished - oracle_done,
+                              total=finished - started)
+        self.records.append(record)
+        return record
+
+    def _attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                positions: np.ndarray) -> np.ndarray:
+        self.cache.append(layer, k, v, positions)
+        result = self.cache.attend(layer, q, positions)
+        self._last_weights[layer] = result.weights[-1]
+        return result.output
+
+    def _record(self, kind, tokens, positions, next_token, oracle_step) -> StepRecord:
+        events = tuple(self.cache.take_events())
+        self._evictions += sum(1 for e in events if e.kind is EventKind.EVICT)
+        cfg = self.cache_config
+        policy = self.cache.policy
+        shape = (cfg.max_pages, cfg.page_size)
+        slot_maps, protected, scores = [], [], []
+        for pages in self.cache.layers:
+            slot_maps.append(pages.positions.reshape(shape))
+            protected.append(policy.protected(pages).reshape(shape))
+            score = np.where(pages.occupied(), policy.score(pages), np.nan)
+            scores.append(score.reshape(shape))
+        attention = []
+        for layer in self.record_layers:
+            weights = np.zeros((cfg.n_heads, cfg.capacity), dtype=np.float16)
+            last = self._last_weights[layer]
+            weights[:, : last.shape[1]] = last
+            attention.append(weights)
+        first = self.cache.layers[0]
+        return StepRecord(
+            step=len(self.records), kind=kind, token_ids=tuple(int(t) for t in tokens),
+            positions=tuple(int(p) for p in positions), next_token=int(next_token),
+            next_text=self.token_text(next_token) if next_token >= 0 else "",
+            slot_maps=np.stack(slot_maps).astype(np.int32), protected=np.stack(protected),
+            scores=np.stack(scores).astype(np.float32),
+            block_tables=tuple(tuple(p.block_table) for p in self.cache.layers),
+            events=events, attention_layers=self.record_layers, attention=tuple(attention),
+            timings={}, resident_tokens=first.resident, pages_used=len(first.block_table),
+            evictions_total=self._evictions, oracle=oracle_step,
+        )
+
+
+# The tokenizer is the model package's; these keep the session's few uses of it in one place.
+def encode_prompt(model, prompt: str, chat: bool) -> list[int]:
+    tokenizer = model.tokenizer
+    if chat and hasattr(tokenizer, "chat_ids"):
+        return list(tokenizer.chat_ids(prompt))
+    return list(tokenizer.encode(prompt))
+
+
+def decode_ids(model, ids) -> str:
+    return model.tokenizer.decode(list(ids))
+
+
+def token_text(model, token_id: int) -> str:
+    return model.tokenizer.token_text(int(token_id))
