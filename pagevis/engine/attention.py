@@ -24,7 +24,8 @@ def softmax(scores: np.ndarray, axis: int = -1, out: np.ndarray | None = None) -
     -inf entries get weight exactly 0. A row with no finite entry has nothing to normalise and
     comes back all zeros rather than NaN.
     """
-    out = np.subtract(scores, _finite_max(scores, axis), out=out)
+    with np.errstate(over="ignore"):  # a huge negative score minus the max may round to -inf: weight 0
+        out = np.subtract(scores, _finite_max(scores, axis), out=out)
     np.exp(out, out=out)
     total = out.sum(axis=axis, keepdims=True)
     total[total == 0] = 1

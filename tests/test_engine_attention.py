@@ -1,0 +1,141 @@
+"""Paged attention against an independent float64 dense attention over exactly the resident tokens."""
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine_reference import dense_attention_f64
+from pagevis.engine import CacheConfig, PagedKVCache, attend, softmax
+
+
+@st.composite
+def cache_setups(draw):
+    n_kv = draw(st.sampled_from([1, 2, 3, 4]))
+    group = draw(st.sampled_from([1, 2, 3, 4]))  # group == n_heads: multi-query when n_kv == 1
+    page_size = draw(st.sampled_from([1, 2, 3, 8, 16, 32]))
+    max_pages = draw(st.integers(1, 12))
+    policy = draw(st.sampled_from(["oldest", "oldest-page", "sinks", "h2o", "tova", "random"]))
+    params = {"n_sink": min(4, page_size * max_pages - 1)} if policy == "sinks" else {}
+    config = CacheConfig(
+        page_size=page_size, max_pages=max_pages,
+        n_layers=1, n_heads=n_kv * group, n_kv_heads=n_kv,
+        head_dim=draw(st.sampled_from([4, 16, 64])),
+        dtype=draw(st.sampled_from(["float32", "float16"])),
+        policy=policy, policy_params=params,
+    )
+    # fill anywhere from one token to well past capacity, so pages wrap, holes and releases happen
+    n_tokens = draw(st.integers(1, 3 * config.capacity))
+    return config, n_tokens, draw(st.integers(0, 2**31))
+
+
+def fill(config, n_tokens, seed):
+    """Append n_tokens one at a time with attention after each; return the cache and K/V by position."""
+    rng = np.random.default_rng(seed)
+    cache = PagedKVCache(config)
+    stored = {}
+    shape = (1, config.n_kv_heads, config.head_dim)
+    for position in range(n_tokens):
+        k = rng.standard_normal(shape).astype(np.float32)
+        v = rng.standard_normal(shape).astype(np.float32)
+        # the reference sees exactly what storage holds (float16 rounds on write)
+        stored[position] = (k[0].astype(config.dtype), v[0].astype(config.dtype))
+        cache.step = position
+        cache.append(0, k, v, np.array([position]))
+        q = rng.standard_normal((1, config.n_heads, config.head_dim)).astype(np.float32)
+        cache.attend(0, q, np.array([position]))
+    return cache, stored, rng
+
+
+def relative_error(actual, expected):
+    return np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30)
+
+
+@settings(max_examples=60, deadline=None)
+@given(cache_setups())
+def test_decode_attention_matches_dense_float64(setup):
+    config, n_tokens, seed = setup
+    cache, stored, rng = fill(config, n_tokens, seed)
+    q = (3 * rng.standard_normal((1, config.n_heads, config.head_dim))).astype(np.float32)
+    result = cache.attend(0, q, np.array([n_tokens - 1]))
+
+    resident = cache.resident_positions(0)
+    assert len(resident) == min(n_tokens, config.capacity) or config.policy == "oldest-page"
+    keys = np.stack([stored[p][0] for p in resident])
+    values = np.stack([stored[p][1] for p in resident])
+    out, weights = dense_attention_f64(q[0], keys, values)
+
+    assert relative_error(result.output[0], out) < 1e-5
+    slot_positions = cache.slot_positions(0)
+    by_position = np.zeros((config.n_heads, n_tokens))
+    occupied = slot_positions >= 0
+    by_position[:, slot_positions[occupied]] = result.weights[0][:, occupied]
+    assert relative_error(by_position[:, resident], weights) < 1e-5
+    assert np.all(result.weights[0][:, ~occupied] == 0), "empty slots must get exactly zero weight"
+    evicted = np.setdiff1d(np.arange(n_tokens), resident)
+    assert np.all(by_position[:, evicted] == 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cache_setups(), st.integers(1, 24))
+def test_prefill_chunk_is_causal_and_matches_dense(setup, chunk):
+    config, n_tokens, seed = setup
+    n_before = n_tokens % max(config.capacity - chunk, 1) if config.capacity > chunk else 0
+    chunk = min(chunk, config.capacity - n_before)
+    cache, stored, rng = fill(config, n_before, seed)
+    shape = (chunk, config.n_kv_heads, config.head_dim)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    q = rng.standard_normal((chunk, config.n_heads, config.head_dim)).astype(np.float32)
+    positions = np.arange(n_before, n_before + chunk)
+    for i, p in enumerate(positions):
+        stored[p] = (k[i].astype(config.dtype), v[i].astype(config.dtype))
+    cache.append(0, k, v, positions)
+    result = cache.attend(0, q, positions)
+
+    for i, p in enumerate(positions):
+        visible = [r for r in cache.resident_positions(0) if r <= p]
+        keys = np.stack([stored[r][0] for r in visible])
+        values = np.stack([stored[r][1] for r in visible])
+        out, _ = dense_attention_f64(q[i], keys, values)
+        assert relative_error(result.output[i], out) < 1e-5
+        future = cache.slot_positions(0) > p
+        assert np.all(result.weights[i][:, future] == 0), "a query saw a later token"
+
+
+def test_dense_arrays_give_same_result_as_pool():
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 6, 32)).astype(np.float32)
+    keys = rng.standard_normal((3, 100, 32)).astype(np.float32)
+    values = rng.standard_normal((3, 100, 32)).astype(np.float32)
+    result = attend(q, keys, values)
+    out, weights = dense_attention_f64(q[0], keys.transpose(1, 0, 2), values.transpose(1, 0, 2))
+    assert relative_error(result.output[0], out) < 1e-5
+    assert relative_error(result.weights[0], weights) < 1e-5
+
+
+class TestSoftmax:
+    def test_rows_sum_to_one(self):
+        x = np.random.default_rng(0).standard_normal((50, 40)).astype(np.float32) * 10
+        np.testing.assert_allclose(softmax(x.copy()).sum(-1), 1, rtol=1e-6)
+
+    def test_large_inputs_do_not_overflow(self):
+        x = np.array([[1e30, 1e30 - 1e24, -1e30], [3e38, 0, -3e38]], dtype=np.float32)
+        p = softmax(x.copy())
+        assert np.all(np.isfinite(p))
+        np.testing.assert_allclose(p.sum(-1), 1, rtol=1e-6)
+
+    def test_minus_infinity_gets_exactly_zero(self):
+        x = np.array([[0.5, -np.inf, 2.0, -np.inf]], dtype=np.float32)
+        p = softmax(x.copy())
+        assert p[0, 1] == 0 and p[0, 3] == 0
+        np.testing.assert_allclose(p.sum(), 1, rtol=1e-6)
+        np.testing.assert_allclose(p[0, [0, 2]], np.exp([0.5, 2.0]) / np.exp([0.5, 2.0]).sum(), rtol=1e-6)
+
+    def test_fully_masked_row_is_zeros_not_nan(self):
+        p = softmax(np.full((1, 3), -np.inf, dtype=np.float32))
+        assert np.all(p == 0)
+
+    def test_matches_float64_formula(self):
+        x = np.random.default_rng(3).standard_normal((4, 7))
+        expected = np.exp(x) / np.exp(x).sum(-1, keepdims=True)
+        np.testing.assert_allclose(softmax(x.astype(np.float32)), expected, rtol=1e-6)
