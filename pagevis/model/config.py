@@ -1,0 +1,70 @@
+"""The shape of a Llama-family model, independent of where its weights came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import ModelConfigError
+
+
+def check_positive_int(field: str, value: Any) -> int:
+    """Return value as an int if it is a positive integer, else raise ModelConfigError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ModelConfigError(field, value, "a positive integer")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a Llama-family decoder.
+
+    n_heads query heads share n_kv_heads key/value heads (grouped-query attention; n_kv_heads == 1
+    is multi-query). rope_base is the RoPE frequency base; rms_eps the RMSNorm epsilon.
+    context_length is the trained context; positions beyond it still work (RoPE extrapolates,
+    with degraded quality).
+    """
+
+    name: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    d_ff: int
+    vocab_size: int
+    rope_base: float
+    rms_eps: float
+    context_length: int
+    bos_id: int | None
+    eos_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for field in ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff",
+                      "vocab_size", "context_length"):
+            check_positive_int(field, getattr(self, field))
+        if self.n_heads % self.n_kv_heads:
+            raise ModelConfigError(
+                "n_heads", self.n_heads, f"a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ModelConfigError("head_dim", self.head_dim, "even (RoPE rotates pairs)")
+        if not self.rope_base > 1:
+            raise ModelConfigError("rope_base", self.rope_base, "a number greater than 1")
+        if not self.rms_eps > 0:
+            raise ModelConfigError("rms_eps", self.rms_eps, "a positive number")
+        for token in (*self.eos_ids, *(() if self.bos_id is None else (self.bos_id,))):
+            if not 0 <= token < self.vocab_size:
+                raise ModelConfigError("eos_ids/bos_id", token, f"a token id below {self.vocab_size}")
+
+    @property
+    def q_dim(self) -> int:
+        """Width of all query heads together."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of all key (or value) heads together."""
+        return self.n_kv_heads * self.head_dim

@@ -1,0 +1,75 @@
+"""DenseAttention: the plain reference for the attend() seam — keep every K/V, mask causally."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import ModelConfig
+
+
+class _LayerCache:
+    """Growing contiguous K, V and position arrays for one layer (capacity doubles when full)."""
+
+    def __init__(self, n_kv_heads: int, head_dim: int) -> None:
+        self.length = 0
+        self.keys = np.empty((16, n_kv_heads, head_dim), dtype=np.float32)
+        self.values = np.empty_like(self.keys)
+        self.positions = np.empty(16, dtype=np.int64)
+
+    def append(self, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> None:
+        end = self.length + len(k)
+        if end > len(self.keys):
+            capacity = max(end, 2 * len(self.keys))
+            self.keys = _grown(self.keys, capacity)
+            self.values = _grown(self.values, capacity)
+            self.positions = _grown(self.positions, capacity)
+        self.keys[self.length:end] = k
+        self.values[self.length:end] = v
+        self.positions[self.length:end] = positions
+        self.length = end
+
+
+def _grown(array: np.ndarray, capacity: int) -> np.ndarray:
+    bigger = np.empty((capacity, *array.shape[1:]), dtype=array.dtype)
+    bigger[:len(array)] = array
+    return bigger
+
+
+class DenseAttention:
+    """An AttendFn holding all keys and values of every layer, with no eviction.
+
+    A query at position p attends to every stored key whose position is <= p (so tokens fed
+    together in one forward call see each other causally). Scores are scaled by 1/sqrt(head_dim);
+    softmax runs in float32.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self._layers = [_LayerCache(config.n_kv_heads, config.head_dim) for _ in range(config.n_layers)]
+        self._scale = np.float32(1.0 / np.sqrt(config.head_dim))
+
+    def __len__(self) -> int:
+        """Tokens stored (in layer 0)."""
+        return self._layers[0].length
+
+    def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                 positions: np.ndarray) -> np.ndarray:
+        cache = self._layers[layer]
+        cache.append(k, v, positions)
+        keys = cache.keys[:cache.length]
+        values = cache.values[:cache.length]
+        n, n_heads, head_dim = q.shape
+        n_kv = keys.shape[1]
+        group = n_heads // n_kv
+        # (kv_head, n * group, head_dim): the query heads that share a KV head, for all n tokens.
+        grouped_q = q.reshape(n, n_kv, group, head_dim).transpose(1, 0, 2, 3).reshape(n_kv, n * group, head_dim)
+        scores = grouped_q @ keys.transpose(1, 2, 0)  # (kv_head, n * group, length)
+        scores *= self._scale
+        visible = cache.positions[:cache.length][None, :] <= np.repeat(positions, group)[:, None]
+        if not visible.all():
+            scores[:, ~visible] = -np.inf
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        out = scores @ values.transpose(1, 0, 2)  # (kv_head, n * group, head_dim)
+        return out.reshape(n_kv, n, group, head_dim).transpose(1, 0, 2, 3).reshape(n, n_heads, head_dim)

@@ -1,0 +1,101 @@
+"""The Llama forward pass, shared by the GGUF-loaded and the synthetic model.
+
+Pre-norm decoder: x += Attn(RMSNorm(x)); x += SwiGLU(RMSNorm(x)); logits = RMSNorm(x) @ W_out.
+Attention itself is the caller's `attend` (it owns the KV cache); this module only projects
+Q, K, V, applies RoPE and projects the result back. All arithmetic stays float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import ModelConfig
+from .interface import AttendFn
+from .rope import apply_rope, inverse_frequencies, rope_tables
+from .tokenizer import Tokenizer
+from .weights import LayerWeights, LlamaWeights, check_weight_shapes
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) * weight, row-wise, in float32 (eps must be np.float32)."""
+    mean_square = np.mean(np.square(x), axis=-1, keepdims=True)
+    mean_square += eps
+    np.sqrt(mean_square, out=mean_square)
+    return x / mean_square * weight
+
+
+def silu_mul_inplace(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gate <- gate * sigmoid(gate) * up, without float64 or large temporaries."""
+    denominator = np.negative(gate)
+    np.exp(denominator, out=denominator)
+    denominator += np.float32(1)
+    np.divide(gate, denominator, out=gate)
+    gate *= up
+    return gate
+
+
+class LlamaModel:
+    """A Llama-family decoder with float32 weights; implements the Model protocol."""
+
+    def __init__(self, config: ModelConfig, weights: LlamaWeights, tokenizer: Tokenizer | None) -> None:
+        check_weight_shapes(config, weights)
+        self.config = config
+        self.weights = weights
+        self.tokenizer = tokenizer
+        self._eps = np.float32(config.rms_eps)
+        self._inv_freq = inverse_frequencies(config.head_dim, config.rope_base)
+
+    def forward(
+        self,
+        token_ids: np.ndarray,
+        positions: np.ndarray,
+        attend: AttendFn,
+        *,
+        all_logits: bool = False,
+    ) -> np.ndarray:
+        ids, pos = self._check_inputs(token_ids, positions)
+        x = self.weights.embedding[ids].astype(np.float32, order="C")
+        cos, sin = rope_tables(pos, self._inv_freq)
+        for index, layer in enumerate(self.weights.layers):
+            self._attention_block(index, layer, x, pos, cos, sin, attend)
+            self._feed_forward_block(layer, x)
+        if not all_logits:
+            x = x[-1:]
+        logits = rms_norm(x, self.weights.output_norm, self._eps) @ self.weights.output_t
+        return logits if all_logits else logits[0]
+
+    def _attention_block(
+        self, index: int, layer: LayerWeights, x: np.ndarray, pos: np.ndarray,
+        cos: np.ndarray, sin: np.ndarray, attend: AttendFn,
+    ) -> None:
+        c = self.config
+        n = x.shape[0]
+        qkv = rms_norm(x, layer.attn_norm, self._eps) @ layer.wqkv
+        q = apply_rope(qkv[:, :c.q_dim].reshape(n, c.n_heads, c.head_dim), cos, sin)
+        k = apply_rope(qkv[:, c.q_dim:c.q_dim + c.kv_dim].reshape(n, c.n_kv_heads, c.head_dim), cos, sin)
+        v = np.ascontiguousarray(qkv[:, c.q_dim + c.kv_dim:]).reshape(n, c.n_kv_heads, c.head_dim)
+        out = attend(index, q, k, v, pos)
+        if out.shape != q.shape:
+            raise ValueError(f"attend returned shape {out.shape} for layer {index}, expected {q.shape}")
+        x += np.asarray(out, dtype=np.float32).reshape(n, c.q_dim) @ layer.wo
+
+    def _feed_forward_block(self, layer: LayerWeights, x: np.ndarray) -> None:
+        d_ff = self.config.d_ff
+        gate_up = rms_norm(x, layer.ffn_norm, self._eps) @ layer.w_gate_up
+        hidden = silu_mul_inplace(gate_up[:, :d_ff], gate_up[:, d_ff:])
+        x += hidden @ layer.w_down
+
+    def _check_inputs(self, token_ids: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.asarray(token_ids).reshape(-1)
+        pos = np.asarray(positions).reshape(-1)
+        if ids.size == 0:
+            raise ValueError("forward needs at least one token")
+        if ids.shape != pos.shape:
+            raise ValueError(f"{ids.size} token ids but {pos.size} positions")
+        if not (np.issubdtype(ids.dtype, np.integer) and np.issubdtype(pos.dtype, np.integer)):
+            raise ValueError("token ids and positions must be integers")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}), got {ids.min()}..{ids.max()}")
+        if pos.min() < 0:
+            raise ValueError(f"positions must be non-negative, got {pos.min()}")
+        return ids.astype(np.int64, copy=False), pos.astype(np.int64, copy=False)

@@ -1,0 +1,82 @@
+"""Weights laid out for fast `x @ W` products: float32, C-contiguous, (in_features, out_features)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One transformer block. Q and K columns are in GGUF order (see rope.py)."""
+
+    attn_norm: np.ndarray  # (d_model,)
+    wqkv: np.ndarray       # (d_model, q_dim + 2 * kv_dim): Q, K, V side by side
+    wo: np.ndarray         # (q_dim, d_model)
+    ffn_norm: np.ndarray   # (d_model,)
+    w_gate_up: np.ndarray  # (d_model, 2 * d_ff): gate, up side by side
+    w_down: np.ndarray     # (d_ff, d_model)
+
+
+@dataclass(frozen=True)
+class LlamaWeights:
+    embedding: np.ndarray  # (vocab, d_model); with tied weights a transposed view of output_t
+    layers: tuple[LayerWeights, ...]
+    output_norm: np.ndarray  # (d_model,)
+    output_t: np.ndarray   # (d_model, vocab)
+
+    def nbytes_per_token(self) -> int:
+        """Bytes of weights one decode step reads: every matrix once, one embedding row."""
+        layer_bytes = sum(
+            w.nbytes for layer in self.layers
+            for w in (layer.attn_norm, layer.wqkv, layer.wo, layer.ffn_norm, layer.w_gate_up,
+                      layer.w_down)
+        )
+        return layer_bytes + self.output_norm.nbytes + self.output_t.nbytes + self.embedding[0].nbytes
+
+
+def as_input_major(*out_by_in: np.ndarray) -> np.ndarray:
+    """Concatenate (out, in) matrices, as stored in GGUF, into one contiguous (in, sum of out)."""
+    return np.ascontiguousarray(np.concatenate(out_by_in, axis=0).T, dtype=np.float32)
+
+
+def layer_from_gguf_matrices(
+    attn_norm: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, o: np.ndarray,
+    ffn_norm: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
+) -> LayerWeights:
+    """Build a layer from matrices in GGUF/PyTorch orientation (out_features, in_features)."""
+    return LayerWeights(
+        attn_norm=np.ascontiguousarray(attn_norm, dtype=np.float32),
+        wqkv=as_input_major(q, k, v),
+        wo=as_input_major(o),
+        ffn_norm=np.ascontiguousarray(ffn_norm, dtype=np.float32),
+        w_gate_up=as_input_major(gate, up),
+        w_down=as_input_major(down),
+    )
+
+
+def check_weight_shapes(config: ModelConfig, weights: LlamaWeights) -> None:
+    """Raise ValueError naming the first array whose shape disagrees with config."""
+    d, q, kv, ff, vocab = config.d_model, config.q_dim, config.kv_dim, config.d_ff, config.vocab_size
+    expected = {
+        "embedding": (weights.embedding, (vocab, d)),
+        "output_norm": (weights.output_norm, (d,)),
+        "output_t": (weights.output_t, (d, vocab)),
+    }
+    if len(weights.layers) != config.n_layers:
+        raise ValueError(f"{len(weights.layers)} layers of weights, config says {config.n_layers}")
+    for index, layer in enumerate(weights.layers):
+        expected.update({
+            f"layers[{index}].attn_norm": (layer.attn_norm, (d,)),
+            f"layers[{index}].wqkv": (layer.wqkv, (d, q + 2 * kv)),
+            f"layers[{index}].wo": (layer.wo, (q, d)),
+            f"layers[{index}].ffn_norm": (layer.ffn_norm, (d,)),
+            f"layers[{index}].w_gate_up": (layer.w_gate_up, (d, 2 * ff)),
+            f"layers[{index}].w_down": (layer.w_down, (ff, d)),
+        })
+    for name, (array, shape) in expected.items():
+        if array.shape != shape or array.dtype != np.float32:
+            raise ValueError(f"{name} is {array.dtype}{array.shape}, expected float32{shape}")
