@@ -16,7 +16,8 @@ class PagedKVCache:
     full, its policy chooses which tokens leave. Every change is recorded as a CacheEvent.
 
     Per step the caller sets `step`, then per layer: `append` the new tokens' K/V, then `attend`.
-    `attend` hands the attention weights to the policy state (accumulated and latest attention).
+    `attend` hands the attention weights to the policy state (accumulated and latest attention) when
+    the policy scores by attention.
     """
 
     def __init__(self, config: CacheConfig):
@@ -76,15 +77,21 @@ class PagedKVCache:
         n_kv, _, _, head_dim = pages.k.shape
         keys = pages.k[:, : pages.high_water].reshape(n_kv, n_slots, head_dim)
         values = pages.v[:, : pages.high_water].reshape(n_kv, n_slots, head_dim)
-        result = attend(q, keys, values, pages.bias[:n_slots], pages.positions[:n_slots], positions)
-        self._observe(pages, result.weights)
+        # With no empty slot below the high-water mark the occupancy mask is all zeros: skip it.
+        bias = None if pages.resident == n_slots else pages.bias[:n_slots]
+        result = attend(q, keys, values, bias, pages.positions[:n_slots], positions)
+        if self.policy.uses_attention:
+            self._observe(pages, result.weights)
         return result
 
-    def _observe(self, pages: LayerPages, weights: np.ndarray) -> None:
-        per_slot = weights.mean(axis=1, dtype=np.float64)  # (n, n_slots): mean over heads
-        n_slots = per_slot.shape[1]
-        pages.accumulated[:n_slots] += per_slot.sum(axis=0)
-        pages.last[:n_slots] = per_slot[-1]
+    @staticmethod
+    def _observe(pages: LayerPages, weights: np.ndarray) -> None:
+        """Hand the step's attention (mean over heads) to the score-based policies' state."""
+        n_queries, n_heads, n_slots = weights.shape
+        last = weights[-1].sum(axis=0)
+        last /= n_heads
+        pages.last[:n_slots] = last
+        pages.accumulated[:n_slots] += last if n_queries == 1 else weights.sum(axis=(0, 1)) / n_heads
 
     def slot_positions(self, layer: int) -> np.ndarray:
         """Token position of each flat slot in the allocated prefix (what `attend`'s weights index)."""

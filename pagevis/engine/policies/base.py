@@ -22,6 +22,7 @@ class EvictionPolicy:
     citation: ClassVar[str]
     reason: ClassVar[str] = "lowest score"
     evicts: ClassVar[bool] = True  # False: the cache refuses tokens once full
+    uses_attention: ClassVar[bool] = False  # True: the cache must track attention per slot for it
 
     def bind(self, capacity: int, page_size: int) -> None:
         """Fix the budget this policy works in; raise ConfigError if its parameters cannot fit."""

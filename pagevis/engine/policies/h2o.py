@@ -11,6 +11,7 @@ class HeavyHitter(EvictionPolicy):
     accumulated over all steps so far (mean over heads). Default recent: half the budget."""
 
     recent: int | None = None
+    uses_attention = True
     name = "h2o"
     citation = "H2O: Zhang et al. 2023, Heavy-Hitter Oracle for Efficient Generative Inference, arXiv:2306.14048."
     reason = "lowest accumulated attention"
