@@ -188,8 +188,8 @@ class DecodeSession:
 # The tokenizer is the model package's; these keep the session's few uses of it in one place.
 def encode_prompt(model, prompt: str, chat: bool) -> list[int]:
     tokenizer = model.tokenizer
-    if chat and hasattr(tokenizer, "chat_ids"):
-        return list(tokenizer.chat_ids(prompt))
+    if chat:
+        prompt = tokenizer.format_chat([{"role": "user", "content": prompt}])
     return list(tokenizer.encode(prompt))
 
 

@@ -43,9 +43,11 @@ class ModelSpec:
 
 @functools.lru_cache(maxsize=2)
 def _load(spec: ModelSpec):
-    from .. import model
-
     if spec.kind == "synthetic":
-        return model.SyntheticModel(n_layers=spec.n_layers, n_heads=spec.n_heads,
+        from ..model.synthetic import SyntheticModel
+
+        return SyntheticModel(n_layers=spec.n_layers, n_heads=spec.n_heads,
                                     n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, seed=spec.seed)
-    return model.load_model(spec.path if spec.kind == "gguf" else None)
+    from ..model import load_model
+
+    return load_model(spec.path if spec.kind == "gguf" else None)
