@@ -156,9 +156,10 @@ def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any]) -> 
         field = reader.fields.get(key)
         return None if field is None else field.contents()
 
-    tokens, merges = array("tokenizer.ggml.tokens"), array("tokenizer.ggml.merges")
-    if tokens is None or merges is None:
-        raise ModelLoadError(f"{path}: tokenizer.ggml.tokens or tokenizer.ggml.merges is missing")
+    tokens = array("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise ModelLoadError(f"{path}: tokenizer.ggml.tokens is missing")
+    merges = array("tokenizer.ggml.merges") or []  # a byte-only vocabulary needs none
     template = metadata.get("tokenizer.chat_template")
     try:
         return BPETokenizer(

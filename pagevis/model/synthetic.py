@@ -1,0 +1,83 @@
+"""A seeded random model of the Llama architecture, for tests and demos without a model file."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .byte_tokenizer import ByteTokenizer
+from .config import ModelConfig, check_positive_int
+from .errors import ModelConfigError
+from .llama import LlamaModel
+from .weights import LlamaWeights, layer_from_gguf_matrices
+
+BYTE_VOCAB = 256
+
+
+class SyntheticModel(LlamaModel):
+    """LlamaModel with random weights (same forward code as the real model).
+
+    Its tokenizer is a ByteTokenizer: token id == UTF-8 byte, so text round-trips; ids >= 256 (if
+    vocab_size is larger) decode to nothing. It has no BOS and no EOS (eos_ids == ()).
+    Weights are N(0, 1/fan_in) so activations keep unit scale; norms are ones.
+    """
+
+    def __init__(
+        self,
+        n_layers: int = 2,
+        n_heads: int = 4,
+        n_kv_heads: int = 2,
+        head_dim: int = 16,
+        d_model: int | None = None,
+        vocab_size: int = BYTE_VOCAB,
+        d_ff: int | None = None,
+        rope_base: float = 10000.0,
+        rms_eps: float = 1e-5,
+        context_length: int = 2048,
+        seed: int = 0,
+    ) -> None:
+        config = synthetic_config(n_layers, n_heads, n_kv_heads, head_dim, d_model, vocab_size, d_ff,
+                                  rope_base, rms_eps, context_length)
+        super().__init__(config, random_weights(config, seed), ByteTokenizer(vocab_size))
+        self.seed = seed
+
+
+def synthetic_config(
+    n_layers: Any, n_heads: Any, n_kv_heads: Any, head_dim: Any, d_model: Any, vocab_size: Any,
+    d_ff: Any, rope_base: Any, rms_eps: Any, context_length: Any,
+) -> ModelConfig:
+    for field, value in (("n_layers", n_layers), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads),
+                         ("head_dim", head_dim), ("vocab_size", vocab_size),
+                         ("context_length", context_length)):
+        check_positive_int(field, value)
+    if vocab_size < BYTE_VOCAB:
+        raise ModelConfigError("vocab_size", vocab_size, f"at least {BYTE_VOCAB} (one token per byte)")
+    d_model = n_heads * head_dim if d_model is None else check_positive_int("d_model", d_model)
+    d_ff = 2 * d_model if d_ff is None else check_positive_int("d_ff", d_ff)
+    return ModelConfig(
+        name=f"synthetic-{n_layers}L-{n_heads}h{n_kv_heads}kv-{head_dim}d",
+        n_layers=int(n_layers), d_model=d_model, n_heads=int(n_heads), n_kv_heads=int(n_kv_heads),
+        head_dim=int(head_dim), d_ff=d_ff, vocab_size=int(vocab_size), rope_base=float(rope_base),
+        rms_eps=float(rms_eps), context_length=int(context_length), bos_id=None, eos_ids=(),
+    )
+
+
+def random_weights(config: ModelConfig, seed: int) -> LlamaWeights:
+    rng = np.random.default_rng(seed)
+    d, q, kv, ff = config.d_model, config.q_dim, config.kv_dim, config.d_ff
+
+    def matrix(out_features: int, in_features: int) -> np.ndarray:
+        scale = np.float32(1 / np.sqrt(in_features))
+        return rng.standard_normal((out_features, in_features), dtype=np.float32) * scale
+
+    def ones() -> np.ndarray:
+        return np.ones(d, dtype=np.float32)
+
+    layers = tuple(
+        layer_from_gguf_matrices(ones(), matrix(q, d), matrix(kv, d), matrix(kv, d), matrix(d, q),
+                                 ones(), matrix(ff, d), matrix(ff, d), matrix(d, ff))
+        for _ in range(config.n_layers)
+    )
+    output_t = np.ascontiguousarray(rng.standard_normal((d, config.vocab_size), dtype=np.float32))
+    return LlamaWeights(output_t.T, layers, ones(), output_t)

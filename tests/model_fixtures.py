@@ -1,0 +1,75 @@
+"""Shared fixtures and helpers for the model tests (the real model loads once per session)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REFERENCE_FILE = Path(__file__).parent / "data" / "smollm2_reference.json"
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct, loaded once for the whole test session."""
+    from pagevis.model import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def reference() -> dict:
+    """Known answers frozen by scripts/make_reference_vectors.py (transformers + tokenizers)."""
+    return json.loads(REFERENCE_FILE.read_text())
+
+
+def write_llama_gguf(path: Path, model=None, arch: str = "llama", tensor_overrides: dict | None = None,
+                     drop_tensors: tuple[str, ...] = (), tokenizer: bool = True) -> Path:
+    """Write a small Llama-layout GGUF (F32) holding model's weights (a SyntheticModel by default)."""
+    import gguf
+
+    from pagevis.model.synthetic import SyntheticModel
+
+    model = model or SyntheticModel(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, seed=3)
+    c, w = model.config, model.weights
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(c.n_layers)
+    writer.add_context_length(c.context_length)
+    writer.add_embedding_length(c.d_model)
+    writer.add_feed_forward_length(c.d_ff)
+    writer.add_head_count(c.n_heads)
+    writer.add_head_count_kv(c.n_kv_heads)
+    writer.add_rope_freq_base(c.rope_base)
+    writer.add_layer_norm_rms_eps(c.rms_eps)
+    if tokenizer:
+        from pagevis.model.bpe import byte_to_unicode
+
+        writer.add_tokenizer_model("gpt2")
+        writer.add_string("tokenizer.ggml.pre", "smollm")
+        spelled = byte_to_unicode()
+        writer.add_token_list([spelled[b] for b in range(256)] + [f"<extra{i}>" for i in range(c.vocab_size - 256)])
+        writer.add_token_merges([])
+    q, kv = c.q_dim, c.kv_dim
+    tensors = {"token_embd.weight": np.ascontiguousarray(w.embedding), "output_norm.weight": w.output_norm}
+    for i, layer in enumerate(w.layers):
+        wqkv = layer.wqkv.T  # back to (out, in)
+        gate_up = layer.w_gate_up.T
+        tensors.update({
+            f"blk.{i}.attn_norm.weight": layer.attn_norm,
+            f"blk.{i}.attn_q.weight": wqkv[:q], f"blk.{i}.attn_k.weight": wqkv[q:q + kv],
+            f"blk.{i}.attn_v.weight": wqkv[q + kv:], f"blk.{i}.attn_output.weight": layer.wo.T,
+            f"blk.{i}.ffn_norm.weight": layer.ffn_norm,
+            f"blk.{i}.ffn_gate.weight": gate_up[:c.d_ff], f"blk.{i}.ffn_up.weight": gate_up[c.d_ff:],
+            f"blk.{i}.ffn_down.weight": layer.w_down.T,
+        })
+    tensors.update(tensor_overrides or {})
+    for name, array in tensors.items():
+        if name not in drop_tensors:
+            writer.add_tensor(name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

