@@ -1,0 +1,211 @@
+"""Command-line options shared by the app and `pagevis run`: model, prompt, cache, policy, sampling.
+
+Every option defaults to None so that the app can tell what the user asked for from what it should take
+from its own settings; `model_spec()`, `prompt_text()` and `session_config()` fill in the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from importlib import resources
+
+from ..decoding import ModelSpec, SamplingConfig, SessionConfig
+from ..engine import POLICIES, CacheConfig, ConfigError
+
+MODEL_NAMES = ("smollm2", "synthetic")
+SYNTHETIC_FLAGS = {"layers": "n_layers", "heads": "n_heads", "kv_heads": "n_kv_heads", "head_dim": "head_dim",
+                   "model_seed": "seed"}
+# Engine field names -> the flag that sets them, so a ConfigError can name what the user typed.
+FLAG_OF_FIELD = {
+    "page_size": "--page-size", "max_pages": "--max-pages", "dtype": "--dtype", "policy": "--policy",
+    "max_new_tokens": "--max-tokens", "sampling.temperature": "--temperature", "sampling.top_k": "--top-k",
+    "sampling.top_p": "--top-p", "sampling.seed": "--seed", "record_layers": "--record-layers",
+    "n_layers": "--layers", "n_heads": "--heads", "n_kv_heads": "--kv-heads", "head_dim": "--head-dim",
+}
+
+
+class UsageError(ValueError):
+    """A bad command line: printed as one line, exit status 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but errors raise UsageError instead of printing usage and exiting."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", metavar="MODEL",
+                       help="smollm2 (the shipped SmolLM2-135M-Instruct, default), synthetic (seeded random "
+                            "weights, fast), or the path of a Llama-family .gguf file")
+    group.add_argument("--layers", type=int, help="synthetic model: layers (default 4)")
+    group.add_argument("--heads", type=int, help="synthetic model: query heads (default 8)")
+    group.add_argument("--kv-heads", type=int, help="synthetic model: KV heads, a divisor of --heads (default 2)")
+    group.add_argument("--head-dim", type=int, help="synthetic model: head dimension, even (default 32)")
+    group.add_argument("--model-seed", type=int, help="synthetic model: weight seed (default 0)")
+
+
+def add_prompt_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("prompt")
+    source = group.add_mutually_exclusive_group()
+    source.add_argument("--prompt", metavar="TEXT", help="the prompt (default: a sample prompt about paging)")
+    source.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a UTF-8 text file")
+    group.add_argument("--no-chat", dest="chat", action="store_const", const=False,
+                       help="feed the prompt as raw text instead of wrapping it in the model's chat template")
+
+
+def add_cache_options(parser: argparse.ArgumentParser) -> None:
+    defaults = SessionConfig()
+    group = parser.add_argument_group("KV cache")
+    group.add_argument("--page-size", type=int, metavar="N", help=f"tokens per page (default {defaults.page_size})")
+    group.add_argument("--max-pages", type=int, metavar="N",
+                       help=f"pages per layer; capacity = pages x page size (default {defaults.max_pages})")
+    group.add_argument("--dtype", choices=("float32", "float16"), help=f"K/V storage (default {defaults.dtype})")
+    group.add_argument("--policy", choices=tuple(POLICIES), help=f"eviction policy (default {defaults.policy})")
+    group.add_argument("--policy-param", action="append", metavar="KEY=VALUE", default=None,
+                       help="a policy parameter, e.g. n_sink=4 (sinks), recent=32 (h2o), seed=1 (random); "
+                            "repeat for several")
+
+
+def add_decoding_options(parser: argparse.ArgumentParser) -> None:
+    defaults = SessionConfig()
+    group = parser.add_argument_group("decoding")
+    group.add_argument("--max-tokens", type=int, metavar="N",
+                       help=f"stop after N generated tokens (default {defaults.max_new_tokens})")
+    group.add_argument("--sample", action="store_const", const=True,
+                       help="sample instead of greedy decoding (implied by --temperature, --top-k, --top-p)")
+    group.add_argument("--temperature", type=float, help=f"sampling temperature (default {defaults.sampling.temperature})")
+    group.add_argument("--top-k", type=int, help="keep the k most likely tokens (0 = all, default)")
+    group.add_argument("--top-p", type=float, help="nucleus sampling threshold (1 = off, default)")
+    group.add_argument("--seed", type=int, help="sampling seed (default 0)")
+    group.add_argument("--oracle", action="store_const", const=True,
+                       help="also run a full cache alongside and report KL, top-1 agreement and lost attention")
+    group.add_argument("--record-layers", metavar="LIST",
+                       help="layers whose attention the records keep: all (default), none, or e.g. 0,15,29")
+
+
+def add_session_options(parser: argparse.ArgumentParser) -> None:
+    add_model_options(parser)
+    add_prompt_options(parser)
+    add_cache_options(parser)
+    add_decoding_options(parser)
+
+
+# --- turning options into objects ------------------------------------------------------------------
+
+def model_spec(args: argparse.Namespace) -> ModelSpec:
+    name = args.model or "smollm2"
+    layout = {field: getattr(args, flag) for flag, field in SYNTHETIC_FLAGS.items() if getattr(args, flag) is not None}
+    if name == "synthetic":
+        for field, value in layout.items():
+            if value < 1 and field != "seed" or value < 0:
+                flag = "--" + next(f for f, v in SYNTHETIC_FLAGS.items() if v == field).replace("_", "-")
+                raise UsageError(f"{flag} {value}: must be a positive integer")
+        return ModelSpec(kind="synthetic", **layout)
+    if layout:
+        flags = ", ".join("--" + f.replace("_", "-") for f in SYNTHETIC_FLAGS if getattr(args, f) is not None)
+        raise UsageError(f"{flags} only apply to --model synthetic")
+    if name == "smollm2":
+        return ModelSpec(kind="smollm2")
+    if not os.path.isfile(name):
+        raise UsageError(f"--model {name}: no such file (use smollm2, synthetic, or the path of a .gguf file)")
+    return ModelSpec(kind="gguf", path=os.path.abspath(name))
+
+
+def default_prompt() -> str:
+    return resources.files("pagevis.resources").joinpath("prompts/explain-paging.txt").read_text("utf-8").strip()
+
+
+def prompt_text(args: argparse.Namespace) -> str | None:
+    """The prompt the user gave, or None."""
+    if getattr(args, "prompt_file", None):
+        return read_text_file(args.prompt_file, "--prompt-file")
+    return getattr(args, "prompt", None)
+
+
+def read_text_file(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read()
+    except FileNotFoundError:
+        raise UsageError(f"{flag} {path}: no such file") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{flag} {path}: not UTF-8 text") from None
+    except OSError as error:
+        raise UsageError(f"{flag} {path}: {error.strerror}") from None
+
+
+def parse_param(text: str, flag: str = "--policy-param") -> tuple[str, object]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise UsageError(f"{flag} {text!r}: expected KEY=VALUE, e.g. n_sink=4")
+    return key.strip(), parse_value(raw.strip())
+
+
+def parse_value(raw: str) -> object:
+    for convert in (int, float):
+        try:
+            return convert(raw)
+        except ValueError:
+            pass
+    return None if raw.lower() in ("none", "null") else raw
+
+
+def parse_layers(text: str | None) -> tuple[int, ...] | None:
+    if text is None or text.strip().lower() == "all":
+        return None
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise UsageError(f"--record-layers {text!r}: expected all, none, or layer numbers like 0,15,29") from None
+
+
+def session_config(args: argparse.Namespace) -> SessionConfig:
+    """A SessionConfig from the options, SessionConfig's own defaults for what was not given."""
+    defaults = SessionConfig()
+    sampling = defaults.sampling
+    sampled = args.sample or any(getattr(args, f) is not None for f in ("temperature", "top_k", "top_p"))
+    sampling = SamplingConfig(
+        mode="sample" if sampled else "greedy",
+        temperature=_given(args.temperature, sampling.temperature), top_k=_given(args.top_k, sampling.top_k),
+        top_p=_given(args.top_p, sampling.top_p), seed=_given(args.seed, sampling.seed))
+    params = dict(parse_param(p) for p in (args.policy_param or []))
+    policy = _given(args.policy, defaults.policy)
+    config = SessionConfig(
+        page_size=_given(args.page_size, defaults.page_size), max_pages=_given(args.max_pages, defaults.max_pages),
+        dtype=_given(args.dtype, defaults.dtype), policy=policy, policy_params=params,
+        max_new_tokens=_given(args.max_tokens, defaults.max_new_tokens), sampling=sampling,
+        oracle=bool(args.oracle), chat=_given(args.chat, defaults.chat),
+        record_layers=parse_layers(args.record_layers))
+    check_cache(config)
+    return config
+
+
+def check_cache(config: SessionConfig) -> None:
+    """Validate the cache settings and policy parameters now, before a model loads or a window opens
+    (the head layout does not change what is valid here)."""
+    CacheConfig(page_size=config.page_size, max_pages=config.max_pages, dtype=config.dtype, policy=config.policy,
+                policy_params=dict(config.policy_params), head_dim=1)
+
+
+def session_options_given(args: argparse.Namespace) -> bool:
+    """Did the user set any cache or decoding option (the app keeps its own settings otherwise)?"""
+    names = ("page_size", "max_pages", "dtype", "policy", "policy_param", "max_tokens", "sample", "temperature",
+             "top_k", "top_p", "seed", "oracle", "record_layers", "chat")
+    return any(getattr(args, name, None) is not None for name in names)
+
+
+def _given(value, default):
+    return default if value is None else value
+
+
+def describe_config_error(error: ConfigError) -> str:
+    flag = FLAG_OF_FIELD.get(error.field)
+    if flag is None and "." in error.field and error.field.split(".")[0] in POLICIES:
+        flag = "--policy-param"
+    return f"{flag}: {error}" if flag else str(error)

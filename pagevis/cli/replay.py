@@ -1,0 +1,31 @@
+"""`pagevis replay FILE`: open a trace in the app."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    parser = commands.add_parser("replay", help="open a trace file in the app",
+                                 description="Open a trace recorded with `pagevis run --trace` in the app, "
+                                             "to scrub its timeline and views as they were live.")
+    parser.add_argument("file", metavar="FILE", help="the trace file")
+    parser.add_argument("--check", action="store_true",
+                        help="only read and validate the trace, print a summary, and exit (no window)")
+    parser.set_defaults(handler=main)
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..trace import read_trace
+
+    trace = read_trace(args.file)  # refuse a bad file here, with a clear message, before Qt starts
+    if args.check:
+        config = trace.config
+        print(f"{args.file}: {trace.model_label}, {len(trace.prompt_ids)} prompt tokens, {len(trace.records)} steps, "
+              f"{config.max_pages} pages x {config.page_size} tokens, policy {config.policy}, "
+              f"stopped: {trace.stop_reason}")
+        return 0
+    from ..gui import launch
+
+    return launch(trace=args.file)

@@ -1,0 +1,123 @@
+"""`pagevis run`: decode headless with the app's options; text (or one JSON object) on stdout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from . import options
+from .progress import Progress
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    parser = commands.add_parser(
+        "run", help="decode headless and print the text (or --json)",
+        description="Decode a prompt headless with the same options as the app. The generated text goes to "
+                    "stdout (or one JSON object with --json); a progress bar goes to stderr.")
+    options.add_session_options(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object with the text and the metrics")
+    parser.add_argument("--trace", metavar="FILE", help="record the run to a trace file (open it with pagevis replay)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.set_defaults(handler=main)
+    return parser
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..decoding import DecodeSession
+    from ..engine import CacheFullError
+
+    spec = options.model_spec(args)
+    config = options.session_config(args)
+    prompt = options.prompt_text(args) or options.default_prompt()
+    if args.trace:
+        _check_writable(args.trace)
+    model = spec.load()
+    session = DecodeSession(model, prompt, config)
+    progress = Progress(config.max_new_tokens, "decoding", enabled=False if args.quiet else None)
+    started = time.perf_counter()
+    interrupted = False
+    try:
+        for record in session.run():
+            tokens = len(session.generated)
+            progress.update(tokens, f"{record.kind} step {record.step}, {record.resident_tokens} resident")
+    except CacheFullError as error:
+        session.stop_reason = "cache_full"
+        print(f"pagevis run: stopped: {error}", file=sys.stderr)
+    except KeyboardInterrupt:
+        session.stop_reason = session.stop_reason or "interrupted"
+        interrupted = True
+    finally:
+        progress.close()
+    elapsed = time.perf_counter() - started
+    if args.trace and session.records:
+        from ..trace import write_trace
+
+        size = write_trace(args.trace, session, model_spec=spec, meta={"command": "pagevis run"})
+        if not args.quiet:
+            print(f"trace: {args.trace} ({size / 1024:.0f} KiB, {len(session.records)} steps)", file=sys.stderr)
+    summary = summarize(session, spec.label, elapsed)
+    if args.json:
+        print(json.dumps(summary, ensure_ascii=False))
+    else:
+        print(summary["text"])
+    return 130 if interrupted else 0
+
+
+def summarize(session, model_label: str, elapsed: float) -> dict:
+    """The run's numbers. tokens_per_s counts decode steps only (the oracle's time excluded)."""
+    records = session.records
+    config = session.config
+    decode = [r for r in records if r.kind == "decode"]
+    prefill = [r for r in records if r.kind == "prefill"]
+    decode_seconds = sum(r.timings.get("total", 0.0) - r.timings.get("oracle", 0.0) for r in decode)
+    prefill_seconds = sum(r.timings.get("total", 0.0) - r.timings.get("oracle", 0.0) for r in prefill)
+    summary = {
+        "model": model_label,
+        "prompt_tokens": len(session.prompt_ids),
+        "generated_tokens": len(session.generated),
+        "text": session.text(),
+        "stop_reason": session.stop_reason,
+        "page_size": config.page_size,
+        "max_pages": config.max_pages,
+        "capacity": config.page_size * config.max_pages,
+        "dtype": config.dtype,
+        "policy": config.policy,
+        "policy_params": _policy_params(session),
+        "steps": len(records),
+        "evictions": records[-1].evictions_total if records else 0,
+        "peak_resident_tokens": max((r.resident_tokens for r in records), default=0),
+        "tokens_per_s": len(decode) / decode_seconds if decode_seconds > 0 else None,
+        "prefill_tokens_per_s": len(session.prompt_ids) / prefill_seconds if prefill_seconds > 0 else None,
+        "seconds": elapsed,
+    }
+    scored = [r.oracle for r in records if r.oracle is not None and r.next_token >= 0]
+    if config.oracle:
+        summary.update(
+            mean_kl=float(np.mean([o.kl for o in scored])) if scored else None,
+            top1_agreement=float(np.mean([o.top1_agree for o in scored])) if scored else None,
+            mean_lost_attention=float(np.mean([o.lost_attention for o in scored])) if scored else None,
+            oracle_steps=len(scored),
+        )
+    return summary
+
+
+def _policy_params(session) -> dict:
+    """The policy's parameters as bound (defaults filled in, e.g. h2o's recent window)."""
+    from ..engine import policy_params
+
+    policy = session.cache.policy
+    return {name: getattr(policy, name) for name in policy_params(policy.name)}
+
+
+def _check_writable(path: str) -> None:
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise options.UsageError(f"--trace {path}: no such folder {folder}")
+    if os.path.isdir(path):
+        raise options.UsageError(f"--trace {path}: is a folder")

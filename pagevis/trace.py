@@ -1,0 +1,384 @@
+"""Trace files: one decode session kept on disk, to replay every view and scrub it exactly as it was live.
+
+A trace is a zip archive (deflate) holding `header.json` (format, version, configuration, tokens, strings)
+and one `.npy` array per field, stacked over steps. Nothing is pickled: arrays are read with
+allow_pickle=False and the header is plain JSON, so the file opens without pagevis (docs/trace-format.md).
+
+Per-step state that changes little between steps (slot maps, protected flags, policy scores, block
+tables) is stored as an XOR delta against the previous step, which deflate squeezes to almost nothing;
+reading undoes it exactly (bit for bit, also for NaN scores). Events are stored as columns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+import numbers
+import os
+import zipfile
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import __version__
+from .decoding import ModelSpec, OracleStep, SamplingConfig, SessionConfig, StepRecord
+from .engine import CacheEvent, ConfigError, EventKind
+
+FORMAT = "pagevis-trace"
+VERSION = 1
+SUFFIX = ".pvtrace"
+HEADER = "header.json"
+KINDS = ("prefill", "decode")
+EVENT_KINDS = tuple(EventKind)
+ORACLE_COLUMNS = ("kl", "top1_agree", "logprob_bounded", "logprob_full", "lost_attention")
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read: missing, not a trace, truncated, corrupt, or too new."""
+
+
+@dataclass
+class Trace:
+    """Everything a replay needs. `model_spec`, `stop_reason` and `text` are extras a live run knows."""
+
+    model_label: str
+    prompt: str
+    config: SessionConfig
+    prompt_ids: tuple[int, ...]
+    records: list[StepRecord]
+    token_texts: dict[int, str]
+    model_spec: ModelSpec | None = None
+    stop_reason: str | None = None
+    text: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)  # free-form (e.g. the command line), kept as JSON
+
+    @classmethod
+    def from_session(cls, session, model_label: str | None = None, model_spec: ModelSpec | None = None,
+                     meta: dict[str, Any] | None = None) -> Trace:
+        ids = set(session.prompt_ids)
+        for record in session.records:
+            ids.update(record.token_ids)
+            if record.next_token >= 0:
+                ids.add(record.next_token)
+        label = model_label or (model_spec.label if model_spec else getattr(session.model.config, "name", "model"))
+        return cls(model_label=label, prompt=session.prompt, config=session.config,
+                   prompt_ids=tuple(int(t) for t in session.prompt_ids), records=list(session.records),
+                   token_texts={int(t): session.token_text(t) for t in sorted(ids)}, model_spec=model_spec,
+                   stop_reason=session.stop_reason, text=session.text(), meta=dict(meta or {}))
+
+
+# --- writing ---------------------------------------------------------------------------------------
+
+def write_trace(path, source, *, model_label: str | None = None, model_spec: ModelSpec | None = None,
+                meta: dict[str, Any] | None = None) -> int:
+    """Write a Trace, or a DecodeSession's records so far, to `path`; return the file's size in bytes.
+
+    The file is written next to `path` and renamed into place, so a crash never leaves half a trace.
+    """
+    trace = source if isinstance(source, Trace) else Trace.from_session(source, model_label, model_spec, meta)
+    header, arrays = _encode(trace)
+    path = os.fspath(path)
+    partial = path + ".partial"
+    with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=6) as archive:
+        archive.writestr(HEADER, json.dumps(header, ensure_ascii=False, allow_nan=False, indent=1))
+        for name, array in arrays.items():
+            buffer = io.BytesIO()
+            np.lib.format.write_array(buffer, np.ascontiguousarray(array), allow_pickle=False)
+            archive.writestr(f"{name}.npy", buffer.getvalue())
+    os.replace(partial, path)
+    return os.path.getsize(path)
+
+
+def _encode(trace: Trace) -> tuple[dict, dict[str, np.ndarray]]:
+    records = trace.records
+    if not records:
+        raise ValueError("a trace needs at least one step")
+    first = records[0]
+    n_layers, max_pages, page_size = first.slot_maps.shape
+    attention_layers = tuple(first.attention_layers)
+    n_heads = first.attention[0].shape[0] if first.attention else 0
+    for record in records:
+        if record.slot_maps.shape != first.slot_maps.shape or tuple(record.attention_layers) != attention_layers:
+            raise ValueError(f"step {record.step} has a different cache shape or attention layers than step 0")
+    timing_keys = sorted({key for record in records for key in record.timings})
+    strings = _StringTable()
+    events = [event for record in records for event in record.events]
+
+    arrays = {
+        "step": np.array([r.step for r in records], dtype=np.int64),
+        "kind": np.array([KINDS.index(r.kind) for r in records], dtype=np.int8),
+        "token_offsets": _offsets([len(r.token_ids) for r in records]),
+        "token_ids": np.array([t for r in records for t in r.token_ids], dtype=np.int64),
+        "positions": np.array([p for r in records for p in r.positions], dtype=np.int64),
+        "next_token": np.array([r.next_token for r in records], dtype=np.int64),
+        "slot_maps": xor_delta(np.stack([r.slot_maps.astype(np.int32) for r in records])),
+        "protected": xor_delta(np.stack([r.protected.astype(bool) for r in records])),
+        "scores": xor_delta(np.stack([r.scores.astype(np.float32) for r in records]).view(np.uint32)),
+        "block_tables": xor_delta(np.stack([_pad_tables(r.block_tables, n_layers, max_pages) for r in records])),
+        "event_offsets": _offsets([len(r.events) for r in records]),
+        "event_kind": np.array([EVENT_KINDS.index(EventKind(e.kind)) for e in events], dtype=np.int8),
+        "event_step": np.array([e.step for e in events], dtype=np.int64),
+        "event_layer": np.array([e.layer for e in events], dtype=np.int32),
+        "event_page": np.array([e.page for e in events], dtype=np.int32),
+        "event_slot": np.array([e.slot for e in events], dtype=np.int32),
+        "event_position": np.array([e.position for e in events], dtype=np.int64),
+        "event_policy": np.array([strings.index(e.policy) for e in events], dtype=np.int32),
+        "event_reason": np.array([strings.index(e.reason) for e in events], dtype=np.int32),
+        "event_score": np.array([e.score for e in events], dtype=np.float64),
+        "attention": (np.stack([np.stack(r.attention) for r in records]).astype(np.float16) if attention_layers
+                      else np.zeros((len(records), 0, 0, max_pages * page_size), dtype=np.float16)),
+        "timings": np.array([[r.timings.get(k, math.nan) for k in timing_keys] for r in records],
+                            dtype=np.float64).reshape(len(records), len(timing_keys)),
+        "resident_tokens": np.array([r.resident_tokens for r in records], dtype=np.int64),
+        "pages_used": np.array([r.pages_used for r in records], dtype=np.int64),
+        "evictions_total": np.array([r.evictions_total for r in records], dtype=np.int64),
+        "has_oracle": np.array([r.oracle is not None for r in records], dtype=bool),
+        "oracle": np.array([_oracle_row(r.oracle) for r in records], dtype=np.float64).reshape(len(records), 5),
+    }
+    header = {
+        "format": FORMAT,
+        "version": VERSION,
+        "written_by": f"pagevis {__version__}",
+        "model_label": trace.model_label,
+        "model": dataclasses.asdict(trace.model_spec) if trace.model_spec else None,
+        "prompt": trace.prompt,
+        "prompt_ids": [int(t) for t in trace.prompt_ids],
+        "config": config_to_dict(trace.config),
+        "stop_reason": trace.stop_reason,
+        "text": trace.text,
+        "n_steps": len(records),
+        "n_layers": n_layers, "max_pages": max_pages, "page_size": page_size, "n_heads": n_heads,
+        "attention_layers": list(attention_layers),
+        "kinds": list(KINDS),
+        "event_kinds": [k.value for k in EVENT_KINDS],
+        "strings": strings.values,
+        "timing_keys": timing_keys,
+        "oracle_columns": list(ORACLE_COLUMNS),
+        "next_texts": [r.next_text for r in records],
+        "token_texts": {str(k): v for k, v in sorted(trace.token_texts.items())},
+        "delta_encoded": ["slot_maps", "protected", "scores", "block_tables"],
+        "arrays": {name: {"dtype": a.dtype.str, "shape": list(a.shape)} for name, a in arrays.items()},
+        "meta": trace.meta,
+    }
+    return header, arrays
+
+
+class _StringTable:
+    def __init__(self) -> None:
+        self.values: list[str] = []
+        self._ids: dict[str, int] = {}
+
+    def index(self, value: str) -> int:
+        if value not in self._ids:
+            self._ids[value] = len(self.values)
+            self.values.append(value)
+        return self._ids[value]
+
+
+def _offsets(counts: list[int]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
+
+
+def _pad_tables(tables, n_layers: int, max_pages: int) -> np.ndarray:
+    padded = np.full((n_layers, max_pages), -1, dtype=np.int32)
+    for layer, table in enumerate(tables):
+        padded[layer, : len(table)] = table
+    return padded
+
+
+def _oracle_row(oracle: OracleStep | None) -> list[float]:
+    if oracle is None:
+        return [math.nan] * 5
+    return [oracle.kl, float(oracle.top1_agree), oracle.logprob_bounded, oracle.logprob_full, oracle.lost_attention]
+
+
+def xor_delta(stacked: np.ndarray) -> np.ndarray:
+    """Each step XOR the step before (step 0 as is): unchanged entries become 0. Integer or bool input."""
+    delta = stacked.copy()
+    delta[1:] ^= stacked[:-1]
+    return delta
+
+
+def undo_xor_delta(delta: np.ndarray) -> np.ndarray:
+    return np.bitwise_xor.accumulate(delta, axis=0)
+
+
+def config_to_dict(config: SessionConfig) -> dict:
+    return {
+        "page_size": config.page_size, "max_pages": config.max_pages, "dtype": config.dtype,
+        "policy": config.policy, "policy_params": dict(config.policy_params),
+        "max_new_tokens": config.max_new_tokens, "sampling": dataclasses.asdict(config.sampling),
+        "oracle": config.oracle, "chat": config.chat,
+        "record_layers": None if config.record_layers is None else list(config.record_layers),
+    }
+
+
+def config_from_dict(data: dict) -> SessionConfig:
+    data = dict(data)
+    data["sampling"] = SamplingConfig(**data.get("sampling", {}))
+    if data.get("record_layers") is not None:
+        data["record_layers"] = tuple(data["record_layers"])
+    return SessionConfig(**data)
+
+
+# --- reading ---------------------------------------------------------------------------------------
+
+def read_trace(path) -> Trace:
+    """Load and validate a trace; TraceError with a clear message if it cannot be used."""
+    name = os.fspath(path)
+    if not os.path.isfile(name):
+        raise TraceError(f"{name}: no such trace file")
+    try:
+        with zipfile.ZipFile(name) as archive:
+            header = _read_header(archive, name)
+            arrays = {key: _read_array(archive, name, key, spec) for key, spec in header["arrays"].items()}
+    except zipfile.BadZipFile as error:
+        raise TraceError(f"{name}: not a pagevis trace, or truncated or corrupt ({error})") from None
+    except (zlib.error, EOFError, OSError) as error:
+        raise TraceError(f"{name}: the trace is corrupt ({error})") from None
+    try:
+        return _decode(header, arrays)
+    except TraceError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, ConfigError) as error:
+        raise TraceError(f"{name}: the trace is corrupt or inconsistent ({type(error).__name__}: {error})") from None
+
+
+def _read_header(archive: zipfile.ZipFile, name: str) -> dict:
+    try:
+        raw = archive.read(HEADER)
+    except KeyError:
+        raise TraceError(f"{name}: not a pagevis trace (the archive has no {HEADER})") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise TraceError(f"{name}: the trace header is corrupt ({error})") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise TraceError(f"{name}: not a pagevis trace (its header does not say format {FORMAT!r})")
+    version = header.get("version")
+    if not isinstance(version, int) or version < 1:
+        raise TraceError(f"{name}: the trace header has an invalid format version {version!r}")
+    if version > VERSION:
+        raise TraceError(f"{name}: written by a newer pagevis ({header.get('written_by', 'unknown')}, trace format "
+                         f"version {version}); this pagevis {__version__} reads versions up to {VERSION}. "
+                         "Upgrade pagevis to open it.")
+    if not isinstance(header.get("arrays"), dict):
+        raise TraceError(f"{name}: the trace header lists no arrays")
+    return header
+
+
+def _read_array(archive: zipfile.ZipFile, name: str, key: str, spec: dict) -> np.ndarray:
+    try:
+        data = archive.read(f"{key}.npy")
+    except KeyError:
+        raise TraceError(f"{name}: the trace is incomplete (array {key!r} is missing)") from None
+    try:
+        array = np.lib.format.read_array(io.BytesIO(data), allow_pickle=False)
+    except ValueError as error:
+        raise TraceError(f"{name}: array {key!r} is corrupt ({error})") from None
+    if array.dtype.str != spec.get("dtype") or list(array.shape) != spec.get("shape"):
+        raise TraceError(f"{name}: array {key!r} is {array.dtype.str} {list(array.shape)}, the header says "
+                         f"{spec.get('dtype')} {spec.get('shape')}")
+    return array
+
+
+def _decode(header: dict, a: dict[str, np.ndarray]) -> Trace:
+    n = header["n_steps"]
+    layers = tuple(header["attention_layers"])
+    slot_maps = undo_xor_delta(a["slot_maps"])
+    protected = undo_xor_delta(a["protected"])
+    scores = undo_xor_delta(a["scores"]).view(np.float32)
+    tables = undo_xor_delta(a["block_tables"])
+    shape = (n, header["n_layers"], header["max_pages"], header["page_size"])
+    for key, array in (("slot_maps", slot_maps), ("protected", protected), ("scores", scores)):
+        if array.shape != shape:
+            raise TraceError(f"array {key!r} has shape {list(array.shape)}, expected {list(shape)}")
+    for key in ("step", "kind", "next_token", "resident_tokens", "pages_used", "evictions_total",
+                "has_oracle", "oracle", "timings", "attention"):
+        if len(a[key]) != n:
+            raise TraceError(f"array {key!r} has {len(a[key])} steps, expected {n}")
+    if a["attention"].shape[1] != len(layers):
+        raise TraceError(f"array 'attention' holds {a['attention'].shape[1]} layers, expected {len(layers)}")
+    token_offsets, event_offsets = a["token_offsets"], a["event_offsets"]
+    _check_offsets("token_offsets", token_offsets, n, len(a["token_ids"]))
+    _check_offsets("event_offsets", event_offsets, n, len(a["event_kind"]))
+    strings = header["strings"]
+    event_kinds = [EventKind(k) for k in header["event_kinds"]]
+    kinds = header["kinds"]
+    events = [
+        CacheEvent(event_kinds[k], int(s), int(layer), int(page), int(slot), int(pos), strings[pol], strings[rea],
+                   float(score))
+        for k, s, layer, page, slot, pos, pol, rea, score in zip(
+            a["event_kind"].tolist(), a["event_step"].tolist(), a["event_layer"].tolist(),
+            a["event_page"].tolist(), a["event_slot"].tolist(), a["event_position"].tolist(),
+            a["event_policy"].tolist(), a["event_reason"].tolist(), a["event_score"].tolist())
+    ]
+    timing_keys = header["timing_keys"]
+    next_texts = header["next_texts"]
+    records = []
+    for i in range(n):
+        t0, t1 = int(token_offsets[i]), int(token_offsets[i + 1])
+        e0, e1 = int(event_offsets[i]), int(event_offsets[i + 1])
+        oracle = None
+        if a["has_oracle"][i]:
+            kl, agree, lp_bounded, lp_full, lost = a["oracle"][i].tolist()
+            oracle = OracleStep(kl=kl, top1_agree=bool(agree), logprob_bounded=lp_bounded, logprob_full=lp_full,
+                                lost_attention=lost)
+        records.append(StepRecord(
+            step=int(a["step"][i]), kind=kinds[int(a["kind"][i])],
+            token_ids=tuple(a["token_ids"][t0:t1].tolist()), positions=tuple(a["positions"][t0:t1].tolist()),
+            next_token=int(a["next_token"][i]), next_text=next_texts[i],
+            slot_maps=slot_maps[i], protected=protected[i], scores=scores[i],
+            block_tables=tuple(tuple(int(p) for p in row[row >= 0]) for row in tables[i]),
+            events=tuple(events[e0:e1]), attention_layers=layers,
+            attention=tuple(a["attention"][i, j] for j in range(len(layers))),
+            timings={k: v for k, v in zip(timing_keys, a["timings"][i].tolist()) if not math.isnan(v)},
+            resident_tokens=int(a["resident_tokens"][i]), pages_used=int(a["pages_used"][i]),
+            evictions_total=int(a["evictions_total"][i]), oracle=oracle,
+        ))
+    model = header.get("model")
+    return Trace(
+        model_label=header["model_label"], prompt=header["prompt"], config=config_from_dict(header["config"]),
+        prompt_ids=tuple(int(t) for t in header["prompt_ids"]), records=records,
+        token_texts={int(k): v for k, v in header["token_texts"].items()},
+        model_spec=ModelSpec(**model) if model else None, stop_reason=header.get("stop_reason"),
+        text=header.get("text", ""), meta=header.get("meta") or {},
+    )
+
+
+def _check_offsets(key: str, offsets: np.ndarray, n_steps: int, total: int) -> None:
+    if len(offsets) != n_steps + 1 or offsets[0] != 0 or offsets[-1] != total or np.any(np.diff(offsets) < 0):
+        raise TraceError(f"array {key!r} does not index its {total} entries over {n_steps} steps")
+
+
+# --- comparing -------------------------------------------------------------------------------------
+
+def record_differences(a: StepRecord, b: StepRecord) -> list[str]:
+    """Names of the fields in which two records differ (arrays compared exactly, NaN equal to NaN)."""
+    differ = []
+    for f in dataclasses.fields(StepRecord):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if not _same(x, y):
+            differ.append(f.name)
+    return differ
+
+
+def _same(x, y) -> bool:
+    if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+        x, y = np.asarray(x), np.asarray(y)
+        return x.dtype == y.dtype and x.shape == y.shape and np.array_equal(
+            x, y, equal_nan=x.dtype.kind in "fc")
+    if isinstance(x, numbers.Real) and isinstance(y, numbers.Real) and isinstance(x, bool) == isinstance(y, bool):
+        return x == y or (math.isnan(x) and math.isnan(y))
+    if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
+        return type(x) is type(y) and len(x) == len(y) and all(_same(i, j) for i, j in zip(x, y))
+    if isinstance(x, dict) and isinstance(y, dict):
+        return x.keys() == y.keys() and all(_same(x[k], y[k]) for k in x)
+    if dataclasses.is_dataclass(x) and dataclasses.is_dataclass(y):
+        return type(x) is type(y) and all(_same(getattr(x, f.name), getattr(y, f.name))
+                                          for f in dataclasses.fields(x))
+    return type(x) is type(y) and x == y

@@ -1,0 +1,92 @@
+"""The command line: run --json, bad arguments (status 2, one line, no traceback), replay --check."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pagevis.__main__ import main
+
+SYNTH = ["--model", "synthetic", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
+
+
+def run_main(capsys, *argv):
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_run_json_has_the_keys(capsys):
+    status, out, err = run_main(capsys, "run", *SYNTH, "--prompt", "hello paging", "--page-size", "4",
+                                "--max-pages", "3", "--max-tokens", "20", "--oracle", "--json", "--quiet")
+    assert status == 0, err
+    summary = json.loads(out)
+    for key in ("model", "prompt_tokens", "generated_tokens", "text", "page_size", "max_pages", "policy",
+                "evictions", "peak_resident_tokens", "tokens_per_s", "mean_kl", "top1_agreement"):
+        assert key in summary, key
+    assert summary["generated_tokens"] == 20 and summary["prompt_tokens"] > 0
+    assert summary["peak_resident_tokens"] == 12 and summary["evictions"] > 0
+    assert summary["page_size"] == 4 and summary["policy"] == "sinks"
+    assert 0 <= summary["top1_agreement"] <= 1 and summary["mean_kl"] >= 0
+
+
+def test_run_prints_text_and_writes_a_trace(capsys, tmp_path):
+    trace = tmp_path / "run.pvtrace"
+    status, out, err = run_main(capsys, "run", *SYNTH, "--prompt", "hi", "--max-tokens", "5", "--no-chat",
+                                "--policy", "oldest", "--trace", str(trace), "--record-layers", "0")
+    assert status == 0, err
+    assert out.endswith("\n") and trace.exists()
+    status, out, err = run_main(capsys, "replay", str(trace), "--check")
+    assert status == 0 and "policy oldest" in out and "stopped: max_new_tokens" in out
+
+
+def test_policy_none_stops_when_full(capsys):
+    status, out, err = run_main(capsys, "run", *SYNTH, "--prompt", "a longer prompt than fits", "--no-chat",
+                                "--policy", "none", "--page-size", "4", "--max-pages", "2", "--json")
+    assert status == 0
+    assert json.loads(out)["stop_reason"] == "cache_full" and "full" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--page-size", "0"], "--page-size: page_size = 0 is not allowed"),
+    (["run", "--page-size", "x"], "argument --page-size: invalid int value: 'x'"),
+    (["run", "--policy", "lru"], "argument --policy: invalid choice: 'lru'"),
+    (["run", "--policy", "sinks", "--policy-param", "n_sink=999", "--max-pages", "2"], "--policy-param: sinks.n_sink"),
+    (["run", "--policy-param", "bogus"], "expected KEY=VALUE"),
+    (["run", "--model", "/nonexistent/model.gguf"], "no such file"),
+    (["run", "--layers", "2"], "only apply to --model synthetic"),
+    (["run", "--prompt-file", "/nonexistent.txt"], "--prompt-file /nonexistent.txt: no such file"),
+    (["run", "--temperature", "0"], "--temperature: sampling.temperature = 0.0 is not allowed"),
+    (["run", "--record-layers", "a,b"], "--record-layers"),
+    (["replay", "/nonexistent.pvtrace"], "no such trace file"),
+    (["frobnicate"], "unknown command 'frobnicate'"),
+    (["--page-size", "-3"], "--page-size: page_size = -3"),
+])
+def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
+    if argv[0] == "run" and "--model" not in argv and "--layers" not in argv:
+        argv = argv + SYNTH
+    status, out, err = run_main(capsys, *argv)
+    assert status == 2
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_bad_trace_file_exits_2(capsys, tmp_path):
+    bad = tmp_path / "bad.pvtrace"
+    bad.write_bytes(b"PK\x03\x04 not really a zip")
+    status, out, err = run_main(capsys, "replay", str(bad), "--check")
+    assert status == 2 and "not a pagevis trace" in err
+
+
+def test_help_exits_0(capsys):
+    assert main(["run", "--help"]) == 0
+    assert "--policy-param" in capsys.readouterr().out
+
+
+def test_python_m_pagevis_bad_argument_in_a_subprocess():
+    done = subprocess.run([sys.executable, "-m", "pagevis", "run", "--max-pages", "0", *SYNTH],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("pagevis: error: --max-pages: max_pages = 0 is not allowed: "
+                                   "an integer from 1 to 1048576")
