@@ -1,1 +1,81 @@
+"""pagevis.gui: the desktop app. The only package of pagevis that imports Qt."""
 
+from __future__ import annotations
+
+import os
+import sys
+
+from ..decoding import ModelSpec, SessionConfig
+
+ORGANIZATION = "pagevis"
+APPLICATION = "pagevis"
+
+
+def _application():
+    from PySide6.QtWidgets import QApplication
+
+    from . import theme
+
+    app = QApplication.instance()
+    if app is None:
+        app = QApplication(sys.argv[:1])
+        app.setOrganizationName(ORGANIZATION)
+        app.setApplicationName(APPLICATION)
+        app.setApplicationDisplayName("pagevis")
+        theme.apply(app)
+    else:
+        theme.configure_pyqtgraph()
+    return app
+
+
+def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, session_config: SessionConfig | None = None,
+           screenshot: str | None = None, steps: int = 0, trace: str | None = None) -> int:
+    """Open the main window (QApplication created here). With `screenshot`, open offscreen-capable, decode `steps`
+    steps (synchronously), save a PNG of the whole window to that path and return 0 without entering the event
+    loop. With `trace`, open that trace for replay. Returns the exit code."""
+    if screenshot and "QT_QPA_PLATFORM" not in os.environ:
+        os.environ["QT_QPA_PLATFORM"] = "offscreen"  # a screenshot needs no screen and should not flash one
+    app = _application()
+    from .mainwindow import MainWindow
+
+    # A screenshot is a pure function of its arguments: it neither reads nor writes the user's settings.
+    settings = None
+    if screenshot:
+        from PySide6.QtCore import QSettings
+
+        settings = QSettings(QSettings.IniFormat, QSettings.UserScope, ORGANIZATION, "pagevis-screenshot")
+        settings.clear()
+    window = MainWindow(settings=settings, restore=not screenshot)
+    window.apply_arguments(model_spec, prompt, session_config)
+    if screenshot:
+        return _screenshot(app, window, screenshot, steps)
+    window.show()
+    if trace:
+        window.open_trace(trace)
+    else:
+        window.start()
+    return app.exec()
+
+
+def _screenshot(app, window, path: str, steps: int) -> int:
+    from .export import default_size
+
+    window.resize(default_size())
+    window.show()
+    app.processEvents()
+    window.start(blocking=True)
+    if window.runner.session is None:
+        print(f"pagevis: could not start a session for the screenshot", file=sys.stderr)
+        window.close()
+        return 1
+    window.runner.step_blocking(steps)
+    app.processEvents()
+    window.render()
+    app.processEvents()
+    ok = window.grab().save(path)
+    window.settings.clear()
+    window.close()
+    if not ok:
+        print(f"pagevis: could not write {path}", file=sys.stderr)
+        return 1
+    return 0

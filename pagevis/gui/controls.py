@@ -1,0 +1,457 @@
+"""The controls dock: model, prompt, cache, decoding and view options.
+
+Inputs are range-limited widgets; what ranges cannot express (a policy parameter against the cache's
+capacity, KV heads dividing query heads, ...) is checked by building the real configuration objects and
+shown inline as the ConfigError's message. Two signals tell the window what changed:
+`session_changed(reason)` for anything that needs a new session (and cache), `view_changed()` for
+options that only change what is drawn.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from pathlib import Path
+
+from PySide6.QtCore import Qt, QTimer, Signal
+from PySide6.QtGui import QKeySequence, QShortcut
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QGroupBox, QHBoxLayout,
+                               QLabel, QPlainTextEdit, QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget)
+
+from ..decoding import ModelSpec, SessionConfig
+from ..decoding.sampling import SamplingConfig
+from ..engine import POLICIES, ConfigError, policy_params
+from ..engine.config import STORAGE_DTYPES
+from .runner import validate
+
+DEFAULT_PROMPT = "Explain in a few sentences how a paged KV cache lets a language model serve long conversations."
+MODEL_CHOICES = (("smollm2", "SmolLM2-135M-Instruct"), ("synthetic", "Synthetic (random weights)"))
+
+
+def sample_prompts() -> dict[str, str]:
+    """name → text of the prompts shipped in pagevis.resources/prompts."""
+    try:
+        folder = importlib.resources.files("pagevis.resources") / "prompts"
+        return {Path(item.name).stem: item.read_text(encoding="utf-8").strip()
+                for item in sorted(folder.iterdir(), key=lambda i: i.name) if item.name.endswith(".txt")}
+    except (ModuleNotFoundError, FileNotFoundError, OSError):
+        return {}
+
+
+def _combo() -> QComboBox:
+    box = QComboBox()
+    box.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)
+    box.setMinimumContentsLength(8)
+    return box
+
+
+def _spin(low: int, high: int, value: int, tip: str = "", step: int = 1) -> QSpinBox:
+    box = QSpinBox()
+    box.setRange(low, high)
+    box.setValue(value)
+    box.setSingleStep(step)
+    box.setToolTip(tip)
+    box.setKeyboardTracking(False)  # typing "128" restarts once, not at "1", "12" and "128"
+    return box
+
+
+def _dspin(low: float, high: float, value: float, step: float, decimals: int = 2) -> QDoubleSpinBox:
+    box = QDoubleSpinBox()
+    box.setRange(low, high)
+    box.setDecimals(decimals)
+    box.setSingleStep(step)
+    box.setValue(value)
+    box.setKeyboardTracking(False)
+    return box
+
+
+class ControlsPanel(QScrollArea):
+    session_changed = Signal(str)  # a human-readable reason: "page size changed"
+    view_changed = Signal()
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setWidgetResizable(True)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self._gguf_path: str | None = None
+        self._param_values: dict[str, dict[str, object]] = {}
+        self._param_widgets: dict[str, QSpinBox] = {}
+        self._reason = ""
+        self._debounce = QTimer(self, singleShot=True, interval=150)
+        self._debounce.timeout.connect(lambda: self.session_changed.emit(self._reason))
+        self._loading = False
+
+        body = QWidget()
+        column = QVBoxLayout(body)
+        column.setContentsMargins(6, 6, 6, 6)
+        column.addWidget(self._model_group())
+        column.addWidget(self._prompt_group())
+        column.addWidget(self._cache_group())
+        column.addWidget(self._decoding_group())
+        column.addWidget(self._view_group())
+        column.addStretch(1)
+        self.setWidget(body)
+        self.setMinimumWidth(300)
+        self._rebuild_params()
+        self._update_model_rows()
+        self._update_sampling_rows()
+        self.check()
+
+    # --- construction ----------------------------------------------------------------------------
+    def _model_group(self) -> QGroupBox:
+        box = QGroupBox("Model")
+        form = QFormLayout(box)
+        self.model = _combo()
+        for kind, label in MODEL_CHOICES:
+            self.model.addItem(label, kind)
+        self.model.setToolTip("File ▸ Open GGUF… adds any Llama-family model file")
+        self.layers = _spin(1, 32, 4, "layers of the synthetic model")
+        self.heads = _spin(1, 32, 8, "query heads of the synthetic model")
+        self.kv_heads = _spin(1, 32, 2, "key/value heads (grouped-query attention): must divide the query heads")
+        self.head_dim = _spin(2, 256, 32, "dimension of each head (even: RoPE rotates pairs)", step=2)
+        self.model_seed = _spin(0, 2**31 - 1, 0, "seed of the synthetic weights")
+        form.addRow("Model", self.model)
+        self._synthetic_rows = []
+        for label, widget in (("Layers", self.layers), ("Query heads", self.heads), ("KV heads", self.kv_heads),
+                              ("Head dim", self.head_dim), ("Weights seed", self.model_seed)):
+            form.addRow(label, widget)
+            self._synthetic_rows.append((form, widget))
+            widget.valueChanged.connect(lambda *_: self._session("model changed"))
+        self.model.currentIndexChanged.connect(self._model_changed)
+        return box
+
+    def _prompt_group(self) -> QGroupBox:
+        box = QGroupBox("Prompt")
+        layout = QVBoxLayout(box)
+        self.prompt_edit = QPlainTextEdit(DEFAULT_PROMPT)
+        self.prompt_edit.setFixedHeight(96)
+        self.prompt_edit.setTabChangesFocus(True)
+        self.chat = QCheckBox("Chat template")
+        self.chat.setChecked(True)
+        self.chat.setToolTip("wrap the prompt in the model's chat template (ChatML for SmolLM2)")
+        self.samples = _combo()
+        self.samples.addItem("Sample prompts…", "")
+        for name, text in sample_prompts().items():
+            self.samples.addItem(name.replace("-", " "), text)
+        self.samples.activated.connect(self._sample_chosen)
+        self.apply_prompt = QPushButton("Restart with prompt")
+        self.apply_prompt.setToolTip("Ctrl+Return")
+        self.apply_prompt.clicked.connect(lambda: self._session("prompt changed", now=True))
+        QShortcut(QKeySequence("Ctrl+Return"), self.prompt_edit,
+                  activated=lambda: self._session("prompt changed", now=True))
+        self.chat.toggled.connect(lambda *_: self._session("chat template toggled"))
+        row = QHBoxLayout()
+        row.addWidget(self.chat)
+        row.addWidget(self.samples, 1)
+        layout.addWidget(self.prompt_edit)
+        layout.addLayout(row)
+        layout.addWidget(self.apply_prompt)
+        return box
+
+    def _cache_group(self) -> QGroupBox:
+        box = QGroupBox("Paged KV cache")
+        form = QFormLayout(box)
+        self.page_size = _spin(1, 256, 16, "tokens per page")
+        self.max_pages = _spin(1, 512, 16, "physical pages per layer")
+        self.dtype = _combo()
+        self.dtype.addItems(list(STORAGE_DTYPES))
+        self.policy = _combo()
+        for name, cls in POLICIES.items():
+            self.policy.addItem(name, name)
+            self.policy.setItemData(self.policy.count() - 1, f"{cls.__doc__}\n{cls.citation}", Qt.ToolTipRole)
+        self.policy.setCurrentText("sinks")
+        self.params_form = QFormLayout()
+        self.capacity = QLabel()
+        self.capacity.setWordWrap(True)
+        self.error = QLabel()
+        self.error.setObjectName("inlineError")
+        self.error.setWordWrap(True)
+        self.error.hide()
+        form.addRow("Page size", self.page_size)
+        form.addRow("Max pages", self.max_pages)
+        form.addRow("Storage", self.dtype)
+        form.addRow("Policy", self.policy)
+        form.addRow(self.params_form)
+        form.addRow(self.capacity)
+        form.addRow(self.error)
+        self.page_size.valueChanged.connect(lambda *_: self._session("page size changed"))
+        self.max_pages.valueChanged.connect(lambda *_: self._session("max pages changed"))
+        self.dtype.currentIndexChanged.connect(lambda *_: self._session("storage dtype changed"))
+        self.policy.currentIndexChanged.connect(self._policy_changed)
+        return box
+
+    def _decoding_group(self) -> QGroupBox:
+        box = QGroupBox("Decoding")
+        form = QFormLayout(box)
+        self.sampling = _combo()
+        self.sampling.addItems(["greedy", "sample"])
+        self.temperature = _dspin(0.05, 5.0, 0.7, 0.05)
+        self.top_k = _spin(0, 1000, 0, "keep the k most likely tokens (0: all)")
+        self.top_p = _dspin(0.05, 1.0, 1.0, 0.05)
+        self.sample_seed = _spin(0, 2**31 - 1, 0, "seed of the sampler")
+        self.max_new = _spin(1, 4096, 96, "stop after this many generated tokens")
+        self.oracle = QCheckBox("Compare with a full cache (oracle)")
+        self.oracle.setToolTip("run the same tokens through a cache that never evicts: KL, top-1 agreement, "
+                               "attention mass lost (about twice the work per step)")
+        form.addRow("Sampling", self.sampling)
+        self._sampling_rows = []
+        for label, widget in (("Temperature", self.temperature), ("Top-k", self.top_k), ("Top-p", self.top_p),
+                              ("Seed", self.sample_seed)):
+            form.addRow(label, widget)
+            self._sampling_rows.append((form, widget))
+            widget.valueChanged.connect(lambda *_: self._session("sampling changed"))
+        form.addRow("Max new tokens", self.max_new)
+        form.addRow(self.oracle)
+        self.sampling.currentIndexChanged.connect(self._sampling_changed)
+        self.max_new.valueChanged.connect(lambda *_: self._session("max new tokens changed"))
+        self.oracle.toggled.connect(lambda *_: self._session("oracle toggled"))
+        return box
+
+    def _view_group(self) -> QGroupBox:
+        box = QGroupBox("View")
+        form = QFormLayout(box)
+        self.layer = _spin(0, 0, 0, "the layer every view shows")
+        self.head = _combo()
+        self.head.setToolTip("the attention head the heatmap and text show, or the mean over heads")
+        self.head.addItem("mean of heads", None)
+        self.shade = _combo()
+        self.shade.addItem("age (newer = brighter)", "age")
+        self.shade.addItem("policy score (higher = brighter)", "score")
+        self.shade.addItem("none", "none")
+        self.scale = _combo()
+        self.scale.addItems(["linear", "log"])
+        form.addRow("Layer", self.layer)
+        form.addRow("Head", self.head)
+        form.addRow("Grid shading", self.shade)
+        form.addRow("Attention scale", self.scale)
+        for signal in (self.layer.valueChanged, self.head.currentIndexChanged, self.shade.currentIndexChanged,
+                       self.scale.currentIndexChanged):
+            signal.connect(lambda *_: None if self._loading else self.view_changed.emit())
+        return box
+
+    # --- reactions -------------------------------------------------------------------------------
+    def _session(self, reason: str, now: bool = False) -> None:
+        if self._loading:
+            return
+        self._update_capacity()
+        if not self.check():
+            return
+        self._reason = reason
+        if now:
+            self._debounce.stop()
+            self.session_changed.emit(reason)
+        else:
+            self._debounce.start()
+
+    def _model_changed(self) -> None:
+        self._update_model_rows()
+        self._session("model changed")
+
+    def _update_model_rows(self) -> None:
+        synthetic = self.model.currentData() == "synthetic"
+        for form, widget in self._synthetic_rows:
+            form.setRowVisible(widget, synthetic)
+
+    def _sampling_changed(self) -> None:
+        self._update_sampling_rows()
+        self._session("sampling changed")
+
+    def _update_sampling_rows(self) -> None:
+        sample = self.sampling.currentText() == "sample"
+        for form, widget in self._sampling_rows:
+            form.setRowVisible(widget, sample)
+
+    def _policy_changed(self) -> None:
+        self._rebuild_params()
+        self._session("policy changed")
+
+    def _sample_chosen(self, index: int) -> None:
+        text = self.samples.itemData(index)
+        if text:
+            self.prompt_edit.setPlainText(text)
+            self.samples.setCurrentIndex(0)
+            self._session("prompt changed", now=True)
+
+    def _rebuild_params(self) -> None:
+        while self.params_form.rowCount():
+            self.params_form.removeRow(0)
+        self._param_widgets = {}
+        name = self.policy.currentData()
+        remembered = self._param_values.setdefault(name, {})
+        for param, default in policy_params(name).items():
+            value = remembered.get(param, default)
+            box = _spin(-1 if default is None else 0, 2**31 - 1, -1 if value is None else int(value),
+                        f"{name}.{param} (default {'auto' if default is None else default})")
+            if default is None:
+                box.setSpecialValueText("auto")
+            box.valueChanged.connect(lambda *_, p=param: self._param_edited(p))
+            self._param_widgets[param] = box
+            self.params_form.addRow(param.replace("_", " "), box)
+        self._update_capacity()
+
+    def _param_edited(self, param: str) -> None:
+        self._param_values[self.policy.currentData()] = self.policy_parameters()
+        self._session(f"{param.replace('_', ' ')} changed")
+
+    def _update_capacity(self) -> None:
+        capacity = self.page_size.value() * self.max_pages.value()
+        for param in ("n_sink", "recent"):
+            if param in self._param_widgets:
+                self._param_widgets[param].setMaximum(max(capacity - 1, 0))
+        self.capacity.setText(f"<span style='color:#8a919c'>{capacity} tokens per layer "
+                              f"({self.max_pages.value()} × {self.page_size.value()})</span>")
+
+    # --- the configuration -----------------------------------------------------------------------
+    def policy_parameters(self) -> dict[str, object]:
+        return {param: (None if box.specialValueText() and box.value() == box.minimum() else box.value())
+                for param, box in self._param_widgets.items()}
+
+    def model_spec(self) -> ModelSpec:
+        kind = self.model.currentData()
+        if kind == "gguf":
+            return ModelSpec(kind="gguf", path=self._gguf_path)
+        if kind == "synthetic":
+            return ModelSpec(kind="synthetic", n_layers=self.layers.value(), n_heads=self.heads.value(),
+                             n_kv_heads=self.kv_heads.value(), head_dim=self.head_dim.value(),
+                             seed=self.model_seed.value())
+        return ModelSpec()
+
+    def prompt(self) -> str:
+        return self.prompt_edit.toPlainText()
+
+    def session_config(self) -> SessionConfig:
+        """The configuration the controls describe; ConfigError if it is not valid."""
+        sampling = SamplingConfig(mode=self.sampling.currentText(), temperature=round(self.temperature.value(), 4),
+                                  top_k=self.top_k.value(), top_p=round(self.top_p.value(), 4),
+                                  seed=self.sample_seed.value())
+        params = {k: v for k, v in self.policy_parameters().items() if v is not None}
+        return SessionConfig(page_size=self.page_size.value(), max_pages=self.max_pages.value(),
+                             dtype=self.dtype.currentText(), policy=self.policy.currentData(),
+                             policy_params=params, max_new_tokens=self.max_new.value(), sampling=sampling,
+                             oracle=self.oracle.isChecked(), chat=self.chat.isChecked())
+
+    def check(self) -> bool:
+        """Validate the configuration; show the first problem inline. True when it is valid."""
+        try:
+            if self.model.currentData() == "synthetic" and self.heads.value() % self.kv_heads.value():
+                raise ConfigError("KV heads", self.kv_heads.value(),
+                                  f"a divisor of the query heads ({self.heads.value()})")
+            validate(self.session_config())
+            if not self.prompt().strip():
+                raise ConfigError("prompt", "", "some text")
+        except (ConfigError, ValueError) as error:
+            self.error.setText(str(error))
+            self.error.show()
+            return False
+        self.error.hide()
+        return True
+
+    def view_options(self) -> dict:
+        return {"layer": self.layer.value(), "head": self.head.currentData(),
+                "shade": self.shade.currentData(), "log_scale": self.scale.currentText() == "log"}
+
+    def set_model_shape(self, n_layers: int, n_heads: int) -> None:
+        """Fit the layer and head selectors to the loaded model, keeping the selection when it exists."""
+        self._loading = True
+        try:
+            self.layer.setMaximum(n_layers - 1)
+            head = self.head.currentData()
+            self.head.clear()
+            self.head.addItem("mean of heads", None)
+            for h in range(n_heads):
+                self.head.addItem(f"head {h}", h)
+            self.head.setCurrentIndex(0 if head is None or head >= n_heads else head + 1)
+        finally:
+            self._loading = False
+
+    def set_gguf(self, path: str) -> None:
+        self._gguf_path = path
+        index = self.model.findData("gguf")
+        if index < 0:
+            self.model.addItem("", "gguf")
+            index = self.model.count() - 1
+        self.model.setItemText(index, f"GGUF: {Path(path).name}")
+        self.model.setItemData(index, path, Qt.ToolTipRole)
+        self.model.setCurrentIndex(index)
+
+    # --- persistence -----------------------------------------------------------------------------
+    def set_configuration(self, spec: ModelSpec | None = None, prompt: str | None = None,
+                          config: SessionConfig | None = None) -> None:
+        """Show a configuration (from launch() arguments or saved settings) without emitting anything."""
+        self._loading = True
+        try:
+            if spec is not None:
+                if spec.kind == "gguf":
+                    self._loading = False
+                    self.set_gguf(spec.path)
+                    self._loading = True
+                else:
+                    self.model.setCurrentIndex(self.model.findData(spec.kind))
+                self.layers.setValue(spec.n_layers)
+                self.heads.setValue(spec.n_heads)
+                self.kv_heads.setValue(spec.n_kv_heads)
+                self.head_dim.setValue(spec.head_dim)
+                self.model_seed.setValue(spec.seed)
+            if prompt is not None:
+                self.prompt_edit.setPlainText(prompt)
+            if config is not None:
+                self.page_size.setValue(config.page_size)
+                self.max_pages.setValue(config.max_pages)
+                self.dtype.setCurrentText(config.dtype)
+                self._param_values[config.policy] = dict(config.policy_params)
+                self.policy.setCurrentIndex(self.policy.findData(config.policy))
+                self._rebuild_params()
+                self.sampling.setCurrentText(config.sampling.mode)
+                self.temperature.setValue(config.sampling.temperature)
+                self.top_k.setValue(config.sampling.top_k)
+                self.top_p.setValue(config.sampling.top_p)
+                self.sample_seed.setValue(config.sampling.seed)
+                self.max_new.setValue(config.max_new_tokens)
+                self.oracle.setChecked(config.oracle)
+                self.chat.setChecked(config.chat)
+        finally:
+            self._loading = False
+        self._update_model_rows()
+        self._update_sampling_rows()
+        self._update_capacity()
+        self.check()
+
+    def to_dict(self) -> dict:
+        spec = self.model_spec() if self.model.currentData() != "gguf" else ModelSpec()
+        config = self.session_config()
+        return {
+            "model": spec.kind, "gguf": self._gguf_path or "", "layers": spec.n_layers, "heads": spec.n_heads,
+            "kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim, "model_seed": spec.seed,
+            "prompt": self.prompt(), "chat": config.chat, "page_size": config.page_size,
+            "max_pages": config.max_pages, "dtype": config.dtype, "policy": config.policy,
+            "policy_params": dict(config.policy_params), "sampling": config.sampling.mode,
+            "temperature": config.sampling.temperature, "top_k": config.sampling.top_k,
+            "top_p": config.sampling.top_p, "seed": config.sampling.seed, "max_new_tokens": config.max_new_tokens,
+            "oracle": config.oracle, **{f"view_{k}": v for k, v in self.view_options().items()},
+        }
+
+    def from_dict(self, data: dict) -> None:
+        """Restore saved settings; anything missing or invalid keeps its default."""
+        try:
+            spec = ModelSpec(kind=data.get("model", "smollm2"), n_layers=int(data.get("layers", 4)),
+                             n_heads=int(data.get("heads", 8)), n_kv_heads=int(data.get("kv_heads", 2)),
+                             head_dim=int(data.get("head_dim", 32)), seed=int(data.get("model_seed", 0)))
+            sampling = SamplingConfig(mode=data.get("sampling", "greedy"),
+                                      temperature=float(data.get("temperature", 0.7)),
+                                      top_k=int(data.get("top_k", 0)), top_p=float(data.get("top_p", 1.0)),
+                                      seed=int(data.get("seed", 0)))
+            config = SessionConfig(page_size=int(data.get("page_size", 16)), max_pages=int(data.get("max_pages", 16)),
+                                   dtype=data.get("dtype", "float32"), policy=data.get("policy", "sinks"),
+                                   policy_params=dict(data.get("policy_params", {})),
+                                   max_new_tokens=int(data.get("max_new_tokens", 96)), sampling=sampling,
+                                   oracle=bool(data.get("oracle", False)), chat=bool(data.get("chat", True)))
+            validate(config)
+        except (ConfigError, ValueError, TypeError):
+            return
+        self.set_configuration(spec, data.get("prompt") or DEFAULT_PROMPT, config)
+        self._loading = True
+        try:
+            self.shade.setCurrentIndex(max(0, self.shade.findData(data.get("view_shade", "age"))))
+            self.scale.setCurrentText("log" if data.get("view_log_scale") else "linear")
+            self._saved_layer = int(data.get("view_layer", 0))
+        finally:
+            self._loading = False

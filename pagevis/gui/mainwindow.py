@@ -1,0 +1,419 @@
+"""The main window: controls, transport, dockable views, menus, status bar; wires the runner to the views."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import (QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QPlainTextEdit,
+                               QWidget)
+
+from ..decoding import ModelSpec, SessionConfig
+from ..engine import ConfigError
+from . import export, theme
+from .controls import ControlsPanel
+from .runner import SessionRunner
+from .timeline import Timeline
+from .transport import TransportBar
+from .views import ViewState
+from .views.attention import AttentionView
+from .views.events import EventsView
+from .views.metrics import MetricsView
+from .views.page_grid import PageGridView
+from .views.text import TextView
+
+FRAME_INTERVAL = 1 / 30  # redraw at most this often, however fast records arrive
+SETTINGS_VERSION = 1
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
+
+
+class MainWindow(QMainWindow):
+    def __init__(self, settings: QSettings | None = None, restore: bool = True):
+        super().__init__()
+        self.setWindowTitle("pagevis — paged KV cache, live")
+        self.setWindowIcon(theme.icon("pagevis"))
+        self.settings = settings if settings is not None else QSettings()
+        self.runner = SessionRunner(self)
+        self.timeline: Timeline | None = None
+        self.index = -1  # the record the views show
+        self.follow = True  # keep showing the newest record as records arrive
+        self.frames = 0  # redraws so far (the benchmark reads it)
+        self._last_frame = 0.0
+        self._restart_reason = ""
+        self._replay_timer = QTimer(self, interval=100)
+        self._replay_timer.timeout.connect(self._replay_tick)
+        self._frame_timer = QTimer(self, singleShot=True)
+        self._frame_timer.timeout.connect(self.render)
+
+        self.transport = TransportBar(self)
+        self.addToolBar(Qt.TopToolBarArea, self.transport)
+        self.controls = ControlsPanel()
+        self.page_grid = PageGridView()
+        self.attention = AttentionView()
+        self.text = TextView()
+        self.events = EventsView()
+        self.metrics = MetricsView()
+        self.views = [self.page_grid, self.attention, self.text, self.events, self.metrics]
+        self.messages = QPlainTextEdit()
+        self.messages.setReadOnly(True)
+        self.docks: dict[str, QDockWidget] = {}
+        self.setDockNestingEnabled(True)
+        self.setCorner(Qt.BottomLeftCorner, Qt.LeftDockWidgetArea)
+        for widget, title in ((self.controls, "Controls"), *((v, v.title) for v in self.views),
+                              (self.messages, "Messages")):
+            dock = QDockWidget(title, self)
+            dock.setObjectName(title.lower().replace(" ", "_"))
+            dock.setWidget(widget)
+            self.docks[title] = dock
+        self._default_layout()
+        self._build_status_bar()
+        self._build_menus()
+        self._connect()
+        self._default_state = self.saveState(SETTINGS_VERSION)
+        if restore:
+            self._restore_settings()
+
+    # --- layout ----------------------------------------------------------------------------------
+    def _default_layout(self) -> None:
+        d = self.docks
+        for dock in d.values():
+            dock.setFloating(False)
+            dock.show()
+        self.setCentralWidget(None)
+        self.addDockWidget(Qt.LeftDockWidgetArea, d["Controls"])
+        self.addDockWidget(Qt.RightDockWidgetArea, d["Page grid"])
+        self.splitDockWidget(d["Page grid"], d["Text"], Qt.Vertical)
+        self.splitDockWidget(d["Page grid"], d["Attention"], Qt.Horizontal)
+        self.splitDockWidget(d["Text"], d["Eviction events"], Qt.Horizontal)
+        self.splitDockWidget(d["Eviction events"], d["Metrics"], Qt.Horizontal)
+        self.addDockWidget(Qt.BottomDockWidgetArea, d["Messages"])
+        d["Messages"].hide()
+        self.resizeDocks([d["Controls"]], [330], Qt.Horizontal)
+        self.resizeDocks([d["Page grid"], d["Text"]], [540, 420], Qt.Vertical)
+        self.resizeDocks([d["Page grid"], d["Attention"]], [600, 660], Qt.Horizontal)
+        self.resizeDocks([d["Text"], d["Eviction events"], d["Metrics"]], [400, 400, 470], Qt.Horizontal)
+
+    def reset_layout(self) -> None:
+        self.restoreState(self._default_state, SETTINGS_VERSION)
+        self._default_layout()
+        self.statusBar().showMessage("Layout reset", 3000)
+
+    def _build_status_bar(self) -> None:
+        bar = self.statusBar()
+        self.status_model = QLabel("no model")
+        self.status_step = QLabel("step —")
+        self.status_speed = QLabel("— tok/s")
+        self.status_memory = QLabel("K/V —")
+        self.status_state = QLabel("idle")
+        for label in (self.status_state, self.status_model, self.status_step, self.status_speed,
+                      self.status_memory):
+            label.setStyleSheet(f"color: {theme.MUTED}; padding: 0 8px;")
+            bar.addPermanentWidget(label)
+
+    def _build_menus(self) -> None:
+        file_menu = self.menuBar().addMenu("&File")
+        file_menu.addAction("Open &GGUF model…", self.open_gguf, QKeySequence("Ctrl+O"))
+        file_menu.addAction("Open &trace…", self.choose_trace, QKeySequence("Ctrl+Shift+O"))
+        file_menu.addSeparator()
+        export_menu = file_menu.addMenu("&Export view")
+        for view in self.views:
+            export_menu.addAction(f"{view.title}…", lambda v=view: self.export_view(v))
+        export_menu.addAction("Whole window…", lambda: self.export_view(None))
+        file_menu.addAction("Export &events (CSV)…", self.export_events)
+        file_menu.addAction("Export &metrics (CSV)…", self.export_metrics)
+        file_menu.addSeparator()
+        file_menu.addAction("&Quit", self.close, QKeySequence.Quit)
+        play_menu = self.menuBar().addMenu("&Decode")
+        t = self.transport
+        for action in (t.play_action, t.step_action, t.reset_action, None, t.back_action, t.forward_action,
+                       t.first_action, t.last_action):
+            if action is None:
+                play_menu.addSeparator()
+            else:
+                play_menu.addAction(action)
+                self.addAction(action)  # shortcuts work whichever dock has focus
+        view_menu = self.menuBar().addMenu("&View")
+        for dock in self.docks.values():
+            view_menu.addAction(dock.toggleViewAction())
+        view_menu.addSeparator()
+        view_menu.addAction("&Reset layout", self.reset_layout)
+        help_menu = self.menuBar().addMenu("&Help")
+        help_menu.addAction("&Keyboard shortcuts", self._show_shortcuts)
+
+    def _connect(self) -> None:
+        t, r = self.transport, self.runner
+        t.play_action.triggered.connect(self.toggle_play)
+        t.step_action.triggered.connect(self.step)
+        t.reset_action.triggered.connect(lambda: self.restart("reset"))
+        t.back_action.triggered.connect(lambda: self.scrub(self.index - 1))
+        t.forward_action.triggered.connect(lambda: self.scrub(self.index + 1))
+        t.first_action.triggered.connect(lambda: self.scrub(0))
+        t.last_action.triggered.connect(lambda: self.scrub(len(self.timeline) - 1 if self.timeline else -1))
+        t.scrubbed.connect(self.scrub)
+        t.speed_changed.connect(self._speed_changed)
+        r.started.connect(self._session_started)
+        r.records.connect(self._records_arrived)
+        r.failed.connect(self._failed)
+        r.state_changed.connect(self._state_changed)
+        r.message.connect(lambda text: self.statusBar().showMessage(text, 5000))
+        self.controls.session_changed.connect(self.restart)
+        self.controls.view_changed.connect(self.request_render)
+
+    # --- session ---------------------------------------------------------------------------------
+    def start(self, blocking: bool = False) -> None:
+        """Start a session with the configuration the controls show."""
+        self.restart("", blocking=blocking)
+
+    def restart(self, reason: str = "reset", blocking: bool = False) -> None:
+        try:
+            config = self.controls.session_config()
+        except (ConfigError, ValueError) as error:
+            self.statusBar().showMessage(f"Not restarted: {error}", 8000)
+            return
+        self._replay_timer.stop()
+        self._restart_reason = reason
+        self.runner.configure(self.controls.model_spec(), self.controls.prompt(), config, blocking=blocking)
+
+    def _session_started(self, timeline: Timeline) -> None:
+        self.timeline = timeline
+        self.index, self.follow = -1, True
+        info = timeline.info
+        self.controls.set_model_shape(info.n_layers, info.n_heads)
+        saved_layer = getattr(self.controls, "_saved_layer", None)
+        if saved_layer is not None:
+            self.controls._saved_layer = None
+            self.controls.layer.setValue(min(saved_layer, info.n_layers - 1))
+        if len(timeline):
+            self.index = len(timeline) - 1
+        self.statusBar().clearMessage()
+        self.status_model.setText(info.model_label)
+        self.status_memory.setText(f"K/V {_mib(info.cache_bytes)}" if info.cache_bytes else "K/V —")
+        if self._restart_reason:
+            self.statusBar().showMessage(f"{self._restart_reason[0].upper()}{self._restart_reason[1:]}: "
+                                         f"restarted the session with a new cache", 6000)
+        self._restart_reason = ""
+        self.request_render()
+
+    def open_trace(self, path: str) -> bool:
+        try:
+            from ..trace import TraceError, read_trace
+        except ImportError:
+            self._report("Traces cannot be opened yet: pagevis.trace is not available in this installation.")
+            return False
+        try:
+            trace = read_trace(path)
+        except (TraceError, OSError, ValueError) as error:
+            self._report(f"Could not open trace {path}: {error}")
+            return False
+        self.runner.replay(trace)
+        self.controls.set_configuration(prompt=trace.prompt, config=trace.config)
+        self.scrub(0)
+        self.statusBar().showMessage(f"Replaying {Path(path).name}: {len(trace.records)} steps "
+                                     f"(play animates them; Reset returns to live decoding)", 8000)
+        return True
+
+    # --- transport -------------------------------------------------------------------------------
+    def toggle_play(self) -> None:
+        if self.runner.state == "replay":
+            if self._replay_timer.isActive():
+                self._replay_timer.stop()
+            else:
+                if self.index >= len(self.timeline) - 1:
+                    self.scrub(0)
+                self._replay_timer.start()
+            self.transport.set_playing(self._replay_timer.isActive())
+            return
+        if self.runner.running:
+            self.runner.stop()
+        else:
+            self.follow = True
+            self.runner.play()
+
+    def step(self) -> None:
+        if self.runner.state == "replay":
+            self.scrub(self.index + 1)
+            return
+        if self.runner.busy:
+            return
+        self.follow = True
+        self.runner.step(1)
+
+    def scrub(self, index: int) -> None:
+        if self.timeline is None or not len(self.timeline):
+            return
+        self.index = max(0, min(index, len(self.timeline) - 1))
+        self.follow = self.index == len(self.timeline) - 1
+        self.render()
+
+    def _replay_tick(self) -> None:
+        if self.timeline is None or self.index >= len(self.timeline) - 1:
+            self._replay_timer.stop()
+            self.transport.set_playing(False)
+            return
+        self.scrub(self.index + 1)
+
+    def _speed_changed(self, seconds: float) -> None:
+        self.runner.set_interval(seconds)
+        self._replay_timer.setInterval(int(max(seconds, 1 / 30) * 1000))
+
+    def _records_arrived(self, records: list) -> None:
+        if self.follow and self.timeline is not None:
+            self.index = len(self.timeline) - 1
+        self.request_render()
+
+    def _state_changed(self, state: str) -> None:
+        self.transport.set_playing(state == "running" and self.runner.running)
+        self.status_state.setText(state)
+        self.transport.step_action.setEnabled(state not in ("loading", "idle"))
+        self.transport.play_action.setEnabled(state not in ("loading", "idle"))
+        if state == "done" and self.runner.session is not None:
+            self.statusBar().showMessage(f"Finished: {self.runner.session.stop_reason}", 5000)
+
+    def _failed(self, message: str, trace: str) -> None:
+        self._report(message, trace)
+
+    def _report(self, message: str, detail: str = "") -> None:
+        """Show a problem without blocking: status bar, and the Messages panel (raised)."""
+        self.statusBar().showMessage(message, 15000)
+        stamp = time.strftime("%H:%M:%S")
+        self.messages.appendPlainText(f"[{stamp}] {message}")
+        if detail:
+            self.messages.appendPlainText(detail.rstrip())
+        dock = self.docks["Messages"]
+        dock.show()
+        dock.raise_()
+
+    # --- rendering -------------------------------------------------------------------------------
+    def view_state(self) -> ViewState:
+        options = self.controls.view_options()
+        if self.timeline is not None:
+            options["layer"] = min(options["layer"], self.timeline.info.n_layers - 1)
+            if options["head"] is not None and options["head"] >= self.timeline.info.n_heads:
+                options["head"] = None
+        return ViewState(self.timeline, self.index, **options)
+
+    def request_render(self) -> None:
+        """Redraw soon: at once if the last frame is older than FRAME_INTERVAL, else when it is."""
+        if self._frame_timer.isActive():
+            return
+        wait = self._last_frame + FRAME_INTERVAL - time.perf_counter()
+        self._frame_timer.start(max(0, int(wait * 1000)))
+
+    def render(self) -> None:
+        self._frame_timer.stop()
+        self._last_frame = time.perf_counter()
+        self.frames += 1
+        state = self.view_state()
+        for view in self.views:
+            if not self.docks[view.title].isHidden():
+                view.render(state)
+        self._update_transport(state)
+
+    def _update_transport(self, state: ViewState) -> None:
+        timeline, record = state.timeline, state.record
+        count = len(timeline) if timeline is not None else 0
+        if record is None:
+            self.transport.set_range(0, 0, "no steps yet" if timeline is not None else "no session")
+            self.status_step.setText("step —")
+            return
+        label = f"step {state.index} / {count - 1} · {record.kind}"
+        self.transport.set_range(count, state.index, label)
+        self.status_step.setText(f"step {state.index}: {record.kind} of {len(record.token_ids)} token"
+                                 f"{'s' if len(record.token_ids) != 1 else ''}")
+        speed = timeline.tokens_per_second(state.index)
+        self.status_speed.setText(f"{speed:.1f} tok/s" if speed == speed else "— tok/s")
+
+    # --- files -----------------------------------------------------------------------------------
+    def open_gguf(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Open a Llama-family GGUF model", "", "GGUF models (*.gguf)")
+        if path:
+            self.controls.set_gguf(path)
+
+    def choose_trace(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Open a pagevis trace", "", "pagevis traces (*)")
+        if path:
+            self.open_trace(path)
+
+    def export_view(self, view: QWidget | None, path: str | None = None) -> str | None:
+        if path is None:
+            name = "window" if view is None else view.title.lower().replace(" ", "-")
+            path, _ = QFileDialog.getSaveFileName(self, "Export view", f"{name}.png", "PNG image (*.png);;SVG (*.svg)")
+        if not path:
+            return None
+        target = self if view is None else view.export_target()
+        export.save_widget(target, path)
+        self.statusBar().showMessage(f"Saved {path}", 5000)
+        return path
+
+    def export_events(self, path: str | None = None) -> str | None:
+        if self.timeline is None:
+            return None
+        path = path or QFileDialog.getSaveFileName(self, "Export eviction events", "evictions.csv", "CSV (*.csv)")[0]
+        if path:
+            rows = export.save_events_csv(self.timeline, path, self.index)
+            self.statusBar().showMessage(f"Saved {rows} events to {path}", 5000)
+        return path or None
+
+    def export_metrics(self, path: str | None = None) -> str | None:
+        if self.timeline is None:
+            return None
+        path = path or QFileDialog.getSaveFileName(self, "Export metrics", "metrics.csv", "CSV (*.csv)")[0]
+        if path:
+            rows = export.save_metrics_csv(self.timeline, path)
+            self.statusBar().showMessage(f"Saved {rows} steps to {path}", 5000)
+        return path or None
+
+    def _show_shortcuts(self) -> None:
+        box = QMessageBox(QMessageBox.Information, "Keyboard shortcuts",
+                          "Space: play / pause\n→: decode one token\n← or Ctrl+←: previous step\n"
+                          "Ctrl+→: next recorded step\nHome / End: first / latest step\nCtrl+R: reset the session\n"
+                          "Ctrl+Return (in the prompt): restart with the prompt", QMessageBox.Ok, self)
+        box.setModal(False)
+        box.show()
+
+    # --- settings and closing ----------------------------------------------------------------------
+    def _restore_settings(self) -> None:
+        s = self.settings
+        geometry = s.value("window/geometry")
+        if isinstance(geometry, QByteArray) and not geometry.isEmpty():
+            self.restoreGeometry(geometry)
+        state = s.value("window/state")
+        if isinstance(state, QByteArray) and not state.isEmpty():
+            self.restoreState(state, SETTINGS_VERSION)
+        raw = s.value("session/config")
+        if isinstance(raw, str) and raw:
+            try:
+                self.controls.from_dict(json.loads(raw))
+            except (ValueError, TypeError):
+                pass
+
+    def save_settings(self) -> None:
+        s = self.settings
+        s.setValue("window/geometry", self.saveGeometry())
+        s.setValue("window/state", self.saveState(SETTINGS_VERSION))
+        try:
+            s.setValue("session/config", json.dumps(self.controls.to_dict()))
+        except (ConfigError, ValueError):
+            pass
+        s.sync()
+
+    def apply_arguments(self, spec: ModelSpec | None, prompt: str | None, config: SessionConfig | None) -> None:
+        self.controls.set_configuration(spec, prompt, config)
+
+    def closeEvent(self, event) -> None:
+        self._frame_timer.stop()
+        self._replay_timer.stop()
+        self.save_settings()
+        try:
+            self.runner.records.disconnect(self._records_arrived)
+        except (RuntimeError, TypeError):
+            pass
+        if not self.runner.shutdown():
+            self.messages.appendPlainText("the decoder did not stop within 15 s")
+        super().closeEvent(event)

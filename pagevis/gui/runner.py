@@ -1,0 +1,267 @@
+"""Runs a DecodeSession off the UI thread and hands its StepRecords to the UI thread.
+
+One superqt GeneratorWorker per run of steps (a single step, or play until paused). The generator steps
+the session and yields *batches* of records (at most every 20 ms), so a fast model cannot flood the
+event loop with one signal per token; the UI keeps only the latest for drawing. Errors travel in-band
+as a WorkerFailure yielded after the records that preceded them: superqt's GeneratorWorker swallows a
+RuntimeError raised by the generator (it takes it for a deleted Qt object), and CacheFullError is one.
+
+Only one worker touches the session at a time: a new run starts only after the previous one finished.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+from PySide6.QtCore import QObject, QThreadPool, Signal
+from superqt.utils import create_worker
+
+from ..decoding import DecodeSession, ModelSpec, SessionConfig
+from ..engine import CacheConfig, ConfigError
+from .timeline import SessionInfo, Timeline
+
+MAX_CAPACITY = 4096  # tokens per layer; beyond this the per-step snapshots get too heavy to keep
+
+
+class WorkerFailure(NamedTuple):
+    error: BaseException
+    traceback: str
+
+
+@dataclass
+class RunControl:
+    """Shared between the UI thread (writes) and one worker (reads between steps)."""
+
+    stop: bool = False
+    budget: int | None = None  # steps left in this run; None = until stopped or done
+    interval: float = 0.0  # minimum seconds per step (the speed control)
+
+
+def decode_steps(session: DecodeSession, control: RunControl, flush_every: float = 0.02):
+    """Generator run by the worker: step the session, yield lists of records, then a WorkerFailure if
+    a step raised. Checks `control` between steps."""
+    batch = []
+    flushed = time.perf_counter()
+    try:
+        while not control.stop and not session.done and (control.budget is None or control.budget > 0):
+            started = time.perf_counter()
+            batch.append(session.step())
+            if control.budget is not None:
+                control.budget -= 1
+            now = time.perf_counter()
+            if now - flushed >= flush_every or control.interval > 0:
+                yield batch
+                batch, flushed = [], now
+            pause_until = started + control.interval
+            while not control.stop and time.perf_counter() < pause_until:
+                time.sleep(min(0.01, pause_until - time.perf_counter()))
+    except Exception as error:  # noqa: BLE001 - every failure is shown in the GUI
+        if batch:
+            yield batch
+            batch = []
+        yield WorkerFailure(error, traceback.format_exc())
+    if batch:
+        yield batch
+
+
+def validate(config: SessionConfig, model_config=None) -> CacheConfig:
+    """The cache this configuration builds, or ConfigError. Without the model's shape, check everything
+    that does not depend on it (sizes, policy parameters)."""
+    capacity = config.page_size * config.max_pages
+    if capacity > MAX_CAPACITY:
+        raise ConfigError("max_pages", config.max_pages,
+                          f"at most {MAX_CAPACITY // config.page_size} pages of {config.page_size} "
+                          f"(the GUI keeps every step's snapshot; {MAX_CAPACITY} tokens per layer at most)")
+    if model_config is None:
+        return CacheConfig(page_size=config.page_size, max_pages=config.max_pages, dtype=config.dtype,
+                           policy=config.policy, policy_params=dict(config.policy_params))
+    return config.cache_config(model_config)
+
+
+class SessionRunner(QObject):
+    """States: idle (no model yet), loading, ready, running, done, error, replay."""
+
+    started = Signal(object)  # Timeline of a new session (or replayed trace)
+    records = Signal(list)  # new StepRecords, in order
+    failed = Signal(str, str)  # message, traceback
+    state_changed = Signal(str)
+    message = Signal(str)
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.spec: ModelSpec | None = None
+        self.prompt = ""
+        self.config = SessionConfig()
+        self.model = None
+        self.session: DecodeSession | None = None
+        self.timeline: Timeline | None = None
+        self.state = "idle"
+        self.interval = 0.0
+        self._worker = None
+        self._control: RunControl | None = None
+        self._loader = None
+        self._pending: tuple | None = None  # a (spec, prompt, config) to start once the worker stops
+        self._generation = 0  # bumps on every restart: results of older workers are dropped
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    def configure(self, spec: ModelSpec, prompt: str, config: SessionConfig, blocking: bool = False) -> None:
+        """Start a new session (loading the model first if it changed). Stops a running worker first."""
+        self._generation += 1
+        if self.busy:
+            self._pending = (spec, prompt, config)
+            self.stop()
+            return
+        self._pending = None
+        self.prompt, self.config = prompt, config
+        if self.model is not None and spec == self.spec:
+            self._start_session()
+            return
+        self.spec, self.model, self.session = spec, None, None
+        self._set_state("loading")
+        self.message.emit(f"Loading {spec.label}…")
+        if blocking:
+            try:
+                model = spec.load()
+            except Exception as error:  # noqa: BLE001
+                self._load_failed(error)
+                return
+            self._loaded(model, self._generation)
+            return
+        generation = self._generation
+        self._loader = create_worker(spec.load, _start_thread=False, _ignore_errors=True)
+        self._loader.returned.connect(lambda model: self._loaded(model, generation))
+        self._loader.errored.connect(lambda error: self._load_failed(error, generation))
+        self._loader.finished.connect(self._loader_finished)
+        self._loader.start()
+
+    def _loaded(self, model, generation: int) -> None:
+        if generation != self._generation:
+            return
+        self.model = model
+        self._start_session()
+
+    def _load_failed(self, error: BaseException, generation: int | None = None) -> None:
+        if generation is not None and generation != self._generation:
+            return
+        self._fail(f"Could not load {self.spec.label}: {error}", "")
+
+    def _loader_finished(self) -> None:
+        self._loader = None
+        if self._pending:
+            self.configure(*self._pending)
+
+    def _start_session(self) -> None:
+        try:
+            cache = validate(self.config, self.model.config)
+            self.session = DecodeSession(self.model, self.prompt, self.config)
+        except Exception as error:  # noqa: BLE001 - a bad prompt or configuration is shown, not raised
+            self.session = None
+            self._fail(str(error), traceback.format_exc())
+            return
+        cfg = self.model.config
+        info = SessionInfo(self.spec.label, self.prompt, self.session.prompt_ids, self.config,
+                           cfg.n_layers, cfg.n_heads, cache.total_bytes())
+        self.timeline = Timeline(info, self.session.token_text)
+        self._set_state("ready")
+        self.started.emit(self.timeline)
+
+    def replay(self, trace) -> None:
+        """Show a recorded trace: its records become the timeline; nothing decodes."""
+        self._generation += 1
+        self.stop()
+        self.session = None
+        texts = dict(trace.token_texts)
+        first = trace.records[0] if trace.records else None
+        n_layers = first.slot_maps.shape[0] if first is not None else 1
+        n_heads = first.attention[0].shape[0] if first is not None and first.attention else 1
+        info = SessionInfo(f"{trace.model_label} (trace)", trace.prompt, tuple(trace.prompt_ids), trace.config,
+                           n_layers, n_heads)
+        self.timeline = Timeline(info, lambda token: texts.get(token, f"<{token}>"))
+        self.timeline.extend(list(trace.records))
+        self._set_state("replay")
+        self.started.emit(self.timeline)
+
+    # --- running ---------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self._worker is not None or self._loader is not None
+
+    @property
+    def running(self) -> bool:
+        return self._worker is not None and not (self._control and self._control.stop)
+
+    def play(self) -> None:
+        self._run(None)
+
+    def step(self, n: int = 1) -> None:
+        self._run(n)
+
+    def set_interval(self, seconds: float) -> None:
+        self.interval = seconds
+        if self._control is not None:
+            self._control.interval = seconds
+
+    def _run(self, budget: int | None) -> None:
+        if self.session is None or self._worker is not None:
+            return
+        if self.session.done:
+            self.message.emit(f"The session has finished ({self.session.stop_reason}); reset to decode again.")
+            return
+        self._control = RunControl(budget=budget, interval=self.interval)
+        generation = self._generation
+        worker = create_worker(decode_steps, self.session, self._control, _start_thread=False,
+                               _ignore_errors=True)
+        worker.yielded.connect(lambda item: self._received(item, generation))
+        worker.finished.connect(self._worker_finished)
+        self._worker = worker
+        self._set_state("running")
+        worker.start()
+
+    def step_blocking(self, n: int) -> None:
+        """Decode n steps on this thread (for screenshots and scripts); errors are reported as usual."""
+        if self.session is None or self._worker is not None:
+            return
+        for item in decode_steps(self.session, RunControl(budget=n)):
+            self._received(item, self._generation)
+        self._set_state("done" if self.session.done else self.state if self.state == "error" else "ready")
+
+    def stop(self) -> None:
+        """Ask the worker to stop after its current step (pause)."""
+        if self._control is not None:
+            self._control.stop = True
+
+    def _received(self, item, generation: int) -> None:
+        if generation != self._generation or self.timeline is None:
+            return
+        if isinstance(item, WorkerFailure):
+            self._fail(f"{type(item.error).__name__}: {item.error}", item.traceback)
+            return
+        self.timeline.extend(item)
+        self.records.emit(item)
+
+    def _worker_finished(self) -> None:
+        self._worker, self._control = None, None
+        if self._pending:
+            self.configure(*self._pending)
+            return
+        if self.state == "running":
+            self._set_state("done" if self.session is not None and self.session.done else "ready")
+
+    def _fail(self, message: str, trace: str) -> None:
+        self._set_state("error")
+        self.failed.emit(message, trace)
+
+    def _set_state(self, state: str) -> None:
+        if state != self.state:
+            self.state = state
+            self.state_changed.emit(state)
+
+    def shutdown(self, timeout_ms: int = 15000) -> bool:
+        """Stop the worker and wait for every pool thread to finish (call before the window goes)."""
+        self._generation += 1
+        self._pending = None
+        self.stop()
+        return QThreadPool.globalInstance().waitForDone(timeout_ms)

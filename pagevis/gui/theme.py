@@ -1,0 +1,87 @@
+"""Colours and the application palette: one dark theme shared by Qt widgets and pyqtgraph plots."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtGui import QColor, QPalette
+from PySide6.QtWidgets import QApplication
+
+BACKGROUND = "#16181d"  # plot backgrounds
+PANEL = "#1f2228"  # widget backgrounds
+TEXT = "#d8dce3"
+MUTED = "#8a919c"
+ACCENT = "#4fa3ff"
+GRID = "#3a3f48"
+
+# Page-grid cell states (the values stored in PageGridView.states) and their colours.
+FREE, RESIDENT, PINNED, WRITTEN, REPLACED, EVICTED = range(6)
+STATE_NAMES = ("free", "resident", "pinned sink", "written this step", "evicted + rewritten", "evicted this step")
+STATE_COLORS = ("#2a2e36", "#3b82c4", "#b48cf2", "#3ddc84", "#ffb020", "#ef4b4b")
+
+# Series colours for metrics, in order of use.
+SERIES = ("#4fa3ff", "#ffb020", "#3ddc84", "#ef4b4b", "#b48cf2", "#29c7c7")
+
+HEATMAP = "inferno"
+EVICTED_MARK = (52, 74, 104, 255)  # RGBA of an evicted position in the attention heatmap (slate blue)
+
+
+def rgb(color: str) -> np.ndarray:
+    """'#rrggbb' as a float array of 0..1 components."""
+    c = QColor(color)
+    return np.array([c.redF(), c.greenF(), c.blueF()], dtype=np.float32)
+
+
+def apply(app: QApplication) -> None:
+    """Fusion style with a dark palette, and matching pyqtgraph defaults."""
+    app.setStyle("Fusion")
+    palette = QPalette()
+    roles = {
+        QPalette.Window: PANEL, QPalette.WindowText: TEXT, QPalette.Base: BACKGROUND,
+        QPalette.AlternateBase: "#242830", QPalette.ToolTipBase: "#2b2f37", QPalette.ToolTipText: TEXT,
+        QPalette.Text: TEXT, QPalette.Button: "#2a2e36", QPalette.ButtonText: TEXT,
+        QPalette.BrightText: "#ffffff", QPalette.Highlight: ACCENT, QPalette.HighlightedText: "#0b0d10",
+        QPalette.Link: ACCENT, QPalette.PlaceholderText: MUTED,
+    }
+    for role, color in roles.items():
+        palette.setColor(role, QColor(color))
+    for role in (QPalette.WindowText, QPalette.Text, QPalette.ButtonText):
+        palette.setColor(QPalette.Disabled, role, QColor("#5c626d"))
+    app.setPalette(palette)
+    app.setStyleSheet(
+        "QDockWidget::title { background: #262a31; padding: 4px 6px; }"
+        "QDockWidget { font-weight: 600; }"
+        "QToolTip { color: #d8dce3; background: #2b2f37; border: 1px solid #3a3f48; }"
+        "QGroupBox { font-weight: 600; border: 1px solid #333842; border-radius: 4px; margin-top: 10px; }"
+        "QGroupBox::title { subcontrol-origin: margin; left: 8px; padding: 0 3px; }"
+        "QLabel#inlineError { color: #ff7a7a; }"
+    )
+    configure_pyqtgraph()
+
+
+def configure_pyqtgraph() -> None:
+    pg.setConfigOptions(imageAxisOrder="row-major", background=BACKGROUND, foreground=TEXT, antialias=True)
+
+
+def style_plot(plot: pg.PlotItem, left: str = "", bottom: str = "") -> None:
+    """Axis labels and a faint grid, the same on every plot."""
+    for name, label in (("left", left), ("bottom", bottom)):
+        axis = plot.getAxis(name)
+        axis.setPen(pg.mkPen(GRID))
+        axis.setTextPen(pg.mkPen(MUTED))
+        if label:
+            plot.setLabel(name, label, color=MUTED)
+    plot.showGrid(x=True, y=True, alpha=0.12)
+
+
+def icon(name: str):
+    """A QIcon from pagevis.resources/icons/<name>.svg (an empty icon if it is missing)."""
+    import importlib.resources
+
+    from PySide6.QtGui import QIcon
+
+    try:
+        path = importlib.resources.files("pagevis.resources") / "icons" / f"{name}.svg"
+        return QIcon(str(path)) if path.is_file() else QIcon()
+    except (ModuleNotFoundError, OSError):
+        return QIcon()

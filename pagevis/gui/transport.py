@@ -1,0 +1,77 @@
+"""The transport toolbar: step, play/pause, speed, reset and the timeline slider."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QAction, QKeySequence
+from PySide6.QtWidgets import QComboBox, QLabel, QSlider, QToolBar, QWidget
+
+from .theme import icon
+
+SPEEDS = (("max speed", 0.0), ("30 tok/s", 1 / 30), ("10 tok/s", 0.1), ("4 tok/s", 0.25), ("1 tok/s", 1.0))
+
+
+class TransportBar(QToolBar):
+    scrubbed = Signal(int)  # the user moved the slider to a record index
+    speed_changed = Signal(float)  # seconds per step (0: as fast as the model goes)
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__("Transport", parent)
+        self.setObjectName("transport")
+        self.setMovable(False)
+        self.play_action = QAction(icon("play"), "Play", self)
+        self.play_action.setShortcut(QKeySequence(Qt.Key_Space))
+        self.play_action.setToolTip("Play / pause (Space)")
+        self.step_action = QAction(icon("step"), "Step", self)
+        self.step_action.setShortcut(QKeySequence(Qt.Key_Right))
+        self.step_action.setToolTip("Decode one token (→)")
+        self.reset_action = QAction(icon("reset"), "Reset", self)
+        self.reset_action.setShortcut(QKeySequence("Ctrl+R"))
+        self.reset_action.setToolTip("Restart the session from the prompt (Ctrl+R)")
+        self.back_action = QAction("Back", self)
+        self.back_action.setShortcuts([QKeySequence(Qt.Key_Left), QKeySequence("Ctrl+Left")])
+        self.forward_action = QAction("Forward", self)
+        self.forward_action.setShortcut(QKeySequence("Ctrl+Right"))
+        self.first_action = QAction("First step", self)
+        self.first_action.setShortcut(QKeySequence(Qt.Key_Home))
+        self.last_action = QAction("Latest step", self)
+        self.last_action.setShortcut(QKeySequence(Qt.Key_End))
+        for action in (self.play_action, self.step_action, self.reset_action):
+            self.addAction(action)
+        self.speed = QComboBox()
+        for label, seconds in SPEEDS:
+            self.speed.addItem(label, seconds)
+        self.speed.setToolTip("playback speed")
+        self.speed.setFocusPolicy(Qt.NoFocus)
+        self.speed.currentIndexChanged.connect(lambda *_: self.speed_changed.emit(self.speed.currentData()))
+        self.addWidget(self.speed)
+        self.addSeparator()
+        self.slider = QSlider(Qt.Horizontal)
+        self.slider.setRange(0, 0)
+        self.slider.setFocusPolicy(Qt.NoFocus)  # the arrow keys belong to step / scrub
+        self.slider.setToolTip("Scrub to any recorded step (← / Ctrl+→, Home, End)")
+        self.slider.valueChanged.connect(self._moved)
+        self.addWidget(self.slider)
+        self.position = QLabel("no session")
+        self.position.setMinimumWidth(150)
+        self.position.setAlignment(Qt.AlignRight | Qt.AlignVCenter)
+        self.addWidget(self.position)
+        self._updating = False
+
+    def set_playing(self, playing: bool) -> None:
+        self.play_action.setIcon(icon("pause" if playing else "play"))
+        self.play_action.setText("Pause" if playing else "Play")
+
+    def set_range(self, count: int, index: int, label: str) -> None:
+        """Show `count` records with `index` selected, without emitting `scrubbed`."""
+        self._updating = True
+        try:
+            self.slider.setRange(0, max(count - 1, 0))
+            self.slider.setValue(max(index, 0))
+        finally:
+            self._updating = False
+        self.position.setText(label)
+
+    def _moved(self, value: int) -> None:
+        if not self._updating:
+            self.scrubbed.emit(value)

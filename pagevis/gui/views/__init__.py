@@ -1,0 +1,29 @@
+"""The views. Each renders one ViewState (a timeline, the record selected on it, and the view options) and
+never reads the live engine: what a view shows is exactly what the selected StepRecord holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...decoding import StepRecord
+from ..timeline import Timeline
+
+
+@dataclass(frozen=True)
+class ViewState:
+    timeline: Timeline | None = None
+    index: int = -1  # the record shown; -1 when there is none
+    layer: int = 0
+    head: int | None = None  # None: mean over heads
+    shade: str = "age"  # page-grid colouring of resident cells: "age", "score" or "none"
+    log_scale: bool = False  # attention heatmap
+
+    @property
+    def record(self) -> StepRecord | None:
+        if self.timeline is None or not 0 <= self.index < len(self.timeline):
+            return None
+        return self.timeline.records[self.index]
+
+    @property
+    def head_label(self) -> str:
+        return "mean of heads" if self.head is None else f"head {self.head}"

@@ -1,0 +1,88 @@
+"""Attention heatmap: for every step so far, the weights of that step's last query over token positions,
+for one layer and head (or their mean). Positions the cache had evicted by that step are marked."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QRectF
+from PySide6.QtWidgets import QVBoxLayout, QWidget
+
+from .. import theme
+from . import ViewState
+
+LOG_FLOOR = 1e-4  # the log scale's lowest level: weights below show as the floor
+
+
+class AttentionView(QWidget):
+    title = "Attention"
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.matrix = np.zeros((0, 0), dtype=np.float32)  # what is drawn (scaled), steps × positions
+        self.evicted = np.zeros((0, 0), dtype=bool)
+        self._key = None
+        self.graphics = pg.GraphicsLayoutWidget()
+        self.plot = self.graphics.addPlot()
+        theme.style_plot(self.plot, left="step", bottom="token position")
+        self.plot.invertY(True)
+        self.plot.setMenuEnabled(False)
+        self.plot.showGrid(x=False, y=False)
+        self.image = pg.ImageItem()
+        self.marks = pg.ImageItem()  # RGBA overlay of evicted positions
+        self.marks.setZValue(5)
+        self.plot.addItem(self.image)
+        self.plot.addItem(self.marks)
+        self.cursor = pg.InfiniteLine(angle=0, pen=pg.mkPen(theme.ACCENT, width=1, style=pg.QtCore.Qt.DashLine))
+        self.plot.addItem(self.cursor)
+        self.bar = pg.ColorBarItem(values=(0, 1), colorMap=pg.colormap.get(theme.HEATMAP), interactive=False,
+                                   width=14, label="attention weight", pen=theme.GRID)
+        self.bar.setImageItem(self.image, insert_in=self.plot)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addWidget(self.graphics)
+
+    def export_target(self):
+        return self.graphics
+
+    def render(self, state: ViewState) -> None:
+        timeline, record = state.timeline, state.record
+        key = (id(timeline), state.index, len(timeline) if timeline else 0, state.layer, state.head,
+               state.log_scale)
+        if key == self._key:
+            return
+        self._key = key
+        if record is None:
+            self.matrix = np.zeros((0, 0), dtype=np.float32)
+            self.image.clear()
+            self.marks.clear()
+            self.plot.setTitle("")
+            return
+        weights, evicted = timeline.attention(state.layer, state.head, state.index)
+        if state.log_scale:
+            shown = np.log10(np.maximum(weights, LOG_FLOOR))
+            levels = (np.log10(LOG_FLOOR), 0.0)
+            self.bar.setLabel("left", "log₁₀ attention weight")
+        else:
+            shown = weights
+            top = float(np.percentile(weights[weights > 0], 99.5)) if (weights > 0).any() else 1.0
+            levels = (0.0, max(top, 1e-3))
+            self.bar.setLabel("left", "attention weight")
+        self.matrix = np.ascontiguousarray(shown, dtype=np.float32)
+        self.evicted = evicted
+        rows, cols = self.matrix.shape
+        self.image.setImage(self.matrix, autoLevels=False)
+        self.bar.setLevels(levels)
+        marks = np.zeros((rows, cols, 4), dtype=np.uint8)
+        marks[evicted] = theme.EVICTED_MARK
+        self.marks.setImage(marks, autoLevels=False)
+        rect = QRectF(0, 0, cols, rows)
+        self.image.setRect(rect)
+        self.marks.setRect(rect)
+        self.cursor.setValue(rows - 0.5)
+        self.plot.setLimits(xMin=0, xMax=max(cols, 1), yMin=0, yMax=max(rows, 1))
+        self.plot.setRange(xRange=(0, max(cols, 1)), yRange=(0, max(rows, 1)), padding=0)
+        n_evicted = int(evicted[-1].sum())
+        self.plot.setTitle(f"layer {state.layer} · {state.head_label} · last query of each step · "
+                           f"<span style='color:rgb{theme.EVICTED_MARK[:3]}'>■</span> evicted ({n_evicted} now)",
+                           color=theme.MUTED, size="10pt")

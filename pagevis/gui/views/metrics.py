@@ -1,0 +1,150 @@
+"""Metrics over the session: cache occupancy, evictions per step, per-token latency and, with the oracle
+on, how far the bounded cache drifts from a full one (KL, top-1 agreement, attention mass lost)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QVBoxLayout, QWidget
+
+from .. import theme
+from . import ViewState
+
+
+def _curve(plot: pg.PlotItem, color: str, name: str, **kwargs) -> pg.PlotDataItem:
+    item = pg.PlotDataItem(pen=pg.mkPen(color, width=1.6), name=name, clipToView=True, autoDownsample=True,
+                           **kwargs)
+    plot.addItem(item)
+    return item
+
+
+def rolling_mean(values: np.ndarray, window: int = 8) -> np.ndarray:
+    if values.size == 0:
+        return values
+    finite = np.nan_to_num(values)
+    counts = np.cumsum(np.isfinite(values))
+    sums = np.cumsum(finite)
+    lo = np.arange(values.size) - window
+    prev_sums = np.where(lo >= 0, sums[np.maximum(lo, 0)], 0.0)
+    prev_counts = np.where(lo >= 0, counts[np.maximum(lo, 0)], 0)
+    n = counts - prev_counts
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(n > 0, (sums - prev_sums) / n, np.nan)
+
+
+class MetricsView(QWidget):
+    title = "Metrics"
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.data: dict[str, np.ndarray] = {}  # what the curves hold, by name
+        self._key = None
+        self.graphics = pg.GraphicsLayoutWidget()
+        self.graphics.ci.setSpacing(6)
+        g = self.graphics
+        self.occupancy = g.addPlot(row=0, col=0)
+        self.evictions = g.addPlot(row=0, col=1)
+        self.latency = g.addPlot(row=1, col=0)
+        self.oracle = g.addPlot(row=1, col=1)
+        for plot in (self.occupancy, self.evictions, self.latency, self.oracle):
+            theme.style_plot(plot)
+            plot.setMenuEnabled(False)
+            plot.getAxis("left").setWidth(38)
+        for plot in (self.evictions, self.latency, self.oracle):
+            plot.setXLink(self.occupancy)
+        s = theme.SERIES
+        self.curves = {
+            "resident_tokens": _curve(self.occupancy, s[0], "resident tokens"),
+            "allocated_slots": _curve(self.occupancy, s[1], "slots in used pages"),
+            "evictions": _curve(self.evictions, theme.STATE_COLORS[5], "evicted", stepMode="center",
+                                fillLevel=0, fillBrush=pg.mkBrush(239, 75, 75, 90)),
+            "latency_ms": _curve(self.latency, s[0], "ms / token"),
+            "latency_avg": _curve(self.latency, s[1], "mean of 8"),
+            "kl": _curve(self.oracle, s[1], "KL (nats)"),
+            "lost_attention": _curve(self.oracle, s[3], "attention lost"),
+            "top1_agree": _curve(self.oracle, s[2], "top-1 agree (mean of 8)"),
+        }
+        self.capacity = pg.InfiniteLine(angle=0, pen=pg.mkPen(theme.MUTED, style=Qt.DotLine),
+                                        label="capacity", labelOpts={"color": theme.MUTED, "position": 0.1})
+        self.occupancy.addItem(self.capacity)
+        self.cursors = []
+        for plot in (self.occupancy, self.evictions, self.latency, self.oracle):
+            line = pg.InfiniteLine(angle=90, pen=pg.mkPen(theme.ACCENT, style=Qt.DashLine))
+            plot.addItem(line, ignoreBounds=True)
+            self.cursors.append(line)
+        self.oracle_off = pg.TextItem("oracle off: tick “Compare with\na full cache” in Controls",
+                                      color=theme.MUTED, anchor=(0.5, 0.5))
+        self._titles()
+        self.oracle.addItem(self.oracle_off, ignoreBounds=True)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addWidget(self.graphics)
+
+    def export_target(self):
+        return self.graphics
+
+    def _titles(self, layer: int = 0, evictions: int = 0, tokens_per_s: float = float("nan")) -> None:
+        def key(color: str, text: str) -> str:
+            return f"<span style='color:{color}'>━ {text}</span>"
+
+        def title(plot: pg.PlotItem, heading: str, *keys: str) -> None:
+            plot.setTitle(f"<span style='color:{theme.TEXT}'>{heading}</span>&nbsp; " + "&nbsp; ".join(keys),
+                          size="8pt")
+            plot.titleLabel.setMinimumWidth(10)  # a long title may overflow; it must not widen the plot
+
+        s = theme.SERIES
+        title(self.occupancy, "layer 0", key(s[0], "resident"), key(s[1], "in used pages"))
+        title(self.evictions, f"evictions/step · layer {layer}", key(theme.STATE_COLORS[5], f"{evictions}"))
+        speed = f"{tokens_per_s:.1f} tok/s" if np.isfinite(tokens_per_s) else "— tok/s"
+        title(self.latency, f"ms/token · {speed}", key(s[0], "step"), key(s[1], "mean"))
+        title(self.oracle, "oracle", key(s[1], "KL"), key(s[3], "lost attn"), key(s[2], "top-1"))
+
+    def render(self, state: ViewState) -> None:
+        timeline = state.timeline
+        count = len(timeline) if timeline is not None else 0
+        key = (id(timeline), count, state.layer)
+        if key != self._key:
+            self._key = key
+            self._update_curves(state)
+        if state.record is not None:
+            for line in self.cursors:
+                line.setValue(state.index)
+
+    def _update_curves(self, state: ViewState) -> None:
+        timeline = state.timeline
+        if timeline is None or not len(timeline):
+            self.data = {}
+            for curve in self.curves.values():
+                curve.setData([], [])
+            return
+        steps = np.arange(len(timeline), dtype=np.float64)
+        config = timeline.info.config
+        pages = timeline.series("pages_used")
+        latency = timeline.series("latency_ms") / np.maximum(
+            [len(r.token_ids) for r in timeline.records], 1)
+        data = {
+            "resident_tokens": timeline.series("resident_tokens"),
+            "allocated_slots": pages * config.page_size,
+            "evictions": timeline.evictions_per_step(state.layer).astype(np.float64),
+            "latency_ms": latency,
+            "latency_avg": rolling_mean(latency),
+            "kl": timeline.series("kl"),
+            "lost_attention": timeline.series("lost_attention"),
+            "top1_agree": rolling_mean(timeline.series("top1_agree")),
+        }
+        self.data = data
+        for name, values in data.items():
+            if name == "evictions":
+                self.curves[name].setData(np.arange(len(values) + 1, dtype=np.float64) - 0.5, values)
+            else:
+                self.curves[name].setData(steps, values, connect="finite")
+        capacity = config.page_size * config.max_pages
+        self.capacity.setValue(capacity)
+        self.occupancy.setYRange(0, capacity * 1.08, padding=0)
+        self._titles(state.layer, int(data["evictions"].sum()), timeline.tokens_per_second(len(timeline) - 1))
+        oracle_on = bool(config.oracle)
+        self.oracle_off.setVisible(not oracle_on)
+        if not oracle_on:
+            self.oracle.setYRange(0, 1)
+            self.oracle_off.setPos(max(len(timeline) - 1, 1) / 2, 0.5)

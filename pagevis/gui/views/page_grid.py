@@ -1,0 +1,274 @@
+"""Page grid: the physical pages × slots of one layer's KV cache at the selected step, and its block table."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QAbstractTableModel, QModelIndex, QPointF, QRectF, Qt
+from PySide6.QtGui import QColor, QFont, QPainter
+from PySide6.QtWidgets import QHBoxLayout, QHeaderView, QLabel, QTableView, QToolTip, QVBoxLayout, QWidget
+
+from ...engine import EventKind
+from .. import theme
+from ..theme import EVICTED, FREE, PINNED, REPLACED, RESIDENT, WRITTEN
+from . import ViewState
+
+_PALETTE = np.array([theme.rgb(c) for c in theme.STATE_COLORS])
+_BACKGROUND = theme.rgb(theme.BACKGROUND)
+_CELL_PX = 12  # pixels per cell side in the rendered image (1 of them is the cell border)
+_MAX_BORDERED_CELLS = 8192
+
+
+def cell_states(record, layer: int) -> np.ndarray:
+    """(max_pages, page_size) int8 of theme states for one layer of one record."""
+    slots = record.slot_maps[layer]
+    states = np.where(slots >= 0, RESIDENT, FREE).astype(np.int8)
+    states[record.protected[layer] & (slots >= 0)] = PINNED
+    written = np.zeros(slots.shape, dtype=bool)
+    evicted = np.zeros(slots.shape, dtype=bool)
+    for event in record.events:
+        if event.layer != layer or event.slot < 0:
+            continue
+        if event.kind is EventKind.WRITE:
+            written[event.page, event.slot] = True
+        elif event.kind is EventKind.EVICT:
+            evicted[event.page, event.slot] = True
+    states[evicted & (slots < 0)] = EVICTED
+    states[written] = WRITTEN
+    states[written & evicted] = REPLACED
+    return states
+
+
+def shade_values(record, layer: int, mode: str) -> np.ndarray:
+    """(max_pages, page_size) in [0, 1]: 1 = newest (age) or highest keep-score (score); NaN where empty."""
+    slots = record.slot_maps[layer].astype(np.float64)
+    resident = slots >= 0
+    out = np.full(slots.shape, np.nan)
+    if mode == "none" or not resident.any():
+        out[resident] = 1.0
+        return out
+    values = slots if mode == "age" else record.scores[layer].astype(np.float64)
+    finite = resident & np.isfinite(values)
+    if finite.any():
+        # by rank, so that a few outliers (sinks, heavy hitters) do not flatten everyone else
+        ranked = values[finite]
+        order = np.argsort(np.argsort(ranked, kind="stable"), kind="stable")
+        out[finite] = order / max(ranked.size - 1, 1) if ranked.max() > ranked.min() else 1.0
+    out[resident & ~finite] = 1.0
+    return out
+
+
+def cell_image(states: np.ndarray, shade: np.ndarray, bordered: bool) -> np.ndarray:
+    """RGBA uint8 image of the grid: one colour per state, resident cells dimmed by shade."""
+    colors = _PALETTE[states]
+    dim = np.isin(states, (RESIDENT, PINNED)) & np.isfinite(shade)
+    strength = np.where(dim, 0.35 + 0.65 * np.nan_to_num(shade, nan=1.0), 1.0)[..., None]
+    colors = _BACKGROUND + (colors - _BACKGROUND) * strength
+    rgba = np.empty(states.shape + (4,), dtype=np.uint8)
+    rgba[..., :3] = np.clip(colors * 255, 0, 255)
+    rgba[..., 3] = 255
+    if not bordered:
+        return rgba
+    big = np.repeat(np.repeat(rgba, _CELL_PX, axis=0), _CELL_PX, axis=1)
+    big[_CELL_PX - 1:: _CELL_PX, :, :3] = (_BACKGROUND * 255).astype(np.uint8)
+    big[:, _CELL_PX - 1:: _CELL_PX, :3] = (_BACKGROUND * 255).astype(np.uint8)
+    return big
+
+
+class CellLabels(pg.GraphicsObject):
+    """Token positions written inside the cells, in screen pixels so they stay legible at any zoom."""
+
+    def __init__(self):
+        super().__init__()
+        self.positions = np.zeros((0, 0), dtype=np.int32)
+        self.font = QFont()
+        self.setZValue(10)
+
+    def set_positions(self, positions: np.ndarray) -> None:
+        self.prepareGeometryChange()
+        self.positions = positions
+        self.update()
+
+    def boundingRect(self) -> QRectF:
+        rows, cols = self.positions.shape
+        return QRectF(0, 0, cols, rows)
+
+    def paint(self, painter: QPainter, *args) -> None:
+        rows, cols = self.positions.shape
+        if not rows:
+            return
+        transform = painter.transform()
+        cell = transform.mapRect(QRectF(0, 0, 1, 1))
+        if cell.width() < 16 or cell.height() < 11:
+            return  # too small to read: leave the colours alone
+        painter.save()
+        painter.resetTransform()
+        self.font.setPixelSize(int(max(7, min(cell.height() * 0.45, cell.width() * 0.32, 13))))
+        painter.setFont(self.font)
+        painter.setPen(QColor(235, 238, 242))
+        for row, col in zip(*np.nonzero(self.positions >= 0)):
+            rect = transform.mapRect(QRectF(col, row, 1, 1))
+            painter.drawText(rect, Qt.AlignCenter, str(int(self.positions[row, col])))
+        painter.restore()
+
+
+class BlockTableModel(QAbstractTableModel):
+    """Logical page → physical page of one layer, with the token positions each page holds."""
+
+    HEADERS = ("logical", "physical", "tokens", "positions")
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[tuple[int, int, int, str]] = []
+
+    def set_rows(self, rows) -> None:
+        self.beginResetModel()
+        self.rows = rows
+        self.endResetModel()
+
+    def rowCount(self, parent=QModelIndex()) -> int:
+        return 0 if parent.isValid() else len(self.rows)
+
+    def columnCount(self, parent=QModelIndex()) -> int:
+        return len(self.HEADERS)
+
+    def data(self, index, role=Qt.DisplayRole):
+        if role == Qt.DisplayRole:
+            return str(self.rows[index.row()][index.column()])
+        if role == Qt.TextAlignmentRole:
+            return int(Qt.AlignRight | Qt.AlignVCenter) if index.column() < 3 else None
+        return None
+
+    def headerData(self, section, orientation, role=Qt.DisplayRole):
+        if role == Qt.DisplayRole and orientation == Qt.Horizontal:
+            return self.HEADERS[section]
+        return None
+
+
+class PageGridView(QWidget):
+    title = "Page grid"
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.states = np.zeros((0, 0), dtype=np.int8)  # what is drawn: theme state per (page, slot)
+        self.shade = np.zeros((0, 0))
+        self._state = ViewState()
+        self._key = None
+
+        self.graphics = pg.GraphicsLayoutWidget()
+        self.plot = self.graphics.addPlot()
+        theme.style_plot(self.plot, left="physical page", bottom="slot")
+        self.plot.invertY(True)
+        self.plot.setMenuEnabled(False)
+        self.plot.hideButtons()
+        self.plot.showGrid(x=False, y=False)
+        self.image = pg.ImageItem()
+        self.labels = CellLabels()
+        self.plot.addItem(self.image)
+        self.plot.addItem(self.labels)
+        self.plot.scene().sigMouseMoved.connect(self._hover)
+        self.hover_text = ""
+
+        swatches = [f"<span style='color:{c}'>&#9632;</span>&nbsp;{n}"
+                    for n, c in zip(theme.STATE_NAMES, theme.STATE_COLORS)]
+        self.legend = QLabel("&nbsp;&nbsp; ".join(swatches[:3]) + "<br>" + "&nbsp;&nbsp; ".join(swatches[3:])
+                             + f"<br><span style='color:{theme.MUTED}'>numbers: token positions · "
+                             "resident cells dim with age (or score)</span>")
+
+        self.blocks = BlockTableModel()
+        self.block_view = QTableView()
+        self.block_view.setModel(self.blocks)
+        self.block_view.verticalHeader().hide()
+        self.block_view.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeToContents)
+        self.block_view.horizontalHeader().setStretchLastSection(True)
+        self.block_view.setMinimumWidth(230)
+        self.block_view.setMaximumWidth(300)
+        block_title = QLabel("Block table (logical → physical)")
+        block_title.setStyleSheet(f"color: {theme.MUTED}")
+
+        left = QVBoxLayout()
+        left.setContentsMargins(0, 0, 0, 0)
+        left.addWidget(self.graphics, 1)
+        left.addWidget(self.legend)
+        right = QVBoxLayout()
+        right.setContentsMargins(0, 0, 0, 0)
+        right.addWidget(block_title)
+        right.addWidget(self.block_view, 1)
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addLayout(left, 1)
+        layout.addLayout(right)
+
+    def export_target(self):
+        return self.graphics
+
+    def render(self, state: ViewState) -> None:
+        self._state = state
+        record = state.record
+        key = (id(record), state.layer, state.shade)
+        if key == self._key:
+            return
+        self._key = key
+        if record is None:
+            self.states = np.zeros((0, 0), dtype=np.int8)
+            self.image.clear()
+            self.labels.set_positions(np.zeros((0, 0), dtype=np.int32))
+            self.blocks.set_rows([])
+            self.plot.setTitle("")
+            return
+        layer = state.layer
+        slots = record.slot_maps[layer]
+        pages, page_size = slots.shape
+        self.states = cell_states(record, layer)
+        self.shade = shade_values(record, layer, state.shade)
+        bordered = self.states.size <= _MAX_BORDERED_CELLS
+        self.image.setImage(cell_image(self.states, self.shade, bordered), autoLevels=False)
+        self.image.setRect(QRectF(0, 0, page_size, pages))
+        self.labels.set_positions(slots if self.states.size <= 1024 else np.full((0, 0), -1, np.int32))
+        shape = (pages, page_size)
+        if getattr(self, "_shape", None) != shape:
+            self._shape = shape
+            self.plot.setRange(xRange=(0, page_size), yRange=(0, pages), padding=0.02)
+            self.plot.getAxis("left").setTicks([[(p + 0.5, str(p)) for p in range(pages)]] if pages <= 40 else None)
+            self.plot.getAxis("bottom").setTicks(
+                [[(s + 0.5, str(s)) for s in range(page_size)]] if page_size <= 32 else None)
+        used = len(record.block_tables[layer])
+        resident = int((slots >= 0).sum())
+        self.plot.setTitle(f"layer {layer} · {used}/{pages} pages · {resident} tokens resident",
+                           color=theme.MUTED, size="10pt")
+        rows = []
+        for logical, page in enumerate(record.block_tables[layer]):
+            held = slots[page][slots[page] >= 0]
+            span = f"{held.min()}–{held.max()}" if held.size else "—"
+            rows.append((logical, page, int(held.size), span))
+        self.blocks.set_rows(rows)
+
+    def cell_info(self, page: int, slot: int) -> str:
+        """The hover text of one cell."""
+        state, record = self._state, self._state.record
+        if record is None or not (0 <= page < self.states.shape[0] and 0 <= slot < self.states.shape[1]):
+            return ""
+        position = int(record.slot_maps[state.layer][page, slot])
+        lines = [f"page {page}, slot {slot}: {theme.STATE_NAMES[self.states[page, slot]]}"]
+        if position >= 0:
+            token = state.timeline.position_text(position)
+            lines.append(f"position {position}: {token!r}")
+            score = float(record.scores[state.layer][page, slot])
+            lines.append(f"policy score: {score:.4g}")
+        for event in record.events:
+            if event.layer == state.layer and event.page == page and event.slot == slot and \
+                    event.kind is EventKind.EVICT:
+                lines.append(f"evicted position {event.position} "
+                             f"({state.timeline.position_text(event.position)!r}): {event.reason}")
+        return "\n".join(lines)
+
+    def _hover(self, scene_pos: QPointF) -> None:
+        if not self.plot.sceneBoundingRect().contains(scene_pos) or not self.states.size:
+            return
+        point = self.plot.vb.mapSceneToView(scene_pos)
+        page, slot = int(np.floor(point.y())), int(np.floor(point.x()))
+        text = self.cell_info(page, slot)
+        if text != self.hover_text:
+            self.hover_text = text
+            view_pos = self.graphics.mapFromScene(scene_pos)
+            QToolTip.showText(self.graphics.mapToGlobal(view_pos), text, self.graphics)

@@ -1,0 +1,104 @@
+"""Text: the prompt and the generated tokens, each tinted by whether the selected layer still holds it and
+by how much attention the selected step's query gives it."""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+
+import numpy as np
+from PySide6.QtWidgets import QLabel, QTextBrowser, QVBoxLayout, QWidget
+
+from .. import theme
+from . import ViewState
+
+ATTENTION_RGB = (255, 176, 32)  # amber, alpha grows with attention
+EVICTED_BG = "#4a2026"
+EVICTED_FG = "#c98a92"
+PROMPT_FG = "#aab2bf"
+GENERATED_FG = "#ffffff"
+
+
+@dataclass(frozen=True)
+class TokenTint:
+    position: int
+    text: str
+    prompt: bool
+    resident: bool
+    attention: float  # this step's weight on the token (layer/head as selected); 0 when evicted
+    alpha: float  # 0..1 strength of the attention tint
+
+
+class TextView(QWidget):
+    title = "Text"
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.tints: list[TokenTint] = []
+        self.next_text = ""
+        self._key = None
+        self.browser = QTextBrowser()
+        self.browser.setOpenLinks(False)
+        self.browser.setStyleSheet("QTextBrowser { font-family: 'DejaVu Sans Mono', monospace; font-size: 12px; }")
+        self.legend = QLabel(
+            f"<span style='background:rgba{ATTENTION_RGB + (0.8,)};color:#000'>&nbsp;attended&nbsp;</span>&nbsp; "
+            f"<span style='color:{PROMPT_FG}'>prompt</span> · <span style='color:{GENERATED_FG}'>generated</span> · "
+            f"<span style='background:{EVICTED_BG};color:{EVICTED_FG}'><s>&nbsp;evicted&nbsp;</s></span> · "
+            f"<span style='color:{theme.STATE_COLORS[3]}'>▸ next token</span>")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addWidget(self.browser, 1)
+        layout.addWidget(self.legend)
+
+    def export_target(self):
+        return self
+
+    def render(self, state: ViewState) -> None:
+        timeline, record = state.timeline, state.record
+        key = (id(timeline), state.index, state.layer, state.head)
+        if key == self._key:
+            return
+        self._key = key
+        if record is None:
+            self.tints, self.next_text = [], ""
+            self.browser.setHtml("")
+            return
+        n = timeline.n_positions(state.index)
+        resident = record.resident_mask(state.layer, n)
+        if state.layer in record.attention_layers:
+            by_position = record.attention_over_positions(state.layer, n)
+            attention = by_position.mean(axis=0) if state.head is None else by_position[state.head]
+        else:
+            attention = np.zeros(n, dtype=np.float32)
+        top = float(attention.max()) if n else 0.0
+        n_prompt = len(timeline.info.prompt_ids)
+        self.tints = [
+            TokenTint(p, timeline.position_text(p), p < n_prompt, bool(resident[p]), float(attention[p]),
+                      float(np.sqrt(attention[p] / top)) if top > 0 else 0.0)
+            for p in range(n)
+        ]
+        self.next_text = record.next_text
+        self.browser.setHtml(self._html(record))
+        bar = self.browser.verticalScrollBar()
+        bar.setValue(bar.maximum())
+
+    def _html(self, record) -> str:
+        parts = []
+        for tint in self.tints:
+            text = html.escape(tint.text).replace("\n", "↵<br>") or "∅"
+            color = PROMPT_FG if tint.prompt else GENERATED_FG
+            title = f"position {tint.position}: {'resident' if tint.resident else 'evicted'}, " \
+                    f"attention {tint.attention:.3g}"
+            if not tint.resident:
+                style = f"background:{EVICTED_BG};color:{EVICTED_FG};text-decoration:line-through"
+            elif tint.alpha > 0.02:
+                fg = "#000000" if tint.alpha > 0.55 else color
+                style = f"background:rgba({ATTENTION_RGB[0]},{ATTENTION_RGB[1]},{ATTENTION_RGB[2]}," \
+                        f"{tint.alpha:.2f});color:{fg}"
+            else:
+                style = f"color:{color}"
+            parts.append(f"<span style='{style}' title='{title}'>{text}</span>")
+        if record.next_token >= 0:
+            parts.append(f"<span style='color:{theme.STATE_COLORS[3]};font-weight:bold'>▸"
+                         f"{html.escape(record.next_text).replace(chr(10), '↵')}</span>")
+        return "<div style='white-space:pre-wrap;line-height:140%'>" + "".join(parts) + "</div>"
