@@ -1,0 +1,194 @@
+"""`pagevis compare [TEXTFILE]`: perplexity and oracle metrics per policy and cache budget, teacher-forced."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+from importlib import resources
+
+from . import options
+from .options import UsageError
+from .progress import Progress
+
+DEFAULT_TEXT = "texts/pride-and-prejudice-ch1.txt"
+DEFAULT_POLICIES = "sinks,oldest,h2o,tova"
+COLUMNS = ("policy", "budget", "page_size", "ppl", "ppl_evicting", "full_ppl_evicting", "mean_kl",
+           "top1_agreement", "lost_attention", "evictions", "evicting_tokens", "seconds", "note")
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    parser = commands.add_parser(
+        "compare", help="perplexity and oracle metrics per policy and cache budget on a text",
+        description="Teacher-forced evaluation: feed a text through the paged cache under each policy and "
+                    "budget, and report perplexity and the oracle metrics (KL, top-1 agreement, lost attention) "
+                    "against the full cache. Prints a table, writes a CSV and a PNG plot of perplexity vs budget. "
+                    "KL, top-1 and lost attention are means over the tokens predicted once the cache was full; "
+                    "ppl_evicting is the perplexity over those tokens, beside the full cache's on the same tokens.")
+    parser.add_argument("text", nargs="?", metavar="TEXTFILE",
+                        help="a UTF-8 text file (default: the first chapter of Pride and Prejudice, shipped)")
+    options.add_model_options(parser)
+    parser.add_argument("--policies", default=DEFAULT_POLICIES, metavar="LIST",
+                        help=f"comma-separated policies, each optionally with parameters as "
+                             f"name:key=value[:key=value], e.g. sinks:n_sink=1 (default {DEFAULT_POLICIES})")
+    parser.add_argument("--budgets", default="64,128,256", metavar="LIST",
+                        help="cache budgets in tokens per layer, multiples of the page size (default 64,128,256)")
+    parser.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per page (default 16)")
+    parser.add_argument("--tokens", type=int, default=512, metavar="N",
+                        help="evaluate the first N tokens of the text (default 512)")
+    parser.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="K/V storage")
+    parser.add_argument("--csv", default="compare.csv", metavar="FILE", help="CSV output (default compare.csv)")
+    parser.add_argument("--plot", default="compare.png", metavar="FILE",
+                        help="PNG plot of perplexity vs budget (default compare.png)")
+    parser.add_argument("--no-files", action="store_true", help="write neither the CSV nor the plot")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.set_defaults(handler=main)
+    return parser
+
+
+def parse_policies(text: str):
+    from ..bench.quality import PolicyChoice
+    from ..engine import POLICIES
+
+    choices = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, *params = item.split(":")
+        if name not in POLICIES:
+            raise UsageError(f"--policies: unknown policy {name!r}; the policies are {', '.join(POLICIES)}")
+        choices.append(PolicyChoice(name, dict(options.parse_param(p, "--policies") for p in params)))
+    if not choices:
+        raise UsageError("--policies: give at least one policy")
+    return choices
+
+
+def parse_budgets(text: str, page_size: int) -> list[int]:
+    try:
+        budgets = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise UsageError(f"--budgets {text!r}: expected token counts like 64,128,256") from None
+    if not budgets:
+        raise UsageError("--budgets: give at least one budget")
+    for budget in budgets:
+        if budget < page_size or budget % page_size:
+            raise UsageError(f"--budgets: {budget} is not a positive multiple of --page-size {page_size}")
+    return budgets
+
+
+def load_text(path: str | None) -> str:
+    if path is None:
+        return resources.files("pagevis.resources").joinpath(DEFAULT_TEXT).read_text("utf-8")
+    return options.read_text_file(path, "TEXTFILE")
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..bench import quality
+    from ..engine import CacheConfig
+
+    if args.page_size < 1:
+        raise UsageError(f"--page-size {args.page_size}: must be a positive integer")
+    if args.tokens < 2:
+        raise UsageError(f"--tokens {args.tokens}: need at least 2 tokens")
+    choices = parse_policies(args.policies)
+    budgets = parse_budgets(args.budgets, args.page_size)
+    for choice in choices:  # policy parameters that cannot fit a budget fail now, not halfway through
+        for budget in budgets:
+            CacheConfig(page_size=args.page_size, max_pages=budget // args.page_size, policy=choice.name,
+                        policy_params=choice.params, head_dim=1)
+    text = load_text(args.text)
+    spec = options.model_spec(args)
+    model = spec.load()
+    ids = model.tokenizer.encode(text)[: args.tokens]
+    if len(ids) < 2:
+        raise UsageError("the text is too short: it must encode to at least 2 tokens")
+
+    work = len(ids) * (1 + len(choices) * len(budgets))
+    progress = Progress(work, "compare", enabled=False if args.quiet else None)
+    done = [0]
+
+    def advance(label):
+        base = done[0]
+        return lambda n: progress.update(base + n, label)
+
+    reference = quality.full_reference(model, ids, page_size=args.page_size, dtype=args.dtype)
+    done[0] += len(ids)
+    rows = [quality.full_row(reference, args.page_size)]
+    for choice in choices:
+        for budget in budgets:
+            rows.append(quality.evaluate(model, reference, choice, budget, args.page_size, args.dtype,
+                                         progress=advance(f"{choice.label} @ {budget}")))
+            done[0] += len(ids)
+    progress.close()
+
+    result = {"model": spec.label, "text": args.text or f"pagevis.resources/{DEFAULT_TEXT}", "tokens": len(ids),
+              "page_size": args.page_size, "dtype": args.dtype, "full_cache_ppl": reference.perplexity(),
+              "rows": [row.as_dict() for row in rows[1:]]}
+    if not args.no_files:
+        write_csv(args.csv, rows)
+        write_plot(args.plot, rows, result)
+        result["files"] = {"csv": args.csv, "plot": args.plot}
+    if args.json:
+        print(json.dumps(result, ensure_ascii=False))
+    else:
+        print(f"{spec.label}, {len(ids)} tokens of {result['text']}, page size {args.page_size}, {args.dtype}")
+        print(format_table(rows))
+        if not args.no_files:
+            print(f"wrote {args.csv} and {args.plot}", file=sys.stderr)
+    return 0
+
+
+def format_table(rows) -> str:
+    header = (f"{'policy':<18} {'budget':>6} {'ppl':>8} {'ppl evict':>9} {'full':>8} {'mean KL':>8} "
+              f"{'top-1':>6} {'lost attn':>9} {'evictions':>9}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        if r.ppl is None:
+            lines.append(f"{r.policy:<18} {r.budget:>6}  {r.note}")
+            continue
+        lines.append(f"{r.policy:<18} {r.budget:>6} {_f(r.ppl, 8, 3)} {_f(r.ppl_evicting, 9, 3)} "
+                     f"{_f(r.full_ppl_evicting, 8, 3)} {_f(r.mean_kl, 8, 4)} {_f(r.top1_agreement, 6, 3)} "
+                     f"{_f(r.lost_attention, 9, 4)} {r.evictions:>9}")
+    lines.append("ppl: all predicted tokens. ppl evict / full, mean KL, top-1, lost attn: the tokens predicted "
+                 "once the cache was full (bounded vs full cache on the same tokens).")
+    return "\n".join(lines)
+
+
+def _f(value, width, digits) -> str:
+    if value is None:
+        return f"{'-':>{width}}"
+    text = f"{value:.{digits}f}"
+    return f"{text if len(text) <= width else f'{value:.{max(width - 6, 1)}g}':>{width}}"
+
+
+def write_csv(path: str, rows) -> None:
+    _check_folder(path, "--csv")
+    with open(path, "w", newline="", encoding="utf-8") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({key: "" if value is None else value for key, value in row.as_dict().items()})
+
+
+def write_plot(path: str, rows, result) -> None:
+    from ..bench.plots import line_plot
+
+    _check_folder(path, "--plot")
+    series: dict[str, tuple[list, list]] = {}
+    for row in rows[1:]:
+        xs, ys = series.setdefault(row.policy, ([], []))
+        xs.append(row.budget)
+        ys.append(row.ppl)
+    budgets = sorted({row.budget for row in rows[1:]})
+    series["full cache"] = (budgets, [result["full_cache_ppl"]] * len(budgets))
+    line_plot(path, series, title=f"Perplexity vs cache budget ({result['model']}, {result['tokens']} tokens, "
+                                  f"page size {result['page_size']})",
+              x_label="cache budget (tokens per layer)", y_label="perplexity", log_x=True, dashed={"full cache"},
+              x_ticks=budgets)
+
+
+def _check_folder(path: str, flag: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path}: no such folder {folder}")

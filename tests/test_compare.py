@@ -1,0 +1,117 @@
+"""`pagevis compare`: full-cache perplexity equals a direct dense computation, and the per-token oracle
+metrics agree with the decoding session's own full-cache oracle."""
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+from pagevis.__main__ import main
+from pagevis.bench import quality
+from pagevis.decoding import DecodeSession, ModelSpec, SessionConfig
+from pagevis.decoding.sampling import log_softmax
+from pagevis.model import DenseAttention
+
+SPEC = ModelSpec(kind="synthetic", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=2)
+TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+        "must be in want of a wife. However little known the feelings or views of such a man may be.")
+
+
+class Softened:
+    """The synthetic model with its logits scaled down: its raw next-token distributions are nearly
+    one-hot, which would make every KL 0 and every top-1 agree."""
+
+    def __init__(self, model, scale=0.02):
+        self.model, self.config, self.tokenizer, self.scale = model, model.config, model.tokenizer, scale
+
+    def forward(self, token_ids, positions, attend, all_logits=False):
+        return self.model.forward(token_ids, positions, attend, all_logits=all_logits) * np.float32(self.scale)
+
+
+def dense_perplexity(model, ids):
+    logits = model.forward(np.array(ids), np.arange(len(ids)), DenseAttention(model.config), all_logits=True)
+    logprobs = [log_softmax(logits[i])[ids[i + 1]] for i in range(len(ids) - 1)]
+    return float(np.exp(-np.mean(logprobs)))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Softened(SPEC.load())
+
+
+@pytest.fixture(scope="module")
+def ids(model):
+    return model.tokenizer.encode(TEXT)[:120]
+
+
+@pytest.fixture(scope="module")
+def reference(model, ids):
+    return quality.full_reference(model, ids, page_size=8, chunk=50)
+
+
+def test_full_cache_perplexity_equals_dense(model, ids, reference):
+    expected = dense_perplexity(model, ids)
+    assert reference.perplexity() == pytest.approx(expected, rel=1e-5)
+    row = quality.evaluate(model, reference, quality.PolicyChoice("none"), budget=128, page_size=8)
+    assert row.ppl == pytest.approx(expected, rel=1e-5)
+    assert row.evictions == 0 and row.evicting_tokens == 0
+
+
+def test_policy_none_below_the_text_reports_cache_full(model, reference):
+    row = quality.evaluate(model, reference, quality.PolicyChoice("none"), budget=64, page_size=8)
+    assert row.ppl is None and "cache full" in row.note
+
+
+@pytest.mark.parametrize("policy", ["sinks", "oldest", "h2o", "tova"])
+def test_metrics_agree_with_the_session_oracle(model, ids, reference, policy):
+    budget = 48
+    row = quality.evaluate(model, reference, quality.PolicyChoice(policy), budget=budget, page_size=8)
+    session = DecodeSession(model, "", SessionConfig(page_size=8, max_pages=budget // 8, policy=policy,
+                                                     max_new_tokens=1, oracle=True, chat=False, record_layers=()),
+                            prompt_ids=ids)
+    scored = [r.oracle for r in session.run() if budget <= r.positions[-1] < len(ids) - 1]
+    # once full, the session feeds one token per step, so its oracle scores every token we average over
+    assert len(scored) == row.evicting_tokens == len(ids) - 1 - budget
+    assert row.mean_kl == pytest.approx(np.mean([o.kl for o in scored]), rel=1e-3, abs=1e-6)
+    assert row.mean_kl > 1e-4, "the cache should lose something"
+    assert row.top1_agreement == pytest.approx(np.mean([o.top1_agree for o in scored]))
+    assert row.lost_attention == pytest.approx(np.mean([o.lost_attention for o in scored]), rel=1e-2, abs=1e-4)
+    assert row.ppl_evicting == pytest.approx(np.exp(-np.mean([o.logprob_bounded for o in scored])), rel=1e-4)
+    assert row.full_ppl_evicting == pytest.approx(np.exp(-np.mean([o.logprob_full for o in scored])), rel=1e-4)
+
+
+def test_cli_json_csv_and_plot(tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    status = main(["compare", str(text), "--model", "synthetic", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+                   "--head-dim", "16", "--model-seed", "2", "--policies", "sinks,none,sinks:n_sink=0",
+                   "--budgets", "32,192", "--page-size", "16", "--tokens", "100", "--json",
+                   "--csv", str(tmp_path / "c.csv"), "--plot", str(tmp_path / "c.png"), "--quiet"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    result = json.loads(out)
+    raw = SPEC.load()
+    expected = dense_perplexity(raw, raw.tokenizer.encode(TEXT)[:100])
+    assert result["full_cache_ppl"] == pytest.approx(expected, rel=1e-3)
+    rows = {(r["policy"], r["budget"]): r for r in result["rows"]}
+    assert rows[("none", 192)]["ppl"] == pytest.approx(expected, rel=1e-3)
+    assert rows[("none", 32)]["ppl"] is None
+    assert rows[("sinks(n_sink=0)", 32)]["evictions"] > 0
+    with open(tmp_path / "c.csv") as handle:
+        assert len(list(csv.DictReader(handle))) == 1 + 3 * 2
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budgets", "30"], "30 is not a positive multiple of --page-size 16"),
+    (["--policies", "lru"], "unknown policy 'lru'"),
+    (["--policies", "sinks:n_sink"], "expected KEY=VALUE"),
+    (["--policies", "sinks:n_sink=64", "--budgets", "32"], "sinks.n_sink"),
+    (["/no/such/text.txt"], "TEXTFILE /no/such/text.txt: no such file"),
+    (["--tokens", "1"], "--tokens 1"),
+])
+def test_bad_arguments(argv, message, capsys):
+    assert main(["compare", "--model", "synthetic", "--no-files", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
