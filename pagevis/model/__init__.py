@@ -1,6 +1,7 @@
 """The language model: GGUF loading, tokenizer, and a forward pass that leaves attention (and so
 the KV cache) to its caller. NumPy only."""
 
+from .blas_threads import set_blas_threads
 from .byte_tokenizer import ByteTokenizer
 from .bpe import BPETokenizer
 from .config import ModelConfig
@@ -15,5 +16,5 @@ from .tokenizer import IncrementalDecoder, Tokenizer
 __all__ = [
     "AttendFn", "BPETokenizer", "ByteTokenizer", "DenseAttention", "IncrementalDecoder",
     "LlamaModel", "Model", "ModelConfig", "ModelConfigError", "ModelLoadError", "Tokenizer",
-    "default_model_path", "load_model",
+    "default_model_path", "load_model", "set_blas_threads",
 ]

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 
+from .blas_threads import set_blas_threads
 from .dense import DenseAttention
 from .llama import LlamaModel
 
@@ -60,12 +61,16 @@ def main() -> None:
     per_token = weight_bytes_per_token(model)
     floor = bandwidth / per_token
     speed = measure_decode_speed(model)
+    set_blas_threads(1)
+    single_thread_speed = measure_decode_speed(model)
     print(f"model            {model.config.name}")
     print(f"load time        {load_seconds:.2f} s")
     print(f"copy bandwidth   {bandwidth / 1e9:.2f} GB/s")
     print(f"weights/token    {per_token / 1e6:.1f} MB")
     print(f"bandwidth floor  {floor:.1f} tokens/s")
-    print(f"decode speed     {speed:.1f} tokens/s ({speed / floor:.2f} of the floor)")
+    print(f"decode speed     {speed:.1f} tokens/s ({speed / floor:.2f} of the floor), default BLAS threads")
+    print(f"                 {single_thread_speed:.1f} tokens/s ({single_thread_speed / floor:.2f} of the floor), "
+          f"one BLAS thread")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,44 @@
+"""Setting how many threads NumPy's OpenBLAS uses, after NumPy is loaded.
+
+Decoding is memory-bound, so a second BLAS thread gains little (~1.15x on an idle 2-core
+machine), while OpenBLAS threads that spin-wait for a core that is busy (the GUI, another
+process) make a decode step several times slower (measured: 1.0 vs 11.3 tokens/s for SmolLM2
+with one core kept busy). The app should therefore call set_blas_threads(1).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+import numpy as np  # noqa: F401  (loads OpenBLAS, so it is in the process maps below)
+
+# Names of the setter in plain OpenBLAS builds and in the scipy-openblas build NumPy wheels ship.
+SETTERS = ("scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+           "openblas_set_num_threads64_", "openblas_set_num_threads")
+
+
+def set_blas_threads(count: int) -> bool:
+    """Ask every loaded OpenBLAS to use count threads; False if none could be found (not Linux,
+    or NumPy built on another BLAS). Environment variables cannot do this once NumPy is imported."""
+    done = False
+    for library in _loaded_openblas_libraries():
+        try:
+            handle = ctypes.CDLL(library)
+        except OSError:
+            continue
+        for name in SETTERS:
+            setter = getattr(handle, name, None)
+            if setter is not None:
+                setter(ctypes.c_int(count))
+                done = True
+                break
+    return done
+
+
+def _loaded_openblas_libraries() -> list[str]:
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        return []
+    return sorted(set(re.findall(r"(/\S*openblas\S*\.so[\w.]*)", maps.read_text())))
