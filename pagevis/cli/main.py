@@ -33,11 +33,11 @@ def gui_parser() -> ArgumentParser:
 
 
 def command_parser() -> ArgumentParser:
-    from . import compare, replay, run
+    from . import bench, compare, replay, run
 
     parser = ArgumentParser(prog="pagevis", usage=USAGE)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser, prog="pagevis")
-    for module in (run, compare, replay):
+    for module in (run, compare, bench, replay):
         module.add_parser(commands)
     return parser
 

@@ -1,0 +1,180 @@
+"""`pagevis bench`: the engine's speed in one run, as ratios; tables on stdout, CSVs and PNG plots."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+
+from . import options
+from .options import UsageError
+
+FULL_CONTEXTS = "32,128,512,1024,2048,4096,8192"
+QUICK_CONTEXTS = "32,128,512"
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    parser = commands.add_parser(
+        "bench", help="paged vs dense attention, float16 vs float32, torch, decode speed vs bandwidth floor",
+        description="Benchmark the engine in one run: paged vs dense NumPy decode attention over context lengths "
+                    "and page sizes (SmolLM2's layer shape: 9 query heads, 3 KV heads, head dim 64); float16 vs "
+                    "float32 storage; torch's scaled_dot_product_attention on the same data when torch is "
+                    "installed; and the model's decode tokens/s against the memory-bandwidth floor. "
+                    "Timings are medians; a busy machine makes them noisy.")
+    parser.add_argument("--contexts", metavar="LIST", help=f"context lengths (default {FULL_CONTEXTS})")
+    parser.add_argument("--page-sizes", metavar="LIST", help="page sizes (default 8,16,32,64)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a fast, rough run: contexts {QUICK_CONTEXTS}, page size 16, few repeats, the "
+                             "synthetic model")
+    options.add_model_options(parser)
+    parser.add_argument("--no-model", action="store_true", help="skip the model decode benchmark")
+    parser.add_argument("--decode-tokens", type=int, default=32, metavar="N", help="decode steps to time (32)")
+    parser.add_argument("--out", default=".", metavar="DIR",
+                        help="folder for bench-*.csv and bench-latency.png, bench-memory.png (default .)")
+    parser.add_argument("--no-files", action="store_true", help="write no CSV or PNG")
+    parser.add_argument("--json", action="store_true", help="print one JSON object with every table")
+    parser.set_defaults(handler=main)
+    return parser
+
+
+def parse_ints(text: str, flag: str, low: int, high: int) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: expected numbers like 32,128,512") from None
+    bad = [v for v in values if not low <= v <= high]
+    if not values or bad:
+        raise UsageError(f"{flag} {text!r}: each must be from {low} to {high}")
+    return values
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..bench import attention, suite
+
+    contexts = parse_ints(args.contexts or (QUICK_CONTEXTS if args.quick else FULL_CONTEXTS), "--contexts", 1,
+                          1 << 20)
+    page_sizes = parse_ints(args.page_sizes or ("16" if args.quick else "8,16,32,64"), "--page-sizes", 1, 4096)
+    if args.decode_tokens < 1:
+        raise UsageError(f"--decode-tokens {args.decode_tokens}: must be at least 1")
+    if not args.no_files and not os.path.isdir(args.out):
+        raise UsageError(f"--out {args.out}: no such folder")
+    spec = None
+    if not args.no_model:
+        if args.quick and args.model is None:
+            args.model = "synthetic"
+        spec = options.model_spec(args)
+    repeats = 10 if args.quick else None
+    say = (lambda text: print(text, file=sys.stderr)) if not args.json else (lambda text: None)
+
+    say("attention: paged vs dense, float32 ...")
+    paged = attention.run_attention_bench(contexts, page_sizes, dtype="float32", repeats=repeats)
+    storage_page = 16 if 16 in page_sizes else page_sizes[0]
+    say("attention: float16 storage ...")
+    half = attention.run_attention_bench(contexts, [storage_page], dtype="float16", repeats=repeats)
+    storage = suite.storage_rows(paged, half)
+    torch_rows = None
+    if suite.torch_available():
+        say("attention: torch scaled_dot_product_attention ...")
+        torch_rows = suite.torch_rows(contexts, storage_page, repeats=repeats)
+    decode = None
+    if spec is not None:
+        say(f"decode: {spec.label} ...")
+        decode = suite.decode_row(spec, n_tokens=args.decode_tokens, copy_bytes=(64 << 20) if args.quick else None)
+
+    result = {"attention": paged, "storage": storage, "torch": torch_rows, "decode": decode,
+              "shape": suite.SMOLLM2_LAYER}
+    if not args.no_files:
+        result["files"] = write_files(args.out, result, half)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(format_report(result))
+    return 0
+
+
+def format_report(result: dict) -> str:
+    from ..bench.attention import format_table
+
+    out = ["Paged vs dense decode attention (one layer, 9 query / 3 KV heads, head dim 64, float32)",
+           format_table(result["attention"]), "", "Storage: float16 vs float32 (paged)",
+           f"{'context':>8} {'page':>5} {'f32 µs':>9} {'f16 µs':>9} {'f16/f32':>8} {'f32 KV KiB':>11} {'f16 KV KiB':>11}"]
+    for r in result["storage"]:
+        out.append(f"{r['context']:>8} {r['page_size']:>5} {r['f32_us']:>9.1f} {r['f16_us']:>9.1f} "
+                   f"{r['f16_over_f32']:>7.2f}x {r['f32_kv_bytes'] / 1024:>11.0f} {r['f16_kv_bytes'] / 1024:>11.0f}")
+    out.append("")
+    if result["torch"]:
+        out.append(f"torch scaled_dot_product_attention on the same data ({result['torch'][0]['torch_threads']} threads)")
+        out.append(f"{'context':>8} {'paged µs':>9} {'dense µs':>9} {'torch µs':>9} {'paged/torch':>12}")
+        for r in result["torch"]:
+            out.append(f"{r['context']:>8} {r['paged_us']:>9.1f} {r['dense_us']:>9.1f} {r['torch_us']:>9.1f} "
+                       f"{r['paged_over_torch']:>11.2f}x")
+    else:
+        out.append("torch: not installed (pip install 'pagevis[torch]' to compare with scaled_dot_product_attention)")
+    out.append("")
+    d = result["decode"]
+    if d:
+        out += [f"Decode speed: {d['model']}",
+                f"  copy bandwidth {d['copy_gb_s']:.2f} GB/s, weights read per token {d['weight_mb_per_token']:.1f} MB",
+                f"  bandwidth floor {d['floor_tok_s']:.1f} tok/s",
+                f"  paged session   {d['paged_tok_s']:.1f} tok/s ({d['paged_of_floor']:.2f} of the floor; median of "
+                f"{d['decode_steps']} steps)",
+                f"  dense attention {d['dense_tok_s']:.1f} tok/s ({d['dense_of_floor']:.2f} of the floor)"]
+    if result.get("files"):
+        out += ["", "wrote " + ", ".join(result["files"])]
+    return "\n".join(out)
+
+
+def write_files(folder: str, result: dict, half: list[dict]) -> list[str]:
+    from ..bench.plots import line_plot
+
+    written = []
+    for name in ("attention", "storage", "torch"):
+        rows = result[name]
+        if rows:
+            path = os.path.join(folder, f"bench-{name}.csv")
+            with open(path, "w", newline="", encoding="utf-8") as handle:
+                writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+                writer.writeheader()
+                writer.writerows(rows)
+            written.append(path)
+    if result["decode"]:
+        path = os.path.join(folder, "bench-decode.csv")
+        with open(path, "w", newline="", encoding="utf-8") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(result["decode"]))
+            writer.writeheader()
+            writer.writerow(result["decode"])
+        written.append(path)
+
+    rows = result["attention"]
+    contexts = sorted({r["context"] for r in rows})
+    series = {"dense NumPy": _by_context(rows, "dense_us", page_size=rows[0]["page_size"])}
+    for page_size in sorted({r["page_size"] for r in rows}):
+        series[f"paged, page {page_size}"] = _by_context(rows, "paged_us", page_size=page_size)
+    series[f"paged float16, page {half[0]['page_size']}"] = _by_context(half, "paged_us")
+    if result["torch"]:
+        series["torch SDPA"] = _by_context(result["torch"], "torch_us")
+    path = os.path.join(folder, "bench-latency.png")
+    line_plot(path, series, "Decode attention latency vs context (one layer, 9q/3kv heads, d 64)",
+              "context (tokens)", "latency (µs)", log_x=True, log_y=True, x_ticks=contexts,
+              dashed={"dense NumPy", "torch SDPA"})
+    written.append(path)
+
+    memory = {}
+    for r in result["storage"]:
+        for dtype, key, size in (("float32", "f32_us", "f32_kv_bytes"), ("float16", "f16_us", "f16_kv_bytes")):
+            xs, ys = memory.setdefault(f"paged {dtype}, page {r['page_size']}", ([], []))
+            xs.append(r[size] / 1024)
+            ys.append(r[key])
+    path = os.path.join(folder, "bench-memory.png")
+    line_plot(path, memory, "KV memory vs attention latency per layer (points: contexts)", "K+V memory (KiB)",
+              "latency (µs)", log_x=True, log_y=True)
+    written.append(path)
+    return written
+
+
+def _by_context(rows, key, page_size=None):
+    chosen = [r for r in rows if page_size is None or r["page_size"] == page_size]
+    chosen.sort(key=lambda r: r["context"])
+    return [r["context"] for r in chosen], [r[key] for r in chosen]
