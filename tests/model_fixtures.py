@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -11,12 +12,21 @@ import pytest
 REFERENCE_FILE = Path(__file__).parent / "data" / "smollm2_reference.json"
 
 
+@lru_cache(maxsize=1)
+def _load_smollm2():
+    from pagevis.model import load_model, set_blas_threads
+
+    # Two spinning OpenBLAS threads make decoding 5-10x slower when the other core is busy, as it
+    # is on a shared CI machine (see docs/model.md); one thread costs ~15% when idle.
+    set_blas_threads(1)
+    return load_model()
+
+
 @pytest.fixture(scope="session")
 def smollm2():
-    """SmolLM2-135M-Instruct, loaded once for the whole test session."""
-    from pagevis.model import load_model
-
-    return load_model()
+    """SmolLM2-135M-Instruct. Each test module that imports this fixture gets its own fixture
+    definition, so the model itself is cached here to load once per session."""
+    return _load_smollm2()
 
 
 @pytest.fixture(scope="session")

@@ -59,7 +59,7 @@ def test_non_gguf_file(tmp_path):
         load_model(path)
 
 
-@pytest.mark.parametrize("keep_bytes", [10, 4096, 3_000_000, 60_000_000])
+@pytest.mark.parametrize("keep_bytes", [10, 4096, 60_000_000])
 def test_truncated_copy_of_the_real_model(tmp_path, keep_bytes):
     path = tmp_path / "cut.gguf"
     with default_model_path().open("rb") as source:
