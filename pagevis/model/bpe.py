@@ -130,11 +130,20 @@ class BPETokenizer:
         cached = self._word_cache.get(word)
         if cached is None:
             symbols = self._merge("".join(self._to_unicode[b] for b in word.encode("utf-8")))
-            cached = [self._ids[s] for s in symbols]
+            cached = [token for symbol in symbols for token in self._symbol_ids(symbol)]
             if len(self._word_cache) >= WORD_CACHE_LIMIT:
                 self._word_cache.clear()
             self._word_cache[word] = cached
         return cached
+
+    def _symbol_ids(self, symbol: str) -> list[int]:
+        """A merged symbol's id; a vocabulary lacking it (never SmolLM2's) falls back to its bytes."""
+        if symbol in self._ids:
+            return [self._ids[symbol]]
+        missing = [ch for ch in symbol if ch not in self._ids]
+        if missing:
+            raise ValueError(f"byte {self._to_byte[missing[0]]:#04x} has no token in this vocabulary")
+        return [self._ids[ch] for ch in symbol]
 
     def _merge(self, spelled: str) -> list[str]:
         symbols = list(spelled)

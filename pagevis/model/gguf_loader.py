@@ -20,7 +20,7 @@ from .weights import LlamaWeights, layer_from_gguf_matrices
 SUPPORTED_ARCHITECTURE = "llama"
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
-# Small arrays (e.g. token types) are read with the rest; the vocabulary is read only for the tokenizer.
+# Metadata arrays longer than this (the vocabulary, merges) are read only when building the tokenizer.
 LONG_ARRAY = 64
 
 
@@ -57,7 +57,7 @@ def config_from_metadata(path: Path, metadata: dict[str, Any], reader: Any) -> M
     rope_dims = metadata.get(f"{arch}.rope.dimension_count", head_dim)
     if rope_dims != head_dim:
         raise ModelLoadError(f"{path}: partial RoPE ({rope_dims} of {head_dim} dims) is not supported")
-    vocab = metadata.get(f"{arch}.vocab_size") or _vocab_from_embedding(path, reader, d_model)
+    vocab = metadata.get(f"{arch}.vocab_size") or _vocab_from_embedding(path, reader)
     eos_ids = tuple(dict.fromkeys(
         int(metadata[key]) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
         if key in metadata
@@ -89,7 +89,7 @@ def _refuse_rope_scaling(path: Path, metadata: dict[str, Any], reader: Any) -> N
         raise ModelLoadError(f"{path}: RoPE scaling ({scaling}) is not supported")
 
 
-def _vocab_from_embedding(path: Path, reader: Any, d_model: int) -> int:
+def _vocab_from_embedding(path: Path, reader: Any) -> int:
     for tensor in reader.tensors:
         if tensor.name == "token_embd.weight":
             return int(tensor.shape[-1])
