@@ -38,7 +38,10 @@ def command_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="pagevis", usage=USAGE)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser, prog="pagevis")
     for module in (run, compare, bench, replay):
-        module.add_parser(commands)
+        module.add_parser(commands).add_argument(
+            "--blas-threads", type=int, default=1, metavar="N",
+            help="threads NumPy's BLAS may use (default 1: decoding is memory-bound, and spinning BLAS threads "
+                 "slow it down several times when another process is busy)")
     return parser
 
 
@@ -47,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv and argv[0] in COMMANDS:
             args = command_parser().parse_args(argv)
+            use_blas_threads(args.blas_threads)
             return args.handler(args)
         if argv and not argv[0].startswith("-"):
             raise UsageError(f"pagevis: unknown command {argv[0]!r}; the commands are {', '.join(COMMANDS)} "
@@ -60,6 +64,16 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"pagevis: error: {message}" if not message.startswith("pagevis") else message, file=sys.stderr)
         return 2
+
+
+def use_blas_threads(count: int) -> None:
+    """Decoding is memory-bound: one BLAS thread is ~as fast on an idle machine and several times faster
+    when another process holds a core (spin-waiting OpenBLAS threads); see pagevis.model.blas_threads."""
+    if count < 1:
+        raise UsageError(f"pagevis: --blas-threads {count}: must be at least 1")
+    from ..model import set_blas_threads
+
+    set_blas_threads(count)
 
 
 def user_error_message(error: BaseException) -> str | None:
