@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engine import ConfigError
-from ..engine.config import check_int
+from ..errors import check_int
 
 SAMPLING_MODES = ("greedy", "sample")
 

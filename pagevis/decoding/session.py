@@ -17,7 +17,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 
 from ..engine import CacheConfig, ConfigError, EventKind, PagedKVCache
-from ..engine.config import check_int
+from ..errors import check_int
 from .oracle import FullCacheOracle
 from .record import StepRecord
 from .sampling import Sampler, SamplingConfig

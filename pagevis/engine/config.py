@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError, check_int
 
 MAX_PAGE_SIZE = 4096
 MAX_PAGES = 1 << 20
@@ -17,15 +17,6 @@ MAX_HEAD_DIM = 1024
 MAX_LAYERS = 1024
 MAX_CACHE_BYTES = 8 << 30  # refuse a configuration whose K/V storage alone would exceed 8 GiB
 STORAGE_DTYPES = ("float32", "float16")
-
-
-def check_int(name: str, value: Any, low: int, high: int) -> int:
-    """Return value as int if it is an integer in [low, high], else raise ConfigError naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ConfigError(name, value, f"an integer from {low} to {high}")
-    if not low <= int(value) <= high:
-        raise ConfigError(name, value, f"an integer from {low} to {high}")
-    return int(value)
 
 
 @dataclass(frozen=True)

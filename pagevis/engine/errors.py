@@ -1,12 +1,8 @@
 """Errors the engine raises. Each message names the field, the value and what is allowed."""
 
+from ..errors import ConfigError
 
-class ConfigError(ValueError):
-    """An invalid cache or policy setting."""
-
-    def __init__(self, field: str, value: object, allowed: str):
-        self.field, self.value, self.allowed = field, value, allowed
-        super().__init__(f"{field} = {value!r} is not allowed: {allowed}")
+__all__ = ["ConfigError", "CacheFullError"]
 
 
 class CacheFullError(RuntimeError):

@@ -7,14 +7,13 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import check_int
 from .errors import ModelConfigError
 
 
 def check_positive_int(field: str, value: Any) -> int:
     """Return value as an int if it is a positive integer, else raise ModelConfigError naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ModelConfigError(field, value, "a positive integer")
-    return int(value)
+    return check_int(field, value, 1, 2**31 - 1, "a positive integer")
 
 
 @dataclass(frozen=True)

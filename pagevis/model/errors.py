@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..errors import ConfigError
+
 
 class ModelLoadError(ValueError):
     """A model file could not be used: missing, not GGUF, truncated, or of an unsupported kind.
@@ -10,11 +12,5 @@ class ModelLoadError(ValueError):
     """
 
 
-class ModelConfigError(ValueError):
-    """A model parameter is invalid. Names the field, the value given and what is allowed."""
-
-    def __init__(self, field: str, value: object, allowed: str) -> None:
-        super().__init__(f"{field}={value!r} is invalid: must be {allowed}")
-        self.field = field
-        self.value = value
-        self.allowed = allowed
+# A bad model parameter is a bad setting like any other: one error type across the layers.
+ModelConfigError = ConfigError

@@ -52,7 +52,7 @@ class EvictionPolicy:
         """Forget any state (random generators) so a reset cache replays identically."""
 
     def check_int_param(self, field: str, value: object, low: int, high: int) -> int:
-        from ..config import check_int
+        from ...errors import check_int
 
         try:
             return check_int(f"{self.name}.{field}", value, low, high)
