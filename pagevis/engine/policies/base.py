@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from ..errors import ConfigError
+from ...errors import ConfigError, check_int
 from ..pages import LayerPages
 
 
@@ -52,8 +52,6 @@ class EvictionPolicy:
         """Forget any state (random generators) so a reset cache replays identically."""
 
     def check_int_param(self, field: str, value: object, low: int, high: int) -> int:
-        from ...errors import check_int
-
         try:
             return check_int(f"{self.name}.{field}", value, low, high)
         except ConfigError as error:
