@@ -6,6 +6,7 @@ import os
 import sys
 
 from ..decoding import ModelSpec, SessionConfig
+from . import _none_refcount  # noqa: F401  - first: guards None against PySide6 6.12's refcount leak
 
 ORGANIZATION = "pagevis"
 APPLICATION = "pagevis"
@@ -70,7 +71,7 @@ def _screenshot(app, window, path: str, steps: int) -> int:
         return 1
     window.runner.step_blocking(steps)
     app.processEvents()
-    window.render()
+    window.redraw()
     app.processEvents()
     ok = window.grab().save(path)
     window.settings.clear()

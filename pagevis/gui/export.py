@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from PySide6.QtCore import QRect, QSize
+from PySide6.QtCore import QPoint, QRect, QSize
 from PySide6.QtGui import QPainter
 from PySide6.QtSvg import QSvgGenerator
 from PySide6.QtWidgets import QWidget
@@ -18,16 +18,28 @@ METRIC_COLUMNS = ("step", "kind", "tokens", "resident_tokens", "pages_used", "ev
 
 
 def save_widget(widget: QWidget, path: str) -> None:
-    """PNG (or any raster format Qt knows) from the widget's pixels; SVG by painting it into a generator."""
+    """PNG (or any raster format Qt knows) from the widget's pixels. SVG: a pyqtgraph scene through
+    pyqtgraph's SVG exporter (true vectors), any other widget painted into a QSvgGenerator."""
     if Path(path).suffix.lower() == ".svg":
+        import pyqtgraph as pg
+        import pyqtgraph.exporters  # noqa: F401  - registers pg.exporters
+
+        if isinstance(widget, pg.GraphicsView):
+            try:
+                pg.exporters.SVGExporter(widget.scene()).export(path)
+                return
+            except ValueError:  # pyqtgraph's path parser trips on some items; paint the widget instead
+                pass
         generator = QSvgGenerator()
         generator.setFileName(path)
         generator.setSize(widget.size())
         generator.setViewBox(QRect(0, 0, widget.width(), widget.height()))
         generator.setTitle(widget.windowTitle() or "pagevis view")
         painter = QPainter(generator)
-        widget.render(painter)
-        painter.end()
+        try:
+            QWidget.render(widget, painter, QPoint())  # the widget, not a QGraphicsView's scene
+        finally:
+            painter.end()
         return
     if not widget.grab().save(path):
         raise OSError(f"could not write {path}")

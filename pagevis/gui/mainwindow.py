@@ -49,7 +49,7 @@ class MainWindow(QMainWindow):
         self._replay_timer = QTimer(self, interval=100)
         self._replay_timer.timeout.connect(self._replay_tick)
         self._frame_timer = QTimer(self, singleShot=True)
-        self._frame_timer.timeout.connect(self.render)
+        self._frame_timer.timeout.connect(self.redraw)
 
         self.transport = TransportBar(self)
         self.addToolBar(Qt.TopToolBarArea, self.transport)
@@ -249,7 +249,7 @@ class MainWindow(QMainWindow):
             return
         self.index = max(0, min(index, len(self.timeline) - 1))
         self.follow = self.index == len(self.timeline) - 1
-        self.render()
+        self.redraw()
 
     def _replay_tick(self) -> None:
         if self.timeline is None or self.index >= len(self.timeline) - 1:
@@ -305,14 +305,14 @@ class MainWindow(QMainWindow):
         wait = self._last_frame + FRAME_INTERVAL - time.perf_counter()
         self._frame_timer.start(max(0, int(wait * 1000)))
 
-    def render(self) -> None:
+    def redraw(self) -> None:
         self._frame_timer.stop()
         self._last_frame = time.perf_counter()
         self.frames += 1
         state = self.view_state()
         for view in self.views:
             if not self.docks[view.title].isHidden():
-                view.render(state)
+                view.show_state(state)
         self._update_transport(state)
 
     def _update_transport(self, state: ViewState) -> None:

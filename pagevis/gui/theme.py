@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtGui import QColor, QPalette
@@ -85,3 +87,29 @@ def icon(name: str):
         return QIcon(str(path)) if path.is_file() else QIcon()
     except (ModuleNotFoundError, OSError):
         return QIcon()
+
+
+def set_title(plot: pg.PlotItem, html: str, size: str = "8pt") -> None:
+    """A plot title that never forces its plot wider than the space it gets (pyqtgraph's LabelItem asks
+    for its text's full width as its minimum); text that does not fit is clipped."""
+    label = plot.titleLabel
+    if not getattr(label, "_shrinkable", False):
+        label._shrinkable = True
+        label.updateMin = types.MethodType(_update_min_shrinkable, label)
+        label.setFlag(label.GraphicsItemFlag.ItemClipsChildrenToShape, True)
+    plot.setTitle(html, size=size)
+
+
+def _update_min_shrinkable(label) -> None:
+    from PySide6.QtCore import Qt
+
+    height = label.itemRect().height()
+    label.setMinimumWidth(0)
+    label.setMinimumHeight(height)
+    label._sizeHint = {Qt.SizeHint.MinimumSize: (0, height), Qt.SizeHint.PreferredSize: (0, height),
+                       Qt.SizeHint.MaximumSize: (-1, -1), Qt.SizeHint.MinimumDescent: (0, 0)}
+    label.updateGeometry()
+
+
+def muted(text: str) -> str:
+    return f"<span style='color:{MUTED}'>{text}</span>"

@@ -45,7 +45,7 @@ class AttentionView(QWidget):
     def export_target(self):
         return self.graphics
 
-    def render(self, state: ViewState) -> None:
+    def show_state(self, state: ViewState) -> None:
         timeline, record = state.timeline, state.record
         key = (id(timeline), state.index, len(timeline) if timeline else 0, state.layer, state.head,
                state.log_scale)
@@ -83,6 +83,5 @@ class AttentionView(QWidget):
         self.plot.setLimits(xMin=0, xMax=max(cols, 1), yMin=0, yMax=max(rows, 1))
         self.plot.setRange(xRange=(0, max(cols, 1)), yRange=(0, max(rows, 1)), padding=0)
         n_evicted = int(evicted[-1].sum())
-        self.plot.setTitle(f"layer {state.layer} · {state.head_label} · last query of each step · "
-                           f"<span style='color:rgb{theme.EVICTED_MARK[:3]}'>■</span> evicted ({n_evicted} now)",
-                           color=theme.MUTED, size="10pt")
+        theme.set_title(self.plot, theme.muted(f"layer {state.layer} · {state.head_label} · last query of each step · "
+                           f"<span style='color:rgb{theme.EVICTED_MARK[:3]}'>■</span> evicted ({n_evicted} now)"), size="9pt")

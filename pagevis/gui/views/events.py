@@ -77,8 +77,13 @@ class EventFilter(QSortFilterProxyModel):
 
     def set_filter(self, text: str, layer: int | None) -> None:
         if (text, layer) != (self.text, self.layer):
-            self.text, self.layer = text.strip(), layer
-            self.invalidateFilter()
+            if hasattr(self, "beginFilterChange"):  # Qt >= 6.10
+                self.beginFilterChange()
+                self.text, self.layer = text.strip(), layer
+                self.endFilterChange()
+            else:
+                self.text, self.layer = text.strip(), layer
+                self.invalidateFilter()
 
     def filterAcceptsRow(self, row: int, parent) -> bool:
         event = self.sourceModel().events[row]
@@ -161,9 +166,9 @@ class EventsView(QWidget):
     def _refilter(self) -> None:
         self.proxy.set_filter(self.filter.text(), self._state.layer if self.only_layer.isChecked() else None)
         self._key = None
-        self.render(self._state)
+        self.show_state(self._state)
 
-    def render(self, state: ViewState) -> None:
+    def show_state(self, state: ViewState) -> None:
         self._state = state
         timeline = state.timeline
         limit = timeline.evictions_until(state.index) if timeline is not None and state.record else 0
@@ -184,5 +189,4 @@ class EventsView(QWidget):
         if state.record is not None:
             self.cursor.setValue(state.record.step)
         where = f"layer {layer}" if layer is not None else "all layers"
-        self.plot.setTitle(f"{len(shown)} evictions in {where} up to step {state.index}",
-                           color=theme.MUTED, size="10pt")
+        theme.set_title(self.plot, theme.muted(f"{len(shown)} evictions in {where} up to step {state.index}"), size="9pt")

@@ -89,9 +89,7 @@ class MetricsView(QWidget):
             return f"<span style='color:{color}'>━ {text}</span>"
 
         def title(plot: pg.PlotItem, heading: str, *keys: str) -> None:
-            plot.setTitle(f"<span style='color:{theme.TEXT}'>{heading}</span>&nbsp; " + "&nbsp; ".join(keys),
-                          size="8pt")
-            plot.titleLabel.setMinimumWidth(10)  # a long title may overflow; it must not widen the plot
+            theme.set_title(plot, f"<span style='color:{theme.TEXT}'>{heading}</span>&nbsp; " + "&nbsp; ".join(keys))
 
         s = theme.SERIES
         title(self.occupancy, "layer 0", key(s[0], "resident"), key(s[1], "in used pages"))
@@ -100,7 +98,7 @@ class MetricsView(QWidget):
         title(self.latency, f"ms/token · {speed}", key(s[0], "step"), key(s[1], "mean"))
         title(self.oracle, "oracle", key(s[1], "KL"), key(s[3], "lost attn"), key(s[2], "top-1"))
 
-    def render(self, state: ViewState) -> None:
+    def show_state(self, state: ViewState) -> None:
         timeline = state.timeline
         count = len(timeline) if timeline is not None else 0
         key = (id(timeline), count, state.layer)

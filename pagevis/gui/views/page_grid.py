@@ -202,7 +202,7 @@ class PageGridView(QWidget):
     def export_target(self):
         return self.graphics
 
-    def render(self, state: ViewState) -> None:
+    def show_state(self, state: ViewState) -> None:
         self._state = state
         record = state.record
         key = (id(record), state.layer, state.shade)
@@ -234,8 +234,7 @@ class PageGridView(QWidget):
                 [[(s + 0.5, str(s)) for s in range(page_size)]] if page_size <= 32 else None)
         used = len(record.block_tables[layer])
         resident = int((slots >= 0).sum())
-        self.plot.setTitle(f"layer {layer} · {used}/{pages} pages · {resident} tokens resident",
-                           color=theme.MUTED, size="10pt")
+        theme.set_title(self.plot, theme.muted(f"layer {layer} · {used}/{pages} pages · {resident} tokens resident"), size="9pt")
         rows = []
         for logical, page in enumerate(record.block_tables[layer]):
             held = slots[page][slots[page] >= 0]

@@ -53,7 +53,7 @@ class TextView(QWidget):
     def export_target(self):
         return self
 
-    def render(self, state: ViewState) -> None:
+    def show_state(self, state: ViewState) -> None:
         timeline, record = state.timeline, state.record
         key = (id(timeline), state.index, state.layer, state.head)
         if key == self._key:

