@@ -90,3 +90,13 @@ def test_python_m_pagevis_bad_argument_in_a_subprocess():
     assert done.returncode == 2
     assert done.stderr.strip() == ("pagevis: error: --max-pages: max_pages = 0 is not allowed: "
                                    "an integer from 1 to 1048576")
+
+
+def test_headless_commands_never_import_qt(tmp_path):
+    code = ("import sys; from pagevis.__main__ import main; "
+            f"assert main(['run', *{SYNTH!r}, '--max-tokens', '3', '--json', '--trace', {str(tmp_path / 't')!r}]) == 0; "
+            f"assert main(['replay', {str(tmp_path / 't')!r}, '--check']) == 0; "
+            "assert main(['compare', '--model', 'synthetic', '--tokens', '40', '--budgets', '16', '--no-files']) == 0; "
+            "assert not [m for m in sys.modules if m.startswith(('PySide6', 'pyqtgraph'))], 'Qt was imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -115,11 +115,18 @@ def main(args: argparse.Namespace) -> int:
     reference = quality.full_reference(model, ids, page_size=args.page_size, dtype=args.dtype)
     done[0] += len(ids)
     rows = [quality.full_row(reference, args.page_size)]
+    log = progress.enabled or args.quiet  # without a progress bar, one line per configuration instead
+    if not log:
+        print(f"compare: full cache, ppl {rows[0].ppl:.3f} ({reference.seconds:.0f} s)", file=sys.stderr)
     for choice in choices:
         for budget in budgets:
-            rows.append(quality.evaluate(model, reference, choice, budget, args.page_size, args.dtype,
-                                         progress=advance(f"{choice.label} @ {budget}")))
+            row = quality.evaluate(model, reference, choice, budget, args.page_size, args.dtype,
+                                   progress=advance(f"{choice.label} @ {budget}"))
+            rows.append(row)
             done[0] += len(ids)
+            if not log:
+                ppl = "-" if row.ppl is None else f"{row.ppl:.3f}"
+                print(f"compare: {row.policy} @ {budget}: ppl {ppl} ({row.seconds:.0f} s)", file=sys.stderr)
     progress.close()
 
     result = {"model": spec.label, "text": args.text or f"pagevis.resources/{DEFAULT_TEXT}", "tokens": len(ids),
