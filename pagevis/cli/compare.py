@@ -191,7 +191,8 @@ def write_plot(path: str, rows, result) -> None:
     series["full cache"] = (budgets, [result["full_cache_ppl"]] * len(budgets))
     line_plot(path, series, title=f"Perplexity vs cache budget ({result['model']}, {result['tokens']} tokens, "
                                   f"page size {result['page_size']})",
-              x_label="cache budget (tokens per layer)", y_label="perplexity", log_x=True, dashed={"full cache"},
+              x_label="cache budget (tokens per layer)", y_label="perplexity (log scale)", log_x=True, log_y=True,
+              dashed={"full cache"},
               x_ticks=budgets)
 
 
