@@ -1,6 +1,7 @@
 """The command line: run --json, bad arguments (status 2, one line, no traceback), replay --check."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -100,3 +101,31 @@ def test_headless_commands_never_import_qt(tmp_path):
             "assert not [m for m in sys.modules if m.startswith(('PySide6', 'pyqtgraph'))], 'Qt was imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_app_options_reach_launch(monkeypatch, tmp_path):
+    import pagevis.gui
+
+    calls = []
+    monkeypatch.setattr(pagevis.gui, "launch", lambda **kwargs: calls.append(kwargs) or 0)
+    assert main([]) == 0
+    assert calls[-1] == dict(model_spec=None, prompt=None, session_config=None, screenshot=None, steps=0)
+    assert main([*SYNTH, "--prompt", "hi", "--page-size", "8", "--policy", "tova", "--screenshot", "s.png",
+                 "--steps", "3"]) == 0
+    call = calls[-1]
+    assert call["model_spec"].kind == "synthetic" and call["model_spec"].n_layers == 2
+    assert call["prompt"] == "hi" and call["screenshot"] == "s.png" and call["steps"] == 3
+    assert call["session_config"].page_size == 8 and call["session_config"].policy == "tova"
+    trace = tmp_path / "t.pvtrace"
+    assert main(["run", *SYNTH, "--max-tokens", "2", "--trace", str(trace), "--quiet"]) == 0
+    assert main(["replay", str(trace)]) == 0
+    assert calls[-1] == dict(trace=str(trace))
+
+
+def test_screenshot_from_the_command_line(tmp_path):
+    shot = tmp_path / "shot.png"
+    done = subprocess.run([sys.executable, "-m", "pagevis", *SYNTH, "--prompt", "hello", "--no-chat",
+                           "--page-size", "4", "--max-pages", "4", "--screenshot", str(shot), "--steps", "3"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
+    assert done.returncode == 0, done.stderr
+    assert shot.read_bytes()[:4] == b"\x89PNG"
