@@ -23,9 +23,9 @@ def _app():
 
 def line_plot(path: str, series: Series, title: str, x_label: str, y_label: str, log_x: bool = False,
               log_y: bool = False, width: int = 900, height: int = 560, dashed: set[str] = frozenset(),
-              x_ticks: list[float] | None = None) -> str:
+              x_ticks: list[float] | None = None, y_ticks: list[float] | None = None) -> str:
     """Write one plot with a line and markers per series (label -> (xs, ys)); return the path.
-    `x_ticks` labels exactly those x values (handy on a log axis of doublings)."""
+    `x_ticks`/`y_ticks` label exactly those values (pyqtgraph's log axes label every minor tick)."""
     pg, app = _app()
     from pyqtgraph import exporters
 
@@ -40,6 +40,9 @@ def line_plot(path: str, series: Series, title: str, x_label: str, y_label: str,
     if x_ticks:
         place = math.log10 if log_x else float
         plot.getAxis("bottom").setTicks([[(place(x), f"{x:g}") for x in x_ticks]])
+    if y_ticks:
+        place = math.log10 if log_y else float
+        plot.getAxis("left").setTicks([[(place(y), f"{y:g}") for y in y_ticks]])
     symbols = ("o", "s", "d", "t", "+", "x", "t1", "star", "p", "h")
     for i, (label, (xs, ys)) in enumerate(series.items()):
         points = [(x, y) for x, y in zip(xs, ys) if y is not None and x is not None]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import sys
 
@@ -158,6 +159,7 @@ def write_files(folder: str, result: dict, half: list[dict]) -> list[str]:
     path = os.path.join(folder, "bench-latency.png")
     line_plot(path, series, "Decode attention latency vs context (one layer, 9q/3kv heads, d 64)",
               "context (tokens)", "latency (µs)", log_x=True, log_y=True, x_ticks=contexts,
+              y_ticks=_decades(v for _, ys in series.values() for v in ys),
               dashed={"dense NumPy", "torch SDPA"})
     written.append(path)
 
@@ -169,9 +171,23 @@ def write_files(folder: str, result: dict, half: list[dict]) -> list[str]:
             ys.append(r[key])
     path = os.path.join(folder, "bench-memory.png")
     line_plot(path, memory, "KV memory vs attention latency per layer (points: contexts)", "K+V memory (KiB)",
-              "latency (µs)", log_x=True, log_y=True)
+              "latency (µs)", log_x=True, log_y=True, x_ticks=sorted({x for xs, _ in memory.values() for x in xs}),
+              y_ticks=_decades(v for _, ys in memory.values() for v in ys))
     written.append(path)
     return written
+
+
+def _decades(values) -> list[float]:
+    """1-2-5 steps covering the values, for a readable log axis."""
+    values = [v for v in values if v and v > 0]
+    if not values:
+        return []
+    low, high = min(values), max(values)
+    ticks, decade = [], 10 ** math.floor(math.log10(low))
+    while decade <= high * 10:
+        ticks += [m * decade for m in (1, 2, 5) if low / 2 <= m * decade <= high * 2]
+        decade *= 10
+    return ticks
 
 
 def _by_context(rows, key, page_size=None):
