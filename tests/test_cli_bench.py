@@ -2,6 +2,9 @@
 Not a timed test: it checks the shape of the report, never the speed."""
 
 import json
+import sys
+
+import numpy as np
 
 from pagevis.__main__ import main
 
@@ -35,3 +38,51 @@ def test_bench_bad_arguments(capsys):
     assert "--contexts '32,abc': expected numbers" in capsys.readouterr().err
     assert main(["bench", "--out", "/no/such/folder", "--no-model"]) == 2
     assert "--out /no/such/folder: no such folder" in capsys.readouterr().err
+
+
+class FakeTensor:
+    """Just enough of a torch tensor for pagevis.bench.suite.torch_rows, backed by NumPy."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def unsqueeze(self, dim):
+        return FakeTensor(np.expand_dims(self.array, dim))
+
+    def __getitem__(self, index):
+        return FakeTensor(self.array[index])
+
+    def numpy(self):
+        return self.array
+
+
+def fake_sdpa(q, k, v):
+    scores = q.array @ k.array.swapaxes(-1, -2) / np.sqrt(q.array.shape[-1])
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    weights /= weights.sum(axis=-1, keepdims=True)
+    return FakeTensor(weights @ v.array)
+
+
+def test_torch_rows_use_the_same_data(monkeypatch):
+    """torch is optional and not installed here: check the glue (layout, GQA, agreement check) against a
+    NumPy stand-in with torch's calling convention."""
+    import contextlib
+    import types
+
+    from pagevis.bench import suite
+
+    functional = types.SimpleNamespace(scaled_dot_product_attention=fake_sdpa)
+    nn = types.ModuleType("torch.nn")
+    nn.functional = functional
+    torch = types.ModuleType("torch")
+    torch.nn = nn
+    torch.from_numpy = FakeTensor
+    torch.no_grad = contextlib.nullcontext
+    torch.get_num_threads = lambda: 1
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setitem(sys.modules, "torch.nn", nn)
+    monkeypatch.setitem(sys.modules, "torch.nn.functional", functional)
+    assert suite.torch_available()
+    rows = suite.torch_rows([16, 40], page_size=8, repeats=2)
+    assert [r["context"] for r in rows] == [16, 40]
+    assert all(r["torch_us"] > 0 and r["paged_over_torch"] > 0 for r in rows)
