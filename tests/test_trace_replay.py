@@ -38,7 +38,7 @@ def grids(window, layers):
         window.scrub(index)
         for layer in layers:
             window.controls.layer.setValue(layer)
-            window.render()
+            window.redraw()
             grid = window.page_grid
             shown.append((index, layer, grid.states.copy(), list(grid.blocks.rows)))
     return shown

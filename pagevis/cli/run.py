@@ -53,7 +53,9 @@ def main(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     elapsed = time.perf_counter() - started
-    if args.trace and session.records:
+    if args.trace and not session.records:
+        print(f"pagevis run: no step completed, so no trace was written to {args.trace}", file=sys.stderr)
+    elif args.trace:
         from ..trace import write_trace
 
         size = write_trace(args.trace, session, model_spec=spec, meta={"command": "pagevis run"})
