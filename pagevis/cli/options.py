@@ -41,11 +41,11 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", metavar="MODEL",
                        help="smollm2 (the shipped SmolLM2-135M-Instruct, default), synthetic (seeded random "
                             "weights, fast), or the path of a Llama-family .gguf file")
-    group.add_argument("--layers", type=int, help="synthetic model: layers (default 4)")
-    group.add_argument("--heads", type=int, help="synthetic model: query heads (default 8)")
-    group.add_argument("--kv-heads", type=int, help="synthetic model: KV heads, a divisor of --heads (default 2)")
-    group.add_argument("--head-dim", type=int, help="synthetic model: head dimension, even (default 32)")
-    group.add_argument("--model-seed", type=int, help="synthetic model: weight seed (default 0)")
+    group.add_argument("--layers", type=int, metavar="N", help="synthetic model: layers (default 4)")
+    group.add_argument("--heads", type=int, metavar="N", help="synthetic model: query heads (default 8)")
+    group.add_argument("--kv-heads", type=int, metavar="N", help="synthetic model: KV heads, a divisor of --heads (default 2)")
+    group.add_argument("--head-dim", type=int, metavar="N", help="synthetic model: head dimension, even (default 32)")
+    group.add_argument("--model-seed", type=int, metavar="N", help="synthetic model: weight seed (default 0)")
 
 
 def add_prompt_options(parser: argparse.ArgumentParser) -> None:
@@ -77,10 +77,10 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
                        help=f"stop after N generated tokens (default {defaults.max_new_tokens})")
     group.add_argument("--sample", action="store_const", const=True,
                        help="sample instead of greedy decoding (implied by --temperature, --top-k, --top-p)")
-    group.add_argument("--temperature", type=float, help=f"sampling temperature (default {defaults.sampling.temperature})")
-    group.add_argument("--top-k", type=int, help="keep the k most likely tokens (0 = all, default)")
-    group.add_argument("--top-p", type=float, help="nucleus sampling threshold (1 = off, default)")
-    group.add_argument("--seed", type=int, help="sampling seed (default 0)")
+    group.add_argument("--temperature", type=float, metavar="T", help=f"sampling temperature (default {defaults.sampling.temperature})")
+    group.add_argument("--top-k", type=int, metavar="N", help="keep the k most likely tokens (0 = all, default)")
+    group.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling threshold (1 = off, default)")
+    group.add_argument("--seed", type=int, metavar="N", help="sampling seed (default 0)")
     group.add_argument("--oracle", action="store_const", const=True,
                        help="also run a full cache alongside and report KL, top-1 agreement and lost attention")
     group.add_argument("--record-layers", metavar="LIST",
