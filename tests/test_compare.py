@@ -107,7 +107,7 @@ def test_cli_json_csv_and_plot(tmp_path, capsys):
     (["--budgets", "30"], "30 is not a positive multiple of --page-size 16"),
     (["--policies", "lru"], "unknown policy 'lru'"),
     (["--policies", "sinks:n_sink"], "expected KEY=VALUE"),
-    (["--policies", "sinks:n_sink=64", "--budgets", "32"], "sinks.n_sink"),
+    (["--policies", "sinks:n_sink=64", "--budgets", "32"], "--policies sinks(n_sink=64) at budget 32: sinks.n_sink"),
     (["/no/such/text.txt"], "TEXTFILE /no/such/text.txt: no such file"),
     (["--tokens", "1"], "--tokens 1"),
 ])
