@@ -301,8 +301,9 @@ def _decode(header: dict, a: dict[str, np.ndarray]) -> Trace:
                 "has_oracle", "oracle", "timings", "attention"):
         if len(a[key]) != n:
             raise TraceError(f"array {key!r} has {len(a[key])} steps, expected {n}")
-    if a["attention"].shape[1] != len(layers):
-        raise TraceError(f"array 'attention' holds {a['attention'].shape[1]} layers, expected {len(layers)}")
+    expected = (n, len(layers), header["n_heads"] if layers else 0, shape[2] * shape[3])
+    if a["attention"].shape != expected:
+        raise TraceError(f"array 'attention' has shape {list(a['attention'].shape)}, expected {list(expected)}")
     token_offsets, event_offsets = a["token_offsets"], a["event_offsets"]
     _check_offsets("token_offsets", token_offsets, n, len(a["token_ids"]))
     _check_offsets("event_offsets", event_offsets, n, len(a["event_kind"]))

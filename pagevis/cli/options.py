@@ -100,10 +100,10 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
     name = args.model or "smollm2"
     layout = {field: getattr(args, flag) for flag, field in SYNTHETIC_FLAGS.items() if getattr(args, flag) is not None}
     if name == "synthetic":
-        for field, value in layout.items():
-            if value < 1 and field != "seed" or value < 0:
-                flag = "--" + next(f for f, v in SYNTHETIC_FLAGS.items() if v == field).replace("_", "-")
-                raise UsageError(f"{flag} {value}: must be a positive integer")
+        for flag, field in SYNTHETIC_FLAGS.items():
+            lowest = 0 if field == "seed" else 1
+            if field in layout and layout[field] < lowest:
+                raise UsageError(f"--{flag.replace('_', '-')} {layout[field]}: must be an integer of at least {lowest}")
         return ModelSpec(kind="synthetic", **layout)
     if layout:
         flags = ", ".join("--" + f.replace("_", "-") for f in SYNTHETIC_FLAGS if getattr(args, f) is not None)
