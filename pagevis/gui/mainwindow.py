@@ -26,6 +26,7 @@ from .views.page_grid import PageGridView
 from .views.text import TextView
 
 FRAME_INTERVAL = 1 / 30  # redraw at most this often, however fast records arrive
+MAX_FRAME_INTERVAL = 1 / 12  # ... and, when redraws are slow, leave the event loop idle 2/3 of the time
 SETTINGS_VERSION = 1
 
 
@@ -48,8 +49,12 @@ class MainWindow(QMainWindow):
         self._restart_reason = ""
         self._replay_timer = QTimer(self, interval=100)
         self._replay_timer.timeout.connect(self._replay_tick)
+        self._shown_at: dict[str, float] = {}  # when each view last rendered
+        self._redraw_cost = 0.0  # seconds, a moving average of redraw() itself (painting comes after)
         self._frame_timer = QTimer(self, singleShot=True)
         self._frame_timer.timeout.connect(self.redraw)
+        self._catch_up = QTimer(self, singleShot=True)  # redraws the views skipped while decoding
+        self._catch_up.timeout.connect(self.request_render)
 
         self.transport = TransportBar(self)
         self.addToolBar(Qt.TopToolBarArea, self.transport)
@@ -269,6 +274,8 @@ class MainWindow(QMainWindow):
 
     def _state_changed(self, state: str) -> None:
         self.transport.set_playing(state == "running" and self.runner.running)
+        if state != "running":
+            self.request_render()  # views that refresh slowly while decoding catch up
         self.status_state.setText(state)
         self.transport.step_action.setEnabled(state not in ("loading", "idle"))
         self.transport.play_action.setEnabled(state not in ("loading", "idle"))
@@ -302,18 +309,51 @@ class MainWindow(QMainWindow):
         """Redraw soon: at once if the last frame is older than FRAME_INTERVAL, else when it is."""
         if self._frame_timer.isActive():
             return
-        wait = self._last_frame + FRAME_INTERVAL - time.perf_counter()
+        interval = min(max(FRAME_INTERVAL, 3 * self._redraw_cost), MAX_FRAME_INTERVAL)
+        wait = self._last_frame + interval - time.perf_counter()
         self._frame_timer.start(max(0, int(wait * 1000)))
 
     def redraw(self) -> None:
+        """Show the selected record in every visible view. While decoding runs, the views that are watched
+        (page grid, attention) draw now and the others follow in later event-loop turns, each at most
+        as often as its `live_interval`: no single turn paints the whole window, so input never waits
+        for a full repaint. Once decoding stops, every view shows the selected record."""
         self._frame_timer.stop()
         self._last_frame = time.perf_counter()
         self.frames += 1
         state = self.view_state()
-        for view in self.views:
-            if not self.docks[view.title].isHidden():
-                view.show_state(state)
+        now = time.perf_counter()
+        if not self.runner.running:
+            self._show(self.views, state, now)
+        else:
+            self._show([v for v in self.views if not getattr(v, "live_interval", 0.0)], state, now)
+            QTimer.singleShot(5, lambda: self._show_slow_views(state))
         self._update_transport(state)
+        self._redraw_cost = 0.8 * self._redraw_cost + 0.2 * (time.perf_counter() - now)
+
+    def _show(self, views, state: ViewState, now: float) -> None:
+        for view in views:
+            if not self.docks[view.title].isHidden():
+                self._shown_at[view.title] = now
+                view.show_state(state)
+
+    def _show_slow_views(self, state: ViewState) -> None:
+        """One of the views that refresh slowly while decoding, the one waiting longest, if its turn came."""
+        if state.timeline is not self.timeline:
+            return
+        now = time.perf_counter()
+        due = [v for v in self.views if getattr(v, "live_interval", 0.0) and not self.docks[v.title].isHidden()]
+        due.sort(key=lambda v: self._shown_at.get(v.title, 0.0))
+        for view in due:
+            waited = now - self._shown_at.get(view.title, 0.0)
+            if waited >= view.live_interval or not self.runner.running:
+                self._show([view], state, now)
+                if len(due) > 1:
+                    QTimer.singleShot(5, lambda: self._show_slow_views(self.view_state()))
+                return
+        if due and not self._catch_up.isActive():
+            wait = min(v.live_interval - (now - self._shown_at.get(v.title, 0.0)) for v in due)
+            self._catch_up.start(max(1, int(wait * 1000)))
 
     def _update_transport(self, state: ViewState) -> None:
         timeline, record = state.timeline, state.record
@@ -408,6 +448,7 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event) -> None:
         self._frame_timer.stop()
+        self._catch_up.stop()
         self._replay_timer.stop()
         self.save_settings()
         try:

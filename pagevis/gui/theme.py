@@ -62,7 +62,7 @@ def apply(app: QApplication) -> None:
 
 
 def configure_pyqtgraph() -> None:
-    pg.setConfigOptions(imageAxisOrder="row-major", background=BACKGROUND, foreground=TEXT, antialias=True)
+    pg.setConfigOptions(imageAxisOrder="row-major", background=BACKGROUND, foreground=TEXT, antialias=False)
 
 
 def style_plot(plot: pg.PlotItem, left: str = "", bottom: str = "") -> None:
@@ -73,7 +73,7 @@ def style_plot(plot: pg.PlotItem, left: str = "", bottom: str = "") -> None:
         axis.setTextPen(pg.mkPen(MUTED))
         if label:
             plot.setLabel(name, label, color=MUTED)
-    plot.showGrid(x=True, y=True, alpha=0.12)
+    plot.showGrid(x=False, y=False)  # grid lines make each axis repaint whenever anything in the plot does
 
 
 def icon(name: str):
@@ -91,7 +91,11 @@ def icon(name: str):
 
 def set_title(plot: pg.PlotItem, html: str, size: str = "8pt") -> None:
     """A plot title that never forces its plot wider than the space it gets (pyqtgraph's LabelItem asks
-    for its text's full width as its minimum); text that does not fit is clipped."""
+    for its text's full width as its minimum); text that does not fit is clipped. Setting the same
+    title again costs nothing (a new one re-lays the plot out, which repaints its axes)."""
+    if getattr(plot, "_title_html", None) == (html, size):
+        return
+    plot._title_html = (html, size)
     label = plot.titleLabel
     if not getattr(label, "_shrinkable", False):
         label._shrinkable = True
@@ -113,3 +117,40 @@ def _update_min_shrinkable(label) -> None:
 
 def muted(text: str) -> str:
     return f"<span style='color:{MUTED}'>{text}</span>"
+
+
+def nice_ceiling(value: float) -> float:
+    """The smallest of 1, 2, 2.5, 5 × 10^k that is >= value (0 for value <= 0)."""
+    if not value > 0:
+        return 0.0
+    exponent = 10.0 ** np.floor(np.log10(value))
+    for m in (1.0, 2.0, 2.5, 5.0, 10.0):
+        if m * exponent >= value * (1 - 1e-9):
+            return float(m * exponent)
+    return float(10 * exponent)
+
+
+def grow_range(plot: pg.PlotItem, x_max: float | None = None, y_max: float | None = None, *,
+               x_step: float = 0, y_step: float = 0, padding: float = 0.02) -> None:
+    """Fit the view to data from 0 to (x_max, y_max) by growing its range in coarse steps (multiples of
+    x_step / y_step, or 1-2-2.5-5 ceilings when the step is 0), and only when the data outgrows it or
+    shrinks far below it: a range that changes every step would repaint every axis every frame."""
+
+    def fit(value: float | None, current: float | None, step: float) -> float | None:
+        if value is None:
+            return current
+        value = max(value, step or 1e-9)
+        if current is not None and current / 4 < value <= current:
+            return current
+        return float(np.ceil(value / step) * step) if step else nice_ceiling(value)
+
+    current = getattr(plot, "_grown", (None, None))
+    grown = (fit(x_max, current[0], x_step), fit(y_max, current[1], y_step))
+    if grown == current:
+        return
+    plot._grown = grown
+    plot.disableAutoRange()
+    if grown[0] is not None:
+        plot.setXRange(0, grown[0], padding=padding)
+    if grown[1] is not None:
+        plot.setYRange(0, grown[1], padding=padding)

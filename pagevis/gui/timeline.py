@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -16,8 +16,7 @@ from ..decoding import SessionConfig, StepRecord
 from ..engine import EventKind
 
 
-@dataclass(frozen=True)
-class Eviction:
+class Eviction(NamedTuple):
     step: int
     layer: int
     page: int

@@ -51,6 +51,8 @@ class AttentionView(QWidget):
                state.log_scale)
         if key == self._key:
             return
+        if self._key is None or self._key[0] != key[0]:
+            self.plot._grown = (None, None)  # a new session: fit the view afresh
         self._key = key
         if record is None:
             self.matrix = np.zeros((0, 0), dtype=np.float32)
@@ -80,8 +82,7 @@ class AttentionView(QWidget):
         self.image.setRect(rect)
         self.marks.setRect(rect)
         self.cursor.setValue(rows - 0.5)
-        self.plot.setLimits(xMin=0, xMax=max(cols, 1), yMin=0, yMax=max(rows, 1))
-        self.plot.setRange(xRange=(0, max(cols, 1)), yRange=(0, max(rows, 1)), padding=0)
-        n_evicted = int(evicted[-1].sum())
-        theme.set_title(self.plot, theme.muted(f"layer {state.layer} · {state.head_label} · last query of each step · "
-                           f"<span style='color:rgb{theme.EVICTED_MARK[:3]}'>■</span> evicted ({n_evicted} now)"), size="9pt")
+        theme.grow_range(self.plot, cols, rows, x_step=32, y_step=32, padding=0)
+        theme.set_title(self.plot, theme.muted(
+            f"layer {state.layer} · {state.head_label} · each row: that step's last query · "
+            f"<span style='color:rgb{theme.EVICTED_MARK[:3]}'>■</span> evicted"), size="9pt")

@@ -3,6 +3,8 @@ which positions were evicted when."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, QSortFilterProxyModel, Qt
@@ -13,6 +15,17 @@ from .. import theme
 from . import ViewState
 
 COLUMNS = ("step", "layer", "page", "slot", "position", "token", "reason", "score")
+
+
+_DISPLAY, _ALIGN = Qt.DisplayRole, Qt.TextAlignmentRole
+_RIGHT = int(Qt.AlignRight | Qt.AlignVCenter)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cells(event) -> tuple[str, ...]:
+    """The displayed text of one eviction's row (formatted once; repaints only look it up)."""
+    return (str(event.step), str(event.layer), str(event.page), str(event.slot), str(event.position),
+            repr(event.token)[1:-1], event.reason, "" if np.isnan(event.score) else f"{event.score:.4g}")
 
 
 class EventTableModel(QAbstractTableModel):
@@ -45,19 +58,12 @@ class EventTableModel(QAbstractTableModel):
         return (e.step, e.layer, e.page, e.slot, e.position, e.token, e.reason, e.score)
 
     def data(self, index, role=Qt.DisplayRole):
-        event = self.events[index.row()]
-        column = COLUMNS[index.column()]
-        value = getattr(event, column)
-        if role == Qt.DisplayRole:
-            if column == "token":
-                return repr(value)[1:-1]
-            if column == "score":
-                return "" if np.isnan(value) else f"{value:.4g}"
-            return str(value)
+        if role == _DISPLAY:
+            return _cells(self.events[index.row()])[index.column()]
+        if role == _ALIGN:
+            return _RIGHT if index.column() not in (5, 6) else None
         if role == Qt.UserRole:  # sort key
-            return value
-        if role == Qt.TextAlignmentRole and column not in ("token", "reason"):
-            return int(Qt.AlignRight | Qt.AlignVCenter)
+            return self.events[index.row()][index.column()]
         return None
 
     def headerData(self, section, orientation, role=Qt.DisplayRole):
@@ -103,6 +109,7 @@ class EventFilter(QSortFilterProxyModel):
 
 class EventsView(QWidget):
     title = "Eviction events"
+    live_interval = 0.25  # while decoding, refresh at most 4 times a second (a table is read, not watched)
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -175,6 +182,8 @@ class EventsView(QWidget):
         key = (id(timeline), limit, state.index, state.layer)
         if key == self._key:
             return
+        if self._key is None or self._key[0] != key[0]:
+            self.plot._grown = (None, None)
         self._key = key
         self.proxy.set_filter(self.filter.text(), state.layer if self.only_layer.isChecked() else None)
         events = timeline.evictions if timeline is not None else []
@@ -186,7 +195,9 @@ class EventsView(QWidget):
         steps = np.fromiter((e.step for e in shown), dtype=np.float64, count=len(shown))
         positions = np.fromiter((e.position for e in shown), dtype=np.float64, count=len(shown))
         self.scatter.setData(steps, positions)
+        theme.grow_range(self.plot, len(timeline) if timeline is not None else 1,
+                         timeline.n_positions(state.index) if state.record is not None else 1, x_step=32, y_step=32)
         if state.record is not None:
             self.cursor.setValue(state.record.step)
         where = f"layer {layer}" if layer is not None else "all layers"
-        theme.set_title(self.plot, theme.muted(f"{len(shown)} evictions in {where} up to step {state.index}"), size="9pt")
+        theme.set_title(self.plot, theme.muted(f"evicted positions by step · {where}"), size="9pt")

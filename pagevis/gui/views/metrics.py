@@ -35,6 +35,7 @@ def rolling_mean(values: np.ndarray, window: int = 8) -> np.ndarray:
 
 class MetricsView(QWidget):
     title = "Metrics"
+    live_interval = 0.1  # while decoding, at most 10 times a second
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -84,7 +85,7 @@ class MetricsView(QWidget):
     def export_target(self):
         return self.graphics
 
-    def _titles(self, layer: int = 0, evictions: int = 0, tokens_per_s: float = float("nan")) -> None:
+    def _titles(self, layer: int = 0) -> None:
         def key(color: str, text: str) -> str:
             return f"<span style='color:{color}'>━ {text}</span>"
 
@@ -93,9 +94,8 @@ class MetricsView(QWidget):
 
         s = theme.SERIES
         title(self.occupancy, "layer 0", key(s[0], "resident"), key(s[1], "in used pages"))
-        title(self.evictions, f"evictions/step · layer {layer}", key(theme.STATE_COLORS[5], f"{evictions}"))
-        speed = f"{tokens_per_s:.1f} tok/s" if np.isfinite(tokens_per_s) else "— tok/s"
-        title(self.latency, f"ms/token · {speed}", key(s[0], "step"), key(s[1], "mean"))
+        title(self.evictions, "evictions per step", key(theme.STATE_COLORS[5], f"layer {layer}"))
+        title(self.latency, "ms per token", key(s[0], "each step"), key(s[1], "mean of 8"))
         title(self.oracle, "oracle", key(s[1], "KL"), key(s[3], "lost attn"), key(s[2], "top-1"))
 
     def show_state(self, state: ViewState) -> None:
@@ -111,6 +111,10 @@ class MetricsView(QWidget):
 
     def _update_curves(self, state: ViewState) -> None:
         timeline = state.timeline
+        if timeline is not getattr(self, "_timeline", None):
+            self._timeline = timeline
+            for plot in (self.occupancy, self.evictions, self.latency, self.oracle):
+                plot._grown = (None, None)  # a new session: fit the views afresh
         if timeline is None or not len(timeline):
             self.data = {}
             for curve in self.curves.values():
@@ -139,10 +143,18 @@ class MetricsView(QWidget):
                 self.curves[name].setData(steps, values, connect="finite")
         capacity = config.page_size * config.max_pages
         self.capacity.setValue(capacity)
-        self.occupancy.setYRange(0, capacity * 1.08, padding=0)
-        self._titles(state.layer, int(data["evictions"].sum()), timeline.tokens_per_second(len(timeline) - 1))
+        n = len(timeline)
+
+        def top(values: np.ndarray) -> float:
+            finite = values[np.isfinite(values)]
+            return float(finite.max()) if finite.size else 1.0
+
+        theme.grow_range(self.occupancy, n, capacity * 1.1, x_step=32, y_step=capacity * 1.1)
+        theme.grow_range(self.evictions, None, max(top(data["evictions"]), 1.0))
+        theme.grow_range(self.latency, None, top(latency))
+        theme.grow_range(self.oracle, None, max(top(data["kl"]), 1.0))
+        self._titles(state.layer)
         oracle_on = bool(config.oracle)
         self.oracle_off.setVisible(not oracle_on)
         if not oracle_on:
-            self.oracle.setYRange(0, 1)
-            self.oracle_off.setPos(max(len(timeline) - 1, 1) / 2, 0.5)
+            self.oracle_off.setPos(self.occupancy._grown[0] / 2, 0.5)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QAbstractTableModel, QModelIndex, QPointF, QRectF, Qt
+from PySide6.QtCore import QPointF, QRectF, Qt
 from PySide6.QtGui import QColor, QFont, QPainter
-from PySide6.QtWidgets import QHBoxLayout, QHeaderView, QLabel, QTableView, QToolTip, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QLabel, QTableWidget, QTableWidgetItem, QToolTip,
+                               QVBoxLayout, QWidget)
 
 from ...engine import EventKind
 from .. import theme
@@ -112,37 +113,40 @@ class CellLabels(pg.GraphicsObject):
         painter.restore()
 
 
-class BlockTableModel(QAbstractTableModel):
-    """Logical page → physical page of one layer, with the token positions each page holds."""
+class BlockTable(QTableWidget):
+    """Logical page → physical page of one layer, with the token positions each page holds. A C++ item
+    model: repainting it calls no Python, and only cells whose text changed are touched."""
 
     HEADERS = ("logical", "physical", "tokens", "positions")
 
     def __init__(self):
-        super().__init__()
+        super().__init__(0, len(self.HEADERS))
         self.rows: list[tuple[int, int, int, str]] = []
+        self.setHorizontalHeaderLabels(self.HEADERS)
+        self.setEditTriggers(QTableWidget.NoEditTriggers)
+        self.verticalHeader().hide()
+        self.verticalHeader().setDefaultSectionSize(20)
+        self.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeToContents)
+        self.horizontalHeader().setStretchLastSection(True)
 
-    def set_rows(self, rows) -> None:
-        self.beginResetModel()
+    def set_rows(self, rows: list[tuple[int, int, int, str]]) -> None:
+        if rows == self.rows:
+            return
+        if len(rows) != self.rowCount():
+            self.setRowCount(len(rows))
+        for r, row in enumerate(rows):
+            old = self.rows[r] if r < len(self.rows) else None
+            for c, value in enumerate(row):
+                if old is not None and old[c] == value:
+                    continue
+                item = self.item(r, c)
+                if item is None:
+                    item = QTableWidgetItem()
+                    if c < 3:
+                        item.setTextAlignment(int(Qt.AlignRight | Qt.AlignVCenter))
+                    self.setItem(r, c, item)
+                item.setText(str(value))
         self.rows = rows
-        self.endResetModel()
-
-    def rowCount(self, parent=QModelIndex()) -> int:
-        return 0 if parent.isValid() else len(self.rows)
-
-    def columnCount(self, parent=QModelIndex()) -> int:
-        return len(self.HEADERS)
-
-    def data(self, index, role=Qt.DisplayRole):
-        if role == Qt.DisplayRole:
-            return str(self.rows[index.row()][index.column()])
-        if role == Qt.TextAlignmentRole:
-            return int(Qt.AlignRight | Qt.AlignVCenter) if index.column() < 3 else None
-        return None
-
-    def headerData(self, section, orientation, role=Qt.DisplayRole):
-        if role == Qt.DisplayRole and orientation == Qt.Horizontal:
-            return self.HEADERS[section]
-        return None
 
 
 class PageGridView(QWidget):
@@ -175,12 +179,8 @@ class PageGridView(QWidget):
                              + f"<br><span style='color:{theme.MUTED}'>numbers: token positions · "
                              "resident cells dim with age (or score)</span>")
 
-        self.blocks = BlockTableModel()
-        self.block_view = QTableView()
-        self.block_view.setModel(self.blocks)
-        self.block_view.verticalHeader().hide()
-        self.block_view.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeToContents)
-        self.block_view.horizontalHeader().setStretchLastSection(True)
+        self.blocks = BlockTable()
+        self.block_view = self.blocks
         self.block_view.setMinimumWidth(230)
         self.block_view.setMaximumWidth(300)
         block_title = QLabel("Block table (logical → physical)")

@@ -1,0 +1,129 @@
+"""GUI speed benchmark: `python -m pagevis.gui.bench [--steps N] [--model smollm2|synthetic]`.
+
+Plays a model at full speed in the real window (offscreen, every view visible) and prints
+  * decode speed in the GUI relative to a headless DecodeSession with the same configuration (target ≥ 0.8),
+  * the UI thread's event-loop latency: how late a 5 ms QTimer fires, p50 / p99 (target p99 ≤ 50 ms),
+  * the redraw rate while playing (target ≥ 20 fps).
+Both runs use one BLAS thread, as the app does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+PROMPT = ("In a paged KV cache, keys and values live in fixed-size pages. Explain, step by step and in simple "
+          "words, why a streaming model keeps the first few tokens as attention sinks.")
+
+
+def headless(spec, config, steps: int) -> float:
+    from ..decoding import DecodeSession
+
+    session = DecodeSession(spec.load(), PROMPT, config)
+    session.step()  # the prefill, timed in neither run
+    started = time.perf_counter()
+    for _ in range(steps):
+        session.step()
+    return steps / (time.perf_counter() - started)
+
+
+def in_gui(spec, config, steps: int) -> dict[str, float]:
+    from PySide6.QtCore import QElapsedTimer, QSettings, QTimer
+    from PySide6.QtWidgets import QApplication
+
+    from . import _application
+    from .mainwindow import MainWindow
+
+    app = _application()
+    settings = QSettings(QSettings.IniFormat, QSettings.UserScope, "pagevis", "pagevis-bench")
+    window = MainWindow(settings=settings, restore=False)
+    window.apply_arguments(spec, PROMPT, config)
+    window.resize(1600, 1000)
+    window.show()
+    window.start(blocking=True)
+    window.runner.step_blocking(1)  # the prefill, as in the headless run
+    app.processEvents()
+
+    lateness: list[float] = []
+    clock = QElapsedTimer()
+    probe = QTimer(interval=5)
+    probe.setTimerType(probe.timerType().PreciseTimer)
+
+    def tick() -> None:
+        lateness.append(max(clock.nsecsElapsed() / 1e6 - 5.0, 0.0))
+        clock.restart()
+
+    probe.timeout.connect(tick)
+    target = len(window.timeline) + steps
+    arrived: list[float] = []
+    window.runner.records.connect(lambda records: arrived.append(time.perf_counter())
+                                  if len(window.timeline) >= target and not arrived else None)
+    frames = window.frames
+    clock.start()
+    probe.start()
+    started = time.perf_counter()
+    window.runner.step(steps)
+    while not arrived or window.runner.busy:
+        app.processEvents()
+        time.sleep(0.0005)
+    elapsed = arrived[0] - started
+    redraws = window.frames - frames
+    probe.stop()
+    window.close()
+    settings.clear()
+    QApplication.processEvents()
+    return {"tokens_per_s": steps / elapsed, "fps": redraws / elapsed, "p50": float(np.percentile(lateness, 50)),
+            "p99": float(np.percentile(lateness, 99)), "max": float(max(lateness)), "seconds": elapsed}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pagevis.gui.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=64, help="decode steps per run (default 64)")
+    parser.add_argument("--model", choices=("smollm2", "synthetic"), default="smollm2")
+    parser.add_argument("--page-size", type=int, default=8)
+    parser.add_argument("--max-pages", type=int, default=8)
+    parser.add_argument("--policy", default="sinks")
+    parser.add_argument("--repeat", type=int, default=1, help="alternate GUI and headless runs this many times")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+    from ..decoding import ModelSpec, SessionConfig
+    from ..model import set_blas_threads
+
+    spec = ModelSpec(kind=args.model)
+    config = SessionConfig(page_size=args.page_size, max_pages=args.max_pages, policy=args.policy,
+                           max_new_tokens=args.steps + 8)
+    print(f"model {spec.label}; {args.steps} decode steps; cache {args.max_pages} pages x {args.page_size}, "
+          f"policy {args.policy}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    set_blas_threads(1)
+    spec.load()
+    gui_runs, headless_runs = [], []
+    for _ in range(args.repeat):
+        gui_runs.append(in_gui(spec, config, args.steps))
+        headless_runs.append(headless(spec, config, args.steps))
+    gui_speed = statistics.median(r["tokens_per_s"] for r in gui_runs)
+    base = statistics.median(headless_runs)
+    last = gui_runs[-1]
+    fps = statistics.median(r["fps"] for r in gui_runs)
+    p50 = statistics.median(r["p50"] for r in gui_runs)
+    p99 = statistics.median(r["p99"] for r in gui_runs)
+
+    def verdict(ok: bool) -> str:
+        return "ok" if ok else "MISSED"
+
+    print(f"decode speed: GUI {gui_speed:.2f} tok/s, headless {base:.2f} tok/s, ratio {gui_speed / base:.2f} "
+          f"(target >= 0.8: {verdict(gui_speed / base >= 0.8)})")
+    print(f"event-loop latency: p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {last['max']:.1f} ms "
+          f"(target p99 <= 50 ms: {verdict(p99 <= 50)})")
+    print(f"redraw rate: {fps:.1f} fps while playing (target >= 20 fps, or one frame per step when steps are "
+          f"slower: {verdict(fps >= min(20.0, 0.9 * gui_speed))})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
