@@ -53,6 +53,8 @@ class MainWindow(QMainWindow):
         self._redraw_cost = 0.0  # seconds, a moving average of redraw() itself (painting comes after)
         self._frame_timer = QTimer(self, singleShot=True)
         self._frame_timer.timeout.connect(self.redraw)
+        self._slow_timer = QTimer(self, singleShot=True, interval=5)  # the next slow view, a turn later
+        self._slow_timer.timeout.connect(self._show_slow_views)
         self._catch_up = QTimer(self, singleShot=True)  # redraws the views skipped while decoding
         self._catch_up.timeout.connect(self.request_render)
 
@@ -327,7 +329,7 @@ class MainWindow(QMainWindow):
             self._show(self.views, state, now)
         else:
             self._show([v for v in self.views if not getattr(v, "live_interval", 0.0)], state, now)
-            QTimer.singleShot(5, lambda: self._show_slow_views(state))
+            self._slow_timer.start()
         self._update_transport(state)
         self._redraw_cost = 0.8 * self._redraw_cost + 0.2 * (time.perf_counter() - now)
 
@@ -337,10 +339,9 @@ class MainWindow(QMainWindow):
                 self._shown_at[view.title] = now
                 view.show_state(state)
 
-    def _show_slow_views(self, state: ViewState) -> None:
+    def _show_slow_views(self) -> None:
         """One of the views that refresh slowly while decoding, the one waiting longest, if its turn came."""
-        if state.timeline is not self.timeline:
-            return
+        state = self.view_state()
         now = time.perf_counter()
         due = [v for v in self.views if getattr(v, "live_interval", 0.0) and not self.docks[v.title].isHidden()]
         due.sort(key=lambda v: self._shown_at.get(v.title, 0.0))
@@ -349,7 +350,7 @@ class MainWindow(QMainWindow):
             if waited >= view.live_interval or not self.runner.running:
                 self._show([view], state, now)
                 if len(due) > 1:
-                    QTimer.singleShot(5, lambda: self._show_slow_views(self.view_state()))
+                    self._slow_timer.start()
                 return
         if due and not self._catch_up.isActive():
             wait = min(v.live_interval - (now - self._shown_at.get(v.title, 0.0)) for v in due)
@@ -449,6 +450,7 @@ class MainWindow(QMainWindow):
     def closeEvent(self, event) -> None:
         self._frame_timer.stop()
         self._catch_up.stop()
+        self._slow_timer.stop()
         self._replay_timer.stop()
         self.save_settings()
         try:

@@ -143,7 +143,7 @@ class BlockTable(QTableWidget):
                 if item is None:
                     item = QTableWidgetItem()
                     if c < 3:
-                        item.setTextAlignment(int(Qt.AlignRight | Qt.AlignVCenter))
+                        item.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
                     self.setItem(r, c, item)
                 item.setText(str(value))
         self.rows = rows
