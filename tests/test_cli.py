@@ -89,8 +89,8 @@ def test_python_m_pagevis_bad_argument_in_a_subprocess():
     done = subprocess.run([sys.executable, "-m", "pagevis", "run", "--max-pages", "0", *SYNTH],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert done.stderr.strip() == ("pagevis: error: --max-pages: max_pages = 0 is not allowed: "
-                                   "an integer from 1 to 1048576")
+    assert done.stderr.startswith("pagevis: error: --max-pages: max_pages = 0 is not allowed: an integer from 1")
+    assert done.stderr.count("\n") == 1
 
 
 def test_headless_commands_never_import_qt(tmp_path):
