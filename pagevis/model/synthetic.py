@@ -20,7 +20,8 @@ class SyntheticModel(LlamaModel):
 
     Its tokenizer is a ByteTokenizer: token id == UTF-8 byte, so text round-trips; ids >= 256 (if
     vocab_size is larger) decode to nothing. It has no BOS and no EOS (eos_ids == ()).
-    Weights are N(0, 1/fan_in) so activations keep unit scale; norms are ones.
+    Weights are N(0, 1/fan_in) so activations keep unit scale; norms are ones; the tied output
+    matrix is scaled so that logits have a standard deviation of about 2.
     """
 
     def __init__(
@@ -79,5 +80,7 @@ def random_weights(config: ModelConfig, seed: int) -> LlamaWeights:
                                  ones(), matrix(ff, d), matrix(ff, d), matrix(d, ff))
         for _ in range(config.n_layers)
     )
-    output_t = np.ascontiguousarray(rng.standard_normal((d, config.vocab_size), dtype=np.float32))
+    # Tied embedding/output, scaled so logits have a standard deviation near 2: peaked enough to have
+    # a clear greedy choice, flat enough that the oracle's KL and perplexity say something.
+    output_t = rng.standard_normal((d, config.vocab_size), dtype=np.float32) * np.float32(2 / np.sqrt(d))
     return LlamaWeights(output_t.T, layers, ones(), output_t)
