@@ -18,17 +18,6 @@ TEXT = ("It is a truth universally acknowledged, that a single man in possession
         "must be in want of a wife. However little known the feelings or views of such a man may be.")
 
 
-class Softened:
-    """The synthetic model with its logits scaled down: its raw next-token distributions are nearly
-    one-hot, which would make every KL 0 and every top-1 agree."""
-
-    def __init__(self, model, scale=0.02):
-        self.model, self.config, self.tokenizer, self.scale = model, model.config, model.tokenizer, scale
-
-    def forward(self, token_ids, positions, attend, all_logits=False):
-        return self.model.forward(token_ids, positions, attend, all_logits=all_logits) * np.float32(self.scale)
-
-
 def dense_perplexity(model, ids):
     logits = model.forward(np.array(ids), np.arange(len(ids)), DenseAttention(model.config), all_logits=True)
     logprobs = [log_softmax(logits[i])[ids[i + 1]] for i in range(len(ids) - 1)]
@@ -37,7 +26,7 @@ def dense_perplexity(model, ids):
 
 @pytest.fixture(scope="module")
 def model():
-    return Softened(SPEC.load())
+    return SPEC.load()
 
 
 @pytest.fixture(scope="module")
