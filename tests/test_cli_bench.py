@@ -38,6 +38,20 @@ def test_bench_bad_arguments(capsys):
     assert "--contexts '32,abc': expected numbers" in capsys.readouterr().err
     assert main(["bench", "--out", "/no/such/folder", "--no-model"]) == 2
     assert "--out /no/such/folder: no such folder" in capsys.readouterr().err
+    assert main(["bench", "--quick", "--no-files", "--contexts", "32", "--transformers-python", "/no/python"]) == 2
+    assert "--transformers-python /no/python: not an executable" in capsys.readouterr().err
+
+
+def test_transformers_row_reads_the_script_json(tmp_path):
+    """The transformers benchmark runs in another interpreter; a stand-in prints what the script prints."""
+    from pagevis.bench.suite import transformers_row
+    from pagevis.decoding import ModelSpec
+
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho '{\"tokens_per_s\": 4.5, \"tokens\": 8, \"threads\": 2, \"versions\": {}}'\n")
+    fake.chmod(0o755)
+    assert transformers_row(ModelSpec(), str(fake), 8)["tokens_per_s"] == 4.5
+    assert transformers_row(ModelSpec(kind="synthetic"), str(fake), 8) is None
 
 
 class FakeTensor:

@@ -96,3 +96,30 @@ def decode_row(spec, n_tokens: int = 32, copy_bytes: int | None = None) -> dict:
     return dict(model=spec.label, load_s=load_s, copy_gb_s=bandwidth / 1e9, weight_mb_per_token=per_token / 1e6,
                 floor_tok_s=floor, paged_tok_s=1 / forward_s, dense_tok_s=dense,
                 paged_of_floor=(1 / forward_s) / floor, dense_of_floor=dense / floor, decode_steps=len(decode_s))
+
+
+def transformers_row(spec, python: str | None, n_tokens: int) -> dict | None:
+    """transformers eager decode speed on the same GGUF file, run by `python` (this interpreter when it has
+    transformers and torch); None when neither is available or the model is synthetic."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if spec.kind == "synthetic":
+        return None
+    if python is None:
+        if not (importlib.util.find_spec("transformers") and importlib.util.find_spec("torch")):
+            return None
+        python = sys.executable
+    from ..model import default_model_path
+
+    gguf = spec.path if spec.kind == "gguf" else str(default_model_path())
+    script = Path(__file__).with_name("transformers_eager.py")
+    done = subprocess.run([python, str(script), "--gguf", gguf, "--tokens", str(n_tokens)],
+                          capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"transformers benchmark failed under {python}: {done.stderr.strip()[-500:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+

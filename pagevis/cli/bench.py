@@ -36,6 +36,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
                         help="folder for bench-*.csv and bench-latency.png, bench-memory.png (default .)")
     parser.add_argument("--no-files", action="store_true", help="write no CSV or PNG")
     parser.add_argument("--json", action="store_true", help="print one JSON object with every table")
+    parser.add_argument("--transformers-python", metavar="PYTHON",
+                        help="a Python with torch, transformers, accelerate and gguf: time transformers eager "
+                             "decoding of the same GGUF with it (default: this Python, if it has them)")
     parser.set_defaults(handler=main)
     return parser
 
@@ -83,6 +86,14 @@ def main(args: argparse.Namespace) -> int:
     if spec is not None:
         say(f"decode: {spec.label} ...")
         decode = suite.decode_row(spec, n_tokens=args.decode_tokens, copy_bytes=(64 << 20) if args.quick else None)
+        if args.transformers_python and not os.access(args.transformers_python, os.X_OK):
+            raise UsageError(f"--transformers-python {args.transformers_python}: not an executable")
+        say("decode: transformers eager (if available) ...")
+        eager = suite.transformers_row(spec, args.transformers_python, args.decode_tokens)
+        if eager:
+            decode.update(transformers_tok_s=eager["tokens_per_s"], transformers_threads=eager["threads"],
+                          transformers_versions=eager["versions"],
+                          paged_over_transformers=decode["paged_tok_s"] / eager["tokens_per_s"])
 
     result = {"attention": paged, "storage": storage, "torch": torch_rows, "decode": decode,
               "shape": suite.SMOLLM2_LAYER}
@@ -122,6 +133,11 @@ def format_report(result: dict) -> str:
                 f"  paged session   {d['paged_tok_s']:.1f} tok/s ({d['paged_of_floor']:.2f} of the floor; median of "
                 f"{d['decode_steps']} steps)",
                 f"  dense attention {d['dense_tok_s']:.1f} tok/s ({d['dense_of_floor']:.2f} of the floor)"]
+        if "transformers_tok_s" in d:
+            out.append(f"  transformers eager {d['transformers_tok_s']:.1f} tok/s ({d['transformers_threads']} torch "
+                       f"threads); paged session {d['paged_over_transformers']:.2f}x transformers")
+        else:
+            out.append("  transformers eager: not measured (--transformers-python PYTHON)")
     if result.get("files"):
         out += ["", "wrote " + ", ".join(result["files"])]
     return "\n".join(out)

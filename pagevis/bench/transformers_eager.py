@@ -1,10 +1,11 @@
 """Decode speed of SmolLM2 in transformers (eager attention, torch CPU), for comparison with pagevis.
 
-Runs in any Python with torch, transformers and gguf installed (not pagevis's own environment: torch is
-an optional extra). Prints one JSON object: {"tokens_per_s": ..., "threads": ..., "versions": ...}.
+Runs as a script in any Python with torch, transformers, accelerate and gguf installed; it imports
+nothing from pagevis, so `pagevis bench --transformers-python PATH` can run it in another environment
+(torch is an optional extra of ours). Prints one JSON object: {"tokens_per_s", "threads", "versions"}.
 Greedy decoding with transformers' own KV cache, one token per forward, after a warm-up.
 
-    python scripts/bench_transformers.py --gguf PATH --tokens 64
+    python pagevis/bench/transformers_eager.py --gguf PATH --tokens 64
 """
 
 import argparse
