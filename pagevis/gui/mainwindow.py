@@ -26,7 +26,9 @@ from .views.page_grid import PageGridView
 from .views.text import TextView
 
 FRAME_INTERVAL = 1 / 30  # redraw at most this often, however fast records arrive
-MAX_FRAME_INTERVAL = 1 / 12  # ... and, when redraws are slow, leave the event loop idle 2/3 of the time
+MAX_FRAME_INTERVAL = 1 / 5  # ... and at least this often while records arrive
+UI_SHARE = 0.25  # while decoding, redraws (with their painting) may take this share of the UI thread's time:
+# the decoder needs the CPU more than the screen needs a 30th frame per second on a small machine
 SETTINGS_VERSION = 1
 
 
@@ -50,7 +52,8 @@ class MainWindow(QMainWindow):
         self._replay_timer = QTimer(self, interval=100)
         self._replay_timer.timeout.connect(self._replay_tick)
         self._shown_at: dict[str, float] = {}  # when each view last rendered
-        self._redraw_cost = 0.0  # seconds, a moving average of redraw() itself (painting comes after)
+        self._interval = FRAME_INTERVAL  # the current pace of redraws while decoding (see _pace)
+        self._cpu_mark = (time.perf_counter(), time.thread_time())
         self._frame_timer = QTimer(self, singleShot=True)
         self._frame_timer.timeout.connect(self.redraw)
         self._slow_timer = QTimer(self, singleShot=True, interval=5)  # the next slow view, a turn later
@@ -311,7 +314,7 @@ class MainWindow(QMainWindow):
         """Redraw soon: at once if the last frame is older than FRAME_INTERVAL, else when it is."""
         if self._frame_timer.isActive():
             return
-        interval = min(max(FRAME_INTERVAL, 3 * self._redraw_cost), MAX_FRAME_INTERVAL)
+        interval = self._pace() if self.runner.running else FRAME_INTERVAL
         wait = self._last_frame + interval - time.perf_counter()
         self._frame_timer.start(max(0, int(wait * 1000)))
 
@@ -331,13 +334,25 @@ class MainWindow(QMainWindow):
             self._show([v for v in self.views if not getattr(v, "live_interval", 0.0)], state, now)
             self._slow_timer.start()
         self._update_transport(state)
-        self._redraw_cost = 0.8 * self._redraw_cost + 0.2 * (time.perf_counter() - now)
 
     def _show(self, views, state: ViewState, now: float) -> None:
         for view in views:
             if not self.docks[view.title].isHidden():
                 self._shown_at[view.title] = now
                 view.show_state(state)
+
+    def _pace(self) -> float:
+        """Seconds between redraws while decoding: adjusted so that the UI thread's CPU time (redraws,
+        painting, everything) stays near UI_SHARE of the wall clock, between 30 and 5 frames a second.
+        On a small or busy machine the decoder keeps its speed and the screen gets fewer frames."""
+        wall, cpu = time.perf_counter(), time.thread_time()
+        elapsed = wall - self._cpu_mark[0]
+        if elapsed >= 0.25:
+            share = (cpu - self._cpu_mark[1]) / elapsed
+            self._cpu_mark = (wall, cpu)
+            factor = min(max(share / UI_SHARE, 0.5), 2.0)
+            self._interval = min(max(self._interval * factor ** 0.5, FRAME_INTERVAL), MAX_FRAME_INTERVAL)
+        return self._interval
 
     def _show_slow_views(self) -> None:
         """One of the views that refresh slowly while decoding, the one waiting longest, if its turn came."""

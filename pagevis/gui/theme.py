@@ -89,19 +89,19 @@ def icon(name: str):
         return QIcon()
 
 
-def set_title(plot: pg.PlotItem, html: str, size: str = "8pt") -> None:
+def set_title(plot: pg.PlotItem, html: str, size: str = "8pt", justify: str = "center") -> None:
     """A plot title that never forces its plot wider than the space it gets (pyqtgraph's LabelItem asks
     for its text's full width as its minimum); text that does not fit is clipped. Setting the same
     title again costs nothing (a new one re-lays the plot out, which repaints its axes)."""
-    if getattr(plot, "_title_html", None) == (html, size):
+    if getattr(plot, "_title_html", None) == (html, size, justify):
         return
-    plot._title_html = (html, size)
+    plot._title_html = (html, size, justify)
     label = plot.titleLabel
     if not getattr(label, "_shrinkable", False):
         label._shrinkable = True
         label.updateMin = types.MethodType(_update_min_shrinkable, label)
         label.setFlag(label.GraphicsItemFlag.ItemClipsChildrenToShape, True)
-    plot.setTitle(html, size=size)
+    plot.setTitle(html, size=size, justify=justify)
 
 
 def _update_min_shrinkable(label) -> None:

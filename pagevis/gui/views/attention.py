@@ -28,16 +28,15 @@ class AttentionView(QWidget):
         self.plot.invertY(True)
         self.plot.setMenuEnabled(False)
         self.plot.showGrid(x=False, y=False)
-        self.image = pg.ImageItem()
-        self.marks = pg.ImageItem()  # RGBA overlay of evicted positions
-        self.marks.setZValue(5)
+        self.image = pg.ImageItem()  # RGBA: weights through the colour map, evicted positions marked
         self.plot.addItem(self.image)
-        self.plot.addItem(self.marks)
+        self.colormap = pg.colormap.get(theme.HEATMAP)
+        self.lut = self.colormap.getLookupTable(nPts=256, alpha=True)
         self.cursor = pg.InfiniteLine(angle=0, pen=pg.mkPen(theme.ACCENT, width=1, style=pg.QtCore.Qt.DashLine))
         self.plot.addItem(self.cursor)
-        self.bar = pg.ColorBarItem(values=(0, 1), colorMap=pg.colormap.get(theme.HEATMAP), interactive=False,
-                                   width=14, label="attention weight", pen=theme.GRID)
-        self.bar.setImageItem(self.image, insert_in=self.plot)
+        self.bar = pg.ColorBarItem(values=(0, 1), colorMap=self.colormap, interactive=False, width=14,
+                                   label="attention weight", pen=theme.GRID)
+        self.graphics.addItem(self.bar, row=0, col=1)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(self.graphics)
@@ -57,30 +56,33 @@ class AttentionView(QWidget):
         if record is None:
             self.matrix = np.zeros((0, 0), dtype=np.float32)
             self.image.clear()
-            self.marks.clear()
             self.plot.setTitle("")
             return
         weights, evicted = timeline.attention(state.layer, state.head, state.index)
         if state.log_scale:
             shown = np.log10(np.maximum(weights, LOG_FLOOR))
             levels = (np.log10(LOG_FLOOR), 0.0)
-            self.bar.setLabel("left", "log₁₀ attention weight")
+            label = "log₁₀ attention weight"
         else:
             shown = weights
             top = float(np.percentile(weights[weights > 0], 99.5)) if (weights > 0).any() else 1.0
             levels = (0.0, max(top, 1e-3))
-            self.bar.setLabel("left", "attention weight")
+            label = "attention weight"
+        if label != getattr(self, "_bar_label", None):  # a new label re-lays the plot out: only on change
+            self._bar_label = label
+            self.bar.setLabel("left", label)
         self.matrix = np.ascontiguousarray(shown, dtype=np.float32)
         self.evicted = evicted
         rows, cols = self.matrix.shape
-        self.image.setImage(self.matrix, autoLevels=False)
+        low, high = levels
+        index = np.clip((self.matrix - low) * (255.0 / (high - low)), 0, 255).astype(np.uint8)
+        rgba = self.lut[index]
+        rgba[evicted] = theme.EVICTED_MARK
+        written = np.asarray(timeline.written_upto[: rows])
+        rgba[np.arange(cols)[None, :] >= written[:, None]] = 0  # not yet in the sequence: transparent
+        self.image.setImage(rgba, autoLevels=False)
         self.bar.setLevels(levels)
-        marks = np.zeros((rows, cols, 4), dtype=np.uint8)
-        marks[evicted] = theme.EVICTED_MARK
-        self.marks.setImage(marks, autoLevels=False)
-        rect = QRectF(0, 0, cols, rows)
-        self.image.setRect(rect)
-        self.marks.setRect(rect)
+        self.image.setRect(QRectF(0, 0, cols, rows))
         self.cursor.setValue(rows - 0.5)
         theme.grow_range(self.plot, cols, rows, x_step=32, y_step=32, padding=0)
         theme.set_title(self.plot, theme.muted(

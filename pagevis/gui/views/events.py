@@ -15,6 +15,7 @@ from .. import theme
 from . import ViewState
 
 COLUMNS = ("step", "layer", "page", "slot", "position", "token", "reason", "score")
+HEADERS = ("step", "layer", "page", "slot", "pos", "token", "reason", "score")
 
 
 _DISPLAY, _ALIGN = Qt.DisplayRole, Qt.TextAlignmentRole
@@ -68,7 +69,9 @@ class EventTableModel(QAbstractTableModel):
 
     def headerData(self, section, orientation, role=Qt.DisplayRole):
         if role == Qt.DisplayRole and orientation == Qt.Horizontal:
-            return COLUMNS[section]
+            return HEADERS[section]
+        if role == Qt.ToolTipRole and orientation == Qt.Horizontal:
+            return f"filter with {COLUMNS[section]}=value" if section < 5 else None
         return None
 
 
@@ -132,7 +135,8 @@ class EventsView(QWidget):
         self.table.setAlternatingRowColors(True)
         self.table.horizontalHeader().setSectionResizeMode(QHeaderView.Interactive)
         self.table.horizontalHeader().setStretchLastSection(True)
-        for column, width in enumerate((46, 42, 40, 36, 60, 70, 150, 60)):
+        self.table.horizontalHeader().setMinimumSectionSize(24)
+        for column, width in enumerate((38, 38, 36, 32, 40, 60, 150, 50)):
             self.table.setColumnWidth(column, width)
 
         self.graphics = pg.GraphicsLayoutWidget()

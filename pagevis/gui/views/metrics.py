@@ -35,7 +35,7 @@ def rolling_mean(values: np.ndarray, window: int = 8) -> np.ndarray:
 
 class MetricsView(QWidget):
     title = "Metrics"
-    live_interval = 0.1  # while decoding, at most 10 times a second
+    live_interval = 0.25  # while decoding, at most 4 times a second
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -67,15 +67,14 @@ class MetricsView(QWidget):
             "top1_agree": _curve(self.oracle, s[2], "top-1 agree (mean of 8)"),
         }
         self.capacity = pg.InfiniteLine(angle=0, pen=pg.mkPen(theme.MUTED, style=Qt.DotLine),
-                                        label="capacity", labelOpts={"color": theme.MUTED, "position": 0.1})
+                                        label="capacity", labelOpts={"color": theme.MUTED, "position": 0.5})
         self.occupancy.addItem(self.capacity)
         self.cursors = []
         for plot in (self.occupancy, self.evictions, self.latency, self.oracle):
             line = pg.InfiniteLine(angle=90, pen=pg.mkPen(theme.ACCENT, style=Qt.DashLine))
             plot.addItem(line, ignoreBounds=True)
             self.cursors.append(line)
-        self.oracle_off = pg.TextItem("oracle off: tick “Compare with\na full cache” in Controls",
-                                      color=theme.MUTED, anchor=(0.5, 0.5))
+        self.oracle_off = pg.TextItem("oracle off\n(Controls ▸ Decoding)", color=theme.MUTED, anchor=(0.5, 0.5))
         self._titles()
         self.oracle.addItem(self.oracle_off, ignoreBounds=True)
         layout = QVBoxLayout(self)
@@ -90,7 +89,8 @@ class MetricsView(QWidget):
             return f"<span style='color:{color}'>━ {text}</span>"
 
         def title(plot: pg.PlotItem, heading: str, *keys: str) -> None:
-            theme.set_title(plot, f"<span style='color:{theme.TEXT}'>{heading}</span>&nbsp; " + "&nbsp; ".join(keys))
+            theme.set_title(plot, f"<span style='color:{theme.TEXT}'>{heading}</span>&nbsp; " + "&nbsp; ".join(keys),
+                            justify="left")
 
         s = theme.SERIES
         title(self.occupancy, "layer 0", key(s[0], "resident"), key(s[1], "in used pages"))

@@ -181,7 +181,7 @@ class PageGridView(QWidget):
 
         self.blocks = BlockTable()
         self.block_view = self.blocks
-        self.block_view.setMinimumWidth(230)
+        self.block_view.setMinimumWidth(250)
         self.block_view.setMaximumWidth(300)
         block_title = QLabel("Block table (logical → physical)")
         block_title.setStyleSheet(f"color: {theme.MUTED}")

@@ -31,7 +31,7 @@ class TokenTint:
 
 class TextView(QWidget):
     title = "Text"
-    live_interval = 0.1  # while decoding, re-tint at most 10 times a second (re-laying the text is costly)
+    live_interval = 0.25  # while decoding, re-tint at most 4 times a second (re-laying the text is costly)
 
     def __init__(self, parent=None):
         super().__init__(parent)
