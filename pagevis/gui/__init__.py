@@ -39,23 +39,26 @@ def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, sessi
     app = _application()
     from .mainwindow import MainWindow
 
+    _one_blas_thread()
     # A screenshot is a pure function of its arguments: it neither reads nor writes the user's settings.
-    settings = None
-    if screenshot:
-        from PySide6.QtCore import QSettings
-
-        settings = QSettings(QSettings.IniFormat, QSettings.UserScope, ORGANIZATION, "pagevis-screenshot")
-        settings.clear()
-    window = MainWindow(settings=settings, restore=not screenshot)
+    window = MainWindow(restore=not screenshot, persist=not screenshot)
     window.apply_arguments(model_spec, prompt, session_config)
     if screenshot:
         return _screenshot(app, window, screenshot, steps)
     window.show()
-    if trace:
-        window.open_trace(trace)
-    else:
+    if not (trace and window.open_trace(trace)):
         window.start()
     return app.exec()
+
+
+def _one_blas_thread() -> None:
+    """Decoding is memory-bound and the UI thread needs a core: OpenBLAS threads spinning for a busy core
+    slow decoding several times (see pagevis.model.blas_threads)."""
+    try:
+        from ..model import set_blas_threads
+    except ImportError:
+        return
+    set_blas_threads(1)
 
 
 def _screenshot(app, window, path: str, steps: int) -> int:
@@ -74,7 +77,6 @@ def _screenshot(app, window, path: str, steps: int) -> int:
     window.redraw()
     app.processEvents()
     ok = window.grab().save(path)
-    window.settings.clear()
     window.close()
     if not ok:
         print(f"pagevis: could not write {path}", file=sys.stderr)

@@ -33,15 +33,14 @@ def headless(spec, config, steps: int) -> float:
 
 
 def in_gui(spec, config, steps: int) -> dict[str, float]:
-    from PySide6.QtCore import QElapsedTimer, QEventLoop, QSettings, QTimer
+    from PySide6.QtCore import QElapsedTimer, QEventLoop, QTimer
     from PySide6.QtWidgets import QApplication
 
     from . import _application
     from .mainwindow import MainWindow
 
     app = _application()
-    settings = QSettings(QSettings.IniFormat, QSettings.UserScope, "pagevis", "pagevis-bench")
-    window = MainWindow(settings=settings, restore=False)
+    window = MainWindow(restore=False, persist=False)
     window.apply_arguments(spec, PROMPT, config)
     window.resize(1600, 1000)
     window.show()
@@ -85,7 +84,6 @@ def in_gui(spec, config, steps: int) -> dict[str, float]:
     redraws = window.frames - frames
     probe.stop()
     window.close()
-    settings.clear()
     QApplication.processEvents()
     return {"tokens_per_s": steps / elapsed, "fps": redraws / elapsed, "ui_cpu": ui_cpu / elapsed, "p50": float(np.percentile(lateness, 50)),
             "p99": float(np.percentile(lateness, 99)), "max": float(max(lateness)), "seconds": elapsed}

@@ -37,8 +37,10 @@ def _mib(n: int) -> str:
 
 
 class MainWindow(QMainWindow):
-    def __init__(self, settings: QSettings | None = None, restore: bool = True):
+    def __init__(self, settings: QSettings | None = None, restore: bool = True, persist: bool = True):
+        """`restore`: start from the saved layout and configuration; `persist`: save them on close."""
         super().__init__()
+        self.persist = persist
         self.setWindowTitle("pagevis — paged KV cache, live")
         self.setWindowIcon(theme.icon("pagevis"))
         self.settings = settings if settings is not None else QSettings()
@@ -467,7 +469,8 @@ class MainWindow(QMainWindow):
         self._catch_up.stop()
         self._slow_timer.stop()
         self._replay_timer.stop()
-        self.save_settings()
+        if self.persist:
+            self.save_settings()
         try:
             self.runner.records.disconnect(self._records_arrived)
         except (RuntimeError, TypeError):

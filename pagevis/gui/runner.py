@@ -23,6 +23,8 @@ from ..decoding import DecodeSession, ModelSpec, SessionConfig
 from ..engine import CacheConfig, ConfigError
 from .timeline import SessionInfo, Timeline
 
+GIL_BREATH = 0.002  # seconds the worker sleeps after a short step ...
+SHORT_STEP = 0.02  # ... one shorter than this
 MAX_CAPACITY = 4096  # tokens per layer; beyond this the per-step snapshots get too heavy to keep
 
 
@@ -58,6 +60,11 @@ def decode_steps(session: DecodeSession, control: RunControl, flush_every: float
             pause_until = started + control.interval
             while not control.stop and time.perf_counter() < pause_until:
                 time.sleep(min(0.01, pause_until - time.perf_counter()))
+            # After a short step, leave the GIL to the UI thread for a moment: a small model is mostly
+            # Python (the synthetic one runs ~400 steps/s) and would otherwise starve the event loop.
+            # SmolLM2's steps spend their time in NumPy, which releases the GIL, and skip the pause.
+            if time.perf_counter() - started < SHORT_STEP:
+                time.sleep(GIL_BREATH)
     except Exception as error:  # noqa: BLE001 - every failure is shown in the GUI
         if batch:
             yield batch
