@@ -18,7 +18,8 @@ GRID = "#3a3f48"
 
 # Page-grid cell states (the values stored in PageGridView.states) and their colours.
 FREE, RESIDENT, PINNED, WRITTEN, REPLACED, EVICTED = range(6)
-STATE_NAMES = ("free", "resident", "pinned sink", "written this step", "evicted + rewritten", "evicted this step")
+STATE_NAMES = ("free", "resident", "protected (sink / recent)", "written this step", "evicted + rewritten",
+               "evicted this step")
 STATE_COLORS = ("#2a2e36", "#3b82c4", "#b48cf2", "#3ddc84", "#ffb020", "#ef4b4b")
 
 # Series colours for metrics, in order of use.

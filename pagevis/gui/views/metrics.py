@@ -142,7 +142,8 @@ class MetricsView(QWidget):
             else:
                 self.curves[name].setData(steps, values, connect="finite")
         capacity = config.page_size * config.max_pages
-        self.capacity.setValue(capacity)
+        if self.capacity.value() != capacity:  # its label re-renders on every setValue
+            self.capacity.setValue(capacity)
         n = len(timeline)
 
         def top(values: np.ndarray) -> float:
