@@ -335,3 +335,17 @@ def test_smollm2_loads_without_freezing_and_decodes(qtbot, tmp_path):
     assert window.timeline.info.n_layers == 30
     assert window.page_grid.states.shape == (8, 8)
     assert window.text.tints[0].text == "<|im_start|>"
+
+
+def test_view_menu_hides_views_and_reset_layout_restores_them(qtbot, window):
+    step(qtbot, window, 2)
+    dock = window.docks["Attention"]
+    dock.toggleViewAction().trigger()
+    assert dock.isHidden()
+    frames_matrix = window.attention.matrix.shape
+    step(qtbot, window)  # a hidden view is not drawn
+    assert window.attention.matrix.shape == frames_matrix
+    window.reset_layout()
+    assert not dock.isHidden() and not window.docks["Messages"].isVisible()
+    window.redraw()
+    assert window.attention.matrix.shape == (3, 18)
