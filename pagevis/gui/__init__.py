@@ -6,7 +6,6 @@ import os
 import sys
 
 from ..decoding import ModelSpec, SessionConfig
-from . import _none_refcount  # noqa: F401  - first: guards None against PySide6 6.12's refcount leak
 
 ORGANIZATION = "pagevis"
 APPLICATION = "pagevis"
