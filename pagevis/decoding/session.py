@@ -87,8 +87,9 @@ class DecodeSession:
         return self._fed + max(len(self.generated) - 1, 0)
 
     def text(self) -> str:
-        """The generated text so far (not the prompt)."""
-        return decode_ids(self.model, self.generated)
+        """The generated text so far (not the prompt, not the end-of-sequence token that stopped it)."""
+        ids = self.generated[:-1] if self.stop_reason == "eos" else self.generated
+        return decode_ids(self.model, ids)
 
     def token_text(self, token_id: int) -> str:
         return token_text(self.model, token_id)
