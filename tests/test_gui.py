@@ -106,6 +106,30 @@ def test_steps_fill_the_grid_then_evict_and_every_view_shows_it(qtbot, window):
     assert window.metrics.data["evictions"].tolist() == [0, 1]
 
 
+def test_event_table_shows_the_text_of_the_rows_it_filters_in(qtbot, window):
+    step(qtbot, window, 3)
+    proxy = window.events.proxy
+
+    def shown() -> list[list[str]]:
+        return [[proxy.index(r, c).data() for c in range(proxy.columnCount())] for r in range(proxy.rowCount())]
+
+    def expected() -> list[list[str]]:
+        return [[str(v) for v in row[:5]] + [row[5], row[6], "" if np.isnan(row[7]) else f"{row[7]:.4g}"]
+                for row in window.events.visible_rows()]
+
+    assert shown() == expected() and {row[1] for row in shown()} == {"0"}
+    window.controls.layer.setValue(1)  # rows of layer 1 were never shown: their cells are filled now
+    window.redraw()
+    assert shown() == expected() and {row[1] for row in shown()} == {"1"} and len(shown()) >= 1
+    window.events.filter.setText("layer=0")  # the text filter, with all layers
+    window.events.only_layer.setChecked(False)
+    assert shown() == expected() and {row[1] for row in shown()} == {"0"}
+    window.scrub(0)  # back to the prefill: no evictions yet
+    assert shown() == []
+    window.scrub(2)
+    assert shown() == expected() and len(shown()) >= 1
+
+
 def test_scrub_back_and_forward_with_keys_and_slider(qtbot, window):
     step(qtbot, window, 5)
     assert window.transport.slider.maximum() == 4 and window.transport.slider.value() == 4

@@ -49,6 +49,7 @@ class Timeline:
         self.token_ids: list[int] = []  # token id at each position that has entered the cache
         self.evictions: list[Eviction] = []
         self._eviction_steps: list[int] = []
+        self._eviction_columns = (np.zeros((3, 0)), 0)  # (step, layer, position) × evictions, and how many
         self.written_upto: list[int] = []  # per record: number of positions written so far
         self._series: dict[str, list[float]] = {name: [] for name in SERIES}
         self._evicted_per_layer: list[np.ndarray] = []
@@ -78,6 +79,7 @@ class Timeline:
         total = record.timings.get("total", float("nan"))
         s["resident_tokens"].append(record.resident_tokens)
         s["pages_used"].append(record.pages_used)
+        s["tokens"].append(len(record.token_ids))
         s["latency_ms"].append(total * 1e3)
         s["tokens_per_s"].append(len(record.token_ids) / total if total > 0 else float("nan"))
         oracle = record.oracle
@@ -109,6 +111,15 @@ class Timeline:
         """How many evictions (all layers) happened in records 0..index."""
         return bisect.bisect_right(self._eviction_steps, self.records[index].step) if self.records else 0
 
+    def eviction_columns(self) -> np.ndarray:
+        """(3, evictions) float64: the step, layer and position of every eviction so far, in order."""
+        columns, count = self._eviction_columns
+        if count != len(self.evictions):
+            new = np.array([(e.step, e.layer, e.position) for e in self.evictions[count:]], dtype=np.float64)
+            columns = np.concatenate([columns, new.reshape(-1, 3).T], axis=1)
+            self._eviction_columns = (columns, len(self.evictions))
+        return columns
+
     def series(self, name: str, upto: int | None = None) -> np.ndarray:
         values = self._series[name] if upto is None else self._series[name][: upto + 1]
         return np.asarray(values, dtype=np.float64)
@@ -116,8 +127,15 @@ class Timeline:
     def evictions_per_step(self, layer: int | None = None) -> np.ndarray:
         if not self._evicted_per_layer:
             return np.zeros(0)
-        counts = np.stack(self._evicted_per_layer)
+        counts = self._eviction_counts()
         return counts.sum(axis=1) if layer is None else counts[:, layer]
+
+    def _eviction_counts(self) -> np.ndarray:
+        """(records, layers) evictions, stacked once per new record rather than on every call."""
+        cached = getattr(self, "_counts", None)
+        if cached is None or len(cached) != len(self._evicted_per_layer):
+            cached = self._counts = np.stack(self._evicted_per_layer)
+        return cached
 
     def tokens_per_second(self, index: int, window: int = 16) -> float:
         """Decode speed over the last `window` decode steps up to `index` (forward + sampling time)."""
@@ -137,7 +155,7 @@ class Timeline:
         return buffer.weights[: index + 1, :n], buffer.evicted[: index + 1, :n]
 
 
-SERIES = ("resident_tokens", "pages_used", "latency_ms", "tokens_per_s", "kl", "top1_agree", "lost_attention")
+SERIES = ("tokens", "resident_tokens", "pages_used", "latency_ms", "tokens_per_s", "kl", "top1_agree", "lost_attention")
 
 
 class _AttentionBuffer:

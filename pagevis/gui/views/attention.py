@@ -22,6 +22,10 @@ class AttentionView(QWidget):
         self.matrix = np.zeros((0, 0), dtype=np.float32)  # what is drawn (scaled), steps × positions
         self.evicted = np.zeros((0, 0), dtype=bool)
         self._key = None
+        self._levels = None
+        self._buffer = np.zeros((0, 0, 4), dtype=np.uint8)  # RGBA rows coloured so far (see _rgba)
+        self._buffer_key = None
+        self._done = 0  # rows of _buffer that are up to date
         self.graphics = pg.GraphicsLayoutWidget()
         self.plot = self.graphics.addPlot()
         theme.style_plot(self.plot, left="step", bottom="token position")
@@ -36,6 +40,7 @@ class AttentionView(QWidget):
         self.plot.addItem(self.cursor)
         self.bar = pg.ColorBarItem(values=(0, 1), colorMap=self.colormap, interactive=False, width=14,
                                    label="attention weight", pen=theme.GRID)
+        theme.cache_axes(self.bar)
         self.graphics.addItem(self.bar, row=0, col=1)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
@@ -56,35 +61,58 @@ class AttentionView(QWidget):
         if record is None:
             self.matrix = np.zeros((0, 0), dtype=np.float32)
             self.image.clear()
-            self.plot.setTitle("")
+            theme.set_title(self.plot, "", size="9pt")
             return
         weights, evicted = timeline.attention(state.layer, state.head, state.index)
         if state.log_scale:
             shown = np.log10(np.maximum(weights, LOG_FLOOR))
-            levels = (np.log10(LOG_FLOOR), 0.0)
+            levels = (float(np.log10(LOG_FLOOR)), 0.0)
             label = "log₁₀ attention weight"
         else:
             shown = weights
-            top = float(np.percentile(weights[weights > 0], 99.5)) if (weights > 0).any() else 1.0
-            levels = (0.0, max(top, 1e-3))
+            positive = weights[weights > 0]
+            top = float(np.percentile(positive, 99.5)) if positive.size else 1.0
+            levels = (0.0, theme.level_ceiling(max(top, 1e-3)))
             label = "attention weight"
         if label != getattr(self, "_bar_label", None):  # a new label re-lays the plot out: only on change
             self._bar_label = label
             self.bar.setLabel("left", label)
-        self.matrix = np.ascontiguousarray(shown, dtype=np.float32)
+        if levels != self._levels:  # a new range re-lays the bar's axis out (3 ms): only on change
+            self._levels = levels
+            self.bar.setLevels(levels)
+        self.matrix = shown  # float32, rows are the timeline's (immutable once recorded)
         self.evicted = evicted
-        rows, cols = self.matrix.shape
-        low, high = levels
-        index = np.clip((self.matrix - low) * (255.0 / (high - low)), 0, 255).astype(np.uint8)
-        rgba = self.lut[index]
-        rgba[evicted] = theme.EVICTED_MARK
-        written = np.asarray(timeline.written_upto[: rows])
-        rgba[np.arange(cols)[None, :] >= written[:, None]] = 0  # not yet in the sequence: transparent
-        self.image.setImage(rgba, autoLevels=False)
-        self.bar.setLevels(levels)
+        rows, cols = shown.shape
+        self.image.setImage(self._rgba(state, shown, evicted, levels), autoLevels=False)
         self.image.setRect(QRectF(0, 0, cols, rows))
         self.cursor.setValue(rows - 0.5)
         theme.grow_range(self.plot, cols, rows, x_step=32, y_step=32, padding=0)
         theme.set_title(self.plot, theme.muted(
             f"layer {state.layer} · {state.head_label} · each row: that step's last query · "
             f"<span style='color:rgb{theme.EVICTED_MARK[:3]}'>■</span> evicted"), size="9pt")
+
+    def _rgba(self, state: ViewState, shown: np.ndarray, evicted: np.ndarray, levels) -> np.ndarray:
+        """The heatmap as RGBA rows. A row never changes once recorded (its weights, what was evicted by
+        then, how many positions were written), so rows are coloured once and kept; only a new colour
+        scale, layer, head or session colours them all again."""
+        rows, cols = shown.shape
+        key = (id(state.timeline), state.layer, state.head, state.log_scale, levels)
+        buffer = self._buffer
+        if key != self._buffer_key:
+            self._buffer_key, self._done = key, 0
+        if rows > buffer.shape[0] or cols > buffer.shape[1]:
+            grown = np.zeros((max(rows, 2 * buffer.shape[0], 16), max(cols, 2 * buffer.shape[1], 16), 4), np.uint8)
+            grown[: buffer.shape[0], : buffer.shape[1]] = buffer
+            self._buffer = buffer = grown
+        done = self._done
+        if done < rows:
+            low, high = levels
+            index = np.clip((shown[done:rows] - low) * (255.0 / (high - low)), 0, 255).astype(np.uint8)
+            rgba = self.lut[index]
+            rgba[evicted[done:rows]] = theme.EVICTED_MARK
+            written = np.asarray(state.timeline.written_upto[done:rows])
+            rgba[np.arange(cols)[None, :] >= written[:, None]] = 0  # not yet in the sequence: transparent
+            buffer[done:rows, :cols] = rgba
+            buffer[done:rows, cols:] = 0
+        self._done = max(done, rows)
+        return np.ascontiguousarray(buffer[:rows, :cols])

@@ -3,11 +3,10 @@ which positions were evicted when."""
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QAbstractTableModel, QModelIndex, QSortFilterProxyModel, Qt
+from PySide6.QtCore import QSortFilterProxyModel, Qt
+from PySide6.QtGui import QStandardItem, QStandardItemModel
 from PySide6.QtWidgets import (QCheckBox, QHBoxLayout, QHeaderView, QLineEdit, QSplitter, QTableView,
                                QVBoxLayout, QWidget)
 
@@ -18,84 +17,103 @@ COLUMNS = ("step", "layer", "page", "slot", "position", "token", "reason", "scor
 HEADERS = ("step", "layer", "page", "slot", "pos", "token", "reason", "score")
 
 
-_DISPLAY, _ALIGN = Qt.DisplayRole, Qt.TextAlignmentRole
-_RIGHT = int(Qt.AlignRight | Qt.AlignVCenter)
+_RIGHT = Qt.AlignRight | Qt.AlignVCenter
+_NUMERIC = (0, 1, 2, 3, 4, 7)  # right-aligned columns
 
 
-@functools.lru_cache(maxsize=4096)
 def _cells(event) -> tuple[str, ...]:
-    """The displayed text of one eviction's row (formatted once; repaints only look it up)."""
+    """The displayed text of one eviction's row."""
     return (str(event.step), str(event.layer), str(event.page), str(event.slot), str(event.position),
             repr(event.token)[1:-1], event.reason, "" if np.isnan(event.score) else f"{event.score:.4g}")
 
 
-class EventTableModel(QAbstractTableModel):
-    """Rows are the timeline's evictions 0..limit; growing the limit inserts rows instead of resetting."""
+class EventTableModel(QStandardItemModel):
+    """Rows are the timeline's evictions 0..limit. A C++ item model, so painting the table calls no Python
+    (a Python `data()` was ~1000 calls per repaint). Growing the limit inserts the new rows in one call,
+    moving it back removes rows from the end. A row's cells are filled only once the filter shows it
+    (`fill`): with "selected layer only", one row in n_layers is ever filled."""
 
     def __init__(self):
-        super().__init__()
+        super().__init__(0, len(COLUMNS))
+        for column, header in enumerate(HEADERS):
+            item = QStandardItem(header)
+            if column < 5:
+                item.setToolTip(f"filter with {COLUMNS[column]}=value")
+            self.setHorizontalHeaderItem(column, item)
         self.events: list = []
         self.limit = 0
+        self._filled: list[bool] = []  # per row: its cells hold their text
 
-    def show(self, events: list, limit: int) -> None:
-        if events is self.events and limit >= self.limit:
-            if limit > self.limit:
-                self.beginInsertRows(QModelIndex(), self.limit, limit - 1)
-                self.limit = limit
-                self.endInsertRows()
-            return
-        self.beginResetModel()
-        self.events, self.limit = events, limit
-        self.endResetModel()
+    def show(self, events: list, limit: int, accepts) -> None:
+        """Rows for events[:limit]; the new ones that `accepts(event)` are filled at once."""
+        if events is not self.events:
+            self.removeRows(0, self.rowCount())
+            self.events, self.limit, self._filled = events, 0, []
+        if limit < self.limit:
+            self.removeRows(limit, self.limit - limit)
+            del self._filled[limit:]
+            self.limit = limit
+        elif limit > self.limit:
+            start, self.limit = self.limit, limit
+            self._filled.extend([False] * (limit - start))
+            self.insertRows(start, limit - start)  # the filter proxy looks each new row's event up
+            self.fill(accepts, start)
 
-    def rowCount(self, parent=QModelIndex()) -> int:
-        return 0 if parent.isValid() else self.limit
-
-    def columnCount(self, parent=QModelIndex()) -> int:
-        return len(COLUMNS)
+    def fill(self, accepts, start: int = 0) -> None:
+        """Give the rows from `start` that `accepts(event)` their cells, if they have none yet. Signals are
+        held back while the cells are set (each would make the proxy and the view re-map the row) and one
+        dataChanged covers them all."""
+        filled, events = self._filled, self.events
+        first = last = -1
+        blocked = self.blockSignals(True)
+        try:
+            for row in range(start, self.limit):
+                if not filled[row] and accepts(events[row]):
+                    filled[row] = True
+                    first, last = (row if first < 0 else first), row
+                    for column, text in enumerate(_cells(events[row])):
+                        item = QStandardItem(text)
+                        if column in _NUMERIC:
+                            item.setTextAlignment(_RIGHT)
+                        self.setItem(row, column, item)
+        finally:
+            self.blockSignals(blocked)
+        if first >= 0:
+            self.dataChanged.emit(self.index(first, 0), self.index(last, len(COLUMNS) - 1))
 
     def row(self, index: int) -> tuple:
         e = self.events[index]
         return (e.step, e.layer, e.page, e.slot, e.position, e.token, e.reason, e.score)
 
-    def data(self, index, role=Qt.DisplayRole):
-        if role == _DISPLAY:
-            return _cells(self.events[index.row()])[index.column()]
-        if role == _ALIGN:
-            return _RIGHT if index.column() not in (5, 6) else None
-        if role == Qt.UserRole:  # sort key
-            return self.events[index.row()][index.column()]
-        return None
-
-    def headerData(self, section, orientation, role=Qt.DisplayRole):
-        if role == Qt.DisplayRole and orientation == Qt.Horizontal:
-            return HEADERS[section]
-        if role == Qt.ToolTipRole and orientation == Qt.Horizontal:
-            return f"filter with {COLUMNS[section]}=value" if section < 5 else None
-        return None
-
 
 class EventFilter(QSortFilterProxyModel):
-    """Text filter over token and reason (or `field=value`, e.g. `layer=3`, `page=2`), and a layer filter."""
+    """Text filter over token and reason (or `field=value`, e.g. `layer=3`, `page=2`), and a layer filter.
+    Rows are filtered by their event, not by their cells' text, so it is not re-run when cells are set."""
 
     def __init__(self):
         super().__init__()
         self.text = ""
         self.layer: int | None = None
-        self.setSortRole(Qt.UserRole)
+        self.setDynamicSortFilter(False)
 
-    def set_filter(self, text: str, layer: int | None) -> None:
-        if (text, layer) != (self.text, self.layer):
-            if hasattr(self, "beginFilterChange"):  # Qt >= 6.10
-                self.beginFilterChange()
-                self.text, self.layer = text.strip(), layer
-                self.endFilterChange()
-            else:
-                self.text, self.layer = text.strip(), layer
-                self.invalidateFilter()
+    def set_filter(self, text: str, layer: int | None) -> bool:
+        """Apply a filter; True if it changed."""
+        text = text.strip()
+        if (text, layer) == (self.text, self.layer):
+            return False
+        if hasattr(self, "beginFilterChange"):  # Qt >= 6.10
+            self.beginFilterChange()
+            self.text, self.layer = text, layer
+            self.endFilterChange()
+        else:
+            self.text, self.layer = text, layer
+            self.invalidateFilter()
+        return True
 
     def filterAcceptsRow(self, row: int, parent) -> bool:
-        event = self.sourceModel().events[row]
+        return self.accepts(self.sourceModel().events[row])
+
+    def accepts(self, event) -> bool:
         if self.layer is not None and event.layer != self.layer:
             return False
         if not self.text:
@@ -175,7 +193,6 @@ class EventsView(QWidget):
                 for r in range(self.proxy.rowCount())]
 
     def _refilter(self) -> None:
-        self.proxy.set_filter(self.filter.text(), self._state.layer if self.only_layer.isChecked() else None)
         self._key = None
         self.show_state(self._state)
 
@@ -189,16 +206,19 @@ class EventsView(QWidget):
         if self._key is None or self._key[0] != key[0]:
             self.plot._grown = (None, None)
         self._key = key
-        self.proxy.set_filter(self.filter.text(), state.layer if self.only_layer.isChecked() else None)
         events = timeline.evictions if timeline is not None else []
-        self.model.show(events, limit)
+        self.model.show(events, limit, self.proxy.accepts)
+        if self.proxy.set_filter(self.filter.text(), state.layer if self.only_layer.isChecked() else None):
+            self.model.fill(self.proxy.accepts)
         if self.table.verticalScrollBar().value() >= self.table.verticalScrollBar().maximum() - 2:
             self.table.scrollToBottom()
         layer = state.layer if self.only_layer.isChecked() else None
-        shown = [e for e in events[:limit] if layer is None or e.layer == layer]
-        steps = np.fromiter((e.step for e in shown), dtype=np.float64, count=len(shown))
-        positions = np.fromiter((e.position for e in shown), dtype=np.float64, count=len(shown))
-        self.scatter.setData(steps, positions)
+        if timeline is not None:
+            steps, layers, positions = timeline.eviction_columns()
+            keep = slice(None) if layer is None else layers[:limit] == layer
+            self.scatter.setData(steps[:limit][keep], positions[:limit][keep])
+        else:
+            self.scatter.setData([], [])
         theme.grow_range(self.plot, len(timeline) if timeline is not None else 1,
                          timeline.n_positions(state.index) if state.record is not None else 1, x_step=32, y_step=32)
         if state.record is not None:

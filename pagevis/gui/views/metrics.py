@@ -12,9 +12,10 @@ from .. import theme
 from . import ViewState
 
 
-def _curve(plot: pg.PlotItem, color: str, name: str, **kwargs) -> pg.PlotDataItem:
-    item = pg.PlotDataItem(pen=pg.mkPen(color, width=1.6), name=name, clipToView=True, autoDownsample=True,
-                           **kwargs)
+def _curve(plot: pg.PlotItem, color: str, name: str) -> pg.PlotCurveItem:
+    """A bare PlotCurveItem: its setData is a fraction of a PlotDataItem's (no clipping, downsampling
+    or symbol machinery), and a few thousand points draw as one polyline in C++."""
+    item = pg.PlotCurveItem(pen=pg.mkPen(color, width=1.6), name=name)
     plot.addItem(item)
     return item
 
@@ -58,14 +59,16 @@ class MetricsView(QWidget):
         self.curves = {
             "resident_tokens": _curve(self.occupancy, s[0], "resident tokens"),
             "allocated_slots": _curve(self.occupancy, s[1], "slots in used pages"),
-            "evictions": _curve(self.evictions, theme.STATE_COLORS[5], "evicted", stepMode="center",
-                                fillLevel=0, fillBrush=pg.mkBrush(239, 75, 75, 90)),
             "latency_ms": _curve(self.latency, s[0], "ms / token"),
             "latency_avg": _curve(self.latency, s[1], "mean of 8"),
             "kl": _curve(self.oracle, s[1], "KL (nats)"),
             "lost_attention": _curve(self.oracle, s[3], "attention lost"),
             "top1_agree": _curve(self.oracle, s[2], "top-1 agree (mean of 8)"),
         }
+        # one bar per step with gaps between them (a filled step curve read as a solid block at 1 per step)
+        self.bars = pg.BarGraphItem(x=np.zeros(0), height=np.zeros(0), width=0.7, pen=None,
+                                    brush=pg.mkBrush(theme.STATE_COLORS[5]), name="evicted")
+        self.evictions.addItem(self.bars)
         self.capacity = pg.InfiniteLine(angle=0, pen=pg.mkPen(theme.MUTED, style=Qt.DotLine),
                                         label="capacity", labelOpts={"color": theme.MUTED, "position": 0.5})
         self.occupancy.addItem(self.capacity)
@@ -93,9 +96,9 @@ class MetricsView(QWidget):
                             justify="left")
 
         s = theme.SERIES
-        title(self.occupancy, "layer 0", key(s[0], "resident"), key(s[1], "in used pages"))
+        title(self.occupancy, "layer 0", key(s[0], "resident"), key(s[1], "allocated"))
         title(self.evictions, "evictions per step", key(theme.STATE_COLORS[5], f"layer {layer}"))
-        title(self.latency, "ms per token", key(s[0], "each step"), key(s[1], "mean of 8"))
+        title(self.latency, "ms / token", key(s[0], "each"), key(s[1], "mean of 8"))
         title(self.oracle, "oracle", key(s[1], "KL"), key(s[3], "lost attn"), key(s[2], "top-1"))
 
     def show_state(self, state: ViewState) -> None:
@@ -119,12 +122,12 @@ class MetricsView(QWidget):
             self.data = {}
             for curve in self.curves.values():
                 curve.setData([], [])
+            self.bars.setOpts(x=np.zeros(0), height=np.zeros(0))
             return
         steps = np.arange(len(timeline), dtype=np.float64)
         config = timeline.info.config
         pages = timeline.series("pages_used")
-        latency = timeline.series("latency_ms") / np.maximum(
-            [len(r.token_ids) for r in timeline.records], 1)
+        latency = timeline.series("latency_ms") / np.maximum(timeline.series("tokens"), 1)
         data = {
             "resident_tokens": timeline.series("resident_tokens"),
             "allocated_slots": pages * config.page_size,
@@ -138,7 +141,7 @@ class MetricsView(QWidget):
         self.data = data
         for name, values in data.items():
             if name == "evictions":
-                self.curves[name].setData(np.arange(len(values) + 1, dtype=np.float64) - 0.5, values)
+                self.bars.setOpts(x=steps, height=values)
             else:
                 self.curves[name].setData(steps, values, connect="finite")
         capacity = config.page_size * config.max_pages

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, QRectF, Qt
-from PySide6.QtGui import QColor, QFont, QPainter
+from PySide6.QtGui import QColor, QFont, QPainter, QStaticText, QTransform
 from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QLabel, QTableWidget, QTableWidgetItem, QToolTip,
                                QVBoxLayout, QWidget)
 
@@ -77,22 +77,36 @@ def cell_image(states: np.ndarray, shade: np.ndarray, bordered: bool) -> np.ndar
 
 
 class CellLabels(pg.GraphicsObject):
-    """Token positions written inside the cells, in screen pixels so they stay legible at any zoom."""
+    """Token positions written inside the cells, in screen pixels so they stay legible at any zoom. Each
+    number is laid out once (a QStaticText per number and font size) and only blitted afterwards."""
 
     def __init__(self):
         super().__init__()
         self.positions = np.zeros((0, 0), dtype=np.int32)
         self.font = QFont()
+        self._texts: dict[int, tuple] = {}  # number -> (laid-out text, half width, half height) at this font size
+        self._pixel_size = 0
         self.setZValue(10)
 
     def set_positions(self, positions: np.ndarray) -> None:
-        self.prepareGeometryChange()
+        if positions.shape != self.positions.shape:
+            self.prepareGeometryChange()
         self.positions = positions
         self.update()
 
     def boundingRect(self) -> QRectF:
         rows, cols = self.positions.shape
         return QRectF(0, 0, cols, rows)
+
+    def _text(self, number: int) -> tuple:
+        entry = self._texts.get(number)
+        if entry is None:
+            text = QStaticText(str(number))
+            text.setTextFormat(Qt.PlainText)
+            text.prepare(QTransform(), self.font)
+            size = text.size()
+            entry = self._texts[number] = (text, size.width() / 2, size.height() / 2)
+        return entry
 
     def paint(self, painter: QPainter, *args) -> None:
         rows, cols = self.positions.shape
@@ -102,14 +116,23 @@ class CellLabels(pg.GraphicsObject):
         cell = transform.mapRect(QRectF(0, 0, 1, 1))
         if cell.width() < 16 or cell.height() < 11:
             return  # too small to read: leave the colours alone
+        pixel_size = int(max(7, min(cell.height() * 0.45, cell.width() * 0.32, 13)))
+        if pixel_size != self._pixel_size:
+            self._pixel_size = pixel_size
+            self.font.setPixelSize(pixel_size)
+            self._texts.clear()
         painter.save()
         painter.resetTransform()
-        self.font.setPixelSize(int(max(7, min(cell.height() * 0.45, cell.width() * 0.32, 13))))
         painter.setFont(self.font)
         painter.setPen(QColor(235, 238, 242))
-        for row, col in zip(*np.nonzero(self.positions >= 0)):
-            rect = transform.mapRect(QRectF(col, row, 1, 1))
-            painter.drawText(rect, Qt.AlignCenter, str(int(self.positions[row, col])))
+        # the centre of cell (row, col) in device pixels (the view scales and translates, never rotates)
+        sx, sy, dx, dy = transform.m11(), transform.m22(), transform.dx(), transform.dy()
+        row, col = np.nonzero(self.positions >= 0)
+        xs = (sx * (col + 0.5) + dx).tolist()
+        ys = (sy * (row + 0.5) + dy).tolist()
+        for x, y, number in zip(xs, ys, self.positions[row, col].tolist()):
+            text, half_width, half_height = self._text(number)
+            painter.drawStaticText(QPointF(x - half_width, y - half_height), text)
         painter.restore()
 
 
@@ -214,7 +237,7 @@ class PageGridView(QWidget):
             self.image.clear()
             self.labels.set_positions(np.zeros((0, 0), dtype=np.int32))
             self.blocks.set_rows([])
-            self.plot.setTitle("")
+            theme.set_title(self.plot, "", size="9pt")
             return
         layer = state.layer
         slots = record.slot_maps[layer]
