@@ -29,6 +29,7 @@ FRAME_INTERVAL = 1 / 30  # redraw at most this often, however fast records arriv
 MAX_FRAME_INTERVAL = 1 / 5  # ... and at least this often while records arrive
 UI_SHARE = 0.25  # while decoding, redraws (with their painting) may take this share of the UI thread's time:
 # the decoder needs the CPU more than the screen needs a 30th frame per second on a small machine
+STATUS_INTERVAL = 0.25  # while decoding, the status bar's step and speed change at most this often
 SETTINGS_VERSION = 1
 
 
@@ -54,6 +55,7 @@ class MainWindow(QMainWindow):
         self._replay_timer = QTimer(self, interval=100)
         self._replay_timer.timeout.connect(self._replay_tick)
         self._shown_at: dict[str, float] = {}  # when each view last rendered
+        self._status_at = 0.0  # when the status bar's step and speed were last set
         self._interval = FRAME_INTERVAL  # the current pace of redraws while decoding (see _pace)
         self._cpu_mark = (time.perf_counter(), time.thread_time())
         self._frame_timer = QTimer(self, singleShot=True)
@@ -382,6 +384,10 @@ class MainWindow(QMainWindow):
             return
         label = f"step {state.index} / {count - 1} · {record.kind}"
         self.transport.set_range(count, state.index, label)
+        now = time.perf_counter()
+        if self.runner.running and now - self._status_at < STATUS_INTERVAL:
+            return  # the status bar repeats the transport's step and is read, not watched: 4× a second
+        self._status_at = now
         self.status_step.setText(f"step {state.index}: {record.kind} of {len(record.token_ids)} token"
                                  f"{'s' if len(record.token_ids) != 1 else ''}")
         speed = timeline.tokens_per_second(state.index)

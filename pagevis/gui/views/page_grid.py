@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, QRectF, Qt
-from PySide6.QtGui import QColor, QFont, QPainter, QStaticText, QTransform
+from PySide6.QtGui import QColor, QFont, QImage, QPainter, QStaticText, QTransform
 from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QLabel, QTableWidget, QTableWidgetItem, QToolTip,
                                QVBoxLayout, QWidget)
 
@@ -76,9 +76,38 @@ def cell_image(states: np.ndarray, shade: np.ndarray, bordered: bool) -> np.ndar
     return big
 
 
+class CellImage(pg.GraphicsObject):
+    """The grid's RGBA image, drawn as one QImage over (0, 0)–(cols, rows): no levels, lookup table or
+    format conversion on the way (an ImageItem re-renders all of that in Python on every change)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rgba = np.zeros((0, 0, 4), dtype=np.uint8)
+        self.shape_ = (0, 0)  # (rows, cols) of cells the image spans
+        self._image = QImage()
+
+    def set_image(self, rgba: np.ndarray, rows: int, cols: int) -> None:
+        if (rows, cols) != self.shape_:
+            self.prepareGeometryChange()
+            self.shape_ = (rows, cols)
+        self.rgba = np.ascontiguousarray(rgba)  # kept alive: the QImage reads its memory
+        height, width = self.rgba.shape[:2]
+        self._image = QImage(self.rgba.data, width, height, 4 * width, QImage.Format_RGBA8888) if rgba.size \
+            else QImage()
+        self.update()
+
+    def boundingRect(self) -> QRectF:
+        return QRectF(0, 0, self.shape_[1], self.shape_[0])
+
+    def paint(self, painter: QPainter, *args) -> None:
+        if not self._image.isNull():
+            painter.drawImage(self.boundingRect(), self._image)
+
+
 class CellLabels(pg.GraphicsObject):
-    """Token positions written inside the cells, in screen pixels so they stay legible at any zoom. Each
-    number is laid out once (a QStaticText per number and font size) and only blitted afterwards."""
+    """Token positions written inside the cells, in screen pixels so they stay legible at any zoom. They
+    are drawn into a transparent overlay at screen resolution that is kept between paints: a step redraws
+    only the cells whose number changed (one or two), and a paint is one image blit."""
 
     def __init__(self):
         super().__init__()
@@ -86,6 +115,9 @@ class CellLabels(pg.GraphicsObject):
         self.font = QFont()
         self._texts: dict[int, tuple] = {}  # number -> (laid-out text, half width, half height) at this font size
         self._pixel_size = 0
+        self._overlay: QImage | None = None
+        self._overlay_key = None  # the device geometry the overlay was drawn for
+        self._drawn = np.zeros((0, 0), dtype=np.int32)  # the numbers the overlay holds
         self.setZValue(10)
 
     def set_positions(self, positions: np.ndarray) -> None:
@@ -121,19 +153,44 @@ class CellLabels(pg.GraphicsObject):
             self._pixel_size = pixel_size
             self.font.setPixelSize(pixel_size)
             self._texts.clear()
+        device = transform.mapRect(QRectF(0, 0, cols, rows))
+        left, top = np.floor(device.left()), np.floor(device.top())
+        ratio = painter.device().devicePixelRatioF() if painter.device() is not None else 1.0
+        key = (transform.m11(), transform.m22(), transform.dx() - left, transform.dy() - top,
+               int(np.ceil(device.width())) + 2, int(np.ceil(device.height())) + 2, pixel_size, ratio)
+        if key != self._overlay_key or self._drawn.shape != self.positions.shape:
+            self._overlay_key = key
+            self._overlay = QImage(int(key[4] * ratio), int(key[5] * ratio), QImage.Format_ARGB32_Premultiplied)
+            self._overlay.setDevicePixelRatio(ratio)
+            self._overlay.fill(Qt.transparent)
+            self._drawn = np.full(self.positions.shape, -1, dtype=np.int32)
+        changed_rows, changed_cols = np.nonzero(self.positions != self._drawn)
+        if changed_rows.size:
+            self._draw_cells(changed_rows, changed_cols, key)
+            self._drawn = self.positions.copy()
         painter.save()
         painter.resetTransform()
+        painter.drawImage(QPointF(left, top), self._overlay)
+        painter.restore()
+
+    def _draw_cells(self, rows: np.ndarray, cols: np.ndarray, key) -> None:
+        """Clear the given cells of the overlay and write their numbers (the view scales and translates,
+        never rotates: a cell's centre is linear in its row and column)."""
+        sx, sy, dx, dy = key[:4]
+        width, height = abs(sx), abs(sy)
+        xs = (sx * (cols + 0.5) + dx).tolist()
+        ys = (sy * (rows + 0.5) + dy).tolist()
+        painter = QPainter(self._overlay)
         painter.setFont(self.font)
         painter.setPen(QColor(235, 238, 242))
-        # the centre of cell (row, col) in device pixels (the view scales and translates, never rotates)
-        sx, sy, dx, dy = transform.m11(), transform.m22(), transform.dx(), transform.dy()
-        row, col = np.nonzero(self.positions >= 0)
-        xs = (sx * (col + 0.5) + dx).tolist()
-        ys = (sy * (row + 0.5) + dy).tolist()
-        for x, y, number in zip(xs, ys, self.positions[row, col].tolist()):
-            text, half_width, half_height = self._text(number)
-            painter.drawStaticText(QPointF(x - half_width, y - half_height), text)
-        painter.restore()
+        for x, y, number in zip(xs, ys, self.positions[rows, cols].tolist()):
+            painter.setCompositionMode(QPainter.CompositionMode_Source)
+            painter.fillRect(QRectF(x - width / 2, y - height / 2, width, height), Qt.transparent)
+            painter.setCompositionMode(QPainter.CompositionMode_SourceOver)
+            if number >= 0:
+                text, half_width, half_height = self._text(number)
+                painter.drawStaticText(QPointF(x - half_width, y - half_height), text)
+        painter.end()
 
 
 class BlockTable(QTableWidget):
@@ -189,7 +246,7 @@ class PageGridView(QWidget):
         self.plot.setMenuEnabled(False)
         self.plot.hideButtons()
         self.plot.showGrid(x=False, y=False)
-        self.image = pg.ImageItem()
+        self.image = CellImage()
         self.labels = CellLabels()
         self.plot.addItem(self.image)
         self.plot.addItem(self.labels)
@@ -234,7 +291,7 @@ class PageGridView(QWidget):
         self._key = key
         if record is None:
             self.states = np.zeros((0, 0), dtype=np.int8)
-            self.image.clear()
+            self.image.set_image(np.zeros((0, 0, 4), dtype=np.uint8), 0, 0)
             self.labels.set_positions(np.zeros((0, 0), dtype=np.int32))
             self.blocks.set_rows([])
             theme.set_title(self.plot, "", size="9pt")
@@ -245,8 +302,7 @@ class PageGridView(QWidget):
         self.states = cell_states(record, layer)
         self.shade = shade_values(record, layer, state.shade)
         bordered = self.states.size <= _MAX_BORDERED_CELLS
-        self.image.setImage(cell_image(self.states, self.shade, bordered), autoLevels=False)
-        self.image.setRect(QRectF(0, 0, page_size, pages))
+        self.image.set_image(cell_image(self.states, self.shade, bordered), pages, page_size)
         self.labels.set_positions(slots if self.states.size <= 1024 else np.full((0, 0), -1, np.int32))
         shape = (pages, page_size)
         if getattr(self, "_shape", None) != shape:
