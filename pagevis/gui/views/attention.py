@@ -73,6 +73,9 @@ class AttentionView(QWidget):
             positive = weights[weights > 0]
             top = float(np.percentile(positive, 99.5)) if positive.size else 1.0
             levels = (0.0, theme.level_ceiling(max(top, 1e-3)))
+            current = self._levels
+            if current is not None and current[0] == 0.0 and 0.7 * current[1] < top <= current[1]:
+                levels = current  # close enough below the current top: keep it (no flapping 0.1 ↔ 0.12)
             label = "attention weight"
         if label != getattr(self, "_bar_label", None):  # a new label re-lays the plot out: only on change
             self._bar_label = label

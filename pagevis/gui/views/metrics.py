@@ -66,7 +66,7 @@ class MetricsView(QWidget):
             "top1_agree": _curve(self.oracle, s[2], "top-1 agree (mean of 8)"),
         }
         # one bar per step with gaps between them (a filled step curve read as a solid block at 1 per step)
-        self.bars = pg.BarGraphItem(x=np.zeros(0), height=np.zeros(0), width=0.7, pen=None,
+        self.bars = pg.BarGraphItem(x=np.zeros(0), height=np.zeros(0), width=0.6, pen=None,
                                     brush=pg.mkBrush(theme.STATE_COLORS[5]), name="evicted")
         self.evictions.addItem(self.bars)
         self.capacity = pg.InfiniteLine(angle=0, pen=pg.mkPen(theme.MUTED, style=Qt.DotLine),
@@ -154,7 +154,8 @@ class MetricsView(QWidget):
             return float(finite.max()) if finite.size else 1.0
 
         theme.grow_range(self.occupancy, n, capacity * 1.1, x_step=32, y_step=capacity * 1.1)
-        theme.grow_range(self.evictions, None, max(top(data["evictions"]), 1.0))
+        # headroom above the tallest bar, so that one eviction every step reads as bars, not a wall
+        theme.grow_range(self.evictions, None, max(top(data["evictions"]), 1.0) * 1.25)
         theme.grow_range(self.latency, None, top(latency))
         theme.grow_range(self.oracle, None, max(top(data["kl"]), 1.0))
         self._titles(state.layer)

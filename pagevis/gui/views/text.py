@@ -3,8 +3,9 @@ by how much attention the selected step's query gives it."""
 
 from __future__ import annotations
 
+import functools
 import html
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from PySide6.QtWidgets import QLabel, QTextBrowser, QVBoxLayout, QWidget
@@ -19,14 +20,19 @@ PROMPT_FG = "#aab2bf"
 GENERATED_FG = "#ffffff"
 
 
-@dataclass(frozen=True)
-class TokenTint:
+class TokenTint(NamedTuple):
     position: int
     text: str
     prompt: bool
     resident: bool
     attention: float  # this step's weight on the token (layer/head as selected); 0 when evicted
     alpha: float  # 0..1 strength of the attention tint
+
+
+@functools.lru_cache(maxsize=65536)
+def _escaped(text: str) -> str:
+    """A token's text as HTML (escaped once per distinct token, not once per redraw)."""
+    return html.escape(text).replace("\n", "↵<br>") or "∅"
 
 
 class TextView(QWidget):
@@ -72,12 +78,11 @@ class TextView(QWidget):
         else:
             attention = np.zeros(n, dtype=np.float32)
         top = float(attention.max()) if n else 0.0
+        alpha = np.sqrt(attention / top) if top > 0 else np.zeros(n)
         n_prompt = len(timeline.info.prompt_ids)
-        self.tints = [
-            TokenTint(p, timeline.position_text(p), p < n_prompt, bool(resident[p]), float(attention[p]),
-                      float(np.sqrt(attention[p] / top)) if top > 0 else 0.0)
-            for p in range(n)
-        ]
+        self.tints = list(map(TokenTint, range(n), map(timeline.position_text, range(n)),
+                              [p < n_prompt for p in range(n)], resident.astype(bool).tolist(),
+                              attention.astype(np.float64).tolist(), alpha.astype(np.float64).tolist()))
         self.next_text = record.next_text
         self.browser.setHtml(self._html(record))
         bar = self.browser.verticalScrollBar()
@@ -86,7 +91,7 @@ class TextView(QWidget):
     def _html(self, record) -> str:
         parts = []
         for tint in self.tints:
-            text = html.escape(tint.text).replace("\n", "↵<br>") or "∅"
+            text = _escaped(tint.text)
             color = PROMPT_FG if tint.prompt else GENERATED_FG
             title = f"position {tint.position}: {'resident' if tint.resident else 'evicted'}, " \
                     f"attention {tint.attention:.3g}"
