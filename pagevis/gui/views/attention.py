@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QRectF
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
 from .. import theme
 from . import ViewState
+from .rgba_image import RgbaImage
 
 LOG_FLOOR = 1e-4  # the log scale's lowest level: weights below show as the floor
 
@@ -32,7 +32,7 @@ class AttentionView(QWidget):
         self.plot.invertY(True)
         self.plot.setMenuEnabled(False)
         self.plot.showGrid(x=False, y=False)
-        self.image = pg.ImageItem()  # RGBA: weights through the colour map, evicted positions marked
+        self.image = RgbaImage()  # weights through the colour map, evicted positions marked
         self.plot.addItem(self.image)
         self.colormap = pg.colormap.get(theme.HEATMAP)
         self.lut = self.colormap.getLookupTable(nPts=256, alpha=True)
@@ -86,8 +86,7 @@ class AttentionView(QWidget):
         self.matrix = shown  # float32, rows are the timeline's (immutable once recorded)
         self.evicted = evicted
         rows, cols = shown.shape
-        self.image.setImage(self._rgba(state, shown, evicted, levels), autoLevels=False)
-        self.image.setRect(QRectF(0, 0, cols, rows))
+        self.image.set_image(self._rgba(state, shown, evicted, levels), rows, cols)
         self.cursor.setValue(rows - 0.5)
         theme.grow_range(self.plot, cols, rows, x_step=32, y_step=32, padding=0)
         theme.set_title(self.plot, theme.muted(

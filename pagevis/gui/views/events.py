@@ -130,7 +130,7 @@ class EventFilter(QSortFilterProxyModel):
 
 class EventsView(QWidget):
     title = "Eviction events"
-    live_interval = 0.25  # while decoding, refresh at most 4 times a second (a table is read, not watched)
+    live_interval = 0.5  # while decoding, refresh at most twice a second (a table is read, not watched)
 
     def __init__(self, parent=None):
         super().__init__(parent)

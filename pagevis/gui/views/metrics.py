@@ -36,7 +36,7 @@ def rolling_mean(values: np.ndarray, window: int = 8) -> np.ndarray:
 
 class MetricsView(QWidget):
     title = "Metrics"
-    live_interval = 0.25  # while decoding, at most 4 times a second
+    live_interval = 0.5  # while decoding, at most twice a second (trends are read, not watched)
 
     def __init__(self, parent=None):
         super().__init__(parent)

@@ -13,6 +13,7 @@ from ...engine import EventKind
 from .. import theme
 from ..theme import EVICTED, FREE, PINNED, REPLACED, RESIDENT, WRITTEN
 from . import ViewState
+from .rgba_image import RgbaImage
 
 _PALETTE = np.array([theme.rgb(c) for c in theme.STATE_COLORS])
 _BACKGROUND = theme.rgb(theme.BACKGROUND)
@@ -74,34 +75,6 @@ def cell_image(states: np.ndarray, shade: np.ndarray, bordered: bool) -> np.ndar
     big[_CELL_PX - 1:: _CELL_PX, :, :3] = (_BACKGROUND * 255).astype(np.uint8)
     big[:, _CELL_PX - 1:: _CELL_PX, :3] = (_BACKGROUND * 255).astype(np.uint8)
     return big
-
-
-class CellImage(pg.GraphicsObject):
-    """The grid's RGBA image, drawn as one QImage over (0, 0)–(cols, rows): no levels, lookup table or
-    format conversion on the way (an ImageItem re-renders all of that in Python on every change)."""
-
-    def __init__(self):
-        super().__init__()
-        self.rgba = np.zeros((0, 0, 4), dtype=np.uint8)
-        self.shape_ = (0, 0)  # (rows, cols) of cells the image spans
-        self._image = QImage()
-
-    def set_image(self, rgba: np.ndarray, rows: int, cols: int) -> None:
-        if (rows, cols) != self.shape_:
-            self.prepareGeometryChange()
-            self.shape_ = (rows, cols)
-        self.rgba = np.ascontiguousarray(rgba)  # kept alive: the QImage reads its memory
-        height, width = self.rgba.shape[:2]
-        self._image = QImage(self.rgba.data, width, height, 4 * width, QImage.Format_RGBA8888) if rgba.size \
-            else QImage()
-        self.update()
-
-    def boundingRect(self) -> QRectF:
-        return QRectF(0, 0, self.shape_[1], self.shape_[0])
-
-    def paint(self, painter: QPainter, *args) -> None:
-        if not self._image.isNull():
-            painter.drawImage(self.boundingRect(), self._image)
 
 
 class CellLabels(pg.GraphicsObject):
@@ -206,13 +179,16 @@ class BlockTable(QTableWidget):
         self.setEditTriggers(QTableWidget.NoEditTriggers)
         self.verticalHeader().hide()
         self.verticalHeader().setDefaultSectionSize(20)
-        self.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeToContents)
+        # widths fitted when the row count changes, not on every cell change (ResizeToContents measured every
+        # cell of the table whenever one text changed, i.e. every step)
+        self.horizontalHeader().setSectionResizeMode(QHeaderView.Interactive)
         self.horizontalHeader().setStretchLastSection(True)
 
     def set_rows(self, rows: list[tuple[int, int, int, str]]) -> None:
         if rows == self.rows:
             return
-        if len(rows) != self.rowCount():
+        resize = len(rows) != self.rowCount()
+        if resize:
             self.setRowCount(len(rows))
         for r, row in enumerate(rows):
             old = self.rows[r] if r < len(self.rows) else None
@@ -227,6 +203,8 @@ class BlockTable(QTableWidget):
                     self.setItem(r, c, item)
                 item.setText(str(value))
         self.rows = rows
+        if resize:
+            self.resizeColumnsToContents()
 
 
 class PageGridView(QWidget):
@@ -246,7 +224,7 @@ class PageGridView(QWidget):
         self.plot.setMenuEnabled(False)
         self.plot.hideButtons()
         self.plot.showGrid(x=False, y=False)
-        self.image = CellImage()
+        self.image = RgbaImage()
         self.labels = CellLabels()
         self.plot.addItem(self.image)
         self.plot.addItem(self.labels)
@@ -291,7 +269,7 @@ class PageGridView(QWidget):
         self._key = key
         if record is None:
             self.states = np.zeros((0, 0), dtype=np.int8)
-            self.image.set_image(np.zeros((0, 0, 4), dtype=np.uint8), 0, 0)
+            self.image.clear()
             self.labels.set_positions(np.zeros((0, 0), dtype=np.int32))
             self.blocks.set_rows([])
             theme.set_title(self.plot, "", size="9pt")
