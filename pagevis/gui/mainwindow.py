@@ -62,8 +62,8 @@ class MainWindow(QMainWindow):
         self._frame_timer.timeout.connect(self.redraw)
         self._slow_timer = QTimer(self, singleShot=True, interval=5)  # the next slow view, a turn later
         self._slow_timer.timeout.connect(self._show_slow_views)
-        self._catch_up = QTimer(self, singleShot=True)  # redraws the views skipped while decoding
-        self._catch_up.timeout.connect(self.request_render)
+        self._catch_up = QTimer(self, singleShot=True)  # shows the slow views' turn when it comes
+        self._catch_up.timeout.connect(self._show_slow_views)
 
         self.transport = TransportBar(self)
         self.addToolBar(Qt.TopToolBarArea, self.transport)
@@ -359,20 +359,22 @@ class MainWindow(QMainWindow):
         return self._interval
 
     def _show_slow_views(self) -> None:
-        """One of the views that refresh slowly while decoding, the one waiting longest, if its turn came."""
+        """While decoding: the slow view waiting longest, if its turn came, and the next one a turn later;
+        when none is due, come back when the first is. Once decoding stopped: all of them, and no more turns."""
         state = self.view_state()
         now = time.perf_counter()
-        due = [v for v in self.views if getattr(v, "live_interval", 0.0) and not self.docks[v.title].isHidden()]
-        due.sort(key=lambda v: self._shown_at.get(v.title, 0.0))
-        for view in due:
-            waited = now - self._shown_at.get(view.title, 0.0)
-            if waited >= view.live_interval or not self.runner.running:
+        slow = [v for v in self.views if getattr(v, "live_interval", 0.0) and not self.docks[v.title].isHidden()]
+        if not self.runner.running:
+            self._show(slow, state, now)
+            return
+        slow.sort(key=lambda v: self._shown_at.get(v.title, 0.0))
+        for view in slow:
+            if now - self._shown_at.get(view.title, 0.0) >= view.live_interval:
                 self._show([view], state, now)
-                if len(due) > 1:
-                    self._slow_timer.start()
+                self._slow_timer.start()
                 return
-        if due and not self._catch_up.isActive():
-            wait = min(v.live_interval - (now - self._shown_at.get(v.title, 0.0)) for v in due)
+        if slow and not self._catch_up.isActive():
+            wait = min(v.live_interval - (now - self._shown_at.get(v.title, 0.0)) for v in slow)
             self._catch_up.start(max(1, int(wait * 1000)))
 
     def _update_transport(self, state: ViewState) -> None:
