@@ -130,6 +130,19 @@ def test_event_table_shows_the_text_of_the_rows_it_filters_in(qtbot, window):
     assert shown() == expected() and len(shown()) >= 1
 
 
+def test_page_grid_numbers_drawn_cell_by_cell_match_a_full_redraw(qtbot, window):
+    labels = window.page_grid.labels
+    viewport = window.page_grid.graphics.viewport()
+    for _ in range(6):  # each step repaints only the cells whose number changed
+        step(qtbot, window)
+        viewport.repaint()
+    assert labels._overlay is not None and (labels._drawn == labels.positions).all()
+    kept = labels._overlay.copy()
+    labels._overlay_key = None  # forces the next paint to draw every number afresh
+    viewport.repaint()
+    assert labels._overlay == kept
+
+
 def test_scrub_back_and_forward_with_keys_and_slider(qtbot, window):
     step(qtbot, window, 5)
     assert window.transport.slider.maximum() == 4 and window.transport.slider.value() == 4
