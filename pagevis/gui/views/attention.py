@@ -3,6 +3,8 @@ for one layer and head (or their mean). Positions the cache had evicted by that 
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtWidgets import QVBoxLayout, QWidget
@@ -98,7 +100,8 @@ class AttentionView(QWidget):
         then, how many positions were written), so rows are coloured once and kept; only a new colour
         scale, layer, head or session colours them all again."""
         rows, cols = shown.shape
-        key = (id(state.timeline), state.layer, state.head, state.log_scale, levels)
+        # a weak reference, not id(): a later session's timeline may reuse a freed one's id
+        key = (weakref.ref(state.timeline), state.layer, state.head, state.log_scale, levels)
         buffer = self._buffer
         if key != self._buffer_key:
             self._buffer_key, self._done = key, 0
