@@ -44,12 +44,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 
 def parse_ints(text: str, flag: str, low: int, high: int) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise UsageError(f"{flag} {text!r}: expected numbers like 32,128,512") from None
-    bad = [v for v in values if not low <= v <= high]
-    if not values or bad:
+    values = options.parse_int_list(text, flag, "numbers like 32,128,512")
+    if any(not low <= v <= high for v in values):
         raise UsageError(f"{flag} {text!r}: each must be from {low} to {high}")
     return values
 

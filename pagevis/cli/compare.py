@@ -65,12 +65,7 @@ def parse_policies(text: str):
 
 
 def parse_budgets(text: str, page_size: int) -> list[int]:
-    try:
-        budgets = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        raise UsageError(f"--budgets {text!r}: expected token counts like 64,128,256") from None
-    if not budgets:
-        raise UsageError("--budgets: give at least one budget")
+    budgets = sorted(set(options.parse_int_list(text, "--budgets", "token counts like 64,128,256")))
     for budget in budgets:
         if budget < page_size or budget % page_size:
             raise UsageError(f"--budgets: {budget} is not a positive multiple of --page-size {page_size}")

@@ -154,15 +154,23 @@ def parse_value(raw: str) -> object:
     return None if raw.lower() in ("none", "null") else raw
 
 
+def parse_int_list(text: str, flag: str, expected: str) -> list[int]:
+    """Comma-separated integers, or UsageError naming the flag and what was `expected` (also when empty)."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise UsageError(f"{flag} {text!r}: expected {expected}")
+    return values
+
+
 def parse_layers(text: str | None) -> tuple[int, ...] | None:
     if text is None or text.strip().lower() == "all":
         return None
     if text.strip().lower() == "none":
         return ()
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise UsageError(f"--record-layers {text!r}: expected all, none, or layer numbers like 0,15,29") from None
+    return tuple(parse_int_list(text, "--record-layers", "all, none, or layer numbers like 0,15,29"))
 
 
 def session_config(args: argparse.Namespace) -> SessionConfig:
