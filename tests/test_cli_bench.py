@@ -50,8 +50,8 @@ def test_transformers_row_reads_the_script_json(tmp_path):
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\necho '{\"tokens_per_s\": 4.5, \"tokens\": 8, \"threads\": 2, \"versions\": {}}'\n")
     fake.chmod(0o755)
-    assert transformers_row(ModelSpec(), str(fake), 8)["tokens_per_s"] == 4.5
-    assert transformers_row(ModelSpec(kind="synthetic"), str(fake), 8) is None
+    assert transformers_row(ModelSpec(), str(fake), 8, threads=1)["tokens_per_s"] == 4.5
+    assert transformers_row(ModelSpec(kind="synthetic"), str(fake), 8, threads=1) is None
 
 
 class FakeTensor:

@@ -98,8 +98,9 @@ def decode_row(spec, n_tokens: int = 32, copy_bytes: int | None = None) -> dict:
                 paged_of_floor=(1 / forward_s) / floor, dense_of_floor=dense / floor, decode_steps=len(decode_s))
 
 
-def transformers_row(spec, python: str | None, n_tokens: int) -> dict | None:
-    """transformers eager decode speed on the same GGUF file, run by `python` (this interpreter when it has
+def transformers_row(spec, python: str | None, n_tokens: int, threads: int) -> dict | None:
+    """transformers eager decode speed on the same GGUF file with `threads` torch threads (the same count
+    as our BLAS threads, for a like-for-like comparison), run by `python` (this interpreter when it has
     transformers and torch); None when neither is available or the model is synthetic."""
     import importlib.util
     import json
@@ -117,7 +118,7 @@ def transformers_row(spec, python: str | None, n_tokens: int) -> dict | None:
 
     gguf = spec.path if spec.kind == "gguf" else str(default_model_path())
     script = Path(__file__).with_name("transformers_eager.py")
-    done = subprocess.run([python, str(script), "--gguf", gguf, "--tokens", str(n_tokens)],
+    done = subprocess.run([python, str(script), "--gguf", gguf, "--tokens", str(n_tokens), "--threads", str(threads)],
                           capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"transformers benchmark failed under {python}: {done.stderr.strip()[-500:]}")

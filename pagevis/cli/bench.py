@@ -85,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
         if args.transformers_python and not os.access(args.transformers_python, os.X_OK):
             raise UsageError(f"--transformers-python {args.transformers_python}: not an executable")
         say("decode: transformers eager (if available) ...")
-        eager = suite.transformers_row(spec, args.transformers_python, args.decode_tokens)
+        eager = suite.transformers_row(spec, args.transformers_python, args.decode_tokens, args.blas_threads)
         if eager:
             decode.update(transformers_tok_s=eager["tokens_per_s"], transformers_threads=eager["threads"],
                           transformers_versions=eager["versions"],
@@ -131,7 +131,8 @@ def format_report(result: dict) -> str:
                 f"  dense attention {d['dense_tok_s']:.1f} tok/s ({d['dense_of_floor']:.2f} of the floor)"]
         if "transformers_tok_s" in d:
             out.append(f"  transformers eager {d['transformers_tok_s']:.1f} tok/s ({d['transformers_threads']} torch "
-                       f"threads); paged session {d['paged_over_transformers']:.2f}x transformers")
+                       f"threads, as many as our BLAS threads); paged session {d['paged_over_transformers']:.2f}x "
+                       f"transformers")
         else:
             out.append("  transformers eager: not measured (--transformers-python PYTHON)")
     if result.get("files"):
