@@ -8,7 +8,6 @@ full cache that never evicts, and every record carries the comparison.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from types import MappingProxyType

@@ -101,6 +101,3 @@ class PagedKVCache:
     def resident_positions(self, layer: int) -> np.ndarray:
         positions = self.layers[layer].positions
         return np.sort(positions[positions >= 0])
-
-    def memory_bytes(self) -> int:
-        return self.config.total_bytes()

@@ -28,7 +28,6 @@ class LayerPages:
         self.bias = np.full(n_slots, -np.inf, dtype=np.float32)  # 0 where resident: the occupancy mask
         self.accumulated = np.zeros(n_slots, dtype=np.float64)  # attention summed over steps (H2O)
         self.last = np.zeros(n_slots, dtype=np.float64)  # attention at the latest step (TOVA)
-        self.written_step = np.full(n_slots, -1, dtype=np.int64)
         self.reset()
 
     def reset(self) -> None:
@@ -36,7 +35,6 @@ class LayerPages:
         self.bias.fill(-np.inf)
         self.accumulated.fill(0.0)
         self.last.fill(0.0)
-        self.written_step.fill(-1)
         self.fill = np.zeros(self.max_pages, dtype=np.int64)  # resident tokens per page
         self.free_pages = list(range(self.max_pages))  # a heap: low page ids first keep the pool compact
         self.block_table: list[int] = []  # logical page order -> physical page id
@@ -83,7 +81,6 @@ class LayerPages:
         self.bias[flat] = 0.0
         self.accumulated[flat] = 0.0
         self.last[flat] = 0.0
-        self.written_step[flat] = step
         self.fill[page] += 1
         events.append(CacheEvent(EventKind.WRITE, step, self.layer, page, slot, position))
 
@@ -97,7 +94,6 @@ class LayerPages:
                                  policy, reason, float(score)))
         self.positions[flat] = -1
         self.bias[flat] = -np.inf
-        self.written_step[flat] = -1
         self.fill[page] -= 1
         self.holes.add(flat)
         if self.fill[page] == 0:
