@@ -247,18 +247,14 @@ class ControlsPanel(QScrollArea):
         self._session("model changed")
 
     def _update_model_rows(self) -> None:
-        synthetic = self.model.currentData() == "synthetic"
-        for form, widget in self._synthetic_rows:
-            form.setRowVisible(widget, synthetic)
+        _show_rows(self._synthetic_rows, self.model.currentData() == "synthetic")
 
     def _sampling_changed(self) -> None:
         self._update_sampling_rows()
         self._session("sampling changed")
 
     def _update_sampling_rows(self) -> None:
-        sample = self.sampling.currentText() == "sample"
-        for form, widget in self._sampling_rows:
-            form.setRowVisible(widget, sample)
+        _show_rows(self._sampling_rows, self.sampling.currentText() == "sample")
 
     def _policy_changed(self) -> None:
         self._rebuild_params()
@@ -455,3 +451,9 @@ class ControlsPanel(QScrollArea):
             self._saved_layer = int(data.get("view_layer", 0))
         finally:
             self._loading = False
+
+
+def _show_rows(rows, visible: bool) -> None:
+    """Show or hide form rows given as (form, widget) pairs."""
+    for form, widget in rows:
+        form.setRowVisible(widget, visible)
