@@ -11,7 +11,7 @@ import os
 from importlib import resources
 
 from ..decoding import ModelSpec, SamplingConfig, SessionConfig
-from ..engine import POLICIES, CacheConfig, ConfigError
+from ..engine import POLICIES, ConfigError
 
 MODEL_NAMES = ("smollm2", "synthetic")
 SYNTHETIC_FLAGS = {"layers": "n_layers", "heads": "n_heads", "kv_heads": "n_kv_heads", "head_dim": "head_dim",
@@ -197,8 +197,7 @@ def session_config(args: argparse.Namespace) -> SessionConfig:
 def check_cache(config: SessionConfig) -> None:
     """Validate the cache settings and policy parameters now, before a model loads or a window opens
     (the head layout does not change what is valid here)."""
-    CacheConfig(page_size=config.page_size, max_pages=config.max_pages, dtype=config.dtype, policy=config.policy,
-                policy_params=dict(config.policy_params), head_dim=1)
+    config.check()
 
 
 def session_options_given(args: argparse.Namespace) -> bool:

@@ -20,7 +20,7 @@ from PySide6.QtCore import QObject, QThreadPool, Signal
 from superqt.utils import create_worker
 
 from ..decoding import DecodeSession, ModelSpec, SessionConfig
-from ..engine import CacheConfig, ConfigError
+from ..engine import CacheSettings, ConfigError
 from .timeline import SessionInfo, Timeline
 
 GIL_BREATH = 0.002  # seconds the worker sleeps after a short step ...
@@ -74,17 +74,17 @@ def decode_steps(session: DecodeSession, control: RunControl, flush_every: float
         yield batch
 
 
-def validate(config: SessionConfig, model_config=None) -> CacheConfig:
+def validate(config: SessionConfig, model_config=None) -> CacheSettings:
     """The cache this configuration builds, or ConfigError. Without the model's shape, check everything
-    that does not depend on it (sizes, policy parameters)."""
+    that does not depend on it (sizes, policy parameters) and return the settings themselves."""
     capacity = config.page_size * config.max_pages
     if capacity > MAX_CAPACITY:
         raise ConfigError("max_pages", config.max_pages,
                           f"at most {MAX_CAPACITY // config.page_size} pages of {config.page_size} "
                           f"(the GUI keeps every step's snapshot; {MAX_CAPACITY} tokens per layer at most)")
     if model_config is None:
-        return CacheConfig(page_size=config.page_size, max_pages=config.max_pages, dtype=config.dtype,
-                           policy=config.policy, policy_params=dict(config.policy_params))
+        config.check()
+        return config
     return config.cache_config(model_config)
 
 
