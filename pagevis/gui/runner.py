@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from PySide6.QtCore import QObject, QThreadPool, Signal
@@ -21,7 +21,7 @@ from superqt.utils import create_worker
 
 from ..decoding import DecodeSession, ModelSpec, SessionConfig
 from ..engine import CacheSettings, ConfigError
-from .timeline import SessionInfo, Timeline
+from .timeline import SessionInfo, Timeline, timeline_from_trace
 
 GIL_BREATH = 0.002  # seconds the worker sleeps after a short step ...
 SHORT_STEP = 0.02  # ... one shorter than this
@@ -180,14 +180,7 @@ class SessionRunner(QObject):
         self._generation += 1
         self.stop()
         self.session = None
-        texts = dict(trace.token_texts)
-        first = trace.records[0] if trace.records else None
-        n_layers = first.slot_maps.shape[0] if first is not None else 1
-        n_heads = first.attention[0].shape[0] if first is not None and first.attention else 1
-        info = SessionInfo(f"{trace.model_label} (trace)", trace.prompt, tuple(trace.prompt_ids), trace.config,
-                           n_layers, n_heads)
-        self.timeline = Timeline(info, lambda token: texts.get(token, f"<{token}>"))
-        self.timeline.extend(list(trace.records))
+        self.timeline = timeline_from_trace(trace)
         self._set_state("replay")
         self.started.emit(self.timeline)
 

@@ -155,6 +155,19 @@ class Timeline:
         return buffer.weights[: index + 1, :n], buffer.evicted[: index + 1, :n]
 
 
+def timeline_from_trace(trace) -> Timeline:
+    """The timeline a replay shows: a trace's records, with its own token texts."""
+    texts = dict(trace.token_texts)
+    first = trace.records[0] if trace.records else None
+    n_layers = first.slot_maps.shape[0] if first is not None else 1
+    n_heads = first.attention[0].shape[0] if first is not None and first.attention else 1
+    info = SessionInfo(f"{trace.model_label} (trace)", trace.prompt, tuple(trace.prompt_ids), trace.config,
+                       n_layers, n_heads)
+    timeline = Timeline(info, lambda token: texts.get(token, f"<{token}>"))
+    timeline.extend(list(trace.records))
+    return timeline
+
+
 SERIES = ("tokens", "resident_tokens", "pages_used", "latency_ms", "tokens_per_s", "kl", "top1_agree", "lost_attention")
 
 
