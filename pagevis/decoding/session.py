@@ -9,6 +9,7 @@ full cache that never evicts, and every record carries the comparison.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -21,6 +22,8 @@ from .record import StepRecord
 from .sampling import Sampler, SamplingConfig
 
 MAX_NEW_TOKENS = 100_000
+
+StepHook = Callable[[StepRecord], None]
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,15 @@ class DecodeSession:
         self._fed = 0  # prompt tokens already in the cache
         self._evictions = 0
         self._last_weights: dict[int, np.ndarray] = {}
+        self._hooks: list[StepHook] = []
+
+    # --- observers -----------------------------------------------------------------------------------
+    def add_hook(self, hook: StepHook) -> None:
+        """Call hook(record) on the stepping thread after every step (metrics, progress, servers...)."""
+        self._hooks.append(hook)
+
+    def remove_hook(self, hook: StepHook) -> None:
+        self._hooks.remove(hook)
 
     # --- state ---------------------------------------------------------------------------------------
     @property
@@ -135,6 +147,8 @@ class DecodeSession:
                               oracle=oracle_done - sampled, record=finished - oracle_done,
                               total=finished - started)
         self.records.append(record)
+        for hook in self._hooks:
+            hook(record)
         return record
 
     def _attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
