@@ -38,6 +38,7 @@ class SessionInfo:
     n_layers: int
     n_heads: int
     cache_bytes: int = 0
+    n_kv_heads: int = 0  # 0: unknown (a trace without it); query head h reads KV head h // (n_heads // n_kv_heads)
 
 
 class Timeline:
