@@ -7,6 +7,7 @@ from typing import Iterable, Sequence
 
 import regex
 
+from ..errors import ConfigError
 from .chat import SMOLLM2_SYSTEM_PROMPT, format_chatml
 from .tokenizer import IncrementalDecoder, printable_token
 
@@ -142,7 +143,9 @@ class BPETokenizer:
             return [self._ids[symbol]]
         missing = [ch for ch in symbol if ch not in self._ids]
         if missing:
-            raise ValueError(f"byte {self._to_byte[missing[0]]:#04x} has no token in this vocabulary")
+            byte = self._to_byte[missing[0]]
+            raise ConfigError("text", bytes([byte]).decode("latin-1"),
+                              f"characters this model's vocabulary can encode (byte {byte:#04x} has no token)")
         return [self._ids[ch] for ch in symbol]
 
     def _merge(self, spelled: str) -> list[str]:
