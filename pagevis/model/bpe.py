@@ -8,7 +8,7 @@ from typing import Iterable, Sequence
 import regex
 
 from ..errors import ConfigError
-from .chat import SMOLLM2_SYSTEM_PROMPT, format_chatml
+from .chat import SMOLLM2_SYSTEM_PROMPT, chatml_segments, format_chatml
 from .tokenizer import IncrementalDecoder, printable_token
 
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -93,9 +93,24 @@ class BPETokenizer:
         self._word_cache: dict[str, list[int]] = {}
         self._token_bytes = [self._bytes_of(i) for i in range(len(tokens))]
 
-    def encode(self, text: str) -> list[int]:
-        ids = [self.bos_id] if self.add_bos and self.bos_id is not None else []
-        pieces = self._special_split.split(text) if self._special_split else [text]
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        """Token ids for text. With special=True, control-token strings in it (e.g. `<|im_end|>`) become
+        their single ids; by default they are text like any other, so user input cannot inject them."""
+        return self._bos() + self._encode_text(text, special)
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """A conversation in the chat format: control tokens from the template only, messages as text."""
+        ids = self._bos()
+        for text, control in chatml_segments(messages, self.chat_system_prompt, add_generation_prompt):
+            ids += self._encode_text(text, special=control)
+        return ids
+
+    def _bos(self) -> list[int]:
+        return [self.bos_id] if self.add_bos and self.bos_id is not None else []
+
+    def _encode_text(self, text: str, special: bool) -> list[int]:
+        ids = []
+        pieces = self._special_split.split(text) if special and self._special_split else [text]
         for index, piece in enumerate(pieces):
             if index % 2:  # odd pieces are the captured special tokens
                 ids.append(self.special_ids[piece])
