@@ -89,7 +89,7 @@ def _screenshot(app, window, path: str, steps: int) -> int:
     app.processEvents()
     window.start(blocking=True)
     if window.runner.session is None:
-        print(f"pagevis: could not start a session for the screenshot", file=sys.stderr)
+        print("pagevis: could not start a session for the screenshot", file=sys.stderr)
         window.close()
         return 1
     window.runner.step_blocking(steps)
