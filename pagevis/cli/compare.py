@@ -93,7 +93,7 @@ def load_text(path: str | None) -> str:
 def main(args: argparse.Namespace) -> int:
     from ..bench import quality
     from ..bench.optimal import OPTIMAL
-    from ..engine import CacheConfig, ConfigError
+    from ..engine import CacheSettings, ConfigError
 
     if args.page_size < 1:
         raise UsageError(f"--page-size {args.page_size}: must be a positive integer")
@@ -108,8 +108,8 @@ def main(args: argparse.Namespace) -> int:
             if choice.name == OPTIMAL:
                 continue
             try:
-                CacheConfig(page_size=args.page_size, max_pages=budget // args.page_size, policy=choice.name,
-                            policy_params=choice.params, head_dim=1)
+                CacheSettings(page_size=args.page_size, max_pages=budget // args.page_size, policy=choice.name,
+                              policy_params=choice.params).check()
             except ConfigError as error:
                 raise UsageError(f"--policies {choice.label} at budget {budget}: {error}") from None
     text = load_text(args.text)
