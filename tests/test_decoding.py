@@ -129,7 +129,7 @@ def test_policy_none_full_cache_fails_cleanly_and_keeps_records():
             steps.append(session.step())
     assert len(session.records) == len(steps) and session.records[-1].resident_tokens == 12
     # nothing half-written: every layer holds the same 12 tokens
-    for pages in session.cache.layers:
+    for pages in session.cache.stores:
         assert sorted(pages.positions[pages.positions >= 0].tolist()) == list(range(12))
 
 

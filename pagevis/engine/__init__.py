@@ -2,14 +2,17 @@
 
 from .attention import AttentionResult, attend, softmax
 from .cache import PagedKVCache
-from .config import CacheConfig
+from .config import CacheConfig, CacheSettings
 from .errors import CacheFullError, ConfigError
 from .events import CacheEvent, EventKind
-from .pages import LayerPages
+from .frames import FramePool
 from .policies import POLICIES, EvictionPolicy, make_policy, policy_params
+from .policy_state import LayerView, PolicyState
+from .sequence import Sequence
+from .store import PageStore
 
 __all__ = [
-    "AttentionResult", "attend", "softmax", "PagedKVCache", "CacheConfig", "CacheFullError",
-    "ConfigError", "CacheEvent", "EventKind", "LayerPages", "POLICIES", "EvictionPolicy",
-    "make_policy", "policy_params",
+    "AttentionResult", "attend", "softmax", "PagedKVCache", "CacheConfig", "CacheSettings", "CacheFullError",
+    "ConfigError", "CacheEvent", "EventKind", "FramePool", "PageStore", "Sequence", "LayerView", "PolicyState",
+    "POLICIES", "EvictionPolicy", "make_policy", "policy_params",
 ]

@@ -30,10 +30,11 @@ def _application():
 
 
 def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, session_config: SessionConfig | None = None,
-           screenshot: str | None = None, steps: int = 0, trace: str | None = None) -> int:
+           screenshot: str | None = None, steps: int = 0, trace: str | None = None, metrics=None) -> int:
     """Open the main window (QApplication created here). With `screenshot`, open offscreen-capable, decode `steps`
     steps (synchronously), save a PNG of the whole window to that path and return 0 without entering the event
-    loop. With `trace`, open that trace for replay. Returns the exit code."""
+    loop. With `trace`, open that trace for replay. With `metrics` (a pagevis.observe.Metrics), every session
+    the window starts feeds it. Returns the exit code."""
     if screenshot and "QT_QPA_PLATFORM" not in os.environ:
         os.environ["QT_QPA_PLATFORM"] = "offscreen"  # a screenshot needs no screen and should not flash one
     verdict = platform_check.check()
@@ -47,12 +48,27 @@ def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, sessi
     # A screenshot is a pure function of its arguments: it neither reads nor writes the user's settings.
     window = MainWindow(restore=not screenshot, persist=not screenshot)
     window.apply_arguments(model_spec, prompt, session_config)
+    if metrics is not None:
+        _observe_sessions(window.runner, metrics)
     if screenshot:
         return _screenshot(app, window, screenshot, steps)
     window.show()
     if not (trace and window.open_trace(trace)):
         window.start()
     return app.exec()
+
+
+def _observe_sessions(runner, metrics) -> None:
+    """Subscribe `metrics` to each new session (before its first step); the old session's observer goes."""
+    current = []
+
+    def started(_timeline) -> None:
+        while current:
+            current.pop().close()
+        if runner.session is not None:
+            current.append(metrics.observe(runner.session))
+
+    runner.started.connect(started)
 
 
 def _one_blas_thread() -> None:

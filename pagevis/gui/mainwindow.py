@@ -7,12 +7,20 @@ import time
 from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QRect, QSettings, QSize, Qt, QTimer
-from PySide6.QtGui import QAction, QGuiApplication, QKeySequence
-from PySide6.QtWidgets import (QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QPlainTextEdit,
-                               QWidget)
+from PySide6.QtGui import QGuiApplication, QKeySequence
+from PySide6.QtWidgets import (
+    QDockWidget,
+    QFileDialog,
+    QLabel,
+    QMainWindow,
+    QMessageBox,
+    QPlainTextEdit,
+    QWidget,
+)
 
 from ..decoding import ModelSpec, SessionConfig
 from ..engine import ConfigError
+from ..presets import default_prompt
 from . import export, theme
 from .controls import ControlsPanel
 from .runner import SessionRunner
@@ -177,8 +185,8 @@ class MainWindow(QMainWindow):
         file_menu.addAction("&Quit", self.close, QKeySequence.Quit)
         play_menu = self.menuBar().addMenu("&Decode")
         t = self.transport
-        for action in (t.play_action, t.step_action, t.reset_action, None, t.back_action, t.forward_action,
-                       t.first_action, t.last_action):
+        for action in (t.play_action, t.step_action, t.reset_action, t.previous_action, None, t.back_action,
+                       t.forward_action, t.first_action, t.last_action):
             if action is None:
                 play_menu.addSeparator()
             else:
@@ -197,6 +205,7 @@ class MainWindow(QMainWindow):
         t.play_action.triggered.connect(self.toggle_play)
         t.step_action.triggered.connect(self.step)
         t.reset_action.triggered.connect(lambda: self.restart("reset"))
+        t.previous_action.triggered.connect(self.back_to_previous)
         t.back_action.triggered.connect(lambda: self.scrub(self.index - 1))
         t.forward_action.triggered.connect(lambda: self.scrub(self.index + 1))
         t.first_action.triggered.connect(lambda: self.scrub(0))
@@ -209,6 +218,7 @@ class MainWindow(QMainWindow):
         r.state_changed.connect(self._state_changed)
         r.message.connect(lambda text: self.statusBar().showMessage(text, 5000))
         self.controls.session_changed.connect(self.restart)
+        self.controls.preset_chosen.connect(self.apply_preset)
         self.controls.view_changed.connect(self.request_render)
 
     # --- session ---------------------------------------------------------------------------------
@@ -222,9 +232,53 @@ class MainWindow(QMainWindow):
         except (ConfigError, ValueError) as error:
             self.statusBar().showMessage(f"Not restarted: {error}", 8000)
             return
+        if self.runner.state == "replay" and not self.leave_replay(reason):
+            return
         self._replay_timer.stop()
         self._restart_reason = reason
+        self._clear_messages()
         self.runner.configure(self.controls.model_spec(), self.controls.prompt(), config, blocking=blocking)
+
+    def apply_preset(self, preset) -> None:
+        """Set the preset's prompt and cache (the synthetic model keeps a prompt that fits it) and restart."""
+        kind = self.controls.model.currentData()
+        prompt = preset.prompt_text() if kind != "synthetic" else default_prompt("synthetic")
+        self.controls.set_configuration(prompt=prompt, config=preset.a)
+        self.restart(f"preset {preset.name!r}")
+
+    def leave_replay(self, reason: str) -> bool:
+        """Ask before a change ends the replay; on no, the controls show the replay's settings again."""
+        name = self.timeline.info.model_label if self.timeline is not None else "the trace"
+        if self.confirm("Leave the replay?", f"{reason[:1].upper()}{reason[1:]}: start a live session and leave the "
+                        f"replay of {name}? (Decode ▸ Back to previous run returns to it.)"):
+            return True
+        info = self.timeline.info
+        self.controls.set_configuration(prompt=info.prompt, config=info.config)
+        self.statusBar().showMessage("Still replaying: nothing changed", 5000)
+        return False
+
+    def confirm(self, title: str, question: str) -> bool:
+        answer = QMessageBox.question(self, title, question, QMessageBox.Yes | QMessageBox.No, QMessageBox.Yes)
+        return answer == QMessageBox.Yes
+
+    def back_to_previous(self) -> None:
+        """Swap the current session with the previous one (kept on every restart), both still resumable."""
+        if self.runner.busy:
+            self.runner.stop()
+            self.statusBar().showMessage("Paused: press Ctrl+Z again to return to the previous run", 5000)
+            return
+        if not self.runner.swap_previous():
+            self.statusBar().showMessage("No previous run to return to", 4000)
+            return
+        runner = self.runner
+        self.controls.set_configuration(runner.spec, runner.prompt, runner.config)
+        self.statusBar().showMessage(f"Back to the previous run ({len(runner.timeline)} steps); "
+                                     "Ctrl+Z swaps again", 6000)
+
+    def _clear_messages(self) -> None:
+        """Messages belong to the session that produced them: a new one starts with none."""
+        self.messages.clear()
+        self.docks["Messages"].hide()
 
     def _session_started(self, timeline: Timeline) -> None:
         self.timeline = timeline
@@ -240,9 +294,13 @@ class MainWindow(QMainWindow):
         self.statusBar().clearMessage()
         self.status_model.setText(info.model_label)
         self.status_memory.setText(f"K/V {_mib(info.cache_bytes)}" if info.cache_bytes else "K/V —")
+        previous = self.runner.previous
         if self._restart_reason:
+            kept = (f"; the previous run ({len(previous.timeline)} steps) is kept: Ctrl+Z returns to it"
+                    if previous is not None else "")
             self.statusBar().showMessage(f"{self._restart_reason[0].upper()}{self._restart_reason[1:]}: "
-                                         f"restarted the session with a new cache", 6000)
+                                         f"restarted the session with a new cache{kept}", 8000)
+        self.transport.previous_action.setEnabled(previous is not None)
         self._restart_reason = ""
         self.request_render()
 
@@ -282,7 +340,8 @@ class MainWindow(QMainWindow):
             self.runner.play()
 
     def step(self) -> None:
-        if self.runner.state == "replay":
+        """→: the next recorded step when scrubbed back (as in a replay); at the newest, decode one token."""
+        if self.timeline is not None and (self.index < len(self.timeline) - 1 or self.runner.state == "replay"):
             self.scrub(self.index + 1)
             return
         if self.runner.busy:
@@ -469,8 +528,9 @@ class MainWindow(QMainWindow):
 
     def _show_shortcuts(self) -> None:
         box = QMessageBox(QMessageBox.Information, "Keyboard shortcuts",
-                          "Space: play / pause\n→: decode one token\n← or Ctrl+←: previous step\n"
-                          "Ctrl+→: next recorded step\nHome / End: first / latest step\nCtrl+R: reset the session\n"
+                          "Space: play / pause\n→: next recorded step, or at the newest decode one token\n"
+                          "← or Ctrl+←: previous step\nCtrl+→: next recorded step\nHome / End: first / latest step\n"
+                          "Ctrl+R: reset the session\nCtrl+Z: back to the previous run (kept on every restart)\n"
                           "Ctrl+Return (in the prompt): restart with the prompt", QMessageBox.Ok, self)
         box.setModal(False)
         box.show()

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 pytest.importorskip("pytestqt")
-from test_gui import CONFIG, make_window, private_settings, step  # noqa: F401 - the fixture is autouse
+from gui_helpers import CONFIG, make_window, step  # noqa: E402
 
-from pagevis.gui.theme import FREE
-from pagevis.gui.views import EMPTY_HINT
+from pagevis.gui.theme import FREE  # noqa: E402
+from pagevis.gui.views import EMPTY_HINT  # noqa: E402
 
 
 @pytest.fixture
