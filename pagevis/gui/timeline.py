@@ -28,8 +28,8 @@ from .spill import RecordSpill, _grow
 
 KEEP = 8  # newest records kept whole in memory
 REBUILT = 16  # older records rebuilt from the spill file and kept, least recently used first out
-HEATMAP_ROWS = 512  # steps the attention heatmap shows, ending at the selected step
-HEATMAP_COLUMNS = 2048  # positions it shows, ending at the newest written by then
+HEATMAP_ROWS = 256  # steps the attention heatmap shows, ending at the selected step
+HEATMAP_COLUMNS = 1024  # positions it shows, ending at the newest written by then
 ROW_CACHE_LAYERS = 3  # layers whose heatmap rows stay cached (the shown one, and the ones just before)
 
 
@@ -307,7 +307,11 @@ class _Evictions:
 
     def __getitem__(self, index):
         if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
+            start, stop, stride = index.indices(len(self))
+            t = self._timeline
+            text, reasons = t.position_text, t._reasons
+            return [Eviction(step, layer, page, slot, position, text(position), reasons[reason], score)
+                    for step, layer, page, slot, position, reason, score in t._evictions[start:stop:stride].tolist()]
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):
