@@ -1,4 +1,33 @@
 import os
 
+import pytest
+
 # Tests never need a screen; `make test` sets this too, this covers a bare `pytest`.
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+
+@pytest.fixture(autouse=True)
+def private_settings(request, tmp_path):
+    """GUI tests (test_gui*.py) never read or write the user's settings."""
+    if not request.module.__name__.startswith("test_gui"):
+        yield
+        return
+    from PySide6.QtCore import QSettings
+
+    from pagevis.gui import theme
+
+    qapp = request.getfixturevalue("qapp")
+    QSettings.setDefaultFormat(QSettings.IniFormat)
+    QSettings.setPath(QSettings.IniFormat, QSettings.UserScope, str(tmp_path / "settings"))
+    qapp.setOrganizationName("pagevis-tests")
+    qapp.setApplicationName("pagevis-tests")
+    theme.configure_pyqtgraph()
+    yield
+
+
+@pytest.fixture
+def window(qtbot, tmp_path):
+    """The main window on the synthetic model with a 4 x 4 cache, started and ready (see gui_helpers)."""
+    from gui_helpers import make_window
+
+    return make_window(qtbot, tmp_path)

@@ -19,49 +19,7 @@ from PySide6.QtCore import QSettings, Qt, QThreadPool  # noqa: E402
 from pagevis.decoding import DecodeSession, ModelSpec, SessionConfig  # noqa: E402
 from pagevis.gui.theme import PINNED, REPLACED, RESIDENT, WRITTEN  # noqa: E402
 
-SYNTH = ModelSpec(kind="synthetic", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=1)
-PROMPT = "hello paged world"  # 17 byte tokens
-CONFIG = SessionConfig(page_size=4, max_pages=4, policy="sinks", max_new_tokens=60, chat=False)
-
-
-@pytest.fixture(autouse=True)
-def private_settings(tmp_path, qapp):
-    """Nothing here may read or write the user's settings."""
-    QSettings.setDefaultFormat(QSettings.IniFormat)
-    QSettings.setPath(QSettings.IniFormat, QSettings.UserScope, str(tmp_path / "settings"))
-    qapp.setOrganizationName("pagevis-tests")
-    qapp.setApplicationName("pagevis-tests")
-    from pagevis.gui import theme
-
-    theme.configure_pyqtgraph()
-    yield
-
-
-def make_window(qtbot, tmp_path, spec=SYNTH, prompt=PROMPT, config=CONFIG, restore=False):
-    from pagevis.gui.mainwindow import MainWindow
-
-    settings = QSettings(str(tmp_path / "gui.ini"), QSettings.IniFormat)
-    window = MainWindow(settings=settings, restore=restore)
-    qtbot.addWidget(window)
-    window.apply_arguments(spec, prompt, config)
-    window.resize(1400, 900)
-    window.show()
-    window.start()
-    qtbot.waitUntil(lambda: window.runner.state == "ready", timeout=20000)
-    return window
-
-
-@pytest.fixture
-def window(qtbot, tmp_path):
-    return make_window(qtbot, tmp_path)
-
-
-def step(qtbot, window, n: int = 1) -> None:
-    for _ in range(n):
-        count = len(window.timeline)
-        window.step()
-        qtbot.waitUntil(lambda: not window.runner.busy and len(window.timeline) == count + 1, timeout=10000)
-    window.redraw()
+from gui_helpers import CONFIG, PROMPT, SYNTH, make_window, step  # noqa: E402
 
 
 def counts(states: np.ndarray) -> dict[int, int]:
@@ -161,8 +119,13 @@ def test_scrub_back_and_forward_with_keys_and_slider(qtbot, window):
     qtbot.keyClick(window, Qt.Key_Right, Qt.ControlModifier)
     assert window.index == 1
     assert window.transport.slider.value() == 1
-    # Step (→) decodes a new token and returns the views to the newest record.
+    # → while scrubbed back moves the shown record forward and decodes nothing ...
     count = len(window.timeline)
+    qtbot.keyClick(window, Qt.Key_Right)
+    assert window.index == 2 and window.transport.slider.value() == 2 and len(window.timeline) == count
+    assert window.page_grid._state.index == 2
+    window.scrub(count - 1)
+    # ... and at the newest record decodes a new token.
     qtbot.keyClick(window, Qt.Key_Right)
     qtbot.waitUntil(lambda: len(window.timeline) == count + 1 and not window.runner.busy)
     qtbot.waitUntil(lambda: window.index == count)
@@ -245,8 +208,8 @@ def test_invalid_inputs_are_refused_inline(qtbot, window):
     assert controls._param_widgets["n_sink"].value() == 15
     timeline = window.timeline
     controls.kv_heads.setValue(3)  # does not divide 4 query heads
-    assert controls.error.isVisibleTo(controls)
-    assert "KV heads" in controls.error.text()
+    assert controls.model_error.isVisibleTo(controls)  # next to the field, in the model group
+    assert "KV heads" in controls.model_error.text()
     qtbot.wait(300)
     assert window.timeline is timeline  # nothing restarted
 

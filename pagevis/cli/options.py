@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
-from importlib import resources
 
 from ..decoding import ModelSpec, SamplingConfig, SessionConfig
 from ..engine import POLICIES, ConfigError
+from ..presets import DEFAULT_CONFIG, Preset, find_preset, preset_names
 
 MODEL_NAMES = ("smollm2", "synthetic")
 SYNTHETIC_FLAGS = {"layers": "n_layers", "heads": "n_heads", "kv_heads": "n_kv_heads", "head_dim": "head_dim",
@@ -55,10 +55,13 @@ def add_prompt_options(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a UTF-8 text file")
     group.add_argument("--no-chat", dest="chat", action="store_const", const=False,
                        help="feed the prompt as raw text instead of wrapping it in the model's chat template")
+    group.add_argument("--special", action="store_const", const=True,
+                       help="with --no-chat: control-token text in the prompt (e.g. <|im_end|>) becomes the control "
+                            "token, like llama.cpp's --special (default: the prompt is always plain text)")
 
 
 def add_cache_options(parser: argparse.ArgumentParser) -> None:
-    defaults = SessionConfig()
+    defaults = DEFAULT_CONFIG
     group = parser.add_argument_group("KV cache")
     group.add_argument("--page-size", type=int, metavar="N", help=f"tokens per page (default {defaults.page_size})")
     group.add_argument("--max-pages", type=int, metavar="N",
@@ -71,7 +74,7 @@ def add_cache_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_decoding_options(parser: argparse.ArgumentParser) -> None:
-    defaults = SessionConfig()
+    defaults = DEFAULT_CONFIG
     group = parser.add_argument_group("decoding")
     group.add_argument("--max-tokens", type=int, metavar="N",
                        help=f"stop after N generated tokens (default {defaults.max_new_tokens})")
@@ -87,7 +90,14 @@ def add_decoding_options(parser: argparse.ArgumentParser) -> None:
                        help="layers whose attention the records keep: all (default), none, or e.g. 0,15,29")
 
 
+def add_preset_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", metavar="NAME",
+                        help="start from a named demo preset (prompt, cache, policy); flags given too override it. "
+                             "Presets: " + "; ".join(preset_names()))
+
+
 def add_session_options(parser: argparse.ArgumentParser) -> None:
+    add_preset_option(parser)
     add_model_options(parser)
     add_prompt_options(parser)
     add_cache_options(parser)
@@ -115,14 +125,23 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
     return ModelSpec(kind="gguf", path=os.path.abspath(name))
 
 
-def default_prompt() -> str:
-    return resources.files("pagevis.resources").joinpath("prompts/explain-paging.txt").read_text("utf-8").strip()
+def preset(args: argparse.Namespace) -> Preset | None:
+    """The preset named by --preset, or None; UsageError naming the presets if there is no such one."""
+    name = getattr(args, "preset", None)
+    if name is None:
+        return None
+    try:
+        return find_preset(name)
+    except ConfigError as error:
+        raise UsageError(f"--preset {name!r}: {error.allowed}") from None
 
 
 def prompt_text(args: argparse.Namespace) -> str | None:
-    """The prompt the user gave, or None."""
+    """The prompt the user gave (or their preset's), or None."""
     if getattr(args, "prompt_file", None):
         return read_text_file(args.prompt_file, "--prompt-file")
+    if getattr(args, "prompt", None) is None and preset(args) is not None:
+        return preset(args).prompt_text()
     return getattr(args, "prompt", None)
 
 
@@ -173,23 +192,30 @@ def parse_layers(text: str | None) -> tuple[int, ...] | None:
     return tuple(parse_int_list(text, "--record-layers", "all, none, or layer numbers like 0,15,29"))
 
 
-def session_config(args: argparse.Namespace) -> SessionConfig:
-    """A SessionConfig from the options, SessionConfig's own defaults for what was not given."""
-    defaults = SessionConfig()
+def session_config(args: argparse.Namespace, base: SessionConfig | None = None) -> SessionConfig:
+    """A SessionConfig from the options; what was not given comes from `base`, else the --preset's (first)
+    session, else the demo defaults (pagevis.presets, the same as the app's)."""
+    chosen = preset(args)
+    defaults = base or (chosen.a if chosen is not None else DEFAULT_CONFIG)
     sampling = defaults.sampling
     sampled = args.sample or any(getattr(args, f) is not None for f in ("temperature", "top_k", "top_p"))
     sampling = SamplingConfig(
         mode="sample" if sampled else "greedy",
         temperature=_given(args.temperature, sampling.temperature), top_k=_given(args.top_k, sampling.top_k),
         top_p=_given(args.top_p, sampling.top_p), seed=_given(args.seed, sampling.seed))
+    if args.special and args.chat is not False:
+        raise UsageError("--special only applies with --no-chat (in the chat template the prompt is always text)")
     params = dict(parse_param(p) for p in (args.policy_param or []))
     policy = _given(args.policy, defaults.policy)
+    if args.policy is None and not params:
+        params = dict(defaults.policy_params)
     config = SessionConfig(
         page_size=_given(args.page_size, defaults.page_size), max_pages=_given(args.max_pages, defaults.max_pages),
         dtype=_given(args.dtype, defaults.dtype), policy=policy, policy_params=params,
         max_new_tokens=_given(args.max_tokens, defaults.max_new_tokens), sampling=sampling,
-        oracle=bool(args.oracle), chat=_given(args.chat, defaults.chat),
-        record_layers=parse_layers(args.record_layers))
+        oracle=bool(_given(args.oracle, defaults.oracle)), chat=_given(args.chat, defaults.chat),
+        special=bool(args.special),
+        record_layers=parse_layers(args.record_layers) if args.record_layers is not None else defaults.record_layers)
     check_cache(config)
     return config
 
@@ -202,8 +228,8 @@ def check_cache(config: SessionConfig) -> None:
 
 def session_options_given(args: argparse.Namespace) -> bool:
     """Did the user set any cache or decoding option (the app keeps its own settings otherwise)?"""
-    names = ("page_size", "max_pages", "dtype", "policy", "policy_param", "max_tokens", "sample", "temperature",
-             "top_k", "top_p", "seed", "oracle", "record_layers", "chat")
+    names = ("preset", "page_size", "max_pages", "dtype", "policy", "policy_param", "max_tokens", "sample", "temperature",
+             "top_k", "top_p", "seed", "oracle", "record_layers", "chat", "special")
     return any(getattr(args, name, None) is not None for name in names)
 
 

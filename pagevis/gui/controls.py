@@ -14,16 +14,30 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
-from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFormLayout, QGroupBox, QHBoxLayout,
-                               QLabel, QPlainTextEdit, QPushButton, QScrollArea, QSpinBox, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QGroupBox,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QPushButton,
+    QScrollArea,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
 
 from ..decoding import ModelSpec, SessionConfig
 from ..decoding.sampling import SamplingConfig
 from ..engine import POLICIES, ConfigError, policy_params
 from ..engine.config import STORAGE_DTYPES
+from ..presets import DEFAULT_CONFIG, PRESETS, Preset, default_prompt
 from .runner import validate
 
-DEFAULT_PROMPT = "Explain in a few sentences how a paged KV cache lets a language model serve long conversations."
+DEFAULT_PROMPT = default_prompt()
 MODEL_CHOICES = (("smollm2", "SmolLM2-135M-Instruct"), ("synthetic", "Synthetic (random weights)"))
 
 
@@ -37,15 +51,44 @@ def sample_prompts() -> dict[str, str]:
         return {}
 
 
+class _WheelOnlyWhenFocused:
+    """The wheel changes the value only once the box has focus (a click or Tab): over an unfocused box it
+    scrolls the controls panel, as a user scrolling the panel expects, instead of silently restarting the
+    session with a new page size."""
+
+    def wheelEvent(self, event) -> None:
+        if self.hasFocus():
+            super().wheelEvent(event)
+        else:
+            event.ignore()  # the scroll area under the box gets it
+
+
+class ComboBox(_WheelOnlyWhenFocused, QComboBox):
+    pass
+
+
+class SpinBox(_WheelOnlyWhenFocused, QSpinBox):
+    pass
+
+
+class DoubleSpinBox(_WheelOnlyWhenFocused, QDoubleSpinBox):
+    pass
+
+
+def _no_wheel_focus(box):
+    box.setFocusPolicy(Qt.StrongFocus)  # the wheel never gives focus (Qt's default WheelFocus would)
+    return box
+
+
 def _combo() -> QComboBox:
-    box = QComboBox()
+    box = _no_wheel_focus(ComboBox())
     box.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)
     box.setMinimumContentsLength(8)
     return box
 
 
 def _spin(low: int, high: int, value: int, tip: str = "", step: int = 1) -> QSpinBox:
-    box = QSpinBox()
+    box = _no_wheel_focus(SpinBox())
     box.setRange(low, high)
     box.setValue(value)
     box.setSingleStep(step)
@@ -55,7 +98,7 @@ def _spin(low: int, high: int, value: int, tip: str = "", step: int = 1) -> QSpi
 
 
 def _dspin(low: float, high: float, value: float, step: float, decimals: int = 2) -> QDoubleSpinBox:
-    box = QDoubleSpinBox()
+    box = _no_wheel_focus(DoubleSpinBox())
     box.setRange(low, high)
     box.setDecimals(decimals)
     box.setSingleStep(step)
@@ -67,6 +110,7 @@ def _dspin(low: float, high: float, value: float, step: float, decimals: int = 2
 class ControlsPanel(QScrollArea):
     session_changed = Signal(str)  # a human-readable reason: "page size changed"
     view_changed = Signal()
+    preset_chosen = Signal(object)  # a Preset: the window applies it (one session, or A/B)
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -83,6 +127,7 @@ class ControlsPanel(QScrollArea):
         body = QWidget()
         column = QVBoxLayout(body)
         column.setContentsMargins(6, 6, 6, 6)
+        column.addWidget(self._demo_group())
         column.addWidget(self._model_group())
         column.addWidget(self._prompt_group())
         column.addWidget(self._cache_group())
@@ -97,6 +142,25 @@ class ControlsPanel(QScrollArea):
         self.check()
 
     # --- construction ----------------------------------------------------------------------------
+    def _demo_group(self) -> QGroupBox:
+        box = QGroupBox("Demo")
+        layout = QVBoxLayout(box)
+        self.presets = _combo()
+        self.presets.addItem("Presets…", None)
+        for preset in PRESETS:
+            self.presets.addItem(preset.name + (" (A/B)" if preset.b is not None else ""), preset)
+            self.presets.setItemData(self.presets.count() - 1, preset.description, Qt.ToolTipRole)
+        self.presets.setToolTip("one click sets prompt, cache and policy (A/B presets open two sessions)")
+        self.presets.activated.connect(self._preset_chosen)
+        layout.addWidget(self.presets)
+        return box
+
+    def _preset_chosen(self, index: int) -> None:
+        preset = self.presets.itemData(index)
+        self.presets.setCurrentIndex(0)
+        if isinstance(preset, Preset):
+            self.preset_chosen.emit(preset)
+
     def _model_group(self) -> QGroupBox:
         box = QGroupBox("Model")
         form = QFormLayout(box)
@@ -116,6 +180,11 @@ class ControlsPanel(QScrollArea):
             form.addRow(label, widget)
             self._synthetic_rows.append((form, widget))
             widget.valueChanged.connect(lambda *_: self._session("model changed"))
+        self.model_error = QLabel()  # a head-layout problem, shown next to the head fields
+        self.model_error.setObjectName("inlineError")
+        self.model_error.setWordWrap(True)
+        self.model_error.hide()
+        form.addRow(self.model_error)
         self.model.currentIndexChanged.connect(self._model_changed)
         return box
 
@@ -150,8 +219,8 @@ class ControlsPanel(QScrollArea):
     def _cache_group(self) -> QGroupBox:
         box = QGroupBox("Paged KV cache")
         form = QFormLayout(box)
-        self.page_size = _spin(1, 256, 16, "tokens per page")
-        self.max_pages = _spin(1, 512, 16, "physical pages per layer")
+        self.page_size = _spin(1, 256, DEFAULT_CONFIG.page_size, "tokens per page")
+        self.max_pages = _spin(1, 512, DEFAULT_CONFIG.max_pages, "physical pages per layer")
         self.dtype = _combo()
         self.dtype.addItems(list(STORAGE_DTYPES))
         self.policy = _combo()
@@ -188,7 +257,7 @@ class ControlsPanel(QScrollArea):
         self.top_k = _spin(0, 1000, 0, "keep the k most likely tokens (0: all)")
         self.top_p = _dspin(0.05, 1.0, 1.0, 0.05)
         self.sample_seed = _spin(0, 2**31 - 1, 0, "seed of the sampler")
-        self.max_new = _spin(1, 4096, 96, "stop after this many generated tokens")
+        self.max_new = _spin(1, 100_000, DEFAULT_CONFIG.max_new_tokens, "stop after this many generated tokens")
         self.oracle = QCheckBox("Compare with a full cache (oracle)")
         self.oracle.setToolTip("run the same tokens through a cache that never evicts: KL, top-1 agreement, "
                                "attention mass lost (about twice the work per step)")
@@ -219,12 +288,16 @@ class ControlsPanel(QScrollArea):
         self.shade.addItem("none", "none")
         self.scale = _combo()
         self.scale.addItems(["linear", "log"])
+        self.fixed_scale = QCheckBox("Fix the colour scale")
+        self.fixed_scale.setToolTip("keep the attention colour scale from step to step, so colours compare "
+                                    "across steps (linear scale; log is always fixed)")
         form.addRow("Layer", self.layer)
         form.addRow("Head", self.head)
         form.addRow("Grid shading", self.shade)
         form.addRow("Attention scale", self.scale)
+        form.addRow(self.fixed_scale)
         for signal in (self.layer.valueChanged, self.head.currentIndexChanged, self.shade.currentIndexChanged,
-                       self.scale.currentIndexChanged):
+                       self.scale.currentIndexChanged, self.fixed_scale.toggled):
             signal.connect(lambda *_: None if self._loading else self.view_changed.emit())
         return box
 
@@ -244,7 +317,16 @@ class ControlsPanel(QScrollArea):
 
     def _model_changed(self) -> None:
         self._update_model_rows()
+        self._swap_default_prompt()
         self._session("model changed")
+
+    def _swap_default_prompt(self) -> None:
+        """The synthetic model's byte tokens make SmolLM2's default prompt longer than the default cache:
+        a default prompt follows the model; a prompt the user wrote stays."""
+        kind = self.model.currentData()
+        defaults = {default_prompt("smollm2"), default_prompt("synthetic")}
+        if self.prompt().strip() in defaults:
+            self.prompt_edit.setPlainText(default_prompt(kind))
 
     def _update_model_rows(self) -> None:
         _show_rows(self._synthetic_rows, self.model.currentData() == "synthetic")
@@ -327,10 +409,14 @@ class ControlsPanel(QScrollArea):
 
     def check(self) -> bool:
         """Validate the configuration; show the first problem inline. True when it is valid."""
+        if self.model.currentData() == "synthetic" and self.heads.value() % self.kv_heads.value():
+            self.model_error.setText(str(ConfigError("KV heads", self.kv_heads.value(),
+                                                     f"a divisor of the query heads ({self.heads.value()})")))
+            self.model_error.show()
+            self.error.hide()
+            return False
+        self.model_error.hide()
         try:
-            if self.model.currentData() == "synthetic" and self.heads.value() % self.kv_heads.value():
-                raise ConfigError("KV heads", self.kv_heads.value(),
-                                  f"a divisor of the query heads ({self.heads.value()})")
             validate(self.session_config())
             if not self.prompt().strip():
                 raise ConfigError("prompt", "", "some text")
@@ -343,7 +429,8 @@ class ControlsPanel(QScrollArea):
 
     def view_options(self) -> dict:
         return {"layer": self.layer.value(), "head": self.head.currentData(),
-                "shade": self.shade.currentData(), "log_scale": self.scale.currentText() == "log"}
+                "shade": self.shade.currentData(), "log_scale": self.scale.currentText() == "log",
+                "fixed_scale": self.fixed_scale.isChecked()}
 
     def set_model_shape(self, n_layers: int, n_heads: int) -> None:
         """Fit the layer and head selectors to the loaded model, keeping the selection when it exists."""
@@ -435,15 +522,17 @@ class ControlsPanel(QScrollArea):
                                       temperature=float(data.get("temperature", 0.7)),
                                       top_k=int(data.get("top_k", 0)), top_p=float(data.get("top_p", 1.0)),
                                       seed=int(data.get("seed", 0)))
-            config = SessionConfig(page_size=int(data.get("page_size", 16)), max_pages=int(data.get("max_pages", 16)),
+            d = DEFAULT_CONFIG
+            config = SessionConfig(page_size=int(data.get("page_size", d.page_size)),
+                                   max_pages=int(data.get("max_pages", d.max_pages)),
                                    dtype=data.get("dtype", "float32"), policy=data.get("policy", "sinks"),
                                    policy_params=dict(data.get("policy_params", {})),
-                                   max_new_tokens=int(data.get("max_new_tokens", 96)), sampling=sampling,
+                                   max_new_tokens=int(data.get("max_new_tokens", d.max_new_tokens)), sampling=sampling,
                                    oracle=bool(data.get("oracle", False)), chat=bool(data.get("chat", True)))
             validate(config)
         except (ConfigError, ValueError, TypeError):
             return
-        self.set_configuration(spec, data.get("prompt") or DEFAULT_PROMPT, config)
+        self.set_configuration(spec, data.get("prompt") or default_prompt(spec.kind), config)
         self._loading = True
         try:
             self.shade.setCurrentIndex(max(0, self.shade.findData(data.get("view_shade", "age"))))

@@ -6,13 +6,21 @@ import json
 import time
 from pathlib import Path
 
-from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer
-from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import (QDockWidget, QFileDialog, QLabel, QMainWindow, QMessageBox, QPlainTextEdit,
-                               QWidget)
+from PySide6.QtCore import QByteArray, QRect, QSettings, QSize, Qt, QTimer
+from PySide6.QtGui import QGuiApplication, QKeySequence
+from PySide6.QtWidgets import (
+    QDockWidget,
+    QFileDialog,
+    QLabel,
+    QMainWindow,
+    QMessageBox,
+    QPlainTextEdit,
+    QWidget,
+)
 
 from ..decoding import ModelSpec, SessionConfig
 from ..engine import ConfigError
+from ..presets import default_prompt
 from . import export, theme
 from .controls import ControlsPanel
 from .runner import SessionRunner
@@ -31,6 +39,7 @@ UI_SHARE = 0.25  # while decoding, redraws (with their painting) may take this s
 # the decoder needs the CPU more than the screen needs a 30th frame per second on a small machine
 STATUS_INTERVAL = 0.25  # while decoding, the status bar's step and speed change at most this often
 SETTINGS_VERSION = 1
+FIRST_SCREEN_SHARE = 0.85  # until the user's own geometry is saved, the window takes this share of the screen
 
 
 def _mib(n: int) -> str:
@@ -90,8 +99,9 @@ class MainWindow(QMainWindow):
         self._build_menus()
         self._connect()
         self._default_state = self.saveState(SETTINGS_VERSION)
-        if restore:
-            self._restore_settings()
+        self._size_docks_on_show = not (restore and self._restore_settings())
+        if self._size_docks_on_show:
+            self.fit_to_screen()
 
     # --- layout ----------------------------------------------------------------------------------
     def _default_layout(self) -> None:
@@ -108,10 +118,40 @@ class MainWindow(QMainWindow):
         self.splitDockWidget(d["Eviction events"], d["Metrics"], Qt.Horizontal)
         self.addDockWidget(Qt.BottomDockWidgetArea, d["Messages"])
         d["Messages"].hide()
-        self.resizeDocks([d["Controls"]], [330], Qt.Horizontal)
-        self.resizeDocks([d["Page grid"], d["Text"]], [540, 420], Qt.Vertical)
-        self.resizeDocks([d["Page grid"], d["Attention"]], [600, 660], Qt.Horizontal)
-        self.resizeDocks([d["Text"], d["Eviction events"], d["Metrics"]], [400, 400, 470], Qt.Horizontal)
+        self.size_docks()
+
+    def size_docks(self) -> None:
+        """The default proportions (drawn for 1600 × 1000) at the window's size: absolute sizes would let Qt
+        take the whole shortfall of a smaller window from the last docks, squeezing them to an ellipsis."""
+        d = self.docks
+        controls = max(d["Controls"].minimumSizeHint().width(), min(330, self.width() // 4))
+        x = (self.width() - controls) / (1600 - 330)
+        y = self.height() / 1000
+        self.resizeDocks([d["Controls"]], [controls], Qt.Horizontal)
+        self.resizeDocks([d["Page grid"], d["Text"]], [int(540 * y), int(420 * y)], Qt.Vertical)
+        self.resizeDocks([d["Page grid"], d["Attention"]], [int(600 * x), int(660 * x)], Qt.Horizontal)
+        self.resizeDocks([d["Text"], d["Eviction events"], d["Metrics"]], [int(400 * x), int(400 * x), int(470 * x)],
+                         Qt.Horizontal)
+
+    def fit_to_screen(self, share: float = FIRST_SCREEN_SHARE) -> None:
+        """Take `share` of the screen's available area (at least the window's minimum, at most the area),
+        centred, with the docks in their default proportions: the first window, before any saved geometry."""
+        screen = self.screen() or QGuiApplication.primaryScreen()
+        if screen is None:
+            return
+        area = screen.availableGeometry()
+        size = QSize(int(area.width() * share), int(area.height() * share))
+        size = size.expandedTo(self.minimumSizeHint()).boundedTo(area.size())
+        rect = QRect(0, 0, size.width(), size.height())
+        rect.moveCenter(area.center())
+        self.setGeometry(rect)
+
+    def showEvent(self, event) -> None:
+        """The first time, without a saved layout: the default proportions at the size the window opens at."""
+        super().showEvent(event)
+        if self._size_docks_on_show:
+            self._size_docks_on_show = False
+            self.size_docks()
 
     def reset_layout(self) -> None:
         self.restoreState(self._default_state, SETTINGS_VERSION)
@@ -134,6 +174,7 @@ class MainWindow(QMainWindow):
         file_menu = self.menuBar().addMenu("&File")
         file_menu.addAction("Open &GGUF model…", self.open_gguf, QKeySequence("Ctrl+O"))
         file_menu.addAction("Open &trace…", self.choose_trace, QKeySequence("Ctrl+Shift+O"))
+        file_menu.addAction("&Save trace…", self.save_trace, QKeySequence.Save)
         file_menu.addSeparator()
         export_menu = file_menu.addMenu("&Export view")
         for view in self.views:
@@ -145,8 +186,8 @@ class MainWindow(QMainWindow):
         file_menu.addAction("&Quit", self.close, QKeySequence.Quit)
         play_menu = self.menuBar().addMenu("&Decode")
         t = self.transport
-        for action in (t.play_action, t.step_action, t.reset_action, None, t.back_action, t.forward_action,
-                       t.first_action, t.last_action):
+        for action in (t.play_action, t.step_action, t.reset_action, t.previous_action, None, t.back_action,
+                       t.forward_action, t.first_action, t.last_action):
             if action is None:
                 play_menu.addSeparator()
             else:
@@ -165,6 +206,7 @@ class MainWindow(QMainWindow):
         t.play_action.triggered.connect(self.toggle_play)
         t.step_action.triggered.connect(self.step)
         t.reset_action.triggered.connect(lambda: self.restart("reset"))
+        t.previous_action.triggered.connect(self.back_to_previous)
         t.back_action.triggered.connect(lambda: self.scrub(self.index - 1))
         t.forward_action.triggered.connect(lambda: self.scrub(self.index + 1))
         t.first_action.triggered.connect(lambda: self.scrub(0))
@@ -177,6 +219,7 @@ class MainWindow(QMainWindow):
         r.state_changed.connect(self._state_changed)
         r.message.connect(lambda text: self.statusBar().showMessage(text, 5000))
         self.controls.session_changed.connect(self.restart)
+        self.controls.preset_chosen.connect(self.apply_preset)
         self.controls.view_changed.connect(self.request_render)
 
     # --- session ---------------------------------------------------------------------------------
@@ -190,9 +233,53 @@ class MainWindow(QMainWindow):
         except (ConfigError, ValueError) as error:
             self.statusBar().showMessage(f"Not restarted: {error}", 8000)
             return
+        if self.runner.state == "replay" and not self.leave_replay(reason):
+            return
         self._replay_timer.stop()
         self._restart_reason = reason
+        self._clear_messages()
         self.runner.configure(self.controls.model_spec(), self.controls.prompt(), config, blocking=blocking)
+
+    def apply_preset(self, preset) -> None:
+        """Set the preset's prompt and cache (the synthetic model keeps a prompt that fits it) and restart."""
+        kind = self.controls.model.currentData()
+        prompt = preset.prompt_text() if kind != "synthetic" else default_prompt("synthetic")
+        self.controls.set_configuration(prompt=prompt, config=preset.a)
+        self.restart(f"preset {preset.name!r}")
+
+    def leave_replay(self, reason: str) -> bool:
+        """Ask before a change ends the replay; on no, the controls show the replay's settings again."""
+        name = self.timeline.info.model_label if self.timeline is not None else "the trace"
+        if self.confirm("Leave the replay?", f"{reason[:1].upper()}{reason[1:]}: start a live session and leave the "
+                        f"replay of {name}? (Decode ▸ Back to previous run returns to it.)"):
+            return True
+        info = self.timeline.info
+        self.controls.set_configuration(prompt=info.prompt, config=info.config)
+        self.statusBar().showMessage("Still replaying: nothing changed", 5000)
+        return False
+
+    def confirm(self, title: str, question: str) -> bool:
+        answer = QMessageBox.question(self, title, question, QMessageBox.Yes | QMessageBox.No, QMessageBox.Yes)
+        return answer == QMessageBox.Yes
+
+    def back_to_previous(self) -> None:
+        """Swap the current session with the previous one (kept on every restart), both still resumable."""
+        if self.runner.busy:
+            self.runner.stop()
+            self.statusBar().showMessage("Paused: press Ctrl+Z again to return to the previous run", 5000)
+            return
+        if not self.runner.swap_previous():
+            self.statusBar().showMessage("No previous run to return to", 4000)
+            return
+        runner = self.runner
+        self.controls.set_configuration(runner.spec, runner.prompt, runner.config)
+        self.statusBar().showMessage(f"Back to the previous run ({len(runner.timeline)} steps); "
+                                     "Ctrl+Z swaps again", 6000)
+
+    def _clear_messages(self) -> None:
+        """Messages belong to the session that produced them: a new one starts with none."""
+        self.messages.clear()
+        self.docks["Messages"].hide()
 
     def _session_started(self, timeline: Timeline) -> None:
         self.timeline = timeline
@@ -208,9 +295,13 @@ class MainWindow(QMainWindow):
         self.statusBar().clearMessage()
         self.status_model.setText(info.model_label)
         self.status_memory.setText(f"K/V {_mib(info.cache_bytes)}" if info.cache_bytes else "K/V —")
+        previous = self.runner.previous
         if self._restart_reason:
+            kept = (f"; the previous run ({len(previous.timeline)} steps) is kept: Ctrl+Z returns to it"
+                    if previous is not None else "")
             self.statusBar().showMessage(f"{self._restart_reason[0].upper()}{self._restart_reason[1:]}: "
-                                         f"restarted the session with a new cache", 6000)
+                                         f"restarted the session with a new cache{kept}", 8000)
+        self.transport.previous_action.setEnabled(previous is not None)
         self._restart_reason = ""
         self.request_render()
 
@@ -250,7 +341,8 @@ class MainWindow(QMainWindow):
             self.runner.play()
 
     def step(self) -> None:
-        if self.runner.state == "replay":
+        """→: the next recorded step when scrubbed back (as in a replay); at the newest, decode one token."""
+        if self.timeline is not None and (self.index < len(self.timeline) - 1 or self.runner.state == "replay"):
             self.scrub(self.index + 1)
             return
         if self.runner.busy:
@@ -406,6 +498,37 @@ class MainWindow(QMainWindow):
         if path:
             self.open_trace(path)
 
+    def save_trace(self, path: str | None = None) -> str | None:
+        """Write the shown session's records to a trace file (File ▸ Open trace replays it)."""
+        if self.timeline is None or not len(self.timeline):
+            self.statusBar().showMessage("Nothing to save yet: decode a step first", 5000)
+            return None
+        path = path or QFileDialog.getSaveFileName(self, "Save trace", "session.pvtrace", "pagevis traces (*.pvtrace)")[0]
+        if not path:
+            return None
+        from ..trace import Trace, write_trace
+
+        timeline, runner = self.timeline, self.runner
+        records = list(timeline.records)
+        ids = set(timeline.info.prompt_ids)
+        for record in records:
+            ids.update(record.token_ids)
+            ids.update([record.next_token] if record.next_token >= 0 else [])
+        session = runner.session if runner.timeline is timeline else None
+        trace = Trace(model_label=timeline.info.model_label, prompt=timeline.info.prompt, config=timeline.info.config,
+                      prompt_ids=tuple(timeline.info.prompt_ids), records=records,
+                      token_texts={int(t): timeline.token_text(int(t)) for t in sorted(ids)},
+                      model_spec=runner.timeline_spec if runner.timeline is timeline else None,
+                      stop_reason=session.stop_reason if session is not None else None,
+                      text=session.text() if session is not None else "", meta={"command": "pagevis (app)"})
+        try:
+            size = write_trace(path, trace)
+        except (OSError, ValueError) as error:
+            self._report(f"Could not save the trace to {path}: {error}")
+            return None
+        self.statusBar().showMessage(f"Saved {len(records)} steps to {path} ({size / 1024:.0f} KiB)", 6000)
+        return path
+
     def export_view(self, view: QWidget | None, path: str | None = None) -> str | None:
         if path is None:
             name = "window" if view is None else view.title.lower().replace(" ", "-")
@@ -437,18 +560,19 @@ class MainWindow(QMainWindow):
 
     def _show_shortcuts(self) -> None:
         box = QMessageBox(QMessageBox.Information, "Keyboard shortcuts",
-                          "Space: play / pause\n→: decode one token\n← or Ctrl+←: previous step\n"
-                          "Ctrl+→: next recorded step\nHome / End: first / latest step\nCtrl+R: reset the session\n"
+                          "Space: play / pause\n→: next recorded step, or at the newest decode one token\n"
+                          "← or Ctrl+←: previous step\nCtrl+→: next recorded step\nHome / End: first / latest step\n"
+                          "Ctrl+R: reset the session\nCtrl+Z: back to the previous run (kept on every restart)\n"
                           "Ctrl+Return (in the prompt): restart with the prompt", QMessageBox.Ok, self)
         box.setModal(False)
         box.show()
 
     # --- settings and closing ----------------------------------------------------------------------
-    def _restore_settings(self) -> None:
+    def _restore_settings(self) -> bool:
+        """Restore the saved layout and configuration; True if there was a saved geometry."""
         s = self.settings
         geometry = s.value("window/geometry")
-        if isinstance(geometry, QByteArray) and not geometry.isEmpty():
-            self.restoreGeometry(geometry)
+        restored = isinstance(geometry, QByteArray) and not geometry.isEmpty() and self.restoreGeometry(geometry)
         state = s.value("window/state")
         if isinstance(state, QByteArray) and not state.isEmpty():
             self.restoreState(state, SETTINGS_VERSION)
@@ -458,6 +582,7 @@ class MainWindow(QMainWindow):
                 self.controls.from_dict(json.loads(raw))
             except (ValueError, TypeError):
                 pass
+        return bool(restored)
 
     def save_settings(self) -> None:
         s = self.settings

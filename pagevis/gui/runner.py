@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from PySide6.QtCore import QObject, QThreadPool, Signal
@@ -21,7 +21,7 @@ from superqt.utils import create_worker
 
 from ..decoding import DecodeSession, ModelSpec, SessionConfig
 from ..engine import CacheSettings, ConfigError
-from .timeline import SessionInfo, Timeline
+from .timeline import SessionInfo, Timeline, timeline_from_trace
 
 GIL_BREATH = 0.002  # seconds the worker sleeps after a short step ...
 SHORT_STEP = 0.02  # ... one shorter than this
@@ -74,6 +74,28 @@ def decode_steps(session: DecodeSession, control: RunControl, flush_every: float
         yield batch
 
 
+class NewestRecord:
+    """Stands in for DecodeSession.records in the app: the Timeline keeps every record (spilled to disk),
+    so the session keeps only its newest, and len() still counts every step (the session numbers steps
+    by it). Without this, a long demo held every whole record twice."""
+
+    def __init__(self):
+        self._count = 0
+        self._newest = None
+
+    def append(self, record) -> None:
+        self._count += 1
+        self._newest = record
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: int):
+        if index in (-1, self._count - 1) and self._newest is not None:
+            return self._newest
+        raise IndexError(f"the app's session keeps only its newest record; the timeline has record {index}")
+
+
 def validate(config: SessionConfig, model_config=None) -> CacheSettings:
     """The cache this configuration builds, or ConfigError. Without the model's shape, check everything
     that does not depend on it (sizes, policy parameters) and return the settings themselves."""
@@ -88,8 +110,25 @@ def validate(config: SessionConfig, model_config=None) -> CacheSettings:
     return config.cache_config(model_config)
 
 
+@dataclass
+class SessionSlot:
+    """Everything that makes one session resumable: what the runner holds, set aside."""
+
+    spec: ModelSpec | None
+    model: object
+    prompt: str
+    config: SessionConfig
+    session: DecodeSession | None  # None for a replayed trace
+    timeline: Timeline
+    state: str
+
+
 class SessionRunner(QObject):
-    """States: idle (no model yet), loading, ready, running, done, error, replay."""
+    """States: idle (no model yet), loading, ready, running, done, error, replay.
+
+    A new session never drops the one before silently: the previous session (with its timeline and its
+    live DecodeSession, or a replayed trace) is kept in `previous`, and `swap_previous()` returns to it,
+    still able to decode. One previous session is kept, so memory holds at most two timelines."""
 
     started = Signal(object)  # Timeline of a new session (or replayed trace)
     records = Signal(list)  # new StepRecords, in order
@@ -112,6 +151,8 @@ class SessionRunner(QObject):
         self._loader = None
         self._pending: tuple | None = None  # a (spec, prompt, config) to start once the worker stops
         self._generation = 0  # bumps on every restart: results of older workers are dropped
+        self.previous: SessionSlot | None = None
+        self.timeline_spec: ModelSpec | None = None  # the model spec of the current timeline
 
     # --- lifecycle -------------------------------------------------------------------------------
     def configure(self, spec: ModelSpec, prompt: str, config: SessionConfig, blocking: bool = False) -> None:
@@ -126,7 +167,7 @@ class SessionRunner(QObject):
         if self.model is not None and spec == self.spec:
             self._start_session()
             return
-        self.spec, self.model, self.session = spec, None, None
+        self.spec, self.model = spec, None  # the current session stays until the next one replaces it
         self._set_state("loading")
         self.message.emit(f"Loading {spec.label}…")
         if blocking:
@@ -163,15 +204,19 @@ class SessionRunner(QObject):
     def _start_session(self) -> None:
         try:
             cache = validate(self.config, self.model.config)
-            self.session = DecodeSession(self.model, self.prompt, self.config)
+            session = DecodeSession(self.model, self.prompt, self.config)
+            session.records = NewestRecord()
         except Exception as error:  # noqa: BLE001 - a bad prompt or configuration is shown, not raised
-            self.session = None
+            self._keep_current()
+            self.session = self.timeline = None
             self._fail(str(error), traceback.format_exc())
             return
         cfg = self.model.config
-        info = SessionInfo(self.spec.label, self.prompt, self.session.prompt_ids, self.config,
-                           cfg.n_layers, cfg.n_heads, cache.total_bytes())
-        self.timeline = Timeline(info, self.session.token_text)
+        info = SessionInfo(self.spec.label, self.prompt, session.prompt_ids, self.config,
+                           cfg.n_layers, cfg.n_heads, cache.total_bytes(), cfg.n_kv_heads)
+        self._keep_current()
+        self.session = session
+        self.timeline, self.timeline_spec = Timeline(info, session.token_text), self.spec
         self._set_state("ready")
         self.started.emit(self.timeline)
 
@@ -179,17 +224,40 @@ class SessionRunner(QObject):
         """Show a recorded trace: its records become the timeline; nothing decodes."""
         self._generation += 1
         self.stop()
+        self._keep_current()
         self.session = None
-        texts = dict(trace.token_texts)
-        first = trace.records[0] if trace.records else None
-        n_layers = first.slot_maps.shape[0] if first is not None else 1
-        n_heads = first.attention[0].shape[0] if first is not None and first.attention else 1
-        info = SessionInfo(f"{trace.model_label} (trace)", trace.prompt, tuple(trace.prompt_ids), trace.config,
-                           n_layers, n_heads)
-        self.timeline = Timeline(info, lambda token: texts.get(token, f"<{token}>"))
-        self.timeline.extend(list(trace.records))
+        self.timeline = timeline_from_trace(trace)
+        self.timeline_spec = getattr(trace, "model_spec", None)
         self._set_state("replay")
         self.started.emit(self.timeline)
+
+    # --- the previous session ------------------------------------------------------------------------
+    def _keep_current(self) -> None:
+        """Set the current session aside as `previous` (if it recorded anything) before another replaces it."""
+        if self.timeline is not None and len(self.timeline):
+            state = "replay" if self.state == "replay" or self.session is None else (
+                "done" if self.session.done else "ready")
+            info = self.timeline.info  # the runner's spec, prompt and config may already be the next session's
+            self.previous = SessionSlot(self.timeline_spec, self.session.model if self.session else self.model,
+                                        info.prompt, info.config, self.session, self.timeline, state)
+
+    def swap_previous(self) -> bool:
+        """Make the previous session current again (and the current one previous). False when there is
+        none, or while a worker or loader runs."""
+        if self.previous is None or self.busy:
+            return False
+        slot = self.previous
+        self.previous = None
+        current_state = self.state
+        self._keep_current()
+        if self.state == "error" and self.previous is not None:
+            self.previous.state = current_state if current_state != "error" else "ready"
+        self._generation += 1
+        self.spec, self.model, self.prompt, self.config = slot.spec, slot.model, slot.prompt, slot.config
+        self.session, self.timeline, self.timeline_spec = slot.session, slot.timeline, slot.spec
+        self._set_state(slot.state)
+        self.started.emit(self.timeline)
+        return True
 
     # --- running ---------------------------------------------------------------------------------
     @property

@@ -1,0 +1,94 @@
+"""Demo defaults and named presets, shared by the app and `pagevis run` (Qt-free).
+
+The defaults are chosen so that a first run shows the point of the app within seconds: on SmolLM2 the
+default prompt is 54 tokens with the chat template, the cache holds 96 (12 pages of 8), so pages fill
+during the first ~40 generated tokens and the policy evicts from then on (about 3 s at 15 tokens/s);
+192 new tokens leave ~150 steps of eviction. The synthetic model's byte tokenizer turns the SmolLM2
+prompt into ~170 tokens, more than the cache: it gets a short prompt of its own that fits.
+
+A preset sets prompt, cache and policy for a one-click demo; `b` is the second session of an A/B
+comparison (same prompt, different settings), or None for a single session.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from importlib import resources
+
+from .decoding import SessionConfig
+from .errors import ConfigError
+
+DEFAULT_CONFIG = SessionConfig(page_size=8, max_pages=12, policy="sinks", max_new_tokens=192)
+SYNTHETIC_PROMPT = "Pages fill, then tokens leave."  # 80 byte tokens with the chat template, of 96 slots
+
+
+def default_prompt(model_kind: str = "smollm2") -> str:
+    """The prompt a fresh session starts from: one that fits the default cache and lets decoding evict."""
+    if model_kind == "synthetic":
+        return SYNTHETIC_PROMPT
+    return prompt_resource("explain-paging")
+
+
+def prompt_resource(name: str) -> str:
+    return resources.files("pagevis.resources").joinpath(f"prompts/{name}.txt").read_text("utf-8").strip()
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    prompt: str  # a shipped prompt's name (resources/prompts/NAME.txt)
+    a: SessionConfig
+    b: SessionConfig | None = None  # the second session of an A/B demo
+
+    def prompt_text(self) -> str:
+        return prompt_resource(self.prompt)
+
+
+def _config(**changes) -> SessionConfig:
+    return replace(DEFAULT_CONFIG, **changes)
+
+
+PRESETS: tuple[Preset, ...] = (
+    Preset("Default: sinks, 12 × 8",
+           "StreamingLLM's 4 attention sinks plus the newest tokens, in 12 pages of 8; eviction within seconds.",
+           "explain-paging", DEFAULT_CONFIG),
+    Preset("StreamingLLM: window vs sinks",
+           "A: a plain sliding window (oldest) · B: the same window plus 4 sink tokens. Watch A's text degrade "
+           "once the first tokens leave, and the KL against the full cache.",
+           "attention-sinks", _config(policy="oldest", page_size=8, max_pages=8, oracle=True),
+           _config(policy="sinks", page_size=8, max_pages=8, oracle=True)),
+    Preset("H2O heavy hitters",
+           "A: H2O keeps the most-attended tokens plus a recent window · B: sinks with the same budget.",
+           "explain-paging", _config(policy="h2o", max_pages=8, oracle=True),
+           _config(policy="sinks", max_pages=8, oracle=True)),
+    Preset("vLLM page-level",
+           "A: vLLM-style whole-page eviction (oldest-page, pages of 16) · B: token-level sliding window with "
+           "the same 64-token budget.",
+           "explain-paging", _config(policy="oldest-page", page_size=16, max_pages=4),
+           _config(policy="oldest", page_size=16, max_pages=4)),
+    Preset("Page size 8 vs 32",
+           "Same budget (64 tokens), same policy (sinks): 8 pages of 8 against 2 pages of 32.",
+           "explain-paging", _config(page_size=8, max_pages=8), _config(page_size=32, max_pages=2)),
+    Preset("TOVA: least attended leaves",
+           "A: TOVA evicts the token the latest query attends to least · B: H2O (accumulated attention).",
+           "explain-paging", _config(policy="tova", max_pages=8, oracle=True),
+           _config(policy="h2o", max_pages=8, oracle=True)),
+)
+
+
+def preset_names() -> list[str]:
+    return [preset.name for preset in PRESETS]
+
+
+def find_preset(name: str) -> Preset:
+    """The preset called `name` (case and punctuation-insensitive prefix match), or ConfigError."""
+    wanted = _key(name)
+    matches = [p for p in PRESETS if _key(p.name) == wanted] or [p for p in PRESETS if _key(p.name).startswith(wanted)]
+    if len(matches) != 1 or not wanted:
+        raise ConfigError("preset", name, "one of: " + "; ".join(preset_names()))
+    return matches[0]
+
+
+def _key(name: str) -> str:
+    return "".join(ch for ch in name.lower() if ch.isalnum())

@@ -1,0 +1,42 @@
+"""Shared by the GUI tests: a window driven for real (offscreen) on the synthetic model, with private settings.
+
+The synthetic model uses a byte tokenizer, so the prompt "hello paged world" is 17 tokens and a 4 × 4 cache
+holds 16 of them: the first step is a 16-token prefill, the second evicts.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QSettings
+
+from pagevis.decoding import ModelSpec, SessionConfig
+
+SYNTH = ModelSpec(kind="synthetic", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=1)
+PROMPT = "hello paged world"  # 17 byte tokens
+CONFIG = SessionConfig(page_size=4, max_pages=4, policy="sinks", max_new_tokens=60, chat=False)
+
+
+def make_window(qtbot, tmp_path, spec=SYNTH, prompt=PROMPT, config=CONFIG, restore=False):
+    from pagevis.gui.mainwindow import MainWindow
+
+    settings = QSettings(str(tmp_path / "gui.ini"), QSettings.IniFormat)
+    window = MainWindow(settings=settings, restore=restore)
+    qtbot.addWidget(window)
+    window.apply_arguments(spec, prompt, config)
+    window.resize(1400, 900)
+    window.show()
+    window.start()
+    qtbot.waitUntil(lambda: window.runner.state == "ready", timeout=20000)
+    return window
+
+
+def step(qtbot, window, n: int = 1) -> None:
+    """Decode n tokens (from the newest record: → while scrubbed back only moves forward)."""
+    for _ in range(n):
+        count = len(window.timeline)
+        if count:
+            window.scrub(count - 1)
+        window.step()
+        qtbot.waitUntil(lambda: not window.runner.busy and len(window.timeline) == count + 1, timeout=10000)
+    window.redraw()
+
+

