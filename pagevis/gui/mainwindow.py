@@ -14,7 +14,6 @@ from PySide6.QtWidgets import (
     QLabel,
     QMainWindow,
     QMessageBox,
-    QPlainTextEdit,
     QWidget,
 )
 
@@ -23,6 +22,7 @@ from ..engine import ConfigError
 from ..presets import default_prompt
 from . import export, theme
 from .controls import ControlsPanel
+from .messages import MessagesPanel
 from .runner import SessionRunner
 from .timeline import Timeline
 from .transport import TransportBar
@@ -83,8 +83,7 @@ class MainWindow(QMainWindow):
         self.events = EventsView()
         self.metrics = MetricsView()
         self.views = [self.page_grid, self.attention, self.text, self.events, self.metrics]
-        self.messages = QPlainTextEdit()
-        self.messages.setReadOnly(True)
+        self.messages = MessagesPanel()
         self.docks: dict[str, QDockWidget] = {}
         self.setDockNestingEnabled(True)
         self.setCorner(Qt.BottomLeftCorner, Qt.LeftDockWidgetArea)
@@ -387,12 +386,10 @@ class MainWindow(QMainWindow):
         self._report(message, trace)
 
     def _report(self, message: str, detail: str = "") -> None:
-        """Show a problem without blocking: status bar, and the Messages panel (raised)."""
-        self.statusBar().showMessage(message, 15000)
-        stamp = time.strftime("%H:%M:%S")
-        self.messages.appendPlainText(f"[{stamp}] {message}")
-        if detail:
-            self.messages.appendPlainText(detail.rstrip())
+        """Show a problem without blocking: one line in the status bar and the Messages panel (raised), the
+        traceback (if any) behind the panel's Details toggle."""
+        self.statusBar().showMessage(message.strip().partition("\n")[0], 15000)
+        self.messages.report(message, detail)
         dock = self.docks["Messages"]
         dock.show()
         dock.raise_()
