@@ -199,6 +199,7 @@ def test_session_text_equals_pagevis_run(server, capsys):
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "from 1"),
     ({"prompt": "x", "max_tokens": 5000}, "max_tokens", "--max-session-tokens"),
     ({"prompt": "x", "page_size": 64, "max_pages": 100}, "max_pages", "--max-cache-tokens"),
+    ({"prompt": "x", "page_size": 64, "max_pages": 64, "max_tokens": 1900}, "max_tokens", "--max-session-mib"),
     ({"prompt": "x", "record_layers": [7]}, "record_layers", "from 0 to 1"),
     ({"prompt": "", "chat": False}, "prompt", "at least one token"),
     ({"prompt": "x", "dtype": "int8"}, "dtype", "float32"),
