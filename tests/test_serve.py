@@ -236,12 +236,12 @@ def test_session_limit_and_idle_expiry():
 
 def test_health_answers_while_a_session_decodes():
     with running_server(max_sessions=2) as running:
-        sid = running.client.post("/v1/sessions", json={"prompt": "a", "max_tokens": 1500,
+        sid = running.client.post("/v1/sessions", json={"prompt": "a", "max_tokens": 600,
                                                         "page_size": 16, "max_pages": 8}).json()["id"]
         finished = threading.Event()
 
         def decode():
-            running.client.post(f"/v1/sessions/{sid}/step", json={"n": 1500})
+            running.client.post(f"/v1/sessions/{sid}/step", json={"n": 600})
             finished.set()
 
         worker = threading.Thread(target=decode)
