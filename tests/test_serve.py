@@ -277,3 +277,19 @@ def test_openapi_docs_are_served(server):
     paths = server.client.get("/openapi.json").json()["paths"]
     assert {"/v1/attention", "/v1/sessions", "/v1/completions", "/v1/chat/completions", "/metrics"} <= set(paths)
 
+
+
+def test_a_failing_step_is_a_json_500_and_ends_the_session(server):
+    sid = server.client.post("/v1/sessions", json={"prompt": "a"}).json()["id"]
+    session = server.app.state.store.sessions[sid].session
+
+    def broken():
+        raise RuntimeError("the forward pass broke")
+
+    session.step = broken
+    answer = server.client.post(f"/v1/sessions/{sid}/step", json={"n": 1})
+    assert answer.status_code == 500
+    assert answer.json()["error"]["message"] == "internal error: RuntimeError: the forward pass broke"
+    assert server.client.post(f"/v1/sessions/{sid}/step", json={"n": 1}).status_code == 409
+    assert server.client.get("/healthz").json()["status"] == "ok"
+    server.client.delete(f"/v1/sessions/{sid}")
