@@ -18,7 +18,7 @@ from .settings import ServeSettings
 
 # Request fields that mean what the CLI's options of the same name mean (options.session_config reads them).
 SESSION_FIELDS = ("page_size", "max_pages", "dtype", "policy", "max_tokens", "sample", "temperature", "top_k",
-                  "top_p", "seed", "oracle", "record_layers", "chat")
+                  "top_p", "seed", "oracle", "record_layers", "chat", "special")
 
 
 def session_config(settings: ServeSettings, fields: dict) -> SessionConfig:
@@ -59,13 +59,14 @@ def snapshot_bytes_per_step(session: DecodeSession) -> int:
         cfg.n_layers * 200
 
 
-def build_session(model, settings: ServeSettings, prompt: str, config: SessionConfig) -> DecodeSession:
+def build_session(model, settings: ServeSettings, prompt: str, config: SessionConfig,
+                  prompt_ids: list[int] | None = None) -> DecodeSession:
     """A DecodeSession within the server's bounds: prompt + generated tokens, and the memory its step
     snapshots will take (at most one step per prompt token plus one per generated token). Runs in a worker
     thread: encoding a long prompt takes a while."""
     if model.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer, so it cannot take text prompts", param="prompt")
-    session = DecodeSession(model, prompt, config)
+    session = DecodeSession(model, prompt, config, prompt_ids=prompt_ids)
     per_step = snapshot_bytes_per_step(session)
     steps = len(session.prompt_ids) + config.max_new_tokens
     if steps * per_step > settings.max_session_bytes:
