@@ -15,7 +15,8 @@ LIMIT_FLAGS = (  # flag (a ServeSettings field), type, metavar, help
     ("--max-sessions", int, "N", "live sessions and running completions at once"),
     ("--max-session-tokens", int, "N", "prompt + generated tokens of one session"),
     ("--max-cache-tokens", int, "N", "page size x max pages of one session"),
-    ("--max-session-mib", int, "MIB", "memory one session's step snapshots may take (checked before it starts)"),
+    ("--max-session-mib", int, "MIB", "memory of one session's KV caches and step snapshots (checked before it "
+                                      "starts)"),
     ("--idle-timeout", float, "SECONDS", "delete sessions unused this long"),
     ("--workers", int, "N", "requests decoding at once; others wait their turn"),
 )

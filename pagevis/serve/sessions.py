@@ -61,19 +61,21 @@ def snapshot_bytes_per_step(session: DecodeSession) -> int:
 
 def build_session(model, settings: ServeSettings, prompt: str, config: SessionConfig,
                   prompt_ids: list[int] | None = None) -> DecodeSession:
-    """A DecodeSession within the server's bounds: prompt + generated tokens, and the memory its step
-    snapshots will take (at most one step per prompt token plus one per generated token). Runs in a worker
-    thread: encoding a long prompt takes a while."""
+    """A DecodeSession within the server's bounds: prompt + generated tokens, and the memory it will take
+    (its KV caches, the oracle's included, and its step snapshots: at most one step per prompt token plus one
+    per generated token). Runs in a worker thread: encoding a long prompt takes a while."""
     if model.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer, so it cannot take text prompts", param="prompt")
     session = DecodeSession(model, prompt, config, prompt_ids=prompt_ids)
     per_step = snapshot_bytes_per_step(session)
     steps = len(session.prompt_ids) + config.max_new_tokens
-    if steps * per_step > settings.max_session_bytes:
+    caches = session.cache_config.total_bytes() + (session.oracle.cache.config.total_bytes() if session.oracle else 0)
+    if caches + steps * per_step > settings.max_session_bytes:
+        room = (settings.max_session_bytes - caches) // per_step - len(session.prompt_ids)
         raise ConfigError("max_new_tokens", config.max_new_tokens,
-                          f"at most {settings.max_session_bytes // per_step - len(session.prompt_ids)} with this "
-                          f"prompt and cache: each step keeps {per_step / 1024:.0f} KiB of snapshots and this "
-                          f"server allows {settings.max_session_bytes >> 20} MiB per session (--max-session-mib); "
+                          f"at most {max(room, 0)} with this prompt and cache: its KV cache{'s' if session.oracle else ''} "
+                          f"take {caches >> 20} MiB, each step keeps {per_step / 1024:.0f} KiB of snapshots, and "
+                          f"this server allows {settings.max_session_mib} MiB per session (--max-session-mib); "
                           "record_layers \"none\" or a smaller cache keep less")
     limit, prompt_tokens = settings.max_session_tokens, len(session.prompt_ids)
     if prompt_tokens >= limit:

@@ -21,7 +21,7 @@ class ServeSettings:
     max_sessions: int = 8  # live decoding sessions, completions in progress included
     max_session_tokens: int = 2048  # prompt + generated tokens of one session
     max_cache_tokens: int = 4096  # page_size * max_pages of one session's cache (per layer)
-    max_session_mib: int = 256  # memory one session's step snapshots may take (estimated before it starts)
+    max_session_mib: int = 256  # memory of one session's KV caches and step snapshots (estimated up front)
     idle_timeout: float = 600.0  # seconds a session may sit unused before it is deleted
     workers: int = 2  # threads that decode at once (the rest wait their turn)
     expiry_interval: float = 5.0  # seconds between sweeps for idle sessions
