@@ -6,7 +6,7 @@ from .config import CacheConfig, CacheSettings
 from .errors import CacheFullError, ConfigError
 from .events import CacheEvent, EventKind
 from .frames import FramePool
-from .policies import POLICIES, EvictionPolicy, make_policy, policy_params
+from .policies import POLICIES, EvictionPolicy, layer_capacities, make_policy, policy_params
 from .policy_state import LayerView, PolicyState
 from .sequence import Sequence
 from .store import PageStore
@@ -14,5 +14,5 @@ from .store import PageStore
 __all__ = [
     "AttentionResult", "attend", "softmax", "PagedKVCache", "CacheConfig", "CacheSettings", "CacheFullError",
     "ConfigError", "CacheEvent", "EventKind", "FramePool", "PageStore", "Sequence", "LayerView", "PolicyState",
-    "POLICIES", "EvictionPolicy", "make_policy", "policy_params",
+    "POLICIES", "EvictionPolicy", "layer_capacities", "make_policy", "policy_params",
 ]

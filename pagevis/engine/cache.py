@@ -28,7 +28,7 @@ class PagedKVCache:
         self.policy: EvictionPolicy = make_policy(config)
         self.stores = [PageStore(config, layer) for layer in range(config.n_layers)]
         self.sequence = Sequence(config.n_layers)
-        self.states: list[PolicyState] = [self.policy.state_class(s.n_slots) for s in self.stores]
+        self.states: list[PolicyState] = [self.policy.make_state(s.n_slots) for s in self.stores]
         self.views = [LayerView(layer, config.page_size, store.positions, self.sequence.block_tables[layer],
                                 self.states[layer]) for layer, store in enumerate(self.stores)]
         self.step = 0
@@ -56,8 +56,10 @@ class PagedKVCache:
         return self.sequence.block_tables[layer]
 
     def free_slots(self) -> int:
-        """Tokens every layer can take before its policy must evict."""
-        return min(store.free_slots() for store in self.stores)
+        """Tokens every layer can take before its policy must evict (a policy may give a layer less than
+        its pool: pyramidkv)."""
+        return min(min(store.free_slots(), self.policy.layer_capacity(layer) - store.resident)
+                   for layer, store in enumerate(self.stores))
 
     def can_append(self, n: int) -> bool:
         """Whether n more tokens fit, by eviction if the policy evicts. Check before a step so that a
@@ -81,8 +83,9 @@ class PagedKVCache:
     def append(self, layer: int, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> None:
         """Write n tokens' K/V (each (n, n_kv_heads, head_dim)) at their positions, evicting as needed."""
         store, state = self.stores[layer], self.states[layer]
+        budget = self.policy.layer_capacity(layer)
         for i, position in enumerate(positions):
-            if store.free_slots() == 0:
+            if store.free_slots() == 0 or store.resident >= budget:
                 self._evict(layer)
             if not store.holes:
                 page = store.allocate()

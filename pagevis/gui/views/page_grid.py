@@ -9,7 +9,7 @@ from PySide6.QtGui import QColor, QFont, QImage, QPainter, QStaticText, QTransfo
 from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QLabel, QTableWidget, QTableWidgetItem, QToolTip,
                                QVBoxLayout, QWidget)
 
-from ...engine import EventKind
+from ...engine import ConfigError, EventKind, layer_capacities
 from .. import theme
 from ..theme import EVICTED, FREE, PINNED, REPLACED, RESIDENT, WRITTEN
 from . import ViewState
@@ -241,8 +241,9 @@ class PageGridView(QWidget):
         self.block_view = self.blocks
         self.block_view.setMinimumWidth(250)
         self.block_view.setMaximumWidth(300)
-        block_title = QLabel("Block table (logical → physical)")
+        self.block_title = block_title = QLabel("Block table (logical → physical)")
         block_title.setStyleSheet(f"color: {theme.MUTED}")
+        self._capacities = (None, [])  # (session info, tokens each layer may hold)
 
         left = QVBoxLayout()
         left.setContentsMargins(0, 0, 0, 0)
@@ -291,13 +292,27 @@ class PageGridView(QWidget):
                 [[(s + 0.5, str(s)) for s in range(page_size)]] if page_size <= 32 else None)
         used = len(record.block_tables[layer])
         resident = int((slots >= 0).sum())
-        theme.set_title(self.plot, theme.muted(f"layer {layer} · {used}/{pages} pages · {resident} tokens resident"), size="9pt")
+        capacity = self.layer_capacity(state.timeline.info, layer)
+        own = f" · holds at most {capacity}" if capacity < pages * page_size else ""
+        theme.set_title(self.plot, theme.muted(f"layer {layer} · {used}/{pages} pages · {resident} tokens resident{own}"),
+                        size="9pt")
+        self.block_title.setText(f"Block table (logical → physical){f' · layer {layer}: {capacity} tokens' if own else ''}")
         rows = []
         for logical, page in enumerate(record.block_tables[layer]):
             held = slots[page][slots[page] >= 0]
             span = f"{held.min()}–{held.max()}" if held.size else "—"
             rows.append((logical, page, int(held.size), span))
         self.blocks.set_rows(rows)
+
+    def layer_capacity(self, info, layer: int) -> int:
+        """Tokens this layer may hold: the pool, or less under a policy with per-layer budgets (pyramidkv)."""
+        if self._capacities[0] is not info:
+            try:
+                self._capacities = (info, layer_capacities(info.config, info.n_layers))
+            except (ConfigError, TypeError, AttributeError):  # a trace's settings this build cannot rebuild
+                self._capacities = (info, [])
+        capacities = self._capacities[1]
+        return capacities[layer] if layer < len(capacities) else info.config.max_pages * info.config.page_size
 
     def cell_info(self, page: int, slot: int) -> str:
         """The hover text of one cell."""
