@@ -111,8 +111,8 @@ class AttentionView(QWidget):
         theme.grow_range(self.plot, positions, 32, x_step=32, y_step=32, padding=0)
         x_max, y_max = self.plot._grown
         self.hint.setPos(x_max / 2, y_max / 2)
-        theme.set_title(self.plot, theme.muted(f"layer {state.layer} · {state.head_label} · "
-                                               "one row per step: its last query's weights"), size="9pt")
+        theme.set_title(self.plot, theme.muted(f"layer {state.layer} · {state.head_label} · a row per step"),
+                        size="9pt")
 
     def _rgba(self, state: ViewState, shown: np.ndarray, evicted: np.ndarray, levels) -> np.ndarray:
         """The heatmap as RGBA rows. A row never changes once recorded (its weights, what was evicted by

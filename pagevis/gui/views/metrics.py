@@ -174,7 +174,7 @@ class MetricsView(QWidget):
         if state.timeline is None:
             self.hint.setText("no session yet")
             return
-        self.hint.setText(EMPTY_HINT)
+        self.hint.setText(EMPTY_HINT.replace(" to ", "\nto "))  # two short lines: the plot is narrow
         config = state.timeline.info.config
         capacity = config.page_size * config.max_pages
         if self.capacity.value() != capacity:

@@ -231,8 +231,8 @@ class PageGridView(QWidget):
         self.plot.scene().sigMouseMoved.connect(self._hover)
         self.hover_text = ""
 
-        swatches = [f"<span style='color:{c}'>&#9632;</span>&nbsp;{n}"
-                    for n, c in zip(theme.STATE_NAMES, theme.STATE_COLORS)]
+        swatches = [f"<span style='color:{c}'>&#9632;</span>&nbsp;{n.replace(' ', '&nbsp;')}"  # wrap between
+                    for n, c in zip(theme.STATE_NAMES, theme.STATE_COLORS)]  # entries, never inside one
         self.legend = QLabel("&nbsp;&nbsp; ".join(swatches[:3]) + "<br>" + "&nbsp;&nbsp; ".join(swatches[3:])
                              + f"<br><span style='color:{theme.MUTED}'>numbers: token positions · "
                              "resident cells dim with age (or score)</span>")
