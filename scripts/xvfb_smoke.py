@@ -169,9 +169,14 @@ def main(argv: list[str]) -> int:
     for capture in captures:
         capture.unlink()
 
+    return report("xvfb smoke", problems)
+
+
+def report(name: str, problems: list[str]) -> int:
+    """Print each problem and the verdict; the exit status."""
     for problem in problems:
         print(f"FAIL {problem}")
-    print("xvfb smoke: " + ("passed" if not problems else "FAILED"))
+    print(f"{name}: " + ("passed" if not problems else "FAILED"))
     return 1 if problems else 0
 
 

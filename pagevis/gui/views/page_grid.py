@@ -264,7 +264,7 @@ class PageGridView(QWidget):
     def show_state(self, state: ViewState) -> None:
         self._state = state
         record = state.record
-        key = (id(record), id(state.timeline), state.layer, state.shade)
+        key = (id(record), id(state.timeline), state.loading, state.layer, state.shade)
         if key == self._key:
             return
         self._key = key
@@ -291,15 +291,16 @@ class PageGridView(QWidget):
         self.blocks.set_rows(rows)
 
     def _show_empty_pool(self, state: ViewState) -> None:
-        """Before the first step: the session's pool with every page free, and what to do next."""
+        """Before the first step (or while the model loads): the session's pool, every page free."""
         self.labels.set_positions(np.zeros((0, 0), dtype=np.int32))
         self.blocks.set_rows([])
-        if state.timeline is None:
+        config = state.config
+        if config is None:
             self.states = np.zeros((0, 0), dtype=np.int8)
             self.image.clear()
-            theme.set_title(self.plot, theme.muted("no session yet"), size="9pt")
+            self._fit_axes(1, 1)
+            theme.set_title(self.plot, theme.muted("no session"), size="9pt")
             return
-        config = state.timeline.info.config
         pages, page_size = config.max_pages, config.page_size
         self.states = np.full((pages, page_size), FREE, dtype=np.int8)
         self.shade = np.full(self.states.shape, np.nan)
