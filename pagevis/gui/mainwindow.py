@@ -101,6 +101,7 @@ class MainWindow(QMainWindow):
         self._size_docks_on_show = not (restore and self._restore_settings())
         if self._size_docks_on_show:
             self.fit_to_screen()
+        self.redraw()  # the views' empty state from the start, not pyqtgraph's default axes
 
     # --- layout ----------------------------------------------------------------------------------
     def _default_layout(self) -> None:
@@ -401,7 +402,13 @@ class MainWindow(QMainWindow):
             options["layer"] = min(options["layer"], self.timeline.info.n_layers - 1)
             if options["head"] is not None and options["head"] >= self.timeline.info.n_heads:
                 options["head"] = None
-        return ViewState(self.timeline, self.index, **options)
+        loading = None
+        if self.timeline is None and self.runner.state == "loading":
+            try:  # the pool the loading session will have, shown while the model loads
+                loading = self.controls.session_config()
+            except (ConfigError, ValueError):
+                pass
+        return ViewState(self.timeline, self.index, loading=loading, **options)
 
     def request_render(self) -> None:
         """Redraw soon: at once if the last frame is older than FRAME_INTERVAL, else when it is."""

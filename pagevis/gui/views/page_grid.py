@@ -231,8 +231,8 @@ class PageGridView(QWidget):
         self.plot.scene().sigMouseMoved.connect(self._hover)
         self.hover_text = ""
 
-        swatches = [f"<span style='color:{c}'>&#9632;</span>&nbsp;{n}"
-                    for n, c in zip(theme.STATE_NAMES, theme.STATE_COLORS)]
+        swatches = [f"<span style='color:{c}'>&#9632;</span>&nbsp;{n.replace(' ', '&nbsp;')}"  # wrap between
+                    for n, c in zip(theme.STATE_NAMES, theme.STATE_COLORS)]  # entries, never inside one
         self.legend = QLabel("&nbsp;&nbsp; ".join(swatches[:3]) + "<br>" + "&nbsp;&nbsp; ".join(swatches[3:])
                              + f"<br><span style='color:{theme.MUTED}'>numbers: token positions · "
                              "resident cells dim with age (or score)</span>")
@@ -265,7 +265,7 @@ class PageGridView(QWidget):
     def show_state(self, state: ViewState) -> None:
         self._state = state
         record = state.record
-        key = (id(record), id(state.timeline), state.layer, state.shade)
+        key = (id(record), id(state.timeline), state.loading, state.layer, state.shade)
         if key == self._key:
             return
         self._key = key
@@ -307,15 +307,16 @@ class PageGridView(QWidget):
         return capacities[layer] if layer < len(capacities) else info.config.max_pages * info.config.page_size
 
     def _show_empty_pool(self, state: ViewState) -> None:
-        """Before the first step: the session's pool with every page free, and what to do next."""
+        """Before the first step (or while the model loads): the session's pool, every page free."""
         self.labels.set_positions(np.zeros((0, 0), dtype=np.int32))
         self.blocks.set_rows([])
-        if state.timeline is None:
+        config = state.config
+        if config is None:
             self.states = np.zeros((0, 0), dtype=np.int8)
             self.image.clear()
-            theme.set_title(self.plot, theme.muted("no session yet"), size="9pt")
+            self._fit_axes(1, 1)
+            theme.set_title(self.plot, theme.muted("no session"), size="9pt")
             return
-        config = state.timeline.info.config
         pages, page_size = config.max_pages, config.page_size
         self.states = np.full((pages, page_size), FREE, dtype=np.int8)
         self.shade = np.full(self.states.shape, np.nan)
