@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 pytest.importorskip("pytestqt")
@@ -161,3 +162,34 @@ def test_a_restart_clears_the_messages_of_the_session_before(qtbot, tmp_path):
     qtbot.waitUntil(lambda: window.runner.state == "ready", timeout=5000)
     assert window.messages.toPlainText() == "" and not window.docks["Messages"].isVisible()
     assert window.runner.previous is not None  # the failed run's records are kept too
+
+
+def test_ab_shows_two_grids_whose_slot_maps_equal_two_headless_runs(qtbot, window):
+    from pagevis.decoding import SessionConfig
+    from pagevis.gui.views.page_grid import cell_states
+
+    a = SessionConfig(page_size=4, max_pages=4, policy="oldest", max_new_tokens=30, chat=False)
+    b = SessionConfig(page_size=2, max_pages=8, policy="sinks", max_new_tokens=30, chat=False, oracle=True)
+    ab = window.open_ab(a, b, PROMPT)
+    qtbot.addWidget(ab)
+    qtbot.waitUntil(lambda: ab.runner.state == "ready", timeout=10000)
+    for _ in range(12):
+        count = len(ab.timeline)
+        ab.step()
+        qtbot.waitUntil(lambda: not ab.runner.busy and len(ab.timeline) == count + 1, timeout=10000)
+    ab.redraw()
+    for config, side, (_, grid, text) in zip((a, b), (ab.timeline.a, ab.timeline.b), ab.sides):
+        headless = DecodeSession(SYNTH.load(), PROMPT, config)
+        records = [headless.step() for _ in range(12)]
+        for index, record in enumerate(records):
+            np.testing.assert_array_equal(side.record(index).slot_maps, record.slot_maps)
+        np.testing.assert_array_equal(grid.states, cell_states(records[-1], 0))
+        n = side.n_positions(11)
+        assert [t.resident for t in text.tints] == records[-1].resident_mask(0, n).tolist()
+    kl = ab.timeline.series("kl_ab")
+    assert np.isfinite(kl[1:]).all() and (kl[1:] >= 0).all()  # from the step that ends the prefill on
+    assert np.isnan(ab.timeline.series("kl_a_full")).all() and np.isfinite(ab.timeline.series("kl_b_full")[1:]).all()
+    assert "step 11" in ab.summary.text()
+    ab.scrub(3)  # → moves through the recorded steps here too
+    ab.step()
+    assert ab.index == 4 and len(ab.timeline) == 12

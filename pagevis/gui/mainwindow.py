@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer
@@ -58,6 +59,7 @@ class MainWindow(QMainWindow):
         self.index = -1  # the record the views show
         self.follow = True  # keep showing the newest record as records arrive
         self.frames = 0  # redraws so far (the benchmark reads it)
+        self.ab_window = None  # the A/B window, once opened
         self._last_frame = 0.0
         self._restart_reason = ""
         self._replay_timer = QTimer(self, interval=100)
@@ -161,6 +163,8 @@ class MainWindow(QMainWindow):
             else:
                 play_menu.addAction(action)
                 self.addAction(action)  # shortcuts work whichever dock has focus
+        play_menu.addSeparator()
+        play_menu.addAction("&A/B compare…", self.open_ab, QKeySequence("Ctrl+B"))
         view_menu = self.menuBar().addMenu("&View")
         for dock in self.docks.values():
             view_menu.addAction(dock.toggleViewAction())
@@ -209,11 +213,36 @@ class MainWindow(QMainWindow):
         self.runner.configure(self.controls.model_spec(), self.controls.prompt(), config, blocking=blocking)
 
     def apply_preset(self, preset) -> None:
-        """Set the preset's prompt and cache (the synthetic model keeps a prompt that fits it) and restart."""
+        """Set the preset's prompt and cache (the synthetic model keeps a prompt that fits it) and restart;
+        an A/B preset opens the A/B window on both of its configurations instead."""
         kind = self.controls.model.currentData()
         prompt = preset.prompt_text() if kind != "synthetic" else default_prompt("synthetic")
+        if preset.b is not None:
+            self.open_ab(preset.a, preset.b, prompt, title=preset.name)
+            return
         self.controls.set_configuration(prompt=prompt, config=preset.a)
         self.restart(f"preset {preset.name!r}")
+
+    def open_ab(self, config_a=None, config_b=None, prompt: str | None = None, title: str = "",
+                blocking: bool = False):
+        """Open the A/B window: by default A is the controls' configuration and B the same cache with the
+        other of sinks / oldest (the StreamingLLM comparison)."""
+        from .ab_window import ABWindow
+
+        try:
+            config_a = config_a or self.controls.session_config()
+        except (ConfigError, ValueError) as error:
+            self.statusBar().showMessage(f"No A/B: {error}", 8000)
+            return None
+        if config_b is None:
+            config_b = replace(config_a, policy="oldest" if config_a.policy != "oldest" else "sinks", policy_params={})
+        if self.ab_window is not None:
+            self.ab_window.close()
+        self.ab_window = ABWindow(self.controls.model_spec(), prompt or self.controls.prompt(), config_a, config_b,
+                                  title=title)
+        self.ab_window.show()
+        self.ab_window.start(blocking=blocking)
+        return self.ab_window
 
     def leave_replay(self, reason: str) -> bool:
         """Ask before a change ends the replay; on no, the controls show the replay's settings again."""
@@ -575,6 +604,8 @@ class MainWindow(QMainWindow):
             self.runner.records.disconnect(self._records_arrived)
         except (RuntimeError, TypeError):
             pass
+        if self.ab_window is not None:
+            self.ab_window.close()
         if not self.runner.shutdown():
             self.messages.appendPlainText("the decoder did not stop within 15 s")
         super().closeEvent(event)
