@@ -74,12 +74,18 @@ def test_every_preset_is_a_valid_configuration_and_found_by_name():
 
 
 def test_choosing_a_preset_sets_prompt_cache_and_policy(qtbot, window):
-    preset = find_preset("vLLM page-level")
     controls = window.controls
-    controls.presets.activated.emit(controls.presets.findData(preset))
-    qtbot.waitUntil(lambda: window.runner.config.policy == "oldest-page" and window.runner.state == "ready")
-    assert window.runner.config.page_size == 16 and window.runner.config.max_pages == 4
+    controls.presets.activated.emit(controls.presets.findData(PRESETS[0]))  # a single-session preset
+    qtbot.waitUntil(lambda: window.runner.config.max_pages == DEFAULT_CONFIG.max_pages
+                    and window.runner.state == "ready")
+    assert replace(window.runner.config, policy_params={}) == DEFAULT_CONFIG
     assert controls.prompt() == default_prompt("synthetic")  # the synthetic model keeps a prompt that fits
+    preset = find_preset("vLLM page-level")  # an A/B preset opens the A/B window on both configurations
+    controls.presets.activated.emit(controls.presets.findData(preset))
+    ab = window.ab_window
+    qtbot.addWidget(ab)
+    qtbot.waitUntil(lambda: ab.runner.state == "ready", timeout=10000)
+    assert ab.configs() == (preset.a, preset.b) and "vLLM page-level" in ab.windowTitle()
 
 
 def test_a_restart_keeps_the_previous_run_and_ctrl_z_returns_to_it(qtbot, window):

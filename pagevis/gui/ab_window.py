@@ -29,6 +29,7 @@ from . import theme
 from .ab_session import ABConfig, ABTimeline, LockstepPair, LogitsTap
 from .controls import _combo, _spin
 from .runner import SessionRunner, new_session, validate
+from .transport import TimelineCursor
 from .views import ViewState
 from .views.page_grid import PageGridView
 from .views.text import TextView
@@ -104,7 +105,7 @@ class SideControls(QWidget):
                             f"{c.max_pages * c.page_size} tokens")
 
 
-class ABWindow(QMainWindow):
+class ABWindow(TimelineCursor, QMainWindow):
     def __init__(self, spec: ModelSpec, prompt: str, config_a: SessionConfig, config_b: SessionConfig,
                  title: str = "", parent=None):
         super().__init__(parent)
@@ -233,20 +234,6 @@ class ABWindow(QMainWindow):
         else:
             self.follow = True
             self.runner.play()
-
-    def step(self) -> None:
-        if self.timeline is not None and self.index < len(self.timeline) - 1:
-            self.scrub(self.index + 1)
-        elif not self.runner.busy:
-            self.follow = True
-            self.runner.step(1)
-
-    def scrub(self, index: int) -> None:
-        if self.timeline is None or not len(self.timeline):
-            return
-        self.index = max(0, min(index, len(self.timeline) - 1))
-        self.follow = self.index == len(self.timeline) - 1
-        self.redraw()
 
     def _arrived(self, _items) -> None:
         if self.follow and self.timeline is not None:

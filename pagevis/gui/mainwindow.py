@@ -26,7 +26,7 @@ from . import export, theme
 from .controls import ControlsPanel
 from .runner import SessionRunner
 from .timeline import Timeline
-from .transport import TransportBar
+from .transport import TimelineCursor, TransportBar
 from .views import ViewState
 from .views.attention import AttentionView
 from .views.events import EventsView
@@ -46,7 +46,7 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
 
 
-class MainWindow(QMainWindow):
+class MainWindow(TimelineCursor, QMainWindow):
     def __init__(self, settings: QSettings | None = None, restore: bool = True, persist: bool = True):
         """`restore`: start from the saved layout and configuration; `persist`: save them on close."""
         super().__init__()
@@ -336,23 +336,6 @@ class MainWindow(QMainWindow):
         else:
             self.follow = True
             self.runner.play()
-
-    def step(self) -> None:
-        """→: the next recorded step when scrubbed back (as in a replay); at the newest, decode one token."""
-        if self.timeline is not None and (self.index < len(self.timeline) - 1 or self.runner.state == "replay"):
-            self.scrub(self.index + 1)
-            return
-        if self.runner.busy:
-            return
-        self.follow = True
-        self.runner.step(1)
-
-    def scrub(self, index: int) -> None:
-        if self.timeline is None or not len(self.timeline):
-            return
-        self.index = max(0, min(index, len(self.timeline) - 1))
-        self.follow = self.index == len(self.timeline) - 1
-        self.redraw()
 
     def _replay_tick(self) -> None:
         if self.timeline is None or self.index >= len(self.timeline) - 1:

@@ -11,6 +11,29 @@ from .theme import icon
 SPEEDS = (("max speed", 0.0), ("30 tok/s", 1 / 30), ("10 tok/s", 0.1), ("4 tok/s", 0.25), ("1 tok/s", 1.0))
 
 
+class TimelineCursor:
+    """Transport semantics shared by the main and the A/B window (which provide `timeline`, `index`,
+    `follow`, `runner` and `redraw()`): → moves through the recorded steps and decodes only at the newest
+    (or never, in a replay); scrubbing to the newest record follows new records again."""
+
+    def step(self) -> None:
+        timeline = self.timeline
+        if timeline is not None and (self.index < len(timeline) - 1 or self.runner.state == "replay"):
+            self.scrub(self.index + 1)
+            return
+        if self.runner.busy:
+            return
+        self.follow = True
+        self.runner.step(1)
+
+    def scrub(self, index: int) -> None:
+        if self.timeline is None or not len(self.timeline):
+            return
+        self.index = max(0, min(index, len(self.timeline) - 1))
+        self.follow = self.index == len(self.timeline) - 1
+        self.redraw()
+
+
 class TransportBar(QToolBar):
     scrubbed = Signal(int)  # the user moved the slider to a record index
     speed_changed = Signal(float)  # seconds per step (0: as fast as the model goes)
