@@ -18,7 +18,6 @@ import math
 import numbers
 import os
 import zipfile
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,18 +26,15 @@ import numpy as np
 from . import __version__
 from .decoding import ModelSpec, OracleStep, SamplingConfig, SessionConfig, StepRecord
 from .engine import CacheEvent, ConfigError, EventKind
+from .trace_archive import Archive, TraceError
+from .trace_schema import (DELTA_ENCODED, FORMAT, KINDS, MAX_HEADER_BYTES, ORACLE_COLUMNS, VERSION, check_header,
+                           check_values, expected_arrays)
 
-FORMAT = "pagevis-trace"
-VERSION = 1
+__all__ = ["FORMAT", "SUFFIX", "VERSION", "Trace", "TraceError", "read_trace", "record_differences", "write_trace"]
+
 SUFFIX = ".pvtrace"
 HEADER = "header.json"
-KINDS = ("prefill", "decode")
 EVENT_KINDS = tuple(EventKind)
-ORACLE_COLUMNS = ("kl", "top1_agree", "logprob_bounded", "logprob_full", "lost_attention")
-
-
-class TraceError(ValueError):
-    """A trace file that cannot be read: missing, not a trace, truncated, corrupt, or too new."""
 
 
 @dataclass
@@ -160,7 +156,7 @@ def _encode(trace: Trace) -> tuple[dict, dict[str, np.ndarray]]:
         "oracle_columns": list(ORACLE_COLUMNS),
         "next_texts": [r.next_text for r in records],
         "token_texts": {str(k): v for k, v in sorted(trace.token_texts.items())},
-        "delta_encoded": ["slot_maps", "protected", "scores", "block_tables"],
+        "delta_encoded": list(DELTA_ENCODED),
         "arrays": {name: {"dtype": a.dtype.str, "shape": list(a.shape)} for name, a in arrays.items()},
         "meta": trace.meta,
     }
@@ -212,7 +208,7 @@ def config_to_dict(config: SessionConfig) -> dict:
         "page_size": config.page_size, "max_pages": config.max_pages, "dtype": config.dtype,
         "policy": config.policy, "policy_params": dict(config.policy_params),
         "max_new_tokens": config.max_new_tokens, "sampling": dataclasses.asdict(config.sampling),
-        "oracle": config.oracle, "chat": config.chat,
+        "oracle": config.oracle, "chat": config.chat, "special": config.special,
         "record_layers": None if config.record_layers is None else list(config.record_layers),
     }
 
@@ -228,85 +224,34 @@ def config_from_dict(data: dict) -> SessionConfig:
 # --- reading ---------------------------------------------------------------------------------------
 
 def read_trace(path) -> Trace:
-    """Load and validate a trace; TraceError with a clear message if it cannot be used."""
+    """Load and validate a trace; TraceError naming the file and the problem if it cannot be replayed.
+
+    The header is checked against the format's schema before any array is read, each array's size is
+    known (and capped) before it is allocated, and every index the arrays hold is bounded after reading
+    (pagevis.trace_schema). Reading never uses more than about the size of the arrays it returns.
+    """
     name = os.fspath(path)
-    if not os.path.isfile(name):
-        raise TraceError(f"{name}: no such trace file")
-    try:
-        with zipfile.ZipFile(name) as archive:
-            header = _read_header(archive, name)
-            arrays = {key: _read_array(archive, name, key, spec) for key, spec in header["arrays"].items()}
-    except zipfile.BadZipFile as error:
-        raise TraceError(f"{name}: not a pagevis trace, or truncated or corrupt ({error})") from None
-    except (zlib.error, EOFError, OSError) as error:
-        raise TraceError(f"{name}: the trace is corrupt ({error})") from None
+    with Archive(name) as archive:
+        header = archive.read_json(HEADER, MAX_HEADER_BYTES)
+        sizes = check_header(header, name)
+        expected = expected_arrays(header, sizes, name)
+        arrays = {key: archive.read_npy(f"{key}.npy", dtype, shape) for key, (dtype, shape) in expected.items()}
+    for key in header["delta_encoded"]:
+        arrays[key] = undo_xor_delta(arrays[key])
+    check_values(arrays, header, sizes, name)
     try:
         return _decode(header, arrays)
-    except TraceError:
-        raise
-    except (KeyError, IndexError, TypeError, ValueError, ConfigError) as error:
-        raise TraceError(f"{name}: the trace is corrupt or inconsistent ({type(error).__name__}: {error})") from None
-
-
-def _read_header(archive: zipfile.ZipFile, name: str) -> dict:
-    try:
-        raw = archive.read(HEADER)
-    except KeyError:
-        raise TraceError(f"{name}: not a pagevis trace (the archive has no {HEADER})") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise TraceError(f"{name}: the trace header is corrupt ({error})") from None
-    if not isinstance(header, dict) or header.get("format") != FORMAT:
-        raise TraceError(f"{name}: not a pagevis trace (its header does not say format {FORMAT!r})")
-    version = header.get("version")
-    if not isinstance(version, int) or version < 1:
-        raise TraceError(f"{name}: the trace header has an invalid format version {version!r}")
-    if version > VERSION:
-        raise TraceError(f"{name}: written by a newer pagevis ({header.get('written_by', 'unknown')}, trace format "
-                         f"version {version}); this pagevis {__version__} reads versions up to {VERSION}. "
-                         "Upgrade pagevis to open it.")
-    if not isinstance(header.get("arrays"), dict):
-        raise TraceError(f"{name}: the trace header lists no arrays")
-    return header
-
-
-def _read_array(archive: zipfile.ZipFile, name: str, key: str, spec: dict) -> np.ndarray:
-    try:
-        data = archive.read(f"{key}.npy")
-    except KeyError:
-        raise TraceError(f"{name}: the trace is incomplete (array {key!r} is missing)") from None
-    try:
-        array = np.lib.format.read_array(io.BytesIO(data), allow_pickle=False)
-    except ValueError as error:
-        raise TraceError(f"{name}: array {key!r} is corrupt ({error})") from None
-    if array.dtype.str != spec.get("dtype") or list(array.shape) != spec.get("shape"):
-        raise TraceError(f"{name}: array {key!r} is {array.dtype.str} {list(array.shape)}, the header says "
-                         f"{spec.get('dtype')} {spec.get('shape')}")
-    return array
+    except (KeyError, IndexError, TypeError, ValueError, ConfigError) as error:  # a gap in the schema: still one line
+        raise TraceError(f"{name}: the trace is inconsistent ({type(error).__name__}: {error})") from None
 
 
 def _decode(header: dict, a: dict[str, np.ndarray]) -> Trace:
+    """Records from arrays that passed check_values (deltas already undone)."""
     n = header["n_steps"]
     layers = tuple(header["attention_layers"])
-    slot_maps = undo_xor_delta(a["slot_maps"])
-    protected = undo_xor_delta(a["protected"])
-    scores = undo_xor_delta(a["scores"]).view(np.float32)
-    tables = undo_xor_delta(a["block_tables"])
-    shape = (n, header["n_layers"], header["max_pages"], header["page_size"])
-    for key, array in (("slot_maps", slot_maps), ("protected", protected), ("scores", scores)):
-        if array.shape != shape:
-            raise TraceError(f"array {key!r} has shape {list(array.shape)}, expected {list(shape)}")
-    for key in ("step", "kind", "next_token", "resident_tokens", "pages_used", "evictions_total",
-                "has_oracle", "oracle", "timings", "attention"):
-        if len(a[key]) != n:
-            raise TraceError(f"array {key!r} has {len(a[key])} steps, expected {n}")
-    expected = (n, len(layers), header["n_heads"] if layers else 0, shape[2] * shape[3])
-    if a["attention"].shape != expected:
-        raise TraceError(f"array 'attention' has shape {list(a['attention'].shape)}, expected {list(expected)}")
+    slot_maps, protected, tables = a["slot_maps"], a["protected"], a["block_tables"]
+    scores = a["scores"].view(np.float32)
     token_offsets, event_offsets = a["token_offsets"], a["event_offsets"]
-    _check_offsets("token_offsets", token_offsets, n, len(a["token_ids"]))
-    _check_offsets("event_offsets", event_offsets, n, len(a["event_kind"]))
     strings = header["strings"]
     event_kinds = [EventKind(k) for k in header["event_kinds"]]
     kinds = header["kinds"]
@@ -349,11 +294,6 @@ def _decode(header: dict, a: dict[str, np.ndarray]) -> Trace:
         model_spec=ModelSpec(**model) if model else None, stop_reason=header.get("stop_reason"),
         text=header.get("text", ""), meta=header.get("meta") or {},
     )
-
-
-def _check_offsets(key: str, offsets: np.ndarray, n_steps: int, total: int) -> None:
-    if len(offsets) != n_steps + 1 or offsets[0] != 0 or offsets[-1] != total or np.any(np.diff(offsets) < 0):
-        raise TraceError(f"array {key!r} does not index its {total} entries over {n_steps} steps")
 
 
 # --- comparing -------------------------------------------------------------------------------------

@@ -36,8 +36,12 @@ def reference() -> dict:
 
 
 def write_llama_gguf(path: Path, model=None, arch: str = "llama", tensor_overrides: dict | None = None,
-                     drop_tensors: tuple[str, ...] = (), tokenizer: bool = True) -> Path:
-    """Write a small Llama-layout GGUF (F32) holding model's weights (a SyntheticModel by default)."""
+                     drop_tensors: tuple[str, ...] = (), tokenizer: bool = True,
+                     metadata_overrides: dict | None = None, byte_tokens: bool = True) -> Path:
+    """Write a small Llama-layout GGUF (F32) holding model's weights (a SyntheticModel by default).
+
+    metadata_overrides replaces metadata values (str, int or float); byte_tokens=False spells the 256
+    byte tokens as <byteN> words instead, a vocabulary that cannot encode arbitrary text."""
     import gguf
 
     from pagevis.model.synthetic import SyntheticModel
@@ -59,8 +63,13 @@ def write_llama_gguf(path: Path, model=None, arch: str = "llama", tensor_overrid
         writer.add_tokenizer_model("gpt2")
         writer.add_string("tokenizer.ggml.pre", "smollm")
         spelled = byte_to_unicode()
-        writer.add_token_list([spelled[b] for b in range(256)] + [f"<extra{i}>" for i in range(c.vocab_size - 256)])
+        bytes_ = [spelled[b] if byte_tokens else f"<byte{b}>" for b in range(256)]
+        writer.add_token_list(bytes_ + [f"<extra{i}>" for i in range(c.vocab_size - 256)])
         writer.add_token_merges([])
+    for key, value in (metadata_overrides or {}).items():
+        kind = (gguf.GGUFValueType.STRING if isinstance(value, str) else gguf.GGUFValueType.FLOAT32
+                if isinstance(value, float) else gguf.GGUFValueType.UINT32)
+        writer.add_key_value(key, value, kind)
     q, kv = c.q_dim, c.kv_dim
     tensors = {"token_embd.weight": np.ascontiguousarray(w.embedding), "output_norm.weight": w.output_norm}
     for i, layer in enumerate(w.layers):

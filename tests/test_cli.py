@@ -109,7 +109,7 @@ def test_app_options_reach_launch(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(pagevis.gui, "launch", lambda **kwargs: calls.append(kwargs) or 0)
     assert main([]) == 0
-    assert calls[-1] == dict(model_spec=None, prompt=None, session_config=None, screenshot=None, steps=0)
+    assert calls[-1] == dict(model_spec=None, prompt=None, session_config=None, screenshot=None, steps=0, metrics=None)
     assert main([*SYNTH, "--prompt", "hi", "--page-size", "8", "--policy", "tova", "--screenshot", "s.png",
                  "--steps", "3"]) == 0
     call = calls[-1]

@@ -3,6 +3,7 @@ metrics agree with the decoding session's own full-cache oracle."""
 
 import csv
 import json
+import os
 
 import numpy as np
 import pytest
@@ -36,7 +37,8 @@ def ids(model):
 
 @pytest.fixture(scope="module")
 def reference(model, ids):
-    return quality.full_reference(model, ids, page_size=8, chunk=50)
+    with quality.full_reference(model, ids, page_size=8, chunk=50) as reference:
+        yield reference
 
 
 def test_full_cache_perplexity_equals_dense(model, ids, reference):
@@ -88,13 +90,19 @@ def test_cli_json_csv_and_plot(tmp_path, capsys):
     assert rows[("none", 32)]["ppl"] is None
     assert rows[("sinks(n_sink=0)", 32)]["evictions"] > 0
     with open(tmp_path / "c.csv") as handle:
-        assert len(list(csv.DictReader(handle))) == 1 + 3 * 2
+        assert len(list(csv.DictReader(handle))) == 1 + 4 * 2  # optimal is added
+    assert rows[("optimal", 32)]["gap_to_optimal"] == 0.0
+    assert rows[("sinks", 32)]["gap_to_optimal"] == pytest.approx(
+        rows[("sinks", 32)]["ppl_evicting"] / rows[("optimal", 32)]["ppl_evicting"] - 1)
+    assert rows[("none", 32)]["gap_to_optimal"] is None
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--budgets", "30"], "30 is not a positive multiple of --page-size 16"),
-    (["--policies", "lru"], "unknown policy 'lru'"),
+    (["--policies", "lru2"], "unknown policy 'lru2'"),
+    (["--policies", "optimal:x=1"], "unknown policy 'optimal'"),
+    (["--tmp-dir", "/no/such/dir"], "--tmp-dir /no/such/dir: no such folder"),
     (["--policies", "sinks:n_sink"], "expected KEY=VALUE"),
     (["--policies", "sinks:n_sink=64", "--budgets", "32"], "--policies sinks(n_sink=64) at budget 32: sinks.n_sink"),
     (["/no/such/text.txt"], "TEXTFILE /no/such/text.txt: no such file"),
@@ -104,3 +112,41 @@ def test_bad_arguments(argv, message, capsys):
     assert main(["compare", "--model", "synthetic", "--no-files", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_reference_streams_to_files_and_removes_them(model, ids):
+    """The reference keeps O(T) in memory; its files hold what a dense pass computes, and go on close."""
+    logits, weights = dense_logits_and_attention(model, ids)
+    with quality.full_reference(model, ids, page_size=8, chunk=37) as reference:
+        folder = reference._folder.name
+        for p in (0, 1, 36, 37, 80, len(ids) - 2):
+            assert np.allclose(reference.logprobs(p), log_softmax(logits[p]), atol=1e-5)
+            assert np.allclose(reference.attention(p), weights[:, p, : p + 1], atol=2e-3)
+        rows = np.stack([np.pad(reference.attention(p), ((0, 0), (0, len(ids) - p - 1))) for p in range(len(ids) - 1)])
+        assert np.allclose(reference.attention_totals, rows.sum(axis=0), atol=1e-9)
+        assert reference.top1.tolist() == np.argmax(logits[:-1], axis=1).tolist()
+        assert os.listdir(folder)
+    assert not os.path.exists(folder)
+
+
+def dense_logits_and_attention(model, ids):
+    """Logits and head-mean attention (layers, T, T) of a plain dense pass, float64 attention by hand."""
+    captured = {}
+    dense = DenseAttention(model.config)
+
+    def attend(layer, q, k, v, positions):
+        out = dense(layer, q, k, v, positions)
+        captured[layer] = (q, k)
+        return out
+
+    logits = model.forward(np.array(ids), np.arange(len(ids)), attend, all_logits=True)
+    n, cfg = len(ids), model.config
+    weights = np.zeros((cfg.n_layers, n, n))
+    for layer, (q, k) in captured.items():
+        group = cfg.n_heads // cfg.n_kv_heads
+        for h in range(cfg.n_heads):
+            scores = q[:, h].astype(np.float64) @ k[:, h // group].astype(np.float64).T / np.sqrt(cfg.head_dim)
+            scores[np.triu_indices(n, 1)] = -np.inf
+            e = np.exp(scores - scores.max(axis=1, keepdims=True))
+            weights[layer] += e / e.sum(axis=1, keepdims=True) / cfg.n_heads
+    return logits, weights

@@ -50,7 +50,7 @@ class PagePoolMachine(RuleBasedStateMachine):
 
     @rule(layer=st.integers(0, N_LAYERS - 1))
     def attend(self, layer):
-        if self.cache.layers[layer].resident:
+        if self.cache.stores[layer].resident:
             q = self.rng.standard_normal((1, 2 * N_KV, HEAD_DIM)).astype(np.float32)
             result = self.cache.attend(layer, q, np.array([self.next_position]))
             np.testing.assert_allclose(result.weights.sum(-1), 1, rtol=1e-5)
@@ -60,9 +60,10 @@ class PagePoolMachine(RuleBasedStateMachine):
         self.cache.reset()
         self.next_position = 0
         self.replayed = [dict() for _ in range(N_LAYERS)]
-        for pages in self.cache.layers:
-            assert pages.resident == 0 and not pages.block_table and not pages.holes
-            assert sorted(pages.free_pages) == list(range(self.config.max_pages))
+        for layer, pages in enumerate(self.cache.stores):
+            assert pages.resident == 0 and not self.cache.block_table(layer) and not pages.holes
+            assert sorted(pages.frames.free) == list(range(self.config.max_pages))
+            assert not pages.frames.ref_counts.any()
             assert np.all(pages.positions == -1) and np.all(np.isneginf(pages.bias))
         assert self.cache.take_events() == []
 
@@ -71,24 +72,28 @@ class PagePoolMachine(RuleBasedStateMachine):
         if not hasattr(self, "cache"):
             return
         ps, max_pages = self.config.page_size, self.config.max_pages
-        for layer, pages in enumerate(self.cache.layers):
+        for layer, pages in enumerate(self.cache.stores):
+            table = self.cache.block_table(layer)
             slots = pages.positions.reshape(max_pages, ps)
             occupied = slots >= 0
             resident = slots[occupied]
             assert resident.size <= self.config.capacity
             assert len(np.unique(resident)) == resident.size, "a token sits in two slots"
-            assert len(pages.free_pages) + len(pages.block_table) == max_pages
-            assert len(set(pages.block_table)) == len(pages.block_table)
-            assert not set(pages.block_table) & set(pages.free_pages)
+            assert len(pages.frames.free) + len(table) == max_pages
+            assert len(set(table)) == len(table)
+            assert not set(table) & set(pages.frames.free)
+            # one sequence: a page is referenced once exactly when its sequence's block table holds it
+            assert np.array_equal(np.flatnonzero(pages.frames.ref_counts), sorted(table))
+            assert set(pages.frames.ref_counts.tolist()) <= {0, 1}
             for page in range(max_pages):
-                in_table = page in pages.block_table
+                in_table = page in table
                 assert occupied[page].sum() == pages.fill[page] <= ps
                 assert in_table == (pages.fill[page] > 0), "block table disagrees with the slot map"
             # holes are exactly the empty slots of allocated pages
-            expected_holes = {p * ps + s for p in pages.block_table for s in range(ps) if not occupied[p, s]}
+            expected_holes = {p * ps + s for p in table for s in range(ps) if not occupied[p, s]}
             assert pages.holes == expected_holes
             assert np.array_equal(np.isfinite(pages.bias), pages.positions >= 0)
-            assert pages.high_water == (max(pages.block_table) + 1 if pages.block_table else 0)
+            assert pages.high_water == (max(table) + 1 if table else 0)
             # every token that left has an eviction event: replayed events equal the slot map
             replayed = self.replayed[layer]
             assert {p: (int(a), int(b)) for p, (a, b) in replayed.items()} == {

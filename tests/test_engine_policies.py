@@ -116,7 +116,7 @@ def test_oldest_page_frees_whole_pages_in_block_table_order():
     evicted = [e.position for e in events if e.kind is EventKind.EVICT]
     released = [e.page for e in events if e.kind is EventKind.RELEASE]
     assert evicted == [0, 1, 2, 3] and released == [0]
-    assert cache.layers[0].block_table == [1, 2, 0]
+    assert cache.block_table(0) == [1, 2, 0]
 
 
 def test_random_is_seeded_and_uniformish():

@@ -15,15 +15,19 @@ full cache's attention on tokens the bounded cache no longer holds (mean over la
 from __future__ import annotations
 
 import math
+import os
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import NamedTuple
 
 import numpy as np
 
 from ..decoding import DecodeSession, SessionConfig
 from ..decoding.sampling import log_softmax
 from ..engine import CacheConfig, CacheFullError, PagedKVCache
+from .optimal import OPTIMAL, FutureAttention
 
 
 @dataclass(frozen=True)
@@ -40,22 +44,71 @@ class PolicyChoice:
         return f"{self.name}({','.join(f'{k}={v}' for k, v in self.params.items())})"
 
 
-@dataclass
 class Reference:
-    """The full cache on the whole text: per predicted token (position p predicts token p+1)."""
+    """The full cache on the whole text, per predicted token (the query at position p predicts token p+1).
 
-    token_ids: np.ndarray  # (T,)
-    logprobs: np.ndarray  # (T-1, vocab) float32 log-softmax of the full cache's next-token logits
-    attention: np.ndarray  # (n_layers, T-1, T) float16, head-mean attention of query p over positions
-    seconds: float
+    Kept in memory: what every row needs at once, O(T) or O(layers x T) — the full cache's log-probability
+    of each true next token, its top-1 token, and each layer's total attention per key position (for
+    `optimal`). Kept in two temporary files and read back one position at a time: each position's
+    log-probabilities over the vocabulary (float32, for KL) and each layer's head-mean attention of query p
+    over positions 0..p (float16, a triangle: row p starts at layers * p * (p + 1) / 2 values).
+    At 8,192 tokens of SmolLM2 the files hold 1.6 GB and 2.0 GB; memory holds about 2 MB.
+    Close it (or use it as a context manager) to delete the files.
+    """
 
-    @property
-    def true_logprobs(self) -> np.ndarray:
-        """(T-1,) log p_full(true next token)."""
-        return self.logprobs[np.arange(len(self.logprobs)), self.token_ids[1:]].astype(np.float64)
+    def __init__(self, token_ids: np.ndarray, n_layers: int, vocab_size: int, folder: str | None = None):
+        self.token_ids = np.asarray(token_ids, dtype=np.int64)
+        n = len(self.token_ids)
+        self.n_layers, self.vocab_size = n_layers, vocab_size
+        self.true_logprobs = np.zeros(n - 1)  # log p_full(true next token)
+        self.top1 = np.zeros(n - 1, dtype=np.int64)
+        self.attention_totals = np.zeros((n_layers, n))  # sum over all queries of the attention on a position
+        self.seconds = 0.0
+        self._folder = tempfile.TemporaryDirectory(prefix="pagevis-compare-", dir=folder)
+        self._logprobs = open(os.path.join(self._folder.name, "logprobs.f32"), "w+b")
+        self._attention = open(os.path.join(self._folder.name, "attention.f16"), "w+b")
+        self._written = 0
+
+    def add(self, logprobs: np.ndarray, attention: np.ndarray) -> None:
+        """Append the next position's log-probabilities (vocab,) and attention rows (layers, p + 1)."""
+        p = self._written
+        self.true_logprobs[p] = logprobs[self.token_ids[p + 1]]
+        self.top1[p] = int(np.argmax(logprobs))
+        self._logprobs.write(logprobs.astype(np.float32).tobytes())
+        rows = attention.astype(np.float16)
+        self._attention.write(rows.tobytes())
+        self.attention_totals[:, : p + 1] += rows  # the stored (float16) values, so future sums are exact
+        self._written += 1
+
+    def logprobs(self, p: int) -> np.ndarray:
+        """(vocab,) float64 log-softmax of the full cache's logits at position p."""
+        return self._read(self._logprobs, p * self.vocab_size * 4, self.vocab_size, np.float32).astype(np.float64)
+
+    def attention(self, p: int) -> np.ndarray:
+        """(layers, p + 1) float32: each layer's head-mean attention of query p over positions 0..p."""
+        count = self.n_layers * (p + 1)
+        rows = self._read(self._attention, self.n_layers * p * (p + 1) // 2 * 2, count, np.float16)
+        return rows.reshape(self.n_layers, p + 1).astype(np.float32)
+
+    @staticmethod
+    def _read(handle, offset: int, count: int, dtype) -> np.ndarray:
+        handle.flush()
+        data = os.pread(handle.fileno(), count * np.dtype(dtype).itemsize, offset)
+        return np.frombuffer(data, dtype=dtype)
 
     def perplexity(self, start: int = 0) -> float:
         return perplexity(self.true_logprobs[start:])
+
+    def close(self) -> None:
+        for handle in (self._logprobs, self._attention):
+            handle.close()
+        self._folder.cleanup()
+
+    def __enter__(self) -> Reference:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 @dataclass
@@ -73,6 +126,7 @@ class Row:
     evicting_tokens: int
     seconds: float
     note: str = ""
+    gap_to_optimal: float | None = None  # ppl_evicting / optimal's at the same budget - 1
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -82,36 +136,44 @@ def perplexity(logprobs: np.ndarray) -> float | None:
     return float(math.exp(-np.mean(logprobs))) if len(logprobs) else None
 
 
-def full_reference(model, token_ids, page_size: int = 16, dtype: str = "float32", chunk: int = 256) -> Reference:
-    """One pass of the text through a cache that never evicts, in chunks of `chunk` tokens."""
+def full_reference(model, token_ids, page_size: int = 16, dtype: str = "float32", chunk: int = 128,
+                   folder: str | None = None, progress: Callable[[int], None] | None = None) -> Reference:
+    """One pass of the text through a cache that never evicts, in chunks of `chunk` tokens, streamed to a
+    Reference (temporary files in `folder`, default the system's temporary folder)."""
     ids = np.asarray(token_ids, dtype=np.int64)
     n = len(ids)
     cfg = model.config
     cache = PagedKVCache(CacheConfig(page_size=page_size, max_pages=math.ceil(n / page_size), n_layers=cfg.n_layers,
                                      n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
                                      dtype=dtype, policy="none"))
-    attention = np.zeros((cfg.n_layers, n - 1, n), dtype=np.float16)
-    logprobs = np.zeros((n - 1, cfg.vocab_size), dtype=np.float32)
+    reference = Reference(ids, cfg.n_layers, cfg.vocab_size, folder)
+    block = np.zeros((cfg.n_layers, min(chunk, n), n), dtype=np.float32)  # this chunk's attention by position
     started = time.perf_counter()
 
     def attend(layer, q, k, v, positions):
         cache.append(layer, k, v, positions)
         result = cache.attend(layer, q, positions)
         keys = cache.slot_positions(layer)
-        resident = keys >= 0
-        rows = positions < n - 1
-        weights = result.weights[rows].mean(axis=1)  # (chunk, slots): mean over heads
-        attention[layer, positions[rows][:, None], keys[resident][None, :]] = weights[:, resident]
+        resident = np.flatnonzero(keys >= 0)
+        weights = result.weights.mean(axis=1)  # (chunk, slots): mean over heads
+        block[layer, : len(positions)][:, keys[resident]] = weights[:, resident]
         return result.output
 
-    for start in range(0, n, chunk):
-        positions = np.arange(start, min(start + chunk, n), dtype=np.int64)
-        logits = model.forward(ids[positions], positions, attend, all_logits=True)
-        for i, p in enumerate(positions):
-            if p < n - 1:
-                logprobs[p] = log_softmax(logits[i])
-        cache.take_events()
-    return Reference(ids, logprobs, attention, time.perf_counter() - started)
+    try:
+        for start in range(0, n, chunk):
+            positions = np.arange(start, min(start + chunk, n), dtype=np.int64)
+            logits = model.forward(ids[positions], positions, attend, all_logits=True)
+            for i, p in enumerate(positions):
+                if p < n - 1:
+                    reference.add(log_softmax(logits[i]), block[:, i, : p + 1])
+            cache.take_events()
+            if progress:
+                progress(int(positions[-1]) + 1)
+    except BaseException:
+        reference.close()
+        raise
+    reference.seconds = time.perf_counter() - started
+    return reference
 
 
 class _KeepAllLogits:
@@ -128,14 +190,21 @@ class _KeepAllLogits:
 
 def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, page_size: int,
              dtype: str = "float32", progress: Callable[[int], None] | None = None) -> Row:
-    """Teacher-force the reference's text through a bounded cache and compare with the full cache."""
+    """Teacher-force the reference's text through a bounded cache and compare with the full cache.
+    `optimal` (compare only) is the clairvoyant policy of pagevis.bench.optimal, fed the reference's future."""
     ids = reference.token_ids
     n = len(ids)
-    config = SessionConfig(page_size=page_size, max_pages=budget // page_size, dtype=dtype, policy=choice.name,
-                           policy_params=choice.params, max_new_tokens=1, oracle=False, chat=False,
-                           record_layers=())
+    optimal = None
+    if choice.name == OPTIMAL:
+        optimal = FutureAttention(reference.attention_totals.copy())
+    config = SessionConfig(page_size=page_size, max_pages=budget // page_size, dtype=dtype,
+                           policy="oldest" if optimal else choice.name, policy_params=choice.params,
+                           max_new_tokens=1, oracle=False, chat=False, record_layers=())
     wrapped = _KeepAllLogits(model)
     session = DecodeSession(wrapped, "", config, prompt_ids=[int(t) for t in ids])
+    if optimal:
+        optimal.bind(session.cache_config.capacity, page_size)
+        session.cache.policy = optimal  # the session builds policies by name; this one needs the future
     true_lp = np.zeros(n - 1)
     kl = np.zeros(n - 1)
     agree = np.zeros(n - 1, dtype=bool)
@@ -146,18 +215,22 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
     try:
         while not session.done:
             record = session.step()
+            session.records[-1] = None  # read once here; keeps the step count, not the arrays (8k steps)
             evictions = record.evictions_total
             resident = _resident_by_layer(record.slot_maps, n)  # what this step's queries attended to
             for i, p in enumerate(record.positions):
                 if p >= n - 1:
                     continue
                 bounded = log_softmax(wrapped.logits[i])
-                full = reference.logprobs[p].astype(np.float64)
+                full = reference.logprobs(p)
                 true_lp[p] = bounded[ids[p + 1]]
                 kl[p] = float(np.sum(np.exp(full) * (full - bounded)))
-                agree[p] = np.argmax(full) == np.argmax(bounded)
+                agree[p] = reference.top1[p] == np.argmax(bounded)
+                attention = reference.attention(p)
                 gone = ~resident[:, : p + 1]
-                lost[p] = float(np.mean(np.sum(reference.attention[:, p, : p + 1] * gone, axis=1, dtype=np.float64)))
+                lost[p] = float(np.mean(np.sum(attention * gone, axis=1, dtype=np.float64)))
+                if optimal:
+                    optimal.consume(attention)
             if progress:
                 progress(record.positions[-1] + 1)
     except CacheFullError:
@@ -189,3 +262,52 @@ def full_row(reference: Reference, page_size: int) -> Row:
     n = len(reference.token_ids)
     return Row("full cache", n, page_size, reference.perplexity(), None, None, 0.0, 1.0, 0.0, 0, 0,
                reference.seconds)
+
+
+def fill_gaps(rows: list[Row]) -> None:
+    """Set each row's gap to the `optimal` row of its budget (when there is one and both have a perplexity)."""
+    best = {r.budget: r.ppl_evicting for r in rows if r.policy == OPTIMAL and r.ppl_evicting}
+    for r in rows:
+        if r.ppl_evicting is not None and r.budget in best:
+            r.gap_to_optimal = r.ppl_evicting / best[r.budget] - 1
+
+
+class Estimate(NamedTuple):
+    reference: float
+    total: float
+    disk_bytes: int
+
+
+def estimate_seconds(model, n_tokens: int, budgets: list[int], probe: int = 32) -> Estimate:
+    """How long compare will take, from one timed prefill chunk and two one-token steps of this model.
+
+    A configuration prefills its budget, then steps one token at a time; the reference prefills everything,
+    and its attention grows with the position (flop count relative to the weights' 2 flops per parameter).
+    """
+    from ..model import DenseAttention
+
+    cfg = model.config
+    attention = DenseAttention(cfg)
+    ids = np.zeros(probe, dtype=np.int64)
+    started = time.perf_counter()
+    model.forward(ids, np.arange(probe), attention)
+    per_prefill_token = (time.perf_counter() - started) / probe
+    started = time.perf_counter()
+    for p in (probe, probe + 1):
+        model.forward(ids[:1], np.array([p]), attention)
+    per_step = (time.perf_counter() - started) / 2
+    params = model.weights.nbytes_per_token() / 4
+    attention_share = 4 * cfg.n_layers * cfg.n_heads * cfg.head_dim / (2 * params)  # per key, vs the weights
+    reference = n_tokens * per_prefill_token * (1 + attention_share * n_tokens / 2)
+    configs = sum(min(b, n_tokens) * per_prefill_token + max(n_tokens - b, 0) * per_step * 1.2 for b in budgets)
+    disk = (n_tokens - 1) * cfg.vocab_size * 4 + cfg.n_layers * (n_tokens - 1) * n_tokens
+    return Estimate(reference, reference + configs, disk)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports KiB; macOS bytes)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

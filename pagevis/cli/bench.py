@@ -22,7 +22,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
         description="Benchmark the engine in one run: paged vs dense NumPy decode attention over context lengths "
                     "and page sizes (SmolLM2's layer shape: 9 query heads, 3 KV heads, head dim 64); float16 vs "
                     "float32 storage; torch's scaled_dot_product_attention on the same data when torch is "
-                    "installed; and the model's decode tokens/s against the memory-bandwidth floor. "
+                    "installed; and the model's decode tokens/s against the memory-bandwidth floor (read "
+                    "bandwidth of a weight-sized float32 gemv or sum, on the BLAS threads decoding uses, over "
+                    "weight bytes per token). "
                     "Timings are medians; a busy machine makes them noisy.")
     parser.add_argument("--contexts", metavar="LIST", help=f"context lengths (default {FULL_CONTEXTS})")
     parser.add_argument("--page-sizes", metavar="LIST", help="page sizes (default 8,16,32,64)")
@@ -77,11 +79,11 @@ def main(args: argparse.Namespace) -> int:
     torch_rows = None
     if suite.torch_available():
         say("attention: torch scaled_dot_product_attention ...")
-        torch_rows = suite.torch_rows(contexts, storage_page, repeats=repeats)
+        torch_rows = suite.torch_rows(contexts, storage_page, repeats=repeats, threads=args.blas_threads)
     decode = None
     if spec is not None:
         say(f"decode: {spec.label} ...")
-        decode = suite.decode_row(spec, n_tokens=args.decode_tokens, copy_bytes=(64 << 20) if args.quick else None)
+        decode = suite.decode_row(spec, n_tokens=args.decode_tokens, probe_bytes=(64 << 20) if args.quick else None)
         if args.transformers_python and not os.access(args.transformers_python, os.X_OK):
             raise UsageError(f"--transformers-python {args.transformers_python}: not an executable")
         say("decode: transformers eager (if available) ...")
@@ -113,22 +115,34 @@ def format_report(result: dict) -> str:
                    f"{r['f16_over_f32']:>7.2f}x {r['f32_kv_bytes'] / 1024:>11.0f} {r['f16_kv_bytes'] / 1024:>11.0f}")
     out.append("")
     if result["torch"]:
-        out.append(f"torch scaled_dot_product_attention on the same data ({result['torch'][0]['torch_threads']} threads)")
-        out.append(f"{'context':>8} {'paged µs':>9} {'dense µs':>9} {'torch µs':>9} {'paged/torch':>12}")
+        first = result["torch"][0]
+        out.append(f"torch {first['torch_version']} scaled_dot_product_attention on the same data "
+                   f"({first['torch_threads']} threads, as many as our BLAS threads; GQA read in place)")
+        out.append(f"{'context':>8} {'dtype':>8} {'KV KiB':>8} {'paged µs':>9} {'dense µs':>9} {'torch µs':>9} "
+                   f"{'paged/torch':>12}")
         for r in result["torch"]:
-            out.append(f"{r['context']:>8} {r['paged_us']:>9.1f} {r['dense_us']:>9.1f} {r['torch_us']:>9.1f} "
-                       f"{r['paged_over_torch']:>11.2f}x")
+            if r["torch_us"] is None:
+                out.append(f"{r['context']:>8} {r['dtype']:>8}  torch: {r['note']}")
+                continue
+            out.append(f"{r['context']:>8} {r['dtype']:>8} {r['kv_bytes'] / 1024:>8.0f} {r['paged_us']:>9.1f} "
+                       f"{r['dense_us']:>9.1f} {r['torch_us']:>9.1f} {r['paged_over_torch']:>11.2f}x")
     else:
-        out.append("torch: not installed (pip install 'pagevis[torch]' to compare with scaled_dot_product_attention)")
+        out.append("torch: not installed (make torch, or pip install -e '.[torch]', to compare with "
+                   "scaled_dot_product_attention)")
     out.append("")
     d = result["decode"]
     if d:
         out += [f"Decode speed: {d['model']}",
-                f"  copy bandwidth {d['copy_gb_s']:.2f} GB/s, weights read per token {d['weight_mb_per_token']:.1f} MB",
-                f"  bandwidth floor {d['floor_tok_s']:.1f} tok/s",
+                f"  weights read per token {d['weight_mb_per_token']:.1f} MB",
+                f"  read bandwidth {d['read_gb_s']:.2f} GB/s (best of a {d['probe_mb']:.0f} MB float32 gemv, "
+                f"{d['gemv_gb_s']:.2f}, and a sum, {d['reduce_gb_s']:.2f}, on decoding's threads)",
+                f"  bandwidth floor {d['floor_tok_s']:.1f} tok/s (read bandwidth / weight bytes)",
                 f"  paged session   {d['paged_tok_s']:.1f} tok/s ({d['paged_of_floor']:.2f} of the floor; median of "
                 f"{d['decode_steps']} steps)",
-                f"  dense attention {d['dense_tok_s']:.1f} tok/s ({d['dense_of_floor']:.2f} of the floor)"]
+                f"  dense attention {d['dense_tok_s']:.1f} tok/s ({d['dense_of_floor']:.2f} of the floor)",
+                f"  (copy: {d['copy_gb_s']:.2f} GB/s counting each byte once, {d['copy_tok_s']:.1f} tok/s; a copy "
+                f"reads and writes every byte, so this is not a floor)"]
+        out += [f"  WARNING: {w}" for w in d["warnings"]]
         if "transformers_tok_s" in d:
             out.append(f"  transformers eager {d['transformers_tok_s']:.1f} tok/s ({d['transformers_threads']} torch "
                        f"threads, as many as our BLAS threads); paged session {d['paged_over_transformers']:.2f}x "
@@ -158,7 +172,7 @@ def write_files(folder: str, result: dict, half: list[dict]) -> list[str]:
         with open(path, "w", newline="", encoding="utf-8") as handle:
             writer = csv.DictWriter(handle, fieldnames=list(result["decode"]))
             writer.writeheader()
-            writer.writerow(result["decode"])
+            writer.writerow({**result["decode"], "warnings": "; ".join(result["decode"]["warnings"])})
         written.append(path)
 
     rows = result["attention"]
@@ -167,13 +181,16 @@ def write_files(folder: str, result: dict, half: list[dict]) -> list[str]:
     for page_size in sorted({r["page_size"] for r in rows}):
         series[f"paged, page {page_size}"] = _by_context(rows, "paged_us", page_size=page_size)
     series[f"paged float16, page {half[0]['page_size']}"] = _by_context(half, "paged_us")
-    if result["torch"]:
-        series["torch SDPA"] = _by_context(result["torch"], "torch_us")
+    torch_measured = [r for r in result["torch"] or () if r["torch_us"] is not None]
+    for dtype in ("float32", "float16"):
+        chosen = [r for r in torch_measured if r["dtype"] == dtype]
+        if chosen:
+            series[f"torch SDPA {dtype}"] = _by_context(chosen, "torch_us")
     path = os.path.join(folder, "bench-latency.png")
     line_plot(path, series, "Decode attention latency vs context (one layer, 9q/3kv heads, d 64)",
               "context (tokens)", "latency (µs)", log_x=True, log_y=True, x_ticks=contexts,
               y_ticks=_decades(v for _, ys in series.values() for v in ys),
-              dashed={"dense NumPy", "torch SDPA"})
+              dashed={"dense NumPy", "torch SDPA float32", "torch SDPA float16"})
     written.append(path)
 
     memory = {}
@@ -182,10 +199,15 @@ def write_files(folder: str, result: dict, half: list[dict]) -> list[str]:
             xs, ys = memory.setdefault(f"paged {dtype}, page {r['page_size']}", ([], []))
             xs.append(r[size] / 1024)
             ys.append(r[key])
+    for r in torch_measured:
+        xs, ys = memory.setdefault(f"torch SDPA {r['dtype']}", ([], []))
+        xs.append(r["kv_bytes"] / 1024)
+        ys.append(r["torch_us"])
     path = os.path.join(folder, "bench-memory.png")
     line_plot(path, memory, "KV memory vs attention latency per layer (points: contexts)", "K+V memory (KiB)",
-              "latency (µs)", log_x=True, log_y=True, x_ticks=sorted({x for xs, _ in memory.values() for x in xs}),
-              y_ticks=_decades(v for _, ys in memory.values() for v in ys))
+              "latency (µs)", log_x=True, log_y=True, x_ticks=_decades(x for xs, _ in memory.values() for x in xs),
+              y_ticks=_decades(v for _, ys in memory.values() for v in ys),
+              dashed={"torch SDPA float32", "torch SDPA float16"})
     written.append(path)
     return written
 

@@ -13,9 +13,9 @@ from . import options
 from .options import UsageError
 from .progress import Progress
 
-DEFAULT_TEXT = "texts/pride-and-prejudice-ch1.txt"
+DEFAULT_TEXT = "texts/pride-and-prejudice-ch1-6.txt"  # about 10,100 SmolLM2 tokens
 DEFAULT_POLICIES = "sinks,oldest,h2o,tova"
-COLUMNS = ("policy", "budget", "page_size", "ppl", "ppl_evicting", "full_ppl_evicting", "mean_kl",
+COLUMNS = ("policy", "budget", "page_size", "ppl", "ppl_evicting", "full_ppl_evicting", "gap_to_optimal", "mean_kl",
            "top1_agreement", "lost_attention", "evictions", "evicting_tokens", "seconds", "note")
 
 
@@ -28,11 +28,17 @@ def add_parser(commands) -> argparse.ArgumentParser:
                     "KL, top-1 and lost attention are means over the tokens predicted once the cache was full; "
                     "ppl_evicting is the perplexity over those tokens, beside the full cache's on the same tokens.")
     parser.add_argument("text", nargs="?", metavar="TEXTFILE",
-                        help="a UTF-8 text file (default: the first chapter of Pride and Prejudice, shipped)")
+                        help="a UTF-8 text file (default: chapters 1-6 of Pride and Prejudice, shipped, 10,100 tokens)")
     options.add_model_options(parser)
     parser.add_argument("--policies", default=DEFAULT_POLICIES, metavar="LIST",
                         help=f"comma-separated policies, each optionally with parameters as "
-                             f"name:key=value[:key=value], e.g. sinks:n_sink=1 (default {DEFAULT_POLICIES})")
+                             f"name:key=value[:key=value], e.g. sinks:n_sink=1 (default {DEFAULT_POLICIES}); "
+                             f"'optimal' is always added unless --no-optimal")
+    parser.add_argument("--no-optimal", action="store_true",
+                        help="skip the clairvoyant 'optimal' rows (then no row has a gap to optimal)")
+    parser.add_argument("--tmp-dir", metavar="DIR",
+                        help="folder for the full cache's reference files (default: the system's temporary "
+                             "folder; about 3.6 GB at 8,192 tokens of SmolLM2, deleted at the end)")
     parser.add_argument("--budgets", default="64,128,256", metavar="LIST",
                         help="cache budgets in tokens per layer, multiples of the page size (default 64,128,256)")
     parser.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per page (default 16)")
@@ -49,15 +55,21 @@ def add_parser(commands) -> argparse.ArgumentParser:
     return parser
 
 
-def parse_policies(text: str):
+def parse_policies(text: str, optimal: bool = True):
+    """The policies to compare; the clairvoyant `optimal` comes first (unless not wanted), once."""
+    from ..bench.optimal import OPTIMAL
     from ..bench.quality import PolicyChoice
     from ..engine import POLICIES
 
-    choices = []
+    choices = [PolicyChoice(OPTIMAL)] if optimal else []
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, *params = item.split(":")
+        if name == OPTIMAL and not params:
+            choices[:0] = [] if choices[:1] == [PolicyChoice(OPTIMAL)] else [PolicyChoice(OPTIMAL)]
+            continue
         if name not in POLICIES:
-            raise UsageError(f"--policies: unknown policy {name!r}; the policies are {', '.join(POLICIES)}")
+            raise UsageError(f"--policies: unknown policy {name!r}; the policies are {', '.join(POLICIES)} "
+                             f"and {OPTIMAL} (compare only, no parameters)")
         choices.append(PolicyChoice(name, dict(options.parse_param(p, "--policies") for p in params)))
     if not choices:
         raise UsageError("--policies: give at least one policy")
@@ -80,19 +92,24 @@ def load_text(path: str | None) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from ..bench import quality
-    from ..engine import CacheConfig, ConfigError
+    from ..bench.optimal import OPTIMAL
+    from ..engine import CacheSettings, ConfigError
 
     if args.page_size < 1:
         raise UsageError(f"--page-size {args.page_size}: must be a positive integer")
     if args.tokens < 2:
         raise UsageError(f"--tokens {args.tokens}: need at least 2 tokens")
-    choices = parse_policies(args.policies)
+    if args.tmp_dir is not None and not os.path.isdir(args.tmp_dir):
+        raise UsageError(f"--tmp-dir {args.tmp_dir}: no such folder")
+    choices = parse_policies(args.policies, optimal=not args.no_optimal)
     budgets = parse_budgets(args.budgets, args.page_size)
     for choice in choices:  # policy parameters that cannot fit a budget fail now, not halfway through
         for budget in budgets:
+            if choice.name == OPTIMAL:
+                continue
             try:
-                CacheConfig(page_size=args.page_size, max_pages=budget // args.page_size, policy=choice.name,
-                            policy_params=choice.params, head_dim=1)
+                CacheSettings(page_size=args.page_size, max_pages=budget // args.page_size, policy=choice.name,
+                              policy_params=choice.params).check()
             except ConfigError as error:
                 raise UsageError(f"--policies {choice.label} at budget {budget}: {error}") from None
     text = load_text(args.text)
@@ -102,6 +119,11 @@ def main(args: argparse.Namespace) -> int:
     if len(ids) < 2:
         raise UsageError("the text is too short: it must encode to at least 2 tokens")
 
+    estimate = quality.estimate_seconds(model, len(ids), [b for _ in choices for b in budgets])
+    if not args.quiet:
+        print(f"compare: {len(ids)} tokens, {len(choices) * len(budgets)} configurations; estimated "
+              f"{_duration(estimate.total)} (full-cache reference {_duration(estimate.reference)}, from timed "
+              f"forward passes), reference files {estimate.disk_bytes / 1e9:.2f} GB", file=sys.stderr)
     work = len(ids) * (1 + len(choices) * len(budgets))
     progress = Progress(work, "compare", enabled=False if args.quiet else None)
     done = [0]
@@ -110,26 +132,29 @@ def main(args: argparse.Namespace) -> int:
         base = done[0]
         return lambda n: progress.update(base + n, label)
 
-    reference = quality.full_reference(model, ids, page_size=args.page_size, dtype=args.dtype)
-    done[0] += len(ids)
-    rows = [quality.full_row(reference, args.page_size)]
     log = progress.enabled or args.quiet  # without a progress bar, one line per configuration instead
-    if not log:
-        print(f"compare: full cache, ppl {rows[0].ppl:.3f} ({reference.seconds:.0f} s)", file=sys.stderr)
-    for choice in choices:
-        for budget in budgets:
-            row = quality.evaluate(model, reference, choice, budget, args.page_size, args.dtype,
-                                   progress=advance(f"{choice.label} @ {budget}"))
-            rows.append(row)
-            done[0] += len(ids)
-            if not log:
-                ppl = "-" if row.ppl is None else f"{row.ppl:.3f}"
-                print(f"compare: {row.policy} @ {budget}: ppl {ppl} ({row.seconds:.0f} s)", file=sys.stderr)
+    with quality.full_reference(model, ids, page_size=args.page_size, dtype=args.dtype, folder=args.tmp_dir,
+                                progress=advance("full cache")) as reference:
+        done[0] += len(ids)
+        rows = [quality.full_row(reference, args.page_size)]
+        if not log:
+            print(f"compare: full cache, ppl {rows[0].ppl:.3f} ({reference.seconds:.0f} s)", file=sys.stderr)
+        for choice in choices:
+            for budget in budgets:
+                row = quality.evaluate(model, reference, choice, budget, args.page_size, args.dtype,
+                                       progress=advance(f"{choice.label} @ {budget}"))
+                rows.append(row)
+                done[0] += len(ids)
+                if not log:
+                    ppl = "-" if row.ppl is None else f"{row.ppl:.3f}"
+                    print(f"compare: {row.policy} @ {budget}: ppl {ppl} ({row.seconds:.0f} s)", file=sys.stderr)
     progress.close()
+    quality.fill_gaps(rows)
 
     result = {"model": spec.label, "text": args.text or f"pagevis.resources/{DEFAULT_TEXT}", "tokens": len(ids),
               "page_size": args.page_size, "dtype": args.dtype, "full_cache_ppl": reference.perplexity(),
-              "rows": [row.as_dict() for row in rows[1:]]}
+              "seconds": progress.elapsed(), "estimated_seconds": estimate.total,
+              "peak_rss_mb": quality.peak_rss_bytes() / 1e6, "rows": [row.as_dict() for row in rows[1:]]}
     if not args.no_files:
         write_csv(args.csv, rows)
         write_plot(args.plot, rows, result)
@@ -141,11 +166,18 @@ def main(args: argparse.Namespace) -> int:
         print(format_table(rows))
         if not args.no_files:
             print(f"wrote {args.csv} and {args.plot}", file=sys.stderr)
+    if not args.quiet:
+        print(f"compare: took {_duration(result['seconds'])} (estimated {_duration(estimate.total)}), peak memory "
+              f"{result['peak_rss_mb']:.0f} MB", file=sys.stderr)
     return 0
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
 def format_table(rows) -> str:
-    header = (f"{'policy':<18} {'budget':>6} {'ppl':>8} {'ppl evict':>9} {'full':>8} {'mean KL':>8} "
+    header = (f"{'policy':<18} {'budget':>6} {'ppl':>8} {'ppl evict':>9} {'full':>8} {'vs opt':>7} {'mean KL':>8} "
               f"{'top-1':>6} {'lost attn':>9} {'evictions':>9}")
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -153,11 +185,17 @@ def format_table(rows) -> str:
             lines.append(f"{r.policy:<18} {r.budget:>6}  {r.note}")
             continue
         lines.append(f"{r.policy:<18} {r.budget:>6} {_f(r.ppl, 8, 3)} {_f(r.ppl_evicting, 9, 3)} "
-                     f"{_f(r.full_ppl_evicting, 8, 3)} {_f(r.mean_kl, 8, 4)} {_f(r.top1_agreement, 6, 3)} "
+                     f"{_f(r.full_ppl_evicting, 8, 3)} {_gap(r.gap_to_optimal)} {_f(r.mean_kl, 8, 4)} "
+                     f"{_f(r.top1_agreement, 6, 3)} "
                      f"{_f(r.lost_attention, 9, 4)} {r.evictions:>9}")
     lines.append("ppl: all predicted tokens. ppl evict / full, mean KL, top-1, lost attn: the tokens predicted "
-                 "once the cache was full (bounded vs full cache on the same tokens).")
+                 "once the cache was full (bounded vs full cache on the same tokens). vs opt: ppl evict over "
+                 "optimal's at the same budget, minus 1.")
     return "\n".join(lines)
+
+
+def _gap(value) -> str:
+    return f"{'-':>7}" if value is None else f"{value:>+7.1%}"
 
 
 def _f(value, width, digits) -> str:

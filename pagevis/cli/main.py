@@ -10,15 +10,17 @@ import argparse
 import sys
 
 from . import options
+from .metrics_port import add_metrics_option, start_metrics_server
 from .options import ArgumentParser, UsageError
 
-COMMANDS = ("run", "compare", "bench", "replay")
+COMMANDS = ("run", "compare", "bench", "replay", "serve")
 
 USAGE = """pagevis [options]            open the app (options below preset it)
        pagevis run [options]        decode headless, print the text or --json
        pagevis compare [TEXTFILE]   perplexity and oracle metrics per policy and cache budget
        pagevis bench [--quick]      paged vs dense attention, storage, decode speed
        pagevis replay FILE          open a trace file in the app
+       pagevis serve [options]      HTTP API: attention, sessions, OpenAI-compatible completions, /metrics
        pagevis COMMAND --help       the options of a command"""
 
 
@@ -29,15 +31,16 @@ def gui_parser() -> ArgumentParser:
     group = parser.add_argument_group("app")
     group.add_argument("--screenshot", metavar="FILE", help="save a PNG of the window after --steps steps, then quit")
     group.add_argument("--steps", type=int, default=0, metavar="N", help="decode N steps at start (with --screenshot)")
+    add_metrics_option(group)
     return parser
 
 
 def command_parser() -> ArgumentParser:
-    from . import bench, compare, replay, run
+    from . import bench, compare, replay, run, serve
 
     parser = ArgumentParser(prog="pagevis", usage=USAGE)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser, prog="pagevis")
-    for module in (run, compare, bench, replay):
+    for module in (run, compare, bench, replay, serve):
         module.add_parser(commands).add_argument(
             "--blas-threads", type=int, default=1, metavar="N",
             help="threads NumPy's BLAS may use (default 1: decoding is memory-bound, and spinning BLAS threads "
@@ -100,7 +103,8 @@ def launch_app(args: argparse.Namespace) -> int:
     config = options.session_config(args) if options.session_options_given(args) else None
     if args.steps < 0:
         raise UsageError("pagevis: --steps must be 0 or more")
+    metrics, _exporter = start_metrics_server(args.metrics_port)  # a daemon thread, until the app quits
     from ..gui import launch
 
     return launch(model_spec=spec, prompt=prompt, session_config=config, screenshot=args.screenshot,
-                  steps=args.steps)
+                  steps=args.steps, metrics=metrics)

@@ -25,10 +25,20 @@ class Progress:
         self._last_draw = now
         filled = int(self.width * min(done, self.total) / self.total)
         bar = "#" * filled + "." * (self.width - filled)
-        self.stream.write(f"\r{self.label} [{bar}] {done}/{self.total} {note}\033[K")
+        elapsed = now - self.started
+        left = f" ~{_clock(elapsed * (self.total - done) / done)} left" if 0 < done < self.total else ""
+        self.stream.write(f"\r{self.label} [{bar}] {done}/{self.total} {_clock(elapsed)}{left} {note}\033[K")
         self.stream.flush()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
 
     def close(self) -> None:
         if self.enabled:
             self.stream.write("\r\033[K")
             self.stream.flush()
+
+
+def _clock(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}" if minutes >= 60 else f"{minutes}:{seconds:02d}"

@@ -11,7 +11,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
                                              "to scrub its timeline and views as they were live.")
     parser.add_argument("file", metavar="FILE", help="the trace file")
     parser.add_argument("--check", action="store_true",
-                        help="only read and validate the trace, print a summary, and exit (no window)")
+                        help="only read and validate the trace, build the timeline a replay shows, print a summary "
+                             "and exit (no window): exit 0 means the app can replay it")
     parser.set_defaults(handler=main)
     return parser
 
@@ -21,6 +22,9 @@ def main(args: argparse.Namespace) -> int:
 
     trace = read_trace(args.file)  # refuse a bad file here, with a clear message, before Qt starts
     if args.check:
+        from ..gui.timeline import timeline_from_trace  # Qt-free: what the app's replay builds
+
+        timeline_from_trace(trace)
         config = trace.config
         print(f"{args.file}: {trace.model_label}, {len(trace.prompt_ids)} prompt tokens, {len(trace.records)} steps, "
               f"{config.max_pages} pages x {config.page_size} tokens, policy {config.policy}, "

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..presets import default_prompt
 from . import options
+from .metrics_port import add_metrics_option, start_metrics_server
 from .progress import Progress
 
 
@@ -23,6 +24,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print one JSON object with the text and the metrics")
     parser.add_argument("--trace", metavar="FILE", help="record the run to a trace file (open it with pagevis replay)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_metrics_option(parser)
     parser.set_defaults(handler=main)
     return parser
 
@@ -36,15 +38,19 @@ def main(args: argparse.Namespace) -> int:
     prompt = options.prompt_text(args) or default_prompt(spec.kind)
     if args.trace:
         _check_writable(args.trace)
+    metrics, exporter = start_metrics_server(args.metrics_port)
     model = spec.load()
     session = DecodeSession(model, prompt, config)
     progress = Progress(config.max_new_tokens, "decoding", enabled=False if args.quiet else None)
+    session.add_hook(lambda record: progress.update(
+        len(session.generated), f"{record.kind} step {record.step}, {record.resident_tokens} resident"))
+    if metrics is not None:
+        metrics.observe(session)
     started = time.perf_counter()
     interrupted = False
     try:
-        for record in session.run():
-            tokens = len(session.generated)
-            progress.update(tokens, f"{record.kind} step {record.step}, {record.resident_tokens} resident")
+        for _record in session.run():
+            pass
     except CacheFullError as error:
         session.stop_reason = "cache_full"
         print(f"pagevis run: stopped: {error}", file=sys.stderr)
@@ -53,6 +59,9 @@ def main(args: argparse.Namespace) -> int:
         interrupted = True
     finally:
         progress.close()
+        if exporter is not None:
+            exporter.shutdown()
+            exporter.server_close()
     elapsed = time.perf_counter() - started
     if args.trace and not session.records:
         print(f"pagevis run: no step completed, so no trace was written to {args.trace}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -14,9 +15,7 @@ from .sampling import log_softmax
 class FullCacheOracle:
     def __init__(self, model, bounded: CacheConfig, max_tokens: int):
         pages = math.ceil(max_tokens / bounded.page_size)
-        config = CacheConfig(page_size=bounded.page_size, max_pages=pages, n_layers=bounded.n_layers,
-                             n_heads=bounded.n_heads, n_kv_heads=bounded.n_kv_heads,
-                             head_dim=bounded.head_dim, dtype=bounded.dtype, policy="none")
+        config = dataclasses.replace(bounded, max_pages=pages, policy="none", policy_params={})
         self.model = model
         self.cache = PagedKVCache(config)
         self._bounded: PagedKVCache | None = None
@@ -43,7 +42,7 @@ class FullCacheOracle:
         self.cache.append(layer, k, v, positions)
         result = self.cache.attend(layer, q, positions)
         # The last query's attention, by slot of the full cache, on positions the bounded layer lacks.
-        bounded = self._bounded.layers[layer].positions
+        bounded = self._bounded.stores[layer].positions
         full_positions = self.cache.slot_positions(layer)
         evicted = (full_positions >= 0) & ~np.isin(full_positions, bounded[bounded >= 0])
         self._lost.append(float(result.weights[-1][:, evicted].sum(axis=-1).mean()))

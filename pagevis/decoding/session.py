@@ -9,13 +9,13 @@ full cache that never evicts, and every record carries the comparison.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any, Iterator, Mapping
+from typing import Iterator
 
 import numpy as np
 
-from ..engine import CacheConfig, ConfigError, EventKind, PagedKVCache
+from ..engine import CacheConfig, CacheSettings, ConfigError, EventKind, PagedKVCache
 from ..errors import check_int
 from .oracle import FullCacheOracle
 from .record import StepRecord
@@ -23,31 +23,26 @@ from .sampling import Sampler, SamplingConfig
 
 MAX_NEW_TOKENS = 100_000
 
+StepHook = Callable[[StepRecord], None]
+
 
 @dataclass(frozen=True)
-class SessionConfig:
-    page_size: int = 16
-    max_pages: int = 16
-    dtype: str = "float32"
-    policy: str = "sinks"
-    policy_params: Mapping[str, Any] = field(default_factory=dict)
+class SessionConfig(CacheSettings):
+    """The cache settings (inherited, declared once in CacheSettings) plus how to decode."""
+
     max_new_tokens: int = 64
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     oracle: bool = False
     chat: bool = True  # wrap the prompt in the model's chat template
+    special: bool = False  # without chat: parse control-token text in the prompt as control tokens (opt-in)
     record_layers: tuple[int, ...] | None = None  # layers whose attention records keep; None = all
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "policy_params", MappingProxyType(dict(self.policy_params)))
+        super().__post_init__()
         check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
 
     def cache_config(self, model_config) -> CacheConfig:
-        return CacheConfig(
-            page_size=self.page_size, max_pages=self.max_pages, n_layers=model_config.n_layers,
-            n_heads=model_config.n_heads, n_kv_heads=model_config.n_kv_heads,
-            head_dim=model_config.head_dim, dtype=self.dtype, policy=self.policy,
-            policy_params=dict(self.policy_params),
-        )
+        return CacheConfig.for_model(self, model_config)
 
 
 class DecodeSession:
@@ -62,7 +57,9 @@ class DecodeSession:
             check_int("record_layers", layer, 0, n_layers - 1)
         self.record_layers = layers
         self.prompt = prompt
-        self.prompt_ids = tuple(prompt_ids if prompt_ids is not None else encode_prompt(model, prompt, self.config.chat))
+        if prompt_ids is None:
+            prompt_ids = encode_prompt(model, prompt, self.config.chat, self.config.special)
+        self.prompt_ids = tuple(prompt_ids)
         if not self.prompt_ids:
             raise ConfigError("prompt", prompt, "text that encodes to at least one token")
         self.cache = PagedKVCache(self.cache_config)
@@ -75,6 +72,15 @@ class DecodeSession:
         self._fed = 0  # prompt tokens already in the cache
         self._evictions = 0
         self._last_weights: dict[int, np.ndarray] = {}
+        self._hooks: list[StepHook] = []
+
+    # --- observers -----------------------------------------------------------------------------------
+    def add_hook(self, hook: StepHook) -> None:
+        """Call hook(record) on the stepping thread after every step (metrics, progress, servers...)."""
+        self._hooks.append(hook)
+
+    def remove_hook(self, hook: StepHook) -> None:
+        self._hooks.remove(hook)
 
     # --- state ---------------------------------------------------------------------------------------
     @property
@@ -144,6 +150,8 @@ class DecodeSession:
                               oracle=oracle_done - sampled, record=finished - oracle_done,
                               total=finished - started)
         self.records.append(record)
+        for hook in self._hooks:
+            hook(record)
         return record
 
     def _attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
@@ -160,10 +168,10 @@ class DecodeSession:
         policy = self.cache.policy
         shape = (cfg.max_pages, cfg.page_size)
         slot_maps, protected, scores = [], [], []
-        for pages in self.cache.layers:
-            slot_maps.append(pages.positions.reshape(shape))
-            protected.append(policy.protected(pages).reshape(shape))
-            score = np.where(pages.occupied(), policy.score(pages), np.nan)
+        for view in self.cache.views:
+            slot_maps.append(view.positions.reshape(shape))
+            protected.append(policy.protected(view).reshape(shape))
+            score = np.where(view.occupied(), policy.score(view), np.nan)
             scores.append(score.reshape(shape))
         attention = []
         for layer in self.record_layers:
@@ -171,26 +179,27 @@ class DecodeSession:
             last = self._last_weights[layer]
             weights[:, : last.shape[1]] = last
             attention.append(weights)
-        first = self.cache.layers[0]
+        first = self.cache.stores[0]
         return StepRecord(
             step=len(self.records), kind=kind, token_ids=tuple(int(t) for t in tokens),
             positions=tuple(int(p) for p in positions), next_token=int(next_token),
             next_text=self.token_text(next_token) if next_token >= 0 else "",
             slot_maps=np.stack(slot_maps).astype(np.int32), protected=np.stack(protected),
             scores=np.stack(scores).astype(np.float32),
-            block_tables=tuple(tuple(p.block_table) for p in self.cache.layers),
+            block_tables=tuple(tuple(table) for table in self.cache.sequence.block_tables),
             events=events, attention_layers=self.record_layers, attention=tuple(attention),
-            timings={}, resident_tokens=first.resident, pages_used=len(first.block_table),
+            timings={}, resident_tokens=first.resident, pages_used=self.cache.sequence.n_pages(0),
             evictions_total=self._evictions, oracle=oracle_step,
         )
 
 
 # The tokenizer is the model package's; these keep the session's few uses of it in one place.
-def encode_prompt(model, prompt: str, chat: bool) -> list[int]:
+def encode_prompt(model, prompt: str, chat: bool, special: bool = False) -> list[int]:
+    """The prompt's ids: in the chat template (the prompt stays text), or raw (control tokens only if `special`)."""
     tokenizer = model.tokenizer
     if chat:
-        prompt = tokenizer.format_chat([{"role": "user", "content": prompt}])
-    return list(tokenizer.encode(prompt))
+        return list(tokenizer.encode_chat([{"role": "user", "content": prompt}]))
+    return list(tokenizer.encode(prompt, special=special))
 
 
 def decode_ids(model, ids) -> str:

@@ -1,4 +1,5 @@
-"""The paged KV cache: per-layer page pools, the eviction policy, events, and paged attention."""
+"""The paged KV cache: per-layer page stores, one sequence's block tables, the eviction policy and its
+per-layer state, events, and paged attention."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import numpy as np
 
 from .attention import AttentionResult, attend
 from .config import CacheConfig
-from .events import CacheEvent
-from .pages import LayerPages
+from .events import CacheEvent, EventKind
 from .policies import EvictionPolicy, make_policy
+from .policy_state import LayerView, PolicyState
+from .sequence import Sequence
+from .store import PageStore
 
 
 class PagedKVCache:
@@ -16,20 +19,26 @@ class PagedKVCache:
     full, its policy chooses which tokens leave. Every change is recorded as a CacheEvent.
 
     Per step the caller sets `step`, then per layer: `append` the new tokens' K/V, then `attend`.
-    `attend` hands the attention weights to the policy state (accumulated and latest attention) when
-    the policy scores by attention.
+    `attend` hands the attention weights to the policy's state of that layer when the policy scores
+    by attention.
     """
 
     def __init__(self, config: CacheConfig):
         self.config = config
         self.policy: EvictionPolicy = make_policy(config)
-        self.layers = [LayerPages(config, layer) for layer in range(config.n_layers)]
+        self.stores = [PageStore(config, layer) for layer in range(config.n_layers)]
+        self.sequence = Sequence(config.n_layers)
+        self.states: list[PolicyState] = [self.policy.state_class(s.n_slots) for s in self.stores]
+        self.views = [LayerView(layer, config.page_size, store.positions, self.sequence.block_tables[layer],
+                                self.states[layer]) for layer, store in enumerate(self.stores)]
         self.step = 0
         self.events: list[CacheEvent] = []
 
     def reset(self) -> None:
-        for pages in self.layers:
-            pages.reset()
+        for store, state in zip(self.stores, self.states):
+            store.reset()
+            state.reset()
+        self.sequence.reset()
         self.policy.reset()
         self.step = 0
         self.events = []
@@ -39,65 +48,83 @@ class PagedKVCache:
         events, self.events = self.events, []
         return events
 
+    # --- questions -------------------------------------------------------------------------------
+    def view(self, layer: int) -> LayerView:
+        return self.views[layer]
+
+    def block_table(self, layer: int) -> list[int]:
+        return self.sequence.block_tables[layer]
+
     def free_slots(self) -> int:
         """Tokens every layer can take before its policy must evict."""
-        return min(pages.free_slots() for pages in self.layers)
+        return min(store.free_slots() for store in self.stores)
 
     def can_append(self, n: int) -> bool:
         """Whether n more tokens fit, by eviction if the policy evicts. Check before a step so that a
         full cache fails before any layer has changed."""
         return self.policy.evicts or self.free_slots() >= n
 
-    def append(self, layer: int, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> None:
-        """Write n tokens' K/V (each (n, n_kv_heads, head_dim)) at their positions, evicting as needed."""
-        pages = self.layers[layer]
-        for i, position in enumerate(positions):
-            if pages.free_slots() == 0:
-                self._evict(pages)
-            flat = pages.take_slot(self.step, self.events)
-            pages.write(flat, k[i], v[i], int(position), self.step, self.events)
+    def slot_positions(self, layer: int) -> np.ndarray:
+        """Token position of each flat slot in the allocated prefix (what `attend`'s weights index)."""
+        store = self.stores[layer]
+        return store.positions[: store.high_water * store.page_size]
 
+    def resident_positions(self, layer: int) -> np.ndarray:
+        positions = self.stores[layer].positions
+        return np.sort(positions[positions >= 0])
+
+    # --- changes ---------------------------------------------------------------------------------
     def ensure_room(self, n: int) -> None:
         if not self.can_append(n):
-            self.policy.choose_victims(self.layers[0])  # raises the policy's CacheFullError
+            self.policy.choose_victims(self.views[0])  # raises the policy's CacheFullError
 
-    def _evict(self, pages: LayerPages) -> None:
-        victims, scores = self.policy.choose_victims(pages)
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> None:
+        """Write n tokens' K/V (each (n, n_kv_heads, head_dim)) at their positions, evicting as needed."""
+        store, state = self.stores[layer], self.states[layer]
+        for i, position in enumerate(positions):
+            if store.free_slots() == 0:
+                self._evict(layer)
+            if not store.holes:
+                page = store.allocate()
+                self.sequence.block_tables[layer].append(page)
+                self._event(EventKind.ALLOCATE, layer, page)
+            flat = store.take_hole()
+            store.write(flat, k[i], v[i], int(position))
+            state.clear(flat)
+            self._event(EventKind.WRITE, layer, *divmod(flat, store.page_size), int(position))
+
+    def _evict(self, layer: int) -> None:
+        store, table = self.stores[layer], self.sequence.block_tables[layer]
+        victims, scores = self.policy.choose_victims(self.views[layer])
         for flat, score in zip(victims.tolist(), scores.tolist()):
-            pages.evict(flat, self.step, self.policy.name, self.policy.reason, score, self.events)
+            position = store.remove(flat)
+            page, slot = divmod(flat, store.page_size)
+            self._event(EventKind.EVICT, layer, page, slot, position, self.policy.name, self.policy.reason,
+                        float(score))
+            if store.fill[page] == 0:
+                store.release(page)
+                table.remove(page)
+                self._event(EventKind.RELEASE, layer, page)
 
+    def _event(self, kind: EventKind, layer: int, page: int, slot: int = -1, position: int = -1,
+               policy: str = "", reason: str = "", score: float = float("nan")) -> None:
+        self.events.append(CacheEvent(kind, self.step, layer, page, slot, position, policy, reason, score))
+
+    # --- attention -------------------------------------------------------------------------------
     def attend(self, layer: int, q: np.ndarray, positions: np.ndarray) -> AttentionResult:
         """Attention of n queries (n, n_heads, head_dim) at `positions` over the layer's resident tokens.
 
         Weights come back over the flat slots of the allocated prefix of the pool,
         (n, n_heads, high_water * page_size), zero on empty slots; `slot_positions(layer)` maps them.
         """
-        pages = self.layers[layer]
-        n_slots = pages.high_water * pages.page_size
-        n_kv, _, _, head_dim = pages.k.shape
-        keys = pages.k[:, : pages.high_water].reshape(n_kv, n_slots, head_dim)
-        values = pages.v[:, : pages.high_water].reshape(n_kv, n_slots, head_dim)
+        store = self.stores[layer]
+        n_slots = store.high_water * store.page_size
+        n_kv, _, _, head_dim = store.k.shape
+        keys = store.k[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
+        values = store.v[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
         # With no empty slot below the high-water mark the occupancy mask is all zeros: skip it.
-        bias = None if pages.resident == n_slots else pages.bias[:n_slots]
-        result = attend(q, keys, values, bias, pages.positions[:n_slots], positions)
+        bias = None if store.resident == n_slots else store.bias[:n_slots]
+        result = attend(q, keys, values, bias, store.positions[:n_slots], positions)
         if self.policy.uses_attention:
-            self._observe(pages, result.weights)
+            self.states[layer].observe(result.weights, slice(0, n_slots))
         return result
-
-    @staticmethod
-    def _observe(pages: LayerPages, weights: np.ndarray) -> None:
-        """Hand the step's attention (mean over heads) to the score-based policies' state."""
-        n_queries, n_heads, n_slots = weights.shape
-        last = weights[-1].sum(axis=0)
-        last /= n_heads
-        pages.last[:n_slots] = last
-        pages.accumulated[:n_slots] += last if n_queries == 1 else weights.sum(axis=(0, 1)) / n_heads
-
-    def slot_positions(self, layer: int) -> np.ndarray:
-        """Token position of each flat slot in the allocated prefix (what `attend`'s weights index)."""
-        pages = self.layers[layer]
-        return pages.positions[: pages.high_water * pages.page_size]
-
-    def resident_positions(self, layer: int) -> np.ndarray:
-        positions = self.layers[layer].positions
-        return np.sort(positions[positions >= 0])

@@ -1,14 +1,17 @@
-"""Cache configuration and its validation."""
+"""Cache settings (what a user chooses) and the cache configuration (settings + the model's head layout)."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
 from ..errors import ConfigError, check_int
+from .policies import make_policy
 
 MAX_PAGE_SIZE = 4096
 MAX_PAGES = 1 << 20
@@ -20,26 +23,64 @@ STORAGE_DTYPES = ("float32", "float16")
 
 
 @dataclass(frozen=True)
-class CacheConfig:
-    """Shape of the paged KV cache and the policy that evicts from it.
+class CacheSettings:
+    """The cache as a user sets it up, declared once: SessionConfig and CacheConfig both extend this.
 
-    Capacity is max_pages * page_size tokens per layer. n_heads is the number of query heads;
-    it must be a multiple of n_kv_heads (grouped-query attention; n_kv_heads = 1 is multi-query).
+    Construction only freezes the values; `check()` validates them (a GUI builds settings from its
+    controls first and shows the first problem). Capacity is max_pages * page_size tokens per layer.
     """
 
     page_size: int = 16
-    max_pages: int = 64
-    n_layers: int = 1
-    n_heads: int = 1
-    n_kv_heads: int = 1
-    head_dim: int = 64
+    max_pages: int = 16
     dtype: str = "float32"
     policy: str = "sinks"
     policy_params: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "policy_params", MappingProxyType(dict(self.policy_params)))
+
+    def check(self) -> None:
+        """ConfigError for the first bad setting. Nothing here depends on the model's head layout."""
+        self._check_storage()
+        make_policy(self)  # validates the policy's name and parameters against this budget
+
+    def _check_storage(self) -> None:
         check_int("page_size", self.page_size, 1, MAX_PAGE_SIZE)
         check_int("max_pages", self.max_pages, 1, MAX_PAGES)
+        if self.dtype not in STORAGE_DTYPES:
+            raise ConfigError("dtype", self.dtype, f"one of {', '.join(STORAGE_DTYPES)}")
+
+    def cache_settings(self) -> dict[str, Any]:
+        """The settings alone, as keyword arguments (for CacheConfig or another CacheSettings)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(CacheSettings)}
+
+    @property
+    def capacity(self) -> int:
+        """Tokens each layer can hold."""
+        return self.max_pages * self.page_size
+
+
+@dataclass(frozen=True)
+class CacheConfig(CacheSettings):
+    """The settings plus the model's layout: everything the engine needs to build a cache.
+
+    n_heads is the number of query heads; it must be a multiple of n_kv_heads (grouped-query
+    attention; n_kv_heads = 1 is multi-query). Construction validates everything.
+    """
+
+    n_layers: int = 1
+    n_heads: int = 1
+    n_kv_heads: int = 1
+    head_dim: int = 64
+
+    @classmethod
+    def for_model(cls, settings: CacheSettings, model_config) -> CacheConfig:
+        return cls(**settings.cache_settings(), n_layers=model_config.n_layers, n_heads=model_config.n_heads,
+                   n_kv_heads=model_config.n_kv_heads, head_dim=model_config.head_dim)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_storage()
         check_int("n_layers", self.n_layers, 1, MAX_LAYERS)
         check_int("n_heads", self.n_heads, 1, MAX_HEADS)
         check_int("n_kv_heads", self.n_kv_heads, 1, MAX_HEADS)
@@ -48,8 +89,6 @@ class CacheConfig:
             raise ConfigError(
                 "n_heads", self.n_heads, f"a multiple of n_kv_heads ({self.n_kv_heads})"
             )
-        if self.dtype not in STORAGE_DTYPES:
-            raise ConfigError("dtype", self.dtype, f"one of {', '.join(STORAGE_DTYPES)}")
         if self.total_bytes() > MAX_CACHE_BYTES:
             per_page = self.total_bytes() // self.max_pages
             raise ConfigError(
@@ -58,16 +97,7 @@ class CacheConfig:
                 f"at most {MAX_CACHE_BYTES // per_page} pages with this page size, layer and head "
                 f"layout (the K/V storage must fit in {MAX_CACHE_BYTES >> 30} GiB)",
             )
-        object.__setattr__(self, "policy_params", MappingProxyType(dict(self.policy_params)))
-        # Building the policy validates its name and parameters against this budget.
-        from .policies import make_policy
-
         make_policy(self)
-
-    @property
-    def capacity(self) -> int:
-        """Tokens each layer can hold."""
-        return self.max_pages * self.page_size
 
     @property
     def group_size(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+from .. import platform_check
 from ..decoding import ModelSpec, SessionConfig
 
 ORGANIZATION = "pagevis"
@@ -29,12 +30,17 @@ def _application():
 
 
 def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, session_config: SessionConfig | None = None,
-           screenshot: str | None = None, steps: int = 0, trace: str | None = None) -> int:
+           screenshot: str | None = None, steps: int = 0, trace: str | None = None, metrics=None) -> int:
     """Open the main window (QApplication created here). With `screenshot`, open offscreen-capable, decode `steps`
     steps (synchronously), save a PNG of the whole window to that path and return 0 without entering the event
-    loop. With `trace`, open that trace for replay. Returns the exit code."""
+    loop. With `trace`, open that trace for replay. With `metrics` (a pagevis.observe.Metrics), every session
+    the window starts feeds it. Returns the exit code."""
     if screenshot and "QT_QPA_PLATFORM" not in os.environ:
         os.environ["QT_QPA_PLATFORM"] = "offscreen"  # a screenshot needs no screen and should not flash one
+    verdict = platform_check.check()
+    if not verdict.ok:  # say what to install, before Qt aborts the process with "could not load the plugin"
+        print(verdict.message(), file=sys.stderr)
+        return platform_check.EXIT_STATUS
     app = _application()
     from .mainwindow import MainWindow
 
@@ -42,12 +48,27 @@ def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, sessi
     # A screenshot is a pure function of its arguments: it neither reads nor writes the user's settings.
     window = MainWindow(restore=not screenshot, persist=not screenshot)
     window.apply_arguments(model_spec, prompt, session_config)
+    if metrics is not None:
+        _observe_sessions(window.runner, metrics)
     if screenshot:
         return _screenshot(app, window, screenshot, steps)
     window.show()
     if not (trace and window.open_trace(trace)):
         window.start()
     return app.exec()
+
+
+def _observe_sessions(runner, metrics) -> None:
+    """Subscribe `metrics` to each new session (before its first step); the old session's observer goes."""
+    current = []
+
+    def started(_timeline) -> None:
+        while current:
+            current.pop().close()
+        if runner.session is not None:
+            current.append(metrics.observe(runner.session))
+
+    runner.started.connect(started)
 
 
 def _one_blas_thread() -> None:
@@ -61,23 +82,47 @@ def _one_blas_thread() -> None:
 
 
 def _screenshot(app, window, path: str, steps: int) -> int:
+    """Offscreen: the window at the fixed default size, rendered by Qt. On a real display (xcb, wayland):
+    the window as it opens on that screen, read back from the display server once it has been painted."""
     from .export import default_size
 
-    window.resize(default_size())
+    real_display = app.platformName() not in ("offscreen", "minimal")
+    if not real_display:
+        window.resize(default_size())
+        window.size_docks()
     window.show()
     app.processEvents()
     window.start(blocking=True)
     if window.runner.session is None:
-        print(f"pagevis: could not start a session for the screenshot", file=sys.stderr)
+        print("pagevis: could not start a session for the screenshot", file=sys.stderr)
         window.close()
         return 1
     window.runner.step_blocking(steps)
     app.processEvents()
     window.redraw()
     app.processEvents()
-    ok = window.grab().save(path)
+    image = _grab_from_screen(app, window) if real_display else window.grab()
+    ok = image.save(path)
     window.close()
     if not ok:
         print(f"pagevis: could not write {path}", file=sys.stderr)
         return 1
     return 0
+
+
+def _grab_from_screen(app, window):
+    """The window's pixels as the display server holds them (on X11, an xcb GetImage of the window): proof
+    that the window really is on that screen, not only rendered by Qt."""
+    import time
+
+    deadline = time.monotonic() + 10
+    handle = window.windowHandle()
+    while not (handle is not None and handle.isExposed()) and time.monotonic() < deadline:
+        app.processEvents()
+        time.sleep(0.01)
+    window.repaint()
+    settle = time.monotonic() + 0.5  # let the backing store reach the server before reading it back
+    while time.monotonic() < settle:
+        app.processEvents()
+        time.sleep(0.01)
+    return window.screen().grabWindow(window.winId())

@@ -20,8 +20,8 @@ from PySide6.QtCore import QObject, QThreadPool, Signal
 from superqt.utils import create_worker
 
 from ..decoding import DecodeSession, ModelSpec, SessionConfig
-from ..engine import CacheConfig, ConfigError
-from .timeline import SessionInfo, Timeline
+from ..engine import CacheSettings, ConfigError
+from .timeline import SessionInfo, Timeline, timeline_from_trace
 
 GIL_BREATH = 0.002  # seconds the worker sleeps after a short step ...
 SHORT_STEP = 0.02  # ... one shorter than this
@@ -107,17 +107,17 @@ def new_session(model, spec: ModelSpec, prompt: str, config: SessionConfig) -> t
     return session, Timeline(info, session.token_text)
 
 
-def validate(config: SessionConfig, model_config=None) -> CacheConfig:
+def validate(config: SessionConfig, model_config=None) -> CacheSettings:
     """The cache this configuration builds, or ConfigError. Without the model's shape, check everything
-    that does not depend on it (sizes, policy parameters)."""
+    that does not depend on it (sizes, policy parameters) and return the settings themselves."""
     capacity = config.page_size * config.max_pages
     if capacity > MAX_CAPACITY:
         raise ConfigError("max_pages", config.max_pages,
                           f"at most {MAX_CAPACITY // config.page_size} pages of {config.page_size} "
                           f"(the GUI keeps every step's snapshot; {MAX_CAPACITY} tokens per layer at most)")
     if model_config is None:
-        return CacheConfig(page_size=config.page_size, max_pages=config.max_pages, dtype=config.dtype,
-                           policy=config.policy, policy_params=dict(config.policy_params))
+        config.check()
+        return config
     return config.cache_config(model_config)
 
 
@@ -132,12 +132,6 @@ class SessionSlot:
     session: DecodeSession | None  # None for a replayed trace
     timeline: Timeline
     state: str
-
-
-def _trace_kv_heads(trace) -> int:
-    """KV heads of the traced model when the trace says (a synthetic spec does), else 0 (unknown)."""
-    spec = getattr(trace, "model_spec", None)
-    return spec.n_kv_heads if spec is not None and spec.kind == "synthetic" else 0
 
 
 class SessionRunner(QObject):
@@ -240,17 +234,10 @@ class SessionRunner(QObject):
         """Show a recorded trace: its records become the timeline; nothing decodes."""
         self._generation += 1
         self.stop()
-        texts = dict(trace.token_texts)
-        first = trace.records[0] if trace.records else None
-        n_layers = first.slot_maps.shape[0] if first is not None else 1
-        n_heads = first.attention[0].shape[0] if first is not None and first.attention else 1
-        info = SessionInfo(f"{trace.model_label} (trace)", trace.prompt, tuple(trace.prompt_ids), trace.config,
-                           n_layers, n_heads, 0, _trace_kv_heads(trace))
         self._keep_current()
         self.session = None
-        self.timeline = Timeline(info, lambda token: texts.get(token, f"<{token}>"))
+        self.timeline = timeline_from_trace(trace)
         self.timeline_spec = getattr(trace, "model_spec", None)
-        self.timeline.extend(list(trace.records))
         self._set_state("replay")
         self.started.emit(self.timeline)
 

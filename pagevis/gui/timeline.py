@@ -267,6 +267,25 @@ class Timeline:
         return row
 
 
+def _trace_kv_heads(trace) -> int:
+    """KV heads of the traced model when the trace says (a synthetic spec does), else 0 (unknown)."""
+    spec = getattr(trace, "model_spec", None)
+    return spec.n_kv_heads if spec is not None and spec.kind == "synthetic" else 0
+
+
+def timeline_from_trace(trace) -> Timeline:
+    """The timeline a replay shows: a trace's records, with its own token texts."""
+    texts = dict(trace.token_texts)
+    first = trace.records[0] if trace.records else None
+    n_layers = first.slot_maps.shape[0] if first is not None else 1
+    n_heads = first.attention[0].shape[0] if first is not None and first.attention else 1
+    info = SessionInfo(f"{trace.model_label} (trace)", trace.prompt, tuple(trace.prompt_ids), trace.config,
+                       n_layers, n_heads, 0, _trace_kv_heads(trace))
+    timeline = Timeline(info, lambda token: texts.get(token, f"<{token}>"))
+    timeline.extend(list(trace.records))
+    return timeline
+
+
 SERIES = ("tokens", "resident_tokens", "pages_used", "latency_ms", "tokens_per_s", "kl", "top1_agree", "lost_attention")
 
 

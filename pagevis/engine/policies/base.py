@@ -2,7 +2,9 @@
 
 A new policy is one small file: a dataclass with its parameters and defaults, a `name`, a one-line
 `citation`, and `score()` (higher = keep). Override `protected()` to pin tokens and `choose_victims()`
-for policies that do not evict one token at a time.
+for policies that do not evict one token at a time. A policy that learns from attention names a
+PolicyState subclass (defined in its own file) as `state_class`; the cache keeps one per layer and
+feeds it every attention call. Policies read a LayerView: positions, block table and that state.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import ClassVar
 import numpy as np
 
 from ...errors import ConfigError, check_int
-from ..pages import LayerPages
+from ..policy_state import LayerView, PolicyState
 
 
 @dataclass
@@ -22,22 +24,23 @@ class EvictionPolicy:
     citation: ClassVar[str]
     reason: ClassVar[str] = "lowest score"
     evicts: ClassVar[bool] = True  # False: the cache refuses tokens once full
-    uses_attention: ClassVar[bool] = False  # True: the cache must track attention per slot for it
+    uses_attention: ClassVar[bool] = False  # True: the cache feeds every attention call to its state
+    state_class: ClassVar[type[PolicyState]] = PolicyState
 
     def bind(self, capacity: int, page_size: int) -> None:
         """Fix the budget this policy works in; raise ConfigError if its parameters cannot fit."""
         self.capacity = capacity
         self.page_size = page_size
 
-    def score(self, pages: LayerPages) -> np.ndarray:
+    def score(self, pages: LayerView) -> np.ndarray:
         """Per flat slot, how much the token there is worth keeping (only resident slots are read)."""
         raise NotImplementedError
 
-    def protected(self, pages: LayerPages) -> np.ndarray:
+    def protected(self, pages: LayerView) -> np.ndarray:
         """Per flat slot, True where the token must not be evicted."""
         return np.zeros(pages.positions.shape, dtype=bool)
 
-    def choose_victims(self, pages: LayerPages) -> tuple[np.ndarray, np.ndarray]:
+    def choose_victims(self, pages: LayerView) -> tuple[np.ndarray, np.ndarray]:
         """Flat slots to evict now and their scores: the unprotected resident token with the lowest
         score, ties broken by the oldest position."""
         candidates = pages.occupied() & ~self.protected(pages)

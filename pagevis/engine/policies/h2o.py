@@ -2,7 +2,25 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..policy_state import PolicyState
 from .base import EvictionPolicy
+
+
+class AccumulatedAttention(PolicyState):
+    """Attention each token received, summed over steps and queries (mean over heads)."""
+
+    def __init__(self, n_slots):
+        super().__init__(n_slots)
+        self.accumulated = self.add_array("accumulated")
+
+    def observe(self, weights, slots):
+        n_queries, n_heads, _ = weights.shape
+        if n_queries == 1:
+            last = weights[-1].sum(axis=0)
+            last /= n_heads
+            self.accumulated[slots] += last
+        else:
+            self.accumulated[slots] += weights.sum(axis=(0, 1)) / n_heads
 
 
 @dataclass
@@ -12,6 +30,7 @@ class HeavyHitter(EvictionPolicy):
 
     recent: int | None = None
     uses_attention = True
+    state_class = AccumulatedAttention
     name = "h2o"
     citation = "H2O: Zhang et al. 2023, Heavy-Hitter Oracle for Efficient Generative Inference, arXiv:2306.14048."
     reason = "lowest accumulated attention"
@@ -23,7 +42,7 @@ class HeavyHitter(EvictionPolicy):
         self.recent = self.check_int_param("recent", self.recent, 0, capacity - 1)
 
     def score(self, pages):
-        return pages.accumulated
+        return pages.stats.accumulated
 
     def protected(self, pages):
         mask = np.zeros(pages.positions.shape, dtype=bool)

@@ -9,6 +9,9 @@ from ...decoding import StepRecord
 from ..timeline import Timeline
 
 
+EMPTY_HINT = "press Space to decode"  # what the views say before the first step
+
+
 @dataclass(frozen=True)
 class ViewState:
     timeline: Timeline | None = None

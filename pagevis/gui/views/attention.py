@@ -8,7 +8,7 @@ import pyqtgraph as pg
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
 from .. import theme
-from . import ViewState
+from . import EMPTY_HINT, ViewState
 from .rgba_image import RgbaImage
 
 LOG_FLOOR = 1e-4  # the log scale's lowest level: weights below show as the floor
@@ -42,6 +42,9 @@ class AttentionView(QWidget):
                                    label="attention weight", pen=theme.GRID)
         theme.cache_axes(self.bar)
         self.graphics.addItem(self.bar, row=0, col=1)
+        self.hint = pg.TextItem(EMPTY_HINT, color=theme.MUTED, anchor=(0.5, 0.5))
+        self.plot.addItem(self.hint, ignoreBounds=True)
+        self.setMinimumSize(260, 180)  # below this the heatmap is unreadable: the window's minimum grows instead
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(self.graphics)
@@ -58,10 +61,10 @@ class AttentionView(QWidget):
         if self._key is None or self._key[0] != key[0]:
             self.plot._grown = (None, None)  # a new session: fit the view afresh
         self._key = key
+        self.hint.setVisible(record is None)
+        self.cursor.setVisible(record is not None)
         if record is None:
-            self.matrix = np.zeros((0, 0), dtype=np.float32)
-            self.image.clear()
-            theme.set_title(self.plot, "", size="9pt")
+            self._show_empty(state)
             return
         weights, evicted, first, low = timeline.attention(state.layer, state.head, state.index)
         if state.log_scale:
@@ -108,6 +111,22 @@ class AttentionView(QWidget):
         theme.set_title(self.plot, theme.muted(
             f"layer {state.layer} · {state.head_label} · each row: that step's last query · "
             f"<span style='color:rgb{theme.EVICTED_MARK[:3]}'>■</span> evicted{window}"), size="9pt")
+
+    def _show_empty(self, state: ViewState) -> None:
+        """Before the first step: the axes the first rows will fill (the prompt's positions, 32 steps)."""
+        self.matrix = np.zeros((0, 0), dtype=np.float32)
+        self.image.clear()
+        if state.timeline is None:
+            self.hint.setText("no session yet")
+            theme.set_title(self.plot, "", size="9pt")
+            return
+        self.hint.setText(f"{EMPTY_HINT}\n(→ decodes one token)")
+        positions = max(len(state.timeline.info.prompt_ids), 1)
+        theme.grow_range(self.plot, positions, 32, x_step=32, y_step=32, padding=0)
+        x_max, y_max = self.plot._grown
+        self.hint.setPos(x_max / 2, y_max / 2)
+        theme.set_title(self.plot, theme.muted(f"layer {state.layer} · {state.head_label} · "
+                                               "one row per step: its last query's weights"), size="9pt")
 
     def _rgba(self, shown: np.ndarray, evicted: np.ndarray, written: np.ndarray, levels) -> np.ndarray:
         """The heatmap as RGBA: weights through the colour map, evicted positions marked, positions not yet

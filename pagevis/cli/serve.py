@@ -1,0 +1,90 @@
+"""`pagevis serve`: the HTTP API (pagevis.serve) on uvicorn, on loopback unless told otherwise."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+
+from . import options
+from .options import UsageError
+
+LOCAL_NAMES = ("localhost",)
+LIMIT_FLAGS = (  # flag (a ServeSettings field), type, metavar, help
+    ("--max-body", int, "BYTES", "largest request body; bigger ones get 413 unread"),
+    ("--max-sessions", int, "N", "live sessions and running completions at once"),
+    ("--max-session-tokens", int, "N", "prompt + generated tokens of one session"),
+    ("--max-cache-tokens", int, "N", "page size x max pages of one session"),
+    ("--idle-timeout", float, "SECONDS", "delete sessions unused this long"),
+    ("--workers", int, "N", "requests decoding at once; others wait their turn"),
+)
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    from ..serve.settings import ServeSettings
+
+    limits = ServeSettings()
+    parser = commands.add_parser(
+        "serve", help="serve the engine, decoding sessions and OpenAI-compatible completions over HTTP",
+        description="Serve POST /v1/attention, /v1/sessions, OpenAI-compatible /v1/completions and "
+                    "/v1/chat/completions, /metrics (Prometheus) and /healthz; API docs at /docs. Cache and "
+                    "decoding options set the defaults of sessions and completions that do not set them.")
+    net = parser.add_argument_group("network")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, loopback only)")
+    net.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    net.add_argument("--allow-remote", action="store_true",
+                     help="allow a --host other than loopback: anyone who reaches it can use the server, "
+                          "which has no authentication")
+    group = parser.add_argument_group("limits")
+    for flag, kind, metavar, text in LIMIT_FLAGS:
+        default = getattr(limits, flag.removeprefix("--").replace("-", "_"))
+        group.add_argument(flag, type=kind, default=default, metavar=metavar, help=f"{text} (default {default:g})")
+    options.add_model_options(parser)
+    options.add_cache_options(parser)
+    options.add_decoding_options(parser)
+    parser.set_defaults(handler=main, chat=None)
+    return parser
+
+
+def check_host(host: str, allow_remote: bool) -> None:
+    """Refuse a non-loopback address unless --allow-remote; warn when it is allowed."""
+    if host in LOCAL_NAMES or _is_loopback(host):
+        return
+    if not allow_remote:
+        raise UsageError(f"pagevis serve: --host {host} is not a loopback address; the server has no "
+                         "authentication, so binding it where others can reach it needs --allow-remote")
+    print(f"pagevis serve: warning: listening on {host}: anyone who can reach this address can use the server "
+          "(no authentication)", file=sys.stderr)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def settings_from_args(args: argparse.Namespace):
+    from ..serve.settings import ServeSettings
+
+    if args.idle_timeout <= 0:
+        raise UsageError(f"pagevis serve: --idle-timeout {args.idle_timeout:g}: must be more than 0 seconds")
+    options.session_config(args)  # the defaults must be valid before anything starts
+    return ServeSettings(model_spec=options.model_spec(args), defaults=args, max_body=args.max_body,
+                         max_sessions=args.max_sessions, max_session_tokens=args.max_session_tokens,
+                         max_cache_tokens=args.max_cache_tokens, idle_timeout=args.idle_timeout,
+                         workers=args.workers)
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..serve.app import create_app
+
+    check_host(args.host, args.allow_remote)
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"pagevis serve: --port {args.port}: must be a port number from 0 to 65535")
+    settings = settings_from_args(args)
+    app = create_app(settings)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
+    return 0

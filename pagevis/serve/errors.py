@@ -1,0 +1,100 @@
+"""Every error the server answers with, in OpenAI's shape so existing clients show the message:
+{"error": {"message", "type", "param", "code"}}. Validation errors name the field and the element
+(`keys[3][1]: Input should be a finite number`) and never echo the request body back."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from ..cli.options import FLAG_OF_FIELD
+from ..engine import ConfigError
+
+MAX_LISTED_ERRORS = 10
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
+               413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error"}
+
+
+class ApiError(Exception):
+    """An answer with a status and a message the client can act on."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 **extra) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.extra = status, message, param, code, extra
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None, **extra) -> dict:
+    error = {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}
+    error.update(extra)
+    return {"error": error}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   **extra) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code, **extra), status_code=status)
+
+
+def request_field(config_field: str) -> str:
+    """The request field a ConfigError's field is set by: the CLI flag's name without dashes
+    (`sampling.temperature` -> `temperature`, `max_new_tokens` -> `max_tokens`), policy parameters
+    under `policy_params`."""
+    flag = FLAG_OF_FIELD.get(config_field)
+    if flag:
+        return flag.lstrip("-").replace("-", "_")
+    if "." in config_field:
+        return "policy_params." + config_field.split(".", 1)[1]
+    return config_field
+
+
+def config_error(error: ConfigError) -> ApiError:
+    field = request_field(error.field)
+    return ApiError(422, f"{field} = {error.value!r} is not allowed: {error.allowed}", param=field,
+                    code="invalid_value", allowed=error.allowed)
+
+
+def element_path(loc) -> str:
+    """('body', 'keys', 'list[list[float]]', 3, 1) -> 'keys[3][1]' (union member tags dropped)."""
+    path = ""
+    for part in loc:
+        if part == "body" and not path:
+            continue
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif "[" not in str(part) and "-" not in str(part):
+            path += f".{part}" if path else str(part)
+    return path or "body"
+
+
+def most_specific(errors: list[dict]) -> dict:
+    """Of a union's alternatives, the error that got furthest into the value (the one the client meant)."""
+    return max(errors, key=lambda e: (len(e["loc"]), e["type"] not in ("list_type", "float_type", "model_type")))
+
+
+def install_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, error: ApiError):
+        return error_response(error.status, error.message, error.param, error.code, **error.extra)
+
+    @app.exception_handler(ConfigError)
+    async def _config_error(_request: Request, error: ConfigError):
+        api = config_error(error)
+        return error_response(api.status, api.message, api.param, api.code, **api.extra)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_request: Request, error: RequestValidationError):
+        errors = list(error.errors())
+        first = most_specific(errors)
+        path = element_path(first["loc"])
+        details = [{"loc": element_path(e["loc"]), "msg": e["msg"], "type": e["type"]}
+                   for e in errors[:MAX_LISTED_ERRORS]]
+        return error_response(422, f"{path}: {first['msg']}", param=path.split("[")[0].split(".")[0],
+                              code=first["type"], details=details)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_request: Request, error: HTTPException):
+        message = error.detail if isinstance(error.detail, str) else str(error.detail)
+        return JSONResponse(error_body(error.status_code, message), status_code=error.status_code,
+                            headers=getattr(error, "headers", None))

@@ -1,0 +1,109 @@
+"""ASGI middleware: a request-body limit enforced before anything parses the body, and HTTP request
+counting by route template (never the raw path, so ids and probes do not make new time series)."""
+
+from __future__ import annotations
+
+import json
+
+from prometheus_client import Counter
+from starlette.routing import Match
+
+from .errors import error_body
+
+
+class BodyLimit:
+    """Answer 413 to a body over `max_bytes`: at once when Content-Length says so, otherwise as soon as
+    the streamed chunks add up past it. The body is read here (at most max_bytes of it) and handed on."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _content_length(scope)
+        if declared is not None and declared > self.max_bytes:
+            await self._too_large(send, declared)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large(send, size)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        delivered = False
+
+        async def replay():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send, size: int) -> None:
+        message = (f"request body of {size} bytes{' or more' if size else ''} is over the limit of "
+                   f"{self.max_bytes} bytes (pagevis serve --max-body)")
+        payload = json.dumps(error_body(413, message, code="body_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode()), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": payload})
+
+
+def _content_length(scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+class RequestCounter:
+    """pagevis_http_requests_total{route, method, status}: route is the matched template
+    (e.g. /v1/sessions/{session_id}/step), or "unmatched" (no route, or refused before routing)."""
+
+    def __init__(self, app, router, registry) -> None:
+        self.app, self.router = app, router
+        self.requests = Counter("pagevis_http_requests", "HTTP requests answered, by route template, method and "
+                                "status", ["route", "method", "status"], registry=registry)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def watch(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            self.requests.labels(self._route(scope), scope["method"], str(status)).inc()
+
+    def _route(self, scope) -> str:
+        """The template routing matched (Starlette leaves the route in the scope); for a request answered
+        before routing (a 413), the app's own top-level route that matches; else "unmatched"."""
+        path = getattr(scope.get("route"), "path", None)
+        if path:
+            return path
+        for route in self.router.routes:
+            if getattr(route, "path", None) and route.matches(scope)[0] is not Match.NONE:
+                return route.path
+        return "unmatched"

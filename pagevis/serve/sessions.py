@@ -1,0 +1,135 @@
+"""Decoding sessions the server keeps: built from request settings exactly as the CLI builds them from
+flags, bounded in number and size, expired when idle, stepped by one request at a time."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass, field, replace
+
+from ..cli import options
+from ..decoding import DecodeSession, SessionConfig
+from ..engine import ConfigError
+from ..observe import Metrics, SessionObserver
+from .errors import ApiError
+from .settings import ServeSettings
+
+# Request fields that mean what the CLI's options of the same name mean (options.session_config reads them).
+SESSION_FIELDS = ("page_size", "max_pages", "dtype", "policy", "max_tokens", "sample", "temperature", "top_k",
+                  "top_p", "seed", "oracle", "record_layers", "chat")
+
+
+def session_config(settings: ServeSettings, fields: dict) -> SessionConfig:
+    """The SessionConfig `pagevis run` would build from the same settings: request fields over the
+    server's defaults (`pagevis serve --page-size ...`), validated by the CLI's own code."""
+    defaults = vars(settings.defaults) if settings.defaults is not None else {}
+    values = {name: defaults.get(name) for name in SESSION_FIELDS}
+    values.update({name: fields[name] for name in SESSION_FIELDS if fields.get(name) is not None})
+    layers = values["record_layers"]
+    if isinstance(layers, (list, tuple)):
+        values["record_layers"] = ",".join(str(layer) for layer in layers) if layers else "none"
+    params = fields.get("policy_params")
+    # The server's --policy-param values belong to its default policy; a request's policy starts afresh.
+    inherit = params is None and fields.get("policy") is None
+    namespace = argparse.Namespace(**values, policy_param=defaults.get("policy_param") if inherit else None)
+    try:
+        config = options.session_config(namespace)
+        if params:
+            config = replace(config, policy_params=params)
+            options.check_cache(config)
+    except options.UsageError as error:
+        raise ApiError(422, str(error).removeprefix("pagevis: "), code="invalid_value") from None
+    capacity = config.page_size * config.max_pages
+    if capacity > settings.max_cache_tokens:
+        raise ConfigError("max_pages", config.max_pages,
+                          f"at most {max(settings.max_cache_tokens // config.page_size, 0)} pages of "
+                          f"{config.page_size} tokens (this server's --max-cache-tokens "
+                          f"{settings.max_cache_tokens})")
+    return config
+
+
+def build_session(model, settings: ServeSettings, prompt: str, config: SessionConfig) -> DecodeSession:
+    """A DecodeSession within the server's token bound (prompt + generated tokens). Runs in a worker
+    thread: encoding a long prompt takes a while."""
+    if model.tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer, so it cannot take text prompts", param="prompt")
+    session = DecodeSession(model, prompt, config)
+    limit, prompt_tokens = settings.max_session_tokens, len(session.prompt_ids)
+    if prompt_tokens >= limit:
+        raise ConfigError("prompt", f"{prompt_tokens} tokens",
+                          f"at most {limit - 1} tokens (this server's --max-session-tokens {limit})")
+    if prompt_tokens + config.max_new_tokens > limit:
+        raise ConfigError("max_new_tokens", config.max_new_tokens,
+                          f"at most {limit - prompt_tokens} after this {prompt_tokens}-token prompt "
+                          f"(this server's --max-session-tokens {limit})")
+    return session
+
+
+@dataclass
+class ServedSession:
+    id: str
+    session: DecodeSession
+    observer: SessionObserver
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request at a time steps or reads it
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    decoder: object = None  # the tokenizer's incremental decoder: text of new tokens as they come
+
+    def __post_init__(self) -> None:
+        self.decoder = self.session.model.tokenizer.incremental_decoder()
+
+    def touch(self) -> None:
+        self.last_used = time.monotonic()
+
+
+class SessionStore:
+    """Sessions by id, and the slots they and running completions hold (at most max_sessions).
+    Used from the event loop thread only, so its bookkeeping needs no lock."""
+
+    def __init__(self, settings: ServeSettings, metrics: Metrics) -> None:
+        self.settings, self.metrics = settings, metrics
+        self.sessions: dict[str, ServedSession] = {}
+        self.slots_used = 0
+
+    def take_slot(self) -> None:
+        if self.slots_used >= self.settings.max_sessions:
+            raise ApiError(429, f"this server already runs {self.settings.max_sessions} sessions (its "
+                                f"--max-sessions); delete one (DELETE /v1/sessions/ID) or wait until one finishes "
+                                f"or idles out ({self.settings.idle_timeout:g} s)", code="too_many_sessions")
+        self.slots_used += 1
+
+    def give_slot(self) -> None:
+        self.slots_used -= 1
+
+    def add(self, session: DecodeSession) -> ServedSession:
+        """Keep a session built after take_slot(); it holds that slot until deleted."""
+        served = ServedSession(f"sess-{secrets.token_hex(8)}", session, self.metrics.observe(session))
+        self.sessions[served.id] = served
+        return served
+
+    def get(self, session_id: str) -> ServedSession:
+        served = self.sessions.get(session_id)
+        if served is None:
+            raise ApiError(404, f"no session {session_id!r} (it may have been deleted or expired after "
+                                f"{self.settings.idle_timeout:g} s idle)", param="session_id", code="session_not_found")
+        return served
+
+    def remove(self, served: ServedSession) -> None:
+        if self.sessions.pop(served.id, None) is not None:
+            served.observer.close()
+            self.give_slot()
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Delete sessions idle longer than idle_timeout (never one a request is using)."""
+        now = time.monotonic() if now is None else now
+        idle = [s for s in self.sessions.values()
+                if not s.lock.locked() and now - s.last_used > self.settings.idle_timeout]
+        for served in idle:
+            self.remove(served)
+        return [s.id for s in idle]
+
+    def close(self) -> None:
+        for served in list(self.sessions.values()):
+            self.remove(served)

@@ -1,0 +1,33 @@
+"""What one `pagevis serve` process serves and the limits it keeps."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from ..decoding import ModelSpec
+from ..errors import check_int
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    model_spec: ModelSpec = field(default_factory=ModelSpec)
+    # Cache and decoding defaults for sessions and completions that do not set them: the CLI's own
+    # options namespace (`pagevis serve --page-size 8 ...`), None = SessionConfig's defaults.
+    defaults: argparse.Namespace | None = None
+    max_body: int = 8 * MIB  # bytes of one request body
+    max_sessions: int = 8  # live decoding sessions, completions in progress included
+    max_session_tokens: int = 2048  # prompt + generated tokens of one session
+    max_cache_tokens: int = 4096  # page_size * max_pages of one session's cache (per layer)
+    idle_timeout: float = 600.0  # seconds a session may sit unused before it is deleted
+    workers: int = 2  # threads that decode at once (the rest wait their turn)
+    expiry_interval: float = 5.0  # seconds between sweeps for idle sessions
+
+    def __post_init__(self) -> None:
+        check_int("max_body", self.max_body, 1024, 1 << 30)
+        check_int("max_sessions", self.max_sessions, 1, 1024)
+        check_int("max_session_tokens", self.max_session_tokens, 2, 1 << 20)
+        check_int("max_cache_tokens", self.max_cache_tokens, 1, 1 << 20)
+        check_int("workers", self.workers, 1, 64)

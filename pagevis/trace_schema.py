@@ -1,0 +1,371 @@
+"""What a trace's header.json and arrays must hold, as tables: checked before anything is allocated.
+
+The header is checked field by field (type, range), then against itself (the configuration agrees with
+the shapes, record layers with attention layers), and it fixes the dtype and shape of every array from
+`ARRAYS`, a table of symbolic shapes per format version. After reading, `check_values` bounds every
+index an array holds (kinds, layers, pages, slots, positions, string-table entries), so that the records
+built from an accepted file cannot send a view out of range.
+
+A new format version adds rows to `ARRAYS` (with `since`) and event kinds to the EventKind enum; the
+checks below are driven by those tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+import numpy as np
+
+from .decoding import ModelSpec, SamplingConfig, SessionConfig
+from .engine import POLICIES, CacheConfig, ConfigError, EventKind
+from .engine.config import MAX_HEADS, MAX_LAYERS, MAX_PAGE_SIZE, MAX_PAGES, STORAGE_DTYPES
+from .trace_archive import TraceError
+
+FORMAT = "pagevis-trace"
+VERSION = 1
+KINDS = ("prefill", "decode")
+ORACLE_COLUMNS = ("kl", "top1_agree", "logprob_bounded", "logprob_full", "lost_attention")
+DELTA_ENCODED = ("slot_maps", "protected", "scores", "block_tables")
+MAX_HEADER_BYTES = 64 << 20
+MAX_TRACE_BYTES = 1 << 30  # all arrays together, as they are held in memory once read
+MAX_STEPS = 10_000_000
+MAX_TOKEN_ID = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    dtype: str
+    dims: tuple[str, ...]  # symbols: T steps, T1 steps+1, N tokens, E events, L layers, P pages, S page
+    since: int = 1  # size, C slots, A attention layers, H heads, K timing keys, O oracle columns
+
+
+ARRAYS = {
+    "step": ArraySpec("<i8", ("T",)),
+    "kind": ArraySpec("|i1", ("T",)),
+    "token_offsets": ArraySpec("<i8", ("T1",)),
+    "token_ids": ArraySpec("<i8", ("N",)),
+    "positions": ArraySpec("<i8", ("N",)),
+    "next_token": ArraySpec("<i8", ("T",)),
+    "slot_maps": ArraySpec("<i4", ("T", "L", "P", "S")),
+    "protected": ArraySpec("|b1", ("T", "L", "P", "S")),
+    "scores": ArraySpec("<u4", ("T", "L", "P", "S")),
+    "block_tables": ArraySpec("<i4", ("T", "L", "P")),
+    "event_offsets": ArraySpec("<i8", ("T1",)),
+    "event_kind": ArraySpec("|i1", ("E",)),
+    "event_step": ArraySpec("<i8", ("E",)),
+    "event_layer": ArraySpec("<i4", ("E",)),
+    "event_page": ArraySpec("<i4", ("E",)),
+    "event_slot": ArraySpec("<i4", ("E",)),
+    "event_position": ArraySpec("<i8", ("E",)),
+    "event_policy": ArraySpec("<i4", ("E",)),
+    "event_reason": ArraySpec("<i4", ("E",)),
+    "event_score": ArraySpec("<f8", ("E",)),
+    "attention": ArraySpec("<f2", ("T", "A", "H", "C")),
+    "timings": ArraySpec("<f8", ("T", "K")),
+    "resident_tokens": ArraySpec("<i8", ("T",)),
+    "pages_used": ArraySpec("<i8", ("T",)),
+    "evictions_total": ArraySpec("<i8", ("T",)),
+    "has_oracle": ArraySpec("|b1", ("T",)),
+    "oracle": ArraySpec("<f8", ("T", "O")),
+}
+
+# Header keys and their JSON types ("?" = may be null). Keys not listed are ignored (added within a version).
+HEADER_TYPES = {
+    "format": "str", "version": "int", "model_label": "str", "model": "dict?", "prompt": "str",
+    "prompt_ids": "list[int]", "config": "dict", "stop_reason": "str?", "text": "str", "n_steps": "int",
+    "n_layers": "int", "max_pages": "int", "page_size": "int", "n_heads": "int", "attention_layers": "list[int]",
+    "kinds": "list[str]", "event_kinds": "list[str]", "strings": "list[str]", "timing_keys": "list[str]",
+    "oracle_columns": "list[str]", "next_texts": "list[str]", "token_texts": "dict[str]",
+    "delta_encoded": "list[str]", "arrays": "dict",
+}
+OPTIONAL_HEADER_TYPES = {"written_by": "str", "meta": "dict"}
+
+
+def arrays_of_version(version: int) -> dict[str, ArraySpec]:
+    return {name: spec for name, spec in ARRAYS.items() if spec.since <= version}
+
+
+def check_header(header: Any, where: str) -> dict[str, int]:
+    """Validate header.json; return the sizes its symbols stand for (T, L, P, S, ...)."""
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise TraceError(f"{where}: not a pagevis trace (its header does not say format {FORMAT!r})")
+    check_version(header, where)
+    for key, kind in HEADER_TYPES.items():
+        if key not in header:
+            raise TraceError(f"{where}: header.json has no {key!r}")
+        _check_type(header[key], kind, key, where)
+    for key, kind in OPTIONAL_HEADER_TYPES.items():
+        if header.get(key) is not None:
+            _check_type(header[key], kind, key, where)
+
+    def bounded(key: str, low: int, high: int) -> int:
+        if not low <= header[key] <= high:
+            raise TraceError(f"{where}: header.json {key} = {header[key]} is out of range (from {low} to {high})")
+        return header[key]
+
+    sizes = {"T": bounded("n_steps", 1, MAX_STEPS), "L": bounded("n_layers", 1, MAX_LAYERS),
+             "P": bounded("max_pages", 1, MAX_PAGES), "S": bounded("page_size", 1, MAX_PAGE_SIZE),
+             "H": bounded("n_heads", 0, MAX_HEADS)}
+    sizes.update(T1=sizes["T"] + 1, C=sizes["P"] * sizes["S"], A=len(header["attention_layers"]),
+                 K=len(header["timing_keys"]), O=len(ORACLE_COLUMNS))
+    _check_tables(header, sizes, where)
+    _check_config(header, sizes, where)
+    _check_model(header, sizes, where)
+    return sizes
+
+
+def check_version(header: dict, where: str) -> int:
+    from . import __version__
+
+    version = header.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise TraceError(f"{where}: the trace header has an invalid format version {version!r} (an integer from 1)")
+    if version > VERSION:
+        raise TraceError(f"{where}: written by a newer pagevis ({header.get('written_by', 'unknown')}, trace format "
+                         f"version {version}); this pagevis {__version__} reads versions up to {VERSION}. "
+                         "Upgrade pagevis to open it.")
+    return version
+
+
+def expected_arrays(header: dict, sizes: dict[str, int], where: str) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """The dtype and shape of every array, from the format's table; the header's `arrays` must agree.
+
+    N (tokens) and E (events) are free: their value is taken from the header and bounded by the size cap.
+    """
+    table = arrays_of_version(header["version"])
+    listed = header["arrays"]
+    unknown = sorted(set(listed) - set(table))
+    if unknown:
+        raise TraceError(f"{where}: header.json lists array {unknown[0]!r}, which trace format version "
+                         f"{header['version']} does not have")
+    missing = sorted(set(table) - set(listed))
+    if missing:
+        raise TraceError(f"{where}: header.json does not list array {missing[0]!r}")
+    free = {"N": "token_ids", "E": "event_kind"}
+    for symbol, name in free.items():
+        shape = _declared(listed, name, where)[1]
+        if len(shape) != 1:
+            raise TraceError(f"{where}: array {name!r} must have one dimension, the header says {shape}")
+        sizes[symbol] = shape[0]
+    expected, total = {}, 0
+    for name, spec in table.items():
+        dtype = np.dtype(spec.dtype)
+        shape = tuple(sizes[symbol] for symbol in spec.dims)
+        declared = _declared(listed, name, where)
+        if declared != (dtype.str, shape):
+            raise TraceError(f"{where}: header.json says array {name!r} is {declared[0]} {list(declared[1])}; "
+                             f"the trace's sizes make it {dtype.str} {list(shape)}")
+        expected[name] = (dtype, shape)
+        total += prod(shape) * dtype.itemsize
+    if total > MAX_TRACE_BYTES:
+        raise TraceError(f"{where}: the trace's arrays would take {total / 2**30:.1f} GiB in memory; pagevis opens "
+                         f"traces up to {MAX_TRACE_BYTES >> 30} GiB (record fewer layers or steps)")
+    return expected
+
+
+def check_values(a: dict[str, np.ndarray], header: dict, sizes: dict[str, int], where: str) -> None:
+    """Every index an array holds is in range; offsets index their columns. Arrays as read (deltas undone)."""
+    T, L, P, S, N, E = (sizes[k] for k in "TLPSNE")
+
+    def within(name: str, array: np.ndarray, low: int, high: int) -> None:
+        if array.size and (array.min() < low or array.max() > high):
+            bad = array[(array < low) | (array > high)].flat[0]
+            raise TraceError(f"{where}: array {name!r} holds {bad}, outside {low}..{high}")
+
+    if not np.array_equal(a["step"], np.arange(T)):
+        raise TraceError(f"{where}: array 'step' does not count the steps 0..{T - 1}")
+    within("kind", a["kind"], 0, len(header["kinds"]) - 1)
+    _check_offsets(where, "token_offsets", a["token_offsets"], T, N)
+    _check_offsets(where, "event_offsets", a["event_offsets"], T, E)
+    if np.any(np.diff(a["token_offsets"]) < 1):
+        raise TraceError(f"{where}: array 'token_offsets' has a step that fed no token")
+    within("token_ids", a["token_ids"], 0, MAX_TOKEN_ID)
+    within("positions", a["positions"], 0, max(N - 1, 0))
+    within("next_token", a["next_token"], -1, MAX_TOKEN_ID)
+    within("slot_maps", a["slot_maps"], -1, max(N - 1, 0))
+    within("block_tables", a["block_tables"], -1, P - 1)
+    _check_block_tables(where, a["block_tables"])
+    for name in ("protected", "has_oracle"):
+        within(name, a[name].view(np.uint8), 0, 1)
+    within("event_kind", a["event_kind"], 0, len(header["event_kinds"]) - 1)
+    within("event_step", a["event_step"], -1, T - 1)
+    within("event_layer", a["event_layer"], 0, L - 1)
+    within("event_page", a["event_page"], 0, P - 1)
+    within("event_slot", a["event_slot"], -1, S - 1)
+    within("event_position", a["event_position"], -1, max(N - 1, 0))
+    for name in ("event_policy", "event_reason"):
+        within(name, a[name], 0, len(header["strings"]) - 1)
+    within("resident_tokens", a["resident_tokens"], 0, sizes["C"])
+    within("pages_used", a["pages_used"], 0, P)
+    within("evictions_total", a["evictions_total"], 0, 2**62)
+    attention = a["attention"]
+    for start in range(0, T, 64):  # in slices: a whole-array temporary would double the memory
+        part = attention[start: start + 64]
+        if not np.all((part >= 0) & (part <= 1)):  # also false for NaN
+            raise TraceError(f"{where}: array 'attention' holds weights outside [0, 1] at step {start} or after")
+
+
+# --- helpers ---------------------------------------------------------------------------------------
+
+def _check_type(value: Any, kind: str, key: str, where: str) -> None:
+    if kind.endswith("?"):
+        if value is None:
+            return
+        kind = kind[:-1]
+    base, _, item = kind.partition("[")
+    item = item.rstrip("]")
+    ok = _is(value, base) and (
+        not item or all(_is(v, item) for v in (value.values() if base == "dict" else value)))
+    if not ok:
+        raise TraceError(f"{where}: header.json {key} is {_describe(value)}, expected {_spell(kind)}")
+
+
+def _is(value: Any, kind: str) -> bool:
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "number":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, {"str": str, "dict": dict, "list": list, "bool": bool}[kind])
+
+
+def _spell(kind: str) -> str:
+    base, _, item = kind.partition("[")
+    names = {"int": "an integer", "str": "a string", "dict": "an object", "list": "a list", "bool": "true or false",
+             "number": "a number"}
+    if item:
+        plural = {"int": "integers", "str": "strings"}[item.rstrip("]")]
+        return f"a list of {plural}" if base == "list" else f"an object of {plural}"
+    return names[base]
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:40] + '…'}"
+
+
+def _declared(listed: dict, name: str, where: str) -> tuple[str, tuple[int, ...]]:
+    spec = listed.get(name)
+    ok = (isinstance(spec, dict) and isinstance(spec.get("dtype"), str) and isinstance(spec.get("shape"), list)
+          and all(_is(d, "int") and d >= 0 for d in spec["shape"]))
+    if not ok:
+        raise TraceError(f"{where}: header.json arrays.{name} must be {{'dtype': string, 'shape': list of sizes}}")
+    return spec["dtype"], tuple(spec["shape"])
+
+
+def _check_tables(header: dict, sizes: dict[str, int], where: str) -> None:
+    def unknown(key: str, known) -> None:
+        bad = [v for v in header[key] if v not in known]
+        if bad:
+            raise TraceError(f"{where}: header.json {key} holds {bad[0]!r}; known: {', '.join(map(str, known))}")
+
+    unknown("kinds", KINDS)
+    unknown("event_kinds", [k.value for k in EventKind])
+    if tuple(header["oracle_columns"]) != ORACLE_COLUMNS:
+        raise TraceError(f"{where}: header.json oracle_columns must be {list(ORACLE_COLUMNS)}")
+    if sorted(header["delta_encoded"]) != sorted(DELTA_ENCODED):
+        raise TraceError(f"{where}: header.json delta_encoded must be {list(DELTA_ENCODED)}")
+    if len(set(header["timing_keys"])) != len(header["timing_keys"]):
+        raise TraceError(f"{where}: header.json timing_keys repeats a key")
+    if len(header["next_texts"]) != sizes["T"]:
+        raise TraceError(f"{where}: header.json has {len(header['next_texts'])} next_texts for {sizes['T']} steps")
+    for layer in header["attention_layers"]:
+        if not 0 <= layer < sizes["L"]:
+            raise TraceError(f"{where}: header.json attention_layers holds {layer}; the trace has layers "
+                             f"0..{sizes['L'] - 1}")
+    if bool(header["attention_layers"]) != (sizes["H"] > 0):
+        raise TraceError(f"{where}: header.json n_heads = {sizes['H']} does not fit attention_layers "
+                         f"{header['attention_layers']} (heads are 0 exactly when no layer is recorded)")
+    if not header["prompt_ids"]:
+        raise TraceError(f"{where}: header.json prompt_ids is empty")
+    for token in header["prompt_ids"]:
+        if not 0 <= token <= MAX_TOKEN_ID:
+            raise TraceError(f"{where}: header.json prompt_ids holds {token}, not a token id")
+    for key in header["token_texts"]:
+        if not (key.isdigit() and int(key) <= MAX_TOKEN_ID):
+            raise TraceError(f"{where}: header.json token_texts has key {key[:40]!r}, not a token id")
+
+
+def _check_config(header: dict, sizes: dict[str, int], where: str) -> None:
+    data = header["config"]
+    known = {f.name for f in dataclasses.fields(SessionConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise TraceError(f"{where}: header.json config has unknown setting {unknown[0]!r}")
+    types = {"page_size": "int", "max_pages": "int", "dtype": "str", "policy": "str", "policy_params": "dict",
+             "max_new_tokens": "int", "sampling": "dict", "oracle": "bool", "chat": "bool", "special": "bool"}
+    for key, kind in types.items():
+        if key in data:
+            _check_type(data[key], kind, f"config.{key}", where)
+    for key, size in (("page_size", "S"), ("max_pages", "P")):
+        if data.get(key) != sizes[size]:
+            raise TraceError(f"{where}: header.json config.{key} = {data.get(key)!r} but the arrays have "
+                             f"{key} {sizes[size]}")
+    if data.get("dtype", "float32") not in STORAGE_DTYPES:
+        raise TraceError(f"{where}: header.json config.dtype = {data['dtype']!r}; known: {', '.join(STORAGE_DTYPES)}")
+    if data.get("policy") not in POLICIES:
+        raise TraceError(f"{where}: header.json config.policy = {data.get('policy')!r} is not a policy of this "
+                         f"pagevis ({', '.join(POLICIES)})")
+    for key, value in (data.get("policy_params") or {}).items():
+        if not (value is None or isinstance(value, (int, float, str))):
+            raise TraceError(f"{where}: header.json config.policy_params.{key} is {_describe(value)}, "
+                             "expected a number, a string or null")
+    sampling = data.get("sampling", {})
+    known_sampling = {f.name for f in dataclasses.fields(SamplingConfig)}
+    if set(sampling) - known_sampling:
+        raise TraceError(f"{where}: header.json config.sampling has unknown setting "
+                         f"{sorted(set(sampling) - known_sampling)[0]!r}")
+    record_layers = data.get("record_layers")
+    if record_layers is not None:
+        _check_type(record_layers, "list[int]", "config.record_layers", where)
+        if list(record_layers) != header["attention_layers"]:
+            raise TraceError(f"{where}: header.json config.record_layers {record_layers} differs from "
+                             f"attention_layers {header['attention_layers']}")
+    elif header["attention_layers"] != list(range(sizes["L"])):
+        raise TraceError(f"{where}: header.json config.record_layers is null (all layers) but attention_layers "
+                         f"is {header['attention_layers']}")
+    from .trace import config_from_dict
+
+    try:
+        config = config_from_dict(data)
+        CacheConfig(page_size=config.page_size, max_pages=config.max_pages, n_layers=sizes["L"], dtype=config.dtype,
+                    policy=config.policy, policy_params=dict(config.policy_params), head_dim=1)
+    except ConfigError as error:
+        raise TraceError(f"{where}: header.json config: {error}") from None
+    except (TypeError, ValueError) as error:  # a policy parameter of the wrong type
+        raise TraceError(f"{where}: header.json config is not a valid session configuration ({error})") from None
+
+
+def _check_model(header: dict, sizes: dict[str, int], where: str) -> None:
+    model = header["model"]
+    if model is None:
+        return
+    fields = {f.name: f for f in dataclasses.fields(ModelSpec)}
+    for key, value in model.items():
+        if key not in fields:
+            raise TraceError(f"{where}: header.json model has unknown field {key!r}")
+        kind = "str?" if key in ("kind", "path") else "int"
+        _check_type(value, kind, f"model.{key}", where)
+    try:
+        spec = ModelSpec(**model)
+    except ConfigError as error:
+        raise TraceError(f"{where}: header.json model: {error}") from None
+    if spec.kind == "synthetic" and spec.n_layers != sizes["L"]:
+        raise TraceError(f"{where}: header.json model has {spec.n_layers} layers but the arrays have {sizes['L']}")
+
+
+def _check_offsets(where: str, key: str, offsets: np.ndarray, n_steps: int, total: int) -> None:
+    if len(offsets) != n_steps + 1 or offsets[0] != 0 or offsets[-1] != total or np.any(np.diff(offsets) < 0):
+        raise TraceError(f"{where}: array {key!r} does not index its {total} entries over {n_steps} steps")
+
+
+def _check_block_tables(where: str, tables: np.ndarray) -> None:
+    """Per step and layer: page ids first, then -1 padding; no page twice."""
+    used = tables >= 0
+    if np.any(used[..., 1:] & ~used[..., :-1]):
+        raise TraceError(f"{where}: array 'block_tables' has a page after the -1 padding")
+    ordered = np.sort(tables, axis=-1)
+    if np.any((ordered[..., 1:] == ordered[..., :-1]) & (ordered[..., 1:] >= 0)):
+        raise TraceError(f"{where}: array 'block_tables' lists a page twice in one layer's table")

@@ -1,0 +1,218 @@
+"""The Qt-free check run before QApplication: ldd's output parsed, missing libraries mapped to packages,
+and the whole path run for real (ldd on the wheel's plugin, the `pagevis` entry point exiting with 3)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagevis import platform_check
+from pagevis.platform_check import (
+    PACKAGES,
+    Verdict,
+    candidate_platforms,
+    check,
+    parse_ldd,
+)
+
+# glibc's ldd on PySide6 6.11's libqxcb.so on a Debian 12 without libxcb-icccm4 and libxcb-keysyms1
+# (abridged; the real listing repeats a missing library once per library that needs it)
+GLIBC_LDD = """\
+\tlinux-vdso.so.1 (0x00007f47d4816000)
+\tlibQt6XcbQpa.so.6 => /venv/PySide6/Qt/plugins/platforms/../../lib/libQt6XcbQpa.so.6 (0x00007f47d4748000)
+\tlibGL.so.1 => /lib/x86_64-linux-gnu/libGL.so.1 (0x00007f47d3b79000)
+\tlibxkbcommon-x11.so.0 => /lib/x86_64-linux-gnu/libxkbcommon-x11.so.0 (0x00007f47d4732000)
+\tlibxcb-cursor.so.0 => /lib/x86_64-linux-gnu/libxcb-cursor.so.0 (0x00007f47d472b000)
+\tlibxcb-icccm.so.4 => not found
+\tlibxcb-util.so.1 => /lib/x86_64-linux-gnu/libxcb-util.so.1 (0x00007f47d4723000)
+\tlibxcb-keysyms.so.1 => not found
+\tlibxcb-icccm.so.4 => not found
+\tlibxcb-keysyms.so.1 => not found
+\t/lib64/ld-linux-x86-64.so.2 (0x00007f47d4818000)
+"""
+
+# the fresh-machine case of the issue, with two files given to ldd (it prints a header per file)
+GLIBC_LDD_TWO_FILES = """\
+/venv/PySide6/Qt/plugins/platforms/libqxcb.so:
+\tlibxcb-cursor.so.0 => not found
+\tlibxcb-icccm.so.4 => not found
+\tlibEGL.so.1 => not found
+/venv/PySide6/Qt/lib/libQt6XcbQpa.so.6:
+\tlibxcb-cursor.so.0 => not found
+\tlibfontconfig.so.1 => not found
+\tlibxcb-xinerama.so.0 => not found
+"""
+
+MUSL_LDD = """\
+\t/lib/ld-musl-x86_64.so.1 (0x7f2b0c5a1000)
+Error loading shared library libxcb-cursor.so.0: No such file or directory (needed by /venv/libqxcb.so)
+Error loading shared library libxkbcommon-x11.so.0: No such file or directory (needed by /venv/libqxcb.so)
+\tlibxcb.so.1 => /usr/lib/libxcb.so.1 (0x7f2b0c4f0000)
+"""
+
+GLIBC_TOO_OLD = """\
+/venv/libqxcb.so: /lib/x86_64-linux-gnu/libc.so.6: version `GLIBC_2.34' not found (required by /venv/libQt6Core.so.6)
+\tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x00007f0000000000)
+"""
+
+
+def test_parse_ldd_lists_each_missing_soname_once_in_order():
+    assert parse_ldd(GLIBC_LDD).missing == ("libxcb-icccm.so.4", "libxcb-keysyms.so.1")
+    assert parse_ldd(GLIBC_LDD).problems == ()
+    assert parse_ldd(GLIBC_LDD_TWO_FILES).missing == (
+        "libxcb-cursor.so.0", "libxcb-icccm.so.4", "libEGL.so.1", "libfontconfig.so.1", "libxcb-xinerama.so.0")
+    assert parse_ldd(MUSL_LDD).missing == ("libxcb-cursor.so.0", "libxkbcommon-x11.so.0")
+    assert parse_ldd("\tstatically linked\n").missing == ()
+    assert parse_ldd("").missing == ()
+
+
+def test_parse_ldd_keeps_symbol_version_errors_as_written():
+    result = parse_ldd(GLIBC_TOO_OLD)
+    assert result.missing == ()
+    assert len(result.problems) == 1 and "GLIBC_2.34' not found" in result.problems[0]
+    verdict = Verdict("xcb", problems=result.problems)
+    assert not verdict.ok and "GLIBC_2.34" in verdict.message(root=False)
+
+
+def test_the_issue_s_three_libraries_give_the_exact_install_lines():
+    verdict = Verdict("xcb", ("libxcb-cursor.so.0", "libxcb-icccm.so.4", "libxcb-keysyms.so.1"))
+    text = verdict.message(root=False)
+    assert "sudo apt-get install libxcb-cursor0 libxcb-icccm4 libxcb-keysyms1\n" in text
+    assert "sudo dnf install xcb-util-cursor xcb-util-wm xcb-util-keysyms\n" in text
+    assert "'xcb'" in text and "libxcb-icccm.so.4" in text
+    assert "apt-get install libxcb-cursor0" in verdict.message(root=True)
+    assert "sudo" not in verdict.message(root=True).split("\n")[1]
+
+
+def test_packages_are_listed_once_and_unknown_sonames_as_they_are():
+    verdict = Verdict("xcb", ("libglib-2.0.so.0", "libgthread-2.0.so.0", "libxcb-randr.so.0",
+                              "libxcb-shape.so.0", "libweird-thing.so.7"))
+    assert verdict.debian_packages() == ["libglib2.0-0", "libxcb-randr0", "libxcb-shape0"]
+    assert verdict.fedora_packages() == ["glib2", "libxcb"]
+    assert verdict.unknown() == ["libweird-thing.so.7"]
+    text = verdict.message(root=False)
+    assert "libweird-thing.so.7" in text.split("\n")[3]
+    only_unknown = Verdict("xcb", ("libweird-thing.so.7",)).message(root=False)
+    assert "apt-get" not in only_unknown and "libweird-thing.so.7" in only_unknown
+
+
+@pytest.mark.parametrize("soname, debian, fedora", [
+    ("libxcb-cursor.so.0", "libxcb-cursor0", "xcb-util-cursor"),
+    ("libxcb-icccm.so.4", "libxcb-icccm4", "xcb-util-wm"),
+    ("libxcb-keysyms.so.1", "libxcb-keysyms1", "xcb-util-keysyms"),
+    ("libxkbcommon-x11.so.0", "libxkbcommon-x11-0", "libxkbcommon-x11"),
+    ("libxcb-xinerama.so.0", "libxcb-xinerama0", "libxcb"),
+    ("libxcb-render-util.so.0", "libxcb-render-util0", "xcb-util-renderutil"),
+    ("libxcb-image.so.0", "libxcb-image0", "xcb-util-image"),
+    ("libEGL.so.1", "libegl1", "libglvnd-egl"),
+    ("libGL.so.1", "libgl1", "libglvnd-glx"),
+    ("libfontconfig.so.1", "libfontconfig1", "fontconfig"),
+    ("libwayland-cursor.so.0", "libwayland-cursor0", "libwayland-cursor"),
+])
+def test_package_names(soname, debian, fedora):
+    assert PACKAGES[soname] == (debian, fedora)
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({}, None),
+    ({"DISPLAY": ":0"}, ["xcb"]),
+    ({"DISPLAY": ":0", "QT_QPA_PLATFORM": "xcb"}, ["xcb"]),
+    ({"QT_QPA_PLATFORM": "xcb:display=:1"}, ["xcb"]),
+    ({"QT_QPA_PLATFORM": "offscreen"}, []),
+    ({"QT_QPA_PLATFORM": "wayland;offscreen"}, []),  # a fallback this check cannot test: Qt decides
+    ({"WAYLAND_DISPLAY": "wayland-0"}, ["wayland"]),
+    ({"WAYLAND_DISPLAY": "wayland-0", "DISPLAY": ":0", "XDG_SESSION_TYPE": "wayland"}, ["wayland", "xcb"]),
+    ({"WAYLAND_DISPLAY": "wayland-0", "DISPLAY": ":0"}, ["xcb"]),
+    ({"QT_QPA_PLATFORM": "wayland;xcb"}, ["wayland", "xcb"]),
+])
+def test_which_platforms_are_checked(environ, expected):
+    assert candidate_platforms(environ) == expected
+
+
+def test_no_display_says_how_to_run_anyway():
+    verdict = check({})
+    assert verdict.no_display and not verdict.ok
+    assert "xvfb-run" in verdict.message() and "QT_QPA_PLATFORM=offscreen" in verdict.message()
+    assert check({"QT_QPA_PLATFORM": "offscreen"}).ok
+    assert check({platform_check.SKIP_VARIABLE: "1"}).ok
+
+
+# --- for real: ldd on the wheel's plugin ---------------------------------------------------------------
+
+needs_ldd = pytest.mark.skipif(shutil.which("ldd") is None or platform_check.pyside_qt_dir() is None
+                               or not (platform_check.pyside_qt_dir() / "plugins/platforms/libqxcb.so").is_file(),
+                               reason="needs ldd and PySide6's xcb plugin (Linux)")
+
+
+def _ldd_listing(path: Path) -> str:
+    return subprocess.run(["ldd", str(path)], capture_output=True, text=True, check=True).stdout
+
+
+@needs_ldd
+def test_real_ldd_on_the_installed_plugin_agrees_and_every_system_library_is_mapped():
+    qt = platform_check.pyside_qt_dir()
+    verdict = platform_check.check_platform("xcb")
+    listing = _ldd_listing(qt / "plugins/platforms/libqxcb.so")
+    not_found = {line.split()[0] for line in listing.splitlines() if line.strip().endswith("=> not found")}
+    assert set(verdict.missing) == not_found
+    # every library of the plugin's tree that comes from the system has a package name, so that on a
+    # machine lacking it the message names the package
+    system = {}
+    for line in listing.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[1] == "=>" and parts[2].startswith("/") and str(qt) not in parts[2]:
+            system[parts[0]] = parts[2]
+    unmapped_x = sorted(s for s in system if s not in PACKAGES and any(
+        key in s for key in ("xcb", "X11", "xkb", "GL", "EGL", "fontconfig", "freetype", "wayland")))
+    assert not unmapped_x
+    if shutil.which("dpkg") is None:
+        return
+    for soname, path in system.items():
+        if soname not in PACKAGES:
+            continue
+        real = os.path.realpath(path)
+        owner = subprocess.run(["dpkg", "-S", real], capture_output=True, text=True, check=False)
+        if owner.returncode:  # merged /usr: dpkg knows the file under the other prefix
+            other = real[4:] if real.startswith("/usr/") else "/usr" + real
+            owner = subprocess.run(["dpkg", "-S", other], capture_output=True, text=True, check=False)
+        if owner.returncode == 0:
+            package = owner.stdout.split(":")[0]
+            assert PACKAGES[soname][0] == package, soname
+
+
+@needs_ldd
+def test_a_plugin_needing_an_absent_library_is_reported(tmp_path):
+    """A copy of the real plugin whose dependency on libxcb-cursor.so.0 is renamed to a library no machine
+    has (same length, so the ELF stays valid): ldd reports it, and check() names it as it is."""
+    qt = platform_check.pyside_qt_dir()
+    data = (qt / "plugins/platforms/libqxcb.so").read_bytes()
+    assert data.count(b"libxcb-cursor.so.0\0") == 1
+    fake = tmp_path / "Qt"
+    (fake / "plugins/platforms").mkdir(parents=True)
+    (fake / "lib").symlink_to(qt / "lib")  # the plugin finds its Qt libraries through $ORIGIN/../../lib
+    plugin = fake / "plugins/platforms/libqxcb.so"
+    plugin.write_bytes(data.replace(b"libxcb-cursor.so.0\0", b"libpagevis-zz.so.0\0"))
+    plugin.chmod(0o755)
+    verdict = check({"DISPLAY": ":99"}, qt_dir=fake)
+    assert "libpagevis-zz.so.0" in verdict.missing and "libpagevis-zz.so.0" in verdict.unknown()
+    assert "libpagevis-zz.so.0" in verdict.message()
+
+
+def test_the_check_and_the_gui_entry_import_no_qt_and_exit_3_without_a_display():
+    """`pagevis` with no display: exit status 3 and the advice, printed before Qt is imported (Qt would
+    abort the process instead)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM", platform_check.SKIP_VARIABLE)}
+    code = ("import sys; from pagevis.cli.main import main; status = main(['--prompt', 'hi']); "
+            "qt = [m for m in sys.modules if m.split('.')[0] in ('PySide6', 'shiboken6', 'pyqtgraph')]; "
+            "print('QT:' + ','.join(qt)); sys.exit(status)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                          check=False)
+    assert done.returncode == 3, done.stderr
+    assert "QT:\n" in done.stdout or done.stdout.strip().endswith("QT:")
+    assert "no display" in done.stderr and "xvfb-run" in done.stderr
