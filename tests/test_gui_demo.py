@@ -199,3 +199,28 @@ def test_ab_shows_two_grids_whose_slot_maps_equal_two_headless_runs(qtbot, windo
     ab.scrub(3)  # → moves through the recorded steps here too
     ab.step()
     assert ab.index == 4 and len(ab.timeline) == 12
+
+
+def test_head_labels_name_their_kv_head_and_small_multiples_group_by_it(qtbot, window):
+    step(qtbot, window, 3)
+    controls = window.controls
+    labels = [controls.head.itemText(i) for i in range(controls.head.count())]
+    assert labels == ["mean of heads", "head 0 (KV 0)", "head 1 (KV 0)", "head 2 (KV 1)", "head 3 (KV 1)"]
+    window.docks["Heads"].raise_()
+    window.redraw()
+    heads = window.heads
+    assert heads.layout_label.text().startswith("4 query heads → 2 KV heads (grouped-query attention: 2 query")
+    layout = heads.graphics.ci.layout
+    columns = {head: col for head, plot, _ in heads.plots for row in range(2) for col in range(2)
+               if layout.itemAt(row, col) is plot}
+    assert columns == {0: 0, 1: 0, 2: 1, 3: 1}  # one column per KV head
+    record = window.timeline.records[2]
+    n = window.timeline.n_positions(2)
+    for head in range(4):
+        np.testing.assert_allclose(heads.matrices[head][-1], record.attention_over_positions(0, n)[head], rtol=1e-6)
+    controls.head.setCurrentIndex(3)
+    window.redraw()
+    assert "head 2 (KV 1)" in window.attention.plot.titleLabel.text
+    total = window.timeline.info.cache_bytes  # 2 layers x 16 slots x 2 KV heads x 16 dims x K,V x 4 bytes
+    assert total == 2 * 16 * 2 * 16 * 2 * 4
+    assert window.status_memory.text() == "K/V 8 KiB = 2 KV heads × 4 KiB"

@@ -30,6 +30,7 @@ from .transport import TimelineCursor, TransportBar
 from .views import ViewState
 from .views.attention import AttentionView
 from .views.events import EventsView
+from .views.heads import HeadsView
 from .views.metrics import MetricsView
 from .views.page_grid import PageGridView
 from .views.text import TextView
@@ -45,6 +46,15 @@ FIRST_SCREEN_SHARE = 0.85  # until the user's own geometry is saved, the window 
 
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
+
+
+def memory_text(cache_bytes: int, n_kv_heads: int) -> str:
+    """The cache's K/V storage, and each KV head's share (every KV head has its own K and V pages)."""
+    if not cache_bytes:
+        return "K/V —"
+    if n_kv_heads <= 0:
+        return f"K/V {_mib(cache_bytes)}"
+    return f"K/V {_mib(cache_bytes)} = {n_kv_heads} KV heads × {_mib(cache_bytes // n_kv_heads)}"
 
 
 class MainWindow(TimelineCursor, QMainWindow):
@@ -84,7 +94,8 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.text = TextView()
         self.events = EventsView()
         self.metrics = MetricsView()
-        self.views = [self.page_grid, self.attention, self.text, self.events, self.metrics]
+        self.heads = HeadsView()
+        self.views = [self.page_grid, self.attention, self.text, self.events, self.metrics, self.heads]
         self.messages = QPlainTextEdit()
         self.messages.setReadOnly(True)
         self.docks: dict[str, QDockWidget] = {}
@@ -118,6 +129,8 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.splitDockWidget(d["Page grid"], d["Attention"], Qt.Horizontal)
         self.splitDockWidget(d["Text"], d["Eviction events"], Qt.Horizontal)
         self.splitDockWidget(d["Eviction events"], d["Metrics"], Qt.Horizontal)
+        self.tabifyDockWidget(d["Attention"], d["Heads"])  # heads per KV group: a tab behind the heatmap
+        d["Attention"].raise_()
         self.addDockWidget(Qt.BottomDockWidgetArea, d["Messages"])
         d["Messages"].hide()
         self.size_docks()
@@ -314,7 +327,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.timeline = timeline
         self.index, self.follow = -1, True
         info = timeline.info
-        self.controls.set_model_shape(info.n_layers, info.n_heads)
+        self.controls.set_model_shape(info.n_layers, info.n_heads, info.n_kv_heads)
         saved_layer = getattr(self.controls, "_saved_layer", None)
         if saved_layer is not None:
             self.controls._saved_layer = None
@@ -323,7 +336,7 @@ class MainWindow(TimelineCursor, QMainWindow):
             self.index = len(timeline) - 1
         self.statusBar().clearMessage()
         self.status_model.setText(info.model_label)
-        self.status_memory.setText(f"K/V {_mib(info.cache_bytes)}" if info.cache_bytes else "K/V —")
+        self.status_memory.setText(memory_text(info.cache_bytes, info.n_kv_heads))
         previous = self.runner.previous
         if self._restart_reason:
             kept = (f"; the previous run ({len(previous.timeline)} steps) is kept: Ctrl+Z returns to it"
