@@ -224,3 +224,33 @@ def test_head_labels_name_their_kv_head_and_small_multiples_group_by_it(qtbot, w
     total = window.timeline.info.cache_bytes  # 2 layers x 16 slots x 2 KV heads x 16 dims x K,V x 4 bytes
     assert total == 2 * 16 * 2 * 16 * 2 * 4
     assert window.status_memory.text() == "K/V 8 KiB = 2 KV heads × 4 KiB"
+
+
+def test_narration_block_table_and_slider_marks_tell_what_happened(qtbot, window):
+    from pagevis.gui.views.page_grid import parse_run_list
+
+    step(qtbot, window, 4)
+    window.scrub(1)  # the step whose prompt token evicted position 4 (sinks keep 0-3)
+    narration = window.narration.text()
+    assert narration.startswith("step 1: cache full → sinks evicted position 4 'o' from page 1 slot 0; "
+                                "wrote position 16 'd' there · next ")
+    for index in range(4):
+        window.scrub(index)
+        record = window.timeline.records[index]
+        slots = record.slot_maps[0]
+        for logical, physical, count, positions in window.page_grid.blocks.rows:
+            assert physical == record.block_tables[0][logical]
+            held = sorted(int(p) for p in slots[physical] if p >= 0)
+            assert parse_run_list(positions) == held and count == len(held)
+    assert window.transport.slider.marks.tolist() == [1, 2, 3]  # the steps that evicted
+    window.scrub(0)
+    assert window.narration.text().startswith("step 0: prefill wrote 16 prompt tokens (positions 0–15) into pages 0–3")
+
+
+def test_block_table_lists_the_scattered_positions_of_a_token_level_policy():
+    from pagevis.gui.views.page_grid import parse_run_list, run_list
+
+    assert run_list([40, 41, 3, 0, 1, 2, 17, 43, 42]) == "0–3, 17, 40–43"
+    assert parse_run_list("0–3, 17, 40–43") == [0, 1, 2, 3, 17, 40, 41, 42, 43]
+    assert run_list([1, 3, 5, 7, 9, 11]) == "1, 3, 5, 7, +2 more runs"
+    assert run_list([]) == "—"

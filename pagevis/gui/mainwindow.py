@@ -7,11 +7,14 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 from PySide6.QtCore import QByteArray, QRect, QSettings, QSize, Qt, QTimer
 from PySide6.QtGui import QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget,
     QFileDialog,
+    QToolBar,
     QLabel,
     QMainWindow,
     QMessageBox,
@@ -24,6 +27,7 @@ from ..engine import ConfigError
 from ..presets import default_prompt
 from . import export, theme
 from .controls import ControlsPanel
+from .narration import narrate
 from .runner import SessionRunner
 from .timeline import Timeline
 from .transport import TimelineCursor, TransportBar
@@ -88,6 +92,17 @@ class MainWindow(TimelineCursor, QMainWindow):
 
         self.transport = TransportBar(self)
         self.addToolBar(Qt.TopToolBarArea, self.transport)
+        self.addToolBarBreak(Qt.TopToolBarArea)
+        self.narration = QLabel("")  # one line: what the cache did at the shown step (selected layer)
+        self.narration.setObjectName("narration")
+        self.narration.setTextFormat(Qt.PlainText)  # token texts like '<0xA5>' are not markup
+        self.narration.setStyleSheet("QLabel#narration { font-size: 13px; padding: 2px 8px; }")
+        self.narration.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        narration_bar = QToolBar("Narration", self)
+        narration_bar.setObjectName("narration_bar")
+        narration_bar.setMovable(False)
+        narration_bar.addWidget(self.narration)
+        self.addToolBar(Qt.TopToolBarArea, narration_bar)
         self.controls = ControlsPanel()
         self.page_grid = PageGridView()
         self.attention = AttentionView()
@@ -499,10 +514,14 @@ class MainWindow(TimelineCursor, QMainWindow):
         count = len(timeline) if timeline is not None else 0
         if record is None:
             self.transport.set_range(0, 0, "no steps yet" if timeline is not None else "no session")
+            self.transport.slider.set_marks(np.zeros(0))
+            self.narration.setText("Press Space to play, → to decode one token" if timeline is not None else "")
             self.status_step.setText("step —")
             return
         label = f"step {state.index} / {count - 1} · {record.kind}"
         self.transport.set_range(count, state.index, label)
+        self.transport.slider.set_marks(timeline.eviction_steps())
+        self.narration.setText(narrate(record, state.layer, timeline.position_text, timeline.info.config.policy))
         now = time.perf_counter()
         if self.runner.running and now - self._status_at < STATUS_INTERVAL:
             return  # the status bar repeats the transport's step and is read, not watched: 4× a second
