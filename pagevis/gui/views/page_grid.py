@@ -21,6 +21,38 @@ _CELL_PX = 12  # pixels per cell side in the rendered image (1 of them is the ce
 _MAX_BORDERED_CELLS = 8192
 
 
+def runs(positions) -> list[tuple[int, int]]:
+    """Sorted positions as (first, last) runs of consecutive ones."""
+    values = np.unique(np.asarray(positions, dtype=np.int64))
+    if not values.size:
+        return []
+    breaks = np.flatnonzero(np.diff(values) != 1)
+    starts = np.concatenate([[0], breaks + 1])
+    ends = np.concatenate([breaks, [values.size - 1]])
+    return [(int(values[a]), int(values[b])) for a, b in zip(starts, ends)]
+
+
+def run_list(positions, max_runs: int = 4) -> str:
+    """A page's positions as they are, compactly: "0–3, 17, 40–43" (and "+N more runs" past max_runs):
+    token-level policies scatter a page's tokens, and a min–max span would claim positions it lacks."""
+    found = runs(positions)
+    if not found:
+        return "—"
+    text = ", ".join(f"{a}–{b}" if b > a else f"{a}" for a, b in found[:max_runs])
+    return text + (f", +{len(found) - max_runs} more runs" if len(found) > max_runs else "")
+
+
+def parse_run_list(text: str) -> list[int]:
+    """The positions a run list names (the inverse of run_list without truncation)."""
+    if text == "—":
+        return []
+    out = []
+    for part in text.split(", "):
+        first, _, last = part.partition("–")
+        out.extend(range(int(first), int(last or first) + 1))
+    return out
+
+
 def cell_states(record, layer: int) -> np.ndarray:
     """(max_pages, page_size) int8 of theme states for one layer of one record."""
     slots = record.slot_maps[layer]
@@ -292,8 +324,7 @@ class PageGridView(QWidget):
         rows = []
         for logical, page in enumerate(record.block_tables[layer]):
             held = slots[page][slots[page] >= 0]
-            span = f"{held.min()}–{held.max()}" if held.size else "—"
-            rows.append((logical, page, int(held.size), span))
+            rows.append((logical, page, int(held.size), run_list(held)))
         self.blocks.set_rows(rows)
 
     def layer_capacity(self, info, layer: int) -> int:
