@@ -82,23 +82,47 @@ def _one_blas_thread() -> None:
 
 
 def _screenshot(app, window, path: str, steps: int) -> int:
+    """Offscreen: the window at the fixed default size, rendered by Qt. On a real display (xcb, wayland):
+    the window as it opens on that screen, read back from the display server once it has been painted."""
     from .export import default_size
 
-    window.resize(default_size())
+    real_display = app.platformName() not in ("offscreen", "minimal")
+    if not real_display:
+        window.resize(default_size())
+        window.size_docks()
     window.show()
     app.processEvents()
     window.start(blocking=True)
     if window.runner.session is None:
-        print(f"pagevis: could not start a session for the screenshot", file=sys.stderr)
+        print("pagevis: could not start a session for the screenshot", file=sys.stderr)
         window.close()
         return 1
     window.runner.step_blocking(steps)
     app.processEvents()
     window.redraw()
     app.processEvents()
-    ok = window.grab().save(path)
+    image = _grab_from_screen(app, window) if real_display else window.grab()
+    ok = image.save(path)
     window.close()
     if not ok:
         print(f"pagevis: could not write {path}", file=sys.stderr)
         return 1
     return 0
+
+
+def _grab_from_screen(app, window):
+    """The window's pixels as the display server holds them (on X11, an xcb GetImage of the window): proof
+    that the window really is on that screen, not only rendered by Qt."""
+    import time
+
+    deadline = time.monotonic() + 10
+    handle = window.windowHandle()
+    while not (handle is not None and handle.isExposed()) and time.monotonic() < deadline:
+        app.processEvents()
+        time.sleep(0.01)
+    window.repaint()
+    settle = time.monotonic() + 0.5  # let the backing store reach the server before reading it back
+    while time.monotonic() < settle:
+        app.processEvents()
+        time.sleep(0.01)
+    return window.screen().grabWindow(window.winId())

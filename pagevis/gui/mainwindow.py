@@ -6,8 +6,8 @@ import json
 import time
 from pathlib import Path
 
-from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer
-from PySide6.QtGui import QKeySequence
+from PySide6.QtCore import QByteArray, QRect, QSettings, QSize, Qt, QTimer
+from PySide6.QtGui import QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget,
     QFileDialog,
@@ -39,6 +39,7 @@ UI_SHARE = 0.25  # while decoding, redraws (with their painting) may take this s
 # the decoder needs the CPU more than the screen needs a 30th frame per second on a small machine
 STATUS_INTERVAL = 0.25  # while decoding, the status bar's step and speed change at most this often
 SETTINGS_VERSION = 1
+FIRST_SCREEN_SHARE = 0.85  # until the user's own geometry is saved, the window takes this share of the screen
 
 
 def _mib(n: int) -> str:
@@ -98,8 +99,9 @@ class MainWindow(QMainWindow):
         self._build_menus()
         self._connect()
         self._default_state = self.saveState(SETTINGS_VERSION)
-        if restore:
-            self._restore_settings()
+        self._size_docks_on_show = not (restore and self._restore_settings())
+        if self._size_docks_on_show:
+            self.fit_to_screen()
 
     # --- layout ----------------------------------------------------------------------------------
     def _default_layout(self) -> None:
@@ -116,10 +118,40 @@ class MainWindow(QMainWindow):
         self.splitDockWidget(d["Eviction events"], d["Metrics"], Qt.Horizontal)
         self.addDockWidget(Qt.BottomDockWidgetArea, d["Messages"])
         d["Messages"].hide()
-        self.resizeDocks([d["Controls"]], [330], Qt.Horizontal)
-        self.resizeDocks([d["Page grid"], d["Text"]], [540, 420], Qt.Vertical)
-        self.resizeDocks([d["Page grid"], d["Attention"]], [600, 660], Qt.Horizontal)
-        self.resizeDocks([d["Text"], d["Eviction events"], d["Metrics"]], [400, 400, 470], Qt.Horizontal)
+        self.size_docks()
+
+    def size_docks(self) -> None:
+        """The default proportions (drawn for 1600 × 1000) at the window's size: absolute sizes would let Qt
+        take the whole shortfall of a smaller window from the last docks, squeezing them to an ellipsis."""
+        d = self.docks
+        controls = max(d["Controls"].minimumSizeHint().width(), min(330, self.width() // 4))
+        x = (self.width() - controls) / (1600 - 330)
+        y = self.height() / 1000
+        self.resizeDocks([d["Controls"]], [controls], Qt.Horizontal)
+        self.resizeDocks([d["Page grid"], d["Text"]], [int(540 * y), int(420 * y)], Qt.Vertical)
+        self.resizeDocks([d["Page grid"], d["Attention"]], [int(600 * x), int(660 * x)], Qt.Horizontal)
+        self.resizeDocks([d["Text"], d["Eviction events"], d["Metrics"]], [int(400 * x), int(400 * x), int(470 * x)],
+                         Qt.Horizontal)
+
+    def fit_to_screen(self, share: float = FIRST_SCREEN_SHARE) -> None:
+        """Take `share` of the screen's available area (at least the window's minimum, at most the area),
+        centred, with the docks in their default proportions: the first window, before any saved geometry."""
+        screen = self.screen() or QGuiApplication.primaryScreen()
+        if screen is None:
+            return
+        area = screen.availableGeometry()
+        size = QSize(int(area.width() * share), int(area.height() * share))
+        size = size.expandedTo(self.minimumSizeHint()).boundedTo(area.size())
+        rect = QRect(0, 0, size.width(), size.height())
+        rect.moveCenter(area.center())
+        self.setGeometry(rect)
+
+    def showEvent(self, event) -> None:
+        """The first time, without a saved layout: the default proportions at the size the window opens at."""
+        super().showEvent(event)
+        if self._size_docks_on_show:
+            self._size_docks_on_show = False
+            self.size_docks()
 
     def reset_layout(self) -> None:
         self.restoreState(self._default_state, SETTINGS_VERSION)
@@ -142,6 +174,7 @@ class MainWindow(QMainWindow):
         file_menu = self.menuBar().addMenu("&File")
         file_menu.addAction("Open &GGUF model…", self.open_gguf, QKeySequence("Ctrl+O"))
         file_menu.addAction("Open &trace…", self.choose_trace, QKeySequence("Ctrl+Shift+O"))
+        file_menu.addAction("&Save trace…", self.save_trace, QKeySequence.Save)
         file_menu.addSeparator()
         export_menu = file_menu.addMenu("&Export view")
         for view in self.views:
@@ -465,6 +498,37 @@ class MainWindow(QMainWindow):
         if path:
             self.open_trace(path)
 
+    def save_trace(self, path: str | None = None) -> str | None:
+        """Write the shown session's records to a trace file (File ▸ Open trace replays it)."""
+        if self.timeline is None or not len(self.timeline):
+            self.statusBar().showMessage("Nothing to save yet: decode a step first", 5000)
+            return None
+        path = path or QFileDialog.getSaveFileName(self, "Save trace", "session.pvtrace", "pagevis traces (*.pvtrace)")[0]
+        if not path:
+            return None
+        from ..trace import Trace, write_trace
+
+        timeline, runner = self.timeline, self.runner
+        records = list(timeline.records)
+        ids = set(timeline.info.prompt_ids)
+        for record in records:
+            ids.update(record.token_ids)
+            ids.update([record.next_token] if record.next_token >= 0 else [])
+        session = runner.session if runner.timeline is timeline else None
+        trace = Trace(model_label=timeline.info.model_label, prompt=timeline.info.prompt, config=timeline.info.config,
+                      prompt_ids=tuple(timeline.info.prompt_ids), records=records,
+                      token_texts={int(t): timeline.token_text(int(t)) for t in sorted(ids)},
+                      model_spec=runner.timeline_spec if runner.timeline is timeline else None,
+                      stop_reason=session.stop_reason if session is not None else None,
+                      text=session.text() if session is not None else "", meta={"command": "pagevis (app)"})
+        try:
+            size = write_trace(path, trace)
+        except (OSError, ValueError) as error:
+            self._report(f"Could not save the trace to {path}: {error}")
+            return None
+        self.statusBar().showMessage(f"Saved {len(records)} steps to {path} ({size / 1024:.0f} KiB)", 6000)
+        return path
+
     def export_view(self, view: QWidget | None, path: str | None = None) -> str | None:
         if path is None:
             name = "window" if view is None else view.title.lower().replace(" ", "-")
@@ -504,11 +568,11 @@ class MainWindow(QMainWindow):
         box.show()
 
     # --- settings and closing ----------------------------------------------------------------------
-    def _restore_settings(self) -> None:
+    def _restore_settings(self) -> bool:
+        """Restore the saved layout and configuration; True if there was a saved geometry."""
         s = self.settings
         geometry = s.value("window/geometry")
-        if isinstance(geometry, QByteArray) and not geometry.isEmpty():
-            self.restoreGeometry(geometry)
+        restored = isinstance(geometry, QByteArray) and not geometry.isEmpty() and self.restoreGeometry(geometry)
         state = s.value("window/state")
         if isinstance(state, QByteArray) and not state.isEmpty():
             self.restoreState(state, SETTINGS_VERSION)
@@ -518,6 +582,7 @@ class MainWindow(QMainWindow):
                 self.controls.from_dict(json.loads(raw))
             except (ValueError, TypeError):
                 pass
+        return bool(restored)
 
     def save_settings(self) -> None:
         s = self.settings

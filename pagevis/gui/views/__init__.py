@@ -9,6 +9,9 @@ from ...decoding import StepRecord
 from ..timeline import Timeline
 
 
+EMPTY_HINT = "press Space to decode"  # what the views say before the first step
+
+
 @dataclass(frozen=True)
 class ViewState:
     timeline: Timeline | None = None
@@ -17,12 +20,13 @@ class ViewState:
     head: int | None = None  # None: mean over heads
     shade: str = "age"  # page-grid colouring of resident cells: "age", "score" or "none"
     log_scale: bool = False  # attention heatmap
+    fixed_scale: bool = False  # attention colours keep their scale from step to step
 
     @property
     def record(self) -> StepRecord | None:
         if self.timeline is None or not 0 <= self.index < len(self.timeline):
             return None
-        return self.timeline.records[self.index]
+        return self.timeline.record(self.index)
 
     @property
     def head_label(self) -> str:

@@ -236,6 +236,7 @@ class PageGridView(QWidget):
         self.legend = QLabel("&nbsp;&nbsp; ".join(swatches[:3]) + "<br>" + "&nbsp;&nbsp; ".join(swatches[3:])
                              + f"<br><span style='color:{theme.MUTED}'>numbers: token positions · "
                              "resident cells dim with age (or score)</span>")
+        self.legend.setWordWrap(True)  # its lines may wrap rather than hold the dock wider than its share
 
         self.blocks = BlockTable()
         self.block_view = self.blocks
@@ -263,16 +264,12 @@ class PageGridView(QWidget):
     def show_state(self, state: ViewState) -> None:
         self._state = state
         record = state.record
-        key = (id(record), state.layer, state.shade)
+        key = (id(record), id(state.timeline), state.layer, state.shade)
         if key == self._key:
             return
         self._key = key
         if record is None:
-            self.states = np.zeros((0, 0), dtype=np.int8)
-            self.image.clear()
-            self.labels.set_positions(np.zeros((0, 0), dtype=np.int32))
-            self.blocks.set_rows([])
-            theme.set_title(self.plot, "", size="9pt")
+            self._show_empty_pool(state)
             return
         layer = state.layer
         slots = record.slot_maps[layer]
@@ -282,13 +279,7 @@ class PageGridView(QWidget):
         bordered = self.states.size <= _MAX_BORDERED_CELLS
         self.image.set_image(cell_image(self.states, self.shade, bordered), pages, page_size)
         self.labels.set_positions(slots if self.states.size <= 1024 else np.full((0, 0), -1, np.int32))
-        shape = (pages, page_size)
-        if getattr(self, "_shape", None) != shape:
-            self._shape = shape
-            self.plot.setRange(xRange=(0, page_size), yRange=(0, pages), padding=0.02)
-            self.plot.getAxis("left").setTicks([[(p + 0.5, str(p)) for p in range(pages)]] if pages <= 40 else None)
-            self.plot.getAxis("bottom").setTicks(
-                [[(s + 0.5, str(s)) for s in range(page_size)]] if page_size <= 32 else None)
+        self._fit_axes(pages, page_size)
         used = len(record.block_tables[layer])
         resident = int((slots >= 0).sum())
         theme.set_title(self.plot, theme.muted(f"layer {layer} · {used}/{pages} pages · {resident} tokens resident"), size="9pt")
@@ -299,11 +290,40 @@ class PageGridView(QWidget):
             rows.append((logical, page, int(held.size), span))
         self.blocks.set_rows(rows)
 
+    def _show_empty_pool(self, state: ViewState) -> None:
+        """Before the first step: the session's pool with every page free, and what to do next."""
+        self.labels.set_positions(np.zeros((0, 0), dtype=np.int32))
+        self.blocks.set_rows([])
+        if state.timeline is None:
+            self.states = np.zeros((0, 0), dtype=np.int8)
+            self.image.clear()
+            theme.set_title(self.plot, theme.muted("no session yet"), size="9pt")
+            return
+        config = state.timeline.info.config
+        pages, page_size = config.max_pages, config.page_size
+        self.states = np.full((pages, page_size), FREE, dtype=np.int8)
+        self.shade = np.full(self.states.shape, np.nan)
+        self.image.set_image(cell_image(self.states, self.shade, self.states.size <= _MAX_BORDERED_CELLS),
+                             pages, page_size)
+        self._fit_axes(pages, page_size)
+        theme.set_title(self.plot, theme.muted(f"{pages} pages × {page_size} slots, all free"), size="9pt")
+
+    def _fit_axes(self, pages: int, page_size: int) -> None:
+        if getattr(self, "_shape", None) == (pages, page_size):
+            return
+        self._shape = (pages, page_size)
+        self.plot.setRange(xRange=(0, page_size), yRange=(0, pages), padding=0.02)
+        self.plot.getAxis("left").setTicks([[(p + 0.5, str(p)) for p in range(pages)]] if pages <= 40 else None)
+        self.plot.getAxis("bottom").setTicks(
+            [[(s + 0.5, str(s)) for s in range(page_size)]] if page_size <= 32 else None)
+
     def cell_info(self, page: int, slot: int) -> str:
         """The hover text of one cell."""
         state, record = self._state, self._state.record
-        if record is None or not (0 <= page < self.states.shape[0] and 0 <= slot < self.states.shape[1]):
+        if not (0 <= page < self.states.shape[0] and 0 <= slot < self.states.shape[1]):
             return ""
+        if record is None:
+            return f"page {page}, slot {slot}: free"
         position = int(record.slot_maps[state.layer][page, slot])
         lines = [f"page {page}, slot {slot}: {theme.STATE_NAMES[self.states[page, slot]]}"]
         if position >= 0:
