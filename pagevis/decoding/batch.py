@@ -118,8 +118,9 @@ class BatchSession:
         self.waiting.append(seq.seq_id)
         return seq.seq_id
 
-    def submit_text(self, prompt: str, **kwargs) -> int:
-        return self.submit(encode_prompt(self.model, prompt, self.config.chat), **kwargs)
+    def encode(self, prompt: str) -> list[int]:
+        """The prompt's token ids (in the chat template when the config says so)."""
+        return encode_prompt(self.model, prompt, self.config.chat)
 
     def submit_parallel(self, prompt_ids, n: int, sampling: SamplingConfig | None = None) -> list[int]:
         """n samples of one prompt: seeds seed, seed+1, ...; the prompt is computed once and its pages
