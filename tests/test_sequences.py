@@ -1,6 +1,8 @@
 """Many sequences over one pool: sharing never changes results, batching equals per-sequence forwards,
 prefix caching hits what it should, preemption recomputes, fork continues."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -170,3 +172,39 @@ def test_fork_continues_from_a_recorded_step_with_other_settings():
     tail = batch.seqs[parent].generated[3:]
     assert batch.seqs[same].generated[3:3 + len(tail)] == tail[: 14 - 3]
     assert batch.seqs[other].generated[:3] == batch.seqs[parent].generated[:3]
+
+
+def test_run_n_reports_pages_with_and_without_sharing(capsys):
+    from pagevis.__main__ import main
+
+    status = main(["run", "--model", "synthetic", "--layers", "1", "--heads", "4", "--kv-heads", "2", "--head-dim",
+                   "16", "--n", "4", "--json", "--quiet", "--max-tokens", "6", "--page-size", "4", "--max-pages", "40",
+                   "--policy", "none", "--prompt", "a prompt long enough to fill several pages"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    result = json.loads(out)
+    assert [s["seed"] for s in result["samples"]] == [0, 1, 2, 3]
+    assert all(s["generated_tokens"] == 6 for s in result["samples"])
+    prompt_pages = -(-result["prompt_tokens"] // 4)
+    assert result["pages_without_sharing_peak"] >= 4 * prompt_pages > result["pages_used_peak"]
+    assert result["copy_on_write"] == (3 if result["prompt_tokens"] % 4 else 0)
+    assert main(["run", "--model", "synthetic", "--n", "0"]) == 2
+    assert "--n 0" in capsys.readouterr().err
+    assert main(["run", "--model", "synthetic", "--pool-pages", "3"]) == 2
+    assert "--pool-pages only applies" in capsys.readouterr().err
+
+
+def test_sequences_bench_rows_on_a_small_model():
+    from pagevis.bench.sequences import format_sequences, run_sequences_bench
+
+    result = run_sequences_bench(MODEL, "synthetic", n_tokens=2, sizes=(1, 2, 4))
+    assert [r["sequences"] for r in result["batching"]] == [1, 2, 4]
+    assert all(r["tokens_per_s"] > 0 and r["steps"] >= 1 for r in result["batching"])
+    parallel = result["parallel"]
+    assert parallel["all_ran_to_length"]  # the synthetic model has no end-of-sequence token
+    # 200-token prompt, 4 x 64 new tokens, 16-token pages: 12 shared full pages + 4 x 5 own pages
+    assert (parallel["pages_used_peak"], parallel["pages_one_sequence"]) == (12 + 4 * 5, 17)
+    assert parallel["pages_without_sharing_peak"] == 4 * 17 and parallel["copy_on_write"] == 3
+    shared = result["shared_prompt"]
+    assert shared["hit_tokens"][0] == 0 and shared["hit_rate_after_first"] >= 144 / 150
+    assert len(format_sequences(result)) == 2 + 3 + 2
