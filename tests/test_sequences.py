@@ -172,6 +172,12 @@ def test_fork_continues_from_a_recorded_step_with_other_settings():
     tail = batch.seqs[parent].generated[3:]
     assert batch.seqs[same].generated[3:3 + len(tail)] == tail[: 14 - 3]
     assert batch.seqs[other].generated[:3] == batch.seqs[parent].generated[:3]
+    # a finished parent: its tokens become the prompt, and the prefix cache shares its full pages
+    again = batch.fork(parent, n)
+    batch.step()
+    assert batch.pool.prefix_stats.hits >= (n - 1) // 4 * 4 - 4
+    list(batch.run())
+    assert batch.seqs[again].generated[: len(tail) - 3] == tail[: len(tail) - 3]
 
 
 def test_run_n_reports_pages_with_and_without_sharing(capsys):

@@ -86,6 +86,7 @@ class BatchRecord:
     contiguous_reserved_tokens: int  # what per-sequence contiguous allocation would reserve
     tokens_stored: int  # tokens in used pages (shared ones once)
     seconds: float
+    n_cached: dict[int, int] = field(default_factory=dict)  # live sequence -> tokens in the pool after the step
 
     @property
     def tokens_decoded(self) -> int:
@@ -135,16 +136,20 @@ class BatchSession:
 
     def fork(self, seq_id: int, n_tokens: int | None = None, sampling: SamplingConfig | None = None,
              max_new_tokens: int | None = None) -> int:
-        """A new running sequence that continues seq_id's first n_tokens tokens (all of its cached ones by
-        default) with other sampling settings, sharing its pages. The child recomputes the last of those
-        tokens to get its own next-token logits, so its first step is a one-token prefill."""
+        """A new sequence that continues seq_id's first n_tokens tokens (all of its cached ones by default)
+        with other sampling settings. A running parent's pages are shared directly (the child recomputes
+        the last of those tokens to get its own next-token logits); a finished or waiting parent's
+        tokens become the child's prompt, and the prefix cache shares whatever full pages it still holds."""
         parent = self.seqs[seq_id]
+        sampling = sampling or parent.sampler.config
         if seq_id not in self.running:
-            raise ConfigError("fork", seq_id, "a running sequence")
+            tokens = parent.tokens
+            n = len(tokens) if n_tokens is None else check_int("n_tokens", n_tokens, 1, len(tokens))
+            return self.submit(tokens[:n], sampling, max_new_tokens)
         n = parent.n_cached if n_tokens is None else check_int("n_tokens", n_tokens, 1, parent.n_cached)
         tokens = parent.tokens[:n]
         n_prompt = min(len(parent.prompt_ids), n)
-        child = self._new_seq(tuple(tokens[:n_prompt]), sampling or parent.sampler.config, max_new_tokens)
+        child = self._new_seq(tuple(tokens[:n_prompt]), sampling, max_new_tokens)
         child.generated = tokens[n_prompt:]
         self.pool.fork(seq_id, child.seq_id, n - 1)
         child.n_cached = n - 1
@@ -312,7 +317,8 @@ class BatchSession:
             block_tables={s: tuple(pool.block_table(s)) for s in self.running},
             ref_counts=blocks.ref_counts.copy(), fill=store.fill.copy(), cached_free=tuple(blocks.cached_free()),
             pages_used=pool.pages_used(), pages_unshared=pool.pages_unshared(),
-            contiguous_reserved_tokens=reserved, tokens_stored=int(store.fill[used].sum()), seconds=seconds)
+            contiguous_reserved_tokens=reserved, tokens_stored=int(store.fill[used].sum()), seconds=seconds,
+            n_cached={s: self.seqs[s].n_cached for s in self.running})
 
 
 def _reseeded(sampling: SamplingConfig, seed: int) -> SamplingConfig:
