@@ -229,6 +229,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         for dock in self.docks.values():
             view_menu.addAction(dock.toggleViewAction())
         view_menu.addSeparator()
+        view_menu.addAction("&Sequences sharing one pool…", self.open_sequences)
         view_menu.addAction("&Reset layout", self.reset_layout)
         help_menu = self.menuBar().addMenu("&Help")
         help_menu.addAction("&Keyboard shortcuts", self._show_shortcuts)
@@ -536,6 +537,23 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.status_speed.setText(f"{speed:.1f} tok/s" if speed == speed else "— tok/s")
 
     # --- files -----------------------------------------------------------------------------------
+    def open_sequences(self):
+        """A window decoding many sequences of the current model and prompt over one shared pool."""
+        from .sequences_window import SequencesWindow
+
+        if self.runner.model is None:
+            self.statusBar().showMessage("Load a model first (start decoding once), then open the sequences view",
+                                         8000)
+            return None
+        try:
+            config = self.controls.session_config()
+        except (ConfigError, ValueError) as error:
+            self.statusBar().showMessage(f"Sequences view: {error}", 8000)
+            return None
+        self.sequences_window = SequencesWindow(self.runner.model, config, self.controls.prompt(), self)
+        self.sequences_window.show()
+        return self.sequences_window
+
     def open_gguf(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Open a Llama-family GGUF model", "", "GGUF models (*.gguf)")
         if path:
