@@ -14,7 +14,7 @@ from .config import CacheConfig, CacheSettings
 from .errors import CacheFullError, ConfigError
 from .events import CacheEvent, EventKind
 from .frames import FramePool
-from .policies import POLICIES, EvictionPolicy, make_policy, policy_params
+from .policies import POLICIES, EvictionPolicy, layer_capacities, make_policy, policy_params
 from .policy_state import LayerView, PolicyState
 from .sequence import Sequence
 from .store import COUNT_NAMES, PageStore, TierCounts
@@ -40,6 +40,7 @@ __all__ = [
     "TierCounts",
     "attend",
     "attend_part",
+    "layer_capacities",
     "make_policy",
     "merge",
     "policy_params",

@@ -40,7 +40,7 @@ class PagedKVCache:
         self.select_pages = config.select_pages if config.select == "quest" else None
         self.read_slots: list[np.ndarray | None] = [None] * config.n_layers  # what each layer read last
         self.sequence = Sequence(config.n_layers)
-        self.states: list[PolicyState] = [self.policy.state_class(s.n_slots) for s in self.stores]
+        self.states: list[PolicyState] = [self.policy.make_state(s.n_slots) for s in self.stores]
         self.views = [LayerView(layer, config.page_size, store.positions, self.sequence.block_tables[layer],
                                 self.states[layer]) for layer, store in enumerate(self.stores)]
         self.step = 0
@@ -78,8 +78,10 @@ class PagedKVCache:
         return self.sequence.block_tables[layer]
 
     def free_slots(self) -> int:
-        """Tokens every layer can take before its policy must evict."""
-        return min(store.free_slots() for store in self.stores)
+        """Tokens every layer can take before its policy must evict (a policy may give a layer less than
+        its pool: pyramidkv)."""
+        return min(min(store.free_slots(), self.policy.layer_capacity(layer) - store.resident)
+                   for layer, store in enumerate(self.stores))
 
     def can_append(self, n: int) -> bool:
         """Whether n more tokens fit, by eviction if the policy evicts. Check before a step so that a
@@ -123,8 +125,9 @@ class PagedKVCache:
     def append(self, layer: int, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> None:
         """Write n tokens' K/V (each (n, n_kv_heads, head_dim)) at their positions, evicting as needed."""
         store, state = self.stores[layer], self.states[layer]
+        budget = self.policy.layer_capacity(layer)
         for i, position in enumerate(positions):
-            if store.free_slots() == 0:
+            if store.free_slots() == 0 or store.resident >= budget:
                 self._evict(layer)
             if not store.holes:
                 page = store.allocate(self.step)
