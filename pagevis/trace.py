@@ -141,7 +141,8 @@ def _encode(trace: Trace) -> tuple[dict, dict[str, np.ndarray]]:
         "has_tiers": np.array(tiered, dtype=bool),
         "tier_counts": np.stack([r.tiers.counts if r.tiers else np.zeros((n_layers, len(COUNT_NAMES)), np.int64)
                                  for r in records]).astype(np.int64),
-        "page_maps": xor_delta(np.stack([r.tiers.page_maps if r.tiers else np.full((n_layers, map_pages, page_size), -1)
+        "page_maps": xor_delta(np.stack([r.tiers.page_maps if r.tiers else
+                                         np.full((len(attention_layers), map_pages, page_size), -1)
                                          for r in records]).astype(np.int32)),
         "block_frames": xor_delta(np.stack([_pad_tables(r.tiers.block_frames if r.tiers else (), n_layers, n_page_ids)
                                             for r in records])),

@@ -74,7 +74,7 @@ ARRAYS = {
     "event_frame": ArraySpec("<i4", ("E",), since=2),
     "has_tiers": ArraySpec("|b1", ("T",), since=2),
     "tier_counts": ArraySpec("<i8", ("T", "L", "Q"), since=2),
-    "page_maps": ArraySpec("<i4", ("T", "L", "D", "S"), since=2),
+    "page_maps": ArraySpec("<i4", ("T", "A", "D", "S"), since=2),
     "block_frames": ArraySpec("<i4", ("T", "L", "B"), since=2),
     "recall": ArraySpec("<f4", ("T", "L"), since=2),
 }

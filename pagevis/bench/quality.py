@@ -279,15 +279,13 @@ def tier_settings(choice: PolicyChoice, budget: int, page_size: int, n_tokens: i
 
 def _read_by_layer(cache, record, n: int) -> np.ndarray:
     """(n_layers, n) bool: positions each layer's queries read at this step (its resident tokens, or
-    with a page selection the tokens of the pages it read)."""
+    with a page selection the tokens of the pages it read). Read from the live cache, just after the step."""
     if record.tiers is None:
         return _resident_by_layer(record.slot_maps, n)
-    mask = _resident_by_layer(record.tiers.page_maps, n)
-    for layer, slots in enumerate(cache.read_slots):
-        if slots is not None:
-            mask[layer] = False
-            read = cache.stores[layer].positions[slots]
-            mask[layer, read[(read >= 0) & (read < n)]] = True
+    mask = np.zeros((len(cache.stores), n), dtype=bool)
+    for layer, (store, slots) in enumerate(zip(cache.stores, cache.read_slots, strict=True)):
+        read = store.positions if slots is None else store.positions[slots]
+        mask[layer, read[(read >= 0) & (read < n)]] = True
     return mask
 
 

@@ -15,8 +15,8 @@ from .sequence import Sequence
 from .store import PageStore, TierCounts
 from .swap import SwapSpace
 
-# With a disk tier, a prefill chunk's weights over every slot are kept for a policy that learns from
-# attention; chunks are cut so that they stay under this many float32 values (32 MB).
+# With a disk tier, prefill chunks are cut so that their scores over a batch of frames, and their weights
+# over every slot when the policy learns from attention, stay under this many float32 values (32 MB).
 MAX_CHUNK_WEIGHTS = 8 << 20
 
 
@@ -90,13 +90,15 @@ class PagedKVCache:
 
     def max_chunk(self) -> int | None:
         """The most tokens one prefill step may feed (None: no limit beyond the free slots). With a
-        disk tier a chunk fits the home frames, and its weights over every slot stay bounded. With
+        disk tier, a chunk's scores over one batch of frames (and for a policy that learns from
+        attention, its weights over every slot) stay under MAX_CHUNK_WEIGHTS floats. With
         quest, a chunk stops where the sequence outgrows select_pages pages: from there on every
         query is fed alone and reads its own selection."""
         limits = []
         cfg = self.config
-        if cfg.tiered:
-            limits.append(cfg.home_frames * cfg.page_size)
+        if cfg.tiered:  # scores of a chunk's queries over the keys of one batch of frames
+            frames = max(cfg.home_frames, cfg.max_pages - cfg.home_frames)
+            limits.append(MAX_CHUNK_WEIGHTS // (cfg.n_heads * frames * cfg.page_size))
             if self.policy.uses_attention:
                 limits.append(MAX_CHUNK_WEIGHTS // (cfg.n_heads * cfg.capacity))
         if self.select_pages is not None:
