@@ -236,3 +236,38 @@ def test_no_swap_file_is_left_after_ctrl_c(tmp_path):
         process.kill()
     assert "KeyboardInterrupt" in err
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_quest_reads_the_pages_with_the_highest_key_bounds(seed):
+    """The selection against the definition: per query head, u(page) = Σᵢ max(qᵢ·minᵢ, qᵢ·maxᵢ) over
+    the page's keys (an upper bound of every q·k on it); shares = softmax over pages; a page is worth its
+    largest share; the newest page plus the k-1 worth most."""
+    from pagevis.engine.reader import quest_pages
+
+    rng = np.random.default_rng(seed)
+    cache = tiered(page_size=4, ram=3, disk=20, select="quest", select_pages=5)
+    keys = {}
+    for position in range(70):
+        k = rng.standard_normal((1, N_KV, HEAD_DIM)).astype(np.float32)
+        keys[position] = k[0]
+        cache.ensure_room(1)
+        cache.append(0, k, k, np.array([position]))
+    store, table = cache.stores[0], np.array(cache.block_table(0))
+    q = (2 * rng.standard_normal((1, N_HEADS, HEAD_DIM))).astype(np.float32)
+    group = N_HEADS // N_KV
+    bounds = np.zeros((len(table), N_HEADS))
+    for i, page in enumerate(table):
+        held = [p for p in store.positions[page * 4: page * 4 + 4] if p >= 0]
+        page_keys = np.stack([keys[p] for p in held]).astype(np.float64)  # (tokens, n_kv, d)
+        for h in range(N_HEADS):
+            qh = q[0, h].astype(np.float64)
+            lo, hi = page_keys[:, h // group].min(axis=0), page_keys[:, h // group].max(axis=0)
+            bounds[i, h] = np.sum(np.maximum(qh * lo, qh * hi))
+            assert np.all(page_keys[:, h // group] @ qh <= bounds[i, h] + 1e-5), "not an upper bound"
+    shares = np.exp(bounds / 2 - (bounds / 2).max(axis=0))  # scaled by 1/sqrt(d), d = 4
+    shares /= shares.sum(axis=0)
+    worth = shares.max(axis=1)
+    expected = set(table[np.argsort(-worth[:-1])[:4]].tolist()) | {int(table[-1])}
+    assert set(quest_pages(store, table, q, 5).tolist()) == expected
+    cache.close()
