@@ -81,7 +81,7 @@ def streamed_rows(contexts=CONTEXTS, shares=RAM_SHARES, page_size: int = 16, rep
             cache.take_counts()
             ram_s, warm_s = [], []
             for _ in range(5):
-                ram_s.append(best_time(lambda: ram.attend(0, q, position), reps))
+                ram_s.append(best_time(lambda ram=ram: ram.attend(0, q, position), reps))
                 warm_s.append(best_time(lambda cache=cache: cache.attend(0, q, position), reps))
             counts = cache.take_counts()[0]
             cold = cold_time(cache, q, position)
@@ -92,7 +92,6 @@ def streamed_rows(contexts=CONTEXTS, shares=RAM_SHARES, page_size: int = 16, rep
                          "mb_read_per_step": counts.bytes_read / (5 * reps) / 1e6,
                          "hit_rate": counts.hits / (counts.hits + counts.faults)})
             cache.close()
-        del ram
     return rows
 
 
