@@ -12,6 +12,7 @@ run: $(STAMP)
 	$(PY) -m pagevis $(ARGS)
 
 test: $(STAMP)
+	$(PY) -m ruff check pagevis tests scripts
 	QT_QPA_PLATFORM=offscreen $(PY) -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)

@@ -208,7 +208,7 @@ def config_to_dict(config: SessionConfig) -> dict:
         "page_size": config.page_size, "max_pages": config.max_pages, "dtype": config.dtype,
         "policy": config.policy, "policy_params": dict(config.policy_params),
         "max_new_tokens": config.max_new_tokens, "sampling": dataclasses.asdict(config.sampling),
-        "oracle": config.oracle, "chat": config.chat,
+        "oracle": config.oracle, "chat": config.chat, "special": config.special,
         "record_layers": None if config.record_layers is None else list(config.record_layers),
     }
 

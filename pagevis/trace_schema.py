@@ -295,7 +295,7 @@ def _check_config(header: dict, sizes: dict[str, int], where: str) -> None:
     if unknown:
         raise TraceError(f"{where}: header.json config has unknown setting {unknown[0]!r}")
     types = {"page_size": "int", "max_pages": "int", "dtype": "str", "policy": "str", "policy_params": "dict",
-             "max_new_tokens": "int", "sampling": "dict", "oracle": "bool", "chat": "bool"}
+             "max_new_tokens": "int", "sampling": "dict", "oracle": "bool", "chat": "bool", "special": "bool"}
     for key, kind in types.items():
         if key in data:
             _check_type(data[key], kind, f"config.{key}", where)

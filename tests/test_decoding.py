@@ -115,7 +115,7 @@ def test_oracle_lost_attention_matches_direct_computation():
 
     model.forward(np.array(tokens), np.arange(len(tokens)), spy)
     n = len(tokens)
-    lost = [captured[l][:, ~record.resident_mask(l, n)].sum(1).mean() for l in range(model.config.n_layers)]
+    lost = [captured[layer][:, ~record.resident_mask(layer, n)].sum(1).mean() for layer in range(model.config.n_layers)]
     assert record.oracle.lost_attention == pytest.approx(np.mean(lost), rel=1e-4)
 
 

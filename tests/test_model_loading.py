@@ -113,5 +113,6 @@ def test_written_synthetic_model_loads_back_identically(tmp_path):
     assert loaded.tokenizer.decode(loaded.tokenizer.encode("héllo 42")) == "héllo 42"
 
 
-def test_file_without_tokenizer_loads_with_none(tmp_path):
-    assert load_model(write_llama_gguf(tmp_path / "bare.gguf", tokenizer=False)).tokenizer is None
+def test_file_without_tokenizer_is_refused_naming_the_key(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"bare\.gguf: metadata key tokenizer\.ggml\.model is missing"):
+        load_model(write_llama_gguf(tmp_path / "bare.gguf", tokenizer=False))

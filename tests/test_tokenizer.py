@@ -18,7 +18,7 @@ def tokenizer(smollm2):
 
 def test_ids_equal_reference(tokenizer, reference):
     for case in reference["strings"]:
-        assert tokenizer.encode(case["text"]) == case["ids"], case["text"]
+        assert tokenizer.encode(case["text"], special=True) == case["ids"], case["text"]  # transformers parses them
 
 
 def test_decode_round_trips_reference_strings(tokenizer, reference):
@@ -31,10 +31,13 @@ def test_digits_are_split_one_by_one(tokenizer):
     assert pieces == ["1", "2", "3", "4", "5", " ", "3", ".", "1", "4"]
 
 
-def test_special_tokens_in_text_are_single_ids(tokenizer):
-    assert tokenizer.encode("<|im_start|>user\nhi<|im_end|>")[0] == 1
-    assert tokenizer.encode("<|im_end|>") == [2]
-    assert tokenizer.encode("<|endoftext|>") == [0]
+def test_special_tokens_in_text_are_single_ids_only_when_asked(tokenizer):
+    assert tokenizer.encode("<|im_start|>user\nhi<|im_end|>", special=True)[0] == 1
+    assert tokenizer.encode("<|im_end|>", special=True) == [2]
+    assert tokenizer.encode("<|endoftext|>", special=True) == [0]
+    plain = tokenizer.encode("<|im_end|>")
+    assert len(plain) > 1 and not set(plain) & set(tokenizer.special_ids.values())
+    assert tokenizer.decode(plain) == "<|im_end|>"
     assert tokenizer.decode([1, 2]) == "<|im_start|><|im_end|>"
     assert tokenizer.decode([1, 2], skip_special=True) == ""
 

@@ -13,7 +13,7 @@ from . import options
 from .options import UsageError
 from .progress import Progress
 
-DEFAULT_TEXT = "texts/pride-and-prejudice-ch1.txt"
+DEFAULT_TEXT = "texts/pride-and-prejudice-ch1-6.txt"  # about 10,100 SmolLM2 tokens
 DEFAULT_POLICIES = "sinks,oldest,h2o,tova"
 COLUMNS = ("policy", "budget", "page_size", "ppl", "ppl_evicting", "full_ppl_evicting", "gap_to_optimal", "mean_kl",
            "top1_agreement", "lost_attention", "evictions", "evicting_tokens", "seconds", "note")
@@ -28,7 +28,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
                     "KL, top-1 and lost attention are means over the tokens predicted once the cache was full; "
                     "ppl_evicting is the perplexity over those tokens, beside the full cache's on the same tokens.")
     parser.add_argument("text", nargs="?", metavar="TEXTFILE",
-                        help="a UTF-8 text file (default: the first chapter of Pride and Prejudice, shipped)")
+                        help="a UTF-8 text file (default: chapters 1-6 of Pride and Prejudice, shipped, 10,100 tokens)")
     options.add_model_options(parser)
     parser.add_argument("--policies", default=DEFAULT_POLICIES, metavar="LIST",
                         help=f"comma-separated policies, each optionally with parameters as "

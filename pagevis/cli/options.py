@@ -55,6 +55,9 @@ def add_prompt_options(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a UTF-8 text file")
     group.add_argument("--no-chat", dest="chat", action="store_const", const=False,
                        help="feed the prompt as raw text instead of wrapping it in the model's chat template")
+    group.add_argument("--special", action="store_const", const=True,
+                       help="with --no-chat: control-token text in the prompt (e.g. <|im_end|>) becomes the control "
+                            "token, like llama.cpp's --special (default: the prompt is always plain text)")
 
 
 def add_cache_options(parser: argparse.ArgumentParser) -> None:
@@ -200,6 +203,8 @@ def session_config(args: argparse.Namespace, base: SessionConfig | None = None) 
         mode="sample" if sampled else "greedy",
         temperature=_given(args.temperature, sampling.temperature), top_k=_given(args.top_k, sampling.top_k),
         top_p=_given(args.top_p, sampling.top_p), seed=_given(args.seed, sampling.seed))
+    if getattr(args, "special", None) and args.chat is not False:
+        raise UsageError("--special only applies with --no-chat (in the chat template the prompt is always text)")
     params = dict(parse_param(p) for p in (args.policy_param or []))
     policy = _given(args.policy, defaults.policy)
     if args.policy is None and not params:
@@ -209,6 +214,7 @@ def session_config(args: argparse.Namespace, base: SessionConfig | None = None) 
         dtype=_given(args.dtype, defaults.dtype), policy=policy, policy_params=params,
         max_new_tokens=_given(args.max_tokens, defaults.max_new_tokens), sampling=sampling,
         oracle=bool(_given(args.oracle, defaults.oracle)), chat=_given(args.chat, defaults.chat),
+        special=bool(getattr(args, "special", None)),
         record_layers=parse_layers(args.record_layers) if args.record_layers is not None else defaults.record_layers)
     check_cache(config)
     return config
@@ -223,7 +229,7 @@ def check_cache(config: SessionConfig) -> None:
 def session_options_given(args: argparse.Namespace) -> bool:
     """Did the user set any cache or decoding option (the app keeps its own settings otherwise)?"""
     names = ("preset", "page_size", "max_pages", "dtype", "policy", "policy_param", "max_tokens", "sample", "temperature",
-             "top_k", "top_p", "seed", "oracle", "record_layers", "chat")
+             "top_k", "top_p", "seed", "oracle", "record_layers", "chat", "special")
     return any(getattr(args, name, None) is not None for name in names)
 
 

@@ -34,6 +34,7 @@ class SessionConfig(CacheSettings):
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     oracle: bool = False
     chat: bool = True  # wrap the prompt in the model's chat template
+    special: bool = False  # without chat: parse control-token text in the prompt as control tokens (opt-in)
     record_layers: tuple[int, ...] | None = None  # layers whose attention records keep; None = all
 
     def __post_init__(self) -> None:
@@ -56,7 +57,9 @@ class DecodeSession:
             check_int("record_layers", layer, 0, n_layers - 1)
         self.record_layers = layers
         self.prompt = prompt
-        self.prompt_ids = tuple(prompt_ids if prompt_ids is not None else encode_prompt(model, prompt, self.config.chat))
+        if prompt_ids is None:
+            prompt_ids = encode_prompt(model, prompt, self.config.chat, self.config.special)
+        self.prompt_ids = tuple(prompt_ids)
         if not self.prompt_ids:
             raise ConfigError("prompt", prompt, "text that encodes to at least one token")
         self.cache = PagedKVCache(self.cache_config)
@@ -191,11 +194,12 @@ class DecodeSession:
 
 
 # The tokenizer is the model package's; these keep the session's few uses of it in one place.
-def encode_prompt(model, prompt: str, chat: bool) -> list[int]:
+def encode_prompt(model, prompt: str, chat: bool, special: bool = False) -> list[int]:
+    """The prompt's ids: in the chat template (the prompt stays text), or raw (control tokens only if `special`)."""
     tokenizer = model.tokenizer
     if chat:
-        prompt = tokenizer.format_chat([{"role": "user", "content": prompt}])
-    return list(tokenizer.encode(prompt))
+        return list(tokenizer.encode_chat([{"role": "user", "content": prompt}]))
+    return list(tokenizer.encode(prompt, special=special))
 
 
 def decode_ids(model, ids) -> str:

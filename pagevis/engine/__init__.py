@@ -1,6 +1,14 @@
 """pagevis.engine: the paged KV cache, its eviction policies and attention. NumPy only, never Qt."""
 
-from .attention import AttentionResult, attend, softmax
+from .attention import (
+    AttentionResult,
+    Partial,
+    attend,
+    attend_part,
+    merge,
+    rescale,
+    softmax,
+)
 from .cache import PagedKVCache
 from .config import CacheConfig, CacheSettings
 from .errors import CacheFullError, ConfigError
@@ -12,7 +20,27 @@ from .sequence import Sequence
 from .store import PageStore
 
 __all__ = [
-    "AttentionResult", "attend", "softmax", "PagedKVCache", "CacheConfig", "CacheSettings", "CacheFullError",
-    "ConfigError", "CacheEvent", "EventKind", "FramePool", "PageStore", "Sequence", "LayerView", "PolicyState",
-    "POLICIES", "EvictionPolicy", "make_policy", "policy_params",
+    "POLICIES",
+    "AttentionResult",
+    "CacheConfig",
+    "CacheEvent",
+    "CacheFullError",
+    "CacheSettings",
+    "ConfigError",
+    "EventKind",
+    "EvictionPolicy",
+    "FramePool",
+    "LayerView",
+    "PageStore",
+    "PagedKVCache",
+    "Partial",
+    "PolicyState",
+    "Sequence",
+    "attend",
+    "attend_part",
+    "make_policy",
+    "merge",
+    "policy_params",
+    "rescale",
+    "softmax",
 ]

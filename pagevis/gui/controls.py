@@ -288,12 +288,16 @@ class ControlsPanel(QScrollArea):
         self.shade.addItem("none", "none")
         self.scale = _combo()
         self.scale.addItems(["linear", "log"])
+        self.fixed_scale = QCheckBox("Fix the colour scale")
+        self.fixed_scale.setToolTip("keep the attention colour scale from step to step, so colours compare "
+                                    "across steps (linear scale; log is always fixed)")
         form.addRow("Layer", self.layer)
         form.addRow("Head", self.head)
         form.addRow("Grid shading", self.shade)
         form.addRow("Attention scale", self.scale)
+        form.addRow(self.fixed_scale)
         for signal in (self.layer.valueChanged, self.head.currentIndexChanged, self.shade.currentIndexChanged,
-                       self.scale.currentIndexChanged):
+                       self.scale.currentIndexChanged, self.fixed_scale.toggled):
             signal.connect(lambda *_: None if self._loading else self.view_changed.emit())
         return box
 
@@ -425,7 +429,8 @@ class ControlsPanel(QScrollArea):
 
     def view_options(self) -> dict:
         return {"layer": self.layer.value(), "head": self.head.currentData(),
-                "shade": self.shade.currentData(), "log_scale": self.scale.currentText() == "log"}
+                "shade": self.shade.currentData(), "log_scale": self.scale.currentText() == "log",
+                "fixed_scale": self.fixed_scale.isChecked()}
 
     def set_model_shape(self, n_layers: int, n_heads: int) -> None:
         """Fit the layer and head selectors to the loaded model, keeping the selection when it exists."""

@@ -175,6 +175,7 @@ class MainWindow(QMainWindow):
         file_menu = self.menuBar().addMenu("&File")
         file_menu.addAction("Open &GGUF model…", self.open_gguf, QKeySequence("Ctrl+O"))
         file_menu.addAction("Open &trace…", self.choose_trace, QKeySequence("Ctrl+Shift+O"))
+        file_menu.addAction("&Save trace…", self.save_trace, QKeySequence.Save)
         file_menu.addSeparator()
         export_menu = file_menu.addMenu("&Export view")
         for view in self.views:
@@ -503,6 +504,37 @@ class MainWindow(QMainWindow):
         path, _ = QFileDialog.getOpenFileName(self, "Open a pagevis trace", "", "pagevis traces (*)")
         if path:
             self.open_trace(path)
+
+    def save_trace(self, path: str | None = None) -> str | None:
+        """Write the shown session's records to a trace file (File ▸ Open trace replays it)."""
+        if self.timeline is None or not len(self.timeline):
+            self.statusBar().showMessage("Nothing to save yet: decode a step first", 5000)
+            return None
+        path = path or QFileDialog.getSaveFileName(self, "Save trace", "session.pvtrace", "pagevis traces (*.pvtrace)")[0]
+        if not path:
+            return None
+        from ..trace import Trace, write_trace
+
+        timeline, runner = self.timeline, self.runner
+        records = list(timeline.records)
+        ids = set(timeline.info.prompt_ids)
+        for record in records:
+            ids.update(record.token_ids)
+            ids.update([record.next_token] if record.next_token >= 0 else [])
+        session = runner.session if runner.timeline is timeline else None
+        trace = Trace(model_label=timeline.info.model_label, prompt=timeline.info.prompt, config=timeline.info.config,
+                      prompt_ids=tuple(timeline.info.prompt_ids), records=records,
+                      token_texts={int(t): timeline.token_text(int(t)) for t in sorted(ids)},
+                      model_spec=runner.timeline_spec if runner.timeline is timeline else None,
+                      stop_reason=session.stop_reason if session is not None else None,
+                      text=session.text() if session is not None else "", meta={"command": "pagevis (app)"})
+        try:
+            size = write_trace(path, trace)
+        except (OSError, ValueError) as error:
+            self._report(f"Could not save the trace to {path}: {error}")
+            return None
+        self.statusBar().showMessage(f"Saved {len(records)} steps to {path} ({size / 1024:.0f} KiB)", 6000)
+        return path
 
     def export_view(self, view: QWidget | None, path: str | None = None) -> str | None:
         if path is None:

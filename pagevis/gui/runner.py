@@ -74,6 +74,28 @@ def decode_steps(session: DecodeSession, control: RunControl, flush_every: float
         yield batch
 
 
+class NewestRecord:
+    """Stands in for DecodeSession.records in the app: the Timeline keeps every record (spilled to disk),
+    so the session keeps only its newest, and len() still counts every step (the session numbers steps
+    by it). Without this, a long demo held every whole record twice."""
+
+    def __init__(self):
+        self._count = 0
+        self._newest = None
+
+    def append(self, record) -> None:
+        self._count += 1
+        self._newest = record
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: int):
+        if index in (-1, self._count - 1) and self._newest is not None:
+            return self._newest
+        raise IndexError(f"the app's session keeps only its newest record; the timeline has record {index}")
+
+
 def validate(config: SessionConfig, model_config=None) -> CacheSettings:
     """The cache this configuration builds, or ConfigError. Without the model's shape, check everything
     that does not depend on it (sizes, policy parameters) and return the settings themselves."""
@@ -130,7 +152,7 @@ class SessionRunner(QObject):
         self._pending: tuple | None = None  # a (spec, prompt, config) to start once the worker stops
         self._generation = 0  # bumps on every restart: results of older workers are dropped
         self.previous: SessionSlot | None = None
-        self._timeline_spec: ModelSpec | None = None  # the model spec of the current timeline
+        self.timeline_spec: ModelSpec | None = None  # the model spec of the current timeline
 
     # --- lifecycle -------------------------------------------------------------------------------
     def configure(self, spec: ModelSpec, prompt: str, config: SessionConfig, blocking: bool = False) -> None:
@@ -183,6 +205,7 @@ class SessionRunner(QObject):
         try:
             cache = validate(self.config, self.model.config)
             session = DecodeSession(self.model, self.prompt, self.config)
+            session.records = NewestRecord()
         except Exception as error:  # noqa: BLE001 - a bad prompt or configuration is shown, not raised
             self._keep_current()
             self.session = self.timeline = None
@@ -193,7 +216,7 @@ class SessionRunner(QObject):
                            cfg.n_layers, cfg.n_heads, cache.total_bytes(), cfg.n_kv_heads)
         self._keep_current()
         self.session = session
-        self.timeline, self._timeline_spec = Timeline(info, session.token_text), self.spec
+        self.timeline, self.timeline_spec = Timeline(info, session.token_text), self.spec
         self._set_state("ready")
         self.started.emit(self.timeline)
 
@@ -204,7 +227,7 @@ class SessionRunner(QObject):
         self._keep_current()
         self.session = None
         self.timeline = timeline_from_trace(trace)
-        self._timeline_spec = getattr(trace, "model_spec", None)
+        self.timeline_spec = getattr(trace, "model_spec", None)
         self._set_state("replay")
         self.started.emit(self.timeline)
 
@@ -215,7 +238,7 @@ class SessionRunner(QObject):
             state = "replay" if self.state == "replay" or self.session is None else (
                 "done" if self.session.done else "ready")
             info = self.timeline.info  # the runner's spec, prompt and config may already be the next session's
-            self.previous = SessionSlot(self._timeline_spec, self.session.model if self.session else self.model,
+            self.previous = SessionSlot(self.timeline_spec, self.session.model if self.session else self.model,
                                         info.prompt, info.config, self.session, self.timeline, state)
 
     def swap_previous(self) -> bool:
@@ -231,7 +254,7 @@ class SessionRunner(QObject):
             self.previous.state = current_state if current_state != "error" else "ready"
         self._generation += 1
         self.spec, self.model, self.prompt, self.config = slot.spec, slot.model, slot.prompt, slot.config
-        self.session, self.timeline, self._timeline_spec = slot.session, slot.timeline, slot.spec
+        self.session, self.timeline, self.timeline_spec = slot.session, slot.timeline, slot.spec
         self._set_state(slot.state)
         self.started.emit(self.timeline)
         return True

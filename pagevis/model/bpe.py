@@ -7,7 +7,8 @@ from typing import Iterable, Sequence
 
 import regex
 
-from .chat import SMOLLM2_SYSTEM_PROMPT, format_chatml
+from ..errors import ConfigError
+from .chat import SMOLLM2_SYSTEM_PROMPT, chatml_segments, format_chatml
 from .tokenizer import IncrementalDecoder, printable_token
 
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -92,9 +93,24 @@ class BPETokenizer:
         self._word_cache: dict[str, list[int]] = {}
         self._token_bytes = [self._bytes_of(i) for i in range(len(tokens))]
 
-    def encode(self, text: str) -> list[int]:
-        ids = [self.bos_id] if self.add_bos and self.bos_id is not None else []
-        pieces = self._special_split.split(text) if self._special_split else [text]
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        """Token ids for text. With special=True, control-token strings in it (e.g. `<|im_end|>`) become
+        their single ids; by default they are text like any other, so user input cannot inject them."""
+        return self._bos() + self._encode_text(text, special)
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """A conversation in the chat format: control tokens from the template only, messages as text."""
+        ids = self._bos()
+        for text, control in chatml_segments(messages, self.chat_system_prompt, add_generation_prompt):
+            ids += self._encode_text(text, special=control)
+        return ids
+
+    def _bos(self) -> list[int]:
+        return [self.bos_id] if self.add_bos and self.bos_id is not None else []
+
+    def _encode_text(self, text: str, special: bool) -> list[int]:
+        ids = []
+        pieces = self._special_split.split(text) if special and self._special_split else [text]
         for index, piece in enumerate(pieces):
             if index % 2:  # odd pieces are the captured special tokens
                 ids.append(self.special_ids[piece])
@@ -142,7 +158,9 @@ class BPETokenizer:
             return [self._ids[symbol]]
         missing = [ch for ch in symbol if ch not in self._ids]
         if missing:
-            raise ValueError(f"byte {self._to_byte[missing[0]]:#04x} has no token in this vocabulary")
+            byte = self._to_byte[missing[0]]
+            raise ConfigError("text", bytes([byte]).decode("latin-1"),
+                              f"characters this model's vocabulary can encode (byte {byte:#04x} has no token)")
         return [self._ids[ch] for ch in symbol]
 
     def _merge(self, spelled: str) -> list[str]:

@@ -17,8 +17,11 @@ class ByteTokenizer:
     def __init__(self, vocab_size: int = 256) -> None:
         self.vocab_size = vocab_size
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))  # no special tokens: `special` changes nothing
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.format_chat(messages, add_generation_prompt))
 
     def decode(self, ids: Iterable[int]) -> str:
         return b"".join(self.token_bytes(i) for i in ids).decode("utf-8", errors="replace")

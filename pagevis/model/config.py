@@ -5,15 +5,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ..errors import check_int
 from .errors import ModelConfigError
 
+# Upper bounds on a model's shape: far above any model pagevis can run in memory, low enough that a bad
+# file or flag is refused before the loader builds per-layer tables or allocates weights.
+LIMITS = {"n_layers": 1024, "d_model": 1 << 16, "n_heads": 1024, "n_kv_heads": 1024, "head_dim": 1024,
+          "d_ff": 1 << 18, "vocab_size": 1 << 21, "context_length": 2**31 - 1}
+
 
 def check_positive_int(field: str, value: Any) -> int:
-    """Return value as an int if it is a positive integer, else raise ModelConfigError naming it."""
-    return check_int(field, value, 1, 2**31 - 1, "a positive integer")
+    """Return value as an int if it is a positive integer (within LIMITS), else raise ModelConfigError naming it."""
+    high = LIMITS.get(field, 2**31 - 1)
+    return check_int(field, value, 1, high, "a positive integer" if high == 2**31 - 1 else f"a positive integer up to {high}")
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,12 @@ class ModelConfig:
         for token in (*self.eos_ids, *(() if self.bos_id is None else (self.bos_id,))):
             if not 0 <= token < self.vocab_size:
                 raise ModelConfigError("eos_ids/bos_id", token, f"a token id below {self.vocab_size}")
+
+    def weight_bytes(self) -> int:
+        """The float32 weights this shape needs (embedding and output tied, as the smallest case)."""
+        d, ff = self.d_model, self.d_ff
+        per_layer = 2 * d + d * self.q_dim * 2 + 2 * d * self.kv_dim + 3 * d * ff
+        return 4 * (self.vocab_size * d + d + self.n_layers * per_layer)
 
     @property
     def q_dim(self) -> int:

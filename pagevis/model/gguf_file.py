@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from .errors import ModelLoadError
+from .gguf_header import check_gguf_structure
 
 GGUF_MAGIC = b"GGUF"
 HEADER_BYTES = 24  # magic, version, tensor count, metadata count
@@ -49,6 +50,7 @@ def open_gguf(path: Path) -> GGUFReader:
         raise ModelLoadError(f"{path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
     if size < HEADER_BYTES:
         raise ModelLoadError(f"{path} is truncated: {size} bytes is shorter than a GGUF header")
+    check_gguf_structure(path)  # every count and length fits the file before the gguf reader trusts them
     try:
         reader = _PlainArrayReader(path)
     except (ValueError, IndexError, KeyError, TypeError, OverflowError, MemoryError) as exc:

@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from .bpe import BPETokenizer
+from ..system_memory import available_bytes, fits, gib
+from .bpe import BPETokenizer, byte_to_unicode
 from .chat import system_prompt_from_template
 from .config import ModelConfig
 from .errors import ModelConfigError, ModelLoadError
@@ -20,6 +21,9 @@ from .weights import LlamaWeights, layer_from_gguf_matrices
 SUPPORTED_ARCHITECTURE = "llama"
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+# Byte tokens every vocabulary must have: text is made of them. (SmolLM2 lacks a few control characters
+# and bytes that never occur in UTF-8; encoding text with those is refused when it happens.)
+REQUIRED_BYTES = (0x09, 0x0A, *range(0x20, 0x7F))
 # Metadata arrays longer than this (the vocabulary, merges) are read only when building the tokenizer.
 LONG_ARRAY = 64
 
@@ -30,15 +34,34 @@ def load_model(path: str | Path | None = None) -> LlamaModel:
     reader = open_gguf(path)
     metadata = read_metadata(reader, skip_arrays_longer_than=LONG_ARRAY)
     config = config_from_metadata(path, metadata, reader)
+    tokenizer = tokenizer_from_reader(path, reader, metadata, config.vocab_size)  # before the weights: fail fast
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     weights = weights_from_tensors(path, config, tensors)
-    return LlamaModel(config, weights, tokenizer_from_reader(path, reader, metadata))
+    return LlamaModel(config, weights, tokenizer)
+
+
+_MISSING = object()
+_KINDS = {"int": "an integer", "number": "a number", "str": "a string", "bool": "true or false"}
+
+
+def metadata_value(path: Path, metadata: dict[str, Any], key: str, kind: str, default: Any = _MISSING) -> Any:
+    """metadata[key] if it has the expected kind ("int", "number", "str", "bool"); else ModelLoadError naming it."""
+    if key not in metadata:
+        if default is _MISSING:
+            raise ModelLoadError(f"{path}: metadata key {key} is missing ({_KINDS[kind]} expected)")
+        return default
+    value = metadata[key]
+    ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+          "number": isinstance(value, (int, float)) and not isinstance(value, bool),
+          "str": isinstance(value, str), "bool": isinstance(value, bool)}[kind]
+    if not ok:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "…"
+        raise ModelLoadError(f"{path}: metadata key {key} is {type(value).__name__} {shown}, expected {_KINDS[kind]}")
+    return value
 
 
 def config_from_metadata(path: Path, metadata: dict[str, Any], reader: Any) -> ModelConfig:
-    arch = metadata.get("general.architecture")
-    if arch is None:
-        raise ModelLoadError(f"{path}: metadata has no general.architecture")
+    arch = metadata_value(path, metadata, "general.architecture", "str")
     if arch != SUPPORTED_ARCHITECTURE:
         raise ModelLoadError(
             f"{path}: architecture {arch!r} is not supported; pagevis runs Llama-family models "
@@ -46,45 +69,48 @@ def config_from_metadata(path: Path, metadata: dict[str, Any], reader: Any) -> M
         )
     _refuse_rope_scaling(path, metadata, reader)
 
-    def required(key: str) -> Any:
-        if f"{arch}.{key}" not in metadata:
-            raise ModelLoadError(f"{path}: metadata key {arch}.{key} is missing")
-        return metadata[f"{arch}.{key}"]
+    def value(key: str, kind: str = "int", default: Any = _MISSING) -> Any:
+        return metadata_value(path, metadata, f"{arch}.{key}", kind, default)
 
-    d_model = required("embedding_length")
-    n_heads = required("attention.head_count")
-    head_dim = metadata.get(f"{arch}.attention.key_length", d_model // max(n_heads, 1))
-    rope_dims = metadata.get(f"{arch}.rope.dimension_count", head_dim)
+    d_model = value("embedding_length")
+    n_heads = value("attention.head_count")
+    head_dim = value("attention.key_length", default=d_model // max(n_heads, 1))
+    rope_dims = value("rope.dimension_count", default=head_dim)
     if rope_dims != head_dim:
         raise ModelLoadError(f"{path}: partial RoPE ({rope_dims} of {head_dim} dims) is not supported")
-    vocab = metadata.get(f"{arch}.vocab_size") or _vocab_from_embedding(path, reader)
+    vocab = value("vocab_size", default=None) or _vocab_from_embedding(path, reader)
     eos_ids = tuple(dict.fromkeys(
-        int(metadata[key]) for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
-        if key in metadata
+        metadata_value(path, metadata, key, "int") for key in ("tokenizer.ggml.eos_token_id",
+                                                              "tokenizer.ggml.eot_token_id") if key in metadata
     ))
-    bos = metadata.get("tokenizer.ggml.bos_token_id")
+    bos = metadata_value(path, metadata, "tokenizer.ggml.bos_token_id", "int", None)
     try:
-        return ModelConfig(
+        config = ModelConfig(
             name=path.stem,
-            n_layers=required("block_count"),
+            n_layers=value("block_count"),
             d_model=d_model,
             n_heads=n_heads,
-            n_kv_heads=metadata.get(f"{arch}.attention.head_count_kv", n_heads),
+            n_kv_heads=value("attention.head_count_kv", default=n_heads),
             head_dim=head_dim,
-            d_ff=required("feed_forward_length"),
+            d_ff=value("feed_forward_length"),
             vocab_size=vocab,
-            rope_base=float(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
-            rms_eps=float(metadata.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-            context_length=required("context_length"),
-            bos_id=None if bos is None else int(bos),
+            rope_base=float(value("rope.freq_base", "number", 10000.0)),
+            rms_eps=float(value("attention.layer_norm_rms_epsilon", "number", 1e-5)),
+            context_length=value("context_length"),
+            bos_id=bos,
             eos_ids=eos_ids,
         )
     except ModelConfigError as exc:
         raise ModelLoadError(f"{path}: inconsistent metadata: {exc}") from exc
+    need = config.weight_bytes()
+    if not fits(need):
+        raise ModelLoadError(f"{path}: its weights need {gib(need)} as float32, more than the memory available "
+                             f"now ({gib(available_bytes() or 0)})")
+    return config
 
 
 def _refuse_rope_scaling(path: Path, metadata: dict[str, Any], reader: Any) -> None:
-    scaling = metadata.get("llama.rope.scaling.type", "none")
+    scaling = metadata_value(path, metadata, "llama.rope.scaling.type", "str", "none")
     if scaling != "none" or any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ModelLoadError(f"{path}: RoPE scaling ({scaling}) is not supported")
 
@@ -98,7 +124,7 @@ def _vocab_from_embedding(path: Path, reader: Any) -> int:
 
 def weights_from_tensors(path: Path, config: ModelConfig, tensors: dict[str, Any]) -> LlamaWeights:
     """Dequantise and lay out every weight. Two threads: NumPy releases the GIL in the bulk work."""
-    expected = _expected_shapes(config, tied="output.weight" not in tensors)
+    expected = _expected_shapes(config, tied="output.weight" not in tensors)  # n_layers is bounded: small
     missing = [name for name in expected if name not in tensors]
     if missing:
         raise ModelLoadError(f"{path}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
@@ -142,32 +168,50 @@ def _expected_shapes(config: ModelConfig, tied: bool) -> dict[str, tuple[int, ..
     return shapes
 
 
-def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any]) -> BPETokenizer | None:
-    """The file's byte-level BPE tokenizer, or None if the file carries no tokenizer."""
-    kind = metadata.get("tokenizer.ggml.model")
+def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any], vocab_size: int) -> BPETokenizer:
+    """The file's byte-level BPE tokenizer; ModelLoadError naming the key if it is missing or unusable."""
+    kind = metadata_value(path, metadata, "tokenizer.ggml.model", "str", None)
     if kind is None:
-        return None
+        raise ModelLoadError(f"{path}: metadata key tokenizer.ggml.model is missing: pagevis needs the model's own "
+                             "tokenizer (byte-level BPE, 'gpt2') in the file")
     if kind != "gpt2":
         raise ModelLoadError(
             f"{path}: tokenizer model {kind!r} is not supported; pagevis reads byte-level BPE ('gpt2')"
         )
 
-    def array(key: str) -> list[Any] | None:
+    def array(key: str, item: type, required: bool) -> list[Any] | None:
         field = reader.fields.get(key)
-        return None if field is None else field.contents()
+        if field is None:
+            if required:
+                raise ModelLoadError(f"{path}: metadata key {key} is missing")
+            return None
+        values = field.contents()
+        if not isinstance(values, list) or not all(isinstance(v, item) and not isinstance(v, bool) for v in values):
+            raise ModelLoadError(f"{path}: metadata key {key} must be a list of {item.__name__} values")
+        return values
 
-    tokens = array("tokenizer.ggml.tokens")
-    if tokens is None:
-        raise ModelLoadError(f"{path}: tokenizer.ggml.tokens is missing")
-    merges = array("tokenizer.ggml.merges") or []  # a byte-only vocabulary needs none
-    template = metadata.get("tokenizer.chat_template")
+    tokens = array("tokenizer.ggml.tokens", str, required=True)
+    if len(tokens) != vocab_size:
+        raise ModelLoadError(f"{path}: tokenizer.ggml.tokens has {len(tokens)} tokens; the model's vocabulary "
+                             f"has {vocab_size}")
+    spelled = byte_to_unicode()
+    missing = sorted(spelled[b] for b in REQUIRED_BYTES if spelled[b] not in set(tokens))
+    if missing:
+        raise ModelLoadError(f"{path}: tokenizer.ggml.tokens lacks {len(missing)} byte tokens of printable ASCII, "
+                             f"tab and newline (e.g. {missing[0]!r}); pagevis needs a byte-level BPE vocabulary")
+    merges = array("tokenizer.ggml.merges", str, required=False) or []  # a byte-only vocabulary needs none
+    token_types = array("tokenizer.ggml.token_type", int, required=False)
+    if token_types is not None and len(token_types) != len(tokens):
+        raise ModelLoadError(f"{path}: tokenizer.ggml.token_type has {len(token_types)} entries for "
+                             f"{len(tokens)} tokens")
+    template = metadata_value(path, metadata, "tokenizer.chat_template", "str", None)
     try:
         return BPETokenizer(
-            tokens, merges, array("tokenizer.ggml.token_type"),
-            pre_tokenizer=metadata.get("tokenizer.ggml.pre", "default"),
-            bos_id=metadata.get("tokenizer.ggml.bos_token_id"),
-            eos_id=metadata.get("tokenizer.ggml.eos_token_id"),
-            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+            tokens, merges, token_types,
+            pre_tokenizer=metadata_value(path, metadata, "tokenizer.ggml.pre", "str", "default"),
+            bos_id=metadata_value(path, metadata, "tokenizer.ggml.bos_token_id", "int", None),
+            eos_id=metadata_value(path, metadata, "tokenizer.ggml.eos_token_id", "int", None),
+            add_bos=metadata_value(path, metadata, "tokenizer.ggml.add_bos_token", "bool", False),
             chat_system_prompt=system_prompt_from_template(template),
         )
     except ValueError as exc:

@@ -9,8 +9,12 @@ from typing import Callable, Iterable, Protocol
 class Tokenizer(Protocol):
     vocab_size: int
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids for text; special-token strings in it become their single ids."""
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        """Token ids for text. Special-token strings in it become their single ids only with special=True."""
+        ...
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """A conversation in the model's chat format: control tokens come from the template only."""
         ...
 
     def decode(self, ids: Iterable[int]) -> str:

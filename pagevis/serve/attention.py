@@ -87,7 +87,7 @@ def paged_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, page_size: int)
     resident = slots >= 0
     weights = np.zeros((q.shape[0], n_keys), dtype=np.float32)
     weights[:, slots[resident]] = result.weights[0][:, resident]
-    return result.output[0], weights, len(cache.layers[0].block_table)
+    return result.output[0], weights, len(cache.block_table(0))
 
 
 def answer(request: AttentionRequest) -> AttentionResponse:

@@ -154,7 +154,7 @@ def describe(served: ServedSession, state, layers: bool = False) -> dict[str, An
     config = session.config
     info: dict[str, Any] = {
         "model": state.model_id, "created": int(served.created), "prompt_tokens": len(session.prompt_ids),
-        "steps": len(records), "generated_tokens": len(session.generated), "text": session.text(),
+        "total_steps": len(records), "generated_tokens": len(session.generated), "text": session.text(),
         "done": session.done, "stop_reason": session.stop_reason,
         "config": {"page_size": config.page_size, "max_pages": config.max_pages, "policy": config.policy,
                    "policy_params": dict(config.policy_params), "dtype": config.dtype,

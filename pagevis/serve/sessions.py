@@ -18,7 +18,7 @@ from .settings import ServeSettings
 
 # Request fields that mean what the CLI's options of the same name mean (options.session_config reads them).
 SESSION_FIELDS = ("page_size", "max_pages", "dtype", "policy", "max_tokens", "sample", "temperature", "top_k",
-                  "top_p", "seed", "oracle", "record_layers", "chat")
+                  "top_p", "seed", "oracle", "record_layers", "chat", "special")
 
 
 def session_config(settings: ServeSettings, fields: dict) -> SessionConfig:
@@ -50,12 +50,13 @@ def session_config(settings: ServeSettings, fields: dict) -> SessionConfig:
     return config
 
 
-def build_session(model, settings: ServeSettings, prompt: str, config: SessionConfig) -> DecodeSession:
+def build_session(model, settings: ServeSettings, prompt: str, config: SessionConfig,
+                  prompt_ids: list[int] | None = None) -> DecodeSession:
     """A DecodeSession within the server's token bound (prompt + generated tokens). Runs in a worker
     thread: encoding a long prompt takes a while."""
     if model.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer, so it cannot take text prompts", param="prompt")
-    session = DecodeSession(model, prompt, config)
+    session = DecodeSession(model, prompt, config, prompt_ids=prompt_ids)
     limit, prompt_tokens = settings.max_session_tokens, len(session.prompt_ids)
     if prompt_tokens >= limit:
         raise ConfigError("prompt", f"{prompt_tokens} tokens",

@@ -20,13 +20,14 @@ class ViewState:
     head: int | None = None  # None: mean over heads
     shade: str = "age"  # page-grid colouring of resident cells: "age", "score" or "none"
     log_scale: bool = False  # attention heatmap
+    fixed_scale: bool = False  # attention colours keep their scale from step to step
     loading: SessionConfig | None = None  # no session yet: the configuration whose model is loading
 
     @property
     def record(self) -> StepRecord | None:
         if self.timeline is None or not 0 <= self.index < len(self.timeline):
             return None
-        return self.timeline.records[self.index]
+        return self.timeline.record(self.index)
 
     @property
     def config(self) -> SessionConfig | None:

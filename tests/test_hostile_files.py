@@ -1,0 +1,78 @@
+"""The crafted hostile files of issue #8 (tests/data/hostile/, made by scripts/make_hostile_files.py) are refused
+with one clear line: in-process as TraceError / ModelLoadError, and through the CLI with exit status 2, no
+traceback, bounded memory and time."""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pagevis.model import ModelLoadError, load_model
+from pagevis.trace import TraceError, read_trace
+
+HOSTILE = Path(__file__).parent / "data" / "hostile"
+TRACES = sorted(p.name for p in HOSTILE.glob("*.pvtrace") if p.name != "valid.pvtrace")
+MODELS = sorted(p.name for p in HOSTILE.glob("*.gguf"))
+MEMORY_LIMIT = 3 << 29  # 1.5 GiB of address space for a CLI run on a hostile file
+
+
+def test_the_manifest_lists_every_file():
+    listed = {line.split("\t")[0] for line in (HOSTILE / "MANIFEST").read_text().splitlines() if line}
+    assert listed == set(TRACES) | set(MODELS)
+    assert len(TRACES) >= 40 and len(MODELS) >= 12
+
+
+def test_the_valid_trace_is_accepted():
+    trace = read_trace(HOSTILE / "valid.pvtrace")
+    assert len(trace.records) > 5 and trace.config.policy == "h2o"
+
+
+@pytest.mark.parametrize("name", TRACES)
+def test_hostile_trace_is_refused_naming_the_file(name):
+    with pytest.raises(TraceError) as refused:
+        read_trace(HOSTILE / name)
+    message = str(refused.value)
+    assert message.startswith(str(HOSTILE / name) + ":") and "\n" not in message and len(message) < 400
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_hostile_gguf_is_refused_naming_the_file(name):
+    with pytest.raises(ModelLoadError) as refused:
+        load_model(HOSTILE / name)
+    message = str(refused.value)
+    assert name in message and "\n" not in message and len(message) < 400
+
+
+def limited_memory():
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`python -m pagevis ARGS` in a subprocess limited to 1.5 GiB of address space."""
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen", OPENBLAS_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "pagevis", *args], capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=limited_memory, env=env)
+
+
+def assert_one_line_refusal(result: subprocess.CompletedProcess, name: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and name in lines[0], result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+@pytest.mark.parametrize("name", ["bomb-member.pvtrace", "bomb-header.pvtrace", "npy-huge-shape.pvtrace",
+                                  "huge-position.pvtrace", "encrypted.pvtrace", "deep-nesting.pvtrace"])
+def test_cli_refuses_hostile_traces_in_bounded_memory(name):
+    assert_one_line_refusal(run_cli("replay", "--check", str(HOSTILE / name)), name)
+
+
+@pytest.mark.parametrize("name", ["gguf-array-2p40.gguf", "gguf-block-count-1e9.gguf", "gguf-no-tokenizer.gguf"])
+def test_cli_refuses_hostile_models_in_bounded_memory(name):
+    result = run_cli("run", "--model", str(HOSTILE / name), "--max-tokens", "2", "--quiet")
+    assert_one_line_refusal(result, name)
