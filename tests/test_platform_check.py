@@ -217,3 +217,33 @@ def test_the_check_and_the_gui_entry_import_no_qt_and_exit_3_without_a_display()
     assert done.returncode == 3, done.stderr
     assert "QT:\n" in done.stdout or done.stdout.strip().endswith("QT:")
     assert "no display" in done.stderr and "xvfb-run" in done.stderr
+
+
+def _unused_display_number() -> int:
+    taken = {name[1:] for name in os.listdir("/tmp/.X11-unix")} if os.path.isdir("/tmp/.X11-unix") else set()
+    return next(n for n in range(4700, 4800) if str(n) not in taken)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux abstract sockets")
+def test_a_display_where_no_x_server_listens_is_reported_and_one_that_listens_is_not():
+    import socket
+
+    number = _unused_display_number()
+    assert platform_check.x_server_reachable(f":{number}") is False
+    verdict = check({"DISPLAY": f":{number}"})
+    if verdict.platform == "xcb" and not verdict.missing:  # (a machine lacking the libraries says that first)
+        assert verdict.unreachable == f":{number}" and not verdict.ok
+        assert f"DISPLAY=:{number}" in verdict.message() and "xvfb-run" in verdict.message()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:  # where an X server would listen
+        server.bind(f"\0/tmp/.X11-unix/X{number}")
+        server.listen(4)
+        assert platform_check.x_server_reachable(f":{number}") is True
+        assert platform_check.x_server_reachable(f"unix:{number}.0") is True
+        assert not check({"DISPLAY": f":{number}"}).unreachable
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:  # ssh -X style: TCP 6000 + N
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)
+        port = server.getsockname()[1]
+        if port > 6000:
+            assert platform_check.x_server_reachable(f"127.0.0.1:{port - 6000}.0") is True
+    assert platform_check.x_server_reachable("/private/tmp/launchd-1/org.xquartz:0") is None
