@@ -150,7 +150,7 @@ class Verdict:
         if self.ok:
             return ""
         if self.no_display:
-            return ("pagevis: no display: neither DISPLAY nor WAYLAND_DISPLAY is set, so the window has nowhere "
+            return ("pagevis: no display: DISPLAY (X11) or WAYLAND_DISPLAY is not set, so the window has nowhere "
                     "to open.\n  Run it on a desktop, or under a virtual X server:  xvfb-run -a pagevis\n"
                     "  or save a picture of the window without any screen:  "
                     "QT_QPA_PLATFORM=offscreen pagevis --screenshot window.png --steps 10\n"
@@ -221,10 +221,18 @@ def check(environ=None, qt_dir: Path | None = None, system: str | None = None) -
     if platforms is None:
         return Verdict("", no_display=True)
     verdicts = [check_platform(name, qt_dir) for name in platforms]
-    display = environ.get("DISPLAY", "")
-    verdicts = [Verdict("xcb", unreachable=display) if v.platform == "xcb" and v.ok and display
-                and x_server_reachable(display) is False else v for v in verdicts]
+    verdicts = [_with_x_server(v, environ.get("DISPLAY", "")) for v in verdicts]
     return next((v for v in verdicts if v.ok), verdicts[0] if verdicts else Verdict(""))
+
+
+def _with_x_server(verdict: Verdict, display: str) -> Verdict:
+    """An xcb verdict whose libraries are fine still needs an X server (QT_QPA_PLATFORM=xcb may be set
+    without DISPLAY)."""
+    if verdict.platform != "xcb" or not verdict.ok:
+        return verdict
+    if not display:
+        return Verdict("", no_display=True)
+    return Verdict("xcb", unreachable=display) if x_server_reachable(display) is False else verdict
 
 
 def x_server_reachable(display: str, timeout: float = 2.0) -> bool | None:

@@ -141,6 +141,8 @@ def test_no_display_says_how_to_run_anyway():
     assert check({"QT_QPA_PLATFORM": "offscreen"}).ok
     assert check({}, system="darwin").ok and check({}, system="win32").ok  # Cocoa, Windows: no DISPLAY there
     assert check({platform_check.SKIP_VARIABLE: "1"}).ok
+    forced = check({"QT_QPA_PLATFORM": "xcb"})  # the X11 plugin asked for, with no X display
+    assert not forced.ok and (forced.no_display or forced.missing)
 
 
 # --- for real: ldd on the wheel's plugin ---------------------------------------------------------------
