@@ -130,7 +130,7 @@ class Verdict:
     missing: tuple[str, ...] = ()
     problems: tuple[str, ...] = ()
     no_display: bool = False
-    unreachable: str = ""  # a DISPLAY where no X server answers
+    unreachable: str = ""  # a display where no server answers: "DISPLAY=:1", "WAYLAND_DISPLAY=wayland-0"
 
     @property
     def ok(self) -> bool:
@@ -156,7 +156,7 @@ class Verdict:
                     "QT_QPA_PLATFORM=offscreen pagevis --screenshot window.png --steps 10\n"
                     "  (the headless commands need no display: pagevis run, compare, bench)")
         if self.unreachable:
-            return (f"pagevis: no X server answers at DISPLAY={self.unreachable} (nothing listens on its socket), "
+            return (f"pagevis: no display server answers at {self.unreachable} (nothing listens on its socket), "
                     "so the window has nowhere to open.\n  Start one, connect over ssh with `ssh -X`, or run under "
                     "a virtual X server:  xvfb-run -a pagevis\n  or save a picture of the window without any screen:"
                     "  QT_QPA_PLATFORM=offscreen pagevis --screenshot window.png --steps 10")
@@ -222,6 +222,7 @@ def check(environ=None, qt_dir: Path | None = None, system: str | None = None) -
         return Verdict("", no_display=True)
     verdicts = [check_platform(name, qt_dir) for name in platforms]
     verdicts = [_with_x_server(v, environ.get("DISPLAY", "")) for v in verdicts]
+    verdicts = [_with_compositor(v, environ) for v in verdicts]
     return next((v for v in verdicts if v.ok), verdicts[0] if verdicts else Verdict(""))
 
 
@@ -232,7 +233,22 @@ def _with_x_server(verdict: Verdict, display: str) -> Verdict:
         return verdict
     if not display:
         return Verdict("", no_display=True)
-    return Verdict("xcb", unreachable=display) if x_server_reachable(display) is False else verdict
+    return Verdict("xcb", unreachable=f"DISPLAY={display}") if x_server_reachable(display) is False else verdict
+
+
+def _with_compositor(verdict: Verdict, environ) -> Verdict:
+    """A wayland verdict whose libraries are fine still needs a compositor listening on its socket."""
+    if verdict.platform != "wayland" or not verdict.ok:
+        return verdict
+    name = environ.get("WAYLAND_DISPLAY") or "wayland-0"  # Qt's default, like every Wayland client's
+    path = name if name.startswith("/") else os.path.join(environ.get("XDG_RUNTIME_DIR", ""), name)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.settimeout(2.0)
+            connection.connect(path)
+    except OSError:
+        return Verdict("wayland", unreachable=f"WAYLAND_DISPLAY={name}")
+    return verdict
 
 
 def x_server_reachable(display: str, timeout: float = 2.0) -> bool | None:

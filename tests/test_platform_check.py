@@ -238,7 +238,7 @@ def test_a_display_where_no_x_server_listens_is_reported_and_one_that_listens_is
     assert platform_check.x_server_reachable(f":{number}") is False
     verdict = check({"DISPLAY": f":{number}"})
     if verdict.platform == "xcb" and not verdict.missing:  # (a machine lacking the libraries says that first)
-        assert verdict.unreachable == f":{number}" and not verdict.ok
+        assert verdict.unreachable == f"DISPLAY=:{number}" and not verdict.ok
         assert f"DISPLAY=:{number}" in verdict.message() and "xvfb-run" in verdict.message()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:  # where an X server would listen
         server.bind(f"\0/tmp/.X11-unix/X{number}")
@@ -253,3 +253,19 @@ def test_a_display_where_no_x_server_listens_is_reported_and_one_that_listens_is
         if port > 6000:
             assert platform_check.x_server_reachable(f"127.0.0.1:{port - 6000}.0") is True
     assert platform_check.x_server_reachable("/private/tmp/launchd-1/org.xquartz:0") is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Unix sockets")
+def test_a_wayland_display_needs_a_compositor_on_its_socket(tmp_path):
+    import socket
+
+    environ = {"WAYLAND_DISPLAY": "pagevis-test", "XDG_RUNTIME_DIR": str(tmp_path)}
+    verdict = check(environ)
+    if verdict.platform == "wayland" and not verdict.missing:  # (a machine lacking libwayland says that first)
+        assert verdict.unreachable == "WAYLAND_DISPLAY=pagevis-test"
+        assert "WAYLAND_DISPLAY=pagevis-test" in verdict.message()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as compositor:
+        compositor.bind(str(tmp_path / "pagevis-test"))
+        compositor.listen(4)
+        assert not check(environ).unreachable
+        assert not check({"WAYLAND_DISPLAY": str(tmp_path / "pagevis-test")}).unreachable  # an absolute path
