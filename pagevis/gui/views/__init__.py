@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...decoding import SessionConfig, StepRecord
-from ..timeline import Timeline
+from ..timeline import Timeline, head_label
 
 
 EMPTY_HINT = "press Space to decode"  # what the views say before the first step
@@ -36,4 +36,7 @@ class ViewState:
 
     @property
     def head_label(self) -> str:
-        return "mean of heads" if self.head is None else f"head {self.head}"
+        if self.head is None:
+            return "mean of heads"
+        info = self.timeline.info if self.timeline is not None else None
+        return head_label(self.head, info.n_heads, info.n_kv_heads) if info is not None else f"head {self.head}"
