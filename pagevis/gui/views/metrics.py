@@ -82,7 +82,7 @@ class MetricsView(QWidget):
                                         label="capacity", labelOpts={"color": theme.MUTED, "position": 0.5})
         self.occupancy.addItem(self.capacity)
         self.cursors = []
-        for plot in (self.occupancy, self.evictions, self.latency, self.oracle, self.tiers):
+        for plot in (self.occupancy, self.evictions, self.latency, self.oracle):
             line = pg.InfiniteLine(angle=90, pen=pg.mkPen(theme.ACCENT, style=Qt.DashLine))
             plot.addItem(line, ignoreBounds=True)
             self.cursors.append(line)
