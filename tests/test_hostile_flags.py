@@ -43,8 +43,8 @@ def test_numeric_flags_are_bounded(capsys, argv, message):
 
 
 def test_errors_name_only_flags_the_command_has(capsys, tmp_path):
-    smollm2_layout = ["--model", "synthetic", "--layers", "30", "--heads", "9", "--kv-heads", "3", "--head-dim", "64"]
-    err = refusal(capsys, "compare", "--budgets", "16777216", *smollm2_layout, "--no-files", "--quiet")
+    wide = ["--model", "synthetic", "--layers", "1", "--heads", "4", "--kv-heads", "4", "--head-dim", "64"]
+    err = refusal(capsys, "compare", "--budgets", "16777216", *wide, "--no-files", "--quiet")
     assert "--budgets: 16777216 tokens is too large" in err and "--max-pages" not in err
     err = refusal(capsys, "bench", "--decode-tokens", "0", "--no-files", "--quick")
     assert "--decode-tokens" in err and "--max-tokens" not in err
