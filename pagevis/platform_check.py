@@ -6,8 +6,8 @@ with "no Qt platform plugin could be initialized". This module runs `ldd` on the
 maps each missing library to the package that provides it, and says exactly what to install. It never
 imports Qt (it finds PySide6 with importlib.util.find_spec), so it can run before QApplication exists.
 
-`python -m pagevis.platform_check` prints the verdict; `--missing-debian-packages` prints only the
-Debian/Ubuntu packages to install (what `make deps` uses).
+`python -m pagevis.platform_check` prints the verdict; `--missing-packages debian` (or `fedora`) prints
+only the packages to install (what `make deps` uses).
 """
 
 from __future__ import annotations
@@ -202,11 +202,13 @@ def check_platform(platform: str, qt_dir: Path | None = None) -> Verdict:
     return Verdict(platform, result.missing, result.problems)
 
 
-def check(environ=None, qt_dir: Path | None = None) -> Verdict:
+def check(environ=None, qt_dir: Path | None = None, system: str | None = None) -> Verdict:
     """The verdict for the platform Qt will use here. When Qt may fall back (wayland, then xcb), one
-    candidate that can load is enough; otherwise the first candidate's verdict is reported."""
+    candidate that can load is enough; otherwise the first candidate's verdict is reported. macOS and
+    Windows have their own platform plugins, with no display variables: nothing to check there."""
     environ = os.environ if environ is None else environ
-    if environ.get(SKIP_VARIABLE):
+    system = sys.platform if system is None else system
+    if environ.get(SKIP_VARIABLE) or system.startswith(("darwin", "win32", "cygwin")):
         return Verdict("")
     platforms = candidate_platforms(environ)
     if platforms is None:
@@ -215,14 +217,21 @@ def check(environ=None, qt_dir: Path | None = None) -> Verdict:
     return next((v for v in verdicts if v.ok), verdicts[0] if verdicts else Verdict(""))
 
 
+def missing_packages(distribution: str) -> list[str]:
+    """The packages ("debian" or "fedora" names) the X11 and Wayland plugins lack, whatever the current
+    session: what `make deps` installs so that `make run` can open the window on either."""
+    index = {"debian": 0, "fedora": 1}[distribution]
+    return _unique(PACKAGES[soname][index] for name in PLATFORM_FILES
+                   for soname in check_platform(name).missing if soname in PACKAGES)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv == ["--missing-debian-packages"]:
-        # what the X11 and Wayland plugins lack, whatever the current session: `make deps` prepares both
-        print(" ".join(_unique(p for name in PLATFORM_FILES for p in check_platform(name).debian_packages())))
+    if len(argv) == 2 and argv[0] == "--missing-packages" and argv[1] in ("debian", "fedora"):
+        print(" ".join(missing_packages(argv[1])))
         return 0
     if argv:
-        print("usage: python -m pagevis.platform_check [--missing-debian-packages]", file=sys.stderr)
+        print("usage: python -m pagevis.platform_check [--missing-packages debian|fedora]", file=sys.stderr)
         return 2
     verdict = check()
     if verdict.ok:

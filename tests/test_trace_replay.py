@@ -9,7 +9,6 @@ pytest.importorskip("pytestqt")
 from PySide6.QtCore import QSettings  # noqa: E402
 
 from pagevis.decoding import ModelSpec, SessionConfig  # noqa: E402
-from pagevis.trace import write_trace  # noqa: E402
 
 SYNTH = ModelSpec(kind="synthetic", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=4)
 CONFIG = SessionConfig(page_size=4, max_pages=3, policy="h2o", max_new_tokens=12, chat=False)
@@ -49,16 +48,16 @@ def test_replay_shows_the_live_page_grid(qtbot, window, tmp_path):
         count = len(window.timeline)
         window.step()
         qtbot.waitUntil(lambda: not window.runner.busy and len(window.timeline) == count + 1, timeout=10000)
-    session = window.runner.session
-    assert sum(len(r.evictions) for r in session.records) > 0
+    assert sum(len(r.evictions) for r in window.timeline.records) > 0
     live = grids(window, layers=(0, 1))
 
     path = tmp_path / "live.pvtrace"
-    write_trace(path, session, model_spec=SYNTH)
+    assert window.save_trace(str(path)) == str(path)  # File ▸ Save trace: the timeline's records
+    steps = len(window.timeline)
     assert window.open_trace(str(path)) and window.runner.state == "replay"
     replayed = grids(window, layers=(0, 1))
 
-    assert len(replayed) == len(live) == 2 * len(session.records)
+    assert len(replayed) == len(live) == 2 * steps
     for (index, layer, states, rows), (_, _, states_again, rows_again) in zip(live, replayed):
         np.testing.assert_array_equal(states, states_again, err_msg=f"step {index} layer {layer}")
         assert rows == rows_again, f"step {index} layer {layer}"

@@ -37,6 +37,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
                              "synthetic model")
     options.add_model_options(parser)
     parser.add_argument("--no-model", action="store_true", help="skip the model decode benchmark")
+    parser.add_argument("--no-sequences", action="store_true",
+                        help="skip the many-sequences rows (aggregate tokens/s at 1-16 sequences, parallel "
+                             "sampling pages, shared-prompt prefix-cache hit rate)")
     parser.add_argument("--decode-tokens", type=int, default=32, metavar="N", help="decode steps to time (32)")
     parser.add_argument("--out", default=".", metavar="DIR",
                         help="folder for bench-*.csv and bench-latency.png, bench-memory.png (default .)")
@@ -106,7 +109,13 @@ def main(args: argparse.Namespace) -> int:
                           transformers_versions=eager["versions"],
                           paged_over_transformers=decode["paged_tok_s"] / eager["tokens_per_s"])
 
-    result = {"attention": paged, "storage": storage, "torch": torch_rows, "decode": decode,
+    sequences = None
+    if spec is not None and not args.no_sequences:
+        from ..bench.sequences import run_sequences_bench
+
+        say("many sequences: continuous batching, parallel sampling, prefix caching ...")
+        sequences = run_sequences_bench(spec.load(), spec.kind, n_tokens=4 if args.quick else 12)
+    result = {"attention": paged, "storage": storage, "torch": torch_rows, "decode": decode, "sequences": sequences,
               "shape": suite.SMOLLM2_LAYER}
     if not args.no_files:
         result["files"] = write_files(args.out, result, half)
@@ -162,6 +171,10 @@ def format_report(result: dict) -> str:
                        f"transformers")
         else:
             out.append("  transformers eager: not measured (--transformers-python PYTHON)")
+    if result.get("sequences"):
+        from ..bench.sequences import format_sequences
+
+        out += ["", *format_sequences(result["sequences"])]
     if result.get("files"):
         out += ["", "wrote " + ", ".join(result["files"])]
     return "\n".join(out)

@@ -15,7 +15,8 @@ from .options import UsageError
 from .progress import Progress
 
 DEFAULT_TEXT = "texts/pride-and-prejudice-ch1.txt"
-DEFAULT_POLICIES = "sinks,oldest,h2o,tova"
+LONG_TEXT = "pride-and-prejudice-ch1-6"  # about 10,100 SmolLM2 tokens: enough for --tokens 8192
+DEFAULT_POLICIES = "sinks,oldest,h2o,tova,snapkv,pyramidkv,lru,lfu"
 MAX_TOKENS = 1 << 20  # the reference's logits go to temporary files; the text bounds it in practice
 COLUMNS = ("policy", "budget", "page_size", "ppl", "ppl_evicting", "full_ppl_evicting", "gap_to_optimal", "mean_kl",
            "top1_agreement", "lost_attention", "evictions", "evicting_tokens", "seconds", "note")
@@ -30,7 +31,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
                     "KL, top-1 and lost attention are means over the tokens predicted once the cache was full; "
                     "ppl_evicting is the perplexity over those tokens, beside the full cache's on the same tokens.")
     parser.add_argument("text", nargs="?", metavar="TEXTFILE",
-                        help="a UTF-8 text file (default: the first chapter of Pride and Prejudice, shipped)")
+                        help=f"a UTF-8 text file, or the name of a shipped text: {LONG_TEXT} (chapters 1-6, 10,100 "
+                             f"tokens) (default: chapter 1 of Pride and Prejudice, shipped, 1,100 tokens)")
     options.add_model_options(parser)
     parser.add_argument("--policies", default=DEFAULT_POLICIES, metavar="LIST",
                         help=f"comma-separated policies, each optionally with parameters as "
@@ -104,8 +106,12 @@ def check_budgets(budgets: list[int], args: argparse.Namespace, model_config) ->
 
 
 def load_text(path: str | None) -> str:
+    texts = resources.files("pagevis.resources").joinpath("texts")
     if path is None:
         return resources.files("pagevis.resources").joinpath(DEFAULT_TEXT).read_text("utf-8")
+    shipped = texts.joinpath(f"{path}.txt")
+    if not os.path.exists(path) and "/" not in path and shipped.is_file():
+        return shipped.read_text("utf-8")
     return options.read_text_file(path, "TEXTFILE")
 
 
@@ -128,8 +134,9 @@ def main(args: argparse.Namespace) -> int:
             if choice.name == OPTIMAL:
                 continue
             try:
-                CacheSettings(page_size=args.page_size, max_pages=budget // args.page_size, policy=choice.name,
-                              policy_params=choice.params).check()
+                max_pages, params = quality.session_pages(choice, budget, args.page_size)
+                CacheSettings(page_size=args.page_size, max_pages=max_pages, policy=choice.name,
+                              policy_params=params).check()
             except ConfigError as error:
                 raise UsageError(f"--policies {choice.label} at budget {budget}: {error}") from None
     text = load_text(args.text)

@@ -262,7 +262,7 @@ def session_config(args: argparse.Namespace, base: SessionConfig | None = None) 
         mode="sample" if sampled else "greedy",
         temperature=_given(args.temperature, sampling.temperature), top_k=_given(args.top_k, sampling.top_k),
         top_p=_given(args.top_p, sampling.top_p), seed=_given(args.seed, sampling.seed))
-    if args.special and args.chat is not False:
+    if getattr(args, "special", None) and args.chat is not False:
         raise UsageError("--special only applies with --no-chat (in the chat template the prompt is always text)")
     params = dict(parse_param(p) for p in (args.policy_param or []))
     policy = _given(args.policy, defaults.policy)
@@ -273,7 +273,7 @@ def session_config(args: argparse.Namespace, base: SessionConfig | None = None) 
         dtype=_given(args.dtype, defaults.dtype), policy=policy, policy_params=params,
         max_new_tokens=_given(args.max_tokens, defaults.max_new_tokens), sampling=sampling,
         oracle=bool(_given(args.oracle, defaults.oracle)), chat=_given(args.chat, defaults.chat),
-        special=bool(args.special),
+        special=bool(getattr(args, "special", None)),
         record_layers=parse_layers(args.record_layers) if args.record_layers is not None else defaults.record_layers)
     check_cache(config)
     return config

@@ -12,6 +12,7 @@ import numpy as np
 from ..presets import default_prompt
 from . import options
 from .metrics_port import add_metrics_option, start_metrics_server
+from .parallel import add_parallel_options, check_parallel_options, run_parallel
 from .progress import Progress
 
 
@@ -25,6 +26,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--trace", metavar="FILE", help="record the run to a trace file (open it with pagevis replay)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     add_metrics_option(parser)
+    add_parallel_options(parser)
     parser.set_defaults(handler=main)
     return parser
 
@@ -36,6 +38,9 @@ def main(args: argparse.Namespace) -> int:
     spec = options.model_spec(args)
     config = options.session_config(args)
     prompt = options.prompt_text(args) or default_prompt(spec.kind)
+    check_parallel_options(args)
+    if args.n > 1:
+        return run_parallel(args, spec, config, prompt)
     if args.trace:
         options.check_writable(args.trace, "--trace")
     metrics, exporter = start_metrics_server(args.metrics_port)

@@ -16,6 +16,9 @@ import numpy as np
 class AttentionResult(NamedTuple):
     output: np.ndarray  # (n_queries, n_heads, head_dim) float32
     weights: np.ndarray  # (n_queries, n_heads, n_keys) float32; exactly 0 on masked keys
+    # The cache's flat slot of each weight column, when the keys read were not the allocated prefix
+    # of the pool (a disk tier, or a page selection); None: column i is flat slot i.
+    slots: np.ndarray | None = None
 
 
 def softmax(scores: np.ndarray, axis: int = -1, out: np.ndarray | None = None) -> np.ndarray:
@@ -47,6 +50,68 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_bias: np.nda
     With q_positions and key_positions, query i sees only keys at positions <= q_positions[i]
     (the causal mask of a prefill chunk). For a single decode query every resident key is visible.
     """
+    scores, values = _scores(q, keys, values, key_bias, key_positions, q_positions)
+    weights = softmax(scores, out=scores)
+    return AttentionResult(_ungroup(np.matmul(weights, values), q.shape[0]), _ungroup(weights, q.shape[0]))
+
+
+class Partial(NamedTuple):
+    """Attention over one part of the keys, in the form that merges exactly with other parts
+    (the split-KV trick of flash-decoding)."""
+
+    output: np.ndarray  # (n, n_heads, d) float32, normalised over this part's keys (0 if none visible)
+    max: np.ndarray  # (n, n_heads) float32, the largest score; -inf when no key is visible
+    total: np.ndarray  # (n, n_heads) float32, sum of exp(score - max); 0 when no key is visible
+
+
+def attend_part(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_bias: np.ndarray | None = None,
+                key_positions: np.ndarray | None = None, q_positions: np.ndarray | None = None
+                ) -> tuple[Partial, np.ndarray]:
+    """`attend` over one part of the keys: its Partial and its weights (n, n_heads, T), normalised
+    within the part (scale them by `rescale` to get the weights of the whole)."""
+    n, n_heads, d = q.shape
+    if keys.shape[1] == 0:
+        nothing = np.zeros((n, n_heads), np.float32)
+        return Partial(np.zeros((n, n_heads, d), np.float32), nothing - np.inf, nothing), np.zeros((n, n_heads, 0))
+    scores, values = _scores(q, keys, values, key_bias, key_positions, q_positions)
+    peak = scores.max(axis=-1, keepdims=True)
+    finite = np.isfinite(peak)
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.subtract(scores, np.where(finite, peak, 0), out=scores)
+    np.exp(scores, out=scores)
+    total = scores.sum(axis=-1, keepdims=True)
+    np.divide(scores, np.where(total > 0, total, 1), out=scores)
+    output = np.matmul(scores, values)
+    part = Partial(_ungroup(output, n), _ungroup(peak[..., 0], n), _ungroup(total[..., 0], n))
+    return part, _ungroup(scores, n)
+
+
+def merge(a: Partial, b: Partial) -> Partial:
+    """The attention over the union of two disjoint key sets, from theirs (log-sum-exp):
+    m = max(m_a, m_b); l = l_a e^(m_a - m) + l_b e^(m_b - m); o = (o_a l_a e^(m_a - m) + o_b l_b e^(m_b - m)) / l."""
+    peak = np.maximum(a.max, b.max)
+    share_a, share_b = _share(a, peak), _share(b, peak)
+    total = share_a + share_b
+    safe = np.where(total > 0, total, 1)
+    output = (a.output * (share_a / safe)[..., None] + b.output * (share_b / safe)[..., None]).astype(np.float32)
+    return Partial(output, peak, total.astype(np.float32))
+
+
+def rescale(part: Partial, whole: Partial) -> np.ndarray:
+    """(n, n_heads) factor turning `part`'s weights into weights of `whole` (a merge that includes it)."""
+    total = np.where(whole.total > 0, whole.total, 1)
+    return (_share(part, whole.max) / total).astype(np.float32)
+
+
+def _share(part: Partial, peak: np.ndarray) -> np.ndarray:
+    """part.total * exp(part.max - peak), 0 where the part saw no key."""
+    with np.errstate(invalid="ignore"):
+        shift = np.where(np.isfinite(part.max), part.max - np.where(np.isfinite(peak), peak, 0), -np.inf)
+    return part.total * np.exp(shift)
+
+
+def _scores(q, keys, values, key_bias, key_positions, q_positions):
+    """Scaled scores (n_kv, n * group, T) with masks applied, and the values in float32."""
     n, n_heads, d = q.shape
     n_kv, n_keys, _ = keys.shape
     group = n_heads // n_kv
@@ -62,8 +127,13 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_bias: np.nda
     if q_positions is not None and n > 1:
         future = np.where(key_positions[None, :] > q_positions[:, None], -np.inf, 0).astype(np.float32)
         scores.reshape(n_kv, n, group, n_keys)[...] += future[None, :, None, :]
-    weights = softmax(scores, out=scores)
-    output = np.matmul(weights, values)  # (n_kv, n * group, d)
-    output = output.reshape(n_kv, n, group, d).transpose(1, 0, 2, 3).reshape(n, n_heads, d)
-    weights = weights.reshape(n_kv, n, group, n_keys).transpose(1, 0, 2, 3).reshape(n, n_heads, n_keys)
-    return AttentionResult(output, weights)
+    return scores, values
+
+
+def _ungroup(array: np.ndarray, n: int) -> np.ndarray:
+    """(n_kv, n * group, ...) -> (n, n_heads, ...): back from the grouped layout of `_scores`."""
+    n_kv, rows = array.shape[:2]
+    group = rows // n
+    rest = array.shape[2:]
+    return array.reshape(n_kv, n, group, *rest).transpose(1, 0, 2, *range(3, 3 + len(rest))).reshape(
+        n, n_kv * group, *rest)

@@ -2,7 +2,7 @@
 
 from ..errors import ConfigError
 
-__all__ = ["ConfigError", "CacheFullError"]
+__all__ = ["CacheFullError", "ConfigError"]
 
 
 class CacheFullError(RuntimeError):

@@ -82,9 +82,14 @@ def _one_blas_thread() -> None:
 
 
 def _screenshot(app, window, path: str, steps: int) -> int:
+    """Offscreen: the window at the fixed default size, rendered by Qt. On a real display (xcb, wayland):
+    the window as it opens on that screen, read back from the display server once it has been painted."""
     from .export import default_size
 
-    window.resize(default_size())
+    real_display = app.platformName() not in ("offscreen", "minimal")
+    if not real_display:
+        window.resize(default_size())
+        window.size_docks()
     window.show()
     app.processEvents()
     window.start(blocking=True)
@@ -96,9 +101,29 @@ def _screenshot(app, window, path: str, steps: int) -> int:
     app.processEvents()
     window.redraw()
     app.processEvents()
-    ok = window.grab().save(path)
+    # X11 lets a client read the screen back; Wayland does not (a client sees only its own buffers)
+    image = _grab_from_screen(app, window) if app.platformName() == "xcb" else window.grab()
+    ok = image.save(path)
     window.close()
     if not ok:
         print(f"pagevis: could not write {path}", file=sys.stderr)
         return 1
     return 0
+
+
+def _grab_from_screen(app, window):
+    """The window's pixels as the display server holds them (on X11, an xcb GetImage of the window): proof
+    that the window really is on that screen, not only rendered by Qt."""
+    import time
+
+    deadline = time.monotonic() + 10
+    handle = window.windowHandle()
+    while not (handle is not None and handle.isExposed()) and time.monotonic() < deadline:
+        app.processEvents()
+        time.sleep(0.01)
+    window.repaint()
+    settle = time.monotonic() + 0.5  # let the backing store reach the server before reading it back
+    while time.monotonic() < settle:
+        app.processEvents()
+        time.sleep(0.01)
+    return window.screen().grabWindow(window.winId())

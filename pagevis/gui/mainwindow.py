@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer
-from PySide6.QtGui import QKeySequence
+import numpy as np
+
+from PySide6.QtCore import QByteArray, QRect, QSettings, QSize, Qt, QTimer
+from PySide6.QtGui import QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget,
     QFileDialog,
+    QToolBar,
     QLabel,
     QMainWindow,
     QMessageBox,
@@ -23,12 +27,14 @@ from ..presets import default_prompt
 from . import export, theme
 from .controls import ControlsPanel
 from .messages import MessagesPanel
+from .narration import narrate
 from .runner import SessionRunner
 from .timeline import Timeline
-from .transport import TransportBar
+from .transport import TimelineCursor, TransportBar
 from .views import ViewState
 from .views.attention import AttentionView
 from .views.events import EventsView
+from .views.heads import HeadsView
 from .views.metrics import MetricsView
 from .views.page_grid import PageGridView
 from .views.text import TextView
@@ -39,13 +45,23 @@ UI_SHARE = 0.25  # while decoding, redraws (with their painting) may take this s
 # the decoder needs the CPU more than the screen needs a 30th frame per second on a small machine
 STATUS_INTERVAL = 0.25  # while decoding, the status bar's step and speed change at most this often
 SETTINGS_VERSION = 1
+FIRST_SCREEN_SHARE = 0.85  # until the user's own geometry is saved, the window takes this share of the screen
 
 
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
 
 
-class MainWindow(QMainWindow):
+def memory_text(cache_bytes: int, n_kv_heads: int) -> str:
+    """The cache's K/V storage, and each KV head's share (every KV head has its own K and V pages)."""
+    if not cache_bytes:
+        return "K/V —"
+    if n_kv_heads <= 0:
+        return f"K/V {_mib(cache_bytes)}"
+    return f"K/V {_mib(cache_bytes)} = {n_kv_heads} KV heads × {_mib(cache_bytes // n_kv_heads)}"
+
+
+class MainWindow(TimelineCursor, QMainWindow):
     def __init__(self, settings: QSettings | None = None, restore: bool = True, persist: bool = True):
         """`restore`: start from the saved layout and configuration; `persist`: save them on close."""
         super().__init__()
@@ -58,6 +74,7 @@ class MainWindow(QMainWindow):
         self.index = -1  # the record the views show
         self.follow = True  # keep showing the newest record as records arrive
         self.frames = 0  # redraws so far (the benchmark reads it)
+        self.ab_window = None  # the A/B window, once opened
         self._last_frame = 0.0
         self._restart_reason = ""
         self._replay_timer = QTimer(self, interval=100)
@@ -75,13 +92,25 @@ class MainWindow(QMainWindow):
 
         self.transport = TransportBar(self)
         self.addToolBar(Qt.TopToolBarArea, self.transport)
+        self.addToolBarBreak(Qt.TopToolBarArea)
+        self.narration = QLabel("")  # one line: what the cache did at the shown step (selected layer)
+        self.narration.setObjectName("narration")
+        self.narration.setTextFormat(Qt.PlainText)  # token texts like '<0xA5>' are not markup
+        self.narration.setStyleSheet("QLabel#narration { font-size: 13px; padding: 2px 8px; }")
+        self.narration.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        narration_bar = QToolBar("Narration", self)
+        narration_bar.setObjectName("narration_bar")
+        narration_bar.setMovable(False)
+        narration_bar.addWidget(self.narration)
+        self.addToolBar(Qt.TopToolBarArea, narration_bar)
         self.controls = ControlsPanel()
         self.page_grid = PageGridView()
         self.attention = AttentionView()
         self.text = TextView()
         self.events = EventsView()
         self.metrics = MetricsView()
-        self.views = [self.page_grid, self.attention, self.text, self.events, self.metrics]
+        self.heads = HeadsView()
+        self.views = [self.page_grid, self.attention, self.text, self.events, self.metrics, self.heads]
         self.messages = MessagesPanel()
         self.docks: dict[str, QDockWidget] = {}
         self.setDockNestingEnabled(True)
@@ -97,8 +126,10 @@ class MainWindow(QMainWindow):
         self._build_menus()
         self._connect()
         self._default_state = self.saveState(SETTINGS_VERSION)
-        if restore:
-            self._restore_settings()
+        self._size_docks_on_show = not (restore and self._restore_settings())
+        if self._size_docks_on_show:
+            self.fit_to_screen()
+        self.redraw()  # the views' empty state from the start, not pyqtgraph's default axes
 
     # --- layout ----------------------------------------------------------------------------------
     def _default_layout(self) -> None:
@@ -113,12 +144,44 @@ class MainWindow(QMainWindow):
         self.splitDockWidget(d["Page grid"], d["Attention"], Qt.Horizontal)
         self.splitDockWidget(d["Text"], d["Eviction events"], Qt.Horizontal)
         self.splitDockWidget(d["Eviction events"], d["Metrics"], Qt.Horizontal)
+        self.tabifyDockWidget(d["Attention"], d["Heads"])  # heads per KV group: a tab behind the heatmap
+        d["Attention"].raise_()
         self.addDockWidget(Qt.BottomDockWidgetArea, d["Messages"])
         d["Messages"].hide()
-        self.resizeDocks([d["Controls"]], [330], Qt.Horizontal)
-        self.resizeDocks([d["Page grid"], d["Text"]], [540, 420], Qt.Vertical)
-        self.resizeDocks([d["Page grid"], d["Attention"]], [600, 660], Qt.Horizontal)
-        self.resizeDocks([d["Text"], d["Eviction events"], d["Metrics"]], [400, 400, 470], Qt.Horizontal)
+        self.size_docks()
+
+    def size_docks(self) -> None:
+        """The default proportions (drawn for 1600 × 1000) at the window's size: absolute sizes would let Qt
+        take the whole shortfall of a smaller window from the last docks, squeezing them to an ellipsis."""
+        d = self.docks
+        controls = max(d["Controls"].minimumSizeHint().width(), min(330, self.width() // 4))
+        x = (self.width() - controls) / (1600 - 330)
+        y = self.height() / 1000
+        self.resizeDocks([d["Controls"]], [controls], Qt.Horizontal)
+        self.resizeDocks([d["Page grid"], d["Text"]], [int(540 * y), int(420 * y)], Qt.Vertical)
+        self.resizeDocks([d["Page grid"], d["Attention"]], [int(600 * x), int(660 * x)], Qt.Horizontal)
+        self.resizeDocks([d["Text"], d["Eviction events"], d["Metrics"]], [int(400 * x), int(400 * x), int(470 * x)],
+                         Qt.Horizontal)
+
+    def fit_to_screen(self, share: float = FIRST_SCREEN_SHARE) -> None:
+        """Take `share` of the screen's available area (at least the window's minimum, at most the area),
+        centred, with the docks in their default proportions: the first window, before any saved geometry."""
+        screen = self.screen() or QGuiApplication.primaryScreen()
+        if screen is None:
+            return
+        area = screen.availableGeometry()
+        size = QSize(int(area.width() * share), int(area.height() * share))
+        size = size.expandedTo(self.minimumSizeHint()).boundedTo(area.size())
+        rect = QRect(0, 0, size.width(), size.height())
+        rect.moveCenter(area.center())
+        self.setGeometry(rect)
+
+    def showEvent(self, event) -> None:
+        """The first time, without a saved layout: the default proportions at the size the window opens at."""
+        super().showEvent(event)
+        if self._size_docks_on_show:
+            self._size_docks_on_show = False
+            self.size_docks()
 
     def reset_layout(self) -> None:
         self.restoreState(self._default_state, SETTINGS_VERSION)
@@ -141,6 +204,7 @@ class MainWindow(QMainWindow):
         file_menu = self.menuBar().addMenu("&File")
         file_menu.addAction("Open &GGUF model…", self.open_gguf, QKeySequence("Ctrl+O"))
         file_menu.addAction("Open &trace…", self.choose_trace, QKeySequence("Ctrl+Shift+O"))
+        file_menu.addAction("&Save trace…", self.save_trace, QKeySequence.Save)
         file_menu.addSeparator()
         export_menu = file_menu.addMenu("&Export view")
         for view in self.views:
@@ -159,10 +223,13 @@ class MainWindow(QMainWindow):
             else:
                 play_menu.addAction(action)
                 self.addAction(action)  # shortcuts work whichever dock has focus
+        play_menu.addSeparator()
+        play_menu.addAction("&A/B compare…", self.open_ab, QKeySequence("Ctrl+B"))
         view_menu = self.menuBar().addMenu("&View")
         for dock in self.docks.values():
             view_menu.addAction(dock.toggleViewAction())
         view_menu.addSeparator()
+        view_menu.addAction("&Sequences sharing one pool…", self.open_sequences)
         view_menu.addAction("&Reset layout", self.reset_layout)
         help_menu = self.menuBar().addMenu("&Help")
         help_menu.addAction("&Keyboard shortcuts", self._show_shortcuts)
@@ -207,11 +274,36 @@ class MainWindow(QMainWindow):
         self.runner.configure(self.controls.model_spec(), self.controls.prompt(), config, blocking=blocking)
 
     def apply_preset(self, preset) -> None:
-        """Set the preset's prompt and cache (the synthetic model keeps a prompt that fits it) and restart."""
+        """Set the preset's prompt and cache (the synthetic model keeps a prompt that fits it) and restart;
+        an A/B preset opens the A/B window on both of its configurations instead."""
         kind = self.controls.model.currentData()
         prompt = preset.prompt_text() if kind != "synthetic" else default_prompt("synthetic")
+        if preset.b is not None:
+            self.open_ab(preset.a, preset.b, prompt, title=preset.name)
+            return
         self.controls.set_configuration(prompt=prompt, config=preset.a)
         self.restart(f"preset {preset.name!r}")
+
+    def open_ab(self, config_a=None, config_b=None, prompt: str | None = None, title: str = "",
+                blocking: bool = False):
+        """Open the A/B window: by default A is the controls' configuration and B the same cache with the
+        other of sinks / oldest (the StreamingLLM comparison)."""
+        from .ab_window import ABWindow
+
+        try:
+            config_a = config_a or self.controls.session_config()
+        except (ConfigError, ValueError) as error:
+            self.statusBar().showMessage(f"No A/B: {error}", 8000)
+            return None
+        if config_b is None:
+            config_b = replace(config_a, policy="oldest" if config_a.policy != "oldest" else "sinks", policy_params={})
+        if self.ab_window is not None:
+            self.ab_window.close()
+        self.ab_window = ABWindow(self.controls.model_spec(), prompt or self.controls.prompt(), config_a, config_b,
+                                  title=title)
+        self.ab_window.show()
+        self.ab_window.start(blocking=blocking)
+        return self.ab_window
 
     def leave_replay(self, reason: str) -> bool:
         """Ask before a change ends the replay; on no, the controls show the replay's settings again."""
@@ -251,7 +343,7 @@ class MainWindow(QMainWindow):
         self.timeline = timeline
         self.index, self.follow = -1, True
         info = timeline.info
-        self.controls.set_model_shape(info.n_layers, info.n_heads)
+        self.controls.set_model_shape(info.n_layers, info.n_heads, info.n_kv_heads)
         saved_layer = getattr(self.controls, "_saved_layer", None)
         if saved_layer is not None:
             self.controls._saved_layer = None
@@ -260,7 +352,7 @@ class MainWindow(QMainWindow):
             self.index = len(timeline) - 1
         self.statusBar().clearMessage()
         self.status_model.setText(info.model_label)
-        self.status_memory.setText(f"K/V {_mib(info.cache_bytes)}" if info.cache_bytes else "K/V —")
+        self.status_memory.setText(memory_text(info.cache_bytes, info.n_kv_heads))
         previous = self.runner.previous
         if self._restart_reason:
             kept = (f"; the previous run ({len(previous.timeline)} steps) is kept: Ctrl+Z returns to it"
@@ -305,23 +397,6 @@ class MainWindow(QMainWindow):
         else:
             self.follow = True
             self.runner.play()
-
-    def step(self) -> None:
-        """→: the next recorded step when scrubbed back (as in a replay); at the newest, decode one token."""
-        if self.timeline is not None and (self.index < len(self.timeline) - 1 or self.runner.state == "replay"):
-            self.scrub(self.index + 1)
-            return
-        if self.runner.busy:
-            return
-        self.follow = True
-        self.runner.step(1)
-
-    def scrub(self, index: int) -> None:
-        if self.timeline is None or not len(self.timeline):
-            return
-        self.index = max(0, min(index, len(self.timeline) - 1))
-        self.follow = self.index == len(self.timeline) - 1
-        self.redraw()
 
     def _replay_tick(self) -> None:
         if self.timeline is None or self.index >= len(self.timeline) - 1:
@@ -368,7 +443,13 @@ class MainWindow(QMainWindow):
             options["layer"] = min(options["layer"], self.timeline.info.n_layers - 1)
             if options["head"] is not None and options["head"] >= self.timeline.info.n_heads:
                 options["head"] = None
-        return ViewState(self.timeline, self.index, **options)
+        loading = None
+        if self.timeline is None and self.runner.state == "loading":
+            try:  # the pool the loading session will have, shown while the model loads
+                loading = self.controls.session_config()
+            except (ConfigError, ValueError):
+                pass
+        return ViewState(self.timeline, self.index, loading=loading, **options)
 
     def request_render(self) -> None:
         """Redraw soon: at once if the last frame is older than FRAME_INTERVAL, else when it is."""
@@ -438,10 +519,14 @@ class MainWindow(QMainWindow):
         count = len(timeline) if timeline is not None else 0
         if record is None:
             self.transport.set_range(0, 0, "no steps yet" if timeline is not None else "no session")
+            self.transport.slider.set_marks(np.zeros(0))
+            self.narration.setText("Press Space to play, → to decode one token" if timeline is not None else "")
             self.status_step.setText("step —")
             return
         label = f"step {state.index} / {count - 1} · {record.kind}"
         self.transport.set_range(count, state.index, label)
+        self.transport.slider.set_marks(timeline.eviction_steps())
+        self.narration.setText(narrate(record, state.layer, timeline.position_text, timeline.info.config.policy))
         now = time.perf_counter()
         if self.runner.running and now - self._status_at < STATUS_INTERVAL:
             return  # the status bar repeats the transport's step and is read, not watched: 4× a second
@@ -452,6 +537,23 @@ class MainWindow(QMainWindow):
         self.status_speed.setText(f"{speed:.1f} tok/s" if speed == speed else "— tok/s")
 
     # --- files -----------------------------------------------------------------------------------
+    def open_sequences(self):
+        """A window decoding many sequences of the current model and prompt over one shared pool."""
+        from .sequences_window import SequencesWindow
+
+        if self.runner.model is None:
+            self.statusBar().showMessage("Load a model first (start decoding once), then open the sequences view",
+                                         8000)
+            return None
+        try:
+            config = self.controls.session_config()
+        except (ConfigError, ValueError) as error:
+            self.statusBar().showMessage(f"Sequences view: {error}", 8000)
+            return None
+        self.sequences_window = SequencesWindow(self.runner.model, config, self.controls.prompt(), self)
+        self.sequences_window.show()
+        return self.sequences_window
+
     def open_gguf(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Open a Llama-family GGUF model", "", "GGUF models (*.gguf)")
         if path:
@@ -461,6 +563,37 @@ class MainWindow(QMainWindow):
         path, _ = QFileDialog.getOpenFileName(self, "Open a pagevis trace", "", "pagevis traces (*)")
         if path:
             self.open_trace(path)
+
+    def save_trace(self, path: str | None = None) -> str | None:
+        """Write the shown session's records to a trace file (File ▸ Open trace replays it)."""
+        if self.timeline is None or not len(self.timeline):
+            self.statusBar().showMessage("Nothing to save yet: decode a step first", 5000)
+            return None
+        path = path or QFileDialog.getSaveFileName(self, "Save trace", "session.pvtrace", "pagevis traces (*.pvtrace)")[0]
+        if not path:
+            return None
+        from ..trace import Trace, write_trace
+
+        timeline, runner = self.timeline, self.runner
+        records = list(timeline.records)
+        ids = set(timeline.info.prompt_ids)
+        for record in records:
+            ids.update(record.token_ids)
+            ids.update([record.next_token] if record.next_token >= 0 else [])
+        session = runner.session if runner.timeline is timeline else None
+        trace = Trace(model_label=timeline.info.model_label, prompt=timeline.info.prompt, config=timeline.info.config,
+                      prompt_ids=tuple(timeline.info.prompt_ids), records=records,
+                      token_texts={int(t): timeline.token_text(int(t)) for t in sorted(ids)},
+                      model_spec=runner.timeline_spec if runner.timeline is timeline else None,
+                      stop_reason=session.stop_reason if session is not None else None,
+                      text=session.text() if session is not None else "", meta={"command": "pagevis (app)"})
+        try:
+            size = write_trace(path, trace)
+        except (OSError, ValueError) as error:
+            self._report(f"Could not save the trace to {path}: {error}")
+            return None
+        self.statusBar().showMessage(f"Saved {len(records)} steps to {path} ({size / 1024:.0f} KiB)", 6000)
+        return path
 
     def export_view(self, view: QWidget | None, path: str | None = None) -> str | None:
         if path is None:
@@ -501,11 +634,11 @@ class MainWindow(QMainWindow):
         box.show()
 
     # --- settings and closing ----------------------------------------------------------------------
-    def _restore_settings(self) -> None:
+    def _restore_settings(self) -> bool:
+        """Restore the saved layout and configuration; True if there was a saved geometry."""
         s = self.settings
         geometry = s.value("window/geometry")
-        if isinstance(geometry, QByteArray) and not geometry.isEmpty():
-            self.restoreGeometry(geometry)
+        restored = isinstance(geometry, QByteArray) and not geometry.isEmpty() and self.restoreGeometry(geometry)
         state = s.value("window/state")
         if isinstance(state, QByteArray) and not state.isEmpty():
             self.restoreState(state, SETTINGS_VERSION)
@@ -515,6 +648,7 @@ class MainWindow(QMainWindow):
                 self.controls.from_dict(json.loads(raw))
             except (ValueError, TypeError):
                 pass
+        return bool(restored)
 
     def save_settings(self) -> None:
         s = self.settings
@@ -540,6 +674,8 @@ class MainWindow(QMainWindow):
             self.runner.records.disconnect(self._records_arrived)
         except (RuntimeError, TypeError):
             pass
+        if self.ab_window is not None:
+            self.ab_window.close()
         if not self.runner.shutdown():
             self.messages.appendPlainText("the decoder did not stop within 15 s")
         super().closeEvent(event)

@@ -74,6 +74,39 @@ def decode_steps(session: DecodeSession, control: RunControl, flush_every: float
         yield batch
 
 
+class NewestRecord:
+    """Stands in for DecodeSession.records in the app: the Timeline keeps every record (spilled to disk),
+    so the session keeps only its newest, and len() still counts every step (the session numbers steps
+    by it). Without this, a long demo held every whole record twice."""
+
+    def __init__(self):
+        self._count = 0
+        self._newest = None
+
+    def append(self, record) -> None:
+        self._count += 1
+        self._newest = record
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: int):
+        if index in (-1, self._count - 1) and self._newest is not None:
+            return self._newest
+        raise IndexError(f"the app's session keeps only its newest record; the timeline has record {index}")
+
+
+def new_session(model, spec: ModelSpec, prompt: str, config: SessionConfig) -> tuple[DecodeSession, Timeline]:
+    """A DecodeSession for the app (keeping only its newest record) and the empty Timeline for its records."""
+    cache = validate(config, model.config)
+    session = DecodeSession(model, prompt, config)
+    session.records = NewestRecord()
+    cfg = model.config
+    info = SessionInfo(spec.label, prompt, session.prompt_ids, config, cfg.n_layers, cfg.n_heads,
+                       cache.total_bytes(), cfg.n_kv_heads)
+    return session, Timeline(info, session.token_text)
+
+
 def validate(config: SessionConfig, model_config=None) -> CacheSettings:
     """The cache this configuration builds, or ConfigError. Without the model's shape, check everything
     that does not depend on it (sizes, policy parameters) and return the settings themselves."""
@@ -130,7 +163,7 @@ class SessionRunner(QObject):
         self._pending: tuple | None = None  # a (spec, prompt, config) to start once the worker stops
         self._generation = 0  # bumps on every restart: results of older workers are dropped
         self.previous: SessionSlot | None = None
-        self._timeline_spec: ModelSpec | None = None  # the model spec of the current timeline
+        self.timeline_spec: ModelSpec | None = None  # the model spec of the current timeline
 
     # --- lifecycle -------------------------------------------------------------------------------
     def configure(self, spec: ModelSpec, prompt: str, config: SessionConfig, blocking: bool = False) -> None:
@@ -183,21 +216,21 @@ class SessionRunner(QObject):
 
     def _start_session(self) -> None:
         try:
-            cache = validate(self.config, self.model.config)
-            session = DecodeSession(self.model, self.prompt, self.config)
+            session, timeline = self._new_session()
         except Exception as error:  # noqa: BLE001 - a bad prompt or configuration is shown, not raised
             self._keep_current()
             self.session = self.timeline = None
             self._fail(str(error), traceback.format_exc())
             return
-        cfg = self.model.config
-        info = SessionInfo(self.spec.label, self.prompt, session.prompt_ids, self.config,
-                           cfg.n_layers, cfg.n_heads, cache.total_bytes(), cfg.n_kv_heads)
         self._keep_current()
         self.session = session
-        self.timeline, self._timeline_spec = Timeline(info, session.token_text), self.spec
+        self.timeline, self.timeline_spec = timeline, self.spec
         self._set_state("ready")
         self.started.emit(self.timeline)
+
+    def _new_session(self):
+        """The session to step (anything with step() and done) and the timeline its steps extend."""
+        return new_session(self.model, self.spec, self.prompt, self.config)
 
     def replay(self, trace) -> None:
         """Show a recorded trace: its records become the timeline; nothing decodes."""
@@ -206,7 +239,7 @@ class SessionRunner(QObject):
         self._keep_current()
         self.session = None
         self.timeline = timeline_from_trace(trace)
-        self._timeline_spec = getattr(trace, "model_spec", None)
+        self.timeline_spec = getattr(trace, "model_spec", None)
         self._set_state("replay")
         self.started.emit(self.timeline)
 
@@ -217,7 +250,7 @@ class SessionRunner(QObject):
             state = "replay" if self.state == "replay" or self.session is None else (
                 "done" if self.session.done else "ready")
             info = self.timeline.info  # the runner's spec, prompt and config may already be the next session's
-            self.previous = SessionSlot(self._timeline_spec, self.session.model if self.session else self.model,
+            self.previous = SessionSlot(self.timeline_spec, self.session.model if self.session else self.model,
                                         info.prompt, info.config, self.session, self.timeline, state)
 
     def swap_previous(self) -> bool:
@@ -233,7 +266,7 @@ class SessionRunner(QObject):
             self.previous.state = current_state if current_state != "error" else "ready"
         self._generation += 1
         self.spec, self.model, self.prompt, self.config = slot.spec, slot.model, slot.prompt, slot.config
-        self.session, self.timeline, self._timeline_spec = slot.session, slot.timeline, slot.spec
+        self.session, self.timeline, self.timeline_spec = slot.session, slot.timeline, slot.spec
         self._set_state(slot.state)
         self.started.emit(self.timeline)
         return True

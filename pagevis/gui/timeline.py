@@ -1,12 +1,22 @@
 """The GUI's model: every StepRecord of one session (live or replayed) and what views derive from them.
 
 Qt-free. The worker thread never touches a Timeline; records reach it through `extend()` on the UI thread.
-Derived series grow incrementally so that a redraw costs the same at step 10 and at step 10 000.
+
+Memory is bounded per step, whatever the cache size: records go to a RecordSpill (an anonymous temporary
+file) as they arrive and only the newest KEEP stay whole in memory; a view asking for an older one gets it
+rebuilt from the file (one read, ~0.2 ms), and the last few rebuilt are cached. What stays in memory per
+step is what the plots and tables read for every step at once, as NumPy columns: the series, evictions per
+layer, the evictions themselves (~30 bytes each) and the file offsets — about 1 KB per step for SmolLM2
+(30 layers, ~30 evictions a step), against ~60-200 KB for whole records.
+
+The attention heatmap shows at most HEATMAP_ROWS steps (ending at the selected one) by HEATMAP_COLUMNS
+positions (ending at the newest written), built from per-layer rows read from the file and cached, so a
+scrub or a layer switch costs the same at step 100 and at step 50 000.
 """
 
 from __future__ import annotations
 
-import bisect
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -14,6 +24,13 @@ import numpy as np
 
 from ..decoding import SessionConfig, StepRecord
 from ..engine import EventKind
+from .spill import RecordSpill, _grow
+
+KEEP = 8  # newest records kept whole in memory
+REBUILT = 16  # older records rebuilt from the spill file and kept, least recently used first out
+HEATMAP_ROWS = 256  # steps the attention heatmap shows, ending at the selected step
+HEATMAP_COLUMNS = 1024  # positions it shows, ending at the newest written by then
+ROW_CACHE_LAYERS = 3  # layers whose heatmap rows stay cached (the shown one, and the ones just before)
 
 
 class Eviction(NamedTuple):
@@ -25,6 +42,10 @@ class Eviction(NamedTuple):
     token: str
     reason: str
     score: float
+
+
+EVICTION_DTYPE = np.dtype([("step", "i4"), ("layer", "i2"), ("page", "i4"), ("slot", "i4"), ("position", "i8"),
+                           ("reason", "i2"), ("score", "f4")])
 
 
 @dataclass(frozen=True)
@@ -41,20 +62,39 @@ class SessionInfo:
     n_kv_heads: int = 0  # 0: unknown (a trace without it); query head h reads KV head h // (n_heads // n_kv_heads)
 
 
+def kv_head_of(head: int, n_heads: int, n_kv_heads: int) -> int | None:
+    """The KV head query head `head` reads (grouped-query attention), or None when the layout is unknown."""
+    if n_kv_heads <= 0 or n_heads % n_kv_heads:
+        return None
+    return head // (n_heads // n_kv_heads)
+
+
+def head_label(head: int, n_heads: int, n_kv_heads: int) -> str:
+    kv = kv_head_of(head, n_heads, n_kv_heads)
+    return f"head {head}" if kv is None else f"head {head} (KV {kv})"
+
+
 class Timeline:
     def __init__(self, info: SessionInfo, token_text: Callable[[int], str]):
         self.info = info
         self._token_text = token_text
         self._texts: dict[int, str] = {}
-        self.records: list[StepRecord] = []
-        self.token_ids: list[int] = []  # token id at each position that has entered the cache
-        self.evictions: list[Eviction] = []
-        self._eviction_steps: list[int] = []
-        self._eviction_columns = (np.zeros((3, 0)), 0)  # (step, layer, position) × evictions, and how many
-        self.written_upto: list[int] = []  # per record: number of positions written so far
-        self._series: dict[str, list[float]] = {name: [] for name in SERIES}
-        self._evicted_per_layer: list[np.ndarray] = []
-        self._attention: dict[tuple[int, int | None], _AttentionBuffer] = {}
+        self.spill = RecordSpill()
+        self._count = 0
+        self._recent: dict[int, StepRecord] = {}
+        self._rebuilt: OrderedDict[int, StepRecord] = OrderedDict()
+        self.records = _Records(self)
+        self._token_ids = np.zeros(0, dtype=np.int64)  # token id at each position that has entered the cache
+        self._n_positions = 0
+        self._written = np.zeros(0, dtype=np.int64)  # per record: positions written so far
+        self._evictions = np.zeros(0, dtype=EVICTION_DTYPE)
+        self._n_evictions = 0
+        self._reasons: list[str] = []
+        self.evictions = _Evictions(self)
+        self._per_layer = np.zeros((0, info.n_layers), dtype=np.int32)  # evictions per (record, layer)
+        self._series = np.zeros((0, len(SERIES)), dtype=np.float64)
+        self._columns_cache = (np.zeros((3, 0)), 0)
+        self._rows: OrderedDict[int, OrderedDict[int, tuple]] = OrderedDict()  # heatmap rows by layer, step
 
     # --- growth ----------------------------------------------------------------------------------
     def extend(self, records: list[StepRecord]) -> None:
@@ -62,37 +102,71 @@ class Timeline:
             self._append(record)
 
     def _append(self, record: StepRecord) -> None:
+        index = self._count
         for token, position in zip(record.token_ids, record.positions):
-            if position >= len(self.token_ids):
-                self.token_ids.extend([-1] * (position + 1 - len(self.token_ids)))
-            self.token_ids[position] = token
-        self.written_upto.append(len(self.token_ids))
-        per_layer = np.zeros(self.info.n_layers, dtype=np.int32)
+            if position >= len(self._token_ids):
+                grown = np.full(max(2 * len(self._token_ids), position + 1, 64), -1, dtype=np.int64)
+                grown[: len(self._token_ids)] = self._token_ids
+                self._token_ids = grown
+            self._token_ids[position] = token
+            self._n_positions = max(self._n_positions, position + 1)
+        self._written = _grow(self._written, index)
+        self._written[index] = self._n_positions
+        self._per_layer = _grow(self._per_layer, index)
+        self._per_layer[index] = 0
         for event in record.events:
             if event.kind is EventKind.EVICT:
-                per_layer[event.layer] += 1
-                self.evictions.append(Eviction(
+                self._per_layer[index, event.layer] += 1
+                self._evictions = _grow(self._evictions, self._n_evictions)
+                self._evictions[self._n_evictions] = (
                     event.step if event.step >= 0 else record.step, event.layer, event.page, event.slot,
-                    event.position, self.position_text(event.position), event.reason, float(event.score)))
-                self._eviction_steps.append(record.step)
-        self._evicted_per_layer.append(per_layer)
-        s = self._series
+                    event.position, self._reason_code(event.reason), event.score)
+                self._n_evictions += 1
         total = record.timings.get("total", float("nan"))
-        s["resident_tokens"].append(record.resident_tokens)
-        s["pages_used"].append(record.pages_used)
-        s["tokens"].append(len(record.token_ids))
-        s["latency_ms"].append(total * 1e3)
-        s["tokens_per_s"].append(len(record.token_ids) / total if total > 0 else float("nan"))
         oracle = record.oracle
-        s["kl"].append(oracle.kl if oracle else float("nan"))
-        s["top1_agree"].append(float(oracle.top1_agree) if oracle else float("nan"))
-        s["lost_attention"].append(oracle.lost_attention if oracle else float("nan"))
-        self.records.append(record)
+        n_tokens = len(record.token_ids)
+        self._series = _grow(self._series, index)
+        self._series[index] = (
+            n_tokens, record.resident_tokens, record.pages_used, total * 1e3,
+            n_tokens / total if total > 0 else float("nan"),
+            oracle.kl if oracle else float("nan"), float(oracle.top1_agree) if oracle else float("nan"),
+            oracle.lost_attention if oracle else float("nan"))
+        self.spill.append(record)
+        self._recent[index] = record
+        self._recent.pop(index - KEEP, None)
+        self._count += 1
+
+    def _reason_code(self, reason: str) -> int:
+        if reason not in self._reasons:
+            self._reasons.append(reason)
+        return self._reasons.index(reason)
+
+    # --- records ---------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._count
+
+    def record(self, index: int) -> StepRecord:
+        if index < 0:
+            index += self._count
+        if not 0 <= index < self._count:
+            raise IndexError(f"record {index} of {self._count}")
+        record = self._recent.get(index)
+        if record is None:
+            record = self._rebuilt.pop(index, None) or self.spill.record(index, self.token_text)
+            self._rebuilt[index] = record
+            while len(self._rebuilt) > REBUILT:
+                self._rebuilt.popitem(last=False)
+        return record
+
+    def memory_bytes(self) -> int:
+        """What this timeline holds in memory (the spill file's pages are the OS's, not counted)."""
+        arrays = (self._token_ids, self._written, self._evictions, self._per_layer, self._series)
+        rows = sum(p.nbytes + (w.nbytes if w is not None else 0)
+                   for layer in self._rows.values() for p, w in layer.values())
+        whole = sum(_record_bytes(r) for r in (*self._recent.values(), *self._rebuilt.values()))
+        return sum(a.nbytes for a in arrays) + self.spill.memory_bytes() + rows + whole
 
     # --- queries ---------------------------------------------------------------------------------
-    def __len__(self) -> int:
-        return len(self.records)
-
     def token_text(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
@@ -100,60 +174,111 @@ class Timeline:
         return text
 
     def position_text(self, position: int) -> str:
-        if 0 <= position < len(self.token_ids):
-            return self.token_text(self.token_ids[position])
+        if 0 <= position < self._n_positions:
+            return self.token_text(int(self._token_ids[position]))
         return ""
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        return self._token_ids[: self._n_positions]
+
+    @property
+    def written_upto(self) -> np.ndarray:
+        """Per record: the number of positions written up to and including it."""
+        return self._written[: self._count]
 
     def n_positions(self, index: int) -> int:
         """Positions written up to and including record `index`."""
-        return self.written_upto[index] if self.records else 0
+        return int(self._written[index]) if self._count else 0
 
     def evictions_until(self, index: int) -> int:
         """How many evictions (all layers) happened in records 0..index."""
-        return bisect.bisect_right(self._eviction_steps, self.records[index].step) if self.records else 0
+        if not self._count:
+            return 0
+        steps = self._evictions["step"][: self._n_evictions]
+        return int(np.searchsorted(steps, index, side="right"))
+
+    def eviction_steps(self) -> np.ndarray:
+        """The records in which at least one eviction happened (any layer), in order."""
+        return np.flatnonzero(self._per_layer[: self._count].any(axis=1))
 
     def eviction_columns(self) -> np.ndarray:
         """(3, evictions) float64: the step, layer and position of every eviction so far, in order."""
-        columns, count = self._eviction_columns
-        if count != len(self.evictions):
-            new = np.array([(e.step, e.layer, e.position) for e in self.evictions[count:]], dtype=np.float64)
-            columns = np.concatenate([columns, new.reshape(-1, 3).T], axis=1)
-            self._eviction_columns = (columns, len(self.evictions))
+        columns, count = self._columns_cache
+        if count != self._n_evictions:
+            e = self._evictions[: self._n_evictions]
+            columns = np.stack([e["step"], e["layer"], e["position"]]).astype(np.float64)
+            self._columns_cache = (columns, self._n_evictions)
         return columns
 
     def series(self, name: str, upto: int | None = None) -> np.ndarray:
-        values = self._series[name] if upto is None else self._series[name][: upto + 1]
-        return np.asarray(values, dtype=np.float64)
+        column = self._series[: self._count, SERIES.index(name)]
+        return column.copy() if upto is None else column[: upto + 1].copy()
 
     def evictions_per_step(self, layer: int | None = None) -> np.ndarray:
-        if not self._evicted_per_layer:
-            return np.zeros(0)
-        counts = self._eviction_counts()
-        return counts.sum(axis=1) if layer is None else counts[:, layer]
-
-    def _eviction_counts(self) -> np.ndarray:
-        """(records, layers) evictions, stacked once per new record rather than on every call."""
-        cached = getattr(self, "_counts", None)
-        if cached is None or len(cached) != len(self._evicted_per_layer):
-            cached = self._counts = np.stack(self._evicted_per_layer)
-        return cached
+        counts = self._per_layer[: self._count]
+        return counts.sum(axis=1) if layer is None else counts[:, layer].copy()
 
     def tokens_per_second(self, index: int, window: int = 16) -> float:
         """Decode speed over the last `window` decode steps up to `index` (forward + sampling time)."""
-        times = [r.timings.get("total", 0.0) for r in self.records[max(0, index + 1 - window): index + 1]
-                 if r.kind == "decode"]
-        return len(times) / sum(times) if times and sum(times) > 0 else float("nan")
+        low = max(0, index + 1 - window)
+        decode = self.spill.column("kind")[low: index + 1] == 1
+        times = self._series[low: index + 1, SERIES.index("latency_ms")][decode] / 1e3
+        return len(times) / times.sum() if times.size and times.sum() > 0 else float("nan")
 
-    def attention(self, layer: int, head: int | None, index: int) -> tuple[np.ndarray, np.ndarray]:
-        """(steps, positions) attention of the step's last query for records 0..index, and a bool
-        matrix of the same shape that is True where the position had been evicted by then."""
-        key = (layer, head)
-        buffer = self._attention.get(key)
-        if buffer is None:
-            buffer = self._attention[key] = _AttentionBuffer()
-        buffer.fill(self, layer, head, index + 1)
+    # --- the attention heatmap -------------------------------------------------------------------
+    def attention(self, layer: int, head: int | None, index: int, max_rows: int | None = None,
+                  max_columns: int | None = None):
+        """The heatmap window ending at record `index`: (weights, evicted, first_step, first_position), where
+        weights is (steps, positions) float32, the attention of each step's last query by token position
+        (head `head`, or the mean of heads), and evicted is True where that position had been evicted by
+        then. Steps are first_step..index (at most `max_rows`, default HEATMAP_ROWS), positions
+        first_position.. (at most `max_columns`, default HEATMAP_COLUMNS, ending at the last position
+        written by `index`)."""
+        first = max(0, index + 1 - (max_rows or HEATMAP_ROWS))
         n = self.n_positions(index)
-        return buffer.weights[: index + 1, :n], buffer.evicted[: index + 1, :n]
+        low = max(0, n - (max_columns or HEATMAP_COLUMNS))
+        rows = [self._layer_row(layer, step) for step in range(first, index + 1)]
+        positions = np.stack([p for p, _ in rows]).astype(np.int64)
+        heads = self.info.n_heads
+        weights = np.stack([w if w is not None else np.zeros((heads, positions.shape[1]), np.float16)
+                            for _, w in rows])
+        by_slot = (weights.mean(axis=1, dtype=np.float32) if head is None
+                   else weights[:, head].astype(np.float32))
+        count = index + 1 - first
+        matrix = np.zeros((count, n - low), dtype=np.float32)
+        resident = np.zeros((count, n - low), dtype=bool)
+        keep = (positions >= low) & (positions < n)
+        row_index = np.nonzero(keep)[0]
+        columns = positions[keep] - low
+        matrix[row_index, columns] = by_slot[keep]
+        resident[row_index, columns] = True
+        written = self._written[first: index + 1] - low
+        evicted = ~resident & (np.arange(n - low)[None, :] < written[:, None])
+        return matrix, evicted, first, low
+
+    def _layer_row(self, layer: int, step: int) -> tuple:
+        rows = self._rows.get(layer)
+        if rows is None:
+            rows = self._rows[layer] = OrderedDict()
+            while len(self._rows) > ROW_CACHE_LAYERS:
+                self._rows.popitem(last=False)
+        else:
+            self._rows.move_to_end(layer)
+        row = rows.get(step)
+        if row is None:
+            recent = self._recent.get(step)
+            if recent is not None:
+                flat = recent.slot_maps[layer].ravel()
+                weights = (recent.attention[recent.attention_layers.index(layer)]
+                           if layer in recent.attention_layers else None)
+                row = (flat.astype(np.int32), None if weights is None else weights.astype(np.float16))
+            else:
+                row = self.spill.layer_row(step, layer)
+            rows[step] = row
+            while len(rows) > 2 * HEATMAP_ROWS:
+                rows.popitem(last=False)
+        return row
 
 
 def _trace_kv_heads(trace) -> int:
@@ -178,31 +303,56 @@ def timeline_from_trace(trace) -> Timeline:
 SERIES = ("tokens", "resident_tokens", "pages_used", "latency_ms", "tokens_per_s", "kl", "top1_agree", "lost_attention")
 
 
-class _AttentionBuffer:
-    """Rows of an attention heatmap, computed once per record and kept (grown by doubling)."""
+def _record_bytes(record: StepRecord) -> int:
+    arrays = (record.slot_maps, record.protected, record.scores, *record.attention)
+    return sum(a.nbytes for a in arrays) + 100 * len(record.events)
 
-    def __init__(self):
-        self.rows = 0
-        self.weights = np.zeros((0, 0), dtype=np.float32)
-        self.evicted = np.zeros((0, 0), dtype=bool)
 
-    def fill(self, timeline: Timeline, layer: int, head: int | None, rows: int) -> None:
-        if rows <= self.rows:
-            return
-        width = timeline.written_upto[rows - 1]
-        if rows > self.weights.shape[0] or width > self.weights.shape[1]:
-            shape = (max(rows, 2 * self.weights.shape[0], 16), max(width, 2 * self.weights.shape[1], 16))
-            for name, dtype in (("weights", np.float32), ("evicted", bool)):
-                grown = np.zeros(shape, dtype=dtype)
-                old = getattr(self, name)
-                grown[: old.shape[0], : old.shape[1]] = old
-                setattr(self, name, grown)
-        cols = self.weights.shape[1]
-        for row in range(self.rows, rows):
-            record = timeline.records[row]
-            if layer in record.attention_layers:  # a trace may hold attention for some layers only
-                by_position = record.attention_over_positions(layer, cols)
-                self.weights[row] = by_position.mean(axis=0) if head is None else by_position[head]
-            written = timeline.written_upto[row]
-            self.evicted[row, :written] = ~record.resident_mask(layer, written)
-        self.rows = rows
+class _Records:
+    """The timeline's records as a read-only sequence (old ones are rebuilt from the spill file)."""
+
+    def __init__(self, timeline: Timeline):
+        self._timeline = timeline
+
+    def __len__(self) -> int:
+        return len(self._timeline)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self._timeline.record(i) for i in range(*index.indices(len(self)))]
+        return self._timeline.record(index)
+
+    def __iter__(self):
+        return (self._timeline.record(i) for i in range(len(self)))
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+
+class _Evictions:
+    """Every eviction so far as a read-only sequence of Eviction tuples, made on demand from NumPy columns."""
+
+    def __init__(self, timeline: Timeline):
+        self._timeline = timeline
+
+    def __len__(self) -> int:
+        return self._timeline._n_evictions
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, stride = index.indices(len(self))
+            t = self._timeline
+            text, reasons = t.position_text, t._reasons
+            return [Eviction(step, layer, page, slot, position, text(position), reasons[reason], score)
+                    for step, layer, page, slot, position, reason, score in t._evictions[start:stop:stride].tolist()]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        t = self._timeline
+        e = t._evictions[index]
+        return Eviction(int(e["step"]), int(e["layer"]), int(e["page"]), int(e["slot"]), int(e["position"]),
+                        t.position_text(int(e["position"])), t._reasons[e["reason"]], float(e["score"]))
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))

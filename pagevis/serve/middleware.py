@@ -73,7 +73,7 @@ def _content_length(scope) -> int | None:
 
 class RequestCounter:
     """pagevis_http_requests_total{route, method, status}: route is the matched template
-    (e.g. /v1/sessions/{session_id}/step), or "unmatched"."""
+    (e.g. /v1/sessions/{session_id}/step), or "unmatched" (no route, or refused before routing)."""
 
     def __init__(self, app, router, registry) -> None:
         self.app, self.router = app, router
@@ -98,8 +98,12 @@ class RequestCounter:
             self.requests.labels(self._route(scope), scope["method"], str(status)).inc()
 
     def _route(self, scope) -> str:
+        """The template routing matched (Starlette leaves the route in the scope); for a request answered
+        before routing (a 413), the app's own top-level route that matches; else "unmatched"."""
+        path = getattr(scope.get("route"), "path", None)
+        if path:
+            return path
         for route in self.router.routes:
-            match, _ = route.matches(scope)
-            if match is Match.FULL or match is Match.PARTIAL:
-                return getattr(route, "path", "unmatched")
+            if getattr(route, "path", None) and route.matches(scope)[0] is not Match.NONE:
+                return route.path
         return "unmatched"

@@ -128,6 +128,9 @@ def run_steps(served: ServedSession, n: int):
         except CacheFullError:
             session.stop_reason = "cache_full"
             break
+        except Exception:
+            session.stop_reason = "error"  # the cache may be half-updated: no further steps
+            raise
         records.append(record)
         if record.next_token >= 0 and record.next_token not in session.model.config.eos_ids:
             pieces.append(served.decoder.feed(record.next_token))
@@ -154,7 +157,7 @@ def describe(served: ServedSession, state, layers: bool = False) -> dict[str, An
     config = session.config
     info: dict[str, Any] = {
         "model": state.model_id, "created": int(served.created), "prompt_tokens": len(session.prompt_ids),
-        "steps": len(records), "generated_tokens": len(session.generated), "text": session.text(),
+        "total_steps": len(records), "generated_tokens": len(session.generated), "text": session.text(),
         "done": session.done, "stop_reason": session.stop_reason,
         "config": {"page_size": config.page_size, "max_pages": config.max_pages, "policy": config.policy,
                    "policy_params": dict(config.policy_params), "dtype": config.dtype,

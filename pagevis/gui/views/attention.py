@@ -3,14 +3,12 @@ for one layer and head (or their mean). Positions the cache had evicted by that 
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
 from .. import theme
-from . import ViewState
+from . import EMPTY_HINT, ViewState
 from .rgba_image import RgbaImage
 
 LOG_FLOOR = 1e-4  # the log scale's lowest level: weights below show as the floor
@@ -25,9 +23,7 @@ class AttentionView(QWidget):
         self.evicted = np.zeros((0, 0), dtype=bool)
         self._key = None
         self._levels = None
-        self._buffer = np.zeros((0, 0, 4), dtype=np.uint8)  # RGBA rows coloured so far (see _rgba)
-        self._buffer_key = None
-        self._done = 0  # rows of _buffer that are up to date
+        self.origin = (0, 0)  # (first step, first position) of the matrix
         self.graphics = pg.GraphicsLayoutWidget()
         self.plot = self.graphics.addPlot()
         theme.style_plot(self.plot, left="step", bottom="token position")
@@ -38,12 +34,17 @@ class AttentionView(QWidget):
         self.plot.addItem(self.image)
         self.colormap = pg.colormap.get(theme.HEATMAP)
         self.lut = self.colormap.getLookupTable(nPts=256, alpha=True)
+        self._lut32 = np.ascontiguousarray(self.lut, dtype=np.uint8).view(np.uint32).ravel()
+        self._evicted32 = np.array(theme.EVICTED_MARK, dtype=np.uint8).view(np.uint32)[0]
         self.cursor = pg.InfiniteLine(angle=0, pen=pg.mkPen(theme.ACCENT, width=1, style=pg.QtCore.Qt.DashLine))
         self.plot.addItem(self.cursor)
         self.bar = pg.ColorBarItem(values=(0, 1), colorMap=self.colormap, interactive=False, width=14,
                                    label="attention weight", pen=theme.GRID)
         theme.cache_axes(self.bar)
         self.graphics.addItem(self.bar, row=0, col=1)
+        self.hint = pg.TextItem(EMPTY_HINT, color=theme.MUTED, anchor=(0.5, 0.5))
+        self.plot.addItem(self.hint, ignoreBounds=True)
+        self.setMinimumSize(260, 180)  # below this the heatmap is unreadable: the window's minimum grows instead
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(self.graphics)
@@ -54,70 +55,86 @@ class AttentionView(QWidget):
     def show_state(self, state: ViewState) -> None:
         timeline, record = state.timeline, state.record
         key = (id(timeline), state.index, len(timeline) if timeline else 0, state.layer, state.head,
-               state.log_scale)
+               state.log_scale, state.fixed_scale, state.loading is not None)
         if key == self._key:
             return
         if self._key is None or self._key[0] != key[0]:
             self.plot._grown = (None, None)  # a new session: fit the view afresh
         self._key = key
+        self.hint.setVisible(record is None)
+        self.cursor.setVisible(record is not None)
         if record is None:
-            self.matrix = np.zeros((0, 0), dtype=np.float32)
-            self.image.clear()
-            theme.set_title(self.plot, "", size="9pt")
+            self._show_empty(state)
             return
-        weights, evicted = timeline.attention(state.layer, state.head, state.index)
+        weights, evicted, first, low = timeline.attention(state.layer, state.head, state.index)
         if state.log_scale:
             shown = np.log10(np.maximum(weights, LOG_FLOOR))
             levels = (float(np.log10(LOG_FLOOR)), 0.0)
             label = "log₁₀ attention weight"
         else:
             shown = weights
-            positive = weights[weights > 0]
-            top = float(np.percentile(positive, 99.5)) if positive.size else 1.0
-            levels = (0.0, theme.level_ceiling(max(top, 1e-3)))
-            current = self._levels
-            if current is not None and current[0] == 0.0 and 0.7 * current[1] < top <= current[1]:
-                levels = current  # close enough below the current top: keep it (no flapping 0.1 ↔ 0.12)
             label = "attention weight"
+            current = self._levels
+            if state.fixed_scale and current is not None and current[0] == 0.0:
+                levels = current  # fixed: colours compare across steps (the top stays where it was)
+            else:
+                positive = weights[weights > 0]
+                top = float(np.percentile(positive, 99.5)) if positive.size else 1.0
+                levels = (0.0, theme.level_ceiling(max(top, 1e-3)))
+                if current is not None and current[0] == 0.0 and 0.7 * current[1] < top <= current[1]:
+                    levels = current  # close enough below the current top: keep it (no flapping 0.1 ↔ 0.12)
         if label != getattr(self, "_bar_label", None):  # a new label re-lays the plot out: only on change
             self._bar_label = label
             self.bar.setLabel("left", label)
         if levels != self._levels:  # a new range re-lays the bar's axis out (3 ms): only on change
             self._levels = levels
             self.bar.setLevels(levels)
-        self.matrix = shown  # float32, rows are the timeline's (immutable once recorded)
+        self.matrix = shown  # float32: steps first.., positions low..
         self.evicted = evicted
+        self.origin = (first, low)
         rows, cols = shown.shape
-        self.image.set_image(self._rgba(state, shown, evicted, levels), rows, cols)
-        self.cursor.setValue(rows - 0.5)
-        theme.grow_range(self.plot, cols, rows, x_step=32, y_step=32, padding=0)
+        self.image.setPos(low, first)
+        written = timeline.written_upto[first: state.index + 1] - low
+        self.image.set_image(self._rgba(shown, evicted, written, levels), rows, cols)
+        self.cursor.setValue(first + rows - 0.5)
+        if first == 0 and low == 0:
+            if isinstance(self.plot._grown[0], tuple):
+                self.plot._grown = (None, None)  # back from a sliding window
+            theme.grow_range(self.plot, cols, rows, x_step=32, y_step=32, padding=0)
+        elif self.plot._grown != (("window", low, low + cols), ("window", first, first + rows)):
+            # a long session: the window slides with the selected step
+            self.plot._grown = (("window", low, low + cols), ("window", first, first + rows))
+            self.plot.disableAutoRange()
+            self.plot.setXRange(low, low + cols, padding=0)
+            self.plot.setYRange(first, first + rows, padding=0)
+        window = "" if first == 0 and low == 0 else f" · steps {first}–{first + rows - 1}, positions {low}–{low + cols - 1}"
         theme.set_title(self.plot, theme.muted(
             f"layer {state.layer} · {state.head_label} · each row: that step's last query · "
-            f"<span style='color:rgb{theme.EVICTED_MARK[:3]}'>■</span> evicted"), size="9pt")
+            f"<span style='color:rgb{theme.EVICTED_MARK[:3]}'>■</span> evicted{window}"), size="9pt")
 
-    def _rgba(self, state: ViewState, shown: np.ndarray, evicted: np.ndarray, levels) -> np.ndarray:
-        """The heatmap as RGBA rows. A row never changes once recorded (its weights, what was evicted by
-        then, how many positions were written), so rows are coloured once and kept; only a new colour
-        scale, layer, head or session colours them all again."""
-        rows, cols = shown.shape
-        # a weak reference, not id(): a later session's timeline may reuse a freed one's id
-        key = (weakref.ref(state.timeline), state.layer, state.head, state.log_scale, levels)
-        buffer = self._buffer
-        if key != self._buffer_key:
-            self._buffer_key, self._done = key, 0
-        if rows > buffer.shape[0] or cols > buffer.shape[1]:
-            grown = np.zeros((max(rows, 2 * buffer.shape[0], 16), max(cols, 2 * buffer.shape[1], 16), 4), np.uint8)
-            grown[: buffer.shape[0], : buffer.shape[1]] = buffer
-            self._buffer = buffer = grown
-        done = self._done
-        if done < rows:
-            low, high = levels
-            index = np.clip((shown[done:rows] - low) * (255.0 / (high - low)), 0, 255).astype(np.uint8)
-            rgba = self.lut[index]
-            rgba[evicted[done:rows]] = theme.EVICTED_MARK
-            written = np.asarray(state.timeline.written_upto[done:rows])
-            rgba[np.arange(cols)[None, :] >= written[:, None]] = 0  # not yet in the sequence: transparent
-            buffer[done:rows, :cols] = rgba
-            buffer[done:rows, cols:] = 0
-        self._done = max(done, rows)
-        return np.ascontiguousarray(buffer[:rows, :cols])
+    def _show_empty(self, state: ViewState) -> None:
+        """Before the first step: the axes the first rows will fill (the prompt's positions, 32 steps)."""
+        self.matrix = np.zeros((0, 0), dtype=np.float32)
+        self.image.clear()
+        timeline = state.timeline
+        positions = max(len(timeline.info.prompt_ids), 1) if timeline is not None else 32
+        theme.grow_range(self.plot, positions, 32, x_step=32, y_step=32, padding=0)
+        x_max, y_max = self.plot._grown
+        self.hint.setPos(x_max / 2, y_max / 2)
+        if timeline is None:
+            self.hint.setText("loading the model…" if state.loading is not None else "no session")
+            theme.set_title(self.plot, "", size="9pt")
+            return
+        self.hint.setText(f"{EMPTY_HINT}\n(→ decodes one token)")
+        theme.set_title(self.plot, theme.muted(f"layer {state.layer} · {state.head_label} · a row per step"),
+                        size="9pt")
+
+    def _rgba(self, shown: np.ndarray, evicted: np.ndarray, written: np.ndarray, levels) -> np.ndarray:
+        """The heatmap as RGBA: weights through the colour map, evicted positions marked, positions not yet
+        written (right of each row's newest) transparent."""
+        low, high = levels
+        index = np.clip((shown - low) * (255.0 / (high - low)), 0, 255).astype(np.uint8)
+        pixels = self._lut32[index]  # one uint32 per pixel: a quarter of the indexing of an RGBA lookup
+        pixels[evicted] = self._evicted32
+        pixels[np.arange(shown.shape[1])[None, :] >= written[:, None]] = 0
+        return pixels.view(np.uint8).reshape(shown.shape + (4,))

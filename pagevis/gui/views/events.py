@@ -18,6 +18,7 @@ HEADERS = ("step", "layer", "page", "slot", "pos", "token", "reason", "score")
 
 
 _RIGHT = Qt.AlignRight | Qt.AlignVCenter
+MAX_ROWS = 500  # the table holds the newest evictions up to the selected step (the plot shows them all)
 _NUMERIC = (0, 1, 2, 3, 4, 7)  # right-aligned columns
 
 
@@ -28,7 +29,7 @@ def _cells(event) -> tuple[str, ...]:
 
 
 class EventTableModel(QStandardItemModel):
-    """Rows are the timeline's evictions 0..limit. A C++ item model, so painting the table calls no Python
+    """Rows are the timeline's evictions start..limit (at most MAX_ROWS). A C++ item model, so painting the table calls no Python
     (a Python `data()` was ~1000 calls per repaint). Growing the limit inserts the new rows in one call,
     moving it back removes rows from the end. A row's cells are filled only once the filter shows it
     (`fill`): with "selected layer only", one row in n_layers is ever filled."""
@@ -41,37 +42,43 @@ class EventTableModel(QStandardItemModel):
                 item.setToolTip(f"filter with {COLUMNS[column]}=value")
             self.setHorizontalHeaderItem(column, item)
         self.events: list = []
+        self.start = 0  # the event of row 0
         self.limit = 0
+        self.shown: list = []  # the rows' events, events[start:limit]
         self._filled: list[bool] = []  # per row: its cells hold their text
 
-    def show(self, events: list, limit: int, accepts) -> None:
-        """Rows for events[:limit]; the new ones that `accepts(event)` are filled at once."""
-        if events is not self.events:
+    def show(self, events, limit: int, accepts) -> None:
+        """Rows for events[start:limit], start = limit - MAX_ROWS or 0; the new ones that `accepts(event)` are
+        filled at once. A longer session slides the window: the rows are then made afresh."""
+        start = max(0, limit - MAX_ROWS)
+        if events is not self.events or start != self.start:
             self.removeRows(0, self.rowCount())
-            self.events, self.limit, self._filled = events, 0, []
+            self.events, self.start, self.limit, self._filled, self.shown = events, start, start, [], []
         if limit < self.limit:
-            self.removeRows(limit, self.limit - limit)
-            del self._filled[limit:]
+            self.removeRows(limit - start, self.limit - limit)
+            del self._filled[limit - start:]
+            del self.shown[limit - start:]
             self.limit = limit
         elif limit > self.limit:
-            start, self.limit = self.limit, limit
-            self._filled.extend([False] * (limit - start))
-            self.insertRows(start, limit - start)  # the filter proxy looks each new row's event up
-            self.fill(accepts, start)
+            first, self.limit = self.limit, limit
+            self._filled.extend([False] * (limit - first))
+            self.shown.extend(events[first:limit])  # one vectorised read of the new rows' events
+            self.insertRows(first - start, limit - first)  # the filter proxy looks each new row's event up
+            self.fill(accepts, first - start)
 
     def fill(self, accepts, start: int = 0) -> None:
         """Give the rows from `start` that `accepts(event)` their cells, if they have none yet. Signals are
         held back while the cells are set (each would make the proxy and the view re-map the row) and one
         dataChanged covers them all."""
-        filled, events = self._filled, self.events
+        filled, shown = self._filled, self.shown
         first = last = -1
         blocked = self.blockSignals(True)
         try:
-            for row in range(start, self.limit):
-                if not filled[row] and accepts(events[row]):
+            for row in range(start, len(shown)):
+                if not filled[row] and accepts(shown[row]):
                     filled[row] = True
                     first, last = (row if first < 0 else first), row
-                    for column, text in enumerate(_cells(events[row])):
+                    for column, text in enumerate(_cells(shown[row])):
                         item = QStandardItem(text)
                         if column in _NUMERIC:
                             item.setTextAlignment(_RIGHT)
@@ -82,7 +89,7 @@ class EventTableModel(QStandardItemModel):
             self.dataChanged.emit(self.index(first, 0), self.index(last, len(COLUMNS) - 1))
 
     def row(self, index: int) -> tuple:
-        e = self.events[index]
+        e = self.shown[index]
         return (e.step, e.layer, e.page, e.slot, e.position, e.token, e.reason, e.score)
 
 
@@ -111,7 +118,7 @@ class EventFilter(QSortFilterProxyModel):
         return True
 
     def filterAcceptsRow(self, row: int, parent) -> bool:
-        return self.accepts(self.sourceModel().events[row])
+        return self.accepts(self.sourceModel().shown[row])
 
     def accepts(self, event) -> bool:
         if self.layer is not None and event.layer != self.layer:

@@ -9,7 +9,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
 from .. import theme
-from . import ViewState
+from . import EMPTY_HINT, ViewState
 
 
 def _curve(plot: pg.PlotItem, color: str, name: str) -> pg.PlotCurveItem:
@@ -80,6 +80,9 @@ class MetricsView(QWidget):
         self.oracle_off = pg.TextItem("oracle off\n(Controls ▸ Decoding)", color=theme.MUTED, anchor=(0.5, 0.5))
         self._titles()
         self.oracle.addItem(self.oracle_off, ignoreBounds=True)
+        self.hint = pg.TextItem(EMPTY_HINT, color=theme.MUTED, anchor=(0.5, 0.5))
+        self.occupancy.addItem(self.hint, ignoreBounds=True)
+        self.setMinimumSize(260, 220)  # four plots with their axes and one-line titles
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(self.graphics)
@@ -104,7 +107,7 @@ class MetricsView(QWidget):
     def show_state(self, state: ViewState) -> None:
         timeline = state.timeline
         count = len(timeline) if timeline is not None else 0
-        key = (id(timeline), count, state.layer)
+        key = (id(timeline), count, state.layer, state.loading)
         if key != self._key:
             self._key = key
             self._update_curves(state)
@@ -118,11 +121,11 @@ class MetricsView(QWidget):
             self._timeline = timeline
             for plot in (self.occupancy, self.evictions, self.latency, self.oracle):
                 plot._grown = (None, None)  # a new session: fit the views afresh
+        self.hint.setVisible(timeline is None or not len(timeline))
+        for line in self.cursors:
+            line.setVisible(timeline is not None and len(timeline) > 0)
         if timeline is None or not len(timeline):
-            self.data = {}
-            for curve in self.curves.values():
-                curve.setData([], [])
-            self.bars.setOpts(x=np.zeros(0), height=np.zeros(0))
+            self._show_empty(state)
             return
         steps = np.arange(len(timeline), dtype=np.float64)
         config = timeline.info.config
@@ -147,6 +150,7 @@ class MetricsView(QWidget):
         capacity = config.page_size * config.max_pages
         if self.capacity.value() != capacity:  # its label re-renders on every setValue
             self.capacity.setValue(capacity)
+        self.capacity.setVisible(True)
         n = len(timeline)
 
         def top(values: np.ndarray) -> float:
@@ -159,6 +163,33 @@ class MetricsView(QWidget):
         theme.grow_range(self.latency, None, top(latency))
         theme.grow_range(self.oracle, None, max(top(data["kl"]), 1.0))
         self._titles(state.layer)
+        self._show_oracle_state(config)
+
+    def _show_empty(self, state: ViewState) -> None:
+        """Before the first step: empty curves on the axes the first 32 steps will use (occupancy up to
+        the cache's capacity, the others from 0 to 1), and what to do next."""
+        self.data = {}
+        for curve in self.curves.values():
+            curve.setData([], [])
+        self.bars.setOpts(x=np.zeros(0), height=np.zeros(0))
+        config = state.config
+        capacity = config.page_size * config.max_pages if config is not None else 1
+        if config is not None and self.capacity.value() != capacity:
+            self.capacity.setValue(capacity)
+        self.capacity.setVisible(config is not None)
+        theme.grow_range(self.occupancy, 32, capacity * 1.1, x_step=32, y_step=capacity * 1.1)
+        for plot in (self.evictions, self.latency, self.oracle):
+            theme.grow_range(plot, None, 1.0)
+        self.hint.setPos(16, capacity * 0.5)
+        if state.timeline is None:
+            self.hint.setText("loading\nthe model…" if config is not None else "no session")
+        else:
+            self.hint.setText(EMPTY_HINT.replace(" to ", "\nto "))  # two short lines: the plot is narrow
+        self._titles(state.layer)
+        if config is not None:
+            self._show_oracle_state(config)
+
+    def _show_oracle_state(self, config) -> None:
         oracle_on = bool(config.oracle)
         self.oracle_off.setVisible(not oracle_on)
         if not oracle_on:

@@ -18,6 +18,8 @@ EVICTED_BG = "#4a2026"
 EVICTED_FG = "#c98a92"
 PROMPT_FG = "#aab2bf"
 GENERATED_FG = "#ffffff"
+TOP_K = 8  # only the most attended tokens are tinted: a tint on every token says nothing
+MAX_POSITIONS = 400  # the text shows the newest positions only (laying out a token costs ~30 µs)
 
 
 class TokenTint(NamedTuple):
@@ -35,6 +37,19 @@ def _escaped(text: str) -> str:
     return html.escape(text).replace("\n", "↵<br>") or "∅"
 
 
+def top_k_alpha(attention: np.ndarray, k: int) -> np.ndarray:
+    """Tint strength per token: the k most attended get 0.35..1 (by the square root of their share of the
+    top weight), every other token 0."""
+    alpha = np.zeros(attention.shape, dtype=np.float64)
+    top = float(attention.max()) if attention.size else 0.0
+    if top <= 0:
+        return alpha
+    chosen = np.argsort(attention, kind="stable")[-k:]
+    chosen = chosen[attention[chosen] > 0]
+    alpha[chosen] = np.maximum(np.sqrt(attention[chosen] / top), 0.35)
+    return alpha
+
+
 class TextView(QWidget):
     title = "Text"
     live_interval = 0.25  # while decoding, re-tint at most 4 times a second (re-laying the text is costly)
@@ -42,13 +57,15 @@ class TextView(QWidget):
     def __init__(self, parent=None):
         super().__init__(parent)
         self.tints: list[TokenTint] = []
+        self.first_position = 0  # the text starts here (long sessions show the newest MAX_POSITIONS)
         self.next_text = ""
         self._key = None
         self.browser = QTextBrowser()
         self.browser.setOpenLinks(False)
         self.browser.setStyleSheet("QTextBrowser { font-family: 'DejaVu Sans Mono', monospace; font-size: 12px; }")
         self.legend = QLabel(
-            f"<span style='background:rgba{ATTENTION_RGB + (0.8,)};color:#000'>&nbsp;attended&nbsp;</span>&nbsp; "
+            f"<span style='background:rgba{ATTENTION_RGB + (0.8,)};color:#000'>&nbsp;{TOP_K} most attended"
+            f"&nbsp;</span>&nbsp; "
             f"<span style='color:{PROMPT_FG}'>prompt</span> · <span style='color:{GENERATED_FG}'>generated</span> · "
             f"<span style='background:{EVICTED_BG};color:{EVICTED_FG}'><s>&nbsp;evicted&nbsp;</s></span> · "
             f"<span style='color:{theme.STATE_COLORS[3]}'>▸ next token</span>")
@@ -71,17 +88,19 @@ class TextView(QWidget):
             self.browser.setHtml("")
             return
         n = timeline.n_positions(state.index)
-        resident = record.resident_mask(state.layer, n)
+        low = max(0, n - MAX_POSITIONS)
+        resident = record.resident_mask(state.layer, n)[low:]
         if state.layer in record.attention_layers:
-            by_position = record.attention_over_positions(state.layer, n)
+            by_position = record.attention_over_positions(state.layer, n)[:, low:]
             attention = by_position.mean(axis=0) if state.head is None else by_position[state.head]
         else:
-            attention = np.zeros(n, dtype=np.float32)
-        top = float(attention.max()) if n else 0.0
-        alpha = np.sqrt(attention / top) if top > 0 else np.zeros(n)
+            attention = np.zeros(n - low, dtype=np.float32)
+        alpha = top_k_alpha(attention, TOP_K)
         n_prompt = len(timeline.info.prompt_ids)
-        self.tints = list(map(TokenTint, range(n), map(timeline.position_text, range(n)),
-                              [p < n_prompt for p in range(n)], resident.astype(bool).tolist(),
+        positions = range(low, n)
+        self.first_position = low
+        self.tints = list(map(TokenTint, positions, map(timeline.position_text, positions),
+                              [p < n_prompt for p in positions], resident.astype(bool).tolist(),
                               attention.astype(np.float64).tolist(), alpha.astype(np.float64).tolist()))
         self.next_text = record.next_text
         self.browser.setHtml(self._html(record))
@@ -89,7 +108,8 @@ class TextView(QWidget):
         bar.setValue(bar.maximum())
 
     def _html(self, record) -> str:
-        parts = []
+        parts = [f"<span style='color:{theme.MUTED}'>… {self.first_position} earlier positions not shown … </span>"] \
+            if self.first_position else []
         for tint in self.tints:
             text = _escaped(tint.text)
             color = PROMPT_FG if tint.prompt else GENERATED_FG
@@ -97,7 +117,7 @@ class TextView(QWidget):
                     f"attention {tint.attention:.3g}"
             if not tint.resident:
                 style = f"background:{EVICTED_BG};color:{EVICTED_FG};text-decoration:line-through"
-            elif tint.alpha > 0.02:
+            elif tint.alpha > 0:
                 fg = "#000000" if tint.alpha > 0.55 else color
                 style = f"background:rgba({ATTENTION_RGB[0]},{ATTENTION_RGB[1]},{ATTENTION_RGB[2]}," \
                         f"{tint.alpha:.2f});color:{fg}"

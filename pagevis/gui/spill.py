@@ -1,0 +1,185 @@
+"""A timeline's StepRecords on disk: written once as they arrive, read back a record (or one layer of one
+record) at a time. Qt-free.
+
+Why: a record holds every layer's slot map, protected flags, scores and block table plus the recorded
+layers' attention (about 60 KB for SmolLM2 with 96 slots, 200 KB with 256), so keeping them all would make
+a long demo gigabytes. Here they go to an anonymous temporary file (deleted when closed or when the
+process ends) with plain `os.pwrite`/`os.pread`: the file's pages live in the OS page cache, not in this
+process's memory, and the only per-record memory is one row of part offsets (~100 bytes).
+
+Layout of a record: its parts (PARTS) one after the other, each a C-contiguous array's raw bytes; the
+offsets of the parts are kept in memory, the shapes follow from the timeline's fixed geometry.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+
+from ..decoding import OracleStep, StepRecord
+from ..engine import CacheEvent, EventKind
+
+PARTS = ("token_ids", "positions", "slot_maps", "protected", "scores", "block_tables", "events", "attention_layers",
+         "attention")
+EVENT_DTYPE = np.dtype([("kind", "i1"), ("step", "i4"), ("layer", "i4"), ("page", "i4"), ("slot", "i4"),
+                        ("position", "i8"), ("policy", "i2"), ("reason", "i2"), ("score", "f8"),
+                        ("frame", "i4")])
+KINDS = tuple(EventKind)
+SMALL = np.dtype([("kind", "i1"), ("next_token", "i8"), ("resident", "i4"), ("pages_used", "i4"),
+                  ("evictions_total", "i8"), ("has_oracle", "?"), ("kl", "f8"), ("top1", "?"), ("lp_bounded", "f8"),
+                  ("lp_full", "f8"), ("lost", "f8")])
+TIMINGS = ("forward", "sample", "oracle", "record", "total")
+RECORD_KINDS = ("prefill", "decode")
+
+
+class RecordSpill:
+    """Append-only store of one timeline's records. Geometry (layers, pages, page size, heads) is taken from
+    the first record; every later record of a session has the same."""
+
+    def __init__(self):
+        self._file = tempfile.TemporaryFile(prefix="pagevis-timeline-")
+        self._fd = self._file.fileno()
+        self._end = 0
+        self._offsets = np.zeros((0, len(PARTS) + 1), dtype=np.int64)
+        self._small = np.zeros(0, dtype=SMALL)
+        self._timings = np.zeros((0, len(TIMINGS)), dtype=np.float64)
+        self._texts: list[str] = []  # the policy names and reasons events carry, interned
+        self._text_codes: dict[str, int] = {}
+        self.count = 0
+        self.shape: tuple[int, int, int] | None = None  # (layers, pages, page_size)
+        self.n_heads = 0
+
+    def close(self) -> None:
+        self._file.close()
+
+    @property
+    def disk_bytes(self) -> int:
+        return self._end
+
+    def memory_bytes(self) -> int:
+        return self._offsets.nbytes + self._small.nbytes + self._timings.nbytes
+
+    # --- writing ---------------------------------------------------------------------------------
+    def append(self, record: StepRecord) -> None:
+        if self.shape is None:
+            self.shape = record.slot_maps.shape
+            self.n_heads = record.attention[0].shape[0] if record.attention else 0
+        layers, pages, _ = self.shape
+        tables = np.full((layers, pages), -1, dtype=np.int32)
+        for layer, table in enumerate(record.block_tables):
+            tables[layer, : len(table)] = table
+        events = np.array([(KINDS.index(e.kind), e.step, e.layer, e.page, e.slot, e.position, self._code(e.policy),
+                            self._code(e.reason), e.score, e.frame) for e in record.events], dtype=EVENT_DTYPE)
+        attention = (np.stack(record.attention).astype(np.float16, copy=False) if record.attention
+                     else np.zeros((0,), np.float16))
+        parts = (np.asarray(record.token_ids, np.int64), np.asarray(record.positions, np.int64),
+                 np.ascontiguousarray(record.slot_maps, np.int32), np.packbits(record.protected),
+                 np.ascontiguousarray(record.scores, np.float32), tables, events,
+                 np.asarray(record.attention_layers, np.int16), attention)
+        blob = b"".join(memoryview(np.ascontiguousarray(p)).cast("B") for p in parts)
+        os.pwrite(self._fd, blob, self._end)
+        sizes = np.cumsum([0] + [p.nbytes for p in parts]) + self._end
+        self._end += len(blob)
+        self._offsets = _grow(self._offsets, self.count)
+        self._offsets[self.count] = sizes
+        o = record.oracle
+        small = (RECORD_KINDS.index(record.kind), record.next_token, record.resident_tokens, record.pages_used,
+                 record.evictions_total, o is not None, o.kl if o else np.nan, bool(o.top1_agree) if o else False,
+                 o.logprob_bounded if o else np.nan, o.logprob_full if o else np.nan, o.lost_attention if o else np.nan)
+        self._small = _grow(self._small, self.count)
+        self._small[self.count] = small
+        self._timings = _grow(self._timings, self.count)
+        self._timings[self.count] = [record.timings.get(name, np.nan) for name in TIMINGS]
+        self.count += 1
+
+    def _code(self, text: str) -> int:
+        code = self._text_codes.get(text)
+        if code is None:
+            code = self._text_codes[text] = len(self._texts)
+            self._texts.append(text)
+        return code
+
+    # --- reading ---------------------------------------------------------------------------------
+    def _part(self, index: int, name: str, dtype, start: int = 0, count: int | None = None) -> np.ndarray:
+        """Part `name` of record `index` (or `count` items of it from item `start`)."""
+        part = PARTS.index(name)
+        begin, end = self._offsets[index, part], self._offsets[index, part + 1]
+        itemsize = np.dtype(dtype).itemsize
+        begin += start * itemsize
+        if count is not None:
+            end = begin + count * itemsize
+        data = os.pread(self._fd, int(end - begin), int(begin))
+        return np.frombuffer(data, dtype=dtype)
+
+    def layer_row(self, index: int, layer: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """One layer of record `index`: its flat slot positions (slots,) int32 and attention (heads, slots)
+        float16 (None if that layer's attention was not recorded). Two small reads."""
+        _, pages, page_size = self.shape
+        slots = pages * page_size
+        positions = self._part(index, "slot_maps", np.int32, layer * slots, slots)
+        layers = self._part(index, "attention_layers", np.int16).tolist()
+        if layer not in layers:
+            return positions, None
+        heads = self.n_heads
+        weights = self._part(index, "attention", np.float16, layers.index(layer) * heads * slots, heads * slots)
+        return positions, weights.reshape(heads, slots)
+
+    def small(self, index: int):
+        return self._small[index]
+
+    def column(self, name: str) -> np.ndarray:
+        return self._small[name][: self.count]
+
+    def timing(self, name: str) -> np.ndarray:
+        return self._timings[: self.count, TIMINGS.index(name)]
+
+    def record(self, index: int, token_text) -> StepRecord:
+        """Record `index` rebuilt whole (equal to the one appended)."""
+        shape = self.shape
+        layers, pages, _ = shape
+        begin, end = self._offsets[index, 0], self._offsets[index, -1]
+        blob = os.pread(self._fd, int(end - begin), int(begin))
+        cuts = self._offsets[index] - begin
+
+        def part(name: str, dtype) -> np.ndarray:
+            i = PARTS.index(name)
+            return np.frombuffer(blob, dtype=dtype, count=int(cuts[i + 1] - cuts[i]) // np.dtype(dtype).itemsize,
+                                 offset=int(cuts[i]))
+
+        attention_layers = tuple(part("attention_layers", np.int16).tolist())
+        slots = shape[1] * shape[2]
+        attention = part("attention", np.float16).reshape(len(attention_layers), self.n_heads, slots) \
+            if attention_layers else ()
+        tables = part("block_tables", np.int32).reshape(layers, pages)
+        texts = self._texts
+        events = tuple(CacheEvent(KINDS[e["kind"]], int(e["step"]), int(e["layer"]), int(e["page"]), int(e["slot"]),
+                                  int(e["position"]), texts[e["policy"]], texts[e["reason"]], float(e["score"]),
+                                  int(e["frame"]))
+                       for e in part("events", EVENT_DTYPE))
+        s = self._small[index]
+        oracle = OracleStep(float(s["kl"]), bool(s["top1"]), float(s["lp_bounded"]), float(s["lp_full"]),
+                            float(s["lost"])) if s["has_oracle"] else None
+        timings = {name: float(v) for name, v in zip(TIMINGS, self._timings[index]) if v == v}
+        next_token = int(s["next_token"])
+        return StepRecord(
+            step=index, kind=RECORD_KINDS[s["kind"]], token_ids=tuple(part("token_ids", np.int64).tolist()),
+            positions=tuple(part("positions", np.int64).tolist()), next_token=next_token,
+            next_text=token_text(next_token) if next_token >= 0 else "",
+            slot_maps=part("slot_maps", np.int32).reshape(shape),
+            protected=np.unpackbits(part("protected", np.uint8), count=int(np.prod(shape))).astype(bool).reshape(shape),
+            scores=part("scores", np.float32).reshape(shape),
+            block_tables=tuple(tuple(int(p) for p in row[row >= 0]) for row in tables),
+            events=events, attention_layers=attention_layers, attention=tuple(attention), timings=timings,
+            resident_tokens=int(s["resident"]), pages_used=int(s["pages_used"]),
+            evictions_total=int(s["evictions_total"]), oracle=oracle)
+
+
+def _grow(array: np.ndarray, needed: int) -> np.ndarray:
+    """`array` with room for index `needed` (doubling), contents kept."""
+    if needed < len(array):
+        return array
+    grown = np.zeros((max(16, 2 * len(array)),) + array.shape[1:], dtype=array.dtype)
+    grown[: len(array)] = array
+    return grown
