@@ -44,8 +44,10 @@ def test_numeric_flags_are_bounded(capsys, argv, message):
 
 def test_errors_name_only_flags_the_command_has(capsys, tmp_path):
     wide = ["--model", "synthetic", "--layers", "1", "--heads", "4", "--kv-heads", "4", "--head-dim", "64"]
-    err = refusal(capsys, "compare", "--budgets", "16777216", *wide, "--no-files", "--quiet")
+    err = refusal(capsys, "compare", "--budgets", "16777216", "--policies", "sinks", *wide, "--no-files", "--quiet")
     assert "--budgets: 16777216 tokens is too large" in err and "--max-pages" not in err
+    err = refusal(capsys, "compare", "--budgets", str(1 << 40), *wide, "--no-files", "--quiet")
+    assert "--budgets: 1099511627776 tokens is more than" in err
     err = refusal(capsys, "bench", "--decode-tokens", "0", "--no-files", "--quick")
     assert "--decode-tokens" in err and "--max-tokens" not in err
     # a policy parameter nobody gave is the policy's default, not a --policy-param the user typed
