@@ -84,6 +84,14 @@ HEADER_TYPES = {
 OPTIONAL_HEADER_TYPES = {"written_by": "str", "meta": "dict"}
 
 
+# Event kinds a trace may list, by the format version that introduced them (absent: version 1).
+EVENT_KIND_SINCE: dict[str, int] = {}
+
+
+def event_kinds_of_version(version: int) -> list[str]:
+    return [kind.value for kind in EventKind if EVENT_KIND_SINCE.get(kind.value, 1) <= version]
+
+
 def arrays_of_version(version: int) -> dict[str, ArraySpec]:
     return {name: spec for name, spec in ARRAYS.items() if spec.since <= version}
 
@@ -262,7 +270,7 @@ def _check_tables(header: dict, sizes: dict[str, int], where: str) -> None:
             raise TraceError(f"{where}: header.json {key} holds {bad[0]!r}; known: {', '.join(map(str, known))}")
 
     unknown("kinds", KINDS)
-    unknown("event_kinds", [k.value for k in EventKind])
+    unknown("event_kinds", event_kinds_of_version(header["version"]))
     if tuple(header["oracle_columns"]) != ORACLE_COLUMNS:
         raise TraceError(f"{where}: header.json oracle_columns must be {list(ORACLE_COLUMNS)}")
     if sorted(header["delta_encoded"]) != sorted(DELTA_ENCODED):
