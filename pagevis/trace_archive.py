@@ -40,8 +40,10 @@ class Archive:
 
     def __init__(self, path: str):
         self.path = path
-        if not os.path.isfile(path):
+        if not os.path.exists(path):
             raise TraceError(f"{path}: no such trace file")
+        if not os.path.isfile(path):
+            raise TraceError(f"{path}: not a trace file (a folder or a device)")
         self.size = os.path.getsize(path)
         self._check_end_record()
         try:
