@@ -22,6 +22,7 @@ import numpy as np
 from .decoding import ModelSpec, SamplingConfig, SessionConfig
 from .engine import POLICIES, CacheConfig, ConfigError, EventKind
 from .engine.config import MAX_HEADS, MAX_LAYERS, MAX_PAGE_SIZE, MAX_PAGES, STORAGE_DTYPES
+from .system_memory import available_bytes, fits, gib
 from .trace_archive import TraceError
 
 FORMAT = "pagevis-trace"
@@ -30,7 +31,10 @@ KINDS = ("prefill", "decode")
 ORACLE_COLUMNS = ("kl", "top1_agree", "logprob_bounded", "logprob_full", "lost_attention")
 DELTA_ENCODED = ("slot_maps", "protected", "scores", "block_tables")
 MAX_HEADER_BYTES = 64 << 20
-MAX_TRACE_BYTES = 1 << 30  # all arrays together, as they are held in memory once read
+MAX_TRACE_BYTES = 2 << 30  # arrays and the records' Python objects, as held in memory once read
+# Python objects the records hold beyond the arrays (measured with tracemalloc on a 1.5k-step trace: 3.9 KB per
+# step in all; these bounds are deliberately high): per step, per event, per token, per block-table entry.
+OBJECT_BYTES = {"T": 2048, "E": 300, "N": 80, "table entry": 36}
 MAX_STEPS = 10_000_000
 MAX_TOKEN_ID = 2**31 - 1
 
@@ -168,9 +172,12 @@ def expected_arrays(header: dict, sizes: dict[str, int], where: str) -> dict[str
                              f"the trace's sizes make it {dtype.str} {list(shape)}")
         expected[name] = (dtype, shape)
         total += prod(shape) * dtype.itemsize
-    if total > MAX_TRACE_BYTES:
-        raise TraceError(f"{where}: the trace's arrays would take {total / 2**30:.1f} GiB in memory; pagevis opens "
-                         f"traces up to {MAX_TRACE_BYTES >> 30} GiB (record fewer layers or steps)")
+    total += (sizes["T"] * OBJECT_BYTES["T"] + sizes["E"] * OBJECT_BYTES["E"] + sizes["N"] * OBJECT_BYTES["N"]
+              + sizes["T"] * sizes["L"] * sizes["P"] * OBJECT_BYTES["table entry"])
+    if total > MAX_TRACE_BYTES or not fits(total):
+        raise TraceError(f"{where}: replaying the trace would take about {gib(total)} of memory; pagevis opens traces "
+                         f"up to {MAX_TRACE_BYTES >> 30} GiB that fit in the memory available now "
+                         f"({gib(available_bytes() or 0)}) (record fewer layers or steps)")
     return expected
 
 
