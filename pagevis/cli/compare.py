@@ -10,7 +10,7 @@ import sys
 from importlib import resources
 
 from . import options
-from ..engine.config import MAX_PAGE_SIZE
+from ..engine.config import MAX_PAGE_SIZE, MAX_PAGES
 from .options import UsageError
 from .progress import Progress
 
@@ -89,6 +89,8 @@ def parse_budgets(text: str, page_size: int) -> list[int]:
     for budget in budgets:
         if budget < page_size or budget % page_size:
             raise UsageError(f"--budgets: {budget} is not a positive multiple of --page-size {page_size}")
+        if budget // page_size > MAX_PAGES:
+            raise UsageError(f"--budgets: {budget} tokens is more than {MAX_PAGES} pages of --page-size {page_size}")
     return budgets
 
 
