@@ -202,7 +202,9 @@ def format_table(rows) -> str:
 
 
 def _gap(value) -> str:
-    return f"{'-':>7}" if value is None else f"{value:>+7.1%}"
+    if value is None:
+        return f"{'-':>7}"
+    return f"{value:>+7.0%}" if abs(value) >= 10 else f"{value:>+7.1%}"
 
 
 def _f(value, width, digits) -> str:
