@@ -88,10 +88,13 @@ class BruteForce:
         self.step += 1
 
 
-def run_both(policy, page_size, max_pages, n_tokens, seed, params=None):
+def run_both(policy, page_size, max_pages, n_tokens, seed, params=None, ram_frames=None):
+    """With ram_frames, the cache has a disk tier of max_pages pages and that many RAM frames: the
+    retained set must be the same as with every page in RAM."""
     params = params or {}
-    config = CacheConfig(page_size=page_size, max_pages=max_pages, n_layers=1, n_heads=N_HEADS,
-                         n_kv_heads=N_KV, head_dim=HEAD_DIM, policy=policy, policy_params=params)
+    tier = {"max_pages": ram_frames, "disk_pages": max_pages} if ram_frames else {"max_pages": max_pages}
+    config = CacheConfig(page_size=page_size, n_layers=1, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HEAD_DIM,
+                         policy=policy, policy_params=params, **tier)
     cache = PagedKVCache(config)
     brute = BruteForce(policy, config.capacity, page_size, params)
     rng = np.random.default_rng(seed)
@@ -118,6 +121,12 @@ def run_both(policy, page_size, max_pages, n_tokens, seed, params=None):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_retained_set_matches_brute_force(policy, page_size, max_pages, seed):
     run_both(policy, page_size, max_pages, n_tokens=4 * page_size * max_pages + 3, seed=seed)
+
+
+@pytest.mark.parametrize("policy", ["oldest", "sinks", "h2o", "tova", "oldest-page"])
+@pytest.mark.parametrize("page_size,max_pages,ram_frames", [(1, 7, 2), (4, 3, 2), (5, 5, 3)])
+def test_retained_set_with_a_disk_tier_matches_brute_force(policy, page_size, max_pages, ram_frames):
+    run_both(policy, page_size, max_pages, n_tokens=4 * page_size * max_pages + 3, seed=2, ram_frames=ram_frames)
 
 
 @pytest.mark.parametrize("params", [{"n_sink": 0}, {"n_sink": 1}, {"n_sink": 11}])

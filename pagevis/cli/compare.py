@@ -10,12 +10,14 @@ import sys
 from importlib import resources
 
 from . import options
+from ..engine.config import MAX_PAGE_SIZE
 from .options import UsageError
 from .progress import Progress
 
 DEFAULT_TEXT = "texts/pride-and-prejudice-ch1.txt"
 LONG_TEXT = "pride-and-prejudice-ch1-6"  # about 10,100 SmolLM2 tokens: enough for --tokens 8192
 DEFAULT_POLICIES = "sinks,oldest,h2o,tova,snapkv,pyramidkv,lru,lfu"
+MAX_TOKENS = 1 << 20  # the reference's logits go to temporary files; the text bounds it in practice
 COLUMNS = ("policy", "budget", "page_size", "ppl", "ppl_evicting", "full_ppl_evicting", "gap_to_optimal", "mean_kl",
            "top1_agreement", "lost_attention", "evictions", "evicting_tokens", "seconds", "note")
 
@@ -86,6 +88,23 @@ def parse_budgets(text: str, page_size: int) -> list[int]:
     return budgets
 
 
+def check_budgets(budgets: list[int], args: argparse.Namespace, model_config) -> None:
+    """Each budget's cache fits this model's layout and the memory available now."""
+    from ..engine import CacheConfig, ConfigError
+    from ..system_memory import available_bytes, fits, gib
+
+    for budget in budgets:
+        try:
+            config = CacheConfig(page_size=args.page_size, max_pages=budget // args.page_size, dtype=args.dtype,
+                                 policy="oldest", n_layers=model_config.n_layers, n_heads=model_config.n_heads,
+                                 n_kv_heads=model_config.n_kv_heads, head_dim=model_config.head_dim)
+        except ConfigError as error:
+            raise UsageError(f"--budgets: {budget} tokens is too large for this model ({error.allowed})") from None
+        if not fits(config.total_bytes()):
+            raise UsageError(f"--budgets: {budget} tokens needs {gib(config.total_bytes())} of K/V storage with "
+                             f"this model, more than the memory available now ({gib(available_bytes() or 0)})")
+
+
 def load_text(path: str | None) -> str:
     texts = resources.files("pagevis.resources").joinpath("texts")
     if path is None:
@@ -101,10 +120,11 @@ def main(args: argparse.Namespace) -> int:
     from ..bench.optimal import OPTIMAL
     from ..engine import CacheSettings, ConfigError
 
-    if args.page_size < 1:
-        raise UsageError(f"--page-size {args.page_size}: must be a positive integer")
-    if args.tokens < 2:
-        raise UsageError(f"--tokens {args.tokens}: need at least 2 tokens")
+    options.check_range("--page-size", args.page_size, 1, MAX_PAGE_SIZE)
+    options.check_range("--tokens", args.tokens, 2, MAX_TOKENS)
+    if not args.no_files:
+        options.check_writable(args.csv, "--csv", suffix=".csv")
+        options.check_writable(args.plot, "--plot", suffix=".png")
     if args.tmp_dir is not None and not os.path.isdir(args.tmp_dir):
         raise UsageError(f"--tmp-dir {args.tmp_dir}: no such folder")
     choices = parse_policies(args.policies, optimal=not args.no_optimal)
@@ -122,6 +142,7 @@ def main(args: argparse.Namespace) -> int:
     text = load_text(args.text)
     spec = options.model_spec(args)
     model = spec.load()
+    check_budgets(budgets, args, model.config)
     ids = model.tokenizer.encode(text)[: args.tokens]
     if len(ids) < 2:
         raise UsageError("the text is too short: it must encode to at least 2 tokens")
@@ -215,7 +236,6 @@ def _f(value, width, digits) -> str:
 
 
 def write_csv(path: str, rows) -> None:
-    _check_folder(path, "--csv")
     with open(path, "w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=COLUMNS)
         writer.writeheader()
@@ -226,7 +246,6 @@ def write_csv(path: str, rows) -> None:
 def write_plot(path: str, rows, result) -> None:
     from ..bench.plots import line_plot
 
-    _check_folder(path, "--plot")
     series: dict[str, tuple[list, list]] = {}
     for row in rows[1:]:
         xs, ys = series.setdefault(row.policy, ([], []))
@@ -239,9 +258,3 @@ def write_plot(path: str, rows, result) -> None:
               x_label="cache budget (tokens per layer)", y_label="perplexity (log scale)", log_x=True, log_y=True,
               dashed={"full cache"},
               x_ticks=budgets)
-
-
-def _check_folder(path: str, flag: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise UsageError(f"{flag} {path}: no such folder {folder}")

@@ -17,9 +17,10 @@ from .frames import FramePool
 from .policies import POLICIES, EvictionPolicy, layer_capacities, make_policy, policy_params
 from .policy_state import LayerView, PolicyState
 from .sequence import Sequence
-from .store import PageStore
+from .store import COUNT_NAMES, PageStore, TierCounts
 
 __all__ = [
+    "COUNT_NAMES",
     "POLICIES",
     "AttentionResult",
     "CacheConfig",
@@ -36,6 +37,7 @@ __all__ = [
     "Partial",
     "PolicyState",
     "Sequence",
+    "TierCounts",
     "attend",
     "attend_part",
     "layer_capacities",

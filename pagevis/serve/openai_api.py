@@ -150,10 +150,14 @@ async def chat_completions(body: ChatRequest, request: Request):
     messages = [{"role": m.role, "content": _content_text(m.content, i)} for i, m in enumerate(body.messages)]
     prompt = tokenizer.format_chat(messages)
     _check_prompt(prompt, "messages")
-    return await _generate(request, body, prompt, chat=True, max_tokens=body.max_completion_tokens or body.max_tokens)
+    # Only the template inserts control tokens: the messages' own text is encoded as text.
+    prompt_ids = tokenizer.encode_chat(messages)
+    return await _generate(request, body, prompt, chat=True, max_tokens=body.max_completion_tokens or body.max_tokens,
+                           prompt_ids=prompt_ids)
 
 
-async def _generate(request: Request, body: _GenerationRequest, prompt: str, chat: bool, max_tokens: int | None):
+async def _generate(request: Request, body: _GenerationRequest, prompt: str, chat: bool, max_tokens: int | None,
+                    prompt_ids: list[int] | None = None):
     state = request.app.state
     if body.model != state.model_id:
         raise ApiError(404, f"model {body.model!r} is not served here; this server serves {state.model_id!r} "
@@ -163,14 +167,16 @@ async def _generate(request: Request, body: _GenerationRequest, prompt: str, cha
         raise ApiError(422, f"stop: {len(stops)} stop strings; at most {MAX_STOPS}", param="stop")
     temperature = 1.0 if body.temperature is None else body.temperature
     sampled = temperature > 0
+    # record_layers "none": a completion's attention snapshots have no reader, so they are not kept.
     fields = dict(body.pagevis.model_dump() if body.pagevis else {}, max_tokens=max_tokens, chat=False,
+                  record_layers="none",
                   sample=sampled, temperature=temperature if sampled else None,
                   top_p=body.top_p if sampled else None,
                   seed=body.seed if body.seed is not None else secrets.randbelow(2**32))
     config = session_config(state.settings, fields)
     state.store.take_slot()
     try:
-        session = await in_worker(request, build_session, state.model, state.settings, prompt, config)
+        session = await in_worker(request, build_session, state.model, state.settings, prompt, config, prompt_ids)
         observer = state.metrics.observe(session)
     except BaseException:
         state.store.give_slot()
