@@ -235,7 +235,9 @@ def format_table(rows) -> str:
 
 
 def _gap(value) -> str:
-    return f"{'-':>7}" if value is None else f"{value:>+7.1%}"
+    if value is None:
+        return f"{'-':>7}"
+    return f"{value:>+7.0%}" if abs(value) >= 10 else f"{value:>+7.1%}"
 
 
 def _f(value, width, digits) -> str:
@@ -263,8 +265,10 @@ def write_plot(path: str, rows, result) -> None:
         ys.append(row.ppl)
     budgets = sorted({row.budget for row in rows[1:]})
     series["full cache"] = (budgets, [result["full_cache_ppl"]] * len(budgets))
+    values = [y for _, ys in series.values() for y in ys if y]
+    ladder = (10, 12, 14, 16, 18, 20, 25, 30, 40, 50, 75, 100, 150, 200, 300, 500, 1000, 2000, 5000)
+    ticks = [t for t in ladder if min(values, default=1) / 1.1 <= t <= max(values, default=1) * 1.1]
     line_plot(path, series, title=f"Perplexity vs cache budget ({result['model']}, {result['tokens']} tokens, "
                                   f"page size {result['page_size']})",
               x_label="cache budget (tokens per layer)", y_label="perplexity (log scale)", log_x=True, log_y=True,
-              dashed={"full cache"},
-              x_ticks=budgets)
+              dashed={"full cache", "optimal"}, x_ticks=budgets, y_ticks=ticks or None)
