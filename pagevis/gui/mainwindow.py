@@ -61,6 +61,9 @@ def memory_text(cache_bytes: int, n_kv_heads: int) -> str:
     return f"K/V {_mib(cache_bytes)} = {n_kv_heads} KV heads × {_mib(cache_bytes // n_kv_heads)}"
 
 
+COMPACT_WIDTH = 1366  # windows this narrow (projectors) tab the metrics behind the events (see size_docks)
+
+
 class MainWindow(TimelineCursor, QMainWindow):
     def __init__(self, settings: QSettings | None = None, restore: bool = True, persist: bool = True):
         """`restore`: start from the saved layout and configuration; `persist`: save them on close."""
@@ -154,14 +157,21 @@ class MainWindow(TimelineCursor, QMainWindow):
         """The default proportions (drawn for 1600 × 1000) at the window's size: absolute sizes would let Qt
         take the whole shortfall of a smaller window from the last docks, squeezing them to an ellipsis."""
         d = self.docks
+        compact = self.width() <= COMPACT_WIDTH and self.isVisible()  # hidden, the size is not yet the real one
+        if compact and d["Metrics"] not in self.tabifiedDockWidgets(d["Eviction events"]):
+            # a projector (1280 × 720): metrics become a tab behind the eviction events, so that the text,
+            # the events' columns and the metrics' legends get the width to show without clipping
+            self.tabifyDockWidget(d["Eviction events"], d["Metrics"])
+            d["Eviction events"].raise_()
         controls = max(d["Controls"].minimumSizeHint().width(), min(330, self.width() // 4))
         x = (self.width() - controls) / (1600 - 330)
         y = self.height() / 1000
         self.resizeDocks([d["Controls"]], [controls], Qt.Horizontal)
         self.resizeDocks([d["Page grid"], d["Text"]], [int(540 * y), int(420 * y)], Qt.Vertical)
-        self.resizeDocks([d["Page grid"], d["Attention"]], [int(600 * x), int(660 * x)], Qt.Horizontal)
-        self.resizeDocks([d["Text"], d["Eviction events"], d["Metrics"]], [int(400 * x), int(400 * x), int(470 * x)],
-                         Qt.Horizontal)
+        top = (700, 570) if compact else (600, 660)  # compact: the grid keeps room beside its block table
+        self.resizeDocks([d["Page grid"], d["Attention"]], [int(top[0] * x), int(top[1] * x)], Qt.Horizontal)
+        bottom = [d["Text"], d["Eviction events"]] + ([] if compact else [d["Metrics"]])
+        self.resizeDocks(bottom, [int(w * x) for w in ((560, 710) if compact else (400, 400, 470))], Qt.Horizontal)
 
     def fit_to_screen(self, share: float = FIRST_SCREEN_SHARE) -> None:
         """Take `share` of the screen's available area (at least the window's minimum, at most the area),

@@ -26,7 +26,7 @@ class AttentionView(QWidget):
         self.origin = (0, 0)  # (first step, first position) of the matrix
         self.graphics = pg.GraphicsLayoutWidget()
         self.plot = self.graphics.addPlot()
-        theme.style_plot(self.plot, left="step", bottom="token position")
+        theme.style_plot(self.plot, left="step (a row: its last query)", bottom="token position")
         self.plot.invertY(True)
         self.plot.setMenuEnabled(False)
         self.plot.showGrid(x=False, y=False)
@@ -107,9 +107,9 @@ class AttentionView(QWidget):
             self.plot.disableAutoRange()
             self.plot.setXRange(low, low + cols, padding=0)
             self.plot.setYRange(first, first + rows, padding=0)
-        window = "" if first == 0 and low == 0 else f" · steps {first}–{first + rows - 1}, positions {low}–{low + cols - 1}"
+        window = "" if first == 0 and low == 0 else f" · last {rows} steps, {cols} positions"
         theme.set_title(self.plot, theme.muted(
-            f"layer {state.layer} · {state.head_label} · each row: that step's last query · "
+            f"layer {state.layer} · {state.head_label} · "
             f"<span style='color:rgb{theme.EVICTED_MARK[:3]}'>■</span> evicted{window}"), size="9pt")
 
     def _show_empty(self, state: ViewState) -> None:
@@ -125,8 +125,7 @@ class AttentionView(QWidget):
         theme.grow_range(self.plot, positions, 32, x_step=32, y_step=32, padding=0)
         x_max, y_max = self.plot._grown
         self.hint.setPos(x_max / 2, y_max / 2)
-        theme.set_title(self.plot, theme.muted(f"layer {state.layer} · {state.head_label} · "
-                                               "one row per step: its last query's weights"), size="9pt")
+        theme.set_title(self.plot, theme.muted(f"layer {state.layer} · {state.head_label}"), size="9pt")
 
     def _rgba(self, shown: np.ndarray, evicted: np.ndarray, written: np.ndarray, levels) -> np.ndarray:
         """The heatmap as RGBA: weights through the colour map, evicted positions marked, positions not yet

@@ -166,7 +166,7 @@ class EventsView(QWidget):
 
         self.graphics = pg.GraphicsLayoutWidget()
         self.plot = self.graphics.addPlot()
-        theme.style_plot(self.plot, left="evicted position", bottom="step")
+        theme.style_plot(self.plot, left="position", bottom="step")
         self.plot.setMenuEnabled(False)
         self.scatter = pg.ScatterPlotItem(size=5, pen=None, brush=pg.mkBrush(theme.STATE_COLORS[5]))
         self.plot.addItem(self.scatter)
@@ -231,4 +231,4 @@ class EventsView(QWidget):
         if state.record is not None:
             self.cursor.setValue(state.record.step)
         where = f"layer {layer}" if layer is not None else "all layers"
-        theme.set_title(self.plot, theme.muted(f"evicted positions by step · {where}"), size="9pt")
+        theme.set_title(self.plot, theme.muted(f"evicted positions · {where}"), size="9pt")

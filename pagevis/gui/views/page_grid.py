@@ -207,6 +207,7 @@ class BlockTable(QTableWidget):
     def __init__(self):
         super().__init__(0, len(self.HEADERS))
         self.rows: list[tuple[int, int, int, str]] = []
+        self._longest = 0  # characters of the longest positions text the column was fitted to
         self.setHorizontalHeaderLabels(self.HEADERS)
         self.setEditTriggers(QTableWidget.NoEditTriggers)
         self.verticalHeader().hide()
@@ -222,6 +223,10 @@ class BlockTable(QTableWidget):
         resize = len(rows) != self.rowCount()
         if resize:
             self.setRowCount(len(rows))
+        # a run list longer than any so far (token-level policies scatter positions) widens its column too
+        longest = max((len(row[3]) for row in rows), default=0)
+        if resize or longest > self._longest:
+            resize, self._longest = True, longest
         for r, row in enumerate(rows):
             old = self.rows[r] if r < len(self.rows) else None
             for c, value in enumerate(row):
@@ -272,8 +277,9 @@ class PageGridView(QWidget):
 
         self.blocks = BlockTable()
         self.block_view = self.blocks
-        self.block_view.setMinimumWidth(250)
-        self.block_view.setMaximumWidth(300)
+        self.block_view.setMinimumWidth(200)
+        self.block_view.setMaximumWidth(280)
+        self.graphics.setMinimumWidth(250)  # the grid's title fits (a projector's 1280 × 720)
         block_title = QLabel("Block table (logical → physical)")
         block_title.setStyleSheet(f"color: {theme.MUTED}")
 
@@ -314,7 +320,7 @@ class PageGridView(QWidget):
         self._fit_axes(pages, page_size)
         used = len(record.block_tables[layer])
         resident = int((slots >= 0).sum())
-        theme.set_title(self.plot, theme.muted(f"layer {layer} · {used}/{pages} pages · {resident} tokens resident"), size="9pt")
+        theme.set_title(self.plot, theme.muted(f"layer {layer} · {used}/{pages} pages · {resident} tokens"), size="9pt")
         rows = []
         for logical, page in enumerate(record.block_tables[layer]):
             held = slots[page][slots[page] >= 0]
