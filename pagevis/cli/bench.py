@@ -14,6 +14,10 @@ from .options import UsageError
 
 FULL_CONTEXTS = "32,128,512,1024,2048,4096,8192"
 QUICK_CONTEXTS = "32,128,512"
+MAX_DECODE_TOKENS = 10_000
+# Peak memory of the attention rows per context token (float64 draws, K/V, the page pool and the dense copy),
+# measured at 4.7 KB with SmolLM2's layer shape at 64k and 256k tokens; rounded up for torch's copies.
+BYTES_PER_CONTEXT_TOKEN = 8 << 10
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -33,6 +37,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
                              "synthetic model")
     options.add_model_options(parser)
     parser.add_argument("--no-model", action="store_true", help="skip the model decode benchmark")
+    parser.add_argument("--no-sequences", action="store_true",
+                        help="skip the many-sequences rows (aggregate tokens/s at 1-16 sequences, parallel "
+                             "sampling pages, shared-prompt prefix-cache hit rate)")
     parser.add_argument("--decode-tokens", type=int, default=32, metavar="N", help="decode steps to time (32)")
     parser.add_argument("--out", default=".", metavar="DIR",
                         help="folder for bench-*.csv and bench-latency.png, bench-memory.png (default .)")
@@ -43,6 +50,14 @@ def add_parser(commands) -> argparse.ArgumentParser:
                              "decoding of the same GGUF with it (default: this Python, if it has them)")
     parser.set_defaults(handler=main)
     return parser
+
+
+def max_context() -> int:
+    """The longest context whose attention rows fit in half the memory available now (at most 2**20)."""
+    from ..system_memory import available_bytes
+
+    available = available_bytes()
+    return 1 << 20 if available is None else max(1024, min(1 << 20, available // 2 // BYTES_PER_CONTEXT_TOKEN))
 
 
 def parse_ints(text: str, flag: str, low: int, high: int) -> list[int]:
@@ -56,12 +71,13 @@ def main(args: argparse.Namespace) -> int:
     from ..bench import attention, suite
 
     contexts = parse_ints(args.contexts or (QUICK_CONTEXTS if args.quick else FULL_CONTEXTS), "--contexts", 1,
-                          1 << 20)
+                          max_context())
     page_sizes = parse_ints(args.page_sizes or ("16" if args.quick else "8,16,32,64"), "--page-sizes", 1, 4096)
-    if args.decode_tokens < 1:
-        raise UsageError(f"--decode-tokens {args.decode_tokens}: must be at least 1")
-    if not args.no_files and not os.path.isdir(args.out):
-        raise UsageError(f"--out {args.out}: no such folder")
+    options.check_range("--decode-tokens", args.decode_tokens, 1, MAX_DECODE_TOKENS)
+    if not args.no_files:
+        if not os.path.isdir(args.out):
+            raise UsageError(f"--out {args.out}: no such folder")
+        options.check_writable(os.path.join(args.out, "bench-latency.png"), "--out")
     spec = None
     if not args.no_model:
         if args.quick and args.model is None:
@@ -93,7 +109,13 @@ def main(args: argparse.Namespace) -> int:
                           transformers_versions=eager["versions"],
                           paged_over_transformers=decode["paged_tok_s"] / eager["tokens_per_s"])
 
-    result = {"attention": paged, "storage": storage, "torch": torch_rows, "decode": decode,
+    sequences = None
+    if spec is not None and not args.no_sequences:
+        from ..bench.sequences import run_sequences_bench
+
+        say("many sequences: continuous batching, parallel sampling, prefix caching ...")
+        sequences = run_sequences_bench(spec.load(), spec.kind, n_tokens=4 if args.quick else 12)
+    result = {"attention": paged, "storage": storage, "torch": torch_rows, "decode": decode, "sequences": sequences,
               "shape": suite.SMOLLM2_LAYER}
     if not args.no_files:
         result["files"] = write_files(args.out, result, half)
@@ -149,6 +171,10 @@ def format_report(result: dict) -> str:
                        f"transformers")
         else:
             out.append("  transformers eager: not measured (--transformers-python PYTHON)")
+    if result.get("sequences"):
+        from ..bench.sequences import format_sequences
+
+        out += ["", *format_sequences(result["sequences"])]
     if result.get("files"):
         out += ["", "wrote " + ", ".join(result["files"])]
     return "\n".join(out)

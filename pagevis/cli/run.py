@@ -12,6 +12,7 @@ import numpy as np
 from ..presets import default_prompt
 from . import options
 from .metrics_port import add_metrics_option, start_metrics_server
+from .parallel import add_parallel_options, check_parallel_options, run_parallel
 from .progress import Progress
 
 
@@ -25,6 +26,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--trace", metavar="FILE", help="record the run to a trace file (open it with pagevis replay)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     add_metrics_option(parser)
+    add_parallel_options(parser)
     parser.set_defaults(handler=main)
     return parser
 
@@ -36,11 +38,16 @@ def main(args: argparse.Namespace) -> int:
     spec = options.model_spec(args)
     config = options.session_config(args)
     prompt = options.prompt_text(args) or default_prompt(spec.kind)
+    check_parallel_options(args)
+    if args.n > 1:
+        return run_parallel(args, spec, config, prompt)
     if args.trace:
-        _check_writable(args.trace)
+        options.check_writable(args.trace, "--trace")
     metrics, exporter = start_metrics_server(args.metrics_port)
     model = spec.load()
+    check_cache_memory(config, model.config)
     session = DecodeSession(model, prompt, config)
+    check_prompt_fits(session)
     progress = Progress(config.max_new_tokens, "decoding", enabled=False if args.quiet else None)
     session.add_hook(lambda record: progress.update(
         len(session.generated), f"{record.kind} step {record.step}, {record.resident_tokens} resident"))
@@ -77,6 +84,28 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(summary["text"])
     return 130 if interrupted else 0
+
+
+def check_cache_memory(config, model_config) -> None:
+    """The K/V cache (twice with the oracle's full cache) must fit in the memory available now."""
+    from ..engine import CacheConfig
+    from ..system_memory import available_bytes, fits, gib
+
+    need = CacheConfig.for_model(config, model_config).total_bytes() * (2 if config.oracle else 1)
+    if not fits(need):
+        raise options.UsageError(f"--max-pages {config.max_pages} x --page-size {config.page_size}: the K/V cache "
+                                 f"would take {gib(need)} with this model, more than the memory available now "
+                                 f"({gib(available_bytes() or 0)})")
+
+
+def check_prompt_fits(session) -> None:
+    """Policy 'none' never evicts: a prompt longer than the cache can never be fed, so say so before decoding."""
+    config = session.config
+    if config.policy == "none" and len(session.prompt_ids) > config.capacity:
+        raise options.UsageError(
+            f"--policy none: the prompt is {len(session.prompt_ids)} tokens but the cache holds {config.capacity} "
+            f"({config.max_pages} pages x {config.page_size} tokens) and policy none never evicts; raise --max-pages "
+            "or --page-size, or choose an evicting policy")
 
 
 def summarize(session, model_label: str, elapsed: float) -> dict:
@@ -123,13 +152,3 @@ def _policy_params(session) -> dict:
 
     policy = session.cache.policy
     return {name: getattr(policy, name) for name in policy_params(policy.name)}
-
-
-def _check_writable(path: str) -> None:
-    import os
-
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise options.UsageError(f"--trace {path}: no such folder {folder}")
-    if os.path.isdir(path):
-        raise options.UsageError(f"--trace {path}: is a folder")

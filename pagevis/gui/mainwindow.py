@@ -18,7 +18,6 @@ from PySide6.QtWidgets import (
     QLabel,
     QMainWindow,
     QMessageBox,
-    QPlainTextEdit,
     QWidget,
 )
 
@@ -27,6 +26,7 @@ from ..engine import ConfigError
 from ..presets import default_prompt
 from . import export, theme
 from .controls import ControlsPanel
+from .messages import MessagesPanel
 from .narration import narrate
 from .runner import SessionRunner
 from .timeline import Timeline
@@ -114,8 +114,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.metrics = MetricsView()
         self.heads = HeadsView()
         self.views = [self.page_grid, self.attention, self.text, self.events, self.metrics, self.heads]
-        self.messages = QPlainTextEdit()
-        self.messages.setReadOnly(True)
+        self.messages = MessagesPanel()
         self.docks: dict[str, QDockWidget] = {}
         self.setDockNestingEnabled(True)
         self.setCorner(Qt.BottomLeftCorner, Qt.LeftDockWidgetArea)
@@ -133,6 +132,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         self._size_docks_on_show = not (restore and self._restore_settings())
         if self._size_docks_on_show:
             self.fit_to_screen()
+        self.redraw()  # the views' empty state from the start, not pyqtgraph's default axes
 
     # --- layout ----------------------------------------------------------------------------------
     def _default_layout(self) -> None:
@@ -239,6 +239,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         for dock in self.docks.values():
             view_menu.addAction(dock.toggleViewAction())
         view_menu.addSeparator()
+        view_menu.addAction("&Sequences sharing one pool…", self.open_sequences)
         view_menu.addAction("&Reset layout", self.reset_layout)
         help_menu = self.menuBar().addMenu("&Help")
         help_menu.addAction("&Keyboard shortcuts", self._show_shortcuts)
@@ -437,12 +438,10 @@ class MainWindow(TimelineCursor, QMainWindow):
         self._report(message, trace)
 
     def _report(self, message: str, detail: str = "") -> None:
-        """Show a problem without blocking: status bar, and the Messages panel (raised)."""
-        self.statusBar().showMessage(message, 15000)
-        stamp = time.strftime("%H:%M:%S")
-        self.messages.appendPlainText(f"[{stamp}] {message}")
-        if detail:
-            self.messages.appendPlainText(detail.rstrip())
+        """Show a problem without blocking: one line in the status bar and the Messages panel (raised), the
+        traceback (if any) behind the panel's Details toggle."""
+        self.statusBar().showMessage(message.strip().partition("\n")[0], 15000)
+        self.messages.report(message, detail)
         dock = self.docks["Messages"]
         dock.show()
         dock.raise_()
@@ -454,7 +453,13 @@ class MainWindow(TimelineCursor, QMainWindow):
             options["layer"] = min(options["layer"], self.timeline.info.n_layers - 1)
             if options["head"] is not None and options["head"] >= self.timeline.info.n_heads:
                 options["head"] = None
-        return ViewState(self.timeline, self.index, **options)
+        loading = None
+        if self.timeline is None and self.runner.state == "loading":
+            try:  # the pool the loading session will have, shown while the model loads
+                loading = self.controls.session_config()
+            except (ConfigError, ValueError):
+                pass
+        return ViewState(self.timeline, self.index, loading=loading, **options)
 
     def request_render(self) -> None:
         """Redraw soon: at once if the last frame is older than FRAME_INTERVAL, else when it is."""
@@ -542,6 +547,23 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.status_speed.setText(f"{speed:.1f} tok/s" if speed == speed else "— tok/s")
 
     # --- files -----------------------------------------------------------------------------------
+    def open_sequences(self):
+        """A window decoding many sequences of the current model and prompt over one shared pool."""
+        from .sequences_window import SequencesWindow
+
+        if self.runner.model is None:
+            self.statusBar().showMessage("Load a model first (start decoding once), then open the sequences view",
+                                         8000)
+            return None
+        try:
+            config = self.controls.session_config()
+        except (ConfigError, ValueError) as error:
+            self.statusBar().showMessage(f"Sequences view: {error}", 8000)
+            return None
+        self.sequences_window = SequencesWindow(self.runner.model, config, self.controls.prompt(), self)
+        self.sequences_window.show()
+        return self.sequences_window
+
     def open_gguf(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Open a Llama-family GGUF model", "", "GGUF models (*.gguf)")
         if path:

@@ -205,7 +205,9 @@ class SessionRunner(QObject):
     def _load_failed(self, error: BaseException, generation: int | None = None) -> None:
         if generation is not None and generation != self._generation:
             return
-        self._fail(f"Could not load {self.spec.label}: {error}", "")
+        expected = isinstance(error, (ValueError, OSError))  # ModelLoadError, ConfigError, a missing file
+        detail = "" if expected else "".join(traceback.format_exception(error))
+        self._fail(f"Could not load {self.spec.label}: {error}", detail)
 
     def _loader_finished(self) -> None:
         self._loader = None

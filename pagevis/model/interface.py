@@ -31,7 +31,9 @@ class Model(Protocol):
         attend: AttendFn,
         *,
         all_logits: bool = False,
+        logit_rows: np.ndarray | None = None,
     ) -> np.ndarray:
         """Run n tokens through all layers; return logits float32 of shape (vocab,) for the last
-        token, or (n, vocab) when all_logits."""
+        token, or (n, vocab) when all_logits, or (len(logit_rows), vocab) for the given rows (a batch of
+        sequences wants each one's last row)."""
         ...

@@ -52,6 +52,7 @@ class LlamaModel:
         attend: AttendFn,
         *,
         all_logits: bool = False,
+        logit_rows: np.ndarray | None = None,
     ) -> np.ndarray:
         ids, pos = self._check_inputs(token_ids, positions)
         x = self.weights.embedding[ids].astype(np.float32, order="C")
@@ -59,6 +60,8 @@ class LlamaModel:
         for index, layer in enumerate(self.weights.layers):
             self._attention_block(index, layer, x, pos, cos, sin, attend)
             self._feed_forward_block(layer, x)
+        if logit_rows is not None:  # a batch of sequences: the last row of each
+            return rms_norm(x[logit_rows], self.weights.output_norm, self._eps) @ self.weights.output_t
         if not all_logits:
             x = x[-1:]
         logits = rms_norm(x, self.weights.output_norm, self._eps) @ self.weights.output_t

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...decoding import StepRecord
+from ...decoding import SessionConfig, StepRecord
 from ..timeline import Timeline, head_label
 
 
@@ -21,12 +21,18 @@ class ViewState:
     shade: str = "age"  # page-grid colouring of resident cells: "age", "score" or "none"
     log_scale: bool = False  # attention heatmap
     fixed_scale: bool = False  # attention colours keep their scale from step to step
+    loading: SessionConfig | None = None  # no session yet: the configuration whose model is loading
 
     @property
     def record(self) -> StepRecord | None:
         if self.timeline is None or not 0 <= self.index < len(self.timeline):
             return None
         return self.timeline.record(self.index)
+
+    @property
+    def config(self) -> SessionConfig | None:
+        """The session's configuration, or the one being loaded; None when there is neither."""
+        return self.timeline.info.config if self.timeline is not None else self.loading
 
     @property
     def head_label(self) -> str:

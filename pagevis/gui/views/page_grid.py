@@ -9,7 +9,7 @@ from PySide6.QtGui import QColor, QFont, QImage, QPainter, QStaticText, QTransfo
 from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QLabel, QTableWidget, QTableWidgetItem, QToolTip,
                                QVBoxLayout, QWidget)
 
-from ...engine import EventKind
+from ...engine import ConfigError, EventKind, layer_capacities
 from .. import theme
 from ..theme import EVICTED, FREE, PINNED, REPLACED, RESIDENT, WRITTEN
 from . import ViewState
@@ -268,8 +268,8 @@ class PageGridView(QWidget):
         self.plot.scene().sigMouseMoved.connect(self._hover)
         self.hover_text = ""
 
-        swatches = [f"<span style='color:{c}'>&#9632;</span>&nbsp;{n}"
-                    for n, c in zip(theme.STATE_NAMES, theme.STATE_COLORS)]
+        swatches = [f"<span style='color:{c}'>&#9632;</span>&nbsp;{n.replace(' ', '&nbsp;')}"  # wrap between
+                    for n, c in zip(theme.STATE_NAMES, theme.STATE_COLORS)]  # entries, never inside one
         self.legend = QLabel("&nbsp;&nbsp; ".join(swatches[:3]) + "<br>" + "&nbsp;&nbsp; ".join(swatches[3:])
                              + f"<br><span style='color:{theme.MUTED}'>numbers: token positions · "
                              "resident cells dim with age (or score)</span>")
@@ -280,8 +280,9 @@ class PageGridView(QWidget):
         self.block_view.setMinimumWidth(200)
         self.block_view.setMaximumWidth(280)
         self.graphics.setMinimumWidth(250)  # the grid's title fits (a projector's 1280 × 720)
-        block_title = QLabel("Block table (logical → physical)")
+        self.block_title = block_title = QLabel("Block table (logical → physical)")
         block_title.setStyleSheet(f"color: {theme.MUTED}")
+        self._capacities = (None, [])  # (session info, tokens each layer may hold)
 
         left = QVBoxLayout()
         left.setContentsMargins(0, 0, 0, 0)
@@ -302,7 +303,7 @@ class PageGridView(QWidget):
     def show_state(self, state: ViewState) -> None:
         self._state = state
         record = state.record
-        key = (id(record), id(state.timeline), state.layer, state.shade)
+        key = (id(record), id(state.timeline), state.loading, state.layer, state.shade)
         if key == self._key:
             return
         self._key = key
@@ -320,23 +321,39 @@ class PageGridView(QWidget):
         self._fit_axes(pages, page_size)
         used = len(record.block_tables[layer])
         resident = int((slots >= 0).sum())
-        theme.set_title(self.plot, theme.muted(f"layer {layer} · {used}/{pages} pages · {resident} tokens"), size="9pt")
+        capacity = self.layer_capacity(state.timeline.info, layer)
+        own = f" · holds at most {capacity}" if capacity < pages * page_size else ""
+        title = f"layer {layer} · {used}/{pages} pages · {resident} tokens{own}"
+        theme.set_title(self.plot, theme.muted(title), size="9pt")
+        table = f" · layer {layer}: {capacity} tokens" if own else ""
+        self.block_title.setText(f"Block table (logical → physical){table}")
         rows = []
         for logical, page in enumerate(record.block_tables[layer]):
             held = slots[page][slots[page] >= 0]
             rows.append((logical, page, int(held.size), run_list(held)))
         self.blocks.set_rows(rows)
 
+    def layer_capacity(self, info, layer: int) -> int:
+        """Tokens this layer may hold: the pool, or less under a policy with per-layer budgets (pyramidkv)."""
+        if self._capacities[0] is not info:
+            try:
+                self._capacities = (info, layer_capacities(info.config, info.n_layers))
+            except (ConfigError, TypeError, AttributeError):  # a trace's settings this build cannot rebuild
+                self._capacities = (info, [])
+        capacities = self._capacities[1]
+        return capacities[layer] if layer < len(capacities) else info.config.max_pages * info.config.page_size
+
     def _show_empty_pool(self, state: ViewState) -> None:
-        """Before the first step: the session's pool with every page free, and what to do next."""
+        """Before the first step (or while the model loads): the session's pool, every page free."""
         self.labels.set_positions(np.zeros((0, 0), dtype=np.int32))
         self.blocks.set_rows([])
-        if state.timeline is None:
+        config = state.config
+        if config is None:
             self.states = np.zeros((0, 0), dtype=np.int8)
             self.image.clear()
-            theme.set_title(self.plot, theme.muted("no session yet"), size="9pt")
+            self._fit_axes(1, 1)
+            theme.set_title(self.plot, theme.muted("no session"), size="9pt")
             return
-        config = state.timeline.info.config
         pages, page_size = config.max_pages, config.page_size
         self.states = np.full((pages, page_size), FREE, dtype=np.int8)
         self.shade = np.full(self.states.shape, np.nan)

@@ -1,0 +1,75 @@
+"""`pagevis run --n N`: N samples of one prompt over one shared pool (the prompt's pages shared, the
+partial last page copied on write), decoded with continuous batching."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from . import options
+
+
+def add_parallel_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("many sequences")
+    group.add_argument("--n", type=int, default=1, metavar="N",
+                       help="sample N continuations of the prompt (seeds --seed .. --seed+N-1) sharing the "
+                            "prompt's pages; implies --sample (default 1)")
+    group.add_argument("--pool-pages", type=int, metavar="N",
+                       help="with --n: pages per layer in the shared pool (default N * --max-pages); a smaller "
+                            "pool preempts the newest sequence and recomputes it later")
+
+
+def check_parallel_options(args: argparse.Namespace) -> None:
+    from ..decoding.batch import MAX_SEQUENCES
+
+    if not 1 <= args.n <= MAX_SEQUENCES:
+        raise options.UsageError(f"--n {args.n}: must be an integer from 1 to {MAX_SEQUENCES}")
+    if args.n == 1 and args.pool_pages is not None:
+        raise options.UsageError("--pool-pages only applies with --n 2 or more")
+    if args.n > 1 and (args.trace or args.oracle):
+        flag = "--trace" if args.trace else "--oracle"
+        raise options.UsageError(f"{flag} records one sequence; it cannot be combined with --n {args.n}")
+
+
+def run_parallel(args: argparse.Namespace, spec, config, prompt: str) -> int:
+    from dataclasses import replace
+
+    from ..decoding.batch import BatchConfig, BatchSession
+    from ..decoding.batch_summary import batch_summary
+    from ..engine import CacheFullError, ConfigError
+
+    if config.sampling.mode == "greedy":  # N greedy continuations of one prompt would be one text N times
+        config = replace(config, sampling=replace(config.sampling, mode="sample"))
+    try:
+        batch_config = BatchConfig(pool_pages=args.pool_pages, max_seqs=max(args.n, 1))
+    except ConfigError as error:
+        raise options.UsageError(f"--pool-pages {args.pool_pages}: {error.allowed}") from None
+    model = spec.load()
+    batch = BatchSession(model, config, batch_config)
+    ids = batch.submit_parallel(batch.encode(prompt), args.n)
+    records, started = [], time.perf_counter()
+    stopped = None
+    try:
+        for record in batch.run():
+            records.append(record)
+    except CacheFullError as error:
+        stopped = str(error)
+        print(f"pagevis run: stopped: {error}", file=sys.stderr)
+    except KeyboardInterrupt:
+        stopped = "interrupted"
+    summary = {"model": spec.label, "prompt_tokens": len(batch.seqs[ids[0]].prompt_ids),
+               "policy": config.policy, "max_pages": config.max_pages, **batch_summary(batch, records,
+                                                                                      time.perf_counter() - started),
+               "samples": [{"seed": batch.seqs[i].sampler.config.seed, "text": batch.text(i),
+                            "generated_tokens": len(batch.seqs[i].generated),
+                            "stop_reason": batch.seqs[i].stop_reason or stopped} for i in ids]}
+    if args.json:
+        print(json.dumps(summary, ensure_ascii=False))
+    else:
+        for sample in summary["samples"]:
+            print(f"--- sample seed {sample['seed']} ---\n{sample['text']}")
+        print(f"pages: {summary['pages_used_peak']} used with sharing, {summary['pages_without_sharing_peak']} "
+              f"without, {summary['copy_on_write']} copied on write", file=sys.stderr)
+    return 130 if stopped == "interrupted" else 0

@@ -1,0 +1,43 @@
+"""Prefix hashes of full pages: a page is named by its parent page's hash and its own token ids, so two
+sequences get the same hash for page i exactly when their first (i + 1) pages hold the same tokens."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+ROOT_HASH = 0
+
+
+def page_hash(parent: int, token_ids) -> int:
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(int(parent).to_bytes(8, "little"))
+    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return int.from_bytes(digest.digest(), "little")
+
+
+def prefix_hashes(token_ids, page_size: int) -> list[int]:
+    """The hash of every full page of token_ids, in order (a partial last page has none)."""
+    hashes, parent = [], ROOT_HASH
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        parent = page_hash(parent, token_ids[start: start + page_size])
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counted in tokens, as vLLM's prefix_cache_queries / prefix_cache_hits are."""
+
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens whose K/V came from the cache
+
+    def record(self, queries: int, hits: int) -> None:
+        self.queries += queries
+        self.hits += hits
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0

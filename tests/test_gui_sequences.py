@@ -1,0 +1,85 @@
+"""The sequences window, driven for real (offscreen): shared pages with their ref counts, copy-on-write,
+block tables side by side, the cached free queue, the memory panel, and fork from a recorded step."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+pytest.importorskip("pytestqt")
+from gui_helpers import CONFIG, PROMPT, make_window  # noqa: E402
+from PySide6.QtCore import Qt  # noqa: E402
+
+from pagevis.gui.views.sequences import page_cells  # noqa: E402
+
+SEQ_CONFIG = replace(CONFIG, max_pages=12, policy="none", max_new_tokens=8)  # 17-token prompt: 4 full pages + 1
+
+
+def sequences_window(qtbot, tmp_path, config=SEQ_CONFIG):
+    window = make_window(qtbot, tmp_path, config=config)
+    seqs = window.open_sequences()
+    assert seqs is not None
+    qtbot.addWidget(seqs)
+    return seqs
+
+
+def test_parallel_samples_share_the_prompt_pages_then_copy_on_write(qtbot, tmp_path):
+    seqs = sequences_window(qtbot, tmp_path)
+    seqs.n.setValue(3)
+    qtbot.mouseClick(seqs.start_button, Qt.LeftButton)
+    qtbot.mouseClick(seqs.step_button, Qt.LeftButton)  # prefill once, fork 3 samples
+    cells = page_cells(seqs.view.record)
+    shared = [c for c in cells if c.state == "shared"]
+    assert len(shared) == 5 and all(c.ref_count == 3 and c.owners == (0, 1, 2) for c in shared)
+    assert seqs.view.tables.columnCount() == 3 and seqs.view.tables.item(0, 1).text() == "0 ×3"
+    qtbot.mouseClick(seqs.step_button, Qt.LeftButton)  # each writes its first token: the partial page is copied
+    cells = page_cells(seqs.view.record)
+    assert sum(c.state == "shared" for c in cells) == 4
+    assert sum(c.state == "private" for c in cells) == 3
+    assert "cow" in seqs.status.text()
+    assert seqs.view.memory.rows[0] == ("paged, shared", 7) and seqs.view.memory.rows[1][1] == 15
+    assert seqs.view.texts.columnCount() == 3
+
+
+def test_fork_from_a_recorded_step_and_the_cached_queue(qtbot, tmp_path):
+    seqs = sequences_window(qtbot, tmp_path)
+    seqs.n.setValue(1)
+    seqs.start()
+    for _ in range(4):
+        seqs.step()
+    child = seqs.fork(0, 1, seed=7)  # as after step 1: prompt + 1 generated token
+    assert child == 1
+    seqs.step()
+    tables = seqs.view.record.block_tables
+    assert tables[1][:4] == tables[0][:4]  # the child reads the parent's full pages
+    assert all(c.ref_count == 2 for c in page_cells(seqs.view.record) if c.page in tables[0][:4])
+    while not seqs.batch.done:
+        seqs.step()
+    seqs.step()
+    assert "finished" in seqs.status.text()
+    last = seqs.view.record
+    assert not last.block_tables and len(last.cached_free) >= 4
+    assert "cached free queue" in seqs.view.queue.text()
+    assert seqs.fork(0, len(seqs.records) - 1, seed=8) == 2  # a finished parent: through the prefix cache
+    seqs.step()
+    assert seqs.batch.pool.prefix_stats.hits >= 16
+    seqs.resize(1200, 800)
+    seqs.show()
+    qtbot.waitExposed(seqs)
+    seqs.grab().save(str(tmp_path / "sequences.png"))
+
+
+def test_sequences_view_needs_a_model_and_reports_a_small_pool(qtbot, tmp_path):
+    from pagevis.gui.mainwindow import MainWindow
+
+    window = MainWindow(restore=False, persist=False)
+    qtbot.addWidget(window)
+    assert window.open_sequences() is None
+    assert "Load a model first" in window.statusBar().currentMessage()
+    seqs = sequences_window(qtbot, tmp_path)
+    seqs.pool_pages.setValue(2)
+    seqs.start()
+    seqs.step()
+    assert "pool of 2 pages" in seqs.status.text()
+    assert PROMPT
