@@ -123,6 +123,7 @@ class MainWindow(TimelineCursor, QMainWindow):
             dock = QDockWidget(title, self)
             dock.setObjectName(title.lower().replace(" ", "_"))
             dock.setWidget(widget)
+            dock.visibilityChanged.connect(lambda visible: visible and self.request_render())  # a raised tab
             self.docks[title] = dock
         self._default_layout()
         self._build_status_bar()
@@ -486,9 +487,15 @@ class MainWindow(TimelineCursor, QMainWindow):
             self._slow_timer.start()
         self._update_transport(state)
 
+    def _shown(self, view) -> bool:
+        """Is the view on screen? Not when its dock is closed, nor behind another dock's tab (Qt keeps
+        such a dock 'visible' but off the window): it is drawn when its tab is raised."""
+        dock = self.docks[view.title]
+        return not dock.isHidden() and not (self.isVisible() and dock.visibleRegion().isEmpty())
+
     def _show(self, views, state: ViewState, now: float) -> None:
         for view in views:
-            if not self.docks[view.title].isHidden():
+            if self._shown(view):
                 self._shown_at[view.title] = now
                 view.show_state(state)
 
@@ -510,7 +517,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         when none is due, come back when the first is. Once decoding stopped: all of them, and no more turns."""
         state = self.view_state()
         now = time.perf_counter()
-        slow = [v for v in self.views if getattr(v, "live_interval", 0.0) and not self.docks[v.title].isHidden()]
+        slow = [v for v in self.views if getattr(v, "live_interval", 0.0) and self._shown(v)]
         if not self.runner.running:
             self._show(slow, state, now)
             return

@@ -28,8 +28,8 @@ from .spill import RecordSpill, _grow
 
 KEEP = 8  # newest records kept whole in memory
 REBUILT = 16  # older records rebuilt from the spill file and kept, least recently used first out
-HEATMAP_ROWS = 256  # steps the attention heatmap shows, ending at the selected step
-HEATMAP_COLUMNS = 1024  # positions it shows, ending at the newest written by then
+HEATMAP_ROWS = 192  # steps the attention heatmap shows, ending at the selected step
+HEATMAP_COLUMNS = 768  # positions it shows, ending at the newest written by then
 ROW_CACHE_LAYERS = 3  # layers whose heatmap rows stay cached (the shown one, and the ones just before)
 
 

@@ -18,7 +18,7 @@ HEADERS = ("step", "layer", "page", "slot", "pos", "token", "reason", "score")
 
 
 _RIGHT = Qt.AlignRight | Qt.AlignVCenter
-MAX_ROWS = 500  # the table holds the newest evictions up to the selected step (the plot shows them all)
+MAX_ROWS = 200  # the table holds the newest evictions up to the selected step (the plot shows them all)
 _NUMERIC = (0, 1, 2, 3, 4, 7)  # right-aligned columns
 
 
