@@ -618,6 +618,8 @@ class MainWindow(TimelineCursor, QMainWindow):
             path, _ = QFileDialog.getSaveFileName(self, "Export view", f"{name}.png", "PNG image (*.png);;SVG (*.svg)")
         if not path:
             return None
+        if view is not None:
+            view.show_state(self.view_state())  # a view behind a tab has not been drawn yet
         target = self if view is None else view.export_target()
         export.save_widget(target, path)
         self.statusBar().showMessage(f"Saved {path}", 5000)
