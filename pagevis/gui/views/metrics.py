@@ -79,7 +79,9 @@ class MetricsView(QWidget):
                                     brush=pg.mkBrush(theme.STATE_COLORS[5]), name="evicted")
         self.evictions.addItem(self.bars)
         self.capacity = pg.InfiniteLine(angle=0, pen=pg.mkPen(theme.MUTED, style=Qt.DotLine),
-                                        label="capacity", labelOpts={"color": theme.MUTED, "position": 0.5})
+                                        label="capacity", labelOpts={"color": theme.MUTED, "position": 0.02,
+                                                                     "anchors": [(0, 0), (0, 0)]})
+        # the label hangs below the line at its left end: the resident curve runs along the line once full
         self.occupancy.addItem(self.capacity)
         self.cursors = []
         for plot in (self.occupancy, self.evictions, self.latency, self.oracle, self.tiers):
@@ -109,8 +111,8 @@ class MetricsView(QWidget):
                             justify="left")
 
         s = theme.SERIES
-        title(self.occupancy, "layer 0", key(s[0], "resident"), key(s[1], "allocated"))
-        title(self.evictions, "evictions per step", key(theme.STATE_COLORS[5], f"layer {layer}"))
+        title(self.occupancy, f"layer {layer}", key(s[0], "resident"), key(s[1], "allocated"))
+        title(self.evictions, f"evicted / step · layer {layer}")
         title(self.latency, "ms / token", key(s[0], "each"), key(s[1], "mean of 8"))
         title(self.oracle, "oracle", key(s[1], "KL"), key(s[3], "lost attn"), key(s[2], "top-1"))
         title(self.tiers, "disk tier, all layers", key(s[3], "faults / step ÷ 100"), key(s[0], "MB read / step"),
@@ -141,10 +143,10 @@ class MetricsView(QWidget):
             return
         steps = np.arange(len(timeline), dtype=np.float64)
         config = timeline.info.config
-        pages = timeline.series("pages_used")
+        pages = timeline.pages_per_step(state.layer)
         latency = timeline.series("latency_ms") / np.maximum(timeline.series("tokens"), 1)
         data = {
-            "resident_tokens": timeline.series("resident_tokens"),
+            "resident_tokens": timeline.resident_per_step(state.layer),
             "allocated_slots": pages * config.page_size,
             "evictions": timeline.evictions_per_step(state.layer).astype(np.float64),
             "latency_ms": latency,
