@@ -9,8 +9,8 @@ What is observed, per step record:
   - a decode step's duration -> inter-token latency (the seconds one more token cost, oracle included);
   - the steps up to and including the first sampled token -> time to first token (their summed duration,
     so a client's pauses between steps never count);
-  - prompt tokens fed, tokens generated, cache events by kind, evictions by policy, and for the disk
-    tier's page-level events (once they exist) the bytes moved;
+  - prompt tokens fed, tokens generated, cache events by kind, evictions by policy, and with a disk tier
+    its page faults (fault_in events), bytes written and read, and pages read from RAM and from disk;
   - the session's KV cache usage (resident tokens over capacity, layer 0).
 Each observer keeps O(1) state; nothing grows with steps.
 """
@@ -21,9 +21,10 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-# Events that move one page of one layer between RAM and disk (the memory tier's event kinds).
-SWAP_EVENT_KINDS = ("swap_out", "fault_in")
-PAGE_FAULT_KIND = "fault_in"
+PAGE_FAULT_KIND = "fault_in"  # the disk tier's event: a page read from disk into a RAM frame
+# A record's `tiers.count(name)` (per layer; records of sessions with a disk tier) -> what is counted.
+TIER_BYTES = {"bytes_written": "swap_out", "bytes_read": "fault_in"}
+TIER_READS = {"hits": "ram", "faults": "disk"}
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                    2.5, 5.0, 10.0)
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -53,8 +54,10 @@ class Metrics:
                                     "release, and the disk tier's swap_out/fault_in)", ["kind"], registry=r)
         self.page_faults = Counter("pagevis_page_faults", "Pages read back from the disk tier into RAM",
                                    registry=r)
-        self.swapped_bytes = Counter("pagevis_swapped_bytes", "K/V bytes moved between RAM and the disk tier, "
-                                     "by direction (swap_out, fault_in)", ["kind"], registry=r)
+        self.swapped_bytes = Counter("pagevis_swapped_bytes", "K/V bytes written to (swap_out) and read from "
+                                     "(fault_in) the disk tier", ["kind"], registry=r)
+        self.page_reads = Counter("pagevis_page_reads", "Pages attention read, by the tier they were in (ram, disk)",
+                                  ["tier"], registry=r)
         self.prefix_cache_queries = Counter("pagevis_prefix_cache_queries", "Prompt tokens looked up in the "
                                             "shared pool's prefix cache", registry=r)
         self.prefix_cache_hits = Counter("pagevis_prefix_cache_hits", "Prompt tokens whose K/V came from the "
@@ -107,7 +110,6 @@ class SessionObserver:
         self.session = session
         cfg = session.cache_config
         self.capacity = cfg.capacity
-        self.page_bytes = cfg.bytes_per_layer() // cfg.max_pages  # K and V of one page of one layer
         self.policy = cfg.policy
         self._before_first_token = 0.0  # seconds stepped before the first sampled token; None after it
         self._tokens = 0
@@ -129,6 +131,7 @@ class SessionObserver:
         if record.kind == "decode":
             m.inter_token_latency.observe(seconds)
         self._count_events(record.events)
+        self._count_tiers(getattr(record, "tiers", None))
         m._set_usage(id(self), record.resident_tokens, self.capacity)
 
     def _count_events(self, events) -> None:
@@ -142,12 +145,20 @@ class SessionObserver:
                 evicted[event.policy or self.policy] = evicted.get(event.policy or self.policy, 0) + 1
         for kind, count in kinds.items():
             m.cache_events.labels(kind).inc(count)
-            if kind in SWAP_EVENT_KINDS:
-                m.swapped_bytes.labels(kind).inc(count * self.page_bytes)
             if kind == PAGE_FAULT_KIND:
                 m.page_faults.inc(count)
         for policy, count in evicted.items():
             m.evictions.labels(policy).inc(count)
+
+    def _count_tiers(self, tiers) -> None:
+        """Bytes and page reads of the disk tier, from the step's own counts (a clean page that leaves RAM
+        is not rewritten, so bytes cannot be inferred from events)."""
+        if tiers is None:
+            return
+        for name, kind in TIER_BYTES.items():
+            self.metrics.swapped_bytes.labels(kind).inc(int(tiers.count(name).sum()))
+        for name, tier in TIER_READS.items():
+            self.metrics.page_reads.labels(tier).inc(int(tiers.count(name).sum()))
 
     def close(self) -> None:
         """Stop observing: the session leaves the active count and the usage ratio."""

@@ -202,11 +202,13 @@ def check_platform(platform: str, qt_dir: Path | None = None) -> Verdict:
     return Verdict(platform, result.missing, result.problems)
 
 
-def check(environ=None, qt_dir: Path | None = None) -> Verdict:
+def check(environ=None, qt_dir: Path | None = None, system: str | None = None) -> Verdict:
     """The verdict for the platform Qt will use here. When Qt may fall back (wayland, then xcb), one
-    candidate that can load is enough; otherwise the first candidate's verdict is reported."""
+    candidate that can load is enough; otherwise the first candidate's verdict is reported. macOS and
+    Windows have their own platform plugins, with no display variables: nothing to check there."""
     environ = os.environ if environ is None else environ
-    if environ.get(SKIP_VARIABLE):
+    system = sys.platform if system is None else system
+    if environ.get(SKIP_VARIABLE) or system.startswith(("darwin", "win32", "cygwin")):
         return Verdict("")
     platforms = candidate_platforms(environ)
     if platforms is None:

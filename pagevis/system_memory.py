@@ -6,7 +6,29 @@ import os
 
 
 def available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (Linux), else free physical pages; None if neither is known."""
+    """MemAvailable from /proc/meminfo (Linux), else free physical pages, lowered to what an address-space limit
+    (ulimit -v) leaves this process; None if nothing is known."""
+    physical = _physical_available()
+    limited = _address_space_left()
+    known = [value for value in (physical, limited) if value is not None]
+    return min(known) if known else None
+
+
+def _address_space_left() -> int | None:
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft == resource.RLIM_INFINITY:
+            return None
+        with open("/proc/self/statm", encoding="ascii") as statm:
+            used = int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        return max(0, soft - used)
+    except (ImportError, OSError, ValueError, IndexError):
+        return None
+
+
+def _physical_available() -> int | None:
     try:
         with open("/proc/meminfo", encoding="ascii") as meminfo:
             for line in meminfo:

@@ -42,9 +42,16 @@ def test_run_prints_text_and_writes_a_trace(capsys, tmp_path):
     assert status == 0 and "policy oldest" in out and "stopped: max_new_tokens" in out
 
 
-def test_policy_none_stops_when_full(capsys):
+def test_policy_none_refuses_a_prompt_longer_than_the_cache(capsys):
     status, out, err = run_main(capsys, "run", *SYNTH, "--prompt", "a longer prompt than fits", "--no-chat",
                                 "--policy", "none", "--page-size", "4", "--max-pages", "2", "--json")
+    assert status == 2 and out == ""
+    assert "--policy none: the prompt is 25 tokens but the cache holds 8" in err and len(err.splitlines()) == 1
+
+
+def test_policy_none_stops_when_decoding_fills_the_cache(capsys):
+    status, out, err = run_main(capsys, "run", *SYNTH, "--prompt", "ab", "--no-chat", "--policy", "none",
+                                "--page-size", "4", "--max-pages", "1", "--max-tokens", "10", "--json")
     assert status == 0
     assert json.loads(out)["stop_reason"] == "cache_full" and "full" in err
 

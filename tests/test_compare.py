@@ -54,7 +54,7 @@ def test_policy_none_below_the_text_reports_cache_full(model, reference):
     assert row.ppl is None and "cache full" in row.note
 
 
-@pytest.mark.parametrize("policy", ["sinks", "oldest", "h2o", "tova"])
+@pytest.mark.parametrize("policy", ["sinks", "oldest", "h2o", "tova", "snapkv"])
 def test_metrics_agree_with_the_session_oracle(model, ids, reference, policy):
     budget = 48
     row = quality.evaluate(model, reference, quality.PolicyChoice(policy), budget=budget, page_size=8)
@@ -114,19 +114,26 @@ def test_bad_arguments(argv, message, capsys):
     assert message in err and err.count("\n") == 1
 
 
-def test_reference_streams_to_files_and_removes_them(model, ids):
-    """The reference keeps O(T) in memory; its files hold what a dense pass computes, and go on close."""
+def test_pyramidkv_row_holds_its_mean_budget(model, reference):
+    """compare's pyramidkv at budget B: per-layer budgets with mean B, in a pool that holds layer 0's share."""
+    choice = quality.PolicyChoice("pyramidkv", {"window": 4})
+    max_pages, params = quality.session_pages(choice, 32, 8)
+    assert params["budget"] == 32 and max_pages * 8 >= 60
+    row = quality.evaluate(model, reference, choice, budget=32, page_size=8)
+    assert row.ppl is not None and row.evictions > 0
+
+
+def test_reference_streams_to_files_and_leaves_none(model, ids, tmp_path):
+    """The reference keeps O(T) in memory; its files hold what a dense pass computes, and have no name."""
     logits, weights = dense_logits_and_attention(model, ids)
-    with quality.full_reference(model, ids, page_size=8, chunk=37) as reference:
-        folder = reference._folder.name
+    with quality.full_reference(model, ids, page_size=8, chunk=37, folder=str(tmp_path)) as reference:
         for p in (0, 1, 36, 37, 80, len(ids) - 2):
             assert np.allclose(reference.logprobs(p), log_softmax(logits[p]), atol=1e-5)
             assert np.allclose(reference.attention(p), weights[:, p, : p + 1], atol=2e-3)
         rows = np.stack([np.pad(reference.attention(p), ((0, 0), (0, len(ids) - p - 1))) for p in range(len(ids) - 1)])
         assert np.allclose(reference.attention_totals, rows.sum(axis=0), atol=1e-9)
         assert reference.top1.tolist() == np.argmax(logits[:-1], axis=1).tolist()
-        assert os.listdir(folder)
-    assert not os.path.exists(folder)
+        assert os.listdir(tmp_path) == []
 
 
 def dense_logits_and_attention(model, ids):
@@ -150,3 +157,11 @@ def dense_logits_and_attention(model, ids):
             e = np.exp(scores - scores.max(axis=1, keepdims=True))
             weights[layer] += e / e.sum(axis=1, keepdims=True) / cfg.n_heads
     return logits, weights
+
+
+def test_a_shipped_text_by_name():
+    from pagevis.cli.compare import load_text
+
+    text = load_text("pride-and-prejudice-ch1-6")
+    assert text.startswith("Chapter I\n\nIt is a truth universally acknowledged") and len(text) > 40_000
+    assert "Chapter VI" in text and "[Illustration" not in text and "_" not in text

@@ -16,12 +16,16 @@ class PagePoolMachine(RuleBasedStateMachine):
         max_pages=st.integers(1, 6),
         policy=st.sampled_from(["oldest", "oldest-page", "sinks", "h2o", "tova", "random"]),
         seed=st.integers(0, 1000),
+        ram_frames=st.sampled_from([None, None, 2, 3]),  # a disk tier of max_pages pages, this many RAM frames
+        select=st.sampled_from(["all", "quest"]),
     )
-    def setup(self, page_size, max_pages, policy, seed):
+    def setup(self, page_size, max_pages, policy, seed, ram_frames, select):
         params = {"n_sink": min(2, page_size * max_pages - 1)} if policy == "sinks" else {}
-        self.config = CacheConfig(page_size=page_size, max_pages=max_pages, n_layers=N_LAYERS,
-                                  n_heads=2 * N_KV, n_kv_heads=N_KV, head_dim=HEAD_DIM,
-                                  policy=policy, policy_params=params)
+        tier = {"max_pages": ram_frames, "disk_pages": max_pages} if ram_frames else {"max_pages": max_pages}
+        self.config = CacheConfig(page_size=page_size, n_layers=N_LAYERS, n_heads=2 * N_KV, n_kv_heads=N_KV,
+                                  head_dim=HEAD_DIM, policy=policy, policy_params=params, select=select,
+                                  select_pages=2, **tier)
+        self.n_pages = max_pages
         self.cache = PagedKVCache(self.config)
         self.rng = np.random.default_rng(seed)
         self.next_position = 0
@@ -62,8 +66,8 @@ class PagePoolMachine(RuleBasedStateMachine):
         self.replayed = [dict() for _ in range(N_LAYERS)]
         for layer, pages in enumerate(self.cache.stores):
             assert pages.resident == 0 and not self.cache.block_table(layer) and not pages.holes
-            assert sorted(pages.frames.free) == list(range(self.config.max_pages))
-            assert not pages.frames.ref_counts.any()
+            assert sorted(pages.pages.free) == list(range(self.n_pages))
+            assert not pages.pages.ref_counts.any()
             assert np.all(pages.positions == -1) and np.all(np.isneginf(pages.bias))
         assert self.cache.take_events() == []
 
@@ -71,7 +75,7 @@ class PagePoolMachine(RuleBasedStateMachine):
     def pool_is_consistent(self):
         if not hasattr(self, "cache"):
             return
-        ps, max_pages = self.config.page_size, self.config.max_pages
+        ps, max_pages = self.config.page_size, self.n_pages
         for layer, pages in enumerate(self.cache.stores):
             table = self.cache.block_table(layer)
             slots = pages.positions.reshape(max_pages, ps)
@@ -79,12 +83,12 @@ class PagePoolMachine(RuleBasedStateMachine):
             resident = slots[occupied]
             assert resident.size <= self.config.capacity
             assert len(np.unique(resident)) == resident.size, "a token sits in two slots"
-            assert len(pages.frames.free) + len(table) == max_pages
+            assert len(pages.pages.free) + len(table) == max_pages
             assert len(set(table)) == len(table)
-            assert not set(table) & set(pages.frames.free)
+            assert not set(table) & set(pages.pages.free)
             # one sequence: a page is referenced once exactly when its sequence's block table holds it
-            assert np.array_equal(np.flatnonzero(pages.frames.ref_counts), sorted(table))
-            assert set(pages.frames.ref_counts.tolist()) <= {0, 1}
+            assert np.array_equal(np.flatnonzero(pages.pages.ref_counts), sorted(table))
+            assert set(pages.pages.ref_counts.tolist()) <= {0, 1}
             for page in range(max_pages):
                 in_table = page in table
                 assert occupied[page].sum() == pages.fill[page] <= ps
@@ -92,12 +96,41 @@ class PagePoolMachine(RuleBasedStateMachine):
             # holes are exactly the empty slots of allocated pages
             expected_holes = {p * ps + s for p in table for s in range(ps) if not occupied[p, s]}
             assert pages.holes == expected_holes
-            assert np.array_equal(np.isfinite(pages.bias), pages.positions >= 0)
-            assert pages.high_water == (max(table) + 1 if table else 0)
+            if pages.tiered:
+                self.tiers_are_consistent(pages, table)
+            else:
+                assert np.array_equal(np.isfinite(pages.bias), pages.positions >= 0)
+                assert pages.high_water == (max(table) + 1 if table else 0)
             # every token that left has an eviction event: replayed events equal the slot map
             replayed = self.replayed[layer]
             assert {p: (int(a), int(b)) for p, (a, b) in replayed.items()} == {
                 int(slots[a, b]): (int(a), int(b)) for a, b in zip(*np.nonzero(occupied))}
+
+
+    @staticmethod
+    def tiers_are_consistent(pages, table):
+        """Home frames hold exactly the pages that say they are there; a page not in RAM is clean (on
+        disk); each RAM slot shows its page's positions and is unmasked exactly where a token is."""
+        home = pages.page_in[: pages.home_frames]
+        in_home = home[home >= 0]
+        assert set(in_home.tolist()) <= set(table)
+        assert np.array_equal(np.flatnonzero(pages.home.ref_counts), np.flatnonzero(home >= 0))
+        for page in table:
+            frame = pages.frame_of[page]
+            if frame >= 0:
+                assert frame < pages.home_frames and pages.page_in[frame] == page
+            else:
+                assert not pages.dirty[page], "a page left RAM without being written"
+        ps = pages.page_size
+        for frame in range(pages.n_frames):
+            page = pages.page_in[frame]
+            shown = pages.frame_positions[frame * ps: (frame + 1) * ps]
+            if page >= 0:
+                assert np.array_equal(shown, pages.positions[page * ps: (page + 1) * ps])
+            else:
+                assert np.all(shown == -1)
+            assert np.array_equal(np.isfinite(pages.bias[frame * ps: (frame + 1) * ps]), shown >= 0)
+        assert pages.high_water == pages.home.high_water()
 
 
 PagePoolMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from engine_reference import dense_attention_f64
-from pagevis.engine import CacheConfig, CacheFullError, EventKind, PagedKVCache
+from pagevis.engine import CacheConfig, CacheFullError, ConfigError, EventKind, PagedKVCache
 
 N_KV, GROUP, HEAD_DIM = 2, 2, 8
 N_HEADS = N_KV * GROUP
+PAGE_LEVEL = ("oldest-page", "lru", "lfu")
 
 
 class BruteForce:
@@ -22,20 +23,37 @@ class BruteForce:
         self.resident: list[int] = []
         self.accumulated: dict[int, float] = {}
         self.last: dict[int, float] = {}
-        self.pages: list[list[int]] = []  # oldest-page only: tokens grouped by the page they entered
+        self.pages: list[list[int]] = []  # page-level policies: tokens grouped by the page they entered
+        self.page_last: list[int] = []  # lru/lfu: per page, 2t at a write in step t, 2t + 1 at a use in step t
+        self.page_uses: list[int] = []
+        self.history: list[dict[int, float]] = []  # snapkv: attention by position, one dict per step
+        self.step = 0
 
     def append(self, position):
-        if self.policy == "oldest-page":
+        if self.policy in PAGE_LEVEL:
             if not self.pages or len(self.pages[-1]) == self.page_size:
                 if len(self.pages) == self.capacity // self.page_size:
-                    for gone in self.pages.pop(0):
-                        self.resident.remove(gone)
+                    gone = self.page_victim()
+                    for token in self.pages.pop(gone):
+                        self.resident.remove(token)
+                    del self.page_last[gone], self.page_uses[gone]
                 self.pages.append([])
+                self.page_last.append(0)
+                self.page_uses.append(0)
             self.pages[-1].append(position)
+            self.page_last[-1] = 2 * self.step
         elif len(self.resident) == self.capacity:
             self.resident.remove(self.victim())
         self.resident.append(position)
         self.accumulated[position] = 0.0
+
+    def page_victim(self):
+        """Index of the page to free; ties go to the page holding the oldest token."""
+        if self.policy == "oldest-page":
+            return 0
+        candidates = range(len(self.pages) - 1) if self.policy == "lfu" else range(len(self.pages))
+        value = self.page_last if self.policy == "lru" else self.page_uses
+        return min(candidates, key=lambda i: (value[i], min(self.pages[i])))
 
     def victim(self):
         by_age = sorted(self.resident)
@@ -49,18 +67,34 @@ class BruteForce:
             return min(older, key=lambda p: (self.accumulated[p], p))
         if self.policy == "tova":
             return min(by_age, key=lambda p: (self.last[p], p))
+        if self.policy == "snapkv":
+            window, kernel = self.params.get("window", 8), self.params.get("kernel", 7)
+            seen = [sum(h.get(p, 0.0) for h in self.history[-window:]) for p in by_age]
+            half = kernel // 2
+            pooled = {p: max(seen[max(0, i - half): i + half + 1]) for i, p in enumerate(by_age)}
+            return min(by_age[: len(by_age) - window], key=lambda p: (pooled[p], p))
         raise AssertionError(self.policy)
 
     def observe(self, weights_by_position):
         for position, w in weights_by_position.items():
             self.accumulated[position] += w
         self.last = dict(weights_by_position)
+        self.history.append(dict(weights_by_position))
+        threshold = self.params.get("threshold_pct", 100 * self.page_size / self.capacity) / 100
+        for i, page in enumerate(self.pages):
+            if sum(weights_by_position[p] for p in page) >= threshold:
+                self.page_last[i] = 2 * self.step + 1
+                self.page_uses[i] += 1
+        self.step += 1
 
 
-def run_both(policy, page_size, max_pages, n_tokens, seed, params=None):
+def run_both(policy, page_size, max_pages, n_tokens, seed, params=None, ram_frames=None):
+    """With ram_frames, the cache has a disk tier of max_pages pages and that many RAM frames: the
+    retained set must be the same as with every page in RAM."""
     params = params or {}
-    config = CacheConfig(page_size=page_size, max_pages=max_pages, n_layers=1, n_heads=N_HEADS,
-                         n_kv_heads=N_KV, head_dim=HEAD_DIM, policy=policy, policy_params=params)
+    tier = {"max_pages": ram_frames, "disk_pages": max_pages} if ram_frames else {"max_pages": max_pages}
+    config = CacheConfig(page_size=page_size, n_layers=1, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HEAD_DIM,
+                         policy=policy, policy_params=params, **tier)
     cache = PagedKVCache(config)
     brute = BruteForce(policy, config.capacity, page_size, params)
     rng = np.random.default_rng(seed)
@@ -82,11 +116,17 @@ def run_both(policy, page_size, max_pages, n_tokens, seed, params=None):
     return cache
 
 
-@pytest.mark.parametrize("policy", ["oldest", "sinks", "h2o", "tova", "oldest-page"])
-@pytest.mark.parametrize("page_size,max_pages", [(1, 7), (4, 3), (8, 4), (5, 5)])
+@pytest.mark.parametrize("policy", ["oldest", "sinks", "h2o", "tova", "oldest-page", "snapkv", "lru", "lfu"])
+@pytest.mark.parametrize("page_size,max_pages", [(1, 12), (4, 3), (8, 4), (5, 5)])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_retained_set_matches_brute_force(policy, page_size, max_pages, seed):
     run_both(policy, page_size, max_pages, n_tokens=4 * page_size * max_pages + 3, seed=seed)
+
+
+@pytest.mark.parametrize("policy", ["oldest", "sinks", "h2o", "tova", "oldest-page"])
+@pytest.mark.parametrize("page_size,max_pages,ram_frames", [(1, 7, 2), (4, 3, 2), (5, 5, 3)])
+def test_retained_set_with_a_disk_tier_matches_brute_force(policy, page_size, max_pages, ram_frames):
+    run_both(policy, page_size, max_pages, n_tokens=4 * page_size * max_pages + 3, seed=2, ram_frames=ram_frames)
 
 
 @pytest.mark.parametrize("params", [{"n_sink": 0}, {"n_sink": 1}, {"n_sink": 11}])
@@ -148,3 +188,82 @@ def test_none_refuses_when_full_without_changing_anything():
     with pytest.raises(CacheFullError, match=r"cache is full.*4 tokens.*2 pages x 2.*policy 'none'"):
         cache.ensure_room(1)
     assert cache.resident_positions(0).tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("params", [{"window": 1}, {"window": 5, "kernel": 1}, {"kernel": 3}])
+def test_snapkv_parameters(params):
+    cache = run_both("snapkv", 4, 3, 40, seed=7, params=params)
+    window = params.get("window", 8)
+    assert cache.resident_positions(0).tolist()[-window:] == list(range(40 - window, 40))
+
+
+@pytest.mark.parametrize("params", [{"threshold_pct": 50}, {"threshold_pct": 1}])
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_page_use_threshold(policy, params):
+    run_both(policy, 4, 4, 50, seed=8, params=params)
+
+
+def test_new_policies_keep_different_tokens():
+    """The brute-force match means little if the policies coincide: on the same stream they differ."""
+    kept = {policy: tuple(run_both(policy, 4, 4, 70, seed=5).resident_positions(0).tolist())
+            for policy in ("oldest-page", "lru", "lfu", "snapkv", "h2o")}
+    assert len(set(kept.values())) == len(kept), kept
+
+
+def test_pyramidkv_gives_each_layer_its_own_budget():
+    """Layer l keeps at most its budget (falling with depth, mean = budget) and, within it, exactly the
+    tokens SnapKV's brute force keeps with that capacity."""
+    n_layers, page_size, n_tokens = 3, 4, 60
+    params = {"budget": 14, "window": 3, "kernel": 3, "beta": 4}
+    config = CacheConfig(page_size=page_size, max_pages=6, n_layers=n_layers, n_heads=N_HEADS, n_kv_heads=N_KV,
+                         head_dim=HEAD_DIM, policy="pyramidkv", policy_params=params)
+    cache = PagedKVCache(config)
+    budgets = cache.policy.budgets
+    assert budgets == sorted(budgets, reverse=True) and len(set(budgets)) == n_layers
+    assert sum(budgets) == n_layers * params["budget"]
+    snap = {k: params[k] for k in ("window", "kernel")}
+    brutes = [BruteForce("snapkv", budget, page_size, snap) for budget in budgets]
+    rng = np.random.default_rng(4)
+    keys, values = {}, {}
+    for position in range(n_tokens):
+        k = rng.standard_normal((1, N_KV, HEAD_DIM)).astype(np.float32)
+        v = rng.standard_normal((1, N_KV, HEAD_DIM)).astype(np.float32)
+        q = (2.5 * rng.standard_normal((1, N_HEADS, HEAD_DIM))).astype(np.float32)
+        keys[position], values[position] = k[0], v[0]
+        cache.step = position
+        for layer, brute in enumerate(brutes):
+            cache.append(layer, k, v, np.array([position]))
+            cache.attend(layer, q, np.array([position]))
+            brute.append(position)
+            _, weights = dense_attention_f64(q[0], np.stack([keys[p] for p in brute.resident]),
+                                             np.stack([values[p] for p in brute.resident]))
+            brute.observe(dict(zip(brute.resident, weights.mean(axis=0))))
+            assert sorted(brute.resident) == cache.resident_positions(layer).tolist(), (layer, position)
+    assert [len(cache.resident_positions(layer)) for layer in range(n_layers)] == budgets
+
+
+def test_pyramidkv_budget_must_fit_the_pool():
+    with pytest.raises(ConfigError, match="pyramidkv.budget.*layer 0 needs"):
+        CacheConfig(page_size=4, max_pages=4, n_layers=4, policy="pyramidkv", policy_params={"budget": 15})
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "snapkv", "h2o"])
+def test_a_prefill_chunk_counts_like_its_tokens_one_by_one(policy):
+    """The session prefills free slots in one chunk (after a page-level eviction too): the statistics a
+    chunk leaves must equal those of its tokens fed one at a time."""
+    config = CacheConfig(page_size=4, max_pages=3, n_layers=1, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HEAD_DIM,
+                         policy=policy, policy_params={"window": 3} if policy == "snapkv" else {})
+    rng = np.random.default_rng(9)
+    k = rng.standard_normal((10, N_KV, HEAD_DIM)).astype(np.float32)
+    q = (2.5 * rng.standard_normal((10, N_HEADS, HEAD_DIM))).astype(np.float32)
+    chunked, single = PagedKVCache(config), PagedKVCache(config)
+    chunked.append(0, k[:2], k[:2], np.arange(2))
+    chunked.attend(0, q[:2], np.arange(2))
+    chunked.append(0, k[2:], k[2:], np.arange(2, 10))
+    chunked.attend(0, q[2:], np.arange(2, 10))
+    for p in range(10):
+        single.append(0, k[p:p + 1], k[p:p + 1], np.array([p]))
+        single.attend(0, q[p:p + 1], np.array([p]))
+    view_c, view_s = chunked.view(0), single.view(0)
+    occupied = view_c.occupied()
+    assert np.allclose(chunked.policy.score(view_c)[occupied], single.policy.score(view_s)[occupied])

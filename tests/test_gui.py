@@ -349,3 +349,25 @@ def test_view_menu_hides_views_and_reset_layout_restores_them(qtbot, window):
     assert not dock.isHidden() and not window.docks["Messages"].isVisible()
     window.redraw()
     assert window.attention.matrix.shape == (3, 18)
+
+
+def test_an_error_shows_one_line_and_its_traceback_behind_details(qtbot, tmp_path):
+    window = make_window(qtbot, tmp_path, config=SessionConfig(page_size=4, max_pages=2, max_new_tokens=5,
+                                                               chat=False))
+    try:
+        raise ValueError("a first line\nand a second")
+    except ValueError:
+        import traceback
+
+        window._report("Something failed: a first line\nand a second", traceback.format_exc())
+    panel = window.messages
+    lines = panel.toPlainText().splitlines()
+    assert len(lines) == 1 and lines[0].endswith("Something failed: a first line")
+    assert "\n" not in window.statusBar().currentMessage()
+    assert panel.toggle.isEnabled() and not panel.details.isVisible()
+    panel.toggle.click()
+    assert panel.details.isVisible()
+    assert "Traceback (most recent call last)" in panel.details_text() and "and a second" in panel.details_text()
+    window.grab().save(str(tmp_path / "details.png"))
+    panel.clear()
+    assert not panel.toggle.isEnabled() and panel.details_text() == ""

@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 pytest.importorskip("pytestqt")
@@ -73,12 +74,18 @@ def test_every_preset_is_a_valid_configuration_and_found_by_name():
 
 
 def test_choosing_a_preset_sets_prompt_cache_and_policy(qtbot, window):
-    preset = find_preset("vLLM page-level")
     controls = window.controls
-    controls.presets.activated.emit(controls.presets.findData(preset))
-    qtbot.waitUntil(lambda: window.runner.config.policy == "oldest-page" and window.runner.state == "ready")
-    assert window.runner.config.page_size == 16 and window.runner.config.max_pages == 4
+    controls.presets.activated.emit(controls.presets.findData(PRESETS[0]))  # a single-session preset
+    qtbot.waitUntil(lambda: window.runner.config.max_pages == DEFAULT_CONFIG.max_pages
+                    and window.runner.state == "ready")
+    assert replace(window.runner.config, policy_params={}) == DEFAULT_CONFIG
     assert controls.prompt() == default_prompt("synthetic")  # the synthetic model keeps a prompt that fits
+    preset = find_preset("vLLM page-level")  # an A/B preset opens the A/B window on both configurations
+    controls.presets.activated.emit(controls.presets.findData(preset))
+    ab = window.ab_window
+    qtbot.addWidget(ab)
+    qtbot.waitUntil(lambda: ab.runner.state == "ready", timeout=10000)
+    assert ab.configs() == (preset.a, preset.b) and "vLLM page-level" in ab.windowTitle()
 
 
 def test_a_restart_keeps_the_previous_run_and_ctrl_z_returns_to_it(qtbot, window):
@@ -161,3 +168,89 @@ def test_a_restart_clears_the_messages_of_the_session_before(qtbot, tmp_path):
     qtbot.waitUntil(lambda: window.runner.state == "ready", timeout=5000)
     assert window.messages.toPlainText() == "" and not window.docks["Messages"].isVisible()
     assert window.runner.previous is not None  # the failed run's records are kept too
+
+
+def test_ab_shows_two_grids_whose_slot_maps_equal_two_headless_runs(qtbot, window):
+    from pagevis.decoding import SessionConfig
+    from pagevis.gui.views.page_grid import cell_states
+
+    a = SessionConfig(page_size=4, max_pages=4, policy="oldest", max_new_tokens=30, chat=False)
+    b = SessionConfig(page_size=2, max_pages=8, policy="sinks", max_new_tokens=30, chat=False, oracle=True)
+    ab = window.open_ab(a, b, PROMPT)
+    qtbot.addWidget(ab)
+    qtbot.waitUntil(lambda: ab.runner.state == "ready", timeout=10000)
+    for _ in range(12):
+        count = len(ab.timeline)
+        ab.step()
+        qtbot.waitUntil(lambda: not ab.runner.busy and len(ab.timeline) == count + 1, timeout=10000)
+    ab.redraw()
+    for config, side, (_, grid, text) in zip((a, b), (ab.timeline.a, ab.timeline.b), ab.sides):
+        headless = DecodeSession(SYNTH.load(), PROMPT, config)
+        records = [headless.step() for _ in range(12)]
+        for index, record in enumerate(records):
+            np.testing.assert_array_equal(side.record(index).slot_maps, record.slot_maps)
+        np.testing.assert_array_equal(grid.states, cell_states(records[-1], 0))
+        n = side.n_positions(11)
+        assert [t.resident for t in text.tints] == records[-1].resident_mask(0, n).tolist()
+    kl = ab.timeline.series("kl_ab")
+    assert np.isfinite(kl[1:]).all() and (kl[1:] >= 0).all()  # from the step that ends the prefill on
+    assert np.isnan(ab.timeline.series("kl_a_full")).all() and np.isfinite(ab.timeline.series("kl_b_full")[1:]).all()
+    assert "step 11" in ab.summary.text()
+    ab.scrub(3)  # → moves through the recorded steps here too
+    ab.step()
+    assert ab.index == 4 and len(ab.timeline) == 12
+
+
+def test_head_labels_name_their_kv_head_and_small_multiples_group_by_it(qtbot, window):
+    step(qtbot, window, 3)
+    controls = window.controls
+    labels = [controls.head.itemText(i) for i in range(controls.head.count())]
+    assert labels == ["mean of heads", "head 0 (KV 0)", "head 1 (KV 0)", "head 2 (KV 1)", "head 3 (KV 1)"]
+    window.docks["Heads"].raise_()
+    window.redraw()
+    heads = window.heads
+    assert heads.layout_label.text().startswith("4 query heads → 2 KV heads (grouped-query attention: 2 query")
+    layout = heads.graphics.ci.layout
+    columns = {head: col for head, plot, _ in heads.plots for row in range(2) for col in range(2)
+               if layout.itemAt(row, col) is plot}
+    assert columns == {0: 0, 1: 0, 2: 1, 3: 1}  # one column per KV head
+    record = window.timeline.records[2]
+    n = window.timeline.n_positions(2)
+    for head in range(4):
+        np.testing.assert_allclose(heads.matrices[head][-1], record.attention_over_positions(0, n)[head], rtol=1e-6)
+    controls.head.setCurrentIndex(3)
+    window.redraw()
+    assert "head 2 (KV 1)" in window.attention.plot.titleLabel.text
+    total = window.timeline.info.cache_bytes  # 2 layers x 16 slots x 2 KV heads x 16 dims x K,V x 4 bytes
+    assert total == 2 * 16 * 2 * 16 * 2 * 4
+    assert window.status_memory.text() == "K/V 8 KiB = 2 KV heads × 4 KiB"
+
+
+def test_narration_block_table_and_slider_marks_tell_what_happened(qtbot, window):
+    from pagevis.gui.views.page_grid import parse_run_list
+
+    step(qtbot, window, 4)
+    window.scrub(1)  # the step whose prompt token evicted position 4 (sinks keep 0-3)
+    narration = window.narration.text()
+    assert narration.startswith("step 1: cache full → sinks evicted position 4 'o' from page 1 slot 0; "
+                                "wrote position 16 'd' there · next ")
+    for index in range(4):
+        window.scrub(index)
+        record = window.timeline.records[index]
+        slots = record.slot_maps[0]
+        for logical, physical, count, positions in window.page_grid.blocks.rows:
+            assert physical == record.block_tables[0][logical]
+            held = sorted(int(p) for p in slots[physical] if p >= 0)
+            assert parse_run_list(positions) == held and count == len(held)
+    assert window.transport.slider.marks.tolist() == [1, 2, 3]  # the steps that evicted
+    window.scrub(0)
+    assert window.narration.text().startswith("step 0: prefill wrote 16 prompt tokens (positions 0–15) into pages 0–3")
+
+
+def test_block_table_lists_the_scattered_positions_of_a_token_level_policy():
+    from pagevis.gui.views.page_grid import parse_run_list, run_list
+
+    assert run_list([40, 41, 3, 0, 1, 2, 17, 43, 42]) == "0–3, 17, 40–43"
+    assert parse_run_list("0–3, 17, 40–43") == [0, 1, 2, 3, 17, 40, 41, 42, 43]
+    assert run_list([1, 3, 5, 7, 9, 11]) == "1, 3, 5, 7, +2 more runs"
+    assert run_list([]) == "—"

@@ -199,6 +199,7 @@ def test_session_text_equals_pagevis_run(server, capsys):
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "from 1"),
     ({"prompt": "x", "max_tokens": 5000}, "max_tokens", "--max-session-tokens"),
     ({"prompt": "x", "page_size": 64, "max_pages": 100}, "max_pages", "--max-cache-tokens"),
+    ({"prompt": "x", "page_size": 64, "max_pages": 64, "max_tokens": 1900}, "max_tokens", "--max-session-mib"),
     ({"prompt": "x", "record_layers": [7]}, "record_layers", "from 0 to 1"),
     ({"prompt": "", "chat": False}, "prompt", "at least one token"),
     ({"prompt": "x", "dtype": "int8"}, "dtype", "float32"),
@@ -235,12 +236,12 @@ def test_session_limit_and_idle_expiry():
 
 def test_health_answers_while_a_session_decodes():
     with running_server(max_sessions=2) as running:
-        sid = running.client.post("/v1/sessions", json={"prompt": "a", "max_tokens": 1500,
+        sid = running.client.post("/v1/sessions", json={"prompt": "a", "max_tokens": 600,
                                                         "page_size": 16, "max_pages": 8}).json()["id"]
         finished = threading.Event()
 
         def decode():
-            running.client.post(f"/v1/sessions/{sid}/step", json={"n": 1500})
+            running.client.post(f"/v1/sessions/{sid}/step", json={"n": 600})
             finished.set()
 
         worker = threading.Thread(target=decode)
@@ -276,3 +277,19 @@ def test_openapi_docs_are_served(server):
     paths = server.client.get("/openapi.json").json()["paths"]
     assert {"/v1/attention", "/v1/sessions", "/v1/completions", "/v1/chat/completions", "/metrics"} <= set(paths)
 
+
+
+def test_a_failing_step_is_a_json_500_and_ends_the_session(server):
+    sid = server.client.post("/v1/sessions", json={"prompt": "a"}).json()["id"]
+    session = server.app.state.store.sessions[sid].session
+
+    def broken():
+        raise RuntimeError("the forward pass broke")
+
+    session.step = broken
+    answer = server.client.post(f"/v1/sessions/{sid}/step", json={"n": 1})
+    assert answer.status_code == 500
+    assert answer.json()["error"]["message"] == "internal error: RuntimeError: the forward pass broke"
+    assert server.client.post(f"/v1/sessions/{sid}/step", json={"n": 1}).status_code == 409
+    assert server.client.get("/healthz").json()["status"] == "ok"
+    server.client.delete(f"/v1/sessions/{sid}")

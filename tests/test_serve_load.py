@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -137,3 +138,21 @@ def test_error_bodies_are_json_with_a_message():
         answer = running.client.post("/v1/attention", content=b"{", headers={"content-type": "application/json"})
         assert answer.status_code == 422
         assert json.loads(answer.text)["error"]["message"]
+
+
+def test_a_client_leaving_mid_stream_frees_its_session_slot():
+    with running_server(max_sessions=1) as running:
+        body = {"model": "synthetic", "prompt": "abc", "max_tokens": 1500, "temperature": 0, "stream": True}
+        with httpx.Client(base_url=running.url, timeout=60) as other, \
+                other.stream("POST", "/v1/completions", json=body) as answer:
+            lines = answer.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            busy = running.client.post("/v1/completions", json={**body, "stream": False})
+            assert busy.status_code == 429
+        deadline = time.monotonic() + 20
+        while running.client.get("/healthz").json()["slots_used"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert running.client.get("/healthz").json()["slots_used"] == 0
+        samples = scrape(running.metrics_text())
+        assert value(samples, "pagevis_active_sessions") == 0
+        assert value(samples, "pagevis_generation_tokens_total") < 1500, "decoding stopped with the client"

@@ -8,6 +8,7 @@ import sys
 import urllib.request
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from serve_fixtures import SYNTH
 from test_serve_load import scrape, value
@@ -64,8 +65,9 @@ def test_metrics_equal_the_records_and_are_served_on_their_own_port():
     assert value(samples, "pagevis_active_sessions") == 1
 
 
-def test_disk_tier_events_are_counted_as_faults_and_bytes():
-    """The memory tier's event kinds (swap_out, fault_in) are counted by name, whatever else they carry."""
+def test_disk_tier_events_and_counts_are_counted():
+    """The disk tier's fault_in events are page faults; its per-layer counts give the bytes moved and the
+    pages read per tier (records carry them as `tiers`, with count(name) -> per-layer array)."""
     metrics = Metrics()
     session = DecodeSession(SYNTH.load(), "x", SessionConfig(page_size=4, max_pages=3, chat=False))
     observer = metrics.observe(session)
@@ -73,14 +75,20 @@ def test_disk_tier_events_are_counted_as_faults_and_bytes():
     def event(kind):
         return SimpleNamespace(kind=SimpleNamespace(value=kind), policy="")
 
+    counts = {"hits": [5, 4], "faults": [3, 0], "swapped_out": [2, 0], "bytes_read": [3072, 0],
+              "bytes_written": [1024, 0]}
+    tiers = SimpleNamespace(count=lambda name: np.array(counts[name]))
     record = SimpleNamespace(kind="decode", token_ids=(1,), next_token=2, timings={"total": 0.01},
-                             resident_tokens=3, events=[event("swap_out")] * 2 + [event("fault_in")] * 3)
+                             resident_tokens=3, events=[event("swap_out")] * 2 + [event("fault_in")] * 3,
+                             tiers=tiers)
     observer(record)
-    page_bytes = 2 * 4 * SYNTH.n_kv_heads * SYNTH.head_dim * 4  # K and V, one page of one layer, float32
     samples = scrape(_latest(metrics))
     assert value(samples, "pagevis_page_faults_total") == 3
-    assert value(samples, "pagevis_swapped_bytes_total", kind="swap_out") == 2 * page_bytes
-    assert value(samples, "pagevis_swapped_bytes_total", kind="fault_in") == 3 * page_bytes
+    assert value(samples, "pagevis_cache_events_total", kind="swap_out") == 2
+    assert value(samples, "pagevis_swapped_bytes_total", kind="swap_out") == 1024
+    assert value(samples, "pagevis_swapped_bytes_total", kind="fault_in") == 3072
+    assert value(samples, "pagevis_page_reads_total", tier="ram") == 9
+    assert value(samples, "pagevis_page_reads_total", tier="disk") == 3
     observer.close()
     assert value(scrape(_latest(metrics)), "pagevis_active_sessions") == 0
 

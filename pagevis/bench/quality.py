@@ -27,6 +27,8 @@ import numpy as np
 from ..decoding import DecodeSession, SessionConfig
 from ..decoding.sampling import log_softmax
 from ..engine import CacheConfig, CacheFullError, PagedKVCache
+from ..engine.policies.pyramidkv import PyramidKV, pool_tokens
+from ..engine.policies.snapkv import SnapKV
 from .optimal import OPTIMAL, FutureAttention
 
 
@@ -53,7 +55,7 @@ class Reference:
     log-probabilities over the vocabulary (float32, for KL) and each layer's head-mean attention of query p
     over positions 0..p (float16, a triangle: row p starts at layers * p * (p + 1) / 2 values).
     At 8,192 tokens of SmolLM2 the files hold 1.6 GB and 2.0 GB; memory holds about 2 MB.
-    Close it (or use it as a context manager) to delete the files.
+    Close it (or use it as a context manager) to free the files' disk space.
     """
 
     def __init__(self, token_ids: np.ndarray, n_layers: int, vocab_size: int, folder: str | None = None):
@@ -64,9 +66,9 @@ class Reference:
         self.top1 = np.zeros(n - 1, dtype=np.int64)
         self.attention_totals = np.zeros((n_layers, n))  # sum over all queries of the attention on a position
         self.seconds = 0.0
-        self._folder = tempfile.TemporaryDirectory(prefix="pagevis-compare-", dir=folder)
-        self._logprobs = open(os.path.join(self._folder.name, "logprobs.f32"), "w+b")
-        self._attention = open(os.path.join(self._folder.name, "attention.f16"), "w+b")
+        # nameless files (unlinked at once where the OS allows): nothing is left behind, even if killed
+        self._logprobs = tempfile.TemporaryFile(prefix="pagevis-logprobs-", dir=folder)
+        self._attention = tempfile.TemporaryFile(prefix="pagevis-attention-", dir=folder)
         self._written = 0
 
     def add(self, logprobs: np.ndarray, attention: np.ndarray) -> None:
@@ -102,7 +104,6 @@ class Reference:
     def close(self) -> None:
         for handle in (self._logprobs, self._attention):
             handle.close()
-        self._folder.cleanup()
 
     def __enter__(self) -> Reference:
         return self
@@ -197,8 +198,9 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
     optimal = None
     if choice.name == OPTIMAL:
         optimal = FutureAttention(reference.attention_totals.copy())
-    config = SessionConfig(page_size=page_size, max_pages=budget // page_size, dtype=dtype,
-                           policy="oldest" if optimal else choice.name, policy_params=choice.params,
+    max_pages, params = session_pages(choice, budget, page_size)
+    config = SessionConfig(page_size=page_size, max_pages=max_pages, dtype=dtype,
+                           policy="oldest" if optimal else choice.name, policy_params=params,
                            max_new_tokens=1, oracle=False, chat=False, record_layers=())
     wrapped = _KeepAllLogits(model)
     session = DecodeSession(wrapped, "", config, prompt_ids=[int(t) for t in ids])
@@ -246,6 +248,17 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
         top1_agreement=float(np.mean(agree[tail])) if evicting else 1.0,
         lost_attention=float(np.mean(lost[tail])) if evicting else 0.0,
         evictions=evictions, evicting_tokens=evicting, seconds=time.perf_counter() - started, note=note)
+
+
+def session_pages(choice: PolicyChoice, budget: int, page_size: int) -> tuple[int, dict]:
+    """Pages per layer and policy parameters for a row at `budget` tokens per layer. pyramidkv's budget is
+    a mean over layers: its pool holds the first (largest) layer's share."""
+    params = dict(choice.params)
+    if choice.name != PyramidKV.name:
+        return budget // page_size, params
+    params.setdefault("budget", budget)
+    first = pool_tokens(params["budget"], params.get("window", SnapKV.window), params.get("beta", PyramidKV.beta))
+    return math.ceil(first / page_size), params
 
 
 def _resident_by_layer(slot_maps: np.ndarray, n: int) -> np.ndarray:

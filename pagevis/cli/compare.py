@@ -10,11 +10,14 @@ import sys
 from importlib import resources
 
 from . import options
+from ..engine.config import MAX_PAGE_SIZE
 from .options import UsageError
 from .progress import Progress
 
-DEFAULT_TEXT = "texts/pride-and-prejudice-ch1-6.txt"  # about 10,100 SmolLM2 tokens
-DEFAULT_POLICIES = "sinks,oldest,h2o,tova"
+DEFAULT_TEXT = "texts/pride-and-prejudice-ch1.txt"
+LONG_TEXT = "pride-and-prejudice-ch1-6"  # about 10,100 SmolLM2 tokens: enough for --tokens 8192
+DEFAULT_POLICIES = "sinks,oldest,h2o,tova,snapkv,pyramidkv,lru,lfu"
+MAX_TOKENS = 1 << 20  # the reference's logits go to temporary files; the text bounds it in practice
 COLUMNS = ("policy", "budget", "page_size", "ppl", "ppl_evicting", "full_ppl_evicting", "gap_to_optimal", "mean_kl",
            "top1_agreement", "lost_attention", "evictions", "evicting_tokens", "seconds", "note")
 
@@ -28,7 +31,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
                     "KL, top-1 and lost attention are means over the tokens predicted once the cache was full; "
                     "ppl_evicting is the perplexity over those tokens, beside the full cache's on the same tokens.")
     parser.add_argument("text", nargs="?", metavar="TEXTFILE",
-                        help="a UTF-8 text file (default: chapters 1-6 of Pride and Prejudice, shipped, 10,100 tokens)")
+                        help=f"a UTF-8 text file, or the name of a shipped text: {LONG_TEXT} (chapters 1-6, 10,100 "
+                             f"tokens) (default: chapter 1 of Pride and Prejudice, shipped, 1,100 tokens)")
     options.add_model_options(parser)
     parser.add_argument("--policies", default=DEFAULT_POLICIES, metavar="LIST",
                         help=f"comma-separated policies, each optionally with parameters as "
@@ -84,9 +88,30 @@ def parse_budgets(text: str, page_size: int) -> list[int]:
     return budgets
 
 
+def check_budgets(budgets: list[int], args: argparse.Namespace, model_config) -> None:
+    """Each budget's cache fits this model's layout and the memory available now."""
+    from ..engine import CacheConfig, ConfigError
+    from ..system_memory import available_bytes, fits, gib
+
+    for budget in budgets:
+        try:
+            config = CacheConfig(page_size=args.page_size, max_pages=budget // args.page_size, dtype=args.dtype,
+                                 policy="oldest", n_layers=model_config.n_layers, n_heads=model_config.n_heads,
+                                 n_kv_heads=model_config.n_kv_heads, head_dim=model_config.head_dim)
+        except ConfigError as error:
+            raise UsageError(f"--budgets: {budget} tokens is too large for this model ({error.allowed})") from None
+        if not fits(config.total_bytes()):
+            raise UsageError(f"--budgets: {budget} tokens needs {gib(config.total_bytes())} of K/V storage with "
+                             f"this model, more than the memory available now ({gib(available_bytes() or 0)})")
+
+
 def load_text(path: str | None) -> str:
+    texts = resources.files("pagevis.resources").joinpath("texts")
     if path is None:
         return resources.files("pagevis.resources").joinpath(DEFAULT_TEXT).read_text("utf-8")
+    shipped = texts.joinpath(f"{path}.txt")
+    if not os.path.exists(path) and "/" not in path and shipped.is_file():
+        return shipped.read_text("utf-8")
     return options.read_text_file(path, "TEXTFILE")
 
 
@@ -95,10 +120,11 @@ def main(args: argparse.Namespace) -> int:
     from ..bench.optimal import OPTIMAL
     from ..engine import CacheSettings, ConfigError
 
-    if args.page_size < 1:
-        raise UsageError(f"--page-size {args.page_size}: must be a positive integer")
-    if args.tokens < 2:
-        raise UsageError(f"--tokens {args.tokens}: need at least 2 tokens")
+    options.check_range("--page-size", args.page_size, 1, MAX_PAGE_SIZE)
+    options.check_range("--tokens", args.tokens, 2, MAX_TOKENS)
+    if not args.no_files:
+        options.check_writable(args.csv, "--csv", suffix=".csv")
+        options.check_writable(args.plot, "--plot", suffix=".png")
     if args.tmp_dir is not None and not os.path.isdir(args.tmp_dir):
         raise UsageError(f"--tmp-dir {args.tmp_dir}: no such folder")
     choices = parse_policies(args.policies, optimal=not args.no_optimal)
@@ -108,13 +134,15 @@ def main(args: argparse.Namespace) -> int:
             if choice.name == OPTIMAL:
                 continue
             try:
-                CacheSettings(page_size=args.page_size, max_pages=budget // args.page_size, policy=choice.name,
-                              policy_params=choice.params).check()
+                max_pages, params = quality.session_pages(choice, budget, args.page_size)
+                CacheSettings(page_size=args.page_size, max_pages=max_pages, policy=choice.name,
+                              policy_params=params).check()
             except ConfigError as error:
                 raise UsageError(f"--policies {choice.label} at budget {budget}: {error}") from None
     text = load_text(args.text)
     spec = options.model_spec(args)
     model = spec.load()
+    check_budgets(budgets, args, model.config)
     ids = model.tokenizer.encode(text)[: args.tokens]
     if len(ids) < 2:
         raise UsageError("the text is too short: it must encode to at least 2 tokens")
@@ -206,7 +234,6 @@ def _f(value, width, digits) -> str:
 
 
 def write_csv(path: str, rows) -> None:
-    _check_folder(path, "--csv")
     with open(path, "w", newline="", encoding="utf-8") as handle:
         writer = csv.DictWriter(handle, fieldnames=COLUMNS)
         writer.writeheader()
@@ -217,7 +244,6 @@ def write_csv(path: str, rows) -> None:
 def write_plot(path: str, rows, result) -> None:
     from ..bench.plots import line_plot
 
-    _check_folder(path, "--plot")
     series: dict[str, tuple[list, list]] = {}
     for row in rows[1:]:
         xs, ys = series.setdefault(row.policy, ([], []))
@@ -230,9 +256,3 @@ def write_plot(path: str, rows, result) -> None:
               x_label="cache budget (tokens per layer)", y_label="perplexity (log scale)", log_x=True, log_y=True,
               dashed={"full cache"},
               x_ticks=budgets)
-
-
-def _check_folder(path: str, flag: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise UsageError(f"{flag} {path}: no such folder {folder}")

@@ -1,19 +1,25 @@
 """The `pagevis` entry point: no command opens the app; `run`, `compare`, `bench`, `replay` work headless.
 
 Bad arguments and unusable inputs (files, models, traces, configurations) exit with status 2 and one line
-on stderr, never a traceback.
+on stderr, never a traceback. Anything else is a bug: one line, "re-run with --debug for the traceback",
+and status 70 (EX_SOFTWARE); with --debug the traceback is printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 
 from . import options
 from .metrics_port import add_metrics_option, start_metrics_server
 from .options import ArgumentParser, UsageError
 
 COMMANDS = ("run", "compare", "bench", "replay", "serve")
+USER_ERROR = 2
+INTERNAL_ERROR = 70  # sysexits.h EX_SOFTWARE: a bug, not a bad input
+MAX_STEPS = 100_000
 
 USAGE = """pagevis [options]            open the app (options below preset it)
        pagevis run [options]        decode headless, print the text or --json
@@ -32,7 +38,13 @@ def gui_parser() -> ArgumentParser:
     group.add_argument("--screenshot", metavar="FILE", help="save a PNG of the window after --steps steps, then quit")
     group.add_argument("--steps", type=int, default=0, metavar="N", help="decode N steps at start (with --screenshot)")
     add_metrics_option(group)
+    add_debug_option(parser)
     return parser
+
+
+def add_debug_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--debug", action="store_true",
+                        help="on an unexpected error, print the full traceback (it is one line otherwise)")
 
 
 def command_parser() -> ArgumentParser:
@@ -41,46 +53,57 @@ def command_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="pagevis", usage=USAGE)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser, prog="pagevis")
     for module in (run, compare, bench, replay, serve):
-        module.add_parser(commands).add_argument(
+        command = module.add_parser(commands)
+        command.add_argument(
             "--blas-threads", type=int, default=1, metavar="N",
             help="threads NumPy's BLAS may use (default 1: decoding is memory-bound, and spinning BLAS threads "
                  "slow it down several times when another process is busy)")
+        add_debug_option(command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    parsed: list[argparse.Namespace] = []  # the arguments, once parsed: errors name only flags they hold
     try:
         if argv and argv[0] in COMMANDS:
-            args = command_parser().parse_args(argv)
-            use_blas_threads(args.blas_threads)
-            return args.handler(args)
+            parsed.append(command_parser().parse_args(argv))
+            use_blas_threads(parsed[0].blas_threads)
+            return parsed[0].handler(parsed[0])
         if argv and not argv[0].startswith("-"):
             raise UsageError(f"pagevis: unknown command {argv[0]!r}; the commands are {', '.join(COMMANDS)} "
                              "(see pagevis --help)")
-        return launch_app(gui_parser().parse_args(argv))
+        parsed.append(gui_parser().parse_args(argv))
+        return launch_app(parsed[0])
     except SystemExit as done:  # --help and --version end here
         return done.code if isinstance(done.code, int) else 0
-    except BaseException as error:  # noqa: BLE001 - sorted below: known errors become one line, status 2
-        message = user_error_message(error)
-        if message is None:
-            raise
-        print(f"pagevis: error: {message}" if not message.startswith("pagevis") else message, file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print("pagevis: interrupted", file=sys.stderr)
+        return 130
+    except BaseException as error:  # noqa: BLE001 - known errors become one line (2), the rest one line (70)
+        message = user_error_message(error, parsed[0] if parsed else None)
+        if message is not None:
+            print(f"pagevis: error: {message}" if not message.startswith("pagevis") else message, file=sys.stderr)
+            return USER_ERROR
+        if "--debug" in argv:
+            traceback.print_exc()
+        summary = " ".join(f"{type(error).__name__}: {error}".split())
+        print(f"pagevis: internal error: {summary[:300]} (a bug in pagevis; re-run with --debug for the traceback)",
+              file=sys.stderr)
+        return INTERNAL_ERROR
 
 
 def use_blas_threads(count: int) -> None:
     """Decoding is memory-bound: one BLAS thread is ~as fast on an idle machine and several times faster
     when another process holds a core (spin-waiting OpenBLAS threads); see pagevis.model.blas_threads."""
-    if count < 1:
-        raise UsageError(f"pagevis: --blas-threads {count}: must be at least 1")
+    options.check_range("--blas-threads", count, 1, max(8, os.cpu_count() or 1))
     from ..model import set_blas_threads
 
     set_blas_threads(count)
 
 
-def user_error_message(error: BaseException) -> str | None:
-    """One line for an error the user can fix (arguments, files, models, configurations); None for a bug."""
+def user_error_message(error: BaseException, args: argparse.Namespace | None = None) -> str | None:
+    """One line for an error the user can fix (arguments, files, models, configurations, memory); None for a bug."""
     from ..engine import ConfigError
     from ..model.errors import ModelConfigError, ModelLoadError
     from ..trace import TraceError
@@ -88,11 +111,14 @@ def user_error_message(error: BaseException) -> str | None:
     if isinstance(error, UsageError):
         return str(error)
     if isinstance(error, ConfigError):
-        return options.describe_config_error(error)
+        return options.describe_config_error(error, args)
     if isinstance(error, (ModelLoadError, ModelConfigError, TraceError)):
         return str(error)
-    if isinstance(error, (FileNotFoundError, IsADirectoryError, PermissionError)):
-        return f"{error.filename}: {error.strerror}"
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.filename}: {error.strerror}" if error.filename else error.strerror
+    if isinstance(error, MemoryError):
+        return (f"out of memory ({error or 'an allocation failed'}); choose a smaller model, cache or number "
+                "of steps")
     return None
 
 
@@ -101,8 +127,9 @@ def launch_app(args: argparse.Namespace) -> int:
         getattr(args, flag) is not None for flag in options.SYNTHETIC_FLAGS) else None
     prompt = options.prompt_text(args)
     config = options.session_config(args) if options.session_options_given(args) else None
-    if args.steps < 0:
-        raise UsageError("pagevis: --steps must be 0 or more")
+    options.check_range("--steps", args.steps, 0, MAX_STEPS)
+    if args.screenshot:
+        options.check_writable(args.screenshot, "--screenshot", suffix=".png")
     metrics, _exporter = start_metrics_server(args.metrics_port)  # a daemon thread, until the app quits
     from ..gui import launch
 

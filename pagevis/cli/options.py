@@ -110,11 +110,7 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
     name = args.model or "smollm2"
     layout = {field: getattr(args, flag) for flag, field in SYNTHETIC_FLAGS.items() if getattr(args, flag) is not None}
     if name == "synthetic":
-        for flag, field in SYNTHETIC_FLAGS.items():
-            lowest = 0 if field == "seed" else 1
-            if field in layout and layout[field] < lowest:
-                raise UsageError(f"--{flag.replace('_', '-')} {layout[field]}: must be an integer of at least {lowest}")
-        return ModelSpec(kind="synthetic", **layout)
+        return synthetic_spec(layout)
     if layout:
         flags = ", ".join("--" + f.replace("_", "-") for f in SYNTHETIC_FLAGS if getattr(args, f) is not None)
         raise UsageError(f"{flags} only apply to --model synthetic")
@@ -123,6 +119,57 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
     if not os.path.isfile(name):
         raise UsageError(f"--model {name}: no such file (use smollm2, synthetic, or the path of a .gguf file)")
     return ModelSpec(kind="gguf", path=os.path.abspath(name))
+
+
+def synthetic_spec(layout: dict[str, int]) -> ModelSpec:
+    """The synthetic model's spec; UsageError naming the flag if a size is out of range or the weights would
+    not fit in the memory available now."""
+    from ..model.config import LIMITS
+    from ..model.synthetic import synthetic_config
+    from ..system_memory import available_bytes, fits, gib
+
+    for flag, field in SYNTHETIC_FLAGS.items():
+        low, high = (0, 2**32 - 1) if field == "seed" else (1, LIMITS[field])
+        if field in layout:
+            check_range(f"--{flag.replace('_', '-')}", layout[field], low, high)
+    spec = ModelSpec(kind="synthetic", **layout)
+    try:
+        config = synthetic_config(spec.n_layers, spec.n_heads, spec.n_kv_heads, spec.head_dim, None, 256, None,
+                                  10000.0, 1e-5, 2048)
+    except ConfigError as error:
+        flag = FLAG_OF_FIELD.get(error.field, "--heads x --head-dim" if error.field in ("d_model", "d_ff") else "")
+        raise UsageError(f"{flag}: {error}" if flag else str(error)) from None
+    if not fits(config.weight_bytes()):
+        raise UsageError(f"--layers {spec.n_layers} --heads {spec.n_heads} --head-dim {spec.head_dim}: the synthetic "
+                         f"model's weights would take {gib(config.weight_bytes())}, more than the memory available "
+                         f"now ({gib(available_bytes() or 0)})")
+    return spec
+
+
+def check_range(flag: str, value, low: int, high: int) -> None:
+    """UsageError naming the flag unless low <= value <= high."""
+    if not low <= value <= high:
+        raise UsageError(f"{flag} {value}: must be from {low} to {high}")
+
+
+def check_writable(path: str, flag: str, suffix: str | None = None) -> None:
+    """Refuse an output path that cannot be written, before any work starts (the file is not created)."""
+    import tempfile
+
+    if suffix and not path.lower().endswith(suffix):
+        raise UsageError(f"{flag} {path}: the file is written as {suffix[1:].upper()}; give a name ending in {suffix}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag} {path}: no such folder {folder}")
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a folder")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise UsageError(f"{flag} {path}: the file is not writable")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".pagevis-probe-"):
+            pass
+    except OSError as error:
+        raise UsageError(f"{flag} {path}: cannot write in {folder} ({error.strerror})") from None
 
 
 def preset(args: argparse.Namespace) -> Preset | None:
@@ -137,12 +184,24 @@ def preset(args: argparse.Namespace) -> Preset | None:
 
 
 def prompt_text(args: argparse.Namespace) -> str | None:
-    """The prompt the user gave (or their preset's), or None."""
+    """The prompt the user gave (or their preset's), or None. An empty prompt or file is a UsageError."""
     if getattr(args, "prompt_file", None):
-        return read_text_file(args.prompt_file, "--prompt-file")
+        text = read_text_file(args.prompt_file, "--prompt-file")
+        if not text.strip():
+            raise UsageError(f"--prompt-file {args.prompt_file}: the file is empty; the prompt needs some text")
+        return text
     if getattr(args, "prompt", None) is None and preset(args) is not None:
         return preset(args).prompt_text()
-    return getattr(args, "prompt", None)
+    text = getattr(args, "prompt", None)
+    if text is not None:
+        if not text.strip():
+            raise UsageError("--prompt is empty: give some text (or leave --prompt out for the sample prompt)")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:  # undecodable bytes on the command line arrive as lone surrogates
+            raise UsageError(f"--prompt: not valid UTF-8 text (byte {ord(text[error.start]) - 0xDC00:#04x} at "
+                             f"character {error.start})") from None
+    return text
 
 
 def read_text_file(path: str, flag: str) -> str:
@@ -237,8 +296,17 @@ def _given(value, default):
     return default if value is None else value
 
 
-def describe_config_error(error: ConfigError) -> str:
+def describe_config_error(error: ConfigError, args: argparse.Namespace | None = None) -> str:
+    """The error, prefixed with the flag that set the bad value, if this command has that flag and it was given
+    (a value that came from a default or a preset is described without blaming a flag)."""
     flag = FLAG_OF_FIELD.get(error.field)
-    if flag is None and "." in error.field and error.field.split(".")[0] in POLICIES:
+    policy_param = flag is None and "." in error.field and error.field.split(".")[0] in POLICIES
+    if policy_param:
         flag = "--policy-param"
+    dest = {"--policy-param": "policy_param"}.get(flag, (flag or "").lstrip("-").replace("-", "_"))
+    if flag and args is not None and getattr(args, dest, None) is None:
+        if policy_param:
+            return (f"{error} (the policy's default; set it with --policy-param, or give the cache more room with "
+                    f"--max-pages or --page-size)") if hasattr(args, "policy_param") else str(error)
+        flag = None
     return f"{flag}: {error}" if flag else str(error)

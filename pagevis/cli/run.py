@@ -42,10 +42,12 @@ def main(args: argparse.Namespace) -> int:
     if args.n > 1:
         return run_parallel(args, spec, config, prompt)
     if args.trace:
-        _check_writable(args.trace)
+        options.check_writable(args.trace, "--trace")
     metrics, exporter = start_metrics_server(args.metrics_port)
     model = spec.load()
+    check_cache_memory(config, model.config)
     session = DecodeSession(model, prompt, config)
+    check_prompt_fits(session)
     progress = Progress(config.max_new_tokens, "decoding", enabled=False if args.quiet else None)
     session.add_hook(lambda record: progress.update(
         len(session.generated), f"{record.kind} step {record.step}, {record.resident_tokens} resident"))
@@ -82,6 +84,28 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(summary["text"])
     return 130 if interrupted else 0
+
+
+def check_cache_memory(config, model_config) -> None:
+    """The K/V cache (twice with the oracle's full cache) must fit in the memory available now."""
+    from ..engine import CacheConfig
+    from ..system_memory import available_bytes, fits, gib
+
+    need = CacheConfig.for_model(config, model_config).total_bytes() * (2 if config.oracle else 1)
+    if not fits(need):
+        raise options.UsageError(f"--max-pages {config.max_pages} x --page-size {config.page_size}: the K/V cache "
+                                 f"would take {gib(need)} with this model, more than the memory available now "
+                                 f"({gib(available_bytes() or 0)})")
+
+
+def check_prompt_fits(session) -> None:
+    """Policy 'none' never evicts: a prompt longer than the cache can never be fed, so say so before decoding."""
+    config = session.config
+    if config.policy == "none" and len(session.prompt_ids) > config.capacity:
+        raise options.UsageError(
+            f"--policy none: the prompt is {len(session.prompt_ids)} tokens but the cache holds {config.capacity} "
+            f"({config.max_pages} pages x {config.page_size} tokens) and policy none never evicts; raise --max-pages "
+            "or --page-size, or choose an evicting policy")
 
 
 def summarize(session, model_label: str, elapsed: float) -> dict:
@@ -128,13 +152,3 @@ def _policy_params(session) -> dict:
 
     policy = session.cache.policy
     return {name: getattr(policy, name) for name in policy_params(policy.name)}
-
-
-def _check_writable(path: str) -> None:
-    import os
-
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise options.UsageError(f"--trace {path}: no such folder {folder}")
-    if os.path.isdir(path):
-        raise options.UsageError(f"--trace {path}: is a folder")

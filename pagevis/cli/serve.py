@@ -15,6 +15,8 @@ LIMIT_FLAGS = (  # flag (a ServeSettings field), type, metavar, help
     ("--max-sessions", int, "N", "live sessions and running completions at once"),
     ("--max-session-tokens", int, "N", "prompt + generated tokens of one session"),
     ("--max-cache-tokens", int, "N", "page size x max pages of one session"),
+    ("--max-session-mib", int, "MIB", "memory of one session's KV caches and step snapshots (checked before it "
+                                      "starts)"),
     ("--idle-timeout", float, "SECONDS", "delete sessions unused this long"),
     ("--workers", int, "N", "requests decoding at once; others wait their turn"),
 )
@@ -72,7 +74,8 @@ def settings_from_args(args: argparse.Namespace):
     options.session_config(args)  # the defaults must be valid before anything starts
     return ServeSettings(model_spec=options.model_spec(args), defaults=args, max_body=args.max_body,
                          max_sessions=args.max_sessions, max_session_tokens=args.max_session_tokens,
-                         max_cache_tokens=args.max_cache_tokens, idle_timeout=args.idle_timeout,
+                         max_cache_tokens=args.max_cache_tokens, max_session_mib=args.max_session_mib,
+                         idle_timeout=args.idle_timeout,
                          workers=args.workers)
 
 

@@ -15,11 +15,13 @@ from .sampling import log_softmax
 class FullCacheOracle:
     def __init__(self, model, bounded: CacheConfig, max_tokens: int):
         pages = math.ceil(max_tokens / bounded.page_size)
-        config = dataclasses.replace(bounded, max_pages=pages, policy="none", policy_params={})
+        config = dataclasses.replace(bounded, max_pages=pages, policy="none", policy_params={}, disk_pages=0,
+                                     select="all")
         self.model = model
         self.cache = PagedKVCache(config)
         self._bounded: PagedKVCache | None = None
         self._lost: list[float] = []
+        self.recall = np.full(bounded.n_layers, np.nan, dtype=np.float32)  # per layer, at the last step
 
     def step(self, tokens: np.ndarray, positions: np.ndarray, bounded: PagedKVCache,
              bounded_logits: np.ndarray, chosen: int) -> OracleStep:
@@ -46,4 +48,9 @@ class FullCacheOracle:
         full_positions = self.cache.slot_positions(layer)
         evicted = (full_positions >= 0) & ~np.isin(full_positions, bounded[bounded >= 0])
         self._lost.append(float(result.weights[-1][:, evicted].sum(axis=-1).mean()))
+        # Recall: the share of that attention on the tokens the bounded layer actually read.
+        read_slots = self._bounded.read_slots[layer]
+        read = bounded[bounded >= 0] if read_slots is None else bounded[read_slots]
+        covered = np.isin(full_positions, read[read >= 0])
+        self.recall[layer] = float(result.weights[-1][:, covered].sum(axis=-1).mean())
         return result.output

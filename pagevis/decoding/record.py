@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..engine import CacheEvent, EventKind
+from ..engine import COUNT_NAMES, CacheEvent, EventKind
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,33 @@ class OracleStep:
 
 
 @dataclass(frozen=True)
+class TierStep:
+    """What a step did with the disk tier or page selection, per layer.
+
+    counts:       (n_layers, 5) int64, columns COUNT_NAMES: pages read from RAM, pages read from disk
+                  (faults), pages that left RAM, bytes read from and written to the disk tier
+    page_maps:    (n_layers, n_page_ids, page_size) int32, token position per slot of every page id
+                  (with a disk tier, page id = disk frame), -1 empty: what `attention` columns index
+    block_frames: per layer, the RAM frame of each block-table page (-1: on disk only)
+    recall:       (n_layers,) float32, share of the full cache's attention (the oracle's) on the tokens
+                  this step read; None without the oracle
+    """
+
+    counts: np.ndarray
+    page_maps: np.ndarray
+    block_frames: tuple[tuple[int, ...], ...]
+    recall: np.ndarray | None = None
+
+    def count(self, name: str) -> np.ndarray:
+        return self.counts[:, COUNT_NAMES.index(name)]
+
+    def hit_rate(self) -> float:
+        """Pages read from RAM over all pages read, all layers (NaN if nothing was read)."""
+        hits, faults = self.count("hits").sum(), self.count("faults").sum()
+        return float(hits / (hits + faults)) if hits + faults else float("nan")
+
+
+@dataclass(frozen=True)
 class StepRecord:
     """One step of a session.
 
@@ -33,10 +60,12 @@ class StepRecord:
       slot_maps:   (n_layers, max_pages, page_size) int32, token position per physical slot, -1 empty
       protected:   (n_layers, max_pages, page_size) bool, slots the policy will not evict (e.g. sinks)
       scores:      (n_layers, max_pages, page_size) float32, the policy's keep-score per slot (NaN empty)
-      block_tables: per layer, the physical page ids in logical order
+      block_tables: per layer, the page ids in logical order (RAM frames without a disk tier)
     Attention is stored for the layers in `attention_layers` only (the session's `record_layers`):
-      attention[i]: (n_heads, max_pages * page_size) float16, the step's last query's weights over
-      flat slots (page * page_size + slot); exactly 0 on empty slots and on evicted tokens.
+      attention[i]: (n_heads, page ids * page_size) float16, the step's last query's weights over
+      flat slots (page * page_size + slot); exactly 0 on empty slots, evicted tokens and tokens not read.
+    With a disk tier (or a page selection) `tiers` holds the per-page state and what moved; slot_maps,
+    protected and scores then describe the RAM frames (what each frame holds).
     """
 
     step: int
@@ -57,6 +86,11 @@ class StepRecord:
     pages_used: int = 0  # in layer 0
     evictions_total: int = 0  # over all layers, since the session began
     oracle: OracleStep | None = None
+    tiers: TierStep | None = None
+
+    def page_map(self, layer: int) -> np.ndarray:
+        """(page ids, page_size) token position per slot of every page: what attention columns index."""
+        return self.slot_maps[layer] if self.tiers is None else self.tiers.page_maps[layer]
 
     @property
     def evictions(self) -> tuple[CacheEvent, ...]:
@@ -65,7 +99,7 @@ class StepRecord:
     def attention_over_positions(self, layer: int, n_positions: int) -> np.ndarray:
         """(n_heads, n_positions) float32 attention of this step's last query by token position."""
         weights = self.attention[self.attention_layers.index(layer)]
-        slots = self.slot_maps[layer].ravel()
+        slots = self.page_map(layer).ravel()
         resident = slots >= 0
         out = np.zeros((weights.shape[0], n_positions), dtype=np.float32)
         keep = resident & (slots < n_positions)
@@ -74,7 +108,7 @@ class StepRecord:
 
     def resident_mask(self, layer: int, n_positions: int) -> np.ndarray:
         """(n_positions,) bool: which token positions are in the cache of `layer` after this step."""
-        slots = self.slot_maps[layer].ravel()
+        slots = self.page_map(layer).ravel()
         mask = np.zeros(n_positions, dtype=bool)
         mask[slots[(slots >= 0) & (slots < n_positions)]] = True
         return mask

@@ -18,7 +18,7 @@ import numpy as np
 from ..engine import CacheConfig, CacheSettings, ConfigError, EventKind, PagedKVCache
 from ..errors import check_int
 from .oracle import FullCacheOracle
-from .record import StepRecord
+from .record import StepRecord, TierStep
 from .sampling import Sampler, SamplingConfig
 
 MAX_NEW_TOKENS = 100_000
@@ -111,7 +111,7 @@ class DecodeSession:
         started = time.perf_counter()
         if self._fed < len(self.prompt_ids):
             room = self.cache.free_slots()
-            chunk = max(1, min(len(self.prompt_ids) - self._fed, room))
+            chunk = max(1, min(len(self.prompt_ids) - self._fed, room, self.cache.max_chunk() or room))
             tokens = self.prompt_ids[self._fed: self._fed + chunk]
             positions = np.arange(self._fed, self._fed + chunk, dtype=np.int64)
             kind = "prefill"
@@ -158,7 +158,7 @@ class DecodeSession:
                 positions: np.ndarray) -> np.ndarray:
         self.cache.append(layer, k, v, positions)
         result = self.cache.attend(layer, q, positions)
-        self._last_weights[layer] = result.weights[-1]
+        self._last_weights[layer] = (result.weights[-1], result.slots)
         return result.output
 
     def _record(self, kind, tokens, positions, next_token, oracle_step) -> StepRecord:
@@ -168,18 +168,34 @@ class DecodeSession:
         policy = self.cache.policy
         shape = (cfg.max_pages, cfg.page_size)
         slot_maps, protected, scores = [], [], []
-        for view in self.cache.views:
-            slot_maps.append(view.positions.reshape(shape))
-            protected.append(policy.protected(view).reshape(shape))
+        for view, store in zip(self.cache.views, self.cache.stores, strict=True):
+            # per RAM slot: the flat slot (page id * page size + slot) of the page it holds, -1 if none
+            held = (store.page_in[:, None] * cfg.page_size + np.arange(cfg.page_size)).ravel()
+            held = np.where(np.repeat(store.page_in >= 0, cfg.page_size), held, -1)
+            empty = held < 0
+            slot_maps.append(store.frame_slot_map())
+            protected.append(np.where(empty, False, policy.protected(view)[held]).reshape(shape))
             score = np.where(view.occupied(), policy.score(view), np.nan)
-            scores.append(score.reshape(shape))
+            scores.append(np.where(empty, np.nan, score[held]).reshape(shape))
         attention = []
         for layer in self.record_layers:
             weights = np.zeros((cfg.n_heads, cfg.capacity), dtype=np.float16)
-            last = self._last_weights[layer]
-            weights[:, : last.shape[1]] = last
+            last, slots = self._last_weights[layer]
+            if slots is None:
+                weights[:, : last.shape[1]] = last
+            else:
+                weights[:, slots] = last
             attention.append(weights)
         first = self.cache.stores[0]
+        tiers = None
+        if cfg.tiered or self.cache.select_pages is not None:
+            tiers = TierStep(
+                counts=np.array([c.as_tuple() for c in self.cache.take_counts()], dtype=np.int64),
+                page_maps=np.stack([s.positions.reshape(cfg.n_page_ids, cfg.page_size) for s in self.cache.stores]
+                                   ).astype(np.int32),
+                block_frames=tuple(tuple(int(s.frame_of[p]) for p in table) for s, table in
+                                   zip(self.cache.stores, self.cache.sequence.block_tables, strict=True)),
+                recall=None if self.oracle is None else self.oracle.recall)
         return StepRecord(
             step=len(self.records), kind=kind, token_ids=tuple(int(t) for t in tokens),
             positions=tuple(int(p) for p in positions), next_token=int(next_token),
@@ -189,7 +205,7 @@ class DecodeSession:
             block_tables=tuple(tuple(table) for table in self.cache.sequence.block_tables),
             events=events, attention_layers=self.record_layers, attention=tuple(attention),
             timings={}, resident_tokens=first.resident, pages_used=self.cache.sequence.n_pages(0),
-            evictions_total=self._evictions, oracle=oracle_step,
+            evictions_total=self._evictions, oracle=oracle_step, tiers=tiers,
         )
 
 

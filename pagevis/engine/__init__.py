@@ -14,12 +14,13 @@ from .config import CacheConfig, CacheSettings
 from .errors import CacheFullError, ConfigError
 from .events import CacheEvent, EventKind
 from .frames import FramePool
-from .policies import POLICIES, EvictionPolicy, make_policy, policy_params
+from .policies import POLICIES, EvictionPolicy, layer_capacities, make_policy, policy_params
 from .policy_state import LayerView, PolicyState
 from .sequence import Sequence
-from .store import PageStore
+from .store import COUNT_NAMES, PageStore, TierCounts
 
 __all__ = [
+    "COUNT_NAMES",
     "POLICIES",
     "AttentionResult",
     "CacheConfig",
@@ -36,8 +37,10 @@ __all__ = [
     "Partial",
     "PolicyState",
     "Sequence",
+    "TierCounts",
     "attend",
     "attend_part",
+    "layer_capacities",
     "make_policy",
     "merge",
     "policy_params",

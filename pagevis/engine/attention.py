@@ -16,6 +16,9 @@ import numpy as np
 class AttentionResult(NamedTuple):
     output: np.ndarray  # (n_queries, n_heads, head_dim) float32
     weights: np.ndarray  # (n_queries, n_heads, n_keys) float32; exactly 0 on masked keys
+    # The cache's flat slot of each weight column, when the keys read were not the allocated prefix
+    # of the pool (a disk tier, or a page selection); None: column i is flat slot i.
+    slots: np.ndarray | None = None
 
 
 def softmax(scores: np.ndarray, axis: int = -1, out: np.ndarray | None = None) -> np.ndarray:

@@ -10,8 +10,14 @@ from .config import CacheConfig
 from .events import CacheEvent, EventKind
 from .policies import EvictionPolicy, make_policy
 from .policy_state import LayerView, PolicyState
+from .reader import read_attention
 from .sequence import Sequence
-from .store import PageStore
+from .store import PageStore, TierCounts
+from .swap import SwapSpace
+
+# With a disk tier, a prefill chunk's weights over every slot are kept for a policy that learns from
+# attention; chunks are cut so that they stay under this many float32 values (32 MB).
+MAX_CHUNK_WEIGHTS = 8 << 20
 
 
 class PagedKVCache:
@@ -26,18 +32,30 @@ class PagedKVCache:
     def __init__(self, config: CacheConfig):
         self.config = config
         self.policy: EvictionPolicy = make_policy(config)
-        self.stores = [PageStore(config, layer) for layer in range(config.n_layers)]
+        self.swap = SwapSpace(config.n_layers, config.page_bytes(), config.swap_dir) if config.tiered else None
+        self.stores = [PageStore(config, layer, self.swap.files[layer] if self.swap else None)
+                       for layer in range(config.n_layers)]
+        for store in self.stores:
+            store.on_move = self._move_event(store.layer)
+        self.select_pages = config.select_pages if config.select == "quest" else None
+        self.read_slots: list[np.ndarray | None] = [None] * config.n_layers  # what each layer read last
         self.sequence = Sequence(config.n_layers)
-        self.states: list[PolicyState] = [self.policy.state_class(s.n_slots) for s in self.stores]
+        self.states: list[PolicyState] = [self.policy.make_state(s.n_slots) for s in self.stores]
         self.views = [LayerView(layer, config.page_size, store.positions, self.sequence.block_tables[layer],
                                 self.states[layer]) for layer, store in enumerate(self.stores)]
         self.step = 0
         self.events: list[CacheEvent] = []
 
+    def close(self) -> None:
+        """Remove the swap files now (they are removed at exit or garbage collection otherwise)."""
+        if self.swap is not None:
+            self.swap.close()
+
     def reset(self) -> None:
-        for store, state in zip(self.stores, self.states):
+        for store, state in zip(self.stores, self.states, strict=True):
             store.reset()
             state.reset()
+        self.read_slots = [None] * self.config.n_layers
         self.sequence.reset()
         self.policy.reset()
         self.step = 0
@@ -48,6 +66,10 @@ class PagedKVCache:
         events, self.events = self.events, []
         return events
 
+    def take_counts(self) -> list[TierCounts]:
+        """Per layer, what moved between the tiers since the last call."""
+        return [store.take_counts() for store in self.stores]
+
     # --- questions -------------------------------------------------------------------------------
     def view(self, layer: int) -> LayerView:
         return self.views[layer]
@@ -56,13 +78,31 @@ class PagedKVCache:
         return self.sequence.block_tables[layer]
 
     def free_slots(self) -> int:
-        """Tokens every layer can take before its policy must evict."""
-        return min(store.free_slots() for store in self.stores)
+        """Tokens every layer can take before its policy must evict (a policy may give a layer less than
+        its pool: pyramidkv)."""
+        return min(min(store.free_slots(), self.policy.layer_capacity(layer) - store.resident)
+                   for layer, store in enumerate(self.stores))
 
     def can_append(self, n: int) -> bool:
         """Whether n more tokens fit, by eviction if the policy evicts. Check before a step so that a
         full cache fails before any layer has changed."""
         return self.policy.evicts or self.free_slots() >= n
+
+    def max_chunk(self) -> int | None:
+        """The most tokens one prefill step may feed (None: no limit beyond the free slots). With a
+        disk tier a chunk fits the home frames, and its weights over every slot stay bounded."""
+        if not self.config.tiered:
+            return None
+        limit = self.config.home_frames * self.config.page_size
+        if self.policy.uses_attention:
+            limit = min(limit, MAX_CHUNK_WEIGHTS // (self.config.n_heads * self.config.capacity))
+        return max(1, limit)
+
+    def weight_positions(self, layer: int, result: AttentionResult) -> np.ndarray:
+        """Token position of each weight column of an `attend` result."""
+        if result.slots is None:
+            return self.slot_positions(layer)
+        return self.stores[layer].positions[result.slots]
 
     def slot_positions(self, layer: int) -> np.ndarray:
         """Token position of each flat slot in the allocated prefix (what `attend`'s weights index)."""
@@ -75,20 +115,25 @@ class PagedKVCache:
 
     # --- changes ---------------------------------------------------------------------------------
     def ensure_room(self, n: int) -> None:
+        """Raise before anything changes if n tokens cannot go in: CacheFullError from policy 'none',
+        SwapSpaceError when the disk tier has no space for the pages they may need."""
         if not self.can_append(n):
             self.policy.choose_victims(self.views[0])  # raises the policy's CacheFullError
+        for store in self.stores:
+            store.reserve(n)
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> None:
         """Write n tokens' K/V (each (n, n_kv_heads, head_dim)) at their positions, evicting as needed."""
         store, state = self.stores[layer], self.states[layer]
+        budget = self.policy.layer_capacity(layer)
         for i, position in enumerate(positions):
-            if store.free_slots() == 0:
+            if store.free_slots() == 0 or store.resident >= budget:
                 self._evict(layer)
             if not store.holes:
-                page = store.allocate()
+                page = store.allocate(self.step)
                 self.sequence.block_tables[layer].append(page)
-                self._event(EventKind.ALLOCATE, layer, page)
-            flat = store.take_hole()
+                self._event(EventKind.ALLOCATE, layer, page, frame=int(store.frame_of[page]) if store.tiered else -1)
+            flat = store.take_hole(self.step)
             store.write(flat, k[i], v[i], int(position))
             state.clear(flat)
             self._event(EventKind.WRITE, layer, *divmod(flat, store.page_size), int(position))
@@ -107,8 +152,13 @@ class PagedKVCache:
                 self._event(EventKind.RELEASE, layer, page)
 
     def _event(self, kind: EventKind, layer: int, page: int, slot: int = -1, position: int = -1,
-               policy: str = "", reason: str = "", score: float = float("nan")) -> None:
-        self.events.append(CacheEvent(kind, self.step, layer, page, slot, position, policy, reason, score))
+               policy: str = "", reason: str = "", score: float = float("nan"), frame: int = -1) -> None:
+        self.events.append(CacheEvent(kind, self.step, layer, page, slot, position, policy, reason, score, frame))
+
+    def _move_event(self, layer: int):
+        def moved(kind: str, page: int, frame: int, detail: str) -> None:
+            self._event(EventKind(kind), layer, page, reason=detail, frame=frame)
+        return moved
 
     # --- attention -------------------------------------------------------------------------------
     def attend(self, layer: int, q: np.ndarray, positions: np.ndarray) -> AttentionResult:
@@ -118,6 +168,9 @@ class PagedKVCache:
         (n, n_heads, high_water * page_size), zero on empty slots; `slot_positions(layer)` maps them.
         """
         store = self.stores[layer]
+        if store.tiered or (self.select_pages is not None and len(q) == 1):
+            return self._read(layer, q, positions)
+        self.read_slots[layer] = None
         n_slots = store.high_water * store.page_size
         n_kv, _, _, head_dim = store.k.shape
         keys = store.k[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
@@ -127,4 +180,14 @@ class PagedKVCache:
         result = attend(q, keys, values, bias, store.positions[:n_slots], positions)
         if self.policy.uses_attention:
             self.states[layer].observe(result.weights, slice(0, n_slots))
+        return result
+
+    def _read(self, layer: int, q: np.ndarray, positions: np.ndarray) -> AttentionResult:
+        """Attention through the reader: pages on disk, or a page selection (prefill reads all)."""
+        select = self.select_pages if len(q) == 1 else None
+        result = read_attention(self.stores[layer], self.sequence.block_tables[layer], q, positions, self.step,
+                                select, all_weights=self.policy.uses_attention and len(q) > 1)
+        self.read_slots[layer] = result.slots
+        if self.policy.uses_attention:
+            self.states[layer].observe(result.weights, result.slots)
         return result

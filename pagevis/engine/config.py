@@ -20,6 +20,7 @@ MAX_HEAD_DIM = 1024
 MAX_LAYERS = 1024
 MAX_CACHE_BYTES = 8 << 30  # refuse a configuration whose K/V storage alone would exceed 8 GiB
 STORAGE_DTYPES = ("float32", "float16")
+SELECT_MODES = ("all", "quest")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,10 @@ class CacheSettings:
     dtype: str = "float32"
     policy: str = "sinks"
     policy_params: Mapping[str, Any] = field(default_factory=dict)
+    disk_pages: int = 0  # per layer; 0 = no disk tier. With one, every page has a disk frame and RAM caches them
+    swap_dir: str | None = None  # where the swap folder goes; None = the system's temporary folder
+    select: str = "all"  # which pages a decode query reads: all (exact) or quest (top select_pages by key bounds)
+    select_pages: int = 4
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy_params", MappingProxyType(dict(self.policy_params)))
@@ -42,6 +47,7 @@ class CacheSettings:
     def check(self) -> None:
         """ConfigError for the first bad setting. Nothing here depends on the model's head layout."""
         self._check_storage()
+        self._check_tiers()
         make_policy(self)  # validates the policy's name and parameters against this budget
 
     def _check_storage(self) -> None:
@@ -50,6 +56,32 @@ class CacheSettings:
         if self.dtype not in STORAGE_DTYPES:
             raise ConfigError("dtype", self.dtype, f"one of {', '.join(STORAGE_DTYPES)}")
 
+    def _check_tiers(self) -> None:
+        check_int("disk_pages", self.disk_pages, 0, MAX_PAGES)
+        if self.disk_pages and self.max_pages < 2:
+            raise ConfigError("max_pages", self.max_pages, "at least 2 with a disk tier (one RAM frame for the "
+                              "newest page, one to read disk pages into)")
+        if self.swap_dir is not None and not (isinstance(self.swap_dir, str) and self.swap_dir):
+            raise ConfigError("swap_dir", self.swap_dir, "a folder path")
+        if self.select not in SELECT_MODES:
+            raise ConfigError("select", self.select, f"one of {', '.join(SELECT_MODES)}")
+        check_int("select_pages", self.select_pages, 1, MAX_PAGES)
+
+    @property
+    def tiered(self) -> bool:
+        return self.disk_pages > 0
+
+    @property
+    def home_frames(self) -> int:
+        """RAM frames that keep pages between steps; the rest (half, at least one) take pages read
+        from disk. Without a disk tier every frame is a home frame."""
+        return self.max_pages - max(1, self.max_pages // 2) if self.tiered else self.max_pages
+
+    @property
+    def n_page_ids(self) -> int:
+        """Pages a layer can hold: its disk frames with a disk tier, else its RAM frames."""
+        return self.disk_pages or self.max_pages
+
     def cache_settings(self) -> dict[str, Any]:
         """The settings alone, as keyword arguments (for CacheConfig or another CacheSettings)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(CacheSettings)}
@@ -57,7 +89,7 @@ class CacheSettings:
     @property
     def capacity(self) -> int:
         """Tokens each layer can hold."""
-        return self.max_pages * self.page_size
+        return self.n_page_ids * self.page_size
 
 
 @dataclass(frozen=True)
@@ -81,6 +113,7 @@ class CacheConfig(CacheSettings):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._check_storage()
+        self._check_tiers()
         check_int("n_layers", self.n_layers, 1, MAX_LAYERS)
         check_int("n_heads", self.n_heads, 1, MAX_HEADS)
         check_int("n_kv_heads", self.n_kv_heads, 1, MAX_HEADS)
@@ -104,10 +137,13 @@ class CacheConfig(CacheSettings):
         """Query heads per KV head."""
         return self.n_heads // self.n_kv_heads
 
+    def page_bytes(self) -> int:
+        """K and V of one page of one layer, in bytes (the unit the disk tier moves)."""
+        return 2 * self.page_size * self.n_kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
+
     def bytes_per_layer(self) -> int:
-        """K and V storage of one layer, in bytes."""
-        itemsize = np.dtype(self.dtype).itemsize
-        return 2 * self.capacity * self.n_kv_heads * self.head_dim * itemsize
+        """K and V storage of one layer in RAM, in bytes."""
+        return self.max_pages * self.page_bytes()
 
     def total_bytes(self) -> int:
         return self.n_layers * self.bytes_per_layer()

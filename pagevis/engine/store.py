@@ -1,41 +1,99 @@
-"""One layer's page store: the K/V frames, which token sits in which slot, and which pages are in use.
+"""One layer's page store: the K/V frames in their tiers, which token sits in which slot, which pages
+are in use, and which RAM frame holds which page.
 
 RAM storage is laid out (n_kv_heads, frames, page_size, head_dim) rather than pages-first, so that for
 each KV head the pool is one contiguous matrix: attention runs on a view of the pool's used prefix with
 no gather and no copy (see attention.py). A page id names a page for its whole life; a "flat slot" is
-page * page_size + slot, the index every per-token array (positions, policy statistics) uses. With RAM
-only, page id and RAM frame are the same number.
+page * page_size + slot, the index every per-token array (positions, policy statistics) uses.
+
+RAM only: page id and RAM frame are the same number. With a disk tier, page ids are disk frames (the
+disk holds every page, written when the page first leaves RAM) and RAM frames cache pages: frames
+[0, home_frames) keep pages between steps, chosen by least recent read (ties: the older page); frames
+[home_frames, max_pages) take disk pages read for one attention call. A page is dirty while its RAM copy
+differs from its disk copy; a clean page leaving RAM is not written again.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import numpy as np
 
 from .frames import FramePool
+from .swap import SwapFile
+
+SWAP_OUT, FAULT_IN = "swap_out", "fault_in"
+
+
+@dataclass
+class TierCounts:
+    """What moved between the tiers of one layer (since the counts were last taken)."""
+
+    hits: int = 0  # pages a query read from RAM
+    faults: int = 0  # pages read from disk
+    swapped_out: int = 0  # pages that left RAM (written if dirty)
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+    def as_tuple(self) -> tuple[int, ...]:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+
+COUNT_NAMES = tuple(f.name for f in fields(TierCounts))
 
 
 class PageStore:
-    def __init__(self, config, layer: int):
+    def __init__(self, config, layer: int, swap: SwapFile | None = None):
         self.layer = layer
-        self.page_size = config.page_size
-        self.n_pages = config.max_pages
-        shape = (config.n_kv_heads, config.max_pages, config.page_size, config.head_dim)
+        self.page_size = ps = config.page_size
+        self.n_pages = config.n_page_ids
+        self.n_frames = config.max_pages
+        self.home_frames = config.home_frames
+        self.swap = swap
+        self.tiered = swap is not None
+        shape = (config.n_kv_heads, config.max_pages, ps, config.head_dim)
         self.k = np.zeros(shape, dtype=config.dtype)
         self.v = np.zeros(shape, dtype=config.dtype)
-        self.frames = FramePool(config.max_pages)
-        n_slots = self.n_pages * self.page_size
-        self.positions = np.full(n_slots, -1, dtype=np.int64)  # flat slot -> token position, -1 empty
-        self.bias = np.full(n_slots, -np.inf, dtype=np.float32)  # 0 where resident: the occupancy mask
+        self.pages = FramePool(self.n_pages)  # page ids: RAM frames, or disk frames with a disk tier
+        self.positions = np.full(self.n_pages * ps, -1, dtype=np.int64)  # flat slot -> position, -1 empty
         self.fill = np.zeros(self.n_pages, dtype=np.int64)  # resident tokens per page
+        self.quest = config.select == "quest"
+        if self.quest:  # per page and KV head, the smallest and largest key (Quest's bounds)
+            self.key_min = np.zeros((self.n_pages, config.n_kv_heads, config.head_dim), np.float32)
+            self.key_max = np.zeros_like(self.key_min)
+        if self.tiered:
+            self.home = FramePool(self.home_frames)
+            self.frame_positions = np.full(self.n_frames * ps, -1, dtype=np.int64)  # per RAM slot
+            self.bias = np.full(self.n_frames * ps, -np.inf, dtype=np.float32)  # per RAM slot: 0 resident
+            self.frame_of = np.full(self.n_pages, -1, dtype=np.int64)  # RAM frame holding the page, -1 none
+            self.page_in = np.full(self.n_frames, -1, dtype=np.int64)  # page id in each RAM frame, -1 none
+            self.dirty = np.zeros(self.n_pages, dtype=bool)
+            self.last_read = np.zeros(self.n_pages, dtype=np.int64)
+            self.born = np.zeros(self.n_pages, dtype=np.int64)  # allocation order: older pages first
+        else:
+            self.frame_positions = self.positions
+            self.bias = np.full(self.n_pages * ps, -np.inf, dtype=np.float32)
+            self.frame_of = self.page_in = np.arange(self.n_pages, dtype=np.int64)
+        self.counts = TierCounts()
+        self.on_move = lambda kind, page, frame, detail: None  # the cache turns moves into events
         self.reset()
 
     def reset(self) -> None:
-        self.frames.reset()
+        self.pages.reset()
         self.positions.fill(-1)
         self.bias.fill(-np.inf)
         self.fill.fill(0)
         self.holes: set[int] = set()  # empty flat slots inside allocated pages
-        self.high_water = 0  # 1 + highest allocated frame: attention reads frames [0, high_water)
+        self.high_water = 0  # 1 + highest used RAM (home) frame: attention reads frames [0, high_water)
+        self.counts = TierCounts()
+        self._born = 0
+        if self.tiered:
+            self.home.reset()
+            self.frame_positions.fill(-1)
+            self.frame_of.fill(-1)
+            self.page_in.fill(-1)
+            self.dirty.fill(False)
+            self.last_read.fill(0)
 
     # --- questions -------------------------------------------------------------------------------
     @property
@@ -47,52 +105,226 @@ class PageStore:
         return int(self.fill.sum())
 
     def free_slots(self) -> int:
-        return len(self.holes) + self.frames.n_free() * self.page_size
+        return len(self.holes) + self.pages.n_free() * self.page_size
 
     def occupied(self) -> np.ndarray:
         return self.positions >= 0
 
-    def slot_map(self) -> np.ndarray:
+    def frame_slot_map(self) -> np.ndarray:
         """(frames, page_size) token position per RAM slot, -1 where empty (a live view)."""
-        return self.positions.reshape(self.n_pages, self.page_size)
+        return self.frame_positions.reshape(self.n_frames, self.page_size)
 
-    # --- changes ---------------------------------------------------------------------------------
-    def allocate(self) -> int:
-        """A free page (the lowest id); its slots become holes to fill."""
-        page = self.frames.allocate()
-        self.high_water = max(self.high_water, page + 1)
+    def in_ram(self, pages: np.ndarray) -> np.ndarray:
+        return self.frame_of[pages] >= 0 if self.tiered else np.ones(len(pages), dtype=bool)
+
+    def take_counts(self) -> TierCounts:
+        counts, self.counts = self.counts, TierCounts()
+        return counts
+
+    # --- tokens ----------------------------------------------------------------------------------
+    def allocate(self, step: int) -> int:
+        """A free page (the lowest id) in a RAM frame; its slots become holes to fill."""
+        page = self.pages.allocate()
+        if self.tiered:
+            self.dirty[page] = True  # nothing of it is on disk yet
+            self.born[page], self._born = self._born, self._born + 1
+            self.last_read[page] = step
+            self._place(page, self._home_frame(step))
+        else:
+            self.high_water = max(self.high_water, page + 1)
+        if self.quest:
+            self.key_min[page] = np.inf
+            self.key_max[page] = -np.inf
         start = page * self.page_size
         self.holes.update(range(start, start + self.page_size))
         return page
 
-    def take_hole(self) -> int:
-        """The lowest empty flat slot of an allocated page (allocate one first if there is none)."""
+    def take_hole(self, step: int) -> int:
+        """The lowest empty slot of an allocated page, preferring pages in RAM (allocate first if none);
+        a page on disk is read back into RAM to take the token."""
         flat = min(self.holes)
+        if self.tiered and self.frame_of[flat // self.page_size] < 0:
+            in_ram = [h for h in self.holes if self.frame_of[h // self.page_size] >= 0]
+            if in_ram:
+                flat = min(in_ram)
+            else:
+                self._fault_home(flat // self.page_size, step)
         self.holes.remove(flat)
         return flat
 
     def write(self, flat: int, k: np.ndarray, v: np.ndarray, position: int) -> None:
         page, slot = divmod(flat, self.page_size)
-        self.k[:, page, slot] = k
-        self.v[:, page, slot] = v
+        frame = self.frame_of[page]
+        self.k[:, frame, slot] = k
+        self.v[:, frame, slot] = v
         self.positions[flat] = position
-        self.bias[flat] = 0.0
         self.fill[page] += 1
+        if self.tiered:
+            self.dirty[page] = True
+            ram = frame * self.page_size + slot
+            self.frame_positions[ram] = position
+            self.bias[ram] = 0.0
+        else:
+            self.bias[flat] = 0.0
+        if self.quest:
+            np.minimum(self.key_min[page], k, out=self.key_min[page])
+            np.maximum(self.key_max[page], k, out=self.key_max[page])
 
     def remove(self, flat: int) -> int:
-        """Take the token out of a slot (its K/V stays, masked); return its position."""
+        """Take the token out of a slot (its K/V stays, masked, so the page stays clean); return its
+        position."""
         position = int(self.positions[flat])
         if position < 0:
             raise RuntimeError(f"evict of empty slot {flat} in layer {self.layer}")
+        page, slot = divmod(flat, self.page_size)
         self.positions[flat] = -1
-        self.bias[flat] = -np.inf
-        self.fill[flat // self.page_size] -= 1
+        for frame in self._frames_showing(page):
+            ram = frame * self.page_size + slot
+            self.frame_positions[ram] = -1
+            self.bias[ram] = -np.inf
+        self.fill[page] -= 1
         self.holes.add(flat)
         return position
 
     def release(self, page: int) -> None:
-        """An empty page goes back to the free list."""
+        """An empty page goes back to the free list (and its RAM frame, if it has one)."""
         start = page * self.page_size
         self.holes.difference_update(range(start, start + self.page_size))
-        self.frames.release(page)
-        self.high_water = self.frames.high_water()
+        self.pages.release(page)
+        if self.tiered:
+            for frame in self._frames_showing(page):
+                self._unplace(frame)
+                if frame < self.home_frames:
+                    self.home.release(frame)
+            self.dirty[page] = False
+            self.high_water = self.home.high_water()
+        else:
+            self.high_water = self.pages.high_water()
+
+    # --- tiers -----------------------------------------------------------------------------------
+    def reserve(self, n_tokens: int) -> None:
+        """Reserve disk space for every page the next n_tokens can allocate (before a step changes
+        anything: a full disk fails here, not half-way)."""
+        if not self.tiered:
+            return
+        new_pages = -(-max(0, n_tokens - len(self.holes)) // self.page_size)
+        ids = self.pages.peek_free(new_pages)
+        used = self.pages.high_water()
+        needed = max([used, *(i + 1 for i in ids)])
+        if needed > self.swap.reserved:
+            self.swap.reserve(min(self.n_pages, needed + 16))
+
+    def clear_read_frames(self) -> None:
+        for frame in range(self.home_frames, self.n_frames):
+            self._unplace(frame)
+
+    def load(self, pages: np.ndarray, step: int) -> None:
+        """Read disk pages into the read frames, in order (as many as there are read frames)."""
+        first = self.home_frames
+        for i, page in enumerate(pages):
+            self.page_in[first + i] = page
+            self._show(page, first + i)
+        start = 0
+        while start < len(pages):  # one system call per run of consecutive page ids
+            end = start + 1
+            while end < len(pages) and pages[end] == pages[end - 1] + 1:
+                end += 1
+            moved = self.swap.read(int(pages[start]), [b for i in range(start, end)
+                                                       for b in self._buffers(first + i)])
+            self.counts.bytes_read += moved
+            start = end
+        self.counts.faults += len(pages)
+        self.last_read[pages] = step
+        for i, page in enumerate(pages):
+            self.on_move(FAULT_IN, int(page), first + i, "read for attention")
+
+    def promote(self, frame: int, step: int) -> bool:
+        """Keep a page just read into a read frame in a home frame, if a home page was not read this
+        step (else leave it on disk). No disk I/O beyond swapping out a dirty victim."""
+        page = self.page_in[frame]
+        if not self.home.can_allocate():
+            victim = self._least_recent(before=step)
+            if victim < 0:
+                return False
+            self._swap_out(victim)
+        home = self.home.allocate()
+        self.k[:, home] = self.k[:, frame]
+        self.v[:, home] = self.v[:, frame]
+        self._unplace(frame)
+        self._place(page, home)
+        self.high_water = self.home.high_water()
+        return True
+
+    def _home_frame(self, step: int) -> int:
+        """A free home frame, swapping out the least recently read page if there is none."""
+        if not self.home.can_allocate():
+            self._swap_out(self._least_recent())
+        frame = self.home.allocate()
+        self.high_water = self.home.high_water()
+        return frame
+
+    def _least_recent(self, before: int | None = None) -> int:
+        """The home frame whose page was read least recently (ties: the older page); -1 if none
+        qualifies (with `before`, only pages last read before that step)."""
+        pages = self.page_in[: self.home_frames]
+        frames = np.flatnonzero(pages >= 0)
+        if before is not None:
+            frames = frames[self.last_read[pages[frames]] < before]
+        if not frames.size:
+            return -1
+        order = np.lexsort((self.born[pages[frames]], self.last_read[pages[frames]]))
+        return int(frames[order[0]])
+
+    def _swap_out(self, frame: int) -> None:
+        page = int(self.page_in[frame])
+        if self.dirty[page]:
+            self.counts.bytes_written += self.swap.write(page, self._buffers(frame))
+            self.dirty[page] = False
+            detail = "written"
+        else:
+            detail = "clean: not rewritten"
+        self.counts.swapped_out += 1
+        self.on_move(SWAP_OUT, page, frame, detail)
+        self._unplace(frame)
+        self.home.release(frame)
+
+    def _fault_home(self, page: int, step: int) -> None:
+        """Read a disk page back into a home frame (to write into one of its empty slots)."""
+        frame = self._home_frame(step)
+        self.counts.bytes_read += self.swap.read(page, self._buffers(frame))
+        self.counts.faults += 1
+        self.last_read[page] = step
+        self._place(page, frame)
+        self.on_move(FAULT_IN, page, frame, "to take a new token")
+
+    def _frames_showing(self, page: int) -> list[int]:
+        """RAM frames holding a copy of the page: its home frame and any read frame it was read into."""
+        if not self.tiered:
+            return [page]
+        return [int(f) for f in np.flatnonzero(self.page_in == page)]
+
+    def _place(self, page: int, frame: int) -> None:
+        for stale in self._frames_showing(page):  # a read frame's copy: the home copy replaces it
+            self._unplace(stale)
+        self.page_in[frame] = page
+        self.frame_of[page] = frame
+        self._show(page, frame)
+
+    def _show(self, page: int, frame: int) -> None:
+        ps = self.page_size
+        held = self.positions[page * ps: (page + 1) * ps]
+        self.frame_positions[frame * ps: (frame + 1) * ps] = held
+        self.bias[frame * ps: (frame + 1) * ps] = np.where(held >= 0, 0, -np.inf)
+
+    def _unplace(self, frame: int) -> None:
+        page = self.page_in[frame]
+        if page >= 0 and self.frame_of[page] == frame:
+            self.frame_of[page] = -1
+        self.page_in[frame] = -1
+        ps = self.page_size
+        self.frame_positions[frame * ps: (frame + 1) * ps] = -1
+        self.bias[frame * ps: (frame + 1) * ps] = -np.inf
+
+    def _buffers(self, frame: int) -> list[np.ndarray]:
+        """The page in `frame` as the disk lays it out: K of each KV head, then V of each."""
+        return [self.k[h, frame] for h in range(self.k.shape[0])] + [self.v[h, frame] for h in range(self.v.shape[0])]

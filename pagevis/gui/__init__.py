@@ -101,7 +101,8 @@ def _screenshot(app, window, path: str, steps: int) -> int:
     app.processEvents()
     window.redraw()
     app.processEvents()
-    image = _grab_from_screen(app, window) if real_display else window.grab()
+    # X11 lets a client read the screen back; Wayland does not (a client sees only its own buffers)
+    image = _grab_from_screen(app, window) if app.platformName() == "xcb" else window.grab()
     ok = image.save(path)
     window.close()
     if not ok:

@@ -36,6 +36,7 @@ from ..engine import POLICIES, ConfigError, policy_params
 from ..engine.config import STORAGE_DTYPES
 from ..presets import DEFAULT_CONFIG, PRESETS, Preset, default_prompt
 from .runner import validate
+from .timeline import head_label
 
 DEFAULT_PROMPT = default_prompt()
 MODEL_CHOICES = (("smollm2", "SmolLM2-135M-Instruct"), ("synthetic", "Synthetic (random weights)"))
@@ -432,7 +433,7 @@ class ControlsPanel(QScrollArea):
                 "shade": self.shade.currentData(), "log_scale": self.scale.currentText() == "log",
                 "fixed_scale": self.fixed_scale.isChecked()}
 
-    def set_model_shape(self, n_layers: int, n_heads: int) -> None:
+    def set_model_shape(self, n_layers: int, n_heads: int, n_kv_heads: int = 0) -> None:
         """Fit the layer and head selectors to the loaded model, keeping the selection when it exists."""
         self._loading = True
         try:
@@ -441,7 +442,7 @@ class ControlsPanel(QScrollArea):
             self.head.clear()
             self.head.addItem("mean of heads", None)
             for h in range(n_heads):
-                self.head.addItem(f"head {h}", h)
+                self.head.addItem(head_label(h, n_heads, n_kv_heads), h)
             self.head.setCurrentIndex(0 if head is None or head >= n_heads else head + 1)
         finally:
             self._loading = False

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
+
+import numpy as np
 
 from PySide6.QtCore import QByteArray, QRect, QSettings, QSize, Qt, QTimer
 from PySide6.QtGui import QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget,
     QFileDialog,
+    QToolBar,
     QLabel,
     QMainWindow,
     QMessageBox,
-    QPlainTextEdit,
     QWidget,
 )
 
@@ -23,12 +26,15 @@ from ..engine import ConfigError
 from ..presets import default_prompt
 from . import export, theme
 from .controls import ControlsPanel
+from .messages import MessagesPanel
+from .narration import narrate
 from .runner import SessionRunner
 from .timeline import Timeline
-from .transport import TransportBar
+from .transport import TimelineCursor, TransportBar
 from .views import ViewState
 from .views.attention import AttentionView
 from .views.events import EventsView
+from .views.heads import HeadsView
 from .views.metrics import MetricsView
 from .views.page_grid import PageGridView
 from .views.text import TextView
@@ -46,7 +52,16 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
 
 
-class MainWindow(QMainWindow):
+def memory_text(cache_bytes: int, n_kv_heads: int) -> str:
+    """The cache's K/V storage, and each KV head's share (every KV head has its own K and V pages)."""
+    if not cache_bytes:
+        return "K/V —"
+    if n_kv_heads <= 0:
+        return f"K/V {_mib(cache_bytes)}"
+    return f"K/V {_mib(cache_bytes)} = {n_kv_heads} KV heads × {_mib(cache_bytes // n_kv_heads)}"
+
+
+class MainWindow(TimelineCursor, QMainWindow):
     def __init__(self, settings: QSettings | None = None, restore: bool = True, persist: bool = True):
         """`restore`: start from the saved layout and configuration; `persist`: save them on close."""
         super().__init__()
@@ -59,6 +74,7 @@ class MainWindow(QMainWindow):
         self.index = -1  # the record the views show
         self.follow = True  # keep showing the newest record as records arrive
         self.frames = 0  # redraws so far (the benchmark reads it)
+        self.ab_window = None  # the A/B window, once opened
         self._last_frame = 0.0
         self._restart_reason = ""
         self._replay_timer = QTimer(self, interval=100)
@@ -76,15 +92,26 @@ class MainWindow(QMainWindow):
 
         self.transport = TransportBar(self)
         self.addToolBar(Qt.TopToolBarArea, self.transport)
+        self.addToolBarBreak(Qt.TopToolBarArea)
+        self.narration = QLabel("")  # one line: what the cache did at the shown step (selected layer)
+        self.narration.setObjectName("narration")
+        self.narration.setTextFormat(Qt.PlainText)  # token texts like '<0xA5>' are not markup
+        self.narration.setStyleSheet("QLabel#narration { font-size: 13px; padding: 2px 8px; }")
+        self.narration.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        narration_bar = QToolBar("Narration", self)
+        narration_bar.setObjectName("narration_bar")
+        narration_bar.setMovable(False)
+        narration_bar.addWidget(self.narration)
+        self.addToolBar(Qt.TopToolBarArea, narration_bar)
         self.controls = ControlsPanel()
         self.page_grid = PageGridView()
         self.attention = AttentionView()
         self.text = TextView()
         self.events = EventsView()
         self.metrics = MetricsView()
-        self.views = [self.page_grid, self.attention, self.text, self.events, self.metrics]
-        self.messages = QPlainTextEdit()
-        self.messages.setReadOnly(True)
+        self.heads = HeadsView()
+        self.views = [self.page_grid, self.attention, self.text, self.events, self.metrics, self.heads]
+        self.messages = MessagesPanel()
         self.docks: dict[str, QDockWidget] = {}
         self.setDockNestingEnabled(True)
         self.setCorner(Qt.BottomLeftCorner, Qt.LeftDockWidgetArea)
@@ -102,6 +129,7 @@ class MainWindow(QMainWindow):
         self._size_docks_on_show = not (restore and self._restore_settings())
         if self._size_docks_on_show:
             self.fit_to_screen()
+        self.redraw()  # the views' empty state from the start, not pyqtgraph's default axes
 
     # --- layout ----------------------------------------------------------------------------------
     def _default_layout(self) -> None:
@@ -116,6 +144,8 @@ class MainWindow(QMainWindow):
         self.splitDockWidget(d["Page grid"], d["Attention"], Qt.Horizontal)
         self.splitDockWidget(d["Text"], d["Eviction events"], Qt.Horizontal)
         self.splitDockWidget(d["Eviction events"], d["Metrics"], Qt.Horizontal)
+        self.tabifyDockWidget(d["Attention"], d["Heads"])  # heads per KV group: a tab behind the heatmap
+        d["Attention"].raise_()
         self.addDockWidget(Qt.BottomDockWidgetArea, d["Messages"])
         d["Messages"].hide()
         self.size_docks()
@@ -193,6 +223,8 @@ class MainWindow(QMainWindow):
             else:
                 play_menu.addAction(action)
                 self.addAction(action)  # shortcuts work whichever dock has focus
+        play_menu.addSeparator()
+        play_menu.addAction("&A/B compare…", self.open_ab, QKeySequence("Ctrl+B"))
         view_menu = self.menuBar().addMenu("&View")
         for dock in self.docks.values():
             view_menu.addAction(dock.toggleViewAction())
@@ -242,11 +274,36 @@ class MainWindow(QMainWindow):
         self.runner.configure(self.controls.model_spec(), self.controls.prompt(), config, blocking=blocking)
 
     def apply_preset(self, preset) -> None:
-        """Set the preset's prompt and cache (the synthetic model keeps a prompt that fits it) and restart."""
+        """Set the preset's prompt and cache (the synthetic model keeps a prompt that fits it) and restart;
+        an A/B preset opens the A/B window on both of its configurations instead."""
         kind = self.controls.model.currentData()
         prompt = preset.prompt_text() if kind != "synthetic" else default_prompt("synthetic")
+        if preset.b is not None:
+            self.open_ab(preset.a, preset.b, prompt, title=preset.name)
+            return
         self.controls.set_configuration(prompt=prompt, config=preset.a)
         self.restart(f"preset {preset.name!r}")
+
+    def open_ab(self, config_a=None, config_b=None, prompt: str | None = None, title: str = "",
+                blocking: bool = False):
+        """Open the A/B window: by default A is the controls' configuration and B the same cache with the
+        other of sinks / oldest (the StreamingLLM comparison)."""
+        from .ab_window import ABWindow
+
+        try:
+            config_a = config_a or self.controls.session_config()
+        except (ConfigError, ValueError) as error:
+            self.statusBar().showMessage(f"No A/B: {error}", 8000)
+            return None
+        if config_b is None:
+            config_b = replace(config_a, policy="oldest" if config_a.policy != "oldest" else "sinks", policy_params={})
+        if self.ab_window is not None:
+            self.ab_window.close()
+        self.ab_window = ABWindow(self.controls.model_spec(), prompt or self.controls.prompt(), config_a, config_b,
+                                  title=title)
+        self.ab_window.show()
+        self.ab_window.start(blocking=blocking)
+        return self.ab_window
 
     def leave_replay(self, reason: str) -> bool:
         """Ask before a change ends the replay; on no, the controls show the replay's settings again."""
@@ -286,7 +343,7 @@ class MainWindow(QMainWindow):
         self.timeline = timeline
         self.index, self.follow = -1, True
         info = timeline.info
-        self.controls.set_model_shape(info.n_layers, info.n_heads)
+        self.controls.set_model_shape(info.n_layers, info.n_heads, info.n_kv_heads)
         saved_layer = getattr(self.controls, "_saved_layer", None)
         if saved_layer is not None:
             self.controls._saved_layer = None
@@ -295,7 +352,7 @@ class MainWindow(QMainWindow):
             self.index = len(timeline) - 1
         self.statusBar().clearMessage()
         self.status_model.setText(info.model_label)
-        self.status_memory.setText(f"K/V {_mib(info.cache_bytes)}" if info.cache_bytes else "K/V —")
+        self.status_memory.setText(memory_text(info.cache_bytes, info.n_kv_heads))
         previous = self.runner.previous
         if self._restart_reason:
             kept = (f"; the previous run ({len(previous.timeline)} steps) is kept: Ctrl+Z returns to it"
@@ -341,23 +398,6 @@ class MainWindow(QMainWindow):
             self.follow = True
             self.runner.play()
 
-    def step(self) -> None:
-        """→: the next recorded step when scrubbed back (as in a replay); at the newest, decode one token."""
-        if self.timeline is not None and (self.index < len(self.timeline) - 1 or self.runner.state == "replay"):
-            self.scrub(self.index + 1)
-            return
-        if self.runner.busy:
-            return
-        self.follow = True
-        self.runner.step(1)
-
-    def scrub(self, index: int) -> None:
-        if self.timeline is None or not len(self.timeline):
-            return
-        self.index = max(0, min(index, len(self.timeline) - 1))
-        self.follow = self.index == len(self.timeline) - 1
-        self.redraw()
-
     def _replay_tick(self) -> None:
         if self.timeline is None or self.index >= len(self.timeline) - 1:
             self._replay_timer.stop()
@@ -388,12 +428,10 @@ class MainWindow(QMainWindow):
         self._report(message, trace)
 
     def _report(self, message: str, detail: str = "") -> None:
-        """Show a problem without blocking: status bar, and the Messages panel (raised)."""
-        self.statusBar().showMessage(message, 15000)
-        stamp = time.strftime("%H:%M:%S")
-        self.messages.appendPlainText(f"[{stamp}] {message}")
-        if detail:
-            self.messages.appendPlainText(detail.rstrip())
+        """Show a problem without blocking: one line in the status bar and the Messages panel (raised), the
+        traceback (if any) behind the panel's Details toggle."""
+        self.statusBar().showMessage(message.strip().partition("\n")[0], 15000)
+        self.messages.report(message, detail)
         dock = self.docks["Messages"]
         dock.show()
         dock.raise_()
@@ -405,7 +443,13 @@ class MainWindow(QMainWindow):
             options["layer"] = min(options["layer"], self.timeline.info.n_layers - 1)
             if options["head"] is not None and options["head"] >= self.timeline.info.n_heads:
                 options["head"] = None
-        return ViewState(self.timeline, self.index, **options)
+        loading = None
+        if self.timeline is None and self.runner.state == "loading":
+            try:  # the pool the loading session will have, shown while the model loads
+                loading = self.controls.session_config()
+            except (ConfigError, ValueError):
+                pass
+        return ViewState(self.timeline, self.index, loading=loading, **options)
 
     def request_render(self) -> None:
         """Redraw soon: at once if the last frame is older than FRAME_INTERVAL, else when it is."""
@@ -475,10 +519,14 @@ class MainWindow(QMainWindow):
         count = len(timeline) if timeline is not None else 0
         if record is None:
             self.transport.set_range(0, 0, "no steps yet" if timeline is not None else "no session")
+            self.transport.slider.set_marks(np.zeros(0))
+            self.narration.setText("Press Space to play, → to decode one token" if timeline is not None else "")
             self.status_step.setText("step —")
             return
         label = f"step {state.index} / {count - 1} · {record.kind}"
         self.transport.set_range(count, state.index, label)
+        self.transport.slider.set_marks(timeline.eviction_steps())
+        self.narration.setText(narrate(record, state.layer, timeline.position_text, timeline.info.config.policy))
         now = time.perf_counter()
         if self.runner.running and now - self._status_at < STATUS_INTERVAL:
             return  # the status bar repeats the transport's step and is read, not watched: 4× a second
@@ -626,6 +674,8 @@ class MainWindow(QMainWindow):
             self.runner.records.disconnect(self._records_arrived)
         except (RuntimeError, TypeError):
             pass
+        if self.ab_window is not None:
+            self.ab_window.close()
         if not self.runner.shutdown():
             self.messages.appendPlainText("the decoder did not stop within 15 s")
         super().closeEvent(event)

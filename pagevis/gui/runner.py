@@ -96,6 +96,17 @@ class NewestRecord:
         raise IndexError(f"the app's session keeps only its newest record; the timeline has record {index}")
 
 
+def new_session(model, spec: ModelSpec, prompt: str, config: SessionConfig) -> tuple[DecodeSession, Timeline]:
+    """A DecodeSession for the app (keeping only its newest record) and the empty Timeline for its records."""
+    cache = validate(config, model.config)
+    session = DecodeSession(model, prompt, config)
+    session.records = NewestRecord()
+    cfg = model.config
+    info = SessionInfo(spec.label, prompt, session.prompt_ids, config, cfg.n_layers, cfg.n_heads,
+                       cache.total_bytes(), cfg.n_kv_heads)
+    return session, Timeline(info, session.token_text)
+
+
 def validate(config: SessionConfig, model_config=None) -> CacheSettings:
     """The cache this configuration builds, or ConfigError. Without the model's shape, check everything
     that does not depend on it (sizes, policy parameters) and return the settings themselves."""
@@ -194,7 +205,9 @@ class SessionRunner(QObject):
     def _load_failed(self, error: BaseException, generation: int | None = None) -> None:
         if generation is not None and generation != self._generation:
             return
-        self._fail(f"Could not load {self.spec.label}: {error}", "")
+        expected = isinstance(error, (ValueError, OSError))  # ModelLoadError, ConfigError, a missing file
+        detail = "" if expected else "".join(traceback.format_exception(error))
+        self._fail(f"Could not load {self.spec.label}: {error}", detail)
 
     def _loader_finished(self) -> None:
         self._loader = None
@@ -203,22 +216,21 @@ class SessionRunner(QObject):
 
     def _start_session(self) -> None:
         try:
-            cache = validate(self.config, self.model.config)
-            session = DecodeSession(self.model, self.prompt, self.config)
-            session.records = NewestRecord()
+            session, timeline = self._new_session()
         except Exception as error:  # noqa: BLE001 - a bad prompt or configuration is shown, not raised
             self._keep_current()
             self.session = self.timeline = None
             self._fail(str(error), traceback.format_exc())
             return
-        cfg = self.model.config
-        info = SessionInfo(self.spec.label, self.prompt, session.prompt_ids, self.config,
-                           cfg.n_layers, cfg.n_heads, cache.total_bytes(), cfg.n_kv_heads)
         self._keep_current()
         self.session = session
-        self.timeline, self.timeline_spec = Timeline(info, session.token_text), self.spec
+        self.timeline, self.timeline_spec = timeline, self.spec
         self._set_state("ready")
         self.started.emit(self.timeline)
+
+    def _new_session(self):
+        """The session to step (anything with step() and done) and the timeline its steps extend."""
+        return new_session(self.model, self.spec, self.prompt, self.config)
 
     def replay(self, trace) -> None:
         """Show a recorded trace: its records become the timeline; nothing decodes."""

@@ -24,7 +24,8 @@ from ..engine import CacheEvent, EventKind
 PARTS = ("token_ids", "positions", "slot_maps", "protected", "scores", "block_tables", "events", "attention_layers",
          "attention")
 EVENT_DTYPE = np.dtype([("kind", "i1"), ("step", "i4"), ("layer", "i4"), ("page", "i4"), ("slot", "i4"),
-                        ("position", "i8"), ("policy", "i2"), ("reason", "i2"), ("score", "f8")])
+                        ("position", "i8"), ("policy", "i2"), ("reason", "i2"), ("score", "f8"),
+                        ("frame", "i4")])
 KINDS = tuple(EventKind)
 SMALL = np.dtype([("kind", "i1"), ("next_token", "i8"), ("resident", "i4"), ("pages_used", "i4"),
                   ("evictions_total", "i8"), ("has_oracle", "?"), ("kl", "f8"), ("top1", "?"), ("lp_bounded", "f8"),
@@ -70,7 +71,7 @@ class RecordSpill:
         for layer, table in enumerate(record.block_tables):
             tables[layer, : len(table)] = table
         events = np.array([(KINDS.index(e.kind), e.step, e.layer, e.page, e.slot, e.position, self._code(e.policy),
-                            self._code(e.reason), e.score) for e in record.events], dtype=EVENT_DTYPE)
+                            self._code(e.reason), e.score, e.frame) for e in record.events], dtype=EVENT_DTYPE)
         attention = (np.stack(record.attention).astype(np.float16, copy=False) if record.attention
                      else np.zeros((0,), np.float16))
         parts = (np.asarray(record.token_ids, np.int64), np.asarray(record.positions, np.int64),
@@ -154,7 +155,8 @@ class RecordSpill:
         tables = part("block_tables", np.int32).reshape(layers, pages)
         texts = self._texts
         events = tuple(CacheEvent(KINDS[e["kind"]], int(e["step"]), int(e["layer"]), int(e["page"]), int(e["slot"]),
-                                  int(e["position"]), texts[e["policy"]], texts[e["reason"]], float(e["score"]))
+                                  int(e["position"]), texts[e["policy"]], texts[e["reason"]], float(e["score"]),
+                                  int(e["frame"]))
                        for e in part("events", EVENT_DTYPE))
         s = self._small[index]
         oracle = OracleStep(float(s["kl"]), bool(s["top1"]), float(s["lp_bounded"]), float(s["lp_full"]),

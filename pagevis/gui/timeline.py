@@ -62,6 +62,18 @@ class SessionInfo:
     n_kv_heads: int = 0  # 0: unknown (a trace without it); query head h reads KV head h // (n_heads // n_kv_heads)
 
 
+def kv_head_of(head: int, n_heads: int, n_kv_heads: int) -> int | None:
+    """The KV head query head `head` reads (grouped-query attention), or None when the layout is unknown."""
+    if n_kv_heads <= 0 or n_heads % n_kv_heads:
+        return None
+    return head // (n_heads // n_kv_heads)
+
+
+def head_label(head: int, n_heads: int, n_kv_heads: int) -> str:
+    kv = kv_head_of(head, n_heads, n_kv_heads)
+    return f"head {head}" if kv is None else f"head {head} (KV {kv})"
+
+
 class Timeline:
     def __init__(self, info: SessionInfo, token_text: Callable[[int], str]):
         self.info = info
@@ -215,15 +227,17 @@ class Timeline:
         return len(times) / times.sum() if times.size and times.sum() > 0 else float("nan")
 
     # --- the attention heatmap -------------------------------------------------------------------
-    def attention(self, layer: int, head: int | None, index: int):
+    def attention(self, layer: int, head: int | None, index: int, max_rows: int | None = None,
+                  max_columns: int | None = None):
         """The heatmap window ending at record `index`: (weights, evicted, first_step, first_position), where
         weights is (steps, positions) float32, the attention of each step's last query by token position
         (head `head`, or the mean of heads), and evicted is True where that position had been evicted by
-        then. Steps are first_step..index (at most HEATMAP_ROWS), positions first_position.. (at most
-        HEATMAP_COLUMNS, ending at the last position written by `index`)."""
-        first = max(0, index + 1 - HEATMAP_ROWS)
+        then. Steps are first_step..index (at most `max_rows`, default HEATMAP_ROWS), positions
+        first_position.. (at most `max_columns`, default HEATMAP_COLUMNS, ending at the last position
+        written by `index`)."""
+        first = max(0, index + 1 - (max_rows or HEATMAP_ROWS))
         n = self.n_positions(index)
-        low = max(0, n - HEATMAP_COLUMNS)
+        low = max(0, n - (max_columns or HEATMAP_COLUMNS))
         rows = [self._layer_row(layer, step) for step in range(first, index + 1)]
         positions = np.stack([p for p, _ in rows]).astype(np.int64)
         heads = self.info.n_heads

@@ -3,12 +3,66 @@
 from __future__ import annotations
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QAction, QKeySequence
-from PySide6.QtWidgets import QComboBox, QLabel, QSlider, QToolBar, QWidget
+import numpy as np
+from PySide6.QtGui import QAction, QColor, QKeySequence, QPainter, QPen
+from PySide6.QtWidgets import QComboBox, QLabel, QSlider, QStyle, QStyleOptionSlider, QToolBar, QWidget
 
-from .theme import icon
+from .theme import STATE_COLORS, icon
 
 SPEEDS = (("max speed", 0.0), ("30 tok/s", 1 / 30), ("10 tok/s", 0.1), ("4 tok/s", 0.25), ("1 tok/s", 1.0))
+
+
+class TimelineCursor:
+    """Transport semantics shared by the main and the A/B window (which provide `timeline`, `index`,
+    `follow`, `runner` and `redraw()`): → moves through the recorded steps and decodes only at the newest
+    (or never, in a replay); scrubbing to the newest record follows new records again."""
+
+    def step(self) -> None:
+        timeline = self.timeline
+        if timeline is not None and (self.index < len(timeline) - 1 or self.runner.state == "replay"):
+            self.scrub(self.index + 1)
+            return
+        if self.runner.busy:
+            return
+        self.follow = True
+        self.runner.step(1)
+
+    def scrub(self, index: int) -> None:
+        if self.timeline is None or not len(self.timeline):
+            return
+        self.index = max(0, min(index, len(self.timeline) - 1))
+        self.follow = self.index == len(self.timeline) - 1
+        self.redraw()
+
+
+class MarkedSlider(QSlider):
+    """The timeline slider, with a red tick under every step that evicted (any layer)."""
+
+    def __init__(self):
+        super().__init__(Qt.Horizontal)
+        self.marks = np.zeros(0, dtype=np.int64)
+
+    def set_marks(self, steps: np.ndarray) -> None:
+        if len(steps) != len(self.marks):
+            self.marks = np.asarray(steps, dtype=np.int64)
+            self.update()
+
+    def paintEvent(self, event) -> None:
+        super().paintEvent(event)
+        if not self.marks.size or self.maximum() <= self.minimum():
+            return
+        option = QStyleOptionSlider()
+        self.initStyleOption(option)
+        groove = self.style().subControlRect(QStyle.CC_Slider, option, QStyle.SC_SliderGroove, self)
+        handle = self.style().subControlRect(QStyle.CC_Slider, option, QStyle.SC_SliderHandle, self)
+        span = groove.width() - handle.width()
+        x = groove.left() + handle.width() / 2 + (self.marks - self.minimum()) * span / (self.maximum() - self.minimum())
+        painter = QPainter(self)
+        painter.setPen(QPen(QColor(STATE_COLORS[5]), 1))
+        bottom = self.height() - 1
+        for pixel in np.unique(np.round(x).astype(np.int64)).tolist():  # one line per pixel column
+            painter.drawLine(pixel, bottom - 4, pixel, bottom)
+        painter.end()
 
 
 class TransportBar(QToolBar):
@@ -50,10 +104,10 @@ class TransportBar(QToolBar):
         self.speed.currentIndexChanged.connect(lambda *_: self.speed_changed.emit(self.speed.currentData()))
         self.addWidget(self.speed)
         self.addSeparator()
-        self.slider = QSlider(Qt.Horizontal)
+        self.slider = MarkedSlider()
         self.slider.setRange(0, 0)
         self.slider.setFocusPolicy(Qt.NoFocus)  # the arrow keys belong to step / scrub
-        self.slider.setToolTip("Scrub to any recorded step (← / Ctrl+→, Home, End)")
+        self.slider.setToolTip("Scrub to any recorded step (← / →, Home, End); red ticks: steps that evicted")
         self.slider.valueChanged.connect(self._moved)
         self.addWidget(self.slider)
         self.position = QLabel("no session")

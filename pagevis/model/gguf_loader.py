@@ -194,8 +194,8 @@ def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any], voc
     if len(tokens) != vocab_size:
         raise ModelLoadError(f"{path}: tokenizer.ggml.tokens has {len(tokens)} tokens; the model's vocabulary "
                              f"has {vocab_size}")
-    spelled = byte_to_unicode()
-    missing = sorted(spelled[b] for b in REQUIRED_BYTES if spelled[b] not in set(tokens))
+    spelled, known = byte_to_unicode(), set(tokens)
+    missing = sorted(spelled[b] for b in REQUIRED_BYTES if spelled[b] not in known)
     if missing:
         raise ModelLoadError(f"{path}: tokenizer.ggml.tokens lacks {len(missing)} byte tokens of printable ASCII, "
                              f"tab and newline (e.g. {missing[0]!r}); pagevis needs a byte-level BPE vocabulary")

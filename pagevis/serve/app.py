@@ -71,10 +71,13 @@ def create_app(settings: ServeSettings | None = None, model=None) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/attention", tags=["attention"])
-    async def attend(body: attention.AttentionRequest, request: Request) -> attention.AttentionResponse:
+    @app.post("/v1/attention", tags=["attention"], response_model=attention.AttentionResponse,
+              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                  "schema": attention.AttentionRequest.model_json_schema()}}}})
+    async def attend(request: Request) -> Response:
         """Write `keys` and `values` into a page pool and attend `query` over them with the engine."""
-        return await in_worker(request, attention.answer, body)
+        body = await request.body()
+        return Response(await in_worker(request, attention.answer_json, body), media_type="application/json")
 
     app.include_router(session_api.router)
     app.include_router(openai_api.router)

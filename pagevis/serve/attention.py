@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..engine import CacheConfig, PagedKVCache
 from ..engine.config import MAX_HEAD_DIM, MAX_PAGE_SIZE
@@ -97,6 +98,16 @@ def answer(request: AttentionRequest) -> AttentionResponse:
         output, weights = output[0], weights[0]
     return AttentionResponse(output=output.tolist(), pages_used=pages, page_size=request.page_size,
                              n_keys=k.shape[0], weights=weights.tolist() if request.return_weights else None)
+
+
+def answer_json(body: bytes) -> bytes:
+    """Parse, check, attend and encode in one go (in a worker thread). Pydantic parses the JSON bytes
+    itself, about 3x faster than json.loads followed by validation of the Python lists."""
+    try:
+        request = AttentionRequest.model_validate_json(body)
+    except ValidationError as error:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from None
+    return answer(request).model_dump_json(exclude_none=True).encode()
 
 
 def _rectangular(name: str, value: list) -> np.ndarray:

@@ -73,6 +73,10 @@ def most_specific(errors: list[dict]) -> dict:
     return max(errors, key=lambda e: (len(e["loc"]), e["type"] not in ("list_type", "float_type", "model_type")))
 
 
+def _union_branch(loc) -> str | None:
+    return next((part for part in loc if isinstance(part, str) and "[" in part), None)
+
+
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, error: ApiError):
@@ -88,10 +92,15 @@ def install_handlers(app: FastAPI) -> None:
         errors = list(error.errors())
         first = most_specific(errors)
         path = element_path(first["loc"])
+        branch = _union_branch(first["loc"])  # list the alternative the client meant, not every union member
         details = [{"loc": element_path(e["loc"]), "msg": e["msg"], "type": e["type"]}
-                   for e in errors[:MAX_LISTED_ERRORS]]
+                   for e in errors if _union_branch(e["loc"]) in (branch, None)][:MAX_LISTED_ERRORS]
         return error_response(422, f"{path}: {first['msg']}", param=path.split("[")[0].split(".")[0],
                               code=first["type"], details=details)
+
+    @app.exception_handler(Exception)
+    async def _bug(_request: Request, error: Exception):  # a bug: still JSON, with what went wrong
+        return error_response(500, f"internal error: {type(error).__name__}: {error}", code="internal_error")
 
     @app.exception_handler(HTTPException)
     async def _http_error(_request: Request, error: HTTPException):

@@ -169,7 +169,9 @@ async def _generate(request: Request, body: _GenerationRequest, prompt: str, cha
         raise ApiError(422, f"stop: {len(stops)} stop strings; at most {MAX_STOPS}", param="stop")
     temperature = 1.0 if body.temperature is None else body.temperature
     sampled = temperature > 0
+    # record_layers "none": a completion's attention snapshots have no reader, so they are not kept.
     fields = dict(body.pagevis.model_dump() if body.pagevis else {}, max_tokens=max_tokens, chat=False,
+                  record_layers="none",
                   sample=sampled, temperature=temperature if sampled else None,
                   top_p=body.top_p if sampled else None,
                   seed=body.seed if body.seed is not None else secrets.randbelow(2**32))

@@ -128,6 +128,9 @@ def run_steps(served: ServedSession, n: int):
         except CacheFullError:
             session.stop_reason = "cache_full"
             break
+        except Exception:
+            session.stop_reason = "error"  # the cache may be half-updated: no further steps
+            raise
         records.append(record)
         if record.next_token >= 0 and record.next_token not in session.model.config.eos_ids:
             pieces.append(served.decoder.feed(record.next_token))

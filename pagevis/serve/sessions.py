@@ -50,13 +50,33 @@ def session_config(settings: ServeSettings, fields: dict) -> SessionConfig:
     return config
 
 
+def snapshot_bytes_per_step(session: DecodeSession) -> int:
+    """What one StepRecord of this session holds: per layer and slot a position (int32), a protected flag and
+    a score (float32); float16 attention of each recorded layer's heads; about 200 bytes of events and
+    block table per layer."""
+    cfg = session.cache_config
+    return cfg.n_layers * cfg.capacity * 9 + len(session.record_layers) * cfg.n_heads * cfg.capacity * 2 + \
+        cfg.n_layers * 200
+
+
 def build_session(model, settings: ServeSettings, prompt: str, config: SessionConfig,
                   prompt_ids: list[int] | None = None) -> DecodeSession:
-    """A DecodeSession within the server's token bound (prompt + generated tokens). Runs in a worker
-    thread: encoding a long prompt takes a while."""
+    """A DecodeSession within the server's bounds: prompt + generated tokens, and the memory it will take
+    (its KV caches, the oracle's included, and its step snapshots: at most one step per prompt token plus one
+    per generated token). Runs in a worker thread: encoding a long prompt takes a while."""
     if model.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer, so it cannot take text prompts", param="prompt")
     session = DecodeSession(model, prompt, config, prompt_ids=prompt_ids)
+    per_step = snapshot_bytes_per_step(session)
+    steps = len(session.prompt_ids) + config.max_new_tokens
+    caches = session.cache_config.total_bytes() + (session.oracle.cache.config.total_bytes() if session.oracle else 0)
+    if caches + steps * per_step > settings.max_session_bytes:
+        room = (settings.max_session_bytes - caches) // per_step - len(session.prompt_ids)
+        raise ConfigError("max_new_tokens", config.max_new_tokens,
+                          f"at most {max(room, 0)} with this prompt and cache: its KV cache{'s' if session.oracle else ''} "
+                          f"take {caches >> 20} MiB, each step keeps {per_step / 1024:.0f} KiB of snapshots, and "
+                          f"this server allows {settings.max_session_mib} MiB per session (--max-session-mib); "
+                          "record_layers \"none\" or a smaller cache keep less")
     limit, prompt_tokens = settings.max_session_tokens, len(session.prompt_ids)
     if prompt_tokens >= limit:
         raise ConfigError("prompt", f"{prompt_tokens} tokens",

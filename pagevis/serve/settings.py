@@ -21,6 +21,7 @@ class ServeSettings:
     max_sessions: int = 8  # live decoding sessions, completions in progress included
     max_session_tokens: int = 2048  # prompt + generated tokens of one session
     max_cache_tokens: int = 4096  # page_size * max_pages of one session's cache (per layer)
+    max_session_mib: int = 256  # memory of one session's KV caches and step snapshots (estimated up front)
     idle_timeout: float = 600.0  # seconds a session may sit unused before it is deleted
     workers: int = 2  # threads that decode at once (the rest wait their turn)
     expiry_interval: float = 5.0  # seconds between sweeps for idle sessions
@@ -31,3 +32,8 @@ class ServeSettings:
         check_int("max_session_tokens", self.max_session_tokens, 2, 1 << 20)
         check_int("max_cache_tokens", self.max_cache_tokens, 1, 1 << 20)
         check_int("workers", self.workers, 1, 64)
+        check_int("max_session_mib", self.max_session_mib, 1, 1 << 20)
+
+    @property
+    def max_session_bytes(self) -> int:
+        return self.max_session_mib * MIB

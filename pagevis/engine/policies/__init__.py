@@ -7,15 +7,20 @@ import dataclasses
 from ..errors import ConfigError
 from .base import EvictionPolicy
 from .h2o import HeavyHitter
+from .lfu import LeastFrequentlyUsedPage
+from .lru import LeastRecentlyUsedPage
 from .none import NoEviction
 from .oldest import Oldest
 from .oldest_page import OldestPage
+from .pyramidkv import PyramidKV
 from .random import RandomEviction
 from .sinks import Sinks
+from .snapkv import SnapKV
 from .tova import Tova
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
-    cls.name: cls for cls in (Oldest, OldestPage, Sinks, HeavyHitter, Tova, RandomEviction, NoEviction)
+    cls.name: cls for cls in (Oldest, OldestPage, Sinks, HeavyHitter, Tova, SnapKV, PyramidKV,
+                              LeastRecentlyUsedPage, LeastFrequentlyUsedPage, RandomEviction, NoEviction)
 }
 
 
@@ -37,4 +42,12 @@ def make_policy(config) -> EvictionPolicy:
                               f"a parameter of {config.policy!r}; it takes {allowed}")
     policy = cls(**config.policy_params)
     policy.bind(config.capacity, config.page_size)
+    policy.bind_layers(getattr(config, "n_layers", 1))  # CacheSettings (no model yet) knows no layer count
     return policy
+
+
+def layer_capacities(settings, n_layers: int) -> list[int]:
+    """Tokens each layer may hold under these settings' policy (all the pool, except for pyramidkv)."""
+    policy = make_policy(settings)
+    policy.bind_layers(n_layers)
+    return [policy.layer_capacity(layer) for layer in range(n_layers)]

@@ -32,6 +32,18 @@ class EvictionPolicy:
         self.capacity = capacity
         self.page_size = page_size
 
+    def bind_layers(self, n_layers: int) -> None:
+        """Learn the number of layers (after bind), for policies whose budget differs by layer."""
+        self.n_layers = n_layers
+
+    def layer_capacity(self, layer: int) -> int:
+        """Tokens this layer may hold before the policy evicts (the whole pool unless overridden)."""
+        return self.capacity
+
+    def make_state(self, n_slots: int) -> PolicyState:
+        """The per-layer statistics this policy learns from (its `state_class`, unless it needs parameters)."""
+        return self.state_class(n_slots)
+
     def score(self, pages: LayerView) -> np.ndarray:
         """Per flat slot, how much the token there is worth keeping (only resident slots are read)."""
         raise NotImplementedError
@@ -59,3 +71,26 @@ class EvictionPolicy:
             return check_int(f"{self.name}.{field}", value, low, high)
         except ConfigError as error:
             raise ConfigError(error.field, value, f"{error.allowed} for a cache of {self.capacity} tokens") from None
+
+
+def page_values(pages: LayerView, per_slot: np.ndarray) -> np.ndarray:
+    """Per flat slot, the largest value of `per_slot` over the resident tokens of its page (-inf if none)."""
+    grid = np.where(pages.occupied(), per_slot, -np.inf).reshape(-1, pages.page_size)
+    return np.repeat(grid.max(axis=1), pages.page_size)
+
+
+def evict_page(pages: LayerView, scores: np.ndarray, candidates: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """All resident slots of the candidate page with the lowest score (per slot, equal within a page),
+    ties broken by the page holding the oldest token."""
+    def key(page):
+        slots = page_slots(pages, page)
+        return scores[slots[0]], pages.positions[slots].min()
+
+    slots = page_slots(pages, min(candidates, key=key))
+    return slots, scores[slots]
+
+
+def page_slots(pages: LayerView, page: int) -> np.ndarray:
+    """The flat slots of a page that hold a token."""
+    slots = np.arange(page * pages.page_size, (page + 1) * pages.page_size)
+    return slots[pages.positions[slots] >= 0]

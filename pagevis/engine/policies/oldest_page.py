@@ -1,8 +1,6 @@
 from dataclasses import dataclass
 
-import numpy as np
-
-from .base import EvictionPolicy
+from .base import EvictionPolicy, page_slots
 
 
 @dataclass
@@ -17,8 +15,5 @@ class OldestPage(EvictionPolicy):
         return pages.positions.astype(float)
 
     def choose_victims(self, pages):
-        page = pages.block_table[0]
-        start = page * pages.page_size
-        slots = np.arange(start, start + pages.page_size)
-        slots = slots[pages.positions[slots] >= 0]
+        slots = page_slots(pages, pages.block_table[0])
         return slots, pages.positions[slots].astype(float)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...decoding import StepRecord
-from ..timeline import Timeline
+from ...decoding import SessionConfig, StepRecord
+from ..timeline import Timeline, head_label
 
 
 EMPTY_HINT = "press Space to decode"  # what the views say before the first step
@@ -21,6 +21,7 @@ class ViewState:
     shade: str = "age"  # page-grid colouring of resident cells: "age", "score" or "none"
     log_scale: bool = False  # attention heatmap
     fixed_scale: bool = False  # attention colours keep their scale from step to step
+    loading: SessionConfig | None = None  # no session yet: the configuration whose model is loading
 
     @property
     def record(self) -> StepRecord | None:
@@ -29,5 +30,13 @@ class ViewState:
         return self.timeline.record(self.index)
 
     @property
+    def config(self) -> SessionConfig | None:
+        """The session's configuration, or the one being loaded; None when there is neither."""
+        return self.timeline.info.config if self.timeline is not None else self.loading
+
+    @property
     def head_label(self) -> str:
-        return "mean of heads" if self.head is None else f"head {self.head}"
+        if self.head is None:
+            return "mean of heads"
+        info = self.timeline.info if self.timeline is not None else None
+        return head_label(self.head, info.n_heads, info.n_kv_heads) if info is not None else f"head {self.head}"

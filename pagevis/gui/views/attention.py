@@ -55,7 +55,7 @@ class AttentionView(QWidget):
     def show_state(self, state: ViewState) -> None:
         timeline, record = state.timeline, state.record
         key = (id(timeline), state.index, len(timeline) if timeline else 0, state.layer, state.head,
-               state.log_scale, state.fixed_scale)
+               state.log_scale, state.fixed_scale, state.loading is not None)
         if key == self._key:
             return
         if self._key is None or self._key[0] != key[0]:
@@ -116,17 +116,18 @@ class AttentionView(QWidget):
         """Before the first step: the axes the first rows will fill (the prompt's positions, 32 steps)."""
         self.matrix = np.zeros((0, 0), dtype=np.float32)
         self.image.clear()
-        if state.timeline is None:
-            self.hint.setText("no session yet")
-            theme.set_title(self.plot, "", size="9pt")
-            return
-        self.hint.setText(f"{EMPTY_HINT}\n(→ decodes one token)")
-        positions = max(len(state.timeline.info.prompt_ids), 1)
+        timeline = state.timeline
+        positions = max(len(timeline.info.prompt_ids), 1) if timeline is not None else 32
         theme.grow_range(self.plot, positions, 32, x_step=32, y_step=32, padding=0)
         x_max, y_max = self.plot._grown
         self.hint.setPos(x_max / 2, y_max / 2)
-        theme.set_title(self.plot, theme.muted(f"layer {state.layer} · {state.head_label} · "
-                                               "one row per step: its last query's weights"), size="9pt")
+        if timeline is None:
+            self.hint.setText("loading the model…" if state.loading is not None else "no session")
+            theme.set_title(self.plot, "", size="9pt")
+            return
+        self.hint.setText(f"{EMPTY_HINT}\n(→ decodes one token)")
+        theme.set_title(self.plot, theme.muted(f"layer {state.layer} · {state.head_label} · a row per step"),
+                        size="9pt")
 
     def _rgba(self, shown: np.ndarray, evicted: np.ndarray, written: np.ndarray, levels) -> np.ndarray:
         """The heatmap as RGBA: weights through the colour map, evicted positions marked, positions not yet

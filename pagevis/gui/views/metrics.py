@@ -107,7 +107,7 @@ class MetricsView(QWidget):
     def show_state(self, state: ViewState) -> None:
         timeline = state.timeline
         count = len(timeline) if timeline is not None else 0
-        key = (id(timeline), count, state.layer)
+        key = (id(timeline), count, state.layer, state.loading)
         if key != self._key:
             self._key = key
             self._update_curves(state)
@@ -150,6 +150,7 @@ class MetricsView(QWidget):
         capacity = config.page_size * config.max_pages
         if self.capacity.value() != capacity:  # its label re-renders on every setValue
             self.capacity.setValue(capacity)
+        self.capacity.setVisible(True)
         n = len(timeline)
 
         def top(values: np.ndarray) -> float:
@@ -166,25 +167,27 @@ class MetricsView(QWidget):
 
     def _show_empty(self, state: ViewState) -> None:
         """Before the first step: empty curves on the axes the first 32 steps will use (occupancy up to
-        the cache's capacity, the oracle's 0–1), and what to do next."""
+        the cache's capacity, the others from 0 to 1), and what to do next."""
         self.data = {}
         for curve in self.curves.values():
             curve.setData([], [])
         self.bars.setOpts(x=np.zeros(0), height=np.zeros(0))
-        if state.timeline is None:
-            self.hint.setText("no session yet")
-            return
-        self.hint.setText(EMPTY_HINT)
-        config = state.timeline.info.config
-        capacity = config.page_size * config.max_pages
-        if self.capacity.value() != capacity:
+        config = state.config
+        capacity = config.page_size * config.max_pages if config is not None else 1
+        if config is not None and self.capacity.value() != capacity:
             self.capacity.setValue(capacity)
+        self.capacity.setVisible(config is not None)
         theme.grow_range(self.occupancy, 32, capacity * 1.1, x_step=32, y_step=capacity * 1.1)
         for plot in (self.evictions, self.latency, self.oracle):
             theme.grow_range(plot, None, 1.0)
         self.hint.setPos(16, capacity * 0.5)
+        if state.timeline is None:
+            self.hint.setText("loading\nthe model…" if config is not None else "no session")
+        else:
+            self.hint.setText(EMPTY_HINT.replace(" to ", "\nto "))  # two short lines: the plot is narrow
         self._titles(state.layer)
-        self._show_oracle_state(config)
+        if config is not None:
+            self._show_oracle_state(config)
 
     def _show_oracle_state(self, config) -> None:
         oracle_on = bool(config.oracle)

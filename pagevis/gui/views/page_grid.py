@@ -9,7 +9,7 @@ from PySide6.QtGui import QColor, QFont, QImage, QPainter, QStaticText, QTransfo
 from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QLabel, QTableWidget, QTableWidgetItem, QToolTip,
                                QVBoxLayout, QWidget)
 
-from ...engine import EventKind
+from ...engine import ConfigError, EventKind, layer_capacities
 from .. import theme
 from ..theme import EVICTED, FREE, PINNED, REPLACED, RESIDENT, WRITTEN
 from . import ViewState
@@ -19,6 +19,38 @@ _PALETTE = np.array([theme.rgb(c) for c in theme.STATE_COLORS])
 _BACKGROUND = theme.rgb(theme.BACKGROUND)
 _CELL_PX = 12  # pixels per cell side in the rendered image (1 of them is the cell border)
 _MAX_BORDERED_CELLS = 8192
+
+
+def runs(positions) -> list[tuple[int, int]]:
+    """Sorted positions as (first, last) runs of consecutive ones."""
+    values = np.unique(np.asarray(positions, dtype=np.int64))
+    if not values.size:
+        return []
+    breaks = np.flatnonzero(np.diff(values) != 1)
+    starts = np.concatenate([[0], breaks + 1])
+    ends = np.concatenate([breaks, [values.size - 1]])
+    return [(int(values[a]), int(values[b])) for a, b in zip(starts, ends)]
+
+
+def run_list(positions, max_runs: int = 4) -> str:
+    """A page's positions as they are, compactly: "0–3, 17, 40–43" (and "+N more runs" past max_runs):
+    token-level policies scatter a page's tokens, and a min–max span would claim positions it lacks."""
+    found = runs(positions)
+    if not found:
+        return "—"
+    text = ", ".join(f"{a}–{b}" if b > a else f"{a}" for a, b in found[:max_runs])
+    return text + (f", +{len(found) - max_runs} more runs" if len(found) > max_runs else "")
+
+
+def parse_run_list(text: str) -> list[int]:
+    """The positions a run list names (the inverse of run_list without truncation)."""
+    if text == "—":
+        return []
+    out = []
+    for part in text.split(", "):
+        first, _, last = part.partition("–")
+        out.extend(range(int(first), int(last or first) + 1))
+    return out
 
 
 def cell_states(record, layer: int) -> np.ndarray:
@@ -231,8 +263,8 @@ class PageGridView(QWidget):
         self.plot.scene().sigMouseMoved.connect(self._hover)
         self.hover_text = ""
 
-        swatches = [f"<span style='color:{c}'>&#9632;</span>&nbsp;{n}"
-                    for n, c in zip(theme.STATE_NAMES, theme.STATE_COLORS)]
+        swatches = [f"<span style='color:{c}'>&#9632;</span>&nbsp;{n.replace(' ', '&nbsp;')}"  # wrap between
+                    for n, c in zip(theme.STATE_NAMES, theme.STATE_COLORS)]  # entries, never inside one
         self.legend = QLabel("&nbsp;&nbsp; ".join(swatches[:3]) + "<br>" + "&nbsp;&nbsp; ".join(swatches[3:])
                              + f"<br><span style='color:{theme.MUTED}'>numbers: token positions · "
                              "resident cells dim with age (or score)</span>")
@@ -242,8 +274,9 @@ class PageGridView(QWidget):
         self.block_view = self.blocks
         self.block_view.setMinimumWidth(250)
         self.block_view.setMaximumWidth(300)
-        block_title = QLabel("Block table (logical → physical)")
+        self.block_title = block_title = QLabel("Block table (logical → physical)")
         block_title.setStyleSheet(f"color: {theme.MUTED}")
+        self._capacities = (None, [])  # (session info, tokens each layer may hold)
 
         left = QVBoxLayout()
         left.setContentsMargins(0, 0, 0, 0)
@@ -264,7 +297,7 @@ class PageGridView(QWidget):
     def show_state(self, state: ViewState) -> None:
         self._state = state
         record = state.record
-        key = (id(record), id(state.timeline), state.layer, state.shade)
+        key = (id(record), id(state.timeline), state.loading, state.layer, state.shade)
         if key == self._key:
             return
         self._key = key
@@ -282,24 +315,39 @@ class PageGridView(QWidget):
         self._fit_axes(pages, page_size)
         used = len(record.block_tables[layer])
         resident = int((slots >= 0).sum())
-        theme.set_title(self.plot, theme.muted(f"layer {layer} · {used}/{pages} pages · {resident} tokens resident"), size="9pt")
+        capacity = self.layer_capacity(state.timeline.info, layer)
+        own = f" · holds at most {capacity}" if capacity < pages * page_size else ""
+        title = f"layer {layer} · {used}/{pages} pages · {resident} tokens resident{own}"
+        theme.set_title(self.plot, theme.muted(title), size="9pt")
+        table = f" · layer {layer}: {capacity} tokens" if own else ""
+        self.block_title.setText(f"Block table (logical → physical){table}")
         rows = []
         for logical, page in enumerate(record.block_tables[layer]):
             held = slots[page][slots[page] >= 0]
-            span = f"{held.min()}–{held.max()}" if held.size else "—"
-            rows.append((logical, page, int(held.size), span))
+            rows.append((logical, page, int(held.size), run_list(held)))
         self.blocks.set_rows(rows)
 
+    def layer_capacity(self, info, layer: int) -> int:
+        """Tokens this layer may hold: the pool, or less under a policy with per-layer budgets (pyramidkv)."""
+        if self._capacities[0] is not info:
+            try:
+                self._capacities = (info, layer_capacities(info.config, info.n_layers))
+            except (ConfigError, TypeError, AttributeError):  # a trace's settings this build cannot rebuild
+                self._capacities = (info, [])
+        capacities = self._capacities[1]
+        return capacities[layer] if layer < len(capacities) else info.config.max_pages * info.config.page_size
+
     def _show_empty_pool(self, state: ViewState) -> None:
-        """Before the first step: the session's pool with every page free, and what to do next."""
+        """Before the first step (or while the model loads): the session's pool, every page free."""
         self.labels.set_positions(np.zeros((0, 0), dtype=np.int32))
         self.blocks.set_rows([])
-        if state.timeline is None:
+        config = state.config
+        if config is None:
             self.states = np.zeros((0, 0), dtype=np.int8)
             self.image.clear()
-            theme.set_title(self.plot, theme.muted("no session yet"), size="9pt")
+            self._fit_axes(1, 1)
+            theme.set_title(self.plot, theme.muted("no session"), size="9pt")
             return
-        config = state.timeline.info.config
         pages, page_size = config.max_pages, config.page_size
         self.states = np.full((pages, page_size), FREE, dtype=np.int8)
         self.shade = np.full(self.states.shape, np.nan)

@@ -1,0 +1,228 @@
+"""How much `pagevis serve` costs over calling the engine directly, as ratios measured in one run.
+
+    python -m pagevis.bench.serve [--model smollm2|synthetic] [--tokens 48] [--json]
+
+1. Decode tokens/s of one session: headless (DecodeSession.step in this process) against the same session
+   through HTTP, one token per request (POST /v1/sessions/ID/step n=1), and streamed by /v1/completions.
+   Target: HTTP >= 0.9x headless.
+2. /healthz latency (p50, p99, max over 200 requests, 10 ms apart) while 4 sessions decode. Target p99 <= 100 ms.
+3. POST /v1/attention with T = 512, d = 64 (one head): the HTTP round trip (server-side JSON parsing
+   and validation included; the client's own json.dumps reported apart) against the direct engine call
+   on arrays in hand.
+
+The server runs as its own process (`pagevis serve` on a free loopback port), so client and server do not
+share an interpreter lock; both use one BLAS thread, as the app does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+PROMPT = "Explain in two sentences why a key-value cache speeds up decoding."
+CACHE = {"page_size": 16, "max_pages": 8, "policy": "sinks"}
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model: str, workers: int = 2) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pagevis", "serve", "--port", str(self.port), "--model", model,
+             "--workers", str(workers), "--max-sessions", "16"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def __enter__(self):
+        import httpx
+
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"pagevis serve exited: {self.process.stderr.read()}")
+            try:
+                if httpx.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise RuntimeError("pagevis serve did not start within 120 s")
+
+    def __exit__(self, *_exc) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+# --- 1. tokens/s ------------------------------------------------------------------------------------
+
+def headless_tokens_per_s(model, tokens: int) -> float:
+    from ..decoding import DecodeSession, SessionConfig
+
+    session = DecodeSession(model, PROMPT, SessionConfig(max_new_tokens=tokens + 1, **CACHE))
+    while not session.generated:
+        session.step()
+    started = time.perf_counter()
+    for _ in range(tokens):
+        session.step()
+    return tokens / (time.perf_counter() - started)
+
+
+def http_tokens_per_s(client, tokens: int) -> float:
+    sid = client.post("/v1/sessions", json={"prompt": PROMPT, "max_tokens": tokens + 1, **CACHE}).json()["id"]
+    while not client.post(f"/v1/sessions/{sid}/step", json={"n": 1, "events": "none"}).json()["tokens"]:
+        pass
+    started = time.perf_counter()
+    for _ in range(tokens):
+        client.post(f"/v1/sessions/{sid}/step", json={"n": 1, "events": "none"})
+    elapsed = time.perf_counter() - started
+    client.delete(f"/v1/sessions/{sid}")
+    return tokens / elapsed
+
+
+def streamed_tokens_per_s(client, model_id: str, tokens: int) -> float:
+    """Tokens/s from the first streamed text chunk to the last (prefill excluded, as above)."""
+    body = {"model": model_id, "prompt": PROMPT, "max_tokens": tokens + 1, "temperature": 0, "stream": True,
+            "pagevis": CACHE}
+    times = []
+    with client.stream("POST", "/v1/completions", json=body) as answer:
+        for line in answer.iter_lines():
+            if line.startswith("data: {"):
+                times.append(time.perf_counter())
+    # The first chunk carries the first token; a held-back UTF-8 byte may merge two tokens into one chunk.
+    return (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else float("nan")
+
+
+# --- 2. /healthz under load ---------------------------------------------------------------------------
+
+def health_latency_while_decoding(url: str, sessions: int = 4, probes: int = 200) -> dict:
+    import httpx
+
+    stop = threading.Event()
+    steps = [0] * sessions
+
+    def decode(index: int) -> None:
+        with httpx.Client(base_url=url, timeout=120) as client:
+            sid = client.post("/v1/sessions", json={"prompt": f"{index}: {PROMPT}", "max_tokens": 1000,
+                                                    **CACHE}).json()["id"]
+            while not stop.is_set():
+                answer = client.post(f"/v1/sessions/{sid}/step", json={"n": 1, "events": "none"}).json()
+                steps[index] += 1
+                if answer.get("done"):
+                    break
+            client.delete(f"/v1/sessions/{sid}")
+
+    workers = [threading.Thread(target=decode, args=(i,)) for i in range(sessions)]
+    for worker in workers:
+        worker.start()
+    latencies = []
+    with httpx.Client(base_url=url, timeout=30) as client:
+        while sum(steps) < 2 * sessions:  # every session has started decoding
+            time.sleep(0.05)
+        for _ in range(probes):
+            started = time.perf_counter()
+            client.get("/healthz")
+            latencies.append(time.perf_counter() - started)
+            time.sleep(0.01)
+    stop.set()
+    for worker in workers:
+        worker.join()
+    latencies.sort()
+    return {"p50_ms": 1e3 * latencies[len(latencies) // 2], "p99_ms": 1e3 * latencies[int(0.99 * len(latencies))],
+            "max_ms": 1e3 * latencies[-1], "probes": probes, "sessions": sessions, "steps_meanwhile": sum(steps)}
+
+
+# --- 3. /v1/attention overhead ------------------------------------------------------------------------
+
+def attention_overhead(client, n_keys: int = 512, d: int = 64, repeats: int = 30) -> dict:
+    from ..serve.attention import paged_attention
+
+    rng = np.random.default_rng(0)
+    q, k, v = rng.normal(size=d), rng.normal(size=(n_keys, d)), rng.normal(size=(n_keys, d))
+    body = {"query": q.tolist(), "keys": k.tolist(), "values": v.tolist(), "page_size": 16}
+    q32, k32, v32 = (a.astype(np.float32) for a in (q[None], k[:, None], v[:, None]))
+    direct, http, encode = [], [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        paged_attention(q32, k32, v32, 16)
+        direct.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        encoded = json.dumps(body).encode()  # the client's share, timed apart from the server's
+        encode.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        answer = client.post("/v1/attention", content=encoded, headers={"content-type": "application/json"})
+        output = np.array(answer.json()["output"])
+        http.append(time.perf_counter() - started)
+    assert output.shape == (d,)
+    d_ms, h_ms, e_ms = (1e3 * statistics.median(x) for x in (direct, http, encode))
+    return {"T": n_keys, "d": d, "body_bytes": len(encoded), "direct_ms": d_ms, "http_ms": h_ms,
+            "client_encode_ms": e_ms, "overhead_ms": h_ms - d_ms, "http_over_direct": h_ms / d_ms}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pagevis.bench.serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2", choices=("smollm2", "synthetic"))
+    parser.add_argument("--tokens", type=int, default=48, help="decode steps timed per run (48)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating headless/HTTP rounds; medians (3)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    import httpx
+
+    from ..decoding import ModelSpec
+    from ..model import set_blas_threads
+    from ..serve.app import model_id
+
+    set_blas_threads(1)
+    spec = ModelSpec(kind=args.model)
+    model = spec.load()
+    results: dict = {"model": spec.label, "tokens": args.tokens, "cpu_count": os.cpu_count(),
+                     "load_average": os.getloadavg()}
+    with ServerProcess(args.model) as server, httpx.Client(base_url=server.url, timeout=300) as client:
+        headless, http, streamed = [], [], []
+        for _ in range(args.rounds):  # alternate, so a change in machine load hits both sides alike
+            headless.append(headless_tokens_per_s(model, args.tokens))
+            http.append(http_tokens_per_s(client, args.tokens))
+            streamed.append(streamed_tokens_per_s(client, model_id(spec), args.tokens))
+        h, s, st = (statistics.median(x) for x in (headless, http, streamed))
+        results["decode"] = {"headless_tok_s": h, "http_step_tok_s": s, "http_stream_tok_s": st,
+                             "http_step_over_headless": s / h, "http_stream_over_headless": st / h,
+                             "runs": {"headless": headless, "http_step": http, "http_stream": streamed}}
+        results["healthz_while_4_decode"] = health_latency_while_decoding(server.url)
+        results["attention"] = attention_overhead(client)
+    if args.json:
+        print(json.dumps(results))
+        return 0
+    d, hz, a = results["decode"], results["healthz_while_4_decode"], results["attention"]
+    print(f"model {results['model']}, {args.tokens} decode steps x {args.rounds} rounds, "
+          f"load average {results['load_average'][0]:.1f} on {results['cpu_count']} cores")
+    print(f"  headless           {d['headless_tok_s']:7.1f} tok/s")
+    print(f"  HTTP, 1 step/req   {d['http_step_tok_s']:7.1f} tok/s  = {d['http_step_over_headless']:.3f} x headless "
+          "(target >= 0.9)")
+    print(f"  HTTP, SSE stream   {d['http_stream_tok_s']:7.1f} tok/s  = {d['http_stream_over_headless']:.3f} x headless")
+    print(f"  /healthz while {hz['sessions']} sessions decode: p50 {hz['p50_ms']:.1f} ms, p99 {hz['p99_ms']:.1f} ms "
+          f"(target <= 100), max {hz['max_ms']:.1f} ms over {hz['probes']} probes, "
+          f"{hz['steps_meanwhile']} steps meanwhile")
+    print(f"  /v1/attention T={a['T']} d={a['d']} ({a['body_bytes'] / 1024:.0f} KiB of JSON): direct engine "
+          f"{a['direct_ms']:.2f} ms, over HTTP {a['http_ms']:.2f} ms (request sent, JSON parsed and checked, "
+          f"answer read): overhead {a['overhead_ms']:.2f} ms ({a['http_over_direct']:.1f}x); the client's "
+          f"json.dumps of the body {a['client_encode_ms']:.1f} ms more")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+from dataclasses import dataclass
+
+from .base import evict_page, page_values
+from .lru import LeastRecentlyUsedPage
+
+
+@dataclass
+class LeastFrequentlyUsedPage(LeastRecentlyUsedPage):
+    """Free the whole page used on the fewest steps since it was allocated (ties: the oldest page). The page
+    being filled (the newest) is never chosen, or every new page would go first with no uses yet. A page is
+    used by a query when it gets at least `threshold_pct` percent of its attention (default: its even share,
+    page_size / capacity)."""
+
+    name = "lfu"
+    citation = ("Page-level LFU, the frequency policy offered for offloaded KV blocks (LMCache, Liu et al. 2024, "
+                "arXiv:2310.07240); use = attention above a threshold.")
+    reason = "least frequently used page"
+
+    def score(self, pages):
+        return page_values(pages, pages.stats.uses)
+
+    def choose_victims(self, pages):
+        return evict_page(pages, self.score(pages), pages.block_table[:-1] or pages.block_table)

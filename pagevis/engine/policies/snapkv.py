@@ -1,0 +1,76 @@
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from ...errors import ConfigError
+from ..policy_state import PolicyState
+from .base import EvictionPolicy
+
+class ObservationWindow(PolicyState):
+    """The head-mean attention of the last `window` queries on every slot (a ring of rows)."""
+
+    def __init__(self, n_slots, window):
+        super().__init__(n_slots)
+        self.rows = np.zeros((window, n_slots))
+        self.next = 0
+
+    def reset(self):
+        super().reset()
+        self.rows.fill(0.0)
+        self.next = 0
+
+    def clear(self, flat):
+        super().clear(flat)
+        self.rows[:, flat] = 0.0
+
+    def observe(self, weights, slots):
+        for row in weights[-len(self.rows):].mean(axis=1):
+            self.rows[self.next % len(self.rows)].fill(0.0)
+            self.rows[self.next % len(self.rows), slots] = row
+            self.next += 1
+
+    def window_attention(self):
+        return self.rows.sum(axis=0)
+
+
+@dataclass
+class SnapKV(EvictionPolicy):
+    """Keep the `window` newest tokens (the observation window); evict the token the window's queries attend
+    to least, after max-pooling that attention over `kernel` neighbouring tokens (so a token next to
+    important ones stays with them; kernel 1: no pooling). SnapKV scores once, at the end of the prompt; here every eviction is scored by the
+    latest window, so a text longer than the cache can stream through it. Mean over heads: one set per layer."""
+
+    window: int = 8
+    kernel: int = 7
+    uses_attention = True
+    name = "snapkv"
+    citation = ("SnapKV: Li et al. 2024, LLM Knows What You are Looking for Before Generation, arXiv:2404.14469 "
+                "(window 8, kernel 7, max pooling as in KVCache-Factory's runs).")
+    reason = "lowest pooled attention from the observation window"
+
+    def bind(self, capacity, page_size):
+        super().bind(capacity, page_size)
+        self.window = self.check_int_param("window", self.window, 1, capacity - 1)
+        self.kernel = self.check_int_param("kernel", self.kernel, 1, 2 * capacity + 1)
+        if self.kernel % 2 == 0:
+            raise ConfigError(f"{self.name}.kernel", self.kernel, "an odd number (pooling centred on each token)")
+
+    def make_state(self, n_slots):
+        return ObservationWindow(n_slots, self.window)
+
+    def score(self, pages):
+        attention = pages.stats.window_attention()
+        resident = np.flatnonzero(pages.positions >= 0)
+        order = resident[np.argsort(pages.positions[resident])]
+        half = self.kernel // 2
+        padded = np.pad(attention[order], half, constant_values=-np.inf)
+        scores = np.zeros(pages.positions.shape)
+        scores[order] = sliding_window_view(padded, self.kernel).max(axis=1)
+        return scores
+
+    def protected(self, pages):
+        mask = np.zeros(pages.positions.shape, dtype=bool)
+        resident = np.flatnonzero(pages.positions >= 0)
+        mask[resident[np.argsort(pages.positions[resident])[-self.window:]]] = True
+        return mask

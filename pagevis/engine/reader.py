@@ -1,0 +1,91 @@
+"""Which pages a query reads, and attention over pages that do not all sit in RAM at once.
+
+`all` reads every page of the sequence: the pages in RAM are attended in place, the pages on disk are
+read into the read frames a batch at a time, and the partial attentions are merged by log-sum-exp, so
+the result is the exact attention over every token. `quest` (Tang et al. 2024, arXiv:2406.10774) reads
+only the pages whose keys can score highest: for every page and KV head the store keeps the smallest
+and largest key, so q·k <= Σᵢ max(qᵢ·minᵢ, qᵢ·maxᵢ) bounds each query head's score on the page. Heads
+differ in scale, so each head's bounds become shares (a softmax over pages) and a page is worth the
+largest share any head gives it; the newest page is always read. Weights come back over the tokens
+actually read.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .attention import AttentionResult, Partial, attend_part, merge, rescale
+from .store import PageStore
+
+
+def quest_pages(store: PageStore, pages: np.ndarray, q: np.ndarray, k: int) -> np.ndarray:
+    """The k pages of `pages` (a block table) with the highest upper bound, always including the last."""
+    if len(pages) <= k:
+        return pages
+    n_kv, d = store.key_min.shape[1:]
+    grouped = q[-1].reshape(n_kv, -1, d)  # (n_kv, group, d)
+    low = store.key_min[pages][:, :, None, :] * grouped[None]
+    high = store.key_max[pages][:, :, None, :] * grouped[None]
+    bound = np.maximum(low, high).sum(axis=-1).reshape(len(pages), -1) / np.sqrt(d)  # (pages, heads)
+    shares = np.exp(bound - bound.max(axis=0))
+    shares /= shares.sum(axis=0)
+    worth = shares.max(axis=1)[:-1]
+    best = np.argpartition(-worth, k - 2)[: k - 1] if k > 1 else np.zeros(0, dtype=np.int64)
+    return pages[np.sort(np.append(best, len(pages) - 1))]
+
+
+def read_attention(store: PageStore, table: list[int], q: np.ndarray, positions: np.ndarray, step: int,
+                   select_pages: int | None, all_weights: bool) -> AttentionResult:
+    """Attention over the pages of `table` that the selection reads (all, or quest's top select_pages).
+
+    Weights come back over flat slots `result.slots` (page * page_size + slot): all queries' if
+    `all_weights`, else only the last query's (shape (1, n_heads, m)).
+    """
+    ps = store.page_size
+    pages = np.asarray(table, dtype=np.int64)
+    if select_pages is not None:
+        pages = quest_pages(store, pages, q, select_pages)
+    in_ram = store.in_ram(pages)
+    ram_pages, disk_pages = pages[in_ram], np.sort(pages[~in_ram])
+    n_kv, _, _, d = store.k.shape
+    parts: list[tuple[Partial, np.ndarray, np.ndarray]] = []  # (partial, weights, flat slots)
+
+    def attend_frames(lo: int, hi: int, bias: np.ndarray) -> None:
+        span = slice(lo * ps, hi * ps)
+        keys = store.k[:, lo:hi].reshape(n_kv, (hi - lo) * ps, d)
+        values = store.v[:, lo:hi].reshape(n_kv, (hi - lo) * ps, d)
+        part, weights = attend_part(q, keys, values, bias, store.frame_positions[span], positions)
+        slots = (store.page_in[lo:hi, None] * ps + np.arange(ps)).ravel()
+        keep = np.isfinite(bias)  # resident slots of read pages only
+        parts.append((part, weights if all_weights else weights[-1:], np.where(keep, slots, -1)))
+
+    if store.tiered:
+        store.clear_read_frames()
+        store.last_read[ram_pages] = step
+    store.counts.hits += len(ram_pages)
+    high = store.high_water
+    if high:
+        bias = store.bias[: high * ps]
+        if select_pages is not None:  # read only the chosen pages among those in RAM
+            chosen = np.zeros(high, dtype=bool)
+            chosen[store.frame_of[ram_pages]] = True
+            bias = np.where(np.repeat(chosen, ps), bias, np.float32(-np.inf)).astype(np.float32)
+        attend_frames(0, high, bias)
+    batch = max(1, store.n_frames - store.home_frames)  # 0 read frames: RAM only, no disk page
+    promote = select_pages is not None
+    for start in range(0, len(disk_pages), batch):
+        chunk = disk_pages[start: start + batch]
+        store.load(chunk, step)
+        lo = store.home_frames
+        attend_frames(lo, lo + len(chunk), store.bias[lo * ps: (lo + len(chunk)) * ps])
+        if promote:
+            for frame in range(lo, lo + len(chunk)):
+                store.promote(frame, step)
+
+    whole = parts[0][0]
+    for part, _, _ in parts[1:]:
+        whole = merge(whole, part)
+    weights = np.concatenate([w * rescale(p, whole)[-w.shape[0]:, :, None] for p, w, _ in parts], axis=-1)
+    slots = np.concatenate([s for _, _, s in parts])
+    keep = slots >= 0
+    return AttentionResult(whole.output, weights[..., keep], slots[keep])

@@ -1,0 +1,111 @@
+"""Hostile and careless command lines: every numeric flag is bounded (by memory where that is the real limit),
+empty or invalid prompts and unwritable outputs are refused before any work, errors name only flags the command
+has, and an unexpected exception is one line with status 70 (the traceback only with --debug)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagevis.__main__ import main
+from pagevis.cli import main as cli_main
+
+SYNTH = ["--model", "synthetic", "--layers", "2", "--heads", "2", "--kv-heads", "1", "--head-dim", "8"]
+
+
+def refusal(capsys, *argv) -> str:
+    status = main(list(argv))
+    out, err = capsys.readouterr()
+    assert status == 2, err
+    assert out == "" and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "--model", "synthetic", "--head-dim", "1000000"], "--head-dim 1000000: must be from 1 to 1024"),
+    (["run", "--model", "synthetic", "--layers", "100000"], "--layers 100000: must be from 1 to 1024"),
+    (["run", "--model", "synthetic", "--heads", "100000", "--kv-heads", "1"], "--heads 100000: must be from 1 to"),
+    (["run", "--model", "synthetic", "--head-dim", "7"], "--head-dim: head_dim = 7 is not allowed: even"),
+    (["run", "--model", "synthetic", "--layers", "1024", "--heads", "1024", "--kv-heads", "1", "--head-dim", "64"],
+     "the synthetic model's weights would take"),
+    (["run", "--model", "synthetic", "--heads", "1024", "--kv-heads", "1024", "--head-dim", "1024"],
+     "--heads x --head-dim: d_model = 1048576"),
+    (["run", "--model", "synthetic", "--model-seed", "99999999999999"], "--model-seed 99999999999999: must be from 0"),
+    (["run", *SYNTH, "--blas-threads", "1000000"], "--blas-threads 1000000: must be from 1 to"),
+    (["run", *SYNTH, "--max-tokens", str(10**12)], "--max-tokens: max_new_tokens = 1000000000000"),
+    (["bench", "--decode-tokens", str(10**12), "--no-files", "--quick"], "--decode-tokens 1000000000000: must be from 1"),
+    (["bench", "--contexts", str(1 << 40), "--no-files", "--quick", "--no-model"], "--contexts '1099511627776': each"),
+    (["compare", "--tokens", str(10**9), *SYNTH, "--no-files"], "--tokens 1000000000: must be from 2"),
+    (["compare", "--page-size", "100000", *SYNTH, "--no-files"], "--page-size 100000: must be from 1 to 4096"),
+    (["--steps", "99999999999", "--screenshot", "s.png"], "--steps 99999999999: must be from 0"),
+])
+def test_numeric_flags_are_bounded(capsys, argv, message):
+    assert message in refusal(capsys, *argv)
+
+
+def test_errors_name_only_flags_the_command_has(capsys, tmp_path):
+    smollm2_layout = ["--model", "synthetic", "--layers", "30", "--heads", "9", "--kv-heads", "3", "--head-dim", "64"]
+    err = refusal(capsys, "compare", "--budgets", "16777216", *smollm2_layout, "--no-files", "--quiet")
+    assert "--budgets: 16777216 tokens is too large" in err and "--max-pages" not in err
+    err = refusal(capsys, "bench", "--decode-tokens", "0", "--no-files", "--quick")
+    assert "--decode-tokens" in err and "--max-tokens" not in err
+    # a policy parameter nobody gave is the policy's default, not a --policy-param the user typed
+    err = refusal(capsys, "run", *SYNTH, "--prompt", "hi", "--max-pages", "1", "--page-size", "1", "--policy", "sinks")
+    assert not err.startswith("pagevis: error: --policy-param") and "the policy's default" in err
+    err = refusal(capsys, "run", *SYNTH, "--max-pages", "1", "--page-size", "1", "--policy-param", "n_sink=4")
+    assert err.startswith("pagevis: error: --policy-param: sinks.n_sink = 4")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", *SYNTH, "--prompt", ""], "--prompt is empty"),
+    (["run", *SYNTH, "--prompt", " \n "], "--prompt is empty"),
+    (["run", *SYNTH, "--prompt-file", "/dev/null"], "--prompt-file /dev/null: the file is empty"),
+    (["run", *SYNTH, "--prompt", "a\udcffb", "--no-chat"], "--prompt: not valid UTF-8 text (byte 0xff"),
+    (["run", *SYNTH, "--prompt", "hi", "--special"], "--special only applies with --no-chat"),
+])
+def test_prompts_that_are_empty_or_not_text_are_refused(capsys, argv, message):
+    assert message in refusal(capsys, *argv)
+
+
+def test_empty_prompt_file_is_refused(capsys, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert "the file is empty" in refusal(capsys, "run", *SYNTH, "--prompt-file", str(empty))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", *SYNTH, "--trace", "/proc/version"], "--trace /proc/version: cannot write in /proc"),
+    (["run", *SYNTH, "--trace", "/nonexistent/x.pvtrace"], "no such folder /nonexistent"),
+    (["compare", *SYNTH, "--plot", "p.txt"], "--plot p.txt: the file is written as PNG"),
+    (["compare", *SYNTH, "--csv", "/proc/x.csv"], "--csv /proc/x.csv: cannot write in /proc"),
+    (["--screenshot", "/proc/s.png", *SYNTH], "--screenshot /proc/s.png: cannot write in /proc"),
+    (["--screenshot", "shot.jpg", *SYNTH], "--screenshot shot.jpg: the file is written as PNG"),
+])
+def test_unwritable_outputs_are_refused_before_work(capsys, argv, message, monkeypatch):
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model loaded before the output was checked")
+
+    monkeypatch.setattr("pagevis.decoding.spec.ModelSpec.load", no_model)
+    assert message in refusal(capsys, *argv)
+
+
+def test_unexpected_error_is_one_line_with_status_70(capsys, monkeypatch):
+    def broken(args):
+        raise RuntimeError("something the code did not expect\nsecond line")
+
+    monkeypatch.setattr(cli_main, "launch_app", broken)
+    status = main(["--model", "synthetic"])
+    err = capsys.readouterr().err
+    assert status == 70 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "RuntimeError: something the code did not expect second line" in err and "--debug" in err
+    status = main(["--model", "synthetic", "--debug"])
+    err = capsys.readouterr().err
+    assert status == 70 and "Traceback (most recent call last)" in err and "in broken" in err
+
+
+def test_out_of_memory_is_a_user_error(capsys, monkeypatch):
+    def exhausted(args):
+        raise MemoryError("Unable to allocate 768. MiB")
+
+    monkeypatch.setattr(cli_main, "launch_app", exhausted)
+    assert main(["--model", "synthetic"]) == 2
+    assert "out of memory (Unable to allocate 768. MiB)" in capsys.readouterr().err
