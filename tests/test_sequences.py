@@ -214,3 +214,12 @@ def test_sequences_bench_rows_on_a_small_model():
     shared = result["shared_prompt"]
     assert shared["hit_tokens"][0] == 0 and shared["hit_rate_after_first"] >= 144 / 150
     assert len(format_sequences(result)) == 2 + 3 + 2
+
+
+def test_the_shared_pool_refuses_the_disk_tier_and_quest():
+    from dataclasses import replace
+
+    with pytest.raises(ConfigError, match="disk_pages"):
+        BatchSession(MODEL, replace(config(), disk_pages=8))
+    with pytest.raises(ConfigError, match="select"):
+        BatchSession(MODEL, replace(config(), select="quest"))

@@ -61,11 +61,15 @@ class SharedKVPool:
 
     def __init__(self, config: CacheConfig, pool_pages: int, prefix_caching: bool = True):
         check_int("pool_pages", pool_pages, 1, MAX_PAGES)
+        if config.disk_pages or config.select != "all":
+            field, value = ("disk_pages", config.disk_pages) if config.disk_pages else ("select", config.select)
+            raise ConfigError(field, value, "0 / 'all' with many sequences: the shared pool keeps every page in "
+                                            "RAM and reads all of a sequence's pages")
         self.config = config
         self.pool_pages = pool_pages
         self.page_size = config.page_size
         storage = CacheConfig(**{**config.cache_settings(), "max_pages": pool_pages, "policy": "none",
-                                 "policy_params": {}}, n_layers=config.n_layers, n_heads=config.n_heads,
+                                 "policy_params": {}, "disk_pages": 0, "select": "all"}, n_layers=config.n_layers, n_heads=config.n_heads,
                               n_kv_heads=config.n_kv_heads, head_dim=config.head_dim)
         self.stores = [PageStore(storage, layer) for layer in range(config.n_layers)]
         self.blocks = [BlockManager(pool_pages) for _ in range(config.n_layers)]
