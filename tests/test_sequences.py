@@ -2,9 +2,11 @@
 prefix caching hits what it should, preemption recomputes, fork continues."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
+from model_fixtures import smollm2  # noqa: F401  (fixture)
 
 from pagevis.decoding import DecodeSession, SamplingConfig, SessionConfig
 from pagevis.decoding.batch import BatchConfig, BatchSession
@@ -217,9 +219,28 @@ def test_sequences_bench_rows_on_a_small_model():
 
 
 def test_the_shared_pool_refuses_the_disk_tier_and_quest():
-    from dataclasses import replace
-
     with pytest.raises(ConfigError, match="disk_pages"):
         BatchSession(MODEL, replace(config(), disk_pages=8))
     with pytest.raises(ConfigError, match="select"):
         BatchSession(MODEL, replace(config(), select="quest"))
+
+
+def test_smollm2_parallel_samples_and_batched_logits(smollm2):  # noqa: F811
+    """The real model: three samples of one prompt decode what each decodes alone, and a batched step's
+    logits equal a dense forward of each sequence (rel. err < 1e-5)."""
+    cfg = SessionConfig(page_size=8, max_pages=16, policy="none", max_new_tokens=5,
+                        sampling=SamplingConfig(mode="sample", temperature=1.0, seed=21))
+    recording = RecordingModel(smollm2)
+    batch = BatchSession(recording, cfg)
+    ids = batch.submit_parallel(batch.encode("Name one use of paging."), 3)
+    list(batch.run())
+    for i, seq_id in enumerate(ids):
+        session = DecodeSession(smollm2, "Name one use of paging.",
+                                replace(cfg, sampling=replace(cfg.sampling, seed=21 + i)))
+        list(session.run())
+        assert batch.seqs[seq_id].generated == session.generated
+    _, _, logits = recording.calls[2]  # a decode step of all three
+    for row, seq_id in enumerate(ids):
+        tokens = batch.seqs[seq_id].tokens[: len(batch.seqs[seq_id].prompt_ids) + 2]
+        dense = smollm2.forward(np.array(tokens), np.arange(len(tokens)), DenseAttention(smollm2.config))
+        assert np.abs(logits[row] - dense).max() / np.abs(dense).max() < 1e-5
