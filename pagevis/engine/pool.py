@@ -111,7 +111,7 @@ class SharedKVPool:
             fill = store.fill[table] if table else np.zeros(0, dtype=np.int64)
             shared = blocks.ref_counts[table] > 1 if table else np.zeros(0, dtype=bool)
             room = int((ps - fill).sum())
-            n_evict = max(0, int(fill.sum()) + n_tokens - self.config.capacity) if self._evicts(seq) else 0
+            n_evict = max(0, int(fill.sum()) + n_tokens - self.config.capacity) if seq.policy.evicts else 0
             need = int((shared & (fill < ps)).sum()) + min(n_evict, int(shared.sum()))
             need += -(-max(0, n_tokens - room - n_evict) // ps)
             needs.append(need)
@@ -120,9 +120,6 @@ class SharedKVPool:
     def room(self, seq_id: int) -> int:
         """Tokens the sequence can still add before its policy must evict (its budget, not the pool)."""
         return self.config.capacity - max(self.resident(seq_id, layer) for layer in range(len(self.stores)))
-
-    def _evicts(self, seq: PoolSequence) -> bool:
-        return seq.policy.evicts
 
     # --- sequences ---------------------------------------------------------------------------------
     def add_sequence(self, seq_id: int) -> PoolSequence:
