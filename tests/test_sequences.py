@@ -244,3 +244,13 @@ def test_smollm2_parallel_samples_and_batched_logits(smollm2):  # noqa: F811
         tokens = batch.seqs[seq_id].tokens[: len(batch.seqs[seq_id].prompt_ids) + 2]
         dense = smollm2.forward(np.array(tokens), np.arange(len(tokens)), DenseAttention(smollm2.config))
         assert np.abs(logits[row] - dense).max() / np.abs(dense).max() < 1e-5
+
+
+def test_a_full_cache_under_policy_none_ends_that_sequence_only():
+    cfg = config("none", max_pages=6, max_new_tokens=30)  # 24 tokens per sequence
+    batch = BatchSession(MODEL, cfg)
+    short, long = batch.submit(PROMPT[:6]), batch.submit(PROMPT[:16])
+    list(batch.run())
+    assert batch.seqs[long].stop_reason == "cache_full" and len(batch.seqs[long].generated) == 24 - 16 + 1
+    assert batch.seqs[short].stop_reason == "cache_full" and len(batch.seqs[short].generated) == 24 - 6 + 1
+    assert batch.seqs[short].generated[:5] == alone(replace(cfg, max_new_tokens=5), PROMPT[:6], 5)
