@@ -149,9 +149,10 @@ class SequencesWindow(QWidget):
         self.slider.setValue(len(self.records) - 1)
         self.show_step(len(self.records) - 1)
         kinds = sorted({e.kind for e in record.events} - {"allocate"})
-        if kinds:
-            self.status.setText(f"step {record.step}: " + ", ".join(
-                f"{sum(e.kind == k for e in record.events)} {k}" for k in kinds) + " (events over all layers)")
+        events = ", ".join(f"{sum(e.kind == k for e in record.events)} {k}" for k in kinds)
+        self.status.setText(f"step {record.step}: {len(record.seqs)} sequences stepped, {record.pages_used} pages "
+                            f"used ({record.pages_unshared} without sharing)"
+                            + (f"; {events} (events over all layers)" if events else ""))
 
     def _busy_says_so(self) -> bool:
         if self.busy:
