@@ -59,7 +59,7 @@ def test_policy_none_stops_when_decoding_fills_the_cache(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["run", "--page-size", "0"], "--page-size: page_size = 0 is not allowed"),
     (["run", "--page-size", "x"], "argument --page-size: invalid int value: 'x'"),
-    (["run", "--policy", "lru"], "argument --policy: invalid choice: 'lru'"),
+    (["run", "--policy", "lifo"], "argument --policy: invalid choice: 'lifo'"),
     (["run", "--policy", "sinks", "--policy-param", "n_sink=999", "--max-pages", "2"], "--policy-param: sinks.n_sink"),
     (["run", "--policy-param", "bogus"], "expected KEY=VALUE"),
     (["run", "--model", "/nonexistent/model.gguf"], "no such file"),

@@ -109,6 +109,9 @@ def test_same_seed_same_text_other_seed_other_text(client):
     ({"n": 17}, 422, "n"),
     ({"n": 2, "stream": True}, 422, "not streamed"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 422, "at most 4"),
+    ({"echo": True}, 422, "echo: True is not supported"),
+    ({"logprobs": 2}, 422, "logprobs: 2 is not supported"),
+    ({"frequency_penalty": 0.5}, 422, "frequency_penalty"),
 ])
 def test_bad_requests_get_clear_errors(client, changes, status, words):
     args = {"model": "synthetic", "prompt": "x", "max_tokens": 4, **changes}

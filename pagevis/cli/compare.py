@@ -129,7 +129,11 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(f"--tmp-dir {args.tmp_dir}: no such folder")
     choices = parse_policies(args.policies, optimal=not args.no_optimal)
     budgets = parse_budgets(args.budgets, args.page_size)
-    for choice in choices:  # policy parameters that cannot fit a budget fail now, not halfway through
+    text = load_text(args.text)
+    spec = options.model_spec(args)
+    model = spec.load()
+    check_budgets(budgets, args, model.config)
+    for choice in choices:  # policy parameters that cannot fit a budget fail before decoding, not halfway through
         for budget in budgets:
             if choice.name == OPTIMAL:
                 continue
@@ -139,10 +143,6 @@ def main(args: argparse.Namespace) -> int:
                               policy_params=params).check()
             except ConfigError as error:
                 raise UsageError(f"--policies {choice.label} at budget {budget}: {error}") from None
-    text = load_text(args.text)
-    spec = options.model_spec(args)
-    model = spec.load()
-    check_budgets(budgets, args, model.config)
     ids = model.tokenizer.encode(text)[: args.tokens]
     if len(ids) < 2:
         raise UsageError("the text is too short: it must encode to at least 2 tokens")

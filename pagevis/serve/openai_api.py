@@ -46,6 +46,19 @@ class _GenerationRequest(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N, description=f"samples of the prompt (1-{MAX_N}; more than 1: parallel "
                                                   "sampling over one shared pool, not streamed)")
     pagevis: CacheSettings | None = Field(None, description="cache settings: page_size, max_pages, policy, ...")
+    # Accepted only at their no-op values: silently ignoring them would change what the client asked for.
+    logprobs: bool | int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def refuse_unsupported(self) -> None:
+        for name, neutral in (("logprobs", (None, False, 0)), ("echo", (False,)), ("best_of", (None, 1)),
+                              ("presence_penalty", (0.0,)), ("frequency_penalty", (0.0,))):
+            if getattr(self, name) not in neutral:
+                raise ApiError(422, f"{name}: {getattr(self, name)!r} is not supported by this server", param=name,
+                               code="unsupported_parameter")
 
 
 class CompletionRequest(_GenerationRequest):
@@ -161,6 +174,7 @@ async def chat_completions(body: ChatRequest, request: Request):
 async def _generate(request: Request, body: _GenerationRequest, prompt: str, chat: bool, max_tokens: int | None,
                     prompt_ids: list[int] | None = None):
     state = request.app.state
+    body.refuse_unsupported()
     if body.model != state.model_id:
         raise ApiError(404, f"model {body.model!r} is not served here; this server serves {state.model_id!r} "
                             "(GET /v1/models)", param="model", code="model_not_found")
