@@ -254,3 +254,10 @@ def test_a_full_cache_under_policy_none_ends_that_sequence_only():
     assert batch.seqs[long].stop_reason == "cache_full" and len(batch.seqs[long].generated) == 24 - 16 + 1
     assert batch.seqs[short].stop_reason == "cache_full" and len(batch.seqs[short].generated) == 24 - 6 + 1
     assert batch.seqs[short].generated[:5] == alone(replace(cfg, max_new_tokens=5), PROMPT[:6], 5)
+
+
+def test_parallel_samples_of_a_prompt_too_long_for_policy_none_all_end_cache_full():
+    batch = BatchSession(MODEL, config("none", max_pages=3))  # 12 tokens; the prompt has more
+    ids = batch.submit_parallel(PROMPT, 3)
+    list(batch.run())
+    assert [batch.seqs[s].stop_reason for s in ids] == ["cache_full"] * 3

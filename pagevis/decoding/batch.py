@@ -250,6 +250,9 @@ class BatchSession:
         self.running.remove(seq.seq_id)
         self.finished.append(seq.seq_id)
         self.pool.free(seq.seq_id)
+        # parallel samples still waiting for this prompt (it ended before its first token): they run alone
+        self.waiting.extend(seq.children)
+        seq.children = []
 
     # --- scheduling ------------------------------------------------------------------------------------
     def _schedule(self) -> list[tuple[int, list[int], int]]:
@@ -273,6 +276,10 @@ class BatchSession:
             seq = self.seqs[self.waiting[0]]
             self.pool.add_sequence(seq.seq_id)
             seq.n_cached = self.pool.match_prefix(seq.seq_id, seq.tokens)
+            if self.pool.room(seq.seq_id) <= 0 and not self.pool.sequences[seq.seq_id].policy.evicts:
+                self._start(self.seqs[self.waiting.popleft()])  # its cached prefix already fills its budget
+                self._finish(seq, "cache_full")
+                continue
             chunk = self._next_chunk(seq.seq_id)
             need = self.pool.pages_needed(seq.seq_id, len(chunk[1]))
             if any(total[layer] + need[layer] > blocks.n_free() for layer, blocks in enumerate(self.pool.blocks)):
