@@ -6,6 +6,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from model_fixtures import smollm2  # noqa: F401  (fixture)
 
 from pagevis.decoding import DecodeSession, SamplingConfig, SessionConfig
@@ -261,3 +263,21 @@ def test_parallel_samples_of_a_prompt_too_long_for_policy_none_all_end_cache_ful
     ids = batch.submit_parallel(PROMPT, 3)
     list(batch.run())
     assert [batch.seqs[s].stop_reason for s in ids] == ["cache_full"] * 3
+
+
+@settings(max_examples=12, deadline=None)
+@given(lengths=st.lists(st.integers(1, 14), min_size=1, max_size=5), pool_pages=st.integers(9, 30),
+       new_tokens=st.integers(1, 10), shared=st.integers(0, 12), mode=st.sampled_from(["greedy", "sample"]))
+def test_random_batches_decode_what_each_decodes_alone_and_free_everything(lengths, pool_pages, new_tokens,
+                                                                            shared, mode):
+    """Sequences joining between steps, sharing prompt prefixes (prefix cache), preempted when the pool is
+    tight: each still decodes its own tokens, and at the end no page is referenced."""
+    cfg = config("none", max_pages=10, max_new_tokens=new_tokens, mode=mode)  # 40 tokens: never full
+    batch = BatchSession(MODEL, cfg, BatchConfig(pool_pages=pool_pages, max_seqs=3))
+    prompts = [PROMPT[:shared] + PROMPT[20 + i: 20 + i + n] for i, n in enumerate(lengths)]
+    ids = [batch.submit(p, sampling=SamplingConfig(mode=mode, seed=i)) for i, p in enumerate(prompts)]
+    list(batch.run())
+    for i, seq_id in enumerate(ids):
+        assert batch.seqs[seq_id].generated == alone(cfg, prompts[i], i)
+    for blocks in batch.pool.blocks:
+        assert not blocks.ref_counts.any() and blocks.n_free() == pool_pages
