@@ -382,7 +382,7 @@ class MainWindow(TimelineCursor, QMainWindow):
             return False
         try:
             trace = read_trace(path)
-        except (TraceError, OSError, ValueError) as error:
+        except (TraceError, OSError, ValueError, MemoryError) as error:
             self._report(f"Could not open trace {path}: {error}")
             return False
         self.runner.replay(trace)

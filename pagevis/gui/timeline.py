@@ -133,7 +133,7 @@ class Timeline:
             n_tokens, record.resident_tokens, record.pages_used, total * 1e3,
             n_tokens / total if total > 0 else float("nan"),
             oracle.kl if oracle else float("nan"), float(oracle.top1_agree) if oracle else float("nan"),
-            oracle.lost_attention if oracle else float("nan"))
+            oracle.lost_attention if oracle else float("nan"), *_tier_series(record))
         self.spill.append(record)
         self._recent[index] = record
         self._recent.pop(index - KEEP, None)
@@ -281,7 +281,7 @@ class Timeline:
         if row is None:
             recent = self._recent.get(step)
             if recent is not None:
-                flat = recent.slot_maps[layer].ravel()
+                flat = recent.page_map(layer).ravel()
                 weights = (recent.attention[recent.attention_layers.index(layer)]
                            if layer in recent.attention_layers else None)
                 row = (flat.astype(np.int32), None if weights is None else weights.astype(np.float16))
@@ -312,7 +312,16 @@ def timeline_from_trace(trace) -> Timeline:
     return timeline
 
 
-SERIES = ("tokens", "resident_tokens", "pages_used", "latency_ms", "tokens_per_s", "kl", "top1_agree", "lost_attention")
+SERIES = ("tokens", "resident_tokens", "pages_used", "latency_ms", "tokens_per_s", "kl", "top1_agree", "lost_attention",
+          "faults", "mb_read", "hit_rate")  # the last three: disk tier, all layers (NaN without one)
+
+
+def _tier_series(record: StepRecord) -> tuple[float, float, float]:
+    """Pages read from disk, MB read and RAM hit rate of a step, over all layers."""
+    if record.tiers is None:
+        return (float("nan"),) * 3
+    return (float(record.tiers.count("faults").sum()), record.tiers.count("bytes_read").sum() / 1e6,
+            record.tiers.hit_rate())
 
 
 def _record_bytes(record: StepRecord) -> int:

@@ -118,6 +118,8 @@ class AttentionView(QWidget):
         self.image.clear()
         timeline = state.timeline
         positions = max(len(timeline.info.prompt_ids), 1) if timeline is not None else 32
+        if isinstance(self.plot._grown[0], tuple):
+            self.plot._grown = (None, None)  # back from a sliding window
         theme.grow_range(self.plot, positions, 32, x_step=32, y_step=32, padding=0)
         x_max, y_max = self.plot._grown
         self.hint.setPos(x_max / 2, y_max / 2)
