@@ -195,7 +195,6 @@ class EventsView(QWidget):
         splitter.addWidget(table_box)
         splitter.addWidget(self.graphics)
         splitter.setSizes([220, 160])
-        self.graphics.setMinimumHeight(120)  # its position axis stays legible in a short dock (1280 × 720)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(splitter)
