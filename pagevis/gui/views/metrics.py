@@ -16,6 +16,7 @@ def _curve(plot: pg.PlotItem, color: str, name: str) -> pg.PlotCurveItem:
     """A bare PlotCurveItem: its setData is a fraction of a PlotDataItem's (no clipping, downsampling
     or symbol machinery), and a few thousand points draw as one polyline in C++."""
     item = pg.PlotCurveItem(pen=pg.mkPen(color, width=1.6), name=name)
+    theme.cache_item(item)
     plot.addItem(item)
     return item
 
@@ -77,6 +78,7 @@ class MetricsView(QWidget):
         # one bar per step with gaps between them (a filled step curve read as a solid block at 1 per step)
         self.bars = pg.BarGraphItem(x=np.zeros(0), height=np.zeros(0), width=0.6, pen=None,
                                     brush=pg.mkBrush(theme.STATE_COLORS[5]), name="evicted")
+        theme.cache_item(self.bars)
         self.evictions.addItem(self.bars)
         self.capacity = pg.InfiniteLine(angle=0, pen=pg.mkPen(theme.MUTED, style=Qt.DotLine),
                                         label="capacity", labelOpts={"color": theme.MUTED, "position": 0.02,
