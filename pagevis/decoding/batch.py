@@ -122,7 +122,7 @@ class BatchSession:
 
     def encode(self, prompt: str) -> list[int]:
         """The prompt's token ids (in the chat template when the config says so)."""
-        return encode_prompt(self.model, prompt, self.config.chat)
+        return encode_prompt(self.model, prompt, self.config.chat, self.config.special)
 
     def submit_parallel(self, prompt_ids, n: int, sampling: SamplingConfig | None = None) -> list[int]:
         """n samples of one prompt: seeds seed, seed+1, ...; the prompt is computed once and its pages

@@ -119,7 +119,8 @@ class SharedKVPool:
 
     def room(self, seq_id: int) -> int:
         """Tokens the sequence can still add before its policy must evict (its budget, not the pool)."""
-        return self.config.capacity - max(self.resident(seq_id, layer) for layer in range(len(self.stores)))
+        policy = self.sequences[seq_id].policy
+        return min(policy.layer_capacity(layer) - self.resident(seq_id, layer) for layer in range(len(self.stores)))
 
     # --- sequences ---------------------------------------------------------------------------------
     def add_sequence(self, seq_id: int) -> PoolSequence:
@@ -128,7 +129,7 @@ class SharedKVPool:
         policy = make_policy(self.config)
         n_slots = self.pool_pages * self.page_size
         seq = PoolSequence(seq_id, Sequence(self.config.n_layers, seq_id), policy,
-                           [policy.state_class(n_slots) for _ in self.stores])
+                           [policy.make_state(n_slots) for _ in self.stores])
         self.sequences[seq_id] = seq
         return seq
 
@@ -208,7 +209,7 @@ class SharedKVPool:
         seq, store = self.sequences[seq_id], self.stores[layer]
         state = seq.states[layer]
         for i, position in enumerate(positions):
-            if self.resident(seq_id, layer) >= self.config.capacity:
+            if self.resident(seq_id, layer) >= seq.policy.layer_capacity(layer):
                 if not seq.policy.evicts:
                     raise CacheFullError(f"sequence {seq_id} holds {self.config.capacity} tokens and policy "
                                          f"'none' does not evict")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import QLine, Qt, Signal
 import numpy as np
 from PySide6.QtGui import QAction, QColor, QKeySequence, QPainter, QPen
 from PySide6.QtWidgets import QComboBox, QLabel, QSlider, QStyle, QStyleOptionSlider, QToolBar, QWidget
@@ -60,8 +60,8 @@ class MarkedSlider(QSlider):
         painter = QPainter(self)
         painter.setPen(QPen(QColor(STATE_COLORS[5]), 1))
         bottom = self.height() - 1
-        for pixel in np.unique(np.round(x).astype(np.int64)).tolist():  # one line per pixel column
-            painter.drawLine(pixel, bottom - 4, pixel, bottom)
+        painter.drawLines([QLine(pixel, bottom - 4, pixel, bottom)  # one line per pixel column, one call
+                           for pixel in np.unique(np.round(x).astype(np.int64)).tolist()])
         painter.end()
 
 
