@@ -89,7 +89,7 @@ class MetricsView(QWidget):
             plot.addItem(line, ignoreBounds=True)
             self.cursors.append(line)
         # three short lines: at 85% of a laptop screen this plot is about 100 px wide
-        self.oracle_off = pg.TextItem("oracle off\n(Controls ▸\nDecoding)", color=theme.MUTED, anchor=(0.5, 0.5))
+        self.oracle_off = pg.TextItem("oracle off\n(Decoding)", color=theme.MUTED, anchor=(0.5, 0.5))
         self._titles()
         self.oracle.addItem(self.oracle_off, ignoreBounds=True)
         self.hint = pg.TextItem(EMPTY_HINT, color=theme.MUTED, anchor=(0.5, 0.5))
