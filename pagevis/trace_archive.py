@@ -40,8 +40,10 @@ class Archive:
 
     def __init__(self, path: str):
         self.path = path
-        if not os.path.isfile(path):
+        if not os.path.exists(path):
             raise TraceError(f"{path}: no such trace file")
+        if not os.path.isfile(path):
+            raise TraceError(f"{path}: not a trace file (a folder or a device)")
         self.size = os.path.getsize(path)
         self._check_end_record()
         try:
@@ -91,13 +93,7 @@ class Archive:
         where = f"{self.path}: array {name}"
         try:
             with self._zip.open(info) as stream:
-                version = np.lib.format.read_magic(stream)
-                if version == (1, 0):
-                    found_shape, fortran, found_dtype = np.lib.format.read_array_header_1_0(stream)
-                elif version == (2, 0):
-                    found_shape, fortran, found_dtype = np.lib.format.read_array_header_2_0(stream)
-                else:
-                    raise TraceError(f"{where} is .npy format version {version}; pagevis reads 1.0 and 2.0")
+                found_shape, fortran, found_dtype = _npy_header(stream, where)
                 if found_dtype != dtype or tuple(found_shape) != tuple(shape) or fortran:
                     order = ", Fortran order" if fortran else ""
                     raise TraceError(f"{where} is {found_dtype.str} {list(found_shape)}{order}; the header says "
@@ -159,6 +155,21 @@ class Archive:
         if len(data) > max_bytes:
             raise TraceError(f"{self.path}: {name} is larger than {max_bytes} bytes")
         return data
+
+
+def _npy_header(stream, where: str) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """Shape, Fortran order and dtype from an .npy header (at most 64 KiB, parsed as a Python literal)."""
+    try:
+        version = np.lib.format.read_magic(stream)
+        if version == (1, 0):
+            return np.lib.format.read_array_header_1_0(stream, max_header_size=65_536)
+        if version == (2, 0):
+            return np.lib.format.read_array_header_2_0(stream, max_header_size=65_536)
+    except CORRUPT as error:
+        raise TraceError(f"{where} is corrupt ({_reason(error)})") from None
+    except Exception as error:  # noqa: BLE001 - NumPy's literal parser raises tokenize, recursion, memory errors
+        raise TraceError(f"{where} has an .npy header that cannot be parsed ({type(error).__name__})") from None
+    raise TraceError(f"{where} is .npy format version {version}; pagevis reads 1.0 and 2.0")
 
 
 def _read_exactly(stream, target: memoryview, where: str) -> None:

@@ -38,9 +38,11 @@ def base_trace(path: Path) -> Path:
     spec = ModelSpec(kind="synthetic", n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, seed=1)
     config = SessionConfig(page_size=4, max_pages=2, policy="h2o", max_new_tokens=6, chat=False)
     session = DecodeSession(spec.load(), "pages of keys", config)
-    for _ in session.run():
-        pass
+    for record in session.run():
+        record.timings.update({key: 0.001 for key in record.timings})  # the same bytes on every run
     write_trace(path, session, model_spec=spec, meta={"command": "make_hostile_files.py"})
+    header, arrays = members(path)
+    write_zip(path, header, arrays)  # fixed member dates
     return path
 
 
@@ -51,10 +53,15 @@ def members(path: Path) -> tuple[dict, dict[str, bytes]]:
 
 
 def write_zip(path: Path, header, arrays: dict[str, bytes], header_text: str | None = None) -> None:
+    def member(name: str) -> zipfile.ZipInfo:  # a fixed date: the files are the same bytes on every run
+        info = zipfile.ZipInfo(name, date_time=(2026, 1, 1, 0, 0, 0))
+        info.compress_type = zipfile.ZIP_DEFLATED
+        return info
+
     with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
-        archive.writestr("header.json", header_text if header_text is not None else json.dumps(header))
+        archive.writestr(member("header.json"), header_text if header_text is not None else json.dumps(header))
         for name, data in arrays.items():
-            archive.writestr(name, data)
+            archive.writestr(member(name), data)
 
 
 def npy_bytes(array: np.ndarray) -> bytes:
@@ -210,6 +217,10 @@ def trace_cases(base: Path) -> dict[str, str]:
                 lambda h: h["model"].update(n_layers=10**9))
     header_case("unknown-event-kind.pvtrace", "event_kinds ['allocate', 'explode']",
                 lambda h: h.update(event_kinds=["allocate", "explode"]))
+    header_case("many-events.pvtrace", "8 million events declared: few bytes as arrays, gigabytes as Python objects",
+                lambda h: h["arrays"].update({name: {"dtype": spec["dtype"], "shape": [8_000_000]}
+                                              for name, spec in h["arrays"].items() if name.startswith("event_")
+                                              and name != "event_offsets"}))
     header_case("steps-mismatch.pvtrace", "n_steps one more than the arrays hold",
                 lambda h: h.update(n_steps=h["n_steps"] + 1))
     case("header-list.pvtrace", "header.json is a JSON list")

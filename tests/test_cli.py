@@ -135,13 +135,18 @@ def test_app_options_reach_launch(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(pagevis.gui, "launch", lambda **kwargs: calls.append(kwargs) or 0)
     assert main([]) == 0
-    assert calls[-1] == dict(model_spec=None, prompt=None, session_config=None, screenshot=None, steps=0, metrics=None)
+    assert calls[-1] == dict(model_spec=None, prompt=None, session_config=None, screenshot=None, steps=0, metrics=None,
+                             preset=None)
     assert main([*SYNTH, "--prompt", "hi", "--page-size", "8", "--policy", "tova", "--screenshot", "s.png",
                  "--steps", "3"]) == 0
     call = calls[-1]
     assert call["model_spec"].kind == "synthetic" and call["model_spec"].n_layers == 2
     assert call["prompt"] == "hi" and call["screenshot"] == "s.png" and call["steps"] == 3
     assert call["session_config"].page_size == 8 and call["session_config"].policy == "tova"
+    assert main(["--preset", "streaming"]) == 0  # a preset sets prompt and cache; an A/B one opens both
+    call = calls[-1]
+    assert call["preset"].name == "StreamingLLM: window vs sinks" and call["session_config"] == call["preset"].a
+    assert call["prompt"] == call["preset"].prompt_text()
     trace = tmp_path / "t.pvtrace"
     assert main(["run", *SYNTH, "--max-tokens", "2", "--trace", str(trace), "--quiet"]) == 0
     assert main(["replay", str(trace)]) == 0

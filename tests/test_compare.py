@@ -49,6 +49,15 @@ def test_full_cache_perplexity_equals_dense(model, ids, reference):
     assert row.evictions == 0 and row.evicting_tokens == 0
 
 
+def test_a_budget_prefilled_in_pieces_equals_one_chunk(model, reference):
+    """compare prefills in pieces to bound memory: the rows are those of one whole chunk."""
+    rows = [quality.evaluate(model, reference, quality.PolicyChoice("h2o"), budget=48, page_size=8, piece=piece)
+            for piece in (1000, 7)]
+    assert rows[0].ppl == pytest.approx(rows[1].ppl, rel=1e-6)
+    assert rows[0].mean_kl == pytest.approx(rows[1].mean_kl, rel=1e-5, abs=1e-9)
+    assert rows[0].evictions == rows[1].evictions
+
+
 def test_policy_none_below_the_text_reports_cache_full(model, reference):
     row = quality.evaluate(model, reference, quality.PolicyChoice("none"), budget=64, page_size=8)
     assert row.ppl is None and "cache full" in row.note

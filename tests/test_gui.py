@@ -371,3 +371,13 @@ def test_an_error_shows_one_line_and_its_traceback_behind_details(qtbot, tmp_pat
     window.grab().save(str(tmp_path / "details.png"))
     panel.clear()
     assert not panel.toggle.isEnabled() and panel.details_text() == ""
+
+
+def test_hostile_trace_files_are_reported_not_raised(qtbot, window):
+    from pathlib import Path
+
+    hostile = Path(__file__).parent / "data" / "hostile"
+    for name in ("bomb-member.pvtrace", "garbage-block-tables.pvtrace", "huge-position.pvtrace", "encrypted.pvtrace"):
+        assert not window.open_trace(str(hostile / name))
+        assert name in window.messages.toPlainText().splitlines()[-1]
+    assert window.open_trace(str(hostile / "valid.pvtrace")) and window.runner.state == "replay"

@@ -43,9 +43,11 @@ def test_numeric_flags_are_bounded(capsys, argv, message):
 
 
 def test_errors_name_only_flags_the_command_has(capsys, tmp_path):
-    smollm2_layout = ["--model", "synthetic", "--layers", "30", "--heads", "9", "--kv-heads", "3", "--head-dim", "64"]
-    err = refusal(capsys, "compare", "--budgets", "16777216", *smollm2_layout, "--no-files", "--quiet")
+    wide = ["--model", "synthetic", "--layers", "1", "--heads", "4", "--kv-heads", "4", "--head-dim", "64"]
+    err = refusal(capsys, "compare", "--budgets", "16777216", "--policies", "sinks", *wide, "--no-files", "--quiet")
     assert "--budgets: 16777216 tokens is too large" in err and "--max-pages" not in err
+    err = refusal(capsys, "compare", "--budgets", str(1 << 40), *wide, "--no-files", "--quiet")
+    assert "--budgets: 1099511627776 tokens is more than" in err
     err = refusal(capsys, "bench", "--decode-tokens", "0", "--no-files", "--quick")
     assert "--decode-tokens" in err and "--max-tokens" not in err
     # a policy parameter nobody gave is the policy's default, not a --policy-param the user typed
@@ -61,20 +63,36 @@ def test_errors_name_only_flags_the_command_has(capsys, tmp_path):
     (["run", *SYNTH, "--prompt-file", "/dev/null"], "--prompt-file /dev/null: the file is empty"),
     (["run", *SYNTH, "--prompt", "a\udcffb", "--no-chat"], "--prompt: not valid UTF-8 text (byte 0xff"),
     (["run", *SYNTH, "--prompt", "hi", "--special"], "--special only applies with --no-chat"),
+    (["run", *SYNTH, "--prompt-file", "/dev/zero"], "--prompt-file /dev/zero: larger than 4 MiB"),
+    (["compare", *SYNTH, "/dev/urandom", "--no-files"], "TEXTFILE /dev/urandom: larger than 4 MiB"),
+    (["replay", "--check", "/dev/zero"], "/dev/zero: not a trace file"),
 ])
 def test_prompts_that_are_empty_or_not_text_are_refused(capsys, argv, message):
     assert message in refusal(capsys, *argv)
 
 
-def test_empty_prompt_file_is_refused(capsys, tmp_path):
+def test_empty_huge_or_binary_prompt_files_are_refused(capsys, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     assert "the file is empty" in refusal(capsys, "run", *SYNTH, "--prompt-file", str(empty))
+    huge = tmp_path / "huge.txt"
+    huge.write_bytes(b"a" * ((4 << 20) + 1))
+    assert "larger than 4 MiB" in refusal(capsys, "run", *SYNTH, "--prompt-file", str(huge))
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"ab\xff")
+    assert "not UTF-8 text (byte 0xff at offset 2)" in refusal(capsys, "run", *SYNTH, "--prompt-file", str(binary))
+
+
+def test_a_tiny_temperature_samples_the_top_token(capsys):
+    status = main(["run", *SYNTH, "--prompt", "hi", "--no-chat", "--temperature", "1e-300", "--max-tokens", "3",
+                   "--quiet", "--json"])
+    assert status == 0, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [
     (["run", *SYNTH, "--trace", "/proc/version"], "--trace /proc/version: cannot write in /proc"),
     (["run", *SYNTH, "--trace", "/nonexistent/x.pvtrace"], "no such folder /nonexistent"),
+    (["run", *SYNTH, "--trace", "/dev/null"], "--trace /dev/null: not a regular file"),
     (["compare", *SYNTH, "--plot", "p.txt"], "--plot p.txt: the file is written as PNG"),
     (["compare", *SYNTH, "--csv", "/proc/x.csv"], "--csv /proc/x.csv: cannot write in /proc"),
     (["--screenshot", "/proc/s.png", *SYNTH], "--screenshot /proc/s.png: cannot write in /proc"),

@@ -65,3 +65,14 @@ def test_text_the_vocabulary_cannot_encode_is_a_config_error(smollm2):
 
     with pytest.raises(ConfigError, match="byte 0x04 has no token"):
         smollm2.tokenizer.encode("end of transmission \x04")
+
+
+def test_an_empty_control_token_in_the_vocabulary_matches_nothing():
+    from pagevis.model import BPETokenizer
+    from pagevis.model.bpe import byte_to_unicode
+
+    spelled = byte_to_unicode()
+    tokens = [spelled[b] for b in range(256)] + ["<|im_start|>", "<|im_end|>", ""]
+    tokenizer = BPETokenizer(tokens, [], [1] * 256 + [3, 3, 3], pre_tokenizer="gpt-2", chat_system_prompt=None)
+    ids = tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+    assert 258 not in ids and ids.count(256) == 2 and ids.count(257) == 1

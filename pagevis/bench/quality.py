@@ -179,19 +179,28 @@ def full_reference(model, token_ids, page_size: int = 16, dtype: str = "float32"
 
 
 class _KeepAllLogits:
-    """The model as a DecodeSession sees it, keeping the logits of every token of the last forward."""
+    """The model as a DecodeSession sees it, keeping the logits of every token of the last forward.
 
-    def __init__(self, model):
+    A chunk runs in pieces of at most `piece` tokens: the session prefills a whole budget at once, and one
+    piece's attention weights (piece x heads x keys, float32) stay small where a 4,096-token chunk's would
+    take 600 MB. The pieces are consecutive and the chunk fits the free slots, so nothing is evicted
+    between them and every query sees what it would have seen in one call.
+    """
+
+    def __init__(self, model, piece: int = 256):
         self.model, self.config, self.tokenizer = model, model.config, model.tokenizer
+        self.piece = piece
         self.logits: np.ndarray | None = None
 
     def forward(self, token_ids, positions, attend, all_logits=False):
-        self.logits = np.atleast_2d(self.model.forward(token_ids, positions, attend, all_logits=True))
+        pieces = [self.model.forward(token_ids[i: i + self.piece], positions[i: i + self.piece], attend,
+                                     all_logits=True) for i in range(0, len(token_ids), self.piece)]
+        self.logits = np.concatenate([np.atleast_2d(p) for p in pieces])
         return self.logits if all_logits else self.logits[-1]
 
 
 def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, page_size: int,
-             dtype: str = "float32", progress: Callable[[int], None] | None = None) -> Row:
+             dtype: str = "float32", progress: Callable[[int], None] | None = None, piece: int = 256) -> Row:
     """Teacher-force the reference's text through a bounded cache and compare with the full cache.
     `optimal` (compare only) is the clairvoyant policy of pagevis.bench.optimal, fed the reference's future."""
     ids = reference.token_ids
@@ -207,7 +216,7 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
         tier = {"policy": "oldest" if optimal else choice.name}
     config = SessionConfig(page_size=page_size, max_pages=max_pages, dtype=dtype, policy_params=params,
                            max_new_tokens=1, oracle=False, chat=False, record_layers=(), **tier)
-    wrapped = _KeepAllLogits(model)
+    wrapped = _KeepAllLogits(model, piece)
     session = DecodeSession(wrapped, "", config, prompt_ids=[int(t) for t in ids])
     if optimal:
         optimal.bind(session.cache_config.capacity, page_size)

@@ -10,7 +10,7 @@ import sys
 from importlib import resources
 
 from . import options
-from ..engine.config import MAX_PAGE_SIZE
+from ..engine.config import MAX_PAGE_SIZE, MAX_PAGES
 from .options import UsageError
 from .progress import Progress
 
@@ -89,6 +89,8 @@ def parse_budgets(text: str, page_size: int) -> list[int]:
     for budget in budgets:
         if budget < page_size or budget % page_size:
             raise UsageError(f"--budgets: {budget} is not a positive multiple of --page-size {page_size}")
+        if budget // page_size > MAX_PAGES:
+            raise UsageError(f"--budgets: {budget} tokens is more than {MAX_PAGES} pages of --page-size {page_size}")
     return budgets
 
 
@@ -150,6 +152,8 @@ def main(args: argparse.Namespace) -> int:
                 CacheSettings(page_size=args.page_size, max_pages=max_pages, policy=choice.name,
                               policy_params=params).check()
             except ConfigError as error:
+                if error.field == "max_pages":  # the budget itself is too large: check_budgets says so below
+                    continue
                 raise UsageError(f"--policies {choice.label} at budget {budget}: {error}") from None
     ids = model.tokenizer.encode(text)[: args.tokens]
     if len(ids) < 2:
@@ -233,7 +237,9 @@ def format_table(rows) -> str:
 
 
 def _gap(value) -> str:
-    return f"{'-':>7}" if value is None else f"{value:>+7.1%}"
+    if value is None:
+        return f"{'-':>7}"
+    return f"{value:>+7.0%}" if abs(value) >= 10 else f"{value:>+7.1%}"
 
 
 def _f(value, width, digits) -> str:
@@ -261,8 +267,10 @@ def write_plot(path: str, rows, result) -> None:
         ys.append(row.ppl)
     budgets = sorted({row.budget for row in rows[1:]})
     series["full cache"] = (budgets, [result["full_cache_ppl"]] * len(budgets))
+    values = [y for _, ys in series.values() for y in ys if y]
+    ladder = (10, 12, 14, 16, 18, 20, 25, 30, 40, 50, 75, 100, 150, 200, 300, 500, 1000, 2000, 5000)
+    ticks = [t for t in ladder if min(values, default=1) / 1.1 <= t <= max(values, default=1) * 1.1]
     line_plot(path, series, title=f"Perplexity vs cache budget ({result['model']}, {result['tokens']} tokens, "
                                   f"page size {result['page_size']})",
               x_label="cache budget (tokens per layer)", y_label="perplexity (log scale)", log_x=True, log_y=True,
-              dashed={"full cache"},
-              x_ticks=budgets)
+              dashed={"full cache", "optimal"}, x_ticks=budgets, y_ticks=ticks or None)

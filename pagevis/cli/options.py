@@ -14,6 +14,7 @@ from ..engine import POLICIES, ConfigError
 from ..presets import DEFAULT_CONFIG, Preset, find_preset, preset_names
 
 MODEL_NAMES = ("smollm2", "synthetic")
+MAX_TEXT_BYTES = 4 << 20  # a prompt or compare text; ~1M tokens, more than any cache here holds
 SYNTHETIC_FLAGS = {"layers": "n_layers", "heads": "n_heads", "kv_heads": "n_kv_heads", "head_dim": "head_dim",
                    "model_seed": "seed"}
 # Engine field names -> the flag that sets them, so a ConfigError can name what the user typed.
@@ -176,6 +177,8 @@ def check_writable(path: str, flag: str, suffix: str | None = None) -> None:
         raise UsageError(f"{flag} {path}: no such folder {folder}")
     if os.path.isdir(path):
         raise UsageError(f"{flag} {path}: is a folder")
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise UsageError(f"{flag} {path}: not a regular file (pagevis writes a new file and renames it into place)")
     if os.path.exists(path) and not os.access(path, os.W_OK):
         raise UsageError(f"{flag} {path}: the file is not writable")
     try:
@@ -217,16 +220,22 @@ def prompt_text(args: argparse.Namespace) -> str | None:
     return text
 
 
-def read_text_file(path: str, flag: str) -> str:
+def read_text_file(path: str, flag: str, max_bytes: int = MAX_TEXT_BYTES) -> str:
+    """A UTF-8 text file (or a pipe such as /dev/stdin) of at most `max_bytes`, read no further: a device like
+    /dev/zero never ends. UsageError if it cannot be read, is larger or is not UTF-8."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.read()
+        with open(path, "rb") as handle:
+            raw = handle.read(max_bytes + 1)
     except FileNotFoundError:
         raise UsageError(f"{flag} {path}: no such file") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"{flag} {path}: not UTF-8 text") from None
     except OSError as error:
         raise UsageError(f"{flag} {path}: {error.strerror}") from None
+    if len(raw) > max_bytes:
+        raise UsageError(f"{flag} {path}: larger than {max_bytes >> 20} MiB; give a shorter text")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise UsageError(f"{flag} {path}: not UTF-8 text (byte {raw[error.start]:#04x} at offset {error.start})") from None
 
 
 def parse_param(text: str, flag: str = "--policy-param") -> tuple[str, object]:

@@ -45,7 +45,11 @@ class Sampler:
     def sample_probabilities(self, logits: np.ndarray) -> np.ndarray:
         """The distribution `sample` draws from (after temperature, top-k and top-p)."""
         c = self.config
-        probs = np.exp(log_softmax(logits / c.temperature))
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            scaled = logits / c.temperature
+            if not np.isfinite(scaled).all():  # a tiny temperature overflows: shift first (softmax is shift-invariant)
+                scaled = (logits.astype(np.float64) - np.max(logits)) / c.temperature
+        probs = np.exp(log_softmax(scaled))
         if c.top_k and c.top_k < probs.size:
             cut = np.partition(probs, -c.top_k)[-c.top_k]
             probs = np.where(probs >= cut, probs, 0.0)

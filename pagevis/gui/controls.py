@@ -39,7 +39,7 @@ from .runner import validate
 from .timeline import head_label
 
 DEFAULT_PROMPT = default_prompt()
-MODEL_CHOICES = (("smollm2", "SmolLM2-135M-Instruct"), ("synthetic", "Synthetic (random weights)"))
+MODEL_CHOICES = (("smollm2", "SmolLM2-135M-Instruct"), ("synthetic", "Synthetic (random)"))
 
 
 def sample_prompts() -> dict[str, str]:

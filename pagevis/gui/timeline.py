@@ -28,8 +28,8 @@ from .spill import RecordSpill, _grow
 
 KEEP = 8  # newest records kept whole in memory
 REBUILT = 16  # older records rebuilt from the spill file and kept, least recently used first out
-HEATMAP_ROWS = 256  # steps the attention heatmap shows, ending at the selected step
-HEATMAP_COLUMNS = 1024  # positions it shows, ending at the newest written by then
+HEATMAP_ROWS = 192  # steps the attention heatmap shows, ending at the selected step
+HEATMAP_COLUMNS = 768  # positions it shows, ending at the newest written by then
 ROW_CACHE_LAYERS = 3  # layers whose heatmap rows stay cached (the shown one, and the ones just before)
 
 
@@ -92,6 +92,7 @@ class Timeline:
         self._reasons: list[str] = []
         self.evictions = _Evictions(self)
         self._per_layer = np.zeros((0, info.n_layers), dtype=np.int32)  # evictions per (record, layer)
+        self._pages = np.zeros((0, info.n_layers), dtype=np.int32)  # pages in use per (record, layer)
         self._series = np.zeros((0, len(SERIES)), dtype=np.float64)
         self._columns_cache = (np.zeros((3, 0)), 0)
         self._rows: OrderedDict[int, OrderedDict[int, tuple]] = OrderedDict()  # heatmap rows by layer, step
@@ -114,6 +115,8 @@ class Timeline:
         self._written[index] = self._n_positions
         self._per_layer = _grow(self._per_layer, index)
         self._per_layer[index] = 0
+        self._pages = _grow(self._pages, index)
+        self._pages[index] = [len(table) for table in record.block_tables]
         for event in record.events:
             if event.kind is EventKind.EVICT:
                 self._per_layer[index, event.layer] += 1
@@ -160,7 +163,7 @@ class Timeline:
 
     def memory_bytes(self) -> int:
         """What this timeline holds in memory (the spill file's pages are the OS's, not counted)."""
-        arrays = (self._token_ids, self._written, self._evictions, self._per_layer, self._series)
+        arrays = (self._token_ids, self._written, self._evictions, self._per_layer, self._pages, self._series)
         rows = sum(p.nbytes + (w.nbytes if w is not None else 0)
                    for layer in self._rows.values() for p, w in layer.values())
         whole = sum(_record_bytes(r) for r in (*self._recent.values(), *self._rebuilt.values()))
@@ -218,6 +221,15 @@ class Timeline:
     def evictions_per_step(self, layer: int | None = None) -> np.ndarray:
         counts = self._per_layer[: self._count]
         return counts.sum(axis=1) if layer is None else counts[:, layer].copy()
+
+    def resident_per_step(self, layer: int) -> np.ndarray:
+        """Tokens resident in `layer` after each record: positions written minus those it evicted."""
+        evicted = np.cumsum(self._per_layer[: self._count, layer])
+        return (self._written[: self._count] - evicted).astype(np.float64)
+
+    def pages_per_step(self, layer: int) -> np.ndarray:
+        """Pages in `layer`'s block table after each record."""
+        return self._pages[: self._count, layer].astype(np.float64)
 
     def tokens_per_second(self, index: int, window: int = 16) -> float:
         """Decode speed over the last `window` decode steps up to `index` (forward + sampling time)."""

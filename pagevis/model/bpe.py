@@ -78,7 +78,7 @@ class BPETokenizer:
         types = token_types or [1] * len(tokens)
         self.special_ids = {
             token: index for index, (token, kind) in enumerate(zip(tokens, types))
-            if kind in SPECIAL_TOKEN_TYPES
+            if kind in SPECIAL_TOKEN_TYPES and token  # an empty "special" string would match everywhere
         }
         self._special_split = (
             regex.compile("(" + "|".join(regex.escape(s) for s in

@@ -27,6 +27,10 @@ class _PlainArrayReader(GGUFReader):
     SmolLM2 takes ~6 s. Slicing a plain ndarray view of the same mapping takes ~1.5 s.
     """
 
+    def __init__(self, path: Path):
+        self.path = path
+        super().__init__(path)
+
     @property
     def data(self) -> np.ndarray:
         return self._plain
@@ -81,8 +85,17 @@ def read_metadata(reader: GGUFReader, skip_arrays_longer_than: int | None = None
         is_array = field.types and field.types[0] == GGUFValueType.ARRAY
         if is_array and skip_arrays_longer_than is not None and len(field.data) > skip_arrays_longer_than:
             continue
-        metadata[key] = field.contents()
+        metadata[key] = field_contents(reader, key)
     return metadata
+
+
+def field_contents(reader: GGUFReader, key: str) -> Any:
+    """A metadata field as Python values; ModelLoadError naming the key if its bytes do not decode."""
+    try:
+        return reader.fields[key].contents()
+    except (UnicodeDecodeError, ValueError, IndexError, TypeError, OverflowError) as exc:
+        raise ModelLoadError(f"{getattr(reader, 'path', 'the model file')}: metadata key {key} cannot be read "
+                             f"({type(exc).__name__}: {exc})") from None
 
 
 def tensor_as_float32(path: Path, tensor: Any, expected_shape: tuple[int, ...]) -> np.ndarray:

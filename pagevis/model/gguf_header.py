@@ -106,8 +106,9 @@ class _Walk:
             raise self.fail(f"{what} has value type {kind}, which GGUF does not define")
 
 
-def check_gguf_structure(path: Path) -> None:
-    """Walk the header, metadata and tensor table of a GGUF file; ModelLoadError if anything does not fit."""
+def check_gguf_structure(path: Path) -> int:
+    """Walk the header, metadata and tensor table of a GGUF file; ModelLoadError if anything does not fit.
+    Returns where the tensor table ends."""
     with path.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
         version = struct.unpack_from("<I", data, 4)[0]
         order = "<" if version & 0xFFFF else ">"  # a big-endian file reads as a huge little-endian version
@@ -138,3 +139,4 @@ def check_gguf_structure(path: Path) -> None:
             if elements > walk.size * 8:  # no tensor type packs more than 8 elements per byte
                 raise walk.fail(f"tensor {name!r} has shape {list(dims)}, more elements than the file can hold")
             walk.unpack("IQ", f"tensor {name!r}")  # type, offset: checked by the reader and the loader
+        return walk.at

@@ -13,7 +13,7 @@ from .bpe import BPETokenizer, byte_to_unicode
 from .chat import system_prompt_from_template
 from .config import ModelConfig
 from .errors import ModelConfigError, ModelLoadError
-from .gguf_file import open_gguf, read_metadata, tensor_as_float32
+from .gguf_file import field_contents, open_gguf, read_metadata, tensor_as_float32
 from .llama import LlamaModel
 from .locate import default_model_path
 from .weights import LlamaWeights, layer_from_gguf_matrices
@@ -180,12 +180,11 @@ def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any], voc
         )
 
     def array(key: str, item: type, required: bool) -> list[Any] | None:
-        field = reader.fields.get(key)
-        if field is None:
+        if key not in reader.fields:
             if required:
                 raise ModelLoadError(f"{path}: metadata key {key} is missing")
             return None
-        values = field.contents()
+        values = field_contents(reader, key)
         if not isinstance(values, list) or not all(isinstance(v, item) and not isinstance(v, bool) for v in values):
             raise ModelLoadError(f"{path}: metadata key {key} must be a list of {item.__name__} values")
         return values

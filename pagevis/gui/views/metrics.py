@@ -16,6 +16,7 @@ def _curve(plot: pg.PlotItem, color: str, name: str) -> pg.PlotCurveItem:
     """A bare PlotCurveItem: its setData is a fraction of a PlotDataItem's (no clipping, downsampling
     or symbol machinery), and a few thousand points draw as one polyline in C++."""
     item = pg.PlotCurveItem(pen=pg.mkPen(color, width=1.6), name=name)
+    theme.cache_item(item)
     plot.addItem(item)
     return item
 
@@ -77,9 +78,12 @@ class MetricsView(QWidget):
         # one bar per step with gaps between them (a filled step curve read as a solid block at 1 per step)
         self.bars = pg.BarGraphItem(x=np.zeros(0), height=np.zeros(0), width=0.6, pen=None,
                                     brush=pg.mkBrush(theme.STATE_COLORS[5]), name="evicted")
+        theme.cache_item(self.bars)
         self.evictions.addItem(self.bars)
         self.capacity = pg.InfiniteLine(angle=0, pen=pg.mkPen(theme.MUTED, style=Qt.DotLine),
-                                        label="capacity", labelOpts={"color": theme.MUTED, "position": 0.5})
+                                        label="capacity", labelOpts={"color": theme.MUTED, "position": 0.02,
+                                                                     "anchors": [(0, 0), (0, 0)]})
+        # the label hangs below the line at its left end: the resident curve runs along the line once full
         self.occupancy.addItem(self.capacity)
         self.cursors = []
         for plot in (self.occupancy, self.evictions, self.latency, self.oracle):
@@ -87,7 +91,7 @@ class MetricsView(QWidget):
             plot.addItem(line, ignoreBounds=True)
             self.cursors.append(line)
         # three short lines: at 85% of a laptop screen this plot is about 100 px wide
-        self.oracle_off = pg.TextItem("oracle off\n(Controls ▸\nDecoding)", color=theme.MUTED, anchor=(0.5, 0.5))
+        self.oracle_off = pg.TextItem("oracle off\n(Decoding)", color=theme.MUTED, anchor=(0.5, 0.5))
         self._titles()
         self.oracle.addItem(self.oracle_off, ignoreBounds=True)
         self.hint = pg.TextItem(EMPTY_HINT, color=theme.MUTED, anchor=(0.5, 0.5))
@@ -109,8 +113,8 @@ class MetricsView(QWidget):
                             justify="left")
 
         s = theme.SERIES
-        title(self.occupancy, "layer 0", key(s[0], "resident"), key(s[1], "allocated"))
-        title(self.evictions, "evictions per step", key(theme.STATE_COLORS[5], f"layer {layer}"))
+        title(self.occupancy, f"layer {layer}", key(s[0], "resident"), key(s[1], "allocated"))
+        title(self.evictions, f"evicted / step · layer {layer}")
         title(self.latency, "ms / token", key(s[0], "each"), key(s[1], "mean of 8"))
         title(self.oracle, "oracle", key(s[1], "KL"), key(s[3], "lost attn"), key(s[2], "top-1"))
         title(self.tiers, "disk tier, all layers", key(s[3], "faults / step ÷ 100"), key(s[0], "MB read / step"),
@@ -141,10 +145,10 @@ class MetricsView(QWidget):
             return
         steps = np.arange(len(timeline), dtype=np.float64)
         config = timeline.info.config
-        pages = timeline.series("pages_used")
+        pages = timeline.pages_per_step(state.layer)
         latency = timeline.series("latency_ms") / np.maximum(timeline.series("tokens"), 1)
         data = {
-            "resident_tokens": timeline.series("resident_tokens"),
+            "resident_tokens": timeline.resident_per_step(state.layer),
             "allocated_slots": pages * config.page_size,
             "evictions": timeline.evictions_per_step(state.layer).astype(np.float64),
             "latency_ms": latency,

@@ -255,6 +255,7 @@ class BlockTable(QTableWidget):
     def __init__(self):
         super().__init__(0, len(self.HEADERS))
         self.rows: list[tuple[int, int, int, str]] = []
+        self._longest = 0  # characters of the longest positions text the column was fitted to
         self.setHorizontalHeaderLabels(self.HEADERS)
         self.setEditTriggers(QTableWidget.NoEditTriggers)
         self.verticalHeader().hide()
@@ -270,6 +271,10 @@ class BlockTable(QTableWidget):
         resize = len(rows) != self.rowCount()
         if resize:
             self.setRowCount(len(rows))
+        # a run list longer than any so far (token-level policies scatter positions) widens its column too
+        longest = max((len(row[3]) for row in rows), default=0)
+        if resize or longest > self._longest:
+            resize, self._longest = True, longest
         for r, row in enumerate(rows):
             old = self.rows[r] if r < len(self.rows) else None
             for c, value in enumerate(row):
@@ -336,8 +341,9 @@ class PageGridView(QWidget):
         self.disk_legend.hide()
         self.blocks = BlockTable()
         self.block_view = self.blocks
-        self.block_view.setMinimumWidth(250)
-        self.block_view.setMaximumWidth(300)
+        self.block_view.setMinimumWidth(200)
+        self.block_view.setMaximumWidth(280)
+        self.graphics.setMinimumWidth(250)  # the grid's title fits (a projector's 1280 × 720)
         self.block_title = block_title = QLabel("Block table (logical → physical)")
         block_title.setStyleSheet(f"color: {theme.MUTED}")
         self._capacities = (None, [])  # (session info, tokens each layer may hold)
@@ -382,7 +388,7 @@ class PageGridView(QWidget):
         resident = int((slots >= 0).sum())
         capacity = self.layer_capacity(state.timeline.info, layer)
         own = f" · holds at most {capacity}" if capacity < pages * page_size else ""
-        title = f"layer {layer} · {used}/{pages} pages · {resident} tokens resident{own}"
+        title = f"layer {layer} · {used}/{pages} pages · {resident} tokens{own}"
         if record.tiers is not None:
             in_ram = len(frames_of_pages(record, layer))
             title = f"layer {layer} · RAM frames keep {in_ram} of {used} pages"

@@ -1,0 +1,247 @@
+"""Fuzzing the file readers with hypothesis: valid traces and GGUF files, mutated (byte flips, truncations, header
+fields of the wrong type or size, huge declared sizes), are either read (and a replay timeline builds from them)
+or refused with one TraceError / ModelLoadError naming the file; nothing else escapes, memory stays bounded.
+A few mutated files also go through the CLI in a subprocess limited to 1.5 GiB of address space.
+
+Bounded: a fixed number of examples per test, no shrinking past a few seconds (the suite takes ~10 s).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import os
+import resource
+import struct
+import zipfile
+from pathlib import Path
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pagevis.errors import ConfigError
+from pagevis.gui.timeline import timeline_from_trace
+from pagevis.model import ModelLoadError, load_model
+from pagevis.trace import TraceError, read_trace
+
+from model_fixtures import write_llama_gguf
+from test_hostile_files import assert_one_line_refusal, run_cli
+
+VALID_TRACE = Path(__file__).parent / "data" / "hostile" / "valid.pvtrace"
+FUZZ = settings(max_examples=int(os.environ.get("PAGEVIS_FUZZ_EXAMPLES", 120)), deadline=None,
+                derandomize=not os.environ.get("PAGEVIS_FUZZ_EXAMPLES"), database=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+ODD_VALUES = st.sampled_from([None, True, False, -1, 0, 1, 2**31, 2**40, 10**12, -(2**63), 1.5, float("1e308"),
+                              "", "x", "float8", [], [-1], [2**40], ["a"], {}, {"dtype": "<f8", "shape": [2**40]},
+                              [[[[[]]]]]])
+HUGE = st.sampled_from([2**31 - 1, 2**32 - 1, 2**40, 2**62, 2**64 - 1])
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+TRACE_BYTES = VALID_TRACE.read_bytes()
+with zipfile.ZipFile(io.BytesIO(TRACE_BYTES)) as _archive:
+    TRACE_MEMBERS = {name: _archive.read(name) for name in _archive.namelist()}
+
+
+def zip_of(members: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    return buffer.getvalue()
+
+
+def check_trace(path: Path) -> None:
+    """The reader's contract: a Trace whose replay timeline builds, or one TraceError line naming the file."""
+    try:
+        trace = read_trace(path)
+    except TraceError as refused:
+        message = str(refused)
+        assert message.startswith(f"{path}:") and "\n" not in message, message
+        return
+    timeline_from_trace(trace)  # what the app's replay builds: must not raise
+
+
+@FUZZ
+@given(data=st.data())
+def test_byte_flips_and_truncations_of_a_trace(tmp_path_factory, data):
+    raw = bytearray(TRACE_BYTES)
+    for _ in range(data.draw(st.integers(1, 8), label="flips")):
+        at = data.draw(st.integers(0, len(raw) - 1), label="at")
+        raw[at] ^= data.draw(st.integers(1, 255), label="xor")
+    cut = data.draw(st.one_of(st.none(), st.integers(0, len(raw))), label="cut")
+    path = tmp_path_factory.mktemp("flip") / "t.pvtrace"
+    path.write_bytes(bytes(raw[:cut]))
+    before = peak_rss()
+    check_trace(path)
+    assert peak_rss() - before < 256 << 20
+
+
+def header_paths(header: dict) -> list[tuple[str, ...]]:
+    paths = [(key,) for key in header]
+    paths += [("config", key) for key in header["config"]]
+    paths += [("config", "sampling", key) for key in header["config"]["sampling"]]
+    paths += [("arrays", key) for key in header["arrays"]]
+    paths += [("arrays", key, "shape") for key in header["arrays"]]
+    paths += [("model", key) for key in header["model"]]
+    return paths
+
+
+HEADER_PATHS = header_paths(json.loads(TRACE_MEMBERS["header.json"]))
+
+
+@FUZZ
+@given(data=st.data())
+def test_header_fields_of_the_wrong_type_or_size(tmp_path_factory, data):
+    header = json.loads(TRACE_MEMBERS["header.json"])
+    for _ in range(data.draw(st.integers(1, 3), label="changes")):
+        path = data.draw(st.sampled_from(HEADER_PATHS), label="field")
+        target = header
+        for key in path[:-1]:
+            target = target[key] if isinstance(target, dict) and isinstance(target.get(key), dict) else None
+            if target is None:
+                break
+        if target is not None:
+            if data.draw(st.booleans(), label="delete"):
+                target.pop(path[-1], None)
+            else:
+                target[path[-1]] = data.draw(ODD_VALUES, label="value")
+    path = tmp_path_factory.mktemp("header") / "t.pvtrace"
+    path.write_bytes(zip_of({**TRACE_MEMBERS, "header.json": json.dumps(header).encode()}))
+    check_trace(path)
+
+
+@FUZZ
+@given(data=st.data())
+def test_array_values_at_their_extremes(tmp_path_factory, data):
+    name = data.draw(st.sampled_from(sorted(n for n in TRACE_MEMBERS if n.endswith(".npy"))), label="array")
+    array = np.lib.format.read_array(io.BytesIO(TRACE_MEMBERS[name]), allow_pickle=False).copy()
+    if array.size:
+        flat = array.reshape(-1)
+        info = np.iinfo(array.dtype) if array.dtype.kind in "iu" else None
+        choices = [-1, 0, 1] + ([info.min, info.max] if info else [np.nan, np.inf, -np.inf, 1e30])
+        if array.dtype.kind == "b":
+            choices = [0, 1]
+            flat = flat.view(np.uint8)
+            choices += [2, 255]
+        at = data.draw(st.integers(0, flat.size - 1), label="at")
+        value = data.draw(st.sampled_from(choices), label="value")
+        with np.errstate(invalid="ignore", over="ignore"):
+            flat[at] = np.array(value).astype(flat.dtype) if array.dtype.kind in "iub" else value
+    buffer = io.BytesIO()
+    np.lib.format.write_array(buffer, array, allow_pickle=False)
+    path = tmp_path_factory.mktemp("array") / "t.pvtrace"
+    path.write_bytes(zip_of({**TRACE_MEMBERS, name: buffer.getvalue()}))
+    check_trace(path)
+
+
+@FUZZ
+@given(data=st.data())
+def test_huge_declared_sizes_in_zip_and_npy_headers(tmp_path_factory, data):
+    name = data.draw(st.sampled_from(sorted(TRACE_MEMBERS)), label="member")
+    if data.draw(st.booleans(), label="zip"):
+        raw = bytearray(TRACE_BYTES)
+        with zipfile.ZipFile(io.BytesIO(TRACE_BYTES)) as archive:
+            info = archive.getinfo(name)
+        directory = struct.unpack_from("<L", raw, len(raw) - 22 + 16)[0]
+        at = raw.index(b"PK\x01\x02", directory)
+        while raw[at + 46: at + 46 + len(name)] != name.encode():
+            at = raw.index(b"PK\x01\x02", at + 4)
+        field = data.draw(st.sampled_from([20, 24]), label="size field")  # compressed / uncompressed
+        struct.pack_into("<L", raw, at + field, data.draw(HUGE, label="size") & 0xFFFFFFFF)
+        struct.pack_into("<L", raw, info.header_offset + field - 2, 0xFFFFFFFF)
+        blob = bytes(raw)
+    else:
+        member = TRACE_MEMBERS[name]
+        if name.endswith(".npy"):
+            shape = data.draw(st.lists(HUGE, min_size=1, max_size=3), label="shape")
+            member = member.replace(b"'shape': (", b"'shape': (" + ", ".join(map(str, shape)).encode() + b", ", 1)
+        else:
+            member = member.replace(b'"n_steps": ', b'"n_steps": ' + str(data.draw(HUGE)).encode() + b"0", 1)
+        blob = zip_of({**TRACE_MEMBERS, name: member})
+    path = tmp_path_factory.mktemp("huge") / "t.pvtrace"
+    path.write_bytes(blob)
+    before = peak_rss()
+    check_trace(path)
+    assert peak_rss() - before < 256 << 20
+
+
+# --- GGUF ---------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def gguf_bytes() -> bytes:
+    """A small valid Llama GGUF (one layer, random weights, byte-level vocabulary)."""
+    import tempfile
+
+    from pagevis.model.synthetic import SyntheticModel
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "small.gguf"
+        write_llama_gguf(path, SyntheticModel(n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, seed=5))
+        return path.read_bytes()
+
+
+def header_size(raw: bytes, folder: Path) -> int:
+    """Bytes before the tensor data: header, metadata and tensor table."""
+    from pagevis.model.gguf_header import check_gguf_structure
+
+    (folder / "valid.gguf").write_bytes(raw)
+    return check_gguf_structure(folder / "valid.gguf")
+
+
+def check_model(path: Path) -> None:
+    try:
+        load_model(path)
+    except ModelLoadError as refused:
+        message = str(refused)
+        assert str(path) in message and "\n" not in message, message
+    except ConfigError as refused:  # a setting out of range: the CLI names it in one line too
+        assert "\n" not in str(refused)
+
+
+@FUZZ
+@given(data=st.data())
+def test_gguf_header_mutations(tmp_path_factory, data):
+    raw = bytearray(gguf_bytes())
+    path = tmp_path_factory.mktemp("gguf") / "m.gguf"
+    end = header_size(gguf_bytes(), path.parent)
+    kind = data.draw(st.sampled_from(["flip", "huge count", "truncate"]), label="kind")
+    if kind == "flip":
+        for _ in range(data.draw(st.integers(1, 6), label="flips")):
+            raw[data.draw(st.integers(0, end - 1), label="at")] ^= data.draw(st.integers(1, 255), label="xor")
+    elif kind == "huge count":
+        at = data.draw(st.integers(4, end - 8), label="at")
+        struct.pack_into("<Q", raw, at, data.draw(HUGE, label="value"))
+    else:
+        raw = raw[: data.draw(st.integers(0, len(raw) - 1), label="cut")]
+    path.write_bytes(bytes(raw))
+    before = peak_rss()
+    check_model(path)
+    assert peak_rss() - before < 256 << 20
+
+
+# --- through the CLI, memory-limited ------------------------------------------------------------------
+
+@settings(max_examples=4, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_cli_on_mutated_files_is_one_line_in_bounded_memory(tmp_path_factory, data):
+    folder = tmp_path_factory.mktemp("cli")
+    trace = bytearray(TRACE_BYTES)
+    at = data.draw(st.integers(0, len(trace) - 23), label="trace at")
+    trace[at: at + 4] = b"\xff\xff\xff\x7f"
+    (folder / "t.pvtrace").write_bytes(bytes(trace))
+    result = run_cli("replay", "--check", str(folder / "t.pvtrace"))
+    if result.returncode != 0:  # a flip in a value nobody checks (e.g. a timing) may leave a valid trace
+        assert_one_line_refusal(result, "t.pvtrace")
+    model = bytearray(gguf_bytes())
+    struct.pack_into("<Q", model, data.draw(st.integers(8, 200), label="gguf at"), 2**40)
+    (folder / "m.gguf").write_bytes(bytes(model))
+    result = run_cli("run", "--model", str(folder / "m.gguf"), "--max-tokens", "1", "--quiet")
+    if result.returncode != 0:
+        assert_one_line_refusal(result, "m.gguf")
