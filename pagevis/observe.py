@@ -58,6 +58,12 @@ class Metrics:
                                      "(fault_in) the disk tier", ["kind"], registry=r)
         self.page_reads = Counter("pagevis_page_reads", "Pages attention read, by the tier they were in (ram, disk)",
                                   ["tier"], registry=r)
+        self.prefix_cache_queries = Counter("pagevis_prefix_cache_queries", "Prompt tokens looked up in the "
+                                            "shared pool's prefix cache", registry=r)
+        self.prefix_cache_hits = Counter("pagevis_prefix_cache_hits", "Prompt tokens whose K/V came from the "
+                                         "prefix cache", registry=r)
+        self.preemptions = Counter("pagevis_preemptions", "Sequences preempted (freed, to be recomputed) when "
+                                   "the shared pool ran out", registry=r)
         self.kv_cache_usage = Gauge("pagevis_kv_cache_usage_ratio", "Resident tokens over capacity (0-1) of "
                                     "all live sessions' KV caches together (layer 0)", registry=r)
         self.active_sessions = Gauge("pagevis_active_sessions", "Decoding sessions alive now", registry=r)
@@ -65,6 +71,16 @@ class Metrics:
         self._usage: dict[int, tuple[int, int]] = {}  # observer id -> (resident, capacity)
         self.kv_cache_usage.set_function(self._usage_ratio)
         self.active_sessions.set_function(lambda: len(self._usage))
+
+    def count_batch(self, batch, prompt_tokens: int, generated: int) -> None:
+        """Add a finished many-sequence run (a BatchSession): its prefix-cache lookups, preemptions and
+        tokens (the prompt is counted once: parallel samples share it)."""
+        stats = batch.pool.prefix_stats
+        self.prefix_cache_queries.inc(stats.queries)
+        self.prefix_cache_hits.inc(stats.hits)
+        self.preemptions.inc(batch.preemptions)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generated)
 
     def observe(self, session) -> SessionObserver:
         """Count this session's steps from now on (until `observer.close()`)."""

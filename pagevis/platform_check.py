@@ -16,6 +16,7 @@ import importlib.util
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -129,10 +130,11 @@ class Verdict:
     missing: tuple[str, ...] = ()
     problems: tuple[str, ...] = ()
     no_display: bool = False
+    unreachable: str = ""  # a display where no server answers: "DISPLAY=:1", "WAYLAND_DISPLAY=wayland-0"
 
     @property
     def ok(self) -> bool:
-        return not (self.missing or self.problems or self.no_display)
+        return not (self.missing or self.problems or self.no_display or self.unreachable)
 
     def debian_packages(self) -> list[str]:
         return _unique(PACKAGES[s][0] for s in self.missing if s in PACKAGES)
@@ -148,11 +150,16 @@ class Verdict:
         if self.ok:
             return ""
         if self.no_display:
-            return ("pagevis: no display: neither DISPLAY nor WAYLAND_DISPLAY is set, so the window has nowhere "
+            return ("pagevis: no display: DISPLAY (X11) or WAYLAND_DISPLAY is not set, so the window has nowhere "
                     "to open.\n  Run it on a desktop, or under a virtual X server:  xvfb-run -a pagevis\n"
                     "  or save a picture of the window without any screen:  "
                     "QT_QPA_PLATFORM=offscreen pagevis --screenshot window.png --steps 10\n"
                     "  (the headless commands need no display: pagevis run, compare, bench)")
+        if self.unreachable:
+            return (f"pagevis: no display server answers at {self.unreachable} (nothing listens on its socket), "
+                    "so the window has nowhere to open.\n  Start one, connect over ssh with `ssh -X`, or run under "
+                    "a virtual X server:  xvfb-run -a pagevis\n  or save a picture of the window without any screen:"
+                    "  QT_QPA_PLATFORM=offscreen pagevis --screenshot window.png --steps 10")
         root = (os.geteuid() == 0) if root is None and hasattr(os, "geteuid") else bool(root)
         sudo = "" if root else "sudo "
         lacks = ", ".join(self.missing) if self.missing else "a compatible library"
@@ -214,7 +221,59 @@ def check(environ=None, qt_dir: Path | None = None, system: str | None = None) -
     if platforms is None:
         return Verdict("", no_display=True)
     verdicts = [check_platform(name, qt_dir) for name in platforms]
+    verdicts = [_with_x_server(v, environ.get("DISPLAY", "")) for v in verdicts]
+    verdicts = [_with_compositor(v, environ) for v in verdicts]
     return next((v for v in verdicts if v.ok), verdicts[0] if verdicts else Verdict(""))
+
+
+def _with_x_server(verdict: Verdict, display: str) -> Verdict:
+    """An xcb verdict whose libraries are fine still needs an X server (QT_QPA_PLATFORM=xcb may be set
+    without DISPLAY)."""
+    if verdict.platform != "xcb" or not verdict.ok:
+        return verdict
+    if not display:
+        return Verdict("", no_display=True)
+    return Verdict("xcb", unreachable=f"DISPLAY={display}") if x_server_reachable(display) is False else verdict
+
+
+def _with_compositor(verdict: Verdict, environ) -> Verdict:
+    """A wayland verdict whose libraries are fine still needs a compositor listening on its socket."""
+    if verdict.platform != "wayland" or not verdict.ok:
+        return verdict
+    name = environ.get("WAYLAND_DISPLAY") or "wayland-0"  # Qt's default, like every Wayland client's
+    path = name if name.startswith("/") else os.path.join(environ.get("XDG_RUNTIME_DIR", ""), name)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.settimeout(2.0)
+            connection.connect(path)
+    except OSError:
+        return Verdict("wayland", unreachable=f"WAYLAND_DISPLAY={name}")
+    return verdict
+
+
+def x_server_reachable(display: str, timeout: float = 2.0) -> bool | None:
+    """Whether an X server accepts a connection at DISPLAY ("[host]:N[.screen]"): its local socket (Linux's
+    abstract one, then the file) or TCP port 6000 + N (ssh -X forwards "localhost:10"). None for a value
+    this check does not understand (then Qt decides)."""
+    match = re.fullmatch(r"([^:/]*):(\d+)(?:\.\d+)?", display)
+    if match is None:
+        return None
+    host, number = match.group(1), int(match.group(2))
+    if host in ("", "unix"):
+        for address in (f"\0/tmp/.X11-unix/X{number}", f"/tmp/.X11-unix/X{number}"):
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+                    connection.settimeout(timeout)
+                    connection.connect(address)
+                    return True
+            except OSError:
+                continue
+        return False
+    try:
+        socket.create_connection((host, 6000 + number), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def missing_packages(distribution: str) -> list[str]:

@@ -23,8 +23,8 @@ from typing import Any, Callable
 import numpy as np
 
 from . import __version__
-from .decoding import ModelSpec, OracleStep, SamplingConfig, SessionConfig, StepRecord
-from .engine import CacheEvent, ConfigError, EventKind
+from .decoding import ModelSpec, OracleStep, SamplingConfig, SessionConfig, StepRecord, TierStep
+from .engine import COUNT_NAMES, CacheEvent, ConfigError, EventKind
 from .trace_archive import Archive, TraceError
 from .trace_schema import (DELTA_ENCODED, FORMAT, KINDS, MAX_HEADER_BYTES, ORACLE_COLUMNS, VERSION, arrays_of_version,
                            check_header, check_values, expected_arrays)
@@ -99,6 +99,9 @@ def _encode(trace: Trace) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
         raise ValueError("a trace needs at least one step")
     first = records[0]
     n_layers, max_pages, page_size = first.slot_maps.shape
+    n_page_ids = trace.config.n_page_ids
+    tiered = [r.tiers is not None for r in records]
+    map_pages = n_page_ids if any(tiered) else 0
     attention_layers = tuple(first.attention_layers)
     n_heads = first.attention[0].shape[0] if first.attention else 0
     for record in records:
@@ -112,8 +115,9 @@ def _encode(trace: Trace) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
         strings.index(event.reason)
     grid = (len(records), n_layers, max_pages, page_size)
     sizes = {"T": len(records), "T1": len(records) + 1, "N": sum(len(r.token_ids) for r in records),
-             "E": len(events), "L": n_layers, "P": max_pages, "S": page_size, "C": max_pages * page_size,
-             "A": len(attention_layers), "H": n_heads, "K": len(timing_keys), "O": len(ORACLE_COLUMNS)}
+             "E": len(events), "L": n_layers, "P": max_pages, "S": page_size, "B": n_page_ids,
+             "C": n_page_ids * page_size, "A": len(attention_layers), "H": n_heads, "K": len(timing_keys),
+             "O": len(ORACLE_COLUMNS), "D": map_pages, "Q": len(COUNT_NAMES)}
 
     builders = {  # built one at a time by write_trace, so that only one is in memory
         "step": lambda: np.array([r.step for r in records], dtype=np.int64),
@@ -125,8 +129,8 @@ def _encode(trace: Trace) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
         "slot_maps": lambda: xor_delta(_stack((r.slot_maps for r in records), grid, np.int32)),
         "protected": lambda: xor_delta(_stack((r.protected for r in records), grid, bool)),
         "scores": lambda: xor_delta(_stack((r.scores for r in records), grid, np.float32).view(np.uint32)),
-        "block_tables": lambda: xor_delta(_stack((_pad_tables(r.block_tables, n_layers, max_pages) for r in records),
-                                                 grid[:3], np.int32)),
+        "block_tables": lambda: xor_delta(_stack((_pad_tables(r.block_tables, n_layers, n_page_ids) for r in records),
+                                                 (len(records), n_layers, n_page_ids), np.int32)),
         "event_offsets": lambda: _offsets([len(r.events) for r in records]),
         "event_kind": lambda: np.array([EVENT_KINDS.index(EventKind(e.kind)) for e in events], dtype=np.int8),
         "event_step": lambda: np.array([e.step for e in events], dtype=np.int64),
@@ -138,7 +142,7 @@ def _encode(trace: Trace) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
         "event_reason": lambda: np.array([strings.index(e.reason) for e in events], dtype=np.int32),
         "event_score": lambda: np.array([e.score for e in events], dtype=np.float64),
         "attention": lambda: _stack((np.stack(r.attention) if r.attention else () for r in records),
-                                    (len(records), len(attention_layers), n_heads, max_pages * page_size),
+                                    (len(records), len(attention_layers), n_heads, n_page_ids * page_size),
                                     np.float16),
         "timings": lambda: np.array([[r.timings.get(k, math.nan) for k in timing_keys] for r in records],
                                     dtype=np.float64).reshape(len(records), len(timing_keys)),
@@ -148,6 +152,17 @@ def _encode(trace: Trace) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
         "has_oracle": lambda: np.array([r.oracle is not None for r in records], dtype=bool),
         "oracle": lambda: np.array([_oracle_row(r.oracle) for r in records],
                                    dtype=np.float64).reshape(len(records), len(ORACLE_COLUMNS)),
+        "event_frame": lambda: np.array([e.frame for e in events], dtype=np.int32),
+        "has_tiers": lambda: np.array(tiered, dtype=bool),
+        "tier_counts": lambda: _stack((r.tiers.counts if r.tiers else 0 for r in records),
+                                      (len(records), n_layers, len(COUNT_NAMES)), np.int64),
+        "page_maps": lambda: xor_delta(_stack((r.tiers.page_maps if r.tiers else -1 for r in records),
+                                              (len(records), len(attention_layers), map_pages, page_size), np.int32)),
+        "block_frames": lambda: xor_delta(_stack((_pad_tables(r.tiers.block_frames if r.tiers else (), n_layers,
+                                                              n_page_ids) for r in records),
+                                                 (len(records), n_layers, n_page_ids), np.int32)),
+        "recall": lambda: _stack((r.tiers.recall if r.tiers and r.tiers.recall is not None else np.nan
+                                  for r in records), (len(records), n_layers), np.float32),
     }
     header = {
         "format": FORMAT,
@@ -162,6 +177,7 @@ def _encode(trace: Trace) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
         "text": trace.text,
         "n_steps": len(records),
         "n_layers": n_layers, "max_pages": max_pages, "page_size": page_size, "n_heads": n_heads,
+        "n_page_ids": n_page_ids, "page_map_pages": map_pages,
         "attention_layers": list(attention_layers),
         "kinds": list(KINDS),
         "event_kinds": [k.value for k in EVENT_KINDS],
@@ -243,6 +259,8 @@ def config_to_dict(config: SessionConfig) -> dict:
         "policy": config.policy, "policy_params": dict(config.policy_params),
         "max_new_tokens": config.max_new_tokens, "sampling": dataclasses.asdict(config.sampling),
         "oracle": config.oracle, "chat": config.chat, "special": config.special,
+        "disk_pages": config.disk_pages, "swap_dir": config.swap_dir, "select": config.select,
+        "select_pages": config.select_pages,
         "record_layers": None if config.record_layers is None else list(config.record_layers),
     }
 
@@ -289,13 +307,14 @@ def _decode(header: dict, a: dict[str, np.ndarray]) -> Trace:
     strings = header["strings"]
     event_kinds = [EventKind(k) for k in header["event_kinds"]]
     kinds = header["kinds"]
+    frames = a["event_frame"].tolist() if "event_frame" in a else [-1] * len(a["event_kind"])  # version 1: none
     events = [
         CacheEvent(event_kinds[k], int(s), int(layer), int(page), int(slot), int(pos), strings[pol], strings[rea],
-                   float(score))
-        for k, s, layer, page, slot, pos, pol, rea, score in zip(
+                   float(score), int(frame))
+        for k, s, layer, page, slot, pos, pol, rea, score, frame in zip(
             a["event_kind"].tolist(), a["event_step"].tolist(), a["event_layer"].tolist(),
             a["event_page"].tolist(), a["event_slot"].tolist(), a["event_position"].tolist(),
-            a["event_policy"].tolist(), a["event_reason"].tolist(), a["event_score"].tolist())
+            a["event_policy"].tolist(), a["event_reason"].tolist(), a["event_score"].tolist(), frames, strict=True)
     ]
     timing_keys = header["timing_keys"]
     next_texts = header["next_texts"]
@@ -318,7 +337,7 @@ def _decode(header: dict, a: dict[str, np.ndarray]) -> Trace:
             attention=tuple(a["attention"][i, j] for j in range(len(layers))),
             timings={k: v for k, v in zip(timing_keys, a["timings"][i].tolist()) if not math.isnan(v)},
             resident_tokens=int(a["resident_tokens"][i]), pages_used=int(a["pages_used"][i]),
-            evictions_total=int(a["evictions_total"][i]), oracle=oracle,
+            evictions_total=int(a["evictions_total"][i]), oracle=oracle, tiers=_tiers(a, i),
         ))
     model = header.get("model")
     return Trace(
@@ -328,6 +347,20 @@ def _decode(header: dict, a: dict[str, np.ndarray]) -> Trace:
         model_spec=ModelSpec(**model) if model else None, stop_reason=header.get("stop_reason"),
         text=header.get("text", ""), meta=header.get("meta") or {},
     )
+
+
+def _tiers(a: dict[str, np.ndarray], i: int) -> TierStep | None:
+    if "has_tiers" not in a or not a["has_tiers"][i]:
+        return None
+    recall = a["recall"][i]
+    return TierStep(counts=a["tier_counts"][i], page_maps=a["page_maps"][i],
+                    block_frames=tuple(tuple(int(f) for f in row[: len(table)])  # -1 is a page on disk: cut by length
+                                       for row, table in zip(a["block_frames"][i], _tables(a, i), strict=True)),
+                    recall=None if np.all(np.isnan(recall)) else recall)
+
+
+def _tables(a: dict[str, np.ndarray], i: int) -> list[np.ndarray]:
+    return [row[row >= 0] for row in a["block_tables"][i]]
 
 
 # --- comparing -------------------------------------------------------------------------------------

@@ -20,16 +20,16 @@ from typing import Any
 import numpy as np
 
 from .decoding import ModelSpec, SamplingConfig, SessionConfig
-from .engine import POLICIES, CacheConfig, ConfigError, EventKind
+from .engine import COUNT_NAMES, POLICIES, ConfigError, EventKind
 from .engine.config import MAX_HEADS, MAX_LAYERS, MAX_PAGE_SIZE, MAX_PAGES, STORAGE_DTYPES
 from .system_memory import available_bytes, fits, gib
 from .trace_archive import TraceError
 
 FORMAT = "pagevis-trace"
-VERSION = 1
+VERSION = 2  # 2: disk tier and page selection (event frames, per-page maps, tier counts, recall)
 KINDS = ("prefill", "decode")
 ORACLE_COLUMNS = ("kl", "top1_agree", "logprob_bounded", "logprob_full", "lost_attention")
-DELTA_ENCODED = ("slot_maps", "protected", "scores", "block_tables")
+DELTA_ENCODED = ("slot_maps", "protected", "scores", "block_tables", "page_maps", "block_frames")
 MAX_HEADER_BYTES = 64 << 20
 MAX_TRACE_BYTES = 2 << 30  # arrays and the records' Python objects, as held in memory once read
 # Python objects the records hold beyond the arrays (measured with tracemalloc on a 1.5k-step trace: 3.9 KB per
@@ -42,8 +42,9 @@ MAX_TOKEN_ID = 2**31 - 1
 @dataclass(frozen=True)
 class ArraySpec:
     dtype: str
-    dims: tuple[str, ...]  # symbols: T steps, T1 steps+1, N tokens, E events, L layers, P pages, S page
-    since: int = 1  # size, C slots, A attention layers, H heads, K timing keys, O oracle columns
+    dims: tuple[str, ...]  # symbols: T steps, T1 steps+1, N tokens, E events, L layers, P RAM pages, S page
+    since: int = 1  # size, B page ids (= P without a disk tier), C slots (B * S), A attention layers,
+    # H heads, K timing keys, O oracle columns, D pages in page maps (B, or 0), Q tier count columns
 
 
 ARRAYS = {
@@ -56,7 +57,7 @@ ARRAYS = {
     "slot_maps": ArraySpec("<i4", ("T", "L", "P", "S")),
     "protected": ArraySpec("|b1", ("T", "L", "P", "S")),
     "scores": ArraySpec("<u4", ("T", "L", "P", "S")),
-    "block_tables": ArraySpec("<i4", ("T", "L", "P")),
+    "block_tables": ArraySpec("<i4", ("T", "L", "B")),
     "event_offsets": ArraySpec("<i8", ("T1",)),
     "event_kind": ArraySpec("|i1", ("E",)),
     "event_step": ArraySpec("<i8", ("E",)),
@@ -74,6 +75,12 @@ ARRAYS = {
     "evictions_total": ArraySpec("<i8", ("T",)),
     "has_oracle": ArraySpec("|b1", ("T",)),
     "oracle": ArraySpec("<f8", ("T", "O")),
+    "event_frame": ArraySpec("<i4", ("E",), since=2),
+    "has_tiers": ArraySpec("|b1", ("T",), since=2),
+    "tier_counts": ArraySpec("<i8", ("T", "L", "Q"), since=2),
+    "page_maps": ArraySpec("<i4", ("T", "A", "D", "S"), since=2),
+    "block_frames": ArraySpec("<i4", ("T", "L", "B"), since=2),
+    "recall": ArraySpec("<f4", ("T", "L"), since=2),
 }
 
 # Header keys and their JSON types ("?" = may be null). Keys not listed are ignored (added within a version).
@@ -85,7 +92,7 @@ HEADER_TYPES = {
     "oracle_columns": "list[str]", "next_texts": "list[str]", "token_texts": "dict[str]",
     "delta_encoded": "list[str]", "arrays": "dict",
 }
-OPTIONAL_HEADER_TYPES = {"written_by": "str", "meta": "dict"}
+OPTIONAL_HEADER_TYPES = {"written_by": "str", "meta": "dict", "n_page_ids": "int", "page_map_pages": "int"}
 
 
 # Event kinds a trace may list, by the format version that introduced them (absent: version 1).
@@ -121,8 +128,14 @@ def check_header(header: Any, where: str) -> dict[str, int]:
     sizes = {"T": bounded("n_steps", 1, MAX_STEPS), "L": bounded("n_layers", 1, MAX_LAYERS),
              "P": bounded("max_pages", 1, MAX_PAGES), "S": bounded("page_size", 1, MAX_PAGE_SIZE),
              "H": bounded("n_heads", 0, MAX_HEADS)}
-    sizes.update(T1=sizes["T"] + 1, C=sizes["P"] * sizes["S"], A=len(header["attention_layers"]),
-                 K=len(header["timing_keys"]), O=len(ORACLE_COLUMNS))
+    sizes["B"] = header.get("n_page_ids", sizes["P"])  # version 1: RAM frames are the page ids
+    if not 1 <= sizes["B"] <= MAX_PAGES:
+        raise TraceError(f"{where}: header.json n_page_ids = {sizes['B']} is out of range (from 1 to {MAX_PAGES})")
+    sizes["D"] = header.get("page_map_pages", 0)
+    if sizes["D"] not in (0, sizes["B"]):
+        raise TraceError(f"{where}: header.json page_map_pages = {sizes['D']} must be 0 or n_page_ids ({sizes['B']})")
+    sizes.update(T1=sizes["T"] + 1, C=sizes["B"] * sizes["S"], A=len(header["attention_layers"]),
+                 K=len(header["timing_keys"]), O=len(ORACLE_COLUMNS), Q=len(COUNT_NAMES))
     _check_tables(header, sizes, where)
     _check_config(header, sizes, where)
     _check_model(header, sizes, where)
@@ -201,20 +214,30 @@ def check_values(a: dict[str, np.ndarray], header: dict, sizes: dict[str, int], 
     within("positions", a["positions"], 0, max(N - 1, 0))
     within("next_token", a["next_token"], -1, MAX_TOKEN_ID)
     within("slot_maps", a["slot_maps"], -1, max(N - 1, 0))
-    within("block_tables", a["block_tables"], -1, P - 1)
+    B = sizes["B"]
+    within("block_tables", a["block_tables"], -1, B - 1)
     _check_block_tables(where, a["block_tables"])
     for name in ("protected", "has_oracle"):
         within(name, a[name].view(np.uint8), 0, 1)
     within("event_kind", a["event_kind"], 0, len(header["event_kinds"]) - 1)
     within("event_step", a["event_step"], -1, T - 1)
     within("event_layer", a["event_layer"], 0, L - 1)
-    within("event_page", a["event_page"], 0, P - 1)
+    within("event_page", a["event_page"], 0, B - 1)
     within("event_slot", a["event_slot"], -1, S - 1)
     within("event_position", a["event_position"], -1, max(N - 1, 0))
     for name in ("event_policy", "event_reason"):
         within(name, a[name], 0, len(header["strings"]) - 1)
     within("resident_tokens", a["resident_tokens"], 0, sizes["C"])
-    within("pages_used", a["pages_used"], 0, P)
+    within("pages_used", a["pages_used"], 0, B)
+    if header["version"] >= 2:
+        within("event_frame", a["event_frame"], -1, P - 1)
+        within("has_tiers", a["has_tiers"].view(np.uint8), 0, 1)
+        within("tier_counts", a["tier_counts"], 0, 2**62)
+        within("page_maps", a["page_maps"], -1, max(N - 1, 0))
+        within("block_frames", a["block_frames"], -1, P - 1)
+        recall = a["recall"][~np.isnan(a["recall"])]
+        if recall.size and (recall.min() < 0 or recall.max() > 1.01):
+            raise TraceError(f"{where}: array 'recall' holds shares outside [0, 1]")
     within("evictions_total", a["evictions_total"], 0, 2**62)
     attention = a["attention"]
     for start in range(0, T, 64):  # in slices: a whole-array temporary would double the memory
@@ -280,8 +303,9 @@ def _check_tables(header: dict, sizes: dict[str, int], where: str) -> None:
     unknown("event_kinds", event_kinds_of_version(header["version"]))
     if tuple(header["oracle_columns"]) != ORACLE_COLUMNS:
         raise TraceError(f"{where}: header.json oracle_columns must be {list(ORACLE_COLUMNS)}")
-    if sorted(header["delta_encoded"]) != sorted(DELTA_ENCODED):
-        raise TraceError(f"{where}: header.json delta_encoded must be {list(DELTA_ENCODED)}")
+    delta = [name for name in DELTA_ENCODED if ARRAYS[name].since <= header["version"]]
+    if sorted(header["delta_encoded"]) != sorted(delta):
+        raise TraceError(f"{where}: header.json delta_encoded must be {delta}")
     if len(set(header["timing_keys"])) != len(header["timing_keys"]):
         raise TraceError(f"{where}: header.json timing_keys repeats a key")
     if len(header["next_texts"]) != sizes["T"]:
@@ -310,7 +334,8 @@ def _check_config(header: dict, sizes: dict[str, int], where: str) -> None:
     if unknown:
         raise TraceError(f"{where}: header.json config has unknown setting {unknown[0]!r}")
     types = {"page_size": "int", "max_pages": "int", "dtype": "str", "policy": "str", "policy_params": "dict",
-             "max_new_tokens": "int", "sampling": "dict", "oracle": "bool", "chat": "bool", "special": "bool"}
+             "max_new_tokens": "int", "sampling": "dict", "oracle": "bool", "chat": "bool", "special": "bool",
+             "disk_pages": "int", "swap_dir": "str?", "select": "str", "select_pages": "int"}
     for key, kind in types.items():
         if key in data:
             _check_type(data[key], kind, f"config.{key}", where)
@@ -345,8 +370,10 @@ def _check_config(header: dict, sizes: dict[str, int], where: str) -> None:
 
     try:
         config = config_from_dict(data)
-        CacheConfig(page_size=config.page_size, max_pages=config.max_pages, n_layers=sizes["L"], dtype=config.dtype,
-                    policy=config.policy, policy_params=dict(config.policy_params), head_dim=1)
+        config.check()
+        if config.n_page_ids != sizes["B"]:
+            raise TraceError(f"{where}: header.json config holds {config.n_page_ids} pages per layer but "
+                             f"n_page_ids is {sizes['B']}")
     except ConfigError as error:
         raise TraceError(f"{where}: header.json config: {error}") from None
     except (TypeError, ValueError) as error:  # a policy parameter of the wrong type

@@ -32,6 +32,21 @@ def test_run_json_has_the_keys(capsys):
     assert 0 <= summary["top1_agreement"] <= 1 and summary["mean_kl"] >= 0
 
 
+def test_run_json_reports_the_disk_tier(capsys, tmp_path):
+    status, out, err = run_main(capsys, "run", *SYNTH, "--prompt", "hello paging", "--page-size", "4",
+                                "--max-pages", "3", "--disk-pages", "8", "--select", "quest", "--select-pages", "2",
+                                "--swap-dir", str(tmp_path), "--max-tokens", "20", "--oracle", "--json", "--quiet")
+    assert status == 0, err
+    summary = json.loads(out)
+    tiers = summary["tiers"]
+    assert summary["capacity"] == 32 and summary["disk_pages"] == 8 and summary["select"] == "quest"
+    assert tiers["faults"] > 0 and tiers["swapped_out"] > 0 and 0 < tiers["hit_rate"] < 1
+    assert tiers["bytes_read"] == tiers["faults"] * tiers["page_bytes"]
+    assert len(tiers["per_step"]) == summary["steps"] and len(tiers["per_step"][-1]["faults"]) == 2
+    assert 0 < tiers["mean_recall"] < 1
+    assert os.listdir(tmp_path) == []  # the swap folder went with the run
+
+
 def test_run_prints_text_and_writes_a_trace(capsys, tmp_path):
     trace = tmp_path / "run.pvtrace"
     status, out, err = run_main(capsys, "run", *SYNTH, "--prompt", "hi", "--max-tokens", "5", "--no-chat",
@@ -59,7 +74,7 @@ def test_policy_none_stops_when_decoding_fills_the_cache(capsys):
 @pytest.mark.parametrize("argv, message", [
     (["run", "--page-size", "0"], "--page-size: page_size = 0 is not allowed"),
     (["run", "--page-size", "x"], "argument --page-size: invalid int value: 'x'"),
-    (["run", "--policy", "lru9"], "argument --policy: invalid choice: 'lru9'"),
+    (["run", "--policy", "lifo"], "argument --policy: invalid choice: 'lifo'"),
     (["run", "--policy", "sinks", "--policy-param", "n_sink=999", "--max-pages", "2"], "--policy-param: sinks.n_sink"),
     (["run", "--policy-param", "bogus"], "expected KEY=VALUE"),
     (["run", "--model", "/nonexistent/model.gguf"], "no such file"),
@@ -70,6 +85,10 @@ def test_policy_none_stops_when_decoding_fills_the_cache(capsys):
     (["replay", "/nonexistent.pvtrace"], "no such trace file"),
     (["frobnicate"], "unknown command 'frobnicate'"),
     (["--page-size", "-3"], "--page-size: page_size = -3"),
+    (["run", "--disk-pages", "-1"], "--disk-pages: disk_pages = -1 is not allowed"),
+    (["run", "--disk-pages", "8", "--max-pages", "1"], "--max-pages: max_pages = 1 is not allowed: at least 2 with a disk tier"),
+    (["run", "--select", "best"], "argument --select: invalid choice: 'best'"),
+    (["run", "--select", "quest", "--select-pages", "0"], "--select-pages: select_pages = 0 is not allowed"),
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
     if argv[0] == "run" and "--model" not in argv and "--layers" not in argv:
@@ -116,13 +135,18 @@ def test_app_options_reach_launch(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr(pagevis.gui, "launch", lambda **kwargs: calls.append(kwargs) or 0)
     assert main([]) == 0
-    assert calls[-1] == dict(model_spec=None, prompt=None, session_config=None, screenshot=None, steps=0, metrics=None)
+    assert calls[-1] == dict(model_spec=None, prompt=None, session_config=None, screenshot=None, steps=0, metrics=None,
+                             preset=None)
     assert main([*SYNTH, "--prompt", "hi", "--page-size", "8", "--policy", "tova", "--screenshot", "s.png",
                  "--steps", "3"]) == 0
     call = calls[-1]
     assert call["model_spec"].kind == "synthetic" and call["model_spec"].n_layers == 2
     assert call["prompt"] == "hi" and call["screenshot"] == "s.png" and call["steps"] == 3
     assert call["session_config"].page_size == 8 and call["session_config"].policy == "tova"
+    assert main(["--preset", "streaming"]) == 0  # a preset sets prompt and cache; an A/B one opens both
+    call = calls[-1]
+    assert call["preset"].name == "StreamingLLM: window vs sinks" and call["session_config"] == call["preset"].a
+    assert call["prompt"] == call["preset"].prompt_text()
     trace = tmp_path / "t.pvtrace"
     assert main(["run", *SYNTH, "--max-tokens", "2", "--trace", str(trace), "--quiet"]) == 0
     assert main(["replay", str(trace)]) == 0

@@ -49,6 +49,15 @@ def test_full_cache_perplexity_equals_dense(model, ids, reference):
     assert row.evictions == 0 and row.evicting_tokens == 0
 
 
+def test_a_budget_prefilled_in_pieces_equals_one_chunk(model, reference):
+    """compare prefills in pieces to bound memory: the rows are those of one whole chunk."""
+    rows = [quality.evaluate(model, reference, quality.PolicyChoice("h2o"), budget=48, page_size=8, piece=piece)
+            for piece in (1000, 7)]
+    assert rows[0].ppl == pytest.approx(rows[1].ppl, rel=1e-6)
+    assert rows[0].mean_kl == pytest.approx(rows[1].mean_kl, rel=1e-5, abs=1e-9)
+    assert rows[0].evictions == rows[1].evictions
+
+
 def test_policy_none_below_the_text_reports_cache_full(model, reference):
     row = quality.evaluate(model, reference, quality.PolicyChoice("none"), budget=64, page_size=8)
     assert row.ppl is None and "cache full" in row.note
@@ -165,3 +174,21 @@ def test_a_shipped_text_by_name():
     text = load_text("pride-and-prejudice-ch1-6")
     assert text.startswith("Chapter I\n\nIt is a truth universally acknowledged") and len(text) > 40_000
     assert "Chapter VI" in text and "[Illustration" not in text and "_" not in text
+
+
+def test_disk_row_is_exact_and_quest_recall_agrees_with_the_session_oracle(model, ids, reference):
+    disk = quality.evaluate(model, reference, quality.PolicyChoice("disk"), budget=32, page_size=8)
+    assert disk.ppl == pytest.approx(reference.perplexity(), rel=1e-5)  # every page read: exact
+    assert disk.recall == pytest.approx(1.0) and disk.evictions == 0
+    budget = 32
+    row = quality.evaluate(model, reference, quality.PolicyChoice("quest"), budget=budget, page_size=8)
+    settings = quality.tier_settings(quality.PolicyChoice("quest"), budget, 8, len(ids))
+    assert settings == {"disk_pages": 15, "policy": "none", "select": "quest", "select_pages": 4}
+    session = DecodeSession(model, "", SessionConfig(page_size=8, max_pages=budget // 8, max_new_tokens=1,
+                                                     oracle=True, chat=False, record_layers=(), **settings),
+                            prompt_ids=ids)
+    recalls = [r.tiers.recall.mean() for r in session.run() if budget <= r.positions[-1] < len(ids) - 1]
+    assert len(recalls) == row.evicting_tokens  # one token per step once past select_pages pages
+    assert row.recall == pytest.approx(np.mean(recalls), rel=1e-2)
+    assert 0.2 < row.recall < 0.999 and row.ppl != pytest.approx(reference.perplexity(), rel=1e-4)
+    session.cache.close()

@@ -207,7 +207,7 @@ def test_head_labels_name_their_kv_head_and_small_multiples_group_by_it(qtbot, w
     labels = [controls.head.itemText(i) for i in range(controls.head.count())]
     assert labels == ["mean of heads", "head 0 (KV 0)", "head 1 (KV 0)", "head 2 (KV 1)", "head 3 (KV 1)"]
     window.docks["Heads"].raise_()
-    window.redraw()
+    qtbot.waitUntil(lambda: bool(window.heads.matrices), timeout=3000)
     heads = window.heads
     assert heads.layout_label.text().startswith("4 query heads → 2 KV heads (grouped-query attention: 2 query")
     layout = heads.graphics.ci.layout
@@ -219,8 +219,8 @@ def test_head_labels_name_their_kv_head_and_small_multiples_group_by_it(qtbot, w
     for head in range(4):
         np.testing.assert_allclose(heads.matrices[head][-1], record.attention_over_positions(0, n)[head], rtol=1e-6)
     controls.head.setCurrentIndex(3)
-    window.redraw()
-    assert "head 2 (KV 1)" in window.attention.plot.titleLabel.text
+    window.docks["Attention"].raise_()  # its tab in front again: the heatmap redraws (not before)
+    qtbot.waitUntil(lambda: "head 2 (KV 1)" in window.attention.plot.titleLabel.text, timeout=3000)
     total = window.timeline.info.cache_bytes  # 2 layers x 16 slots x 2 KV heads x 16 dims x K,V x 4 bytes
     assert total == 2 * 16 * 2 * 16 * 2 * 4
     assert window.status_memory.text() == "K/V 8 KiB = 2 KV heads × 4 KiB"
@@ -254,3 +254,22 @@ def test_block_table_lists_the_scattered_positions_of_a_token_level_policy():
     assert parse_run_list("0–3, 17, 40–43") == [0, 1, 2, 3, 17, 40, 41, 42, 43]
     assert run_list([1, 3, 5, 7, 9, 11]) == "1, 3, 5, 7, +2 more runs"
     assert run_list([]) == "—"
+
+
+def test_the_window_fits_a_projector_without_clipped_text(qtbot, tmp_path):
+    from clipping import clipped_texts
+
+    window = make_window(qtbot, tmp_path, config=DEFAULT_CONFIG, prompt=default_prompt("synthetic"),
+                         spec=ModelSpec(kind="synthetic"))
+    window.resize(1280, 720)
+    window.size_docks()
+    step(qtbot, window, 30)
+    qtbot.wait(50)
+    assert window.width() == 1280 and window.height() == 720
+    assert clipped_texts(window) == []
+    assert not window.docks["Eviction events"].visibleRegion().isEmpty()
+    for dock in ("Metrics", "Heads"):  # tabs behind events and attention: show them and look again
+        window.docks[dock].raise_()
+    window.redraw()
+    qtbot.wait(50)
+    assert clipped_texts(window) == []

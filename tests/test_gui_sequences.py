@@ -16,6 +16,17 @@ from pagevis.gui.views.sequences import page_cells  # noqa: E402
 SEQ_CONFIG = replace(CONFIG, max_pages=12, policy="none", max_new_tokens=8)  # 17-token prompt: 4 full pages + 1
 
 
+def step(qtbot, seqs, click: bool = False):
+    """One step in the window's worker thread, waited for."""
+    count = len(seqs.records)
+    if click:
+        qtbot.mouseClick(seqs.step_button, Qt.LeftButton)
+    else:
+        seqs.step()
+    qtbot.waitUntil(lambda: not seqs.busy, timeout=20000)
+    return len(seqs.records) > count
+
+
 def sequences_window(qtbot, tmp_path, config=SEQ_CONFIG):
     window = make_window(qtbot, tmp_path, config=config)
     seqs = window.open_sequences()
@@ -28,12 +39,12 @@ def test_parallel_samples_share_the_prompt_pages_then_copy_on_write(qtbot, tmp_p
     seqs = sequences_window(qtbot, tmp_path)
     seqs.n.setValue(3)
     qtbot.mouseClick(seqs.start_button, Qt.LeftButton)
-    qtbot.mouseClick(seqs.step_button, Qt.LeftButton)  # prefill once, fork 3 samples
+    step(qtbot, seqs, click=True)  # prefill once, fork 3 samples
     cells = page_cells(seqs.view.record)
     shared = [c for c in cells if c.state == "shared"]
     assert len(shared) == 5 and all(c.ref_count == 3 and c.owners == (0, 1, 2) for c in shared)
     assert seqs.view.tables.columnCount() == 3 and seqs.view.tables.item(0, 1).text() == "0 ×3"
-    qtbot.mouseClick(seqs.step_button, Qt.LeftButton)  # each writes its first token: the partial page is copied
+    step(qtbot, seqs, click=True)  # each writes its first token: the partial page is copied
     cells = page_cells(seqs.view.record)
     assert sum(c.state == "shared" for c in cells) == 4
     assert sum(c.state == "private" for c in cells) == 3
@@ -47,22 +58,22 @@ def test_fork_from_a_recorded_step_and_the_cached_queue(qtbot, tmp_path):
     seqs.n.setValue(1)
     seqs.start()
     for _ in range(4):
-        seqs.step()
+        assert step(qtbot, seqs)
     child = seqs.fork(0, 1, seed=7)  # as after step 1: prompt + 1 generated token
     assert child == 1
-    seqs.step()
+    step(qtbot, seqs)
     tables = seqs.view.record.block_tables
     assert tables[1][:4] == tables[0][:4]  # the child reads the parent's full pages
     assert all(c.ref_count == 2 for c in page_cells(seqs.view.record) if c.page in tables[0][:4])
     while not seqs.batch.done:
-        seqs.step()
-    seqs.step()
+        step(qtbot, seqs)
+    assert not step(qtbot, seqs)
     assert "finished" in seqs.status.text()
     last = seqs.view.record
     assert not last.block_tables and len(last.cached_free) >= 4
     assert "cached free queue" in seqs.view.queue.text()
     assert seqs.fork(0, len(seqs.records) - 1, seed=8) == 2  # a finished parent: through the prefix cache
-    seqs.step()
+    step(qtbot, seqs)
     assert seqs.batch.pool.prefix_stats.hits >= 16
     seqs.resize(1200, 800)
     seqs.show()
@@ -80,6 +91,18 @@ def test_sequences_view_needs_a_model_and_reports_a_small_pool(qtbot, tmp_path):
     seqs = sequences_window(qtbot, tmp_path)
     seqs.pool_pages.setValue(2)
     seqs.start()
-    seqs.step()
+    assert not step(qtbot, seqs)
     assert "pool of 2 pages" in seqs.status.text()
     assert PROMPT
+
+
+def test_run_decodes_every_sequence_to_the_end_in_the_worker(qtbot, tmp_path):
+    seqs = sequences_window(qtbot, tmp_path)
+    seqs.n.setValue(2)
+    seqs.start()
+    seqs.run_button.setChecked(True)
+    qtbot.waitUntil(lambda: "finished" in seqs.status.text(), timeout=60000)
+    assert not seqs.run_button.isChecked() and not seqs.busy
+    assert len(seqs.records) == SEQ_CONFIG.max_new_tokens
+    assert all(len(s.generated) == SEQ_CONFIG.max_new_tokens for s in seqs.batch.seqs.values())
+    assert seqs.view.texts.columnCount() == 2

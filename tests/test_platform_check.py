@@ -141,6 +141,8 @@ def test_no_display_says_how_to_run_anyway():
     assert check({"QT_QPA_PLATFORM": "offscreen"}).ok
     assert check({}, system="darwin").ok and check({}, system="win32").ok  # Cocoa, Windows: no DISPLAY there
     assert check({platform_check.SKIP_VARIABLE: "1"}).ok
+    forced = check({"QT_QPA_PLATFORM": "xcb"})  # the X11 plugin asked for, with no X display
+    assert not forced.ok and (forced.no_display or forced.missing)
 
 
 # --- for real: ldd on the wheel's plugin ---------------------------------------------------------------
@@ -173,17 +175,21 @@ def test_real_ldd_on_the_installed_plugin_agrees_and_every_system_library_is_map
     assert not unmapped_x
     if shutil.which("dpkg") is None:
         return
+    # one dpkg query for every file, under both prefixes (merged /usr: dpkg knows each under one of them)
+    paths = {}
     for soname, path in system.items():
-        if soname not in PACKAGES:
-            continue
         real = os.path.realpath(path)
-        owner = subprocess.run(["dpkg", "-S", real], capture_output=True, text=True, check=False)
-        if owner.returncode:  # merged /usr: dpkg knows the file under the other prefix
-            other = real[4:] if real.startswith("/usr/") else "/usr" + real
-            owner = subprocess.run(["dpkg", "-S", other], capture_output=True, text=True, check=False)
-        if owner.returncode == 0:
-            package = owner.stdout.split(":")[0]
-            assert PACKAGES[soname][0] == package, soname
+        other = real[4:] if real.startswith("/usr/") else "/usr" + real
+        paths[real] = paths[other] = soname
+    owners = subprocess.run(["dpkg", "-S", *paths], capture_output=True, text=True, check=False).stdout
+    checked = 0
+    for line in owners.splitlines():
+        package, _, path = line.partition(": ")
+        soname = paths.get(path.strip())
+        if soname in PACKAGES and "," not in package:
+            assert PACKAGES[soname][0] == package.split(":")[0], soname
+            checked += 1
+    assert checked or not any(soname in PACKAGES for soname in system)  # the check did run
 
 
 @needs_ldd
@@ -217,3 +223,49 @@ def test_the_check_and_the_gui_entry_import_no_qt_and_exit_3_without_a_display()
     assert done.returncode == 3, done.stderr
     assert "QT:\n" in done.stdout or done.stdout.strip().endswith("QT:")
     assert "no display" in done.stderr and "xvfb-run" in done.stderr
+
+
+def _unused_display_number() -> int:
+    taken = {name[1:] for name in os.listdir("/tmp/.X11-unix")} if os.path.isdir("/tmp/.X11-unix") else set()
+    return next(n for n in range(4700, 4800) if str(n) not in taken)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux abstract sockets")
+def test_a_display_where_no_x_server_listens_is_reported_and_one_that_listens_is_not():
+    import socket
+
+    number = _unused_display_number()
+    assert platform_check.x_server_reachable(f":{number}") is False
+    verdict = check({"DISPLAY": f":{number}"})
+    if verdict.platform == "xcb" and not verdict.missing:  # (a machine lacking the libraries says that first)
+        assert verdict.unreachable == f"DISPLAY=:{number}" and not verdict.ok
+        assert f"DISPLAY=:{number}" in verdict.message() and "xvfb-run" in verdict.message()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:  # where an X server would listen
+        server.bind(f"\0/tmp/.X11-unix/X{number}")
+        server.listen(4)
+        assert platform_check.x_server_reachable(f":{number}") is True
+        assert platform_check.x_server_reachable(f"unix:{number}.0") is True
+        assert not check({"DISPLAY": f":{number}"}).unreachable
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:  # ssh -X style: TCP 6000 + N
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)
+        port = server.getsockname()[1]
+        if port > 6000:
+            assert platform_check.x_server_reachable(f"127.0.0.1:{port - 6000}.0") is True
+    assert platform_check.x_server_reachable("/private/tmp/launchd-1/org.xquartz:0") is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Unix sockets")
+def test_a_wayland_display_needs_a_compositor_on_its_socket(tmp_path):
+    import socket
+
+    environ = {"WAYLAND_DISPLAY": "pagevis-test", "XDG_RUNTIME_DIR": str(tmp_path)}
+    verdict = check(environ)
+    if verdict.platform == "wayland" and not verdict.missing:  # (a machine lacking libwayland says that first)
+        assert verdict.unreachable == "WAYLAND_DISPLAY=pagevis-test"
+        assert "WAYLAND_DISPLAY=pagevis-test" in verdict.message()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as compositor:
+        compositor.bind(str(tmp_path / "pagevis-test"))
+        compositor.listen(4)
+        assert not check(environ).unreachable
+        assert not check({"WAYLAND_DISPLAY": str(tmp_path / "pagevis-test")}).unreachable  # an absolute path

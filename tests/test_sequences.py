@@ -2,9 +2,13 @@
 prefix caching hits what it should, preemption recomputes, fork continues."""
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from model_fixtures import smollm2  # noqa: F401  (fixture)
 
 from pagevis.decoding import DecodeSession, SamplingConfig, SessionConfig
 from pagevis.decoding.batch import BatchConfig, BatchSession
@@ -214,3 +218,77 @@ def test_sequences_bench_rows_on_a_small_model():
     shared = result["shared_prompt"]
     assert shared["hit_tokens"][0] == 0 and shared["hit_rate_after_first"] >= 144 / 150
     assert len(format_sequences(result)) == 2 + 3 + 2
+
+
+def test_the_shared_pool_refuses_the_disk_tier_and_quest():
+    with pytest.raises(ConfigError, match="disk_pages"):
+        BatchSession(MODEL, replace(config(), disk_pages=8))
+    with pytest.raises(ConfigError, match="select"):
+        BatchSession(MODEL, replace(config(), select="quest"))
+
+
+def test_smollm2_parallel_samples_and_batched_logits(smollm2):  # noqa: F811
+    """The real model: three samples of one prompt decode what each decodes alone, and a batched step's
+    logits equal a dense forward of each sequence (rel. err < 1e-5)."""
+    cfg = SessionConfig(page_size=8, max_pages=16, policy="none", max_new_tokens=5,
+                        sampling=SamplingConfig(mode="sample", temperature=1.0, seed=21))
+    recording = RecordingModel(smollm2)
+    batch = BatchSession(recording, cfg)
+    ids = batch.submit_parallel(batch.encode("Name one use of paging."), 3)
+    list(batch.run())
+    for i, seq_id in enumerate(ids):
+        session = DecodeSession(smollm2, "Name one use of paging.",
+                                replace(cfg, sampling=replace(cfg.sampling, seed=21 + i)))
+        list(session.run())
+        assert batch.seqs[seq_id].generated == session.generated
+    _, _, logits = recording.calls[2]  # a decode step of all three
+    for row, seq_id in enumerate(ids):
+        tokens = batch.seqs[seq_id].tokens[: len(batch.seqs[seq_id].prompt_ids) + 2]
+        dense = smollm2.forward(np.array(tokens), np.arange(len(tokens)), DenseAttention(smollm2.config))
+        assert np.abs(logits[row] - dense).max() / np.abs(dense).max() < 1e-5
+
+
+def test_a_full_cache_under_policy_none_ends_that_sequence_only():
+    cfg = config("none", max_pages=6, max_new_tokens=30)  # 24 tokens per sequence
+    batch = BatchSession(MODEL, cfg)
+    short, long = batch.submit(PROMPT[:6]), batch.submit(PROMPT[:16])
+    list(batch.run())
+    assert batch.seqs[long].stop_reason == "cache_full" and len(batch.seqs[long].generated) == 24 - 16 + 1
+    assert batch.seqs[short].stop_reason == "cache_full" and len(batch.seqs[short].generated) == 24 - 6 + 1
+    assert batch.seqs[short].generated[:5] == alone(replace(cfg, max_new_tokens=5), PROMPT[:6], 5)
+
+
+def test_parallel_samples_of_a_prompt_too_long_for_policy_none_all_end_cache_full():
+    batch = BatchSession(MODEL, config("none", max_pages=3))  # 12 tokens; the prompt has more
+    ids = batch.submit_parallel(PROMPT, 3)
+    list(batch.run())
+    assert [batch.seqs[s].stop_reason for s in ids] == ["cache_full"] * 3
+
+
+@settings(max_examples=12, deadline=None)
+@given(lengths=st.lists(st.integers(1, 14), min_size=1, max_size=5), pool_pages=st.integers(9, 30),
+       new_tokens=st.integers(1, 10), shared=st.integers(0, 12), mode=st.sampled_from(["greedy", "sample"]))
+def test_random_batches_decode_what_each_decodes_alone_and_free_everything(lengths, pool_pages, new_tokens,
+                                                                            shared, mode):
+    """Sequences joining between steps, sharing prompt prefixes (prefix cache), preempted when the pool is
+    tight: each still decodes its own tokens, and at the end no page is referenced."""
+    cfg = config("none", max_pages=10, max_new_tokens=new_tokens, mode=mode)  # 40 tokens: never full
+    batch = BatchSession(MODEL, cfg, BatchConfig(pool_pages=pool_pages, max_seqs=3))
+    prompts = [PROMPT[:shared] + PROMPT[20 + i: 20 + i + n] for i, n in enumerate(lengths)]
+    ids = [batch.submit(p, sampling=SamplingConfig(mode=mode, seed=i)) for i, p in enumerate(prompts)]
+    list(batch.run())
+    for i, seq_id in enumerate(ids):
+        assert batch.seqs[seq_id].generated == alone(cfg, prompts[i], i)
+    for blocks in batch.pool.blocks:
+        assert not blocks.ref_counts.any() and blocks.n_free() == pool_pages
+
+
+def test_ignore_eos_decodes_the_asked_length():
+    first = alone(config(mode="greedy", max_new_tokens=1), PROMPT, 0)[0]
+    model = RecordingModel(MODEL)
+    model.config = replace(MODEL.config, eos_ids=(first,))  # the first greedy token ends the sequence
+    for ignore, expected in ((False, 1), (True, 5)):
+        batch = BatchSession(model, config(mode="greedy", max_new_tokens=5), BatchConfig(ignore_eos=ignore))
+        seq_id = batch.submit(PROMPT)
+        list(batch.run())
+        assert len(batch.seqs[seq_id].generated) == expected

@@ -293,3 +293,22 @@ def test_a_failing_step_is_a_json_500_and_ends_the_session(server):
     assert server.client.post(f"/v1/sessions/{sid}/step", json={"n": 1}).status_code == 409
     assert server.client.get("/healthz").json()["status"] == "ok"
     server.client.delete(f"/v1/sessions/{sid}")
+
+
+def test_requests_on_one_session_are_serialised(server):
+    sid = server.client.post("/v1/sessions", json={"prompt": "one session, four clients", "chat": False,
+                                                   "max_tokens": 60}).json()["id"]
+    answers = []
+
+    def step():
+        answers.append(server.client.post(f"/v1/sessions/{sid}/step", json={"n": 5}).json())
+
+    threads = [threading.Thread(target=step) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    runs = sorted([s["step"] for s in answer["steps"]] for answer in answers)
+    assert runs == [list(range(i, i + 5)) for i in range(0, 20, 5)], "each request took 5 consecutive steps"
+    assert server.client.get(f"/v1/sessions/{sid}").json()["total_steps"] == 20
+    server.client.delete(f"/v1/sessions/{sid}")

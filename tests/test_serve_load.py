@@ -56,6 +56,8 @@ def test_metrics_count_what_clients_received():
         assert value(samples, "pagevis_kv_cache_usage_ratio") == 1.0  # 16 of 16 slots resident
         assert value(samples, "pagevis_http_requests_total", route="/v1/sessions/{session_id}/step",
                      method="POST", status="200") == step_requests
+        assert value(samples, "pagevis_http_request_duration_seconds_count",
+                     route="/v1/sessions/{session_id}/step") == step_requests
         assert not [k for k in samples if "sess-" in str(k)], "raw paths must not become labels"
         c.delete(f"/v1/sessions/{sid}")
         samples = scrape(running.metrics_text())

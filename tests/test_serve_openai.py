@@ -3,6 +3,7 @@ each other and with a DecodeSession; stop strings, seeds, the `pagevis` cache ob
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 from model_fixtures import smollm2  # noqa: F401  (fixture)
@@ -105,8 +106,12 @@ def test_same_seed_same_text_other_seed_other_text(client):
     ({"extra_body": {"pagevis": {"policy": "lifo"}}}, 422, "policy = 'lifo'"),
     ({"extra_body": {"pagevis": {"page_size": 0}}}, 422, "page_size = 0"),
     ({"temperature": -1}, 422, "temperature"),
-    ({"n": 2}, 422, "n:"),
+    ({"n": 17}, 422, "n"),
+    ({"n": 2, "stream": True}, 422, "not streamed"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 422, "at most 4"),
+    ({"echo": True}, 422, "echo: True is not supported"),
+    ({"logprobs": 2}, 422, "logprobs: 2 is not supported"),
+    ({"frequency_penalty": 0.5}, 422, "frequency_penalty"),
 ])
 def test_bad_requests_get_clear_errors(client, changes, status, words):
     args = {"model": "synthetic", "prompt": "x", "max_tokens": 4, **changes}
@@ -131,3 +136,16 @@ def test_smollm2_streams_a_known_greedy_answer(smollm2):  # noqa: F811
     list(session.run())
     assert text == plain.choices[0].message.content == session.text()
     assert "Paris" in text
+
+
+def test_n_samples_share_one_pool_and_equal_single_requests(client, server):
+    many = client.completions.create(model="synthetic", prompt="pages", max_tokens=8, temperature=1.0, seed=40,
+                                     n=3)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    for i, choice in enumerate(many.choices):  # sample i is seeded seed + i, like a request of its own
+        alone = client.completions.create(model="synthetic", prompt="pages", max_tokens=8, temperature=1.0,
+                                          seed=40 + i)
+        assert choice.text == alone.choices[0].text
+    assert many.usage.completion_tokens == 24 and many.usage.prompt_tokens == alone.usage.prompt_tokens
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "pagevis_prefix_cache_queries_total" in metrics and "pagevis_preemptions_total" in metrics

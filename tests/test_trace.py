@@ -2,6 +2,7 @@
 
 import json
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -138,3 +139,24 @@ def test_trace_object_writes_too(session, tmp_path):
     trace = Trace.from_session(session, model_spec=SPEC)
     write_trace(tmp_path / "a", trace)
     assert len(read_trace(tmp_path / "a").records) == len(session.records)
+
+
+@pytest.mark.parametrize("tier", [{"max_pages": 3, "disk_pages": 12},
+                                  {"max_pages": 3, "disk_pages": 12, "select": "quest"},
+                                  {"max_pages": 5, "select": "quest", "select_pages": 2}])
+def test_disk_tier_and_page_selection_round_trip(tmp_path, tier):
+    session = run_session(**tier)
+    assert all(r.tiers is not None for r in session.records)
+    assert any(e.kind.value in ("swap_out", "fault_in") for r in session.records for e in r.events) or "disk_pages" not in tier
+    write_trace(tmp_path / "t", session)
+    loaded = read_trace(tmp_path / "t")
+    assert loaded.config == session.config
+    assert [record_differences(a, b) for a, b in zip(session.records, loaded.records)] == [[]] * len(session.records)
+    assert [e.frame for r in loaded.records for e in r.events] == [e.frame for r in session.records for e in r.events]
+
+
+def test_a_version_1_trace_still_opens():
+    trace = read_trace(Path(__file__).parent / "data" / "hostile" / "valid.pvtrace")  # written before the disk tier
+    assert trace.records and all(r.tiers is None for r in trace.records)
+    assert trace.config.disk_pages == 0 and trace.config.select == "all"
+    assert all(e.frame == -1 for r in trace.records for e in r.events)

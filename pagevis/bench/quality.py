@@ -26,7 +26,7 @@ import numpy as np
 
 from ..decoding import DecodeSession, SessionConfig
 from ..decoding.sampling import log_softmax
-from ..engine import CacheConfig, CacheFullError, PagedKVCache
+from ..engine import CacheConfig, CacheFullError, ConfigError, PagedKVCache
 from ..engine.policies.pyramidkv import PyramidKV, pool_tokens
 from ..engine.policies.snapkv import SnapKV
 from .optimal import OPTIMAL, FutureAttention
@@ -128,6 +128,7 @@ class Row:
     seconds: float
     note: str = ""
     gap_to_optimal: float | None = None  # ppl_evicting / optimal's at the same budget - 1
+    recall: float | None = None  # tiered rows: share of the full cache's attention on the tokens read
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -178,19 +179,28 @@ def full_reference(model, token_ids, page_size: int = 16, dtype: str = "float32"
 
 
 class _KeepAllLogits:
-    """The model as a DecodeSession sees it, keeping the logits of every token of the last forward."""
+    """The model as a DecodeSession sees it, keeping the logits of every token of the last forward.
 
-    def __init__(self, model):
+    A chunk runs in pieces of at most `piece` tokens: the session prefills a whole budget at once, and one
+    piece's attention weights (piece x heads x keys, float32) stay small where a 4,096-token chunk's would
+    take 600 MB. The pieces are consecutive and the chunk fits the free slots, so nothing is evicted
+    between them and every query sees what it would have seen in one call.
+    """
+
+    def __init__(self, model, piece: int = 256):
         self.model, self.config, self.tokenizer = model, model.config, model.tokenizer
+        self.piece = piece
         self.logits: np.ndarray | None = None
 
     def forward(self, token_ids, positions, attend, all_logits=False):
-        self.logits = np.atleast_2d(self.model.forward(token_ids, positions, attend, all_logits=True))
+        pieces = [self.model.forward(token_ids[i: i + self.piece], positions[i: i + self.piece], attend,
+                                     all_logits=True) for i in range(0, len(token_ids), self.piece)]
+        self.logits = np.concatenate([np.atleast_2d(p) for p in pieces])
         return self.logits if all_logits else self.logits[-1]
 
 
 def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, page_size: int,
-             dtype: str = "float32", progress: Callable[[int], None] | None = None) -> Row:
+             dtype: str = "float32", progress: Callable[[int], None] | None = None, piece: int = 256) -> Row:
     """Teacher-force the reference's text through a bounded cache and compare with the full cache.
     `optimal` (compare only) is the clairvoyant policy of pagevis.bench.optimal, fed the reference's future."""
     ids = reference.token_ids
@@ -198,11 +208,15 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
     optimal = None
     if choice.name == OPTIMAL:
         optimal = FutureAttention(reference.attention_totals.copy())
-    max_pages, params = session_pages(choice, budget, page_size)
-    config = SessionConfig(page_size=page_size, max_pages=max_pages, dtype=dtype,
-                           policy="oldest" if optimal else choice.name, policy_params=params,
-                           max_new_tokens=1, oracle=False, chat=False, record_layers=())
-    wrapped = _KeepAllLogits(model)
+    tier = tier_settings(choice, budget, page_size, n)
+    if tier is not None:
+        max_pages, params = budget // page_size, {}
+    else:
+        max_pages, params = session_pages(choice, budget, page_size)
+        tier = {"policy": "oldest" if optimal else choice.name}
+    config = SessionConfig(page_size=page_size, max_pages=max_pages, dtype=dtype, policy_params=params,
+                           max_new_tokens=1, oracle=False, chat=False, record_layers=(), **tier)
+    wrapped = _KeepAllLogits(model, piece)
     session = DecodeSession(wrapped, "", config, prompt_ids=[int(t) for t in ids])
     if optimal:
         optimal.bind(session.cache_config.capacity, page_size)
@@ -219,7 +233,7 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
             record = session.step()
             session.records[-1] = None  # read once here; keeps the step count, not the arrays (8k steps)
             evictions = record.evictions_total
-            resident = _resident_by_layer(record.slot_maps, n)  # what this step's queries attended to
+            resident = _read_by_layer(session.cache, record, n)  # what this step's queries attended to
             for i, p in enumerate(record.positions):
                 if p >= n - 1:
                     continue
@@ -247,7 +261,41 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
         mean_kl=float(np.mean(kl[tail])) if evicting else 0.0,
         top1_agreement=float(np.mean(agree[tail])) if evicting else 1.0,
         lost_attention=float(np.mean(lost[tail])) if evicting else 0.0,
-        evictions=evictions, evicting_tokens=evicting, seconds=time.perf_counter() - started, note=note)
+        evictions=evictions, evicting_tokens=evicting, seconds=time.perf_counter() - started, note=note,
+        recall=1 - float(np.mean(lost[tail])) if evicting and config.tiered else None)
+
+
+TIER_ROWS = ("quest", "disk")  # compare rows with a disk tier: quest's page selection, or exact reads of all
+
+
+def tier_settings(choice: PolicyChoice, budget: int, page_size: int, n_tokens: int) -> dict | None:
+    """The cache settings of a tiered row: `budget` tokens of RAM frames, a disk tier holding the whole
+    text (or disk_pages=N, evicting by sinks beyond), and for quest budget / page_size pages read per
+    step (or select_pages=K) — the same number of tokens attended as an eviction policy's budget."""
+    if choice.name not in TIER_ROWS:
+        return None
+    params = dict(choice.params)
+    disk = int(params.pop("disk_pages", -(-n_tokens // page_size)))
+    settings = {"disk_pages": disk, "policy": "none" if disk * page_size >= n_tokens else "sinks",
+                "select": "quest" if choice.name == "quest" else "all"}
+    if choice.name == "quest":
+        settings["select_pages"] = int(params.pop("select_pages", budget // page_size))
+    if params:
+        raise ConfigError(f"{choice.name}.{next(iter(params))}", params[next(iter(params))],
+                          "disk_pages" + (" or select_pages" if choice.name == "quest" else ""))
+    return settings
+
+
+def _read_by_layer(cache, record, n: int) -> np.ndarray:
+    """(n_layers, n) bool: positions each layer's queries read at this step (its resident tokens, or
+    with a page selection the tokens of the pages it read). Read from the live cache, just after the step."""
+    if record.tiers is None:
+        return _resident_by_layer(record.slot_maps, n)
+    mask = np.zeros((len(cache.stores), n), dtype=bool)
+    for layer, (store, slots) in enumerate(zip(cache.stores, cache.read_slots, strict=True)):
+        read = store.positions if slots is None else store.positions[slots]
+        mask[layer, read[(read >= 0) & (read < n)]] = True
+    return mask
 
 
 def session_pages(choice: PolicyChoice, budget: int, page_size: int) -> tuple[int, dict]:

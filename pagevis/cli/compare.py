@@ -19,7 +19,7 @@ LONG_TEXT = "pride-and-prejudice-ch1-6"  # about 10,100 SmolLM2 tokens: enough f
 DEFAULT_POLICIES = "sinks,oldest,h2o,tova,snapkv,pyramidkv,lru,lfu"
 MAX_TOKENS = 1 << 20  # the reference's logits go to temporary files; the text bounds it in practice
 COLUMNS = ("policy", "budget", "page_size", "ppl", "ppl_evicting", "full_ppl_evicting", "gap_to_optimal", "mean_kl",
-           "top1_agreement", "lost_attention", "evictions", "evicting_tokens", "seconds", "note")
+           "top1_agreement", "lost_attention", "evictions", "evicting_tokens", "seconds", "note", "recall")
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -37,7 +37,10 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--policies", default=DEFAULT_POLICIES, metavar="LIST",
                         help=f"comma-separated policies, each optionally with parameters as "
                              f"name:key=value[:key=value], e.g. sinks:n_sink=1 (default {DEFAULT_POLICIES}); "
-                             f"'optimal' is always added unless --no-optimal")
+                             f"'optimal' is always added unless --no-optimal. Disk-tier rows: 'quest' (RAM = the "
+                             f"budget, the whole text on disk, budget/page-size pages read per token by key "
+                             f"bounds; quest:select_pages=K) and 'disk' (the same tiers, every page read: exact); "
+                             f"both take disk_pages=N")
     parser.add_argument("--no-optimal", action="store_true",
                         help="skip the clairvoyant 'optimal' rows (then no row has a gap to optimal)")
     parser.add_argument("--tmp-dir", metavar="DIR",
@@ -62,7 +65,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
 def parse_policies(text: str, optimal: bool = True):
     """The policies to compare; the clairvoyant `optimal` comes first (unless not wanted), once."""
     from ..bench.optimal import OPTIMAL
-    from ..bench.quality import PolicyChoice
+    from ..bench.quality import TIER_ROWS, PolicyChoice
     from ..engine import POLICIES
 
     choices = [PolicyChoice(OPTIMAL)] if optimal else []
@@ -71,9 +74,10 @@ def parse_policies(text: str, optimal: bool = True):
         if name == OPTIMAL and not params:
             choices[:0] = [] if choices[:1] == [PolicyChoice(OPTIMAL)] else [PolicyChoice(OPTIMAL)]
             continue
-        if name not in POLICIES:
-            raise UsageError(f"--policies: unknown policy {name!r}; the policies are {', '.join(POLICIES)} "
-                             f"and {OPTIMAL} (compare only, no parameters)")
+        if name not in POLICIES and name not in TIER_ROWS:
+            raise UsageError(f"--policies: unknown policy {name!r}; the policies are {', '.join(POLICIES)}, "
+                             f"{OPTIMAL} (compare only, no parameters) and the disk-tier rows "
+                             f"{', '.join(TIER_ROWS)}")
         choices.append(PolicyChoice(name, dict(options.parse_param(p, "--policies") for p in params)))
     if not choices:
         raise UsageError("--policies: give at least one policy")
@@ -131,20 +135,26 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(f"--tmp-dir {args.tmp_dir}: no such folder")
     choices = parse_policies(args.policies, optimal=not args.no_optimal)
     budgets = parse_budgets(args.budgets, args.page_size)
-    for choice in choices:  # policy parameters that cannot fit a budget fail now, not halfway through
-        for budget in budgets:
-            if choice.name == OPTIMAL:
-                continue
-            try:
-                max_pages, params = quality.session_pages(choice, budget, args.page_size)
-                CacheSettings(page_size=args.page_size, max_pages=max_pages, policy=choice.name,
-                              policy_params=params).check()
-            except ConfigError as error:
-                raise UsageError(f"--policies {choice.label} at budget {budget}: {error}") from None
     text = load_text(args.text)
     spec = options.model_spec(args)
     model = spec.load()
     check_budgets(budgets, args, model.config)
+    for choice in choices:  # policy parameters that cannot fit a budget fail before decoding, not halfway through
+        for budget in budgets:
+            if choice.name == OPTIMAL:
+                continue
+            try:
+                tier = quality.tier_settings(choice, budget, args.page_size, args.tokens)
+                if tier is not None:
+                    CacheSettings(page_size=args.page_size, max_pages=budget // args.page_size, **tier).check()
+                    continue
+                max_pages, params = quality.session_pages(choice, budget, args.page_size)
+                CacheSettings(page_size=args.page_size, max_pages=max_pages, policy=choice.name,
+                              policy_params=params).check()
+            except ConfigError as error:
+                if error.field == "max_pages":  # the budget itself is too large: check_budgets says so below
+                    continue
+                raise UsageError(f"--policies {choice.label} at budget {budget}: {error}") from None
     ids = model.tokenizer.encode(text)[: args.tokens]
     if len(ids) < 2:
         raise UsageError("the text is too short: it must encode to at least 2 tokens")
@@ -217,15 +227,19 @@ def format_table(rows) -> str:
         lines.append(f"{r.policy:<18} {r.budget:>6} {_f(r.ppl, 8, 3)} {_f(r.ppl_evicting, 9, 3)} "
                      f"{_f(r.full_ppl_evicting, 8, 3)} {_gap(r.gap_to_optimal)} {_f(r.mean_kl, 8, 4)} "
                      f"{_f(r.top1_agreement, 6, 3)} "
-                     f"{_f(r.lost_attention, 9, 4)} {r.evictions:>9}")
+                     f"{_f(r.lost_attention, 9, 4)} {r.evictions:>9}"
+                     + ("" if r.recall is None else f"  recall {r.recall:.3f}"))
     lines.append("ppl: all predicted tokens. ppl evict / full, mean KL, top-1, lost attn: the tokens predicted "
                  "once the cache was full (bounded vs full cache on the same tokens). vs opt: ppl evict over "
-                 "optimal's at the same budget, minus 1.")
+                 "optimal's at the same budget, minus 1. quest / disk: RAM frames = budget, the rest on disk; "
+                 "lost attn is then the attention on tokens not read, recall = 1 - lost attn.")
     return "\n".join(lines)
 
 
 def _gap(value) -> str:
-    return f"{'-':>7}" if value is None else f"{value:>+7.1%}"
+    if value is None:
+        return f"{'-':>7}"
+    return f"{value:>+7.0%}" if abs(value) >= 10 else f"{value:>+7.1%}"
 
 
 def _f(value, width, digits) -> str:
@@ -253,8 +267,10 @@ def write_plot(path: str, rows, result) -> None:
         ys.append(row.ppl)
     budgets = sorted({row.budget for row in rows[1:]})
     series["full cache"] = (budgets, [result["full_cache_ppl"]] * len(budgets))
+    values = [y for _, ys in series.values() for y in ys if y]
+    ladder = (10, 12, 14, 16, 18, 20, 25, 30, 40, 50, 75, 100, 150, 200, 300, 500, 1000, 2000, 5000)
+    ticks = [t for t in ladder if min(values, default=1) / 1.1 <= t <= max(values, default=1) * 1.1]
     line_plot(path, series, title=f"Perplexity vs cache budget ({result['model']}, {result['tokens']} tokens, "
                                   f"page size {result['page_size']})",
               x_label="cache budget (tokens per layer)", y_label="perplexity (log scale)", log_x=True, log_y=True,
-              dashed={"full cache"},
-              x_ticks=budgets)
+              dashed={"full cache", "optimal"}, x_ticks=budgets, y_ticks=ticks or None)

@@ -134,4 +134,4 @@ def launch_app(args: argparse.Namespace) -> int:
     from ..gui import launch
 
     return launch(model_spec=spec, prompt=prompt, session_config=config, screenshot=args.screenshot,
-                  steps=args.steps, metrics=metrics)
+                  steps=args.steps, metrics=metrics, preset=options.preset(args))

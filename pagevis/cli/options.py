@@ -23,6 +23,7 @@ FLAG_OF_FIELD = {
     "max_new_tokens": "--max-tokens", "sampling.temperature": "--temperature", "sampling.top_k": "--top-k",
     "sampling.top_p": "--top-p", "sampling.seed": "--seed", "record_layers": "--record-layers",
     "n_layers": "--layers", "n_heads": "--heads", "n_kv_heads": "--kv-heads", "head_dim": "--head-dim",
+    "disk_pages": "--disk-pages", "swap_dir": "--swap-dir", "select": "--select", "select_pages": "--select-pages",
 }
 
 
@@ -72,6 +73,18 @@ def add_cache_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--policy-param", action="append", metavar="KEY=VALUE", default=None,
                        help="a policy parameter, e.g. n_sink=4 (sinks), recent=32 (h2o), seed=1 (random); "
                             "repeat for several")
+    tiers = parser.add_argument_group("disk tier and page selection (docs/memory.md)")
+    tiers.add_argument("--disk-pages", type=int, metavar="N",
+                       help="pages per layer on disk (0 = no disk tier, default): capacity = N x page size, and the "
+                            "--max-pages RAM frames cache pages (least recently read leaves), written to disk once")
+    tiers.add_argument("--swap-dir", metavar="DIR",
+                       help="folder for the swap files (default: the system's temporary folder); a private "
+                            "subfolder is created there and removed on exit, error or Ctrl-C")
+    tiers.add_argument("--select", choices=("all", "quest"),
+                       help="pages a decode step reads: all (exact: disk pages in batches, merged by log-sum-exp; "
+                            "default) or quest (the --select-pages pages with the highest key bounds)")
+    tiers.add_argument("--select-pages", type=int, metavar="K",
+                       help=f"quest: pages read per step, the newest always among them (default {defaults.select_pages})")
 
 
 def add_decoding_options(parser: argparse.ArgumentParser) -> None:
@@ -283,6 +296,10 @@ def session_config(args: argparse.Namespace, base: SessionConfig | None = None) 
         max_new_tokens=_given(args.max_tokens, defaults.max_new_tokens), sampling=sampling,
         oracle=bool(_given(args.oracle, defaults.oracle)), chat=_given(args.chat, defaults.chat),
         special=bool(getattr(args, "special", None)),
+        disk_pages=_given(getattr(args, "disk_pages", None), defaults.disk_pages),
+        swap_dir=_given(getattr(args, "swap_dir", None), defaults.swap_dir),
+        select=_given(getattr(args, "select", None), defaults.select),
+        select_pages=_given(getattr(args, "select_pages", None), defaults.select_pages),
         record_layers=parse_layers(args.record_layers) if args.record_layers is not None else defaults.record_layers)
     check_cache(config)
     return config
@@ -297,7 +314,8 @@ def check_cache(config: SessionConfig) -> None:
 def session_options_given(args: argparse.Namespace) -> bool:
     """Did the user set any cache or decoding option (the app keeps its own settings otherwise)?"""
     names = ("preset", "page_size", "max_pages", "dtype", "policy", "policy_param", "max_tokens", "sample", "temperature",
-             "top_k", "top_p", "seed", "oracle", "record_layers", "chat", "special")
+             "top_k", "top_p", "seed", "oracle", "record_layers", "chat", "special", "disk_pages", "swap_dir",
+             "select", "select_pages")
     return any(getattr(args, name, None) is not None for name in names)
 
 

@@ -28,9 +28,9 @@ def check_parallel_options(args: argparse.Namespace) -> None:
         raise options.UsageError(f"--n {args.n}: must be an integer from 1 to {MAX_SEQUENCES}")
     if args.n == 1 and args.pool_pages is not None:
         raise options.UsageError("--pool-pages only applies with --n 2 or more")
-    if args.n > 1 and (args.trace or args.oracle):
-        flag = "--trace" if args.trace else "--oracle"
-        raise options.UsageError(f"{flag} records one sequence; it cannot be combined with --n {args.n}")
+    if args.n > 1 and (args.trace or args.oracle or args.metrics_port is not None):
+        flag = "--trace" if args.trace else "--oracle" if args.oracle else "--metrics-port"
+        raise options.UsageError(f"{flag} follows a single session; it cannot be combined with --n {args.n}")
 
 
 def run_parallel(args: argparse.Namespace, spec, config, prompt: str) -> int:

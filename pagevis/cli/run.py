@@ -34,6 +34,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     from ..decoding import DecodeSession
     from ..engine import CacheFullError
+    from ..engine.swap import SwapSpaceError, exit_on_sigterm
 
     spec = options.model_spec(args)
     config = options.session_config(args)
@@ -46,6 +47,7 @@ def main(args: argparse.Namespace) -> int:
     metrics, exporter = start_metrics_server(args.metrics_port)
     model = spec.load()
     check_cache_memory(config, model.config)
+    exit_on_sigterm()  # a swap folder is removed on SIGTERM too
     session = DecodeSession(model, prompt, config)
     check_prompt_fits(session)
     progress = Progress(config.max_new_tokens, "decoding", enabled=False if args.quiet else None)
@@ -61,11 +63,15 @@ def main(args: argparse.Namespace) -> int:
     except CacheFullError as error:
         session.stop_reason = "cache_full"
         print(f"pagevis run: stopped: {error}", file=sys.stderr)
+    except SwapSpaceError as error:  # raised before the step changed anything: the steps so far are kept
+        session.stop_reason = "swap_full"
+        print(f"pagevis run: stopped: {error.strerror}", file=sys.stderr)
     except KeyboardInterrupt:
         session.stop_reason = session.stop_reason or "interrupted"
         interrupted = True
     finally:
         progress.close()
+        session.cache.close()
         if exporter is not None:
             exporter.shutdown()
             exporter.server_close()
@@ -124,7 +130,7 @@ def summarize(session, model_label: str, elapsed: float) -> dict:
         "stop_reason": session.stop_reason,
         "page_size": config.page_size,
         "max_pages": config.max_pages,
-        "capacity": config.page_size * config.max_pages,
+        "capacity": config.capacity,
         "dtype": config.dtype,
         "policy": config.policy,
         "policy_params": _policy_params(session),
@@ -143,7 +149,33 @@ def summarize(session, model_label: str, elapsed: float) -> dict:
             mean_lost_attention=float(np.mean([o.lost_attention for o in scored])) if scored else None,
             oracle_steps=len(scored),
         )
+    if any(r.tiers is not None for r in records):
+        summary.update(disk_pages=config.disk_pages, select=config.select, select_pages=config.select_pages,
+                       tiers=tier_summary(records, session.cache_config.page_bytes()))
     return summary
+
+
+def tier_summary(records, page_bytes: int) -> dict:
+    """Disk tier and page selection: totals, per-step means, and every step's counts per layer."""
+    from ..engine import COUNT_NAMES
+
+    stepped = [r for r in records if r.tiers is not None]
+    counts = np.stack([r.tiers.counts for r in stepped])  # (steps, layers, columns)
+    total = {name: int(counts[..., i].sum()) for i, name in enumerate(COUNT_NAMES)}
+    read = total["hits"] + total["faults"]
+    recall = [r.tiers.recall for r in stepped if r.tiers.recall is not None and r.kind == "decode"]
+    return {
+        **total,
+        "page_bytes": page_bytes,
+        "hit_rate": total["hits"] / read if read else None,
+        "faults_per_step": total["faults"] / len(stepped),
+        "mb_read_per_step": total["bytes_read"] / len(stepped) / 1e6,
+        "mb_written_per_step": total["bytes_written"] / len(stepped) / 1e6,
+        "mean_recall": float(np.nanmean(recall)) if recall else None,
+        "per_step": [{"step": r.step, **{name: r.tiers.counts[:, i].tolist() for i, name in enumerate(COUNT_NAMES)},
+                      "recall": None if r.tiers.recall is None else [round(float(x), 6) for x in r.tiers.recall]}
+                     for r in stepped],
+    }
 
 
 def _policy_params(session) -> dict:

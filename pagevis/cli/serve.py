@@ -89,5 +89,7 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(f"pagevis serve: --port {args.port}: must be a port number from 0 to 65535")
     settings = settings_from_args(args)
     app = create_app(settings)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
+    # Connections beyond the limit get 503 at once rather than queueing without bound.
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5,
+                limit_concurrency=max(64, 8 * settings.max_sessions))
     return 0

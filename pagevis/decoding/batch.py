@@ -37,6 +37,7 @@ class BatchConfig:
     pool_pages: int | None = None  # frames per layer; None: enough for max_seqs sequences without sharing
     max_seqs: int = 16  # sequences running in one step
     prefix_caching: bool = True
+    ignore_eos: bool = False  # decode max_new_tokens whatever is sampled (benchmarks of a fixed shape, as vLLM's)
 
     def __post_init__(self) -> None:
         check_int("max_seqs", self.max_seqs, 1, MAX_SEQUENCES)
@@ -184,6 +185,10 @@ class BatchSession:
         started = time.perf_counter()
         self.pool.step = self.n_steps
         plan = self._schedule()
+        if not plan:  # every running sequence just finished with a full cache
+            record = self._record((), time.perf_counter() - started)
+            self.n_steps += 1
+            return record
         ids = np.concatenate([np.asarray(tokens, dtype=np.int64) for _, tokens, _ in plan])
         positions = np.concatenate([np.arange(start, start + len(tokens), dtype=np.int64)
                                     for _, tokens, start in plan])
@@ -235,7 +240,7 @@ class BatchSession:
         seq = self.seqs[seq_id]
         token = seq.sampler.sample(logits)
         seq.generated.append(token)
-        if token in self.model.config.eos_ids:
+        if token in self.model.config.eos_ids and not self.batch.ignore_eos:
             self._finish(seq, "eos")
         elif len(seq.generated) >= seq.max_new_tokens:
             self._finish(seq, "max_new_tokens")
@@ -246,11 +251,18 @@ class BatchSession:
         self.running.remove(seq.seq_id)
         self.finished.append(seq.seq_id)
         self.pool.free(seq.seq_id)
+        # parallel samples still waiting for this prompt (it ended before its first token): they run alone
+        self.waiting.extend(seq.children)
+        seq.children = []
 
     # --- scheduling ------------------------------------------------------------------------------------
     def _schedule(self) -> list[tuple[int, list[int], int]]:
         """(seq_id, tokens to feed, first position) for this step: the running sequences that fit, then
-        waiting ones while the pool has room. Preempts the newest running sequence until the rest fit."""
+        waiting ones while the pool has room. Preempts the newest running sequence until the rest fit.
+        A sequence whose budget is full under policy 'none' finishes ("cache_full"); the others go on."""
+        for seq_id in list(self.running):
+            if self.pool.room(seq_id) <= 0 and not self.pool.sequences[seq_id].policy.evicts:
+                self._finish(self.seqs[seq_id], "cache_full")
         while True:
             plan = [self._next_chunk(seq_id) for seq_id in self.running]
             needs = [self.pool.pages_needed(seq_id, len(tokens)) for seq_id, tokens, _ in plan]
@@ -265,6 +277,10 @@ class BatchSession:
             seq = self.seqs[self.waiting[0]]
             self.pool.add_sequence(seq.seq_id)
             seq.n_cached = self.pool.match_prefix(seq.seq_id, seq.tokens)
+            if self.pool.room(seq.seq_id) <= 0 and not self.pool.sequences[seq.seq_id].policy.evicts:
+                self._start(self.seqs[self.waiting.popleft()])  # its cached prefix already fills its budget
+                self._finish(seq, "cache_full")
+                continue
             chunk = self._next_chunk(seq.seq_id)
             need = self.pool.pages_needed(seq.seq_id, len(chunk[1]))
             if any(total[layer] + need[layer] > blocks.n_free() for layer, blocks in enumerate(self.pool.blocks)):
@@ -284,11 +300,7 @@ class BatchSession:
     def _next_chunk(self, seq_id: int) -> tuple[int, list[int], int]:
         seq = self.seqs[seq_id]
         tokens = seq.tokens
-        room = self.pool.room(seq_id)
-        if room <= 0 and not self.pool.sequences[seq_id].policy.evicts:
-            raise CacheFullError(f"sequence {seq_id} filled its {self.cache_config.capacity} tokens and "
-                                 f"policy 'none' does not evict")
-        n = max(1, min(len(tokens) - seq.n_cached, room, MAX_CHUNK))
+        n = max(1, min(len(tokens) - seq.n_cached, self.pool.room(seq_id), MAX_CHUNK))
         return seq_id, tokens[seq.n_cached: seq.n_cached + n], seq.n_cached
 
     def _start(self, seq: SeqState) -> None:

@@ -27,8 +27,9 @@ class TierStep:
 
     counts:       (n_layers, 5) int64, columns COUNT_NAMES: pages read from RAM, pages read from disk
                   (faults), pages that left RAM, bytes read from and written to the disk tier
-    page_maps:    (n_layers, n_page_ids, page_size) int32, token position per slot of every page id
-                  (with a disk tier, page id = disk frame), -1 empty: what `attention` columns index
+    page_maps:    (len(attention_layers), n_page_ids, page_size) int32, for the recorded layers only (it
+                  grows with the disk tier): token position per slot of every page id (with a disk tier,
+                  page id = disk frame), -1 empty: what `attention` columns index
     block_frames: per layer, the RAM frame of each block-table page (-1: on disk only)
     recall:       (n_layers,) float32, share of the full cache's attention (the oracle's) on the tokens
                   this step read; None without the oracle
@@ -89,8 +90,11 @@ class StepRecord:
     tiers: TierStep | None = None
 
     def page_map(self, layer: int) -> np.ndarray:
-        """(page ids, page_size) token position per slot of every page: what attention columns index."""
-        return self.slot_maps[layer] if self.tiers is None else self.tiers.page_maps[layer]
+        """(page ids, page_size) token position per slot of every page: what attention columns index.
+        With a disk tier and a layer whose attention is not recorded, only its RAM frames are known."""
+        if self.tiers is None or layer not in self.attention_layers:
+            return self.slot_maps[layer]
+        return self.tiers.page_maps[self.attention_layers.index(layer)]
 
     @property
     def evictions(self) -> tuple[CacheEvent, ...]:

@@ -191,8 +191,9 @@ class DecodeSession:
         if cfg.tiered or self.cache.select_pages is not None:
             tiers = TierStep(
                 counts=np.array([c.as_tuple() for c in self.cache.take_counts()], dtype=np.int64),
-                page_maps=np.stack([s.positions.reshape(cfg.n_page_ids, cfg.page_size) for s in self.cache.stores]
-                                   ).astype(np.int32),
+                page_maps=np.array([self.cache.stores[layer].positions.reshape(cfg.n_page_ids, cfg.page_size)
+                                    for layer in self.record_layers], dtype=np.int32
+                                   ).reshape(len(self.record_layers), cfg.n_page_ids, cfg.page_size),
                 block_frames=tuple(tuple(int(s.frame_of[p]) for p in table) for s, table in
                                    zip(self.cache.stores, self.cache.sequence.block_tables, strict=True)),
                 recall=None if self.oracle is None else self.oracle.recall)

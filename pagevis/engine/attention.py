@@ -105,8 +105,8 @@ def rescale(part: Partial, whole: Partial) -> np.ndarray:
 
 def _share(part: Partial, peak: np.ndarray) -> np.ndarray:
     """part.total * exp(part.max - peak), 0 where the part saw no key."""
-    with np.errstate(invalid="ignore"):
-        shift = np.where(np.isfinite(part.max), part.max - np.where(np.isfinite(peak), peak, 0), -np.inf)
+    # (a -inf max minus a finite stand-in stays -inf: no invalid operation, so no errstate needed)
+    shift = np.where(np.isfinite(part.max), part.max - np.where(np.isfinite(peak), peak, 0), -np.inf)
     return part.total * np.exp(shift)
 
 

@@ -15,8 +15,8 @@ from .sequence import Sequence
 from .store import PageStore, TierCounts
 from .swap import SwapSpace
 
-# With a disk tier, a prefill chunk's weights over every slot are kept for a policy that learns from
-# attention; chunks are cut so that they stay under this many float32 values (32 MB).
+# With a disk tier, prefill chunks are cut so that their scores over a batch of frames, and their weights
+# over every slot when the policy learns from attention, stay under this many float32 values (32 MB).
 MAX_CHUNK_WEIGHTS = 8 << 20
 
 
@@ -90,13 +90,20 @@ class PagedKVCache:
 
     def max_chunk(self) -> int | None:
         """The most tokens one prefill step may feed (None: no limit beyond the free slots). With a
-        disk tier a chunk fits the home frames, and its weights over every slot stay bounded."""
-        if not self.config.tiered:
-            return None
-        limit = self.config.home_frames * self.config.page_size
-        if self.policy.uses_attention:
-            limit = min(limit, MAX_CHUNK_WEIGHTS // (self.config.n_heads * self.config.capacity))
-        return max(1, limit)
+        disk tier, a chunk's scores over one batch of frames (and for a policy that learns from
+        attention, its weights over every slot) stay under MAX_CHUNK_WEIGHTS floats. With
+        quest, a chunk stops where the sequence outgrows select_pages pages: from there on every
+        query is fed alone and reads its own selection."""
+        limits = []
+        cfg = self.config
+        if cfg.tiered:  # scores of a chunk's queries over the keys of one batch of frames
+            frames = max(cfg.home_frames, cfg.max_pages - cfg.home_frames)
+            limits.append(MAX_CHUNK_WEIGHTS // (cfg.n_heads * frames * cfg.page_size))
+            if self.policy.uses_attention:
+                limits.append(MAX_CHUNK_WEIGHTS // (cfg.n_heads * cfg.capacity))
+        if self.select_pages is not None:
+            limits.append(self.select_pages * cfg.page_size - max(store.resident for store in self.stores))
+        return max(1, min(limits)) if limits else None
 
     def weight_positions(self, layer: int, result: AttentionResult) -> np.ndarray:
         """Token position of each weight column of an `attend` result."""
@@ -183,7 +190,8 @@ class PagedKVCache:
         return result
 
     def _read(self, layer: int, q: np.ndarray, positions: np.ndarray) -> AttentionResult:
-        """Attention through the reader: pages on disk, or a page selection (prefill reads all)."""
+        """Attention through the reader: pages on disk, or a page selection (a chunk of several
+        queries reads every page: max_chunk keeps such chunks within select_pages pages)."""
         select = self.select_pages if len(q) == 1 else None
         result = read_attention(self.stores[layer], self.sequence.block_tables[layer], q, positions, self.step,
                                 select, all_weights=self.policy.uses_attention and len(q) > 1)

@@ -61,11 +61,15 @@ class SharedKVPool:
 
     def __init__(self, config: CacheConfig, pool_pages: int, prefix_caching: bool = True):
         check_int("pool_pages", pool_pages, 1, MAX_PAGES)
+        if config.disk_pages or config.select != "all":
+            field, value = ("disk_pages", config.disk_pages) if config.disk_pages else ("select", config.select)
+            raise ConfigError(field, value, "0 / 'all' with many sequences: the shared pool keeps every page in "
+                                            "RAM and reads all of a sequence's pages")
         self.config = config
         self.pool_pages = pool_pages
         self.page_size = config.page_size
         storage = CacheConfig(**{**config.cache_settings(), "max_pages": pool_pages, "policy": "none",
-                                 "policy_params": {}}, n_layers=config.n_layers, n_heads=config.n_heads,
+                                 "policy_params": {}, "disk_pages": 0, "select": "all"}, n_layers=config.n_layers, n_heads=config.n_heads,
                               n_kv_heads=config.n_kv_heads, head_dim=config.head_dim)
         self.stores = [PageStore(storage, layer) for layer in range(config.n_layers)]
         self.blocks = [BlockManager(pool_pages) for _ in range(config.n_layers)]
@@ -107,7 +111,7 @@ class SharedKVPool:
             fill = store.fill[table] if table else np.zeros(0, dtype=np.int64)
             shared = blocks.ref_counts[table] > 1 if table else np.zeros(0, dtype=bool)
             room = int((ps - fill).sum())
-            n_evict = max(0, int(fill.sum()) + n_tokens - self.config.capacity) if self._evicts(seq) else 0
+            n_evict = max(0, int(fill.sum()) + n_tokens - self.config.capacity) if seq.policy.evicts else 0
             need = int((shared & (fill < ps)).sum()) + min(n_evict, int(shared.sum()))
             need += -(-max(0, n_tokens - room - n_evict) // ps)
             needs.append(need)
@@ -115,10 +119,8 @@ class SharedKVPool:
 
     def room(self, seq_id: int) -> int:
         """Tokens the sequence can still add before its policy must evict (its budget, not the pool)."""
-        return self.config.capacity - max(self.resident(seq_id, layer) for layer in range(len(self.stores)))
-
-    def _evicts(self, seq: PoolSequence) -> bool:
-        return seq.policy.evicts
+        policy = self.sequences[seq_id].policy
+        return min(policy.layer_capacity(layer) - self.resident(seq_id, layer) for layer in range(len(self.stores)))
 
     # --- sequences ---------------------------------------------------------------------------------
     def add_sequence(self, seq_id: int) -> PoolSequence:
@@ -127,7 +129,7 @@ class SharedKVPool:
         policy = make_policy(self.config)
         n_slots = self.pool_pages * self.page_size
         seq = PoolSequence(seq_id, Sequence(self.config.n_layers, seq_id), policy,
-                           [policy.state_class(n_slots) for _ in self.stores])
+                           [policy.make_state(n_slots) for _ in self.stores])
         self.sequences[seq_id] = seq
         return seq
 
@@ -207,7 +209,7 @@ class SharedKVPool:
         seq, store = self.sequences[seq_id], self.stores[layer]
         state = seq.states[layer]
         for i, position in enumerate(positions):
-            if self.resident(seq_id, layer) >= self.config.capacity:
+            if self.resident(seq_id, layer) >= seq.policy.layer_capacity(layer):
                 if not seq.policy.evicts:
                     raise CacheFullError(f"sequence {seq_id} holds {self.config.capacity} tokens and policy "
                                          f"'none' does not evict")

@@ -22,11 +22,11 @@ def quest_pages(store: PageStore, pages: np.ndarray, q: np.ndarray, k: int) -> n
     """The k pages of `pages` (a block table) with the highest upper bound, always including the last."""
     if len(pages) <= k:
         return pages
-    n_kv, d = store.key_min.shape[1:]
-    grouped = q[-1].reshape(n_kv, -1, d)  # (n_kv, group, d)
-    low = store.key_min[pages][:, :, None, :] * grouped[None]
-    high = store.key_max[pages][:, :, None, :] * grouped[None]
-    bound = np.maximum(low, high).sum(axis=-1).reshape(len(pages), -1) / np.sqrt(d)  # (pages, heads)
+    n_kv, _, d = store.key_min.shape
+    grouped = q[-1].reshape(n_kv, -1, d).transpose(0, 2, 1)  # (n_kv, d, group)
+    # Σᵢ max(qᵢ·minᵢ, qᵢ·maxᵢ) = max·q⁺ + min·q⁻: two matrix products over every page id
+    bound = np.matmul(store.key_max, np.maximum(grouped, 0)) + np.matmul(store.key_min, np.minimum(grouped, 0))
+    bound = bound.transpose(1, 0, 2).reshape(store.n_pages, -1)[pages] / np.sqrt(d)  # (pages, heads)
     shares = np.exp(bound - bound.max(axis=0))
     shares /= shares.sum(axis=0)
     worth = shares.max(axis=1)[:-1]
@@ -75,7 +75,7 @@ def read_attention(store: PageStore, table: list[int], q: np.ndarray, positions:
     promote = select_pages is not None
     for start in range(0, len(disk_pages), batch):
         chunk = disk_pages[start: start + batch]
-        store.load(chunk, step)
+        store.load(chunk, step, announce=select_pages is not None)
         lo = store.home_frames
         attend_frames(lo, lo + len(chunk), store.bias[lo * ps: (lo + len(chunk)) * ps])
         if promote:

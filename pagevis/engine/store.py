@@ -58,8 +58,8 @@ class PageStore:
         self.positions = np.full(self.n_pages * ps, -1, dtype=np.int64)  # flat slot -> position, -1 empty
         self.fill = np.zeros(self.n_pages, dtype=np.int64)  # resident tokens per page
         self.quest = config.select == "quest"
-        if self.quest:  # per page and KV head, the smallest and largest key (Quest's bounds)
-            self.key_min = np.zeros((self.n_pages, config.n_kv_heads, config.head_dim), np.float32)
+        if self.quest:  # per KV head and page, the smallest and largest key (Quest's bounds), head-major
+            self.key_min = np.zeros((config.n_kv_heads, self.n_pages, config.head_dim), np.float32)
             self.key_max = np.zeros_like(self.key_min)
         if self.tiered:
             self.home = FramePool(self.home_frames)
@@ -76,6 +76,9 @@ class PageStore:
             self.frame_of = self.page_in = np.arange(self.n_pages, dtype=np.int64)
         self.counts = TierCounts()
         self.on_move = lambda kind, page, frame, detail: None  # the cache turns moves into events
+        # each frame's blocks as the disk lays a page out (K of each KV head, then V): preadv/pwritev targets
+        self._frame_buffers = [[self.k[h, f] for h in range(self.k.shape[0])] + [self.v[h, f] for h in
+                                range(self.v.shape[0])] for f in range(self.n_frames)] if self.tiered else []
         self.reset()
 
     def reset(self) -> None:
@@ -133,8 +136,8 @@ class PageStore:
         else:
             self.high_water = max(self.high_water, page + 1)
         if self.quest:
-            self.key_min[page] = np.inf
-            self.key_max[page] = -np.inf
+            self.key_min[:, page] = np.inf
+            self.key_max[:, page] = -np.inf
         start = page * self.page_size
         self.holes.update(range(start, start + self.page_size))
         return page
@@ -167,8 +170,8 @@ class PageStore:
         else:
             self.bias[flat] = 0.0
         if self.quest:
-            np.minimum(self.key_min[page], k, out=self.key_min[page])
-            np.maximum(self.key_max[page], k, out=self.key_max[page])
+            np.minimum(self.key_min[:, page], k, out=self.key_min[:, page])
+            np.maximum(self.key_max[:, page], k, out=self.key_max[:, page])
 
     def remove(self, flat: int) -> int:
         """Take the token out of a slot (its K/V stays, masked, so the page stays clean); return its
@@ -215,28 +218,29 @@ class PageStore:
             self.swap.reserve(min(self.n_pages, needed + 16))
 
     def clear_read_frames(self) -> None:
-        for frame in range(self.home_frames, self.n_frames):
-            self._unplace(frame)
+        ps, first = self.page_size, self.home_frames
+        self.page_in[first:] = -1
+        self.frame_positions[first * ps:] = -1
+        self.bias[first * ps:] = -np.inf
 
-    def load(self, pages: np.ndarray, step: int) -> None:
-        """Read disk pages into the read frames, in order (as many as there are read frames)."""
-        first = self.home_frames
-        for i, page in enumerate(pages):
-            self.page_in[first + i] = page
-            self._show(page, first + i)
-        start = 0
-        while start < len(pages):  # one system call per run of consecutive page ids
-            end = start + 1
-            while end < len(pages) and pages[end] == pages[end - 1] + 1:
-                end += 1
-            moved = self.swap.read(int(pages[start]), [b for i in range(start, end)
-                                                       for b in self._buffers(first + i)])
-            self.counts.bytes_read += moved
-            start = end
-        self.counts.faults += len(pages)
+    def load(self, pages: np.ndarray, step: int, announce: bool) -> None:
+        """Read disk pages (ascending ids) into the read frames, in order (as many as there are read
+        frames). With `announce`, each read is a fault_in event (quest: a few pages a step); exact reads of
+        every disk page every step are only counted."""
+        ps, first, n = self.page_size, self.home_frames, len(pages)
+        self.page_in[first: first + n] = pages
+        held = self.positions.reshape(self.n_pages, ps)[pages].ravel()
+        self.frame_positions[first * ps: (first + n) * ps] = held
+        self.bias[first * ps: (first + n) * ps] = np.where(held >= 0, np.float32(0), np.float32(-np.inf))
+        breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+        for start, end in zip(np.r_[0, breaks], np.r_[breaks, n], strict=True):  # one call per run of ids
+            blocks = [b for frame in range(first + start, first + end) for b in self._frame_buffers[frame]]
+            self.counts.bytes_read += self.swap.read(int(pages[start]), blocks)
+        self.counts.faults += n
         self.last_read[pages] = step
-        for i, page in enumerate(pages):
-            self.on_move(FAULT_IN, int(page), first + i, "read for attention")
+        if announce:
+            for i, page in enumerate(pages.tolist()):
+                self.on_move(FAULT_IN, page, first + i, "read for attention")
 
     def promote(self, frame: int, step: int) -> bool:
         """Keep a page just read into a read frame in a home frame, if a home page was not read this
@@ -278,7 +282,7 @@ class PageStore:
     def _swap_out(self, frame: int) -> None:
         page = int(self.page_in[frame])
         if self.dirty[page]:
-            self.counts.bytes_written += self.swap.write(page, self._buffers(frame))
+            self.counts.bytes_written += self.swap.write(page, self._frame_buffers[frame])
             self.dirty[page] = False
             detail = "written"
         else:
@@ -291,7 +295,7 @@ class PageStore:
     def _fault_home(self, page: int, step: int) -> None:
         """Read a disk page back into a home frame (to write into one of its empty slots)."""
         frame = self._home_frame(step)
-        self.counts.bytes_read += self.swap.read(page, self._buffers(frame))
+        self.counts.bytes_read += self.swap.read(page, self._frame_buffers[frame])
         self.counts.faults += 1
         self.last_read[page] = step
         self._place(page, frame)
@@ -324,7 +328,3 @@ class PageStore:
         ps = self.page_size
         self.frame_positions[frame * ps: (frame + 1) * ps] = -1
         self.bias[frame * ps: (frame + 1) * ps] = -np.inf
-
-    def _buffers(self, frame: int) -> list[np.ndarray]:
-        """The page in `frame` as the disk lays it out: K of each KV head, then V of each."""
-        return [self.k[h, frame] for h in range(self.k.shape[0])] + [self.v[h, frame] for h in range(self.v.shape[0])]

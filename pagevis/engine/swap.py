@@ -99,14 +99,15 @@ class SwapFile:
     def read(self, first_page: int, buffers: list[np.ndarray]) -> int:
         """Read consecutive pages starting at first_page into `buffers` (their blocks, in order)."""
         return _all_io(os.preadv, self.fd, buffers, first_page * self.page_bytes,
-                       sum(b.nbytes for b in buffers))
+                       len(buffers) * buffers[0].nbytes)
 
 
 def _all_io(call, fd: int, buffers: list[np.ndarray], offset: int, expected: int) -> int:
     done = 0
+    block = buffers[0].nbytes  # every block of a page has the same size
     for start in range(0, len(buffers), IOV_MAX):
         chunk = buffers[start: start + IOV_MAX]
-        size = sum(b.nbytes for b in chunk)
+        size = len(chunk) * block
         moved = call(fd, chunk, offset + done)
         if moved != size:  # a short transfer on a regular file means the disk failed us
             raise SwapSpaceError(errno.EIO, f"swap file moved {moved} of {size} bytes at offset {offset + done}")

@@ -30,11 +30,13 @@ def _application():
 
 
 def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, session_config: SessionConfig | None = None,
-           screenshot: str | None = None, steps: int = 0, trace: str | None = None, metrics=None) -> int:
+           screenshot: str | None = None, steps: int = 0, trace: str | None = None, metrics=None,
+           preset=None) -> int:
     """Open the main window (QApplication created here). With `screenshot`, open offscreen-capable, decode `steps`
     steps (synchronously), save a PNG of the whole window to that path and return 0 without entering the event
     loop. With `trace`, open that trace for replay. With `metrics` (a pagevis.observe.Metrics), every session
-    the window starts feeds it. Returns the exit code."""
+    the window starts feeds it. With an A/B `preset` (pagevis.presets), the A/B window opens on its two
+    configurations (and is what a screenshot shows). Returns the exit code."""
     if screenshot and "QT_QPA_PLATFORM" not in os.environ:
         os.environ["QT_QPA_PLATFORM"] = "offscreen"  # a screenshot needs no screen and should not flash one
     verdict = platform_check.check()
@@ -50,11 +52,14 @@ def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, sessi
     window.apply_arguments(model_spec, prompt, session_config)
     if metrics is not None:
         _observe_sessions(window.runner, metrics)
+    ab = preset if preset is not None and preset.b is not None else None
     if screenshot:
-        return _screenshot(app, window, screenshot, steps)
+        return _screenshot(app, window, screenshot, steps, ab)
     window.show()
     if not (trace and window.open_trace(trace)):
         window.start()
+    if ab is not None:
+        window.open_ab(ab.a, ab.b, window.controls.prompt(), title=ab.name)
     return app.exec()
 
 
@@ -81,7 +86,7 @@ def _one_blas_thread() -> None:
     set_blas_threads(1)
 
 
-def _screenshot(app, window, path: str, steps: int) -> int:
+def _screenshot(app, window, path: str, steps: int, ab=None) -> int:
     """Offscreen: the window at the fixed default size, rendered by Qt. On a real display (xcb, wayland):
     the window as it opens on that screen, read back from the display server once it has been painted."""
     from .export import default_size
@@ -97,6 +102,10 @@ def _screenshot(app, window, path: str, steps: int) -> int:
         print("pagevis: could not start a session for the screenshot", file=sys.stderr)
         window.close()
         return 1
+    if ab is not None:  # the A/B window is the picture: two sessions in lockstep
+        window = window.open_ab(ab.a, ab.b, window.controls.prompt(), title=ab.name, blocking=True)
+        if not real_display:
+            window.resize(default_size())
     window.runner.step_blocking(steps)
     app.processEvents()
     window.redraw()

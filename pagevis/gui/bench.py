@@ -4,7 +4,8 @@ Plays a model at full speed in the real window (offscreen, every view visible) a
   * decode speed in the GUI relative to a headless DecodeSession with the same configuration (target ≥ 0.8),
   * the UI thread's event-loop latency: how late a 5 ms QTimer fires, p50 / p99 (target p99 ≤ 50 ms),
   * the redraw rate while playing (target ≥ 20 fps).
-Both runs use one BLAS thread, as the app does.
+Both runs use one BLAS thread, as the app does. With --ab: the A/B window's lockstep speed (two sessions)
+relative to the same two sessions run headless one after the other.
 """
 
 from __future__ import annotations
@@ -89,6 +90,48 @@ def in_gui(spec, config, steps: int) -> dict[str, float]:
             "p99": float(np.percentile(lateness, 99)), "max": float(max(lateness)), "seconds": elapsed}
 
 
+def ab_in_gui(spec, config_a, config_b, steps: int) -> float:
+    """Lockstep steps per second of the A/B window (its worker thread, the real event loop), prefill excluded."""
+    from PySide6.QtCore import QEventLoop
+    from PySide6.QtWidgets import QApplication
+
+    from . import _application
+    from .ab_window import ABWindow
+
+    app = _application()
+    window = ABWindow(spec, PROMPT, config_a, config_b)
+    window.show()
+    window.start(blocking=True)
+    window.runner.step_blocking(1)
+    app.processEvents()
+    loop = QEventLoop()
+    window.runner.state_changed.connect(lambda state: loop.quit() if state != "running" else None)
+    started = time.perf_counter()
+    window.runner.step(steps)
+    loop.exec()
+    elapsed = time.perf_counter() - started
+    done = len(window.timeline) - 1
+    window.close()
+    QApplication.processEvents()
+    return done / elapsed
+
+
+def ab_main(spec, config, steps: int, repeat: int) -> None:
+    """A/B (sinks vs oldest, same cache) in lockstep against the same two sessions run headless one after
+    the other: one core can do no better than that, so the ratio is the A/B window's overhead."""
+    from dataclasses import replace
+
+    config_b = replace(config, policy="oldest" if config.policy != "oldest" else "sinks", policy_params={})
+    ab, both = [], []
+    for _ in range(repeat):
+        ab.append(ab_in_gui(spec, config, config_b, steps))
+        a, b = headless(spec, config, steps), headless(spec, config_b, steps)
+        both.append(1 / (1 / a + 1 / b))
+    speed, base = statistics.median(ab), statistics.median(both)
+    print(f"A/B ({config.policy} vs {config_b.policy}): {speed:.2f} lockstep steps/s; two headless runs back to "
+          f"back: {base:.2f} steps/s; ratio {speed / base:.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagevis.gui.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=64, help="decode steps per run (default 64)")
@@ -97,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-pages", type=int, default=8)
     parser.add_argument("--policy", default="sinks")
     parser.add_argument("--repeat", type=int, default=1, help="alternate GUI and headless runs this many times")
+    parser.add_argument("--ab", action="store_true",
+                        help="measure the A/B window's lockstep speed against two headless runs instead")
     args = parser.parse_args(argv)
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
@@ -110,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
           f"policy {args.policy}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     set_blas_threads(1)
     spec.load()
+    if args.ab:
+        ab_main(spec, config, args.steps, args.repeat)
+        return 0
     gui_runs, headless_runs = [], []
     for _ in range(args.repeat):
         gui_runs.append(in_gui(spec, config, args.steps))

@@ -39,7 +39,7 @@ from .runner import validate
 from .timeline import head_label
 
 DEFAULT_PROMPT = default_prompt()
-MODEL_CHOICES = (("smollm2", "SmolLM2-135M-Instruct"), ("synthetic", "Synthetic (random weights)"))
+MODEL_CHOICES = (("smollm2", "SmolLM2-135M-Instruct"), ("synthetic", "Synthetic (random)"))
 
 
 def sample_prompts() -> dict[str, str]:
@@ -118,6 +118,7 @@ class ControlsPanel(QScrollArea):
         self.setWidgetResizable(True)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
         self._gguf_path: str | None = None
+        self._swap_dir: str | None = None  # from --swap-dir; the controls have no field for it
         self._param_values: dict[str, dict[str, object]] = {}
         self._param_widgets: dict[str, QSpinBox] = {}
         self._reason = ""
@@ -230,6 +231,14 @@ class ControlsPanel(QScrollArea):
             self.policy.setItemData(self.policy.count() - 1, f"{cls.__doc__}\n{cls.citation}", Qt.ToolTipRole)
         self.policy.setCurrentText("sinks")
         self.params_form = QFormLayout()
+        self.disk_pages = _spin(0, 65536, DEFAULT_CONFIG.disk_pages,
+                                "pages per layer on disk (0 = no disk tier); RAM frames then cache them")
+        self.disk_pages.setSpecialValueText("off")
+        self.select = _combo()
+        self.select.addItems(["all", "quest"])
+        self.select.setItemData(0, "every page read each step (exact; disk pages in batches)", Qt.ToolTipRole)
+        self.select.setItemData(1, "only the pages with the highest key bounds (Quest)", Qt.ToolTipRole)
+        self.select_pages = _spin(1, 65536, DEFAULT_CONFIG.select_pages, "quest: pages read per step")
         self.capacity = QLabel()
         self.capacity.setWordWrap(True)
         self.error = QLabel()
@@ -241,12 +250,18 @@ class ControlsPanel(QScrollArea):
         form.addRow("Storage", self.dtype)
         form.addRow("Policy", self.policy)
         form.addRow(self.params_form)
+        form.addRow("Disk pages", self.disk_pages)
+        form.addRow("Read pages", self.select)
+        form.addRow("Quest pages", self.select_pages)
         form.addRow(self.capacity)
         form.addRow(self.error)
         self.page_size.valueChanged.connect(lambda *_: self._session("page size changed"))
         self.max_pages.valueChanged.connect(lambda *_: self._session("max pages changed"))
         self.dtype.currentIndexChanged.connect(lambda *_: self._session("storage dtype changed"))
         self.policy.currentIndexChanged.connect(self._policy_changed)
+        self.disk_pages.valueChanged.connect(lambda *_: self._session("disk pages changed"))
+        self.select.currentIndexChanged.connect(lambda *_: self._session("page selection changed"))
+        self.select_pages.valueChanged.connect(lambda *_: self._session("quest pages changed"))
         return box
 
     def _decoding_group(self) -> QGroupBox:
@@ -372,12 +387,13 @@ class ControlsPanel(QScrollArea):
         self._session(f"{param.replace('_', ' ')} changed")
 
     def _update_capacity(self) -> None:
-        capacity = self.page_size.value() * self.max_pages.value()
+        capacity = self.page_size.value() * (self.disk_pages.value() or self.max_pages.value())
         for param in ("n_sink", "recent"):
             if param in self._param_widgets:
                 self._param_widgets[param].setMaximum(max(capacity - 1, 0))
-        self.capacity.setText(f"<span style='color:#8a919c'>{capacity} tokens per layer "
-                              f"({self.max_pages.value()} × {self.page_size.value()})</span>")
+        where = (f"{self.disk_pages.value()} disk pages × {self.page_size.value()}, {self.max_pages.value()} RAM "
+                 "frames" if self.disk_pages.value() else f"{self.max_pages.value()} × {self.page_size.value()}")
+        self.capacity.setText(f"<span style='color:#8a919c'>{capacity} tokens per layer ({where})</span>")
 
     # --- the configuration -----------------------------------------------------------------------
     def policy_parameters(self) -> dict[str, object]:
@@ -406,7 +422,9 @@ class ControlsPanel(QScrollArea):
         return SessionConfig(page_size=self.page_size.value(), max_pages=self.max_pages.value(),
                              dtype=self.dtype.currentText(), policy=self.policy.currentData(),
                              policy_params=params, max_new_tokens=self.max_new.value(), sampling=sampling,
-                             oracle=self.oracle.isChecked(), chat=self.chat.isChecked())
+                             oracle=self.oracle.isChecked(), chat=self.chat.isChecked(),
+                             disk_pages=self.disk_pages.value(), select=self.select.currentText(),
+                             select_pages=self.select_pages.value(), swap_dir=self._swap_dir)
 
     def check(self) -> bool:
         """Validate the configuration; show the first problem inline. True when it is valid."""
@@ -492,6 +510,10 @@ class ControlsPanel(QScrollArea):
                 self.max_new.setValue(config.max_new_tokens)
                 self.oracle.setChecked(config.oracle)
                 self.chat.setChecked(config.chat)
+                self.disk_pages.setValue(config.disk_pages)
+                self.select.setCurrentText(config.select)
+                self.select_pages.setValue(config.select_pages)
+                self._swap_dir = config.swap_dir
         finally:
             self._loading = False
         self._update_model_rows()
@@ -510,7 +532,8 @@ class ControlsPanel(QScrollArea):
             "policy_params": dict(config.policy_params), "sampling": config.sampling.mode,
             "temperature": config.sampling.temperature, "top_k": config.sampling.top_k,
             "top_p": config.sampling.top_p, "seed": config.sampling.seed, "max_new_tokens": config.max_new_tokens,
-            "oracle": config.oracle, **{f"view_{k}": v for k, v in self.view_options().items()},
+            "oracle": config.oracle, "disk_pages": config.disk_pages, "select": config.select,
+            "select_pages": config.select_pages, **{f"view_{k}": v for k, v in self.view_options().items()},
         }
 
     def from_dict(self, data: dict) -> None:
@@ -529,7 +552,9 @@ class ControlsPanel(QScrollArea):
                                    dtype=data.get("dtype", "float32"), policy=data.get("policy", "sinks"),
                                    policy_params=dict(data.get("policy_params", {})),
                                    max_new_tokens=int(data.get("max_new_tokens", d.max_new_tokens)), sampling=sampling,
-                                   oracle=bool(data.get("oracle", False)), chat=bool(data.get("chat", True)))
+                                   oracle=bool(data.get("oracle", False)), chat=bool(data.get("chat", True)),
+                                   disk_pages=int(data.get("disk_pages", 0)), select=data.get("select", "all"),
+                                   select_pages=int(data.get("select_pages", d.select_pages)))
             validate(config)
         except (ConfigError, ValueError, TypeError):
             return

@@ -61,6 +61,9 @@ def memory_text(cache_bytes: int, n_kv_heads: int) -> str:
     return f"K/V {_mib(cache_bytes)} = {n_kv_heads} KV heads × {_mib(cache_bytes // n_kv_heads)}"
 
 
+COMPACT_WIDTH = 1366  # windows this narrow (projectors) tab the metrics behind the events (see size_docks)
+
+
 class MainWindow(TimelineCursor, QMainWindow):
     def __init__(self, settings: QSettings | None = None, restore: bool = True, persist: bool = True):
         """`restore`: start from the saved layout and configuration; `persist`: save them on close."""
@@ -120,6 +123,7 @@ class MainWindow(TimelineCursor, QMainWindow):
             dock = QDockWidget(title, self)
             dock.setObjectName(title.lower().replace(" ", "_"))
             dock.setWidget(widget)
+            dock.visibilityChanged.connect(lambda visible: visible and self.request_render())  # a raised tab
             self.docks[title] = dock
         self._default_layout()
         self._build_status_bar()
@@ -154,14 +158,21 @@ class MainWindow(TimelineCursor, QMainWindow):
         """The default proportions (drawn for 1600 × 1000) at the window's size: absolute sizes would let Qt
         take the whole shortfall of a smaller window from the last docks, squeezing them to an ellipsis."""
         d = self.docks
+        compact = self.width() <= COMPACT_WIDTH and self.isVisible()  # hidden, the size is not yet the real one
+        if compact and d["Metrics"] not in self.tabifiedDockWidgets(d["Eviction events"]):
+            # a projector (1280 × 720): metrics become a tab behind the eviction events, so that the text,
+            # the events' columns and the metrics' legends get the width to show without clipping
+            self.tabifyDockWidget(d["Eviction events"], d["Metrics"])
+            d["Eviction events"].raise_()
         controls = max(d["Controls"].minimumSizeHint().width(), min(330, self.width() // 4))
         x = (self.width() - controls) / (1600 - 330)
         y = self.height() / 1000
         self.resizeDocks([d["Controls"]], [controls], Qt.Horizontal)
         self.resizeDocks([d["Page grid"], d["Text"]], [int(540 * y), int(420 * y)], Qt.Vertical)
-        self.resizeDocks([d["Page grid"], d["Attention"]], [int(600 * x), int(660 * x)], Qt.Horizontal)
-        self.resizeDocks([d["Text"], d["Eviction events"], d["Metrics"]], [int(400 * x), int(400 * x), int(470 * x)],
-                         Qt.Horizontal)
+        top = (700, 570) if compact else (600, 660)  # compact: the grid keeps room beside its block table
+        self.resizeDocks([d["Page grid"], d["Attention"]], [int(top[0] * x), int(top[1] * x)], Qt.Horizontal)
+        bottom = [d["Text"], d["Eviction events"]] + ([] if compact else [d["Metrics"]])
+        self.resizeDocks(bottom, [int(w * x) for w in ((560, 710) if compact else (400, 400, 470))], Qt.Horizontal)
 
     def fit_to_screen(self, share: float = FIRST_SCREEN_SHARE) -> None:
         """Take `share` of the screen's available area (at least the window's minimum, at most the area),
@@ -476,9 +487,18 @@ class MainWindow(TimelineCursor, QMainWindow):
             self._slow_timer.start()
         self._update_transport(state)
 
+    def _shown(self, view) -> bool:
+        """Should the view be drawn? Not when its dock is closed; a costly view (`only_when_visible`) not
+        either while it is behind another dock's tab (Qt keeps such a dock 'visible' but off the window):
+        it is drawn when its tab is raised."""
+        dock = self.docks[view.title]
+        if dock.isHidden():
+            return False
+        return not (getattr(view, "only_when_visible", False) and self.isVisible() and dock.visibleRegion().isEmpty())
+
     def _show(self, views, state: ViewState, now: float) -> None:
         for view in views:
-            if not self.docks[view.title].isHidden():
+            if self._shown(view):
                 self._shown_at[view.title] = now
                 view.show_state(state)
 
@@ -500,7 +520,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         when none is due, come back when the first is. Once decoding stopped: all of them, and no more turns."""
         state = self.view_state()
         now = time.perf_counter()
-        slow = [v for v in self.views if getattr(v, "live_interval", 0.0) and not self.docks[v.title].isHidden()]
+        slow = [v for v in self.views if getattr(v, "live_interval", 0.0) and self._shown(v)]
         if not self.runner.running:
             self._show(slow, state, now)
             return
@@ -601,6 +621,8 @@ class MainWindow(TimelineCursor, QMainWindow):
             path, _ = QFileDialog.getSaveFileName(self, "Export view", f"{name}.png", "PNG image (*.png);;SVG (*.svg)")
         if not path:
             return None
+        if view is not None:
+            view.show_state(self.view_state())  # a view behind a tab has not been drawn yet
         target = self if view is None else view.export_target()
         export.save_widget(target, path)
         self.statusBar().showMessage(f"Saved {path}", 5000)

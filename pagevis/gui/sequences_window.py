@@ -2,9 +2,9 @@
 
 Start N parallel samples of the prompt (seeds seed .. seed+N-1), add more sequences, step or run, and
 fork any sequence from any recorded step with another seed: the child shares the parent's pages (a
-running parent directly, a finished one through the prefix cache). Every step is one batched forward on
-the GUI thread (a step of a few sequences takes a fraction of a second with SmolLM2); the view renders
-the step's BatchRecord.
+running parent directly, a finished one through the prefix cache). Every step is one batched forward in a
+worker thread (superqt), one step at a time; nothing else touches the session while it runs. The view
+renders the step's BatchRecord.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from PySide6.QtCore import Qt, QTimer
+from superqt.utils import create_worker
 from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QPushButton, QSlider, QSpinBox, QVBoxLayout,
                                QWidget)
 
@@ -33,6 +34,7 @@ class SequencesWindow(QWidget):
         self.records: list = []
         self.lengths: list[dict[int, int]] = []  # per record: generated tokens of every sequence
         self.batch: BatchSession | None = None
+        self.worker = None  # the step running in a worker thread, if any
         self.view = SequencesView()
         self.n = _spin(1, 16, 4, "parallel samples of the prompt")
         self.seed = _spin(0, 2**31 - 1, config.sampling.seed, "seed of the first sample (the others: +1, +2…)")
@@ -83,7 +85,13 @@ class SequencesWindow(QWidget):
         self.resize(1200, 800)
 
     # --- actions -----------------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self.worker is not None
+
     def start(self) -> bool:
+        if self._busy_says_so():
+            return False
         self.timer.stop()
         self.run_button.setChecked(False)
         try:
@@ -97,7 +105,7 @@ class SequencesWindow(QWidget):
         return True
 
     def add_sequence(self) -> None:
-        if self.batch is None and not self.start():
+        if self._busy_says_so() or self.batch is None and not self.start():
             return
         seed = self.seed.value() + len(self.batch.seqs)
         seq_id = self.batch.submit(self.batch.encode(self.prompt), replace(self.config.sampling, seed=seed))
@@ -105,20 +113,34 @@ class SequencesWindow(QWidget):
                             f"come from the prefix cache")
 
     def step(self) -> None:
-        if self.batch is None and not self.start():
+        """Run one batched step in a worker thread (a no-op while one runs)."""
+        if self.busy or self.batch is None and not self.start():
             return
         if self.batch.done:
-            self.timer.stop()
-            self.run_button.setChecked(False)
+            self._stop_running()
             self.status.setText("every sequence has finished; fork one from a recorded step, or Start again")
             return
-        try:
-            record = self.batch.step()
-        except CacheFullError as error:
-            self.timer.stop()
-            self.run_button.setChecked(False)
+        self.worker = create_worker(self.batch.step, _start_thread=False, _ignore_errors=True)
+        self.worker.returned.connect(self._stepped)
+        self.worker.errored.connect(self._step_failed)
+        self.worker.finished.connect(self._worker_done)
+        self.worker.start()
+
+    def _worker_done(self) -> None:
+        self.worker = None
+
+    def _step_failed(self, error: Exception) -> None:
+        self._stop_running()
+        if isinstance(error, (CacheFullError, ConfigError)):
             self._fail(str(error))
-            return
+        else:
+            self._fail(f"step failed: {type(error).__name__}: {error}")
+
+    def _stop_running(self) -> None:
+        self.timer.stop()
+        self.run_button.setChecked(False)
+
+    def _stepped(self, record) -> None:
         self.records.append(record)
         self.lengths.append({s: len(state.generated) for s, state in self.batch.seqs.items()})
         if len(self.records) > MAX_RECORDS:
@@ -127,12 +149,20 @@ class SequencesWindow(QWidget):
         self.slider.setValue(len(self.records) - 1)
         self.show_step(len(self.records) - 1)
         kinds = sorted({e.kind for e in record.events} - {"allocate"})
-        if kinds:
-            self.status.setText(f"step {record.step}: " + ", ".join(
-                f"{sum(e.kind == k for e in record.events)} {k}" for k in kinds))
+        events = ", ".join(f"{sum(e.kind == k for e in record.events)} {k}" for k in kinds)
+        self.status.setText(f"step {record.step}: {len(record.seqs)} sequences stepped, {record.pages_used} pages "
+                            f"used ({record.pages_unshared} without sharing)"
+                            + (f"; {events} (events over all layers)" if events else ""))
+
+    def _busy_says_so(self) -> bool:
+        if self.busy:
+            self.status.setText("a step is running; try again when it has finished")
+        return self.busy
 
     def fork(self, seq_id: int | None, index: int, seed: int) -> int | None:
         """Fork seq_id as it was after recorded step `index`, sampling with `seed`."""
+        if self._busy_says_so():
+            return None
         if self.batch is None or seq_id is None or not 0 <= index < len(self.records):
             return self._fail("decode some steps first, then choose a step and a sequence to fork")
         record = self.records[index]
@@ -171,6 +201,8 @@ class SequencesWindow(QWidget):
 
     def closeEvent(self, event) -> None:
         self.timer.stop()
+        if self.worker is not None:  # let the step finish: the session must not be left half-stepped
+            self.worker.quit()
         super().closeEvent(event)
 
 

@@ -18,11 +18,11 @@ import tempfile
 
 import numpy as np
 
-from ..decoding import OracleStep, StepRecord
+from ..decoding import OracleStep, StepRecord, TierStep
 from ..engine import CacheEvent, EventKind
 
 PARTS = ("token_ids", "positions", "slot_maps", "protected", "scores", "block_tables", "events", "attention_layers",
-         "attention")
+         "attention", "tier_counts", "page_maps", "block_frames", "recall")  # the last four: empty without tiers
 EVENT_DTYPE = np.dtype([("kind", "i1"), ("step", "i4"), ("layer", "i4"), ("page", "i4"), ("slot", "i4"),
                         ("position", "i8"), ("policy", "i2"), ("reason", "i2"), ("score", "f8"),
                         ("frame", "i4")])
@@ -67,17 +67,28 @@ class RecordSpill:
             self.shape = record.slot_maps.shape
             self.n_heads = record.attention[0].shape[0] if record.attention else 0
         layers, pages, _ = self.shape
-        tables = np.full((layers, pages), -1, dtype=np.int32)
+        width = max([pages, *(len(t) for t in record.block_tables)])  # page ids outnumber RAM frames with tiers
+        tables = np.full((layers, width), -1, dtype=np.int32)
         for layer, table in enumerate(record.block_tables):
             tables[layer, : len(table)] = table
         events = np.array([(KINDS.index(e.kind), e.step, e.layer, e.page, e.slot, e.position, self._code(e.policy),
                             self._code(e.reason), e.score, e.frame) for e in record.events], dtype=EVENT_DTYPE)
         attention = (np.stack(record.attention).astype(np.float16, copy=False) if record.attention
                      else np.zeros((0,), np.float16))
+        tiers = record.tiers
+        frames = np.full(tables.shape, -1, dtype=np.int32)
+        for layer, row in enumerate(tiers.block_frames if tiers else ()):
+            frames[layer, : len(row)] = row
+        nothing = np.zeros(0, np.int32)
         parts = (np.asarray(record.token_ids, np.int64), np.asarray(record.positions, np.int64),
                  np.ascontiguousarray(record.slot_maps, np.int32), np.packbits(record.protected),
                  np.ascontiguousarray(record.scores, np.float32), tables, events,
-                 np.asarray(record.attention_layers, np.int16), attention)
+                 np.asarray(record.attention_layers, np.int16), attention,
+                 np.ascontiguousarray(tiers.counts, np.int64) if tiers else np.zeros(0, np.int64),
+                 np.ascontiguousarray(tiers.page_maps, np.int32) if tiers else nothing,
+                 frames if tiers else nothing,
+                 np.asarray(tiers.recall, np.float32) if tiers and tiers.recall is not None
+                 else np.zeros(0, np.float32))
         blob = b"".join(memoryview(np.ascontiguousarray(p)).cast("B") for p in parts)
         os.pwrite(self._fd, blob, self._end)
         sizes = np.cumsum([0] + [p.nbytes for p in parts]) + self._end
@@ -118,10 +129,15 @@ class RecordSpill:
         float16 (None if that layer's attention was not recorded). Two small reads."""
         _, pages, page_size = self.shape
         slots = pages * page_size
-        positions = self._part(index, "slot_maps", np.int32, layer * slots, slots)
         layers = self._part(index, "attention_layers", np.int16).tolist()
         if layer not in layers:
-            return positions, None
+            return self._part(index, "slot_maps", np.int32, layer * slots, slots), None
+        maps = self._part(index, "page_maps", np.int32)
+        if maps.size:  # a disk tier: attention covers every page id, not only the RAM frames
+            slots = maps.size // len(layers)
+            positions = maps[layers.index(layer) * slots: (layers.index(layer) + 1) * slots]
+        else:
+            positions = self._part(index, "slot_maps", np.int32, layer * slots, slots)
         heads = self.n_heads
         weights = self._part(index, "attention", np.float16, layers.index(layer) * heads * slots, heads * slots)
         return positions, weights.reshape(heads, slots)
@@ -149,10 +165,9 @@ class RecordSpill:
                                  offset=int(cuts[i]))
 
         attention_layers = tuple(part("attention_layers", np.int16).tolist())
-        slots = shape[1] * shape[2]
-        attention = part("attention", np.float16).reshape(len(attention_layers), self.n_heads, slots) \
-            if attention_layers else ()
-        tables = part("block_tables", np.int32).reshape(layers, pages)
+        weights = part("attention", np.float16)
+        attention = weights.reshape(len(attention_layers), self.n_heads, -1) if attention_layers else ()
+        tables = part("block_tables", np.int32).reshape(layers, -1)
         texts = self._texts
         events = tuple(CacheEvent(KINDS[e["kind"]], int(e["step"]), int(e["layer"]), int(e["page"]), int(e["slot"]),
                                   int(e["position"]), texts[e["policy"]], texts[e["reason"]], float(e["score"]),
@@ -173,7 +188,21 @@ class RecordSpill:
             block_tables=tuple(tuple(int(p) for p in row[row >= 0]) for row in tables),
             events=events, attention_layers=attention_layers, attention=tuple(attention), timings=timings,
             resident_tokens=int(s["resident"]), pages_used=int(s["pages_used"]),
-            evictions_total=int(s["evictions_total"]), oracle=oracle)
+            evictions_total=int(s["evictions_total"]), oracle=oracle, tiers=self._tiers(part, tables, attention_layers))
+
+    def _tiers(self, part, tables: np.ndarray, attention_layers: tuple[int, ...]) -> TierStep | None:
+        counts = part("tier_counts", np.int64)
+        if not counts.size:
+            return None
+        layers = tables.shape[0]
+        maps = part("page_maps", np.int32)
+        frames = part("block_frames", np.int32).reshape(tables.shape)
+        recall = part("recall", np.float32)
+        return TierStep(counts=counts.reshape(layers, -1),
+                        page_maps=maps.reshape(len(attention_layers), -1, self.shape[2]),
+                        block_frames=tuple(tuple(int(f) for f in frames[layer, : int((tables[layer] >= 0).sum())])
+                                           for layer in range(layers)),
+                        recall=recall if recall.size else None)
 
 
 def _grow(array: np.ndarray, needed: int) -> np.ndarray:

@@ -28,8 +28,8 @@ from .spill import RecordSpill, _grow
 
 KEEP = 8  # newest records kept whole in memory
 REBUILT = 16  # older records rebuilt from the spill file and kept, least recently used first out
-HEATMAP_ROWS = 256  # steps the attention heatmap shows, ending at the selected step
-HEATMAP_COLUMNS = 1024  # positions it shows, ending at the newest written by then
+HEATMAP_ROWS = 192  # steps the attention heatmap shows, ending at the selected step
+HEATMAP_COLUMNS = 768  # positions it shows, ending at the newest written by then
 ROW_CACHE_LAYERS = 3  # layers whose heatmap rows stay cached (the shown one, and the ones just before)
 
 
@@ -92,6 +92,7 @@ class Timeline:
         self._reasons: list[str] = []
         self.evictions = _Evictions(self)
         self._per_layer = np.zeros((0, info.n_layers), dtype=np.int32)  # evictions per (record, layer)
+        self._pages = np.zeros((0, info.n_layers), dtype=np.int32)  # pages in use per (record, layer)
         self._series = np.zeros((0, len(SERIES)), dtype=np.float64)
         self._columns_cache = (np.zeros((3, 0)), 0)
         self._rows: OrderedDict[int, OrderedDict[int, tuple]] = OrderedDict()  # heatmap rows by layer, step
@@ -114,6 +115,8 @@ class Timeline:
         self._written[index] = self._n_positions
         self._per_layer = _grow(self._per_layer, index)
         self._per_layer[index] = 0
+        self._pages = _grow(self._pages, index)
+        self._pages[index] = [len(table) for table in record.block_tables]
         for event in record.events:
             if event.kind is EventKind.EVICT:
                 self._per_layer[index, event.layer] += 1
@@ -130,7 +133,7 @@ class Timeline:
             n_tokens, record.resident_tokens, record.pages_used, total * 1e3,
             n_tokens / total if total > 0 else float("nan"),
             oracle.kl if oracle else float("nan"), float(oracle.top1_agree) if oracle else float("nan"),
-            oracle.lost_attention if oracle else float("nan"))
+            oracle.lost_attention if oracle else float("nan"), *_tier_series(record))
         self.spill.append(record)
         self._recent[index] = record
         self._recent.pop(index - KEEP, None)
@@ -160,7 +163,7 @@ class Timeline:
 
     def memory_bytes(self) -> int:
         """What this timeline holds in memory (the spill file's pages are the OS's, not counted)."""
-        arrays = (self._token_ids, self._written, self._evictions, self._per_layer, self._series)
+        arrays = (self._token_ids, self._written, self._evictions, self._per_layer, self._pages, self._series)
         rows = sum(p.nbytes + (w.nbytes if w is not None else 0)
                    for layer in self._rows.values() for p, w in layer.values())
         whole = sum(_record_bytes(r) for r in (*self._recent.values(), *self._rebuilt.values()))
@@ -219,6 +222,15 @@ class Timeline:
         counts = self._per_layer[: self._count]
         return counts.sum(axis=1) if layer is None else counts[:, layer].copy()
 
+    def resident_per_step(self, layer: int) -> np.ndarray:
+        """Tokens resident in `layer` after each record: positions written minus those it evicted."""
+        evicted = np.cumsum(self._per_layer[: self._count, layer])
+        return (self._written[: self._count] - evicted).astype(np.float64)
+
+    def pages_per_step(self, layer: int) -> np.ndarray:
+        """Pages in `layer`'s block table after each record."""
+        return self._pages[: self._count, layer].astype(np.float64)
+
     def tokens_per_second(self, index: int, window: int = 16) -> float:
         """Decode speed over the last `window` decode steps up to `index` (forward + sampling time)."""
         low = max(0, index + 1 - window)
@@ -269,7 +281,7 @@ class Timeline:
         if row is None:
             recent = self._recent.get(step)
             if recent is not None:
-                flat = recent.slot_maps[layer].ravel()
+                flat = recent.page_map(layer).ravel()
                 weights = (recent.attention[recent.attention_layers.index(layer)]
                            if layer in recent.attention_layers else None)
                 row = (flat.astype(np.int32), None if weights is None else weights.astype(np.float16))
@@ -300,7 +312,16 @@ def timeline_from_trace(trace) -> Timeline:
     return timeline
 
 
-SERIES = ("tokens", "resident_tokens", "pages_used", "latency_ms", "tokens_per_s", "kl", "top1_agree", "lost_attention")
+SERIES = ("tokens", "resident_tokens", "pages_used", "latency_ms", "tokens_per_s", "kl", "top1_agree", "lost_attention",
+          "faults", "mb_read", "hit_rate")  # the last three: disk tier, all layers (NaN without one)
+
+
+def _tier_series(record: StepRecord) -> tuple[float, float, float]:
+    """Pages read from disk, MB read and RAM hit rate of a step, over all layers."""
+    if record.tiers is None:
+        return (float("nan"),) * 3
+    return (float(record.tiers.count("faults").sum()), record.tiers.count("bytes_read").sum() / 1e6,
+            record.tiers.hit_rate())
 
 
 def _record_bytes(record: StepRecord) -> int:

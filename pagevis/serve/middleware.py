@@ -4,11 +4,15 @@ counting by route template (never the raw path, so ids and probes do not make ne
 from __future__ import annotations
 
 import json
+import time
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 from starlette.routing import Match
 
 from .errors import error_body
+
+
+HTTP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class BodyLimit:
@@ -79,12 +83,16 @@ class RequestCounter:
         self.app, self.router = app, router
         self.requests = Counter("pagevis_http_requests", "HTTP requests answered, by route template, method and "
                                 "status", ["route", "method", "status"], registry=registry)
+        self.seconds = Histogram("pagevis_http_request_duration_seconds", "Seconds from a request's arrival to "
+                                 "its answer's end (a stream's whole length), by route template", ["route"],
+                                 buckets=HTTP_BUCKETS, registry=registry)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         status = 500
+        started = time.perf_counter()
 
         async def watch(message):
             nonlocal status
@@ -95,7 +103,9 @@ class RequestCounter:
         try:
             await self.app(scope, receive, watch)
         finally:
-            self.requests.labels(self._route(scope), scope["method"], str(status)).inc()
+            route = self._route(scope)
+            self.requests.labels(route, scope["method"], str(status)).inc()
+            self.seconds.labels(route).observe(time.perf_counter() - started)
 
     def _route(self, scope) -> str:
         """The template routing matched (Starlette leaves the route in the scope); for a request answered

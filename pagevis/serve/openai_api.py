@@ -20,6 +20,7 @@ from starlette.background import BackgroundTask
 from ..decoding import DecodeSession
 from ..engine import CacheFullError
 from .errors import ApiError, error_body
+from .parallel import MAX_N, generate_n
 from .session_api import MAX_PROMPT_CHARS, CacheSettings
 from .sessions import build_session, session_config
 from .worker import in_worker
@@ -42,8 +43,22 @@ class _GenerationRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=1, description="only 1 is supported")
+    n: int = Field(1, ge=1, le=MAX_N, description=f"samples of the prompt (1-{MAX_N}; more than 1: parallel "
+                                                  "sampling over one shared pool, not streamed)")
     pagevis: CacheSettings | None = Field(None, description="cache settings: page_size, max_pages, policy, ...")
+    # Accepted only at their no-op values: silently ignoring them would change what the client asked for.
+    logprobs: bool | int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def refuse_unsupported(self) -> None:
+        for name, neutral in (("logprobs", (None, False, 0)), ("echo", (False,)), ("best_of", (None, 1)),
+                              ("presence_penalty", (0.0,)), ("frequency_penalty", (0.0,))):
+            if getattr(self, name) not in neutral:
+                raise ApiError(422, f"{name}: {getattr(self, name)!r} is not supported by this server", param=name,
+                               code="unsupported_parameter")
 
 
 class CompletionRequest(_GenerationRequest):
@@ -159,6 +174,7 @@ async def chat_completions(body: ChatRequest, request: Request):
 async def _generate(request: Request, body: _GenerationRequest, prompt: str, chat: bool, max_tokens: int | None,
                     prompt_ids: list[int] | None = None):
     state = request.app.state
+    body.refuse_unsupported()
     if body.model != state.model_id:
         raise ApiError(404, f"model {body.model!r} is not served here; this server serves {state.model_id!r} "
                             "(GET /v1/models)", param="model", code="model_not_found")
@@ -174,6 +190,8 @@ async def _generate(request: Request, body: _GenerationRequest, prompt: str, cha
                   top_p=body.top_p if sampled else None,
                   seed=body.seed if body.seed is not None else secrets.randbelow(2**32))
     config = session_config(state.settings, fields)
+    if body.n > 1 and body.stream:
+        raise ApiError(422, f"n: {body.n} samples are not streamed; use stream=false or n=1", param="n")
     state.store.take_slot()
     try:
         session = await in_worker(request, build_session, state.model, state.settings, prompt, config, prompt_ids)
@@ -195,6 +213,17 @@ async def _generate(request: Request, body: _GenerationRequest, prompt: str, cha
     kind = "chat.completion" if chat else "text_completion"
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
     created = int(time.time())
+    if body.n > 1:
+        try:
+            samples, usage = await in_worker(request, generate_n, state.model, session, body.n, stops, state.metrics)
+        finally:
+            release()
+        choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                    "logprobs": None} if chat else {"index": i, "text": text, "finish_reason": finish,
+                                                    "logprobs": None}
+                   for i, (text, finish) in enumerate(samples)]
+        return {"id": ident, "object": kind, "created": created, "model": state.model_id, "choices": choices,
+                "usage": usage}
     if not body.stream:
         try:
             text, finish = await in_worker(request, completion.advance, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import tempfile
@@ -84,12 +85,9 @@ async def step_session(session_id: str, body: StepRequest, request: Request) -> 
         if served.session.done:
             raise ApiError(409, f"session {session_id} has finished ({served.session.stop_reason}); "
                                 "create a new one", code="session_finished")
-        records, text = await in_worker(request, run_steps, served, body.n)
+        answer = await in_worker(request, step_answer, served, body, state)
         served.touch()
-    return {"id": served.id, "steps": [step_json(r, served.session) for r in records],
-            "tokens": [r.next_token for r in records if r.next_token >= 0], "new_text": text,
-            "events": [event_json(e) for r in records for e in r.events if _wanted(e, body.events)],
-            "metrics": steps_metrics(records), **describe(served, state)}
+    return Response(answer, media_type="application/json")
 
 
 @router.get("/{session_id}/trace", response_class=Response,
@@ -116,6 +114,17 @@ async def delete_session(session_id: str, request: Request) -> dict:
 
 
 # --- work done in a worker thread ------------------------------------------------------------------
+
+def step_answer(served: ServedSession, body: StepRequest, state) -> bytes:
+    """Take the steps and encode the answer, both off the event loop (n SmolLM2 steps carry ~30 events
+    each)."""
+    records, text = run_steps(served, body.n)
+    answer = {"id": served.id, "steps": [step_json(r) for r in records],
+              "tokens": [r.next_token for r in records if r.next_token >= 0], "new_text": text,
+              "events": [event_json(e) for r in records for e in r.events if _wanted(e, body.events)],
+              "metrics": steps_metrics(records), **describe(served, state)}
+    return json.dumps(answer, ensure_ascii=False, allow_nan=False).encode()
+
 
 def run_steps(served: ServedSession, n: int):
     """Up to n steps; a full cache under policy 'none' ends the session as `pagevis run` does."""
@@ -175,7 +184,7 @@ def describe(served: ServedSession, state, layers: bool = False) -> dict[str, An
     return info
 
 
-def step_json(record, session) -> dict:
+def step_json(record) -> dict:
     data = {"step": record.step, "kind": record.kind, "token_ids": list(record.token_ids),
             "positions": list(record.positions), "next_token": record.next_token, "next_text": record.next_text,
             "resident_tokens": record.resident_tokens, "pages_used": record.pages_used,

@@ -26,7 +26,7 @@ class AttentionView(QWidget):
         self.origin = (0, 0)  # (first step, first position) of the matrix
         self.graphics = pg.GraphicsLayoutWidget()
         self.plot = self.graphics.addPlot()
-        theme.style_plot(self.plot, left="step", bottom="token position")
+        theme.style_plot(self.plot, left="step (a row: its last query)", bottom="token position")
         self.plot.invertY(True)
         self.plot.setMenuEnabled(False)
         self.plot.showGrid(x=False, y=False)
@@ -107,9 +107,9 @@ class AttentionView(QWidget):
             self.plot.disableAutoRange()
             self.plot.setXRange(low, low + cols, padding=0)
             self.plot.setYRange(first, first + rows, padding=0)
-        window = "" if first == 0 and low == 0 else f" · steps {first}–{first + rows - 1}, positions {low}–{low + cols - 1}"
+        window = "" if first == 0 and low == 0 else f" · last {rows} steps, {cols} positions"
         theme.set_title(self.plot, theme.muted(
-            f"layer {state.layer} · {state.head_label} · each row: that step's last query · "
+            f"layer {state.layer} · {state.head_label} · "
             f"<span style='color:rgb{theme.EVICTED_MARK[:3]}'>■</span> evicted{window}"), size="9pt")
 
     def _show_empty(self, state: ViewState) -> None:
@@ -118,6 +118,8 @@ class AttentionView(QWidget):
         self.image.clear()
         timeline = state.timeline
         positions = max(len(timeline.info.prompt_ids), 1) if timeline is not None else 32
+        if isinstance(self.plot._grown[0], tuple):
+            self.plot._grown = (None, None)  # back from a sliding window
         theme.grow_range(self.plot, positions, 32, x_step=32, y_step=32, padding=0)
         x_max, y_max = self.plot._grown
         self.hint.setPos(x_max / 2, y_max / 2)

@@ -18,7 +18,7 @@ HEADERS = ("step", "layer", "page", "slot", "pos", "token", "reason", "score")
 
 
 _RIGHT = Qt.AlignRight | Qt.AlignVCenter
-MAX_ROWS = 500  # the table holds the newest evictions up to the selected step (the plot shows them all)
+MAX_ROWS = 200  # the table holds the newest evictions up to the selected step (the plot shows them all)
 _NUMERIC = (0, 1, 2, 3, 4, 7)  # right-aligned columns
 
 
@@ -135,6 +135,11 @@ class EventFilter(QSortFilterProxyModel):
         return True
 
 
+def _dashes(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each point (x, y) as a pair of points from y - 0.5 to y + 0.5: a dash one position high."""
+    return np.repeat(x, 2), (np.repeat(y, 2).reshape(-1, 2) + (-0.5, 0.5)).ravel()
+
+
 class EventsView(QWidget):
     title = "Eviction events"
     live_interval = 0.5  # while decoding, refresh at most twice a second (a table is read, not watched)
@@ -166,9 +171,12 @@ class EventsView(QWidget):
 
         self.graphics = pg.GraphicsLayoutWidget()
         self.plot = self.graphics.addPlot()
-        theme.style_plot(self.plot, left="evicted position", bottom="step")
+        theme.style_plot(self.plot, left="position", bottom="step")
         self.plot.setMenuEnabled(False)
-        self.scatter = pg.ScatterPlotItem(size=5, pen=None, brush=pg.mkBrush(theme.STATE_COLORS[5]))
+        # one short vertical dash per eviction, drawn as a single path (connect="pairs"): a ScatterPlotItem
+        # costs microseconds per point in Python, which made a scrub at 10 000 steps twice as slow as at 1 000
+        self.scatter = pg.PlotCurveItem(pen=pg.mkPen(theme.STATE_COLORS[5], width=3), connect="pairs")
+        theme.cache_item(self.scatter)
         self.plot.addItem(self.scatter)
         self.cursor = pg.InfiniteLine(angle=90, pen=pg.mkPen(theme.ACCENT, style=pg.QtCore.Qt.DashLine))
         self.plot.addItem(self.cursor)
@@ -223,7 +231,7 @@ class EventsView(QWidget):
         if timeline is not None:
             steps, layers, positions = timeline.eviction_columns()
             keep = slice(None) if layer is None else layers[:limit] == layer
-            self.scatter.setData(steps[:limit][keep], positions[:limit][keep])
+            self.scatter.setData(*_dashes(steps[:limit][keep], positions[:limit][keep]), connect="pairs")
         else:
             self.scatter.setData([], [])
         theme.grow_range(self.plot, len(timeline) if timeline is not None else 1,
@@ -231,4 +239,4 @@ class EventsView(QWidget):
         if state.record is not None:
             self.cursor.setValue(state.record.step)
         where = f"layer {layer}" if layer is not None else "all layers"
-        theme.set_title(self.plot, theme.muted(f"evicted positions by step · {where}"), size="9pt")
+        theme.set_title(self.plot, theme.muted(f"evicted positions · {where}"), size="9pt")

@@ -16,6 +16,7 @@ def _curve(plot: pg.PlotItem, color: str, name: str) -> pg.PlotCurveItem:
     """A bare PlotCurveItem: its setData is a fraction of a PlotDataItem's (no clipping, downsampling
     or symbol machinery), and a few thousand points draw as one polyline in C++."""
     item = pg.PlotCurveItem(pen=pg.mkPen(color, width=1.6), name=name)
+    theme.cache_item(item)
     plot.addItem(item)
     return item
 
@@ -49,6 +50,12 @@ class MetricsView(QWidget):
         self.evictions = g.addPlot(row=0, col=1)
         self.latency = g.addPlot(row=1, col=0)
         self.oracle = g.addPlot(row=1, col=1)
+        self.tiers = g.addPlot(row=2, col=0, colspan=2)  # only with a disk tier
+        theme.style_plot(self.tiers)
+        self.tiers.setMenuEnabled(False)
+        self.tiers.getAxis("left").setWidth(38)
+        self.tiers.setXLink(self.occupancy)
+        self.tiers.hide()
         for plot in (self.occupancy, self.evictions, self.latency, self.oracle):
             theme.style_plot(plot)
             plot.setMenuEnabled(False)
@@ -64,20 +71,27 @@ class MetricsView(QWidget):
             "kl": _curve(self.oracle, s[1], "KL (nats)"),
             "lost_attention": _curve(self.oracle, s[3], "attention lost"),
             "top1_agree": _curve(self.oracle, s[2], "top-1 agree (mean of 8)"),
+            "faults": _curve(self.tiers, s[3], "pages read from disk / step (all layers)"),
+            "mb_read": _curve(self.tiers, s[0], "MB read / step"),
+            "hit_rate": _curve(self.tiers, s[2], "RAM hit rate"),
         }
         # one bar per step with gaps between them (a filled step curve read as a solid block at 1 per step)
         self.bars = pg.BarGraphItem(x=np.zeros(0), height=np.zeros(0), width=0.6, pen=None,
                                     brush=pg.mkBrush(theme.STATE_COLORS[5]), name="evicted")
+        theme.cache_item(self.bars)
         self.evictions.addItem(self.bars)
         self.capacity = pg.InfiniteLine(angle=0, pen=pg.mkPen(theme.MUTED, style=Qt.DotLine),
-                                        label="capacity", labelOpts={"color": theme.MUTED, "position": 0.5})
+                                        label="capacity", labelOpts={"color": theme.MUTED, "position": 0.02,
+                                                                     "anchors": [(0, 0), (0, 0)]})
+        # the label hangs below the line at its left end: the resident curve runs along the line once full
         self.occupancy.addItem(self.capacity)
         self.cursors = []
         for plot in (self.occupancy, self.evictions, self.latency, self.oracle):
             line = pg.InfiniteLine(angle=90, pen=pg.mkPen(theme.ACCENT, style=Qt.DashLine))
             plot.addItem(line, ignoreBounds=True)
             self.cursors.append(line)
-        self.oracle_off = pg.TextItem("oracle off\n(Controls ▸ Decoding)", color=theme.MUTED, anchor=(0.5, 0.5))
+        # three short lines: at 85% of a laptop screen this plot is about 100 px wide
+        self.oracle_off = pg.TextItem("oracle off\n(Decoding)", color=theme.MUTED, anchor=(0.5, 0.5))
         self._titles()
         self.oracle.addItem(self.oracle_off, ignoreBounds=True)
         self.hint = pg.TextItem(EMPTY_HINT, color=theme.MUTED, anchor=(0.5, 0.5))
@@ -99,10 +113,12 @@ class MetricsView(QWidget):
                             justify="left")
 
         s = theme.SERIES
-        title(self.occupancy, "layer 0", key(s[0], "resident"), key(s[1], "allocated"))
-        title(self.evictions, "evictions per step", key(theme.STATE_COLORS[5], f"layer {layer}"))
+        title(self.occupancy, f"layer {layer}", key(s[0], "resident"), key(s[1], "allocated"))
+        title(self.evictions, f"evicted / step · layer {layer}")
         title(self.latency, "ms / token", key(s[0], "each"), key(s[1], "mean of 8"))
         title(self.oracle, "oracle", key(s[1], "KL"), key(s[3], "lost attn"), key(s[2], "top-1"))
+        title(self.tiers, "disk tier, all layers", key(s[3], "faults / step ÷ 100"), key(s[0], "MB read / step"),
+              key(s[2], "RAM hit rate"))
 
     def show_state(self, state: ViewState) -> None:
         timeline = state.timeline
@@ -119,7 +135,7 @@ class MetricsView(QWidget):
         timeline = state.timeline
         if timeline is not getattr(self, "_timeline", None):
             self._timeline = timeline
-            for plot in (self.occupancy, self.evictions, self.latency, self.oracle):
+            for plot in (self.occupancy, self.evictions, self.latency, self.oracle, self.tiers):
                 plot._grown = (None, None)  # a new session: fit the views afresh
         self.hint.setVisible(timeline is None or not len(timeline))
         for line in self.cursors:
@@ -129,10 +145,10 @@ class MetricsView(QWidget):
             return
         steps = np.arange(len(timeline), dtype=np.float64)
         config = timeline.info.config
-        pages = timeline.series("pages_used")
+        pages = timeline.pages_per_step(state.layer)
         latency = timeline.series("latency_ms") / np.maximum(timeline.series("tokens"), 1)
         data = {
-            "resident_tokens": timeline.series("resident_tokens"),
+            "resident_tokens": timeline.resident_per_step(state.layer),
             "allocated_slots": pages * config.page_size,
             "evictions": timeline.evictions_per_step(state.layer).astype(np.float64),
             "latency_ms": latency,
@@ -140,14 +156,19 @@ class MetricsView(QWidget):
             "kl": timeline.series("kl"),
             "lost_attention": timeline.series("lost_attention"),
             "top1_agree": rolling_mean(timeline.series("top1_agree")),
+            "faults": timeline.series("faults") / 100,  # on the MB and hit-rate scale
+            "mb_read": timeline.series("mb_read"),
+            "hit_rate": timeline.series("hit_rate"),
         }
+        tiered = bool(np.isfinite(data["hit_rate"]).any())
+        self.tiers.setVisible(tiered)
         self.data = data
         for name, values in data.items():
             if name == "evictions":
                 self.bars.setOpts(x=steps, height=values)
             else:
                 self.curves[name].setData(steps, values, connect="finite")
-        capacity = config.page_size * config.max_pages
+        capacity = config.capacity
         if self.capacity.value() != capacity:  # its label re-renders on every setValue
             self.capacity.setValue(capacity)
         self.capacity.setVisible(True)
@@ -162,6 +183,8 @@ class MetricsView(QWidget):
         theme.grow_range(self.evictions, None, max(top(data["evictions"]), 1.0) * 1.25)
         theme.grow_range(self.latency, None, top(latency))
         theme.grow_range(self.oracle, None, max(top(data["kl"]), 1.0))
+        if tiered:
+            theme.grow_range(self.tiers, None, max(top(data["faults"]), top(data["mb_read"]), 1.0))
         self._titles(state.layer)
         self._show_oracle_state(config)
 

@@ -53,9 +53,18 @@ def parse_run_list(text: str) -> list[int]:
     return out
 
 
+def frames_of_pages(record, layer: int) -> dict[int, int]:
+    """Page id -> RAM frame for the layer's pages in RAM (without a disk tier, a page id is its frame)."""
+    table = record.block_tables[layer]
+    if record.tiers is None:
+        return {int(p): int(p) for p in table}
+    return {int(p): int(f) for p, f in zip(table, record.tiers.block_frames[layer], strict=True) if f >= 0}
+
+
 def cell_states(record, layer: int) -> np.ndarray:
     """(max_pages, page_size) int8 of theme states for one layer of one record."""
     slots = record.slot_maps[layer]
+    frame_of = frames_of_pages(record, layer) if record.tiers is not None else None
     states = np.where(slots >= 0, RESIDENT, FREE).astype(np.int8)
     states[record.protected[layer] & (slots >= 0)] = PINNED
     written = np.zeros(slots.shape, dtype=bool)
@@ -63,10 +72,13 @@ def cell_states(record, layer: int) -> np.ndarray:
     for event in record.events:
         if event.layer != layer or event.slot < 0:
             continue
+        frame = event.page if frame_of is None else frame_of.get(event.page, -1)
+        if frame < 0:
+            continue  # a token evicted from a page on disk: the disk strip shows it
         if event.kind is EventKind.WRITE:
-            written[event.page, event.slot] = True
+            written[frame, event.slot] = True
         elif event.kind is EventKind.EVICT:
-            evicted[event.page, event.slot] = True
+            evicted[frame, event.slot] = True
     states[evicted & (slots < 0)] = EVICTED
     states[written] = WRITTEN
     states[written & evicted] = REPLACED
@@ -106,6 +118,42 @@ def cell_image(states: np.ndarray, shade: np.ndarray, bordered: bool) -> np.ndar
     big = np.repeat(np.repeat(rgba, _CELL_PX, axis=0), _CELL_PX, axis=1)
     big[_CELL_PX - 1:: _CELL_PX, :, :3] = (_BACKGROUND * 255).astype(np.uint8)
     big[:, _CELL_PX - 1:: _CELL_PX, :3] = (_BACKGROUND * 255).astype(np.uint8)
+    return big
+
+
+DISK_COLUMNS = 64  # the disk strip: one cell per disk page, rows of this many
+DISK_STATES = ("free", "on disk", "in RAM", "read from disk this step", "swapped out this step")
+DISK_COLORS = (theme.STATE_COLORS[FREE], "#51606f", theme.STATE_COLORS[RESIDENT], theme.STATE_COLORS[WRITTEN],
+               theme.STATE_COLORS[REPLACED])
+
+
+def disk_states(record, layer: int, n_pages: int) -> np.ndarray:
+    """(n_pages,) int8 index into DISK_STATES for every page id of a tiered layer."""
+    states = np.zeros(n_pages, dtype=np.int8)
+    frames = frames_of_pages(record, layer)
+    for page in record.block_tables[layer]:
+        states[page] = 2 if page in frames else 1
+    for event in record.events:
+        if event.layer == layer and event.kind is EventKind.FAULT_IN and event.page < n_pages:
+            states[event.page] = 3
+        elif event.layer == layer and event.kind is EventKind.SWAP_OUT and event.page < n_pages:
+            states[event.page] = 4
+    return states
+
+
+def disk_image(states: np.ndarray) -> np.ndarray:
+    """RGBA rows of DISK_COLUMNS cells (2 px each, 1 px gap) for the disk strip."""
+    rows = -(-len(states) // DISK_COLUMNS)
+    padded = np.zeros(rows * DISK_COLUMNS, dtype=np.int8)
+    padded[: len(states)] = states
+    palette = np.array([theme.rgb(c) for c in DISK_COLORS])
+    rgba = np.empty((rows, DISK_COLUMNS, 4), dtype=np.uint8)
+    rgba[..., :3] = np.clip(palette[padded.reshape(rows, DISK_COLUMNS)] * 255, 0, 255)
+    rgba[..., 3] = 255
+    rgba.reshape(-1, 4)[len(states):, 3] = 0  # past the last page
+    big = np.repeat(np.repeat(rgba, 4, axis=0), 4, axis=1)
+    big[3::4, :, :3] = (_BACKGROUND * 255).astype(np.uint8)
+    big[:, 3::4, :3] = (_BACKGROUND * 255).astype(np.uint8)
     return big
 
 
@@ -207,6 +255,7 @@ class BlockTable(QTableWidget):
     def __init__(self):
         super().__init__(0, len(self.HEADERS))
         self.rows: list[tuple[int, int, int, str]] = []
+        self._longest = 0  # characters of the longest positions text the column was fitted to
         self.setHorizontalHeaderLabels(self.HEADERS)
         self.setEditTriggers(QTableWidget.NoEditTriggers)
         self.verticalHeader().hide()
@@ -222,6 +271,10 @@ class BlockTable(QTableWidget):
         resize = len(rows) != self.rowCount()
         if resize:
             self.setRowCount(len(rows))
+        # a run list longer than any so far (token-level policies scatter positions) widens its column too
+        longest = max((len(row[3]) for row in rows), default=0)
+        if resize or longest > self._longest:
+            resize, self._longest = True, longest
         for r, row in enumerate(rows):
             old = self.rows[r] if r < len(self.rows) else None
             for c, value in enumerate(row):
@@ -262,6 +315,17 @@ class PageGridView(QWidget):
         self.plot.addItem(self.labels)
         self.plot.scene().sigMouseMoved.connect(self._hover)
         self.hover_text = ""
+        # the disk tier, one cell per page id, under the RAM frames (only with a disk tier)
+        self.disk = self.graphics.addPlot(row=1, col=0)
+        theme.style_plot(self.disk, left="disk", bottom="page id mod 64")
+        self.disk.invertY(True)
+        self.disk.setMenuEnabled(False)
+        self.disk.hideButtons()
+        self.disk.getAxis("left").setStyle(showValues=False)
+        self.disk_image = RgbaImage()
+        self.disk.addItem(self.disk_image)
+        self.disk_states = np.zeros(0, dtype=np.int8)
+        self.disk.hide()
 
         swatches = [f"<span style='color:{c}'>&#9632;</span>&nbsp;{n.replace(' ', '&nbsp;')}"  # wrap between
                     for n, c in zip(theme.STATE_NAMES, theme.STATE_COLORS)]  # entries, never inside one
@@ -270,10 +334,16 @@ class PageGridView(QWidget):
                              "resident cells dim with age (or score)</span>")
         self.legend.setWordWrap(True)  # its lines may wrap rather than hold the dock wider than its share
 
+        self.disk_legend = QLabel("disk: " + "&nbsp;&nbsp; ".join(
+            f"<span style='color:{c}'>&#9632;</span>&nbsp;{n.replace(' ', '&nbsp;')}"
+            for n, c in zip(DISK_STATES, DISK_COLORS, strict=True)))
+        self.disk_legend.setWordWrap(True)
+        self.disk_legend.hide()
         self.blocks = BlockTable()
         self.block_view = self.blocks
-        self.block_view.setMinimumWidth(250)
-        self.block_view.setMaximumWidth(300)
+        self.block_view.setMinimumWidth(200)
+        self.block_view.setMaximumWidth(280)
+        self.graphics.setMinimumWidth(250)  # the grid's title fits (a projector's 1280 × 720)
         self.block_title = block_title = QLabel("Block table (logical → physical)")
         block_title.setStyleSheet(f"color: {theme.MUTED}")
         self._capacities = (None, [])  # (session info, tokens each layer may hold)
@@ -282,6 +352,7 @@ class PageGridView(QWidget):
         left.setContentsMargins(0, 0, 0, 0)
         left.addWidget(self.graphics, 1)
         left.addWidget(self.legend)
+        left.addWidget(self.disk_legend)
         right = QVBoxLayout()
         right.setContentsMargins(0, 0, 0, 0)
         right.addWidget(block_title)
@@ -317,15 +388,77 @@ class PageGridView(QWidget):
         resident = int((slots >= 0).sum())
         capacity = self.layer_capacity(state.timeline.info, layer)
         own = f" · holds at most {capacity}" if capacity < pages * page_size else ""
-        title = f"layer {layer} · {used}/{pages} pages · {resident} tokens resident{own}"
+        title = f"layer {layer} · {used}/{pages} pages · {resident} tokens{own}"
+        if record.tiers is not None:
+            in_ram = len(frames_of_pages(record, layer))
+            title = f"layer {layer} · RAM frames keep {in_ram} of {used} pages"
         theme.set_title(self.plot, theme.muted(title), size="9pt")
         table = f" · layer {layer}: {capacity} tokens" if own else ""
         self.block_title.setText(f"Block table (logical → physical){table}")
+        self.blocks.set_rows(self.block_rows(record, layer))
+        self._show_disk(record, layer)
+
+    def block_rows(self, record, layer: int) -> list[tuple]:
+        """(logical, where, tokens, positions) per page of the layer's block table; with a disk tier,
+        where says the tier and frame, e.g. "RAM 3 · page 17" or "disk · page 17"."""
+        slots = record.slot_maps[layer]
+        if record.tiers is None:
+            return [(logical, page, int((held := slots[page][slots[page] >= 0]).size), run_list(held))
+                    for logical, page in enumerate(record.block_tables[layer])]
+        page_map = record.page_map(layer) if layer in record.attention_layers else None
         rows = []
-        for logical, page in enumerate(record.block_tables[layer]):
-            held = slots[page][slots[page] >= 0]
-            rows.append((logical, page, int(held.size), run_list(held)))
-        self.blocks.set_rows(rows)
+        for logical, (page, frame) in enumerate(zip(record.block_tables[layer], record.tiers.block_frames[layer],
+                                                    strict=True)):
+            where = f"RAM {frame} · page {page}" if frame >= 0 else f"disk · page {page}"
+            source = page_map[page] if page_map is not None else slots[frame] if frame >= 0 else None
+            if source is None:
+                rows.append((logical, where, "?", "layer not recorded"))
+                continue
+            held = source[source >= 0]
+            rows.append((logical, where, int(held.size), run_list(held)))
+        return rows
+
+    def _show_disk(self, record, layer: int) -> None:
+        info = self._state.timeline.info if self._state.timeline is not None else None
+        n_pages = getattr(getattr(info, "config", None), "disk_pages", 0)
+        if record.tiers is None or not n_pages:
+            self.disk.hide()
+            self.disk_legend.hide()
+            self.disk_states = np.zeros(0, dtype=np.int8)
+            return
+        self.disk.show()
+        self.disk_legend.show()
+        self.disk_states = disk_states(record, layer, n_pages)
+        rows = -(-n_pages // DISK_COLUMNS)
+        self.disk_image.set_image(disk_image(self.disk_states), rows, DISK_COLUMNS)
+        self.disk.setRange(xRange=(0, DISK_COLUMNS), yRange=(0, rows), padding=0.02)
+        counts = record.tiers.counts[layer]
+        faults, swapped = int(counts[1]), int(counts[2])
+        self.graphics.ci.layout.setRowStretchFactor(0, 4)
+        self.graphics.ci.layout.setRowStretchFactor(1, 1)
+        theme.set_title(self.disk, theme.muted(f"disk: {n_pages} pages · {faults} read, {swapped} swapped out"),
+                        size="9pt")
+
+    def disk_info(self, page: int) -> str:
+        """The hover text of one disk page."""
+        record, layer = self._state.record, self._state.layer
+        if record is None or not 0 <= page < len(self.disk_states):
+            return ""
+        lines = [f"disk page {page}: {DISK_STATES[self.disk_states[page]]}"]
+        if page in record.block_tables[layer]:
+            if layer in record.attention_layers:
+                held = record.page_map(layer)[page]
+                held = held[held >= 0]
+                lines.append(f"holds {held.size} tokens: positions {run_list(held, max_runs=6)}")
+            else:
+                lines.append("(its tokens are kept for recorded layers only: --record-layers)")
+            frame = frames_of_pages(record, layer).get(page)
+            if frame is not None:
+                lines.append(f"cached in RAM frame {frame}")
+        for event in record.events:
+            if event.layer == layer and event.page == page and event.kind in (EventKind.FAULT_IN, EventKind.SWAP_OUT):
+                lines.append(f"{event.kind.value} (RAM frame {event.frame}): {event.reason}")
+        return "\n".join(lines)
 
     def layer_capacity(self, info, layer: int) -> int:
         """Tokens this layer may hold: the pool, or less under a policy with per-layer budgets (pyramidkv)."""
@@ -379,19 +512,25 @@ class PageGridView(QWidget):
             lines.append(f"position {position}: {token!r}")
             score = float(record.scores[state.layer][page, slot])
             lines.append(f"policy score: {score:.4g}")
+        frame_of = frames_of_pages(record, state.layer)
         for event in record.events:
-            if event.layer == state.layer and event.page == page and event.slot == slot and \
+            if event.layer == state.layer and frame_of.get(event.page, -1) == page and event.slot == slot and \
                     event.kind is EventKind.EVICT:
                 lines.append(f"evicted position {event.position} "
                              f"({state.timeline.position_text(event.position)!r}): {event.reason}")
         return "\n".join(lines)
 
     def _hover(self, scene_pos: QPointF) -> None:
-        if not self.plot.sceneBoundingRect().contains(scene_pos) or not self.states.size:
+        if self.disk.isVisible() and self.disk.sceneBoundingRect().contains(scene_pos):
+            point = self.disk.vb.mapSceneToView(scene_pos)
+            row, column = int(np.floor(point.y())), int(np.floor(point.x()))
+            text = self.disk_info(row * DISK_COLUMNS + column) if 0 <= column < DISK_COLUMNS else ""
+        elif not self.plot.sceneBoundingRect().contains(scene_pos) or not self.states.size:
             return
-        point = self.plot.vb.mapSceneToView(scene_pos)
-        page, slot = int(np.floor(point.y())), int(np.floor(point.x()))
-        text = self.cell_info(page, slot)
+        else:
+            point = self.plot.vb.mapSceneToView(scene_pos)
+            page, slot = int(np.floor(point.y())), int(np.floor(point.x()))
+            text = self.cell_info(page, slot)
         if text != self.hover_text:
             self.hover_text = text
             view_pos = self.graphics.mapFromScene(scene_pos)

@@ -19,7 +19,7 @@ EVICTED_FG = "#c98a92"
 PROMPT_FG = "#aab2bf"
 GENERATED_FG = "#ffffff"
 TOP_K = 8  # only the most attended tokens are tinted: a tint on every token says nothing
-MAX_POSITIONS = 400  # the text shows the newest positions only (laying out a token costs ~30 µs)
+MAX_POSITIONS = 320  # the text shows the newest positions only (laying out a token costs ~30 µs)
 
 
 class TokenTint(NamedTuple):
