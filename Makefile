@@ -22,8 +22,8 @@ compare: $(STAMP)
 	$(PY) -m pagevis compare $(ARGS)
 
 screenshot: $(STAMP)
-	QT_QPA_PLATFORM=offscreen $(PY) -m pagevis --screenshot docs/screenshot.png --steps 40 \
-	  --page-size 8 --max-pages 8 --policy sinks --oracle --prompt-file resources/prompts/attention-sinks.txt $(ARGS)
+	QT_QPA_PLATFORM=offscreen $(PY) -m pagevis --screenshot docs/screenshot.png --steps 110 \
+	  --preset "StreamingLLM: window vs sinks" $(ARGS)
 
 install: $(STAMP)
 

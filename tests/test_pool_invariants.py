@@ -17,7 +17,7 @@ class SharedPoolMachine(RuleBasedStateMachine):
                 policy=st.sampled_from(["oldest", "sinks", "h2o", "oldest-page", "snapkv", "lru", "lfu"]),
                 seed=st.integers(0, 1000))
     def setup(self, page_size, budget_pages, pool_pages, policy, seed):
-        params = {"sinks": {"n_sink": 1}, "snapkv": {"window": 1}}.get(policy, {})
+        params = {"sinks": {"n_sink": 1}, "snapkv": {"window": 1, "kernel": 1}}.get(policy, {})
         self.config = CacheConfig(page_size=page_size, max_pages=budget_pages, n_layers=N_LAYERS,
                                   n_heads=2 * N_KV, n_kv_heads=N_KV, head_dim=HEAD_DIM, policy=policy,
                                   policy_params=params)

@@ -488,10 +488,13 @@ class MainWindow(TimelineCursor, QMainWindow):
         self._update_transport(state)
 
     def _shown(self, view) -> bool:
-        """Is the view on screen? Not when its dock is closed, nor behind another dock's tab (Qt keeps
-        such a dock 'visible' but off the window): it is drawn when its tab is raised."""
+        """Should the view be drawn? Not when its dock is closed; a costly view (`only_when_visible`) not
+        either while it is behind another dock's tab (Qt keeps such a dock 'visible' but off the window):
+        it is drawn when its tab is raised."""
         dock = self.docks[view.title]
-        return not dock.isHidden() and not (self.isVisible() and dock.visibleRegion().isEmpty())
+        if dock.isHidden():
+            return False
+        return not (getattr(view, "only_when_visible", False) and self.isVisible() and dock.visibleRegion().isEmpty())
 
     def _show(self, views, state: ViewState, now: float) -> None:
         for view in views:

@@ -127,6 +127,14 @@ def _update_min_shrinkable(label) -> None:
     label.updateGeometry()
 
 
+def cache_item(item) -> None:
+    """Keep a plot item's rendering as a pixmap until its data or the view changes: a long curve (one point
+    per step) is then not re-stroked every time a cursor line moves over the plot during a scrub."""
+    from PySide6.QtWidgets import QGraphicsItem
+
+    item.setCacheMode(QGraphicsItem.DeviceCoordinateCache)
+
+
 def muted(text: str) -> str:
     return f"<span style='color:{MUTED}'>{text}</span>"
 

@@ -41,6 +41,7 @@ class MarkedSlider(QSlider):
     def __init__(self):
         super().__init__(Qt.Horizontal)
         self.marks = np.zeros(0, dtype=np.int64)
+        self._lines, self._lines_key = [], None
 
     def set_marks(self, steps: np.ndarray) -> None:
         if len(steps) != len(self.marks):
@@ -55,13 +56,18 @@ class MarkedSlider(QSlider):
         self.initStyleOption(option)
         groove = self.style().subControlRect(QStyle.CC_Slider, option, QStyle.SC_SliderGroove, self)
         handle = self.style().subControlRect(QStyle.CC_Slider, option, QStyle.SC_SliderHandle, self)
-        span = groove.width() - handle.width()
-        x = groove.left() + handle.width() / 2 + (self.marks - self.minimum()) * span / (self.maximum() - self.minimum())
+        key = (len(self.marks), self.minimum(), self.maximum(), groove.left(), groove.width(), handle.width(),
+               self.height())
+        if key != self._lines_key:  # the ticks move only when marks, range or size change, not with the handle
+            span = groove.width() - handle.width()
+            x = groove.left() + handle.width() / 2 + (self.marks - self.minimum()) * span / (self.maximum() - self.minimum())
+            bottom = self.height() - 1
+            self._lines = [QLine(pixel, bottom - 4, pixel, bottom)  # one line per pixel column
+                           for pixel in np.unique(np.round(x).astype(np.int64)).tolist()]
+            self._lines_key = key
         painter = QPainter(self)
         painter.setPen(QPen(QColor(STATE_COLORS[5]), 1))
-        bottom = self.height() - 1
-        painter.drawLines([QLine(pixel, bottom - 4, pixel, bottom)  # one line per pixel column, one call
-                           for pixel in np.unique(np.round(x).astype(np.int64)).tolist()])
+        painter.drawLines(self._lines)
         painter.end()
 
 

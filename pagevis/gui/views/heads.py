@@ -31,6 +31,7 @@ def layout_text(n_heads: int, n_kv_heads: int) -> str:
 class HeadsView(QWidget):
     title = "Heads"
     live_interval = 0.5  # while decoding, at most twice a second
+    only_when_visible = True  # one heatmap per query head: not drawn while behind the attention's tab
 
     def __init__(self, parent=None):
         super().__init__(parent)

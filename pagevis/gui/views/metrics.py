@@ -16,6 +16,7 @@ def _curve(plot: pg.PlotItem, color: str, name: str) -> pg.PlotCurveItem:
     """A bare PlotCurveItem: its setData is a fraction of a PlotDataItem's (no clipping, downsampling
     or symbol machinery), and a few thousand points draw as one polyline in C++."""
     item = pg.PlotCurveItem(pen=pg.mkPen(color, width=1.6), name=name)
+    theme.cache_item(item)
     plot.addItem(item)
     return item
 
@@ -77,6 +78,7 @@ class MetricsView(QWidget):
         # one bar per step with gaps between them (a filled step curve read as a solid block at 1 per step)
         self.bars = pg.BarGraphItem(x=np.zeros(0), height=np.zeros(0), width=0.6, pen=None,
                                     brush=pg.mkBrush(theme.STATE_COLORS[5]), name="evicted")
+        theme.cache_item(self.bars)
         self.evictions.addItem(self.bars)
         self.capacity = pg.InfiniteLine(angle=0, pen=pg.mkPen(theme.MUTED, style=Qt.DotLine),
                                         label="capacity", labelOpts={"color": theme.MUTED, "position": 0.02,
@@ -84,12 +86,12 @@ class MetricsView(QWidget):
         # the label hangs below the line at its left end: the resident curve runs along the line once full
         self.occupancy.addItem(self.capacity)
         self.cursors = []
-        for plot in (self.occupancy, self.evictions, self.latency, self.oracle, self.tiers):
+        for plot in (self.occupancy, self.evictions, self.latency, self.oracle):
             line = pg.InfiniteLine(angle=90, pen=pg.mkPen(theme.ACCENT, style=Qt.DashLine))
             plot.addItem(line, ignoreBounds=True)
             self.cursors.append(line)
         # three short lines: at 85% of a laptop screen this plot is about 100 px wide
-        self.oracle_off = pg.TextItem("oracle off\n(Controls ▸\nDecoding)", color=theme.MUTED, anchor=(0.5, 0.5))
+        self.oracle_off = pg.TextItem("oracle off\n(Decoding)", color=theme.MUTED, anchor=(0.5, 0.5))
         self._titles()
         self.oracle.addItem(self.oracle_off, ignoreBounds=True)
         self.hint = pg.TextItem(EMPTY_HINT, color=theme.MUTED, anchor=(0.5, 0.5))
