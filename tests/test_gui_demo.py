@@ -273,3 +273,14 @@ def test_the_window_fits_a_projector_without_clipped_text(qtbot, tmp_path):
     window.redraw()
     qtbot.wait(50)
     assert clipped_texts(window) == []
+
+
+def test_long_metrics_are_drawn_binned_without_losing_a_burst():
+    from pagevis.gui.views.metrics import MAX_DRAWN, binned_max, strided
+
+    x = np.arange(5 * MAX_DRAWN, dtype=np.float64)
+    y = np.zeros_like(x)
+    y[4321] = 7
+    bars, heights, width = binned_max(x, y)
+    assert len(bars) <= MAX_DRAWN and heights.max() == 7 and bars[heights.argmax()] - width / 2 <= 4321
+    assert len(strided(x, y)[0]) <= MAX_DRAWN and strided(x[:10], y[:10])[0].tolist() == x[:10].tolist()
