@@ -26,8 +26,12 @@ def test_bench_quick_json_and_files(tmp_path, capsys):
     assert decode["paged_of_floor"] == pytest.approx(decode["paged_tok_s"] / decode["floor_tok_s"])
     for name in ("bench-attention.csv", "bench-storage.csv", "bench-decode.csv"):
         assert (tmp_path / name).read_text().count("\n") >= 2
-    for name in ("bench-latency.png", "bench-memory.png"):
+    for name in ("bench-latency.png", "bench-memory.png", "bench-tiers.png", "bench-quest.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+    tiers = result["tiers"]  # the disk tier: exact streamed reads at several RAM shares, quest by K
+    assert tiers["streamed"] and all(r["context"] == 64 and r["warm_us"] > 0 and r["hit_rate"] < 1
+                                     for r in tiers["streamed"])
+    assert tiers["quest"] and all(r["quest_us"] > 0 for r in tiers["quest"]) and tiers["rss"] is None
 
 
 def test_bench_table_without_model_or_files(capsys):

@@ -281,3 +281,14 @@ def test_random_batches_decode_what_each_decodes_alone_and_free_everything(lengt
         assert batch.seqs[seq_id].generated == alone(cfg, prompts[i], i)
     for blocks in batch.pool.blocks:
         assert not blocks.ref_counts.any() and blocks.n_free() == pool_pages
+
+
+def test_ignore_eos_decodes_the_asked_length():
+    first = alone(config(mode="greedy", max_new_tokens=1), PROMPT, 0)[0]
+    model = RecordingModel(MODEL)
+    model.config = replace(MODEL.config, eos_ids=(first,))  # the first greedy token ends the sequence
+    for ignore, expected in ((False, 1), (True, 5)):
+        batch = BatchSession(model, config(mode="greedy", max_new_tokens=5), BatchConfig(ignore_eos=ignore))
+        seq_id = batch.submit(PROMPT)
+        list(batch.run())
+        assert len(batch.seqs[seq_id].generated) == expected

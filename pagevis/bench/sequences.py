@@ -54,10 +54,10 @@ def batching_rows(model, kind: str, sizes=BATCH_SIZES, n_tokens: int = 12) -> li
 
 
 def parallel_sampling_row(model, kind: str, n: int = 4, prompt_tokens: int = 200, new_tokens: int = 64) -> dict:
-    """n samples of one prompt_tokens-token prompt, up to new_tokens each: pages at the peak against one
-    sequence's and against no sharing (`all_ran_to_length` says whether an end-of-sequence cut one short)."""
+    """n samples of one prompt_tokens-token prompt, new_tokens each (end-of-sequence ignored, so the shape is
+    the one asked for): pages at the peak against one sequence's and against no sharing."""
     config = _config(kind, new_tokens, mode="sample")
-    batch = BatchSession(model, config, BatchConfig(max_seqs=n))
+    batch = BatchSession(model, config, BatchConfig(max_seqs=n, ignore_eos=True))
     ids = batch.encode(" ".join(["pages"] * prompt_tokens))[:prompt_tokens]
     batch.submit_parallel(ids, n)
     records = list(batch.run())

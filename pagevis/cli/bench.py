@@ -40,6 +40,10 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--no-sequences", action="store_true",
                         help="skip the many-sequences rows (aggregate tokens/s at 1-16 sequences, parallel "
                              "sampling pages, shared-prompt prefix-cache hit rate)")
+    parser.add_argument("--no-tiers", action="store_true",
+                        help="skip the disk-tier rows (exact streamed attention vs RAM share, quest vs K, RssAnon "
+                             "from 4k to 32k tokens; see docs/memory.md)")
+    parser.add_argument("--swap-dir", metavar="DIR", help="disk-tier rows: where the swap files go")
     parser.add_argument("--decode-tokens", type=int, default=32, metavar="N", help="decode steps to time (32)")
     parser.add_argument("--out", default=".", metavar="DIR",
                         help="folder for bench-*.csv and bench-latency.png, bench-memory.png (default .)")
@@ -115,8 +119,17 @@ def main(args: argparse.Namespace) -> int:
 
         say("many sequences: continuous batching, parallel sampling, prefix caching ...")
         sequences = run_sequences_bench(spec.load(), spec.kind, n_tokens=4 if args.quick else 12)
+    tiers = None
+    if not args.no_tiers:
+        from ..bench import tiers as tier_bench
+
+        say("disk tier: streamed attention by RAM share, quest by K, memory by context ...")
+        tier_contexts = [c for c in contexts if c >= 512] or [max(contexts)]
+        tiers = {"streamed": tier_bench.streamed_rows(tier_contexts, swap_dir=args.swap_dir, repeats=repeats),
+                 "quest": tier_bench.quest_rows(max(tier_contexts), swap_dir=args.swap_dir),
+                 "rss": None if args.quick else tier_bench.rss_rows(swap_dir=args.swap_dir)}
     result = {"attention": paged, "storage": storage, "torch": torch_rows, "decode": decode, "sequences": sequences,
-              "shape": suite.SMOLLM2_LAYER}
+              "tiers": tiers, "shape": suite.SMOLLM2_LAYER}
     if not args.no_files:
         result["files"] = write_files(args.out, result, half)
     if args.json:
@@ -175,6 +188,11 @@ def format_report(result: dict) -> str:
         from ..bench.sequences import format_sequences
 
         out += ["", *format_sequences(result["sequences"])]
+    if result.get("tiers"):
+        from ..bench.tiers import format_tables
+
+        t = result["tiers"]
+        out += ["", *format_tables(t["streamed"], t["quest"], t["rss"])]
     if result.get("files"):
         out += ["", "wrote " + ", ".join(result["files"])]
     return "\n".join(out)
@@ -235,6 +253,10 @@ def write_files(folder: str, result: dict, half: list[dict]) -> list[str]:
               y_ticks=_decades(v for _, ys in memory.values() for v in ys),
               dashed={"torch SDPA float32", "torch SDPA float16"})
     written.append(path)
+    if result.get("tiers"):
+        from ..bench.tiers import write_plots
+
+        written += write_plots(folder, result["tiers"]["streamed"], result["tiers"]["quest"])
     return written
 
 

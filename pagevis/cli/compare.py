@@ -152,6 +152,8 @@ def main(args: argparse.Namespace) -> int:
                 CacheSettings(page_size=args.page_size, max_pages=max_pages, policy=choice.name,
                               policy_params=params).check()
             except ConfigError as error:
+                if error.field == "max_pages":  # the budget itself is too large: check_budgets says so below
+                    continue
                 raise UsageError(f"--policies {choice.label} at budget {budget}: {error}") from None
     ids = model.tokenizer.encode(text)[: args.tokens]
     if len(ids) < 2:

@@ -37,6 +37,7 @@ class BatchConfig:
     pool_pages: int | None = None  # frames per layer; None: enough for max_seqs sequences without sharing
     max_seqs: int = 16  # sequences running in one step
     prefix_caching: bool = True
+    ignore_eos: bool = False  # decode max_new_tokens whatever is sampled (benchmarks of a fixed shape, as vLLM's)
 
     def __post_init__(self) -> None:
         check_int("max_seqs", self.max_seqs, 1, MAX_SEQUENCES)
@@ -239,7 +240,7 @@ class BatchSession:
         seq = self.seqs[seq_id]
         token = seq.sampler.sample(logits)
         seq.generated.append(token)
-        if token in self.model.config.eos_ids:
+        if token in self.model.config.eos_ids and not self.batch.ignore_eos:
             self._finish(seq, "eos")
         elif len(seq.generated) >= seq.max_new_tokens:
             self._finish(seq, "max_new_tokens")

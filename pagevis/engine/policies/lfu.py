@@ -12,8 +12,8 @@ class LeastFrequentlyUsedPage(LeastRecentlyUsedPage):
     page_size / capacity)."""
 
     name = "lfu"
-    citation = ("Page-level LFU, the frequency policy offered for offloaded KV blocks (LMCache, Liu et al. 2024, "
-                "arXiv:2310.07240); use = attention above a threshold.")
+    citation = ("Page-level LFU, one of the cache policies LMCache offers for its offloaded KV chunks "
+                "(cache_policy=\"LFU\"; the LMCache project, 2024); use = attention above a threshold.")
     reason = "least frequently used page"
 
     def score(self, pages):

@@ -106,7 +106,7 @@ class MetricsView(QWidget):
         # the label hangs below the line at its left end: the resident curve runs along the line once full
         self.occupancy.addItem(self.capacity)
         self.cursors = []
-        for plot in (self.occupancy, self.evictions, self.latency, self.oracle, self.tiers):
+        for plot in (self.occupancy, self.evictions, self.latency, self.oracle):
             line = pg.InfiniteLine(angle=90, pen=pg.mkPen(theme.ACCENT, style=Qt.DashLine))
             plot.addItem(line, ignoreBounds=True)
             self.cursors.append(line)
