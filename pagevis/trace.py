@@ -12,14 +12,13 @@ reading undoes it exactly (bit for bit, also for NaN scores). Events are stored 
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import math
 import numbers
 import os
 import zipfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -27,8 +26,8 @@ from . import __version__
 from .decoding import ModelSpec, OracleStep, SamplingConfig, SessionConfig, StepRecord, TierStep
 from .engine import COUNT_NAMES, CacheEvent, ConfigError, EventKind
 from .trace_archive import Archive, TraceError
-from .trace_schema import (DELTA_ENCODED, FORMAT, KINDS, MAX_HEADER_BYTES, ORACLE_COLUMNS, VERSION, check_header,
-                           check_values, expected_arrays)
+from .trace_schema import (DELTA_ENCODED, FORMAT, KINDS, MAX_HEADER_BYTES, ORACLE_COLUMNS, VERSION, arrays_of_version,
+                           check_header, check_values, expected_arrays)
 
 __all__ = ["FORMAT", "SUFFIX", "VERSION", "Trace", "TraceError", "read_trace", "record_differences", "write_trace"]
 
@@ -76,20 +75,25 @@ def write_trace(path, source, *, model_label: str | None = None, model_spec: Mod
     The file is written next to `path` and renamed into place, so a crash never leaves half a trace.
     """
     trace = source if isinstance(source, Trace) else Trace.from_session(source, model_label, model_spec, meta)
-    header, arrays = _encode(trace)
+    header, builders = _encode(trace)
     path = os.fspath(path)
     partial = path + ".partial"
     with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=6) as archive:
         archive.writestr(HEADER, json.dumps(header, ensure_ascii=False, allow_nan=False, indent=1))
-        for name, array in arrays.items():
-            buffer = io.BytesIO()
-            np.lib.format.write_array(buffer, np.ascontiguousarray(array), allow_pickle=False)
-            archive.writestr(f"{name}.npy", buffer.getvalue())
+        for name, build in builders.items():  # one array in memory at a time, streamed through deflate
+            array = np.ascontiguousarray(build())
+            spec = header["arrays"][name]
+            if array.dtype.str != spec["dtype"] or list(array.shape) != spec["shape"]:
+                raise AssertionError(f"array {name} is {array.dtype.str} {list(array.shape)}, the format says {spec}")
+            with archive.open(f"{name}.npy", "w", force_zip64=array.nbytes > (1 << 31) - (1 << 20)) as stream:
+                _write_npy(stream, array)
+            del array
     os.replace(partial, path)
     return os.path.getsize(path)
 
 
-def _encode(trace: Trace) -> tuple[dict, dict[str, np.ndarray]]:
+def _encode(trace: Trace) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
+    """The header, and a builder per array (its dtype and shape are the format table's, in the header)."""
     records = trace.records
     if not records:
         raise ValueError("a trace needs at least one step")
@@ -106,48 +110,59 @@ def _encode(trace: Trace) -> tuple[dict, dict[str, np.ndarray]]:
     timing_keys = sorted({key for record in records for key in record.timings})
     strings = _StringTable()
     events = [event for record in records for event in record.events]
+    for event in events:  # the string table goes in the header, before the event columns are built
+        strings.index(event.policy)
+        strings.index(event.reason)
+    grid = (len(records), n_layers, max_pages, page_size)
+    sizes = {"T": len(records), "T1": len(records) + 1, "N": sum(len(r.token_ids) for r in records),
+             "E": len(events), "L": n_layers, "P": max_pages, "S": page_size, "B": n_page_ids,
+             "C": n_page_ids * page_size, "A": len(attention_layers), "H": n_heads, "K": len(timing_keys),
+             "O": len(ORACLE_COLUMNS), "D": map_pages, "Q": len(COUNT_NAMES)}
 
-    arrays = {
-        "step": np.array([r.step for r in records], dtype=np.int64),
-        "kind": np.array([KINDS.index(r.kind) for r in records], dtype=np.int8),
-        "token_offsets": _offsets([len(r.token_ids) for r in records]),
-        "token_ids": np.array([t for r in records for t in r.token_ids], dtype=np.int64),
-        "positions": np.array([p for r in records for p in r.positions], dtype=np.int64),
-        "next_token": np.array([r.next_token for r in records], dtype=np.int64),
-        "slot_maps": xor_delta(np.stack([r.slot_maps.astype(np.int32) for r in records])),
-        "protected": xor_delta(np.stack([r.protected.astype(bool) for r in records])),
-        "scores": xor_delta(np.stack([r.scores.astype(np.float32) for r in records]).view(np.uint32)),
-        "block_tables": xor_delta(np.stack([_pad_tables(r.block_tables, n_layers, n_page_ids) for r in records])),
-        "event_offsets": _offsets([len(r.events) for r in records]),
-        "event_kind": np.array([EVENT_KINDS.index(EventKind(e.kind)) for e in events], dtype=np.int8),
-        "event_step": np.array([e.step for e in events], dtype=np.int64),
-        "event_layer": np.array([e.layer for e in events], dtype=np.int32),
-        "event_page": np.array([e.page for e in events], dtype=np.int32),
-        "event_slot": np.array([e.slot for e in events], dtype=np.int32),
-        "event_position": np.array([e.position for e in events], dtype=np.int64),
-        "event_policy": np.array([strings.index(e.policy) for e in events], dtype=np.int32),
-        "event_reason": np.array([strings.index(e.reason) for e in events], dtype=np.int32),
-        "event_score": np.array([e.score for e in events], dtype=np.float64),
-        "attention": (np.stack([np.stack(r.attention) for r in records]).astype(np.float16) if attention_layers
-                      else np.zeros((len(records), 0, 0, n_page_ids * page_size), dtype=np.float16)),
-        "timings": np.array([[r.timings.get(k, math.nan) for k in timing_keys] for r in records],
-                            dtype=np.float64).reshape(len(records), len(timing_keys)),
-        "resident_tokens": np.array([r.resident_tokens for r in records], dtype=np.int64),
-        "pages_used": np.array([r.pages_used for r in records], dtype=np.int64),
-        "evictions_total": np.array([r.evictions_total for r in records], dtype=np.int64),
-        "has_oracle": np.array([r.oracle is not None for r in records], dtype=bool),
-        "oracle": np.array([_oracle_row(r.oracle) for r in records], dtype=np.float64).reshape(len(records), 5),
-        "event_frame": np.array([e.frame for e in events], dtype=np.int32),
-        "has_tiers": np.array(tiered, dtype=bool),
-        "tier_counts": np.stack([r.tiers.counts if r.tiers else np.zeros((n_layers, len(COUNT_NAMES)), np.int64)
-                                 for r in records]).astype(np.int64),
-        "page_maps": xor_delta(np.stack([r.tiers.page_maps if r.tiers else
-                                         np.full((len(attention_layers), map_pages, page_size), -1)
-                                         for r in records]).astype(np.int32)),
-        "block_frames": xor_delta(np.stack([_pad_tables(r.tiers.block_frames if r.tiers else (), n_layers, n_page_ids)
-                                            for r in records])),
-        "recall": np.stack([r.tiers.recall if r.tiers and r.tiers.recall is not None
-                            else np.full(n_layers, np.nan) for r in records]).astype(np.float32),
+    builders = {  # built one at a time by write_trace, so that only one is in memory
+        "step": lambda: np.array([r.step for r in records], dtype=np.int64),
+        "kind": lambda: np.array([KINDS.index(r.kind) for r in records], dtype=np.int8),
+        "token_offsets": lambda: _offsets([len(r.token_ids) for r in records]),
+        "token_ids": lambda: np.array([t for r in records for t in r.token_ids], dtype=np.int64),
+        "positions": lambda: np.array([p for r in records for p in r.positions], dtype=np.int64),
+        "next_token": lambda: np.array([r.next_token for r in records], dtype=np.int64),
+        "slot_maps": lambda: xor_delta(_stack((r.slot_maps for r in records), grid, np.int32)),
+        "protected": lambda: xor_delta(_stack((r.protected for r in records), grid, bool)),
+        "scores": lambda: xor_delta(_stack((r.scores for r in records), grid, np.float32).view(np.uint32)),
+        "block_tables": lambda: xor_delta(_stack((_pad_tables(r.block_tables, n_layers, n_page_ids) for r in records),
+                                                 (len(records), n_layers, n_page_ids), np.int32)),
+        "event_offsets": lambda: _offsets([len(r.events) for r in records]),
+        "event_kind": lambda: np.array([EVENT_KINDS.index(EventKind(e.kind)) for e in events], dtype=np.int8),
+        "event_step": lambda: np.array([e.step for e in events], dtype=np.int64),
+        "event_layer": lambda: np.array([e.layer for e in events], dtype=np.int32),
+        "event_page": lambda: np.array([e.page for e in events], dtype=np.int32),
+        "event_slot": lambda: np.array([e.slot for e in events], dtype=np.int32),
+        "event_position": lambda: np.array([e.position for e in events], dtype=np.int64),
+        "event_policy": lambda: np.array([strings.index(e.policy) for e in events], dtype=np.int32),
+        "event_reason": lambda: np.array([strings.index(e.reason) for e in events], dtype=np.int32),
+        "event_score": lambda: np.array([e.score for e in events], dtype=np.float64),
+        "attention": lambda: _stack((np.stack(r.attention) if r.attention else () for r in records),
+                                    (len(records), len(attention_layers), n_heads, n_page_ids * page_size),
+                                    np.float16),
+        "timings": lambda: np.array([[r.timings.get(k, math.nan) for k in timing_keys] for r in records],
+                                    dtype=np.float64).reshape(len(records), len(timing_keys)),
+        "resident_tokens": lambda: np.array([r.resident_tokens for r in records], dtype=np.int64),
+        "pages_used": lambda: np.array([r.pages_used for r in records], dtype=np.int64),
+        "evictions_total": lambda: np.array([r.evictions_total for r in records], dtype=np.int64),
+        "has_oracle": lambda: np.array([r.oracle is not None for r in records], dtype=bool),
+        "oracle": lambda: np.array([_oracle_row(r.oracle) for r in records],
+                                   dtype=np.float64).reshape(len(records), len(ORACLE_COLUMNS)),
+        "event_frame": lambda: np.array([e.frame for e in events], dtype=np.int32),
+        "has_tiers": lambda: np.array(tiered, dtype=bool),
+        "tier_counts": lambda: _stack((r.tiers.counts if r.tiers else 0 for r in records),
+                                      (len(records), n_layers, len(COUNT_NAMES)), np.int64),
+        "page_maps": lambda: xor_delta(_stack((r.tiers.page_maps if r.tiers else -1 for r in records),
+                                              (len(records), len(attention_layers), map_pages, page_size), np.int32)),
+        "block_frames": lambda: xor_delta(_stack((_pad_tables(r.tiers.block_frames if r.tiers else (), n_layers,
+                                                              n_page_ids) for r in records),
+                                                 (len(records), n_layers, n_page_ids), np.int32)),
+        "recall": lambda: _stack((r.tiers.recall if r.tiers and r.tiers.recall is not None else np.nan
+                                  for r in records), (len(records), n_layers), np.float32),
     }
     header = {
         "format": FORMAT,
@@ -172,10 +187,11 @@ def _encode(trace: Trace) -> tuple[dict, dict[str, np.ndarray]]:
         "next_texts": [r.next_text for r in records],
         "token_texts": {str(k): v for k, v in sorted(trace.token_texts.items())},
         "delta_encoded": list(DELTA_ENCODED),
-        "arrays": {name: {"dtype": a.dtype.str, "shape": list(a.shape)} for name, a in arrays.items()},
+        "arrays": {name: {"dtype": np.dtype(spec.dtype).str, "shape": [sizes[symbol] for symbol in spec.dims]}
+                   for name, spec in arrays_of_version(VERSION).items()},
         "meta": trace.meta,
     }
-    return header, arrays
+    return header, builders
 
 
 class _StringTable:
@@ -188,6 +204,24 @@ class _StringTable:
             self._ids[value] = len(self.values)
             self.values.append(value)
         return self._ids[value]
+
+
+def _write_npy(stream, array: np.ndarray) -> None:
+    """An .npy file (format 1.0, C order, never pickle) written in 1 MiB slices of the array's own memory
+    (np.lib.format.write_array copies 16 M-element chunks twice)."""
+    np.lib.format.write_array_header_1_0(stream, np.lib.format.header_data_from_array_1_0(array))
+    data = memoryview(array.reshape(-1).view(np.uint8))
+    for start in range(0, len(data), 1 << 20):
+        stream.write(data[start: start + (1 << 20)])
+
+
+def _stack(arrays, shape: tuple[int, ...], dtype) -> np.ndarray:
+    """np.stack into one preallocated array: no list of per-step copies next to the result."""
+    out = np.empty(shape, dtype=dtype)
+    if out.size:
+        for index, array in enumerate(arrays):
+            out[index] = array
+    return out
 
 
 def _offsets(counts: list[int]) -> np.ndarray:
@@ -208,10 +242,11 @@ def _oracle_row(oracle: OracleStep | None) -> list[float]:
 
 
 def xor_delta(stacked: np.ndarray) -> np.ndarray:
-    """Each step XOR the step before (step 0 as is): unchanged entries become 0. Integer or bool input."""
-    delta = stacked.copy()
-    delta[1:] ^= stacked[:-1]
-    return delta
+    """Each step XOR the step before (step 0 as is): unchanged entries become 0. Integer or bool input,
+    overwritten in place (last step first, so each step still sees the original one before it)."""
+    for step in range(len(stacked) - 1, 0, -1):
+        stacked[step] ^= stacked[step - 1]
+    return stacked
 
 
 def undo_xor_delta(delta: np.ndarray) -> np.ndarray:

@@ -36,7 +36,7 @@ def step(qtbot, window, n: int = 1) -> None:
         if count:
             window.scrub(count - 1)
         window.step()
-        qtbot.waitUntil(lambda: not window.runner.busy and len(window.timeline) == count + 1, timeout=10000)
+        qtbot.waitUntil(lambda: not window.runner.busy and len(window.timeline) == count + 1, timeout=30000)  # a hang guard: SmolLM2 on a loaded 2-core machine is slow
     window.redraw()
 
 

@@ -62,9 +62,8 @@ def test_empty_plots_have_sensible_axes_and_a_hint_that_goes_after_a_step(qtbot,
     step(qtbot, fresh)
     assert not attention.hint.isVisible() and not metrics.hint.isVisible()
     assert attention.cursor.isVisible()
-    plots = (metrics.occupancy, metrics.evictions, metrics.latency, metrics.oracle, metrics.tiers)
-    shown = [line for line, plot in zip(metrics.cursors, plots, strict=True) if plot.isVisible()]  # no disk tier here
-    assert len(shown) == 4 and all(line.isVisible() for line in shown)
+    shown = [line for line in metrics.cursors if line.getViewBox().isVisible()]  # a hidden plot hides its line
+    assert len(shown) >= 4 and all(line.isVisible() for line in shown)
     assert attention.matrix.shape[0] == 1 and (fresh.page_grid.states != FREE).any()
 
 

@@ -76,3 +76,28 @@ def test_cli_refuses_hostile_traces_in_bounded_memory(name):
 def test_cli_refuses_hostile_models_in_bounded_memory(name):
     result = run_cli("run", "--model", str(HOSTILE / name), "--max-tokens", "2", "--quiet")
     assert_one_line_refusal(result, name)
+
+
+def test_writing_a_trace_holds_one_array_at_a_time(tmp_path):
+    """The writer builds, writes and frees each array in turn: its peak above the live records is about the
+    largest array (attention), not a copy of everything (it was 3.7x the records before)."""
+    import tracemalloc
+
+    from pagevis.decoding import DecodeSession, ModelSpec, SessionConfig
+    from pagevis.trace import write_trace
+
+    spec = ModelSpec(kind="synthetic", n_layers=6, n_heads=4, n_kv_heads=2, head_dim=16, seed=1)
+    session = DecodeSession(spec.load(), "pages of keys " * 4, SessionConfig(page_size=8, max_pages=16,
+                                                                             max_new_tokens=120, chat=False))
+    for _ in session.run():
+        pass
+    largest = len(session.records) * 6 * 4 * 16 * 8 * 2  # attention: steps x layers x heads x slots, float16
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        write_trace(tmp_path / "t.pvtrace", session)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak - before < 1.5 * largest + (2 << 20), (peak - before, largest)
+    assert len(read_trace(tmp_path / "t.pvtrace").records) == len(session.records)
