@@ -192,3 +192,19 @@ def test_disk_row_is_exact_and_quest_recall_agrees_with_the_session_oracle(model
     assert row.recall == pytest.approx(np.mean(recalls), rel=1e-2)
     assert 0.2 < row.recall < 0.999 and row.ppl != pytest.approx(reference.perplexity(), rel=1e-4)
     session.cache.close()
+
+
+def test_estimate_and_progress_say_how_long(model):
+    import io
+
+    from pagevis.cli.progress import Progress
+
+    estimate = quality.estimate_seconds(model, 1000, [64, 256])
+    assert 0 < estimate.reference < estimate.total
+    cfg = model.config
+    assert estimate.disk_bytes == 999 * cfg.vocab_size * 4 + cfg.n_layers * 999 * 1000  # float32 rows + f16 triangle
+    stream = io.StringIO()
+    progress = Progress(100, "compare", enabled=True, stream=stream)
+    progress.started -= 30  # 30 s in, a quarter done: about 90 s left
+    progress.update(25, "sinks @ 64")
+    assert "25/100 0:30 ~1:30 left sinks @ 64" in stream.getvalue()

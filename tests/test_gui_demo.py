@@ -273,3 +273,30 @@ def test_the_window_fits_a_projector_without_clipped_text(qtbot, tmp_path):
     window.redraw()
     qtbot.wait(50)
     assert clipped_texts(window) == []
+
+
+def test_long_metrics_are_drawn_binned_without_losing_a_burst():
+    from pagevis.gui.views.metrics import MAX_DRAWN, binned_max, strided
+
+    x = np.arange(5 * MAX_DRAWN, dtype=np.float64)
+    y = np.zeros_like(x)
+    y[4321] = 7
+    bars, heights, width = binned_max(x, y)
+    assert len(bars) <= MAX_DRAWN and heights.max() == 7 and bars[heights.argmax()] - width / 2 <= 4321
+    assert len(strided(x, y)[0]) <= MAX_DRAWN and strided(x[:10], y[:10])[0].tolist() == x[:10].tolist()
+
+
+def test_text_tints_only_the_most_attended_and_the_colour_scale_can_be_fixed(qtbot, window):
+    from pagevis.gui.views.text import TOP_K
+
+    step(qtbot, window, 6)
+    tinted = [t for t in window.text.tints if t.alpha > 0]
+    assert 0 < len(tinted) <= TOP_K and f"{TOP_K} most attended" in window.text.legend.text()
+    top = sorted((t.attention for t in window.text.tints), reverse=True)[:TOP_K]
+    assert min(t.attention for t in tinted) >= min(top)
+    window.controls.fixed_scale.setChecked(True)
+    window.redraw()
+    levels = window.attention._levels
+    for index in (0, 3, 1, 5):
+        window.scrub(index)
+        assert window.attention._levels == levels  # the colours mean the same weight at every step

@@ -18,6 +18,9 @@ from .swap import SwapSpace
 # With a disk tier, prefill chunks are cut so that their scores over a batch of frames, and their weights
 # over every slot when the policy learns from attention, stay under this many float32 values (32 MB).
 MAX_CHUNK_WEIGHTS = 8 << 20
+# With a disk tier the free slots no longer bound a prefill chunk; this does, so that a long prompt's
+# transient arrays (and the process's memory after them) do not grow with the context.
+MAX_TIERED_CHUNK = 1024
 
 
 class PagedKVCache:
@@ -99,6 +102,7 @@ class PagedKVCache:
         if cfg.tiered:  # scores of a chunk's queries over the keys of one batch of frames
             frames = max(cfg.home_frames, cfg.max_pages - cfg.home_frames)
             limits.append(MAX_CHUNK_WEIGHTS // (cfg.n_heads * frames * cfg.page_size))
+            limits.append(MAX_TIERED_CHUNK)
             if self.policy.uses_attention:
                 limits.append(MAX_CHUNK_WEIGHTS // (cfg.n_heads * cfg.capacity))
         if self.select_pages is not None:

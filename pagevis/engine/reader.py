@@ -57,7 +57,8 @@ def read_attention(store: PageStore, table: list[int], q: np.ndarray, positions:
         part, weights = attend_part(q, keys, values, bias, store.frame_positions[span], positions)
         slots = (store.page_in[lo:hi, None] * ps + np.arange(ps)).ravel()
         keep = np.isfinite(bias)  # resident slots of read pages only
-        parts.append((part, weights if all_weights else weights[-1:], np.where(keep, slots, -1)))
+        # a copy of the last row: a view would keep the whole (queries, heads, keys) array of a prefill alive
+        parts.append((part, weights if all_weights else weights[-1:].copy(), np.where(keep, slots, -1)))
 
     if store.tiered:
         store.clear_read_frames()

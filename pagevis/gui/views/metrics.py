@@ -35,6 +35,26 @@ def rolling_mean(values: np.ndarray, window: int = 8) -> np.ndarray:
         return np.where(n > 0, (sums - prev_sums) / n, np.nan)
 
 
+MAX_DRAWN = 2000  # points (or bars) a plot draws: more than its pixels, and a long session stays cheap
+
+
+def strided(x: np.ndarray, y: np.ndarray, limit: int = MAX_DRAWN) -> tuple[np.ndarray, np.ndarray]:
+    """Every k-th point, so that at most `limit` are drawn (all of them up to `limit`)."""
+    k = -(-len(x) // limit)
+    return (x, y) if k <= 1 else (x[::k], y[::k])
+
+
+def binned_max(x: np.ndarray, y: np.ndarray, limit: int = MAX_DRAWN) -> tuple[np.ndarray, np.ndarray, float]:
+    """Bars: one per step up to `limit` steps, else one per bin of k steps with the bin's highest value (an
+    eviction burst stays visible); returns (x, height, bar width)."""
+    k = -(-len(x) // limit)
+    if k <= 1:
+        return x, y, 0.6
+    n = len(x) // k * k
+    heights = np.concatenate([y[:n].reshape(-1, k).max(axis=1), [y[n:].max()] if n < len(y) else []])
+    return x[::k][: len(heights)] + (k - 1) / 2, heights, 0.6 * k
+
+
 class MetricsView(QWidget):
     title = "Metrics"
     live_interval = 0.5  # while decoding, at most twice a second (trends are read, not watched)
@@ -165,9 +185,9 @@ class MetricsView(QWidget):
         self.data = data
         for name, values in data.items():
             if name == "evictions":
-                self.bars.setOpts(x=steps, height=values)
+                self.bars.setOpts(**dict(zip(("x", "height", "width"), binned_max(steps, values))))
             else:
-                self.curves[name].setData(steps, values, connect="finite")
+                self.curves[name].setData(*strided(steps, values), connect="finite")
         capacity = config.capacity
         if self.capacity.value() != capacity:  # its label re-renders on every setValue
             self.capacity.setValue(capacity)
