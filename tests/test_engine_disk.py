@@ -271,3 +271,16 @@ def test_quest_reads_the_pages_with_the_highest_key_bounds(seed):
     expected = set(table[np.argsort(-worth[:-1])[:4]].tolist()) | {int(table[-1])}
     assert set(quest_pages(store, table, q, 5).tolist()) == expected
     cache.close()
+
+
+def test_no_swap_file_is_left_after_sigterm(tmp_path):
+    process = subprocess.Popen([sys.executable, "-c", SCRIPT, "interrupt", str(tmp_path)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "ready"
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 128 + signal.SIGTERM
+    assert os.listdir(tmp_path) == []

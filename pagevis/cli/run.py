@@ -34,7 +34,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     from ..decoding import DecodeSession
     from ..engine import CacheFullError
-    from ..engine.swap import SwapSpaceError, exit_on_sigterm
+    from ..engine.swap import SwapSpaceError
 
     spec = options.model_spec(args)
     config = options.session_config(args)
@@ -47,7 +47,6 @@ def main(args: argparse.Namespace) -> int:
     metrics, exporter = start_metrics_server(args.metrics_port)
     model = spec.load()
     check_cache_memory(config, model.config)
-    exit_on_sigterm()  # a swap folder is removed on SIGTERM too
     session = DecodeSession(model, prompt, config)
     check_prompt_fits(session)
     progress = Progress(config.max_new_tokens, "decoding", enabled=False if args.quiet else None)

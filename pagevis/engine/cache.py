@@ -167,8 +167,8 @@ class PagedKVCache:
         self.events.append(CacheEvent(kind, self.step, layer, page, slot, position, policy, reason, score, frame))
 
     def _move_event(self, layer: int):
-        def moved(kind: str, page: int, frame: int, detail: str) -> None:
-            self._event(EventKind(kind), layer, page, reason=detail, frame=frame)
+        def moved(kind: EventKind, page: int, frame: int, detail: str) -> None:
+            self._event(kind, layer, page, reason=detail, frame=frame)
         return moved
 
     # --- attention -------------------------------------------------------------------------------

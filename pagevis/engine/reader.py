@@ -48,17 +48,22 @@ def read_attention(store: PageStore, table: list[int], q: np.ndarray, positions:
     in_ram = store.in_ram(pages)
     ram_pages, disk_pages = pages[in_ram], np.sort(pages[~in_ram])
     n_kv, _, _, d = store.k.shape
-    parts: list[tuple[Partial, np.ndarray, np.ndarray]] = []  # (partial, weights, flat slots)
+    rows = len(q) if all_weights else 1  # the queries whose weights come back
+    whole: Partial | None = None  # the merge so far: one running partial, not one per batch
+    pieces: list[tuple[Partial, np.ndarray, np.ndarray]] = []  # per batch: its max and sum, weights, slots
 
     def attend_frames(lo: int, hi: int, bias: np.ndarray) -> None:
+        nonlocal whole
         span = slice(lo * ps, hi * ps)
         keys = store.k[:, lo:hi].reshape(n_kv, (hi - lo) * ps, d)
         values = store.v[:, lo:hi].reshape(n_kv, (hi - lo) * ps, d)
         part, weights = attend_part(q, keys, values, bias, store.frame_positions[span], positions)
+        whole = part if whole is None else merge(whole, part)
         slots = (store.page_in[lo:hi, None] * ps + np.arange(ps)).ravel()
         keep = np.isfinite(bias)  # resident slots of read pages only
-        # a copy of the last row: a view would keep the whole (queries, heads, keys) array of a prefill alive
-        parts.append((part, weights if all_weights else weights[-1:].copy(), np.where(keep, slots, -1)))
+        # copies of the rows kept: views would keep a prefill's whole (queries, heads, keys) arrays alive
+        pieces.append((Partial(None, part.max[-rows:].copy(), part.total[-rows:].copy()),
+                       weights[-rows:].copy(), np.where(keep, slots, -1)))
 
     if store.tiered:
         store.clear_read_frames()
@@ -83,10 +88,8 @@ def read_attention(store: PageStore, table: list[int], q: np.ndarray, positions:
             for frame in range(lo, lo + len(chunk)):
                 store.promote(frame, step)
 
-    whole = parts[0][0]
-    for part, _, _ in parts[1:]:
-        whole = merge(whole, part)
-    weights = np.concatenate([w * rescale(p, whole)[-w.shape[0]:, :, None] for p, w, _ in parts], axis=-1)
-    slots = np.concatenate([s for _, _, s in parts])
+    last = Partial(None, whole.max[-rows:], whole.total[-rows:])
+    weights = np.concatenate([w * rescale(p, last)[..., None] for p, w, _ in pieces], axis=-1)
+    slots = np.concatenate([s for _, _, s in pieces])
     keep = slots >= 0
     return AttentionResult(whole.output, weights[..., keep], slots[keep])

@@ -19,10 +19,11 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from .events import EventKind
 from .frames import FramePool
 from .swap import SwapFile
 
-SWAP_OUT, FAULT_IN = "swap_out", "fault_in"
+SWAP_OUT, FAULT_IN = EventKind.SWAP_OUT, EventKind.FAULT_IN
 
 
 @dataclass

@@ -12,7 +12,8 @@ never fails half-way for lack of space.
 The folder is a fresh `pagevis-swap-*` directory (under --swap-dir, or the system's temporary
 folder). It is removed by `close()`, by a finalizer when the cache is garbage collected, and at
 interpreter exit (normal exit, an exception, or Ctrl-C, which Python turns into KeyboardInterrupt);
-`exit_on_sigterm` makes SIGTERM an ordinary exit too.
+creating one makes SIGTERM an ordinary exit too, unless the program handles SIGTERM itself (SIGKILL
+cannot be caught: its folder stays).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class SwapSpace:
         except OSError as error:
             raise ConfigError("swap_dir", parent or tempfile.gettempdir(),
                               f"a folder where pagevis can write ({error.strerror or error})") from None
+        exit_on_sigterm()  # a killed process unwinds and removes its swap folder too
         self.files: list[SwapFile] = []
         self._fds: list[int] = []  # closed by the finalizer before it removes the folder
         self._finalizer = weakref.finalize(self, _remove, self.path, self._fds)
