@@ -96,7 +96,7 @@ OPTIONAL_HEADER_TYPES = {"written_by": "str", "meta": "dict", "n_page_ids": "int
 
 
 # Event kinds a trace may list, by the format version that introduced them (absent: version 1).
-EVENT_KIND_SINCE: dict[str, int] = {}
+EVENT_KIND_SINCE: dict[str, int] = {}  # version-1 files written after the disk tier list all six kinds
 
 
 def event_kinds_of_version(version: int) -> list[str]:

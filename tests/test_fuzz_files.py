@@ -43,9 +43,32 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-TRACE_BYTES = VALID_TRACE.read_bytes()
-with zipfile.ZipFile(io.BytesIO(TRACE_BYTES)) as _archive:
-    TRACE_MEMBERS = {name: _archive.read(name) for name in _archive.namelist()}
+def _disk_tier_trace() -> bytes:
+    """A format-version-2 trace with a disk tier (swap_out / fault_in events, tier arrays), written now."""
+    import tempfile
+
+    from pagevis.decoding import DecodeSession, ModelSpec, SessionConfig
+    from pagevis.trace import write_trace
+
+    spec = ModelSpec(kind="synthetic", n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, seed=1)
+    config = SessionConfig(page_size=4, max_pages=2, disk_pages=4, policy="sinks", max_new_tokens=10, chat=False)
+    session = DecodeSession(spec.load(), "pages of keys and values", config)
+    for _ in session.run():
+        pass
+    with tempfile.TemporaryDirectory() as folder:
+        write_trace(Path(folder) / "v2.pvtrace", session, model_spec=spec)
+        return (Path(folder) / "v2.pvtrace").read_bytes()
+
+
+def _members(raw: bytes) -> dict[str, bytes]:
+    with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+        return {name: archive.read(name) for name in archive.namelist()}
+
+
+# Every test mutates the shipped version-1 trace (old files must keep opening safely) or a version-2 one.
+VALID = {"v1": VALID_TRACE.read_bytes(), "v2": _disk_tier_trace()}
+VALID_MEMBERS = {version: _members(raw) for version, raw in VALID.items()}
+VERSIONS = st.sampled_from(sorted(VALID))
 
 
 def zip_of(members: dict[str, bytes]) -> bytes:
@@ -70,7 +93,7 @@ def check_trace(path: Path) -> None:
 @FUZZ
 @given(data=st.data())
 def test_byte_flips_and_truncations_of_a_trace(tmp_path_factory, data):
-    raw = bytearray(TRACE_BYTES)
+    raw = bytearray(VALID[data.draw(VERSIONS, label="version")])
     for _ in range(data.draw(st.integers(1, 8), label="flips")):
         at = data.draw(st.integers(0, len(raw) - 1), label="at")
         raw[at] ^= data.draw(st.integers(1, 255), label="xor")
@@ -92,13 +115,15 @@ def header_paths(header: dict) -> list[tuple[str, ...]]:
     return paths
 
 
-HEADER_PATHS = header_paths(json.loads(TRACE_MEMBERS["header.json"]))
+HEADER_PATHS = sorted({path for members in VALID_MEMBERS.values()
+                       for path in header_paths(json.loads(members["header.json"]))})
 
 
 @FUZZ
 @given(data=st.data())
 def test_header_fields_of_the_wrong_type_or_size(tmp_path_factory, data):
-    header = json.loads(TRACE_MEMBERS["header.json"])
+    members = VALID_MEMBERS[data.draw(VERSIONS, label="version")]
+    header = json.loads(members["header.json"])
     for _ in range(data.draw(st.integers(1, 3), label="changes")):
         path = data.draw(st.sampled_from(HEADER_PATHS), label="field")
         target = header
@@ -112,15 +137,16 @@ def test_header_fields_of_the_wrong_type_or_size(tmp_path_factory, data):
             else:
                 target[path[-1]] = data.draw(ODD_VALUES, label="value")
     path = tmp_path_factory.mktemp("header") / "t.pvtrace"
-    path.write_bytes(zip_of({**TRACE_MEMBERS, "header.json": json.dumps(header).encode()}))
+    path.write_bytes(zip_of({**members, "header.json": json.dumps(header).encode()}))
     check_trace(path)
 
 
 @FUZZ
 @given(data=st.data())
 def test_array_values_at_their_extremes(tmp_path_factory, data):
-    name = data.draw(st.sampled_from(sorted(n for n in TRACE_MEMBERS if n.endswith(".npy"))), label="array")
-    array = np.lib.format.read_array(io.BytesIO(TRACE_MEMBERS[name]), allow_pickle=False).copy()
+    members = VALID_MEMBERS[data.draw(VERSIONS, label="version")]
+    name = data.draw(st.sampled_from(sorted(n for n in members if n.endswith(".npy"))), label="array")
+    array = np.lib.format.read_array(io.BytesIO(members[name]), allow_pickle=False).copy()
     if array.size:
         flat = array.reshape(-1)
         info = np.iinfo(array.dtype) if array.dtype.kind in "iu" else None
@@ -136,17 +162,19 @@ def test_array_values_at_their_extremes(tmp_path_factory, data):
     buffer = io.BytesIO()
     np.lib.format.write_array(buffer, array, allow_pickle=False)
     path = tmp_path_factory.mktemp("array") / "t.pvtrace"
-    path.write_bytes(zip_of({**TRACE_MEMBERS, name: buffer.getvalue()}))
+    path.write_bytes(zip_of({**members, name: buffer.getvalue()}))
     check_trace(path)
 
 
 @FUZZ
 @given(data=st.data())
 def test_huge_declared_sizes_in_zip_and_npy_headers(tmp_path_factory, data):
-    name = data.draw(st.sampled_from(sorted(TRACE_MEMBERS)), label="member")
+    version = data.draw(VERSIONS, label="version")
+    raw_trace, members = VALID[version], VALID_MEMBERS[version]
+    name = data.draw(st.sampled_from(sorted(members)), label="member")
     if data.draw(st.booleans(), label="zip"):
-        raw = bytearray(TRACE_BYTES)
-        with zipfile.ZipFile(io.BytesIO(TRACE_BYTES)) as archive:
+        raw = bytearray(raw_trace)
+        with zipfile.ZipFile(io.BytesIO(raw_trace)) as archive:
             info = archive.getinfo(name)
         directory = struct.unpack_from("<L", raw, len(raw) - 22 + 16)[0]
         at = raw.index(b"PK\x01\x02", directory)
@@ -157,13 +185,13 @@ def test_huge_declared_sizes_in_zip_and_npy_headers(tmp_path_factory, data):
         struct.pack_into("<L", raw, info.header_offset + field - 2, 0xFFFFFFFF)
         blob = bytes(raw)
     else:
-        member = TRACE_MEMBERS[name]
+        member = members[name]
         if name.endswith(".npy"):
             shape = data.draw(st.lists(HUGE, min_size=1, max_size=3), label="shape")
             member = member.replace(b"'shape': (", b"'shape': (" + ", ".join(map(str, shape)).encode() + b", ", 1)
         else:
             member = member.replace(b'"n_steps": ', b'"n_steps": ' + str(data.draw(HUGE)).encode() + b"0", 1)
-        blob = zip_of({**TRACE_MEMBERS, name: member})
+        blob = zip_of({**members, name: member})
     path = tmp_path_factory.mktemp("huge") / "t.pvtrace"
     path.write_bytes(blob)
     before = peak_rss()
@@ -232,7 +260,7 @@ def test_gguf_header_mutations(tmp_path_factory, data):
 @given(data=st.data())
 def test_cli_on_mutated_files_is_one_line_in_bounded_memory(tmp_path_factory, data):
     folder = tmp_path_factory.mktemp("cli")
-    trace = bytearray(TRACE_BYTES)
+    trace = bytearray(VALID[data.draw(VERSIONS, label="version")])
     at = data.draw(st.integers(0, len(trace) - 23), label="trace at")
     trace[at: at + 4] = b"\xff\xff\xff\x7f"
     (folder / "t.pvtrace").write_bytes(bytes(trace))
