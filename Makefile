@@ -24,6 +24,8 @@ compare: $(STAMP)
 screenshot: $(STAMP)
 	QT_QPA_PLATFORM=offscreen $(PY) -m pagevis --screenshot docs/screenshot.png --steps 110 \
 	  --preset "StreamingLLM: window vs sinks" $(ARGS)
+	QT_QPA_PLATFORM=offscreen $(PY) -m pagevis --screenshot docs/main-window.png --steps 80 \
+	  --disk-pages 64 --select quest --select-pages 4 $(ARGS)
 
 install: $(STAMP)
 
