@@ -29,6 +29,19 @@ def make_window(qtbot, tmp_path, spec=SYNTH, prompt=PROMPT, config=CONFIG, resto
     return window
 
 
+def write_synthetic_trace(tmp_path, steps: int):
+    """A trace of `steps` steps of the small synthetic session, written to tmp_path: its path and the session."""
+    from pagevis.decoding import DecodeSession
+    from pagevis.trace import write_trace
+
+    session = DecodeSession(SYNTH.load(), PROMPT, CONFIG)
+    for _ in range(steps):
+        session.step()
+    path = tmp_path / "run.pvtrace"
+    write_trace(path, session, model_spec=SYNTH)
+    return path, session
+
+
 def step(qtbot, window, n: int = 1) -> None:
     """Decode n tokens (from the newest record: → while scrubbed back only moves forward)."""
     for _ in range(n):

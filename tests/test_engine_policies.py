@@ -88,6 +88,15 @@ class BruteForce:
         self.step += 1
 
 
+def random_token(rng):
+    """One token's K, V (1, N_KV, HEAD_DIM) and query (1, N_HEADS, HEAD_DIM), float32. The queries are
+    peaked: some tokens get far more attention than others, as in real models."""
+    k = rng.standard_normal((1, N_KV, HEAD_DIM)).astype(np.float32)
+    v = rng.standard_normal((1, N_KV, HEAD_DIM)).astype(np.float32)
+    q = (2.5 * rng.standard_normal((1, N_HEADS, HEAD_DIM))).astype(np.float32)
+    return k, v, q
+
+
 def run_both(policy, page_size, max_pages, n_tokens, seed, params=None, ram_frames=None):
     """With ram_frames, the cache has a disk tier of max_pages pages and that many RAM frames: the
     retained set must be the same as with every page in RAM."""
@@ -100,10 +109,7 @@ def run_both(policy, page_size, max_pages, n_tokens, seed, params=None, ram_fram
     rng = np.random.default_rng(seed)
     keys, values = {}, {}
     for position in range(n_tokens):
-        k = rng.standard_normal((1, N_KV, HEAD_DIM)).astype(np.float32)
-        v = rng.standard_normal((1, N_KV, HEAD_DIM)).astype(np.float32)
-        # peaked queries give some tokens far more attention than others, as in real models
-        q = (2.5 * rng.standard_normal((1, N_HEADS, HEAD_DIM))).astype(np.float32)
+        k, v, q = random_token(rng)
         keys[position], values[position] = k[0], v[0]
         cache.step = position
         cache.append(0, k, v, np.array([position]))
@@ -226,9 +232,7 @@ def test_pyramidkv_gives_each_layer_its_own_budget():
     rng = np.random.default_rng(4)
     keys, values = {}, {}
     for position in range(n_tokens):
-        k = rng.standard_normal((1, N_KV, HEAD_DIM)).astype(np.float32)
-        v = rng.standard_normal((1, N_KV, HEAD_DIM)).astype(np.float32)
-        q = (2.5 * rng.standard_normal((1, N_HEADS, HEAD_DIM))).astype(np.float32)
+        k, v, q = random_token(rng)
         keys[position], values[position] = k[0], v[0]
         cache.step = position
         for layer, brute in enumerate(brutes):

@@ -16,10 +16,10 @@ import pytest
 pytest.importorskip("pytestqt")
 from PySide6.QtCore import QSettings, Qt, QThreadPool  # noqa: E402
 
-from pagevis.decoding import DecodeSession, ModelSpec, SessionConfig  # noqa: E402
+from pagevis.decoding import ModelSpec, SessionConfig  # noqa: E402
 from pagevis.gui.theme import PINNED, REPLACED, RESIDENT, WRITTEN  # noqa: E402
 
-from gui_helpers import CONFIG, PROMPT, SYNTH, make_window, step  # noqa: E402
+from gui_helpers import CONFIG, PROMPT, SYNTH, make_window, step, write_synthetic_trace  # noqa: E402
 
 
 def counts(states: np.ndarray) -> dict[int, int]:
@@ -275,12 +275,7 @@ def test_exports(qtbot, window, tmp_path):
 
 
 def test_trace_replay(qtbot, tmp_path):
-    trace = pytest.importorskip("pagevis.trace")
-    session = DecodeSession(SYNTH.load(), PROMPT, CONFIG)
-    for _ in range(6):
-        session.step()
-    path = tmp_path / "run.pvtrace"
-    trace.write_trace(path, session, model_spec=SYNTH)
+    path, session = write_synthetic_trace(tmp_path, 6)
     window = make_window(qtbot, tmp_path)
     assert window.open_trace(str(path))
     assert window.runner.state == "replay" and len(window.timeline) == 6 and window.index == 0

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("pytestqt")
-from gui_helpers import CONFIG, PROMPT, SYNTH, make_window, step  # noqa: E402
+from gui_helpers import CONFIG, PROMPT, SYNTH, make_window, step, write_synthetic_trace  # noqa: E402
 from model_fixtures import smollm2  # noqa: E402,F401  (fixture)
 from PySide6.QtCore import QPoint, QPointF, Qt  # noqa: E402
 from PySide6.QtGui import QWheelEvent  # noqa: E402
@@ -133,12 +133,7 @@ def test_the_wheel_over_an_unfocused_spin_box_or_combo_changes_nothing(qtbot, wi
 
 
 def test_leaving_a_replay_asks_first(qtbot, tmp_path):
-    trace = pytest.importorskip("pagevis.trace")
-    session = DecodeSession(SYNTH.load(), PROMPT, CONFIG)
-    for _ in range(4):
-        session.step()
-    path = tmp_path / "run.pvtrace"
-    trace.write_trace(path, session, model_spec=SYNTH)
+    path, _ = write_synthetic_trace(tmp_path, 4)
     window = make_window(qtbot, tmp_path)
     assert window.open_trace(str(path))
     questions = []
