@@ -26,6 +26,7 @@ from . import __version__
 from .decoding import ModelSpec, OracleStep, SamplingConfig, SessionConfig, StepRecord, TierStep
 from .engine import COUNT_NAMES, CacheEvent, ConfigError, EventKind
 from .trace_archive import Archive, TraceError
+from .decoding.table_log import TablesAt
 from .trace_schema import (DELTA_ENCODED, FORMAT, KINDS, MAX_HEADER_BYTES, ORACLE_COLUMNS, VERSION, arrays_of_version,
                            check_header, check_values, expected_arrays)
 
@@ -382,6 +383,7 @@ def record_differences(a: StepRecord, b: StepRecord) -> list[str]:
 
 
 def _same(x, y) -> bool:
+    x, y = (tuple(v) if isinstance(v, TablesAt) else v for v in (x, y))  # a session's tables, as the trace's
     if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
         x, y = np.asarray(x), np.asarray(y)
         return x.dtype == y.dtype and x.shape == y.shape and np.array_equal(

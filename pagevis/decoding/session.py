@@ -23,6 +23,7 @@ from .engine import Engine
 from .oracle import FullCacheOracle
 from .record import StepRecord, TierStep
 from .run_loop import RunControl, steps
+from .table_log import TableLog
 from .session_config import MAX_NEW_TOKENS, SessionConfig, decode_ids, encode_prompt, token_text
 
 __all__ = ["MAX_NEW_TOKENS", "DecodeSession", "SessionConfig", "decode_ids", "encode_prompt", "token_text"]
@@ -62,6 +63,9 @@ class DecodeSession:
         self.engine.watch_attention(self.seq_id, self.record_layers)
         self.records: list[StepRecord] = []
         self._evictions = 0
+        # the records' block tables (and RAM frames) as changes, not one copy per step
+        self._tables = TableLog(self.cache_config.n_layers)
+        self._frames = TableLog(self.cache_config.n_layers)
 
     def restart(self) -> None:
         """Decode the prompt again from the start, in the same cache: the pages of the prompt's full-page
@@ -199,8 +203,9 @@ class DecodeSession:
                 page_maps=np.array([self.cache.stores[layer].positions.reshape(cfg.n_page_ids, cfg.page_size)
                                     for layer in self.record_layers], dtype=np.int32
                                    ).reshape(len(self.record_layers), cfg.n_page_ids, cfg.page_size),
-                block_frames=tuple(tuple(int(s.frame_of[p]) for p in table) for s, table in
-                                   zip(self.cache.stores, seq.block_tables, strict=True)),
+                block_frames=self._frames.record(len(self.records), [
+                    s.frame_of[np.asarray(table, dtype=np.int64)].tolist()
+                    for s, table in zip(self.cache.stores, seq.block_tables, strict=True)]),
                 recall=None if self.oracle is None else self.oracle.recall)
         return StepRecord(
             step=len(self.records), kind=kind, token_ids=tuple(int(t) for t in tokens),
@@ -208,7 +213,7 @@ class DecodeSession:
             next_text=self.token_text(next_token) if next_token >= 0 else "",
             slot_maps=np.stack(slot_maps).astype(np.int32), protected=np.stack(protected),
             scores=np.stack(scores).astype(np.float32),
-            block_tables=tuple(tuple(table) for table in seq.block_tables),
+            block_tables=self._tables.record(len(self.records), seq.block_tables),
             events=events, attention_layers=self.record_layers, attention=tuple(attention),
             timings={}, resident_tokens=seq.resident[0], pages_used=len(seq.block_tables[0]),
             evictions_total=self._evictions, oracle=oracle_step, tiers=tiers,
