@@ -41,7 +41,7 @@ def run_parallel(args: argparse.Namespace, spec, config, prompt: str) -> int:
     from ..decoding.batch_summary import batch_summary
     from ..engine import CacheFullError, ConfigError
     from ..engine.swap import SwapSpaceError
-    from .run import check_prompt_fits
+    from .checks import check_prompt_fits
 
     if config.sampling.mode == "greedy":  # N greedy continuations of one prompt would be one text N times
         config = replace(config, sampling=replace(config.sampling, mode="sample"))
