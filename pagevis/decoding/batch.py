@@ -24,25 +24,27 @@ import numpy as np
 
 from ..engine import CacheFullError, ConfigError
 from ..engine.pool import PoolEvent, SharedKVPool
+from .. import settings
 from ..errors import check_int
+from ..settings import field_for
 from .sampling import Sampler, SamplingConfig
 from .session import SessionConfig, decode_ids, encode_prompt
 
-MAX_SEQUENCES = 256
+MAX_SEQUENCES = settings.MAX_SEQUENCES
 MAX_CHUNK = 512  # prompt tokens one sequence feeds per step (bounds a step's activations)
 
 
 @dataclass(frozen=True)
 class BatchConfig:
-    pool_pages: int | None = None  # frames per layer; None: enough for max_seqs sequences without sharing
-    max_seqs: int = 16  # sequences running in one step
-    prefix_caching: bool = True
-    ignore_eos: bool = False  # decode max_new_tokens whatever is sampled (benchmarks of a fixed shape, as vLLM's)
+    """Many sequences over one pool; defaults, bounds and help in the settings table (pagevis/settings.py)."""
+
+    pool_pages: int | None = field_for("pool_pages")  # frames per layer; None: max_seqs sequences' worth
+    max_seqs: int = field_for("max_seqs")  # sequences running in one step
+    prefix_caching: bool = field_for("prefix_caching")
+    ignore_eos: bool = field_for("ignore_eos")  # decode max_new_tokens whatever is sampled (fixed-shape benches)
 
     def __post_init__(self) -> None:
-        check_int("max_seqs", self.max_seqs, 1, MAX_SEQUENCES)
-        if self.pool_pages is not None:
-            check_int("pool_pages", self.pool_pages, 1, 1 << 20)
+        settings.check(self, ("max_seqs", "pool_pages"))
 
 
 @dataclass
