@@ -171,7 +171,7 @@ SETTINGS: dict[str, Setting] = _table(
             "private subfolder is created there and removed on exit, error or Ctrl-C", "cache", "tiers",
             allowed="a folder path", nullable=True, flag="--swap-dir", metavar="DIR", request=False, app=False),
     Setting("select", "str", "all", "pages a decode step reads: all (exact: disk pages in batches, merged by "
-            "log-sum-exp) or quest (the quest pages with the highest key bounds)", "cache", "tiers",
+            "log-sum-exp) or quest (only the K pages whose key bounds score highest; K = select pages)", "cache", "tiers",
             label="Read pages", choices=SELECT_MODES, flag="--select", request=False),
     Setting("select_pages", "int", 4, "quest: pages read per step, the newest always among them", "cache", "tiers",
             label="Quest pages", low=1, high=MAX_PAGES, flag="--select-pages", metavar="K", request=False,
@@ -206,7 +206,7 @@ SETTINGS: dict[str, Setting] = _table(
     Setting("record_layers", "layers", None, "layers whose attention the records keep: all (default), none, or "
             "e.g. 0,15,29", "session", "decoding", flag="--record-layers", metavar="LIST", app=False),
     # --- many sequences over one shared pool: BatchConfig --------------------------------------------------
-    Setting("pool_pages", "int", None, "with --n: pages per layer in the shared pool (default N x max pages); a "
+    Setting("pool_pages", "int", None, "pages per layer in the shared pool (default: sequences x max pages); a "
             "smaller pool preempts the newest sequence and recomputes it later", "batch", "batch", low=1,
             high=MAX_PAGES, nullable=True, flag="--pool-pages", metavar="N", request=False, app=False),
     Setting("max_seqs", "int", 16, "sequences running in one step", "batch", "batch", low=1, high=MAX_SEQUENCES,
@@ -280,16 +280,15 @@ def with_values(base, changes: Mapping[str, Any]):
     return dataclasses.replace(base, **top) if top else base
 
 
-def to_dict(config) -> dict[str, Any]:
-    """JSON-ready settings: nested groups as objects ({"page_size": 8, ..., "sampling": {"mode": ...}}).
-    The format of a trace header's `config` and of the app's saved settings."""
-    flat = values(config)
+def to_dict(config, where: Callable[[Setting], bool] | None = None) -> dict[str, Any]:
+    """JSON-ready settings (those `where` accepts, default all): nested groups as objects ({"page_size": 8,
+    ..., "sampling": {"mode": ...}}). The format of a trace header's `config` and of the app's saved settings."""
     out = {}
     for f in dataclasses.fields(config):
-        if "setting" in f.metadata:
-            out[f.name] = _json(flat[f.name])
+        if "setting" in f.metadata and (where is None or where(f.metadata["setting"])):
+            out[f.name] = _json(_plain(f.metadata["setting"], getattr(config, f.name)))
         elif f.name in NESTED.values():
-            out[f.name] = to_dict(getattr(config, f.name))
+            out[f.name] = to_dict(getattr(config, f.name), where)
     return out
 
 

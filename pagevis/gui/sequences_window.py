@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QPushButton, QSli
 from ..decoding import SamplingConfig
 from ..decoding.batch import BatchConfig, BatchSession
 from ..engine import CacheFullError, ConfigError
+from .setting_inputs import setting_input
 from .views.sequences import SequencesView
 
 MAX_RECORDS = 5000  # recorded steps kept for the step slider (each holds a few small arrays)
@@ -38,7 +39,7 @@ class SequencesWindow(QWidget):
         self.view = SequencesView()
         self.n = _spin(1, 16, 4, "parallel samples of the prompt")
         self.seed = _spin(0, 2**31 - 1, config.sampling.seed, "seed of the first sample (the others: +1, +2…)")
-        self.pool_pages = _spin(1, 1 << 16, 4 * config.max_pages, "pages per layer in the shared pool")
+        self.pool_pages = setting_input("pool_pages", value=4 * config.max_pages)
         self.start_button = QPushButton("Start")
         self.add_button = QPushButton("Add sequence")
         self.step_button = QPushButton("Step")
