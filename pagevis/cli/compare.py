@@ -258,7 +258,7 @@ def write_csv(path: str, rows) -> None:
 
 
 def write_plot(path: str, rows, result) -> None:
-    from ..bench.plots import line_plot
+    from ..gui.plots import line_plot
 
     series: dict[str, tuple[list, list]] = {}
     for row in rows[1:]:
