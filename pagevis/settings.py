@@ -162,7 +162,7 @@ SETTINGS: dict[str, Setting] = _table(
             flag="--policy", resets=("policy_params",)),
     Setting("policy_params", "params", {}, "the policy's parameters, e.g. n_sink=4 (sinks), recent=32 (h2o), "
             "seed=1 (random); the policy's defaults for those not given", "cache", "cache",
-            flag="--policy-param", metavar="KEY=VALUE"),
+            label="Policy parameters", flag="--policy-param", metavar="KEY=VALUE"),
     Setting("disk_pages", "int", 0, "pages per layer on disk (0 = no disk tier): capacity = disk pages x page "
             "size, and the RAM frames cache pages (least recently read leaves), written to disk once", "cache",
             "tiers", label="Disk pages", low=0, high=MAX_PAGES, flag="--disk-pages", metavar="N", request=False,

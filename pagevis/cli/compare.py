@@ -48,10 +48,10 @@ def add_parser(commands) -> argparse.ArgumentParser:
                              "folder; about 3.6 GB at 8,192 tokens of SmolLM2, deleted at the end)")
     parser.add_argument("--budgets", default="64,128,256", metavar="LIST",
                         help="cache budgets in tokens per layer, multiples of the page size (default 64,128,256)")
-    parser.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per page (default 16)")
+    # pages of 16, compare's own default: docs/compare.md's tables are measured with them
+    options.add_setting_flags(parser, "cache", names=("page_size", "dtype"), page_size=16, dtype="float32")
     parser.add_argument("--tokens", type=int, default=512, metavar="N",
                         help="evaluate the first N tokens of the text (default 512)")
-    parser.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="K/V storage")
     parser.add_argument("--csv", default="compare.csv", metavar="FILE", help="CSV output (default compare.csv)")
     parser.add_argument("--plot", default="compare.png", metavar="FILE",
                         help="PNG plot of perplexity vs budget (default compare.png)")
