@@ -213,6 +213,8 @@ SETTINGS: dict[str, Setting] = _table(
             request=False, app=False),
     Setting("prefix_caching", "bool", True, "keep finished sequences' full pages for reuse by a later prompt with "
             "the same prefix", "batch", "batch", request=False, app=False),
+    Setting("token_budget", "int", None, "tokens one step feeds over all sequences (chunked prefill; default: "
+            "no limit)", "batch", "batch", low=1, high=1 << 20, nullable=True, request=False, app=False),
     Setting("ignore_eos", "bool", False, "decode max_new_tokens whatever is sampled (benchmarks of a fixed "
             "shape, as vLLM's)", "batch", "batch", request=False, app=False),
 )

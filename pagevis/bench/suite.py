@@ -65,7 +65,7 @@ def torch_rows(contexts, page_size: int = 16, repeats: int | None = None, seed: 
             tq = torch.from_numpy(q.transpose(1, 0, 2)[None].astype(dtype))  # (1, heads, 1, dim)
             tk, tv = torch.from_numpy(dense_k[None]), torch.from_numpy(dense_v[None])  # (1, kv_heads, context, dim)
             position = np.array([context])
-            paged = lambda: cache.attend(0, q, position)
+            paged = lambda: cache.attend(0, 0, q, position)
             dense = lambda: attend(q, dense_k, dense_v)
 
             def sdpa():

@@ -24,14 +24,13 @@ PROMPT = ("In a paged KV cache, keys and values live in fixed-size pages. Explai
 
 
 def headless(spec, config, steps: int) -> float:
-    from ..decoding import DecodeSession
+    from ..decoding import DecodeSession, RunControl, run
 
     session = DecodeSession(spec.load(), PROMPT, config)
-    session.step()  # the prefill, timed in neither run
+    run(session, RunControl(budget=1))  # the prefill, timed in neither run
     started = time.perf_counter()
-    for _ in range(steps):
-        session.step()
-    return steps / (time.perf_counter() - started)
+    taken = run(session, RunControl(budget=steps))
+    return taken / (time.perf_counter() - started)
 
 
 def in_gui(spec, config, steps: int) -> dict[str, float]:

@@ -13,6 +13,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from .. import settings as table
+from ..decoding import RunControl, steps
 from ..engine import CacheFullError, EventKind
 from .errors import ApiError
 from .requests import SessionRequest
@@ -103,20 +104,16 @@ def step_answer(served: ServedSession, body: StepRequest, state) -> bytes:
 def run_steps(served: ServedSession, n: int):
     """Up to n steps; a full cache under policy 'none' ends the session as `pagevis run` does."""
     session, records, pieces = served.session, [], []
-    for _ in range(n):
-        if session.done:
-            break
-        try:
-            record = session.step()
-        except CacheFullError:
-            session.stop_reason = "cache_full"
-            break
-        except Exception:
-            session.stop_reason = "error"  # the cache may be half-updated: no further steps
-            raise
-        records.append(record)
-        if record.next_token >= 0 and record.next_token not in session.model.config.eos_ids:
-            pieces.append(served.decoder.feed(record.next_token))
+    try:
+        for record in steps(session, RunControl(budget=n)):
+            records.append(record)
+            if record.next_token >= 0 and record.next_token not in session.model.config.eos_ids:
+                pieces.append(served.decoder.feed(record.next_token))
+    except CacheFullError:  # the engine ended the request ("cache_full")
+        pass
+    except Exception:
+        session.engine.cancel(session.seq_id, "error")  # the cache may be half-updated: no further steps
+        raise
     return records, "".join(pieces)
 
 

@@ -153,6 +153,8 @@ def _encode(trace: Trace) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
         "oracle": lambda: np.array([_oracle_row(r.oracle) for r in records],
                                    dtype=np.float64).reshape(len(records), len(ORACLE_COLUMNS)),
         "event_frame": lambda: np.array([e.frame for e in events], dtype=np.int32),
+        "event_seq": lambda: np.array([e.seq for e in events], dtype=np.int32),
+        "event_detail": lambda: np.array([e.detail for e in events], dtype=np.int64),
         "has_tiers": lambda: np.array(tiered, dtype=bool),
         "tier_counts": lambda: _stack((r.tiers.counts if r.tiers else 0 for r in records),
                                       (len(records), n_layers, len(COUNT_NAMES)), np.int64),
@@ -296,14 +298,18 @@ def _decode(header: dict, a: dict[str, np.ndarray]) -> Trace:
     strings = header["strings"]
     event_kinds = [EventKind(k) for k in header["event_kinds"]]
     kinds = header["kinds"]
-    frames = a["event_frame"].tolist() if "event_frame" in a else [-1] * len(a["event_kind"])  # version 1: none
+    n_events = len(a["event_kind"])
+    frames = a["event_frame"].tolist() if "event_frame" in a else [-1] * n_events  # version 1: none
+    seqs = a["event_seq"].tolist() if "event_seq" in a else [0] * n_events  # before version 3: one sequence
+    details = a["event_detail"].tolist() if "event_detail" in a else [-1] * n_events
     events = [
         CacheEvent(event_kinds[k], int(s), int(layer), int(page), int(slot), int(pos), strings[pol], strings[rea],
-                   float(score), int(frame))
-        for k, s, layer, page, slot, pos, pol, rea, score, frame in zip(
+                   float(score), int(frame), int(seq), int(detail))
+        for k, s, layer, page, slot, pos, pol, rea, score, frame, seq, detail in zip(
             a["event_kind"].tolist(), a["event_step"].tolist(), a["event_layer"].tolist(),
             a["event_page"].tolist(), a["event_slot"].tolist(), a["event_position"].tolist(),
-            a["event_policy"].tolist(), a["event_reason"].tolist(), a["event_score"].tolist(), frames, strict=True)
+            a["event_policy"].tolist(), a["event_reason"].tolist(), a["event_score"].tolist(), frames, seqs,
+            details, strict=True)
     ]
     timing_keys = header["timing_keys"]
     next_texts = header["next_texts"]

@@ -28,7 +28,8 @@ from ..system_memory import available_bytes, fits, gib
 from .archive import TraceError
 
 FORMAT = "pagevis-trace"
-VERSION = 2  # 2: disk tier and page selection (event frames, per-page maps, tier counts, recall)
+VERSION = 3  # 2: disk tier and page selection (event frames, per-page maps, tier counts, recall);
+# 3: the one engine (events name their sequence and a detail; sharing, prefix-cache and sequence events)
 KINDS = ("prefill", "decode")
 ORACLE_COLUMNS = ("kl", "top1_agree", "logprob_bounded", "logprob_full", "lost_attention")
 DELTA_ENCODED = ("slot_maps", "protected", "scores", "block_tables", "page_maps", "block_frames")
@@ -83,6 +84,8 @@ ARRAYS = {
     "page_maps": ArraySpec("<i4", ("T", "A", "D", "S"), since=2),
     "block_frames": ArraySpec("<i4", ("T", "L", "B"), since=2),
     "recall": ArraySpec("<f4", ("T", "L"), since=2),
+    "event_seq": ArraySpec("<i4", ("E",), since=3),
+    "event_detail": ArraySpec("<i8", ("E",), since=3),
 }
 
 # Header keys and their JSON types ("?" = may be null). Keys not listed are ignored (added within a version).
@@ -102,7 +105,9 @@ CONFIG_TYPES = {**{s.name: JSON_TYPES[s.kind] + ("?" if s.nullable else "")
 
 
 # Event kinds a trace may list, by the format version that introduced them (absent: version 1).
-EVENT_KIND_SINCE: dict[str, int] = {}  # version-1 files written after the disk tier list all six kinds
+# version-1 files written after the disk tier list all six first kinds
+EVENT_KIND_SINCE: dict[str, int] = {kind: 3 for kind in ("share", "copy_on_write", "fork", "prefix_hit", "store",
+                                                         "uncache", "free", "preempt")}
 
 
 def event_kinds_of_version(version: int) -> list[str]:
@@ -227,8 +232,9 @@ def check_values(a: dict[str, np.ndarray], header: dict, sizes: dict[str, int], 
         within(name, a[name].view(np.uint8), 0, 1)
     within("event_kind", a["event_kind"], 0, len(header["event_kinds"]) - 1)
     within("event_step", a["event_step"], -1, T - 1)
-    within("event_layer", a["event_layer"], 0, L - 1)
-    within("event_page", a["event_page"], 0, B - 1)
+    whole = -1 if header["version"] >= 3 else 0  # version 3: sequence events name no layer or page
+    within("event_layer", a["event_layer"], whole, L - 1)
+    within("event_page", a["event_page"], whole, B - 1)
     within("event_slot", a["event_slot"], -1, S - 1)
     within("event_position", a["event_position"], -1, max(N - 1, 0))
     for name in ("event_policy", "event_reason"):
