@@ -19,10 +19,10 @@ TYPES: dict[str, Any] = {"int": int, "float": float, "str": str, "bool": bool, "
 
 
 def describe(setting: table.Setting) -> str:
-    """The API docs' description: the help, what is allowed and the default (unset: the server's default)."""
+    """The API docs' description: the help and what is allowed (unset: the server's default, which its
+    command line sets)."""
     allowed = "" if setting.switch is not None else setting.allowed_text()
-    default = setting.switch is None and setting.default not in (None, {})
-    return setting.help + (f"; {allowed}" if allowed else "") + (f" (default {setting.default})" if default else "")
+    return setting.help + (f"; {allowed}" if allowed else "")
 
 
 def request_fields(*groups: str) -> dict[str, Any]:
