@@ -4,8 +4,8 @@ choices, help text, command-line flag — and every front end is made from this 
 - the config dataclasses (engine's CacheSettings; decoding's SessionConfig, SamplingConfig, BatchConfig)
   declare each field as `name: type = field_for("name")`, which takes the default from here and tags the
   field with its Setting; they validate with `check(config, ...)`;
-- `pagevis run`, `compare`, `serve` and the app's command line get their flags from `cli/options.py`,
-  which adds one argparse flag per Setting with a `flag`;
+- `pagevis run`, `compare`, `serve` and the app's command line get their flags from `add_flags()` (one
+  argparse flag per Setting with a `flag`), and build their configuration with `apply()`;
 - the server's request models are built field by field from it (`serve/requests.py`), and a request's
   values become a configuration through the same `apply()` the command line uses;
 - the app's controls take their ranges, defaults, labels and tooltips from it (`gui/setting_inputs.py`),
@@ -324,11 +324,32 @@ def apply(base, given: Mapping[str, Any]):
     return with_values(base, changes)
 
 
-def dest_of(path: str) -> str:
-    """The flag dest / request field that sets the setting a ConfigError names (`max_new_tokens` ->
-    `max_tokens`, `sampling.temperature` -> `temperature`); unknown names as they are."""
-    s = by_path(path)
-    return s.dest if s is not None else path
+# --- command-line flags --------------------------------------------------------------------------------
+
+def add_flags(parser, section: str | None = None, names: Iterable[str] | None = None, **defaults) -> None:
+    """argparse flags for the settings of `section` (or the settings `names`) that have one: type, choices,
+    metavar and help from the table. Every flag defaults to None (not given: the caller's base configuration
+    decides), except where a command passes its own default (compare's `page_size=16`)."""
+    for s in SETTINGS.values():
+        if s.flag and (s.name in names if names is not None else s.section == section):
+            add_flag(parser, s, defaults.get(s.name))
+
+
+def add_flag(parser, s: Setting, default=None) -> None:
+    shown = s.default if default is None else default
+    if s.switch is not None:  # no argument: the flag sets the setting (a string setting's switch is a bool)
+        parser.add_argument(s.flag, dest=s.dest, action="store_const", const=s.switch if s.kind == "bool" else True,
+                            help=s.help if s.switch is not False else f"do not {s.help}")
+        return
+    if s.kind == "params":
+        parser.add_argument(s.flag, dest=s.dest, action="append", metavar=s.metavar, default=None,
+                            help=f"{s.help}; repeat for several")
+        return
+    choices = s.choice_list() or None
+    described = shown is not None and s.kind in ("int", "float", "str") and "default" not in s.help
+    parser.add_argument(s.flag, dest=s.dest, type={"int": int, "float": float}.get(s.kind), choices=choices,
+                        default=default, metavar=None if choices else (s.metavar or None),
+                        help=f"{s.help} (default {shown})" if described else s.help)
 
 
 def _holds(config, name: str) -> bool:

@@ -9,6 +9,7 @@ import os
 import sys
 from importlib import resources
 
+from .. import settings
 from . import options
 from ..engine.config import MAX_PAGE_SIZE, MAX_PAGES
 from .options import UsageError
@@ -49,7 +50,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--budgets", default="64,128,256", metavar="LIST",
                         help="cache budgets in tokens per layer, multiples of the page size (default 64,128,256)")
     # pages of 16, compare's own default: docs/compare.md's tables are measured with them
-    options.add_setting_flags(parser, "cache", names=("page_size", "dtype"), page_size=16, dtype="float32")
+    settings.add_flags(parser, names=("page_size", "dtype"), page_size=16, dtype="float32")
     parser.add_argument("--tokens", type=int, default=512, metavar="N",
                         help="evaluate the first N tokens of the text (default 512)")
     parser.add_argument("--csv", default="compare.csv", metavar="FILE", help="CSV output (default compare.csv)")

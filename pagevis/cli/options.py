@@ -50,44 +50,16 @@ def add_prompt_options(parser: argparse.ArgumentParser) -> None:
     source = group.add_mutually_exclusive_group()
     source.add_argument("--prompt", metavar="TEXT", help="the prompt (default: a sample prompt about paging)")
     source.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a UTF-8 text file")
-    add_setting_flags(group, "prompt")
+    settings.add_flags(group, "prompt")
 
 
 def add_cache_options(parser: argparse.ArgumentParser) -> None:
     for section in ("cache", "tiers"):
-        add_setting_flags(parser.add_argument_group(settings.SECTIONS[section]), section)
+        settings.add_flags(parser.add_argument_group(settings.SECTIONS[section]), section)
 
 
 def add_decoding_options(parser: argparse.ArgumentParser) -> None:
-    add_setting_flags(parser.add_argument_group(settings.SECTIONS["decoding"]), "decoding")
-
-
-def add_setting_flags(group, section: str, names: tuple[str, ...] | None = None, **defaults) -> None:
-    """One flag per setting of the table's `section` (or the settings `names`) that has a flag. Every flag
-    defaults to None (not given), except where a command passes its own default (`page_size=16`)."""
-    for s in settings.SETTINGS.values():
-        if s.flag and (s.name in names if names is not None else s.section == section):
-            add_setting_flag(group, s, defaults.get(s.name))
-
-
-def add_setting_flag(group, s: settings.Setting, default=None) -> None:
-    """The flag of one setting, its type, choices, metavar and help taken from the table."""
-    shown = s.default if default is None else default
-    if s.switch is not None:  # no argument: the flag sets the setting (a string setting's switch is a bool)
-        help_text = s.help if s.switch is not False else f"do not {s.help}"
-        group.add_argument(s.flag, dest=s.dest, action="store_const", const=s.switch if s.kind == "bool" else True,
-                           help=help_text)
-        return
-    if s.kind == "params":
-        group.add_argument(s.flag, dest=s.dest, action="append", metavar=s.metavar, default=None,
-                           help=f"{s.help}; repeat for several")
-        return
-    kinds = {"int": int, "float": float}
-    choices = s.choice_list() or None
-    described = shown is not None and s.kind in ("int", "float", "str") and "default" not in s.help
-    group.add_argument(s.flag, dest=s.dest, type=kinds.get(s.kind), choices=choices, default=default,
-                       metavar=None if choices else (s.metavar or None),
-                       help=f"{s.help} (default {shown})" if described else s.help)
+    settings.add_flags(parser.add_argument_group(settings.SECTIONS["decoding"]), "decoding")
 
 
 def add_preset_option(parser: argparse.ArgumentParser) -> None:
