@@ -136,3 +136,17 @@ def test_json_form_round_trips():
     assert settings.from_dict(data, SessionConfig()) == config
     app = settings.to_dict(config, where=lambda s: s.app)
     assert "swap_dir" not in app and "record_layers" not in app and app["sampling"]["seed"] == 9
+
+
+def test_the_server_flags_are_its_requests_defaults():
+    """`pagevis serve`'s cache and decoding flags (all of them, the disk tier's too) set what a request that
+    does not set them gets."""
+    from pagevis.cli.main import command_parser
+    from pagevis.cli.serve import settings_from_args
+
+    args = command_parser().parse_args(["serve", "--model", "synthetic", "--disk-pages", "16", "--max-pages", "4",
+                                        "--select", "quest", "--max-tokens", "7", "--seed", "2"])
+    served = settings_from_args(args)
+    config = request_config(served, {"page_size": 4})
+    assert (config.disk_pages, config.max_pages, config.select, config.page_size) == (16, 4, "quest", 4)
+    assert (config.max_new_tokens, config.sampling.seed) == (7, 2)

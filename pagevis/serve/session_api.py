@@ -140,7 +140,7 @@ def describe(served: ServedSession, state, layers: bool = False) -> dict[str, An
         "total_steps": len(records), "generated_tokens": len(session.generated), "text": session.text(),
         "done": session.done, "stop_reason": session.stop_reason,
         "config": config_json(config),
-        "capacity": config.page_size * config.max_pages,
+        "capacity": config.capacity,
         "resident_tokens": last.resident_tokens if last else 0, "pages_used": last.pages_used if last else 0,
         "evictions_total": last.evictions_total if last else 0,
     }
