@@ -1,5 +1,8 @@
-"""The shared pool under random start / step / fork / evict / free / preempt: reference counts, the free
-queue, copy-on-write isolation and the LRU order of cached pages."""
+"""The shared pool under random start / step / fork / evict / free / preempt, in RAM and over a disk tier:
+reference counts, the free queue, copy-on-write isolation and the LRU order of cached pages."""
+
+import os
+import tempfile
 
 import numpy as np
 from hypothesis import settings
@@ -14,12 +17,15 @@ N_LAYERS, N_KV, HEAD_DIM = 2, 1, 2
 class SharedPoolMachine(RuleBasedStateMachine):
     @initialize(page_size=st.integers(1, 4), budget_pages=st.integers(2, 5), pool_pages=st.integers(6, 24),
                 policy=st.sampled_from(["oldest", "sinks", "h2o", "oldest-page", "snapkv", "lru", "lfu"]),
-                seed=st.integers(0, 1000))
-    def setup(self, page_size, budget_pages, pool_pages, policy, seed):
+                seed=st.integers(0, 1000), ram_frames=st.sampled_from([0, 2, 3, 5]))
+    def setup(self, page_size, budget_pages, pool_pages, policy, seed, ram_frames):
+        """ram_frames 0: every page in RAM; else a disk tier holds the pool's pages and RAM caches that many."""
         params = {"sinks": {"n_sink": 1}, "snapkv": {"window": 1, "kernel": 1}}.get(policy, {})
-        self.config = CacheConfig(page_size=page_size, max_pages=budget_pages, n_layers=N_LAYERS,
-                                  n_heads=2 * N_KV, n_kv_heads=N_KV, head_dim=HEAD_DIM, policy=policy,
-                                  policy_params=params)
+        tier = {"max_pages": ram_frames, "disk_pages": budget_pages} if ram_frames else {"max_pages": budget_pages}
+        self.swap_dir = tempfile.mkdtemp(prefix="pagevis-test-") if ram_frames else None
+        self.config = CacheConfig(page_size=page_size, n_layers=N_LAYERS, n_heads=2 * N_KV, n_kv_heads=N_KV,
+                                  head_dim=HEAD_DIM, policy=policy, policy_params=params, swap_dir=self.swap_dir,
+                                  **tier)
         self.pool = KVCacheManager(self.config, pool_pages)
         self.rng = np.random.default_rng(seed)
         self.next_id = 0
@@ -77,6 +83,31 @@ class SharedPoolMachine(RuleBasedStateMachine):
         values = np.asarray(token_ids) * 7.0 + positions * 0.5 + layer * 100 + salt * 1000
         return np.repeat(values[:, None, None], HEAD_DIM, axis=2).astype(np.float32)
 
+    def teardown(self):
+        if hasattr(self, "pool"):
+            self.pool.close()
+            if self.swap_dir:
+                assert os.listdir(self.swap_dir) == []  # the swap folder went with the pool
+                os.rmdir(self.swap_dir)
+
+    def _page_kv(self, store, page):
+        """(K, V) of a page, each (n_kv, page_size, head_dim), wherever it lives: its RAM frame, or the disk."""
+        frame = store.frame_of[page]
+        if frame >= 0:
+            return store.k[:, frame], store.v[:, frame]
+        ps = self.config.page_size
+        data = os.pread(store.swap.fd, self.config.page_bytes(), page * self.config.page_bytes())
+        kv = np.frombuffer(data, dtype=np.float32).reshape(2, N_KV, ps, HEAD_DIM)
+        return kv[0], kv[1]
+
+    def _token_kv(self, store, flat):
+        """K and V of the given flat slots, (n_kv, len(flat), head_dim) each."""
+        ps = self.config.page_size
+        pages = [self._page_kv(store, f // ps) for f in flat]
+        k = np.stack([kv[0][:, f % ps] for kv, f in zip(pages, flat)], axis=1) if len(flat) else np.zeros((N_KV, 0, HEAD_DIM))
+        v = np.stack([kv[1][:, f % ps] for kv, f in zip(pages, flat)], axis=1) if len(flat) else np.zeros((N_KV, 0, HEAD_DIM))
+        return k, v
+
     def _snapshot(self, seq_ids):
         """What each sequence reads: per layer, its resident (position, K, V) in position order."""
         snap = {}
@@ -86,8 +117,8 @@ class SharedPoolMachine(RuleBasedStateMachine):
                 flat = self.pool._flat_slots(self.pool.block_table(seq_id, layer))
                 pos = store.positions[flat]
                 keep = flat[pos >= 0][np.argsort(pos[pos >= 0])]
-                k, v = store.k.reshape(N_KV, -1, HEAD_DIM), store.v.reshape(N_KV, -1, HEAD_DIM)
-                per_layer.append((store.positions[keep].tobytes(), k[:, keep].tobytes(), v[:, keep].tobytes()))
+                k, v = self._token_kv(store, keep)
+                per_layer.append((store.positions[keep].tobytes(), k.tobytes(), v.tobytes()))
             snap[seq_id] = per_layer
         return snap
 
@@ -112,7 +143,7 @@ class SharedPoolMachine(RuleBasedStateMachine):
             flat = self.pool._flat_slots(self.pool.block_table(seq_id, layer))[:hit]
             assert store.positions[flat].tolist() == list(range(hit))
             expected = self._kv(tokens[:hit], np.arange(hit), layer, 0)
-            np.testing.assert_array_equal(store.k.reshape(N_KV, -1, HEAD_DIM)[:, flat].transpose(1, 0, 2), expected)
+            np.testing.assert_array_equal(self._token_kv(store, flat)[0].transpose(1, 0, 2), expected)
         if not self._others_unchanged(lambda: self._write(seq_id, tokens[hit:]), seq_id):
             self.pool.free(seq_id, None)
 

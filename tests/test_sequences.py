@@ -2,6 +2,7 @@
 prefix caching hits what it should, preemption recomputes, fork continues."""
 
 import json
+import os
 from dataclasses import replace
 
 import numpy as np
@@ -303,3 +304,49 @@ def test_ignore_eos_decodes_the_asked_length():
         seq_id = batch.submit(PROMPT)
         list(batch.run())
         assert len(batch.requests[seq_id].generated) == expected
+
+
+SYNTH_FLAGS = ["--model", "synthetic", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
+
+
+def test_run_n_over_a_disk_tier_equals_each_seed_alone(capsys, tmp_path):
+    """`run --n 3 --sample --seed 5 --disk-pages 64 --max-pages 4`: each sample equals seed 5, 6, 7 run alone
+    with the same tier (the disk tier and many sequences in one engine)."""
+    from pagevis.__main__ import main
+
+    common = [*SYNTH_FLAGS, "--prompt", "pages on disk and in RAM", "--no-chat", "--sample", "--max-tokens", "12",
+              "--page-size", "4", "--disk-pages", "64", "--max-pages", "4", "--swap-dir", str(tmp_path), "--json",
+              "--quiet"]
+    assert main(["run", *common, "--n", "3", "--seed", "5"]) == 0
+    samples = json.loads(capsys.readouterr().out)["samples"]
+    for i, sample in enumerate(samples):
+        assert main(["run", *common, "--seed", str(5 + i)]) == 0
+        assert json.loads(capsys.readouterr().out)["text"] == sample["text"]
+    assert os.listdir(tmp_path) == []  # every swap folder went with its run
+
+
+def test_run_n_with_policy_none_and_a_prompt_longer_than_the_cache_exits_2_like_one_sequence(capsys):
+    from pagevis.__main__ import main
+
+    argv = [*SYNTH_FLAGS, "--prompt", "a prompt far longer than four tokens", "--no-chat", "--page-size", "2",
+            "--max-pages", "2", "--policy", "none"]
+    assert main(["run", *argv]) == 2
+    alone_message = capsys.readouterr().err
+    assert main(["run", *argv, "--n", "2"]) == 2
+    assert capsys.readouterr().err == alone_message and "--policy none: the prompt is" in alone_message
+
+
+def test_restart_takes_the_prompt_from_the_prefix_cache_and_decodes_the_same():
+    cfg = config("none", max_pages=32, mode="greedy", max_new_tokens=6)
+    session = DecodeSession(MODEL, "", cfg, prompt_ids=PROMPT)
+    first = list(session.run())
+    assert first[0].token_ids == tuple(PROMPT)  # one prefill chunk of the whole prompt
+    generated = list(session.generated)
+    session.restart()
+    again = list(session.run())
+    reused = (len(PROMPT) - 1) // 4 * 4  # its full pages, leaving the last token to compute
+    assert again[0].positions[0] == reused and len(again[0].token_ids) == len(PROMPT) - reused
+    hits = [e for e in again[0].events if e.kind == "prefix_hit"]
+    assert [e.detail for e in hits] == [reused]
+    assert session.generated == generated
+    assert session.cache.prefix_stats.hits == reused and session.cache.prefix_stats.queries == 2 * len(PROMPT)

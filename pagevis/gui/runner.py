@@ -203,6 +203,9 @@ class SessionRunner(QObject):
             self.configure(*self._pending)
 
     def _start_session(self) -> None:
+        if self._same_again():
+            self._restart_in_place()
+            return
         try:
             session, timeline = self._new_session()
         except Exception as error:  # noqa: BLE001 - a bad prompt or configuration is shown, not raised
@@ -213,6 +216,31 @@ class SessionRunner(QObject):
         self._keep_current()
         self.session = session
         self.timeline, self.timeline_spec = timeline, self.spec
+        self._set_state("ready")
+        self.started.emit(self.timeline)
+
+    def _same_again(self) -> bool:
+        """A restart of the same prompt and settings in a live DecodeSession (the Reset button)."""
+        info = getattr(self.timeline, "info", None)
+        return (isinstance(self.session, DecodeSession) and info is not None and self.state != "replay"
+                and self.timeline_spec == self.spec and info.prompt == self.prompt and info.config == self.config)
+
+    def _restart_in_place(self) -> None:
+        """Decode the prompt again in the same engine: the prompt's full pages come from its prefix cache
+        (the first record's prefix_hit event says how many tokens), not from another prefill. The previous
+        run's records stay as a replay (its cache state now belongs to the new run)."""
+        session, info = self.session, self.timeline.info
+        self.session = None
+        self._keep_current()
+        self.session = session
+        try:
+            session.restart()
+        except Exception as error:  # noqa: BLE001 - shown, not raised
+            self.session = self.timeline = None
+            self._fail(str(error), traceback.format_exc())
+            return
+        session.records = NewestRecord()
+        self.timeline = Timeline(info, session.token_text)
         self._set_state("ready")
         self.started.emit(self.timeline)
 
