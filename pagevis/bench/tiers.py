@@ -1,5 +1,5 @@
 """The disk tier's memory-vs-latency trade-off, measured in one run (`python -m pagevis.bench.tiers`, and
-the tier tables of `pagevis bench`).
+the tier tables and plots of `pagevis bench`).
 
 - streamed: exact decode attention over a context whose pages live on disk, with R RAM frames (half keep
   pages, half take disk pages in batches merged by log-sum-exp), against paged attention with every page
@@ -203,9 +203,9 @@ def format_tables(streamed: list[dict], quest: list[dict], rss: list[dict] | Non
     return out
 
 
-def write_plots(folder: str, streamed: list[dict], quest: list[dict]) -> list[str]:
-    from .plots import line_plot
-
+def write_plots(folder: str, streamed: list[dict], quest: list[dict], line_plot) -> list[str]:
+    """bench-tiers.png and bench-quest.png, drawn by `line_plot` (pagevis.gui.plots.line_plot: the benches
+    import no Qt, so the caller passes it in)."""
     written = []
     series = {}
     for context in sorted({r["context"] for r in streamed}):
@@ -235,7 +235,8 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     parser.add_argument("--no-rss", action="store_true", help="skip the memory rows (a process per context)")
     parser.add_argument("--swap-dir", help="where the swap files go (default: the system's temporary folder)")
-    parser.add_argument("--out", help="folder for bench-tiers.png, bench-quest.png and bench-tiers.json")
+    parser.add_argument("--out", help="folder for bench-tiers.json (`pagevis bench --out DIR` also draws "
+                                      "bench-tiers.png and bench-quest.png)")
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
     streamed = streamed_rows(contexts, swap_dir=args.swap_dir)
@@ -245,7 +246,7 @@ def main(argv=None) -> int:
     if args.out:
         with open(os.path.join(args.out, "bench-tiers.json"), "w", encoding="utf-8") as handle:
             json.dump({"streamed": streamed, "quest": quest, "rss": rss}, handle, indent=1)
-        print("wrote " + ", ".join(write_plots(args.out, streamed, quest)), file=sys.stderr)
+        print(f"wrote {os.path.join(args.out, 'bench-tiers.json')}", file=sys.stderr)
     return 0
 
 

@@ -8,6 +8,7 @@ import json
 import sys
 import time
 
+from .. import settings
 from . import options
 
 
@@ -16,13 +17,11 @@ def add_parallel_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--n", type=int, default=1, metavar="N",
                        help="sample N continuations of the prompt (seeds --seed .. --seed+N-1) sharing the "
                             "prompt's pages; implies --sample (default 1)")
-    group.add_argument("--pool-pages", type=int, metavar="N",
-                       help="with --n: pages per layer in the shared pool (default N * --max-pages); a smaller "
-                            "pool preempts the newest sequence and recomputes it later")
+    settings.add_flags(group, "batch")  # --pool-pages
 
 
 def check_parallel_options(args: argparse.Namespace) -> None:
-    from ..decoding.batch import MAX_SEQUENCES
+    from ..settings import MAX_SEQUENCES
 
     if not 1 <= args.n <= MAX_SEQUENCES:
         raise options.UsageError(f"--n {args.n}: must be an integer from 1 to {MAX_SEQUENCES}")

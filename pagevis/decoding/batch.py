@@ -9,27 +9,26 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import settings
 from ..engine import CacheEvent
-from ..errors import check_int
+from ..settings import MAX_SEQUENCES, field_for
 
-MAX_SEQUENCES = 256
+__all__ = ["MAX_CHUNK", "MAX_SEQUENCES", "BatchConfig", "BatchRecord", "SeqStep"]
 MAX_CHUNK = 512  # prompt tokens one sequence feeds per step (bounds a step's activations)
 
 
 @dataclass(frozen=True)
 class BatchConfig:
-    pool_pages: int | None = None  # page ids per layer; None: enough for max_seqs sequences without sharing
-    max_seqs: int = 16  # sequences running in one step
-    prefix_caching: bool = True
-    ignore_eos: bool = False  # decode max_new_tokens whatever is sampled (benchmarks of a fixed shape, as vLLM's)
-    token_budget: int | None = None  # tokens one step feeds over all sequences (chunked prefill); None: no limit
+    """Many sequences over one pool; defaults, bounds and help in the settings table (pagevis/settings.py)."""
+
+    pool_pages: int | None = field_for("pool_pages")  # page ids per layer; None: max_seqs sequences' worth
+    max_seqs: int = field_for("max_seqs")  # sequences running in one step
+    prefix_caching: bool = field_for("prefix_caching")
+    ignore_eos: bool = field_for("ignore_eos")  # decode max_new_tokens whatever is sampled (fixed-shape benches)
+    token_budget: int | None = field_for("token_budget")  # tokens one step feeds (chunked prefill); None: no limit
 
     def __post_init__(self) -> None:
-        check_int("max_seqs", self.max_seqs, 1, MAX_SEQUENCES)
-        if self.pool_pages is not None:
-            check_int("pool_pages", self.pool_pages, 1, 1 << 20)
-        if self.token_budget is not None:
-            check_int("token_budget", self.token_budget, 1, 1 << 20)
+        settings.check(self, ("max_seqs", "pool_pages", "token_budget"))
 
 
 @dataclass(frozen=True)

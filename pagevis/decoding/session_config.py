@@ -5,27 +5,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .. import settings
 from ..engine import CacheConfig, CacheSettings
-from ..errors import check_int
+from ..settings import MAX_NEW_TOKENS, field_for
 from .sampling import SamplingConfig
 
-MAX_NEW_TOKENS = 100_000
+__all__ = ["MAX_NEW_TOKENS", "SessionConfig", "decode_ids", "encode_prompt", "token_text"]
 
 
 @dataclass(frozen=True)
 class SessionConfig(CacheSettings):
-    """The cache settings (inherited, declared once in CacheSettings) plus how to decode."""
+    """The cache settings (inherited from CacheSettings) plus how to decode; defaults, bounds and help in
+    the settings table (pagevis/settings.py)."""
 
-    max_new_tokens: int = 64
+    max_new_tokens: int = field_for("max_new_tokens")
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    oracle: bool = False
-    chat: bool = True  # wrap the prompt in the model's chat template
-    special: bool = False  # without chat: parse control-token text in the prompt as control tokens (opt-in)
-    record_layers: tuple[int, ...] | None = None  # layers whose attention records keep; None = all
+    oracle: bool = field_for("oracle")
+    chat: bool = field_for("chat")  # wrap the prompt in the model's chat template
+    special: bool = field_for("special")  # without chat: control-token text becomes control tokens (opt-in)
+    record_layers: tuple[int, ...] | None = field_for("record_layers")  # layers records keep; None = all
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
+        settings.check(self, ("max_new_tokens",))
 
     def cache_config(self, model_config) -> CacheConfig:
         return CacheConfig.for_model(self, model_config)

@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QPushButton, QSli
 from ..decoding import Engine, SamplingConfig
 from ..decoding.batch import BatchConfig
 from ..engine import CacheFullError, ConfigError, EventKind
+from .setting_inputs import setting_input
 from .views.sequences import SequencesView
 
 SHORT_NAMES = {EventKind.COPY_ON_WRITE: "cow"}  # the status line is narrow
@@ -40,7 +41,7 @@ class SequencesWindow(QWidget):
         self.view = SequencesView()
         self.n = _spin(1, 16, 4, "parallel samples of the prompt")
         self.seed = _spin(0, 2**31 - 1, config.sampling.seed, "seed of the first sample (the others: +1, +2…)")
-        self.pool_pages = _spin(1, 1 << 16, 4 * config.max_pages, "pages per layer in the shared pool")
+        self.pool_pages = setting_input("pool_pages", value=4 * config.max_pages)
         self.start_button = QPushButton("Start")
         self.add_button = QPushButton("Add sequence")
         self.step_button = QPushButton("Step")

@@ -21,7 +21,7 @@ from ..decoding import DecodeSession, RunControl, steps
 from ..engine import CacheFullError
 from .errors import ApiError, error_body
 from .parallel import MAX_N, generate_n
-from .session_api import MAX_PROMPT_CHARS, CacheSettings
+from .requests import MAX_PROMPT_CHARS, CacheSettings
 from .sessions import build_session, session_config
 from .worker import in_worker
 

@@ -22,12 +22,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import __version__
-from .decoding import ModelSpec, OracleStep, SamplingConfig, SessionConfig, StepRecord, TierStep
-from .engine import COUNT_NAMES, CacheEvent, ConfigError, EventKind
-from .trace_archive import Archive, TraceError
-from .decoding.table_log import TablesAt
-from .trace_schema import (DELTA_ENCODED, FORMAT, KINDS, MAX_HEADER_BYTES, ORACLE_COLUMNS, VERSION, arrays_of_version,
+from .. import __version__, settings
+from ..decoding import ModelSpec, OracleStep, SessionConfig, StepRecord, TierStep
+from ..decoding.table_log import TablesAt
+from ..engine import COUNT_NAMES, CacheEvent, ConfigError, EventKind
+from .archive import Archive, TraceError
+from .schema import (DELTA_ENCODED, FORMAT, KINDS, MAX_HEADER_BYTES, ORACLE_COLUMNS, VERSION, arrays_of_version,
                            check_header, check_values, expected_arrays)
 
 __all__ = ["FORMAT", "SUFFIX", "VERSION", "Trace", "TraceError", "read_trace", "record_differences", "write_trace"]
@@ -257,23 +257,12 @@ def undo_xor_delta(delta: np.ndarray) -> np.ndarray:
 
 
 def config_to_dict(config: SessionConfig) -> dict:
-    return {
-        "page_size": config.page_size, "max_pages": config.max_pages, "dtype": config.dtype,
-        "policy": config.policy, "policy_params": dict(config.policy_params),
-        "max_new_tokens": config.max_new_tokens, "sampling": dataclasses.asdict(config.sampling),
-        "oracle": config.oracle, "chat": config.chat, "special": config.special,
-        "disk_pages": config.disk_pages, "swap_dir": config.swap_dir, "select": config.select,
-        "select_pages": config.select_pages,
-        "record_layers": None if config.record_layers is None else list(config.record_layers),
-    }
+    """The header's `config`: the settings table's JSON form of the session's settings."""
+    return settings.to_dict(config)
 
 
 def config_from_dict(data: dict) -> SessionConfig:
-    data = dict(data)
-    data["sampling"] = SamplingConfig(**data.get("sampling", {}))
-    if data.get("record_layers") is not None:
-        data["record_layers"] = tuple(data["record_layers"])
-    return SessionConfig(**data)
+    return settings.from_dict(data, SessionConfig())
 
 
 # --- reading ---------------------------------------------------------------------------------------
@@ -283,7 +272,7 @@ def read_trace(path) -> Trace:
 
     The header is checked against the format's schema before any array is read, each array's size is
     known (and capped) before it is allocated, and every index the arrays hold is bounded after reading
-    (pagevis.trace_schema). Reading never uses more than about the size of the arrays it returns.
+    (pagevis/trace/schema.py). Reading never uses more than about the size of the arrays it returns.
     """
     name = os.fspath(path)
     with Archive(name) as archive:

@@ -19,11 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from .decoding import ModelSpec, SamplingConfig, SessionConfig
-from .engine import COUNT_NAMES, POLICIES, ConfigError, EventKind
-from .engine.config import MAX_HEADS, MAX_LAYERS, MAX_PAGE_SIZE, MAX_PAGES, STORAGE_DTYPES
-from .system_memory import available_bytes, fits, gib
-from .trace_archive import TraceError
+from .. import settings
+from ..decoding import ModelSpec, SamplingConfig, SessionConfig
+from ..engine import COUNT_NAMES, POLICIES, ConfigError, EventKind
+from ..engine.config import MAX_HEADS, MAX_LAYERS
+from ..settings import MAX_PAGE_SIZE, MAX_PAGES, STORAGE_DTYPES
+from ..system_memory import available_bytes, fits, gib
+from .archive import TraceError
 
 FORMAT = "pagevis-trace"
 VERSION = 3  # 2: disk tier and page selection (event frames, per-page maps, tier counts, recall);
@@ -96,6 +98,10 @@ HEADER_TYPES = {
     "delta_encoded": "list[str]", "arrays": "dict",
 }
 OPTIONAL_HEADER_TYPES = {"written_by": "str", "meta": "dict", "n_page_ids": "int", "page_map_pages": "int"}
+# The config's keys and JSON types, from the settings table (record_layers is checked against the arrays).
+JSON_TYPES = {"int": "int", "float": "number", "str": "str", "bool": "bool", "params": "dict"}
+CONFIG_TYPES = {**{s.name: JSON_TYPES[s.kind] + ("?" if s.nullable else "")
+                   for s in settings.settings_of(SessionConfig) if s.kind in JSON_TYPES}, "sampling": "dict"}
 
 
 # Event kinds a trace may list, by the format version that introduced them (absent: version 1).
@@ -148,7 +154,7 @@ def check_header(header: Any, where: str) -> dict[str, int]:
 
 
 def check_version(header: dict, where: str) -> int:
-    from . import __version__
+    from .. import __version__
 
     version = header.get("version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
@@ -339,10 +345,7 @@ def _check_config(header: dict, sizes: dict[str, int], where: str) -> None:
     unknown = sorted(set(data) - known)
     if unknown:
         raise TraceError(f"{where}: header.json config has unknown setting {unknown[0]!r}")
-    types = {"page_size": "int", "max_pages": "int", "dtype": "str", "policy": "str", "policy_params": "dict",
-             "max_new_tokens": "int", "sampling": "dict", "oracle": "bool", "chat": "bool", "special": "bool",
-             "disk_pages": "int", "swap_dir": "str?", "select": "str", "select_pages": "int"}
-    for key, kind in types.items():
+    for key, kind in CONFIG_TYPES.items():
         if key in data:
             _check_type(data[key], kind, f"config.{key}", where)
     for key, size in (("page_size", "S"), ("max_pages", "P")):
@@ -372,7 +375,7 @@ def _check_config(header: dict, sizes: dict[str, int], where: str) -> None:
     elif header["attention_layers"] != list(range(sizes["L"])):
         raise TraceError(f"{where}: header.json config.record_layers is null (all layers) but attention_layers "
                          f"is {header['attention_layers']}")
-    from .trace import config_from_dict
+    from .file import config_from_dict
 
     try:
         config = config_from_dict(data)
