@@ -5,11 +5,15 @@ bytes per token."""
 
 from __future__ import annotations
 
+import tempfile
+
 import numpy as np
 import pytest
 from engine_reference import dense_attention_f64, one_sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant, rule
+from test_pool_invariants import SharedPoolMachine
 from quant_reference import GROUP, QuantReference, f16_down, f16_up, kivi_keys
 
 from pagevis.engine import POLICIES, CacheConfig, KVCacheManager
@@ -453,3 +457,71 @@ def test_bytes_per_token_equal_a_hand_count(dtype):
     cache, _, _ = run_sequence(config, 256, seed=0, chunk=1, attend_each=False) if dtype != "float32" else (cache, 0, 0)
     assert sum(store.nbytes() for store in cache.stores[:1]) * 30 == pytest.approx(per_token * 256)
     assert cache.stores[0].peak_bytes() <= cache.stores[0].nbytes()
+
+
+# --- the shared pool's state machine with quantized storage ------------------------------------------------
+
+class QuantizedPoolMachine(SharedPoolMachine):
+    """test_pool_invariants' machine (random start / step / fork / evict / free / preempt, in RAM and over
+    a disk tier) with int8 / int4 / int2 pages and a small residual window, so that groups are quantized,
+    shared pages copied and cached pages restored; what a sequence reads is compared dequantized."""
+
+    @initialize(page_size=st.integers(1, 4), budget_pages=st.integers(2, 5), pool_pages=st.integers(6, 24),
+                policy=st.sampled_from(["oldest", "sinks", "h2o", "oldest-page", "snapkv", "lru", "lfu"]),
+                seed=st.integers(0, 1000), ram_frames=st.sampled_from([0, 2, 3, 5]),
+                dtype=st.sampled_from(QUANTIZED), residual=st.sampled_from([0, 1, 3]))
+    def setup(self, page_size, budget_pages, pool_pages, policy, seed, ram_frames, dtype, residual):
+        # key groups of 3 tokens (32 in use): groups fill, are quantized, shared and dropped within a few steps
+        self.group, quant.GROUP = quant.GROUP, 3
+        params = {"sinks": {"n_sink": 1}, "snapkv": {"window": 1, "kernel": 1}}.get(policy, {})
+        tier = {"max_pages": ram_frames, "disk_pages": budget_pages} if ram_frames else {"max_pages": budget_pages}
+        self.swap_dir = tempfile.mkdtemp(prefix="pagevis-test-") if ram_frames else None
+        self.config = CacheConfig(page_size=page_size, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=2,
+                                  policy=policy, policy_params=params, swap_dir=self.swap_dir, dtype=dtype,
+                                  residual=residual, **tier)
+        self.pool = KVCacheManager(self.config, pool_pages)
+        self.rng = np.random.default_rng(seed)
+        self.next_id = 0
+        self.lru = [self._watch(store.pages) for store in self.pool.stores]
+
+    def teardown(self):
+        if hasattr(self, "group"):
+            quant.GROUP = self.group
+        super().teardown()
+
+    def _token_kv(self, store, flat):
+        ps = self.config.page_size
+        pages = {page: store.peek_page(page) for page in {int(f) // ps for f in flat}}
+        k = [pages[f // ps][0][:, f % ps] for f in flat]
+        v = [pages[f // ps][1][:, f % ps] for f in flat]
+        empty = np.zeros((1, 0, 2), np.float32)
+        return (np.stack(k, axis=1) if k else empty), (np.stack(v, axis=1) if v else empty)
+
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=9))
+    def start(self, tokens):
+        seq_id = self.next_id
+        self.next_id += 1
+        self.pool.add_sequence(seq_id)
+        hit = self.pool.match_prefix(seq_id, tokens)
+        assert hit % self.config.page_size == 0 and hit < len(tokens)
+        for layer, store in enumerate(self.pool.stores):  # a hit brings back the (quantized) K/V of its tokens
+            flat = self.pool._flat_slots(self.pool.block_table(seq_id, layer))[:hit]
+            assert store.positions[flat].tolist() == list(range(hit))
+            assert store.group_reach(self.pool.block_table(seq_id, layer)) < hit or hit == 0
+            expected = self._kv(tokens[:hit], np.arange(hit), layer, 0)
+            np.testing.assert_allclose(self._token_kv(store, flat)[0].transpose(1, 0, 2), expected, rtol=0.2,
+                                       atol=1e-3)
+        if not self._others_unchanged(lambda: self._write(seq_id, tokens[hit:]), seq_id):
+            self.pool.free(seq_id, None)
+
+    @invariant()
+    def quantized_bookkeeping(self):
+        if hasattr(self, "pool"):
+            check_bookkeeping(self.pool)
+            for store in self.pool.stores:
+                assert not store.kivi or store.layout.group == 3
+                self.sealed = getattr(self, "sealed", 0) + (store.kivi and store.groups.in_use > 0)
+
+
+QuantizedPoolMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
+TestQuantizedPool = QuantizedPoolMachine.TestCase

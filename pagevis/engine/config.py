@@ -14,7 +14,7 @@ from .. import settings
 from ..errors import ConfigError, check_int
 from ..settings import MAX_PAGE_SIZE, MAX_PAGES, SELECT_MODES, STORAGE_DTYPES, field_for
 from .policies import make_policy
-from .quant import GROUP, is_quantized, layout_for
+from .quant import is_quantized, layout_for
 
 # The settings' bounds live in the table (pagevis.settings); they are named here too for the engine's readers.
 __all__ = ["MAX_CACHE_BYTES", "MAX_HEADS", "MAX_HEAD_DIM", "MAX_LAYERS", "MAX_PAGE_SIZE", "MAX_PAGES", "SELECT_MODES",
@@ -143,12 +143,12 @@ class CacheConfig(CacheSettings):
 
     def side_bytes(self) -> int:
         """int4 / int2, one layer, one sequence at capacity: each slot's key group (int32), the key groups'
-        scales and zero points (one group per GROUP slots), and the residual window in float32. 0 else."""
+        scales and zero points (one per key group of slots), and the residual window in float32. 0 else."""
         layout = layout_for(self)
         if layout is None or not layout.kivi:
             return 0
         slots = self.capacity
-        return (slots * layout.slot_group_bytes() + -(-slots // GROUP) * layout.key_group_bytes()
+        return (slots * layout.slot_group_bytes() + -(-slots // layout.group) * layout.key_group_bytes()
                 + min(slots, layout.window()) * layout.residual_bytes_per_token())
 
     def kv_bytes_per_token(self) -> float:

@@ -32,7 +32,6 @@ from .events import CacheEvent, EventKind
 from .policies import EvictionPolicy, make_policy
 from .policy_state import LayerView, PolicyState
 from .prefix_cache import ROOT_HASH, PrefixCacheStats, page_hash, prefix_hashes
-from .quant import GROUP
 from .reader import read_attention
 from .store import PageStore, TierCounts
 from .swap import SwapSpace
@@ -274,7 +273,7 @@ class KVCacheManager:
             n_evict = max(0, seq.resident[layer] + n_tokens - budget) if seq.policy.evicts else 0
             need = int((shared & (fill < ps)).sum()) + min(n_evict, int(shared.sum()))
             if store.kivi:  # quantizing a key group copies the shared pages it touches
-                need += min(int(shared.sum()), -(-GROUP // ps) + 1)
+                need += min(int(shared.sum()), -(-store.layout.group // ps) + 1)
             need += -(-max(0, n_tokens - room - n_evict) // ps)
             needs.append(need)
         return needs
@@ -477,15 +476,15 @@ class KVCacheManager:
     # --- quantized storage (int4 / int2: KIVI's residual window) ------------------------------------
     def _seal_residual(self, seq: SequenceCache, layer: int, n_new: int) -> None:
         """Before n_new tokens are written: while the sequence's full-precision tokens would then exceed
-        residual + GROUP - 1, quantize the oldest GROUP of them (written in earlier calls) as one key group.
+        residual + group - 1, quantize the oldest `group` (32) of them (written in earlier calls) as one key group.
         A prefill chunk is attended in full precision; in decoding the newest `residual` tokens stay
-        float32 and the oldest GROUP beyond them are quantized once they have all arrived (KIVI). A shared
+        float32 and the oldest 32 beyond them are quantized once they have all arrived (KIVI). A shared
         page is copied first: the change is this sequence's alone."""
         store, ps = self.stores[layer], self.page_size
-        limit = self.config.residual + GROUP - 1
+        group, limit = store.layout.group, store.layout.window()
         window = store.residual_slots(self._flat_slots(seq.block_tables[layer]))
-        while len(window) >= GROUP and len(window) + n_new > limit:
-            oldest = window[np.argsort(store.positions[window], kind="stable")[:GROUP]]
+        while len(window) >= group and len(window) + n_new > limit:
+            oldest = window[np.argsort(store.positions[window], kind="stable")[:group]]
             for page in np.unique(oldest // ps).tolist():
                 if store.pages.is_shared(page):
                     copy = self._copy_on_write(seq, layer, page)

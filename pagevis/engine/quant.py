@@ -177,6 +177,7 @@ class Layout:
     page_size: int
     head_dim: int
     residual: int = 0  # KIVI's full-precision window (tokens); 0 for int8
+    group: int = GROUP  # tokens per key group (int4 / int2)
 
     @property
     def bits(self) -> int:
@@ -234,7 +235,7 @@ class Layout:
 
     def quantized_bytes_per_token(self) -> float:
         """A quantized token's cost, with its key group's scales shared by GROUP tokens."""
-        return self.page_bytes_per_token() + self.slot_group_bytes() + self.key_group_bytes() / GROUP
+        return self.page_bytes_per_token() + self.slot_group_bytes() + self.key_group_bytes() / self.group
 
     def residual_bytes_per_token(self) -> int:
         """A token of the residual window: float32 K and V, held beside its slot."""
@@ -243,7 +244,7 @@ class Layout:
     def window(self) -> int:
         """The most tokens of one sequence held in full precision between steps: the residual, plus up
         to GROUP - 1 waiting for their key group to fill."""
-        return self.residual + GROUP - 1 if self.kivi else 0
+        return self.residual + self.group - 1 if self.kivi else 0
 
 
 def layout_for(config) -> Layout | None:
@@ -251,7 +252,7 @@ def layout_for(config) -> Layout | None:
     if not is_quantized(config.dtype):
         return None
     return Layout(config.dtype, config.n_kv_heads, config.page_size, config.head_dim,
-                  config.residual if has_residual(config.dtype) else 0)
+                  config.residual if has_residual(config.dtype) else 0, GROUP)
 
 
 def bytes_per_token(dtype: str, n_kv_heads: int, head_dim: int, page_size: int = GROUP,

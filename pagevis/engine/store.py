@@ -20,6 +20,7 @@ dequantizes the frames asked for (a block at a time: see reader.py).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -76,7 +77,7 @@ class PageStore:
             n_slots = self.n_pages * ps
             self.slot_group = np.full(n_slots, -1, np.int32)  # per page id slot: its key group, -1 none
             self.res_of = np.full(n_slots, -1, np.int64)  # per page id slot: its residual row, -1 none
-            self.groups = quant.KeyGroups(self.n_kv, self.head_dim, -(-n_slots // quant.GROUP))
+            self.groups = quant.KeyGroups(self.n_kv, self.head_dim, -(-n_slots // self.layout.group))
             self.residual = quant.ResidualBuffer(self.n_kv, self.head_dim, min(n_slots, self.layout.window()))
         self.pages = BlockPool(self.n_pages)  # page ids: RAM frames, or disk frames with a disk tier
         self.positions = np.full(self.n_pages * ps, -1, dtype=np.int64)  # flat slot -> position, -1 empty
@@ -302,20 +303,36 @@ class PageStore:
         if not self.quantized:
             return (self.k[:, lo:hi].reshape(self.n_kv, n, self.head_dim),
                     self.v[:, lo:hi].reshape(self.n_kv, n, self.head_dim))
-        p, layout = self.parts, self.layout
+        return self._dequantize({name: part[lo:hi] for name, part in self.parts.items()}, self.page_in[lo:hi])
+
+    def peek_page(self, page: int) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values (n_kv, page_size, head_dim) float32 of one page as attention would read them,
+        from its RAM frame or else straight from the disk (nothing moves, nothing is counted)."""
+        frame = int(self.frame_of[page])
+        if frame >= 0:
+            keys, values = self.frame_kv(frame, frame + 1)
+            return keys.astype(np.float32), values.astype(np.float32)
+        block = np.frombuffer(os.pread(self.swap.fd, self.swap.page_bytes, page * self.swap.page_bytes), np.uint8)
+        if not self.quantized:
+            kv = block.view(self.k.dtype).reshape(2, self.n_kv, self.page_size, self.head_dim)
+            return kv[0].astype(np.float32), kv[1].astype(np.float32)
+        return self._dequantize(self.layout.views(block[None].copy()), np.array([page]))
+
+    def _dequantize(self, parts: dict[str, np.ndarray], pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """float32 K and V (n_kv, frames * page_size, head_dim) of pages laid out as `parts` (each (frames,
+        ...)) holding `pages` (-1: no page)."""
+        layout, ps = self.layout, self.page_size
         if not self.kivi:
-            keys = quant.int8_dequantize(p["k"][lo:hi], p["k_scale"][lo:hi])
-            values = quant.int8_dequantize(p["v"][lo:hi], p["v_scale"][lo:hi])
-            return _heads_first(keys), _heads_first(values)
-        pages = self.page_in[lo:hi]
-        flat = np.where(pages[:, None] >= 0, pages[:, None] * self.page_size + np.arange(self.page_size), -1).ravel()
+            return (_heads_first(quant.int8_dequantize(parts["k"], parts["k_scale"])),
+                    _heads_first(quant.int8_dequantize(parts["v"], parts["v_scale"])))
+        flat = np.where(pages[:, None] >= 0, pages[:, None] * ps + np.arange(ps), -1).ravel()
         held = flat >= 0
         groups = np.where(held, self.slot_group[np.maximum(flat, 0)], -1)
-        codes = _heads_first(quant.unpack(p["k"][lo:hi], layout.bits, self.head_dim))
+        codes = _heads_first(quant.unpack(parts["k"], layout.bits, self.head_dim))
         safe = np.maximum(groups, 0)  # slots of no group (empty, or in the window) are masked or replaced
         keys = quant.asym_dequantize(codes, self.groups.scale[:, safe], self.groups.zero[:, safe])
-        values = _heads_first(quant.dequantize_values(quant.unpack(p["v"][lo:hi], layout.bits, self.head_dim),
-                                                      p["v_scale"][lo:hi], p["v_zero"][lo:hi]))
+        values = _heads_first(quant.dequantize_values(quant.unpack(parts["v"], layout.bits, self.head_dim),
+                                                      parts["v_scale"], parts["v_zero"]))
         rows = np.where(held, self.res_of[np.maximum(flat, 0)], -1)
         window = np.flatnonzero(rows >= 0)
         if window.size:
