@@ -371,3 +371,39 @@ class ResidualBuffer:
     def nbytes(self, rows: int | None = None) -> int:
         rows = len(self.used) if rows is None else rows
         return rows * 2 * self.k.shape[0] * self.k.shape[2] * 4
+
+
+def storage_summary(config, stores=None) -> dict:
+    """What a cache's K/V storage costs, for reports (run --json, compare, the bench, the server):
+    dtype; kv_bytes_per_token (all layers, one sequence at capacity: every page, and for int4 / int2 the
+    key groups, slot indices and the residual window in float32: CacheConfig.kv_bytes_per_token);
+    kv_bits_per_value (the same over the K and V elements of a token); for quantized dtypes the quantized
+    token alone (kv_quantized_bytes_per_token) and for int4 / int2 the window's float32 token
+    (kv_residual_bytes_per_token) and `residual`. With the stores of a run, kv_bytes_peak_per_token: what
+    they held at most (key groups and window rows at their most in use), over the slots of their page ids
+    (a pool of many sequences: all of them)."""
+    elements = 2 * config.n_layers * config.n_kv_heads * config.head_dim
+    per_token = config.kv_bytes_per_token()
+    out = {"dtype": config.dtype, "kv_bytes_per_token": per_token, "kv_bits_per_value": 8 * per_token / elements}
+    layout = layout_for(config)
+    if layout is not None:
+        out["kv_quantized_bytes_per_token"] = config.n_layers * layout.quantized_bytes_per_token()
+    if layout is not None and layout.kivi:
+        out.update(residual=config.residual, kv_residual_bytes_per_token=config.n_layers * layout.residual_bytes_per_token())
+    if stores is not None:
+        out["kv_bytes_peak_per_token"] = sum(store.peak_bytes() for store in stores) / stores[0].n_slots
+    return out
+
+
+def storage_text(config) -> str:
+    """One line: the storage and its bits per K/V value, e.g. 'int4: 3.89 bits per value (244 B per token
+    and layer quantized, window of 128 + 31 tokens in float32)'."""
+    summary = storage_summary(config)
+    text = f"{config.dtype}: {summary['kv_bits_per_value']:.2f} bits per K/V value"
+    layout = layout_for(config)
+    if layout is None:
+        return text
+    text += f" ({layout.quantized_bytes_per_token():g} B per token and layer quantized"
+    if layout.kivi:
+        text += f"; the newest {config.residual} + up to {layout.group - 1} tokens in float32"
+    return text + ")"
