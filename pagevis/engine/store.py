@@ -330,7 +330,8 @@ class PageStore:
         groups = np.where(held, self.slot_group[np.maximum(flat, 0)], -1)
         codes = _heads_first(quant.unpack(parts["k"], layout.bits, self.head_dim))
         safe = np.maximum(groups, 0)  # slots of no group (empty, or in the window) are masked or replaced
-        keys = quant.asym_dequantize(codes, self.groups.scale[:, safe], self.groups.zero[:, safe])
+        keys = quant.asym_dequantize(codes, np.take(self.groups.scale, safe, axis=1),
+                                     np.take(self.groups.zero, safe, axis=1))
         values = _heads_first(quant.dequantize_values(quant.unpack(parts["v"], layout.bits, self.head_dim),
                                                       parts["v_scale"], parts["v_zero"]))
         rows = np.where(held, self.res_of[np.maximum(flat, 0)], -1)
