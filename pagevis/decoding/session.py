@@ -177,7 +177,7 @@ class DecodeSession:
         policy = seq.policy
         views = [self.cache.view(self.seq_id, layer) for layer in range(cfg.n_layers)]
         shape = (cfg.max_pages, cfg.page_size)
-        slot_maps, protected, scores = [], [], []
+        slot_maps, protected, scores, full = [], [], [], []
         for view, store in zip(views, self.cache.stores, strict=True):
             # per RAM slot: the flat slot (page id * page size + slot) of the page it holds, -1 if none
             held = (store.page_in[:, None] * cfg.page_size + np.arange(cfg.page_size)).ravel()
@@ -187,6 +187,8 @@ class DecodeSession:
             protected.append(np.where(empty, False, policy.protected(view)[held]).reshape(shape))
             score = np.where(view.occupied(), policy.score(view), np.nan)
             scores.append(np.where(empty, np.nan, score[held]).reshape(shape))
+            if store.kivi:  # slots whose tokens are still in the residual window (float32)
+                full.append(np.where(empty, False, store.res_of[np.maximum(held, 0)] >= 0).reshape(shape))
         attention = []
         for layer in self.record_layers:
             weights = np.zeros((cfg.n_heads, cfg.capacity), dtype=np.float16)
@@ -217,6 +219,7 @@ class DecodeSession:
             events=events, attention_layers=self.record_layers, attention=tuple(attention),
             timings={}, resident_tokens=seq.resident[0], pages_used=len(seq.block_tables[0]),
             evictions_total=self._evictions, oracle=oracle_step, tiers=tiers,
+            full_precision=np.stack(full) & (np.stack(slot_maps) >= 0) if full else None,
         )
 
 

@@ -28,11 +28,12 @@ from ..system_memory import available_bytes, fits, gib
 from .archive import TraceError
 
 FORMAT = "pagevis-trace"
-VERSION = 3  # 2: disk tier and page selection (event frames, per-page maps, tier counts, recall);
-# 3: the one engine (events name their sequence and a detail; sharing, prefix-cache and sequence events)
+VERSION = 4  # 2: disk tier and page selection (event frames, per-page maps, tier counts, recall);
+# 3: the one engine (events name their sequence and a detail; sharing, prefix-cache and sequence events);
+# 4: quantized storage (int4 / int2: which slots are still in full precision)
 KINDS = ("prefill", "decode")
 ORACLE_COLUMNS = ("kl", "top1_agree", "logprob_bounded", "logprob_full", "lost_attention")
-DELTA_ENCODED = ("slot_maps", "protected", "scores", "block_tables", "page_maps", "block_frames")
+DELTA_ENCODED = ("slot_maps", "protected", "scores", "block_tables", "page_maps", "block_frames", "full_precision")
 MAX_HEADER_BYTES = 64 << 20
 MAX_TRACE_BYTES = 2 << 30  # arrays and the records' Python objects, as held in memory once read
 # Python objects the records hold beyond the arrays (measured with tracemalloc on a 1.5k-step trace: 3.9 KB per
@@ -86,6 +87,8 @@ ARRAYS = {
     "recall": ArraySpec("<f4", ("T", "L"), since=2),
     "event_seq": ArraySpec("<i4", ("E",), since=3),
     "event_detail": ArraySpec("<i8", ("E",), since=3),
+    "has_full_precision": ArraySpec("|b1", ("T",), since=4),
+    "full_precision": ArraySpec("|b1", ("T", "L", "P", "S"), since=4),
 }
 
 # Header keys and their JSON types ("?" = may be null). Keys not listed are ignored (added within a version).
