@@ -122,3 +122,62 @@ def test_the_app_shows_a_quantized_cache(qtbot, tmp_path):
     window.controls.dtype.setCurrentIndex(window.controls.dtype.findData("int8"))
     assert not window.controls.residual.isEnabled()
     assert window.controls.session_config().dtype == "int8"
+
+
+# --- the server and the metrics --------------------------------------------------------------------------------
+
+def test_metrics_count_the_kv_bytes_of_live_caches():
+    from prometheus_client import generate_latest
+    from test_serve_load import scrape, value
+
+    from pagevis.observe import Metrics
+
+    metrics = Metrics()
+    sessions = [quantized_session(steps=2, dtype=dtype) for dtype in ("int4", "float16")]
+    observers = [metrics.observe(s) for s in sessions]
+    samples = scrape(generate_latest(metrics.registry).decode())
+    total = sum(s.cache_config.kv_bytes_per_token() * s.cache_config.capacity for s in sessions)
+    assert value(samples, "pagevis_kv_cache_bytes") == pytest.approx(total)
+    assert value(samples, "pagevis_kv_cache_bytes_per_token") == pytest.approx(
+        total / sum(s.cache_config.capacity for s in sessions))
+    observers[0].close()
+    samples = scrape(generate_latest(metrics.registry).decode())
+    assert value(samples, "pagevis_kv_cache_bytes_per_token") == pytest.approx(
+        sessions[1].cache_config.kv_bytes_per_token())
+
+
+def test_the_server_takes_the_dtype_and_residual_and_describes_the_storage():
+    from serve_fixtures import running_server
+
+    with running_server() as server:
+        answer = server.client.post("/v1/sessions", json={"prompt": "x", "dtype": "int4", "residual": 16,
+                                                          "max_tokens": 4})
+        assert answer.status_code == 201, answer.text
+        body = answer.json()
+        assert body["config"]["dtype"] == "int4" and body["config"]["residual"] == 16
+        storage = body["storage"]
+        assert storage["dtype"] == "int4" and storage["residual"] == 16
+        assert storage["kv_bytes_per_token"] > storage["kv_quantized_bytes_per_token"] > 0
+        refused = server.client.post("/v1/sessions", json={"prompt": "x", "dtype": "int4", "residual": -1})
+        assert refused.status_code == 422 and "residual" in refused.text
+
+
+# --- the bench -----------------------------------------------------------------------------------------------
+
+def test_bench_rows_give_exact_bytes_and_the_error_of_each_storage():
+    from pagevis.bench.suite import quantized_rows
+
+    rows = {r["dtype"]: r for r in quantized_rows([300], page_size=16, residual=32, repeats=2)}
+    # SmolLM2's layer (3 KV heads, head dim 64), 300 tokens in 19 pages of 16 = 304 slots. int4 / int2: each
+    # slot's codes, V scales and zero points (96 + 96 + 24 or 48 + 48 + 24 bytes) and key-group index (4), a
+    # key group (3 x 64 x 2 x 2 bytes) per 32 slots, rounded up (10), and 32 + 31 float32 window tokens (1536)
+    side = 10 * 768 + 63 * 1536
+    per_layer = {"float32": 1536, "float16": 768, "int8": 396,
+                 "int4": (304 * (96 + 96 + 24 + 4) + side) / 304, "int2": (304 * (48 + 48 + 24 + 4) + side) / 304}
+    for dtype, expected in per_layer.items():
+        assert rows[dtype]["kv_bytes_per_token"] == pytest.approx(expected)
+        assert rows[dtype]["kv_bytes"] == round(expected * 304)
+    assert rows["float32"]["rel_error"] == 0 and rows["float16"]["rel_error"] < 1e-3
+    assert rows["float16"]["rel_error"] < rows["int8"]["rel_error"] < rows["int4"]["rel_error"] < \
+        rows["int2"]["rel_error"] < 1  # random normal K/V: 2 bits leave little
+    assert rows["int8"]["rel_error"] < 0.01
