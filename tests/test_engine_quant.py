@@ -10,6 +10,7 @@ import tempfile
 import numpy as np
 import pytest
 from engine_reference import dense_attention_f64, one_sequence
+from model_fixtures import smollm2  # noqa: F401  (fixture)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
@@ -79,7 +80,8 @@ def test_per_channel_keys_beat_per_token_keys_on_outlier_channels():
     """Why KIVI quantizes keys per channel: with outlier channels a per-token grid is coarse everywhere."""
     rng = np.random.default_rng(0)
     keys = real_like(rng, (1, GROUP, 64))
-    per_channel = quant.asym_dequantize(*quant.quantize_key_group(keys, 4))
+    codes, scale, zero = quant.quantize_key_group(keys, 4)
+    per_channel = quant.asym_dequantize(codes, scale[:, None], zero[:, None])
     codes, scale, zero = quant.quantize_key_group(keys.transpose(0, 2, 1), 4)  # the same code, per token
     per_token = quant.asym_dequantize(codes, scale[:, None], zero[:, None]).transpose(0, 2, 1)
     assert np.abs(per_channel - keys).mean() < 0.5 * np.abs(per_token - keys).mean()
@@ -525,3 +527,37 @@ class QuantizedPoolMachine(SharedPoolMachine):
 
 QuantizedPoolMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
 TestQuantizedPool = QuantizedPoolMachine.TestCase
+
+
+def test_real_keys_and_values_of_smollm2_round_trip_within_the_bounds(smollm2):  # noqa: F811
+    """SmolLM2's own K/V on the shipped text: every scheme within its bound, and per-channel keys beat
+    per-token keys (KIVI's observation) in every layer looked at."""
+    from pagevis.cli.compare import load_text
+    from pagevis.model import DenseAttention
+
+    ids = smollm2.tokenizer.encode(load_text(None))[:64]
+    captured, dense = {}, DenseAttention(smollm2.config)
+
+    def attend(layer, q, k, v, positions):
+        captured[layer] = (k.copy(), v.copy())
+        return dense(layer, q, k, v, positions)
+
+    smollm2.forward(np.array(ids), np.arange(len(ids)), attend)
+    for layer in (0, 15, 29):
+        keys, values = captured[layer]  # (tokens, n_kv, d)
+        codes, scale = quant.int8_quantize(keys)
+        assert np.all(np.abs(quant.int8_dequantize(codes, scale) - keys) <= scale[..., None].astype(np.float32) / 2
+                      * (1 + 1e-6))
+        for bits in (4, 2):
+            group = keys[:GROUP].transpose(1, 0, 2)  # (n_kv, 32 tokens, d)
+            codes, scale, zero = quant.quantize_key_group(group, bits)
+            per_channel = quant.asym_dequantize(codes, scale[:, None], zero[:, None])
+            step = scale[:, None].astype(np.float32)
+            assert np.all(np.abs(per_channel - group) <= step / 2 * (1 + 1e-6) + 1e-6 * np.abs(group))
+            codes, scale, zero = quant.quantize_key_group(group.transpose(0, 2, 1), bits)  # per token instead
+            per_token = quant.asym_dequantize(codes, scale[:, None], zero[:, None]).transpose(0, 2, 1)
+            assert np.abs(per_channel - group).mean() < 0.7 * np.abs(per_token - group).mean()
+            codes, scale, zero = quant.quantize_values(values, bits)
+            step = np.repeat(scale, GROUP, axis=-1)[..., : values.shape[-1]].astype(np.float32)
+            assert np.all(np.abs(quant.dequantize_values(codes, scale, zero) - values)
+                          <= step / 2 * (1 + 1e-6) + 1e-6 * np.abs(values))
