@@ -282,6 +282,11 @@ def bytes_per_token(dtype: str, n_kv_heads: int, head_dim: int, page_size: int =
 
 # --- what sits beside the pages (int4 / int2) ----------------------------------------------------------
 
+def _doubled(array: np.ndarray, axis: int = 0, fill=0) -> np.ndarray:
+    """`array` twice as long along `axis`, the new half filled with `fill`."""
+    return np.concatenate([array, np.full_like(array, fill)], axis=axis)
+
+
 class KeyGroups:
     """The key groups of one layer: per group a float16 scale and zero point per KV head and channel, how
     many slots use it (a slot of a page in use or cached), and the highest position among its tokens.
@@ -316,10 +321,8 @@ class KeyGroups:
 
     def _grow(self) -> int:
         old = len(self.refs)
-        self.scale = np.concatenate([self.scale, np.zeros_like(self.scale)], axis=1)
-        self.zero = np.concatenate([self.zero, np.zeros_like(self.zero)], axis=1)
-        self.refs = np.concatenate([self.refs, np.zeros(old, np.int64)])
-        self.end = np.concatenate([self.end, np.full(old, -1, np.int64)])
+        self.scale, self.zero = _doubled(self.scale, axis=1), _doubled(self.zero, axis=1)
+        self.refs, self.end = _doubled(self.refs), _doubled(self.end, fill=-1)
         return old
 
     def release(self, groups: np.ndarray) -> None:
@@ -367,9 +370,7 @@ class ResidualBuffer:
 
     def _grow(self) -> int:
         old = len(self.used)
-        self.k = np.concatenate([self.k, np.zeros_like(self.k)], axis=1)
-        self.v = np.concatenate([self.v, np.zeros_like(self.v)], axis=1)
-        self.used = np.concatenate([self.used, np.zeros(old, bool)])
+        self.k, self.v, self.used = _doubled(self.k, axis=1), _doubled(self.v, axis=1), _doubled(self.used)
         return old
 
     def free(self, rows: np.ndarray) -> None:
