@@ -476,10 +476,10 @@ class KVCacheManager:
     # --- quantized storage (int4 / int2: KIVI's residual window) ------------------------------------
     def _seal_residual(self, seq: SequenceCache, layer: int, n_new: int) -> None:
         """Before n_new tokens are written: while the sequence's full-precision tokens would then exceed
-        residual + group - 1, quantize the oldest `group` (32) of them (written in earlier calls) as one key group.
-        A prefill chunk is attended in full precision; in decoding the newest `residual` tokens stay
-        float32 and the oldest 32 beyond them are quantized once they have all arrived (KIVI). A shared
-        page is copied first: the change is this sequence's alone."""
+        residual + group - 1, quantize the oldest `group` (32) of them (written in earlier calls) as one
+        key group. A prefill chunk is attended in full precision; in decoding the newest `residual` tokens
+        stay float32 and the oldest 32 beyond them are quantized once they have all arrived (KIVI). A
+        shared page is copied first: the change is this sequence's alone."""
         store, ps = self.stores[layer], self.page_size
         group, limit = store.layout.group, store.layout.window()
         window = store.residual_slots(self._flat_slots(seq.block_tables[layer]))
