@@ -251,7 +251,7 @@ def _decode_leniently(payload: bytes, encoding: str, first_error: Exception) -> 
         raise DecodeError("type", str(first_error)[:200])  # nothing the lenient path forgives
     try:
         rank = raw[2] if len(raw) == 3 else None
-        batch = msgspec.convert({"ts": raw[0], "events": [], "data_parallel_rank": rank}, _MapBatch)
+        batch = msgspec.convert([raw[0], [], rank], _MapBatch)
     except msgspec.ValidationError as error:
         raise DecodeError("type", str(error)[:200]) from None
     batch.events = kept

@@ -6,7 +6,8 @@ API (every class here is plain Python; a GUI renders `snapshot()` results, which
 - `apply_batch(seq, batch, replayed=False)`   apply a `DecodedBatch` (see events.py) stored under `seq`.
 - `start_epoch()`                             the engine restarted: drop every block, count a new epoch.
 - `note_decode_error(reason, detail)`         a message that did not decode (counted, last one kept).
-- `note_duplicate()`, `note_gap(missing, recovered)`  what the subscriber saw of the sequence numbers.
+- `note_duplicate()`, `note_gap(missing, recovered)`, `note_history(from_seq, batches, missing_before)`,
+  `skip_seq(seq)`                             what the feed saw of the sequence numbers (feed.py).
 - `block(hash, medium="GPU", group=None)`     a resident block as a `BlockInfo`, or None.
 - `children(hash, medium="GPU", group=None)`  hashes of the resident blocks whose parent is `hash`.
 - `roots(medium="GPU", group=None)`           resident blocks whose parent is None or not resident.
@@ -38,6 +39,7 @@ resident in the same tier, else -1. A hostile stream can make parent links cycle
 
 from __future__ import annotations
 
+import threading
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
@@ -91,6 +93,9 @@ class Counters:
     gaps: int  # places where seqs were missing
     gaps_unrecovered: int  # of which replay could not fill every missing seq
     missing_batches: int  # seqs never applied
+    history_from_seq: int | None  # at the start of this epoch the replay buffer began here (None: no replay)
+    history_batches: int  # batches the replay buffer gave at the start of this epoch
+    history_missing: int | None  # seqs from before the buffer (0: the whole history was rebuilt; None: unknown)
 
 
 @dataclass(frozen=True)
@@ -263,6 +268,9 @@ class EngineState:
         self._last_seq: int | None = None
         self._first_seq: int | None = None
         self._last_ts: float | None = None
+        self._history_from: int | None = None
+        self._history_batches = 0
+        self._history_missing: int | None = None
         self._history = _Ring(self.limits.history, ts="f8", seq="i8", stored="i4", removed="i4", resident="i8")
         self._recent_stored: deque = deque(maxlen=self.limits.recent)
         self._recent_removed: deque = deque(maxlen=self.limits.recent)
@@ -304,11 +312,26 @@ class EngineState:
         self._clear_blocks()
         self._epoch += 1
         self._last_seq = self._first_seq = None
+        self._history_from = self._history_missing = None
+        self._history_batches = 0
 
     def note_decode_error(self, reason: str, detail: str = "") -> None:
         self._counts["decode_errors"] += 1
         self._count_name(self._errors, reason)
         self._last_error = f"{reason}: {detail}"[:300]
+
+    def note_history(self, from_seq: int | None, batches: int, missing_before: int | None,
+                     missing_inside: int = 0) -> None:
+        """At the start of an epoch the replay buffer gave `batches` batches from `from_seq`; `missing_before` seqs
+        came before it (None when nothing says), `missing_inside` were absent from it."""
+        self._history_from, self._history_batches, self._history_missing = from_seq, batches, missing_before
+        self._counts["missing_batches"] += missing_inside
+
+    def skip_seq(self, seq: int) -> None:
+        """A seq whose payload did not decode: spent (no gap, no replay), nothing applied."""
+        if self._first_seq is None:
+            self._first_seq = seq
+        self._last_seq = seq
 
     def note_duplicate(self) -> None:
         self._counts["duplicates"] += 1
@@ -559,7 +582,9 @@ class EngineState:
             unknown_removes=c["unknown_removes"], dropped_stores=c["dropped_stores"],
             decode_errors=c["decode_errors"], decode_errors_by_reason=MappingProxyType(dict(self._errors)),
             last_decode_error=self._last_error, unknown_event_types=MappingProxyType(dict(self._unknown_types)),
-            gaps=c["gaps"], gaps_unrecovered=c["gaps_unrecovered"], missing_batches=c["missing_batches"])
+            gaps=c["gaps"], gaps_unrecovered=c["gaps_unrecovered"], missing_batches=c["missing_batches"],
+            history_from_seq=self._history_from, history_batches=self._history_batches,
+            history_missing=self._history_missing)
 
     def snapshot(self, blocks: bool = True) -> EngineSnapshot:
         """Everything a view draws, copied: safe to read on another thread while this state goes on."""
@@ -601,20 +626,24 @@ class EngineState:
 
 @dataclass
 class Fleet:
-    """Several engines (endpoints, data-parallel ranks) and the GPU blocks they hold in common."""
+    """Several engines (endpoints, data-parallel ranks) and the GPU blocks they hold in common. Whoever changes
+    an engine's state from another thread holds `lock`; `snapshot()` takes it too."""
 
     limits: StateLimits = field(default_factory=StateLimits)
     engines: list[EngineState] = field(default_factory=list)
     shared: SharedIndex = field(default_factory=SharedIndex)
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
     def add(self, name: str) -> EngineState:
-        engine = EngineState(name, self.limits)
-        engine.attach_shared(self.shared)
-        self.engines.append(engine)
-        return engine
+        with self.lock:
+            engine = EngineState(name, self.limits)
+            engine.attach_shared(self.shared)
+            self.engines.append(engine)
+            return engine
 
     def shared_gpu_blocks(self) -> int:
         return self.shared.shared
 
     def snapshot(self, blocks: bool = True) -> FleetSnapshot:
-        return FleetSnapshot(tuple(engine.snapshot(blocks) for engine in self.engines), self.shared.shared)
+        with self.lock:
+            return FleetSnapshot(tuple(engine.snapshot(blocks) for engine in self.engines), self.shared.shared)
