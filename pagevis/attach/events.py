@@ -292,39 +292,65 @@ def pack_tokens(token_ids: list[int]) -> bytes:
 
 
 # --- encoding (vLLM ≥ 0.26, byte for byte) ---------------------------------------------------------------------
-_STORED_OPTIONAL = ("extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality",
-                    "ownership", "session_id", "lookahead_token_ids")
-_REMOVED_OPTIONAL = ("group_idx", "locality", "ownership")
+# vLLM 0.34.0's own structs, field for field (msgspec writes a struct's map header differently from a dict's, so
+# byte-identical output needs structs declared the same way).
+class _WireEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class _WireStored(_WireEvent, tag="BlockStored"):
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class _WireRemoved(_WireEvent, tag="BlockRemoved"):
+    block_hashes: list[Hash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class _WireCleared(_WireEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class _WireBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list
+    data_parallel_rank: int | None = None
 
 
 def encode_batch(ts: float, events: list, data_parallel_rank: int | None = 0) -> bytes:
-    """The payload vLLM 0.34's publisher sends for these events: [ts, events, rank] with map-tagged events in
-    vLLM's field order, its required fields always present and its optional ones only when not None
-    (SGLang's `cache_salt` is not a vLLM field and is not written)."""
+    """The payload vLLM 0.34's publisher sends for these events (`BlockStored`, `BlockRemoved`,
+    `AllBlocksCleared` from this module): [ts, events, rank] with map-tagged events, vLLM's required fields
+    always present and its optional ones only when not None. SGLang's `cache_salt` is not a vLLM field and is
+    not written."""
     wire = []
     for event in events:
         if isinstance(event, (BlockStored, _StoredArray)):
-            fields: dict[str, Any] = {"type": "BlockStored", "block_hashes": event.block_hashes,
-                                      "parent_block_hash": event.parent_block_hash, "token_ids": event.token_ids,
-                                      "block_size": event.block_size, "lora_id": event.lora_id,
-                                      "medium": event.medium, "lora_name": event.lora_name}
-            optional = _STORED_OPTIONAL
+            cls = _WireStored
         elif isinstance(event, (BlockRemoved, _RemovedArray)):
-            fields = {"type": "BlockRemoved", "block_hashes": event.block_hashes, "medium": event.medium}
-            optional = _REMOVED_OPTIONAL
+            cls = _WireRemoved
         elif isinstance(event, (AllBlocksCleared, _ClearedArray)):
-            fields, optional = {"type": "AllBlocksCleared"}, ()
+            cls = _WireCleared
         else:
             raise TypeError(f"not a KV event: {type(event).__name__}")
-        for name in optional:
-            value = getattr(event, name, None)
-            if value is not None:
-                fields[name] = value
-        wire.append(fields)
-    batch: list[Any] = [float(ts), wire]
-    if data_parallel_rank is not None:
-        batch.append(data_parallel_rank)
-    return _ENCODER.encode(batch)
+        wire.append(cls(**{name: getattr(event, name, None) for name in cls.__struct_fields__}))
+    return _ENCODER.encode(_WireBatch(float(ts), wire, data_parallel_rank))
 
 
 def seq_bytes(seq: int) -> bytes:
