@@ -80,6 +80,8 @@ class ReplayClient:
         dealer.setsockopt(zmq.RCVHWM, 0)
         batches: list[tuple[int, bytes]] = []
         complete = False
+        if self._on_frames is not None:
+            self._on_frames(())  # a recording marks where each request began (playback.py)
         try:
             dealer.connect(self.endpoint)
             dealer.send_multipart([b"", start.to_bytes(8, "big")])
@@ -88,10 +90,10 @@ class ReplayClient:
                 if not dealer.poll(int(REPLAY_IDLE_S * 1000)):
                     break
                 frames = dealer.recv_multipart()
+                if frames and frames[0] == b"":
+                    frames = frames[1:]  # the DEALER's empty delimiter
                 if self._on_frames is not None:
                     self._on_frames(frames)
-                if frames and frames[0] == b"":
-                    frames = frames[1:]
                 try:
                     seq, payload = parse_replay_reply(frames)
                 except DecodeError as error:
@@ -136,7 +138,8 @@ class Attacher:
             if source.replay:
                 replay = ReplayClient(self.ctx, source.replay, self._recording(REPLAY, index))
             self._replays.append(replay)
-            self.feeds.append(EndpointFeed(state, self._replay_fn(index), source.topic.encode(), self.fleet.lock))
+            topic = source.topic.encode() if source.topic else None  # "": every topic, as a SUB prefix
+            self.feeds.append(EndpointFeed(state, self._replay_fn(index), topic, self.fleet.lock))
         for feed in self.feeds:
             feed.start()
             self._count_replay_errors()
