@@ -119,6 +119,12 @@ class _StoredArray(msgspec.Struct, tag="BlockStored", array_like=True, gc=False)
     group_idx: int | None = None
     kv_cache_spec_kind: _Str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    # never sent positionally; here so both event classes have the same attributes
+    locality: _Str | None = None
+    ownership: _Str | None = None
+    session_id: _Str | None = None
+    lookahead_token_ids: _Lookahead | None = None
+    cache_salt: _Str | None = None
 
 
 class _RemovedArray(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):

@@ -39,6 +39,7 @@ resident in the same tier, else -1. A hostile stream can make parent links cycle
 
 from __future__ import annotations
 
+import operator
 import threading
 from array import array
 from collections import deque
@@ -58,6 +59,8 @@ _STORED = (BlockStored, _StoredArray)
 _REMOVED = (BlockRemoved, _RemovedArray)
 _CLEARED = (AllBlocksCleared, _ClearedArray)
 _FREE = 0xFFFF
+_extras_of = operator.attrgetter(*STORED_EXTRAS)
+_NO_EXTRAS = (None,) * len(STORED_EXTRAS)
 
 
 @dataclass(frozen=True)
@@ -274,7 +277,8 @@ class EngineState:
         self._history = _Ring(self.limits.history, ts="f8", seq="i8", stored="i4", removed="i4", resident="i8")
         self._recent_stored: deque = deque(maxlen=self.limits.recent)
         self._recent_removed: deque = deque(maxlen=self.limits.recent)
-        self._lifetimes = _Ring(self.limits.lifetimes, seconds="f8")
+        self._lifetimes: deque = deque(maxlen=self.limits.lifetimes)
+        self._lifetimes_total = 0
         self._lifetime_sum = 0.0
         self._hot: dict[tuple, list] = {}  # (medium, group, hash) -> [restores, last_ts, last_gap], LRU order
         self._clear_blocks()
@@ -393,9 +397,9 @@ class EngineState:
         size = event.block_size
         width = 4 * size
         packed = pack_tokens(event.token_ids)
-        common = {name: value for name in STORED_EXTRAS if (value := getattr(event, name, None)) is not None}
-        extra_keys = getattr(event, "extra_keys", None)
-        lookahead = getattr(event, "lookahead_token_ids", None)
+        values = _extras_of(event)
+        common = {} if values == _NO_EXTRAS else {k: v for k, v in zip(STORED_EXTRAS, values) if v is not None}
+        extra_keys, lookahead = event.extra_keys, event.lookahead_token_ids
         parent = event.parent_block_hash
         slot_of, removed_at = tier.slot_of, tier.removed_at
         limit = self.limits.max_blocks
@@ -435,7 +439,7 @@ class EngineState:
         self._counts["blocks_stored"] += stored
         recent = self._recent_stored
         for block_hash in event.block_hashes[-self.limits.recent:]:
-            recent.append(RecentBlock(block_hash, tier.medium, tier.group, seq, ts))
+            recent.append((block_hash, tier.medium, tier.group, seq, ts))
 
     def _new_slot(self, tier: int, size: int, seq: int, ts: float) -> int:
         if self._free:
@@ -484,7 +488,8 @@ class EngineState:
                 continue
             self._unlink(tier, slot, block_hash)
             lifetime = ts - self._ts_of[slot]
-            self._lifetimes.push(lifetime)
+            self._lifetimes.append(lifetime)
+            self._lifetimes_total += 1
             self._lifetime_sum += lifetime
             self._hash_of[slot] = self._parent_of[slot] = self._tokens_of[slot] = self._extra_of[slot] = None
             self._tier_of[slot] = _FREE
@@ -500,7 +505,7 @@ class EngineState:
         self._counts["blocks_removed"] += removed
         recent = self._recent_removed
         for block_hash in event.block_hashes[-self.limits.recent:]:
-            recent.append(RecentBlock(block_hash, tier.medium, tier.group, seq, ts))
+            recent.append((block_hash, tier.medium, tier.group, seq, ts))
 
     def _unlink(self, tier: _Tier, slot: int, block_hash: Any) -> None:
         nxt, prev, parent_slot = self._next, self._prev, self._parent_slot
@@ -591,11 +596,12 @@ class EngineState:
         tiers = tuple(TierInfo(t.index, t.medium, t.group, len(t.slot_of)) for t in self._tier_list)
         history = History(*(self._history.ordered(name) for name in ("ts", "seq", "stored", "removed", "resident")))
         hot = sorted(self._hot.items(), key=lambda item: (-item[1][0], -item[1][1]))
-        lifetimes_total = min(self._lifetimes.count, 2**62)
+        lifetimes_total = self._lifetimes_total
         return EngineSnapshot(
             name=self.name, counters=self.counters(), resident=MappingProxyType(self.resident_by_medium()),
-            tiers=tiers, history=history, recent_stored=tuple(self._recent_stored),
-            recent_removed=tuple(self._recent_removed), lifetimes=self._lifetimes.ordered("seconds"),
+            tiers=tiers, history=history, recent_stored=tuple(RecentBlock(*r) for r in self._recent_stored),
+            recent_removed=tuple(RecentBlock(*r) for r in self._recent_removed),
+            lifetimes=_frozen(np.array(self._lifetimes, dtype=np.float64)),
             lifetimes_total=lifetimes_total,
             lifetimes_mean_s=self._lifetime_sum / lifetimes_total if lifetimes_total else 0.0,
             hot=tuple(HotPrefix(h, medium, group, n, last, gap) for (medium, group, h), (n, last, gap) in hot),
