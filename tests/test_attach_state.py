@@ -193,3 +193,13 @@ def test_the_attach_package_imports_no_qt():
             "('PySide6', 'shiboken6', 'pyqtgraph', 'superqt', 'qtpy') or m.startswith('pagevis.gui'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == ""
+
+
+def test_removal_memory_and_hot_table_are_bounded():
+    state = EngineState("e", StateLimits(removed_memory=2, hot_capacity=1, hot_window_s=100.0))
+    state.apply_batch(0, batch(stored([1, 2, 3])))
+    state.apply_batch(1, batch(BlockRemoved(block_hashes=[1, 2, 3], medium="GPU"), ts=1.0))  # 1 forgotten
+    state.apply_batch(2, batch(stored([1, 2, 3]), ts=2.0))
+    assert [h.hash for h in state.snapshot().hot] == [3]  # 2 and 3 were remembered; the table holds one
+    tier = state._tiers[("GPU", None)]
+    assert len(tier.removed_at) <= 2

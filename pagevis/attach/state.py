@@ -42,7 +42,7 @@ from __future__ import annotations
 import operator
 import threading
 from array import array
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -206,7 +206,9 @@ class _Tier:
         self.index, self.medium, self.group = index, medium, group
         self.slot_of: dict[Any, int] = {}  # hash -> slot
         self.heads: dict[Any, int] = {}  # parent hash (None for roots) -> first child slot
-        self.removed_at: dict[Any, float] = {}  # hash -> ts of its removal, oldest first
+        # hash -> ts of its removal, oldest first. An OrderedDict: dropping a plain dict's first key again and again
+        # scans the deleted entries before it (quadratic), popitem(last=False) does not.
+        self.removed_at: OrderedDict[Any, float] = OrderedDict()
 
 
 class SharedIndex:
@@ -280,7 +282,7 @@ class EngineState:
         self._lifetimes: deque = deque(maxlen=self.limits.lifetimes)
         self._lifetimes_total = 0
         self._lifetime_sum = 0.0
-        self._hot: dict[tuple, list] = {}  # (medium, group, hash) -> [restores, last_ts, last_gap], LRU order
+        self._hot: OrderedDict[tuple, list] = OrderedDict()  # (medium, group, hash) -> [restores, last_ts, gap]
         self._clear_blocks()
 
     # --- applying ---------------------------------------------------------------------------------------------
@@ -496,10 +498,10 @@ class EngineState:
             self._free.append(slot)
             self._resident -= 1
             removed += 1
-            removed_at.pop(block_hash, None)
             removed_at[block_hash] = ts
+            removed_at.move_to_end(block_hash)
             if len(removed_at) > memory:
-                del removed_at[next(iter(removed_at))]
+                removed_at.popitem(last=False)
             if shared is not None and not (len(self._gpu_tiers) > 1 and self._on_other_gpu_tier(block_hash, tier)):
                 shared.discard(block_hash)
         self._counts["blocks_removed"] += removed
@@ -533,7 +535,7 @@ class EngineState:
         entry[1], entry[2] = ts, gap
         self._hot[key] = entry
         if len(self._hot) > self.limits.hot_capacity:
-            del self._hot[next(iter(self._hot))]
+            self._hot.popitem(last=False)
 
     # --- queries ----------------------------------------------------------------------------------------------
     @property
