@@ -195,3 +195,64 @@ def test_clear_and_counters_in_one_stream(publisher):
         assert state.resident_by_medium() == {"GPU": 1}
     finally:
         attacher.close()
+
+
+def test_snapshots_from_another_thread_are_consistent(publisher):
+    import threading
+
+    attacher = attach(publisher)
+    stop = threading.Event()
+    worker = threading.Thread(target=attacher.run, kwargs={"stop": stop, "duration": 60})
+    worker.start()
+    try:
+        for seq in range(400):
+            publisher.publish([stored([seq % 50, 50 + seq % 7], parent=seq % 13), removed([(seq * 7) % 50])],
+                              ts=float(seq))
+            if seq % 20 == 0:
+                snap = attacher.fleet.snapshot().engines[0]
+                total = sum(snap.resident.values())
+                assert int(snap.blocks.resident.sum()) == total == sum(t.resident for t in snap.tiers)
+                assert not len(snap.history.resident) or snap.history.resident[-1] == total
+        deadline = time.monotonic() + 10
+        while attacher.fleet.engines[0].last_seq != 399 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert attacher.fleet.engines[0].counters().batches == 400
+    finally:
+        stop.set()
+        worker.join(timeout=10)
+        attacher.close()
+    assert not worker.is_alive()
+
+
+def test_hostile_replay_replies_are_counted():
+    import threading
+
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    replay_port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def serve():
+        if router.poll(10_000):
+            client = router.recv_multipart()[0]
+            for reply in ([b"only one frame"], [b"t", b"\x01", b"p"], [b"t", b"\x00" * 8, b"\xc1"],
+                          [b"t", (1).to_bytes(8, "big"), encode_batch(1.0, [stored([5])])],
+                          [b"", (-1).to_bytes(8, "big", signed=True), b""]):
+                router.send_multipart([client, b"", *reply])
+    server = threading.Thread(target=serve)
+    server.start()
+    attacher = Attacher([Source(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}", TOPIC)])
+    try:
+        attacher.start()
+        server.join(timeout=15)
+        state = attacher.fleet.engines[0]
+        c = state.counters()
+        assert c.decode_errors == 3 and state.block(5) is not None and c.last_seq == 1
+        assert set(c.decode_errors_by_reason) == {"frames", "seq", "msgpack"}
+    finally:
+        attacher.close()
+        router.close(linger=0)
+        pub.close(linger=0)
