@@ -104,7 +104,14 @@ def test_an_engine_restart_starts_a_new_epoch():
             first.publish([stored([10 + seq])], ts=float(seq))
         assert until(attacher, lambda: state.last_seq == 2)
         first.close()
-        second = KVEventPublisher(endpoint, replay, topic=TOPIC, bind=True)  # the same ports
+        second = None
+        for _ in range(50):  # the same ports, once the closed sockets have let them go (closing is asynchronous)
+            try:
+                second = KVEventPublisher(endpoint, replay, topic=TOPIC, bind=True)
+                break
+            except zmq.ZMQError:
+                time.sleep(0.1)
+        assert second is not None
         try:
             sent = []
             for _ in range(30):  # until the SUB socket has reconnected; seqs it missed come from the replay
