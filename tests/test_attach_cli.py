@@ -54,7 +54,7 @@ def test_headless_json_end_to_end_with_two_engines(tmp_path):
         process = attach(f"{a.endpoint},{a.replay_endpoint}", b.endpoint, "--topic", TOPIC, "--headless", "--json",
                          "--idle-exit", "2", "--save-state", str(state_file), "--record", str(record))
         first_err = wait_for_line(process.stderr, "rebuilt from", timeout=30)  # it has replayed and subscribed
-        time.sleep(0.5)  # the subscription reaches the PUB sockets
+        time.sleep(1.0)  # the subscription reaches the PUB sockets (a subprocess: nothing to probe)
         a.publish([stored([4], parent=2)], ts=3.0)
         b.publish([stored([1, 2])], ts=3.0)
         out, err = process.communicate(timeout=60)

@@ -37,10 +37,21 @@ def publisher():
     pub.close()
 
 
+def wait_subscribed(attacher, pub_socket, timeout=10.0):
+    """Probe until the SUB socket's subscription has reached the PUB socket: a topic that starts with TOPIC gets
+    through ZMQ's prefix filter, and the feed ignores it (it counts it in other_topic)."""
+    feed = attacher.feeds[0]
+    deadline = time.monotonic() + timeout
+    while feed.other_topic == 0 and time.monotonic() < deadline:
+        pub_socket.send_multipart([f"{TOPIC}-probe".encode(), b"\0" * 8, b""])
+        attacher.poll(0.05)
+    assert feed.other_topic > 0, "the subscription never arrived"
+
+
 def attach(pub, replay=True):
     attacher = Attacher([Source(pub.endpoint, pub.replay_endpoint if replay else None, TOPIC)])
     attacher.start()
-    time.sleep(0.3)  # the subscription reaches the PUB socket
+    wait_subscribed(attacher, pub._pub)
     return attacher
 
 
@@ -134,7 +145,7 @@ def test_hostile_frames_are_counted_and_good_batches_keep_applying():
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     attacher = Attacher([Source(f"tcp://127.0.0.1:{port}", None, TOPIC)])
     attacher.start()
-    time.sleep(0.3)
+    wait_subscribed(attacher, pub)
     state = attacher.fleet.engines[0]
     topic = TOPIC.encode()
     seq = iter(range(100))
