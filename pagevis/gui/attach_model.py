@@ -1,4 +1,5 @@
-"""From `pagevis attach` snapshots (pagevis/attach/state.py) to what the attach window draws, with no Qt: the prefix
+"""From `pagevis attach` snapshots (pagevis/attach/state.py) to what the attach window draws, with no Qt (a test
+checks): the prefix
 forest's rows for the reusable forest view (views/prefix_forest.py), with its marks (newest stored, just removed,
 hot, held by another engine), the overlap between engines, store / remove rates, the lifetime histogram, hot
 prefix rows and the metrics series. Everything here reads immutable snapshots only; nothing here keeps state
@@ -21,7 +22,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..attach.state import GPU, EngineSnapshot, FleetSnapshot, History
-from .views.prefix_forest import HOT, NEWEST, REMOVED, SHARED, ColourClass, ForestRows
+from .views.forest_rows import HOT, NEWEST, REMOVED, SHARED, ColourClass, ForestRows
 
 MEDIUM_COLORS = {"GPU": "#4fa3ff", "CPU": "#ffb020", "CPU_PINNED": "#ffb020", "STORAGE": "#3ddc84",
                  "DISK": "#3ddc84", "EXTERNAL": "#b48cf2"}

@@ -3,8 +3,8 @@ its tokens, coloured by its class (the medium it lives in), marked when it is th
 hot (stored again soon after a removal) or held by another engine too. Hover a box for its description; click it
 to select it (`clicked`).
 
-The view knows nothing of where the blocks come from: it renders `ForestRows`, columns of
-(parent row, tokens, colour class, flags, sibling order) with callables for a row's key, hover text and label.
+The view knows nothing of where the blocks come from: it renders `ForestRows` (forest_rows.py, no Qt), columns
+of (parent row, tokens, colour class, flags, sibling order) with callables for a row's key, hover text and label.
 `ForestRows.from_rows([ForestRow(key, parent_key, tokens, colour, text, flags)...])` builds them from plain rows
 (a few thousand); an adapter builds the columns directly for a million (pagevis/gui/attach_model.py for
 `pagevis attach`).
@@ -17,8 +17,7 @@ per colour, built once per forest.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any
 
 import numpy as np
 import pyqtgraph as pg
@@ -28,84 +27,13 @@ from PySide6.QtWidgets import QLabel, QToolTip, QVBoxLayout, QWidget
 
 from .. import theme
 from .forest_layout import DEFAULT_BUDGET, ForestLayout, layout_forest
+from .forest_rows import FLAG_NAMES, HOT, NEWEST, REMOVED, SHARED, ColourClass, ForestRow, ForestRows
 
-NEWEST, REMOVED, HOT, SHARED = 1, 2, 4, 8
-FLAG_NAMES = {NEWEST: "newest stored", REMOVED: "just removed", HOT: "hot (stored again soon after removal)",
-              SHARED: "held by another engine too"}
+__all__ = ["ColourClass", "ForestRow", "ForestRows", "PrefixForestView", "NEWEST", "REMOVED", "HOT", "SHARED"]
+
 MARK_COLORS = {NEWEST: "#ffffff", REMOVED: "#ef4b4b", HOT: "#ffb020", SHARED: "#29c7c7"}
 AGGREGATE_COLOR = "#6b7280"
 MAX_LABELS = 400  # labels drawn per paint (the widest boxes first)
-
-
-@dataclass(frozen=True)
-class ColourClass:
-    name: str
-    color: str  # "#rrggbb"
-
-
-@dataclass(frozen=True)
-class ForestRow:
-    """One node, for `ForestRows.from_rows`: `parent` is the parent's key (None, or a key not given: a root),
-    `colour` an index into the classes, `text` the hover text."""
-
-    key: Hashable
-    parent: Hashable | None
-    tokens: int
-    colour: int
-    text: str = ""
-    flags: int = 0
-    label: str = ""
-    order: int = 0
-
-
-def _default_label(row: int) -> str:
-    return ""
-
-
-@dataclass(frozen=True)
-class ForestRows:
-    """What the view renders, one entry per node (NumPy columns, so a million rows cost no Python objects)."""
-
-    parent: np.ndarray  # int64 row of the parent, -1 for a root
-    tokens: np.ndarray  # int64 width of the box
-    colour: np.ndarray  # uint8 index into `classes`
-    flags: np.ndarray  # uint8: NEWEST | REMOVED | HOT | SHARED
-    order: np.ndarray  # int64 sibling order, smaller first (e.g. when the block was stored)
-    classes: tuple[ColourClass, ...]
-    key: Callable[[int], Hashable]  # a row's key (what `row_of` finds)
-    describe: Callable[[int], str]  # a row's hover text
-    label: Callable[[int], str] = _default_label  # drawn inside boxes wide enough for it
-    meta: dict = field(default_factory=dict)  # whatever the producer wants to keep beside (not drawn)
-
-    def __len__(self) -> int:
-        return len(self.parent)
-
-    @classmethod
-    def empty(cls, classes: tuple[ColourClass, ...] = ()) -> "ForestRows":
-        z = np.zeros(0, np.int64)
-        return cls(z, z, np.zeros(0, np.uint8), np.zeros(0, np.uint8), z, classes, lambda i: None, lambda i: "")
-
-    @classmethod
-    def from_rows(cls, rows: Sequence[ForestRow], classes: Sequence[ColourClass]) -> "ForestRows":
-        keys = [row.key for row in rows]
-        index = {key: i for i, key in enumerate(keys)}
-        parent = np.array([index.get(row.parent, -1) if row.parent is not None else -1 for row in rows],
-                          dtype=np.int64)
-        texts = [row.text for row in rows]
-        labels = [row.label for row in rows]
-        return cls(parent=parent, tokens=np.array([row.tokens for row in rows], dtype=np.int64),
-                   colour=np.array([row.colour for row in rows], dtype=np.uint8),
-                   flags=np.array([row.flags for row in rows], dtype=np.uint8),
-                   order=np.array([row.order for row in rows], dtype=np.int64), classes=tuple(classes),
-                   key=keys.__getitem__, describe=texts.__getitem__, label=labels.__getitem__)
-
-    def blocks(self) -> np.ndarray:
-        """Rows that are blocks held now (the REMOVED ones are ghosts, drawn for one frame)."""
-        return (self.flags & REMOVED) == 0
-
-    def count_by_class(self) -> dict[str, int]:
-        counts = np.bincount(self.colour[self.blocks()], minlength=len(self.classes))
-        return {c.name: int(n) for c, n in zip(self.classes, counts) if n}
 
 
 def _brush(color: str, alpha: int = 255, style=Qt.SolidPattern) -> QBrush:
