@@ -1,0 +1,322 @@
+"""The attach window's threads. The UI thread never touches the state: it pulls the latest frames these threads
+made, on a timer (attach_window.py).
+
+- `FleetWorker` owns the source: a live `Attacher` (its ZMQ sockets live and die on this thread) or a recorded
+  `Playback` scrubbed to `target`. Between polls it publishes a `FleetFrame` (snapshots without blocks: counters,
+  rates, lifetimes, hot prefixes) at most 30 times a second, and hands a full snapshot (with blocks) to the
+  forest worker whenever that one is idle and the state has changed.
+- `ForestWorker` turns a full snapshot into the forest (attach_model.build_forest, forest_layout.layout_forest)
+  and the overlap between engines; it waits at least as long as its last build took before taking the next one,
+  so at 1 M blocks it uses at most half a core and the forest updates a few times a second instead of 30.
+- `MetricsWorker` scrapes `--metrics URL` once a second.
+Each stops when asked (`stop()`: requestInterruption + wait); nothing here raises into the UI: errors become text
+in the frames.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from PySide6.QtCore import QThread
+
+from ..attach.metrics import MetricsHistory, scrape
+from ..attach.state import Counters, EngineSnapshot, FleetSnapshot
+from .attach_model import EngineForest, Overlap, build_forest, elsewhere, overlap
+from .views.forest_layout import DEFAULT_BUDGET, ForestLayout, Interrupted, layout_forest
+
+FRAME_S = 1 / 30  # light frames at most this often
+CHUNK = 2000  # playback messages applied between two looks at the target and the stop flag
+MANY_ENGINES = 64  # beyond this many engines, their summary lines are refreshed twice a second only
+
+
+class LiveSource:
+    """Endpoints, through pagevis.attach.subscriber.Attacher (created and used on the worker thread only)."""
+
+    live = True
+
+    def __init__(self, sources: list, recorder=None):
+        self.sources, self.recorder = list(sources), recorder
+        self.attacher = None
+        self.fleet = None
+        self.position = self.length = None
+
+    def start(self) -> None:
+        from ..attach.subscriber import Attacher
+
+        self.attacher = Attacher(self.sources, recorder=self.recorder)
+        self.fleet = self.attacher.fleet
+        self.attacher.start()
+
+    def step(self) -> None:
+        self.attacher.poll(0.01)
+
+    def close(self) -> None:
+        if self.attacher is not None:
+            self.attacher.close()
+
+
+class PlaybackSource:
+    """A recording (pagevis.attach.playback.Playback), played up to `target` (set from any thread)."""
+
+    live = False
+
+    def __init__(self, playback):
+        self.playback = playback
+        self.target = 0
+        self.length = len(playback)
+
+    @property
+    def fleet(self):
+        return self.playback.fleet
+
+    @property
+    def position(self) -> int:
+        return self.playback.position
+
+    def start(self) -> None:
+        pass
+
+    def step(self) -> None:
+        target = max(0, min(int(self.target), self.length))
+        if target < self.playback.position:
+            self.playback.seek(0)  # back: rebuilt from the start, then forward in chunks
+        if target > self.playback.position:
+            self.playback.advance(min(target - self.playback.position, CHUNK))
+        else:
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class EngineLine:
+    name: str
+    counters: Counters
+    resident: dict
+
+
+@dataclass(frozen=True)
+class FleetFrame:
+    engines: tuple[EngineLine, ...]
+    selected: int
+    engine: EngineSnapshot | None  # the selected engine, without blocks
+    shared_blocks: int
+    position: int | None  # playback: live messages applied; None live
+    length: int | None
+    started: bool  # the source is attached (a live attach first rebuilds from the replay endpoints)
+    error: str  # the worker's own trouble (a bad endpoint, an unexpected exception), not decode errors
+    worker_errors: int
+    made: float  # time.monotonic()
+
+
+@dataclass(frozen=True)
+class ForestFrame:
+    forest: EngineForest
+    layout: ForestLayout
+    overlap: Overlap
+    selected: int
+    position: int | None
+    build_s: float  # forest rows + layout
+    snapshot_s: float  # the full snapshot, on the fleet worker
+
+
+class ForestWorker(QThread):
+    def __init__(self, detokenizer=None, budget: int = DEFAULT_BUDGET, parent=None):
+        super().__init__(parent)
+        self.detokenizer, self.budget = detokenizer, budget
+        self.latest: ForestFrame | None = None
+        self.error = ""
+        self.builds = 0
+        self._pending: tuple | None = None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._busy = False
+        self._next_at = 0.0
+        self._previous: EngineForest | None = None
+
+    def idle(self) -> bool:
+        return not self._busy and self._pending is None and time.monotonic() >= self._next_at
+
+    def submit(self, snapshot: FleetSnapshot, selected: int, position: int | None, snapshot_s: float) -> None:
+        with self._lock:
+            self._pending = (snapshot, selected, position, snapshot_s)
+            self._busy = True
+        self._wake.set()
+
+    def forget(self) -> None:
+        """The next forest marks nothing as changed (another engine was selected)."""
+        self._previous = None
+
+    def run(self) -> None:
+        while not self.isInterruptionRequested():
+            if not self._wake.wait(0.05):
+                continue
+            self._wake.clear()
+            with self._lock:
+                job, self._pending = self._pending, None
+            if job is None:
+                self._busy = False
+                continue
+            began = time.monotonic()
+            try:
+                self.latest = self._build(*job)
+                self.error = ""
+            except Interrupted:
+                break
+            except Exception as error:  # noqa: BLE001 - shown in the window; the next snapshot may do better
+                self.error = f"forest: {type(error).__name__}: {error}"[:300]
+            finally:
+                took = time.monotonic() - began
+                self._next_at = time.monotonic() + max(FRAME_S, took)
+                self._busy = False
+                self.builds += 1
+
+    def _build(self, snapshot: FleetSnapshot, selected: int, position: int | None, snapshot_s: float) -> ForestFrame:
+        began = time.perf_counter()
+        table, sets = overlap(snapshot)
+        selected = min(selected, len(snapshot.engines) - 1)
+        engine = snapshot.engines[selected]
+        shared = elsewhere(sets, selected) if len(sets) > 1 else None
+        previous = self._previous if self._previous is not None and self._previous.name == engine.name else None
+        forest = build_forest(engine, previous, shared, self.detokenizer, position)
+        rows = forest.rows
+        layout = layout_forest(rows.parent, rows.tokens, rows.order, self.budget, stop=self.isInterruptionRequested)
+        self._previous = forest
+        return ForestFrame(forest, layout, table, selected, position, time.perf_counter() - began, snapshot_s)
+
+    def stop(self, timeout_ms: int = 5000) -> bool:
+        self.requestInterruption()
+        self._wake.set()
+        return self.wait(timeout_ms)
+
+
+class FleetWorker(QThread):
+    def __init__(self, source, forest: ForestWorker | None = None, parent=None):
+        super().__init__(parent)
+        self.source, self.forest = source, forest
+        self.selected = 0
+        self.latest: FleetFrame | None = None
+        self.error = ""
+        self.worker_errors = 0
+        self.started_source = False
+        self._changed_key: Any = None
+        self._lines: tuple = ()
+        self._lines_at = 0.0
+
+    def run(self) -> None:
+        try:
+            try:
+                self.source.start()
+                self.started_source = True
+            except Exception as error:  # noqa: BLE001 - zmq.ZMQError for a bad endpoint, and anything else
+                self._fail(f"could not attach: {type(error).__name__}: {error}")
+            last = 0.0
+            while not self.isInterruptionRequested():
+                if self.started_source:
+                    try:
+                        self.source.step()
+                    except Exception as error:  # noqa: BLE001 - a bug must not take the window down
+                        self._fail(f"{type(error).__name__}: {error}")
+                        time.sleep(0.05)
+                else:
+                    time.sleep(0.05)
+                now = time.monotonic()
+                if now - last >= FRAME_S or self._arrived():
+                    self._publish(now)
+                    last = now
+                self._feed_forest()
+        finally:
+            try:
+                self.source.close()
+            except Exception as error:  # noqa: BLE001
+                self._fail(f"closing: {error}")
+
+    def _fail(self, text: str) -> None:
+        self.worker_errors += 1
+        self.error = text[:300]
+
+    def _arrived(self) -> bool:
+        """A playback that just reached its target publishes at once (a scrub shows the exact position)."""
+        latest = self.latest
+        return (not self.source.live and latest is not None and latest.position != self.source.position
+                and self.source.position == self.source.target)
+
+    def _publish(self, now: float) -> None:
+        fleet = self.source.fleet
+        if fleet is None:
+            self.latest = FleetFrame((), 0, None, 0, None, self.source.length, False, self.error,
+                                     self.worker_errors, now)
+            return
+        with fleet.lock:
+            engines = fleet.engines
+            selected = min(self.selected, max(len(engines) - 1, 0))
+            refresh = len(engines) <= MANY_ENGINES or now - self._lines_at >= 0.5 or len(self._lines) != len(engines)
+            if refresh:
+                self._lines = tuple(EngineLine(e.name, e.counters(), e.resident_by_medium()) for e in engines)
+                self._lines_at = now
+            engine = engines[selected].snapshot(blocks=False) if engines else None
+            shared = fleet.shared_gpu_blocks()
+            position = self.source.position
+        self.latest = FleetFrame(self._lines, selected, engine, shared, position, self.source.length,
+                                 self.started_source, self.error, self.worker_errors, now)
+
+    def _feed_forest(self) -> None:
+        fleet = self.source.fleet
+        if self.forest is None or fleet is None or not self.forest.idle():
+            return
+        frame = self.latest
+        if frame is None:
+            return
+        key = (frame.selected, frame.position, id(fleet),
+               tuple((line.counters.batches, line.counters.epoch, line.counters.decode_errors)
+                     for line in frame.engines))
+        if key == self._changed_key or frame.position != self.source.position:
+            return
+        began = time.perf_counter()
+        with fleet.lock:
+            snapshot = fleet.snapshot(blocks=True)
+            position = self.source.position
+        self._changed_key = key
+        self.forest.submit(snapshot, frame.selected, position, time.perf_counter() - began)
+
+    def stop(self, timeout_ms: int = 5000) -> bool:
+        self.requestInterruption()
+        return self.wait(timeout_ms)
+
+
+class MetricsWorker(QThread):
+    """Scrapes `url` every `interval_s`; `samples()` is a copy of what it has, `error` the last failure."""
+
+    def __init__(self, url: str, interval_s: float = 1.0, parent=None):
+        super().__init__(parent)
+        self.url, self.interval_s = url, interval_s
+        self.history = MetricsHistory()
+        self.error = ""
+        self.scrapes = 0
+        self._lock = threading.Lock()
+
+    def samples(self) -> tuple:
+        with self._lock:
+            return tuple(self.history.samples)
+
+    def run(self) -> None:
+        while not self.isInterruptionRequested():
+            began = time.monotonic()
+            try:
+                sample = scrape(self.url)
+                with self._lock:
+                    self.history.add(sample)
+                self.error = ""
+            except Exception as error:  # noqa: BLE001 - OSError, ValueError, and anything the parser raises
+                self.error = f"{type(error).__name__}: {error}"[:200]
+            self.scrapes += 1
+            while not self.isInterruptionRequested() and time.monotonic() - began < self.interval_s:
+                time.sleep(0.05)
+
+    def stop(self, timeout_ms: int = 5000) -> bool:
+        self.requestInterruption()
+        return self.wait(timeout_ms)
