@@ -31,6 +31,7 @@ from ..engine import ConfigError, EventKind
 from ..errors import check_int
 from .batch import BatchConfig, BatchRecord
 from .engine import Engine
+from .pool_forest import ForestNode, PoolForest
 from .session_config import SessionConfig
 from .workload import Arrival, ArrivalSchedule
 
@@ -127,6 +128,16 @@ class RequestRow:
     text: str
 
 
+@dataclass(frozen=True)
+class SideSnapshot:
+    """What the slower views of one side show, taken between steps on the stepping thread."""
+
+    side: str
+    step: ServerStep | None  # the newest step (None before the first)
+    requests: tuple[RequestRow, ...]
+    forest: tuple[ForestNode, ...]
+
+
 @dataclass
 class _Track:
     arrival: Arrival
@@ -166,6 +177,8 @@ class ServerRun:
         self._follow_ups: list[tuple[float, int, Arrival]] = []  # a heap by arrival time
         self._completed = 0
         self._generated = 0
+        self.forest = PoolForest(model, self.page_size)
+        self.last_step: ServerStep | None = None
 
     def close(self) -> None:
         self.engine.close()
@@ -264,6 +277,7 @@ class ServerRun:
 
     def _account(self, t0: float, t1: float, record: BatchRecord, arrived: list[int]) -> ServerStep:
         engine = self.engine
+        self.forest.observe(engine, record)
         fed = {s.seq_id: s for s in record.seqs}
         preempted_now = [e.seq for e in record.events if e.kind is EventKind.PREEMPT]
         for event in record.events:
@@ -316,7 +330,7 @@ class ServerRun:
         preempted = tuple(self.by_seq[s] for s in engine.waiting if engine.requests[s].preemptions)
         owners = {s: self.by_seq[s] for s in record.block_tables} if record is not None else {}
         self.n_steps += 1
-        return ServerStep(
+        self.last_step = ServerStep(
             side=self.side, step=self.n_steps - 1, t0=t0, t1=t1, record=record, owners=owners,
             arrived=tuple(arrived), waiting=tuple(waiting), running=tuple(self.by_seq[s] for s in engine.running),
             preempted=preempted, ended=tuple(self.by_seq[s] for s in ended), prefill_tokens=prefill,
@@ -325,8 +339,13 @@ class ServerRun:
             reserved_pages=self.reserved_pages(), prefix_queries=stats.queries, prefix_hits=stats.hits,
             preemptions=engine.preemptions, preempted_now=len(preempted_now), completed=self._completed,
             generated=self._generated)
+        return self.last_step
 
     # --- what the slower views show (taken between steps, on the stepping thread) ------------------------
+    def snapshot(self, limit: int = 400) -> SideSnapshot:
+        return SideSnapshot(self.side, self.last_step, self.request_rows(limit), self.forest.nodes(self.engine,
+                                                                                                   self.by_seq))
+
     def request_rows(self, limit: int = 400) -> tuple[RequestRow, ...]:
         """The newest `limit` requests (every live one among them), oldest first."""
         rows = []
@@ -371,3 +390,23 @@ class ServerPair:
     def close(self) -> None:
         for side in self.sides:
             side.close()
+
+
+COMPARES = {"": "one server", "prefix": "prefix caching on vs off", "contiguous": "paged vs contiguous reservation"}
+
+
+def side_configs(server: ServerConfig, compare: str = "") -> list[ServerConfig]:
+    """The sides of a comparison on `server`'s pool and scheduler: one side (as given); prefix caching on (A)
+    against off (B); or paged (A) against contiguous reservation (B), neither caching prefixes, so the only
+    difference is when memory is taken."""
+    if compare not in COMPARES:
+        raise ConfigError("compare", compare, "one of " + ", ".join(repr(c) for c in COMPARES))
+    if compare == "prefix":
+        return [replace(server, reservation="paged", prefix_caching=True, label="prefix caching on"),
+                replace(server, reservation="paged", prefix_caching=False, label="prefix caching off")]
+    if compare == "contiguous":
+        return [replace(server, reservation="paged", prefix_caching=False, label="paged (pages as tokens come)"),
+                replace(server, reservation="contiguous", prefix_caching=False,
+                        label="contiguous (prompt + max new tokens reserved)")]
+    label = server.label or ("paged, prefix caching" if server.prefix_caching else "paged")
+    return [replace(server, label=label)]

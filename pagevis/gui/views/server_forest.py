@@ -1,0 +1,50 @@
+"""The engine's prefix cache in the shared prefix-forest widget (prefix_forest.py): one box per cached full
+page (PoolForest's nodes: the pool's hashes, parents from the requests' own chains), labelled with its hit count
+and its text, coloured by whether it is shared now, held by one request, or free but still cached."""
+
+from __future__ import annotations
+
+from ...decoding.pool_forest import REMOVED as NODE_REMOVED
+from ...decoding.pool_forest import ForestNode
+from .forest_rows import NEWEST, REMOVED, ColourClass, ForestRow, ForestRows
+from .prefix_forest import PrefixForestView
+from .sequences import CACHED_COLOR, SHARED_COLOR
+
+CLASSES = (ColourClass("shared now", SHARED_COLOR), ColourClass("held by one request", "#3b82c4"),
+           ColourClass("free, still cached", CACHED_COLOR))
+CLASS_OF = {"shared": 0, "in use": 1, "cached": 2, "removed": 2}
+
+
+def forest_rows(nodes: tuple[ForestNode, ...]) -> ForestRows:
+    rows = []
+    for node in nodes:
+        text = node.text.replace("\n", "⏎")
+        holders = ", ".join(map(str, node.owners[:12])) + (" …" if len(node.owners) > 12 else "")
+        hover = (f"page {node.page} · {node.state} · ref count {node.refs} · {node.hits} prefix hits"
+                 + (f"\nheld by requests {holders}" if holders else "")
+                 + ("\njust reclaimed for other tokens" if node.flags & NODE_REMOVED else "")
+                 + f"\n“{text}”")
+        label = f"{node.hits}× {text}" if node.hits else text
+        flags = (REMOVED if node.flags & NODE_REMOVED else 0) | (NEWEST if node.flags & 1 else 0)
+        rows.append(ForestRow(node.key, node.parent, node.n_tokens, CLASS_OF[node.state], hover, flags, label,
+                              node.order))
+    return ForestRows.from_rows(rows, CLASSES)
+
+
+class ServerForest(PrefixForestView):
+    def __init__(self):
+        super().__init__(x_label="tokens into the prompt", y_label="branches")
+        self.nodes: tuple[ForestNode, ...] = ()
+        self.set_empty_text("no full page cached yet")
+
+    def set_nodes(self, nodes: tuple[ForestNode, ...]) -> None:
+        self.nodes = nodes
+        hits = sum(n.hits for n in nodes if not n.flags & NODE_REMOVED)
+        rows = forest_rows(nodes)
+        self.set_forest(rows, note=f"{hits} prefix hits on the pages cached now")
+        counts = rows.count_by_class()
+        swatches = [f"<span style='color:{c.color}'>&#9632;</span>&nbsp;{c.name}&nbsp;{counts.get(c.name, 0)}"
+                    for c in CLASSES]
+        self.legend.setText("&nbsp;&nbsp; ".join(swatches) + "&nbsp;&nbsp; <span style='color:#ffffff'>&#9633;</span>"
+                            "&nbsp;stored since the last frame &nbsp; <span style='color:#ef4b4b'>&#9633;</span>"
+                            "&nbsp;reclaimed since the last frame · label: hits× text")
