@@ -299,3 +299,27 @@ def test_run_in_the_worker_thread_redraws_at_most_30_times_a_second_and_pauses(q
     w.rate.setValue(1200)
     assert w.schedule.rate_per_min == 1200
     w.close()
+
+
+def test_view_server_opens_on_the_main_windows_model_and_runs(qtbot, tmp_path):
+    from gui_helpers import make_window
+
+    main = make_window(qtbot, tmp_path)
+    view = next(a.menu() for a in main.menuBar().actions() if a.text() == "&View")
+    assert any(a.text().replace("&", "").startswith("Server") for a in view.actions())
+    server = main.open_server(replace(preset(n=4), server=replace(preset().server, step_seconds=None)))
+    qtbot.addWidget(server)
+    assert server.model is main.runner.model
+    qtbot.waitUntil(lambda: len(server.series["A"]) > 0, timeout=30000)  # it runs at once: one click
+    server.close()
+    assert not server.busy and not server.sides
+
+
+def test_server_demo_screenshot_from_the_command_line(qtbot, tmp_path):
+    from pagevis.cli.main import main
+
+    path = tmp_path / "server.png"
+    assert main(["--server-demo", "returning", "--model", "synthetic", "--layers", "2", "--heads", "4",
+                 "--screenshot", str(path), "--steps", "30"]) == 0
+    assert path.stat().st_size > 10_000
+    assert main(["--server-demo", "no such preset", "--screenshot", str(tmp_path / "x.png")]) == 2

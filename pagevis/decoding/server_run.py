@@ -96,8 +96,9 @@ class ServerStep:
     prefix_hits: int
     preemptions: int  # so far
     preempted_now: int  # in this step
-    completed: int  # requests ended so far
+    completed: int  # requests ended so far (rejected ones included)
     generated: int  # tokens sampled so far
+    rejected: int = 0  # requests so far that could never run: prompt + max new tokens larger than the pool
 
     @property
     def seconds(self) -> float:
@@ -338,7 +339,7 @@ class ServerRun:
             itl=itl, pages_used=engine.cache.pages_used(), pool_pages=self.config.pool_pages,
             reserved_pages=self.reserved_pages(), prefix_queries=stats.queries, prefix_hits=stats.hits,
             preemptions=engine.preemptions, preempted_now=len(preempted_now), completed=self._completed,
-            generated=self._generated)
+            generated=self._generated, rejected=len(self.rejected))
         return self.last_step
 
     # --- what the slower views show (taken between steps, on the stepping thread) ------------------------

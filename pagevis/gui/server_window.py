@@ -101,7 +101,7 @@ class SidePanel(QWidget):
 
 class ServerWindow(QWidget):
     def __init__(self, model, preset: ServerPreset = SERVER_PRESETS[0], parent=None, model_label: str = "",
-                 realtime: bool = True):
+                 realtime: bool = True, autorun: bool = False):
         super().__init__(parent, Qt.Window)
         self.model, self.preset, self.realtime = model, preset, realtime
         self.setWindowTitle(f"pagevis — server: {preset.name}" + (f" ({model_label})" if model_label else ""))
@@ -147,6 +147,8 @@ class ServerWindow(QWidget):
         self.redraw_timer.timeout.connect(self.redraw)
         self.resize(1600, 1000)
         self.start()
+        if autorun:  # one click (View ▸ Server, --server-demo) shows the server at work
+            QTimer.singleShot(0, lambda: self.run_button.setChecked(True))
 
     # --- controls ----------------------------------------------------------------------------------------
     def _build_controls(self, preset: ServerPreset) -> None:
@@ -351,7 +353,8 @@ class ServerWindow(QWidget):
                 ("tokens generated", "generated", "{:.0f}"), ("throughput", "throughput", "{:.2f} tok/s"),
                 ("mean TTFT", "ttft_mean", "{:.2f} s"), ("mean ITL", "itl_mean", "{:.3f} s"),
                 ("peak KV pages", "peak_pages", "{:.0f}"), ("peak reserved", "peak_reserved", "{:.0f}"),
-                ("preemptions", "preemptions", "{:.0f}"), ("prefix hit rate", "hit_rate", "{:.0f}%"))
+                ("preemptions", "preemptions", "{:.0f}"), ("prefix hit rate", "hit_rate", "{:.0f}%"),
+                ("rejected (too long)", "rejected", "{:.0f}"))
         numbers = {side: s.summary() for side, s in self.series.items()}
         if not any(numbers.values()):
             self.summary.setText(theme.muted("the numbers of each side appear with its first step"))
@@ -360,7 +363,9 @@ class ServerWindow(QWidget):
         ratio = len(numbers) == 2 and all(numbers.values())
         body = ""
         for label, key, fmt in rows:
-            cells = "".join(f"<td align=right>&nbsp;{fmt.format(n[key]) if n else '–'}</td>"
+            if key == "rejected" and not any(n.get(key) for n in numbers.values()):
+                continue
+            cells = "".join(f"<td align=right>&nbsp;{fmt.format(n[key]) if n and n[key] == n[key] else '–'}</td>"
                             for n in numbers.values())
             if ratio:
                 a, b = numbers["A"][key], numbers["B"][key]
@@ -379,6 +384,7 @@ class ServerWindow(QWidget):
         self.redraw_timer.stop()
         if self.worker is not None:
             self.shutdown()
+            self.worker, self.control = None, None  # its queued `finished` may come after the window is gone
         self._close_sides()
         super().closeEvent(event)
 
@@ -389,3 +395,32 @@ def _spin(low: int, high: int, value: int, tip: str) -> QSpinBox:
     spin.setValue(min(max(value, low), high))
     spin.setToolTip(tip)
     return spin
+
+
+def server_demo(app, spec, preset: ServerPreset | None, screenshot: str | None, steps: int) -> int:
+    """`pagevis --server-demo`: the window alone on the spec's model; with a screenshot, `steps` steps first."""
+    import sys
+
+    from . import _grab_from_screen
+    from .export import default_size
+
+    print(f"pagevis: loading {spec.label}…", file=sys.stderr)
+    window = ServerWindow(spec.load(), preset or SERVER_PRESETS[0], model_label=spec.label,
+                          realtime=not screenshot, autorun=not screenshot)
+    if not screenshot:
+        window.show()
+        return app.exec()
+    real_display = app.platformName() not in ("offscreen", "minimal")
+    if not real_display:
+        window.resize(default_size())
+    window.show()
+    app.processEvents()
+    window.step_blocking(steps, every_step=False)
+    app.processEvents()
+    image = _grab_from_screen(app, window) if app.platformName() == "xcb" else window.grab()
+    ok = image.save(screenshot)
+    window.close()
+    if not ok:
+        print(f"pagevis: could not write {screenshot}", file=sys.stderr)
+        return 1
+    return 0

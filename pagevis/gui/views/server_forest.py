@@ -4,6 +4,11 @@ and its text, coloured by whether it is shared now, held by one request, or free
 
 from __future__ import annotations
 
+import html
+
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QLabel, QWidget
+
 from ...decoding.pool_forest import REMOVED as NODE_REMOVED
 from ...decoding.pool_forest import ForestNode
 from .forest_rows import NEWEST, REMOVED, ColourClass, ForestRow, ForestRows
@@ -31,11 +36,24 @@ def forest_rows(nodes: tuple[ForestNode, ...]) -> ForestRows:
     return ForestRows.from_rows(rows, CLASSES)
 
 
+HOT_SHOWN = 3  # pages the "most reused" line names
+
+
+def hottest(nodes: tuple[ForestNode, ...], n: int = HOT_SHOWN) -> list[ForestNode]:
+    """The cached pages with the most hits (the deepest first among equals: the end of a shared prefix)."""
+    live = [node for node in nodes if node.hits and not node.flags & NODE_REMOVED]
+    return sorted(live, key=lambda node: (-node.hits, -node.order))[:n]
+
+
 class ServerForest(PrefixForestView):
     def __init__(self):
         super().__init__(x_label="tokens into the prompt", y_label="branches")
         self.nodes: tuple[ForestNode, ...] = ()
         self.set_empty_text("no full page cached yet")
+        self.hot = QLabel()
+        self.hot.setWordWrap(True)
+        self.hot.setTextFormat(Qt.RichText)
+        QWidget.layout(self).addWidget(self.hot)  # (self.layout is the forest layout)
 
     def set_nodes(self, nodes: tuple[ForestNode, ...]) -> None:
         self.nodes = nodes
@@ -46,5 +64,13 @@ class ServerForest(PrefixForestView):
         swatches = [f"<span style='color:{c.color}'>&#9632;</span>&nbsp;{c.name}&nbsp;{counts.get(c.name, 0)}"
                     for c in CLASSES]
         self.legend.setText("&nbsp;&nbsp; ".join(swatches) + "&nbsp;&nbsp; <span style='color:#ffffff'>&#9633;</span>"
-                            "&nbsp;stored since the last frame &nbsp; <span style='color:#ef4b4b'>&#9633;</span>"
-                            "&nbsp;reclaimed since the last frame · label: hits× text")
+                            "&nbsp;new &nbsp; <span style='color:#ef4b4b'>&#9633;</span>&nbsp;reclaimed · "
+                            "hover a page for its text")
+        top = hottest(nodes)
+        self.hot.setText("most reused: " + " &nbsp; ".join(
+            f"<b>{node.hits}×</b> “{html.escape(_short(node.text))}”" for node in top) if top else "")
+
+
+def _short(text: str, limit: int = 40) -> str:
+    text = " ".join(text.split()) or text.replace("\n", "⏎")
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -37,7 +37,7 @@ class SideSeries:
     """Every step's numbers of one side, as its ServerSteps gave them."""
 
     COLUMNS = ("t", "engine", "tokens_out", "generated", "prefill", "decode", "pages_used", "reserved", "pool",
-               "hits", "queries", "itl", "completed", "preemptions", "step")
+               "hits", "queries", "itl", "completed", "preemptions", "step", "rejected")
 
     def __init__(self, side: str):
         self.side = side
@@ -55,7 +55,8 @@ class SideSeries:
                             ("reserved", step.reserved_pages), ("pool", step.pool_pages),
                             ("hits", step.prefix_hits), ("queries", step.prefix_queries),
                             ("itl", np.mean(step.itl) if step.itl else np.nan), ("completed", step.completed),
-                            ("preemptions", step.preemptions), ("step", step.step)):
+                            ("preemptions", step.preemptions), ("step", step.step),
+                            ("rejected", step.rejected)):
             c[name].append(value)
         for value in step.ttft:
             self.ttft_t.append(step.t1)
@@ -93,6 +94,7 @@ class SideSeries:
                 "itl_mean": float(np.nanmean(self["itl"])) if np.isfinite(self["itl"]).any() else np.nan,
                 "peak_pages": float(self["pages_used"].max()), "peak_reserved": float(self["reserved"].max()),
                 "pool": float(self["pool"][-1]), "preemptions": float(self["preemptions"][-1]),
+                "rejected": float(self["rejected"][-1]),
                 "hit_rate": float(self.hit_rate()[-1]) if np.isfinite(self.hit_rate()[-1]) else 0.0}
 
 

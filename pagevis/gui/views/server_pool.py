@@ -124,7 +124,7 @@ class BatchBars(pg.PlotWidget):
     def __init__(self):
         super().__init__()
         self.plot = self.getPlotItem()
-        theme.style_plot(self.plot, left="tokens", bottom="step")
+        theme.style_plot(self.plot, bottom="step")
         self.plot.setMenuEnabled(False)
         self.plot.hideButtons()
         self.plot.setMouseEnabled(False, False)
@@ -144,7 +144,11 @@ class BatchBars(pg.PlotWidget):
         self.prefill.setOpts(x=steps, y0=decode, height=prefill, width=0.8)
         if len(steps):
             self.plot.setXRange(float(steps[0]) - 0.5, float(steps[0]) + BARS_SHOWN - 0.5, padding=0)
-            theme.grow_range(self.plot, None, float((prefill + decode).max()))
+            top = theme.nice_ceiling(float((prefill + decode).max()))
+            if top != getattr(self, "_top", None):  # two ticks: a short plot has room for no more
+                self._top = top
+                self.plot.setYRange(0, top, padding=0.02)
+                self.plot.getAxis("left").setTicks([[(0, "0"), (top, f"{top:g}")]])
         theme.set_title(self.plot, f"<span style='color:{PREFILL_COLOR}'>prefill</span> + "
                                    f"<span style='color:{DECODE_COLOR}'>decode</span> tokens per step"
                                    + (f": {int(prefill[-1])} + {int(decode[-1])}" if len(steps) else ""))
