@@ -32,6 +32,7 @@ from .views.server_pool import BARS_SHOWN, BatchBars, QueuesView, RequestPoolGri
 from .views.server_timeline import RequestTimeline
 
 FRAME = 1 / 30  # the UI redraws at most this often
+SLOW = 0.5  # seconds between redraws of the plots, forests, timelines and the table while running
 
 
 def serve_steps(stepper, control: RunControl, snapshot, flush_every: float = FRAME):
@@ -95,8 +96,10 @@ class SidePanel(QWidget):
 
     def show_snapshot(self, snapshot) -> None:
         self.forest.set_nodes(snapshot.forest)
-        now = snapshot.step.t1 if snapshot.step is not None else 0.0
-        self.timeline.set_rows(snapshot.requests, now)
+        self.show_timeline(snapshot)
+
+    def show_timeline(self, snapshot) -> None:
+        self.timeline.set_rows(snapshot.requests, snapshot.step.t1 if snapshot.step is not None else 0.0)
 
 
 class ServerWindow(QWidget):
@@ -116,7 +119,8 @@ class ServerWindow(QWidget):
         self.control: RunControl | None = None
         self.frames = 0
         self._dirty = False
-        self._last_draw = 0.0
+        self._last_draw = self._last_slow = 0.0
+        self._jobs: list = []
         self._build_controls(preset)
         self.plots = ServerPlots()
         self.summary = QLabel()
@@ -144,7 +148,7 @@ class ServerWindow(QWidget):
         layout.addWidget(self.status)
         self.redraw_timer = QTimer(self)
         self.redraw_timer.setSingleShot(True)
-        self.redraw_timer.timeout.connect(self.redraw)
+        self.redraw_timer.timeout.connect(self._frame)
         self.resize(1600, 1000)
         self.start()
         if autorun:  # one click (View ▸ Server, --server-demo) shows the server at work
@@ -223,6 +227,7 @@ class ServerWindow(QWidget):
             self.status.setText("pause first (the worker is stepping)")
             return False
         self._close_sides()
+        self._jobs = []  # a frame's jobs still to run would draw the panels about to go
         chosen = self.settings()
         try:
             self.schedule = ArrivalSchedule(chosen.workload, self.model)
@@ -311,6 +316,7 @@ class ServerWindow(QWidget):
 
     def _worker_finished(self) -> None:
         self.worker, self.control = None, None
+        self.request_redraw()  # the last frame draws everything (no worker: every job is due)
         self.run_button.blockSignals(True)
         self.run_button.setChecked(False)
         self.run_button.blockSignals(False)
@@ -322,25 +328,59 @@ class ServerWindow(QWidget):
         self.status.setText("every request has been served; Start builds the server again")
 
     # --- drawing -----------------------------------------------------------------------------------------
+    # While the worker runs, a frame is a list of small jobs, each run in its own turn of the event loop (Qt
+    # paints between them), so that no turn holds the UI thread long; the pool, queues and batch of each side
+    # are drawn every frame, the plots, forests, timelines and the table at most every SLOW seconds.
     def request_redraw(self) -> None:
         self._dirty = True
-        if not self.redraw_timer.isActive():
+        if not self.redraw_timer.isActive() and not self._jobs:
             wait = max(0.0, FRAME - (time.perf_counter() - self._last_draw))
             self.redraw_timer.start(int(wait * 1000))
 
-    def redraw(self) -> None:
-        self._last_draw = time.perf_counter()
+    def _frame(self) -> None:
+        """The redraw timer: this frame's jobs, then one per turn of the event loop."""
+        self._last_draw = now = time.perf_counter()
         if not self._dirty:
             return
         self._dirty = False
         self.frames += 1
+        slow = now - self._last_slow >= SLOW or self.worker is None
+        self._jobs = self._frame_jobs(slow)
+        if slow:
+            self._last_slow = now
+        self._next_job()
+
+    def _next_job(self) -> None:
+        if self._jobs:
+            self._jobs.pop(0)()
+        if self._jobs:
+            QTimer.singleShot(0, self._next_job)
+        elif self._dirty:
+            self.request_redraw()
+
+    def _frame_jobs(self, slow: bool) -> list:
+        jobs = []
         for side, panel in self.panels.items():
             if side in self.latest:
-                panel.show_step(self.latest[side], self.series[side])
-            if side in self.snapshots:
-                panel.show_snapshot(self.snapshots[side])
-        self.plots.set_series(self.series)
-        self._summary()
+                jobs.append(lambda p=panel, s=side: p.show_step(self.latest[s], self.series[s]))
+        if slow:
+            for side, panel in self.panels.items():
+                if side in self.snapshots:
+                    jobs.append(lambda p=panel, s=side: p.forest.set_nodes(self.snapshots[s].forest))
+                    jobs.append(lambda p=panel, s=side: p.show_timeline(self.snapshots[s]))
+            jobs += [lambda: self.plots.set_series(self.series), self._summary, self._status_line]
+        return jobs
+
+    def redraw(self) -> None:
+        """Everything at once, now (tests, screenshots)."""
+        self._jobs = []
+        self._last_draw = self._last_slow = time.perf_counter()
+        self._dirty = False
+        self.frames += 1
+        for job in self._frame_jobs(slow=True):
+            job()
+
+    def _status_line(self) -> None:
         if self.latest and self.worker is not None:
             newest = max(self.latest.values(), key=lambda s: s.t1)
             self.status.setText(f"server time {newest.t1:.1f} s · " + " · ".join(
@@ -382,6 +422,7 @@ class ServerWindow(QWidget):
 
     def closeEvent(self, event) -> None:
         self.redraw_timer.stop()
+        self._jobs = []
         if self.worker is not None:
             self.shutdown()
             self.worker, self.control = None, None  # its queued `finished` may come after the window is gone
