@@ -13,7 +13,7 @@ import pytest
 from pagevis.decoding import ModelSpec, RunControl, run
 from pagevis.decoding.server_run import ServerConfig, ServerPair, ServerRun, side_configs
 from pagevis.decoding.workload import ArrivalSchedule, WorkloadConfig, follow_up_id
-from pagevis.engine import ConfigError
+from pagevis.engine import ConfigError, EventKind
 from pagevis.presets import SERVER_PRESETS, ServerPreset, find_server_preset
 
 SYNTH = ModelSpec(kind="synthetic", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=1)
@@ -148,6 +148,27 @@ def test_a_small_pool_preempts_and_the_preempted_recompute(model):
     rows = {r.id: r for r in server.request_rows()}
     assert preempted and all("preempted" in [p for p, _, _ in rows[r].segments] for r in preempted)
     assert all(r.phase == "done" for r in rows.values())
+
+
+def test_the_forest_is_the_pools_prefix_cache_with_parents_by_the_engines_own_hash(model):
+    from pagevis.decoding.pool_forest import REMOVED
+    from pagevis.engine.prefix_cache import ROOT_HASH, page_hash
+
+    _, (server,) = sides(model, preset(n=6))
+    hits = []
+    run(server, RunControl(), lambda step: hits.extend(
+        e for e in (step.record.events if step.record else ()) if e.kind is EventKind.PREFIX_HIT))
+    pool = server.engine.cache.stores[0].pages
+    nodes = [n for n in server.forest.nodes(server.engine) if not n.flags & REMOVED]
+    assert {n.key for n in nodes} == set(pool.hash_frame) and nodes
+    for node in nodes:
+        parent, tokens, _ = server.forest._info[node.key]
+        assert page_hash(parent, tokens) == node.key  # the parent link is the one the engine hashed with
+        assert node.parent == (parent if parent in pool.hash_frame else None) and node.n_tokens == 8
+        assert node.state == "cached" and node.refs == 0  # every request is done: all free, still cached
+    root = next(n for n in nodes if server.forest._info[n.key][0] == ROOT_HASH)
+    assert root.hits == len(hits) > 0  # every prefix hit of the shared system prompt reused its first page
+    assert sum(n.hits for n in nodes) == sum(e.detail // 8 for e in hits)  # nothing was reclaimed: all still here
 
 
 def test_presets_are_valid_and_found_by_name():
