@@ -310,7 +310,7 @@ def test_run_in_the_worker_thread_redraws_at_most_30_times_a_second_and_pauses(q
     w.run_button.setChecked(True)
     qtbot.waitUntil(lambda: len(w.series["A"]) >= 40, timeout=30000)
     w.run_button.setChecked(False)
-    qtbot.waitUntil(lambda: not w.busy, timeout=30000)
+    qtbot.waitUntil(lambda: not w.busy and not w.drawing, timeout=30000)
     elapsed = time.perf_counter() - started
     assert w.frames - frames <= 30 * elapsed + 2
     taken = len(w.series["A"])

@@ -331,6 +331,11 @@ class ServerWindow(QWidget):
     # While the worker runs, a frame is a list of small jobs, each run in its own turn of the event loop (Qt
     # paints between them), so that no turn holds the UI thread long; the pool, queues and batch of each side
     # are drawn every frame, the plots, forests, timelines and the table at most every SLOW seconds.
+    @property
+    def drawing(self) -> bool:
+        """A frame is due or half drawn."""
+        return self._dirty or bool(self._jobs) or self.redraw_timer.isActive()
+
     def request_redraw(self) -> None:
         self._dirty = True
         if not self.redraw_timer.isActive() and not self._jobs:
