@@ -209,6 +209,8 @@ def check_views_against_the_engine(w) -> None:
         # the pool: every page's ref count and owners as the engine's pool and block tables hold them
         pool = engine.cache.stores[0].pages
         if step.record is not None:
+            assert step.pool is step.record  # (an idle step shows the newest engine record: nothing changed)
+        if step.pool is not None:
             cells = panel.pool.cells
             assert cells == pool_cells(step)
             assert [c.ref_count for c in cells] == pool.ref_counts.tolist()
@@ -267,7 +269,8 @@ def test_the_window_runs_a_seeded_workload_and_every_view_agrees_with_the_engine
         check_views_against_the_engine(w)
     assert w.series["A"]["completed"][-1] >= 1
     hits = [n.hits for n in w.panels["A"].forest.nodes]
-    assert max(hits) >= 1  # the shared system prompt's pages were reused
+    assert max(hits) >= 1  # the shared system prompt's pages were reused, and the forest names them
+    assert "You answer questions" in w.panels["A"].forest.hot.text()
     assert "tok/s" in w.summary.text()
 
 

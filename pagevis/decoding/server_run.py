@@ -78,7 +78,8 @@ class ServerStep:
     t0: float  # server clock at the start and end of the step
     t1: float
     record: BatchRecord | None  # the engine's own record; None for an idle step
-    owners: dict[int, int]  # engine sequence id -> request id (of the record's block tables)
+    pool: BatchRecord | None  # the newest engine record: the pool after this step (an idle step changes nothing)
+    owners: dict[int, int]  # engine sequence id -> request id (of the pool record's block tables)
     arrived: tuple[int, ...]  # requests that arrived by t0 and were queued at this step
     waiting: tuple[int, ...]  # not running, in queue order: held by a contiguous reservation, then the engine's
     running: tuple[int, ...]  # the engine's running requests, in admission order
@@ -180,6 +181,7 @@ class ServerRun:
         self._generated = 0
         self.forest = PoolForest(model, self.page_size)
         self.last_step: ServerStep | None = None
+        self._pool: BatchRecord | None = None
 
     def close(self) -> None:
         self.engine.close()
@@ -329,10 +331,12 @@ class ServerRun:
         engine, stats = self.engine, self.engine.cache.prefix_stats
         waiting = [*self.held, *(self.by_seq[s] for s in engine.waiting)]
         preempted = tuple(self.by_seq[s] for s in engine.waiting if engine.requests[s].preemptions)
-        owners = {s: self.by_seq[s] for s in record.block_tables} if record is not None else {}
+        if record is not None:
+            self._pool = record
+        owners = {s: self.by_seq[s] for s in self._pool.block_tables} if self._pool is not None else {}
         self.n_steps += 1
         self.last_step = ServerStep(
-            side=self.side, step=self.n_steps - 1, t0=t0, t1=t1, record=record, owners=owners,
+            side=self.side, step=self.n_steps - 1, t0=t0, t1=t1, record=record, pool=self._pool, owners=owners,
             arrived=tuple(arrived), waiting=tuple(waiting), running=tuple(self.by_seq[s] for s in engine.running),
             preempted=preempted, ended=tuple(self.by_seq[s] for s in ended), prefill_tokens=prefill,
             decode_tokens=decode, tokens_out=record.tokens_decoded if record is not None else 0, ttft=ttft,

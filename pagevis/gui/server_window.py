@@ -87,7 +87,7 @@ class SidePanel(QWidget):
     def show_step(self, step, series: SideSeries) -> None:
         """The newest step's pool and queues, and the batches of the newest steps."""
         self.step = step
-        if step.record is not None:
+        if step.pool is not None:
             self.pool.set_cells(pool_cells(step))
         self.queues.set_step(step)
         engine = series["engine"] > 0

@@ -36,13 +36,23 @@ def forest_rows(nodes: tuple[ForestNode, ...]) -> ForestRows:
     return ForestRows.from_rows(rows, CLASSES)
 
 
-HOT_SHOWN = 3  # pages the "most reused" line names
-
-
-def hottest(nodes: tuple[ForestNode, ...], n: int = HOT_SHOWN) -> list[ForestNode]:
-    """The cached pages with the most hits (the deepest first among equals: the end of a shared prefix)."""
-    live = [node for node in nodes if node.hits and not node.flags & NODE_REMOVED]
-    return sorted(live, key=lambda node: (-node.hits, -node.order))[:n]
+def reused_prefix(nodes: tuple[ForestNode, ...]) -> list[ForestNode]:
+    """The most reused prefix: from the first page with the most hits, down through the child with the most
+    hits while it has any (for a shared system prompt: the prompt's pages)."""
+    live = [node for node in nodes if not node.flags & NODE_REMOVED]
+    children: dict[int, list[ForestNode]] = {}
+    for node in live:
+        if node.parent is not None:
+            children.setdefault(node.parent, []).append(node)
+    roots = [node for node in live if node.parent is None and node.hits]
+    if not roots:
+        return []
+    chain = [max(roots, key=lambda node: (node.hits, -node.order))]
+    while True:
+        below = [c for c in children.get(chain[-1].key, ()) if c.hits]
+        if not below:
+            return chain
+        chain.append(max(below, key=lambda node: (node.hits, -node.order)))
 
 
 class ServerForest(PrefixForestView):
@@ -66,11 +76,17 @@ class ServerForest(PrefixForestView):
         self.legend.setText("&nbsp;&nbsp; ".join(swatches) + "&nbsp;&nbsp; <span style='color:#ffffff'>&#9633;</span>"
                             "&nbsp;new &nbsp; <span style='color:#ef4b4b'>&#9633;</span>&nbsp;reclaimed · "
                             "hover a page for its text")
-        top = hottest(nodes)
-        self.hot.setText("most reused: " + " &nbsp; ".join(
-            f"<b>{node.hits}×</b> “{html.escape(_short(node.text))}”" for node in top) if top else "")
+        chain = reused_prefix(nodes)
+        if chain:
+            text = "".join(node.text for node in chain)
+            tokens = sum(node.n_tokens for node in chain)
+            self.hot.setText(f"most reused prefix: <b>{chain[0].hits}×</b> its first page, {len(chain)} pages "
+                             f"({tokens} tokens) reused at least once: “{html.escape(_short(text, 90))}”")
+        else:
+            self.hot.setText("")
 
 
-def _short(text: str, limit: int = 40) -> str:
-    text = " ".join(text.split()) or text.replace("\n", "⏎")
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+def _short(text: str, limit: int) -> str:
+    """The start and the end of `text` around an ellipsis, on one line."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit * 2 // 3] + " … " + text[-(limit // 3):]

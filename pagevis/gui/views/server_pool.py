@@ -30,7 +30,7 @@ def request_color(request_id: int) -> str:
 
 def pool_cells(step) -> list[PageCell]:
     """The pool's pages after the step (layer 0), owners given as request ids."""
-    record = step.record
+    record = step.pool
     tables = {step.owners[seq]: table for seq, table in record.block_tables.items()}
     return page_cells(SimpleNamespace(block_tables=tables, ref_counts=record.ref_counts, fill=record.fill,
                                       cached_free=record.cached_free))
