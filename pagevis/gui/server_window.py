@@ -325,7 +325,7 @@ class ServerWindow(QWidget):
 
     def _finished_all(self) -> None:
         self.run_button.setChecked(False)
-        self.status.setText("every request has been served; Start builds the server again")
+        self._status_line()
 
     # --- drawing -----------------------------------------------------------------------------------------
     # While the worker runs, a frame is a list of small jobs, each run in its own turn of the event loop (Qt
@@ -386,11 +386,13 @@ class ServerWindow(QWidget):
             job()
 
     def _status_line(self) -> None:
-        if self.latest and self.worker is not None:
+        if self.latest:
             newest = max(self.latest.values(), key=lambda s: s.t1)
+            done = self.stepper is not None and self.stepper.done
             self.status.setText(f"server time {newest.t1:.1f} s · " + " · ".join(
                 f"{s.side}: {s.completed} done, {len(s.running)} running, {len(s.waiting)} waiting"
-                for s in self.latest.values()))
+                for s in self.latest.values())
+                + (" · every request has been served; Start builds the server again" if done else ""))
 
     def _summary(self) -> None:
         """The numbers of each side so far, and B against A."""

@@ -124,6 +124,9 @@ class ServerPlots(pg.GraphicsLayoutWidget):
             self.plots[name] = plot
         for name in ("ttft", "itl", "kv", "hits"):
             self.plots[name].setXLink(self.plots["throughput"])
+        full = pg.InfiniteLine(100, angle=0, pen=pg.mkPen(theme.MUTED, width=1, style=Qt.DotLine),
+                               label="the pool", labelOpts={"color": theme.MUTED, "position": 0.02})
+        self.plots["kv"].addItem(full)  # a reservation above it could not have been held
         self.curves: dict[str, dict[str, object]] = {}
         for side, color in SIDE_COLORS.items():
             ttft = pg.ScatterPlotItem(size=5, pen=None, brush=pg.mkBrush(color))
@@ -139,7 +142,7 @@ class ServerPlots(pg.GraphicsLayoutWidget):
 
     def set_series(self, series: dict[str, SideSeries]) -> None:
         self.series = series
-        t_max, tops = 1.0, {"throughput": 0.0, "ttft": 0.0, "itl": 0.0}
+        t_max, tops = 1.0, {"throughput": 0.0, "ttft": 0.0, "itl": 0.0, "kv": 100.0}
         for side, curves in self.curves.items():
             s = series.get(side)
             if s is None or not len(s):
@@ -157,7 +160,7 @@ class ServerPlots(pg.GraphicsLayoutWidget):
                 curves[name].setData(*strided(x, y))
             t_max = max(t_max, float(t[-1]))
             for name in tops:
-                y = data[name][1]
+                y = np.concatenate([data["kv"][1], data["reserved"][1]]) if name == "kv" else data[name][1]
                 if len(y) and np.isfinite(y).any():
                     tops[name] = max(tops[name], float(np.nanmax(y)))
         for name, plot in self.plots.items():
