@@ -16,8 +16,8 @@ import traceback
 from dataclasses import replace
 
 from PySide6.QtCore import QThreadPool, QTimer, Qt
-from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QGridLayout, QHBoxLayout, QLabel, QPushButton, QSpinBox,
-                               QSplitter, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QGridLayout, QHBoxLayout, QLabel, QPushButton, QSizePolicy,
+                               QSpinBox, QSplitter, QVBoxLayout, QWidget)
 from superqt.utils import create_worker
 
 from ..decoding import RunControl, steps
@@ -126,14 +126,21 @@ class ServerWindow(QWidget):
         self.summary = QLabel()
         self.summary.setTextFormat(Qt.RichText)
         self.summary.setWordWrap(True)
+        self.summary.setFixedHeight(self.summary.fontMetrics().lineSpacing() * 12 + 8)  # the table never moves
         self.legend = QLabel(legend_html())
         self.legend.setWordWrap(True)
         self.status = QLabel("Start builds the server; Run serves the arriving requests.")
-        self.status.setWordWrap(True)
+        self.status.setFixedHeight(self.status.fontMetrics().lineSpacing() + 4)
+        self.status.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Fixed)
         right = QWidget()
         column = QVBoxLayout(right)
         column.setContentsMargins(0, 0, 0, 0)
+        self.numbers = QLabel()
+        self.numbers.setTextFormat(Qt.RichText)
+        self.numbers.setFixedHeight(self.numbers.fontMetrics().lineSpacing() + 4)
+        self.numbers.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Fixed)  # long text is clipped, not a minimum
         column.addWidget(self.summary)
+        column.addWidget(self.numbers)
         column.addWidget(self.plots, 1)
         self.sides_box = QWidget()
         self.sides_layout = QHBoxLayout(self.sides_box)
@@ -249,7 +256,7 @@ class ServerWindow(QWidget):
         for panel in self.panels.values():
             self.sides_layout.addWidget(panel)
         self.body.setSizes([560 * len(self.sides), 640])
-        self.plots.set_series(self.series)
+        self._plots()
         self._summary()
         wl = chosen.workload
         self.status.setText(f"{wl.n_requests} requests ({wl.kind}) at {wl.rate_per_min:g}/min, seed {wl.seed}; "
@@ -364,16 +371,18 @@ class ServerWindow(QWidget):
             self.request_redraw()
 
     def _frame_jobs(self, slow: bool) -> list:
-        jobs = []
-        for side, panel in self.panels.items():
-            if side in self.latest:
-                jobs.append(lambda p=panel, s=side: p.show_step(self.latest[s], self.series[s]))
+        def fast() -> None:  # every frame: each side's pool, queues and batch
+            for side, panel in self.panels.items():
+                if side in self.latest:
+                    panel.show_step(self.latest[side], self.series[side])
+
+        jobs = [fast]
         if slow:
             for side, panel in self.panels.items():
                 if side in self.snapshots:
                     jobs.append(lambda p=panel, s=side: p.forest.set_nodes(self.snapshots[s].forest))
                     jobs.append(lambda p=panel, s=side: p.show_timeline(self.snapshots[s]))
-            jobs += [lambda: self.plots.set_series(self.series), self._summary, self._status_line]
+            jobs += [self._plots, self._summary, self._status_line]
         return jobs
 
     def redraw(self) -> None:
@@ -384,6 +393,10 @@ class ServerWindow(QWidget):
         self.frames += 1
         for job in self._frame_jobs(slow=True):
             job()
+
+    def _plots(self) -> None:
+        self.plots.set_series(self.series)
+        self.numbers.setText(self.plots.numbers_html())
 
     def _status_line(self) -> None:
         if self.latest:

@@ -63,6 +63,7 @@ class ServerForest(PrefixForestView):
         self.hot = QLabel()
         self.hot.setWordWrap(True)
         self.hot.setTextFormat(Qt.RichText)
+        self.hot.setFixedHeight(self.hot.fontMetrics().lineSpacing() * 2 + 4)
         QWidget.layout(self).addWidget(self.hot)  # (self.layout is the forest layout)
 
     def set_nodes(self, nodes: tuple[ForestNode, ...]) -> None:

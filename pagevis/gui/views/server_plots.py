@@ -121,6 +121,8 @@ class ServerPlots(pg.GraphicsLayoutWidget):
             theme.style_plot(plot, left=left, bottom="server time (s)" if name == "hits" else "")
             plot.setMenuEnabled(False)
             plot.hideButtons()
+            for axis in ("left", "bottom"):
+                plot.getAxis(axis).enableAutoSIPrefix(False)  # a new prefix re-lays the plot out
             self.plots[name] = plot
         for name in ("ttft", "itl", "kv", "hits"):
             self.plots[name].setXLink(self.plots["throughput"])
@@ -165,25 +167,32 @@ class ServerPlots(pg.GraphicsLayoutWidget):
                     tops[name] = max(tops[name], float(np.nanmax(y)))
         for name, plot in self.plots.items():
             theme.grow_range(plot, t_max, tops.get(name, 100.0) or 1.0)
-        self._titles()
 
     def _titles(self) -> None:
+        """Fixed titles (a title whose text changes re-lays its plot out); the numbers are in numbers_html()."""
+        for name, title in (("throughput", f"throughput: tokens per server second, over the last "
+                                           f"{THROUGHPUT_WINDOW:g} s"),
+                            ("ttft", "time to first token, each request"),
+                            ("itl", "inter-token latency, mean per step"),
+                            ("kv", "KV pages used (solid) and a contiguous reservation (dashed), % of the pool"),
+                            ("hits", "prefix-cache hit rate so far (prompt tokens found cached)")):
+            theme.set_title(self.plots[name], title)
+
+    def numbers_html(self) -> str:
+        """The newest value of every plot, per side, on one line."""
         def each(fn) -> str:
-            parts = [f"<span style='color:{SIDE_COLORS[side]}'>{side} {fn(s)}</span>"
-                     for side, s in self.series.items() if len(s)]
-            return " · ".join(parts)
+            return " · ".join(f"<span style='color:{SIDE_COLORS[side]}'>{side} {fn(s)}</span>"
+                              for side, s in self.series.items() if len(s))
 
         def last(values: np.ndarray, fmt: str) -> str:
             finite = values[np.isfinite(values)]
             return fmt.format(finite[-1]) if len(finite) else "–"
 
-        theme.set_title(self.plots["throughput"], f"throughput, tokens/s over the last {THROUGHPUT_WINDOW:g} s  "
-                        + each(lambda s: last(s.throughput()[1], "{:.1f}")))
-        theme.set_title(self.plots["ttft"], "time to first token, per request  "
-                        + each(lambda s: last(s.ttft.values, "{:.2f} s")))
-        theme.set_title(self.plots["itl"], "inter-token latency, mean per step  "
-                        + each(lambda s: last(s["itl"], "{:.2f} s")))
-        theme.set_title(self.plots["kv"], "KV pages used (solid), contiguous reservation (dashed)  "
-                        + each(lambda s: f"{int(s['pages_used'][-1])}/{int(s['pool'][-1])}"))
-        theme.set_title(self.plots["hits"], "prefix-cache hit rate so far  "
-                        + each(lambda s: last(s.hit_rate(), "{:.0f}%")))
+        if not any(len(s) for s in self.series.values()):
+            return ""
+        return " │ ".join((
+            "throughput " + each(lambda s: last(s.throughput()[1], "{:.1f}/s")),
+            "last TTFT " + each(lambda s: last(s.ttft.values, "{:.2f} s")),
+            "ITL " + each(lambda s: last(s["itl"], "{:.2f} s")),
+            "KV " + each(lambda s: f"{int(s['pages_used'][-1])}/{int(s['pool'][-1])}"),
+            "hits " + each(lambda s: last(s.hit_rate(), "{:.0f}%"))))

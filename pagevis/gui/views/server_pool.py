@@ -61,6 +61,7 @@ class RequestPoolGrid(QWidget):
         if not self.cells:
             painter.setPen(QColor(theme.MUTED))
             painter.drawText(self.rect(), Qt.AlignCenter, "the pool appears with the first step")
+            painter.end()
             return
         columns = self._columns()
         rows = -(-len(self.cells) // columns)
@@ -84,6 +85,7 @@ class RequestPoolGrid(QWidget):
                 painter.setPen(dark)
                 painter.drawText(rect, Qt.AlignCenter, f"×{cell.ref_count}" if cell.state == "shared"
                                  else str(cell.owners[0]))
+        painter.end()
 
 
 def legend_html() -> str:
@@ -96,7 +98,7 @@ def legend_html() -> str:
 class QueuesView(QLabel):
     """The waiting, running and preempted requests after the step, in queue order, in their colours."""
 
-    MAX_SHOWN = 40
+    MAX_SHOWN = 30
 
     def __init__(self):
         super().__init__()
@@ -105,12 +107,14 @@ class QueuesView(QLabel):
         self.setAlignment(Qt.AlignTop | Qt.AlignLeft)
         self.ids: dict[str, tuple[int, ...]] = {"running": (), "waiting": (), "preempted": ()}
         self.setText(theme.muted("queues appear with the first step"))
+        self.setFixedHeight(self.fontMetrics().lineSpacing() * 4 + 6)  # new text never re-lays the panel out
 
     def set_step(self, step) -> None:
         preempted = set(step.preempted)
         self.ids = {"running": step.running, "waiting": tuple(r for r in step.waiting if r not in preempted),
                     "preempted": step.preempted}
-        lines = []
+        lines = [f"step {step.step}: " + (f"{step.prefill_tokens} prompt + {step.decode_tokens} decode tokens, "
+                                          f"{step.tokens_out} sampled" if step.record is not None else "idle")]
         for name, ids in self.ids.items():
             chips = " ".join(f"<span style='color:{request_color(r)}'>{r}</span>" for r in ids[: self.MAX_SHOWN])
             more = f" … +{len(ids) - self.MAX_SHOWN}" if len(ids) > self.MAX_SHOWN else ""
@@ -132,6 +136,10 @@ class BatchBars(pg.PlotWidget):
         self.prefill = pg.BarGraphItem(x=[], y0=[], height=[], width=0.8, brush=PREFILL_COLOR, pen=None)
         self.plot.addItem(self.decode)
         self.plot.addItem(self.prefill)
+        theme.set_title(self.plot, f"<span style='color:{PREFILL_COLOR}'>prompt (prefill)</span> and "
+                                   f"<span style='color:{DECODE_COLOR}'>decode</span> tokens of each step")
+        for axis in ("left", "bottom"):
+            self.plot.getAxis(axis).enableAutoSIPrefix(False)
         self.steps = np.zeros(0, np.int64)
         self.prefill_tokens = np.zeros(0, np.int64)
         self.decode_tokens = np.zeros(0, np.int64)
@@ -149,6 +157,4 @@ class BatchBars(pg.PlotWidget):
                 self._top = top
                 self.plot.setYRange(0, top, padding=0.02)
                 self.plot.getAxis("left").setTicks([[(0, "0"), (top, f"{top:g}")]])
-        theme.set_title(self.plot, f"<span style='color:{PREFILL_COLOR}'>prefill</span> + "
-                                   f"<span style='color:{DECODE_COLOR}'>decode</span> tokens per step"
-                                   + (f": {int(prefill[-1])} + {int(decode[-1])}" if len(steps) else ""))
+

@@ -46,6 +46,8 @@ class RequestTimeline(pg.PlotWidget):
         self.plot.setMenuEnabled(False)
         self.plot.hideButtons()
         self.plot.invertY(True)
+        for axis in ("left", "bottom"):
+            self.plot.getAxis(axis).enableAutoSIPrefix(False)
         self.bars = _Bars()
         self.plot.addItem(self.bars)
         self.done_marks = pg.ScatterPlotItem(size=5, symbol="|", pen=pg.mkPen(theme.TEXT), brush=None)
@@ -71,7 +73,13 @@ class RequestTimeline(pg.PlotWidget):
         self.bars.set_rects(rects, QRectF(start, 0, max(now - start, 1e-3), max(len(rows), 1)))
         self.done_marks.setData(done_x, done_y)
         self.plot.setYRange(0, max(len(rows), 8), padding=0)
-        self.plot.setXRange(start, max(now, start + 1.0), padding=0.01)
+        x_range = (np.floor(start / 10) * 10, np.ceil(max(now, start + 1.0) / 10) * 10)
+        if x_range != getattr(self, "_x_range", None):  # in steps of 10 s: a new range re-lays the axis out
+            self._x_range = x_range
+            self.plot.setXRange(*x_range, padding=0.01)
         ticks = [(y + 0.5, str(row.id)) for y, row in enumerate(rows)]
         step = max(1, int(np.ceil(len(ticks) / 12)))
-        self.plot.getAxis("left").setTicks([ticks[::step]])
+        ticks = [ticks[::step]]
+        if ticks != getattr(self, "_ticks", None):
+            self._ticks = ticks
+            self.plot.getAxis("left").setTicks(ticks)
