@@ -128,6 +128,11 @@ def _screenshot(app, window, path: str, steps: int, ab=None) -> int:
     app.processEvents()
     window.redraw()
     app.processEvents()
+    return save_screenshot(app, window, path)
+
+
+def save_screenshot(app, window, path: str) -> int:
+    """Save a PNG of the window and close it: 0, or 1 (said on stderr) when the file cannot be written."""
     # X11 lets a client read the screen back; Wayland does not (a client sees only its own buffers)
     image = _grab_from_screen(app, window) if app.platformName() == "xcb" else window.grab()
     ok = image.save(path)

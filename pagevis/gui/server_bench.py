@@ -25,10 +25,11 @@ def _load() -> str:
 
 
 def latency(spec, seconds: float) -> dict[str, float]:
-    from PySide6.QtCore import QElapsedTimer, QEventLoop, QTimer
+    from PySide6.QtCore import QEventLoop, QTimer
 
     from ..presets import SERVER_PRESETS
     from . import _application
+    from .bench import lateness_probe
     from .server_window import ServerWindow
 
     app = _application()
@@ -36,16 +37,7 @@ def latency(spec, seconds: float) -> dict[str, float]:
     window.resize(1600, 1000)
     window.show()
     app.processEvents()
-    lateness: list[float] = []
-    clock = QElapsedTimer()
-    probe = QTimer(interval=5)
-    probe.setTimerType(probe.timerType().PreciseTimer)
-
-    def tick() -> None:
-        lateness.append(max(clock.nsecsElapsed() / 1e6 - 5.0, 0.0))
-        clock.restart()
-
-    probe.timeout.connect(tick)
+    probe, clock, lateness = lateness_probe()
     loop = QEventLoop()
     QTimer.singleShot(int(seconds * 1000), loop.quit)
     frames = window.frames

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from PySide6.QtCore import QThreadPool, QTimer, Qt
 from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QGridLayout, QHBoxLayout, QLabel, QPushButton, QSizePolicy,
-                               QSpinBox, QSplitter, QVBoxLayout, QWidget)
+                               QSplitter, QVBoxLayout, QWidget)
 from superqt.utils import create_worker
 
 from ..decoding import RunControl, steps
@@ -26,6 +26,7 @@ from ..decoding.workload import WORKLOADS, ArrivalSchedule
 from ..presets import SERVER_PRESETS, ServerPreset
 from . import theme
 from .runner import GIL_BREATH, SHORT_STEP, WorkerFailure
+from .sequences_window import _spin
 from .views.server_forest import ServerForest
 from .views.server_plots import SIDE_COLORS, SideSeries, ServerPlots
 from .views.server_pool import BARS_SHOWN, BatchBars, QueuesView, RequestPoolGrid, legend_html, pool_cells
@@ -137,7 +138,7 @@ class ServerWindow(QWidget):
         column.setContentsMargins(0, 0, 0, 0)
         self.numbers = QLabel()
         self.numbers.setTextFormat(Qt.RichText)
-        self.numbers.setFixedHeight(self.numbers.fontMetrics().lineSpacing() + 4)
+        self.numbers.setFixedHeight(self.numbers.fontMetrics().lineSpacing() * 2 + 4)
         self.numbers.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Fixed)  # long text is clipped, not a minimum
         column.addWidget(self.summary)
         column.addWidget(self.numbers)
@@ -450,19 +451,11 @@ class ServerWindow(QWidget):
         super().closeEvent(event)
 
 
-def _spin(low: int, high: int, value: int, tip: str) -> QSpinBox:
-    spin = QSpinBox()
-    spin.setRange(low, high)
-    spin.setValue(min(max(value, low), high))
-    spin.setToolTip(tip)
-    return spin
-
-
 def server_demo(app, spec, preset: ServerPreset | None, screenshot: str | None, steps: int) -> int:
     """`pagevis --server-demo`: the window alone on the spec's model; with a screenshot, `steps` steps first."""
     import sys
 
-    from . import _grab_from_screen
+    from . import save_screenshot
     from .export import default_size
 
     print(f"pagevis: loading {spec.label}…", file=sys.stderr)
@@ -478,10 +471,4 @@ def server_demo(app, spec, preset: ServerPreset | None, screenshot: str | None, 
     app.processEvents()
     window.step_blocking(steps, every_step=False)
     app.processEvents()
-    image = _grab_from_screen(app, window) if app.platformName() == "xcb" else window.grab()
-    ok = image.save(screenshot)
-    window.close()
-    if not ok:
-        print(f"pagevis: could not write {screenshot}", file=sys.stderr)
-        return 1
-    return 0
+    return save_screenshot(app, window, screenshot)

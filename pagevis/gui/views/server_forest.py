@@ -82,7 +82,7 @@ class ServerForest(PrefixForestView):
             text = "".join(node.text for node in chain)
             tokens = sum(node.n_tokens for node in chain)
             self.hot.setText(f"most reused prefix: <b>{chain[0].hits}×</b> its first page, {len(chain)} pages "
-                             f"({tokens} tokens) reused at least once: “{html.escape(_short(text, 90))}”")
+                             f"({tokens} tokens) reused: “{html.escape(_short(text, 72))}”")
         else:
             self.hot.setText("")
 

@@ -126,9 +126,8 @@ class ServerPlots(pg.GraphicsLayoutWidget):
             self.plots[name] = plot
         for name in ("ttft", "itl", "kv", "hits"):
             self.plots[name].setXLink(self.plots["throughput"])
-        full = pg.InfiniteLine(100, angle=0, pen=pg.mkPen(theme.MUTED, width=1, style=Qt.DotLine),
-                               label="the pool", labelOpts={"color": theme.MUTED, "position": 0.02})
-        self.plots["kv"].addItem(full)  # a reservation above it could not have been held
+        full = pg.InfiniteLine(100, angle=0, pen=pg.mkPen(theme.MUTED, width=1, style=Qt.DotLine))
+        self.plots["kv"].addItem(full)  # the whole pool: a reservation above it could not have been held
         self.curves: dict[str, dict[str, object]] = {}
         for side, color in SIDE_COLORS.items():
             ttft = pg.ScatterPlotItem(size=5, pen=None, brush=pg.mkBrush(color))
@@ -174,7 +173,7 @@ class ServerPlots(pg.GraphicsLayoutWidget):
                                            f"{THROUGHPUT_WINDOW:g} s"),
                             ("ttft", "time to first token, each request"),
                             ("itl", "inter-token latency, mean per step"),
-                            ("kv", "KV pages used (solid) and a contiguous reservation (dashed), % of the pool"),
+                            ("kv", "KV pages used (solid), a contiguous reservation (dashed); dotted: the whole pool"),
                             ("hits", "prefix-cache hit rate so far (prompt tokens found cached)")):
             theme.set_title(self.plots[name], title)
 
@@ -190,9 +189,10 @@ class ServerPlots(pg.GraphicsLayoutWidget):
 
         if not any(len(s) for s in self.series.values()):
             return ""
-        return " │ ".join((
+        return (" │ ".join((
             "throughput " + each(lambda s: last(s.throughput()[1], "{:.1f}/s")),
             "last TTFT " + each(lambda s: last(s.ttft.values, "{:.2f} s")),
-            "ITL " + each(lambda s: last(s["itl"], "{:.2f} s")),
-            "KV " + each(lambda s: f"{int(s['pages_used'][-1])}/{int(s['pool'][-1])}"),
-            "hits " + each(lambda s: last(s.hit_rate(), "{:.0f}%"))))
+            "ITL " + each(lambda s: last(s["itl"], "{:.2f} s")))) + "<br>" + " │ ".join((
+            "KV pages " + each(lambda s: f"{int(s['pages_used'][-1])} of {int(s['pool'][-1])}"),
+            "reserved " + each(lambda s: f"{int(s['reserved'][-1])}"),
+            "hit rate " + each(lambda s: last(s.hit_rate(), "{:.0f}%")))))
