@@ -28,6 +28,7 @@ import numpy as np
 CHUNK_BYTES = 1 << 20  # float16 keys (or values) of all KV heads converted to float32 at once: fits in L2
 DECODE_ROWS = 32  # up to this many rows (queries x group) per KV head, key blocks are measured; above, gemm
 BLOCK_CANDIDATES = (0, 32, 64, 128, 256)  # keys per block; 0: one product over the whole chunk
+LOWEST = np.finfo(np.float32).min
 
 
 class AttentionResult(NamedTuple):
@@ -129,8 +130,9 @@ def _attention(q, keys, values, key_bias, key_positions, q_positions, blocks=Non
     rows = n * group
     scale = np.float32(1.0 / np.sqrt(d))
     # (n, n_heads, d) -> (n_kv, n * group, d): each KV head's queries as one matrix for one product.
-    grouped = np.ascontiguousarray((q * scale).reshape(n, n_kv, group, d).transpose(1, 0, 2, 3).reshape(n_kv, rows, d),
-                                   dtype=np.float32)
+    grouped = np.multiply(q, scale, dtype=np.float32)
+    grouped = grouped.reshape(n_kv, rows, d) if n == 1 else np.ascontiguousarray(
+        grouped.reshape(n, n_kv, group, d).transpose(1, 0, 2, 3).reshape(n_kv, rows, d))
     score_block, value_block = blocks or block_sizes(n_kv, rows, d)
     convert = keys.dtype != np.float32 or values.dtype != np.float32
     step = max(1, chunk_bytes // (4 * n_kv * d)) if convert else max(n_keys, 1)
@@ -144,18 +146,23 @@ def _attention(q, keys, values, key_bias, key_positions, q_positions, blocks=Non
     if q_positions is not None and key_positions is not None and n > 1:
         future = np.where(key_positions[None, :] > q_positions[:, None], -np.inf, 0).astype(np.float32)
         scores.reshape(n_kv, n, group, n_keys)[...] += future[None, :, None, :]
-    peak = scores.max(axis=-1, keepdims=True) if n_keys else np.full((n_kv, rows, 1), -np.inf, np.float32)
-    with np.errstate(over="ignore", invalid="ignore"):  # huge negative minus the max: -inf, weight 0
-        np.subtract(scores, _finite(peak), out=scores)
+    peak = np.maximum.reduce(scores, axis=-1, keepdims=True) if n_keys else np.full((n_kv, rows, 1), -np.inf,
+                                                                                    np.float32)
+    with np.errstate(over="ignore"):  # a huge negative score minus the max: -inf, weight 0
+        # a row with no visible key (max -inf) shifts by the lowest float instead: its -inf scores stay -inf
+        np.subtract(scores, np.fmax(peak, LOWEST), out=scores)
     np.exp(scores, out=scores)
-    total = scores.sum(axis=-1, keepdims=True)
-    output = np.zeros((n_kv, rows, d), np.float32)
+    total = np.add.reduce(scores, axis=-1, keepdims=True)
+    output = None
     for lo in range(0, n_keys, step):  # sweep 2: the values, once per KV head, times the unnormalised weights
-        output += _block_product(scores[:, :, lo:lo + step], _as_float32(values[:, lo:lo + step], buffer), None,
-                                 value_block)
-    inverse = np.float32(1) / np.where(total > 0, total, np.float32(1))
-    scores *= inverse
-    output *= inverse
+        part = _block_product(scores[:, :, lo:lo + step], _as_float32(values[:, lo:lo + step], buffer), None,
+                              value_block)
+        output = part if output is None else np.add(output, part, out=output)
+    if output is None:
+        output = np.zeros((n_kv, rows, d), np.float32)
+    divisor = np.maximum(total, np.float32(1))  # a row's total is >= 1 if it sees a key (its max: exp 0), else 0
+    np.divide(scores, divisor, out=scores)
+    np.divide(output, divisor, out=output)
     return scores, output, peak[..., 0], total[..., 0]
 
 
@@ -228,5 +235,7 @@ def _ungroup(array: np.ndarray, n: int) -> np.ndarray:
     n_kv, rows = array.shape[:2]
     group = rows // n
     rest = array.shape[2:]
+    if n == 1:
+        return array.reshape(1, rows * n_kv, *rest)
     return array.reshape(n_kv, n, group, *rest).transpose(1, 0, 2, *range(3, 3 + len(rest))).reshape(
         n, n_kv * group, *rest)
