@@ -21,20 +21,23 @@ from .weights import LayerWeights, LlamaWeights, check_weight_shapes
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) * weight, row-wise, in float32 (eps must be np.float32)."""
-    mean_square = np.mean(np.square(x), axis=-1, keepdims=True)
+    mean_square = np.add.reduce(np.square(x), axis=-1, keepdims=True)  # np.mean's sum, without its wrapper
+    mean_square /= np.float32(x.shape[-1])
     mean_square += eps
     np.sqrt(mean_square, out=mean_square)
-    return x / mean_square * weight
+    out = np.divide(x, mean_square)
+    out *= weight
+    return out
 
 
-def silu_mul_inplace(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """gate <- gate * sigmoid(gate) * up, without float64 or large temporaries."""
-    denominator = np.negative(gate)
-    np.exp(denominator, out=denominator)
-    denominator += np.float32(1)
-    np.divide(gate, denominator, out=gate)
-    gate *= up
-    return gate
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gate * sigmoid(gate) * up as a new contiguous float32 array (gate and up may be strided views)."""
+    out = np.negative(gate)
+    np.exp(out, out=out)
+    out += np.float32(1)
+    np.divide(gate, out, out=out)
+    out *= up
+    return out
 
 
 class LlamaModel:
@@ -93,7 +96,7 @@ class LlamaModel:
     def _feed_forward_block(self, layer: LayerWeights, x: np.ndarray) -> None:
         d_ff = self.config.d_ff
         gate_up = matmul(rms_norm(x, layer.ffn_norm, self._eps), layer.w_gate_up, self.plan)
-        hidden = silu_mul_inplace(gate_up[:, :d_ff], gate_up[:, d_ff:])
+        hidden = silu_mul(gate_up[:, :d_ff], gate_up[:, d_ff:])
         x += matmul(hidden, layer.w_down, self.plan)
 
     def _check_inputs(self, token_ids: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
