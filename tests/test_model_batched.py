@@ -215,3 +215,21 @@ def test_batched_forward_with_every_kernel_on_a_synthetic_model():
         for i in range(len(sequences)):
             assert relative_error(batched[i], exact[i]) < 1e-5
             assert relative_error(single[i], exact[i]) < 1e-5
+
+
+def test_kernel_bench_rows_have_the_ratios_it_prints():
+    """The bench's shape only (speed is never asserted): a quick run on a small synthetic model."""
+    from pagevis.bench.kernels import format_kernels, run_kernel_bench
+
+    model = SyntheticModel(n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, vocab_size=256, seed=1)
+    result = run_kernel_bench(model, quick=True)
+    rows = result["batched"]["rows"]
+    assert [r["sequences"] for r in rows] == [1, 2, 4] and rows[0]["over_one"] == 1
+    for r in rows:
+        assert r["tokens_per_s"] == pytest.approx(r["sequences"] / r["step_ms"] * 1e3)
+        assert r["of_floor"] == pytest.approx(result["batched"]["floor_ms"] / r["step_ms"])
+    attention = result["attention"]
+    assert attention["gb_s"] == pytest.approx(attention["kv_mb"] / attention["us"] * 1e3)
+    assert attention["of_read"] == pytest.approx(attention["gb_s"] / attention["read_same_size_gb_s"])
+    text = "\n".join(format_kernels(result))
+    assert "not the engine's batch session" in text and "of the read bandwidth" in text
