@@ -6,15 +6,15 @@ Grouped-query (and multi-query) attention: query head h reads KV head h // (n_he
 Float16 storage is read in float32; all arithmetic is float32.
 
 The kernel. The query heads of one KV head are one (rows, d) matrix (rows = queries x group), so each
-key and value is read once per KV head, not once per query head. Keys and values are read in chunks of
-CHUNK_BYTES (a float16 chunk is converted to float32 into one reused buffer: never the whole cache at once),
-two sweeps: scores of each chunk (with its bias, causal mask and running maximum, while it is in cache),
-then per chunk exp in place, its sum, and the unnormalised output; weights are normalised at the end
-(max, exp, sum, scale: four passes over the scores instead of seven). A few rows against thousands of
-keys is a poor shape for BLAS's gemm (it packs the whole key matrix for three rows: at 8,192 tokens the
-score product took 0.94 ms where reading the keys takes 0.22), so for up to DECODE_ROWS rows each chunk
-is cut into blocks of keys and np.matmul loops over them in C; the block sizes are measured once per
-shape (`block_sizes`).
+key and value is read once per KV head, not once per query head. Two sweeps over the keys: the scores
+(keys x queries), then, after the softmax, the output (weights x values). Softmax works in place on the
+scores: max, subtract, exp, sum, and one division at the end that normalises the weights and the small
+output together (the output is accumulated from the unnormalised weights). Float16 keys and values are
+converted to float32 CHUNK_BYTES at a time into one reused buffer, never the whole cache at once. A few
+rows against thousands of keys is a poor shape for BLAS's gemm (it packs the whole key matrix for three
+rows: at 8,192 tokens the score product took 0.94 ms where reading the keys takes 0.22), so for up to
+DECODE_ROWS rows the keys are cut into blocks (a free reshape) and np.matmul runs the small products in C;
+the block sizes are measured once per shape (`block_sizes`).
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ def block_sizes(n_kv: int, rows: int, d: int, n_keys: int = 4096, repeats: int =
 
 
 def _ungroup(array: np.ndarray, n: int) -> np.ndarray:
-    """(n_kv, n * group, ...) -> (n, n_heads, ...): back from the grouped layout of `_scores`."""
+    """(n_kv, n * group, ...) -> (n, n_heads, ...): back from the grouped layout of `_attention`."""
     n_kv, rows = array.shape[:2]
     group = rows // n
     rest = array.shape[2:]
