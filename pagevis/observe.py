@@ -75,7 +75,7 @@ class Metrics:
     def count_batch(self, batch, prompt_tokens: int, generated: int) -> None:
         """Add a finished many-sequence run (a BatchSession): its prefix-cache lookups, preemptions and
         tokens (the prompt is counted once: parallel samples share it)."""
-        stats = batch.pool.prefix_stats
+        stats = batch.cache.prefix_stats
         self.prefix_cache_queries.inc(stats.queries)
         self.prefix_cache_hits.inc(stats.hits)
         self.preemptions.inc(batch.preemptions)

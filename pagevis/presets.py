@@ -1,13 +1,12 @@
-"""Demo defaults and named presets, shared by the app and `pagevis run` (Qt-free).
+"""Named presets and the default prompt, shared by the app and `pagevis run` (Qt-free).
 
-The defaults are chosen so that a first run shows the point of the app within seconds: on SmolLM2 the
-default prompt is 54 tokens with the chat template, the cache holds 96 (12 pages of 8), so pages fill
-during the first ~40 generated tokens and the policy evicts from then on (about 3 s at 15 tokens/s);
-192 new tokens leave ~150 steps of eviction. The synthetic model's byte tokenizer turns the SmolLM2
-prompt into ~170 tokens, more than the cache: it gets a short prompt of its own that fits.
+The defaults themselves are the settings table's (pagevis/settings.py): what the app shows a first-time
+user, and what `pagevis run`, `serve` and a bare SessionConfig() start from. The synthetic model's byte
+tokenizer turns the SmolLM2 prompt into ~170 tokens, more than the default cache: it gets a short prompt of
+its own that fits.
 
-A preset sets prompt, cache and policy for a one-click demo; `b` is the second session of an A/B
-comparison (same prompt, different settings), or None for a single session.
+A preset sets prompt, cache and policy for a one-click demo as named overrides of the defaults; `b` is the
+second session of an A/B comparison (same prompt, different settings), or None for a single session.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from importlib import resources
 from .decoding import SessionConfig
 from .errors import ConfigError
 
-DEFAULT_CONFIG = SessionConfig(page_size=8, max_pages=12, policy="sinks", max_new_tokens=192)
+DEFAULT_CONFIG = SessionConfig()  # the settings table's defaults
 SYNTHETIC_PROMPT = "Pages fill, then tokens leave."  # 80 byte tokens with the chat template, of 96 slots
 
 
@@ -50,8 +49,9 @@ def _config(**changes) -> SessionConfig:
 
 
 PRESETS: tuple[Preset, ...] = (
-    Preset("Default: sinks, 12 × 8",
-           "StreamingLLM's 4 attention sinks plus the newest tokens, in 12 pages of 8; eviction within seconds.",
+    Preset(f"Default: {DEFAULT_CONFIG.policy}, {DEFAULT_CONFIG.max_pages} × {DEFAULT_CONFIG.page_size}",
+           f"The defaults ({DEFAULT_CONFIG.policy}: StreamingLLM's attention sinks plus the newest tokens, in "
+           f"{DEFAULT_CONFIG.max_pages} pages of {DEFAULT_CONFIG.page_size}); eviction within seconds.",
            "explain-paging", DEFAULT_CONFIG),
     Preset("StreamingLLM: window vs sinks",
            "A: a plain sliding window (oldest) · B: the same window plus 4 sink tokens. Watch A's text degrade "

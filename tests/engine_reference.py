@@ -19,3 +19,10 @@ def dense_attention_f64(q, keys, values):
         weights[h] = e / e.sum()
         out[h] = weights[h] @ values[:, kv, :]
     return out, weights
+
+
+def one_sequence(config, **kwargs):
+    """A cache manager holding one sequence (id 0): the single-sequence cache of the engine tests."""
+    from pagevis.engine import KVCacheManager
+
+    return KVCacheManager.single(config, **kwargs)

@@ -5,7 +5,8 @@ from engine_reference import dense_attention_f64
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagevis.engine import CacheConfig, PagedKVCache, attend, softmax
+from pagevis.engine import CacheConfig, attend, softmax
+from engine_reference import one_sequence
 
 
 @st.composite
@@ -33,7 +34,7 @@ def cache_setups(draw):
 def fill(config, n_tokens, seed):
     """Append n_tokens one at a time with attention after each; return the cache and K/V by position."""
     rng = np.random.default_rng(seed)
-    cache = PagedKVCache(config)
+    cache = one_sequence(config)
     stored = {}
     shape = (1, config.n_kv_heads, config.head_dim)
     for position in range(n_tokens):
@@ -42,9 +43,9 @@ def fill(config, n_tokens, seed):
         # the reference sees exactly what storage holds (float16 rounds on write)
         stored[position] = (k[0].astype(config.dtype), v[0].astype(config.dtype))
         cache.step = position
-        cache.append(0, k, v, np.array([position]))
+        cache.append(0, 0, k, v, np.array([position]))
         q = rng.standard_normal((1, config.n_heads, config.head_dim)).astype(np.float32)
-        cache.attend(0, q, np.array([position]))
+        cache.attend(0, 0, q, np.array([position]))
     return cache, stored, rng
 
 
@@ -58,16 +59,16 @@ def test_decode_attention_matches_dense_float64(setup):
     config, n_tokens, seed = setup
     cache, stored, rng = fill(config, n_tokens, seed)
     q = (3 * rng.standard_normal((1, config.n_heads, config.head_dim))).astype(np.float32)
-    result = cache.attend(0, q, np.array([n_tokens - 1]))
+    result = cache.attend(0, 0, q, np.array([n_tokens - 1]))
 
-    resident = cache.resident_positions(0)
+    resident = cache.resident_positions(0, 0)
     assert len(resident) == min(n_tokens, config.capacity) or config.policy == "oldest-page"
     keys = np.stack([stored[p][0] for p in resident])
     values = np.stack([stored[p][1] for p in resident])
     out, weights = dense_attention_f64(q[0], keys, values)
 
     assert relative_error(result.output[0], out) < 1e-5
-    slot_positions = cache.weight_positions(0, result)
+    slot_positions = cache.weight_positions(0, 0, result)
     by_position = np.zeros((config.n_heads, n_tokens))
     occupied = slot_positions >= 0
     by_position[:, slot_positions[occupied]] = result.weights[0][:, occupied]
@@ -91,11 +92,11 @@ def test_prefill_chunk_is_causal_and_matches_dense(setup, chunk):
     positions = np.arange(n_before, n_before + chunk)
     for i, p in enumerate(positions):
         stored[p] = (k[i].astype(config.dtype), v[i].astype(config.dtype))
-    cache.append(0, k, v, positions)
-    result = cache.attend(0, q, positions)
+    cache.append(0, 0, k, v, positions)
+    result = cache.attend(0, 0, q, positions)
 
     for i, p in enumerate(positions):
-        visible = [r for r in cache.resident_positions(0) if r <= p]
+        visible = [r for r in cache.resident_positions(0, 0) if r <= p]
         keys = np.stack([stored[r][0] for r in visible])
         values = np.stack([stored[r][1] for r in visible])
         out, _ = dense_attention_f64(q[i], keys, values)
@@ -103,7 +104,7 @@ def test_prefill_chunk_is_causal_and_matches_dense(setup, chunk):
         # with a disk tier and a policy that ignores attention only the last query's weights come back
         row = i - len(positions) + len(result.weights)
         if row >= 0:
-            future = cache.weight_positions(0, result) > p
+            future = cache.weight_positions(0, 0, result) > p
             assert np.all(result.weights[row][:, future] == 0), "a query saw a later token"
 
 

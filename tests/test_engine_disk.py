@@ -13,13 +13,14 @@ import pytest
 
 from model_fixtures import smollm2  # noqa: F401 - a fixture
 from pagevis.decoding import DecodeSession, SessionConfig
-from pagevis.engine import CacheConfig, ConfigError, EventKind, PagedKVCache
+from pagevis.engine import CacheConfig, ConfigError, EventKind
+from engine_reference import one_sequence
 
 N_KV, HEAD_DIM, N_HEADS = 2, 4, 4
 
 
 def tiered(page_size=4, ram=3, disk=12, policy="none", select="all", select_pages=2, swap_dir=None):
-    return PagedKVCache(CacheConfig(page_size=page_size, max_pages=ram, disk_pages=disk, n_layers=1,
+    return one_sequence(CacheConfig(page_size=page_size, max_pages=ram, disk_pages=disk, n_layers=1,
                                     n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HEAD_DIM, policy=policy,
                                     select=select, select_pages=select_pages, swap_dir=swap_dir))
 
@@ -33,10 +34,10 @@ def decode(cache, n_tokens, seed=0, on_step=None):
         v = rng.standard_normal((1, N_KV, HEAD_DIM)).astype(np.float32)
         stored[position] = (k[0], v[0])
         cache.step = position
-        cache.ensure_room(1)
-        cache.append(0, k, v, np.array([position]))
+        cache.ensure_room(0, 1)
+        cache.append(0, 0, k, v, np.array([position]))
         q = (2 * rng.standard_normal((1, N_HEADS, HEAD_DIM))).astype(np.float32)
-        cache.attend(0, q, np.array([position]))
+        cache.attend(0, 0, q, np.array([position]))
         if on_step:
             on_step(position)
     return stored
@@ -125,10 +126,10 @@ def test_fault_and_swap_counts_equal_a_brute_force_simulation(select, ram):
     cache = tiered(page_size=2, ram=ram, disk=40, select=select, select_pages=3)
     brute = BruteForceLRU(cache.config.home_frames, 2)
     page_bytes = cache.config.page_bytes()
-    table = cache.block_table(0)
+    table = cache.block_table(0, 0)
 
     def check(step):
-        read = set(table) if cache.read_slots[0] is None else set((cache.read_slots[0] // 2).tolist())
+        read = set(table) if cache.sequences[0].read_slots[0] is None else set((cache.sequences[0].read_slots[0] // 2).tolist())
         if select == "all":
             assert read == set(table)
         else:
@@ -181,7 +182,7 @@ SCRIPT = textwrap.dedent("""
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # over the size limit: EFBIG instead of a core dump
         resource.setrlimit(resource.RLIMIT_FSIZE, (20 * 1024, 20 * 1024))
         state = lambda: [len(session.records), len(session.generated), session.next_position,
-                         [s.resident for s in session.cache.stores], [len(t) for t in session.cache.sequence.block_tables]]
+                         [s.resident for s in session.cache.stores], [len(t) for t in getattr(session.cache.sequences.get(session.seq_id), 'block_tables', [])]]
         try:
             while True:
                 before = state()
@@ -251,9 +252,9 @@ def test_quest_reads_the_pages_with_the_highest_key_bounds(seed):
     for position in range(70):
         k = rng.standard_normal((1, N_KV, HEAD_DIM)).astype(np.float32)
         keys[position] = k[0]
-        cache.ensure_room(1)
-        cache.append(0, k, k, np.array([position]))
-    store, table = cache.stores[0], np.array(cache.block_table(0))
+        cache.ensure_room(0, 1)
+        cache.append(0, 0, k, k, np.array([position]))
+    store, table = cache.stores[0], np.array(cache.block_table(0, 0))
     q = (2 * rng.standard_normal((1, N_HEADS, HEAD_DIM))).astype(np.float32)
     group = N_HEADS // N_KV
     bounds = np.zeros((len(table), N_HEADS))

@@ -5,7 +5,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from pagevis.engine import CacheConfig, EventKind, PagedKVCache
+from pagevis.engine import CacheConfig, EventKind
+from engine_reference import one_sequence
 
 N_LAYERS, N_KV, HEAD_DIM = 2, 2, 4
 
@@ -26,7 +27,7 @@ class PagePoolMachine(RuleBasedStateMachine):
                                   head_dim=HEAD_DIM, policy=policy, policy_params=params, select=select,
                                   select_pages=2, **tier)
         self.n_pages = max_pages
-        self.cache = PagedKVCache(self.config)
+        self.cache = one_sequence(self.config)
         self.rng = np.random.default_rng(seed)
         self.next_position = 0
         # what the events say is resident, per layer: replaying events must give the cache's state
@@ -48,7 +49,7 @@ class PagePoolMachine(RuleBasedStateMachine):
         positions = np.arange(self.next_position, self.next_position + n)
         self.next_position += n
         self.cache.step += 1
-        self.cache.append(layer, self.rng.standard_normal(shape).astype(np.float32),
+        self.cache.append(0, layer, self.rng.standard_normal(shape).astype(np.float32),
                           self.rng.standard_normal(shape).astype(np.float32), positions)
         self._replay()
 
@@ -56,7 +57,7 @@ class PagePoolMachine(RuleBasedStateMachine):
     def attend(self, layer):
         if self.cache.stores[layer].resident:
             q = self.rng.standard_normal((1, 2 * N_KV, HEAD_DIM)).astype(np.float32)
-            result = self.cache.attend(layer, q, np.array([self.next_position]))
+            result = self.cache.attend(0, layer, q, np.array([self.next_position]))
             np.testing.assert_allclose(result.weights.sum(-1), 1, rtol=1e-5)
 
     @rule()
@@ -65,8 +66,8 @@ class PagePoolMachine(RuleBasedStateMachine):
         self.next_position = 0
         self.replayed = [dict() for _ in range(N_LAYERS)]
         for layer, pages in enumerate(self.cache.stores):
-            assert pages.resident == 0 and not self.cache.block_table(layer) and not pages.holes
-            assert sorted(pages.pages.free) == list(range(self.n_pages))
+            assert pages.resident == 0 and not self.cache.block_table(0, layer) and not self.cache.sequences[0].holes[layer]
+            assert sorted(pages.pages.empty) == list(range(self.n_pages)) and not pages.pages.cached
             assert not pages.pages.ref_counts.any()
             assert np.all(pages.positions == -1) and np.all(np.isneginf(pages.bias))
         assert self.cache.take_events() == []
@@ -77,15 +78,15 @@ class PagePoolMachine(RuleBasedStateMachine):
             return
         ps, max_pages = self.config.page_size, self.n_pages
         for layer, pages in enumerate(self.cache.stores):
-            table = self.cache.block_table(layer)
+            table = self.cache.block_table(0, layer)
             slots = pages.positions.reshape(max_pages, ps)
             occupied = slots >= 0
             resident = slots[occupied]
             assert resident.size <= self.config.capacity
             assert len(np.unique(resident)) == resident.size, "a token sits in two slots"
-            assert len(pages.pages.free) + len(table) == max_pages
+            assert pages.pages.n_free() + len(table) == max_pages
             assert len(set(table)) == len(table)
-            assert not set(table) & set(pages.pages.free)
+            assert not set(table) & (set(pages.pages.empty) | set(pages.pages.cached))
             # one sequence: a page is referenced once exactly when its sequence's block table holds it
             assert np.array_equal(np.flatnonzero(pages.pages.ref_counts), sorted(table))
             assert set(pages.pages.ref_counts.tolist()) <= {0, 1}
@@ -95,7 +96,7 @@ class PagePoolMachine(RuleBasedStateMachine):
                 assert in_table == (pages.fill[page] > 0), "block table disagrees with the slot map"
             # holes are exactly the empty slots of allocated pages
             expected_holes = {p * ps + s for p in table for s in range(ps) if not occupied[p, s]}
-            assert pages.holes == expected_holes
+            assert self.cache.sequences[0].holes[layer] == expected_holes
             if pages.tiered:
                 self.tiers_are_consistent(pages, table)
             else:

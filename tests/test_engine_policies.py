@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from engine_reference import dense_attention_f64
-from pagevis.engine import CacheConfig, CacheFullError, ConfigError, EventKind, PagedKVCache
+from pagevis.engine import CacheConfig, CacheFullError, ConfigError, EventKind
+from engine_reference import one_sequence
 
 N_KV, GROUP, HEAD_DIM = 2, 2, 8
 N_HEADS = N_KV * GROUP
@@ -104,7 +105,7 @@ def run_both(policy, page_size, max_pages, n_tokens, seed, params=None, ram_fram
     tier = {"max_pages": ram_frames, "disk_pages": max_pages} if ram_frames else {"max_pages": max_pages}
     config = CacheConfig(page_size=page_size, n_layers=1, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HEAD_DIM,
                          policy=policy, policy_params=params, **tier)
-    cache = PagedKVCache(config)
+    cache = one_sequence(config)
     brute = BruteForce(policy, config.capacity, page_size, params)
     rng = np.random.default_rng(seed)
     keys, values = {}, {}
@@ -112,13 +113,13 @@ def run_both(policy, page_size, max_pages, n_tokens, seed, params=None, ram_fram
         k, v, q = random_token(rng)
         keys[position], values[position] = k[0], v[0]
         cache.step = position
-        cache.append(0, k, v, np.array([position]))
-        cache.attend(0, q, np.array([position]))
+        cache.append(0, 0, k, v, np.array([position]))
+        cache.attend(0, 0, q, np.array([position]))
         brute.append(position)
         _, weights = dense_attention_f64(q[0], np.stack([keys[p] for p in brute.resident]),
                                          np.stack([values[p] for p in brute.resident]))
         brute.observe(dict(zip(brute.resident, weights.mean(axis=0))))
-        assert sorted(brute.resident) == cache.resident_positions(0).tolist(), f"differs at step {position}"
+        assert sorted(brute.resident) == cache.resident_positions(0, 0).tolist(), f"differs at step {position}"
     return cache
 
 
@@ -138,21 +139,21 @@ def test_retained_set_with_a_disk_tier_matches_brute_force(policy, page_size, ma
 @pytest.mark.parametrize("params", [{"n_sink": 0}, {"n_sink": 1}, {"n_sink": 11}])
 def test_sinks_parameter(params):
     cache = run_both("sinks", 4, 3, 40, seed=5, params=params)
-    kept = cache.resident_positions(0)
+    kept = cache.resident_positions(0, 0)
     assert kept[: params["n_sink"]].tolist() == list(range(params["n_sink"]))
 
 
 @pytest.mark.parametrize("params", [{"recent": 0}, {"recent": 3}, {"recent": 11}])
 def test_h2o_parameter(params):
     cache = run_both("h2o", 4, 3, 40, seed=6, params=params)
-    kept = cache.resident_positions(0).tolist()
+    kept = cache.resident_positions(0, 0).tolist()
     assert kept[len(kept) - params["recent"]:] == list(range(40 - params["recent"], 40))
 
 
 def test_h2o_keeps_heavy_hitters_that_oldest_drops():
     """A sanity check that the policies differ: h2o keeps some old token a sliding window lost."""
-    h2o = set(run_both("h2o", 4, 4, 60, seed=3).resident_positions(0).tolist())
-    window = set(run_both("oldest", 4, 4, 60, seed=3).resident_positions(0).tolist())
+    h2o = set(run_both("h2o", 4, 4, 60, seed=3).resident_positions(0, 0).tolist())
+    window = set(run_both("oldest", 4, 4, 60, seed=3).resident_positions(0, 0).tolist())
     assert h2o != window and min(h2o) < min(window)
 
 
@@ -162,17 +163,17 @@ def test_oldest_page_frees_whole_pages_in_block_table_order():
     evicted = [e.position for e in events if e.kind is EventKind.EVICT]
     released = [e.page for e in events if e.kind is EventKind.RELEASE]
     assert evicted == [0, 1, 2, 3] and released == [0]
-    assert cache.block_table(0) == [1, 2, 0]
+    assert cache.block_table(0, 0) == [1, 2, 0]
 
 
 def test_random_is_seeded_and_uniformish():
     def evicted(seed):
         config = CacheConfig(page_size=4, max_pages=4, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=2,
                              policy="random", policy_params={"seed": seed})
-        cache = PagedKVCache(config)
+        cache = one_sequence(config)
         x = np.zeros((1, 1, 2), np.float32)
         for p in range(400):
-            cache.append(0, x, x, np.array([p]))
+            cache.append(0, 0, x, x, np.array([p]))
         return [e.position for e in cache.take_events() if e.kind is EventKind.EVICT]
 
     assert evicted(7) == evicted(7)
@@ -186,21 +187,21 @@ def test_random_is_seeded_and_uniformish():
 def test_none_refuses_when_full_without_changing_anything():
     config = CacheConfig(page_size=2, max_pages=2, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=2,
                          policy="none")
-    cache = PagedKVCache(config)
+    cache = one_sequence(config)
     x = np.zeros((1, 1, 2), np.float32)
     for p in range(4):
-        cache.append(0, x, x, np.array([p]))
-    assert not cache.can_append(1)
+        cache.append(0, 0, x, x, np.array([p]))
+    assert not cache.can_append(0, 1)
     with pytest.raises(CacheFullError, match=r"cache is full.*4 tokens.*2 pages x 2.*policy 'none'"):
-        cache.ensure_room(1)
-    assert cache.resident_positions(0).tolist() == [0, 1, 2, 3]
+        cache.ensure_room(0, 1)
+    assert cache.resident_positions(0, 0).tolist() == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("params", [{"window": 1}, {"window": 5, "kernel": 1}, {"kernel": 3}])
 def test_snapkv_parameters(params):
     cache = run_both("snapkv", 4, 3, 40, seed=7, params=params)
     window = params.get("window", 8)
-    assert cache.resident_positions(0).tolist()[-window:] == list(range(40 - window, 40))
+    assert cache.resident_positions(0, 0).tolist()[-window:] == list(range(40 - window, 40))
 
 
 @pytest.mark.parametrize("params", [{"threshold_pct": 50}, {"threshold_pct": 1}])
@@ -211,7 +212,7 @@ def test_page_use_threshold(policy, params):
 
 def test_new_policies_keep_different_tokens():
     """The brute-force match means little if the policies coincide: on the same stream they differ."""
-    kept = {policy: tuple(run_both(policy, 4, 4, 70, seed=5).resident_positions(0).tolist())
+    kept = {policy: tuple(run_both(policy, 4, 4, 70, seed=5).resident_positions(0, 0).tolist())
             for policy in ("oldest-page", "lru", "lfu", "snapkv", "h2o")}
     assert len(set(kept.values())) == len(kept), kept
 
@@ -223,8 +224,8 @@ def test_pyramidkv_gives_each_layer_its_own_budget():
     params = {"budget": 14, "window": 3, "kernel": 3, "beta": 4}
     config = CacheConfig(page_size=page_size, max_pages=6, n_layers=n_layers, n_heads=N_HEADS, n_kv_heads=N_KV,
                          head_dim=HEAD_DIM, policy="pyramidkv", policy_params=params)
-    cache = PagedKVCache(config)
-    budgets = cache.policy.budgets
+    cache = one_sequence(config)
+    budgets = cache.sequences[0].policy.budgets
     assert budgets == sorted(budgets, reverse=True) and len(set(budgets)) == n_layers
     assert sum(budgets) == n_layers * params["budget"]
     snap = {k: params[k] for k in ("window", "kernel")}
@@ -236,14 +237,14 @@ def test_pyramidkv_gives_each_layer_its_own_budget():
         keys[position], values[position] = k[0], v[0]
         cache.step = position
         for layer, brute in enumerate(brutes):
-            cache.append(layer, k, v, np.array([position]))
-            cache.attend(layer, q, np.array([position]))
+            cache.append(0, layer, k, v, np.array([position]))
+            cache.attend(0, layer, q, np.array([position]))
             brute.append(position)
             _, weights = dense_attention_f64(q[0], np.stack([keys[p] for p in brute.resident]),
                                              np.stack([values[p] for p in brute.resident]))
             brute.observe(dict(zip(brute.resident, weights.mean(axis=0))))
-            assert sorted(brute.resident) == cache.resident_positions(layer).tolist(), (layer, position)
-    assert [len(cache.resident_positions(layer)) for layer in range(n_layers)] == budgets
+            assert sorted(brute.resident) == cache.resident_positions(0, layer).tolist(), (layer, position)
+    assert [len(cache.resident_positions(0, layer)) for layer in range(n_layers)] == budgets
 
 
 def test_pyramidkv_budget_must_fit_the_pool():
@@ -260,14 +261,14 @@ def test_a_prefill_chunk_counts_like_its_tokens_one_by_one(policy):
     rng = np.random.default_rng(9)
     k = rng.standard_normal((10, N_KV, HEAD_DIM)).astype(np.float32)
     q = (2.5 * rng.standard_normal((10, N_HEADS, HEAD_DIM))).astype(np.float32)
-    chunked, single = PagedKVCache(config), PagedKVCache(config)
-    chunked.append(0, k[:2], k[:2], np.arange(2))
-    chunked.attend(0, q[:2], np.arange(2))
-    chunked.append(0, k[2:], k[2:], np.arange(2, 10))
-    chunked.attend(0, q[2:], np.arange(2, 10))
+    chunked, single = one_sequence(config), one_sequence(config)
+    chunked.append(0, 0, k[:2], k[:2], np.arange(2))
+    chunked.attend(0, 0, q[:2], np.arange(2))
+    chunked.append(0, 0, k[2:], k[2:], np.arange(2, 10))
+    chunked.attend(0, 0, q[2:], np.arange(2, 10))
     for p in range(10):
-        single.append(0, k[p:p + 1], k[p:p + 1], np.array([p]))
-        single.attend(0, q[p:p + 1], np.array([p]))
-    view_c, view_s = chunked.view(0), single.view(0)
+        single.append(0, 0, k[p:p + 1], k[p:p + 1], np.array([p]))
+        single.attend(0, 0, q[p:p + 1], np.array([p]))
+    view_c, view_s = chunked.view(0, 0), single.view(0, 0)
     occupied = view_c.occupied()
-    assert np.allclose(chunked.policy.score(view_c)[occupied], single.policy.score(view_s)[occupied])
+    assert np.allclose(chunked.sequences[0].policy.score(view_c)[occupied], single.sequences[0].policy.score(view_s)[occupied])

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("pytestqt")
 from PySide6.QtCore import QSettings, Qt, QThreadPool  # noqa: E402
 
-from pagevis.decoding import ModelSpec, SessionConfig  # noqa: E402
+from pagevis.decoding import ModelSpec, SamplingConfig, SessionConfig  # noqa: E402
 from pagevis.gui.theme import PINNED, REPLACED, RESIDENT, WRITTEN  # noqa: E402
 
 from gui_helpers import CONFIG, PROMPT, SYNTH, make_window, step, write_synthetic_trace  # noqa: E402
@@ -257,6 +257,28 @@ def test_settings_restore_the_last_configuration(qtbot, tmp_path):
     assert again.controls.max_pages.value() == 6
     assert again.controls.policy.currentData() == "tova"
     assert again.controls.prompt() == PROMPT
+
+
+def test_controls_are_made_from_the_settings_table(qtbot):
+    """Each control of a setting takes its range, default and tooltip from the table; the saved settings
+    are the table's JSON form (and the flat sampling keys saved before the table still restore)."""
+    from pagevis import settings
+    from pagevis.gui.controls import ControlsPanel
+
+    controls = ControlsPanel()
+    qtbot.addWidget(controls)
+    assert set(controls._inputs) == {s.name for s in settings.SETTINGS.values() if s.app and s.kind != "params"}
+    for name, widget in controls._inputs.items():
+        s = settings.setting(name)
+        assert widget.toolTip() == s.help, name
+        if s.kind in ("int", "float"):
+            low, high = s.app_range or (s.low, s.high)
+            assert (widget.minimum(), widget.maximum(), widget.value()) == (low, min(high, 2**31 - 1), s.default)
+    saved = controls.to_dict()
+    assert saved["sampling"] == settings.to_dict(SessionConfig())["sampling"] and saved["max_pages"] == 12
+    controls.from_dict({**saved, "max_pages": 7, "sampling": "sample", "temperature": 0.3, "seed": 5})
+    assert controls.session_config().max_pages == 7
+    assert controls.session_config().sampling == SamplingConfig(mode="sample", temperature=0.3, seed=5)
 
 
 def test_exports(qtbot, window, tmp_path):

@@ -295,3 +295,17 @@ def test_text_tints_only_the_most_attended_and_the_colour_scale_can_be_fixed(qtb
     for index in (0, 3, 1, 5):
         window.scrub(index)
         assert window.attention._levels == levels  # the colours mean the same weight at every step
+
+
+def test_reset_with_the_same_settings_takes_the_prompt_from_the_prefix_cache(qtbot, tmp_path):
+    window = make_window(qtbot, tmp_path, config=replace(CONFIG, max_pages=8))  # the 17-token prompt fits
+    step(qtbot, window, 3)
+    old = window.timeline
+    window.restart("reset")
+    qtbot.waitUntil(lambda: window.timeline is not old and window.runner.state == "ready", timeout=5000)
+    assert window.runner.previous.timeline is old and len(old) == 3  # the previous run's records are kept
+    step(qtbot, window)
+    first = window.timeline.records[0]
+    assert first.kind == "prefill" and first.positions == tuple(range(16, 17))  # 4 full pages came from the cache
+    assert [e.detail for e in first.events if e.kind == "prefix_hit"] == [16]
+    assert first.next_token == old.records[0].next_token  # and it predicts what the first run predicted

@@ -74,7 +74,7 @@ def test_fork_from_a_recorded_step_and_the_cached_queue(qtbot, tmp_path):
     assert "cached free queue" in seqs.view.queue.text()
     assert seqs.fork(0, len(seqs.records) - 1, seed=8) == 2  # a finished parent: through the prefix cache
     step(qtbot, seqs)
-    assert seqs.batch.pool.prefix_stats.hits >= 16
+    assert seqs.batch.cache.prefix_stats.hits >= 16
     seqs.resize(1200, 800)
     seqs.show()
     qtbot.waitExposed(seqs)
@@ -104,5 +104,5 @@ def test_run_decodes_every_sequence_to_the_end_in_the_worker(qtbot, tmp_path):
     qtbot.waitUntil(lambda: "finished" in seqs.status.text(), timeout=60000)
     assert not seqs.run_button.isChecked() and not seqs.busy
     assert len(seqs.records) == SEQ_CONFIG.max_new_tokens
-    assert all(len(s.generated) == SEQ_CONFIG.max_new_tokens for s in seqs.batch.seqs.values())
+    assert all(len(s.generated) == SEQ_CONFIG.max_new_tokens for s in seqs.batch.requests.values())
     assert seqs.view.texts.columnCount() == 2

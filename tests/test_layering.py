@@ -1,18 +1,164 @@
-"""The engine, model and decoding layers never import Qt (the GUI only renders their snapshots)."""
+"""Layering, enforced for every module of pagevis: a static check of each module's imports (at module level
+and inside functions: lazy imports count too) against one table of what each package may import, and a
+runtime check that the core packages load no Qt.
 
+The layers, each importable without the ones above it (docs: DESIGN.md):
+    errors, settings · engine · model · decoding · presets, trace · serve, bench · cli · gui
+"""
+
+from __future__ import annotations
+
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import pagevis
 
-@pytest.mark.parametrize("package", ["pagevis.engine", "pagevis.model", "pagevis.decoding"])
+ROOT = Path(pagevis.__file__).parent
+QT = ("PySide6", "shiboken6", "pyqtgraph", "superqt", "qtpy", "PyQt5", "PyQt6")
+
+# Each package of pagevis (or module at its top), and the other pagevis packages and modules it may import.
+# An entry allows that package or module and everything under it; `pagevis` itself (the version string)
+# is allowed everywhere. Anything else is refused, and a new package must be given a row here.
+FOUNDATION = {"errors", "settings", "system_memory"}
+ALLOWED: dict[str, set[str]] = {
+    # One error type for a bad setting, used by every layer.
+    "errors": set(),
+    # The settings table: every layer reads it, so it builds on nothing but the error type; the policy names
+    # are the engine's registry's, imported when a front end asks (never when the engine imports the table).
+    "settings": {"errors", "engine.policies"},
+    # Free memory and rlimits (model loading, trace reading, the CLI's up-front checks).
+    "system_memory": set(),
+    # The paged KV cache, its policies and attention: the bottom layer; never decoding, trace, serve, cli,
+    # bench or gui (every front end builds on it, it knows none of them).
+    "engine": FOUNDATION,
+    # The model: forward passes over an attention function the caller passes in; never the engine's
+    # front ends either (decoding, trace, serve, cli, bench, gui).
+    "model": FOUNDATION,
+    # Decoding sessions: the model over the engine. Never serve, cli, gui (nor trace or bench above it).
+    "decoding": FOUNDATION | {"engine", "model"},
+    # Demo presets: named overrides of the settings table's defaults, for the app and `pagevis run`.
+    "presets": FOUNDATION | {"decoding"},
+    # Trace files, reading and writing in one package: records of decoding sessions; no front end.
+    "trace": FOUNDATION | {"engine", "model", "decoding"},
+    # Prometheus metrics of sessions (run, serve, the app): on its own.
+    "observe": set(),
+    # Checks that the platform can run Qt, without importing Qt.
+    "platform_check": set(),
+    # Subscribers of other engines' KV events: independent of our engine and of every front end (the model
+    # package only for its GGUF tokenizer, to show a block's text).
+    "attach": FOUNDATION | {"model"},
+    # The HTTP server: never the CLI (requests are built through the settings table, as flags are), never Qt.
+    "serve": FOUNDATION | {"engine", "model", "decoding", "trace", "observe", "attach"},
+    # Benchmarks: measure and return rows (their PNG plots are drawn by pagevis.gui.plots, passed in by the
+    # CLI); `bench.serve` measures the server.
+    "bench": FOUNDATION | {"engine", "model", "decoding", "serve"},
+    # The command line: every layer below, and the app it opens and the plots it draws (gui).
+    "cli": FOUNDATION | {"engine", "model", "decoding", "presets", "trace", "observe", "platform_check", "serve",
+                         "bench", "gui", "attach"},
+    # The app: the only package that imports Qt; never the CLI (`pagevis` parses the command line and then
+    # opens the app with plain objects).
+    "gui": FOUNDATION | {"engine", "model", "decoding", "presets", "trace", "platform_check", "attach"},
+    # `python -m pagevis`: the command line.
+    "__main__": {"cli"},
+}
+QT_PACKAGES = {"gui"}  # the only place Qt (and pyqtgraph, superqt) may be imported
+
+
+def modules():
+    """(path, dotted module name, its package's dotted name) of every module of pagevis."""
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = ("pagevis", *path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            yield path, ".".join(parts[:-1]), ".".join(parts[:-1])
+        else:
+            yield path, ".".join(parts), ".".join(parts[:-1])
+
+
+def _is_module(dotted: str) -> bool:
+    path = ROOT.joinpath(*dotted.split(".")[1:])
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imports(path: Path, package: str):
+    """(line, absolute module name) of every import in the file, wherever it is (functions included);
+    `from X import name` names X.name when that is a module of pagevis."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            for alias in node.names:
+                full = f"{module}.{alias.name}"
+                yield node.lineno, full if module.split(".")[0] == "pagevis" and _is_module(full) else module
+
+
+def layer_of(module: str) -> str:
+    """pagevis.engine.cache -> engine; pagevis.settings -> settings; pagevis -> pagevis."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "pagevis"
+
+
+def allowed(source: str, target: str) -> bool:
+    """May the package `source` import the pagevis module `target` (dotted, under pagevis)?"""
+    inner = target.split(".", 1)[1] if "." in target else ""
+    if not inner or layer_of(target) == source:
+        return True
+    return any(inner == entry or inner.startswith(entry + ".") for entry in ALLOWED[source])
+
+
+def test_every_package_has_a_row():
+    layers = {layer_of(name) for _path, name, _package in modules()} - {"pagevis"}
+    missing = sorted(layers - set(ALLOWED))
+    assert not missing, f"give {missing} a row in ALLOWED (what they may import, and why)"
+
+
+def test_every_import_follows_the_layers():
+    problems = []
+    for path, name, package in modules():
+        source = layer_of(name)
+        if source == "pagevis":
+            continue
+        for line, target in imports(path, package):
+            where = f"{path.relative_to(ROOT.parent)}:{line}"
+            top = target.split(".")[0]
+            if top in QT and source not in QT_PACKAGES:
+                problems.append(f"{where} imports {target}: only pagevis.gui imports Qt")
+            elif top == "pagevis" and not allowed(source, target):
+                problems.append(f"{where} imports {target}: {source} may import only "
+                                f"{', '.join(sorted(ALLOWED[source])) or 'nothing of pagevis'}")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_check_sees_lazy_and_relative_imports(tmp_path):
+    source = tmp_path / "lazy.py"
+    source.write_text("from . import settings\n\ndef f():\n    from ..cli import options\n    import PySide6.QtCore\n")
+    found = [module for _line, module in imports(source, "pagevis.serve")]
+    assert found == ["pagevis.serve.settings", "pagevis.cli.options", "PySide6.QtCore"]
+    assert not allowed("serve", "pagevis.cli.options") and allowed("serve", "pagevis.serve.settings")
+    assert allowed("settings", "pagevis.engine.policies") and not allowed("settings", "pagevis.engine.cache")
+
+
+@pytest.mark.parametrize("package", ["pagevis.engine", "pagevis.model", "pagevis.decoding", "pagevis.trace"])
 def test_core_packages_import_no_qt(package):
     code = (
         f"import sys, {package}; "
-        "qt = sorted(m for m in sys.modules if m.split('.')[0] in "
-        "('PySide6', 'PyQt5', 'PyQt6', 'shiboken6', 'pyqtgraph', 'superqt', 'qtpy') or m.startswith('pagevis.gui')); "
+        f"qt = sorted(m for m in sys.modules if m.split('.')[0] in {QT!r} or m.startswith('pagevis.gui')); "
         "print(','.join(qt))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"{package} imported {out.stdout.strip()}"
+
+
+def test_the_settings_table_loads_without_the_engine():
+    code = "import sys, pagevis.settings; print(sorted(m for m in sys.modules if m.startswith('pagevis.')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['pagevis.errors', 'pagevis.settings']"

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from pagevis.bench.optimal import FutureAttention
-from pagevis.engine import CacheConfig, EventKind, PagedKVCache
+from pagevis.engine import CacheConfig, EventKind
+from engine_reference import one_sequence
 
 
 def brute_force_evictions(attention, capacity):
@@ -33,14 +34,14 @@ def test_optimal_evicts_least_future_attention(page_size, max_pages, seed):
     policy = FutureAttention(attention.sum(axis=1))
     config = CacheConfig(page_size=page_size, max_pages=max_pages, n_layers=layers, n_heads=1, n_kv_heads=1,
                          head_dim=2, policy="oldest")
-    cache = PagedKVCache(config)
+    cache = one_sequence(config)
     policy.bind(config.capacity, page_size)
-    cache.policy = policy
+    cache.sequences[0].policy = policy
     x = np.zeros((1, 1, 2), np.float32)
     for t in range(n):
         cache.step = t
         for layer in range(layers):
-            cache.append(layer, x, x, np.array([t]))
+            cache.append(0, layer, x, x, np.array([t]))
         policy.consume(attention[:, t, : t + 1])  # query t has run: its attention is no longer to come
     events = cache.take_events()
     for layer in range(layers):

@@ -13,22 +13,22 @@ import time
 
 import numpy as np
 
-from ..engine import CacheConfig, PagedKVCache, attend
+from ..engine import CacheConfig, KVCacheManager, attend
 
 CONTEXTS = (32, 128, 512, 1024, 2048, 4096, 8192)
 PAGE_SIZES = (8, 16, 32, 64)
 
 
 def filled_cache(context: int, page_size: int, n_heads: int, n_kv_heads: int, head_dim: int,
-                 dtype: str, rng: np.random.Generator) -> tuple[PagedKVCache, np.ndarray, np.ndarray]:
+                 dtype: str, rng: np.random.Generator) -> tuple[KVCacheManager, np.ndarray, np.ndarray]:
     """A one-layer cache holding `context` tokens, and the same keys/values laid out densely."""
     config = CacheConfig(page_size=page_size, max_pages=math.ceil(context / page_size), n_layers=1,
                          n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, dtype=dtype,
                          policy="none")
-    cache = PagedKVCache(config)
+    cache = KVCacheManager.single(config)
     keys = rng.standard_normal((context, n_kv_heads, head_dim)).astype(dtype)
     values = rng.standard_normal((context, n_kv_heads, head_dim)).astype(dtype)
-    cache.append(0, keys, values, np.arange(context))
+    cache.append(0, 0, keys, values, np.arange(context))
     cache.take_events()
     dense_k = np.ascontiguousarray(keys.transpose(1, 0, 2))
     dense_v = np.ascontiguousarray(values.transpose(1, 0, 2))
@@ -56,7 +56,7 @@ def run_attention_bench(contexts=CONTEXTS, page_sizes=PAGE_SIZES, n_heads=9, n_k
             cache, dense_k, dense_v = filled_cache(context, page_size, n_heads, n_kv_heads, head_dim, dtype, rng)
             q = rng.standard_normal((1, n_heads, head_dim)).astype(np.float32)
             position = np.array([context])
-            paged = lambda: cache.attend(0, q, position)
+            paged = lambda: cache.attend(0, 0, q, position)
             dense = lambda: attend(q, dense_k, dense_v)
             check = np.abs(paged().output - dense().output).max()
             assert check < 1e-4, f"paged and dense disagree by {check}"

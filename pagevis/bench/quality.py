@@ -24,9 +24,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..decoding import DecodeSession, SessionConfig
+from ..decoding import DecodeSession, SessionConfig, steps
 from ..decoding.sampling import log_softmax
-from ..engine import CacheConfig, CacheFullError, ConfigError, PagedKVCache
+from ..engine import CacheConfig, CacheFullError, ConfigError, KVCacheManager
 from ..engine.policies.pyramidkv import PyramidKV, pool_tokens
 from ..engine.policies.snapkv import SnapKV
 from .optimal import OPTIMAL, FutureAttention
@@ -145,16 +145,16 @@ def full_reference(model, token_ids, page_size: int = 16, dtype: str = "float32"
     ids = np.asarray(token_ids, dtype=np.int64)
     n = len(ids)
     cfg = model.config
-    cache = PagedKVCache(CacheConfig(page_size=page_size, max_pages=math.ceil(n / page_size), n_layers=cfg.n_layers,
-                                     n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                                     dtype=dtype, policy="none"))
+    cache = KVCacheManager.single(CacheConfig(
+        page_size=page_size, max_pages=math.ceil(n / page_size), n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+        n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, dtype=dtype, policy="none"), prefix_caching=False)
     reference = Reference(ids, cfg.n_layers, cfg.vocab_size, folder)
     block = np.zeros((cfg.n_layers, min(chunk, n), n), dtype=np.float32)  # this chunk's attention by position
     started = time.perf_counter()
 
     def attend(layer, q, k, v, positions):
-        cache.append(layer, k, v, positions)
-        result = cache.attend(layer, q, positions)
+        cache.append(0, layer, k, v, positions)
+        result = cache.attend(0, layer, q, positions)
         keys = cache.slot_positions(layer)
         resident = np.flatnonzero(keys >= 0)
         weights = result.weights.mean(axis=1)  # (chunk, slots): mean over heads
@@ -192,10 +192,12 @@ class _KeepAllLogits:
         self.piece = piece
         self.logits: np.ndarray | None = None
 
-    def forward(self, token_ids, positions, attend, all_logits=False):
+    def forward(self, token_ids, positions, attend, all_logits=False, logit_rows=None):
         pieces = [self.model.forward(token_ids[i: i + self.piece], positions[i: i + self.piece], attend,
                                      all_logits=True) for i in range(0, len(token_ids), self.piece)]
         self.logits = np.concatenate([np.atleast_2d(p) for p in pieces])
+        if logit_rows is not None:
+            return self.logits[logit_rows]
         return self.logits if all_logits else self.logits[-1]
 
 
@@ -217,10 +219,9 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
     config = SessionConfig(page_size=page_size, max_pages=max_pages, dtype=dtype, policy_params=params,
                            max_new_tokens=1, oracle=False, chat=False, record_layers=(), **tier)
     wrapped = _KeepAllLogits(model, piece)
-    session = DecodeSession(wrapped, "", config, prompt_ids=[int(t) for t in ids])
-    if optimal:
-        optimal.bind(session.cache_config.capacity, page_size)
-        session.cache.policy = optimal  # the session builds policies by name; this one needs the future
+    if optimal:  # the session builds policies by name; this one needs the future
+        optimal.bind(config.capacity, page_size)
+    session = DecodeSession(wrapped, "", config, prompt_ids=[int(t) for t in ids], policy=optimal)
     true_lp = np.zeros(n - 1)
     kl = np.zeros(n - 1)
     agree = np.zeros(n - 1, dtype=bool)
@@ -229,11 +230,10 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
     note = ""
     evictions = 0
     try:
-        while not session.done:
-            record = session.step()
+        for record in steps(session):
             session.records[-1] = None  # read once here; keeps the step count, not the arrays (8k steps)
             evictions = record.evictions_total
-            resident = _read_by_layer(session.cache, record, n)  # what this step's queries attended to
+            resident = _read_by_layer(session, record, n)  # what this step's queries attended to
             for i, p in enumerate(record.positions):
                 if p >= n - 1:
                     continue
@@ -286,13 +286,13 @@ def tier_settings(choice: PolicyChoice, budget: int, page_size: int, n_tokens: i
     return settings
 
 
-def _read_by_layer(cache, record, n: int) -> np.ndarray:
+def _read_by_layer(session, record, n: int) -> np.ndarray:
     """(n_layers, n) bool: positions each layer's queries read at this step (its resident tokens, or
     with a page selection the tokens of the pages it read). Read from the live cache, just after the step."""
     if record.tiers is None:
         return _resident_by_layer(record.slot_maps, n)
-    mask = np.zeros((len(cache.stores), n), dtype=bool)
-    for layer, (store, slots) in enumerate(zip(cache.stores, cache.read_slots, strict=True)):
+    mask = np.zeros((len(session.cache.stores), n), dtype=bool)
+    for layer, (store, slots) in enumerate(zip(session.cache.stores, session.read_slots, strict=True)):
         read = store.positions if slots is None else store.positions[slots]
         mask[layer, read[(read >= 0) & (read < n)]] = True
     return mask

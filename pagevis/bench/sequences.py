@@ -7,7 +7,8 @@ import statistics
 import time
 
 from ..decoding import SamplingConfig, SessionConfig
-from ..decoding.batch import BatchConfig, BatchSession
+from ..decoding import Engine, run
+from ..decoding.batch import BatchConfig
 from ..decoding.batch_summary import batch_summary
 
 BATCH_SIZES = (1, 2, 4, 8, 16)
@@ -34,16 +35,19 @@ def batching_rows(model, kind: str, sizes=BATCH_SIZES, n_tokens: int = 12) -> li
     (this process's own, memory stalls included) does not."""
     rows = []
     for size in sizes:
-        batch = BatchSession(model, _config(kind, n_tokens + 1), BatchConfig(max_seqs=size))
+        batch = Engine(model, _config(kind, n_tokens + 1), BatchConfig(max_seqs=size))
         for i in range(size):
             batch.submit(batch.encode(QUESTIONS[i % len(QUESTIONS)] + f" (#{i})"))
-        wall, cpu = [], []
-        while not batch.done:
-            started = time.process_time()
-            record = batch.step()
+        wall, cpu, clock = [], [], [time.process_time()]
+
+        def timed(record, size=size, wall=wall, cpu=cpu, clock=clock):
+            now = time.process_time()
             if len(record.seqs) == size and all(s.kind == "decode" for s in record.seqs):
                 wall.append(record.seconds)
-                cpu.append(time.process_time() - started)
+                cpu.append(now - clock[0])
+            clock[0] = now
+
+        run(batch, on_step=timed)
         step, cpu_step = statistics.median(wall), statistics.median(cpu)
         rows.append({"sequences": size, "step_ms": step * 1e3, "tokens_per_s": size / step,
                      "cpu_step_ms": cpu_step * 1e3, "cpu_tokens_per_s": size / cpu_step, "steps": len(wall)})
@@ -57,7 +61,7 @@ def parallel_sampling_row(model, kind: str, n: int = 4, prompt_tokens: int = 200
     """n samples of one prompt_tokens-token prompt, new_tokens each (end-of-sequence ignored, so the shape is
     the one asked for): pages at the peak against one sequence's and against no sharing."""
     config = _config(kind, new_tokens, mode="sample")
-    batch = BatchSession(model, config, BatchConfig(max_seqs=n, ignore_eos=True))
+    batch = Engine(model, config, BatchConfig(max_seqs=n, ignore_eos=True))
     ids = batch.encode(" ".join(["pages"] * prompt_tokens))[:prompt_tokens]
     batch.submit_parallel(ids, n)
     records = list(batch.run())
@@ -65,7 +69,7 @@ def parallel_sampling_row(model, kind: str, n: int = 4, prompt_tokens: int = 200
     summary["pages_over_one"] = summary["pages_used_peak"] / summary["pages_one_sequence"]
     summary["unshared_over_one"] = summary["pages_without_sharing_peak"] / summary["pages_one_sequence"]
     summary["ideal_over_one"] = (prompt_tokens + n * new_tokens) / (prompt_tokens + new_tokens)
-    summary["all_ran_to_length"] = all(len(s.generated) == new_tokens for s in batch.seqs.values())
+    summary["all_ran_to_length"] = all(len(s.generated) == new_tokens for s in batch.requests.values())
     return summary
 
 
@@ -73,23 +77,22 @@ def shared_prompt_row(model, kind: str, n: int = 8, system_tokens: int = 150, ne
     """n sequences, one after another, whose prompts open with the same system_tokens-token system prompt
     (then a different question each): the prefix-cache hit rate over those shared tokens, for every
     sequence after the first (at most the full pages of the system prompt can hit)."""
-    batch = BatchSession(model, _config(kind, new_tokens), BatchConfig(max_seqs=n))
+    batch = Engine(model, _config(kind, new_tokens), BatchConfig(max_seqs=n))
     system = list(model.tokenizer.encode(SYSTEM_PROMPT))
     system = (system * (system_tokens // len(system) + 1))[:system_tokens]
     hits = []
     for i in range(n):
-        before = batch.pool.prefix_stats.hits
+        before = batch.cache.prefix_stats.hits
         batch.submit(system + batch.encode(QUESTIONS[i % len(QUESTIONS)]))
-        batch.step()
-        hits.append(min(batch.pool.prefix_stats.hits - before, system_tokens))
-        list(batch.run())
+        run(batch)
+        hits.append(min(batch.cache.prefix_stats.hits - before, system_tokens))
     later = hits[1:]
     return {"sequences": n, "system_tokens": system_tokens, "page_size": batch.config.page_size,
             "hit_tokens": hits, "hit_rate_after_first": sum(later) / (system_tokens * len(later))}
 
 
 def format_sequences(result: dict) -> list[str]:
-    out = ["Many sequences, one pool (continuous batching, SharedKVPool)",
+    out = ["Many sequences, one pool (continuous batching, one engine)",
            f"{'sequences':>10} {'step ms':>9} {'tok/s':>8} {'x one':>7} {'CPU ms':>8} {'CPU tok/s':>10} {'x one':>7}"]
     for r in result["batching"]:
         out.append(f"{r['sequences']:>10} {r['step_ms']:>9.1f} {r['tokens_per_s']:>8.1f} {r['over_one']:>6.2f}x "

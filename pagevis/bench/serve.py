@@ -72,15 +72,14 @@ class ServerProcess:
 # --- 1. tokens/s ------------------------------------------------------------------------------------
 
 def headless_tokens_per_s(model, tokens: int) -> float:
-    from ..decoding import DecodeSession, SessionConfig
+    from ..decoding import DecodeSession, RunControl, SessionConfig, run
 
     session = DecodeSession(model, PROMPT, SessionConfig(max_new_tokens=tokens + 1, **CACHE))
-    while not session.generated:
-        session.step()
+    control = RunControl()
+    run(session, control, on_step=lambda record: setattr(control, "stop", bool(session.generated)))
     started = time.perf_counter()
-    for _ in range(tokens):
-        session.step()
-    return tokens / (time.perf_counter() - started)
+    taken = run(session, RunControl(budget=tokens))
+    return taken / (time.perf_counter() - started)
 
 
 def http_tokens_per_s(client, tokens: int) -> float:

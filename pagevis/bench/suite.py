@@ -65,7 +65,7 @@ def torch_rows(contexts, page_size: int = 16, repeats: int | None = None, seed: 
             tq = torch.from_numpy(q.transpose(1, 0, 2)[None].astype(dtype))  # (1, heads, 1, dim)
             tk, tv = torch.from_numpy(dense_k[None]), torch.from_numpy(dense_v[None])  # (1, kv_heads, context, dim)
             position = np.array([context])
-            paged = lambda: cache.attend(0, q, position)
+            paged = lambda: cache.attend(0, 0, q, position)
             dense = lambda: attend(q, dense_k, dense_v)
 
             def sdpa():
@@ -111,8 +111,9 @@ def decode_row(spec, n_tokens: int = 32, probe_bytes: int | None = None) -> dict
     probe = probe_bytes or per_token
     copy = speed.measure_copy_bandwidth(probe)
     before = speed.measure_read_bandwidth(probe)
-    session = DecodeSession(model, "The paged cache", SessionConfig(max_new_tokens=n_tokens + 1, chat=False,
-                                                                     record_layers=()))
+    # 16 pages of 16: room for the default 32 tokens without eviction (the row times decoding, not a policy)
+    config = SessionConfig(page_size=16, max_pages=16, max_new_tokens=n_tokens + 1, chat=False, record_layers=())
+    session = DecodeSession(model, "The paged cache", config)
     decode_s = [r.timings["total"] for r in session.run() if r.kind == "decode"]
     paged = 1 / float(np.median(decode_s))
     dense = speed.measure_decode_speed(model, n_tokens=n_tokens)

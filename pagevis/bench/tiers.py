@@ -1,5 +1,5 @@
 """The disk tier's memory-vs-latency trade-off, measured in one run (`python -m pagevis.bench.tiers`, and
-the tier tables of `pagevis bench`).
+the tier tables and plots of `pagevis bench`).
 
 - streamed: exact decode attention over a context whose pages live on disk, with R RAM frames (half keep
   pages, half take disk pages in batches merged by log-sum-exp), against paged attention with every page
@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from ..engine import CacheConfig, PagedKVCache
+from ..engine import CacheConfig, KVCacheManager
 from .attention import best_time
 
 SHAPE = {"n_heads": 9, "n_kv_heads": 3, "head_dim": 64}
@@ -41,16 +41,16 @@ def keys_values(context: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def tiered_cache(kv: tuple[np.ndarray, np.ndarray], page_size: int, ram_frames: int | None, select: str = "all",
-                 select_pages: int = 4, swap_dir: str | None = None) -> PagedKVCache:
+                 select_pages: int = 4, swap_dir: str | None = None) -> KVCacheManager:
     """A one-layer cache holding these keys and values: on a disk tier of exactly as many pages with
     `ram_frames` RAM frames, or (ram_frames None) every page in RAM."""
     context = len(kv[0])
     pages = math.ceil(context / page_size)
     tiers = {"max_pages": pages} if ram_frames is None else {"max_pages": ram_frames, "disk_pages": pages}
-    cache = PagedKVCache(CacheConfig(page_size=page_size, n_layers=1, policy="none", select=select,
+    cache = KVCacheManager.single(CacheConfig(page_size=page_size, n_layers=1, policy="none", select=select,
                                      select_pages=select_pages, swap_dir=swap_dir, **tiers, **SHAPE))
-    cache.ensure_room(context)
-    cache.append(0, kv[0], kv[1], np.arange(context))
+    cache.ensure_room(0, context)
+    cache.append(0, 0, kv[0], kv[1], np.arange(context))
     cache.take_events()
     cache.take_counts()
     return cache
@@ -76,13 +76,13 @@ def streamed_rows(contexts=CONTEXTS, shares=RAM_SHARES, page_size: int = 16, rep
         for share in shares:
             frames = ram_frames_for(pages, share)
             cache = tiered_cache(kv, page_size, frames, swap_dir=swap_dir)
-            exact = np.abs(cache.attend(0, q, position).output - ram.attend(0, q, position).output).max()
+            exact = np.abs(cache.attend(0, 0, q, position).output - ram.attend(0, 0, q, position).output).max()
             assert exact < 1e-4, f"streamed and in-RAM attention disagree by {exact}"
             cache.take_counts()
             ram_s, warm_s = [], []
             for _ in range(5):
-                ram_s.append(best_time(lambda ram=ram: ram.attend(0, q, position), reps))
-                warm_s.append(best_time(lambda cache=cache: cache.attend(0, q, position), reps))
+                ram_s.append(best_time(lambda ram=ram: ram.attend(0, 0, q, position), reps))
+                warm_s.append(best_time(lambda cache=cache: cache.attend(0, 0, q, position), reps))
             counts = cache.take_counts()[0]
             cold = cold_time(cache, q, position)
             ram_us, warm_us = float(np.median(ram_s)) * 1e6, float(np.median(warm_s)) * 1e6
@@ -95,13 +95,13 @@ def streamed_rows(contexts=CONTEXTS, shares=RAM_SHARES, page_size: int = 16, rep
     return rows
 
 
-def cold_time(cache: PagedKVCache, q: np.ndarray, position: np.ndarray) -> float:
+def cold_time(cache: KVCacheManager, q: np.ndarray, position: np.ndarray) -> float:
     """One decode attention right after the swap file's pages left the OS page cache."""
     fd = cache.stores[0].swap.fd
     os.fdatasync(fd)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     start = time.perf_counter()
-    cache.attend(0, q, position)
+    cache.attend(0, 0, q, position)
     return time.perf_counter() - start
 
 
@@ -115,12 +115,12 @@ def quest_rows(context: int = 8192, ram_share: float = 1 / 8, shares=QUEST_SHARE
     position = np.array([context])
 
     def per_step(cache) -> tuple[float, float]:
-        cache.attend(0, queries[0], position)  # warm the page cache
+        cache.attend(0, 0, queries[0], position)  # warm the page cache
         cache.take_counts()
         times = []
         for q in queries:
             start = time.perf_counter()
-            cache.attend(0, q, position)
+            cache.attend(0, 0, q, position)
             times.append(time.perf_counter() - start)
         counts = cache.take_counts()[0]
         cache.close()
@@ -203,9 +203,9 @@ def format_tables(streamed: list[dict], quest: list[dict], rss: list[dict] | Non
     return out
 
 
-def write_plots(folder: str, streamed: list[dict], quest: list[dict]) -> list[str]:
-    from .plots import line_plot
-
+def write_plots(folder: str, streamed: list[dict], quest: list[dict], line_plot) -> list[str]:
+    """bench-tiers.png and bench-quest.png, drawn by `line_plot` (pagevis.gui.plots.line_plot: the benches
+    import no Qt, so the caller passes it in)."""
     written = []
     series = {}
     for context in sorted({r["context"] for r in streamed}):
@@ -235,7 +235,8 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     parser.add_argument("--no-rss", action="store_true", help="skip the memory rows (a process per context)")
     parser.add_argument("--swap-dir", help="where the swap files go (default: the system's temporary folder)")
-    parser.add_argument("--out", help="folder for bench-tiers.png, bench-quest.png and bench-tiers.json")
+    parser.add_argument("--out", help="folder for bench-tiers.json (`pagevis bench --out DIR` also draws "
+                                      "bench-tiers.png and bench-quest.png)")
     args = parser.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
     streamed = streamed_rows(contexts, swap_dir=args.swap_dir)
@@ -245,7 +246,7 @@ def main(argv=None) -> int:
     if args.out:
         with open(os.path.join(args.out, "bench-tiers.json"), "w", encoding="utf-8") as handle:
             json.dump({"streamed": streamed, "quest": quest, "rss": rss}, handle, indent=1)
-        print("wrote " + ", ".join(write_plots(args.out, streamed, quest)), file=sys.stderr)
+        print(f"wrote {os.path.join(args.out, 'bench-tiers.json')}", file=sys.stderr)
     return 0
 
 

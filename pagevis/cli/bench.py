@@ -213,7 +213,7 @@ def format_report(result: dict) -> str:
 
 
 def write_files(folder: str, result: dict, half: list[dict]) -> list[str]:
-    from ..bench.plots import line_plot
+    from ..gui.plots import line_plot
 
     written = []
     for name in ("attention", "storage", "torch"):
@@ -270,7 +270,7 @@ def write_files(folder: str, result: dict, half: list[dict]) -> list[str]:
     if result.get("tiers"):
         from ..bench.tiers import write_plots
 
-        written += write_plots(folder, result["tiers"]["streamed"], result["tiers"]["quest"])
+        written += write_plots(folder, result["tiers"]["streamed"], result["tiers"]["quest"], line_plot)
     return written
 
 

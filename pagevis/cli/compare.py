@@ -9,6 +9,7 @@ import os
 import sys
 from importlib import resources
 
+from .. import settings
 from . import options
 from ..engine.config import MAX_PAGE_SIZE, MAX_PAGES
 from .options import UsageError
@@ -48,10 +49,10 @@ def add_parser(commands) -> argparse.ArgumentParser:
                              "folder; about 3.6 GB at 8,192 tokens of SmolLM2, deleted at the end)")
     parser.add_argument("--budgets", default="64,128,256", metavar="LIST",
                         help="cache budgets in tokens per layer, multiples of the page size (default 64,128,256)")
-    parser.add_argument("--page-size", type=int, default=16, metavar="N", help="tokens per page (default 16)")
+    # pages of 16, compare's own default: docs/compare.md's tables are measured with them
+    settings.add_flags(parser, names=("page_size", "dtype"), page_size=16, dtype="float32")
     parser.add_argument("--tokens", type=int, default=512, metavar="N",
                         help="evaluate the first N tokens of the text (default 512)")
-    parser.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="K/V storage")
     parser.add_argument("--csv", default="compare.csv", metavar="FILE", help="CSV output (default compare.csv)")
     parser.add_argument("--plot", default="compare.png", metavar="FILE",
                         help="PNG plot of perplexity vs budget (default compare.png)")
@@ -258,7 +259,7 @@ def write_csv(path: str, rows) -> None:
 
 
 def write_plot(path: str, rows, result) -> None:
-    from ..bench.plots import line_plot
+    from ..gui.plots import line_plot
 
     series: dict[str, tuple[list, list]] = {}
     for row in rows[1:]:

@@ -1,7 +1,9 @@
 """Command-line options shared by the app and `pagevis run`: model, prompt, cache, policy, sampling.
 
-Every option defaults to None so that the app can tell what the user asked for from what it should take
-from its own settings; `model_spec()`, `prompt_text()` and `session_config()` fill in the defaults.
+The cache, decoding and sampling flags are made from the settings table (pagevis/settings.py): one flag per
+setting, its type, bounds, choices and help from there. Every option defaults to None so that the app can
+tell what the user asked for from what it should take from its own settings; `model_spec()`,
+`prompt_text()` and `session_config()` fill in the defaults.
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..decoding import ModelSpec, SamplingConfig, SessionConfig
+from .. import settings
+from ..decoding import ModelSpec, SessionConfig
 from ..engine import POLICIES, ConfigError
 from ..presets import DEFAULT_CONFIG, Preset, find_preset, preset_names
 
@@ -17,14 +20,6 @@ MODEL_NAMES = ("smollm2", "synthetic")
 MAX_TEXT_BYTES = 4 << 20  # a prompt or compare text; ~1M tokens, more than any cache here holds
 SYNTHETIC_FLAGS = {"layers": "n_layers", "heads": "n_heads", "kv_heads": "n_kv_heads", "head_dim": "head_dim",
                    "model_seed": "seed"}
-# Engine field names -> the flag that sets them, so a ConfigError can name what the user typed.
-FLAG_OF_FIELD = {
-    "page_size": "--page-size", "max_pages": "--max-pages", "dtype": "--dtype", "policy": "--policy",
-    "max_new_tokens": "--max-tokens", "sampling.temperature": "--temperature", "sampling.top_k": "--top-k",
-    "sampling.top_p": "--top-p", "sampling.seed": "--seed", "record_layers": "--record-layers",
-    "n_layers": "--layers", "n_heads": "--heads", "n_kv_heads": "--kv-heads", "head_dim": "--head-dim",
-    "disk_pages": "--disk-pages", "swap_dir": "--swap-dir", "select": "--select", "select_pages": "--select-pages",
-}
 
 
 class UsageError(ValueError):
@@ -51,57 +46,20 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_prompt_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("prompt")
+    group = parser.add_argument_group(settings.SECTIONS["prompt"])
     source = group.add_mutually_exclusive_group()
     source.add_argument("--prompt", metavar="TEXT", help="the prompt (default: a sample prompt about paging)")
     source.add_argument("--prompt-file", metavar="FILE", help="read the prompt from a UTF-8 text file")
-    group.add_argument("--no-chat", dest="chat", action="store_const", const=False,
-                       help="feed the prompt as raw text instead of wrapping it in the model's chat template")
-    group.add_argument("--special", action="store_const", const=True,
-                       help="with --no-chat: control-token text in the prompt (e.g. <|im_end|>) becomes the control "
-                            "token, like llama.cpp's --special (default: the prompt is always plain text)")
+    settings.add_flags(group, "prompt")
 
 
 def add_cache_options(parser: argparse.ArgumentParser) -> None:
-    defaults = DEFAULT_CONFIG
-    group = parser.add_argument_group("KV cache")
-    group.add_argument("--page-size", type=int, metavar="N", help=f"tokens per page (default {defaults.page_size})")
-    group.add_argument("--max-pages", type=int, metavar="N",
-                       help=f"pages per layer; capacity = pages x page size (default {defaults.max_pages})")
-    group.add_argument("--dtype", choices=("float32", "float16"), help=f"K/V storage (default {defaults.dtype})")
-    group.add_argument("--policy", choices=tuple(POLICIES), help=f"eviction policy (default {defaults.policy})")
-    group.add_argument("--policy-param", action="append", metavar="KEY=VALUE", default=None,
-                       help="a policy parameter, e.g. n_sink=4 (sinks), recent=32 (h2o), seed=1 (random); "
-                            "repeat for several")
-    tiers = parser.add_argument_group("disk tier and page selection (docs/memory.md)")
-    tiers.add_argument("--disk-pages", type=int, metavar="N",
-                       help="pages per layer on disk (0 = no disk tier, default): capacity = N x page size, and the "
-                            "--max-pages RAM frames cache pages (least recently read leaves), written to disk once")
-    tiers.add_argument("--swap-dir", metavar="DIR",
-                       help="folder for the swap files (default: the system's temporary folder); a private "
-                            "subfolder is created there and removed on exit, error or Ctrl-C")
-    tiers.add_argument("--select", choices=("all", "quest"),
-                       help="pages a decode step reads: all (exact: disk pages in batches, merged by log-sum-exp; "
-                            "default) or quest (the --select-pages pages with the highest key bounds)")
-    tiers.add_argument("--select-pages", type=int, metavar="K",
-                       help=f"quest: pages read per step, the newest always among them (default {defaults.select_pages})")
+    for section in ("cache", "tiers"):
+        settings.add_flags(parser.add_argument_group(settings.SECTIONS[section]), section)
 
 
 def add_decoding_options(parser: argparse.ArgumentParser) -> None:
-    defaults = DEFAULT_CONFIG
-    group = parser.add_argument_group("decoding")
-    group.add_argument("--max-tokens", type=int, metavar="N",
-                       help=f"stop after N generated tokens (default {defaults.max_new_tokens})")
-    group.add_argument("--sample", action="store_const", const=True,
-                       help="sample instead of greedy decoding (implied by --temperature, --top-k, --top-p)")
-    group.add_argument("--temperature", type=float, metavar="T", help=f"sampling temperature (default {defaults.sampling.temperature})")
-    group.add_argument("--top-k", type=int, metavar="N", help="keep the k most likely tokens (0 = all, default)")
-    group.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling threshold (1 = off, default)")
-    group.add_argument("--seed", type=int, metavar="N", help="sampling seed (default 0)")
-    group.add_argument("--oracle", action="store_const", const=True,
-                       help="also run a full cache alongside and report KL, top-1 agreement and lost attention")
-    group.add_argument("--record-layers", metavar="LIST",
-                       help="layers whose attention the records keep: all (default), none, or e.g. 0,15,29")
+    settings.add_flags(parser.add_argument_group(settings.SECTIONS["decoding"]), "decoding")
 
 
 def add_preset_option(parser: argparse.ArgumentParser) -> None:
@@ -151,7 +109,7 @@ def synthetic_spec(layout: dict[str, int]) -> ModelSpec:
         config = synthetic_config(spec.n_layers, spec.n_heads, spec.n_kv_heads, spec.head_dim, None, 256, None,
                                   10000.0, 1e-5, 2048)
     except ConfigError as error:
-        flag = FLAG_OF_FIELD.get(error.field, "--heads x --head-dim" if error.field in ("d_model", "d_ff") else "")
+        flag = model_flag(error.field) or ("--heads x --head-dim" if error.field in ("d_model", "d_ff") else "")
         raise UsageError(f"{flag}: {error}" if flag else str(error)) from None
     if not fits(config.weight_bytes()):
         raise UsageError(f"--layers {spec.n_layers} --heads {spec.n_heads} --head-dim {spec.head_dim}: the synthetic "
@@ -265,42 +223,31 @@ def parse_int_list(text: str, flag: str, expected: str) -> list[int]:
     return values
 
 
-def parse_layers(text: str | None) -> tuple[int, ...] | None:
-    if text is None or text.strip().lower() == "all":
-        return None
-    if text.strip().lower() == "none":
-        return ()
+def parse_layers(text: str) -> str | tuple[int, ...]:
+    """--record-layers: "all", "none", or layer numbers (the settings table turns "all"/"none" into None/())."""
+    if text.strip().lower() in ("all", "none"):
+        return text.strip().lower()
     return tuple(parse_int_list(text, "--record-layers", "all, none, or layer numbers like 0,15,29"))
+
+
+def given_settings(args: argparse.Namespace) -> dict:
+    """The settings the command line gives, by dest (None = not given), as the table's apply() takes them."""
+    given = {s.dest: getattr(args, s.dest, None) for s in settings.SETTINGS.values() if s.flag}
+    if given.get("policy_params") is not None:
+        given["policy_params"] = dict(parse_param(p) for p in given["policy_params"])
+    if given.get("record_layers") is not None:
+        given["record_layers"] = parse_layers(given["record_layers"])
+    return given
 
 
 def session_config(args: argparse.Namespace, base: SessionConfig | None = None) -> SessionConfig:
     """A SessionConfig from the options; what was not given comes from `base`, else the --preset's (first)
-    session, else the demo defaults (pagevis.presets, the same as the app's)."""
+    session, else the settings table's defaults (the same as the app's)."""
     chosen = preset(args)
     defaults = base or (chosen.a if chosen is not None else DEFAULT_CONFIG)
-    sampling = defaults.sampling
-    sampled = args.sample or any(getattr(args, f) is not None for f in ("temperature", "top_k", "top_p"))
-    sampling = SamplingConfig(
-        mode="sample" if sampled else "greedy",
-        temperature=_given(args.temperature, sampling.temperature), top_k=_given(args.top_k, sampling.top_k),
-        top_p=_given(args.top_p, sampling.top_p), seed=_given(args.seed, sampling.seed))
-    if getattr(args, "special", None) and args.chat is not False:
+    if getattr(args, "special", None) and getattr(args, "chat", None) is not False:
         raise UsageError("--special only applies with --no-chat (in the chat template the prompt is always text)")
-    params = dict(parse_param(p) for p in (args.policy_param or []))
-    policy = _given(args.policy, defaults.policy)
-    if args.policy is None and not params:
-        params = dict(defaults.policy_params)
-    config = SessionConfig(
-        page_size=_given(args.page_size, defaults.page_size), max_pages=_given(args.max_pages, defaults.max_pages),
-        dtype=_given(args.dtype, defaults.dtype), policy=policy, policy_params=params,
-        max_new_tokens=_given(args.max_tokens, defaults.max_new_tokens), sampling=sampling,
-        oracle=bool(_given(args.oracle, defaults.oracle)), chat=_given(args.chat, defaults.chat),
-        special=bool(getattr(args, "special", None)),
-        disk_pages=_given(getattr(args, "disk_pages", None), defaults.disk_pages),
-        swap_dir=_given(getattr(args, "swap_dir", None), defaults.swap_dir),
-        select=_given(getattr(args, "select", None), defaults.select),
-        select_pages=_given(getattr(args, "select_pages", None), defaults.select_pages),
-        record_layers=parse_layers(args.record_layers) if args.record_layers is not None else defaults.record_layers)
+    config = settings.apply(defaults, given_settings(args))
     check_cache(config)
     return config
 
@@ -313,27 +260,27 @@ def check_cache(config: SessionConfig) -> None:
 
 def session_options_given(args: argparse.Namespace) -> bool:
     """Did the user set any cache or decoding option (the app keeps its own settings otherwise)?"""
-    names = ("preset", "page_size", "max_pages", "dtype", "policy", "policy_param", "max_tokens", "sample", "temperature",
-             "top_k", "top_p", "seed", "oracle", "record_layers", "chat", "special", "disk_pages", "swap_dir",
-             "select", "select_pages")
-    return any(getattr(args, name, None) is not None for name in names)
-
-
-def _given(value, default):
-    return default if value is None else value
+    return getattr(args, "preset", None) is not None or any(v is not None for v in given_settings(args).values())
 
 
 def describe_config_error(error: ConfigError, args: argparse.Namespace | None = None) -> str:
     """The error, prefixed with the flag that set the bad value, if this command has that flag and it was given
     (a value that came from a default or a preset is described without blaming a flag)."""
-    flag = FLAG_OF_FIELD.get(error.field)
-    policy_param = flag is None and "." in error.field and error.field.split(".")[0] in POLICIES
+    s = settings.by_path(error.field)
+    policy_param = s is None and "." in error.field and error.field.split(".")[0] in POLICIES
     if policy_param:
-        flag = "--policy-param"
-    dest = {"--policy-param": "policy_param"}.get(flag, (flag or "").lstrip("-").replace("-", "_"))
+        s = settings.setting("policy_params")
+    flag = (s.flag or None) if s is not None else model_flag(error.field)
+    dest = s.dest if s is not None else (flag or "").lstrip("-").replace("-", "_")
     if flag and args is not None and getattr(args, dest, None) is None:
         if policy_param:
-            return (f"{error} (the policy's default; set it with --policy-param, or give the cache more room with "
-                    f"--max-pages or --page-size)") if hasattr(args, "policy_param") else str(error)
+            return (f"{error} (the policy's default; set it with {flag}, or give the cache more room with "
+                    f"--max-pages or --page-size)") if hasattr(args, dest) else str(error)
         flag = None
     return f"{flag}: {error}" if flag else str(error)
+
+
+def model_flag(field: str) -> str | None:
+    """The flag that sets a synthetic model's size a ConfigError names (`n_kv_heads` -> `--kv-heads`)."""
+    flag = next((flag for flag, name in SYNTHETIC_FLAGS.items() if name == field), None)
+    return "--" + flag.replace("_", "-") if flag else None

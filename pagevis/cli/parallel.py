@@ -8,6 +8,7 @@ import json
 import sys
 import time
 
+from .. import settings
 from . import options
 
 
@@ -16,13 +17,11 @@ def add_parallel_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--n", type=int, default=1, metavar="N",
                        help="sample N continuations of the prompt (seeds --seed .. --seed+N-1) sharing the "
                             "prompt's pages; implies --sample (default 1)")
-    group.add_argument("--pool-pages", type=int, metavar="N",
-                       help="with --n: pages per layer in the shared pool (default N * --max-pages); a smaller "
-                            "pool preempts the newest sequence and recomputes it later")
+    settings.add_flags(group, "batch")  # --pool-pages
 
 
 def check_parallel_options(args: argparse.Namespace) -> None:
-    from ..decoding.batch import MAX_SEQUENCES
+    from ..settings import MAX_SEQUENCES
 
     if not 1 <= args.n <= MAX_SEQUENCES:
         raise options.UsageError(f"--n {args.n}: must be an integer from 1 to {MAX_SEQUENCES}")
@@ -36,9 +35,12 @@ def check_parallel_options(args: argparse.Namespace) -> None:
 def run_parallel(args: argparse.Namespace, spec, config, prompt: str) -> int:
     from dataclasses import replace
 
-    from ..decoding.batch import BatchConfig, BatchSession
+    from ..decoding import Engine, run
+    from ..decoding.batch import BatchConfig
     from ..decoding.batch_summary import batch_summary
     from ..engine import CacheFullError, ConfigError
+    from ..engine.swap import SwapSpaceError
+    from .checks import check_prompt_fits
 
     if config.sampling.mode == "greedy":  # N greedy continuations of one prompt would be one text N times
         config = replace(config, sampling=replace(config.sampling, mode="sample"))
@@ -47,24 +49,28 @@ def run_parallel(args: argparse.Namespace, spec, config, prompt: str) -> int:
     except ConfigError as error:
         raise options.UsageError(f"--pool-pages {args.pool_pages}: {error.allowed}") from None
     model = spec.load()
-    batch = BatchSession(model, config, batch_config)
-    ids = batch.submit_parallel(batch.encode(prompt), args.n)
+    batch = Engine(model, config, batch_config)
+    prompt_ids = batch.encode(prompt)
+    check_prompt_fits(config, prompt_ids)
+    ids = batch.submit_parallel(prompt_ids, args.n)
     records, started = [], time.perf_counter()
-    stopped = None
+    interrupted = False
     try:
-        for record in batch.run():
-            records.append(record)
-    except CacheFullError as error:
-        stopped = str(error)
-        print(f"pagevis run: stopped: {error}", file=sys.stderr)
+        run(batch, on_step=records.append)
+    except (CacheFullError, SwapSpaceError) as error:
+        print(f"pagevis run: stopped: {getattr(error, 'strerror', None) or error}", file=sys.stderr)
     except KeyboardInterrupt:
-        stopped = "interrupted"
-    summary = {"model": spec.label, "prompt_tokens": len(batch.seqs[ids[0]].prompt_ids),
+        interrupted = True
+        for seq_id in ids:
+            batch.cancel(seq_id, "interrupted")
+    finally:
+        batch.close()
+    summary = {"model": spec.label, "prompt_tokens": len(batch.requests[ids[0]].prompt_ids),
                "policy": config.policy, "max_pages": config.max_pages, **batch_summary(batch, records,
                                                                                       time.perf_counter() - started),
-               "samples": [{"seed": batch.seqs[i].sampler.config.seed, "text": batch.text(i),
-                            "generated_tokens": len(batch.seqs[i].generated),
-                            "stop_reason": batch.seqs[i].stop_reason or stopped} for i in ids]}
+               "samples": [{"seed": batch.requests[i].sampler.config.seed, "text": batch.text(i),
+                            "generated_tokens": len(batch.requests[i].generated),
+                            "stop_reason": batch.requests[i].stop_reason} for i in ids]}
     if args.json:
         print(json.dumps(summary, ensure_ascii=False))
     else:
@@ -72,4 +78,4 @@ def run_parallel(args: argparse.Namespace, spec, config, prompt: str) -> int:
             print(f"--- sample seed {sample['seed']} ---\n{sample['text']}")
         print(f"pages: {summary['pages_used_peak']} used with sharing, {summary['pages_without_sharing_peak']} "
               f"without, {summary['copy_on_write']} copied on write", file=sys.stderr)
-    return 130 if stopped == "interrupted" else 0
+    return 130 if interrupted else 0

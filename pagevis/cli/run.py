@@ -12,6 +12,7 @@ import numpy as np
 from ..presets import default_prompt
 from . import options
 from .metrics_port import add_metrics_option, start_metrics_server
+from .checks import check_cache_memory, check_prompt_fits
 from .parallel import add_parallel_options, check_parallel_options, run_parallel
 from .progress import Progress
 
@@ -48,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
     model = spec.load()
     check_cache_memory(config, model.config)
     session = DecodeSession(model, prompt, config)
-    check_prompt_fits(session)
+    check_prompt_fits(config, session.prompt_ids)
     progress = Progress(config.max_new_tokens, "decoding", enabled=False if args.quiet else None)
     session.add_hook(lambda record: progress.update(
         len(session.generated), f"{record.kind} step {record.step}, {record.resident_tokens} resident"))
@@ -59,18 +60,16 @@ def main(args: argparse.Namespace) -> int:
     try:
         for _record in session.run():
             pass
-    except CacheFullError as error:
-        session.stop_reason = "cache_full"
+    except CacheFullError as error:  # the engine ended the request ("cache_full")
         print(f"pagevis run: stopped: {error}", file=sys.stderr)
     except SwapSpaceError as error:  # raised before the step changed anything: the steps so far are kept
-        session.stop_reason = "swap_full"
         print(f"pagevis run: stopped: {error.strerror}", file=sys.stderr)
     except KeyboardInterrupt:
-        session.stop_reason = session.stop_reason or "interrupted"
+        session.engine.cancel(session.seq_id, "interrupted")
         interrupted = True
     finally:
         progress.close()
-        session.cache.close()
+        session.close()
         if exporter is not None:
             exporter.shutdown()
             exporter.server_close()
@@ -89,28 +88,6 @@ def main(args: argparse.Namespace) -> int:
     else:
         print(summary["text"])
     return 130 if interrupted else 0
-
-
-def check_cache_memory(config, model_config) -> None:
-    """The K/V cache (twice with the oracle's full cache) must fit in the memory available now."""
-    from ..engine import CacheConfig
-    from ..system_memory import available_bytes, fits, gib
-
-    need = CacheConfig.for_model(config, model_config).total_bytes() * (2 if config.oracle else 1)
-    if not fits(need):
-        raise options.UsageError(f"--max-pages {config.max_pages} x --page-size {config.page_size}: the K/V cache "
-                                 f"would take {gib(need)} with this model, more than the memory available now "
-                                 f"({gib(available_bytes() or 0)})")
-
-
-def check_prompt_fits(session) -> None:
-    """Policy 'none' never evicts: a prompt longer than the cache can never be fed, so say so before decoding."""
-    config = session.config
-    if config.policy == "none" and len(session.prompt_ids) > config.capacity:
-        raise options.UsageError(
-            f"--policy none: the prompt is {len(session.prompt_ids)} tokens but the cache holds {config.capacity} "
-            f"({config.max_pages} pages x {config.page_size} tokens) and policy none never evicts; raise --max-pages "
-            "or --page-size, or choose an evicting policy")
 
 
 def summarize(session, model_label: str, elapsed: float) -> dict:
@@ -181,5 +158,5 @@ def _policy_params(session) -> dict:
     """The policy's parameters as bound (defaults filled in, e.g. h2o's recent window)."""
     from ..engine import policy_params
 
-    policy = session.cache.policy
+    policy = session.policy
     return {name: getattr(policy, name) for name in policy_params(policy.name)}

@@ -71,8 +71,9 @@ def settings_from_args(args: argparse.Namespace):
 
     if args.idle_timeout <= 0:
         raise UsageError(f"pagevis serve: --idle-timeout {args.idle_timeout:g}: must be more than 0 seconds")
-    options.session_config(args)  # the defaults must be valid before anything starts
-    return ServeSettings(model_spec=options.model_spec(args), defaults=args, max_body=args.max_body,
+    # The cache and decoding flags set the defaults of requests (validated before anything starts).
+    defaults = options.session_config(args)
+    return ServeSettings(model_spec=options.model_spec(args), defaults=defaults, max_body=args.max_body,
                          max_sessions=args.max_sessions, max_session_tokens=args.max_session_tokens,
                          max_cache_tokens=args.max_cache_tokens, max_session_mib=args.max_session_mib,
                          idle_timeout=args.idle_timeout,

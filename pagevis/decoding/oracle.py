@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from ..engine import CacheConfig, PagedKVCache
+from ..engine import CacheConfig, KVCacheManager
 from .record import OracleStep
 from .sampling import log_softmax
 
@@ -18,16 +18,35 @@ class FullCacheOracle:
         config = dataclasses.replace(bounded, max_pages=pages, policy="none", policy_params={}, disk_pages=0,
                                      select="all")
         self.model = model
-        self.cache = PagedKVCache(config)
-        self._bounded: PagedKVCache | None = None
+        self.cache = KVCacheManager.single(config, prefix_caching=False)
+        self._bounded: KVCacheManager | None = None
+        self._bounded_seq = 0
         self._lost: list[float] = []
         self.recall = np.full(bounded.n_layers, np.nan, dtype=np.float32)  # per layer, at the last step
 
-    def step(self, tokens: np.ndarray, positions: np.ndarray, bounded: PagedKVCache,
+    def reset(self) -> None:
+        """Start over (the bounded session restarted)."""
+        self.cache.reset()
+
+    def catch_up(self, token_ids, upto: int) -> None:
+        """Feed the tokens before position `upto` that the full cache lacks (the bounded session took them
+        from the prefix cache)."""
+        have = self.cache.resident(0, 0)
+        if have < upto:
+            ids = np.asarray(token_ids[have:upto], dtype=np.int64)
+            self._bounded = None
+            self.model.forward(ids, np.arange(have, upto, dtype=np.int64), self._write_only)
+            self.cache.take_events()
+
+    def _write_only(self, layer, q, k, v, positions):
+        self.cache.append(0, layer, k, v, positions)
+        return self.cache.attend(0, layer, q, positions).output
+
+    def step(self, tokens: np.ndarray, positions: np.ndarray, bounded: KVCacheManager, bounded_seq: int,
              bounded_logits: np.ndarray, chosen: int) -> OracleStep:
         """Feed the step's tokens and compare the next-token distributions; `chosen` is the token
         that comes next (sampled, or the prompt's own mid-prefill)."""
-        self._bounded, self._lost = bounded, []
+        self._bounded, self._bounded_seq, self._lost = bounded, bounded_seq, []
         self.cache.step = bounded.step
         full_logits = self.model.forward(tokens, positions, self._attend)
         self.cache.take_events()
@@ -41,15 +60,15 @@ class FullCacheOracle:
         )
 
     def _attend(self, layer, q, k, v, positions):
-        self.cache.append(layer, k, v, positions)
-        result = self.cache.attend(layer, q, positions)
+        self.cache.append(0, layer, k, v, positions)
+        result = self.cache.attend(0, layer, q, positions)
         # The last query's attention, by slot of the full cache, on positions the bounded layer lacks.
         bounded = self._bounded.stores[layer].positions
         full_positions = self.cache.slot_positions(layer)
         evicted = (full_positions >= 0) & ~np.isin(full_positions, bounded[bounded >= 0])
         self._lost.append(float(result.weights[-1][:, evicted].sum(axis=-1).mean()))
         # Recall: the share of that attention on the tokens the bounded layer actually read.
-        read_slots = self._bounded.read_slots[layer]
+        read_slots = self._bounded.sequences[self._bounded_seq].read_slots[layer]
         read = bounded[bounded >= 0] if read_slots is None else bounded[read_slots]
         covered = np.isin(full_positions, read[read >= 0])
         self.recall[layer] = float(result.weights[-1][:, covered].sum(axis=-1).mean())

@@ -3,6 +3,7 @@ summary needs, so nothing downstream ever reads the live engine."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,7 +38,7 @@ class TierStep:
 
     counts: np.ndarray
     page_maps: np.ndarray
-    block_frames: tuple[tuple[int, ...], ...]
+    block_frames: Sequence[tuple[int, ...]]
     recall: np.ndarray | None = None
 
     def count(self, name: str) -> np.ndarray:
@@ -78,7 +79,7 @@ class StepRecord:
     slot_maps: np.ndarray
     protected: np.ndarray
     scores: np.ndarray
-    block_tables: tuple[tuple[int, ...], ...]
+    block_tables: Sequence[tuple[int, ...]]  # a TablesAt view of the session's TableLog, or tuples
     events: tuple[CacheEvent, ...]
     attention_layers: tuple[int, ...]
     attention: tuple[np.ndarray, ...]

@@ -6,29 +6,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engine import ConfigError
-from ..errors import check_int
+from .. import settings
+from ..settings import SAMPLING_MODES, field_for
 
-SAMPLING_MODES = ("greedy", "sample")
+__all__ = ["SAMPLING_MODES", "Sampler", "SamplingConfig", "log_softmax"]
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    mode: str = "greedy"
-    temperature: float = 0.7
-    top_k: int = 0  # 0 = no top-k cut
-    top_p: float = 1.0  # 1 = no nucleus cut
-    seed: int = 0
+    """How the next token is chosen; defaults, bounds and help in the settings table (pagevis/settings.py)."""
+
+    mode: str = field_for("mode")  # greedy or sample
+    temperature: float = field_for("temperature")
+    top_k: int = field_for("top_k")  # 0 = no top-k cut
+    top_p: float = field_for("top_p")  # 1 = no nucleus cut
+    seed: int = field_for("seed")
 
     def __post_init__(self) -> None:
-        if self.mode not in SAMPLING_MODES:
-            raise ConfigError("sampling.mode", self.mode, f"one of {', '.join(SAMPLING_MODES)}")
-        if not (isinstance(self.temperature, (int, float)) and 0 < self.temperature <= 10):
-            raise ConfigError("sampling.temperature", self.temperature, "a number in (0, 10]")
-        check_int("sampling.top_k", self.top_k, 0, 1 << 20)
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise ConfigError("sampling.top_p", self.top_p, "a number in (0, 1]")
-        check_int("sampling.seed", self.seed, 0, 2**32 - 1)
+        settings.check(self)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -1,56 +1,42 @@
-"""A decoding session: a model, a paged cache and a sampler, advanced one step at a time.
+"""A decoding session: one request in the engine, advanced one step at a time, with the full snapshot of
+every step (the app's main window, `run`, `compare` and the oracle use it).
 
-Each call to `step()` returns one StepRecord. The prompt enters the cache in prefill chunks that fit in
-the free slots (so a prompt longer than the cache is evicted from like any other text); decode steps
-then feed one sampled token at a time. With `oracle` on, the same token stream also runs through a
-full cache that never evicts, and every record carries the comparison.
+Each call to `step()` steps the engine and returns one StepRecord. The prompt enters the cache in prefill
+chunks that fit in the free slots (so a prompt longer than the cache is evicted from like any other text);
+decode steps then feed one sampled token at a time. With `oracle` on, the same token stream also runs
+through a full cache that never evicts, and every record carries the comparison. `restart()` decodes the
+prompt again in the same engine: its full pages come from the prefix cache.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
 
-from ..engine import CacheConfig, CacheSettings, ConfigError, EventKind, PagedKVCache
+from ..engine import CacheFullError, ConfigError, EventKind, make_policy
 from ..errors import check_int
+from .batch import BatchConfig
+from .engine import Engine
 from .oracle import FullCacheOracle
 from .record import StepRecord, TierStep
-from .sampling import Sampler, SamplingConfig
+from .run_loop import RunControl, steps
+from .table_log import TableLog
+from .session_config import MAX_NEW_TOKENS, SessionConfig, decode_ids, encode_prompt, token_text
 
-MAX_NEW_TOKENS = 100_000
+__all__ = ["MAX_NEW_TOKENS", "DecodeSession", "SessionConfig", "decode_ids", "encode_prompt", "token_text"]
 
 StepHook = Callable[[StepRecord], None]
 
 
-@dataclass(frozen=True)
-class SessionConfig(CacheSettings):
-    """The cache settings (inherited, declared once in CacheSettings) plus how to decode."""
-
-    max_new_tokens: int = 64
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    oracle: bool = False
-    chat: bool = True  # wrap the prompt in the model's chat template
-    special: bool = False  # without chat: parse control-token text in the prompt as control tokens (opt-in)
-    record_layers: tuple[int, ...] | None = None  # layers whose attention records keep; None = all
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_int("max_new_tokens", self.max_new_tokens, 1, MAX_NEW_TOKENS)
-
-    def cache_config(self, model_config) -> CacheConfig:
-        return CacheConfig.for_model(self, model_config)
-
-
 class DecodeSession:
     def __init__(self, model, prompt: str, config: SessionConfig | None = None,
-                 prompt_ids: list[int] | None = None):
+                 prompt_ids: list[int] | None = None, policy=None):
+        """policy: an eviction policy object instead of the settings' one (bound to the cache's budget)."""
         self.model = model
         self.config = config or SessionConfig()
-        self.cache_config = self.config.cache_config(model.config)
         n_layers = model.config.n_layers
         layers = tuple(range(n_layers)) if self.config.record_layers is None else tuple(self.config.record_layers)
         for layer in layers:
@@ -62,17 +48,36 @@ class DecodeSession:
         self.prompt_ids = tuple(prompt_ids)
         if not self.prompt_ids:
             raise ConfigError("prompt", prompt, "text that encodes to at least one token")
-        self.cache = PagedKVCache(self.cache_config)
-        self.sampler = Sampler(self.config.sampling)
+        self.engine = Engine(model, self.config, BatchConfig(max_seqs=1), max_chunk=None, hold_finished=True)
+        self.cache_config = self.engine.cache_config
+        self.cache = self.engine.cache
         self.oracle = (FullCacheOracle(model, self.cache_config, len(self.prompt_ids) + self.config.max_new_tokens)
                        if self.config.oracle else None)
-        self.records: list[StepRecord] = []
-        self.generated: list[int] = []  # sampled tokens, in order
-        self.stop_reason: str | None = None
-        self._fed = 0  # prompt tokens already in the cache
-        self._evictions = 0
-        self._last_weights: dict[int, np.ndarray] = {}
         self._hooks: list[StepHook] = []
+        self._policy = policy
+        self._submit()
+
+    def _submit(self) -> None:
+        self.seq_id = self.engine.submit(self.prompt_ids, policy=self._policy)
+        self.request = self.engine.requests[self.seq_id]
+        self.engine.watch_attention(self.seq_id, self.record_layers)
+        self.records: list[StepRecord] = []
+        self._evictions = 0
+        # the records' block tables (and RAM frames) as changes, not one copy per step
+        self._tables = TableLog(self.cache_config.n_layers)
+        self._frames = TableLog(self.cache_config.n_layers)
+
+    def restart(self) -> None:
+        """Decode the prompt again from the start, in the same cache: the pages of the prompt's full-page
+        prefix that are still cached are not computed again (a prefix hit, counted in the cache's stats)."""
+        self.engine.cancel(self.seq_id)
+        self.engine.forget(self.seq_id)
+        if self.oracle is not None:
+            self.oracle.reset()
+        self._submit()
+
+    def close(self) -> None:
+        self.engine.close()
 
     # --- observers -----------------------------------------------------------------------------------
     def add_hook(self, hook: StepHook) -> None:
@@ -84,91 +89,96 @@ class DecodeSession:
 
     # --- state ---------------------------------------------------------------------------------------
     @property
+    def policy(self):
+        """The request's eviction policy (its settings' until the first step admits it)."""
+        seq = self.cache.sequences.get(self.seq_id)
+        return seq.policy if seq is not None else self._policy or make_policy(self.cache_config)
+
+    @property
+    def read_slots(self) -> list:
+        """Per layer, the flat slots the last step's attention read (None: every resident slot)."""
+        return self.cache.sequences[self.seq_id].read_slots
+
+    @property
+    def sampler(self):
+        return self.request.sampler
+
+    @property
+    def generated(self) -> list[int]:
+        """Sampled tokens, in order."""
+        return self.request.generated
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self.request.stop_reason
+
+    @property
     def done(self) -> bool:
-        return self.stop_reason is not None
+        """Finished for good. A request the cache could not take further ("cache_full") is not: stepping
+        it again says why again (the app reports it; the steps so far stay)."""
+        return self.request.done and self.request.stop_reason != "cache_full"
 
     @property
     def next_position(self) -> int:
-        return self._fed + max(len(self.generated) - 1, 0)
+        return self.request.n_cached
 
     def text(self) -> str:
         """The generated text so far (not the prompt, not the end-of-sequence token that stopped it)."""
-        ids = self.generated[:-1] if self.stop_reason == "eos" else self.generated
-        return decode_ids(self.model, ids)
+        return self.engine.text(self.seq_id)
 
     def token_text(self, token_id: int) -> str:
         return token_text(self.model, token_id)
 
     # --- stepping ------------------------------------------------------------------------------------
-    def run(self) -> Iterator[StepRecord]:
-        while not self.done:
-            yield self.step()
+    def run(self, control: RunControl | None = None) -> Iterator:
+        """Step through the one run loop until done (or as `control` says); yield each record."""
+        return steps(self, control)
 
     def step(self) -> StepRecord:
-        """Advance one step. Raises CacheFullError (policy 'none') before changing anything."""
+        """Advance one step. When the cache is full under policy 'none' the request ends ("cache_full") and
+        CacheFullError says why; nothing changed in the cache."""
         if self.done:
-            raise RuntimeError(f"the session has finished ({self.stop_reason}); reset to decode again")
+            raise RuntimeError(f"the session has finished ({self.stop_reason}); restart to decode again")
+        if self.request.done:
+            raise CacheFullError(self.request.error)
         started = time.perf_counter()
-        if self._fed < len(self.prompt_ids):
-            room = self.cache.free_slots()
-            chunk = max(1, min(len(self.prompt_ids) - self._fed, room, self.cache.max_chunk() or room))
-            tokens = self.prompt_ids[self._fed: self._fed + chunk]
-            positions = np.arange(self._fed, self._fed + chunk, dtype=np.int64)
-            kind = "prefill"
-        else:
-            tokens = (self.generated[-1],)
-            positions = np.array([self.next_position], dtype=np.int64)
-            kind = "decode"
-        self.cache.ensure_room(len(tokens))
-        self.cache.step = len(self.records)
-        token_array = np.asarray(tokens, dtype=np.int64)
-
-        logits = self.model.forward(token_array, positions, self._attend)
-        forward_done = time.perf_counter()
-        if kind == "prefill":
-            self._fed += len(tokens)
-        last_chunk = kind == "decode" or self._fed == len(self.prompt_ids)
-        next_token = self.sampler.sample(logits) if last_chunk else -1
-        sampled = time.perf_counter()
-
+        batch = self.engine.step()
+        if self.seq_id not in self.engine.last_plan:
+            raise CacheFullError(self.request.error or "the cache cannot take another token")
+        engine_done = time.perf_counter()
+        tokens, start = self.engine.last_plan[self.seq_id]
+        positions = np.arange(start, start + len(tokens), dtype=np.int64)
+        kind = "prefill" if start < len(self.prompt_ids) else "decode"
+        next_token = next(s.next_token for s in batch.seqs if s.seq_id == self.seq_id)
         oracle_step = None
         if self.oracle is not None:
             # Mid-prefill the next token is known (the prompt's), so the comparison is teacher-forced.
-            scored = next_token if last_chunk else self.prompt_ids[self._fed]
-            oracle_step = self.oracle.step(token_array, positions, self.cache, logits, scored)
+            scored = next_token if next_token >= 0 else self.prompt_ids[start + len(tokens)]
+            self.oracle.catch_up(self.prompt_ids, start)
+            oracle_step = self.oracle.step(np.asarray(tokens, dtype=np.int64), positions, self.cache, self.seq_id,
+                                           self.engine.last_logits[self.seq_id], scored)
         oracle_done = time.perf_counter()
-
-        if next_token >= 0:
-            self.generated.append(next_token)
-            if next_token in self.model.config.eos_ids:
-                self.stop_reason = "eos"
-            elif len(self.generated) >= self.config.max_new_tokens:
-                self.stop_reason = "max_new_tokens"
         record = self._record(kind, tokens, positions, next_token, oracle_step)
         finished = time.perf_counter()
-        record.timings.update(forward=forward_done - started, sample=sampled - forward_done,
-                              oracle=oracle_done - sampled, record=finished - oracle_done,
+        forward = self.engine.forward_seconds
+        record.timings.update(forward=forward, sample=max(0.0, engine_done - started - forward),
+                              oracle=oracle_done - engine_done, record=finished - oracle_done,
                               total=finished - started)
         self.records.append(record)
         for hook in self._hooks:
             hook(record)
         return record
 
-    def _attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-                positions: np.ndarray) -> np.ndarray:
-        self.cache.append(layer, k, v, positions)
-        result = self.cache.attend(layer, q, positions)
-        self._last_weights[layer] = (result.weights[-1], result.slots)
-        return result.output
-
     def _record(self, kind, tokens, positions, next_token, oracle_step) -> StepRecord:
-        events = tuple(self.cache.take_events())
+        events = tuple(self.engine.last_events)
         self._evictions += sum(1 for e in events if e.kind is EventKind.EVICT)
         cfg = self.cache_config
-        policy = self.cache.policy
+        seq = self.cache.sequences[self.seq_id]
+        policy = seq.policy
+        views = [self.cache.view(self.seq_id, layer) for layer in range(cfg.n_layers)]
         shape = (cfg.max_pages, cfg.page_size)
         slot_maps, protected, scores = [], [], []
-        for view, store in zip(self.cache.views, self.cache.stores, strict=True):
+        for view, store in zip(views, self.cache.stores, strict=True):
             # per RAM slot: the flat slot (page id * page size + slot) of the page it holds, -1 if none
             held = (store.page_in[:, None] * cfg.page_size + np.arange(cfg.page_size)).ravel()
             held = np.where(np.repeat(store.page_in >= 0, cfg.page_size), held, -1)
@@ -180,13 +190,12 @@ class DecodeSession:
         attention = []
         for layer in self.record_layers:
             weights = np.zeros((cfg.n_heads, cfg.capacity), dtype=np.float16)
-            last, slots = self._last_weights[layer]
+            last, slots = self.engine.attention[self.seq_id][layer]
             if slots is None:
                 weights[:, : last.shape[1]] = last
             else:
                 weights[:, slots] = last
             attention.append(weights)
-        first = self.cache.stores[0]
         tiers = None
         if cfg.tiered or self.cache.select_pages is not None:
             tiers = TierStep(
@@ -194,8 +203,9 @@ class DecodeSession:
                 page_maps=np.array([self.cache.stores[layer].positions.reshape(cfg.n_page_ids, cfg.page_size)
                                     for layer in self.record_layers], dtype=np.int32
                                    ).reshape(len(self.record_layers), cfg.n_page_ids, cfg.page_size),
-                block_frames=tuple(tuple(int(s.frame_of[p]) for p in table) for s, table in
-                                   zip(self.cache.stores, self.cache.sequence.block_tables, strict=True)),
+                block_frames=self._frames.record(len(self.records), [
+                    s.frame_of[np.asarray(table, dtype=np.int64)].tolist()
+                    for s, table in zip(self.cache.stores, seq.block_tables, strict=True)]),
                 recall=None if self.oracle is None else self.oracle.recall)
         return StepRecord(
             step=len(self.records), kind=kind, token_ids=tuple(int(t) for t in tokens),
@@ -203,25 +213,10 @@ class DecodeSession:
             next_text=self.token_text(next_token) if next_token >= 0 else "",
             slot_maps=np.stack(slot_maps).astype(np.int32), protected=np.stack(protected),
             scores=np.stack(scores).astype(np.float32),
-            block_tables=tuple(tuple(table) for table in self.cache.sequence.block_tables),
+            block_tables=self._tables.record(len(self.records), seq.block_tables),
             events=events, attention_layers=self.record_layers, attention=tuple(attention),
-            timings={}, resident_tokens=first.resident, pages_used=self.cache.sequence.n_pages(0),
+            timings={}, resident_tokens=seq.resident[0], pages_used=len(seq.block_tables[0]),
             evictions_total=self._evictions, oracle=oracle_step, tiers=tiers,
         )
 
 
-# The tokenizer is the model package's; these keep the session's few uses of it in one place.
-def encode_prompt(model, prompt: str, chat: bool, special: bool = False) -> list[int]:
-    """The prompt's ids: in the chat template (the prompt stays text), or raw (control tokens only if `special`)."""
-    tokenizer = model.tokenizer
-    if chat:
-        return list(tokenizer.encode_chat([{"role": "user", "content": prompt}]))
-    return list(tokenizer.encode(prompt, special=special))
-
-
-def decode_ids(model, ids) -> str:
-    return model.tokenizer.decode(list(ids))
-
-
-def token_text(model, token_id: int) -> str:
-    return model.tokenizer.token_text(int(token_id))

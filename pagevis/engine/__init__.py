@@ -1,4 +1,5 @@
-"""pagevis.engine: the paged KV cache, its eviction policies and attention. NumPy only, never Qt."""
+"""pagevis.engine: the paged KV cache (one block pool, one cache manager), its eviction policies and
+attention. NumPy only, never Qt."""
 
 from .attention import (
     AttentionResult,
@@ -9,20 +10,21 @@ from .attention import (
     rescale,
     softmax,
 )
-from .cache import PagedKVCache
+from .block_pool import BlockPool
 from .config import CacheConfig, CacheSettings
 from .errors import CacheFullError, ConfigError
-from .events import CacheEvent, EventKind
-from .frames import FramePool
+from .events import SEQUENCE_KINDS, CacheEvent, EventKind
+from .kv_cache_manager import KVCacheManager, SequenceCache
 from .policies import POLICIES, EvictionPolicy, layer_capacities, make_policy, policy_params
 from .policy_state import LayerView, PolicyState
-from .sequence import Sequence
 from .store import COUNT_NAMES, PageStore, TierCounts
 
 __all__ = [
     "COUNT_NAMES",
     "POLICIES",
+    "SEQUENCE_KINDS",
     "AttentionResult",
+    "BlockPool",
     "CacheConfig",
     "CacheEvent",
     "CacheFullError",
@@ -30,13 +32,12 @@ __all__ = [
     "ConfigError",
     "EventKind",
     "EvictionPolicy",
-    "FramePool",
+    "KVCacheManager",
     "LayerView",
     "PageStore",
-    "PagedKVCache",
     "Partial",
     "PolicyState",
-    "Sequence",
+    "SequenceCache",
     "TierCounts",
     "attend",
     "attend_part",

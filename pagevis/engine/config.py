@@ -4,68 +4,58 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
+from .. import settings
 from ..errors import ConfigError, check_int
+from ..settings import MAX_PAGE_SIZE, MAX_PAGES, SELECT_MODES, STORAGE_DTYPES, field_for
 from .policies import make_policy
 
-MAX_PAGE_SIZE = 4096
-MAX_PAGES = 1 << 20
+# The settings' bounds live in the table (pagevis.settings); they are named here too for the engine's readers.
+__all__ = ["MAX_CACHE_BYTES", "MAX_HEADS", "MAX_HEAD_DIM", "MAX_LAYERS", "MAX_PAGE_SIZE", "MAX_PAGES", "SELECT_MODES",
+           "STORAGE_DTYPES", "CacheConfig", "CacheSettings"]
 MAX_HEADS = 1024
 MAX_HEAD_DIM = 1024
 MAX_LAYERS = 1024
 MAX_CACHE_BYTES = 8 << 30  # refuse a configuration whose K/V storage alone would exceed 8 GiB
-STORAGE_DTYPES = ("float32", "float16")
-SELECT_MODES = ("all", "quest")
 
 
 @dataclass(frozen=True)
 class CacheSettings:
-    """The cache as a user sets it up, declared once: SessionConfig and CacheConfig both extend this.
+    """The cache as a user sets it up: SessionConfig and CacheConfig both extend this. Defaults, bounds and
+    help come from the settings table (pagevis/settings.py).
 
     Construction only freezes the values; `check()` validates them (a GUI builds settings from its
     controls first and shows the first problem). Capacity is max_pages * page_size tokens per layer.
     """
 
-    page_size: int = 16
-    max_pages: int = 16
-    dtype: str = "float32"
-    policy: str = "sinks"
-    policy_params: Mapping[str, Any] = field(default_factory=dict)
-    disk_pages: int = 0  # per layer; 0 = no disk tier. With one, every page has a disk frame and RAM caches them
-    swap_dir: str | None = None  # where the swap folder goes; None = the system's temporary folder
-    select: str = "all"  # which pages a decode query reads: all (exact) or quest (top select_pages by key bounds)
-    select_pages: int = 4
+    page_size: int = field_for("page_size")
+    max_pages: int = field_for("max_pages")
+    dtype: str = field_for("dtype")
+    policy: str = field_for("policy")
+    policy_params: Mapping[str, Any] = field_for("policy_params")
+    disk_pages: int = field_for("disk_pages")  # per layer; 0 = no disk tier. With one, RAM frames cache them
+    swap_dir: str | None = field_for("swap_dir")  # None = the system's temporary folder
+    select: str = field_for("select")  # which pages a decode query reads: all (exact) or quest (by key bounds)
+    select_pages: int = field_for("select_pages")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy_params", MappingProxyType(dict(self.policy_params)))
 
     def check(self) -> None:
         """ConfigError for the first bad setting. Nothing here depends on the model's head layout."""
-        self._check_storage()
-        self._check_tiers()
+        self._check_settings()
         make_policy(self)  # validates the policy's name and parameters against this budget
 
-    def _check_storage(self) -> None:
-        check_int("page_size", self.page_size, 1, MAX_PAGE_SIZE)
-        check_int("max_pages", self.max_pages, 1, MAX_PAGES)
-        if self.dtype not in STORAGE_DTYPES:
-            raise ConfigError("dtype", self.dtype, f"one of {', '.join(STORAGE_DTYPES)}")
-
-    def _check_tiers(self) -> None:
-        check_int("disk_pages", self.disk_pages, 0, MAX_PAGES)
+    def _check_settings(self) -> None:
+        settings.check(self, of=CacheSettings)  # each value against the table's bounds and choices
         if self.disk_pages and self.max_pages < 2:
             raise ConfigError("max_pages", self.max_pages, "at least 2 with a disk tier (one RAM frame for the "
                               "newest page, one to read disk pages into)")
-        if self.swap_dir is not None and not (isinstance(self.swap_dir, str) and self.swap_dir):
-            raise ConfigError("swap_dir", self.swap_dir, "a folder path")
-        if self.select not in SELECT_MODES:
-            raise ConfigError("select", self.select, f"one of {', '.join(SELECT_MODES)}")
-        check_int("select_pages", self.select_pages, 1, MAX_PAGES)
 
     @property
     def tiered(self) -> bool:
@@ -112,8 +102,7 @@ class CacheConfig(CacheSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._check_storage()
-        self._check_tiers()
+        self._check_settings()
         check_int("n_layers", self.n_layers, 1, MAX_LAYERS)
         check_int("n_heads", self.n_heads, 1, MAX_HEADS)
         check_int("n_kv_heads", self.n_kv_heads, 1, MAX_HEADS)

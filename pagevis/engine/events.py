@@ -1,4 +1,5 @@
-"""Cache events: enough to replay the cache's state exactly, one event at a time."""
+"""Cache events: one type for everything the cache manager and the scheduler do, enough to replay the
+cache's state exactly, one event at a time."""
 
 from __future__ import annotations
 
@@ -7,12 +8,25 @@ from typing import NamedTuple
 
 
 class EventKind(str, Enum):
-    ALLOCATE = "allocate"  # a free page joined a layer's block table
+    ALLOCATE = "allocate"  # a free page joined a sequence's block table
     WRITE = "write"  # a token's K/V was written into a slot
     EVICT = "evict"  # a policy removed a token from its slot
-    RELEASE = "release"  # a page lost its last token and went back to the free list
+    RELEASE = "release"  # a page lost its last reference and went back to the free queue
     SWAP_OUT = "swap_out"  # a page left its RAM frame for the disk tier (written only if dirty)
     FAULT_IN = "fault_in"  # a page was read from the disk tier into a RAM frame
+    # since trace version 3 (many sequences and the prefix cache in the one engine):
+    SHARE = "share"  # one more block-table entry points at a page (a prefix hit or a fork); detail: ref count
+    COPY_ON_WRITE = "copy_on_write"  # a shared page was copied before a change; page: the copy, detail: the source
+    FORK = "fork"  # a sequence started from another's tokens; detail: the parent sequence
+    PREFIX_HIT = "prefix_hit"  # a sequence found cached full pages for its prompt; detail: tokens reused
+    STORE = "store"  # a full page was registered under its prefix hash (vLLM's BlockStored); detail: the hash
+    UNCACHE = "uncache"  # a cached free page was reclaimed for new tokens (vLLM's BlockRemoved); detail: hash
+    FREE = "free"  # a sequence finished or was cancelled: its pages were released
+    PREEMPT = "preempt"  # the scheduler took a sequence's pages back to make room (it will recompute them)
+
+
+# Events about a whole sequence, not one page (page, slot, position are -1).
+SEQUENCE_KINDS = frozenset({EventKind.FORK, EventKind.PREFIX_HIT, EventKind.FREE, EventKind.PREEMPT})
 
 
 class CacheEvent(NamedTuple):
@@ -26,3 +40,5 @@ class CacheEvent(NamedTuple):
     reason: str = ""  # why a token was evicted; for swap_out / fault_in, what the move did
     score: float = float("nan")
     frame: int = -1  # the RAM frame, with a disk tier (-1: none, or no disk tier)
+    seq: int = 0  # the sequence it happened to (or for)
+    detail: int = -1  # kind-specific: see EventKind

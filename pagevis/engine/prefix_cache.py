@@ -15,7 +15,7 @@ def page_hash(parent: int, token_ids) -> int:
     digest = hashlib.blake2b(digest_size=8)
     digest.update(int(parent).to_bytes(8, "little"))
     digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return int.from_bytes(digest.digest(), "little")
+    return int.from_bytes(digest.digest(), "little") >> 1  # 63 bits: fits the int64 columns of a trace
 
 
 def prefix_hashes(token_ids, page_size: int) -> list[int]:

@@ -35,8 +35,9 @@ def quest_pages(store: PageStore, pages: np.ndarray, q: np.ndarray, k: int) -> n
 
 
 def read_attention(store: PageStore, table: list[int], q: np.ndarray, positions: np.ndarray, step: int,
-                   select_pages: int | None, all_weights: bool) -> AttentionResult:
+                   select_pages: int | None, all_weights: bool, own_pages_only: bool = False) -> AttentionResult:
     """Attention over the pages of `table` that the selection reads (all, or quest's top select_pages).
+    With `own_pages_only` (other sequences' pages share the RAM frames) only the table's pages are read.
 
     Weights come back over flat slots `result.slots` (page * page_size + slot): all queries' if
     `all_weights`, else only the last query's (shape (1, n_heads, m)).
@@ -72,7 +73,7 @@ def read_attention(store: PageStore, table: list[int], q: np.ndarray, positions:
     high = store.high_water
     if high:
         bias = store.bias[: high * ps]
-        if select_pages is not None:  # read only the chosen pages among those in RAM
+        if select_pages is not None or own_pages_only:  # read only the chosen pages among those in RAM
             chosen = np.zeros(high, dtype=bool)
             chosen[store.frame_of[ram_pages]] = True
             bias = np.where(np.repeat(chosen, ps), bias, np.float32(-np.inf)).astype(np.float32)

@@ -19,8 +19,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from .block_pool import BlockPool
 from .events import EventKind
-from .frames import FramePool
 from .swap import SwapFile
 
 SWAP_OUT, FAULT_IN = EventKind.SWAP_OUT, EventKind.FAULT_IN
@@ -44,18 +44,20 @@ COUNT_NAMES = tuple(f.name for f in fields(TierCounts))
 
 
 class PageStore:
-    def __init__(self, config, layer: int, swap: SwapFile | None = None):
+    def __init__(self, config, layer: int, swap: SwapFile | None = None, n_pages: int | None = None):
+        """n_pages: page ids (default the config's: RAM frames, or disk frames with a disk tier, whose RAM
+        frames stay config.max_pages)."""
         self.layer = layer
         self.page_size = ps = config.page_size
-        self.n_pages = config.n_page_ids
-        self.n_frames = config.max_pages
+        self.n_pages = n_pages or config.n_page_ids
+        self.n_frames = config.max_pages if swap is not None else self.n_pages
         self.home_frames = config.home_frames
         self.swap = swap
         self.tiered = swap is not None
-        shape = (config.n_kv_heads, config.max_pages, ps, config.head_dim)
+        shape = (config.n_kv_heads, self.n_frames, ps, config.head_dim)
         self.k = np.zeros(shape, dtype=config.dtype)
         self.v = np.zeros(shape, dtype=config.dtype)
-        self.pages = FramePool(self.n_pages)  # page ids: RAM frames, or disk frames with a disk tier
+        self.pages = BlockPool(self.n_pages)  # page ids: RAM frames, or disk frames with a disk tier
         self.positions = np.full(self.n_pages * ps, -1, dtype=np.int64)  # flat slot -> position, -1 empty
         self.fill = np.zeros(self.n_pages, dtype=np.int64)  # resident tokens per page
         self.quest = config.select == "quest"
@@ -63,7 +65,7 @@ class PageStore:
             self.key_min = np.zeros((config.n_kv_heads, self.n_pages, config.head_dim), np.float32)
             self.key_max = np.zeros_like(self.key_min)
         if self.tiered:
-            self.home = FramePool(self.home_frames)
+            self.home = BlockPool(self.home_frames)
             self.frame_positions = np.full(self.n_frames * ps, -1, dtype=np.int64)  # per RAM slot
             self.bias = np.full(self.n_frames * ps, -np.inf, dtype=np.float32)  # per RAM slot: 0 resident
             self.frame_of = np.full(self.n_pages, -1, dtype=np.int64)  # RAM frame holding the page, -1 none
@@ -87,7 +89,6 @@ class PageStore:
         self.positions.fill(-1)
         self.bias.fill(-np.inf)
         self.fill.fill(0)
-        self.holes: set[int] = set()  # empty flat slots inside allocated pages
         self.high_water = 0  # 1 + highest used RAM (home) frame: attention reads frames [0, high_water)
         self.counts = TierCounts()
         self._born = 0
@@ -106,10 +107,8 @@ class PageStore:
 
     @property
     def resident(self) -> int:
+        """Tokens in pages in use (free pages hold none: `release` empties them)."""
         return int(self.fill.sum())
-
-    def free_slots(self) -> int:
-        return len(self.holes) + self.pages.n_free() * self.page_size
 
     def occupied(self) -> np.ndarray:
         return self.positions >= 0
@@ -126,9 +125,11 @@ class PageStore:
         return counts
 
     # --- tokens ----------------------------------------------------------------------------------
-    def allocate(self, step: int) -> int:
-        """A free page (the lowest id) in a RAM frame; its slots become holes to fill."""
-        page = self.pages.allocate()
+    def allocate(self, step: int) -> tuple[int, int | None]:
+        """A free page (the lowest empty id, else the least recently freed cached one) in a RAM frame, and
+        the prefix hash it stood for if it was a cached page (its contents are dropped now)."""
+        page, old_hash = self.pages.allocate()
+        self._clear(page)
         if self.tiered:
             self.dirty[page] = True  # nothing of it is on disk yet
             self.born[page], self._born = self._born, self._born + 1
@@ -139,22 +140,31 @@ class PageStore:
         if self.quest:
             self.key_min[:, page] = np.inf
             self.key_max[:, page] = -np.inf
-        start = page * self.page_size
-        self.holes.update(range(start, start + self.page_size))
-        return page
+        return page, old_hash
 
-    def take_hole(self, step: int) -> int:
-        """The lowest empty slot of an allocated page, preferring pages in RAM (allocate first if none);
-        a page on disk is read back into RAM to take the token."""
-        flat = min(self.holes)
-        if self.tiered and self.frame_of[flat // self.page_size] < 0:
-            in_ram = [h for h in self.holes if self.frame_of[h // self.page_size] >= 0]
-            if in_ram:
-                flat = min(in_ram)
-            else:
-                self._fault_home(flat // self.page_size, step)
-        self.holes.remove(flat)
-        return flat
+    def restore(self, page: int, first_position: int) -> None:
+        """A cached full page comes back into use (a prefix hit): its tokens are first_position onwards."""
+        ps = self.page_size
+        self.positions[page * ps: (page + 1) * ps] = np.arange(first_position, first_position + ps)
+        self.fill[page] = ps
+        if self.tiered:
+            for frame in self._frames_showing(page):
+                self._show(page, frame)
+        else:
+            self.bias[page * ps: (page + 1) * ps] = 0.0
+            self.high_water = max(self.high_water, page + 1)
+
+    def make_resident(self, page: int, step: int) -> None:
+        """With a disk tier, read the page back into a home frame if it is only on disk (to write to it)."""
+        if self.tiered and self.frame_of[page] < 0:
+            self._fault_home(page, step)
+
+    def _clear(self, page: int) -> None:
+        ps = self.page_size
+        self.positions[page * ps: (page + 1) * ps] = -1
+        self.fill[page] = 0
+        if not self.tiered:
+            self.bias[page * ps: (page + 1) * ps] = -np.inf
 
     def write(self, flat: int, k: np.ndarray, v: np.ndarray, position: int) -> None:
         page, slot = divmod(flat, self.page_size)
@@ -187,16 +197,19 @@ class PageStore:
             self.frame_positions[ram] = -1
             self.bias[ram] = -np.inf
         self.fill[page] -= 1
-        self.holes.add(flat)
         return position
 
-    def release(self, page: int) -> None:
-        """An empty page goes back to the free list (and its RAM frame, if it has one)."""
-        start = page * self.page_size
-        self.holes.difference_update(range(start, start + self.page_size))
-        self.pages.release(page)
+    def release(self, page: int) -> bool:
+        """Drop one block-table reference to the page; when it was the last, the page is free: its tokens
+        leave (a cached page keeps its K/V for `restore`, and with a disk tier its disk copy is brought
+        up to date) and its RAM frame is free. True when the page became free."""
+        if not self.pages.release(page):
+            return False
+        cached = page in self.pages.frame_hash
         if self.tiered:
             for frame in self._frames_showing(page):
+                if cached and frame < self.home_frames and self.dirty[page]:
+                    self.counts.bytes_written += self.swap.write(page, self._frame_buffers[frame])
                 self._unplace(frame)
                 if frame < self.home_frames:
                     self.home.release(frame)
@@ -204,17 +217,37 @@ class PageStore:
             self.high_water = self.home.high_water()
         else:
             self.high_water = self.pages.high_water()
+        self._clear(page)
+        return True
+
+    def copy_page(self, src: int, dst: int, keep: np.ndarray) -> None:
+        """Copy-on-write: the `keep` slots of page src into the freshly allocated page dst."""
+        ps = self.page_size
+        target = self.frame_of[dst]
+        if self.tiered and self.frame_of[src] < 0:  # the source is only on disk: read it into dst's frame
+            self.counts.bytes_read += self.swap.read(src, self._frame_buffers[target])
+        else:
+            self.k[:, target] = self.k[:, self.frame_of[src]]
+            self.v[:, target] = self.v[:, self.frame_of[src]]
+        src_slots, dst_slots = slice(src * ps, (src + 1) * ps), slice(dst * ps, (dst + 1) * ps)
+        self.positions[dst_slots] = np.where(keep, self.positions[src_slots], -1)
+        self.fill[dst] = int(keep.sum())
+        if self.tiered:
+            self._show(dst, target)
+        else:
+            self.bias[dst_slots] = np.where(keep, self.bias[src_slots], -np.inf)
+        if self.quest:  # the source's bounds still bound the kept keys
+            self.key_min[:, dst] = self.key_min[:, src]
+            self.key_max[:, dst] = self.key_max[:, src]
 
     # --- tiers -----------------------------------------------------------------------------------
-    def reserve(self, n_tokens: int) -> None:
-        """Reserve disk space for every page the next n_tokens can allocate (before a step changes
+    def reserve(self, new_pages: int) -> None:
+        """Reserve disk space for the next new_pages pages `allocate` can hand out (before a step changes
         anything: a full disk fails here, not half-way)."""
         if not self.tiered:
             return
-        new_pages = -(-max(0, n_tokens - len(self.holes)) // self.page_size)
         ids = self.pages.peek_free(new_pages)
-        used = self.pages.high_water()
-        needed = max([used, *(i + 1 for i in ids)])
+        needed = max([self.pages.high_water(), *(i + 1 for i in ids)])
         if needed > self.swap.reserved:
             self.swap.reserve(min(self.n_pages, needed + 16))
 
@@ -252,7 +285,7 @@ class PageStore:
             if victim < 0:
                 return False
             self._swap_out(victim)
-        home = self.home.allocate()
+        home, _ = self.home.allocate()
         self.k[:, home] = self.k[:, frame]
         self.v[:, home] = self.v[:, frame]
         self._unplace(frame)
@@ -264,7 +297,7 @@ class PageStore:
         """A free home frame, swapping out the least recently read page if there is none."""
         if not self.home.can_allocate():
             self._swap_out(self._least_recent())
-        frame = self.home.allocate()
+        frame, _ = self.home.allocate()
         self.high_water = self.home.high_water()
         return frame
 

@@ -24,10 +24,11 @@ from PySide6.QtWidgets import (
 )
 
 from ..decoding import ModelSpec, SessionConfig
-from ..engine import POLICIES, ConfigError
+from ..engine import ConfigError
 from . import theme
 from .ab_session import ABConfig, ABTimeline, LockstepPair, LogitsTap
-from .controls import _combo, _spin
+from .setting_inputs import setting_input
+from .setting_inputs import spin as _spin
 from .runner import SessionRunner, new_session, validate
 from .transport import TimelineCursor
 from .views import ViewState
@@ -57,11 +58,9 @@ class SideControls(QWidget):
     def __init__(self, name: str, changed):
         super().__init__()
         self.name = name
-        self.policy = _combo()
-        for policy in POLICIES:
-            self.policy.addItem(policy, policy)
-        self.page_size = _spin(1, 256, 8, f"{name}: tokens per page")
-        self.max_pages = _spin(1, 512, 8, f"{name}: pages per layer")
+        self.policy = setting_input("policy", f"{name}: ")
+        self.page_size = setting_input("page_size", f"{name}: ")
+        self.max_pages = setting_input("max_pages", f"{name}: ")
         self.oracle = QCheckBox("oracle")
         self.oracle.setToolTip(f"{name}: compare with a full cache every step (KL against it; twice the work)")
         self.header = QLabel()

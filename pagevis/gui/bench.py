@@ -19,19 +19,20 @@ import time
 
 import numpy as np
 
+from .. import settings
+
 PROMPT = ("In a paged KV cache, keys and values live in fixed-size pages. Explain, step by step and in simple "
           "words, why a streaming model keeps the first few tokens as attention sinks.")
 
 
 def headless(spec, config, steps: int) -> float:
-    from ..decoding import DecodeSession
+    from ..decoding import DecodeSession, RunControl, run
 
     session = DecodeSession(spec.load(), PROMPT, config)
-    session.step()  # the prefill, timed in neither run
+    run(session, RunControl(budget=1))  # the prefill, timed in neither run
     started = time.perf_counter()
-    for _ in range(steps):
-        session.step()
-    return steps / (time.perf_counter() - started)
+    taken = run(session, RunControl(budget=steps))
+    return taken / (time.perf_counter() - started)
 
 
 def in_gui(spec, config, steps: int) -> dict[str, float]:
@@ -180,9 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pagevis.gui.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=64, help="decode steps per run (default 64)")
     parser.add_argument("--model", choices=("smollm2", "synthetic"), default="smollm2")
-    parser.add_argument("--page-size", type=int, default=8)
-    parser.add_argument("--max-pages", type=int, default=8)
-    parser.add_argument("--policy", default="sinks")
+    settings.add_flags(parser, names=("page_size", "max_pages", "policy"), page_size=8, max_pages=8, policy="sinks")
     parser.add_argument("--repeat", type=int, default=1, help="alternate GUI and headless runs this many times")
     parser.add_argument("--ab", action="store_true",
                         help="measure the A/B window's lockstep speed against two headless runs instead")
@@ -193,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..model import set_blas_threads
 
     spec = ModelSpec(kind=args.model)
-    config = SessionConfig(page_size=args.page_size, max_pages=args.max_pages, policy=args.policy,
-                           max_new_tokens=args.steps + 8)
+    config = settings.apply(SessionConfig(max_new_tokens=args.steps + 8), vars(args))
     print(f"model {spec.label}; {args.steps} decode steps; cache {args.max_pages} pages x {args.page_size}, "
           f"policy {args.policy}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     set_blas_threads(1)

@@ -16,8 +16,6 @@ from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QKeySequence, QShortcut
 from PySide6.QtWidgets import (
     QCheckBox,
-    QComboBox,
-    QDoubleSpinBox,
     QFormLayout,
     QGroupBox,
     QHBoxLayout,
@@ -30,12 +28,14 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from .. import settings
 from ..decoding import ModelSpec, SessionConfig
-from ..decoding.sampling import SamplingConfig
 from ..engine import POLICIES, ConfigError, policy_params
-from ..engine.config import STORAGE_DTYPES
-from ..presets import DEFAULT_CONFIG, PRESETS, Preset, default_prompt
+from ..presets import PRESETS, Preset, default_prompt
 from .runner import validate
+from .setting_inputs import combo as _combo
+from .setting_inputs import read_input, setting_input, write_input
+from .setting_inputs import spin as _spin
 from .timeline import head_label
 
 DEFAULT_PROMPT = default_prompt()
@@ -52,62 +52,6 @@ def sample_prompts() -> dict[str, str]:
         return {}
 
 
-class _WheelOnlyWhenFocused:
-    """The wheel changes the value only once the box has focus (a click or Tab): over an unfocused box it
-    scrolls the controls panel, as a user scrolling the panel expects, instead of silently restarting the
-    session with a new page size."""
-
-    def wheelEvent(self, event) -> None:
-        if self.hasFocus():
-            super().wheelEvent(event)
-        else:
-            event.ignore()  # the scroll area under the box gets it
-
-
-class ComboBox(_WheelOnlyWhenFocused, QComboBox):
-    pass
-
-
-class SpinBox(_WheelOnlyWhenFocused, QSpinBox):
-    pass
-
-
-class DoubleSpinBox(_WheelOnlyWhenFocused, QDoubleSpinBox):
-    pass
-
-
-def _no_wheel_focus(box):
-    box.setFocusPolicy(Qt.StrongFocus)  # the wheel never gives focus (Qt's default WheelFocus would)
-    return box
-
-
-def _combo() -> QComboBox:
-    box = _no_wheel_focus(ComboBox())
-    box.setSizeAdjustPolicy(QComboBox.AdjustToMinimumContentsLengthWithIcon)
-    box.setMinimumContentsLength(8)
-    return box
-
-
-def _spin(low: int, high: int, value: int, tip: str = "", step: int = 1) -> QSpinBox:
-    box = _no_wheel_focus(SpinBox())
-    box.setRange(low, high)
-    box.setValue(value)
-    box.setSingleStep(step)
-    box.setToolTip(tip)
-    box.setKeyboardTracking(False)  # typing "128" restarts once, not at "1", "12" and "128"
-    return box
-
-
-def _dspin(low: float, high: float, value: float, step: float, decimals: int = 2) -> QDoubleSpinBox:
-    box = _no_wheel_focus(DoubleSpinBox())
-    box.setRange(low, high)
-    box.setDecimals(decimals)
-    box.setSingleStep(step)
-    box.setValue(value)
-    box.setKeyboardTracking(False)
-    return box
-
-
 class ControlsPanel(QScrollArea):
     session_changed = Signal(str)  # a human-readable reason: "page size changed"
     view_changed = Signal()
@@ -119,6 +63,7 @@ class ControlsPanel(QScrollArea):
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
         self._gguf_path: str | None = None
         self._swap_dir: str | None = None  # from --swap-dir; the controls have no field for it
+        self._inputs: dict[str, QWidget] = {}  # setting name -> its widget (made from the settings table)
         self._param_values: dict[str, dict[str, object]] = {}
         self._param_widgets: dict[str, QSpinBox] = {}
         self._reason = ""
@@ -196,9 +141,7 @@ class ControlsPanel(QScrollArea):
         self.prompt_edit = QPlainTextEdit(DEFAULT_PROMPT)
         self.prompt_edit.setFixedHeight(96)
         self.prompt_edit.setTabChangesFocus(True)
-        self.chat = QCheckBox("Chat template")
-        self.chat.setChecked(True)
-        self.chat.setToolTip("wrap the prompt in the model's chat template (ChatML for SmolLM2)")
+        self.chat = self._input("chat")
         self.samples = _combo()
         self.samples.addItem("Sample prompts…", "")
         for name, text in sample_prompts().items():
@@ -218,41 +161,39 @@ class ControlsPanel(QScrollArea):
         layout.addWidget(self.apply_prompt)
         return box
 
+    def _input(self, name: str) -> QWidget:
+        """The widget of a setting (range, default and tooltip from the settings table), registered so that
+        session_config() reads it and set_configuration() writes it."""
+        self._inputs[name] = setting_input(name)
+        return self._inputs[name]
+
+    def _add_rows(self, form: QFormLayout, *names: str) -> None:
+        for name in names:
+            form.addRow(settings.setting(name).label, self._inputs[name])
+
     def _cache_group(self) -> QGroupBox:
         box = QGroupBox("Paged KV cache")
         form = QFormLayout(box)
-        self.page_size = _spin(1, 256, DEFAULT_CONFIG.page_size, "tokens per page")
-        self.max_pages = _spin(1, 512, DEFAULT_CONFIG.max_pages, "physical pages per layer")
-        self.dtype = _combo()
-        self.dtype.addItems(list(STORAGE_DTYPES))
-        self.policy = _combo()
-        for name, cls in POLICIES.items():
-            self.policy.addItem(name, name)
-            self.policy.setItemData(self.policy.count() - 1, f"{cls.__doc__}\n{cls.citation}", Qt.ToolTipRole)
-        self.policy.setCurrentText("sinks")
+        self.page_size = self._input("page_size")
+        self.max_pages = self._input("max_pages")
+        self.dtype = self._input("dtype")
+        self.policy = self._input("policy")
+        for index, cls in enumerate(POLICIES.values()):
+            self.policy.setItemData(index, f"{cls.__doc__}\n{cls.citation}", Qt.ToolTipRole)
         self.params_form = QFormLayout()
-        self.disk_pages = _spin(0, 65536, DEFAULT_CONFIG.disk_pages,
-                                "pages per layer on disk (0 = no disk tier); RAM frames then cache them")
+        self.disk_pages = self._input("disk_pages")
         self.disk_pages.setSpecialValueText("off")
-        self.select = _combo()
-        self.select.addItems(["all", "quest"])
-        self.select.setItemData(0, "every page read each step (exact; disk pages in batches)", Qt.ToolTipRole)
-        self.select.setItemData(1, "only the pages with the highest key bounds (Quest)", Qt.ToolTipRole)
-        self.select_pages = _spin(1, 65536, DEFAULT_CONFIG.select_pages, "quest: pages read per step")
+        self.select = self._input("select")
+        self.select_pages = self._input("select_pages")
         self.capacity = QLabel()
         self.capacity.setWordWrap(True)
         self.error = QLabel()
         self.error.setObjectName("inlineError")
         self.error.setWordWrap(True)
         self.error.hide()
-        form.addRow("Page size", self.page_size)
-        form.addRow("Max pages", self.max_pages)
-        form.addRow("Storage", self.dtype)
-        form.addRow("Policy", self.policy)
+        self._add_rows(form, "page_size", "max_pages", "dtype", "policy")
         form.addRow(self.params_form)
-        form.addRow("Disk pages", self.disk_pages)
-        form.addRow("Read pages", self.select)
-        form.addRow("Quest pages", self.select_pages)
+        self._add_rows(form, "disk_pages", "select", "select_pages")
         form.addRow(self.capacity)
         form.addRow(self.error)
         self.page_size.valueChanged.connect(lambda *_: self._session("page size changed"))
@@ -267,24 +208,21 @@ class ControlsPanel(QScrollArea):
     def _decoding_group(self) -> QGroupBox:
         box = QGroupBox("Decoding")
         form = QFormLayout(box)
-        self.sampling = _combo()
-        self.sampling.addItems(["greedy", "sample"])
-        self.temperature = _dspin(0.05, 5.0, 0.7, 0.05)
-        self.top_k = _spin(0, 1000, 0, "keep the k most likely tokens (0: all)")
-        self.top_p = _dspin(0.05, 1.0, 1.0, 0.05)
-        self.sample_seed = _spin(0, 2**31 - 1, 0, "seed of the sampler")
-        self.max_new = _spin(1, 100_000, DEFAULT_CONFIG.max_new_tokens, "stop after this many generated tokens")
-        self.oracle = QCheckBox("Compare with a full cache (oracle)")
-        self.oracle.setToolTip("run the same tokens through a cache that never evicts: KL, top-1 agreement, "
-                               "attention mass lost (about twice the work per step)")
-        form.addRow("Sampling", self.sampling)
+        self.sampling = self._input("mode")
+        self.temperature = self._input("temperature")
+        self.top_k = self._input("top_k")
+        self.top_p = self._input("top_p")
+        self.sample_seed = self._input("seed")
+        self.max_new = self._input("max_new_tokens")
+        self.oracle = self._input("oracle")
+        self._add_rows(form, "mode")
         self._sampling_rows = []
-        for label, widget in (("Temperature", self.temperature), ("Top-k", self.top_k), ("Top-p", self.top_p),
-                              ("Seed", self.sample_seed)):
-            form.addRow(label, widget)
+        for name in ("temperature", "top_k", "top_p", "seed"):
+            widget = self._inputs[name]
+            self._add_rows(form, name)
             self._sampling_rows.append((form, widget))
             widget.valueChanged.connect(lambda *_: self._session("sampling changed"))
-        form.addRow("Max new tokens", self.max_new)
+        self._add_rows(form, "max_new_tokens")
         form.addRow(self.oracle)
         self.sampling.currentIndexChanged.connect(self._sampling_changed)
         self.max_new.valueChanged.connect(lambda *_: self._session("max new tokens changed"))
@@ -415,16 +353,9 @@ class ControlsPanel(QScrollArea):
 
     def session_config(self) -> SessionConfig:
         """The configuration the controls describe; ConfigError if it is not valid."""
-        sampling = SamplingConfig(mode=self.sampling.currentText(), temperature=round(self.temperature.value(), 4),
-                                  top_k=self.top_k.value(), top_p=round(self.top_p.value(), 4),
-                                  seed=self.sample_seed.value())
-        params = {k: v for k, v in self.policy_parameters().items() if v is not None}
-        return SessionConfig(page_size=self.page_size.value(), max_pages=self.max_pages.value(),
-                             dtype=self.dtype.currentText(), policy=self.policy.currentData(),
-                             policy_params=params, max_new_tokens=self.max_new.value(), sampling=sampling,
-                             oracle=self.oracle.isChecked(), chat=self.chat.isChecked(),
-                             disk_pages=self.disk_pages.value(), select=self.select.currentText(),
-                             select_pages=self.select_pages.value(), swap_dir=self._swap_dir)
+        values = {name: read_input(widget) for name, widget in self._inputs.items()}
+        values["policy_params"] = {k: v for k, v in self.policy_parameters().items() if v is not None}
+        return settings.with_values(SessionConfig(swap_dir=self._swap_dir), values)
 
     def check(self) -> bool:
         """Validate the configuration; show the first problem inline. True when it is valid."""
@@ -496,23 +427,11 @@ class ControlsPanel(QScrollArea):
             if prompt is not None:
                 self.prompt_edit.setPlainText(prompt)
             if config is not None:
-                self.page_size.setValue(config.page_size)
-                self.max_pages.setValue(config.max_pages)
-                self.dtype.setCurrentText(config.dtype)
                 self._param_values[config.policy] = dict(config.policy_params)
-                self.policy.setCurrentIndex(self.policy.findData(config.policy))
+                values = settings.values(config)
+                for name, widget in self._inputs.items():
+                    write_input(widget, values[name])
                 self._rebuild_params()
-                self.sampling.setCurrentText(config.sampling.mode)
-                self.temperature.setValue(config.sampling.temperature)
-                self.top_k.setValue(config.sampling.top_k)
-                self.top_p.setValue(config.sampling.top_p)
-                self.sample_seed.setValue(config.sampling.seed)
-                self.max_new.setValue(config.max_new_tokens)
-                self.oracle.setChecked(config.oracle)
-                self.chat.setChecked(config.chat)
-                self.disk_pages.setValue(config.disk_pages)
-                self.select.setCurrentText(config.select)
-                self.select_pages.setValue(config.select_pages)
                 self._swap_dir = config.swap_dir
         finally:
             self._loading = False
@@ -522,39 +441,27 @@ class ControlsPanel(QScrollArea):
         self.check()
 
     def to_dict(self) -> dict:
+        """What the app saves (QSettings): the model, the prompt, the settings the controls show (the settings
+        table's JSON form, as a trace header holds it) and the view options."""
         spec = self.model_spec() if self.model.currentData() != "gguf" else ModelSpec()
-        config = self.session_config()
         return {
             "model": spec.kind, "gguf": self._gguf_path or "", "layers": spec.n_layers, "heads": spec.n_heads,
             "kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim, "model_seed": spec.seed,
-            "prompt": self.prompt(), "chat": config.chat, "page_size": config.page_size,
-            "max_pages": config.max_pages, "dtype": config.dtype, "policy": config.policy,
-            "policy_params": dict(config.policy_params), "sampling": config.sampling.mode,
-            "temperature": config.sampling.temperature, "top_k": config.sampling.top_k,
-            "top_p": config.sampling.top_p, "seed": config.sampling.seed, "max_new_tokens": config.max_new_tokens,
-            "oracle": config.oracle, "disk_pages": config.disk_pages, "select": config.select,
-            "select_pages": config.select_pages, **{f"view_{k}": v for k, v in self.view_options().items()},
+            "prompt": self.prompt(), **settings.to_dict(self.session_config(), where=lambda s: s.app),
+            **{f"view_{k}": v for k, v in self.view_options().items()},
         }
 
     def from_dict(self, data: dict) -> None:
         """Restore saved settings; anything missing or invalid keeps its default."""
+        data = dict(data)
+        if isinstance(data.get("sampling"), str):  # saved before the settings table: sampling keys at the top
+            flat = {s.name: data[s.name] for s in settings.in_group("sampling") if s.name in data}
+            data["sampling"] = {**flat, "mode": data["sampling"]}
         try:
             spec = ModelSpec(kind=data.get("model", "smollm2"), n_layers=int(data.get("layers", 4)),
                              n_heads=int(data.get("heads", 8)), n_kv_heads=int(data.get("kv_heads", 2)),
                              head_dim=int(data.get("head_dim", 32)), seed=int(data.get("model_seed", 0)))
-            sampling = SamplingConfig(mode=data.get("sampling", "greedy"),
-                                      temperature=float(data.get("temperature", 0.7)),
-                                      top_k=int(data.get("top_k", 0)), top_p=float(data.get("top_p", 1.0)),
-                                      seed=int(data.get("seed", 0)))
-            d = DEFAULT_CONFIG
-            config = SessionConfig(page_size=int(data.get("page_size", d.page_size)),
-                                   max_pages=int(data.get("max_pages", d.max_pages)),
-                                   dtype=data.get("dtype", "float32"), policy=data.get("policy", "sinks"),
-                                   policy_params=dict(data.get("policy_params", {})),
-                                   max_new_tokens=int(data.get("max_new_tokens", d.max_new_tokens)), sampling=sampling,
-                                   oracle=bool(data.get("oracle", False)), chat=bool(data.get("chat", True)),
-                                   disk_pages=int(data.get("disk_pages", 0)), select=data.get("select", "all"),
-                                   select_pages=int(data.get("select_pages", d.select_pages)))
+            config = settings.from_dict(data, SessionConfig())
             validate(config)
         except (ConfigError, ValueError, TypeError):
             return

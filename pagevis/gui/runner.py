@@ -19,7 +19,7 @@ from typing import NamedTuple
 from PySide6.QtCore import QObject, QThreadPool, Signal
 from superqt.utils import create_worker
 
-from ..decoding import DecodeSession, ModelSpec, SessionConfig
+from ..decoding import DecodeSession, ModelSpec, RunControl, SessionConfig, steps
 from ..engine import CacheSettings, ConfigError
 from .timeline import SessionInfo, Timeline, timeline_from_trace
 
@@ -33,38 +33,26 @@ class WorkerFailure(NamedTuple):
     traceback: str
 
 
-@dataclass
-class RunControl:
-    """Shared between the UI thread (writes) and one worker (reads between steps)."""
-
-    stop: bool = False
-    budget: int | None = None  # steps left in this run; None = until stopped or done
-    interval: float = 0.0  # minimum seconds per step (the speed control)
+def run_control(budget: int | None = None, interval: float = 0.0) -> RunControl:
+    """The worker's control, shared between the UI thread (writes) and the worker (reads between steps).
+    After a short step the worker leaves the GIL to the UI thread for a moment: a small model is mostly
+    Python (the synthetic one runs ~400 steps/s) and would otherwise starve the event loop. SmolLM2's
+    steps spend their time in NumPy, which releases the GIL, and skip the pause."""
+    return RunControl(budget=budget, interval=interval, breath=GIL_BREATH, short_step=SHORT_STEP)
 
 
 def decode_steps(session: DecodeSession, control: RunControl, flush_every: float = 0.02):
-    """Generator run by the worker: step the session, yield lists of records, then a WorkerFailure if
-    a step raised. Checks `control` between steps."""
+    """Generator run by the worker: step the session through the run loop, yield lists of records, then a
+    WorkerFailure if a step raised. `control` is checked between steps."""
     batch = []
     flushed = time.perf_counter()
     try:
-        while not control.stop and not session.done and (control.budget is None or control.budget > 0):
-            started = time.perf_counter()
-            batch.append(session.step())
-            if control.budget is not None:
-                control.budget -= 1
+        for record in steps(session, control):
+            batch.append(record)
             now = time.perf_counter()
             if now - flushed >= flush_every or control.interval > 0:
                 yield batch
                 batch, flushed = [], now
-            pause_until = started + control.interval
-            while not control.stop and time.perf_counter() < pause_until:
-                time.sleep(min(0.01, pause_until - time.perf_counter()))
-            # After a short step, leave the GIL to the UI thread for a moment: a small model is mostly
-            # Python (the synthetic one runs ~400 steps/s) and would otherwise starve the event loop.
-            # SmolLM2's steps spend their time in NumPy, which releases the GIL, and skip the pause.
-            if time.perf_counter() - started < SHORT_STEP:
-                time.sleep(GIL_BREATH)
     except Exception as error:  # noqa: BLE001 - every failure is shown in the GUI
         if batch:
             yield batch
@@ -215,6 +203,9 @@ class SessionRunner(QObject):
             self.configure(*self._pending)
 
     def _start_session(self) -> None:
+        if self._same_again():
+            self._restart_in_place()
+            return
         try:
             session, timeline = self._new_session()
         except Exception as error:  # noqa: BLE001 - a bad prompt or configuration is shown, not raised
@@ -225,6 +216,31 @@ class SessionRunner(QObject):
         self._keep_current()
         self.session = session
         self.timeline, self.timeline_spec = timeline, self.spec
+        self._set_state("ready")
+        self.started.emit(self.timeline)
+
+    def _same_again(self) -> bool:
+        """A restart of the same prompt and settings in a live DecodeSession (the Reset button)."""
+        info = getattr(self.timeline, "info", None)
+        return (isinstance(self.session, DecodeSession) and info is not None and self.state != "replay"
+                and self.timeline_spec == self.spec and info.prompt == self.prompt and info.config == self.config)
+
+    def _restart_in_place(self) -> None:
+        """Decode the prompt again in the same engine: the prompt's full pages come from its prefix cache
+        (the first record's prefix_hit event says how many tokens), not from another prefill. The previous
+        run's records stay as a replay (its cache state now belongs to the new run)."""
+        session, info = self.session, self.timeline.info
+        self.session = None
+        self._keep_current()
+        self.session = session
+        try:
+            session.restart()
+        except Exception as error:  # noqa: BLE001 - shown, not raised
+            self.session = self.timeline = None
+            self._fail(str(error), traceback.format_exc())
+            return
+        session.records = NewestRecord()
+        self.timeline = Timeline(info, session.token_text)
         self._set_state("ready")
         self.started.emit(self.timeline)
 
@@ -297,7 +313,7 @@ class SessionRunner(QObject):
         if self.session.done:
             self.message.emit(f"The session has finished ({self.session.stop_reason}); reset to decode again.")
             return
-        self._control = RunControl(budget=budget, interval=self.interval)
+        self._control = run_control(budget, self.interval)
         generation = self._generation
         worker = create_worker(decode_steps, self.session, self._control, _start_thread=False,
                                _ignore_errors=True)
@@ -311,7 +327,7 @@ class SessionRunner(QObject):
         """Decode n steps on this thread (for screenshots and scripts); errors are reported as usual."""
         if self.session is None or self._worker is not None:
             return
-        for item in decode_steps(self.session, RunControl(budget=n)):
+        for item in decode_steps(self.session, run_control(n)):
             self._received(item, self._generation)
         self._set_state("done" if self.session.done else self.state if self.state == "error" else "ready")
 

@@ -16,10 +16,13 @@ from superqt.utils import create_worker
 from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QPushButton, QSlider, QSpinBox, QVBoxLayout,
                                QWidget)
 
-from ..decoding import SamplingConfig
-from ..decoding.batch import BatchConfig, BatchSession
-from ..engine import CacheFullError, ConfigError
+from ..decoding import Engine, SamplingConfig
+from ..decoding.batch import BatchConfig
+from ..engine import CacheFullError, ConfigError, EventKind
+from .setting_inputs import setting_input
 from .views.sequences import SequencesView
+
+SHORT_NAMES = {EventKind.COPY_ON_WRITE: "cow"}  # the status line is narrow
 
 MAX_RECORDS = 5000  # recorded steps kept for the step slider (each holds a few small arrays)
 
@@ -33,12 +36,12 @@ class SequencesWindow(QWidget):
             config, sampling=replace(config.sampling, mode="sample"))
         self.records: list = []
         self.lengths: list[dict[int, int]] = []  # per record: generated tokens of every sequence
-        self.batch: BatchSession | None = None
+        self.batch: Engine | None = None
         self.worker = None  # the step running in a worker thread, if any
         self.view = SequencesView()
         self.n = _spin(1, 16, 4, "parallel samples of the prompt")
         self.seed = _spin(0, 2**31 - 1, config.sampling.seed, "seed of the first sample (the others: +1, +2…)")
-        self.pool_pages = _spin(1, 1 << 16, 4 * config.max_pages, "pages per layer in the shared pool")
+        self.pool_pages = setting_input("pool_pages", value=4 * config.max_pages)
         self.start_button = QPushButton("Start")
         self.add_button = QPushButton("Add sequence")
         self.step_button = QPushButton("Step")
@@ -95,19 +98,19 @@ class SequencesWindow(QWidget):
         self.timer.stop()
         self.run_button.setChecked(False)
         try:
-            self.batch = BatchSession(self.model, self.config, BatchConfig(pool_pages=self.pool_pages.value()))
+            self.batch = Engine(self.model, self.config, BatchConfig(pool_pages=self.pool_pages.value()))
             sampling = replace(self.config.sampling, seed=self.seed.value())
             self.batch.submit_parallel(self.batch.encode(self.prompt), self.n.value(), sampling)
         except ConfigError as error:
             return self._fail(str(error))
         self.records, self.lengths = [], []
-        self.status.setText(f"{self.n.value()} samples of a {len(self.batch.seqs[0].prompt_ids)}-token prompt")
+        self.status.setText(f"{self.n.value()} samples of a {len(self.batch.requests[0].prompt_ids)}-token prompt")
         return True
 
     def add_sequence(self) -> None:
         if self._busy_says_so() or self.batch is None and not self.start():
             return
-        seed = self.seed.value() + len(self.batch.seqs)
+        seed = self.seed.value() + len(self.batch.requests)
         seq_id = self.batch.submit(self.batch.encode(self.prompt), replace(self.config.sampling, seed=seed))
         self.status.setText(f"sequence {seq_id} (seed {seed}) waits for its first step; its prompt's full pages "
                             f"come from the prefix cache")
@@ -142,14 +145,14 @@ class SequencesWindow(QWidget):
 
     def _stepped(self, record) -> None:
         self.records.append(record)
-        self.lengths.append({s: len(state.generated) for s, state in self.batch.seqs.items()})
+        self.lengths.append({s: len(state.generated) for s, state in self.batch.requests.items()})
         if len(self.records) > MAX_RECORDS:
             del self.records[0], self.lengths[0]
         self.slider.setRange(0, len(self.records) - 1)
         self.slider.setValue(len(self.records) - 1)
         self.show_step(len(self.records) - 1)
-        kinds = sorted({e.kind for e in record.events} - {"allocate"})
-        events = ", ".join(f"{sum(e.kind == k for e in record.events)} {k}" for k in kinds)
+        kinds = sorted({e.kind for e in record.events} - {EventKind.ALLOCATE})
+        events = ", ".join(f"{sum(e.kind is k for e in record.events)} {SHORT_NAMES.get(k, k.value)}" for k in kinds)
         self.status.setText(f"step {record.step}: {len(record.seqs)} sequences stepped, {record.pages_used} pages "
                             f"used ({record.pages_unshared} without sharing)"
                             + (f"; {events} (events over all layers)" if events else ""))
@@ -168,12 +171,12 @@ class SequencesWindow(QWidget):
         record = self.records[index]
         n_tokens = record.n_cached.get(seq_id)
         if n_tokens is None:
-            parent = self.batch.seqs[seq_id]
+            parent = self.batch.requests[seq_id]
             n_tokens = len(parent.prompt_ids) + self.lengths[index].get(seq_id, 0)
         sampling = SamplingConfig(mode="sample", temperature=self.config.sampling.temperature,
                                   top_k=self.config.sampling.top_k, top_p=self.config.sampling.top_p, seed=seed)
         try:
-            child = self.batch.fork(seq_id, min(n_tokens, len(self.batch.seqs[seq_id].tokens)), sampling)
+            child = self.batch.fork(seq_id, min(n_tokens, len(self.batch.requests[seq_id].tokens)), sampling)
         except ConfigError as error:
             return self._fail(str(error))
         self.status.setText(f"sequence {child} forks sequence {seq_id} after step {record.step} "
@@ -186,7 +189,7 @@ class SequencesWindow(QWidget):
         lengths = self.lengths[index]
         texts = {}
         for seq_id, n in lengths.items():
-            ids = self.batch.seqs[seq_id].generated[:n]
+            ids = self.batch.requests[seq_id].generated[:n]
             texts[seq_id] = self.model.tokenizer.decode(ids) if self.model.tokenizer else " ".join(map(str, ids))
         self.view.show_record(self.records[index], self.config.page_size, texts)
         current = self.fork_seq.currentData()

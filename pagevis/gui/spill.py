@@ -25,7 +25,7 @@ PARTS = ("token_ids", "positions", "slot_maps", "protected", "scores", "block_ta
          "attention", "tier_counts", "page_maps", "block_frames", "recall")  # the last four: empty without tiers
 EVENT_DTYPE = np.dtype([("kind", "i1"), ("step", "i4"), ("layer", "i4"), ("page", "i4"), ("slot", "i4"),
                         ("position", "i8"), ("policy", "i2"), ("reason", "i2"), ("score", "f8"),
-                        ("frame", "i4")])
+                        ("frame", "i4"), ("seq", "i4"), ("detail", "i8")])
 KINDS = tuple(EventKind)
 SMALL = np.dtype([("kind", "i1"), ("next_token", "i8"), ("resident", "i4"), ("pages_used", "i4"),
                   ("evictions_total", "i8"), ("has_oracle", "?"), ("kl", "f8"), ("top1", "?"), ("lp_bounded", "f8"),
@@ -72,7 +72,8 @@ class RecordSpill:
         for layer, table in enumerate(record.block_tables):
             tables[layer, : len(table)] = table
         events = np.array([(KINDS.index(e.kind), e.step, e.layer, e.page, e.slot, e.position, self._code(e.policy),
-                            self._code(e.reason), e.score, e.frame) for e in record.events], dtype=EVENT_DTYPE)
+                            self._code(e.reason), e.score, e.frame, e.seq, e.detail) for e in record.events],
+                          dtype=EVENT_DTYPE)
         attention = (np.stack(record.attention).astype(np.float16, copy=False) if record.attention
                      else np.zeros((0,), np.float16))
         tiers = record.tiers
@@ -171,7 +172,7 @@ class RecordSpill:
         texts = self._texts
         events = tuple(CacheEvent(KINDS[e["kind"]], int(e["step"]), int(e["layer"]), int(e["page"]), int(e["slot"]),
                                   int(e["position"]), texts[e["policy"]], texts[e["reason"]], float(e["score"]),
-                                  int(e["frame"]))
+                                  int(e["frame"]), int(e["seq"]), int(e["detail"]))
                        for e in part("events", EVENT_DTYPE))
         s = self._small[index]
         oracle = OracleStep(float(s["kl"]), bool(s["top1"]), float(s["lp_bounded"]), float(s["lp_full"]),

@@ -1,6 +1,6 @@
 """POST /v1/attention: one query attended over given keys and values by the paged engine itself.
 
-The keys and values are written into a page pool (a one-layer PagedKVCache that never evicts, positions
+The keys and values are written into a page pool (a one-layer cache manager that never evicts, positions
 0..T-1) and the query, at position T, attends over it through the cache's own `attend`: the code path
 every decode step of the app takes, not a second implementation.
 """
@@ -13,7 +13,7 @@ import numpy as np
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..engine import CacheConfig, PagedKVCache
+from ..engine import CacheConfig, KVCacheManager
 from ..engine.config import MAX_HEAD_DIM, MAX_PAGE_SIZE
 from .errors import ApiError
 
@@ -81,14 +81,14 @@ def paged_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, page_size: int)
     n_keys, n_kv, d = k.shape
     config = CacheConfig(page_size=page_size, max_pages=math.ceil(n_keys / page_size), n_layers=1,
                          n_heads=q.shape[0], n_kv_heads=n_kv, head_dim=d, policy="none")
-    cache = PagedKVCache(config)
-    cache.append(0, k, v, np.arange(n_keys, dtype=np.int64))
-    result = cache.attend(0, q[None], np.array([n_keys], dtype=np.int64))
+    cache = KVCacheManager.single(config, prefix_caching=False)
+    cache.append(0, 0, k, v, np.arange(n_keys, dtype=np.int64))
+    result = cache.attend(0, 0, q[None], np.array([n_keys], dtype=np.int64))
     slots = cache.slot_positions(0)
     resident = slots >= 0
     weights = np.zeros((q.shape[0], n_keys), dtype=np.float32)
     weights[:, slots[resident]] = result.weights[0][:, resident]
-    return result.output[0], weights, len(cache.block_table(0))
+    return result.output[0], weights, len(cache.block_table(0, 0))
 
 
 def answer(request: AttentionRequest) -> AttentionResponse:

@@ -9,8 +9,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from ..cli.options import FLAG_OF_FIELD
 from ..engine import ConfigError
+from ..settings import by_path
 
 MAX_LISTED_ERRORS = 10
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
@@ -38,12 +38,11 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 
 def request_field(config_field: str) -> str:
-    """The request field a ConfigError's field is set by: the CLI flag's name without dashes
-    (`sampling.temperature` -> `temperature`, `max_new_tokens` -> `max_tokens`), policy parameters
-    under `policy_params`."""
-    flag = FLAG_OF_FIELD.get(config_field)
-    if flag:
-        return flag.lstrip("-").replace("-", "_")
+    """The request field a ConfigError's field is set by, from the settings table (`sampling.temperature`
+    -> `temperature`, `max_new_tokens` -> `max_tokens`), policy parameters under `policy_params`."""
+    setting = by_path(config_field)
+    if setting is not None:
+        return setting.dest
     if "." in config_field:
         return "policy_params." + config_field.split(".", 1)[1]
     return config_field

@@ -17,11 +17,11 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
-from ..decoding import DecodeSession
+from ..decoding import DecodeSession, RunControl, steps
 from ..engine import CacheFullError
 from .errors import ApiError, error_body
 from .parallel import MAX_N, generate_n
-from .session_api import MAX_PROMPT_CHARS, CacheSettings
+from .requests import MAX_PROMPT_CHARS, CacheSettings
 from .sessions import build_session, session_config
 from .worker import in_worker
 
@@ -113,25 +113,23 @@ class Completion:
 
     def advance(self, max_steps: int | None = None) -> tuple[str, str | None]:
         """Step up to max_steps times (None: to the end); the new text and the finish reason, if finished."""
-        session, pieces, steps = self.session, [], 0
+        session, pieces = self.session, []
         eos = session.model.config.eos_ids
-        while self.finish_reason is None and (max_steps is None or steps < max_steps):
-            if session.done:
-                tail, hit = self.stop.push(self.decoder.flush())
-                pieces.append(tail if hit else tail + self.stop.flush())
-                self.finish_reason = "stop" if hit or session.stop_reason == "eos" else "length"
-                break
-            try:
-                record = session.step()
-            except CacheFullError:
-                session.stop_reason = "cache_full"
-                continue
-            steps += 1
-            if record.next_token >= 0 and record.next_token not in eos:
-                text, hit = self.stop.push(self.decoder.feed(record.next_token))
-                pieces.append(text)
-                if hit:
-                    self.finish_reason = "stop"
+        control = RunControl(budget=max_steps, stop=self.finish_reason is not None)
+        try:
+            for record in steps(session, control):
+                if record.next_token >= 0 and record.next_token not in eos:
+                    text, hit = self.stop.push(self.decoder.feed(record.next_token))
+                    pieces.append(text)
+                    if hit:
+                        self.finish_reason = "stop"
+                        control.stop = True
+        except CacheFullError:  # the engine ended the request ("cache_full")
+            pass
+        if self.finish_reason is None and session.request.done:
+            tail, hit = self.stop.push(self.decoder.flush())
+            pieces.append(tail if hit else tail + self.stop.flush())
+            self.finish_reason = "stop" if hit or session.stop_reason == "eos" else "length"
         return "".join(pieces), self.finish_reason
 
     def usage(self) -> dict:

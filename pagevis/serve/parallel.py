@@ -4,7 +4,8 @@ decoded with continuous batching. Sample i uses seed + i. Not streamed."""
 
 from __future__ import annotations
 
-from ..decoding.batch import BatchConfig, BatchSession
+from ..decoding import Engine, run
+from ..decoding.batch import BatchConfig
 from ..engine import CacheFullError
 
 MAX_N = 16
@@ -15,21 +16,22 @@ def generate_n(model, session, n: int, stops: list[str], metrics=None) -> tuple[
     DecodeSession built only to validate and encode the request)."""
     from .openai_api import StopMatcher
 
-    batch = BatchSession(model, session.config, BatchConfig(max_seqs=n))
+    batch = Engine(model, session.config, BatchConfig(max_seqs=n))
     ids = batch.submit_parallel(session.prompt_ids, n)
     try:
-        for _record in batch.run():
-            pass
+        run(batch)
     except CacheFullError:  # policy 'none' and a full cache: the samples end where they are ("length")
         pass
+    finally:
+        batch.close()
     choices = []
     for seq_id in ids:
         matcher = StopMatcher(stops)
         text, hit = matcher.push(batch.text(seq_id))
         text += "" if hit else matcher.flush()
-        seq = batch.seqs[seq_id]
+        seq = batch.requests[seq_id]
         choices.append((text, "stop" if hit or seq.stop_reason == "eos" else "length"))
-    generated = sum(len(batch.seqs[s].generated) for s in ids)
+    generated = sum(len(batch.requests[s].generated) for s in ids)
     if metrics is not None:
         metrics.count_batch(batch, len(session.prompt_ids), generated)
     usage = {"prompt_tokens": len(session.prompt_ids), "completion_tokens": generated,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -13,39 +12,15 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from .. import settings as table
+from ..decoding import RunControl, steps
 from ..engine import CacheFullError, EventKind
 from .errors import ApiError
+from .requests import SessionRequest
 from .sessions import ServedSession, build_session, session_config
 from .worker import in_worker
 
-MAX_PROMPT_CHARS = 200_000
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
-PolicyValue = int | float | str | None
-
-
-class CacheSettings(BaseModel):
-    """Cache settings, as `pagevis run`'s flags of the same names; unset ones take the server's defaults."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    page_size: int | None = Field(None, description="tokens per page")
-    max_pages: int | None = Field(None, description="pages per layer")
-    policy: str | None = Field(None, description="eviction policy: oldest, oldest-page, sinks, h2o, tova, "
-                                                 "random, none")
-    policy_params: dict[str, PolicyValue] | None = Field(None, description="e.g. {\"n_sink\": 4}")
-    dtype: str | None = Field(None, description="float32 or float16")
-
-
-class SessionRequest(CacheSettings):
-    prompt: str = Field(max_length=MAX_PROMPT_CHARS)
-    chat: bool | None = Field(None, description="wrap the prompt in the model's chat template (default true)")
-    max_tokens: int | None = Field(None, description="tokens to generate at most")
-    sample: bool | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    oracle: bool | None = Field(None, description="also run a full cache and compare every step")
-    record_layers: Literal["all", "none"] | list[int] | None = None
 
 
 class StepRequest(BaseModel):
@@ -129,20 +104,16 @@ def step_answer(served: ServedSession, body: StepRequest, state) -> bytes:
 def run_steps(served: ServedSession, n: int):
     """Up to n steps; a full cache under policy 'none' ends the session as `pagevis run` does."""
     session, records, pieces = served.session, [], []
-    for _ in range(n):
-        if session.done:
-            break
-        try:
-            record = session.step()
-        except CacheFullError:
-            session.stop_reason = "cache_full"
-            break
-        except Exception:
-            session.stop_reason = "error"  # the cache may be half-updated: no further steps
-            raise
-        records.append(record)
-        if record.next_token >= 0 and record.next_token not in session.model.config.eos_ids:
-            pieces.append(served.decoder.feed(record.next_token))
+    try:
+        for record in steps(session, RunControl(budget=n)):
+            records.append(record)
+            if record.next_token >= 0 and record.next_token not in session.model.config.eos_ids:
+                pieces.append(served.decoder.feed(record.next_token))
+    except CacheFullError:  # the engine ended the request ("cache_full")
+        pass
+    except Exception:
+        session.engine.cancel(session.seq_id, "error")  # the cache may be half-updated: no further steps
+        raise
     return records, "".join(pieces)
 
 
@@ -168,11 +139,8 @@ def describe(served: ServedSession, state, layers: bool = False) -> dict[str, An
         "model": state.model_id, "created": int(served.created), "prompt_tokens": len(session.prompt_ids),
         "total_steps": len(records), "generated_tokens": len(session.generated), "text": session.text(),
         "done": session.done, "stop_reason": session.stop_reason,
-        "config": {"page_size": config.page_size, "max_pages": config.max_pages, "policy": config.policy,
-                   "policy_params": dict(config.policy_params), "dtype": config.dtype,
-                   "max_tokens": config.max_new_tokens, "oracle": config.oracle, "chat": config.chat,
-                   "sampling": dataclasses.asdict(config.sampling)},
-        "capacity": config.page_size * config.max_pages,
+        "config": config_json(config),
+        "capacity": config.capacity,
         "resident_tokens": last.resident_tokens if last else 0, "pages_used": last.pages_used if last else 0,
         "evictions_total": last.evictions_total if last else 0,
     }
@@ -182,6 +150,14 @@ def describe(served: ServedSession, state, layers: bool = False) -> dict[str, An
              "resident_positions": np.sort(slots[slots >= 0]).tolist()}
             for i, (table, slots) in enumerate(zip(last.block_tables, last.slot_maps.reshape(len(last.block_tables), -1)))]
     return info
+
+
+def config_json(config) -> dict[str, Any]:
+    """The settings a request may set, named as in requests (`max_tokens`), sampling as one object."""
+    values = table.to_dict(config)
+    out = {s.dest: values[s.name] for s in table.in_group("cache", "session") if s.request}
+    out["sampling"] = values["sampling"]
+    return out
 
 
 def step_json(record) -> dict:

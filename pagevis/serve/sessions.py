@@ -1,46 +1,29 @@
 """Decoding sessions the server keeps: built from request settings exactly as the CLI builds them from
-flags, bounded in number and size, expired when idle, stepped by one request at a time."""
+flags (both through the settings table), bounded in number and size, expired when idle, stepped by one
+request at a time."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import secrets
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from ..cli import options
+from .. import settings as table
 from ..decoding import DecodeSession, SessionConfig
 from ..engine import ConfigError
 from ..observe import Metrics, SessionObserver
 from .errors import ApiError
 from .settings import ServeSettings
 
-# Request fields that mean what the CLI's options of the same name mean (options.session_config reads them).
-SESSION_FIELDS = ("page_size", "max_pages", "dtype", "policy", "max_tokens", "sample", "temperature", "top_k",
-                  "top_p", "seed", "oracle", "record_layers", "chat", "special")
-
 
 def session_config(settings: ServeSettings, fields: dict) -> SessionConfig:
-    """The SessionConfig `pagevis run` would build from the same settings: request fields over the
-    server's defaults (`pagevis serve --page-size ...`), validated by the CLI's own code."""
-    defaults = vars(settings.defaults) if settings.defaults is not None else {}
-    values = {name: defaults.get(name) for name in SESSION_FIELDS}
-    values.update({name: fields[name] for name in SESSION_FIELDS if fields.get(name) is not None})
-    layers = values["record_layers"]
-    if isinstance(layers, (list, tuple)):
-        values["record_layers"] = ",".join(str(layer) for layer in layers) if layers else "none"
-    params = fields.get("policy_params")
-    # The server's --policy-param values belong to its default policy; a request's policy starts afresh.
-    inherit = params is None and fields.get("policy") is None
-    namespace = argparse.Namespace(**values, policy_param=defaults.get("policy_param") if inherit else None)
-    try:
-        config = options.session_config(namespace)
-        if params:
-            config = replace(config, policy_params=params)
-            options.check_cache(config)
-    except options.UsageError as error:
-        raise ApiError(422, str(error).removeprefix("pagevis: "), code="invalid_value") from None
+    """The SessionConfig `pagevis run` would build from the same settings: a request's fields (named as the
+    flags, e.g. `max_tokens`, `sample`; None = not set) over the server's defaults (`pagevis serve
+    --page-size ...`), through the settings table's apply() as the command line's flags; ConfigError names
+    the bad one."""
+    config = table.apply(settings.defaults, fields)
+    config.check()
     capacity = config.page_size * config.max_pages
     if capacity > settings.max_cache_tokens:
         raise ConfigError("max_pages", config.max_pages,

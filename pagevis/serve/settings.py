@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 
-from ..decoding import ModelSpec
+from ..decoding import ModelSpec, SessionConfig
 from ..errors import check_int
 
 MIB = 1 << 20
@@ -14,9 +13,9 @@ MIB = 1 << 20
 @dataclass(frozen=True)
 class ServeSettings:
     model_spec: ModelSpec = field(default_factory=ModelSpec)
-    # Cache and decoding defaults for sessions and completions that do not set them: the CLI's own
-    # options namespace (`pagevis serve --page-size 8 ...`), None = SessionConfig's defaults.
-    defaults: argparse.Namespace | None = None
+    # Cache and decoding settings of sessions and completions that do not set them (`pagevis serve
+    # --page-size 8 ...`); a request's settings change these as the same flags would.
+    defaults: SessionConfig = field(default_factory=SessionConfig)
     max_body: int = 8 * MIB  # bytes of one request body
     max_sessions: int = 8  # live decoding sessions, completions in progress included
     max_session_tokens: int = 2048  # prompt + generated tokens of one session

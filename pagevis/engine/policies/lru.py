@@ -32,13 +32,15 @@ class PageUses(PolicyState):
 
     def observe(self, weights, slots):
         mean = weights.mean(axis=1)  # (queries, slots read)
-        used_pages = mean.reshape(len(mean), -1, self.page_size).sum(axis=2) >= self.threshold
         read = np.arange(self.n_slots)[slots]
-        for i, used in enumerate(used_pages):
+        # the slots read need not come in whole pages (the reader returns resident slots only)
+        pages, page_of = np.unique(read // self.page_size, return_inverse=True)
+        for i, row in enumerate(mean):
             if i < len(self.written):
                 self.last_use[self.written[i]] = self.clock + 0.5
             self.clock += 1
-            marked = read[np.repeat(used, self.page_size)]
+            used = np.bincount(page_of, weights=row, minlength=len(pages)) >= self.threshold
+            marked = read[used[page_of]]
             self.last_use[marked] = self.clock
             self.uses[marked] += 1
         self.written = []

@@ -22,11 +22,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import __version__
-from .decoding import ModelSpec, OracleStep, SamplingConfig, SessionConfig, StepRecord, TierStep
-from .engine import COUNT_NAMES, CacheEvent, ConfigError, EventKind
-from .trace_archive import Archive, TraceError
-from .trace_schema import (DELTA_ENCODED, FORMAT, KINDS, MAX_HEADER_BYTES, ORACLE_COLUMNS, VERSION, arrays_of_version,
+from .. import __version__, settings
+from ..decoding import ModelSpec, OracleStep, SessionConfig, StepRecord, TierStep
+from ..decoding.table_log import TablesAt
+from ..engine import COUNT_NAMES, CacheEvent, ConfigError, EventKind
+from .archive import Archive, TraceError
+from .schema import (DELTA_ENCODED, FORMAT, KINDS, MAX_HEADER_BYTES, ORACLE_COLUMNS, VERSION, arrays_of_version,
                            check_header, check_values, expected_arrays)
 
 __all__ = ["FORMAT", "SUFFIX", "VERSION", "Trace", "TraceError", "read_trace", "record_differences", "write_trace"]
@@ -153,6 +154,8 @@ def _encode(trace: Trace) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
         "oracle": lambda: np.array([_oracle_row(r.oracle) for r in records],
                                    dtype=np.float64).reshape(len(records), len(ORACLE_COLUMNS)),
         "event_frame": lambda: np.array([e.frame for e in events], dtype=np.int32),
+        "event_seq": lambda: np.array([e.seq for e in events], dtype=np.int32),
+        "event_detail": lambda: np.array([e.detail for e in events], dtype=np.int64),
         "has_tiers": lambda: np.array(tiered, dtype=bool),
         "tier_counts": lambda: _stack((r.tiers.counts if r.tiers else 0 for r in records),
                                       (len(records), n_layers, len(COUNT_NAMES)), np.int64),
@@ -254,23 +257,12 @@ def undo_xor_delta(delta: np.ndarray) -> np.ndarray:
 
 
 def config_to_dict(config: SessionConfig) -> dict:
-    return {
-        "page_size": config.page_size, "max_pages": config.max_pages, "dtype": config.dtype,
-        "policy": config.policy, "policy_params": dict(config.policy_params),
-        "max_new_tokens": config.max_new_tokens, "sampling": dataclasses.asdict(config.sampling),
-        "oracle": config.oracle, "chat": config.chat, "special": config.special,
-        "disk_pages": config.disk_pages, "swap_dir": config.swap_dir, "select": config.select,
-        "select_pages": config.select_pages,
-        "record_layers": None if config.record_layers is None else list(config.record_layers),
-    }
+    """The header's `config`: the settings table's JSON form of the session's settings."""
+    return settings.to_dict(config)
 
 
 def config_from_dict(data: dict) -> SessionConfig:
-    data = dict(data)
-    data["sampling"] = SamplingConfig(**data.get("sampling", {}))
-    if data.get("record_layers") is not None:
-        data["record_layers"] = tuple(data["record_layers"])
-    return SessionConfig(**data)
+    return settings.from_dict(data, SessionConfig())
 
 
 # --- reading ---------------------------------------------------------------------------------------
@@ -280,7 +272,7 @@ def read_trace(path) -> Trace:
 
     The header is checked against the format's schema before any array is read, each array's size is
     known (and capped) before it is allocated, and every index the arrays hold is bounded after reading
-    (pagevis.trace_schema). Reading never uses more than about the size of the arrays it returns.
+    (pagevis/trace/schema.py). Reading never uses more than about the size of the arrays it returns.
     """
     name = os.fspath(path)
     with Archive(name) as archive:
@@ -307,14 +299,18 @@ def _decode(header: dict, a: dict[str, np.ndarray]) -> Trace:
     strings = header["strings"]
     event_kinds = [EventKind(k) for k in header["event_kinds"]]
     kinds = header["kinds"]
-    frames = a["event_frame"].tolist() if "event_frame" in a else [-1] * len(a["event_kind"])  # version 1: none
+    n_events = len(a["event_kind"])
+    frames = a["event_frame"].tolist() if "event_frame" in a else [-1] * n_events  # version 1: none
+    seqs = a["event_seq"].tolist() if "event_seq" in a else [0] * n_events  # before version 3: one sequence
+    details = a["event_detail"].tolist() if "event_detail" in a else [-1] * n_events
     events = [
         CacheEvent(event_kinds[k], int(s), int(layer), int(page), int(slot), int(pos), strings[pol], strings[rea],
-                   float(score), int(frame))
-        for k, s, layer, page, slot, pos, pol, rea, score, frame in zip(
+                   float(score), int(frame), int(seq), int(detail))
+        for k, s, layer, page, slot, pos, pol, rea, score, frame, seq, detail in zip(
             a["event_kind"].tolist(), a["event_step"].tolist(), a["event_layer"].tolist(),
             a["event_page"].tolist(), a["event_slot"].tolist(), a["event_position"].tolist(),
-            a["event_policy"].tolist(), a["event_reason"].tolist(), a["event_score"].tolist(), frames, strict=True)
+            a["event_policy"].tolist(), a["event_reason"].tolist(), a["event_score"].tolist(), frames, seqs,
+            details, strict=True)
     ]
     timing_keys = header["timing_keys"]
     next_texts = header["next_texts"]
@@ -376,6 +372,7 @@ def record_differences(a: StepRecord, b: StepRecord) -> list[str]:
 
 
 def _same(x, y) -> bool:
+    x, y = (tuple(v) if isinstance(v, TablesAt) else v for v in (x, y))  # a session's tables, as the trace's
     if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
         x, y = np.asarray(x), np.asarray(y)
         return x.dtype == y.dtype and x.shape == y.shape and np.array_equal(

@@ -19,14 +19,17 @@ from typing import Any
 
 import numpy as np
 
-from .decoding import ModelSpec, SamplingConfig, SessionConfig
-from .engine import COUNT_NAMES, POLICIES, ConfigError, EventKind
-from .engine.config import MAX_HEADS, MAX_LAYERS, MAX_PAGE_SIZE, MAX_PAGES, STORAGE_DTYPES
-from .system_memory import available_bytes, fits, gib
-from .trace_archive import TraceError
+from .. import settings
+from ..decoding import ModelSpec, SamplingConfig, SessionConfig
+from ..engine import COUNT_NAMES, POLICIES, ConfigError, EventKind
+from ..engine.config import MAX_HEADS, MAX_LAYERS
+from ..settings import MAX_PAGE_SIZE, MAX_PAGES, STORAGE_DTYPES
+from ..system_memory import available_bytes, fits, gib
+from .archive import TraceError
 
 FORMAT = "pagevis-trace"
-VERSION = 2  # 2: disk tier and page selection (event frames, per-page maps, tier counts, recall)
+VERSION = 3  # 2: disk tier and page selection (event frames, per-page maps, tier counts, recall);
+# 3: the one engine (events name their sequence and a detail; sharing, prefix-cache and sequence events)
 KINDS = ("prefill", "decode")
 ORACLE_COLUMNS = ("kl", "top1_agree", "logprob_bounded", "logprob_full", "lost_attention")
 DELTA_ENCODED = ("slot_maps", "protected", "scores", "block_tables", "page_maps", "block_frames")
@@ -81,6 +84,8 @@ ARRAYS = {
     "page_maps": ArraySpec("<i4", ("T", "A", "D", "S"), since=2),
     "block_frames": ArraySpec("<i4", ("T", "L", "B"), since=2),
     "recall": ArraySpec("<f4", ("T", "L"), since=2),
+    "event_seq": ArraySpec("<i4", ("E",), since=3),
+    "event_detail": ArraySpec("<i8", ("E",), since=3),
 }
 
 # Header keys and their JSON types ("?" = may be null). Keys not listed are ignored (added within a version).
@@ -93,10 +98,16 @@ HEADER_TYPES = {
     "delta_encoded": "list[str]", "arrays": "dict",
 }
 OPTIONAL_HEADER_TYPES = {"written_by": "str", "meta": "dict", "n_page_ids": "int", "page_map_pages": "int"}
+# The config's keys and JSON types, from the settings table (record_layers is checked against the arrays).
+JSON_TYPES = {"int": "int", "float": "number", "str": "str", "bool": "bool", "params": "dict"}
+CONFIG_TYPES = {**{s.name: JSON_TYPES[s.kind] + ("?" if s.nullable else "")
+                   for s in settings.settings_of(SessionConfig) if s.kind in JSON_TYPES}, "sampling": "dict"}
 
 
 # Event kinds a trace may list, by the format version that introduced them (absent: version 1).
-EVENT_KIND_SINCE: dict[str, int] = {}  # version-1 files written after the disk tier list all six kinds
+# version-1 files written after the disk tier list all six first kinds
+EVENT_KIND_SINCE: dict[str, int] = {kind: 3 for kind in ("share", "copy_on_write", "fork", "prefix_hit", "store",
+                                                         "uncache", "free", "preempt")}
 
 
 def event_kinds_of_version(version: int) -> list[str]:
@@ -143,7 +154,7 @@ def check_header(header: Any, where: str) -> dict[str, int]:
 
 
 def check_version(header: dict, where: str) -> int:
-    from . import __version__
+    from .. import __version__
 
     version = header.get("version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
@@ -221,8 +232,9 @@ def check_values(a: dict[str, np.ndarray], header: dict, sizes: dict[str, int], 
         within(name, a[name].view(np.uint8), 0, 1)
     within("event_kind", a["event_kind"], 0, len(header["event_kinds"]) - 1)
     within("event_step", a["event_step"], -1, T - 1)
-    within("event_layer", a["event_layer"], 0, L - 1)
-    within("event_page", a["event_page"], 0, B - 1)
+    whole = -1 if header["version"] >= 3 else 0  # version 3: sequence events name no layer or page
+    within("event_layer", a["event_layer"], whole, L - 1)
+    within("event_page", a["event_page"], whole, B - 1)
     within("event_slot", a["event_slot"], -1, S - 1)
     within("event_position", a["event_position"], -1, max(N - 1, 0))
     for name in ("event_policy", "event_reason"):
@@ -333,10 +345,7 @@ def _check_config(header: dict, sizes: dict[str, int], where: str) -> None:
     unknown = sorted(set(data) - known)
     if unknown:
         raise TraceError(f"{where}: header.json config has unknown setting {unknown[0]!r}")
-    types = {"page_size": "int", "max_pages": "int", "dtype": "str", "policy": "str", "policy_params": "dict",
-             "max_new_tokens": "int", "sampling": "dict", "oracle": "bool", "chat": "bool", "special": "bool",
-             "disk_pages": "int", "swap_dir": "str?", "select": "str", "select_pages": "int"}
-    for key, kind in types.items():
+    for key, kind in CONFIG_TYPES.items():
         if key in data:
             _check_type(data[key], kind, f"config.{key}", where)
     for key, size in (("page_size", "S"), ("max_pages", "P")):
@@ -366,7 +375,7 @@ def _check_config(header: dict, sizes: dict[str, int], where: str) -> None:
     elif header["attention_layers"] != list(range(sizes["L"])):
         raise TraceError(f"{where}: header.json config.record_layers is null (all layers) but attention_layers "
                          f"is {header['attention_layers']}")
-    from .trace import config_from_dict
+    from .file import config_from_dict
 
     try:
         config = config_from_dict(data)

@@ -1,6 +1,8 @@
 """PNG line plots for `compare` and `bench`, drawn with pyqtgraph's exporter off screen (no matplotlib).
 
-Qt is imported only when a plot is drawn; without a display the offscreen platform is used.
+They live with the app because only pagevis.gui imports Qt; the commands import this module (the benches
+get `line_plot` passed in). Qt is imported only when a plot is drawn; without a display the offscreen
+platform is used.
 """
 
 from __future__ import annotations

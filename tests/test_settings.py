@@ -1,0 +1,152 @@
+"""The settings table: each setting declared once, and every front end made from it agrees with it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+
+from pagevis import settings
+from pagevis.cli import options
+from pagevis.decoding import SamplingConfig, SessionConfig
+from pagevis.decoding.batch import BatchConfig
+from pagevis.engine import CacheSettings, ConfigError
+from pagevis.presets import DEFAULT_CONFIG, PRESETS
+from pagevis.serve.requests import CacheSettings as CacheRequest
+from pagevis.serve.requests import SessionRequest
+from pagevis.serve.sessions import session_config as request_config
+from pagevis.serve.settings import ServeSettings
+
+CONFIGS = (CacheSettings, SessionConfig, SamplingConfig, BatchConfig)
+OWN = {CacheSettings: "cache", SessionConfig: "session", SamplingConfig: "sampling", BatchConfig: "batch"}
+
+
+def run_args(*flags: str) -> argparse.Namespace:
+    parser = options.ArgumentParser(prog="pagevis run")
+    options.add_session_options(parser)
+    return parser.parse_args(list(flags))
+
+
+def test_each_config_field_is_one_setting_of_the_table():
+    """Every field of the config dataclasses (but the nested sampling) is tagged with its setting, each
+    setting is the field of exactly one dataclass, and the dataclass default is the table's."""
+    owners = {}
+    for config in CONFIGS:
+        for f in dataclasses.fields(config):
+            if f.name in settings.NESTED.values():
+                continue
+            assert "setting" in f.metadata, f"{config.__name__}.{f.name} is not declared with field_for()"
+            s = f.metadata["setting"]
+            owners.setdefault(s.name, config)
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            assert default == s.default, f"{config.__name__}.{f.name}"
+            if owners[s.name] is config:
+                assert s.group == OWN[config], f"{s.name} is a field of {config.__name__}, group {s.group}"
+    assert set(owners) == set(settings.SETTINGS), "a setting of the table is the field of no config"
+
+
+def test_the_table_is_complete_and_unambiguous():
+    table = list(settings.SETTINGS.values())
+    flags = [s.flag for s in table if s.flag]
+    dests = [s.dest for s in table]
+    assert len(set(flags)) == len(flags) and len(set(dests)) == len(dests)
+    for s in table:
+        assert s.help and s.group in settings.GROUPS and s.section in settings.SECTIONS, s.name
+        assert s.kind in ("int", "float", "str", "bool", "params", "layers"), s.name
+        if s.kind in ("int", "float"):
+            assert s.low <= (s.default if s.default is not None else s.low) <= s.high, s.name
+        if s.app:
+            assert s.label, f"{s.name} is a control of the app: it needs a label"
+        s.check(s.default)
+
+
+def test_one_set_of_defaults_and_presets_override_it():
+    assert SessionConfig() == DEFAULT_CONFIG == PRESETS[0].a
+    assert (DEFAULT_CONFIG.page_size, DEFAULT_CONFIG.max_pages, DEFAULT_CONFIG.max_new_tokens) == (8, 12, 192)
+    assert options.session_config(run_args()) == DEFAULT_CONFIG
+    assert request_config(ServeSettings(), {}) == DEFAULT_CONFIG
+    for preset in PRESETS:
+        for config in (preset.a, preset.b):
+            if config is not None:
+                changed = {k for k, v in settings.values(config).items() if v != settings.values(DEFAULT_CONFIG)[k]}
+                assert changed <= {"policy", "page_size", "max_pages", "oracle"}, (preset.name, changed)
+
+
+@pytest.mark.parametrize("name, value, words", [
+    ("page_size", 0, "page_size = 0 is not allowed: an integer from 1 to 4096"),
+    ("dtype", "int8", "dtype = 'int8' is not allowed: one of float32, float16"),
+    ("temperature", 0.0, "sampling.temperature = 0.0 is not allowed: a number in (0, 10]"),
+    ("top_p", 1.5, "sampling.top_p = 1.5 is not allowed: a number in (0, 1]"),
+    ("mode", "beam", "sampling.mode = 'beam' is not allowed: one of greedy, sample"),
+    ("swap_dir", "", "swap_dir = '' is not allowed: a folder path"),
+    ("max_seqs", 257, "max_seqs = 257 is not allowed: an integer from 1 to 256"),
+])
+def test_a_bad_value_names_the_field_the_value_and_what_is_allowed(name, value, words):
+    with pytest.raises(ConfigError) as caught:
+        settings.setting(name).check(value)
+    assert str(caught.value) == words
+    assert caught.value.field == settings.setting(name).path
+
+
+def test_every_flag_comes_from_the_table():
+    parser = options.ArgumentParser(prog="pagevis run")
+    options.add_session_options(parser)
+    actions = {a.dest: a for a in parser._actions}
+    for s in settings.SETTINGS.values():
+        if s.flag and s.group != "batch":
+            action = actions[s.dest]
+            assert action.option_strings == [s.flag] and action.default is None
+            assert s.help.removeprefix("do not ") in action.help or action.help.endswith(s.help)
+            if s.choices and s.switch is None:
+                assert tuple(action.choices) == s.choice_list()
+
+
+def test_the_cli_and_a_request_build_the_same_configuration():
+    flags = ["--page-size", "4", "--max-pages", "6", "--policy", "h2o", "--policy-param", "recent=8",
+             "--temperature", "0.5", "--seed", "3", "--max-tokens", "20", "--no-chat", "--record-layers", "0,1",
+             "--oracle"]
+    request = {"page_size": 4, "max_pages": 6, "policy": "h2o", "policy_params": {"recent": 8}, "temperature": 0.5,
+               "seed": 3, "max_tokens": 20, "chat": False, "record_layers": [0, 1], "oracle": True}
+    from_flags = options.session_config(run_args(*flags))
+    assert from_flags == request_config(ServeSettings(), request)
+    assert from_flags.sampling.mode == "sample"  # a temperature implies sampling, in both
+    # the server's flags are its requests' defaults; a request's policy starts its parameters afresh
+    served = ServeSettings(defaults=from_flags)
+    assert request_config(served, {}) == from_flags
+    assert dict(request_config(served, {"policy": "h2o"}).policy_params) == {}
+    assert request_config(served, {"sample": False}).sampling.mode == "greedy"
+
+
+def test_request_models_are_the_requestable_settings():
+    requestable = {s.dest for s in settings.SETTINGS.values() if s.request}
+    cache = {s.dest for s in settings.in_group("cache") if s.request}
+    assert set(CacheRequest.model_fields) == cache
+    assert set(SessionRequest.model_fields) == requestable | {"prompt"}
+    assert SessionRequest.model_fields["max_tokens"].description.startswith(settings.setting("max_new_tokens").help)
+    assert SessionRequest.model_fields["sample"].annotation == bool | None
+
+
+def test_json_form_round_trips():
+    config = dataclasses.replace(DEFAULT_CONFIG, policy="sinks", policy_params={"n_sink": 2}, record_layers=(0, 3),
+                                 sampling=SamplingConfig(mode="sample", temperature=0.25, seed=9), swap_dir="/tmp")
+    data = json.loads(json.dumps(settings.to_dict(config)))
+    assert data["sampling"]["temperature"] == 0.25 and data["record_layers"] == [0, 3]
+    assert settings.from_dict(data, SessionConfig()) == config
+    app = settings.to_dict(config, where=lambda s: s.app)
+    assert "swap_dir" not in app and "record_layers" not in app and app["sampling"]["seed"] == 9
+
+
+def test_the_server_flags_are_its_requests_defaults():
+    """`pagevis serve`'s cache and decoding flags (all of them, the disk tier's too) set what a request that
+    does not set them gets."""
+    from pagevis.cli.main import command_parser
+    from pagevis.cli.serve import settings_from_args
+
+    args = command_parser().parse_args(["serve", "--model", "synthetic", "--disk-pages", "16", "--max-pages", "4",
+                                        "--select", "quest", "--max-tokens", "7", "--seed", "2"])
+    served = settings_from_args(args)
+    config = request_config(served, {"page_size": 4})
+    assert (config.disk_pages, config.max_pages, config.select, config.page_size) == (16, 4, "quest", 4)
+    assert (config.max_new_tokens, config.sampling.seed) == (7, 2)
