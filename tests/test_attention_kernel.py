@@ -119,3 +119,11 @@ def test_no_key_at_all_gives_zeros():
     q = np.ones((1, 4, 8), np.float32)
     result = attend(q, np.zeros((2, 0, 8), np.float32), np.zeros((2, 0, 8), np.float32))
     assert np.all(result.output == 0) and result.weights.shape == (1, 4, 0)
+
+
+def test_block_measurement_is_bounded_whatever_the_shape():
+    """The server accepts up to 256 heads: a shape too wide for the measuring budget is not measured."""
+    assert kernel.block_sizes(256, 1, 256) == (0, 0)
+    assert kernel.block_sizes(3, kernel.DECODE_ROWS + 1, 64) == (0, 0)
+    score, value = kernel.block_sizes(2, 2, 16)
+    assert score in kernel.BLOCK_CANDIDATES and value in kernel.BLOCK_CANDIDATES

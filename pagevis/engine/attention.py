@@ -29,6 +29,7 @@ CHUNK_BYTES = 1 << 20  # float16 keys (or values) of all KV heads converted to f
 DECODE_ROWS = 32  # up to this many rows (queries x group) per KV head, key blocks are measured; above, gemm
 BLOCK_CANDIDATES = (0, 32, 64, 128, 256)  # keys per block; 0: one product over the whole chunk
 LOWEST = np.finfo(np.float32).min
+MEASURE_BYTES = 4 << 20  # the most keys (or values) block_sizes times with
 
 
 class AttentionResult(NamedTuple):
@@ -205,8 +206,11 @@ def _block_product(a: np.ndarray, b: np.ndarray, out: np.ndarray | None, block: 
 @lru_cache(maxsize=256)
 def block_sizes(n_kv: int, rows: int, d: int, n_keys: int = 4096, repeats: int = 2) -> tuple[int, int]:
     """Keys per block for the score product and for the value product, measured once per shape on random
-    data (a few ms): the fastest of BLOCK_CANDIDATES. Above DECODE_ROWS rows: (0, 0), plain gemm."""
-    if rows > DECODE_ROWS:
+    data (tens of ms: at most MEASURE_BYTES of keys, whatever the shape): the fastest of BLOCK_CANDIDATES.
+    (0, 0), plain gemm, without measuring: above DECODE_ROWS rows, or heads so wide that the budget holds
+    too few keys to cut into blocks."""
+    n_keys = min(n_keys, MEASURE_BYTES // (4 * n_kv * d))
+    if rows > DECODE_ROWS or n_keys < 2 * max(BLOCK_CANDIDATES):
         return 0, 0
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n_kv, rows, d), dtype=np.float32)
