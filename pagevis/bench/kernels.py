@@ -49,7 +49,7 @@ def _decode_steps(model, m: int, steps: int, prompt: int) -> tuple[list[float], 
     return wall, cpu
 
 
-def batched_rows(model, sizes=BATCH_SIZES, steps: int = 8, prompt: int = 16, rounds: int = 2,
+def batched_rows(model, sizes=BATCH_SIZES, steps: int = 8, prompt: int = 16, rounds: int = 3,
                  compare_gemm: bool = True) -> dict:
     """Per batch size m: median step time of a forward over m sequences' rows (best of `rounds` rounds, the
     sizes interleaved so drifting load hits all alike), aggregate tokens/s and its ratio to one sequence; the
