@@ -5,16 +5,24 @@ made, on a timer (attach_window.py).
   `Playback` scrubbed to `target`. Between polls it publishes a `FleetFrame` (snapshots without blocks: counters,
   rates, lifetimes, hot prefixes) at most 30 times a second, and hands a full snapshot (with blocks) to the
   forest worker whenever that one is idle and the state has changed.
-- `ForestWorker` turns a full snapshot into the forest (attach_model.build_forest, forest_layout.layout_forest)
-  and the overlap between engines; it waits at least as long as its last build took before taking the next one,
+- `ForestWorker` turns a full snapshot into the forest (attach_model.build_forest, forest_layout.layout_forest,
+  prefix_forest.prepare_drawing: the UI thread only swaps the drawing in) and the overlap between engines; it waits at least as long as its last build took before taking the next one,
   so at 1 M blocks it uses at most half a core and the forest updates a few times a second instead of 30.
 - `MetricsWorker` scrapes `--metrics URL` once a second.
 Each stops when asked (`stop()`: requestInterruption + wait); nothing here raises into the UI: errors become text
 in the frames.
+
+Garbage collection: a full snapshot holds tuples of a million hashes, parents, tokens and extras. CPython 3.11's
+next young collection traverses them (66 ms at 1 M blocks, holding the GIL: the UI thread waits), and every full
+collection traverses the state's million-element lists (50 ms). So after taking a snapshot of FREEZE_ROWS rows or
+more, the fleet worker moves every tracked object to the permanent generation (`gc.freeze()`); snapshots and
+frames are freed by reference counting as before. Once a minute it unfreezes and collects, so that cyclic garbage
+made meanwhile is still reclaimed (one pause of that size a minute instead of one per forest).
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from dataclasses import dataclass
@@ -26,10 +34,13 @@ from ..attach.metrics import MetricsHistory, scrape
 from ..attach.state import Counters, EngineSnapshot, FleetSnapshot
 from .attach_model import EngineForest, Overlap, build_forest, elsewhere, overlap
 from .views.forest_layout import DEFAULT_BUDGET, ForestLayout, Interrupted, layout_forest
+from .views.prefix_forest import ForestDrawing, prepare_drawing
 
 FRAME_S = 1 / 30  # light frames at most this often
 CHUNK = 2000  # playback messages applied between two looks at the target and the stop flag
 MANY_ENGINES = 64  # beyond this many engines, their summary lines are refreshed twice a second only
+FREEZE_ROWS = 100_000  # a full snapshot this large is frozen out of the garbage collector's way (see above)
+UNFREEZE_S = 60.0
 
 
 class LiveSource:
@@ -117,6 +128,7 @@ class FleetFrame:
 class ForestFrame:
     forest: EngineForest
     layout: ForestLayout
+    drawing: ForestDrawing
     overlap: Overlap
     selected: int
     position: int | None
@@ -125,9 +137,9 @@ class ForestFrame:
 
 
 class ForestWorker(QThread):
-    def __init__(self, detokenizer=None, budget: int = DEFAULT_BUDGET, parent=None):
+    def __init__(self, detokenizer=None, budget: int = DEFAULT_BUDGET, min_interval_s: float = 0.0, parent=None):
         super().__init__(parent)
-        self.detokenizer, self.budget = detokenizer, budget
+        self.detokenizer, self.budget, self.min_interval_s = detokenizer, budget, min_interval_s
         self.latest: ForestFrame | None = None
         self.error = ""
         self.builds = 0
@@ -171,7 +183,7 @@ class ForestWorker(QThread):
                 self.error = f"forest: {type(error).__name__}: {error}"[:300]
             finally:
                 took = time.monotonic() - began
-                self._next_at = time.monotonic() + max(FRAME_S, took)
+                self._next_at = time.monotonic() + max(FRAME_S, self.min_interval_s, took)
                 self._busy = False
                 self.builds += 1
 
@@ -185,8 +197,10 @@ class ForestWorker(QThread):
         forest = build_forest(engine, previous, shared, self.detokenizer, position)
         rows = forest.rows
         layout = layout_forest(rows.parent, rows.tokens, rows.order, self.budget, stop=self.isInterruptionRequested)
+        drawing = prepare_drawing(rows, layout)
         self._previous = forest
-        return ForestFrame(forest, layout, table, selected, position, time.perf_counter() - began, snapshot_s)
+        return ForestFrame(forest, layout, drawing, table, selected, position, time.perf_counter() - began,
+                           snapshot_s)
 
     def stop(self, timeout_ms: int = 5000) -> bool:
         self.requestInterruption()
@@ -206,6 +220,8 @@ class FleetWorker(QThread):
         self._changed_key: Any = None
         self._lines: tuple = ()
         self._lines_at = 0.0
+        self._unfrozen_at = time.monotonic()
+        self._frozen = False
 
     def run(self) -> None:
         try:
@@ -234,6 +250,8 @@ class FleetWorker(QThread):
                 self.source.close()
             except Exception as error:  # noqa: BLE001
                 self._fail(f"closing: {error}")
+            if self._frozen:
+                gc.unfreeze()  # the process goes on without this window: collect as usual
 
     def _fail(self, text: str) -> None:
         self.worker_errors += 1
@@ -280,8 +298,19 @@ class FleetWorker(QThread):
         with fleet.lock:
             snapshot = fleet.snapshot(blocks=True)
             position = self.source.position
+        if sum(len(e.blocks.resident) for e in snapshot.engines) >= FREEZE_ROWS:
+            self._freeze()
         self._changed_key = key
         self.forest.submit(snapshot, frame.selected, position, time.perf_counter() - began)
+
+    def _freeze(self) -> None:
+        now = time.monotonic()
+        self._frozen = True
+        if now - self._unfrozen_at >= UNFREEZE_S:
+            self._unfrozen_at = now
+            gc.unfreeze()
+            gc.collect()
+        gc.freeze()
 
     def stop(self, timeout_ms: int = 5000) -> bool:
         self.requestInterruption()
