@@ -59,13 +59,25 @@ def format_ts(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) + f".{int(ts * 1000) % 1000:03d}"
 
 
+CHUNK = 32_768  # items per C call while building big dicts and sets: between calls another thread may take the GIL
+
+
+def _index(keys: Sequence, values: Sequence) -> dict:
+    """dict(zip(keys, values)) in chunks: one C call over a million items would hold the GIL (and so the UI
+    thread) for its whole duration, 100 ms and more on a loaded machine."""
+    out: dict = {}
+    for start in range(0, len(keys), CHUNK):
+        out.update(zip(keys[start:start + CHUNK], values[start:start + CHUNK]))
+    return out
+
+
 def _pick(values: tuple, rows: np.ndarray) -> list:
-    """values[r] for each r (C speed: a million in a few tens of ms)."""
-    if rows.size == 0:
-        return []
-    if rows.size == 1:
-        return [values[int(rows[0])]]
-    return list(operator.itemgetter(*rows.tolist())(values))
+    """values[r] for each r (C speed: a million in a few tens of ms; in chunks, as _index)."""
+    out: list = []
+    for start in range(0, len(rows), CHUNK):
+        chunk = rows[start:start + CHUNK].tolist()
+        out.extend(operator.itemgetter(*chunk)(values) if len(chunk) > 1 else [values[chunk[0]]])
+    return out
 
 
 @dataclass(frozen=True)
@@ -114,7 +126,10 @@ def gpu_hashes(engine: EngineSnapshot) -> set:
         return set()
     gpu = [t.index for t in engine.tiers if t.medium == GPU]
     rows = np.flatnonzero(np.isin(cols.tier, gpu) & cols.resident)
-    return set(map(cols.hashes.__getitem__, rows.tolist()))
+    out: set = set()
+    for start in range(0, len(rows), CHUNK):  # in chunks, as _index
+        out.update(map(cols.hashes.__getitem__, rows[start:start + CHUNK].tolist()))
+    return out
 
 
 @dataclass(frozen=True)
@@ -183,7 +198,7 @@ def build_forest(engine: EngineSnapshot, previous: EngineForest | None = None, s
     for tier in sorted(tiers, key=lambda t: (t.medium != GPU, t.index)):
         if tier.medium not in media:
             media.append(tier.medium)
-    classes = [ColourClass(m, medium_color(m, i)) for i, m in enumerate(media)]
+    classes = [ColourClass(m[:24], medium_color(m, i)) for i, m in enumerate(media)]
     class_of_tier = np.array([media.index(t.medium) for t in tiers] or [0], dtype=np.uint8)
     colour = class_of_tier[tier_of] if n else np.zeros(0, np.uint8)
 
@@ -191,13 +206,13 @@ def build_forest(engine: EngineSnapshot, previous: EngineForest | None = None, s
     # way (a list is traversed by every full garbage collection while it lives; the tuple, once, then untracked).
     index: dict = {}
     if len(tiers) == 1:
-        slots = dict(zip(cols.hashes, range(len(cols.hashes))))
+        slots = _index(cols.hashes, range(len(cols.hashes)))
         slots.pop(None, None)  # the free rows
         index[(tiers[0].medium, tiers[0].group)] = slots
     else:
         for tier in tiers:
             rows = live[tier_of == tier.index].tolist()
-            index[(tier.medium, tier.group)] = dict(zip(map(cols.hashes.__getitem__, rows), rows))
+            index[(tier.medium, tier.group)] = _index(_pick(cols.hashes, np.asarray(rows, np.int64)), rows)
 
     last_seq = engine.counters.last_seq
     continuing = _same_epoch(previous, engine)
@@ -264,7 +279,7 @@ def build_forest(engine: EngineSnapshot, previous: EngineForest | None = None, s
         for g in ghosts:
             if g.tier[0] not in media:
                 media.append(g.tier[0])
-                classes.append(ColourClass(g.tier[0], medium_color(g.tier[0], len(media) - 1)))
+                classes.append(ColourClass(g.tier[0][:24], medium_color(g.tier[0], len(media) - 1)))
         g_parent = np.array([find(g.parent, g.tier) if g.parent is not None else -1 for g in ghosts], np.int64)
         parent = np.concatenate((parent, g_parent))
         tokens = np.concatenate((tokens, [g.block_size for g in ghosts]))

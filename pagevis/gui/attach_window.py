@@ -30,7 +30,7 @@ from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QHeaderView, QLabel, QMai
                                QPushButton, QSlider, QSplitter, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from . import theme
-from .attach_model import hot_rows, lifetime_histogram, medium_color, metric_series, rates
+from .attach_model import hot_rows, short_hash, lifetime_histogram, medium_color, metric_series, rates
 from .attach_worker import FleetWorker, ForestWorker, LiveSource, MetricsWorker, PlaybackSource
 from .views.forest_layout import DEFAULT_BUDGET
 from .views.prefix_forest import PrefixForestView
@@ -158,6 +158,7 @@ class AttachWindow(QMainWindow):
         self._playing_since: float | None = None
         self._play_from = 0
         self._plotted = None
+        self._display_error = ""
         self._plots_at = 0.0
         self._media: list[str] = []
         self._media_labels: list = []
@@ -212,12 +213,23 @@ class AttachWindow(QMainWindow):
         self.forest = PrefixForestView(budget=budget)
         self.forest.set_empty_text("waiting for the first blocks…")
         self.forest.clicked.connect(self._clicked)
+        self.forest.focus_requested.connect(self.focus)
+        self.show_all = QPushButton("Show the whole forest")
+        self.show_all.setToolTip("the forest shows one block's subtree (double-click a block or a collapsed "
+                                 "subtree to choose it)")
+        self.show_all.clicked.connect(lambda: self.focus(-1))
+        self.show_all.hide()
         self.details = QPlainTextEdit()
         self.details.setReadOnly(True)
         self.details.setPlaceholderText("hover a block for its hash, parent, tokens and medium; click it to see "
                                         "its whole prefix here")
+        forest_box = QWidget()
+        forest_column = QVBoxLayout(forest_box)
+        forest_column.setContentsMargins(0, 0, 0, 0)
+        forest_column.addWidget(self.forest, 1)
+        forest_column.addWidget(self.show_all)
         left = QSplitter(Qt.Vertical)
-        left.addWidget(self.forest)
+        left.addWidget(forest_box)
         left.addWidget(self.details)
         left.setStretchFactor(0, 5)
         left.setStretchFactor(1, 1)
@@ -374,7 +386,15 @@ class AttachWindow(QMainWindow):
 
     # --- drawing ----------------------------------------------------------------------------------------------
     def refresh(self) -> None:
-        """Show the newest frames the workers made (a no-op for the ones already shown)."""
+        """Show the newest frames the workers made (a no-op for the ones already shown). Whatever goes wrong
+        while drawing is shown in the error line, never raised out of the timer."""
+        try:
+            self._refresh()
+        except Exception as error:  # noqa: BLE001 - a display bug must not take the window down
+            self._display_error = f"display: {type(error).__name__}: {error}"[:300]
+            self._show_errors()
+
+    def _refresh(self) -> None:
         self._advance_play()
         frame = self.fleet_worker.latest
         changed = False
@@ -467,6 +487,8 @@ class AttachWindow(QMainWindow):
             parts.append(self.forest_worker.error)
         if self.metrics_worker is not None and self.metrics_worker.error:
             parts.append(f"--metrics: {self.metrics_worker.error}")
+        if self._display_error:
+            parts.append(self._display_error)
         self._set_text(self.errors, " · ".join(parts))
         self.errors.setVisible(bool(parts))
 
@@ -491,7 +513,7 @@ class AttachWindow(QMainWindow):
         media = list(engine.resident.items())
         if [m for m, _ in media] != self._media:
             self._media = [m for m, _ in media]
-            self.media_plot.getAxis("left").setTicks([[(i, m) for i, m in enumerate(self._media)]])
+            self.media_plot.getAxis("left").setTicks([[(i, m[:10]) for i, m in enumerate(self._media)]])
             self.media_plot.setYRange(-0.6, max(len(media), 1) - 0.4, padding=0)
             for item in self._media_labels:
                 self.media_plot.removeItem(item)
@@ -554,11 +576,30 @@ class AttachWindow(QMainWindow):
         frame = self.forest_frame
         return frame.forest if frame is not None else None
 
+    def _forest_row(self, row: int) -> int:
+        """The whole forest's row of a row of the drawing (they differ while a subtree is focused)."""
+        frame = self.forest_frame
+        if frame is None or frame.shown_rows is None or row < 0:
+            return row
+        return int(frame.shown_rows[row])
+
+    def focus(self, row: int) -> None:
+        """Show only the subtree of the drawing's `row` (re-laid out with the whole budget); -1: everything."""
+        key = self.forest.rows.key(row) if row >= 0 else None
+        self.forest_worker.focus = key
+        self.show_all.setVisible(key is not None)
+        self.forest.summary.setText(self.forest.summary.text() + theme.muted(" · laying out…"))
+
     def _show_forest(self, frame) -> None:
         c = frame.forest.engine.counters
         note = theme.muted(f"as of seq {c.last_seq if c.last_seq is not None else '-'}"
                            + (f", message {frame.position:,}" if frame.position is not None else "")
                            + f" · built in {1000 * frame.build_s:,.0f} ms")
+        if frame.focus is not None:
+            whole = int(frame.forest.rows.blocks().sum())
+            note = (f"<b>subtree of block {short_hash(frame.focus[2])}</b> (of {whole:,} blocks; "
+                    f"double-click another block or show the whole forest) · " + note)
+        self.show_all.setVisible(frame.focus is not None or self.forest_worker.focus is not None)
         self.forest.set_drawing(frame.drawing, note)
         self.forest_frames += 1
         for call in self.forest_shown:
@@ -566,19 +607,23 @@ class AttachWindow(QMainWindow):
         if not len(frame.forest.rows):
             self.forest.set_empty_text("no resident blocks")
         if self.selected_key is not None:
-            self._show_details(self.forest.row_of(self.selected_key) if len(frame.forest.rows) < 200_000 else -1)
+            medium, group, block_hash = self.selected_key
+            self._show_details(frame.forest.block_row(block_hash, medium, group))
 
     def _clicked(self, row: int) -> None:
+        """A click on the drawing's `row`: its details, and its whole prefix."""
         if row < 0:
             return
         self.selected_key = self.forest.rows.key(row)
-        self._show_details(row)
+        self._show_details(self._forest_row(row))
 
     def _show_details(self, row: int) -> None:
-        rows = self.forest.rows
-        if row < 0:
+        """The details of the whole forest's `row` (-1: the selected block is gone)."""
+        forest = self._forest_engine()
+        if row < 0 or forest is None:
             self.details.setPlainText("(the selected block is not resident any more)")
             return
+        rows = forest.rows
         chain, seen = [], set()
         at = row
         while at >= 0 and at not in seen and len(chain) < MAX_PREFIX_BLOCKS:
@@ -586,18 +631,16 @@ class AttachWindow(QMainWindow):
             chain.append(at)
             at = int(rows.parent[at])
         chain.reverse()
-        forest = self.forest_frame.forest if self.forest_frame is not None else None
         lines = [rows.describe(row), ""]
-        if forest is not None:
-            ids = [t for r in chain for t in forest.tokens(r).tolist()]
-            lines.append(f"its prefix: {len(chain)} blocks, {len(ids):,} tokens")
-            if self.detokenizer is not None and ids:
-                try:
-                    lines.append(self.detokenizer(ids[-8192:]))
-                except Exception as error:  # noqa: BLE001 - see attach_model._Texts._text
-                    lines.append(f"(text unavailable: {type(error).__name__})")
-            else:
-                lines.append(" ".join(map(str, ids[-512:])) + "  (give --tokenizer for text)")
+        ids = [t for r in chain for t in forest.tokens(r).tolist()]
+        lines.append(f"its prefix: {len(chain)} blocks, {len(ids):,} tokens")
+        if self.detokenizer is not None and ids:
+            try:
+                lines.append(self.detokenizer(ids[-8192:]))
+            except Exception as error:  # noqa: BLE001 - see attach_model._Texts._text
+                lines.append(f"(text unavailable: {type(error).__name__})")
+        else:
+            lines.append(" ".join(map(str, ids[-512:])) + "  (give --tokenizer for text)")
         self.details.setPlainText("\n".join(lines))
 
     def _show_metrics(self) -> bool:

@@ -28,12 +28,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from PySide6.QtCore import QThread
 
 from ..attach.metrics import MetricsHistory, scrape
 from ..attach.state import Counters, EngineSnapshot, FleetSnapshot
 from .attach_model import EngineForest, Overlap, build_forest, elsewhere, overlap
-from .views.forest_layout import DEFAULT_BUDGET, ForestLayout, Interrupted, layout_forest
+from .views.forest_layout import DEFAULT_BUDGET, ForestLayout, Interrupted, layout_forest, subtree
 from .views.prefix_forest import ForestDrawing, prepare_drawing
 
 FRAME_S = 1 / 30  # light frames at most this often
@@ -134,6 +135,8 @@ class ForestFrame:
     position: int | None
     build_s: float  # forest rows + layout
     snapshot_s: float  # the full snapshot, on the fleet worker
+    focus: tuple | None = None  # (medium, group, hash) whose subtree `drawing` shows; None: the whole forest
+    shown_rows: np.ndarray | None = None  # with a focus: the forest rows drawn (drawing row i is forest row [i])
 
 
 class ForestWorker(QThread):
@@ -149,6 +152,7 @@ class ForestWorker(QThread):
         self._busy = False
         self._next_at = 0.0
         self._previous: EngineForest | None = None
+        self.focus: tuple | None = None  # (medium, group, hash): lay out only that block's subtree
 
     def idle(self) -> bool:
         return not self._busy and self._pending is None and time.monotonic() >= self._next_at
@@ -195,12 +199,19 @@ class ForestWorker(QThread):
         shared = elsewhere(sets, selected) if len(sets) > 1 else None
         previous = self._previous if self._previous is not None and self._previous.name == engine.name else None
         forest = build_forest(engine, previous, shared, self.detokenizer, position)
-        rows = forest.rows
+        rows, focus, shown = forest.rows, self.focus, None
+        if focus is not None:
+            row = forest.block_row(focus[2], focus[0], focus[1])
+            if row >= 0:
+                shown = subtree(rows.parent, row)
+                rows = rows.subset(shown)
+            else:
+                focus = None  # not resident any more: the whole forest
         layout = layout_forest(rows.parent, rows.tokens, rows.order, self.budget, stop=self.isInterruptionRequested)
         drawing = prepare_drawing(rows, layout)
         self._previous = forest
         return ForestFrame(forest, layout, drawing, table, selected, position, time.perf_counter() - began,
-                           snapshot_s)
+                           snapshot_s, focus, shown)
 
     def stop(self, timeout_ms: int = 5000) -> bool:
         self.requestInterruption()
@@ -289,7 +300,7 @@ class FleetWorker(QThread):
         frame = self.latest
         if frame is None:
             return
-        key = (frame.selected, frame.position, id(fleet),
+        key = (frame.selected, frame.position, id(fleet), self.forest.focus,
                tuple((line.counters.batches, line.counters.epoch, line.counters.decode_errors)
                      for line in frame.engines))
         if key == self._changed_key or frame.position != self.source.position:

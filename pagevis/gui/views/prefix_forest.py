@@ -212,6 +212,7 @@ class PrefixForestView(QWidget):
 
     hovered = Signal(int)  # the row under the mouse (-1: none; aggregates are not rows)
     clicked = Signal(int)
+    focus_requested = Signal(int)  # a double click: the row whose subtree to show (for an aggregate, its parent)
 
     def __init__(self, parent=None, budget: int = DEFAULT_BUDGET, x_label: str = "tokens into the prefix",
                  y_label: str = "branches (leaf blocks)"):
@@ -318,7 +319,7 @@ class PrefixForestView(QWidget):
 
     # --- mouse --------------------------------------------------------------------------------------------
     def text_at(self, x: float, y: float) -> tuple[int, str]:
-        """(row or -1 - aggregate, hover text) of the box under view point (x, y); (-1, "") for none."""
+        """(what is under view point (x, y), its hover text): a row (≥ 0), an aggregate i as -2 - i, or (-1, "")."""
         box = self.item.box_at(x, y)
         if box < 0:
             return -1, ""
@@ -327,10 +328,11 @@ class PrefixForestView(QWidget):
             return row, self.rows.describe(row)
         i = -1 - row
         lay = self.layout
-        return row, (f"{int(lay.agg_count[i]):,} blocks in collapsed subtrees\n"
-                     f"tokens {lay.agg_x0[i]:,.0f} to {lay.agg_x1[i]:,.0f} of the prefix, "
-                     f"{lay.agg_y1[i] - lay.agg_y0[i]:,.0f} branches\n"
-                     "(more blocks than the view draws one by one: zoom does not expand them)")
+        return -2 - i, (f"{int(lay.agg_count[i]):,} blocks in collapsed subtrees\n"
+                        f"tokens {lay.agg_x0[i]:,.0f} to {lay.agg_x1[i]:,.0f} of the prefix, "
+                        f"{lay.agg_y1[i] - lay.agg_y0[i]:,.0f} branches\n"
+                        "(more blocks than the view draws one by one: double-click to show the subtree they "
+                        "hang from)")
 
     def _hover(self, scene_pos) -> None:
         if not self.plot.sceneBoundingRect().contains(scene_pos):
@@ -353,4 +355,10 @@ class PrefixForestView(QWidget):
             return
         point = self.plot.vb.mapSceneToView(event.scenePos())
         row, _ = self.text_at(point.x(), point.y())
+        if event.double():
+            if row <= -2:  # an aggregate: the drawn block its subtrees hang from
+                row = int(self.layout.agg_parent[-2 - row])
+            if row >= 0:
+                self.focus_requested.emit(row)
+            return
         self.clicked.emit(row if row >= 0 else -1)
