@@ -80,7 +80,7 @@ def _plot(graphics: pg.GraphicsLayoutWidget, row: int, col: int, left: str = "",
     plot = graphics.addPlot(row=row, col=col, colspan=colspan)
     theme.style_plot(plot, left=left, bottom=bottom)
     plot.setMenuEnabled(False)
-    plot.getAxis("left").setWidth(46)
+    plot.getAxis("left").setWidth(60)
     return plot
 
 
@@ -255,6 +255,14 @@ class AttachWindow(QMainWindow):
         self.hot_plot = _plot(g, 2, 1, "restores", "s since the removal")
         self.hot_points = pg.ScatterPlotItem(size=7, pen=None, brush=pg.mkBrush(theme.SERIES[1]))
         self.hot_plot.addItem(self.hot_points)
+        self.empty_notes = {}
+        for plot, text in ((self.lifetime_plot, "no block removed yet"),
+                           (self.hot_plot, "no block stored again soon after its removal"),
+                           (self.rates_plot, "no batches yet"), (self.resident_plot, "no batches yet")):
+            note = pg.TextItem(text, color=theme.MUTED, anchor=(0.5, 0.5))
+            plot.addItem(note, ignoreBounds=True)
+            note.setParentItem(plot.vb)  # placed in the view box's own pixels, whatever the range
+            self.empty_notes[plot] = note
         self.requests_plot = _plot(g, 3, 0, "requests", "s since attach")
         self.running_curve = _curve(self.requests_plot, theme.SERIES[0], "running")
         self.waiting_curve = _curve(self.requests_plot, theme.SERIES[1], "waiting")
@@ -549,6 +557,13 @@ class AttachWindow(QMainWindow):
                  negative_x=False)
             stats.append(f"hot: {len(hot):,} blocks stored again soon after removal (most: {hot[0].restores}×)")
         self._set_text(self.plot_stats, theme.muted(" · ".join(stats)))
+        for plot, empty in ((self.lifetime_plot, not engine.lifetimes_total), (self.hot_plot, not hot),
+                            (self.rates_plot, not len(r.x)), (self.resident_plot, not len(r.x))):
+            note = self.empty_notes[plot]
+            note.setVisible(empty)
+            if empty:
+                rect = plot.vb.boundingRect()
+                note.setPos(rect.center())
 
     def _show_engines(self, frame) -> None:
         forest = self.forest_frame
