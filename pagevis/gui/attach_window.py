@@ -31,7 +31,7 @@ from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QHeaderView, QLabel, QMai
 
 from . import theme
 from .attach_model import hot_rows, short_hash, lifetime_histogram, medium_color, metric_series, rates
-from .attach_worker import FleetWorker, ForestWorker, LiveSource, MetricsWorker, PlaybackSource
+from .attach_worker import FleetWorker, ForestWorker, GcFreezer, LiveSource, MetricsWorker, PlaybackSource
 from .views.forest_layout import DEFAULT_BUDGET
 from .views.prefix_forest import PrefixForestView
 
@@ -144,7 +144,8 @@ class AttachWindow(QMainWindow):
         theme.configure_pyqtgraph()
         self.source, self.detokenizer, self.recorder = source, detokenizer, recorder
         self.forest_worker = ForestWorker(detokenizer, budget, LIVE_FOREST_S if source.live else 0.0)
-        self.fleet_worker = FleetWorker(source, self.forest_worker)
+        self.freezer = GcFreezer()
+        self.fleet_worker = FleetWorker(source, self.forest_worker, self.freezer)
         self.metrics_worker = MetricsWorker(metrics_url) if metrics_url else None
         self.metrics_t0 = time.monotonic()
         self.frame = None  # the FleetFrame shown
@@ -330,6 +331,7 @@ class AttachWindow(QMainWindow):
 
     # --- running ----------------------------------------------------------------------------------------------
     def start(self) -> None:
+        self.freezer.freeze()  # the process's objects as they are now: never traversed by a collection again
         self.forest_worker.start()
         self.fleet_worker.start()
         if self.metrics_worker is not None:
@@ -347,6 +349,8 @@ class AttachWindow(QMainWindow):
         for worker in self.threads():
             worker.requestInterruption()
         finished = all([worker.stop() for worker in self.threads()])
+        if finished:
+            self.freezer.release()
         if self.recorder is not None and not self.fleet_worker.isRunning():
             self.recorder.close()
             self.recorder = None

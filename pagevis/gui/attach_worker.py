@@ -12,12 +12,15 @@ made, on a timer (attach_window.py).
 Each stops when asked (`stop()`: requestInterruption + wait); nothing here raises into the UI: errors become text
 in the frames.
 
-Garbage collection: a full snapshot holds tuples of a million hashes, parents, tokens and extras. CPython 3.11's
-next young collection traverses them (66 ms at 1 M blocks, holding the GIL: the UI thread waits), and every full
-collection traverses the state's million-element lists (50 ms). So after taking a snapshot of FREEZE_ROWS rows or
-more, the fleet worker moves every tracked object to the permanent generation (`gc.freeze()`); snapshots and
-frames are freed by reference counting as before. Once a minute it unfreezes and collects, so that cyclic garbage
-made meanwhile is still reclaimed (one pause of that size a minute instead of one per forest).
+Garbage collection (`GcFreezer`): CPython 3.11 runs a full collection whenever a quarter more objects have
+survived into the oldest generation, and the frames made 30 times a second get there; each full collection then
+traverses every object of the process (Qt, pyqtgraph, the state's million-element lists: 40-180 ms measured,
+holding the GIL, so the UI thread waits). And a full snapshot's tuples of a million hashes, parents, tokens and
+extras cost the next young collection 66 ms. So the window freezes what exists when it starts (`gc.freeze()`:
+moved to the permanent generation, never traversed again), and the fleet worker freezes again after each
+snapshot of FREEZE_ROWS rows or more. Frozen objects are still freed by reference counting; once a minute the
+worker unfreezes and collects (one such pause a minute), so cyclic garbage is still reclaimed; closing the
+window unfreezes.
 """
 
 from __future__ import annotations
@@ -42,6 +45,31 @@ CHUNK = 2000  # playback messages applied between two looks at the target and th
 MANY_ENGINES = 64  # beyond this many engines, their summary lines are refreshed twice a second only
 FREEZE_ROWS = 100_000  # a full snapshot this large is frozen out of the garbage collector's way (see above)
 UNFREEZE_S = 60.0
+
+
+class GcFreezer:
+    """gc.freeze() now and after big snapshots, unfreeze-collect-freeze once a minute (see the module docstring)."""
+
+    def __init__(self, period_s: float = UNFREEZE_S):
+        self.period_s = period_s
+        self.frozen = False
+        self.collected_at = time.monotonic()
+
+    def freeze(self) -> None:
+        gc.freeze()
+        self.frozen = True
+
+    def tick(self) -> None:
+        if self.frozen and time.monotonic() - self.collected_at >= self.period_s:
+            self.collected_at = time.monotonic()
+            gc.unfreeze()
+            gc.collect()
+            gc.freeze()
+
+    def release(self) -> None:
+        if self.frozen:
+            self.frozen = False
+            gc.unfreeze()
 
 
 class LiveSource:
@@ -220,9 +248,9 @@ class ForestWorker(QThread):
 
 
 class FleetWorker(QThread):
-    def __init__(self, source, forest: ForestWorker | None = None, parent=None):
+    def __init__(self, source, forest: ForestWorker | None = None, freezer: GcFreezer | None = None, parent=None):
         super().__init__(parent)
-        self.source, self.forest = source, forest
+        self.source, self.forest, self.freezer = source, forest, freezer
         self.selected = 0
         self.latest: FleetFrame | None = None
         self.error = ""
@@ -231,8 +259,6 @@ class FleetWorker(QThread):
         self._changed_key: Any = None
         self._lines: tuple = ()
         self._lines_at = 0.0
-        self._unfrozen_at = time.monotonic()
-        self._frozen = False
 
     def run(self) -> None:
         try:
@@ -251,6 +277,8 @@ class FleetWorker(QThread):
                         time.sleep(0.05)
                 else:
                     time.sleep(0.05)
+                if self.freezer is not None:
+                    self.freezer.tick()
                 now = time.monotonic()
                 if now - last >= FRAME_S or self._arrived():
                     self._publish(now)
@@ -261,8 +289,6 @@ class FleetWorker(QThread):
                 self.source.close()
             except Exception as error:  # noqa: BLE001
                 self._fail(f"closing: {error}")
-            if self._frozen:
-                gc.unfreeze()  # the process goes on without this window: collect as usual
 
     def _fail(self, text: str) -> None:
         self.worker_errors += 1
@@ -309,19 +335,10 @@ class FleetWorker(QThread):
         with fleet.lock:
             snapshot = fleet.snapshot(blocks=True)
             position = self.source.position
-        if sum(len(e.blocks.resident) for e in snapshot.engines) >= FREEZE_ROWS:
-            self._freeze()
+        if self.freezer is not None and sum(len(e.blocks.resident) for e in snapshot.engines) >= FREEZE_ROWS:
+            self.freezer.freeze()
         self._changed_key = key
         self.forest.submit(snapshot, frame.selected, position, time.perf_counter() - began)
-
-    def _freeze(self) -> None:
-        now = time.monotonic()
-        self._frozen = True
-        if now - self._unfrozen_at >= UNFREEZE_S:
-            self._unfrozen_at = now
-            gc.unfreeze()
-            gc.collect()
-        gc.freeze()
 
     def stop(self, timeout_ms: int = 5000) -> bool:
         self.requestInterruption()
