@@ -559,7 +559,8 @@ class AttachWindow(QMainWindow):
         if hot:
             _fit(self.hot_plot, max(h.last_gap_s for h in hot) * 1.1, float(hot[0].restores) * 1.1,
                  negative_x=False)
-            stats.append(f"hot: {len(hot):,} blocks stored again soon after removal (most: {hot[0].restores}×)")
+            stats.append(f"hot: {len(hot):,} block{'s' if len(hot) != 1 else ''} stored again soon after "
+                         f"removal (most: {hot[0].restores}×)")
         self._set_text(self.plot_stats, theme.muted(" · ".join(stats)))
         for plot, empty in ((self.lifetime_plot, not engine.lifetimes_total), (self.hot_plot, not hot),
                             (self.rates_plot, not len(r.x)), (self.resident_plot, not len(r.x))):
