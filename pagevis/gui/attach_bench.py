@@ -162,7 +162,7 @@ def publish(endpoint: str, rate: float, preload: int, seconds: float) -> None:
 
 # --- the window under a stream ---------------------------------------------------------------------------------
 def bench_live(rate: float, preload: int, seconds: float) -> dict:
-    from PySide6.QtCore import QElapsedTimer, QEventLoop, QTimer
+    from PySide6.QtCore import QEventLoop, QTimer
     from PySide6.QtWidgets import QApplication
 
     from ..attach.subscriber import Source
@@ -190,12 +190,7 @@ def bench_live(rate: float, preload: int, seconds: float) -> dict:
                         and forest is not None and forest.forest.rows.parent.size >= preload + STREAM_BLOCKS):
                     break
                 time.sleep(0.01)
-            lateness: list[float] = []
-            clock = QElapsedTimer()
-            probe = QTimer()
-            probe.setInterval(10)
-            probe.setTimerType(probe.timerType().PreciseTimer)
-            probe.timeout.connect(lambda: lateness.append(max(clock.restart() - 10.0, 0.0)))
+            probe = LatenessProbe()
             events0 = sum(window.fleet_worker.latest.engine.counters.events.values())
             frames0, forests0 = window.frames, window.forest_frames
             builds: list[float] = []
@@ -204,7 +199,6 @@ def bench_live(rate: float, preload: int, seconds: float) -> dict:
             publisher.stdin.flush()
             loop = QEventLoop()  # the real event loop, as app.exec() runs it
             QTimer.singleShot(int(seconds * 1000), loop.quit)
-            clock.start()
             probe.start()
             began = time.monotonic()
             cpu = time.thread_time()
@@ -226,37 +220,53 @@ def bench_live(rate: float, preload: int, seconds: float) -> dict:
             publisher.wait(timeout=60)
             window.close()
         QApplication.processEvents()
-    lateness_a = np.array(lateness)
-    return {"p50": float(np.percentile(lateness_a, 50)), "p99": float(np.percentile(lateness_a, 99)),
-            "max": float(lateness_a.max()), "fps": (window.frames - frames0) / elapsed,
+    return {**probe.summary(), "fps": (window.frames - frames0) / elapsed,
             "forest_fps": (window.forest_frames - forests0) / elapsed,
             "forest_s": float(np.median(builds)) if builds else float("nan"),
             "sent_rate": sent / float(sent_line[2]) if len(sent_line) == 3 else float("nan"),
             "applied": sum(c.events.values()) - events0, "sent": sent, "gaps": c.gaps, "ui_cpu": ui_cpu / elapsed}
 
 
+class LatenessProbe:
+    """How late a 10 ms PreciseTimer fires on the UI thread (ms), from `start()` to `stop()`."""
+
+    def __init__(self, interval_ms: int = 10):
+        from PySide6.QtCore import QElapsedTimer, QTimer
+
+        self.interval_ms, self.lateness = interval_ms, []
+        self.clock = QElapsedTimer()
+        self.timer = QTimer()
+        self.timer.setInterval(interval_ms)
+        self.timer.setTimerType(self.timer.timerType().PreciseTimer)
+        self.timer.timeout.connect(lambda: self.lateness.append(max(self.clock.restart() - interval_ms, 0.0)))
+
+    def start(self) -> None:
+        self.clock.start()
+        self.timer.start()
+
+    def stop(self) -> None:
+        self.timer.stop()
+
+    def summary(self) -> dict:
+        values = np.array(self.lateness or [0.0])
+        return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99)),
+                "max": float(values.max())}
+
+
 def idle_lateness(seconds: float) -> dict:
     """The same 10 ms timer in a process doing nothing else: what the machine's own load costs."""
-    from PySide6.QtCore import QElapsedTimer, QEventLoop, QTimer
+    from PySide6.QtCore import QEventLoop, QTimer
 
     from . import _application
 
     _application()
-    lateness: list[float] = []
-    clock = QElapsedTimer()
-    probe = QTimer()
-    probe.setInterval(10)
-    probe.setTimerType(probe.timerType().PreciseTimer)
-    probe.timeout.connect(lambda: lateness.append(max(clock.restart() - 10.0, 0.0)))
+    probe = LatenessProbe()
     loop = QEventLoop()
     QTimer.singleShot(int(seconds * 1000), loop.quit)
-    clock.start()
     probe.start()
     loop.exec()
     probe.stop()
-    values = np.array(lateness)
-    return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99)),
-            "max": float(values.max())}
+    return probe.summary()
 
 
 def main(argv: list[str] | None = None) -> int:
