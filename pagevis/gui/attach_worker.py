@@ -2,12 +2,13 @@
 made, on a timer (attach_window.py).
 
 - `FleetWorker` owns the source: a live `Attacher` (its ZMQ sockets live and die on this thread) or a recorded
-  `Playback` scrubbed to `target`. Between polls it publishes a `FleetFrame` (snapshots without blocks: counters,
-  rates, lifetimes, hot prefixes) at most 30 times a second, and hands a full snapshot (with blocks) to the
-  forest worker whenever that one is idle and the state has changed.
+  `Playback` scrubbed to `target`. Between polls it publishes a `FleetFrame` (snapshots without blocks:
+  counters, rates, lifetimes, hot prefixes) at most 30 times a second (20 live), and hands a full snapshot (with
+  blocks) to the forest worker whenever that one is idle and the state has changed.
 - `ForestWorker` turns a full snapshot into the forest (attach_model.build_forest, forest_layout.layout_forest,
-  prefix_forest.prepare_drawing: the UI thread only swaps the drawing in) and the overlap between engines; it waits at least as long as its last build took before taking the next one,
-  so at 1 M blocks it uses at most half a core and the forest updates a few times a second instead of 30.
+  prefix_forest.prepare_drawing: the UI thread only swaps the drawing in) and the overlap between engines. It
+  waits at least as long as its last build took before taking the next one, and `min_interval_s` (the window
+  asks for 0.25 s live), so at 1 M blocks it uses at most half a core and the forest updates every few seconds.
 - `MetricsWorker` scrapes `--metrics URL` once a second.
 Each stops when asked (`stop()`: requestInterruption + wait); nothing here raises into the UI: errors become text
 in the frames.
@@ -40,7 +41,8 @@ from .attach_model import EngineForest, Overlap, build_forest, elsewhere, overla
 from .views.forest_layout import DEFAULT_BUDGET, ForestLayout, Interrupted, layout_forest, subtree
 from .views.prefix_forest import ForestDrawing, prepare_drawing
 
-FRAME_S = 1 / 30  # light frames at most this often
+FRAME_S = 1 / 30  # light frames at most this often (a playback that moved; forests)
+LIVE_FRAME_S = 1 / 20  # live: each light frame is a snapshot made with the GIL held; 20 a second show as much
 CHUNK = 2000  # playback messages applied between two looks at the target and the stop flag
 MANY_ENGINES = 64  # beyond this many engines, their summary lines are refreshed twice a second only
 FREEZE_ROWS = 100_000  # a full snapshot this large is frozen out of the garbage collector's way (see above)
@@ -280,7 +282,7 @@ class FleetWorker(QThread):
                 if self.freezer is not None:
                     self.freezer.tick()
                 now = time.monotonic()
-                if now - last >= FRAME_S or self._arrived():
+                if now - last >= (LIVE_FRAME_S if self.source.live else FRAME_S) or self._arrived():
                     self._publish(now)
                     last = now
                 self._feed_forest()
