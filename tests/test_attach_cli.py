@@ -54,7 +54,7 @@ def test_headless_json_end_to_end_with_two_engines(tmp_path):
         process = attach(f"{a.endpoint},{a.replay_endpoint}", b.endpoint, "--topic", TOPIC, "--headless", "--json",
                          "--idle-exit", "2", "--save-state", str(state_file), "--record", str(record))
         first_err = wait_for_line(process.stderr, "rebuilt from", timeout=30)  # it has replayed and subscribed
-        time.sleep(0.5)  # the subscription reaches the PUB sockets
+        time.sleep(1.0)  # the subscription reaches the PUB sockets (a subprocess: nothing to probe)
         a.publish([stored([4], parent=2)], ts=3.0)
         b.publish([stored([1, 2])], ts=3.0)
         out, err = process.communicate(timeout=60)
@@ -189,3 +189,22 @@ def test_bad_arguments_are_one_line(args, message, capsys):
     assert main(["attach", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("signal_number", [2, 15])  # SIGINT (Ctrl-C), SIGTERM
+def test_a_signal_ends_a_headless_run_with_its_summary(signal_number):
+    publisher = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic=TOPIC)
+    try:
+        publisher.publish([stored([1])], ts=1.0)
+        process = attach(f"{publisher.endpoint},{publisher.replay_endpoint}", "--headless", "--json")
+        try:
+            wait_for_line(process.stderr, "rebuilt from", timeout=30)
+            process.send_signal(signal_number)
+            out, _ = process.communicate(timeout=30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+    finally:
+        publisher.close()
+    assert process.returncode == 0
+    assert json.loads(out)["endpoints"][0]["resident_blocks"] == {"GPU": 1}

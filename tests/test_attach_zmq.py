@@ -37,10 +37,21 @@ def publisher():
     pub.close()
 
 
+def wait_subscribed(attacher, pub_socket, timeout=10.0):
+    """Probe until the SUB socket's subscription has reached the PUB socket: a topic that starts with TOPIC gets
+    through ZMQ's prefix filter, and the feed ignores it (it counts it in other_topic)."""
+    feed = attacher.feeds[0]
+    deadline = time.monotonic() + timeout
+    while feed.other_topic == 0 and time.monotonic() < deadline:
+        pub_socket.send_multipart([f"{TOPIC}-probe".encode(), b"\0" * 8, b""])
+        attacher.poll(0.05)
+    assert feed.other_topic > 0, "the subscription never arrived"
+
+
 def attach(pub, replay=True):
     attacher = Attacher([Source(pub.endpoint, pub.replay_endpoint if replay else None, TOPIC)])
     attacher.start()
-    time.sleep(0.3)  # the subscription reaches the PUB socket
+    wait_subscribed(attacher, pub._pub)
     return attacher
 
 
@@ -104,7 +115,14 @@ def test_an_engine_restart_starts_a_new_epoch():
             first.publish([stored([10 + seq])], ts=float(seq))
         assert until(attacher, lambda: state.last_seq == 2)
         first.close()
-        second = KVEventPublisher(endpoint, replay, topic=TOPIC, bind=True)  # the same ports
+        second = None
+        for _ in range(50):  # the same ports, once the closed sockets have let them go (closing is asynchronous)
+            try:
+                second = KVEventPublisher(endpoint, replay, topic=TOPIC, bind=True)
+                break
+            except zmq.ZMQError:
+                time.sleep(0.1)
+        assert second is not None
         try:
             sent = []
             for _ in range(30):  # until the SUB socket has reconnected; seqs it missed come from the replay
@@ -127,7 +145,7 @@ def test_hostile_frames_are_counted_and_good_batches_keep_applying():
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     attacher = Attacher([Source(f"tcp://127.0.0.1:{port}", None, TOPIC)])
     attacher.start()
-    time.sleep(0.3)
+    wait_subscribed(attacher, pub)
     state = attacher.fleet.engines[0]
     topic = TOPIC.encode()
     seq = iter(range(100))
@@ -195,3 +213,64 @@ def test_clear_and_counters_in_one_stream(publisher):
         assert state.resident_by_medium() == {"GPU": 1}
     finally:
         attacher.close()
+
+
+def test_snapshots_from_another_thread_are_consistent(publisher):
+    import threading
+
+    attacher = attach(publisher)
+    stop = threading.Event()
+    worker = threading.Thread(target=attacher.run, kwargs={"stop": stop, "duration": 60})
+    worker.start()
+    try:
+        for seq in range(400):
+            publisher.publish([stored([seq % 50, 50 + seq % 7], parent=seq % 13), removed([(seq * 7) % 50])],
+                              ts=float(seq))
+            if seq % 20 == 0:
+                snap = attacher.fleet.snapshot().engines[0]
+                total = sum(snap.resident.values())
+                assert int(snap.blocks.resident.sum()) == total == sum(t.resident for t in snap.tiers)
+                assert not len(snap.history.resident) or snap.history.resident[-1] == total
+        deadline = time.monotonic() + 10
+        while attacher.fleet.engines[0].last_seq != 399 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert attacher.fleet.engines[0].counters().batches == 400
+    finally:
+        stop.set()
+        worker.join(timeout=10)
+        attacher.close()
+    assert not worker.is_alive()
+
+
+def test_hostile_replay_replies_are_counted():
+    import threading
+
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    replay_port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def serve():
+        if router.poll(10_000):
+            client = router.recv_multipart()[0]
+            for reply in ([b"only one frame"], [b"t", b"\x01", b"p"], [b"t", b"\x00" * 8, b"\xc1"],
+                          [b"t", (1).to_bytes(8, "big"), encode_batch(1.0, [stored([5])])],
+                          [b"", (-1).to_bytes(8, "big", signed=True), b""]):
+                router.send_multipart([client, b"", *reply])
+    server = threading.Thread(target=serve)
+    server.start()
+    attacher = Attacher([Source(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}", TOPIC)])
+    try:
+        attacher.start()
+        server.join(timeout=15)
+        state = attacher.fleet.engines[0]
+        c = state.counters()
+        assert c.decode_errors == 3 and state.block(5) is not None and c.last_seq == 1
+        assert set(c.decode_errors_by_reason) == {"frames", "seq", "msgpack"}
+    finally:
+        attacher.close()
+        router.close(linger=0)
+        pub.close(linger=0)

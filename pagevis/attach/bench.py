@@ -7,7 +7,8 @@ Rows:
   removes as many old blocks (BlockRemoved of one block each, as vLLM's block pool emits them), 1,000 resident.
 - zmq: the same frames sent by a thread over a PUB socket on ipc, received by an Attacher (both in this process,
   so they share the GIL and the 2 cores with the sender).
-- rss: a fresh process stores 1 M blocks of 16 tokens (chains of 32) and reports VmRSS before and after.
+- rss: a fresh process stores 1 M blocks of 16 tokens (chains of 32) and reports VmRSS before and after, and how
+  long `EngineState.snapshot()` takes then, with the block columns and without (what a window pays per frame).
 """
 
 from __future__ import annotations
@@ -48,18 +49,20 @@ def count_events(frames: list[list[bytes]]) -> int:
     return sum(len(decode_payload(f[2]).events) for f in frames)
 
 
-def bench_feed(frames: list[list[bytes]], events: int) -> float:
+def bench_feed(frames: list[list[bytes]], events: int) -> tuple[float, float]:
+    """Events per wall-clock second and per CPU second of this thread (the second is what the work costs; the
+    first also counts the time other processes held the core)."""
     from .feed import EndpointFeed
     from .state import EngineState
 
     state = EngineState("bench")
     feed = EndpointFeed(state, topic=b"kv-events")
-    began = time.perf_counter()
+    began, began_cpu = time.perf_counter(), time.thread_time()
     for message in frames:
         feed.on_live(message)
-    elapsed = time.perf_counter() - began
+    elapsed, cpu = time.perf_counter() - began, time.thread_time() - began_cpu
     assert state.counters().decode_errors == 0 and state.counters().batches == len(frames)
-    return events / elapsed
+    return events / elapsed, events / cpu
 
 
 def bench_zmq(frames: list[list[bytes]], events: int) -> float:
@@ -122,14 +125,21 @@ def rss_child(blocks: int, block_size: int) -> None:
         state.apply_batch(seq, DecodedBatch(float(seq), (event,), 0, "map"))
         seq += 1
     gc.collect()
-    print(before, rss(), state.resident_blocks)
+    after = rss()
+    began = time.perf_counter()
+    state.snapshot(blocks=True)
+    full = time.perf_counter() - began
+    began = time.perf_counter()
+    state.snapshot(blocks=False)
+    light = time.perf_counter() - began
+    print(before, after, state.resident_blocks, full, light)
 
 
-def bench_rss(blocks: int, block_size: int = 16) -> tuple[float, float, int]:
+def bench_rss(blocks: int, block_size: int = 16) -> tuple[float, float, int, float, float]:
     out = subprocess.run([sys.executable, "-m", "pagevis.attach.bench", "--rss-child", str(blocks),
                           str(block_size)], capture_output=True, text=True, check=True, timeout=600)
-    before, after, resident = (int(v) for v in out.stdout.split()[-3:])
-    return before / 2**20, after / 2**20, resident
+    before, after, resident, full, light = out.stdout.split()[-5:]
+    return int(before) / 2**20, int(after) / 2**20, int(resident), float(full), float(light)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,12 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     batches = 2_000 if args.quick else 20_000
     frames = workload(batches)
     events = count_events(frames)
-    rows = [("feed: decode + apply, 1 thread", f"{bench_feed(frames, events):,.0f} events/s", "≥ 200,000")]
+    wall, cpu = bench_feed(frames, events)
+    rows = [("feed: decode + apply, 1 thread", f"{wall:,.0f} events/s ({cpu:,.0f} per CPU second)", "≥ 200,000")]
     rows.append(("zmq: ipc PUB → Attacher (same process)", f"{bench_zmq(frames, events):,.0f} events/s", "-"))
     blocks = 100_000 if args.quick else 1_000_000
-    before, after, resident = bench_rss(blocks)
+    before, after, resident, full, light = bench_rss(blocks)
     rows.append((f"rss: {resident:,} resident blocks x 16 tokens", f"{after:,.0f} MiB ({after - before:,.0f} MiB "
                  f"for the blocks, {(after - before) * 2**20 / resident:,.0f} B/block)", "≤ 1,024 MiB"))
+    rows.append((f"snapshot of {resident:,} blocks: with blocks / without", f"{1000 * full:,.0f} ms / "
+                 f"{1000 * light:,.1f} ms", "-"))
     print(f"{events:,} events in {batches:,} batches; Python {sys.version.split()[0]}, {os.cpu_count()} cores")
     width = max(len(r[0]) for r in rows)
     print(f"{'measure':<{width}}  {'result':<46}  target")

@@ -3,7 +3,8 @@ from the replay endpoint, a restart (seq going back) turned into a new epoch. No
 callable, so the same code runs live (subscriber.py), from a recording (playback.py) and in tests.
 
 Rules, for a live message with sequence number `seq` (`last` = the last seq applied in this epoch):
-- `seq` ≤ the previous live seq: the engine restarted (vLLM counts from 0 again) → new epoch, then as below.
+- `seq` ≤ the previous live seq: the engine restarted (vLLM counts from 0 again) → new epoch, then as below;
+  except the very same message again (same seq, same bytes), a duplicate.
 - `seq` ≤ `last`: already applied from a replay → a duplicate, dropped.
 - first message of an epoch with `seq` > 0, or `seq` > `last` + 1: the seqs in between are asked for from the
   replay endpoint and applied first; the ones it no longer has are counted (`note_gap`). At the start of an
@@ -72,6 +73,7 @@ class EndpointFeed:
         self._topic = topic
         self._lock = lock
         self._last_live: int | None = None
+        self._last_payload = b""
         self.other_topic = 0
 
     @property
@@ -93,8 +95,11 @@ class EndpointFeed:
             self.other_topic += 1  # ZMQ subscribes by prefix: "kv-events-2" reaches a "kv-events" subscriber
             return
         if self._last_live is not None and seq <= self._last_live:
+            if seq == self._last_live and payload == self._last_payload:
+                self.state.note_duplicate()  # the same message again (ZMQ does not do that; a relay might)
+                return
             self._locked(self.state.start_epoch)
-        self._last_live = seq
+        self._last_live, self._last_payload = seq, payload
         last = self.state.last_seq
         if last is not None and seq <= last:
             self.state.note_duplicate()

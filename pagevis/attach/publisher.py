@@ -50,7 +50,12 @@ class KVEventPublisher:
             router = self.ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
             router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
-            router.bind(replay_endpoint)
+            try:
+                router.bind(replay_endpoint)
+            except zmq.ZMQError:
+                router.close(linger=0)
+                self._pub.close(linger=0)
+                raise
             self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
             self._thread = threading.Thread(target=self._serve_replay, args=(router,), daemon=True,
                                             name="kv-event-replay")
