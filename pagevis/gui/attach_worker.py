@@ -7,8 +7,9 @@ made, on a timer (attach_window.py).
   blocks) to the forest worker whenever that one is idle and the state has changed.
 - `ForestWorker` turns a full snapshot into the forest (attach_model.build_forest, forest_layout.layout_forest,
   prefix_forest.prepare_drawing: the UI thread only swaps the drawing in) and the overlap between engines. It
-  waits at least as long as its last build took before taking the next one, and `min_interval_s` (the window
-  asks for 0.25 s live), so at 1 M blocks it uses at most half a core and the forest updates every few seconds.
+  waits twice as long as its last build took before taking the next one, and at least `min_interval_s` (the
+  window asks for 0.25 s live), so at 1 M blocks it holds the GIL a third of the time at most and the forest
+  updates every few seconds.
 - `MetricsWorker` scrapes `--metrics URL` once a second.
 Each stops when asked (`stop()`: requestInterruption + wait); nothing here raises into the UI: errors become text
 in the frames.
@@ -45,6 +46,7 @@ FRAME_S = 1 / 30  # light frames at most this often (a playback that moved; fore
 LIVE_FRAME_S = 1 / 20  # live: each light frame is a snapshot made with the GIL held; 20 a second show as much
 CHUNK = 2000  # playback messages applied between two looks at the target and the stop flag
 MANY_ENGINES = 64  # beyond this many engines, their summary lines are refreshed twice a second only
+BUILD_RATIO = 2.0  # after a forest that took t to build, wait 2t: the forest worker holds the GIL a third of the time
 FREEZE_ROWS = 100_000  # a full snapshot this large is frozen out of the garbage collector's way (see above)
 UNFREEZE_S = 60.0
 
@@ -217,7 +219,7 @@ class ForestWorker(QThread):
                 self.error = f"forest: {type(error).__name__}: {error}"[:300]
             finally:
                 took = time.monotonic() - began
-                self._next_at = time.monotonic() + max(FRAME_S, self.min_interval_s, took)
+                self._next_at = time.monotonic() + max(FRAME_S, self.min_interval_s, BUILD_RATIO * took)
                 self._busy = False
                 self.builds += 1
 
