@@ -20,9 +20,9 @@ traverses every object of the process (Qt, pyqtgraph, the state's million-elemen
 holding the GIL, so the UI thread waits). And a full snapshot's tuples of a million hashes, parents, tokens and
 extras cost the next young collection 66 ms. So the window freezes what exists when it starts (`gc.freeze()`:
 moved to the permanent generation, never traversed again), and the fleet worker freezes again after each
-snapshot of FREEZE_ROWS rows or more. Frozen objects are still freed by reference counting; once a minute the
-worker unfreezes and collects (one such pause a minute), so cyclic garbage is still reclaimed; closing the
-window unfreezes.
+snapshot of FREEZE_ROWS rows or more. Frozen objects are still freed by reference counting (the frames are not
+cyclic); every UNFREEZE_S (5 minutes) the worker unfreezes and collects once (one pause, 100 ms or more at 1 M
+blocks), so cyclic garbage is still reclaimed; closing the window unfreezes.
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ CHUNK = 2000  # playback messages applied between two looks at the target and th
 MANY_ENGINES = 64  # beyond this many engines, their summary lines are refreshed twice a second only
 BUILD_RATIO = 2.0  # after a forest that took t to build, wait 2t: the forest worker holds the GIL a third of the time
 FREEZE_ROWS = 100_000  # a full snapshot this large is frozen out of the garbage collector's way (see above)
-UNFREEZE_S = 60.0
+UNFREEZE_S = 300.0
 
 
 class GcFreezer:
-    """gc.freeze() now and after big snapshots, unfreeze-collect-freeze once a minute (see the module docstring)."""
+    """gc.freeze() now and after big snapshots, unfreeze-collect-freeze every `period_s` (see the module docstring)."""
 
     def __init__(self, period_s: float = UNFREEZE_S):
         self.period_s = period_s
