@@ -14,11 +14,12 @@ import time
 
 import numpy as np
 import pytest
+from PySide6.QtCore import Qt
 
 from pagevis.attach import BlockRemoved, BlockStored, encode_batch
 from pagevis.attach.playback import Playback
 from pagevis.attach.recording import LIVE, Recorder, read_recording
-from pagevis.gui.views.forest_layout import layout_forest
+from pagevis.gui.views.forest_layout import layout_forest, subtree
 from pagevis.gui.views.forest_rows import REMOVED, SHARED, ColourClass, ForestRow, ForestRows
 
 DATA = pathlib.Path(__file__).parent / "data" / "kv_events"
@@ -88,6 +89,18 @@ def test_layout_survives_parent_cycles_and_bad_rows():
     assert lay.cut == 2 and len(lay.drawn) == 6 and lay.height == 5
     lay = layout_forest([1, 2, 0, 0, 3], [4] * 5)  # a cycle through a branching node
     assert lay.cut == 5 and len(lay.drawn) + int(lay.agg_count.sum()) == 5
+
+
+def test_subtree_and_subset():
+    parent = np.array([-1, 0, 0, 1, 3, -1, 5])
+    assert sorted(subtree(parent, 1).tolist()) == [1, 3, 4] and subtree(parent, 9).size == 0
+    assert sorted(subtree([1, 2, 0], 0).tolist()) == [0, 1, 2]  # a cycle ends
+    rows = ForestRows.from_rows([ForestRow(k, p, 4, 0, f"text {k}") for k, p in
+                                 (("a", None), ("b", "a"), ("c", "a"), ("d", "b"), ("e", "d"))],
+                                [ColourClass("GPU", "#4fa3ff")])
+    part = rows.subset(subtree(rows.parent, 1))
+    assert part.parent.tolist() == [-1, 0, 1] and [part.key(i) for i in range(3)] == ["b", "d", "e"]
+    assert part.describe(2) == "text e"
 
 
 def test_a_million_rows_collapse_to_the_budget():
@@ -217,6 +230,30 @@ def test_hover_shows_hash_parent_tokens_medium_and_when_stored(qtbot, windows):
     window._clicked(root)  # the details pane: the block and its prefix
     assert window.details.toPlainText().startswith(f"block {a['hash']}")
     assert "its prefix: 1 blocks, 4 tokens" in window.details.toPlainText()
+
+
+def test_double_click_shows_a_subtree_and_the_button_the_whole_forest(qtbot, windows):
+    path = DATA / "vllm-0.34.0.kvev"
+    expected = json.loads((DATA / "vllm-0.34.0.expected.json").read_text())
+    b = next(r for r in expected["final"]["GPU"] if r["label"] == "B")
+    below_b = {r["hash"] for r in expected["final"]["GPU"] if r["parent"] == b["hash"]} | {b["hash"]}
+    window = open_recording(qtbot, windows, path)
+    goto(window, 7)
+    forest = window.forest
+    forest.plot.autoRange()
+    qtbot.wait(50)
+    center = forest.widget_pos(forest.center_of(forest.row_of(("GPU", None, b["hash"]))))
+    qtbot.mouseDClick(forest.graphics.viewport(), Qt.LeftButton, pos=center)
+    qtbot.mouseRelease(forest.graphics.viewport(), Qt.LeftButton, pos=center)  # pyqtgraph emits on the release
+    qtbot.waitUntil(lambda: window.forest_frame.focus == ("GPU", None, b["hash"]), timeout=WAIT_MS)
+    qtbot.waitUntil(lambda: forest.block_count == len(below_b), timeout=WAIT_MS)
+    assert shown_keys(window) == {("GPU", None, h) for h in below_b}
+    assert window.show_all.isVisible()
+    window._clicked(forest.row_of(("GPU", None, b["hash"])))  # details still walk the whole prefix
+    assert "its prefix: 2 blocks, 8 tokens" in window.details.toPlainText()
+    window.show_all.click()
+    qtbot.waitUntil(lambda: window.forest_frame.focus is None and forest.block_count == 7, timeout=WAIT_MS)
+    assert not window.show_all.isVisible()
 
 
 @pytest.mark.parametrize("name", ["vllm-0.34.0", "sglang-0.5.23"])

@@ -59,13 +59,25 @@ def format_ts(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) + f".{int(ts * 1000) % 1000:03d}"
 
 
+CHUNK = 32_768  # items per C call while building big dicts and sets: between calls another thread may take the GIL
+
+
+def _index(keys: Sequence, values: Sequence) -> dict:
+    """dict(zip(keys, values)) in chunks: one C call over a million items would hold the GIL (and so the UI
+    thread) for its whole duration, 100 ms and more on a loaded machine."""
+    out: dict = {}
+    for start in range(0, len(keys), CHUNK):
+        out.update(zip(keys[start:start + CHUNK], values[start:start + CHUNK]))
+    return out
+
+
 def _pick(values: tuple, rows: np.ndarray) -> list:
-    """values[r] for each r (C speed: a million in a few tens of ms)."""
-    if rows.size == 0:
-        return []
-    if rows.size == 1:
-        return [values[int(rows[0])]]
-    return list(operator.itemgetter(*rows.tolist())(values))
+    """values[r] for each r (C speed: a million in a few tens of ms; in chunks, as _index)."""
+    out: list = []
+    for start in range(0, len(rows), CHUNK):
+        chunk = rows[start:start + CHUNK].tolist()
+        out.extend(operator.itemgetter(*chunk)(values) if len(chunk) > 1 else [values[chunk[0]]])
+    return out
 
 
 @dataclass(frozen=True)
@@ -88,7 +100,8 @@ class EngineForest:
     rows: ForestRows
     engine: EngineSnapshot  # with blocks
     live: np.ndarray  # the snapshot row (slot) of each forest row that is a block
-    index: dict  # (medium, group) -> {hash: forest row}
+    index: dict  # (medium, group) -> {hash: snapshot row}
+    inverse: np.ndarray  # snapshot row -> forest row (-1: free)
     ghosts: tuple[Ghost, ...]  # forest rows len(live) ... are these
     position: int | None = None  # the playback position the snapshot was taken at (None: live)
 
@@ -97,7 +110,8 @@ class EngineForest:
         return self.engine.name
 
     def block_row(self, block_hash: Any, medium: str = GPU, group: int | None = None) -> int:
-        return self.index.get((medium, group), {}).get(block_hash, -1)
+        slot = self.index.get((medium, group), {}).get(block_hash)
+        return -1 if slot is None else int(self.inverse[slot])
 
     def tokens(self, row: int) -> np.ndarray:
         if row < len(self.live):
@@ -112,7 +126,10 @@ def gpu_hashes(engine: EngineSnapshot) -> set:
         return set()
     gpu = [t.index for t in engine.tiers if t.medium == GPU]
     rows = np.flatnonzero(np.isin(cols.tier, gpu) & cols.resident)
-    return set(_pick(cols.hashes, rows))
+    out: set = set()
+    for start in range(0, len(rows), CHUNK):  # in chunks, as _index
+        out.update(map(cols.hashes.__getitem__, rows[start:start + CHUNK].tolist()))
+    return out
 
 
 @dataclass(frozen=True)
@@ -175,24 +192,27 @@ def build_forest(engine: EngineSnapshot, previous: EngineForest | None = None, s
     inverse[live] = np.arange(n)
     parent_slot = cols.parent_row[live].astype(np.int64)
     parent = np.where(parent_slot >= 0, inverse[np.maximum(parent_slot, 0)], -1)
-    hashes = _pick(cols.hashes, live)
 
     # classes: one per medium, GPU first
     media: list[str] = []
     for tier in sorted(tiers, key=lambda t: (t.medium != GPU, t.index)):
         if tier.medium not in media:
             media.append(tier.medium)
-    classes = [ColourClass(m, medium_color(m, i)) for i, m in enumerate(media)]
+    classes = [ColourClass(m[:24], medium_color(m, i)) for i, m in enumerate(media)]
     class_of_tier = np.array([media.index(t.medium) for t in tiers] or [0], dtype=np.uint8)
     colour = class_of_tier[tier_of] if n else np.zeros(0, np.uint8)
 
+    # hash -> snapshot row, per tier. Built from the snapshot's own tuple, with no list of a million hashes on the
+    # way (a list is traversed by every full garbage collection while it lives; the tuple, once, then untracked).
     index: dict = {}
     if len(tiers) == 1:
-        index[(tiers[0].medium, tiers[0].group)] = dict(zip(hashes, range(n)))
+        slots = _index(cols.hashes, range(len(cols.hashes)))
+        slots.pop(None, None)  # the free rows
+        index[(tiers[0].medium, tiers[0].group)] = slots
     else:
         for tier in tiers:
-            rows = np.flatnonzero(tier_of == tier.index)
-            index[(tier.medium, tier.group)] = dict(zip((hashes[i] for i in rows.tolist()), rows.tolist()))
+            rows = live[tier_of == tier.index].tolist()
+            index[(tier.medium, tier.group)] = _index(_pick(cols.hashes, np.asarray(rows, np.int64)), rows)
 
     last_seq = engine.counters.last_seq
     continuing = _same_epoch(previous, engine)
@@ -201,9 +221,9 @@ def build_forest(engine: EngineSnapshot, previous: EngineForest | None = None, s
 
     def mark(entries, flag: int) -> None:
         for entry in entries:
-            row = index.get((entry.medium, entry.group), {}).get(entry.hash)
-            if row is not None:
-                flags[row] |= flag
+            slot = index.get((entry.medium, entry.group), {}).get(entry.hash)
+            if slot is not None:
+                flags[inverse[slot]] |= flag
 
     if since is not None:
         mark((r for r in engine.recent_stored if r.seq > since), NEWEST)
@@ -211,7 +231,8 @@ def build_forest(engine: EngineSnapshot, previous: EngineForest | None = None, s
     if shared:
         gpu_tiers = [t.index for t in tiers if t.medium == GPU]
         gpu_rows = np.flatnonzero(np.isin(tier_of, gpu_tiers))
-        held = np.fromiter((hashes[i] in shared for i in gpu_rows.tolist()), dtype=bool, count=len(gpu_rows))
+        held = np.fromiter((cols.hashes[s] in shared for s in live[gpu_rows].tolist()), dtype=bool,
+                           count=len(gpu_rows))
         flags[gpu_rows[held]] |= SHARED
 
     # ghosts: removed since the previous frame, which held them
@@ -222,11 +243,10 @@ def build_forest(engine: EngineSnapshot, previous: EngineForest | None = None, s
             key = (r.medium, r.group)
             if r.seq <= since or (key, r.hash) in seen or r.hash in index.get(key, {}):
                 continue
-            prow = previous.index.get(key, {}).get(r.hash)
-            if prow is None or prow >= len(previous.live):
+            slot = previous.index.get(key, {}).get(r.hash)
+            if slot is None:
                 continue
             seen.add((key, r.hash))
-            slot = int(previous.live[prow])
             old = previous.engine.blocks
             ghosts.append(Ghost(key, r.hash, old.parents[slot], int(old.block_size[slot]), int(old.seq[slot]),
                                 float(old.ts[slot]), old.tokens[slot], r.seq, r.ts))
@@ -234,15 +254,17 @@ def build_forest(engine: EngineSnapshot, previous: EngineForest | None = None, s
 
     def find(block_hash: Any, tier: tuple) -> int:
         """The row holding `block_hash`: in `tier` first, then on GPU, then anywhere; ghosts too."""
-        row = index.get(tier, {}).get(block_hash)
-        if row is None:
-            row = ghost_index.get((tier, block_hash))
-        if row is None:
-            for key in sorted(index, key=lambda k: k[0] != GPU):
-                row = index[key].get(block_hash)
-                if row is not None:
-                    break
-        return -1 if row is None else row
+        slot = index.get(tier, {}).get(block_hash)
+        if slot is not None:
+            return int(inverse[slot])
+        row = ghost_index.get((tier, block_hash))
+        if row is not None:
+            return row
+        for key in sorted(index, key=lambda k: k[0] != GPU):
+            slot = index[key].get(block_hash)
+            if slot is not None:
+                return int(inverse[slot])
+        return -1
 
     # roots whose parent hash is held elsewhere (another medium, or a ghost) hang under it
     tier_keys = [(t.medium, t.group) for t in tiers]
@@ -257,7 +279,7 @@ def build_forest(engine: EngineSnapshot, previous: EngineForest | None = None, s
         for g in ghosts:
             if g.tier[0] not in media:
                 media.append(g.tier[0])
-                classes.append(ColourClass(g.tier[0], medium_color(g.tier[0], len(media) - 1)))
+                classes.append(ColourClass(g.tier[0][:24], medium_color(g.tier[0], len(media) - 1)))
         g_parent = np.array([find(g.parent, g.tier) if g.parent is not None else -1 for g in ghosts], np.int64)
         parent = np.concatenate((parent, g_parent))
         tokens = np.concatenate((tokens, [g.block_size for g in ghosts]))
@@ -265,17 +287,17 @@ def build_forest(engine: EngineSnapshot, previous: EngineForest | None = None, s
         flags = np.concatenate((flags, np.full(len(ghosts), REMOVED, np.uint8)))
         order = np.concatenate((order, [min(g.seq, ORDER_SHIFT - 1) + ORDER_SHIFT * len(tiers) for g in ghosts]))
     hot = {(h.medium, h.group, h.hash): h for h in engine.hot}
-    text = _Texts(engine, cols, live, hashes, tier_keys, tier_of, parent, flags, ghosts, hot, detokenizer)
+    text = _Texts(engine, cols, live, tier_keys, tier_of, parent, flags, ghosts, hot, detokenizer)
     rows = ForestRows(parent=parent, tokens=tokens, colour=colour, flags=flags, order=order.astype(np.int64),
                       classes=tuple(classes), key=text.key, describe=text.describe, label=text.label)
-    return EngineForest(rows, engine, live, index, tuple(ghosts), position)
+    return EngineForest(rows, engine, live, index, inverse, tuple(ghosts), position)
 
 
 class _Texts:
     """Keys, hover texts and labels of one forest's rows, made on demand (a hover, a label drawn)."""
 
-    def __init__(self, engine, cols, live, hashes, tier_keys, tier_of, parent, flags, ghosts, hot, detokenizer):
-        self.engine, self.cols, self.live, self.hashes = engine, cols, live, hashes
+    def __init__(self, engine, cols, live, tier_keys, tier_of, parent, flags, ghosts, hot, detokenizer):
+        self.engine, self.cols, self.live = engine, cols, live
         self.tier_keys, self.tier_of, self.parent, self.flags = tier_keys, tier_of, parent, flags
         self.ghosts, self.hot, self.detokenizer = ghosts, hot, detokenizer
         self.n = len(live)
@@ -284,7 +306,7 @@ class _Texts:
         """(medium, group, hash)"""
         if row < self.n:
             medium, group = self.tier_keys[self.tier_of[row]]
-            return medium, group, self.hashes[row]
+            return medium, group, self.cols.hashes[int(self.live[row])]
         g = self.ghosts[row - self.n]
         return g.tier[0], g.tier[1], g.hash
 

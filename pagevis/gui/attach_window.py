@@ -30,13 +30,15 @@ from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QHeaderView, QLabel, QMai
                                QPushButton, QSlider, QSplitter, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from . import theme
-from .attach_model import Rates, hot_rows, lifetime_histogram, medium_color, metric_series, rates
-from .attach_worker import FleetWorker, ForestWorker, LiveSource, MetricsWorker, PlaybackSource
+from .attach_model import hot_rows, short_hash, lifetime_histogram, medium_color, metric_series, rates
+from .attach_worker import FleetWorker, ForestWorker, GcFreezer, LiveSource, MetricsWorker, PlaybackSource
 from .views.forest_layout import DEFAULT_BUDGET
 from .views.prefix_forest import PrefixForestView
 
 REFRESH_MS = 33  # at most ~30 redraws a second
 TABLE_S = 0.25  # tables refresh at most 4 times a second
+PLOT_S = 0.1  # live: plots redraw at most 10 times a second (a scrub redraws at once)
+LIVE_FOREST_S = 0.25  # live: a new forest at most 4 times a second (its paint is the window's largest)
 SPEEDS = (1, 10, 100, 1000, 10000)  # playback: live messages per second
 STORED_COLOR, REMOVED_COLOR = "#3ddc84", "#ef4b4b"
 MAX_PREFIX_BLOCKS = 4096  # walked up from a selected block for its prefix text
@@ -78,7 +80,7 @@ def _plot(graphics: pg.GraphicsLayoutWidget, row: int, col: int, left: str = "",
     plot = graphics.addPlot(row=row, col=col, colspan=colspan)
     theme.style_plot(plot, left=left, bottom=bottom)
     plot.setMenuEnabled(False)
-    plot.getAxis("left").setWidth(46)
+    plot.getAxis("left").setWidth(60)
     return plot
 
 
@@ -101,6 +103,30 @@ def _alpha(color: str, alpha: int) -> QColor:
     return c
 
 
+def _fit(plot: pg.PlotItem, x: float | None, y: float | None, negative_x: bool = True) -> None:
+    """Show x from -x to 0 (or 0 to x) and y from 0 to y, in 1-2-2.5-5 steps, changed only when the data
+    outgrows the range or falls under a quarter of it."""
+
+    def fit(value, current):
+        if value is None:
+            return current
+        value = max(value, 1e-9)
+        if current is not None and current / 4 < value <= current:
+            return current
+        return theme.level_ceiling(value)
+
+    current = getattr(plot, "_fitted", (None, None))
+    fitted = (fit(x, current[0]), fit(y, current[1]))
+    if fitted == current:
+        return
+    plot._fitted = fitted
+    plot.disableAutoRange()
+    if fitted[0] is not None:
+        plot.setXRange(-fitted[0] if negative_x else 0, 0 if negative_x else fitted[0], padding=0.02)
+    if fitted[1] is not None:
+        plot.setYRange(0, fitted[1], padding=0.04)
+
+
 def _seconds(value: float) -> str:
     if not math.isfinite(value):
         return "-"
@@ -117,18 +143,27 @@ class AttachWindow(QMainWindow):
         super().__init__(parent)
         theme.configure_pyqtgraph()
         self.source, self.detokenizer, self.recorder = source, detokenizer, recorder
-        self.forest_worker = ForestWorker(detokenizer, budget)
-        self.fleet_worker = FleetWorker(source, self.forest_worker)
+        self.forest_worker = ForestWorker(detokenizer, budget, LIVE_FOREST_S if source.live else 0.0)
+        self.freezer = GcFreezer()
+        self.fleet_worker = FleetWorker(source, self.forest_worker, self.freezer)
         self.metrics_worker = MetricsWorker(metrics_url) if metrics_url else None
         self.metrics_t0 = time.monotonic()
         self.frame = None  # the FleetFrame shown
         self.forest_frame = None  # the ForestFrame shown
         self.frames = 0  # redraws (for the bench)
+        self.forest_frames = 0  # forests shown
+        self.forest_shown: list = []  # callables(ForestFrame), called as each forest is shown (for the bench)
         self.selected_key = None  # (medium, group, hash) clicked
         self._table_at = 0.0
         self._metrics_count = -1
         self._playing_since: float | None = None
         self._play_from = 0
+        self._plotted = None
+        self._display_error = ""
+        self._plots_at = 0.0
+        self._media: list[str] = []
+        self._media_labels: list = []
+        self._lifetime_ticks: list = []
         self._closed = False
         self.setWindowTitle("pagevis attach — " + ("recording" if not source.live else "live KV events"))
         self._build(budget)
@@ -179,15 +214,27 @@ class AttachWindow(QMainWindow):
         self.forest = PrefixForestView(budget=budget)
         self.forest.set_empty_text("waiting for the first blocks…")
         self.forest.clicked.connect(self._clicked)
+        self.forest.focus_requested.connect(self.focus)
+        self.show_all = QPushButton("Show the whole forest")
+        self.show_all.setToolTip("the forest shows one block's subtree (double-click a block or a collapsed "
+                                 "subtree to choose it)")
+        self.show_all.clicked.connect(lambda: self.focus(-1))
+        self.show_all.hide()
         self.details = QPlainTextEdit()
         self.details.setReadOnly(True)
         self.details.setPlaceholderText("hover a block for its hash, parent, tokens and medium; click it to see "
                                         "its whole prefix here")
+        forest_box = QWidget()
+        forest_column = QVBoxLayout(forest_box)
+        forest_column.setContentsMargins(0, 0, 0, 0)
+        forest_column.addWidget(self.forest, 1)
+        forest_column.addWidget(self.show_all)
         left = QSplitter(Qt.Vertical)
-        left.addWidget(self.forest)
+        left.addWidget(forest_box)
         left.addWidget(self.details)
         left.setStretchFactor(0, 5)
         left.setStretchFactor(1, 1)
+        left.setSizes([760, 170])
 
         g = self.graphics = pg.GraphicsLayoutWidget()
         g.ci.setSpacing(8)
@@ -209,6 +256,14 @@ class AttachWindow(QMainWindow):
         self.hot_plot = _plot(g, 2, 1, "restores", "s since the removal")
         self.hot_points = pg.ScatterPlotItem(size=7, pen=None, brush=pg.mkBrush(theme.SERIES[1]))
         self.hot_plot.addItem(self.hot_points)
+        self.empty_notes = {}
+        for plot, text in ((self.lifetime_plot, "no block removed yet"),
+                           (self.hot_plot, "no block stored again soon after its removal"),
+                           (self.rates_plot, "no batches yet"), (self.resident_plot, "no batches yet")):
+            note = pg.TextItem(text, color=theme.MUTED, anchor=(0.5, 0.5))
+            plot.addItem(note, ignoreBounds=True)
+            note.setParentItem(plot.vb)  # placed in the view box's own pixels, whatever the range
+            self.empty_notes[plot] = note
         self.requests_plot = _plot(g, 3, 0, "requests", "s since attach")
         self.running_curve = _curve(self.requests_plot, theme.SERIES[0], "running")
         self.waiting_curve = _curve(self.requests_plot, theme.SERIES[1], "waiting")
@@ -221,7 +276,7 @@ class AttachWindow(QMainWindow):
             plot.setVisible(self.metrics_worker is not None)
         self._titles()
 
-        self.hot_table = _table(["block", "medium", "restores", "last gap", "ago", "resident", "text"])
+        self.hot_table = _table(["block", "medium", "restores", "last gap", "resident", "text"])
         self.engines_table = _table(["engine", "batches", "last seq", "epoch", "resident", "held elsewhere",
                                      "decode errors", "gaps lost"])
         tables = QSplitter(Qt.Horizontal)
@@ -234,8 +289,15 @@ class AttachWindow(QMainWindow):
             column.addWidget(QLabel(f"<b>{title}</b>"))
             column.addWidget(table)
             tables.addWidget(box)
+        self.plot_stats = QLabel("")
+        self.plot_stats.setWordWrap(True)
+        plots = QWidget()
+        column = QVBoxLayout(plots)
+        column.setContentsMargins(0, 0, 0, 0)
+        column.addWidget(g, 1)
+        column.addWidget(self.plot_stats)
         right = QSplitter(Qt.Vertical)
-        right.addWidget(g)
+        right.addWidget(plots)
         right.addWidget(tables)
         right.setStretchFactor(0, 3)
         right.setStretchFactor(1, 1)
@@ -255,25 +317,21 @@ class AttachWindow(QMainWindow):
         self.setCentralWidget(central)
         self.body = body
 
-    def _titles(self, rates_title="", resident_title="", media_title="", lifetime_title="", hot_title="",
-                requests_title="", cache_title="") -> None:
-        muted = theme.muted
-        theme.set_title(self.rates_plot, rates_title or (
-            f"blocks <span style='color:{STORED_COLOR}'>stored</span> / "
-            f"<span style='color:{REMOVED_COLOR}'>removed</span> per second"))
-        theme.set_title(self.resident_plot, resident_title or "resident blocks (all media) after each batch")
-        theme.set_title(self.media_plot, media_title or "resident blocks per medium")
-        theme.set_title(self.lifetime_plot, lifetime_title or "block lifetimes " + muted("(none removed yet)"))
-        theme.set_title(self.hot_plot, hot_title or "hot prefixes " + muted("(none yet)"))
-        theme.set_title(self.requests_plot, requests_title or (
-            f"requests <span style='color:{theme.SERIES[0]}'>running</span> / "
-            f"<span style='color:{theme.SERIES[1]}'>waiting</span> (--metrics)"))
-        theme.set_title(self.cache_plot, cache_title or (
-            f"<span style='color:{theme.SERIES[2]}'>KV usage</span> / "
-            f"<span style='color:{theme.SERIES[5]}'>prefix hit rate</span> (%)"))
+    def _titles(self) -> None:
+        theme.set_title(self.rates_plot, f"blocks <span style='color:{STORED_COLOR}'>stored</span> / "
+                        f"<span style='color:{REMOVED_COLOR}'>removed</span> per second")
+        theme.set_title(self.resident_plot, "resident blocks (all media) after each batch")
+        theme.set_title(self.media_plot, "resident blocks per medium, now")
+        theme.set_title(self.lifetime_plot, "block lifetimes (the most recent removals)")
+        theme.set_title(self.hot_plot, "hot prefixes: restores by the gap after removal")
+        theme.set_title(self.requests_plot, f"requests <span style='color:{theme.SERIES[0]}'>running</span> / "
+                        f"<span style='color:{theme.SERIES[1]}'>waiting</span> (--metrics)")
+        theme.set_title(self.cache_plot, f"<span style='color:{theme.SERIES[2]}'>KV usage</span> / "
+                        f"<span style='color:{theme.SERIES[5]}'>prefix hit rate</span> (%, --metrics)")
 
     # --- running ----------------------------------------------------------------------------------------------
     def start(self) -> None:
+        self.freezer.freeze()  # the process's objects as they are now: never traversed by a collection again
         self.forest_worker.start()
         self.fleet_worker.start()
         if self.metrics_worker is not None:
@@ -291,6 +349,8 @@ class AttachWindow(QMainWindow):
         for worker in self.threads():
             worker.requestInterruption()
         finished = all([worker.stop() for worker in self.threads()])
+        if finished:
+            self.freezer.release()
         if self.recorder is not None and not self.fleet_worker.isRunning():
             self.recorder.close()
             self.recorder = None
@@ -338,7 +398,15 @@ class AttachWindow(QMainWindow):
 
     # --- drawing ----------------------------------------------------------------------------------------------
     def refresh(self) -> None:
-        """Show the newest frames the workers made (a no-op for the ones already shown)."""
+        """Show the newest frames the workers made (a no-op for the ones already shown). Whatever goes wrong
+        while drawing is shown in the error line, never raised out of the timer."""
+        try:
+            self._refresh()
+        except Exception as error:  # noqa: BLE001 - a display bug must not take the window down
+            self._display_error = f"display: {type(error).__name__}: {error}"[:300]
+            self._show_errors()
+
+    def _refresh(self) -> None:
         self._advance_play()
         frame = self.fleet_worker.latest
         changed = False
@@ -370,10 +438,12 @@ class AttachWindow(QMainWindow):
             self._set_text(self.status, "attaching: rebuilding each engine's state from its replay endpoint…")
         if engine is not None:
             self._set_text(self.status, self._status_text(frame))
-            self._show_rates(rates(engine.history))
-            self._show_media(engine)
-            self._show_lifetimes(engine)
-            self._show_hot(engine)
+            c = engine.counters
+            key = (engine.name, c.epoch, c.batches, c.decode_errors, engine.lifetimes_total, id(self.source.fleet))
+            now = time.monotonic()
+            if key != self._plotted and (not self.source.live or now - self._plots_at >= PLOT_S):
+                self._plotted, self._plots_at = key, now
+                self._show_plots(engine)
         if frame.length is not None:
             self.slider.setRange(0, frame.length)
             seq = engine.counters.last_seq if engine is not None else None
@@ -384,10 +454,10 @@ class AttachWindow(QMainWindow):
             self._table_at = now
             self._show_engines(frame)
             if engine is not None:
-                _fill_table(self.hot_table, ["block", "medium", "restores", "last gap", "ago", "resident", "text"],
+                _fill_table(self.hot_table, ["block", "medium", "restores", "last gap", "resident", "text"],
                             [[r.hash, r.medium, str(r.restores), _seconds(r.last_gap_s),
-                              "-" if r.ago_s is None else _seconds(r.ago_s), "yes" if r.resident else "no", r.text]
-                             for r in hot_rows(engine, self._forest_engine(), self.detokenizer)], right={2, 3, 4})
+                              "yes" if r.resident else "no", r.text]
+                             for r in hot_rows(engine, self._forest_engine(), self.detokenizer)], right={2, 3})
 
     def _status_text(self, frame) -> str:
         engine = frame.engine
@@ -429,6 +499,8 @@ class AttachWindow(QMainWindow):
             parts.append(self.forest_worker.error)
         if self.metrics_worker is not None and self.metrics_worker.error:
             parts.append(f"--metrics: {self.metrics_worker.error}")
+        if self._display_error:
+            parts.append(self._display_error)
         self._set_text(self.errors, " · ".join(parts))
         self.errors.setVisible(bool(parts))
 
@@ -437,48 +509,66 @@ class AttachWindow(QMainWindow):
         if label.text() != text:
             label.setText(text)
 
-    def _show_rates(self, r: Rates) -> None:
+    def _show_plots(self, engine) -> None:
+        """The curves, bars and histogram of `engine`; ranges change in coarse steps (a range that moves every
+        frame re-lays its axes out), titles never (the numbers go to the line under the plots)."""
+        r = rates(engine.history)
         _set_curve(self.stored_curve, r.x, r.stored)
         _set_curve(self.removed_curve, r.x, r.removed)
         _set_curve(self.resident_curve, r.resident_x, r.resident)
-        muted = theme.muted
-        theme.set_title(self.rates_plot, f"blocks <span style='color:{STORED_COLOR}'>stored</span> / "
-                        f"<span style='color:{REMOVED_COLOR}'>removed</span> per second "
-                        + muted(f"({_seconds(r.bin_s)} bins, last {len(r.resident_x):,} batches)"))
+        span = -float(r.resident_x[0]) if len(r.resident_x) else 0.0
+        top = max(float(r.stored.max()) if len(r.stored) else 0.0, float(r.removed.max()) if len(r.removed) else 0.0)
+        _fit(self.rates_plot, span + r.bin_s, top)
+        _fit(self.resident_plot, span, float(r.resident.max()) if len(r.resident) else 0.0)
+        stats = [f"rates in {_seconds(r.bin_s)} bins over the last {len(r.resident_x):,} batches"]
 
-    def _show_media(self, engine) -> None:
-        media = [(m, n) for m, n in engine.resident.items()]
+        media = list(engine.resident.items())
+        if [m for m, _ in media] != self._media:
+            self._media = [m for m, _ in media]
+            self.media_plot.getAxis("left").setTicks([[(i, m[:10]) for i, m in enumerate(self._media)]])
+            self.media_plot.setYRange(-0.6, max(len(media), 1) - 0.4, padding=0)
+            for item in self._media_labels:
+                self.media_plot.removeItem(item)
+            self._media_labels = [pg.TextItem("", color=theme.TEXT, anchor=(0, 0.5)) for _ in media]
+            for item in self._media_labels:
+                self.media_plot.addItem(item, ignoreBounds=True)
         counts = np.array([n for _, n in media], dtype=np.float64)
-        colors = [medium_color(m, i) for i, (m, _) in enumerate(media)]
         self.media_bars.setOpts(x0=np.zeros(len(media)), y=np.arange(len(media)), height=0.6, width=counts,
-                                brushes=[pg.mkBrush(c) for c in colors])
-        self.media_plot.getAxis("left").setTicks([[(i, m) for i, (m, _) in enumerate(media)]])
-        self.media_plot.setYRange(-0.6, max(len(media), 1) - 0.4, padding=0)
-        self.media_plot.setXRange(0, max(float(counts.max()) if len(counts) else 1.0, 1.0) * 1.05, padding=0)
-        text = " · ".join(f"<span style='color:{c}'>{m}</span> {n:,}" for (m, n), c in zip(media, colors))
-        theme.set_title(self.media_plot, "resident per medium: " + (text or theme.muted("none")))
+                                brushes=[pg.mkBrush(medium_color(m, i)) for i, (m, _) in enumerate(media)])
+        for i, (item, n) in enumerate(zip(self._media_labels, counts)):
+            item.setText(f"{int(n):,}")
+            item.setPos(float(n), i)
+        _fit(self.media_plot, float(counts.max()) * 1.3 if len(counts) else 0.0, None, negative_x=False)
 
-    def _show_lifetimes(self, engine) -> None:
-        edges, counts = lifetime_histogram(engine.lifetimes)
-        self.lifetime_curve.setData(edges, counts) if len(counts) else self.lifetime_curve.setData([], [])
-        self.lifetime_plot.setLogMode(x=False)
+        edges, hist = lifetime_histogram(engine.lifetimes)
+        self.lifetime_curve.setData(edges, hist)
         if len(edges):
             decades = [(e, _seconds(10 ** e)) for e in edges if abs(e - round(e)) < 1e-9]
-            every = [(e, _seconds(10 ** e)) for e in edges[::2]]
-            self.lifetime_plot.getAxis("bottom").setTicks([decades if len(decades) >= 3 else every])
-        total = engine.lifetimes_total
-        if total:
-            theme.set_title(self.lifetime_plot, "block lifetimes " + theme.muted(
-                f"(last {len(engine.lifetimes):,} of {total:,} removed; mean {_seconds(engine.lifetimes_mean_s)})"))
+            ticks = decades if len(decades) >= 3 else [(e, _seconds(10 ** e)) for e in edges[::2]]
+            if ticks != self._lifetime_ticks:
+                self._lifetime_ticks = ticks
+                self.lifetime_plot.getAxis("bottom").setTicks([ticks])
+                self.lifetime_plot.setXRange(float(edges[0]), float(edges[-1]), padding=0.06)
+            _fit(self.lifetime_plot, None, float(hist.max()))
+        if engine.lifetimes_total:
+            stats.append(f"lifetimes: last {len(engine.lifetimes):,} of {engine.lifetimes_total:,} removed, "
+                         f"mean {_seconds(engine.lifetimes_mean_s)}")
 
-    def _show_hot(self, engine) -> None:
         hot = engine.hot
-        if not hot:
-            self.hot_points.setData([], [])
-            theme.set_title(self.hot_plot, "hot prefixes " + theme.muted("(none yet)"))
-            return
         self.hot_points.setData([h.last_gap_s for h in hot], [h.restores for h in hot])
-        theme.set_title(self.hot_plot, f"hot prefixes: {len(hot):,} " + theme.muted("(restores, gap)"))
+        if hot:
+            _fit(self.hot_plot, max(h.last_gap_s for h in hot) * 1.1, float(hot[0].restores) * 1.1,
+                 negative_x=False)
+            stats.append(f"hot: {len(hot):,} block{'s' if len(hot) != 1 else ''} stored again soon after "
+                         f"removal (most: {hot[0].restores}×)")
+        self._set_text(self.plot_stats, theme.muted(" · ".join(stats)))
+        for plot, empty in ((self.lifetime_plot, not engine.lifetimes_total), (self.hot_plot, not hot),
+                            (self.rates_plot, not len(r.x)), (self.resident_plot, not len(r.x))):
+            note = self.empty_notes[plot]
+            note.setVisible(empty)
+            if empty:
+                rect = plot.vb.boundingRect()
+                note.setPos(rect.center())
 
     def _show_engines(self, frame) -> None:
         forest = self.forest_frame
@@ -506,28 +596,54 @@ class AttachWindow(QMainWindow):
         frame = self.forest_frame
         return frame.forest if frame is not None else None
 
+    def _forest_row(self, row: int) -> int:
+        """The whole forest's row of a row of the drawing (they differ while a subtree is focused)."""
+        frame = self.forest_frame
+        if frame is None or frame.shown_rows is None or row < 0:
+            return row
+        return int(frame.shown_rows[row])
+
+    def focus(self, row: int) -> None:
+        """Show only the subtree of the drawing's `row` (re-laid out with the whole budget); -1: everything."""
+        key = self.forest.rows.key(row) if row >= 0 else None
+        self.forest_worker.focus = key
+        self.show_all.setVisible(key is not None)
+        self.forest.summary.setText(self.forest.summary.text() + theme.muted(" · laying out…"))
+
     def _show_forest(self, frame) -> None:
         c = frame.forest.engine.counters
         note = theme.muted(f"as of seq {c.last_seq if c.last_seq is not None else '-'}"
                            + (f", message {frame.position:,}" if frame.position is not None else "")
                            + f" · built in {1000 * frame.build_s:,.0f} ms")
-        self.forest.set_forest(frame.forest.rows, frame.layout, note)
+        if frame.focus is not None:
+            whole = int(frame.forest.rows.blocks().sum())
+            note = (f"<b>subtree of block {short_hash(frame.focus[2])}</b> (of {whole:,} blocks; "
+                    f"double-click another block or show the whole forest) · " + note)
+        self.show_all.setVisible(frame.focus is not None or self.forest_worker.focus is not None)
+        self.forest.set_drawing(frame.drawing, note)
+        self.forest_frames += 1
+        for call in self.forest_shown:
+            call(frame)
         if not len(frame.forest.rows):
             self.forest.set_empty_text("no resident blocks")
         if self.selected_key is not None:
-            self._show_details(self.forest.row_of(self.selected_key) if len(frame.forest.rows) < 200_000 else -1)
+            medium, group, block_hash = self.selected_key
+            self._show_details(frame.forest.block_row(block_hash, medium, group))
 
     def _clicked(self, row: int) -> None:
+        """A click on the drawing's `row`: its details, and its whole prefix."""
         if row < 0:
             return
         self.selected_key = self.forest.rows.key(row)
-        self._show_details(row)
+        self._show_details(self._forest_row(row))
 
     def _show_details(self, row: int) -> None:
-        rows = self.forest.rows
-        if row < 0:
+        """The details of the whole forest's `row` (-1: the selected block is gone)."""
+        forest = self._forest_engine()
+        if row < 0 or forest is None:
             self.details.setPlainText("(the selected block is not resident any more)")
             return
+        rows = forest.rows
         chain, seen = [], set()
         at = row
         while at >= 0 and at not in seen and len(chain) < MAX_PREFIX_BLOCKS:
@@ -535,18 +651,16 @@ class AttachWindow(QMainWindow):
             chain.append(at)
             at = int(rows.parent[at])
         chain.reverse()
-        forest = self.forest_frame.forest if self.forest_frame is not None else None
         lines = [rows.describe(row), ""]
-        if forest is not None:
-            ids = [t for r in chain for t in forest.tokens(r).tolist()]
-            lines.append(f"its prefix: {len(chain)} blocks, {len(ids):,} tokens")
-            if self.detokenizer is not None and ids:
-                try:
-                    lines.append(self.detokenizer(ids[-8192:]))
-                except Exception as error:  # noqa: BLE001 - see attach_model._Texts._text
-                    lines.append(f"(text unavailable: {type(error).__name__})")
-            else:
-                lines.append(" ".join(map(str, ids[-512:])) + "  (give --tokenizer for text)")
+        ids = [t for r in chain for t in forest.tokens(r).tolist()]
+        lines.append(f"its prefix: {len(chain)} blocks, {len(ids):,} tokens")
+        if self.detokenizer is not None and ids:
+            try:
+                lines.append(self.detokenizer(ids[-8192:]))
+            except Exception as error:  # noqa: BLE001 - see attach_model._Texts._text
+                lines.append(f"(text unavailable: {type(error).__name__})")
+        else:
+            lines.append(" ".join(map(str, ids[-512:])) + "  (give --tokenizer for text)")
         self.details.setPlainText("\n".join(lines))
 
     def _show_metrics(self) -> bool:
@@ -638,6 +752,12 @@ def screenshot(path: str, playback, detokenizer=None, position: int | None = Non
     for _ in range(5):
         app.processEvents()
         time.sleep(0.02)
-    ok = window.grab().save(path)
+    if app.platformName() == "xcb":  # the pixels as the X server holds them
+        from . import _grab_from_screen
+
+        image = _grab_from_screen(app, window)
+    else:
+        image = window.grab()
+    ok = image.save(path)
     window.close()
     return ok

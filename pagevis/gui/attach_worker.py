@@ -2,34 +2,78 @@
 made, on a timer (attach_window.py).
 
 - `FleetWorker` owns the source: a live `Attacher` (its ZMQ sockets live and die on this thread) or a recorded
-  `Playback` scrubbed to `target`. Between polls it publishes a `FleetFrame` (snapshots without blocks: counters,
-  rates, lifetimes, hot prefixes) at most 30 times a second, and hands a full snapshot (with blocks) to the
-  forest worker whenever that one is idle and the state has changed.
-- `ForestWorker` turns a full snapshot into the forest (attach_model.build_forest, forest_layout.layout_forest)
-  and the overlap between engines; it waits at least as long as its last build took before taking the next one,
-  so at 1 M blocks it uses at most half a core and the forest updates a few times a second instead of 30.
+  `Playback` scrubbed to `target`. Between polls it publishes a `FleetFrame` (snapshots without blocks:
+  counters, rates, lifetimes, hot prefixes) at most 30 times a second (20 live), and hands a full snapshot (with
+  blocks) to the forest worker whenever that one is idle and the state has changed.
+- `ForestWorker` turns a full snapshot into the forest (attach_model.build_forest, forest_layout.layout_forest,
+  prefix_forest.prepare_drawing: the UI thread only swaps the drawing in) and the overlap between engines. It
+  waits twice as long as its last build took before taking the next one, and at least `min_interval_s` (the
+  window asks for 0.25 s live), so at 1 M blocks it holds the GIL a third of the time at most and the forest
+  updates every few seconds.
 - `MetricsWorker` scrapes `--metrics URL` once a second.
 Each stops when asked (`stop()`: requestInterruption + wait); nothing here raises into the UI: errors become text
 in the frames.
+
+Garbage collection (`GcFreezer`): CPython 3.11 runs a full collection whenever a quarter more objects have
+survived into the oldest generation, and the frames made 30 times a second get there; each full collection then
+traverses every object of the process (Qt, pyqtgraph, the state's million-element lists: 40-180 ms measured,
+holding the GIL, so the UI thread waits). And a full snapshot's tuples of a million hashes, parents, tokens and
+extras cost the next young collection 66 ms. So the window freezes what exists when it starts (`gc.freeze()`:
+moved to the permanent generation, never traversed again), and the fleet worker freezes again after each
+snapshot of FREEZE_ROWS rows or more. Frozen objects are still freed by reference counting (the frames are not
+cyclic); every UNFREEZE_S (5 minutes) the worker unfreezes and collects once (one pause, 100 ms or more at 1 M
+blocks), so cyclic garbage is still reclaimed; closing the window unfreezes.
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from PySide6.QtCore import QThread
 
 from ..attach.metrics import MetricsHistory, scrape
 from ..attach.state import Counters, EngineSnapshot, FleetSnapshot
 from .attach_model import EngineForest, Overlap, build_forest, elsewhere, overlap
-from .views.forest_layout import DEFAULT_BUDGET, ForestLayout, Interrupted, layout_forest
+from .views.forest_layout import DEFAULT_BUDGET, ForestLayout, Interrupted, layout_forest, subtree
+from .views.prefix_forest import ForestDrawing, prepare_drawing
 
-FRAME_S = 1 / 30  # light frames at most this often
+FRAME_S = 1 / 30  # light frames at most this often (a playback that moved; forests)
+LIVE_FRAME_S = 1 / 20  # live: each light frame is a snapshot made with the GIL held; 20 a second show as much
 CHUNK = 2000  # playback messages applied between two looks at the target and the stop flag
 MANY_ENGINES = 64  # beyond this many engines, their summary lines are refreshed twice a second only
+BUILD_RATIO = 2.0  # after a forest that took t to build, wait 2t: the forest worker holds the GIL a third of the time
+FREEZE_ROWS = 100_000  # a full snapshot this large is frozen out of the garbage collector's way (see above)
+UNFREEZE_S = 300.0
+
+
+class GcFreezer:
+    """gc.freeze() now and after big snapshots, unfreeze-collect-freeze every `period_s` (see the module docstring)."""
+
+    def __init__(self, period_s: float = UNFREEZE_S):
+        self.period_s = period_s
+        self.frozen = False
+        self.collected_at = time.monotonic()
+
+    def freeze(self) -> None:
+        gc.freeze()
+        self.frozen = True
+
+    def tick(self) -> None:
+        if self.frozen and time.monotonic() - self.collected_at >= self.period_s:
+            self.collected_at = time.monotonic()
+            gc.unfreeze()
+            gc.collect()
+            gc.freeze()
+
+    def release(self) -> None:
+        if self.frozen:
+            self.frozen = False
+            gc.unfreeze()
 
 
 class LiveSource:
@@ -117,17 +161,20 @@ class FleetFrame:
 class ForestFrame:
     forest: EngineForest
     layout: ForestLayout
+    drawing: ForestDrawing
     overlap: Overlap
     selected: int
     position: int | None
     build_s: float  # forest rows + layout
     snapshot_s: float  # the full snapshot, on the fleet worker
+    focus: tuple | None = None  # (medium, group, hash) whose subtree `drawing` shows; None: the whole forest
+    shown_rows: np.ndarray | None = None  # with a focus: the forest rows drawn (drawing row i is forest row [i])
 
 
 class ForestWorker(QThread):
-    def __init__(self, detokenizer=None, budget: int = DEFAULT_BUDGET, parent=None):
+    def __init__(self, detokenizer=None, budget: int = DEFAULT_BUDGET, min_interval_s: float = 0.0, parent=None):
         super().__init__(parent)
-        self.detokenizer, self.budget = detokenizer, budget
+        self.detokenizer, self.budget, self.min_interval_s = detokenizer, budget, min_interval_s
         self.latest: ForestFrame | None = None
         self.error = ""
         self.builds = 0
@@ -137,6 +184,7 @@ class ForestWorker(QThread):
         self._busy = False
         self._next_at = 0.0
         self._previous: EngineForest | None = None
+        self.focus: tuple | None = None  # (medium, group, hash): lay out only that block's subtree
 
     def idle(self) -> bool:
         return not self._busy and self._pending is None and time.monotonic() >= self._next_at
@@ -171,7 +219,7 @@ class ForestWorker(QThread):
                 self.error = f"forest: {type(error).__name__}: {error}"[:300]
             finally:
                 took = time.monotonic() - began
-                self._next_at = time.monotonic() + max(FRAME_S, took)
+                self._next_at = time.monotonic() + max(FRAME_S, self.min_interval_s, BUILD_RATIO * took)
                 self._busy = False
                 self.builds += 1
 
@@ -183,10 +231,19 @@ class ForestWorker(QThread):
         shared = elsewhere(sets, selected) if len(sets) > 1 else None
         previous = self._previous if self._previous is not None and self._previous.name == engine.name else None
         forest = build_forest(engine, previous, shared, self.detokenizer, position)
-        rows = forest.rows
+        rows, focus, shown = forest.rows, self.focus, None
+        if focus is not None:
+            row = forest.block_row(focus[2], focus[0], focus[1])
+            if row >= 0:
+                shown = subtree(rows.parent, row)
+                rows = rows.subset(shown)
+            else:
+                focus = None  # not resident any more: the whole forest
         layout = layout_forest(rows.parent, rows.tokens, rows.order, self.budget, stop=self.isInterruptionRequested)
+        drawing = prepare_drawing(rows, layout)
         self._previous = forest
-        return ForestFrame(forest, layout, table, selected, position, time.perf_counter() - began, snapshot_s)
+        return ForestFrame(forest, layout, drawing, table, selected, position, time.perf_counter() - began,
+                           snapshot_s, focus, shown)
 
     def stop(self, timeout_ms: int = 5000) -> bool:
         self.requestInterruption()
@@ -195,9 +252,9 @@ class ForestWorker(QThread):
 
 
 class FleetWorker(QThread):
-    def __init__(self, source, forest: ForestWorker | None = None, parent=None):
+    def __init__(self, source, forest: ForestWorker | None = None, freezer: GcFreezer | None = None, parent=None):
         super().__init__(parent)
-        self.source, self.forest = source, forest
+        self.source, self.forest, self.freezer = source, forest, freezer
         self.selected = 0
         self.latest: FleetFrame | None = None
         self.error = ""
@@ -224,8 +281,10 @@ class FleetWorker(QThread):
                         time.sleep(0.05)
                 else:
                     time.sleep(0.05)
+                if self.freezer is not None:
+                    self.freezer.tick()
                 now = time.monotonic()
-                if now - last >= FRAME_S or self._arrived():
+                if now - last >= (LIVE_FRAME_S if self.source.live else FRAME_S) or self._arrived():
                     self._publish(now)
                     last = now
                 self._feed_forest()
@@ -271,7 +330,7 @@ class FleetWorker(QThread):
         frame = self.latest
         if frame is None:
             return
-        key = (frame.selected, frame.position, id(fleet),
+        key = (frame.selected, frame.position, id(fleet), self.forest.focus,
                tuple((line.counters.batches, line.counters.epoch, line.counters.decode_errors)
                      for line in frame.engines))
         if key == self._changed_key or frame.position != self.source.position:
@@ -280,6 +339,8 @@ class FleetWorker(QThread):
         with fleet.lock:
             snapshot = fleet.snapshot(blocks=True)
             position = self.source.position
+        if self.freezer is not None and sum(len(e.blocks.resident) for e in snapshot.engines) >= FREEZE_ROWS:
+            self.freezer.freeze()
         self._changed_key = key
         self.forest.submit(snapshot, frame.selected, position, time.perf_counter() - began)
 

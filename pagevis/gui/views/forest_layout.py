@@ -83,6 +83,28 @@ def _levels(by, count, start, roots, stop) -> list[np.ndarray]:
     return levels
 
 
+def subtree(parent, row: int) -> np.ndarray:
+    """The rows of `row`'s subtree (itself first, then level by level); stops at n rows if links cycle."""
+    parent = np.array(parent, dtype=np.int64)
+    n = len(parent)
+    if not 0 <= row < n:
+        return np.zeros(0, np.int64)
+    parent[(parent < -1) | (parent >= n) | (parent == np.arange(n))] = -1
+    order = np.arange(n)
+    by, count, start, _ = _children_index(parent, order)
+    found, frontier, total = [np.array([row])], np.array([row]), 1
+    while frontier.size and total < n:
+        c = count[frontier]
+        frontier, c = frontier[c > 0], c[c > 0]
+        if not frontier.size:
+            break
+        before = np.cumsum(c) - c
+        frontier = by[np.repeat(start[frontier] - before, c) + np.arange(int(c.sum()))]
+        found.append(frontier)
+        total += len(frontier)
+    return np.unique(np.concatenate(found))[:n] if total >= n else np.concatenate(found)
+
+
 def _segments(parents: np.ndarray) -> np.ndarray:
     """Starts of the runs of equal parents (children come grouped by parent)."""
     if not parents.size:

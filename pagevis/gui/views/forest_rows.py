@@ -85,3 +85,17 @@ class ForestRows:
     def count_by_class(self) -> dict[str, int]:
         counts = np.bincount(self.colour[self.blocks()], minlength=len(self.classes))
         return {c.name: int(n) for c, n in zip(self.classes, counts) if n}
+
+    def subset(self, rows: np.ndarray) -> "ForestRows":
+        """These rows only (a parent outside them makes a root), with keys, texts and labels of the originals."""
+        rows = np.asarray(rows, dtype=np.int64)
+        new = np.full(len(self.parent), -1, np.int64)
+        new[rows] = np.arange(len(rows))
+        parent = self.parent[rows]
+        parent = np.where(parent >= 0, new[np.maximum(parent, 0)], -1)
+        original = rows.tolist()
+        key, describe, label = self.key, self.describe, self.label
+        return ForestRows(parent=parent, tokens=self.tokens[rows], colour=self.colour[rows], flags=self.flags[rows],
+                          order=self.order[rows], classes=self.classes, key=lambda i: key(original[i]),
+                          describe=lambda i: describe(original[i]), label=lambda i: label(original[i]),
+                          meta={**self.meta, "original_rows": rows})

@@ -9,14 +9,16 @@ of (parent row, tokens, colour class, flags, sibling order) with callables for a
 (a few thousand); an adapter builds the columns directly for a million (pagevis/gui/attach_model.py for
 `pagevis attach`).
 
-Scale: `set_forest(rows, layout)` takes a layout made beforehand (on a worker thread, at 1 M rows), or lays out
-itself. At most `budget` boxes are drawn one by one; whole subtrees beyond that are drawn as hatched aggregate
-boxes with their block count (see forest_layout.py). Painting draws the boxes as a few `drawRects` calls, one
-per colour, built once per forest.
+Scale: `set_forest(rows)` lays out and prepares the drawing itself (fine for thousands of rows);
+`set_drawing(prepare_drawing(rows, layout_forest(...)))` takes both made beforehand on a worker thread (what
+the attach window does, for up to millions of rows). At most `budget` boxes are drawn one by one; whole subtrees
+beyond that are drawn as hatched aggregate boxes with their block count (see forest_layout.py). Painting draws
+the boxes as a few `drawRects` calls, one per colour, from QRectF lists built once per forest.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,56 +44,87 @@ def _brush(color: str, alpha: int = 255, style=Qt.SolidPattern) -> QBrush:
     return QBrush(c, style)
 
 
+@dataclass(frozen=True)
+class ForestDrawing:
+    """What the item paints, made by `prepare_drawing` on any thread (NumPy, QRectF and brushes only): the boxes
+    as `drawRects` lists per brush and per mark, plus the counts the legend and summary show."""
+
+    rows: ForestRows
+    layout: ForestLayout
+    boxes: np.ndarray  # drawn boxes (x0, y0, x1, y1), then the aggregates'
+    box_rows: np.ndarray  # the row of each box; -1 - i for aggregate i
+    fills: list  # (brush, [QRectF])
+    marks: list  # (pen, [QRectF])
+    aggregates: list  # [QRectF]
+    blocks: int  # rows that are blocks (not ghosts)
+    by_class: dict  # class name -> blocks
+
+
+def prepare_drawing(rows: ForestRows, layout: ForestLayout) -> ForestDrawing:
+    """The drawing of `rows` laid out as `layout` (costs about 2 µs a drawn box: 40 ms at the default budget, so
+    a window at 1 M blocks makes it on its worker thread)."""
+    drawn = layout.drawn
+    x0, y0 = layout.x[drawn], layout.y[drawn]
+    w = rows.tokens[drawn].astype(np.float64)
+    h = layout.leaves[drawn].astype(np.float64)
+    gap_x = np.minimum(0.06 * w, 0.5)
+    gap_y = np.minimum(0.08 * h, 0.08)
+    boxes = np.column_stack((x0 + gap_x, y0 + gap_y, x0 + w - gap_x, y0 + h - gap_y))
+    aggs = np.column_stack((layout.agg_x0, layout.agg_y0, layout.agg_x1, layout.agg_y1))
+    colour, flags, depth = rows.colour[drawn], rows.flags[drawn], layout.depth[drawn] % 2
+    fills = []
+    ghost = (flags & REMOVED) != 0
+    for index, cls in enumerate(rows.classes):
+        for parity, factor in ((0, 100), (1, 125)):  # alternate shades by depth: neighbours along x differ
+            mask = (colour == index) & (depth == parity) & ~ghost
+            if mask.any():
+                fills.append((_brush(QColor(cls.color).darker(factor).name()), _rects(boxes[mask])))
+    if ghost.any():
+        fills.append((_brush(MARK_COLORS[REMOVED], 90, Qt.Dense4Pattern), _rects(boxes[ghost])))
+    marks = []
+    for flag, width in ((SHARED, 1.5), (HOT, 2.0), (REMOVED, 2.0), (NEWEST, 2.5)):
+        mask = (flags & flag) != 0
+        if mask.any():
+            pen = QPen(QColor(MARK_COLORS[flag]), width)
+            pen.setCosmetic(True)
+            if flag == SHARED:
+                pen.setStyle(Qt.DotLine)
+            marks.append((pen, _rects(boxes[mask])))
+    return ForestDrawing(rows, layout, np.concatenate((boxes, aggs)) if len(aggs) else boxes,
+                         np.concatenate((drawn, -1 - np.arange(len(aggs)))), fills, marks, _rects(aggs),
+                         int(rows.blocks().sum()), rows.count_by_class())
+
+
 class ForestItem(pg.GraphicsObject):
     """Draws a laid-out forest: boxes in view coordinates (x: tokens, y: leaf slots)."""
 
     def __init__(self):
         super().__init__()
-        self.rows = ForestRows.empty()
-        self.layout: ForestLayout | None = None
+        self.drawing = prepare_drawing(ForestRows.empty(), layout_forest([], []))
         self._extent = QRectF()
-        self._fills: list[tuple[QBrush, list[QRectF]]] = []
-        self._marks: list[tuple[QPen, QBrush | None, list[QRectF]]] = []
-        self._aggregates: list[QRectF] = []
-        self.boxes = np.zeros((0, 4))  # drawn boxes (x0, y0, x1, y1), then the aggregates'
-        self.box_rows = np.zeros(0, np.int64)  # the row of each drawn box; -1 - i for aggregate i
         self._labels: dict[int, str] = {}
 
-    def set_forest(self, rows: ForestRows, layout: ForestLayout) -> None:
+    @property
+    def rows(self) -> ForestRows:
+        return self.drawing.rows
+
+    @property
+    def layout(self) -> ForestLayout:
+        return self.drawing.layout
+
+    @property
+    def boxes(self) -> np.ndarray:
+        return self.drawing.boxes
+
+    @property
+    def box_rows(self) -> np.ndarray:
+        return self.drawing.box_rows
+
+    def set_drawing(self, drawing: ForestDrawing) -> None:
         self.prepareGeometryChange()
-        self.rows, self.layout = rows, layout
-        self._extent = QRectF(0, 0, max(layout.width, 1.0), max(layout.height, 1.0))
+        self.drawing = drawing
+        self._extent = QRectF(0, 0, max(drawing.layout.width, 1.0), max(drawing.layout.height, 1.0))
         self._labels = {}
-        drawn = layout.drawn
-        x0, y0 = layout.x[drawn], layout.y[drawn]
-        w = rows.tokens[drawn].astype(np.float64)
-        h = layout.leaves[drawn].astype(np.float64)
-        gap_x = np.minimum(0.06 * w, 0.5)
-        gap_y = np.minimum(0.08 * h, 0.08)
-        boxes = np.column_stack((x0 + gap_x, y0 + gap_y, x0 + w - gap_x, y0 + h - gap_y))
-        aggs = np.column_stack((layout.agg_x0, layout.agg_y0, layout.agg_x1, layout.agg_y1))
-        self.boxes = np.concatenate((boxes, aggs)) if len(aggs) else boxes
-        self.box_rows = np.concatenate((drawn, -1 - np.arange(len(aggs))))
-        colour, flags, depth = rows.colour[drawn], rows.flags[drawn], layout.depth[drawn] % 2
-        self._fills = []
-        ghost = (flags & REMOVED) != 0
-        for index, cls in enumerate(rows.classes):
-            for parity, factor in ((0, 100), (1, 125)):
-                mask = (colour == index) & (depth == parity) & ~ghost
-                if mask.any():
-                    self._fills.append((_brush(QColor(cls.color).darker(factor).name()), _rects(boxes[mask])))
-        if ghost.any():
-            self._fills.append((_brush(MARK_COLORS[REMOVED], 90, Qt.Dense4Pattern), _rects(boxes[ghost])))
-        self._aggregates = _rects(aggs)
-        self._marks = []
-        for flag, width in ((SHARED, 1.5), (HOT, 2.0), (REMOVED, 2.0), (NEWEST, 2.5)):
-            mask = (flags & flag) != 0
-            if mask.any():
-                pen = QPen(QColor(MARK_COLORS[flag]), width)
-                pen.setCosmetic(True)
-                if flag == SHARED:
-                    pen.setStyle(Qt.DotLine)
-                self._marks.append((pen, None, _rects(boxes[mask])))
         self.informViewBoundsChanged()  # the view box refits (unless the user zoomed: the A button refits)
         self.update()
 
@@ -104,15 +137,16 @@ class ForestItem(pg.GraphicsObject):
         outline = QPen(QColor(theme.BACKGROUND), 1)
         outline.setCosmetic(True)
         painter.setPen(outline if sy >= 6 else Qt.NoPen)  # separators only where a leaf is tall enough
-        for brush, rects in self._fills:
+        drawing = self.drawing
+        for brush, rects in drawing.fills:
             painter.setBrush(brush)
             painter.drawRects(rects)
-        if self._aggregates:
+        if drawing.aggregates:
             painter.setPen(QPen(QColor(AGGREGATE_COLOR), 0))
             painter.setBrush(_brush(AGGREGATE_COLOR, 255, Qt.BDiagPattern))
-            painter.drawRects(self._aggregates)
+            painter.drawRects(drawing.aggregates)
         painter.setBrush(Qt.NoBrush)
-        for pen, _, rects in self._marks:
+        for pen, rects in drawing.marks:
             painter.setPen(pen)
             painter.drawRects(rects)
         self._paint_labels(painter, sx, sy)
@@ -178,6 +212,7 @@ class PrefixForestView(QWidget):
 
     hovered = Signal(int)  # the row under the mouse (-1: none; aggregates are not rows)
     clicked = Signal(int)
+    focus_requested = Signal(int)  # a double click: the row whose subtree to show (for an aggregate, its parent)
 
     def __init__(self, parent=None, budget: int = DEFAULT_BUDGET, x_label: str = "tokens into the prefix",
                  y_label: str = "branches (leaf blocks)"):
@@ -218,10 +253,15 @@ class PrefixForestView(QWidget):
         """Show `rows` (laid out here unless `layout` is given); `note` goes after the summary line."""
         if layout is None:
             layout = layout_forest(rows.parent, rows.tokens, rows.order, self.budget)
+        self.set_drawing(prepare_drawing(rows, layout), note)
+
+    def set_drawing(self, drawing: ForestDrawing, note: str = "") -> None:
+        """Show a drawing prepared beforehand (`prepare_drawing`, on a worker thread for large forests)."""
+        rows, layout = drawing.rows, drawing.layout
         self.rows, self.layout = rows, layout
-        self.item.set_forest(rows, layout)
-        self._legend(rows)
-        blocks = int(rows.blocks().sum())
+        self.item.set_drawing(drawing)
+        self._legend(rows, drawing.by_class)
+        blocks = drawing.blocks
         ghosts = len(rows) - blocks
         parts = [f"<b>{blocks:,}</b> blocks"]
         if len(layout.agg_count):
@@ -242,8 +282,7 @@ class PrefixForestView(QWidget):
             self.empty_text.setText(text)
             self.empty_text.setPos(0.5, 0.5)
 
-    def _legend(self, rows: ForestRows) -> None:
-        counts = rows.count_by_class()
+    def _legend(self, rows: ForestRows, counts: dict) -> None:
         swatches = [f"<span style='color:{c.color}'>&#9632;</span>&nbsp;{c.name}&nbsp;{counts.get(c.name, 0):,}"
                     for c in rows.classes]
         marks = [f"<span style='color:{MARK_COLORS[f]}'>&#9633;</span>&nbsp;{name.replace(' ', '&nbsp;')}"
@@ -253,10 +292,10 @@ class PrefixForestView(QWidget):
 
     @property
     def block_count(self) -> int:
-        return int(self.rows.blocks().sum())
+        return self.item.drawing.blocks
 
     def count_by_class(self) -> dict[str, int]:
-        return self.rows.count_by_class()
+        return dict(self.item.drawing.by_class)
 
     def row_of(self, key: Any) -> int:
         """The row whose key is `key` (a scan: for tests and selections, not per frame); -1 if none."""
@@ -280,7 +319,7 @@ class PrefixForestView(QWidget):
 
     # --- mouse --------------------------------------------------------------------------------------------
     def text_at(self, x: float, y: float) -> tuple[int, str]:
-        """(row or -1 - aggregate, hover text) of the box under view point (x, y); (-1, "") for none."""
+        """(what is under view point (x, y), its hover text): a row (≥ 0), an aggregate i as -2 - i, or (-1, "")."""
         box = self.item.box_at(x, y)
         if box < 0:
             return -1, ""
@@ -289,10 +328,11 @@ class PrefixForestView(QWidget):
             return row, self.rows.describe(row)
         i = -1 - row
         lay = self.layout
-        return row, (f"{int(lay.agg_count[i]):,} blocks in collapsed subtrees\n"
-                     f"tokens {lay.agg_x0[i]:,.0f} to {lay.agg_x1[i]:,.0f} of the prefix, "
-                     f"{lay.agg_y1[i] - lay.agg_y0[i]:,.0f} branches\n"
-                     "(more blocks than the view draws one by one: zoom does not expand them)")
+        return -2 - i, (f"{int(lay.agg_count[i]):,} blocks in collapsed subtrees\n"
+                        f"tokens {lay.agg_x0[i]:,.0f} to {lay.agg_x1[i]:,.0f} of the prefix, "
+                        f"{lay.agg_y1[i] - lay.agg_y0[i]:,.0f} branches\n"
+                        "(more blocks than the view draws one by one: double-click to show the subtree they "
+                        "hang from)")
 
     def _hover(self, scene_pos) -> None:
         if not self.plot.sceneBoundingRect().contains(scene_pos):
@@ -315,4 +355,10 @@ class PrefixForestView(QWidget):
             return
         point = self.plot.vb.mapSceneToView(event.scenePos())
         row, _ = self.text_at(point.x(), point.y())
+        if event.double():
+            if row <= -2:  # an aggregate: the drawn block its subtrees hang from
+                row = int(self.layout.agg_parent[-2 - row])
+            if row >= 0:
+                self.focus_requested.emit(row)
+            return
         self.clicked.emit(row if row >= 0 else -1)
