@@ -28,6 +28,7 @@ class BruteForce:
         self.page_last: list[int] = []  # lru/lfu: per page, 2t at a write in step t, 2t + 1 at a use in step t
         self.page_uses: list[int] = []
         self.history: list[dict[int, float]] = []  # snapkv: attention by position, one dict per step
+        self.keys: dict[int, np.ndarray] = {}  # keydiff: each token's key (n_kv, d), set by the caller
         self.step = 0
 
     def append(self, position):
@@ -74,6 +75,8 @@ class BruteForce:
             half = kernel // 2
             pooled = {p: max(seen[max(0, i - half): i + half + 1]) for i, p in enumerate(by_age)}
             return min(by_age[: len(by_age) - window], key=lambda p: (pooled[p], p))
+        if self.policy == "keydiff":
+            return min(by_age, key=lambda p: (keydiff_scores(self.keys, by_age)[p], p))
         raise AssertionError(self.policy)
 
     def observe(self, weights_by_position):
@@ -87,6 +90,16 @@ class BruteForce:
                 self.page_last[i] = 2 * self.step + 1
                 self.page_uses[i] += 1
         self.step += 1
+
+
+def keydiff_scores(keys, resident):
+    """KeyDiff by its definition: per KV head, minus the cosine between a key and the mean of the unit
+    keys; the mean over KV heads."""
+    stacked = np.stack([keys[p] for p in resident]).astype(np.float64)  # (T, n_kv, d)
+    unit = stacked / np.linalg.norm(stacked, axis=-1, keepdims=True)
+    anchor = unit.mean(axis=0)  # (n_kv, d)
+    cosine = np.einsum("thd,hd->th", unit, anchor) / np.linalg.norm(anchor, axis=-1)
+    return dict(zip(resident, -cosine.mean(axis=1)))
 
 
 def random_token(rng):
@@ -109,6 +122,7 @@ def run_both(policy, page_size, max_pages, n_tokens, seed, params=None, ram_fram
     brute = BruteForce(policy, config.capacity, page_size, params)
     rng = np.random.default_rng(seed)
     keys, values = {}, {}
+    brute.keys = keys
     for position in range(n_tokens):
         k, v, q = random_token(rng)
         keys[position], values[position] = k[0], v[0]
@@ -123,14 +137,15 @@ def run_both(policy, page_size, max_pages, n_tokens, seed, params=None, ram_fram
     return cache
 
 
-@pytest.mark.parametrize("policy", ["oldest", "sinks", "h2o", "tova", "oldest-page", "snapkv", "lru", "lfu"])
+@pytest.mark.parametrize("policy", ["oldest", "sinks", "h2o", "tova", "oldest-page", "snapkv", "lru", "lfu",
+                                    "keydiff"])
 @pytest.mark.parametrize("page_size,max_pages", [(1, 12), (4, 3), (8, 4), (5, 5)])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_retained_set_matches_brute_force(policy, page_size, max_pages, seed):
     run_both(policy, page_size, max_pages, n_tokens=4 * page_size * max_pages + 3, seed=seed)
 
 
-@pytest.mark.parametrize("policy", ["oldest", "sinks", "h2o", "tova", "oldest-page"])
+@pytest.mark.parametrize("policy", ["oldest", "sinks", "h2o", "tova", "oldest-page", "keydiff"])
 @pytest.mark.parametrize("page_size,max_pages,ram_frames", [(1, 7, 2), (4, 3, 2), (5, 5, 3)])
 def test_retained_set_with_a_disk_tier_matches_brute_force(policy, page_size, max_pages, ram_frames):
     run_both(policy, page_size, max_pages, n_tokens=4 * page_size * max_pages + 3, seed=2, ram_frames=ram_frames)
@@ -213,7 +228,7 @@ def test_page_use_threshold(policy, params):
 def test_new_policies_keep_different_tokens():
     """The brute-force match means little if the policies coincide: on the same stream they differ."""
     kept = {policy: tuple(run_both(policy, 4, 4, 70, seed=5).resident_positions(0, 0).tolist())
-            for policy in ("oldest-page", "lru", "lfu", "snapkv", "h2o")}
+            for policy in ("oldest-page", "lru", "lfu", "snapkv", "h2o", "keydiff")}
     assert len(set(kept.values())) == len(kept), kept
 
 
@@ -272,3 +287,20 @@ def test_a_prefill_chunk_counts_like_its_tokens_one_by_one(policy):
     view_c, view_s = chunked.view(0, 0), single.view(0, 0)
     occupied = view_c.occupied()
     assert np.allclose(chunked.sequences[0].policy.score(view_c)[occupied], single.sequences[0].policy.score(view_s)[occupied])
+
+
+def test_keydiff_reads_keys_not_attention():
+    """KeyDiff never needs attention weights: its state is fed the keys as they are written, and a cache
+    that never attends evicts exactly as the brute force on keys alone says."""
+    config = CacheConfig(page_size=4, max_pages=3, n_layers=1, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HEAD_DIM,
+                         policy="keydiff")
+    cache = one_sequence(config)
+    assert not cache.sequences[0].policy.uses_attention
+    brute = BruteForce("keydiff", config.capacity, 4, {})
+    rng = np.random.default_rng(11)
+    for position in range(40):
+        k, v, _ = random_token(rng)
+        brute.keys[position] = k[0]
+        cache.append(0, 0, k, v, np.array([position]))  # no attend call at all
+        brute.append(position)
+        assert sorted(brute.resident) == cache.resident_positions(0, 0).tolist()

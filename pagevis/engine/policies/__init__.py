@@ -7,6 +7,7 @@ import dataclasses
 from ..errors import ConfigError
 from .base import EvictionPolicy
 from .h2o import HeavyHitter
+from .keydiff import KeyDiff
 from .lfu import LeastFrequentlyUsedPage
 from .lru import LeastRecentlyUsedPage
 from .none import NoEviction
@@ -20,7 +21,8 @@ from .tova import Tova
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls for cls in (Oldest, OldestPage, Sinks, HeavyHitter, Tova, SnapKV, PyramidKV,
-                              LeastRecentlyUsedPage, LeastFrequentlyUsedPage, RandomEviction, NoEviction)
+                              LeastRecentlyUsedPage, LeastFrequentlyUsedPage, RandomEviction, NoEviction,
+                              KeyDiff)
 }
 
 
@@ -40,10 +42,20 @@ def make_policy(config) -> EvictionPolicy:
             allowed = ", ".join(known) if known else "no parameters"
             raise ConfigError(f"{config.policy}.{key}", config.policy_params[key],
                               f"a parameter of {config.policy!r}; it takes {allowed}")
+    if cls.per_head and (getattr(config, "disk_pages", 0) or getattr(config, "select", "all") == "quest"):
+        raise ConfigError("policy", config.policy, "a token-level policy with a disk tier or quest (a per-head "
+                          "policy's masks apply to attention over pages in RAM only)")
     policy = cls(**config.policy_params)
     policy.bind(config.capacity, config.page_size)
     policy.bind_layers(getattr(config, "n_layers", 1))  # CacheSettings (no model yet) knows no layer count
+    bind_heads(policy, config)
     return policy
+
+
+def bind_heads(policy: EvictionPolicy, config) -> None:
+    """Tell the policy the model's head layout (a one-head layout for settings checked without a model)."""
+    policy.bind_heads(getattr(config, "n_heads", 1), getattr(config, "n_kv_heads", 1),
+                      getattr(config, "head_dim", 64), getattr(config, "rope_base", 10000.0))
 
 
 def layer_capacities(settings, n_layers: int) -> list[int]:
