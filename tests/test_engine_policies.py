@@ -29,6 +29,8 @@ class BruteForce:
         self.page_uses: list[int] = []
         self.history: list[dict[int, float]] = []  # snapkv: attention by position, one dict per step
         self.keys: dict[int, np.ndarray] = {}  # keydiff: each token's key (n_kv, d), set by the caller
+        self.values: dict[int, np.ndarray] = {}  # expected-attention: each token's value, set by the caller
+        self.queries: list[tuple[int, np.ndarray]] = []  # expected-attention: (position, query (heads, d))
         self.step = 0
 
     def append(self, position):
@@ -77,6 +79,10 @@ class BruteForce:
             return min(by_age[: len(by_age) - window], key=lambda p: (pooled[p], p))
         if self.policy == "keydiff":
             return min(by_age, key=lambda p: (keydiff_scores(self.keys, by_age)[p], p))
+        if self.policy == "expected-attention":
+            n_sink = self.params.get("n_sink", 4)
+            scores = expected_attention_scores(self, [p for p in by_age if p >= n_sink], self.step)
+            return min(scores, key=lambda p: (scores[p], p))
         raise AssertionError(self.policy)
 
     def observe(self, weights_by_position):
@@ -102,6 +108,50 @@ def keydiff_scores(keys, resident):
     return dict(zip(resident, -cosine.mean(axis=1)))
 
 
+def expected_attention_scores(brute, candidates, next_position, rope_base=10000.0):
+    """Expected attention by its definition, on complex numbers (a RoPE pair (x[2i], x[2i+1]) is one complex
+    number turned by position * base^(-2i/d)): the mean and covariance of the queries before RoPE at
+    positions >= n_sink, carried by the rotation averaged over the next n_future positions; per query head
+    softmax_k(k·mu/sqrt(d) + kᵀΣk/(2d)) over the candidates, mean over the KV head's group, times ||v||; the
+    mean over KV heads."""
+    params = brute.params
+    n_sink, n_future = params.get("n_sink", 4), params.get("n_future_positions", 512)
+    covariance, vnorm = params.get("use_covariance", 1), params.get("use_vnorm", 1)
+    d = HEAD_DIM
+    turn = rope_base ** (-np.arange(0, d, 2) / d)
+
+    def as_complex(x):
+        return x[..., 0::2] + 1j * x[..., 1::2]
+
+    def as_real(z):
+        return np.stack([z.real, z.imag], axis=-1).reshape(*z.shape[:-1], d)
+
+    before = [as_real(as_complex(q.astype(np.float64)) * np.exp(-1j * p * turn)) for p, q in brute.queries
+              if p >= n_sink]
+    queries = np.array(before).reshape(-1, N_HEADS, d)
+    mean = queries.mean(axis=0) if len(queries) else np.zeros((N_HEADS, d))
+    centred = queries - mean
+    cov = np.einsum("nhi,nhj->hij", centred, centred) / max(len(queries), 1)
+    rotation = np.zeros((d, d))
+    for i, average in enumerate(np.exp(1j * np.outer(np.arange(next_position, next_position + n_future), turn))
+                                .mean(axis=0)):
+        rotation[2 * i: 2 * i + 2, 2 * i: 2 * i + 2] = [[average.real, -average.imag], [average.imag, average.real]]
+    keys = np.stack([brute.keys[p] for p in candidates]).astype(np.float64)  # (T, n_kv, d)
+    values = np.stack([brute.values[p] for p in candidates]).astype(np.float64)
+    per_kv = np.zeros((len(candidates), N_KV))
+    for h in range(N_HEADS):
+        kv = h // GROUP
+        mu, sigma = rotation @ mean[h], rotation @ cov[h] @ rotation.T
+        logits = keys[:, kv] @ mu / np.sqrt(d)
+        if covariance:
+            logits += np.array([k @ sigma @ k for k in keys[:, kv]]) / (2 * d)
+        e = np.exp(logits - logits.max())
+        per_kv[:, kv] += e / e.sum() / GROUP
+    if vnorm:
+        per_kv *= np.linalg.norm(values, axis=-1)
+    return dict(zip(candidates, per_kv.mean(axis=1)))
+
+
 def random_token(rng):
     """One token's K, V (1, N_KV, HEAD_DIM) and query (1, N_HEADS, HEAD_DIM), float32. The queries are
     peaked: some tokens get far more attention than others, as in real models."""
@@ -122,7 +172,7 @@ def run_both(policy, page_size, max_pages, n_tokens, seed, params=None, ram_fram
     brute = BruteForce(policy, config.capacity, page_size, params)
     rng = np.random.default_rng(seed)
     keys, values = {}, {}
-    brute.keys = keys
+    brute.keys, brute.values = keys, values
     for position in range(n_tokens):
         k, v, q = random_token(rng)
         keys[position], values[position] = k[0], v[0]
@@ -133,19 +183,21 @@ def run_both(policy, page_size, max_pages, n_tokens, seed, params=None, ram_fram
         _, weights = dense_attention_f64(q[0], np.stack([keys[p] for p in brute.resident]),
                                          np.stack([values[p] for p in brute.resident]))
         brute.observe(dict(zip(brute.resident, weights.mean(axis=0))))
+        brute.queries.append((position, q[0]))
         assert sorted(brute.resident) == cache.resident_positions(0, 0).tolist(), f"differs at step {position}"
     return cache
 
 
 @pytest.mark.parametrize("policy", ["oldest", "sinks", "h2o", "tova", "oldest-page", "snapkv", "lru", "lfu",
-                                    "keydiff"])
+                                    "keydiff", "expected-attention"])
 @pytest.mark.parametrize("page_size,max_pages", [(1, 12), (4, 3), (8, 4), (5, 5)])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_retained_set_matches_brute_force(policy, page_size, max_pages, seed):
     run_both(policy, page_size, max_pages, n_tokens=4 * page_size * max_pages + 3, seed=seed)
 
 
-@pytest.mark.parametrize("policy", ["oldest", "sinks", "h2o", "tova", "oldest-page", "keydiff"])
+@pytest.mark.parametrize("policy", ["oldest", "sinks", "h2o", "tova", "oldest-page", "keydiff",
+                                    "expected-attention"])
 @pytest.mark.parametrize("page_size,max_pages,ram_frames", [(1, 7, 2), (4, 3, 2), (5, 5, 3)])
 def test_retained_set_with_a_disk_tier_matches_brute_force(policy, page_size, max_pages, ram_frames):
     run_both(policy, page_size, max_pages, n_tokens=4 * page_size * max_pages + 3, seed=2, ram_frames=ram_frames)
@@ -267,7 +319,7 @@ def test_pyramidkv_budget_must_fit_the_pool():
         CacheConfig(page_size=4, max_pages=4, n_layers=4, policy="pyramidkv", policy_params={"budget": 15})
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "snapkv", "h2o"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "snapkv", "h2o", "keydiff", "expected-attention"])
 def test_a_prefill_chunk_counts_like_its_tokens_one_by_one(policy):
     """The session prefills free slots in one chunk (after a page-level eviction too): the statistics a
     chunk leaves must equal those of its tokens fed one at a time."""
@@ -304,3 +356,19 @@ def test_keydiff_reads_keys_not_attention():
         cache.append(0, 0, k, v, np.array([position]))  # no attend call at all
         brute.append(position)
         assert sorted(brute.resident) == cache.resident_positions(0, 0).tolist()
+
+
+@pytest.mark.parametrize("params", [{"use_covariance": 0}, {"use_vnorm": 0}, {"n_future_positions": 1},
+                                    {"n_sink": 0, "n_future_positions": 64}])
+def test_expected_attention_parameters(params):
+    run_both("expected-attention", 4, 3, 40, seed=12, params=params)
+
+
+def test_expected_attention_depends_on_the_queries_and_the_future():
+    """Not a disguised sliding window: it keeps old tokens, and what it keeps changes with the queries' model
+    (covariance on or off) and with how far ahead it looks."""
+    kept = {str(params): tuple(run_both("expected-attention", 4, 4, 60, seed=13, params=params)
+                               .resident_positions(0, 0).tolist())
+            for params in ({}, {"use_covariance": 0}, {"n_future_positions": 1})}
+    assert len(set(kept.values())) == 3, kept
+    assert min(kept["{}"][4:]) < 60 - 16

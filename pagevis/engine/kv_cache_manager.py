@@ -385,7 +385,7 @@ class KVCacheManager:
             holes.remove(flat)
             seq.resident[layer] += 1
             state.clear(flat)
-            state.write(flat, k[i], v[i])
+            state.write(flat, k[i], v[i], int(position))
             if keep is not None:
                 keep[:, flat] = True
             self._event(E.WRITE, seq_id, layer, *divmod(flat, self.page_size), int(position))

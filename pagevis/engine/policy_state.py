@@ -40,9 +40,9 @@ class PolicyState:
         tokens actually read; m of them). Slots not read got no attention this step. Called only for
         policies with `uses_attention`."""
 
-    def write(self, flat: int, k: np.ndarray, v: np.ndarray) -> None:
-        """A token's key and value, each (n_kv_heads, head_dim) as the model made them (after RoPE), were
-        written into slot `flat` (just after `clear(flat)`). Called for every policy."""
+    def write(self, flat: int, k: np.ndarray, v: np.ndarray, position: int) -> None:
+        """The key and value of the token at `position`, each (n_kv_heads, head_dim) as the model made them
+        (after RoPE), were written into slot `flat` (just after `clear(flat)`). Called for every policy."""
 
     def query(self, q: np.ndarray, positions: np.ndarray) -> None:
         """One attention call's queries (n, n_heads, head_dim), after RoPE, at `positions`; before the

@@ -6,6 +6,7 @@ import dataclasses
 
 from ..errors import ConfigError
 from .base import EvictionPolicy
+from .expected_attention import ExpectedAttention
 from .h2o import HeavyHitter
 from .keydiff import KeyDiff
 from .lfu import LeastFrequentlyUsedPage
@@ -22,7 +23,7 @@ from .tova import Tova
 POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls for cls in (Oldest, OldestPage, Sinks, HeavyHitter, Tova, SnapKV, PyramidKV,
                               LeastRecentlyUsedPage, LeastFrequentlyUsedPage, RandomEviction, NoEviction,
-                              KeyDiff)
+                              KeyDiff, ExpectedAttention)
 }
 
 

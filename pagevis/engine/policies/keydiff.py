@@ -13,7 +13,7 @@ class UnitKeys(PolicyState):
         super().__init__(n_slots)
         self.unit = self.add_array("unit_keys", np.float32, (n_kv_heads, head_dim))
 
-    def write(self, flat, k, v):
+    def write(self, flat, k, v, position):
         norm = np.linalg.norm(k, axis=-1, keepdims=True)
         self.unit[flat] = k / np.where(norm > 0, norm, 1)
 
