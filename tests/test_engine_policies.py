@@ -372,3 +372,207 @@ def test_expected_attention_depends_on_the_queries_and_the_future():
             for params in ({}, {"use_covariance": 0}, {"n_future_positions": 1})}
     assert len(set(kept.values())) == 3, kept
     assert min(kept["{}"][4:]) < 60 - 16
+
+
+class PerHeadBruteForce:
+    """AdaKV by its definition, over one set of kept positions per KV head (SnapKV, TOVA or KeyDiff scores
+    per KV head), with attention computed per query head over its KV head's kept tokens."""
+
+    def __init__(self, scorer, capacity, budget, safeguard_pct=20, window=8, kernel=7):
+        self.scorer, self.capacity, self.budget = scorer, capacity, budget
+        self.n_safe = budget * safeguard_pct // 100
+        self.window, self.kernel = window, kernel
+        self.kept: list[set[int]] = [set() for _ in range(N_KV)]
+        self.history: list[np.ndarray] = []  # per step, (N_KV, positions so far + 1): group-mean attention
+        self.keys: dict[int, np.ndarray] = {}
+
+    def resident(self):
+        return sorted(set().union(*self.kept))
+
+    def head_scores(self):
+        """{(kv, position): score} for every kept entry."""
+        tokens = self.resident()
+        scores = {}
+        for kv in range(N_KV):
+            if self.scorer == "keydiff":
+                mine = sorted(self.kept[kv])
+                if not mine:
+                    continue
+                unit = np.stack([self.keys[p][kv] / np.linalg.norm(self.keys[p][kv]) for p in mine])
+                anchor = unit.mean(axis=0)
+                for p, u in zip(mine, unit):
+                    scores[kv, p] = -(u @ anchor) / np.linalg.norm(anchor)
+                continue
+            if self.scorer == "tova":
+                last = self.history[-1] if self.history else np.zeros((N_KV, 1))
+                for p in self.kept[kv]:
+                    scores[kv, p] = last[kv, p] if p < last.shape[1] else 0.0
+                continue
+            seen = [sum(h[kv, p] for h in self.history[-self.window:] if p < h.shape[1]) for p in tokens]
+            half = self.kernel // 2
+            for i, p in enumerate(tokens):
+                if p in self.kept[kv]:
+                    scores[kv, p] = max(seen[max(0, i - half): i + half + 1])
+        return scores
+
+    def protected(self):
+        return set(self.resident()[-self.window:]) if self.scorer == "snapkv" else set()
+
+    def append(self, position):
+        need = sum(map(len, self.kept)) + N_KV - N_KV * self.budget
+        if need > 0:
+            scores = self.head_scores()
+            shielded = self.protected()
+            entries = []  # (tier, score, position, head): plain entries go first, then safeguarded, then protected
+            for kv in range(N_KV):
+                best = sorted(self.kept[kv], key=lambda p: (scores[kv, p], p), reverse=True)[: self.n_safe]
+                entries += [(2 if p in shielded else 1 if p in best else 0, scores[kv, p], p, kv)
+                            for p in self.kept[kv]]
+            for _, _, p, kv in sorted(entries)[:need]:
+                self.kept[kv].discard(p)
+        if len(self.resident()) == self.capacity:  # no slot: the token whose best head scores lowest goes
+            scores = self.head_scores()
+            shielded = self.protected()
+            best = {p: max(scores[kv, p] for kv in range(N_KV) if p in self.kept[kv]) for p in self.resident()}
+            victim = min((p for p in best if p not in shielded), key=lambda p: (best[p], p))
+            for kept in self.kept:
+                kept.discard(victim)
+        for kept in self.kept:
+            kept.add(position)
+
+    def attend(self, q, keys, values):
+        """Per query head over its KV head's kept tokens; records the group means by position."""
+        out = np.zeros((N_HEADS, HEAD_DIM))
+        row = np.zeros((N_KV, max(keys) + 1))
+        for h in range(N_HEADS):
+            kv = h // GROUP
+            mine = sorted(self.kept[kv])
+            o, w = dense_attention_f64(q[h][None], np.stack([keys[p][kv] for p in mine])[:, None],
+                                       np.stack([values[p][kv] for p in mine])[:, None])
+            out[h] = o[0]
+            row[kv, mine] += w[0] / GROUP
+        self.history.append(row)
+        return out
+
+
+def adakv_policy(scorer, budget, safeguard_pct=20):
+    from pagevis.engine.policies import POLICIES, AdaKV
+
+    return AdaKV(budget=budget, safeguard_pct=safeguard_pct).wrap(POLICIES[scorer]())
+
+
+def run_adakv(scorer, page_size, max_pages, budget, n_tokens, seed, safeguard_pct=20, n_seqs=1):
+    """The cache (holding n_seqs - 1 other sequences too, so that attention gathers through block tables)
+    against the per-head brute force: each KV head's kept set, and the attention output, every step."""
+    config = CacheConfig(page_size=page_size, max_pages=max_pages * n_seqs, n_layers=1, n_heads=N_HEADS,
+                         n_kv_heads=N_KV, head_dim=HEAD_DIM, policy="sinks")
+    from pagevis.engine import KVCacheManager
+
+    cache = KVCacheManager(config)
+    for other in range(1, n_seqs):
+        cache.add_sequence(other)
+        x = np.ones((3, N_KV, HEAD_DIM), np.float32)
+        cache.append(other, 0, x, x, np.arange(3))
+    policy = adakv_policy(scorer, budget, safeguard_pct)
+    policy.bind(max_pages * page_size, page_size)
+    policy.bind_layers(1)
+    policy.bind_heads(N_HEADS, N_KV, HEAD_DIM, 10000.0)
+    cache.add_sequence(0, policy)
+    brute = PerHeadBruteForce(scorer, max_pages * page_size, budget, safeguard_pct)
+    rng = np.random.default_rng(seed)
+    keys, values = brute.keys, {}
+    for position in range(n_tokens):
+        k, v, q = random_token(rng)
+        keys[position], values[position] = k[0], v[0]
+        cache.step = position
+        cache.append(0, 0, k, v, np.array([position]))
+        result = cache.attend(0, 0, q, np.array([position]))
+        brute.append(position)
+        expected = brute.attend(q[0], keys, values)
+        keep = cache.sequences[0].head_keep[0]
+        positions = cache.stores[0].positions
+        for kv in range(N_KV):
+            held = sorted(positions[keep[kv] & (positions >= 0)].tolist())
+            assert held == sorted(brute.kept[kv]), f"KV head {kv} differs at step {position}"
+        assert cache.resident_positions(0, 0).tolist() == brute.resident()
+        assert np.allclose(result.output[0], expected, atol=1e-5)
+        assert cache.head_entries(0, 0) == sum(map(len, brute.kept)) <= N_KV * budget
+    return cache
+
+
+@pytest.mark.parametrize("scorer", ["snapkv", "tova", "keydiff"])
+@pytest.mark.parametrize("page_size,max_pages,budget", [(1, 16, 12), (4, 4, 12), (4, 6, 12), (5, 4, 14)])
+def test_adakv_matches_its_per_head_brute_force(scorer, page_size, max_pages, budget):
+    run_adakv(scorer, page_size, max_pages, budget, n_tokens=3 * page_size * max_pages + 5, seed=21)
+
+
+@pytest.mark.parametrize("safeguard_pct", [0, 50, 100])
+def test_adakv_safeguard(safeguard_pct):
+    run_adakv("snapkv", 4, 6, 12, 70, seed=22, safeguard_pct=safeguard_pct)
+
+
+def test_adakv_gathers_through_block_tables_beside_other_sequences():
+    run_adakv("tova", 4, 4, 10, 50, seed=23, n_seqs=2)
+
+
+def test_adakv_heads_keep_different_tokens_and_slots_free_both_ways():
+    """Heads do diverge (else AdaKV would be token eviction); a slot is freed when its last head drops it,
+    and, when the pool runs out of slots first, a whole token goes."""
+    cache = run_adakv("snapkv", 4, 4, 14, 80, seed=24)
+    events = cache.take_events()
+    masks = [e for e in events if e.kind is EventKind.MASK]
+    evictions = [e for e in events if e.kind is EventKind.EVICT]
+    assert {e.detail for e in masks} == set(range(N_KV))
+    assert {e.reason for e in evictions} == {"dropped by every KV head", AdaKVReason}
+    keep = cache.sequences[0].head_keep[0] & (cache.stores[0].positions >= 0)
+    assert (keep[0] != keep[1]).any()
+
+
+AdaKVReason = "lowest score among all KV heads' entries"
+
+
+def test_per_head_masks_survive_fork_and_copy_on_write():
+    """A forked child reads exactly what its parent read (masks and all), and its writes into the shared
+    partial page copy the page without changing the parent's view."""
+    cache = run_adakv("tova", 4, 8, 10, 40, seed=25)
+    parent = cache.sequences[0]
+    q = (2.5 * np.random.default_rng(26).standard_normal((1, N_HEADS, HEAD_DIM))).astype(np.float32)
+    before = cache.attend(0, 0, q, np.array([40])).output
+    cache.extend(0, range(40))  # the token ids fork counts (run_adakv writes K/V only)
+    cache.fork(0, 1)
+    assert cache.head_entries(1, 0) == cache.head_entries(0, 0)
+    both = cache.attend(0, 0, q, np.array([40])).output
+    child = cache.attend(1, 0, q, np.array([40])).output
+    assert np.allclose(before, both) and np.allclose(before, child)
+    x = np.zeros((1, N_KV, HEAD_DIM), np.float32)
+    cache.append(1, 0, x, x, np.array([40]))
+    assert cache.cow_total >= 1
+    assert np.allclose(cache.attend(0, 0, q, np.array([40])).output, before)
+    assert parent.head_keep[0].shape == (N_KV, cache.stores[0].n_slots)
+
+
+def test_adakv_over_expected_attention_holds_its_budget():
+    config = CacheConfig(page_size=4, max_pages=8, n_layers=1, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HEAD_DIM,
+                         policy="sinks")
+    cache = one_sequence(config)
+    cache.free(0)
+    policy = adakv_policy("expected-attention", 10)
+    policy.bind(32, 4)
+    policy.bind_layers(1)
+    policy.bind_heads(N_HEADS, N_KV, HEAD_DIM, 10000.0)
+    cache.add_sequence(0, policy)
+    rng = np.random.default_rng(27)
+    for position in range(60):
+        k, v, q = random_token(rng)
+        cache.append(0, 0, k, v, np.array([position]))
+        cache.attend(0, 0, q, np.array([position]))
+        assert cache.head_entries(0, 0) <= N_KV * 10
+    kept = cache.sequences[0].head_keep[0] & (cache.stores[0].positions >= 0)
+    assert all(set(range(4)) <= set(cache.stores[0].positions[kept[kv]].tolist()) for kv in range(N_KV))  # sinks
+
+
+def test_per_head_policies_refuse_a_disk_tier_and_quest():
+    with pytest.raises(ConfigError, match="token-level policy with a disk tier or quest"):
+        CacheConfig(page_size=4, max_pages=4, disk_pages=8, policy="adakv")
+    with pytest.raises(ConfigError, match="token-level policy"):
+        CacheConfig(page_size=4, max_pages=4, select="quest", policy="adakv")

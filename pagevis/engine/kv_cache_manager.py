@@ -232,8 +232,8 @@ class KVCacheManager:
         seq.resident[layer] += int(store.fill[page])
         held = store.positions[page * ps: (page + 1) * ps] >= 0
         seq.holes[layer].update((page * ps + np.flatnonzero(~held)).tolist())
-        if seq.head_keep[layer] is not None:  # a prefix hit: every head keeps the page's tokens
-            seq.head_keep[layer][:, page * ps: (page + 1) * ps] = held
+        if seq.head_keep[layer] is not None and first_position is not None:  # a prefix hit: all heads keep it
+            seq.head_keep[layer][:, page * ps: (page + 1) * ps] = held  # (a fork keeps its parent's masks)
         self._event(E.SHARE, seq.seq_id, layer, page, detail=int(store.pages.ref_counts[page]))
 
     # --- questions -------------------------------------------------------------------------------

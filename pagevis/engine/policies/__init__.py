@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import ConfigError
+from .adakv import AdaKV
 from .base import EvictionPolicy
 from .expected_attention import ExpectedAttention
 from .h2o import HeavyHitter
@@ -23,7 +24,7 @@ from .tova import Tova
 POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls for cls in (Oldest, OldestPage, Sinks, HeavyHitter, Tova, SnapKV, PyramidKV,
                               LeastRecentlyUsedPage, LeastFrequentlyUsedPage, RandomEviction, NoEviction,
-                              KeyDiff, ExpectedAttention)
+                              KeyDiff, ExpectedAttention, AdaKV)
 }
 
 
