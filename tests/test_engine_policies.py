@@ -576,3 +576,119 @@ def test_per_head_policies_refuse_a_disk_tier_and_quest():
         CacheConfig(page_size=4, max_pages=4, disk_pages=8, policy="adakv")
     with pytest.raises(ConfigError, match="token-level policy"):
         CacheConfig(page_size=4, max_pages=4, select="quest", policy="adakv")
+
+
+def duo_cache(page_size, max_pages, n_layers, scores, **params):
+    from pagevis.engine import KVCacheManager
+    from pagevis.engine.policies import DuoAttention
+
+    config = CacheConfig(page_size=page_size, max_pages=max_pages, n_layers=n_layers, n_heads=N_HEADS,
+                         n_kv_heads=N_KV, head_dim=HEAD_DIM, policy="sinks")
+    cache = KVCacheManager(config)
+    policy = DuoAttention(**params).calibrated(scores)
+    policy.bind(config.capacity, page_size)
+    policy.bind_layers(n_layers)
+    policy.bind_heads(N_HEADS, N_KV, HEAD_DIM, 10000.0)
+    cache.add_sequence(0, policy)
+    return cache, policy
+
+
+@pytest.mark.parametrize("params", [{}, {"n_sink": 0, "recent": 3}, {"streaming_pct": 75, "recent": 5},
+                                    {"streaming_pct": 0}, {"streaming_pct": 100, "recent": 6}])
+@pytest.mark.parametrize("page_size,max_pages", [(4, 6), (5, 4)])
+def test_duo_matches_its_brute_force(params, page_size, max_pages):
+    """Streaming KV heads keep sinks + the recent newest, retrieval heads everything the layer holds (its
+    oldest non-sink token leaves every head when it is full): per layer and KV head, and the attention."""
+    n_layers, n_tokens = 2, 60
+    scores = np.array([[0.5, 0.1], [0.3, 0.9]])  # streaming first: (0, 1), then (1, 0), (0, 0), (1, 1)
+    cache, policy = duo_cache(page_size, max_pages, n_layers, scores, **params)
+    n_sink, recent = params.get("n_sink", 4), params.get("recent", 28)
+    n_streaming = round(4 * params.get("streaming_pct", 50) / 100)
+    streaming = {(0, 1), (1, 0), (0, 0), (1, 1)}
+    streaming = set(list(((0, 1), (1, 0), (0, 0), (1, 1)))[:n_streaming])
+    assert {tuple(x) for x in np.argwhere(policy.streaming)} == streaming
+    capacity = page_size * max_pages
+    kept = [[set() for _ in range(N_KV)] for _ in range(n_layers)]
+    rng = np.random.default_rng(31)
+    keys, values = {}, {}
+    for position in range(n_tokens):
+        k, v, q = random_token(rng)
+        keys[position], values[position] = k[0], v[0]
+        for layer in range(n_layers):
+            heads = kept[layer]
+            for kv in range(N_KV):
+                if (layer, kv) in streaming:
+                    heads[kv] -= {p for p in heads[kv] if n_sink <= p <= position - recent}
+            union = set().union(*heads)
+            if len(union) == capacity:
+                victim = min(p for p in union if p >= n_sink)
+                for held in heads:
+                    held.discard(victim)
+            for held in heads:
+                held.add(position)
+            cache.append(0, layer, k, v, np.array([position]))
+            out = cache.attend(0, layer, q, np.array([position])).output[0]
+            keep = cache.sequences[0].head_keep[layer] & (cache.stores[layer].positions >= 0)
+            for kv in range(N_KV):
+                assert sorted(cache.stores[layer].positions[keep[kv]].tolist()) == sorted(heads[kv]), (layer, kv)
+                for h in range(kv * GROUP, (kv + 1) * GROUP):
+                    mine = sorted(heads[kv])
+                    expected, _ = dense_attention_f64(q[0, h][None], np.stack([keys[p][kv] for p in mine])[:, None],
+                                                      np.stack([values[p][kv] for p in mine])[:, None])
+                    assert np.allclose(out[h], expected[0], atol=1e-5)
+
+
+def test_duo_budget_gives_retrieval_heads_what_streaming_heads_leave():
+    """With a budget, a layer's KV heads together hold n_kv x budget entries: 2 KV heads, one streaming
+    (n_sink + recent = 8 entries) leaves the retrieval head 2 x 12 - 8 = 16 tokens; a layer with no streaming
+    head holds 12, one with only streaming heads 8."""
+    scores = np.array([[0.1, 0.9], [0.5, 0.6], [0.2, 0.3]])  # 50% of 6 = 3 streaming: (0,0), (2,0), (2,1)
+    cache, policy = duo_cache(4, 5, 3, scores, n_sink=2, recent=6, budget=12)
+    assert policy.budgets == [16, 12, 8]
+    rng = np.random.default_rng(32)
+    for position in range(50):
+        k, v, q = random_token(rng)
+        for layer in range(3):
+            cache.append(0, layer, k, v, np.array([position]))
+            cache.attend(0, layer, q, np.array([position]))
+    assert [cache.head_entries(0, layer) for layer in range(3)] == [24, 24, 16]
+    assert [cache.resident(0, layer) for layer in range(3)] == [16, 12, 8]
+    with pytest.raises(ConfigError, match="duo.budget.*layer 0 needs 22 tokens"):
+        duo_cache(4, 5, 3, scores, n_sink=2, recent=6, budget=15)
+
+
+def test_duo_ships_a_calibration_for_smollm2_only():
+    from pagevis.engine.policies.duo import shipped_calibration
+
+    shipped = shipped_calibration()
+    scores = np.array(shipped["scores"])
+    assert scores.shape == (30, 3) and (scores > 0).all()
+    config = CacheConfig(page_size=16, max_pages=4, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, policy="duo")
+    from pagevis.engine import make_policy
+
+    policy = make_policy(config)
+    assert policy.streaming.sum() == 45
+    assert scores[policy.streaming].max() <= scores[~policy.streaming].min()
+    with pytest.raises(ConfigError, match="duo's shipped one is for SmolLM2-135M-Instruct"):
+        CacheConfig(page_size=4, max_pages=4, n_layers=2, n_heads=4, n_kv_heads=2, policy="duo")
+
+
+def test_duo_calibration_measures_what_streaming_changes():
+    """scripts/calibrate_duo.py on a small synthetic model: scores are positive relative output errors and
+    the lost attention a share, over the queries past n_sink + recent; a wider window loses less."""
+    import importlib.util
+    from pathlib import Path
+
+    from pagevis.model.synthetic import SyntheticModel
+
+    spec = importlib.util.spec_from_file_location(
+        "calibrate_duo", Path(__file__).resolve().parent.parent / "scripts" / "calibrate_duo.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    model = SyntheticModel(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, seed=3)
+    ids = np.arange(40) % 200
+    short = script.calibrate(model, ids, n_sink=2, recent=4, chunk=16)
+    assert short["queries"] == 34 and short["scores"].shape == (2, 2)
+    assert (short["scores"] > 0).all() and ((short["lost_attention"] > 0) & (short["lost_attention"] < 1)).all()
+    wide = script.calibrate(model, ids, n_sink=2, recent=20, chunk=16)
+    assert wide["queries"] == 18 and (wide["lost_attention"] < short["lost_attention"]).all()

@@ -7,6 +7,7 @@ import dataclasses
 from ..errors import ConfigError
 from .adakv import AdaKV
 from .base import EvictionPolicy
+from .duo import DuoAttention
 from .expected_attention import ExpectedAttention
 from .h2o import HeavyHitter
 from .keydiff import KeyDiff
@@ -24,7 +25,7 @@ from .tova import Tova
 POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls for cls in (Oldest, OldestPage, Sinks, HeavyHitter, Tova, SnapKV, PyramidKV,
                               LeastRecentlyUsedPage, LeastFrequentlyUsedPage, RandomEviction, NoEviction,
-                              KeyDiff, ExpectedAttention, AdaKV)
+                              KeyDiff, ExpectedAttention, AdaKV, DuoAttention)
 }
 
 
