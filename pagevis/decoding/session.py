@@ -51,8 +51,8 @@ class DecodeSession:
         self.engine = Engine(model, self.config, BatchConfig(max_seqs=1), max_chunk=None, hold_finished=True)
         self.cache_config = self.engine.cache_config
         self.cache = self.engine.cache
-        self.oracle = (FullCacheOracle(model, self.cache_config, len(self.prompt_ids) + self.config.max_new_tokens)
-                       if self.config.oracle else None)
+        self.oracle = (FullCacheOracle(model, self.cache_config, len(self.prompt_ids) + self.config.max_new_tokens,
+                                       self.record_layers) if self.config.oracle else None)
         self._hooks: list[StepHook] = []
         self._policy = policy
         self._submit()

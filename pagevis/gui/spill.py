@@ -22,7 +22,8 @@ from ..decoding import OracleStep, StepRecord, TierStep
 from ..engine import CacheEvent, EventKind
 
 PARTS = ("token_ids", "positions", "slot_maps", "protected", "scores", "block_tables", "events", "attention_layers",
-         "attention", "tier_counts", "page_maps", "block_frames", "recall")  # the last four: empty without tiers
+         "attention", "tier_counts", "page_maps", "block_frames", "recall",  # these four: empty without tiers
+         "lost_by_head")  # empty without the oracle's per-head lost attention
 EVENT_DTYPE = np.dtype([("kind", "i1"), ("step", "i4"), ("layer", "i4"), ("page", "i4"), ("slot", "i4"),
                         ("position", "i8"), ("policy", "i2"), ("reason", "i2"), ("score", "f8"),
                         ("frame", "i4"), ("seq", "i4"), ("detail", "i8")])
@@ -89,7 +90,9 @@ class RecordSpill:
                  np.ascontiguousarray(tiers.page_maps, np.int32) if tiers else nothing,
                  frames if tiers else nothing,
                  np.asarray(tiers.recall, np.float32) if tiers and tiers.recall is not None
-                 else np.zeros(0, np.float32))
+                 else np.zeros(0, np.float32),
+                 np.asarray(record.oracle.lost_by_head, np.float32)
+                 if record.oracle is not None and record.oracle.lost_by_head is not None else np.zeros(0, np.float32))
         blob = b"".join(memoryview(np.ascontiguousarray(p)).cast("B") for p in parts)
         os.pwrite(self._fd, blob, self._end)
         sizes = np.cumsum([0] + [p.nbytes for p in parts]) + self._end
@@ -175,8 +178,10 @@ class RecordSpill:
                                   int(e["frame"]), int(e["seq"]), int(e["detail"]))
                        for e in part("events", EVENT_DTYPE))
         s = self._small[index]
+        by_head = part("lost_by_head", np.float32)
         oracle = OracleStep(float(s["kl"]), bool(s["top1"]), float(s["lp_bounded"]), float(s["lp_full"]),
-                            float(s["lost"])) if s["has_oracle"] else None
+                            float(s["lost"]), by_head.reshape(len(attention_layers), -1) if by_head.size else None
+                            ) if s["has_oracle"] else None
         timings = {name: float(v) for name, v in zip(TIMINGS, self._timings[index]) if v == v}
         next_token = int(s["next_token"])
         return StepRecord(
