@@ -60,7 +60,8 @@ class FullCacheOracle:
             top1_agree=bool(np.argmax(full) == np.argmax(part)),
             logprob_bounded=float(part[chosen]), logprob_full=float(full[chosen]),
             lost_attention=float(np.mean(self._lost)),
-            lost_by_head=self.lost_by_head[list(self.record_layers)].copy() if self.record_layers else None,
+            lost_by_head=(tuple(map(tuple, self.lost_by_head[list(self.record_layers)].tolist()))
+                          if self.record_layers else None),
         )
 
     def _attend(self, layer, q, k, v, positions):

@@ -206,7 +206,7 @@ class DecodeSession:
                 block_frames=self._frames.record(len(self.records), [
                     s.frame_of[np.asarray(table, dtype=np.int64)].tolist()
                     for s, table in zip(self.cache.stores, seq.block_tables, strict=True)]),
-                recall=None if self.oracle is None else self.oracle.recall)
+                recall=None if self.oracle is None else self.oracle.recall.copy())  # (the oracle reuses its array)
         return StepRecord(
             step=len(self.records), kind=kind, token_ids=tuple(int(t) for t in tokens),
             positions=tuple(int(p) for p in positions), next_token=int(next_token),

@@ -22,8 +22,9 @@ from ..decoding import OracleStep, StepRecord, TierStep
 from ..engine import CacheEvent, EventKind
 
 PARTS = ("token_ids", "positions", "slot_maps", "protected", "scores", "block_tables", "events", "attention_layers",
-         "attention", "tier_counts", "page_maps", "block_frames", "recall",  # these four: empty without tiers
-         "lost_by_head")  # empty without the oracle's per-head lost attention
+         "attention", "tier_counts", "page_maps", "block_frames", "recall")  # the last four: empty without tiers
+# "recall" holds the oracle's float32 rows: the tier recall (n_layers, with tiers and the oracle), then its lost
+# attention per recorded layer and head (with the oracle): one part, so a record's row of offsets stays as small
 EVENT_DTYPE = np.dtype([("kind", "i1"), ("step", "i4"), ("layer", "i4"), ("page", "i4"), ("slot", "i4"),
                         ("position", "i8"), ("policy", "i2"), ("reason", "i2"), ("score", "f8"),
                         ("frame", "i4"), ("seq", "i4"), ("detail", "i8")])
@@ -89,10 +90,7 @@ class RecordSpill:
                  np.ascontiguousarray(tiers.counts, np.int64) if tiers else np.zeros(0, np.int64),
                  np.ascontiguousarray(tiers.page_maps, np.int32) if tiers else nothing,
                  frames if tiers else nothing,
-                 np.asarray(tiers.recall, np.float32) if tiers and tiers.recall is not None
-                 else np.zeros(0, np.float32),
-                 np.asarray(record.oracle.lost_by_head, np.float32)
-                 if record.oracle is not None and record.oracle.lost_by_head is not None else np.zeros(0, np.float32))
+                 _oracle_floats(record))
         blob = b"".join(memoryview(np.ascontiguousarray(p)).cast("B") for p in parts)
         os.pwrite(self._fd, blob, self._end)
         sizes = np.cumsum([0] + [p.nbytes for p in parts]) + self._end
@@ -178,10 +176,11 @@ class RecordSpill:
                                   int(e["frame"]), int(e["seq"]), int(e["detail"]))
                        for e in part("events", EVENT_DTYPE))
         s = self._small[index]
-        by_head = part("lost_by_head", np.float32)
+        floats = part("recall", np.float32)
+        by_head = floats[layers:] if part("tier_counts", np.int64).size and s["has_oracle"] else floats
         oracle = OracleStep(float(s["kl"]), bool(s["top1"]), float(s["lp_bounded"]), float(s["lp_full"]),
-                            float(s["lost"]), by_head.reshape(len(attention_layers), -1) if by_head.size else None
-                            ) if s["has_oracle"] else None
+                            float(s["lost"]), tuple(map(tuple, by_head.reshape(len(attention_layers), -1).tolist()))
+                            if by_head.size else None) if s["has_oracle"] else None
         timings = {name: float(v) for name, v in zip(TIMINGS, self._timings[index]) if v == v}
         next_token = int(s["next_token"])
         return StepRecord(
@@ -203,12 +202,20 @@ class RecordSpill:
         layers = tables.shape[0]
         maps = part("page_maps", np.int32)
         frames = part("block_frames", np.int32).reshape(tables.shape)
-        recall = part("recall", np.float32)
+        recall = part("recall", np.float32)[:layers]  # (the oracle's lost attention per head follows)
         return TierStep(counts=counts.reshape(layers, -1),
                         page_maps=maps.reshape(len(attention_layers), -1, self.shape[2]),
                         block_frames=tuple(tuple(int(f) for f in frames[layer, : int((tables[layer] >= 0).sum())])
                                            for layer in range(layers)),
                         recall=recall if recall.size else None)
+
+
+def _oracle_floats(record: StepRecord) -> np.ndarray:
+    """The record's "recall" part: the tier recall, then the oracle's lost attention per recorded layer and head."""
+    tiers, oracle = record.tiers, record.oracle
+    recall = np.asarray(tiers.recall, np.float32).ravel() if tiers and tiers.recall is not None else np.zeros(0)
+    by_head = np.asarray(oracle.lost_by_head, np.float32).ravel() if oracle and oracle.lost_by_head else np.zeros(0)
+    return np.concatenate([recall, by_head]).astype(np.float32)
 
 
 def _grow(array: np.ndarray, needed: int) -> np.ndarray:

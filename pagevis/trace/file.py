@@ -326,8 +326,8 @@ def _decode(header: dict, a: dict[str, np.ndarray]) -> Trace:
             kl, agree, lp_bounded, lp_full, lost = a["oracle"][i].tolist()
             by_head = a["oracle_lost_by_head"][i] if "oracle_lost_by_head" in a and layers else None
             oracle = OracleStep(kl=kl, top1_agree=bool(agree), logprob_bounded=lp_bounded, logprob_full=lp_full,
-                                lost_attention=lost,
-                                lost_by_head=None if by_head is None or np.isnan(by_head).all() else by_head)
+                                lost_attention=lost, lost_by_head=None if by_head is None or np.isnan(by_head).all()
+                                else tuple(map(tuple, by_head.tolist())))
         records.append(StepRecord(
             step=int(a["step"][i]), kind=kinds[int(a["kind"][i])],
             token_ids=tuple(a["token_ids"][t0:t1].tolist()), positions=tuple(a["positions"][t0:t1].tolist()),
