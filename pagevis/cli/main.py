@@ -16,7 +16,7 @@ from . import options
 from .metrics_port import add_metrics_option, start_metrics_server
 from .options import ArgumentParser, UsageError
 
-COMMANDS = ("run", "compare", "bench", "replay", "serve")
+COMMANDS = ("run", "compare", "bench", "replay", "serve", "attach")
 USER_ERROR = 2
 INTERNAL_ERROR = 70  # sysexits.h EX_SOFTWARE: a bug, not a bad input
 MAX_STEPS = 100_000
@@ -27,6 +27,7 @@ USAGE = """pagevis [options]            open the app (options below preset it)
        pagevis bench [--quick]      paged vs dense attention, storage, decode speed
        pagevis replay FILE          open a trace file in the app
        pagevis serve [options]      HTTP API: attention, sessions, OpenAI-compatible completions, /metrics
+       pagevis attach ENDPOINT ...  a vLLM / SGLang engine's KV cache from its ZMQ KV events
        pagevis COMMAND --help       the options of a command"""
 
 
@@ -48,11 +49,11 @@ def add_debug_option(parser: argparse.ArgumentParser) -> None:
 
 
 def command_parser() -> ArgumentParser:
-    from . import bench, compare, replay, run, serve
+    from . import attach, bench, compare, replay, run, serve
 
     parser = ArgumentParser(prog="pagevis", usage=USAGE)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser, prog="pagevis")
-    for module in (run, compare, bench, replay, serve):
+    for module in (run, compare, bench, replay, serve, attach):
         command = module.add_parser(commands)
         command.add_argument(
             "--blas-threads", type=int, default=1, metavar="N",

@@ -17,6 +17,7 @@ from typing import Iterator
 import numpy as np
 
 from ..engine import CacheFullError, ConfigError, EventKind, make_policy
+from ..engine.event_array import EventArray, Strings
 from ..errors import check_int
 from .batch import BatchConfig
 from .engine import Engine
@@ -65,6 +66,7 @@ class DecodeSession:
         self._evictions = 0
         # the records' block tables (and RAM frames) as changes, not one copy per step
         self._tables = TableLog(self.cache_config.n_layers)
+        self._strings = Strings()  # the records' events as arrays, their texts interned here
         self._frames = TableLog(self.cache_config.n_layers)
 
     def restart(self) -> None:
@@ -170,7 +172,7 @@ class DecodeSession:
         return record
 
     def _record(self, kind, tokens, positions, next_token, oracle_step) -> StepRecord:
-        events = tuple(self.engine.last_events)
+        events = EventArray.pack(self.engine.last_events, self._strings)
         self._evictions += sum(1 for e in events if e.kind is EventKind.EVICT)
         cfg = self.cache_config
         seq = self.cache.sequences[self.seq_id]
