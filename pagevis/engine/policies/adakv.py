@@ -55,6 +55,10 @@ class AdaKV(EvictionPolicy):
         self.budget = self.check_int_param("budget", self.budget, 1, self.capacity)
         self.n_safe = self.budget * self.safeguard_pct // 100
 
+    def pool_tokens(self):
+        """Slots the heads' tokens may spread over: n_kv_heads x budget (each head keeping other tokens)."""
+        return self.n_kv_heads * self.budget
+
     def make_state(self, n_slots):
         return self.inner.make_state(n_slots)
 

@@ -53,6 +53,10 @@ class EvictionPolicy:
         """Tokens this layer may hold before the policy evicts (the whole pool unless overridden)."""
         return self.capacity
 
+    def pool_tokens(self) -> int:
+        """Slots per layer the pool needs for this policy's budget (bound to a large pool): its largest layer."""
+        return max(self.layer_capacity(layer) for layer in range(self.n_layers))
+
     def make_state(self, n_slots: int) -> PolicyState:
         """The per-layer statistics this policy learns from (its `state_class`, unless it needs parameters)."""
         return self.state_class(n_slots)
