@@ -692,3 +692,16 @@ def test_duo_calibration_measures_what_streaming_changes():
     assert (short["scores"] > 0).all() and ((short["lost_attention"] > 0) & (short["lost_attention"] < 1)).all()
     wide = script.calibrate(model, ids, n_sink=2, recent=20, chunk=16)
     assert wide["queries"] == 18 and (wide["lost_attention"] < short["lost_attention"]).all()
+
+
+def test_layer_capacities_of_duo_follow_the_model_layout():
+    """The page grid's per-layer capacities: duo with a budget sizes each layer by its streaming heads; without
+    the layout (a trace that does not say) the calibration does not apply and the settings refuse it."""
+    from pagevis.decoding import SessionConfig
+    from pagevis.engine import layer_capacities
+
+    settings = SessionConfig(page_size=16, max_pages=8, policy="duo", policy_params={"budget": 64})
+    capacities = layer_capacities(settings, 30, 9, 3)
+    assert len(capacities) == 30 and max(capacities) == 128 and min(capacities) == 32
+    with pytest.raises(ConfigError):
+        layer_capacities(settings, 30, 9, 1)

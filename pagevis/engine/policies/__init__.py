@@ -61,8 +61,10 @@ def bind_heads(policy: EvictionPolicy, config) -> None:
                       getattr(config, "head_dim", 64), getattr(config, "rope_base", 10000.0))
 
 
-def layer_capacities(settings, n_layers: int) -> list[int]:
-    """Tokens each layer may hold under these settings' policy (all the pool, except for pyramidkv)."""
+def layer_capacities(settings, n_layers: int, n_heads: int = 1, n_kv_heads: int = 1) -> list[int]:
+    """Tokens each layer may hold under these settings' policy (all the pool, except for pyramidkv and duo with
+    a budget) for a model of this layout."""
     policy = make_policy(settings)
     policy.bind_layers(n_layers)
+    policy.bind_heads(n_heads, n_kv_heads, getattr(settings, "head_dim", 64), getattr(settings, "rope_base", 10000.0))
     return [policy.layer_capacity(layer) for layer in range(n_layers)]

@@ -96,7 +96,7 @@ class DuoAttention(EvictionPolicy):
         return max(window, (self.n_kv_heads * self.budget - n_streaming * window) // (self.n_kv_heads - n_streaming))
 
     def layer_capacity(self, layer):
-        return self.budgets[layer]
+        return self.budgets[layer] if layer < len(self.budgets) else self.capacity
 
     def score(self, pages):
         return pages.positions.astype(float)
