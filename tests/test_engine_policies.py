@@ -705,3 +705,18 @@ def test_layer_capacities_of_duo_follow_the_model_layout():
     assert len(capacities) == 30 and max(capacities) == 128 and min(capacities) == 32
     with pytest.raises(ConfigError):
         layer_capacities(settings, 30, 9, 1)
+
+
+def test_adakv_prefill_chunks_stop_where_its_entries_run_out():
+    """The scheduler's room for a per-head policy counts entries: adakv at budget B in a pool of n_kv x B slots
+    prefills B tokens in one chunk, then one token at a time (as a token-level policy at B does), so it never
+    drops entries mid-chunk on scores that have not seen the chunk."""
+    config = CacheConfig(page_size=4, max_pages=8, n_layers=1, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HEAD_DIM,
+                         policy="adakv", policy_params={"budget": 16})
+    cache = one_sequence(config)
+    assert cache.room(0) == 16
+    rng = np.random.default_rng(33)
+    k, v, q = random_token(rng)
+    keys = np.repeat(k, 16, axis=0)
+    cache.append(0, 0, keys, keys, np.arange(16))
+    assert cache.room(0) == 0 and cache.head_entries(0, 0) == N_KV * 16 and cache.resident(0, 0) == 16

@@ -274,9 +274,14 @@ class KVCacheManager:
                    for layer, store in enumerate(self.stores))
 
     def room(self, seq_id: int) -> int:
-        """Tokens the sequence can still add before its policy must evict (its budget, not the pool)."""
+        """Tokens the sequence can still add before its policy must evict (its budget, not the pool; for a
+        per-head policy also before it must drop an entry, so that a prefill chunk never evicts mid-chunk on
+        statistics that have not seen the chunk)."""
         seq = self.sequences[seq_id]
-        return min(seq.policy.layer_capacity(layer) - seq.resident[layer] for layer in range(len(self.stores)))
+        rooms = [seq.policy.layer_capacity(layer) - seq.resident[layer] for layer in range(len(self.stores))]
+        if seq.policy.per_head:
+            rooms += [seq.policy.head_room(self.view(seq_id, layer)) for layer in range(len(self.stores))]
+        return min(rooms)
 
     def can_append(self, seq_id: int, n: int) -> bool:
         """Whether n more tokens fit, by eviction if the policy evicts. Check before a step so that a

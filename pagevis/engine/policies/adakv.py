@@ -75,6 +75,9 @@ class AdaKV(EvictionPolicy):
         """A token's best score over the heads that keep it (what a whole-token eviction goes by)."""
         return np.where(pages.kept(), self.head_scores(pages), -np.inf).max(axis=0)
 
+    def head_room(self, pages):
+        return (self.n_kv_heads * self.budget - int(pages.kept().sum())) // self.n_kv_heads
+
     def choose_head_victims(self, pages):
         kept = pages.kept()
         n_kv = kept.shape[0]

@@ -71,6 +71,11 @@ class EvictionPolicy:
         then keep per-head statistics (`self.head_stats`, set before `make_state`)."""
         raise NotImplementedError(f"policy {self.name!r} does not score per KV head")
 
+    def head_room(self, pages: LayerView) -> int:
+        """Per-head policies: tokens that can be written before the policy must drop an entry on its scores
+        (the whole pool unless overridden: a drop by position needs no statistics)."""
+        return self.capacity
+
     def choose_head_victims(self, pages: LayerView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per-head policies: the (KV head, flat slot) entries to drop before the next token is written,
         as (heads, slots, scores). A token-level policy drops none."""
