@@ -208,3 +208,14 @@ def test_estimate_and_progress_say_how_long(model):
     progress.started -= 30  # 30 s in, a quarter done: about 90 s left
     progress.update(25, "sinks @ 64")
     assert "25/100 0:30 ~1:30 left sinks @ 64" in stream.getvalue()
+
+
+def test_per_head_rows_hold_the_entries_of_their_budget(model, reference):
+    """compare's adakv at budget B: n_kv x B entries per layer in a pool of n_kv x B slots (where its heads'
+    tokens may spread); every layer's entries stay within the budget; lost attention is not claimed."""
+    n_kv = model.config.n_kv_heads
+    choice = quality.PolicyChoice("adakv", {})
+    max_pages, params = quality.session_pages(choice, 32, 8, model.config)
+    assert params["budget"] == 32 and max_pages * 8 == n_kv * 32
+    row = quality.evaluate(model, reference, choice, budget=32, page_size=8)
+    assert row.ppl is not None and row.evictions > 0 and row.lost_attention is None and "per-head" in row.note

@@ -52,8 +52,8 @@ class DecodeSession:
         self.engine = Engine(model, self.config, BatchConfig(max_seqs=1), max_chunk=None, hold_finished=True)
         self.cache_config = self.engine.cache_config
         self.cache = self.engine.cache
-        self.oracle = (FullCacheOracle(model, self.cache_config, len(self.prompt_ids) + self.config.max_new_tokens)
-                       if self.config.oracle else None)
+        self.oracle = (FullCacheOracle(model, self.cache_config, len(self.prompt_ids) + self.config.max_new_tokens,
+                                       self.record_layers) if self.config.oracle else None)
         self._hooks: list[StepHook] = []
         self._policy = policy
         self._submit()
@@ -208,7 +208,7 @@ class DecodeSession:
                 block_frames=self._frames.record(len(self.records), [
                     s.frame_of[np.asarray(table, dtype=np.int64)].tolist()
                     for s, table in zip(self.cache.stores, seq.block_tables, strict=True)]),
-                recall=None if self.oracle is None else self.oracle.recall)
+                recall=None if self.oracle is None else self.oracle.recall.copy())  # (the oracle reuses its array)
         return StepRecord(
             step=len(self.records), kind=kind, token_ids=tuple(int(t) for t in tokens),
             positions=tuple(int(p) for p in positions), next_token=int(next_token),

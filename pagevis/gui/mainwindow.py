@@ -35,6 +35,7 @@ from .views import ViewState
 from .views.attention import AttentionView
 from .views.events import EventsView
 from .views.heads import HeadsView
+from .views.histogram import HistogramView
 from .views.metrics import MetricsView
 from .views.page_grid import PageGridView
 from .views.text import TextView
@@ -113,7 +114,9 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.events = EventsView()
         self.metrics = MetricsView()
         self.heads = HeadsView()
-        self.views = [self.page_grid, self.attention, self.text, self.events, self.metrics, self.heads]
+        self.histogram = HistogramView()
+        self.views = [self.page_grid, self.attention, self.text, self.events, self.metrics, self.heads,
+                      self.histogram]
         self.messages = MessagesPanel()
         self.docks: dict[str, QDockWidget] = {}
         self.setDockNestingEnabled(True)
@@ -149,6 +152,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.splitDockWidget(d["Text"], d["Eviction events"], Qt.Horizontal)
         self.splitDockWidget(d["Eviction events"], d["Metrics"], Qt.Horizontal)
         self.tabifyDockWidget(d["Attention"], d["Heads"])  # heads per KV group: a tab behind the heatmap
+        self.tabifyDockWidget(d["Attention"], d["Weights"])  # the step's weights as a histogram: another tab
         d["Attention"].raise_()
         self.addDockWidget(Qt.BottomDockWidgetArea, d["Messages"])
         d["Messages"].hide()

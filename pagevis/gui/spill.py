@@ -23,6 +23,8 @@ from ..engine.event_array import EVENT_DTYPE, EventArray, Strings, to_rows
 
 PARTS = ("token_ids", "positions", "slot_maps", "protected", "scores", "block_tables", "events", "attention_layers",
          "attention", "tier_counts", "page_maps", "block_frames", "recall")  # the last four: empty without tiers
+# "recall" holds the oracle's float32 rows: the tier recall (n_layers, with tiers and the oracle), then its lost
+# attention per recorded layer and head (with the oracle): one part, so a record's row of offsets stays as small
 SMALL = np.dtype([("kind", "i1"), ("next_token", "i8"), ("resident", "i4"), ("pages_used", "i4"),
                   ("evictions_total", "i8"), ("has_oracle", "?"), ("kl", "f8"), ("top1", "?"), ("lp_bounded", "f8"),
                   ("lp_full", "f8"), ("lost", "f8")])
@@ -81,8 +83,7 @@ class RecordSpill:
                  np.ascontiguousarray(tiers.counts, np.int64) if tiers else np.zeros(0, np.int64),
                  np.ascontiguousarray(tiers.page_maps, np.int32) if tiers else nothing,
                  frames if tiers else nothing,
-                 np.asarray(tiers.recall, np.float32) if tiers and tiers.recall is not None
-                 else np.zeros(0, np.float32))
+                 _oracle_floats(record))
         blob = b"".join(memoryview(np.ascontiguousarray(p)).cast("B") for p in parts)
         os.pwrite(self._fd, blob, self._end)
         sizes = np.cumsum([0] + [p.nbytes for p in parts]) + self._end
@@ -157,8 +158,11 @@ class RecordSpill:
         tables = part("block_tables", np.int32).reshape(layers, -1)
         events = EventArray(part("events", EVENT_DTYPE), self._strings)
         s = self._small[index]
+        floats = part("recall", np.float32)
+        by_head = floats[layers:] if part("tier_counts", np.int64).size and s["has_oracle"] else floats
         oracle = OracleStep(float(s["kl"]), bool(s["top1"]), float(s["lp_bounded"]), float(s["lp_full"]),
-                            float(s["lost"])) if s["has_oracle"] else None
+                            float(s["lost"]), tuple(map(tuple, by_head.reshape(len(attention_layers), -1).tolist()))
+                            if by_head.size else None) if s["has_oracle"] else None
         timings = {name: float(v) for name, v in zip(TIMINGS, self._timings[index]) if v == v}
         next_token = int(s["next_token"])
         return StepRecord(
@@ -180,12 +184,20 @@ class RecordSpill:
         layers = tables.shape[0]
         maps = part("page_maps", np.int32)
         frames = part("block_frames", np.int32).reshape(tables.shape)
-        recall = part("recall", np.float32)
+        recall = part("recall", np.float32)[:layers]  # (the oracle's lost attention per head follows)
         return TierStep(counts=counts.reshape(layers, -1),
                         page_maps=maps.reshape(len(attention_layers), -1, self.shape[2]),
                         block_frames=tuple(tuple(int(f) for f in frames[layer, : int((tables[layer] >= 0).sum())])
                                            for layer in range(layers)),
                         recall=recall if recall.size else None)
+
+
+def _oracle_floats(record: StepRecord) -> np.ndarray:
+    """The record's "recall" part: the tier recall, then the oracle's lost attention per recorded layer and head."""
+    tiers, oracle = record.tiers, record.oracle
+    recall = np.asarray(tiers.recall, np.float32).ravel() if tiers and tiers.recall is not None else np.zeros(0)
+    by_head = np.asarray(oracle.lost_by_head, np.float32).ravel() if oracle and oracle.lost_by_head else np.zeros(0)
+    return np.concatenate([recall, by_head]).astype(np.float32)
 
 
 def _grow(array: np.ndarray, needed: int) -> np.ndarray:

@@ -154,6 +154,9 @@ def _encode(trace: Trace) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
         "event_frame": lambda: events["frame"].astype(np.int32),
         "event_seq": lambda: events["seq"].astype(np.int32),
         "event_detail": lambda: events["detail"].astype(np.int64),
+        "oracle_lost_by_head": lambda: _stack((r.oracle.lost_by_head if r.oracle is not None and
+                                               r.oracle.lost_by_head is not None else np.nan for r in records),
+                                              (len(records), len(attention_layers), n_heads), np.float32),
         "has_tiers": lambda: np.array(tiered, dtype=bool),
         "tier_counts": lambda: _stack((r.tiers.counts if r.tiers else 0 for r in records),
                                       (len(records), n_layers, len(COUNT_NAMES)), np.int64),
@@ -307,8 +310,10 @@ def _decode(header: dict, a: dict[str, np.ndarray]) -> Trace:
         oracle = None
         if a["has_oracle"][i]:
             kl, agree, lp_bounded, lp_full, lost = a["oracle"][i].tolist()
+            by_head = a["oracle_lost_by_head"][i] if "oracle_lost_by_head" in a and layers else None
             oracle = OracleStep(kl=kl, top1_agree=bool(agree), logprob_bounded=lp_bounded, logprob_full=lp_full,
-                                lost_attention=lost)
+                                lost_attention=lost, lost_by_head=None if by_head is None or np.isnan(by_head).all()
+                                else tuple(map(tuple, by_head.tolist())))
         records.append(StepRecord(
             step=int(a["step"][i]), kind=kinds[int(a["kind"][i])],
             token_ids=tuple(a["token_ids"][t0:t1].tolist()), positions=tuple(a["positions"][t0:t1].tolist()),
