@@ -11,7 +11,7 @@ import httpx
 import uvicorn
 
 from pagevis.decoding import ModelSpec
-from pagevis.serve.app import create_app
+from pagevis.serve.app import Server, create_app
 from pagevis.serve.settings import ServeSettings
 
 SYNTH = ModelSpec(kind="synthetic", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=3)
@@ -31,7 +31,7 @@ class Running:
 def running_server(settings: ServeSettings | None = None, model=None, **limits):
     settings = settings or ServeSettings(model_spec=SYNTH, **limits)
     app = create_app(settings, model)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    server = Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"), app)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20

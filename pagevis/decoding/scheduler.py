@@ -10,6 +10,9 @@ it found in the prefix cache). Preemption always recomputes: with a disk tier ev
 disk frame and RAM is only a cache of them, so a step never runs out of RAM — only out of page ids, which
 swapping cannot give back.
 
+A paused request (a server's session between calls) holds its pages but neither runs nor counts against
+`max_running`, and is never preempted.
+
 The scheduler never touches pages: it asks the cache manager what a chunk needs and whether it fits.
 """
 
@@ -40,6 +43,11 @@ class Scheduler:
     @property
     def idle(self) -> bool:
         return not self.waiting and not any(not r.paused for r in self.running)
+
+    @property
+    def n_active(self) -> int:
+        """Running requests that are not paused (a paused one holds its pages, not a place in the batch)."""
+        return sum(1 for r in self.running if not r.paused)
 
     def add(self, request: Request, front: bool = False) -> None:
         if front:
@@ -80,7 +88,7 @@ class Scheduler:
                                      f"of sequence {active[0].seq_id} alone; raise pool_pages")
             self.preempt(active[-1])
         used = sum(len(tokens) for _, tokens, _ in plan)
-        while self.waiting and len(self.running) < self.max_running and (budget is None or used < budget):
+        while self.waiting and self.n_active < self.max_running and (budget is None or used < budget):
             request = self.waiting[0]
             cache.add_sequence(request.seq_id, request.policy)
             request.n_cached = cache.match_prefix(request.seq_id, request.tokens)
