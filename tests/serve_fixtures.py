@@ -22,6 +22,7 @@ class Running:
     url: str
     app: object
     client: httpx.Client
+    server: object = None
 
     def metrics_text(self) -> str:
         return self.client.get("/metrics").text
@@ -43,7 +44,7 @@ def running_server(settings: ServeSettings | None = None, model=None, **limits):
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(base_url=url, timeout=60) as client:
-            yield Running(url, app, client)
+            yield Running(url, app, client, server)
     finally:
         server.should_exit = True
         thread.join(timeout=20)

@@ -1,0 +1,143 @@
+"""The server is one engine: requests batched together decode exactly what each decodes alone (greedy and
+seeded sampling, with eviction, prefix hits, chunked prefill and parallel samples), and a bounded load of
+64 streaming clients — a quarter leaving mid-stream, a tenth malformed — gets no 5xx, every stream that stays
+ends with a finish_reason, and the pool is left as it started."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from serve_fixtures import SYNTH, running_server
+from test_serve_load import scrape, value
+
+from pagevis.decoding import DecodeSession, SamplingConfig, SessionConfig
+
+SHARED = "A shared system prompt about pages of keys and values, long enough to fill several pages. "
+# (prompt, cache settings, temperature, seed, max_tokens)
+REQUESTS = [
+    (SHARED + "First question?", {"page_size": 4, "max_pages": 12, "policy": "sinks"}, 0, None, 30),
+    (SHARED + "Second question?", {"page_size": 4, "max_pages": 12, "policy": "sinks"}, 0.8, 7, 30),
+    (SHARED + "Third one, a bit longer than the others?", {"page_size": 4, "max_pages": 40}, 0, None, 24),
+    ("Something else entirely.", {"page_size": 4, "max_pages": 5, "policy": "h2o"}, 0, None, 40),
+    ("Evicting by attention, sampled.", {"page_size": 4, "max_pages": 6, "policy": "tova"}, 1.0, 3, 40),
+    ("Oldest first.", {"page_size": 4, "max_pages": 4, "policy": "oldest"}, 0.7, 11, 35),
+    (SHARED + "A page size of its own.", {"page_size": 8, "max_pages": 20}, 0, None, 20),
+    ("short", {"page_size": 4, "max_pages": 8, "policy": "sinks"}, 0, None, 45),
+]
+
+
+def alone(prompt: str, cache: dict, temperature: float, seed: int | None, max_tokens: int) -> str:
+    """The request decoded by a DecodeSession of its own (its own engine and pool)."""
+    sampling = SamplingConfig(mode="sample", temperature=temperature, seed=seed) if temperature else SamplingConfig()
+    config = SessionConfig(**cache, max_new_tokens=max_tokens, chat=False, sampling=sampling)
+    session = DecodeSession(SYNTH.load(), prompt, config)
+    list(session.run())
+    return session.text()
+
+
+def complete(client: httpx.Client, prompt, cache, temperature, seed, max_tokens, stream: bool) -> str:
+    body = {"model": "synthetic", "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature,
+            "pagevis": cache, "stream": stream}
+    if seed is not None:
+        body["seed"] = seed
+    if not stream:
+        answer = client.post("/v1/completions", json=body)
+        assert answer.status_code == 200, answer.text
+        return answer.json()["choices"][0]["text"]
+    text = ""
+    with client.stream("POST", "/v1/completions", json=body) as answer:
+        for line in answer.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def test_batching_never_changes_results():
+    expected = [alone(*request) for request in REQUESTS]
+    # a small token budget: prompts are prefilled in chunks between the others' decode steps
+    with running_server(token_budget=12, max_running=4) as running:
+        for rounds in range(2):  # the second round finds the first's pages in the prefix cache
+            barrier = threading.Barrier(len(REQUESTS))
+
+            def run(index: int) -> str:
+                with httpx.Client(base_url=running.url, timeout=120) as client:
+                    barrier.wait()
+                    return complete(client, *REQUESTS[index], stream=index % 2 == 0)
+
+            with ThreadPoolExecutor(len(REQUESTS)) as pool:
+                got = list(pool.map(run, range(len(REQUESTS))))
+            assert got == expected, [i for i, (a, b) in enumerate(zip(got, expected)) if a != b]
+        samples = scrape(running.metrics_text())
+        assert value(samples, "pagevis_prefix_cache_hits_total") > 0
+        many = running.client.post("/v1/completions", json={"model": "synthetic", "prompt": "pages", "max_tokens": 12,
+                                                            "temperature": 0.9, "seed": 5, "n": 3}).json()
+        texts = [c["text"] for c in many["choices"]]
+        assert texts == [alone("pages", {}, 0.9, 5 + i, 12) for i in range(3)]
+
+
+def test_64_streaming_clients_a_quarter_leaving_a_tenth_malformed():
+    with running_server() as running:
+        rng = random.Random(0)
+        roles = ["leave"] * 16 + ["bad"] * 6 + ["stay"] * 42
+        rng.shuffle(roles)
+        results: list = [None] * len(roles)
+
+        def client(index: int) -> None:
+            role = roles[index]
+            cache = {"page_size": 4 if index % 2 else 8, "max_pages": 6 + index % 5,
+                     "policy": ("sinks", "h2o", "oldest")[index % 3]}
+            body = {"model": "synthetic", "messages": [{"role": "system", "content": SHARED},
+                                                       {"role": "user", "content": f"question {index}"}],
+                    "max_tokens": 20 + index % 30, "temperature": 0 if index % 4 else 0.9, "stream": True,
+                    "pagevis": cache}
+            if role == "bad":
+                body = [dict(body, temperature=-1), dict(body, messages=[]), dict(body, max_tokens=10**6),
+                        dict(body, pagevis={"page_size": 0}), dict(body, model="nope"), "not json"][index % 6]
+            with httpx.Client(base_url=running.url, timeout=120) as http:
+                if isinstance(body, str):
+                    answer = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+                    results[index] = ("bad", answer.status_code, None)
+                    return
+                with http.stream("POST", "/v1/chat/completions", json=body) as answer:
+                    if answer.status_code != 200:
+                        answer.read()
+                        results[index] = (role, answer.status_code, None)
+                        return
+                    finish, chunks = None, 0
+                    for line in answer.iter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        chunks += 1
+                        if role == "leave" and chunks == 3:
+                            break  # closes the connection mid-stream
+                        finish = json.loads(line[6:])["choices"][0]["finish_reason"] or finish
+                    results[index] = (role, answer.status_code, finish)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(roles))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(180)
+        assert not any(thread.is_alive() for thread in threads)
+        assert all(status < 500 for _, status, _ in results), results
+        assert all(400 <= status < 500 for role, status, _ in results if role == "bad")
+        stayed = [finish for role, status, finish in results if role == "stay"]
+        assert len(stayed) == 42 and all(finish in ("stop", "length") for finish in stayed), stayed
+        # afterwards the pools are as they started: nothing held, every block free, nothing running or waiting
+        engines = running.app.state.engines
+        for core in engines.cores.values():
+            done = core.call(lambda c=core: [(s.pages.ref_counts.max(), s.pages.n_free(), s.pages.n_frames)
+                                             for s in c.engine.cache.stores]).result(30)
+            assert all(top == 0 and free == frames for top, free, frames in done), done
+            assert not core.engine.requests and not core.outputs
+        health = running.client.get("/healthz").json()
+        assert (health["running"], health["waiting"], health["in_flight"]) == (0, 0, 0)
+        samples = scrape(running.metrics_text())
+        assert value(samples, "pagevis_requests_running") == value(samples, "pagevis_requests_waiting") == 0
+        assert value(samples, "pagevis_kv_cache_usage_ratio") == 0
+        assert not any(name == "pagevis_http_requests_total" and dict(labels)["status"].startswith("5")
+                       for (name, labels) in samples)
