@@ -11,6 +11,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 from serve_fixtures import SYNTH, running_server
 from test_serve_load import scrape, value
 
@@ -141,3 +142,58 @@ def test_64_streaming_clients_a_quarter_leaving_a_tenth_malformed():
         assert value(samples, "pagevis_kv_cache_usage_ratio") == 0
         assert not any(name == "pagevis_http_requests_total" and dict(labels)["status"].startswith("5")
                        for (name, labels) in samples)
+
+
+def test_preemption_under_memory_pressure_keeps_results_and_is_counted():
+    """A pool too small for every request at once: the newest are preempted (freed, recomputed later), and
+    each still decodes what it decodes alone."""
+    requests = [(f"Request number {i} asks about pages.", {"page_size": 4, "max_pages": 20}, 0, None, 30)
+                for i in range(4)]
+    expected = [alone(*request) for request in requests]
+    with running_server(pool_pages=40, max_running=4) as running:
+        with ThreadPoolExecutor(len(requests)) as pool:
+            got = list(pool.map(lambda r: complete(httpx.Client(base_url=running.url, timeout=120), *r,
+                                                   stream=True), requests))
+        assert got == expected
+        samples = scrape(running.metrics_text())
+        assert value(samples, "pagevis_preemptions_total") > 0
+        assert value(samples, "pagevis_cache_events_total", kind="preempt") == value(samples, "pagevis_preemptions_total")
+        assert value(samples, "pagevis_e2e_request_latency_seconds_count") == 4
+        assert value(samples, "pagevis_request_queue_time_seconds_count") == 4
+
+
+def test_a_session_among_other_requests_records_only_its_own_pages():
+    """While completions decode in the same pool, a session's records (block tables, slot maps, scores,
+    attention, events) equal those of a DecodeSession alone: its pages renumbered as a pool of its own."""
+    from pagevis.trace import record_differences
+
+    config = {"page_size": 4, "max_pages": 6, "policy": "h2o", "max_tokens": 24, "record_layers": [0, 1]}
+    direct = DecodeSession(SYNTH.load(), "A session among others.", SessionConfig(
+        page_size=4, max_pages=6, policy="h2o", max_new_tokens=24, record_layers=(0, 1)))
+    list(direct.run())
+    with running_server(token_budget=None) as running:
+        body = {"model": "synthetic", "prompt": "Another request in the pool.", "max_tokens": 300,
+                "temperature": 0, "stream": True, "ignore_eos": True, "pagevis": {"page_size": 4, "max_pages": 8}}
+        threads = [threading.Thread(target=complete, args=(httpx.Client(base_url=running.url, timeout=120),
+                                                           body["prompt"] + str(i), body["pagevis"], 0, None, 300, True))
+                   for i in range(3)]
+        for thread in threads:
+            thread.start()
+        sid = running.client.post("/v1/sessions", json={"prompt": "A session among others.", **config}).json()["id"]
+        served = running.app.state.store.sessions[sid]
+        while not running.client.post(f"/v1/sessions/{sid}/step", json={"n": 3}).json()["done"]:
+            assert running.client.get("/healthz").json()["running"] >= 1
+        for thread in threads:
+            thread.join(120)
+        records = served.session.records
+        assert len(records) == len(direct.records)
+        # attention over gathered pages (several sequences) sums in another order than over the pool in place
+        # (one): attention weights and a policy's accumulated scores agree to rounding, everything else exactly
+        # (an eviction event carries the evicted token's score too)
+        for a, b in zip(records, direct.records):
+            assert set(record_differences(a, b)) <= {"timings", "scores", "events", "attention"}
+            assert np.allclose(a.scores, b.scores, rtol=1e-5, atol=1e-6, equal_nan=True)
+            assert all(np.allclose(x, y, atol=2e-3) for x, y in zip(a.attention, b.attention))
+            assert [e._replace(score=0) for e in a.events] == [e._replace(score=0) for e in b.events]
+            assert np.allclose([e.score for e in a.events], [e.score for e in b.events], rtol=1e-5, equal_nan=True)
+        assert served.session.generated == direct.generated

@@ -81,6 +81,9 @@ class Engines:
         batch = BatchConfig(max_seqs=self.settings.max_running, pool_pages=self.pool_pages(config),
                             token_budget=self.settings.token_budget)
         engine = Engine(self.model, pool_config, batch)
+        for store in engine.cache.stores:  # the pool's memory, taken now (as vLLM's): RSS is flat from the start
+            store.k.fill(0)
+            store.v.fill(0)
         name = f"{config.page_size}x{config.dtype}" + (f"x{config.max_pages}" if config.tiered else "")
         core = EngineCore(engine, name, self.metrics.observe_engine(name))
         self.cores[key] = core
