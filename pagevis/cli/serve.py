@@ -51,6 +51,13 @@ def add_parser(commands) -> argparse.ArgumentParser:
         default = getattr(limits, flag.removeprefix("--").replace("-", "_"))
         shown = f" (default {default:g})" if default is not None else ""
         group.add_argument(flag, type=kind, default=default, metavar=metavar, help=text + shown)
+    events = parser.add_argument_group("KV events (vLLM's format: docs/serving.md)")
+    events.add_argument("--kv-events-endpoint", metavar="ENDPOINT",
+                        help="publish the engines' prefix caches as vLLM KV events on this ZMQ PUB endpoint, e.g. "
+                             "tcp://*:5557 (bound) or tcp://HOST:PORT (connected); `pagevis attach` reads them")
+    events.add_argument("--kv-events-replay", metavar="ENDPOINT", help="answer replay requests (ZMQ ROUTER) here, "
+                                                                        "e.g. tcp://*:5558")
+    events.add_argument("--kv-events-topic", default="", metavar="TOPIC", help="the topic of every message")
     options.add_model_options(parser)
     options.add_cache_options(parser)
     options.add_decoding_options(parser)
@@ -90,7 +97,9 @@ def settings_from_args(args: argparse.Namespace):
                          max_cache_tokens=args.max_cache_tokens, max_session_mib=args.max_session_mib,
                          idle_timeout=args.idle_timeout, workers=args.workers, max_running=args.max_running,
                          max_waiting=args.max_waiting, token_budget=args.token_budget or None,
-                         pool_pages=args.pool_pages, max_pools=args.max_pools, drain_seconds=args.drain_seconds)
+                         pool_pages=args.pool_pages, max_pools=args.max_pools, drain_seconds=args.drain_seconds,
+                         kv_events_endpoint=args.kv_events_endpoint, kv_events_replay=args.kv_events_replay,
+                         kv_events_topic=args.kv_events_topic)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -36,6 +36,12 @@ class Engines:
         self.cores: dict[tuple, EngineCore] = {}
         self.in_flight = 0
         self.draining = False
+        self.kv_events = None
+        if settings.kv_events_endpoint:
+            from .kv_events import KVEvents
+
+            self.kv_events = KVEvents(settings.kv_events_endpoint, settings.kv_events_replay,
+                                      settings.kv_events_topic)
 
     @staticmethod
     def layout(config) -> tuple:
@@ -84,6 +90,8 @@ class Engines:
         for store in engine.cache.stores:  # the pool's memory, taken now (as vLLM's): RSS is flat from the start
             store.k.fill(0)
             store.v.fill(0)
+        if self.kv_events is not None:
+            self.kv_events.watch(engine)
         name = f"{config.page_size}x{config.dtype}" + (f"x{config.max_pages}" if config.tiered else "")
         core = EngineCore(engine, name, self.metrics.observe_engine(name))
         self.cores[key] = core
@@ -91,6 +99,8 @@ class Engines:
 
     def _close(self, key: tuple) -> None:
         core = self.cores.pop(key)
+        if self.kv_events is not None:
+            core.call(self.kv_events.closing, core.engine).result(30)
         core.close()
         self.metrics.forget_engine(core.observer)
 
@@ -137,3 +147,5 @@ class Engines:
     def close(self) -> None:
         for key in list(self.cores):
             self._close(key)
+        if self.kv_events is not None:
+            self.kv_events.close()

@@ -25,6 +25,9 @@ class ServeSettings:
     # default cache, and at least --max-cache-tokens
     max_pools: int = 4  # engines (pools) at once, one per cache layout (page size, dtype) requests ask for
     drain_seconds: float = 10.0  # on SIGTERM: how long in-flight requests may go on before they end ("abort")
+    kv_events_endpoint: str | None = None  # publish the prefix caches as vLLM KV events (ZMQ PUB) here
+    kv_events_replay: str | None = None  # and answer replay requests (ZMQ ROUTER) here
+    kv_events_topic: str = ""
     max_session_tokens: int = 2048  # prompt + generated tokens of one session
     max_cache_tokens: int = 4096  # page_size * max_pages of one session's cache (per layer)
     max_session_mib: int = 256  # memory of one session's KV caches and step snapshots (estimated up front)
