@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -197,3 +198,21 @@ def test_a_session_among_other_requests_records_only_its_own_pages():
             assert [e._replace(score=0) for e in a.events] == [e._replace(score=0) for e in b.events]
             assert np.allclose([e.score for e in a.events], [e.score for e in b.events], rtol=1e-5, equal_nan=True)
         assert served.session.generated == direct.generated
+
+
+def test_parallel_samples_of_a_client_that_leaves_are_all_cancelled():
+    with running_server() as running:
+        body = {"model": "synthetic", "prompt": "pages " * 100, "max_tokens": 1500, "temperature": 0.9, "n": 3,
+                "ignore_eos": True}
+        try:
+            httpx.post(running.url + "/v1/completions", json=body, timeout=1.0)
+        except httpx.TimeoutException:
+            pass  # the client gave up and closed its connection
+        core = next(iter(running.app.state.engines.cores.values()))
+        deadline = time.monotonic() + 20
+        while (core.engine.requests or core.outputs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not core.engine.requests and not core.outputs
+        assert running.client.get("/healthz").json()["in_flight"] == 0
+        samples = scrape(running.metrics_text())
+        assert value(samples, "pagevis_generation_tokens_total") < 3 * 1500

@@ -137,9 +137,7 @@ class EngineCore:
     def cancel(self, seq_ids, reason: str = "cancelled") -> None:
         """End these requests now and free their pages (a client left; the server is shutting down)."""
         for seq_id in seq_ids:
-            request = self.engine.requests.get(seq_id)
-            if request is not None and not request.done:
-                self.engine.cancel(seq_id, reason)
+            self._end(seq_id, reason)
         self._settle()
 
     def step_session(self, order: StepOrder) -> None:
@@ -279,16 +277,26 @@ class EngineCore:
         victims = active if len(active) == 1 else list(self.engine.scheduler.waiting)[:1]
         for request in victims:
             request.error = str(error)
-            self.engine.cancel(request.seq_id, "cache_full")
+            self._end(request.seq_id, "cache_full")
 
     def _fail(self, error: Exception) -> None:
         for request in [r for r in self.engine.scheduler.running if not r.paused]:
             request.error = f"{type(error).__name__}: {error}"
             try:
-                self.engine.cancel(request.seq_id, "error")
+                self._end(request.seq_id, "error")
             except Exception:  # noqa: BLE001 - its pages are beyond repair; the request is ended anyway
                 log.exception("could not free request %d", request.seq_id)
                 request.stop_reason = "error"
+
+    def _end(self, seq_id: int, reason: str) -> None:
+        """End a request now, and the parallel samples still waiting for its prompt (they would wait forever)."""
+        request = self.engine.requests.get(seq_id)
+        if request is None or request.done:
+            return
+        children, request.children = list(request.children), []
+        self.engine.cancel(seq_id, reason)
+        for child in children:
+            self._end(child, reason)
 
     def _abort_everything(self) -> None:
         with self._wake:
