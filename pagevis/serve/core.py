@@ -230,6 +230,7 @@ class EngineCore:
                 output = self.outputs.get(seq.seq_id)
                 if output is not None:
                     output.push(("token", seq.next_token))
+        answered = []  # step calls answered once the metrics have seen this step
         for seq_id, order in list(self.orders.items()):
             if seq_id not in self.engine.last_plan:
                 continue
@@ -248,9 +249,11 @@ class EngineCore:
                 order.session.request.paused = True
                 self._observe("paused", seq_id)
                 del self.orders[seq_id]
-                order.resolve()
+                answered.append(order)
         if self.observer is not None:
             self.observer.step(record, self.engine, counts)
+        for order in answered:
+            order.resolve()
 
     def _settle(self) -> None:
         """Hand every request that ended to its reader: a completion's end to its output (and the engine
@@ -258,14 +261,14 @@ class EngineCore:
         requests = self.engine.requests
         for seq_id in [s for s, _ in self.outputs.items() if requests[s].done]:
             request = requests[seq_id]
+            self.engine.forget(seq_id)
+            self._observe("finished", seq_id)
             self.outputs.pop(seq_id).push(("end", request.stop_reason, request.error, len(request.generated),
                                            request.prefix_hit_tokens))
-            self._observe("finished", seq_id)
-            self.engine.forget(seq_id)
         for seq_id in [s for s, order in self.orders.items() if order.session.request.done]:
             order = self.orders.pop(seq_id)
-            self._observe("finished", seq_id)
             self.engine.release(seq_id)
+            self._observe("finished", seq_id)
             if order.session.request.stop_reason == "error":
                 order.resolve(_internal(order.session.request.error))
             else:
