@@ -80,7 +80,7 @@ class StepRecord:
     protected: np.ndarray
     scores: np.ndarray
     block_tables: Sequence[tuple[int, ...]]  # a TablesAt view of the session's TableLog, or tuples
-    events: tuple[CacheEvent, ...]
+    events: Sequence[CacheEvent]  # an EventArray (compact rows) from a session, or a tuple
     attention_layers: tuple[int, ...]
     attention: tuple[np.ndarray, ...]
     timings: dict[str, float] = field(default_factory=dict)  # seconds: forward, sample, oracle, total

@@ -21,6 +21,7 @@ from typing import Iterator
 import numpy as np
 
 from ..engine import CacheFullError, ConfigError, EventKind, make_policy
+from ..engine.event_array import EventArray, Strings
 from ..errors import check_int
 from .batch import BatchConfig
 from .engine import Engine
@@ -107,6 +108,7 @@ class DecodeSession:
         self._evictions = 0
         # the records' block tables (and RAM frames) as changes, not one copy per step
         self._tables = TableLog(self.cache_config.n_layers)
+        self._strings = Strings()  # the records' events as arrays, their texts interned here
         self._frames = TableLog(self.cache_config.n_layers)
 
     def restart(self) -> None:
@@ -225,7 +227,7 @@ class DecodeSession:
 
     def _record(self, kind, tokens, positions, next_token, oracle_step, counts=None) -> StepRecord:
         pool = self.pool
-        events = pool.events(self.engine.last_events, len(self.records))
+        events = EventArray.pack(pool.events(self.engine.last_events, len(self.records)), self._strings)
         self._evictions += sum(1 for e in events if e.kind is EventKind.EVICT)
         cfg = self.cache_config
         seq = self.cache.sequences[self.seq_id]
