@@ -5,7 +5,7 @@ The workload: chat requests whose system prompt is one of two shared ones (each 
 users who come back: a user's second request carries its first exchange (question, the answer it streamed)
 and a follow-up, so it shares even more with what the server has cached. Requests are sent at a fixed
 concurrency (each of C clients runs users one after another: first turn, then the returning turn) or, with
-`rates`, as Poisson arrivals at R requests/s. Every request streams (stream_options.include_usage), decodes
+`rates`, as Poisson arrivals at R requests/s (both: the concurrency levels, then the rates). Every request streams (stream_options.include_usage), decodes
 max_tokens tokens (ignore_eos, so every level has the same shape), greedy.
 
 Per level: request throughput, output tokens/s, time to first token (to the first chunk with text), time
@@ -270,7 +270,7 @@ def run(model: str = "smollm2", concurrencies=CONCURRENCIES, rates=None, num_pro
                 warm = chat(client, name, first_turn(system, "Hello?"), 2, system)
                 if warm.status != 200:
                     raise RuntimeError(f"the server refused the warm-up request: {warm.status} {warm.error}")
-        levels = [("rate", r) for r in rates] if rates else [("concurrency", c) for c in concurrencies]
+        levels = [("concurrency", c) for c in concurrencies or ()] + [("rate", r) for r in rates or ()]
         for kind, value in levels:
             n = num_prompts or max(4, 2 * int(value if kind == "concurrency" else 8))
             latencies: list[float] = []
@@ -291,10 +291,10 @@ def run(model: str = "smollm2", concurrencies=CONCURRENCIES, rates=None, num_pro
             result["levels"].append(level)
             if progress is not None:
                 progress(format_level(level))
-    first = result["levels"][0]
+    one = next((level for level in result["levels"] if level.get("concurrency") == 1), None)
     eight = next((level for level in result["levels"] if level.get("concurrency") == 8), None)
-    if eight is not None and first.get("concurrency") == 1:
-        result["c8_over_c1"] = eight["output_throughput"] / first["output_throughput"]
+    if eight is not None and one is not None:
+        result["c8_over_c1"] = eight["output_throughput"] / one["output_throughput"]
     return result
 
 
@@ -337,11 +337,13 @@ def format_table(result: dict) -> str:
 
 
 def plot(result: dict, folder: str, line_plot) -> list[str]:
-    """bench-serve.png: output tokens/s, and TTFT and ITL p50, against the level."""
+    """bench-serve.png: output tokens/s, and TTFT and ITL p50, against the level (the concurrency levels, or
+    else the rates)."""
     key = "concurrency" if "concurrency" in result["levels"][0] else "rate"
-    xs = [level[key] for level in result["levels"]]
-    throughput = {"output tokens/s": (xs, [level["output_throughput"] for level in result["levels"]])}
-    latency = {f"{name} p50": (xs, [level[f"{name.lower()}_ms"]["p50"] for level in result["levels"]])
+    levels = [level for level in result["levels"] if key in level]
+    xs = [level[key] for level in levels]
+    throughput = {"output tokens/s": (xs, [level["output_throughput"] for level in levels])}
+    latency = {f"{name} p50": (xs, [level[f"{name.lower()}_ms"]["p50"] for level in levels])
                for name in ("TTFT", "ITL", "TPOT")}
     label = "concurrent clients" if key == "concurrency" else "requests/s (Poisson)"
     paths = [line_plot(os.path.join(folder, "bench-serve.png"), throughput,

@@ -58,7 +58,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
     serve = parser.add_argument_group("bench serve")
     serve.add_argument("--concurrency", metavar="LIST", help="concurrent streaming clients per level (default "
                        "1,2,4,8,16)")
-    serve.add_argument("--request-rate", metavar="LIST", help="instead: Poisson arrivals, requests/s per level")
+    serve.add_argument("--request-rate", metavar="LIST", help="Poisson arrivals, requests/s per level (instead of "
+                       "the concurrency levels, or after those given with --concurrency)")
     serve.add_argument("--num-prompts", type=int, metavar="N", help="requests per level (default 2 x the "
                        "concurrency, at least 4; 16 per rate)")
     serve.add_argument("--output-tokens", type=int, default=32, metavar="N", help="tokens each request decodes (32)")
@@ -224,8 +225,9 @@ def serve_main(args: argparse.Namespace) -> int:
         result = serve.overhead(model, args.decode_tokens, 3)
         print(json.dumps(result) if args.json else serve.format_overhead(result))
         return 0
-    concurrencies = parse_ints(args.concurrency or "1,2,4,8,16", "--concurrency", 1, 256)
     rates = _rates(args.request_rate) if args.request_rate else None
+    concurrencies = parse_ints(args.concurrency, "--concurrency", 1, 256) if args.concurrency else (
+        None if rates else [1, 2, 4, 8, 16])
     if args.num_prompts is not None:
         options.check_range("--num-prompts", args.num_prompts, 1, 100_000)
     options.check_range("--output-tokens", args.output_tokens, 1, 4096)
