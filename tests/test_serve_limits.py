@@ -167,3 +167,21 @@ def test_sigterm_ends_pagevis_serve_within_its_bound():
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_a_pool_with_a_session_is_never_closed_for_another_layout():
+    with running_server(max_pools=1) as running:
+        sid = running.client.post("/v1/sessions", json={"prompt": "a", "page_size": 4, "max_tokens": 5}).json()["id"]
+        other = running.client.post("/v1/completions", json={"model": "synthetic", "prompt": "b", "max_tokens": 2,
+                                                              "pagevis": {"page_size": 8}})
+        assert other.status_code == 429 and other.json()["error"]["param"] == "page_size"
+        assert running.client.post(f"/v1/sessions/{sid}/step", json={"n": 100}).json()["done"]
+        running.client.delete(f"/v1/sessions/{sid}")
+        deadline = time.monotonic() + 10  # the engine thread forgets the session between steps: retry until then
+        while True:
+            again = running.client.post("/v1/completions", json={"model": "synthetic", "prompt": "b",
+                                                                  "max_tokens": 2, "pagevis": {"page_size": 8}})
+            if again.status_code != 429 or time.monotonic() > deadline:
+                break
+            time.sleep(float(again.headers["retry-after"]) / 10)
+        assert again.status_code == 200  # the session gone, its idle pool made way

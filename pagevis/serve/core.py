@@ -85,6 +85,7 @@ class EngineCore:
         self.orders: dict[int, StepOrder] = {}
         self.control = RunControl()
         self.last_step = time.monotonic()
+        self.holders = 0  # completions in flight and sessions that live here (counted on the event loop)
         self._inbox: deque = deque()
         self._wake = threading.Condition()
         self._stopping = False
@@ -109,8 +110,8 @@ class EngineCore:
 
     @property
     def busy(self) -> bool:
-        """Whether it serves any request (a session that has not stepped yet is not one)."""
-        return bool(self.outputs or self.orders or self.engine.requests)
+        """Whether anything is or will be decoded here: a completion in flight, a session, a request."""
+        return bool(self.holders or self.outputs or self.orders or self.engine.requests)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop after the current step: every request still in the engine ends ("abort"); the thread exits."""

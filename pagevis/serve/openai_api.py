@@ -164,14 +164,14 @@ async def _generate(request: Request, body: _GenerationRequest, prompt: str, cha
     model = state.model
     if model.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer, so it cannot take text prompts", param="prompt")
-    core = state.engines.core(config)
+    state.engines.core(config)  # a layout it cannot have is refused before the prompt is encoded
     if prompt_ids is None:
         prompt_ids = await in_worker(request, encode_prompt, model, prompt, False)
     if not prompt_ids:
         raise ConfigError("prompt", prompt, "text that encodes to at least one token")
     check_tokens(state.settings, len(prompt_ids), config.max_new_tokens)
     policy = make_policy(config.cache_config(model.config))
-    generation = Generation(state, core, body.n)
+    generation = Generation(state, state.engines.core(config), body.n)  # no await between: the pool stays
     await generation.submit(prompt_ids, config, tuple(stops), body.ignore_eos, policy)
 
     kind = "chat.completion" if chat else "text_completion"
@@ -236,6 +236,7 @@ class Generation:
         self.ends: list[tuple | None] = [None] * n
         self.closed = False
         state.engines.take()
+        core.holders += 1
 
     async def submit(self, prompt_ids, config, stops: tuple[str, ...], ignore_eos: bool, policy) -> None:
         try:
@@ -300,6 +301,7 @@ class Generation:
             return
         self.closed = True
         self.state.engines.give()
+        self.core.holders -= 1
         unfinished = [seq for seq, end in zip(self.ids, self.ends) if end is None]
         if unfinished:
             self.core.call(self.core.cancel, unfinished)

@@ -40,12 +40,15 @@ async def create_session(body: SessionRequest, request: Request) -> dict:
     config = session_config(state.settings, body.model_dump())
     core = state.engines.core(config)
     state.store.take_slot()
+    core.holders += 1  # while the session is built: its pool stays
     try:
         session = await in_worker(request, build_session, state.model, state.settings, body.prompt, config, None,
                                   core.engine)
     except BaseException:
         state.store.give_slot()
         raise
+    finally:
+        core.holders -= 1
     served = state.store.add(session, core)
     return {"id": served.id, **describe(served, state)}
 

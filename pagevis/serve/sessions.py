@@ -119,6 +119,7 @@ class SessionStore:
         """Keep a session built after take_slot(); it holds that slot until deleted."""
         served = ServedSession(f"sess-{secrets.token_hex(8)}", session, core)
         self.sessions[served.id] = served
+        core.holders += 1  # its pool stays while it lives
         return served
 
     def get(self, session_id: str) -> ServedSession:
@@ -131,6 +132,7 @@ class SessionStore:
     def remove(self, served: ServedSession) -> None:
         if self.sessions.pop(served.id, None) is not None:
             served.core.call(served.core.close_session, served.session)  # its pages go back to the pool
+            served.core.holders -= 1
             self.give_slot()
 
     def expire(self, now: float | None = None) -> list[str]:
