@@ -43,6 +43,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--no-sequences", action="store_true",
                         help="skip the many-sequences rows (aggregate tokens/s at 1-16 sequences, parallel "
                              "sampling pages, shared-prompt prefix-cache hit rate)")
+    parser.add_argument("--no-kernels", action="store_true",
+                        help="skip the model-side kernel rows (decode of 1-16 sequences through one batched forward, "
+                             "decode attention at 8,192 tokens against the read bandwidth and torch)")
     parser.add_argument("--no-tiers", action="store_true",
                         help="skip the disk-tier rows (exact streamed attention vs RAM share, quest vs K, RssAnon "
                              "from 4k to 32k tokens; see docs/memory.md)")
@@ -128,6 +131,12 @@ def main(args: argparse.Namespace) -> int:
                           transformers_versions=eager["versions"],
                           paged_over_transformers=decode["paged_tok_s"] / eager["tokens_per_s"])
 
+    kernels = None
+    if spec is not None and not args.no_kernels:
+        from ..bench.kernels import run_kernel_bench
+
+        say("kernels: batched decode through the forward, decode attention against the read bandwidth ...")
+        kernels = run_kernel_bench(spec.load(), quick=args.quick, threads=args.blas_threads)
     sequences = None
     if spec is not None and not args.no_sequences:
         from ..bench.sequences import run_sequences_bench
@@ -143,7 +152,8 @@ def main(args: argparse.Namespace) -> int:
         tiers = {"streamed": tier_bench.streamed_rows(tier_contexts, swap_dir=args.swap_dir, repeats=repeats),
                  "quest": tier_bench.quest_rows(max(tier_contexts), swap_dir=args.swap_dir),
                  "rss": None if args.quick else tier_bench.rss_rows(swap_dir=args.swap_dir)}
-    result = {"attention": paged, "storage": storage, "torch": torch_rows, "decode": decode, "sequences": sequences,
+    result = {"attention": paged, "storage": storage, "torch": torch_rows, "decode": decode, "kernels": kernels,
+              "sequences": sequences,
               "tiers": tiers, "shape": suite.SMOLLM2_LAYER}
     if not args.no_files:
         result["files"] = write_files(args.out, result, half)
@@ -199,6 +209,10 @@ def format_report(result: dict) -> str:
                        f"transformers")
         else:
             out.append("  transformers eager: not measured (--transformers-python PYTHON)")
+    if result.get("kernels"):
+        from ..bench.kernels import format_kernels
+
+        out += ["", *format_kernels(result["kernels"])]
     if result.get("sequences"):
         from ..bench.sequences import format_sequences
 
