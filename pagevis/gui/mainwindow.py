@@ -245,6 +245,7 @@ class MainWindow(TimelineCursor, QMainWindow):
             view_menu.addAction(dock.toggleViewAction())
         view_menu.addSeparator()
         view_menu.addAction("&Sequences sharing one pool…", self.open_sequences)
+        view_menu.addAction("Se&rver: requests arriving…", self.open_server)
         view_menu.addAction("&Reset layout", self.reset_layout)
         help_menu = self.menuBar().addMenu("&Help")
         help_menu.addAction("&Keyboard shortcuts", self._show_shortcuts)
@@ -577,6 +578,20 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.sequences_window = SequencesWindow(self.runner.model, config, self.controls.prompt(), self)
         self.sequences_window.show()
         return self.sequences_window
+
+    def open_server(self, preset=None):
+        """The Server window: the current model serving arriving requests (docs/server-window.md)."""
+        from ..presets import SERVER_PRESETS
+        from .server_window import ServerWindow
+
+        if self.runner.model is None:
+            self.statusBar().showMessage("Load a model first (start decoding once), then open the server", 8000)
+            return None
+        label = self.runner.spec.label if self.runner.spec is not None else ""
+        self.server_window = ServerWindow(self.runner.model, preset or SERVER_PRESETS[0], self, model_label=label,
+                                          autorun=True)
+        self.server_window.show()
+        return self.server_window
 
     def open_gguf(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Open a Llama-family GGUF model", "", "GGUF models (*.gguf)")
