@@ -16,7 +16,8 @@ What a SessionObserver observes, per step record:
     so a client's pauses between steps never count);
   - prompt tokens fed, tokens generated, cache events by kind, evictions by policy, and with a disk tier
     its page faults (fault_in events), bytes written and read, and pages read from RAM and from disk;
-  - the session's KV cache usage (resident tokens over capacity, layer 0).
+  - the session's KV cache usage (resident tokens over capacity, layer 0), and the K/V bytes its cache
+    takes at capacity (pages, scales and zero points, a quantized cache's residual window; all layers).
 Each observer keeps O(1) state; nothing grows with steps.
 """
 
@@ -85,10 +86,18 @@ class Metrics:
                                      buckets=REQUEST_BUCKETS, registry=r)
         self.queue_time = Histogram("pagevis_request_queue_time_seconds", "Seconds a request waited before "
                                     "its first step", buckets=FIRST_TOKEN_BUCKETS, registry=r)
+        self.kv_cache_bytes = Gauge("pagevis_kv_cache_bytes", "K/V bytes of all live sessions' caches at capacity, "
+                                    "all layers (a quantized cache's scales, zero points and residual window "
+                                    "included)", registry=r)
+        self.kv_bytes_per_token = Gauge("pagevis_kv_cache_bytes_per_token", "pagevis_kv_cache_bytes over the "
+                                        "tokens those caches hold at capacity (per layer 0 token)", registry=r)
         self._lock = threading.Lock()
         self._usage: dict[int, tuple[int, int]] = {}  # observer id -> (resident, capacity)
         self._engines: list[EngineObserver] = []
+        self._bytes: dict[int, float] = {}  # observer id -> its cache's K/V bytes at capacity
         self.kv_cache_usage.set_function(self._usage_ratio)
+        self.kv_cache_bytes.set_function(lambda: sum(self._bytes.values()))
+        self.kv_bytes_per_token.set_function(self._bytes_per_token)
         self.active_sessions.set_function(lambda: len(self._usage))
         for gauge, attribute in ((self.requests_running, "running"), (self.requests_waiting, "waiting"),
                                  (self.requests_paused, "paused_requests")):
@@ -119,6 +128,12 @@ class Metrics:
     def _forget(self, key: int) -> None:
         with self._lock:
             self._usage.pop(key, None)
+            self._bytes.pop(key, None)
+
+    def _bytes_per_token(self) -> float:
+        with self._lock:
+            capacity = sum(c for _, c in self._usage.values())
+            return sum(self._bytes.values()) / capacity if capacity else 0.0
 
     def _usage_ratio(self) -> float:
         with self._lock:
@@ -246,6 +261,8 @@ class SessionObserver:
         self._before_first_token = 0.0  # seconds stepped before the first sampled token; None after it
         self._tokens = 0
         metrics._set_usage(id(self), 0, self.capacity)
+        with metrics._lock:
+            metrics._bytes[id(self)] = cfg.kv_bytes_per_token() * cfg.capacity
 
     def __call__(self, record) -> None:
         m = self.metrics

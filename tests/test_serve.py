@@ -202,7 +202,7 @@ def test_session_text_equals_pagevis_run(server, capsys):
     ({"prompt": "x", "page_size": 64, "max_pages": 64, "max_tokens": 1900}, "max_tokens", "--max-session-mib"),
     ({"prompt": "x", "record_layers": [7]}, "record_layers", "from 0 to 1"),
     ({"prompt": "", "chat": False}, "prompt", "at least one token"),
-    ({"prompt": "x", "dtype": "int8"}, "dtype", "float32"),
+    ({"prompt": "x", "dtype": "int3"}, "dtype", "float32"),
 ])
 def test_session_settings_are_validated_like_the_cli(server, payload, field, words):
     answer = server.client.post("/v1/sessions", json=payload)

@@ -114,6 +114,8 @@ def main(args: argparse.Namespace) -> int:
     say("attention: float16 storage ...")
     half = attention.run_attention_bench(contexts, [storage_page], dtype="float16", repeats=repeats)
     storage = suite.storage_rows(paged, half)
+    say("attention: quantized storage (int8, int4, int2) ...")
+    quantized = suite.quantized_rows(contexts, storage_page, repeats=repeats)
     torch_rows = None
     if suite.torch_available():
         say("attention: torch scaled_dot_product_attention ...")
@@ -152,7 +154,8 @@ def main(args: argparse.Namespace) -> int:
         tiers = {"streamed": tier_bench.streamed_rows(tier_contexts, swap_dir=args.swap_dir, repeats=repeats),
                  "quest": tier_bench.quest_rows(max(tier_contexts), swap_dir=args.swap_dir),
                  "rss": None if args.quick else tier_bench.rss_rows(swap_dir=args.swap_dir)}
-    result = {"attention": paged, "storage": storage, "torch": torch_rows, "decode": decode, "kernels": kernels,
+    result = {"attention": paged, "storage": storage, "quantized": quantized, "torch": torch_rows, "decode": decode,
+              "kernels": kernels,
               "sequences": sequences,
               "tiers": tiers, "shape": suite.SMOLLM2_LAYER}
     if not args.no_files:
@@ -174,6 +177,14 @@ def format_report(result: dict) -> str:
         out.append(f"{r['context']:>8} {r['page_size']:>5} {r['f32_us']:>9.1f} {r['f16_us']:>9.1f} "
                    f"{r['f16_over_f32']:>7.2f}x {r['f32_kv_bytes'] / 1024:>11.0f} {r['f16_kv_bytes'] / 1024:>11.0f}")
     out.append("")
+    if result.get("quantized"):
+        out += ["Quantized storage (paged, one layer; output error against float32 storage; KV bytes per token: "
+                "pages, scales, zero points, key groups and int4 / int2's float32 window; docs/quantization.md)",
+                f"{'context':>8} {'dtype':>8} {'µs':>9} {'vs f32':>7} {'B/token':>9} {'KV KiB':>8} {'rel error':>10}"]
+        for r in result["quantized"]:
+            out.append(f"{r['context']:>8} {r['dtype']:>8} {r['paged_us']:>9.1f} {r['over_first']:>6.2f}x "
+                       f"{r['kv_bytes_per_token']:>9.1f} {r['kv_bytes'] / 1024:>8.1f} {r['rel_error']:>10.2e}")
+        out.append("")
     if result["torch"]:
         first = result["torch"][0]
         out.append(f"torch {first['torch_version']} scaled_dot_product_attention on the same data "
@@ -279,8 +290,8 @@ def write_files(folder: str, result: dict, half: list[dict]) -> list[str]:
     from ..gui.plots import line_plot
 
     written = []
-    for name in ("attention", "storage", "torch"):
-        rows = result[name]
+    for name in ("attention", "storage", "quantized", "torch"):
+        rows = result.get(name)
         if rows:
             path = os.path.join(folder, f"bench-{name}.csv")
             with open(path, "w", newline="", encoding="utf-8") as handle:

@@ -234,7 +234,7 @@ class DecodeSession:
         policy = seq.policy
         views = [self.cache.view(self.seq_id, layer) for layer in range(cfg.n_layers)]
         shape = (cfg.max_pages, cfg.page_size)
-        slot_maps, protected, scores = [], [], []
+        slot_maps, protected, scores, full = [], [], [], []
         for layer, (view, store) in enumerate(zip(views, self.cache.stores, strict=True)):
             held = pool.held_slots(layer, store, cfg.max_pages)
             if held is None:
@@ -248,6 +248,8 @@ class DecodeSession:
             protected.append(np.where(empty, False, policy.protected(view)[held]).reshape(shape))
             score = np.where(view.occupied(), policy.score(view), np.nan)
             scores.append(np.where(empty, np.nan, score[held]).reshape(shape))
+            if store.kivi:  # slots whose tokens are still in the residual window (float32)
+                full.append(np.where(empty, False, store.res_of[np.maximum(held, 0)] >= 0).reshape(shape))
         attention = []
         for layer in self.record_layers:
             weights = np.zeros((cfg.n_heads, cfg.capacity), dtype=np.float16)
@@ -276,6 +278,7 @@ class DecodeSession:
             events=events, attention_layers=self.record_layers, attention=tuple(attention),
             timings={}, resident_tokens=seq.resident[0], pages_used=len(seq.block_tables[0]),
             evictions_total=self._evictions, oracle=oracle_step, tiers=tiers,
+            full_precision=np.stack(full) & (np.stack(slot_maps) >= 0) if full else None,
         )
 
 

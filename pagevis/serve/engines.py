@@ -45,8 +45,9 @@ class Engines:
 
     @staticmethod
     def layout(config) -> tuple:
-        """What requests must share to share a pool."""
-        return (config.page_size, config.dtype, config.max_pages if config.tiered else None)
+        """What requests must share to share a pool (int4 / int2: the residual window is part of the layout)."""
+        return (config.page_size, config.dtype, config.residual if config.dtype in ("int4", "int2") else None,
+                config.max_pages if config.tiered else None)
 
     def core(self, config) -> EngineCore:
         """The engine for this request's layout (made now if there is none); ConfigError when the request's
@@ -83,13 +84,14 @@ class Engines:
     def _start(self, key: tuple, config) -> EngineCore:
         defaults = self.settings.defaults
         pool_config = dataclasses.replace(defaults, page_size=config.page_size, dtype=config.dtype,
+                                          residual=config.residual,
                                           max_pages=config.max_pages if config.tiered else defaults.max_pages)
         batch = BatchConfig(max_seqs=self.settings.max_running, pool_pages=self.pool_pages(config),
                             token_budget=self.settings.token_budget)
         engine = Engine(self.model, pool_config, batch)
         for store in engine.cache.stores:  # the pool's memory, taken now (as vLLM's): RSS is flat from the start
-            store.k.fill(0)
-            store.v.fill(0)
+            for array in (store.data,) if store.quantized else (store.k, store.v):
+                array.fill(0)
         if self.kv_events is not None:
             self.kv_events.watch(engine)
         name = f"{config.page_size}x{config.dtype}" + (f"x{config.max_pages}" if config.tiered else "")

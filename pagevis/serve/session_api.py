@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .. import settings as table
 from ..engine import EventKind
 from .core import StepOrder
+from ..engine.quant import storage_summary
 from .errors import ApiError
 from .requests import SessionRequest
 from .sessions import ServedSession, build_session, session_config
@@ -141,6 +142,7 @@ def describe(served: ServedSession, state, layers: bool = False) -> dict[str, An
         "done": session.done, "stop_reason": session.stop_reason,
         "config": config_json(config),
         "capacity": config.capacity,
+        "storage": storage_summary(session.cache_config),  # K/V bytes per token: pages, scales, residual window
         "resident_tokens": last.resident_tokens if last else 0, "pages_used": last.pages_used if last else 0,
         "evictions_total": last.evictions_total if last else 0,
     }
