@@ -152,10 +152,12 @@ def test_64_streaming_clients_a_quarter_leaving_a_tenth_malformed():
 def test_preemption_under_memory_pressure_keeps_results_and_is_counted():
     """A pool too small for every request at once: the newest are preempted (freed, recomputed later), and
     each still decodes what it decodes alone."""
-    requests = [(f"Request number {i} asks about pages.", {"page_size": 4, "max_pages": 20}, 0, None, 30)
+    # each request grows to ~18 pages of 4 and the pool has 24: any two decoding at once cannot both fit,
+    # however the four arrive on a loaded machine
+    requests = [(f"Request number {i} asks about pages.", {"page_size": 4, "max_pages": 20}, 0, None, 60)
                 for i in range(4)]
     expected = [alone(*request) for request in requests]
-    with running_server(pool_pages=40, max_running=4) as running:
+    with running_server(pool_pages=24, max_running=4) as running:
         with ThreadPoolExecutor(len(requests)) as pool:
             got = list(pool.map(lambda r: complete(httpx.Client(base_url=running.url, timeout=120), *r,
                                                    stream=True), requests))

@@ -59,7 +59,11 @@ def test_beyond_the_queue_is_429_with_retry_after():
             if len(streams) == 1:
                 assert started.wait(30)
         deadline = time.monotonic() + 30
-        while running.client.get("/healthz").json()["in_flight"] < 2 and time.monotonic() < deadline:
+        def queued():  # the second request has reached the engine's waiting queue (commands run between steps)
+            health = running.client.get("/healthz").json()
+            return health["in_flight"] >= 2 and health["waiting"] >= 1
+
+        while not queued() and time.monotonic() < deadline:
             time.sleep(0.02)
         health = running.client.get("/healthz").json()
         assert (health["running"], health["waiting"]) == (1, 1)
