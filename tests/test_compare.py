@@ -256,10 +256,10 @@ def test_cli_dtypes_and_equal_memory_rows(tmp_path, capsys):
             assert r["kv_bytes_per_token"] == per_token[r["dtype"]]
         assert r["kv_bytes"] == round(r["kv_bytes_per_token"] * r["budget"])
     # int4: per layer and token 2 x 2 heads x 8 bytes of codes, 2 heads x 1 group x 2 x 2 bytes of V scales
-    # and zero points, a 4-byte key group index, 2 x 16 x 2 x 2 / 32 bytes of key group; and the window's 31
-    # float32 tokens (2 x 2 x 16 x 4 bytes each) over the 64
+    # and zero points, a 4-byte key group index, 2 x 16 x 2 x 2 / 32 bytes of key group; and the window's 32
+    # float32 tokens at most (residual 0: the token just written and 31 waiting), 2 x 2 x 16 x 4 bytes each
     int4 = next(r for r in grid if r["dtype"] == "int4" and r["budget"] == 64)
-    assert int4["kv_bytes_per_token"] == pytest.approx(2 * (32 + 8 + 4 + 4 + 31 * 2 * 2 * 16 * 4 / 64))
+    assert int4["kv_bytes_per_token"] == pytest.approx(2 * (32 + 8 + 4 + 4 + 32 * 2 * 2 * 16 * 4 / 64))
     float16 = {r["budget"]: r["kv_bytes"] for r in grid if r["dtype"] == "float16"}
     equal = [r for r in result["rows"] if r["equal_memory_to"]]
     assert {r["equal_memory_to"] for r in equal} == {"float16@32", "float16@64"}

@@ -558,3 +558,21 @@ def test_real_keys_and_values_of_smollm2_round_trip_within_the_bounds(smollm2): 
             step = np.repeat(scale, GROUP, axis=-1)[..., : values.shape[-1]].astype(np.float32)
             assert np.all(np.abs(quant.dequantize_values(codes, scale, zero) - values)
                           <= step / 2 * (1 + 1e-6) + 1e-6 * np.abs(values))
+
+
+@pytest.mark.parametrize("residual", [0, 1, 5, 40])
+def test_the_window_reaches_exactly_the_size_the_bytes_count(residual):
+    """Decoding token by token, the full-precision tokens after each step reach the layout's window
+    (max(residual, 1) + 31: residual 0 still holds the token just written) and never exceed it."""
+    config = CacheConfig(page_size=8, max_pages=40, dtype="int4", residual=residual, n_layers=1, n_heads=2,
+                         n_kv_heads=1, head_dim=8, policy="sinks")
+    rng = np.random.default_rng(residual)
+    cache = one_sequence(config)
+    store, seen = cache.stores[0], []
+    for position in range(300):
+        kv = rng.standard_normal((2, 1, 1, 8)).astype(np.float32)
+        cache.append(0, 0, kv[0], kv[1], np.array([position]))
+        seen.append(len(store.residual_slots(np.flatnonzero(store.positions >= 0))))
+    assert max(seen) == store.layout.window() == max(residual, 1) + GROUP - 1
+    assert min(seen[200:]) == max(residual, 1)  # in the steady state: from the window's floor to its top
+    assert store.residual.peak == store.layout.window() and len(store.residual.used) == store.layout.window()

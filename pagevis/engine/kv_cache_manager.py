@@ -542,7 +542,7 @@ class KVCacheManager:
         stay float32 and the oldest 32 beyond them are quantized once they have all arrived (KIVI). A
         shared page is copied first: the change is this sequence's alone."""
         store, ps = self.stores[layer], self.page_size
-        group, limit = store.layout.group, store.layout.window()
+        group, limit = store.layout.group, store.layout.residual + store.layout.group - 1
         window = store.residual_slots(self._flat_slots(seq.block_tables[layer]))
         while len(window) >= group and len(window) + n_new > limit:
             oldest = window[np.argsort(store.positions[window], kind="stable")[:group]]

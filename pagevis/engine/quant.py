@@ -252,9 +252,9 @@ class Layout:
         return 2 * self.n_kv_heads * self.head_dim * 4 if self.kivi else 0
 
     def window(self) -> int:
-        """The most tokens of one sequence held in full precision between steps: the residual, plus up
-        to GROUP - 1 waiting for their key group to fill."""
-        return self.residual + self.group - 1 if self.kivi else 0
+        """The most tokens of one sequence held in full precision between decode steps: the residual (at
+        least the token just written), plus up to group - 1 waiting for their key group to fill."""
+        return max(self.residual, 1) + self.group - 1 if self.kivi else 0
 
 
 def layout_for(config) -> Layout | None:
@@ -407,8 +407,8 @@ def storage_summary(config, stores=None) -> dict:
 
 
 def storage_text(config) -> str:
-    """One line: the storage and its bits per K/V value, e.g. 'int4: 3.89 bits per value (244 B per token
-    and layer quantized, window of 128 + 31 tokens in float32)'."""
+    """One line: the storage and its bits per K/V value, e.g. 'int4: 36.3 bits per K/V value (244 B per
+    token and layer quantized; the newest 128 + up to 31 tokens in float32)'."""
     summary = storage_summary(config)
     text = f"{config.dtype}: {summary['kv_bits_per_value']:.2f} bits per K/V value"
     layout = layout_for(config)
@@ -416,5 +416,5 @@ def storage_text(config) -> str:
         return text
     text += f" ({layout.quantized_bytes_per_token():g} B per token and layer quantized"
     if layout.kivi:
-        text += f"; the newest {config.residual} + up to {layout.group - 1} tokens in float32"
+        text += f"; the newest {max(config.residual, 1)} + up to {layout.group - 1} tokens in float32"
     return text + ")"
