@@ -117,9 +117,9 @@ class ServerPreset:
 
 SERVER_PRESETS: tuple[ServerPreset, ...] = (
     ServerPreset("Server: shared system prompt, prefix caching on vs off",
-                 "30 chat requests a minute, each opening with the same 300-token passage: A computes it once and "
-                 "shares its pages, B computes it for every request.",
-                 WorkloadConfig(kind="chat", rate_per_min=30, n_requests=40, max_new_tokens=48),
+                 "90 chat requests a minute, each opening with the same ~290-token passage: A computes it once and "
+                 "shares its pages, B computes it for every request (more than B can serve on two cores).",
+                 WorkloadConfig(kind="chat", rate_per_min=90, n_requests=60, max_new_tokens=48),
                  ServerConfig(pool_pages=256, max_seqs=8), compare="prefix"),
     ServerPreset("Server: long documents, preemption",
                  "Different 600-token passages to summarise into a 96-page pool: running requests outgrow it, the "

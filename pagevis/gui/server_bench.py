@@ -1,11 +1,11 @@
 """Server window benchmark: `python -m pagevis.gui.server_bench [--model smollm2|synthetic] [--seconds S] [--ab]`.
 
 * latency: the Server window (offscreen, every view visible, 1600 × 1000) serving its default preset — the
-  shared-system-prompt chat at 30 requests per minute, prefix caching on vs off — in its worker thread, in real
-  time, for S seconds. Prints how late a 5 ms QTimer fires on the UI thread (p50 / p99 / max; target p99 ≤
+  shared-system-prompt chat, prefix caching on vs off — at 30 requests per minute (--rate) in its worker thread,
+  in real time, for S seconds. Prints how late a 5 ms QTimer fires on the UI thread (p50 / p99 / max; target p99 ≤
   50 ms), the redraw rate, and the steps taken.
-* --ab: the same A/B (the window's ServerPair, headless) served to the end, at the preset's rate and with every
-  request arriving at once (the server saturated); prints each side's throughput (generated tokens / server
+* --ab: the same A/B (the window's ServerPair, headless) served to the end at 30 requests per minute, at the
+  preset's 90, and with every request arriving at once (the server saturated); prints each side's throughput (generated tokens / server
   seconds until the last request is done), TTFT and prefill tokens, and A/B (target ≥ 1.5×).
 Both use one BLAS thread, as the app does; the load average is printed with each (the machine is shared).
 """
@@ -24,16 +24,23 @@ def _load() -> str:
     return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def latency(spec, seconds: float) -> dict[str, float]:
+def _preset(rate: float | None):
+    """The default server preset (the shared-system-prompt chat, prefix caching on vs off), at `rate`."""
+    from ..presets import SERVER_PRESETS
+
+    preset = SERVER_PRESETS[0]
+    return preset if rate is None else replace(preset, workload=replace(preset.workload, rate_per_min=rate))
+
+
+def latency(spec, seconds: float, rate: float | None = 30.0) -> dict[str, float]:
     from PySide6.QtCore import QEventLoop, QTimer
 
-    from ..presets import SERVER_PRESETS
     from . import _application
     from .bench import lateness_probe
     from .server_window import ServerWindow
 
     app = _application()
-    window = ServerWindow(spec.load(), SERVER_PRESETS[0], model_label=spec.label, realtime=True)
+    window = ServerWindow(spec.load(), _preset(rate), model_label=spec.label, realtime=True)
     window.resize(1600, 1000)
     window.show()
     app.processEvents()
@@ -63,11 +70,8 @@ def ab(spec, rate: float | None) -> dict:
     from ..decoding import RunControl, run
     from ..decoding.server_run import ServerPair, ServerRun, side_configs
     from ..decoding.workload import ArrivalSchedule
-    from ..presets import SERVER_PRESETS
 
-    preset = SERVER_PRESETS[0]
-    if rate is not None:
-        preset = replace(preset, workload=replace(preset.workload, rate_per_min=rate))
+    preset = _preset(rate)
     model = spec.load()
     schedule = ArrivalSchedule(preset.workload, model)
     a, b = (ServerRun(model, preset.session_config(), config, schedule, side)
@@ -99,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2", choices=("smollm2", "synthetic"))
     parser.add_argument("--seconds", type=float, default=90.0, help="latency run length (wall seconds)")
     parser.add_argument("--ab", action="store_true", help="also serve the A/B to the end (minutes on SmolLM2)")
+    parser.add_argument("--rate", type=float, default=30.0, help="arrivals per minute of the latency run (the "
+                        "target's 30; the preset's own is 90)")
     parser.add_argument("--no-latency", action="store_true")
     args = parser.parse_args(argv)
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -109,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = ModelSpec(kind=args.model)
     if not args.no_latency:
         before = _load()
-        result = latency(spec, args.seconds)
-        print(f"latency ({spec.label}, default server preset, {result['seconds']:.0f} s; {before} → {_load()})")
+        result = latency(spec, args.seconds, args.rate)
+        print(f"latency ({spec.label}, default server preset at {args.rate:g}/min, {result['seconds']:.0f} s; "
+              f"{before} → {_load()})")
         print(f"  UI timer lateness p50 {result['p50']:.1f} ms, p99 {result['p99']:.1f} ms, max {result['max']:.1f} ms"
               f" (target p99 <= 50); {result['fps']:.1f} redraws/s; steps {result['steps']}")
         for side, numbers in result["summary"].items():
@@ -118,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {side}: {numbers['completed']:.0f} done, {numbers['generated']:.0f} tokens in "
                       f"{numbers['time']:.1f} server s = {numbers['throughput']:.2f} tok/s")
     if args.ab:
-        for rate in (None, 6000.0):
+        for rate in (30.0, None, 6000.0):
             r = ab(spec, rate)
             print(f"A/B at {r['rate']:g} requests/min ({r['wall']:.0f} s wall; {r['load']})")
             for side in "AB":
