@@ -33,7 +33,8 @@ MAX_PAGES = 1 << 20
 MAX_NEW_TOKENS = 100_000
 MAX_SEQUENCES = 256
 MAX_SEED = 2**32 - 1
-STORAGE_DTYPES = ("float32", "float16")
+STORAGE_DTYPES = ("float32", "float16", "int8", "int4", "int2")
+MAX_RESIDUAL = 1 << 20
 SELECT_MODES = ("all", "quest")
 SAMPLING_MODES = ("greedy", "sample")
 
@@ -156,8 +157,12 @@ SETTINGS: dict[str, Setting] = _table(
             high=MAX_PAGE_SIZE, flag="--page-size", metavar="N", app_range=(1, 256)),
     Setting("max_pages", "int", 12, "pages per layer (RAM frames); capacity = pages x page size", "cache", "cache",
             label="Max pages", low=1, high=MAX_PAGES, flag="--max-pages", metavar="N", app_range=(1, 512)),
-    Setting("dtype", "str", "float32", "K/V storage", "cache", "cache", label="Storage", choices=STORAGE_DTYPES,
-            flag="--dtype"),
+    Setting("dtype", "str", "float32", "K/V storage: float32, float16, int8 (a scale per token and KV head), int4 "
+            "or int2 (KIVI: keys per channel, values per token, groups of 32, a full-precision residual window; "
+            "docs/quantization.md)", "cache", "cache", label="Storage", choices=STORAGE_DTYPES, flag="--dtype"),
+    Setting("residual", "int", 128, "int4 / int2: the newest tokens kept in float32 (KIVI's residual window; the "
+            "oldest 32 beyond it are quantized together once they have all arrived)", "cache", "cache",
+            label="Residual window", low=0, high=MAX_RESIDUAL, flag="--residual", metavar="N", app_range=(0, 4096)),
     Setting("policy", "str", "sinks", "eviction policy", "cache", "cache", label="Policy", choices=policy_names,
             flag="--policy", resets=("policy_params",)),
     Setting("policy_params", "params", {}, "the policy's parameters, e.g. n_sink=4 (sinks), recent=32 (h2o), "

@@ -219,3 +219,58 @@ def test_per_head_rows_hold_the_entries_of_their_budget(model, reference):
     assert params["budget"] == 32 and max_pages * 8 == n_kv * 32
     row = quality.evaluate(model, reference, choice, budget=32, page_size=8)
     assert row.ppl is not None and row.evictions > 0 and row.lost_attention is None and "per-head" in row.note
+
+
+@pytest.mark.parametrize("dtype,residual", [("int8", None), ("int4", 8), ("int2", 0)])
+def test_quantized_rows_agree_with_the_session_oracle(model, ids, reference, dtype, residual):
+    """A quantized row's KL and top-1 are the session's own oracle's (a float32 full cache) on the same tokens."""
+    budget = 64
+    row = quality.evaluate(model, reference, quality.PolicyChoice("tova"), budget=budget, page_size=8, dtype=dtype,
+                           residual=residual)
+    storage = {"dtype": dtype} if residual is None else {"dtype": dtype, "residual": residual}
+    session = DecodeSession(model, "", SessionConfig(page_size=8, max_pages=budget // 8, policy="tova",
+                                                     max_new_tokens=1, oracle=True, chat=False, record_layers=(),
+                                                     **storage), prompt_ids=ids)
+    scored = [r.oracle for r in session.run() if budget <= r.positions[-1] < len(ids) - 1]
+    assert row.dtype == dtype and row.kv_bytes_per_token == session.cache_config.kv_bytes_per_token()
+    assert row.mean_kl == pytest.approx(np.mean([o.kl for o in scored]), rel=1e-3, abs=1e-6)
+    assert row.top1_agreement == pytest.approx(np.mean([o.top1_agree for o in scored]))
+    assert row.ppl_evicting == pytest.approx(np.exp(-np.mean([o.logprob_bounded for o in scored])), rel=1e-4)
+
+
+def test_cli_dtypes_and_equal_memory_rows(tmp_path, capsys):
+    status = main(["compare", "--model", "synthetic", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+                   "--head-dim", "16", "--model-seed", "2", "--policies", "sinks", "--no-optimal", "--budgets",
+                   "32,64", "--page-size", "16", "--tokens", "150", "--dtypes", "float32,int8,int4", "--residual", "0",
+                   "--equal-memory", "float16", "--json", "--no-files", "--quiet"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    result = json.loads(out)
+    assert result["dtypes"] == ["float16", "float32", "int8", "int4"] and result["residual"] == 0
+    grid = [r for r in result["rows"] if not r["equal_memory_to"]]
+    assert sorted((r["dtype"], r["budget"]) for r in grid) == sorted(
+        (d, b) for d in ("float16", "float32", "int8", "int4") for b in (32, 64))
+    per_token = {"float32": 2 * 2 * 2 * 16 * 4, "float16": 2 * 2 * 2 * 16 * 2, "int8": 2 * 2 * 2 * (16 + 2)}
+    for r in grid:  # 2 layers x 2 KV heads x head dim 16, counted by hand
+        if r["dtype"] in per_token:
+            assert r["kv_bytes_per_token"] == per_token[r["dtype"]]
+        assert r["kv_bytes"] == round(r["kv_bytes_per_token"] * r["budget"])
+    # int4: per layer and token 2 x 2 heads x 8 bytes of codes, 2 heads x 1 group x 2 x 2 bytes of V scales
+    # and zero points, a 4-byte key group index, 2 x 16 x 2 x 2 / 32 bytes of key group; and the window's 32
+    # float32 tokens at most (residual 0: the token just written and 31 waiting), 2 x 2 x 16 x 4 bytes each
+    int4 = next(r for r in grid if r["dtype"] == "int4" and r["budget"] == 64)
+    assert int4["kv_bytes_per_token"] == pytest.approx(2 * (32 + 8 + 4 + 4 + 32 * 2 * 2 * 16 * 4 / 64))
+    float16 = {r["budget"]: r["kv_bytes"] for r in grid if r["dtype"] == "float16"}
+    equal = [r for r in result["rows"] if r["equal_memory_to"]]
+    assert {r["equal_memory_to"] for r in equal} == {"float16@32", "float16@64"}
+    for r in equal:  # the most tokens within float16's bytes: one more page would not fit
+        allowed = float16[int(r["equal_memory_to"].split("@")[1])]
+        assert r["kv_bytes"] <= allowed
+        bigger = quality.cache_bytes(r["dtype"], r["budget"] + 16, 16, 0, SPEC.load().config)
+        assert bigger > allowed or r["budget"] + 16 > 160
+    assert any(r["dtype"] == "int8" and r["budget"] > 64 for r in equal)
+
+
+def test_bad_dtypes(capsys):
+    assert main(["compare", "--model", "synthetic", "--no-files", "--dtypes", "float32,int3"]) == 2
+    assert "--dtypes: unknown dtype 'int3'" in capsys.readouterr().err

@@ -218,7 +218,8 @@ def test_head_labels_name_their_kv_head_and_small_multiples_group_by_it(qtbot, w
     qtbot.waitUntil(lambda: "head 2 (KV 1)" in window.attention.plot.titleLabel.text, timeout=3000)
     total = window.timeline.info.cache_bytes  # 2 layers x 16 slots x 2 KV heads x 16 dims x K,V x 4 bytes
     assert total == 2 * 16 * 2 * 16 * 2 * 4
-    assert window.status_memory.text() == "K/V 8 KiB = 2 KV heads × 4 KiB"
+    # per token: 2 layers x 2 KV heads x 16 dims x K,V x 4 bytes = 512 bytes = 4,096 bits
+    assert window.status_memory.text() == "K/V 8 KiB = 2 KV heads × 4 KiB · float32, 4.1 kbit per token"
 
 
 def test_narration_block_table_and_slider_marks_tell_what_happened(qtbot, window):

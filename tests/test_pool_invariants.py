@@ -122,6 +122,10 @@ class SharedPoolMachine(RuleBasedStateMachine):
             snap[seq_id] = per_layer
         return snap
 
+    def _check_hit(self, store, table, flat, expected):
+        """The keys a prefix hit brought back (flat slots of the block table's pages) are the tokens'."""
+        np.testing.assert_array_equal(self._token_kv(store, flat)[0].transpose(1, 0, 2), expected)
+
     def _others_unchanged(self, action, acting):
         others = [s for s in self.pool.sequences if s != acting]
         before = self._snapshot(others)
@@ -143,7 +147,7 @@ class SharedPoolMachine(RuleBasedStateMachine):
             flat = self.pool._flat_slots(self.pool.block_table(seq_id, layer))[:hit]
             assert store.positions[flat].tolist() == list(range(hit))
             expected = self._kv(tokens[:hit], np.arange(hit), layer, 0)
-            np.testing.assert_array_equal(self._token_kv(store, flat)[0].transpose(1, 0, 2), expected)
+            self._check_hit(store, self.pool.block_table(seq_id, layer), flat, expected)
         if not self._others_unchanged(lambda: self._write(seq_id, tokens[hit:]), seq_id):
             self.pool.free(seq_id, None)
 

@@ -76,7 +76,7 @@ def test_one_set_of_defaults_and_presets_override_it():
 
 @pytest.mark.parametrize("name, value, words", [
     ("page_size", 0, "page_size = 0 is not allowed: an integer from 1 to 4096"),
-    ("dtype", "int8", "dtype = 'int8' is not allowed: one of float32, float16"),
+    ("dtype", "int3", "dtype = 'int3' is not allowed: one of float32, float16, int8, int4, int2"),
     ("temperature", 0.0, "sampling.temperature = 0.0 is not allowed: a number in (0, 10]"),
     ("top_p", 1.5, "sampling.top_p = 1.5 is not allowed: a number in (0, 1]"),
     ("mode", "beam", "sampling.mode = 'beam' is not allowed: one of greedy, sample"),

@@ -87,8 +87,10 @@ def batched_rows(model, sizes=BATCH_SIZES, steps: int = 8, prompt: int = 16, rou
             row.update(gemm_step_ms=best["gemm", m] * 1e3,
                        gemm_over_one=best["gemm", sizes[0]] / best["gemm", m] * m / sizes[0])
         rows.append(row)
+    warnings = [f"{r['sequences']} sequences at {r['of_floor']:.2f} of the read floor is impossible: the bandwidth "
+                f"probe was slowed (a busy machine?)" for r in rows if r["of_floor"] > 1.0]
     return {"rows": rows, "read_gb_s": read / 1e9, "floor_ms": floor * 1e3, "weight_mb": weight_bytes / 1e6,
-            "params": params, "plan": model.plan.describe(), "steps": steps, "prompt": prompt}
+            "params": params, "plan": model.plan.describe(), "steps": steps, "prompt": prompt, "warnings": warnings}
 
 
 def attention_row(context: int = 8192, repeats: int = 200, seed: int = 0, torch_threads: int | None = None) -> dict:
@@ -159,6 +161,7 @@ def format_kernels(result: dict) -> list[str]:
         if "gemm_step_ms" in r:
             line += f" {r['gemm_step_ms']:>8.1f} {r['gemm_over_one']:>6.2f}x"
         out.append(line)
+    out += [f"  WARNING: {w}" for w in b["warnings"]]
     if b["plan"]:
         out.append("  kernels (rows:kernel per weight shape in x out; xwB/wxB: blocks of B output columns, gemm: BLAS):")
         out += [f"    {line}" for line in b["plan"]]

@@ -31,6 +31,7 @@ from ..engine.policies import POLICIES
 from ..settings import MAX_PAGES as MAX_POOL_PAGES
 from ..engine.policies.pyramidkv import PyramidKV, pool_tokens
 from ..engine.policies.snapkv import SnapKV
+from ..engine.quant import storage_summary
 from .optimal import OPTIMAL, FutureAttention
 
 
@@ -129,8 +130,13 @@ class Row:
     evicting_tokens: int
     seconds: float
     note: str = ""
-    gap_to_optimal: float | None = None  # ppl_evicting / optimal's at the same budget - 1
+    gap_to_optimal: float | None = None  # ppl_evicting / optimal's at the same budget and dtype - 1
     recall: float | None = None  # tiered rows: share of the full cache's attention on the tokens read
+    dtype: str = "float32"  # K/V storage of the bounded cache
+    kv_bytes_per_token: float | None = None  # all layers, at the budget (quant.storage_summary)
+    kv_bytes: int | None = None  # all layers: kv_bytes_per_token x the tokens its pages hold
+    kv_bytes_peak_per_token: float | None = None  # measured: what the run's stores held at most, per token
+    equal_memory_to: str = ""  # an equal-memory row: the dtype@budget whose K/V bytes it does not exceed
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -204,7 +210,8 @@ class _KeepAllLogits:
 
 
 def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, page_size: int,
-             dtype: str = "float32", progress: Callable[[int], None] | None = None, piece: int = 256) -> Row:
+             dtype: str = "float32", progress: Callable[[int], None] | None = None, piece: int = 256,
+             residual: int | None = None, equal_memory_to: str = "") -> Row:
     """Teacher-force the reference's text through a bounded cache and compare with the full cache.
     `optimal` (compare only) is the clairvoyant policy of pagevis.bench.optimal, fed the reference's future."""
     ids = reference.token_ids
@@ -218,8 +225,9 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
     else:
         max_pages, params = session_pages(choice, budget, page_size, model.config)
         tier = {"policy": "oldest" if optimal else choice.name}
-    config = SessionConfig(page_size=page_size, max_pages=max_pages, dtype=dtype, policy_params=params,
-                           max_new_tokens=1, oracle=False, chat=False, record_layers=(), **tier)
+    storage = {"dtype": dtype} if residual is None else {"dtype": dtype, "residual": residual}
+    config = SessionConfig(page_size=page_size, max_pages=max_pages, policy_params=params, max_new_tokens=1,
+                           oracle=False, chat=False, record_layers=(), **storage, **tier)
     wrapped = _KeepAllLogits(model, piece)
     if optimal:  # the session builds policies by name; this one needs the future
         optimal.bind(config.capacity, page_size)
@@ -254,12 +262,13 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
     except CacheFullError:
         note = "cache full (policy none never evicts)"
         return Row(choice.label, budget, page_size, None, None, None, None, None, None, 0, 0,
-                   time.perf_counter() - started, note)
+                   time.perf_counter() - started, note, dtype=dtype, equal_memory_to=equal_memory_to)
     tail = slice(min(budget, n - 1), n - 1)
     evicting = n - 1 - tail.start
     per_head = optimal is None and getattr(POLICIES.get(choice.name), "per_head", False)
     if per_head:  # the reference keeps head means: what each head dropped cannot be weighed against it
         note = "lost attn not measured for a per-head policy"
+    memory = storage_summary(session.cache_config, session.cache.stores)
     return Row(
         policy=choice.label, budget=budget, page_size=page_size, ppl=perplexity(true_lp),
         ppl_evicting=perplexity(true_lp[tail]), full_ppl_evicting=reference.perplexity(tail.start),
@@ -267,7 +276,10 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
         top1_agreement=float(np.mean(agree[tail])) if evicting else 1.0,
         lost_attention=None if per_head else float(np.mean(lost[tail])) if evicting else 0.0,
         evictions=evictions, evicting_tokens=evicting, seconds=time.perf_counter() - started, note=note,
-        recall=1 - float(np.mean(lost[tail])) if evicting and config.tiered else None)
+        recall=1 - float(np.mean(lost[tail])) if evicting and config.tiered else None, dtype=dtype,
+        kv_bytes_per_token=memory["kv_bytes_per_token"],
+        kv_bytes=round(memory["kv_bytes_per_token"] * session.cache_config.capacity),
+        kv_bytes_peak_per_token=memory["kv_bytes_peak_per_token"], equal_memory_to=equal_memory_to)
 
 
 TIER_ROWS = ("quest", "disk")  # compare rows with a disk tier: quest's page selection, or exact reads of all
@@ -342,11 +354,31 @@ def full_row(reference: Reference, page_size: int) -> Row:
 
 
 def fill_gaps(rows: list[Row]) -> None:
-    """Set each row's gap to the `optimal` row of its budget (when there is one and both have a perplexity)."""
-    best = {r.budget: r.ppl_evicting for r in rows if r.policy == OPTIMAL and r.ppl_evicting}
+    """Set each row's gap to the `optimal` row of its budget and dtype (when there is one and both have a
+    perplexity)."""
+    best = {(r.budget, r.dtype): r.ppl_evicting for r in rows if r.policy == OPTIMAL and r.ppl_evicting}
     for r in rows:
-        if r.ppl_evicting is not None and r.budget in best:
-            r.gap_to_optimal = r.ppl_evicting / best[r.budget] - 1
+        if r.ppl_evicting is not None and (r.budget, r.dtype) in best:
+            r.gap_to_optimal = r.ppl_evicting / best[r.budget, r.dtype] - 1
+
+
+def cache_bytes(dtype: str, budget: int, page_size: int, residual: int, model_config) -> int:
+    """K/V bytes, all layers, of one sequence's cache of `budget` tokens (CacheConfig.kv_bytes_per_token)."""
+    config = CacheConfig(page_size=page_size, max_pages=budget // page_size, dtype=dtype, residual=residual,
+                         policy="oldest", n_layers=model_config.n_layers, n_heads=model_config.n_heads,
+                         n_kv_heads=model_config.n_kv_heads, head_dim=model_config.head_dim)
+    return round(config.kv_bytes_per_token() * config.capacity)
+
+
+def equal_memory_budget(dtype: str, bytes_allowed: int, page_size: int, residual: int, model_config,
+                        most: int) -> int:
+    """The largest budget (a multiple of page_size, at most `most`) whose cache in `dtype` takes at most
+    bytes_allowed; 0 if not even one page fits."""
+    budget = 0
+    while budget + page_size <= most and cache_bytes(dtype, budget + page_size, page_size, residual,
+                                                      model_config) <= bytes_allowed:
+        budget += page_size
+    return budget
 
 
 class Estimate(NamedTuple):

@@ -33,6 +33,46 @@ def storage_rows(float32_rows: list[dict], float16_rows: list[dict]) -> list[dic
     return rows
 
 
+def quantized_rows(contexts, page_size: int = 16, residual: int = 128, repeats: int | None = None, seed: int = 0,
+                   dtypes=("float32", "float16", "int8", "int4", "int2")) -> list[dict]:
+    """Decode attention over one layer of `context` tokens per storage dtype (SmolLM2's layer shape), on the
+    same float32 keys and values: the engine's attention call (dequantizing a block of pages at a time), its
+    output's relative error against float32 storage, and the exact K/V bytes per token (one layer: pages,
+    scales, zero points, key groups, and int4 / int2's window of residual + 31 float32 tokens)."""
+    from ..engine import CacheConfig, KVCacheManager
+    from ..engine.quant import storage_summary
+
+    rng = np.random.default_rng(seed)
+    heads, kv_heads, dim = SMOLLM2_LAYER["n_heads"], SMOLLM2_LAYER["n_kv_heads"], SMOLLM2_LAYER["head_dim"]
+    rows = []
+    for context in contexts:
+        reps = repeats or max(20, min(200, 200_000 // context))
+        keys = rng.standard_normal((context, kv_heads, dim)).astype(np.float32)
+        values = rng.standard_normal((context, kv_heads, dim)).astype(np.float32)
+        q = rng.standard_normal((1, heads, dim)).astype(np.float32)
+        reference = None
+        for dtype in dtypes:
+            config = CacheConfig(page_size=page_size, max_pages=-(-context // page_size), n_layers=1, n_heads=heads,
+                                 n_kv_heads=kv_heads, head_dim=dim, dtype=dtype, residual=residual, policy="none")
+            cache = KVCacheManager.single(config)
+            # the prompt, then one decode token: its append quantizes what is past the window, as in decoding
+            cache.append(0, 0, keys[:-1], values[:-1], np.arange(context - 1))
+            cache.append(0, 0, keys[-1:], values[-1:], np.array([context - 1]))
+            position = np.array([context - 1])
+            output = cache.attend(0, 0, q, position).output
+            reference = output if reference is None else reference
+            seconds = best_time(lambda cache=cache: cache.attend(0, 0, q, position), reps)
+            per_token = storage_summary(config)["kv_bytes_per_token"]
+            rows.append(dict(context=context, page_size=page_size, dtype=dtype, residual=residual,
+                             paged_us=seconds * 1e6, kv_bytes_per_token=per_token,
+                             kv_bytes=round(per_token * config.capacity),
+                             rel_error=float(np.linalg.norm(output - reference) / np.linalg.norm(reference))))
+        first = rows[-len(dtypes)]["paged_us"]
+        for row in rows[-len(dtypes):]:
+            row["over_first"] = row["paged_us"] / first
+    return rows
+
+
 def torch_available() -> bool:
     try:
         import torch  # noqa: F401

@@ -30,6 +30,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
                     "bandwidth of a weight-sized float32 gemv or sum, on the BLAS threads decoding uses, over "
                     "weight bytes per token). "
                     "Timings are medians; a busy machine makes them noisy.")
+    parser.add_argument("target", nargs="?", choices=("serve",),
+                        help="serve: benchmark `pagevis serve` instead (a chat workload at concurrency 1-16 or "
+                             "Poisson rates, shaped like vLLM's benchmark_serving; see its options below)")
     parser.add_argument("--contexts", metavar="LIST", help=f"context lengths (default {FULL_CONTEXTS})")
     parser.add_argument("--page-sizes", metavar="LIST", help="page sizes (default 8,16,32,64)")
     parser.add_argument("--quick", action="store_true",
@@ -55,6 +58,16 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--transformers-python", metavar="PYTHON",
                         help="a Python with torch, transformers, accelerate and gguf: time transformers eager "
                              "decoding of the same GGUF with it (default: this Python, if it has them)")
+    serve = parser.add_argument_group("bench serve")
+    serve.add_argument("--concurrency", metavar="LIST", help="concurrent streaming clients per level (default "
+                       "1,2,4,8,16)")
+    serve.add_argument("--request-rate", metavar="LIST", help="Poisson arrivals, requests/s per level (instead of "
+                       "the concurrency levels, or after those given with --concurrency)")
+    serve.add_argument("--num-prompts", type=int, metavar="N", help="requests per level (default 2 x the "
+                       "concurrency, at least 4; 16 per rate)")
+    serve.add_argument("--output-tokens", type=int, default=32, metavar="N", help="tokens each request decodes (32)")
+    serve.add_argument("--overhead", action="store_true", help="instead: HTTP against the engine called directly "
+                       "(tokens/s, /healthz while sessions decode, /v1/attention)")
     parser.set_defaults(handler=main)
     return parser
 
@@ -75,6 +88,8 @@ def parse_ints(text: str, flag: str, low: int, high: int) -> list[int]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.target == "serve":
+        return serve_main(args)
     from ..bench import attention, suite
 
     contexts = parse_ints(args.contexts or (QUICK_CONTEXTS if args.quick else FULL_CONTEXTS), "--contexts", 1,
@@ -99,6 +114,8 @@ def main(args: argparse.Namespace) -> int:
     say("attention: float16 storage ...")
     half = attention.run_attention_bench(contexts, [storage_page], dtype="float16", repeats=repeats)
     storage = suite.storage_rows(paged, half)
+    say("attention: quantized storage (int8, int4, int2) ...")
+    quantized = suite.quantized_rows(contexts, storage_page, repeats=repeats)
     torch_rows = None
     if suite.torch_available():
         say("attention: torch scaled_dot_product_attention ...")
@@ -137,7 +154,8 @@ def main(args: argparse.Namespace) -> int:
         tiers = {"streamed": tier_bench.streamed_rows(tier_contexts, swap_dir=args.swap_dir, repeats=repeats),
                  "quest": tier_bench.quest_rows(max(tier_contexts), swap_dir=args.swap_dir),
                  "rss": None if args.quick else tier_bench.rss_rows(swap_dir=args.swap_dir)}
-    result = {"attention": paged, "storage": storage, "torch": torch_rows, "decode": decode, "kernels": kernels,
+    result = {"attention": paged, "storage": storage, "quantized": quantized, "torch": torch_rows, "decode": decode,
+              "kernels": kernels,
               "sequences": sequences,
               "tiers": tiers, "shape": suite.SMOLLM2_LAYER}
     if not args.no_files:
@@ -159,6 +177,14 @@ def format_report(result: dict) -> str:
         out.append(f"{r['context']:>8} {r['page_size']:>5} {r['f32_us']:>9.1f} {r['f16_us']:>9.1f} "
                    f"{r['f16_over_f32']:>7.2f}x {r['f32_kv_bytes'] / 1024:>11.0f} {r['f16_kv_bytes'] / 1024:>11.0f}")
     out.append("")
+    if result.get("quantized"):
+        out += ["Quantized storage (paged, one layer; output error against float32 storage; KV bytes per token: "
+                "pages, scales, zero points, key groups and int4 / int2's float32 window; docs/quantization.md)",
+                f"{'context':>8} {'dtype':>8} {'µs':>9} {'vs f32':>7} {'B/token':>9} {'KV KiB':>8} {'rel error':>10}"]
+        for r in result["quantized"]:
+            out.append(f"{r['context']:>8} {r['dtype']:>8} {r['paged_us']:>9.1f} {r['over_first']:>6.2f}x "
+                       f"{r['kv_bytes_per_token']:>9.1f} {r['kv_bytes'] / 1024:>8.1f} {r['rel_error']:>10.2e}")
+        out.append("")
     if result["torch"]:
         first = result["torch"][0]
         out.append(f"torch {first['torch_version']} scaled_dot_product_attention on the same data "
@@ -212,12 +238,60 @@ def format_report(result: dict) -> str:
     return "\n".join(out)
 
 
+def serve_main(args: argparse.Namespace) -> int:
+    """`pagevis bench serve`: the serving benchmark (or --overhead); a table on stdout, a PNG plot."""
+    from ..bench import serve, serving
+
+    model = args.model or "smollm2"
+    if model not in ("smollm2", "synthetic"):
+        raise UsageError(f"pagevis bench serve: --model {model}: smollm2 or synthetic")
+    say = (lambda text: print(text, file=sys.stderr)) if not args.json else (lambda text: None)
+    if args.overhead:
+        result = serve.overhead(model, args.decode_tokens, 3)
+        print(json.dumps(result) if args.json else serve.format_overhead(result))
+        return 0
+    rates = _rates(args.request_rate) if args.request_rate else None
+    concurrencies = parse_ints(args.concurrency, "--concurrency", 1, 256) if args.concurrency else (
+        None if rates else [1, 2, 4, 8, 16])
+    if args.num_prompts is not None:
+        options.check_range("--num-prompts", args.num_prompts, 1, 100_000)
+    options.check_range("--output-tokens", args.output_tokens, 1, 4096)
+    if not args.no_files:
+        if not os.path.isdir(args.out):
+            raise UsageError(f"--out {args.out}: no such folder")
+        options.check_writable(os.path.join(args.out, "bench-serve.png"), "--out")
+    say(f"load average {os.getloadavg()[0]:.1f}; starting pagevis serve --model {model} ...")
+    say("  ".join(serving.HEADER))
+    result = serving.run(model, concurrencies, rates, args.num_prompts, args.output_tokens, progress=say)
+    if not args.no_files:
+        from ..gui.plots import line_plot
+
+        result["files"] = serving.plot(result, args.out, line_plot)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(serving.format_table(result))
+    if result.get("files"):
+        print("wrote " + ", ".join(result["files"]))
+    return 0
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"--request-rate {text!r}: numbers like 1,2,4") from None
+    if not rates or any(not 0 < r <= 1000 for r in rates):
+        raise UsageError(f"--request-rate {text!r}: each must be more than 0 and at most 1000")
+    return rates
+
+
 def write_files(folder: str, result: dict, half: list[dict]) -> list[str]:
     from ..gui.plots import line_plot
 
     written = []
-    for name in ("attention", "storage", "torch"):
-        rows = result[name]
+    for name in ("attention", "storage", "quantized", "torch"):
+        rows = result.get(name)
         if rows:
             path = os.path.join(folder, f"bench-{name}.csv")
             with open(path, "w", newline="", encoding="utf-8") as handle:

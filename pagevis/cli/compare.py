@@ -11,7 +11,7 @@ from importlib import resources
 
 from .. import settings
 from . import options
-from ..engine.config import MAX_PAGE_SIZE, MAX_PAGES
+from ..engine.config import MAX_PAGE_SIZE, MAX_PAGES, STORAGE_DTYPES
 from .options import UsageError
 from .progress import Progress
 
@@ -19,7 +19,8 @@ DEFAULT_TEXT = "texts/pride-and-prejudice-ch1.txt"
 LONG_TEXT = "pride-and-prejudice-ch1-6"  # about 10,100 SmolLM2 tokens: enough for --tokens 8192
 DEFAULT_POLICIES = "sinks,oldest,h2o,tova,snapkv,pyramidkv,lru,lfu"
 MAX_TOKENS = 1 << 20  # the reference's logits go to temporary files; the text bounds it in practice
-COLUMNS = ("policy", "budget", "page_size", "ppl", "ppl_evicting", "full_ppl_evicting", "gap_to_optimal", "mean_kl",
+COLUMNS = ("policy", "budget", "page_size", "dtype", "kv_bytes_per_token", "kv_bytes", "kv_bytes_peak_per_token",
+           "equal_memory_to", "ppl", "ppl_evicting", "full_ppl_evicting", "gap_to_optimal", "mean_kl",
            "top1_agreement", "lost_attention", "evictions", "evicting_tokens", "seconds", "note", "recall")
 
 
@@ -50,7 +51,16 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--budgets", default="64,128,256", metavar="LIST",
                         help="cache budgets in tokens per layer, multiples of the page size (default 64,128,256)")
     # pages of 16, compare's own default: docs/compare.md's tables are measured with them
-    settings.add_flags(parser, names=("page_size", "dtype"), page_size=16, dtype="float32")
+    settings.add_flags(parser, names=("page_size", "dtype", "residual"), page_size=16, dtype="float32")
+    parser.add_argument("--dtypes", metavar="LIST",
+                        help=f"K/V storages to compare, comma-separated (any of {', '.join(STORAGE_DTYPES)}): a row "
+                             f"per dtype x policy x budget (default: --dtype alone). Quality is always measured "
+                             f"against the float32 full cache")
+    parser.add_argument("--equal-memory", metavar="DTYPE",
+                        help="also add, for each budget and each other dtype, the rows of the largest budget whose "
+                             "K/V bytes (kv_bytes: pages, scales, zero points, the residual window) do not exceed "
+                             "DTYPE's at that budget, e.g. --equal-memory float16: 'keep more tokens at 4 bits, or "
+                             "evict?' (DTYPE is added to --dtypes)")
     parser.add_argument("--tokens", type=int, default=512, metavar="N",
                         help="evaluate the first N tokens of the text (default 512)")
     parser.add_argument("--csv", default="compare.csv", metavar="FILE", help="CSV output (default compare.csv)")
@@ -95,14 +105,29 @@ def parse_budgets(text: str, page_size: int) -> list[int]:
     return budgets
 
 
+def parse_dtypes(args: argparse.Namespace) -> list[str]:
+    """--dtypes (or --dtype alone), with --equal-memory's dtype first if it is not among them."""
+    dtypes = [part.strip() for part in (args.dtypes or args.dtype).split(",") if part.strip()]
+    for dtype in [*dtypes, *([args.equal_memory] if args.equal_memory else [])]:
+        if dtype not in STORAGE_DTYPES:
+            flag = "--equal-memory" if dtype == args.equal_memory and dtype not in dtypes else "--dtypes"
+            raise UsageError(f"{flag}: unknown dtype {dtype!r}; the dtypes are {', '.join(STORAGE_DTYPES)}")
+    if not dtypes:
+        raise UsageError("--dtypes: give at least one dtype")
+    if args.equal_memory and args.equal_memory not in dtypes:
+        dtypes.insert(0, args.equal_memory)
+    return list(dict.fromkeys(dtypes))
+
+
 def check_budgets(budgets: list[int], args: argparse.Namespace, model_config) -> None:
-    """Each budget's cache fits this model's layout and the memory available now."""
+    """Each budget's cache fits this model's layout and the memory available now (in float32, the
+    reference's storage)."""
     from ..engine import CacheConfig, ConfigError
     from ..system_memory import available_bytes, fits, gib
 
     for budget in budgets:
         try:
-            config = CacheConfig(page_size=args.page_size, max_pages=budget // args.page_size, dtype=args.dtype,
+            config = CacheConfig(page_size=args.page_size, max_pages=budget // args.page_size, dtype="float32",
                                  policy="oldest", n_layers=model_config.n_layers, n_heads=model_config.n_heads,
                                  n_kv_heads=model_config.n_kv_heads, head_dim=model_config.head_dim)
         except ConfigError as error:
@@ -136,6 +161,9 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(f"--tmp-dir {args.tmp_dir}: no such folder")
     choices = parse_policies(args.policies, optimal=not args.no_optimal)
     budgets = parse_budgets(args.budgets, args.page_size)
+    dtypes = parse_dtypes(args)
+    residual = settings.setting("residual").default if args.residual is None else args.residual
+    options.check_range("--residual", residual, 0, settings.MAX_RESIDUAL)
     text = load_text(args.text)
     spec = options.model_spec(args)
     model = spec.load()
@@ -159,13 +187,14 @@ def main(args: argparse.Namespace) -> int:
     ids = model.tokenizer.encode(text)[: args.tokens]
     if len(ids) < 2:
         raise UsageError("the text is too short: it must encode to at least 2 tokens")
+    plan = configurations(choices, budgets, dtypes, args, residual, model.config, len(ids))
 
-    estimate = quality.estimate_seconds(model, len(ids), [b for _ in choices for b in budgets])
+    estimate = quality.estimate_seconds(model, len(ids), [budget for _, budget, _, _ in plan])
     if not args.quiet:
-        print(f"compare: {len(ids)} tokens, {len(choices) * len(budgets)} configurations; estimated "
+        print(f"compare: {len(ids)} tokens, {len(plan)} configurations; estimated "
               f"{_duration(estimate.total)} (full-cache reference {_duration(estimate.reference)}, from timed "
               f"forward passes), reference files {estimate.disk_bytes / 1e9:.2f} GB", file=sys.stderr)
-    work = len(ids) * (1 + len(choices) * len(budgets))
+    work = len(ids) * (1 + len(plan))
     progress = Progress(work, "compare", enabled=False if args.quiet else None)
     done = [0]
 
@@ -174,26 +203,31 @@ def main(args: argparse.Namespace) -> int:
         return lambda n: progress.update(base + n, label)
 
     log = progress.enabled or args.quiet  # without a progress bar, one line per configuration instead
-    with quality.full_reference(model, ids, page_size=args.page_size, dtype=args.dtype, folder=args.tmp_dir,
+    # the reference is the full cache at full precision, whatever the rows' storage
+    with quality.full_reference(model, ids, page_size=args.page_size, dtype="float32", folder=args.tmp_dir,
                                 progress=advance("full cache")) as reference:
         done[0] += len(ids)
         rows = [quality.full_row(reference, args.page_size)]
+        rows[0].kv_bytes_per_token = quality.cache_bytes("float32", args.page_size, args.page_size, residual,
+                                                         model.config) / args.page_size
         if not log:
             print(f"compare: full cache, ppl {rows[0].ppl:.3f} ({reference.seconds:.0f} s)", file=sys.stderr)
-        for choice in choices:
-            for budget in budgets:
-                row = quality.evaluate(model, reference, choice, budget, args.page_size, args.dtype,
-                                       progress=advance(f"{choice.label} @ {budget}"))
-                rows.append(row)
-                done[0] += len(ids)
-                if not log:
-                    ppl = "-" if row.ppl is None else f"{row.ppl:.3f}"
-                    print(f"compare: {row.policy} @ {budget}: ppl {ppl} ({row.seconds:.0f} s)", file=sys.stderr)
+        for choice, budget, dtype, equal in plan:
+            label = f"{choice.label} @ {budget} {dtype}" + (f" (= {equal})" if equal else "")
+            row = quality.evaluate(model, reference, choice, budget, args.page_size, dtype, residual=residual,
+                                   progress=advance(label), equal_memory_to=equal)
+            rows.append(row)
+            done[0] += len(ids)
+            if not log:
+                ppl = "-" if row.ppl is None else f"{row.ppl:.3f}"
+                print(f"compare: {label}: ppl {ppl} ({row.seconds:.0f} s)", file=sys.stderr)
     progress.close()
     quality.fill_gaps(rows)
 
     result = {"model": spec.label, "text": args.text or f"pagevis.resources/{DEFAULT_TEXT}", "tokens": len(ids),
-              "page_size": args.page_size, "dtype": args.dtype, "full_cache_ppl": reference.perplexity(),
+              "page_size": args.page_size, "dtypes": dtypes, "reference_dtype": "float32",
+              **({"residual": residual} if any(d in ("int4", "int2") for d in dtypes) else {}),
+              "equal_memory": args.equal_memory, "full_cache_ppl": reference.perplexity(),
               "seconds": progress.elapsed(), "estimated_seconds": estimate.total,
               "peak_rss_mb": quality.peak_rss_bytes() / 1e6, "rows": [row.as_dict() for row in rows[1:]]}
     if not args.no_files:
@@ -203,7 +237,8 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, ensure_ascii=False))
     else:
-        print(f"{spec.label}, {len(ids)} tokens of {result['text']}, page size {args.page_size}, {args.dtype}")
+        storage = ", ".join(dtypes) + (f" (residual {residual})" if "residual" in result else "")
+        print(f"{spec.label}, {len(ids)} tokens of {result['text']}, page size {args.page_size}, {storage}")
         print(format_table(rows))
         if not args.no_files:
             print(f"wrote {args.csv} and {args.plot}", file=sys.stderr)
@@ -213,27 +248,55 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def configurations(choices, budgets, dtypes, args, residual, model_config, n_tokens) -> list[tuple]:
+    """(policy choice, budget, dtype, equal_memory_to) of every row to evaluate: each dtype x policy x budget,
+    then with --equal-memory D each other dtype's largest budget within D's K/V bytes at each budget (no
+    larger than the text, a row of its own even when that budget is also among --budgets)."""
+    from ..bench import quality
+
+    plan = [(choice, budget, dtype, "") for dtype in dtypes for choice in choices for budget in budgets]
+    if args.equal_memory:
+        most = -(-n_tokens // args.page_size) * args.page_size
+        for budget in budgets:
+            allowed = quality.cache_bytes(args.equal_memory, budget, args.page_size, residual, model_config)
+            for dtype in dtypes:
+                if dtype == args.equal_memory:
+                    continue
+                fits = quality.equal_memory_budget(dtype, allowed, args.page_size, residual, model_config, most)
+                if fits:
+                    plan += [(choice, fits, dtype, f"{args.equal_memory}@{budget}") for choice in choices]
+    return plan
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
 def format_table(rows) -> str:
-    header = (f"{'policy':<18} {'budget':>6} {'ppl':>8} {'ppl evict':>9} {'full':>8} {'vs opt':>7} {'mean KL':>8} "
-              f"{'top-1':>6} {'lost attn':>9} {'evictions':>9}")
+    dtypes = len({r.dtype for r in rows[1:]}) > 1 or any(r.dtype != "float32" for r in rows[1:])
+    storage = f"{'dtype':<7} {'KiB/tok':>7} " if dtypes else ""
+    header = (f"{'policy':<18} {storage}{'budget':>6} {'ppl':>8} {'ppl evict':>9} {'full':>8} {'vs opt':>7} "
+              f"{'mean KL':>8} {'top-1':>6} {'lost attn':>9} {'evictions':>9}")
     lines = [header, "-" * len(header)]
     for r in rows:
+        memory = (f"{r.dtype:<7} {_f(None if r.kv_bytes_per_token is None else r.kv_bytes_per_token / 1024, 7, 2)} "
+                  if dtypes else "")
         if r.ppl is None:
-            lines.append(f"{r.policy:<18} {r.budget:>6}  {r.note}")
+            lines.append(f"{r.policy:<18} {memory}{r.budget:>6}  {r.note}")
             continue
-        lines.append(f"{r.policy:<18} {r.budget:>6} {_f(r.ppl, 8, 3)} {_f(r.ppl_evicting, 9, 3)} "
+        lines.append(f"{r.policy:<18} {memory}{r.budget:>6} {_f(r.ppl, 8, 3)} {_f(r.ppl_evicting, 9, 3)} "
                      f"{_f(r.full_ppl_evicting, 8, 3)} {_gap(r.gap_to_optimal)} {_f(r.mean_kl, 8, 4)} "
                      f"{_f(r.top1_agreement, 6, 3)} "
                      f"{_f(r.lost_attention, 9, 4)} {r.evictions:>9}"
-                     + ("" if r.recall is None else f"  recall {r.recall:.3f}"))
+                     + ("" if r.recall is None else f"  recall {r.recall:.3f}")
+                     + (f"  = {r.equal_memory_to} bytes" if r.equal_memory_to else ""))
     lines.append("ppl: all predicted tokens. ppl evict / full, mean KL, top-1, lost attn: the tokens predicted "
                  "once the cache was full (bounded vs full cache on the same tokens). vs opt: ppl evict over "
                  "optimal's at the same budget, minus 1. quest / disk: RAM frames = budget, the rest on disk; "
-                 "lost attn is then the attention on tokens not read, recall = 1 - lost attn.")
+                 "lost attn is then the attention on tokens not read, recall = 1 - lost attn."
+                 + (" KiB/tok: K/V bytes per token at the budget, all layers (pages, scales, zero points and the "
+                    "residual window); = D@B: the largest budget within dtype D's K/V bytes at budget B. Quality "
+                    "is against the float32 full cache." if dtypes else ""))
     return "\n".join(lines)
 
 
@@ -259,19 +322,28 @@ def write_csv(path: str, rows) -> None:
 
 
 def write_plot(path: str, rows, result) -> None:
+    import numpy as np
+
     from ..gui.plots import line_plot
 
     series: dict[str, tuple[list, list]] = {}
-    for row in rows[1:]:
-        xs, ys = series.setdefault(row.policy, ([], []))
-        xs.append(row.budget)
+    by_memory = len(result["dtypes"]) > 1
+    for row in sorted(rows[1:], key=lambda r: (r.dtype, r.policy, r.budget)):
+        if row.ppl is None:
+            continue
+        xs, ys = series.setdefault(f"{row.policy} {row.dtype}" if by_memory else row.policy, ([], []))
+        xs.append(row.kv_bytes / 1e6 if by_memory else row.budget)
         ys.append(row.ppl)
-    budgets = sorted({row.budget for row in rows[1:]})
+    for xs, ys in series.values():
+        order = np.argsort(xs, kind="stable")
+        xs[:], ys[:] = [xs[i] for i in order], [ys[i] for i in order]
+    budgets = sorted({x for xs, _ in series.values() for x in xs})
     series["full cache"] = (budgets, [result["full_cache_ppl"]] * len(budgets))
     values = [y for _, ys in series.values() for y in ys if y]
     ladder = (10, 12, 14, 16, 18, 20, 25, 30, 40, 50, 75, 100, 150, 200, 300, 500, 1000, 2000, 5000)
     ticks = [t for t in ladder if min(values, default=1) / 1.1 <= t <= max(values, default=1) * 1.1]
-    line_plot(path, series, title=f"Perplexity vs cache budget ({result['model']}, {result['tokens']} tokens, "
-                                  f"page size {result['page_size']})",
-              x_label="cache budget (tokens per layer)", y_label="perplexity (log scale)", log_x=True, log_y=True,
-              dashed={"full cache", "optimal"}, x_ticks=budgets, y_ticks=ticks or None)
+    line_plot(path, series, title=f"Perplexity vs {'K/V memory' if by_memory else 'cache budget'} ({result['model']}, "
+                                  f"{result['tokens']} tokens, page size {result['page_size']})",
+              x_label="K/V memory of the bounded cache, all layers (MB)" if by_memory else
+              "cache budget (tokens per layer)", y_label="perplexity (log scale)", log_x=True, log_y=True,
+              dashed={"full cache", "optimal"}, x_ticks=None if by_memory else budgets, y_ticks=ticks or None)

@@ -39,6 +39,7 @@ def run_parallel(args: argparse.Namespace, spec, config, prompt: str) -> int:
     from ..decoding.batch import BatchConfig
     from ..decoding.batch_summary import batch_summary
     from ..engine import CacheFullError, ConfigError
+    from ..engine.quant import storage_summary
     from ..engine.swap import SwapSpaceError
     from .checks import check_prompt_fits
 
@@ -66,6 +67,7 @@ def run_parallel(args: argparse.Namespace, spec, config, prompt: str) -> int:
     finally:
         batch.close()
     summary = {"model": spec.label, "prompt_tokens": len(batch.requests[ids[0]].prompt_ids),
+               **storage_summary(batch.cache_config, batch.cache.stores),
                "policy": config.policy, "max_pages": config.max_pages, **batch_summary(batch, records,
                                                                                       time.perf_counter() - started),
                "samples": [{"seed": batch.requests[i].sampler.config.seed, "text": batch.text(i),

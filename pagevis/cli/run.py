@@ -92,6 +92,8 @@ def main(args: argparse.Namespace) -> int:
 
 def summarize(session, model_label: str, elapsed: float) -> dict:
     """The run's numbers. tokens_per_s counts decode steps only (the oracle's time excluded)."""
+    from ..engine.quant import storage_summary
+
     records = session.records
     config = session.config
     decode = [r for r in records if r.kind == "decode"]
@@ -107,7 +109,7 @@ def summarize(session, model_label: str, elapsed: float) -> dict:
         "page_size": config.page_size,
         "max_pages": config.max_pages,
         "capacity": config.capacity,
-        "dtype": config.dtype,
+        **storage_summary(session.cache_config, session.cache.stores),
         "policy": config.policy,
         "policy_params": _policy_params(session),
         "steps": len(records),

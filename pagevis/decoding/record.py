@@ -72,6 +72,8 @@ class StepRecord:
       flat slots (page * page_size + slot); exactly 0 on empty slots, evicted tokens and tokens not read.
     With a disk tier (or a page selection) `tiers` holds the per-page state and what moved; slot_maps,
     protected and scores then describe the RAM frames (what each frame holds).
+    With int4 / int2 storage, full_precision: (n_layers, max_pages, page_size) bool, the RAM slots whose
+    tokens are still in float32 (KIVI's residual window); None for other storage.
     """
 
     step: int
@@ -93,6 +95,7 @@ class StepRecord:
     evictions_total: int = 0  # over all layers, since the session began
     oracle: OracleStep | None = None
     tiers: TierStep | None = None
+    full_precision: np.ndarray | None = None
 
     def page_map(self, layer: int) -> np.ndarray:
         """(page ids, page_size) token position per slot of every page: what attention columns index.

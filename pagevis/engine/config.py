@@ -14,6 +14,7 @@ from .. import settings
 from ..errors import ConfigError, check_int
 from ..settings import MAX_PAGE_SIZE, MAX_PAGES, SELECT_MODES, STORAGE_DTYPES, field_for
 from .policies import make_policy
+from .quant import is_quantized, layout_for
 
 # The settings' bounds live in the table (pagevis.settings); they are named here too for the engine's readers.
 __all__ = ["MAX_CACHE_BYTES", "MAX_HEADS", "MAX_HEAD_DIM", "MAX_LAYERS", "MAX_PAGE_SIZE", "MAX_PAGES", "SELECT_MODES",
@@ -36,6 +37,7 @@ class CacheSettings:
     page_size: int = field_for("page_size")
     max_pages: int = field_for("max_pages")
     dtype: str = field_for("dtype")
+    residual: int = field_for("residual")  # int4 / int2: tokens kept in float32 (KIVI's residual window)
     policy: str = field_for("policy")
     policy_params: Mapping[str, Any] = field_for("policy_params")
     disk_pages: int = field_for("disk_pages")  # per layer; 0 = no disk tier. With one, RAM frames cache them
@@ -129,12 +131,36 @@ class CacheConfig(CacheSettings):
         return self.n_heads // self.n_kv_heads
 
     def page_bytes(self) -> int:
-        """K and V of one page of one layer, in bytes (the unit the disk tier moves)."""
+        """K and V of one page of one layer, in bytes (the unit the disk tier moves): with a quantized dtype
+        its codes and per-token scales (and zero points), see quant.Layout."""
+        layout = layout_for(self)
+        if layout is not None:
+            return layout.page_bytes()
         return 2 * self.page_size * self.n_kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
 
     def bytes_per_layer(self) -> int:
-        """K and V storage of one layer in RAM, in bytes."""
-        return self.max_pages * self.page_bytes()
+        """K/V storage of one layer in RAM, in bytes: the RAM frames' pages, and for int4 / int2 what sits
+        beside the pages (`side_bytes`)."""
+        return self.max_pages * self.page_bytes() + self.side_bytes()
+
+    def side_bytes(self) -> int:
+        """int4 / int2, one layer, one sequence at capacity: each slot's key group (int32), the key groups'
+        scales and zero points (one per key group of slots), and the residual window in float32. 0 else."""
+        layout = layout_for(self)
+        if layout is None or not layout.kivi:
+            return 0
+        slots = self.capacity
+        return (slots * layout.slot_group_bytes() + -(-slots // layout.group) * layout.key_group_bytes()
+                + min(slots, layout.window()) * layout.residual_bytes_per_token())
+
+    def kv_bytes_per_token(self) -> float:
+        """K/V bytes per token, all layers, of one sequence's cache at capacity (every page, in whichever
+        tier, and what sits beside them), over the tokens it holds."""
+        return self.n_layers * (self.n_page_ids * self.page_bytes() + self.side_bytes()) / self.capacity
+
+    @property
+    def quantized(self) -> bool:
+        return is_quantized(self.dtype)
 
     def total_bytes(self) -> int:
         return self.n_layers * self.bytes_per_layer()

@@ -183,6 +183,7 @@ class KVCacheManager:
             if any(page is None for page in pages):
                 break
             hit.append((h, pages))
+        hit = self._whole_key_groups(hit)
         for i, (h, pages) in enumerate(hit):
             for layer, (store, page) in enumerate(zip(self.stores, pages, strict=True)):
                 self._share(seq, layer, page, first_position=i * ps)
@@ -300,6 +301,8 @@ class KVCacheManager:
             budget = seq.policy.layer_capacity(layer)
             n_evict = max(0, seq.resident[layer] + n_tokens - budget) if seq.policy.evicts else 0
             need = int((shared & (fill < ps)).sum()) + min(n_evict, int(shared.sum()))
+            if store.kivi:  # quantizing a key group copies the shared pages it touches
+                need += min(int(shared.sum()), -(-store.layout.group // ps) + 1)
             need += -(-max(0, n_tokens - room - n_evict) // ps)
             needs.append(need)
         return needs
@@ -375,6 +378,8 @@ class KVCacheManager:
         pages, evicting (its policy) at its budget and copying any shared page before changing it."""
         self._acting = seq_id
         seq, store = self.sequences[seq_id], self.stores[layer]
+        if store.kivi:
+            self._seal_residual(seq, layer, len(positions))
         state, holes, keep = seq.states[layer], seq.holes[layer], seq.head_keep[layer]
         budget = seq.policy.layer_capacity(layer)
         for i, position in enumerate(positions):
@@ -529,6 +534,33 @@ class KVCacheManager:
             self._event(kind, self._acting, layer, page, reason=detail, frame=frame)
         return moved
 
+    # --- quantized storage (int4 / int2: KIVI's residual window) ------------------------------------
+    def _seal_residual(self, seq: SequenceCache, layer: int, n_new: int) -> None:
+        """Before n_new tokens are written: while the sequence's full-precision tokens would then exceed
+        residual + group - 1, quantize the oldest `group` (32) of them (written in earlier calls) as one
+        key group. A prefill chunk is attended in full precision; in decoding the newest `residual` tokens
+        stay float32 and the oldest 32 beyond them are quantized once they have all arrived (KIVI). A
+        shared page is copied first: the change is this sequence's alone."""
+        store, ps = self.stores[layer], self.page_size
+        group, limit = store.layout.group, store.layout.residual + store.layout.group - 1
+        window = store.residual_slots(self._flat_slots(seq.block_tables[layer]))
+        while len(window) >= group and len(window) + n_new > limit:
+            oldest = window[np.argsort(store.positions[window], kind="stable")[:group]]
+            for page in np.unique(oldest // ps).tolist():
+                if store.pages.is_shared(page):
+                    copy = self._copy_on_write(seq, layer, page)
+                    oldest = np.where(oldest // ps == page, copy * ps + oldest % ps, oldest)
+            store.seal(oldest, self.step)
+            window = store.residual_slots(self._flat_slots(seq.block_tables[layer]))
+
+    def _whole_key_groups(self, hit: list) -> list:
+        """A prefix hit (pages per layer) cut back until no key group of its pages reaches a token past it:
+        a page's int4 / int2 key codes depend on every token of their group."""
+        while hit and any(store.group_reach([pages[layer] for _, pages in hit]) >= len(hit) * self.page_size
+                          for layer, store in enumerate(self.stores)):
+            hit.pop()
+        return hit
+
     # --- attention -------------------------------------------------------------------------------
     def attend(self, seq_id: int, layer: int, q: np.ndarray, positions: np.ndarray) -> AttentionResult:
         """Attention of the sequence's n queries (n, n_heads, head_dim) at `positions` over its resident
@@ -536,7 +568,7 @@ class KVCacheManager:
         single sequence in RAM), else over `result.slots`; exactly 0 on empty slots."""
         self._acting = seq_id
         seq, store = self.sequences[seq_id], self.stores[layer]
-        if store.tiered or (self.select_pages is not None and len(q) == 1):
+        if store.tiered or store.quantized or (self.select_pages is not None and len(q) == 1):
             return self._read(seq, layer, q, positions)
         seq.read_slots[layer] = None
         if seq.policy.uses_queries:

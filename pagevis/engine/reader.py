@@ -8,6 +8,10 @@ and largest key, so q·k <= Σᵢ max(qᵢ·minᵢ, qᵢ·maxᵢ) bounds each qu
 differ in scale, so each head's bounds become shares (a softmax over pages) and a page is worth the
 largest share any head gives it; the newest page is always read. Weights come back over the tokens
 actually read.
+
+A quantized store is read a block of pages at a time (at most quant.BLOCK_TOKENS slots): each block is
+dequantized to float32, attended, and merged like the disk batches, so the whole cache is never
+dequantized at once; blocks with no slot to read are skipped.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from .attention import AttentionResult, Partial, attend_part, merge, rescale
+from .quant import BLOCK_TOKENS
 from .store import PageStore
 
 
@@ -48,16 +53,25 @@ def read_attention(store: PageStore, table: list[int], q: np.ndarray, positions:
         pages = quest_pages(store, pages, q, select_pages)
     in_ram = store.in_ram(pages)
     ram_pages, disk_pages = pages[in_ram], np.sort(pages[~in_ram])
-    n_kv, _, _, d = store.k.shape
     rows = len(q) if all_weights else 1  # the queries whose weights come back
     whole: Partial | None = None  # the merge so far: one running partial, not one per batch
     pieces: list[tuple[Partial, np.ndarray, np.ndarray]] = []  # per batch: its max and sum, weights, slots
 
     def attend_frames(lo: int, hi: int, bias: np.ndarray) -> None:
+        if store.quantized:  # a block at a time, skipping blocks with nothing to read
+            block = max(1, BLOCK_TOKENS // ps)
+            for start in range(lo, hi, block):
+                end = min(start + block, hi)
+                part = bias[(start - lo) * ps: (end - lo) * ps]
+                if np.isfinite(part).any():
+                    attend_block(start, end, part)
+        else:
+            attend_block(lo, hi, bias)
+
+    def attend_block(lo: int, hi: int, bias: np.ndarray) -> None:
         nonlocal whole
         span = slice(lo * ps, hi * ps)
-        keys = store.k[:, lo:hi].reshape(n_kv, (hi - lo) * ps, d)
-        values = store.v[:, lo:hi].reshape(n_kv, (hi - lo) * ps, d)
+        keys, values = store.frame_kv(lo, hi)
         part, weights = attend_part(q, keys, values, bias, store.frame_positions[span], positions)
         whole = part if whole is None else merge(whole, part)
         slots = (store.page_in[lo:hi, None] * ps + np.arange(ps)).ravel()
@@ -89,6 +103,8 @@ def read_attention(store: PageStore, table: list[int], q: np.ndarray, positions:
             for frame in range(lo, lo + len(chunk)):
                 store.promote(frame, step)
 
+    if whole is None:  # nothing to read (a quantized store skipped every block): no key is visible
+        attend_block(0, 0, store.bias[:0])
     last = Partial(None, whole.max[-rows:], whole.total[-rows:])
     weights = np.concatenate([w * rescale(p, last)[..., None] for p, w, _ in pieces], axis=-1)
     slots = np.concatenate([s for _, _, s in pieces])

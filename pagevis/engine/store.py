@@ -11,15 +11,22 @@ disk holds every page, written when the page first leaves RAM) and RAM frames ca
 [0, home_frames) keep pages between steps, chosen by least recent read (ties: the older page); frames
 [home_frames, max_pages) take disk pages read for one attention call. A page is dirty while its RAM copy
 differs from its disk copy; a clean page leaving RAM is not written again.
+
+Quantized dtypes (quant.py) keep each RAM frame as one byte block (codes and per-token scales: what the
+disk tier moves); for int4 / int2, each slot's key group and the residual window's float32 K/V are kept
+per page id beside the frames, like the positions. Attention reads K/V through `frame_kv`, which
+dequantizes the frames asked for (a block at a time: see reader.py).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 import numpy as np
 
 from .block_pool import BlockPool
+from . import quant
 from .events import EventKind
 from .swap import SwapFile
 
@@ -54,9 +61,24 @@ class PageStore:
         self.home_frames = config.home_frames
         self.swap = swap
         self.tiered = swap is not None
-        shape = (config.n_kv_heads, self.n_frames, ps, config.head_dim)
-        self.k = np.zeros(shape, dtype=config.dtype)
-        self.v = np.zeros(shape, dtype=config.dtype)
+        self.n_kv, self.head_dim = config.n_kv_heads, config.head_dim
+        self.layout = quant.layout_for(config)
+        self.quantized = self.layout is not None
+        self.kivi = self.quantized and self.layout.kivi
+        if self.quantized:  # one byte block per frame; named views of its parts, each (frames, ...)
+            self.data = np.zeros((self.n_frames, self.layout.page_bytes()), np.uint8)
+            self.parts = self.layout.views(self.data)
+            self.k = self.v = None
+        else:
+            shape = (config.n_kv_heads, self.n_frames, ps, config.head_dim)
+            self.k = np.zeros(shape, dtype=config.dtype)
+            self.v = np.zeros(shape, dtype=config.dtype)
+        if self.kivi:
+            n_slots = self.n_pages * ps
+            self.slot_group = np.full(n_slots, -1, np.int32)  # per page id slot: its key group, -1 none
+            self.res_of = np.full(n_slots, -1, np.int64)  # per page id slot: its residual row, -1 none
+            self.groups = quant.KeyGroups(self.n_kv, self.head_dim, -(-n_slots // self.layout.group))
+            self.residual = quant.ResidualBuffer(self.n_kv, self.head_dim, min(n_slots, self.layout.window()))
         self.pages = BlockPool(self.n_pages)  # page ids: RAM frames, or disk frames with a disk tier
         self.positions = np.full(self.n_pages * ps, -1, dtype=np.int64)  # flat slot -> position, -1 empty
         self.fill = np.zeros(self.n_pages, dtype=np.int64)  # resident tokens per page
@@ -80,8 +102,13 @@ class PageStore:
         self.counts = TierCounts()
         self.on_move = lambda kind, page, frame, detail: None  # the cache turns moves into events
         # each frame's blocks as the disk lays a page out (K of each KV head, then V): preadv/pwritev targets
-        self._frame_buffers = [[self.k[h, f] for h in range(self.k.shape[0])] + [self.v[h, f] for h in
-                                range(self.v.shape[0])] for f in range(self.n_frames)] if self.tiered else []
+        if not self.tiered:
+            self._frame_buffers = []
+        elif self.quantized:
+            self._frame_buffers = [[self.data[f]] for f in range(self.n_frames)]
+        else:
+            self._frame_buffers = [[self.k[h, f] for h in range(self.n_kv)] + [self.v[h, f] for h in
+                                   range(self.n_kv)] for f in range(self.n_frames)]
         self.reset()
 
     def reset(self) -> None:
@@ -92,6 +119,11 @@ class PageStore:
         self.high_water = 0  # 1 + highest used RAM (home) frame: attention reads frames [0, high_water)
         self.counts = TierCounts()
         self._born = 0
+        if self.kivi:
+            self.slot_group.fill(-1)
+            self.res_of.fill(-1)
+            self.groups.reset()
+            self.residual.reset()
         if self.tiered:
             self.home.reset()
             self.frame_positions.fill(-1)
@@ -130,6 +162,7 @@ class PageStore:
         the prefix hash it stood for if it was a cached page (its contents are dropped now)."""
         page, old_hash = self.pages.allocate()
         self._clear(page)
+        self._drop_contents(page)  # a reclaimed cached page's key groups and residual rows
         if self.tiered:
             self.dirty[page] = True  # nothing of it is on disk yet
             self.born[page], self._born = self._born, self._born + 1
@@ -169,8 +202,18 @@ class PageStore:
     def write(self, flat: int, k: np.ndarray, v: np.ndarray, position: int) -> None:
         page, slot = divmod(flat, self.page_size)
         frame = self.frame_of[page]
-        self.k[:, frame, slot] = k
-        self.v[:, frame, slot] = v
+        if self.kivi:  # into the residual window, in float32: quantized later (seal)
+            row = self.residual.take()
+            self.residual.k[:, row] = k
+            self.residual.v[:, row] = v
+            self.res_of[flat] = row
+        elif self.quantized:  # int8: a scale per token and KV head
+            codes, scale = quant.int8_quantize(np.stack([k, v]))
+            self.parts["k"][frame, :, slot], self.parts["v"][frame, :, slot] = codes
+            self.parts["k_scale"][frame, :, slot], self.parts["v_scale"][frame, :, slot] = scale
+        else:
+            self.k[:, frame, slot] = k
+            self.v[:, frame, slot] = v
         self.positions[flat] = position
         self.fill[page] += 1
         if self.tiered:
@@ -192,6 +235,8 @@ class PageStore:
             raise RuntimeError(f"evict of empty slot {flat} in layer {self.layer}")
         page, slot = divmod(flat, self.page_size)
         self.positions[flat] = -1
+        if self.kivi:
+            self._drop_slots(np.array([flat]))
         for frame in self._frames_showing(page):
             ram = frame * self.page_size + slot
             self.frame_positions[ram] = -1
@@ -218,6 +263,8 @@ class PageStore:
         else:
             self.high_water = self.pages.high_water()
         self._clear(page)
+        if not cached:
+            self._drop_contents(page)
         return True
 
     def copy_page(self, src: int, dst: int, keep: np.ndarray) -> None:
@@ -227,9 +274,16 @@ class PageStore:
         if self.tiered and self.frame_of[src] < 0:  # the source is only on disk: read it into dst's frame
             self.counts.bytes_read += self.swap.read(src, self._frame_buffers[target])
         else:
-            self.k[:, target] = self.k[:, self.frame_of[src]]
-            self.v[:, target] = self.v[:, self.frame_of[src]]
+            self._copy_frame(self.frame_of[src], target)
         src_slots, dst_slots = slice(src * ps, (src + 1) * ps), slice(dst * ps, (dst + 1) * ps)
+        if self.kivi:  # the kept slots share the source's key groups and get residual rows of their own
+            groups = np.where(keep, self.slot_group[src_slots], -1)
+            self.slot_group[dst_slots] = groups
+            self.groups.share(groups)
+            for offset in np.flatnonzero(keep & (self.res_of[src_slots] >= 0)).tolist():
+                row, old = self.residual.take(), self.res_of[src * ps + offset]
+                self.residual.k[:, row], self.residual.v[:, row] = self.residual.k[:, old], self.residual.v[:, old]
+                self.res_of[dst * ps + offset] = row
         self.positions[dst_slots] = np.where(keep, self.positions[src_slots], -1)
         self.fill[dst] = int(keep.sum())
         if self.tiered:
@@ -239,6 +293,133 @@ class PageStore:
         if self.quest:  # the source's bounds still bound the kept keys
             self.key_min[:, dst] = self.key_min[:, src]
             self.key_max[:, dst] = self.key_max[:, src]
+
+    # --- quantized storage -----------------------------------------------------------------------
+    def frame_kv(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values of RAM frames [lo, hi), each (n_kv, (hi - lo) * page_size, head_dim): views of
+        the pool for float32 / float16, float32 dequantized for a quantized dtype (the residual window's
+        slots exactly as written)."""
+        n = (hi - lo) * self.page_size
+        if not self.quantized:
+            return (self.k[:, lo:hi].reshape(self.n_kv, n, self.head_dim),
+                    self.v[:, lo:hi].reshape(self.n_kv, n, self.head_dim))
+        return self._dequantize({name: part[lo:hi] for name, part in self.parts.items()}, self.page_in[lo:hi])
+
+    def peek_page(self, page: int) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values (n_kv, page_size, head_dim) float32 of one page as attention would read them,
+        from its RAM frame or else straight from the disk (nothing moves, nothing is counted)."""
+        frame = int(self.frame_of[page])
+        if frame >= 0:
+            keys, values = self.frame_kv(frame, frame + 1)
+            return keys.astype(np.float32), values.astype(np.float32)
+        block = np.frombuffer(os.pread(self.swap.fd, self.swap.page_bytes, page * self.swap.page_bytes), np.uint8)
+        if not self.quantized:
+            kv = block.view(self.k.dtype).reshape(2, self.n_kv, self.page_size, self.head_dim)
+            return kv[0].astype(np.float32), kv[1].astype(np.float32)
+        return self._dequantize(self.layout.views(block[None].copy()), np.array([page]))
+
+    def _dequantize(self, parts: dict[str, np.ndarray], pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """float32 K and V (n_kv, frames * page_size, head_dim) of pages laid out as `parts` (each (frames,
+        ...)) holding `pages` (-1: no page)."""
+        layout, ps = self.layout, self.page_size
+        if not self.kivi:
+            return (_heads_first(quant.int8_dequantize(parts["k"], parts["k_scale"])),
+                    _heads_first(quant.int8_dequantize(parts["v"], parts["v_scale"])))
+        flat = np.where(pages[:, None] >= 0, pages[:, None] * ps + np.arange(ps), -1).ravel()
+        held = flat >= 0
+        groups = np.where(held, self.slot_group[np.maximum(flat, 0)], -1)
+        codes = _heads_first(quant.unpack(parts["k"], layout.bits, self.head_dim))
+        safe = np.maximum(groups, 0)  # slots of no group (empty, or in the window) are masked or replaced
+        keys = quant.asym_dequantize(codes, np.take(self.groups.scale, safe, axis=1),
+                                     np.take(self.groups.zero, safe, axis=1))
+        values = _heads_first(quant.dequantize_values(quant.unpack(parts["v"], layout.bits, self.head_dim),
+                                                      parts["v_scale"], parts["v_zero"]))
+        rows = np.where(held, self.res_of[np.maximum(flat, 0)], -1)
+        window = np.flatnonzero(rows >= 0)
+        if window.size:
+            keys[:, window] = self.residual.k[:, rows[window]]
+            values[:, window] = self.residual.v[:, rows[window]]
+        return keys, values
+
+    def residual_slots(self, flats: np.ndarray) -> np.ndarray:
+        """Those of `flats` (occupied slots) whose tokens are in the residual window (float32)."""
+        if not self.kivi:
+            return flats[:0]
+        return flats[(self.res_of[flats] >= 0) & (self.positions[flats] >= 0)]
+
+    def seal(self, flats: np.ndarray, step: int) -> int:
+        """Quantize the tokens of residual slots `flats` (a sequence's oldest, in pages only it uses): their
+        keys as one key group (a scale and zero point per KV head and channel over them), their values per
+        token. Returns the key group. Their pages come into RAM if they are on disk (they change)."""
+        rows = self.res_of[flats]
+        bits, ps = self.layout.bits, self.page_size
+        codes, scale, zero = quant.quantize_key_group(self.residual.k[:, rows], bits)
+        group = self.groups.add(scale, zero, end=int(self.positions[flats].max()), refs=len(flats))
+        v_codes, v_scale, v_zero = quant.quantize_values(self.residual.v[:, rows], bits)
+        k_packed, v_packed = quant.pack(codes, bits), quant.pack(v_codes, bits)
+        pages, slots = np.divmod(flats, ps)
+        for page in np.unique(pages).tolist():
+            self.make_resident(page, step)
+            if self.tiered:
+                self.dirty[page] = True
+            mine = pages == page
+            frame, at = self.frame_of[page], slots[mine]
+            p = self.parts
+            p["k"][frame, :, at] = k_packed[:, mine].transpose(1, 0, 2)
+            p["v"][frame, :, at] = v_packed[:, mine].transpose(1, 0, 2)
+            p["v_scale"][frame, :, at] = v_scale[:, mine].transpose(1, 0, 2)
+            p["v_zero"][frame, :, at] = v_zero[:, mine].transpose(1, 0, 2)
+        self.slot_group[flats] = group
+        self.residual.free(rows)
+        self.res_of[flats] = -1
+        return group
+
+    def group_reach(self, pages: list[int]) -> int:
+        """The highest token position any key group of these pages' slots covers (-1 if none): a page's
+        codes depend on every token of their groups, which may sit in later pages."""
+        if not self.kivi or not pages:
+            return -1
+        flats = (np.asarray(pages)[:, None] * self.page_size + np.arange(self.page_size)).ravel()
+        groups = self.slot_group[flats]
+        groups = groups[groups >= 0]
+        return int(self.groups.end[groups].max()) if groups.size else -1
+
+    def nbytes(self) -> int:
+        """Bytes of K/V storage this layer holds: the frames, and for int4 / int2 each slot's key group,
+        the key groups' table and the residual window's rows, as allocated now."""
+        if not self.quantized:
+            return self.k.nbytes + self.v.nbytes
+        total = self.data.nbytes
+        if self.kivi:
+            total += self.slot_group.nbytes + self.groups.nbytes() + self.residual.nbytes()
+        return total
+
+    def peak_bytes(self) -> int:
+        """`nbytes` with the key groups and residual rows counted at the most in use at once (not as
+        allocated, which grows by doubling)."""
+        if not self.kivi:
+            return self.nbytes()
+        return (self.data.nbytes + self.slot_group.nbytes + self.groups.nbytes(self.groups.peak)
+                + self.residual.nbytes(self.residual.peak))
+
+    def _copy_frame(self, src: int, dst: int) -> None:
+        if self.quantized:
+            self.data[dst] = self.data[src]
+        else:
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]
+
+    def _drop_contents(self, page: int) -> None:
+        """The page's contents are gone (freed uncached, or reclaimed): release its slots' key groups and
+        residual rows."""
+        if self.kivi:
+            self._drop_slots(np.arange(page * self.page_size, (page + 1) * self.page_size))
+
+    def _drop_slots(self, flats: np.ndarray) -> None:
+        self.groups.release(self.slot_group[flats])
+        self.slot_group[flats] = -1
+        self.residual.free(self.res_of[flats])
+        self.res_of[flats] = -1
 
     # --- tiers -----------------------------------------------------------------------------------
     def reserve(self, new_pages: int) -> None:
@@ -286,8 +467,7 @@ class PageStore:
                 return False
             self._swap_out(victim)
         home, _ = self.home.allocate()
-        self.k[:, home] = self.k[:, frame]
-        self.v[:, home] = self.v[:, frame]
+        self._copy_frame(frame, home)
         self._unplace(frame)
         self._place(page, home)
         self.high_water = self.home.high_water()
@@ -362,3 +542,9 @@ class PageStore:
         ps = self.page_size
         self.frame_positions[frame * ps: (frame + 1) * ps] = -1
         self.bias[frame * ps: (frame + 1) * ps] = -np.inf
+
+
+def _heads_first(array: np.ndarray) -> np.ndarray:
+    """(frames, n_kv, page_size, ...) -> (n_kv, frames * page_size, ...)."""
+    frames, n_kv, ps = array.shape[:3]
+    return array.transpose(1, 0, 2, *range(3, array.ndim)).reshape(n_kv, frames * ps, *array.shape[3:])

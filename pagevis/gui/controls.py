@@ -177,6 +177,7 @@ class ControlsPanel(QScrollArea):
         self.page_size = self._input("page_size")
         self.max_pages = self._input("max_pages")
         self.dtype = self._input("dtype")
+        self.residual = self._input("residual")
         self.policy = self._input("policy")
         for index, cls in enumerate(POLICIES.values()):
             self.policy.setItemData(index, f"{cls.__doc__}\n{cls.citation}", Qt.ToolTipRole)
@@ -191,7 +192,7 @@ class ControlsPanel(QScrollArea):
         self.error.setObjectName("inlineError")
         self.error.setWordWrap(True)
         self.error.hide()
-        self._add_rows(form, "page_size", "max_pages", "dtype", "policy")
+        self._add_rows(form, "page_size", "max_pages", "dtype", "residual", "policy")
         form.addRow(self.params_form)
         self._add_rows(form, "disk_pages", "select", "select_pages")
         form.addRow(self.capacity)
@@ -199,6 +200,9 @@ class ControlsPanel(QScrollArea):
         self.page_size.valueChanged.connect(lambda *_: self._session("page size changed"))
         self.max_pages.valueChanged.connect(lambda *_: self._session("max pages changed"))
         self.dtype.currentIndexChanged.connect(lambda *_: self._session("storage dtype changed"))
+        self.dtype.currentIndexChanged.connect(self._storage_changed)
+        self.residual.valueChanged.connect(lambda *_: self._session("residual window changed"))
+        self._storage_changed()
         self.policy.currentIndexChanged.connect(self._policy_changed)
         self.disk_pages.valueChanged.connect(lambda *_: self._session("disk pages changed"))
         self.select.currentIndexChanged.connect(lambda *_: self._session("page selection changed"))
@@ -291,6 +295,10 @@ class ControlsPanel(QScrollArea):
 
     def _update_sampling_rows(self) -> None:
         _show_rows(self._sampling_rows, self.sampling.currentText() == "sample")
+
+    def _storage_changed(self) -> None:
+        """The residual window applies to int4 / int2 (KIVI) only."""
+        self.residual.setEnabled(self.dtype.currentData() in ("int4", "int2"))
 
     def _policy_changed(self) -> None:
         self._rebuild_params()

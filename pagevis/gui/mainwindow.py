@@ -53,13 +53,17 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
 
 
-def memory_text(cache_bytes: int, n_kv_heads: int) -> str:
-    """The cache's K/V storage, and each KV head's share (every KV head has its own K and V pages)."""
+def memory_text(cache_bytes: int, n_kv_heads: int, dtype: str = "", per_token: float = 0.0) -> str:
+    """The cache's K/V storage, and each KV head's share (every KV head has its own K and V pages); with
+    the storage dtype and its bytes per token (all layers), the bits per token."""
     if not cache_bytes:
         return "K/V —"
-    if n_kv_heads <= 0:
-        return f"K/V {_mib(cache_bytes)}"
-    return f"K/V {_mib(cache_bytes)} = {n_kv_heads} KV heads × {_mib(cache_bytes // n_kv_heads)}"
+    text = f"K/V {_mib(cache_bytes)}"
+    if n_kv_heads > 0:
+        text += f" = {n_kv_heads} KV heads × {_mib(cache_bytes // n_kv_heads)}"
+    if dtype and per_token:
+        text += f" · {dtype}, {8 * per_token / 1000:,.1f} kbit per token"
+    return text
 
 
 COMPACT_WIDTH = 1366  # windows this narrow (projectors) tab the metrics behind the events (see size_docks)
@@ -368,7 +372,10 @@ class MainWindow(TimelineCursor, QMainWindow):
             self.index = len(timeline) - 1
         self.statusBar().clearMessage()
         self.status_model.setText(info.model_label)
-        self.status_memory.setText(memory_text(info.cache_bytes, info.n_kv_heads))
+        self.status_memory.setText(memory_text(info.cache_bytes, info.n_kv_heads, info.config.dtype,
+                                               info.kv_bytes_per_token))
+        self.status_memory.setToolTip(f"K/V storage, all layers, one sequence at capacity: {info.storage}"
+                                      if info.storage else "")
         previous = self.runner.previous
         if self._restart_reason:
             kept = (f"; the previous run ({len(previous.timeline)} steps) is kept: Ctrl+Z returns to it"

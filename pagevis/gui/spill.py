@@ -25,6 +25,7 @@ PARTS = ("token_ids", "positions", "slot_maps", "protected", "scores", "block_ta
          "attention", "tier_counts", "page_maps", "block_frames", "recall")  # the last four: empty without tiers
 # "recall" holds the oracle's float32 rows: the tier recall (n_layers, with tiers and the oracle), then its lost
 # attention per recorded layer and head (with the oracle): one part, so a record's row of offsets stays as small
+# "protected" packs the protected flags, then with int4 / int2 storage the full-precision flags
 SMALL = np.dtype([("kind", "i1"), ("next_token", "i8"), ("resident", "i4"), ("pages_used", "i4"),
                   ("evictions_total", "i8"), ("has_oracle", "?"), ("kl", "f8"), ("top1", "?"), ("lp_bounded", "f8"),
                   ("lp_full", "f8"), ("lost", "f8")])
@@ -77,7 +78,7 @@ class RecordSpill:
             frames[layer, : len(row)] = row
         nothing = np.zeros(0, np.int32)
         parts = (np.asarray(record.token_ids, np.int64), np.asarray(record.positions, np.int64),
-                 np.ascontiguousarray(record.slot_maps, np.int32), np.packbits(record.protected),
+                 np.ascontiguousarray(record.slot_maps, np.int32), _flags(record),
                  np.ascontiguousarray(record.scores, np.float32), tables, events,
                  np.asarray(record.attention_layers, np.int16), attention,
                  np.ascontiguousarray(tiers.counts, np.int64) if tiers else np.zeros(0, np.int64),
@@ -165,17 +166,19 @@ class RecordSpill:
                             if by_head.size else None) if s["has_oracle"] else None
         timings = {name: float(v) for name, v in zip(TIMINGS, self._timings[index]) if v == v}
         next_token = int(s["next_token"])
+        protected, full_precision = _unflags(part("protected", np.uint8), shape)
         return StepRecord(
             step=index, kind=RECORD_KINDS[s["kind"]], token_ids=tuple(part("token_ids", np.int64).tolist()),
             positions=tuple(part("positions", np.int64).tolist()), next_token=next_token,
             next_text=token_text(next_token) if next_token >= 0 else "",
             slot_maps=part("slot_maps", np.int32).reshape(shape),
-            protected=np.unpackbits(part("protected", np.uint8), count=int(np.prod(shape))).astype(bool).reshape(shape),
+            protected=protected,
             scores=part("scores", np.float32).reshape(shape),
             block_tables=tuple(tuple(int(p) for p in row[row >= 0]) for row in tables),
             events=events, attention_layers=attention_layers, attention=tuple(attention), timings=timings,
             resident_tokens=int(s["resident"]), pages_used=int(s["pages_used"]),
-            evictions_total=int(s["evictions_total"]), oracle=oracle, tiers=self._tiers(part, tables, attention_layers))
+            evictions_total=int(s["evictions_total"]), oracle=oracle, tiers=self._tiers(part, tables, attention_layers),
+            full_precision=full_precision)
 
     def _tiers(self, part, tables: np.ndarray, attention_layers: tuple[int, ...]) -> TierStep | None:
         counts = part("tier_counts", np.int64)
@@ -207,3 +210,20 @@ def _grow(array: np.ndarray, needed: int) -> np.ndarray:
     grown = np.zeros((max(16, 2 * len(array)),) + array.shape[1:], dtype=array.dtype)
     grown[: len(array)] = array
     return grown
+
+
+def _flags(record: StepRecord) -> np.ndarray:
+    """The protected flags, packed; with full-precision flags, both packed and one more byte (so the two
+    lengths never coincide)."""
+    if record.full_precision is None:
+        return np.packbits(record.protected)
+    both = np.packbits(np.concatenate([record.protected.ravel(), record.full_precision.ravel()]))
+    return np.append(both, np.uint8(1))
+
+
+def _unflags(packed: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
+    """(protected, full_precision or None) from `_flags`' bytes."""
+    size = int(np.prod(shape))
+    both = len(packed) == -(-2 * size // 8) + 1
+    flags = np.unpackbits(packed[: len(packed) - both], count=2 * size if both else size).astype(bool)
+    return flags[:size].reshape(shape), flags[size:].reshape(shape) if both else None

@@ -60,6 +60,8 @@ class SessionInfo:
     n_heads: int
     cache_bytes: int = 0
     n_kv_heads: int = 0  # 0: unknown (a trace without it); query head h reads KV head h // (n_heads // n_kv_heads)
+    kv_bytes_per_token: float = 0.0  # all layers, at capacity (CacheConfig.kv_bytes_per_token); 0: unknown
+    storage: str = ""  # one line on the K/V storage (quant.storage_text); "": unknown
 
 
 def kv_head_of(head: int, n_heads: int, n_kv_heads: int) -> int | None:

@@ -167,6 +167,9 @@ def _encode(trace: Trace) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
                                                  (len(records), n_layers, n_page_ids), np.int32)),
         "recall": lambda: _stack((r.tiers.recall if r.tiers and r.tiers.recall is not None else np.nan
                                   for r in records), (len(records), n_layers), np.float32),
+        "has_full_precision": lambda: np.array([r.full_precision is not None for r in records], dtype=bool),
+        "full_precision": lambda: xor_delta(_stack((r.full_precision if r.full_precision is not None else False
+                                                    for r in records), grid, bool)),
     }
     header = {
         "format": FORMAT,
@@ -325,6 +328,8 @@ def _decode(header: dict, a: dict[str, np.ndarray]) -> Trace:
             timings={k: v for k, v in zip(timing_keys, a["timings"][i].tolist()) if not math.isnan(v)},
             resident_tokens=int(a["resident_tokens"][i]), pages_used=int(a["pages_used"][i]),
             evictions_total=int(a["evictions_total"][i]), oracle=oracle, tiers=_tiers(a, i),
+            full_precision=a["full_precision"][i] if "has_full_precision" in a and a["has_full_precision"][i]
+            else None,
         ))
     model = header.get("model")
     return Trace(

@@ -30,10 +30,11 @@ from .archive import TraceError
 FORMAT = "pagevis-trace"
 VERSION = 4  # 2: disk tier and page selection (event frames, per-page maps, tier counts, recall);
 # 3: the one engine (events name their sequence and a detail; sharing, prefix-cache and sequence events);
-# 4: per-head policies (mask events) and the oracle's lost attention per recorded layer and head
+# 4: per-head policies (mask events) and the oracle's lost attention per recorded layer and head; quantized
+# storage (int4 / int2: which slots are still in full precision)
 KINDS = ("prefill", "decode")
 ORACLE_COLUMNS = ("kl", "top1_agree", "logprob_bounded", "logprob_full", "lost_attention")
-DELTA_ENCODED = ("slot_maps", "protected", "scores", "block_tables", "page_maps", "block_frames")
+DELTA_ENCODED = ("slot_maps", "protected", "scores", "block_tables", "page_maps", "block_frames", "full_precision")
 MAX_HEADER_BYTES = 64 << 20
 MAX_TRACE_BYTES = 2 << 30  # arrays and the records' Python objects, as held in memory once read
 # Python objects the records hold beyond the arrays (measured with tracemalloc on a 1.5k-step trace: 3.9 KB per
@@ -88,6 +89,8 @@ ARRAYS = {
     "event_seq": ArraySpec("<i4", ("E",), since=3),
     "event_detail": ArraySpec("<i8", ("E",), since=3),
     "oracle_lost_by_head": ArraySpec("<f4", ("T", "A", "H"), since=4),
+    "has_full_precision": ArraySpec("|b1", ("T",), since=4),
+    "full_precision": ArraySpec("|b1", ("T", "L", "P", "S"), since=4),
 }
 
 # Header keys and their JSON types ("?" = may be null). Keys not listed are ignored (added within a version).

@@ -19,6 +19,13 @@ _PALETTE = np.array([theme.rgb(c) for c in theme.STATE_COLORS])
 _BACKGROUND = theme.rgb(theme.BACKGROUND)
 _CELL_PX = 12  # pixels per cell side in the rendered image (1 of them is the cell border)
 _MAX_BORDERED_CELLS = 8192
+FULL_PRECISION_COLOR = "#f2d45c"  # the bar marking a slot still in float32 (int4 / int2's residual window)
+_FULL_PRECISION = theme.rgb(FULL_PRECISION_COLOR)
+
+
+def full_precision_mask(record, layer: int) -> np.ndarray | None:
+    """(max_pages, page_size) bool: slots of the layer still in full precision (int4 / int2), else None."""
+    return None if record.full_precision is None else record.full_precision[layer]
 
 
 def runs(positions) -> list[tuple[int, int]]:
@@ -104,8 +111,9 @@ def shade_values(record, layer: int, mode: str) -> np.ndarray:
     return out
 
 
-def cell_image(states: np.ndarray, shade: np.ndarray, bordered: bool) -> np.ndarray:
-    """RGBA uint8 image of the grid: one colour per state, resident cells dimmed by shade."""
+def cell_image(states: np.ndarray, shade: np.ndarray, bordered: bool, full: np.ndarray | None = None) -> np.ndarray:
+    """RGBA uint8 image of the grid: one colour per state, resident cells dimmed by shade; cells in `full`
+    (still in full precision) get a bar along their bottom (bordered) or are tinted (not bordered)."""
     colors = _PALETTE[states]
     dim = np.isin(states, (RESIDENT, PINNED)) & np.isfinite(shade)
     strength = np.where(dim, 0.35 + 0.65 * np.nan_to_num(shade, nan=1.0), 1.0)[..., None]
@@ -113,9 +121,17 @@ def cell_image(states: np.ndarray, shade: np.ndarray, bordered: bool) -> np.ndar
     rgba = np.empty(states.shape + (4,), dtype=np.uint8)
     rgba[..., :3] = np.clip(colors * 255, 0, 255)
     rgba[..., 3] = 255
+    marked = full is not None and full.any()
     if not bordered:
+        if marked:
+            rgba[full, :3] = np.clip((0.5 * colors[full] + 0.5 * _FULL_PRECISION) * 255, 0, 255)
         return rgba
     big = np.repeat(np.repeat(rgba, _CELL_PX, axis=0), _CELL_PX, axis=1)
+    if marked:  # a 3-pixel bar along the bottom of each full-precision cell
+        bar = np.zeros(_CELL_PX, dtype=bool)
+        bar[_CELL_PX - 4: _CELL_PX - 1] = True
+        cells = np.repeat(np.repeat(full, _CELL_PX, axis=0), _CELL_PX, axis=1)
+        big[cells & np.tile(bar, full.shape[0])[:, None]] = [*(_FULL_PRECISION * 255).astype(np.uint8), 255]
     big[_CELL_PX - 1:: _CELL_PX, :, :3] = (_BACKGROUND * 255).astype(np.uint8)
     big[:, _CELL_PX - 1:: _CELL_PX, :3] = (_BACKGROUND * 255).astype(np.uint8)
     return big
@@ -299,6 +315,7 @@ class PageGridView(QWidget):
         super().__init__(parent)
         self.states = np.zeros((0, 0), dtype=np.int8)  # what is drawn: theme state per (page, slot)
         self.shade = np.zeros((0, 0))
+        self.full_precision: np.ndarray | None = None  # int4 / int2: slots still in float32 (drawn with a bar)
         self._state = ViewState()
         self._key = None
 
@@ -333,6 +350,11 @@ class PageGridView(QWidget):
                              + f"<br><span style='color:{theme.MUTED}'>numbers: token positions · "
                              "resident cells dim with age (or score)</span>")
         self.legend.setWordWrap(True)  # its lines may wrap rather than hold the dock wider than its share
+        self.precision_legend = QLabel(
+            f"<span style='color:{FULL_PRECISION_COLOR}'>&#9601;</span>&nbsp;still in float32 (the residual "
+            f"window: int4 / int2 quantize a group of 32 once it is older than the window)")
+        self.precision_legend.setWordWrap(True)
+        self.precision_legend.hide()
 
         self.disk_legend = QLabel("disk: " + "&nbsp;&nbsp; ".join(
             f"<span style='color:{c}'>&#9632;</span>&nbsp;{n.replace(' ', '&nbsp;')}"
@@ -352,6 +374,7 @@ class PageGridView(QWidget):
         left.setContentsMargins(0, 0, 0, 0)
         left.addWidget(self.graphics, 1)
         left.addWidget(self.legend)
+        left.addWidget(self.precision_legend)
         left.addWidget(self.disk_legend)
         right = QVBoxLayout()
         right.setContentsMargins(0, 0, 0, 0)
@@ -380,8 +403,10 @@ class PageGridView(QWidget):
         pages, page_size = slots.shape
         self.states = cell_states(record, layer)
         self.shade = shade_values(record, layer, state.shade)
+        self.full_precision = full_precision_mask(record, layer)
         bordered = self.states.size <= _MAX_BORDERED_CELLS
-        self.image.set_image(cell_image(self.states, self.shade, bordered), pages, page_size)
+        self.image.set_image(cell_image(self.states, self.shade, bordered, self.full_precision), pages, page_size)
+        self.precision_legend.setVisible(self.full_precision is not None)
         self.labels.set_positions(slots if self.states.size <= 1024 else np.full((0, 0), -1, np.int32))
         self._fit_axes(pages, page_size)
         used = len(record.block_tables[layer])
@@ -392,6 +417,8 @@ class PageGridView(QWidget):
         if record.tiers is not None:
             in_ram = len(frames_of_pages(record, layer))
             title = f"layer {layer} · RAM frames keep {in_ram} of {used} pages"
+        if self.full_precision is not None:
+            title += f" · {int(self.full_precision.sum())} float32"
         theme.set_title(self.plot, theme.muted(title), size="9pt")
         table = f" · layer {layer}: {capacity} tokens" if own else ""
         self.block_title.setText(f"Block table (logical → physical){table}")
@@ -483,6 +510,8 @@ class PageGridView(QWidget):
             theme.set_title(self.plot, theme.muted("no session"), size="9pt")
             return
         pages, page_size = config.max_pages, config.page_size
+        self.full_precision = None
+        self.precision_legend.hide()
         self.states = np.full((pages, page_size), FREE, dtype=np.int8)
         self.shade = np.full(self.states.shape, np.nan)
         self.image.set_image(cell_image(self.states, self.shade, self.states.size <= _MAX_BORDERED_CELLS),
@@ -513,6 +542,10 @@ class PageGridView(QWidget):
             lines.append(f"position {position}: {token!r}")
             score = float(record.scores[state.layer][page, slot])
             lines.append(f"policy score: {score:.4g}")
+            if self.full_precision is not None:
+                dtype = state.timeline.info.config.dtype
+                lines.append("in float32 (the residual window)" if self.full_precision[page, slot]
+                             else f"quantized ({dtype})")
         frame_of = frames_of_pages(record, state.layer)
         for event in record.events:
             if event.layer == state.layer and frame_of.get(event.page, -1) == page and event.slot == slot and \
