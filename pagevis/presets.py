@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from importlib import resources
 
-from .decoding import SessionConfig
+from .decoding import SamplingConfig, SessionConfig
+from .decoding.server_run import ServerConfig
+from .decoding.workload import WorkloadConfig
 from .errors import ConfigError
 
 DEFAULT_CONFIG = SessionConfig()  # the settings table's defaults
@@ -92,3 +94,58 @@ def find_preset(name: str) -> Preset:
 
 def _key(name: str) -> str:
     return "".join(ch for ch in name.lower() if ch.isalnum())
+
+
+@dataclass(frozen=True)
+class ServerPreset:
+    """A Server window demo: the workload, the server (pool, scheduler) and what its A/B compares. Requests
+    never evict (policy none, a per-request capacity above any prompt + answer of the workload)."""
+
+    name: str
+    description: str
+    workload: WorkloadConfig
+    server: ServerConfig
+    compare: str = ""  # a key of pagevis.decoding.server_run.COMPARES
+    page_size: int = 16
+    capacity: int = 2048  # tokens per request
+
+    def session_config(self) -> SessionConfig:
+        return SessionConfig(page_size=self.page_size, max_pages=-(-self.capacity // self.page_size), policy="none",
+                             max_new_tokens=self.workload.max_new_tokens,
+                             sampling=SamplingConfig(mode="sample", temperature=0.7))
+
+
+SERVER_PRESETS: tuple[ServerPreset, ...] = (
+    ServerPreset("Server: shared system prompt, prefix caching on vs off",
+                 "90 chat requests a minute, each opening with the same ~290-token passage: A computes it once and "
+                 "shares its pages, B computes it for every request (more than B can serve on two cores).",
+                 WorkloadConfig(kind="chat", rate_per_min=90, n_requests=60, max_new_tokens=48),
+                 ServerConfig(pool_pages=256, max_seqs=8), compare="prefix"),
+    ServerPreset("Server: long documents, preemption",
+                 "Different 600-token passages to summarise into a 96-page pool: running requests outgrow it, the "
+                 "newest is preempted and recomputed later.",
+                 WorkloadConfig(kind="documents", rate_per_min=30, n_requests=24, max_new_tokens=64),
+                 ServerConfig(pool_pages=96, max_seqs=6)),
+    ServerPreset("Server: returning users",
+                 "Users come back after a pause; each turn's prompt is the previous turn, prompt and answer, plus a "
+                 "new message: the prefix cache holds the conversation so far.",
+                 WorkloadConfig(kind="returning", rate_per_min=20, n_requests=12, max_new_tokens=48, turns=3),
+                 ServerConfig(pool_pages=256, max_seqs=8)),
+    ServerPreset("Server: paged vs contiguous reservation",
+                 "The same chats with up to 256 new tokens: A takes pages as tokens come, B reserves prompt + 256 "
+                 "tokens per request up front and so admits fewer at once.",
+                 WorkloadConfig(kind="chat", rate_per_min=60, n_requests=30, max_new_tokens=256, system_words=60),
+                 ServerConfig(pool_pages=160, max_seqs=16), compare="contiguous"),
+)
+
+
+def find_server_preset(name: str | None) -> ServerPreset:
+    """The server preset called `name` (as find_preset matches; None: the first), or ConfigError."""
+    if not name:
+        return SERVER_PRESETS[0]
+    wanted = _key(name)
+    matches = [p for p in SERVER_PRESETS if wanted and wanted in _key(p.name)]
+    if len(matches) != 1:
+        raise ConfigError("server preset", name, "one of: " + "; ".join(p.name for p in SERVER_PRESETS))
+    return matches[0]
+

@@ -11,7 +11,7 @@ import httpx
 import uvicorn
 
 from pagevis.decoding import ModelSpec
-from pagevis.serve.app import create_app
+from pagevis.serve.app import Server, create_app
 from pagevis.serve.settings import ServeSettings
 
 SYNTH = ModelSpec(kind="synthetic", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=3)
@@ -22,6 +22,7 @@ class Running:
     url: str
     app: object
     client: httpx.Client
+    server: object = None
 
     def metrics_text(self) -> str:
         return self.client.get("/metrics").text
@@ -31,7 +32,7 @@ class Running:
 def running_server(settings: ServeSettings | None = None, model=None, **limits):
     settings = settings or ServeSettings(model_spec=SYNTH, **limits)
     app = create_app(settings, model)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    server = Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"), app)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -43,7 +44,7 @@ def running_server(settings: ServeSettings | None = None, model=None, **limits):
     url = f"http://127.0.0.1:{port}"
     try:
         with httpx.Client(base_url=url, timeout=60) as client:
-            yield Running(url, app, client)
+            yield Running(url, app, client, server)
     finally:
         server.should_exit = True
         thread.join(timeout=20)

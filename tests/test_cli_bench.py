@@ -86,3 +86,26 @@ def test_decode_share_above_the_read_floor_is_flagged(monkeypatch, capsys):
     assert row["paged_of_floor"] > 1 and len(row["warnings"]) == 2
     report = format_report({"attention": [], "storage": [], "torch": None, "decode": row})
     assert "WARNING: paged decoding at" in report and "impossible" in report
+
+
+def test_bench_serve_at_concurrencies_and_poisson_rates(tmp_path, capsys):
+    """`pagevis bench serve` end to end on the synthetic model (a server process of its own): every request
+    completes, the table and plot are written, and a Poisson run at a rate works too."""
+    from pagevis.bench import serving
+
+    assert main(["bench", "serve", "--model", "synthetic", "--concurrency", "2", "--request-rate", "20",
+                 "--num-prompts", "4", "--output-tokens", "3", "--out", str(tmp_path), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [level.get("concurrency", level.get("rate")) for level in result["levels"]] == [2, 20.0]
+    assert all(level["completed"] == level["requests"] == 4 and level["output_tokens"] == 12
+               for level in result["levels"])
+    assert all(level["system_prompt_hit_min"] > 0.9 for level in result["levels"])
+    assert (tmp_path / "bench-serve.png").stat().st_size > 0
+    table = serving.format_table(result)
+    assert "c=2" in table and "20/s" in table and "system prompt tokens from the prefix cache" in table
+
+
+def test_bench_serve_bad_arguments(capsys):
+    assert main(["bench", "serve", "--request-rate", "0"]) == 2
+    assert "--request-rate" in capsys.readouterr().err
+    assert main(["bench", "serve", "--model", "some.gguf"]) == 2

@@ -210,6 +210,17 @@ def test_estimate_and_progress_say_how_long(model):
     assert "25/100 0:30 ~1:30 left sinks @ 64" in stream.getvalue()
 
 
+def test_per_head_rows_hold_the_entries_of_their_budget(model, reference):
+    """compare's adakv at budget B: n_kv x B entries per layer in a pool of n_kv x B slots (where its heads'
+    tokens may spread); every layer's entries stay within the budget; lost attention is not claimed."""
+    n_kv = model.config.n_kv_heads
+    choice = quality.PolicyChoice("adakv", {})
+    max_pages, params = quality.session_pages(choice, 32, 8, model.config)
+    assert params["budget"] == 32 and max_pages * 8 == n_kv * 32
+    row = quality.evaluate(model, reference, choice, budget=32, page_size=8)
+    assert row.ppl is not None and row.evictions > 0 and row.lost_attention is None and "per-head" in row.note
+
+
 @pytest.mark.parametrize("dtype,residual", [("int8", None), ("int4", 8), ("int2", 0)])
 def test_quantized_rows_agree_with_the_session_oracle(model, ids, reference, dtype, residual):
     """A quantized row's KL and top-1 are the session's own oracle's (a float32 full cache) on the same tokens."""

@@ -48,8 +48,9 @@ ALLOWED: dict[str, set[str]] = {
     "observe": set(),
     # Checks that the platform can run Qt, without importing Qt.
     "platform_check": set(),
-    # Subscribers of other engines' KV events: independent of our engine and of every front end.
-    "attach": FOUNDATION,
+    # Subscribers of other engines' KV events: independent of our engine and of every front end (the model
+    # package only for its GGUF tokenizer, to show a block's text).
+    "attach": FOUNDATION | {"model"},
     # The HTTP server: never the CLI (requests are built through the settings table, as flags are), never Qt.
     "serve": FOUNDATION | {"engine", "model", "decoding", "trace", "observe", "attach"},
     # Benchmarks: measure and return rows (their PNG plots are drawn by pagevis.gui.plots, passed in by the

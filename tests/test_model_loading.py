@@ -35,10 +35,13 @@ def test_smollm2_config_comes_from_metadata(smollm2):
     assert c.bos_id == 1 and c.eos_ids == (2,)
 
 
-def test_smollm2_weights_are_contiguous_float32(smollm2):
+def test_smollm2_weights_are_output_major_float32(smollm2):
+    """Each (in, out) matrix is the transposed view of an (out, in) C-contiguous array (matmul.py's
+    blocked kernel views runs of output columns as contiguous blocks); the embedding is row-contiguous."""
     w = smollm2.weights
-    for array in (w.output_t, *(m for layer in w.layers for m in (layer.wqkv, layer.w_gate_up, layer.w_down))):
-        assert array.dtype == np.float32 and array.flags.c_contiguous
+    assert w.embedding.flags.c_contiguous
+    for array in w.matrices():
+        assert array.dtype == np.float32 and array.T.flags.c_contiguous
     assert np.shares_memory(w.embedding, w.output_t)  # tied: one copy
 
 

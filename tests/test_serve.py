@@ -281,13 +281,21 @@ def test_openapi_docs_are_served(server):
 
 def test_a_failing_step_is_a_json_500_and_ends_the_session(server):
     sid = server.client.post("/v1/sessions", json={"prompt": "a"}).json()["id"]
-    session = server.app.state.store.sessions[sid].session
+    engine = server.app.state.store.sessions[sid].session.engine  # the engine it shares
+    model = engine.model
 
-    def broken():
-        raise RuntimeError("the forward pass broke")
+    class Broken:
+        def __getattr__(self, name):
+            return getattr(model, name)
 
-    session.step = broken
-    answer = server.client.post(f"/v1/sessions/{sid}/step", json={"n": 1})
+        def forward(self, *args, **kwargs):
+            raise RuntimeError("the forward pass broke")
+
+    engine.model = Broken()
+    try:
+        answer = server.client.post(f"/v1/sessions/{sid}/step", json={"n": 1})
+    finally:
+        engine.model = model
     assert answer.status_code == 500
     assert answer.json()["error"]["message"] == "internal error: RuntimeError: the forward pass broke"
     assert server.client.post(f"/v1/sessions/{sid}/step", json={"n": 1}).status_code == 409

@@ -160,3 +160,19 @@ def test_a_version_1_trace_still_opens():
     assert trace.records and all(r.tiers is None for r in trace.records)
     assert trace.config.disk_pages == 0 and trace.config.select == "all"
     assert all(e.frame == -1 for r in trace.records for e in r.events)
+
+
+def test_per_head_policies_and_the_oracle_per_head_round_trip(tmp_path):
+    """Version 4: mask events (a per-head policy's drops) and the oracle's lost attention per recorded layer
+    and query head come back exactly; the per-head shares average to the step's lost attention where all
+    layers are recorded."""
+    for policy, params in (("adakv", {"budget": 8}), ("keydiff", {}), ("expected-attention", {})):
+        session = run_session(policy=policy, policy_params=params, record_layers=(0, 1, 2), max_new_tokens=16)
+        write_trace(tmp_path / "t", session)
+        loaded = read_trace(tmp_path / "t")
+        assert [record_differences(a, b) for a, b in zip(session.records, loaded.records)] == [[]] * len(session.records)
+        last = loaded.records[-1]
+        assert np.shape(last.oracle.lost_by_head) == (3, 4)
+        assert np.isclose(np.mean(last.oracle.lost_by_head), last.oracle.lost_attention, atol=1e-6)
+        masks = [e for r in loaded.records for e in r.events if e.kind.value == "mask"]
+        assert bool(masks) == (policy == "adakv")

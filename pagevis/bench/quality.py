@@ -27,6 +27,8 @@ import numpy as np
 from ..decoding import DecodeSession, SessionConfig, steps
 from ..decoding.sampling import log_softmax
 from ..engine import CacheConfig, CacheFullError, ConfigError, KVCacheManager
+from ..engine.policies import POLICIES
+from ..settings import MAX_PAGES as MAX_POOL_PAGES
 from ..engine.policies.pyramidkv import PyramidKV, pool_tokens
 from ..engine.policies.snapkv import SnapKV
 from ..engine.quant import storage_summary
@@ -221,7 +223,7 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
     if tier is not None:
         max_pages, params = budget // page_size, {}
     else:
-        max_pages, params = session_pages(choice, budget, page_size)
+        max_pages, params = session_pages(choice, budget, page_size, model.config)
         tier = {"policy": "oldest" if optimal else choice.name}
     storage = {"dtype": dtype} if residual is None else {"dtype": dtype, "residual": residual}
     config = SessionConfig(page_size=page_size, max_pages=max_pages, policy_params=params, max_new_tokens=1,
@@ -263,13 +265,16 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
                    time.perf_counter() - started, note, dtype=dtype, equal_memory_to=equal_memory_to)
     tail = slice(min(budget, n - 1), n - 1)
     evicting = n - 1 - tail.start
+    per_head = optimal is None and getattr(POLICIES.get(choice.name), "per_head", False)
+    if per_head:  # the reference keeps head means: what each head dropped cannot be weighed against it
+        note = "lost attn not measured for a per-head policy"
     memory = storage_summary(session.cache_config, session.cache.stores)
     return Row(
         policy=choice.label, budget=budget, page_size=page_size, ppl=perplexity(true_lp),
         ppl_evicting=perplexity(true_lp[tail]), full_ppl_evicting=reference.perplexity(tail.start),
         mean_kl=float(np.mean(kl[tail])) if evicting else 0.0,
         top1_agreement=float(np.mean(agree[tail])) if evicting else 1.0,
-        lost_attention=float(np.mean(lost[tail])) if evicting else 0.0,
+        lost_attention=None if per_head else float(np.mean(lost[tail])) if evicting else 0.0,
         evictions=evictions, evicting_tokens=evicting, seconds=time.perf_counter() - started, note=note,
         recall=1 - float(np.mean(lost[tail])) if evicting and config.tiered else None, dtype=dtype,
         kv_bytes_per_token=memory["kv_bytes_per_token"],
@@ -310,10 +315,21 @@ def _read_by_layer(session, record, n: int) -> np.ndarray:
     return mask
 
 
-def session_pages(choice: PolicyChoice, budget: int, page_size: int) -> tuple[int, dict]:
+def session_pages(choice: PolicyChoice, budget: int, page_size: int, model_config=None) -> tuple[int, dict]:
     """Pages per layer and policy parameters for a row at `budget` tokens per layer. pyramidkv's budget is
-    a mean over layers: its pool holds the first (largest) layer's share."""
+    a mean over layers: its pool holds the first (largest) layer's share. A per-head policy (adakv, duo) with a
+    model holds n_kv_heads x budget (KV head, token) entries per layer, the K/V of `budget` whole tokens: its
+    pool holds the slots its heads' tokens may spread over."""
     params = dict(choice.params)
+    cls = POLICIES.get(choice.name)
+    if cls is not None and cls.per_head and model_config is not None:
+        params.setdefault("budget", budget)
+        policy = cls(**params)
+        policy.bind(MAX_POOL_PAGES * page_size, page_size)
+        policy.bind_layers(model_config.n_layers)
+        policy.bind_heads(model_config.n_heads, model_config.n_kv_heads, model_config.head_dim,
+                          float(getattr(model_config, "rope_base", 10000.0)))
+        return math.ceil(policy.pool_tokens() / page_size), params
     if choice.name != PyramidKV.name:
         return budget // page_size, params
     params.setdefault("budget", budget)

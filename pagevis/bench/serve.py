@@ -1,6 +1,7 @@
-"""How much `pagevis serve` costs over calling the engine directly, as ratios measured in one run.
+"""`pagevis serve` measured as a client sees it: the serving benchmark (`pagevis bench serve`, shaped like vLLM's
+benchmark_serving: see serving.py) and, with `--overhead`, what HTTP costs over calling the engine directly.
 
-    python -m pagevis.bench.serve [--model smollm2|synthetic] [--tokens 48] [--json]
+    pagevis bench serve --overhead [--model smollm2|synthetic] [--tokens 48]
 
 1. Decode tokens/s of one session: headless (DecodeSession.step in this process) against the same session
    through HTTP, one token per request (POST /v1/sessions/ID/step n=1), and streamed by /v1/completions.
@@ -16,7 +17,6 @@ share an interpreter lock; both use one BLAS thread, as the app does.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -39,12 +39,12 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: str, workers: int = 2) -> None:
+    def __init__(self, model: str, workers: int = 2, flags: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "pagevis", "serve", "--port", str(self.port), "--model", model,
-             "--workers", str(workers), "--max-sessions", "16"],
+             "--workers", str(workers), "--max-sessions", "16", *flags],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def __enter__(self):
@@ -173,13 +173,9 @@ def attention_overhead(client, n_keys: int = 512, d: int = 64, repeats: int = 30
             "client_encode_ms": e_ms, "overhead_ms": h_ms - d_ms, "http_over_direct": h_ms / d_ms}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagevis.bench.serve", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2", choices=("smollm2", "synthetic"))
-    parser.add_argument("--tokens", type=int, default=48, help="decode steps timed per run (48)")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating headless/HTTP rounds; medians (3)")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+def overhead(model_name: str, tokens: int, rounds: int) -> dict:
+    """Decode tokens/s headless against HTTP (one step per request, and streamed); /healthz while 4 sessions
+    decode; /v1/attention against the direct engine call."""
     import httpx
 
     from ..decoding import ModelSpec
@@ -187,41 +183,38 @@ def main(argv: list[str] | None = None) -> int:
     from ..serve.app import model_id
 
     set_blas_threads(1)
-    spec = ModelSpec(kind=args.model)
+    spec = ModelSpec(kind=model_name)
     model = spec.load()
-    results: dict = {"model": spec.label, "tokens": args.tokens, "cpu_count": os.cpu_count(),
+    results: dict = {"model": spec.label, "tokens": tokens, "rounds": rounds, "cpu_count": os.cpu_count(),
                      "load_average": os.getloadavg()}
-    with ServerProcess(args.model) as server, httpx.Client(base_url=server.url, timeout=300) as client:
+    with ServerProcess(model_name) as server, httpx.Client(base_url=server.url, timeout=300) as client:
         headless, http, streamed = [], [], []
-        for _ in range(args.rounds):  # alternate, so a change in machine load hits both sides alike
-            headless.append(headless_tokens_per_s(model, args.tokens))
-            http.append(http_tokens_per_s(client, args.tokens))
-            streamed.append(streamed_tokens_per_s(client, model_id(spec), args.tokens))
+        for _ in range(rounds):  # alternate, so a change in machine load hits both sides alike
+            headless.append(headless_tokens_per_s(model, tokens))
+            http.append(http_tokens_per_s(client, tokens))
+            streamed.append(streamed_tokens_per_s(client, model_id(spec), tokens))
         h, s, st = (statistics.median(x) for x in (headless, http, streamed))
         results["decode"] = {"headless_tok_s": h, "http_step_tok_s": s, "http_stream_tok_s": st,
                              "http_step_over_headless": s / h, "http_stream_over_headless": st / h,
                              "runs": {"headless": headless, "http_step": http, "http_stream": streamed}}
         results["healthz_while_4_decode"] = health_latency_while_decoding(server.url)
         results["attention"] = attention_overhead(client)
-    if args.json:
-        print(json.dumps(results))
-        return 0
+    return results
+
+
+def format_overhead(results: dict) -> str:
     d, hz, a = results["decode"], results["healthz_while_4_decode"], results["attention"]
-    print(f"model {results['model']}, {args.tokens} decode steps x {args.rounds} rounds, "
-          f"load average {results['load_average'][0]:.1f} on {results['cpu_count']} cores")
-    print(f"  headless           {d['headless_tok_s']:7.1f} tok/s")
-    print(f"  HTTP, 1 step/req   {d['http_step_tok_s']:7.1f} tok/s  = {d['http_step_over_headless']:.3f} x headless "
-          "(target >= 0.9)")
-    print(f"  HTTP, SSE stream   {d['http_stream_tok_s']:7.1f} tok/s  = {d['http_stream_over_headless']:.3f} x headless")
-    print(f"  /healthz while {hz['sessions']} sessions decode: p50 {hz['p50_ms']:.1f} ms, p99 {hz['p99_ms']:.1f} ms "
-          f"(target <= 100), max {hz['max_ms']:.1f} ms over {hz['probes']} probes, "
-          f"{hz['steps_meanwhile']} steps meanwhile")
-    print(f"  /v1/attention T={a['T']} d={a['d']} ({a['body_bytes'] / 1024:.0f} KiB of JSON): direct engine "
-          f"{a['direct_ms']:.2f} ms, over HTTP {a['http_ms']:.2f} ms (request sent, JSON parsed and checked, "
-          f"answer read): overhead {a['overhead_ms']:.2f} ms ({a['http_over_direct']:.1f}x); the client's "
-          f"json.dumps of the body {a['client_encode_ms']:.1f} ms more")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return "\n".join([
+        f"model {results['model']}, {results['tokens']} decode steps x {results['rounds']} rounds, "
+        f"load average {results['load_average'][0]:.1f} on {results['cpu_count']} cores",
+        f"  headless           {d['headless_tok_s']:7.1f} tok/s",
+        f"  HTTP, 1 step/req   {d['http_step_tok_s']:7.1f} tok/s  = {d['http_step_over_headless']:.3f} x headless "
+        "(target >= 0.9)",
+        f"  HTTP, SSE stream   {d['http_stream_tok_s']:7.1f} tok/s  = {d['http_stream_over_headless']:.3f} x headless",
+        f"  /healthz while {hz['sessions']} sessions decode: p50 {hz['p50_ms']:.1f} ms, p99 {hz['p99_ms']:.1f} ms "
+        f"(target <= 100), max {hz['max_ms']:.1f} ms over {hz['probes']} probes, "
+        f"{hz['steps_meanwhile']} steps meanwhile",
+        f"  /v1/attention T={a['T']} d={a['d']} ({a['body_bytes'] / 1024:.0f} KiB of JSON): direct engine "
+        f"{a['direct_ms']:.2f} ms, over HTTP {a['http_ms']:.2f} ms (request sent, JSON parsed and checked, "
+        f"answer read): overhead {a['overhead_ms']:.2f} ms ({a['http_over_direct']:.1f}x); the client's "
+        f"json.dumps of the body {a['client_encode_ms']:.1f} ms more"])

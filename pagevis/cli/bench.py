@@ -30,6 +30,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
                     "bandwidth of a weight-sized float32 gemv or sum, on the BLAS threads decoding uses, over "
                     "weight bytes per token). "
                     "Timings are medians; a busy machine makes them noisy.")
+    parser.add_argument("target", nargs="?", choices=("serve",),
+                        help="serve: benchmark `pagevis serve` instead (a chat workload at concurrency 1-16 or "
+                             "Poisson rates, shaped like vLLM's benchmark_serving; see its options below)")
     parser.add_argument("--contexts", metavar="LIST", help=f"context lengths (default {FULL_CONTEXTS})")
     parser.add_argument("--page-sizes", metavar="LIST", help="page sizes (default 8,16,32,64)")
     parser.add_argument("--quick", action="store_true",
@@ -40,6 +43,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--no-sequences", action="store_true",
                         help="skip the many-sequences rows (aggregate tokens/s at 1-16 sequences, parallel "
                              "sampling pages, shared-prompt prefix-cache hit rate)")
+    parser.add_argument("--no-kernels", action="store_true",
+                        help="skip the model-side kernel rows (decode of 1-16 sequences through one batched forward, "
+                             "decode attention at 8,192 tokens against the read bandwidth and torch)")
     parser.add_argument("--no-tiers", action="store_true",
                         help="skip the disk-tier rows (exact streamed attention vs RAM share, quest vs K, RssAnon "
                              "from 4k to 32k tokens; see docs/memory.md)")
@@ -52,6 +58,16 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--transformers-python", metavar="PYTHON",
                         help="a Python with torch, transformers, accelerate and gguf: time transformers eager "
                              "decoding of the same GGUF with it (default: this Python, if it has them)")
+    serve = parser.add_argument_group("bench serve")
+    serve.add_argument("--concurrency", metavar="LIST", help="concurrent streaming clients per level (default "
+                       "1,2,4,8,16)")
+    serve.add_argument("--request-rate", metavar="LIST", help="Poisson arrivals, requests/s per level (instead of "
+                       "the concurrency levels, or after those given with --concurrency)")
+    serve.add_argument("--num-prompts", type=int, metavar="N", help="requests per level (default 2 x the "
+                       "concurrency, at least 4; 16 per rate)")
+    serve.add_argument("--output-tokens", type=int, default=32, metavar="N", help="tokens each request decodes (32)")
+    serve.add_argument("--overhead", action="store_true", help="instead: HTTP against the engine called directly "
+                       "(tokens/s, /healthz while sessions decode, /v1/attention)")
     parser.set_defaults(handler=main)
     return parser
 
@@ -72,6 +88,8 @@ def parse_ints(text: str, flag: str, low: int, high: int) -> list[int]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.target == "serve":
+        return serve_main(args)
     from ..bench import attention, suite
 
     contexts = parse_ints(args.contexts or (QUICK_CONTEXTS if args.quick else FULL_CONTEXTS), "--contexts", 1,
@@ -115,6 +133,12 @@ def main(args: argparse.Namespace) -> int:
                           transformers_versions=eager["versions"],
                           paged_over_transformers=decode["paged_tok_s"] / eager["tokens_per_s"])
 
+    kernels = None
+    if spec is not None and not args.no_kernels:
+        from ..bench.kernels import run_kernel_bench
+
+        say("kernels: batched decode through the forward, decode attention against the read bandwidth ...")
+        kernels = run_kernel_bench(spec.load(), quick=args.quick, threads=args.blas_threads)
     sequences = None
     if spec is not None and not args.no_sequences:
         from ..bench.sequences import run_sequences_bench
@@ -131,6 +155,7 @@ def main(args: argparse.Namespace) -> int:
                  "quest": tier_bench.quest_rows(max(tier_contexts), swap_dir=args.swap_dir),
                  "rss": None if args.quick else tier_bench.rss_rows(swap_dir=args.swap_dir)}
     result = {"attention": paged, "storage": storage, "quantized": quantized, "torch": torch_rows, "decode": decode,
+              "kernels": kernels,
               "sequences": sequences,
               "tiers": tiers, "shape": suite.SMOLLM2_LAYER}
     if not args.no_files:
@@ -195,6 +220,10 @@ def format_report(result: dict) -> str:
                        f"transformers")
         else:
             out.append("  transformers eager: not measured (--transformers-python PYTHON)")
+    if result.get("kernels"):
+        from ..bench.kernels import format_kernels
+
+        out += ["", *format_kernels(result["kernels"])]
     if result.get("sequences"):
         from ..bench.sequences import format_sequences
 
@@ -207,6 +236,54 @@ def format_report(result: dict) -> str:
     if result.get("files"):
         out += ["", "wrote " + ", ".join(result["files"])]
     return "\n".join(out)
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    """`pagevis bench serve`: the serving benchmark (or --overhead); a table on stdout, a PNG plot."""
+    from ..bench import serve, serving
+
+    model = args.model or "smollm2"
+    if model not in ("smollm2", "synthetic"):
+        raise UsageError(f"pagevis bench serve: --model {model}: smollm2 or synthetic")
+    say = (lambda text: print(text, file=sys.stderr)) if not args.json else (lambda text: None)
+    if args.overhead:
+        result = serve.overhead(model, args.decode_tokens, 3)
+        print(json.dumps(result) if args.json else serve.format_overhead(result))
+        return 0
+    rates = _rates(args.request_rate) if args.request_rate else None
+    concurrencies = parse_ints(args.concurrency, "--concurrency", 1, 256) if args.concurrency else (
+        None if rates else [1, 2, 4, 8, 16])
+    if args.num_prompts is not None:
+        options.check_range("--num-prompts", args.num_prompts, 1, 100_000)
+    options.check_range("--output-tokens", args.output_tokens, 1, 4096)
+    if not args.no_files:
+        if not os.path.isdir(args.out):
+            raise UsageError(f"--out {args.out}: no such folder")
+        options.check_writable(os.path.join(args.out, "bench-serve.png"), "--out")
+    say(f"load average {os.getloadavg()[0]:.1f}; starting pagevis serve --model {model} ...")
+    say("  ".join(serving.HEADER))
+    result = serving.run(model, concurrencies, rates, args.num_prompts, args.output_tokens, progress=say)
+    if not args.no_files:
+        from ..gui.plots import line_plot
+
+        result["files"] = serving.plot(result, args.out, line_plot)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(serving.format_table(result))
+    if result.get("files"):
+        print("wrote " + ", ".join(result["files"]))
+    return 0
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"--request-rate {text!r}: numbers like 1,2,4") from None
+    if not rates or any(not 0 < r <= 1000 for r in rates):
+        raise UsageError(f"--request-rate {text!r}: each must be more than 0 and at most 1000")
+    return rates
 
 
 def write_files(folder: str, result: dict, half: list[dict]) -> list[str]:

@@ -177,7 +177,7 @@ def main(args: argparse.Namespace) -> int:
                 if tier is not None:
                     CacheSettings(page_size=args.page_size, max_pages=budget // args.page_size, **tier).check()
                     continue
-                max_pages, params = quality.session_pages(choice, budget, args.page_size)
+                max_pages, params = quality.session_pages(choice, budget, args.page_size, model.config)
                 CacheSettings(page_size=args.page_size, max_pages=max_pages, policy=choice.name,
                               policy_params=params).check()
             except ConfigError as error:

@@ -14,9 +14,10 @@ import traceback
 
 from . import options
 from .metrics_port import add_metrics_option, start_metrics_server
+from ..presets import SERVER_PRESETS
 from .options import ArgumentParser, UsageError
 
-COMMANDS = ("run", "compare", "bench", "replay", "serve")
+COMMANDS = ("run", "compare", "bench", "replay", "serve", "attach")
 USER_ERROR = 2
 INTERNAL_ERROR = 70  # sysexits.h EX_SOFTWARE: a bug, not a bad input
 MAX_STEPS = 100_000
@@ -27,6 +28,7 @@ USAGE = """pagevis [options]            open the app (options below preset it)
        pagevis bench [--quick]      paged vs dense attention, storage, decode speed
        pagevis replay FILE          open a trace file in the app
        pagevis serve [options]      HTTP API: attention, sessions, OpenAI-compatible completions, /metrics
+       pagevis attach ENDPOINT ...  a vLLM / SGLang engine's KV cache from its ZMQ KV events
        pagevis COMMAND --help       the options of a command"""
 
 
@@ -37,6 +39,9 @@ def gui_parser() -> ArgumentParser:
     group = parser.add_argument_group("app")
     group.add_argument("--screenshot", metavar="FILE", help="save a PNG of the window after --steps steps, then quit")
     group.add_argument("--steps", type=int, default=0, metavar="N", help="decode N steps at start (with --screenshot)")
+    group.add_argument("--server-demo", nargs="?", const="", metavar="PRESET",
+                       help="open the Server window: the model serving arriving requests (a server preset: "
+                            + "; ".join(p.name for p in SERVER_PRESETS) + ")")
     add_metrics_option(group)
     add_debug_option(parser)
     return parser
@@ -48,11 +53,11 @@ def add_debug_option(parser: argparse.ArgumentParser) -> None:
 
 
 def command_parser() -> ArgumentParser:
-    from . import bench, compare, replay, run, serve
+    from . import attach, bench, compare, replay, run, serve
 
     parser = ArgumentParser(prog="pagevis", usage=USAGE)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser, prog="pagevis")
-    for module in (run, compare, bench, replay, serve):
+    for module in (run, compare, bench, replay, serve, attach):
         command = module.add_parser(commands)
         command.add_argument(
             "--blas-threads", type=int, default=1, metavar="N",
@@ -130,8 +135,24 @@ def launch_app(args: argparse.Namespace) -> int:
     options.check_range("--steps", args.steps, 0, MAX_STEPS)
     if args.screenshot:
         options.check_writable(args.screenshot, "--screenshot", suffix=".png")
+    if args.server_demo is not None:
+        return launch_server_demo(args, spec)
     metrics, _exporter = start_metrics_server(args.metrics_port)  # a daemon thread, until the app quits
     from ..gui import launch
 
     return launch(model_spec=spec, prompt=prompt, session_config=config, screenshot=args.screenshot,
                   steps=args.steps, metrics=metrics, preset=options.preset(args))
+
+
+def launch_server_demo(args: argparse.Namespace, spec) -> int:
+    """`pagevis --server-demo [PRESET]`: the Server window alone (SmolLM2 unless a model is given)."""
+    from ..engine import ConfigError
+    from ..presets import find_server_preset
+
+    try:
+        preset = find_server_preset(args.server_demo)
+    except ConfigError as error:
+        raise UsageError(f"--server-demo {args.server_demo!r}: {error.allowed}") from None
+    from ..gui import launch_server
+
+    return launch_server(model_spec=spec, preset=preset, screenshot=args.screenshot, steps=args.steps)

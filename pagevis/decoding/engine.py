@@ -13,6 +13,7 @@ the sequences window and `run --n`, the server, and the benches.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -90,15 +91,19 @@ class Engine:
         """The prompt's token ids (in the chat template when the config says so)."""
         return encode_prompt(self.model, prompt, self.config.chat, self.config.special)
 
-    def submit_parallel(self, prompt_ids, n: int, sampling: SamplingConfig | None = None) -> list[int]:
+    def submit_parallel(self, prompt_ids, n: int, sampling: SamplingConfig | None = None,
+                        max_new_tokens: int | None = None, stop: tuple[str, ...] = (), ignore_eos: bool | None = None,
+                        policy=None) -> list[int]:
         """n samples of one prompt: seeds seed, seed+1, ...; the prompt is computed once and its pages
-        are shared by all n (the partial last page is copied when each first writes to it)."""
+        are shared by all n (the partial last page is copied when each first writes to it). The other
+        arguments are submit's, for every sample (each child forks the first one's policy)."""
         check_int("n", n, 1, MAX_SEQUENCES)
         sampling = sampling or self.config.sampling
-        first = self.submit(prompt_ids, sampling)
+        first = self.submit(prompt_ids, sampling, max_new_tokens, stop, ignore_eos, policy)
         for i in range(1, n):
             child = self._new_request(self.requests[first].prompt_ids, _reseeded(sampling, sampling.seed + i),
-                                      None, (), None)
+                                      max_new_tokens, stop, ignore_eos)
+            child.policy = None if policy is None else copy.deepcopy(policy)  # if the prompt ends before forking
             self.requests[first].children.append(child.seq_id)
         return [first, *self.requests[first].children]
 
@@ -279,7 +284,7 @@ class Engine:
             except CacheFullError as error:
                 request.error = str(error)
         self.scheduler.remove(request)
-        if not self.hold_finished:
+        if not (self.hold_finished or request.hold):
             self.cache.free(request.seq_id)
         # parallel samples still waiting for this prompt (it ended before its first token): they run alone
         for child_id in request.children:

@@ -13,7 +13,8 @@ from .sampling import log_softmax
 
 
 class FullCacheOracle:
-    def __init__(self, model, bounded: CacheConfig, max_tokens: int):
+    def __init__(self, model, bounded: CacheConfig, max_tokens: int, record_layers: tuple[int, ...] = ()):
+        """record_layers: the layers whose per-head lost attention each step reports (OracleStep.lost_by_head)."""
         pages = math.ceil(max_tokens / bounded.page_size)
         # float32: the oracle is the full cache at full precision, so a quantized or float16 cache's KL
         # includes what its storage loses
@@ -24,6 +25,8 @@ class FullCacheOracle:
         self._bounded: KVCacheManager | None = None
         self._bounded_seq = 0
         self._lost: list[float] = []
+        self.record_layers = tuple(record_layers)
+        self.lost_by_head = np.zeros((bounded.n_layers, bounded.n_heads), dtype=np.float32)  # at the last step
         self.recall = np.full(bounded.n_layers, np.nan, dtype=np.float32)  # per layer, at the last step
 
     def reset(self) -> None:
@@ -59,16 +62,28 @@ class FullCacheOracle:
             top1_agree=bool(np.argmax(full) == np.argmax(part)),
             logprob_bounded=float(part[chosen]), logprob_full=float(full[chosen]),
             lost_attention=float(np.mean(self._lost)),
+            lost_by_head=(tuple(map(tuple, self.lost_by_head[list(self.record_layers)].tolist()))
+                          if self.record_layers else None),
         )
 
     def _attend(self, layer, q, k, v, positions):
         self.cache.append(0, layer, k, v, positions)
         result = self.cache.attend(0, layer, q, positions)
-        # The last query's attention, by slot of the full cache, on positions the bounded layer lacks.
+        # The last query's attention, by slot of the full cache, on positions the bounded layer lacks (per
+        # query head: a per-head policy's KV head may have dropped tokens the others keep).
         bounded = self._bounded.stores[layer].positions
         full_positions = self.cache.slot_positions(layer)
         evicted = (full_positions >= 0) & ~np.isin(full_positions, bounded[bounded >= 0])
-        self._lost.append(float(result.weights[-1][:, evicted].sum(axis=-1).mean()))
+        keep = self._bounded.sequences[self._bounded_seq].head_keep[layer]
+        weights = result.weights[-1]
+        if keep is None:
+            lost = weights[:, evicted].sum(axis=-1)
+        else:
+            held = [bounded[(bounded >= 0) & head] for head in keep]
+            gone = np.stack([(full_positions >= 0) & ~np.isin(full_positions, h) for h in held])
+            lost = (weights * np.repeat(gone, len(weights) // len(keep), axis=0)).sum(axis=-1)
+        self.lost_by_head[layer] = lost
+        self._lost.append(float(lost.mean()))
         # Recall: the share of that attention on the tokens the bounded layer actually read.
         read_slots = self._bounded.sequences[self._bounded_seq].read_slots[layer]
         read = bounded[bounded >= 0] if read_slots is None else bounded[read_slots]

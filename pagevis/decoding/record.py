@@ -20,6 +20,10 @@ class OracleStep:
     logprob_bounded: float  # log-probability of the chosen token under the bounded cache
     logprob_full: float  # ... and under the full cache
     lost_attention: float  # share of the full model's attention on tokens the bounded cache evicted
+    # per recorded layer (attention_layers), per query head: the share of the full cache's last-query
+    # attention on the tokens the bounded cache evicted (for a per-head policy: the tokens that head's KV
+    # head dropped); float32 values as tuples (records compare with ==); None when no layer is recorded
+    lost_by_head: tuple[tuple[float, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,7 @@ class StepRecord:
     protected: np.ndarray
     scores: np.ndarray
     block_tables: Sequence[tuple[int, ...]]  # a TablesAt view of the session's TableLog, or tuples
-    events: tuple[CacheEvent, ...]
+    events: Sequence[CacheEvent]  # an EventArray (compact rows) from a session, or a tuple
     attention_layers: tuple[int, ...]
     attention: tuple[np.ndarray, ...]
     timings: dict[str, float] = field(default_factory=dict)  # seconds: forward, sample, oracle, total

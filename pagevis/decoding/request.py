@@ -27,6 +27,7 @@ class Request:
     prefix_hit_tokens: int = 0  # prompt tokens found in the prefix cache at its (last) admission
     children: list[int] = field(default_factory=list)  # parallel samples waiting for this one's prefill
     paused: bool = False  # held between calls (a session stepped over HTTP): not scheduled, pages kept
+    hold: bool = False  # keep its pages when it finishes, until Engine.release (a server's session records them)
     steps: int = 0  # engine steps that fed it tokens
     policy: object = None  # an eviction policy object to use instead of the settings' (bench's future-aware one)
 

@@ -10,6 +10,9 @@ it found in the prefix cache). Preemption always recomputes: with a disk tier ev
 disk frame and RAM is only a cache of them, so a step never runs out of RAM — only out of page ids, which
 swapping cannot give back.
 
+A paused request (a server's session between calls) holds its pages but neither runs nor counts against
+`max_running`, and is never preempted.
+
 The scheduler never touches pages: it asks the cache manager what a chunk needs and whether it fits.
 """
 
@@ -40,6 +43,11 @@ class Scheduler:
     @property
     def idle(self) -> bool:
         return not self.waiting and not any(not r.paused for r in self.running)
+
+    @property
+    def n_active(self) -> int:
+        """Running requests that are not paused (a paused one holds its pages, not a place in the batch)."""
+        return sum(1 for r in self.running if not r.paused)
 
     def add(self, request: Request, front: bool = False) -> None:
         if front:
@@ -80,10 +88,11 @@ class Scheduler:
                                      f"of sequence {active[0].seq_id} alone; raise pool_pages")
             self.preempt(active[-1])
         used = sum(len(tokens) for _, tokens, _ in plan)
-        while self.waiting and len(self.running) < self.max_running and (budget is None or used < budget):
+        while self.waiting and self.n_active < self.max_running and (budget is None or used < budget):
             request = self.waiting[0]
             cache.add_sequence(request.seq_id, request.policy)
-            request.n_cached = cache.match_prefix(request.seq_id, request.tokens)
+            tokens = request.tokens
+            request.n_cached = cache.match_prefix(request.seq_id, tokens[: self._hit_limit(request) + 1])
             if cache.room(request.seq_id) <= 0 and not cache.sequences[request.seq_id].policy.evicts:
                 self.start(self.waiting.popleft())  # its cached prefix already fills its budget
                 finish(request, "cache_full")
@@ -105,6 +114,17 @@ class Scheduler:
             used += len(chunk[1])
             plan.append(chunk)
         return plan
+
+    def _hit_limit(self, request: Request) -> int:
+        """How many of its tokens a request may take from the prefix cache without decoding other tokens than
+        it would alone: a request that never reaches its budget, all; one that will evict, only what it holds
+        before its first eviction (its budget) — and none if its policy learns from attention, which cached
+        pages never got from it."""
+        policy = self.cache.sequences[request.seq_id].policy
+        budget = min(policy.layer_capacity(layer) for layer in range(len(self.cache.stores)))
+        if len(request.prompt_ids) + request.max_new_tokens <= budget:
+            return len(request.tokens)
+        return 0 if policy.uses_attention else budget
 
     def _running_plan(self, budget: int | None) -> Plan:
         """Decode tokens first (one per request), then prefill chunks within what the budget leaves."""

@@ -4,13 +4,32 @@ The paged cache calls `attend` on a view of its pool's allocated prefix, with an
 0 for resident slots and -inf for empty ones; a dense caller passes contiguous arrays and a zero bias.
 Grouped-query (and multi-query) attention: query head h reads KV head h // (n_heads // n_kv_heads).
 Float16 storage is read in float32; all arithmetic is float32.
+
+The kernel. The query heads of one KV head are one (rows, d) matrix (rows = queries x group), so each
+key and value is read once per KV head, not once per query head. Two sweeps over the keys: the scores
+(keys x queries), then, after the softmax, the output (weights x values). Softmax works in place on the
+scores: max, subtract, exp, sum, and one division at the end that normalises the weights and the small
+output together (the output is accumulated from the unnormalised weights). Float16 keys and values are
+converted to float32 CHUNK_BYTES at a time into one reused buffer, never the whole cache at once. A few
+rows against thousands of keys is a poor shape for BLAS's gemm (it packs the whole key matrix for three
+rows: at 8,192 tokens the score product took 0.94 ms where reading the keys takes 0.22), so for up to
+DECODE_ROWS rows the keys are cut into blocks (a free reshape) and np.matmul runs the small products in C;
+the block sizes are measured once per shape (`block_sizes`).
 """
 
 from __future__ import annotations
 
+import time
+from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
+
+CHUNK_BYTES = 1 << 20  # float16 keys (or values) of all KV heads converted to float32 at once: fits in L2
+DECODE_ROWS = 32  # up to this many rows (queries x group) per KV head, key blocks are measured; above, gemm
+BLOCK_CANDIDATES = (0, 32, 64, 128, 256)  # keys per block; 0: one product over the whole chunk
+LOWEST = np.finfo(np.float32).min
+MEASURE_BYTES = 4 << 20  # the most keys (or values) block_sizes times with
 
 
 class AttentionResult(NamedTuple):
@@ -28,17 +47,16 @@ def softmax(scores: np.ndarray, axis: int = -1, out: np.ndarray | None = None) -
     comes back all zeros rather than NaN.
     """
     with np.errstate(over="ignore"):  # a huge negative score minus the max may round to -inf: weight 0
-        out = np.subtract(scores, _finite_max(scores, axis), out=out)
+        out = np.subtract(scores, _finite(scores.max(axis=axis, keepdims=True)), out=out)
     np.exp(out, out=out)
     total = out.sum(axis=axis, keepdims=True)
     total[total == 0] = 1
     return np.divide(out, total, out=out)
 
 
-def _finite_max(scores: np.ndarray, axis: int) -> np.ndarray:
-    peak = scores.max(axis=axis, keepdims=True)
-    peak[~np.isfinite(peak)] = 0
-    return peak
+def _finite(peak: np.ndarray) -> np.ndarray:
+    """The row maxima to shift by: 0 where a row has no finite maximum (all masked)."""
+    return np.where(np.isfinite(peak), peak, np.float32(0)).astype(np.float32, copy=False)
 
 
 def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_bias: np.ndarray | None = None,
@@ -50,9 +68,9 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_bias: np.nda
     With q_positions and key_positions, query i sees only keys at positions <= q_positions[i]
     (the causal mask of a prefill chunk). For a single decode query every resident key is visible.
     """
-    scores, values = _scores(q, keys, values, key_bias, key_positions, q_positions)
-    weights = softmax(scores, out=scores)
-    return AttentionResult(_ungroup(np.matmul(weights, values), q.shape[0]), _ungroup(weights, q.shape[0]))
+    n = q.shape[0]
+    weights, output, _, _ = _attention(q, keys, values, key_bias, key_positions, q_positions)
+    return AttentionResult(_ungroup(output, n), _ungroup(weights, n))
 
 
 class Partial(NamedTuple):
@@ -73,17 +91,9 @@ def attend_part(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_bias: n
     if keys.shape[1] == 0:
         nothing = np.zeros((n, n_heads), np.float32)
         return Partial(np.zeros((n, n_heads, d), np.float32), nothing - np.inf, nothing), np.zeros((n, n_heads, 0))
-    scores, values = _scores(q, keys, values, key_bias, key_positions, q_positions)
-    peak = scores.max(axis=-1, keepdims=True)
-    finite = np.isfinite(peak)
-    with np.errstate(over="ignore", invalid="ignore"):
-        np.subtract(scores, np.where(finite, peak, 0), out=scores)
-    np.exp(scores, out=scores)
-    total = scores.sum(axis=-1, keepdims=True)
-    np.divide(scores, np.where(total > 0, total, 1), out=scores)
-    output = np.matmul(scores, values)
-    part = Partial(_ungroup(output, n), _ungroup(peak[..., 0], n), _ungroup(total[..., 0], n))
-    return part, _ungroup(scores, n)
+    weights, output, peak, total = _attention(q, keys, values, key_bias, key_positions, q_positions)
+    part = Partial(_ungroup(output, n), _ungroup(peak, n), _ungroup(total, n))
+    return part, _ungroup(weights, n)
 
 
 def merge(a: Partial, b: Partial) -> Partial:
@@ -110,30 +120,126 @@ def _share(part: Partial, peak: np.ndarray) -> np.ndarray:
     return part.total * np.exp(shift)
 
 
-def _scores(q, keys, values, key_bias, key_positions, q_positions):
-    """Scaled scores (n_kv, n * group, T) with masks applied, and the values in float32."""
+def _attention(q, keys, values, key_bias, key_positions, q_positions, blocks=None, chunk_bytes=CHUNK_BYTES):
+    """The kernel (see the module docstring). Returns, grouped (n_kv, rows, ...): the weights (rows, T),
+    normalised; the output (rows, d), normalised; each row's largest score (-inf: no key visible) and its
+    sum of exp(score - max) (0: no key visible). `blocks` (score block, value block) overrides the measured
+    sizes; chunk_bytes the float16 chunk length (tests use both to reach every path)."""
     n, n_heads, d = q.shape
     n_kv, n_keys, _ = keys.shape
     group = n_heads // n_kv
-    if keys.dtype != np.float32:
-        keys = keys.astype(np.float32)
-        values = values.astype(np.float32)
+    rows = n * group
     scale = np.float32(1.0 / np.sqrt(d))
-    # (n, n_heads, d) -> (n_kv, n * group, d): each KV head's queries as one matrix for one matmul.
-    grouped = (q * scale).reshape(n, n_kv, group, d).transpose(1, 0, 2, 3).reshape(n_kv, n * group, d)
-    scores = np.matmul(grouped, keys.transpose(0, 2, 1))  # (n_kv, n * group, T)
+    # (n, n_heads, d) -> (n_kv, n * group, d): each KV head's queries as one matrix for one product.
+    grouped = np.multiply(q, scale, dtype=np.float32)
+    grouped = grouped.reshape(n_kv, rows, d) if n == 1 else np.ascontiguousarray(
+        grouped.reshape(n, n_kv, group, d).transpose(1, 0, 2, 3).reshape(n_kv, rows, d))
+    score_block, value_block = blocks or block_sizes(n_kv, rows, d)
+    convert = keys.dtype != np.float32 or values.dtype != np.float32
+    step = max(1, chunk_bytes // (4 * n_kv * d)) if convert else max(n_keys, 1)
+    buffer = np.empty((n_kv, min(step, n_keys), d), np.float32) if convert else None
+    scores = np.empty((n_kv, rows, n_keys), np.float32)
+    for lo in range(0, n_keys, step):  # sweep 1: the keys, once per KV head
+        _block_product(grouped, _as_float32(keys[:, lo:lo + step], buffer).transpose(0, 2, 1),
+                       scores[:, :, lo:lo + step], score_block)
     if key_bias is not None:
         scores += key_bias
-    if q_positions is not None and n > 1:
+    if q_positions is not None and key_positions is not None and n > 1:
         future = np.where(key_positions[None, :] > q_positions[:, None], -np.inf, 0).astype(np.float32)
         scores.reshape(n_kv, n, group, n_keys)[...] += future[None, :, None, :]
-    return scores, values
+    peak = np.maximum.reduce(scores, axis=-1, keepdims=True) if n_keys else np.full((n_kv, rows, 1), -np.inf,
+                                                                                    np.float32)
+    with np.errstate(over="ignore"):  # a huge negative score minus the max: -inf, weight 0
+        # a row with no visible key (max -inf) shifts by the lowest float instead: its -inf scores stay -inf
+        np.subtract(scores, np.fmax(peak, LOWEST), out=scores)
+    np.exp(scores, out=scores)
+    total = np.add.reduce(scores, axis=-1, keepdims=True)
+    output = None
+    for lo in range(0, n_keys, step):  # sweep 2: the values, once per KV head, times the unnormalised weights
+        part = _block_product(scores[:, :, lo:lo + step], _as_float32(values[:, lo:lo + step], buffer), None,
+                              value_block)
+        output = part if output is None else np.add(output, part, out=output)
+    if output is None:
+        output = np.zeros((n_kv, rows, d), np.float32)
+    divisor = np.maximum(total, np.float32(1))  # a row's total is >= 1 if it sees a key (its max: exp 0), else 0
+    np.divide(scores, divisor, out=scores)
+    np.divide(output, divisor, out=output)
+    return scores, output, peak[..., 0], total[..., 0]
+
+
+def _as_float32(array: np.ndarray, buffer: np.ndarray | None) -> np.ndarray:
+    """array in float32: itself, or converted into the front of the reused buffer."""
+    if array.dtype == np.float32:
+        return array
+    view = buffer[:, :array.shape[1]]
+    np.copyto(view, array)
+    return view
+
+
+def _block_product(a: np.ndarray, b: np.ndarray, out: np.ndarray | None, block: int) -> np.ndarray:
+    """a (n_kv, rows, k) @ b (n_kv, k, cols) per KV head. With a block, the inner dimension of the output
+    (the keys: out is given, cols split) or of the sum (the values: out is None, k split) is cut into blocks
+    that np.matmul runs one after another in C, small products that BLAS does not pack."""
+    if out is not None:  # scores: (n_kv, rows, d) @ (n_kv, d, keys) -> out (n_kv, rows, keys)
+        n_kv, rows, width = out.shape
+        body = width // block * block if block else 0
+        if body >= 2 * block > 0:
+            blocks = b[:, :, :body].reshape(n_kv, b.shape[1], body // block, block).transpose(0, 2, 1, 3)
+            np.matmul(a[:, None], blocks, out=out[:, :, :body].reshape(n_kv, rows, -1, block).transpose(0, 2, 1, 3))
+            if body < width:
+                np.matmul(a, b[:, :, body:], out=out[:, :, body:])
+        else:
+            np.matmul(a, b, out=out)
+        return out
+    n_kv, rows, width = a.shape  # values: (n_kv, rows, keys) @ (n_kv, keys, d) -> (n_kv, rows, d)
+    body = width // block * block if block else 0
+    if body < 2 * block or not block:
+        return np.matmul(a, b)
+    parts = np.matmul(a[:, :, :body].reshape(n_kv, rows, -1, block).transpose(0, 2, 1, 3),
+                      b[:, :body].reshape(n_kv, -1, block, b.shape[2]))
+    result = parts.sum(axis=1)
+    if body < width:
+        result += np.matmul(a[:, :, body:], b[:, body:])
+    return result
+
+
+@lru_cache(maxsize=256)
+def block_sizes(n_kv: int, rows: int, d: int, n_keys: int = 4096, repeats: int = 2) -> tuple[int, int]:
+    """Keys per block for the score product and for the value product, measured once per shape on random
+    data (tens of ms: at most MEASURE_BYTES of keys, whatever the shape): the fastest of BLOCK_CANDIDATES.
+    (0, 0), plain gemm, without measuring: above DECODE_ROWS rows, or heads so wide that the budget holds
+    too few keys to cut into blocks."""
+    n_keys = min(n_keys, MEASURE_BYTES // (4 * n_kv * d))
+    if rows > DECODE_ROWS or n_keys < 2 * max(BLOCK_CANDIDATES):
+        return 0, 0
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n_kv, rows, d), dtype=np.float32)
+    keys = rng.standard_normal((n_kv, n_keys, d), dtype=np.float32).transpose(0, 2, 1)  # as the cache holds them
+    weights = rng.random((n_kv, rows, n_keys), dtype=np.float32)
+    values = rng.standard_normal((n_kv, n_keys, d), dtype=np.float32)
+    out = np.empty((n_kv, rows, n_keys), np.float32)
+
+    def fastest(run) -> int:
+        times = {}
+        for block in BLOCK_CANDIDATES:
+            best = np.inf
+            for _ in range(repeats):
+                start = time.perf_counter()
+                run(block)
+                best = min(best, time.perf_counter() - start)
+            times[block] = best
+        return min(times, key=times.get)
+
+    return (fastest(lambda block: _block_product(a, keys, out, block)),
+            fastest(lambda block: _block_product(weights, values, None, block)))
 
 
 def _ungroup(array: np.ndarray, n: int) -> np.ndarray:
-    """(n_kv, n * group, ...) -> (n, n_heads, ...): back from the grouped layout of `_scores`."""
+    """(n_kv, n * group, ...) -> (n, n_heads, ...): back from the grouped layout of `_attention`."""
     n_kv, rows = array.shape[:2]
     group = rows // n
     rest = array.shape[2:]
+    if n == 1:
+        return array.reshape(1, rows * n_kv, *rest)
     return array.reshape(n_kv, n, group, *rest).transpose(1, 0, 2, *range(3, 3 + len(rest))).reshape(
         n, n_kv * group, *rest)

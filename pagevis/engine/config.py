@@ -96,11 +96,13 @@ class CacheConfig(CacheSettings):
     n_heads: int = 1
     n_kv_heads: int = 1
     head_dim: int = 64
+    rope_base: float = 10000.0  # the model's RoPE base (expected-attention undoes RoPE on the queries it sees)
 
     @classmethod
     def for_model(cls, settings: CacheSettings, model_config) -> CacheConfig:
         return cls(**settings.cache_settings(), n_layers=model_config.n_layers, n_heads=model_config.n_heads,
-                   n_kv_heads=model_config.n_kv_heads, head_dim=model_config.head_dim)
+                   n_kv_heads=model_config.n_kv_heads, head_dim=model_config.head_dim,
+                   rope_base=float(getattr(model_config, "rope_base", 10000.0)))
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -23,6 +23,9 @@ class EventKind(str, Enum):
     UNCACHE = "uncache"  # a cached free page was reclaimed for new tokens (vLLM's BlockRemoved); detail: hash
     FREE = "free"  # a sequence finished or was cancelled: its pages were released
     PREEMPT = "preempt"  # the scheduler took a sequence's pages back to make room (it will recompute them)
+    # since trace version 4 (per-head policies):
+    MASK = "mask"  # a per-head policy dropped a token from one KV head (detail: the KV head); the slot stays
+    # until every KV head dropped it (then an evict event frees it)
 
 
 # Events about a whole sequence, not one page (page, slot, position are -1).

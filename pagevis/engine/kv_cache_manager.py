@@ -13,6 +13,10 @@ settings' capacity; the pool's pages are shared by all sequences.
   its K/V and hash until the pool reuses it.
 - Attention of a single live sequence reads the pool's used prefix in place (no gather); with several,
   each reads its own pages through its block table; with a disk tier or Quest, through the reader.
+- A per-head policy (adakv, duo) drops (KV head, token) entries: the sequence keeps one mask per layer
+  and KV head (`head_keep`), attention adds -inf for the entries a head dropped (each KV head's queries
+  attend alone), and a slot is freed (an ordinary eviction) once every KV head dropped its token. Masks
+  belong to the sequence, not the page: masking a shared page copies nothing.
 
 Every change is recorded as a CacheEvent.
 """
@@ -59,6 +63,8 @@ class SequenceCache:
     holes: list[set[int]]
     resident: list[int]
     read_slots: list[np.ndarray | None]  # per layer, the flat slots its last attention read (None: all)
+    # per layer, (n_kv_heads, n_slots) bool: the KV heads that keep each slot's token (per-head policies only)
+    head_keep: list[np.ndarray | None]
     token_ids: list[int] = field(default_factory=list)  # tokens whose K/V are written, in position order
     hashes: list[int] = field(default_factory=list)  # prefix hash of each full logical page, while hashable
     hashable: bool = True  # False once the sequence evicted: its pages no longer hold whole prefixes
@@ -70,6 +76,8 @@ class SequenceCache:
             self.resident[layer] = 0
             self.read_slots[layer] = None
             self.states[layer].reset()
+            if self.head_keep[layer] is not None:
+                self.head_keep[layer].fill(False)
         self.policy.reset()
         self.token_ids.clear()
         self.hashes.clear()
@@ -141,9 +149,11 @@ class KVCacheManager:
             raise ConfigError("seq_id", seq_id, "an id no live sequence has")
         policy = policy or make_policy(self.config)
         n_layers = self.config.n_layers
+        head_keep = [np.zeros((self.config.n_kv_heads, store.n_slots), dtype=bool) if policy.per_head else None
+                     for store in self.stores]
         seq = SequenceCache(seq_id, policy, [policy.make_state(store.n_slots) for store in self.stores],
                             [[] for _ in range(n_layers)], [set() for _ in range(n_layers)], [0] * n_layers,
-                            [None] * n_layers)
+                            [None] * n_layers, head_keep)
         self.sequences[seq_id] = seq
         return seq
 
@@ -193,6 +203,7 @@ class KVCacheManager:
         child = self.add_sequence(child_id)
         child.policy = copy.deepcopy(parent.policy)
         child.states = [copy.deepcopy(state) for state in parent.states]
+        child.head_keep = [None if keep is None else keep.copy() for keep in parent.head_keep]
         child.token_ids = parent.token_ids[:n]
         child.hashable = parent.hashable
         child.hashes = parent.hashes[: n // self.page_size]
@@ -220,8 +231,10 @@ class KVCacheManager:
             store.restore(page, first_position)
         seq.block_tables[layer].append(page)
         seq.resident[layer] += int(store.fill[page])
-        empty = np.flatnonzero(store.positions[page * ps: (page + 1) * ps] < 0)
-        seq.holes[layer].update((page * ps + empty).tolist())
+        held = store.positions[page * ps: (page + 1) * ps] >= 0
+        seq.holes[layer].update((page * ps + np.flatnonzero(~held)).tolist())
+        if seq.head_keep[layer] is not None and first_position is not None:  # a prefix hit: all heads keep it
+            seq.head_keep[layer][:, page * ps: (page + 1) * ps] = held  # (a fork keeps its parent's masks)
         self._event(E.SHARE, seq.seq_id, layer, page, detail=int(store.pages.ref_counts[page]))
 
     # --- questions -------------------------------------------------------------------------------
@@ -242,6 +255,17 @@ class KVCacheManager:
         """Pages the live sequences would hold if none were shared (the sum of their block tables)."""
         return sum(len(seq.block_tables[layer]) for seq in self.sequences.values())
 
+    def head_entries(self, seq_id: int, layer: int) -> int:
+        """(KV head, token) entries the sequence holds in the layer: what a per-head policy's budget counts,
+        n_kv_heads per resident token for a token-level policy. Each entry is one KV head's key and value
+        of one token (2 x head_dim values); the slots hold the union of the heads' tokens."""
+        seq = self.sequences[seq_id]
+        keep = seq.head_keep[layer]
+        if keep is None:
+            return seq.resident[layer] * self.config.n_kv_heads
+        flat = self._flat_slots(seq.block_tables[layer])
+        return int((keep[:, flat] & (self.stores[layer].positions[flat] >= 0)).sum())
+
     def free_slots(self, seq_id: int) -> int:
         """Tokens every layer of the sequence can take before its policy must evict: its budget (a policy
         may give a layer less: pyramidkv), and the pool."""
@@ -251,9 +275,14 @@ class KVCacheManager:
                    for layer, store in enumerate(self.stores))
 
     def room(self, seq_id: int) -> int:
-        """Tokens the sequence can still add before its policy must evict (its budget, not the pool)."""
+        """Tokens the sequence can still add before its policy must evict (its budget, not the pool; for a
+        per-head policy also before it must drop an entry, so that a prefill chunk never evicts mid-chunk on
+        statistics that have not seen the chunk)."""
         seq = self.sequences[seq_id]
-        return min(seq.policy.layer_capacity(layer) - seq.resident[layer] for layer in range(len(self.stores)))
+        rooms = [seq.policy.layer_capacity(layer) - seq.resident[layer] for layer in range(len(self.stores))]
+        if seq.policy.per_head:
+            rooms += [seq.policy.head_room(self.view(seq_id, layer)) for layer in range(len(self.stores))]
+        return min(rooms)
 
     def can_append(self, seq_id: int, n: int) -> bool:
         """Whether n more tokens fit, by eviction if the policy evicts. Check before a step so that a
@@ -310,7 +339,7 @@ class KVCacheManager:
             positions = np.full(store.n_slots, -1, dtype=np.int64)
             flat = self._flat_slots(table)
             positions[flat] = store.positions[flat]
-        return LayerView(layer, self.page_size, positions, table, seq.states[layer])
+        return LayerView(layer, self.page_size, positions, table, seq.states[layer], seq.head_keep[layer])
 
     def weight_positions(self, seq_id: int, layer: int, result: AttentionResult) -> np.ndarray:
         """Token position of each weight column of an `attend` result."""
@@ -351,9 +380,11 @@ class KVCacheManager:
         seq, store = self.sequences[seq_id], self.stores[layer]
         if store.kivi:
             self._seal_residual(seq, layer, len(positions))
-        state, holes = seq.states[layer], seq.holes[layer]
+        state, holes, keep = seq.states[layer], seq.holes[layer], seq.head_keep[layer]
         budget = seq.policy.layer_capacity(layer)
         for i, position in enumerate(positions):
+            if keep is not None:
+                self._evict_heads(seq, layer)
             if seq.resident[layer] >= budget or not (holes or store.pages.can_allocate()):
                 if not seq.policy.evicts and seq.resident[layer] < budget:
                     raise CacheFullError(f"the pool's {self.pool_pages} pages of layer {layer} are all in use "
@@ -364,6 +395,9 @@ class KVCacheManager:
             holes.remove(flat)
             seq.resident[layer] += 1
             state.clear(flat)
+            state.write(flat, k[i], v[i], int(position))
+            if keep is not None:
+                keep[:, flat] = True
             self._event(E.WRITE, seq_id, layer, *divmod(flat, self.page_size), int(position))
 
     def commit(self, seq_id: int) -> None:
@@ -403,8 +437,30 @@ class KVCacheManager:
         return page * ps + slot
 
     def _evict(self, seq: SequenceCache, layer: int) -> None:
-        store, ps = self.stores[layer], self.page_size
         victims, scores = seq.policy.choose_victims(self.view(seq.seq_id, layer))
+        self._remove(seq, layer, victims, scores, seq.policy.reason)
+
+    def _evict_heads(self, seq: SequenceCache, layer: int) -> None:
+        """A per-head policy's drops before the next token: mask each (KV head, slot) entry it names; free
+        the slots no KV head keeps any more."""
+        heads, victims, scores = seq.policy.choose_head_victims(self.view(seq.seq_id, layer))
+        if not len(victims):
+            return
+        keep, ps = seq.head_keep[layer], self.page_size
+        for head, flat, score in zip(heads.tolist(), victims.tolist(), scores.tolist(), strict=True):
+            if not keep[head, flat]:
+                raise RuntimeError(f"policy {seq.policy.name!r} dropped an entry KV head {head} no longer keeps")
+            keep[head, flat] = False
+            self._event(E.MASK, seq.seq_id, layer, *divmod(flat, ps), int(self.stores[layer].positions[flat]),
+                        seq.policy.name, seq.policy.reason, float(score), detail=head)
+        gone = np.unique(victims[~keep[:, victims].any(axis=0)])
+        if len(gone):
+            self._remove(seq, layer, gone, np.full(len(gone), np.nan), "dropped by every KV head")
+
+    def _remove(self, seq: SequenceCache, layer: int, victims: np.ndarray, scores: np.ndarray, reason: str) -> None:
+        """Take the tokens in these flat slots out of the sequence (copying a shared page first); free
+        the pages left empty."""
+        store, ps = self.stores[layer], self.page_size
         seq.hashable = False
         copies: dict[int, int] = {}  # shared page -> this sequence's copy (a policy may take several slots)
         for flat, score in zip(victims.tolist(), scores.tolist(), strict=True):
@@ -416,8 +472,9 @@ class KVCacheManager:
             position = store.remove(page * ps + slot)
             seq.holes[layer].add(page * ps + slot)
             seq.resident[layer] -= 1
-            self._event(E.EVICT, seq.seq_id, layer, page, slot, position, seq.policy.name, seq.policy.reason,
-                        float(score))
+            if seq.head_keep[layer] is not None:
+                seq.head_keep[layer][:, page * ps + slot] = False
+            self._event(E.EVICT, seq.seq_id, layer, page, slot, position, seq.policy.name, reason, float(score))
             if store.fill[page] == 0:
                 seq.block_tables[layer].remove(page)
                 seq.holes[layer].difference_update(range(page * ps, (page + 1) * ps))
@@ -448,10 +505,14 @@ class KVCacheManager:
         store.copy_page(page, new, keep)
         src, dst = slice(page * ps, (page + 1) * ps), slice(new * ps, (new + 1) * ps)
         for array in seq.states[layer].arrays.values():
-            array[dst] = np.where(keep, array[src], 0)
+            array[dst] = np.where(keep.reshape(-1, *(1,) * (array.ndim - 1)), array[src], 0)
+        if seq.head_keep[layer] is not None:
+            seq.head_keep[layer][:, dst] = seq.head_keep[layer][:, src] & keep
         table, holes = seq.block_tables[layer], seq.holes[layer]
         empty = (new * ps + np.flatnonzero(~keep)).tolist()
         if replace:
+            if seq.head_keep[layer] is not None:
+                seq.head_keep[layer][:, src] = False  # the page stays another sequence's, not this one's
             table[table.index(page)] = new
             holes.difference_update(range(page * ps, (page + 1) * ps))
             store.release(page)
@@ -510,22 +571,27 @@ class KVCacheManager:
         if store.tiered or store.quantized or (self.select_pages is not None and len(q) == 1):
             return self._read(seq, layer, q, positions)
         seq.read_slots[layer] = None
+        if seq.policy.uses_queries:
+            seq.states[layer].query(q, positions)
         n_kv, _, ps, head_dim = store.k.shape
+        keep = seq.head_keep[layer]
         if len(self.sequences) == 1:  # the only owner: the pool's used prefix, in place
             n_slots = store.high_water * ps
             keys = store.k[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
             values = store.v[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
             # With no empty slot below the high-water mark the occupancy mask is all zeros: skip it.
             bias = None if seq.resident[layer] == n_slots else store.bias[:n_slots]
-            result = attend(q, keys, values, bias, store.positions[:n_slots], positions)
             read: slice | np.ndarray = slice(0, n_slots)
+            result = attend_kept(q, keys, values, bias, store.positions[:n_slots], positions,
+                                 None if keep is None else keep[:, read])
         else:  # gathered through its block table
             table = seq.block_tables[layer]
             keys = store.k[:, table].reshape(n_kv, len(table) * ps, head_dim)
             values = store.v[:, table].reshape(n_kv, len(table) * ps, head_dim)
             read = self._flat_slots(table)
             bias = store.bias[read]
-            result = attend(q, keys, values, bias if bias.any() else None, store.positions[read], positions)
+            result = attend_kept(q, keys, values, bias if bias.any() else None, store.positions[read], positions,
+                                 None if keep is None else keep[:, read])
             result = result._replace(slots=read)
         if seq.policy.uses_attention:
             seq.states[layer].observe(result.weights, read)
@@ -535,6 +601,8 @@ class KVCacheManager:
         """Attention through the reader: pages on disk, or a page selection (a chunk of several
         queries reads every page: max_chunk keeps such chunks within select_pages pages)."""
         select = self.select_pages if len(q) == 1 else None
+        if seq.policy.uses_queries:
+            seq.states[layer].query(q, positions)
         result = read_attention(self.stores[layer], seq.block_tables[layer], q, positions, self.step, select,
                                 all_weights=seq.policy.uses_attention and len(q) > 1,
                                 own_pages_only=len(self.sequences) > 1)
@@ -542,3 +610,25 @@ class KVCacheManager:
         if seq.policy.uses_attention:
             seq.states[layer].observe(result.weights, result.slots)
         return result
+
+
+def attend_kept(q: np.ndarray, keys: np.ndarray, values: np.ndarray, bias: np.ndarray | None,
+                key_positions: np.ndarray, positions: np.ndarray, keep: np.ndarray | None) -> AttentionResult:
+    """`attend`, where KV head h reads only the keys with keep[h] (per-head residency; None: all keys for
+    every head). When some head dropped a resident token, each KV head's queries attend alone with that
+    head's mask added to the occupancy bias (-inf on dropped entries); the heads' results are joined in
+    query-head order."""
+    if keep is None or (keep.all(axis=0) | ~keep.any(axis=0)).all():  # no head differs: one call
+        return attend(q, keys, values, bias, key_positions, positions)
+    n_kv = keys.shape[0]
+    group = q.shape[1] // n_kv
+    outputs, weights = [], []
+    for head in range(n_kv):
+        head_bias = np.where(keep[head], np.float32(0), np.float32(-np.inf))
+        if bias is not None:
+            head_bias += bias
+        part = attend(q[:, head * group: (head + 1) * group], keys[head: head + 1], values[head: head + 1],
+                      head_bias, key_positions, positions)
+        outputs.append(part.output)
+        weights.append(part.weights)
+    return AttentionResult(np.concatenate(outputs, axis=1), np.concatenate(weights, axis=1))

@@ -20,8 +20,9 @@ class PolicyState:
         self.n_slots = n_slots
         self.arrays: dict[str, np.ndarray] = {}
 
-    def add_array(self, name: str, dtype=np.float64) -> np.ndarray:
-        array = np.zeros(self.n_slots, dtype=dtype)
+    def add_array(self, name: str, dtype=np.float64, width: tuple[int, ...] = ()) -> np.ndarray:
+        """A per-slot array, (n_slots, *width): row `flat` belongs to the token in that slot."""
+        array = np.zeros((self.n_slots, *width), dtype=dtype)
         self.arrays[name] = array
         return array
 
@@ -36,7 +37,16 @@ class PolicyState:
 
     def observe(self, weights: np.ndarray, slots: slice | np.ndarray) -> None:
         """One attention call's weights, (n_queries, n_heads, m), over the flat slots `slots` (the
-        tokens actually read; m of them). Slots not read got no attention this step."""
+        tokens actually read; m of them). Slots not read got no attention this step. Called only for
+        policies with `uses_attention`."""
+
+    def write(self, flat: int, k: np.ndarray, v: np.ndarray, position: int) -> None:
+        """The key and value of the token at `position`, each (n_kv_heads, head_dim) as the model made them
+        (after RoPE), were written into slot `flat` (just after `clear(flat)`). Called for every policy."""
+
+    def query(self, q: np.ndarray, positions: np.ndarray) -> None:
+        """One attention call's queries (n, n_heads, head_dim), after RoPE, at `positions`; before the
+        call's `observe`. Called only for policies with `uses_queries`."""
 
 
 class LayerView(NamedTuple):
@@ -47,6 +57,15 @@ class LayerView(NamedTuple):
     positions: np.ndarray  # flat slot -> token position, -1 where empty
     block_table: list[int]  # the sequence's page ids in logical order
     stats: PolicyState
+    # per-head policies only: (n_kv_heads, n_slots) bool, True where that KV head still keeps the token
+    head_keep: np.ndarray | None = None
 
     def occupied(self) -> np.ndarray:
         return self.positions >= 0
+
+    def kept(self) -> np.ndarray:
+        """(n_kv_heads, n_slots) bool: the tokens each KV head keeps (every resident token for every head,
+        unless the policy evicts per head). For a token-level policy a (1, n_slots) row stands for all heads."""
+        if self.head_keep is None:
+            return self.occupied()[None, :]
+        return self.head_keep & self.occupied()

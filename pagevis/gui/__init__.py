@@ -63,6 +63,24 @@ def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, sessi
     return app.exec()
 
 
+def launch_server(model_spec: ModelSpec | None = None, preset=None, screenshot: str | None = None,
+                  steps: int = 0) -> int:
+    """Open the Server window alone (`pagevis --server-demo`) on `model_spec` (default SmolLM2) with a server
+    preset (pagevis.presets.SERVER_PRESETS; default the first). With `screenshot`: offscreen unless a platform
+    is set, `steps` real engine steps, a PNG of the window, exit code 0."""
+    if screenshot and "QT_QPA_PLATFORM" not in os.environ:
+        os.environ["QT_QPA_PLATFORM"] = "offscreen"
+    verdict = platform_check.check()
+    if not verdict.ok:
+        print(verdict.message(), file=sys.stderr)
+        return platform_check.EXIT_STATUS
+    app = _application()
+    _one_blas_thread()
+    from .server_window import server_demo
+
+    return server_demo(app, model_spec or ModelSpec(), preset, screenshot, steps)
+
+
 def _observe_sessions(runner, metrics) -> None:
     """Subscribe `metrics` to each new session (before its first step); the old session's observer goes."""
     current = []
@@ -110,6 +128,11 @@ def _screenshot(app, window, path: str, steps: int, ab=None) -> int:
     app.processEvents()
     window.redraw()
     app.processEvents()
+    return save_screenshot(app, window, path)
+
+
+def save_screenshot(app, window, path: str) -> int:
+    """Save a PNG of the window and close it: 0, or 1 (said on stderr) when the file cannot be written."""
     # X11 lets a client read the screen back; Wayland does not (a client sees only its own buffers)
     image = _grab_from_screen(app, window) if app.platformName() == "xcb" else window.grab()
     ok = image.save(path)

@@ -35,8 +35,26 @@ def headless(spec, config, steps: int) -> float:
     return taken / (time.perf_counter() - started)
 
 
+def lateness_probe(interval_ms: int = 5):
+    """A precise timer on the UI thread that records how late it fires, in ms: (timer, clock, lateness list).
+    Start the clock, then the timer."""
+    from PySide6.QtCore import QElapsedTimer, QTimer
+
+    lateness: list[float] = []
+    clock = QElapsedTimer()
+    probe = QTimer(interval=interval_ms)
+    probe.setTimerType(probe.timerType().PreciseTimer)
+
+    def tick() -> None:
+        lateness.append(max(clock.nsecsElapsed() / 1e6 - interval_ms, 0.0))
+        clock.restart()
+
+    probe.timeout.connect(tick)
+    return probe, clock, lateness
+
+
 def in_gui(spec, config, steps: int) -> dict[str, float]:
-    from PySide6.QtCore import QElapsedTimer, QEventLoop, QTimer
+    from PySide6.QtCore import QEventLoop
     from PySide6.QtWidgets import QApplication
 
     from . import _application
@@ -51,16 +69,7 @@ def in_gui(spec, config, steps: int) -> dict[str, float]:
     window.runner.step_blocking(1)  # the prefill, as in the headless run
     app.processEvents()
 
-    lateness: list[float] = []
-    clock = QElapsedTimer()
-    probe = QTimer(interval=5)
-    probe.setTimerType(probe.timerType().PreciseTimer)
-
-    def tick() -> None:
-        lateness.append(max(clock.nsecsElapsed() / 1e6 - 5.0, 0.0))
-        clock.restart()
-
-    probe.timeout.connect(tick)
+    probe, clock, lateness = lateness_probe()
     target = len(window.timeline) + steps
     arrived: list[float] = []
     loop = QEventLoop()  # the real event loop, as app.exec() runs it (no polling)

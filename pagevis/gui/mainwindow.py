@@ -35,6 +35,7 @@ from .views import ViewState
 from .views.attention import AttentionView
 from .views.events import EventsView
 from .views.heads import HeadsView
+from .views.histogram import HistogramView
 from .views.metrics import MetricsView
 from .views.page_grid import PageGridView
 from .views.text import TextView
@@ -117,7 +118,9 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.events = EventsView()
         self.metrics = MetricsView()
         self.heads = HeadsView()
-        self.views = [self.page_grid, self.attention, self.text, self.events, self.metrics, self.heads]
+        self.histogram = HistogramView()
+        self.views = [self.page_grid, self.attention, self.text, self.events, self.metrics, self.heads,
+                      self.histogram]
         self.messages = MessagesPanel()
         self.docks: dict[str, QDockWidget] = {}
         self.setDockNestingEnabled(True)
@@ -153,6 +156,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.splitDockWidget(d["Text"], d["Eviction events"], Qt.Horizontal)
         self.splitDockWidget(d["Eviction events"], d["Metrics"], Qt.Horizontal)
         self.tabifyDockWidget(d["Attention"], d["Heads"])  # heads per KV group: a tab behind the heatmap
+        self.tabifyDockWidget(d["Attention"], d["Weights"])  # the step's weights as a histogram: another tab
         d["Attention"].raise_()
         self.addDockWidget(Qt.BottomDockWidgetArea, d["Messages"])
         d["Messages"].hide()
@@ -245,6 +249,7 @@ class MainWindow(TimelineCursor, QMainWindow):
             view_menu.addAction(dock.toggleViewAction())
         view_menu.addSeparator()
         view_menu.addAction("&Sequences sharing one pool…", self.open_sequences)
+        view_menu.addAction("Se&rver: requests arriving…", self.open_server)
         view_menu.addAction("&Reset layout", self.reset_layout)
         help_menu = self.menuBar().addMenu("&Help")
         help_menu.addAction("&Keyboard shortcuts", self._show_shortcuts)
@@ -580,6 +585,20 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.sequences_window = SequencesWindow(self.runner.model, config, self.controls.prompt(), self)
         self.sequences_window.show()
         return self.sequences_window
+
+    def open_server(self, preset=None):
+        """The Server window: the current model serving arriving requests (docs/server-window.md)."""
+        from ..presets import SERVER_PRESETS
+        from .server_window import ServerWindow
+
+        if self.runner.model is None:
+            self.statusBar().showMessage("Load a model first (start decoding once), then open the server", 8000)
+            return None
+        label = self.runner.spec.label if self.runner.spec is not None else ""
+        self.server_window = ServerWindow(self.runner.model, preset or SERVER_PRESETS[0], self, model_label=label,
+                                          autorun=True)
+        self.server_window.show()
+        return self.server_window
 
     def open_gguf(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Open a Llama-family GGUF model", "", "GGUF models (*.gguf)")

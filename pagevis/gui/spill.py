@@ -19,15 +19,13 @@ import tempfile
 import numpy as np
 
 from ..decoding import OracleStep, StepRecord, TierStep
-from ..engine import CacheEvent, EventKind
+from ..engine.event_array import EVENT_DTYPE, EventArray, Strings, to_rows
 
 PARTS = ("token_ids", "positions", "slot_maps", "protected", "scores", "block_tables", "events", "attention_layers",
          "attention", "tier_counts", "page_maps", "block_frames", "recall")  # the last four: empty without tiers
+# "recall" holds the oracle's float32 rows: the tier recall (n_layers, with tiers and the oracle), then its lost
+# attention per recorded layer and head (with the oracle): one part, so a record's row of offsets stays as small
 # "protected" packs the protected flags, then with int4 / int2 storage the full-precision flags
-EVENT_DTYPE = np.dtype([("kind", "i1"), ("step", "i4"), ("layer", "i4"), ("page", "i4"), ("slot", "i4"),
-                        ("position", "i8"), ("policy", "i2"), ("reason", "i2"), ("score", "f8"),
-                        ("frame", "i4"), ("seq", "i4"), ("detail", "i8")])
-KINDS = tuple(EventKind)
 SMALL = np.dtype([("kind", "i1"), ("next_token", "i8"), ("resident", "i4"), ("pages_used", "i4"),
                   ("evictions_total", "i8"), ("has_oracle", "?"), ("kl", "f8"), ("top1", "?"), ("lp_bounded", "f8"),
                   ("lp_full", "f8"), ("lost", "f8")])
@@ -46,8 +44,7 @@ class RecordSpill:
         self._offsets = np.zeros((0, len(PARTS) + 1), dtype=np.int64)
         self._small = np.zeros(0, dtype=SMALL)
         self._timings = np.zeros((0, len(TIMINGS)), dtype=np.float64)
-        self._texts: list[str] = []  # the policy names and reasons events carry, interned
-        self._text_codes: dict[str, int] = {}
+        self._strings = Strings()  # the policy names and reasons events carry, interned
         self.count = 0
         self.shape: tuple[int, int, int] | None = None  # (layers, pages, page_size)
         self.n_heads = 0
@@ -72,9 +69,7 @@ class RecordSpill:
         tables = np.full((layers, width), -1, dtype=np.int32)
         for layer, table in enumerate(record.block_tables):
             tables[layer, : len(table)] = table
-        events = np.array([(KINDS.index(e.kind), e.step, e.layer, e.page, e.slot, e.position, self._code(e.policy),
-                            self._code(e.reason), e.score, e.frame, e.seq, e.detail) for e in record.events],
-                          dtype=EVENT_DTYPE)
+        events = to_rows(record.events, self._strings)
         attention = (np.stack(record.attention).astype(np.float16, copy=False) if record.attention
                      else np.zeros((0,), np.float16))
         tiers = record.tiers
@@ -89,8 +84,7 @@ class RecordSpill:
                  np.ascontiguousarray(tiers.counts, np.int64) if tiers else np.zeros(0, np.int64),
                  np.ascontiguousarray(tiers.page_maps, np.int32) if tiers else nothing,
                  frames if tiers else nothing,
-                 np.asarray(tiers.recall, np.float32) if tiers and tiers.recall is not None
-                 else np.zeros(0, np.float32))
+                 _oracle_floats(record))
         blob = b"".join(memoryview(np.ascontiguousarray(p)).cast("B") for p in parts)
         os.pwrite(self._fd, blob, self._end)
         sizes = np.cumsum([0] + [p.nbytes for p in parts]) + self._end
@@ -106,13 +100,6 @@ class RecordSpill:
         self._timings = _grow(self._timings, self.count)
         self._timings[self.count] = [record.timings.get(name, np.nan) for name in TIMINGS]
         self.count += 1
-
-    def _code(self, text: str) -> int:
-        code = self._text_codes.get(text)
-        if code is None:
-            code = self._text_codes[text] = len(self._texts)
-            self._texts.append(text)
-        return code
 
     # --- reading ---------------------------------------------------------------------------------
     def _part(self, index: int, name: str, dtype, start: int = 0, count: int | None = None) -> np.ndarray:
@@ -170,14 +157,13 @@ class RecordSpill:
         weights = part("attention", np.float16)
         attention = weights.reshape(len(attention_layers), self.n_heads, -1) if attention_layers else ()
         tables = part("block_tables", np.int32).reshape(layers, -1)
-        texts = self._texts
-        events = tuple(CacheEvent(KINDS[e["kind"]], int(e["step"]), int(e["layer"]), int(e["page"]), int(e["slot"]),
-                                  int(e["position"]), texts[e["policy"]], texts[e["reason"]], float(e["score"]),
-                                  int(e["frame"]), int(e["seq"]), int(e["detail"]))
-                       for e in part("events", EVENT_DTYPE))
+        events = EventArray(part("events", EVENT_DTYPE), self._strings)
         s = self._small[index]
+        floats = part("recall", np.float32)
+        by_head = floats[layers:] if part("tier_counts", np.int64).size and s["has_oracle"] else floats
         oracle = OracleStep(float(s["kl"]), bool(s["top1"]), float(s["lp_bounded"]), float(s["lp_full"]),
-                            float(s["lost"])) if s["has_oracle"] else None
+                            float(s["lost"]), tuple(map(tuple, by_head.reshape(len(attention_layers), -1).tolist()))
+                            if by_head.size else None) if s["has_oracle"] else None
         timings = {name: float(v) for name, v in zip(TIMINGS, self._timings[index]) if v == v}
         next_token = int(s["next_token"])
         protected, full_precision = _unflags(part("protected", np.uint8), shape)
@@ -201,12 +187,20 @@ class RecordSpill:
         layers = tables.shape[0]
         maps = part("page_maps", np.int32)
         frames = part("block_frames", np.int32).reshape(tables.shape)
-        recall = part("recall", np.float32)
+        recall = part("recall", np.float32)[:layers]  # (the oracle's lost attention per head follows)
         return TierStep(counts=counts.reshape(layers, -1),
                         page_maps=maps.reshape(len(attention_layers), -1, self.shape[2]),
                         block_frames=tuple(tuple(int(f) for f in frames[layer, : int((tables[layer] >= 0).sum())])
                                            for layer in range(layers)),
                         recall=recall if recall.size else None)
+
+
+def _oracle_floats(record: StepRecord) -> np.ndarray:
+    """The record's "recall" part: the tier recall, then the oracle's lost attention per recorded layer and head."""
+    tiers, oracle = record.tiers, record.oracle
+    recall = np.asarray(tiers.recall, np.float32).ravel() if tiers and tiers.recall is not None else np.zeros(0)
+    by_head = np.asarray(oracle.lost_by_head, np.float32).ravel() if oracle and oracle.lost_by_head else np.zeros(0)
+    return np.concatenate([recall, by_head]).astype(np.float32)
 
 
 def _grow(array: np.ndarray, needed: int) -> np.ndarray:

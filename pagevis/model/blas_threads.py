@@ -37,6 +37,27 @@ def set_blas_threads(count: int) -> bool:
     return done
 
 
+def blas_description() -> str:
+    """The loaded OpenBLAS build (its config string) and thread count, or "unknown BLAS"."""
+    for library in _loaded_openblas_libraries():
+        try:
+            handle = ctypes.CDLL(library)
+        except OSError:
+            continue
+        parts = []
+        for prefix in ("scipy_openblas_", "scipy_openblas", "openblas_"):
+            config = getattr(handle, f"{prefix}get_config64_", None) or getattr(handle, f"{prefix}get_config", None)
+            threads = (getattr(handle, f"{prefix}get_num_threads64_", None)
+                       or getattr(handle, f"{prefix}get_num_threads", None))
+            if config is not None and threads is not None:
+                config.restype = ctypes.c_char_p
+                parts = [config().decode(errors="replace"), f"{threads()} threads"]
+                break
+        if parts:
+            return ", ".join(parts)
+    return "unknown BLAS"
+
+
 def _loaded_openblas_libraries() -> list[str]:
     maps = Path("/proc/self/maps")
     if not maps.exists():

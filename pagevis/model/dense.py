@@ -15,6 +15,7 @@ class _LayerCache:
         self.keys = np.empty((16, n_kv_heads, head_dim), dtype=np.float32)
         self.values = np.empty_like(self.keys)
         self.positions = np.empty(16, dtype=np.int64)
+        self.newest = -1  # the largest position stored
 
     def append(self, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> None:
         end = self.length + len(k)
@@ -27,6 +28,7 @@ class _LayerCache:
         self.values[self.length:end] = v
         self.positions[self.length:end] = positions
         self.length = end
+        self.newest = max(self.newest, int(positions.max()))
 
 
 def _grown(array: np.ndarray, capacity: int) -> np.ndarray:
@@ -62,11 +64,11 @@ class DenseAttention:
         n_kv = keys.shape[1]
         group = n_heads // n_kv
         # (kv_head, n * group, head_dim): the query heads that share a KV head, for all n tokens.
-        grouped_q = q.reshape(n, n_kv, group, head_dim).transpose(1, 0, 2, 3).reshape(n_kv, n * group, head_dim)
+        grouped_q = (q * self._scale).reshape(n, n_kv, group, head_dim).transpose(1, 0, 2, 3).reshape(
+            n_kv, n * group, head_dim)
         scores = grouped_q @ keys.transpose(1, 2, 0)  # (kv_head, n * group, length)
-        scores *= self._scale
-        visible = cache.positions[:cache.length][None, :] <= np.repeat(positions, group)[:, None]
-        if not visible.all():
+        if positions.min() < cache.newest:  # some query has keys after it: mask them
+            visible = cache.positions[:cache.length][None, :] <= np.repeat(positions, group)[:, None]
             scores[:, ~visible] = -np.inf
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)

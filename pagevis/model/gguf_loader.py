@@ -16,6 +16,7 @@ from .errors import ModelConfigError, ModelLoadError
 from .gguf_file import field_contents, open_gguf, read_metadata, tensor_as_float32
 from .llama import LlamaModel
 from .locate import default_model_path
+from .matmul import plan_for
 from .weights import LlamaWeights, layer_from_gguf_matrices
 
 SUPPORTED_ARCHITECTURE = "llama"
@@ -37,7 +38,7 @@ def load_model(path: str | Path | None = None) -> LlamaModel:
     tokenizer = tokenizer_from_reader(path, reader, metadata, config.vocab_size)  # before the weights: fail fast
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     weights = weights_from_tensors(path, config, tensors)
-    return LlamaModel(config, weights, tokenizer)
+    return LlamaModel(config, weights, tokenizer, plan=plan_for(weights.matrices()))
 
 
 _MISSING = object()
@@ -141,12 +142,15 @@ def weights_from_tensors(path: Path, config: ModelConfig, tensors: dict[str, Any
     def layer(index: int):
         return layer_from_gguf_matrices(*(dense(f"blk.{index}.{part}.weight") for part in LAYER_TENSORS))
 
+    def owned(name: str) -> np.ndarray:  # an F32 tensor comes back as a view of the file mapping
+        array = dense(name)
+        return array.copy() if np.may_share_memory(array, tensors[name].data) else array
+
     def output() -> tuple[np.ndarray, np.ndarray]:
-        embedding = dense("token_embd.weight")
+        embedding = owned("token_embd.weight")
         if "output.weight" not in tensors:
-            output_t = np.ascontiguousarray(embedding.T)
-            return output_t.T, output_t  # tied: one copy, read row-wise for lookup
-        return embedding, np.ascontiguousarray(dense("output.weight").T)
+            return embedding, embedding.T  # tied: one copy, output-major as the other matrices
+        return embedding, owned("output.weight").T
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         output_job = pool.submit(output)

@@ -2,7 +2,9 @@
 
 Pre-norm decoder: x += Attn(RMSNorm(x)); x += SwiGLU(RMSNorm(x)); logits = RMSNorm(x) @ W_out.
 Attention itself is the caller's `attend` (it owns the KV cache); this module only projects
-Q, K, V, applies RoPE and projects the result back. All arithmetic stays float32.
+Q, K, V, applies RoPE and projects the result back. All arithmetic stays float32. Products with the
+weights go through matmul.py: BLAS gemm for many rows, a blocked kernel measured per shape for the few rows
+of a decode step (`plan`; the default, GEMM_ONLY, is plain gemm).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .interface import AttendFn
+from .matmul import GEMM_ONLY, MatmulPlan, matmul
 from .rope import apply_rope, inverse_frequencies, rope_tables
 from .tokenizer import Tokenizer
 from .weights import LayerWeights, LlamaWeights, check_weight_shapes
@@ -18,30 +21,35 @@ from .weights import LayerWeights, LlamaWeights, check_weight_shapes
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) * weight, row-wise, in float32 (eps must be np.float32)."""
-    mean_square = np.mean(np.square(x), axis=-1, keepdims=True)
+    mean_square = np.add.reduce(np.square(x), axis=-1, keepdims=True)  # np.mean's sum, without its wrapper
+    mean_square /= np.float32(x.shape[-1])
     mean_square += eps
     np.sqrt(mean_square, out=mean_square)
-    return x / mean_square * weight
+    out = np.divide(x, mean_square)
+    out *= weight
+    return out
 
 
-def silu_mul_inplace(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """gate <- gate * sigmoid(gate) * up, without float64 or large temporaries."""
-    denominator = np.negative(gate)
-    np.exp(denominator, out=denominator)
-    denominator += np.float32(1)
-    np.divide(gate, denominator, out=gate)
-    gate *= up
-    return gate
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gate * sigmoid(gate) * up as a new contiguous float32 array (gate and up may be strided views)."""
+    out = np.negative(gate)
+    np.exp(out, out=out)
+    out += np.float32(1)
+    np.divide(gate, out, out=out)
+    out *= up
+    return out
 
 
 class LlamaModel:
     """A Llama-family decoder with float32 weights; implements the Model protocol."""
 
-    def __init__(self, config: ModelConfig, weights: LlamaWeights, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, config: ModelConfig, weights: LlamaWeights, tokenizer: Tokenizer | None,
+                 plan: MatmulPlan = GEMM_ONLY) -> None:
         check_weight_shapes(config, weights)
         self.config = config
         self.weights = weights
         self.tokenizer = tokenizer
+        self.plan = plan
         self._eps = np.float32(config.rms_eps)
         self._inv_freq = inverse_frequencies(config.head_dim, config.rope_base)
 
@@ -61,11 +69,14 @@ class LlamaModel:
             self._attention_block(index, layer, x, pos, cos, sin, attend)
             self._feed_forward_block(layer, x)
         if logit_rows is not None:  # a batch of sequences: the last row of each
-            return rms_norm(x[logit_rows], self.weights.output_norm, self._eps) @ self.weights.output_t
+            return self._logits(x[logit_rows])
         if not all_logits:
             x = x[-1:]
-        logits = rms_norm(x, self.weights.output_norm, self._eps) @ self.weights.output_t
+        logits = self._logits(x)
         return logits if all_logits else logits[0]
+
+    def _logits(self, x: np.ndarray) -> np.ndarray:
+        return matmul(rms_norm(x, self.weights.output_norm, self._eps), self.weights.output_t, self.plan)
 
     def _attention_block(
         self, index: int, layer: LayerWeights, x: np.ndarray, pos: np.ndarray,
@@ -73,20 +84,20 @@ class LlamaModel:
     ) -> None:
         c = self.config
         n = x.shape[0]
-        qkv = rms_norm(x, layer.attn_norm, self._eps) @ layer.wqkv
+        qkv = matmul(rms_norm(x, layer.attn_norm, self._eps), layer.wqkv, self.plan)
         q = apply_rope(qkv[:, :c.q_dim].reshape(n, c.n_heads, c.head_dim), cos, sin)
         k = apply_rope(qkv[:, c.q_dim:c.q_dim + c.kv_dim].reshape(n, c.n_kv_heads, c.head_dim), cos, sin)
         v = np.ascontiguousarray(qkv[:, c.q_dim + c.kv_dim:]).reshape(n, c.n_kv_heads, c.head_dim)
         out = attend(index, q, k, v, pos)
         if out.shape != q.shape:
             raise ValueError(f"attend returned shape {out.shape} for layer {index}, expected {q.shape}")
-        x += np.asarray(out, dtype=np.float32).reshape(n, c.q_dim) @ layer.wo
+        x += matmul(np.asarray(out, dtype=np.float32).reshape(n, c.q_dim), layer.wo, self.plan)
 
     def _feed_forward_block(self, layer: LayerWeights, x: np.ndarray) -> None:
         d_ff = self.config.d_ff
-        gate_up = rms_norm(x, layer.ffn_norm, self._eps) @ layer.w_gate_up
-        hidden = silu_mul_inplace(gate_up[:, :d_ff], gate_up[:, d_ff:])
-        x += hidden @ layer.w_down
+        gate_up = matmul(rms_norm(x, layer.ffn_norm, self._eps), layer.w_gate_up, self.plan)
+        hidden = silu_mul(gate_up[:, :d_ff], gate_up[:, d_ff:])
+        x += matmul(hidden, layer.w_down, self.plan)
 
     def _check_inputs(self, token_ids: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ids = np.asarray(token_ids).reshape(-1)

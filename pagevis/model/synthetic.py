@@ -83,4 +83,5 @@ def random_weights(config: ModelConfig, seed: int) -> LlamaWeights:
     # Tied embedding/output, scaled so logits have a standard deviation near 2: peaked enough to have
     # a clear greedy choice, flat enough that the oracle's KL and perplexity say something.
     output_t = rng.standard_normal((d, config.vocab_size), dtype=np.float32) * np.float32(2 / np.sqrt(d))
-    return LlamaWeights(output_t.T, layers, ones(), output_t)
+    embedding = np.ascontiguousarray(output_t.T)  # output-major, as the loader lays out tied weights
+    return LlamaWeights(embedding, layers, ones(), embedding.T)

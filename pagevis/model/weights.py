@@ -1,4 +1,7 @@
-"""Weights laid out for fast `x @ W` products: float32, C-contiguous, (in_features, out_features)."""
+"""Weights laid out for `x @ W` products: float32 matrices of shape (in_features, out_features) that are
+transposed views of output-major (out_features, in_features) C-contiguous arrays, GGUF's own orientation.
+A run of output columns is then contiguous, which the blocked small-batch product needs (see matmul.py),
+and gemm reads the same array through BLAS's transpose flag: one copy serves both."""
 
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ from .config import ModelConfig
 
 @dataclass(frozen=True)
 class LayerWeights:
-    """One transformer block. Q and K columns are in GGUF order (see rope.py)."""
+    """One transformer block. Q and K columns are in GGUF order (see rope.py). Each matrix is the
+    (in, out) view of an output-major array (`matrix.T` is C-contiguous)."""
 
     attn_norm: np.ndarray  # (d_model,)
     wqkv: np.ndarray       # (d_model, q_dim + 2 * kv_dim): Q, K, V side by side
@@ -23,10 +27,15 @@ class LayerWeights:
 
 @dataclass(frozen=True)
 class LlamaWeights:
-    embedding: np.ndarray  # (vocab, d_model); with tied weights a transposed view of output_t
+    embedding: np.ndarray  # (vocab, d_model), C-contiguous
     layers: tuple[LayerWeights, ...]
     output_norm: np.ndarray  # (d_model,)
-    output_t: np.ndarray   # (d_model, vocab)
+    output_t: np.ndarray   # (d_model, vocab): with tied weights embedding.T, else another output-major view
+
+    def matrices(self) -> list[np.ndarray]:
+        """Every matrix a forward pass multiplies by, as (in, out) views, in the order a step reads them."""
+        return [w for layer in self.layers for w in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)] + [
+            self.output_t]
 
     def nbytes_per_token(self) -> int:
         """Bytes of weights one decode step reads: every matrix once, one embedding row."""
@@ -39,8 +48,9 @@ class LlamaWeights:
 
 
 def as_input_major(*out_by_in: np.ndarray) -> np.ndarray:
-    """Concatenate (out, in) matrices, as stored in GGUF, into one contiguous (in, sum of out)."""
-    return np.ascontiguousarray(np.concatenate(out_by_in, axis=0).T, dtype=np.float32)
+    """Stack (out, in) matrices, as stored in GGUF, into one C-contiguous (sum of out, in) array and
+    return its (in, sum of out) transposed view."""
+    return np.ascontiguousarray(np.concatenate(out_by_in, axis=0), dtype=np.float32).T
 
 
 def layer_from_gguf_matrices(

@@ -1,4 +1,5 @@
-"""The FastAPI application: routes, limits, metrics, and the worker pool decoding runs in."""
+"""The FastAPI application: routes, limits, metrics, the engines every request decodes in (engines.py), and
+the uvicorn server that drains them on SIGTERM."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import contextlib
 import time
 
 import anyio
+import uvicorn
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .. import __version__
 from ..observe import Metrics
 from . import attention, openai_api, session_api
+from .engines import Engines
 from .errors import install_handlers
 from .middleware import BodyLimit, RequestCounter
 from .sessions import SessionStore
@@ -25,6 +28,9 @@ DESCRIPTION = """The paged-attention engine and decoding sessions of pagevis ove
 * `/v1/sessions`: decode step by step and read the cache's block tables, residency and events.
 * `/v1/completions`, `/v1/chat/completions`, `/v1/models`: OpenAI-compatible (plain and streamed).
 * `GET /metrics`: Prometheus metrics; `GET /healthz`: liveness.
+
+Every completion and session is a request in one shared engine per cache layout: continuous batching and
+one prefix cache over all of them.
 """
 
 
@@ -51,21 +57,24 @@ def create_app(settings: ServeSettings | None = None, model=None) -> FastAPI:
         finally:
             sweeper.cancel()
             app.state.store.close()
+            await asyncio.to_thread(app.state.engines.close)
 
     app = FastAPI(title="pagevis", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
     app.state.model = model if model is not None else settings.model_spec.load()
     app.state.model_id = model_id(settings.model_spec)
     app.state.metrics = metrics
-    app.state.store = SessionStore(settings, metrics)
+    app.state.store = store = SessionStore(settings)
+    app.state.engines = engines = Engines(settings, app.state.model, metrics)
+    metrics.active_sessions.set_function(lambda: len(store.sessions))
     app.state.started = int(time.time())
     install_handlers(app)
 
     @app.get("/healthz", tags=["service"])
     async def healthz(request: Request) -> dict:
-        store = request.app.state.store
-        return {"status": "ok", "model": request.app.state.model_id, "sessions": len(store.sessions),
-                "slots_used": store.slots_used, "max_sessions": settings.max_sessions}
+        return {"status": "draining" if engines.draining else "ok", "model": request.app.state.model_id,
+                "sessions": len(store.sessions), "slots_used": store.slots_used + engines.in_flight,
+                "max_sessions": settings.max_sessions, "in_flight": engines.in_flight, **engines.counts()}
 
     @app.get("/metrics", tags=["service"], response_class=Response)
     async def prometheus_metrics() -> Response:
@@ -91,3 +100,19 @@ async def _expire_idle(store: SessionStore, interval: float) -> None:
     while True:
         await asyncio.sleep(interval)
         store.expire()
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, draining the engines first when it is told to stop (SIGTERM, SIGINT, should_exit):
+    it stops listening, lets requests in flight go on for --drain-seconds, ends the rest (finish_reason
+    "abort", so every stream ends properly), then shuts down as uvicorn does."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self.engines, self.drain_seconds = app.state.engines, app.state.settings.drain_seconds
+
+    async def shutdown(self, sockets=None) -> None:
+        for server in self.servers:
+            server.close()
+        await self.engines.drain(self.drain_seconds)
+        await super().shutdown(sockets)

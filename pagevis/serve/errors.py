@@ -14,16 +14,18 @@ from ..settings import by_path
 
 MAX_LISTED_ERRORS = 10
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",
-               413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error"}
+               413: "request_too_large", 422: "invalid_request_error", 429: "rate_limit_error",
+               503: "service_unavailable"}
 
 
 class ApiError(Exception):
     """An answer with a status and a message the client can act on."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 **extra) -> None:
+                 headers: dict[str, str] | None = None, **extra) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.extra = status, message, param, code, extra
+        self.headers = headers
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None, **extra) -> dict:
@@ -33,8 +35,8 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   **extra) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code, **extra), status_code=status)
+                   headers: dict[str, str] | None = None, **extra) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code, **extra), status_code=status, headers=headers)
 
 
 def request_field(config_field: str) -> str:
@@ -79,7 +81,7 @@ def _union_branch(loc) -> str | None:
 def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, error: ApiError):
-        return error_response(error.status, error.message, error.param, error.code, **error.extra)
+        return error_response(error.status, error.message, error.param, error.code, error.headers, **error.extra)
 
     @app.exception_handler(ConfigError)
     async def _config_error(_request: Request, error: ConfigError):

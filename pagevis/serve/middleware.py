@@ -13,14 +13,18 @@ from .errors import error_body
 
 
 HTTP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+DISCARD_BYTES = 64 << 20  # of an oversized body, read and dropped before the 413 so that the client sees it
 
 
 class BodyLimit:
-    """Answer 413 to a body over `max_bytes`: at once when Content-Length says so, otherwise as soon as
-    the streamed chunks add up past it. The body is read here (at most max_bytes of it) and handed on."""
+    """Answer 413 to a body over `max_bytes`. The body is read here (at most max_bytes of it are kept) and
+    handed on. An oversized body is read to its end and dropped before the answer, as long as it is at most
+    `discard_bytes` long (Content-Length says so, or the chunks add up): a client still sending when the
+    server answers and closes would see its connection reset, not the 413. A longer one is answered at once
+    (and the connection closed), which such a client may see as a reset."""
 
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, discard_bytes: int = DISCARD_BYTES) -> None:
+        self.app, self.max_bytes, self.discard_bytes = app, max_bytes, discard_bytes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -28,6 +32,8 @@ class BodyLimit:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.max_bytes:
+            if declared <= self.discard_bytes and not await self._discard(receive, 0, True):
+                return
             await self._too_large(send, declared)
             return
         chunks, size = [], 0
@@ -38,7 +44,10 @@ class BodyLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await self._too_large(send, size)
+                more = message.get("more_body", False)
+                if not await self._discard(receive, size, more):
+                    return
+                await self._too_large(send, size, more)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -55,8 +64,18 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _too_large(self, send, size: int) -> None:
-        message = (f"request body of {size} bytes{' or more' if size else ''} is over the limit of "
+    async def _discard(self, receive, size: int, more: bool) -> bool:
+        """Read the rest of the body, up to discard_bytes in all; False if the client went away."""
+        while more and size <= self.discard_bytes:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return False
+            size += len(message.get("body", b""))
+            more = message.get("more_body", False)
+        return True
+
+    async def _too_large(self, send, size: int, more: bool = False) -> None:
+        message = (f"request body of {size} bytes{' or more' if more else ''} is over the limit of "
                    f"{self.max_bytes} bytes (pagevis serve --max-body)")
         payload = json.dumps(error_body(413, message, code="body_too_large")).encode()
         await send({"type": "http.response.start", "status": 413,

@@ -1,12 +1,16 @@
 """OpenAI-compatible /v1/models, /v1/completions and /v1/chat/completions, plain and streamed (SSE).
 
-Each completion is a DecodeSession of its own for the request's lifetime (it holds one of the server's
-session slots). Cache settings ride in an extra `pagevis` object, e.g. with the openai client:
+Each completion is a request in its layout's shared engine (n > 1: n parallel samples sharing the prompt's
+pages), batched with every other request in flight; its tokens come back through an output queue the engine
+thread fills. A client that goes away cancels its request (its pages are freed before the next step).
+Cache settings ride in an extra `pagevis` object, e.g. with the openai client:
 `client.completions.create(..., extra_body={"pagevis": {"page_size": 8, "max_pages": 4, "policy": "h2o"}})`.
+`usage.prompt_tokens_details.cached_tokens` says how much of the prompt the prefix cache held.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -17,16 +21,18 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
-from ..decoding import DecodeSession, RunControl, steps
-from ..engine import CacheFullError
+from ..decoding.session_config import encode_prompt
+from ..engine import ConfigError, make_policy
+from .core import Output
 from .errors import ApiError, error_body
-from .parallel import MAX_N, generate_n
 from .requests import MAX_PROMPT_CHARS, CacheSettings
-from .sessions import build_session, session_config
+from .sessions import check_tokens, session_config
 from .worker import in_worker
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 MAX_STOPS = 4
+MAX_N = 16
+DISCONNECT_POLL = 0.5  # seconds between checks that a non-streamed request's client is still there
 
 
 class StreamOptions(BaseModel):
@@ -44,7 +50,9 @@ class _GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N, description=f"samples of the prompt (1-{MAX_N}; more than 1: parallel "
-                                                  "sampling over one shared pool, not streamed)")
+                                                  "sampling sharing the prompt's pages, not streamed)")
+    ignore_eos: bool = Field(False, description="decode max_tokens whatever is sampled (benchmarks of a fixed "
+                                                "shape, as vLLM's)")
     pagevis: CacheSettings | None = Field(None, description="cache settings: page_size, max_pages, policy, ...")
     # Accepted only at their no-op values: silently ignoring them would change what the client asked for.
     logprobs: bool | int | None = None
@@ -102,41 +110,6 @@ class StopMatcher:
         return out
 
 
-class Completion:
-    """One generation: steps its session until end of sequence, max_tokens or a stop string."""
-
-    def __init__(self, session: DecodeSession, stops: list[str]) -> None:
-        self.session = session
-        self.decoder = session.model.tokenizer.incremental_decoder()
-        self.stop = StopMatcher(stops)
-        self.finish_reason: str | None = None
-
-    def advance(self, max_steps: int | None = None) -> tuple[str, str | None]:
-        """Step up to max_steps times (None: to the end); the new text and the finish reason, if finished."""
-        session, pieces = self.session, []
-        eos = session.model.config.eos_ids
-        control = RunControl(budget=max_steps, stop=self.finish_reason is not None)
-        try:
-            for record in steps(session, control):
-                if record.next_token >= 0 and record.next_token not in eos:
-                    text, hit = self.stop.push(self.decoder.feed(record.next_token))
-                    pieces.append(text)
-                    if hit:
-                        self.finish_reason = "stop"
-                        control.stop = True
-        except CacheFullError:  # the engine ended the request ("cache_full")
-            pass
-        if self.finish_reason is None and session.request.done:
-            tail, hit = self.stop.push(self.decoder.flush())
-            pieces.append(tail if hit else tail + self.stop.flush())
-            self.finish_reason = "stop" if hit or session.stop_reason == "eos" else "length"
-        return "".join(pieces), self.finish_reason
-
-    def usage(self) -> dict:
-        prompt, generated = len(self.session.prompt_ids), len(self.session.generated)
-        return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
-
-
 @router.get("/models")
 async def list_models(request: Request) -> dict:
     state = request.app.state
@@ -181,56 +154,40 @@ async def _generate(request: Request, body: _GenerationRequest, prompt: str, cha
         raise ApiError(422, f"stop: {len(stops)} stop strings; at most {MAX_STOPS}", param="stop")
     temperature = 1.0 if body.temperature is None else body.temperature
     sampled = temperature > 0
-    # record_layers "none": a completion's attention snapshots have no reader, so they are not kept.
     fields = dict(body.pagevis.model_dump() if body.pagevis else {}, max_tokens=max_tokens, chat=False,
-                  record_layers="none",
                   sample=sampled, temperature=temperature if sampled else None,
                   top_p=body.top_p if sampled else None,
                   seed=body.seed if body.seed is not None else secrets.randbelow(2**32))
     config = session_config(state.settings, fields)
     if body.n > 1 and body.stream:
         raise ApiError(422, f"n: {body.n} samples are not streamed; use stream=false or n=1", param="n")
-    state.store.take_slot()
-    try:
-        session = await in_worker(request, build_session, state.model, state.settings, prompt, config, prompt_ids)
-        observer = state.metrics.observe(session)
-    except BaseException:
-        state.store.give_slot()
-        raise
-    completion = Completion(session, stops)
-
-    released = False
-
-    def release() -> None:  # idempotent: the stream's end and the response's background task both call it
-        nonlocal released
-        if not released:
-            released = True
-            observer.close()
-            state.store.give_slot()
+    model = state.model
+    if model.tokenizer is None:
+        raise ApiError(400, "this model has no tokenizer, so it cannot take text prompts", param="prompt")
+    state.engines.core(config)  # a layout it cannot have is refused before the prompt is encoded
+    if prompt_ids is None:
+        prompt_ids = await in_worker(request, encode_prompt, model, prompt, False)
+    if not prompt_ids:
+        raise ConfigError("prompt", prompt, "text that encodes to at least one token")
+    check_tokens(state.settings, len(prompt_ids), config.max_new_tokens)
+    policy = make_policy(config.cache_config(model.config))
+    generation = Generation(state, state.engines.core(config), body.n)  # no await between: the pool stays
+    await generation.submit(prompt_ids, config, tuple(stops), body.ignore_eos, policy)
 
     kind = "chat.completion" if chat else "text_completion"
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
     created = int(time.time())
-    if body.n > 1:
+    if not body.stream:
         try:
-            samples, usage = await in_worker(request, generate_n, state.model, session, body.n, stops, state.metrics)
+            samples = await generation.collect(request, stops)
         finally:
-            release()
+            generation.close()
         choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
                     "logprobs": None} if chat else {"index": i, "text": text, "finish_reason": finish,
                                                     "logprobs": None}
                    for i, (text, finish) in enumerate(samples)]
         return {"id": ident, "object": kind, "created": created, "model": state.model_id, "choices": choices,
-                "usage": usage}
-    if not body.stream:
-        try:
-            text, finish = await in_worker(request, completion.advance, None)
-        finally:
-            release()
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                   "logprobs": None} if chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
-        return {"id": ident, "object": kind, "created": created, "model": state.model_id, "choices": [choice],
-                "usage": completion.usage()}
+                "usage": generation.usage(len(prompt_ids))}
 
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -250,23 +207,112 @@ async def _generate(request: Request, body: _GenerationRequest, prompt: str, cha
         try:
             if chat:
                 yield chunk(None, None, first=True)
-            finish = None
-            while finish is None:
-                text, finish = await in_worker(request, completion.advance, 1)
+            async for text, finish in generation.pieces(0, stops):
                 if text or finish:
                     yield chunk(text, finish)
             if include_usage:
                 yield _sse({"id": ident, "object": kind + ".chunk" if chat else kind, "created": created,
-                            "model": state.model_id, "choices": [], "usage": completion.usage()})
-        except Exception as error:  # noqa: BLE001 - the status is sent; the client learns of it in-band
-            yield _sse(error_body(500, f"decoding failed: {type(error).__name__}: {error}"))
+                            "model": state.model_id, "choices": [], "usage": generation.usage(len(prompt_ids))})
+        except ApiError as error:  # the status is sent; the client learns of it in-band
+            yield _sse(error_body(error.status, error.message, code=error.code))
         finally:
-            release()
+            generation.close()  # a client that left mid-stream: its request ends and its pages are freed now
         yield "data: [DONE]\n\n"
 
     # The background task covers a client that leaves before the stream starts (the generator never runs).
     return StreamingResponse(events(), media_type="text/event-stream", headers={"cache-control": "no-cache"},
-                             background=BackgroundTask(release))
+                             background=BackgroundTask(generation.close))
+
+
+class Generation:
+    """One completion's requests in an engine (n samples of the prompt): admission, their outputs, and the
+    end of them. `close()` (idempotent) gives back the admission and cancels whatever has not finished."""
+
+    def __init__(self, state, core, n: int) -> None:
+        self.state, self.core, self.n = state, core, n
+        self.model = state.model
+        self.outputs = [Output(asyncio.get_running_loop()) for _ in range(n)]
+        self.ids: list[int] = []
+        self.ends: list[tuple | None] = [None] * n
+        self.closed = False
+        state.engines.take()
+        core.holders += 1
+
+    async def submit(self, prompt_ids, config, stops: tuple[str, ...], ignore_eos: bool, policy) -> None:
+        try:
+            self.ids = await self.core.run(self.core.submit, prompt_ids, config.sampling, config.max_new_tokens,
+                                           stops, ignore_eos, policy, self.n, self.outputs)
+        except BaseException:
+            self.close()
+            raise
+
+    async def pieces(self, index: int, stops: list[str]):
+        """(text, finish_reason) as sample `index` decodes: text held back while it may be the start of a
+        stop string; the finish reason with the last piece."""
+        eos = self.model.config.eos_ids
+        decoder, matcher = self.model.tokenizer.incremental_decoder(), StopMatcher(stops)
+        hit = False
+        while True:
+            item = await self.outputs[index].get()
+            if item[0] == "token":
+                if item[1] not in eos and not hit:
+                    text, hit = matcher.push(decoder.feed(item[1]))
+                    yield text, None
+                continue
+            self.ends[index] = item
+            reason, error = item[1], item[2]
+            if reason == "error":
+                raise ApiError(500, f"decoding failed: {error}", code="internal_error")
+            tail = ""
+            if not hit:
+                tail, hit = matcher.push(decoder.flush())
+                tail = tail if hit else tail + matcher.flush()
+            yield tail, finish_reason(reason, hit)
+            return
+
+    async def collect(self, request: Request, stops: list[str]) -> list[tuple[str, str]]:
+        """Every sample's text and finish reason; a client that goes away cancels them."""
+        async def one(index: int) -> tuple[str, str]:
+            pieces, finish = [], None
+            async for text, finish in self.pieces(index, stops):
+                pieces.append(text)
+            return "".join(pieces), finish
+
+        work = asyncio.ensure_future(asyncio.gather(*(one(i) for i in range(self.n))))
+        try:
+            while True:
+                done, _ = await asyncio.wait({work}, timeout=DISCONNECT_POLL)
+                if done:
+                    return work.result()
+                if await request.is_disconnected():
+                    raise ApiError(499, "the client closed the connection", code="client_closed")
+        finally:
+            if not work.done():
+                work.cancel()
+
+    def usage(self, prompt_tokens: int) -> dict:
+        generated = sum(end[3] for end in self.ends if end is not None)
+        cached = self.ends[0][4] if self.ends[0] is not None else 0
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
+                "total_tokens": prompt_tokens + generated, "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.state.engines.give()
+        self.core.holders -= 1
+        unfinished = [seq for seq, end in zip(self.ids, self.ends) if end is None]
+        if unfinished:
+            self.core.call(self.core.cancel, unfinished)
+
+
+def finish_reason(stop_reason: str, hit: bool) -> str:
+    """OpenAI's finish_reason for the engine's stop reason: "stop" (end of sequence or a stop string),
+    "length" (max_tokens, or a cache that could take no more), "abort" (cancelled: the server shut down)."""
+    if hit or stop_reason in ("eos", "stop"):
+        return "stop"
+    return "abort" if stop_reason in ("abort", "cancelled") else "length"
 
 
 def _sse(payload: dict) -> str:

@@ -1,7 +1,12 @@
-"""/v1/sessions: decoding sessions driven step by step over HTTP, as the app drives them."""
+"""/v1/sessions: decoding sessions driven step by step over HTTP, as the app drives them.
+
+Each session is a request in its layout's shared engine that pauses between calls: a step call unpauses it
+for n of its steps (the engine's thread records each, masked to the session's own pages) and it pauses again,
+keeping its pages."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -13,8 +18,8 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from .. import settings as table
-from ..decoding import RunControl, steps
-from ..engine import CacheFullError, EventKind
+from ..engine import EventKind
+from .core import StepOrder
 from ..engine.quant import storage_summary
 from .errors import ApiError
 from .requests import SessionRequest
@@ -34,13 +39,18 @@ class StepRequest(BaseModel):
 async def create_session(body: SessionRequest, request: Request) -> dict:
     state = request.app.state
     config = session_config(state.settings, body.model_dump())
+    core = state.engines.core(config)
     state.store.take_slot()
+    core.holders += 1  # while the session is built: its pool stays
     try:
-        session = await in_worker(request, build_session, state.model, state.settings, body.prompt, config)
+        session = await in_worker(request, build_session, state.model, state.settings, body.prompt, config, None,
+                                  core.engine)
     except BaseException:
         state.store.give_slot()
         raise
-    served = state.store.add(session)
+    finally:
+        core.holders -= 1
+    served = state.store.add(session, core)
     return {"id": served.id, **describe(served, state)}
 
 
@@ -61,7 +71,10 @@ async def step_session(session_id: str, body: StepRequest, request: Request) -> 
         if served.session.done:
             raise ApiError(409, f"session {session_id} has finished ({served.session.stop_reason}); "
                                 "create a new one", code="session_finished")
-        answer = await in_worker(request, step_answer, served, body, state)
+        order = StepOrder(served.session, body.n, asyncio.get_running_loop().create_future())
+        await served.core.run(served.core.step_session, order)
+        records = await order.future
+        answer = await in_worker(request, step_answer, served, records, body, state)
         served.touch()
     return Response(answer, media_type="application/json")
 
@@ -91,31 +104,18 @@ async def delete_session(session_id: str, request: Request) -> dict:
 
 # --- work done in a worker thread ------------------------------------------------------------------
 
-def step_answer(served: ServedSession, body: StepRequest, state) -> bytes:
-    """Take the steps and encode the answer, both off the event loop (n SmolLM2 steps carry ~30 events
-    each)."""
-    records, text = run_steps(served, body.n)
+def step_answer(served: ServedSession, records, body: StepRequest, state) -> bytes:
+    """Encode the answer to the steps taken, off the event loop (n SmolLM2 steps carry ~30 events each)."""
+    session, pieces = served.session, []
+    for record in records:
+        if record.next_token >= 0 and record.next_token not in session.model.config.eos_ids:
+            pieces.append(served.decoder.feed(record.next_token))
+    text = "".join(pieces)
     answer = {"id": served.id, "steps": [step_json(r) for r in records],
               "tokens": [r.next_token for r in records if r.next_token >= 0], "new_text": text,
               "events": [event_json(e) for r in records for e in r.events if _wanted(e, body.events)],
               "metrics": steps_metrics(records), **describe(served, state)}
     return json.dumps(answer, ensure_ascii=False, allow_nan=False).encode()
-
-
-def run_steps(served: ServedSession, n: int):
-    """Up to n steps; a full cache under policy 'none' ends the session as `pagevis run` does."""
-    session, records, pieces = served.session, [], []
-    try:
-        for record in steps(session, RunControl(budget=n)):
-            records.append(record)
-            if record.next_token >= 0 and record.next_token not in session.model.config.eos_ids:
-                pieces.append(served.decoder.feed(record.next_token))
-    except CacheFullError:  # the engine ended the request ("cache_full")
-        pass
-    except Exception:
-        session.engine.cancel(session.seq_id, "error")  # the cache may be half-updated: no further steps
-        raise
-    return records, "".join(pieces)
 
 
 def trace_bytes(served: ServedSession, model_spec) -> bytes:

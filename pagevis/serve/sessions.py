@@ -1,6 +1,7 @@
 """Decoding sessions the server keeps: built from request settings exactly as the CLI builds them from
 flags (both through the settings table), bounded in number and size, expired when idle, stepped by one
-request at a time."""
+request at a time. Each lives in its layout's shared engine as a request that pauses between calls (see
+core.py); its records show only its own pages (session_pages.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from dataclasses import dataclass, field
 from .. import settings as table
 from ..decoding import DecodeSession, SessionConfig
 from ..engine import ConfigError
-from ..observe import Metrics, SessionObserver
 from .errors import ApiError
+from .session_pages import OwnPages
 from .settings import ServeSettings
 
 
@@ -42,14 +43,28 @@ def snapshot_bytes_per_step(session: DecodeSession) -> int:
         cfg.n_layers * 200
 
 
+def check_tokens(settings: ServeSettings, prompt_tokens: int, max_new_tokens: int) -> None:
+    """Prompt + generated tokens within --max-session-tokens; ConfigError naming the field."""
+    limit = settings.max_session_tokens
+    if prompt_tokens >= limit:
+        raise ConfigError("prompt", f"{prompt_tokens} tokens",
+                          f"at most {limit - 1} tokens (this server's --max-session-tokens {limit})")
+    if prompt_tokens + max_new_tokens > limit:
+        raise ConfigError("max_new_tokens", max_new_tokens,
+                          f"at most {limit - prompt_tokens} after this {prompt_tokens}-token prompt "
+                          f"(this server's --max-session-tokens {limit})")
+
+
 def build_session(model, settings: ServeSettings, prompt: str, config: SessionConfig,
-                  prompt_ids: list[int] | None = None) -> DecodeSession:
+                  prompt_ids: list[int] | None = None, engine=None) -> DecodeSession:
     """A DecodeSession within the server's bounds: prompt + generated tokens, and the memory it will take
-    (its KV caches, the oracle's included, and its step snapshots: at most one step per prompt token plus one
-    per generated token). Runs in a worker thread: encoding a long prompt takes a while."""
+    (its oracle's KV cache and its step snapshots: at most one step per prompt token plus one per generated
+    token). In `engine` (shared), not yet submitted: the engine's thread submits it on its first step. Runs in
+    a worker thread: encoding a long prompt takes a while."""
     if model.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer, so it cannot take text prompts", param="prompt")
-    session = DecodeSession(model, prompt, config, prompt_ids=prompt_ids)
+    pool = None if engine is None else OwnPages(config.cache_config(model.config), engine.cache.pool_pages)
+    session = DecodeSession(model, prompt, config, prompt_ids=prompt_ids, engine=engine, pool=pool)
     per_step = snapshot_bytes_per_step(session)
     steps = len(session.prompt_ids) + config.max_new_tokens
     caches = session.cache_config.total_bytes() + (session.oracle.cache.config.total_bytes() if session.oracle else 0)
@@ -60,14 +75,7 @@ def build_session(model, settings: ServeSettings, prompt: str, config: SessionCo
                           f"take {caches >> 20} MiB, each step keeps {per_step / 1024:.0f} KiB of snapshots, and "
                           f"this server allows {settings.max_session_mib} MiB per session (--max-session-mib); "
                           "record_layers \"none\" or a smaller cache keep less")
-    limit, prompt_tokens = settings.max_session_tokens, len(session.prompt_ids)
-    if prompt_tokens >= limit:
-        raise ConfigError("prompt", f"{prompt_tokens} tokens",
-                          f"at most {limit - 1} tokens (this server's --max-session-tokens {limit})")
-    if prompt_tokens + config.max_new_tokens > limit:
-        raise ConfigError("max_new_tokens", config.max_new_tokens,
-                          f"at most {limit - prompt_tokens} after this {prompt_tokens}-token prompt "
-                          f"(this server's --max-session-tokens {limit})")
+    check_tokens(settings, len(session.prompt_ids), config.max_new_tokens)
     return session
 
 
@@ -75,7 +83,7 @@ def build_session(model, settings: ServeSettings, prompt: str, config: SessionCo
 class ServedSession:
     id: str
     session: DecodeSession
-    observer: SessionObserver
+    core: object  # the EngineCore it lives in
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request at a time steps or reads it
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
@@ -89,28 +97,29 @@ class ServedSession:
 
 
 class SessionStore:
-    """Sessions by id, and the slots they and running completions hold (at most max_sessions).
-    Used from the event loop thread only, so its bookkeeping needs no lock."""
+    """Sessions by id, and the slots they hold (at most max_sessions). Used from the event loop thread only,
+    so its bookkeeping needs no lock."""
 
-    def __init__(self, settings: ServeSettings, metrics: Metrics) -> None:
-        self.settings, self.metrics = settings, metrics
+    def __init__(self, settings: ServeSettings) -> None:
+        self.settings = settings
         self.sessions: dict[str, ServedSession] = {}
         self.slots_used = 0
 
     def take_slot(self) -> None:
         if self.slots_used >= self.settings.max_sessions:
             raise ApiError(429, f"this server already runs {self.settings.max_sessions} sessions (its "
-                                f"--max-sessions); delete one (DELETE /v1/sessions/ID) or wait until one finishes "
-                                f"or idles out ({self.settings.idle_timeout:g} s)", code="too_many_sessions")
+                                f"--max-sessions); delete one (DELETE /v1/sessions/ID) or wait until one idles out "
+                                f"({self.settings.idle_timeout:g} s)", code="too_many_sessions")
         self.slots_used += 1
 
     def give_slot(self) -> None:
         self.slots_used -= 1
 
-    def add(self, session: DecodeSession) -> ServedSession:
+    def add(self, session: DecodeSession, core) -> ServedSession:
         """Keep a session built after take_slot(); it holds that slot until deleted."""
-        served = ServedSession(f"sess-{secrets.token_hex(8)}", session, self.metrics.observe(session))
+        served = ServedSession(f"sess-{secrets.token_hex(8)}", session, core)
         self.sessions[served.id] = served
+        core.holders += 1  # its pool stays while it lives
         return served
 
     def get(self, session_id: str) -> ServedSession:
@@ -122,7 +131,8 @@ class SessionStore:
 
     def remove(self, served: ServedSession) -> None:
         if self.sessions.pop(served.id, None) is not None:
-            served.observer.close()
+            served.core.call(served.core.close_session, served.session)  # its pages go back to the pool
+            served.core.holders -= 1
             self.give_slot()
 
     def expire(self, now: float | None = None) -> list[str]:

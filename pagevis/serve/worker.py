@@ -1,5 +1,6 @@
-"""Decoding and attention run in worker threads, a bounded number at a time (--workers), so the event
-loop keeps answering /healthz and /metrics while sessions decode."""
+"""Work that would hold up the event loop runs in worker threads, a bounded number at a time (--workers):
+/v1/attention, encoding a long prompt, building a session, encoding a session's step answer. Decoding itself
+runs on the engines' own threads (core.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ ANSWERED = (ApiError, ConfigError, RequestValidationError)  # errors with their 
 
 
 async def in_worker(request, function, *args):
-    """function(*args) in a worker thread. Not cancellable: a client that goes away mid-step leaves the
-    step to finish, so the session's lock is held until its state is whole again. An unexpected error
+    """function(*args) in a worker thread. Not cancellable: a client that goes away leaves the work to
+    finish, so a session's lock is held until its state is whole again. An unexpected error
     (a bug) becomes a JSON 500 here, logged with its traceback, and the connection stays usable."""
     try:
         return await to_thread.run_sync(functools.partial(function, *args), limiter=request.app.state.limiter)

@@ -26,6 +26,7 @@ from .. import __version__, settings
 from ..decoding import ModelSpec, OracleStep, SessionConfig, StepRecord, TierStep
 from ..decoding.table_log import TablesAt
 from ..engine import COUNT_NAMES, CacheEvent, ConfigError, EventKind
+from ..engine.event_array import EVENT_DTYPE, EventArray, Strings, to_rows
 from .archive import Archive, TraceError
 from .schema import (DELTA_ENCODED, FORMAT, KINDS, MAX_HEADER_BYTES, ORACLE_COLUMNS, VERSION, arrays_of_version,
                            check_header, check_values, expected_arrays)
@@ -109,11 +110,8 @@ def _encode(trace: Trace) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
         if record.slot_maps.shape != first.slot_maps.shape or tuple(record.attention_layers) != attention_layers:
             raise ValueError(f"step {record.step} has a different cache shape or attention layers than step 0")
     timing_keys = sorted({key for record in records for key in record.timings})
-    strings = _StringTable()
-    events = [event for record in records for event in record.events]
-    for event in events:  # the string table goes in the header, before the event columns are built
-        strings.index(event.policy)
-        strings.index(event.reason)
+    strings = Strings()  # the string table goes in the header, built with the events' rows
+    events = np.concatenate([to_rows(r.events, strings) for r in records]) if records else np.zeros(0, EVENT_DTYPE)
     grid = (len(records), n_layers, max_pages, page_size)
     sizes = {"T": len(records), "T1": len(records) + 1, "N": sum(len(r.token_ids) for r in records),
              "E": len(events), "L": n_layers, "P": max_pages, "S": page_size, "B": n_page_ids,
@@ -133,15 +131,15 @@ def _encode(trace: Trace) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
         "block_tables": lambda: xor_delta(_stack((_pad_tables(r.block_tables, n_layers, n_page_ids) for r in records),
                                                  (len(records), n_layers, n_page_ids), np.int32)),
         "event_offsets": lambda: _offsets([len(r.events) for r in records]),
-        "event_kind": lambda: np.array([EVENT_KINDS.index(EventKind(e.kind)) for e in events], dtype=np.int8),
-        "event_step": lambda: np.array([e.step for e in events], dtype=np.int64),
-        "event_layer": lambda: np.array([e.layer for e in events], dtype=np.int32),
-        "event_page": lambda: np.array([e.page for e in events], dtype=np.int32),
-        "event_slot": lambda: np.array([e.slot for e in events], dtype=np.int32),
-        "event_position": lambda: np.array([e.position for e in events], dtype=np.int64),
-        "event_policy": lambda: np.array([strings.index(e.policy) for e in events], dtype=np.int32),
-        "event_reason": lambda: np.array([strings.index(e.reason) for e in events], dtype=np.int32),
-        "event_score": lambda: np.array([e.score for e in events], dtype=np.float64),
+        "event_kind": lambda: events["kind"].astype(np.int8),
+        "event_step": lambda: events["step"].astype(np.int64),
+        "event_layer": lambda: events["layer"].astype(np.int32),
+        "event_page": lambda: events["page"].astype(np.int32),
+        "event_slot": lambda: events["slot"].astype(np.int32),
+        "event_position": lambda: events["position"].astype(np.int64),
+        "event_policy": lambda: events["policy"].astype(np.int32),
+        "event_reason": lambda: events["reason"].astype(np.int32),
+        "event_score": lambda: events["score"].astype(np.float64),
         "attention": lambda: _stack((np.stack(r.attention) if r.attention else () for r in records),
                                     (len(records), len(attention_layers), n_heads, n_page_ids * page_size),
                                     np.float16),
@@ -153,9 +151,12 @@ def _encode(trace: Trace) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
         "has_oracle": lambda: np.array([r.oracle is not None for r in records], dtype=bool),
         "oracle": lambda: np.array([_oracle_row(r.oracle) for r in records],
                                    dtype=np.float64).reshape(len(records), len(ORACLE_COLUMNS)),
-        "event_frame": lambda: np.array([e.frame for e in events], dtype=np.int32),
-        "event_seq": lambda: np.array([e.seq for e in events], dtype=np.int32),
-        "event_detail": lambda: np.array([e.detail for e in events], dtype=np.int64),
+        "event_frame": lambda: events["frame"].astype(np.int32),
+        "event_seq": lambda: events["seq"].astype(np.int32),
+        "event_detail": lambda: events["detail"].astype(np.int64),
+        "oracle_lost_by_head": lambda: _stack((r.oracle.lost_by_head if r.oracle is not None and
+                                               r.oracle.lost_by_head is not None else np.nan for r in records),
+                                              (len(records), len(attention_layers), n_heads), np.float32),
         "has_tiers": lambda: np.array(tiered, dtype=bool),
         "tier_counts": lambda: _stack((r.tiers.counts if r.tiers else 0 for r in records),
                                       (len(records), n_layers, len(COUNT_NAMES)), np.int64),
@@ -187,7 +188,7 @@ def _encode(trace: Trace) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
         "attention_layers": list(attention_layers),
         "kinds": list(KINDS),
         "event_kinds": [k.value for k in EVENT_KINDS],
-        "strings": strings.values,
+        "strings": strings.texts,
         "timing_keys": timing_keys,
         "oracle_columns": list(ORACLE_COLUMNS),
         "next_texts": [r.next_text for r in records],
@@ -198,18 +199,6 @@ def _encode(trace: Trace) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
         "meta": trace.meta,
     }
     return header, builders
-
-
-class _StringTable:
-    def __init__(self) -> None:
-        self.values: list[str] = []
-        self._ids: dict[str, int] = {}
-
-    def index(self, value: str) -> int:
-        if value not in self._ids:
-            self._ids[value] = len(self.values)
-            self.values.append(value)
-        return self._ids[value]
 
 
 def _write_npy(stream, array: np.ndarray) -> None:
@@ -324,8 +313,10 @@ def _decode(header: dict, a: dict[str, np.ndarray]) -> Trace:
         oracle = None
         if a["has_oracle"][i]:
             kl, agree, lp_bounded, lp_full, lost = a["oracle"][i].tolist()
+            by_head = a["oracle_lost_by_head"][i] if "oracle_lost_by_head" in a and layers else None
             oracle = OracleStep(kl=kl, top1_agree=bool(agree), logprob_bounded=lp_bounded, logprob_full=lp_full,
-                                lost_attention=lost)
+                                lost_attention=lost, lost_by_head=None if by_head is None or np.isnan(by_head).all()
+                                else tuple(map(tuple, by_head.tolist())))
         records.append(StepRecord(
             step=int(a["step"][i]), kind=kinds[int(a["kind"][i])],
             token_ids=tuple(a["token_ids"][t0:t1].tolist()), positions=tuple(a["positions"][t0:t1].tolist()),
@@ -377,7 +368,8 @@ def record_differences(a: StepRecord, b: StepRecord) -> list[str]:
 
 
 def _same(x, y) -> bool:
-    x, y = (tuple(v) if isinstance(v, TablesAt) else v for v in (x, y))  # a session's tables, as the trace's
+    # a session's tables and events (views of compact logs), compared as the tuples a trace reads back
+    x, y = (tuple(v) if isinstance(v, (TablesAt, EventArray)) else v for v in (x, y))
     if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
         x, y = np.asarray(x), np.asarray(y)
         return x.dtype == y.dtype and x.shape == y.shape and np.array_equal(

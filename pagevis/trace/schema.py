@@ -30,7 +30,8 @@ from .archive import TraceError
 FORMAT = "pagevis-trace"
 VERSION = 4  # 2: disk tier and page selection (event frames, per-page maps, tier counts, recall);
 # 3: the one engine (events name their sequence and a detail; sharing, prefix-cache and sequence events);
-# 4: quantized storage (int4 / int2: which slots are still in full precision)
+# 4: per-head policies (mask events) and the oracle's lost attention per recorded layer and head; quantized
+# storage (int4 / int2: which slots are still in full precision)
 KINDS = ("prefill", "decode")
 ORACLE_COLUMNS = ("kl", "top1_agree", "logprob_bounded", "logprob_full", "lost_attention")
 DELTA_ENCODED = ("slot_maps", "protected", "scores", "block_tables", "page_maps", "block_frames", "full_precision")
@@ -87,6 +88,7 @@ ARRAYS = {
     "recall": ArraySpec("<f4", ("T", "L"), since=2),
     "event_seq": ArraySpec("<i4", ("E",), since=3),
     "event_detail": ArraySpec("<i8", ("E",), since=3),
+    "oracle_lost_by_head": ArraySpec("<f4", ("T", "A", "H"), since=4),
     "has_full_precision": ArraySpec("|b1", ("T",), since=4),
     "full_precision": ArraySpec("|b1", ("T", "L", "P", "S"), since=4),
 }
@@ -109,8 +111,8 @@ CONFIG_TYPES = {**{s.name: JSON_TYPES[s.kind] + ("?" if s.nullable else "")
 
 # Event kinds a trace may list, by the format version that introduced them (absent: version 1).
 # version-1 files written after the disk tier list all six first kinds
-EVENT_KIND_SINCE: dict[str, int] = {kind: 3 for kind in ("share", "copy_on_write", "fork", "prefix_hit", "store",
-                                                         "uncache", "free", "preempt")}
+EVENT_KIND_SINCE: dict[str, int] = {**{kind: 3 for kind in ("share", "copy_on_write", "fork", "prefix_hit", "store",
+                                                            "uncache", "free", "preempt")}, "mask": 4}
 
 
 def event_kinds_of_version(version: int) -> list[str]:
@@ -254,6 +256,10 @@ def check_values(a: dict[str, np.ndarray], header: dict, sizes: dict[str, int], 
         if recall.size and (recall.min() < 0 or recall.max() > 1.01):
             raise TraceError(f"{where}: array 'recall' holds shares outside [0, 1]")
     within("evictions_total", a["evictions_total"], 0, 2**62)
+    if header["version"] >= 4:
+        lost = a["oracle_lost_by_head"][~np.isnan(a["oracle_lost_by_head"])]
+        if lost.size and (lost.min() < 0 or lost.max() > 1.01):
+            raise TraceError(f"{where}: array 'oracle_lost_by_head' holds shares outside [0, 1]")
     attention = a["attention"]
     for start in range(0, T, 64):  # in slices: a whole-array temporary would double the memory
         part = attention[start: start + 64]

@@ -5,8 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 from ..errors import ConfigError
+from .adakv import AdaKV
 from .base import EvictionPolicy
+from .duo import DuoAttention
+from .expected_attention import ExpectedAttention
 from .h2o import HeavyHitter
+from .keydiff import KeyDiff
 from .lfu import LeastFrequentlyUsedPage
 from .lru import LeastRecentlyUsedPage
 from .none import NoEviction
@@ -20,7 +24,8 @@ from .tova import Tova
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls for cls in (Oldest, OldestPage, Sinks, HeavyHitter, Tova, SnapKV, PyramidKV,
-                              LeastRecentlyUsedPage, LeastFrequentlyUsedPage, RandomEviction, NoEviction)
+                              LeastRecentlyUsedPage, LeastFrequentlyUsedPage, RandomEviction, NoEviction,
+                              KeyDiff, ExpectedAttention, AdaKV, DuoAttention)
 }
 
 
@@ -40,14 +45,29 @@ def make_policy(config) -> EvictionPolicy:
             allowed = ", ".join(known) if known else "no parameters"
             raise ConfigError(f"{config.policy}.{key}", config.policy_params[key],
                               f"a parameter of {config.policy!r}; it takes {allowed}")
+    if cls.per_head and (getattr(config, "disk_pages", 0) or getattr(config, "select", "all") == "quest"):
+        raise ConfigError("policy", config.policy, "a token-level policy with a disk tier or quest (a per-head "
+                          "policy's masks apply to attention over pages in RAM only)")
+    if cls.per_head and str(getattr(config, "dtype", "float32")).startswith("int"):
+        raise ConfigError("policy", config.policy, "a token-level policy with int8 / int4 / int2 storage (a per-head "
+                          "policy's attention reads float K/V; per-head masks over quantized pages are not built)")
     policy = cls(**config.policy_params)
     policy.bind(config.capacity, config.page_size)
     policy.bind_layers(getattr(config, "n_layers", 1))  # CacheSettings (no model yet) knows no layer count
+    bind_heads(policy, config)
     return policy
 
 
-def layer_capacities(settings, n_layers: int) -> list[int]:
-    """Tokens each layer may hold under these settings' policy (all the pool, except for pyramidkv)."""
+def bind_heads(policy: EvictionPolicy, config) -> None:
+    """Tell the policy the model's head layout (a one-head layout for settings checked without a model)."""
+    policy.bind_heads(getattr(config, "n_heads", 1), getattr(config, "n_kv_heads", 1),
+                      getattr(config, "head_dim", 64), getattr(config, "rope_base", 10000.0))
+
+
+def layer_capacities(settings, n_layers: int, n_heads: int = 1, n_kv_heads: int = 1) -> list[int]:
+    """Tokens each layer may hold under these settings' policy (all the pool, except for pyramidkv and duo with
+    a budget) for a model of this layout."""
     policy = make_policy(settings)
     policy.bind_layers(n_layers)
+    policy.bind_heads(n_heads, n_kv_heads, getattr(settings, "head_dim", 64), getattr(settings, "rope_base", 10000.0))
     return [policy.layer_capacity(layer) for layer in range(n_layers)]

@@ -7,12 +7,14 @@ from ...errors import ConfigError, check_int
 from ..policy_state import PolicyState
 from .base import EvictionPolicy
 
-class ObservationWindow(PolicyState):
-    """The head-mean attention of the last `window` queries on every slot (a ring of rows)."""
 
-    def __init__(self, n_slots, window):
+class ObservationWindow(PolicyState):
+    """The head-mean attention of the last `window` queries on every slot (a ring of rows); with n_kv_heads,
+    per KV head instead (the mean over each KV head's query heads: rows (window, n_kv_heads, n_slots))."""
+
+    def __init__(self, n_slots, window, n_kv_heads=None):
         super().__init__(n_slots)
-        self.rows = np.zeros((window, n_slots))
+        self.rows = np.zeros((window, n_slots) if n_kv_heads is None else (window, n_kv_heads, n_slots))
         self.next = 0
 
     def reset(self):
@@ -22,15 +24,22 @@ class ObservationWindow(PolicyState):
 
     def clear(self, flat):
         super().clear(flat)
-        self.rows[:, flat] = 0.0
+        self.rows[..., flat] = 0.0
 
     def observe(self, weights, slots):
-        for row in weights[-len(self.rows):].mean(axis=1):
+        last = weights[-len(self.rows):]
+        if self.rows.ndim == 2:
+            means = last.mean(axis=1)
+        else:  # (queries, n_kv, m): each KV head's group of query heads
+            n, n_heads, m = last.shape
+            means = last.reshape(n, self.rows.shape[1], n_heads // self.rows.shape[1], m).mean(axis=2)
+        for row in means:
             self.rows[self.next % len(self.rows)].fill(0.0)
-            self.rows[self.next % len(self.rows), slots] = row
+            self.rows[self.next % len(self.rows)][..., slots] = row
             self.next += 1
 
     def window_attention(self):
+        """Per slot (or per KV head and slot), the attention of the window's queries."""
         return self.rows.sum(axis=0)
 
 
@@ -56,17 +65,26 @@ class SnapKV(EvictionPolicy):
         if self.kernel % 2 == 0:
             raise ConfigError(f"{self.name}.kernel", self.kernel, "an odd number (pooling centred on each token)")
 
+    head_stats = False  # per KV head statistics (set by AdaKV before make_state)
+
     def make_state(self, n_slots):
-        return ObservationWindow(n_slots, self.window)
+        return ObservationWindow(n_slots, self.window, self.n_kv_heads if self.head_stats else None)
 
     def score(self, pages):
-        attention = pages.stats.window_attention()
+        return self._pooled(pages, pages.stats.window_attention()[None, :])[0]
+
+    def head_scores(self, pages):
+        """Per KV head: its query heads' window attention, max-pooled over the resident tokens."""
+        return self._pooled(pages, pages.stats.window_attention())
+
+    def _pooled(self, pages, attention):
+        """(rows, n_slots) attention max-pooled over `kernel` neighbouring resident tokens (position order)."""
         resident = np.flatnonzero(pages.positions >= 0)
         order = resident[np.argsort(pages.positions[resident])]
         half = self.kernel // 2
-        padded = np.pad(attention[order], half, constant_values=-np.inf)
-        scores = np.zeros(pages.positions.shape)
-        scores[order] = sliding_window_view(padded, self.kernel).max(axis=1)
+        padded = np.pad(attention[:, order], ((0, 0), (half, half)), constant_values=-np.inf)
+        scores = np.zeros(attention.shape)
+        scores[:, order] = sliding_window_view(padded, self.kernel, axis=1).max(axis=2)
         return scores
 
     def protected(self, pages):

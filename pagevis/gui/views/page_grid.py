@@ -491,7 +491,8 @@ class PageGridView(QWidget):
         """Tokens this layer may hold: the pool, or less under a policy with per-layer budgets (pyramidkv)."""
         if self._capacities[0] is not info:
             try:
-                self._capacities = (info, layer_capacities(info.config, info.n_layers))
+                self._capacities = (info, layer_capacities(info.config, info.n_layers, info.n_heads,
+                                                           info.n_kv_heads or 1))
             except (ConfigError, TypeError, AttributeError):  # a trace's settings this build cannot rebuild
                 self._capacities = (info, [])
         capacities = self._capacities[1]

@@ -1,0 +1,355 @@
+"""`pagevis bench serve`: the server under a chat workload, measured as its clients see it (vLLM's
+benchmark_serving, in small).
+
+The workload: chat requests whose system prompt is one of two shared ones (each over 150 tokens), asked by
+users who come back: a user's second request carries its first exchange (question, the answer it streamed)
+and a follow-up, so it shares even more with what the server has cached. Requests are sent at a fixed
+concurrency (each of C clients runs users one after another: first turn, then the returning turn) or, with
+`rates`, as Poisson arrivals at R requests/s (both: the concurrency levels, then the rates). Every request streams (stream_options.include_usage), decodes
+max_tokens tokens (ignore_eos, so every level has the same shape), greedy.
+
+Per level: request throughput, output tokens/s, time to first token (to the first chunk with text), time
+per output token (per request: (end - first token) / (tokens - 1)) and inter-token latency (every gap between
+text chunks), each as mean, p50 and p99; the prefix-cache hit rate (cached prompt tokens over prompt tokens,
+from usage.prompt_tokens_details.cached_tokens) and the share of the system prompt that hit; /healthz latency
+(probed every 50 ms while the level runs). The server is `pagevis serve` in its own process on a free loopback
+port, warmed with one request per system prompt (their first requests) before the levels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .serve import ServerProcess
+
+CONCURRENCIES = (1, 2, 4, 8, 16)
+SERVER_FLAGS = ("--page-size", "16", "--max-pages", "64", "--pool-pages", "512", "--max-running", "16",
+                "--max-waiting", "64")
+SYSTEM_PROMPTS = (
+    "You are the help desk of a small library that lends books, maps and recordings. Answer in two or three "
+    "short sentences, plainly, without lists. The library opens at nine in the morning and closes at six in "
+    "the evening, every day but Sunday. Members may borrow up to eight items at a time for three weeks, and "
+    "may renew an item twice unless someone else has reserved it. Late items cost ten cents a day, and no "
+    "more than the price of the item. Maps of the county and the old railway lines are kept in the reading "
+    "room and do not leave the building. Recordings can be heard in the listening booths on the first floor. "
+    "If a question is not about the library, say politely that you only know about the library and its "
+    "collections, and suggest asking at the front desk.",
+    "You are a patient tutor who explains how computers remember what they have just read. Keep every answer "
+    "short: at most three sentences, in everyday words, with one small example when it helps. A language "
+    "model reads text as tokens, and for every token it keeps a key and a value in each layer, so that the "
+    "next token can look back at all of them without computing them again. That memory is called the key "
+    "value cache. It grows with every token, so servers store it in fixed-size pages, share the pages of a "
+    "prompt that many requests have in common, and drop or move old entries when memory runs short. When a "
+    "student is confused, ask what they already know and build on it instead of repeating yourself.",
+)
+QUESTIONS = (
+    "When can I come in on a Saturday?", "How many books can I take home?", "What happens if I return a map late?",
+    "Can I renew a recording twice?", "Where do I listen to records?", "Do you have maps of the railway?",
+    "Why does the model keep keys and values?", "What is a page in this cache?", "How do requests share pages?",
+    "What happens when memory runs short?", "Is a token the same as a word?", "Why does the cache grow?",
+    "Could you explain that with an example?", "What is the reading room for?", "Do you lend films as well?",
+    "How much is the fine for a week?",
+)
+FOLLOW_UPS = ("Thanks. And on Sunday?", "Could you say that more simply?", "Why is that?", "And what about maps?",
+              "What would you suggest then?", "Can you give another example?")
+
+
+@dataclass
+class Outcome:
+    """One request as its client saw it (seconds from its start)."""
+
+    system: int
+    status: int = 0
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)  # between text chunks
+    e2e: float = 0.0
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    finish: str | None = None
+    text: str = ""
+    error: str = ""
+
+
+def chat(client, model: str, messages: list[dict], max_tokens: int, system: int) -> Outcome:
+    """Stream one chat request; what it took."""
+    outcome = Outcome(system)
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    last = None
+    try:
+        with client.stream("POST", "/v1/chat/completions", json=body) as answer:
+            outcome.status = answer.status_code
+            if answer.status_code != 200:
+                outcome.error = answer.read().decode(errors="replace")[:200]
+                return outcome
+            for line in answer.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                payload = json.loads(line[6:])
+                now = time.perf_counter() - started
+                if payload.get("usage"):
+                    usage = payload["usage"]
+                    outcome.output_tokens = usage["completion_tokens"]
+                    outcome.prompt_tokens = usage["prompt_tokens"]
+                    outcome.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                for choice in payload.get("choices", ()):
+                    text = choice.get("delta", {}).get("content")
+                    if text:
+                        outcome.text += text
+                        if last is None:
+                            outcome.ttft = now
+                        else:
+                            outcome.gaps.append(now - last)
+                        last = now
+                    outcome.finish = choice.get("finish_reason") or outcome.finish
+    except Exception as error:  # noqa: BLE001 - counted as a failed request
+        outcome.error = f"{type(error).__name__}: {error}"
+    outcome.e2e = time.perf_counter() - started
+    return outcome
+
+
+class Users:
+    """Users in a fixed order (seeded): each has a system prompt, a question and a follow-up."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+
+    def next(self) -> tuple[int, str, str]:
+        with self.lock:
+            return (self.rng.randrange(len(SYSTEM_PROMPTS)), self.rng.choice(QUESTIONS),
+                    self.rng.choice(FOLLOW_UPS))
+
+
+def first_turn(system: int, question: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM_PROMPTS[system]}, {"role": "user", "content": question}]
+
+
+def returning_turn(system: int, question: str, answer: str, follow_up: str) -> list[dict]:
+    return [*first_turn(system, question), {"role": "assistant", "content": answer},
+            {"role": "user", "content": follow_up}]
+
+
+def at_concurrency(url: str, model: str, concurrency: int, n_requests: int, max_tokens: int, seed: int) -> list:
+    """C clients, each running users (first turn, then the returning one) until n_requests are sent."""
+    import httpx
+
+    users, outcomes, left = Users(seed), [], [n_requests]
+    lock = threading.Lock()
+
+    def take() -> bool:
+        with lock:
+            left[0] -= 1
+            return left[0] >= 0
+
+    def client_loop() -> None:
+        with httpx.Client(base_url=url, timeout=600) as client:
+            while take():
+                system, question, follow_up = users.next()
+                first = chat(client, model, first_turn(system, question), max_tokens, system)
+                with lock:
+                    outcomes.append(first)
+                if first.status != 200 or not take():
+                    continue
+                again = chat(client, model, returning_turn(system, question, first.text, follow_up), max_tokens, system)
+                with lock:
+                    outcomes.append(again)
+
+    threads = [threading.Thread(target=client_loop) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outcomes
+
+
+def at_rate(url: str, model: str, rate: float, n_requests: int, max_tokens: int, seed: int) -> list:
+    """Poisson arrivals at `rate` requests/s: each a new user's first turn, or (half the time, when one is
+    waiting) a returning user's next turn."""
+    import httpx
+
+    users, rng = Users(seed), random.Random(seed + 1)
+    outcomes, returning, threads = [], [], []
+    lock = threading.Lock()
+
+    def send(messages, system, user) -> None:
+        with httpx.Client(base_url=url, timeout=600) as client:
+            outcome = chat(client, model, messages, max_tokens, system)
+        with lock:
+            outcomes.append(outcome)
+            if user is not None and outcome.status == 200:
+                returning.append((*user, outcome.text))
+
+    for _ in range(n_requests):
+        with lock:
+            back = returning.pop(0) if returning and rng.random() < 0.5 else None
+        if back is not None:
+            system, question, follow_up, answer = back
+            args = (returning_turn(system, question, answer, follow_up), system, None)
+        else:
+            system, question, follow_up = users.next()
+            args = (first_turn(system, question), system, (system, question, follow_up))
+        threads.append(threading.Thread(target=send, args=args))
+        threads[-1].start()
+        time.sleep(rng.expovariate(rate))
+    for thread in threads:
+        thread.join()
+    return outcomes
+
+
+def probe_health(url: str, stop: threading.Event, latencies: list[float]) -> None:
+    import httpx
+
+    with httpx.Client(base_url=url, timeout=30) as client:
+        while not stop.is_set():
+            started = time.perf_counter()
+            client.get("/healthz")
+            latencies.append(time.perf_counter() - started)
+            stop.wait(0.05)
+
+
+def stats(values: list[float], scale: float = 1e3) -> dict:
+    """mean, p50, p99 (in ms by default); None when there is nothing to measure."""
+    if not values:
+        return {"mean": None, "p50": None, "p99": None}
+    array = np.asarray(values) * scale
+    return {"mean": float(array.mean()), "p50": float(np.percentile(array, 50)), "p99": float(np.percentile(array, 99))}
+
+
+def summarize(outcomes: list[Outcome], seconds: float, shared: list[int]) -> dict:
+    ok = [o for o in outcomes if o.status == 200 and not o.error and o.finish]
+    tokens = sum(o.output_tokens for o in ok)
+    prompt = sum(o.prompt_tokens for o in ok)
+    tpot = [(o.e2e - o.ttft) / (o.output_tokens - 1) for o in ok if o.ttft is not None and o.output_tokens > 1]
+    system_hits = [min(o.cached_tokens, shared[o.system]) / shared[o.system] for o in ok]
+    return {"requests": len(outcomes), "completed": len(ok), "failed": len(outcomes) - len(ok),
+            "seconds": seconds, "request_throughput": len(ok) / seconds, "output_throughput": tokens / seconds,
+            "output_tokens": tokens, "ttft_ms": stats([o.ttft for o in ok if o.ttft is not None]),
+            "tpot_ms": stats(tpot), "itl_ms": stats([g for o in ok for g in o.gaps]),
+            "prefix_hit_rate": sum(o.cached_tokens for o in ok) / prompt if prompt else None,
+            "system_prompt_hit": float(np.mean(system_hits)) if system_hits else None,
+            "system_prompt_hit_min": float(np.min(system_hits)) if system_hits else None,
+            "errors": sorted({o.error for o in outcomes if o.error})[:3]}
+
+
+def shared_tokens(tokenizer) -> list[int]:
+    """Per system prompt, the tokens every request with it shares (the longest common prefix of two of them)."""
+    out = []
+    for system in range(len(SYSTEM_PROMPTS)):
+        a, b = (tokenizer.encode_chat(first_turn(system, q)) for q in ("Why?", "How?"))
+        out.append(next(i for i, (x, y) in enumerate(zip(a, b)) if x != y))
+    return out
+
+
+def run(model: str = "smollm2", concurrencies=CONCURRENCIES, rates=None, num_prompts: int | None = None,
+        max_tokens: int = 32, seed: int = 0, flags: tuple[str, ...] = SERVER_FLAGS, progress=None) -> dict:
+    """Every level against one server process; the result (levels, system prompt sizes, load averages)."""
+    import httpx
+
+    from ..decoding import ModelSpec
+    from ..serve.app import model_id
+
+    spec = ModelSpec(kind=model)
+    tokenizer = spec.load().tokenizer
+    shared = shared_tokens(tokenizer)
+    name = model_id(spec)
+    result = {"model": spec.label, "max_tokens": max_tokens, "server_flags": list(flags), "cpu_count": os.cpu_count(),
+              "system_prompt_tokens": shared, "levels": []}
+    with ServerProcess(model, flags=flags) as server:
+        with httpx.Client(base_url=server.url, timeout=600) as client:
+            for system in range(len(SYSTEM_PROMPTS)):  # the first request of each system prompt: a miss
+                warm = chat(client, name, first_turn(system, "Hello?"), 2, system)
+                if warm.status != 200:
+                    raise RuntimeError(f"the server refused the warm-up request: {warm.status} {warm.error}")
+        levels = [("concurrency", c) for c in concurrencies or ()] + [("rate", r) for r in rates or ()]
+        for kind, value in levels:
+            n = num_prompts or max(4, 2 * int(value if kind == "concurrency" else 8))
+            latencies: list[float] = []
+            stop = threading.Event()
+            prober = threading.Thread(target=probe_health, args=(server.url, stop, latencies))
+            load = os.getloadavg()[0]
+            prober.start()
+            started = time.perf_counter()
+            if kind == "concurrency":
+                outcomes = at_concurrency(server.url, name, int(value), n, max_tokens, seed)
+            else:
+                outcomes = at_rate(server.url, name, float(value), n, max_tokens, seed)
+            seconds = time.perf_counter() - started
+            stop.set()
+            prober.join()
+            level = {kind: value, "load_average": load, **summarize(outcomes, seconds, shared),
+                     "healthz_ms": stats(latencies)}
+            result["levels"].append(level)
+            if progress is not None:
+                progress(format_level(level))
+    one = next((level for level in result["levels"] if level.get("concurrency") == 1), None)
+    eight = next((level for level in result["levels"] if level.get("concurrency") == 8), None)
+    if eight is not None and one is not None:
+        result["c8_over_c1"] = eight["output_throughput"] / one["output_throughput"]
+    return result
+
+
+HEADER = ("level", "req", "ok", "req/s", "out tok/s", "TTFT mean/p50/p99 ms", "TPOT mean/p50/p99 ms",
+          "ITL mean/p50/p99 ms", "hit %", "sys hit %", "healthz p99", "load")
+
+
+def _triple(values: dict) -> str:
+    return "/".join("-" if values[k] is None else f"{values[k]:.0f}" for k in ("mean", "p50", "p99"))
+
+
+def format_level(level: dict) -> str:
+    name = f"c={level['concurrency']}" if "concurrency" in level else f"{level['rate']:g}/s"
+    hit = "-" if level["prefix_hit_rate"] is None else f"{100 * level['prefix_hit_rate']:.1f}"
+    system = "-" if level["system_prompt_hit"] is None else f"{100 * level['system_prompt_hit']:.1f}"
+    health = level["healthz_ms"]["p99"]
+    cells = (name, str(level["requests"]), str(level["completed"]), f"{level['request_throughput']:.2f}",
+             f"{level['output_throughput']:.1f}", _triple(level["ttft_ms"]), _triple(level["tpot_ms"]),
+             _triple(level["itl_ms"]), hit, system, "-" if health is None else f"{health:.0f} ms",
+             f"{level['load_average']:.1f}")
+    return "  ".join(c.rjust(len(h)) for c, h in zip(cells, HEADER))
+
+
+def format_table(result: dict) -> str:
+    lines = [f"pagevis bench serve: {result['model']}, {result['max_tokens']} output tokens per request (ignore_eos), "
+             f"greedy, streamed chat; system prompts of {' and '.join(map(str, result['system_prompt_tokens']))} "
+             f"shared tokens; server flags {' '.join(result['server_flags'])}; {result['cpu_count']} cores",
+             "  ".join(HEADER)]
+    lines += [format_level(level) for level in result["levels"]]
+    if "c8_over_c1" in result:
+        lines.append(f"output tokens/s at 8 clients = {result['c8_over_c1']:.2f}x one client (target >= 4)")
+    hits = [level["system_prompt_hit_min"] for level in result["levels"] if level["system_prompt_hit_min"] is not None]
+    if hits:
+        lines.append(f"system prompt tokens from the prefix cache after its first request: at least {100 * min(hits):.1f}% "
+                     "in every request (target >= 90%)")
+    sixteen = next((level for level in result["levels"] if level.get("concurrency") == 16), None)
+    if sixteen is not None and sixteen["healthz_ms"]["p99"] is not None:
+        lines.append(f"/healthz p99 while 16 clients stream: {sixteen['healthz_ms']['p99']:.0f} ms (target <= 100)")
+    return "\n".join(lines)
+
+
+def plot(result: dict, folder: str, line_plot) -> list[str]:
+    """bench-serve.png: output tokens/s, and TTFT and ITL p50, against the level (the concurrency levels, or
+    else the rates)."""
+    key = "concurrency" if "concurrency" in result["levels"][0] else "rate"
+    levels = [level for level in result["levels"] if key in level]
+    xs = [level[key] for level in levels]
+    throughput = {"output tokens/s": (xs, [level["output_throughput"] for level in levels])}
+    latency = {f"{name} p50": (xs, [level[f"{name.lower()}_ms"]["p50"] for level in levels])
+               for name in ("TTFT", "ITL", "TPOT")}
+    label = "concurrent clients" if key == "concurrency" else "requests/s (Poisson)"
+    paths = [line_plot(os.path.join(folder, "bench-serve.png"), throughput,
+                       f"pagevis serve, {result['model']}: output tokens/s", label, "tokens/s", log_x=True,
+                       x_ticks=xs),
+             line_plot(os.path.join(folder, "bench-serve-latency.png"), latency,
+                       f"pagevis serve, {result['model']}: latency p50", label, "ms", log_x=True, log_y=True,
+                       x_ticks=xs)]
+    return paths

@@ -1,0 +1,325 @@
+"""The server's engine core: one Engine, stepped by one thread through the one run loop (vLLM's EngineCore).
+
+Every request the server decodes — a completion, each of a chat's n samples, a /v1/sessions session — is a
+request in this engine: they join and leave between steps, and every step is one batched forward over all
+of them. Other threads never touch the engine: they queue commands (`call`), which the engine thread runs
+between steps, and read what it pushes:
+
+- a completion's tokens go to its `Output`, an asyncio queue the event loop reads (the engine thread puts
+  into it with call_soon_threadsafe); its end comes last, with the engine's stop reason;
+- a session is a request that pauses between HTTP calls: `step_session(session, n)` unpauses it, the core
+  builds its record after each step that fed it (`DecodeSession.take_step`, masked to its own pages) and
+  pauses it again after n of them, keeping its pages (they count as held, not running);
+- `cancel` ends a request at once (its client went away): its pages go back to the pool before the next step.
+
+When nothing can run (paused sessions hold the pool and the waiting requests do not fit) the thread sleeps
+until a command comes rather than spinning. An unexpected error in a step ends the requests that were
+running with stop reason "error" (their K/V may be half written); the engine goes on with the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..decoding import RunControl, steps
+from ..engine import CacheFullError
+from ..engine.swap import SwapSpaceError
+from .errors import ApiError
+
+log = logging.getLogger("pagevis.serve")
+IDLE_WAIT = 0.05  # seconds the thread waits for a command after a step that could run nothing
+
+
+class Output:
+    """One request's output, read on the event loop: ("token", id) items, then ("end", stop reason, error)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def push(self, item: tuple) -> None:  # any thread
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop has closed: nobody reads this any more
+            pass
+
+    async def get(self) -> tuple:
+        return await self.queue.get()
+
+
+@dataclass
+class StepOrder:
+    """A session's pending HTTP step call: n more of its steps, the records taken so far, and the future the
+    handler awaits (resolved on the event loop)."""
+
+    session: object
+    left: int
+    future: asyncio.Future
+    records: list = field(default_factory=list)
+
+    def resolve(self, error: BaseException | None = None) -> None:
+        def done() -> None:
+            if not self.future.done():
+                if error is None:
+                    self.future.set_result(self.records)
+                else:
+                    self.future.set_exception(error)
+        try:
+            self.future.get_loop().call_soon_threadsafe(done)
+        except RuntimeError:
+            pass
+
+
+class EngineCore:
+    def __init__(self, engine, name: str, observer=None) -> None:
+        self.engine = engine
+        self.name = name
+        self.observer = observer
+        self.outputs: dict[int, Output] = {}
+        self.orders: dict[int, StepOrder] = {}
+        self.control = RunControl()
+        self.last_step = time.monotonic()
+        self.holders = 0  # completions in flight and sessions that live here (counted on the event loop)
+        self._inbox: deque = deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        engine.add_hook(self._after_step)
+        self.thread = threading.Thread(target=self._run, name=f"pagevis-engine-{name}", daemon=True)
+        self.thread.start()
+
+    # --- any thread ------------------------------------------------------------------------------
+    def call(self, function, *args) -> concurrent.futures.Future:
+        """Run function(*args) on the engine thread between steps; its result (or error) in the future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._wake:
+            if self._stopping:
+                future.set_exception(RuntimeError("the engine has stopped"))
+                return future
+            self._inbox.append((function, args, future))
+            self._wake.notify()
+        return future
+
+    async def run(self, function, *args):
+        return await asyncio.wrap_future(self.call(function, *args))
+
+    @property
+    def busy(self) -> bool:
+        """Whether anything is or will be decoded here: a completion in flight, a session, a request."""
+        return bool(self.holders or self.outputs or self.orders or self.engine.requests)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop after the current step: every request still in the engine ends ("abort"); the thread exits."""
+        with self._wake:
+            self._stopping = True
+            self.control.stop = True
+            self._wake.notify()
+        self.thread.join(timeout)
+
+    # --- commands (engine thread) ----------------------------------------------------------------
+    def submit(self, prompt_ids, sampling, max_new_tokens: int, stop: tuple[str, ...], ignore_eos: bool, policy,
+               n: int, outputs: list[Output]) -> list[int]:
+        """A completion (n = 1) or n parallel samples of one prompt; each sample's tokens to its output."""
+        engine = self.engine
+        if n == 1:
+            ids = [engine.submit(prompt_ids, sampling, max_new_tokens, stop, ignore_eos, policy)]
+        else:
+            ids = engine.submit_parallel(prompt_ids, n, sampling, max_new_tokens, stop, ignore_eos, policy)
+        for seq_id, output in zip(ids, outputs, strict=True):
+            self.outputs[seq_id] = output
+            self._observe("arrived", seq_id)
+        return ids
+
+    def cancel(self, seq_ids, reason: str = "cancelled") -> None:
+        """End these requests now and free their pages (a client left; the server is shutting down)."""
+        for seq_id in seq_ids:
+            self._end(seq_id, reason)
+        self._settle()
+
+    def step_session(self, order: StepOrder) -> None:
+        """Take n more steps of a session (submitting it on its first call), then pause it again."""
+        session = order.session
+        if session.request is None:
+            session.submit()
+            session.pool.attach(session.seq_id, self.engine.cache)
+            self._observe("arrived", session.seq_id)
+        elif session.request.done:  # a full cache under policy 'none': no step can be taken
+            order.resolve()
+            return
+        else:
+            session.request.paused = False
+            self._observe("resumed", session.seq_id)
+        self.orders[session.seq_id] = order
+
+    def close_session(self, session) -> None:
+        """The session is deleted or expired: end its request, free its pages, forget it."""
+        if session.request is None:
+            return
+        seq_id = session.seq_id
+        self.orders.pop(seq_id, None)
+        if seq_id in self.engine.requests:
+            if not session.request.done:
+                self._observe("finished", seq_id)
+                self.engine.cancel(seq_id)
+            self.engine.forget(seq_id)
+
+    # --- the thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                self._wait(None)
+                self._apply()
+                if self._stopping:
+                    break
+                self._step_while_busy()
+        except BaseException:  # a bug in the core itself: say so, and leave no request waiting forever
+            log.exception("engine core %s failed", self.name)
+        finally:
+            self._abort_everything()
+
+    def _step_while_busy(self) -> None:
+        try:
+            for record in steps(self.engine, self.control):
+                self.last_step = time.monotonic()
+                self._settle()
+                self._apply()
+                if not record.seqs and not record.ended:  # nothing fits until a session lets go of its pages
+                    self._wait(IDLE_WAIT)
+                    self._apply()
+        except CacheFullError as error:  # one request cannot go on even alone: it ends here
+            self._refuse(error)
+        except SwapSpaceError:  # the engine ended the step's requests ("swap_full")
+            pass
+        except Exception as error:  # a bug: the running requests' K/V may be half written
+            log.exception("engine step failed")
+            self._fail(error)
+        self._settle()
+
+    def _wait(self, timeout: float | None) -> None:
+        with self._wake:
+            if timeout is None:
+                while not self._inbox and not self._stopping and self.engine.done:
+                    self._wake.wait()
+            elif not self._inbox and not self._stopping:
+                self._wake.wait(timeout)
+
+    def _apply(self) -> None:
+        while True:
+            with self._wake:
+                if not self._inbox:
+                    break
+                function, args, future = self._inbox.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(function(*args))
+            except BaseException as error:  # noqa: BLE001 - handed to the caller
+                future.set_exception(error)
+        self._observe("queues")
+
+    # --- after every step (engine thread, inside Engine.step) -----------------------------------
+    def _after_step(self, record) -> None:
+        cache = self.engine.cache
+        counts = cache.take_counts() if cache.config.tiered else None
+        for seq in record.seqs:
+            if seq.next_token >= 0:
+                output = self.outputs.get(seq.seq_id)
+                if output is not None:
+                    output.push(("token", seq.next_token))
+        answered = []  # step calls answered once the metrics have seen this step
+        for seq_id, order in list(self.orders.items()):
+            if seq_id not in self.engine.last_plan:
+                continue
+            try:
+                order.records.append(order.session.take_step(record, counts=counts))
+            except Exception as error:  # noqa: BLE001 - the session's record failed (a bug): it ends here
+                log.exception("session record failed")
+                del self.orders[seq_id]
+                order.session.request.error = f"{type(error).__name__}: {error}"
+                self.engine.cancel(seq_id, "error")
+                self._observe("finished", seq_id)
+                order.resolve(_internal(order.session.request.error))
+                continue
+            order.left -= 1
+            if order.left <= 0 and not order.session.request.done:
+                order.session.request.paused = True
+                self._observe("paused", seq_id)
+                del self.orders[seq_id]
+                answered.append(order)
+        if self.observer is not None:
+            self.observer.step(record, self.engine, counts)
+        for order in answered:
+            order.resolve()
+
+    def _settle(self) -> None:
+        """Hand every request that ended to its reader: a completion's end to its output (and the engine
+        forgets it); a session's step call resolves, and its held pages go back to the pool."""
+        requests = self.engine.requests
+        for seq_id in [s for s, _ in self.outputs.items() if requests[s].done]:
+            request = requests[seq_id]
+            self.engine.forget(seq_id)
+            self._observe("finished", seq_id)
+            self.outputs.pop(seq_id).push(("end", request.stop_reason, request.error, len(request.generated),
+                                           request.prefix_hit_tokens))
+        for seq_id in [s for s, order in self.orders.items() if order.session.request.done]:
+            order = self.orders.pop(seq_id)
+            self.engine.release(seq_id)
+            self._observe("finished", seq_id)
+            if order.session.request.stop_reason == "error":
+                order.resolve(_internal(order.session.request.error))
+            else:
+                order.resolve()
+        self.engine.finished.clear()  # the engine's list of every request that ended: nothing here reads it
+
+    def _refuse(self, error: CacheFullError) -> None:
+        active = [r for r in self.engine.scheduler.running if not r.paused]
+        victims = active if len(active) == 1 else list(self.engine.scheduler.waiting)[:1]
+        for request in victims:
+            request.error = str(error)
+            self._end(request.seq_id, "cache_full")
+
+    def _fail(self, error: Exception) -> None:
+        for request in [r for r in self.engine.scheduler.running if not r.paused]:
+            request.error = f"{type(error).__name__}: {error}"
+            try:
+                self._end(request.seq_id, "error")
+            except Exception:  # noqa: BLE001 - its pages are beyond repair; the request is ended anyway
+                log.exception("could not free request %d", request.seq_id)
+                request.stop_reason = "error"
+
+    def _end(self, seq_id: int, reason: str) -> None:
+        """End a request now, and the parallel samples still waiting for its prompt (they would wait forever)."""
+        request = self.engine.requests.get(seq_id)
+        if request is None or request.done:
+            return
+        children, request.children = list(request.children), []
+        self.engine.cancel(seq_id, reason)
+        for child in children:
+            self._end(child, reason)
+
+    def _abort_everything(self) -> None:
+        with self._wake:
+            self._stopping = True
+            pending = list(self._inbox)
+            self._inbox.clear()
+        for _, _, future in pending:
+            future.set_exception(RuntimeError("the engine has stopped"))
+        try:
+            live = [s for s, r in self.engine.requests.items() if not r.done]
+            self.cancel(live, "abort")
+            self._settle()
+        finally:
+            self.engine.close()
+
+    def _observe(self, what: str, *args) -> None:
+        if self.observer is not None:
+            getattr(self.observer, what)(self.engine, *args)
+
+
+def _internal(error: str) -> ApiError:
+    return ApiError(500, f"internal error: {error}", code="internal_error")

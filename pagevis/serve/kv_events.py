@@ -1,0 +1,92 @@
+"""`pagevis serve --kv-events-endpoint`: the engines' prefix caches published as vLLM's KV events (the wire
+format of issue 20, encoded by pagevis.attach), so whatever consumes vLLM's events — `pagevis attach`, a
+KV-aware router — consumes pagevis too.
+
+An engine hook turns each step's cache events into one batch: a `store` (a full page registered under its
+prefix hash) becomes part of a BlockStored, one per run of consecutive newly full blocks of a request, with
+vLLM's parent semantics (the hash of the block before the run, None for a first block) and the run's tokens;
+an `uncache` (a cached free page reclaimed for new tokens, or rewritten by eviction) becomes a BlockRemoved.
+Pages are per layer here and the same in every layer's prefix cache, so layer 0's events speak for all.
+Medium: "CPU" (RAM pages), "STORAGE" with the server's disk tier (page ids are disk frames). A pool that is
+closed reports its cached blocks removed (other pools' blocks stay: not AllBlocksCleared).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from ..attach.events import BlockRemoved, BlockStored
+from ..attach.publisher import KVEventPublisher
+from ..engine import EventKind
+from ..engine.prefix_cache import prefix_hashes
+
+
+class KVEvents:
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "") -> None:
+        self.publisher = KVEventPublisher(endpoint, replay_endpoint, topic)
+        self._lock = threading.Lock()  # one engine thread per pool publishes
+
+    def watch(self, engine) -> None:
+        engine.add_hook(lambda record: self.step(engine, record))
+
+    def step(self, engine, record) -> None:
+        events = batch_events(engine, record.events)
+        if events:
+            self.publish(events)
+
+    def closing(self, engine) -> None:
+        """The pool goes away: its cached blocks are gone."""
+        cached = list(engine.cache.stores[0].pages.hash_frame)
+        if cached:
+            self.publish([BlockRemoved(block_hashes=cached, medium=medium(engine))])
+
+    def publish(self, events: list) -> None:
+        with self._lock:
+            self.publisher.publish(events)
+
+    def close(self) -> None:
+        self.publisher.close()
+
+
+def medium(engine) -> str:
+    return "STORAGE" if engine.cache.config.tiered else "CPU"
+
+
+def batch_events(engine, cache_events) -> list:
+    """The KV events of one step's cache events, in their order."""
+    out: list = []
+    ps, where = engine.cache.page_size, medium(engine)
+    run: list = []  # (seq, block index, hash, chain) of consecutive stored blocks of one request
+    chains: dict[int, list[int]] = {}
+
+    def flush() -> None:
+        if run:
+            seq, first, _, chain = run[0]
+            tokens = engine.requests[seq].tokens
+            out.append(BlockStored(block_hashes=[h for _, _, h, _ in run],
+                                   parent_block_hash=chain[first - 1] if first else None,
+                                   token_ids=[int(t) for t in tokens[first * ps: (first + len(run)) * ps]],
+                                   block_size=ps, medium=where))
+            run.clear()
+
+    for event in cache_events:
+        if event.layer != 0:
+            continue
+        if event.kind is EventKind.STORE:
+            request = engine.requests.get(event.seq)
+            if request is None:
+                continue
+            chain = chains.get(event.seq)
+            if chain is None:
+                chain = chains[event.seq] = prefix_hashes(request.tokens, ps)
+            if event.detail not in chain:
+                continue
+            index = chain.index(event.detail)
+            if run and (run[0][0] != event.seq or run[-1][1] + 1 != index):
+                flush()
+            run.append((event.seq, index, event.detail, chain))
+        elif event.kind is EventKind.UNCACHE:
+            flush()
+            out.append(BlockRemoved(block_hashes=[event.detail], medium=where))
+    flush()
+    return out
