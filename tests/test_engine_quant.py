@@ -391,21 +391,23 @@ def test_quantizing_a_shared_page_copies_it_first():
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_every_policy_decodes_with_int4(policy):
     from pagevis.decoding import DecodeSession, SessionConfig
-    from pagevis.errors import ConfigError
     from pagevis.model.synthetic import SyntheticModel
 
     model = SyntheticModel(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=3)
-    if POLICIES[policy].per_head:  # per-head masks over quantized pages are not built: refused, by name
-        with pytest.raises(ConfigError, match="int8 / int4 / int2"):
-            SessionConfig(page_size=4, dtype="int4", policy=policy, max_pages=10, chat=False).cache_config(model.config)
-        return
     if policy == "none":
         settings = dict(max_pages=30)
-    else:
-        settings = dict(max_pages=10)
+    else:  # adakv holds about half its slots' tokens per head, duo all until the pool fills: room for groups
+        settings = dict(max_pages={"adakv": 24, "duo": 14}.get(policy, 10))
+    policy_object = None
+    if policy == "duo":  # its shipped calibration is SmolLM2's: the session gets one for this model's 2 x 2 heads
+        policy, policy_object = "sinks", POLICIES["duo"](recent=8).calibrated(np.array([[0.0, 1.0], [1.0, 0.0]]))
+        policy_object.bind(settings["max_pages"] * 4, 4)
+        policy_object.bind_layers(2)
+        policy_object.bind_heads(4, 2, 16, 10000.0)
     config = SessionConfig(page_size=4, dtype="int4", residual=4, policy=policy, max_new_tokens=60, chat=False,
                            oracle=True, **settings)
-    session = DecodeSession(model, "", config, prompt_ids=list(b"Quantized pages, every policy."))
+    session = DecodeSession(model, "", config, prompt_ids=list(b"Quantized pages, every policy."),
+                            policy=policy_object)
     records = list(session.run())
     assert len(session.generated) == 60
     assert all(np.isfinite(r.oracle.kl) for r in records)
@@ -576,3 +578,45 @@ def test_the_window_reaches_exactly_the_size_the_bytes_count(residual):
     assert max(seen) == store.layout.window() == max(residual, 1) + GROUP - 1
     assert min(seen[200:]) == max(residual, 1)  # in the steady state: from the window's floor to its top
     assert store.residual.peak == store.layout.window() and len(store.residual.used) == store.layout.window()
+
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+@pytest.mark.parametrize("n_seqs", [1, 2])
+def test_per_head_masks_over_quantized_pages_equal_dense_float64_per_head(dtype, n_seqs):
+    """AdaKV drops (KV head, token) entries: over quantized pages, read a block at a time, each KV head's
+    queries attend exactly the dequantized tokens that head keeps (dense float64 per head, from the
+    brute-force reference)."""
+    from pagevis.engine.policies import make_policy
+
+    config = CacheConfig(page_size=4, max_pages=30, dtype=dtype, residual=3, n_layers=1, n_heads=4, n_kv_heads=2,
+                         head_dim=16, policy="adakv", policy_params={"budget": 50})
+    cache = KVCacheManager(config)
+    for other in range(1, n_seqs):  # another sequence's pages beside ours: read through the block table
+        cache.add_sequence(other)
+        x = np.ones((3, 2, 16), np.float32)
+        cache.append(other, 0, x, x, np.arange(3))
+    cache.take_events()
+    cache.add_sequence(0, make_policy(config))
+    reference = QuantReference(dtype, 3)
+    rng = np.random.default_rng(9)
+    diverged = False
+    for position in range(160):
+        k, v = real_like(rng, (1, 2, 16)), real_like(rng, (1, 2, 16), outliers=False)
+        q = rng.standard_normal((1, 4, 16)).astype(np.float32)
+        cache.step = position
+        reference.before_write(1)
+        cache.append(0, 0, k, v, np.array([position]))
+        reference.follow(cache.take_events(), {position: k[0]}, {position: v[0]})
+        result = cache.attend(0, 0, q, np.array([position]))
+        store, keep = cache.stores[0], cache.sequences[0].head_keep[0]
+        for head in range(2):
+            kept = sorted(store.positions[keep[head] & (store.positions >= 0)].tolist())
+            out, _ = dense_attention_f64(q[0, 2 * head: 2 * head + 2],
+                                         np.stack([reference.stored[p][0][head: head + 1] for p in kept]),
+                                         np.stack([reference.stored[p][1][head: head + 1] for p in kept]))
+            np.testing.assert_allclose(result.output[0, 2 * head: 2 * head + 2], out, rtol=1e-5, atol=1e-5)
+        diverged |= bool((keep[0] != keep[1])[store.positions >= 0].any())
+    assert diverged, "the heads should keep different tokens"
+    assert reference.n_groups > 0 or dtype == "int8"
+    check_bookkeeping(cache)

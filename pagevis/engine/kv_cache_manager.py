@@ -605,7 +605,7 @@ class KVCacheManager:
             seq.states[layer].query(q, positions)
         result = read_attention(self.stores[layer], seq.block_tables[layer], q, positions, self.step, select,
                                 all_weights=seq.policy.uses_attention and len(q) > 1,
-                                own_pages_only=len(self.sequences) > 1)
+                                own_pages_only=len(self.sequences) > 1, keep=seq.head_keep[layer])
         seq.read_slots[layer] = result.slots
         if seq.policy.uses_attention:
             seq.states[layer].observe(result.weights, result.slots)

@@ -48,9 +48,6 @@ def make_policy(config) -> EvictionPolicy:
     if cls.per_head and (getattr(config, "disk_pages", 0) or getattr(config, "select", "all") == "quest"):
         raise ConfigError("policy", config.policy, "a token-level policy with a disk tier or quest (a per-head "
                           "policy's masks apply to attention over pages in RAM only)")
-    if cls.per_head and str(getattr(config, "dtype", "float32")).startswith("int"):
-        raise ConfigError("policy", config.policy, "a token-level policy with int8 / int4 / int2 storage (a per-head "
-                          "policy's attention reads float K/V; per-head masks over quantized pages are not built)")
     policy = cls(**config.policy_params)
     policy.bind(config.capacity, config.page_size)
     policy.bind_layers(getattr(config, "n_layers", 1))  # CacheSettings (no model yet) knows no layer count
