@@ -14,22 +14,19 @@ says so instead of drawing those views.
 
 from __future__ import annotations
 
-import math
-import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 
 import numpy as np
-from prometheus_client.parser import text_string_to_metric_families
-from PySide6.QtCore import QThread, QTimer, Qt
+from PySide6.QtCore import QTimer, Qt
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QSplitter, QVBoxLayout, QWidget
 
+from ..attach.metrics import fetch, totals
 from . import theme
+from .attach_worker import FleetWorker, ForestWorker, LiveSource, MetricsWorker
 from .views.prefix_forest import PrefixForestView
 from .views.server_plots import SIDE_COLORS, ServerPlots
 
-MAX_BYTES = 8 << 20
 COUNTERS = {"generated": "pagevis_generation_tokens", "prompt": "pagevis_prompt_tokens",
             "hits": "pagevis_prefix_cache_hits", "queries": "pagevis_prefix_cache_queries",
             "preemptions": "pagevis_preemptions", "ttft_sum": "pagevis_time_to_first_token_seconds_sum",
@@ -65,23 +62,13 @@ class ServeSample:
 def parse_serve_metrics(text: str, when: float | None = None) -> ServeSample:
     """The sample a /metrics text of `pagevis serve` gives (ValueError if it is not Prometheus text); a metric
     that is absent counts 0."""
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name.endswith("_created") or not math.isfinite(sample.value):
-                continue
-            name = sample.name[:-6] if sample.name.endswith("_total") else sample.name
-            totals[name] = totals.get(name, 0.0) + sample.value
-    values = {key: totals.get(name, 0.0) for key, name in {**COUNTERS, **GAUGES}.items()}
+    found = totals(text, skip=("_created", "_bucket"))
+    values = {key: found.get(name, 0.0) for key, name in {**COUNTERS, **GAUGES}.items()}
     return ServeSample(time.monotonic() if when is None else when, **values)
 
 
 def scrape_serve(url: str, timeout: float = 2.0) -> ServeSample:
-    with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - a URL the user gave
-        body = response.read(MAX_BYTES + 1)
-    if len(body) > MAX_BYTES:
-        raise ValueError(f"{url}: more than {MAX_BYTES} bytes")
-    return parse_serve_metrics(body.decode("utf-8", errors="replace"))
+    return parse_serve_metrics(fetch(url, timeout))
 
 
 class MetricsSeries:
@@ -175,40 +162,20 @@ def detokenizer_for(spec):
         return None
 
 
-class ServeMetricsWorker(QThread):
-    """Scrapes `url` every `interval_s`; `samples()` is a copy of what it has, `error` the last failure."""
+class ServeMetricsWorker(MetricsWorker):
+    """The attach window's scraper, for `pagevis serve`'s metric names: its history is a MetricsSeries."""
+
+    scrape = staticmethod(scrape_serve)
 
     def __init__(self, url: str, interval_s: float = 1.0, parent=None):
-        super().__init__(parent)
-        self.url, self.interval_s = url, interval_s
-        self.series = MetricsSeries()
-        self.error = ""
-        self.scrapes = 0
-        self._lock = threading.Lock()
+        super().__init__(url, interval_s, parent)
+        self.history = MetricsSeries()
 
     def snapshot(self) -> MetricsSeries:
-        copy = MetricsSeries(self.series.side)
+        copy = MetricsSeries(self.history.side)
         with self._lock:
-            copy.samples = list(self.series.samples)
+            copy.samples = list(self.history.samples)
         return copy
-
-    def run(self) -> None:
-        while not self.isInterruptionRequested():
-            began = time.monotonic()
-            try:
-                sample = scrape_serve(self.url)
-                with self._lock:
-                    self.series.add(sample)
-                self.error = ""
-            except Exception as error:  # noqa: BLE001 - OSError, ValueError, anything the parser raises
-                self.error = f"{type(error).__name__}: {error}"[:200]
-            self.scrapes += 1
-            while not self.isInterruptionRequested() and time.monotonic() - began < self.interval_s:
-                time.sleep(0.05)
-
-    def stop(self, timeout_ms: int = 5000) -> bool:
-        self.requestInterruption()
-        return self.wait(timeout_ms)
 
 
 class AttachedServerWindow(QWidget):
@@ -219,8 +186,6 @@ class AttachedServerWindow(QWidget):
 
     def __init__(self, events: str | None, metrics_url: str | None, detokenizer=None, parent=None):
         super().__init__(parent, Qt.Window)
-        from .attach_worker import FleetWorker, ForestWorker, LiveSource
-
         self.setWindowTitle("pagevis — server, attached: " + " · ".join(x for x in (events, metrics_url) if x))
         self.events, self.metrics_url = events, metrics_url
         self.forest = PrefixForestView(x_label="tokens into the prompt", y_label="branches")
