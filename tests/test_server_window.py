@@ -347,3 +347,63 @@ def test_server_demo_screenshot_from_the_command_line(qtbot, tmp_path):
                  "--screenshot", str(path), "--steps", "30"]) == 0
     assert path.stat().st_size > 10_000
     assert main(["--server-demo", "no such preset", "--screenshot", str(tmp_path / "x.png")]) == 2
+
+
+# --- attached to a running `pagevis serve` --------------------------------------------------------------------
+
+def test_metrics_series_from_pagevis_serve_metrics_text():
+    from pagevis.gui.server_attach import MetricsSeries, parse_serve_metrics
+    from pagevis.observe import Metrics
+    from prometheus_client import generate_latest
+
+    metrics = Metrics()
+    series = MetricsSeries()
+    for t, (tokens, ttfts, itls) in enumerate(((0, (), ()), (5, (0.5, 1.5), (0.1,) * 3), (12, (), (0.2,) * 7))):
+        metrics.generation_tokens.inc(tokens)
+        for value in ttfts:
+            metrics.time_to_first_token.observe(value)
+        for value in itls:
+            metrics.inter_token_latency.observe(value)
+        metrics.prefix_cache_queries.inc(100)
+        metrics.prefix_cache_hits.inc(50 * t)
+        series.add(parse_serve_metrics(generate_latest(metrics.registry).decode(), when=10.0 + 2 * t))
+    assert series["t"].tolist() == [0, 2, 4] and series["generated"].tolist() == [0, 5, 17]
+    assert series.throughput()[1].tolist() == pytest.approx([0, 2.5, 4.25])
+    assert series.ttft_t.values.tolist() == [2] and series.ttft.values.tolist() == pytest.approx([1.0])
+    assert series["itl"][1:].tolist() == pytest.approx([0.1, 0.2])
+    assert series.hit_rate().tolist()[1:] == pytest.approx([50.0, 75.0])  # (50 + 100) / 200 since the first scrape
+
+
+def test_the_window_attached_to_pagevis_serve_shows_its_cache_and_metrics(qtbot):
+    from serve_fixtures import running_server
+
+    from pagevis.gui.server_attach import AttachedServerWindow, parse_serve_metrics
+
+    with running_server(kv_events_endpoint="tcp://127.0.0.1:*", kv_events_replay="tcp://127.0.0.1:*",
+                        pool_pages=64) as running:
+        system = "You answer questions about pages of keys and values. " * 3
+        for i in range(3):  # a shared prefix: the forest's first pages are one branch for all three
+            answer = running.client.post("/v1/completions", json={
+                "model": "synthetic", "prompt": f"{system}Question {i}?", "max_tokens": 4, "temperature": 0,
+                "pagevis": {"page_size": 4, "max_pages": 64}})
+            assert answer.status_code == 200, answer.text
+        publisher = running.app.state.engines.kv_events.publisher
+        core = next(iter(running.app.state.engines.cores.values()))
+        cached = core.call(lambda: set(core.engine.cache.stores[0].pages.hash_frame)).result(30)
+        window = AttachedServerWindow(f"{publisher.endpoint},{publisher.replay_endpoint}",
+                                      f"{running.url}/metrics", detokenizer=lambda ids: bytes(ids).decode())
+        qtbot.addWidget(window)
+        window.show()
+
+        def forest_keys():
+            rows = window.forest.rows
+            return {rows.key(i)[-1] for i in range(len(rows)) if not rows.flags[i] & 2}
+
+        qtbot.waitUntil(lambda: len(window.series) >= 2 and forest_keys() == cached, timeout=30000)
+        assert len(cached) > 10
+        served = parse_serve_metrics(running.metrics_text())
+        assert window.series.samples[-1].generated == served.generated == 12  # three answers of 4 tokens
+        assert window.series.samples[-1].queries == served.queries > 0
+        assert "they need the engine itself" in window.header.text()
+        window.close()
+    assert not window.fleet_worker.isRunning() and not window.metrics_worker.isRunning()

@@ -40,26 +40,38 @@ class MetricsSample:
     hit_rate: float | None  # an engine's own gauge (SGLang); vLLM's comes from MetricsHistory
 
 
-def parse(text: str, when: float | None = None) -> MetricsSample:
-    """The sample a /metrics text gives (ValueError if it is not Prometheus text)."""
-    totals: dict[str, float] = {}
+def totals(text: str, skip: tuple[str, ...] = ("_created", "_bucket", "_count", "_sum")) -> dict[str, float]:
+    """Each metric's value summed over its label sets, counters named without "_total"; samples whose names end
+    in `skip` are left out (ValueError if it is not Prometheus text)."""
+    out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name.endswith(("_created", "_bucket", "_count", "_sum")) or not math.isfinite(sample.value):
+            if sample.name.endswith(skip) or not math.isfinite(sample.value):
                 continue
             name = sample.name[:-6] if sample.name.endswith("_total") else sample.name
-            totals[name] = totals.get(name, 0.0) + sample.value
-    values = {key: next((totals[n] for n in names if n in totals), None) for key, names in NAMES.items()}
+            out[name] = out.get(name, 0.0) + sample.value
+    return out
+
+
+def parse(text: str, when: float | None = None) -> MetricsSample:
+    """The sample a /metrics text gives (ValueError if it is not Prometheus text)."""
+    found = totals(text)
+    values = {key: next((found[n] for n in names if n in found), None) for key, names in NAMES.items()}
     return MetricsSample(time.monotonic() if when is None else when, **values)
 
 
-def scrape(url: str, timeout: float = 2.0) -> MetricsSample:
-    """GET `url` and parse it; OSError / ValueError when the engine does not answer with Prometheus text."""
+def fetch(url: str, timeout: float = 2.0) -> str:
+    """The text at `url`; OSError when it does not answer, ValueError beyond MAX_BYTES."""
     with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - a URL the user gave
         body = response.read(MAX_BYTES + 1)
     if len(body) > MAX_BYTES:
         raise ValueError(f"{url}: more than {MAX_BYTES} bytes of metrics")
-    return parse(body.decode("utf-8", errors="replace"))
+    return body.decode("utf-8", errors="replace")
+
+
+def scrape(url: str, timeout: float = 2.0) -> MetricsSample:
+    """GET `url` and parse it; OSError / ValueError when the engine does not answer with Prometheus text."""
+    return parse(fetch(url, timeout))
 
 
 class MetricsHistory:

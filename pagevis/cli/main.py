@@ -42,6 +42,12 @@ def gui_parser() -> ArgumentParser:
     group.add_argument("--server-demo", nargs="?", const="", metavar="PRESET",
                        help="open the Server window: the model serving arriving requests (a server preset: "
                             + "; ".join(p.name for p in SERVER_PRESETS) + ")")
+    group.add_argument("--server-events", metavar="ENDPOINT[,REPLAY]",
+                       help="with --server-demo: attach the Server window to a running `pagevis serve` "
+                            "--kv-events-endpoint (and its replay endpoint): its prefix cache from the events")
+    group.add_argument("--server-metrics", metavar="URL",
+                       help="with --server-demo: that server's /metrics (e.g. http://127.0.0.1:8000/metrics) for "
+                            "the plots")
     add_metrics_option(group)
     add_debug_option(parser)
     return parser
@@ -135,7 +141,7 @@ def launch_app(args: argparse.Namespace) -> int:
     options.check_range("--steps", args.steps, 0, MAX_STEPS)
     if args.screenshot:
         options.check_writable(args.screenshot, "--screenshot", suffix=".png")
-    if args.server_demo is not None:
+    if args.server_demo is not None or args.server_events or args.server_metrics:
         return launch_server_demo(args, spec)
     metrics, _exporter = start_metrics_server(args.metrics_port)  # a daemon thread, until the app quits
     from ..gui import launch
@@ -149,6 +155,12 @@ def launch_server_demo(args: argparse.Namespace, spec) -> int:
     from ..engine import ConfigError
     from ..presets import find_server_preset
 
+    if args.server_events or args.server_metrics:
+        if args.screenshot:
+            raise UsageError("--screenshot shows the Server window's own servers, not an attached one")
+        from ..gui import launch_attached_server
+
+        return launch_attached_server(spec, args.server_events, args.server_metrics)
     try:
         preset = find_server_preset(args.server_demo)
     except ConfigError as error:

@@ -81,6 +81,21 @@ def launch_server(model_spec: ModelSpec | None = None, preset=None, screenshot: 
     return server_demo(app, model_spec or ModelSpec(), preset, screenshot, steps)
 
 
+def launch_attached_server(model_spec: ModelSpec | None, events: str | None, metrics_url: str | None) -> int:
+    """The Server window attached to a running `pagevis serve` (its KV events, its /metrics); pages' text with
+    the model's tokenizer (SmolLM2's by default)."""
+    verdict = platform_check.check()
+    if not verdict.ok:
+        print(verdict.message(), file=sys.stderr)
+        return platform_check.EXIT_STATUS
+    app = _application()
+    from .server_attach import AttachedServerWindow, detokenizer_for
+
+    window = AttachedServerWindow(events, metrics_url, detokenizer_for(model_spec or ModelSpec()))
+    window.show()
+    return app.exec()
+
+
 def _observe_sessions(runner, metrics) -> None:
     """Subscribe `metrics` to each new session (before its first step); the old session's observer goes."""
     current = []

@@ -352,6 +352,8 @@ class FleetWorker(QThread):
 class MetricsWorker(QThread):
     """Scrapes `url` every `interval_s`; `samples()` is a copy of what it has, `error` the last failure."""
 
+    scrape = staticmethod(scrape)  # url -> a sample `history.add` takes
+
     def __init__(self, url: str, interval_s: float = 1.0, parent=None):
         super().__init__(parent)
         self.url, self.interval_s = url, interval_s
@@ -368,7 +370,7 @@ class MetricsWorker(QThread):
         while not self.isInterruptionRequested():
             began = time.monotonic()
             try:
-                sample = scrape(self.url)
+                sample = self.scrape(self.url)
                 with self._lock:
                     self.history.add(sample)
                 self.error = ""

@@ -193,6 +193,7 @@ class ServerPlots(pg.GraphicsLayoutWidget):
             "throughput " + each(lambda s: last(s.throughput()[1], "{:.1f}/s")),
             "last TTFT " + each(lambda s: last(s.ttft.values, "{:.2f} s")),
             "ITL " + each(lambda s: last(s["itl"], "{:.2f} s")))) + "<br>" + " │ ".join((
-            "KV pages " + each(lambda s: f"{int(s['pages_used'][-1])} of {int(s['pool'][-1])}"),
-            "reserved " + each(lambda s: f"{int(s['reserved'][-1])}"),
+            "KV " + each(lambda s: f"{s['pages_used'][-1]:.0f}%" if getattr(s, "percent", False)
+                         else f"{s['pages_used'][-1]:.0f} of {s['pool'][-1]:.0f} pages"),
+            "reserved " + each(lambda s: last(s["reserved"], "{:.0f}")),
             "hit rate " + each(lambda s: last(s.hit_rate(), "{:.0f}%")))))
