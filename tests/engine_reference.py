@@ -20,9 +20,3 @@ def dense_attention_f64(q, keys, values):
         out[h] = weights[h] @ values[:, kv, :]
     return out, weights
 
-
-def one_sequence(config, **kwargs):
-    """A cache manager holding one sequence (id 0): the single-sequence cache of the engine tests."""
-    from pagevis.engine import KVCacheManager
-
-    return KVCacheManager.single(config, **kwargs)

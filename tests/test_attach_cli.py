@@ -1,7 +1,6 @@
 """`pagevis attach --headless --json` end to end in a subprocess against a test publisher on loopback; recording
 and playback; the metrics scraper; block text; bad arguments. Every subprocess is bounded in time."""
 
-import http.server
 import json
 import subprocess
 import sys
@@ -9,6 +8,8 @@ import threading
 import time
 
 import pytest
+
+from metrics_endpoint import metrics_endpoint
 
 from pagevis.attach import BlockRemoved, BlockStored
 from pagevis.attach.metrics import MetricsHistory, parse, scrape
@@ -132,26 +133,9 @@ def test_metrics_are_parsed_and_scraped():
     history.add(second)
     assert history.hit_rate() == 0.75
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = (VLLM_METRICS % (10, 5)).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        sample = scrape(f"http://127.0.0.1:{server.server_port}/metrics", timeout=5)
+    with metrics_endpoint(lambda: VLLM_METRICS % (10, 5)) as url:
+        sample = scrape(url, timeout=5)
         assert (sample.running, sample.prefix_hits) == (4.0, 5.0)
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_block_text_from_a_tokenizer_json(tmp_path):

@@ -4,17 +4,17 @@ a removed block marked, then gone; decode errors shown; live over real ZMQ socke
 two engines, --record, --metrics); closing stops every thread. The forest layout against a brute-force reference.
 Every wait is bounded."""
 
-import http.server
 import json
 import pathlib
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
 import pytest
 from PySide6.QtCore import Qt
+
+from metrics_endpoint import metrics_endpoint
 
 from pagevis.attach import BlockRemoved, BlockStored, encode_batch
 from pagevis.attach.playback import Playback
@@ -392,23 +392,12 @@ vllm:prefix_cache_hits_total{engine="0"} %d
 def test_metrics_are_plotted_beside_the_events(qtbot, windows, publishers):
     scrapes = []
 
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            scrapes.append(1)
-            body = (VLLM_METRICS % (100 * len(scrapes), 75 * len(scrapes))).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def body():
+        scrapes.append(1)
+        return VLLM_METRICS % (100 * len(scrapes), 75 * len(scrapes))
 
-        def log_message(self, *args):
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        window = open_live(qtbot, windows, [publishers()], metrics_url=f"http://127.0.0.1:{server.server_port}/metrics")
+    with metrics_endpoint(body) as url:
+        window = open_live(qtbot, windows, [publishers()], metrics_url=url)
         window.metrics_worker.interval_s = 0.1
         qtbot.waitUntil(lambda: len(window.hit_curve.getData()[1] if window.hit_curve.getData()[1] is not None
                                     else []) >= 2, timeout=WAIT_MS)
@@ -416,9 +405,6 @@ def test_metrics_are_plotted_beside_the_events(qtbot, windows, publishers):
         assert set(window.running_curve.getData()[1]) == {3.0} and set(window.usage_curve.getData()[1]) == {25.0}
         assert set(window.hit_curve.getData()[1]) == {75.0}
         window.close()
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_a_bad_endpoint_or_metrics_url_is_shown_not_raised(qtbot, windows):

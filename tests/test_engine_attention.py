@@ -5,8 +5,7 @@ from engine_reference import dense_attention_f64
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagevis.engine import CacheConfig, attend, softmax
-from engine_reference import one_sequence
+from pagevis.engine import CacheConfig, KVCacheManager, attend, softmax
 
 
 @st.composite
@@ -34,7 +33,7 @@ def cache_setups(draw):
 def fill(config, n_tokens, seed):
     """Append n_tokens one at a time with attention after each; return the cache and K/V by position."""
     rng = np.random.default_rng(seed)
-    cache = one_sequence(config)
+    cache = KVCacheManager.single(config)
     stored = {}
     shape = (1, config.n_kv_heads, config.head_dim)
     for position in range(n_tokens):

@@ -13,14 +13,13 @@ import pytest
 
 from model_fixtures import smollm2  # noqa: F401 - a fixture
 from pagevis.decoding import DecodeSession, SessionConfig
-from pagevis.engine import CacheConfig, ConfigError, EventKind
-from engine_reference import one_sequence
+from pagevis.engine import CacheConfig, ConfigError, EventKind, KVCacheManager
 
 N_KV, HEAD_DIM, N_HEADS = 2, 4, 4
 
 
 def tiered(page_size=4, ram=3, disk=12, policy="none", select="all", select_pages=2, swap_dir=None):
-    return one_sequence(CacheConfig(page_size=page_size, max_pages=ram, disk_pages=disk, n_layers=1,
+    return KVCacheManager.single(CacheConfig(page_size=page_size, max_pages=ram, disk_pages=disk, n_layers=1,
                                     n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HEAD_DIM, policy=policy,
                                     select=select, select_pages=select_pages, swap_dir=swap_dir))
 

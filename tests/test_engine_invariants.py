@@ -5,8 +5,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from pagevis.engine import CacheConfig, EventKind
-from engine_reference import one_sequence
+from pagevis.engine import CacheConfig, EventKind, KVCacheManager
 
 N_LAYERS, N_KV, HEAD_DIM = 2, 2, 4
 
@@ -27,7 +26,7 @@ class PagePoolMachine(RuleBasedStateMachine):
                                   head_dim=HEAD_DIM, policy=policy, policy_params=params, select=select,
                                   select_pages=2, **tier)
         self.n_pages = max_pages
-        self.cache = one_sequence(self.config)
+        self.cache = KVCacheManager.single(self.config)
         self.rng = np.random.default_rng(seed)
         self.next_position = 0
         # what the events say is resident, per layer: replaying events must give the cache's state

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from engine_reference import dense_attention_f64
-from pagevis.engine import CacheConfig, CacheFullError, ConfigError, EventKind
-from engine_reference import one_sequence
+from pagevis.engine import CacheConfig, CacheFullError, ConfigError, EventKind, KVCacheManager
 
 N_KV, GROUP, HEAD_DIM = 2, 2, 8
 N_HEADS = N_KV * GROUP
@@ -168,7 +167,7 @@ def run_both(policy, page_size, max_pages, n_tokens, seed, params=None, ram_fram
     tier = {"max_pages": ram_frames, "disk_pages": max_pages} if ram_frames else {"max_pages": max_pages}
     config = CacheConfig(page_size=page_size, n_layers=1, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HEAD_DIM,
                          policy=policy, policy_params=params, **tier)
-    cache = one_sequence(config)
+    cache = KVCacheManager.single(config)
     brute = BruteForce(policy, config.capacity, page_size, params)
     rng = np.random.default_rng(seed)
     keys, values = {}, {}
@@ -237,7 +236,7 @@ def test_random_is_seeded_and_uniformish():
     def evicted(seed):
         config = CacheConfig(page_size=4, max_pages=4, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=2,
                              policy="random", policy_params={"seed": seed})
-        cache = one_sequence(config)
+        cache = KVCacheManager.single(config)
         x = np.zeros((1, 1, 2), np.float32)
         for p in range(400):
             cache.append(0, 0, x, x, np.array([p]))
@@ -254,7 +253,7 @@ def test_random_is_seeded_and_uniformish():
 def test_none_refuses_when_full_without_changing_anything():
     config = CacheConfig(page_size=2, max_pages=2, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=2,
                          policy="none")
-    cache = one_sequence(config)
+    cache = KVCacheManager.single(config)
     x = np.zeros((1, 1, 2), np.float32)
     for p in range(4):
         cache.append(0, 0, x, x, np.array([p]))
@@ -291,7 +290,7 @@ def test_pyramidkv_gives_each_layer_its_own_budget():
     params = {"budget": 14, "window": 3, "kernel": 3, "beta": 4}
     config = CacheConfig(page_size=page_size, max_pages=6, n_layers=n_layers, n_heads=N_HEADS, n_kv_heads=N_KV,
                          head_dim=HEAD_DIM, policy="pyramidkv", policy_params=params)
-    cache = one_sequence(config)
+    cache = KVCacheManager.single(config)
     budgets = cache.sequences[0].policy.budgets
     assert budgets == sorted(budgets, reverse=True) and len(set(budgets)) == n_layers
     assert sum(budgets) == n_layers * params["budget"]
@@ -328,7 +327,7 @@ def test_a_prefill_chunk_counts_like_its_tokens_one_by_one(policy):
     rng = np.random.default_rng(9)
     k = rng.standard_normal((10, N_KV, HEAD_DIM)).astype(np.float32)
     q = (2.5 * rng.standard_normal((10, N_HEADS, HEAD_DIM))).astype(np.float32)
-    chunked, single = one_sequence(config), one_sequence(config)
+    chunked, single = KVCacheManager.single(config), KVCacheManager.single(config)
     chunked.append(0, 0, k[:2], k[:2], np.arange(2))
     chunked.attend(0, 0, q[:2], np.arange(2))
     chunked.append(0, 0, k[2:], k[2:], np.arange(2, 10))
@@ -346,7 +345,7 @@ def test_keydiff_reads_keys_not_attention():
     that never attends evicts exactly as the brute force on keys alone says."""
     config = CacheConfig(page_size=4, max_pages=3, n_layers=1, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HEAD_DIM,
                          policy="keydiff")
-    cache = one_sequence(config)
+    cache = KVCacheManager.single(config)
     assert not cache.sequences[0].policy.uses_attention
     brute = BruteForce("keydiff", config.capacity, 4, {})
     rng = np.random.default_rng(11)
@@ -466,8 +465,6 @@ def run_adakv(scorer, page_size, max_pages, budget, n_tokens, seed, safeguard_pc
     against the per-head brute force: each KV head's kept set, and the attention output, every step."""
     config = CacheConfig(page_size=page_size, max_pages=max_pages * n_seqs, n_layers=1, n_heads=N_HEADS,
                          n_kv_heads=N_KV, head_dim=HEAD_DIM, policy="sinks")
-    from pagevis.engine import KVCacheManager
-
     cache = KVCacheManager(config)
     for other in range(1, n_seqs):
         cache.add_sequence(other)
@@ -554,7 +551,7 @@ def test_per_head_masks_survive_fork_and_copy_on_write():
 def test_adakv_over_expected_attention_holds_its_budget():
     config = CacheConfig(page_size=4, max_pages=8, n_layers=1, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HEAD_DIM,
                          policy="sinks")
-    cache = one_sequence(config)
+    cache = KVCacheManager.single(config)
     cache.free(0)
     policy = adakv_policy("expected-attention", 10)
     policy.bind(32, 4)
@@ -579,7 +576,6 @@ def test_per_head_policies_refuse_a_disk_tier_and_quest():
 
 
 def duo_cache(page_size, max_pages, n_layers, scores, **params):
-    from pagevis.engine import KVCacheManager
     from pagevis.engine.policies import DuoAttention
 
     config = CacheConfig(page_size=page_size, max_pages=max_pages, n_layers=n_layers, n_heads=N_HEADS,
@@ -713,7 +709,7 @@ def test_adakv_prefill_chunks_stop_where_its_entries_run_out():
     drops entries mid-chunk on scores that have not seen the chunk."""
     config = CacheConfig(page_size=4, max_pages=8, n_layers=1, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HEAD_DIM,
                          policy="adakv", policy_params={"budget": 16})
-    cache = one_sequence(config)
+    cache = KVCacheManager.single(config)
     assert cache.room(0) == 16
     rng = np.random.default_rng(33)
     k, v, q = random_token(rng)

@@ -9,7 +9,7 @@ import tempfile
 
 import numpy as np
 import pytest
-from engine_reference import dense_attention_f64, one_sequence
+from engine_reference import dense_attention_f64
 from model_fixtures import smollm2  # noqa: F401  (fixture)
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -109,7 +109,7 @@ def run_sequence(config: CacheConfig, n_tokens: int, seed: int, chunk: int = 1, 
     """Append n_tokens (in chunks) into a one-sequence cache, attending after each; mirror it in a
     QuantReference. Returns (cache, reference, rng)."""
     rng = np.random.default_rng(seed)
-    cache = one_sequence(config)
+    cache = KVCacheManager.single(config)
     reference = QuantReference(config.dtype, config.residual)
     shape = (config.n_kv_heads, config.head_dim)
     position = 0
@@ -462,7 +462,7 @@ def test_bytes_per_token_equal_a_hand_count(dtype):
     assert config.kv_bytes_per_token() == pytest.approx(per_token, rel=1e-12)
     assert quant.bytes_per_token(dtype, 3, 64, residual=128, tokens=256) * 30 == pytest.approx(per_token)
     # the store holds exactly that for one sequence at capacity (nothing grew)
-    cache = one_sequence(config)
+    cache = KVCacheManager.single(config)
     cache, _, _ = run_sequence(config, 256, seed=0, chunk=1, attend_each=False) if dtype != "float32" else (cache, 0, 0)
     assert sum(store.nbytes() for store in cache.stores[:1]) * 30 == pytest.approx(per_token * 256)
     assert cache.stores[0].peak_bytes() <= cache.stores[0].nbytes()
@@ -569,7 +569,7 @@ def test_the_window_reaches_exactly_the_size_the_bytes_count(residual):
     config = CacheConfig(page_size=8, max_pages=40, dtype="int4", residual=residual, n_layers=1, n_heads=2,
                          n_kv_heads=1, head_dim=8, policy="sinks")
     rng = np.random.default_rng(residual)
-    cache = one_sequence(config)
+    cache = KVCacheManager.single(config)
     store, seen = cache.stores[0], []
     for position in range(300):
         kv = rng.standard_normal((2, 1, 1, 8)).astype(np.float32)

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from pagevis.bench.optimal import FutureAttention
-from pagevis.engine import CacheConfig, EventKind
-from engine_reference import one_sequence
+from pagevis.engine import CacheConfig, EventKind, KVCacheManager
 
 
 def brute_force_evictions(attention, capacity):
@@ -34,7 +33,7 @@ def test_optimal_evicts_least_future_attention(page_size, max_pages, seed):
     policy = FutureAttention(attention.sum(axis=1))
     config = CacheConfig(page_size=page_size, max_pages=max_pages, n_layers=layers, n_heads=1, n_kv_heads=1,
                          head_dim=2, policy="oldest")
-    cache = one_sequence(config)
+    cache = KVCacheManager.single(config)
     policy.bind(config.capacity, page_size)
     cache.sequences[0].policy = policy
     x = np.zeros((1, 1, 2), np.float32)

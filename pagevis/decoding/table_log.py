@@ -22,6 +22,7 @@ class _LayerLog:
         self.steps: list[int] = []  # step of each change, ascending
         self.changes: list[tuple[int, int, tuple[int, ...]]] = []  # (start, end, inserted) into the previous
         self.checkpoints: list[tuple[int, int, tuple[int, ...]]] = [(-1, 0, ())]  # (step, changes before, table)
+        self.checkpoint_steps: list[int] = [-1]  # their steps, for bisect
         self._since_checkpoint = 0
         self._cached: tuple[int, tuple[int, ...]] | None = None  # the last table rebuilt, by step
 
@@ -36,12 +37,13 @@ class _LayerLog:
         self._since_checkpoint += (end - start) + len(inserted)
         if self._since_checkpoint >= max(len(new), 16):
             self.checkpoints.append((step, len(self.changes), new))
+            self.checkpoint_steps.append(step)
             self._since_checkpoint = 0
 
     def at(self, step: int) -> tuple[int, ...]:
         if self._cached is not None and self._cached[0] == step:
             return self._cached[1]
-        index = bisect_right([c[0] for c in self.checkpoints], step) - 1
+        index = bisect_right(self.checkpoint_steps, step) - 1
         _, done, table = self.checkpoints[index]
         upto = bisect_right(self.steps, step)
         if upto > done:
