@@ -6,9 +6,6 @@ from dataclasses import dataclass, field
 
 from .sampling import Sampler
 
-# Why a request ended. The engine sets every one of them.
-STOP_REASONS = ("eos", "max_new_tokens", "stop", "cache_full", "swap_full", "cancelled", "interrupted")
-
 
 @dataclass
 class Request:
@@ -21,6 +18,8 @@ class Request:
     generated: list[int] = field(default_factory=list)
     n_cached: int = 0  # tokens whose K/V are in the pool
     started: int = -1  # admission order (preemption takes the highest)
+    # why it ended, set by the engine only: eos, max_new_tokens, stop, cache_full, swap_full, or cancel's reason
+    # (cancelled, interrupted, abort, error)
     stop_reason: str | None = None
     error: str = ""  # with stop_reason cache_full: the cache's message
     preemptions: int = 0

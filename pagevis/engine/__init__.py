@@ -13,7 +13,7 @@ from .attention import (
 from .block_pool import BlockPool
 from .config import CacheConfig, CacheSettings
 from .errors import CacheFullError, ConfigError
-from .events import SEQUENCE_KINDS, CacheEvent, EventKind
+from .events import CacheEvent, EventKind
 from .kv_cache_manager import KVCacheManager, SequenceCache
 from .policies import POLICIES, EvictionPolicy, layer_capacities, make_policy, policy_params
 from .policy_state import LayerView, PolicyState
@@ -22,7 +22,6 @@ from .store import COUNT_NAMES, PageStore, TierCounts
 __all__ = [
     "COUNT_NAMES",
     "POLICIES",
-    "SEQUENCE_KINDS",
     "AttentionResult",
     "BlockPool",
     "CacheConfig",

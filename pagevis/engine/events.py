@@ -28,10 +28,6 @@ class EventKind(str, Enum):
     # until every KV head dropped it (then an evict event frees it)
 
 
-# Events about a whole sequence, not one page (page, slot, position are -1).
-SEQUENCE_KINDS = frozenset({EventKind.FORK, EventKind.PREFIX_HIT, EventKind.FREE, EventKind.PREEMPT})
-
-
 class CacheEvent(NamedTuple):
     kind: EventKind
     step: int
