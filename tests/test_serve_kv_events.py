@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from serve_fixtures import running_server
 
 from pagevis.engine.prefix_cache import prefix_hashes
@@ -46,3 +48,14 @@ def test_attach_rebuilds_the_pools_prefix_cache_from_pagevis_serve(tmp_path):
             tokens += b["tokens"]
         if chain[-1]["parent"] is None:
             assert prefix_hashes(tokens, 4)[-1] == block["hash"]
+
+
+@pytest.mark.parametrize("flag,value,field", [("--kv-events-endpoint", "not-an-endpoint", "kv_events_endpoint"),
+                                              ("--kv-events-replay", "bogus://x", "kv_events_replay")])
+def test_a_bad_kv_events_endpoint_is_one_line_and_exit_2(flag, value, field, capsys):
+    from pagevis.cli.main import main
+
+    extra = ["--kv-events-endpoint", "tcp://127.0.0.1:5599"] if flag == "--kv-events-replay" else []
+    assert main(["serve", "--model", "synthetic", "--port", "0", *extra, flag, value]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and field in err and value in err and "Traceback" not in err

@@ -18,6 +18,8 @@ from collections import deque
 
 import zmq
 
+from ..errors import ConfigError
+
 from .events import encode_batch, seq_bytes
 
 END_MARKER = (b"", seq_bytes(-1), b"")
@@ -25,6 +27,16 @@ END_MARKER = (b"", seq_bytes(-1), b"")
 
 def binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def _open(socket, endpoint: str, bind: bool, field: str) -> None:
+    """Bind or connect, or a ConfigError naming the endpoint (a mistyped one is the user's to fix)."""
+    try:
+        (socket.bind if bind else socket.connect)(endpoint)
+    except zmq.ZMQError as error:
+        socket.close(linger=0)
+        raise ConfigError(field, endpoint, f"a ZMQ endpoint this process can {'bind' if bind else 'connect'} "
+                          f"(tcp://HOST:PORT, tcp://*:PORT, ipc://PATH): {error.strerror}") from None
 
 
 class KVEventPublisher:
@@ -41,7 +53,7 @@ class KVEventPublisher:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.set_hwm(100_000)
         bind = binds(endpoint) if bind is None else bind
-        (self._pub.bind if bind else self._pub.connect)(endpoint)
+        _open(self._pub, endpoint, bind, "kv_events_endpoint")
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) if bind else endpoint
         self._running = True
         self._thread = None
@@ -51,8 +63,8 @@ class KVEventPublisher:
             router.setsockopt(zmq.LINGER, 0)
             router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))
             try:
-                router.bind(replay_endpoint)
-            except zmq.ZMQError:
+                _open(router, replay_endpoint, True, "kv_events_replay")
+            except ConfigError:
                 router.close(linger=0)
                 self._pub.close(linger=0)
                 raise
