@@ -150,6 +150,26 @@ def test_play_pause_loses_no_record_and_redraws_throttled(qtbot, window):
     assert window.page_grid._state.index == n - 1
 
 
+def test_frames_are_paced_at_max_speed_but_a_chosen_playback_speed_draws_every_step(qtbot, window, monkeypatch):
+    from pagevis.gui import mainwindow
+
+    # as if the UI had used more than its share: the pace falls to its slowest, 5 frames a second
+    monkeypatch.setattr(window, "_pace", lambda: mainwindow.MAX_FRAME_INTERVAL)
+
+    def play(steps: int) -> tuple[int, int]:
+        frames, start = window.frames, len(window.timeline)
+        window.runner.step(steps)
+        qtbot.waitUntil(lambda: not window.runner.busy, timeout=20000)
+        return window.frames - frames, len(window.timeline) - start
+
+    window.transport.speed.setCurrentIndex(2)  # 10 tok/s: the decoder waits between steps, every step is drawn
+    frames, steps = play(10)
+    assert steps == 10 and frames >= 9
+    window.transport.speed.setCurrentIndex(0)  # max speed: the synthetic model decodes hundreds a second
+    frames, steps = play(30)
+    assert steps == 30 and frames <= 0.5 * steps
+
+
 def test_play_to_the_end_reports_done(qtbot, tmp_path):
     config = SessionConfig(page_size=4, max_pages=4, policy="oldest", max_new_tokens=5, chat=False)
     window = make_window(qtbot, tmp_path, config=config)

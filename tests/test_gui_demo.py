@@ -243,6 +243,44 @@ def test_narration_block_table_and_slider_marks_tell_what_happened(qtbot, window
     assert window.narration.text().startswith("step 0: prefill wrote 16 prompt tokens (positions 0–15) into pages 0–3")
 
 
+def test_slider_ticks_sit_under_the_handle_at_each_marked_step_and_need_no_python_to_paint(qtbot):
+    from PySide6.QtWidgets import QSlider, QStyle, QStyleOptionSlider
+
+    from pagevis.gui.transport import MarkedSlider
+
+    assert MarkedSlider.paintEvent is QSlider.paintEvent  # Qt paints it in C++, without the worker's GIL
+    slider = MarkedSlider()
+    qtbot.addWidget(slider)
+    slider.resize(600, 30)
+    slider.show()
+
+    def handle_centres(values) -> list[int]:
+        centres = []
+        for value in values:
+            slider.setValue(value)
+            option = QStyleOptionSlider()
+            slider.initStyleOption(option)
+            handle = slider.style().subControlRect(QStyle.CC_Slider, option, QStyle.SC_SliderHandle, slider)
+            centres.append(handle.center().x())
+        return centres
+
+    def tick_columns() -> list[int]:
+        image = slider.ticks.pixmap().toImage()
+        assert slider.ticks.geometry().bottom() == slider.height() - 1
+        return [x for x in range(image.width()) if image.pixelColor(x, 2).alpha() > 0]
+
+    marks = np.array([0, 37, 100])
+    for maximum in (100, 250):  # the range grows as steps arrive: the ticks move with it
+        slider.setRange(0, maximum)
+        slider.set_marks(marks)
+        assert slider.ticks.isVisible()
+        columns = tick_columns()
+        assert len(columns) == 3
+        assert all(abs(a - b) <= 1 for a, b in zip(columns, handle_centres(marks), strict=True))
+    slider.set_marks(np.zeros(0))
+    assert not slider.ticks.isVisible()
+
+
 def test_block_table_lists_the_scattered_positions_of_a_token_level_policy():
     from pagevis.gui.views.page_grid import parse_run_list, run_list
 

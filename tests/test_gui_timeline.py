@@ -62,7 +62,9 @@ def test_the_heatmap_window_equals_one_built_from_whole_records(monkeypatch):
     monkeypatch.setattr(timeline_module, "HEATMAP_COLUMNS", 24)
     config = SessionConfig(page_size=4, max_pages=3, policy="sinks", max_new_tokens=80)
     session, timeline = decoded(50, config)
-    for layer, head, index in ((0, None, 49), (2, 3, 30), (1, 0, 5)):
+    # following the newest step (the kept window grows, then slides), scrubbing back, another head and layer
+    following = [(0, None, index) for index in range(3, 50)]
+    for layer, head, index in (*following, (0, None, 12), (0, 2, 12), (0, 2, 13), (2, 3, 30), (1, 0, 5), (1, 0, 49)):
         weights, evicted, first, low = timeline.attention(layer, head, index)
         n = timeline.n_positions(index)
         assert first == max(0, index + 1 - 16) and low == max(0, n - 24)

@@ -228,7 +228,7 @@ class DecodeSession:
     def _record(self, kind, tokens, positions, next_token, oracle_step, counts=None) -> StepRecord:
         pool = self.pool
         events = EventArray.pack(pool.events(self.engine.last_events, len(self.records)), self._strings)
-        self._evictions += sum(1 for e in events if e.kind is EventKind.EVICT)
+        self._evictions += len(events.of_kind(EventKind.EVICT))
         cfg = self.cache_config
         seq = self.cache.sequences[self.seq_id]
         policy = seq.policy

@@ -34,10 +34,17 @@ class Strings:
 
 def to_rows(events: Iterable[CacheEvent], strings: Strings) -> np.ndarray:
     """Events as EVENT_DTYPE rows (texts interned in `strings`)."""
-    if isinstance(events, EventArray) and events.strings is strings:
-        return events.rows
+    if isinstance(events, EventArray):
+        return events.rows if events.strings is strings else events.recoded(strings)
     return np.array([(KINDS.index(e.kind), e.step, e.layer, e.page, e.slot, e.position, strings.code(e.policy),
                       strings.code(e.reason), e.score, e.frame, e.seq, e.detail) for e in events], dtype=EVENT_DTYPE)
+
+
+def in_layer(events: Sequence[CacheEvent], layer: int) -> list[CacheEvent]:
+    """The events of one layer; an EventArray selects its rows first instead of making every event."""
+    if isinstance(events, EventArray):
+        return list(EventArray(events.rows[events.rows["layer"] == layer], events.strings))
+    return [e for e in events if e.layer == layer]
 
 
 class EventArray(Sequence):
@@ -55,6 +62,19 @@ class EventArray(Sequence):
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def of_kind(self, kind: EventKind) -> np.ndarray:
+        """The rows of one kind of event."""
+        return self.rows[self.rows["kind"] == KINDS.index(kind)]
+
+    def recoded(self, strings: Strings) -> np.ndarray:
+        """A copy of the rows with their texts coded in `strings` instead of their own table."""
+        rows = self.rows.copy()
+        if len(rows):
+            codes = np.array([strings.code(text) for text in self.strings.texts], dtype=np.int16)
+            rows["policy"] = codes[rows["policy"]]
+            rows["reason"] = codes[rows["reason"]]
+        return rows
 
     def __getitem__(self, index):
         if isinstance(index, slice):

@@ -1,9 +1,10 @@
 """GUI speed benchmark: `python -m pagevis.gui.bench [--steps N] [--model smollm2|synthetic]`.
 
 Plays a model at full speed in the real window (offscreen, every view visible) and prints
-  * decode speed in the GUI relative to a headless DecodeSession with the same configuration (target ≥ 0.8),
+  * decode speed in the GUI relative to a headless DecodeSession with the same configuration (target ≥ 0.9),
   * the UI thread's event-loop latency: how late a 5 ms QTimer fires, p50 / p99 (target p99 ≤ 50 ms),
-  * the redraw rate while playing (target ≥ 20 fps),
+  * the redraw rate while playing at max speed (target ≥ 10 fps, or a frame per step when steps are slower: the
+    window paces its frames to keep the UI thread's share of the GIL down, see mainwindow.UI_SHARE),
   * how late a 10 ms QTimer fires while the window loads the model on its worker (target p90 < 100 ms).
 Both runs use one BLAS thread, as the app does. With --ab: the A/B window's lockstep speed (two sessions)
 relative to the same two sessions run headless one after the other.
@@ -53,7 +54,39 @@ def lateness_probe(interval_ms: int = 5):
     return probe, clock, lateness
 
 
-def in_gui(spec, config, steps: int) -> dict[str, float]:
+class UiClock:
+    """Where the UI thread's Python time goes while decoding: CPU seconds inside each entry point the event
+    loop calls into Python (a record batch arriving, each view's update, each Python paint override). Python
+    holds the GIL there, and that, not the UI's C++ painting (which runs without it), is what slows the
+    worker thread's decoding. CPU time, not wall time: the wall time includes waiting for the worker's GIL."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            started = time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[label] = self.seconds.get(label, 0.0) + time.thread_time() - started
+
+        setattr(owner, name, timed)
+
+    def instrument(self, window) -> None:
+        import pyqtgraph as pg
+
+        self.wrap(window.runner.timeline, "extend", "records arrive (timeline)")
+        self.wrap(window, "_update_transport", "transport, narration")
+        for view in window.views:
+            self.wrap(view, "show_state", f"update: {view.title}")
+            for graphics in view.findChildren(pg.GraphicsView):
+                self.wrap(graphics, "paintEvent", f"paint: {view.title}")
+
+
+def in_gui(spec, config, steps: int, clock: UiClock | None = None) -> dict[str, float]:
     from PySide6.QtCore import QEventLoop
     from PySide6.QtWidgets import QApplication
 
@@ -68,6 +101,8 @@ def in_gui(spec, config, steps: int) -> dict[str, float]:
     window.start(blocking=True)
     window.runner.step_blocking(1)  # the prefill, as in the headless run
     app.processEvents()
+    if clock is not None:
+        clock.instrument(window)
 
     probe, clock, lateness = lateness_probe()
     target = len(window.timeline) + steps
@@ -192,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=("smollm2", "synthetic"), default="smollm2")
     settings.add_flags(parser, names=("page_size", "max_pages", "policy"), page_size=8, max_pages=8, policy="sinks")
     parser.add_argument("--repeat", type=int, default=1, help="alternate GUI and headless runs this many times")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also print where the UI thread's Python time goes, in ms per decoded token")
     parser.add_argument("--ab", action="store_true",
                         help="measure the A/B window's lockstep speed against two headless runs instead")
     args = parser.parse_args(argv)
@@ -228,14 +265,29 @@ def main(argv: list[str] | None = None) -> int:
         return "ok" if ok else "MISSED"
 
     print(f"decode speed: GUI {gui_speed:.2f} tok/s, headless {base:.2f} tok/s, ratio {gui_speed / base:.2f} "
-          f"(target >= 0.8: {verdict(gui_speed / base >= 0.8)})")
+          f"(target >= 0.9: {verdict(gui_speed / base >= 0.9)})")
     print(f"event-loop latency: p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {last['max']:.1f} ms "
           f"(target p99 <= 50 ms: {verdict(p99 <= 50)})")
     ui = statistics.median(r["ui_cpu"] for r in gui_runs)
     print(f"UI thread CPU: {ui:.0%} of one core while playing")
-    print(f"redraw rate: {fps:.1f} fps while playing (target >= 20 fps, or one frame per step when steps are "
-          f"slower: {verdict(fps >= min(20.0, 0.9 * gui_speed))})")
+    print(f"redraw rate: {fps:.1f} fps while playing, {fps / gui_speed:.2f} frames per token (target >= 10 fps, or "
+          f"one frame per step when steps are slower: {verdict(fps >= min(10.0, 0.9 * gui_speed))})")
+    if args.breakdown:
+        print_breakdown(spec, config, args.steps)
     return 0
+
+
+def print_breakdown(spec, config, steps: int) -> None:
+    clock = UiClock()
+    run = in_gui(spec, config, steps, clock)
+    tokens = run["tokens_per_s"] * run["seconds"]
+    per_token = 1000 / run["tokens_per_s"]
+    print(f"\nUI thread, ms per token (a token every {per_token:.1f} ms; CPU time, Python holds the GIL in each):")
+    for label, seconds in sorted(clock.seconds.items(), key=lambda item: -item[1]):
+        print(f"  {label:<34} {1000 * seconds / tokens:6.2f}")
+    total = sum(clock.seconds.values())
+    print(f"  {'all of the above':<34} {1000 * total / tokens:6.2f}  ({total / run['seconds']:.0%} of the wall clock; "
+          f"UI thread CPU with C++ painting: {run['ui_cpu']:.0%})")
 
 
 if __name__ == "__main__":

@@ -42,8 +42,10 @@ from .views.text import TextView
 
 FRAME_INTERVAL = 1 / 30  # redraw at most this often, however fast records arrive
 MAX_FRAME_INTERVAL = 1 / 5  # ... and at least this often while records arrive
-UI_SHARE = 0.25  # while decoding, redraws (with their painting) may take this share of the UI thread's time:
-# the decoder needs the CPU more than the screen needs a 30th frame per second on a small machine
+UI_SHARE = 0.12  # while decoding, the UI thread (redraws, painting, everything) may use this share of a core. Its
+# Python holds the GIL the decoding worker needs: at one frame per SmolLM2 token (19 tok/s here) the UI took 20 %
+# and the worker ran at 0.89x its headless speed; at 0.12 it draws ~12 frames a second and the worker runs at
+# 0.94x (python -m pagevis.gui.bench; docs/gui.md). Only at max speed: see request_render.
 STATUS_INTERVAL = 0.25  # while decoding, the status bar's step and speed change at most this often
 SETTINGS_VERSION = 1
 FIRST_SCREEN_SHARE = 0.85  # until the user's own geometry is saved, the window takes this share of the screen
@@ -478,7 +480,9 @@ class MainWindow(TimelineCursor, QMainWindow):
         """Redraw soon: at once if the last frame is older than FRAME_INTERVAL, else when it is."""
         if self._frame_timer.isActive():
             return
-        interval = self._pace() if self.runner.running else FRAME_INTERVAL
+        # at max speed the pace keeps the UI's share of the GIL down; at a chosen playback speed the decoder
+        # waits between steps anyway, and every step gets its frame
+        interval = self._pace() if self.runner.running and not self.runner.interval else FRAME_INTERVAL
         wait = self._last_frame + interval - time.perf_counter()
         self._frame_timer.start(max(0, int(wait * 1000)))
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 from typing import Callable
 
 from ..engine import EventKind
+from ..engine.event_array import in_layer
 from .views.page_grid import run_list
 
 MAX_NAMED = 3  # evictions named one by one; more are summarised
 
 
 def narrate(record, layer: int, text: Callable[[int], str], policy: str) -> str:
-    events = [e for e in record.events if e.layer == layer]
+    events = in_layer(record.events, layer)
     writes = [e for e in events if e.kind is EventKind.WRITE]
     evictions = [e for e in events if e.kind is EventKind.EVICT]
     allocated = [e.page for e in events if e.kind is EventKind.ALLOCATE]

@@ -207,7 +207,7 @@ def _grow(array: np.ndarray, needed: int) -> np.ndarray:
     """`array` with room for index `needed` (doubling), contents kept."""
     if needed < len(array):
         return array
-    grown = np.zeros((max(16, 2 * len(array)),) + array.shape[1:], dtype=array.dtype)
+    grown = np.zeros((max(16, 2 * len(array), needed + 1),) + array.shape[1:], dtype=array.dtype)
     grown[: len(array)] = array
     return grown
 

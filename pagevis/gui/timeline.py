@@ -24,6 +24,7 @@ import numpy as np
 
 from ..decoding import SessionConfig, StepRecord
 from ..engine import EventKind
+from ..engine.event_array import KINDS, Strings, to_rows
 from .spill import RecordSpill, _grow
 
 KEEP = 8  # newest records kept whole in memory
@@ -44,6 +45,7 @@ class Eviction(NamedTuple):
     score: float
 
 
+EVICT = KINDS.index(EventKind.EVICT)
 EVICTION_DTYPE = np.dtype([("step", "i4"), ("layer", "i2"), ("page", "i4"), ("slot", "i4"), ("position", "i8"),
                            ("reason", "i2"), ("score", "f4")])
 
@@ -91,13 +93,14 @@ class Timeline:
         self._written = np.zeros(0, dtype=np.int64)  # per record: positions written so far
         self._evictions = np.zeros(0, dtype=EVICTION_DTYPE)
         self._n_evictions = 0
-        self._reasons: list[str] = []
+        self._reasons = Strings()  # the evictions' reasons (and policies), by code
         self.evictions = _Evictions(self)
         self._per_layer = np.zeros((0, info.n_layers), dtype=np.int32)  # evictions per (record, layer)
         self._pages = np.zeros((0, info.n_layers), dtype=np.int32)  # pages in use per (record, layer)
         self._series = np.zeros((0, len(SERIES)), dtype=np.float64)
         self._columns_cache = (np.zeros((3, 0)), 0)
         self._rows: OrderedDict[int, OrderedDict[int, tuple]] = OrderedDict()  # heatmap rows by layer, step
+        self._heat = None  # the last heatmap window (see _window)
 
     # --- growth ----------------------------------------------------------------------------------
     def extend(self, records: list[StepRecord]) -> None:
@@ -119,14 +122,17 @@ class Timeline:
         self._per_layer[index] = 0
         self._pages = _grow(self._pages, index)
         self._pages[index] = [len(table) for table in record.block_tables]
-        for event in record.events:
-            if event.kind is EventKind.EVICT:
-                self._per_layer[index, event.layer] += 1
-                self._evictions = _grow(self._evictions, self._n_evictions)
-                self._evictions[self._n_evictions] = (
-                    event.step if event.step >= 0 else record.step, event.layer, event.page, event.slot,
-                    event.position, self._reason_code(event.reason), event.score)
-                self._n_evictions += 1
+        rows = to_rows(record.events, self._reasons)
+        evicted = rows[rows["kind"] == EVICT]
+        if len(evicted):
+            start, end = self._n_evictions, self._n_evictions + len(evicted)
+            self._evictions = _grow(self._evictions, end - 1)
+            added = self._evictions[start:end]
+            added["step"] = np.where(evicted["step"] >= 0, evicted["step"], record.step)
+            for name in ("layer", "page", "slot", "position", "reason", "score"):
+                added[name] = evicted[name]
+            np.add.at(self._per_layer[index], evicted["layer"], 1)
+            self._n_evictions = end
         total = record.timings.get("total", float("nan"))
         oracle = record.oracle
         n_tokens = len(record.token_ids)
@@ -140,11 +146,6 @@ class Timeline:
         self._recent[index] = record
         self._recent.pop(index - KEEP, None)
         self._count += 1
-
-    def _reason_code(self, reason: str) -> int:
-        if reason not in self._reasons:
-            self._reasons.append(reason)
-        return self._reasons.index(reason)
 
     # --- records ---------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -169,7 +170,8 @@ class Timeline:
         rows = sum(p.nbytes + (w.nbytes if w is not None else 0)
                    for layer in self._rows.values() for p, w in layer.values())
         whole = sum(_record_bytes(r) for r in (*self._recent.values(), *self._rebuilt.values()))
-        return sum(a.nbytes for a in arrays) + self.spill.memory_bytes() + rows + whole
+        heat = self._heat[3].nbytes + self._heat[4].nbytes if self._heat is not None else 0
+        return sum(a.nbytes for a in arrays) + self.spill.memory_bytes() + rows + whole + heat
 
     # --- queries ---------------------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:
@@ -252,13 +254,7 @@ class Timeline:
         first = max(0, index + 1 - (max_rows or HEATMAP_ROWS))
         n = self.n_positions(index)
         low = max(0, n - (max_columns or HEATMAP_COLUMNS))
-        rows = [self._layer_row(layer, step) for step in range(first, index + 1)]
-        positions = np.stack([p for p, _ in rows]).astype(np.int64)
-        heads = self.info.n_heads
-        weights = np.stack([w if w is not None else np.zeros((heads, positions.shape[1]), np.float16)
-                            for _, w in rows])
-        by_slot = (weights.mean(axis=1, dtype=np.float32) if head is None
-                   else weights[:, head].astype(np.float32))
+        positions, by_slot = self._window(layer, head, first, index)
         count = index + 1 - first
         matrix = np.zeros((count, n - low), dtype=np.float32)
         resident = np.zeros((count, n - low), dtype=bool)
@@ -270,6 +266,32 @@ class Timeline:
         written = self._written[first: index + 1] - low
         evicted = ~resident & (np.arange(n - low)[None, :] < written[:, None])
         return matrix, evicted, first, low
+
+    def _window(self, layer: int, head: int | None, first: int, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Steps first..index of one layer: each slot's position (steps, slots) int32 and its attention
+        (steps, slots) float32, of head `head` or the mean of heads. The last window is kept (HEATMAP_ROWS x
+        slots x 8 bytes at most), so following the newest step reduces one new row, not every row again."""
+        kept = self._heat
+        if kept is not None and kept[:2] == (layer, head) and kept[2] <= first <= kept[2] + len(kept[3]):
+            start, positions, weights = kept[2:]
+            positions = positions[first - start: index + 1 - start]
+            weights = weights[first - start: index + 1 - start]
+        else:
+            positions = weights = None
+        begin = first + (len(positions) if positions is not None else 0)
+        if begin <= index:
+            new = [self._layer_row(layer, step) for step in range(begin, index + 1)]
+            new_positions = np.stack([p for p, _ in new])
+            new_weights = np.stack([np.zeros(p.shape, np.float32) if w is None else
+                                    w.mean(axis=0, dtype=np.float32) if head is None else w[head].astype(np.float32)
+                                    for p, w in new])
+            if positions is None or not len(positions):
+                positions, weights = new_positions, new_weights
+            else:
+                positions = np.concatenate([positions, new_positions])
+                weights = np.concatenate([weights, new_weights])
+        self._heat = (layer, head, first, positions, weights)
+        return positions, weights
 
     def _layer_row(self, layer: int, step: int) -> tuple:
         rows = self._rows.get(layer)
@@ -365,7 +387,7 @@ class _Evictions:
         if isinstance(index, slice):
             start, stop, stride = index.indices(len(self))
             t = self._timeline
-            text, reasons = t.position_text, t._reasons
+            text, reasons = t.position_text, t._reasons.texts
             return [Eviction(step, layer, page, slot, position, text(position), reasons[reason], score)
                     for step, layer, page, slot, position, reason, score in t._evictions[start:stop:stride].tolist()]
         if index < 0:
@@ -375,7 +397,7 @@ class _Evictions:
         t = self._timeline
         e = t._evictions[index]
         return Eviction(int(e["step"]), int(e["layer"]), int(e["page"]), int(e["slot"]), int(e["position"]),
-                        t.position_text(int(e["position"])), t._reasons[e["reason"]], float(e["score"]))
+                        t.position_text(int(e["position"])), t._reasons.texts[e["reason"]], float(e["score"]))
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import QLine, Qt, Signal
 import numpy as np
-from PySide6.QtGui import QAction, QColor, QKeySequence, QPainter, QPen
+from PySide6.QtCore import Qt, Signal
+from PySide6.QtGui import QAction, QColor, QImage, QKeySequence, QPixmap
 from PySide6.QtWidgets import QComboBox, QLabel, QSlider, QStyle, QStyleOptionSlider, QToolBar, QWidget
 
 from .theme import STATE_COLORS, icon
@@ -36,39 +36,65 @@ class TimelineCursor:
 
 
 class MarkedSlider(QSlider):
-    """The timeline slider, with a red tick under every step that evicted (any layer)."""
+    """The timeline slider, with a red tick under every step that evicted (any layer). The ticks are a pixmap
+    in a QLabel child: no Python paintEvent, so Qt paints the slider without taking the GIL, which the worker
+    thread needs for decoding (a Python paintEvent held it through the slider's whole C++ paint)."""
+
+    TICK_HEIGHT = 5
 
     def __init__(self):
         super().__init__(Qt.Horizontal)
         self.marks = np.zeros(0, dtype=np.int64)
-        self._lines, self._lines_key = [], None
+        self.ticks = QLabel(self)
+        self.ticks.setAttribute(Qt.WA_TransparentForMouseEvents)
+        self.ticks.setScaledContents(False)
+        self._ticks_key = None
 
     def set_marks(self, steps: np.ndarray) -> None:
+        """The steps to mark; call it after changing the range too (the ticks move with it)."""
         if len(steps) != len(self.marks):
             self.marks = np.asarray(steps, dtype=np.int64)
-            self.update()
+        self._place_ticks()
 
-    def paintEvent(self, event) -> None:
-        super().paintEvent(event)
-        if not self.marks.size or self.maximum() <= self.minimum():
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._place_ticks()
+
+    def _track(self) -> tuple[float, float]:
+        """(x of the minimum's handle centre, pixels from minimum to maximum): the style's geometry, which
+        changes only with the slider's size."""
+        size = (self.width(), self.height())
+        if getattr(self, "_track_size", None) != size:
+            option = QStyleOptionSlider()
+            self.initStyleOption(option)
+            groove = self.style().subControlRect(QStyle.CC_Slider, option, QStyle.SC_SliderGroove, self)
+            handle = self.style().subControlRect(QStyle.CC_Slider, option, QStyle.SC_SliderHandle, self)
+            self._track_size = size
+            self._track_geometry = (groove.left() + handle.width() / 2, groove.width() - handle.width())
+        return self._track_geometry
+
+    def tick_columns(self) -> np.ndarray:
+        """The pixel columns (slider coordinates) of the ticks, one per column however many steps share it."""
+        left, span = self._track()
+        x = left + (self.marks - self.minimum()) * (span / (self.maximum() - self.minimum()))
+        columns = np.zeros(max(self.width(), 1), dtype=bool)
+        columns[np.clip(np.round(x).astype(np.int64), 0, len(columns) - 1)] = True
+        return np.flatnonzero(columns)
+
+    def _place_ticks(self) -> None:
+        visible = bool(self.marks.size) and self.maximum() > self.minimum()
+        key = (len(self.marks), self.minimum(), self.maximum(), self.width(), self.height()) if visible else None
+        if key == self._ticks_key:
             return
-        option = QStyleOptionSlider()
-        self.initStyleOption(option)
-        groove = self.style().subControlRect(QStyle.CC_Slider, option, QStyle.SC_SliderGroove, self)
-        handle = self.style().subControlRect(QStyle.CC_Slider, option, QStyle.SC_SliderHandle, self)
-        key = (len(self.marks), self.minimum(), self.maximum(), groove.left(), groove.width(), handle.width(),
-               self.height())
-        if key != self._lines_key:  # the ticks move only when marks, range or size change, not with the handle
-            span = groove.width() - handle.width()
-            x = groove.left() + handle.width() / 2 + (self.marks - self.minimum()) * span / (self.maximum() - self.minimum())
-            bottom = self.height() - 1
-            self._lines = [QLine(pixel, bottom - 4, pixel, bottom)  # one line per pixel column
-                           for pixel in np.unique(np.round(x).astype(np.int64)).tolist()]
-            self._lines_key = key
-        painter = QPainter(self)
-        painter.setPen(QPen(QColor(STATE_COLORS[5]), 1))
-        painter.drawLines(self._lines)
-        painter.end()
+        self._ticks_key = key
+        self.ticks.setVisible(visible)
+        if not visible:
+            return
+        strip = np.zeros((self.TICK_HEIGHT, self.width()), dtype=np.uint32)  # transparent ARGB32
+        strip[:, self.tick_columns()] = QColor(STATE_COLORS[5]).rgba()
+        image = QImage(strip.data, strip.shape[1], strip.shape[0], strip.strides[0], QImage.Format_ARGB32)
+        self.ticks.setPixmap(QPixmap.fromImage(image))  # fromImage copies: the array may go
+        self.ticks.setGeometry(0, self.height() - self.TICK_HEIGHT, self.width(), self.TICK_HEIGHT)
 
 
 class TransportBar(QToolBar):

@@ -10,6 +10,7 @@ from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QLabel, QTableWidget, Q
                                QVBoxLayout, QWidget)
 
 from ...engine import ConfigError, EventKind, layer_capacities
+from ...engine.event_array import in_layer
 from .. import theme
 from ..theme import EVICTED, FREE, PINNED, REPLACED, RESIDENT, WRITTEN
 from . import ViewState
@@ -76,8 +77,8 @@ def cell_states(record, layer: int) -> np.ndarray:
     states[record.protected[layer] & (slots >= 0)] = PINNED
     written = np.zeros(slots.shape, dtype=bool)
     evicted = np.zeros(slots.shape, dtype=bool)
-    for event in record.events:
-        if event.layer != layer or event.slot < 0:
+    for event in in_layer(record.events, layer):
+        if event.slot < 0:
             continue
         frame = event.page if frame_of is None else frame_of.get(event.page, -1)
         if frame < 0:
@@ -149,10 +150,10 @@ def disk_states(record, layer: int, n_pages: int) -> np.ndarray:
     frames = frames_of_pages(record, layer)
     for page in record.block_tables[layer]:
         states[page] = 2 if page in frames else 1
-    for event in record.events:
-        if event.layer == layer and event.kind is EventKind.FAULT_IN and event.page < n_pages:
+    for event in in_layer(record.events, layer):
+        if event.kind is EventKind.FAULT_IN and event.page < n_pages:
             states[event.page] = 3
-        elif event.layer == layer and event.kind is EventKind.SWAP_OUT and event.page < n_pages:
+        elif event.kind is EventKind.SWAP_OUT and event.page < n_pages:
             states[event.page] = 4
     return states
 
@@ -332,6 +333,7 @@ class PageGridView(QWidget):
         self.plot.addItem(self.labels)
         self.plot.scene().sigMouseMoved.connect(self._hover)
         self.hover_text = ""
+        self._held_texts: dict[bytes, tuple[int, str]] = {}  # a page's positions -> (tokens, run list)
         # the disk tier, one cell per page id, under the RAM frames (only with a disk tier)
         self.disk = self.graphics.addPlot(row=1, col=0)
         theme.style_plot(self.disk, left="disk", bottom="page id mod 64")
@@ -430,8 +432,7 @@ class PageGridView(QWidget):
         where says the tier and frame, e.g. "RAM 3 · page 17" or "disk · page 17"."""
         slots = record.slot_maps[layer]
         if record.tiers is None:
-            return [(logical, page, int((held := slots[page][slots[page] >= 0]).size), run_list(held))
-                    for logical, page in enumerate(record.block_tables[layer])]
+            return [(logical, page, *self._held(slots[page])) for logical, page in enumerate(record.block_tables[layer])]
         page_map = record.page_map(layer) if layer in record.attention_layers else None
         rows = []
         for logical, (page, frame) in enumerate(zip(record.block_tables[layer], record.tiers.block_frames[layer],
@@ -441,9 +442,20 @@ class PageGridView(QWidget):
             if source is None:
                 rows.append((logical, where, "?", "layer not recorded"))
                 continue
-            held = source[source >= 0]
-            rows.append((logical, where, int(held.size), run_list(held)))
+            rows.append((logical, where, *self._held(source)))
         return rows
+
+    def _held(self, page: np.ndarray) -> tuple[int, str]:
+        """(tokens, run list) of a page's slot positions (-1: empty), kept by content: a step changes a page
+        or two, so the others' texts are looked up, not rebuilt."""
+        key = page.tobytes()
+        found = self._held_texts.get(key)
+        if found is None:
+            if len(self._held_texts) >= 4096:
+                self._held_texts.clear()
+            held = page[page >= 0]
+            found = self._held_texts[key] = (int(held.size), run_list(held))
+        return found
 
     def _show_disk(self, record, layer: int) -> None:
         info = self._state.timeline.info if self._state.timeline is not None else None
@@ -482,8 +494,8 @@ class PageGridView(QWidget):
             frame = frames_of_pages(record, layer).get(page)
             if frame is not None:
                 lines.append(f"cached in RAM frame {frame}")
-        for event in record.events:
-            if event.layer == layer and event.page == page and event.kind in (EventKind.FAULT_IN, EventKind.SWAP_OUT):
+        for event in in_layer(record.events, layer):
+            if event.page == page and event.kind in (EventKind.FAULT_IN, EventKind.SWAP_OUT):
                 lines.append(f"{event.kind.value} (RAM frame {event.frame}): {event.reason}")
         return "\n".join(lines)
 
@@ -547,8 +559,8 @@ class PageGridView(QWidget):
                 lines.append("in float32 (the residual window)" if self.full_precision[page, slot]
                              else f"quantized ({dtype})")
         frame_of = frames_of_pages(record, state.layer)
-        for event in record.events:
-            if event.layer == state.layer and frame_of.get(event.page, -1) == page and event.slot == slot and \
+        for event in in_layer(record.events, state.layer):
+            if frame_of.get(event.page, -1) == page and event.slot == slot and \
                     event.kind is EventKind.EVICT:
                 lines.append(f"evicted position {event.position} "
                              f"({state.timeline.position_text(event.position)!r}): {event.reason}")
