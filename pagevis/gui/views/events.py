@@ -142,7 +142,7 @@ def _dashes(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 class EventsView(QWidget):
     title = "Eviction events"
-    live_interval = 0.5  # while decoding, refresh at most twice a second (a table is read, not watched)
+    live_interval = 1.0  # while decoding, refresh at most once a second (a table is read, not watched)
 
     def __init__(self, parent=None):
         super().__init__(parent)

@@ -57,7 +57,7 @@ def binned_max(x: np.ndarray, y: np.ndarray, limit: int = MAX_DRAWN) -> tuple[np
 
 class MetricsView(QWidget):
     title = "Metrics"
-    live_interval = 0.5  # while decoding, at most twice a second (trends are read, not watched)
+    live_interval = 1.0  # while decoding, at most once a second (trends are read, not watched)
 
     def __init__(self, parent=None):
         super().__init__(parent)
