@@ -144,3 +144,53 @@ class TestSoftmax:
         x = np.random.default_rng(3).standard_normal((4, 7))
         expected = np.exp(x) / np.exp(x).sum(-1, keepdims=True)
         np.testing.assert_allclose(softmax(x.astype(np.float32)), expected, rtol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_sequences_decoding_together_match_dense_float64_each_over_its_own_tokens(data):
+    """attend_many (one batched kernel over several block tables, padded to the longest) against float64
+    dense attention over each sequence's resident tokens; the same weights the one-sequence path gives."""
+    n_kv, group = data.draw(st.sampled_from([1, 3])), data.draw(st.sampled_from([1, 3]))
+    page_size = data.draw(st.sampled_from([1, 4, 16]))
+    max_pages = data.draw(st.integers(1, 6))
+    policy = data.draw(st.sampled_from(["oldest", "sinks", "h2o", "tova"]))
+    config = CacheConfig(page_size=page_size, max_pages=max_pages, n_layers=1, n_heads=n_kv * group,
+                         n_kv_heads=n_kv, head_dim=16, dtype=data.draw(st.sampled_from(["float32", "float16"])),
+                         policy=policy, policy_params={"n_sink": 1} if policy == "sinks" else {})
+    n_seqs = data.draw(st.integers(2, 5))
+    cache = KVCacheManager(config, pool_pages=n_seqs * max_pages)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    stored = {seq: {} for seq in range(n_seqs)}
+    shape = (1, n_kv, config.head_dim)
+
+    def append(seq: int) -> None:
+        position = len(stored[seq])
+        k, v = rng.standard_normal(shape).astype(np.float32), rng.standard_normal(shape).astype(np.float32)
+        stored[seq][position] = (k[0].astype(config.dtype), v[0].astype(config.dtype))
+        cache.append(seq, 0, k, v, np.array([position]))
+
+    for seq in range(n_seqs):
+        cache.add_sequence(seq)
+    # interleaved, unequal lengths: the sequences' pages alternate in the pool and their tables differ
+    for seq in data.draw(st.lists(st.integers(0, n_seqs - 1), min_size=n_seqs, max_size=60)) + list(range(n_seqs)):
+        append(seq)
+    q = (3 * rng.standard_normal((n_seqs, config.n_heads, config.head_dim))).astype(np.float32)
+    positions = np.array([len(stored[seq]) - 1 for seq in range(n_seqs)])
+    results = cache.attend_many(list(range(n_seqs)), 0, q, positions)
+    assert results is not None and len(results) == n_seqs
+    for seq, result in enumerate(results):
+        resident = cache.resident_positions(seq, 0)
+        keys = np.stack([stored[seq][p][0] for p in resident])
+        values = np.stack([stored[seq][p][1] for p in resident])
+        out, weights = dense_attention_f64(q[seq], keys, values)
+        assert relative_error(result.output[0], out) < 1e-5
+        slot_positions = cache.weight_positions(seq, 0, result)
+        occupied = slot_positions >= 0
+        assert np.all(result.weights[0][:, ~occupied] == 0), "empty slots and padding get exactly zero weight"
+        by_position = np.zeros((config.n_heads, len(stored[seq])))
+        by_position[:, slot_positions[occupied]] = result.weights[0][:, occupied]
+        assert relative_error(by_position[:, resident], weights) < 1e-5
+        alone = cache.attend(seq, 0, q[seq: seq + 1], positions[seq: seq + 1])
+        np.testing.assert_array_equal(alone.slots, result.slots)
+        np.testing.assert_allclose(alone.weights, result.weights, rtol=1e-5, atol=1e-7)

@@ -73,6 +73,35 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_bias: np.nda
     return AttentionResult(_ungroup(output, n), _ungroup(weights, n))
 
 
+def attend_decode_batch(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_bias: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """One decode query for each of B sequences, each over its own keys, in one batched product per sweep
+    (not B calls: at SmolLM2's size a decode step's attention was mostly Python per sequence and layer).
+
+    q: (B, n_heads, d); keys, values: (n_kv, B, T, d), every sequence's keys padded to one length T, as a
+    gather through B block tables gives them; key_bias: (B, T), 0 on resident keys, -inf on empty slots and
+    padding. Returns the output (B, n_heads, d) float32 and the weights (B, n_heads, T), exactly 0 on masked
+    keys; a sequence with no visible key gets zeros."""
+    batch, n_heads, d = q.shape
+    n_kv, _, n_keys, _ = keys.shape
+    group = n_heads // n_kv
+    scale = np.float32(1.0 / np.sqrt(d))
+    grouped = np.multiply(q, scale, dtype=np.float32).reshape(batch, n_kv, group, d).transpose(1, 0, 2, 3)
+    scores = np.matmul(grouped, keys.astype(np.float32, copy=False).transpose(0, 1, 3, 2))  # (n_kv, B, group, T)
+    scores += key_bias[None, :, None, :]
+    peak = np.maximum.reduce(scores, axis=-1, keepdims=True) if n_keys else np.full(
+        scores.shape[:-1] + (1,), -np.inf, np.float32)
+    with np.errstate(over="ignore"):
+        np.subtract(scores, np.fmax(peak, LOWEST), out=scores)
+    np.exp(scores, out=scores)
+    total = np.maximum(np.add.reduce(scores, axis=-1, keepdims=True), np.float32(1))
+    output = np.matmul(scores, values.astype(np.float32, copy=False))  # (n_kv, B, group, d)
+    np.divide(scores, total, out=scores)
+    np.divide(output, total, out=output)
+    return (output.transpose(1, 0, 2, 3).reshape(batch, n_heads, d),
+            scores.transpose(1, 0, 2, 3).reshape(batch, n_heads, n_keys))
+
+
 class Partial(NamedTuple):
     """Attention over one part of the keys, in the form that merges exactly with other parts
     (the split-KV trick of flash-decoding)."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import check_int
-from .attention import AttentionResult, attend
+from .attention import AttentionResult, attend, attend_decode_batch
 from .config import MAX_PAGES, CacheConfig
 from .errors import CacheFullError, ConfigError
 from .events import CacheEvent, EventKind
@@ -596,6 +596,44 @@ class KVCacheManager:
         if seq.policy.uses_attention:
             seq.states[layer].observe(result.weights, read)
         return result
+
+    def attend_many(self, seq_ids: list[int], layer: int, q: np.ndarray, positions: np.ndarray
+                    ) -> list[AttentionResult] | None:
+        """`attend` for several sequences that each decode one token (q: (B, n_heads, d), positions (B,)),
+        in one batched kernel over their block tables, padded to the longest. None where that does not
+        apply (one sequence, chunks, a disk tier, quantized pages, a page selection, per-head residency):
+        the caller attends one sequence at a time."""
+        store = self.stores[layer]
+        seqs = [self.sequences[seq_id] for seq_id in seq_ids]
+        if (len(seqs) < 2 or len(self.sequences) < 2 or len(q) != len(seqs) or store.tiered or store.quantized
+                or self.select_pages is not None or any(seq.head_keep[layer] is not None for seq in seqs)):
+            return None
+        tables = [seq.block_tables[layer] for seq in seqs]
+        widest = max(len(table) for table in tables)
+        padded = np.zeros((len(seqs), widest), dtype=np.int64)
+        for row, table in zip(padded, tables, strict=True):
+            row[: len(table)] = table
+        ps = self.page_size
+        flat = (padded[:, :, None] * ps + np.arange(ps)).reshape(len(seqs), widest * ps)
+        bias = store.bias[flat]
+        lengths = np.array([len(table) for table in tables]) * ps
+        bias[np.arange(widest * ps)[None, :] >= lengths[:, None]] = -np.inf  # the padding
+        n_kv, _, _, head_dim = store.k.shape
+        keys = store.k[:, padded].reshape(n_kv, len(seqs), widest * ps, head_dim)
+        values = store.v[:, padded].reshape(n_kv, len(seqs), widest * ps, head_dim)
+        for i, seq in enumerate(seqs):
+            seq.read_slots[layer] = None
+            if seq.policy.uses_queries:
+                seq.states[layer].query(q[i: i + 1], positions[i: i + 1])
+        output, weights = attend_decode_batch(q, keys, values, bias)
+        results = []
+        for i, seq in enumerate(seqs):
+            n = lengths[i]
+            result = AttentionResult(output[i: i + 1], weights[i: i + 1, :, :n], flat[i, :n])
+            if seq.policy.uses_attention:
+                seq.states[layer].observe(result.weights, result.slots)
+            results.append(result)
+        return results
 
     def _read(self, seq: SequenceCache, layer: int, q: np.ndarray, positions: np.ndarray) -> AttentionResult:
         """Attention through the reader: pages on disk, or a page selection (a chunk of several
