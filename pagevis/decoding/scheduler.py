@@ -78,6 +78,9 @@ class Scheduler:
         budget = self.token_budget
         while True:
             plan = self._running_plan(budget)
+            if not self.waiting and sum(cache.pages_bound(r.seq_id, len(tokens)) for r, tokens, _ in plan) \
+                    <= cache.fewest_free():
+                return plan  # fits even at the bound, and nobody waits to be admitted: no exact count needed
             needs = [cache.pages_needed(r.seq_id, len(tokens)) for r, tokens, _ in plan]
             total = np.sum(needs, axis=0) if needs else np.zeros(len(cache.stores), dtype=np.int64)
             if cache.fits(total.tolist()):

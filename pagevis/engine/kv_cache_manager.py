@@ -307,6 +307,16 @@ class KVCacheManager:
             needs.append(need)
         return needs
 
+    def pages_bound(self, seq_id: int, n_tokens: int) -> int:
+        """A cheap upper bound on every layer's `pages_needed`: each of its copy-on-write terms copies at most
+        every page of the table once."""
+        longest = max(len(table) for table in self.sequences[seq_id].block_tables)
+        return 3 * longest + -(-n_tokens // self.page_size)
+
+    def fewest_free(self) -> int:
+        """Free pages of the layer that has the fewest."""
+        return min(store.pages.n_free() for store in self.stores)
+
     def fits(self, needs: list[int]) -> bool:
         """Whether the pool has the pages `needs` (per layer) asks for."""
         return all(need <= store.pages.n_free() for need, store in zip(needs, self.stores, strict=True))
