@@ -51,6 +51,8 @@ def test_attach_rebuilds_the_pools_prefix_cache_from_pagevis_serve(tmp_path):
 
 
 @pytest.mark.parametrize("flag,value,field", [("--kv-events-endpoint", "not-an-endpoint", "kv_events_endpoint"),
+                                              ("--kv-events-endpoint", "tcp://*:99999", "kv_events_endpoint"),
+                                              ("--kv-events-endpoint", "tcp://127.0.0.1:0", "kv_events_endpoint"),
                                               ("--kv-events-replay", "bogus://x", "kv_events_replay")])
 def test_a_bad_kv_events_endpoint_is_one_line_and_exit_2(flag, value, field, capsys):
     from pagevis.cli.main import main
@@ -59,3 +61,5 @@ def test_a_bad_kv_events_endpoint_is_one_line_and_exit_2(flag, value, field, cap
     assert main(["serve", "--model", "synthetic", "--port", "0", *extra, flag, value]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and field in err and value in err and "Traceback" not in err
+    if value.startswith("tcp://"):  # ZMQ would have bound 99999 as port 34463 (mod 65536) without a word
+        assert "a port from 1 to 65535" in err

@@ -31,12 +31,21 @@ def binds(endpoint: str) -> bool:
 
 def _open(socket, endpoint: str, bind: bool, field: str) -> None:
     """Bind or connect, or a ConfigError naming the endpoint (a mistyped one is the user's to fix)."""
+    allowed = "a ZMQ endpoint this process can " + ("bind (tcp://HOST:PORT, tcp://*:PORT, ipc://PATH)" if bind
+                                                    else "connect (tcp://HOST:PORT, ipc://PATH)")
+    if endpoint.startswith("tcp://"):
+        port = endpoint.rpartition(":")[2]
+        wildcard = bind and port == "*"
+        if not wildcard and not (port.isdigit() and 1 <= int(port) <= 65535):
+            # ZMQ itself takes port 99999 as 99999 mod 65536 and binds 34463
+            socket.close(linger=0)
+            raise ConfigError(field, endpoint, f"{allowed} with a port from 1 to 65535"
+                              f"{' or *' if bind else ''}")
     try:
         (socket.bind if bind else socket.connect)(endpoint)
     except zmq.ZMQError as error:
         socket.close(linger=0)
-        raise ConfigError(field, endpoint, f"a ZMQ endpoint this process can {'bind' if bind else 'connect'} "
-                          f"(tcp://HOST:PORT, tcp://*:PORT, ipc://PATH): {error.strerror}") from None
+        raise ConfigError(field, endpoint, f"{allowed}: {error.strerror}") from None
 
 
 class KVEventPublisher:
