@@ -418,3 +418,20 @@ def test_hostile_trace_files_are_reported_not_raised(qtbot, window):
         assert not window.open_trace(str(hostile / name))
         assert name in window.messages.toPlainText().splitlines()[-1]
     assert window.open_trace(str(hostile / "valid.pvtrace")) and window.runner.state == "replay"
+
+
+def test_the_gui_bench_breakdown_times_each_entry_point_into_python(qtbot, window):
+    from PySide6.QtWidgets import QSlider
+
+    from pagevis.gui.bench import UiClock
+
+    clock = UiClock()
+    clock.instrument(window)
+    window.runner.step(6)
+    qtbot.waitUntil(lambda: not window.runner.busy, timeout=20000)
+    window.redraw()
+    qtbot.waitUntil(lambda: clock.seconds.get("paint: Page grid", 0) > 0, timeout=5000)
+    for label in ("records arrive (timeline)", "update: Page grid", "update: Attention", "transport, narration"):
+        assert clock.seconds.get(label, 0) > 0, label
+    # instrumenting adds no Python paintEvent where Qt paints alone (that would take the GIL it measures)
+    assert "paintEvent" not in vars(window.transport.slider) and type(window.transport.slider).paintEvent is QSlider.paintEvent
