@@ -48,7 +48,6 @@ class Engine:
         self.cache = KVCacheManager(self.cache_config, pool_pages, self.batch.prefix_caching)
         self.scheduler = Scheduler(self.cache, self.batch.max_seqs, self.batch.token_budget, max_chunk)
         self.requests: dict[int, Request] = {}
-        self.finished: list[int] = []
         self.n_steps = 0
         self.last_plan: dict[int, tuple[list[int], int]] = {}  # seq -> (tokens fed, first position), last step
         self.last_logits: dict[int, np.ndarray] = {}  # seq -> logits of its last row fed, last step
@@ -305,7 +304,6 @@ class Engine:
 
     def _end(self, request: Request, reason: str) -> None:
         request.stop_reason = reason
-        self.finished.append(request.seq_id)
         self._ended.append(request.seq_id)
 
     def _record(self, started: float) -> BatchRecord:

@@ -274,7 +274,6 @@ class EngineCore:
                 order.resolve(_internal(order.session.request.error))
             else:
                 order.resolve()
-        self.engine.finished.clear()  # the engine's list of every request that ended: nothing here reads it
 
     def _refuse(self, error: CacheFullError) -> None:
         active = [r for r in self.engine.scheduler.running if not r.paused]
