@@ -177,8 +177,9 @@ def test_sequences_decoding_together_match_dense_float64_each_over_its_own_token
         append(seq)
     q = (3 * rng.standard_normal((n_seqs, config.n_heads, config.head_dim))).astype(np.float32)
     positions = np.array([len(stored[seq]) - 1 for seq in range(n_seqs)])
+    assert cache.can_attend_many(list(range(n_seqs)), 0)
     results = cache.attend_many(list(range(n_seqs)), 0, q, positions)
-    assert results is not None and len(results) == n_seqs
+    assert len(results) == n_seqs
     for seq, result in enumerate(results):
         resident = cache.resident_positions(seq, 0)
         keys = np.stack([stored[seq][p][0] for p in resident])

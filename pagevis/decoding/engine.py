@@ -246,14 +246,12 @@ class Engine:
             out = np.empty_like(q)
             # One request: every row is its own, however the model splits its forward (compare's pieces).
             pieces = [(segments[0][0], 0, len(q))] if len(segments) == 1 else segments
-            decoding = len(pieces) > 1 and all(end - start == 1 for _, start, end in pieces)
-            if decoding:  # every sequence decodes one token: append them all, then one batched attention
+            ids = [seq_id for seq_id, _, _ in pieces]
+            if all(end - start == 1 for _, start, end in pieces) and cache.can_attend_many(ids, layer):
+                # every sequence decodes one token: write them all, then one batched attention
                 for seq_id, start, end in pieces:
                     cache.append(seq_id, layer, k[start:end], v[start:end], positions[start:end])
-                results = cache.attend_many([seq_id for seq_id, _, _ in pieces], layer, q, positions)
-                if results is None:
-                    results = [cache.attend(seq_id, layer, q[start:end], positions[start:end])
-                               for seq_id, start, end in pieces]
+                results = cache.attend_many(ids, layer, q, positions)
             else:
                 results = []
                 for seq_id, start, end in pieces:

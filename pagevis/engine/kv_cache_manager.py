@@ -607,17 +607,20 @@ class KVCacheManager:
             seq.states[layer].observe(result.weights, read)
         return result
 
+    def can_attend_many(self, seq_ids: list[int], layer: int) -> bool:
+        """Whether `attend_many` serves these sequences: several of them in a shared pool, pages in RAM and
+        unquantized, no page selection, no per-head residency."""
+        store = self.stores[layer]
+        return (len(seq_ids) > 1 and len(self.sequences) > 1 and not (store.tiered or store.quantized)
+                and self.select_pages is None
+                and all(self.sequences[seq_id].head_keep[layer] is None for seq_id in seq_ids))
+
     def attend_many(self, seq_ids: list[int], layer: int, q: np.ndarray, positions: np.ndarray
-                    ) -> list[AttentionResult] | None:
+                    ) -> list[AttentionResult]:
         """`attend` for several sequences that each decode one token (q: (B, n_heads, d), positions (B,)),
-        in one batched kernel over their block tables, padded to the longest. None where that does not
-        apply (one sequence, chunks, a disk tier, quantized pages, a page selection, per-head residency):
-        the caller attends one sequence at a time."""
+        in one batched kernel over their block tables, padded to the longest. Only where `can_attend_many`."""
         store = self.stores[layer]
         seqs = [self.sequences[seq_id] for seq_id in seq_ids]
-        if (len(seqs) < 2 or len(self.sequences) < 2 or len(q) != len(seqs) or store.tiered or store.quantized
-                or self.select_pages is not None or any(seq.head_keep[layer] is not None for seq in seqs)):
-            return None
         tables = [seq.block_tables[layer] for seq in seqs]
         widest = max(len(table) for table in tables)
         padded = np.zeros((len(seqs), widest), dtype=np.int64)
