@@ -44,7 +44,7 @@ class RecordSpill:
         self._offsets = np.zeros((0, len(PARTS) + 1), dtype=np.int64)
         self._small = np.zeros(0, dtype=SMALL)
         self._timings = np.zeros((0, len(TIMINGS)), dtype=np.float64)
-        self._strings = Strings()  # the policy names and reasons events carry, interned
+        self.strings = Strings()  # the policy names and reasons events carry, interned
         self.count = 0
         self.shape: tuple[int, int, int] | None = None  # (layers, pages, page_size)
         self.n_heads = 0
@@ -60,7 +60,8 @@ class RecordSpill:
         return self._offsets.nbytes + self._small.nbytes + self._timings.nbytes
 
     # --- writing ---------------------------------------------------------------------------------
-    def append(self, record: StepRecord) -> None:
+    def append(self, record: StepRecord) -> np.ndarray:
+        """Write the record; return its events as the rows written (texts coded in `strings`)."""
         if self.shape is None:
             self.shape = record.slot_maps.shape
             self.n_heads = record.attention[0].shape[0] if record.attention else 0
@@ -69,7 +70,7 @@ class RecordSpill:
         tables = np.full((layers, width), -1, dtype=np.int32)
         for layer, table in enumerate(record.block_tables):
             tables[layer, : len(table)] = table
-        events = to_rows(record.events, self._strings)
+        events = to_rows(record.events, self.strings)
         attention = (np.stack(record.attention).astype(np.float16, copy=False) if record.attention
                      else np.zeros((0,), np.float16))
         tiers = record.tiers
@@ -100,6 +101,7 @@ class RecordSpill:
         self._timings = _grow(self._timings, self.count)
         self._timings[self.count] = [record.timings.get(name, np.nan) for name in TIMINGS]
         self.count += 1
+        return events
 
     # --- reading ---------------------------------------------------------------------------------
     def _part(self, index: int, name: str, dtype, start: int = 0, count: int | None = None) -> np.ndarray:
@@ -157,7 +159,7 @@ class RecordSpill:
         weights = part("attention", np.float16)
         attention = weights.reshape(len(attention_layers), self.n_heads, -1) if attention_layers else ()
         tables = part("block_tables", np.int32).reshape(layers, -1)
-        events = EventArray(part("events", EVENT_DTYPE), self._strings)
+        events = EventArray(part("events", EVENT_DTYPE), self.strings)
         s = self._small[index]
         floats = part("recall", np.float32)
         by_head = floats[layers:] if part("tier_counts", np.int64).size and s["has_oracle"] else floats

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..decoding import SessionConfig, StepRecord
 from ..engine import EventKind
-from ..engine.event_array import KINDS, Strings, to_rows
+from ..engine.event_array import KINDS
 from .spill import RecordSpill, _grow
 
 KEEP = 8  # newest records kept whole in memory
@@ -93,7 +93,6 @@ class Timeline:
         self._written = np.zeros(0, dtype=np.int64)  # per record: positions written so far
         self._evictions = np.zeros(0, dtype=EVICTION_DTYPE)
         self._n_evictions = 0
-        self._reasons = Strings()  # the evictions' reasons (and policies), by code
         self.evictions = _Evictions(self)
         self._per_layer = np.zeros((0, info.n_layers), dtype=np.int32)  # evictions per (record, layer)
         self._pages = np.zeros((0, info.n_layers), dtype=np.int32)  # pages in use per (record, layer)
@@ -122,7 +121,7 @@ class Timeline:
         self._per_layer[index] = 0
         self._pages = _grow(self._pages, index)
         self._pages[index] = [len(table) for table in record.block_tables]
-        rows = to_rows(record.events, self._reasons)
+        rows = self.spill.append(record)  # the events as rows, texts coded in the spill's table
         evicted = rows[rows["kind"] == EVICT]
         if len(evicted):
             start, end = self._n_evictions, self._n_evictions + len(evicted)
@@ -142,7 +141,6 @@ class Timeline:
             n_tokens / total if total > 0 else float("nan"),
             oracle.kl if oracle else float("nan"), float(oracle.top1_agree) if oracle else float("nan"),
             oracle.lost_attention if oracle else float("nan"), *_tier_series(record))
-        self.spill.append(record)
         self._recent[index] = record
         self._recent.pop(index - KEEP, None)
         self._count += 1
@@ -387,7 +385,7 @@ class _Evictions:
         if isinstance(index, slice):
             start, stop, stride = index.indices(len(self))
             t = self._timeline
-            text, reasons = t.position_text, t._reasons.texts
+            text, reasons = t.position_text, t.spill.strings.texts
             return [Eviction(step, layer, page, slot, position, text(position), reasons[reason], score)
                     for step, layer, page, slot, position, reason, score in t._evictions[start:stop:stride].tolist()]
         if index < 0:
@@ -397,7 +395,7 @@ class _Evictions:
         t = self._timeline
         e = t._evictions[index]
         return Eviction(int(e["step"]), int(e["layer"]), int(e["page"]), int(e["slot"]), int(e["position"]),
-                        t.position_text(int(e["position"])), t._reasons.texts[e["reason"]], float(e["score"]))
+                        t.position_text(int(e["position"])), t.spill.strings.texts[e["reason"]], float(e["score"]))
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
