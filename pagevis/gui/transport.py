@@ -49,6 +49,7 @@ class MarkedSlider(QSlider):
         self.ticks.setAttribute(Qt.WA_TransparentForMouseEvents)
         self.ticks.setScaledContents(False)
         self._ticks_key = None
+        self._track_size, self._track_geometry = None, (0.0, 0.0)
 
     def set_marks(self, steps: np.ndarray) -> None:
         """The steps to mark; call it after changing the range too (the ticks move with it)."""
@@ -64,7 +65,7 @@ class MarkedSlider(QSlider):
         """(x of the minimum's handle centre, pixels from minimum to maximum): the style's geometry, which
         changes only with the slider's size."""
         size = (self.width(), self.height())
-        if getattr(self, "_track_size", None) != size:
+        if self._track_size != size:
             option = QStyleOptionSlider()
             self.initStyleOption(option)
             groove = self.style().subControlRect(QStyle.CC_Slider, option, QStyle.SC_SliderGroove, self)
