@@ -1,8 +1,6 @@
 """EngineState against a brute-force reference (a dict of resident blocks), and its bounds and snapshots."""
 
 import random
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -185,14 +183,6 @@ def test_token_storage_is_four_bytes_a_token():
     cols = state.snapshot().blocks
     assert {len(t) for t in cols.tokens} == {64}
     assert np.array_equal(cols.token_ids(5), [5 + i for i in range(16)])
-
-
-def test_the_attach_package_imports_no_qt():
-    code = ("import sys, pagevis.attach, pagevis.attach.state, pagevis.attach.events; "
-            "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('PySide6', 'shiboken6', 'pyqtgraph', 'superqt', 'qtpy') or m.startswith('pagevis.gui'))))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
-    assert out.stdout.strip() == ""
 
 
 def test_removal_memory_and_hot_table_are_bounded():

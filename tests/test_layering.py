@@ -147,15 +147,25 @@ def test_the_check_sees_lazy_and_relative_imports(tmp_path):
     assert allowed("settings", "pagevis.engine.policies") and not allowed("settings", "pagevis.engine.cache")
 
 
-@pytest.mark.parametrize("package", ["pagevis.engine", "pagevis.model", "pagevis.decoding", "pagevis.trace"])
+def loaded(modules: str, gui_too: bool) -> str:
+    """The Qt modules (and, unless gui_too, pagevis.gui modules) that importing `modules` loads."""
+    gui = "" if gui_too else " or m.startswith('pagevis.gui')"
+    code = f"import sys, {modules}; print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in {QT!r}{gui})))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          timeout=60).stdout.strip()
+
+
+@pytest.mark.parametrize("package", ["pagevis.engine", "pagevis.model", "pagevis.decoding", "pagevis.trace",
+                                     "pagevis.attach, pagevis.attach.state, pagevis.attach.events"])
 def test_core_packages_import_no_qt(package):
-    code = (
-        f"import sys, {package}; "
-        f"qt = sorted(m for m in sys.modules if m.split('.')[0] in {QT!r} or m.startswith('pagevis.gui')); "
-        "print(','.join(qt))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "", f"{package} imported {out.stdout.strip()}"
+    found = loaded(package, gui_too=False)
+    assert found == "", f"{package} imported {found}"
+
+
+def test_the_attach_window_s_adapter_imports_no_qt():
+    # the gui package's modules that the attach window's model runs on, off the UI thread
+    found = loaded("pagevis.gui.attach_model, pagevis.gui.views.forest_layout", gui_too=True)
+    assert found == "", f"imported {found}"
 
 
 def test_the_settings_table_loads_without_the_engine():

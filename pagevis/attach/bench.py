@@ -163,11 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     rows.append((f"snapshot of {resident:,} blocks: with blocks / without", f"{1000 * full:,.0f} ms / "
                  f"{1000 * light:,.1f} ms", "-"))
     print(f"{events:,} events in {batches:,} batches; Python {sys.version.split()[0]}, {os.cpu_count()} cores")
-    width = max(len(r[0]) for r in rows)
-    print(f"{'measure':<{width}}  {'result':<46}  target")
-    for name, value, target in rows:
-        print(f"{name:<{width}}  {value:<46}  {target}")
+    print_targets(rows, 46)
     return 0
+
+
+def print_targets(rows: list[tuple[str, str, str]], result_width: int) -> None:
+    """(measure, result, target) rows as an aligned table."""
+    width = max(len(r[0]) for r in rows)
+    print(f"{'measure':<{width}}  {'result':<{result_width}}  target")
+    for name, value, target in rows:
+        print(f"{name:<{width}}  {value:<{result_width}}  {target}")
 
 
 if __name__ == "__main__":

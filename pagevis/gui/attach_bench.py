@@ -28,6 +28,8 @@ import time
 
 import numpy as np
 
+from ..attach.bench import print_targets
+
 BLOCK = 16
 HASH0 = 1 << 40
 STREAM_BLOCKS = 5_000  # resident blocks of the stream's own (on top of the preload)
@@ -318,10 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Python {sys.version.split()[0]}, {os.cpu_count()} cores (load average {load:.1f} at the end), Qt "
           f"platform {os.environ.get('QT_QPA_PLATFORM')}, GIL switch interval {1000 * sys.getswitchinterval():g} ms;"
           f" streams of {seconds:g} s, publisher at niceness {PUBLISHER_NICE}")
-    width = max(len(r[0]) for r in rows)
-    print(f"{'measure':<{width}}  {'result':<52}  target")
-    for name, value, target in rows:
-        print(f"{name:<{width}}  {value:<52}  {target}")
+    print_targets(rows, 52)
     return 0
 
 
