@@ -2,7 +2,7 @@
 
 import sys
 
-from .cli.main import main
+from pagevis.cli.main import main
 
 __all__ = ["main"]
 

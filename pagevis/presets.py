@@ -14,10 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from importlib import resources
 
-from .decoding import SamplingConfig, SessionConfig
-from .decoding.server_run import ServerConfig
-from .decoding.workload import WorkloadConfig
-from .errors import ConfigError
+from pagevis.engine import SamplingConfig, SessionConfig
+from pagevis.simserver.run import ServerConfig
+from pagevis.simserver.workload import WorkloadConfig
+from pagevis.errors import ConfigError
 
 DEFAULT_CONFIG = SessionConfig()  # the settings table's defaults
 SYNTHETIC_PROMPT = "Pages fill, then tokens leave."  # 80 byte tokens with the chat template, of 96 slots
@@ -105,7 +105,7 @@ class ServerPreset:
     description: str
     workload: WorkloadConfig
     server: ServerConfig
-    compare: str = ""  # a key of pagevis.decoding.server_run.COMPARES
+    compare: str = ""  # a key of pagevis.simserver.run.COMPARES
     page_size: int = 16
     capacity: int = 2048  # tokens per request
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ConfigError, check_int
+from pagevis.errors import ConfigError, check_int
 
 MAX_PAGE_SIZE = 4096
 MAX_PAGES = 1 << 20
@@ -50,7 +50,7 @@ SECTIONS = {"cache": "KV cache", "tiers": "disk tier and page selection (docs/me
 
 def policy_names() -> tuple[str, ...]:
     """The eviction policies, from the engine's registry (read when asked: the engine imports this table)."""
-    from .engine.policies import POLICIES
+    from pagevis.kvcache.policies import POLICIES
 
     return tuple(POLICIES)
 

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     from pagevis.attach.playback import Playback
     from pagevis.attach.recording import read_recording
-    from pagevis.gui.attach_window import screenshot
+    from pagevis.gui.attach.window import screenshot
 
     detokenizer = None
     if args.tokenizer:

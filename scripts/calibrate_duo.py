@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pagevis.engine.policies.duo import DuoAttention
+from pagevis.kvcache.policies.duo import DuoAttention
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "texts/pride-and-prejudice-ch1-6.txt"

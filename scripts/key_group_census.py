@@ -18,7 +18,7 @@ import numpy as np
 
 
 def census(model, ids, policy: str, budget: int, dtype: str, residual: int, page_size: int = 16) -> dict:
-    from pagevis.decoding import DecodeSession, SessionConfig
+    from pagevis.engine import DecodeSession, SessionConfig
 
     config = SessionConfig(page_size=page_size, max_pages=budget // page_size, policy=policy, dtype=dtype,
                            residual=residual, max_new_tokens=1, chat=False, record_layers=(), oracle=False)

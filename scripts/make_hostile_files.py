@@ -32,7 +32,7 @@ BOMB_BYTES = 3 << 29  # 1.5 GiB
 # --- a valid trace to mutate --------------------------------------------------------------------------
 
 def base_trace(path: Path) -> Path:
-    from pagevis.decoding import DecodeSession, ModelSpec, SessionConfig
+    from pagevis.engine import DecodeSession, ModelSpec, SessionConfig
     from pagevis.trace import write_trace
 
     spec = ModelSpec(kind="synthetic", n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, seed=1)

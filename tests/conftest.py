@@ -14,7 +14,7 @@ def private_settings(request, tmp_path):
         return
     from PySide6.QtCore import QSettings
 
-    from pagevis.gui import theme
+    from pagevis.gui.widgets import theme
 
     qapp = request.getfixturevalue("qapp")
     QSettings.setDefaultFormat(QSettings.IniFormat)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from PySide6.QtCore import QSettings
 
-from pagevis.decoding import ModelSpec, SessionConfig
+from pagevis.engine import ModelSpec, SessionConfig
 
 SYNTH = ModelSpec(kind="synthetic", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=1)
 PROMPT = "hello paged world"  # 17 byte tokens
@@ -16,7 +16,7 @@ CONFIG = SessionConfig(page_size=4, max_pages=4, policy="sinks", max_new_tokens=
 
 
 def make_window(qtbot, tmp_path, spec=SYNTH, prompt=PROMPT, config=CONFIG, restore=False):
-    from pagevis.gui.mainwindow import MainWindow
+    from pagevis.gui.session.window import MainWindow
 
     settings = QSettings(str(tmp_path / "gui.ini"), QSettings.IniFormat)
     window = MainWindow(settings=settings, restore=restore)
@@ -31,7 +31,7 @@ def make_window(qtbot, tmp_path, spec=SYNTH, prompt=PROMPT, config=CONFIG, resto
 
 def write_synthetic_trace(tmp_path, steps: int):
     """A trace of `steps` steps of the small synthetic session, written to tmp_path: its path and the session."""
-    from pagevis.decoding import DecodeSession
+    from pagevis.engine import DecodeSession
     from pagevis.trace import write_trace
 
     session = DecodeSession(SYNTH.load(), PROMPT, CONFIG)

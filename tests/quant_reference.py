@@ -1,4 +1,4 @@
-"""A brute-force reference of quantized K/V storage, sharing no code with pagevis.engine.quant: scalar
+"""A brute-force reference of quantized K/V storage, sharing no code with pagevis.kvcache.quant: scalar
 float16 rounding, loops over heads, channels and groups, and a plain list for the residual window.
 
 The rules it implements (docs/quantization.md):

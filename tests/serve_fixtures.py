@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import httpx
 import uvicorn
 
-from pagevis.decoding import ModelSpec
+from pagevis.engine import ModelSpec
 from pagevis.serve.app import Server, create_app
 from pagevis.serve.settings import ServeSettings
 

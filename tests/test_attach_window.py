@@ -17,8 +17,8 @@ from metrics_endpoint import metrics_endpoint
 from pagevis.attach import BlockRemoved, BlockStored, encode_batch
 from pagevis.attach.playback import Playback
 from pagevis.attach.recording import LIVE, Recorder, read_recording
-from pagevis.gui.views.forest_layout import layout_forest, subtree
-from pagevis.gui.views.forest_rows import REMOVED, SHARED, ColourClass, ForestRow, ForestRows
+from pagevis.viewmodel.forest_layout import layout_forest, subtree
+from pagevis.viewmodel.forest_rows import REMOVED, SHARED, ColourClass, ForestRow, ForestRows
 
 DATA = pathlib.Path(__file__).parent / "data" / "kv_events"
 TOPIC = "kv-events"
@@ -112,7 +112,7 @@ def test_a_million_rows_collapse_to_the_budget():
 
 # --- the view on plain rows (what a server window would give it) ------------------------------------------------
 def test_the_forest_view_renders_plain_rows(qtbot):
-    from pagevis.gui.views.prefix_forest import PrefixForestView
+    from pagevis.gui.widgets.prefix_forest import PrefixForestView
 
     classes = (ColourClass("RAM", "#4fa3ff"), ColourClass("disk", "#3ddc84"))
     rows = ForestRows.from_rows([ForestRow("a", None, 16, 0, "block a"), ForestRow("b", "a", 16, 0, "block b"),
@@ -135,7 +135,7 @@ def test_the_forest_view_renders_plain_rows(qtbot):
 def windows(qapp):
     """Every window a test opens, closed at its end (held here: a window collected while its threads run would
     destroy running QThreads); each must leave no thread running."""
-    from pagevis.gui import theme
+    from pagevis.gui.widgets import theme
 
     theme.configure_pyqtgraph()
     opened = []
@@ -155,13 +155,13 @@ def show(qtbot, window, windows):
 
 
 def open_recording(qtbot, windows, path, **kwargs):
-    from pagevis.gui.attach_window import open_window
+    from pagevis.gui.attach.window import open_window
 
     return show(qtbot, open_window(playback=Playback(read_recording(path)), **kwargs), windows)
 
 
 def goto(window, position):
-    from pagevis.gui.attach_window import wait_for_position
+    from pagevis.gui.attach.window import wait_for_position
 
     window.scrub(position)
     assert wait_for_position(window, position, WAIT_MS / 1000), f"the window never showed message {position}"
@@ -315,7 +315,7 @@ def publishers():
 
 def open_live(qtbot, windows, pubs, **kwargs):
     from pagevis.attach.subscriber import Source
-    from pagevis.gui.attach_window import open_window
+    from pagevis.gui.attach.window import open_window
 
     window = show(qtbot, open_window(sources=[Source(p.endpoint, p.replay_endpoint, TOPIC) for p in pubs], **kwargs),
                   windows)
@@ -407,7 +407,7 @@ def test_metrics_are_plotted_beside_the_events(qtbot, windows, publishers):
 
 def test_a_bad_endpoint_or_metrics_url_is_shown_not_raised(qtbot, windows):
     from pagevis.attach.subscriber import Source
-    from pagevis.gui.attach_window import open_window
+    from pagevis.gui.attach.window import open_window
 
     window = show(qtbot, open_window(sources=[Source("tcp://no-port-here")], metrics_url="http://127.0.0.1:9/metrics"),
                   windows)
@@ -419,7 +419,7 @@ def test_a_bad_endpoint_or_metrics_url_is_shown_not_raised(qtbot, windows):
 
 def test_the_cli_opens_this_window_with_its_arguments(monkeypatch, tmp_path):
     from pagevis.cli.main import main
-    from pagevis.gui import attach_window
+    from pagevis.gui.attach import window as attach_window
 
     calls = []
     monkeypatch.setattr(attach_window, "launch", lambda **kwargs: calls.append(kwargs) or 0)

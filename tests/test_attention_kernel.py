@@ -9,8 +9,8 @@ from engine_reference import dense_attention_f64
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagevis.engine import attend, attend_part, merge
-from pagevis.engine import attention as kernel
+from pagevis.kvcache import attend, attend_part, merge
+from pagevis.kvcache import attention as kernel
 
 
 def relative_error(actual, expected):

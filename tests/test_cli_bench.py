@@ -52,7 +52,7 @@ def test_bench_bad_arguments(capsys):
 def test_transformers_row_reads_the_script_json(tmp_path):
     """The transformers benchmark runs in another interpreter; a stand-in prints what the script prints."""
     from pagevis.bench.suite import transformers_row
-    from pagevis.decoding import ModelSpec
+    from pagevis.engine import ModelSpec
 
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\necho '{\"tokens_per_s\": 4.5, \"tokens\": 8, \"threads\": 2, \"versions\": {}}'\n")
@@ -78,8 +78,8 @@ def test_decode_share_above_the_read_floor_is_flagged(monkeypatch, capsys):
     """A decode faster than the read bandwidth allows is impossible: the report says so."""
     from pagevis.bench import suite
     from pagevis.cli.bench import format_report
-    from pagevis.decoding import ModelSpec
-    from pagevis.model import speed
+    from pagevis.engine import ModelSpec
+    from pagevis.bench import bandwidth as speed
 
     monkeypatch.setattr(speed, "measure_read_bandwidth", lambda nbytes: {"gemv": 1e3, "reduce": 1e3, "read": 1e3})
     row = suite.decode_row(ModelSpec(kind="synthetic", n_layers=1), n_tokens=2, probe_bytes=1 << 20)

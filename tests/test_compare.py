@@ -10,8 +10,8 @@ import pytest
 
 from pagevis.__main__ import main
 from pagevis.bench import quality
-from pagevis.decoding import DecodeSession, ModelSpec, SessionConfig
-from pagevis.decoding.sampling import log_softmax
+from pagevis.engine import DecodeSession, ModelSpec, SessionConfig
+from pagevis.engine.sampling import log_softmax
 from pagevis.model import DenseAttention
 
 SPEC = ModelSpec(kind="synthetic", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=2)

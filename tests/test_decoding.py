@@ -4,8 +4,8 @@ records when things are, and an oracle whose numbers mean what they say."""
 import numpy as np
 import pytest
 
-from pagevis.decoding import DecodeSession, ModelSpec, SamplingConfig, SessionConfig, Sampler
-from pagevis.engine import CacheFullError, ConfigError, EventKind
+from pagevis.engine import DecodeSession, ModelSpec, SamplingConfig, SessionConfig, Sampler
+from pagevis.kvcache import CacheFullError, ConfigError, EventKind
 from pagevis.model import DenseAttention
 
 SYNTH = ModelSpec(kind="synthetic", n_layers=3, n_heads=6, n_kv_heads=2, head_dim=16, seed=1)

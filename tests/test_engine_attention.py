@@ -5,7 +5,7 @@ from engine_reference import dense_attention_f64
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagevis.engine import CacheConfig, KVCacheManager, attend, softmax
+from pagevis.kvcache import CacheConfig, KVCacheManager, attend, softmax
 
 
 @st.composite

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pagevis.engine import CacheConfig, ConfigError, POLICIES, policy_params
+from pagevis.kvcache import CacheConfig, ConfigError, POLICIES, policy_params
 
 BASE = dict(page_size=16, max_pages=8, n_layers=2, n_heads=6, n_kv_heads=3, head_dim=16)
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from model_fixtures import smollm2  # noqa: F401 - a fixture
-from pagevis.decoding import DecodeSession, SessionConfig
-from pagevis.engine import CacheConfig, ConfigError, EventKind, KVCacheManager
+from pagevis.engine import DecodeSession, SessionConfig
+from pagevis.kvcache import CacheConfig, ConfigError, EventKind, KVCacheManager
 
 N_KV, HEAD_DIM, N_HEADS = 2, 4, 4
 
@@ -171,7 +171,7 @@ def test_a_swap_folder_that_cannot_be_written_is_a_clear_error(tmp_path):
 SCRIPT = textwrap.dedent("""
     import json, os, resource, signal, sys, time
     import numpy as np
-    from pagevis.decoding import DecodeSession, ModelSpec, SessionConfig
+    from pagevis.engine import DecodeSession, ModelSpec, SessionConfig
     mode, swap_dir = sys.argv[1], sys.argv[2]
     model = ModelSpec(kind="synthetic", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16).load()
     config = SessionConfig(page_size=4, max_pages=2, disk_pages=64, policy="none", max_new_tokens=200,
@@ -243,7 +243,7 @@ def test_quest_reads_the_pages_with_the_highest_key_bounds(seed):
     """The selection against the definition: per query head, u(page) = Σᵢ max(qᵢ·minᵢ, qᵢ·maxᵢ) over
     the page's keys (an upper bound of every q·k on it); shares = softmax over pages; a page is worth its
     largest share; the newest page plus the k-1 worth most."""
-    from pagevis.engine.reader import quest_pages
+    from pagevis.kvcache.reader import quest_pages
 
     rng = np.random.default_rng(seed)
     cache = tiered(page_size=4, ram=3, disk=20, select="quest", select_pages=5)

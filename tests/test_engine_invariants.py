@@ -5,7 +5,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from pagevis.engine import CacheConfig, EventKind, KVCacheManager
+from pagevis.kvcache import CacheConfig, EventKind, KVCacheManager
 
 N_LAYERS, N_KV, HEAD_DIM = 2, 2, 4
 

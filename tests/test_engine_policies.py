@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from engine_reference import dense_attention_f64
-from pagevis.engine import CacheConfig, CacheFullError, ConfigError, EventKind, KVCacheManager
+from pagevis.kvcache import CacheConfig, CacheFullError, ConfigError, EventKind, KVCacheManager
 
 N_KV, GROUP, HEAD_DIM = 2, 2, 8
 N_HEADS = N_KV * GROUP
@@ -455,7 +455,7 @@ class PerHeadBruteForce:
 
 
 def adakv_policy(scorer, budget, safeguard_pct=20):
-    from pagevis.engine.policies import POLICIES, AdaKV
+    from pagevis.kvcache.policies import POLICIES, AdaKV
 
     return AdaKV(budget=budget, safeguard_pct=safeguard_pct).wrap(POLICIES[scorer]())
 
@@ -576,7 +576,7 @@ def test_per_head_policies_refuse_a_disk_tier_and_quest():
 
 
 def duo_cache(page_size, max_pages, n_layers, scores, **params):
-    from pagevis.engine.policies import DuoAttention
+    from pagevis.kvcache.policies import DuoAttention
 
     config = CacheConfig(page_size=page_size, max_pages=max_pages, n_layers=n_layers, n_heads=N_HEADS,
                          n_kv_heads=N_KV, head_dim=HEAD_DIM, policy="sinks")
@@ -654,13 +654,13 @@ def test_duo_budget_gives_retrieval_heads_what_streaming_heads_leave():
 
 
 def test_duo_ships_a_calibration_for_smollm2_only():
-    from pagevis.engine.policies.duo import shipped_calibration
+    from pagevis.kvcache.policies.duo import shipped_calibration
 
     shipped = shipped_calibration()
     scores = np.array(shipped["scores"])
     assert scores.shape == (30, 3) and (scores > 0).all()
     config = CacheConfig(page_size=16, max_pages=4, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, policy="duo")
-    from pagevis.engine import make_policy
+    from pagevis.kvcache import make_policy
 
     policy = make_policy(config)
     assert policy.streaming.sum() == 45
@@ -693,8 +693,8 @@ def test_duo_calibration_measures_what_streaming_changes():
 def test_layer_capacities_of_duo_follow_the_model_layout():
     """The page grid's per-layer capacities: duo with a budget sizes each layer by its streaming heads; without
     the layout (a trace that does not say) the calibration does not apply and the settings refuse it."""
-    from pagevis.decoding import SessionConfig
-    from pagevis.engine import layer_capacities
+    from pagevis.engine import SessionConfig
+    from pagevis.kvcache import layer_capacities
 
     settings = SessionConfig(page_size=16, max_pages=8, policy="duo", policy_params={"budget": 64})
     capacities = layer_capacities(settings, 30, 9, 3)

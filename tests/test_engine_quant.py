@@ -17,8 +17,8 @@ from hypothesis.stateful import initialize, invariant
 from test_pool_invariants import SharedPoolMachine
 from quant_reference import GROUP, QuantReference, f16_down, f16_up, kivi_keys
 
-from pagevis.engine import POLICIES, CacheConfig, KVCacheManager
-from pagevis.engine import quant
+from pagevis.kvcache import POLICIES, CacheConfig, KVCacheManager
+from pagevis.kvcache import quant
 
 QUANTIZED = ("int8", "int4", "int2")
 
@@ -390,7 +390,7 @@ def test_quantizing_a_shared_page_copies_it_first():
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_every_policy_decodes_with_int4(policy):
-    from pagevis.decoding import DecodeSession, SessionConfig
+    from pagevis.engine import DecodeSession, SessionConfig
     from pagevis.model.synthetic import SyntheticModel
 
     model = SyntheticModel(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=3)
@@ -420,7 +420,7 @@ def test_every_policy_decodes_with_int4(policy):
 
 @pytest.mark.parametrize("dtype", ["int8", "int4"])
 def test_parallel_samples_with_quantized_storage_decode_what_each_decodes_alone(dtype):
-    from pagevis.decoding import DecodeSession, Engine, SamplingConfig, SessionConfig
+    from pagevis.engine import DecodeSession, Engine, SamplingConfig, SessionConfig
     from pagevis.model.synthetic import SyntheticModel
 
     model = SyntheticModel(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=1)
@@ -587,7 +587,7 @@ def test_per_head_masks_over_quantized_pages_equal_dense_float64_per_head(dtype,
     """AdaKV drops (KV head, token) entries: over quantized pages, read a block at a time, each KV head's
     queries attend exactly the dequantized tokens that head keeps (dense float64 per head, from the
     brute-force reference)."""
-    from pagevis.engine.policies import make_policy
+    from pagevis.kvcache.policies import make_policy
 
     config = CacheConfig(page_size=4, max_pages=30, dtype=dtype, residual=3, n_layers=1, n_heads=4, n_kv_heads=2,
                          head_dim=16, policy="adakv", policy_params={"budget": 50})

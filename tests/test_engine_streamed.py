@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagevis.engine import attend, attend_part, merge, rescale
+from pagevis.kvcache import attend, attend_part, merge, rescale
 
 
 def relative_error(actual, expected):

@@ -3,9 +3,9 @@ event-by-event definitions they replace."""
 
 import numpy as np
 
-from pagevis.engine import EventKind
-from pagevis.engine.event_array import EventArray, Strings, in_layer, to_rows
-from pagevis.engine.events import CacheEvent
+from pagevis.kvcache import EventKind
+from pagevis.kvcache.event_array import EventArray, Strings, in_layer, to_rows
+from pagevis.kvcache.events import CacheEvent
 
 
 def some_events(seed: int = 0, n: int = 200) -> list[CacheEvent]:

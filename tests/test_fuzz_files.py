@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagevis.errors import ConfigError
-from pagevis.gui.timeline import timeline_from_trace
+from pagevis.viewmodel.timeline import timeline_from_trace
 from pagevis.model import ModelLoadError, load_model
 from pagevis.trace import TraceError, read_trace
 
@@ -47,7 +47,7 @@ def _disk_tier_trace() -> bytes:
     """A format-version-2 trace with a disk tier (swap_out / fault_in events, tier arrays), written now."""
     import tempfile
 
-    from pagevis.decoding import DecodeSession, ModelSpec, SessionConfig
+    from pagevis.engine import DecodeSession, ModelSpec, SessionConfig
     from pagevis.trace import write_trace
 
     spec = ModelSpec(kind="synthetic", n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, seed=1)

@@ -16,8 +16,8 @@ import pytest
 pytest.importorskip("pytestqt")
 from PySide6.QtCore import QSettings, Qt, QThreadPool  # noqa: E402
 
-from pagevis.decoding import ModelSpec, SamplingConfig, SessionConfig  # noqa: E402
-from pagevis.gui.theme import PINNED, REPLACED, RESIDENT, WRITTEN  # noqa: E402
+from pagevis.engine import ModelSpec, SamplingConfig, SessionConfig  # noqa: E402
+from pagevis.gui.widgets.theme import PINNED, REPLACED, RESIDENT, WRITTEN  # noqa: E402
 
 from gui_helpers import CONFIG, PROMPT, SYNTH, make_window, step, write_synthetic_trace  # noqa: E402
 
@@ -151,7 +151,7 @@ def test_play_pause_loses_no_record_and_redraws_throttled(qtbot, window):
 
 
 def test_frames_are_paced_at_max_speed_but_a_chosen_playback_speed_draws_every_step(qtbot, window, monkeypatch):
-    from pagevis.gui import mainwindow
+    from pagevis.gui.session import window as mainwindow
 
     # as if the UI had used more than its share: the pace falls to its slowest, 5 frames a second
     monkeypatch.setattr(window, "_pace", lambda: mainwindow.MAX_FRAME_INTERVAL)
@@ -266,7 +266,7 @@ def test_close_while_playing_stops_the_worker(qtbot, tmp_path):
 
 
 def test_settings_restore_the_last_configuration(qtbot, tmp_path):
-    from pagevis.gui.mainwindow import MainWindow
+    from pagevis.gui.session.window import MainWindow
 
     window = make_window(qtbot, tmp_path)
     window.controls.max_pages.setValue(6)
@@ -283,7 +283,7 @@ def test_controls_are_made_from_the_settings_table(qtbot):
     """Each control of a setting takes its range, default and tooltip from the table; the saved settings
     are the table's JSON form (and the flat sampling keys saved before the table still restore)."""
     from pagevis import settings
-    from pagevis.gui.controls import ControlsPanel
+    from pagevis.gui.session.controls import ControlsPanel
 
     controls = ControlsPanel()
     qtbot.addWidget(controls)
@@ -348,7 +348,7 @@ def test_smollm2_loads_without_freezing_and_decodes(qtbot, tmp_path):
     from PySide6.QtCore import QElapsedTimer, QTimer
 
     config = SessionConfig(page_size=8, max_pages=8, policy="sinks", max_new_tokens=8)
-    from pagevis.gui.mainwindow import MainWindow
+    from pagevis.gui.session.window import MainWindow
 
     window = MainWindow(settings=QSettings(str(tmp_path / "gui.ini"), QSettings.IniFormat), restore=False)
     qtbot.addWidget(window)
@@ -366,7 +366,7 @@ def test_smollm2_loads_without_freezing_and_decodes(qtbot, tmp_path):
     gaps.sort()
     # The UI kept ticking while the model loaded on the worker (a load on the UI thread would let no tick
     # through until it ended). How late the ticks are is a speed figure, measured by `python -m
-    # pagevis.gui.bench` (target p90 < 100 ms), not asserted here: this machine is shared and noisy.
+    # pagevis.bench.gui.app` (target p90 < 100 ms), not asserted here: this machine is shared and noisy.
     assert len(gaps) > 20
     step(qtbot, window, 3)
     assert window.timeline.info.n_layers == 30
@@ -423,7 +423,7 @@ def test_hostile_trace_files_are_reported_not_raised(qtbot, window):
 def test_the_gui_bench_breakdown_times_each_entry_point_into_python(qtbot, window):
     from PySide6.QtWidgets import QSlider
 
-    from pagevis.gui.bench import UiClock
+    from pagevis.bench.gui.app import UiClock
 
     clock = UiClock()
     clock.instrument(window)

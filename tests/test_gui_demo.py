@@ -17,7 +17,7 @@ from PySide6.QtGui import QWheelEvent  # noqa: E402
 from PySide6.QtWidgets import QApplication  # noqa: E402
 
 from pagevis.cli import options  # noqa: E402
-from pagevis.decoding import DecodeSession, ModelSpec  # noqa: E402
+from pagevis.engine import DecodeSession, ModelSpec  # noqa: E402
 from pagevis.presets import DEFAULT_CONFIG, PRESETS, default_prompt, find_preset  # noqa: E402
 
 
@@ -31,7 +31,7 @@ def first_eviction(model, prompt: str, config) -> int | None:
 
 
 def test_cli_and_app_start_from_the_same_defaults(qtbot, tmp_path):
-    from pagevis.gui.mainwindow import MainWindow
+    from pagevis.gui.session.window import MainWindow
 
     parser = argparse.ArgumentParser()
     options.add_session_options(parser)
@@ -152,7 +152,7 @@ def test_leaving_a_replay_asks_first(qtbot, tmp_path):
 
 
 def test_a_restart_clears_the_messages_of_the_session_before(qtbot, tmp_path):
-    from pagevis.decoding import SessionConfig
+    from pagevis.engine import SessionConfig
 
     config = SessionConfig(page_size=4, max_pages=2, policy="none", max_new_tokens=20, chat=False)
     window = make_window(qtbot, tmp_path, config=config)
@@ -166,8 +166,8 @@ def test_a_restart_clears_the_messages_of_the_session_before(qtbot, tmp_path):
 
 
 def test_ab_shows_two_grids_whose_slot_maps_equal_two_headless_runs(qtbot, window):
-    from pagevis.decoding import SessionConfig
-    from pagevis.gui.views.page_grid import cell_states
+    from pagevis.engine import SessionConfig
+    from pagevis.gui.widgets.page_grid import cell_states
 
     a = SessionConfig(page_size=4, max_pages=4, policy="oldest", max_new_tokens=30, chat=False)
     b = SessionConfig(page_size=2, max_pages=8, policy="sinks", max_new_tokens=30, chat=False, oracle=True)
@@ -223,7 +223,7 @@ def test_head_labels_name_their_kv_head_and_small_multiples_group_by_it(qtbot, w
 
 
 def test_narration_block_table_and_slider_marks_tell_what_happened(qtbot, window):
-    from pagevis.gui.views.page_grid import parse_run_list
+    from pagevis.viewmodel.run_list import parse_run_list
 
     step(qtbot, window, 4)
     window.scrub(1)  # the step whose prompt token evicted position 4 (sinks keep 0-3)
@@ -246,7 +246,7 @@ def test_narration_block_table_and_slider_marks_tell_what_happened(qtbot, window
 def test_slider_ticks_sit_under_the_handle_at_each_marked_step_and_need_no_python_to_paint(qtbot):
     from PySide6.QtWidgets import QSlider, QStyle, QStyleOptionSlider
 
-    from pagevis.gui.transport import MarkedSlider
+    from pagevis.gui.widgets.transport import MarkedSlider
 
     assert MarkedSlider.paintEvent is QSlider.paintEvent  # Qt paints it in C++, without the worker's GIL
     slider = MarkedSlider()
@@ -282,7 +282,7 @@ def test_slider_ticks_sit_under_the_handle_at_each_marked_step_and_need_no_pytho
 
 
 def test_block_table_lists_the_scattered_positions_of_a_token_level_policy():
-    from pagevis.gui.views.page_grid import parse_run_list, run_list
+    from pagevis.viewmodel.run_list import parse_run_list, run_list
 
     assert run_list([40, 41, 3, 0, 1, 2, 17, 43, 42]) == "0–3, 17, 40–43"
     assert parse_run_list("0–3, 17, 40–43") == [0, 1, 2, 3, 17, 40, 41, 42, 43]
@@ -310,7 +310,7 @@ def test_the_window_fits_a_projector_without_clipped_text(qtbot, tmp_path):
 
 
 def test_long_metrics_are_drawn_binned_without_losing_a_burst():
-    from pagevis.gui.views.metrics import MAX_DRAWN, binned_max, strided
+    from pagevis.gui.widgets.metrics import MAX_DRAWN, binned_max, strided
 
     x = np.arange(5 * MAX_DRAWN, dtype=np.float64)
     y = np.zeros_like(x)
@@ -321,7 +321,7 @@ def test_long_metrics_are_drawn_binned_without_losing_a_burst():
 
 
 def test_text_tints_only_the_most_attended_and_the_colour_scale_can_be_fixed(qtbot, window):
-    from pagevis.gui.views.text import TOP_K
+    from pagevis.gui.widgets.text import TOP_K
 
     step(qtbot, window, 6)
     tinted = [t for t in window.text.tints if t.alpha > 0]

@@ -17,8 +17,8 @@ import pytest
 pytest.importorskip("pytestqt")
 from gui_helpers import CONFIG, make_window, step
 
-from pagevis.gui.theme import FREE
-from pagevis.gui.views import EMPTY_HINT
+from pagevis.gui.widgets.theme import FREE
+from pagevis.viewmodel.view_state import EMPTY_HINT
 
 
 @pytest.fixture
@@ -72,10 +72,10 @@ import json, sys
 from PySide6.QtCore import QSettings, QRect
 from PySide6.QtWidgets import QApplication
 app = QApplication([])
-from pagevis.gui import theme
+from pagevis.gui.widgets import theme
 theme.apply(app)
-from pagevis.decoding import ModelSpec, SessionConfig
-from pagevis.gui.mainwindow import MainWindow
+from pagevis.engine import ModelSpec, SessionConfig
+from pagevis.gui.session.window import MainWindow
 
 def measure(window):
     app.processEvents()
@@ -142,7 +142,7 @@ def test_while_the_model_loads_the_views_show_the_pool_it_will_have(qtbot, tmp_p
     from gui_helpers import PROMPT, SYNTH
     from PySide6.QtCore import QSettings
 
-    from pagevis.gui.mainwindow import MainWindow
+    from pagevis.gui.session.window import MainWindow
 
     window = MainWindow(settings=QSettings(str(tmp_path / "gui.ini"), QSettings.IniFormat), restore=False)
     qtbot.addWidget(window)

@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("pytestqt")
 
-from pagevis.decoding import DecodeSession  # noqa: E402
-from pagevis.gui.views.histogram import BINS_PER_DECADE, EDGES, weight_histogram  # noqa: E402
+from pagevis.engine import DecodeSession  # noqa: E402
+from pagevis.gui.widgets.histogram import BINS_PER_DECADE, EDGES, weight_histogram  # noqa: E402
 
 from gui_helpers import CONFIG, PROMPT, SYNTH, make_window, step  # noqa: E402
 
@@ -83,7 +83,7 @@ def test_weights_view_shows_the_selected_step(qtbot, tmp_path):
 def test_the_spill_file_keeps_the_per_head_lost_attention(tier):
     """The timeline's spill file gives back the oracle's per-head shares (after the tier recall, with a disk
     tier) exactly."""
-    from pagevis.gui.spill import RecordSpill
+    from pagevis.viewmodel.spill import RecordSpill
 
     session = DecodeSession(SYNTH.load(), PROMPT, dataclasses.replace(ORACLE, max_new_tokens=4, **tier))
     spill = RecordSpill()

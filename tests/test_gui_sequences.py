@@ -11,7 +11,7 @@ pytest.importorskip("pytestqt")
 from gui_helpers import CONFIG, PROMPT, make_window  # noqa: E402
 from PySide6.QtCore import Qt  # noqa: E402
 
-from pagevis.gui.views.sequences import page_cells  # noqa: E402
+from pagevis.gui.sequences.view import page_cells  # noqa: E402
 
 SEQ_CONFIG = replace(CONFIG, max_pages=12, policy="none", max_new_tokens=8)  # 17-token prompt: 4 full pages + 1
 
@@ -82,7 +82,7 @@ def test_fork_from_a_recorded_step_and_the_cached_queue(qtbot, tmp_path):
 
 
 def test_sequences_view_needs_a_model_and_reports_a_small_pool(qtbot, tmp_path):
-    from pagevis.gui.mainwindow import MainWindow
+    from pagevis.gui.session.window import MainWindow
 
     window = MainWindow(restore=False, persist=False)
     qtbot.addWidget(window)

@@ -8,9 +8,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from pagevis.decoding import DecodeSession, ModelSpec, SessionConfig
-from pagevis.gui import timeline as timeline_module
-from pagevis.gui.timeline import SessionInfo, Timeline
+from pagevis.engine import DecodeSession, ModelSpec, SessionConfig
+from pagevis.viewmodel import timeline as timeline_module
+from pagevis.viewmodel.timeline import SessionInfo, Timeline
 
 SPEC = ModelSpec(kind="synthetic", n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, seed=2)
 

@@ -83,7 +83,7 @@ def test_writing_a_trace_holds_one_array_at_a_time(tmp_path):
     largest array (attention), not a copy of everything (it was 3.7x the records before)."""
     import tracemalloc
 
-    from pagevis.decoding import DecodeSession, ModelSpec, SessionConfig
+    from pagevis.engine import DecodeSession, ModelSpec, SessionConfig
     from pagevis.trace import write_trace
 
     spec = ModelSpec(kind="synthetic", n_layers=6, n_heads=4, n_kv_heads=2, head_dim=16, seed=1)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagevis.decoding import DecodeSession, SessionConfig
-from pagevis.decoding.session import encode_prompt
+from pagevis.engine import DecodeSession, SessionConfig
+from pagevis.engine.session import encode_prompt
 from pagevis.model import ByteTokenizer
 
 from model_fixtures import smollm2  # noqa: F401  (fixture)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from pagevis.model import set_blas_threads
-from pagevis.model.speed import measure_copy_bandwidth, measure_decode_speed, weight_bytes_per_token
+from pagevis.bench.bandwidth import measure_copy_bandwidth, measure_decode_speed, weight_bytes_per_token
 from pagevis.model.synthetic import SyntheticModel
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pagevis.bench.optimal import FutureAttention
-from pagevis.engine import CacheConfig, EventKind, KVCacheManager
+from pagevis.kvcache import CacheConfig, EventKind, KVCacheManager
 
 
 def brute_force_evictions(attention, capacity):

@@ -12,13 +12,7 @@ from pathlib import Path
 import pytest
 
 from pagevis import platform_check
-from pagevis.platform_check import (
-    PACKAGES,
-    Verdict,
-    candidate_platforms,
-    check,
-    parse_ldd,
-)
+from pagevis.platform_check import PACKAGES, Verdict, candidate_platforms, check, parse_ldd
 
 # glibc's ldd on PySide6 6.11's libqxcb.so on a Debian 12 without libxcb-icccm4 and libxcb-keysyms1
 # (abridged; the real listing repeats a missing library once per library that needs it)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagevis.decoding import DecodeSession, ModelSpec, SessionConfig
-from pagevis.engine.quant import storage_text
+from pagevis.engine import DecodeSession, ModelSpec, SessionConfig
+from pagevis.kvcache.quant import storage_text
 from pagevis.trace import read_trace, record_differences, write_trace
 
 SPEC = ModelSpec(kind="synthetic", n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, seed=2)
@@ -50,7 +50,7 @@ def test_a_quantized_run_round_trips_through_a_trace(dtype, tmp_path):
 
 @pytest.mark.parametrize("pages,page_size", [(16, 4), (1, 2)])  # (1, 2): 6 flags, packed into one byte
 def test_the_spill_file_keeps_the_full_precision_flags(pages, page_size):
-    from pagevis.gui.spill import RecordSpill
+    from pagevis.viewmodel.spill import RecordSpill
 
     session = quantized_session(steps=45, max_pages=pages, page_size=page_size, residual=0,
                                 policy="oldest" if pages * page_size < 8 else "sinks")
@@ -84,8 +84,8 @@ def test_the_app_shows_a_quantized_cache(qtbot, tmp_path):
     pytest.importorskip("pytestqt")
     from gui_helpers import SYNTH, make_window, step
 
-    from pagevis.gui.mainwindow import memory_text
-    from pagevis.gui.views.page_grid import FULL_PRECISION_COLOR, cell_image
+    from pagevis.gui.session.window import memory_text
+    from pagevis.gui.widgets.page_grid import FULL_PRECISION_COLOR, cell_image
 
     config = SessionConfig(page_size=4, max_pages=16, policy="sinks", dtype="int4", residual=4, max_new_tokens=80,
                            chat=False)

@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_fixtures import smollm2  # noqa: F401  (fixture)
 
-from pagevis.decoding import DecodeSession, SamplingConfig, SessionConfig
-from pagevis.decoding import Engine
-from pagevis.decoding.batch import BatchConfig
-from pagevis.engine import CacheFullError, ConfigError
-from pagevis.engine.prefix_cache import prefix_hashes
+from pagevis.engine import DecodeSession, SamplingConfig, SessionConfig
+from pagevis.engine import Engine
+from pagevis.engine.batch import BatchConfig
+from pagevis.kvcache import CacheFullError, ConfigError
+from pagevis.kvcache.prefix_cache import prefix_hashes
 from pagevis.model.dense import DenseAttention
 from pagevis.model.synthetic import SyntheticModel
 

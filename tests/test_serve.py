@@ -13,7 +13,7 @@ import pytest
 from serve_fixtures import SYNTH, running_server
 
 from pagevis.cli.main import main
-from pagevis.decoding import DecodeSession, SamplingConfig, SessionConfig
+from pagevis.engine import DecodeSession, SamplingConfig, SessionConfig
 from pagevis.trace import read_trace, record_differences
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from serve_fixtures import SYNTH, running_server
 from test_serve_load import scrape, value
 
-from pagevis.decoding import DecodeSession, SamplingConfig, SessionConfig
+from pagevis.engine import DecodeSession, SamplingConfig, SessionConfig
 
 SHARED = "A shared system prompt about pages of keys and values, long enough to fill several pages. "
 # (prompt, cache settings, temperature, seed, max_tokens)

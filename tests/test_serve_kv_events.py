@@ -12,7 +12,7 @@ import pytest
 
 from serve_fixtures import running_server
 
-from pagevis.engine.prefix_cache import prefix_hashes
+from pagevis.kvcache.prefix_cache import prefix_hashes
 
 
 def test_attach_rebuilds_the_pools_prefix_cache_from_pagevis_serve(tmp_path):

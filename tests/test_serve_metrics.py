@@ -14,7 +14,7 @@ from serve_fixtures import SYNTH
 from test_serve_load import scrape, value
 
 from pagevis.cli.main import main
-from pagevis.decoding import DecodeSession, SessionConfig
+from pagevis.engine import DecodeSession, SessionConfig
 from pagevis.observe import Metrics, serve_metrics
 
 
@@ -118,7 +118,7 @@ def test_run_serves_metrics_while_it_runs(capsys):
 
 def test_app_sessions_feed_metrics(qtbot):
     from pagevis.gui import _observe_sessions
-    from pagevis.gui.mainwindow import MainWindow
+    from pagevis.gui.session.window import MainWindow
 
     window = MainWindow(restore=False, persist=False)
     qtbot.addWidget(window)
@@ -138,7 +138,7 @@ def test_app_sessions_feed_metrics(qtbot):
 
 
 def test_core_never_imports_the_server_and_metrics_never_import_fastapi():
-    code = ("import sys, pagevis.engine, pagevis.model, pagevis.decoding, pagevis.observe, pagevis.cli.run; "
+    code = ("import sys, pagevis.kvcache, pagevis.model, pagevis.engine, pagevis.observe, pagevis.cli.run; "
             "bad = [m for m in sys.modules if m.startswith(('fastapi', 'uvicorn', 'starlette', 'pagevis.serve.app'))]; "
             "print(','.join(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

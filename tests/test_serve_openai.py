@@ -9,7 +9,7 @@ import pytest
 from model_fixtures import smollm2  # noqa: F401  (fixture)
 from serve_fixtures import SYNTH, running_server
 
-from pagevis.decoding import DecodeSession, SamplingConfig, SessionConfig
+from pagevis.engine import DecodeSession, SamplingConfig, SessionConfig
 from pagevis.serve.openai_api import StopMatcher
 
 

@@ -10,10 +10,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from pagevis.decoding import ModelSpec, RunControl, run
-from pagevis.decoding.server_run import ServerConfig, ServerPair, ServerRun, side_configs
-from pagevis.decoding.workload import ArrivalSchedule, WorkloadConfig, follow_up_id
-from pagevis.engine import ConfigError, EventKind
+from pagevis.engine import ModelSpec, RunControl, run
+from pagevis.simserver.run import ServerConfig, ServerPair, ServerRun, side_configs
+from pagevis.simserver.workload import ArrivalSchedule, WorkloadConfig, follow_up_id
+from pagevis.kvcache import ConfigError, EventKind
 from pagevis.presets import SERVER_PRESETS, ServerPreset, find_server_preset
 
 SYNTH = ModelSpec(kind="synthetic", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=1)
@@ -151,8 +151,8 @@ def test_a_small_pool_preempts_and_the_preempted_recompute(model):
 
 
 def test_the_forest_is_the_pools_prefix_cache_with_parents_by_the_engines_own_hash(model):
-    from pagevis.decoding.pool_forest import REMOVED
-    from pagevis.engine.prefix_cache import ROOT_HASH, page_hash
+    from pagevis.simserver.forest import REMOVED
+    from pagevis.kvcache.prefix_cache import ROOT_HASH, page_hash
 
     _, (server,) = sides(model, preset(n=6))
     hits = []
@@ -186,7 +186,7 @@ pytest.importorskip("pytestqt")
 
 
 def window(qtbot, model, p: ServerPreset):
-    from pagevis.gui.server_window import ServerWindow
+    from pagevis.gui.server.window import ServerWindow
 
     w = ServerWindow(model, p, realtime=False)
     qtbot.addWidget(w)
@@ -197,8 +197,8 @@ def window(qtbot, model, p: ServerPreset):
 
 def check_views_against_the_engine(w) -> None:
     """Every view of every side against the engine's live state after the step just taken."""
-    from pagevis.decoding.pool_forest import REMOVED
-    from pagevis.gui.views.server_pool import pool_cells
+    from pagevis.simserver.forest import REMOVED
+    from pagevis.gui.server.pool import pool_cells
 
     for server in w.sides:
         if server.side not in w.latest:  # an A/B side that has not stepped yet
@@ -352,7 +352,7 @@ def test_server_demo_screenshot_from_the_command_line(qtbot, tmp_path):
 # --- attached to a running `pagevis serve` --------------------------------------------------------------------
 
 def test_metrics_series_from_pagevis_serve_metrics_text():
-    from pagevis.gui.server_attach import MetricsSeries, parse_serve_metrics
+    from pagevis.gui.server.attached import MetricsSeries, parse_serve_metrics
     from pagevis.observe import Metrics
     from prometheus_client import generate_latest
 
@@ -377,7 +377,7 @@ def test_metrics_series_from_pagevis_serve_metrics_text():
 def test_the_window_attached_to_pagevis_serve_shows_its_cache_and_metrics(qtbot):
     from serve_fixtures import running_server
 
-    from pagevis.gui.server_attach import AttachedServerWindow, parse_serve_metrics
+    from pagevis.gui.server.attached import AttachedServerWindow, parse_serve_metrics
 
     with running_server(kv_events_endpoint="tcp://127.0.0.1:*", kv_events_replay="tcp://127.0.0.1:*",
                         pool_pages=64) as running:

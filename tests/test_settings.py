@@ -10,9 +10,9 @@ import pytest
 
 from pagevis import settings
 from pagevis.cli import options
-from pagevis.decoding import SamplingConfig, SessionConfig
-from pagevis.decoding.batch import BatchConfig
-from pagevis.engine import CacheSettings, ConfigError
+from pagevis.engine import SamplingConfig, SessionConfig
+from pagevis.engine.batch import BatchConfig
+from pagevis.kvcache import CacheSettings, ConfigError
 from pagevis.presets import DEFAULT_CONFIG, PRESETS
 from pagevis.serve.requests import CacheSettings as CacheRequest
 from pagevis.serve.requests import SessionRequest

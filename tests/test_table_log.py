@@ -5,7 +5,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagevis.decoding.table_log import TableLog
+from pagevis.engine.table_log import TableLog
 
 
 @settings(max_examples=60, deadline=None)

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagevis.decoding import DecodeSession, ModelSpec, SamplingConfig, SessionConfig
+from pagevis.engine import DecodeSession, ModelSpec, SamplingConfig, SessionConfig
 from pagevis.trace import Trace, TraceError, VERSION, read_trace, record_differences, write_trace
 
 SPEC = ModelSpec(kind="synthetic", n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, seed=1)

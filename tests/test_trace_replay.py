@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("pytestqt")
 from PySide6.QtCore import QSettings  # noqa: E402
 
-from pagevis.decoding import ModelSpec, SessionConfig  # noqa: E402
+from pagevis.engine import ModelSpec, SessionConfig  # noqa: E402
 
 SYNTH = ModelSpec(kind="synthetic", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=4)
 CONFIG = SessionConfig(page_size=4, max_pages=3, policy="h2o", max_new_tokens=12, chat=False)
@@ -16,7 +16,7 @@ CONFIG = SessionConfig(page_size=4, max_pages=3, policy="h2o", max_new_tokens=12
 
 @pytest.fixture
 def window(qtbot, tmp_path, qapp):
-    from pagevis.gui.mainwindow import MainWindow
+    from pagevis.gui.session.window import MainWindow
 
     QSettings.setDefaultFormat(QSettings.IniFormat)
     QSettings.setPath(QSettings.IniFormat, QSettings.UserScope, str(tmp_path / "settings"))

@@ -5,8 +5,16 @@ No Qt here (tests/test_attach_state.py checks): the window renders `EngineState.
 - state.py: `EngineState`, `Fleet`: the blocks, forest, counters, rates, lifetimes, hot prefixes, snapshots.
 """
 
-from .events import AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, DecodeError, decode_payload, encode_batch
-from .state import EngineSnapshot, EngineState, Fleet, FleetSnapshot, StateLimits
+from pagevis.attach.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodedBatch,
+    DecodeError,
+    decode_payload,
+    encode_batch,
+)
+from pagevis.attach.state import EngineSnapshot, EngineState, Fleet, FleetSnapshot, StateLimits
 
 __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "DecodeError", "DecodedBatch", "EngineSnapshot",
            "EngineState", "Fleet", "FleetSnapshot", "StateLimits", "decode_payload", "encode_batch"]

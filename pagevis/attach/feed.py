@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .events import DecodeError, decode_payload
-from .state import EngineState
+from pagevis.attach.events import DecodeError, decode_payload
+from pagevis.attach.state import EngineState
 
 END_SEQ = -1
 MAX_SEQ = 2**63 - 1

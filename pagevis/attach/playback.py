@@ -9,10 +9,10 @@ fixtures) split replies at the end marker.
 
 from __future__ import annotations
 
-from .feed import END_SEQ, EndpointFeed, Replayed, parse_replay_reply
-from .events import DecodeError
-from .recording import LIVE, Recording
-from .state import Fleet, StateLimits
+from pagevis.attach.feed import END_SEQ, EndpointFeed, Replayed, parse_replay_reply
+from pagevis.attach.events import DecodeError
+from pagevis.attach.recording import LIVE, Recording
+from pagevis.attach.state import Fleet, StateLimits
 
 
 class Playback:

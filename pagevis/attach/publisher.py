@@ -18,9 +18,9 @@ from collections import deque
 
 import zmq
 
-from ..errors import ConfigError
+from pagevis.errors import ConfigError
 
-from .events import encode_batch, seq_bytes
+from pagevis.attach.events import encode_batch, seq_bytes
 
 END_MARKER = (b"", seq_bytes(-1), b"")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-from .events import MAX_PAYLOAD_BYTES
+from pagevis.attach.events import MAX_PAYLOAD_BYTES
 
 MAGIC = b"PAGEVIS-KVEV"
 FORMAT = "pagevis-kv-events"

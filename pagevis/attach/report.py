@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .state import EngineSnapshot, FleetSnapshot
+from pagevis.attach.state import EngineSnapshot, FleetSnapshot
 
 
 def hash_json(value: Any) -> Any:

@@ -27,7 +27,7 @@ before it, the first one's is `parent_block_hash`.
 Storage, and the memory bound: blocks live in slots (rows). Per slot: hash, parent hash and extras as object
 references, token ids packed as one `bytes` of little-endian uint32 (4 bytes a token), and numeric columns in
 `array.array` (tier, block size, seq, ts, parent slot, sibling links: 30 bytes). Children are a linked list per
-parent hash (no set per block). Measured by `python -m pagevis.attach.bench`: see docs/attach.md (target
+parent hash (no set per block). Measured by `python -m pagevis.bench.attach`: see docs/attach.md (target
 ≤ 1 GB RSS at 1 M resident blocks of 16 tokens). Everything else is bounded by `StateLimits`: resident blocks
 per engine (`max_blocks`; more stores are dropped and counted), the batch history ring, recent hashes,
 lifetimes sample, hot table, removal memory.
@@ -49,8 +49,15 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .events import STORED_EXTRAS, AllBlocksCleared, BlockRemoved, BlockStored, DecodedBatch, pack_tokens
-from .events import _ClearedArray, _RemovedArray, _StoredArray
+from pagevis.attach.events import (
+    STORED_EXTRAS,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    DecodedBatch,
+    pack_tokens,
+)
+from pagevis.attach.events import _ClearedArray, _RemovedArray, _StoredArray
 
 GPU = "GPU"
 MAX_TIERS = 64  # distinct (medium, group) pairs per engine; more are refused as decode errors

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import zmq
 
-from .events import MAX_PAYLOAD_BYTES, DecodeError
-from .feed import END_SEQ, EndpointFeed, Replayed, parse_replay_reply
-from .recording import LIVE, REPLAY, Recorder
-from .state import Fleet, StateLimits
+from pagevis.attach.events import MAX_PAYLOAD_BYTES, DecodeError
+from pagevis.attach.feed import END_SEQ, EndpointFeed, Replayed, parse_replay_reply
+from pagevis.attach.recording import LIVE, REPLAY, Recorder
+from pagevis.attach.state import Fleet, StateLimits
 
 RCV_HWM = 100_000  # messages a SUB socket queues while a replay runs (vLLM's PUB hwm)
 REPLAY_IDLE_S = 2.0  # a replay that sends nothing for this long is over (partial)

@@ -39,9 +39,9 @@ def _hugging_face(path: Path) -> Detokenizer:
 
 
 def _gguf(path: Path) -> Detokenizer:
-    from ..model.errors import ModelLoadError
-    from ..model.gguf_file import field_contents, open_gguf, read_metadata
-    from ..model.gguf_loader import LONG_ARRAY, tokenizer_from_reader
+    from pagevis.model.errors import ModelLoadError
+    from pagevis.model.gguf_file import field_contents, open_gguf, read_metadata
+    from pagevis.model.gguf_loader import LONG_ARRAY, tokenizer_from_reader
 
     try:
         reader = open_gguf(path)

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from ..engine import CacheConfig, KVCacheManager, attend
+from pagevis.kvcache import CacheConfig, KVCacheManager, attend
 
 CONTEXTS = (32, 128, 512, 1024, 2048, 4096, 8192)
 PAGE_SIZES = (8, 16, 32, 64)

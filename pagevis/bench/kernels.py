@@ -2,7 +2,7 @@
 against the read bandwidth (and torch's SDPA when torch is installed).
 
 Batched decode here is the model's own: one `forward` over the rows of m sequences (`logit_rows`), each row
-attending over its own DenseAttention. It does not go through pagevis.decoding (the engine's batch session),
+attending over its own DenseAttention. It does not go through pagevis.engine (the engine's batch session),
 so it measures the kernels alone. A decode step reads every weight once whatever m is, so the floor of a step
 is weight bytes / read bandwidth; m rows add 2 x parameters x m FLOPs, which is what the blocked products
 (pagevis.model.matmul) keep cheap. Run `python -m pagevis.bench.kernels`.
@@ -15,9 +15,9 @@ import time
 
 import numpy as np
 
-from ..model import DenseAttention
-from ..model.matmul import GEMM_ONLY
-from ..model.speed import measure_read_bandwidth
+from pagevis.model import DenseAttention
+from pagevis.model.matmul import GEMM_ONLY
+from pagevis.bench.bandwidth import measure_read_bandwidth
 
 BATCH_SIZES = (1, 2, 4, 8, 16)
 SMOLLM2_LAYER = dict(n_heads=9, n_kv_heads=3, head_dim=64)
@@ -97,10 +97,10 @@ def attention_row(context: int = 8192, repeats: int = 200, seed: int = 0, torch_
     """Decode attention (one query, SmolLM2's layer shape, float32) over `context` tokens: K/V bytes read per
     second, as a fraction of the read bandwidth of an array of the same size (the same cache level: a timed
     loop keeps both warm) and of a weight-sized one (memory), and beside torch's SDPA when torch is installed."""
-    from ..engine import attend
+    from pagevis.kvcache import attend
 
-    from .attention import best_time
-    from .suite import torch_available
+    from pagevis.bench.attention import best_time
+    from pagevis.bench.suite import torch_available
 
     rng = np.random.default_rng(seed)
     heads, kv_heads, dim = SMOLLM2_LAYER["n_heads"], SMOLLM2_LAYER["n_kv_heads"], SMOLLM2_LAYER["head_dim"]
@@ -191,7 +191,7 @@ def run_kernel_bench(model, sizes=BATCH_SIZES, steps: int = 8, context: int = 81
 def main(argv=None) -> int:
     import argparse
 
-    from ..model import load_model, set_blas_threads
+    from pagevis.model import load_model, set_blas_threads
 
     parser = argparse.ArgumentParser(prog="python -m pagevis.bench.kernels", description=__doc__)
     parser.add_argument("--sizes", default=",".join(map(str, BATCH_SIZES)))

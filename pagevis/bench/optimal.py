@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..engine import EvictionPolicy
+from pagevis.kvcache import EvictionPolicy
 
 OPTIMAL = "optimal"
 

@@ -8,7 +8,7 @@ token-by-token run would have had.
 
 The full-cache reference is computed once per text (not once per configuration): log-probabilities of
 every next token and each layer's head-averaged attention. The oracle metrics then follow the definitions
-of pagevis.decoding.oracle per predicted token: KL(full || bounded), top-1 agreement, and the share of the
+of pagevis.engine.oracle per predicted token: KL(full || bounded), top-1 agreement, and the share of the
 full cache's attention on tokens the bounded cache no longer holds (mean over layers and heads).
 """
 
@@ -24,15 +24,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..decoding import DecodeSession, SessionConfig, steps
-from ..decoding.sampling import log_softmax
-from ..engine import CacheConfig, CacheFullError, ConfigError, KVCacheManager
-from ..engine.policies import POLICIES
-from ..settings import MAX_PAGES as MAX_POOL_PAGES
-from ..engine.policies.pyramidkv import PyramidKV, pool_tokens
-from ..engine.policies.snapkv import SnapKV
-from ..engine.quant import storage_summary
-from .optimal import OPTIMAL, FutureAttention
+from pagevis.engine import DecodeSession, SessionConfig, steps
+from pagevis.engine.sampling import log_softmax
+from pagevis.kvcache import CacheConfig, CacheFullError, ConfigError, KVCacheManager
+from pagevis.kvcache.policies import POLICIES
+from pagevis.settings import MAX_PAGES as MAX_POOL_PAGES
+from pagevis.kvcache.policies.pyramidkv import PyramidKV, pool_tokens
+from pagevis.kvcache.policies.snapkv import SnapKV
+from pagevis.kvcache.quant import storage_summary
+from pagevis.bench.optimal import OPTIMAL, FutureAttention
 
 
 @dataclass(frozen=True)
@@ -393,7 +393,7 @@ def estimate_seconds(model, n_tokens: int, budgets: list[int], probe: int = 32) 
     A configuration prefills its budget, then steps one token at a time; the reference prefills everything,
     and its attention grows with the position (flop count relative to the weights' 2 flops per parameter).
     """
-    from ..model import DenseAttention
+    from pagevis.model import DenseAttention
 
     cfg = model.config
     attention = DenseAttention(cfg)

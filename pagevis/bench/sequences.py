@@ -6,10 +6,10 @@ from __future__ import annotations
 import statistics
 import time
 
-from ..decoding import SamplingConfig, SessionConfig
-from ..decoding import Engine, run
-from ..decoding.batch import BatchConfig
-from ..decoding.batch_summary import batch_summary
+from pagevis.engine import SamplingConfig, SessionConfig
+from pagevis.engine import Engine, run
+from pagevis.engine.batch import BatchConfig
+from pagevis.engine.batch_summary import batch_summary
 
 BATCH_SIZES = (1, 2, 4, 8, 16)
 QUESTIONS = ("What is a page table?", "Why do caches evict?", "Name a prime number.", "What is attention?",

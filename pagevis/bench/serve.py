@@ -72,7 +72,7 @@ class ServerProcess:
 # --- 1. tokens/s ------------------------------------------------------------------------------------
 
 def headless_tokens_per_s(model, tokens: int) -> float:
-    from ..decoding import DecodeSession, RunControl, SessionConfig, run
+    from pagevis.engine import DecodeSession, RunControl, SessionConfig, run
 
     session = DecodeSession(model, PROMPT, SessionConfig(max_new_tokens=tokens + 1, **CACHE))
     control = RunControl()
@@ -149,7 +149,7 @@ def health_latency_while_decoding(url: str, sessions: int = 4, probes: int = 200
 # --- 3. /v1/attention overhead ------------------------------------------------------------------------
 
 def attention_overhead(client, n_keys: int = 512, d: int = 64, repeats: int = 30) -> dict:
-    from ..serve.attention import paged_attention
+    from pagevis.serve.attention import paged_attention
 
     rng = np.random.default_rng(0)
     q, k, v = rng.normal(size=d), rng.normal(size=(n_keys, d)), rng.normal(size=(n_keys, d))
@@ -178,9 +178,9 @@ def overhead(model_name: str, tokens: int, rounds: int) -> dict:
     decode; /v1/attention against the direct engine call."""
     import httpx
 
-    from ..decoding import ModelSpec
-    from ..model import set_blas_threads
-    from ..serve.app import model_id
+    from pagevis.engine import ModelSpec
+    from pagevis.model import set_blas_threads
+    from pagevis.serve.app import model_id
 
     set_blas_threads(1)
     spec = ModelSpec(kind=model_name)

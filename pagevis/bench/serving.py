@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .serve import ServerProcess
+from pagevis.bench.serve import ServerProcess
 
 CONCURRENCIES = (1, 2, 4, 8, 16)
 SERVER_FLAGS = ("--page-size", "16", "--max-pages", "64", "--pool-pages", "512", "--max-running", "16",
@@ -255,8 +255,8 @@ def run(model: str = "smollm2", concurrencies=CONCURRENCIES, rates=None, num_pro
     """Every level against one server process; the result (levels, system prompt sizes, load averages)."""
     import httpx
 
-    from ..decoding import ModelSpec
-    from ..serve.app import model_id
+    from pagevis.engine import ModelSpec
+    from pagevis.serve.app import model_id
 
     spec = ModelSpec(kind=model)
     tokenizer = spec.load().tokenizer

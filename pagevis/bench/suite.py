@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from .attention import best_time, filled_cache
+from pagevis.bench.attention import best_time, filled_cache
 
 SMOLLM2_LAYER = dict(n_heads=9, n_kv_heads=3, head_dim=64)  # the shape the attention rows use
 
@@ -39,8 +39,8 @@ def quantized_rows(contexts, page_size: int = 16, residual: int = 128, repeats: 
     same float32 keys and values: the engine's attention call (dequantizing a block of pages at a time), its
     output's relative error against float32 storage, and the exact K/V bytes per token (one layer: pages,
     scales, zero points, key groups, and int4 / int2's window of residual + 31 float32 tokens)."""
-    from ..engine import CacheConfig, KVCacheManager
-    from ..engine.quant import storage_summary
+    from pagevis.kvcache import CacheConfig, KVCacheManager
+    from pagevis.kvcache.quant import storage_summary
 
     rng = np.random.default_rng(seed)
     heads, kv_heads, dim = SMOLLM2_LAYER["n_heads"], SMOLLM2_LAYER["n_kv_heads"], SMOLLM2_LAYER["head_dim"]
@@ -90,7 +90,7 @@ def torch_rows(contexts, page_size: int = 16, repeats: int | None = None, seed: 
     import torch
     import torch.nn.functional as F
 
-    from ..engine import attend
+    from pagevis.kvcache import attend
 
     if threads:
         torch.set_num_threads(threads)
@@ -136,28 +136,28 @@ def decode_row(spec, n_tokens: int = 32, probe_bytes: int | None = None) -> dict
     """Decode tokens/s of a model on the paged engine (a DecodeSession, default cache settings) and on
     the model's plain dense attention, against the bandwidth floor: read bandwidth / weight bytes per token.
 
-    The read bandwidth (pagevis.model.speed.measure_read_bandwidth) is measured on a weight-sized array
+    The read bandwidth (pagevis.bench.bandwidth.measure_read_bandwidth) is measured on a weight-sized array
     before and after decoding and the best is kept, so a quiet moment in either counts. The copy figure
     (each byte counted once) is reported beside it for reference; it is not a floor. A share of the
     floor above 1.0 is impossible and listed in `warnings`.
     """
-    from ..decoding import DecodeSession, SessionConfig
-    from ..model import speed
+    from pagevis.engine import DecodeSession, SessionConfig
+    from pagevis.bench import bandwidth
 
     started = time.perf_counter()
     model = spec.load()
     load_s = time.perf_counter() - started
-    per_token = speed.weight_bytes_per_token(model)
+    per_token = bandwidth.weight_bytes_per_token(model)
     probe = probe_bytes or per_token
-    copy = speed.measure_copy_bandwidth(probe)
-    before = speed.measure_read_bandwidth(probe)
+    copy = bandwidth.measure_copy_bandwidth(probe)
+    before = bandwidth.measure_read_bandwidth(probe)
     # 16 pages of 16: room for the default 32 tokens without eviction (the row times decoding, not a policy)
     config = SessionConfig(page_size=16, max_pages=16, max_new_tokens=n_tokens + 1, chat=False, record_layers=())
     session = DecodeSession(model, "The paged cache", config)
     decode_s = [r.timings["total"] for r in session.run() if r.kind == "decode"]
     paged = 1 / float(np.median(decode_s))
-    dense = speed.measure_decode_speed(model, n_tokens=n_tokens)
-    after = speed.measure_read_bandwidth(probe)
+    dense = bandwidth.measure_decode_speed(model, n_tokens=n_tokens)
+    after = bandwidth.measure_read_bandwidth(probe)
     read = {key: max(before[key], after[key]) for key in before}
     floor = read["read"] / per_token
     row = dict(model=spec.label, load_s=load_s, weight_mb_per_token=per_token / 1e6, probe_mb=probe / 1e6,
@@ -187,7 +187,7 @@ def transformers_row(spec, python: str | None, n_tokens: int, threads: int) -> d
         if not (importlib.util.find_spec("transformers") and importlib.util.find_spec("torch")):
             return None
         python = sys.executable
-    from ..model import default_model_path
+    from pagevis.model import default_model_path
 
     gguf = spec.path if spec.kind == "gguf" else str(default_model_path())
     script = Path(__file__).with_name("transformers_eager.py")

@@ -24,8 +24,8 @@ import time
 
 import numpy as np
 
-from ..engine import CacheConfig, KVCacheManager
-from .attention import best_time
+from pagevis.kvcache import CacheConfig, KVCacheManager
+from pagevis.bench.attention import best_time
 
 SHAPE = {"n_heads": 9, "n_kv_heads": 3, "head_dim": 64}
 CONTEXTS = (2048, 8192, 32768)
@@ -141,7 +141,7 @@ def quest_rows(context: int = 8192, ram_share: float = 1 / 8, shares=QUEST_SHARE
 RSS_SCRIPT = """
 import json, os, sys, time
 import numpy as np
-from pagevis.decoding import DecodeSession, ModelSpec, SessionConfig
+from pagevis.engine import DecodeSession, ModelSpec, SessionConfig
 context, disk_pages = int(sys.argv[1]), int(sys.argv[2])
 swap_dir = sys.argv[3] if len(sys.argv) > 3 else None
 model = ModelSpec(kind="synthetic").load()
@@ -204,7 +204,7 @@ def format_tables(streamed: list[dict], quest: list[dict], rss: list[dict] | Non
 
 
 def write_plots(folder: str, streamed: list[dict], quest: list[dict], line_plot) -> list[str]:
-    """bench-tiers.png and bench-quest.png, drawn by `line_plot` (pagevis.gui.plots.line_plot: the benches
+    """bench-tiers.png and bench-quest.png, drawn by `line_plot` (pagevis.bench.gui.plots.line_plot: the benches
     import no Qt, so the caller passes it in)."""
     written = []
     series = {}

@@ -1,7 +1,7 @@
 """`pagevis attach ENDPOINT[,REPLAY] ...`: a vLLM / SGLang engine's prefix cache from its KV events.
 
 Headless (`--headless`) it runs until --duration, --idle-exit or Ctrl-C and prints a summary (`--json`: the object
-issue 20 fixes, see pagevis/attach/report.py); otherwise it opens the attach window (pagevis.gui.attach_window,
+issue 20 fixes, see pagevis/attach/report.py); otherwise it opens the attach window (pagevis.gui.attach.window,
 imported only then) with the same validated arguments.
 """
 
@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 
-from .options import UsageError
+from pagevis.cli.options import UsageError
 
 MAX_DP = 1024
 MAX_ENDPOINTS = 1024
@@ -54,7 +54,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 
 def sources_from_args(args: argparse.Namespace) -> list:
-    from ..attach.subscriber import expand_dp, parse_source
+    from pagevis.attach.subscriber import expand_dp, parse_source
 
     if not 1 <= args.dp_size <= MAX_DP:
         raise UsageError(f"pagevis attach: --dp-size {args.dp_size}: give 1 to {MAX_DP}")
@@ -76,7 +76,7 @@ def sources_from_args(args: argparse.Namespace) -> list:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    from .options import check_writable
+    from pagevis.cli.options import check_writable
 
     for flag, value in (("--duration", args.duration), ("--idle-exit", args.idle_exit)):
         if value is not None and not 0 < value <= 7 * 86400:
@@ -97,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
     check_args(args)
     detokenizer = None
     if args.tokenizer:
-        from ..attach.tokens import load_detokenizer
+        from pagevis.attach.tokens import load_detokenizer
 
         try:
             detokenizer = load_detokenizer(args.tokenizer)
@@ -105,8 +105,8 @@ def main(args: argparse.Namespace) -> int:
             raise UsageError(f"pagevis attach: {error}") from None
     playback = None
     if args.play:
-        from ..attach.recording import RecordingError, read_recording
-        from ..attach.playback import Playback
+        from pagevis.attach.recording import RecordingError, read_recording
+        from pagevis.attach.playback import Playback
 
         try:
             playback = Playback(read_recording(args.play))
@@ -114,7 +114,7 @@ def main(args: argparse.Namespace) -> int:
             raise UsageError(f"pagevis attach: --play {args.play}: {error}") from None
     if not args.headless:
         try:
-            from ..gui import attach_window
+            from pagevis.gui.attach import window as attach_window
         except ImportError:
             raise UsageError("pagevis attach: the attach window is not part of this pagevis yet; "
                              "use --headless (--json) for now") from None
@@ -126,9 +126,9 @@ def main(args: argparse.Namespace) -> int:
 def run_headless(args, sources, playback, detokenizer) -> int:
     import zmq
 
-    from ..attach import report
-    from ..attach.recording import Recorder
-    from ..attach.subscriber import Attacher
+    from pagevis.attach import report
+    from pagevis.attach.recording import Recorder
+    from pagevis.attach.subscriber import Attacher
 
     metrics = _Metrics(args.metrics)
     if playback is not None:
@@ -202,14 +202,14 @@ def _write_json(path: str, value: dict) -> None:
 
 class _Metrics:
     def __init__(self, url: str | None):
-        from ..attach.metrics import MetricsHistory
+        from pagevis.attach.metrics import MetricsHistory
 
         self.url, self.history, self.error = url, MetricsHistory(), None
 
     def scrape(self) -> None:
         if not self.url:
             return
-        from ..attach.metrics import scrape
+        from pagevis.attach.metrics import scrape
 
         try:
             self.history.add(scrape(self.url))

@@ -9,8 +9,8 @@ import math
 import os
 import sys
 
-from . import options
-from .options import UsageError
+from pagevis.cli import options
+from pagevis.cli.options import UsageError
 
 FULL_CONTEXTS = "32,128,512,1024,2048,4096,8192"
 QUICK_CONTEXTS = "32,128,512"
@@ -74,7 +74,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 def max_context() -> int:
     """The longest context whose attention rows fit in half the memory available now (at most 2**20)."""
-    from ..system_memory import available_bytes
+    from pagevis.system_memory import available_bytes
 
     available = available_bytes()
     return 1 << 20 if available is None else max(1024, min(1 << 20, available // 2 // BYTES_PER_CONTEXT_TOKEN))
@@ -90,7 +90,7 @@ def parse_ints(text: str, flag: str, low: int, high: int) -> list[int]:
 def main(args: argparse.Namespace) -> int:
     if args.target == "serve":
         return serve_main(args)
-    from ..bench import attention, suite
+    from pagevis.bench import attention, suite
 
     contexts = parse_ints(args.contexts or (QUICK_CONTEXTS if args.quick else FULL_CONTEXTS), "--contexts", 1,
                           max_context())
@@ -135,19 +135,19 @@ def main(args: argparse.Namespace) -> int:
 
     kernels = None
     if spec is not None and not args.no_kernels:
-        from ..bench.kernels import run_kernel_bench
+        from pagevis.bench.kernels import run_kernel_bench
 
         say("kernels: batched decode through the forward, decode attention against the read bandwidth ...")
         kernels = run_kernel_bench(spec.load(), quick=args.quick, threads=args.blas_threads)
     sequences = None
     if spec is not None and not args.no_sequences:
-        from ..bench.sequences import run_sequences_bench
+        from pagevis.bench.sequences import run_sequences_bench
 
         say("many sequences: continuous batching, parallel sampling, prefix caching ...")
         sequences = run_sequences_bench(spec.load(), spec.kind, n_tokens=4 if args.quick else 12)
     tiers = None
     if not args.no_tiers:
-        from ..bench import tiers as tier_bench
+        from pagevis.bench import tiers as tier_bench
 
         say("disk tier: streamed attention by RAM share, quest by K, memory by context ...")
         tier_contexts = [c for c in contexts if c >= 512] or [max(contexts)]
@@ -168,7 +168,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def format_report(result: dict) -> str:
-    from ..bench.attention import format_table
+    from pagevis.bench.attention import format_table
 
     out = ["Paged vs dense decode attention (one layer, 9 query / 3 KV heads, head dim 64, float32)",
            format_table(result["attention"]), "", "Storage: float16 vs float32 (paged)",
@@ -221,15 +221,15 @@ def format_report(result: dict) -> str:
         else:
             out.append("  transformers eager: not measured (--transformers-python PYTHON)")
     if result.get("kernels"):
-        from ..bench.kernels import format_kernels
+        from pagevis.bench.kernels import format_kernels
 
         out += ["", *format_kernels(result["kernels"])]
     if result.get("sequences"):
-        from ..bench.sequences import format_sequences
+        from pagevis.bench.sequences import format_sequences
 
         out += ["", *format_sequences(result["sequences"])]
     if result.get("tiers"):
-        from ..bench.tiers import format_tables
+        from pagevis.bench.tiers import format_tables
 
         t = result["tiers"]
         out += ["", *format_tables(t["streamed"], t["quest"], t["rss"])]
@@ -240,7 +240,7 @@ def format_report(result: dict) -> str:
 
 def serve_main(args: argparse.Namespace) -> int:
     """`pagevis bench serve`: the serving benchmark (or --overhead); a table on stdout, a PNG plot."""
-    from ..bench import serve, serving
+    from pagevis.bench import serve, serving
 
     model = args.model or "smollm2"
     if model not in ("smollm2", "synthetic"):
@@ -264,7 +264,7 @@ def serve_main(args: argparse.Namespace) -> int:
     say("  ".join(serving.HEADER))
     result = serving.run(model, concurrencies, rates, args.num_prompts, args.output_tokens, progress=say)
     if not args.no_files:
-        from ..gui.plots import line_plot
+        from pagevis.bench.gui.plots import line_plot
 
         result["files"] = serving.plot(result, args.out, line_plot)
     if args.json:
@@ -287,7 +287,7 @@ def _rates(text: str) -> list[float]:
 
 
 def write_files(folder: str, result: dict, half: list[dict]) -> list[str]:
-    from ..gui.plots import line_plot
+    from pagevis.bench.gui.plots import line_plot
 
     written = []
     for name in ("attention", "storage", "quantized", "torch"):
@@ -342,7 +342,7 @@ def write_files(folder: str, result: dict, half: list[dict]) -> list[str]:
               dashed={"torch SDPA float32", "torch SDPA float16"})
     written.append(path)
     if result.get("tiers"):
-        from ..bench.tiers import write_plots
+        from pagevis.bench.tiers import write_plots
 
         written += write_plots(folder, result["tiers"]["streamed"], result["tiers"]["quest"], line_plot)
     return written

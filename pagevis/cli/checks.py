@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from . import options
+from pagevis.cli import options
 
 
 def check_cache_memory(config, model_config) -> None:
     """The K/V cache (twice with the oracle's full cache) must fit in the memory available now."""
-    from ..engine import CacheConfig
-    from ..system_memory import available_bytes, fits, gib
+    from pagevis.kvcache import CacheConfig
+    from pagevis.system_memory import available_bytes, fits, gib
 
     need = CacheConfig.for_model(config, model_config).total_bytes() * (2 if config.oracle else 1)
     if not fits(need):

@@ -9,11 +9,11 @@ import os
 import sys
 from importlib import resources
 
-from .. import settings
-from . import options
-from ..engine.config import MAX_PAGE_SIZE, MAX_PAGES, STORAGE_DTYPES
-from .options import UsageError
-from .progress import Progress
+from pagevis import settings
+from pagevis.cli import options
+from pagevis.kvcache.config import MAX_PAGE_SIZE, MAX_PAGES, STORAGE_DTYPES
+from pagevis.cli.options import UsageError
+from pagevis.cli.progress import Progress
 
 DEFAULT_TEXT = "texts/pride-and-prejudice-ch1.txt"
 LONG_TEXT = "pride-and-prejudice-ch1-6"  # about 10,100 SmolLM2 tokens: enough for --tokens 8192
@@ -75,9 +75,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 def parse_policies(text: str, optimal: bool = True):
     """The policies to compare; the clairvoyant `optimal` comes first (unless not wanted), once."""
-    from ..bench.optimal import OPTIMAL
-    from ..bench.quality import TIER_ROWS, PolicyChoice
-    from ..engine import POLICIES
+    from pagevis.bench.optimal import OPTIMAL
+    from pagevis.bench.quality import TIER_ROWS, PolicyChoice
+    from pagevis.kvcache import POLICIES
 
     choices = [PolicyChoice(OPTIMAL)] if optimal else []
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -122,8 +122,8 @@ def parse_dtypes(args: argparse.Namespace) -> list[str]:
 def check_budgets(budgets: list[int], args: argparse.Namespace, model_config) -> None:
     """Each budget's cache fits this model's layout and the memory available now (in float32, the
     reference's storage)."""
-    from ..engine import CacheConfig, ConfigError
-    from ..system_memory import available_bytes, fits, gib
+    from pagevis.kvcache import CacheConfig, ConfigError
+    from pagevis.system_memory import available_bytes, fits, gib
 
     for budget in budgets:
         try:
@@ -148,9 +148,9 @@ def load_text(path: str | None) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..bench import quality
-    from ..bench.optimal import OPTIMAL
-    from ..engine import CacheSettings, ConfigError
+    from pagevis.bench import quality
+    from pagevis.bench.optimal import OPTIMAL
+    from pagevis.kvcache import CacheSettings, ConfigError
 
     options.check_range("--page-size", args.page_size, 1, MAX_PAGE_SIZE)
     options.check_range("--tokens", args.tokens, 2, MAX_TOKENS)
@@ -252,7 +252,7 @@ def configurations(choices, budgets, dtypes, args, residual, model_config, n_tok
     """(policy choice, budget, dtype, equal_memory_to) of every row to evaluate: each dtype x policy x budget,
     then with --equal-memory D each other dtype's largest budget within D's K/V bytes at each budget (no
     larger than the text, a row of its own even when that budget is also among --budgets)."""
-    from ..bench import quality
+    from pagevis.bench import quality
 
     plan = [(choice, budget, dtype, "") for dtype in dtypes for choice in choices for budget in budgets]
     if args.equal_memory:
@@ -324,7 +324,7 @@ def write_csv(path: str, rows) -> None:
 def write_plot(path: str, rows, result) -> None:
     import numpy as np
 
-    from ..gui.plots import line_plot
+    from pagevis.bench.gui.plots import line_plot
 
     series: dict[str, tuple[list, list]] = {}
     by_memory = len(result["dtypes"]) > 1

@@ -12,10 +12,10 @@ import os
 import sys
 import traceback
 
-from . import options
-from .metrics_port import add_metrics_option, start_metrics_server
-from ..presets import SERVER_PRESETS
-from .options import ArgumentParser, UsageError
+from pagevis.cli import options
+from pagevis.cli.metrics_port import add_metrics_option, start_metrics_server
+from pagevis.presets import SERVER_PRESETS
+from pagevis.cli.options import ArgumentParser, UsageError
 
 COMMANDS = ("run", "compare", "bench", "replay", "serve", "attach")
 USER_ERROR = 2
@@ -59,7 +59,7 @@ def add_debug_option(parser: argparse.ArgumentParser) -> None:
 
 
 def command_parser() -> ArgumentParser:
-    from . import attach, bench, compare, replay, run, serve
+    from pagevis.cli import attach, bench, compare, replay, run, serve
 
     parser = ArgumentParser(prog="pagevis", usage=USAGE)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser, prog="pagevis")
@@ -108,16 +108,16 @@ def use_blas_threads(count: int) -> None:
     """Decoding is memory-bound: one BLAS thread is ~as fast on an idle machine and several times faster
     when another process holds a core (spin-waiting OpenBLAS threads); see pagevis.model.blas_threads."""
     options.check_range("--blas-threads", count, 1, max(8, os.cpu_count() or 1))
-    from ..model import set_blas_threads
+    from pagevis.model import set_blas_threads
 
     set_blas_threads(count)
 
 
 def user_error_message(error: BaseException, args: argparse.Namespace | None = None) -> str | None:
     """One line for an error the user can fix (arguments, files, models, configurations, memory); None for a bug."""
-    from ..engine import ConfigError
-    from ..model.errors import ModelConfigError, ModelLoadError
-    from ..trace import TraceError
+    from pagevis.kvcache import ConfigError
+    from pagevis.model.errors import ModelConfigError, ModelLoadError
+    from pagevis.trace import TraceError
 
     if isinstance(error, UsageError):
         return str(error)
@@ -144,7 +144,7 @@ def launch_app(args: argparse.Namespace) -> int:
     if args.server_demo is not None or args.server_events or args.server_metrics:
         return launch_server_demo(args, spec)
     metrics, _exporter = start_metrics_server(args.metrics_port)  # a daemon thread, until the app quits
-    from ..gui import launch
+    from pagevis.gui import launch
 
     return launch(model_spec=spec, prompt=prompt, session_config=config, screenshot=args.screenshot,
                   steps=args.steps, metrics=metrics, preset=options.preset(args))
@@ -152,19 +152,19 @@ def launch_app(args: argparse.Namespace) -> int:
 
 def launch_server_demo(args: argparse.Namespace, spec) -> int:
     """`pagevis --server-demo [PRESET]`: the Server window alone (SmolLM2 unless a model is given)."""
-    from ..engine import ConfigError
-    from ..presets import find_server_preset
+    from pagevis.kvcache import ConfigError
+    from pagevis.presets import find_server_preset
 
     if args.server_events or args.server_metrics:
         if args.screenshot:
             raise UsageError("--screenshot shows the Server window's own servers, not an attached one")
-        from ..gui import launch_attached_server
+        from pagevis.gui import launch_attached_server
 
         return launch_attached_server(spec, args.server_events, args.server_metrics)
     try:
         preset = find_server_preset(args.server_demo)
     except ConfigError as error:
         raise UsageError(f"--server-demo {args.server_demo!r}: {error.allowed}") from None
-    from ..gui import launch_server
+    from pagevis.gui import launch_server
 
     return launch_server(model_spec=spec, preset=preset, screenshot=args.screenshot, steps=args.steps)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .options import UsageError
+from pagevis.cli.options import UsageError
 
 
 def add_metrics_option(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +24,7 @@ def start_metrics_server(port: int | None):
     """(Metrics, WSGI server) serving on 127.0.0.1:port, or (None, None) without a port."""
     if check_port(port) is None:
         return None, None
-    from ..observe import Metrics, serve_metrics
+    from pagevis.observe import Metrics, serve_metrics
 
     metrics = Metrics()
     try:

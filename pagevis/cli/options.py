@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import os
 
-from .. import settings
-from ..decoding import ModelSpec, SessionConfig
-from ..engine import POLICIES, ConfigError
-from ..presets import DEFAULT_CONFIG, Preset, find_preset, preset_names
+from pagevis import settings
+from pagevis.engine import ModelSpec, SessionConfig
+from pagevis.kvcache import POLICIES, ConfigError
+from pagevis.presets import DEFAULT_CONFIG, Preset, find_preset, preset_names
 
 MODEL_NAMES = ("smollm2", "synthetic")
 MAX_TEXT_BYTES = 4 << 20  # a prompt or compare text; ~1M tokens, more than any cache here holds
@@ -96,9 +96,9 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
 def synthetic_spec(layout: dict[str, int]) -> ModelSpec:
     """The synthetic model's spec; UsageError naming the flag if a size is out of range or the weights would
     not fit in the memory available now."""
-    from ..model.config import LIMITS
-    from ..model.synthetic import synthetic_config
-    from ..system_memory import available_bytes, fits, gib
+    from pagevis.model.config import LIMITS
+    from pagevis.model.synthetic import synthetic_config
+    from pagevis.system_memory import available_bytes, fits, gib
 
     for flag, field in SYNTHETIC_FLAGS.items():
         low, high = (0, 2**32 - 1) if field == "seed" else (1, LIMITS[field])

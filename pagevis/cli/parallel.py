@@ -8,8 +8,8 @@ import json
 import sys
 import time
 
-from .. import settings
-from . import options
+from pagevis import settings
+from pagevis.cli import options
 
 
 def add_parallel_options(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +21,7 @@ def add_parallel_options(parser: argparse.ArgumentParser) -> None:
 
 
 def check_parallel_options(args: argparse.Namespace) -> None:
-    from ..settings import MAX_SEQUENCES
+    from pagevis.settings import MAX_SEQUENCES
 
     if not 1 <= args.n <= MAX_SEQUENCES:
         raise options.UsageError(f"--n {args.n}: must be an integer from 1 to {MAX_SEQUENCES}")
@@ -35,13 +35,13 @@ def check_parallel_options(args: argparse.Namespace) -> None:
 def run_parallel(args: argparse.Namespace, spec, config, prompt: str) -> int:
     from dataclasses import replace
 
-    from ..decoding import Engine, run
-    from ..decoding.batch import BatchConfig
-    from ..decoding.batch_summary import batch_summary
-    from ..engine import CacheFullError, ConfigError
-    from ..engine.quant import storage_summary
-    from ..engine.swap import SwapSpaceError
-    from .checks import check_prompt_fits
+    from pagevis.engine import Engine, run
+    from pagevis.engine.batch import BatchConfig
+    from pagevis.engine.batch_summary import batch_summary
+    from pagevis.kvcache import CacheFullError, ConfigError
+    from pagevis.kvcache.quant import storage_summary
+    from pagevis.kvcache.swap import SwapSpaceError
+    from pagevis.cli.checks import check_prompt_fits
 
     if config.sampling.mode == "greedy":  # N greedy continuations of one prompt would be one text N times
         config = replace(config, sampling=replace(config.sampling, mode="sample"))

@@ -18,11 +18,11 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..trace import read_trace
+    from pagevis.trace import read_trace
 
     trace = read_trace(args.file)  # refuse a bad file here, with a clear message, before Qt starts
     if args.check:
-        from ..gui.timeline import timeline_from_trace  # Qt-free: what the app's replay builds
+        from pagevis.viewmodel.timeline import timeline_from_trace  # Qt-free: what the app's replay builds
 
         timeline_from_trace(trace)
         config = trace.config
@@ -30,6 +30,6 @@ def main(args: argparse.Namespace) -> int:
               f"{config.max_pages} pages x {config.page_size} tokens, policy {config.policy}, "
               f"stopped: {trace.stop_reason}")
         return 0
-    from ..gui import launch
+    from pagevis.gui import launch
 
     return launch(trace=args.file)

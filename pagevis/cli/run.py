@@ -9,12 +9,12 @@ import time
 
 import numpy as np
 
-from ..presets import default_prompt
-from . import options
-from .metrics_port import add_metrics_option, start_metrics_server
-from .checks import check_cache_memory, check_prompt_fits
-from .parallel import add_parallel_options, check_parallel_options, run_parallel
-from .progress import Progress
+from pagevis.presets import default_prompt
+from pagevis.cli import options
+from pagevis.cli.metrics_port import add_metrics_option, start_metrics_server
+from pagevis.cli.checks import check_cache_memory, check_prompt_fits
+from pagevis.cli.parallel import add_parallel_options, check_parallel_options, run_parallel
+from pagevis.cli.progress import Progress
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -33,9 +33,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..decoding import DecodeSession
-    from ..engine import CacheFullError
-    from ..engine.swap import SwapSpaceError
+    from pagevis.engine import DecodeSession
+    from pagevis.kvcache import CacheFullError
+    from pagevis.kvcache.swap import SwapSpaceError
 
     spec = options.model_spec(args)
     config = options.session_config(args)
@@ -77,7 +77,7 @@ def main(args: argparse.Namespace) -> int:
     if args.trace and not session.records:
         print(f"pagevis run: no step completed, so no trace was written to {args.trace}", file=sys.stderr)
     elif args.trace:
-        from ..trace import write_trace
+        from pagevis.trace import write_trace
 
         size = write_trace(args.trace, session, model_spec=spec, meta={"command": "pagevis run"})
         if not args.quiet:
@@ -92,7 +92,7 @@ def main(args: argparse.Namespace) -> int:
 
 def summarize(session, model_label: str, elapsed: float) -> dict:
     """The run's numbers. tokens_per_s counts decode steps only (the oracle's time excluded)."""
-    from ..engine.quant import storage_summary
+    from pagevis.kvcache.quant import storage_summary
 
     records = session.records
     config = session.config
@@ -135,7 +135,7 @@ def summarize(session, model_label: str, elapsed: float) -> dict:
 
 def tier_summary(records, page_bytes: int) -> dict:
     """Disk tier and page selection: totals, per-step means, and every step's counts per layer."""
-    from ..engine import COUNT_NAMES
+    from pagevis.kvcache import COUNT_NAMES
 
     stepped = [r for r in records if r.tiers is not None]
     counts = np.stack([r.tiers.counts for r in stepped])  # (steps, layers, columns)
@@ -158,7 +158,7 @@ def tier_summary(records, page_bytes: int) -> dict:
 
 def _policy_params(session) -> dict:
     """The policy's parameters as bound (defaults filled in, e.g. h2o's recent window)."""
-    from ..engine import policy_params
+    from pagevis.kvcache import policy_params
 
     policy = session.policy
     return {name: getattr(policy, name) for name in policy_params(policy.name)}

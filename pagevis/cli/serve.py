@@ -6,8 +6,8 @@ import argparse
 import ipaddress
 import sys
 
-from . import options
-from .options import UsageError
+from pagevis.cli import options
+from pagevis.cli.options import UsageError
 
 LOCAL_NAMES = ("localhost",)
 LIMIT_FLAGS = (  # flag (a ServeSettings field), type, metavar, help
@@ -32,7 +32,7 @@ LIMIT_FLAGS = (  # flag (a ServeSettings field), type, metavar, help
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
-    from ..serve.settings import ServeSettings
+    from pagevis.serve.settings import ServeSettings
 
     limits = ServeSettings()
     parser = commands.add_parser(
@@ -84,7 +84,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def settings_from_args(args: argparse.Namespace):
-    from ..serve.settings import ServeSettings
+    from pagevis.serve.settings import ServeSettings
 
     if args.idle_timeout <= 0:
         raise UsageError(f"pagevis serve: --idle-timeout {args.idle_timeout:g}: must be more than 0 seconds")
@@ -105,7 +105,7 @@ def settings_from_args(args: argparse.Namespace):
 def main(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..serve.app import Server, create_app
+    from pagevis.serve.app import Server, create_app
 
     check_host(args.host, args.allow_remote)
     if not 0 <= args.port <= 65535:

@@ -1,49 +1,15 @@
-"""pagevis.engine: the paged KV cache (one block pool, one cache manager), its eviction policies and
-attention. NumPy only, never Qt."""
+"""pagevis.engine: the engine (scheduler, batched steps, sampling), its one run loop and the one-request
+session the app uses. NumPy only, never Qt."""
 
-from .attention import (
-    AttentionResult,
-    Partial,
-    attend,
-    attend_part,
-    merge,
-    rescale,
-    softmax,
-)
-from .block_pool import BlockPool
-from .config import CacheConfig, CacheSettings
-from .errors import CacheFullError, ConfigError
-from .events import CacheEvent, EventKind
-from .kv_cache_manager import KVCacheManager, SequenceCache
-from .policies import POLICIES, EvictionPolicy, layer_capacities, make_policy, policy_params
-from .policy_state import LayerView, PolicyState
-from .store import COUNT_NAMES, PageStore, TierCounts
+from pagevis.engine.engine import Engine
+from pagevis.engine.oracle import FullCacheOracle
+from pagevis.engine.record import OracleStep, StepRecord, TierStep
+from pagevis.engine.request import Request
+from pagevis.engine.run_loop import RunControl, run, steps
+from pagevis.engine.sampling import Sampler, SamplingConfig
+from pagevis.engine.session import DecodeSession
+from pagevis.engine.session_config import SessionConfig
+from pagevis.engine.spec import ModelSpec
 
-__all__ = [
-    "COUNT_NAMES",
-    "POLICIES",
-    "AttentionResult",
-    "BlockPool",
-    "CacheConfig",
-    "CacheEvent",
-    "CacheFullError",
-    "CacheSettings",
-    "ConfigError",
-    "EventKind",
-    "EvictionPolicy",
-    "KVCacheManager",
-    "LayerView",
-    "PageStore",
-    "Partial",
-    "PolicyState",
-    "SequenceCache",
-    "TierCounts",
-    "attend",
-    "attend_part",
-    "layer_capacities",
-    "make_policy",
-    "merge",
-    "policy_params",
-    "rescale",
-    "softmax",
-]
+__all__ = ["DecodeSession", "Engine", "FullCacheOracle", "ModelSpec", "OracleStep", "Request", "RunControl",
+           "Sampler", "SamplingConfig", "SessionConfig", "StepRecord", "TierStep", "run", "steps"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from .. import platform_check
-from ..decoding import ModelSpec, SessionConfig
+from pagevis import platform_check
+from pagevis.engine import ModelSpec, SessionConfig
 
 ORGANIZATION = "pagevis"
 APPLICATION = "pagevis"
@@ -15,7 +15,7 @@ APPLICATION = "pagevis"
 def _application():
     from PySide6.QtWidgets import QApplication
 
-    from . import theme
+    from pagevis.gui.widgets import theme
 
     app = QApplication.instance()
     if app is None:
@@ -44,7 +44,7 @@ def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, sessi
         print(verdict.message(), file=sys.stderr)
         return platform_check.EXIT_STATUS
     app = _application()
-    from .mainwindow import MainWindow
+    from pagevis.gui.session.window import MainWindow
 
     _one_blas_thread()
     # A screenshot is a pure function of its arguments: it neither reads nor writes the user's settings.
@@ -76,7 +76,7 @@ def launch_server(model_spec: ModelSpec | None = None, preset=None, screenshot: 
         return platform_check.EXIT_STATUS
     app = _application()
     _one_blas_thread()
-    from .server_window import server_demo
+    from pagevis.gui.server.window import server_demo
 
     return server_demo(app, model_spec or ModelSpec(), preset, screenshot, steps)
 
@@ -89,7 +89,7 @@ def launch_attached_server(model_spec: ModelSpec | None, events: str | None, met
         print(verdict.message(), file=sys.stderr)
         return platform_check.EXIT_STATUS
     app = _application()
-    from .server_attach import AttachedServerWindow, detokenizer_for
+    from pagevis.gui.server.attached import AttachedServerWindow, detokenizer_for
 
     window = AttachedServerWindow(events, metrics_url, detokenizer_for(model_spec or ModelSpec()))
     window.show()
@@ -113,7 +113,7 @@ def _one_blas_thread() -> None:
     """Decoding is memory-bound and the UI thread needs a core: OpenBLAS threads spinning for a busy core
     slow decoding several times (see pagevis.model.blas_threads)."""
     try:
-        from ..model import set_blas_threads
+        from pagevis.model import set_blas_threads
     except ImportError:
         return
     set_blas_threads(1)
@@ -122,7 +122,7 @@ def _one_blas_thread() -> None:
 def _screenshot(app, window, path: str, steps: int, ab=None) -> int:
     """Offscreen: the window at the fixed default size, rendered by Qt. On a real display (xcb, wayland):
     the window as it opens on that screen, read back from the display server once it has been painted."""
-    from .export import default_size
+    from pagevis.gui.widgets.export import default_size
 
     real_display = app.platformName() not in ("offscreen", "minimal")
     if not real_display:

@@ -1,17 +1,17 @@
 """The language model: GGUF loading, tokenizer, and a forward pass that leaves attention (and so
 the KV cache) to its caller. NumPy only."""
 
-from .blas_threads import set_blas_threads
-from .byte_tokenizer import ByteTokenizer
-from .bpe import BPETokenizer
-from .config import ModelConfig
-from .dense import DenseAttention
-from .errors import ModelConfigError, ModelLoadError
-from .gguf_loader import load_model
-from .interface import AttendFn, Model
-from .llama import LlamaModel
-from .locate import default_model_path
-from .tokenizer import IncrementalDecoder, Tokenizer
+from pagevis.model.blas_threads import set_blas_threads
+from pagevis.model.byte_tokenizer import ByteTokenizer
+from pagevis.model.bpe import BPETokenizer
+from pagevis.model.config import ModelConfig
+from pagevis.model.dense import DenseAttention
+from pagevis.model.errors import ModelConfigError, ModelLoadError
+from pagevis.model.gguf_loader import load_model
+from pagevis.model.interface import AttendFn, Model
+from pagevis.model.llama import LlamaModel
+from pagevis.model.locate import default_model_path
+from pagevis.model.tokenizer import IncrementalDecoder, Tokenizer
 
 __all__ = [
     "AttendFn", "BPETokenizer", "ByteTokenizer", "DenseAttention", "IncrementalDecoder",

@@ -7,9 +7,9 @@ from typing import Iterable, Sequence
 
 import regex
 
-from ..errors import ConfigError
-from .chat import SMOLLM2_SYSTEM_PROMPT, chatml_segments, format_chatml
-from .tokenizer import IncrementalDecoder, printable_token
+from pagevis.errors import ConfigError
+from pagevis.model.chat import SMOLLM2_SYSTEM_PROMPT, chatml_segments, format_chatml
+from pagevis.model.tokenizer import IncrementalDecoder, printable_token
 
 GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 LLAMA3_SPLIT = (

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from .chat import format_chatml
-from .tokenizer import IncrementalDecoder, printable_token
+from pagevis.model.chat import format_chatml
+from pagevis.model.tokenizer import IncrementalDecoder, printable_token
 
 
 class ByteTokenizer:

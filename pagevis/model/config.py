@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import check_int
-from .errors import ModelConfigError
+from pagevis.errors import check_int
+from pagevis.model.errors import ModelConfigError
 
 # Upper bounds on a model's shape: far above any model pagevis can run in memory, low enough that a bad
 # file or flag is refused before the loader builds per-layer tables or allocates weights.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import ModelConfig
+from pagevis.model.config import ModelConfig
 
 
 class _LayerCache:

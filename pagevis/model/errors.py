@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import ConfigError
+from pagevis.errors import ConfigError
 
 
 class ModelLoadError(ValueError):

@@ -9,8 +9,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
-from .errors import ModelLoadError
-from .gguf_header import check_gguf_structure
+from pagevis.model.errors import ModelLoadError
+from pagevis.model.gguf_header import check_gguf_structure
 
 GGUF_MAGIC = b"GGUF"
 HEADER_BYTES = 24  # magic, version, tensor count, metadata count

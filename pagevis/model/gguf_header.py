@@ -14,7 +14,7 @@ import mmap
 import struct
 from pathlib import Path
 
-from .errors import ModelLoadError
+from pagevis.model.errors import ModelLoadError
 
 MAX_TENSORS = 1 << 16
 MAX_METADATA = 1 << 16

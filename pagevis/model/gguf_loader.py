@@ -8,16 +8,16 @@ from typing import Any
 
 import numpy as np
 
-from ..system_memory import available_bytes, fits, gib
-from .bpe import BPETokenizer, byte_to_unicode
-from .chat import system_prompt_from_template
-from .config import ModelConfig
-from .errors import ModelConfigError, ModelLoadError
-from .gguf_file import field_contents, open_gguf, read_metadata, tensor_as_float32
-from .llama import LlamaModel
-from .locate import default_model_path
-from .matmul import plan_for
-from .weights import LlamaWeights, layer_from_gguf_matrices
+from pagevis.system_memory import available_bytes, fits, gib
+from pagevis.model.bpe import BPETokenizer, byte_to_unicode
+from pagevis.model.chat import system_prompt_from_template
+from pagevis.model.config import ModelConfig
+from pagevis.model.errors import ModelConfigError, ModelLoadError
+from pagevis.model.gguf_file import field_contents, open_gguf, read_metadata, tensor_as_float32
+from pagevis.model.llama import LlamaModel
+from pagevis.model.locate import default_model_path
+from pagevis.model.matmul import plan_for
+from pagevis.model.weights import LlamaWeights, layer_from_gguf_matrices
 
 SUPPORTED_ARCHITECTURE = "llama"
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",

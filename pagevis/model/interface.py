@@ -6,8 +6,8 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from .config import ModelConfig
-from .tokenizer import Tokenizer
+from pagevis.model.config import ModelConfig
+from pagevis.model.tokenizer import Tokenizer
 
 # attend(layer, q, k, v, positions) -> out
 #   q: (n, n_heads, head_dim) float32, RoPE already applied

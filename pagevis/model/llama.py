@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import ModelConfig
-from .interface import AttendFn
-from .matmul import GEMM_ONLY, MatmulPlan, matmul
-from .rope import apply_rope, inverse_frequencies, rope_tables
-from .tokenizer import Tokenizer
-from .weights import LayerWeights, LlamaWeights, check_weight_shapes
+from pagevis.model.config import ModelConfig
+from pagevis.model.interface import AttendFn
+from pagevis.model.matmul import GEMM_ONLY, MatmulPlan, matmul
+from pagevis.model.rope import apply_rope, inverse_frequencies, rope_tables
+from pagevis.model.tokenizer import Tokenizer
+from pagevis.model.weights import LayerWeights, LlamaWeights, check_weight_shapes
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:

@@ -28,7 +28,7 @@ from typing import Iterable
 
 import numpy as np
 
-from .blas_threads import blas_description
+from pagevis.model.blas_threads import blas_description
 
 ORDERS = ("xw", "wx")
 BLOCKS = (32, 64, 96, 128, 192, 256, 384, 512)  # candidate block widths (output columns)

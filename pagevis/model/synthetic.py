@@ -6,11 +6,11 @@ from typing import Any
 
 import numpy as np
 
-from .byte_tokenizer import ByteTokenizer
-from .config import ModelConfig, check_positive_int
-from .errors import ModelConfigError
-from .llama import LlamaModel
-from .weights import LlamaWeights, layer_from_gguf_matrices
+from pagevis.model.byte_tokenizer import ByteTokenizer
+from pagevis.model.config import ModelConfig, check_positive_int
+from pagevis.model.errors import ModelConfigError
+from pagevis.model.llama import LlamaModel
+from pagevis.model.weights import LlamaWeights, layer_from_gguf_matrices
 
 BYTE_VOCAB = 256
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import ModelConfig
+from pagevis.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -12,15 +12,15 @@ import uvicorn
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .. import __version__
-from ..observe import Metrics
-from . import attention, openai_api, session_api
-from .engines import Engines
-from .errors import install_handlers
-from .middleware import BodyLimit, RequestCounter
-from .sessions import SessionStore
-from .settings import ServeSettings
-from .worker import in_worker
+from pagevis import __version__
+from pagevis.observe import Metrics
+from pagevis.serve import attention, openai_api, session_api
+from pagevis.serve.engines import Engines
+from pagevis.serve.errors import install_handlers
+from pagevis.serve.middleware import BodyLimit, RequestCounter
+from pagevis.serve.sessions import SessionStore
+from pagevis.serve.settings import ServeSettings
+from pagevis.serve.worker import in_worker
 
 DESCRIPTION = """The paged-attention engine and decoding sessions of pagevis over HTTP.
 

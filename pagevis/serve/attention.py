@@ -13,9 +13,9 @@ import numpy as np
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..engine import CacheConfig, KVCacheManager
-from ..engine.config import MAX_HEAD_DIM, MAX_PAGE_SIZE
-from .errors import ApiError
+from pagevis.kvcache import CacheConfig, KVCacheManager
+from pagevis.kvcache.config import MAX_HEAD_DIM, MAX_PAGE_SIZE
+from pagevis.serve.errors import ApiError
 
 MAX_KEYS = 16384  # T
 MAX_HEADS = 256

@@ -27,10 +27,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..decoding import RunControl, steps
-from ..engine import CacheFullError
-from ..engine.swap import SwapSpaceError
-from .errors import ApiError
+from pagevis.engine import RunControl, steps
+from pagevis.kvcache import CacheFullError
+from pagevis.kvcache.swap import SwapSpaceError
+from pagevis.serve.errors import ApiError
 
 log = logging.getLogger("pagevis.serve")
 IDLE_WAIT = 0.05  # seconds the thread waits for a command after a step that could run nothing

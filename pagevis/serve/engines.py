@@ -19,11 +19,11 @@ import asyncio
 import dataclasses
 import math
 
-from ..decoding import Engine
-from ..decoding.batch import BatchConfig
-from ..engine import ConfigError
-from .core import EngineCore
-from .errors import ApiError
+from pagevis.engine import Engine
+from pagevis.engine.batch import BatchConfig
+from pagevis.kvcache import ConfigError
+from pagevis.serve.core import EngineCore
+from pagevis.serve.errors import ApiError
 
 RETRY_AFTER_SECONDS = 1
 
@@ -38,7 +38,7 @@ class Engines:
         self.draining = False
         self.kv_events = None
         if settings.kv_events_endpoint:
-            from .kv_events import KVEvents
+            from pagevis.serve.kv_events import KVEvents
 
             self.kv_events = KVEvents(settings.kv_events_endpoint, settings.kv_events_replay,
                                       settings.kv_events_topic)

@@ -9,8 +9,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from ..engine import ConfigError
-from ..settings import by_path
+from pagevis.kvcache import ConfigError
+from pagevis.settings import by_path
 
 MAX_LISTED_ERRORS = 10
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 409: "conflict_error",

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import threading
 
-from ..attach.events import BlockRemoved, BlockStored
-from ..attach.publisher import KVEventPublisher
-from ..engine import EventKind
-from ..engine.prefix_cache import prefix_hashes
+from pagevis.attach.events import BlockRemoved, BlockStored
+from pagevis.attach.publisher import KVEventPublisher
+from pagevis.kvcache import EventKind
+from pagevis.kvcache.prefix_cache import prefix_hashes
 
 
 class KVEvents:

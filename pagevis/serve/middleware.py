@@ -9,7 +9,7 @@ import time
 from prometheus_client import Counter, Histogram
 from starlette.routing import Match
 
-from .errors import error_body
+from pagevis.serve.errors import error_body
 
 
 HTTP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -21,13 +21,13 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
-from ..decoding.session_config import encode_prompt
-from ..engine import ConfigError, make_policy
-from .core import Output
-from .errors import ApiError, error_body
-from .requests import MAX_PROMPT_CHARS, CacheSettings
-from .sessions import check_tokens, session_config
-from .worker import in_worker
+from pagevis.engine.session_config import encode_prompt
+from pagevis.kvcache import ConfigError, make_policy
+from pagevis.serve.core import Output
+from pagevis.serve.errors import ApiError, error_body
+from pagevis.serve.requests import MAX_PROMPT_CHARS, CacheSettings
+from pagevis.serve.sessions import check_tokens, session_config
+from pagevis.serve.worker import in_worker
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 MAX_STOPS = 4

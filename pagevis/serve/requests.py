@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from .. import settings as table
+from pagevis import settings as table
 
 MAX_PROMPT_CHARS = 200_000
 PolicyValue = int | float | str | None

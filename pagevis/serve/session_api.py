@@ -17,14 +17,14 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from .. import settings as table
-from ..engine import EventKind
-from .core import StepOrder
-from ..engine.quant import storage_summary
-from .errors import ApiError
-from .requests import SessionRequest
-from .sessions import ServedSession, build_session, session_config
-from .worker import in_worker
+from pagevis import settings as table
+from pagevis.kvcache import EventKind
+from pagevis.serve.core import StepOrder
+from pagevis.kvcache.quant import storage_summary
+from pagevis.serve.errors import ApiError
+from pagevis.serve.requests import SessionRequest
+from pagevis.serve.sessions import ServedSession, build_session, session_config
+from pagevis.serve.worker import in_worker
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
@@ -119,7 +119,7 @@ def step_answer(served: ServedSession, records, body: StepRequest, state) -> byt
 
 
 def trace_bytes(served: ServedSession, model_spec) -> bytes:
-    from ..trace import write_trace
+    from pagevis.trace import write_trace
 
     with tempfile.TemporaryDirectory(prefix="pagevis-serve-") as folder:
         path = os.path.join(folder, "session.pvtrace")

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..decoding.session import PoolView
-from ..engine import EventKind
-from ..engine.block_pool import BlockPool
+from pagevis.engine.session import PoolView
+from pagevis.kvcache import EventKind
+from pagevis.kvcache.block_pool import BlockPool
 
 E = EventKind
 RENAMED = {E.WRITE, E.EVICT, E.SWAP_OUT, E.FAULT_IN, E.SHARE}

@@ -10,12 +10,12 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from .. import settings as table
-from ..decoding import DecodeSession, SessionConfig
-from ..engine import ConfigError
-from .errors import ApiError
-from .session_pages import OwnPages
-from .settings import ServeSettings
+from pagevis import settings as table
+from pagevis.engine import DecodeSession, SessionConfig
+from pagevis.kvcache import ConfigError
+from pagevis.serve.errors import ApiError
+from pagevis.serve.session_pages import OwnPages
+from pagevis.serve.settings import ServeSettings
 
 
 def session_config(settings: ServeSettings, fields: dict) -> SessionConfig:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..decoding import ModelSpec, SessionConfig
-from ..errors import check_int
+from pagevis.engine import ModelSpec, SessionConfig
+from pagevis.errors import check_int
 
 MIB = 1 << 20
 

@@ -10,8 +10,8 @@ import logging
 from anyio import to_thread
 from fastapi.exceptions import RequestValidationError
 
-from ..engine import ConfigError
-from .errors import ApiError
+from pagevis.kvcache import ConfigError
+from pagevis.serve.errors import ApiError
 
 log = logging.getLogger("pagevis.serve")
 ANSWERED = (ApiError, ConfigError, RequestValidationError)  # errors with their own 4xx handler

@@ -22,14 +22,24 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import __version__, settings
-from ..decoding import ModelSpec, OracleStep, SessionConfig, StepRecord, TierStep
-from ..decoding.table_log import TablesAt
-from ..engine import COUNT_NAMES, CacheEvent, ConfigError, EventKind
-from ..engine.event_array import EVENT_DTYPE, EventArray, Strings, to_rows
-from .archive import Archive, TraceError
-from .schema import (DELTA_ENCODED, FORMAT, KINDS, MAX_HEADER_BYTES, ORACLE_COLUMNS, VERSION, arrays_of_version,
-                           check_header, check_values, expected_arrays)
+from pagevis import __version__, settings
+from pagevis.engine import ModelSpec, OracleStep, SessionConfig, StepRecord, TierStep
+from pagevis.engine.table_log import TablesAt
+from pagevis.kvcache import COUNT_NAMES, CacheEvent, ConfigError, EventKind
+from pagevis.kvcache.event_array import EVENT_DTYPE, EventArray, Strings, to_rows
+from pagevis.trace.archive import Archive, TraceError
+from pagevis.trace.schema import (
+    DELTA_ENCODED,
+    FORMAT,
+    KINDS,
+    MAX_HEADER_BYTES,
+    ORACLE_COLUMNS,
+    VERSION,
+    arrays_of_version,
+    check_header,
+    check_values,
+    expected_arrays,
+)
 
 __all__ = ["FORMAT", "SUFFIX", "VERSION", "Trace", "TraceError", "read_trace", "record_differences", "write_trace"]
 

@@ -19,13 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from .. import settings
-from ..decoding import ModelSpec, SamplingConfig, SessionConfig
-from ..engine import COUNT_NAMES, POLICIES, ConfigError, EventKind
-from ..engine.config import MAX_HEADS, MAX_LAYERS
-from ..settings import MAX_PAGE_SIZE, MAX_PAGES, STORAGE_DTYPES
-from ..system_memory import available_bytes, fits, gib
-from .archive import TraceError
+from pagevis import settings
+from pagevis.engine import ModelSpec, SamplingConfig, SessionConfig
+from pagevis.kvcache import COUNT_NAMES, POLICIES, ConfigError, EventKind
+from pagevis.kvcache.config import MAX_HEADS, MAX_LAYERS
+from pagevis.settings import MAX_PAGE_SIZE, MAX_PAGES, STORAGE_DTYPES
+from pagevis.system_memory import available_bytes, fits, gib
+from pagevis.trace.archive import TraceError
 
 FORMAT = "pagevis-trace"
 VERSION = 4  # 2: disk tier and page selection (event frames, per-page maps, tier counts, recall);
@@ -159,7 +159,7 @@ def check_header(header: Any, where: str) -> dict[str, int]:
 
 
 def check_version(header: dict, where: str) -> int:
-    from .. import __version__
+    from pagevis import __version__
 
     version = header.get("version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
@@ -384,7 +384,7 @@ def _check_config(header: dict, sizes: dict[str, int], where: str) -> None:
     elif header["attention_layers"] != list(range(sizes["L"])):
         raise TraceError(f"{where}: header.json config.record_layers is null (all layers) but attention_layers "
                          f"is {header['attention_layers']}")
-    from .file import config_from_dict
+    from pagevis.trace.file import config_from_dict
 
     try:
         config = config_from_dict(data)

@@ -1,0 +1,294 @@
+"""GUI speed benchmark: `python -m pagevis.bench.gui.app [--steps N] [--model smollm2|synthetic]`.
+
+Plays a model at full speed in the real window (offscreen, every view visible) and prints
+  * decode speed in the GUI relative to a headless DecodeSession with the same configuration (target ≥ 0.9),
+  * the UI thread's event-loop latency: how late a 5 ms QTimer fires, p50 / p99 (target p99 ≤ 50 ms),
+  * the redraw rate while playing at max speed (target ≥ 10 fps, or a frame per step when steps are slower: the
+    window paces its frames to keep the UI thread's share of the GIL down, see mainwindow.UI_SHARE),
+  * how late a 10 ms QTimer fires while the window loads the model on its worker (target p90 < 100 ms).
+Both runs use one BLAS thread, as the app does. With --ab: the A/B window's lockstep speed (two sessions)
+relative to the same two sessions run headless one after the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from pagevis import settings
+
+PROMPT = ("In a paged KV cache, keys and values live in fixed-size pages. Explain, step by step and in simple "
+          "words, why a streaming model keeps the first few tokens as attention sinks.")
+
+
+def headless(spec, config, steps: int) -> float:
+    from pagevis.engine import DecodeSession, RunControl, run
+
+    session = DecodeSession(spec.load(), PROMPT, config)
+    run(session, RunControl(budget=1))  # the prefill, timed in neither run
+    started = time.perf_counter()
+    taken = run(session, RunControl(budget=steps))
+    return taken / (time.perf_counter() - started)
+
+
+def lateness_probe(interval_ms: int = 5):
+    """A precise timer on the UI thread that records how late it fires, in ms: (timer, clock, lateness list).
+    Start the clock, then the timer."""
+    from PySide6.QtCore import QElapsedTimer, QTimer
+
+    lateness: list[float] = []
+    clock = QElapsedTimer()
+    probe = QTimer(interval=interval_ms)
+    probe.setTimerType(probe.timerType().PreciseTimer)
+
+    def tick() -> None:
+        lateness.append(max(clock.nsecsElapsed() / 1e6 - interval_ms, 0.0))
+        clock.restart()
+
+    probe.timeout.connect(tick)
+    return probe, clock, lateness
+
+
+class UiClock:
+    """Where the UI thread's Python time goes while decoding: CPU seconds inside each entry point the event
+    loop calls into Python (a record batch arriving, each view's update, each Python paint override). Python
+    holds the GIL there, and that, not the UI's C++ painting (which runs without it), is what slows the
+    worker thread's decoding. CPU time, not wall time: the wall time includes waiting for the worker's GIL."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            started = time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[label] = self.seconds.get(label, 0.0) + time.thread_time() - started
+
+        setattr(owner, name, timed)
+
+    def instrument(self, window) -> None:
+        import pyqtgraph as pg
+
+        self.wrap(window.runner.timeline, "extend", "records arrive (timeline)")
+        self.wrap(window, "_update_transport", "transport, narration")
+        for view in window.views:
+            self.wrap(view, "show_state", f"update: {view.title}")
+            for graphics in view.findChildren(pg.GraphicsView):
+                self.wrap(graphics, "paintEvent", f"paint: {view.title}")
+
+
+def in_gui(spec, config, steps: int, clock: UiClock | None = None) -> dict[str, float]:
+    from PySide6.QtCore import QEventLoop
+    from PySide6.QtWidgets import QApplication
+
+    from pagevis.gui import _application
+    from pagevis.gui.session.window import MainWindow
+
+    app = _application()
+    window = MainWindow(restore=False, persist=False)
+    window.apply_arguments(spec, PROMPT, config)
+    window.resize(1600, 1000)
+    window.show()
+    window.start(blocking=True)
+    window.runner.step_blocking(1)  # the prefill, as in the headless run
+    app.processEvents()
+    if clock is not None:
+        clock.instrument(window)
+
+    probe, clock, lateness = lateness_probe()
+    target = len(window.timeline) + steps
+    arrived: list[float] = []
+    loop = QEventLoop()  # the real event loop, as app.exec() runs it (no polling)
+
+    def received(records) -> None:
+        if len(window.timeline) >= target and not arrived:
+            arrived.append(time.perf_counter())
+
+    def state_changed(state: str) -> None:
+        if state != "running":
+            loop.quit()
+
+    window.runner.records.connect(received)
+    window.runner.state_changed.connect(state_changed)
+    frames = window.frames
+    clock.start()
+    probe.start()
+    cpu = time.thread_time()
+    started = time.perf_counter()
+    window.runner.step(steps)
+    loop.exec()
+    ui_cpu = time.thread_time() - cpu
+    elapsed = arrived[0] - started
+    redraws = window.frames - frames
+    probe.stop()
+    window.close()
+    QApplication.processEvents()
+    return {"tokens_per_s": steps / elapsed, "fps": redraws / elapsed, "ui_cpu": ui_cpu / elapsed, "p50": float(np.percentile(lateness, 50)),
+            "p99": float(np.percentile(lateness, 99)), "max": float(max(lateness)), "seconds": elapsed}
+
+
+def loading_latency(spec, config) -> dict[str, float]:
+    """The UI thread's responsiveness while the window loads the model on its worker thread: how late a 10 ms
+    timer fires (ms), from a cold load (the spec's shared model is dropped first)."""
+    from PySide6.QtCore import QElapsedTimer, QEventLoop, QTimer
+    from PySide6.QtWidgets import QApplication
+
+    from pagevis.engine.spec import _load
+    from pagevis.gui import _application
+    from pagevis.gui.session.window import MainWindow
+
+    app = _application()
+    _load.cache_clear()
+    window = MainWindow(restore=False, persist=False)
+    window.apply_arguments(spec, PROMPT, config)
+    window.resize(1600, 1000)
+    window.show()
+    app.processEvents()
+    lateness: list[float] = []
+    clock = QElapsedTimer()
+    probe = QTimer(interval=10)
+
+    def tick() -> None:
+        lateness.append(max(clock.restart() - 10.0, 0.0))
+
+    loop = QEventLoop()
+    window.runner.state_changed.connect(lambda state: state != "loading" and loop.quit())
+    probe.timeout.connect(tick)
+    clock.start()
+    probe.start()
+    started = time.perf_counter()
+    window.start()
+    if window.runner.state == "loading":
+        loop.exec()
+    seconds = time.perf_counter() - started
+    probe.stop()
+    window.close()
+    QApplication.processEvents()
+    if not lateness:
+        lateness.append(0.0)
+    return {"seconds": seconds, "ticks": len(lateness), "p90": float(np.percentile(lateness, 90)),
+            "max": float(max(lateness))}
+
+
+def ab_in_gui(spec, config_a, config_b, steps: int) -> float:
+    """Lockstep steps per second of the A/B window (its worker thread, the real event loop), prefill excluded."""
+    from PySide6.QtCore import QEventLoop
+    from PySide6.QtWidgets import QApplication
+
+    from pagevis.gui import _application
+    from pagevis.gui.ab.window import ABWindow
+
+    app = _application()
+    window = ABWindow(spec, PROMPT, config_a, config_b)
+    window.show()
+    window.start(blocking=True)
+    window.runner.step_blocking(1)
+    app.processEvents()
+    loop = QEventLoop()
+    window.runner.state_changed.connect(lambda state: loop.quit() if state != "running" else None)
+    started = time.perf_counter()
+    window.runner.step(steps)
+    loop.exec()
+    elapsed = time.perf_counter() - started
+    done = len(window.timeline) - 1
+    window.close()
+    QApplication.processEvents()
+    return done / elapsed
+
+
+def ab_main(spec, config, steps: int, repeat: int) -> None:
+    """A/B (sinks vs oldest, same cache) in lockstep against the same two sessions run headless one after
+    the other: one core can do no better than that, so the ratio is the A/B window's overhead."""
+    from dataclasses import replace
+
+    config_b = replace(config, policy="oldest" if config.policy != "oldest" else "sinks", policy_params={})
+    ab, both = [], []
+    for _ in range(repeat):
+        ab.append(ab_in_gui(spec, config, config_b, steps))
+        a, b = headless(spec, config, steps), headless(spec, config_b, steps)
+        both.append(1 / (1 / a + 1 / b))
+    speed, base = statistics.median(ab), statistics.median(both)
+    print(f"A/B ({config.policy} vs {config_b.policy}): {speed:.2f} lockstep steps/s; two headless runs back to "
+          f"back: {base:.2f} steps/s; ratio {speed / base:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pagevis.bench.gui.app", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=64, help="decode steps per run (default 64)")
+    parser.add_argument("--model", choices=("smollm2", "synthetic"), default="smollm2")
+    settings.add_flags(parser, names=("page_size", "max_pages", "policy"), page_size=8, max_pages=8, policy="sinks")
+    parser.add_argument("--repeat", type=int, default=1, help="alternate GUI and headless runs this many times")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also print where the UI thread's Python time goes, in ms per decoded token")
+    parser.add_argument("--ab", action="store_true",
+                        help="measure the A/B window's lockstep speed against two headless runs instead")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+    from pagevis.engine import ModelSpec, SessionConfig
+    from pagevis.model import set_blas_threads
+
+    spec = ModelSpec(kind=args.model)
+    config = settings.apply(SessionConfig(max_new_tokens=args.steps + 8), vars(args))
+    print(f"model {spec.label}; {args.steps} decode steps; cache {args.max_pages} pages x {args.page_size}, "
+          f"policy {args.policy}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    set_blas_threads(1)
+    spec.load()
+    if args.ab:
+        ab_main(spec, config, args.steps, args.repeat)
+        return 0
+    loading = loading_latency(spec, config)
+    print(f"while loading the model ({loading['seconds']:.1f} s, {loading['ticks']} ticks of a 10 ms timer): "
+          f"late by p90 {loading['p90']:.0f} ms, max {loading['max']:.0f} ms (target p90 < 100 ms: "
+          f"{'ok' if loading['p90'] < 100 else 'MISSED'})")
+    gui_runs, headless_runs = [], []
+    for _ in range(args.repeat):
+        gui_runs.append(in_gui(spec, config, args.steps))
+        headless_runs.append(headless(spec, config, args.steps))
+    gui_speed = statistics.median(r["tokens_per_s"] for r in gui_runs)
+    base = statistics.median(headless_runs)
+    last = gui_runs[-1]
+    fps = statistics.median(r["fps"] for r in gui_runs)
+    p50 = statistics.median(r["p50"] for r in gui_runs)
+    p99 = statistics.median(r["p99"] for r in gui_runs)
+
+    def verdict(ok: bool) -> str:
+        return "ok" if ok else "MISSED"
+
+    print(f"decode speed: GUI {gui_speed:.2f} tok/s, headless {base:.2f} tok/s, ratio {gui_speed / base:.2f} "
+          f"(target >= 0.9: {verdict(gui_speed / base >= 0.9)})")
+    print(f"event-loop latency: p50 {p50:.1f} ms, p99 {p99:.1f} ms, max {last['max']:.1f} ms "
+          f"(target p99 <= 50 ms: {verdict(p99 <= 50)})")
+    ui = statistics.median(r["ui_cpu"] for r in gui_runs)
+    print(f"UI thread CPU: {ui:.0%} of one core while playing")
+    print(f"redraw rate: {fps:.1f} fps while playing, {fps / gui_speed:.2f} frames per token (target >= 10 fps, or "
+          f"one frame per step when steps are slower: {verdict(fps >= min(10.0, 0.9 * gui_speed))})")
+    if args.breakdown:
+        print_breakdown(spec, config, args.steps)
+    return 0
+
+
+def print_breakdown(spec, config, steps: int) -> None:
+    clock = UiClock()
+    run = in_gui(spec, config, steps, clock)
+    tokens = run["tokens_per_s"] * run["seconds"]
+    per_token = 1000 / run["tokens_per_s"]
+    print(f"\nUI thread, ms per token (a token every {per_token:.1f} ms; CPU time, Python holds the GIL in each):")
+    for label, seconds in sorted(clock.seconds.items(), key=lambda item: -item[1]):
+        print(f"  {label:<34} {1000 * seconds / tokens:6.2f}")
+    total = sum(clock.seconds.values())
+    print(f"  {'all of the above':<34} {1000 * total / tokens:6.2f}  ({total / run['seconds']:.0%} of the wall clock; "
+          f"UI thread CPU with C++ painting: {run['ui_cpu']:.0%})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""What many-sequence decoding is configured with, and what each engine step records.
+
+The engine itself (scheduler, batched forward, sampling) is pagevis.engine.engine.Engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pagevis import settings
+from pagevis.kvcache import CacheEvent
+from pagevis.settings import MAX_SEQUENCES, field_for
+
+__all__ = ["MAX_CHUNK", "MAX_SEQUENCES", "BatchConfig", "BatchRecord", "SeqStep"]
+MAX_CHUNK = 512  # prompt tokens one sequence feeds per step (bounds a step's activations)
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """Many sequences over one pool; defaults, bounds and help in the settings table (pagevis/settings.py)."""
+
+    pool_pages: int | None = field_for("pool_pages")  # page ids per layer; None: max_seqs sequences' worth
+    max_seqs: int = field_for("max_seqs")  # sequences running in one step
+    prefix_caching: bool = field_for("prefix_caching")
+    ignore_eos: bool = field_for("ignore_eos")  # decode max_new_tokens whatever is sampled (fixed-shape benches)
+    token_budget: int | None = field_for("token_budget")  # tokens one step feeds (chunked prefill); None: no limit
+
+    def __post_init__(self) -> None:
+        settings.check(self, ("max_seqs", "pool_pages", "token_budget"))
+
+
+@dataclass(frozen=True)
+class SeqStep:
+    seq_id: int
+    kind: str  # "prefill", "decode" or "fork" (a parallel sample that took its parent's first logits)
+    n_tokens: int
+    next_token: int  # -1 when this step did not end the sequence's known tokens
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """One engine step, with the pool as the sequences view shows it (layer 0). Events are every cache
+    event of the step but token writes (the one-request session's records keep those)."""
+
+    step: int
+    seqs: tuple[SeqStep, ...]
+    events: tuple[CacheEvent, ...]
+    block_tables: dict[int, tuple[int, ...]]  # running sequence -> its layer-0 pages in logical order
+    ref_counts: np.ndarray  # (pool_pages,) int32
+    fill: np.ndarray  # (pool_pages,) tokens per page
+    cached_free: tuple[int, ...]  # free pages still holding a cached prefix, next reused first
+    pages_used: int
+    pages_unshared: int  # what the live sequences would hold without sharing
+    contiguous_reserved_tokens: int  # what per-sequence contiguous allocation would reserve
+    tokens_stored: int  # tokens in used pages (shared ones once)
+    seconds: float
+    n_cached: dict[int, int] = field(default_factory=dict)  # running sequence -> tokens in the pool after the step
+    waiting: int = 0  # requests waiting after the step
+    ended: tuple[int, ...] = ()  # requests that ended in this step (any stop reason)
+
+    @property
+    def tokens_decoded(self) -> int:
+        return sum(1 for s in self.seqs if s.next_token >= 0)

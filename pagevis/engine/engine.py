@@ -1,0 +1,331 @@
+"""The engine: requests in one cache, stepped together (vLLM's EngineCore loop: schedule, execute, update).
+
+Each `step()` asks the scheduler what runs, feeds every scheduled request's tokens (a prefill chunk or one
+decode token) through the model in ONE forward call — the weight matmuls take all rows at once, attention
+runs per request over its own pages — samples each request whose known tokens are all in the cache, and
+ends requests for every reason there is (eos, max_new_tokens, a stop string, a full cache under policy
+'none', cancellation). Sampling is per request with its own seeded generator, so a request decodes the same
+tokens whether it runs alone, in a batch, forked or preempted. Hooks see every step's record.
+
+Every front end drives this class: the app's main window and `run` through DecodeSession (one request),
+the sequences window and `run --n`, the server, and the benches.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Iterator
+
+import numpy as np
+
+from pagevis.kvcache import CacheFullError, ConfigError, EventKind, KVCacheManager
+from pagevis.kvcache.swap import SwapSpaceError
+from pagevis.errors import check_int
+from pagevis.engine.batch import MAX_CHUNK, MAX_SEQUENCES, BatchConfig, BatchRecord, SeqStep
+from pagevis.engine.request import Request
+from pagevis.engine.run_loop import RunControl, steps
+from pagevis.engine.sampling import Sampler, SamplingConfig
+from pagevis.engine.scheduler import Plan, Scheduler
+from pagevis.engine.session_config import SessionConfig, decode_ids, encode_prompt
+
+EngineHook = Callable[[BatchRecord], None]
+
+
+class Engine:
+    def __init__(self, model, config: SessionConfig | None = None, batch: BatchConfig | None = None,
+                 max_chunk: int | None = MAX_CHUNK, hold_finished: bool = False):
+        """max_chunk: prompt tokens one request feeds per step (None: as many as fit). hold_finished: keep a
+        finished request's pages until `release` (the app shows the cache as the request left it)."""
+        self.model = model
+        self.hold_finished = hold_finished
+        self.config = config or SessionConfig()
+        self.batch = batch or BatchConfig()
+        self.cache_config = self.config.cache_config(model.config)
+        pool_pages = self.batch.pool_pages or self.batch.max_seqs * self.cache_config.n_page_ids
+        self.cache = KVCacheManager(self.cache_config, pool_pages, self.batch.prefix_caching)
+        self.scheduler = Scheduler(self.cache, self.batch.max_seqs, self.batch.token_budget, max_chunk)
+        self.requests: dict[int, Request] = {}
+        self.n_steps = 0
+        self.last_plan: dict[int, tuple[list[int], int]] = {}  # seq -> (tokens fed, first position), last step
+        self.last_logits: dict[int, np.ndarray] = {}  # seq -> logits of its last row fed, last step
+        self.last_events: list = []  # every cache event of the last step (records keep all but writes)
+        self.attention: dict[int, dict[int, tuple]] = {}  # watched seq -> layer -> (last query's weights, slots)
+        self._watched: dict[int, tuple[int, ...]] = {}
+        self._hooks: list[EngineHook] = []
+        self._next_id = 0
+        self._steps: dict[int, SeqStep] = {}  # this step's, by request
+        self._ended: list[int] = []  # requests that ended since the last record
+
+    def close(self) -> None:
+        self.cache.close()
+
+    # --- observers -------------------------------------------------------------------------------
+    def add_hook(self, hook: EngineHook) -> None:
+        """Call hook(record) on the stepping thread after every step (metrics, trace, GUI, servers...)."""
+        self._hooks.append(hook)
+
+    def remove_hook(self, hook: EngineHook) -> None:
+        self._hooks.remove(hook)
+
+    def watch_attention(self, seq_id: int, layers: tuple[int, ...]) -> None:
+        """Keep the last query's attention weights of these layers of seq_id after each step."""
+        self._watched[seq_id] = layers
+
+    # --- submitting ------------------------------------------------------------------------------
+    def submit(self, prompt_ids, sampling: SamplingConfig | None = None, max_new_tokens: int | None = None,
+               stop: tuple[str, ...] = (), ignore_eos: bool | None = None, policy=None) -> int:
+        """Queue a request; its id. `policy`: an eviction policy object instead of the settings' one."""
+        prompt_ids = tuple(int(t) for t in prompt_ids)
+        if not prompt_ids:
+            raise ConfigError("prompt", prompt_ids, "at least one token")
+        request = self._new_request(prompt_ids, sampling, max_new_tokens, stop, ignore_eos)
+        request.policy = policy
+        self.scheduler.add(request)
+        return request.seq_id
+
+    def encode(self, prompt: str) -> list[int]:
+        """The prompt's token ids (in the chat template when the config says so)."""
+        return encode_prompt(self.model, prompt, self.config.chat, self.config.special)
+
+    def submit_parallel(self, prompt_ids, n: int, sampling: SamplingConfig | None = None,
+                        max_new_tokens: int | None = None, stop: tuple[str, ...] = (), ignore_eos: bool | None = None,
+                        policy=None) -> list[int]:
+        """n samples of one prompt: seeds seed, seed+1, ...; the prompt is computed once and its pages
+        are shared by all n (the partial last page is copied when each first writes to it). The other
+        arguments are submit's, for every sample (each child forks the first one's policy)."""
+        check_int("n", n, 1, MAX_SEQUENCES)
+        sampling = sampling or self.config.sampling
+        first = self.submit(prompt_ids, sampling, max_new_tokens, stop, ignore_eos, policy)
+        for i in range(1, n):
+            child = self._new_request(self.requests[first].prompt_ids, _reseeded(sampling, sampling.seed + i),
+                                      max_new_tokens, stop, ignore_eos)
+            child.policy = None if policy is None else copy.deepcopy(policy)  # if the prompt ends before forking
+            self.requests[first].children.append(child.seq_id)
+        return [first, *self.requests[first].children]
+
+    def fork(self, seq_id: int, n_tokens: int | None = None, sampling: SamplingConfig | None = None,
+             max_new_tokens: int | None = None) -> int:
+        """A new request that continues seq_id's first n_tokens tokens (all of its cached ones by default)
+        with other sampling settings. A running parent's pages are shared directly (the child recomputes
+        the last of those tokens to get its own next-token logits); a finished or waiting parent's
+        tokens become the child's prompt, and the prefix cache shares whatever full pages it still holds."""
+        parent = self.requests[seq_id]
+        sampling = sampling or parent.sampler.config
+        if parent not in self.scheduler.running:
+            tokens = parent.tokens
+            n = len(tokens) if n_tokens is None else check_int("n_tokens", n_tokens, 1, len(tokens))
+            return self.submit(tokens[:n], sampling, max_new_tokens)
+        n = parent.n_cached if n_tokens is None else check_int("n_tokens", n_tokens, 1, parent.n_cached)
+        tokens = parent.tokens[:n]
+        n_prompt = min(len(parent.prompt_ids), n)
+        child = self._new_request(tuple(tokens[:n_prompt]), sampling, max_new_tokens, (), None)
+        child.generated = tokens[n_prompt:]
+        self.cache.fork(seq_id, child.seq_id, n - 1)
+        child.n_cached = n - 1
+        self.scheduler.start(child)
+        return child.seq_id
+
+    def cancel(self, seq_id: int, reason: str = "cancelled") -> None:
+        """End a request now (a client went away, the user interrupted); its pages go back to the pool."""
+        request = self.requests[seq_id]
+        if not request.done:
+            self.scheduler.remove(request)
+            self._end(request, reason)
+        self.release(seq_id)
+
+    def release(self, seq_id: int) -> None:
+        """Free the pages a finished request still holds (with hold_finished)."""
+        if self.requests[seq_id].done and seq_id in self.cache.sequences:
+            self.cache.free(seq_id)
+
+    def forget(self, seq_id: int) -> None:
+        """Drop a finished request's record (a server keeps only what it still serves)."""
+        request = self.requests[seq_id]
+        if not request.done:
+            raise RuntimeError(f"request {seq_id} is still {'waiting' if request.started < 0 else 'running'}")
+        self.release(seq_id)
+        del self.requests[seq_id]
+        self.attention.pop(seq_id, None)
+        self._watched.pop(seq_id, None)
+
+    def _new_request(self, prompt_ids, sampling, max_new_tokens, stop, ignore_eos) -> Request:
+        limit = self.config.max_new_tokens if max_new_tokens is None else max_new_tokens
+        request = Request(self._next_id, tuple(prompt_ids), Sampler(sampling or self.config.sampling), limit,
+                          self.batch.ignore_eos if ignore_eos is None else ignore_eos, tuple(s for s in stop if s))
+        self.requests[request.seq_id] = request
+        self._next_id += 1
+        return request
+
+    # --- state -----------------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.scheduler.idle
+
+    @property
+    def running(self) -> list[int]:
+        return [r.seq_id for r in self.scheduler.running]
+
+    @property
+    def waiting(self) -> list[int]:
+        return [r.seq_id for r in self.scheduler.waiting]
+
+    @property
+    def preemptions(self) -> int:
+        return self.scheduler.preemptions
+
+    def text(self, seq_id: int) -> str:
+        request = self.requests[seq_id]
+        ids = request.generated[:-1] if request.stop_reason == "eos" else request.generated
+        return decode_ids(self.model, ids)
+
+    # --- stepping --------------------------------------------------------------------------------
+    def run(self, control: RunControl | None = None) -> Iterator:
+        """Step through the one run loop until done (or as `control` says); yield each record."""
+        return steps(self, control)
+
+    def step(self) -> BatchRecord:
+        """One step of every scheduled request. Raises CacheFullError when the pool cannot hold even one
+        request's next step, and SwapSpaceError when the disk tier has no room; both before anything changed."""
+        if self.done:
+            raise RuntimeError("no request is waiting or running")
+        started = time.perf_counter()
+        self.cache.step = self.n_steps
+        self.last_plan, self.last_logits, self._steps = {}, {}, {}
+        plan = self.scheduler.schedule(self._finish)
+        if plan:
+            try:
+                self._execute(plan)
+            except SwapSpaceError as error:  # raised before any K/V was written: the requests end here
+                for request, _, _ in plan:
+                    request.error = error.strerror or str(error)
+                    self._finish(request, "swap_full")
+                raise
+        record = self._record(started)
+        self.n_steps += 1
+        for hook in self._hooks:
+            hook(record)
+        return record
+
+    def _execute(self, plan: Plan) -> None:
+        for request, tokens, _ in plan:
+            self.cache.ensure_room(request.seq_id, len(tokens))
+        ids = np.concatenate([np.asarray(tokens, dtype=np.int64) for _, tokens, _ in plan])
+        positions = np.concatenate([np.arange(start, start + len(tokens), dtype=np.int64)
+                                    for _, tokens, start in plan])
+        segments, offset = [], 0
+        for request, tokens, start in plan:
+            segments.append((request.seq_id, offset, offset + len(tokens)))
+            self.cache.extend(request.seq_id, tokens)
+            self.last_plan[request.seq_id] = (tokens, start)
+            offset += len(tokens)
+        rows = np.array([end - 1 for _, _, end in segments], dtype=np.int64)
+        forward_started = time.perf_counter()
+        logits = self.model.forward(ids, positions, self._batched_attend(segments), logit_rows=rows)
+        self.forward_seconds = time.perf_counter() - forward_started
+        for (request, tokens, start), row in zip(plan, logits, strict=True):
+            request.n_cached = start + len(tokens)
+            request.steps += 1
+            self.cache.commit(request.seq_id)
+            self.last_logits[request.seq_id] = row
+            kind = "prefill" if start + 1 < len(request.tokens) else "decode"
+            self._steps[request.seq_id] = SeqStep(request.seq_id, kind, len(tokens), -1)
+        for (request, tokens, start), row in zip(plan, logits, strict=True):
+            if request.n_cached == len(request.tokens):
+                for child_id in self._fork_children(request):
+                    self._steps[child_id] = SeqStep(child_id, "fork", 0, self._sample(self.requests[child_id], row))
+                step = self._steps[request.seq_id]
+                self._steps[request.seq_id] = replace(step, next_token=self._sample(request, row))
+
+    def _batched_attend(self, segments):
+        cache, watched, attention = self.cache, self._watched, self.attention
+
+        def attend(layer, q, k, v, positions):
+            out = np.empty_like(q)
+            # One request: every row is its own, however the model splits its forward (compare's pieces).
+            pieces = [(segments[0][0], 0, len(q))] if len(segments) == 1 else segments
+            ids = [seq_id for seq_id, _, _ in pieces]
+            if all(end - start == 1 for _, start, end in pieces) and cache.can_attend_many(ids, layer):
+                # every sequence decodes one token: write them all, then one batched attention
+                for seq_id, start, end in pieces:
+                    cache.append(seq_id, layer, k[start:end], v[start:end], positions[start:end])
+                results = cache.attend_many(ids, layer, q, positions)
+            else:
+                results = []
+                for seq_id, start, end in pieces:
+                    cache.append(seq_id, layer, k[start:end], v[start:end], positions[start:end])
+                    results.append(cache.attend(seq_id, layer, q[start:end], positions[start:end]))
+            for (seq_id, start, end), result in zip(pieces, results, strict=True):
+                out[start:end] = result.output
+                if layer in watched.get(seq_id, ()):
+                    attention.setdefault(seq_id, {})[layer] = (result.weights[-1], result.slots)
+            return out
+
+        return attend
+
+    def _fork_children(self, request: Request) -> list[int]:
+        children, request.children = request.children, []
+        for child_id in children:
+            self.cache.fork(request.seq_id, child_id)
+            self.requests[child_id].n_cached = request.n_cached
+            self.scheduler.start(self.requests[child_id])
+            self.last_plan[child_id] = ([], request.n_cached)
+        return children
+
+    def _sample(self, request: Request, logits: np.ndarray) -> int:
+        token = request.sampler.sample(logits)
+        request.generated.append(token)
+        if token in self.model.config.eos_ids and not request.ignore_eos:
+            self._finish(request, "eos")
+        elif len(request.generated) >= request.max_new_tokens:
+            self._finish(request, "max_new_tokens")
+        elif request.stop and any(s in self.text(request.seq_id) for s in request.stop):
+            self._finish(request, "stop")
+        return token
+
+    def _finish(self, request: Request, reason: str) -> None:
+        if reason == "cache_full":
+            try:  # the policy's own message says why (policy 'none' never evicts)
+                self.cache.sequences[request.seq_id].policy.choose_victims(self.cache.view(request.seq_id, 0))
+            except CacheFullError as error:
+                request.error = str(error)
+        self.scheduler.remove(request)
+        if not (self.hold_finished or request.hold):
+            self.cache.free(request.seq_id)
+        # parallel samples still waiting for this prompt (it ended before its first token): they run alone
+        for child_id in request.children:
+            self.scheduler.add(self.requests[child_id])
+        request.children = []
+        self._end(request, reason)
+
+    def _end(self, request: Request, reason: str) -> None:
+        request.stop_reason = reason
+        self._ended.append(request.seq_id)
+
+    def _record(self, started: float) -> BatchRecord:
+        cache = self.cache
+        events = cache.take_events()
+        self.last_events = events
+        ended, self._ended = tuple(self._ended), []
+        store = cache.stores[0]
+        pool = store.pages
+        used = pool.ref_counts > 0
+        capacity = self.cache_config.capacity
+        running = self.scheduler.running
+        reserved = sum(min(len(r.prompt_ids) + r.max_new_tokens, capacity) for r in running)
+        return BatchRecord(
+            step=self.n_steps, seqs=tuple(self._steps.values()),
+            events=tuple(e for e in events if e.kind is not EventKind.WRITE),
+            block_tables={r.seq_id: tuple(cache.block_table(r.seq_id, 0)) for r in running},
+            ref_counts=pool.ref_counts.copy(), fill=store.fill.copy(), cached_free=tuple(pool.cached_free()),
+            pages_used=cache.pages_used(), pages_unshared=cache.pages_unshared(),
+            contiguous_reserved_tokens=reserved, tokens_stored=int(store.fill[used].sum()),
+            seconds=time.perf_counter() - started, n_cached={r.seq_id: r.n_cached for r in running},
+            waiting=len(self.scheduler.waiting), ended=ended)
+
+
+def _reseeded(sampling: SamplingConfig, seed: int) -> SamplingConfig:
+    return SamplingConfig(mode=sampling.mode, temperature=sampling.temperature, top_k=sampling.top_k,
+                          top_p=sampling.top_p, seed=seed % 2**32)

@@ -1,9 +1,0 @@
-"""Errors the engine raises. Each message names the field, the value and what is allowed."""
-
-from ..errors import ConfigError
-
-__all__ = ["CacheFullError", "ConfigError"]
-
-
-class CacheFullError(RuntimeError):
-    """The cache has no free slot and its policy ('none') does not evict."""

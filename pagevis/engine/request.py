@@ -1,0 +1,39 @@
+"""A request: one sequence the engine decodes, from its prompt to its stop reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagevis.engine.sampling import Sampler
+
+
+@dataclass
+class Request:
+    seq_id: int
+    prompt_ids: tuple[int, ...]
+    sampler: Sampler
+    max_new_tokens: int
+    ignore_eos: bool = False  # decode max_new_tokens whatever is sampled (benchmarks of a fixed shape)
+    stop: tuple[str, ...] = ()  # stop strings: the request ends when its text contains one
+    generated: list[int] = field(default_factory=list)
+    n_cached: int = 0  # tokens whose K/V are in the pool
+    started: int = -1  # admission order (preemption takes the highest)
+    # why it ended, set by the engine only: eos, max_new_tokens, stop, cache_full, swap_full, or cancel's reason
+    # (cancelled, interrupted, abort, error)
+    stop_reason: str | None = None
+    error: str = ""  # with stop_reason cache_full: the cache's message
+    preemptions: int = 0
+    prefix_hit_tokens: int = 0  # prompt tokens found in the prefix cache at its (last) admission
+    children: list[int] = field(default_factory=list)  # parallel samples waiting for this one's prefill
+    paused: bool = False  # held between calls (a session stepped over HTTP): not scheduled, pages kept
+    hold: bool = False  # keep its pages when it finishes, until Engine.release (a server's session records them)
+    steps: int = 0  # engine steps that fed it tokens
+    policy: object = None  # an eviction policy object to use instead of the settings' (bench's future-aware one)
+
+    @property
+    def tokens(self) -> list[int]:
+        return [*self.prompt_ids, *self.generated]
+
+    @property
+    def done(self) -> bool:
+        return self.stop_reason is not None

@@ -1,0 +1,161 @@
+"""Which requests run in the next step, and what each feeds (vLLM v1's scheduler in miniature).
+
+Running requests come first: each feeds one decode token or its next prefill chunk; then waiting ones are
+admitted, oldest first, while fewer than `max_running` run and the pool has the pages. A per-step token
+budget (if set) bounds the tokens of one step, so a long prompt is prefilled in chunks between everyone
+else's decode steps rather than stalling them. When the pool cannot hold the next step, the most recently
+admitted request is preempted: its pages are freed (a PREEMPT event) and it goes back to the head of the
+waiting queue; when admitted again it recomputes its tokens (a prefill of prompt + generated text, much of
+it found in the prefix cache). Preemption always recomputes: with a disk tier every page already has a
+disk frame and RAM is only a cache of them, so a step never runs out of RAM — only out of page ids, which
+swapping cannot give back.
+
+A paused request (a server's session between calls) holds its pages but neither runs nor counts against
+`max_running`, and is never preempted.
+
+The scheduler never touches pages: it asks the cache manager what a chunk needs and whether it fits.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from pagevis.kvcache import CacheFullError, EventKind, KVCacheManager
+from pagevis.engine.request import Request
+
+Plan = list[tuple[Request, list[int], int]]  # (request, tokens to feed, position of the first)
+
+
+class Scheduler:
+    def __init__(self, cache: KVCacheManager, max_running: int, token_budget: int | None = None,
+                 max_chunk: int | None = None):
+        self.cache = cache
+        self.max_running = max_running
+        self.token_budget = token_budget  # tokens per step over all requests; None: no limit
+        self.max_chunk = max_chunk  # prompt tokens one request feeds per step; None: no limit
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self.preemptions = 0
+        self._admitted = 0
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not any(not r.paused for r in self.running)
+
+    @property
+    def n_active(self) -> int:
+        """Running requests that are not paused (a paused one holds its pages, not a place in the batch)."""
+        return sum(1 for r in self.running if not r.paused)
+
+    def add(self, request: Request, front: bool = False) -> None:
+        if front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def start(self, request: Request) -> None:
+        """Count request as running (admitted now: preemption takes the newest)."""
+        request.started = self._admitted
+        self._admitted += 1
+        self.running.append(request)
+
+    def remove(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def schedule(self, finish) -> Plan:
+        """The plan of the next step. `finish(request, reason)` ends a request that cannot go on (its
+        budget is full under policy 'none'); CacheFullError when the pool cannot hold even one request."""
+        cache = self.cache
+        for request in list(self.running):
+            seq = cache.sequences[request.seq_id]
+            if not request.paused and cache.room(request.seq_id) <= 0 and not seq.policy.evicts:
+                finish(request, "cache_full")
+        budget = self.token_budget
+        while True:
+            plan = self._running_plan(budget)
+            if not self.waiting and sum(cache.pages_bound(r.seq_id, len(tokens)) for r, tokens, _ in plan) \
+                    <= cache.fewest_free():
+                return plan  # fits even at the bound, and nobody waits to be admitted: no exact count needed
+            needs = [cache.pages_needed(r.seq_id, len(tokens)) for r, tokens, _ in plan]
+            total = np.sum(needs, axis=0) if needs else np.zeros(len(cache.stores), dtype=np.int64)
+            if cache.fits(total.tolist()):
+                break
+            active = [r for r in self.running if not r.paused]
+            if len(active) == 1:
+                raise CacheFullError(f"the pool of {cache.pool_pages} pages per layer cannot hold the next step "
+                                     f"of sequence {active[0].seq_id} alone; raise pool_pages")
+            self.preempt(active[-1])
+        used = sum(len(tokens) for _, tokens, _ in plan)
+        while self.waiting and self.n_active < self.max_running and (budget is None or used < budget):
+            request = self.waiting[0]
+            cache.add_sequence(request.seq_id, request.policy)
+            tokens = request.tokens
+            request.n_cached = cache.match_prefix(request.seq_id, tokens[: self._hit_limit(request) + 1])
+            if cache.room(request.seq_id) <= 0 and not cache.sequences[request.seq_id].policy.evicts:
+                self.start(self.waiting.popleft())  # its cached prefix already fills its budget
+                finish(request, "cache_full")
+                continue
+            chunk = self._chunk(request, None if budget is None else budget - used)
+            need = cache.pages_needed(request.seq_id, len(chunk[1]))
+            if not cache.fits((total + np.asarray(need)).tolist()):
+                cache.free(request.seq_id, None)
+                if not self.running:
+                    raise CacheFullError(f"the pool of {cache.pool_pages} pages per layer cannot hold "
+                                         f"{len(chunk[1])} tokens of sequence {request.seq_id}; raise pool_pages")
+                break
+            self.waiting.popleft()
+            request.prefix_hit_tokens = request.n_cached
+            if cache.prefix_caching:
+                cache.prefix_stats.record(len(request.tokens), request.n_cached)
+            self.start(request)
+            total = total + np.asarray(need)
+            used += len(chunk[1])
+            plan.append(chunk)
+        return plan
+
+    def _hit_limit(self, request: Request) -> int:
+        """How many of its tokens a request may take from the prefix cache without decoding other tokens than
+        it would alone: a request that never reaches its budget, all; one that will evict, only what it holds
+        before its first eviction (its budget) — and none if its policy learns from attention, which cached
+        pages never got from it."""
+        policy = self.cache.sequences[request.seq_id].policy
+        budget = min(policy.layer_capacity(layer) for layer in range(len(self.cache.stores)))
+        if len(request.prompt_ids) + request.max_new_tokens <= budget:
+            return len(request.tokens)
+        return 0 if policy.uses_attention else budget
+
+    def _running_plan(self, budget: int | None) -> Plan:
+        """Decode tokens first (one per request), then prefill chunks within what the budget leaves."""
+        active = [r for r in self.running if not r.paused]
+        decoding = [r for r in active if len(r.tokens) - r.n_cached == 1]
+        plan = [self._chunk(r, None) for r in decoding]
+        left = None if budget is None else budget - len(plan)
+        for request in active:
+            if request in decoding or (left is not None and left <= 0):
+                continue
+            chunk = self._chunk(request, left)
+            plan.append(chunk)
+            left = None if left is None else left - len(chunk[1])
+        return sorted(plan, key=lambda chunk: chunk[0].started)
+
+    def _chunk(self, request: Request, left: int | None) -> tuple[Request, list[int], int]:
+        """The request's next tokens: its room (1 when its policy must evict to go on), the cache's own chunk
+        limit (disk tier, Quest), the scheduler's, and what the step's budget leaves."""
+        cache, tokens = self.cache, request.tokens
+        limits = [len(tokens) - request.n_cached, cache.room(request.seq_id)]
+        limits += [limit for limit in (cache.max_chunk(request.seq_id), self.max_chunk, left) if limit is not None]
+        n = max(1, min(limits))
+        return request, tokens[request.n_cached: request.n_cached + n], request.n_cached
+
+    def preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.cache.free(request.seq_id, EventKind.PREEMPT)
+        request.n_cached = 0
+        request.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(request)

@@ -1,0 +1,53 @@
+"""Which model a session runs: the shipped SmolLM2, any Llama-family GGUF file, or a synthetic model."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from pagevis.kvcache import ConfigError
+
+MODEL_KINDS = ("smollm2", "gguf", "synthetic")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    kind: str = "smollm2"
+    path: str | None = None  # for kind "gguf"
+    # the synthetic model's layout (seeded random weights of the same architecture)
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 2
+    head_dim: int = 32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in MODEL_KINDS:
+            raise ConfigError("model", self.kind, f"one of {', '.join(MODEL_KINDS)}")
+        if self.kind == "gguf" and not self.path:
+            raise ConfigError("model path", self.path, "the path of a .gguf file")
+
+    @property
+    def label(self) -> str:
+        if self.kind == "gguf":
+            return str(self.path)
+        if self.kind == "synthetic":
+            return (f"synthetic {self.n_layers}L {self.n_heads}q/{self.n_kv_heads}kv "
+                    f"d{self.head_dim} seed {self.seed}")
+        return "SmolLM2-135M-Instruct"
+
+    def load(self):
+        """The model, loaded once per spec and then shared (weights are read-only)."""
+        return _load(self)
+
+
+@functools.lru_cache(maxsize=2)
+def _load(spec: ModelSpec):
+    if spec.kind == "synthetic":
+        from pagevis.model.synthetic import SyntheticModel
+
+        return SyntheticModel(n_layers=spec.n_layers, n_heads=spec.n_heads,
+                                    n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, seed=spec.seed)
+    from pagevis.model import load_model
+
+    return load_model(spec.path if spec.kind == "gguf" else None)

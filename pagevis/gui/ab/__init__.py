@@ -1,0 +1,1 @@
+"""The A/B window: two sessions side by side, stepped together."""

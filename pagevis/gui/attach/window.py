@@ -1,0 +1,777 @@
+"""The attach window: a vLLM / SGLang engine's prefix cache, rebuilt from its KV events (`pagevis attach`).
+
+Per engine (the selector at the top): the prefix forest (views/prefix_forest.py: each block a box under its
+parent, as wide as its tokens, coloured by medium; the newest stored, just removed, hot and shared ones marked;
+hover for hash, parent, tokens, text, medium and when it was stored; click to see the whole prefix); store and
+remove rates over time; resident blocks over time and per medium; block lifetimes; hot prefixes (stored again
+soon after removal: thrashing); the engines and the blocks they hold in common (what a KV-aware router scores).
+With --metrics, the engine's running / waiting requests, KV usage and prefix hit rate beside them. A recording
+(--play) is scrubbed with the slider (one step = one live message) or played.
+
+Threads (attach_worker.py): a worker owns the subscriber or the playback, another lays out the forest; this
+window only renders the frames they publish, pulled by a 33 ms timer. Decode errors are counted and the last one
+shown; nothing a stream sends raises here.
+
+`launch(sources=, playback=, detokenizer=, metrics_url=, record=)` is what `pagevis attach` calls.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QHeaderView, QLabel, QMainWindow, QPlainTextEdit,
+                               QPushButton, QSlider, QSplitter, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+
+from pagevis.gui.widgets import theme
+from pagevis.viewmodel.attach_forest import (
+    hot_rows,
+    short_hash,
+    lifetime_histogram,
+    medium_color,
+    metric_series,
+    rates,
+)
+from pagevis.gui.attach.worker import (
+    FleetWorker,
+    ForestWorker,
+    GcFreezer,
+    LiveSource,
+    MetricsWorker,
+    PlaybackSource,
+)
+from pagevis.viewmodel.forest_layout import DEFAULT_BUDGET
+from pagevis.gui.widgets.prefix_forest import PrefixForestView
+
+REFRESH_MS = 33  # at most ~30 redraws a second
+TABLE_S = 0.25  # tables refresh at most 4 times a second
+PLOT_S = 0.1  # live: plots redraw at most 10 times a second (a scrub redraws at once)
+LIVE_FOREST_S = 0.25  # live: a new forest at most 4 times a second (its paint is the window's largest)
+SPEEDS = (1, 10, 100, 1000, 10000)  # playback: live messages per second
+STORED_COLOR, REMOVED_COLOR = "#3ddc84", "#ef4b4b"
+MAX_PREFIX_BLOCKS = 4096  # walked up from a selected block for its prefix text
+
+
+def _item(text: str, align_right: bool = False) -> QTableWidgetItem:
+    item = QTableWidgetItem(text)
+    item.setFlags(item.flags() & ~Qt.ItemIsEditable)
+    if align_right:
+        item.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
+    return item
+
+
+def _fill_table(table: QTableWidget, headers: list[str], rows: list[list[str]], right: set[int] = frozenset()):
+    if [table.horizontalHeaderItem(i).text() if table.horizontalHeaderItem(i) else None
+            for i in range(table.columnCount())] != headers:
+        table.setColumnCount(len(headers))
+        table.setHorizontalHeaderLabels(headers)
+    table.setRowCount(len(rows))
+    for r, row in enumerate(rows):
+        for c, text in enumerate(row):
+            current = table.item(r, c)
+            if current is None or current.text() != text:
+                table.setItem(r, c, _item(text, c in right))
+
+
+def _table(headers: list[str]) -> QTableWidget:
+    table = QTableWidget(0, len(headers))
+    table.setHorizontalHeaderLabels(headers)
+    table.verticalHeader().setVisible(False)
+    table.setSelectionMode(QTableWidget.NoSelection)
+    table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeToContents)
+    table.horizontalHeader().setStretchLastSection(True)
+    return table
+
+
+def _plot(graphics: pg.GraphicsLayoutWidget, row: int, col: int, left: str = "", bottom: str = "",
+          colspan: int = 1) -> pg.PlotItem:
+    plot = graphics.addPlot(row=row, col=col, colspan=colspan)
+    theme.style_plot(plot, left=left, bottom=bottom)
+    plot.setMenuEnabled(False)
+    plot.getAxis("left").setWidth(60)
+    return plot
+
+
+def _curve(plot: pg.PlotItem, color: str, name: str, width: float = 1.6) -> pg.PlotDataItem:
+    item = pg.PlotDataItem(pen=pg.mkPen(color, width=width), name=name, clipToView=True, autoDownsample=True,
+                           symbolBrush=color, symbolPen=None, symbolSize=5)
+    plot.addItem(item)
+    return item
+
+
+def _set_curve(item: pg.PlotDataItem, x: np.ndarray, y: np.ndarray) -> None:
+    """Points get symbols while there are few of them (a lone point is otherwise invisible)."""
+    item.setSymbol("o" if len(x) <= 60 else None)
+    item.setData(x, y)
+
+
+def _alpha(color: str, alpha: int) -> QColor:
+    c = QColor(color)
+    c.setAlpha(alpha)
+    return c
+
+
+def _fit(plot: pg.PlotItem, x: float | None, y: float | None, negative_x: bool = True) -> None:
+    """Show x from -x to 0 (or 0 to x) and y from 0 to y, in 1-2-2.5-5 steps, changed only when the data
+    outgrows the range or falls under a quarter of it."""
+
+    def fit(value, current):
+        if value is None:
+            return current
+        value = max(value, 1e-9)
+        if current is not None and current / 4 < value <= current:
+            return current
+        return theme.level_ceiling(value)
+
+    current = getattr(plot, "_fitted", (None, None))
+    fitted = (fit(x, current[0]), fit(y, current[1]))
+    if fitted == current:
+        return
+    plot._fitted = fitted
+    plot.disableAutoRange()
+    if fitted[0] is not None:
+        plot.setXRange(-fitted[0] if negative_x else 0, 0 if negative_x else fitted[0], padding=0.02)
+    if fitted[1] is not None:
+        plot.setYRange(0, fitted[1], padding=0.04)
+
+
+def _seconds(value: float) -> str:
+    if not math.isfinite(value):
+        return "-"
+    if abs(value) < 1:
+        return f"{value * 1000:.0f} ms"
+    if abs(value) < 120:
+        return f"{value:.3g} s"
+    return f"{value / 60:.1f} min"
+
+
+class AttachWindow(QMainWindow):
+    def __init__(self, source, detokenizer=None, metrics_url: str | None = None, recorder=None,
+                 budget: int = DEFAULT_BUDGET, parent=None):
+        super().__init__(parent)
+        theme.configure_pyqtgraph()
+        self.source, self.detokenizer, self.recorder = source, detokenizer, recorder
+        self.forest_worker = ForestWorker(detokenizer, budget, LIVE_FOREST_S if source.live else 0.0)
+        self.freezer = GcFreezer()
+        self.fleet_worker = FleetWorker(source, self.forest_worker, self.freezer)
+        self.metrics_worker = MetricsWorker(metrics_url) if metrics_url else None
+        self.metrics_t0 = time.monotonic()
+        self.frame = None  # the FleetFrame shown
+        self.forest_frame = None  # the ForestFrame shown
+        self.frames = 0  # redraws (for the bench)
+        self.forest_frames = 0  # forests shown
+        self.forest_shown: list = []  # callables(ForestFrame), called as each forest is shown (for the bench)
+        self.selected_key = None  # (medium, group, hash) clicked
+        self._table_at = 0.0
+        self._metrics_count = -1
+        self._playing_since: float | None = None
+        self._play_from = 0
+        self._plotted = None
+        self._display_error = ""
+        self._plots_at = 0.0
+        self._media: list[str] = []
+        self._media_labels: list = []
+        self._lifetime_ticks: list = []
+        self._closed = False
+        self.setWindowTitle("pagevis attach — " + ("recording" if not source.live else "live KV events"))
+        self._build(budget)
+        self.timer = QTimer(self)
+        self.timer.setInterval(REFRESH_MS)
+        self.timer.timeout.connect(self.refresh)
+        self.resize(1600, 1000)
+
+    # --- building ---------------------------------------------------------------------------------------------
+    def _build(self, budget: int) -> None:
+        self.engine_box = QComboBox()
+        self.engine_box.setToolTip("the engine (endpoint, data parallel rank) whose cache the window shows")
+        self.engine_box.setMinimumContentsLength(28)
+        self.engine_box.currentIndexChanged.connect(self.select_engine)
+        self.status = QLabel("attaching…" if self.source.live else "")
+        self.status.setTextFormat(Qt.RichText)
+        self.errors = QLabel("")
+        self.errors.setObjectName("inlineError")
+        self.errors.setWordWrap(True)
+        top = QHBoxLayout()
+        top.addWidget(QLabel("engine"))
+        top.addWidget(self.engine_box)
+        top.addWidget(self.status, 1)
+
+        self.play_button = QPushButton("Play")
+        self.play_button.setCheckable(True)
+        self.play_button.toggled.connect(self._play_toggled)
+        self.speed = QComboBox()
+        for speed in SPEEDS:
+            self.speed.addItem(f"{speed:,} msg/s", speed)
+        self.speed.setCurrentIndex(1)
+        self.slider = QSlider(Qt.Horizontal)
+        self.slider.setRange(0, self.source.length or 0)
+        self.slider.setToolTip("scrub the recording: the state after this many live messages")
+        self.slider.valueChanged.connect(self.scrub)
+        self.position_label = QLabel("")
+        self.position_label.setMinimumWidth(240)
+        scrub = QHBoxLayout()
+        for widget in (self.play_button, self.speed):
+            scrub.addWidget(widget)
+        scrub.addWidget(self.slider, 1)
+        scrub.addWidget(self.position_label)
+        scrub_row = QWidget()
+        scrub_row.setLayout(scrub)
+        scrub_row.setVisible(not self.source.live)
+        self.scrub_row = scrub_row
+
+        self.forest = PrefixForestView(budget=budget)
+        self.forest.set_empty_text("waiting for the first blocks…")
+        self.forest.clicked.connect(self._clicked)
+        self.forest.focus_requested.connect(self.focus)
+        self.show_all = QPushButton("Show the whole forest")
+        self.show_all.setToolTip("the forest shows one block's subtree (double-click a block or a collapsed "
+                                 "subtree to choose it)")
+        self.show_all.clicked.connect(lambda: self.focus(-1))
+        self.show_all.hide()
+        self.details = QPlainTextEdit()
+        self.details.setReadOnly(True)
+        self.details.setPlaceholderText("hover a block for its hash, parent, tokens and medium; click it to see "
+                                        "its whole prefix here")
+        forest_box = QWidget()
+        forest_column = QVBoxLayout(forest_box)
+        forest_column.setContentsMargins(0, 0, 0, 0)
+        forest_column.addWidget(self.forest, 1)
+        forest_column.addWidget(self.show_all)
+        left = QSplitter(Qt.Vertical)
+        left.addWidget(forest_box)
+        left.addWidget(self.details)
+        left.setStretchFactor(0, 5)
+        left.setStretchFactor(1, 1)
+        left.setSizes([760, 170])
+
+        g = self.graphics = pg.GraphicsLayoutWidget()
+        g.ci.setSpacing(8)
+        self.rates_plot = _plot(g, 0, 0, "blocks / s", "s before the last batch (engine clock)", colspan=2)
+        self.stored_curve = _curve(self.rates_plot, STORED_COLOR, "stored")
+        self.removed_curve = _curve(self.rates_plot, REMOVED_COLOR, "removed")
+        self.resident_plot = _plot(g, 1, 0, "blocks", "s before the last batch")
+        self.resident_curve = _curve(self.resident_plot, theme.ACCENT, "resident")
+        self.media_plot = _plot(g, 1, 1, "", "blocks")
+        self.media_plot.getAxis("left").setWidth(74)
+        self.media_bars = pg.BarGraphItem(x0=[], y=[], height=0.6, width=[], pen=None)
+        self.media_plot.addItem(self.media_bars)
+        self.media_plot.invertY(True)
+        self.lifetime_plot = _plot(g, 2, 0, "blocks", "lifetime: stored → removed (log scale)")
+        self.lifetime_plot.getAxis("bottom").enableAutoSIPrefix(False)
+        self.lifetime_curve = pg.PlotDataItem(stepMode="center", fillLevel=0, pen=pg.mkPen(theme.SERIES[4], width=1.4),
+                                              brush=pg.mkBrush(_alpha(theme.SERIES[4], 90)))
+        self.lifetime_plot.addItem(self.lifetime_curve)
+        self.hot_plot = _plot(g, 2, 1, "restores", "s since the removal")
+        self.hot_points = pg.ScatterPlotItem(size=7, pen=None, brush=pg.mkBrush(theme.SERIES[1]))
+        self.hot_plot.addItem(self.hot_points)
+        self.empty_notes = {}
+        for plot, text in ((self.lifetime_plot, "no block removed yet"),
+                           (self.hot_plot, "no block stored again soon after its removal"),
+                           (self.rates_plot, "no batches yet"), (self.resident_plot, "no batches yet")):
+            note = pg.TextItem(text, color=theme.MUTED, anchor=(0.5, 0.5))
+            plot.addItem(note, ignoreBounds=True)
+            note.setParentItem(plot.vb)  # placed in the view box's own pixels, whatever the range
+            self.empty_notes[plot] = note
+        self.requests_plot = _plot(g, 3, 0, "requests", "s since attach")
+        self.running_curve = _curve(self.requests_plot, theme.SERIES[0], "running")
+        self.waiting_curve = _curve(self.requests_plot, theme.SERIES[1], "waiting")
+        self.cache_plot = _plot(g, 3, 1, "%", "s since attach")
+        self.cache_plot.setXLink(self.requests_plot)
+        self.usage_curve = _curve(self.cache_plot, theme.SERIES[2], "KV usage")
+        self.hit_curve = _curve(self.cache_plot, theme.SERIES[5], "prefix hit rate")
+        self.cache_plot.setYRange(0, 100, padding=0.02)
+        for plot in (self.requests_plot, self.cache_plot):
+            plot.setVisible(self.metrics_worker is not None)
+        self._titles()
+
+        self.hot_table = _table(["block", "medium", "restores", "last gap", "resident", "text"])
+        self.engines_table = _table(["engine", "batches", "last seq", "epoch", "resident", "held elsewhere",
+                                     "decode errors", "gaps lost"])
+        tables = QSplitter(Qt.Horizontal)
+        for title, table in (("Hot prefixes: stored again soon after removal", self.hot_table),
+                             ("Engines: GPU blocks held in common (a KV-aware router's overlap)",
+                              self.engines_table)):
+            box = QWidget()
+            column = QVBoxLayout(box)
+            column.setContentsMargins(0, 0, 0, 0)
+            column.addWidget(QLabel(f"<b>{title}</b>"))
+            column.addWidget(table)
+            tables.addWidget(box)
+        self.plot_stats = QLabel("")
+        self.plot_stats.setWordWrap(True)
+        plots = QWidget()
+        column = QVBoxLayout(plots)
+        column.setContentsMargins(0, 0, 0, 0)
+        column.addWidget(g, 1)
+        column.addWidget(self.plot_stats)
+        right = QSplitter(Qt.Vertical)
+        right.addWidget(plots)
+        right.addWidget(tables)
+        right.setStretchFactor(0, 3)
+        right.setStretchFactor(1, 1)
+        right.setSizes([700, 260])
+
+        body = QSplitter(Qt.Horizontal)
+        body.addWidget(left)
+        body.addWidget(right)
+        body.setStretchFactor(0, 3)
+        body.setStretchFactor(1, 2)
+        central = QWidget()
+        layout = QVBoxLayout(central)
+        layout.addLayout(top)
+        layout.addWidget(scrub_row)
+        layout.addWidget(self.errors)
+        layout.addWidget(body, 1)
+        self.setCentralWidget(central)
+        self.body = body
+
+    def _titles(self) -> None:
+        theme.set_title(self.rates_plot, f"blocks <span style='color:{STORED_COLOR}'>stored</span> / "
+                        f"<span style='color:{REMOVED_COLOR}'>removed</span> per second")
+        theme.set_title(self.resident_plot, "resident blocks (all media) after each batch")
+        theme.set_title(self.media_plot, "resident blocks per medium, now")
+        theme.set_title(self.lifetime_plot, "block lifetimes (the most recent removals)")
+        theme.set_title(self.hot_plot, "hot prefixes: restores by the gap after removal")
+        theme.set_title(self.requests_plot, f"requests <span style='color:{theme.SERIES[0]}'>running</span> / "
+                        f"<span style='color:{theme.SERIES[1]}'>waiting</span> (--metrics)")
+        theme.set_title(self.cache_plot, f"<span style='color:{theme.SERIES[2]}'>KV usage</span> / "
+                        f"<span style='color:{theme.SERIES[5]}'>prefix hit rate</span> (%, --metrics)")
+
+    # --- running ----------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.freezer.freeze()  # the process's objects as they are now: never traversed by a collection again
+        self.forest_worker.start()
+        self.fleet_worker.start()
+        if self.metrics_worker is not None:
+            self.metrics_worker.start()
+        self.timer.start()
+
+    def threads(self) -> list:
+        return [t for t in (self.fleet_worker, self.forest_worker, self.metrics_worker) if t is not None]
+
+    def stop(self) -> bool:
+        """Stop the timer and every worker (the subscriber's sockets close on its own thread); close the
+        recording. True if every thread has finished."""
+        self.timer.stop()
+        self.play_button.setChecked(False)
+        for worker in self.threads():
+            worker.requestInterruption()
+        finished = all([worker.stop() for worker in self.threads()])
+        if finished:
+            self.freezer.release()
+        if self.recorder is not None and not self.fleet_worker.isRunning():
+            self.recorder.close()
+            self.recorder = None
+        return finished
+
+    def closeEvent(self, event) -> None:
+        if not self._closed:
+            self._closed = True
+            self.stop()
+        super().closeEvent(event)
+
+    def scrub(self, position: int) -> None:
+        """Show the recording's state after `position` live messages."""
+        if self.source.live:
+            return
+        position = max(0, min(int(position), self.source.length))
+        self.source.target = position
+        if self.slider.value() != position:
+            self.slider.blockSignals(True)
+            self.slider.setValue(position)
+            self.slider.blockSignals(False)
+
+    def select_engine(self, index: int) -> None:
+        if index < 0 or index == self.fleet_worker.selected:
+            return
+        self.fleet_worker.selected = index
+        self.forest_worker.forget()
+        self.selected_key = None
+
+    def _play_toggled(self, on: bool) -> None:
+        if on and self.source.target >= self.source.length:
+            self.scrub(0)
+        self._playing_since = time.monotonic() if on else None
+        self._play_from = self.source.target
+        self.play_button.setText("Pause" if on else "Play")
+
+    def _advance_play(self) -> None:
+        if self._playing_since is None:
+            return
+        speed = self.speed.currentData() or 10
+        target = self._play_from + int((time.monotonic() - self._playing_since) * speed)
+        self.scrub(target)
+        if target >= self.source.length:
+            self.play_button.setChecked(False)
+
+    # --- drawing ----------------------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Show the newest frames the workers made (a no-op for the ones already shown). Whatever goes wrong
+        while drawing is shown in the error line, never raised out of the timer."""
+        try:
+            self._refresh()
+        except Exception as error:  # noqa: BLE001 - a display bug must not take the window down
+            self._display_error = f"display: {type(error).__name__}: {error}"[:300]
+            self._show_errors()
+
+    def _refresh(self) -> None:
+        self._advance_play()
+        frame = self.fleet_worker.latest
+        changed = False
+        if frame is not None and frame is not self.frame:
+            self.frame = frame
+            self._show_fleet(frame)
+            changed = True
+        forest = self.forest_worker.latest
+        if forest is not None and forest is not self.forest_frame:
+            self.forest_frame = forest
+            self._show_forest(forest)
+            changed = True
+        if self.metrics_worker is not None:
+            changed |= self._show_metrics()
+        self._show_errors()
+        if changed:
+            self.frames += 1
+
+    def _show_fleet(self, frame) -> None:
+        names = [line.name for line in frame.engines]
+        if [self.engine_box.itemText(i) for i in range(self.engine_box.count())] != names:
+            self.engine_box.blockSignals(True)
+            self.engine_box.clear()
+            self.engine_box.addItems(names)
+            self.engine_box.setCurrentIndex(frame.selected)
+            self.engine_box.blockSignals(False)
+        engine = frame.engine
+        if not frame.started and self.source.live:
+            self._set_text(self.status, "attaching: rebuilding each engine's state from its replay endpoint…")
+        if engine is not None:
+            self._set_text(self.status, self._status_text(frame))
+            c = engine.counters
+            key = (engine.name, c.epoch, c.batches, c.decode_errors, engine.lifetimes_total, id(self.source.fleet))
+            now = time.monotonic()
+            if key != self._plotted and (not self.source.live or now - self._plots_at >= PLOT_S):
+                self._plotted, self._plots_at = key, now
+                self._show_plots(engine)
+        if frame.length is not None:
+            self.slider.setRange(0, frame.length)
+            seq = engine.counters.last_seq if engine is not None else None
+            self._set_text(self.position_label, f"message {frame.position:,} / {frame.length:,}"
+                           + (f" · seq {seq}" if seq is not None else ""))
+        now = time.monotonic()
+        if now - self._table_at >= TABLE_S or not self.source.live:
+            self._table_at = now
+            self._show_engines(frame)
+            if engine is not None:
+                _fill_table(self.hot_table, ["block", "medium", "restores", "last gap", "resident", "text"],
+                            [[r.hash, r.medium, str(r.restores), _seconds(r.last_gap_s),
+                              "yes" if r.resident else "no", r.text]
+                             for r in hot_rows(engine, self._forest_engine(), self.detokenizer)], right={2, 3})
+
+    def _status_text(self, frame) -> str:
+        engine = frame.engine
+        c = engine.counters
+        parts = [f"<b>{'live' if self.source.live else 'recording'}</b>",
+                 f"{len(frame.engines)} engine{'s' if len(frame.engines) != 1 else ''}",
+                 f"batches {c.batches:,}" + (f" (last seq {c.last_seq}" if c.last_seq is not None else " (")
+                 + f"{', ' if c.last_seq is not None else ''}{c.replayed_batches:,} replayed)",
+                 f"epoch {c.epoch}"]
+        if c.history_from_seq is not None or c.history_missing is not None:
+            if c.history_batches == 0:
+                parts.append("replay buffer empty")
+            else:
+                whole = "the whole history" if c.history_missing == 0 else (
+                    f"{c.history_missing} earlier batches lost" if c.history_missing else "history before unknown")
+                parts.append(f"rebuilt from {c.history_batches:,} replayed batches ({whole})")
+        parts.append(f"{frame.shared_blocks:,} GPU blocks in 2+ engines")
+        return " · ".join(parts)
+
+    def _show_errors(self) -> None:
+        frame = self.frame
+        parts = []
+        if frame is not None:
+            total = sum(line.counters.decode_errors for line in frame.engines)
+            if total:
+                last = next((line for line in frame.engines if line.counters.last_decode_error), None)
+                parts.append(f"decode errors: {total:,}" + (f" (last, {last.name}: {last.counters.last_decode_error})"
+                                                             if last else ""))
+            lost = sum(line.counters.gaps_unrecovered for line in frame.engines)
+            if lost:
+                parts.append(f"{lost} gaps replay could not fill "
+                             f"({sum(line.counters.missing_batches for line in frame.engines):,} batches missing)")
+            dropped = sum(line.counters.dropped_stores for line in frame.engines)
+            if dropped:
+                parts.append(f"{dropped:,} stores dropped (max blocks per engine reached)")
+            if frame.error:
+                parts.append(f"worker: {frame.error}")
+        if self.forest_worker.error:
+            parts.append(self.forest_worker.error)
+        if self.metrics_worker is not None and self.metrics_worker.error:
+            parts.append(f"--metrics: {self.metrics_worker.error}")
+        if self._display_error:
+            parts.append(self._display_error)
+        self._set_text(self.errors, " · ".join(parts))
+        self.errors.setVisible(bool(parts))
+
+    @staticmethod
+    def _set_text(label: QLabel, text: str) -> None:
+        if label.text() != text:
+            label.setText(text)
+
+    def _show_plots(self, engine) -> None:
+        """The curves, bars and histogram of `engine`; ranges change in coarse steps (a range that moves every
+        frame re-lays its axes out), titles never (the numbers go to the line under the plots)."""
+        r = rates(engine.history)
+        _set_curve(self.stored_curve, r.x, r.stored)
+        _set_curve(self.removed_curve, r.x, r.removed)
+        _set_curve(self.resident_curve, r.resident_x, r.resident)
+        span = -float(r.resident_x[0]) if len(r.resident_x) else 0.0
+        top = max(float(r.stored.max()) if len(r.stored) else 0.0, float(r.removed.max()) if len(r.removed) else 0.0)
+        _fit(self.rates_plot, span + r.bin_s, top)
+        _fit(self.resident_plot, span, float(r.resident.max()) if len(r.resident) else 0.0)
+        stats = [f"rates in {_seconds(r.bin_s)} bins over the last {len(r.resident_x):,} batches"]
+
+        media = list(engine.resident.items())
+        if [m for m, _ in media] != self._media:
+            self._media = [m for m, _ in media]
+            self.media_plot.getAxis("left").setTicks([[(i, m[:10]) for i, m in enumerate(self._media)]])
+            self.media_plot.setYRange(-0.6, max(len(media), 1) - 0.4, padding=0)
+            for item in self._media_labels:
+                self.media_plot.removeItem(item)
+            self._media_labels = [pg.TextItem("", color=theme.TEXT, anchor=(0, 0.5)) for _ in media]
+            for item in self._media_labels:
+                self.media_plot.addItem(item, ignoreBounds=True)
+        counts = np.array([n for _, n in media], dtype=np.float64)
+        self.media_bars.setOpts(x0=np.zeros(len(media)), y=np.arange(len(media)), height=0.6, width=counts,
+                                brushes=[pg.mkBrush(medium_color(m, i)) for i, (m, _) in enumerate(media)])
+        for i, (item, n) in enumerate(zip(self._media_labels, counts)):
+            item.setText(f"{int(n):,}")
+            item.setPos(float(n), i)
+        _fit(self.media_plot, float(counts.max()) * 1.3 if len(counts) else 0.0, None, negative_x=False)
+
+        edges, hist = lifetime_histogram(engine.lifetimes)
+        self.lifetime_curve.setData(edges, hist)
+        if len(edges):
+            decades = [(e, _seconds(10 ** e)) for e in edges if abs(e - round(e)) < 1e-9]
+            ticks = decades if len(decades) >= 3 else [(e, _seconds(10 ** e)) for e in edges[::2]]
+            if ticks != self._lifetime_ticks:
+                self._lifetime_ticks = ticks
+                self.lifetime_plot.getAxis("bottom").setTicks([ticks])
+                self.lifetime_plot.setXRange(float(edges[0]), float(edges[-1]), padding=0.06)
+            _fit(self.lifetime_plot, None, float(hist.max()))
+        if engine.lifetimes_total:
+            stats.append(f"lifetimes: last {len(engine.lifetimes):,} of {engine.lifetimes_total:,} removed, "
+                         f"mean {_seconds(engine.lifetimes_mean_s)}")
+
+        hot = engine.hot
+        self.hot_points.setData([h.last_gap_s for h in hot], [h.restores for h in hot])
+        if hot:
+            _fit(self.hot_plot, max(h.last_gap_s for h in hot) * 1.1, float(hot[0].restores) * 1.1,
+                 negative_x=False)
+            stats.append(f"hot: {len(hot):,} block{'s' if len(hot) != 1 else ''} stored again soon after "
+                         f"removal (most: {hot[0].restores}×)")
+        self._set_text(self.plot_stats, theme.muted(" · ".join(stats)))
+        for plot, empty in ((self.lifetime_plot, not engine.lifetimes_total), (self.hot_plot, not hot),
+                            (self.rates_plot, not len(r.x)), (self.resident_plot, not len(r.x))):
+            note = self.empty_notes[plot]
+            note.setVisible(empty)
+            if empty:
+                rect = plot.vb.boundingRect()
+                note.setPos(rect.center())
+
+    def _show_engines(self, frame) -> None:
+        forest = self.forest_frame
+        table = forest.overlap if forest is not None else None
+        headers = ["engine", "batches", "last seq", "epoch", "resident", "held elsewhere", "decode errors",
+                   "gaps lost"]
+        pairwise = table is not None and table.pairwise is not None and len(table.names) == len(frame.engines)
+        if pairwise:
+            headers += [f"∩ {i}" for i in range(len(table.names))]
+        rows = []
+        for i, line in enumerate(frame.engines):
+            c = line.counters
+            resident = ", ".join(f"{m} {n:,}" for m, n in line.resident.items() if n) or "0"
+            held = "-"
+            if table is not None and i < len(table.held_elsewhere) and len(table.names) > 1:
+                held = f"{table.held_elsewhere[i]:,} of {table.gpu[i]:,}"
+            row = [f"{i}: {line.name}", f"{c.batches:,}", str(c.last_seq if c.last_seq is not None else "-"),
+                   str(c.epoch), resident, held, f"{c.decode_errors:,}", f"{c.gaps_unrecovered:,}"]
+            if pairwise:
+                row += [f"{int(v):,}" for v in table.pairwise[i]]
+            rows.append(row)
+        _fill_table(self.engines_table, headers, rows, right={1, 2, 3, 6, 7} | set(range(8, len(headers))))
+
+    def _forest_engine(self):
+        frame = self.forest_frame
+        return frame.forest if frame is not None else None
+
+    def _forest_row(self, row: int) -> int:
+        """The whole forest's row of a row of the drawing (they differ while a subtree is focused)."""
+        frame = self.forest_frame
+        if frame is None or frame.shown_rows is None or row < 0:
+            return row
+        return int(frame.shown_rows[row])
+
+    def focus(self, row: int) -> None:
+        """Show only the subtree of the drawing's `row` (re-laid out with the whole budget); -1: everything."""
+        key = self.forest.rows.key(row) if row >= 0 else None
+        self.forest_worker.focus = key
+        self.show_all.setVisible(key is not None)
+        self.forest.summary.setText(self.forest.summary.text() + theme.muted(" · laying out…"))
+
+    def _show_forest(self, frame) -> None:
+        c = frame.forest.engine.counters
+        note = theme.muted(f"as of seq {c.last_seq if c.last_seq is not None else '-'}"
+                           + (f", message {frame.position:,}" if frame.position is not None else "")
+                           + f" · built in {1000 * frame.build_s:,.0f} ms")
+        if frame.focus is not None:
+            whole = int(frame.forest.rows.blocks().sum())
+            note = (f"<b>subtree of block {short_hash(frame.focus[2])}</b> (of {whole:,} blocks; "
+                    f"double-click another block or show the whole forest) · " + note)
+        self.show_all.setVisible(frame.focus is not None or self.forest_worker.focus is not None)
+        self.forest.set_drawing(frame.drawing, note)
+        self.forest_frames += 1
+        for call in self.forest_shown:
+            call(frame)
+        if not len(frame.forest.rows):
+            self.forest.set_empty_text("no resident blocks")
+        if self.selected_key is not None:
+            medium, group, block_hash = self.selected_key
+            self._show_details(frame.forest.block_row(block_hash, medium, group))
+
+    def _clicked(self, row: int) -> None:
+        """A click on the drawing's `row`: its details, and its whole prefix."""
+        if row < 0:
+            return
+        self.selected_key = self.forest.rows.key(row)
+        self._show_details(self._forest_row(row))
+
+    def _show_details(self, row: int) -> None:
+        """The details of the whole forest's `row` (-1: the selected block is gone)."""
+        forest = self._forest_engine()
+        if row < 0 or forest is None:
+            self.details.setPlainText("(the selected block is not resident any more)")
+            return
+        rows = forest.rows
+        chain, seen = [], set()
+        at = row
+        while at >= 0 and at not in seen and len(chain) < MAX_PREFIX_BLOCKS:
+            seen.add(at)
+            chain.append(at)
+            at = int(rows.parent[at])
+        chain.reverse()
+        lines = [rows.describe(row), ""]
+        ids = [t for r in chain for t in forest.tokens(r).tolist()]
+        lines.append(f"its prefix: {len(chain)} blocks, {len(ids):,} tokens")
+        if self.detokenizer is not None and ids:
+            try:
+                lines.append(self.detokenizer(ids[-8192:]))
+            except Exception as error:  # noqa: BLE001 - see attach_model._Texts._text
+                lines.append(f"(text unavailable: {type(error).__name__})")
+        else:
+            lines.append(" ".join(map(str, ids[-512:])) + "  (give --tokenizer for text)")
+        self.details.setPlainText("\n".join(lines))
+
+    def _show_metrics(self) -> bool:
+        worker = self.metrics_worker
+        if worker.scrapes == self._metrics_count:
+            return False
+        self._metrics_count = worker.scrapes
+        series = metric_series(worker.samples(), self.metrics_t0)
+        for name, curve in (("running", self.running_curve), ("waiting", self.waiting_curve),
+                            ("kv_usage", self.usage_curve), ("hit_rate", self.hit_curve)):
+            _set_curve(curve, *series[name])
+        return True
+
+
+def open_window(sources=(), playback=None, detokenizer=None, metrics_url=None, record=None,
+                budget: int = DEFAULT_BUDGET) -> AttachWindow:
+    """The window on endpoints (`sources`, pagevis.attach.subscriber.Source) or a `playback`, not started."""
+    recorder = None
+    if playback is not None:
+        source = PlaybackSource(playback)
+        source.target = len(playback)  # a recording opens at its end; scrub back from there
+    else:
+        if record:
+            from pagevis.attach.recording import Recorder
+
+            topic = next((s.topic for s in sources if s.topic), None)
+            recorder = Recorder(record, [s.endpoint for s in sources],
+                                {"replays": [s.replay for s in sources], "topic": topic})
+        source = LiveSource(list(sources), recorder)
+    window = AttachWindow(source, detokenizer, metrics_url, recorder, budget)
+    if playback is not None:
+        window.scrub(len(playback))
+    return window
+
+
+def launch(sources=(), playback=None, detokenizer=None, metrics_url=None, record=None) -> int:
+    """Open the attach window (QApplication created here) and run until it closes; the exit code."""
+    from pagevis import platform_check
+    from pagevis.gui import _application
+
+    verdict = platform_check.check()
+    if not verdict.ok:
+        print(verdict.message(), file=sys.stderr)
+        return platform_check.EXIT_STATUS
+    app = _application()
+    window = open_window(sources, playback, detokenizer, metrics_url, record)
+    window.show()
+    window.start()
+    code = app.exec()
+    window.stop()
+    return code
+
+
+def wait_for_position(window: AttachWindow, position: int, timeout_s: float = 30.0) -> bool:
+    """Let the window run until both its fleet frame and its forest show playback `position`."""
+    from PySide6.QtWidgets import QApplication
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        QApplication.processEvents()
+        forest, frame = window.forest_frame, window.frame
+        if (forest is not None and forest.position == position and frame is not None
+                and frame.position == position):
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def screenshot(path: str, playback, detokenizer=None, position: int | None = None, size=(1600, 1000),
+               select=None, timeout_s: float = 30.0) -> bool:
+    """Open the window on `playback` at `position` (default: the end), wait for its frames, save a PNG."""
+    from pagevis.gui import _application
+
+    if "QT_QPA_PLATFORM" not in os.environ:
+        os.environ["QT_QPA_PLATFORM"] = "offscreen"
+    app = _application()
+    window = open_window(playback=playback, detokenizer=detokenizer)
+    window.resize(*size)
+    window.show()
+    window.start()
+    target = len(playback) if position is None else position
+    for at in (max(target - 1, 0), target):  # one step before: the marks show what the last message changed
+        window.scrub(at)
+        wait_for_position(window, at, timeout_s)
+    if select is not None:
+        row = window.forest.row_of(select)
+        if row >= 0:
+            window._clicked(row)
+    for _ in range(5):
+        app.processEvents()
+        time.sleep(0.02)
+    if app.platformName() == "xcb":  # the pixels as the X server holds them
+        from pagevis.gui import _grab_from_screen
+
+        image = _grab_from_screen(app, window)
+    else:
+        image = window.grab()
+    ok = image.save(path)
+    window.close()
+    return ok

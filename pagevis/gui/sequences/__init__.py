@@ -1,0 +1,1 @@
+"""The Sequences window: many sequences sharing one pool."""

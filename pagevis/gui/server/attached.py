@@ -1,0 +1,277 @@
+"""The Server window attached to a running `pagevis serve`: what its KV events and its /metrics alone can show.
+
+The events (`pagevis serve --kv-events-endpoint`, vLLM's format) say which full pages the server's prefix cache
+holds, under which parent, with their tokens: the prefix forest, rebuilt by `pagevis attach`'s subscriber and
+drawn by the same forest widget as the Server window's own (and the attach window's workers, reused). /metrics
+says, over time, what the plots of the Server window show: tokens generated (throughput), time to first token
+and inter-token latency (the histograms' sums and counts between two scrapes), KV usage, the prefix-cache hit
+rate, preemptions, and how many requests run and wait.
+
+What neither says — which request holds a page, reference counts, which requests are in each queue, each
+request's timeline, the batch of each step — needs the engine itself: the Server window's own servers. The window
+says so instead of drawing those views.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from PySide6.QtCore import QTimer, Qt
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QSplitter, QVBoxLayout, QWidget
+
+from pagevis.attach.metrics import fetch, totals
+from pagevis.gui.widgets import theme
+from pagevis.gui.attach.worker import FleetWorker, ForestWorker, LiveSource, MetricsWorker
+from pagevis.gui.widgets.prefix_forest import PrefixForestView
+from pagevis.gui.server.plots import SIDE_COLORS, ServerPlots
+
+COUNTERS = {"generated": "pagevis_generation_tokens", "prompt": "pagevis_prompt_tokens",
+            "hits": "pagevis_prefix_cache_hits", "queries": "pagevis_prefix_cache_queries",
+            "preemptions": "pagevis_preemptions", "ttft_sum": "pagevis_time_to_first_token_seconds_sum",
+            "ttft_count": "pagevis_time_to_first_token_seconds_count",
+            "itl_sum": "pagevis_inter_token_latency_seconds_sum",
+            "itl_count": "pagevis_inter_token_latency_seconds_count"}
+GAUGES = {"running": "pagevis_requests_running", "waiting": "pagevis_requests_waiting",
+          "kv_usage": "pagevis_kv_cache_usage_ratio"}
+NOT_FROM_EVENTS = ("which request holds a page, reference counts, which requests wait, run or were preempted, "
+                   "each request's timeline and each step's batch are not in the events or the metrics: they "
+                   "need the engine itself (the Server window's own servers)")
+
+
+@dataclass(frozen=True)
+class ServeSample:
+    """One scrape of `pagevis serve`'s /metrics: its counters (since it started) and gauges, summed over labels."""
+
+    time: float  # time.monotonic() of the scrape
+    generated: float
+    prompt: float
+    hits: float
+    queries: float
+    preemptions: float
+    ttft_sum: float
+    ttft_count: float
+    itl_sum: float
+    itl_count: float
+    running: float
+    waiting: float
+    kv_usage: float  # 0..1
+
+
+def parse_serve_metrics(text: str, when: float | None = None) -> ServeSample:
+    """The sample a /metrics text of `pagevis serve` gives (ValueError if it is not Prometheus text); a metric
+    that is absent counts 0."""
+    found = totals(text, skip=("_created", "_bucket"))
+    values = {key: found.get(name, 0.0) for key, name in {**COUNTERS, **GAUGES}.items()}
+    return ServeSample(time.monotonic() if when is None else when, **values)
+
+
+def scrape_serve(url: str, timeout: float = 2.0) -> ServeSample:
+    return parse_serve_metrics(fetch(url, timeout))
+
+
+class MetricsSeries:
+    """The Server window's plot columns, from consecutive scrapes (the same names as SideSeries): time since the
+    first scrape, tokens generated since then, KV usage in % (pool 100), the prefix cache's counters since then,
+    and per interval between two scrapes the mean inter-token latency and the mean time to first token of the
+    requests that got their first token in it. What the metrics do not hold (a contiguous reservation) is NaN."""
+
+    percent = True  # KV usage is a share of the server's pools, not pages of one pool
+
+    def __init__(self, side: str = "A"):
+        self.side = side
+        self.samples: list[ServeSample] = []
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def add(self, sample: ServeSample) -> None:
+        if self.samples and sample.generated < self.samples[-1].generated:  # the server restarted: start again
+            self.samples = []
+        self.samples.append(sample)
+
+    def _column(self, name: str) -> np.ndarray:
+        return np.array([getattr(s, name) for s in self.samples], dtype=np.float64)
+
+    def _interval_mean(self, total: str, count: str) -> tuple[np.ndarray, np.ndarray]:
+        sums, counts = np.diff(self._column(total)), np.diff(self._column(count))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            means = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+        return np.concatenate([[np.nan], means]) if len(self.samples) else means, np.concatenate([[0], counts])
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if not self.samples:
+            return np.zeros(0)
+        first = self.samples[0]
+        if name == "t":
+            return self._column("time") - first.time
+        if name in ("generated", "hits", "queries", "preemptions"):
+            return self._column(name) - getattr(first, name)
+        if name == "pages_used":
+            return 100.0 * self._column("kv_usage")
+        if name == "pool":
+            return np.full(len(self.samples), 100.0)
+        if name == "reserved":
+            return np.full(len(self.samples), np.nan)
+        if name == "itl":
+            return self._interval_mean("itl_sum", "itl_count")[0]
+        if name in ("running", "waiting"):
+            return self._column(name)
+        raise KeyError(name)
+
+    @property
+    def ttft_t(self):
+        means, counts = self._interval_mean("ttft_sum", "ttft_count")
+        return _Values(self["t"][counts > 0] if len(self.samples) else np.zeros(0))
+
+    @property
+    def ttft(self):
+        means, counts = self._interval_mean("ttft_sum", "ttft_count")
+        return _Values(means[counts > 0] if len(self.samples) else np.zeros(0))
+
+    def throughput(self, window: float = 10.0) -> tuple[np.ndarray, np.ndarray]:
+        from pagevis.gui.server.plots import SideSeries
+
+        return SideSeries.throughput(self, window)  # the same computation, over these columns
+
+    def hit_rate(self) -> np.ndarray:
+        queries = self["queries"]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(queries > 0, 100.0 * self["hits"] / np.maximum(queries, 1), np.nan)
+
+
+class _Values:
+    """What ServerPlots reads of SideSeries' TTFT columns (`.values`, `.n`)."""
+
+    def __init__(self, values: np.ndarray):
+        self.values, self.n = values, len(values)
+
+
+def detokenizer_for(spec):
+    """Token ids -> text with the model's tokenizer, read without loading the weights (a GGUF's vocabulary);
+    None if it cannot be read (the forest then shows no text)."""
+    try:
+        if spec.kind == "synthetic":
+            return spec.load().tokenizer.decode
+        from pagevis.attach.tokens import load_detokenizer
+        from pagevis.model.locate import default_model_path
+
+        return load_detokenizer(spec.path or default_model_path())
+    except (ValueError, OSError):
+        return None
+
+
+class ServeMetricsWorker(MetricsWorker):
+    """The attach window's scraper, for `pagevis serve`'s metric names: its history is a MetricsSeries."""
+
+    scrape = staticmethod(scrape_serve)
+
+    def __init__(self, url: str, interval_s: float = 1.0, parent=None):
+        super().__init__(url, interval_s, parent)
+        self.history = MetricsSeries()
+
+    def snapshot(self) -> MetricsSeries:
+        copy = MetricsSeries(self.history.side)
+        with self._lock:
+            copy.samples = list(self.history.samples)
+        return copy
+
+
+class AttachedServerWindow(QWidget):
+    """The Server window's forest and plots for a running `pagevis serve` (see the module docstring).
+
+    `events`: the server's KV-event endpoint, optionally ",REPLAY" (so the forest is rebuilt from the start);
+    `metrics_url`: its /metrics. Either may be None. `detokenizer`: ids -> text for the pages' text."""
+
+    def __init__(self, events: str | None, metrics_url: str | None, detokenizer=None, parent=None):
+        super().__init__(parent, Qt.Window)
+        self.setWindowTitle("pagevis — server, attached: " + " · ".join(x for x in (events, metrics_url) if x))
+        self.events, self.metrics_url = events, metrics_url
+        self.forest = PrefixForestView(x_label="tokens into the prompt", y_label="branches")
+        self.forest.set_empty_text("no cached page yet" if events else "no --server-events endpoint given")
+        self.plots = ServerPlots()
+        self.numbers = QLabel()
+        self.numbers.setTextFormat(Qt.RichText)
+        self.numbers.setFixedHeight(self.numbers.fontMetrics().lineSpacing() * 2 + 4)
+        self.numbers.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Fixed)
+        self.header = QLabel(f"Attached to a running server. From its KV events ({events or 'none'}): the pages "
+                             f"of its prefix cache. From its /metrics ({metrics_url or 'none'}): the plots. "
+                             f"{NOT_FROM_EVENTS[0].upper()}{NOT_FROM_EVENTS[1:]}.")
+        self.header.setWordWrap(True)
+        self.status = QLabel()
+        self.status.setFixedHeight(self.status.fontMetrics().lineSpacing() + 4)
+        self.status.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Fixed)
+        right = QWidget()
+        column = QVBoxLayout(right)
+        column.setContentsMargins(0, 0, 0, 0)
+        column.addWidget(self.numbers)
+        column.addWidget(self.plots, 1)
+        body = QSplitter(Qt.Horizontal)
+        body.addWidget(self.forest)
+        body.addWidget(right)
+        body.setSizes([800, 700])
+        layout = QVBoxLayout(self)
+        layout.addWidget(self.header)
+        layout.addWidget(body, 1)
+        row = QHBoxLayout()
+        row.addWidget(self.status, 1)
+        layout.addLayout(row)
+        self.forest_worker = self.fleet_worker = self.metrics_worker = None
+        if events:
+            from pagevis.attach.subscriber import parse_source
+
+            self.forest_worker = ForestWorker(detokenizer, min_interval_s=0.25, parent=self)
+            self.fleet_worker = FleetWorker(LiveSource([parse_source(events)]), self.forest_worker, parent=self)
+            self.forest_worker.start()
+            self.fleet_worker.start()
+        if metrics_url:
+            self.metrics_worker = ServeMetricsWorker(metrics_url, parent=self)
+            self.metrics_worker.start()
+        self.shown_forest = None
+        self.series = MetricsSeries()
+        self.timer = QTimer(self)
+        self.timer.setInterval(250)  # the forest renews at most 4 times a second, the metrics once
+        self.timer.timeout.connect(self.refresh)
+        self.timer.start()
+        self.resize(1600, 1000)
+
+    def refresh(self) -> None:
+        """Take the workers' newest frames (the UI thread only swaps them in)."""
+        parts = []
+        if self.forest_worker is not None:
+            frame = self.forest_worker.latest
+            if frame is not None and frame is not self.shown_forest:
+                self.shown_forest = frame
+                counters = frame.forest.engine.counters
+                self.forest.set_drawing(frame.drawing, note=f"{counters.batches} event batches")
+            fleet = self.fleet_worker.latest
+            if fleet is not None and fleet.engines:
+                line = fleet.engines[0]
+                parts.append(f"events: {sum(line.resident.values())} cached pages")
+            error = (fleet.error if fleet is not None else "") or self.forest_worker.error
+            if error:
+                parts.append(f"<span style='color:#ff7a7a'>{error}</span>")
+        if self.metrics_worker is not None:
+            series = self.metrics_worker.snapshot()
+            if len(series) != len(self.series):
+                self.series = series
+                self.plots.set_series({"A": series})
+                self.numbers.setText(self.plots.numbers_html() + self._queues())
+            if self.metrics_worker.error:
+                parts.append(f"<span style='color:#ff7a7a'>metrics: {self.metrics_worker.error}</span>")
+        self.status.setText(" · ".join(parts) or theme.muted("waiting for the server"))
+
+    def _queues(self) -> str:
+        s = self.series.samples[-1] if self.series.samples else None
+        if s is None:
+            return ""
+        return (f" │ <span style='color:{SIDE_COLORS['A']}'>{s.running:.0f} running, {s.waiting:.0f} waiting, "
+                f"{s.preemptions:.0f} preemptions</span> (counts only)")
+
+    def closeEvent(self, event) -> None:
+        self.timer.stop()
+        for worker in (self.fleet_worker, self.forest_worker, self.metrics_worker):
+            if worker is not None:
+                worker.stop()
+        super().closeEvent(event)

@@ -1,0 +1,474 @@
+"""The Server window: the one engine serving arriving requests, live — continuous batching, the prefix cache
+and preemption, and (A/B) what prefix caching or paging buys, measured on the same seeded arrivals.
+
+The window drives `ServerRun` (or `ServerPair` for an A/B) through the one run loop in a worker thread
+(superqt): the worker steps, and at most every 1/30 s hands the UI thread the ServerSteps since the last hand-
+over plus a snapshot of each side (its request rows and prefix forest, taken between steps on the worker's
+thread). The UI thread only renders those: the pool and queues of the newest step, the plots of every step,
+the request timelines and the forest of the snapshot. Nothing here touches the engine while the worker runs;
+the live controls (arrival rate, max running requests) are plain values the worker reads between steps.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import replace
+
+from PySide6.QtCore import QThreadPool, QTimer, Qt
+from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QGridLayout, QHBoxLayout, QLabel, QPushButton, QSizePolicy,
+                               QSplitter, QVBoxLayout, QWidget)
+from superqt.utils import create_worker
+
+from pagevis.engine import RunControl, steps
+from pagevis.simserver.run import COMPARES, ServerPair, ServerRun, side_configs
+from pagevis.simserver.workload import WORKLOADS, ArrivalSchedule
+from pagevis.presets import SERVER_PRESETS, ServerPreset
+from pagevis.gui.widgets import theme
+from pagevis.gui.session.runner import GIL_BREATH, SHORT_STEP, WorkerFailure
+from pagevis.gui.sequences.window import _spin
+from pagevis.gui.server.forest import ServerForest
+from pagevis.gui.server.plots import SIDE_COLORS, SideSeries, ServerPlots
+from pagevis.gui.server.pool import BARS_SHOWN, BatchBars, QueuesView, RequestPoolGrid, legend_html, pool_cells
+from pagevis.gui.server.timeline import RequestTimeline
+
+FRAME = 1 / 30  # the UI redraws at most this often
+SLOW = 0.5  # seconds between redraws of the plots, forests, timelines and the table while running
+
+
+def serve_steps(stepper, control: RunControl, snapshot, flush_every: float = FRAME):
+    """Run by the worker: step through the one run loop; yield (steps, snapshots) at most every `flush_every`
+    seconds (and after the last step), then a WorkerFailure if a step raised."""
+    batch, flushed = [], time.perf_counter()
+    try:
+        for step in steps(stepper, control):
+            batch.append(step)
+            if time.perf_counter() - flushed >= flush_every:
+                yield batch, snapshot()
+                batch, flushed = [], time.perf_counter()
+    except Exception as error:  # noqa: BLE001 - shown in the window
+        if batch:
+            yield batch, snapshot()
+            batch = []
+        yield WorkerFailure(error, traceback.format_exc())
+    if batch:
+        yield batch, snapshot()
+
+
+class SidePanel(QWidget):
+    """One side: its pool, queues, batch composition, prefix forest and request timeline."""
+
+    def __init__(self, side: str, label: str):
+        super().__init__()
+        self.side = side
+        self.title = QLabel(f"<b style='color:{SIDE_COLORS[side]}'>{side}</b> {label}")
+        self.title.setWordWrap(True)
+        self.pool = RequestPoolGrid()
+        self.queues = QueuesView()
+        self.batch = BatchBars()
+        self.forest = ServerForest()
+        self.timeline = RequestTimeline()
+        top = QWidget()
+        column = QVBoxLayout(top)
+        column.setContentsMargins(0, 0, 0, 0)
+        column.addWidget(self.title)
+        column.addWidget(self.pool, 3)
+        column.addWidget(self.queues)
+        column.addWidget(self.batch, 1)
+        split = QSplitter(Qt.Vertical)
+        split.addWidget(top)
+        split.addWidget(self.forest)
+        split.addWidget(self.timeline)
+        split.setSizes([420, 260, 260])
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(2, 2, 2, 2)
+        layout.addWidget(split)
+        self.step = None
+
+    def show_step(self, step, series: SideSeries) -> None:
+        """The newest step's pool and queues, and the batches of the newest steps."""
+        self.step = step
+        if step.pool is not None:
+            self.pool.set_cells(pool_cells(step))
+        self.queues.set_step(step)
+        engine = series["engine"] > 0
+        steps_, prefill, decode = series["step"][engine], series["prefill"][engine], series["decode"][engine]
+        self.batch.set_data(steps_[-BARS_SHOWN:], prefill[-BARS_SHOWN:], decode[-BARS_SHOWN:])
+
+    def show_snapshot(self, snapshot) -> None:
+        self.forest.set_nodes(snapshot.forest)
+        self.show_timeline(snapshot)
+
+    def show_timeline(self, snapshot) -> None:
+        self.timeline.set_rows(snapshot.requests, snapshot.step.t1 if snapshot.step is not None else 0.0)
+
+
+class ServerWindow(QWidget):
+    def __init__(self, model, preset: ServerPreset = SERVER_PRESETS[0], parent=None, model_label: str = "",
+                 realtime: bool = True, autorun: bool = False):
+        super().__init__(parent, Qt.Window)
+        self.model, self.preset, self.realtime = model, preset, realtime
+        self.setWindowTitle(f"pagevis — server: {preset.name}" + (f" ({model_label})" if model_label else ""))
+        self.sides: list[ServerRun] = []
+        self.stepper = None
+        self.schedule: ArrivalSchedule | None = None
+        self.series: dict[str, SideSeries] = {}
+        self.snapshots: dict[str, object] = {}
+        self.latest: dict[str, object] = {}  # side -> newest ServerStep
+        self.panels: dict[str, SidePanel] = {}
+        self.worker = None
+        self.control: RunControl | None = None
+        self.frames = 0
+        self._dirty = False
+        self._last_draw = self._last_slow = 0.0
+        self._jobs: list = []
+        self._build_controls(preset)
+        self.plots = ServerPlots()
+        self.summary = QLabel()
+        self.summary.setTextFormat(Qt.RichText)
+        self.summary.setWordWrap(True)
+        self.summary.setFixedHeight(self.summary.fontMetrics().lineSpacing() * 12 + 8)  # the table never moves
+        self.legend = QLabel(legend_html())
+        self.legend.setWordWrap(True)
+        self.status = QLabel("Start builds the server; Run serves the arriving requests.")
+        self.status.setFixedHeight(self.status.fontMetrics().lineSpacing() + 4)
+        self.status.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Fixed)
+        right = QWidget()
+        column = QVBoxLayout(right)
+        column.setContentsMargins(0, 0, 0, 0)
+        self.numbers = QLabel()
+        self.numbers.setTextFormat(Qt.RichText)
+        self.numbers.setFixedHeight(self.numbers.fontMetrics().lineSpacing() * 2 + 4)
+        self.numbers.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Fixed)  # long text is clipped, not a minimum
+        column.addWidget(self.summary)
+        column.addWidget(self.numbers)
+        column.addWidget(self.plots, 1)
+        self.sides_box = QWidget()
+        self.sides_layout = QHBoxLayout(self.sides_box)
+        self.sides_layout.setContentsMargins(0, 0, 0, 0)
+        self.body = QSplitter(Qt.Horizontal)
+        self.body.addWidget(self.sides_box)
+        self.body.addWidget(right)
+        layout = QVBoxLayout(self)
+        layout.addLayout(self.controls)
+        layout.addWidget(self.body, 1)
+        layout.addWidget(self.legend)
+        layout.addWidget(self.status)
+        self.redraw_timer = QTimer(self)
+        self.redraw_timer.setSingleShot(True)
+        self.redraw_timer.timeout.connect(self._frame)
+        self.resize(1600, 1000)
+        self.start()
+        if autorun:  # one click (View ▸ Server, --server-demo) shows the server at work
+            QTimer.singleShot(0, lambda: self.run_button.setChecked(True))
+
+    # --- controls ----------------------------------------------------------------------------------------
+    def _build_controls(self, preset: ServerPreset) -> None:
+        wl, server = preset.workload, preset.server
+        self.workload = QComboBox()
+        for kind, description in WORKLOADS.items():
+            self.workload.addItem(kind, kind)
+            self.workload.setItemData(self.workload.count() - 1, description, Qt.ToolTipRole)
+        self.workload.setCurrentIndex(list(WORKLOADS).index(wl.kind))
+        self.rate = QDoubleSpinBox()
+        self.rate.setRange(0.5, 6000)
+        self.rate.setDecimals(1)
+        self.rate.setValue(wl.rate_per_min)
+        self.rate.setSuffix(" /min")
+        self.rate.setToolTip("arriving requests per minute of server time (Poisson); applies from the next arrival")
+        self.n_requests = _spin(1, 10_000, wl.n_requests, "requests in the workload (users, for returning users)")
+        self.seed = _spin(0, 2**31 - 1, wl.seed, "seed of the arrivals and of every request's sampling")
+        self.max_running = _spin(1, 256, server.max_seqs, "requests running at once (applies from the next step)")
+        self.pool_pages = _spin(1, 65536, server.pool_pages, "pages per layer in the one pool (applies on Start)")
+        self.compare = QComboBox()
+        for key, text in COMPARES.items():
+            self.compare.addItem(text, key)
+        self.compare.setCurrentIndex(list(COMPARES).index(preset.compare))
+        self.start_button = QPushButton("Start")
+        self.start_button.setToolTip("build the server(s) from these settings, with nothing served yet")
+        self.run_button = QPushButton("Run")
+        self.run_button.setCheckable(True)
+        self.step_button = QPushButton("Step")
+        self.controls = QGridLayout()
+        row = [("workload", self.workload), ("arrivals", self.rate), ("requests", self.n_requests),
+               ("seed", self.seed), ("max running", self.max_running), ("pool pages", self.pool_pages),
+               ("compare", self.compare)]
+        for col, (label, widget) in enumerate(row):
+            self.controls.addWidget(QLabel(label), 0, 2 * col)
+            self.controls.addWidget(widget, 0, 2 * col + 1)
+        buttons = QHBoxLayout()
+        for button in (self.start_button, self.run_button, self.step_button):
+            buttons.addWidget(button)
+        self.controls.addLayout(buttons, 0, 2 * len(row))
+        self.controls.setColumnStretch(2 * len(row) + 1, 1)
+        self.start_button.clicked.connect(self.start)
+        self.run_button.toggled.connect(lambda on: self.play() if on else self.pause())
+        self.step_button.clicked.connect(lambda: self.run_steps(1))
+        self.rate.valueChanged.connect(self._rate_changed)
+        self.max_running.valueChanged.connect(self._max_running_changed)
+
+    def _rate_changed(self, value: float) -> None:
+        if self.schedule is not None:
+            self.schedule.set_rate(value)
+
+    def _max_running_changed(self, value: int) -> None:
+        for side in self.sides:
+            side.set_max_running(value)
+
+    def settings(self) -> ServerPreset:
+        """The preset as the controls now say."""
+        p = self.preset
+        workload = replace(p.workload, kind=self.workload.currentData(), rate_per_min=self.rate.value(),
+                           n_requests=self.n_requests.value(), seed=self.seed.value())
+        server = replace(p.server, max_seqs=self.max_running.value(), pool_pages=self.pool_pages.value(),
+                         realtime=self.realtime if p.server.step_seconds is None else False)
+        return replace(p, workload=workload, server=server, compare=self.compare.currentData())
+
+    # --- the server --------------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self.worker is not None
+
+    def start(self) -> bool:
+        """(Re)build the server(s) from the controls: a new schedule of arrivals, empty pools."""
+        if self.busy:
+            self.status.setText("pause first (the worker is stepping)")
+            return False
+        self._close_sides()
+        self._jobs = []  # a frame's jobs still to run would draw the panels about to go
+        chosen = self.settings()
+        try:
+            self.schedule = ArrivalSchedule(chosen.workload, self.model)
+            session = chosen.session_config()
+            configs = side_configs(chosen.server, chosen.compare)
+            self.sides = [ServerRun(self.model, session, config, self.schedule, side)
+                          for side, config in zip("AB", configs)]
+        except (ValueError, MemoryError) as error:  # ConfigError is a ValueError
+            self.status.setText(f"could not build the server: {error}")
+            self.sides, self.stepper = [], None
+            return False
+        self.stepper = self.sides[0] if len(self.sides) == 1 else ServerPair(*self.sides)
+        self.series = {side.side: SideSeries(side.side) for side in self.sides}
+        self.snapshots, self.latest = {}, {}
+        for panel in self.panels.values():
+            panel.setParent(None)
+            panel.deleteLater()
+        self.panels = {side.side: SidePanel(side.side, side.config.label) for side in self.sides}
+        for panel in self.panels.values():
+            self.sides_layout.addWidget(panel)
+        self.body.setSizes([560 * len(self.sides), 640])
+        self._plots()
+        self._summary()
+        wl = chosen.workload
+        self.status.setText(f"{wl.n_requests} requests ({wl.kind}) at {wl.rate_per_min:g}/min, seed {wl.seed}; "
+                            f"pool of {chosen.server.pool_pages} pages of {chosen.page_size} tokens per layer, "
+                            f"up to {chosen.server.max_seqs} running. Run or Step.")
+        return True
+
+    def _close_sides(self) -> None:
+        for side in self.sides:
+            side.close()
+        self.sides, self.stepper = [], None
+
+    def play(self) -> None:
+        self.run_steps(None)
+
+    def pause(self) -> None:
+        if self.control is not None:
+            self.control.stop = True
+
+    def run_steps(self, budget: int | None) -> None:
+        """Step in the worker thread: `budget` steps, or until paused or every request is served."""
+        if self.busy or (self.stepper is None and not self.start()):
+            return
+        if self.stepper.done:
+            self._finished_all()
+            return
+        self.control = RunControl(budget=budget, breath=GIL_BREATH, short_step=SHORT_STEP)
+        self.worker = create_worker(serve_steps, self.stepper, self.control, self._snapshot, _start_thread=False,
+                                    _ignore_errors=True)
+        self.worker.yielded.connect(self._received)
+        self.worker.finished.connect(self._worker_finished)
+        self.worker.start()
+
+    def step_blocking(self, n: int, every_step: bool = True) -> int:
+        """Run n steps on this thread, rendering after each (tests, screenshots); the steps taken."""
+        if self.busy or (self.stepper is None and not self.start()):
+            return 0
+        taken = 0
+        for item in serve_steps(self.stepper, RunControl(budget=n), self._snapshot,
+                                flush_every=0.0 if every_step else FRAME):
+            if not isinstance(item, WorkerFailure):
+                taken += len(item[0])
+            self._received(item)
+            if every_step:
+                self.redraw()
+        self.redraw()
+        return taken
+
+    def _snapshot(self) -> tuple:
+        return tuple(side.snapshot() for side in self.sides)
+
+    def _received(self, item) -> None:
+        if isinstance(item, WorkerFailure):
+            self.pause()
+            self.status.setText(f"step failed: {type(item.error).__name__}: {item.error}")
+            return
+        server_steps, snapshots = item
+        for step in server_steps:
+            self.series[step.side].add(step)
+            self.latest[step.side] = step
+        for snapshot in snapshots:
+            self.snapshots[snapshot.side] = snapshot
+        self.request_redraw()
+
+    def _worker_finished(self) -> None:
+        self.worker, self.control = None, None
+        self.request_redraw()  # the last frame draws everything (no worker: every job is due)
+        self.run_button.blockSignals(True)
+        self.run_button.setChecked(False)
+        self.run_button.blockSignals(False)
+        if self.stepper is not None and self.stepper.done:
+            self._finished_all()
+
+    def _finished_all(self) -> None:
+        self.run_button.setChecked(False)
+        self._status_line()
+
+    # --- drawing -----------------------------------------------------------------------------------------
+    # While the worker runs, a frame is a list of small jobs, each run in its own turn of the event loop (Qt
+    # paints between them), so that no turn holds the UI thread long; the pool, queues and batch of each side
+    # are drawn every frame, the plots, forests, timelines and the table at most every SLOW seconds.
+    @property
+    def drawing(self) -> bool:
+        """A frame is due or half drawn."""
+        return self._dirty or bool(self._jobs) or self.redraw_timer.isActive()
+
+    def request_redraw(self) -> None:
+        self._dirty = True
+        if not self.redraw_timer.isActive() and not self._jobs:
+            wait = max(0.0, FRAME - (time.perf_counter() - self._last_draw))
+            self.redraw_timer.start(int(wait * 1000))
+
+    def _frame(self) -> None:
+        """The redraw timer: this frame's jobs, then one per turn of the event loop."""
+        self._last_draw = now = time.perf_counter()
+        if not self._dirty:
+            return
+        self._dirty = False
+        self.frames += 1
+        slow = now - self._last_slow >= SLOW or self.worker is None
+        self._jobs = self._frame_jobs(slow)
+        if slow:
+            self._last_slow = now
+        self._next_job()
+
+    def _next_job(self) -> None:
+        if self._jobs:
+            self._jobs.pop(0)()
+        if self._jobs:
+            QTimer.singleShot(0, self._next_job)
+        elif self._dirty:
+            self.request_redraw()
+
+    def _frame_jobs(self, slow: bool) -> list:
+        def fast() -> None:  # every frame: each side's pool, queues and batch
+            for side, panel in self.panels.items():
+                if side in self.latest:
+                    panel.show_step(self.latest[side], self.series[side])
+
+        jobs = [fast]
+        if slow:
+            for side, panel in self.panels.items():
+                if side in self.snapshots:
+                    jobs.append(lambda p=panel, s=side: p.forest.set_nodes(self.snapshots[s].forest))
+                    jobs.append(lambda p=panel, s=side: p.show_timeline(self.snapshots[s]))
+            jobs += [self._plots, self._summary, self._status_line]
+        return jobs
+
+    def redraw(self) -> None:
+        """Everything at once, now (tests, screenshots)."""
+        self._jobs = []
+        self._last_draw = self._last_slow = time.perf_counter()
+        self._dirty = False
+        self.frames += 1
+        for job in self._frame_jobs(slow=True):
+            job()
+
+    def _plots(self) -> None:
+        self.plots.set_series(self.series)
+        self.numbers.setText(self.plots.numbers_html())
+
+    def _status_line(self) -> None:
+        if self.latest:
+            newest = max(self.latest.values(), key=lambda s: s.t1)
+            done = self.stepper is not None and self.stepper.done
+            self.status.setText(f"server time {newest.t1:.1f} s · " + " · ".join(
+                f"{s.side}: {s.completed} done, {len(s.running)} running, {len(s.waiting)} waiting"
+                for s in self.latest.values())
+                + (" · every request has been served; Start builds the server again" if done else ""))
+
+    def _summary(self) -> None:
+        """The numbers of each side so far, and B against A."""
+        rows = (("server time", "time", "{:.1f} s"), ("requests done", "completed", "{:.0f}"),
+                ("tokens generated", "generated", "{:.0f}"), ("throughput", "throughput", "{:.2f} tok/s"),
+                ("mean TTFT", "ttft_mean", "{:.2f} s"), ("mean ITL", "itl_mean", "{:.3f} s"),
+                ("peak KV pages", "peak_pages", "{:.0f}"), ("peak reserved", "peak_reserved", "{:.0f}"),
+                ("preemptions", "preemptions", "{:.0f}"), ("prefix hit rate", "hit_rate", "{:.0f}%"),
+                ("rejected (too long)", "rejected", "{:.0f}"))
+        numbers = {side: s.summary() for side, s in self.series.items()}
+        if not any(numbers.values()):
+            self.summary.setText(theme.muted("the numbers of each side appear with its first step"))
+            return
+        head = "".join(f"<th style='color:{SIDE_COLORS[side]}'>{side}</th>" for side in numbers)
+        ratio = len(numbers) == 2 and all(numbers.values())
+        body = ""
+        for label, key, fmt in rows:
+            if key == "rejected" and not any(n.get(key) for n in numbers.values()):
+                continue
+            cells = "".join(f"<td align=right>&nbsp;{fmt.format(n[key]) if n and n[key] == n[key] else '–'}</td>"
+                            for n in numbers.values())
+            if ratio:
+                a, b = numbers["A"][key], numbers["B"][key]
+                cells += f"<td align=right>&nbsp;{a / b:.2f}×</td>" if b and a == a and b == b else "<td></td>"
+            body += f"<tr><td>{label}</td>{cells}</tr>"
+        self.summary.setText(f"<table cellspacing=0><tr><th></th>{head}{'<th>A/B</th>' if ratio else ''}</tr>"
+                             f"{body}</table>")
+
+    # --- closing -----------------------------------------------------------------------------------------
+    def shutdown(self, timeout_ms: int = 30000) -> bool:
+        """Stop the worker after its step and wait for it."""
+        self.pause()
+        return QThreadPool.globalInstance().waitForDone(timeout_ms)
+
+    def closeEvent(self, event) -> None:
+        self.redraw_timer.stop()
+        self._jobs = []
+        if self.worker is not None:
+            self.shutdown()
+            self.worker, self.control = None, None  # its queued `finished` may come after the window is gone
+        self._close_sides()
+        super().closeEvent(event)
+
+
+def server_demo(app, spec, preset: ServerPreset | None, screenshot: str | None, steps: int) -> int:
+    """`pagevis --server-demo`: the window alone on the spec's model; with a screenshot, `steps` steps first."""
+    import sys
+
+    from pagevis.gui import save_screenshot
+    from pagevis.gui.widgets.export import default_size
+
+    print(f"pagevis: loading {spec.label}…", file=sys.stderr)
+    window = ServerWindow(spec.load(), preset or SERVER_PRESETS[0], model_label=spec.label,
+                          realtime=not screenshot, autorun=not screenshot)
+    if not screenshot:
+        window.show()
+        return app.exec()
+    real_display = app.platformName() not in ("offscreen", "minimal")
+    if not real_display:
+        window.resize(default_size())
+    window.show()
+    app.processEvents()
+    window.step_blocking(steps, every_step=False)
+    app.processEvents()
+    return save_screenshot(app, window, screenshot)

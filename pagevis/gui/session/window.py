@@ -1,0 +1,733 @@
+"""The main window: controls, transport, dockable views, menus, status bar; wires the runner to the views."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from PySide6.QtCore import QByteArray, QRect, QSettings, QSize, Qt, QTimer
+from PySide6.QtGui import QGuiApplication, QKeySequence
+from PySide6.QtWidgets import (
+    QDockWidget,
+    QFileDialog,
+    QToolBar,
+    QLabel,
+    QMainWindow,
+    QMessageBox,
+    QWidget,
+)
+
+from pagevis.engine import ModelSpec, SessionConfig
+from pagevis.kvcache import ConfigError
+from pagevis.presets import default_prompt
+from pagevis.gui.widgets import export, theme
+from pagevis.gui.session.controls import ControlsPanel
+from pagevis.gui.widgets.messages import MessagesPanel
+from pagevis.viewmodel.narration import narrate
+from pagevis.gui.session.runner import SessionRunner
+from pagevis.viewmodel.timeline import Timeline
+from pagevis.gui.widgets.transport import TimelineCursor, TransportBar
+from pagevis.viewmodel.view_state import ViewState
+from pagevis.gui.widgets.attention import AttentionView
+from pagevis.gui.widgets.events import EventsView
+from pagevis.gui.widgets.heads import HeadsView
+from pagevis.gui.widgets.histogram import HistogramView
+from pagevis.gui.widgets.metrics import MetricsView
+from pagevis.gui.widgets.page_grid import PageGridView
+from pagevis.gui.widgets.text import TextView
+
+FRAME_INTERVAL = 1 / 30  # redraw at most this often, however fast records arrive
+MAX_FRAME_INTERVAL = 1 / 5  # ... and at least this often while records arrive
+UI_SHARE = 0.12  # while decoding, the UI thread (redraws, painting, everything) may use this share of a core. Its
+# Python holds the GIL the decoding worker needs: at one frame per SmolLM2 token (19 tok/s here) the UI took 20 %
+# and the worker ran at 0.89x its headless speed; at 0.12 it draws ~12 frames a second and the worker runs at
+# 0.94x (python -m pagevis.bench.gui.app; docs/gui.md). Only at max speed: see request_render.
+STATUS_INTERVAL = 0.25  # while decoding, the status bar's step and speed change at most this often
+SETTINGS_VERSION = 1
+FIRST_SCREEN_SHARE = 0.85  # until the user's own geometry is saved, the window takes this share of the screen
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
+
+
+def memory_text(cache_bytes: int, n_kv_heads: int, dtype: str = "", per_token: float = 0.0) -> str:
+    """The cache's K/V storage, and each KV head's share (every KV head has its own K and V pages); with
+    the storage dtype and its bytes per token (all layers), the bits per token."""
+    if not cache_bytes:
+        return "K/V —"
+    text = f"K/V {_mib(cache_bytes)}"
+    if n_kv_heads > 0:
+        text += f" = {n_kv_heads} KV heads × {_mib(cache_bytes // n_kv_heads)}"
+    if dtype and per_token:
+        text += f" · {dtype}, {8 * per_token / 1000:,.1f} kbit per token"
+    return text
+
+
+COMPACT_WIDTH = 1366  # windows this narrow (projectors) tab the metrics behind the events (see size_docks)
+
+
+class MainWindow(TimelineCursor, QMainWindow):
+    def __init__(self, settings: QSettings | None = None, restore: bool = True, persist: bool = True):
+        """`restore`: start from the saved layout and configuration; `persist`: save them on close."""
+        super().__init__()
+        self.persist = persist
+        self.setWindowTitle("pagevis — paged KV cache, live")
+        self.setWindowIcon(theme.icon("pagevis"))
+        self.settings = settings if settings is not None else QSettings()
+        self.runner = SessionRunner(self)
+        self.timeline: Timeline | None = None
+        self.index = -1  # the record the views show
+        self.follow = True  # keep showing the newest record as records arrive
+        self.frames = 0  # redraws so far (the benchmark reads it)
+        self.ab_window = None  # the A/B window, once opened
+        self._last_frame = 0.0
+        self._restart_reason = ""
+        self._replay_timer = QTimer(self, interval=100)
+        self._replay_timer.timeout.connect(self._replay_tick)
+        self._shown_at: dict[str, float] = {}  # when each view last rendered
+        self._status_at = 0.0  # when the status bar's step and speed were last set
+        self._interval = FRAME_INTERVAL  # the current pace of redraws while decoding (see _pace)
+        self._cpu_mark = (time.perf_counter(), time.thread_time())
+        self._frame_timer = QTimer(self, singleShot=True)
+        self._frame_timer.timeout.connect(self.redraw)
+        self._slow_timer = QTimer(self, singleShot=True, interval=5)  # the next slow view, a turn later
+        self._slow_timer.timeout.connect(self._show_slow_views)
+        self._catch_up = QTimer(self, singleShot=True)  # shows the slow views' turn when it comes
+        self._catch_up.timeout.connect(self._show_slow_views)
+
+        self.transport = TransportBar(self)
+        self.addToolBar(Qt.TopToolBarArea, self.transport)
+        self.addToolBarBreak(Qt.TopToolBarArea)
+        self.narration = QLabel("")  # one line: what the cache did at the shown step (selected layer)
+        self.narration.setObjectName("narration")
+        self.narration.setTextFormat(Qt.PlainText)  # token texts like '<0xA5>' are not markup
+        self.narration.setStyleSheet("QLabel#narration { font-size: 13px; padding: 2px 8px; }")
+        self.narration.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        narration_bar = QToolBar("Narration", self)
+        narration_bar.setObjectName("narration_bar")
+        narration_bar.setMovable(False)
+        narration_bar.addWidget(self.narration)
+        self.addToolBar(Qt.TopToolBarArea, narration_bar)
+        self.controls = ControlsPanel()
+        self.page_grid = PageGridView()
+        self.attention = AttentionView()
+        self.text = TextView()
+        self.events = EventsView()
+        self.metrics = MetricsView()
+        self.heads = HeadsView()
+        self.histogram = HistogramView()
+        self.views = [self.page_grid, self.attention, self.text, self.events, self.metrics, self.heads,
+                      self.histogram]
+        self.messages = MessagesPanel()
+        self.docks: dict[str, QDockWidget] = {}
+        self.setDockNestingEnabled(True)
+        self.setCorner(Qt.BottomLeftCorner, Qt.LeftDockWidgetArea)
+        for widget, title in ((self.controls, "Controls"), *((v, v.title) for v in self.views),
+                              (self.messages, "Messages")):
+            dock = QDockWidget(title, self)
+            dock.setObjectName(title.lower().replace(" ", "_"))
+            dock.setWidget(widget)
+            dock.visibilityChanged.connect(lambda visible: visible and self.request_render())  # a raised tab
+            self.docks[title] = dock
+        self._default_layout()
+        self._build_status_bar()
+        self._build_menus()
+        self._connect()
+        self._default_state = self.saveState(SETTINGS_VERSION)
+        self._size_docks_on_show = not (restore and self._restore_settings())
+        if self._size_docks_on_show:
+            self.fit_to_screen()
+        self.redraw()  # the views' empty state from the start, not pyqtgraph's default axes
+
+    # --- layout ----------------------------------------------------------------------------------
+    def _default_layout(self) -> None:
+        d = self.docks
+        for dock in d.values():
+            dock.setFloating(False)
+            dock.show()
+        self.setCentralWidget(None)
+        self.addDockWidget(Qt.LeftDockWidgetArea, d["Controls"])
+        self.addDockWidget(Qt.RightDockWidgetArea, d["Page grid"])
+        self.splitDockWidget(d["Page grid"], d["Text"], Qt.Vertical)
+        self.splitDockWidget(d["Page grid"], d["Attention"], Qt.Horizontal)
+        self.splitDockWidget(d["Text"], d["Eviction events"], Qt.Horizontal)
+        self.splitDockWidget(d["Eviction events"], d["Metrics"], Qt.Horizontal)
+        self.tabifyDockWidget(d["Attention"], d["Heads"])  # heads per KV group: a tab behind the heatmap
+        self.tabifyDockWidget(d["Attention"], d["Weights"])  # the step's weights as a histogram: another tab
+        d["Attention"].raise_()
+        self.addDockWidget(Qt.BottomDockWidgetArea, d["Messages"])
+        d["Messages"].hide()
+        self.size_docks()
+
+    def size_docks(self) -> None:
+        """The default proportions (drawn for 1600 × 1000) at the window's size: absolute sizes would let Qt
+        take the whole shortfall of a smaller window from the last docks, squeezing them to an ellipsis."""
+        d = self.docks
+        compact = self.width() <= COMPACT_WIDTH and self.isVisible()  # hidden, the size is not yet the real one
+        if compact and d["Metrics"] not in self.tabifiedDockWidgets(d["Eviction events"]):
+            # a projector (1280 × 720): metrics become a tab behind the eviction events, so that the text,
+            # the events' columns and the metrics' legends get the width to show without clipping
+            self.tabifyDockWidget(d["Eviction events"], d["Metrics"])
+            d["Eviction events"].raise_()
+        controls = max(d["Controls"].minimumSizeHint().width(), min(330, self.width() // 4))
+        x = (self.width() - controls) / (1600 - 330)
+        y = self.height() / 1000
+        self.resizeDocks([d["Controls"]], [controls], Qt.Horizontal)
+        self.resizeDocks([d["Page grid"], d["Text"]], [int(540 * y), int(420 * y)], Qt.Vertical)
+        top = (700, 570) if compact else (600, 660)  # compact: the grid keeps room beside its block table
+        self.resizeDocks([d["Page grid"], d["Attention"]], [int(top[0] * x), int(top[1] * x)], Qt.Horizontal)
+        bottom = [d["Text"], d["Eviction events"]] + ([] if compact else [d["Metrics"]])
+        self.resizeDocks(bottom, [int(w * x) for w in ((560, 710) if compact else (400, 400, 470))], Qt.Horizontal)
+
+    def fit_to_screen(self, share: float = FIRST_SCREEN_SHARE) -> None:
+        """Take `share` of the screen's available area (at least the window's minimum, at most the area),
+        centred, with the docks in their default proportions: the first window, before any saved geometry."""
+        screen = self.screen() or QGuiApplication.primaryScreen()
+        if screen is None:
+            return
+        area = screen.availableGeometry()
+        size = QSize(int(area.width() * share), int(area.height() * share))
+        size = size.expandedTo(self.minimumSizeHint()).boundedTo(area.size())
+        rect = QRect(0, 0, size.width(), size.height())
+        rect.moveCenter(area.center())
+        self.setGeometry(rect)
+
+    def showEvent(self, event) -> None:
+        """The first time, without a saved layout: the default proportions at the size the window opens at."""
+        super().showEvent(event)
+        if self._size_docks_on_show:
+            self._size_docks_on_show = False
+            self.size_docks()
+
+    def reset_layout(self) -> None:
+        self.restoreState(self._default_state, SETTINGS_VERSION)
+        self._default_layout()
+        self.statusBar().showMessage("Layout reset", 3000)
+
+    def _build_status_bar(self) -> None:
+        bar = self.statusBar()
+        self.status_model = QLabel("no model")
+        self.status_step = QLabel("step —")
+        self.status_speed = QLabel("— tok/s")
+        self.status_memory = QLabel("K/V —")
+        self.status_state = QLabel("idle")
+        for label in (self.status_state, self.status_model, self.status_step, self.status_speed,
+                      self.status_memory):
+            label.setStyleSheet(f"color: {theme.MUTED}; padding: 0 8px;")
+            bar.addPermanentWidget(label)
+
+    def _build_menus(self) -> None:
+        file_menu = self.menuBar().addMenu("&File")
+        file_menu.addAction("Open &GGUF model…", self.open_gguf, QKeySequence("Ctrl+O"))
+        file_menu.addAction("Open &trace…", self.choose_trace, QKeySequence("Ctrl+Shift+O"))
+        file_menu.addAction("&Save trace…", self.save_trace, QKeySequence.Save)
+        file_menu.addSeparator()
+        export_menu = file_menu.addMenu("&Export view")
+        for view in self.views:
+            export_menu.addAction(f"{view.title}…", lambda v=view: self.export_view(v))
+        export_menu.addAction("Whole window…", lambda: self.export_view(None))
+        file_menu.addAction("Export &events (CSV)…", self.export_events)
+        file_menu.addAction("Export &metrics (CSV)…", self.export_metrics)
+        file_menu.addSeparator()
+        file_menu.addAction("&Quit", self.close, QKeySequence.Quit)
+        play_menu = self.menuBar().addMenu("&Decode")
+        t = self.transport
+        for action in (t.play_action, t.step_action, t.reset_action, t.previous_action, None, t.back_action,
+                       t.forward_action, t.first_action, t.last_action):
+            if action is None:
+                play_menu.addSeparator()
+            else:
+                play_menu.addAction(action)
+                self.addAction(action)  # shortcuts work whichever dock has focus
+        play_menu.addSeparator()
+        play_menu.addAction("&A/B compare…", self.open_ab, QKeySequence("Ctrl+B"))
+        view_menu = self.menuBar().addMenu("&View")
+        for dock in self.docks.values():
+            view_menu.addAction(dock.toggleViewAction())
+        view_menu.addSeparator()
+        view_menu.addAction("&Sequences sharing one pool…", self.open_sequences)
+        view_menu.addAction("Se&rver: requests arriving…", self.open_server)
+        view_menu.addAction("&Reset layout", self.reset_layout)
+        help_menu = self.menuBar().addMenu("&Help")
+        help_menu.addAction("&Keyboard shortcuts", self._show_shortcuts)
+
+    def _connect(self) -> None:
+        t, r = self.transport, self.runner
+        t.play_action.triggered.connect(self.toggle_play)
+        t.step_action.triggered.connect(self.step)
+        t.reset_action.triggered.connect(lambda: self.restart("reset"))
+        t.previous_action.triggered.connect(self.back_to_previous)
+        t.back_action.triggered.connect(lambda: self.scrub(self.index - 1))
+        t.forward_action.triggered.connect(lambda: self.scrub(self.index + 1))
+        t.first_action.triggered.connect(lambda: self.scrub(0))
+        t.last_action.triggered.connect(lambda: self.scrub(len(self.timeline) - 1 if self.timeline else -1))
+        t.scrubbed.connect(self.scrub)
+        t.speed_changed.connect(self._speed_changed)
+        r.started.connect(self._session_started)
+        r.records.connect(self._records_arrived)
+        r.failed.connect(self._failed)
+        r.state_changed.connect(self._state_changed)
+        r.message.connect(lambda text: self.statusBar().showMessage(text, 5000))
+        self.controls.session_changed.connect(self.restart)
+        self.controls.preset_chosen.connect(self.apply_preset)
+        self.controls.view_changed.connect(self.request_render)
+
+    # --- session ---------------------------------------------------------------------------------
+    def start(self, blocking: bool = False) -> None:
+        """Start a session with the configuration the controls show."""
+        self.restart("", blocking=blocking)
+
+    def restart(self, reason: str = "reset", blocking: bool = False) -> None:
+        try:
+            config = self.controls.session_config()
+        except (ConfigError, ValueError) as error:
+            self.statusBar().showMessage(f"Not restarted: {error}", 8000)
+            return
+        if self.runner.state == "replay" and not self.leave_replay(reason):
+            return
+        self._replay_timer.stop()
+        self._restart_reason = reason
+        self._clear_messages()
+        self.runner.configure(self.controls.model_spec(), self.controls.prompt(), config, blocking=blocking)
+
+    def apply_preset(self, preset) -> None:
+        """Set the preset's prompt and cache (the synthetic model keeps a prompt that fits it) and restart;
+        an A/B preset opens the A/B window on both of its configurations instead."""
+        kind = self.controls.model.currentData()
+        prompt = preset.prompt_text() if kind != "synthetic" else default_prompt("synthetic")
+        if preset.b is not None:
+            self.open_ab(preset.a, preset.b, prompt, title=preset.name)
+            return
+        self.controls.set_configuration(prompt=prompt, config=preset.a)
+        self.restart(f"preset {preset.name!r}")
+
+    def open_ab(self, config_a=None, config_b=None, prompt: str | None = None, title: str = "",
+                blocking: bool = False):
+        """Open the A/B window: by default A is the controls' configuration and B the same cache with the
+        other of sinks / oldest (the StreamingLLM comparison)."""
+        from pagevis.gui.ab.window import ABWindow
+
+        try:
+            config_a = config_a or self.controls.session_config()
+        except (ConfigError, ValueError) as error:
+            self.statusBar().showMessage(f"No A/B: {error}", 8000)
+            return None
+        if config_b is None:
+            config_b = replace(config_a, policy="oldest" if config_a.policy != "oldest" else "sinks", policy_params={})
+        if self.ab_window is not None:
+            self.ab_window.close()
+        self.ab_window = ABWindow(self.controls.model_spec(), prompt or self.controls.prompt(), config_a, config_b,
+                                  title=title)
+        self.ab_window.show()
+        self.ab_window.start(blocking=blocking)
+        return self.ab_window
+
+    def leave_replay(self, reason: str) -> bool:
+        """Ask before a change ends the replay; on no, the controls show the replay's settings again."""
+        name = self.timeline.info.model_label if self.timeline is not None else "the trace"
+        if self.confirm("Leave the replay?", f"{reason[:1].upper()}{reason[1:]}: start a live session and leave the "
+                        f"replay of {name}? (Decode ▸ Back to previous run returns to it.)"):
+            return True
+        info = self.timeline.info
+        self.controls.set_configuration(prompt=info.prompt, config=info.config)
+        self.statusBar().showMessage("Still replaying: nothing changed", 5000)
+        return False
+
+    def confirm(self, title: str, question: str) -> bool:
+        answer = QMessageBox.question(self, title, question, QMessageBox.Yes | QMessageBox.No, QMessageBox.Yes)
+        return answer == QMessageBox.Yes
+
+    def back_to_previous(self) -> None:
+        """Swap the current session with the previous one (kept on every restart), both still resumable."""
+        if self.runner.busy:
+            self.runner.stop()
+            self.statusBar().showMessage("Paused: press Ctrl+Z again to return to the previous run", 5000)
+            return
+        if not self.runner.swap_previous():
+            self.statusBar().showMessage("No previous run to return to", 4000)
+            return
+        runner = self.runner
+        self.controls.set_configuration(runner.spec, runner.prompt, runner.config)
+        self.statusBar().showMessage(f"Back to the previous run ({len(runner.timeline)} steps); "
+                                     "Ctrl+Z swaps again", 6000)
+
+    def _clear_messages(self) -> None:
+        """Messages belong to the session that produced them: a new one starts with none."""
+        self.messages.clear()
+        self.docks["Messages"].hide()
+
+    def _session_started(self, timeline: Timeline) -> None:
+        self.timeline = timeline
+        self.index, self.follow = -1, True
+        info = timeline.info
+        self.controls.set_model_shape(info.n_layers, info.n_heads, info.n_kv_heads)
+        saved_layer = getattr(self.controls, "_saved_layer", None)
+        if saved_layer is not None:
+            self.controls._saved_layer = None
+            self.controls.layer.setValue(min(saved_layer, info.n_layers - 1))
+        if len(timeline):
+            self.index = len(timeline) - 1
+        self.statusBar().clearMessage()
+        self.status_model.setText(info.model_label)
+        self.status_memory.setText(memory_text(info.cache_bytes, info.n_kv_heads, info.config.dtype,
+                                               info.kv_bytes_per_token))
+        self.status_memory.setToolTip(f"K/V storage, all layers, one sequence at capacity: {info.storage}"
+                                      if info.storage else "")
+        previous = self.runner.previous
+        if self._restart_reason:
+            kept = (f"; the previous run ({len(previous.timeline)} steps) is kept: Ctrl+Z returns to it"
+                    if previous is not None else "")
+            self.statusBar().showMessage(f"{self._restart_reason[0].upper()}{self._restart_reason[1:]}: "
+                                         f"restarted the session with a new cache{kept}", 8000)
+        self.transport.previous_action.setEnabled(previous is not None)
+        self._restart_reason = ""
+        self.request_render()
+
+    def open_trace(self, path: str) -> bool:
+        try:
+            from pagevis.trace import TraceError, read_trace
+        except ImportError:
+            self._report("Traces cannot be opened yet: pagevis.trace is not available in this installation.")
+            return False
+        try:
+            trace = read_trace(path)
+        except (TraceError, OSError, ValueError, MemoryError) as error:
+            self._report(f"Could not open trace {path}: {error}")
+            return False
+        self.runner.replay(trace)
+        self.controls.set_configuration(prompt=trace.prompt, config=trace.config)
+        self.scrub(0)
+        self.statusBar().showMessage(f"Replaying {Path(path).name}: {len(trace.records)} steps "
+                                     f"(play animates them; Reset returns to live decoding)", 8000)
+        return True
+
+    # --- transport -------------------------------------------------------------------------------
+    def toggle_play(self) -> None:
+        if self.runner.state == "replay":
+            if self._replay_timer.isActive():
+                self._replay_timer.stop()
+            else:
+                if self.index >= len(self.timeline) - 1:
+                    self.scrub(0)
+                self._replay_timer.start()
+            self.transport.set_playing(self._replay_timer.isActive())
+            return
+        if self.runner.running:
+            self.runner.stop()
+        else:
+            self.follow = True
+            self.runner.play()
+
+    def _replay_tick(self) -> None:
+        if self.timeline is None or self.index >= len(self.timeline) - 1:
+            self._replay_timer.stop()
+            self.transport.set_playing(False)
+            return
+        self.scrub(self.index + 1)
+
+    def _speed_changed(self, seconds: float) -> None:
+        self.runner.set_interval(seconds)
+        self._replay_timer.setInterval(int(max(seconds, 1 / 30) * 1000))
+
+    def _records_arrived(self, records: list) -> None:
+        if self.follow and self.timeline is not None:
+            self.index = len(self.timeline) - 1
+        self.request_render()
+
+    def _state_changed(self, state: str) -> None:
+        self.transport.set_playing(state == "running" and self.runner.running)
+        if state != "running":
+            self.request_render()  # views that refresh slowly while decoding catch up
+        self.status_state.setText(state)
+        self.transport.step_action.setEnabled(state not in ("loading", "idle"))
+        self.transport.play_action.setEnabled(state not in ("loading", "idle"))
+        if state == "done" and self.runner.session is not None:
+            self.statusBar().showMessage(f"Finished: {self.runner.session.stop_reason}", 5000)
+
+    def _failed(self, message: str, trace: str) -> None:
+        self._report(message, trace)
+
+    def _report(self, message: str, detail: str = "") -> None:
+        """Show a problem without blocking: one line in the status bar and the Messages panel (raised), the
+        traceback (if any) behind the panel's Details toggle."""
+        self.statusBar().showMessage(message.strip().partition("\n")[0], 15000)
+        self.messages.report(message, detail)
+        dock = self.docks["Messages"]
+        dock.show()
+        dock.raise_()
+
+    # --- rendering -------------------------------------------------------------------------------
+    def view_state(self) -> ViewState:
+        options = self.controls.view_options()
+        if self.timeline is not None:
+            options["layer"] = min(options["layer"], self.timeline.info.n_layers - 1)
+            if options["head"] is not None and options["head"] >= self.timeline.info.n_heads:
+                options["head"] = None
+        loading = None
+        if self.timeline is None and self.runner.state == "loading":
+            try:  # the pool the loading session will have, shown while the model loads
+                loading = self.controls.session_config()
+            except (ConfigError, ValueError):
+                pass
+        return ViewState(self.timeline, self.index, loading=loading, **options)
+
+    def request_render(self) -> None:
+        """Redraw soon: at once if the last frame is older than FRAME_INTERVAL, else when it is."""
+        if self._frame_timer.isActive():
+            return
+        # at max speed the pace keeps the UI's share of the GIL down; at a chosen playback speed the decoder
+        # waits between steps anyway, and every step gets its frame
+        interval = self._pace() if self.runner.running and not self.runner.interval else FRAME_INTERVAL
+        wait = self._last_frame + interval - time.perf_counter()
+        self._frame_timer.start(max(0, int(wait * 1000)))
+
+    def redraw(self) -> None:
+        """Show the selected record in every visible view. While decoding runs, the views that are watched
+        (page grid, attention) draw now and the others follow in later event-loop turns, each at most
+        as often as its `live_interval`: no single turn paints the whole window, so input never waits
+        for a full repaint. Once decoding stops, every view shows the selected record."""
+        self._frame_timer.stop()
+        self._last_frame = time.perf_counter()
+        self.frames += 1
+        state = self.view_state()
+        now = time.perf_counter()
+        if not self.runner.running:
+            self._show(self.views, state, now)
+        else:
+            self._show([v for v in self.views if not getattr(v, "live_interval", 0.0)], state, now)
+            self._slow_timer.start()
+        self._update_transport(state)
+
+    def _shown(self, view) -> bool:
+        """Should the view be drawn? Not when its dock is closed; a costly view (`only_when_visible`) not
+        either while it is behind another dock's tab (Qt keeps such a dock 'visible' but off the window):
+        it is drawn when its tab is raised."""
+        dock = self.docks[view.title]
+        if dock.isHidden():
+            return False
+        return not (getattr(view, "only_when_visible", False) and self.isVisible() and dock.visibleRegion().isEmpty())
+
+    def _show(self, views, state: ViewState, now: float) -> None:
+        for view in views:
+            if self._shown(view):
+                self._shown_at[view.title] = now
+                view.show_state(state)
+
+    def _pace(self) -> float:
+        """Seconds between redraws while decoding: adjusted so that the UI thread's CPU time (redraws,
+        painting, everything) stays near UI_SHARE of the wall clock, between 30 and 5 frames a second.
+        On a small or busy machine the decoder keeps its speed and the screen gets fewer frames."""
+        wall, cpu = time.perf_counter(), time.thread_time()
+        elapsed = wall - self._cpu_mark[0]
+        if elapsed >= 0.25:
+            share = (cpu - self._cpu_mark[1]) / elapsed
+            self._cpu_mark = (wall, cpu)
+            factor = min(max(share / UI_SHARE, 0.5), 2.0)
+            self._interval = min(max(self._interval * factor ** 0.5, FRAME_INTERVAL), MAX_FRAME_INTERVAL)
+        return self._interval
+
+    def _show_slow_views(self) -> None:
+        """While decoding: the slow view waiting longest, if its turn came, and the next one a turn later;
+        when none is due, come back when the first is. Once decoding stopped: all of them, and no more turns."""
+        state = self.view_state()
+        now = time.perf_counter()
+        slow = [v for v in self.views if getattr(v, "live_interval", 0.0) and self._shown(v)]
+        if not self.runner.running:
+            self._show(slow, state, now)
+            return
+        slow.sort(key=lambda v: self._shown_at.get(v.title, 0.0))
+        for view in slow:
+            if now - self._shown_at.get(view.title, 0.0) >= view.live_interval:
+                self._show([view], state, now)
+                self._slow_timer.start()
+                return
+        if slow and not self._catch_up.isActive():
+            wait = min(v.live_interval - (now - self._shown_at.get(v.title, 0.0)) for v in slow)
+            self._catch_up.start(max(1, int(wait * 1000)))
+
+    def _update_transport(self, state: ViewState) -> None:
+        timeline, record = state.timeline, state.record
+        count = len(timeline) if timeline is not None else 0
+        if record is None:
+            self.transport.set_range(0, 0, "no steps yet" if timeline is not None else "no session")
+            self.transport.slider.set_marks(np.zeros(0))
+            self.narration.setText("Press Space to play, → to decode one token" if timeline is not None else "")
+            self.status_step.setText("step —")
+            return
+        label = f"step {state.index} / {count - 1} · {record.kind}"
+        self.transport.set_range(count, state.index, label)
+        self.transport.slider.set_marks(timeline.eviction_steps())
+        self.narration.setText(narrate(record, state.layer, timeline.position_text, timeline.info.config.policy))
+        now = time.perf_counter()
+        if self.runner.running and now - self._status_at < STATUS_INTERVAL:
+            return  # the status bar repeats the transport's step and is read, not watched: 4× a second
+        self._status_at = now
+        self.status_step.setText(f"step {state.index}: {record.kind} of {len(record.token_ids)} token"
+                                 f"{'s' if len(record.token_ids) != 1 else ''}")
+        speed = timeline.tokens_per_second(state.index)
+        self.status_speed.setText(f"{speed:.1f} tok/s" if speed == speed else "— tok/s")
+
+    # --- files -----------------------------------------------------------------------------------
+    def open_sequences(self):
+        """A window decoding many sequences of the current model and prompt over one shared pool."""
+        from pagevis.gui.sequences.window import SequencesWindow
+
+        if self.runner.model is None:
+            self.statusBar().showMessage("Load a model first (start decoding once), then open the sequences view",
+                                         8000)
+            return None
+        try:
+            config = self.controls.session_config()
+        except (ConfigError, ValueError) as error:
+            self.statusBar().showMessage(f"Sequences view: {error}", 8000)
+            return None
+        self.sequences_window = SequencesWindow(self.runner.model, config, self.controls.prompt(), self)
+        self.sequences_window.show()
+        return self.sequences_window
+
+    def open_server(self, preset=None):
+        """The Server window: the current model serving arriving requests (docs/server-window.md)."""
+        from pagevis.presets import SERVER_PRESETS
+        from pagevis.gui.server.window import ServerWindow
+
+        if self.runner.model is None:
+            self.statusBar().showMessage("Load a model first (start decoding once), then open the server", 8000)
+            return None
+        label = self.runner.spec.label if self.runner.spec is not None else ""
+        self.server_window = ServerWindow(self.runner.model, preset or SERVER_PRESETS[0], self, model_label=label,
+                                          autorun=True)
+        self.server_window.show()
+        return self.server_window
+
+    def open_gguf(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Open a Llama-family GGUF model", "", "GGUF models (*.gguf)")
+        if path:
+            self.controls.set_gguf(path)
+
+    def choose_trace(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Open a pagevis trace", "", "pagevis traces (*)")
+        if path:
+            self.open_trace(path)
+
+    def save_trace(self, path: str | None = None) -> str | None:
+        """Write the shown session's records to a trace file (File ▸ Open trace replays it)."""
+        if self.timeline is None or not len(self.timeline):
+            self.statusBar().showMessage("Nothing to save yet: decode a step first", 5000)
+            return None
+        path = path or QFileDialog.getSaveFileName(self, "Save trace", "session.pvtrace", "pagevis traces (*.pvtrace)")[0]
+        if not path:
+            return None
+        from pagevis.trace import Trace, write_trace
+
+        timeline, runner = self.timeline, self.runner
+        records = list(timeline.records)
+        ids = set(timeline.info.prompt_ids)
+        for record in records:
+            ids.update(record.token_ids)
+            ids.update([record.next_token] if record.next_token >= 0 else [])
+        session = runner.session if runner.timeline is timeline else None
+        trace = Trace(model_label=timeline.info.model_label, prompt=timeline.info.prompt, config=timeline.info.config,
+                      prompt_ids=tuple(timeline.info.prompt_ids), records=records,
+                      token_texts={int(t): timeline.token_text(int(t)) for t in sorted(ids)},
+                      model_spec=runner.timeline_spec if runner.timeline is timeline else None,
+                      stop_reason=session.stop_reason if session is not None else None,
+                      text=session.text() if session is not None else "", meta={"command": "pagevis (app)"})
+        try:
+            size = write_trace(path, trace)
+        except (OSError, ValueError) as error:
+            self._report(f"Could not save the trace to {path}: {error}")
+            return None
+        self.statusBar().showMessage(f"Saved {len(records)} steps to {path} ({size / 1024:.0f} KiB)", 6000)
+        return path
+
+    def export_view(self, view: QWidget | None, path: str | None = None) -> str | None:
+        if path is None:
+            name = "window" if view is None else view.title.lower().replace(" ", "-")
+            path, _ = QFileDialog.getSaveFileName(self, "Export view", f"{name}.png", "PNG image (*.png);;SVG (*.svg)")
+        if not path:
+            return None
+        if view is not None:
+            view.show_state(self.view_state())  # a view behind a tab has not been drawn yet
+        target = self if view is None else view.export_target()
+        export.save_widget(target, path)
+        self.statusBar().showMessage(f"Saved {path}", 5000)
+        return path
+
+    def export_events(self, path: str | None = None) -> str | None:
+        if self.timeline is None:
+            return None
+        path = path or QFileDialog.getSaveFileName(self, "Export eviction events", "evictions.csv", "CSV (*.csv)")[0]
+        if path:
+            rows = export.save_events_csv(self.timeline, path, self.index)
+            self.statusBar().showMessage(f"Saved {rows} events to {path}", 5000)
+        return path or None
+
+    def export_metrics(self, path: str | None = None) -> str | None:
+        if self.timeline is None:
+            return None
+        path = path or QFileDialog.getSaveFileName(self, "Export metrics", "metrics.csv", "CSV (*.csv)")[0]
+        if path:
+            rows = export.save_metrics_csv(self.timeline, path)
+            self.statusBar().showMessage(f"Saved {rows} steps to {path}", 5000)
+        return path or None
+
+    def _show_shortcuts(self) -> None:
+        box = QMessageBox(QMessageBox.Information, "Keyboard shortcuts",
+                          "Space: play / pause\n→: next recorded step, or at the newest decode one token\n"
+                          "← or Ctrl+←: previous step\nCtrl+→: next recorded step\nHome / End: first / latest step\n"
+                          "Ctrl+R: reset the session\nCtrl+Z: back to the previous run (kept on every restart)\n"
+                          "Ctrl+Return (in the prompt): restart with the prompt", QMessageBox.Ok, self)
+        box.setModal(False)
+        box.show()
+
+    # --- settings and closing ----------------------------------------------------------------------
+    def _restore_settings(self) -> bool:
+        """Restore the saved layout and configuration; True if there was a saved geometry."""
+        s = self.settings
+        geometry = s.value("window/geometry")
+        restored = isinstance(geometry, QByteArray) and not geometry.isEmpty() and self.restoreGeometry(geometry)
+        state = s.value("window/state")
+        if isinstance(state, QByteArray) and not state.isEmpty():
+            self.restoreState(state, SETTINGS_VERSION)
+        raw = s.value("session/config")
+        if isinstance(raw, str) and raw:
+            try:
+                self.controls.from_dict(json.loads(raw))
+            except (ValueError, TypeError):
+                pass
+        return bool(restored)
+
+    def save_settings(self) -> None:
+        s = self.settings
+        s.setValue("window/geometry", self.saveGeometry())
+        s.setValue("window/state", self.saveState(SETTINGS_VERSION))
+        try:
+            s.setValue("session/config", json.dumps(self.controls.to_dict()))
+        except (ConfigError, ValueError):
+            pass
+        s.sync()
+
+    def apply_arguments(self, spec: ModelSpec | None, prompt: str | None, config: SessionConfig | None) -> None:
+        self.controls.set_configuration(spec, prompt, config)
+
+    def closeEvent(self, event) -> None:
+        self._frame_timer.stop()
+        self._catch_up.stop()
+        self._slow_timer.stop()
+        self._replay_timer.stop()
+        if self.persist:
+            self.save_settings()
+        try:
+            self.runner.records.disconnect(self._records_arrived)
+        except (RuntimeError, TypeError):
+            pass
+        if self.ab_window is not None:
+            self.ab_window.close()
+        if not self.runner.shutdown():
+            self.messages.appendPlainText("the decoder did not stop within 15 s")
+        super().closeEvent(event)

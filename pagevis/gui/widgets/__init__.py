@@ -1,0 +1,1 @@
+"""Views and widgets every window shares: each view renders an immutable snapshot it is given."""

@@ -1,0 +1,143 @@
+"""Attention weights: for the selected step, layer and head (or the mean of heads), how the last query's
+attention is spread over the tokens the cache holds — tokens per weight bin on a log scale, and how much of
+the attention each bin carries — with the entropy and the largest weight; with the oracle on, the share of
+the full cache's attention that went to tokens this cache had evicted. What it shows is what the record
+holds: the recorded layers' attention (float16) and the oracle's per-head lost attention."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtWidgets import QVBoxLayout, QWidget
+
+from pagevis.engine import StepRecord
+from pagevis.gui.widgets import theme
+from pagevis.viewmodel.view_state import EMPTY_HINT, ViewState
+
+LOW_DECADE = -6  # the lowest bin's lower edge: weights below 1e-6 share the first bin
+BINS_PER_DECADE = 4
+EDGES = np.linspace(LOW_DECADE, 0, -LOW_DECADE * BINS_PER_DECADE + 1)  # log10 of the bin edges; 1 is the last
+EVICTED_X = 0.6  # where the oracle's evicted-attention bar stands, right of the weight 1
+
+
+@dataclass(frozen=True)
+class WeightHistogram:
+    """The last query's attention over the tokens one layer holds, binned by log10(weight)."""
+
+    counts: np.ndarray  # (bins,) tokens per bin (EDGES; the first bin also holds weights below 1e-6)
+    mass: np.ndarray  # (bins,) the attention those tokens got, summed
+    tokens: int  # tokens with a weight above 0
+    zeros: int  # resident tokens with weight exactly 0: not attended by this head (dropped), or below float16
+    entropy: float  # nats, of the weights (they sum to 1)
+    max_weight: float
+    lost: float | None  # with the oracle: the full cache's attention on the tokens this cache evicted
+
+
+def weight_histogram(record: StepRecord, layer: int, head: int | None) -> WeightHistogram | None:
+    """The histogram of `layer`'s attention in `record` for `head` (None: the mean over heads), or None if the
+    record does not hold that layer's attention."""
+    if layer not in record.attention_layers:
+        return None
+    index = record.attention_layers.index(layer)
+    resident = record.page_map(layer).ravel() >= 0
+    weights = record.attention[index][:, resident].astype(np.float64)
+    weights = weights.mean(axis=0) if head is None else weights[head]
+    positive = weights[weights > 0]
+    bins = np.clip(np.floor((np.log10(positive) - LOW_DECADE) * BINS_PER_DECADE).astype(np.int64), 0, len(EDGES) - 2)
+    counts = np.bincount(bins, minlength=len(EDGES) - 1)
+    mass = np.bincount(bins, weights=positive, minlength=len(EDGES) - 1)
+    share = positive / positive.sum() if positive.size else positive
+    lost = None
+    by_head = record.oracle.lost_by_head if record.oracle is not None else None
+    if by_head is not None:
+        row = np.asarray(by_head[index], dtype=np.float64)
+        lost = float(row.mean() if head is None else row[head])
+    return WeightHistogram(counts=counts, mass=mass, tokens=int(positive.size), zeros=int((weights == 0).sum()),
+                           entropy=float(-(share * np.log(share)).sum()),
+                           max_weight=float(positive.max()) if positive.size else 0.0, lost=lost)
+
+
+class HistogramView(QWidget):
+    title = "Weights"
+    live_interval = 0.5  # while decoding, at most twice a second
+    only_when_visible = True  # a tab behind the attention heatmap: drawn when raised
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.data: WeightHistogram | None = None  # what the bars show
+        self._key = None
+        self.graphics = pg.GraphicsLayoutWidget()
+        self.graphics.ci.setSpacing(4)
+        self.tokens = self.graphics.addPlot(row=0, col=0)
+        self.mass = self.graphics.addPlot(row=1, col=0)
+        ticks = [[(float(x), "1" if x == 0 else f"1e{int(x)}") for x in range(LOW_DECADE, 1)] + [(EVICTED_X, "evicted")]]
+        for plot, left in ((self.tokens, "tokens"), (self.mass, "attention")):
+            theme.style_plot(plot, left=left)
+            plot.setMenuEnabled(False)
+            plot.setMouseEnabled(False, False)
+            plot.hideButtons()
+            plot.getAxis("bottom").setTicks(ticks)
+            plot.getAxis("left").setWidth(44)
+            plot.setXRange(LOW_DECADE - 0.1, EVICTED_X + 0.3, padding=0)
+        self.mass.setXLink(self.tokens)
+        self.mass.setLabel("bottom", "attention weight (log scale)", color=theme.MUTED)
+        self.mass.setYRange(0, 1, padding=0.02)
+        width = 0.9 / BINS_PER_DECADE
+        centres = EDGES[:-1] + 0.5 / BINS_PER_DECADE
+        self.count_bars = pg.BarGraphItem(x=centres, height=np.zeros(len(centres)), width=width,
+                                          brush=theme.SERIES[0], pen=None)
+        self.mass_bars = pg.BarGraphItem(x=centres, height=np.zeros(len(centres)), width=width,
+                                         brush=theme.SERIES[1], pen=None)
+        self.evicted_bar = pg.BarGraphItem(x=[EVICTED_X], height=[0.0], width=width, brush=theme.SERIES[3], pen=None)
+        self.tokens.addItem(self.count_bars)
+        self.mass.addItem(self.mass_bars)
+        self.mass.addItem(self.evicted_bar)
+        self.hint = pg.TextItem(EMPTY_HINT, color=theme.MUTED, anchor=(0.5, 0.5))
+        self.tokens.addItem(self.hint, ignoreBounds=True)
+        self.hint.setPos((LOW_DECADE + EVICTED_X) / 2, 0.5)
+        self.setMinimumSize(260, 180)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addWidget(self.graphics)
+
+    def export_target(self):
+        return self.graphics
+
+    def show_state(self, state: ViewState) -> None:
+        record = state.record
+        key = (id(state.timeline), state.index, state.layer, state.head)
+        if key == self._key:
+            return
+        self._key = key
+        self.data = weight_histogram(record, state.layer, state.head) if record is not None else None
+        data = self.data
+        if data is None:
+            self._clear("no session" if state.timeline is None else EMPTY_HINT if record is None else
+                        f"layer {state.layer}'s attention is not recorded (record layers)")
+            return
+        self.hint.setVisible(False)
+        self.count_bars.setOpts(height=data.counts.astype(float))
+        self.mass_bars.setOpts(height=data.mass)
+        self.evicted_bar.setOpts(height=[data.lost or 0.0])
+        self.tokens.setYRange(0, max(1, int(data.counts.max())), padding=0.05)
+        uniform = np.log(data.tokens) if data.tokens else 0.0
+        dropped = f" (+{data.zeros} at weight 0)" if data.zeros else ""  # dropped by this head, or below float16
+        theme.set_title(self.tokens, theme.muted(
+            f"layer {state.layer} · {state.head_label} · {data.tokens} tokens{dropped} · entropy "
+            f"{data.entropy:.2f} of {uniform:.2f} nats · max {data.max_weight:.3f}"), size="9pt")
+        lost = ("turn the oracle on to see the attention evicted tokens would get" if data.lost is None else
+                f"<span style='color:{theme.SERIES[3]}'>■</span> evicted tokens would get {100 * data.lost:.1f}% "
+                f"of the full cache's attention")
+        theme.set_title(self.mass, theme.muted(f"attention per bin · {lost}"), size="9pt")
+
+    def _clear(self, hint: str) -> None:
+        zeros = np.zeros(len(EDGES) - 1)
+        self.count_bars.setOpts(height=zeros)
+        self.mass_bars.setOpts(height=zeros)
+        self.evicted_bar.setOpts(height=[0.0])
+        self.hint.setText(hint)
+        self.hint.setVisible(True)
+        theme.set_title(self.tokens, "", size="9pt")
+        theme.set_title(self.mass, "", size="9pt")

@@ -1,0 +1,552 @@
+"""Page grid: the physical pages × slots of one layer's KV cache at the selected step, and its block table."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QPointF, QRectF, Qt
+from PySide6.QtGui import QColor, QFont, QImage, QPainter, QStaticText, QTransform
+from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QLabel, QTableWidget, QTableWidgetItem, QToolTip,
+                               QVBoxLayout, QWidget)
+
+from pagevis.kvcache import ConfigError, EventKind, layer_capacities
+from pagevis.kvcache.event_array import in_layer
+from pagevis.gui.widgets import theme
+from pagevis.gui.widgets.theme import EVICTED, FREE, PINNED, REPLACED, RESIDENT, WRITTEN
+from pagevis.viewmodel.view_state import ViewState
+from pagevis.gui.widgets.rgba_image import RgbaImage
+from pagevis.viewmodel.run_list import run_list
+
+_PALETTE = np.array([theme.rgb(c) for c in theme.STATE_COLORS])
+_BACKGROUND = theme.rgb(theme.BACKGROUND)
+_CELL_PX = 12  # pixels per cell side in the rendered image (1 of them is the cell border)
+_MAX_BORDERED_CELLS = 8192
+FULL_PRECISION_COLOR = "#f2d45c"  # the bar marking a slot still in float32 (int4 / int2's residual window)
+_FULL_PRECISION = theme.rgb(FULL_PRECISION_COLOR)
+
+
+def full_precision_mask(record, layer: int) -> np.ndarray | None:
+    """(max_pages, page_size) bool: slots of the layer still in full precision (int4 / int2), else None."""
+    return None if record.full_precision is None else record.full_precision[layer]
+
+
+def frames_of_pages(record, layer: int) -> dict[int, int]:
+    """Page id -> RAM frame for the layer's pages in RAM (without a disk tier, a page id is its frame)."""
+    table = record.block_tables[layer]
+    if record.tiers is None:
+        return {int(p): int(p) for p in table}
+    return {int(p): int(f) for p, f in zip(table, record.tiers.block_frames[layer], strict=True) if f >= 0}
+
+
+def cell_states(record, layer: int) -> np.ndarray:
+    """(max_pages, page_size) int8 of theme states for one layer of one record."""
+    slots = record.slot_maps[layer]
+    frame_of = frames_of_pages(record, layer) if record.tiers is not None else None
+    states = np.where(slots >= 0, RESIDENT, FREE).astype(np.int8)
+    states[record.protected[layer] & (slots >= 0)] = PINNED
+    written = np.zeros(slots.shape, dtype=bool)
+    evicted = np.zeros(slots.shape, dtype=bool)
+    for event in in_layer(record.events, layer):
+        if event.slot < 0:
+            continue
+        frame = event.page if frame_of is None else frame_of.get(event.page, -1)
+        if frame < 0:
+            continue  # a token evicted from a page on disk: the disk strip shows it
+        if event.kind is EventKind.WRITE:
+            written[frame, event.slot] = True
+        elif event.kind is EventKind.EVICT:
+            evicted[frame, event.slot] = True
+    states[evicted & (slots < 0)] = EVICTED
+    states[written] = WRITTEN
+    states[written & evicted] = REPLACED
+    return states
+
+
+def shade_values(record, layer: int, mode: str) -> np.ndarray:
+    """(max_pages, page_size) in [0, 1]: 1 = newest (age) or highest keep-score (score); NaN where empty."""
+    slots = record.slot_maps[layer].astype(np.float64)
+    resident = slots >= 0
+    out = np.full(slots.shape, np.nan)
+    if mode == "none" or not resident.any():
+        out[resident] = 1.0
+        return out
+    values = slots if mode == "age" else record.scores[layer].astype(np.float64)
+    finite = resident & np.isfinite(values)
+    if finite.any():
+        # by rank, so that a few outliers (sinks, heavy hitters) do not flatten everyone else
+        ranked = values[finite]
+        order = np.argsort(np.argsort(ranked, kind="stable"), kind="stable")
+        out[finite] = order / max(ranked.size - 1, 1) if ranked.max() > ranked.min() else 1.0
+    out[resident & ~finite] = 1.0
+    return out
+
+
+def cell_image(states: np.ndarray, shade: np.ndarray, bordered: bool, full: np.ndarray | None = None) -> np.ndarray:
+    """RGBA uint8 image of the grid: one colour per state, resident cells dimmed by shade; cells in `full`
+    (still in full precision) get a bar along their bottom (bordered) or are tinted (not bordered)."""
+    colors = _PALETTE[states]
+    dim = np.isin(states, (RESIDENT, PINNED)) & np.isfinite(shade)
+    strength = np.where(dim, 0.35 + 0.65 * np.nan_to_num(shade, nan=1.0), 1.0)[..., None]
+    colors = _BACKGROUND + (colors - _BACKGROUND) * strength
+    rgba = np.empty(states.shape + (4,), dtype=np.uint8)
+    rgba[..., :3] = np.clip(colors * 255, 0, 255)
+    rgba[..., 3] = 255
+    marked = full is not None and full.any()
+    if not bordered:
+        if marked:
+            rgba[full, :3] = np.clip((0.5 * colors[full] + 0.5 * _FULL_PRECISION) * 255, 0, 255)
+        return rgba
+    big = np.repeat(np.repeat(rgba, _CELL_PX, axis=0), _CELL_PX, axis=1)
+    if marked:  # a 3-pixel bar along the bottom of each full-precision cell
+        bar = np.zeros(_CELL_PX, dtype=bool)
+        bar[_CELL_PX - 4: _CELL_PX - 1] = True
+        cells = np.repeat(np.repeat(full, _CELL_PX, axis=0), _CELL_PX, axis=1)
+        big[cells & np.tile(bar, full.shape[0])[:, None]] = [*(_FULL_PRECISION * 255).astype(np.uint8), 255]
+    big[_CELL_PX - 1:: _CELL_PX, :, :3] = (_BACKGROUND * 255).astype(np.uint8)
+    big[:, _CELL_PX - 1:: _CELL_PX, :3] = (_BACKGROUND * 255).astype(np.uint8)
+    return big
+
+
+DISK_COLUMNS = 64  # the disk strip: one cell per disk page, rows of this many
+DISK_STATES = ("free", "on disk", "in RAM", "read from disk this step", "swapped out this step")
+DISK_COLORS = (theme.STATE_COLORS[FREE], "#51606f", theme.STATE_COLORS[RESIDENT], theme.STATE_COLORS[WRITTEN],
+               theme.STATE_COLORS[REPLACED])
+
+
+def disk_states(record, layer: int, n_pages: int) -> np.ndarray:
+    """(n_pages,) int8 index into DISK_STATES for every page id of a tiered layer."""
+    states = np.zeros(n_pages, dtype=np.int8)
+    frames = frames_of_pages(record, layer)
+    for page in record.block_tables[layer]:
+        states[page] = 2 if page in frames else 1
+    for event in in_layer(record.events, layer):
+        if event.kind is EventKind.FAULT_IN and event.page < n_pages:
+            states[event.page] = 3
+        elif event.kind is EventKind.SWAP_OUT and event.page < n_pages:
+            states[event.page] = 4
+    return states
+
+
+def disk_image(states: np.ndarray) -> np.ndarray:
+    """RGBA rows of DISK_COLUMNS cells (2 px each, 1 px gap) for the disk strip."""
+    rows = -(-len(states) // DISK_COLUMNS)
+    padded = np.zeros(rows * DISK_COLUMNS, dtype=np.int8)
+    padded[: len(states)] = states
+    palette = np.array([theme.rgb(c) for c in DISK_COLORS])
+    rgba = np.empty((rows, DISK_COLUMNS, 4), dtype=np.uint8)
+    rgba[..., :3] = np.clip(palette[padded.reshape(rows, DISK_COLUMNS)] * 255, 0, 255)
+    rgba[..., 3] = 255
+    rgba.reshape(-1, 4)[len(states):, 3] = 0  # past the last page
+    big = np.repeat(np.repeat(rgba, 4, axis=0), 4, axis=1)
+    big[3::4, :, :3] = (_BACKGROUND * 255).astype(np.uint8)
+    big[:, 3::4, :3] = (_BACKGROUND * 255).astype(np.uint8)
+    return big
+
+
+class CellLabels(pg.GraphicsObject):
+    """Token positions written inside the cells, in screen pixels so they stay legible at any zoom. They
+    are drawn into a transparent overlay at screen resolution that is kept between paints: a step redraws
+    only the cells whose number changed (one or two), and a paint is one image blit."""
+
+    def __init__(self):
+        super().__init__()
+        self.positions = np.zeros((0, 0), dtype=np.int32)
+        self.font = QFont()
+        self._texts: dict[int, tuple] = {}  # number -> (laid-out text, half width, half height) at this font size
+        self._pixel_size = 0
+        self._overlay: QImage | None = None
+        self._overlay_key = None  # the device geometry the overlay was drawn for
+        self._drawn = np.zeros((0, 0), dtype=np.int32)  # the numbers the overlay holds
+        self.setZValue(10)
+
+    def set_positions(self, positions: np.ndarray) -> None:
+        if positions.shape != self.positions.shape:
+            self.prepareGeometryChange()
+        self.positions = positions
+        self.update()
+
+    def boundingRect(self) -> QRectF:
+        rows, cols = self.positions.shape
+        return QRectF(0, 0, cols, rows)
+
+    def _text(self, number: int) -> tuple:
+        entry = self._texts.get(number)
+        if entry is None:
+            text = QStaticText(str(number))
+            text.setTextFormat(Qt.PlainText)
+            text.prepare(QTransform(), self.font)
+            size = text.size()
+            entry = self._texts[number] = (text, size.width() / 2, size.height() / 2)
+        return entry
+
+    def paint(self, painter: QPainter, *args) -> None:
+        rows, cols = self.positions.shape
+        if not rows:
+            return
+        transform = painter.transform()
+        cell = transform.mapRect(QRectF(0, 0, 1, 1))
+        if cell.width() < 16 or cell.height() < 11:
+            return  # too small to read: leave the colours alone
+        pixel_size = int(max(7, min(cell.height() * 0.45, cell.width() * 0.32, 13)))
+        if pixel_size != self._pixel_size:
+            self._pixel_size = pixel_size
+            self.font.setPixelSize(pixel_size)
+            self._texts.clear()
+        device = transform.mapRect(QRectF(0, 0, cols, rows))
+        left, top = np.floor(device.left()), np.floor(device.top())
+        ratio = painter.device().devicePixelRatioF() if painter.device() is not None else 1.0
+        key = (transform.m11(), transform.m22(), transform.dx() - left, transform.dy() - top,
+               int(np.ceil(device.width())) + 2, int(np.ceil(device.height())) + 2, pixel_size, ratio)
+        if key != self._overlay_key or self._drawn.shape != self.positions.shape:
+            self._overlay_key = key
+            self._overlay = QImage(int(key[4] * ratio), int(key[5] * ratio), QImage.Format_ARGB32_Premultiplied)
+            self._overlay.setDevicePixelRatio(ratio)
+            self._overlay.fill(Qt.transparent)
+            self._drawn = np.full(self.positions.shape, -1, dtype=np.int32)
+        changed_rows, changed_cols = np.nonzero(self.positions != self._drawn)
+        if changed_rows.size:
+            self._draw_cells(changed_rows, changed_cols, key)
+            self._drawn = self.positions.copy()
+        painter.save()
+        painter.resetTransform()
+        painter.drawImage(QPointF(left, top), self._overlay)
+        painter.restore()
+
+    def _draw_cells(self, rows: np.ndarray, cols: np.ndarray, key) -> None:
+        """Clear the given cells of the overlay and write their numbers (the view scales and translates,
+        never rotates: a cell's centre is linear in its row and column)."""
+        sx, sy, dx, dy = key[:4]
+        width, height = abs(sx), abs(sy)
+        xs = (sx * (cols + 0.5) + dx).tolist()
+        ys = (sy * (rows + 0.5) + dy).tolist()
+        painter = QPainter(self._overlay)
+        painter.setFont(self.font)
+        painter.setPen(QColor(235, 238, 242))
+        for x, y, number in zip(xs, ys, self.positions[rows, cols].tolist()):
+            painter.setCompositionMode(QPainter.CompositionMode_Source)
+            painter.fillRect(QRectF(x - width / 2, y - height / 2, width, height), Qt.transparent)
+            painter.setCompositionMode(QPainter.CompositionMode_SourceOver)
+            if number >= 0:
+                text, half_width, half_height = self._text(number)
+                painter.drawStaticText(QPointF(x - half_width, y - half_height), text)
+        painter.end()
+
+
+class BlockTable(QTableWidget):
+    """Logical page → physical page of one layer, with the token positions each page holds. A C++ item
+    model: repainting it calls no Python, and only cells whose text changed are touched."""
+
+    HEADERS = ("logical", "physical", "tokens", "positions")
+
+    def __init__(self):
+        super().__init__(0, len(self.HEADERS))
+        self.rows: list[tuple[int, int, int, str]] = []
+        self._longest = 0  # characters of the longest positions text the column was fitted to
+        self.setHorizontalHeaderLabels(self.HEADERS)
+        self.setEditTriggers(QTableWidget.NoEditTriggers)
+        self.verticalHeader().hide()
+        self.verticalHeader().setDefaultSectionSize(20)
+        # widths fitted when the row count changes, not on every cell change (ResizeToContents measured every
+        # cell of the table whenever one text changed, i.e. every step)
+        self.horizontalHeader().setSectionResizeMode(QHeaderView.Interactive)
+        self.horizontalHeader().setStretchLastSection(True)
+
+    def set_rows(self, rows: list[tuple[int, int, int, str]]) -> None:
+        if rows == self.rows:
+            return
+        resize = len(rows) != self.rowCount()
+        if resize:
+            self.setRowCount(len(rows))
+        # a run list longer than any so far (token-level policies scatter positions) widens its column too
+        longest = max((len(row[3]) for row in rows), default=0)
+        if resize or longest > self._longest:
+            resize, self._longest = True, longest
+        for r, row in enumerate(rows):
+            old = self.rows[r] if r < len(self.rows) else None
+            for c, value in enumerate(row):
+                if old is not None and old[c] == value:
+                    continue
+                item = self.item(r, c)
+                if item is None:
+                    item = QTableWidgetItem()
+                    if c < 3:
+                        item.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
+                    self.setItem(r, c, item)
+                item.setText(str(value))
+        self.rows = rows
+        if resize:
+            self.resizeColumnsToContents()
+
+
+class PageGridView(QWidget):
+    title = "Page grid"
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.states = np.zeros((0, 0), dtype=np.int8)  # what is drawn: theme state per (page, slot)
+        self.shade = np.zeros((0, 0))
+        self.full_precision: np.ndarray | None = None  # int4 / int2: slots still in float32 (drawn with a bar)
+        self._state = ViewState()
+        self._key = None
+
+        self.graphics = pg.GraphicsLayoutWidget()
+        self.plot = self.graphics.addPlot()
+        theme.style_plot(self.plot, left="physical page", bottom="slot")
+        self.plot.invertY(True)
+        self.plot.setMenuEnabled(False)
+        self.plot.hideButtons()
+        self.plot.showGrid(x=False, y=False)
+        self.image = RgbaImage()
+        self.labels = CellLabels()
+        self.plot.addItem(self.image)
+        self.plot.addItem(self.labels)
+        self.plot.scene().sigMouseMoved.connect(self._hover)
+        self.hover_text = ""
+        self._held_texts: dict[bytes, tuple[int, str]] = {}  # a page's positions -> (tokens, run list)
+        # the disk tier, one cell per page id, under the RAM frames (only with a disk tier)
+        self.disk = self.graphics.addPlot(row=1, col=0)
+        theme.style_plot(self.disk, left="disk", bottom="page id mod 64")
+        self.disk.invertY(True)
+        self.disk.setMenuEnabled(False)
+        self.disk.hideButtons()
+        self.disk.getAxis("left").setStyle(showValues=False)
+        self.disk_image = RgbaImage()
+        self.disk.addItem(self.disk_image)
+        self.disk_states = np.zeros(0, dtype=np.int8)
+        self.disk.hide()
+
+        swatches = [f"<span style='color:{c}'>&#9632;</span>&nbsp;{n.replace(' ', '&nbsp;')}"  # wrap between
+                    for n, c in zip(theme.STATE_NAMES, theme.STATE_COLORS)]  # entries, never inside one
+        self.legend = QLabel("&nbsp;&nbsp; ".join(swatches[:3]) + "<br>" + "&nbsp;&nbsp; ".join(swatches[3:])
+                             + f"<br><span style='color:{theme.MUTED}'>numbers: token positions · "
+                             "resident cells dim with age (or score)</span>")
+        self.legend.setWordWrap(True)  # its lines may wrap rather than hold the dock wider than its share
+        self.precision_legend = QLabel(
+            f"<span style='color:{FULL_PRECISION_COLOR}'>&#9601;</span>&nbsp;still in float32 (the residual "
+            f"window: int4 / int2 quantize a group of 32 once it is older than the window)")
+        self.precision_legend.setWordWrap(True)
+        self.precision_legend.hide()
+
+        self.disk_legend = QLabel("disk: " + "&nbsp;&nbsp; ".join(
+            f"<span style='color:{c}'>&#9632;</span>&nbsp;{n.replace(' ', '&nbsp;')}"
+            for n, c in zip(DISK_STATES, DISK_COLORS, strict=True)))
+        self.disk_legend.setWordWrap(True)
+        self.disk_legend.hide()
+        self.blocks = BlockTable()
+        self.block_view = self.blocks
+        self.block_view.setMinimumWidth(200)
+        self.block_view.setMaximumWidth(280)
+        self.graphics.setMinimumWidth(250)  # the grid's title fits (a projector's 1280 × 720)
+        self.block_title = block_title = QLabel("Block table (logical → physical)")
+        block_title.setStyleSheet(f"color: {theme.MUTED}")
+        self._capacities = (None, [])  # (session info, tokens each layer may hold)
+
+        left = QVBoxLayout()
+        left.setContentsMargins(0, 0, 0, 0)
+        left.addWidget(self.graphics, 1)
+        left.addWidget(self.legend)
+        left.addWidget(self.precision_legend)
+        left.addWidget(self.disk_legend)
+        right = QVBoxLayout()
+        right.setContentsMargins(0, 0, 0, 0)
+        right.addWidget(block_title)
+        right.addWidget(self.block_view, 1)
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addLayout(left, 1)
+        layout.addLayout(right)
+
+    def export_target(self):
+        return self.graphics
+
+    def show_state(self, state: ViewState) -> None:
+        self._state = state
+        record = state.record
+        key = (id(record), id(state.timeline), state.loading, state.layer, state.shade)
+        if key == self._key:
+            return
+        self._key = key
+        if record is None:
+            self._show_empty_pool(state)
+            return
+        layer = state.layer
+        slots = record.slot_maps[layer]
+        pages, page_size = slots.shape
+        self.states = cell_states(record, layer)
+        self.shade = shade_values(record, layer, state.shade)
+        self.full_precision = full_precision_mask(record, layer)
+        bordered = self.states.size <= _MAX_BORDERED_CELLS
+        self.image.set_image(cell_image(self.states, self.shade, bordered, self.full_precision), pages, page_size)
+        self.precision_legend.setVisible(self.full_precision is not None)
+        self.labels.set_positions(slots if self.states.size <= 1024 else np.full((0, 0), -1, np.int32))
+        self._fit_axes(pages, page_size)
+        used = len(record.block_tables[layer])
+        resident = int((slots >= 0).sum())
+        capacity = self.layer_capacity(state.timeline.info, layer)
+        own = f" · holds at most {capacity}" if capacity < pages * page_size else ""
+        title = f"layer {layer} · {used}/{pages} pages · {resident} tokens{own}"
+        if record.tiers is not None:
+            in_ram = len(frames_of_pages(record, layer))
+            title = f"layer {layer} · RAM frames keep {in_ram} of {used} pages"
+        if self.full_precision is not None:
+            title += f" · {int(self.full_precision.sum())} float32"
+        theme.set_title(self.plot, theme.muted(title), size="9pt")
+        table = f" · layer {layer}: {capacity} tokens" if own else ""
+        self.block_title.setText(f"Block table (logical → physical){table}")
+        self.blocks.set_rows(self.block_rows(record, layer))
+        self._show_disk(record, layer)
+
+    def block_rows(self, record, layer: int) -> list[tuple]:
+        """(logical, where, tokens, positions) per page of the layer's block table; with a disk tier,
+        where says the tier and frame, e.g. "RAM 3 · page 17" or "disk · page 17"."""
+        slots = record.slot_maps[layer]
+        if record.tiers is None:
+            return [(logical, page, *self._held(slots[page])) for logical, page in enumerate(record.block_tables[layer])]
+        page_map = record.page_map(layer) if layer in record.attention_layers else None
+        rows = []
+        for logical, (page, frame) in enumerate(zip(record.block_tables[layer], record.tiers.block_frames[layer],
+                                                    strict=True)):
+            where = f"RAM {frame} · page {page}" if frame >= 0 else f"disk · page {page}"
+            source = page_map[page] if page_map is not None else slots[frame] if frame >= 0 else None
+            if source is None:
+                rows.append((logical, where, "?", "layer not recorded"))
+                continue
+            rows.append((logical, where, *self._held(source)))
+        return rows
+
+    def _held(self, page: np.ndarray) -> tuple[int, str]:
+        """(tokens, run list) of a page's slot positions (-1: empty), kept by content: a step changes a page
+        or two, so the others' texts are looked up, not rebuilt."""
+        key = page.tobytes()
+        found = self._held_texts.get(key)
+        if found is None:
+            if len(self._held_texts) >= 4096:
+                self._held_texts.clear()
+            held = page[page >= 0]
+            found = self._held_texts[key] = (int(held.size), run_list(held))
+        return found
+
+    def _show_disk(self, record, layer: int) -> None:
+        info = self._state.timeline.info if self._state.timeline is not None else None
+        n_pages = getattr(getattr(info, "config", None), "disk_pages", 0)
+        if record.tiers is None or not n_pages:
+            self.disk.hide()
+            self.disk_legend.hide()
+            self.disk_states = np.zeros(0, dtype=np.int8)
+            return
+        self.disk.show()
+        self.disk_legend.show()
+        self.disk_states = disk_states(record, layer, n_pages)
+        rows = -(-n_pages // DISK_COLUMNS)
+        self.disk_image.set_image(disk_image(self.disk_states), rows, DISK_COLUMNS)
+        self.disk.setRange(xRange=(0, DISK_COLUMNS), yRange=(0, rows), padding=0.02)
+        counts = record.tiers.counts[layer]
+        faults, swapped = int(counts[1]), int(counts[2])
+        self.graphics.ci.layout.setRowStretchFactor(0, 4)
+        self.graphics.ci.layout.setRowStretchFactor(1, 1)
+        theme.set_title(self.disk, theme.muted(f"disk: {n_pages} pages · {faults} read, {swapped} swapped out"),
+                        size="9pt")
+
+    def disk_info(self, page: int) -> str:
+        """The hover text of one disk page."""
+        record, layer = self._state.record, self._state.layer
+        if record is None or not 0 <= page < len(self.disk_states):
+            return ""
+        lines = [f"disk page {page}: {DISK_STATES[self.disk_states[page]]}"]
+        if page in record.block_tables[layer]:
+            if layer in record.attention_layers:
+                held = record.page_map(layer)[page]
+                held = held[held >= 0]
+                lines.append(f"holds {held.size} tokens: positions {run_list(held, max_runs=6)}")
+            else:
+                lines.append("(its tokens are kept for recorded layers only: --record-layers)")
+            frame = frames_of_pages(record, layer).get(page)
+            if frame is not None:
+                lines.append(f"cached in RAM frame {frame}")
+        for event in in_layer(record.events, layer):
+            if event.page == page and event.kind in (EventKind.FAULT_IN, EventKind.SWAP_OUT):
+                lines.append(f"{event.kind.value} (RAM frame {event.frame}): {event.reason}")
+        return "\n".join(lines)
+
+    def layer_capacity(self, info, layer: int) -> int:
+        """Tokens this layer may hold: the pool, or less under a policy with per-layer budgets (pyramidkv)."""
+        if self._capacities[0] is not info:
+            try:
+                self._capacities = (info, layer_capacities(info.config, info.n_layers, info.n_heads,
+                                                           info.n_kv_heads or 1))
+            except (ConfigError, TypeError, AttributeError):  # a trace's settings this build cannot rebuild
+                self._capacities = (info, [])
+        capacities = self._capacities[1]
+        return capacities[layer] if layer < len(capacities) else info.config.max_pages * info.config.page_size
+
+    def _show_empty_pool(self, state: ViewState) -> None:
+        """Before the first step (or while the model loads): the session's pool, every page free."""
+        self.labels.set_positions(np.zeros((0, 0), dtype=np.int32))
+        self.blocks.set_rows([])
+        config = state.config
+        if config is None:
+            self.states = np.zeros((0, 0), dtype=np.int8)
+            self.image.clear()
+            self._fit_axes(1, 1)
+            theme.set_title(self.plot, theme.muted("no session"), size="9pt")
+            return
+        pages, page_size = config.max_pages, config.page_size
+        self.full_precision = None
+        self.precision_legend.hide()
+        self.states = np.full((pages, page_size), FREE, dtype=np.int8)
+        self.shade = np.full(self.states.shape, np.nan)
+        self.image.set_image(cell_image(self.states, self.shade, self.states.size <= _MAX_BORDERED_CELLS),
+                             pages, page_size)
+        self._fit_axes(pages, page_size)
+        theme.set_title(self.plot, theme.muted(f"{pages} pages × {page_size} slots, all free"), size="9pt")
+
+    def _fit_axes(self, pages: int, page_size: int) -> None:
+        if getattr(self, "_shape", None) == (pages, page_size):
+            return
+        self._shape = (pages, page_size)
+        self.plot.setRange(xRange=(0, page_size), yRange=(0, pages), padding=0.02)
+        self.plot.getAxis("left").setTicks([[(p + 0.5, str(p)) for p in range(pages)]] if pages <= 40 else None)
+        self.plot.getAxis("bottom").setTicks(
+            [[(s + 0.5, str(s)) for s in range(page_size)]] if page_size <= 32 else None)
+
+    def cell_info(self, page: int, slot: int) -> str:
+        """The hover text of one cell."""
+        state, record = self._state, self._state.record
+        if not (0 <= page < self.states.shape[0] and 0 <= slot < self.states.shape[1]):
+            return ""
+        if record is None:
+            return f"page {page}, slot {slot}: free"
+        position = int(record.slot_maps[state.layer][page, slot])
+        lines = [f"page {page}, slot {slot}: {theme.STATE_NAMES[self.states[page, slot]]}"]
+        if position >= 0:
+            token = state.timeline.position_text(position)
+            lines.append(f"position {position}: {token!r}")
+            score = float(record.scores[state.layer][page, slot])
+            lines.append(f"policy score: {score:.4g}")
+            if self.full_precision is not None:
+                dtype = state.timeline.info.config.dtype
+                lines.append("in float32 (the residual window)" if self.full_precision[page, slot]
+                             else f"quantized ({dtype})")
+        frame_of = frames_of_pages(record, state.layer)
+        for event in in_layer(record.events, state.layer):
+            if frame_of.get(event.page, -1) == page and event.slot == slot and \
+                    event.kind is EventKind.EVICT:
+                lines.append(f"evicted position {event.position} "
+                             f"({state.timeline.position_text(event.position)!r}): {event.reason}")
+        return "\n".join(lines)
+
+    def _hover(self, scene_pos: QPointF) -> None:
+        if self.disk.isVisible() and self.disk.sceneBoundingRect().contains(scene_pos):
+            point = self.disk.vb.mapSceneToView(scene_pos)
+            row, column = int(np.floor(point.y())), int(np.floor(point.x()))
+            text = self.disk_info(row * DISK_COLUMNS + column) if 0 <= column < DISK_COLUMNS else ""
+        elif not self.plot.sceneBoundingRect().contains(scene_pos) or not self.states.size:
+            return
+        else:
+            point = self.plot.vb.mapSceneToView(scene_pos)
+            page, slot = int(np.floor(point.y())), int(np.floor(point.x()))
+            text = self.cell_info(page, slot)
+        if text != self.hover_text:
+            self.hover_text = text
+            view_pos = self.graphics.mapFromScene(scene_pos)
+            QToolTip.showText(self.graphics.mapToGlobal(view_pos), text, self.graphics)

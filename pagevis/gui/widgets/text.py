@@ -1,0 +1,130 @@
+"""Text: the prompt and the generated tokens, each tinted by whether the selected layer still holds it and
+by how much attention the selected step's query gives it."""
+
+from __future__ import annotations
+
+import functools
+import html
+from typing import NamedTuple
+
+import numpy as np
+from PySide6.QtWidgets import QLabel, QTextBrowser, QVBoxLayout, QWidget
+
+from pagevis.gui.widgets import theme
+from pagevis.viewmodel.view_state import ViewState
+
+ATTENTION_RGB = (255, 176, 32)  # amber, alpha grows with attention
+EVICTED_BG = "#4a2026"
+EVICTED_FG = "#c98a92"
+PROMPT_FG = "#aab2bf"
+GENERATED_FG = "#ffffff"
+TOP_K = 8  # only the most attended tokens are tinted: a tint on every token says nothing
+MAX_POSITIONS = 320  # the text shows the newest positions only (laying out a token costs ~30 µs)
+
+
+class TokenTint(NamedTuple):
+    position: int
+    text: str
+    prompt: bool
+    resident: bool
+    attention: float  # this step's weight on the token (layer/head as selected); 0 when evicted
+    alpha: float  # 0..1 strength of the attention tint
+
+
+@functools.lru_cache(maxsize=65536)
+def _escaped(text: str) -> str:
+    """A token's text as HTML (escaped once per distinct token, not once per redraw)."""
+    return html.escape(text).replace("\n", "↵<br>") or "∅"
+
+
+def top_k_alpha(attention: np.ndarray, k: int) -> np.ndarray:
+    """Tint strength per token: the k most attended get 0.35..1 (by the square root of their share of the
+    top weight), every other token 0."""
+    alpha = np.zeros(attention.shape, dtype=np.float64)
+    top = float(attention.max()) if attention.size else 0.0
+    if top <= 0:
+        return alpha
+    chosen = np.argsort(attention, kind="stable")[-k:]
+    chosen = chosen[attention[chosen] > 0]
+    alpha[chosen] = np.maximum(np.sqrt(attention[chosen] / top), 0.35)
+    return alpha
+
+
+class TextView(QWidget):
+    title = "Text"
+    live_interval = 0.25  # while decoding, re-tint at most 4 times a second (re-laying the text is costly)
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.tints: list[TokenTint] = []
+        self.first_position = 0  # the text starts here (long sessions show the newest MAX_POSITIONS)
+        self.next_text = ""
+        self._key = None
+        self.browser = QTextBrowser()
+        self.browser.setOpenLinks(False)
+        self.browser.setStyleSheet("QTextBrowser { font-family: 'DejaVu Sans Mono', monospace; font-size: 12px; }")
+        self.legend = QLabel(
+            f"<span style='background:rgba{ATTENTION_RGB + (0.8,)};color:#000'>&nbsp;{TOP_K} most attended"
+            f"&nbsp;</span>&nbsp; "
+            f"<span style='color:{PROMPT_FG}'>prompt</span> · <span style='color:{GENERATED_FG}'>generated</span> · "
+            f"<span style='background:{EVICTED_BG};color:{EVICTED_FG}'><s>&nbsp;evicted&nbsp;</s></span> · "
+            f"<span style='color:{theme.STATE_COLORS[3]}'>▸ next token</span>")
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(4, 4, 4, 4)
+        layout.addWidget(self.browser, 1)
+        layout.addWidget(self.legend)
+
+    def export_target(self):
+        return self
+
+    def show_state(self, state: ViewState) -> None:
+        timeline, record = state.timeline, state.record
+        key = (id(timeline), state.index, state.layer, state.head)
+        if key == self._key:
+            return
+        self._key = key
+        if record is None:
+            self.tints, self.next_text = [], ""
+            self.browser.setHtml("")
+            return
+        n = timeline.n_positions(state.index)
+        low = max(0, n - MAX_POSITIONS)
+        resident = record.resident_mask(state.layer, n)[low:]
+        if state.layer in record.attention_layers:
+            by_position = record.attention_over_positions(state.layer, n)[:, low:]
+            attention = by_position.mean(axis=0) if state.head is None else by_position[state.head]
+        else:
+            attention = np.zeros(n - low, dtype=np.float32)
+        alpha = top_k_alpha(attention, TOP_K)
+        n_prompt = len(timeline.info.prompt_ids)
+        positions = range(low, n)
+        self.first_position = low
+        self.tints = list(map(TokenTint, positions, map(timeline.position_text, positions),
+                              [p < n_prompt for p in positions], resident.astype(bool).tolist(),
+                              attention.astype(np.float64).tolist(), alpha.astype(np.float64).tolist()))
+        self.next_text = record.next_text
+        self.browser.setHtml(self._html(record))
+        bar = self.browser.verticalScrollBar()
+        bar.setValue(bar.maximum())
+
+    def _html(self, record) -> str:
+        parts = [f"<span style='color:{theme.MUTED}'>… {self.first_position} earlier positions not shown … </span>"] \
+            if self.first_position else []
+        for tint in self.tints:
+            text = _escaped(tint.text)
+            color = PROMPT_FG if tint.prompt else GENERATED_FG
+            title = f"position {tint.position}: {'resident' if tint.resident else 'evicted'}, " \
+                    f"attention {tint.attention:.3g}"
+            if not tint.resident:
+                style = f"background:{EVICTED_BG};color:{EVICTED_FG};text-decoration:line-through"
+            elif tint.alpha > 0:
+                fg = "#000000" if tint.alpha > 0.55 else color
+                style = f"background:rgba({ATTENTION_RGB[0]},{ATTENTION_RGB[1]},{ATTENTION_RGB[2]}," \
+                        f"{tint.alpha:.2f});color:{fg}"
+            else:
+                style = f"color:{color}"
+            parts.append(f"<span style='{style}' title='{title}'>{text}</span>")
+        if record.next_token >= 0:
+            parts.append(f"<span style='color:{theme.STATE_COLORS[3]};font-weight:bold'>▸"
+                         f"{html.escape(record.next_text).replace(chr(10), '↵')}</span>")
+        return "<div style='white-space:pre-wrap;line-height:140%'>" + "".join(parts) + "</div>"

@@ -1,0 +1,41 @@
+"""pagevis.kvcache: the paged KV cache (one block pool, one cache manager), its eviction policies and
+attention. NumPy only, never Qt."""
+
+from pagevis.kvcache.attention import AttentionResult, Partial, attend, attend_part, merge, rescale, softmax
+from pagevis.kvcache.block_pool import BlockPool
+from pagevis.kvcache.config import CacheConfig, CacheSettings
+from pagevis.kvcache.errors import CacheFullError, ConfigError
+from pagevis.kvcache.events import CacheEvent, EventKind
+from pagevis.kvcache.kv_cache_manager import KVCacheManager, SequenceCache
+from pagevis.kvcache.policies import POLICIES, EvictionPolicy, layer_capacities, make_policy, policy_params
+from pagevis.kvcache.policy_state import LayerView, PolicyState
+from pagevis.kvcache.store import COUNT_NAMES, PageStore, TierCounts
+
+__all__ = [
+    "COUNT_NAMES",
+    "POLICIES",
+    "AttentionResult",
+    "BlockPool",
+    "CacheConfig",
+    "CacheEvent",
+    "CacheFullError",
+    "CacheSettings",
+    "ConfigError",
+    "EventKind",
+    "EvictionPolicy",
+    "KVCacheManager",
+    "LayerView",
+    "PageStore",
+    "Partial",
+    "PolicyState",
+    "SequenceCache",
+    "TierCounts",
+    "attend",
+    "attend_part",
+    "layer_capacities",
+    "make_policy",
+    "merge",
+    "policy_params",
+    "rescale",
+    "softmax",
+]

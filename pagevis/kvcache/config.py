@@ -1,0 +1,166 @@
+"""Cache settings (what a user chooses) and the cache configuration (settings + the model's head layout)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from pagevis import settings
+from pagevis.errors import ConfigError, check_int
+from pagevis.settings import MAX_PAGE_SIZE, MAX_PAGES, SELECT_MODES, STORAGE_DTYPES, field_for
+from pagevis.kvcache.policies import make_policy
+from pagevis.kvcache.quant import is_quantized, layout_for
+
+# The settings' bounds live in the table (pagevis.settings); they are named here too for the engine's readers.
+__all__ = ["MAX_CACHE_BYTES", "MAX_HEADS", "MAX_HEAD_DIM", "MAX_LAYERS", "MAX_PAGE_SIZE", "MAX_PAGES", "SELECT_MODES",
+           "STORAGE_DTYPES", "CacheConfig", "CacheSettings"]
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 1024
+MAX_LAYERS = 1024
+MAX_CACHE_BYTES = 8 << 30  # refuse a configuration whose K/V storage alone would exceed 8 GiB
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """The cache as a user sets it up: SessionConfig and CacheConfig both extend this. Defaults, bounds and
+    help come from the settings table (pagevis/settings.py).
+
+    Construction only freezes the values; `check()` validates them (a GUI builds settings from its
+    controls first and shows the first problem). Capacity is max_pages * page_size tokens per layer.
+    """
+
+    page_size: int = field_for("page_size")
+    max_pages: int = field_for("max_pages")
+    dtype: str = field_for("dtype")
+    residual: int = field_for("residual")  # int4 / int2: tokens kept in float32 (KIVI's residual window)
+    policy: str = field_for("policy")
+    policy_params: Mapping[str, Any] = field_for("policy_params")
+    disk_pages: int = field_for("disk_pages")  # per layer; 0 = no disk tier. With one, RAM frames cache them
+    swap_dir: str | None = field_for("swap_dir")  # None = the system's temporary folder
+    select: str = field_for("select")  # which pages a decode query reads: all (exact) or quest (by key bounds)
+    select_pages: int = field_for("select_pages")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy_params", MappingProxyType(dict(self.policy_params)))
+
+    def check(self) -> None:
+        """ConfigError for the first bad setting. Nothing here depends on the model's head layout."""
+        self._check_settings()
+        make_policy(self)  # validates the policy's name and parameters against this budget
+
+    def _check_settings(self) -> None:
+        settings.check(self, of=CacheSettings)  # each value against the table's bounds and choices
+        if self.disk_pages and self.max_pages < 2:
+            raise ConfigError("max_pages", self.max_pages, "at least 2 with a disk tier (one RAM frame for the "
+                              "newest page, one to read disk pages into)")
+
+    @property
+    def tiered(self) -> bool:
+        return self.disk_pages > 0
+
+    @property
+    def home_frames(self) -> int:
+        """RAM frames that keep pages between steps; the rest (half, at least one) take pages read
+        from disk. Without a disk tier every frame is a home frame."""
+        return self.max_pages - max(1, self.max_pages // 2) if self.tiered else self.max_pages
+
+    @property
+    def n_page_ids(self) -> int:
+        """Pages a layer can hold: its disk frames with a disk tier, else its RAM frames."""
+        return self.disk_pages or self.max_pages
+
+    def cache_settings(self) -> dict[str, Any]:
+        """The settings alone, as keyword arguments (for CacheConfig or another CacheSettings)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(CacheSettings)}
+
+    @property
+    def capacity(self) -> int:
+        """Tokens each layer can hold."""
+        return self.n_page_ids * self.page_size
+
+
+@dataclass(frozen=True)
+class CacheConfig(CacheSettings):
+    """The settings plus the model's layout: everything the engine needs to build a cache.
+
+    n_heads is the number of query heads; it must be a multiple of n_kv_heads (grouped-query
+    attention; n_kv_heads = 1 is multi-query). Construction validates everything.
+    """
+
+    n_layers: int = 1
+    n_heads: int = 1
+    n_kv_heads: int = 1
+    head_dim: int = 64
+    rope_base: float = 10000.0  # the model's RoPE base (expected-attention undoes RoPE on the queries it sees)
+
+    @classmethod
+    def for_model(cls, settings: CacheSettings, model_config) -> CacheConfig:
+        return cls(**settings.cache_settings(), n_layers=model_config.n_layers, n_heads=model_config.n_heads,
+                   n_kv_heads=model_config.n_kv_heads, head_dim=model_config.head_dim,
+                   rope_base=float(getattr(model_config, "rope_base", 10000.0)))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_settings()
+        check_int("n_layers", self.n_layers, 1, MAX_LAYERS)
+        check_int("n_heads", self.n_heads, 1, MAX_HEADS)
+        check_int("n_kv_heads", self.n_kv_heads, 1, MAX_HEADS)
+        check_int("head_dim", self.head_dim, 1, MAX_HEAD_DIM)
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                "n_heads", self.n_heads, f"a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.total_bytes() > MAX_CACHE_BYTES:
+            per_page = self.total_bytes() // self.max_pages
+            raise ConfigError(
+                "max_pages",
+                self.max_pages,
+                f"at most {MAX_CACHE_BYTES // per_page} pages with this page size, layer and head "
+                f"layout (the K/V storage must fit in {MAX_CACHE_BYTES >> 30} GiB)",
+            )
+        make_policy(self)
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.n_heads // self.n_kv_heads
+
+    def page_bytes(self) -> int:
+        """K and V of one page of one layer, in bytes (the unit the disk tier moves): with a quantized dtype
+        its codes and per-token scales (and zero points), see quant.Layout."""
+        layout = layout_for(self)
+        if layout is not None:
+            return layout.page_bytes()
+        return 2 * self.page_size * self.n_kv_heads * self.head_dim * np.dtype(self.dtype).itemsize
+
+    def bytes_per_layer(self) -> int:
+        """K/V storage of one layer in RAM, in bytes: the RAM frames' pages, and for int4 / int2 what sits
+        beside the pages (`side_bytes`)."""
+        return self.max_pages * self.page_bytes() + self.side_bytes()
+
+    def side_bytes(self) -> int:
+        """int4 / int2, one layer, one sequence at capacity: each slot's key group (int32), the key groups'
+        scales and zero points (one per key group of slots), and the residual window in float32. 0 else."""
+        layout = layout_for(self)
+        if layout is None or not layout.kivi:
+            return 0
+        slots = self.capacity
+        return (slots * layout.slot_group_bytes() + -(-slots // layout.group) * layout.key_group_bytes()
+                + min(slots, layout.window()) * layout.residual_bytes_per_token())
+
+    def kv_bytes_per_token(self) -> float:
+        """K/V bytes per token, all layers, of one sequence's cache at capacity (every page, in whichever
+        tier, and what sits beside them), over the tokens it holds."""
+        return self.n_layers * (self.n_page_ids * self.page_bytes() + self.side_bytes()) / self.capacity
+
+    @property
+    def quantized(self) -> bool:
+        return is_quantized(self.dtype)
+
+    def total_bytes(self) -> int:
+        return self.n_layers * self.bytes_per_layer()

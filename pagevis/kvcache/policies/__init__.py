@@ -1,0 +1,70 @@
+"""Eviction policies, by name. Adding one: write its file, then list its class here."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pagevis.kvcache.errors import ConfigError
+from pagevis.kvcache.policies.adakv import AdaKV
+from pagevis.kvcache.policies.base import EvictionPolicy
+from pagevis.kvcache.policies.duo import DuoAttention
+from pagevis.kvcache.policies.expected_attention import ExpectedAttention
+from pagevis.kvcache.policies.h2o import HeavyHitter
+from pagevis.kvcache.policies.keydiff import KeyDiff
+from pagevis.kvcache.policies.lfu import LeastFrequentlyUsedPage
+from pagevis.kvcache.policies.lru import LeastRecentlyUsedPage
+from pagevis.kvcache.policies.none import NoEviction
+from pagevis.kvcache.policies.oldest import Oldest
+from pagevis.kvcache.policies.oldest_page import OldestPage
+from pagevis.kvcache.policies.pyramidkv import PyramidKV
+from pagevis.kvcache.policies.random import RandomEviction
+from pagevis.kvcache.policies.sinks import Sinks
+from pagevis.kvcache.policies.snapkv import SnapKV
+from pagevis.kvcache.policies.tova import Tova
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    cls.name: cls for cls in (Oldest, OldestPage, Sinks, HeavyHitter, Tova, SnapKV, PyramidKV,
+                              LeastRecentlyUsedPage, LeastFrequentlyUsedPage, RandomEviction, NoEviction,
+                              KeyDiff, ExpectedAttention, AdaKV, DuoAttention)
+}
+
+
+def policy_params(name: str) -> dict[str, object]:
+    """The parameters a policy takes and their defaults."""
+    return {f.name: f.default for f in dataclasses.fields(POLICIES[name])}
+
+
+def make_policy(config) -> EvictionPolicy:
+    """Build and bind the policy a CacheConfig names; ConfigError for an unknown name or parameter."""
+    cls = POLICIES.get(config.policy)
+    if cls is None:
+        raise ConfigError("policy", config.policy, f"one of {', '.join(POLICIES)}")
+    known = policy_params(config.policy)
+    for key in config.policy_params:
+        if key not in known:
+            allowed = ", ".join(known) if known else "no parameters"
+            raise ConfigError(f"{config.policy}.{key}", config.policy_params[key],
+                              f"a parameter of {config.policy!r}; it takes {allowed}")
+    if cls.per_head and (getattr(config, "disk_pages", 0) or getattr(config, "select", "all") == "quest"):
+        raise ConfigError("policy", config.policy, "a token-level policy with a disk tier or quest (a per-head "
+                          "policy's masks apply to attention over pages in RAM only)")
+    policy = cls(**config.policy_params)
+    policy.bind(config.capacity, config.page_size)
+    policy.bind_layers(getattr(config, "n_layers", 1))  # CacheSettings (no model yet) knows no layer count
+    bind_heads(policy, config)
+    return policy
+
+
+def bind_heads(policy: EvictionPolicy, config) -> None:
+    """Tell the policy the model's head layout (a one-head layout for settings checked without a model)."""
+    policy.bind_heads(getattr(config, "n_heads", 1), getattr(config, "n_kv_heads", 1),
+                      getattr(config, "head_dim", 64), getattr(config, "rope_base", 10000.0))
+
+
+def layer_capacities(settings, n_layers: int, n_heads: int = 1, n_kv_heads: int = 1) -> list[int]:
+    """Tokens each layer may hold under these settings' policy (all the pool, except for pyramidkv and duo with
+    a budget) for a model of this layout."""
+    policy = make_policy(settings)
+    policy.bind_layers(n_layers)
+    policy.bind_heads(n_heads, n_kv_heads, getattr(settings, "head_dim", 64), getattr(settings, "rope_base", 10000.0))
+    return [policy.layer_capacity(layer) for layer in range(n_layers)]

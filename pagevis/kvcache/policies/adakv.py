@@ -1,0 +1,98 @@
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from pagevis.kvcache.policies.base import EvictionPolicy
+from pagevis.kvcache.policies.snapkv import SnapKV
+
+
+@dataclass
+class AdaKV(EvictionPolicy):
+    """One budget per layer shared by its KV heads: the layer holds at most n_kv_heads x `budget` (KV head,
+    token) entries, and before each token is written the entries with the lowest scores of the wrapped
+    policy (SnapKV's per KV head by default) go, whichever heads they belong to — a head whose tokens
+    matter keeps more of them. Each head's `safeguard_pct` percent of `budget` best entries and the wrapped
+    policy's protected tokens (SnapKV's window) go only when nothing else can (then safeguarded entries
+    before protected ones, as kvpress's max scores do): the budget holds. A slot is freed
+    when every head dropped its token; if the pool runs out of slots first (the heads' tokens can spread
+    over up to n_kv_heads x budget slots), the token whose best head scores lowest leaves every head.
+    Default budget: the pool's tokens / n_kv_heads, so the heads' tokens always fit it."""
+
+    budget: int | None = None
+    safeguard_pct: int = 20
+    per_head = True
+    scorer: ClassVar[type[EvictionPolicy]] = SnapKV
+    name = "adakv"
+    citation = ("AdaKV: Feng et al. 2024, Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for "
+                "Efficient LLM Inference, arXiv:2407.11550 (over SnapKV; kvpress's safeguard alpha 0.20).")
+    reason = "lowest score among all KV heads' entries"
+
+    def wrap(self, inner: EvictionPolicy) -> "AdaKV":
+        """Score with this policy instead of a fresh `scorer` (before bind; it must score per KV head)."""
+        self.inner = inner
+        return self
+
+    def bind(self, capacity, page_size):
+        super().bind(capacity, page_size)
+        if not hasattr(self, "inner"):
+            self.inner = self.scorer()
+        self.inner.bind(capacity, page_size)
+        self.inner.head_stats = True
+        self.uses_attention = self.inner.uses_attention
+        self.uses_queries = self.inner.uses_queries
+        self.safeguard_pct = self.check_int_param("safeguard_pct", self.safeguard_pct, 0, 100)
+
+    def bind_layers(self, n_layers):
+        super().bind_layers(n_layers)
+        self.inner.bind_layers(n_layers)
+
+    def bind_heads(self, n_heads, n_kv_heads, head_dim, rope_base):
+        super().bind_heads(n_heads, n_kv_heads, head_dim, rope_base)
+        self.inner.bind_heads(n_heads, n_kv_heads, head_dim, rope_base)
+        if self.budget is None:
+            self.budget = max(1, self.capacity // n_kv_heads)
+        self.budget = self.check_int_param("budget", self.budget, 1, self.capacity)
+        self.n_safe = self.budget * self.safeguard_pct // 100
+
+    def pool_tokens(self):
+        """Slots the heads' tokens may spread over: n_kv_heads x budget (each head keeping other tokens)."""
+        return self.n_kv_heads * self.budget
+
+    def make_state(self, n_slots):
+        return self.inner.make_state(n_slots)
+
+    def reset(self):
+        self.inner.reset()
+
+    def head_scores(self, pages):
+        return self.inner.head_scores(pages)
+
+    def protected(self, pages):
+        return self.inner.protected(pages)
+
+    def score(self, pages):
+        """A token's best score over the heads that keep it (what a whole-token eviction goes by)."""
+        return np.where(pages.kept(), self.head_scores(pages), -np.inf).max(axis=0)
+
+    def head_room(self, pages):
+        return (self.n_kv_heads * self.budget - int(pages.kept().sum())) // self.n_kv_heads
+
+    def choose_head_victims(self, pages):
+        kept = pages.kept()
+        n_kv = kept.shape[0]
+        need = int(kept.sum()) + n_kv - n_kv * self.budget
+        if need <= 0:
+            return super().choose_head_victims(pages)
+        scores = self.head_scores(pages)
+        # the budget is kept: entries go in tiers, the plain ones first, then safeguarded, then protected
+        tier = np.where(self.protected(pages)[None, :], 2, 0) * kept
+        if self.n_safe:
+            for head in range(n_kv):  # each head's n_safe best entries (ties: the newest)
+                rows = np.flatnonzero(kept[head])
+                best = rows[np.lexsort((-pages.positions[rows], -scores[head, rows]))[: self.n_safe]]
+                tier[head, best] = np.maximum(tier[head, best], 1)
+        heads, slots = np.nonzero(kept)
+        # within a tier the lowest score goes first (ties: the oldest token, then the lowest head)
+        order = np.lexsort((heads, pages.positions[slots], scores[heads, slots], tier[heads, slots]))[:need]
+        return heads[order], slots[order], scores[heads[order], slots[order]]

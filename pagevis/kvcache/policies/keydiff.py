@@ -1,0 +1,52 @@
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagevis.kvcache.policy_state import PolicyState
+from pagevis.kvcache.policies.base import EvictionPolicy
+
+
+class UnitKeys(PolicyState):
+    """Each token's key, per KV head, scaled to unit length (written once, when the token is)."""
+
+    def __init__(self, n_slots, n_kv_heads, head_dim):
+        super().__init__(n_slots)
+        self.unit = self.add_array("unit_keys", np.float32, (n_kv_heads, head_dim))
+
+    def write(self, flat, k, v, position):
+        norm = np.linalg.norm(k, axis=-1, keepdims=True)
+        self.unit[flat] = k / np.where(norm > 0, norm, 1)
+
+
+@dataclass
+class KeyDiff(EvictionPolicy):
+    """Evict the token whose key is most like the others: per KV head, the anchor is the mean of the unit
+    keys the head keeps, and a token's score is minus its key's cosine similarity to that anchor (mean over
+    KV heads for one set per layer). It reads keys only, never attention weights, so it works with kernels
+    that do not materialise them. As kvpress's KeyDiffPress; the paper evicts block by block, here every
+    eviction is scored against the current anchor."""
+
+    name = "keydiff"
+    citation = ("KeyDiff: Park et al. 2025, Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference "
+                "in Resource-Constrained Environments, arXiv:2504.15364 (score: -cos(key, mean unit key)).")
+    reason = "key most similar to the mean key"
+
+    def make_state(self, n_slots):
+        return UnitKeys(n_slots, self.n_kv_heads, self.head_dim)
+
+    def head_scores(self, pages):
+        unit = pages.stats.unit  # (n_slots, n_kv, d)
+        kept = np.broadcast_to(pages.kept(), (unit.shape[1], unit.shape[0]))  # (n_kv, n_slots)
+        scores = np.zeros(kept.shape)
+        for head in range(kept.shape[0]):
+            rows = np.flatnonzero(kept[head])
+            if not len(rows):
+                continue
+            keys = unit[rows, head].astype(np.float64)
+            anchor = keys.mean(axis=0)
+            norm = np.linalg.norm(anchor)
+            scores[head, rows] = -(keys @ anchor) / (norm if norm > 0 else 1)
+        return scores
+
+    def score(self, pages):
+        return self.head_scores(pages).mean(axis=0)

@@ -1,0 +1,94 @@
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from pagevis.errors import ConfigError, check_int
+from pagevis.kvcache.policy_state import PolicyState
+from pagevis.kvcache.policies.base import EvictionPolicy
+
+
+class ObservationWindow(PolicyState):
+    """The head-mean attention of the last `window` queries on every slot (a ring of rows); with n_kv_heads,
+    per KV head instead (the mean over each KV head's query heads: rows (window, n_kv_heads, n_slots))."""
+
+    def __init__(self, n_slots, window, n_kv_heads=None):
+        super().__init__(n_slots)
+        self.rows = np.zeros((window, n_slots) if n_kv_heads is None else (window, n_kv_heads, n_slots))
+        self.next = 0
+
+    def reset(self):
+        super().reset()
+        self.rows.fill(0.0)
+        self.next = 0
+
+    def clear(self, flat):
+        super().clear(flat)
+        self.rows[..., flat] = 0.0
+
+    def observe(self, weights, slots):
+        last = weights[-len(self.rows):]
+        if self.rows.ndim == 2:
+            means = last.mean(axis=1)
+        else:  # (queries, n_kv, m): each KV head's group of query heads
+            n, n_heads, m = last.shape
+            means = last.reshape(n, self.rows.shape[1], n_heads // self.rows.shape[1], m).mean(axis=2)
+        for row in means:
+            self.rows[self.next % len(self.rows)].fill(0.0)
+            self.rows[self.next % len(self.rows)][..., slots] = row
+            self.next += 1
+
+    def window_attention(self):
+        """Per slot (or per KV head and slot), the attention of the window's queries."""
+        return self.rows.sum(axis=0)
+
+
+@dataclass
+class SnapKV(EvictionPolicy):
+    """Keep the `window` newest tokens (the observation window); evict the token the window's queries attend
+    to least, after max-pooling that attention over `kernel` neighbouring tokens (so a token next to
+    important ones stays with them; kernel 1: no pooling). SnapKV scores once, at the end of the prompt; here every eviction is scored by the
+    latest window, so a text longer than the cache can stream through it. Mean over heads: one set per layer."""
+
+    window: int = 8
+    kernel: int = 7
+    uses_attention = True
+    name = "snapkv"
+    citation = ("SnapKV: Li et al. 2024, LLM Knows What You are Looking for Before Generation, arXiv:2404.14469 "
+                "(window 8, kernel 7, max pooling as in KVCache-Factory's runs).")
+    reason = "lowest pooled attention from the observation window"
+
+    def bind(self, capacity, page_size):
+        super().bind(capacity, page_size)
+        self.window = self.check_int_param("window", self.window, 1, capacity - 1)
+        self.kernel = check_int(f"{self.name}.kernel", self.kernel, 1, 1023)  # wider than the cache is harmless
+        if self.kernel % 2 == 0:
+            raise ConfigError(f"{self.name}.kernel", self.kernel, "an odd number (pooling centred on each token)")
+
+    head_stats = False  # per KV head statistics (set by AdaKV before make_state)
+
+    def make_state(self, n_slots):
+        return ObservationWindow(n_slots, self.window, self.n_kv_heads if self.head_stats else None)
+
+    def score(self, pages):
+        return self._pooled(pages, pages.stats.window_attention()[None, :])[0]
+
+    def head_scores(self, pages):
+        """Per KV head: its query heads' window attention, max-pooled over the resident tokens."""
+        return self._pooled(pages, pages.stats.window_attention())
+
+    def _pooled(self, pages, attention):
+        """(rows, n_slots) attention max-pooled over `kernel` neighbouring resident tokens (position order)."""
+        resident = np.flatnonzero(pages.positions >= 0)
+        order = resident[np.argsort(pages.positions[resident])]
+        half = self.kernel // 2
+        padded = np.pad(attention[:, order], ((0, 0), (half, half)), constant_values=-np.inf)
+        scores = np.zeros(attention.shape)
+        scores[:, order] = sliding_window_view(padded, self.kernel, axis=1).max(axis=2)
+        return scores
+
+    def protected(self, pages):
+        mask = np.zeros(pages.positions.shape, dtype=bool)
+        resident = np.flatnonzero(pages.positions >= 0)
+        mask[resident[np.argsort(pages.positions[resident])[-self.window:]]] = True
+        return mask

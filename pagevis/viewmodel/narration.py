@@ -1,0 +1,51 @@
+"""One line per step that says what the cache did, for one layer (Qt-free):
+
+    step 18: cache full → sinks evicted position 7 'AI' from page 0 slot 7; wrote position 67 there · next 'the'
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from pagevis.kvcache import EventKind
+from pagevis.kvcache.event_array import in_layer
+from pagevis.viewmodel.run_list import run_list
+
+MAX_NAMED = 3  # evictions named one by one; more are summarised
+
+
+def narrate(record, layer: int, text: Callable[[int], str], policy: str) -> str:
+    events = in_layer(record.events, layer)
+    writes = [e for e in events if e.kind is EventKind.WRITE]
+    evictions = [e for e in events if e.kind is EventKind.EVICT]
+    allocated = [e.page for e in events if e.kind is EventKind.ALLOCATE]
+    released = [e.page for e in events if e.kind is EventKind.RELEASE]
+    parts = []
+    if evictions:
+        parts.append(f"cache full → {policy} evicted {_evicted(evictions, text)}")
+    if record.kind == "prefill" and len(writes) > 1:
+        pages = sorted({e.page for e in writes})
+        parts.append(f"prefill wrote {len(writes)} prompt tokens (positions {run_list([e.position for e in writes])}) "
+                     f"into page{'s' if len(pages) > 1 else ''} {run_list(pages)}")
+    elif writes:
+        write = writes[-1]
+        evicted_here = any((e.page, e.slot) == (write.page, write.slot) for e in evictions)
+        where = "there" if evicted_here and len(evictions) == 1 else f"into page {write.page} slot {write.slot}"
+        parts.append(f"wrote position {write.position} {text(write.position)!r} {where}")
+    if allocated:
+        parts.append(f"took free page{'s' if len(allocated) > 1 else ''} {run_list(allocated)}")
+    if released:
+        parts.append(f"page{'s' if len(released) > 1 else ''} {run_list(released)} emptied and freed")
+    line = f"step {record.step}: " + "; ".join(parts) if parts else f"step {record.step}"
+    if record.next_token >= 0:
+        line += f" · next {record.next_text!r}"
+    return line
+
+
+def _evicted(evictions, text) -> str:
+    if len(evictions) <= MAX_NAMED:
+        return ", ".join(f"position {e.position} {text(e.position)!r} from page {e.page} slot {e.slot}"
+                         for e in evictions)
+    pages = sorted({e.page for e in evictions})
+    return (f"{len(evictions)} tokens (positions {run_list([e.position for e in evictions])}) from "
+            f"page{'s' if len(pages) > 1 else ''} {run_list(pages)}")
