@@ -45,6 +45,7 @@ def attach(*args):
                             stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_headless_json_end_to_end_with_two_engines(tmp_path):
     a = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic=TOPIC)
     b = KVEventPublisher("tcp://127.0.0.1:*", None, topic=TOPIC)

@@ -88,6 +88,7 @@ def test_decode_share_above_the_read_floor_is_flagged(monkeypatch, capsys):
     assert "WARNING: paged decoding at" in report and "impossible" in report
 
 
+@pytest.mark.slow
 def test_bench_serve_at_concurrencies_and_poisson_rates(tmp_path, capsys):
     """`pagevis bench serve` end to end on the synthetic model (a server process of its own): every request
     completes, the table and plot are written, and a Poisson run at a rate works too."""

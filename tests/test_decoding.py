@@ -37,6 +37,7 @@ def test_no_eviction_equals_dense_decoding_token_for_token(page_size, dtype):
     assert session.stop_reason == "max_new_tokens"
 
 
+@pytest.mark.slow
 def test_smollm2_paged_equals_dense_and_answers():
     model = ModelSpec().load()
     session = DecodeSession(model, "What is the capital of France?",

@@ -1,5 +1,6 @@
 """Paged attention against an independent float64 dense attention over exactly the resident tokens."""
 
+import pytest
 import numpy as np
 from engine_reference import dense_attention_f64
 from hypothesis import given, settings
@@ -52,6 +53,7 @@ def relative_error(actual, expected):
     return np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(cache_setups())
 def test_decode_attention_matches_dense_float64(setup):

@@ -145,6 +145,7 @@ def test_fault_and_swap_counts_equal_a_brute_force_simulation(select, ram):
     cache.close()
 
 
+@pytest.mark.slow
 def test_smollm2_with_two_ram_frames_decodes_what_the_full_cache_does(smollm2):  # noqa: F811
     prompt = "The three primary colours are"
     full = DecodeSession(smollm2, prompt, SessionConfig(page_size=4, max_pages=32, policy="none",

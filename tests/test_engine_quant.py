@@ -218,6 +218,7 @@ def quantized_setups(draw):
     return config, draw(st.integers(1, 3 * config.capacity)), draw(st.integers(1, 6)), draw(st.integers(0, 2**31))
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(quantized_setups())
 def test_attention_over_quantized_pages_equals_dense_float64_over_the_dequantized_tokens(setup):

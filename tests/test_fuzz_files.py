@@ -8,6 +8,7 @@ Bounded: a fixed number of examples per test, no shrinking past a few seconds (t
 
 from __future__ import annotations
 
+import pytest
 import functools
 import io
 import json
@@ -257,6 +258,7 @@ def test_gguf_header_mutations(tmp_path_factory, data):
 
 @settings(max_examples=4, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
+@pytest.mark.slow
 @given(data=st.data())
 def test_cli_on_mutated_files_is_one_line_in_bounded_memory(tmp_path_factory, data):
     folder = tmp_path_factory.mktemp("cli")

@@ -110,6 +110,7 @@ os._exit(0)  # no teardown of two windows and the application at exit: only the 
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width, height", [(1600, 1000), (1280, 720)])  # the issue's screen; a small laptop
 def test_the_first_window_fits_the_screen_centred_and_no_dock_is_squeezed(tmp_path, width, height):
     screen = {"screens": [{"name": "test", "x": 0, "y": 0, "width": width, "height": height,

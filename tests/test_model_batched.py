@@ -35,6 +35,7 @@ def assert_close_to_float64(x, w, got):
     assert np.all(np.abs(got - exact) <= 1e-5 * scale)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", SMOLLM2_SHAPES[:4])
 def test_every_kernel_matches_float64_for_1_to_17_rows(shape):
     rng = np.random.default_rng(sum(shape))
@@ -47,6 +48,7 @@ def test_every_kernel_matches_float64_for_1_to_17_rows(shape):
             assert_close_to_float64(x, w, product(x, w, kernel))
 
 
+@pytest.mark.slow
 def test_every_kernel_matches_float64_on_the_vocabulary_projection():
     """576 x 49152 cut to its first 3072 output columns (every candidate block divides both)."""
     rng = np.random.default_rng(1)
@@ -58,6 +60,7 @@ def test_every_kernel_matches_float64_on_the_vocabulary_projection():
             assert_close_to_float64(x, w, product(x, w, kernel))
 
 
+@pytest.mark.slow
 def test_smollm2_plan_matches_float64_on_its_own_weights(smollm2):  # noqa: F811
     """The kernels load_model measured and chose, on the real matrices of one layer and the output."""
     layer = smollm2.weights.layers[7]
@@ -187,6 +190,7 @@ def relative_error(actual, expected):
     return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("count", [2, 5, 17])
 def test_batched_forward_matches_single_sequences_and_float64_on_smollm2(smollm2, count):  # noqa: F811
     sequences = prompts(smollm2.config.vocab_size, count)

@@ -239,6 +239,7 @@ def test_many_sequences_with_a_disk_tier_or_quest_decode_what_each_decodes_alone
     batch.close()
 
 
+@pytest.mark.slow
 def test_smollm2_parallel_samples_and_batched_logits(smollm2):  # noqa: F811
     """The real model: three samples of one prompt decode what each decodes alone, and a batched step's
     logits equal a dense forward of each sequence (rel. err < 1e-5)."""

@@ -5,6 +5,7 @@ ends with a finish_reason, and the pool is left as it started."""
 
 from __future__ import annotations
 
+import pytest
 import json
 import random
 import threading
@@ -81,6 +82,7 @@ def test_batching_never_changes_results():
         assert texts == [alone("pages", {}, 0.9, 5 + i, 12) for i in range(3)]
 
 
+@pytest.mark.slow
 def test_64_streaming_clients_a_quarter_leaving_a_tenth_malformed():
     with running_server() as running:
         rng = random.Random(0)

@@ -15,6 +15,7 @@ from serve_fixtures import running_server
 from pagevis.kvcache.prefix_cache import prefix_hashes
 
 
+@pytest.mark.slow
 def test_attach_rebuilds_the_pools_prefix_cache_from_pagevis_serve(tmp_path):
     with running_server(kv_events_endpoint="tcp://127.0.0.1:*", kv_events_replay="tcp://127.0.0.1:*",
                         pool_pages=24) as running:

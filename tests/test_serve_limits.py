@@ -131,6 +131,7 @@ def test_shutdown_drains_then_aborts_streams_and_refuses_new_requests():
             httpx.post(running.url + "/v1/completions", json={**body, "stream": False}, timeout=5)
 
 
+@pytest.mark.slow
 def test_sigterm_ends_pagevis_serve_within_its_bound():
     """A real `pagevis serve` process: SIGTERM while a stream is in flight; the stream ends with "abort" and
     the process exits within --drain-seconds plus a few seconds."""

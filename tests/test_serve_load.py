@@ -4,6 +4,7 @@ the server healthy."""
 
 from __future__ import annotations
 
+import pytest
 import json
 import random
 import threading
@@ -91,6 +92,7 @@ MALFORMED = [
 ]
 
 
+@pytest.mark.slow
 def test_bounded_load_gets_no_5xx_and_leaves_the_server_healthy():
     with running_server(max_sessions=8) as running:
         local = threading.local()

@@ -121,6 +121,7 @@ def test_a_and_b_see_the_same_arrivals_and_prefix_caching_feeds_fewer_prompt_tok
     assert a_generated == b_generated  # the same requests decode the same lengths on both sides
 
 
+@pytest.mark.slow
 def test_contiguous_reservation_admits_only_what_its_reservations_fit(model):
     p = preset(compare="contiguous", pool_pages=80, max_seqs=8, n=10, rate=6000, max_new_tokens=80)
     _, (paged, contiguous) = sides(model, p)
@@ -288,6 +289,7 @@ def test_the_ab_window_steps_both_sides_on_the_same_arrivals(qtbot, model):
     assert "A/B" in w.summary.text()
 
 
+@pytest.mark.slow
 def test_preemption_shows_in_the_queues_and_timeline_when_the_pool_is_small(qtbot, model):
     w = window(qtbot, model, preset(kind="documents", pool_pages=48, max_seqs=4, n=6, rate=6000, document_words=20,
                                     max_new_tokens=60))
@@ -374,6 +376,7 @@ def test_metrics_series_from_pagevis_serve_metrics_text():
     assert series.hit_rate().tolist()[1:] == pytest.approx([50.0, 75.0])  # (50 + 100) / 200 since the first scrape
 
 
+@pytest.mark.slow
 def test_the_window_attached_to_pagevis_serve_shows_its_cache_and_metrics(qtbot):
     from serve_fixtures import running_server
 
