@@ -32,6 +32,13 @@ def test_bench_quick_json_and_files(tmp_path, capsys):
     assert tiers["streamed"] and all(r["context"] == 64 and r["warm_us"] > 0 and r["hit_rate"] < 1
                                      for r in tiers["streamed"])
     assert tiers["quest"] and all(r["quest_us"] > 0 for r in tiers["quest"]) and tiers["rss"] is None
+    # what it ran on, beside every table: the CPU, the BLAS build, the load while each table was measured
+    assert result["machine"]["cpu"] and result["machine"]["cores"] >= 1 and "BLAS" not in result["machine"]["numpy"]
+    assert {"attention", "storage", "quantized", "decode", "tiers"} <= set(result["loads"])
+    from pagevis.cli.bench import format_report
+
+    report = format_report(result)
+    assert report.startswith(f"Machine: {result['machine']['cpu']}") and report.count("(load ") >= 5
 
 
 def test_bench_table_without_model_or_files(capsys):

@@ -6,11 +6,16 @@ Speed is measured in `pagevis bench`, never here: these tests only check numbers
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
 from pagevis.model import DenseAttention
+from pagevis.model import matmul as matmul_module
 from pagevis.model.matmul import GEMM, GEMM_ONLY, Kernel, MatmulPlan, candidates, matmul, plan_for, product
 from pagevis.model.synthetic import SyntheticModel
 from pagevis.model.weights import as_input_major
@@ -237,3 +242,39 @@ def test_kernel_bench_rows_have_the_ratios_it_prints():
     assert attention["of_read"] == pytest.approx(attention["gb_s"] / attention["read_same_size_gb_s"])
     text = "\n".join(format_kernels(result))
     assert "not the engine's batch session" in text and "of the read bandwidth" in text
+
+
+def test_a_plan_measured_under_load_is_measured_again_once_the_machine_is_quiet(tmp_path, monkeypatch):
+    rng = np.random.default_rng(5)
+    matrices = [output_major(rng, 32, 192)]
+    path = tmp_path / "plans.json"
+    first = plan_for(matrices, path)
+    info = first.measured[(32, 192)]
+    assert set(info) == {"at", "others_busy"} and "measured" in first.describe()[0]
+    stored = json.loads(path.read_text())
+    (entry,) = next(iter(stored.values())).values()
+    entry["others_busy"] = 0.9  # as if another process had held most of the CPUs while it was measured
+    path.write_text(json.dumps(stored))
+    calls = []
+    real = matmul_module.calibrate
+    monkeypatch.setattr(matmul_module, "calibrate", lambda samples: calls.append(set(samples)) or real(samples))
+    monkeypatch.setattr(matmul_module, "others_busy_now", lambda: 0.9)
+    busy = plan_for(matrices, path)  # still busy: the plan is kept, not measured under load again
+    assert calls == [] and busy.under_load() == [(32, 192)] and "under load" in busy.describe()[0]
+    monkeypatch.setattr(matmul_module, "others_busy_now", lambda: 0.0)
+    quiet = plan_for(matrices, path)
+    assert calls == [{(32, 192)}] and quiet.under_load() == []
+    assert plan_for(matrices, path, remeasure=True) is not None and len(calls) == 2
+
+
+def test_the_cpu_watch_sees_other_processes():
+    spin = "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"
+    children = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.3)
+        with matmul_module.CpuWatch() as watch:
+            time.sleep(0.6)
+    finally:
+        for child in children:
+            child.wait()
+    assert watch.share is not None and watch.share > 0.5

@@ -165,6 +165,9 @@ def format_kernels(result: dict) -> list[str]:
     if b["plan"]:
         out.append("  kernels (rows:kernel per weight shape in x out; xwB/wxB: blocks of B output columns, gemm: BLAS):")
         out += [f"    {line}" for line in b["plan"]]
+        if any("(under load)" in line for line in b["plan"]):
+            out.append("  WARNING: some plans were measured while other processes were busy; they are measured again "
+                       "by themselves once the machine is quiet, or now with --remeasure-plans")
     else:
         out.append("  kernels: BLAS gemm only (this model has no measured plan: load_model measures one)")
     a = result["attention"]

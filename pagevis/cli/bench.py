@@ -54,6 +54,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--out", default=".", metavar="DIR",
                         help="folder for bench-*.csv and bench-latency.png, bench-memory.png (default .)")
     parser.add_argument("--no-files", action="store_true", help="write no CSV or PNG")
+    parser.add_argument("--remeasure-plans", action="store_true",
+                        help="measure the model's matmul plans again first (a plan measured while the machine was "
+                             "busy is measured again by itself once the machine is quiet)")
     parser.add_argument("--json", action="store_true", help="print one JSON object with every table")
     parser.add_argument("--transformers-python", metavar="PYTHON",
                         help="a Python with torch, transformers, accelerate and gguf: time transformers eager "
@@ -90,7 +93,7 @@ def parse_ints(text: str, flag: str, low: int, high: int) -> list[int]:
 def main(args: argparse.Namespace) -> int:
     if args.target == "serve":
         return serve_main(args)
-    from pagevis.bench import attention, suite
+    from pagevis.bench import attention, machine, suite
 
     contexts = parse_ints(args.contexts or (QUICK_CONTEXTS if args.quick else FULL_CONTEXTS), "--contexts", 1,
                           max_context())
@@ -107,19 +110,31 @@ def main(args: argparse.Namespace) -> int:
         spec = options.model_spec(args)
     repeats = 10 if args.quick else None
     say = (lambda text: print(text, file=sys.stderr)) if not args.json else (lambda text: None)
+    host = machine.describe()
+    say(machine.machine_line(host))
+    loads = {}  # section -> the load average when its measurement ended, printed beside its table
+    if args.remeasure_plans and spec is not None and spec.kind != "synthetic":
+        from pagevis.model.matmul import plan_for
+
+        say("matmul plans: measuring again ...")
+        plan_for(spec.load().weights.matrices(), remeasure=True)
 
     say("attention: paged vs dense, float32 ...")
     paged = attention.run_attention_bench(contexts, page_sizes, dtype="float32", repeats=repeats)
     storage_page = 16 if 16 in page_sizes else page_sizes[0]
+    loads["attention"] = machine.load_average()
     say("attention: float16 storage ...")
     half = attention.run_attention_bench(contexts, [storage_page], dtype="float16", repeats=repeats)
     storage = suite.storage_rows(paged, half)
+    loads["storage"] = machine.load_average()
     say("attention: quantized storage (int8, int4, int2) ...")
     quantized = suite.quantized_rows(contexts, storage_page, repeats=repeats)
+    loads["quantized"] = machine.load_average()
     torch_rows = None
     if suite.torch_available():
         say("attention: torch scaled_dot_product_attention ...")
         torch_rows = suite.torch_rows(contexts, storage_page, repeats=repeats, threads=args.blas_threads)
+        loads["torch"] = machine.load_average()
     decode = None
     if spec is not None:
         say(f"decode: {spec.label} ...")
@@ -132,6 +147,7 @@ def main(args: argparse.Namespace) -> int:
             decode.update(transformers_tok_s=eager["tokens_per_s"], transformers_threads=eager["threads"],
                           transformers_versions=eager["versions"],
                           paged_over_transformers=decode["paged_tok_s"] / eager["tokens_per_s"])
+        loads["decode"] = machine.load_average()
 
     kernels = None
     if spec is not None and not args.no_kernels:
@@ -139,12 +155,14 @@ def main(args: argparse.Namespace) -> int:
 
         say("kernels: batched decode through the forward, decode attention against the read bandwidth ...")
         kernels = run_kernel_bench(spec.load(), quick=args.quick, threads=args.blas_threads)
+        loads["kernels"] = machine.load_average()
     sequences = None
     if spec is not None and not args.no_sequences:
         from pagevis.bench.sequences import run_sequences_bench
 
         say("many sequences: continuous batching, parallel sampling, prefix caching ...")
         sequences = run_sequences_bench(spec.load(), spec.kind, n_tokens=4 if args.quick else 12)
+        loads["sequences"] = machine.load_average()
     tiers = None
     if not args.no_tiers:
         from pagevis.bench import tiers as tier_bench
@@ -154,10 +172,11 @@ def main(args: argparse.Namespace) -> int:
         tiers = {"streamed": tier_bench.streamed_rows(tier_contexts, swap_dir=args.swap_dir, repeats=repeats),
                  "quest": tier_bench.quest_rows(max(tier_contexts), swap_dir=args.swap_dir),
                  "rss": None if args.quick else tier_bench.rss_rows(swap_dir=args.swap_dir)}
+        loads["tiers"] = machine.load_average()
     result = {"attention": paged, "storage": storage, "quantized": quantized, "torch": torch_rows, "decode": decode,
               "kernels": kernels,
               "sequences": sequences,
-              "tiers": tiers, "shape": suite.SMOLLM2_LAYER}
+              "tiers": tiers, "shape": suite.SMOLLM2_LAYER, "machine": host, "loads": loads}
     if not args.no_files:
         result["files"] = write_files(args.out, result, half)
     if args.json:
@@ -169,9 +188,13 @@ def main(args: argparse.Namespace) -> int:
 
 def format_report(result: dict) -> str:
     from pagevis.bench.attention import format_table
+    from pagevis.bench.machine import load_note, machine_line
 
-    out = ["Paged vs dense decode attention (one layer, 9 query / 3 KV heads, head dim 64, float32)",
-           format_table(result["attention"]), "", "Storage: float16 vs float32 (paged)",
+    loads = result.get("loads")
+    out = [machine_line(result["machine"]), ""] if result.get("machine") else []
+    out += ["Paged vs dense decode attention (one layer, 9 query / 3 KV heads, head dim 64, float32)"
+           + load_note(loads, "attention"),
+           format_table(result["attention"]), "", "Storage: float16 vs float32 (paged)" + load_note(loads, "storage"),
            f"{'context':>8} {'page':>5} {'f32 µs':>9} {'f16 µs':>9} {'f16/f32':>8} {'f32 KV KiB':>11} {'f16 KV KiB':>11}"]
     for r in result["storage"]:
         out.append(f"{r['context']:>8} {r['page_size']:>5} {r['f32_us']:>9.1f} {r['f16_us']:>9.1f} "
@@ -179,7 +202,8 @@ def format_report(result: dict) -> str:
     out.append("")
     if result.get("quantized"):
         out += ["Quantized storage (paged, one layer; output error against float32 storage; KV bytes per token: "
-                "pages, scales, zero points, key groups and int4 / int2's float32 window; docs/quantization.md)",
+                "pages, scales, zero points, key groups and int4 / int2's float32 window; docs/quantization.md)"
+                + load_note(loads, "quantized"),
                 f"{'context':>8} {'dtype':>8} {'µs':>9} {'vs f32':>7} {'B/token':>9} {'KV KiB':>8} {'rel error':>10}"]
         for r in result["quantized"]:
             out.append(f"{r['context']:>8} {r['dtype']:>8} {r['paged_us']:>9.1f} {r['over_first']:>6.2f}x "
@@ -188,7 +212,8 @@ def format_report(result: dict) -> str:
     if result["torch"]:
         first = result["torch"][0]
         out.append(f"torch {first['torch_version']} scaled_dot_product_attention on the same data "
-                   f"({first['torch_threads']} threads, as many as our BLAS threads; GQA read in place)")
+                   f"({first['torch_threads']} threads, as many as our BLAS threads; GQA read in place)"
+                   + load_note(loads, "torch"))
         out.append(f"{'context':>8} {'dtype':>8} {'KV KiB':>8} {'paged µs':>9} {'dense µs':>9} {'torch µs':>9} "
                    f"{'paged/torch':>12}")
         for r in result["torch"]:
@@ -203,7 +228,7 @@ def format_report(result: dict) -> str:
     out.append("")
     d = result["decode"]
     if d:
-        out += [f"Decode speed: {d['model']}",
+        out += [f"Decode speed: {d['model']}" + load_note(loads, "decode"),
                 f"  weights read per token {d['weight_mb_per_token']:.1f} MB",
                 f"  read bandwidth {d['read_gb_s']:.2f} GB/s (best of a {d['probe_mb']:.0f} MB float32 gemv, "
                 f"{d['gemv_gb_s']:.2f}, and a sum, {d['reduce_gb_s']:.2f}, on decoding's threads)",
@@ -223,16 +248,19 @@ def format_report(result: dict) -> str:
     if result.get("kernels"):
         from pagevis.bench.kernels import format_kernels
 
-        out += ["", *format_kernels(result["kernels"])]
+        kernel_lines = format_kernels(result["kernels"])
+        out += ["", kernel_lines[0] + load_note(loads, "kernels"), *kernel_lines[1:]]
     if result.get("sequences"):
         from pagevis.bench.sequences import format_sequences
 
-        out += ["", *format_sequences(result["sequences"])]
+        sequence_lines = format_sequences(result["sequences"])
+        out += ["", sequence_lines[0] + load_note(loads, "sequences"), *sequence_lines[1:]]
     if result.get("tiers"):
         from pagevis.bench.tiers import format_tables
 
         t = result["tiers"]
-        out += ["", *format_tables(t["streamed"], t["quest"], t["rss"])]
+        tier_lines = format_tables(t["streamed"], t["quest"], t["rss"])
+        out += ["", tier_lines[0] + load_note(loads, "tiers"), *tier_lines[1:]]
     if result.get("files"):
         out += ["", "wrote " + ", ".join(result["files"])]
     return "\n".join(out)

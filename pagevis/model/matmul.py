@@ -22,7 +22,8 @@ import json
 import os
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable
 
@@ -34,7 +35,8 @@ ORDERS = ("xw", "wx")
 BLOCKS = (32, 64, 96, 128, 192, 256, 384, 512)  # candidate block widths (output columns)
 ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # row counts calibrated; m between two uses the larger's kernel
 SAMPLE_BYTES = 16 << 20  # weights timed per shape: well past L2, so blocks come from memory as in a step
-PLAN_VERSION = 1
+PLAN_VERSION = 2  # 2: each shape's entry says when it was measured and how busy the machine was
+BUSY_SHARE = 0.25  # others' share of the CPUs above which a measurement counts as taken under load
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,8 @@ class MatmulPlan:
     pair with rows >= m, and gemm past the last. Shapes not listed always use gemm."""
 
     table: dict[tuple[int, int], tuple[tuple[int, Kernel], ...]]
+    # per shape: {"at": ISO time of the measurement, "others_busy": the other processes' share of the CPUs then}
+    measured: dict[tuple[int, int], dict] = field(default_factory=dict, compare=False)
 
     def kernel(self, shape: tuple[int, int], m: int) -> Kernel:
         for rows, kernel in self.table.get(shape, ()):
@@ -108,9 +112,61 @@ class MatmulPlan:
         return cls(table)
 
     def describe(self) -> list[str]:
-        """One line per shape: its kernel at each calibrated row count."""
+        """One line per shape: its kernel at each calibrated row count, and when it was measured."""
         return [f"{n_in}x{n_out}: " + " ".join(f"{rows}:{kernel}" for rows, kernel in entries)
+                + _provenance(self.measured.get((n_in, n_out)))
                 for (n_in, n_out), entries in self.table.items()]
+
+    def under_load(self) -> list[tuple[int, int]]:
+        """The shapes whose kernels were measured while other processes held more than BUSY_SHARE of the CPUs."""
+        return [shape for shape, info in self.measured.items() if (info.get("others_busy") or 0) > BUSY_SHARE]
+
+
+def _provenance(info: dict | None) -> str:
+    if not info:
+        return ""
+    busy = info.get("others_busy")
+    load = "" if busy is None else f", others busy {busy:.0%}" + (" (under load)" if busy > BUSY_SHARE else "")
+    return f"  [measured {info.get('at', '?')}{load}]"
+
+
+class CpuWatch:
+    """The share of all CPUs that other processes used while the block ran (from /proc/stat and this process's
+    own CPU time); None where /proc/stat is missing. A plan measured while others were busy is not trusted."""
+
+    def __enter__(self) -> CpuWatch:
+        self.share = None
+        self._start = (_busy_seconds(), _own_seconds(), time.perf_counter())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy, own, wall = _busy_seconds(), _own_seconds(), time.perf_counter()
+        if busy is None or self._start[0] is None:
+            return
+        elapsed = max(wall - self._start[2], 1e-6)
+        others = (busy - self._start[0]) - (own - self._start[1])
+        self.share = min(1.0, max(0.0, others / (elapsed * (os.cpu_count() or 1))))
+
+
+def _busy_seconds() -> float | None:
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in (fields + ["0"] * 8)[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+def others_busy_now(seconds: float = 0.2) -> float | None:
+    """Others' share of the CPUs over a short idle wait: is the machine quiet enough to measure?"""
+    with CpuWatch() as watch:
+        time.sleep(seconds)
+    return watch.share
 
 
 GEMM_ONLY = MatmulPlan({})
@@ -132,15 +188,18 @@ def calibrate(samples: dict[tuple[int, int], list[np.ndarray]], rows: Iterable[i
     pass reads them) at each row count, and keep the fastest. Successive halving: every candidate is timed
     once, then the faster half again, until `repeats` rounds; a candidate's time is its best round."""
     rng = np.random.default_rng(seed)
-    table = {}
+    table, measured = {}, {}
     for shape, matrices in samples.items():
         kernels = candidates(shape[1], blocks)
         entries = []
-        for m in rows:
-            x = rng.standard_normal((m, shape[0])).astype(np.float32)
-            entries.append((m, _fastest(kernels, x, matrices, repeats)))
+        with CpuWatch() as watch:
+            for m in rows:
+                x = rng.standard_normal((m, shape[0])).astype(np.float32)
+                entries.append((m, _fastest(kernels, x, matrices, repeats)))
         table[shape] = tuple(entries)
-    return MatmulPlan(table)
+        measured[shape] = {"at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                           "others_busy": None if watch.share is None else round(watch.share, 3)}
+    return MatmulPlan(table, measured)
 
 
 def _fastest(kernels: list[Kernel], x: np.ndarray, matrices: list[np.ndarray], repeats: int) -> Kernel:
@@ -193,10 +252,11 @@ def fingerprint() -> str:
     return f"v{PLAN_VERSION} | {cpu} x{os.cpu_count()} | numpy {np.__version__} | {blas_description()}"
 
 
-def plan_for(matrices: Iterable[np.ndarray], path: Path | None = None) -> MatmulPlan:
+def plan_for(matrices: Iterable[np.ndarray], path: Path | None = None, remeasure: bool = False) -> MatmulPlan:
     """The plan for these weights on this machine: read from the cache file when it holds every shape
-    for this fingerprint, else measured (about a second or two) and written back. An unreadable or
-    unwritable cache only costs the measurement."""
+    for this fingerprint, else measured (about a second or two per shape) and written back. A shape measured
+    under load is measured again once the machine is quiet; `remeasure` measures every shape again. An
+    unreadable or unwritable cache only costs the measurement."""
     matrices = list(matrices)
     path = path or cache_dir() / "matmul-plans.json"
     key = fingerprint()
@@ -204,21 +264,46 @@ def plan_for(matrices: Iterable[np.ndarray], path: Path | None = None) -> Matmul
         stored = json.loads(path.read_text())
     except (OSError, ValueError):
         stored = {}
-    known = stored.get(key, {}) if isinstance(stored, dict) else {}
+    stored = stored if isinstance(stored, dict) else {}
+    known = stored.get(key, {}) if isinstance(stored.get(key), dict) else {}
+    try:
+        cached = _plan_from_store(known)
+    except (ValueError, TypeError, AttributeError, KeyError):
+        cached, known = MatmulPlan({}), {}
     shapes = {w.shape for w in matrices}
+    wanted = shapes if remeasure else shapes - set(cached.table)
+    noisy = set(cached.under_load()) & shapes
+    if noisy and not remeasure and (others_busy_now() or 0) <= BUSY_SHARE:
+        wanted |= noisy
+    if not wanted:
+        return _subplan(cached, shapes)
+    fresh = calibrate(sample_matrices([w for w in matrices if w.shape in wanted]))
+    plan = MatmulPlan({**cached.table, **fresh.table}, {**cached.measured, **fresh.measured})
     try:
-        plan = MatmulPlan.from_json(known)
-        if shapes <= set(plan.table):
-            return MatmulPlan({shape: plan.table[shape] for shape in shapes})
-    except (ValueError, TypeError, AttributeError):
-        known = {}
-    plan = calibrate(sample_matrices(matrices))
-    try:
-        merged = {**known, **plan.to_json()}
+        merged = {**known, **_store_of(fresh)}
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps({**(stored if isinstance(stored, dict) else {}), key: merged}, indent=1))
+        temporary.write_text(json.dumps({**stored, key: merged}, indent=1))
         temporary.replace(path)
     except OSError:
         pass
-    return plan
+    return _subplan(plan, shapes)
+
+
+def _subplan(plan: MatmulPlan, shapes: set[tuple[int, int]]) -> MatmulPlan:
+    return MatmulPlan({s: plan.table[s] for s in shapes if s in plan.table},
+                      {s: plan.measured[s] for s in shapes if s in plan.measured})
+
+
+def _store_of(plan: MatmulPlan) -> dict:
+    table = plan.to_json()
+    return {f"{a}x{b}": {"kernels": table[f"{a}x{b}"], **plan.measured.get((a, b), {})} for a, b in plan.table}
+
+
+def _plan_from_store(known: dict) -> MatmulPlan:
+    plan = MatmulPlan.from_json({name: entry["kernels"] for name, entry in known.items()})
+    measured = {}
+    for name, entry in known.items():
+        n_in, n_out = (int(v) for v in name.split("x"))
+        measured[(n_in, n_out)] = {k: entry[k] for k in ("at", "others_busy") if k in entry}
+    return MatmulPlan(plan.table, measured)
