@@ -58,6 +58,36 @@ def measure_read_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 3, columns: 
     return {"gemv": size / gemv, "reduce": size / reduce, "read": size / min(gemv, reduce)}
 
 
+def shape_read_rates(model: LlamaModel, repeats: int = 5) -> list[dict]:
+    """Read bandwidth of one row (a decode step) through each weight shape the model multiplies, as the
+    forward does it (its plan's kernel for one row over the stored (in, out) view) and as a plain contiguous
+    gemv over the same (out, in) array: on some CPUs the shape and orientation matter more than the square
+    probe of measure_read_bandwidth shows. Best of `repeats`, each over every matrix of that shape."""
+    from pagevis.model.matmul import matmul
+
+    by_shape: dict[tuple[int, int], list[np.ndarray]] = {}
+    for w in model.weights.matrices():
+        by_shape.setdefault(w.shape, []).append(w)
+    rows = []
+    for shape, matrices in by_shape.items():
+        x = np.ones((1, shape[0]), dtype=np.float32)
+        nbytes = sum(w.nbytes for w in matrices)
+        forward = plain = np.inf
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for w in matrices:
+                matmul(x, w, model.plan)
+            forward = min(forward, time.perf_counter() - start)
+            start = time.perf_counter()
+            for w in matrices:
+                np.matmul(w.T, x[0])  # (out, in) C-contiguous times a vector: BLAS sgemv, no transpose
+            plain = min(plain, time.perf_counter() - start)
+        rows.append({"shape": f"{shape[0]}x{shape[1]}", "matrices": len(matrices), "mb": nbytes / 1e6,
+                     "kernel": str(model.plan.kernel(shape, 1)), "forward_gb_s": nbytes / forward / 1e9,
+                     "gemv_gb_s": nbytes / plain / 1e9})
+    return rows
+
+
 def weight_bytes_per_token(model: LlamaModel) -> int:
     """Bytes of float32 weights one decode step reads."""
     return model.weights.nbytes_per_token()

@@ -157,6 +157,7 @@ def decode_row(spec, n_tokens: int = 32, probe_bytes: int | None = None) -> dict
     decode_s = [r.timings["total"] for r in session.run() if r.kind == "decode"]
     paged = 1 / float(np.median(decode_s))
     dense = bandwidth.measure_decode_speed(model, n_tokens=n_tokens)
+    shapes = bandwidth.shape_read_rates(model)
     after = bandwidth.measure_read_bandwidth(probe)
     read = {key: max(before[key], after[key]) for key in before}
     floor = read["read"] / per_token
@@ -164,7 +165,7 @@ def decode_row(spec, n_tokens: int = 32, probe_bytes: int | None = None) -> dict
                read_gb_s=read["read"] / 1e9, gemv_gb_s=read["gemv"] / 1e9, reduce_gb_s=read["reduce"] / 1e9,
                floor_tok_s=floor, copy_gb_s=copy / 1e9, copy_tok_s=copy / per_token,
                paged_tok_s=paged, dense_tok_s=dense, paged_of_floor=paged / floor, dense_of_floor=dense / floor,
-               decode_steps=len(decode_s))
+               decode_steps=len(decode_s), shapes=shapes)
     row["warnings"] = [f"{name} decoding at {row[f'{name}_of_floor']:.2f} of the read floor is impossible: the "
                        f"bandwidth probe was slowed (a busy machine?) or the weights were not all read"
                        for name in ("paged", "dense") if row[f"{name}_of_floor"] > 1.0]

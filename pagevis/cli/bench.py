@@ -239,6 +239,11 @@ def format_report(result: dict) -> str:
                 f"  (copy: {d['copy_gb_s']:.2f} GB/s counting each byte once, {d['copy_tok_s']:.1f} tok/s; a copy "
                 f"reads and writes every byte, so this is not a floor)"]
         out += [f"  WARNING: {w}" for w in d["warnings"]]
+        if d.get("shapes"):
+            out.append("  read rate by weight shape, one row (the forward's kernel / a contiguous gemv of the same "
+                       "bytes):")
+            out += [f"    {r['shape']:>12} x{r['matrices']:<3} {r['mb']:>7.1f} MB  {r['kernel']:>6} "
+                    f"{r['forward_gb_s']:>6.2f} GB/s  gemv {r['gemv_gb_s']:>6.2f} GB/s" for r in d["shapes"]]
         if "transformers_tok_s" in d:
             out.append(f"  transformers eager {d['transformers_tok_s']:.1f} tok/s ({d['transformers_threads']} torch "
                        f"threads, as many as our BLAS threads); paged session {d['paged_over_transformers']:.2f}x "
