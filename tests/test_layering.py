@@ -24,7 +24,7 @@ QT = ("PySide6", "shiboken6", "pyqtgraph", "superqt", "qtpy", "PyQt5", "PyQt6")
 # Each package of pagevis (or module at its top), and the other pagevis packages and modules it may import.
 # An entry allows that package or module and everything under it; `pagevis` itself (the version string)
 # is allowed everywhere. Anything else is refused, and a new package must be given a row here.
-FOUNDATION = {"errors", "settings", "system_memory"}
+FOUNDATION = {"errors", "settings", "system_memory", "token_times"}
 ALLOWED: dict[str, set[str]] = {
     # One error type for a bad setting, used by every layer.
     "errors": set(),
@@ -33,6 +33,8 @@ ALLOWED: dict[str, set[str]] = {
     "settings": {"errors", "kvcache.policies"},
     # Free memory and rlimits (model loading, trace reading, the CLI's up-front checks).
     "system_memory": set(),
+    # One request's time to first token and inter-token gaps: the metrics, the simulated server, the benches.
+    "token_times": set(),
     # The paged KV cache, its policies and attention: the bottom layer; it knows none of the layers above.
     "kvcache": FOUNDATION,
     # The model: forward passes over an attention function the caller passes in.
@@ -46,8 +48,8 @@ ALLOWED: dict[str, set[str]] = {
     "presets": FOUNDATION | {"engine", "simserver"},
     # Trace files, reading and writing in one package: records of decoding sessions; no front end.
     "trace": FOUNDATION | {"kvcache", "model", "engine"},
-    # Prometheus metrics of sessions (run, serve, the app): on its own.
-    "observe": set(),
+    # Prometheus metrics of sessions (run, serve, the app): on its own but for the one token-times tracker.
+    "observe": {"token_times"},
     # Checks that the platform can run Qt, without importing Qt.
     "platform_check": set(),
     # Subscribers of other engines' KV events: independent of our engine and of every front end (the model
