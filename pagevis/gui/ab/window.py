@@ -26,7 +26,8 @@ from PySide6.QtWidgets import (
 from pagevis.engine import ModelSpec, SessionConfig
 from pagevis.kvcache import ConfigError
 from pagevis.gui.widgets import theme
-from pagevis.viewmodel.ab_session import ABConfig, ABTimeline, LockstepPair, LogitsTap
+from pagevis.engine.logits_tap import LogitsTap
+from pagevis.viewmodel.ab_session import ABConfig, ABTimeline, LockstepPair
 from pagevis.gui.widgets.setting_inputs import setting_input
 from pagevis.gui.widgets.setting_inputs import spin as _spin
 from pagevis.gui.session.runner import SessionRunner, new_session, validate
