@@ -12,7 +12,6 @@ the live controls (arrival rate, max running requests) are plain values the work
 from __future__ import annotations
 
 import time
-import traceback
 from dataclasses import replace
 
 from PySide6.QtCore import QThreadPool, QTimer, Qt
@@ -20,12 +19,12 @@ from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QGridLayout, QHBoxLayo
                                QSplitter, QVBoxLayout, QWidget)
 from superqt.utils import create_worker
 
-from pagevis.engine import RunControl, steps
+from pagevis.engine import RunControl
 from pagevis.simserver.run import COMPARES, ServerPair, ServerRun, side_configs
 from pagevis.simserver.workload import WORKLOADS, ArrivalSchedule
 from pagevis.presets import SERVER_PRESETS, ServerPreset
 from pagevis.gui.widgets import theme
-from pagevis.gui.session.runner import GIL_BREATH, SHORT_STEP, WorkerFailure
+from pagevis.gui.session.runner import WorkerFailure, run_control, worker_steps
 from pagevis.gui.sequences.window import _spin
 from pagevis.gui.server.forest import ServerForest
 from pagevis.gui.server.plots import SIDE_COLORS, SideSeries, ServerPlots
@@ -34,25 +33,6 @@ from pagevis.gui.server.timeline import RequestTimeline
 
 FRAME = 1 / 30  # the UI redraws at most this often
 SLOW = 0.5  # seconds between redraws of the plots, forests, timelines and the table while running
-
-
-def serve_steps(stepper, control: RunControl, snapshot, flush_every: float = FRAME):
-    """Run by the worker: step through the one run loop; yield (steps, snapshots) at most every `flush_every`
-    seconds (and after the last step), then a WorkerFailure if a step raised."""
-    batch, flushed = [], time.perf_counter()
-    try:
-        for step in steps(stepper, control):
-            batch.append(step)
-            if time.perf_counter() - flushed >= flush_every:
-                yield batch, snapshot()
-                batch, flushed = [], time.perf_counter()
-    except Exception as error:  # noqa: BLE001 - shown in the window
-        if batch:
-            yield batch, snapshot()
-            batch = []
-        yield WorkerFailure(error, traceback.format_exc())
-    if batch:
-        yield batch, snapshot()
 
 
 class SidePanel(QWidget):
@@ -94,10 +74,6 @@ class SidePanel(QWidget):
         engine = series["engine"] > 0
         steps_, prefill, decode = series["step"][engine], series["prefill"][engine], series["decode"][engine]
         self.batch.set_data(steps_[-BARS_SHOWN:], prefill[-BARS_SHOWN:], decode[-BARS_SHOWN:])
-
-    def show_snapshot(self, snapshot) -> None:
-        self.forest.set_nodes(snapshot.forest)
-        self.show_timeline(snapshot)
 
     def show_timeline(self, snapshot) -> None:
         self.timeline.set_rows(snapshot.requests, snapshot.step.t1 if snapshot.step is not None else 0.0)
@@ -284,9 +260,9 @@ class ServerWindow(QWidget):
         if self.stepper.done:
             self._finished_all()
             return
-        self.control = RunControl(budget=budget, breath=GIL_BREATH, short_step=SHORT_STEP)
-        self.worker = create_worker(serve_steps, self.stepper, self.control, self._snapshot, _start_thread=False,
-                                    _ignore_errors=True)
+        self.control = run_control(budget)
+        self.worker = create_worker(worker_steps, self.stepper, self.control, FRAME, self._handover,
+                                    _start_thread=False, _ignore_errors=True)
         self.worker.yielded.connect(self._received)
         self.worker.finished.connect(self._worker_finished)
         self.worker.start()
@@ -296,8 +272,7 @@ class ServerWindow(QWidget):
         if self.busy or (self.stepper is None and not self.start()):
             return 0
         taken = 0
-        for item in serve_steps(self.stepper, RunControl(budget=n), self._snapshot,
-                                flush_every=0.0 if every_step else FRAME):
+        for item in worker_steps(self.stepper, RunControl(budget=n), 0.0 if every_step else FRAME, self._handover):
             if not isinstance(item, WorkerFailure):
                 taken += len(item[0])
             self._received(item)
@@ -306,8 +281,9 @@ class ServerWindow(QWidget):
         self.redraw()
         return taken
 
-    def _snapshot(self) -> tuple:
-        return tuple(side.snapshot() for side in self.sides)
+    def _handover(self, server_steps: list) -> tuple:
+        """What the worker hands the UI thread: the steps, and each side's snapshot taken after them."""
+        return server_steps, tuple(side.snapshot() for side in self.sides)
 
     def _received(self, item) -> None:
         if isinstance(item, WorkerFailure):
