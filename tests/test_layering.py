@@ -182,3 +182,38 @@ def test_the_settings_table_loads_without_the_engine():
     code = "import sys, pagevis.settings; print(sorted(m for m in sys.modules if m.startswith('pagevis.')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "['pagevis.errors', 'pagevis.settings']"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the pagevis modules it imports; a module's import of a package it is inside is left out
+    (the package's __init__ runs first anyway: pagevis.gui.server.window may import pagevis.gui)."""
+    graph = {}
+    for path, name, package in modules():
+        graph[name] = {target for _line, target in imports(path, package)
+                       if target.startswith("pagevis.") and _is_module(target) and target != name
+                       and not name.startswith(target + ".")}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """A path back to its start for every module of graph that lies on an import cycle."""
+    found = []
+    for start in sorted(graph):
+        seen, frontier = {start: [start]}, [start]
+        while frontier and not any(start == c[0] for c in found):
+            module = frontier.pop()
+            for target in sorted(graph.get(module, ())):
+                if target == start:
+                    found.append(seen[module] + [start])
+                    break
+                if target in graph and target not in seen:
+                    seen[target] = seen[module] + [target]
+                    frontier.append(target)
+    return found
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"], ["b", "c", "a", "b"],
+                                                                      ["c", "a", "b", "c"]]
+    found = cycles(_import_graph())
+    assert not found, "import cycles: " + "; ".join(" -> ".join(c) for c in found)

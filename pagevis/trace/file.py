@@ -38,6 +38,7 @@ from pagevis.trace.schema import (
     arrays_of_version,
     check_header,
     check_values,
+    config_from_dict,
     expected_arrays,
 )
 
@@ -261,10 +262,6 @@ def undo_xor_delta(delta: np.ndarray) -> np.ndarray:
 def config_to_dict(config: SessionConfig) -> dict:
     """The header's `config`: the settings table's JSON form of the session's settings."""
     return settings.to_dict(config)
-
-
-def config_from_dict(data: dict) -> SessionConfig:
-    return settings.from_dict(data, SessionConfig())
 
 
 # --- reading ---------------------------------------------------------------------------------------
