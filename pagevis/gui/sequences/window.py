@@ -22,7 +22,7 @@ from pagevis.engine.batch import BatchConfig
 from pagevis.kvcache import CacheFullError, ConfigError, EventKind
 from pagevis.gui.session.runner import WorkerFailure, run_control, worker_steps
 from pagevis.gui.widgets.setting_inputs import setting_input
-from pagevis.gui.sequences.view import SequencesView
+from pagevis.gui.sequences.view import SequencesStep, SequencesView
 
 SHORT_NAMES = {EventKind.COPY_ON_WRITE: "cow"}  # the status line is narrow
 
@@ -205,11 +205,11 @@ class SequencesWindow(QWidget):
         if not 0 <= index < len(self.records):
             return
         lengths = self.lengths[index]
-        texts = {}
+        texts = []
         for seq_id, n in lengths.items():
             ids = self.batch.requests[seq_id].generated[:n]
-            texts[seq_id] = self.model.tokenizer.decode(ids) if self.model.tokenizer else " ".join(map(str, ids))
-        self.view.show_record(self.records[index], self.config.page_size, texts)
+            texts.append((seq_id, self.model.tokenizer.decode(ids) if self.model.tokenizer else " ".join(map(str, ids))))
+        self.view.show_state(SequencesStep(self.records[index], self.config.page_size, tuple(texts)))
         current = self.fork_seq.currentData()
         self.fork_seq.clear()
         for seq_id in lengths:

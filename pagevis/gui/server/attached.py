@@ -256,7 +256,7 @@ class AttachedServerWindow(QWidget):
             series = self.metrics_worker.snapshot()
             if len(series) != len(self.series):
                 self.series = series
-                self.plots.set_series({"A": series})
+                self.plots.show_state({"A": series})
                 self.numbers.setText(self.plots.numbers_html() + self._queues())
             if self.metrics_worker.error:
                 parts.append(f"<span style='color:#ff7a7a'>metrics: {self.metrics_worker.error}</span>")

@@ -28,7 +28,7 @@ from pagevis.gui.session.runner import WorkerFailure, run_control, worker_steps
 from pagevis.gui.sequences.window import _spin
 from pagevis.gui.server.forest import ServerForest
 from pagevis.gui.server.plots import SIDE_COLORS, SideSeries, ServerPlots
-from pagevis.gui.server.pool import BARS_SHOWN, BatchBars, QueuesView, RequestPoolGrid, legend_html, pool_cells
+from pagevis.gui.server.pool import BatchBars, QueuesView, legend_html, pool_cells, request_pool_grid
 from pagevis.gui.server.timeline import RequestTimeline
 
 FRAME = 1 / 30  # the UI redraws at most this often
@@ -43,7 +43,7 @@ class SidePanel(QWidget):
         self.side = side
         self.title = QLabel(f"<b style='color:{SIDE_COLORS[side]}'>{side}</b> {label}")
         self.title.setWordWrap(True)
-        self.pool = RequestPoolGrid()
+        self.pool = request_pool_grid()
         self.queues = QueuesView()
         self.batch = BatchBars()
         self.forest = ServerForest()
@@ -65,18 +65,13 @@ class SidePanel(QWidget):
         layout.addWidget(split)
         self.step = None
 
-    def show_step(self, step, series: SideSeries) -> None:
+    def show_state(self, step, series: SideSeries) -> None:
         """The newest step's pool and queues, and the batches of the newest steps."""
         self.step = step
         if step.pool is not None:
-            self.pool.set_cells(pool_cells(step))
-        self.queues.set_step(step)
-        engine = series["engine"] > 0
-        steps_, prefill, decode = series["step"][engine], series["prefill"][engine], series["decode"][engine]
-        self.batch.set_data(steps_[-BARS_SHOWN:], prefill[-BARS_SHOWN:], decode[-BARS_SHOWN:])
-
-    def show_timeline(self, snapshot) -> None:
-        self.timeline.set_rows(snapshot.requests, snapshot.step.t1 if snapshot.step is not None else 0.0)
+            self.pool.show_state(pool_cells(step))
+        self.queues.show_state(step)
+        self.batch.show_state(series)
 
 
 class ServerWindow(QWidget):
@@ -351,14 +346,14 @@ class ServerWindow(QWidget):
         def fast() -> None:  # every frame: each side's pool, queues and batch
             for side, panel in self.panels.items():
                 if side in self.latest:
-                    panel.show_step(self.latest[side], self.series[side])
+                    panel.show_state(self.latest[side], self.series[side])
 
         jobs = [fast]
         if slow:
             for side, panel in self.panels.items():
                 if side in self.snapshots:
-                    jobs.append(lambda p=panel, s=side: p.forest.set_nodes(self.snapshots[s].forest))
-                    jobs.append(lambda p=panel, s=side: p.show_timeline(self.snapshots[s]))
+                    jobs.append(lambda p=panel, s=side: p.forest.show_state(self.snapshots[s]))
+                    jobs.append(lambda p=panel, s=side: p.timeline.show_state(self.snapshots[s]))
             jobs += [self._plots, self._summary, self._status_line]
         return jobs
 
@@ -372,7 +367,7 @@ class ServerWindow(QWidget):
             job()
 
     def _plots(self) -> None:
-        self.plots.set_series(self.series)
+        self.plots.show_state(self.series)
         self.numbers.setText(self.plots.numbers_html())
 
     def _status_line(self) -> None:
