@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 from PySide6.QtCore import QRectF, QSize, Qt
 from PySide6.QtGui import QColor, QPainter
-from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QLabel, QSplitter, QTableWidget, QTableWidgetItem,
-                               QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QHeaderView, QLabel, QTableWidget, QTableWidgetItem,
+                               QWidget)
 
 from pagevis.gui.widgets import theme
+from pagevis.gui.widgets.layout import splitter, stacked
 from pagevis.gui.widgets.pool_grid import CACHED_COLOR, FREE_COLOR, INK, SHARED_COLOR, PoolGrid, page_cells
 
 def owner_color(seq_id: int) -> str:
@@ -95,24 +96,9 @@ class SequencesView(QWidget):
         self.texts.setWordWrap(True)
         self.texts.horizontalHeader().setSectionResizeMode(QHeaderView.Stretch)
         self.texts.verticalHeader().setVisible(False)
-        left = QWidget()
-        column = QVBoxLayout(left)
-        column.setContentsMargins(0, 0, 0, 0)
-        column.addWidget(self.grid, 3)
-        column.addWidget(self.legend)
-        column.addWidget(self.queue)
-        column.addWidget(self.memory)
-        column.addWidget(self.memory_note)
-        top = QSplitter(Qt.Horizontal)
-        top.addWidget(left)
-        top.addWidget(self.tables)
-        split = QSplitter(Qt.Vertical)
-        split.addWidget(top)
-        split.addWidget(self.texts)
-        split.setSizes([500, 200])
-        layout = QHBoxLayout(self)
-        layout.setContentsMargins(2, 2, 2, 2)
-        layout.addWidget(split)
+        left = stacked((self.grid, 3), self.legend, self.queue, self.memory, self.memory_note)
+        top = splitter(Qt.Horizontal, left, self.tables)
+        stacked(splitter(Qt.Vertical, top, self.texts, sizes=[500, 200]), margins=(2, 2, 2, 2), into=self)
         self.record = None
 
     def show_state(self, snapshot: SequencesStep) -> None:
