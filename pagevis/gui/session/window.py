@@ -1,4 +1,10 @@
-"""The main window: controls, transport, dockable views, menus, status bar; wires the runner to the views."""
+"""The main window: controls, transport, dockable views, menus, status bar; wires the runner to the views.
+
+Why one module of about 730 lines: one QMainWindow whose sections (layout, session, transport, rendering,
+files, settings) act on the same docks, runner and transport; the views, controls, runner and exports it wires
+live in their own modules. The next part to move out is the files section (the other windows, save and
+export), into a module of its own.
+"""
 
 from __future__ import annotations
 
