@@ -28,6 +28,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pagevis.token_times import TokenTimes
+
 PAGE_FAULT_KIND = "fault_in"  # the disk tier's event: a page read from disk into a RAM frame
 # A record's `tiers.count(name)` (per layer; records of sessions with a disk tier) -> what is counted.
 TIER_BYTES = {"bytes_written": "swap_out", "bytes_read": "fault_in"}
@@ -198,11 +200,8 @@ class EngineObserver:
                     m.prompt_tokens.inc(len(engine.requests[seq.seq_id].prompt_ids))
             if seq.next_token >= 0:
                 m.generation_tokens.inc()
-                if timeline.last_token is None:
-                    m.time_to_first_token.observe(now - timeline.arrival)
-                else:
-                    m.inter_token_latency.observe(now - timeline.last_token)
-                timeline.last_token = now
+                first, seconds = timeline.token(now)
+                (m.time_to_first_token if first else m.inter_token_latency).observe(seconds)
         kinds: dict[str, int] = {}
         evicted: dict[str, int] = {}
         for event in record.events:
@@ -229,23 +228,20 @@ class EngineObserver:
         self.queues(engine)
 
 
-class _Timeline:
+class _Timeline(TokenTimes):
     """One request's times (time.monotonic), shifted by its pauses so that they never count."""
 
-    __slots__ = ("arrival", "first_step", "last_token", "paused_at")
+    __slots__ = ("first_step", "paused_at")
 
     def __init__(self, arrival: float) -> None:
-        self.arrival = arrival
+        super().__init__(arrival)
         self.first_step: float | None = None
-        self.last_token: float | None = None
         self.paused_at: float | None = None
 
     def shift(self, seconds: float) -> None:
-        self.arrival += seconds
+        super().shift(seconds)
         if self.first_step is not None:
             self.first_step += seconds
-        if self.last_token is not None:
-            self.last_token += seconds
         self.paused_at = None
 
 

@@ -196,8 +196,8 @@ def test_scrubbing_a_recording_shows_exactly_the_state(qtbot, windows, name):
         assert window.forest.block_count == sum(resident.values())
         assert window.forest.count_by_class() == resident
         assert shown_keys(window) == resident_keys(want)  # the very blocks, no more
-        bars = window.media_bars.opts
-        assert dict(zip([t[1] for t in window.media_plot.getAxis("left")._tickLevels[0]],
+        bars = window.plots.media_bars.opts
+        assert dict(zip([t[1] for t in window.plots.media_plot.getAxis("left")._tickLevels[0]],
                         np.asarray(bars["width"]).tolist())) == dict(want.resident)
         assert window.frame.engine.counters.last_seq == want.counters.last_seq
     assert window.stop()
@@ -397,11 +397,11 @@ def test_metrics_are_plotted_beside_the_events(qtbot, windows, publishers):
     with metrics_endpoint(body) as url:
         window = open_live(qtbot, windows, [publishers()], metrics_url=url)
         window.metrics_worker.interval_s = 0.1
-        qtbot.waitUntil(lambda: len(window.hit_curve.getData()[1] if window.hit_curve.getData()[1] is not None
+        qtbot.waitUntil(lambda: len(window.plots.metrics.hit_curve.getData()[1] if window.plots.metrics.hit_curve.getData()[1] is not None
                                     else []) >= 2, timeout=WAIT_MS)
-        assert window.requests_plot.isVisible()
-        assert set(window.running_curve.getData()[1]) == {3.0} and set(window.usage_curve.getData()[1]) == {25.0}
-        assert set(window.hit_curve.getData()[1]) == {75.0}
+        assert window.plots.metrics.requests_plot.isVisible()
+        assert set(window.plots.metrics.running_curve.getData()[1]) == {3.0} and set(window.plots.metrics.usage_curve.getData()[1]) == {25.0}
+        assert set(window.plots.metrics.hit_curve.getData()[1]) == {75.0}
         window.close()
 
 

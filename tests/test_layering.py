@@ -24,7 +24,7 @@ QT = ("PySide6", "shiboken6", "pyqtgraph", "superqt", "qtpy", "PyQt5", "PyQt6")
 # Each package of pagevis (or module at its top), and the other pagevis packages and modules it may import.
 # An entry allows that package or module and everything under it; `pagevis` itself (the version string)
 # is allowed everywhere. Anything else is refused, and a new package must be given a row here.
-FOUNDATION = {"errors", "settings", "system_memory"}
+FOUNDATION = {"errors", "settings", "system_memory", "token_times"}
 ALLOWED: dict[str, set[str]] = {
     # One error type for a bad setting, used by every layer.
     "errors": set(),
@@ -33,6 +33,8 @@ ALLOWED: dict[str, set[str]] = {
     "settings": {"errors", "kvcache.policies"},
     # Free memory and rlimits (model loading, trace reading, the CLI's up-front checks).
     "system_memory": set(),
+    # One request's time to first token and inter-token gaps: the metrics, the simulated server, the benches.
+    "token_times": set(),
     # The paged KV cache, its policies and attention: the bottom layer; it knows none of the layers above.
     "kvcache": FOUNDATION,
     # The model: forward passes over an attention function the caller passes in.
@@ -46,8 +48,8 @@ ALLOWED: dict[str, set[str]] = {
     "presets": FOUNDATION | {"engine", "simserver"},
     # Trace files, reading and writing in one package: records of decoding sessions; no front end.
     "trace": FOUNDATION | {"kvcache", "model", "engine"},
-    # Prometheus metrics of sessions (run, serve, the app): on its own.
-    "observe": set(),
+    # Prometheus metrics of sessions (run, serve, the app): on its own but for the one token-times tracker.
+    "observe": {"token_times"},
     # Checks that the platform can run Qt, without importing Qt.
     "platform_check": set(),
     # Subscribers of other engines' KV events: independent of our engine and of every front end (the model
@@ -180,3 +182,38 @@ def test_the_settings_table_loads_without_the_engine():
     code = "import sys, pagevis.settings; print(sorted(m for m in sys.modules if m.startswith('pagevis.')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "['pagevis.errors', 'pagevis.settings']"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the pagevis modules it imports; a module's import of a package it is inside is left out
+    (the package's __init__ runs first anyway: pagevis.gui.server.window may import pagevis.gui)."""
+    graph = {}
+    for path, name, package in modules():
+        graph[name] = {target for _line, target in imports(path, package)
+                       if target.startswith("pagevis.") and _is_module(target) and target != name
+                       and not name.startswith(target + ".")}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """A path back to its start for every module of graph that lies on an import cycle."""
+    found = []
+    for start in sorted(graph):
+        seen, frontier = {start: [start]}, [start]
+        while frontier and not any(start == c[0] for c in found):
+            module = frontier.pop()
+            for target in sorted(graph.get(module, ())):
+                if target == start:
+                    found.append(seen[module] + [start])
+                    break
+                if target in graph and target not in seen:
+                    seen[target] = seen[module] + [target]
+                    frontier.append(target)
+    return found
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"], ["b", "c", "a", "b"],
+                                                                      ["c", "a", "b", "c"]]
+    found = cycles(_import_graph())
+    assert not found, "import cycles: " + "; ".join(" -> ".join(c) for c in found)

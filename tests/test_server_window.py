@@ -236,7 +236,7 @@ def check_views_against_the_engine(w) -> None:
             assert drawn["hits"][1][-1] == pytest.approx(100 * stats.hits / stats.queries)
         series = w.series[server.side]
         assert series["generated"][-1] == sum(len(r.generated) for r in engine.requests.values())
-        assert len(drawn["ttft"][1]) == sum(1 for t in server.tracks.values() if t.first_token is not None)
+        assert len(drawn["ttft"][1]) == sum(1 for t in server.tracks.values() if t.times.first_token is not None)
         if step.record is not None:
             bars = panel.batch
             assert bars.prefill_tokens[-1] == sum(s.n_tokens for s in step.record.seqs if s.kind == "prefill")

@@ -82,10 +82,6 @@ class KVEventPublisher:
                                             name="kv-event-replay")
             self._thread.start()
 
-    @property
-    def next_seq(self) -> int:
-        return self._seq
-
     def publish(self, events: list, ts: float | None = None, send: bool = True) -> int:
         """Publish one batch; returns its seq. `send=False` only buffers it for replay (a message the network
         lost: for tests)."""

@@ -32,7 +32,7 @@ parent hash (no set per block). Measured by `python -m pagevis.bench.attach`: se
 per engine (`max_blocks`; more stores are dropped and counted), the batch history ring, recent hashes,
 lifetimes sample, hot table, removal memory.
 
-Snapshot rows are slots: `BlockColumns.resident` marks the rows that hold a block; rows keep their block while
+The snapshots' classes are in snapshot.py. Snapshot rows are slots: `BlockColumns.resident` marks the rows that hold a block; rows keep their block while
 it is resident, so a view can lay out incrementally. `parent_row` is the parent's row when the parent is
 resident in the same tier, else -1. A hostile stream can make parent links cycle: walk them with a visited set.
 """
@@ -45,7 +45,7 @@ from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -58,6 +58,17 @@ from pagevis.attach.events import (
     pack_tokens,
 )
 from pagevis.attach.events import _ClearedArray, _RemovedArray, _StoredArray
+from pagevis.attach.snapshot import (
+    BlockColumns,
+    BlockInfo,
+    Counters,
+    EngineSnapshot,
+    FleetSnapshot,
+    History,
+    HotPrefix,
+    RecentBlock,
+    TierInfo,
+)
 
 GPU = "GPU"
 MAX_TIERS = 64  # distinct (medium, group) pairs per engine; more are refused as decode errors
@@ -79,126 +90,6 @@ class StateLimits:
     hot_window_s: float = 10.0  # a block stored again within this long after its removal is "hot"
     hot_capacity: int = 1024  # hot blocks tracked (least recently hot dropped)
     removed_memory: int = 65_536  # removed hashes remembered per tier, to see them come back
-
-
-@dataclass(frozen=True)
-class Counters:
-    epoch: int
-    batches: int  # distinct seqs applied (all epochs)
-    replayed_batches: int  # of which came from the replay endpoint
-    duplicates: int  # batches seen again (replay overlapping the live stream)
-    last_seq: int | None  # in this epoch
-    first_seq: int | None  # first seq applied in this epoch
-    last_ts: float | None
-    events: Mapping[str, int]  # events (not blocks) by type
-    blocks_stored: int
-    blocks_removed: int
-    reused_stores: int  # BlockStored of a block already resident
-    unknown_removes: int  # BlockRemoved of a block not resident
-    dropped_stores: int  # refused by max_blocks
-    decode_errors: int
-    decode_errors_by_reason: Mapping[str, int]
-    last_decode_error: str
-    unknown_event_types: Mapping[str, int]
-    gaps: int  # places where seqs were missing
-    gaps_unrecovered: int  # of which replay could not fill every missing seq
-    missing_batches: int  # seqs never applied
-    history_from_seq: int | None  # at the start of this epoch the replay buffer began here (None: no replay)
-    history_batches: int  # batches the replay buffer gave at the start of this epoch
-    history_missing: int | None  # seqs from before the buffer (0: the whole history was rebuilt; None: unknown)
-
-
-@dataclass(frozen=True)
-class BlockInfo:
-    hash: Any
-    parent: Any
-    medium: str
-    group: int | None
-    token_ids: tuple[int, ...]
-    block_size: int
-    seq: int
-    ts: float
-    extras: Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class TierInfo:
-    index: int
-    medium: str
-    group: int | None
-    resident: int
-
-
-@dataclass(frozen=True)
-class BlockColumns:
-    """One row per slot; read-only arrays and tuples."""
-
-    resident: np.ndarray  # bool
-    tier: np.ndarray  # int32 index into EngineSnapshot.tiers, -1 for a free row
-    parent_row: np.ndarray  # int32
-    block_size: np.ndarray  # int32
-    seq: np.ndarray  # int64, the batch that stored the block
-    ts: np.ndarray  # float64, that batch's engine timestamp
-    hashes: tuple
-    parents: tuple
-    tokens: tuple  # bytes (uint32 little-endian) or None
-    extras: tuple  # dict of the optional fields that were not None, or None
-
-    def token_ids(self, row: int) -> np.ndarray:
-        data = self.tokens[row]
-        return np.frombuffer(data or b"", dtype="<u4")  # frombuffer over bytes is read-only
-
-
-@dataclass(frozen=True)
-class History:
-    """The last `StateLimits.history` batches, oldest first (read-only arrays)."""
-
-    ts: np.ndarray
-    seq: np.ndarray
-    stored: np.ndarray  # blocks stored by the batch
-    removed: np.ndarray  # blocks removed (cleared ones included)
-    resident: np.ndarray  # resident blocks after it, all media
-
-
-@dataclass(frozen=True)
-class RecentBlock:
-    hash: Any
-    medium: str
-    group: int | None
-    seq: int
-    ts: float
-
-
-@dataclass(frozen=True)
-class HotPrefix:
-    hash: Any
-    medium: str
-    group: int | None
-    restores: int  # times stored again within hot_window_s of its removal
-    last_ts: float
-    last_gap_s: float  # time between the last removal and the store after it
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    name: str
-    counters: Counters
-    resident: Mapping[str, int]  # by medium
-    tiers: tuple[TierInfo, ...]
-    history: History
-    recent_stored: tuple[RecentBlock, ...]  # newest last
-    recent_removed: tuple[RecentBlock, ...]
-    lifetimes: np.ndarray  # seconds, most recent last
-    lifetimes_total: int
-    lifetimes_mean_s: float
-    hot: tuple[HotPrefix, ...]  # most restores first
-    blocks: BlockColumns | None
-
-
-@dataclass(frozen=True)
-class FleetSnapshot:
-    engines: tuple[EngineSnapshot, ...]
-    shared_blocks: int  # hashes resident on GPU in two or more engines
 
 
 def _frozen(values: np.ndarray) -> np.ndarray:

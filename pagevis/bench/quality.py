@@ -25,6 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pagevis.engine import DecodeSession, SessionConfig, steps
+from pagevis.engine.logits_tap import LogitsTap
 from pagevis.engine.sampling import log_softmax
 from pagevis.kvcache import CacheConfig, CacheFullError, ConfigError, KVCacheManager
 from pagevis.kvcache.policies import POLICIES
@@ -186,29 +187,6 @@ def full_reference(model, token_ids, page_size: int = 16, dtype: str = "float32"
     return reference
 
 
-class _KeepAllLogits:
-    """The model as a DecodeSession sees it, keeping the logits of every token of the last forward.
-
-    A chunk runs in pieces of at most `piece` tokens: the session prefills a whole budget at once, and one
-    piece's attention weights (piece x heads x keys, float32) stay small where a 4,096-token chunk's would
-    take 600 MB. The pieces are consecutive and the chunk fits the free slots, so nothing is evicted
-    between them and every query sees what it would have seen in one call.
-    """
-
-    def __init__(self, model, piece: int = 256):
-        self.model, self.config, self.tokenizer = model, model.config, model.tokenizer
-        self.piece = piece
-        self.logits: np.ndarray | None = None
-
-    def forward(self, token_ids, positions, attend, all_logits=False, logit_rows=None):
-        pieces = [self.model.forward(token_ids[i: i + self.piece], positions[i: i + self.piece], attend,
-                                     all_logits=True) for i in range(0, len(token_ids), self.piece)]
-        self.logits = np.concatenate([np.atleast_2d(p) for p in pieces])
-        if logit_rows is not None:
-            return self.logits[logit_rows]
-        return self.logits if all_logits else self.logits[-1]
-
-
 def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, page_size: int,
              dtype: str = "float32", progress: Callable[[int], None] | None = None, piece: int = 256,
              residual: int | None = None, equal_memory_to: str = "") -> Row:
@@ -228,10 +206,10 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
     storage = {"dtype": dtype} if residual is None else {"dtype": dtype, "residual": residual}
     config = SessionConfig(page_size=page_size, max_pages=max_pages, policy_params=params, max_new_tokens=1,
                            oracle=False, chat=False, record_layers=(), **storage, **tier)
-    wrapped = _KeepAllLogits(model, piece)
+    tap = LogitsTap(model, piece)
     if optimal:  # the session builds policies by name; this one needs the future
         optimal.bind(config.capacity, page_size)
-    session = DecodeSession(wrapped, "", config, prompt_ids=[int(t) for t in ids], policy=optimal)
+    session = DecodeSession(tap, "", config, prompt_ids=[int(t) for t in ids], policy=optimal)
     true_lp = np.zeros(n - 1)
     kl = np.zeros(n - 1)
     agree = np.zeros(n - 1, dtype=bool)
@@ -244,10 +222,12 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
             session.records[-1] = None  # read once here; keeps the step count, not the arrays (8k steps)
             evictions = record.evictions_total
             resident = _read_by_layer(session, record, n)  # what this step's queries attended to
+            logits = tap.logits[-1]  # every token of the step's one forward (no oracle)
+            tap.clear()
             for i, p in enumerate(record.positions):
                 if p >= n - 1:
                     continue
-                bounded = log_softmax(wrapped.logits[i])
+                bounded = log_softmax(logits[i])
                 full = reference.logprobs(p)
                 true_lp[p] = bounded[ids[p + 1]]
                 kl[p] = float(np.sum(np.exp(full) * (full - bounded)))

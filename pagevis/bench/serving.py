@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagevis.bench.serve import ServerProcess
+from pagevis.token_times import TokenTimes
 
 CONCURRENCIES = (1, 2, 4, 8, 16)
 SERVER_FLAGS = ("--page-size", "16", "--max-pages", "64", "--pool-pages", "512", "--max-running", "16",
@@ -84,7 +85,7 @@ def chat(client, model: str, messages: list[dict], max_tokens: int, system: int)
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
-    last = None
+    times = TokenTimes()
     try:
         with client.stream("POST", "/v1/chat/completions", json=body) as answer:
             outcome.status = answer.status_code
@@ -105,11 +106,11 @@ def chat(client, model: str, messages: list[dict], max_tokens: int, system: int)
                     text = choice.get("delta", {}).get("content")
                     if text:
                         outcome.text += text
-                        if last is None:
-                            outcome.ttft = now
+                        first, seconds = times.token(now)
+                        if first:
+                            outcome.ttft = seconds
                         else:
-                            outcome.gaps.append(now - last)
-                        last = now
+                            outcome.gaps.append(seconds)
                     outcome.finish = choice.get("finish_reason") or outcome.finish
     except Exception as error:  # noqa: BLE001 - counted as a failed request
         outcome.error = f"{type(error).__name__}: {error}"

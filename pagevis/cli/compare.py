@@ -149,8 +149,6 @@ def load_text(path: str | None) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from pagevis.bench import quality
-    from pagevis.bench.optimal import OPTIMAL
-    from pagevis.kvcache import CacheSettings, ConfigError
 
     options.check_range("--page-size", args.page_size, 1, MAX_PAGE_SIZE)
     options.check_range("--tokens", args.tokens, 2, MAX_TOKENS)
@@ -168,22 +166,7 @@ def main(args: argparse.Namespace) -> int:
     spec = options.model_spec(args)
     model = spec.load()
     check_budgets(budgets, args, model.config)
-    for choice in choices:  # policy parameters that cannot fit a budget fail before decoding, not halfway through
-        for budget in budgets:
-            if choice.name == OPTIMAL:
-                continue
-            try:
-                tier = quality.tier_settings(choice, budget, args.page_size, args.tokens)
-                if tier is not None:
-                    CacheSettings(page_size=args.page_size, max_pages=budget // args.page_size, **tier).check()
-                    continue
-                max_pages, params = quality.session_pages(choice, budget, args.page_size, model.config)
-                CacheSettings(page_size=args.page_size, max_pages=max_pages, policy=choice.name,
-                              policy_params=params).check()
-            except ConfigError as error:
-                if error.field == "max_pages":  # the budget itself is too large: check_budgets says so below
-                    continue
-                raise UsageError(f"--policies {choice.label} at budget {budget}: {error}") from None
+    check_policy_budgets(choices, budgets, args, model.config)
     ids = model.tokenizer.encode(text)[: args.tokens]
     if len(ids) < 2:
         raise UsageError("the text is too short: it must encode to at least 2 tokens")
@@ -230,22 +213,51 @@ def main(args: argparse.Namespace) -> int:
               "equal_memory": args.equal_memory, "full_cache_ppl": reference.perplexity(),
               "seconds": progress.elapsed(), "estimated_seconds": estimate.total,
               "peak_rss_mb": quality.peak_rss_bytes() / 1e6, "rows": [row.as_dict() for row in rows[1:]]}
+    report(result, rows, args)
+    if not args.quiet:
+        print(f"compare: took {_duration(result['seconds'])} (estimated {_duration(estimate.total)}), peak memory "
+              f"{result['peak_rss_mb']:.0f} MB", file=sys.stderr)
+    return 0
+
+
+def check_policy_budgets(choices, budgets, args, model_config) -> None:
+    """Policy parameters that cannot fit a budget fail before decoding (UsageError), not halfway through."""
+    from pagevis.bench import quality
+    from pagevis.bench.optimal import OPTIMAL
+    from pagevis.kvcache import CacheSettings, ConfigError
+
+    for choice in choices:
+        for budget in budgets:
+            if choice.name == OPTIMAL:
+                continue
+            try:
+                tier = quality.tier_settings(choice, budget, args.page_size, args.tokens)
+                if tier is not None:
+                    CacheSettings(page_size=args.page_size, max_pages=budget // args.page_size, **tier).check()
+                    continue
+                max_pages, params = quality.session_pages(choice, budget, args.page_size, model_config)
+                CacheSettings(page_size=args.page_size, max_pages=max_pages, policy=choice.name,
+                              policy_params=params).check()
+            except ConfigError as error:
+                if error.field == "max_pages":  # the budget itself is too large: check_budgets says so
+                    continue
+                raise UsageError(f"--policies {choice.label} at budget {budget}: {error}") from None
+
+
+def report(result: dict, rows: list, args: argparse.Namespace) -> None:
+    """The files (CSV, plot) and the table, or the JSON object, on stdout."""
     if not args.no_files:
         write_csv(args.csv, rows)
         write_plot(args.plot, rows, result)
         result["files"] = {"csv": args.csv, "plot": args.plot}
     if args.json:
         print(json.dumps(result, ensure_ascii=False))
-    else:
-        storage = ", ".join(dtypes) + (f" (residual {residual})" if "residual" in result else "")
-        print(f"{spec.label}, {len(ids)} tokens of {result['text']}, page size {args.page_size}, {storage}")
-        print(format_table(rows))
-        if not args.no_files:
-            print(f"wrote {args.csv} and {args.plot}", file=sys.stderr)
-    if not args.quiet:
-        print(f"compare: took {_duration(result['seconds'])} (estimated {_duration(estimate.total)}), peak memory "
-              f"{result['peak_rss_mb']:.0f} MB", file=sys.stderr)
-    return 0
+        return
+    storage = ", ".join(result["dtypes"]) + (f" (residual {result['residual']})" if "residual" in result else "")
+    print(f"{result['model']}, {result['tokens']} tokens of {result['text']}, page size {args.page_size}, {storage}")
+    print(format_table(rows))
+    if not args.no_files:
+        print(f"wrote {args.csv} and {args.plot}", file=sys.stderr)
 
 
 def configurations(choices, budgets, dtypes, args, residual, model_config, n_tokens) -> list[tuple]:

@@ -19,6 +19,11 @@ settings' capacity; the pool's pages are shared by all sequences.
   belong to the sequence, not the page: masking a shared page copies nothing.
 
 Every change is recorded as a CacheEvent.
+
+Why one module of about 700 lines: it is the only code that changes pages, and append, evict, copy-on-write,
+fork, the prefix cache and attention all read and write the same per-sequence tables, the pool's reference
+counts and one event list; the pieces without that state already live beside it (block_pool, store, reader,
+prefix hashing, events).
 """
 
 from __future__ import annotations

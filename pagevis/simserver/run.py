@@ -34,6 +34,7 @@ from pagevis.engine.engine import Engine
 from pagevis.simserver.forest import ForestNode, PoolForest
 from pagevis.engine.session_config import SessionConfig
 from pagevis.simserver.workload import Arrival, ArrivalSchedule
+from pagevis.token_times import TokenTimes
 
 PHASES = ("queued", "prefill", "decode", "preempted", "done")
 RESERVATIONS = ("paged", "contiguous")
@@ -146,8 +147,7 @@ class _Track:
     seq_id: int = -1
     phase: str = "queued"
     segments: list = field(default_factory=list)  # [phase, t0, t1]
-    first_token: float | None = None
-    last_token: float | None = None
+    times: TokenTimes = field(default_factory=TokenTimes)  # from its arrival, in server seconds
     prefix_hit_tokens: int = 0
     stop_reason: str | None = None
 
@@ -235,7 +235,7 @@ class ServerRun:
             due.append(heappop(self._follow_ups)[2])
         due.sort(key=lambda a: (a.time, a.id))
         for arrival in due:
-            track = self.tracks[arrival.id] = _Track(arrival)
+            track = self.tracks[arrival.id] = _Track(arrival, times=TokenTimes(arrival.time))
             track.extend("queued", arrival.time, now)
             pages = -(-(len(arrival.prompt_ids) + arrival.max_new_tokens) // self.page_size)
             if pages > self.config.pool_pages or len(arrival.prompt_ids) >= self.capacity:
@@ -295,12 +295,8 @@ class ServerRun:
             if s is not None:
                 phase = "prefill" if s.kind == "prefill" else "decode"
                 if s.next_token >= 0:
-                    if track.first_token is None:
-                        track.first_token = t1
-                        ttft.append(t1 - track.arrival.time)
-                    else:
-                        itl.append(t1 - track.last_token)
-                    track.last_token = t1
+                    first, seconds = track.times.token(t1)
+                    (ttft if first else itl).append(seconds)
             elif track.seq_id in waiting:
                 phase = "preempted" if request.preemptions else "queued"
             else:  # running, but the step's token budget left it out
@@ -364,7 +360,7 @@ class ServerRun:
                 n_prompt=len(arrival.prompt_ids), n_generated=len(request.generated) if request else 0,
                 max_new_tokens=arrival.max_new_tokens, preemptions=request.preemptions if request else 0,
                 prefix_hit_tokens=track.prefix_hit_tokens,
-                ttft=None if track.first_token is None else track.first_token - arrival.time,
+                ttft=track.times.ttft,
                 stop_reason=track.stop_reason, text=arrival.text))
         return tuple(rows)
 

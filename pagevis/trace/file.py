@@ -18,7 +18,7 @@ import numbers
 import os
 import zipfile
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from pagevis import __version__, settings
 from pagevis.engine import ModelSpec, OracleStep, SessionConfig, StepRecord, TierStep
 from pagevis.engine.table_log import TablesAt
 from pagevis.kvcache import COUNT_NAMES, CacheEvent, ConfigError, EventKind
-from pagevis.kvcache.event_array import EVENT_DTYPE, EventArray, Strings, to_rows
+from pagevis.kvcache.event_array import EventArray, Strings, to_rows
 from pagevis.trace.archive import Archive, TraceError
 from pagevis.trace.schema import (
     DELTA_ENCODED,
@@ -38,6 +38,7 @@ from pagevis.trace.schema import (
     arrays_of_version,
     check_header,
     check_values,
+    config_from_dict,
     expected_arrays,
 )
 
@@ -104,31 +105,66 @@ def write_trace(path, source, *, model_label: str | None = None, model_spec: Mod
     return os.path.getsize(path)
 
 
+class _Shape(NamedTuple):
+    """The sizes every record of a trace shares."""
+
+    n_layers: int
+    max_pages: int
+    page_size: int
+    n_page_ids: int
+    map_pages: int  # pages in the tier page maps: n_page_ids with a disk tier, else 0
+    attention_layers: tuple[int, ...]
+    n_heads: int
+    timing_keys: list[str]
+    tiered: list[bool]  # per record: has tier counts
+
+
+EVENT_COLUMNS = {"kind": np.int8, "step": np.int64, "layer": np.int32, "page": np.int32, "slot": np.int32,
+                 "position": np.int64, "policy": np.int32, "reason": np.int32, "score": np.float64,
+                 "frame": np.int32, "seq": np.int32, "detail": np.int64}
+
+
 def _encode(trace: Trace) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
     """The header, and a builder per array (its dtype and shape are the format table's, in the header)."""
+    records = trace.records
+    shape = _shape_of(trace)
+    strings = Strings()  # the string table goes in the header, built with the events' rows
+    events = np.concatenate([to_rows(r.events, strings) for r in records])
+    sizes = {"T": len(records), "T1": len(records) + 1, "N": sum(len(r.token_ids) for r in records),
+             "E": len(events), "L": shape.n_layers, "P": shape.max_pages, "S": shape.page_size,
+             "B": shape.n_page_ids, "C": shape.n_page_ids * shape.page_size, "A": len(shape.attention_layers),
+             "H": shape.n_heads, "K": len(shape.timing_keys), "O": len(ORACLE_COLUMNS), "D": shape.map_pages,
+             "Q": len(COUNT_NAMES)}
+    builders = {**_record_builders(records, shape), **_tier_builders(records, shape),
+                **{f"event_{column}": (lambda c=column, d=dtype: events[c].astype(d))
+                   for column, dtype in EVENT_COLUMNS.items()}}
+    # built one at a time by write_trace, in the format table's order, so that only one is in memory
+    return _header(trace, shape, strings, sizes), {name: builders[name] for name in arrays_of_version(VERSION)}
+
+
+def _shape_of(trace: Trace) -> _Shape:
     records = trace.records
     if not records:
         raise ValueError("a trace needs at least one step")
     first = records[0]
-    n_layers, max_pages, page_size = first.slot_maps.shape
-    n_page_ids = trace.config.n_page_ids
-    tiered = [r.tiers is not None for r in records]
-    map_pages = n_page_ids if any(tiered) else 0
     attention_layers = tuple(first.attention_layers)
-    n_heads = first.attention[0].shape[0] if first.attention else 0
     for record in records:
         if record.slot_maps.shape != first.slot_maps.shape or tuple(record.attention_layers) != attention_layers:
             raise ValueError(f"step {record.step} has a different cache shape or attention layers than step 0")
-    timing_keys = sorted({key for record in records for key in record.timings})
-    strings = Strings()  # the string table goes in the header, built with the events' rows
-    events = np.concatenate([to_rows(r.events, strings) for r in records]) if records else np.zeros(0, EVENT_DTYPE)
-    grid = (len(records), n_layers, max_pages, page_size)
-    sizes = {"T": len(records), "T1": len(records) + 1, "N": sum(len(r.token_ids) for r in records),
-             "E": len(events), "L": n_layers, "P": max_pages, "S": page_size, "B": n_page_ids,
-             "C": n_page_ids * page_size, "A": len(attention_layers), "H": n_heads, "K": len(timing_keys),
-             "O": len(ORACLE_COLUMNS), "D": map_pages, "Q": len(COUNT_NAMES)}
+    tiered = [r.tiers is not None for r in records]
+    n_page_ids = trace.config.n_page_ids
+    return _Shape(*first.slot_maps.shape, n_page_ids, n_page_ids if any(tiered) else 0, attention_layers,
+                  first.attention[0].shape[0] if first.attention else 0,
+                  sorted({key for record in records for key in record.timings}), tiered)
 
-    builders = {  # built one at a time by write_trace, so that only one is in memory
+
+def _record_builders(records: list, shape: _Shape) -> dict[str, Callable[[], np.ndarray]]:
+    """The arrays of every step: tokens, slot maps, block tables, attention, timings, the oracle's columns."""
+    T, L, B = len(records), shape.n_layers, shape.n_page_ids
+    grid = (T, L, shape.max_pages, shape.page_size)
+    heads = (T, len(shape.attention_layers), shape.n_heads)
+    keys = shape.timing_keys
+    return {
         "step": lambda: np.array([r.step for r in records], dtype=np.int64),
         "kind": lambda: np.array([KINDS.index(r.kind) for r in records], dtype=np.int8),
         "token_offsets": lambda: _offsets([len(r.token_ids) for r in records]),
@@ -138,50 +174,47 @@ def _encode(trace: Trace) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
         "slot_maps": lambda: xor_delta(_stack((r.slot_maps for r in records), grid, np.int32)),
         "protected": lambda: xor_delta(_stack((r.protected for r in records), grid, bool)),
         "scores": lambda: xor_delta(_stack((r.scores for r in records), grid, np.float32).view(np.uint32)),
-        "block_tables": lambda: xor_delta(_stack((_pad_tables(r.block_tables, n_layers, n_page_ids) for r in records),
-                                                 (len(records), n_layers, n_page_ids), np.int32)),
+        "block_tables": lambda: xor_delta(_stack((_pad_tables(r.block_tables, L, B) for r in records), (T, L, B),
+                                                 np.int32)),
         "event_offsets": lambda: _offsets([len(r.events) for r in records]),
-        "event_kind": lambda: events["kind"].astype(np.int8),
-        "event_step": lambda: events["step"].astype(np.int64),
-        "event_layer": lambda: events["layer"].astype(np.int32),
-        "event_page": lambda: events["page"].astype(np.int32),
-        "event_slot": lambda: events["slot"].astype(np.int32),
-        "event_position": lambda: events["position"].astype(np.int64),
-        "event_policy": lambda: events["policy"].astype(np.int32),
-        "event_reason": lambda: events["reason"].astype(np.int32),
-        "event_score": lambda: events["score"].astype(np.float64),
         "attention": lambda: _stack((np.stack(r.attention) if r.attention else () for r in records),
-                                    (len(records), len(attention_layers), n_heads, n_page_ids * page_size),
-                                    np.float16),
-        "timings": lambda: np.array([[r.timings.get(k, math.nan) for k in timing_keys] for r in records],
-                                    dtype=np.float64).reshape(len(records), len(timing_keys)),
+                                    (*heads, B * shape.page_size), np.float16),
+        "timings": lambda: np.array([[r.timings.get(k, math.nan) for k in keys] for r in records],
+                                    dtype=np.float64).reshape(T, len(keys)),
         "resident_tokens": lambda: np.array([r.resident_tokens for r in records], dtype=np.int64),
         "pages_used": lambda: np.array([r.pages_used for r in records], dtype=np.int64),
         "evictions_total": lambda: np.array([r.evictions_total for r in records], dtype=np.int64),
         "has_oracle": lambda: np.array([r.oracle is not None for r in records], dtype=bool),
         "oracle": lambda: np.array([_oracle_row(r.oracle) for r in records],
-                                   dtype=np.float64).reshape(len(records), len(ORACLE_COLUMNS)),
-        "event_frame": lambda: events["frame"].astype(np.int32),
-        "event_seq": lambda: events["seq"].astype(np.int32),
-        "event_detail": lambda: events["detail"].astype(np.int64),
+                                   dtype=np.float64).reshape(T, len(ORACLE_COLUMNS)),
         "oracle_lost_by_head": lambda: _stack((r.oracle.lost_by_head if r.oracle is not None and
                                                r.oracle.lost_by_head is not None else np.nan for r in records),
-                                              (len(records), len(attention_layers), n_heads), np.float32),
-        "has_tiers": lambda: np.array(tiered, dtype=bool),
-        "tier_counts": lambda: _stack((r.tiers.counts if r.tiers else 0 for r in records),
-                                      (len(records), n_layers, len(COUNT_NAMES)), np.int64),
-        "page_maps": lambda: xor_delta(_stack((r.tiers.page_maps if r.tiers else -1 for r in records),
-                                              (len(records), len(attention_layers), map_pages, page_size), np.int32)),
-        "block_frames": lambda: xor_delta(_stack((_pad_tables(r.tiers.block_frames if r.tiers else (), n_layers,
-                                                              n_page_ids) for r in records),
-                                                 (len(records), n_layers, n_page_ids), np.int32)),
-        "recall": lambda: _stack((r.tiers.recall if r.tiers and r.tiers.recall is not None else np.nan
-                                  for r in records), (len(records), n_layers), np.float32),
+                                              heads, np.float32),
         "has_full_precision": lambda: np.array([r.full_precision is not None for r in records], dtype=bool),
         "full_precision": lambda: xor_delta(_stack((r.full_precision if r.full_precision is not None else False
                                                     for r in records), grid, bool)),
     }
-    header = {
+
+
+def _tier_builders(records: list, shape: _Shape) -> dict[str, Callable[[], np.ndarray]]:
+    """The disk tier's arrays: counts, page maps, block frames, Quest's recall."""
+    T, L, B = len(records), shape.n_layers, shape.n_page_ids
+    return {
+        "has_tiers": lambda: np.array(shape.tiered, dtype=bool),
+        "tier_counts": lambda: _stack((r.tiers.counts if r.tiers else 0 for r in records), (T, L, len(COUNT_NAMES)),
+                                      np.int64),
+        "page_maps": lambda: xor_delta(_stack((r.tiers.page_maps if r.tiers else -1 for r in records),
+                                              (T, len(shape.attention_layers), shape.map_pages, shape.page_size),
+                                              np.int32)),
+        "block_frames": lambda: xor_delta(_stack((_pad_tables(r.tiers.block_frames if r.tiers else (), L, B)
+                                                  for r in records), (T, L, B), np.int32)),
+        "recall": lambda: _stack((r.tiers.recall if r.tiers and r.tiers.recall is not None else np.nan
+                                  for r in records), (T, L), np.float32),
+    }
+
+
+def _header(trace: Trace, shape: _Shape, strings: Strings, sizes: dict[str, int]) -> dict:
+    return {
         "format": FORMAT,
         "version": VERSION,
         "written_by": f"pagevis {__version__}",
@@ -192,23 +225,22 @@ def _encode(trace: Trace) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
         "config": config_to_dict(trace.config),
         "stop_reason": trace.stop_reason,
         "text": trace.text,
-        "n_steps": len(records),
-        "n_layers": n_layers, "max_pages": max_pages, "page_size": page_size, "n_heads": n_heads,
-        "n_page_ids": n_page_ids, "page_map_pages": map_pages,
-        "attention_layers": list(attention_layers),
+        "n_steps": len(trace.records),
+        "n_layers": shape.n_layers, "max_pages": shape.max_pages, "page_size": shape.page_size,
+        "n_heads": shape.n_heads, "n_page_ids": shape.n_page_ids, "page_map_pages": shape.map_pages,
+        "attention_layers": list(shape.attention_layers),
         "kinds": list(KINDS),
         "event_kinds": [k.value for k in EVENT_KINDS],
         "strings": strings.texts,
-        "timing_keys": timing_keys,
+        "timing_keys": shape.timing_keys,
         "oracle_columns": list(ORACLE_COLUMNS),
-        "next_texts": [r.next_text for r in records],
+        "next_texts": [r.next_text for r in trace.records],
         "token_texts": {str(k): v for k, v in sorted(trace.token_texts.items())},
         "delta_encoded": list(DELTA_ENCODED),
         "arrays": {name: {"dtype": np.dtype(spec.dtype).str, "shape": [sizes[symbol] for symbol in spec.dims]}
                    for name, spec in arrays_of_version(VERSION).items()},
         "meta": trace.meta,
     }
-    return header, builders
 
 
 def _write_npy(stream, array: np.ndarray) -> None:
@@ -261,10 +293,6 @@ def undo_xor_delta(delta: np.ndarray) -> np.ndarray:
 def config_to_dict(config: SessionConfig) -> dict:
     """The header's `config`: the settings table's JSON form of the session's settings."""
     return settings.to_dict(config)
-
-
-def config_from_dict(data: dict) -> SessionConfig:
-    return settings.from_dict(data, SessionConfig())
 
 
 # --- reading ---------------------------------------------------------------------------------------

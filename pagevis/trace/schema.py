@@ -269,6 +269,11 @@ def check_values(a: dict[str, np.ndarray], header: dict, sizes: dict[str, int], 
 
 # --- helpers ---------------------------------------------------------------------------------------
 
+def config_from_dict(data: dict) -> SessionConfig:
+    """A trace header's `config` as the session configuration it describes (the settings table's names)."""
+    return settings.from_dict(data, SessionConfig())
+
+
 def _check_type(value: Any, kind: str, key: str, where: str) -> None:
     if kind.endswith("?"):
         if value is None:
@@ -384,8 +389,6 @@ def _check_config(header: dict, sizes: dict[str, int], where: str) -> None:
     elif header["attention_layers"] != list(range(sizes["L"])):
         raise TraceError(f"{where}: header.json config.record_layers is null (all layers) but attention_layers "
                          f"is {header['attention_layers']}")
-    from pagevis.trace.file import config_from_dict
-
     try:
         config = config_from_dict(data)
         config.check()

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pagevis.engine import DecodeSession, SessionConfig, StepRecord
+from pagevis.engine.logits_tap import LogitsTap
 from pagevis.engine.sampling import log_softmax
 from pagevis.viewmodel.spill import _grow
 from pagevis.viewmodel.timeline import Timeline
@@ -22,26 +23,6 @@ from pagevis.viewmodel.timeline import Timeline
 class ABConfig(NamedTuple):
     a: SessionConfig
     b: SessionConfig
-
-
-class LogitsTap:
-    """The model, seen by one session: every forward's logits are kept until `clear()`, so the session's
-    own prediction (its first forward in a step; an oracle's comes after) can be compared."""
-
-    def __init__(self, model):
-        self._model = model
-        self.logits: list[np.ndarray] = []
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-    def forward(self, *args, **kwargs):
-        logits = self._model.forward(*args, **kwargs)
-        self.logits.append(logits)
-        return logits
-
-    def clear(self) -> None:
-        self.logits = []
 
 
 @dataclass(frozen=True)

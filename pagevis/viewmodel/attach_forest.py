@@ -177,6 +177,71 @@ def _same_epoch(previous: EngineForest | None, engine: EngineSnapshot) -> bool:
     return a.epoch == b.epoch and a.last_seq is not None and b.last_seq is not None and a.last_seq <= b.last_seq
 
 
+def _media_classes(tiers) -> tuple[list[str], list[ColourClass], np.ndarray]:
+    """The colour classes, one per medium, GPU first; and each tier's class."""
+    media: list[str] = []
+    for tier in sorted(tiers, key=lambda t: (t.medium != GPU, t.index)):
+        if tier.medium not in media:
+            media.append(tier.medium)
+    classes = [ColourClass(m[:24], medium_color(m, i)) for i, m in enumerate(media)]
+    return media, classes, np.array([media.index(t.medium) for t in tiers] or [0], dtype=np.uint8)
+
+
+def _hash_index(cols, tiers, live: np.ndarray, tier_of: np.ndarray) -> dict:
+    """(medium, group) -> hash -> snapshot row. Built from the snapshot's own tuple, with no list of a million
+    hashes on the way (a list is traversed by every full garbage collection while it lives; the tuple, once,
+    then untracked)."""
+    if len(tiers) == 1:
+        slots = _index(cols.hashes, range(len(cols.hashes)))
+        slots.pop(None, None)  # the free rows
+        return {(tiers[0].medium, tiers[0].group): slots}
+    index = {}
+    for tier in tiers:
+        rows = live[tier_of == tier.index].tolist()
+        index[(tier.medium, tier.group)] = _index(_pick(cols.hashes, np.asarray(rows, np.int64)), rows)
+    return index
+
+
+def _flags(engine: EngineSnapshot, index: dict, inverse: np.ndarray, live: np.ndarray, tier_of: np.ndarray,
+           since: int | None, shared: set | None) -> np.ndarray:
+    """Each live row's marks: stored after `since` (NEWEST), hot, held on GPU by another engine (SHARED)."""
+    flags = np.zeros(len(live), np.uint8)
+
+    def mark(entries, flag: int) -> None:
+        for entry in entries:
+            slot = index.get((entry.medium, entry.group), {}).get(entry.hash)
+            if slot is not None:
+                flags[inverse[slot]] |= flag
+
+    if since is not None:
+        mark((r for r in engine.recent_stored if r.seq > since), NEWEST)
+    mark(engine.hot, HOT)
+    if shared:
+        gpu_tiers = [t.index for t in engine.tiers if t.medium == GPU]
+        gpu_rows = np.flatnonzero(np.isin(tier_of, gpu_tiers))
+        held = np.fromiter((engine.blocks.hashes[s] in shared for s in live[gpu_rows].tolist()), dtype=bool,
+                           count=len(gpu_rows))
+        flags[gpu_rows[held]] |= SHARED
+    return flags
+
+
+def _ghosts(engine: EngineSnapshot, previous: EngineForest, index: dict, since: int) -> list[Ghost]:
+    """Blocks removed since the previous frame, which held them (drawn once more, marked removed)."""
+    ghosts, seen = [], set()
+    for r in engine.recent_removed:
+        key = (r.medium, r.group)
+        if r.seq <= since or (key, r.hash) in seen or r.hash in index.get(key, {}):
+            continue
+        slot = previous.index.get(key, {}).get(r.hash)
+        if slot is None:
+            continue
+        seen.add((key, r.hash))
+        old = previous.engine.blocks
+        ghosts.append(Ghost(key, r.hash, old.parents[slot], int(old.block_size[slot]), int(old.seq[slot]),
+                            float(old.ts[slot]), old.tokens[slot], r.seq, r.ts))
+    return ghosts
+
+
 def build_forest(engine: EngineSnapshot, previous: EngineForest | None = None, shared: set | None = None,
                  detokenizer: Detokenizer | None = None, position: int | None = None) -> EngineForest:
     """The forest rows of `engine` (a snapshot with blocks); `previous`: the last frame's (for the marks of what
@@ -193,63 +258,14 @@ def build_forest(engine: EngineSnapshot, previous: EngineForest | None = None, s
     parent_slot = cols.parent_row[live].astype(np.int64)
     parent = np.where(parent_slot >= 0, inverse[np.maximum(parent_slot, 0)], -1)
 
-    # classes: one per medium, GPU first
-    media: list[str] = []
-    for tier in sorted(tiers, key=lambda t: (t.medium != GPU, t.index)):
-        if tier.medium not in media:
-            media.append(tier.medium)
-    classes = [ColourClass(m[:24], medium_color(m, i)) for i, m in enumerate(media)]
-    class_of_tier = np.array([media.index(t.medium) for t in tiers] or [0], dtype=np.uint8)
+    media, classes, class_of_tier = _media_classes(tiers)
     colour = class_of_tier[tier_of] if n else np.zeros(0, np.uint8)
-
-    # hash -> snapshot row, per tier. Built from the snapshot's own tuple, with no list of a million hashes on the
-    # way (a list is traversed by every full garbage collection while it lives; the tuple, once, then untracked).
-    index: dict = {}
-    if len(tiers) == 1:
-        slots = _index(cols.hashes, range(len(cols.hashes)))
-        slots.pop(None, None)  # the free rows
-        index[(tiers[0].medium, tiers[0].group)] = slots
-    else:
-        for tier in tiers:
-            rows = live[tier_of == tier.index].tolist()
-            index[(tier.medium, tier.group)] = _index(_pick(cols.hashes, np.asarray(rows, np.int64)), rows)
-
+    index = _hash_index(cols, tiers, live, tier_of)
     last_seq = engine.counters.last_seq
     continuing = _same_epoch(previous, engine)
     since = previous.engine.counters.last_seq if continuing else (last_seq - 1 if last_seq is not None else None)
-    flags = np.zeros(n, np.uint8)
-
-    def mark(entries, flag: int) -> None:
-        for entry in entries:
-            slot = index.get((entry.medium, entry.group), {}).get(entry.hash)
-            if slot is not None:
-                flags[inverse[slot]] |= flag
-
-    if since is not None:
-        mark((r for r in engine.recent_stored if r.seq > since), NEWEST)
-    mark(engine.hot, HOT)
-    if shared:
-        gpu_tiers = [t.index for t in tiers if t.medium == GPU]
-        gpu_rows = np.flatnonzero(np.isin(tier_of, gpu_tiers))
-        held = np.fromiter((cols.hashes[s] in shared for s in live[gpu_rows].tolist()), dtype=bool,
-                           count=len(gpu_rows))
-        flags[gpu_rows[held]] |= SHARED
-
-    # ghosts: removed since the previous frame, which held them
-    ghosts: list[Ghost] = []
-    if continuing and since is not None:
-        seen = set()
-        for r in engine.recent_removed:
-            key = (r.medium, r.group)
-            if r.seq <= since or (key, r.hash) in seen or r.hash in index.get(key, {}):
-                continue
-            slot = previous.index.get(key, {}).get(r.hash)
-            if slot is None:
-                continue
-            seen.add((key, r.hash))
-            old = previous.engine.blocks
-            ghosts.append(Ghost(key, r.hash, old.parents[slot], int(old.block_size[slot]), int(old.seq[slot]),
-                                float(old.ts[slot]), old.tokens[slot], r.seq, r.ts))
+    flags = _flags(engine, index, inverse, live, tier_of, since, shared)
+    ghosts = _ghosts(engine, previous, index, since) if continuing and since is not None else []
     ghost_index = {(g.tier, g.hash): n + k for k, g in enumerate(ghosts)}
 
     def find(block_hash: Any, tier: tuple) -> int:

@@ -21,7 +21,7 @@ Parent links that cycle (a hostile stream can make them) never reach a root: suc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -183,6 +183,64 @@ def _compressed_layout(parent, tokens, weight, order, stop):
     return x, y, leaves, size, depth, reach, levels, segments, cut
 
 
+class _Placed(NamedTuple):
+    """Each row's place: its left edge, top, leaves below it, rows in its subtree, and right edge of it."""
+
+    x: np.ndarray
+    y: np.ndarray
+    leaves: np.ndarray
+    size: np.ndarray
+    reach: np.ndarray
+
+
+def _chosen(leaves: np.ndarray, depth: np.ndarray, budget: int) -> np.ndarray:
+    """The rows drawn one by one: all within the budget, else those over the most leaves, shallowest first."""
+    n = len(leaves)
+    if n <= budget:
+        return np.ones(n, bool)
+    deepest = int(depth.max())
+    key = leaves * (deepest + 2) + (deepest + 1 - depth)
+    chosen = np.zeros(n, bool)
+    if budget > 0:
+        chosen[np.argpartition(-key, budget - 1)[:budget]] = True
+    return chosen
+
+
+def _collapsed(p: _Placed, parent: np.ndarray, in_path: np.ndarray, chosen: np.ndarray, tops: np.ndarray,
+               levels: list, segments: list) -> list[np.ndarray]:
+    """The collapsed subtrees (x0, x1, y0, y1, rows, parent): each run of undrawn siblings under a drawn row,
+    and each path cut after its drawn part."""
+    x, y, leaves, size, reach = p
+    aggs: list[tuple] = []
+    inside = in_path & ~chosen & chosen[np.maximum(parent, 0)]  # a path cut after its drawn part
+    if inside.any():
+        members = np.flatnonzero(inside)
+        aggs.append((x[members], reach[members], y[members], y[members] + leaves[members], size[members],
+                     parent[members]))
+    for d, (level, seg) in enumerate(zip(levels, segments)):
+        if not level.size:
+            continue
+        heads = tops[level]
+        pc = parent[heads] if d else np.full(len(level), -1)
+        out = ~chosen[heads] & (chosen[np.maximum(pc, 0)] if d else True)
+        if not out.any():
+            continue
+        new_segment = np.zeros(len(level), bool)
+        new_segment[seg] = True
+        previous_out = np.concatenate(([False], out[:-1]))
+        run_start = out & (~previous_out | new_segment)
+        where = np.flatnonzero(out)
+        starts = np.flatnonzero(run_start[where])
+        members = heads[where]
+        last = members[np.append(starts[1:], len(members)) - 1]
+        first = members[starts]
+        aggs.append((x[first], np.maximum.reduceat(reach[members], starts), y[first], y[last] + leaves[last],
+                     np.add.reduceat(size[members], starts), pc[where][starts]))
+    if aggs:
+        return [np.concatenate(parts) for parts in zip(*aggs)]
+    return [np.zeros(0)] * 4 + [np.zeros(0, np.int64)] * 2
+
+
 def layout_forest(parent, tokens, order=None, budget: int = DEFAULT_BUDGET,
                   stop: Callable[[], bool] | None = None) -> ForestLayout:
     """Lay out the forest of rows whose parent row is `parent` (-1: a root) and width `tokens` (see the module
@@ -227,43 +285,8 @@ def layout_forest(parent, tokens, order=None, budget: int = DEFAULT_BUDGET,
     if ccut.size:  # a path cut from its parent: its top is a root now
         parent[tops[ccut]] = -1
 
-    if n <= budget:
-        chosen = np.ones(n, bool)
-    else:
-        deepest = int(depth.max())
-        key = leaves * (deepest + 2) + (deepest + 1 - depth)
-        chosen = np.zeros(n, bool)
-        if budget > 0:
-            chosen[np.argpartition(-key, budget - 1)[:budget]] = True
-    aggs: list[tuple] = []
-    inside = (top != rows) & ~chosen & chosen[np.maximum(parent, 0)]  # a path cut after its drawn part
-    if inside.any():
-        members = np.flatnonzero(inside)
-        aggs.append((x[members], reach[members], y[members], y[members] + leaves[members], size[members],
-                     parent[members]))
-    for d, (level, seg) in enumerate(zip(levels, segments)):
-        if not level.size:
-            continue
-        heads = tops[level]
-        pc = parent[heads] if d else np.full(len(level), -1)
-        out = ~chosen[heads] & (chosen[np.maximum(pc, 0)] if d else True)
-        if not out.any():
-            continue
-        new_segment = np.zeros(len(level), bool)
-        new_segment[seg] = True
-        previous_out = np.concatenate(([False], out[:-1]))
-        run_start = out & (~previous_out | new_segment)
-        where = np.flatnonzero(out)
-        starts = np.flatnonzero(run_start[where])
-        members = heads[where]
-        last = members[np.append(starts[1:], len(members)) - 1]
-        first = members[starts]
-        aggs.append((x[first], np.maximum.reduceat(reach[members], starts), y[first], y[last] + leaves[last],
-                     np.add.reduceat(size[members], starts), pc[where][starts]))
-    if aggs:
-        agg = [np.concatenate(parts) for parts in zip(*aggs)]
-    else:
-        agg = [np.zeros(0)] * 4 + [np.zeros(0, np.int64)] * 2
+    chosen = _chosen(leaves, depth, budget)
+    agg = _collapsed(_Placed(x, y, leaves, size, reach), parent, top != rows, chosen, tops, levels, segments)
     roots = tops[levels[0]] if levels and levels[0].size else np.zeros(0, np.int64)
     return ForestLayout(x=x, y=y, leaves=leaves, size=size, depth=depth, drawn=np.flatnonzero(chosen),
                         agg_x0=agg[0].astype(np.float64), agg_x1=agg[1].astype(np.float64),

@@ -26,7 +26,9 @@ from PySide6.QtWidgets import (
 from pagevis.engine import ModelSpec, SessionConfig
 from pagevis.kvcache import ConfigError
 from pagevis.gui.widgets import theme
-from pagevis.viewmodel.ab_session import ABConfig, ABTimeline, LockstepPair, LogitsTap
+from pagevis.gui.widgets.layout import splitter, stacked
+from pagevis.engine.logits_tap import LogitsTap
+from pagevis.viewmodel.ab_session import ABConfig, ABTimeline, LockstepPair
 from pagevis.gui.widgets.setting_inputs import setting_input
 from pagevis.gui.widgets.setting_inputs import spin as _spin
 from pagevis.gui.session.runner import SessionRunner, new_session, validate
@@ -189,16 +191,8 @@ class ABWindow(TimelineCursor, QMainWindow):
                         size="9pt", justify="left")
         self.cursor = pg.InfiniteLine(angle=90, pen=pg.mkPen(theme.ACCENT, style=Qt.DashLine))
         self.plot.addItem(self.cursor, ignoreBounds=True)
-        bottom = QWidget()
-        layout = QVBoxLayout(bottom)
-        layout.setContentsMargins(4, 2, 4, 2)
-        layout.addWidget(self.summary)
-        layout.addWidget(self.plot_widget, 1)
-        whole = QSplitter(Qt.Vertical)
-        whole.addWidget(columns)
-        whole.addWidget(bottom)
-        whole.setSizes([620, 200])
-        self.setCentralWidget(whole)
+        bottom = stacked(self.summary, (self.plot_widget, 1), margins=(4, 2, 4, 2))
+        self.setCentralWidget(splitter(Qt.Vertical, columns, bottom, sizes=[620, 200]))
         self.resize(1280, 720)
 
     # --- sessions --------------------------------------------------------------------------------

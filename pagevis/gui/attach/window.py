@@ -1,6 +1,6 @@
 """The attach window: a vLLM / SGLang engine's prefix cache, rebuilt from its KV events (`pagevis attach`).
 
-Per engine (the selector at the top): the prefix forest (views/prefix_forest.py: each block a box under its
+Per engine (the selector at the top): the prefix forest (gui/widgets/prefix_forest.py: each block a box under its
 parent, as wide as its tokens, coloured by medium; the newest stored, just removed, hot and shared ones marked;
 hover for hash, parent, tokens, text, medium and when it was stored; click to see the whole prefix); store and
 remove rates over time; resident blocks over time and per medium; block lifetimes; hot prefixes (stored again
@@ -8,8 +8,8 @@ soon after removal: thrashing); the engines and the blocks they hold in common (
 With --metrics, the engine's running / waiting requests, KV usage and prefix hit rate beside them. A recording
 (--play) is scrubbed with the slider (one step = one live message) or played.
 
-Threads (attach_worker.py): a worker owns the subscriber or the playback, another lays out the forest; this
-window only renders the frames they publish, pulled by a 33 ms timer. Decode errors are counted and the last one
+Threads (worker.py): a worker owns the subscriber or the playback, another lays out the forest; this window
+only renders the frames they publish, pulled by a 33 ms timer: its views (views.py) draw them in `show_state`. Decode errors are counted and the last one
 shown; nothing a stream sends raises here.
 
 `launch(sources=, playback=, detokenizer=, metrics_url=, record=)` is what `pagevis attach` calls.
@@ -17,26 +17,19 @@ shown; nothing a stream sends raises here.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
 
-import numpy as np
-import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QColor
-from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QHeaderView, QLabel, QMainWindow, QPlainTextEdit,
-                               QPushButton, QSlider, QSplitter, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QMainWindow, QPlainTextEdit,
+                               QPushButton, QSlider, QSplitter, QVBoxLayout, QWidget)
 
 from pagevis.gui.widgets import theme
 from pagevis.viewmodel.attach_forest import (
     hot_rows,
     short_hash,
-    lifetime_histogram,
-    medium_color,
     metric_series,
-    rates,
 )
 from pagevis.gui.attach.worker import (
     FleetWorker,
@@ -48,107 +41,14 @@ from pagevis.gui.attach.worker import (
 )
 from pagevis.viewmodel.forest_layout import DEFAULT_BUDGET
 from pagevis.gui.widgets.prefix_forest import PrefixForestView
+from pagevis.gui.attach.views import EnginePlots, EnginesTable, Fleet, HotTable
 
 REFRESH_MS = 33  # at most ~30 redraws a second
 TABLE_S = 0.25  # tables refresh at most 4 times a second
 PLOT_S = 0.1  # live: plots redraw at most 10 times a second (a scrub redraws at once)
 LIVE_FOREST_S = 0.25  # live: a new forest at most 4 times a second (its paint is the window's largest)
 SPEEDS = (1, 10, 100, 1000, 10000)  # playback: live messages per second
-STORED_COLOR, REMOVED_COLOR = "#3ddc84", "#ef4b4b"
 MAX_PREFIX_BLOCKS = 4096  # walked up from a selected block for its prefix text
-
-
-def _item(text: str, align_right: bool = False) -> QTableWidgetItem:
-    item = QTableWidgetItem(text)
-    item.setFlags(item.flags() & ~Qt.ItemIsEditable)
-    if align_right:
-        item.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
-    return item
-
-
-def _fill_table(table: QTableWidget, headers: list[str], rows: list[list[str]], right: set[int] = frozenset()):
-    if [table.horizontalHeaderItem(i).text() if table.horizontalHeaderItem(i) else None
-            for i in range(table.columnCount())] != headers:
-        table.setColumnCount(len(headers))
-        table.setHorizontalHeaderLabels(headers)
-    table.setRowCount(len(rows))
-    for r, row in enumerate(rows):
-        for c, text in enumerate(row):
-            current = table.item(r, c)
-            if current is None or current.text() != text:
-                table.setItem(r, c, _item(text, c in right))
-
-
-def _table(headers: list[str]) -> QTableWidget:
-    table = QTableWidget(0, len(headers))
-    table.setHorizontalHeaderLabels(headers)
-    table.verticalHeader().setVisible(False)
-    table.setSelectionMode(QTableWidget.NoSelection)
-    table.horizontalHeader().setSectionResizeMode(QHeaderView.ResizeToContents)
-    table.horizontalHeader().setStretchLastSection(True)
-    return table
-
-
-def _plot(graphics: pg.GraphicsLayoutWidget, row: int, col: int, left: str = "", bottom: str = "",
-          colspan: int = 1) -> pg.PlotItem:
-    plot = graphics.addPlot(row=row, col=col, colspan=colspan)
-    theme.style_plot(plot, left=left, bottom=bottom)
-    plot.setMenuEnabled(False)
-    plot.getAxis("left").setWidth(60)
-    return plot
-
-
-def _curve(plot: pg.PlotItem, color: str, name: str, width: float = 1.6) -> pg.PlotDataItem:
-    item = pg.PlotDataItem(pen=pg.mkPen(color, width=width), name=name, clipToView=True, autoDownsample=True,
-                           symbolBrush=color, symbolPen=None, symbolSize=5)
-    plot.addItem(item)
-    return item
-
-
-def _set_curve(item: pg.PlotDataItem, x: np.ndarray, y: np.ndarray) -> None:
-    """Points get symbols while there are few of them (a lone point is otherwise invisible)."""
-    item.setSymbol("o" if len(x) <= 60 else None)
-    item.setData(x, y)
-
-
-def _alpha(color: str, alpha: int) -> QColor:
-    c = QColor(color)
-    c.setAlpha(alpha)
-    return c
-
-
-def _fit(plot: pg.PlotItem, x: float | None, y: float | None, negative_x: bool = True) -> None:
-    """Show x from -x to 0 (or 0 to x) and y from 0 to y, in 1-2-2.5-5 steps, changed only when the data
-    outgrows the range or falls under a quarter of it."""
-
-    def fit(value, current):
-        if value is None:
-            return current
-        value = max(value, 1e-9)
-        if current is not None and current / 4 < value <= current:
-            return current
-        return theme.level_ceiling(value)
-
-    current = getattr(plot, "_fitted", (None, None))
-    fitted = (fit(x, current[0]), fit(y, current[1]))
-    if fitted == current:
-        return
-    plot._fitted = fitted
-    plot.disableAutoRange()
-    if fitted[0] is not None:
-        plot.setXRange(-fitted[0] if negative_x else 0, 0 if negative_x else fitted[0], padding=0.02)
-    if fitted[1] is not None:
-        plot.setYRange(0, fitted[1], padding=0.04)
-
-
-def _seconds(value: float) -> str:
-    if not math.isfinite(value):
-        return "-"
-    if abs(value) < 1:
-        return f"{value * 1000:.0f} ms"
-    if abs(value) < 120:
-        return f"{value:.3g} s"
-    return f"{value / 60:.1f} min"
 
 
 class AttachWindow(QMainWindow):
@@ -175,9 +75,6 @@ class AttachWindow(QMainWindow):
         self._plotted = None
         self._display_error = ""
         self._plots_at = 0.0
-        self._media: list[str] = []
-        self._media_labels: list = []
-        self._lifetime_ticks: list = []
         self._closed = False
         self.setWindowTitle("pagevis attach — " + ("recording" if not source.live else "live KV events"))
         self._build(budget)
@@ -201,7 +98,20 @@ class AttachWindow(QMainWindow):
         top.addWidget(QLabel("engine"))
         top.addWidget(self.engine_box)
         top.addWidget(self.status, 1)
+        self.scrub_row = self._build_scrub()
+        left = self._build_forest(budget)
+        self.plots = EnginePlots(with_metrics=self.metrics_worker is not None)
+        self.body = self._build_body(left)
+        central = QWidget()
+        layout = QVBoxLayout(central)
+        layout.addLayout(top)
+        layout.addWidget(self.scrub_row)
+        layout.addWidget(self.errors)
+        layout.addWidget(self.body, 1)
+        self.setCentralWidget(central)
 
+    def _build_scrub(self) -> QWidget:
+        """A recording's play button, speed, slider and position (hidden when live)."""
         self.play_button = QPushButton("Play")
         self.play_button.setCheckable(True)
         self.play_button.toggled.connect(self._play_toggled)
@@ -223,8 +133,10 @@ class AttachWindow(QMainWindow):
         scrub_row = QWidget()
         scrub_row.setLayout(scrub)
         scrub_row.setVisible(not self.source.live)
-        self.scrub_row = scrub_row
+        return scrub_row
 
+    def _build_forest(self, budget: int) -> QSplitter:
+        """The forest, its show-all button and the selected block's details, one above the other."""
         self.forest = PrefixForestView(budget=budget)
         self.forest.set_empty_text("waiting for the first blocks…")
         self.forest.clicked.connect(self._clicked)
@@ -249,50 +161,11 @@ class AttachWindow(QMainWindow):
         left.setStretchFactor(0, 5)
         left.setStretchFactor(1, 1)
         left.setSizes([760, 170])
+        return left
 
-        g = self.graphics = pg.GraphicsLayoutWidget()
-        g.ci.setSpacing(8)
-        self.rates_plot = _plot(g, 0, 0, "blocks / s", "s before the last batch (engine clock)", colspan=2)
-        self.stored_curve = _curve(self.rates_plot, STORED_COLOR, "stored")
-        self.removed_curve = _curve(self.rates_plot, REMOVED_COLOR, "removed")
-        self.resident_plot = _plot(g, 1, 0, "blocks", "s before the last batch")
-        self.resident_curve = _curve(self.resident_plot, theme.ACCENT, "resident")
-        self.media_plot = _plot(g, 1, 1, "", "blocks")
-        self.media_plot.getAxis("left").setWidth(74)
-        self.media_bars = pg.BarGraphItem(x0=[], y=[], height=0.6, width=[], pen=None)
-        self.media_plot.addItem(self.media_bars)
-        self.media_plot.invertY(True)
-        self.lifetime_plot = _plot(g, 2, 0, "blocks", "lifetime: stored → removed (log scale)")
-        self.lifetime_plot.getAxis("bottom").enableAutoSIPrefix(False)
-        self.lifetime_curve = pg.PlotDataItem(stepMode="center", fillLevel=0, pen=pg.mkPen(theme.SERIES[4], width=1.4),
-                                              brush=pg.mkBrush(_alpha(theme.SERIES[4], 90)))
-        self.lifetime_plot.addItem(self.lifetime_curve)
-        self.hot_plot = _plot(g, 2, 1, "restores", "s since the removal")
-        self.hot_points = pg.ScatterPlotItem(size=7, pen=None, brush=pg.mkBrush(theme.SERIES[1]))
-        self.hot_plot.addItem(self.hot_points)
-        self.empty_notes = {}
-        for plot, text in ((self.lifetime_plot, "no block removed yet"),
-                           (self.hot_plot, "no block stored again soon after its removal"),
-                           (self.rates_plot, "no batches yet"), (self.resident_plot, "no batches yet")):
-            note = pg.TextItem(text, color=theme.MUTED, anchor=(0.5, 0.5))
-            plot.addItem(note, ignoreBounds=True)
-            note.setParentItem(plot.vb)  # placed in the view box's own pixels, whatever the range
-            self.empty_notes[plot] = note
-        self.requests_plot = _plot(g, 3, 0, "requests", "s since attach")
-        self.running_curve = _curve(self.requests_plot, theme.SERIES[0], "running")
-        self.waiting_curve = _curve(self.requests_plot, theme.SERIES[1], "waiting")
-        self.cache_plot = _plot(g, 3, 1, "%", "s since attach")
-        self.cache_plot.setXLink(self.requests_plot)
-        self.usage_curve = _curve(self.cache_plot, theme.SERIES[2], "KV usage")
-        self.hit_curve = _curve(self.cache_plot, theme.SERIES[5], "prefix hit rate")
-        self.cache_plot.setYRange(0, 100, padding=0.02)
-        for plot in (self.requests_plot, self.cache_plot):
-            plot.setVisible(self.metrics_worker is not None)
-        self._titles()
-
-        self.hot_table = _table(["block", "medium", "restores", "last gap", "resident", "text"])
-        self.engines_table = _table(["engine", "batches", "last seq", "epoch", "resident", "held elsewhere",
-                                     "decode errors", "gaps lost"])
+    def _build_tables(self) -> QSplitter:
+        self.hot_table = HotTable()
+        self.engines_table = EnginesTable()
         tables = QSplitter(Qt.Horizontal)
         for title, table in (("Hot prefixes: stored again soon after removal", self.hot_table),
                              ("Engines: GPU blocks held in common (a KV-aware router's overlap)",
@@ -303,45 +176,21 @@ class AttachWindow(QMainWindow):
             column.addWidget(QLabel(f"<b>{title}</b>"))
             column.addWidget(table)
             tables.addWidget(box)
-        self.plot_stats = QLabel("")
-        self.plot_stats.setWordWrap(True)
-        plots = QWidget()
-        column = QVBoxLayout(plots)
-        column.setContentsMargins(0, 0, 0, 0)
-        column.addWidget(g, 1)
-        column.addWidget(self.plot_stats)
+        return tables
+
+    def _build_body(self, left: QWidget) -> QSplitter:
         right = QSplitter(Qt.Vertical)
-        right.addWidget(plots)
-        right.addWidget(tables)
+        right.addWidget(self.plots)
+        right.addWidget(self._build_tables())
         right.setStretchFactor(0, 3)
         right.setStretchFactor(1, 1)
         right.setSizes([700, 260])
-
         body = QSplitter(Qt.Horizontal)
         body.addWidget(left)
         body.addWidget(right)
         body.setStretchFactor(0, 3)
         body.setStretchFactor(1, 2)
-        central = QWidget()
-        layout = QVBoxLayout(central)
-        layout.addLayout(top)
-        layout.addWidget(scrub_row)
-        layout.addWidget(self.errors)
-        layout.addWidget(body, 1)
-        self.setCentralWidget(central)
-        self.body = body
-
-    def _titles(self) -> None:
-        theme.set_title(self.rates_plot, f"blocks <span style='color:{STORED_COLOR}'>stored</span> / "
-                        f"<span style='color:{REMOVED_COLOR}'>removed</span> per second")
-        theme.set_title(self.resident_plot, "resident blocks (all media) after each batch")
-        theme.set_title(self.media_plot, "resident blocks per medium, now")
-        theme.set_title(self.lifetime_plot, "block lifetimes (the most recent removals)")
-        theme.set_title(self.hot_plot, "hot prefixes: restores by the gap after removal")
-        theme.set_title(self.requests_plot, f"requests <span style='color:{theme.SERIES[0]}'>running</span> / "
-                        f"<span style='color:{theme.SERIES[1]}'>waiting</span> (--metrics)")
-        theme.set_title(self.cache_plot, f"<span style='color:{theme.SERIES[2]}'>KV usage</span> / "
-                        f"<span style='color:{theme.SERIES[5]}'>prefix hit rate</span> (%, --metrics)")
+        return body
 
     # --- running ----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -457,7 +306,7 @@ class AttachWindow(QMainWindow):
             now = time.monotonic()
             if key != self._plotted and (not self.source.live or now - self._plots_at >= PLOT_S):
                 self._plotted, self._plots_at = key, now
-                self._show_plots(engine)
+                self.plots.show_state(engine)
         if frame.length is not None:
             self.slider.setRange(0, frame.length)
             seq = engine.counters.last_seq if engine is not None else None
@@ -466,12 +315,10 @@ class AttachWindow(QMainWindow):
         now = time.monotonic()
         if now - self._table_at >= TABLE_S or not self.source.live:
             self._table_at = now
-            self._show_engines(frame)
+            forest = self.forest_frame
+            self.engines_table.show_state(Fleet(frame, forest.overlap if forest is not None else None))
             if engine is not None:
-                _fill_table(self.hot_table, ["block", "medium", "restores", "last gap", "resident", "text"],
-                            [[r.hash, r.medium, str(r.restores), _seconds(r.last_gap_s),
-                              "yes" if r.resident else "no", r.text]
-                             for r in hot_rows(engine, self._forest_engine(), self.detokenizer)], right={2, 3})
+                self.hot_table.show_state(hot_rows(engine, self._forest_engine(), self.detokenizer))
 
     def _status_text(self, frame) -> str:
         engine = frame.engine
@@ -522,89 +369,6 @@ class AttachWindow(QMainWindow):
     def _set_text(label: QLabel, text: str) -> None:
         if label.text() != text:
             label.setText(text)
-
-    def _show_plots(self, engine) -> None:
-        """The curves, bars and histogram of `engine`; ranges change in coarse steps (a range that moves every
-        frame re-lays its axes out), titles never (the numbers go to the line under the plots)."""
-        r = rates(engine.history)
-        _set_curve(self.stored_curve, r.x, r.stored)
-        _set_curve(self.removed_curve, r.x, r.removed)
-        _set_curve(self.resident_curve, r.resident_x, r.resident)
-        span = -float(r.resident_x[0]) if len(r.resident_x) else 0.0
-        top = max(float(r.stored.max()) if len(r.stored) else 0.0, float(r.removed.max()) if len(r.removed) else 0.0)
-        _fit(self.rates_plot, span + r.bin_s, top)
-        _fit(self.resident_plot, span, float(r.resident.max()) if len(r.resident) else 0.0)
-        stats = [f"rates in {_seconds(r.bin_s)} bins over the last {len(r.resident_x):,} batches"]
-
-        media = list(engine.resident.items())
-        if [m for m, _ in media] != self._media:
-            self._media = [m for m, _ in media]
-            self.media_plot.getAxis("left").setTicks([[(i, m[:10]) for i, m in enumerate(self._media)]])
-            self.media_plot.setYRange(-0.6, max(len(media), 1) - 0.4, padding=0)
-            for item in self._media_labels:
-                self.media_plot.removeItem(item)
-            self._media_labels = [pg.TextItem("", color=theme.TEXT, anchor=(0, 0.5)) for _ in media]
-            for item in self._media_labels:
-                self.media_plot.addItem(item, ignoreBounds=True)
-        counts = np.array([n for _, n in media], dtype=np.float64)
-        self.media_bars.setOpts(x0=np.zeros(len(media)), y=np.arange(len(media)), height=0.6, width=counts,
-                                brushes=[pg.mkBrush(medium_color(m, i)) for i, (m, _) in enumerate(media)])
-        for i, (item, n) in enumerate(zip(self._media_labels, counts)):
-            item.setText(f"{int(n):,}")
-            item.setPos(float(n), i)
-        _fit(self.media_plot, float(counts.max()) * 1.3 if len(counts) else 0.0, None, negative_x=False)
-
-        edges, hist = lifetime_histogram(engine.lifetimes)
-        self.lifetime_curve.setData(edges, hist)
-        if len(edges):
-            decades = [(e, _seconds(10 ** e)) for e in edges if abs(e - round(e)) < 1e-9]
-            ticks = decades if len(decades) >= 3 else [(e, _seconds(10 ** e)) for e in edges[::2]]
-            if ticks != self._lifetime_ticks:
-                self._lifetime_ticks = ticks
-                self.lifetime_plot.getAxis("bottom").setTicks([ticks])
-                self.lifetime_plot.setXRange(float(edges[0]), float(edges[-1]), padding=0.06)
-            _fit(self.lifetime_plot, None, float(hist.max()))
-        if engine.lifetimes_total:
-            stats.append(f"lifetimes: last {len(engine.lifetimes):,} of {engine.lifetimes_total:,} removed, "
-                         f"mean {_seconds(engine.lifetimes_mean_s)}")
-
-        hot = engine.hot
-        self.hot_points.setData([h.last_gap_s for h in hot], [h.restores for h in hot])
-        if hot:
-            _fit(self.hot_plot, max(h.last_gap_s for h in hot) * 1.1, float(hot[0].restores) * 1.1,
-                 negative_x=False)
-            stats.append(f"hot: {len(hot):,} block{'s' if len(hot) != 1 else ''} stored again soon after "
-                         f"removal (most: {hot[0].restores}×)")
-        self._set_text(self.plot_stats, theme.muted(" · ".join(stats)))
-        for plot, empty in ((self.lifetime_plot, not engine.lifetimes_total), (self.hot_plot, not hot),
-                            (self.rates_plot, not len(r.x)), (self.resident_plot, not len(r.x))):
-            note = self.empty_notes[plot]
-            note.setVisible(empty)
-            if empty:
-                rect = plot.vb.boundingRect()
-                note.setPos(rect.center())
-
-    def _show_engines(self, frame) -> None:
-        forest = self.forest_frame
-        table = forest.overlap if forest is not None else None
-        headers = ["engine", "batches", "last seq", "epoch", "resident", "held elsewhere", "decode errors",
-                   "gaps lost"]
-        pairwise = table is not None and table.pairwise is not None and len(table.names) == len(frame.engines)
-        if pairwise:
-            headers += [f"∩ {i}" for i in range(len(table.names))]
-        rows = []
-        for i, line in enumerate(frame.engines):
-            c = line.counters
-            resident = ", ".join(f"{m} {n:,}" for m, n in line.resident.items() if n) or "0"
-            held = "-"
-            if table is not None and i < len(table.held_elsewhere) and len(table.names) > 1:
-                held = f"{table.held_elsewhere[i]:,} of {table.gpu[i]:,}"
-            row = [f"{i}: {line.name}", f"{c.batches:,}", str(c.last_seq if c.last_seq is not None else "-"),
-                   str(c.epoch), resident, held, f"{c.decode_errors:,}", f"{c.gaps_unrecovered:,}"]
-            if pairwise:
-                row += [f"{int(v):,}" for v in table.pairwise[i]]
-            rows.append(row)
-        _fill_table(self.engines_table, headers, rows, right={1, 2, 3, 6, 7} | set(range(8, len(headers))))
 
     def _forest_engine(self):
         frame = self.forest_frame
@@ -682,10 +446,7 @@ class AttachWindow(QMainWindow):
         if worker.scrapes == self._metrics_count:
             return False
         self._metrics_count = worker.scrapes
-        series = metric_series(worker.samples(), self.metrics_t0)
-        for name, curve in (("running", self.running_curve), ("waiting", self.waiting_curve),
-                            ("kv_usage", self.usage_curve), ("hit_rate", self.hit_curve)):
-            _set_curve(curve, *series[name])
+        self.plots.metrics.show_state(metric_series(worker.samples(), self.metrics_t0))
         return True
 
 

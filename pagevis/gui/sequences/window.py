@@ -2,25 +2,27 @@
 
 Start N parallel samples of the prompt (seeds seed .. seed+N-1), add more sequences, step or run, and
 fork any sequence from any recorded step with another seed: the child shares the parent's pages (a
-running parent directly, a finished one through the prefix cache). Every step is one batched forward in a
-worker thread (superqt), one step at a time; nothing else touches the session while it runs. The view
-renders the step's BatchRecord.
+running parent directly, a finished one through the prefix cache). Step and Run go through the one run loop
+in a worker thread (superqt), as the main window's runner does (gui/session/runner.py `worker_steps`): a
+step, or steps until paused or done, each one batched forward; nothing else touches the engine while the
+worker runs. The view renders the step's BatchRecord.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from PySide6.QtCore import Qt, QTimer
+from PySide6.QtCore import Qt
 from superqt.utils import create_worker
 from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QPushButton, QSlider, QSpinBox, QVBoxLayout,
                                QWidget)
 
-from pagevis.engine import Engine, SamplingConfig
+from pagevis.engine import Engine, RunControl, SamplingConfig
 from pagevis.engine.batch import BatchConfig
 from pagevis.kvcache import CacheFullError, ConfigError, EventKind
+from pagevis.gui.session.runner import WorkerFailure, run_control, worker_steps
 from pagevis.gui.widgets.setting_inputs import setting_input
-from pagevis.gui.sequences.view import SequencesView
+from pagevis.gui.sequences.view import SequencesStep, SequencesView
 
 SHORT_NAMES = {EventKind.COPY_ON_WRITE: "cow"}  # the status line is narrow
 
@@ -37,7 +39,8 @@ class SequencesWindow(QWidget):
         self.records: list = []
         self.lengths: list[dict[int, int]] = []  # per record: generated tokens of every sequence
         self.batch: Engine | None = None
-        self.worker = None  # the step running in a worker thread, if any
+        self.worker = None  # the steps running in a worker thread, if any
+        self.control: RunControl | None = None  # the worker's (Run's toggle stops it between steps)
         self.view = SequencesView()
         self.n = _spin(1, 16, 4, "parallel samples of the prompt")
         self.seed = _spin(0, 2**31 - 1, config.sampling.seed, "seed of the first sample (the others: +1, +2…)")
@@ -75,13 +78,10 @@ class SequencesWindow(QWidget):
         layout.addLayout(fork)
         layout.addWidget(self.view, 1)
         layout.addWidget(self.status)
-        self.timer = QTimer(self)
-        self.timer.setInterval(10)
-        self.timer.timeout.connect(self.step)
         self.start_button.clicked.connect(self.start)
         self.add_button.clicked.connect(self.add_sequence)
         self.step_button.clicked.connect(self.step)
-        self.run_button.toggled.connect(lambda on: self.timer.start() if on else self.timer.stop())
+        self.run_button.toggled.connect(self._run_toggled)
         self.fork_button.clicked.connect(lambda: self.fork(self.fork_seq.currentData(), self.slider.value(),
                                                            self.fork_seed.value()))
         self.slider.valueChanged.connect(self.show_step)
@@ -95,7 +95,6 @@ class SequencesWindow(QWidget):
     def start(self) -> bool:
         if self._busy_says_so():
             return False
-        self.timer.stop()
         self.run_button.setChecked(False)
         try:
             self.batch = Engine(self.model, self.config, BatchConfig(pool_pages=self.pool_pages.value()))
@@ -116,21 +115,45 @@ class SequencesWindow(QWidget):
                             f"come from the prefix cache")
 
     def step(self) -> None:
-        """Run one batched step in a worker thread (a no-op while one runs)."""
+        """Run one batched step in the worker thread (a no-op while the worker runs)."""
+        self.run_steps(1)
+
+    def _run_toggled(self, on: bool) -> None:
+        if on:
+            self.run_steps(None)
+        elif self.control is not None:
+            self.control.stop = True
+
+    def run_steps(self, budget: int | None) -> None:
+        """Step in the worker thread through the run loop: `budget` steps, or until paused or done."""
         if self.busy or self.batch is None and not self.start():
             return
         if self.batch.done:
             self._stop_running()
             self.status.setText("every sequence has finished; fork one from a recorded step, or Start again")
             return
-        self.worker = create_worker(self.batch.step, _start_thread=False, _ignore_errors=True)
-        self.worker.returned.connect(self._stepped)
-        self.worker.errored.connect(self._step_failed)
+        self.control = run_control(budget)
+        self.worker = create_worker(worker_steps, _LengthsStepper(self.batch), self.control, _start_thread=False,
+                                    _ignore_errors=True)
+        self.worker.yielded.connect(self._received)
         self.worker.finished.connect(self._worker_done)
         self.worker.start()
 
+    def _received(self, item) -> None:
+        if isinstance(item, WorkerFailure):
+            self._step_failed(item.error)
+            return
+        for record, lengths in item:
+            self.records.append(record)
+            self.lengths.append(lengths)
+        del self.records[:-MAX_RECORDS], self.lengths[:-MAX_RECORDS]
+        self._stepped(item[-1][0])
+
     def _worker_done(self) -> None:
-        self.worker = None
+        self.worker, self.control = None, None
+        if self.run_button.isChecked() and self.batch is not None and self.batch.done:
+            self._stop_running()
+            self.status.setText("every sequence has finished; fork one from a recorded step, or Start again")
 
     def _step_failed(self, error: Exception) -> None:
         self._stop_running()
@@ -140,14 +163,9 @@ class SequencesWindow(QWidget):
             self._fail(f"step failed: {type(error).__name__}: {error}")
 
     def _stop_running(self) -> None:
-        self.timer.stop()
         self.run_button.setChecked(False)
 
     def _stepped(self, record) -> None:
-        self.records.append(record)
-        self.lengths.append({s: len(state.generated) for s, state in self.batch.requests.items()})
-        if len(self.records) > MAX_RECORDS:
-            del self.records[0], self.lengths[0]
         self.slider.setRange(0, len(self.records) - 1)
         self.slider.setValue(len(self.records) - 1)
         self.show_step(len(self.records) - 1)
@@ -187,11 +205,11 @@ class SequencesWindow(QWidget):
         if not 0 <= index < len(self.records):
             return
         lengths = self.lengths[index]
-        texts = {}
+        texts = []
         for seq_id, n in lengths.items():
             ids = self.batch.requests[seq_id].generated[:n]
-            texts[seq_id] = self.model.tokenizer.decode(ids) if self.model.tokenizer else " ".join(map(str, ids))
-        self.view.show_record(self.records[index], self.config.page_size, texts)
+            texts.append((seq_id, self.model.tokenizer.decode(ids) if self.model.tokenizer else " ".join(map(str, ids))))
+        self.view.show_state(SequencesStep(self.records[index], self.config.page_size, tuple(texts)))
         current = self.fork_seq.currentData()
         self.fork_seq.clear()
         for seq_id in lengths:
@@ -203,10 +221,25 @@ class SequencesWindow(QWidget):
         self.status.setText(message.splitlines()[0])
 
     def closeEvent(self, event) -> None:
-        self.timer.stop()
-        if self.worker is not None:  # let the step finish: the session must not be left half-stepped
-            self.worker.quit()
+        if self.control is not None:  # the step under way finishes: the engine is never left half-stepped
+            self.control.stop = True
         super().closeEvent(event)
+
+
+class _LengthsStepper:
+    """The engine as the run loop's stepper, each record paired with every sequence's generated length after
+    it (read on the worker's thread, between steps: the fork control and the texts need them per record)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    @property
+    def done(self) -> bool:
+        return self.engine.done
+
+    def step(self) -> tuple:
+        record = self.engine.step()
+        return record, {s: len(state.generated) for s, state in self.engine.requests.items()}
 
 
 def _spin(low: int, high: int, value: int, tip: str) -> QSpinBox:

@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 from PySide6.QtCore import QTimer, Qt
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QSplitter, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from pagevis.attach.metrics import fetch, totals
 from pagevis.gui.widgets import theme
+from pagevis.gui.widgets.layout import splitter, stacked
 from pagevis.gui.attach.worker import FleetWorker, ForestWorker, LiveSource, MetricsWorker
 from pagevis.gui.widgets.prefix_forest import PrefixForestView
 from pagevis.gui.server.plots import SIDE_COLORS, ServerPlots
@@ -202,15 +203,7 @@ class AttachedServerWindow(QWidget):
         self.status = QLabel()
         self.status.setFixedHeight(self.status.fontMetrics().lineSpacing() + 4)
         self.status.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Fixed)
-        right = QWidget()
-        column = QVBoxLayout(right)
-        column.setContentsMargins(0, 0, 0, 0)
-        column.addWidget(self.numbers)
-        column.addWidget(self.plots, 1)
-        body = QSplitter(Qt.Horizontal)
-        body.addWidget(self.forest)
-        body.addWidget(right)
-        body.setSizes([800, 700])
+        body = splitter(Qt.Horizontal, self.forest, stacked(self.numbers, (self.plots, 1)), sizes=[800, 700])
         layout = QVBoxLayout(self)
         layout.addWidget(self.header)
         layout.addWidget(body, 1)
@@ -256,7 +249,7 @@ class AttachedServerWindow(QWidget):
             series = self.metrics_worker.snapshot()
             if len(series) != len(self.series):
                 self.series = series
-                self.plots.set_series({"A": series})
+                self.plots.show_state({"A": series})
                 self.numbers.setText(self.plots.numbers_html() + self._queues())
             if self.metrics_worker.error:
                 parts.append(f"<span style='color:#ff7a7a'>metrics: {self.metrics_worker.error}</span>")

@@ -13,7 +13,7 @@ from pagevis.simserver.forest import REMOVED as NODE_REMOVED
 from pagevis.simserver.forest import ForestNode
 from pagevis.viewmodel.forest_rows import NEWEST, REMOVED, ColourClass, ForestRow, ForestRows
 from pagevis.gui.widgets.prefix_forest import PrefixForestView
-from pagevis.gui.sequences.view import CACHED_COLOR, SHARED_COLOR
+from pagevis.gui.widgets.pool_grid import CACHED_COLOR, SHARED_COLOR
 
 CLASSES = (ColourClass("shared now", SHARED_COLOR), ColourClass("held by one request", "#3b82c4"),
            ColourClass("free, still cached", CACHED_COLOR))
@@ -66,8 +66,9 @@ class ServerForest(PrefixForestView):
         self.hot.setFixedHeight(self.hot.fontMetrics().lineSpacing() * 2 + 4)
         QWidget.layout(self).addWidget(self.hot)  # (self.layout is the forest layout)
 
-    def set_nodes(self, nodes: tuple[ForestNode, ...]) -> None:
-        self.nodes = nodes
+    def show_state(self, snapshot) -> None:
+        """The prefix forest of a side's SideSnapshot."""
+        self.nodes = nodes = snapshot.forest
         hits = sum(n.hits for n in nodes if not n.flags & NODE_REMOVED)
         rows = forest_rows(nodes)
         self.set_forest(rows, note=f"{hits} prefix hits on the pages cached now")

@@ -141,7 +141,7 @@ class ServerPlots(pg.GraphicsLayoutWidget):
         self.drawn: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}  # side -> plot -> (x, y) as drawn
         self._titles()
 
-    def set_series(self, series: dict[str, SideSeries]) -> None:
+    def show_state(self, series: dict[str, SideSeries]) -> None:
         self.series = series
         t_max, tops = 1.0, {"throughput": 0.0, "ttft": 0.0, "itl": 0.0, "kv": 100.0}
         for side, curves in self.curves.items():

@@ -1,19 +1,18 @@
-"""One side of the Server window: the pool coloured by request with ref counts, the queues, and each step's
-batch (prefill tokens against decode tokens). Everything is read from one ServerStep (its BatchRecord, layer 0).
+"""One side of the Server window: the pool coloured by request with ref counts (the shared PoolGrid), the
+queues, and each step's batch (prefill tokens against decode tokens). The pool and queues are read from one
+ServerStep (its BatchRecord, layer 0), the batches from the side's SideSeries.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QRectF, QSize, Qt
-from PySide6.QtGui import QColor, QPainter
-from PySide6.QtWidgets import QLabel, QSizePolicy, QWidget
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QColor
+from PySide6.QtWidgets import QLabel
 
 from pagevis.gui.widgets import theme
-from pagevis.gui.sequences.view import CACHED_COLOR, FREE_COLOR, SHARED_COLOR, PageCell, page_cells
+from pagevis.gui.widgets.pool_grid import CACHED_COLOR, FREE_COLOR, SHARED_COLOR, PageCell, PoolGrid, page_cells
 
 PREFILL_COLOR = "#ffb020"
 DECODE_COLOR = theme.SERIES[0]
@@ -28,64 +27,14 @@ def request_color(request_id: int) -> str:
     return QColor.fromHsvF(hue, 0.55, 0.92).name()
 
 
-def pool_cells(step) -> list[PageCell]:
+def pool_cells(step) -> tuple[PageCell, ...]:
     """The pool's pages after the step (layer 0), owners given as request ids."""
-    record = step.pool
-    tables = {step.owners[seq]: table for seq, table in record.block_tables.items()}
-    return page_cells(SimpleNamespace(block_tables=tables, ref_counts=record.ref_counts, fill=record.fill,
-                                      cached_free=record.cached_free))
+    return page_cells(step.pool, step.owners)
 
 
-class RequestPoolGrid(QWidget):
-    """Every page of the pool as a square: a request's own page in its colour with its id, a shared page in
-    amber with its ref count, a free page still holding a cached prefix in slate, an empty one dark."""
-
-    def __init__(self):
-        super().__init__()
-        self.cells: list[PageCell] = []
-        self.setMinimumSize(QSize(240, 120))
-        self.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Expanding)
-
-    def set_cells(self, cells: list[PageCell]) -> None:
-        self.cells = cells
-        self.update()
-
-    def _columns(self) -> int:
-        n = max(len(self.cells), 1)
-        aspect = max(self.width() - 4, 1) / max(self.height() - 4, 1)
-        return max(1, min(n, int(np.ceil(np.sqrt(n * aspect)))))
-
-    def paintEvent(self, event) -> None:
-        painter = QPainter(self)
-        painter.fillRect(self.rect(), QColor(theme.BACKGROUND))
-        if not self.cells:
-            painter.setPen(QColor(theme.MUTED))
-            painter.drawText(self.rect(), Qt.AlignCenter, "the pool appears with the first step")
-            painter.end()
-            return
-        columns = self._columns()
-        rows = -(-len(self.cells) // columns)
-        side = max(2.0, min((self.width() - 4) / columns, (self.height() - 4) / rows))
-        gap = 1.0 if side >= 6 else 0.0
-        font = painter.font()
-        font.setPointSizeF(max(5.0, side / 3.0))
-        painter.setFont(font)
-        dark = QColor("#0b0c0f")
-        for cell in self.cells:
-            row, col = divmod(cell.page, columns)
-            rect = QRectF(2 + col * side, 2 + row * side, side - gap, side - gap)
-            if cell.state == "shared":
-                color = QColor(SHARED_COLOR)
-            elif cell.state == "private":
-                color = QColor(request_color(cell.owners[0]))
-            else:
-                color = QColor(CACHED_COLOR if cell.state == "cached" else FREE_COLOR)
-            painter.fillRect(rect, color)
-            if side >= 15 and cell.state in ("private", "shared"):
-                painter.setPen(dark)
-                painter.drawText(rect, Qt.AlignCenter, f"×{cell.ref_count}" if cell.state == "shared"
-                                 else str(cell.owners[0]))
-        painter.end()
+def request_pool_grid() -> PoolGrid:
+    """The pool grid of one side: a colour per request, as many columns as fill the panel."""
+    return PoolGrid(request_color, empty_text="the pool appears with the first step")
 
 
 def legend_html() -> str:
@@ -109,7 +58,8 @@ class QueuesView(QLabel):
         self.setText(theme.muted("queues appear with the first step"))
         self.setFixedHeight(self.fontMetrics().lineSpacing() * 4 + 6)  # new text never re-lays the panel out
 
-    def set_step(self, step) -> None:
+    def show_state(self, step) -> None:
+        """The queues after one ServerStep."""
         preempted = set(step.preempted)
         self.ids = {"running": step.running, "waiting": tuple(r for r in step.waiting if r not in preempted),
                     "preempted": step.preempted}
@@ -145,8 +95,11 @@ class BatchBars(pg.PlotWidget):
         self.decode_tokens = np.zeros(0, np.int64)
         self.setMinimumHeight(110)
 
-    def set_data(self, steps: np.ndarray, prefill: np.ndarray, decode: np.ndarray) -> None:
-        """The newest BARS_SHOWN engine steps (idle steps have no batch and are left out by the caller)."""
+    def show_state(self, series) -> None:
+        """The newest BARS_SHOWN engine steps of a side's SideSeries (idle steps have no batch: left out); its
+        columns as read now are snapshots (they only grow, past the end of what was read)."""
+        engine = series["engine"] > 0
+        steps, prefill, decode = (series[name][engine][-BARS_SHOWN:] for name in ("step", "prefill", "decode"))
         self.steps, self.prefill_tokens, self.decode_tokens = steps, prefill, decode
         self.decode.setOpts(x=steps, height=decode, width=0.8)
         self.prefill.setOpts(x=steps, y0=decode, height=prefill, width=0.8)

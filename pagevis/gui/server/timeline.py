@@ -57,9 +57,10 @@ class RequestTimeline(pg.PlotWidget):
         theme.set_title(self.plot, f"each request over time: {swatches} │ done", justify="left")
         self.setMinimumHeight(120)
 
-    def set_rows(self, rows, now: float) -> None:
-        """The newest ROWS_SHOWN requests; `now` is the side's server clock."""
-        self.rows = rows = tuple(rows)[-ROWS_SHOWN:]
+    def show_state(self, snapshot) -> None:
+        """The newest ROWS_SHOWN requests of a side's SideSnapshot, up to its server clock."""
+        now = snapshot.step.t1 if snapshot.step is not None else 0.0
+        self.rows = rows = tuple(snapshot.requests)[-ROWS_SHOWN:]
         rects: dict[str, list[QRectF]] = {p: [] for p in PHASE_COLORS}
         done_x, done_y = [], []
         for y, row in enumerate(rows):

@@ -12,7 +12,6 @@ the live controls (arrival rate, max running requests) are plain values the work
 from __future__ import annotations
 
 import time
-import traceback
 from dataclasses import replace
 
 from PySide6.QtCore import QThreadPool, QTimer, Qt
@@ -20,39 +19,20 @@ from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QGridLayout, QHBoxLayo
                                QSplitter, QVBoxLayout, QWidget)
 from superqt.utils import create_worker
 
-from pagevis.engine import RunControl, steps
+from pagevis.engine import RunControl
 from pagevis.simserver.run import COMPARES, ServerPair, ServerRun, side_configs
 from pagevis.simserver.workload import WORKLOADS, ArrivalSchedule
 from pagevis.presets import SERVER_PRESETS, ServerPreset
 from pagevis.gui.widgets import theme
-from pagevis.gui.session.runner import GIL_BREATH, SHORT_STEP, WorkerFailure
+from pagevis.gui.session.runner import WorkerFailure, run_control, worker_steps
 from pagevis.gui.sequences.window import _spin
 from pagevis.gui.server.forest import ServerForest
 from pagevis.gui.server.plots import SIDE_COLORS, SideSeries, ServerPlots
-from pagevis.gui.server.pool import BARS_SHOWN, BatchBars, QueuesView, RequestPoolGrid, legend_html, pool_cells
+from pagevis.gui.server.pool import BatchBars, QueuesView, legend_html, pool_cells, request_pool_grid
 from pagevis.gui.server.timeline import RequestTimeline
 
 FRAME = 1 / 30  # the UI redraws at most this often
 SLOW = 0.5  # seconds between redraws of the plots, forests, timelines and the table while running
-
-
-def serve_steps(stepper, control: RunControl, snapshot, flush_every: float = FRAME):
-    """Run by the worker: step through the one run loop; yield (steps, snapshots) at most every `flush_every`
-    seconds (and after the last step), then a WorkerFailure if a step raised."""
-    batch, flushed = [], time.perf_counter()
-    try:
-        for step in steps(stepper, control):
-            batch.append(step)
-            if time.perf_counter() - flushed >= flush_every:
-                yield batch, snapshot()
-                batch, flushed = [], time.perf_counter()
-    except Exception as error:  # noqa: BLE001 - shown in the window
-        if batch:
-            yield batch, snapshot()
-            batch = []
-        yield WorkerFailure(error, traceback.format_exc())
-    if batch:
-        yield batch, snapshot()
 
 
 class SidePanel(QWidget):
@@ -63,7 +43,7 @@ class SidePanel(QWidget):
         self.side = side
         self.title = QLabel(f"<b style='color:{SIDE_COLORS[side]}'>{side}</b> {label}")
         self.title.setWordWrap(True)
-        self.pool = RequestPoolGrid()
+        self.pool = request_pool_grid()
         self.queues = QueuesView()
         self.batch = BatchBars()
         self.forest = ServerForest()
@@ -85,22 +65,13 @@ class SidePanel(QWidget):
         layout.addWidget(split)
         self.step = None
 
-    def show_step(self, step, series: SideSeries) -> None:
+    def show_state(self, step, series: SideSeries) -> None:
         """The newest step's pool and queues, and the batches of the newest steps."""
         self.step = step
         if step.pool is not None:
-            self.pool.set_cells(pool_cells(step))
-        self.queues.set_step(step)
-        engine = series["engine"] > 0
-        steps_, prefill, decode = series["step"][engine], series["prefill"][engine], series["decode"][engine]
-        self.batch.set_data(steps_[-BARS_SHOWN:], prefill[-BARS_SHOWN:], decode[-BARS_SHOWN:])
-
-    def show_snapshot(self, snapshot) -> None:
-        self.forest.set_nodes(snapshot.forest)
-        self.show_timeline(snapshot)
-
-    def show_timeline(self, snapshot) -> None:
-        self.timeline.set_rows(snapshot.requests, snapshot.step.t1 if snapshot.step is not None else 0.0)
+            self.pool.show_state(pool_cells(step))
+        self.queues.show_state(step)
+        self.batch.show_state(series)
 
 
 class ServerWindow(QWidget):
@@ -284,9 +255,9 @@ class ServerWindow(QWidget):
         if self.stepper.done:
             self._finished_all()
             return
-        self.control = RunControl(budget=budget, breath=GIL_BREATH, short_step=SHORT_STEP)
-        self.worker = create_worker(serve_steps, self.stepper, self.control, self._snapshot, _start_thread=False,
-                                    _ignore_errors=True)
+        self.control = run_control(budget)
+        self.worker = create_worker(worker_steps, self.stepper, self.control, FRAME, self._handover,
+                                    _start_thread=False, _ignore_errors=True)
         self.worker.yielded.connect(self._received)
         self.worker.finished.connect(self._worker_finished)
         self.worker.start()
@@ -296,8 +267,7 @@ class ServerWindow(QWidget):
         if self.busy or (self.stepper is None and not self.start()):
             return 0
         taken = 0
-        for item in serve_steps(self.stepper, RunControl(budget=n), self._snapshot,
-                                flush_every=0.0 if every_step else FRAME):
+        for item in worker_steps(self.stepper, RunControl(budget=n), 0.0 if every_step else FRAME, self._handover):
             if not isinstance(item, WorkerFailure):
                 taken += len(item[0])
             self._received(item)
@@ -306,8 +276,9 @@ class ServerWindow(QWidget):
         self.redraw()
         return taken
 
-    def _snapshot(self) -> tuple:
-        return tuple(side.snapshot() for side in self.sides)
+    def _handover(self, server_steps: list) -> tuple:
+        """What the worker hands the UI thread: the steps, and each side's snapshot taken after them."""
+        return server_steps, tuple(side.snapshot() for side in self.sides)
 
     def _received(self, item) -> None:
         if isinstance(item, WorkerFailure):
@@ -375,14 +346,14 @@ class ServerWindow(QWidget):
         def fast() -> None:  # every frame: each side's pool, queues and batch
             for side, panel in self.panels.items():
                 if side in self.latest:
-                    panel.show_step(self.latest[side], self.series[side])
+                    panel.show_state(self.latest[side], self.series[side])
 
         jobs = [fast]
         if slow:
             for side, panel in self.panels.items():
                 if side in self.snapshots:
-                    jobs.append(lambda p=panel, s=side: p.forest.set_nodes(self.snapshots[s].forest))
-                    jobs.append(lambda p=panel, s=side: p.show_timeline(self.snapshots[s]))
+                    jobs.append(lambda p=panel, s=side: p.forest.show_state(self.snapshots[s]))
+                    jobs.append(lambda p=panel, s=side: p.timeline.show_state(self.snapshots[s]))
             jobs += [self._plots, self._summary, self._status_line]
         return jobs
 
@@ -396,7 +367,7 @@ class ServerWindow(QWidget):
             job()
 
     def _plots(self) -> None:
-        self.plots.set_series(self.series)
+        self.plots.show_state(self.series)
         self.numbers.setText(self.plots.numbers_html())
 
     def _status_line(self) -> None:

@@ -42,25 +42,28 @@ def run_control(budget: int | None = None, interval: float = 0.0) -> RunControl:
     return RunControl(budget=budget, interval=interval, breath=GIL_BREATH, short_step=SHORT_STEP)
 
 
-def decode_steps(session: DecodeSession, control: RunControl, flush_every: float = 0.02):
-    """Generator run by the worker: step the session through the run loop, yield lists of records, then a
-    WorkerFailure if a step raised. `control` is checked between steps."""
+def worker_steps(stepper, control: RunControl, flush_every: float = 0.02, pack=None):
+    """Generator run by a worker (every window's): step `stepper` through the run loop and yield its records
+    in lists, at most every `flush_every` seconds (each step when the control paces steps, and after the
+    last), each list passed through `pack` if given; then a WorkerFailure if a step raised. `control` is
+    checked between steps."""
     batch = []
     flushed = time.perf_counter()
+    hand = pack or (lambda records: records)
     try:
-        for record in steps(session, control):
+        for record in steps(stepper, control):
             batch.append(record)
             now = time.perf_counter()
             if now - flushed >= flush_every or control.interval > 0:
-                yield batch
+                yield hand(batch)
                 batch, flushed = [], now
     except Exception as error:  # noqa: BLE001 - every failure is shown in the GUI
         if batch:
-            yield batch
+            yield hand(batch)
             batch = []
         yield WorkerFailure(error, traceback.format_exc())
     if batch:
-        yield batch
+        yield hand(batch)
 
 
 class NewestRecord:
@@ -316,7 +319,7 @@ class SessionRunner(QObject):
             return
         self._control = run_control(budget, self.interval)
         generation = self._generation
-        worker = create_worker(decode_steps, self.session, self._control, _start_thread=False,
+        worker = create_worker(worker_steps, self.session, self._control, _start_thread=False,
                                _ignore_errors=True)
         worker.yielded.connect(lambda item: self._received(item, generation))
         worker.finished.connect(self._worker_finished)
@@ -328,7 +331,7 @@ class SessionRunner(QObject):
         """Decode n steps on this thread (for screenshots and scripts); errors are reported as usual."""
         if self.session is None or self._worker is not None:
             return
-        for item in decode_steps(self.session, run_control(n)):
+        for item in worker_steps(self.session, run_control(n)):
             self._received(item, self._generation)
         self._set_state("done" if self.session.done else self.state if self.state == "error" else "ready")
 

@@ -1,4 +1,10 @@
-"""The main window: controls, transport, dockable views, menus, status bar; wires the runner to the views."""
+"""The main window: controls, transport, dockable views, menus, status bar; wires the runner to the views.
+
+Why one module of about 730 lines: one QMainWindow whose sections (layout, session, transport, rendering,
+files, settings) act on the same docks, runner and transport; the views, controls, runner and exports it wires
+live in their own modules. The next part to move out is the files section (the other windows, save and
+export), into a module of its own.
+"""
 
 from __future__ import annotations
 
@@ -129,11 +135,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.setCorner(Qt.BottomLeftCorner, Qt.LeftDockWidgetArea)
         for widget, title in ((self.controls, "Controls"), *((v, v.title) for v in self.views),
                               (self.messages, "Messages")):
-            dock = QDockWidget(title, self)
-            dock.setObjectName(title.lower().replace(" ", "_"))
-            dock.setWidget(widget)
-            dock.visibilityChanged.connect(lambda visible: visible and self.request_render())  # a raised tab
-            self.docks[title] = dock
+            self._add_dock(widget, title)
         self._default_layout()
         self._build_status_bar()
         self._build_menus()
@@ -145,6 +147,13 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.redraw()  # the views' empty state from the start, not pyqtgraph's default axes
 
     # --- layout ----------------------------------------------------------------------------------
+    def _add_dock(self, widget: QWidget, title: str) -> None:
+        dock = QDockWidget(title, self)
+        dock.setObjectName(title.lower().replace(" ", "_"))
+        dock.setWidget(widget)
+        dock.visibilityChanged.connect(lambda visible: visible and self.request_render())  # a raised tab
+        self.docks[title] = dock
+
     def _default_layout(self) -> None:
         d = self.docks
         for dock in d.values():
@@ -159,6 +168,9 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.splitDockWidget(d["Eviction events"], d["Metrics"], Qt.Horizontal)
         self.tabifyDockWidget(d["Attention"], d["Heads"])  # heads per KV group: a tab behind the heatmap
         self.tabifyDockWidget(d["Attention"], d["Weights"])  # the step's weights as a histogram: another tab
+        for view in self.views:  # a view with no place above: a tab behind the heatmap
+            if self.dockWidgetArea(d[view.title]) == Qt.NoDockWidgetArea:
+                self.tabifyDockWidget(d["Attention"], d[view.title])
         d["Attention"].raise_()
         self.addDockWidget(Qt.BottomDockWidgetArea, d["Messages"])
         d["Messages"].hide()

@@ -10,10 +10,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtWidgets import QVBoxLayout, QWidget
+from PySide6.QtWidgets import QWidget
 
 from pagevis.engine import StepRecord
 from pagevis.gui.widgets import theme
+from pagevis.gui.widgets.layout import stacked
 from pagevis.viewmodel.view_state import EMPTY_HINT, ViewState
 
 LOW_DECADE = -6  # the lowest bin's lower edge: weights below 1e-6 share the first bin
@@ -98,9 +99,7 @@ class HistogramView(QWidget):
         self.tokens.addItem(self.hint, ignoreBounds=True)
         self.hint.setPos((LOW_DECADE + EVICTED_X) / 2, 0.5)
         self.setMinimumSize(260, 180)
-        layout = QVBoxLayout(self)
-        layout.setContentsMargins(4, 4, 4, 4)
-        layout.addWidget(self.graphics)
+        stacked(self.graphics, margins=(4, 4, 4, 4), into=self)
 
     def export_target(self):
         return self.graphics
