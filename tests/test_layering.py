@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from functools import lru_cache
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,12 @@ def imports(path: Path, package: str):
                 yield node.lineno, full if module.split(".")[0] == "pagevis" and _is_module(full) else module
 
 
+@lru_cache(maxsize=1)
+def every_import() -> tuple:
+    """(path, module name, its package's name, ((line, imported module), ...)) of every module, parsed once."""
+    return tuple((path, name, package, tuple(imports(path, package))) for path, name, package in modules())
+
+
 def layer_of(module: str) -> str:
     """The row of ALLOWED a module belongs to: its longest prefix with a row of its own (pagevis.kvcache.store ->
     kvcache; pagevis.bench.gui.app -> bench.gui), else its top package; pagevis -> pagevis."""
@@ -137,11 +144,11 @@ def test_every_package_has_a_row():
 
 def test_every_import_follows_the_layers():
     problems = []
-    for path, name, package in modules():
+    for path, name, _package, found in every_import():
         source = layer_of(name)
         if source == "pagevis":
             continue
-        for line, target in imports(path, package):
+        for line, target in found:
             where = f"{path.relative_to(ROOT.parent)}:{line}"
             top = target.split(".")[0]
             if top in QT and source not in QT_PACKAGES:
@@ -188,8 +195,8 @@ def _import_graph() -> dict[str, set[str]]:
     """Module -> the pagevis modules it imports; a module's import of a package it is inside is left out
     (the package's __init__ runs first anyway: pagevis.gui.server.window may import pagevis.gui)."""
     graph = {}
-    for path, name, package in modules():
-        graph[name] = {target for _line, target in imports(path, package)
+    for _path, name, _package, found in every_import():
+        graph[name] = {target for _line, target in found
                        if target.startswith("pagevis.") and _is_module(target) and target != name
                        and not name.startswith(target + ".")}
     return graph

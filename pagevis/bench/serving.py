@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagevis.bench.serve import ServerProcess
+from pagevis.simserver.workload import PoissonGaps, returning_turn
+from pagevis.simserver.workload import first_turn as chat_turn
 from pagevis.token_times import TokenTimes
 
 CONCURRENCIES = (1, 2, 4, 8, 16)
@@ -132,12 +134,7 @@ class Users:
 
 
 def first_turn(system: int, question: str) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM_PROMPTS[system]}, {"role": "user", "content": question}]
-
-
-def returning_turn(system: int, question: str, answer: str, follow_up: str) -> list[dict]:
-    return [*first_turn(system, question), {"role": "assistant", "content": answer},
-            {"role": "user", "content": follow_up}]
+    return chat_turn(SYSTEM_PROMPTS[system], question)
 
 
 def at_concurrency(url: str, model: str, concurrency: int, n_requests: int, max_tokens: int, seed: int) -> list:
@@ -161,7 +158,8 @@ def at_concurrency(url: str, model: str, concurrency: int, n_requests: int, max_
                     outcomes.append(first)
                 if first.status != 200 or not take():
                     continue
-                again = chat(client, model, returning_turn(system, question, first.text, follow_up), max_tokens, system)
+                again = chat(client, model, returning_turn(first_turn(system, question), first.text, follow_up),
+                             max_tokens, system)
                 with lock:
                     outcomes.append(again)
 
@@ -178,7 +176,7 @@ def at_rate(url: str, model: str, rate: float, n_requests: int, max_tokens: int,
     waiting) a returning user's next turn."""
     import httpx
 
-    users, rng = Users(seed), random.Random(seed + 1)
+    users, rng, gaps = Users(seed), random.Random(seed + 1), PoissonGaps(seed)
     outcomes, returning, threads = [], [], []
     lock = threading.Lock()
 
@@ -195,13 +193,13 @@ def at_rate(url: str, model: str, rate: float, n_requests: int, max_tokens: int,
             back = returning.pop(0) if returning and rng.random() < 0.5 else None
         if back is not None:
             system, question, follow_up, answer = back
-            args = (returning_turn(system, question, answer, follow_up), system, None)
+            args = (returning_turn(first_turn(system, question), answer, follow_up), system, None)
         else:
             system, question, follow_up = users.next()
             args = (first_turn(system, question), system, (system, question, follow_up))
         threads.append(threading.Thread(target=send, args=args))
         threads[-1].start()
-        time.sleep(rng.expovariate(rate))
+        time.sleep(gaps.gap(60.0 * rate))
     for thread in threads:
         thread.join()
     return outcomes

@@ -10,11 +10,14 @@ Three workloads, each from the shipped public-domain text (resources/texts, Prid
 - `documents`: each request is a different long passage to summarise; nothing is shared, and a small pool
   runs out of pages mid-decode, so the scheduler preempts (and later recomputes) the newest request.
 
-First turns arrive as a Poisson process: gaps are unit exponentials from the seed, scaled by the arrival rate
-in force when the gap is drawn (so a rate change applies from the next arrival on). Arrivals are generated
+First turns arrive as a Poisson process (`PoissonGaps`): gaps are unit exponentials from the seed, scaled by
+the arrival rate in force when the gap is drawn (so a rate change applies from the next arrival on). Arrivals are generated
 once, in order, and shared: both sides of an A/B read the same `ArrivalSchedule` and see the same requests at
 the same times. Follow-up turns depend on when (and with what) the previous turn ended, so each side makes its
 own; their messages and think times are seeded by (seed, user, turn), the same on both sides.
+
+The chat requests' messages (`first_turn`, `returning_turn`) and the Poisson gaps are also what `pagevis
+bench serve` (bench/serving.py) sends a real server, over its own system prompts and questions.
 """
 
 from __future__ import annotations
@@ -88,6 +91,28 @@ class Arrival:
     text: str  # the new message, for the request list (the prompt may hold earlier turns too)
 
 
+def first_turn(system: str, question: str) -> list[dict]:
+    """A chat request's messages: a system prompt and the user's question."""
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def returning_turn(previous: list[dict], answer: str, follow_up: str) -> list[dict]:
+    """The user's next request: the previous messages, the answer they streamed, and a new message."""
+    return [*previous, {"role": "assistant", "content": answer}, {"role": "user", "content": follow_up}]
+
+
+class PoissonGaps:
+    """The gaps between arrivals of a Poisson process: seeded unit exponentials, each scaled by the rate given
+    when it is drawn."""
+
+    def __init__(self, seed: int) -> None:
+        self._unit = np.random.default_rng([seed, 1])
+
+    def gap(self, rate_per_min: float) -> float:
+        """Seconds to the next arrival at `rate_per_min` arrivals per minute."""
+        return float(self._unit.exponential()) * 60.0 / rate_per_min
+
+
 def follow_up_id(n_users: int, user: int, turn: int) -> int:
     """Ids of follow-up turns come after every first turn's: user u's turn t (t >= 2)."""
     return n_users + (turn - 2) * n_users + user
@@ -113,7 +138,7 @@ class ArrivalSchedule:
         self.eos_ids = tuple(model.config.eos_ids)
         self.rate_per_min = float(config.rate_per_min)
         self.arrivals: list[Arrival] = []
-        self._gaps = np.random.default_rng([config.seed, 1])
+        self._gaps = PoissonGaps(config.seed)
         self._bos = len(tokenizer.encode(""))  # ids a plain encode puts first (a BOS), dropped from pieces
         words, _, _ = _book()
         self._system = ("You answer questions about this passage from Pride and Prejudice.\n\n"
@@ -131,7 +156,7 @@ class ArrivalSchedule:
             return None
         while len(self.arrivals) <= index:
             previous = self.arrivals[-1].time if self.arrivals else 0.0
-            gap = float(self._gaps.exponential()) * 60.0 / self.rate_per_min
+            gap = self._gaps.gap(self.rate_per_min)
             self.arrivals.append(self._first_turn(len(self.arrivals), previous + gap))
         return self.arrivals[index]
 
@@ -149,7 +174,7 @@ class ArrivalSchedule:
         if cfg.kind == "chat":
             sentence = " ".join(sentences[int(rng.integers(len(sentences)))].split()[: cfg.question_words])
             text = QUESTIONS[int(rng.integers(len(QUESTIONS)))].format(sentence)
-            messages = [{"role": "system", "content": self._system}, {"role": "user", "content": text}]
+            messages = first_turn(self._system, text)
         elif cfg.kind == "documents":
             start = int(rng.integers(0, max(1, len(words) - cfg.document_words)))
             passage = " ".join(words[start: start + cfg.document_words])

@@ -1,5 +1,6 @@
 """The attach window's views, each drawing a snapshot the window's workers published (`show_state`):
-`EnginePlots` one engine's EngineState (rates, resident blocks, media, lifetimes, hot prefixes) with
+`ForestPanel` the prefix forest of a ForestFrame (with the button back to the whole forest and the selected
+block's details, which the window fills), `EnginePlots` one engine's EngineState (rates, resident blocks, media, lifetimes, hot prefixes) with
 `MetricPlots` under them (the --metrics series), `HotTable` the hot-prefix rows, `EnginesTable` the fleet and
 the blocks its engines hold in common. Ranges change in coarse steps (a range that moves every frame re-lays
 its axes out), titles never (the numbers go to the line under the plots).
@@ -14,10 +15,13 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor
-from PySide6.QtWidgets import QHeaderView, QLabel, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget
+from PySide6.QtWidgets import (QHeaderView, QLabel, QPlainTextEdit, QPushButton, QSplitter, QTableWidget,
+                               QTableWidgetItem, QVBoxLayout, QWidget)
 
 from pagevis.gui.widgets import theme
-from pagevis.viewmodel.attach_forest import lifetime_histogram, medium_color, rates
+from pagevis.gui.widgets.layout import stacked
+from pagevis.gui.widgets.prefix_forest import PrefixForestView
+from pagevis.viewmodel.attach_forest import lifetime_histogram, medium_color, rates, short_hash
 
 STORED_COLOR, REMOVED_COLOR = "#3ddc84", "#ef4b4b"
 HOT_HEADERS = ["block", "medium", "restores", "last gap", "resident", "text"]
@@ -115,6 +119,43 @@ def _seconds(value: float) -> str:
     if abs(value) < 120:
         return f"{value:.3g} s"
     return f"{value / 60:.1f} min"
+
+
+class ForestPanel(QSplitter):
+    """The forest above the selected block's details."""
+
+    def __init__(self, budget: int):
+        super().__init__(Qt.Vertical)
+        self.forest = PrefixForestView(budget=budget)
+        self.forest.set_empty_text("waiting for the first blocks…")
+        self.show_all = QPushButton("Show the whole forest")
+        self.show_all.setToolTip("the forest shows one block's subtree (double-click a block or a collapsed "
+                                 "subtree to choose it)")
+        self.show_all.hide()
+        self.details = QPlainTextEdit()
+        self.details.setReadOnly(True)
+        self.details.setPlaceholderText("hover a block for its hash, parent, tokens and medium; click it to see "
+                                        "its whole prefix here")
+        self.addWidget(stacked((self.forest, 1), self.show_all))
+        self.addWidget(self.details)
+        self.setStretchFactor(0, 5)
+        self.setStretchFactor(1, 1)
+        self.setSizes([760, 170])
+
+    def show_state(self, frame) -> None:
+        """A ForestFrame: its drawing, what it is as of, and (a focused one) which subtree it shows."""
+        c = frame.forest.engine.counters
+        note = theme.muted(f"as of seq {c.last_seq if c.last_seq is not None else '-'}"
+                           + (f", message {frame.position:,}" if frame.position is not None else "")
+                           + f" · built in {1000 * frame.build_s:,.0f} ms")
+        if frame.focus is not None:
+            whole = int(frame.forest.rows.blocks().sum())
+            note = (f"<b>subtree of block {short_hash(frame.focus[2])}</b> (of {whole:,} blocks; "
+                    f"double-click another block or show the whole forest) · " + note)
+        self.show_all.setVisible(frame.focus is not None)
+        self.forest.set_drawing(frame.drawing, note)
+        if not len(frame.forest.rows):
+            self.forest.set_empty_text("no resident blocks")
 
 
 class EnginePlots(QWidget):

@@ -22,13 +22,12 @@ import sys
 import time
 
 from PySide6.QtCore import Qt, QTimer
-from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QMainWindow, QPlainTextEdit,
-                               QPushButton, QSlider, QSplitter, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QMainWindow, QPushButton, QSlider, QSplitter,
+                               QVBoxLayout, QWidget)
 
 from pagevis.gui.widgets import theme
 from pagevis.viewmodel.attach_forest import (
     hot_rows,
-    short_hash,
     metric_series,
 )
 from pagevis.gui.attach.worker import (
@@ -40,8 +39,7 @@ from pagevis.gui.attach.worker import (
     PlaybackSource,
 )
 from pagevis.viewmodel.forest_layout import DEFAULT_BUDGET
-from pagevis.gui.widgets.prefix_forest import PrefixForestView
-from pagevis.gui.attach.views import EnginePlots, EnginesTable, Fleet, HotTable
+from pagevis.gui.attach.views import EnginePlots, EnginesTable, Fleet, ForestPanel, HotTable
 
 REFRESH_MS = 33  # at most ~30 redraws a second
 TABLE_S = 0.25  # tables refresh at most 4 times a second
@@ -99,7 +97,11 @@ class AttachWindow(QMainWindow):
         top.addWidget(self.engine_box)
         top.addWidget(self.status, 1)
         self.scrub_row = self._build_scrub()
-        left = self._build_forest(budget)
+        self.forest_panel = left = ForestPanel(budget)
+        self.forest, self.show_all, self.details = left.forest, left.show_all, left.details
+        self.forest.clicked.connect(self._clicked)
+        self.forest.focus_requested.connect(self.focus)
+        self.show_all.clicked.connect(lambda: self.focus(-1))
         self.plots = EnginePlots(with_metrics=self.metrics_worker is not None)
         self.body = self._build_body(left)
         central = QWidget()
@@ -134,34 +136,6 @@ class AttachWindow(QMainWindow):
         scrub_row.setLayout(scrub)
         scrub_row.setVisible(not self.source.live)
         return scrub_row
-
-    def _build_forest(self, budget: int) -> QSplitter:
-        """The forest, its show-all button and the selected block's details, one above the other."""
-        self.forest = PrefixForestView(budget=budget)
-        self.forest.set_empty_text("waiting for the first blocks…")
-        self.forest.clicked.connect(self._clicked)
-        self.forest.focus_requested.connect(self.focus)
-        self.show_all = QPushButton("Show the whole forest")
-        self.show_all.setToolTip("the forest shows one block's subtree (double-click a block or a collapsed "
-                                 "subtree to choose it)")
-        self.show_all.clicked.connect(lambda: self.focus(-1))
-        self.show_all.hide()
-        self.details = QPlainTextEdit()
-        self.details.setReadOnly(True)
-        self.details.setPlaceholderText("hover a block for its hash, parent, tokens and medium; click it to see "
-                                        "its whole prefix here")
-        forest_box = QWidget()
-        forest_column = QVBoxLayout(forest_box)
-        forest_column.setContentsMargins(0, 0, 0, 0)
-        forest_column.addWidget(self.forest, 1)
-        forest_column.addWidget(self.show_all)
-        left = QSplitter(Qt.Vertical)
-        left.addWidget(forest_box)
-        left.addWidget(self.details)
-        left.setStretchFactor(0, 5)
-        left.setStretchFactor(1, 1)
-        left.setSizes([760, 170])
-        return left
 
     def _build_tables(self) -> QSplitter:
         self.hot_table = HotTable()
@@ -389,21 +363,12 @@ class AttachWindow(QMainWindow):
         self.forest.summary.setText(self.forest.summary.text() + theme.muted(" · laying out…"))
 
     def _show_forest(self, frame) -> None:
-        c = frame.forest.engine.counters
-        note = theme.muted(f"as of seq {c.last_seq if c.last_seq is not None else '-'}"
-                           + (f", message {frame.position:,}" if frame.position is not None else "")
-                           + f" · built in {1000 * frame.build_s:,.0f} ms")
-        if frame.focus is not None:
-            whole = int(frame.forest.rows.blocks().sum())
-            note = (f"<b>subtree of block {short_hash(frame.focus[2])}</b> (of {whole:,} blocks; "
-                    f"double-click another block or show the whole forest) · " + note)
-        self.show_all.setVisible(frame.focus is not None or self.forest_worker.focus is not None)
-        self.forest.set_drawing(frame.drawing, note)
+        self.forest_panel.show_state(frame)
+        if self.forest_worker.focus is not None:  # a subtree asked for and not laid out yet
+            self.show_all.show()
         self.forest_frames += 1
         for call in self.forest_shown:
             call(frame)
-        if not len(frame.forest.rows):
-            self.forest.set_empty_text("no resident blocks")
         if self.selected_key is not None:
             medium, group, block_hash = self.selected_key
             self._show_details(frame.forest.block_row(block_hash, medium, group))
