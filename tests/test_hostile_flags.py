@@ -52,9 +52,9 @@ def test_errors_name_only_flags_the_command_has(capsys, tmp_path):
     assert "--decode-tokens" in err and "--max-tokens" not in err
     # a policy parameter nobody gave is the policy's default, not a --policy-param the user typed
     err = refusal(capsys, "run", *SYNTH, "--prompt", "hi", "--max-pages", "1", "--page-size", "1", "--policy", "sinks")
-    assert not err.startswith("pagevis: error: --policy-param") and "the policy's default" in err
+    assert not err.startswith("pagevis run: error: --policy-param") and "the policy's default" in err
     err = refusal(capsys, "run", *SYNTH, "--max-pages", "1", "--page-size", "1", "--policy-param", "n_sink=4")
-    assert err.startswith("pagevis: error: --policy-param: sinks.n_sink = 4")
+    assert err.startswith("pagevis run: error: --policy-param: sinks.n_sink = 4")
 
 
 @pytest.mark.parametrize("argv, message", [
