@@ -80,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     parsed: list[argparse.Namespace] = []  # the arguments, once parsed: errors name only flags they hold
     try:
         if argv and argv[0] in COMMANDS:
-            parsed.append(command_parser().parse_args(argv))
+            args, unknown = command_parser().parse_known_args(argv)
+            if unknown:  # found by the top parser, which would point at its own --help
+                raise UsageError(f"unrecognized arguments: {' '.join(unknown)} (see pagevis {argv[0]} --help)")
+            parsed.append(args)
             use_blas_threads(parsed[0].blas_threads)
             return parsed[0].handler(parsed[0])
         if argv and not argv[0].startswith("-"):
