@@ -178,6 +178,8 @@ def test_a_prefix_of_a_flag_is_an_unknown_flag(capsys, argv, words):
      "pagevis serve: error: --idle-timeout: idle_timeout = 0.0 is not allowed: a number in (0, 604800]"),
     (["serve", "--token-budget", "-1", "--model", "synthetic"],
      "pagevis serve: error: --token-budget: token_budget = -1 is not allowed: an integer from 1 to 1048576, or 0"),
+    (["serve", "--max-pages", "1000", "--model", "synthetic"], "pagevis serve: error: --max-pages: max_pages = "
+     "1000 is not allowed: at most 256 pages of 16 tokens (this server's --max-cache-tokens 4096)"),
     (["attach"], "pagevis attach: error: give at least one ENDPOINT"),
     (["bench", "--bogus"], "pagevis bench: error: unrecognized arguments: --bogus (see pagevis bench --help)"),
     (["replay"], "pagevis replay: error: the following arguments are required"),

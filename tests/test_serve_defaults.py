@@ -40,9 +40,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def test_a_long_prompt_is_kept_whole_by_default():
-    """400 prompt tokens and 20 new ones: nothing evicted, the answer is the full-cache decode's (the demo
+    """250 prompt tokens and 20 new ones: nothing evicted, the answer is the full-cache decode's (the demo
     defaults, 12 pages of 8 with sinks, would have evicted from token 97 on)."""
-    prompt = ("Pages of keys and values fill one after another; " * 9)[:400]
+    prompt = ("Pages of keys and values fill one after another; " * 6)[:250]
     model = SYNTH.load()
     reference = DecodeSession(model, prompt, SessionConfig(policy="none", page_size=PAGE, max_pages=100, chat=False,
                                                            max_new_tokens=20))
@@ -51,7 +51,7 @@ def test_a_long_prompt_is_kept_whole_by_default():
         answer = running.client.post("/v1/completions", json={"model": "synthetic", "prompt": prompt,
                                                                "max_tokens": 20, "temperature": 0}).json()
         samples = scrape(running.metrics_text())
-    assert answer["usage"]["prompt_tokens"] == 400 and answer["choices"][0]["finish_reason"] == "length"
+    assert answer["usage"]["prompt_tokens"] == 250 and answer["choices"][0]["finish_reason"] == "length"
     assert answer["choices"][0]["text"] == reference.text()
     assert value(samples, "pagevis_cache_events_total", kind="evict") == 0
 
@@ -84,17 +84,20 @@ def test_clients_sharing_a_system_prompt_hit_its_full_pages():
 def test_eviction_when_a_request_asks_for_it():
     """A request naming a policy and a budget evicts exactly as a session of its own with them would; one
     naming only a policy still gets the full cache (nothing to evict)."""
-    model = SYNTH.load()
-    cache = {"policy": "sinks", "page_size": 4, "max_pages": 8}
-    reference = DecodeSession(model, "x", SessionConfig(**cache, chat=False, max_new_tokens=6),
-                              prompt_ids=list(model.tokenizer.encode_chat(messages(QUESTIONS[1]))))
+    prompt, cache = "Evict the oldest tokens, keep the sinks.", {"policy": "sinks", "page_size": 4, "max_pages": 8}
+    reference = DecodeSession(SYNTH.load(), prompt, SessionConfig(**cache, chat=False, max_new_tokens=12))
     list(reference.run())
+
+    def complete(client, **asked) -> dict:
+        return client.post("/v1/completions", json={"model": "synthetic", "prompt": prompt, "max_tokens": 12,
+                                                    "temperature": 0, "pagevis": asked}).json()
+
     with running_server() as running:
-        evicting = chat(running.url, QUESTIONS[1], **cache)
+        evicting = complete(running.client, **cache)
         after_budget = scrape(running.metrics_text())
-        chat(running.url, QUESTIONS[2], policy="sinks")
+        complete(running.client, policy="sinks")
         after_policy = scrape(running.metrics_text())
-    assert evicting["choices"][0]["message"]["content"] == reference.text()
+    assert evicting["choices"][0]["text"] == reference.text()
     evicted = value(after_budget, "pagevis_evictions_total", policy="sinks")
     assert evicted == reference.records[-1].evictions_total > 0
     assert value(after_policy, "pagevis_evictions_total", policy="sinks") == evicted

@@ -56,12 +56,15 @@ def _is_loopback(host: str) -> bool:
 def settings_from_args(args: argparse.Namespace):
     """ServeSettings from the flags (validated before anything starts); the cache and decoding flags set the
     defaults of requests."""
+    from pagevis.serve.sessions import session_config
     from pagevis.serve.settings import ServeSettings, serve_defaults
 
     given = options.given_settings(args)
     defaults = options.session_config(args, base=serve_defaults())
     base = ServeSettings(model_spec=options.model_spec(args), defaults=defaults, full_cache=args.max_pages is None)
-    return settings.apply(base, given)
+    served = settings.apply(base, given)
+    session_config(served, {})  # what a request that sets nothing gets must be allowed (--max-pages 1000 is not)
+    return served
 
 
 def main(args: argparse.Namespace) -> int:
