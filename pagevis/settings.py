@@ -181,7 +181,7 @@ SETTINGS: dict[str, Setting] = _table(
     # --- the cache: CacheSettings ------------------------------------------------------------------
     Setting("page_size", "int", 8, "tokens per page", "cache", "cache", label="Page size", low=1,
             high=MAX_PAGE_SIZE, flag="--page-size", metavar="N", app_range=(1, 256),
-            front_ends={"serve": 16}),  # vLLM's block size: fewer pages per request to walk
+            front_ends={"serve": 16, "server": 16}),  # vLLM's block size: fewer pages per request to walk
     Setting("max_pages", "int", 12, "pages per layer (RAM frames); capacity = pages x page size", "cache", "cache",
             label="Max pages", low=1, high=MAX_PAGES, flag="--max-pages", metavar="N", app_range=(1, 512),
             derived={"serve": "a full cache: --max-cache-tokens within the pool, in the request's page size; a "
@@ -193,7 +193,7 @@ SETTINGS: dict[str, Setting] = _table(
             "oldest 32 beyond it are quantized together once they have all arrived)", "cache", "cache",
             label="Residual window", low=0, high=MAX_RESIDUAL, flag="--residual", metavar="N", app_range=(0, 4096)),
     Setting("policy", "str", "sinks", "eviction policy", "cache", "cache", label="Policy", choices=policy_names,
-            flag="--policy", resets=("policy_params",), front_ends={"serve": "none"}),
+            flag="--policy", resets=("policy_params",), front_ends={"serve": "none", "server": "none"}),
     Setting("policy_params", "params", {}, "the policy's parameters, e.g. n_sink=4 (sinks), recent=32 (h2o), "
             "seed=1 (random); the policy's defaults for those not given", "cache", "cache",
             label="Policy parameters", flag="--policy-param", metavar="KEY=VALUE"),
@@ -222,7 +222,7 @@ SETTINGS: dict[str, Setting] = _table(
     # --- sampling: SamplingConfig, held by SessionConfig.sampling ----------------------------------------
     Setting("mode", "str", "greedy", "sample instead of greedy decoding (implied by a temperature, top-k or "
             "top-p)", "sampling", "decoding", label="Sampling", choices=SAMPLING_MODES, flag="--sample",
-            switch="sample", key="sample"),
+            switch="sample", key="sample", front_ends={"server": "sample"}),  # the window's users vary
     Setting("temperature", "float", 0.7, "sampling temperature", "sampling", "decoding", label="Temperature",
             low=0, high=10, open_low=True, flag="--temperature", metavar="T", implies=("mode", "sample"),
             app_range=(0.05, 5.0), app_step=0.05),

@@ -66,6 +66,13 @@ def test_front_end_defaults_are_the_tables_and_the_duplicates_are_gone():
     assert (server.max_seqs, server.token_budget, server.max_chunk, server.pool_pages) == (8, 512, 256, 256)
     assert (served.max_seqs, served.token_budget, served.max_chunk, served.pool_pages) == (16, 256, 512, None)
     assert set(settings.FRONT_ENDS) >= {f for s in settings.SETTINGS.values() for f in (*s.front_ends, *s.derived)}
+    # the Server window's requests: its table defaults (policy none, sampled, pages of 16), its preset's capacity
+    from pagevis.presets import SERVER_PRESETS
+
+    for preset in SERVER_PRESETS:
+        config = preset.session_config()
+        assert (config.policy, config.sampling.mode, config.page_size) == ("none", "sample", 16)
+        assert config.capacity >= preset.capacity and config.max_new_tokens == preset.workload.max_new_tokens
 
 
 @pytest.mark.parametrize("command, front_end", [("run", "run"), ("serve", "serve")])
@@ -82,7 +89,9 @@ def test_help_shows_each_front_ends_defaults(command, front_end):
             if value not in (None, "") and "default" not in s.help:
                 assert f"default{':' if front_end in s.derived else ''} {value})" in " ".join(shown[s.dest].split()), \
                     (command, s.name, shown[s.dest])
-    if command == "serve":
+    if command == "serve":  # every setting of the server has its flag there, not given unless typed
+        for s in settings.in_group("serve"):
+            assert s.dest in shown and sub._option_string_actions[s.flag].default is None, s.name
         assert "eviction policy (default none)" in shown["policy"] and "(default 16)" in shown["page_size"]
         assert "(default 256)" in shown["token_budget"] and "--max-cache-tokens" in shown["max_pages"]
 
