@@ -175,7 +175,7 @@ class Verdict:
             lines.append(f"  also missing (install the package that provides each): {' '.join(self.unknown())}")
         lines.extend(f"  {problem}" for problem in self.problems)
         if self.debian_packages():
-            lines.append("  (`make deps` runs the Debian/Ubuntu line for you)")
+            lines.append("  (`make deps` runs it for you as root or with password-less sudo, with apt-get or dnf)")
         lines.append(f"  Or without a screen: QT_QPA_PLATFORM=offscreen pagevis --screenshot window.png. "
                      f"To let Qt try anyway: {SKIP_VARIABLE}=1.")
         return "\n".join(lines)
