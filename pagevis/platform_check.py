@@ -337,11 +337,13 @@ def install_commands(missing: Mapping[str, list[str]], machine: Machine) -> tupl
     return [[*sudo, "dnf", "install", "-y", "-q", *packages]], ""
 
 
-def install_missing(missing: Mapping[str, list[str]] | None = None, machine: Machine | None = None,
-                    run: Callable = subprocess.run, say: Callable[[str], None] = print) -> int:
-    """Install the system libraries Qt's platform plugins lack, each command printed before it runs; where
-    that cannot be done here, say what to install. 0 when nothing is missing any more, else 1."""
-    missing = missing if missing is not None else {name: missing_packages(name) for name in MANAGERS.values()}
+def install_missing(machine: Machine | None = None, run: Callable = subprocess.run,
+                    say: Callable[[str], None] = print, find: Callable[[str], list[str]] | None = None) -> int:
+    """Install the system libraries Qt's platform plugins lack (`find`: the missing packages by distribution),
+    each command printed before it runs, and look again; where that cannot be done here, or they are still
+    missing, say what to install. 0 when nothing is missing (any more), else 1."""
+    find = find or missing_packages
+    missing = {name: find(name) for name in MANAGERS.values()}
     if not any(missing.values()):
         return 0
     commands, why = install_commands(missing, machine or this_machine())
@@ -352,7 +354,10 @@ def install_missing(missing: Mapping[str, list[str]] | None = None, machine: Mac
             commands, why = [], f"`{' '.join(command)}` failed with status {status}"
             break
     if commands:
-        return 0
+        still = {name: find(name) for name in MANAGERS.values()}
+        if not any(still.values()):
+            return 0
+        missing, why = still, "they are still missing after the install"
     say(f"pagevis: Qt's window needs system libraries this machine lacks, and {why}. Install them:\n"
         f"  Debian/Ubuntu:  sudo apt-get install {' '.join(missing.get('debian', []))}\n"
         f"  Fedora:         sudo dnf install {' '.join(missing.get('fedora', []))}\n"
