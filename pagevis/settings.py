@@ -10,11 +10,17 @@ choices, help text, command-line flag — and every front end is made from this 
   values become a configuration through the same `apply()` the command line uses;
 - the app's controls take their ranges, defaults, labels and tooltips from it (`gui/setting_inputs.py`),
   and its saved settings (QSettings) are `to_dict(config)`;
-- a trace's header holds `to_dict(config)`, read back with `from_dict()` and type-checked from the table.
+- a trace's header holds `to_dict(config)`, read back with `from_dict()` and type-checked from the table;
+- `pagevis serve`'s limits (ServeSettings) and the Server window's scheduler (ServerConfig) are settings too.
+
+Where front ends need different defaults, a setting says so (`front_ends`): the app and `pagevis run` show a
+first-time user the demo cache, `pagevis serve` (FRONT_ENDS "serve") serves whole requests with no eviction,
+the app's Server window ("server") runs its own small scheduler. A front end's dataclass declares such a field
+with `field_for(name, front_end)`, and its --help shows that front end's default (`add_flags(front_end=...)`).
 
 This module imports nothing of pagevis but `errors`, so the engine can import it (the one exception: the
 policy names, which the engine's policy registry owns, are read from it when a front end asks).
-Defaults are what the app shows a first-time user: on SmolLM2 the default prompt (54 tokens with the chat
+The plain defaults are what the app shows a first-time user: on SmolLM2 the default prompt (54 tokens with the chat
 template) fills 12 pages of 8 within the first ~40 generated tokens, and 192 new tokens leave ~150 steps
 of eviction. Presets (pagevis/presets.py) are named overrides of these.
 """
@@ -41,11 +47,15 @@ SAMPLING_MODES = ("greedy", "sample")
 # Which dataclass holds a setting: the cache (CacheSettings, which SessionConfig extends), the session's own
 # fields (SessionConfig), sampling (SamplingConfig, held by SessionConfig.sampling) and many sequences
 # (BatchConfig). A group that another config holds in a field is NESTED under that field's name.
-GROUPS = ("cache", "session", "sampling", "batch")
+GROUPS = ("cache", "session", "sampling", "batch", "serve")
 NESTED = {"sampling": "sampling"}
 # Headings of the command line's --help and of the app's panels, by section.
 SECTIONS = {"cache": "KV cache", "tiers": "disk tier and page selection (docs/memory.md)", "prompt": "prompt",
-            "decoding": "decoding", "batch": "many sequences"}
+            "decoding": "decoding", "batch": "many sequences", "scheduler": "scheduling (continuous batching)",
+            "network": "network", "limits": "limits", "kv_events": "KV events (vLLM's format: docs/serving.md)"}
+# The front ends whose defaults may differ: the app's windows, `pagevis run` / compare / bench, `pagevis serve`,
+# and the app's Server window (a simulated server). A setting without an entry for one uses its `default`.
+FRONT_ENDS = ("app", "run", "serve", "server")
 
 
 def policy_names() -> tuple[str, ...]:
@@ -84,6 +94,18 @@ class Setting:
     app: bool = True  # a control of the app (and kept in its saved settings)
     app_range: tuple[float, float] | None = None  # the app's control range where narrower than the bounds
     app_step: float = 1
+    front_ends: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # front end -> its own default
+    derived: Mapping[str, str] = dataclasses.field(default_factory=dict)  # front end -> how it computes the default
+    off: Any = None  # a flag's value that means None ("--token-budget 0": no limit)
+    blank: bool = False  # a str setting that may be empty (a topic)
+
+    def default_for(self, front_end: str | None = None) -> Any:
+        """This front end's default (the plain `default` where it sets none of its own)."""
+        return self.front_ends.get(front_end, self.default)
+
+    def shown_default(self, front_end: str | None = None) -> Any:
+        """What --help gives as this front end's default: its value, or how the front end computes it."""
+        return self.derived.get(front_end, self.default_for(front_end))
 
     @property
     def path(self) -> str:
@@ -128,13 +150,15 @@ class Setting:
         elif self.choices:
             ok = value in self.choice_list()
         else:
-            ok = isinstance(value, str) and bool(value)
+            ok = isinstance(value, str) and (bool(value) or self.blank)
         if not ok:
             raise ConfigError(self.path, value, self.allowed_text())
 
     def from_front_end(self, value: Any) -> Any:
         """A flag's or request's value as this setting's value: a switch of a string setting is a bool
         (--sample, `"sample": true`), a list of layers is a tuple, "all"/"none" layers are None/()."""
+        if self.off is not None and value == self.off:
+            return None
         if self.kind == "str" and self.switch is not None and isinstance(value, bool):
             return self.switch if value else self.default
         if self.kind == "layers":
@@ -150,13 +174,18 @@ def _table(*settings: Setting) -> dict[str, Setting]:
     return {s.name: s for s in settings}
 
 
+_SERVER = {"request": False, "app": False}  # a server's own settings: not a request's, not the app's
+
 # The table, in the order --help and the app list them.
 SETTINGS: dict[str, Setting] = _table(
     # --- the cache: CacheSettings ------------------------------------------------------------------
     Setting("page_size", "int", 8, "tokens per page", "cache", "cache", label="Page size", low=1,
-            high=MAX_PAGE_SIZE, flag="--page-size", metavar="N", app_range=(1, 256)),
+            high=MAX_PAGE_SIZE, flag="--page-size", metavar="N", app_range=(1, 256),
+            front_ends={"serve": 16, "server": 16}),  # vLLM's block size: fewer pages per request to walk
     Setting("max_pages", "int", 12, "pages per layer (RAM frames); capacity = pages x page size", "cache", "cache",
-            label="Max pages", low=1, high=MAX_PAGES, flag="--max-pages", metavar="N", app_range=(1, 512)),
+            label="Max pages", low=1, high=MAX_PAGES, flag="--max-pages", metavar="N", app_range=(1, 512),
+            derived={"serve": "a full cache: --max-cache-tokens within the pool, in the request's page size; a "
+                              "session's, its prompt + max tokens"}),
     Setting("dtype", "str", "float32", "K/V storage: float32, float16, int8 (a scale per token and KV head), int4 "
             "or int2 (KIVI: keys per channel, values per token, groups of 32, a full-precision residual window; "
             "docs/quantization.md)", "cache", "cache", label="Storage", choices=STORAGE_DTYPES, flag="--dtype"),
@@ -164,7 +193,7 @@ SETTINGS: dict[str, Setting] = _table(
             "oldest 32 beyond it are quantized together once they have all arrived)", "cache", "cache",
             label="Residual window", low=0, high=MAX_RESIDUAL, flag="--residual", metavar="N", app_range=(0, 4096)),
     Setting("policy", "str", "sinks", "eviction policy", "cache", "cache", label="Policy", choices=policy_names,
-            flag="--policy", resets=("policy_params",)),
+            flag="--policy", resets=("policy_params",), front_ends={"serve": "none", "server": "none"}),
     Setting("policy_params", "params", {}, "the policy's parameters, e.g. n_sink=4 (sinks), recent=32 (h2o), "
             "seed=1 (random); the policy's defaults for those not given", "cache", "cache",
             label="Policy parameters", flag="--policy-param", metavar="KEY=VALUE"),
@@ -193,7 +222,7 @@ SETTINGS: dict[str, Setting] = _table(
     # --- sampling: SamplingConfig, held by SessionConfig.sampling ----------------------------------------
     Setting("mode", "str", "greedy", "sample instead of greedy decoding (implied by a temperature, top-k or "
             "top-p)", "sampling", "decoding", label="Sampling", choices=SAMPLING_MODES, flag="--sample",
-            switch="sample", key="sample"),
+            switch="sample", key="sample", front_ends={"server": "sample"}),  # the window's users vary
     Setting("temperature", "float", 0.7, "sampling temperature", "sampling", "decoding", label="Temperature",
             low=0, high=10, open_low=True, flag="--temperature", metavar="T", implies=("mode", "sample"),
             app_range=(0.05, 5.0), app_step=0.05),
@@ -211,17 +240,61 @@ SETTINGS: dict[str, Setting] = _table(
     Setting("record_layers", "layers", None, "layers whose attention the records keep: all (default), none, or "
             "e.g. 0,15,29", "session", "decoding", flag="--record-layers", metavar="LIST", app=False),
     # --- many sequences over one shared pool: BatchConfig --------------------------------------------------
-    Setting("pool_pages", "int", None, "pages per layer in the shared pool (default: sequences x max pages); a "
-            "smaller pool preempts the newest sequence and recomputes it later", "batch", "batch", low=1,
-            high=MAX_PAGES, nullable=True, flag="--pool-pages", metavar="N", request=False, app=False),
-    Setting("max_seqs", "int", 16, "sequences running in one step", "batch", "batch", low=1, high=MAX_SEQUENCES,
-            request=False, app=False),
+    Setting("pool_pages", "int", None, "pages per layer in the shared pool; a smaller pool preempts the newest "
+            "sequence and recomputes it later", "batch", "batch", low=1, high=MAX_PAGES, nullable=True,
+            flag="--pool-pages", metavar="N", request=False, app=False, front_ends={"server": 256},
+            derived={"run": "sequences x max pages", "serve": "--max-cache-tokens in the request's page size"}),
+    Setting("max_seqs", "int", 16, "requests running in one step (each step feeds them all)", "batch", "scheduler",
+            low=1, high=MAX_SEQUENCES, flag="--max-running", metavar="N", key="max_running", request=False,
+            app=False, front_ends={"server": 8}),
     Setting("prefix_caching", "bool", True, "keep finished sequences' full pages for reuse by a later prompt with "
             "the same prefix", "batch", "batch", request=False, app=False),
-    Setting("token_budget", "int", None, "tokens one step feeds over all sequences (chunked prefill; default: "
-            "no limit)", "batch", "batch", low=1, high=1 << 20, nullable=True, request=False, app=False),
+    Setting("token_budget", "int", None, "tokens one step feeds over all requests: a long prompt is prefilled in "
+            "chunks between the others' decode steps; 0 = no limit", "batch", "scheduler", low=1, high=1 << 20,
+            nullable=True, allowed="an integer from 1 to 1048576, or 0 (no limit)", off=0, flag="--token-budget",
+            metavar="N", request=False, app=False, front_ends={"serve": 256, "server": 512}),
     Setting("ignore_eos", "bool", False, "decode max_new_tokens whatever is sampled (benchmarks of a fixed "
             "shape, as vLLM's)", "batch", "batch", request=False, app=False),
+    # --- pagevis serve: ServeSettings (and the Server window's ServerConfig: max_chunk) -------------------------
+    Setting("max_chunk", "int", 512, "prompt tokens one request feeds per step (bounds a step's activations)",
+            "serve", "scheduler", low=1, high=1 << 20, flag="--max-chunk", metavar="N", front_ends={"server": 256},
+            **_SERVER),
+    Setting("host", "str", "127.0.0.1", "address to bind; one other than loopback needs --allow-remote", "serve",
+            "network", allowed="an address", flag="--host", metavar="HOST", **_SERVER),
+    Setting("port", "int", 8000, "port (0 picks a free one)", "serve", "network", low=0, high=65535, flag="--port",
+            metavar="PORT", allowed="a port number from 0 to 65535", **_SERVER),
+    Setting("allow_remote", "bool", False, "allow a --host other than loopback: anyone who reaches it can use the "
+            "server, which has no authentication", "serve", "network", flag="--allow-remote", switch=True, **_SERVER),
+    Setting("max_body", "int", 8 << 20, "bytes of the largest request body; bigger ones get 413 unread", "serve",
+            "limits", low=1024, high=1 << 30, flag="--max-body", metavar="BYTES", **_SERVER),
+    Setting("max_sessions", "int", 8, "live /v1/sessions sessions at once", "serve", "limits", low=1, high=1024,
+            flag="--max-sessions", metavar="N", **_SERVER),
+    Setting("max_waiting", "int", 64, "completions waiting beyond --max-running (over all engines); more get 429",
+            "serve", "limits", low=0, high=1 << 16, flag="--max-waiting", metavar="N", **_SERVER),
+    Setting("max_pools", "int", 4, "engines at once, one per cache layout (page size, dtype) requests ask for",
+            "serve", "limits", low=1, high=64, flag="--max-pools", metavar="N", **_SERVER),
+    Setting("drain_seconds", "float", 10.0, "on SIGTERM or Ctrl-C: how long requests in flight may go on before "
+            "they end with finish_reason \"abort\"", "serve", "limits", low=0, high=3600, flag="--drain-seconds",
+            metavar="SECONDS", **_SERVER),
+    Setting("max_session_tokens", "int", 2048, "prompt + generated tokens of one session or completion", "serve",
+            "limits", low=2, high=1 << 20, flag="--max-session-tokens", metavar="N", **_SERVER),
+    Setting("max_cache_tokens", "int", 4096, "page size x max pages of one request's cache (per layer)", "serve",
+            "limits", low=1, high=1 << 20, flag="--max-cache-tokens", metavar="N", **_SERVER),
+    Setting("max_session_mib", "int", 256, "memory of one session's KV caches and step snapshots (checked before "
+            "it starts)", "serve", "limits", low=1, high=1 << 20, flag="--max-session-mib", metavar="MIB", **_SERVER),
+    Setting("idle_timeout", "float", 600.0, "delete sessions unused this long (seconds)", "serve", "limits", low=0,
+            high=7 * 86400, open_low=True, flag="--idle-timeout", metavar="SECONDS", **_SERVER),
+    Setting("workers", "int", 2, "worker threads for /v1/attention, prompt encoding and answers", "serve", "limits",
+            low=1, high=64, flag="--workers", metavar="N", **_SERVER),
+    Setting("kv_events_endpoint", "str", None, "publish the engines' prefix caches as vLLM KV events on this ZMQ "
+            "PUB endpoint, e.g. tcp://*:5557 (bound) or tcp://HOST:PORT (connected); `pagevis attach` reads them",
+            "serve", "kv_events", allowed="a ZMQ endpoint", nullable=True, flag="--kv-events-endpoint",
+            metavar="ENDPOINT", **_SERVER),
+    Setting("kv_events_replay", "str", None, "answer replay requests (ZMQ ROUTER) here, e.g. tcp://*:5558", "serve",
+            "kv_events", allowed="a ZMQ endpoint", nullable=True, flag="--kv-events-replay", metavar="ENDPOINT",
+            **_SERVER),
+    Setting("kv_events_topic", "str", "", "the topic of every KV event message", "serve", "kv_events",
+            allowed="a string", blank=True, flag="--kv-events-topic", metavar="TOPIC", **_SERVER),
 )
 
 
@@ -240,12 +313,19 @@ def by_path(path: str) -> Setting | None:
 
 # --- the dataclasses --------------------------------------------------------------------------------
 
-def field_for(name: str):
-    """A dataclass field with this setting's default, tagged with the Setting (`metadata["setting"]`)."""
+def field_for(name: str, front_end: str | None = None):
+    """A dataclass field with this setting's default (the front end's, if given), tagged with the Setting
+    (`metadata["setting"]`) and the front end (`metadata["front_end"]`)."""
     s = SETTINGS[name]
-    if isinstance(s.default, dict):
-        return dataclasses.field(default_factory=lambda: dict(s.default), metadata={"setting": s})
-    return dataclasses.field(default=s.default, metadata={"setting": s})
+    default, metadata = s.default_for(front_end), {"setting": s, "front_end": front_end}
+    if isinstance(default, dict):
+        return dataclasses.field(default_factory=lambda: dict(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def for_front_end(config, front_end: str):
+    """`config` with this front end's own defaults (`front_ends`) for the settings it holds."""
+    return with_values(config, {s.name: s.front_ends[front_end] for s in SETTINGS.values() if front_end in s.front_ends})
 
 
 def settings_of(config_type) -> list[Setting]:
@@ -331,17 +411,19 @@ def apply(base, given: Mapping[str, Any]):
 
 # --- command-line flags --------------------------------------------------------------------------------
 
-def add_flags(parser, section: str | None = None, names: Iterable[str] | None = None, **defaults) -> None:
+def add_flags(parser, section: str | None = None, names: Iterable[str] | None = None, front_end: str | None = None,
+              **defaults) -> None:
     """argparse flags for the settings of `section` (or the settings `names`) that have one: type, choices,
-    metavar and help from the table. Every flag defaults to None (not given: the caller's base configuration
-    decides), except where a command passes its own default (compare's `page_size=16`)."""
+    metavar and help from the table, the help showing `front_end`'s default. Every flag defaults to None (not
+    given: the caller's base configuration decides), except where a command passes its own default
+    (compare's `page_size=16`)."""
     for s in SETTINGS.values():
         if s.flag and (s.name in names if names is not None else s.section == section):
-            add_flag(parser, s, defaults.get(s.name))
+            add_flag(parser, s, defaults.get(s.name), front_end)
 
 
-def add_flag(parser, s: Setting, default=None) -> None:
-    shown = s.default if default is None else default
+def add_flag(parser, s: Setting, default=None, front_end: str | None = None) -> None:
+    shown = s.shown_default(front_end) if default is None else default
     if s.switch is not None:  # no argument: the flag sets the setting (a string setting's switch is a bool)
         parser.add_argument(s.flag, dest=s.dest, action="store_const", const=s.switch if s.kind == "bool" else True,
                             help=s.help if s.switch is not False else f"do not {s.help}")
@@ -351,10 +433,11 @@ def add_flag(parser, s: Setting, default=None) -> None:
                             help=f"{s.help}; repeat for several")
         return
     choices = s.choice_list() or None
-    described = shown is not None and s.kind in ("int", "float", "str") and "default" not in s.help
+    described = shown not in (None, "") and s.kind in ("int", "float", "str") and "default" not in s.help
+    text = f"default: {shown}" if default is None and front_end in s.derived else f"default {shown}"
     parser.add_argument(s.flag, dest=s.dest, type={"int": int, "float": float}.get(s.kind), choices=choices,
                         default=default, metavar=None if choices else (s.metavar or None),
-                        help=f"{s.help} (default {shown})" if described else s.help)
+                        help=f"{s.help} ({text})" if described else s.help)
 
 
 def _holds(config, name: str) -> bool:

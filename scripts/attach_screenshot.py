@@ -18,7 +18,7 @@ DATA = ROOT / "tests" / "data" / "kv_events"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", default=str(ROOT / "docs" / "attach-window.png"))
     parser.add_argument("--recording", default="vllm-0.34.0")
     parser.add_argument("--tokenizer", help="tokenizer.json or .gguf for block text (e.g. SmolLM2's GGUF)")

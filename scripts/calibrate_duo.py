@@ -81,7 +81,7 @@ def compact_json(data: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--out", default=str(ROOT / "resources" / "calibration" / "duo-smollm2-135m.json"))
     args = parser.parse_args()

@@ -40,7 +40,7 @@ def main() -> None:
     from pagevis.cli.compare import load_text
     from pagevis.model import load_model, set_blas_threads
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--policies", default="sinks,tova,h2o")
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=512)

@@ -286,7 +286,7 @@ def write_expected(name: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--wheels", type=Path, default=Path.home() / ".cache" / "pagevis" / "wheels",
                         help="where the downloaded wheels are kept (default ~/.cache/pagevis/wheels)")
     parser.add_argument("--only", nargs="*", choices=sorted(SOURCES), help="record only these sources")

@@ -96,7 +96,7 @@ def prompt_vectors(model, ids: list[int]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=Path("tests/data/smollm2_reference.json"))
     args = parser.parse_args()

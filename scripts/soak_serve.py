@@ -73,7 +73,7 @@ def client_loop(url: str, model: str, seed: int, stop: threading.Event, counts: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--model", default="smollm2", choices=("smollm2", "synthetic"))
     parser.add_argument("--clients", type=int, default=8)

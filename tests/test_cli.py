@@ -115,7 +115,7 @@ def test_python_m_pagevis_bad_argument_in_a_subprocess():
     done = subprocess.run([sys.executable, "-m", "pagevis", "run", "--max-pages", "0", *SYNTH],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert done.stderr.startswith("pagevis: error: --max-pages: max_pages = 0 is not allowed: an integer from 1")
+    assert done.stderr.startswith("pagevis run: error: --max-pages: max_pages = 0 is not allowed: an integer from 1")
     assert done.stderr.count("\n") == 1
 
 

@@ -52,9 +52,9 @@ def test_errors_name_only_flags_the_command_has(capsys, tmp_path):
     assert "--decode-tokens" in err and "--max-tokens" not in err
     # a policy parameter nobody gave is the policy's default, not a --policy-param the user typed
     err = refusal(capsys, "run", *SYNTH, "--prompt", "hi", "--max-pages", "1", "--page-size", "1", "--policy", "sinks")
-    assert not err.startswith("pagevis: error: --policy-param") and "the policy's default" in err
+    assert not err.startswith("pagevis run: error: --policy-param") and "the policy's default" in err
     err = refusal(capsys, "run", *SYNTH, "--max-pages", "1", "--page-size", "1", "--policy-param", "n_sink=4")
-    assert err.startswith("pagevis: error: --policy-param: sinks.n_sink = 4")
+    assert err.startswith("pagevis run: error: --policy-param: sinks.n_sink = 4")
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -127,3 +127,65 @@ def test_out_of_memory_is_a_user_error(capsys, monkeypatch):
     monkeypatch.setattr(cli_main, "launch_app", exhausted)
     assert main(["--model", "synthetic"]) == 2
     assert "out of memory (Unable to allocate 768. MiB)" in capsys.readouterr().err
+
+
+def all_parsers():
+    """The app's parser and every subcommand's (`pagevis run`, ...), with their nested subparsers."""
+    import argparse
+
+    todo, seen = [cli_main.gui_parser(), cli_main.command_parser()], []
+    while todo:
+        parser = todo.pop()
+        seen.append(parser)
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                todo.extend(action.choices.values())
+    return seen
+
+
+def test_every_parser_refuses_an_abbreviated_flag():
+    """With abbreviations `pagevis --record demo.mp4` was read as `--record-layers demo.mp4`; now no parser
+    takes a prefix of one of its flags for the flag."""
+    parsers = all_parsers()
+    assert {p.prog for p in parsers} >= {f"pagevis {c}" for c in cli_main.COMMANDS} | {"pagevis"}
+    for parser in parsers:
+        assert parser.allow_abbrev is False, parser.prog
+        flags = [f for a in parser._actions for f in a.option_strings if f.startswith("--") and len(f) > 4]
+        for flag in flags:
+            prefix = flag[:-1]
+            if prefix not in parser._option_string_actions:
+                found = parser._parse_optional(prefix)  # a tuple (3.11), a list of them (3.12.7+), or None
+                matches = [found] if isinstance(found, tuple) else (found or [])
+                assert all(match[0] is None for match in matches), (parser.prog, prefix)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--record", "demo.mp4"], "pagevis: error: unrecognized arguments: --record demo.mp4"),
+    (["run", *SYNTH, "--max-tok", "5"], "pagevis run: error: unrecognized arguments: --max-tok 5"),
+    (["serve", "--max-run", "2"], "pagevis serve: error: unrecognized arguments: --max-run 2"),
+    (["compare", "--budget", "64"], "pagevis compare: error: unrecognized arguments: --budget (see pagevis compare"),
+])
+def test_a_prefix_of_a_flag_is_an_unknown_flag(capsys, argv, words):
+    assert refusal(capsys, *argv).startswith(words)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--page-size", "x"], "pagevis: error: argument --page-size: invalid int value: 'x' (see pagevis --help)"),
+    (["run", "--page-size", "x"], "pagevis run: error: argument --page-size: invalid int value: 'x'"),
+    (["run", *SYNTH, "--prompt", ""], "pagevis run: error: --prompt is empty"),
+    (["serve", "--port", "x"], "pagevis serve: error: argument --port: invalid int value: 'x'"),
+    (["serve", "--host", "0.0.0.0"], "pagevis serve: error: --host 0.0.0.0 is not a loopback address"),
+    (["serve", "--idle-timeout", "0", "--model", "synthetic"],
+     "pagevis serve: error: --idle-timeout: idle_timeout = 0.0 is not allowed: a number in (0, 604800]"),
+    (["serve", "--token-budget", "-1", "--model", "synthetic"],
+     "pagevis serve: error: --token-budget: token_budget = -1 is not allowed: an integer from 1 to 1048576, or 0"),
+    (["serve", "--max-pages", "1000", "--model", "synthetic"], "pagevis serve: error: --max-pages: max_pages = "
+     "1000 is not allowed: at most 256 pages of 16 tokens (this server's --max-cache-tokens 4096)"),
+    (["attach"], "pagevis attach: error: give at least one ENDPOINT"),
+    (["bench", "--bogus"], "pagevis bench: error: unrecognized arguments: --bogus (see pagevis bench --help)"),
+    (["replay"], "pagevis replay: error: the following arguments are required"),
+    (["nonsense"], "pagevis: error: unknown command 'nonsense'"),
+])
+def test_one_error_form_for_every_command(capsys, argv, words):
+    """`PROG: error: MESSAGE`, whether argparse or a later check found the problem."""
+    assert refusal(capsys, *argv).startswith(words)

@@ -263,3 +263,97 @@ def test_a_wayland_display_needs_a_compositor_on_its_socket(tmp_path):
         compositor.listen(4)
         assert not check(environ).unreachable
         assert not check({"WAYLAND_DISPLAY": str(tmp_path / "pagevis-test")}).unreachable  # an absolute path
+
+
+# --- installing what is missing: the decision, on machines of the test's own making ---------------------
+
+MISSING = {"debian": ["libxcb-icccm4", "libxcb-keysyms1"], "fedora": ["xcb-util-wm", "xcb-util-keysyms"]}
+APT = frozenset({"apt-get"})
+
+
+def machine(root=False, sudo=False, tools=APT, refused=False):
+    return platform_check.Machine(root, sudo, tools, refused)
+
+
+@pytest.mark.parametrize("state, expected", [
+    (machine(root=True), [["apt-get", "update", "-qq"], ["env", "DEBIAN_FRONTEND=noninteractive", "apt-get",
+                                                         "install", "-y", "-qq", "--no-install-recommends",
+                                                         "libxcb-icccm4", "libxcb-keysyms1"]]),
+    (machine(sudo=True), [["sudo", "-n", "apt-get", "update", "-qq"],
+                          ["sudo", "-n", "env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "-y", "-qq",
+                           "--no-install-recommends", "libxcb-icccm4", "libxcb-keysyms1"]]),
+    (machine(sudo=True, tools=frozenset({"dnf"})), [["sudo", "-n", "dnf", "install", "-y", "-q", "xcb-util-wm",
+                                                     "xcb-util-keysyms"]]),
+    (machine(root=True, tools=frozenset({"apt-get", "dnf"})), "apt-get"),  # Debian names first where both are
+])
+def test_root_or_passwordless_sudo_with_apt_or_dnf_installs(state, expected):
+    commands, why = platform_check.install_commands(MISSING, state)
+    assert why == ""
+    if isinstance(expected, str):
+        assert commands[-1][2] == expected and commands[-1][-2:] == MISSING["debian"]
+    else:
+        assert commands == expected
+
+
+@pytest.mark.parametrize("state, why", [
+    (machine(), "this is not root and sudo needs a password"),
+    (machine(root=True, tools=frozenset()), "there is no apt-get or dnf here"),
+    (machine(root=True, refused=True), "PAGEVIS_NO_SYSTEM_INSTALL is set"),
+])
+def test_elsewhere_nothing_runs_and_the_reason_is_given(state, why):
+    assert platform_check.install_commands(MISSING, state) == ([], why)
+
+
+def finder(*answers):
+    """A `find` that answers MISSING's lists for the first len(answers) looks, by distribution, then these."""
+    looks = iter(answers)
+    current = {}
+
+    def find(name):
+        if name == "debian":
+            current.update(next(looks))
+        return current[name]
+    return find
+
+
+NONE_MISSING = {"debian": [], "fedora": []}
+
+
+def test_install_prints_each_command_before_it_runs_and_says_what_to_do_when_it_cannot():
+    events = []
+    ran = lambda command, check: events.append(("run", command)) or subprocess.CompletedProcess(command, 0)
+    say = lambda text: events.append(("say", text))
+    assert platform_check.install_missing(machine(root=True), ran, say, finder(MISSING, NONE_MISSING)) == 0
+    assert [kind for kind, _ in events] == ["say", "run", "say", "run"]
+    assert events[0][1].endswith("apt-get update -qq") and events[2][1].endswith("libxcb-icccm4 libxcb-keysyms1")
+    # a failing command stops there, and the manual lines follow (today's message)
+    events.clear()
+    failing = lambda command, check: events.append(("run", command)) or subprocess.CompletedProcess(command, 100)
+    assert platform_check.install_missing(machine(root=True), failing, say, finder(MISSING)) == 1
+    assert [kind for kind, _ in events] == ["say", "run", "say"]
+    assert "`apt-get update -qq` failed with status 100" in events[-1][1]
+    assert "sudo apt-get install libxcb-icccm4 libxcb-keysyms1" in events[-1][1]
+    assert "sudo dnf install xcb-util-wm xcb-util-keysyms" in events[-1][1]
+    events.clear()
+    assert platform_check.install_missing(machine(), failing, say, finder(MISSING)) == 1
+    assert [kind for kind, _ in events] == ["say"] and "sudo needs a password" in events[0][1]
+    events.clear()
+    assert platform_check.install_missing(machine(), failing, say, finder(NONE_MISSING)) == 0
+    assert events == []  # nothing missing: nothing said, nothing run
+
+
+def test_libraries_still_missing_after_the_install_are_reported():
+    """apt-get succeeded, but ldd still finds no libxcb-keysyms (a package installed already, its file gone)."""
+    events = []
+    ran = lambda command, check: events.append(("run", command)) or subprocess.CompletedProcess(command, 0)
+    still = {"debian": ["libxcb-keysyms1"], "fedora": ["xcb-util-keysyms"]}
+    assert platform_check.install_missing(machine(root=True), ran, events.append, finder(MISSING, still)) == 1
+    assert "still missing after the install" in events[-1] and "apt-get install libxcb-keysyms1\n" in events[-1]
+
+
+def test_the_install_entry_point_reads_the_missing_list_and_the_machine(monkeypatch, capsys):
+    monkeypatch.setattr(platform_check, "missing_packages", lambda name: MISSING[name])
+    monkeypatch.setenv(platform_check.NO_INSTALL_VARIABLE, "1")
+    assert platform_check.main(["--install"]) == 1
+    out = capsys.readouterr().out
+    assert "PAGEVIS_NO_SYSTEM_INSTALL is set" in out and "apt-get install libxcb-icccm4 libxcb-keysyms1" in out

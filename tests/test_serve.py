@@ -266,7 +266,8 @@ def test_non_loopback_hosts_are_refused_without_allow_remote(capsys):
 
 def test_serve_flags_are_checked_before_starting(capsys):
     assert main(["serve", "--port", "70000", "--model", "synthetic"]) == 2
-    assert "--port 70000" in capsys.readouterr().err
+    assert "pagevis serve: error: --port: port = 70000 is not allowed: a port number from 0 to 65535" in \
+        capsys.readouterr().err
     assert main(["serve", "--page-size", "0", "--model", "synthetic"]) == 2
     assert "--page-size" in capsys.readouterr().err
     assert main(["serve", "--idle-timeout", "0", "--model", "synthetic"]) == 2

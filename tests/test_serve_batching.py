@@ -11,6 +11,7 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import httpx
 import numpy as np
@@ -18,6 +19,7 @@ from serve_fixtures import SYNTH, running_server
 from test_serve_load import scrape, value
 
 from pagevis.engine import DecodeSession, SamplingConfig, SessionConfig
+from pagevis.serve.settings import serve_defaults
 
 SHARED = "A shared system prompt about pages of keys and values, long enough to fill several pages. "
 # (prompt, cache settings, temperature, seed, max_tokens)
@@ -36,7 +38,7 @@ REQUESTS = [
 def alone(prompt: str, cache: dict, temperature: float, seed: int | None, max_tokens: int) -> str:
     """The request decoded by a DecodeSession of its own (its own engine and pool)."""
     sampling = SamplingConfig(mode="sample", temperature=temperature, seed=seed) if temperature else SamplingConfig()
-    config = SessionConfig(**cache, max_new_tokens=max_tokens, chat=False, sampling=sampling)
+    config = replace(serve_defaults(), **cache, max_new_tokens=max_tokens, chat=False, sampling=sampling)
     session = DecodeSession(SYNTH.load(), prompt, config)
     list(session.run())
     return session.text()
@@ -62,7 +64,7 @@ def complete(client: httpx.Client, prompt, cache, temperature, seed, max_tokens,
 def test_batching_never_changes_results():
     expected = [alone(*request) for request in REQUESTS]
     # a small token budget: prompts are prefilled in chunks between the others' decode steps
-    with running_server(token_budget=12, max_running=4) as running:
+    with running_server(token_budget=12, max_seqs=4) as running:
         for rounds in range(2):  # the second round finds the first's pages in the prefix cache
             barrier = threading.Barrier(len(REQUESTS))
 
@@ -156,10 +158,10 @@ def test_preemption_under_memory_pressure_keeps_results_and_is_counted():
     each still decodes what it decodes alone."""
     # each request grows to ~18 pages of 4 and the pool has 24: any two decoding at once cannot both fit,
     # however the four arrive on a loaded machine
-    requests = [(f"Request number {i} asks about pages.", {"page_size": 4, "max_pages": 20}, 0, None, 60)
-                for i in range(4)]
+    cache = {"page_size": 4, "max_pages": 20, "policy": "sinks"}
+    requests = [(f"Request number {i} asks about pages.", cache, 0, None, 60) for i in range(4)]
     expected = [alone(*request) for request in requests]
-    with running_server(pool_pages=24, max_running=4) as running:
+    with running_server(pool_pages=24, max_seqs=4) as running:
         with ThreadPoolExecutor(len(requests)) as pool:
             got = list(pool.map(lambda r: complete(httpx.Client(base_url=running.url, timeout=120), *r,
                                                    stream=True), requests))
@@ -182,7 +184,7 @@ def test_a_session_among_other_requests_records_only_its_own_pages():
     list(direct.run())
     with running_server(token_budget=None) as running:
         body = {"model": "synthetic", "prompt": "Another request in the pool.", "max_tokens": 300,
-                "temperature": 0, "stream": True, "ignore_eos": True, "pagevis": {"page_size": 4, "max_pages": 8}}
+                "temperature": 0, "stream": True, "ignore_eos": True, "pagevis": {"page_size": 4, "max_pages": 8, "policy": "sinks"}}
         threads = [threading.Thread(target=complete, args=(httpx.Client(base_url=running.url, timeout=120),
                                                            body["prompt"] + str(i), body["pagevis"], 0, None, 300, True))
                    for i in range(3)]

@@ -47,7 +47,7 @@ def stream_lines(url: str, body: dict, lines: list, started: threading.Event | N
 
 
 def test_beyond_the_queue_is_429_with_retry_after():
-    with running_server(max_running=1, max_waiting=1, drain_seconds=0.2) as running:
+    with running_server(max_seqs=1, max_waiting=1, drain_seconds=0.2) as running:
         body = {"model": "synthetic", "prompt": "abc", "max_tokens": 2000, "temperature": 0, "stream": True,
                 "ignore_eos": True}
         outputs = [[], []]

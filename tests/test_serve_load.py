@@ -149,7 +149,7 @@ def test_error_bodies_are_json_with_a_message():
 
 
 def test_a_client_leaving_mid_stream_frees_its_pages():
-    with running_server(max_running=1, max_waiting=0) as running:
+    with running_server(max_seqs=1, max_waiting=0) as running:
         body = {"model": "synthetic", "prompt": "abc", "max_tokens": 1500, "temperature": 0, "stream": True}
         with httpx.Client(base_url=running.url, timeout=60) as other, \
                 other.stream("POST", "/v1/completions", json=body) as answer:

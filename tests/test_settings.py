@@ -11,16 +11,21 @@ import pytest
 from pagevis import settings
 from pagevis.cli import options
 from pagevis.engine import SamplingConfig, SessionConfig
-from pagevis.engine.batch import BatchConfig
+from pagevis.engine.batch import MAX_CHUNK, BatchConfig
 from pagevis.kvcache import CacheSettings, ConfigError
 from pagevis.presets import DEFAULT_CONFIG, PRESETS
 from pagevis.serve.requests import CacheSettings as CacheRequest
 from pagevis.serve.requests import SessionRequest
 from pagevis.serve.sessions import session_config as request_config
 from pagevis.serve.settings import ServeSettings
+from pagevis.simserver.run import ServerConfig
 
-CONFIGS = (CacheSettings, SessionConfig, SamplingConfig, BatchConfig)
-OWN = {CacheSettings: "cache", SessionConfig: "session", SamplingConfig: "sampling", BatchConfig: "batch"}
+CONFIGS = (CacheSettings, SessionConfig, SamplingConfig, BatchConfig, ServeSettings)
+OWN = {CacheSettings: "cache", SessionConfig: "session", SamplingConfig: "sampling", BatchConfig: "batch",
+       ServeSettings: "serve"}
+# Fields of the front ends' own dataclasses that are not user settings (the model, the request defaults, ...).
+NOT_SETTINGS = {ServeSettings: {"model_spec", "defaults", "full_cache", "expiry_interval"},
+                ServerConfig: {"reservation", "step_seconds", "realtime", "label"}}
 
 
 def run_args(*flags: str) -> argparse.Namespace:
@@ -30,21 +35,65 @@ def run_args(*flags: str) -> argparse.Namespace:
 
 
 def test_each_config_field_is_one_setting_of_the_table():
-    """Every field of the config dataclasses (but the nested sampling) is tagged with its setting, each
-    setting is the field of exactly one dataclass, and the dataclass default is the table's."""
-    owners = {}
-    for config in CONFIGS:
+    """Every field of the config dataclasses (but the nested sampling and the front ends' own fields) is tagged
+    with its setting, its default is the table's default for that dataclass's front end, each setting is
+    owned by the dataclass of its group, and every setting of the table is some dataclass's field."""
+    owners, held = {}, set()
+    for config in (*CONFIGS, ServerConfig):
         for f in dataclasses.fields(config):
-            if f.name in settings.NESTED.values():
+            if f.name in settings.NESTED.values() or f.name in NOT_SETTINGS.get(config, ()):
                 continue
             assert "setting" in f.metadata, f"{config.__name__}.{f.name} is not declared with field_for()"
-            s = f.metadata["setting"]
-            owners.setdefault(s.name, config)
+            s, front_end = f.metadata["setting"], f.metadata["front_end"]
+            assert f.name == s.name, f"{config.__name__}.{f.name} holds the setting {s.name}"
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-            assert default == s.default, f"{config.__name__}.{f.name}"
-            if owners[s.name] is config:
-                assert s.group == OWN[config], f"{s.name} is a field of {config.__name__}, group {s.group}"
-    assert set(owners) == set(settings.SETTINGS), "a setting of the table is the field of no config"
+            assert default == s.default_for(front_end), f"{config.__name__}.{f.name}"
+            held.add(s.name)
+            if OWN.get(config) == s.group:
+                owners[s.name] = config
+    assert held == set(settings.SETTINGS) == set(owners), "a setting of the table is the field of no config"
+
+
+def test_front_end_defaults_are_the_tables_and_the_duplicates_are_gone():
+    """The batching settings once declared three times agree now: each front end's default is the table's."""
+    server, served, batch = ServerConfig(), ServeSettings(), BatchConfig()
+    for name in ("max_seqs", "token_budget", "pool_pages", "max_chunk"):
+        s = settings.setting(name)
+        assert getattr(server, name) == s.default_for("server") and getattr(served, name) == s.default_for("serve")
+        if hasattr(batch, name):
+            assert getattr(batch, name) == s.default
+    assert MAX_CHUNK == settings.setting("max_chunk").default
+    assert (server.max_seqs, server.token_budget, server.max_chunk, server.pool_pages) == (8, 512, 256, 256)
+    assert (served.max_seqs, served.token_budget, served.max_chunk, served.pool_pages) == (16, 256, 512, None)
+    assert set(settings.FRONT_ENDS) >= {f for s in settings.SETTINGS.values() for f in (*s.front_ends, *s.derived)}
+    # the Server window's requests: its table defaults (policy none, sampled, pages of 16), its preset's capacity
+    from pagevis.presets import SERVER_PRESETS
+
+    for preset in SERVER_PRESETS:
+        config = preset.session_config()
+        assert (config.policy, config.sampling.mode, config.page_size) == ("none", "sample", 16)
+        assert config.capacity >= preset.capacity and config.max_new_tokens == preset.workload.max_new_tokens
+
+
+@pytest.mark.parametrize("command, front_end", [("run", "run"), ("serve", "serve")])
+def test_help_shows_each_front_ends_defaults(command, front_end):
+    """What `pagevis serve --help` says a default is, the table says, and the server starts from it."""
+    from pagevis.cli.main import command_parser
+
+    parser = command_parser()
+    sub = parser._subparsers._group_actions[0].choices[command]
+    shown = {a.dest: a.help for a in sub._actions}
+    for s in settings.SETTINGS.values():
+        if s.dest in shown and s.flag and s.switch is None and s.kind in ("int", "float", "str"):
+            value = s.shown_default(front_end)
+            if value not in (None, "") and "default" not in s.help:
+                assert f"default{':' if front_end in s.derived else ''} {value})" in " ".join(shown[s.dest].split()), \
+                    (command, s.name, shown[s.dest])
+    if command == "serve":  # every setting of the server has its flag there, not given unless typed
+        for s in settings.in_group("serve"):
+            assert s.dest in shown and sub._option_string_actions[s.flag].default is None, s.name
+        assert "eviction policy (default none)" in shown["policy"] and "(default 16)" in shown["page_size"]
+        assert "(default 256)" in shown["token_budget"] and "--max-cache-tokens" in shown["max_pages"]
 
 
 def test_the_table_is_complete_and_unambiguous():
@@ -66,7 +115,10 @@ def test_one_set_of_defaults_and_presets_override_it():
     assert SessionConfig() == DEFAULT_CONFIG == PRESETS[0].a
     assert (DEFAULT_CONFIG.page_size, DEFAULT_CONFIG.max_pages, DEFAULT_CONFIG.max_new_tokens) == (8, 12, 192)
     assert options.session_config(run_args()) == DEFAULT_CONFIG
-    assert request_config(ServeSettings(), {}) == DEFAULT_CONFIG
+    # the server's requests: a full cache of --max-cache-tokens (4096) in pages of 16, nothing evicted
+    served = request_config(ServeSettings(), {})
+    assert (served.policy, served.page_size, served.max_pages) == ("none", 16, 256)
+    assert served == dataclasses.replace(DEFAULT_CONFIG, policy="none", page_size=16, max_pages=256)
     for preset in PRESETS:
         for config in (preset.a, preset.b):
             if config is not None:
@@ -95,7 +147,7 @@ def test_every_flag_comes_from_the_table():
     options.add_session_options(parser)
     actions = {a.dest: a for a in parser._actions}
     for s in settings.SETTINGS.values():
-        if s.flag and s.group != "batch":
+        if s.flag and s.group not in ("batch", "serve"):
             action = actions[s.dest]
             assert action.option_strings == [s.flag] and action.default is None
             assert s.help.removeprefix("do not ") in action.help or action.help.endswith(s.help)
@@ -113,7 +165,7 @@ def test_the_cli_and_a_request_build_the_same_configuration():
     assert from_flags == request_config(ServeSettings(), request)
     assert from_flags.sampling.mode == "sample"  # a temperature implies sampling, in both
     # the server's flags are its requests' defaults; a request's policy starts its parameters afresh
-    served = ServeSettings(defaults=from_flags)
+    served = ServeSettings(defaults=from_flags, full_cache=False)
     assert request_config(served, {}) == from_flags
     assert dict(request_config(served, {"policy": "h2o"}).policy_params) == {}
     assert request_config(served, {"sample": False}).sampling.mode == "greedy"

@@ -143,7 +143,8 @@ def bench_rss(blocks: int, block_size: int = 16) -> tuple[float, float, int, flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagevis.bench.attach", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pagevis.bench.attach",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller runs (a smoke test of the bench)")
     parser.add_argument("--rss-child", nargs=2, type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

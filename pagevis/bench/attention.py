@@ -80,7 +80,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagevis.bench.attention", description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pagevis.bench.attention", description=__doc__)
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     parser.add_argument("--page-sizes", default=",".join(map(str, PAGE_SIZES)))
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16"])

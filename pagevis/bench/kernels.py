@@ -196,7 +196,7 @@ def main(argv=None) -> int:
 
     from pagevis.model import load_model, set_blas_threads
 
-    parser = argparse.ArgumentParser(prog="python -m pagevis.bench.kernels", description=__doc__)
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pagevis.bench.kernels", description=__doc__)
     parser.add_argument("--sizes", default=",".join(map(str, BATCH_SIZES)))
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--context", type=int, default=8192)

@@ -33,8 +33,7 @@ from pagevis.simserver.workload import first_turn as chat_turn
 from pagevis.token_times import TokenTimes
 
 CONCURRENCIES = (1, 2, 4, 8, 16)
-SERVER_FLAGS = ("--page-size", "16", "--max-pages", "64", "--pool-pages", "512", "--max-running", "16",
-                "--max-waiting", "64")
+SERVER_FLAGS = ()  # serve's defaults: a full cache per request (policy none), pages of 16, a 4096-token pool
 SYSTEM_PROMPTS = (
     "You are the help desk of a small library that lends books, maps and recordings. Answer in two or three "
     "short sentences, plainly, without lists. The library opens at nine in the morning and closes at six in "
@@ -320,11 +319,15 @@ def format_level(level: dict) -> str:
 def format_table(result: dict) -> str:
     lines = [f"pagevis bench serve: {result['model']}, {result['max_tokens']} output tokens per request (ignore_eos), "
              f"greedy, streamed chat; system prompts of {' and '.join(map(str, result['system_prompt_tokens']))} "
-             f"shared tokens; server flags {' '.join(result['server_flags'])}; {result['cpu_count']} cores",
+             f"shared tokens; server flags {' '.join(result['server_flags']) or 'none (its defaults)'}; "
+             f"{result['cpu_count']} cores",
              "  ".join(HEADER)]
     lines += [format_level(level) for level in result["levels"]]
     if "c8_over_c1" in result:
         lines.append(f"output tokens/s at 8 clients = {result['c8_over_c1']:.2f}x one client (target >= 4)")
+    rates = [level["prefix_hit_rate"] for level in result["levels"] if level["prefix_hit_rate"] is not None]
+    if rates:
+        lines.append(f"prompt tokens from the prefix cache: {100 * min(rates):.1f}-{100 * max(rates):.1f}% per level")
     hits = [level["system_prompt_hit_min"] for level in result["levels"] if level["system_prompt_hit_min"] is not None]
     if hits:
         lines.append(f"system prompt tokens from the prefix cache after its first request: at least {100 * min(hits):.1f}% "

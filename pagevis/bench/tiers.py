@@ -230,7 +230,7 @@ def write_plots(folder: str, streamed: list[dict], quest: list[dict], line_plot)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagevis.bench.tiers", description=__doc__,
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pagevis.bench.tiers", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     parser.add_argument("--no-rss", action="store_true", help="skip the memory rows (a process per context)")

@@ -14,7 +14,7 @@ import time
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--gguf", required=True)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import traceback
 
@@ -20,6 +21,7 @@ from pagevis.cli.options import ArgumentParser, UsageError
 COMMANDS = ("run", "compare", "bench", "replay", "serve", "attach")
 USER_ERROR = 2
 INTERNAL_ERROR = 70  # sysexits.h EX_SOFTWARE: a bug, not a bad input
+OWN_PREFIX = re.compile(r"^pagevis(?: [a-z][a-z-]*)*: ")
 MAX_STEPS = 100_000
 
 USAGE = """pagevis [options]            open the app (options below preset it)
@@ -78,11 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     parsed: list[argparse.Namespace] = []  # the arguments, once parsed: errors name only flags they hold
     try:
         if argv and argv[0] in COMMANDS:
-            parsed.append(command_parser().parse_args(argv))
+            args, unknown = command_parser().parse_known_args(argv)
+            if unknown:  # found by the top parser, which would point at its own --help
+                raise UsageError(f"unrecognized arguments: {' '.join(unknown)} (see pagevis {argv[0]} --help)")
+            parsed.append(args)
             use_blas_threads(parsed[0].blas_threads)
             return parsed[0].handler(parsed[0])
         if argv and not argv[0].startswith("-"):
-            raise UsageError(f"pagevis: unknown command {argv[0]!r}; the commands are {', '.join(COMMANDS)} "
+            raise UsageError(f"unknown command {argv[0]!r}; the commands are {', '.join(COMMANDS)} "
                              "(see pagevis --help)")
         parsed.append(gui_parser().parse_args(argv))
         return launch_app(parsed[0])
@@ -94,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as error:  # noqa: BLE001 - known errors become one line (2), the rest one line (70)
         message = user_error_message(error, parsed[0] if parsed else None)
         if message is not None:
-            print(f"pagevis: error: {message}" if not message.startswith("pagevis") else message, file=sys.stderr)
+            print(error_line(argv, message), file=sys.stderr)
             return USER_ERROR
         if "--debug" in argv:
             traceback.print_exc()
@@ -102,6 +107,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pagevis: internal error: {summary[:300]} (a bug in pagevis; re-run with --debug for the traceback)",
               file=sys.stderr)
         return INTERNAL_ERROR
+
+
+def error_line(argv: list[str], message: str) -> str:
+    """The one form of every user error: `pagevis COMMAND: error: MESSAGE` (`pagevis: error:` for the app),
+    whether argparse or a later check found it (a message's own "pagevis ...:" prefix is dropped)."""
+    prog = f"pagevis {argv[0]}" if argv and argv[0] in COMMANDS else "pagevis"
+    return f"{prog}: error: {OWN_PREFIX.sub('', message, count=1)}"
 
 
 def use_blas_threads(count: int) -> None:

@@ -27,10 +27,16 @@ class UsageError(ValueError):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, but errors raise UsageError instead of printing usage and exiting."""
+    """argparse, but errors raise UsageError instead of printing usage and exiting, and a flag is only ever
+    its whole name: with abbreviations `--record` would be read as `--record-layers`, and each flag added
+    later would change what an old command line means."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+        raise UsageError(f"{message} (see {self.prog} --help)")
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -53,13 +59,13 @@ def add_prompt_options(parser: argparse.ArgumentParser) -> None:
     settings.add_flags(group, "prompt")
 
 
-def add_cache_options(parser: argparse.ArgumentParser) -> None:
+def add_cache_options(parser: argparse.ArgumentParser, front_end: str | None = None) -> None:
     for section in ("cache", "tiers"):
-        settings.add_flags(parser.add_argument_group(settings.SECTIONS[section]), section)
+        settings.add_flags(parser.add_argument_group(settings.SECTIONS[section]), section, front_end=front_end)
 
 
-def add_decoding_options(parser: argparse.ArgumentParser) -> None:
-    settings.add_flags(parser.add_argument_group(settings.SECTIONS["decoding"]), "decoding")
+def add_decoding_options(parser: argparse.ArgumentParser, front_end: str | None = None) -> None:
+    settings.add_flags(parser.add_argument_group(settings.SECTIONS["decoding"]), "decoding", front_end=front_end)
 
 
 def add_preset_option(parser: argparse.ArgumentParser) -> None:

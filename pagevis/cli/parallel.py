@@ -17,7 +17,7 @@ def add_parallel_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--n", type=int, default=1, metavar="N",
                        help="sample N continuations of the prompt (seeds --seed .. --seed+N-1) sharing the "
                             "prompt's pages; implies --sample (default 1)")
-    settings.add_flags(group, "batch")  # --pool-pages
+    settings.add_flags(group, "batch", front_end="run")  # --pool-pages
 
 
 def check_parallel_options(args: argparse.Namespace) -> None:

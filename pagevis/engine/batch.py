@@ -14,7 +14,7 @@ from pagevis.kvcache import CacheEvent
 from pagevis.settings import MAX_SEQUENCES, field_for
 
 __all__ = ["MAX_CHUNK", "MAX_SEQUENCES", "BatchConfig", "BatchRecord", "SeqStep"]
-MAX_CHUNK = 512  # prompt tokens one sequence feeds per step (bounds a step's activations)
+MAX_CHUNK = settings.setting("max_chunk").default  # prompt tokens one sequence feeds per step (the table's)
 
 
 @dataclass(frozen=True)

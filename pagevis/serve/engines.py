@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 
 from pagevis.engine import Engine
 from pagevis.engine.batch import BatchConfig
@@ -72,23 +71,14 @@ class Engines:
                                                              f"{pool} pages of {config.page_size} (--pool-pages)")
         return core
 
-    def pool_pages(self, config) -> int:
-        """Pages of a new pool of this layout: the setting, or max_running requests of the default cache's
-        capacity and at least --max-cache-tokens, in this layout's page size."""
-        if self.settings.pool_pages is not None:
-            return self.settings.pool_pages
-        defaults = self.settings.defaults
-        tokens = max(self.settings.max_running * defaults.capacity, self.settings.max_cache_tokens)
-        return math.ceil(tokens / config.page_size)
-
     def _start(self, key: tuple, config) -> EngineCore:
         defaults = self.settings.defaults
         pool_config = dataclasses.replace(defaults, page_size=config.page_size, dtype=config.dtype,
                                           residual=config.residual,
                                           max_pages=config.max_pages if config.tiered else defaults.max_pages)
-        batch = BatchConfig(max_seqs=self.settings.max_running, pool_pages=self.pool_pages(config),
+        batch = BatchConfig(max_seqs=self.settings.max_seqs, pool_pages=self.settings.pool_pages_for(config.page_size),
                             token_budget=self.settings.token_budget)
-        engine = Engine(self.model, pool_config, batch)
+        engine = Engine(self.model, pool_config, batch, max_chunk=self.settings.max_chunk)
         for store in engine.cache.stores:  # the pool's memory, taken now (as vLLM's): RSS is flat from the start
             for array in (store.data,) if store.quantized else (store.k, store.v):
                 array.fill(0)
@@ -116,13 +106,13 @@ class Engines:
     # --- completions in flight -------------------------------------------------------------------
     @property
     def max_in_flight(self) -> int:
-        return self.settings.max_running + self.settings.max_waiting
+        return self.settings.max_seqs + self.settings.max_waiting
 
     def take(self) -> None:
         self._check_open()
         if self.in_flight >= self.max_in_flight:
             raise ApiError(429, f"this server already has {self.in_flight} requests in flight (its --max-running "
-                                f"{self.settings.max_running} + --max-waiting {self.settings.max_waiting}); retry "
+                                f"{self.settings.max_seqs} + --max-waiting {self.settings.max_waiting}); retry "
                                 "later", code="too_many_requests", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         self.in_flight += 1
 

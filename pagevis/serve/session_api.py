@@ -43,8 +43,9 @@ async def create_session(body: SessionRequest, request: Request) -> dict:
     state.store.take_slot()
     core.holders += 1  # while the session is built: its pool stays
     try:
+        fit = state.settings.full_cache and body.max_pages is None  # a session's snapshots are cache-sized
         session = await in_worker(request, build_session, state.model, state.settings, body.prompt, config, None,
-                                  core.engine)
+                                  core.engine, fit)
     except BaseException:
         state.store.give_slot()
         raise

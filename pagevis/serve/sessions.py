@@ -8,10 +8,11 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pagevis import settings as table
 from pagevis.engine import DecodeSession, SessionConfig
+from pagevis.engine.session_config import encode_prompt
 from pagevis.kvcache import ConfigError
 from pagevis.serve.errors import ApiError
 from pagevis.serve.session_pages import OwnPages
@@ -22,8 +23,11 @@ def session_config(settings: ServeSettings, fields: dict) -> SessionConfig:
     """The SessionConfig `pagevis run` would build from the same settings: a request's fields (named as the
     flags, e.g. `max_tokens`, `sample`; None = not set) over the server's defaults (`pagevis serve
     --page-size ...`), through the settings table's apply() as the command line's flags; ConfigError names
-    the bad one."""
+    the bad one. A request naming no max_pages gets the server's full cache (ServeSettings.full_cache)."""
     config = table.apply(settings.defaults, fields)
+    table.setting("page_size").check(config.page_size)
+    if settings.full_cache and fields.get("max_pages") is None:
+        config = replace(config, max_pages=settings.full_cache_pages(config.page_size))
     config.check()
     capacity = config.page_size * config.max_pages
     if capacity > settings.max_cache_tokens:
@@ -56,13 +60,19 @@ def check_tokens(settings: ServeSettings, prompt_tokens: int, max_new_tokens: in
 
 
 def build_session(model, settings: ServeSettings, prompt: str, config: SessionConfig,
-                  prompt_ids: list[int] | None = None, engine=None) -> DecodeSession:
+                  prompt_ids: list[int] | None = None, engine=None, fit: bool = False) -> DecodeSession:
     """A DecodeSession within the server's bounds: prompt + generated tokens, and the memory it will take
     (its oracle's KV cache and its step snapshots: at most one step per prompt token plus one per generated
-    token). In `engine` (shared), not yet submitted: the engine's thread submits it on its first step. Runs in
-    a worker thread: encoding a long prompt takes a while."""
+    token). With `fit` (a full cache the request did not size) its cache holds just its prompt and max_tokens:
+    every step snapshot is as large as the cache. In `engine` (shared), not yet submitted: the engine's
+    thread submits it on its first step. Runs in a worker thread: encoding a long prompt takes a while."""
     if model.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer, so it cannot take text prompts", param="prompt")
+    prompt_ids = prompt_ids or encode_prompt(model, prompt, config.chat, config.special)
+    check_tokens(settings, len(prompt_ids), config.max_new_tokens)
+    if fit:
+        needed = -(-(len(prompt_ids) + config.max_new_tokens) // config.page_size)
+        config = replace(config, max_pages=max(1, min(config.max_pages, needed)))
     pool = None if engine is None else OwnPages(config.cache_config(model.config), engine.cache.pool_pages)
     session = DecodeSession(model, prompt, config, prompt_ids=prompt_ids, engine=engine, pool=pool)
     per_step = snapshot_bytes_per_step(session)
@@ -75,7 +85,6 @@ def build_session(model, settings: ServeSettings, prompt: str, config: SessionCo
                           f"take {caches >> 20} MiB, each step keeps {per_step / 1024:.0f} KiB of snapshots, and "
                           f"this server allows {settings.max_session_mib} MiB per session (--max-session-mib); "
                           "record_layers \"none\" or a smaller cache keep less")
-    check_tokens(settings, len(session.prompt_ids), config.max_new_tokens)
     return session
 
 

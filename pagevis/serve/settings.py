@@ -1,55 +1,68 @@
-"""What one `pagevis serve` process serves and the limits it keeps."""
+"""What one `pagevis serve` process serves and the limits it keeps: every field but the model, the request
+defaults and the sweep interval is a setting of the table (pagevis/settings.py), with serve's own defaults.
+
+Requests that name no cache get a full one: policy none (serve's default) and, while `full_cache` (no
+`--max-pages` on the command line), room for --max-cache-tokens within the pool in the request's own page
+size — so no completion evicts and a shared system prompt's full pages are all prefix-cache hits. A request
+that names a policy and max_pages gets exactly those."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from pagevis import settings
 from pagevis.engine import ModelSpec, SessionConfig
-from pagevis.errors import check_int
+from pagevis.settings import field_for
 
 MIB = 1 << 20
+
+
+def serve_defaults() -> SessionConfig:
+    """The cache and decoding settings of requests that set none: the table's, with serve's own defaults."""
+    return settings.for_front_end(SessionConfig(), "serve")
 
 
 @dataclass(frozen=True)
 class ServeSettings:
     model_spec: ModelSpec = field(default_factory=ModelSpec)
     # Cache and decoding settings of sessions and completions that do not set them (`pagevis serve
-    # --page-size 8 ...`); a request's settings change these as the same flags would.
-    defaults: SessionConfig = field(default_factory=SessionConfig)
-    max_body: int = 8 * MIB  # bytes of one request body
-    max_sessions: int = 8  # live /v1/sessions sessions
-    max_running: int = 16  # requests in one engine's running batch (each step feeds them all)
-    max_waiting: int = 64  # completions in flight beyond max_running (over all engines); more get 429
-    token_budget: int | None = 256  # tokens one step feeds over all requests: long prompts prefill in chunks
-    pool_pages: int | None = None  # pages per layer in an engine's pool; None: max_running requests of the
-    # default cache, and at least --max-cache-tokens
-    max_pools: int = 4  # engines (pools) at once, one per cache layout (page size, dtype) requests ask for
-    drain_seconds: float = 10.0  # on SIGTERM: how long in-flight requests may go on before they end ("abort")
-    kv_events_endpoint: str | None = None  # publish the prefix caches as vLLM KV events (ZMQ PUB) here
-    kv_events_replay: str | None = None  # and answer replay requests (ZMQ ROUTER) here
-    kv_events_topic: str = ""
-    max_session_tokens: int = 2048  # prompt + generated tokens of one session
-    max_cache_tokens: int = 4096  # page_size * max_pages of one session's cache (per layer)
-    max_session_mib: int = 256  # memory of one session's KV caches and step snapshots (estimated up front)
-    idle_timeout: float = 600.0  # seconds a session may sit unused before it is deleted
-    workers: int = 2  # worker threads for /v1/attention, prompt encoding and answers (decoding is the engine's)
+    # --policy sinks ...`); a request's settings change these as the same flags would.
+    defaults: SessionConfig = field(default_factory=serve_defaults)
+    full_cache: bool = True  # requests naming no max_pages get full_cache_pages(); False: defaults.max_pages
+    host: str = field_for("host", "serve")
+    port: int = field_for("port", "serve")
+    allow_remote: bool = field_for("allow_remote", "serve")
+    max_body: int = field_for("max_body", "serve")  # bytes of one request body
+    max_sessions: int = field_for("max_sessions", "serve")  # live /v1/sessions sessions
+    max_seqs: int = field_for("max_seqs", "serve")  # requests in one engine's running batch (--max-running)
+    max_waiting: int = field_for("max_waiting", "serve")  # completions in flight beyond max_seqs; more get 429
+    token_budget: int | None = field_for("token_budget", "serve")  # tokens one step feeds over all requests
+    max_chunk: int = field_for("max_chunk", "serve")  # prompt tokens one request feeds per step
+    pool_pages: int | None = field_for("pool_pages", "serve")  # None: --max-cache-tokens of pages
+    max_pools: int = field_for("max_pools", "serve")  # engines at once, one per cache layout
+    drain_seconds: float = field_for("drain_seconds", "serve")  # on SIGTERM: how long in-flight requests go on
+    kv_events_endpoint: str | None = field_for("kv_events_endpoint", "serve")  # vLLM KV events (ZMQ PUB) here
+    kv_events_replay: str | None = field_for("kv_events_replay", "serve")  # and replay requests (ZMQ ROUTER)
+    kv_events_topic: str = field_for("kv_events_topic", "serve")
+    max_session_tokens: int = field_for("max_session_tokens", "serve")  # prompt + generated tokens of one request
+    max_cache_tokens: int = field_for("max_cache_tokens", "serve")  # page_size * max_pages of one request
+    max_session_mib: int = field_for("max_session_mib", "serve")  # one session's KV caches and snapshots
+    idle_timeout: float = field_for("idle_timeout", "serve")  # seconds a session may sit unused
+    workers: int = field_for("workers", "serve")  # threads for /v1/attention, encoding, answers
     expiry_interval: float = 5.0  # seconds between sweeps for idle sessions
 
     def __post_init__(self) -> None:
-        check_int("max_body", self.max_body, 1024, 1 << 30)
-        check_int("max_sessions", self.max_sessions, 1, 1024)
-        check_int("max_running", self.max_running, 1, 256)
-        check_int("max_waiting", self.max_waiting, 0, 1 << 16)
-        check_int("max_pools", self.max_pools, 1, 64)
-        if self.token_budget is not None:
-            check_int("token_budget", self.token_budget, 1, 1 << 20)
-        if self.pool_pages is not None:
-            check_int("pool_pages", self.pool_pages, 1, 1 << 20)
-        check_int("max_session_tokens", self.max_session_tokens, 2, 1 << 20)
-        check_int("max_cache_tokens", self.max_cache_tokens, 1, 1 << 20)
-        check_int("workers", self.workers, 1, 64)
-        check_int("max_session_mib", self.max_session_mib, 1, 1 << 20)
+        settings.check(self)
 
     @property
     def max_session_bytes(self) -> int:
         return self.max_session_mib * MIB
+
+    def pool_pages_for(self, page_size: int) -> int:
+        """Pages of a new pool of this page size: --pool-pages, else --max-cache-tokens' worth."""
+        return self.pool_pages if self.pool_pages is not None else math.ceil(self.max_cache_tokens / page_size)
+
+    def full_cache_pages(self, page_size: int) -> int:
+        """A request's full cache: --max-cache-tokens in whole pages of this size, within the pool."""
+        return max(1, min(self.max_cache_tokens // page_size, self.pool_pages_for(page_size)))

@@ -27,12 +27,14 @@ import time
 from dataclasses import dataclass, field, replace
 from heapq import heappop, heappush
 
+from pagevis import settings
 from pagevis.kvcache import ConfigError, EventKind
 from pagevis.errors import check_int
 from pagevis.engine.batch import BatchConfig, BatchRecord
 from pagevis.engine.engine import Engine
 from pagevis.simserver.forest import ForestNode, PoolForest
 from pagevis.engine.session_config import SessionConfig
+from pagevis.settings import field_for
 from pagevis.simserver.workload import Arrival, ArrivalSchedule
 from pagevis.token_times import TokenTimes
 
@@ -42,21 +44,22 @@ RESERVATIONS = ("paged", "contiguous")
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """One side of the server: its pool and scheduler, and how it reserves memory."""
+    """One side of the server: its pool and scheduler (the settings table's, with the Server window's own
+    defaults), and how it reserves memory."""
 
-    pool_pages: int = 256  # page ids per layer in the one pool
-    max_seqs: int = 8  # requests running at once
-    prefix_caching: bool = True
+    pool_pages: int = field_for("pool_pages", "server")  # page ids per layer in the one pool
+    max_seqs: int = field_for("max_seqs", "server")  # requests running at once
+    prefix_caching: bool = field_for("prefix_caching", "server")
     reservation: str = "paged"  # or "contiguous": see the module docstring
-    token_budget: int | None = 512  # tokens one step feeds over all requests (chunked prefill)
-    max_chunk: int | None = 256  # prompt tokens one request feeds per step
+    token_budget: int | None = field_for("token_budget", "server")  # tokens one step feeds over all requests
+    max_chunk: int | None = field_for("max_chunk", "server")  # prompt tokens one request feeds per step
     step_seconds: float | None = None  # None: an engine step takes the server clock its measured time
     realtime: bool = False  # idle time passes in real time (else the clock jumps to the next arrival)
     label: str = ""
 
     def __post_init__(self) -> None:
-        check_int("pool_pages", self.pool_pages, 1, 1 << 20)
-        check_int("max_seqs", self.max_seqs, 1, 256)
+        check_int("pool_pages", self.pool_pages, 1, settings.MAX_PAGES)  # a number here: the pool is drawn
+        settings.check(self, of=ServerConfig)
         if self.reservation not in RESERVATIONS:
             raise ConfigError("reservation", self.reservation, "paged or contiguous")
         if self.reservation == "contiguous" and self.prefix_caching:
@@ -194,7 +197,8 @@ class ServerRun:
 
     def set_max_running(self, n: int) -> None:
         """Requests that may run at once, from the next step on (the app's control)."""
-        self.engine.scheduler.max_running = check_int("max_seqs", n, 1, 256)
+        settings.setting("max_seqs").check(n)
+        self.engine.scheduler.max_running = n
 
     def request_id(self, seq_id: int) -> int:
         return self.by_seq[seq_id]

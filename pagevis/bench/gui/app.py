@@ -222,7 +222,8 @@ def ab_main(spec, config, steps: int, repeat: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagevis.bench.gui.app", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pagevis.bench.gui.app",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=64, help="decode steps per run (default 64)")
     parser.add_argument("--model", choices=("smollm2", "synthetic"), default="smollm2")
     settings.add_flags(parser, names=("page_size", "max_pages", "policy"), page_size=8, max_pages=8, policy="sinks")

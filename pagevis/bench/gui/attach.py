@@ -277,7 +277,8 @@ def idle_lateness(seconds: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagevis.bench.gui.attach", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pagevis.bench.gui.attach",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="100k blocks instead of 1 M, 4 s streams")
     parser.add_argument("--rate", type=float, default=20_000, help="events per second in the streams")
     parser.add_argument("--seconds", type=float, default=10.0)

@@ -99,7 +99,8 @@ def ab(spec, rate: float | None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagevis.bench.gui.server", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pagevis.bench.gui.server",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2", choices=("smollm2", "synthetic"))
     parser.add_argument("--seconds", type=float, default=90.0, help="latency run length (wall seconds)")
     parser.add_argument("--ab", action="store_true", help="also serve the A/B to the end (minutes on SmolLM2)")

@@ -55,7 +55,8 @@ def measure(window, app, rng: random.Random, repeats: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pagevis.bench.gui.timeline", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pagevis.bench.gui.timeline",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoints", default="1000,10000,50000", help="steps at which to measure")
     parser.add_argument("--model", choices=("synthetic", "smollm2"), default="synthetic")
     parser.add_argument("--repeats", type=int, default=15, help="scrubs and layer switches per checkpoint")

@@ -24,6 +24,7 @@ from pagevis.simserver.run import COMPARES, ServerPair, ServerRun, side_configs
 from pagevis.simserver.workload import WORKLOADS, ArrivalSchedule
 from pagevis.presets import SERVER_PRESETS, ServerPreset
 from pagevis.gui.widgets import theme
+from pagevis.gui.widgets.setting_inputs import setting_input
 from pagevis.gui.session.runner import WorkerFailure, run_control, worker_steps
 from pagevis.gui.sequences.window import _spin
 from pagevis.gui.server.forest import ServerForest
@@ -149,8 +150,8 @@ class ServerWindow(QWidget):
         self.rate.setToolTip("arriving requests per minute of server time (Poisson); applies from the next arrival")
         self.n_requests = _spin(1, 10_000, wl.n_requests, "requests in the workload (users, for returning users)")
         self.seed = _spin(0, 2**31 - 1, wl.seed, "seed of the arrivals and of every request's sampling")
-        self.max_running = _spin(1, 256, server.max_seqs, "requests running at once (applies from the next step)")
-        self.pool_pages = _spin(1, 65536, server.pool_pages, "pages per layer in the one pool (applies on Start)")
+        self.max_running = setting_input("max_seqs", "from the next step: ", server.max_seqs)
+        self.pool_pages = setting_input("pool_pages", "on Start: ", server.pool_pages)
         self.compare = QComboBox()
         for key, text in COMPARES.items():
             self.compare.addItem(text, key)
