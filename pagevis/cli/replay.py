@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from pagevis.cli.record import add_record_options, recording_request
+
 
 def add_parser(commands) -> argparse.ArgumentParser:
     parser = commands.add_parser("replay", help="open a trace file in the app",
@@ -13,6 +15,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--check", action="store_true",
                         help="only read and validate the trace, build the timeline a replay shows, print a summary "
                              "and exit (no window): exit 0 means the app can replay it")
+    add_record_options(parser.add_argument_group("recording"))
     parser.set_defaults(handler=main)
     return parser
 
@@ -21,6 +24,7 @@ def main(args: argparse.Namespace) -> int:
     from pagevis.trace import read_trace
 
     trace = read_trace(args.file)  # refuse a bad file here, with a clear message, before Qt starts
+    recording = recording_request(args, len(trace.records))
     if args.check:
         from pagevis.viewmodel.timeline import timeline_from_trace  # Qt-free: what the app's replay builds
 
@@ -32,4 +36,4 @@ def main(args: argparse.Namespace) -> int:
         return 0
     from pagevis.gui import launch
 
-    return launch(trace=args.file)
+    return launch(trace=args.file, recording=recording)

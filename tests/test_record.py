@@ -1,0 +1,169 @@
+"""Recordings (pagevis.export.video, pagevis.gui.record): every written file is decoded back — frame count,
+size, frames that differ — and the captions are compared with the narration of the same records; bad targets
+are one-line errors. The windows are driven for real (offscreen) on the small synthetic model."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from pagevis.cli.main import main
+from pagevis.export.video import CaptionTrack, RecordingError, changed_box, check_target, open_video
+
+imageio_ffmpeg = pytest.importorskip("imageio_ffmpeg", reason="recording needs pagevis[record] (imageio-ffmpeg)")
+Image = pytest.importorskip("PIL.Image", reason="GIF recording needs pagevis[record] (Pillow)")
+
+
+def decode(path):
+    """Every frame of a video file as (height, width, 3) uint8, read with ffmpeg (MP4, WebM) or Pillow (GIF)."""
+    if str(path).endswith(".gif"):
+        image = Image.open(path)
+        frames = []
+        for i in range(image.n_frames):
+            image.seek(i)
+            frames.append(np.asarray(image.convert("RGB")))
+        return frames
+    reader = imageio_ffmpeg.read_frames(str(path))
+    meta = next(reader)
+    width, height = meta["size"]
+    return [np.frombuffer(f, np.uint8).reshape(height, width, 3) for f in reader]
+
+
+def moving_square(i: int, size=(120, 90)) -> np.ndarray:
+    frame = np.full((size[1], size[0], 3), 40, np.uint8)
+    frame[20:44, 8 * i:8 * i + 24] = (230, 60, 40)
+    return frame
+
+
+@pytest.mark.parametrize("suffix", [".mp4", ".webm", ".gif"])
+def test_frames_decode_back_with_their_count_size_and_content(tmp_path, suffix):
+    path = tmp_path / f"clip{suffix}"
+    writer = open_video(str(path), fps=12)
+    for i in range(9):
+        writer.add(moving_square(i, (121, 91)), f"step {i // 3}")  # odd sizes: padded to even for yuv420p
+    writer.close()
+    frames = decode(path)
+    assert len(frames) == 9
+    assert frames[0].shape == (92, 122, 3)
+    for i, frame in enumerate(frames):  # the square is where frame i put it (lossy codecs: within a margin)
+        assert np.abs(frame[32, 8 * i + 12].astype(int) - (230, 60, 40)).max() < 40
+        assert np.abs(frame[70, 60].astype(int) - 40).max() < 25
+    assert all(np.abs(a.astype(int) - b).mean() > 1 for a, b in zip(frames, frames[1:]))
+    sidecar = {".mp4": ".srt", ".webm": ".vtt"}.get(suffix)
+    if sidecar is None:
+        assert not list(tmp_path.glob("clip.*t"))
+        return
+    text = path.with_suffix(sidecar).read_text()
+    if sidecar == ".vtt":
+        assert text.startswith("WEBVTT\n\n00:00:00.000 --> 00:00:00.250\nstep 0\n")
+    else:
+        assert text.startswith("1\n00:00:00,000 --> 00:00:00,250\nstep 0\n\n2\n00:00:00,250 --> 00:00:00,500\nstep 1")
+    assert text.count("-->") == 3
+
+
+def test_caption_cues_merge_repeats_and_skip_empty_lines(tmp_path):
+    track = CaptionTrack(str(tmp_path / "c.srt"), fps=4)
+    for i, line in enumerate(["a", "a", "", "b  c", "b c"]):
+        track.add(i, line)
+    track.close(5)
+    assert (tmp_path / "c.srt").read_text() == ("1\n00:00:00,000 --> 00:00:00,500\na\n\n"
+                                                "2\n00:00:00,750 --> 00:00:01,250\nb c\n\n")
+
+
+def test_changed_box_is_the_smallest_rectangle_around_the_changes():
+    a = np.zeros((10, 20, 3), np.uint8)
+    b = a.copy()
+    b[3, 5] = 1
+    b[7, 12, 2] = 9
+    assert changed_box(None, a) == (0, 0, 20, 10)
+    assert changed_box(a, a) is None
+    assert changed_box(a, b) == (5, 3, 13, 8)
+
+
+@pytest.mark.parametrize("name, message", [("clip.avi", "unknown video format '.avi'"),
+                                           ("clip", "unknown video format '(no extension)'")])
+def test_an_unknown_extension_is_refused(name, message):
+    with pytest.raises(RecordingError, match=re.escape(message)):
+        check_target(name)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--record", "out.avi", "--steps", "3"], "out.avi: unknown video format '.avi'; give a name ending in .mp4"),
+    (["--record", "/no/such/folder/out.mp4", "--steps", "3"], "--record /no/such/folder/out.mp4: no such folder"),
+    (["--record", "out.mp4"], "--record: give the number of steps to record with --steps N"),
+    (["--record", "out.mp4", "--steps", "3", "--fps", "500"], "frame rate 500: must be from 1 to 60"),
+    (["--record-view", "text"], "--record-view and --no-caption go with --record FILE"),
+])
+def test_bad_recording_arguments_are_one_line_errors(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_replay_record_refuses_an_unwritable_path_before_qt(capsys, tmp_path):
+    from tests.gui_helpers import write_synthetic_trace
+
+    trace, _ = write_synthetic_trace(tmp_path, 2)
+    folder = tmp_path / "locked.mp4"
+    folder.mkdir()
+    assert main(["replay", str(trace), "--record", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert "is a folder" in err and err.count("\n") == 1
+
+
+# --- the windows ------------------------------------------------------------------------------------------
+
+def test_main_window_recording_is_every_step_with_its_narration(qtbot, tmp_path):
+    from pagevis.gui.record import record, timeline_scene
+    from pagevis.viewmodel.narration import narrate
+    from tests.gui_helpers import make_window
+
+    window = make_window(qtbot, tmp_path)
+    path = tmp_path / "live.mp4"
+    seen = []
+    result = record(timeline_scene(window, frames=6, decode=True), str(path), fps=5,
+                    progress=lambda done, total: seen.append((done, total)))
+    assert len(window.timeline) == 6 and result.frames == 6 and seen[-1] == (6, 6)
+    frames = decode(path)
+    assert len(frames) == 6
+    width, height = window.width(), window.height()
+    assert frames[0].shape[1] == width + width % 2 and frames[0].shape[0] > height  # the caption strip below
+    assert all(np.abs(a.astype(int) - b).mean() > 0.05 for a, b in zip(frames, frames[1:]))
+    timeline = window.timeline
+    expected = [narrate(r, 0, timeline.position_text, timeline.info.config.policy) for r in timeline.records]
+    cues = path.with_suffix(".srt").read_text().split("\n\n")
+    assert [cue.split("\n")[2] for cue in cues if cue] == [" ".join(e.split()) for e in expected]
+
+
+def test_a_view_recording_from_a_trace_has_the_views_size_and_stops_when_cancelled(qtbot, tmp_path):
+    from pagevis.gui.record import find_view, record, timeline_scene
+    from tests.gui_helpers import make_window, write_synthetic_trace
+
+    trace, _ = write_synthetic_trace(tmp_path, 5)
+    window = make_window(qtbot, tmp_path)
+    assert window.open_trace(str(trace))
+    view = find_view(window, "page-grid")
+    with pytest.raises(ValueError, match="no such view; the views are page-grid, attention"):
+        find_view(window, "nope")
+    full = record(timeline_scene(window, target=view.export_target()), str(tmp_path / "grid.gif"), fps=4,
+                  caption=False)
+    frames = decode(tmp_path / "grid.gif")
+    target = view.export_target()
+    assert full.frames == len(frames) == 5
+    assert frames[0].shape[:2] == (target.height() + target.height() % 2, target.width() + target.width() % 2)
+    assert sum(np.any(a != b) for a, b in zip(frames, frames[1:])) >= 3  # the grid changes as tokens are evicted
+    cut = record(timeline_scene(window), str(tmp_path / "cut.webm"), fps=4, progress=lambda done, total: done < 2)
+    assert cut.cancelled and cut.frames == 2 and len(decode(tmp_path / "cut.webm")) == 2
+
+
+def test_replay_record_from_the_command_line(tmp_path, capfd):
+    from tests.gui_helpers import write_synthetic_trace
+
+    trace, session = write_synthetic_trace(tmp_path, 4)
+    out = tmp_path / "replay.mp4"
+    assert main(["replay", str(trace), "--record", str(out), "--fps", "8", "--record-view", "text"]) == 0
+    err = capfd.readouterr().err
+    assert f"wrote {out}: 4 frames" in err and "replay.srt" in err
+    assert len(decode(out)) == 4
