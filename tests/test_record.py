@@ -167,3 +167,29 @@ def test_replay_record_from_the_command_line(tmp_path, capfd):
     err = capfd.readouterr().err
     assert f"wrote {out}: 4 frames" in err and "replay.srt" in err
     assert len(decode(out)) == 4
+
+
+def test_file_menu_export_recording_records_the_chosen_steps_and_keeps_the_shown_one(qtbot, tmp_path):
+    from pagevis.gui.widgets.recording import Choice, RecordDialog, sources
+    from tests.gui_helpers import make_window
+
+    window = make_window(qtbot, tmp_path)
+    window.runner.step_blocking(5)
+    window.scrub(2)
+    assert "Export &recording (MP4, WebM, GIF)…" in [a.text() for a in window.menuBar().actions()[0].menu().actions()]
+    dialog = RecordDialog(window)
+    assert sources(window)[:3] == ["Whole window", "Page grid", "Attention"] and "Server window" not in sources(window)
+    assert dialog.last.maximum() == 4 and dialog.choice().last == 4 and not dialog.frames.isEnabled()
+    dialog.first.setValue(1)
+    dialog.last.setValue(3)
+    dialog.source.setCurrentText("Text")
+    dialog.path.setText(str(tmp_path / "menu.webm"))
+    result = window.export_recording(dialog.choice())
+    assert result.frames == 3 and len(decode(tmp_path / "menu.webm")) == 3 and window.index == 2
+    cues = (tmp_path / "menu.vtt").read_text()
+    assert "step 1:" in cues and "step 3:" in cues and "step 4:" not in cues and "step 0:" not in cues
+    grid = window.export_recording(Choice("Page grid", str(tmp_path / "grid.gif"), first=2, last=None, fps=5))
+    target = window.page_grid.export_target()
+    assert grid.frames == 3 and grid.size[0] == target.width() + target.width() % 2
+    assert window.export_recording(Choice("Whole window", str(tmp_path / "x.avi"))) is None
+    assert "unknown video format '.avi'" in window.messages.toPlainText()

@@ -233,6 +233,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         export_menu.addAction("Whole window…", lambda: self.export_view(None))
         file_menu.addAction("Export &events (CSV)…", self.export_events)
         file_menu.addAction("Export &metrics (CSV)…", self.export_metrics)
+        file_menu.addAction("Export &recording (MP4, WebM, GIF)…", self.export_recording)
         file_menu.addSeparator()
         file_menu.addAction("&Quit", self.close, QKeySequence.Quit)
         play_menu = self.menuBar().addMenu("&Decode")
@@ -675,6 +676,12 @@ class MainWindow(TimelineCursor, QMainWindow):
             rows = export.save_metrics_csv(self.timeline, path)
             self.statusBar().showMessage(f"Saved {rows} steps to {path}", 5000)
         return path or None
+
+    def export_recording(self, choice=None):
+        """The recorded steps (or the A/B or Server window) to a video (pagevis.gui.widgets.recording)."""
+        from pagevis.gui.widgets.recording import export_recording
+
+        return export_recording(self, choice)
 
     def _show_shortcuts(self) -> None:
         box = QMessageBox(QMessageBox.Information, "Keyboard shortcuts",
