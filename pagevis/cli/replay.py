@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from pagevis.cli.options import UsageError, check_writable
 from pagevis.cli.record import add_record_options, recording_request
 
 
@@ -16,6 +17,11 @@ def add_parser(commands) -> argparse.ArgumentParser:
                         help="only read and validate the trace, build the timeline a replay shows, print a summary "
                              "and exit (no window): exit 0 means the app can replay it")
     add_record_options(parser.add_argument_group("recording"))
+    page = parser.add_argument_group("HTML page")
+    page.add_argument("--html", metavar="FILE",
+                      help="write the trace as one self-contained HTML page (page grid, text, eviction events, "
+                           "scrubbable by step; opens in any browser without pagevis) and exit")
+    page.add_argument("--layer", type=int, default=0, metavar="N", help="with --html: the layer shown (default 0)")
     parser.set_defaults(handler=main)
     return parser
 
@@ -24,6 +30,8 @@ def main(args: argparse.Namespace) -> int:
     from pagevis.trace import read_trace
 
     trace = read_trace(args.file)  # refuse a bad file here, with a clear message, before Qt starts
+    if args.html:
+        return write_page(args, trace)
     recording = recording_request(args, len(trace.records))
     if args.check:
         from pagevis.viewmodel.timeline import timeline_from_trace  # Qt-free: what the app's replay builds
@@ -37,3 +45,18 @@ def main(args: argparse.Namespace) -> int:
     from pagevis.gui import launch
 
     return launch(trace=args.file, recording=recording)
+
+
+def write_page(args: argparse.Namespace, trace) -> int:
+    from pagevis.export.html import HtmlExportError, write_html
+    from pagevis.viewmodel.timeline import timeline_from_trace
+
+    check_writable(args.html, "--html", suffix=".html")
+    timeline = timeline_from_trace(trace)
+    try:
+        size = write_html(args.html, timeline, args.layer)
+    except HtmlExportError as error:
+        raise UsageError(f"--html {args.html}: {error}" if str(error).startswith("layer") else str(error)) from None
+    print(f"pagevis: wrote {args.html}: {len(trace.records)} steps of layer {args.layer}, {size / 1024:.0f} KiB "
+          f"({size / len(trace.records):.0f} bytes a step)")
+    return 0
