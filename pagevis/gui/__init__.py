@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from pagevis import platform_check
 from pagevis.engine import ModelSpec, SessionConfig
@@ -39,6 +40,9 @@ def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, sessi
     configurations (and is what a screenshot shows). With `recording` (a pagevis.gui.record.Request), record
     the window (or one view) to a video instead: `steps` decoded steps, or every step of `trace`. Returns the exit
     code."""
+    from pagevis.gui.startup import probe_from_environment
+
+    probe = probe_from_environment(time.time())  # `pagevis bench startup` times the phases below
     if (screenshot or recording) and "QT_QPA_PLATFORM" not in os.environ:
         os.environ["QT_QPA_PLATFORM"] = "offscreen"  # a screenshot needs no screen and should not flash one
     verdict = platform_check.check()
@@ -46,6 +50,7 @@ def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, sessi
         print(verdict.message(), file=sys.stderr)
         return platform_check.EXIT_STATUS
     app = _application()
+    probe and probe.mark("qt")
     from pagevis.gui.session.window import MainWindow
 
     _one_blas_thread()
@@ -53,6 +58,9 @@ def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, sessi
     headless = bool(screenshot or recording)
     window = MainWindow(restore=not headless, persist=not headless)
     window.apply_arguments(model_spec, prompt, session_config)
+    if probe is not None:
+        probe.mark("window")
+        probe.watch(app, window)
     if metrics is not None:
         _observe_sessions(window.runner, metrics)
     ab = preset if preset is not None and preset.b is not None else None
