@@ -94,7 +94,8 @@ def test_an_unknown_extension_is_refused(name, message):
     (["--record", "/no/such/folder/out.mp4", "--steps", "3"], "--record /no/such/folder/out.mp4: no such folder"),
     (["--record", "out.mp4"], "--record: give the number of steps to record with --steps N"),
     (["--record", "out.mp4", "--steps", "3", "--fps", "500"], "frame rate 500: must be from 1 to 60"),
-    (["--record-view", "text"], "--record-view and --no-caption go with --record FILE"),
+    (["--record-view", "text"], "--record-view, --record-width and --no-caption go with --record FILE"),
+    (["--record", "out.gif", "--steps", "3", "--record-width", "10"], "--record-width 10: must be from 160 to 8192"),
 ])
 def test_bad_recording_arguments_are_one_line_errors(capsys, argv, message):
     assert main(argv) == 2
@@ -163,10 +164,12 @@ def test_replay_record_from_the_command_line(tmp_path, capfd):
 
     trace, session = write_synthetic_trace(tmp_path, 4)
     out = tmp_path / "replay.mp4"
-    assert main(["replay", str(trace), "--record", str(out), "--fps", "8", "--record-view", "text"]) == 0
+    assert main(["replay", str(trace), "--record", str(out), "--fps", "8", "--record-view", "text",
+                 "--record-width", "200"]) == 0
     err = capfd.readouterr().err
-    assert f"wrote {out}: 4 frames" in err and "replay.srt" in err
-    assert len(decode(out)) == 4
+    assert f"wrote {out}: 4 frames of 200 × " in err and "replay.srt" in err
+    frames = decode(out)
+    assert len(frames) == 4 and frames[0].shape[1] == 200
 
 
 def test_file_menu_export_recording_records_the_chosen_steps_and_keeps_the_shown_one(qtbot, tmp_path):

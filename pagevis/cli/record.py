@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from pagevis.cli.options import UsageError, check_writable
+from pagevis.cli.options import UsageError, check_range, check_writable
 from pagevis.cli.progress import Progress
-from pagevis.export.video import FORMATS, INSTALL, MAX_FPS, MIN_FPS, RecordingError, check_fps, check_target
+from pagevis.export.video import (FORMATS, INSTALL, MAX_FPS, MAX_SIDE, MIN_FPS, MIN_WIDTH, RecordingError, check_fps,
+                                  check_target)
 
 
 def add_record_options(group) -> None:
@@ -19,6 +20,9 @@ def add_record_options(group) -> None:
     group.add_argument("--record-view", metavar="VIEW",
                        help="with --record: only this view of the main window (page-grid, attention, text, "
                             "eviction-events, metrics, heads, weights)")
+    group.add_argument("--record-width", type=int, metavar="PIXELS",
+                       help=f"with --record: scale frames down to this width ({MIN_WIDTH} to {MAX_SIDE}; a GIF of "
+                            "the whole window is several times smaller at 800)")
     group.add_argument("--no-caption", action="store_true",
                        help="with --record: no caption burnt into the frames (an MP4 / WebM still gets the sidecar)")
 
@@ -26,8 +30,8 @@ def add_record_options(group) -> None:
 def recording_request(args: argparse.Namespace, total: int):
     """The recording the flags ask for (checked: format, encoder installed, writable path, frame rate), or None."""
     if args.record is None:
-        if args.record_view is not None or args.no_caption:
-            raise UsageError("--record-view and --no-caption go with --record FILE")
+        if args.record_view is not None or args.no_caption or args.record_width is not None:
+            raise UsageError("--record-view, --record-width and --no-caption go with --record FILE")
         return None
     try:
         check_target(args.record)
@@ -35,6 +39,8 @@ def recording_request(args: argparse.Namespace, total: int):
     except RecordingError as error:
         raise UsageError(f"--record {args.record}: {error}" if "frame rate" in str(error) else str(error)) from None
     check_writable(args.record, "--record")
+    if args.record_width is not None:
+        check_range("--record-width", args.record_width, MIN_WIDTH, MAX_SIDE)
     from pagevis.gui.record import Request
 
     bar = Progress(total, "recording")
@@ -45,4 +51,5 @@ def recording_request(args: argparse.Namespace, total: int):
             bar.close()
         return True
 
-    return Request(args.record, fps=args.fps, view=args.record_view, caption=not args.no_caption, progress=progress)
+    return Request(args.record, fps=args.fps, view=args.record_view, caption=not args.no_caption, progress=progress,
+                   width=args.record_width)

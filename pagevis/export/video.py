@@ -17,6 +17,7 @@ FORMATS = {".mp4": "MP4 (H.264)", ".webm": "WebM (VP9)", ".gif": "GIF"}
 SIDECARS = {".mp4": ".srt", ".webm": ".vtt"}
 INSTALL = "pip install 'pagevis[record]'"
 MIN_FPS, MAX_FPS = 1, 60
+MIN_WIDTH = 160  # pixels: narrower, no caption or grid is readable
 MAX_SIDE = 8192  # pixels: no window or view here is larger, and an encoder's frame must fit in memory twice
 H264 = ["-preset", "veryfast", "-crf", "23", "-movflags", "+faststart"]
 VP9 = ["-deadline", "realtime", "-cpu-used", "8", "-row-mt", "1", "-crf", "34", "-b:v", "0"]

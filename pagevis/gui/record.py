@@ -86,9 +86,10 @@ def window_caption(window) -> str:
 
 
 def record(scene: Scene, path: str, fps: float, caption: bool = True,
-           progress: Callable[[int, int], bool] | None = None) -> Recording:
+           progress: Callable[[int, int], bool] | None = None, width: int | None = None) -> Recording:
     """Render the scene's frames to `path`; `progress(done, total)` after each frame (False cancels: the frames
-    so far stay a playable file)."""
+    so far stay a playable file). With `width`, frames wider than it are scaled down to it (a GIF of the whole
+    window is several times smaller at half its width); the caption is drawn after, at full sharpness."""
     app = QApplication.instance()
     started = time.perf_counter()
     writer = open_video(path, fps)
@@ -100,6 +101,8 @@ def record(scene: Scene, path: str, fps: float, caption: bool = True,
             app.processEvents()  # let queued repaints and layout settle before the grab
             text = scene.caption()
             image = grab(scene.target)
+            if width is not None and image.width() > width:
+                image = image.scaledToWidth(width, Qt.SmoothTransformation)
             writer.add(rgb_array(with_caption(image, text) if caption else image), text)
             if progress is not None and progress(i + 1, scene.frames) is False:
                 cancelled = True
@@ -153,6 +156,7 @@ class Request:
     view: str | None = None  # a view's title (any case, '-' for ' '): only that view of the main window
     caption: bool = True
     progress: Callable[[int, int], bool] | None = None
+    width: int | None = None  # scale frames down to this width
 
 
 def find_view(window, name: str):
@@ -203,7 +207,7 @@ def _record_request(scene: Scene, request: Request, windows) -> int:
     from pagevis.export.video import RecordingError
 
     try:
-        result = record(scene, request.path, request.fps, request.caption, request.progress)
+        result = record(scene, request.path, request.fps, request.caption, request.progress, request.width)
     except (RecordingError, OSError) as error:
         print(f"pagevis: error: {error}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from pagevis.export.video import FORMATS, MAX_FPS, MIN_FPS, RecordingError
+from pagevis.export.video import FORMATS, MAX_FPS, MAX_SIDE, MIN_FPS, RecordingError
 from pagevis.gui.record import Recording, record, server_scene, timeline_scene
 from pagevis.gui.widgets.setting_inputs import combo, spin
 
@@ -37,6 +37,7 @@ class Choice:
     frames: int = SERVER_FRAMES  # the Server window: engine steps
     fps: float = 10.0
     caption: bool = True
+    width: int = 0  # 0: frames at the window's size; else scaled down to this width
 
 
 def sources(main) -> list[str]:
@@ -62,6 +63,9 @@ class RecordDialog(QDialog):
         self.last = spin(0, max(steps - 1, 0), max(steps - 1, 0), "the last recorded step to show")
         self.frames = spin(1, 100_000, SERVER_FRAMES, "Server window: engine steps to take, one frame each")
         self.fps = spin(MIN_FPS, MAX_FPS, 10, "frames (steps) a second in the video")
+        self.width = spin(0, MAX_SIDE, 0, "scale frames down to this width in pixels (0: the window's size; a GIF "
+                          "of the whole window is several times smaller at 800)", step=100)
+        self.width.setSpecialValueText("window size")
         self.caption = QCheckBox("Narration burnt in below each frame", checked=True)
         self.path = QLineEdit("pagevis-session.mp4")
         browse = QPushButton("Browse…")
@@ -75,6 +79,7 @@ class RecordDialog(QDialog):
         form.addRow("To step", self.last)
         form.addRow("Server steps", self.frames)
         form.addRow("Frames a second", self.fps)
+        form.addRow("Width", self.width)
         form.addRow("", self.caption)
         form.addRow("File (.mp4, .webm, .gif)", where)
         buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel)
@@ -98,7 +103,7 @@ class RecordDialog(QDialog):
 
     def choice(self) -> Choice:
         return Choice(self.source.currentText(), self.path.text().strip(), self.first.value(), self.last.value(),
-                      self.frames.value(), float(self.fps.value()), self.caption.isChecked())
+                      self.frames.value(), float(self.fps.value()), self.caption.isChecked(), self.width.value())
 
 
 def export_recording(main, choice: Choice | None = None) -> Recording | None:
@@ -126,7 +131,7 @@ def export_recording(main, choice: Choice | None = None) -> Recording | None:
         return not progress.wasCanceled()
 
     try:
-        result = record(scene, choice.path, choice.fps, choice.caption, advanced)
+        result = record(scene, choice.path, choice.fps, choice.caption, advanced, choice.width or None)
     except (RecordingError, OSError) as error:
         main._report(f"Could not record {choice.path}: {error}")
         return None
