@@ -20,6 +20,7 @@ MIN_FPS, MAX_FPS = 1, 60
 MIN_WIDTH = 160  # pixels: narrower, no caption or grid is readable
 MAX_SIDE = 8192  # pixels: no window or view here is larger, and an encoder's frame must fit in memory twice
 H264 = ["-preset", "veryfast", "-crf", "23", "-movflags", "+faststart"]
+TRANSPARENT = 255  # a GIF frame's palette index for "as in the previous frame"
 VP9 = ["-deadline", "realtime", "-cpu-used", "8", "-row-mt", "1", "-crf", "34", "-b:v", "0"]
 
 
@@ -128,7 +129,9 @@ class FfmpegWriter(_Writer):
 
 class GifWriter(_Writer):
     """An animated GIF written frame by frame: each frame is the rectangle that changed since the previous one,
-    with its own 256-colour palette (a window's colours change as pages fill), drawn over the previous frame."""
+    with its own palette (a window's colours change as pages fill) of up to 255 colours and one transparent
+    index for the pixels in that rectangle that did not change — long runs of one index, which LZW stores in
+    almost nothing — drawn over the previous frame."""
 
     def __init__(self, path: str, fps: float):
         super().__init__(path, fps)
@@ -147,15 +150,21 @@ class GifWriter(_Writer):
     def _write(self, frame: np.ndarray) -> None:
         from PIL import GifImagePlugin, Image
 
-        box = changed_box(self._previous, frame)
-        self._previous = frame
-        if box is None:  # nothing changed: a 1-pixel frame keeps the timing
-            box = (0, 0, 1, 1)
+        previous, self._previous = self._previous, frame
+        box = changed_box(previous, frame) or (0, 0, 1, 1)  # nothing changed: a 1-pixel frame keeps the timing
         x0, y0, x1, y1 = box
-        region = Image.fromarray(np.ascontiguousarray(frame[y0:y1, x0:x1]))
-        indexed = region.quantize(256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
-        for chunk in GifImagePlugin.getdata(indexed, offset=(x0, y0), duration=self.delay_ms, disposal=1,
-                                            include_color_table=True):
+        region = np.ascontiguousarray(frame[y0:y1, x0:x1])
+        indexed = Image.fromarray(region).quantize(TRANSPARENT, method=Image.Quantize.MEDIANCUT,
+                                                   dither=Image.Dither.NONE)
+        params = {"duration": self.delay_ms, "disposal": 1, "include_color_table": True}
+        if previous is not None:
+            codes = np.asarray(indexed).copy()
+            codes[np.all(previous[y0:y1, x0:x1] == region, axis=2)] = TRANSPARENT
+            palette = indexed.getpalette()[:3 * TRANSPARENT]
+            indexed = Image.fromarray(codes, mode="P")
+            indexed.putpalette(palette + [0] * (3 * 256 - len(palette)))
+            params["transparency"] = TRANSPARENT
+        for chunk in GifImagePlugin.getdata(indexed, offset=(x0, y0), **params):
             self._file.write(chunk)
 
     def _finish(self) -> None:
