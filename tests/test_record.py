@@ -197,3 +197,31 @@ def test_file_menu_export_recording_records_the_chosen_steps_and_keeps_the_shown
     assert grid.frames == 3 and grid.size[0] == target.width() + target.width() % 2
     assert window.export_recording(Choice("Whole window", str(tmp_path / "x.avi"))) is None
     assert "unknown video format '.avi'" in window.messages.toPlainText()
+
+
+def test_server_window_recording_takes_one_engine_step_a_frame(qtbot, tmp_path):
+    from pagevis.engine import ModelSpec
+    from pagevis.gui.record import record, server_scene
+    from pagevis.gui.server.window import ServerWindow
+    from pagevis.presets import SERVER_PRESETS
+
+    model = ModelSpec(kind="synthetic", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=1).load()
+    window = ServerWindow(model, SERVER_PRESETS[0], realtime=False)
+    qtbot.addWidget(window)
+    window.resize(1200, 800)
+    window.show()
+    result = record(server_scene(window, 4), str(tmp_path / "server.mp4"), fps=4, width=600)
+    frames = decode(tmp_path / "server.mp4")
+    assert result.frames == len(frames) == 4 and frames[0].shape[1] == 600
+    assert sum(side.n_steps for side in window.sides) == 4  # one engine step a frame (A/B: the side behind)
+    cues = (tmp_path / "server.srt").read_text()
+    assert cues.count("-->") >= 2 and window.status.text().split(" · ")[0] in cues  # the status line, each step
+
+
+def test_a_missing_encoder_names_the_extra_to_install(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)  # import raises ImportError
+    with pytest.raises(RecordingError, match=r"needs imageio-ffmpeg, which is not installed: pip install 'pagevis\[record\]'"):
+        check_target("demo.webm")
+    check_target("demo.gif")  # Pillow is still there

@@ -71,8 +71,7 @@ def server_scene(window, frames: int) -> Scene:
     def advance(_i: int) -> bool:
         if window.stepper is not None and window.stepper.done:
             return False
-        window.step_blocking(1)
-        return window.stepper is not None
+        return window.step_blocking(1) > 0 or window.stepper is not None and not window.busy
 
     return Scene(window, frames, advance, lambda: window.status.text())
 

@@ -119,6 +119,10 @@ def export_recording(main, choice: Choice | None = None) -> Recording | None:
         return None
     main.runner.stop()
     window = _window(main, choice.source)
+    if choice.source == SERVER_WINDOW:
+        window.shutdown()  # the frames are its next steps, taken on this thread: its worker must be done
+    elif window is not main:
+        window.runner.stop()
     shown = getattr(window, "index", -1)  # a timeline window shows this step again afterwards
     scene = _scene(main, window, choice)
     progress = QProgressDialog(f"Recording {choice.path}…", "Stop", 0, scene.frames, main)
