@@ -96,6 +96,8 @@ def test_an_unknown_extension_is_refused(name, message):
     (["--record", "out.mp4"], "--record: give the number of steps to record with --steps N"),
     (["--record", "out.mp4", "--steps", "3", "--fps", "500"], "frame rate 500: must be from 1 to 60"),
     (["--record-view", "text"], "--record-view, --record-width and --no-caption go with --record FILE"),
+    (["--server-demo", "--record", "s.mp4", "--steps", "3", "--record-view", "text"],
+     "--record-view records a view of the main window, not of the Server window"),
     (["--record", "out.gif", "--steps", "3", "--record-width", "10"], "--record-width 10: must be from 160 to 8192"),
 ])
 def test_bad_recording_arguments_are_one_line_errors(capsys, argv, message):

@@ -169,6 +169,8 @@ def launch_server_demo(args: argparse.Namespace, spec, recording=None) -> int:
         from pagevis.gui import launch_attached_server
 
         return launch_attached_server(spec, args.server_events, args.server_metrics)
+    if recording is not None and recording.view is not None:
+        raise UsageError("--record-view records a view of the main window, not of the Server window")
     try:
         preset = find_server_preset(args.server_demo)
     except ConfigError as error:
