@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pagevis.bench.gui.startup import evict_from_page_cache, format_rows, spans
+from pagevis.bench.gui.startup import cached_bytes, evict_from_page_cache, format_rows, spans
 from pagevis.cli.main import main
 from pagevis.gui.startup import PHASES
 
@@ -29,6 +29,8 @@ def test_evicting_from_the_page_cache_leaves_the_file_as_it_was(tmp_path):
     path.write_bytes(b"x" * 10000)
     assert evict_from_page_cache([path, tmp_path / "missing"]) == 10000
     assert path.read_bytes() == b"x" * 10000
+    assert 0 < cached_bytes([path]) <= 12288  # just read: its 3 pages (or fewer) are cached
+    assert cached_bytes([tmp_path / "missing"]) == 0
 
 
 def test_bench_startup_bad_arguments(capsys):
