@@ -119,6 +119,7 @@ def test_replay_record_refuses_an_unwritable_path_before_qt(capsys, tmp_path):
 
 # --- the windows ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # decodes as it records (2-3 s on a quiet 2-core machine, more under load)
 def test_main_window_recording_is_every_step_with_its_narration(qtbot, tmp_path):
     from pagevis.gui.record import record, timeline_scene
     from pagevis.viewmodel.narration import narrate
@@ -201,6 +202,7 @@ def test_file_menu_export_recording_records_the_chosen_steps_and_keeps_the_shown
     assert "unknown video format '.avi'" in window.messages.toPlainText()
 
 
+@pytest.mark.slow  # decodes as it records (2-3 s on a quiet 2-core machine, more under load)
 def test_server_window_recording_takes_one_engine_step_a_frame(qtbot, tmp_path):
     from pagevis.engine import ModelSpec
     from pagevis.gui.record import record, server_scene
