@@ -20,7 +20,7 @@ def test_spans_are_each_phases_own_time_and_the_table_says_the_target():
         ("launch", 0.4, 0.3), ("qt", 0.3, 0.3), ("window", 0.6, 0.5), ("first_paint", 0.2, 0.1), ("ready", 2.4, 2.3),
         ("ready_drawn", 0.1, 0.0)]
     table = format_rows([{**ROW, "run": "cold"}, ROW], "smollm2")
-    assert "first drawn frame, warm: 1.50 s (meets the 3 s target)" in table
+    assert "first drawn frame, warm: 1.50 s (meets the 3 s target) after 1.20 s of CPU" in table
     assert "ready 2.40 / 2.30" in table and table.count("\n  CPU") == 2
 
 
