@@ -64,6 +64,25 @@ def test_frames_decode_back_with_their_count_size_and_content(tmp_path, suffix):
     assert text.count("-->") == 3
 
 
+@pytest.mark.parametrize("suffix", [".mp4", ".gif"])
+def test_memory_does_not_grow_with_the_number_of_frames(tmp_path, suffix):
+    import tracemalloc
+
+    def peak(frames: int) -> int:
+        tracemalloc.start()
+        writer = open_video(str(tmp_path / f"n{frames}{suffix}"), fps=30)
+        for i in range(frames):
+            writer.add(moving_square(i % 14, (160, 120)), f"step {i}")
+        writer.close()
+        top = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return top
+
+    frame_bytes = 160 * 120 * 3
+    few, many = peak(10), peak(120)
+    assert many < few + 4 * frame_bytes and many < 40 * frame_bytes  # 12x the frames, no more memory
+
+
 def test_caption_cues_merge_repeats_and_skip_empty_lines(tmp_path):
     track = CaptionTrack(str(tmp_path / "c.srt"), fps=4)
     for i, line in enumerate(["a", "a", "", "b  c", "b c"]):
