@@ -180,6 +180,8 @@ def test_a_view_recording_from_a_trace_has_the_views_size_and_stops_when_cancell
     assert sum(np.any(a != b) for a, b in zip(frames, frames[1:])) >= 3  # the grid changes as tokens are evicted
     cut = record(timeline_scene(window), str(tmp_path / "cut.webm"), fps=4, progress=lambda done, total: done < 2)
     assert cut.cancelled and cut.frames == 2 and len(decode(tmp_path / "cut.webm")) == 2
+    past = record(timeline_scene(window, first=3, frames=10), str(tmp_path / "past.gif"), fps=4)
+    assert past.ended and not past.cancelled and past.frames == 2  # steps 3 and 4 of the trace's 5
 
 
 def test_replay_record_from_the_command_line(tmp_path, capfd):

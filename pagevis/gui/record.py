@@ -41,6 +41,7 @@ class Recording:
     size: tuple[int, int]
     seconds: float
     cancelled: bool = False
+    ended: bool = False  # the scene had no more frames (the session ended) before the number asked for
 
 
 def timeline_scene(window, first: int = 0, frames: int | None = None, target: QWidget | None = None,
@@ -92,10 +93,11 @@ def record(scene: Scene, path: str, fps: float, caption: bool = True,
     app = QApplication.instance()
     started = time.perf_counter()
     writer = open_video(path, fps)
-    cancelled = False
+    cancelled = ended = False
     try:
         for i in range(scene.frames):
             if not scene.advance(i):
+                ended = True
                 break
             app.processEvents()  # let queued repaints and layout settle before the grab
             text = scene.caption()
@@ -109,7 +111,7 @@ def record(scene: Scene, path: str, fps: float, caption: bool = True,
     finally:
         writer.close()
     return Recording(path, sidecar_path(path), writer.frames, writer.size or (0, 0), time.perf_counter() - started,
-                     cancelled)
+                     cancelled, ended)
 
 
 def grab(widget: QWidget) -> QImage:
@@ -215,5 +217,7 @@ def _record_request(scene: Scene, request: Request, windows) -> int:
             window.close()
     print(f"pagevis: wrote {result.path}: {result.frames} frames of {result.size[0]} × {result.size[1]} at "
           f"{request.fps:g} fps ({result.frames / request.fps:.1f} s of video) in {result.seconds:.1f} s"
-          + (f"; captions in {result.sidecar}" if result.sidecar else ""), file=sys.stderr)
+          + (f"; captions in {result.sidecar}" if result.sidecar else "")
+          + (f"; the session ended after {result.frames} of the {scene.frames} steps asked for" if result.ended else ""),
+          file=sys.stderr)
     return 0

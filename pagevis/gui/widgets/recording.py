@@ -144,7 +144,7 @@ def export_recording(main, choice: Choice | None = None) -> Recording | None:
         if shown >= 0:
             window.scrub(shown)
     sidecar = f" and captions in {result.sidecar}" if result.sidecar else ""
-    stopped = " (stopped)" if result.cancelled else ""
+    stopped = " (stopped)" if result.cancelled else " (the session ended there)" if result.ended else ""
     main.statusBar().showMessage(f"Recorded {result.frames} frames to {result.path}{sidecar}{stopped}", 8000)
     return result
 
