@@ -93,10 +93,10 @@ def parse_ints(text: str, flag: str, low: int, high: int) -> list[int]:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.target == "serve":
-        return serve_main(args)
     if args.target == "startup":
         return startup_main(args)
+    if args.target == "serve":
+        return serve_main(args)
     from pagevis.bench import attention, suite
 
     contexts = parse_ints(args.contexts or (QUICK_CONTEXTS if args.quick else FULL_CONTEXTS), "--contexts", 1,
