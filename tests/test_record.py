@@ -79,8 +79,10 @@ def test_memory_does_not_grow_with_the_number_of_frames(tmp_path, suffix):
         return top
 
     frame_bytes = 160 * 120 * 3
-    few, many = peak(10), peak(120)
-    assert many < few + 4 * frame_bytes and many < 40 * frame_bytes  # 12x the frames, no more memory
+    peak(5)  # one-off allocations (the encoder's imports and caches) out of the way
+    few, many = peak(30), peak(150)  # both wrap the square round (a frame-wide change: the largest GIF frame)
+    # holding the frames would add 120 frames (6.9 MB); a bounded writer's peaks differ by allocator noise
+    assert many < few + 16 * frame_bytes and many < 40 * frame_bytes
 
 
 def test_caption_cues_merge_repeats_and_skip_empty_lines(tmp_path):
