@@ -115,7 +115,7 @@ def test_an_unknown_extension_is_refused(name, message):
     (["--record", "out.avi", "--steps", "3"], "out.avi: unknown video format '.avi'; give a name ending in .mp4"),
     (["--record", "/no/such/folder/out.mp4", "--steps", "3"], "--record /no/such/folder/out.mp4: no such folder"),
     (["--record", "out.mp4"], "--record: give the number of steps to record with --steps N"),
-    (["--record", "out.mp4", "--steps", "3", "--fps", "500"], "frame rate 500: must be from 1 to 60"),
+    (["--record", "out.mp4", "--steps", "3", "--fps", "500"], "--fps 500.0: must be from 1 to 60"),
     (["--record-view", "text"], "--record-view, --record-width and --no-caption go with --record FILE"),
     (["--server-demo", "--record", "s.mp4", "--steps", "3", "--record-view", "text"],
      "--record-view records a view of the main window, not of the Server window"),

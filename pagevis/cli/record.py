@@ -6,8 +6,7 @@ import argparse
 
 from pagevis.cli.options import UsageError, check_range, check_writable
 from pagevis.cli.progress import Progress
-from pagevis.export.video import (FORMATS, INSTALL, MAX_FPS, MAX_SIDE, MIN_FPS, MIN_WIDTH, RecordingError, check_fps,
-                                  check_target)
+from pagevis.export.video import FORMATS, INSTALL, MAX_FPS, MAX_SIDE, MIN_FPS, MIN_WIDTH, RecordingError, check_target
 
 
 def add_record_options(group) -> None:
@@ -35,9 +34,9 @@ def recording_request(args: argparse.Namespace, total: int):
         return None
     try:
         check_target(args.record)
-        check_fps(args.fps)
     except RecordingError as error:
-        raise UsageError(f"--record {args.record}: {error}" if "frame rate" in str(error) else str(error)) from None
+        raise UsageError(str(error)) from None
+    check_range("--fps", args.fps, MIN_FPS, MAX_FPS)
     check_writable(args.record, "--record")
     if args.record_width is not None:
         check_range("--record-width", args.record_width, MIN_WIDTH, MAX_SIDE)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagevis.cli.options import UsageError, check_writable
+from pagevis.cli.options import UsageError, check_range, check_writable
 from pagevis.cli.record import add_record_options, recording_request
 
 
@@ -53,10 +53,11 @@ def write_page(args: argparse.Namespace, trace) -> int:
 
     check_writable(args.html, "--html", suffix=".html")
     timeline = timeline_from_trace(trace)
+    check_range("--layer", args.layer, 0, timeline.info.n_layers - 1)
     try:
         size = write_html(args.html, timeline, args.layer)
     except HtmlExportError as error:
-        raise UsageError(f"--html {args.html}: {error}" if str(error).startswith("layer") else str(error)) from None
+        raise UsageError(str(error)) from None
     print(f"pagevis: wrote {args.html}: {len(trace.records)} steps of layer {args.layer}, {size / 1024:.0f} KiB "
           f"({size / len(trace.records):.0f} bytes a step)")
     return 0
