@@ -6,8 +6,9 @@ once the ready session's first frame has been painted:
   launch       the interpreter started, pagevis's command line imported and parsed (pagevis.gui.launch runs)
   qt           PySide6 imported and the QApplication created
   window       the main window built (its modules and pyqtgraph imported, every view constructed)
-  first_paint  the first paint event of any widget: the first drawn frame (the model still loading)
-  ready        the model loaded and the session started (the prompt tokenized, the cache allocated)
+  first_paint  the first paint event of any widget: the first drawn frame (SmolLM2 still loading)
+  ready        the model loaded and the session started (the prompt tokenized, the cache allocated; a small
+               model can be ready before the first paint)
   ready_drawn  the first paint after the views show the ready session
 """
 
