@@ -136,7 +136,7 @@ def test_app_options_reach_launch(monkeypatch, tmp_path):
     monkeypatch.setattr(pagevis.gui, "launch", lambda **kwargs: calls.append(kwargs) or 0)
     assert main([]) == 0
     assert calls[-1] == dict(model_spec=None, prompt=None, session_config=None, screenshot=None, steps=0, metrics=None,
-                             preset=None)
+                             preset=None, recording=None)
     assert main([*SYNTH, "--prompt", "hi", "--page-size", "8", "--policy", "tova", "--screenshot", "s.png",
                  "--steps", "3"]) == 0
     call = calls[-1]
@@ -150,7 +150,7 @@ def test_app_options_reach_launch(monkeypatch, tmp_path):
     trace = tmp_path / "t.pvtrace"
     assert main(["run", *SYNTH, "--max-tokens", "2", "--trace", str(trace), "--quiet"]) == 0
     assert main(["replay", str(trace)]) == 0
-    assert calls[-1] == dict(trace=str(trace))
+    assert calls[-1] == dict(trace=str(trace), recording=None)
 
 
 def test_screenshot_from_the_command_line(tmp_path):

@@ -58,6 +58,9 @@ ALLOWED: dict[str, set[str]] = {
     "attach": FOUNDATION | {"model"},
     # What the windows render, without Qt: timelines of records, the A/B pair, the attach forest's layout.
     "viewmodel": FOUNDATION | {"kvcache", "model", "engine", "simserver", "attach"},
+    # Sessions as files to send (video frames to MP4 / WebM / GIF, a trace to one HTML page): no Qt (the app
+    # renders the frames), read from traces and the Qt-free view models.
+    "export": FOUNDATION | {"kvcache", "model", "engine", "trace", "viewmodel"},
     # The HTTP server: never the CLI (requests are built through the settings table, as flags are), never Qt.
     "serve": FOUNDATION | {"kvcache", "model", "engine", "trace", "observe", "attach"},
     # Benchmarks: measure and return rows; never Qt (the windows' benches and the PNG plots are bench.gui).
@@ -68,11 +71,11 @@ ALLOWED: dict[str, set[str]] = {
     # The command line: every layer below, and the app it opens and the plots it draws (bench.gui).
     "cli": FOUNDATION | {"kvcache", "model", "engine", "simserver", "presets", "trace", "observe", "platform_check",
                          "viewmodel",
-                         "serve", "bench", "gui", "attach"},
+                         "serve", "bench", "gui", "attach", "export"},
     # The app: with bench.gui the only packages that import Qt; never the CLI (`pagevis` parses the command line
     # and then opens the app with plain objects).
     "gui": FOUNDATION | {"kvcache", "model", "engine", "simserver", "viewmodel", "presets", "trace", "platform_check",
-                         "attach"},
+                         "attach", "export"},
     # `python -m pagevis`: the command line.
     "__main__": {"cli"},
 }

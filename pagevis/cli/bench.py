@@ -30,9 +30,10 @@ def add_parser(commands) -> argparse.ArgumentParser:
                     "bandwidth of a weight-sized float32 gemv or sum, on the BLAS threads decoding uses, over "
                     "weight bytes per token). "
                     "Timings are medians; a busy machine makes them noisy.")
-    parser.add_argument("target", nargs="?", choices=("serve",),
+    parser.add_argument("target", nargs="?", choices=("serve", "startup"),
                         help="serve: benchmark `pagevis serve` instead (a chat workload at concurrency 1-16 or "
-                             "Poisson rates, shaped like vLLM's benchmark_serving; see its options below)")
+                             "Poisson rates, shaped like vLLM's benchmark_serving; see its options below); "
+                             "startup: the app's time to its first drawn frame, cold and warm, by phase")
     parser.add_argument("--contexts", metavar="LIST", help=f"context lengths (default {FULL_CONTEXTS})")
     parser.add_argument("--page-sizes", metavar="LIST", help="page sizes (default 8,16,32,64)")
     parser.add_argument("--quick", action="store_true",
@@ -71,6 +72,10 @@ def add_parser(commands) -> argparse.ArgumentParser:
     serve.add_argument("--output-tokens", type=int, default=32, metavar="N", help="tokens each request decodes (32)")
     serve.add_argument("--overhead", action="store_true", help="instead: HTTP against the engine called directly "
                        "(tokens/s, /healthz while sessions decode, /v1/attention)")
+    startup = parser.add_argument_group("bench startup")
+    startup.add_argument("--starts", type=int, default=2, metavar="N", help="warm starts to time (default 2)")
+    startup.add_argument("--no-cold", action="store_true",
+                         help="no cold start (the model and the app's packages dropped from the page cache first)")
     parser.set_defaults(handler=main)
     return parser
 
@@ -91,6 +96,8 @@ def parse_ints(text: str, flag: str, low: int, high: int) -> list[int]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.target == "startup":
+        return startup_main(args)
     if args.target == "serve":
         return serve_main(args)
     from pagevis.bench import attention, machine, suite
@@ -269,6 +276,19 @@ def format_report(result: dict) -> str:
     if result.get("files"):
         out += ["", "wrote " + ", ".join(result["files"])]
     return "\n".join(out)
+
+
+def startup_main(args: argparse.Namespace) -> int:
+    """`pagevis bench startup`: `pagevis` to its first drawn frame, cold and warm, by phase (bench/gui/startup.py)."""
+    from pagevis.bench.gui.startup import format_rows, run_startup_bench
+
+    model = args.model or "smollm2"
+    options.check_range("--starts", args.starts, 1, 20)
+    if model not in ("smollm2", "synthetic") and not os.path.isfile(model):
+        raise UsageError(f"--model {model}: smollm2, synthetic or the path of a .gguf file")
+    rows = run_startup_bench(model, args.starts, cold=not args.no_cold)
+    print(json.dumps(rows) if args.json else format_rows(rows, model))
+    return 0
 
 
 def serve_main(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ import traceback
 
 from pagevis.cli import options
 from pagevis.cli.metrics_port import add_metrics_option, start_metrics_server
+from pagevis.cli.record import add_record_options, recording_request
 from pagevis.presets import SERVER_PRESETS
 from pagevis.cli.options import ArgumentParser, UsageError
 
@@ -40,7 +41,9 @@ def gui_parser() -> ArgumentParser:
     options.add_session_options(parser)
     group = parser.add_argument_group("app")
     group.add_argument("--screenshot", metavar="FILE", help="save a PNG of the window after --steps steps, then quit")
-    group.add_argument("--steps", type=int, default=0, metavar="N", help="decode N steps at start (with --screenshot)")
+    group.add_argument("--steps", type=int, default=0, metavar="N",
+                       help="decode N steps at start (with --screenshot or --record)")
+    add_record_options(group)
     group.add_argument("--server-demo", nargs="?", const="", metavar="PRESET",
                        help="open the Server window: the model serving arriving requests (a server preset: "
                             + "; ".join(p.name for p in SERVER_PRESETS) + ")")
@@ -153,30 +156,38 @@ def launch_app(args: argparse.Namespace) -> int:
     options.check_range("--steps", args.steps, 0, MAX_STEPS)
     if args.screenshot:
         options.check_writable(args.screenshot, "--screenshot", suffix=".png")
+    recording = recording_request(args, args.steps)
+    if recording is not None and args.screenshot:
+        raise UsageError("--record and --screenshot: give one of them")
+    if recording is not None and args.steps < 1:
+        raise UsageError("--record: give the number of steps to record with --steps N (1 or more)")
     if args.server_demo is not None or args.server_events or args.server_metrics:
-        return launch_server_demo(args, spec)
+        return launch_server_demo(args, spec, recording)
     metrics, _exporter = start_metrics_server(args.metrics_port)  # a daemon thread, until the app quits
     from pagevis.gui import launch
 
     return launch(model_spec=spec, prompt=prompt, session_config=config, screenshot=args.screenshot,
-                  steps=args.steps, metrics=metrics, preset=options.preset(args))
+                  steps=args.steps, metrics=metrics, preset=options.preset(args), recording=recording)
 
 
-def launch_server_demo(args: argparse.Namespace, spec) -> int:
+def launch_server_demo(args: argparse.Namespace, spec, recording=None) -> int:
     """`pagevis --server-demo [PRESET]`: the Server window alone (SmolLM2 unless a model is given)."""
     from pagevis.kvcache import ConfigError
     from pagevis.presets import find_server_preset
 
     if args.server_events or args.server_metrics:
-        if args.screenshot:
-            raise UsageError("--screenshot shows the Server window's own servers, not an attached one")
+        if args.screenshot or recording is not None:
+            raise UsageError("--screenshot and --record show the Server window's own servers, not an attached one")
         from pagevis.gui import launch_attached_server
 
         return launch_attached_server(spec, args.server_events, args.server_metrics)
+    if recording is not None and recording.view is not None:
+        raise UsageError("--record-view records a view of the main window, not of the Server window")
     try:
         preset = find_server_preset(args.server_demo)
     except ConfigError as error:
         raise UsageError(f"--server-demo {args.server_demo!r}: {error.allowed}") from None
     from pagevis.gui import launch_server
 
-    return launch_server(model_spec=spec, preset=preset, screenshot=args.screenshot, steps=args.steps)
+    return launch_server(model_spec=spec, preset=preset, screenshot=args.screenshot, steps=args.steps,
+                         recording=recording)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from pagevis import platform_check
 from pagevis.engine import ModelSpec, SessionConfig
@@ -31,28 +32,42 @@ def _application():
 
 def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, session_config: SessionConfig | None = None,
            screenshot: str | None = None, steps: int = 0, trace: str | None = None, metrics=None,
-           preset=None) -> int:
+           preset=None, recording=None) -> int:
     """Open the main window (QApplication created here). With `screenshot`, open offscreen-capable, decode `steps`
     steps (synchronously), save a PNG of the whole window to that path and return 0 without entering the event
     loop. With `trace`, open that trace for replay. With `metrics` (a pagevis.observe.Metrics), every session
     the window starts feeds it. With an A/B `preset` (pagevis.presets), the A/B window opens on its two
-    configurations (and is what a screenshot shows). Returns the exit code."""
-    if screenshot and "QT_QPA_PLATFORM" not in os.environ:
+    configurations (and is what a screenshot shows). With `recording` (a pagevis.gui.record.Request), record
+    the window (or one view) to a video instead: `steps` decoded steps, or every step of `trace`. Returns the exit
+    code."""
+    from pagevis.gui.startup import probe_from_environment
+
+    probe = probe_from_environment(time.time())  # `pagevis bench startup` times the phases below
+    if (screenshot or recording) and "QT_QPA_PLATFORM" not in os.environ:
         os.environ["QT_QPA_PLATFORM"] = "offscreen"  # a screenshot needs no screen and should not flash one
     verdict = platform_check.check()
     if not verdict.ok:  # say what to install, before Qt aborts the process with "could not load the plugin"
         print(verdict.message(), file=sys.stderr)
         return platform_check.EXIT_STATUS
     app = _application()
+    probe and probe.mark("qt")
     from pagevis.gui.session.window import MainWindow
 
     _one_blas_thread()
     # A screenshot is a pure function of its arguments: it neither reads nor writes the user's settings.
-    window = MainWindow(restore=not screenshot, persist=not screenshot)
+    headless = bool(screenshot or recording)
+    window = MainWindow(restore=not headless, persist=not headless)
     window.apply_arguments(model_spec, prompt, session_config)
+    if probe is not None:
+        probe.mark("window")
+        probe.watch(app, window)
     if metrics is not None:
         _observe_sessions(window.runner, metrics)
     ab = preset if preset is not None and preset.b is not None else None
+    if recording is not None:
+        from pagevis.gui.record import record_from_launch
+
+        return record_from_launch(app, window, recording, steps, trace, ab)
     if screenshot:
         return _screenshot(app, window, screenshot, steps, ab)
     window.show()
@@ -64,11 +79,12 @@ def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, sessi
 
 
 def launch_server(model_spec: ModelSpec | None = None, preset=None, screenshot: str | None = None,
-                  steps: int = 0) -> int:
+                  steps: int = 0, recording=None) -> int:
     """Open the Server window alone (`pagevis --server-demo`) on `model_spec` (default SmolLM2) with a server
     preset (pagevis.presets.SERVER_PRESETS; default the first). With `screenshot`: offscreen unless a platform
-    is set, `steps` real engine steps, a PNG of the window, exit code 0."""
-    if screenshot and "QT_QPA_PLATFORM" not in os.environ:
+    is set, `steps` real engine steps, a PNG of the window, exit code 0; with `recording` (a
+    pagevis.gui.record.Request), those steps to a video, one frame per step."""
+    if (screenshot or recording) and "QT_QPA_PLATFORM" not in os.environ:
         os.environ["QT_QPA_PLATFORM"] = "offscreen"
     verdict = platform_check.check()
     if not verdict.ok:
@@ -78,7 +94,7 @@ def launch_server(model_spec: ModelSpec | None = None, preset=None, screenshot: 
     _one_blas_thread()
     from pagevis.gui.server.window import server_demo
 
-    return server_demo(app, model_spec or ModelSpec(), preset, screenshot, steps)
+    return server_demo(app, model_spec or ModelSpec(), preset, screenshot, steps, recording)
 
 
 def launch_attached_server(model_spec: ModelSpec | None, events: str | None, metrics_url: str | None) -> int:
@@ -122,6 +138,20 @@ def _one_blas_thread() -> None:
 def _screenshot(app, window, path: str, steps: int, ab=None) -> int:
     """Offscreen: the window at the fixed default size, rendered by Qt. On a real display (xcb, wayland):
     the window as it opens on that screen, read back from the display server once it has been painted."""
+    window = open_for_picture(app, window, ab, "the screenshot")
+    if window is None:
+        return 1
+    window.runner.step_blocking(steps)
+    app.processEvents()
+    window.redraw()
+    app.processEvents()
+    return save_screenshot(app, window, path)
+
+
+def open_for_picture(app, window, ab=None, purpose: str = "the screenshot", trace: str | None = None):
+    """The window shown at the default size (offscreen) or as it opens (on a display), its session started
+    (or `trace` opened) on this thread; the A/B window on `ab`'s two configurations instead when given. None
+    (said on stderr, the window closed) when no session could start."""
     from pagevis.gui.widgets.export import default_size
 
     real_display = app.platformName() not in ("offscreen", "minimal")
@@ -130,20 +160,22 @@ def _screenshot(app, window, path: str, steps: int, ab=None) -> int:
         window.size_docks()
     window.show()
     app.processEvents()
+    if trace is not None:
+        if window.open_trace(trace):
+            return window
+        print(f"pagevis: {window.messages.toPlainText().strip() or f'could not open {trace}'}", file=sys.stderr)
+        window.close()
+        return None
     window.start(blocking=True)
     if window.runner.session is None:
-        print("pagevis: could not start a session for the screenshot", file=sys.stderr)
+        print(f"pagevis: could not start a session for {purpose}", file=sys.stderr)
         window.close()
-        return 1
+        return None
     if ab is not None:  # the A/B window is the picture: two sessions in lockstep
         window = window.open_ab(ab.a, ab.b, window.controls.prompt(), title=ab.name, blocking=True)
         if not real_display:
             window.resize(default_size())
-    window.runner.step_blocking(steps)
-    app.processEvents()
-    window.redraw()
-    app.processEvents()
-    return save_screenshot(app, window, path)
+    return window
 
 
 def save_screenshot(app, window, path: str) -> int:

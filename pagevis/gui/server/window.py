@@ -423,17 +423,19 @@ class ServerWindow(QWidget):
         super().closeEvent(event)
 
 
-def server_demo(app, spec, preset: ServerPreset | None, screenshot: str | None, steps: int) -> int:
-    """`pagevis --server-demo`: the window alone on the spec's model; with a screenshot, `steps` steps first."""
+def server_demo(app, spec, preset: ServerPreset | None, screenshot: str | None, steps: int, recording=None) -> int:
+    """`pagevis --server-demo`: the window alone on the spec's model; with a screenshot, `steps` steps first;
+    with a recording (pagevis.gui.record.Request), `steps` steps, one frame each."""
     import sys
 
     from pagevis.gui import save_screenshot
     from pagevis.gui.widgets.export import default_size
 
     print(f"pagevis: loading {spec.label}…", file=sys.stderr)
+    headless = bool(screenshot or recording)
     window = ServerWindow(spec.load(), preset or SERVER_PRESETS[0], model_label=spec.label,
-                          realtime=not screenshot, autorun=not screenshot)
-    if not screenshot:
+                          realtime=not headless, autorun=not headless)
+    if not headless:
         window.show()
         return app.exec()
     real_display = app.platformName() not in ("offscreen", "minimal")
@@ -441,6 +443,10 @@ def server_demo(app, spec, preset: ServerPreset | None, screenshot: str | None, 
         window.resize(default_size())
     window.show()
     app.processEvents()
+    if recording is not None:
+        from pagevis.gui.record import record_window
+
+        return record_window(window, recording, steps)
     window.step_blocking(steps, every_step=False)
     app.processEvents()
     return save_screenshot(app, window, screenshot)

@@ -245,6 +245,8 @@ class MainWindow(TimelineCursor, QMainWindow):
         export_menu.addAction("Whole window…", lambda: self.export_view(None))
         file_menu.addAction("Export &events (CSV)…", self.export_events)
         file_menu.addAction("Export &metrics (CSV)…", self.export_metrics)
+        file_menu.addAction("Export &recording (MP4, WebM, GIF)…", self.export_recording)
+        file_menu.addAction("Export &HTML page…", self.export_html)
         file_menu.addSeparator()
         file_menu.addAction("&Quit", self.close, QKeySequence.Quit)
         play_menu = self.menuBar().addMenu("&Decode")
@@ -626,12 +628,16 @@ class MainWindow(TimelineCursor, QMainWindow):
         if path:
             self.open_trace(path)
 
-    def save_trace(self, path: str | None = None) -> str | None:
-        """Write the shown session's records to a trace file (File ▸ Open trace replays it)."""
+    def _session_file(self, path: str | None, title: str, name: str, kinds: str) -> str | None:
+        """Where to write the session: `path`, or the user's choice; None (said) before the first step."""
         if self.timeline is None or not len(self.timeline):
             self.statusBar().showMessage("Nothing to save yet: decode a step first", 5000)
             return None
-        path = path or QFileDialog.getSaveFileName(self, "Save trace", "session.pvtrace", "pagevis traces (*.pvtrace)")[0]
+        return path or QFileDialog.getSaveFileName(self, title, name, kinds)[0] or None
+
+    def save_trace(self, path: str | None = None) -> str | None:
+        """Write the shown session's records to a trace file (File ▸ Open trace replays it)."""
+        path = self._session_file(path, "Save trace", "session.pvtrace", "pagevis traces (*.pvtrace)")
         if not path:
             return None
         from pagevis.trace import Trace, write_trace
@@ -687,6 +693,29 @@ class MainWindow(TimelineCursor, QMainWindow):
             rows = export.save_metrics_csv(self.timeline, path)
             self.statusBar().showMessage(f"Saved {rows} steps to {path}", 5000)
         return path or None
+
+    def export_recording(self, choice=None):
+        """The recorded steps (or the A/B or Server window) to a video (pagevis.gui.widgets.recording)."""
+        from pagevis.gui.widgets.recording import export_recording
+
+        return export_recording(self, choice)
+
+    def export_html(self, path: str | None = None) -> str | None:
+        """The session as one HTML page anyone can open (pagevis.export.html), at the selected layer."""
+        path = self._session_file(path, "Export HTML page", "session.html", "HTML (*.html)")
+        if not path:
+            return None
+        from pagevis.export.html import HtmlExportError, write_html
+
+        layer = self.view_state().layer
+        try:
+            size = write_html(path, self.timeline, layer)
+        except (HtmlExportError, OSError) as error:
+            self._report(f"Could not export {path}: {error}")
+            return None
+        self.statusBar().showMessage(f"Saved {len(self.timeline)} steps of layer {layer} to {path} "
+                                     f"({size / 1024:.0f} KiB)", 6000)
+        return path
 
     def _show_shortcuts(self) -> None:
         box = QMessageBox(QMessageBox.Information, "Keyboard shortcuts",

@@ -12,7 +12,8 @@ from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QLabel, QTableWidget, Q
 from pagevis.kvcache import ConfigError, EventKind, layer_capacities
 from pagevis.kvcache.event_array import in_layer
 from pagevis.gui.widgets import theme
-from pagevis.gui.widgets.theme import EVICTED, FREE, PINNED, REPLACED, RESIDENT, WRITTEN
+from pagevis.gui.widgets.theme import FREE, PINNED, REPLACED, RESIDENT, WRITTEN
+from pagevis.viewmodel.cells import cell_states, frames_of_pages
 from pagevis.viewmodel.view_state import ViewState
 from pagevis.gui.widgets.rgba_image import RgbaImage
 from pagevis.viewmodel.run_list import run_list
@@ -28,38 +29,6 @@ _FULL_PRECISION = theme.rgb(FULL_PRECISION_COLOR)
 def full_precision_mask(record, layer: int) -> np.ndarray | None:
     """(max_pages, page_size) bool: slots of the layer still in full precision (int4 / int2), else None."""
     return None if record.full_precision is None else record.full_precision[layer]
-
-
-def frames_of_pages(record, layer: int) -> dict[int, int]:
-    """Page id -> RAM frame for the layer's pages in RAM (without a disk tier, a page id is its frame)."""
-    table = record.block_tables[layer]
-    if record.tiers is None:
-        return {int(p): int(p) for p in table}
-    return {int(p): int(f) for p, f in zip(table, record.tiers.block_frames[layer], strict=True) if f >= 0}
-
-
-def cell_states(record, layer: int) -> np.ndarray:
-    """(max_pages, page_size) int8 of theme states for one layer of one record."""
-    slots = record.slot_maps[layer]
-    frame_of = frames_of_pages(record, layer) if record.tiers is not None else None
-    states = np.where(slots >= 0, RESIDENT, FREE).astype(np.int8)
-    states[record.protected[layer] & (slots >= 0)] = PINNED
-    written = np.zeros(slots.shape, dtype=bool)
-    evicted = np.zeros(slots.shape, dtype=bool)
-    for event in in_layer(record.events, layer):
-        if event.slot < 0:
-            continue
-        frame = event.page if frame_of is None else frame_of.get(event.page, -1)
-        if frame < 0:
-            continue  # a token evicted from a page on disk: the disk strip shows it
-        if event.kind is EventKind.WRITE:
-            written[frame, event.slot] = True
-        elif event.kind is EventKind.EVICT:
-            evicted[frame, event.slot] = True
-    states[evicted & (slots < 0)] = EVICTED
-    states[written] = WRITTEN
-    states[written & evicted] = REPLACED
-    return states
 
 
 def shade_values(record, layer: int, mode: str) -> np.ndarray:

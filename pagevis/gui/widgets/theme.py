@@ -9,6 +9,9 @@ import pyqtgraph as pg
 from PySide6.QtGui import QColor, QPalette
 from PySide6.QtWidgets import QApplication
 
+from pagevis.viewmodel.cells import (  # noqa: F401 - the views take the states and colours from the theme
+    EVICTED, FREE, PINNED, REPLACED, RESIDENT, STATE_COLORS, STATE_NAMES, WRITTEN)
+
 BACKGROUND = "#16181d"  # plot backgrounds
 PANEL = "#1f2228"  # widget backgrounds
 TEXT = "#d8dce3"
@@ -16,11 +19,8 @@ MUTED = "#8a919c"
 ACCENT = "#4fa3ff"
 GRID = "#3a3f48"
 
-# Page-grid cell states (the values stored in PageGridView.states) and their colours.
-FREE, RESIDENT, PINNED, WRITTEN, REPLACED, EVICTED = range(6)
-STATE_NAMES = ("free", "resident", "protected (sink / recent)", "written this step", "evicted + rewritten",
-               "evicted this step")
-STATE_COLORS = ("#2a2e36", "#3b82c4", "#b48cf2", "#3ddc84", "#ffb020", "#ef4b4b")
+# Page-grid cell states (the values stored in PageGridView.states) and their colours live in viewmodel.cells (Qt-free:
+# the HTML export colours the same states); imported above, for the views.
 
 # Series colours for metrics, in order of use.
 SERIES = ("#4fa3ff", "#ffb020", "#3ddc84", "#ef4b4b", "#b48cf2", "#29c7c7")

@@ -1,0 +1,47 @@
+"""The page grid's cell states, Qt-free: what each physical slot of one layer shows at one record (free,
+resident, protected, written this step, evicted and rewritten, evicted this step). The app's page grid and the
+HTML export (pagevis.export.html) colour the same states."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagevis.kvcache import EventKind
+from pagevis.kvcache.event_array import in_layer
+
+FREE, RESIDENT, PINNED, WRITTEN, REPLACED, EVICTED = range(6)
+STATE_NAMES = ("free", "resident", "protected (sink / recent)", "written this step", "evicted + rewritten",
+               "evicted this step")
+STATE_COLORS = ("#2a2e36", "#3b82c4", "#b48cf2", "#3ddc84", "#ffb020", "#ef4b4b")
+
+
+def frames_of_pages(record, layer: int) -> dict[int, int]:
+    """Page id -> RAM frame for the layer's pages in RAM (without a disk tier, a page id is its frame)."""
+    table = record.block_tables[layer]
+    if record.tiers is None:
+        return {int(p): int(p) for p in table}
+    return {int(p): int(f) for p, f in zip(table, record.tiers.block_frames[layer], strict=True) if f >= 0}
+
+
+def cell_states(record, layer: int) -> np.ndarray:
+    """(max_pages, page_size) int8 of theme states for one layer of one record."""
+    slots = record.slot_maps[layer]
+    frame_of = frames_of_pages(record, layer) if record.tiers is not None else None
+    states = np.where(slots >= 0, RESIDENT, FREE).astype(np.int8)
+    states[record.protected[layer] & (slots >= 0)] = PINNED
+    written = np.zeros(slots.shape, dtype=bool)
+    evicted = np.zeros(slots.shape, dtype=bool)
+    for event in in_layer(record.events, layer):
+        if event.slot < 0:
+            continue
+        frame = event.page if frame_of is None else frame_of.get(event.page, -1)
+        if frame < 0:
+            continue  # a token evicted from a page on disk: the disk strip shows it
+        if event.kind is EventKind.WRITE:
+            written[frame, event.slot] = True
+        elif event.kind is EventKind.EVICT:
+            evicted[frame, event.slot] = True
+    states[evicted & (slots < 0)] = EVICTED
+    states[written] = WRITTEN
+    states[written & evicted] = REPLACED
+    return states
