@@ -9,6 +9,7 @@ from pagevis.engine import DecodeSession, Engine, SamplingConfig, SessionConfig
 from pagevis.engine.batch import BatchConfig
 from pagevis.kvcache import CacheConfig, ConfigError, EventKind, KVCacheManager
 from pagevis.kvcache.prefix_cache import prefix_hashes
+from pagevis.kvcache.quant import storage_summary
 from pagevis.kvcache.spec import first_kept_page, layer_specs, pages_held
 from pagevis.model.synthetic import SyntheticModel, window_pattern
 
@@ -226,3 +227,19 @@ def test_pages_held_counts_a_window_and_a_page_at_most():
     assert pages_held(full, 4096, 16) == 256
     assert pages_held(local, 4096, 16) == 32 and pages_held(local, 100, 16) == 7
     assert all(pages_held(local, n, 16) * 16 <= 512 + 16 + 15 for n in range(1, 3000, 7))
+
+
+def test_run_reports_bytes_by_layer_type_and_without_windows():
+    session = DecodeSession(MODEL, "", session_config(max_new_tokens=30), prompt_ids=PROMPT)
+    list(session.run())
+    summary = storage_summary(session.cache_config, session.cache.stores)
+    page_bytes = 2 * PS * 2 * 16 * 4  # K and V, 2 KV heads, head_dim 16, float32
+    n = len(PROMPT) + 30 - 1  # the prompt in one step, then one token a step (the last is not fed)
+    # brute force: a local layer's pages between steps after t tokens, at its most over the run's steps
+    written = [len(PROMPT)] + list(range(len(PROMPT) + 1, n + 1))
+    local_pages = max(sum(1 for page in range(-(-t // PS)) if (page + 1) * PS - 1 >= t - W) for t in written)
+    assert local_pages == -(-(W + PS - 1) // PS)
+    assert summary["kv_bytes_local"] == 2 * local_pages * page_bytes
+    assert summary["kv_bytes_global"] == -(-n // PS) * page_bytes
+    assert summary["kv_bytes_without_windows"] == 3 * -(-n // PS) * page_bytes
+    assert summary["local_layers"] == 2 and summary["global_layers"] == 1

@@ -483,9 +483,10 @@ class KVCacheManager:
         seq = self.sequences[seq_id]
         if seq.hashable and self.prefix_caching:
             self._register(seq)
-        for layer, window in enumerate(self.windows):
+        for layer, (store, window) in enumerate(zip(self.stores, self.windows, strict=True)):
             if window:
                 self._slide(seq, layer)
+            store.used_peak = max(store.used_peak, store.pages.n_used())
 
     def _register(self, seq: SequenceCache) -> None:
         ps = self.page_size
