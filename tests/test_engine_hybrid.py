@@ -1,10 +1,13 @@
 """Hybrid caches: sliding-window (local) layers beside global ones, against independent references — float64
 attention with the window mask, a brute-force simulation of which pages leave when, the dense model."""
 
+import json
+
 import numpy as np
 import pytest
 from engine_reference import WindowedDenseAttend, windowed_attention_f64
 
+from pagevis.__main__ import main
 from pagevis.engine import DecodeSession, Engine, SamplingConfig, SessionConfig
 from pagevis.engine.batch import BatchConfig
 from pagevis.kvcache import CacheConfig, ConfigError, EventKind, KVCacheManager
@@ -243,3 +246,28 @@ def test_run_reports_bytes_by_layer_type_and_without_windows():
     assert summary["kv_bytes_global"] == -(-n // PS) * page_bytes
     assert summary["kv_bytes_without_windows"] == 3 * -(-n // PS) * page_bytes
     assert summary["local_layers"] == 2 and summary["global_layers"] == 1
+
+
+def test_compare_on_a_hybrid_model_scores_against_the_windowed_dense_model_and_reports_its_bytes(capsys, tmp_path):
+    text = "Sliding windows keep the newest tokens; global layers keep them all, so memory grows by a sixth."
+    ids = list(text.encode())[:80]
+    dense = WindowedDenseAttend(MODEL.config.sliding_windows)
+    logits = MODEL.forward(np.array(ids), np.arange(len(ids)), dense, all_logits=True)
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    logprobs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    expected = float(np.exp(-np.mean([logprobs[i, ids[i + 1]] for i in range(len(ids) - 1)])))
+    path = tmp_path / "text.txt"
+    path.write_text(text)
+    argv = ["compare", str(path), "--model", "synthetic", "--layers", "3", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+            "--model-seed", "3", "--sliding-window", str(W), "--global-every", "3", "--policies", "none",
+            "--budgets", "96", "--page-size", str(PS), "--tokens", "80", "--no-files", "--quiet"]
+    assert main([*argv, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["full_cache_ppl"] == pytest.approx(expected, rel=1e-4)
+    assert result["rows"][0]["ppl"] == pytest.approx(expected, rel=1e-4)
+    page_bytes = 2 * PS * 2 * 16 * 4
+    assert result["hybrid"]["kv_bytes_global"] == 20 * page_bytes  # 80 tokens: 20 pages
+    assert result["hybrid"]["kv_bytes_local"] == 2 * 3 * page_bytes  # positions 70..79
+    assert result["hybrid"]["kv_bytes_without_windows"] == 3 * 20 * page_bytes
+    assert main(argv) == 0
+    assert "full-cache row: hybrid K/V" in capsys.readouterr().out

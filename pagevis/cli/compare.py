@@ -150,7 +150,8 @@ def load_text(path: str | None) -> str:
 def main(args: argparse.Namespace) -> int:
     from pagevis.bench import quality
     from pagevis.bench.optimal import OPTIMAL
-    from pagevis.kvcache import CacheSettings, ConfigError
+    from pagevis.kvcache import CacheConfig, CacheSettings, ConfigError
+    from pagevis.kvcache.memory import modelled_bytes
 
     options.check_range("--page-size", args.page_size, 1, MAX_PAGE_SIZE)
     options.check_range("--tokens", args.tokens, 2, MAX_TOKENS)
@@ -230,6 +231,12 @@ def main(args: argparse.Namespace) -> int:
               "equal_memory": args.equal_memory, "full_cache_ppl": reference.perplexity(),
               "seconds": progress.elapsed(), "estimated_seconds": estimate.total,
               "peak_rss_mb": quality.peak_rss_bytes() / 1e6, "rows": [row.as_dict() for row in rows[1:]]}
+    windows = getattr(model.config, "sliding_windows", None)
+    if windows is not None:  # a hybrid model: what its full-cache row holds, by layer type
+        reference_config = CacheConfig.for_model(CacheSettings(page_size=args.page_size, policy="none"), model.config)
+        hybrid = modelled_bytes(reference_config, len(ids))
+        labels = [layer_spec.label for layer_spec in reference_config.layer_specs]
+        result["hybrid"] = hybrid.as_dict()
     if not args.no_files:
         write_csv(args.csv, rows)
         write_plot(args.plot, rows, result)
@@ -239,6 +246,8 @@ def main(args: argparse.Namespace) -> int:
     else:
         storage = ", ".join(dtypes) + (f" (residual {residual})" if "residual" in result else "")
         print(f"{spec.label}, {len(ids)} tokens of {result['text']}, page size {args.page_size}, {storage}")
+        if "hybrid" in result:
+            print(f"full-cache row: {hybrid.text()} ({', '.join(sorted(set(labels)))} layers)")
         print(format_table(rows))
         if not args.no_files:
             print(f"wrote {args.csv} and {args.plot}", file=sys.stderr)

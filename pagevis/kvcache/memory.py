@@ -47,10 +47,11 @@ def hybrid_bytes(specs: tuple[LayerSpec, ...], pages: list[int], page_bytes: int
                        len(local), len(global_))
 
 
-def modelled_bytes(specs: tuple[LayerSpec, ...], n_tokens: int, page_size: int, page_bytes: int) -> HybridBytes:
-    """What one sequence of n_tokens tokens holds between steps, nothing evicted."""
-    return hybrid_bytes(specs, [pages_held(spec, n_tokens, page_size) for spec in specs], page_bytes, n_tokens,
-                        page_size)
+def modelled_bytes(config, n_tokens: int) -> HybridBytes:
+    """What one sequence of n_tokens tokens holds between steps in a cache of this config, nothing evicted."""
+    specs, page_size = config.layer_specs, config.page_size
+    return hybrid_bytes(specs, [pages_held(spec, n_tokens, page_size) for spec in specs], config.page_bytes(),
+                        n_tokens, page_size)
 
 
 def peak_bytes(config, stores) -> HybridBytes:
