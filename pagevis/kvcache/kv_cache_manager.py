@@ -519,7 +519,8 @@ class KVCacheManager:
             seq.slid[layer] = max(seq.slid[layer], newest)
             if seq.hashable:
                 seq.dropped[layer] += 1
-            self._event(E.SLIDE, seq.seq_id, layer, page, position=newest, detail=window)
+            self._event(E.SLIDE, seq.seq_id, layer, page, position=newest, reason=f"slid out of the window ({window})",
+                        detail=window)
             if store.release(page):
                 self._event(E.RELEASE, seq.seq_id, layer, page)
 

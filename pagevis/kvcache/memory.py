@@ -32,8 +32,10 @@ class HybridBytes(NamedTuple):
 
     def text(self) -> str:
         """One line, e.g. 'hybrid K/V 19.5 MiB (15 local 7.5 + 3 global 12.0) vs 72.0 MiB without windows'."""
-        return (f"hybrid K/V {_mib(self.hybrid)} ({self.n_local} local {_mib(self.local, unit=False)} + "
-                f"{self.n_global} global {_mib(self.global_, unit=False)}) vs {_mib(self.full)} without windows")
+        mib = self.full >= 1 << 20  # one unit for the line: MiB, or KiB for a small cache
+        return (f"hybrid K/V {_size(self.hybrid, mib=mib)} ({self.n_local} local {_size(self.local, False, mib)} + "
+                f"{self.n_global} global {_size(self.global_, False, mib)}) vs {_size(self.full, mib=mib)} without "
+                "windows")
 
 
 def hybrid_bytes(specs: tuple[LayerSpec, ...], pages: list[int], page_bytes: int, n_tokens: int,
@@ -61,5 +63,5 @@ def peak_bytes(config, stores) -> HybridBytes:
                         newest + 1, config.page_size)
 
 
-def _mib(n: int, unit: bool = True) -> str:
-    return f"{n / (1 << 20):.1f}" + (" MiB" if unit else "")
+def _size(n: int, unit: bool = True, mib: bool = True) -> str:
+    return (f"{n / (1 << 20):.1f}" if mib else f"{n / 1024:.0f}") + ((" MiB" if mib else " KiB") if unit else "")

@@ -46,6 +46,7 @@ class Eviction(NamedTuple):
 
 
 EVICT = KINDS.index(EventKind.EVICT)
+SLIDE = KINDS.index(EventKind.SLIDE)  # a page leaving a sliding window: listed with the evictions, not counted
 EVICTION_DTYPE = np.dtype([("step", "i4"), ("layer", "i2"), ("page", "i4"), ("slot", "i4"), ("position", "i8"),
                            ("reason", "i2"), ("score", "f4")])
 
@@ -64,6 +65,8 @@ class SessionInfo:
     n_kv_heads: int = 0  # 0: unknown (a trace without it); query head h reads KV head h // (n_heads // n_kv_heads)
     kv_bytes_per_token: float = 0.0  # all layers, at capacity (CacheConfig.kv_bytes_per_token); 0: unknown
     storage: str = ""  # one line on the K/V storage (quant.storage_text); "": unknown
+    sliding_windows: tuple[int | None, ...] | None = None  # per layer, a hybrid cache's windows (None: all global)
+    page_bytes: int = 0  # K/V bytes of one page of one layer; 0: unknown
 
 
 def kv_head_of(head: int, n_heads: int, n_kv_heads: int) -> int | None:
@@ -122,7 +125,7 @@ class Timeline:
         self._pages = _grow(self._pages, index)
         self._pages[index] = [len(table) for table in record.block_tables]
         rows = self.spill.append(record)  # the events as rows, texts coded in the spill's table
-        evicted = rows[rows["kind"] == EVICT]
+        evicted = rows[(rows["kind"] == EVICT) | (rows["kind"] == SLIDE)]
         if len(evicted):
             start, end = self._n_evictions, self._n_evictions + len(evicted)
             self._evictions = _grow(self._evictions, end - 1)
@@ -130,7 +133,7 @@ class Timeline:
             added["step"] = np.where(evicted["step"] >= 0, evicted["step"], record.step)
             for name in ("layer", "page", "slot", "position", "reason", "score"):
                 added[name] = evicted[name]
-            np.add.at(self._per_layer[index], evicted["layer"], 1)
+            np.add.at(self._per_layer[index], evicted["layer"][evicted["kind"] == EVICT], 1)
             self._n_evictions = end
         total = record.timings.get("total", float("nan"))
         oracle = record.oracle

@@ -17,10 +17,10 @@ ACCENT = "#4fa3ff"
 GRID = "#3a3f48"
 
 # Page-grid cell states (the values stored in PageGridView.states) and their colours.
-FREE, RESIDENT, PINNED, WRITTEN, REPLACED, EVICTED = range(6)
+FREE, RESIDENT, PINNED, WRITTEN, REPLACED, EVICTED, SLID = range(7)
 STATE_NAMES = ("free", "resident", "protected (sink / recent)", "written this step", "evicted + rewritten",
-               "evicted this step")
-STATE_COLORS = ("#2a2e36", "#3b82c4", "#b48cf2", "#3ddc84", "#ffb020", "#ef4b4b")
+               "evicted this step", "slid out of the window")
+STATE_COLORS = ("#2a2e36", "#3b82c4", "#b48cf2", "#3ddc84", "#ffb020", "#ef4b4b", "#8c6a3f")
 
 # Series colours for metrics, in order of use.
 SERIES = ("#4fa3ff", "#ffb020", "#3ddc84", "#ef4b4b", "#b48cf2", "#29c7c7")
