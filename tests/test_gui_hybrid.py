@@ -34,6 +34,7 @@ def test_a_local_layer_slides_its_window_and_every_view_says_so(qtbot, tmp_path)
     assert page_bytes == 1024
     # 3 local pages + 5 global ones, against 2 x 5 without a window
     assert window.status_memory.text() == "hybrid K/V 8 KiB (1 local 3 + 1 global 5) vs 10 KiB without windows"
+    assert "pages 0–1 slid out of the window" in window.narration.text()
 
     step(qtbot, window, 12)
     record = window.timeline.records[-1]
@@ -46,3 +47,13 @@ def test_a_local_layer_slides_its_window_and_every_view_says_so(qtbot, tmp_path)
     assert controls.layer.suffix() == "  (global)"
     assert "layer 1 (global)" in grid.plot.titleLabel.text
     assert not (grid.states == SLID).any() and np.sum(grid.states != 0) == 29
+
+
+def test_the_timeline_counts_a_local_layers_tokens_without_the_slid_out_ones(qtbot, tmp_path):
+    window = make_window(qtbot, tmp_path, SPEC, PROMPT, CONFIG)
+    step(qtbot, window, 10)
+    records = window.timeline.records
+    for layer in range(2):
+        expected = [int((r.slot_maps[layer] >= 0).sum()) for r in records]
+        assert window.timeline.resident_per_step(layer).tolist() == expected
+    assert max(window.timeline.resident_per_step(0)) <= W + PS < window.timeline.resident_per_step(1)[-1]

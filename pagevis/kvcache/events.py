@@ -28,7 +28,8 @@ class EventKind(str, Enum):
     # until every KV head dropped it (then an evict event frees it)
     # hybrid caches (sliding-window layers):
     SLIDE = "slide"  # a page of a local layer left the sequence: none of its tokens is in the newest query's
-    # window any more (position: its newest token; detail: the window). A release follows if it was the last user
+    # window any more (position: its newest token; detail: the tokens it held; reason names the window). A release
+    # follows if no other sequence uses the page
 
 
 class CacheEvent(NamedTuple):

@@ -520,7 +520,7 @@ class KVCacheManager:
             if seq.hashable:
                 seq.dropped[layer] += 1
             self._event(E.SLIDE, seq.seq_id, layer, page, position=newest, reason=f"slid out of the window ({window})",
-                        detail=window)
+                        detail=int(store.fill[page]))
             if store.release(page):
                 self._event(E.RELEASE, seq.seq_id, layer, page)
 
