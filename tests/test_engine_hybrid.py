@@ -271,3 +271,19 @@ def test_compare_on_a_hybrid_model_scores_against_the_windowed_dense_model_and_r
     assert result["hybrid"]["kv_bytes_without_windows"] == 3 * 20 * page_bytes
     assert main(argv) == 0
     assert "full-cache row: hybrid K/V" in capsys.readouterr().out
+
+
+def test_the_bench_measures_a_gemma3_layout_that_holds_what_the_model_says():
+    from pagevis.bench.hybrid import format_rows, hybrid_rows
+
+    small = dict(n_layers=6, n_heads=2, n_kv_heads=1, head_dim=8, window=16, global_every=3)  # Gemma's shape, small
+    rows = hybrid_rows([10, 100], page_size=4, layout=small, repeats=2)
+    short, long = rows
+    assert short["kv_bytes_hybrid"] == short["kv_bytes_without_windows"]  # shorter than the window: no saving
+    page_bytes = 2 * 4 * 8 * 2  # K and V of 4 tokens, 1 KV head, d 8, float16
+    assert long["kv_bytes_global"] == 2 * 25 * page_bytes and long["kv_bytes_without_windows"] == 6 * 25 * page_bytes
+    # measured between steps of 512-token chunks: a 100-token prompt is one step, so the local layer ends at
+    # positions 84..99 (4 pages)
+    assert long["kv_bytes_local"] == 4 * 4 * page_bytes == long["modelled_bytes_hybrid"] - long["kv_bytes_global"]
+    assert long["local_us"] > 0 and long["global_us"] > 0
+    assert "4 local layers W=16, 2 global" in format_rows(rows)[0]
