@@ -287,3 +287,39 @@ def test_the_bench_measures_a_gemma3_layout_that_holds_what_the_model_says():
     assert long["kv_bytes_local"] == 4 * 4 * page_bytes == long["modelled_bytes_hybrid"] - long["kv_bytes_global"]
     assert long["local_us"] > 0 and long["global_us"] > 0
     assert "4 local layers W=16, 2 global" in format_rows(rows)[0]
+
+
+@pytest.mark.parametrize("settings", [dict(disk_pages=32, max_pages=6), dict(select="quest", select_pages=3),
+                                      dict(dtype="int8"), dict(policy="h2o", max_pages=2),
+                                      dict(policy="sinks", max_pages=3,
+                                                                              policy_params={"n_sink": 4})])
+def test_windows_with_a_disk_tier_quest_int8_or_an_evicting_policy_decode_alone_what_they_decode_batched(
+        settings, tmp_path):
+    """Two samples of one prompt over one pool (pages shared, then copied, slid and evicted per sequence) decode
+    what each decodes alone with the same settings; local layers stay within their bound."""
+    cfg = session_config(max_new_tokens=10, swap_dir=str(tmp_path), sampling=SamplingConfig(mode="sample", seed=5),
+                         **settings)
+    engine = Engine(MODEL, cfg, BatchConfig(max_seqs=2))
+    ids = engine.submit_parallel(PROMPT, 2)
+    for _ in engine.run():
+        for seq_id in engine.cache.sequences:
+            assert engine.cache.resident(seq_id, 0) <= W + PS
+    for i, seq_id in enumerate(ids):
+        alone = DecodeSession(MODEL, "", session_config(**{**cfg.__dict__, "sampling": SamplingConfig(
+            mode="sample", seed=5 + i)}), prompt_ids=PROMPT)
+        list(alone.run())
+        assert engine.requests[seq_id].generated == alone.generated
+    engine.close()
+
+
+def test_a_per_head_policy_keeps_its_budget_on_local_layers_below_the_window():
+    """adakv with a budget of 3 tokens per KV head (below W): every layer, local ones too, holds at most
+    n_kv_heads x 3 (KV head, token) entries; the local layers' pages still slide."""
+    cfg = session_config(policy="adakv", max_pages=4, policy_params={"budget": 3}, max_new_tokens=20)
+    engine = Engine(MODEL, cfg, hold_finished=True)
+    engine.submit(PROMPT)
+    kinds = set()
+    for record in engine.run():
+        kinds |= {(e.kind, e.layer) for e in record.events}
+        assert all(engine.cache.head_entries(0, layer) <= 2 * 3 for layer in range(3))
+    assert {(EventKind.MASK, 0), (EventKind.MASK, 2), (EventKind.SLIDE, 0)} <= kinds
