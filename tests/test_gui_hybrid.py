@@ -57,3 +57,20 @@ def test_the_timeline_counts_a_local_layers_tokens_without_the_slid_out_ones(qtb
         expected = [int((r.slot_maps[layer] >= 0).sum()) for r in records]
         assert window.timeline.resident_per_step(layer).tolist() == expected
     assert max(window.timeline.resident_per_step(0)) <= W + PS < window.timeline.resident_per_step(1)[-1]
+
+
+def test_a_trace_of_a_hybrid_run_replays_with_its_layer_types_and_slides(tmp_path):
+    from pagevis.engine import DecodeSession
+    from pagevis.trace import read_trace, write_trace
+    from pagevis.viewmodel.timeline import timeline_from_trace
+
+    session = DecodeSession(SPEC.load(), PROMPT, CONFIG)
+    for _ in range(6):
+        session.step()
+    path = tmp_path / "hybrid.pvtrace"
+    write_trace(path, session, model_spec=SPEC)
+    timeline = timeline_from_trace(read_trace(path))
+    assert timeline.info.sliding_windows == (W, None)
+    # 17 prompt tokens and 5 more: the query at 21 sees 14..21, so pages 0-2 (positions 0-11) have slid out
+    assert [(e.page, e.reason) for e in timeline.evictions] == [(p, f"slid out of the window ({W})") for p in range(3)]
+    assert timeline.resident_per_step(0).tolist() == [int((r.slot_maps[0] >= 0).sum()) for r in session.records]

@@ -39,6 +39,15 @@ class ModelSpec:
                     f"d{self.head_dim} seed {self.seed}{pattern}")
         return "SmolLM2-135M-Instruct"
 
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...] | None:
+        """The synthetic model's window per layer (None: no window, or another kind: its model config says)."""
+        if self.kind != "synthetic":
+            return None
+        from pagevis.model.synthetic import window_pattern
+
+        return window_pattern(self.n_layers, self.sliding_window, self.global_every)
+
     def load(self):
         """The model, loaded once per spec and then shared (weights are read-only)."""
         return _load(self)

@@ -343,8 +343,10 @@ def timeline_from_trace(trace) -> Timeline:
     first = trace.records[0] if trace.records else None
     n_layers = first.slot_maps.shape[0] if first is not None else 1
     n_heads = first.attention[0].shape[0] if first is not None and first.attention else 1
+    spec = getattr(trace, "model_spec", None)
     info = SessionInfo(f"{trace.model_label} (trace)", trace.prompt, tuple(trace.prompt_ids), trace.config,
-                       n_layers, n_heads, 0, _trace_kv_heads(trace))
+                       n_layers, n_heads, 0, _trace_kv_heads(trace),
+                       sliding_windows=spec.sliding_windows if spec is not None else None)
     timeline = Timeline(info, lambda token: texts.get(token, f"<{token}>"))
     timeline.extend(list(trace.records))
     return timeline
