@@ -323,3 +323,22 @@ def test_a_per_head_policy_keeps_its_budget_on_local_layers_below_the_window():
         kinds |= {(e.kind, e.layer) for e in record.events}
         assert all(engine.cache.head_entries(0, layer) <= 2 * 3 for layer in range(3))
     assert {(EventKind.MASK, 0), (EventKind.MASK, 2), (EventKind.SLIDE, 0)} <= kinds
+
+
+def test_a_cache_of_local_layers_only_streams_past_its_pool_under_policy_none(capsys):
+    """Every layer local, 3 pages (12 tokens) for a 56-token prompt and 40 more: the prompt is fed in chunks the
+    pool holds, the windows slide, and greedy decoding equals the dense windowed model's argmax."""
+    local = SyntheticModel(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=3, sliding_window=6)
+    session = DecodeSession(local, "", session_config(max_pages=3, max_new_tokens=40), prompt_ids=PROMPT)
+    records = list(session.run())
+    assert session.stop_reason == "max_new_tokens" and len(session.generated) == 40
+    assert sum(r.kind == "prefill" for r in records) > 1  # chunks: the pool holds 12 tokens at a time
+    tokens = PROMPT + session.generated
+    logits = local.forward(np.array(tokens[:-1]), np.arange(len(tokens) - 1), WindowedDenseAttend((6, 6)),
+                           logit_rows=np.arange(len(PROMPT) - 1, len(tokens) - 1))
+    assert np.argmax(logits, axis=-1).tolist() == session.generated
+    args = ["run", "--model", "synthetic", "--layers", "2", "--sliding-window", "6", "--page-size", "4",
+            "--max-pages", "3", "--max-tokens", "5", "--policy", "none", "--quiet", "--no-chat"]
+    assert main(args) == 0  # the prompt-fits check knows a cache of local layers never fills
+    assert main([*args, "--global-every", "2"]) == 2  # with a global layer it does
+    assert "--policy none: the prompt is" in capsys.readouterr().err
