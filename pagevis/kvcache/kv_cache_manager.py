@@ -506,11 +506,13 @@ class KVCacheManager:
         last = seq.newest if last is None else last
         if not window or last < 0:
             return
-        oldest = first_visible(last, window)
         table = seq.block_tables[layer]
-        for page in [page for page in table if 0 <= store.positions[page * ps: (page + 1) * ps].max() < oldest]:
+        if not table:
+            return
+        newest_of = store.positions.reshape(-1, ps)[table].max(axis=1)  # each page's newest token (-1: empty)
+        gone = (newest_of >= 0) & (newest_of < first_visible(last, window))
+        for page, newest in zip(np.asarray(table)[gone].tolist(), newest_of[gone].tolist(), strict=True):
             slots = slice(page * ps, (page + 1) * ps)
-            newest = int(store.positions[slots].max())
             table.remove(page)
             seq.holes[layer].difference_update(range(page * ps, (page + 1) * ps))
             seq.resident[layer] -= int(store.fill[page])
@@ -684,7 +686,11 @@ class KVCacheManager:
             seq.states[layer].query(q, positions)
         n_kv, _, ps, head_dim = store.k.shape
         keep = seq.head_keep[layer]
-        if len(self.sequences) == 1:  # the only owner: the pool's used prefix, in place
+        # a local layer's window may sit far above the pool's bottom (slid-out pages stay cached below it):
+        # gathering its few pages beats reading the whole used prefix
+        in_place = len(self.sequences) == 1 and not (self.windows[layer] and
+                                                     2 * len(seq.block_tables[layer]) < store.high_water)
+        if in_place:  # the only owner: the pool's used prefix, in place
             n_slots = store.high_water * ps
             keys = store.k[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
             values = store.v[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
