@@ -6,6 +6,8 @@ import json
 import numpy as np
 import pytest
 from engine_reference import WindowedDenseAttend, windowed_attention_f64
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagevis.__main__ import main
 from pagevis.engine import DecodeSession, Engine, SamplingConfig, SessionConfig
@@ -342,3 +344,58 @@ def test_a_cache_of_local_layers_only_streams_past_its_pool_under_policy_none(ca
     assert main(args) == 0  # the prompt-fits check knows a cache of local layers never fills
     assert main([*args, "--global-every", "2"]) == 2  # with a global layer it does
     assert "--policy none: the prompt is" in capsys.readouterr().err
+
+
+@settings(max_examples=12, deadline=None)
+@given(window=st.integers(1, 20), page_size=st.integers(1, 8), chunk=st.integers(1, 30), n_prompt=st.integers(1, 50),
+       n_new=st.integers(1, 12), global_every=st.integers(0, 3))
+def test_random_windows_pages_and_chunks_slide_as_brute_force_says_and_decode_as_the_dense_model(
+        window, page_size, chunk, n_prompt, n_new, global_every):
+    model = SyntheticModel(n_layers=3, n_heads=2, n_kv_heads=1, head_dim=8, seed=window, sliding_window=window,
+                           global_every=global_every)
+    windows = model.config.sliding_windows
+    cfg = session_config(page_size=page_size, max_pages=-(-(n_prompt + n_new) // page_size), max_new_tokens=n_new)
+    engine = Engine(model, cfg, max_chunk=chunk, hold_finished=True)
+    engine.submit(PROMPT[:n_prompt])
+    fed, slid = [], [[] for _ in windows]
+    for record in engine.run():
+        fed.append(len(engine.last_plan[0][0]) if 0 in engine.last_plan else 0)
+        for layer, w in enumerate(windows):
+            slid[layer].append(sorted(e.position for e in record.events if e.kind is EventKind.SLIDE and e.layer == layer))
+            if w:
+                assert engine.cache.resident(0, layer) <= w + page_size - 1  # between steps
+    for layer, w in enumerate(windows):
+        assert slid[layer] == (simulate_slides(fed, w, page_size) if w else [[] for _ in fed])
+    generated = engine.requests[0].generated
+    tokens = PROMPT[:n_prompt] + generated
+    logits = model.forward(np.array(tokens[:-1]), np.arange(len(tokens) - 1), WindowedDenseAttend(windows),
+                           logit_rows=np.arange(n_prompt - 1, len(tokens) - 1))
+    assert np.argmax(logits, axis=-1).tolist() == generated
+
+
+@settings(max_examples=10, deadline=None)
+@given(window=st.integers(1, 16), page_size=st.integers(1, 6), n_prompt=st.integers(2, 40), extra=st.integers(0, 10),
+       spare=st.integers(0, 6), global_every=st.integers(0, 2))
+def test_random_prefix_hits_on_hybrid_caches_decode_as_the_dense_model(window, page_size, n_prompt, extra, spare,
+                                                                       global_every):
+    """One request, then another whose prompt starts with the first's text: the second takes what the prefix cache
+    still has (a small pool reclaims some of it) and still decodes what the dense windowed model predicts."""
+    model = SyntheticModel(n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, seed=1, sliding_window=window,
+                           global_every=global_every)
+    n_new = 6
+    need = -(-(n_prompt + extra + n_new) // page_size)
+    cfg = session_config(page_size=page_size, max_pages=need, max_new_tokens=n_new)
+    engine = Engine(model, cfg, BatchConfig(pool_pages=need + spare))
+    first = engine.submit(PROMPT[:n_prompt])
+    list(engine.run())
+    prompt = PROMPT[:n_prompt] + engine.requests[first].generated[:extra] + PROMPT[:extra]
+    second = engine.submit(prompt)
+    records = list(engine.run())
+    hits = [e.detail for r in records for e in r.events if e.kind is EventKind.PREFIX_HIT]
+    assert all(hit % page_size == 0 and hit < len(prompt) for hit in hits)
+    generated = engine.requests[second].generated
+    tokens = list(prompt) + generated
+    logits = model.forward(np.array(tokens[:-1]), np.arange(len(tokens) - 1),
+                           WindowedDenseAttend(model.config.sliding_windows),
+                           logit_rows=np.arange(len(prompt) - 1, len(tokens) - 1))
+    assert np.argmax(logits, axis=-1).tolist() == generated
