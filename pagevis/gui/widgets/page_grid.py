@@ -425,7 +425,7 @@ class PageGridView(QWidget):
         slots = record.slot_maps[layer]
         if record.tiers is None:
             table = record.block_tables[layer]
-            first = self._first_logical(record, layer, slots[table[0]] if len(table) else None)
+            first = self._first_logical(layer, slots[table[0]] if len(table) else None)
             return [(first + i, page, *self._held(slots[page])) for i, page in enumerate(table)]
         page_map = record.page_map(layer) if layer in record.attention_layers else None
         rows = []
@@ -439,7 +439,7 @@ class PageGridView(QWidget):
             rows.append((logical, where, *self._held(source)))
         return rows
 
-    def _first_logical(self, record, layer: int, first_page: np.ndarray | None) -> int:
+    def _first_logical(self, layer: int, first_page: np.ndarray | None) -> int:
         """The logical index of a table's first page: 0, or on a local layer (its older pages slid out) the page
         its oldest token falls in."""
         info = self._state.timeline.info if self._state.timeline is not None else None
