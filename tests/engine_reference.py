@@ -20,3 +20,27 @@ def dense_attention_f64(q, keys, values):
         out[h] = weights[h] @ values[:, kv, :]
     return out, weights
 
+
+
+def windowed_attention_f64(q, q_position, tokens, window):
+    """float64 attention of one query (n_heads, d) at q_position over `tokens` {position: (k, v)}, each
+    (n_kv, d), seeing only positions q_position - window < p <= q_position (None: every p <= q_position)."""
+    seen = sorted(p for p in tokens if p <= q_position and (window is None or p > q_position - window))
+    keys = np.stack([tokens[p][0] for p in seen])
+    values = np.stack([tokens[p][1] for p in seen])
+    return dense_attention_f64(q, keys, values)[0], seen
+
+
+class WindowedDenseAttend:
+    """A float64 attend() for a model's forward pass: keeps every K/V, masks causally and by each layer's
+    window (None: full attention). Shares no code with the cache."""
+
+    def __init__(self, windows):
+        self.windows = windows
+        self.tokens = [dict() for _ in windows]
+
+    def __call__(self, layer, q, k, v, positions):
+        for i, position in enumerate(positions.tolist()):
+            self.tokens[layer][position] = (k[i], v[i])
+        return np.stack([windowed_attention_f64(q[i], position, self.tokens[layer], self.windows[layer])[0]
+                         for i, position in enumerate(positions.tolist())]).astype(np.float32)

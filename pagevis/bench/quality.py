@@ -156,7 +156,8 @@ def full_reference(model, token_ids, page_size: int = 16, dtype: str = "float32"
     cfg = model.config
     cache = KVCacheManager.single(CacheConfig(
         page_size=page_size, max_pages=math.ceil(n / page_size), n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-        n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, dtype=dtype, policy="none"), prefix_caching=False)
+        n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, dtype=dtype, policy="none",
+        sliding_windows=getattr(cfg, "sliding_windows", None)), prefix_caching=False)  # the model's own windows
     reference = Reference(ids, cfg.n_layers, cfg.vocab_size, folder)
     block = np.zeros((cfg.n_layers, min(chunk, n), n), dtype=np.float32)  # this chunk's attention by position
     started = time.perf_counter()

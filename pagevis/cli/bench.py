@@ -137,6 +137,11 @@ def main(args: argparse.Namespace) -> int:
     say("attention: quantized storage (int8, int4, int2) ...")
     quantized = suite.quantized_rows(contexts, storage_page, repeats=repeats)
     loads["quantized"] = machine.load_average()
+    from pagevis.bench.hybrid import hybrid_rows
+
+    say("attention: a hybrid cache (Gemma 3 270M's sliding-window and global layers) ...")
+    hybrid = hybrid_rows(contexts, storage_page, repeats=repeats)
+    loads["hybrid"] = machine.load_average()
     torch_rows = None
     if suite.torch_available():
         say("attention: torch scaled_dot_product_attention ...")
@@ -180,7 +185,8 @@ def main(args: argparse.Namespace) -> int:
                  "quest": tier_bench.quest_rows(max(tier_contexts), swap_dir=args.swap_dir),
                  "rss": None if args.quick else tier_bench.rss_rows(swap_dir=args.swap_dir)}
         loads["tiers"] = machine.load_average()
-    result = {"attention": paged, "storage": storage, "quantized": quantized, "torch": torch_rows, "decode": decode,
+    result = {"attention": paged, "storage": storage, "quantized": quantized, "hybrid": hybrid, "torch": torch_rows,
+              "decode": decode,
               "kernels": kernels,
               "sequences": sequences,
               "tiers": tiers, "shape": suite.SMOLLM2_LAYER, "machine": host, "loads": loads}
@@ -216,6 +222,10 @@ def format_report(result: dict) -> str:
             out.append(f"{r['context']:>8} {r['dtype']:>8} {r['paged_us']:>9.1f} {r['over_first']:>6.2f}x "
                        f"{r['kv_bytes_per_token']:>9.1f} {r['kv_bytes'] / 1024:>8.1f} {r['rel_error']:>10.2e}")
         out.append("")
+    if result.get("hybrid"):
+        from pagevis.bench.hybrid import format_rows
+
+        out += [*format_rows(result["hybrid"]), ""]
     if result["torch"]:
         first = result["torch"][0]
         out.append(f"torch {first['torch_version']} scaled_dot_product_attention on the same data "
@@ -343,7 +353,7 @@ def write_files(folder: str, result: dict, half: list[dict]) -> list[str]:
     from pagevis.bench.gui.plots import line_plot
 
     written = []
-    for name in ("attention", "storage", "quantized", "torch"):
+    for name in ("attention", "storage", "quantized", "hybrid", "torch"):
         rows = result.get(name)
         if rows:
             path = os.path.join(folder, f"bench-{name}.csv")
@@ -384,6 +394,11 @@ def write_files(folder: str, result: dict, half: list[dict]) -> list[str]:
             xs, ys = memory.setdefault(f"paged {dtype}, page {r['page_size']}", ([], []))
             xs.append(r[size] / 1024)
             ys.append(r[key])
+    for r in result.get("hybrid") or ():  # one layer of each kind: a local layer's bytes stop at its window
+        for kind, count in (("local", r["local_layers"]), ("global", r["global_layers"])):
+            xs, ys = memory.setdefault(f"Gemma 3 {kind} layer ({r['dtype']}, d 256)", ([], []))
+            xs.append(r[f"kv_bytes_{kind}"] / count / 1024)
+            ys.append(r[f"{kind}_us"])
     for r in torch_measured:
         xs, ys = memory.setdefault(f"torch SDPA {r['dtype']}", ([], []))
         xs.append(r["kv_bytes"] / 1024)

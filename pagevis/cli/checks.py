@@ -17,8 +17,12 @@ def check_cache_memory(config, model_config) -> None:
                                  f"({gib(available_bytes() or 0)})")
 
 
-def check_prompt_fits(config, prompt_ids) -> None:
-    """Policy 'none' never evicts: a prompt longer than the cache can never be fed, so say so before decoding."""
+def check_prompt_fits(config, prompt_ids, model_config=None) -> None:
+    """Policy 'none' never evicts: a prompt longer than the cache can never be fed, so say so before decoding
+    (unless every layer of the model keeps a sliding window: its pages slide out and the cache never fills)."""
+    windows = getattr(model_config, "sliding_windows", None)
+    if windows is not None and None not in windows:
+        return
     if config.policy == "none" and len(prompt_ids) > config.capacity:
         raise options.UsageError(
             f"--policy none: the prompt is {len(prompt_ids)} tokens but the cache holds {config.capacity} "

@@ -149,6 +149,8 @@ def load_text(path: str | None) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from pagevis.bench import quality
+    from pagevis.kvcache import CacheConfig, CacheSettings
+    from pagevis.kvcache.memory import modelled_bytes
 
     options.check_range("--page-size", args.page_size, 1, MAX_PAGE_SIZE)
     options.check_range("--tokens", args.tokens, 2, MAX_TOKENS)
@@ -213,7 +215,14 @@ def main(args: argparse.Namespace) -> int:
               "equal_memory": args.equal_memory, "full_cache_ppl": reference.perplexity(),
               "seconds": progress.elapsed(), "estimated_seconds": estimate.total,
               "peak_rss_mb": quality.peak_rss_bytes() / 1e6, "rows": [row.as_dict() for row in rows[1:]]}
-    report(result, rows, args)
+    note = None
+    if getattr(model.config, "sliding_windows", None) is not None:  # a hybrid model: its full-cache row by layer type
+        reference_config = CacheConfig.for_model(CacheSettings(page_size=args.page_size, policy="none"), model.config)
+        hybrid = modelled_bytes(reference_config, len(ids))
+        labels = sorted({layer_spec.label for layer_spec in reference_config.layer_specs})
+        result["hybrid"] = hybrid.as_dict()
+        note = f"full-cache row: {hybrid.text()} ({', '.join(labels)} layers)"
+    report(result, rows, args, note)
     if not args.quiet:
         print(f"compare: took {_duration(result['seconds'])} (estimated {_duration(estimate.total)}), peak memory "
               f"{result['peak_rss_mb']:.0f} MB", file=sys.stderr)
@@ -244,7 +253,7 @@ def check_policy_budgets(choices, budgets, args, model_config) -> None:
                 raise UsageError(f"--policies {choice.label} at budget {budget}: {error}") from None
 
 
-def report(result: dict, rows: list, args: argparse.Namespace) -> None:
+def report(result: dict, rows: list, args: argparse.Namespace, note: str | None = None) -> None:
     """The files (CSV, plot) and the table, or the JSON object, on stdout."""
     if not args.no_files:
         write_csv(args.csv, rows)
@@ -255,6 +264,8 @@ def report(result: dict, rows: list, args: argparse.Namespace) -> None:
         return
     storage = ", ".join(result["dtypes"]) + (f" (residual {result['residual']})" if "residual" in result else "")
     print(f"{result['model']}, {result['tokens']} tokens of {result['text']}, page size {args.page_size}, {storage}")
+    if note:
+        print(note)
     print(format_table(rows))
     if not args.no_files:
         print(f"wrote {args.csv} and {args.plot}", file=sys.stderr)

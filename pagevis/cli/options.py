@@ -19,7 +19,8 @@ from pagevis.presets import DEFAULT_CONFIG, Preset, find_preset, preset_names
 MODEL_NAMES = ("smollm2", "synthetic")
 MAX_TEXT_BYTES = 4 << 20  # a prompt or compare text; ~1M tokens, more than any cache here holds
 SYNTHETIC_FLAGS = {"layers": "n_layers", "heads": "n_heads", "kv_heads": "n_kv_heads", "head_dim": "head_dim",
-                   "model_seed": "seed"}
+                   "model_seed": "seed", "sliding_window": "sliding_window", "global_every": "global_every"}
+WINDOW_LIMITS = {"sliding_window": (0, 1 << 20), "global_every": (0, 1024)}
 
 
 class UsageError(ValueError):
@@ -49,6 +50,12 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-heads", type=int, metavar="N", help="synthetic model: KV heads, a divisor of --heads (default 2)")
     group.add_argument("--head-dim", type=int, metavar="N", help="synthetic model: head dimension, even (default 32)")
     group.add_argument("--model-seed", type=int, metavar="N", help="synthetic model: weight seed (default 0)")
+    group.add_argument("--sliding-window", type=int, metavar="W",
+                       help="synthetic model: local layers attend to the last W positions and free older pages "
+                            "(a hybrid cache, as Gemma 3's; default 0, none)")
+    group.add_argument("--global-every", type=int, metavar="K",
+                       help="synthetic model with --sliding-window: every K-th layer keeps every token (Gemma 3: "
+                            "6); default 0, every layer local")
 
 
 def add_prompt_options(parser: argparse.ArgumentParser) -> None:
@@ -107,7 +114,7 @@ def synthetic_spec(layout: dict[str, int]) -> ModelSpec:
     from pagevis.system_memory import available_bytes, fits, gib
 
     for flag, field in SYNTHETIC_FLAGS.items():
-        low, high = (0, 2**32 - 1) if field == "seed" else (1, LIMITS[field])
+        low, high = (0, 2**32 - 1) if field == "seed" else WINDOW_LIMITS.get(field) or (1, LIMITS[field])
         if field in layout:
             check_range(f"--{flag.replace('_', '-')}", layout[field], low, high)
     spec = ModelSpec(kind="synthetic", **layout)

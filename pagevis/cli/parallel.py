@@ -52,7 +52,7 @@ def run_parallel(args: argparse.Namespace, spec, config, prompt: str) -> int:
     model = spec.load()
     batch = Engine(model, config, batch_config)
     prompt_ids = batch.encode(prompt)
-    check_prompt_fits(config, prompt_ids)
+    check_prompt_fits(config, prompt_ids, model.config)
     ids = batch.submit_parallel(prompt_ids, args.n)
     records, started = [], time.perf_counter()
     interrupted = False

@@ -49,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
     model = spec.load()
     check_cache_memory(config, model.config)
     session = DecodeSession(model, prompt, config)
-    check_prompt_fits(config, session.prompt_ids)
+    check_prompt_fits(config, session.prompt_ids, model.config)
     progress = Progress(config.max_new_tokens, "decoding", enabled=False if args.quiet else None)
     session.add_hook(lambda record: progress.update(
         len(session.generated), f"{record.kind} step {record.step}, {record.resident_tokens} resident"))

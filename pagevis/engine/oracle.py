@@ -36,7 +36,7 @@ class FullCacheOracle:
     def catch_up(self, token_ids, upto: int) -> None:
         """Feed the tokens before position `upto` that the full cache lacks (the bounded session took them
         from the prefix cache)."""
-        have = self.cache.resident(0, 0)
+        have = self.cache.n_tokens(0)  # (a local layer holds fewer)
         if have < upto:
             ids = np.asarray(token_ids[have:upto], dtype=np.int64)
             self._bounded = None

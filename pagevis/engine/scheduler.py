@@ -124,7 +124,7 @@ class Scheduler:
         before its first eviction (its budget) — and none if its policy learns from attention, which cached
         pages never got from it."""
         policy = self.cache.sequences[request.seq_id].policy
-        budget = min(policy.layer_capacity(layer) for layer in range(len(self.cache.stores)))
+        budget = min(self.cache.layer_budget(request.seq_id, layer) for layer in range(len(self.cache.stores)))
         if len(request.prompt_ids) + request.max_new_tokens <= budget:
             return len(request.tokens)
         return 0 if policy.uses_attention else budget

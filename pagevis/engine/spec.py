@@ -20,6 +20,8 @@ class ModelSpec:
     n_kv_heads: int = 2
     head_dim: int = 32
     seed: int = 0
+    sliding_window: int = 0  # > 0: local layers keep this many positions (a hybrid cache, as Gemma 3's)
+    global_every: int = 0  # with a window: every this-many-th layer is global (0: every layer local)
 
     def __post_init__(self) -> None:
         if self.kind not in MODEL_KINDS:
@@ -32,9 +34,19 @@ class ModelSpec:
         if self.kind == "gguf":
             return str(self.path)
         if self.kind == "synthetic":
+            pattern = f" W={self.sliding_window}/{self.global_every or '-'}" if self.sliding_window else ""
             return (f"synthetic {self.n_layers}L {self.n_heads}q/{self.n_kv_heads}kv "
-                    f"d{self.head_dim} seed {self.seed}")
+                    f"d{self.head_dim} seed {self.seed}{pattern}")
         return "SmolLM2-135M-Instruct"
+
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...] | None:
+        """The synthetic model's window per layer (None: no window, or another kind: its model config says)."""
+        if self.kind != "synthetic":
+            return None
+        from pagevis.model.synthetic import window_pattern
+
+        return window_pattern(self.n_layers, self.sliding_window, self.global_every)
 
     def load(self):
         """The model, loaded once per spec and then shared (weights are read-only)."""
@@ -47,7 +59,8 @@ def _load(spec: ModelSpec):
         from pagevis.model.synthetic import SyntheticModel
 
         return SyntheticModel(n_layers=spec.n_layers, n_heads=spec.n_heads,
-                                    n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, seed=spec.seed)
+                              n_kv_heads=spec.n_kv_heads, head_dim=spec.head_dim, seed=spec.seed,
+                              sliding_window=spec.sliding_window, global_every=spec.global_every)
     from pagevis.model import load_model
 
     return load_model(spec.path if spec.kind == "gguf" else None)

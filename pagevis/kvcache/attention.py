@@ -60,16 +60,17 @@ def _finite(peak: np.ndarray) -> np.ndarray:
 
 
 def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_bias: np.ndarray | None = None,
-           key_positions: np.ndarray | None = None, q_positions: np.ndarray | None = None
-           ) -> AttentionResult:
+           key_positions: np.ndarray | None = None, q_positions: np.ndarray | None = None,
+           window: int | None = None) -> AttentionResult:
     """Scaled dot-product attention of n queries over the given keys.
 
     q: (n, n_heads, d); keys, values: (n_kv_heads, T, d); key_bias: (T,) additive mask or None.
     With q_positions and key_positions, query i sees only keys at positions <= q_positions[i]
-    (the causal mask of a prefill chunk). For a single decode query every resident key is visible.
+    (the causal mask of a prefill chunk), and with a `window` only those > q_positions[i] - window (a
+    sliding-window layer). For a single decode query without a window every resident key is visible.
     """
     n = q.shape[0]
-    weights, output, _, _ = _attention(q, keys, values, key_bias, key_positions, q_positions)
+    weights, output, _, _ = _attention(q, keys, values, key_bias, key_positions, q_positions, window=window)
     return AttentionResult(_ungroup(output, n), _ungroup(weights, n))
 
 
@@ -112,15 +113,15 @@ class Partial(NamedTuple):
 
 
 def attend_part(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_bias: np.ndarray | None = None,
-                key_positions: np.ndarray | None = None, q_positions: np.ndarray | None = None
-                ) -> tuple[Partial, np.ndarray]:
+                key_positions: np.ndarray | None = None, q_positions: np.ndarray | None = None,
+                window: int | None = None) -> tuple[Partial, np.ndarray]:
     """`attend` over one part of the keys: its Partial and its weights (n, n_heads, T), normalised
     within the part (scale them by `rescale` to get the weights of the whole)."""
     n, n_heads, d = q.shape
     if keys.shape[1] == 0:
         nothing = np.zeros((n, n_heads), np.float32)
         return Partial(np.zeros((n, n_heads, d), np.float32), nothing - np.inf, nothing), np.zeros((n, n_heads, 0))
-    weights, output, peak, total = _attention(q, keys, values, key_bias, key_positions, q_positions)
+    weights, output, peak, total = _attention(q, keys, values, key_bias, key_positions, q_positions, window=window)
     part = Partial(_ungroup(output, n), _ungroup(peak, n), _ungroup(total, n))
     return part, _ungroup(weights, n)
 
@@ -149,7 +150,8 @@ def _share(part: Partial, peak: np.ndarray) -> np.ndarray:
     return part.total * np.exp(shift)
 
 
-def _attention(q, keys, values, key_bias, key_positions, q_positions, blocks=None, chunk_bytes=CHUNK_BYTES):
+def _attention(q, keys, values, key_bias, key_positions, q_positions, blocks=None, chunk_bytes=CHUNK_BYTES,
+               window=None):
     """The kernel (see the module docstring). Returns, grouped (n_kv, rows, ...): the weights (rows, T),
     normalised; the output (rows, d), normalised; each row's largest score (-inf: no key visible) and its
     sum of exp(score - max) (0: no key visible). `blocks` (score block, value block) overrides the measured
@@ -173,9 +175,9 @@ def _attention(q, keys, values, key_bias, key_positions, q_positions, blocks=Non
                        scores[:, :, lo:lo + step], score_block)
     if key_bias is not None:
         scores += key_bias
-    if q_positions is not None and key_positions is not None and n > 1:
-        future = np.where(key_positions[None, :] > q_positions[:, None], -np.inf, 0).astype(np.float32)
-        scores.reshape(n_kv, n, group, n_keys)[...] += future[None, :, None, :]
+    if q_positions is not None and key_positions is not None and (n > 1 or window):
+        hidden = position_mask(key_positions, q_positions, window)
+        scores.reshape(n_kv, n, group, n_keys)[...] += hidden[None, :, None, :]
     peak = np.maximum.reduce(scores, axis=-1, keepdims=True) if n_keys else np.full((n_kv, rows, 1), -np.inf,
                                                                                     np.float32)
     with np.errstate(over="ignore"):  # a huge negative score minus the max: -inf, weight 0
@@ -194,6 +196,15 @@ def _attention(q, keys, values, key_bias, key_positions, q_positions, blocks=Non
     np.divide(scores, divisor, out=scores)
     np.divide(output, divisor, out=output)
     return scores, output, peak[..., 0], total[..., 0]
+
+
+def position_mask(key_positions: np.ndarray, q_positions: np.ndarray, window: int | None) -> np.ndarray:
+    """(n_queries, n_keys) float32: -inf where query i must not see key j (a later position, or with a window
+    one at or below q_positions[i] - window), else 0."""
+    hidden = key_positions[None, :] > q_positions[:, None]
+    if window:
+        hidden |= key_positions[None, :] <= q_positions[:, None] - window
+    return np.where(hidden, np.float32(-np.inf), np.float32(0))
 
 
 def _as_float32(array: np.ndarray, buffer: np.ndarray | None) -> np.ndarray:

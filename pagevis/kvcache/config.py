@@ -15,6 +15,7 @@ from pagevis.errors import ConfigError, check_int
 from pagevis.settings import MAX_PAGE_SIZE, MAX_PAGES, SELECT_MODES, STORAGE_DTYPES, field_for
 from pagevis.kvcache.policies import make_policy
 from pagevis.kvcache.quant import is_quantized, layout_for
+from pagevis.kvcache.spec import LayerSpec, check_windows, layer_specs
 
 # The settings' bounds live in the table (pagevis.settings); they are named here too for the engine's readers.
 __all__ = ["MAX_CACHE_BYTES", "MAX_HEADS", "MAX_HEAD_DIM", "MAX_LAYERS", "MAX_PAGE_SIZE", "MAX_PAGES", "SELECT_MODES",
@@ -97,12 +98,15 @@ class CacheConfig(CacheSettings):
     n_kv_heads: int = 1
     head_dim: int = 64
     rope_base: float = 10000.0  # the model's RoPE base (expected-attention undoes RoPE on the queries it sees)
+    # per layer, a sliding window in positions or None (full attention): the model's `sliding_windows`
+    sliding_windows: tuple[int | None, ...] | None = None
 
     @classmethod
     def for_model(cls, settings: CacheSettings, model_config) -> CacheConfig:
         return cls(**settings.cache_settings(), n_layers=model_config.n_layers, n_heads=model_config.n_heads,
                    n_kv_heads=model_config.n_kv_heads, head_dim=model_config.head_dim,
-                   rope_base=float(getattr(model_config, "rope_base", 10000.0)))
+                   rope_base=float(getattr(model_config, "rope_base", 10000.0)),
+                   sliding_windows=getattr(model_config, "sliding_windows", None))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -115,6 +119,7 @@ class CacheConfig(CacheSettings):
             raise ConfigError(
                 "n_heads", self.n_heads, f"a multiple of n_kv_heads ({self.n_kv_heads})"
             )
+        self._check_windows()
         if self.total_bytes() > MAX_CACHE_BYTES:
             per_page = self.total_bytes() // self.max_pages
             raise ConfigError(
@@ -124,6 +129,28 @@ class CacheConfig(CacheSettings):
                 f"layout (the K/V storage must fit in {MAX_CACHE_BYTES >> 30} GiB)",
             )
         make_policy(self)
+
+    def _check_windows(self) -> None:
+        try:
+            windows = check_windows(self.sliding_windows, self.n_layers)
+        except ValueError as error:
+            raise ConfigError("sliding_windows", self.sliding_windows, str(error)) from None
+        if windows is not None and not any(windows):  # all None: no layer is local
+            windows = None
+        object.__setattr__(self, "sliding_windows", windows)
+        if windows is not None and layout_for(self) is not None and layout_for(self).kivi:
+            raise ConfigError("dtype", self.dtype, "float32, float16 or int8 with sliding_windows (int4 / int2 "
+                              "key groups span the pages a sliding window frees)")
+
+    @property
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        """What each layer holds: every token (global) or a sliding window (local)."""
+        return layer_specs(self.sliding_windows, self.n_layers)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether some layer keeps a sliding window."""
+        return self.sliding_windows is not None
 
     @property
     def group_size(self) -> int:

@@ -26,6 +26,10 @@ class EventKind(str, Enum):
     # since trace version 4 (per-head policies):
     MASK = "mask"  # a per-head policy dropped a token from one KV head (detail: the KV head); the slot stays
     # until every KV head dropped it (then an evict event frees it)
+    # hybrid caches (sliding-window layers):
+    SLIDE = "slide"  # a page of a local layer left the sequence: none of its tokens is in the newest query's
+    # window any more (position: its newest token; detail: the tokens it held; reason names the window). A release
+    # follows if no other sequence uses the page
 
 
 class CacheEvent(NamedTuple):

@@ -17,6 +17,11 @@ settings' capacity; the pool's pages are shared by all sequences.
   and KV head (`head_keep`), attention adds -inf for the entries a head dropped (each KV head's queries
   attend alone), and a slot is freed (an ordinary eviction) once every KV head dropped its token. Masks
   belong to the sequence, not the page: masking a shared page copies nothing.
+- A local layer (a sliding window, spec.py) drops each page none of whose tokens the sequence's newest query
+  sees (a SLIDE event, then a release if no other sequence uses it), before each write and after each step;
+  its attention masks keys beyond the window. A policy's budget applies there only when it is smaller than
+  the window. Its prefix hit needs only the pages of the last window (found right to left, as vLLM's
+  SlidingWindowManager does); the block table then starts at logical page `dropped`.
 
 Every change is recorded as a CacheEvent.
 
@@ -42,6 +47,7 @@ from pagevis.kvcache.policies import EvictionPolicy, make_policy
 from pagevis.kvcache.policy_state import LayerView, PolicyState
 from pagevis.kvcache.prefix_cache import ROOT_HASH, PrefixCacheStats, page_hash, prefix_hashes
 from pagevis.kvcache.reader import read_attention
+from pagevis.kvcache.spec import first_kept_page, first_visible
 from pagevis.kvcache.store import PageStore, TierCounts
 from pagevis.kvcache.swap import SwapSpace
 
@@ -73,6 +79,10 @@ class SequenceCache:
     token_ids: list[int] = field(default_factory=list)  # tokens whose K/V are written, in position order
     hashes: list[int] = field(default_factory=list)  # prefix hash of each full logical page, while hashable
     hashable: bool = True  # False once the sequence evicted: its pages no longer hold whole prefixes
+    # local layers: per layer, the logical pages slid off the front of its table, the newest position slid out
+    dropped: list[int] = field(default_factory=list)
+    slid: list[int] = field(default_factory=list)
+    newest: int = -1  # the newest position written (its query is the one a sliding window follows)
 
     def clear(self) -> None:
         for layer, table in enumerate(self.block_tables):
@@ -83,6 +93,8 @@ class SequenceCache:
             self.states[layer].reset()
             if self.head_keep[layer] is not None:
                 self.head_keep[layer].fill(False)
+            self.dropped[layer], self.slid[layer] = 0, -1
+        self.newest = -1
         self.policy.reset()
         self.token_ids.clear()
         self.hashes.clear()
@@ -109,6 +121,7 @@ class KVCacheManager:
         for store in self.stores:
             store.on_move = self._move_event(store.layer)
         self.select_pages = config.select_pages if config.select == "quest" else None
+        self.windows = tuple(spec.window for spec in config.layer_specs)  # per layer: None (global) or W (local)
         self.prefix_caching = prefix_caching
         self.prefix_stats = PrefixCacheStats()
         self.sequences: dict[int, SequenceCache] = {}
@@ -158,7 +171,7 @@ class KVCacheManager:
                      for store in self.stores]
         seq = SequenceCache(seq_id, policy, [policy.make_state(store.n_slots) for store in self.stores],
                             [[] for _ in range(n_layers)], [set() for _ in range(n_layers)], [0] * n_layers,
-                            [None] * n_layers, head_keep)
+                            [None] * n_layers, head_keep, dropped=[0] * n_layers, slid=[-1] * n_layers)
         self.sequences[seq_id] = seq
         return seq
 
@@ -182,22 +195,54 @@ class KVCacheManager:
         if any(seq.block_tables) or not self.prefix_caching:
             return 0
         ps = self.page_size
-        hit = []
-        for h in prefix_hashes(token_ids[: len(token_ids) - 1], ps):
-            pages = [store.pages.lookup(h) for store in self.stores]
-            if any(page is None for page in pages):
+        hashes = prefix_hashes(token_ids[: len(token_ids) - 1], ps)
+        hit = []  # per full page, its hash and its page in each layer (None: a local layer does not need it)
+        for h in hashes:
+            pages = [None if window else store.pages.lookup(h) for store, window in zip(self.stores, self.windows,
+                                                                                         strict=True)]
+            if any(page is None for page, window in zip(pages, self.windows, strict=True) if not window):
                 break
             hit.append((h, pages))
+        hit = self._window_hit(hit)
         hit = self._whole_key_groups(hit)
         for i, (h, pages) in enumerate(hit):
-            for layer, (store, page) in enumerate(zip(self.stores, pages, strict=True)):
-                self._share(seq, layer, page, first_position=i * ps)
+            for layer, page in enumerate(pages):
+                if page is not None:
+                    self._share(seq, layer, page, first_position=i * ps)
             seq.hashes.append(h)
         n_tokens = len(hit) * ps
         seq.token_ids = [int(t) for t in token_ids[:n_tokens]]
+        seq.newest = n_tokens - 1
+        for layer, window in enumerate(self.windows):
+            if window and n_tokens:
+                seq.dropped[layer] = first_kept_page(n_tokens, window, ps)
+                seq.slid[layer] = seq.dropped[layer] * ps - 1
         if n_tokens:
             self._event(E.PREFIX_HIT, seq_id, detail=n_tokens)
         return n_tokens
+
+    def _window_hit(self, hit: list) -> list:
+        """The longest prefix of a hit (cached in every global layer) whose last window is cached in every local
+        layer too, found right to left (vLLM's SlidingWindowManager); its local layers' pages filled in from the
+        first one each keeps."""
+        ps, n = self.page_size, len(hit)
+        local = [layer for layer, window in enumerate(self.windows) if window]
+        runs = {}  # per local layer: cached pages in a row ending at each logical page
+        for layer in local:
+            pages = [self.stores[layer].pages.lookup(h) for h, _ in hit]
+            run, length = [], 0
+            for page in pages:
+                length = length + 1 if page is not None else 0
+                run.append(length)
+            runs[layer] = (pages, run)
+        while n and not all(runs[layer][1][n - 1] >= n - first_kept_page(n * ps, self.windows[layer], ps)
+                            for layer in local):
+            n -= 1
+        hit = hit[:n]
+        for layer in local:
+            for i in range(first_kept_page(n * ps, self.windows[layer], ps) if n else 0, n):
+                hit[i][1][layer] = runs[layer][0][i]
+        return hit
 
     def fork(self, parent_id: int, child_id: int, n_tokens: int | None = None) -> SequenceCache:
         """A new sequence that reads the parent's first n_tokens tokens (all by default) without copying:
@@ -205,6 +250,11 @@ class KVCacheManager:
         copied with those masked out. The child gets a copy of the parent's policy and statistics."""
         parent = self.sequences[parent_id]
         n = len(parent.token_ids) if n_tokens is None else check_int("n_tokens", n_tokens, 0, len(parent.token_ids))
+        for layer, window in enumerate(self.windows):
+            if window and n and parent.slid[layer] >= first_visible(n, window):
+                raise ConfigError("n_tokens", n, f"at least {parent.slid[layer] + window} for sequence {parent_id}: "
+                                  f"local layer {layer} (window {window}) no longer holds position "
+                                  f"{parent.slid[layer]}")
         child = self.add_sequence(child_id)
         child.policy = copy.deepcopy(parent.policy)
         child.states = [copy.deepcopy(state) for state in parent.states]
@@ -212,6 +262,7 @@ class KVCacheManager:
         child.token_ids = parent.token_ids[:n]
         child.hashable = parent.hashable
         child.hashes = parent.hashes[: n // self.page_size]
+        child.dropped, child.slid, child.newest = list(parent.dropped), list(parent.slid), n - 1
         ps = self.page_size
         self._acting = child_id
         for layer, store in enumerate(self.stores):
@@ -224,6 +275,7 @@ class KVCacheManager:
                     self._share(child, layer, page)
                 else:
                     self._copy_page(child, layer, page, keep)
+            self._slide(child, layer)
         self._event(E.FORK, child_id, detail=parent_id)
         return child
 
@@ -245,6 +297,10 @@ class KVCacheManager:
     # --- questions -------------------------------------------------------------------------------
     def block_table(self, seq_id: int, layer: int = 0) -> list[int]:
         return self.sequences[seq_id].block_tables[layer]
+
+    def n_tokens(self, seq_id: int) -> int:
+        """Positions written so far (the next one to write): what a global layer holds if nothing was evicted."""
+        return self.sequences[seq_id].newest + 1
 
     def resident(self, seq_id: int, layer: int) -> int:
         return self.sequences[seq_id].resident[layer]
@@ -275,16 +331,24 @@ class KVCacheManager:
         """Tokens every layer of the sequence can take before its policy must evict: its budget (a policy
         may give a layer less: pyramidkv), and the pool."""
         seq, ps = self.sequences[seq_id], self.page_size
-        return min(min(len(seq.holes[layer]) + store.pages.n_free() * ps,
-                       seq.policy.layer_capacity(layer) - seq.resident[layer])
+        return min(min(len(seq.holes[layer]) + store.pages.n_free() * ps, self._budget(seq, layer) - seq.resident[layer])
                    for layer, store in enumerate(self.stores))
+
+    def layer_budget(self, seq_id: int, layer: int) -> int:
+        """Tokens the layer may hold before the sequence's policy evicts there: its policy's budget, except on a
+        local layer whose window is the smaller bound (there the window slides and the policy never runs)."""
+        return self._budget(self.sequences[seq_id], layer)
+
+    def _budget(self, seq: SequenceCache, layer: int) -> int:
+        budget, window = seq.policy.layer_capacity(layer), self.windows[layer]
+        return budget if window is None or budget < window else max(budget, self.pool_pages * self.page_size)
 
     def room(self, seq_id: int) -> int:
         """Tokens the sequence can still add before its policy must evict (its budget, not the pool; for a
         per-head policy also before it must drop an entry, so that a prefill chunk never evicts mid-chunk on
         statistics that have not seen the chunk)."""
         seq = self.sequences[seq_id]
-        rooms = [seq.policy.layer_capacity(layer) - seq.resident[layer] for layer in range(len(self.stores))]
+        rooms = [self._budget(seq, layer) - seq.resident[layer] for layer in range(len(self.stores))]
         if seq.policy.per_head:
             rooms += [seq.policy.head_room(self.view(seq_id, layer)) for layer in range(len(self.stores))]
         return min(rooms)
@@ -303,7 +367,7 @@ class KVCacheManager:
             fill = store.fill[table] if table else np.zeros(0, dtype=np.int64)
             shared = store.pages.ref_counts[table] > 1 if table else np.zeros(0, dtype=bool)
             room = len(seq.holes[layer])
-            budget = seq.policy.layer_capacity(layer)
+            budget = self._budget(seq, layer)
             n_evict = max(0, seq.resident[layer] + n_tokens - budget) if seq.policy.evicts else 0
             need = int((shared & (fill < ps)).sum()) + min(n_evict, int(shared.sum()))
             if store.kivi:  # quantizing a key group copies the shared pages it touches
@@ -395,8 +459,10 @@ class KVCacheManager:
         seq, store = self.sequences[seq_id], self.stores[layer]
         if store.kivi:
             self._seal_residual(seq, layer, len(positions))
+        if self.windows[layer] and len(positions):
+            self._slide(seq, layer, int(positions[0]) - 1)
         state, holes, keep = seq.states[layer], seq.holes[layer], seq.head_keep[layer]
-        budget = seq.policy.layer_capacity(layer)
+        budget = self._budget(seq, layer)
         for i, position in enumerate(positions):
             if keep is not None:
                 self._evict_heads(seq, layer)
@@ -414,12 +480,20 @@ class KVCacheManager:
             if keep is not None:
                 keep[:, flat] = True
             self._event(E.WRITE, seq_id, layer, *divmod(flat, self.page_size), int(position))
+        if len(positions):
+            seq.newest = max(seq.newest, int(positions[-1]))
 
     def commit(self, seq_id: int) -> None:
         """After a step: register the sequence's newly full pages under their prefix hashes."""
         seq = self.sequences[seq_id]
-        if not (seq.hashable and self.prefix_caching):
-            return
+        if seq.hashable and self.prefix_caching:
+            self._register(seq)
+        for layer, (store, window) in enumerate(zip(self.stores, self.windows, strict=True)):
+            if window:
+                self._slide(seq, layer)
+            store.used_peak = max(store.used_peak, store.pages.n_used())
+
+    def _register(self, seq: SequenceCache) -> None:
         ps = self.page_size
         while (len(seq.hashes) + 1) * ps <= len(seq.token_ids):
             i = len(seq.hashes)
@@ -427,8 +501,35 @@ class KVCacheManager:
             h = page_hash(parent, seq.token_ids[i * ps: (i + 1) * ps])
             seq.hashes.append(h)
             for layer, (store, table) in enumerate(zip(self.stores, seq.block_tables, strict=True)):
-                if store.pages.register(table[i], h):
-                    self._event(E.STORE, seq_id, layer, table[i], detail=h)
+                index = i - seq.dropped[layer]  # a local layer's table starts at its first kept page
+                if index >= 0 and store.pages.register(table[index], h):
+                    self._event(E.STORE, seq.seq_id, layer, table[index], detail=h)
+
+    def _slide(self, seq: SequenceCache, layer: int, last: int | None = None) -> None:
+        """Drop the pages of a local layer that the query at `last` (default: the newest written) cannot see."""
+        window, store, ps = self.windows[layer], self.stores[layer], self.page_size
+        last = seq.newest if last is None else last
+        if not window or last < 0:
+            return
+        table = seq.block_tables[layer]
+        if not table:
+            return
+        newest_of = store.positions.reshape(-1, ps)[table].max(axis=1)  # each page's newest token (-1: empty)
+        gone = (newest_of >= 0) & (newest_of < first_visible(last, window))
+        for page, newest in zip(np.asarray(table)[gone].tolist(), newest_of[gone].tolist(), strict=True):
+            slots = slice(page * ps, (page + 1) * ps)
+            table.remove(page)
+            seq.holes[layer].difference_update(range(page * ps, (page + 1) * ps))
+            seq.resident[layer] -= int(store.fill[page])
+            if seq.head_keep[layer] is not None:
+                seq.head_keep[layer][:, slots] = False
+            seq.slid[layer] = max(seq.slid[layer], newest)
+            if seq.hashable:
+                seq.dropped[layer] += 1
+            self._event(E.SLIDE, seq.seq_id, layer, page, position=newest, reason=f"slid out of the window ({window})",
+                        detail=int(store.fill[page]))
+            if store.release(page):
+                self._event(E.RELEASE, seq.seq_id, layer, page)
 
     def _free_slot(self, seq: SequenceCache, layer: int) -> int:
         """The lowest empty slot of the sequence's pages, preferring pages in RAM (allocating a page if it
@@ -590,7 +691,11 @@ class KVCacheManager:
             seq.states[layer].query(q, positions)
         n_kv, _, ps, head_dim = store.k.shape
         keep = seq.head_keep[layer]
-        if len(self.sequences) == 1:  # the only owner: the pool's used prefix, in place
+        # a local layer's window may sit far above the pool's bottom (slid-out pages stay cached below it):
+        # gathering its few pages beats reading the whole used prefix
+        in_place = len(self.sequences) == 1 and not (self.windows[layer] and
+                                                     2 * len(seq.block_tables[layer]) < store.high_water)
+        if in_place:  # the only owner: the pool's used prefix, in place
             n_slots = store.high_water * ps
             keys = store.k[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
             values = store.v[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
@@ -598,7 +703,7 @@ class KVCacheManager:
             bias = None if seq.resident[layer] == n_slots else store.bias[:n_slots]
             read: slice | np.ndarray = slice(0, n_slots)
             result = attend_kept(q, keys, values, bias, store.positions[:n_slots], positions,
-                                 None if keep is None else keep[:, read])
+                                 None if keep is None else keep[:, read], self.windows[layer])
         else:  # gathered through its block table
             table = seq.block_tables[layer]
             keys = store.k[:, table].reshape(n_kv, len(table) * ps, head_dim)
@@ -606,7 +711,7 @@ class KVCacheManager:
             read = self._flat_slots(table)
             bias = store.bias[read]
             result = attend_kept(q, keys, values, bias if bias.any() else None, store.positions[read], positions,
-                                 None if keep is None else keep[:, read])
+                                 None if keep is None else keep[:, read], self.windows[layer])
             result = result._replace(slots=read)
         if seq.policy.uses_attention:
             seq.states[layer].observe(result.weights, read)
@@ -636,6 +741,8 @@ class KVCacheManager:
         bias = store.bias[flat]
         lengths = np.array([len(table) for table in tables]) * ps
         bias[np.arange(widest * ps)[None, :] >= lengths[:, None]] = -np.inf  # the padding
+        if self.windows[layer]:
+            bias[store.positions[flat] <= positions[:, None] - self.windows[layer]] = -np.inf
         n_kv, _, _, head_dim = store.k.shape
         keys = store.k[:, padded].reshape(n_kv, len(seqs), widest * ps, head_dim)
         values = store.v[:, padded].reshape(n_kv, len(seqs), widest * ps, head_dim)
@@ -661,7 +768,8 @@ class KVCacheManager:
             seq.states[layer].query(q, positions)
         result = read_attention(self.stores[layer], seq.block_tables[layer], q, positions, self.step, select,
                                 all_weights=seq.policy.uses_attention and len(q) > 1,
-                                own_pages_only=len(self.sequences) > 1, keep=seq.head_keep[layer])
+                                own_pages_only=len(self.sequences) > 1, keep=seq.head_keep[layer],
+                                window=self.windows[layer])
         seq.read_slots[layer] = result.slots
         if seq.policy.uses_attention:
             seq.states[layer].observe(result.weights, result.slots)
@@ -669,13 +777,14 @@ class KVCacheManager:
 
 
 def attend_kept(q: np.ndarray, keys: np.ndarray, values: np.ndarray, bias: np.ndarray | None,
-                key_positions: np.ndarray, positions: np.ndarray, keep: np.ndarray | None) -> AttentionResult:
+                key_positions: np.ndarray, positions: np.ndarray, keep: np.ndarray | None,
+                window: int | None = None) -> AttentionResult:
     """`attend`, where KV head h reads only the keys with keep[h] (per-head residency; None: all keys for
     every head). When some head dropped a resident token, each KV head's queries attend alone with that
     head's mask added to the occupancy bias (-inf on dropped entries); the heads' results are joined in
     query-head order."""
     if keep is None or (keep.all(axis=0) | ~keep.any(axis=0)).all():  # no head differs: one call
-        return attend(q, keys, values, bias, key_positions, positions)
+        return attend(q, keys, values, bias, key_positions, positions, window)
     n_kv = keys.shape[0]
     group = q.shape[1] // n_kv
     outputs, weights = [], []
@@ -684,7 +793,7 @@ def attend_kept(q: np.ndarray, keys: np.ndarray, values: np.ndarray, bias: np.nd
         if bias is not None:
             head_bias += bias
         part = attend(q[:, head * group: (head + 1) * group], keys[head: head + 1], values[head: head + 1],
-                      head_bias, key_positions, positions)
+                      head_bias, key_positions, positions, window)
         outputs.append(part.output)
         weights.append(part.weights)
     return AttentionResult(np.concatenate(outputs, axis=1), np.concatenate(weights, axis=1))

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagevis.kvcache.memory import peak_bytes
+
 QUANT_BITS = {"int8": 8, "int4": 4, "int2": 2}
 GROUP = 32  # KIVI's group size: tokens per key group, channels per value group
 FLOAT16_MAX = float(np.finfo(np.float16).max)
@@ -392,7 +394,8 @@ def storage_summary(config, stores=None) -> dict:
     token alone (kv_quantized_bytes_per_token) and for int4 / int2 the window's float32 token
     (kv_residual_bytes_per_token) and `residual`. With the stores of a run, kv_bytes_peak_per_token: what
     they held at most (key groups and window rows at their most in use), over the slots of their page ids
-    (a pool of many sequences: all of them)."""
+    (a pool of many sequences: all of them). A hybrid cache (sliding-window layers) with the stores adds its
+    pages' bytes at their most by layer type and what every layer would hold without windows (memory.py)."""
     elements = 2 * config.n_layers * config.n_kv_heads * config.head_dim
     per_token = config.kv_bytes_per_token()
     out = {"dtype": config.dtype, "kv_bytes_per_token": per_token, "kv_bits_per_value": 8 * per_token / elements}
@@ -403,6 +406,8 @@ def storage_summary(config, stores=None) -> dict:
         out.update(residual=config.residual, kv_residual_bytes_per_token=config.n_layers * layout.residual_bytes_per_token())
     if stores is not None:
         out["kv_bytes_peak_per_token"] = sum(store.peak_bytes() for store in stores) / stores[0].n_slots
+        if config.hybrid:
+            out.update(peak_bytes(config, stores).as_dict())
     return out
 
 

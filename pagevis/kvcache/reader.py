@@ -41,10 +41,12 @@ def quest_pages(store: PageStore, pages: np.ndarray, q: np.ndarray, k: int) -> n
 
 def read_attention(store: PageStore, table: list[int], q: np.ndarray, positions: np.ndarray, step: int,
                    select_pages: int | None, all_weights: bool, own_pages_only: bool = False,
-                   keep: np.ndarray | None = None) -> AttentionResult:
+                   keep: np.ndarray | None = None, window: int | None = None) -> AttentionResult:
     """Attention over the pages of `table` that the selection reads (all, or quest's top select_pages).
     With `own_pages_only` (other sequences' pages share the RAM frames) only the table's pages are read.
     `keep` (n_kv_heads, flat slots), a per-head policy's masks: KV head h reads only the slots keep[h] holds.
+    With a sliding `window`, keys at or below positions - window are masked, and quest chooses among the pages
+    holding a key the last query can see.
 
     Weights come back over flat slots `result.slots` (page * page_size + slot): all queries' if
     `all_weights`, else only the last query's (shape (1, n_heads, m)).
@@ -52,6 +54,9 @@ def read_attention(store: PageStore, table: list[int], q: np.ndarray, positions:
     ps = store.page_size
     pages = np.asarray(table, dtype=np.int64)
     if select_pages is not None:
+        if window:
+            newest = store.positions.reshape(-1, ps)[pages].max(axis=1)
+            pages = pages[newest > positions[-1] - window]
         pages = quest_pages(store, pages, q, select_pages)
     in_ram = store.in_ram(pages)
     ram_pages, disk_pages = pages[in_ram], np.sort(pages[~in_ram])
@@ -76,7 +81,7 @@ def read_attention(store: PageStore, table: list[int], q: np.ndarray, positions:
         keys, values = store.frame_kv(lo, hi)
         slots = (store.page_in[lo:hi, None] * ps + np.arange(ps)).ravel()
         held = None if keep is None else np.where(slots >= 0, keep[:, np.maximum(slots, 0)], False)
-        part, weights = attend_part_kept(q, keys, values, bias, store.frame_positions[span], positions, held)
+        part, weights = attend_part_kept(q, keys, values, bias, store.frame_positions[span], positions, held, window)
         whole = part if whole is None else merge(whole, part)
         resident = np.isfinite(bias)  # resident slots of read pages only
         # copies of the rows kept: views would keep a prefill's whole (queries, heads, keys) arrays alive
@@ -116,18 +121,19 @@ def read_attention(store: PageStore, table: list[int], q: np.ndarray, positions:
 
 
 def attend_part_kept(q: np.ndarray, keys: np.ndarray, values: np.ndarray, bias: np.ndarray, key_positions: np.ndarray,
-                     positions: np.ndarray, keep: np.ndarray | None) -> tuple[Partial, np.ndarray]:
+                     positions: np.ndarray, keep: np.ndarray | None, window: int | None = None
+                     ) -> tuple[Partial, np.ndarray]:
     """`attend_part` where KV head h reads only the keys keep[h] holds (a per-head policy's masks; None: every
     head reads every key). When the heads differ on a key, each KV head's queries attend alone with its mask
     added to the bias, and their partials are joined in query-head order (they merge head by head)."""
     if keep is None or (keep.all(axis=0) | ~keep.any(axis=0)).all():
-        return attend_part(q, keys, values, bias, key_positions, positions)
+        return attend_part(q, keys, values, bias, key_positions, positions, window)
     group = q.shape[1] // keys.shape[0]
     parts, weights = [], []
     for head in range(keys.shape[0]):
         head_bias = np.where(keep[head], np.float32(0), np.float32(-np.inf)) + bias
         part, w = attend_part(q[:, head * group: (head + 1) * group], keys[head: head + 1], values[head: head + 1],
-                              head_bias, key_positions, positions)
+                              head_bias, key_positions, positions, window)
         parts.append(part)
         weights.append(w)
     joined = Partial(*(np.concatenate(arrays, axis=1) for arrays in zip(*parts, strict=True)))

@@ -117,6 +117,8 @@ class PageStore:
         self.bias.fill(-np.inf)
         self.fill.fill(0)
         self.high_water = 0  # 1 + highest used RAM (home) frame: attention reads frames [0, high_water)
+        self.used_peak = 0  # pages in use at most between steps (the cache manager notes it after each step)
+        self.newest = -1  # the newest position ever written (a report's length)
         self.counts = TierCounts()
         self._born = 0
         if self.kivi:
@@ -215,6 +217,7 @@ class PageStore:
             self.k[:, frame, slot] = k
             self.v[:, frame, slot] = v
         self.positions[flat] = position
+        self.newest = max(self.newest, position)
         self.fill[page] += 1
         if self.tiered:
             self.dirty[page] = True

@@ -2,17 +2,38 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from pagevis.model.byte_tokenizer import ByteTokenizer
-from pagevis.model.config import ModelConfig, check_positive_int
+from pagevis.errors import check_int
+from pagevis.model.config import LIMITS, ModelConfig, check_positive_int
 from pagevis.model.errors import ModelConfigError
 from pagevis.model.llama import LlamaModel
 from pagevis.model.weights import LlamaWeights, layer_from_gguf_matrices
 
 BYTE_VOCAB = 256
+MAX_WINDOW = 1 << 20
+MAX_LAYERS = LIMITS["n_layers"]
+
+
+@dataclass(frozen=True)
+class SyntheticConfig(ModelConfig):
+    """A synthetic model's shape, with a sliding window per layer (None: full attention), as Gemma 3 has."""
+
+    sliding_windows: tuple[int | None, ...] | None = None
+
+
+def window_pattern(n_layers: int, window: int, global_every: int) -> tuple[int | None, ...] | None:
+    """Per layer, `window` or None: every `global_every`-th layer global (Gemma 3: 6, so layers 5, 11, 17 of 18),
+    the rest local; global_every 0 makes every layer local. window 0: no sliding window (None)."""
+    check_int("sliding_window", window, 0, MAX_WINDOW)
+    check_int("global_every", global_every, 0, MAX_LAYERS)
+    if not window:
+        return None
+    return tuple(None if global_every and (layer + 1) % global_every == 0 else window for layer in range(n_layers))
 
 
 class SyntheticModel(LlamaModel):
@@ -37,17 +58,19 @@ class SyntheticModel(LlamaModel):
         rms_eps: float = 1e-5,
         context_length: int = 2048,
         seed: int = 0,
+        sliding_window: int = 0,
+        global_every: int = 0,
     ) -> None:
         config = synthetic_config(n_layers, n_heads, n_kv_heads, head_dim, d_model, vocab_size, d_ff,
-                                  rope_base, rms_eps, context_length)
+                                  rope_base, rms_eps, context_length, sliding_window, global_every)
         super().__init__(config, random_weights(config, seed), ByteTokenizer(vocab_size))
         self.seed = seed
 
 
 def synthetic_config(
     n_layers: Any, n_heads: Any, n_kv_heads: Any, head_dim: Any, d_model: Any, vocab_size: Any,
-    d_ff: Any, rope_base: Any, rms_eps: Any, context_length: Any,
-) -> ModelConfig:
+    d_ff: Any, rope_base: Any, rms_eps: Any, context_length: Any, sliding_window: Any = 0, global_every: Any = 0,
+) -> SyntheticConfig:
     for field, value in (("n_layers", n_layers), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads),
                          ("head_dim", head_dim), ("vocab_size", vocab_size),
                          ("context_length", context_length)):
@@ -56,11 +79,13 @@ def synthetic_config(
         raise ModelConfigError("vocab_size", vocab_size, f"at least {BYTE_VOCAB} (one token per byte)")
     d_model = n_heads * head_dim if d_model is None else check_positive_int("d_model", d_model)
     d_ff = 2 * d_model if d_ff is None else check_positive_int("d_ff", d_ff)
-    return ModelConfig(
-        name=f"synthetic-{n_layers}L-{n_heads}h{n_kv_heads}kv-{head_dim}d",
+    windows = window_pattern(int(n_layers), sliding_window, global_every)
+    pattern = "" if windows is None else f"-w{sliding_window}g{global_every}"
+    return SyntheticConfig(
+        name=f"synthetic-{n_layers}L-{n_heads}h{n_kv_heads}kv-{head_dim}d{pattern}",
         n_layers=int(n_layers), d_model=d_model, n_heads=int(n_heads), n_kv_heads=int(n_kv_heads),
         head_dim=int(head_dim), d_ff=d_ff, vocab_size=int(vocab_size), rope_base=float(rope_base),
-        rms_eps=float(rms_eps), context_length=int(context_length), bos_id=None, eos_ids=(),
+        rms_eps=float(rms_eps), context_length=int(context_length), bos_id=None, eos_ids=(), sliding_windows=windows,
     )
 
 

@@ -1,5 +1,6 @@
 """The page grid's cell states, Qt-free: what each physical slot of one layer shows at one record (free,
-resident, protected, written this step, evicted and rewritten, evicted this step). The app's page grid and the
+resident, protected, written this step, evicted and rewritten, evicted this step, slid out of a local layer's
+window). The app's page grid and the
 HTML export (pagevis.export.html) colour the same states."""
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ import numpy as np
 from pagevis.kvcache import EventKind
 from pagevis.kvcache.event_array import in_layer
 
-FREE, RESIDENT, PINNED, WRITTEN, REPLACED, EVICTED = range(6)
+FREE, RESIDENT, PINNED, WRITTEN, REPLACED, EVICTED, SLID = range(7)
 STATE_NAMES = ("free", "resident", "protected (sink / recent)", "written this step", "evicted + rewritten",
-               "evicted this step")
-STATE_COLORS = ("#2a2e36", "#3b82c4", "#b48cf2", "#3ddc84", "#ffb020", "#ef4b4b")
+               "evicted this step", "slid out of the window")
+STATE_COLORS = ("#2a2e36", "#3b82c4", "#b48cf2", "#3ddc84", "#ffb020", "#ef4b4b", "#8c6a3f")
 
 
 def frames_of_pages(record, layer: int) -> dict[int, int]:
@@ -31,7 +32,10 @@ def cell_states(record, layer: int) -> np.ndarray:
     states[record.protected[layer] & (slots >= 0)] = PINNED
     written = np.zeros(slots.shape, dtype=bool)
     evicted = np.zeros(slots.shape, dtype=bool)
+    slid = []
     for event in in_layer(record.events, layer):
+        if event.kind is EventKind.SLIDE and frame_of is None and event.page not in record.block_tables[layer]:
+            slid.append(event.page)  # the whole page left the window (and the pool)
         if event.slot < 0:
             continue
         frame = event.page if frame_of is None else frame_of.get(event.page, -1)
@@ -44,4 +48,6 @@ def cell_states(record, layer: int) -> np.ndarray:
     states[evicted & (slots < 0)] = EVICTED
     states[written] = WRITTEN
     states[written & evicted] = REPLACED
+    for page in slid:  # written and slid out in one step (a prefill longer than the window): slid
+        states[page][slots[page] < 0] = SLID
     return states

@@ -19,7 +19,8 @@ def narrate(record, layer: int, text: Callable[[int], str], policy: str) -> str:
     writes = [e for e in events if e.kind is EventKind.WRITE]
     evictions = [e for e in events if e.kind is EventKind.EVICT]
     allocated = [e.page for e in events if e.kind is EventKind.ALLOCATE]
-    released = [e.page for e in events if e.kind is EventKind.RELEASE]
+    slid = [e.page for e in events if e.kind is EventKind.SLIDE]
+    released = [e.page for e in events if e.kind is EventKind.RELEASE and e.page not in slid]
     parts = []
     if evictions:
         parts.append(f"cache full → {policy} evicted {_evicted(evictions, text)}")
@@ -34,6 +35,8 @@ def narrate(record, layer: int, text: Callable[[int], str], policy: str) -> str:
         parts.append(f"wrote position {write.position} {text(write.position)!r} {where}")
     if allocated:
         parts.append(f"took free page{'s' if len(allocated) > 1 else ''} {run_list(allocated)}")
+    if slid:
+        parts.append(f"page{'s' if len(slid) > 1 else ''} {run_list(slid)} slid out of the window")
     if released:
         parts.append(f"page{'s' if len(released) > 1 else ''} {run_list(released)} emptied and freed")
     line = f"step {record.step}: " + "; ".join(parts) if parts else f"step {record.step}"

@@ -46,6 +46,7 @@ class Eviction(NamedTuple):
 
 
 EVICT = KINDS.index(EventKind.EVICT)
+SLIDE = KINDS.index(EventKind.SLIDE)  # a page leaving a sliding window: listed with the evictions, not counted
 EVICTION_DTYPE = np.dtype([("step", "i4"), ("layer", "i2"), ("page", "i4"), ("slot", "i4"), ("position", "i8"),
                            ("reason", "i2"), ("score", "f4")])
 
@@ -64,6 +65,8 @@ class SessionInfo:
     n_kv_heads: int = 0  # 0: unknown (a trace without it); query head h reads KV head h // (n_heads // n_kv_heads)
     kv_bytes_per_token: float = 0.0  # all layers, at capacity (CacheConfig.kv_bytes_per_token); 0: unknown
     storage: str = ""  # one line on the K/V storage (quant.storage_text); "": unknown
+    sliding_windows: tuple[int | None, ...] | None = None  # per layer, a hybrid cache's windows (None: all global)
+    page_bytes: int = 0  # K/V bytes of one page of one layer; 0: unknown
 
 
 def kv_head_of(head: int, n_heads: int, n_kv_heads: int) -> int | None:
@@ -95,6 +98,7 @@ class Timeline:
         self._n_evictions = 0
         self.evictions = _Evictions(self)
         self._per_layer = np.zeros((0, info.n_layers), dtype=np.int32)  # evictions per (record, layer)
+        self._slid: np.ndarray | None = None  # tokens slid out of a window per (record, layer), from the first slide
         self._pages = np.zeros((0, info.n_layers), dtype=np.int32)  # pages in use per (record, layer)
         self._series = np.zeros((0, len(SERIES)), dtype=np.float64)
         self._columns_cache = (np.zeros((3, 0)), 0)
@@ -119,10 +123,13 @@ class Timeline:
         self._written[index] = self._n_positions
         self._per_layer = _grow(self._per_layer, index)
         self._per_layer[index] = 0
+        if self._slid is not None:
+            self._slid = _grow(self._slid, index)
+            self._slid[index] = 0
         self._pages = _grow(self._pages, index)
         self._pages[index] = [len(table) for table in record.block_tables]
         rows = self.spill.append(record)  # the events as rows, texts coded in the spill's table
-        evicted = rows[rows["kind"] == EVICT]
+        evicted = rows[(rows["kind"] == EVICT) | (rows["kind"] == SLIDE)]
         if len(evicted):
             start, end = self._n_evictions, self._n_evictions + len(evicted)
             self._evictions = _grow(self._evictions, end - 1)
@@ -130,7 +137,12 @@ class Timeline:
             added["step"] = np.where(evicted["step"] >= 0, evicted["step"], record.step)
             for name in ("layer", "page", "slot", "position", "reason", "score"):
                 added[name] = evicted[name]
-            np.add.at(self._per_layer[index], evicted["layer"], 1)
+            is_evict = evicted["kind"] == EVICT
+            np.add.at(self._per_layer[index], evicted["layer"][is_evict], 1)
+            if not is_evict.all():
+                if self._slid is None:
+                    self._slid = np.zeros(self._per_layer.shape, dtype=np.int32)
+                np.add.at(self._slid[index], evicted["layer"][~is_evict], evicted["detail"][~is_evict])
             self._n_evictions = end
         total = record.timings.get("total", float("nan"))
         oracle = record.oracle
@@ -164,7 +176,8 @@ class Timeline:
 
     def memory_bytes(self) -> int:
         """What this timeline holds in memory (the spill file's pages are the OS's, not counted)."""
-        arrays = (self._token_ids, self._written, self._evictions, self._per_layer, self._pages, self._series)
+        arrays = (self._token_ids, self._written, self._evictions, self._per_layer, self._pages, self._series,
+                  *(() if self._slid is None else (self._slid,)))
         rows = sum(p.nbytes + (w.nbytes if w is not None else 0)
                    for layer in self._rows.values() for p, w in layer.values())
         whole = sum(_record_bytes(r) for r in (*self._recent.values(), *self._rebuilt.values()))
@@ -225,8 +238,11 @@ class Timeline:
         return counts.sum(axis=1) if layer is None else counts[:, layer].copy()
 
     def resident_per_step(self, layer: int) -> np.ndarray:
-        """Tokens resident in `layer` after each record: positions written minus those it evicted."""
-        evicted = np.cumsum(self._per_layer[: self._count, layer])
+        """Tokens resident in `layer` after each record: positions written minus those it evicted or slid out."""
+        left = self._per_layer[: self._count, layer]
+        if self._slid is not None:
+            left = left + self._slid[: self._count, layer]
+        evicted = np.cumsum(left)
         return (self._written[: self._count] - evicted).astype(np.float64)
 
     def pages_per_step(self, layer: int) -> np.ndarray:
@@ -327,8 +343,10 @@ def timeline_from_trace(trace) -> Timeline:
     first = trace.records[0] if trace.records else None
     n_layers = first.slot_maps.shape[0] if first is not None else 1
     n_heads = first.attention[0].shape[0] if first is not None and first.attention else 1
+    spec = getattr(trace, "model_spec", None)
     info = SessionInfo(f"{trace.model_label} (trace)", trace.prompt, tuple(trace.prompt_ids), trace.config,
-                       n_layers, n_heads, 0, _trace_kv_heads(trace))
+                       n_layers, n_heads, 0, _trace_kv_heads(trace),
+                       sliding_windows=spec.sliding_windows if spec is not None else None)
     timeline = Timeline(info, lambda token: texts.get(token, f"<{token}>"))
     timeline.extend(list(trace.records))
     return timeline

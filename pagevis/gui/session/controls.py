@@ -120,10 +120,15 @@ class ControlsPanel(QScrollArea):
         self.kv_heads = _spin(1, 32, 2, "key/value heads (grouped-query attention): must divide the query heads")
         self.head_dim = _spin(2, 256, 32, "dimension of each head (even: RoPE rotates pairs)", step=2)
         self.model_seed = _spin(0, 2**31 - 1, 0, "seed of the synthetic weights")
+        self.sliding_window = _spin(0, 1 << 20, 0, "local layers attend to the last W positions and free older "
+                                    "pages, as Gemma 3's 512 (0: no sliding window)")
+        self.global_every = _spin(0, 32, 0, "with a sliding window: every K-th layer keeps every token (Gemma 3: "
+                                  "6; 0: every layer local)")
         form.addRow("Model", self.model)
         self._synthetic_rows = []
         for label, widget in (("Layers", self.layers), ("Query heads", self.heads), ("KV heads", self.kv_heads),
-                              ("Head dim", self.head_dim), ("Weights seed", self.model_seed)):
+                              ("Head dim", self.head_dim), ("Weights seed", self.model_seed),
+                              ("Sliding window", self.sliding_window), ("Global every", self.global_every)):
             form.addRow(label, widget)
             self._synthetic_rows.append((form, widget))
             widget.valueChanged.connect(lambda *_: self._session("model changed"))
@@ -250,6 +255,8 @@ class ControlsPanel(QScrollArea):
         self.fixed_scale.setToolTip("keep the attention colour scale from step to step, so colours compare "
                                     "across steps (linear scale; log is always fixed)")
         form.addRow("Layer", self.layer)
+        self._layer_kinds: list[str] | None = None
+        self.layer.valueChanged.connect(lambda *_: self._show_layer_kind())
         form.addRow("Head", self.head)
         form.addRow("Grid shading", self.shade)
         form.addRow("Attention scale", self.scale)
@@ -353,7 +360,8 @@ class ControlsPanel(QScrollArea):
         if kind == "synthetic":
             return ModelSpec(kind="synthetic", n_layers=self.layers.value(), n_heads=self.heads.value(),
                              n_kv_heads=self.kv_heads.value(), head_dim=self.head_dim.value(),
-                             seed=self.model_seed.value())
+                             seed=self.model_seed.value(), sliding_window=self.sliding_window.value(),
+                             global_every=self.global_every.value())
         return ModelSpec()
 
     def prompt(self) -> str:
@@ -390,11 +398,15 @@ class ControlsPanel(QScrollArea):
                 "shade": self.shade.currentData(), "log_scale": self.scale.currentText() == "log",
                 "fixed_scale": self.fixed_scale.isChecked()}
 
-    def set_model_shape(self, n_layers: int, n_heads: int, n_kv_heads: int = 0) -> None:
-        """Fit the layer and head selectors to the loaded model, keeping the selection when it exists."""
+    def set_model_shape(self, n_layers: int, n_heads: int, n_kv_heads: int = 0,
+                        layer_kinds: list[str] | None = None) -> None:
+        """Fit the layer and head selectors to the loaded model, keeping the selection when it exists;
+        `layer_kinds` ('global', 'local W=512' per layer) for a hybrid cache: the layer box says which."""
         self._loading = True
         try:
+            self._layer_kinds = layer_kinds
             self.layer.setMaximum(n_layers - 1)
+            self._show_layer_kind()
             head = self.head.currentData()
             self.head.clear()
             self.head.addItem("mean of heads", None)
@@ -403,6 +415,10 @@ class ControlsPanel(QScrollArea):
             self.head.setCurrentIndex(0 if head is None or head >= n_heads else head + 1)
         finally:
             self._loading = False
+
+    def _show_layer_kind(self) -> None:
+        kinds = self._layer_kinds
+        self.layer.setSuffix(f"  ({kinds[self.layer.value()]})" if kinds and self.layer.value() < len(kinds) else "")
 
     def set_gguf(self, path: str) -> None:
         self._gguf_path = path
@@ -432,6 +448,8 @@ class ControlsPanel(QScrollArea):
                 self.kv_heads.setValue(spec.n_kv_heads)
                 self.head_dim.setValue(spec.head_dim)
                 self.model_seed.setValue(spec.seed)
+                self.sliding_window.setValue(spec.sliding_window)
+                self.global_every.setValue(spec.global_every)
             if prompt is not None:
                 self.prompt_edit.setPlainText(prompt)
             if config is not None:
@@ -455,6 +473,7 @@ class ControlsPanel(QScrollArea):
         return {
             "model": spec.kind, "gguf": self._gguf_path or "", "layers": spec.n_layers, "heads": spec.n_heads,
             "kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim, "model_seed": spec.seed,
+            "sliding_window": spec.sliding_window, "global_every": spec.global_every,
             "prompt": self.prompt(), **settings.to_dict(self.session_config(), where=lambda s: s.app),
             **{f"view_{k}": v for k, v in self.view_options().items()},
         }
@@ -468,7 +487,9 @@ class ControlsPanel(QScrollArea):
         try:
             spec = ModelSpec(kind=data.get("model", "smollm2"), n_layers=int(data.get("layers", 4)),
                              n_heads=int(data.get("heads", 8)), n_kv_heads=int(data.get("kv_heads", 2)),
-                             head_dim=int(data.get("head_dim", 32)), seed=int(data.get("model_seed", 0)))
+                             head_dim=int(data.get("head_dim", 32)), seed=int(data.get("model_seed", 0)),
+                             sliding_window=int(data.get("sliding_window", 0)),
+                             global_every=int(data.get("global_every", 0)))
             config = settings.from_dict(data, SessionConfig())
             validate(config)
         except (ConfigError, ValueError, TypeError):

@@ -95,7 +95,8 @@ def new_session(model, spec: ModelSpec, prompt: str, config: SessionConfig) -> t
     session.records = NewestRecord()
     cfg = model.config
     info = SessionInfo(spec.label, prompt, session.prompt_ids, config, cfg.n_layers, cfg.n_heads,
-                       cache.total_bytes(), cfg.n_kv_heads, cache.kv_bytes_per_token(), storage_text(cache))
+                       cache.total_bytes(), cfg.n_kv_heads, cache.kv_bytes_per_token(), storage_text(cache),
+                       cache.sliding_windows, cache.page_bytes())
     return session, Timeline(info, session.token_text)
 
 

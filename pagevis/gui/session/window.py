@@ -29,6 +29,8 @@ from PySide6.QtWidgets import (
 
 from pagevis.engine import ModelSpec, SessionConfig
 from pagevis.kvcache import ConfigError
+from pagevis.kvcache.memory import hybrid_bytes
+from pagevis.kvcache.spec import layer_specs
 from pagevis.presets import default_prompt
 from pagevis.gui.widgets import export, theme
 from pagevis.gui.session.controls import ControlsPanel
@@ -72,6 +74,13 @@ def memory_text(cache_bytes: int, n_kv_heads: int, dtype: str = "", per_token: f
     if dtype and per_token:
         text += f" · {dtype}, {8 * per_token / 1000:,.1f} kbit per token"
     return text
+
+
+def hybrid_memory_text(info, record) -> str:
+    """A hybrid cache's K/V at the step shown, by layer type, against every layer global at that length."""
+    held = hybrid_bytes(layer_specs(info.sliding_windows, info.n_layers), [len(t) for t in record.block_tables],
+                        info.page_bytes, max(record.positions, default=-1) + 1, info.config.page_size)
+    return held.text()
 
 
 COMPACT_WIDTH = 1366  # windows this narrow (projectors) tab the metrics behind the events (see size_docks)
@@ -379,7 +388,9 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.timeline = timeline
         self.index, self.follow = -1, True
         info = timeline.info
-        self.controls.set_model_shape(info.n_layers, info.n_heads, info.n_kv_heads)
+        self.controls.set_model_shape(info.n_layers, info.n_heads, info.n_kv_heads,
+                                      [spec.label for spec in layer_specs(info.sliding_windows, info.n_layers)]
+                                      if info.sliding_windows is not None else None)
         saved_layer = getattr(self.controls, "_saved_layer", None)
         if saved_layer is not None:
             self.controls._saved_layer = None
@@ -585,6 +596,9 @@ class MainWindow(TimelineCursor, QMainWindow):
                                  f"{'s' if len(record.token_ids) != 1 else ''}")
         speed = timeline.tokens_per_second(state.index)
         self.status_speed.setText(f"{speed:.1f} tok/s" if speed == speed else "— tok/s")
+        info = timeline.info
+        if info.sliding_windows is not None and info.page_bytes:
+            self.status_memory.setText(hybrid_memory_text(info, record))
 
     # --- files -----------------------------------------------------------------------------------
     def open_sequences(self):

@@ -11,8 +11,9 @@ from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QLabel, QTableWidget, Q
 
 from pagevis.kvcache import ConfigError, EventKind, layer_capacities
 from pagevis.kvcache.event_array import in_layer
+from pagevis.kvcache.spec import layer_specs
 from pagevis.gui.widgets import theme
-from pagevis.gui.widgets.theme import FREE, PINNED, REPLACED, RESIDENT, WRITTEN
+from pagevis.gui.widgets.theme import FREE, PINNED, REPLACED, RESIDENT, SLID, WRITTEN
 from pagevis.viewmodel.cells import cell_states, frames_of_pages
 from pagevis.viewmodel.view_state import ViewState
 from pagevis.gui.widgets.rgba_image import RgbaImage
@@ -110,6 +111,22 @@ def disk_image(states: np.ndarray) -> np.ndarray:
     big[3::4, :, :3] = (_BACKGROUND * 255).astype(np.uint8)
     big[:, 3::4, :3] = (_BACKGROUND * 255).astype(np.uint8)
     return big
+
+
+def legend_html(hybrid: bool) -> str:
+    """The grid's colour legend; the slid-out state only for a hybrid cache (sliding-window layers)."""
+    shown = [(n, c) for state, (n, c) in enumerate(zip(theme.STATE_NAMES, theme.STATE_COLORS, strict=True))
+             if hybrid or state != SLID]
+    swatches = [f"<span style='color:{c}'>&#9632;</span>&nbsp;{n.replace(' ', '&nbsp;')}"  # wrap between
+                for n, c in shown]  # entries, never inside one
+    return ("&nbsp;&nbsp; ".join(swatches[:3]) + "<br>" + "&nbsp;&nbsp; ".join(swatches[3:])
+            + f"<br><span style='color:{theme.MUTED}'>numbers: token positions · resident cells dim with age "
+            "(or score)</span>")
+
+
+def layer_label(info, layer: int) -> str:
+    """'global' or 'local W=512': what a layer of the session's cache holds."""
+    return layer_specs(info.sliding_windows, info.n_layers)[layer].label
 
 
 class CellLabels(pg.GraphicsObject):
@@ -284,11 +301,7 @@ class PageGridView(QWidget):
         self.disk_states = np.zeros(0, dtype=np.int8)
         self.disk.hide()
 
-        swatches = [f"<span style='color:{c}'>&#9632;</span>&nbsp;{n.replace(' ', '&nbsp;')}"  # wrap between
-                    for n, c in zip(theme.STATE_NAMES, theme.STATE_COLORS)]  # entries, never inside one
-        self.legend = QLabel("&nbsp;&nbsp; ".join(swatches[:3]) + "<br>" + "&nbsp;&nbsp; ".join(swatches[3:])
-                             + f"<br><span style='color:{theme.MUTED}'>numbers: token positions · "
-                             "resident cells dim with age (or score)</span>")
+        self.legend = QLabel(legend_html(hybrid=False))
         self.legend.setWordWrap(True)  # its lines may wrap rather than hold the dock wider than its share
         self.precision_legend = QLabel(
             f"<span style='color:{FULL_PRECISION_COLOR}'>&#9601;</span>&nbsp;still in float32 (the residual "
@@ -359,6 +372,11 @@ class PageGridView(QWidget):
             title = f"layer {layer} · RAM frames keep {in_ram} of {used} pages"
         if self.full_precision is not None:
             title += f" · {int(self.full_precision.sum())} float32"
+        info = state.timeline.info
+        hybrid = info.sliding_windows is not None
+        if hybrid:
+            title = title.replace(f"layer {layer} ·", f"layer {layer} ({layer_label(info, layer)}) ·", 1)
+        self.legend.setText(legend_html(hybrid))
         theme.set_title(self.plot, theme.muted(title), size="9pt")
         table = f" · layer {layer}: {capacity} tokens" if own else ""
         self.block_title.setText(f"Block table (logical → physical){table}")
@@ -370,7 +388,9 @@ class PageGridView(QWidget):
         where says the tier and frame, e.g. "RAM 3 · page 17" or "disk · page 17"."""
         slots = record.slot_maps[layer]
         if record.tiers is None:
-            return [(logical, page, *self._held(slots[page])) for logical, page in enumerate(record.block_tables[layer])]
+            table = record.block_tables[layer]
+            first = self._first_logical(layer, slots[table[0]] if len(table) else None)
+            return [(first + i, page, *self._held(slots[page])) for i, page in enumerate(table)]
         page_map = record.page_map(layer) if layer in record.attention_layers else None
         rows = []
         for logical, (page, frame) in enumerate(zip(record.block_tables[layer], record.tiers.block_frames[layer],
@@ -382,6 +402,15 @@ class PageGridView(QWidget):
                 continue
             rows.append((logical, where, *self._held(source)))
         return rows
+
+    def _first_logical(self, layer: int, first_page: np.ndarray | None) -> int:
+        """The logical index of a table's first page: 0, or on a local layer (its older pages slid out) the page
+        its oldest token falls in."""
+        info = self._state.timeline.info if self._state.timeline is not None else None
+        if first_page is None or info is None or info.sliding_windows is None or not info.sliding_windows[layer]:
+            return 0
+        held = first_page[first_page >= 0]
+        return int(held.min()) // len(first_page) if held.size else 0
 
     def _held(self, page: np.ndarray) -> tuple[int, str]:
         """(tokens, run list) of a page's slot positions (-1: empty), kept by content: a step changes a page
@@ -498,6 +527,9 @@ class PageGridView(QWidget):
                              else f"quantized ({dtype})")
         frame_of = frames_of_pages(record, state.layer)
         for event in in_layer(record.events, state.layer):
+            if event.kind is EventKind.SLIDE and event.page == page and record.tiers is None:
+                lines.append(f"page {page} slid out of the window this step (its newest position {event.position}: "
+                             f"the newest query sees none of its tokens)")
             if frame_of.get(event.page, -1) == page and event.slot == slot and \
                     event.kind is EventKind.EVICT:
                 lines.append(f"evicted position {event.position} "
