@@ -58,7 +58,7 @@ def write_llama_gguf(path: Path, model=None, arch: str = "llama", tensor_overrid
     writer.add_rope_freq_base(c.rope_base)
     writer.add_layer_norm_rms_eps(c.rms_eps)
     if tokenizer:
-        from pagevis.model.bpe import byte_to_unicode
+        from pagevis.model.vocab_tokenizer import byte_to_unicode
 
         writer.add_tokenizer_model("gpt2")
         writer.add_string("tokenizer.ggml.pre", "smollm")

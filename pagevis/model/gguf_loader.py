@@ -9,15 +9,16 @@ from typing import Any
 import numpy as np
 
 from pagevis.system_memory import available_bytes, fits, gib
-from pagevis.model.bpe import BPETokenizer, byte_to_unicode
 from pagevis.model.architectures import architecture_of
-from pagevis.model.chat import system_prompt_from_template
 from pagevis.model.config import ModelConfig
 from pagevis.model.errors import ModelConfigError, ModelLoadError
 from pagevis.model.gguf_file import field_contents, open_gguf, read_metadata, tensor_as_float32
+from pagevis.model.gguf_tokenizer import GGUFTokenizer
 from pagevis.model.llama import LlamaModel
 from pagevis.model.locate import default_model_path
 from pagevis.model.matmul import plan_for
+from pagevis.model.vocab_tokenizer import (TOKENIZER_KINDS, byte_level_backend, byte_to_unicode,
+                                           sentencepiece_backend)
 from pagevis.model.weights import LlamaWeights, layer_from_gguf_matrices
 
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
@@ -204,16 +205,16 @@ def _expected_shapes(config: ModelConfig, tied: bool, rope_freqs: bool) -> dict[
     return shapes
 
 
-def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any], vocab_size: int) -> BPETokenizer:
-    """The file's byte-level BPE tokenizer; ModelLoadError naming the key if it is missing or unusable."""
+def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any], vocab_size: int) -> GGUFTokenizer:
+    """The file's own tokenizer (byte-level BPE or SentencePiece BPE) and chat template; ModelLoadError naming the
+    key if it is missing or unusable."""
     kind = metadata_value(path, metadata, "tokenizer.ggml.model", "str", None)
     if kind is None:
         raise ModelLoadError(f"{path}: metadata key tokenizer.ggml.model is missing: pagevis needs the model's own "
-                             "tokenizer (byte-level BPE, 'gpt2') in the file")
-    if kind != "gpt2":
-        raise ModelLoadError(
-            f"{path}: tokenizer model {kind!r} is not supported; pagevis reads byte-level BPE ('gpt2')"
-        )
+                             "tokenizer (byte-level BPE 'gpt2' or SentencePiece 'llama') in the file")
+    if kind not in TOKENIZER_KINDS:
+        raise ModelLoadError(f"{path}: tokenizer model {kind!r} is not supported; pagevis reads byte-level BPE "
+                             "('gpt2') and SentencePiece BPE with byte fallback ('llama')")
 
     def array(key: str, item: type, required: bool) -> list[Any] | None:
         if key not in reader.fields:
@@ -229,25 +230,37 @@ def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any], voc
     if len(tokens) != vocab_size:
         raise ModelLoadError(f"{path}: tokenizer.ggml.tokens has {len(tokens)} tokens; the model's vocabulary "
                              f"has {vocab_size}")
+    token_types = array("tokenizer.ggml.token_type", int, required=False) or [1] * len(tokens)
+    if len(token_types) != len(tokens):
+        raise ModelLoadError(f"{path}: tokenizer.ggml.token_type has {len(token_types)} entries for "
+                             f"{len(tokens)} tokens")
+
+    def value(key: str, kind_: str, default: Any) -> Any:
+        return metadata_value(path, metadata, f"tokenizer.{key}", kind_, default)
+
+    try:
+        if kind == "gpt2":
+            _check_byte_tokens(path, tokens)
+            merges = array("tokenizer.ggml.merges", str, required=False) or []  # a byte-only vocabulary needs none
+            backend = byte_level_backend(tokens, merges, token_types, value("ggml.pre", "str", "default"))
+            add_bos_default = False
+        else:
+            backend = sentencepiece_backend(tokens, token_types, value("ggml.add_space_prefix", "bool", True))
+            add_bos_default = True  # llama.cpp's default for a SentencePiece vocabulary that does not say
+        return GGUFTokenizer(
+            backend, kind, tokens, token_types,
+            bos_id=value("ggml.bos_token_id", "int", None), eos_id=value("ggml.eos_token_id", "int", None),
+            add_bos=value("ggml.add_bos_token", "bool", add_bos_default),
+            chat_template=value("chat_template", "str", None))
+    except ValueError as exc:  # ModelLoadError (a bad template) is one
+        raise ModelLoadError(f"{path}: {exc}") from exc
+    except Exception as exc:  # the tokenizers backend refusing the vocabulary (its own exception type)
+        raise ModelLoadError(f"{path}: the tokenizer cannot be built from this vocabulary: {exc}") from exc
+
+
+def _check_byte_tokens(path: Path, tokens: list[str]) -> None:
     spelled, known = byte_to_unicode(), set(tokens)
     missing = sorted(spelled[b] for b in REQUIRED_BYTES if spelled[b] not in known)
     if missing:
         raise ModelLoadError(f"{path}: tokenizer.ggml.tokens lacks {len(missing)} byte tokens of printable ASCII, "
                              f"tab and newline (e.g. {missing[0]!r}); pagevis needs a byte-level BPE vocabulary")
-    merges = array("tokenizer.ggml.merges", str, required=False) or []  # a byte-only vocabulary needs none
-    token_types = array("tokenizer.ggml.token_type", int, required=False)
-    if token_types is not None and len(token_types) != len(tokens):
-        raise ModelLoadError(f"{path}: tokenizer.ggml.token_type has {len(token_types)} entries for "
-                             f"{len(tokens)} tokens")
-    template = metadata_value(path, metadata, "tokenizer.chat_template", "str", None)
-    try:
-        return BPETokenizer(
-            tokens, merges, token_types,
-            pre_tokenizer=metadata_value(path, metadata, "tokenizer.ggml.pre", "str", "default"),
-            bos_id=metadata_value(path, metadata, "tokenizer.ggml.bos_token_id", "int", None),
-            eos_id=metadata_value(path, metadata, "tokenizer.ggml.eos_token_id", "int", None),
-            add_bos=metadata_value(path, metadata, "tokenizer.ggml.add_bos_token", "bool", False),
-            chat_system_prompt=system_prompt_from_template(template),
-        )
-    except ValueError as exc:
-        raise ModelLoadError(f"{path}: {exc}") from exc
