@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -136,3 +138,17 @@ def test_written_synthetic_model_loads_back_identically(tmp_path):
 def test_file_without_tokenizer_is_refused_naming_the_key(tmp_path):
     with pytest.raises(ModelLoadError, match=r"bare\.gguf: metadata key tokenizer\.ggml\.model is missing"):
         load_model(write_llama_gguf(tmp_path / "bare.gguf", tokenizer=False))
+
+
+def test_lean_array_parsing_reads_what_the_gguf_reader_reads():
+    """_PlainArrayReader's fast walk over number and string arrays gives the same fields as gguf's own reader."""
+    from gguf import GGUFReader
+
+    from pagevis.model.gguf_file import open_gguf
+
+    path = Path(__file__).parent / "data" / "tiny-llama3.gguf"
+    ours, theirs = open_gguf(path), GGUFReader(path)
+    assert ours.fields.keys() == theirs.fields.keys()
+    for key, field in theirs.fields.items():
+        assert ours.fields[key].contents() == field.contents() and ours.fields[key].types == field.types, key
+    assert [(t.name, t.data_offset) for t in ours.tensors] == [(t.name, t.data_offset) for t in theirs.tensors]

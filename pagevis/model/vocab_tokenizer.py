@@ -97,15 +97,10 @@ def sentencepiece_backend(tokens: Sequence[str], token_types: Sequence[int], add
 
 def merges_by_position(vocab: dict[str, int]) -> list[tuple[str, str]]:
     """Every (left, right) pair of tokens that spells a token, the merged token's earlier place in the file first,
-    then the longer left piece (transformers' generate_merges with Gemma's position scores)."""
-    ranked = []
-    for merged, index in vocab.items():
-        for cut in range(1, len(merged)):
-            left, right = merged[:cut], merged[cut:]
-            if left in vocab and right in vocab:
-                ranked.append((index, -len(left), -len(right), vocab[left], vocab[right], left, right))
-    ranked.sort()
-    return [(left, right) for *_, left, right in ranked]
+    then the longer left piece (transformers' generate_merges with Gemma's position scores). vocab is in file
+    order, so walking it (and each token's cuts from the right) yields that order without a sort."""
+    return [(merged[:cut], merged[cut:]) for merged in vocab for cut in range(len(merged) - 1, 0, -1)
+            if merged[:cut] in vocab and merged[cut:] in vocab]
 
 
 def _unknown(tokens: Sequence[str], token_types: Sequence[int]) -> str | None:
