@@ -18,6 +18,7 @@ from pagevis.model.gguf_tokenizer import GGUFTokenizer
 from pagevis.model.llama import LlamaModel
 from pagevis.model.locate import default_model_path
 from pagevis.model.matmul import plan_for
+from pagevis.model.tokenizer_cache import cached_backend
 from pagevis.model.vocab_tokenizer import (TOKENIZER_KINDS, byte_level_backend, byte_to_unicode,
                                            sentencepiece_backend)
 from pagevis.model.weights import LlamaWeights, check_weight_shapes, layer_from_gguf_matrices
@@ -262,7 +263,8 @@ def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any], voc
             backend = byte_level_backend(tokens, merges, token_types, value("ggml.pre", "str", "default"))
             add_bos_default = False
         else:
-            backend = sentencepiece_backend(tokens, token_types, value("ggml.add_space_prefix", "bool", True))
+            space_prefix = value("ggml.add_space_prefix", "bool", True)
+            backend = cached_backend(path, len(tokens), lambda: sentencepiece_backend(tokens, token_types, space_prefix))
             add_bos_default = True  # llama.cpp's default for a SentencePiece vocabulary that does not say
         return GGUFTokenizer(
             backend, kind, tokens, token_types,
