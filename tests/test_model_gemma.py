@@ -84,3 +84,19 @@ def test_the_long_prompt_needs_the_window():
     logits = LlamaModel(full, model.weights, None).forward(np.array(case["ids"]), np.arange(len(case["ids"])),
                                                           DenseAttention(full))
     assert np.abs(logits[case["top_ids"]] - np.array(case["top_logits"])).max() > 0.5
+
+
+@pytest.mark.slow
+def test_the_paged_engine_decodes_gemma_like_transformers():
+    """Below the 512-token window the paged cache (which keeps every token) must give transformers' answer too:
+    head_dim 256, one KV head, the query scale and the per-layer RoPE bases all reach the engine's attention."""
+    from pagevis.engine import DecodeSession, SessionConfig
+
+    case = REFERENCE["prompts"][0]
+    model = gemma()
+    session = DecodeSession(model, model.tokenizer.decode(case["ids"], skip_special=True),
+                            SessionConfig(page_size=8, max_pages=64, policy="none", chat=False,
+                                          max_new_tokens=len(case["greedy"])))
+    assert list(session.prompt_ids) == case["ids"]
+    list(session.run())
+    assert session.generated == case["greedy"]
