@@ -57,3 +57,14 @@ def test_the_built_tokenizer_is_cached_and_a_damaged_cache_is_rebuilt(spm_file, 
     monkeypatch.setenv("PAGEVIS_CACHE_DIR", str(tmp_path / "cache"))
     cached[0].write_text("{ not json")
     assert load_model(spm_file).tokenizer.encode(" the cat") == first
+
+
+def test_a_vocabulary_built_to_stall_the_merge_rebuild_is_refused(tmp_path, monkeypatch):
+    from pagevis.model import ModelLoadError
+
+    monkeypatch.setenv("PAGEVIS_CACHE_DIR", str(tmp_path / "cache"))
+    pieces = ["a" * 15_000]  # one 15 kB token: 2.25e8 slicing steps, past the bound (Gemma needs 1.1e7)
+    model = SyntheticModel(n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, vocab_size=260 + len(pieces))
+    path = write_llama_gguf(tmp_path / "long.gguf", model, sentencepiece=pieces)
+    with pytest.raises(ModelLoadError, match=r"long\.gguf: tokenizer\.ggml\.tokens: rebuilding .* more than the 2e\+08"):
+        load_model(path)

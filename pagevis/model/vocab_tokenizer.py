@@ -31,6 +31,9 @@ PRE_TOKENIZER_SPLITS = {
     "llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT, "dbrx": LLAMA3_SPLIT,
     "smaug-bpe": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT, "deepseek-r1-qwen": QWEN2_SPLIT,
 }
+# Rebuilding merges slices every token at every cut: sum(len(token)^2) work. Gemma's vocabulary needs 1.1e7;
+# a file asking for more than this bound (long tokens crafted to stall the loader) is refused.
+MAX_MERGE_WORK = 200_000_000
 CONTROL, USER_DEFINED = 3, 4
 SPIECE_SPACE = "\u2581"
 TOKENIZER_KINDS = ("gpt2", "llama")
@@ -81,6 +84,10 @@ def byte_level_backend(tokens: Sequence[str], merges: Sequence[str], token_types
 
 
 def sentencepiece_backend(tokens: Sequence[str], token_types: Sequence[int], add_space_prefix: bool) -> Tokenizer:
+    work = sum(len(t) ** 2 for t in tokens)
+    if work > MAX_MERGE_WORK:
+        raise ValueError(f"tokenizer.ggml.tokens: rebuilding this vocabulary's merges takes {work:.3g} steps (the "
+                         f"sum of squared token lengths), more than the {MAX_MERGE_WORK:.3g} pagevis allows")
     respelled = [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab: dict[str, int] = {}
     for index, token in enumerate(respelled):
