@@ -2,7 +2,7 @@
 dequantising again (Gemma 3 270M: the 262144 x 640 embedding alone takes ~10 s to dequantise, see docs/model.md).
 
 One directory per source file under <cache>/weights/, named by the file's resolved path, size and modification
-time: a changed file gets a new entry. Each array is an .npy file (read with allow_pickle=False, memory-mapped
+time and the gguf package's version: a changed file gets a new entry. Each array is an .npy file (read with allow_pickle=False, memory-mapped
 read-only); a manifest lists every array's shape and dtype and the source's size and mtime, and is checked
 before use, and the model then checks every shape against its config. Files below MIN_CACHED_BYTES of float32
 weights are not cached (dequantising them is fast); at most MAX_ENTRIES entries are kept, the least recently
@@ -12,9 +12,11 @@ written removed first. PAGEVIS_WEIGHT_CACHE=0 turns the cache off.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +24,7 @@ import numpy as np
 from pagevis.model.matmul import cache_dir
 from pagevis.model.weights import LayerWeights, LlamaWeights
 
-CACHE_VERSION = 1
+CACHE_VERSION = 1  # bump when what is stored changes (LlamaWeights' fields, their layout)
 MIN_CACHED_BYTES = 64 << 20
 MAX_ENTRIES = 4
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # stored output-major (the C-contiguous array behind the view)
@@ -35,10 +37,19 @@ def enabled(weight_bytes: int) -> bool:
 
 def entry_for(source: Path, root: Path | None = None) -> tuple[Path, dict]:
     stat = source.stat()
-    identity = {"version": CACHE_VERSION, "source": str(source.resolve()), "size": stat.st_size,
-                "mtime_ns": stat.st_mtime_ns}
+    identity = {"version": CACHE_VERSION, "gguf": _gguf_version(), "source": str(source.resolve()),
+                "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
     return (root or cache_dir() / "weights") / key, identity
+
+
+@lru_cache(maxsize=1)
+def _gguf_version() -> str:
+    """The dequantiser's version: a release that fixes a quantisation type must not meet old cached weights."""
+    try:
+        return importlib.metadata.version("gguf")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def load(source: Path, root: Path | None = None) -> LlamaWeights | None:
