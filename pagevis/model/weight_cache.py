@@ -2,11 +2,11 @@
 dequantising again (Gemma 3 270M: the 262144 x 640 embedding alone takes ~10 s to dequantise, see docs/model.md).
 
 One directory per source file under <cache>/weights/, named by the file's resolved path, size and modification
-time and the gguf package's version: a changed file gets a new entry. Each array is an .npy file (read with allow_pickle=False, memory-mapped
-read-only); a manifest lists every array's shape and dtype and the source's size and mtime, and is checked
-before use, and the model then checks every shape against its config. Files below MIN_CACHED_BYTES of float32
-weights are not cached (dequantising them is fast); at most MAX_ENTRIES entries are kept, the least recently
-written removed first. PAGEVIS_WEIGHT_CACHE=0 turns the cache off.
+time and the gguf package's version: a changed file gets a new entry. Each array is an .npy file (read with
+allow_pickle=False, memory-mapped read-only); a manifest lists every array's shape and dtype and the source's
+identity, and is checked before use, and the model then checks every shape against its config. Files below
+MIN_CACHED_BYTES of float32 weights are not cached (dequantising them is fast); at most MAX_ENTRIES entries are
+kept, the least recently written removed first. PAGEVIS_WEIGHT_CACHE=0 turns the cache off.
 """
 
 from __future__ import annotations
