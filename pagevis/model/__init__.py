@@ -1,9 +1,10 @@
-"""The language model: GGUF loading, tokenizer, and a forward pass that leaves attention (and so
-the KV cache) to its caller. NumPy only."""
+"""The language model: GGUF loading (architectures: llama, qwen2, qwen3, gemma3, see architectures.py), the
+file's own tokenizer and chat template, and a forward pass that leaves attention (and so the KV cache) to its
+caller. NumPy, with tokenizers and jinja2 for the tokenizer; no Qt, no torch."""
 
 from pagevis.model.blas_threads import set_blas_threads
 from pagevis.model.byte_tokenizer import ByteTokenizer
-from pagevis.model.bpe import BPETokenizer
+from pagevis.model.gguf_tokenizer import GGUFTokenizer
 from pagevis.model.config import ModelConfig
 from pagevis.model.dense import DenseAttention
 from pagevis.model.errors import ModelConfigError, ModelLoadError
@@ -14,7 +15,7 @@ from pagevis.model.locate import default_model_path
 from pagevis.model.tokenizer import IncrementalDecoder, Tokenizer
 
 __all__ = [
-    "AttendFn", "BPETokenizer", "ByteTokenizer", "DenseAttention", "IncrementalDecoder",
+    "AttendFn", "ByteTokenizer", "GGUFTokenizer", "DenseAttention", "IncrementalDecoder",
     "LlamaModel", "Model", "ModelConfig", "ModelConfigError", "ModelLoadError", "Tokenizer",
     "default_model_path", "load_model", "set_blas_threads",
 ]

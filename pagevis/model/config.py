@@ -1,7 +1,8 @@
-"""The shape of a Llama-family model, independent of where its weights came from."""
+"""The shape of a decoder model (Llama, Qwen 2/3, Gemma 3), independent of where its weights came from."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,14 +21,55 @@ def check_positive_int(field: str, value: Any) -> int:
     return check_int(field, value, 1, high, "a positive integer" if high == 2**31 - 1 else f"a positive integer up to {high}")
 
 
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How an architecture wires the common pre-norm decoder block (the defaults are Llama's).
+
+    rope_neox: rotate halves (x[i], x[i + d/2]) instead of adjacent pairs (see rope.py). qkv_bias: Q, K, V
+    projections add a bias (Qwen 2). qk_norm: RMSNorm over each head of Q and K before RoPE (Qwen 3, Gemma 3).
+    post_norms: RMSNorm of the attention and feed-forward outputs before each residual add (Gemma 3).
+    activation: the gated feed-forward's gate, "silu" (SwiGLU) or "gelu_tanh" (GeGLU with the tanh GELU).
+    embedding_scale multiplies the embedded tokens (Gemma: sqrt(d_model)). query_scale: the attention score
+    scale (None: 1/sqrt(head_dim)). logit_softcap: logits = cap * tanh(logits / cap) when set.
+    """
+
+    rope_neox: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False
+    activation: str = "silu"
+    embedding_scale: float = 1.0
+    query_scale: float | None = None
+    logit_softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ModelConfigError("activation", self.activation, f"one of {', '.join(ACTIVATIONS)}")
+        for name in ("embedding_scale", "query_scale", "logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ModelConfigError(name, value, "a positive number")
+
+
+LLAMA_LAYOUT = Layout()
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a Llama-family decoder.
+    """Hyper-parameters of a decoder.
 
     n_heads query heads share n_kv_heads key/value heads (grouped-query attention; n_kv_heads == 1
-    is multi-query). rope_base is the RoPE frequency base; rms_eps the RMSNorm epsilon.
+    is multi-query). rope_base is the file's RoPE frequency base; rms_eps the RMSNorm epsilon.
     context_length is the trained context; positions beyond it still work (RoPE extrapolates,
     with degraded quality).
+
+    Per layer (one entry each; left empty they are filled in): rope_bases, the RoPE base of each layer (Gemma 3's
+    local layers use 10 000, its global ones rope_base), and sliding_windows, how many of the latest positions
+    a query of that layer sees (itself included), None for a full (global) layer. rope_factors divides each
+    RoPE frequency (llama.cpp's rope_freqs: Llama 3's rope scaling), empty for none.
     """
 
     name: str
@@ -43,6 +85,11 @@ class ModelConfig:
     context_length: int
     bos_id: int | None
     eos_ids: tuple[int, ...]
+    architecture: str = "llama"
+    layout: Layout = LLAMA_LAYOUT
+    rope_bases: tuple[float, ...] = ()
+    sliding_windows: tuple[int | None, ...] = ()
+    rope_factors: tuple[float, ...] = dataclasses.field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff",
@@ -61,6 +108,30 @@ class ModelConfig:
         for token in (*self.eos_ids, *(() if self.bos_id is None else (self.bos_id,))):
             if not 0 <= token < self.vocab_size:
                 raise ModelConfigError("eos_ids/bos_id", token, f"a token id below {self.vocab_size}")
+        self._fill_per_layer()
+
+    def _fill_per_layer(self) -> None:
+        bases = tuple(float(b) for b in self.rope_bases) or (float(self.rope_base),) * self.n_layers
+        windows = tuple(self.sliding_windows) or (None,) * self.n_layers
+        for name, values in (("rope_bases", bases), ("sliding_windows", windows)):
+            if len(values) != self.n_layers:
+                raise ModelConfigError(name, len(values), f"one entry per layer ({self.n_layers})")
+        if not all(b > 1 for b in bases):
+            raise ModelConfigError("rope_bases", min(bases), "numbers greater than 1")
+        for window in windows:
+            if window is not None:
+                check_positive_int("sliding_window", window)
+        if self.rope_factors and (len(self.rope_factors) != self.head_dim // 2
+                                  or not all(f > 0 for f in self.rope_factors)):
+            raise ModelConfigError("rope_factors", len(self.rope_factors),
+                                   f"{self.head_dim // 2} positive numbers (one per RoPE pair)")
+        object.__setattr__(self, "rope_bases", bases)  # frozen: filled once, here
+        object.__setattr__(self, "sliding_windows", windows)
+
+    @property
+    def local_windows(self) -> tuple[int | None, ...] | None:
+        """sliding_windows when some layer keeps a window (a hybrid or all-local cache), else None."""
+        return self.sliding_windows if any(w is not None for w in self.sliding_windows) else None
 
     def weight_bytes(self) -> int:
         """The float32 weights this shape needs (embedding and output tied, as the smallest case)."""

@@ -41,8 +41,10 @@ class DenseAttention:
     """An AttendFn holding all keys and values of every layer, with no eviction.
 
     A query at position p attends to every stored key whose position is <= p (so tokens fed
-    together in one forward call see each other causally). Scores are scaled by 1/sqrt(head_dim);
-    softmax runs in float32.
+    together in one forward call see each other causally) and, in a layer with a sliding window w
+    (config.sliding_windows), > p - w: the w latest positions, its own included (llama.cpp's and
+    transformers' rule). It still stores every key: it is the reference, not a bounded cache.
+    Scores are scaled by 1/sqrt(head_dim); softmax runs in float32.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -67,9 +69,14 @@ class DenseAttention:
         grouped_q = (q * self._scale).reshape(n, n_kv, group, head_dim).transpose(1, 0, 2, 3).reshape(
             n_kv, n * group, head_dim)
         scores = grouped_q @ keys.transpose(1, 2, 0)  # (kv_head, n * group, length)
-        if positions.min() < cache.newest:  # some query has keys after it: mask them
-            visible = cache.positions[:cache.length][None, :] <= np.repeat(positions, group)[:, None]
+        window = self.config.sliding_windows[layer]
+        stored = cache.positions[:cache.length][None, :]
+        query_positions = np.repeat(positions, group)[:, None]
+        if window is not None and stored.min() <= positions.max() - window:  # keys left some query's window
+            visible = (stored <= query_positions) & (stored > query_positions - window)
             scores[:, ~visible] = -np.inf
+        elif positions.min() < cache.newest:  # some query has keys after it: mask them
+            scores[:, ~(stored <= query_positions)] = -np.inf
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)

@@ -1,4 +1,4 @@
-"""Building a LlamaModel (config, float32 weights, tokenizer) from a GGUF file."""
+"""Building a LlamaModel (config, float32 weights, tokenizer) from a GGUF file of a registered architecture."""
 
 from __future__ import annotations
 
@@ -9,19 +9,29 @@ from typing import Any
 import numpy as np
 
 from pagevis.system_memory import available_bytes, fits, gib
-from pagevis.model.bpe import BPETokenizer, byte_to_unicode
-from pagevis.model.chat import system_prompt_from_template
+from pagevis.model import weight_cache
+from pagevis.model.architectures import architecture_of
 from pagevis.model.config import ModelConfig
 from pagevis.model.errors import ModelConfigError, ModelLoadError
 from pagevis.model.gguf_file import field_contents, open_gguf, read_metadata, tensor_as_float32
+from pagevis.model.gguf_tokenizer import GGUFTokenizer
 from pagevis.model.llama import LlamaModel
 from pagevis.model.locate import default_model_path
 from pagevis.model.matmul import plan_for
-from pagevis.model.weights import LlamaWeights, layer_from_gguf_matrices
+from pagevis.model.tokenizer_cache import cached_backend
+from pagevis.model.vocab_tokenizer import (TOKENIZER_KINDS, byte_level_backend, byte_to_unicode,
+                                           sentencepiece_backend)
+from pagevis.model.weights import LlamaWeights, check_weight_shapes, layer_from_gguf_matrices
 
-SUPPORTED_ARCHITECTURE = "llama"
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+# Tensors a layer has only in some layouts: config.Layout field -> {layer_from_gguf_matrices argument: GGUF name}.
+OPTIONAL_LAYER_TENSORS = {
+    "qkv_bias": {"q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias"},
+    "qk_norm": {"q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight"},
+    "post_norms": {"post_attn_norm": "post_attention_norm.weight", "post_ffn_norm": "post_ffw_norm.weight"},
+}
+ROPE_FREQS = "rope_freqs.weight"
 # Byte tokens every vocabulary must have: text is made of them. (SmolLM2 lacks a few control characters
 # and bytes that never occur in UTF-8; encoding text with those is refused when it happens.)
 REQUIRED_BYTES = (0x09, 0x0A, *range(0x20, 0x7F))
@@ -30,15 +40,31 @@ LONG_ARRAY = 64
 
 
 def load_model(path: str | Path | None = None) -> LlamaModel:
-    """Load a Llama-family GGUF file (default: SmolLM2-135M-Instruct) with weights as float32."""
+    """Load a GGUF file of a registered architecture (default: SmolLM2-135M-Instruct) with weights as float32."""
     path = default_model_path() if path is None else Path(path)
     reader = open_gguf(path)
     metadata = read_metadata(reader, skip_arrays_longer_than=LONG_ARRAY)
     config = config_from_metadata(path, metadata, reader)
     tokenizer = tokenizer_from_reader(path, reader, metadata, config.vocab_size)  # before the weights: fail fast
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
-    weights = weights_from_tensors(path, config, tensors)
+    weights = cached_or_dequantised_weights(path, config, reader)
     return LlamaModel(config, weights, tokenizer, plan=plan_for(weights.matrices()))
+
+
+def cached_or_dequantised_weights(path: Path, config: ModelConfig, reader: Any) -> LlamaWeights:
+    """The weights from the on-disk cache (weight_cache.py) when it has a valid entry with the shapes this config
+    implies, else dequantised from the file (and stored for next time)."""
+    use_cache = weight_cache.enabled(config.weight_bytes())
+    cached = weight_cache.load(path) if use_cache else None
+    if cached is not None:
+        try:
+            check_weight_shapes(config, cached)
+            return cached
+        except ValueError:
+            pass
+    weights = weights_from_tensors(path, config, {tensor.name: tensor for tensor in reader.tensors})
+    if use_cache:
+        weight_cache.store(path, weights)
+    return weights
 
 
 _MISSING = object()
@@ -63,12 +89,8 @@ def metadata_value(path: Path, metadata: dict[str, Any], key: str, kind: str, de
 
 def config_from_metadata(path: Path, metadata: dict[str, Any], reader: Any) -> ModelConfig:
     arch = metadata_value(path, metadata, "general.architecture", "str")
-    if arch != SUPPORTED_ARCHITECTURE:
-        raise ModelLoadError(
-            f"{path}: architecture {arch!r} is not supported; pagevis runs Llama-family models "
-            f"(general.architecture = {SUPPORTED_ARCHITECTURE!r})"
-        )
-    _refuse_rope_scaling(path, metadata, reader)
+    architecture = architecture_of(path, arch)
+    _refuse_rope_scaling(path, metadata, arch)
 
     def value(key: str, kind: str = "int", default: Any = _MISSING) -> Any:
         return metadata_value(path, metadata, f"{arch}.{key}", kind, default)
@@ -85,23 +107,28 @@ def config_from_metadata(path: Path, metadata: dict[str, Any], reader: Any) -> M
                                                               "tokenizer.ggml.eot_token_id") if key in metadata
     ))
     bos = metadata_value(path, metadata, "tokenizer.ggml.bos_token_id", "int", None)
+    shape = {"n_layers": value("block_count"), "d_model": d_model, "n_heads": n_heads, "head_dim": head_dim,
+             "rope_base": float(value("rope.freq_base", "number", 10000.0))}
     try:
         config = ModelConfig(
             name=path.stem,
-            n_layers=value("block_count"),
+            n_layers=shape["n_layers"],
             d_model=d_model,
             n_heads=n_heads,
             n_kv_heads=value("attention.head_count_kv", default=n_heads),
             head_dim=head_dim,
             d_ff=value("feed_forward_length"),
             vocab_size=vocab,
-            rope_base=float(value("rope.freq_base", "number", 10000.0)),
+            rope_base=shape["rope_base"],
             rms_eps=float(value("attention.layer_norm_rms_epsilon", "number", 1e-5)),
             context_length=value("context_length"),
             bos_id=bos,
             eos_ids=eos_ids,
+            architecture=arch,
+            rope_factors=_rope_factors(path, reader, head_dim),
+            **architecture.settings(value, shape),
         )
-    except ModelConfigError as exc:
+    except (ModelConfigError, ValueError) as exc:
         raise ModelLoadError(f"{path}: inconsistent metadata: {exc}") from exc
     need = config.weight_bytes()
     if not fits(need):
@@ -110,10 +137,22 @@ def config_from_metadata(path: Path, metadata: dict[str, Any], reader: Any) -> M
     return config
 
 
-def _refuse_rope_scaling(path: Path, metadata: dict[str, Any], reader: Any) -> None:
-    scaling = metadata_value(path, metadata, "llama.rope.scaling.type", "str", "none")
-    if scaling != "none" or any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise ModelLoadError(f"{path}: RoPE scaling ({scaling}) is not supported")
+def _refuse_rope_scaling(path: Path, metadata: dict[str, Any], arch: str) -> None:
+    scaling = metadata_value(path, metadata, f"{arch}.rope.scaling.type", "str", "none")
+    if scaling != "none":
+        raise ModelLoadError(f"{path}: RoPE scaling {scaling!r} ({arch}.rope.scaling.type) is not supported; "
+                             f"pagevis reads Llama 3's scaling as the rope_freqs tensor, and none")
+
+
+def _rope_factors(path: Path, reader: Any, head_dim: int) -> tuple[float, ...]:
+    """The rope_freqs tensor (each RoPE frequency's divisor, llama.cpp's form of Llama 3's rope scaling), or ()."""
+    tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if tensor is None:
+        return ()
+    factors = tensor_as_float32(path, tensor, (head_dim // 2,))
+    if not (np.isfinite(factors).all() and (factors > 0).all()):
+        raise ModelLoadError(f"{path}: tensor {ROPE_FREQS} must hold positive finite numbers")
+    return tuple(float(f) for f in factors)
 
 
 def _vocab_from_embedding(path: Path, reader: Any) -> int:
@@ -125,22 +164,27 @@ def _vocab_from_embedding(path: Path, reader: Any) -> int:
 
 def weights_from_tensors(path: Path, config: ModelConfig, tensors: dict[str, Any]) -> LlamaWeights:
     """Dequantise and lay out every weight. Two threads: NumPy releases the GIL in the bulk work."""
-    expected = _expected_shapes(config, tied="output.weight" not in tensors)  # n_layers is bounded: small
+    expected = _expected_shapes(config, tied="output.weight" not in tensors,
+                                rope_freqs=ROPE_FREQS in tensors)  # n_layers is bounded: small
     missing = [name for name in expected if name not in tensors]
     if missing:
         raise ModelLoadError(f"{path}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         raise ModelLoadError(
-            f"{path}: unexpected tensor {unexpected[0]} for a Llama model (ignoring it would compute "
-            f"something other than what the file describes)"
+            f"{path}: unexpected tensor {unexpected[0]} for a {config.architecture} model (ignoring it would "
+            f"compute something other than what the file describes)"
         )
 
     def dense(name: str) -> np.ndarray:
         return tensor_as_float32(path, tensors[name], expected[name])
 
+    optional = {argument: name for field, parts in OPTIONAL_LAYER_TENSORS.items() if getattr(config.layout, field)
+                for argument, name in parts.items()}
+
     def layer(index: int):
-        return layer_from_gguf_matrices(*(dense(f"blk.{index}.{part}.weight") for part in LAYER_TENSORS))
+        return layer_from_gguf_matrices(*(dense(f"blk.{index}.{part}.weight") for part in LAYER_TENSORS),
+                                        **{arg: dense(f"blk.{index}.{name}") for arg, name in optional.items()})
 
     def owned(name: str) -> np.ndarray:  # an F32 tensor comes back as a view of the file mapping
         array = dense(name)
@@ -159,29 +203,36 @@ def weights_from_tensors(path: Path, config: ModelConfig, tensors: dict[str, Any
     return LlamaWeights(embedding, layers, dense("output_norm.weight").copy(), output_t)
 
 
-def _expected_shapes(config: ModelConfig, tied: bool) -> dict[str, tuple[int, ...]]:
-    d, q, kv, ff = config.d_model, config.q_dim, config.kv_dim, config.d_ff
+def _expected_shapes(config: ModelConfig, tied: bool, rope_freqs: bool) -> dict[str, tuple[int, ...]]:
+    d, q, kv, ff, hd = config.d_model, config.q_dim, config.kv_dim, config.d_ff, config.head_dim
     shapes = {"token_embd.weight": (config.vocab_size, d), "output_norm.weight": (d,)}
     if not tied:
         shapes["output.weight"] = (config.vocab_size, d)
-    per_layer = {"attn_norm": (d,), "attn_q": (q, d), "attn_k": (kv, d), "attn_v": (kv, d),
-                 "attn_output": (d, q), "ffn_norm": (d,), "ffn_gate": (ff, d), "ffn_up": (ff, d),
-                 "ffn_down": (d, ff)}
+    if rope_freqs:
+        shapes[ROPE_FREQS] = (hd // 2,)
+    per_layer = {f"{part}.weight": shape for part, shape in (
+        ("attn_norm", (d,)), ("attn_q", (q, d)), ("attn_k", (kv, d)), ("attn_v", (kv, d)), ("attn_output", (d, q)),
+        ("ffn_norm", (d,)), ("ffn_gate", (ff, d)), ("ffn_up", (ff, d)), ("ffn_down", (d, ff)))}
+    optional = {"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,), "attn_q_norm.weight": (hd,),
+                "attn_k_norm.weight": (hd,), "post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,)}
+    for field, parts in OPTIONAL_LAYER_TENSORS.items():
+        if getattr(config.layout, field):
+            per_layer.update({name: optional[name] for name in parts.values()})
     for index in range(config.n_layers):
-        shapes.update({f"blk.{index}.{part}.weight": shape for part, shape in per_layer.items()})
+        shapes.update({f"blk.{index}.{part}": shape for part, shape in per_layer.items()})
     return shapes
 
 
-def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any], vocab_size: int) -> BPETokenizer:
-    """The file's byte-level BPE tokenizer; ModelLoadError naming the key if it is missing or unusable."""
+def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any], vocab_size: int) -> GGUFTokenizer:
+    """The file's own tokenizer (byte-level BPE or SentencePiece BPE) and chat template; ModelLoadError naming the
+    key if it is missing or unusable."""
     kind = metadata_value(path, metadata, "tokenizer.ggml.model", "str", None)
     if kind is None:
         raise ModelLoadError(f"{path}: metadata key tokenizer.ggml.model is missing: pagevis needs the model's own "
-                             "tokenizer (byte-level BPE, 'gpt2') in the file")
-    if kind != "gpt2":
-        raise ModelLoadError(
-            f"{path}: tokenizer model {kind!r} is not supported; pagevis reads byte-level BPE ('gpt2')"
-        )
+                             "tokenizer (byte-level BPE 'gpt2' or SentencePiece 'llama') in the file")
+    if kind not in TOKENIZER_KINDS:
+        raise ModelLoadError(f"{path}: tokenizer model {kind!r} is not supported; pagevis reads byte-level BPE "
+                             "('gpt2') and SentencePiece BPE with byte fallback ('llama')")
 
     def array(key: str, item: type, required: bool) -> list[Any] | None:
         if key not in reader.fields:
@@ -197,25 +248,38 @@ def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any], voc
     if len(tokens) != vocab_size:
         raise ModelLoadError(f"{path}: tokenizer.ggml.tokens has {len(tokens)} tokens; the model's vocabulary "
                              f"has {vocab_size}")
+    token_types = array("tokenizer.ggml.token_type", int, required=False) or [1] * len(tokens)
+    if len(token_types) != len(tokens):
+        raise ModelLoadError(f"{path}: tokenizer.ggml.token_type has {len(token_types)} entries for "
+                             f"{len(tokens)} tokens")
+
+    def value(key: str, kind_: str, default: Any) -> Any:
+        return metadata_value(path, metadata, f"tokenizer.{key}", kind_, default)
+
+    try:
+        if kind == "gpt2":
+            _check_byte_tokens(path, tokens)
+            merges = array("tokenizer.ggml.merges", str, required=False) or []  # a byte-only vocabulary needs none
+            backend = byte_level_backend(tokens, merges, token_types, value("ggml.pre", "str", "default"))
+            add_bos_default = False
+        else:
+            space_prefix = value("ggml.add_space_prefix", "bool", True)
+            backend = cached_backend(path, len(tokens), lambda: sentencepiece_backend(tokens, token_types, space_prefix))
+            add_bos_default = True  # llama.cpp's default for a SentencePiece vocabulary that does not say
+        return GGUFTokenizer(
+            backend, kind, tokens, token_types,
+            bos_id=value("ggml.bos_token_id", "int", None), eos_id=value("ggml.eos_token_id", "int", None),
+            add_bos=value("ggml.add_bos_token", "bool", add_bos_default),
+            chat_template=value("chat_template", "str", None))
+    except ValueError as exc:  # ModelLoadError (a bad template) is one
+        raise ModelLoadError(f"{path}: {exc}") from exc
+    except Exception as exc:  # the tokenizers backend refusing the vocabulary (its own exception type)
+        raise ModelLoadError(f"{path}: the tokenizer cannot be built from this vocabulary: {exc}") from exc
+
+
+def _check_byte_tokens(path: Path, tokens: list[str]) -> None:
     spelled, known = byte_to_unicode(), set(tokens)
     missing = sorted(spelled[b] for b in REQUIRED_BYTES if spelled[b] not in known)
     if missing:
         raise ModelLoadError(f"{path}: tokenizer.ggml.tokens lacks {len(missing)} byte tokens of printable ASCII, "
                              f"tab and newline (e.g. {missing[0]!r}); pagevis needs a byte-level BPE vocabulary")
-    merges = array("tokenizer.ggml.merges", str, required=False) or []  # a byte-only vocabulary needs none
-    token_types = array("tokenizer.ggml.token_type", int, required=False)
-    if token_types is not None and len(token_types) != len(tokens):
-        raise ModelLoadError(f"{path}: tokenizer.ggml.token_type has {len(token_types)} entries for "
-                             f"{len(tokens)} tokens")
-    template = metadata_value(path, metadata, "tokenizer.chat_template", "str", None)
-    try:
-        return BPETokenizer(
-            tokens, merges, token_types,
-            pre_tokenizer=metadata_value(path, metadata, "tokenizer.ggml.pre", "str", "default"),
-            bos_id=metadata_value(path, metadata, "tokenizer.ggml.bos_token_id", "int", None),
-            eos_id=metadata_value(path, metadata, "tokenizer.ggml.eos_token_id", "int", None),
-            add_bos=metadata_value(path, metadata, "tokenizer.ggml.add_bos_token", "bool", False),
-            chat_system_prompt=system_prompt_from_template(template),
-        )
-    except ValueError as exc:
-        raise ModelLoadError(f"{path}: {exc}") from exc

@@ -1,8 +1,12 @@
-"""The Llama forward pass, shared by the GGUF-loaded and the synthetic model.
+"""The decoder forward pass, shared by every architecture (config.Layout says how each wires it) and by the
+synthetic model.
 
-Pre-norm decoder: x += Attn(RMSNorm(x)); x += SwiGLU(RMSNorm(x)); logits = RMSNorm(x) @ W_out.
-Attention itself is the caller's `attend` (it owns the KV cache); this module only projects
-Q, K, V, applies RoPE and projects the result back. All arithmetic stays float32. Products with the
+Pre-norm decoder: x += Attn(RMSNorm(x)); x += FFN(RMSNorm(x)); logits = RMSNorm(x) @ W_out — Llama's. The
+layout adds: a bias on Q, K, V (Qwen 2), RMSNorm per head of Q and K (Qwen 3, Gemma 3), RMSNorm of each block's
+output before its residual add and GeGLU for SwiGLU (Gemma 3), a scale on the embedded tokens, RoPE on halves,
+a RoPE base per layer. Attention itself is the caller's `attend` (it owns the KV cache and each layer's sliding
+window, config.sliding_windows); this module only projects Q, K, V, applies RoPE and projects the result
+back. All arithmetic stays float32. Products with the
 weights go through matmul.py: BLAS gemm for many rows, a blocked kernel measured per shape for the few rows
 of a decode step (`plan`; the default, GEMM_ONLY, is plain gemm).
 """
@@ -13,35 +17,18 @@ import numpy as np
 
 from pagevis.model.config import ModelConfig
 from pagevis.model.interface import AttendFn
+from pagevis.model.layers import ACTIVATIONS, rms_norm, silu_mul, soft_cap
 from pagevis.model.matmul import GEMM_ONLY, MatmulPlan, matmul
-from pagevis.model.rope import apply_rope, inverse_frequencies, rope_tables
+from pagevis.model.rope import apply_rope, apply_rope_neox, inverse_frequencies, rope_tables
 from pagevis.model.tokenizer import Tokenizer
 from pagevis.model.weights import LayerWeights, LlamaWeights, check_weight_shapes
 
-
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
-    """x / sqrt(mean(x^2) + eps) * weight, row-wise, in float32 (eps must be np.float32)."""
-    mean_square = np.add.reduce(np.square(x), axis=-1, keepdims=True)  # np.mean's sum, without its wrapper
-    mean_square /= np.float32(x.shape[-1])
-    mean_square += eps
-    np.sqrt(mean_square, out=mean_square)
-    out = np.divide(x, mean_square)
-    out *= weight
-    return out
-
-
-def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
-    """gate * sigmoid(gate) * up as a new contiguous float32 array (gate and up may be strided views)."""
-    out = np.negative(gate)
-    np.exp(out, out=out)
-    out += np.float32(1)
-    np.divide(gate, out, out=out)
-    out *= up
-    return out
+__all__ = ["LlamaModel", "rms_norm", "silu_mul"]
 
 
 class LlamaModel:
-    """A Llama-family decoder with float32 weights; implements the Model protocol."""
+    """A decoder with float32 weights (every registered architecture; the name is Llama's, the first one);
+    implements the Model protocol."""
 
     def __init__(self, config: ModelConfig, weights: LlamaWeights, tokenizer: Tokenizer | None,
                  plan: MatmulPlan = GEMM_ONLY) -> None:
@@ -51,7 +38,15 @@ class LlamaModel:
         self.tokenizer = tokenizer
         self.plan = plan
         self._eps = np.float32(config.rms_eps)
-        self._inv_freq = inverse_frequencies(config.head_dim, config.rope_base)
+        layout = config.layout
+        self._inv_freqs = {base: inverse_frequencies(config.head_dim, base, config.rope_factors)
+                           for base in set(config.rope_bases)}
+        self._rope = apply_rope_neox if layout.rope_neox else apply_rope
+        self._activation = ACTIVATIONS[layout.activation]
+        # attend scales scores by 1/sqrt(head_dim) (DenseAttention, the paged cache): another scale is
+        # folded into the queries.
+        scale = 1.0 if layout.query_scale is None else layout.query_scale * np.sqrt(config.head_dim)
+        self._query_scale = None if np.float32(scale) == 1 else np.float32(scale)
 
     def forward(
         self,
@@ -64,8 +59,11 @@ class LlamaModel:
     ) -> np.ndarray:
         ids, pos = self._check_inputs(token_ids, positions)
         x = self.weights.embedding[ids].astype(np.float32, order="C")
-        cos, sin = rope_tables(pos, self._inv_freq)
+        if self.config.layout.embedding_scale != 1:
+            x *= np.float32(self.config.layout.embedding_scale)
+        tables = {base: rope_tables(pos, inv_freq) for base, inv_freq in self._inv_freqs.items()}
         for index, layer in enumerate(self.weights.layers):
+            cos, sin = tables[self.config.rope_bases[index]]
             self._attention_block(index, layer, x, pos, cos, sin, attend)
             self._feed_forward_block(layer, x)
         if logit_rows is not None:  # a batch of sequences: the last row of each
@@ -76,7 +74,9 @@ class LlamaModel:
         return logits if all_logits else logits[0]
 
     def _logits(self, x: np.ndarray) -> np.ndarray:
-        return matmul(rms_norm(x, self.weights.output_norm, self._eps), self.weights.output_t, self.plan)
+        logits = matmul(rms_norm(x, self.weights.output_norm, self._eps), self.weights.output_t, self.plan)
+        cap = self.config.layout.logit_softcap
+        return logits if cap is None else soft_cap(logits, cap)
 
     def _attention_block(
         self, index: int, layer: LayerWeights, x: np.ndarray, pos: np.ndarray,
@@ -85,19 +85,28 @@ class LlamaModel:
         c = self.config
         n = x.shape[0]
         qkv = matmul(rms_norm(x, layer.attn_norm, self._eps), layer.wqkv, self.plan)
-        q = apply_rope(qkv[:, :c.q_dim].reshape(n, c.n_heads, c.head_dim), cos, sin)
-        k = apply_rope(qkv[:, c.q_dim:c.q_dim + c.kv_dim].reshape(n, c.n_kv_heads, c.head_dim), cos, sin)
+        if layer.qkv_bias is not None:
+            qkv += layer.qkv_bias
+        q = qkv[:, :c.q_dim].reshape(n, c.n_heads, c.head_dim)
+        k = qkv[:, c.q_dim:c.q_dim + c.kv_dim].reshape(n, c.n_kv_heads, c.head_dim)
+        if layer.q_norm is not None:
+            q, k = rms_norm(q, layer.q_norm, self._eps), rms_norm(k, layer.k_norm, self._eps)
+        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+        if self._query_scale is not None:
+            q *= self._query_scale
         v = np.ascontiguousarray(qkv[:, c.q_dim + c.kv_dim:]).reshape(n, c.n_kv_heads, c.head_dim)
         out = attend(index, q, k, v, pos)
         if out.shape != q.shape:
             raise ValueError(f"attend returned shape {out.shape} for layer {index}, expected {q.shape}")
-        x += matmul(np.asarray(out, dtype=np.float32).reshape(n, c.q_dim), layer.wo, self.plan)
+        projected = matmul(np.asarray(out, dtype=np.float32).reshape(n, c.q_dim), layer.wo, self.plan)
+        x += projected if layer.post_attn_norm is None else rms_norm(projected, layer.post_attn_norm, self._eps)
 
     def _feed_forward_block(self, layer: LayerWeights, x: np.ndarray) -> None:
         d_ff = self.config.d_ff
         gate_up = matmul(rms_norm(x, layer.ffn_norm, self._eps), layer.w_gate_up, self.plan)
-        hidden = silu_mul(gate_up[:, :d_ff], gate_up[:, d_ff:])
-        x += matmul(hidden, layer.w_down, self.plan)
+        hidden = self._activation(gate_up[:, :d_ff], gate_up[:, d_ff:])
+        down = matmul(hidden, layer.w_down, self.plan)
+        x += down if layer.post_ffn_norm is None else rms_norm(down, layer.post_ffn_norm, self._eps)
 
     def _check_inputs(self, token_ids: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         ids = np.asarray(token_ids).reshape(-1)

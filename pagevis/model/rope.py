@@ -1,5 +1,10 @@
-"""Rotary position embedding (RoPE) in the GGUF layout: rotation of ADJACENT pairs.
+"""Rotary position embedding (RoPE) in llama.cpp's two pairings.
 
+llama.cpp assigns each architecture a RoPE type: LLAMA_ROPE_TYPE_NORM (llama) rotates adjacent pairs, as
+below; LLAMA_ROPE_TYPE_NEOX (qwen2, qwen3, gemma3) rotates x[i] with x[i + head_dim/2], Hugging Face's
+"rotate half", and their converters leave Q and K unpermuted (apply_rope_neox).
+
+The adjacent (llama) pairing:
 Hugging Face Llama rotates x[i] with x[i + head_dim/2] ("rotate half"). llama.cpp's converter
 permutes the rows of the Q and K projections so that the same pairs sit next to each other: in a
 GGUF file, pair i of a head is (x[2i], x[2i+1]), rotated by angle position * base**(-2i/head_dim).
@@ -13,9 +18,11 @@ from __future__ import annotations
 import numpy as np
 
 
-def inverse_frequencies(head_dim: int, base: float) -> np.ndarray:
-    """base**(-2i/head_dim) for each pair i, float64."""
-    return base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+def inverse_frequencies(head_dim: int, base: float, factors: tuple[float, ...] = ()) -> np.ndarray:
+    """base**(-2i/head_dim) for each pair i, float64; divided by factors[i] when given (llama.cpp's
+    rope_freqs tensor, how a GGUF carries Llama 3's rope scaling)."""
+    inv_freq = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    return inv_freq / np.asarray(factors, dtype=np.float64) if len(factors) else inv_freq
 
 
 def rope_tables(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -39,3 +46,15 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     np.multiply(even, sin, out=out_odd)
     out_odd += odd * cos
     return out.reshape(n, heads, head_dim)
+
+
+def apply_rope_neox(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate each pair (x[..., i], x[..., i + head_dim/2]) of x (n, heads, head_dim); new array."""
+    half = x.shape[-1] // 2
+    first, second = x[..., :half], x[..., half:]
+    out = np.empty(x.shape, dtype=np.float32)
+    np.multiply(first, cos, out=out[..., :half])
+    out[..., :half] -= second * sin
+    np.multiply(second, cos, out=out[..., half:])
+    out[..., half:] += first * sin
+    return out

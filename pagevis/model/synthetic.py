@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,13 +16,6 @@ from pagevis.model.weights import LlamaWeights, layer_from_gguf_matrices
 BYTE_VOCAB = 256
 MAX_WINDOW = 1 << 20
 MAX_LAYERS = LIMITS["n_layers"]
-
-
-@dataclass(frozen=True)
-class SyntheticConfig(ModelConfig):
-    """A synthetic model's shape, with a sliding window per layer (None: full attention), as Gemma 3 has."""
-
-    sliding_windows: tuple[int | None, ...] | None = None
 
 
 def window_pattern(n_layers: int, window: int, global_every: int) -> tuple[int | None, ...] | None:
@@ -70,7 +62,7 @@ class SyntheticModel(LlamaModel):
 def synthetic_config(
     n_layers: Any, n_heads: Any, n_kv_heads: Any, head_dim: Any, d_model: Any, vocab_size: Any,
     d_ff: Any, rope_base: Any, rms_eps: Any, context_length: Any, sliding_window: Any = 0, global_every: Any = 0,
-) -> SyntheticConfig:
+) -> ModelConfig:
     for field, value in (("n_layers", n_layers), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads),
                          ("head_dim", head_dim), ("vocab_size", vocab_size),
                          ("context_length", context_length)):
@@ -81,11 +73,11 @@ def synthetic_config(
     d_ff = 2 * d_model if d_ff is None else check_positive_int("d_ff", d_ff)
     windows = window_pattern(int(n_layers), sliding_window, global_every)
     pattern = "" if windows is None else f"-w{sliding_window}g{global_every}"
-    return SyntheticConfig(
+    return ModelConfig(
         name=f"synthetic-{n_layers}L-{n_heads}h{n_kv_heads}kv-{head_dim}d{pattern}",
         n_layers=int(n_layers), d_model=d_model, n_heads=int(n_heads), n_kv_heads=int(n_kv_heads),
         head_dim=int(head_dim), d_ff=d_ff, vocab_size=int(vocab_size), rope_base=float(rope_base),
-        rms_eps=float(rms_eps), context_length=int(context_length), bos_id=None, eos_ids=(), sliding_windows=windows,
+        rms_eps=float(rms_eps), context_length=int(context_length), bos_id=None, eos_ids=(), sliding_windows=windows or (),
     )
 
 

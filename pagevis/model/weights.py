@@ -23,6 +23,17 @@ class LayerWeights:
     ffn_norm: np.ndarray   # (d_model,)
     w_gate_up: np.ndarray  # (d_model, 2 * d_ff): gate, up side by side
     w_down: np.ndarray     # (d_ff, d_model)
+    # Only in the layouts that have them (config.Layout), else None:
+    qkv_bias: np.ndarray | None = None       # (q_dim + 2 * kv_dim,): qkv_bias
+    q_norm: np.ndarray | None = None         # (head_dim,): qk_norm
+    k_norm: np.ndarray | None = None         # (head_dim,)
+    post_attn_norm: np.ndarray | None = None  # (d_model,): post_norms
+    post_ffn_norm: np.ndarray | None = None   # (d_model,)
+
+    def vectors(self) -> tuple[np.ndarray, ...]:
+        """Every norm weight and bias this layer has."""
+        return tuple(v for v in (self.attn_norm, self.ffn_norm, self.qkv_bias, self.q_norm, self.k_norm,
+                                 self.post_attn_norm, self.post_ffn_norm) if v is not None)
 
 
 @dataclass(frozen=True)
@@ -41,8 +52,7 @@ class LlamaWeights:
         """Bytes of weights one decode step reads: every matrix once, one embedding row."""
         layer_bytes = sum(
             w.nbytes for layer in self.layers
-            for w in (layer.attn_norm, layer.wqkv, layer.wo, layer.ffn_norm, layer.w_gate_up,
-                      layer.w_down)
+            for w in (*layer.vectors(), layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)
         )
         return layer_bytes + self.output_norm.nbytes + self.output_t.nbytes + self.embedding[0].nbytes
 
@@ -56,16 +66,27 @@ def as_input_major(*out_by_in: np.ndarray) -> np.ndarray:
 def layer_from_gguf_matrices(
     attn_norm: np.ndarray, q: np.ndarray, k: np.ndarray, v: np.ndarray, o: np.ndarray,
     ffn_norm: np.ndarray, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
+    q_bias: np.ndarray | None = None, k_bias: np.ndarray | None = None, v_bias: np.ndarray | None = None,
+    q_norm: np.ndarray | None = None, k_norm: np.ndarray | None = None,
+    post_attn_norm: np.ndarray | None = None, post_ffn_norm: np.ndarray | None = None,
 ) -> LayerWeights:
-    """Build a layer from matrices in GGUF/PyTorch orientation (out_features, in_features)."""
+    """Build a layer from matrices in GGUF/PyTorch orientation (out_features, in_features); the optional
+    biases and norms only for the layouts that have them (the three biases together)."""
     return LayerWeights(
-        attn_norm=np.ascontiguousarray(attn_norm, dtype=np.float32),
+        attn_norm=_vector(attn_norm),
         wqkv=as_input_major(q, k, v),
         wo=as_input_major(o),
-        ffn_norm=np.ascontiguousarray(ffn_norm, dtype=np.float32),
+        ffn_norm=_vector(ffn_norm),
         w_gate_up=as_input_major(gate, up),
         w_down=as_input_major(down),
+        qkv_bias=None if q_bias is None else _vector(np.concatenate([q_bias, k_bias, v_bias])),
+        q_norm=_vector(q_norm), k_norm=_vector(k_norm),
+        post_attn_norm=_vector(post_attn_norm), post_ffn_norm=_vector(post_ffn_norm),
     )
+
+
+def _vector(values: np.ndarray | None) -> np.ndarray | None:
+    return None if values is None else np.array(values, dtype=np.float32)  # a copy: never a file view
 
 
 def check_weight_shapes(config: ModelConfig, weights: LlamaWeights) -> None:
@@ -78,6 +99,10 @@ def check_weight_shapes(config: ModelConfig, weights: LlamaWeights) -> None:
     }
     if len(weights.layers) != config.n_layers:
         raise ValueError(f"{len(weights.layers)} layers of weights, config says {config.n_layers}")
+    layout, hd = config.layout, config.head_dim
+    optional = {"qkv_bias": (layout.qkv_bias, (q + 2 * kv,)), "q_norm": (layout.qk_norm, (hd,)),
+                "k_norm": (layout.qk_norm, (hd,)), "post_attn_norm": (layout.post_norms, (d,)),
+                "post_ffn_norm": (layout.post_norms, (d,))}
     for index, layer in enumerate(weights.layers):
         expected.update({
             f"layers[{index}].attn_norm": (layer.attn_norm, (d,)),
@@ -87,6 +112,13 @@ def check_weight_shapes(config: ModelConfig, weights: LlamaWeights) -> None:
             f"layers[{index}].w_gate_up": (layer.w_gate_up, (d, 2 * ff)),
             f"layers[{index}].w_down": (layer.w_down, (ff, d)),
         })
+        for field, (wanted, shape) in optional.items():
+            array = getattr(layer, field)
+            if (array is not None) != wanted:
+                raise ValueError(f"layers[{index}].{field} is {'missing' if wanted else 'given'}, but this "
+                                 f"layout {'needs' if wanted else 'has no'} it")
+            if wanted:
+                expected[f"layers[{index}].{field}"] = (array, shape)
     for name, (array, shape) in expected.items():
         if array.shape != shape or array.dtype != np.float32:
             raise ValueError(f"{name} is {array.dtype}{array.shape}, expected float32{shape}")

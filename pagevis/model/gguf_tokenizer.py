@@ -1,0 +1,119 @@
+"""The model's own tokenizer: a `tokenizers.Tokenizer` built from the GGUF vocabulary (vocab_tokenizer.py) behind
+pagevis's Tokenizer interface, and the file's chat template (chat_template.py; ChatML when the file has none,
+as llama.cpp falls back)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterable, Sequence
+
+from tokenizers import Tokenizer as Backend
+
+from pagevis.errors import ConfigError
+from pagevis.model.chat import chatml_segments, system_prompt_from_template
+from pagevis.model.chat_template import ChatTemplate
+from pagevis.model.tokenizer import IncrementalDecoder, printable_token
+from pagevis.model.vocab_tokenizer import CONTROL, SPIECE_SPACE, USER_DEFINED, byte_to_unicode
+
+BYTE_TOKEN = 6  # GGUF token type BYTE: "<0xNN>" in a SentencePiece vocabulary
+
+
+class GGUFTokenizer:
+    """encode / decode / token text over the backend. Token bytes are computed once per id from the vocabulary
+    (byte-level: GPT-2's alphabet undone; SentencePiece: U+2581 as a space, <0xNN> as that byte), so streaming
+    decode needs no backend call."""
+
+    def __init__(self, backend: Backend, kind: str, tokens: Sequence[str], token_types: Sequence[int],
+                 bos_id: int | None, eos_id: int | None, add_bos: bool, chat_template: str | None) -> None:
+        self.backend = backend
+        self.kind = kind
+        self.vocab_size = len(tokens)
+        self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
+        self.special_ids = {t: i for i, (t, kind_) in enumerate(zip(tokens, token_types))
+                            if kind_ in (CONTROL, USER_DEFINED) and t}
+        self._control_ids = {i for t, i in self.special_ids.items() if token_types[i] == CONTROL}
+        self._token_bytes = _token_bytes(kind, tokens, token_types, set(self.special_ids))
+        self._missing_bytes = _bytes_without_token(kind, tokens)
+        bos = tokens[bos_id] if bos_id is not None else ""
+        eos = tokens[eos_id] if eos_id is not None else ""
+        controls = [t for t, i in self.special_ids.items() if i in self._control_ids]
+        self._template = ChatTemplate(chat_template, controls, bos, eos) if chat_template else None
+        self.chat_system_prompt = system_prompt_from_template(chat_template)  # ChatML's default system turn
+        self._special_lock = threading.Lock()  # encode(special=True) flips the backend's flag for its call
+
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        """Token ids for text. With special=True, control-token strings in it become their single ids; by default
+        they are text like any other, so user input cannot inject them."""
+        return self._bos() + self._encode_text(text, special)
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """A conversation through the file's template: control tokens from the template only, messages as text."""
+        segments = self._segments(messages, add_generation_prompt)
+        # Gemma's template starts with {{ bos_token }}: then no second BOS (transformers' and llama.cpp's rule).
+        writes_bos = bool(segments) and self._template is not None and segments[0] == (self._template.bos_token, True)
+        ids = [] if writes_bos else self._bos()
+        for text, control in segments:
+            ids += self._encode_text(text, special=control)
+        return ids
+
+    def format_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return "".join(text for text, _ in self._segments(messages, add_generation_prompt))
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        skip = self._control_ids if skip_special else ()
+        return b"".join(self._token_bytes[i] for i in ids if i not in skip).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._token_bytes[token_id]
+
+    def token_text(self, token_id: int) -> str:
+        return printable_token(self._token_bytes[token_id])
+
+    def incremental_decoder(self) -> IncrementalDecoder:
+        return IncrementalDecoder(self.token_bytes)
+
+    def _bos(self) -> list[int]:
+        return [self.bos_id] if self.add_bos and self.bos_id is not None else []
+
+    def _segments(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[tuple[str, bool]]:
+        if self._template is None:
+            return chatml_segments(messages, None, add_generation_prompt)
+        return self._template.segments(messages, add_generation_prompt)
+
+    def _encode_text(self, text: str, special: bool) -> list[int]:
+        if not text:
+            return []
+        if self._missing_bytes:
+            missing = sorted(set(text.encode("utf-8")) & self._missing_bytes)
+            if missing:
+                raise ConfigError("text", bytes(missing[:1]).decode("latin-1"),
+                                  f"characters this model's vocabulary can encode (byte {missing[0]:#04x} has no "
+                                  "token)")
+        with self._special_lock:
+            self.backend.encode_special_tokens = not special
+            try:
+                return self.backend.encode(text, add_special_tokens=False).ids
+            finally:
+                self.backend.encode_special_tokens = True
+
+
+def _token_bytes(kind: str, tokens: Sequence[str], token_types: Sequence[int], plain: set[str]) -> list[bytes]:
+    if kind == "gpt2":
+        to_byte = {char: byte for byte, char in byte_to_unicode().items()}
+        return [t.encode("utf-8") if t in plain or any(ch not in to_byte for ch in t)
+                else bytes(to_byte[ch] for ch in t) for t in tokens]
+    out = []
+    for token, kind_ in zip(tokens, token_types):
+        if kind_ == BYTE_TOKEN and len(token) == 6 and token.startswith("<0x"):
+            out.append(bytes([int(token[3:5], 16)]))
+        else:
+            out.append(token.replace(SPIECE_SPACE, " ").encode("utf-8"))
+    return out
+
+
+def _bytes_without_token(kind: str, tokens: Sequence[str]) -> set[int]:
+    """Bytes a byte-level vocabulary cannot spell (SmolLM2 lacks a few); SentencePiece falls back to <0xNN>."""
+    if kind != "gpt2":
+        return set()
+    known = set(tokens)
+    return {byte for byte, char in byte_to_unicode().items() if char not in known}

@@ -1,0 +1,124 @@
+"""A Hugging Face `tokenizers.Tokenizer` built from a GGUF file's vocabulary, the two kinds llama.cpp writes.
+
+- "gpt2": byte-level BPE with the file's merges. Text is split by the regex of `tokenizer.ggml.pre` (as llama.cpp
+  and transformers' GGUF loader split it), then spelled in GPT-2's byte alphabet. "smollm" keeps SmolLM2's own
+  tokenizer.json rule (every digit split off first), checked against its reference ids.
+- "llama": SentencePiece BPE with byte fallback (Gemma's). The file has no merges: as transformers' GGUF loader
+  does, they are rebuilt from the vocabulary (every split of a token into two tokens), ordered by the position of
+  the merged token in the file; spaces become U+2581 and tokens spelled with real spaces are respelled with it.
+
+Control tokens (GGUF type 3) are special added tokens, matched whole only when the caller asks (the backend's
+encode_special_tokens is left on, so plain encoding spells them as text); user-defined ones (type 4, e.g.
+Gemma's newline runs) are added tokens matched whole always, as llama.cpp does.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Sequence
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+# tokenizer.ggml.pre -> the split regex (None: GPT-2's own, inside ByteLevel); "smollm" adds SmolLM2's digit split.
+PRE_TOKENIZER_SPLITS = {
+    "smollm": None, "gpt-2": None, "default": None,
+    "llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT, "dbrx": LLAMA3_SPLIT,
+    "smaug-bpe": LLAMA3_SPLIT, "qwen2": QWEN2_SPLIT, "deepseek-r1-qwen": QWEN2_SPLIT,
+}
+# Rebuilding merges slices every token at every cut: sum(len(token)^2) work. Gemma's vocabulary needs 1.1e7;
+# a file asking for more than this bound (long tokens crafted to stall the loader) is refused.
+MAX_MERGE_WORK = 200_000_000
+CONTROL, USER_DEFINED = 3, 4
+SPIECE_SPACE = "\u2581"
+TOKENIZER_KINDS = ("gpt2", "llama")
+
+
+@lru_cache(maxsize=1)
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from the 256 byte values to printable characters (space -> 'Ġ')."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {byte: chr(char) for byte, char in zip(printable, chars)}
+
+
+def byte_level_backend(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int],
+                       pre: str) -> Tokenizer:
+    if pre not in PRE_TOKENIZER_SPLITS:
+        raise ValueError(f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported "
+                         f"(supported: {', '.join(sorted(PRE_TOKENIZER_SPLITS))})")
+    alphabet = set(byte_to_unicode().values())
+    spelled = byte_to_unicode()
+    vocab = {}
+    for index, token in enumerate(tokens):
+        # A control token written in plain text (<|im_start|> is, in GPT-2's alphabet already) stays as it is.
+        key = token if set(token) <= alphabet else "".join(spelled[b] for b in token.encode("utf-8"))
+        vocab.setdefault(key, index)
+    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
+    backend = Tokenizer(models.BPE(vocab, pairs, ignore_merges=False))
+    split = PRE_TOKENIZER_SPLITS[pre]
+    if pre == "smollm":
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                         pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    elif split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    _add_control_tokens(backend, tokens, token_types, lambda token: set(token) <= alphabet)
+    return backend
+
+
+def sentencepiece_backend(tokens: Sequence[str], token_types: Sequence[int], add_space_prefix: bool) -> Tokenizer:
+    work = sum(len(t) ** 2 for t in tokens)
+    if work > MAX_MERGE_WORK:
+        raise ValueError(f"tokenizer.ggml.tokens: rebuilding this vocabulary's merges takes {work:.3g} steps (the "
+                         f"sum of squared token lengths), more than the {MAX_MERGE_WORK:.3g} pagevis allows")
+    respelled = [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(respelled):
+        vocab.setdefault(token, index)
+    backend = Tokenizer(models.BPE(vocab, merges_by_position(vocab), unk_token=_unknown(tokens, token_types),
+                                   fuse_unk=True, byte_fallback=True))
+    steps = [normalizers.Prepend(SPIECE_SPACE)] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", SPIECE_SPACE)])
+    backend.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
+    _add_control_tokens(backend, respelled, token_types, lambda token: True)
+    return backend
+
+
+def merges_by_position(vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Every (left, right) pair of tokens that spells a token, the merged token's earlier place in the file first,
+    then the longer left piece (transformers' generate_merges with Gemma's position scores). vocab is in file
+    order, so walking it (and each token's cuts from the right) yields that order without a sort."""
+    return [(merged[:cut], merged[cut:]) for merged in vocab for cut in range(len(merged) - 1, 0, -1)
+            if merged[:cut] in vocab and merged[cut:] in vocab]
+
+
+def _unknown(tokens: Sequence[str], token_types: Sequence[int]) -> str | None:
+    return next((t for t, kind in zip(tokens, token_types) if kind == 2), None)  # GGUF type 2: UNKNOWN
+
+
+def _add_control_tokens(backend: Tokenizer, tokens: Sequence[str], token_types: Sequence[int], spellable) -> None:
+    vocab = backend.get_vocab()
+    control = [AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, token_types)
+               if kind == CONTROL and t and spellable(t)]
+    backend.add_special_tokens(control)
+    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, token_types)
+                        if kind == USER_DEFINED and t in vocab])
+    backend.encode_special_tokens = True  # plain encoding spells control tokens as text: see gguf_tokenizer.py

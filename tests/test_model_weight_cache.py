@@ -1,0 +1,60 @@
+"""The on-disk cache of dequantised weights: a second load maps the same arrays, a damaged or stale entry is
+never used (the file is dequantised again), and it stays within its entry bound."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from pagevis.model import DenseAttention, load_model, weight_cache
+from pagevis.model.synthetic import SyntheticModel
+
+from model_fixtures import write_llama_gguf
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEVIS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PAGEVIS_WEIGHT_CACHE", "1")
+    monkeypatch.setattr(weight_cache, "MIN_CACHED_BYTES", 0)
+    return tmp_path / "cache" / "weights"
+
+
+def logits(model):
+    ids = np.array([72, 105, 33, 10])
+    return model.forward(ids, np.arange(4), DenseAttention(model.config), all_logits=True)
+
+
+def test_second_load_maps_the_cached_arrays(tmp_path, cache):
+    path = write_llama_gguf(tmp_path / "tiny.gguf", SyntheticModel(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8))
+    first = load_model(path)
+    assert len(list(cache.iterdir())) == 1
+    second = load_model(path)
+    assert not second.weights.embedding.flags.writeable  # a read-only map of the cache, not a fresh dequantisation
+    assert np.shares_memory(second.weights.embedding, second.weights.output_t)  # tied: still one matrix
+    np.testing.assert_array_equal(logits(second), logits(first))
+
+
+def test_damaged_or_stale_entries_are_not_used(tmp_path, cache):
+    path = write_llama_gguf(tmp_path / "tiny.gguf", SyntheticModel(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8))
+    expected = logits(load_model(path))
+    entry = next(cache.iterdir())
+    (entry / "0.wqkv.npy").write_bytes(b"\x93NUMPY garbage")
+    reloaded = load_model(path)
+    assert reloaded.weights.embedding.flags.writeable  # dequantised again
+    np.testing.assert_array_equal(logits(reloaded), expected)
+    np.save(entry / "embedding.npy", np.zeros((3, 3), np.float32))  # a valid .npy of the wrong shape
+    np.testing.assert_array_equal(logits(load_model(path)), expected)
+    os.utime(path, ns=(1, 1))  # the source changed: a new entry, the old one is never read
+    load_model(path)
+    assert len(list(cache.iterdir())) == 2
+
+
+def test_at_most_max_entries_are_kept(tmp_path, cache, monkeypatch):
+    monkeypatch.setattr(weight_cache, "MAX_ENTRIES", 2)
+    for index in range(3):
+        load_model(write_llama_gguf(tmp_path / f"m{index}.gguf", SyntheticModel(n_layers=1, n_heads=2, n_kv_heads=1,
+                                                                                 head_dim=8, seed=index)))
+    assert len(list(cache.iterdir())) == 2

@@ -1,0 +1,70 @@
+"""A SentencePiece ("llama") GGUF vocabulary, Gemma's kind, on a tiny file: merges rebuilt from the vocabulary in
+file order, spaces as U+2581, byte fallback, BOS, control tokens as text unless asked; the built tokenizer is
+cached on disk and a damaged cache file is rebuilt. (Gemma's own 262k vocabulary is checked against transformers
+in test_model_gemma.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagevis.model import load_model, vocab_tokenizer
+from pagevis.model.synthetic import SyntheticModel
+
+from model_fixtures import write_llama_gguf
+
+# file order is merge order: "▁th" (an earlier token) wins over "he" for "▁the"
+PIECES = ["▁", "t", "h", "e", "a", "▁t", "▁th", "he", "▁the", "at", "c", "▁c", "▁cat"]
+
+
+@pytest.fixture
+def spm_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEVIS_CACHE_DIR", str(tmp_path / "cache"))
+    model = SyntheticModel(n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, vocab_size=260 + len(PIECES))
+    path = write_llama_gguf(tmp_path / "spm.gguf", model, sentencepiece=PIECES)
+    return path
+
+
+def ids_of(*pieces: str) -> list[int]:
+    return [260 + PIECES.index(p) for p in pieces]
+
+
+def test_merges_follow_file_order_and_spaces_become_u2581(spm_file):
+    tokenizer = load_model(spm_file).tokenizer
+    assert tokenizer.encode(" the cat") == [2, *ids_of("▁the", "▁cat")]
+    assert tokenizer.encode("the") == [2, *ids_of("t", "he")]
+    assert tokenizer.encode("<bos>") != [2, 2] and tokenizer.encode("<bos>", special=True) == [2, 2]
+    assert tokenizer.decode(tokenizer.encode(" the cat"), skip_special=True) == " the cat"
+
+
+def test_bytes_without_a_piece_fall_back_to_byte_tokens(spm_file):
+    tokenizer = load_model(spm_file).tokenizer
+    ids = tokenizer.encode("é!")
+    assert ids == [2, 4 + 0xC3, 4 + 0xA9, 4 + ord("!")]  # <0xNN> is id 4 + NN
+    assert tokenizer.decode(ids, skip_special=True) == "é!" and tokenizer.token_text(4 + 0xC3) == "<0xC3>"
+
+
+def test_the_built_tokenizer_is_cached_and_a_damaged_cache_is_rebuilt(spm_file, tmp_path, monkeypatch):
+    first = load_model(spm_file).tokenizer.encode(" the cat")
+    cached = list((tmp_path / "cache" / "tokenizers").glob("*.json"))
+    assert len(cached) == 1
+
+    def refuse(*args):
+        raise AssertionError("rebuilt although the cache is valid")
+
+    monkeypatch.setattr(vocab_tokenizer, "merges_by_position", refuse)
+    assert load_model(spm_file).tokenizer.encode(" the cat") == first
+    monkeypatch.undo()
+    monkeypatch.setenv("PAGEVIS_CACHE_DIR", str(tmp_path / "cache"))
+    cached[0].write_text("{ not json")
+    assert load_model(spm_file).tokenizer.encode(" the cat") == first
+
+
+def test_a_vocabulary_built_to_stall_the_merge_rebuild_is_refused(tmp_path, monkeypatch):
+    from pagevis.model import ModelLoadError
+
+    monkeypatch.setenv("PAGEVIS_CACHE_DIR", str(tmp_path / "cache"))
+    pieces = ["a" * 15_000]  # one 15 kB token: 2.25e8 slicing steps, past the bound (Gemma needs 1.1e7)
+    model = SyntheticModel(n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8, vocab_size=260 + len(pieces))
+    path = write_llama_gguf(tmp_path / "long.gguf", model, sentencepiece=pieces)
+    with pytest.raises(ModelLoadError, match=r"long\.gguf: tokenizer\.ggml\.tokens: rebuilding .* more than the 2e\+08"):
+        load_model(path)
