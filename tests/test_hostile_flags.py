@@ -144,7 +144,8 @@ def all_parsers():
 
 
 def test_every_parser_refuses_an_abbreviated_flag():
-    """With abbreviations `pagevis --record demo.mp4` was read as `--record-layers demo.mp4`; now no parser
+    """With abbreviations `pagevis --record demo.mp4` was read as `--record-layers demo.mp4` (before --record
+    existed); now no parser
     takes a prefix of one of its flags for the flag."""
     parsers = all_parsers()
     assert {p.prog for p in parsers} >= {f"pagevis {c}" for c in cli_main.COMMANDS} | {"pagevis"}
@@ -160,7 +161,7 @@ def test_every_parser_refuses_an_abbreviated_flag():
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--record", "demo.mp4"], "pagevis: error: unrecognized arguments: --record demo.mp4"),
+    (["--record-lay", "0"], "pagevis: error: unrecognized arguments: --record-lay 0"),
     (["run", *SYNTH, "--max-tok", "5"], "pagevis run: error: unrecognized arguments: --max-tok 5"),
     (["serve", "--max-run", "2"], "pagevis serve: error: unrecognized arguments: --max-run 2"),
     (["compare", "--budget", "64"], "pagevis compare: error: unrecognized arguments: --budget (see pagevis compare"),
