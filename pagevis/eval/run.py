@@ -1,0 +1,147 @@
+"""lm-eval against `pagevis serve`, one cache configuration at a time.
+
+Each configuration (policy, budget, dtype; the full cache first) gets a server of its own in this process —
+the real uvicorn app on a free loopback port, sharing the one loaded model — whose default cache is that
+configuration, so every request lm-eval sends is scored through it. lm-eval talks to it as to vLLM:
+`local-completions` with `tokenizer_backend=remote` (token-id prompts, /tokenize for context lengths),
+`num_concurrent` requests at once, which the server batches into its engine steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pagevis.bench import quality
+from pagevis.engine import SessionConfig
+from pagevis.eval.tasks import NEEDLE, Needle, task_config
+from pagevis.serve.app import model_id
+from pagevis.serve.background import serving
+from pagevis.serve.settings import ServeSettings
+
+FULL = "full cache"
+PROMPT_ROOM = 16  # tokens a request may hold beyond --max-length (lm-eval asks for one generated token)
+TOKEN_BUDGET = 512  # tokens per engine step over all requests: a scored prompt keeps logits of every row
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """One row: a policy (None: the full cache) at a budget in tokens per layer, in a dtype."""
+
+    policy: str | None
+    budget: int
+    dtype: str = "float32"
+    params: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        if self.policy is None:
+            return FULL
+        return self.policy + (f"({','.join(f'{k}={v}' for k, v in self.params.items())})" if self.params else "")
+
+
+@dataclass
+class EvalRow:
+    policy: str
+    budget: int
+    dtype: str
+    kv_bytes_per_token: float
+    metrics: dict[str, dict[str, float]]  # task -> metric -> value
+    needle: dict[tuple[int, float], float]  # (length, depth) -> accuracy
+    seconds: float
+
+    def as_dict(self) -> dict:
+        row = dataclasses.asdict(self)
+        row["needle"] = [{"length": k[0], "depth": k[1], "acc": v} for k, v in sorted(self.needle.items())]
+        return row
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to evaluate: tasks, the configurations, and how lm-eval runs them."""
+
+    tasks: tuple[str, ...]
+    configurations: tuple[Configuration, ...]
+    page_size: int = 16
+    max_length: int = 512
+    limit: int | None = None
+    concurrency: int = 8
+    residual: int = 32
+    needle: Needle = Needle()
+
+
+def full_cache(plan: Plan) -> Configuration:
+    """The reference row: every token of the longest request kept, in float32."""
+    return Configuration(None, math.ceil((plan.max_length + PROMPT_ROOM) / plan.page_size) * plan.page_size)
+
+
+def evaluate(model, spec, plan: Plan, log: Callable[[str], None] = lambda _: None) -> list[EvalRow]:
+    """Run every task of the plan under the full cache and then each configuration; one row each."""
+    logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pagevis-eval-") as folder:
+        tasks = [task_config(name, Path(folder), model.tokenizer, plan.needle) for name in plan.tasks]
+        for configuration in (full_cache(plan), *plan.configurations):
+            started = time.perf_counter()
+            results = _run_one(model, spec, plan, configuration, tasks)
+            rows.append(_row(model, plan, configuration, results, time.perf_counter() - started))
+            log(f"eval: {configuration.label} @ {configuration.budget} {configuration.dtype}: "
+                f"{_summary(rows[-1])} ({rows[-1].seconds:.0f} s)")
+    return rows
+
+
+def _settings(model, spec, plan: Plan, configuration: Configuration) -> ServeSettings:
+    if configuration.policy is None:
+        max_pages, policy, params = configuration.budget // plan.page_size, "none", {}
+    else:
+        choice = quality.PolicyChoice(configuration.policy, configuration.params)
+        max_pages, params = quality.session_pages(choice, configuration.budget, plan.page_size, model.config)
+        policy = configuration.policy
+    defaults = dataclasses.replace(SessionConfig(), page_size=plan.page_size, max_pages=max_pages, policy=policy,
+                                   policy_params=params, dtype=configuration.dtype, residual=plan.residual,
+                                   oracle=False, record_layers=())
+    defaults.check()
+    return ServeSettings(model_spec=spec, defaults=defaults, max_running=plan.concurrency,
+                         max_waiting=plan.concurrency, token_budget=TOKEN_BUDGET,
+                         max_session_tokens=plan.max_length + PROMPT_ROOM,
+                         max_cache_tokens=max(max_pages * plan.page_size, plan.max_length + PROMPT_ROOM))
+
+
+def _run_one(model, spec, plan: Plan, configuration: Configuration, tasks: list) -> dict:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    # Indexing lm-eval's own task registry takes 10-30 s: only when a task is named from it
+    manager = TaskManager(include_defaults=any(isinstance(task, str) for task in tasks))
+
+    with serving(_settings(model, spec, plan, configuration), model) as (url, _, _):
+        model_args = {"base_url": f"{url}/v1/completions", "model": model_id(spec), "tokenizer_backend": "remote",
+                      "tokenized_requests": True, "num_concurrent": plan.concurrency, "max_length": plan.max_length,
+                      "max_retries": 1, "timeout": 3600}
+        return lm_eval.simple_evaluate(model="local-completions", model_args=model_args, tasks=tasks,
+                                       limit=plan.limit, log_samples=NEEDLE in plan.tasks, bootstrap_iters=0,
+                                       verbosity="WARNING", task_manager=manager)
+
+
+def _row(model, plan: Plan, configuration: Configuration, results: dict, seconds: float) -> EvalRow:
+    metrics = {}
+    for task, values in results["results"].items():
+        metrics[task] = {key.split(",")[0]: value for key, value in values.items()
+                         if "," in key and "_stderr" not in key and isinstance(value, (int, float))}
+    needle: dict[tuple[int, float], list[float]] = {}
+    for sample in results.get("samples", {}).get(NEEDLE, []):
+        needle.setdefault((sample["doc"]["length"], sample["doc"]["depth"]), []).append(sample["acc"])
+    kv = quality.cache_bytes(configuration.dtype, configuration.budget, plan.page_size, plan.residual,
+                             model.config) / configuration.budget
+    return EvalRow(configuration.label, configuration.budget, configuration.dtype, kv, metrics,
+                   {cell: sum(v) / len(v) for cell, v in needle.items()}, seconds)
+
+
+def _summary(row: EvalRow) -> str:
+    return ", ".join(f"{task} {next(iter(values.values())):.3f}" for task, values in row.metrics.items() if values)
