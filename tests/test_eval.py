@@ -84,6 +84,7 @@ def test_pagevis_eval_prints_the_table_and_draws_the_plots(tmp_path, capsys):
     (["--tasks", ","], "--tasks: give at least one task"),
     (["--dtypes", "int3"], "--dtypes: unknown dtype 'int3'"),
     (["--concurrency", "0"], "--concurrency 0: must be from 1 to 64"),
+    (["--max-length", "256", "--needle-lengths", "256"], "--needle-lengths 256: must be from 32 to 240"),
 ])
 def test_bad_flags_get_one_line(flags, words, capsys):
     from pagevis.cli.main import main

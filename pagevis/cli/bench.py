@@ -45,7 +45,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
                              "sampling pages, shared-prompt prefix-cache hit rate)")
     parser.add_argument("--no-kernels", action="store_true",
                         help="skip the model-side kernel rows (decode of 1-16 sequences through one batched forward, "
-                             "decode attention at 8,192 tokens against the read bandwidth and torch)")
+                             "decode attention at 8,192 tokens against the read bandwidth and torch, prefill of 1 "
+                             "and 8 scored 512-token prompts against sgemm)")
     parser.add_argument("--no-tiers", action="store_true",
                         help="skip the disk-tier rows (exact streamed attention vs RAM share, quest vs K, RssAnon "
                              "from 4k to 32k tokens; see docs/memory.md)")
@@ -139,6 +140,13 @@ def main(args: argparse.Namespace) -> int:
 
         say("kernels: batched decode through the forward, decode attention against the read bandwidth ...")
         kernels = run_kernel_bench(spec.load(), quick=args.quick, threads=args.blas_threads)
+    prefill = None
+    if spec is not None and not args.no_kernels:
+        from pagevis.bench.prefill import CONCURRENT, PROMPT_TOKENS, run_prefill_bench
+
+        say("prefill: scored prompts (log-likelihood requests) one and many at once, against sgemm ...")
+        prefill = run_prefill_bench(spec.load(), (1, 2) if args.quick else CONCURRENT,
+                                    64 if args.quick else PROMPT_TOKENS)
     sequences = None
     if spec is not None and not args.no_sequences:
         from pagevis.bench.sequences import run_sequences_bench
@@ -155,7 +163,7 @@ def main(args: argparse.Namespace) -> int:
                  "quest": tier_bench.quest_rows(max(tier_contexts), swap_dir=args.swap_dir),
                  "rss": None if args.quick else tier_bench.rss_rows(swap_dir=args.swap_dir)}
     result = {"attention": paged, "storage": storage, "quantized": quantized, "torch": torch_rows, "decode": decode,
-              "kernels": kernels,
+              "kernels": kernels, "prefill": prefill,
               "sequences": sequences,
               "tiers": tiers, "shape": suite.SMOLLM2_LAYER}
     if not args.no_files:
@@ -224,6 +232,10 @@ def format_report(result: dict) -> str:
         from pagevis.bench.kernels import format_kernels
 
         out += ["", *format_kernels(result["kernels"])]
+    if result.get("prefill"):
+        from pagevis.bench.prefill import format_prefill
+
+        out += ["", *format_prefill(result["prefill"])]
     if result.get("sequences"):
         from pagevis.bench.sequences import format_sequences
 

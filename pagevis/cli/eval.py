@@ -17,6 +17,7 @@ DEFAULT_POLICIES = "sinks,h2o"
 MAX_LIMIT = 1 << 20
 MAX_CONCURRENCY = 64
 MAX_LENGTH = 8192
+CHOICE_ROOM = 16  # tokens a needle choice (" 1234.") and lm-eval's own one token may take
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -45,7 +46,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--concurrency", type=int, default=8, metavar="N",
                         help="requests in flight at once, batched in the engine's steps (default 8)")
     parser.add_argument("--needle-lengths", default="128,256", metavar="LIST",
-                        help="pagevis_needle: prompt lengths in tokens (default 128,256)")
+                        help="pagevis_needle: prompt lengths in tokens, at most --max-length - 16 (default 128,256)")
     parser.add_argument("--needle-depths", default="0,0.5,1", metavar="LIST",
                         help="pagevis_needle: depths of the code in the haystack, 0 (start) to 1 (end) (default 0,0.5,1)")
     parser.add_argument("--needle-samples", type=int, default=2, metavar="N",
@@ -83,8 +84,8 @@ def parse_plan(args: argparse.Namespace, model_config):
         if dtype not in STORAGE_DTYPES:
             raise UsageError(f"--dtypes: unknown dtype {dtype!r}; the dtypes are {', '.join(STORAGE_DTYPES)}")
     lengths = tuple(options.parse_int_list(args.needle_lengths, "--needle-lengths", "token counts like 128,256"))
-    for length in lengths:
-        options.check_range("--needle-lengths", length, 32, min(args.max_length, MAX_NEEDLE_TOKENS))
+    for length in lengths:  # the longest choice must fit after the prompt, or lm-eval cuts the haystack's start
+        options.check_range("--needle-lengths", length, 32, min(args.max_length - CHOICE_ROOM, MAX_NEEDLE_TOKENS))
     depths = tuple(_parse_depths(args.needle_depths))
     residual = settings.setting("residual").default if args.residual is None else args.residual
     options.check_range("--residual", residual, 0, settings.MAX_RESIDUAL)

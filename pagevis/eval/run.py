@@ -27,7 +27,9 @@ from pagevis.serve.settings import ServeSettings
 
 FULL = "full cache"
 PROMPT_ROOM = 16  # tokens a request may hold beyond --max-length (lm-eval asks for one generated token)
-TOKEN_BUDGET = 512  # tokens per engine step over all requests: a scored prompt keeps logits of every row
+# A step's tokens over all requests: every request's prompt in one step where the logits of its rows (a
+# scored prompt keeps all of them: rows x vocab float32) stay within this (1,365 SmolLM2 rows).
+MAX_STEP_LOGIT_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -107,8 +109,10 @@ def _settings(model, spec, plan: Plan, configuration: Configuration) -> ServeSet
                                    policy_params=params, dtype=configuration.dtype, residual=plan.residual,
                                    oracle=False, record_layers=())
     defaults.check()
+    token_budget = min(plan.concurrency * (plan.max_length + PROMPT_ROOM),
+                       max(plan.max_length, MAX_STEP_LOGIT_BYTES // (4 * model.config.vocab_size)))
     return ServeSettings(model_spec=spec, defaults=defaults, max_running=plan.concurrency,
-                         max_waiting=plan.concurrency, token_budget=TOKEN_BUDGET,
+                         max_waiting=plan.concurrency, token_budget=token_budget,
                          max_session_tokens=plan.max_length + PROMPT_ROOM,
                          max_cache_tokens=max(max_pages * plan.page_size, plan.max_length + PROMPT_ROOM))
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 FLOOR = -9999.0  # vLLM's: a log-probability of -inf (a token masked out) is sent as this, JSON has no -inf
 
 Row = tuple[float, list[int], list[float]] | None
@@ -64,3 +66,8 @@ def chat_logprobs(tokenizer, token_ids: list[int], rows: list[Row]) -> dict:
 def prompt_rows(scores) -> list[Row]:
     """The rows of a prompt's tokens from the engine's Scores (row p scores token p + 1): None first."""
     return [None, *(scores.row(i) for i in range(len(scores.chosen)))]
+
+
+def complete(scores) -> bool:
+    """Whether every prompt token was scored (a request ended early leaves the rest unscored, NaN)."""
+    return scores is not None and not np.isnan(scores.chosen).any()

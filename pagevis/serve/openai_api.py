@@ -219,13 +219,19 @@ async def _generate(request: Request, body: _GenerationRequest, prompts: list[st
             raise ConfigError("prompt", prompt, "text that encodes to at least one token")
         check_tokens(state.settings, len(ids), config.max_new_tokens)
         encoded.append(list(ids))
+    policies = [make_policy(config.cache_config(model.config)) for _ in encoded]
+    longest = max(len(ids) for ids in encoded)
+    if scores[1] is not None and not policies[0].evicts and longest > config.capacity:
+        raise ConfigError("max_pages", config.max_pages,
+                          f"at least {-(-longest // config.page_size)} pages of {config.page_size} to score this "
+                          f"{longest}-token prompt under policy {config.policy!r}, which never evicts (or an "
+                          "evicting policy)")
     core = state.engines.core(config)
     generations: list[Generation] = []
     try:
-        for ids in encoded:  # each holds the core (no await before the first): the pool stays
-            generations.append(Generation(state, core, body.n))
-            await generations[-1].submit(ids, config, tuple(stops), body.ignore_eos,
-                                         make_policy(config.cache_config(model.config)), scores)
+        for ids, policy in zip(encoded, policies, strict=True):  # each holds the core (no await before the
+            generations.append(Generation(state, core, body.n))  # first one): the pool stays
+            await generations[-1].submit(ids, config, tuple(stops), body.ignore_eos, policy, scores)
     except BaseException:
         for generation in generations:
             generation.close()
@@ -405,6 +411,9 @@ def _choice(index: int, tokenizer, chat: bool, body, prompt, prompt_ids: list[in
     if body.echo:
         text = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)) + text
         if body.logprobs is not None:
+            if not logprobs.complete(generation.prompt_scores):
+                raise ApiError(503, f"the request ended ({finish}) before its whole prompt was scored",
+                               code="not_scored")
             ids, rows = prompt_ids + ids, logprobs.prompt_rows(generation.prompt_scores) + rows
     return {"index": index, "text": text, "finish_reason": finish,
             "logprobs": None if body.logprobs is None else logprobs.completion_logprobs(tokenizer, ids, rows)}
