@@ -92,3 +92,12 @@ def test_bad_flags_get_one_line(flags, words, capsys):
     assert main(["eval", "--model", "synthetic", "--no-files", *flags]) == 2
     err = capsys.readouterr().err.strip()
     assert words in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_a_task_lm_eval_does_not_have_is_one_line(capsys):  # indexes lm-eval's registry: 10-30 s
+    from pagevis.cli.main import main
+
+    assert main(["eval", "--model", "synthetic", "--no-files", "--tasks", "hellaswagg"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--tasks: lm-eval has no task 'hellaswagg' (did you mean hellaswag" in err and len(err.splitlines()) == 1

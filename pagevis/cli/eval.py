@@ -112,7 +112,7 @@ def main(args: argparse.Namespace) -> int:
     except ImportError:
         raise UsageError("pagevis eval needs lm-eval: pip install 'pagevis[eval]'") from None
     from pagevis.eval import report
-    from pagevis.eval.run import evaluate
+    from pagevis.eval.run import UnknownTask, evaluate
 
     spec = options.model_spec(args)
     if not args.no_files:
@@ -122,7 +122,10 @@ def main(args: argparse.Namespace) -> int:
     if model.tokenizer is None:
         raise UsageError(f"--model {spec.label}: it has no tokenizer, so lm-eval cannot send it text")
     log = (lambda _: None) if args.quiet else (lambda line: print(line, file=sys.stderr))
-    rows = evaluate(model, spec, plan, log)
+    try:
+        rows = evaluate(model, spec, plan, log)
+    except UnknownTask as error:
+        raise UsageError(f"--tasks: {error}") from None
     result = {"model": spec.label, "tasks": list(plan.tasks), "page_size": plan.page_size,
               "max_length": plan.max_length, "limit": plan.limit, "rows": [row.as_dict() for row in rows]}
     if not args.no_files:

@@ -10,6 +10,7 @@ configuration, so every request lm-eval sends is scored through it. lm-eval talk
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import math
 import tempfile
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from pagevis.bench import quality
 from pagevis.engine import SessionConfig
-from pagevis.eval.tasks import NEEDLE, Needle, task_config
+from pagevis.eval.tasks import NEEDLE, SHIPPED, Needle, task_config
 from pagevis.serve.app import model_id
 from pagevis.serve.background import serving
 from pagevis.serve.settings import ServeSettings
@@ -83,15 +84,35 @@ def full_cache(plan: Plan) -> Configuration:
     return Configuration(None, math.ceil((plan.max_length + PROMPT_ROOM) / plan.page_size) * plan.page_size)
 
 
+class UnknownTask(ValueError):
+    """A task name neither shipped nor in lm-eval's registry."""
+
+
+def task_manager(names):
+    """lm-eval's TaskManager: its own registry indexed only when a task is named from it (that takes
+    10-30 s); UnknownTask for a name it does not have."""
+    from lm_eval.tasks import TaskManager
+
+    others = [name for name in names if name not in SHIPPED]
+    manager = TaskManager(include_defaults=bool(others))
+    for name in others:
+        if name not in manager.all_tasks:
+            close = difflib.get_close_matches(name, manager.all_tasks, n=3)
+            raise UnknownTask(f"lm-eval has no task {name!r}" + (f" (did you mean {', '.join(close)}?)" if close
+                                                                  else "") + f"; pagevis ships {', '.join(SHIPPED)}")
+    return manager
+
+
 def evaluate(model, spec, plan: Plan, log: Callable[[str], None] = lambda _: None) -> list[EvalRow]:
     """Run every task of the plan under the full cache and then each configuration; one row each."""
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
+    manager = task_manager(plan.tasks)
     rows = []
     with tempfile.TemporaryDirectory(prefix="pagevis-eval-") as folder:
         tasks = [task_config(name, Path(folder), model.tokenizer, plan.needle) for name in plan.tasks]
         for configuration in (full_cache(plan), *plan.configurations):
             started = time.perf_counter()
-            results = _run_one(model, spec, plan, configuration, tasks)
+            results = _run_one(model, spec, plan, configuration, tasks, manager)
             rows.append(_row(model, plan, configuration, results, time.perf_counter() - started))
             log(f"eval: {configuration.label} @ {configuration.budget} {configuration.dtype}: "
                 f"{_summary(rows[-1])} ({rows[-1].seconds:.0f} s)")
@@ -117,12 +138,8 @@ def _settings(model, spec, plan: Plan, configuration: Configuration) -> ServeSet
                          max_cache_tokens=max(max_pages * plan.page_size, plan.max_length + PROMPT_ROOM))
 
 
-def _run_one(model, spec, plan: Plan, configuration: Configuration, tasks: list) -> dict:
+def _run_one(model, spec, plan: Plan, configuration: Configuration, tasks: list, manager) -> dict:
     import lm_eval
-    from lm_eval.tasks import TaskManager
-
-    # Indexing lm-eval's own task registry takes 10-30 s: only when a task is named from it
-    manager = TaskManager(include_defaults=any(isinstance(task, str) for task in tasks))
 
     with serving(_settings(model, spec, plan, configuration), model) as (url, _, _):
         model_args = {"base_url": f"{url}/v1/completions", "model": model_id(spec), "tokenizer_backend": "remote",
