@@ -99,7 +99,9 @@ def heatmap_grid(path: str, panels: dict[str, list[list[float | None]]], title: 
         plot.invertY(True)  # depth 0 (the start of the text) at the top
         for j, row in enumerate(values):
             for i, value in enumerate(row):
-                text = pg.TextItem("-" if value is None else f"{value:.2f}", color="w", anchor=(0.5, 0.5))
+                bright = value is not None and value > levels[0] + 0.6 * (levels[1] - levels[0])  # viridis' yellows
+                text = pg.TextItem("-" if value is None else f"{value:.2f}", color="k" if bright else "w",
+                                   anchor=(0.5, 0.5))
                 text.setPos(i + 0.5, j + 0.5)
                 plot.addItem(text)
     if image is not None:
