@@ -101,3 +101,17 @@ def test_a_task_lm_eval_does_not_have_is_one_line(capsys):  # indexes lm-eval's 
     assert main(["eval", "--model", "synthetic", "--no-files", "--tasks", "hellaswagg"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--tasks: lm-eval has no task 'hellaswagg' (did you mean hellaswag" in err and len(err.splitlines()) == 1
+
+
+def test_an_eval_server_gives_a_request_naming_no_cache_the_rows_cache():
+    """lm-eval's requests name no cache: the row's configuration must be what the server gives them (a server
+    that gave them a full cache of its own would make every row the full cache's)."""
+    from pagevis.eval.run import Configuration, Plan, full_cache, server_settings
+    from pagevis.serve.sessions import session_config
+
+    model = SYNTH.load()
+    plan = Plan(tasks=(MC,), configurations=(), page_size=8, max_length=64)
+    row = session_config(server_settings(model, SYNTH, plan, Configuration("sinks", 32, "int8")), {})
+    assert (row.policy, row.max_pages, row.page_size, row.dtype) == ("sinks", 4, 8, "int8")
+    full = session_config(server_settings(model, SYNTH, plan, full_cache(plan)), {})
+    assert (full.policy, full.max_pages * full.page_size) == ("none", 80)

@@ -119,7 +119,9 @@ def evaluate(model, spec, plan: Plan, log: Callable[[str], None] = lambda _: Non
     return rows
 
 
-def _settings(model, spec, plan: Plan, configuration: Configuration) -> ServeSettings:
+def server_settings(model, spec, plan: Plan, configuration: Configuration) -> ServeSettings:
+    """The in-process server of one row: its default cache is the row's, so every request lm-eval sends (which
+    names no cache) gets it; room for --max-length tokens a request and --concurrency requests at once."""
     if configuration.policy is None:
         max_pages, policy, params = configuration.budget // plan.page_size, "none", {}
     else:
@@ -141,7 +143,7 @@ def _settings(model, spec, plan: Plan, configuration: Configuration) -> ServeSet
 def _run_one(model, spec, plan: Plan, configuration: Configuration, tasks: list, manager) -> dict:
     import lm_eval
 
-    with serving(_settings(model, spec, plan, configuration), model) as (url, _, _):
+    with serving(server_settings(model, spec, plan, configuration), model) as (url, _, _):
         model_args = {"base_url": f"{url}/v1/completions", "model": model_id(spec), "tokenizer_backend": "remote",
                       "tokenized_requests": True, "num_concurrent": plan.concurrency, "max_length": plan.max_length,
                       "max_retries": 1, "timeout": 3600}
