@@ -6,6 +6,7 @@ input answered with a 4xx naming the field."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import math
 
 import numpy as np
@@ -84,6 +85,37 @@ def test_a_scored_prompt_skips_the_prefix_cache(server):
     assert all(len(top) == 1 for top in first["choices"][0]["logprobs"]["top_logprobs"][1:])  # logprobs 0
 
 
+def streamed(server, path: str, body: dict) -> list[dict]:
+    with server.client.stream("POST", path, json=body) as answer:
+        lines = [line[6:] for line in answer.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_streamed_logprobs_equal_the_plain_ones(server):
+    body = {"model": "synthetic", "prompt": "stream me", "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    plain = complete(server, **{k: v for k, v in body.items() if k != "model"})["choices"][0]["logprobs"]
+    chunks = [c["choices"][0]["logprobs"] for c in streamed(server, "/v1/completions", {**body, "stream": True})]
+    joined = {key: [v for c in chunks if c for v in c[key]] for key in plain}
+    # the second request reads the first one's pages from the prefix cache: the same tokens, rounded apart
+    assert joined["tokens"] == plain["tokens"] and joined["text_offset"] == plain["text_offset"]
+    np.testing.assert_allclose(joined["token_logprobs"], plain["token_logprobs"], atol=2e-5)
+    for got, want in zip(joined["top_logprobs"], plain["top_logprobs"], strict=True):
+        assert got.keys() == want.keys()
+        np.testing.assert_allclose(list(got.values()), list(want.values()), atol=2e-5)
+    nothing = streamed(server, "/v1/completions", {**body, "max_tokens": 0, "stream": True,
+                                                  "stream_options": {"include_usage": True}})
+    assert "".join(c["choices"][0]["text"] for c in nothing if c["choices"]) == ""
+    assert nothing[-1]["usage"]["completion_tokens"] == 0
+    chat = {"model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "temperature": 0, "logprobs": True, "top_logprobs": 1}
+    plain = server.client.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    chunks = streamed(server, "/v1/chat/completions", {**chat, "stream": True})
+    tokens = [t for c in chunks if c["choices"][0]["logprobs"] for t in c["choices"][0]["logprobs"]["content"]]
+    assert [t["token"] for t in tokens] == [t["token"] for t in plain]
+    np.testing.assert_allclose([t["logprob"] for t in tokens], [t["logprob"] for t in plain], atol=2e-5)
+
+
 def test_chat_logprobs(server):
     answer = server.client.post("/v1/chat/completions", json={
         "model": "synthetic", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0,
@@ -116,7 +148,7 @@ def test_tokenize_detokenize_and_tokenizer_info(server):
     ("/v1/completions", {"prompt": "x" * 40, "echo": True, "logprobs": 0,
                          "pagevis": {"page_size": 4, "max_pages": 8, "policy": "none"}}, 422,
      "max_pages = 8 is not allowed: at least 10 pages of 4 to score this 40-token prompt under policy 'none'"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 1, "stream": True}, 422, "logprobs: log-probabilities"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "stream": True}, 422, "echo: echo is not streamed"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 422,
      "top_logprobs: needs logprobs true"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,

@@ -110,7 +110,7 @@ def test_same_seed_same_text_other_seed_other_text(client):
     ({"n": 2, "stream": True}, 422, "not streamed"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 422, "at most 4"),
     ({"logprobs": 21}, 422, "logprobs: Input should be less than or equal to 20"),
-    ({"echo": True, "logprobs": 1, "stream": True}, 422, "echo: log-probabilities and echo are not streamed"),
+    ({"echo": True, "logprobs": 1, "stream": True}, 422, "echo: echo is not streamed by this server"),
     ({"frequency_penalty": 0.5}, 422, "frequency_penalty"),
 ])
 def test_bad_requests_get_clear_errors(client, changes, status, words):

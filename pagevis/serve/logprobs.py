@@ -7,6 +7,7 @@ tokens decode to one text, as stray bytes of a character do); the first prompt t
 before it to be predicted from, so its log-probability and top entries are null. Chat (`logprobs: true`,
 `top_logprobs: k`): `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`.
 A row is (log-probability of the token, top ids, top log-probabilities), or None for the first prompt token.
+Streamed, a chunk carries the rows of the tokens since the last chunk, offsets continuing (`start`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ def _finite(value: float) -> float:
     return value if math.isfinite(value) else FLOOR
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], rows: list[Row]) -> dict:
+def completion_logprobs(tokenizer, token_ids: list[int], rows: list[Row], start: int = 0) -> dict:
+    """start: the first token's text offset (a streamed chunk's: the length of the tokens' text before it)."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    offset = 0
+    offset = start
     for token_id, row in zip(token_ids, rows, strict=True):
         text = tokenizer.decode([token_id])
         tokens.append(text)

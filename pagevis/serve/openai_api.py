@@ -73,10 +73,9 @@ class _GenerationRequest(BaseModel):
             if getattr(self, name) not in neutral:
                 raise ApiError(422, f"{name}: {getattr(self, name)!r} is not supported by this server", param=name,
                                code="unsupported_parameter")
-        if self.stream and self.scores() != (None, None):
-            field = "echo" if getattr(self, "echo", False) else "logprobs"
-            raise ApiError(422, f"{field}: log-probabilities and echo are not streamed by this server; use "
-                                "stream=false", param=field, code="unsupported_parameter")
+        if self.stream and getattr(self, "echo", False):  # the prompt's scores come when the request ends
+            raise ApiError(422, "echo: echo is not streamed by this server; use stream=false", param="echo",
+                           code="unsupported_parameter")
 
     def scores(self) -> tuple[int | None, int | None]:
         """(top-k of each generated token's log-probabilities, of each prompt token's); None: not wanted."""
@@ -260,13 +259,28 @@ async def _generate(request: Request, body: _GenerationRequest, prompts: list[st
 
     generation, prompt_ids = generations[0], encoded[0]
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    sent = {"tokens": 0, "offset": 0}  # tokens whose log-probabilities went out, and their text's length
+
+    def chunk_logprobs() -> dict | None:
+        """The log-probabilities of the tokens that arrived since the last chunk (as vLLM streams them)."""
+        if scores[0] is None:
+            return None
+        tokens = generation.tokens[0][sent["tokens"]:]
+        ids, rows = [t for t, _ in tokens], [row for _, row in tokens]
+        sent["tokens"] += len(tokens)
+        if chat:
+            return logprobs.chat_logprobs(model.tokenizer, ids, rows)
+        out = logprobs.completion_logprobs(model.tokenizer, ids, rows, start=sent["offset"])
+        sent["offset"] += sum(len(t) for t in out["tokens"])
+        return out
 
     def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
+        lp = None if first or drop else chunk_logprobs()
         if chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}
         payload = {"id": ident, "object": kind + ".chunk" if chat else kind, "created": created,
                    "model": state.model_id, "choices": [choice]}
         if include_usage:
@@ -278,11 +292,13 @@ async def _generate(request: Request, body: _GenerationRequest, prompts: list[st
             if chat:
                 yield chunk(None, None, first=True)
             async for text, finish in generation.pieces(0, stops):
+                text = "" if drop else text  # max_tokens 0: the token sampled to end the request is not sent
                 if text or finish:
                     yield chunk(text, finish)
             if include_usage:
                 yield _sse({"id": ident, "object": kind + ".chunk" if chat else kind, "created": created,
-                            "model": state.model_id, "choices": [], "usage": generation.usage(len(prompt_ids))})
+                            "model": state.model_id, "choices": [],
+                            "usage": generation.usage(len(prompt_ids), drop)})
         except ApiError as error:  # the status is sent; the client learns of it in-band
             yield _sse(error_body(error.status, error.message, code=error.code))
         finally:
