@@ -63,6 +63,9 @@ ALLOWED: dict[str, set[str]] = {
     "export": FOUNDATION | {"kvcache", "model", "engine", "trace", "viewmodel"},
     # The HTTP server: never the CLI (requests are built through the settings table, as flags are), never Qt.
     "serve": FOUNDATION | {"kvcache", "model", "engine", "trace", "observe", "attach"},
+    # `pagevis eval`: lm-eval against an in-process server (serve), its rows' cache settings and bytes as
+    # compare's (bench.quality); its plots through bench.gui.plots, imported only when drawing.
+    "eval": FOUNDATION | {"kvcache", "model", "engine", "serve", "bench"},
     # Benchmarks: measure and return rows; never Qt (the windows' benches and the PNG plots are bench.gui).
     "bench": FOUNDATION | {"kvcache", "model", "engine", "simserver", "serve", "attach"},
     # Benchmarks of the windows, and the plots every bench draws: the benches and the app.
@@ -71,7 +74,7 @@ ALLOWED: dict[str, set[str]] = {
     # The command line: every layer below, and the app it opens and the plots it draws (bench.gui).
     "cli": FOUNDATION | {"kvcache", "model", "engine", "simserver", "presets", "trace", "observe", "platform_check",
                          "viewmodel",
-                         "serve", "bench", "gui", "attach", "export"},
+                         "serve", "bench", "gui", "attach", "export", "eval"},
     # The app: with bench.gui the only packages that import Qt; never the CLI (`pagevis` parses the command line
     # and then opens the app with plain objects).
     "gui": FOUNDATION | {"kvcache", "model", "engine", "simserver", "viewmodel", "presets", "trace", "platform_check",
@@ -182,7 +185,8 @@ def loaded(modules: str, gui_too: bool) -> str:
 @pytest.mark.parametrize("package", ["pagevis.kvcache", "pagevis.model", "pagevis.engine", "pagevis.simserver",
                                      "pagevis.trace", "pagevis.viewmodel, pagevis.viewmodel.attach_forest, "
                                      "pagevis.viewmodel.forest_layout, pagevis.viewmodel.timeline",
-                                     "pagevis.attach, pagevis.attach.state, pagevis.attach.events"])
+                                     "pagevis.attach, pagevis.attach.state, pagevis.attach.events",
+                                     "pagevis.eval.run, pagevis.eval.report, pagevis.serve.background"])
 def test_core_packages_import_no_qt(package):
     found = loaded(package, gui_too=False)
     assert found == "", f"{package} imported {found}"

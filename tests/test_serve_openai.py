@@ -109,8 +109,8 @@ def test_same_seed_same_text_other_seed_other_text(client):
     ({"n": 17}, 422, "n"),
     ({"n": 2, "stream": True}, 422, "not streamed"),
     ({"stop": ["a", "b", "c", "d", "e"]}, 422, "at most 4"),
-    ({"echo": True}, 422, "echo: True is not supported"),
-    ({"logprobs": 2}, 422, "logprobs: 2 is not supported"),
+    ({"logprobs": 21}, 422, "logprobs: Input should be less than or equal to 20"),
+    ({"echo": True, "logprobs": 1, "stream": True}, 422, "echo: echo is not streamed by this server"),
     ({"frequency_penalty": 0.5}, 422, "frequency_penalty"),
 ])
 def test_bad_requests_get_clear_errors(client, changes, status, words):

@@ -46,7 +46,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
                              "sampling pages, shared-prompt prefix-cache hit rate)")
     parser.add_argument("--no-kernels", action="store_true",
                         help="skip the model-side kernel rows (decode of 1-16 sequences through one batched forward, "
-                             "decode attention at 8,192 tokens against the read bandwidth and torch)")
+                             "decode attention at 8,192 tokens against the read bandwidth and torch, prefill of 1 "
+                             "and 8 scored 512-token prompts against sgemm)")
     parser.add_argument("--no-tiers", action="store_true",
                         help="skip the disk-tier rows (exact streamed attention vs RAM share, quest vs K, RssAnon "
                              "from 4k to 32k tokens; see docs/memory.md)")
@@ -168,6 +169,14 @@ def main(args: argparse.Namespace) -> int:
         say("kernels: batched decode through the forward, decode attention against the read bandwidth ...")
         kernels = run_kernel_bench(spec.load(), quick=args.quick, threads=args.blas_threads)
         loads["kernels"] = machine.load_average()
+    prefill = None
+    if spec is not None and not args.no_kernels:
+        from pagevis.bench.prefill import CONCURRENT, PROMPT_TOKENS, run_prefill_bench
+
+        say("prefill: scored prompts (log-likelihood requests) one and many at once, against sgemm ...")
+        prefill = run_prefill_bench(spec.load(), (1, 2) if args.quick else CONCURRENT,
+                                    64 if args.quick else PROMPT_TOKENS)
+        loads["prefill"] = machine.load_average()
     sequences = None
     if spec is not None and not args.no_sequences:
         from pagevis.bench.sequences import run_sequences_bench
@@ -187,7 +196,7 @@ def main(args: argparse.Namespace) -> int:
         loads["tiers"] = machine.load_average()
     result = {"attention": paged, "storage": storage, "quantized": quantized, "hybrid": hybrid, "torch": torch_rows,
               "decode": decode,
-              "kernels": kernels,
+              "kernels": kernels, "prefill": prefill,
               "sequences": sequences,
               "tiers": tiers, "shape": suite.SMOLLM2_LAYER, "machine": host, "loads": loads}
     if not args.no_files:
@@ -272,6 +281,11 @@ def format_report(result: dict) -> str:
 
         kernel_lines = format_kernels(result["kernels"])
         out += ["", kernel_lines[0] + load_note(loads, "kernels"), *kernel_lines[1:]]
+    if result.get("prefill"):
+        from pagevis.bench.prefill import format_prefill
+
+        prefill_lines = format_prefill(result["prefill"])
+        out += ["", prefill_lines[0] + load_note(loads, "prefill"), *prefill_lines[1:]]
     if result.get("sequences"):
         from pagevis.bench.sequences import format_sequences
 

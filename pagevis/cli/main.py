@@ -19,7 +19,7 @@ from pagevis.cli.record import add_record_options, recording_request
 from pagevis.presets import SERVER_PRESETS
 from pagevis.cli.options import ArgumentParser, UsageError
 
-COMMANDS = ("run", "compare", "bench", "replay", "serve", "attach")
+COMMANDS = ("run", "compare", "eval", "bench", "replay", "serve", "attach")
 USER_ERROR = 2
 INTERNAL_ERROR = 70  # sysexits.h EX_SOFTWARE: a bug, not a bad input
 OWN_PREFIX = re.compile(r"^pagevis(?: [a-z][a-z-]*)*: ")
@@ -28,6 +28,7 @@ MAX_STEPS = 100_000
 USAGE = """pagevis [options]            open the app (options below preset it)
        pagevis run [options]        decode headless, print the text or --json
        pagevis compare [TEXTFILE]   perplexity and oracle metrics per policy and cache budget
+       pagevis eval [--tasks LIST]  lm-eval tasks through the cache, per policy, budget and dtype
        pagevis bench [--quick]      paged vs dense attention, storage, decode speed
        pagevis replay FILE          open a trace file in the app
        pagevis serve [options]      HTTP API: attention, sessions, OpenAI-compatible completions, /metrics
@@ -64,11 +65,11 @@ def add_debug_option(parser: argparse.ArgumentParser) -> None:
 
 
 def command_parser() -> ArgumentParser:
-    from pagevis.cli import attach, bench, compare, replay, run, serve
+    from pagevis.cli import attach, bench, compare, eval, replay, run, serve
 
     parser = ArgumentParser(prog="pagevis", usage=USAGE)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser, prog="pagevis")
-    for module in (run, compare, bench, replay, serve, attach):
+    for module in (run, compare, eval, bench, replay, serve, attach):
         command = module.add_parser(commands)
         command.add_argument(
             "--blas-threads", type=int, default=1, metavar="N",

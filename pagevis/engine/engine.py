@@ -24,6 +24,7 @@ import numpy as np
 from pagevis.kvcache import CacheFullError, ConfigError, EventKind, KVCacheManager
 from pagevis.kvcache.swap import SwapSpaceError
 from pagevis.errors import check_int
+from pagevis.engine import logprobs
 from pagevis.engine.batch import MAX_CHUNK, MAX_SEQUENCES, BatchConfig, BatchRecord, SeqStep
 from pagevis.engine.request import Request
 from pagevis.engine.run_loop import RunControl, steps
@@ -76,13 +77,22 @@ class Engine:
 
     # --- submitting ------------------------------------------------------------------------------
     def submit(self, prompt_ids, sampling: SamplingConfig | None = None, max_new_tokens: int | None = None,
-               stop: tuple[str, ...] = (), ignore_eos: bool | None = None, policy=None) -> int:
-        """Queue a request; its id. `policy`: an eviction policy object instead of the settings' one."""
+               stop: tuple[str, ...] = (), ignore_eos: bool | None = None, policy=None,
+               scores: tuple[int | None, int | None] = (None, None)) -> int:
+        """Queue a request; its id. `policy`: an eviction policy object instead of the settings' one.
+        `scores`: (logprobs, prompt_logprobs), the top-k counts of the log-probabilities to keep of each
+        generated token and of each prompt token (None: not wanted); see Request."""
         prompt_ids = tuple(int(t) for t in prompt_ids)
         if not prompt_ids:
             raise ConfigError("prompt", prompt_ids, "at least one token")
         request = self._new_request(prompt_ids, sampling, max_new_tokens, stop, ignore_eos)
         request.policy = policy
+        request.logprobs, request.prompt_logprobs = scores
+        for name, k in zip(("logprobs", "prompt_logprobs"), scores):
+            if k is not None:
+                check_int(name, k, 0, logprobs.MAX_LOGPROBS)
+        if request.prompt_logprobs is not None:
+            request.prompt_scores = logprobs.Scores.empty(len(prompt_ids) - 1, request.prompt_logprobs)
         self.scheduler.add(request)
         return request.seq_id
 
@@ -92,16 +102,18 @@ class Engine:
 
     def submit_parallel(self, prompt_ids, n: int, sampling: SamplingConfig | None = None,
                         max_new_tokens: int | None = None, stop: tuple[str, ...] = (), ignore_eos: bool | None = None,
-                        policy=None) -> list[int]:
+                        policy=None, scores: tuple[int | None, int | None] = (None, None)) -> list[int]:
         """n samples of one prompt: seeds seed, seed+1, ...; the prompt is computed once and its pages
         are shared by all n (the partial last page is copied when each first writes to it). The other
-        arguments are submit's, for every sample (each child forks the first one's policy)."""
+        arguments are submit's, for every sample (each child forks the first one's policy; the prompt's
+        scores are the first one's)."""
         check_int("n", n, 1, MAX_SEQUENCES)
         sampling = sampling or self.config.sampling
-        first = self.submit(prompt_ids, sampling, max_new_tokens, stop, ignore_eos, policy)
+        first = self.submit(prompt_ids, sampling, max_new_tokens, stop, ignore_eos, policy, scores)
         for i in range(1, n):
             child = self._new_request(self.requests[first].prompt_ids, _reseeded(sampling, sampling.seed + i),
                                       max_new_tokens, stop, ignore_eos)
+            child.logprobs = scores[0]
             child.policy = None if policy is None else copy.deepcopy(policy)  # if the prompt ends before forking
             self.requests[first].children.append(child.seq_id)
         return [first, *self.requests[first].children]
@@ -221,10 +233,18 @@ class Engine:
             self.cache.extend(request.seq_id, tokens)
             self.last_plan[request.seq_id] = (tokens, start)
             offset += len(tokens)
-        rows = np.array([end - 1 for _, _, end in segments], dtype=np.int64)
+        # the last row of each request; every row of one scoring its prompt
+        wanted = [np.arange(begin if request.prompt_logprobs is not None else end - 1, end)
+                  for (request, _, _), (_, begin, end) in zip(plan, segments, strict=True)]
         forward_started = time.perf_counter()
-        logits = self.model.forward(ids, positions, self._batched_attend(segments), logit_rows=rows)
+        all_rows = self.model.forward(ids, positions, self._batched_attend(segments),
+                                      logit_rows=np.concatenate(wanted))
         self.forward_seconds = time.perf_counter() - forward_started
+        ends = np.cumsum([len(w) for w in wanted])
+        for (request, tokens, start), end in zip(plan, ends, strict=True):
+            if request.prompt_logprobs is not None:
+                self._score_prompt(request, start, all_rows[end - len(tokens): end])
+        logits = all_rows[ends - 1]
         for (request, tokens, start), row in zip(plan, logits, strict=True):
             request.n_cached = start + len(tokens)
             request.steps += 1
@@ -238,6 +258,14 @@ class Engine:
                     self._steps[child_id] = SeqStep(child_id, "fork", 0, self._sample(self.requests[child_id], row))
                 step = self._steps[request.seq_id]
                 self._steps[request.seq_id] = replace(step, next_token=self._sample(request, row))
+
+    @staticmethod
+    def _score_prompt(request: Request, start: int, rows: np.ndarray) -> None:
+        """Keep the log-probabilities of the prompt tokens these rows (positions start..) predict."""
+        n = min(len(rows), len(request.prompt_ids) - 1 - start)
+        if n > 0:
+            nexts = request.prompt_ids[start + 1: start + 1 + n]
+            request.prompt_scores.put(start, logprobs.score(rows[:n], nexts, request.prompt_logprobs))
 
     def _batched_attend(self, segments):
         cache, watched, attention = self.cache, self._watched, self.attention
@@ -277,6 +305,8 @@ class Engine:
     def _sample(self, request: Request, logits: np.ndarray) -> int:
         token = request.sampler.sample(logits)
         request.generated.append(token)
+        if request.logprobs is not None:
+            request.token_scores.append(logprobs.score(logits, [token], request.logprobs))
         if token in self.model.config.eos_ids and not request.ignore_eos:
             self._finish(request, "eos")
         elif len(request.generated) >= request.max_new_tokens:

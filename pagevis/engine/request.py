@@ -29,6 +29,12 @@ class Request:
     hold: bool = False  # keep its pages when it finishes, until Engine.release (a server's session records them)
     steps: int = 0  # engine steps that fed it tokens
     policy: object = None  # an eviction policy object to use instead of the settings' (bench's future-aware one)
+    # Log-probabilities asked for (None: not wanted), each with its top-k count (logprobs.Scores):
+    logprobs: int | None = None  # of each generated token, into `token_scores` (one row per generated token)
+    prompt_logprobs: int | None = None  # of each prompt token after the first, into `prompt_scores`; such a
+    # request takes nothing from the prefix cache (its tokens' logits are the point)
+    token_scores: list = field(default_factory=list)
+    prompt_scores: object = None  # logprobs.Scores over positions 0..len(prompt)-2 (row p scores token p+1)
 
     @property
     def tokens(self) -> list[int]:

@@ -122,7 +122,9 @@ class Scheduler:
         """How many of its tokens a request may take from the prefix cache without decoding other tokens than
         it would alone: a request that never reaches its budget, all; one that will evict, only what it holds
         before its first eviction (its budget) — and none if its policy learns from attention, which cached
-        pages never got from it."""
+        pages never got from it. A request scoring its prompt takes none: it needs every prompt token's logits."""
+        if request.prompt_logprobs is not None:
+            return 0
         policy = self.cache.sequences[request.seq_id].policy
         budget = min(self.cache.layer_budget(request.seq_id, layer) for layer in range(len(self.cache.stores)))
         if len(request.prompt_ids) + request.max_new_tokens <= budget:

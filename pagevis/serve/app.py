@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagevis import __version__
 from pagevis.observe import Metrics
-from pagevis.serve import attention, openai_api, session_api
+from pagevis.serve import attention, openai_api, session_api, tokenize_api
 from pagevis.serve.engines import Engines
 from pagevis.serve.errors import install_handlers
 from pagevis.serve.middleware import BodyLimit, RequestCounter
@@ -26,7 +26,9 @@ DESCRIPTION = """The paged-attention engine and decoding sessions of pagevis ove
 
 * `POST /v1/attention`: attend a query over keys and values written into a page pool.
 * `/v1/sessions`: decode step by step and read the cache's block tables, residency and events.
-* `/v1/completions`, `/v1/chat/completions`, `/v1/models`: OpenAI-compatible (plain and streamed).
+* `/v1/completions`, `/v1/chat/completions`, `/v1/models`: OpenAI-compatible (plain and streamed), with
+  log-probabilities (`logprobs`, `echo`: the prompt's, through the request's own cache).
+* `/tokenize`, `/detokenize`, `/tokenizer_info`: vLLM's tokenizer endpoints (lm-eval's remote tokenizer).
 * `GET /metrics`: Prometheus metrics; `GET /healthz`: liveness.
 
 Every completion and session is a request in one shared engine per cache layout: continuous batching and
@@ -90,6 +92,7 @@ def create_app(settings: ServeSettings | None = None, model=None) -> FastAPI:
 
     app.include_router(session_api.router)
     app.include_router(openai_api.router)
+    app.include_router(tokenize_api.router)
     # Outermost first: count every request (413s included), then refuse oversized bodies unread.
     app.add_middleware(BodyLimit, max_bytes=settings.max_body)
     app.add_middleware(RequestCounter, router=app.router, registry=metrics.registry)

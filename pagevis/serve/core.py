@@ -6,7 +6,8 @@ of them. Other threads never touch the engine: they queue commands (`call`), whi
 between steps, and read what it pushes:
 
 - a completion's tokens go to its `Output`, an asyncio queue the event loop reads (the engine thread puts
-  into it with call_soon_threadsafe); its end comes last, with the engine's stop reason;
+  into it with call_soon_threadsafe), each with its log-probabilities if asked; its end comes last, with
+  the engine's stop reason (and the prompt's log-probabilities if asked);
 - a session is a request that pauses between HTTP calls: `step_session(session, n)` unpauses it, the core
   builds its record after each step that fed it (`DecodeSession.take_step`, masked to its own pages) and
   pauses it again after n of them, keeping its pages (they count as held, not running);
@@ -123,13 +124,14 @@ class EngineCore:
 
     # --- commands (engine thread) ----------------------------------------------------------------
     def submit(self, prompt_ids, sampling, max_new_tokens: int, stop: tuple[str, ...], ignore_eos: bool, policy,
-               n: int, outputs: list[Output]) -> list[int]:
-        """A completion (n = 1) or n parallel samples of one prompt; each sample's tokens to its output."""
+               n: int, outputs: list[Output], scores: tuple[int | None, int | None] = (None, None)) -> list[int]:
+        """A completion (n = 1) or n parallel samples of one prompt; each sample's tokens to its output.
+        scores: the log-probabilities to keep (Engine.submit's)."""
         engine = self.engine
         if n == 1:
-            ids = [engine.submit(prompt_ids, sampling, max_new_tokens, stop, ignore_eos, policy)]
+            ids = [engine.submit(prompt_ids, sampling, max_new_tokens, stop, ignore_eos, policy, scores)]
         else:
-            ids = engine.submit_parallel(prompt_ids, n, sampling, max_new_tokens, stop, ignore_eos, policy)
+            ids = engine.submit_parallel(prompt_ids, n, sampling, max_new_tokens, stop, ignore_eos, policy, scores)
         for seq_id, output in zip(ids, outputs, strict=True):
             self.outputs[seq_id] = output
             self._observe("arrived", seq_id)
@@ -230,7 +232,9 @@ class EngineCore:
             if seq.next_token >= 0:
                 output = self.outputs.get(seq.seq_id)
                 if output is not None:
-                    output.push(("token", seq.next_token))
+                    request = self.engine.requests[seq.seq_id]
+                    row = request.token_scores[-1].row(0) if request.logprobs is not None else None
+                    output.push(("token", seq.next_token, row))
         answered = []  # step calls answered once the metrics have seen this step
         for seq_id, order in list(self.orders.items()):
             if seq_id not in self.engine.last_plan:
@@ -265,7 +269,7 @@ class EngineCore:
             self.engine.forget(seq_id)
             self._observe("finished", seq_id)
             self.outputs.pop(seq_id).push(("end", request.stop_reason, request.error, len(request.generated),
-                                           request.prefix_hit_tokens))
+                                           request.prefix_hit_tokens, request.prompt_scores))
         for seq_id in [s for s, order in self.orders.items() if order.session.request.done]:
             order = self.orders.pop(seq_id)
             self.engine.release(seq_id)

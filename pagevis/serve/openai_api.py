@@ -6,6 +6,12 @@ thread fills. A client that goes away cancels its request (its pages are freed b
 Cache settings ride in an extra `pagevis` object, e.g. with the openai client:
 `client.completions.create(..., extra_body={"pagevis": {"page_size": 8, "max_pages": 4, "policy": "h2o"}})`.
 `usage.prompt_tokens_details.cached_tokens` says how much of the prompt the prefix cache held.
+
+Log-probabilities (logprobs.py for the shapes): `logprobs` 0-20 of each generated token and, with `echo`,
+of every prompt token too, computed through the request's own cache as it runs — an evicting policy or a
+quantized dtype scores each token from what that cache held when the token came (`pagevis compare`'s
+teacher forcing); such a request takes nothing from the prefix cache. A prompt may be text or token ids,
+or a list of either (each prompt a request of its own, their choices in order, n per prompt).
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.background import BackgroundTask
 
+from pagevis.engine.logprobs import MAX_LOGPROBS
 from pagevis.engine.session_config import encode_prompt
 from pagevis.kvcache import ConfigError, make_policy
+from pagevis.serve import logprobs
 from pagevis.serve.core import Output
 from pagevis.serve.errors import ApiError, error_body
 from pagevis.serve.requests import MAX_PROMPT_CHARS, CacheSettings
@@ -32,6 +40,7 @@ from pagevis.serve.worker import in_worker
 router = APIRouter(prefix="/v1", tags=["openai"])
 MAX_STOPS = 4
 MAX_N = 16
+MAX_PROMPTS = 32  # prompts in one completion request (lm-eval's batch_size); each is a request in flight
 DISCONNECT_POLL = 0.5  # seconds between checks that a non-streamed request's client is still there
 
 
@@ -55,23 +64,46 @@ class _GenerationRequest(BaseModel):
                                                 "shape, as vLLM's)")
     pagevis: CacheSettings | None = Field(None, description="cache settings: page_size, max_pages, policy, ...")
     # Accepted only at their no-op values: silently ignoring them would change what the client asked for.
-    logprobs: bool | int | None = None
-    echo: bool = False
     best_of: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
 
     def refuse_unsupported(self) -> None:
-        for name, neutral in (("logprobs", (None, False, 0)), ("echo", (False,)), ("best_of", (None, 1)),
-                              ("presence_penalty", (0.0,)), ("frequency_penalty", (0.0,))):
+        for name, neutral in (("best_of", (None, 1)), ("presence_penalty", (0.0,)), ("frequency_penalty", (0.0,))):
             if getattr(self, name) not in neutral:
                 raise ApiError(422, f"{name}: {getattr(self, name)!r} is not supported by this server", param=name,
                                code="unsupported_parameter")
+        if self.stream and getattr(self, "echo", False):  # the prompt's scores come when the request ends
+            raise ApiError(422, "echo: echo is not streamed by this server; use stream=false", param="echo",
+                           code="unsupported_parameter")
+
+    def scores(self) -> tuple[int | None, int | None]:
+        """(top-k of each generated token's log-probabilities, of each prompt token's); None: not wanted."""
+        return None, None
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str] = Field(description="a string (a list holding one string is accepted)")
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description=f"text or token ids, or a list of up to {MAX_PROMPTS} prompts (texts, or lists of token ids)")
+    max_tokens: int | None = Field(16, ge=0, description="0 with echo: score the prompt, generate nothing")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                 description="log-probabilities of each token and its top 0-20 alternatives")
+    echo: bool = Field(False, description="the prompt before the completion, in the text and the logprobs")
+
+    def scores(self) -> tuple[int | None, int | None]:
+        return self.logprobs, self.logprobs if self.echo else None
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt, text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise ApiError(422, "prompt: an empty list; give text, token ids or a list of prompts", param="prompt")
+        if len(prompt) > MAX_PROMPTS:
+            raise ApiError(422, f"prompt: {len(prompt)} prompts; at most {MAX_PROMPTS} in one request",
+                           param="prompt")
+        return list(prompt)
 
 
 class ChatMessage(BaseModel):
@@ -84,6 +116,14 @@ class ChatRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=256)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = Field(False, description="the log-probability of each generated token")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                     description="and of the 0-20 most likely tokens at each (needs logprobs)")
+
+    def scores(self) -> tuple[int | None, int | None]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(422, "top_logprobs: needs logprobs true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
 
 class StopMatcher:
@@ -119,13 +159,17 @@ async def list_models(request: Request) -> dict:
 
 @router.post("/completions")
 async def completions(body: CompletionRequest, request: Request):
-    prompt = body.prompt
-    if isinstance(prompt, list):
-        if len(prompt) != 1:
-            raise ApiError(422, f"prompt: a list of {len(prompt)} prompts; this server takes one", param="prompt")
-        prompt = prompt[0]
-    _check_prompt(prompt, "prompt")
-    return await _generate(request, body, prompt, chat=False, max_tokens=body.max_tokens)
+    prompts = body.prompts()
+    for i, prompt in enumerate(prompts):
+        field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        if isinstance(prompt, str):
+            _check_prompt(prompt, field)
+        else:
+            _check_ids(prompt, field, request.app.state.model.config.vocab_size)
+    if len(prompts) > 1 and body.stream:
+        raise ApiError(422, f"prompt: {len(prompts)} prompts are not streamed; use stream=false or one prompt",
+                       param="prompt")
+    return await _generate(request, body, prompts, chat=False, max_tokens=body.max_tokens)
 
 
 @router.post("/chat/completions")
@@ -134,18 +178,18 @@ async def chat_completions(body: ChatRequest, request: Request):
     if tokenizer is None:
         raise ApiError(400, "this model has no tokenizer, so it cannot take messages", param="messages")
     messages = [{"role": m.role, "content": _content_text(m.content, i)} for i, m in enumerate(body.messages)]
-    prompt = tokenizer.format_chat(messages)
-    _check_prompt(prompt, "messages")
+    _check_prompt(tokenizer.format_chat(messages), "messages")
     # Only the template inserts control tokens: the messages' own text is encoded as text.
     prompt_ids = tokenizer.encode_chat(messages)
-    return await _generate(request, body, prompt, chat=True, max_tokens=body.max_completion_tokens or body.max_tokens,
-                           prompt_ids=prompt_ids)
+    return await _generate(request, body, [prompt_ids], chat=True,
+                           max_tokens=body.max_completion_tokens or body.max_tokens)
 
 
-async def _generate(request: Request, body: _GenerationRequest, prompt: str, chat: bool, max_tokens: int | None,
-                    prompt_ids: list[int] | None = None):
+async def _generate(request: Request, body: _GenerationRequest, prompts: list[str | list[int]], chat: bool,
+                    max_tokens: int | None):
     state = request.app.state
     body.refuse_unsupported()
+    scores = body.scores()
     if body.model != state.model_id:
         raise ApiError(404, f"model {body.model!r} is not served here; this server serves {state.model_id!r} "
                             "(GET /v1/models)", param="model", code="model_not_found")
@@ -154,8 +198,10 @@ async def _generate(request: Request, body: _GenerationRequest, prompt: str, cha
         raise ApiError(422, f"stop: {len(stops)} stop strings; at most {MAX_STOPS}", param="stop")
     temperature = 1.0 if body.temperature is None else body.temperature
     sampled = temperature > 0
-    fields = dict(body.pagevis.model_dump() if body.pagevis else {}, max_tokens=max_tokens, chat=False,
-                  sample=sampled, temperature=temperature if sampled else None,
+    # max_tokens 0 (echo: the prompt scored, nothing generated): the one token the engine samples is dropped
+    drop = max_tokens == 0
+    fields = dict(body.pagevis.model_dump() if body.pagevis else {}, max_tokens=1 if drop else max_tokens,
+                  chat=False, sample=sampled, temperature=temperature if sampled else None,
                   top_p=body.top_p if sampled else None,
                   seed=body.seed if body.seed is not None else secrets.randbelow(2**32))
     config = session_config(state.settings, fields)
@@ -165,38 +211,76 @@ async def _generate(request: Request, body: _GenerationRequest, prompt: str, cha
     if model.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer, so it cannot take text prompts", param="prompt")
     state.engines.core(config)  # a layout it cannot have is refused before the prompt is encoded
-    if prompt_ids is None:
-        prompt_ids = await in_worker(request, encode_prompt, model, prompt, False)
-    if not prompt_ids:
-        raise ConfigError("prompt", prompt, "text that encodes to at least one token")
-    check_tokens(state.settings, len(prompt_ids), config.max_new_tokens)
-    policy = make_policy(config.cache_config(model.config))
-    generation = Generation(state, state.engines.core(config), body.n)  # no await between: the pool stays
-    await generation.submit(prompt_ids, config, tuple(stops), body.ignore_eos, policy)
+    encoded = []
+    for i, prompt in enumerate(prompts):
+        ids = prompt if not isinstance(prompt, str) else await in_worker(request, encode_prompt, model, prompt, False)
+        if not ids:
+            raise ConfigError("prompt", prompt, "text that encodes to at least one token")
+        check_tokens(state.settings, len(ids), config.max_new_tokens)
+        encoded.append(list(ids))
+    policies = [make_policy(config.cache_config(model.config)) for _ in encoded]
+    longest = max(len(ids) for ids in encoded)
+    if scores[1] is not None and not policies[0].evicts and longest > config.capacity:
+        raise ConfigError("max_pages", config.max_pages,
+                          f"at least {-(-longest // config.page_size)} pages of {config.page_size} to score this "
+                          f"{longest}-token prompt under policy {config.policy!r}, which never evicts (or an "
+                          "evicting policy)")
+    core = state.engines.core(config)
+    generations: list[Generation] = []
+    try:
+        for ids, policy in zip(encoded, policies, strict=True):  # each holds the core (no await before the
+            generations.append(Generation(state, core, body.n))  # first one): the pool stays
+            await generations[-1].submit(ids, config, tuple(stops), body.ignore_eos, policy, scores)
+    except BaseException:
+        for generation in generations:
+            generation.close()
+        raise
 
     kind = "chat.completion" if chat else "text_completion"
     ident = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
     created = int(time.time())
     if not body.stream:
         try:
-            samples = await generation.collect(request, stops)
+            answers = await asyncio.gather(*(g.collect(request, stops) for g in generations))
         finally:
-            generation.close()
-        choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                    "logprobs": None} if chat else {"index": i, "text": text, "finish_reason": finish,
-                                                    "logprobs": None}
-                   for i, (text, finish) in enumerate(samples)]
+            for generation in generations:
+                generation.close()
+        choices = []
+        for prompt, ids, generation, samples in zip(prompts, encoded, generations, answers, strict=True):
+            for sample in samples:
+                choices.append(_choice(len(choices), model.tokenizer, chat, body, prompt, ids, generation, sample,
+                                       drop))
+        usages = [g.usage(len(ids), drop) for g, ids in zip(generations, encoded, strict=True)]
+        usage = {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"]
+                                                               for u in usages)}
         return {"id": ident, "object": kind, "created": created, "model": state.model_id, "choices": choices,
-                "usage": generation.usage(len(prompt_ids))}
+                "usage": usage}
 
+    generation, prompt_ids = generations[0], encoded[0]
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    sent = {"tokens": 0, "offset": 0}  # tokens whose log-probabilities went out, and their text's length
+
+    def chunk_logprobs() -> dict | None:
+        """The log-probabilities of the tokens that arrived since the last chunk (as vLLM streams them)."""
+        if scores[0] is None:
+            return None
+        tokens = generation.tokens[0][sent["tokens"]:]
+        ids, rows = [t for t, _ in tokens], [row for _, row in tokens]
+        sent["tokens"] += len(tokens)
+        if chat:
+            return logprobs.chat_logprobs(model.tokenizer, ids, rows)
+        out = logprobs.completion_logprobs(model.tokenizer, ids, rows, start=sent["offset"])
+        sent["offset"] += sum(len(t) for t in out["tokens"])
+        return out
 
     def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
+        lp = None if first or drop else chunk_logprobs()
         if chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}
         payload = {"id": ident, "object": kind + ".chunk" if chat else kind, "created": created,
                    "model": state.model_id, "choices": [choice]}
         if include_usage:
@@ -208,11 +292,13 @@ async def _generate(request: Request, body: _GenerationRequest, prompt: str, cha
             if chat:
                 yield chunk(None, None, first=True)
             async for text, finish in generation.pieces(0, stops):
+                text = "" if drop else text  # max_tokens 0: the token sampled to end the request is not sent
                 if text or finish:
                     yield chunk(text, finish)
             if include_usage:
                 yield _sse({"id": ident, "object": kind + ".chunk" if chat else kind, "created": created,
-                            "model": state.model_id, "choices": [], "usage": generation.usage(len(prompt_ids))})
+                            "model": state.model_id, "choices": [],
+                            "usage": generation.usage(len(prompt_ids), drop)})
         except ApiError as error:  # the status is sent; the client learns of it in-band
             yield _sse(error_body(error.status, error.message, code=error.code))
         finally:
@@ -234,14 +320,16 @@ class Generation:
         self.outputs = [Output(asyncio.get_running_loop()) for _ in range(n)]
         self.ids: list[int] = []
         self.ends: list[tuple | None] = [None] * n
+        self.tokens: list[list[tuple]] = [[] for _ in range(n)]  # each sample's (token id, logprob row)
         self.closed = False
         state.engines.take()
         core.holders += 1
 
-    async def submit(self, prompt_ids, config, stops: tuple[str, ...], ignore_eos: bool, policy) -> None:
+    async def submit(self, prompt_ids, config, stops: tuple[str, ...], ignore_eos: bool, policy,
+                     scores: tuple[int | None, int | None] = (None, None)) -> None:
         try:
             self.ids = await self.core.run(self.core.submit, prompt_ids, config.sampling, config.max_new_tokens,
-                                           stops, ignore_eos, policy, self.n, self.outputs)
+                                           stops, ignore_eos, policy, self.n, self.outputs, scores)
         except BaseException:
             self.close()
             raise
@@ -255,6 +343,7 @@ class Generation:
         while True:
             item = await self.outputs[index].get()
             if item[0] == "token":
+                self.tokens[index].append(item[1:])
                 if item[1] not in eos and not hit:
                     text, hit = matcher.push(decoder.feed(item[1]))
                     yield text, None
@@ -270,13 +359,13 @@ class Generation:
             yield tail, finish_reason(reason, hit)
             return
 
-    async def collect(self, request: Request, stops: list[str]) -> list[tuple[str, str]]:
-        """Every sample's text and finish reason; a client that goes away cancels them."""
-        async def one(index: int) -> tuple[str, str]:
+    async def collect(self, request: Request, stops: list[str]) -> list[tuple[str, str, int]]:
+        """Every sample's text, finish reason and index; a client that goes away cancels them."""
+        async def one(index: int) -> tuple[str, str, int]:
             pieces, finish = [], None
             async for text, finish in self.pieces(index, stops):
                 pieces.append(text)
-            return "".join(pieces), finish
+            return "".join(pieces), finish, index
 
         work = asyncio.ensure_future(asyncio.gather(*(one(i) for i in range(self.n))))
         try:
@@ -290,8 +379,14 @@ class Generation:
             if not work.done():
                 work.cancel()
 
-    def usage(self, prompt_tokens: int) -> dict:
-        generated = sum(end[3] for end in self.ends if end is not None)
+    @property
+    def prompt_scores(self):
+        """The prompt's log-probabilities (logprobs.Scores), when they were asked for."""
+        return self.ends[0][5] if self.ends[0] is not None else None
+
+    def usage(self, prompt_tokens: int, dropped: bool = False) -> dict:
+        """dropped: each sample's one token was sampled only to end the request (max_tokens 0)."""
+        generated = 0 if dropped else sum(end[3] for end in self.ends if end is not None)
         cached = self.ends[0][4] if self.ends[0] is not None else 0
         return {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
                 "total_tokens": prompt_tokens + generated, "prompt_tokens_details": {"cached_tokens": cached}}
@@ -317,6 +412,36 @@ def finish_reason(stop_reason: str, hit: bool) -> str:
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _choice(index: int, tokenizer, chat: bool, body, prompt, prompt_ids: list[int], generation: Generation,
+            sample: tuple[str, str, int], drop: bool) -> dict:
+    """One choice of the answer: sample `sample` (text, finish reason, its index) of a prompt, with its
+    log-probabilities if asked (with echo: the prompt's first)."""
+    text, finish, which = sample
+    text, tokens = ("", []) if drop else (text, generation.tokens[which])
+    ids, rows = [t for t, _ in tokens], [row for _, row in tokens]
+    if chat:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                "logprobs": logprobs.chat_logprobs(tokenizer, ids, rows) if body.logprobs else None}
+    if body.echo:
+        text = (prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)) + text
+        if body.logprobs is not None:
+            if not logprobs.complete(generation.prompt_scores):
+                raise ApiError(503, f"the request ended ({finish}) before its whole prompt was scored",
+                               code="not_scored")
+            ids, rows = prompt_ids + ids, logprobs.prompt_rows(generation.prompt_scores) + rows
+    return {"index": index, "text": text, "finish_reason": finish,
+            "logprobs": None if body.logprobs is None else logprobs.completion_logprobs(tokenizer, ids, rows)}
+
+
+def _check_ids(ids: list[int], field: str, vocab_size: int) -> None:
+    if not ids:
+        raise ApiError(422, f"{field}: an empty list of token ids", param="prompt")
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ApiError(422, f"{field}[{bad}]: token id {ids[bad]} is not in this model's vocabulary "
+                            f"(0 to {vocab_size - 1})", param="prompt", code="invalid_value")
 
 
 def _check_prompt(prompt: str, field: str) -> None:

@@ -1,4 +1,4 @@
-"""PNG line plots for `compare` and `bench`, drawn with pyqtgraph's exporter off screen (no matplotlib).
+"""PNG line plots for `compare`, `bench` and `eval` (and `eval`'s heatmaps), drawn with pyqtgraph's exporter off screen (no matplotlib).
 
 They live with the app because only pagevis.gui imports Qt; the commands import this module (the benches
 get `line_plot` passed in). Qt is imported only when a plot is drawn; without a display the offscreen
@@ -29,8 +29,6 @@ def line_plot(path: str, series: Series, title: str, x_label: str, y_label: str,
     """Write one plot with a line and markers per series (label -> (xs, ys)); return the path.
     `x_ticks`/`y_ticks` label exactly those values (pyqtgraph's log axes label every minor tick)."""
     pg, app = _app()
-    from pyqtgraph import exporters
-
     widget = pg.GraphicsLayoutWidget()
     widget.resize(width, height)
     plot = widget.addPlot(title=title)
@@ -55,6 +53,12 @@ def line_plot(path: str, series: Series, title: str, x_label: str, y_label: str,
         plot.plot([p[0] for p in points], [p[1] for p in points], name=label,
                   pen=pg.mkPen(color, width=2, style=style), symbol=symbols[i % len(symbols)], symbolSize=8,
                   symbolBrush=color, symbolPen=color)
+    return _export(app, widget, path, width)
+
+
+def _export(app, widget, path: str, width: int) -> str:
+    from pyqtgraph import exporters
+
     widget.show()  # laid out at its size (off screen when there is no display)
     app.processEvents()
     exporter = exporters.ImageExporter(widget.scene())
@@ -63,3 +67,45 @@ def line_plot(path: str, series: Series, title: str, x_label: str, y_label: str,
     widget.close()
     widget.deleteLater()
     return path
+
+
+def heatmap_grid(path: str, panels: dict[str, list[list[float | None]]], title: str, x_labels: list[str],
+                 y_labels: list[str], x_label: str, y_label: str, levels: tuple[float, float] = (0.0, 1.0),
+                 columns: int = 3, panel_size: int = 300) -> str:
+    """Write one heatmap per panel (label -> rows of values, rows = y_labels, columns = x_labels; None =
+    not measured, drawn grey) in a grid, with one colour bar over fixed `levels`; return the path. Each
+    cell is printed with its value."""
+    import numpy as np
+
+    pg, app = _app()
+    columns = max(1, min(columns, len(panels)))
+    rows_of_panels = -(-len(panels) // columns)
+    width, height = columns * panel_size + 120, rows_of_panels * panel_size + 60
+    widget = pg.GraphicsLayoutWidget()
+    widget.resize(width, height)
+    widget.addLabel(title, row=0, col=0, colspan=columns + 1)
+    colormap = pg.colormap.get("viridis")
+    image = None
+    for index, (label, values) in enumerate(panels.items()):
+        plot = widget.addPlot(row=1 + index // columns, col=index % columns, title=label)
+        grid = np.array([[np.nan if v is None else v for v in row] for row in values], dtype=np.float32)
+        image = pg.ImageItem(np.ascontiguousarray(grid.T), levels=levels, autoLevels=False)  # ImageItem is x-major
+        image.setColorMap(colormap)
+        plot.addItem(image)
+        plot.getAxis("bottom").setTicks([[(i + 0.5, text) for i, text in enumerate(x_labels)]])
+        plot.getAxis("left").setTicks([[(j + 0.5, text) for j, text in enumerate(y_labels)]])
+        plot.setLabel("bottom", x_label)
+        plot.setLabel("left", y_label)
+        plot.invertY(True)  # depth 0 (the start of the text) at the top
+        for j, row in enumerate(values):
+            for i, value in enumerate(row):
+                bright = value is not None and value > levels[0] + 0.6 * (levels[1] - levels[0])  # viridis' yellows
+                text = pg.TextItem("-" if value is None else f"{value:.2f}", color="k" if bright else "w",
+                                   anchor=(0.5, 0.5))
+                text.setPos(i + 0.5, j + 0.5)
+                plot.addItem(text)
+    if image is not None:
+        bar = pg.ColorBarItem(values=levels, colorMap=colormap, interactive=False)
+        bar.setImageItem(image)
+        widget.addItem(bar, row=1, col=columns, rowspan=rows_of_panels)
+    return _export(app, widget, path, width)

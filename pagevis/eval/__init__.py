@@ -1,0 +1,1 @@
+"""`pagevis eval`: lm-eval tasks against `pagevis serve`, per eviction policy, cache budget and dtype."""
