@@ -8,7 +8,7 @@ import pytest
 
 from pagevis.errors import ConfigError
 from pagevis.model import DenseAttention, LlamaModel
-from pagevis.model.arch_gemma3 import settings as gemma3_settings
+from pagevis.model.architectures.gemma3 import settings as gemma3_settings
 from pagevis.model.config import Layout, ModelConfig
 from pagevis.model.layers import gelu_tanh_mul
 from pagevis.model.rope import apply_rope_neox, inverse_frequencies, rope_tables

@@ -37,8 +37,11 @@ def test_the_cli_turns_it_into_one_usage_line(monkeypatch):
     from pagevis.cli.options import UsageError, model_spec
 
     monkeypatch.setattr(locate.importlib.util, "find_spec", lambda name: None)
-    args = argparse.Namespace(model="gemma3-270m", layers=None, heads=None, kv_heads=None, head_dim=None,
-                              model_seed=None)
+    from pagevis.cli.options import add_model_options
+
+    parser = argparse.ArgumentParser()
+    add_model_options(parser)  # the real flags, so the test follows them
+    args = parser.parse_args(["--model", "gemma3-270m"])
     with pytest.raises(UsageError, match=r"^--model gemma3-270m: Gemma 3 270M is not installed") as error:
         model_spec(args)
     assert "\n" not in str(error.value)

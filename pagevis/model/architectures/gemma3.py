@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pagevis.model.architectures import Architecture, MetadataValue
+from pagevis.model.architectures.base import Architecture, MetadataValue
 from pagevis.model.config import Layout
 
 SWA_PATTERN = 6
