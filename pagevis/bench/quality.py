@@ -137,6 +137,8 @@ class Row:
     kv_bytes: int | None = None  # all layers: kv_bytes_per_token x the tokens its pages hold
     kv_bytes_peak_per_token: float | None = None  # measured: what the run's stores held at most, per token
     equal_memory_to: str = ""  # an equal-memory row: the dtype@budget whose K/V bytes it does not exceed
+    residual: int | None = None  # int4 / int2: the residual window used (clamped to the budget: quant.py)
+    storage_notice: str = ""  # quant.storage_notice: the residual clamped, or bytes beyond float32's and why
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -279,7 +281,8 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
         recall=1 - float(np.mean(lost[tail])) if evicting and config.tiered else None, dtype=dtype,
         kv_bytes_per_token=memory["kv_bytes_per_token"],
         kv_bytes=round(memory["kv_bytes_per_token"] * session.cache_config.capacity),
-        kv_bytes_peak_per_token=memory["kv_bytes_peak_per_token"], equal_memory_to=equal_memory_to)
+        kv_bytes_peak_per_token=memory["kv_bytes_peak_per_token"], equal_memory_to=equal_memory_to,
+        residual=memory.get("residual"), storage_notice=memory.get("storage_notice", ""))
 
 
 TIER_ROWS = ("quest", "disk")  # compare rows with a disk tier: quest's page selection, or exact reads of all

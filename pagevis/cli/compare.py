@@ -21,7 +21,8 @@ DEFAULT_POLICIES = "sinks,oldest,h2o,tova,snapkv,pyramidkv,lru,lfu"
 MAX_TOKENS = 1 << 20  # the reference's logits go to temporary files; the text bounds it in practice
 COLUMNS = ("policy", "budget", "page_size", "dtype", "kv_bytes_per_token", "kv_bytes", "kv_bytes_peak_per_token",
            "equal_memory_to", "ppl", "ppl_evicting", "full_ppl_evicting", "gap_to_optimal", "mean_kl",
-           "top1_agreement", "lost_attention", "evictions", "evicting_tokens", "seconds", "note", "recall")
+           "top1_agreement", "lost_attention", "evictions", "evicting_tokens", "seconds", "note", "recall",
+           "residual", "storage_notice")
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -239,6 +240,9 @@ def main(args: argparse.Namespace) -> int:
     else:
         storage = ", ".join(dtypes) + (f" (residual {residual})" if "residual" in result else "")
         print(f"{spec.label}, {len(ids)} tokens of {result['text']}, page size {args.page_size}, {storage}")
+        for notice in dict.fromkeys(f"{r.dtype} at {r.budget}: {r.storage_notice}" for r in rows[1:]
+                                    if r.storage_notice):
+            print(notice)
         print(format_table(rows))
         if not args.no_files:
             print(f"wrote {args.csv} and {args.plot}", file=sys.stderr)

@@ -64,6 +64,7 @@ class SessionInfo:
     n_kv_heads: int = 0  # 0: unknown (a trace without it); query head h reads KV head h // (n_heads // n_kv_heads)
     kv_bytes_per_token: float = 0.0  # all layers, at capacity (CacheConfig.kv_bytes_per_token); 0: unknown
     storage: str = ""  # one line on the K/V storage (quant.storage_text); "": unknown
+    storage_notice: str = ""  # quant.storage_notice: the residual window clamped, bytes beyond float32's
 
 
 def kv_head_of(head: int, n_heads: int, n_kv_heads: int) -> int | None:
