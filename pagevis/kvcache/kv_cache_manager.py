@@ -37,6 +37,7 @@ from pagevis.kvcache.policies import EvictionPolicy, make_policy
 from pagevis.kvcache.policy_state import LayerView, PolicyState
 from pagevis.kvcache.prefix_cache import ROOT_HASH, PrefixCacheStats, page_hash, prefix_hashes
 from pagevis.kvcache.reader import read_attention
+from pagevis.kvcache.rope_shift import inverse_frequencies, rotate
 from pagevis.kvcache.store import PageStore, TierCounts
 from pagevis.kvcache.swap import SwapSpace
 
@@ -104,6 +105,7 @@ class KVCacheManager:
         for store in self.stores:
             store.on_move = self._move_event(store.layer)
         self.select_pages = config.select_pages if config.select == "quest" else None
+        self.inv_freq = inverse_frequencies(config.head_dim, config.rope_base)  # re-rotation's RoPE frequencies
         self.prefix_caching = prefix_caching
         self.prefix_stats = PrefixCacheStats()
         self.sequences: dict[int, SequenceCache] = {}
@@ -447,8 +449,16 @@ class KVCacheManager:
         return page * ps + slot
 
     def _evict(self, seq: SequenceCache, layer: int) -> None:
-        victims, scores = seq.policy.choose_victims(self.view(seq.seq_id, layer))
-        self._remove(seq, layer, victims, scores, seq.policy.reason)
+        """The policy's victims; with compress_every N, N of them (one choice at a time), down to the budget
+        minus N (or to the last token the policy may evict)."""
+        policy = seq.policy
+        target = seq.resident[layer] - policy.compress_every
+        while True:
+            view = self.view(seq.seq_id, layer)
+            victims, scores = policy.choose_victims(view)
+            self._remove(seq, layer, victims, scores, policy.reason)
+            if seq.resident[layer] <= target or not (view.occupied() & ~policy.protected(view)).any():
+                return
 
     def _evict_heads(self, seq: SequenceCache, layer: int) -> None:
         """A per-head policy's drops before the next token: mask each (KV head, slot) entry it names; free
@@ -473,6 +483,7 @@ class KVCacheManager:
         store, ps = self.stores[layer], self.page_size
         seq.hashable = False
         copies: dict[int, int] = {}  # shared page -> this sequence's copy (a policy may take several slots)
+        removed: list[int] = []
         for flat, score in zip(victims.tolist(), scores.tolist(), strict=True):
             page, slot = divmod(flat, ps)
             page = copies.get(page, page)
@@ -480,6 +491,7 @@ class KVCacheManager:
                 copies[page] = page = self._copy_on_write(seq, layer, page)
             self._forget(seq, layer, page)
             position = store.remove(page * ps + slot)
+            removed.append(position)
             seq.holes[layer].add(page * ps + slot)
             seq.resident[layer] -= 1
             if seq.head_keep[layer] is not None:
@@ -490,6 +502,27 @@ class KVCacheManager:
                 seq.holes[layer].difference_update(range(page * ps, (page + 1) * ps))
                 store.release(page)
                 self._event(E.RELEASE, seq.seq_id, layer, page)
+        if seq.policy.rerotate:
+            self._rerotate(seq, layer, removed)
+
+    def _rerotate(self, seq: SequenceCache, layer: int, removed: list[int]) -> None:
+        """After the tokens at positions `removed` left: each survivor older than k of them moves k positions
+        later (its key rotated by k; kvcache/rope_shift.py), so that the distance from any query to it is
+        the one contiguous positions would give. A page it changes is copied first if shared, and no longer
+        stands for its prefix hash."""
+        store, ps = self.stores[layer], self.page_size
+        flat = self._flat_slots(seq.block_tables[layer])
+        positions = store.positions[flat]
+        later = len(removed) - np.searchsorted(np.sort(removed), positions, side="right")
+        moving = (positions >= 0) & (later > 0)
+        moved, delta = flat[moving], later[moving]
+        for page in np.unique(moved // ps).tolist():
+            self._forget(seq, layer, page)
+            if store.pages.is_shared(page):
+                copy = self._copy_on_write(seq, layer, page)
+                moved = np.where(moved // ps == page, copy * ps + moved % ps, moved)
+        pages, slots = moved // ps, moved % ps
+        store.k[:, pages, slots] = rotate(store.k[:, pages, slots], delta, self.inv_freq).astype(store.k.dtype)
 
     def _forget(self, seq: SequenceCache, layer: int, page: int) -> None:
         """The page's contents change: it no longer stands for its prefix hash."""

@@ -29,9 +29,14 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
 }
 
 
+SHARED_PARAMS = tuple(f.name for f in dataclasses.fields(EvictionPolicy))  # every token policy's options
+
+
 def policy_params(name: str) -> dict[str, object]:
-    """The parameters a policy takes and their defaults."""
-    return {f.name: f.default for f in dataclasses.fields(POLICIES[name])}
+    """The parameters a policy takes and their defaults: its own, then the options every policy has
+    (rerotate, compress_every: policies/base.py)."""
+    fields = dataclasses.fields(POLICIES[name])
+    return {f.name: f.default for f in sorted(fields, key=lambda f: f.name in SHARED_PARAMS)}
 
 
 def make_policy(config) -> EvictionPolicy:
@@ -42,12 +47,19 @@ def make_policy(config) -> EvictionPolicy:
     known = policy_params(config.policy)
     for key in config.policy_params:
         if key not in known:
-            allowed = ", ".join(known) if known else "no parameters"
+            own = [name for name in known if name not in SHARED_PARAMS]
+            allowed = f"{', '.join(own) if own else 'no parameters of its own'}, or {', '.join(SHARED_PARAMS)}"
             raise ConfigError(f"{config.policy}.{key}", config.policy_params[key],
                               f"a parameter of {config.policy!r}; it takes {allowed}")
     if cls.per_head and (getattr(config, "disk_pages", 0) or getattr(config, "select", "all") == "quest"):
         raise ConfigError("policy", config.policy, "a token-level policy with a disk tier or quest (a per-head "
                           "policy's masks apply to attention over pages in RAM only)")
+    if config.policy_params.get("rerotate") and (getattr(config, "dtype", "float32") not in ("float32", "float16")
+                                                 or getattr(config, "disk_pages", 0)
+                                                 or getattr(config, "select", "all") == "quest"):
+        raise ConfigError(f"{config.policy}.rerotate", config.policy_params["rerotate"],
+                          "0 with a quantized dtype, a disk tier or quest (re-rotation rewrites float keys in "
+                          "RAM pages; quantized codes, pages on disk and Quest's key bounds would go stale)")
     policy = cls(**config.policy_params)
     policy.bind(config.capacity, config.page_size)
     policy.bind_layers(getattr(config, "n_layers", 1))  # CacheSettings (no model yet) knows no layer count

@@ -7,6 +7,14 @@ keys written, or the queries) names a PolicyState subclass (defined in its own f
 the cache keeps one per layer and feeds it. Policies read a LayerView: positions, block table and that
 state.
 
+Every token-level policy also takes two options (kvpress's wrappers, composed with any scorer):
+- `rerotate=1` (KeyRerotationPress): after each eviction the survivors' RoPE positions are made contiguous.
+  The cache keeps every query at its own position and moves each survivor older than an evicted token one
+  position later (its key rotated by +1, kvcache/rope_shift.py): every query-key distance is then the one
+  contiguous positions give (query at the survivor count, keys at 0, 1, ...), so attention is the same.
+- `compress_every=N` (DecodingPress): when the cache is full it evicts N tokens at once (the policy's
+  choice, N times over), down to capacity - N, and refills for N tokens before it compresses again.
+
 A policy with `per_head` evicts (KV head, token) entries, not tokens: before each token is written the
 cache asks it for `choose_head_victims`, masks those entries out of that KV head's attention, and frees
 a slot once every KV head dropped its token (`choose_victims` still picks whole tokens when the sequence
@@ -26,6 +34,8 @@ from pagevis.kvcache.policy_state import LayerView, PolicyState
 
 @dataclass
 class EvictionPolicy:
+    rerotate: int = 0  # 1: survivors' keys re-rotated to contiguous positions after each eviction
+    compress_every: int = 1  # N: when full, evict N tokens at once (down to capacity - N)
     name: ClassVar[str]
     citation: ClassVar[str]
     reason: ClassVar[str] = "lowest score"
@@ -39,6 +49,13 @@ class EvictionPolicy:
         """Fix the budget this policy works in; raise ConfigError if its parameters cannot fit."""
         self.capacity = capacity
         self.page_size = page_size
+        self.rerotate = check_int(f"{self.name}.rerotate", self.rerotate, 0, 1)
+        self.compress_every = self.check_int_param("compress_every", self.compress_every, 1, max(1, capacity - 1))
+        if (self.rerotate or self.compress_every > 1) and (self.per_head or not self.evicts):
+            option = "rerotate" if self.rerotate else "compress_every"
+            raise ConfigError(f"{self.name}.{option}", getattr(self, option),
+                              f"the default ({'0' if self.rerotate else '1'}): {self.name!r} "
+                              f"{'evicts per KV head' if self.per_head else 'never evicts'}")
 
     def bind_layers(self, n_layers: int) -> None:
         """Learn the number of layers (after bind), for policies whose budget differs by layer."""
