@@ -17,7 +17,7 @@ from hypothesis.stateful import initialize, invariant
 from test_pool_invariants import SharedPoolMachine
 from quant_reference import GROUP, QuantReference, clamped_residual, f16_down, f16_up, kivi_keys
 
-from pagevis.kvcache import POLICIES, CacheConfig, KVCacheManager
+from pagevis.kvcache import POLICIES, CacheConfig, ConfigError, KVCacheManager
 from pagevis.kvcache import quant
 
 QUANTIZED = ("int8", "int4", "int2")
@@ -395,6 +395,10 @@ def test_every_policy_decodes_with_int4(policy):
     from pagevis.model.synthetic import SyntheticModel
 
     model = SyntheticModel(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=3)
+    if policy == "merge":  # merging rewrites float values in place: refused with quantized codes
+        with pytest.raises(ConfigError, match="another policy with a quantized dtype"):
+            SessionConfig(page_size=4, dtype="int4", policy=policy).check()
+        return
     if policy == "none":
         settings = dict(max_pages=30)
     else:  # adakv holds about half its slots' tokens per head, duo all until the pool fills: room for groups

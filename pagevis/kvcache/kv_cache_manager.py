@@ -397,6 +397,8 @@ class KVCacheManager:
         for i, position in enumerate(positions):
             if keep is not None:
                 self._evict_heads(seq, layer)
+            if seq.policy.prunes:
+                self._prune(seq, layer)
             if seq.resident[layer] >= budget or not (holes or store.pages.can_allocate()):
                 if not seq.policy.evicts and seq.resident[layer] < budget:
                     raise CacheFullError(f"the pool's {self.pool_pages} pages of layer {layer} are all in use "
@@ -456,9 +458,41 @@ class KVCacheManager:
         while True:
             view = self.view(seq.seq_id, layer)
             victims, scores = policy.choose_victims(view)
-            self._remove(seq, layer, victims, scores, policy.reason)
+            if policy.merges:
+                self._merge(seq, layer, victims, scores, *policy.merge_targets(view, victims))
+            else:
+                self._remove(seq, layer, victims, scores, policy.reason)
             if seq.resident[layer] <= target or not (view.occupied() & ~policy.protected(view)).any():
                 return
+
+    def _prune(self, seq: SequenceCache, layer: int) -> None:
+        """A pruning policy's victims before the next token, however full the cache is."""
+        victims, scores = seq.policy.choose_pruned(self.view(seq.seq_id, layer))
+        if len(victims):
+            self._remove(seq, layer, victims, scores, seq.policy.reason)
+
+    def _merge(self, seq: SequenceCache, layer: int, victims: np.ndarray, scores: np.ndarray, targets: np.ndarray,
+               weights: np.ndarray) -> None:
+        """Evict the victims, folding each one's value into its target survivor (v <- (1 - w) v + w v_victim;
+        -1: none); the eviction events name the survivor's position. Targets are found again by position
+        after the removal, which may have copied their page."""
+        store, ps = self.stores[layer], self.page_size
+        values = store.v[:, victims // ps, victims % ps].astype(np.float64)  # (n_kv, victims, d)
+        into = np.where(targets >= 0, store.positions[targets], -1)
+        self._remove(seq, layer, victims, scores, seq.policy.reason, details=into.tolist())
+        flat = self._flat_slots(seq.block_tables[layer])
+        slot_of = dict(zip(store.positions[flat].tolist(), flat.tolist(), strict=True))
+        for i, position in enumerate(into.tolist()):
+            if position < 0:
+                continue
+            page, slot = divmod(slot_of[position], ps)
+            self._forget(seq, layer, page)
+            if store.pages.is_shared(page):
+                page = self._copy_on_write(seq, layer, page)
+                flat = self._flat_slots(seq.block_tables[layer])
+                slot_of = dict(zip(store.positions[flat].tolist(), flat.tolist(), strict=True))
+            merged = (1 - weights[i]) * store.v[:, page, slot].astype(np.float64) + weights[i] * values[:, i]
+            store.v[:, page, slot] = merged.astype(store.v.dtype)
 
     def _evict_heads(self, seq: SequenceCache, layer: int) -> None:
         """A per-head policy's drops before the next token: mask each (KV head, slot) entry it names; free
@@ -477,14 +511,16 @@ class KVCacheManager:
         if len(gone):
             self._remove(seq, layer, gone, np.full(len(gone), np.nan), "dropped by every KV head")
 
-    def _remove(self, seq: SequenceCache, layer: int, victims: np.ndarray, scores: np.ndarray, reason: str) -> None:
+    def _remove(self, seq: SequenceCache, layer: int, victims: np.ndarray, scores: np.ndarray, reason: str,
+                details: list[int] | None = None) -> None:
         """Take the tokens in these flat slots out of the sequence (copying a shared page first); free
-        the pages left empty."""
+        the pages left empty. `details`: each eviction event's detail (merges: the survivor's position)."""
         store, ps = self.stores[layer], self.page_size
         seq.hashable = False
         copies: dict[int, int] = {}  # shared page -> this sequence's copy (a policy may take several slots)
         removed: list[int] = []
-        for flat, score in zip(victims.tolist(), scores.tolist(), strict=True):
+        for flat, score, detail in zip(victims.tolist(), scores.tolist(), details or [-1] * len(victims),
+                                       strict=True):
             page, slot = divmod(flat, ps)
             page = copies.get(page, page)
             if store.pages.is_shared(page):
@@ -496,7 +532,8 @@ class KVCacheManager:
             seq.resident[layer] -= 1
             if seq.head_keep[layer] is not None:
                 seq.head_keep[layer][:, page * ps + slot] = False
-            self._event(E.EVICT, seq.seq_id, layer, page, slot, position, seq.policy.name, reason, float(score))
+            self._event(E.EVICT, seq.seq_id, layer, page, slot, position, seq.policy.name, reason, float(score),
+                        detail=detail)
             if store.fill[page] == 0:
                 seq.block_tables[layer].remove(page)
                 seq.holes[layer].difference_update(range(page * ps, (page + 1) * ps))

@@ -13,6 +13,7 @@ from pagevis.kvcache.policies.h2o import HeavyHitter
 from pagevis.kvcache.policies.keydiff import KeyDiff
 from pagevis.kvcache.policies.lfu import LeastFrequentlyUsedPage
 from pagevis.kvcache.policies.lru import LeastRecentlyUsedPage
+from pagevis.kvcache.policies.merge import MergeValues
 from pagevis.kvcache.policies.none import NoEviction
 from pagevis.kvcache.policies.oldest import Oldest
 from pagevis.kvcache.policies.oldest_page import OldestPage
@@ -20,12 +21,13 @@ from pagevis.kvcache.policies.pyramidkv import PyramidKV
 from pagevis.kvcache.policies.random import RandomEviction
 from pagevis.kvcache.policies.sinks import Sinks
 from pagevis.kvcache.policies.snapkv import SnapKV
+from pagevis.kvcache.policies.threshold import Threshold
 from pagevis.kvcache.policies.tova import Tova
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls for cls in (Oldest, OldestPage, Sinks, HeavyHitter, Tova, SnapKV, PyramidKV,
                               LeastRecentlyUsedPage, LeastFrequentlyUsedPage, RandomEviction, NoEviction,
-                              KeyDiff, ExpectedAttention, AdaKV, DuoAttention)
+                              KeyDiff, ExpectedAttention, AdaKV, DuoAttention, Threshold, MergeValues)
 }
 
 
@@ -54,12 +56,14 @@ def make_policy(config) -> EvictionPolicy:
     if cls.per_head and (getattr(config, "disk_pages", 0) or getattr(config, "select", "all") == "quest"):
         raise ConfigError("policy", config.policy, "a token-level policy with a disk tier or quest (a per-head "
                           "policy's masks apply to attention over pages in RAM only)")
-    if config.policy_params.get("rerotate") and (getattr(config, "dtype", "float32") not in ("float32", "float16")
-                                                 or getattr(config, "disk_pages", 0)
-                                                 or getattr(config, "select", "all") == "quest"):
-        raise ConfigError(f"{config.policy}.rerotate", config.policy_params["rerotate"],
-                          "0 with a quantized dtype, a disk tier or quest (re-rotation rewrites float keys in "
-                          "RAM pages; quantized codes, pages on disk and Quest's key bounds would go stale)")
+    rewrites = "rerotate" if config.policy_params.get("rerotate") else "policy" if cls.merges else ""
+    if rewrites and (getattr(config, "dtype", "float32") not in ("float32", "float16")
+                     or getattr(config, "disk_pages", 0) or getattr(config, "select", "all") == "quest"):
+        field = f"{config.policy}.rerotate" if rewrites == "rerotate" else "policy"
+        raise ConfigError(field, config.policy_params.get("rerotate", config.policy),
+                          f"{'0' if rewrites == 'rerotate' else 'another policy'} with a quantized dtype, a disk tier "
+                          "or quest (re-rotating keys and merging values rewrite float K/V in RAM pages; quantized "
+                          "codes, pages on disk and Quest's key bounds would go stale)")
     policy = cls(**config.policy_params)
     policy.bind(config.capacity, config.page_size)
     policy.bind_layers(getattr(config, "n_layers", 1))  # CacheSettings (no model yet) knows no layer count

@@ -43,6 +43,8 @@ class EvictionPolicy:
     uses_attention: ClassVar[bool] = False  # True: the cache feeds every attention call to its state
     uses_queries: ClassVar[bool] = False  # True: the cache feeds every attention call's queries to its state
     per_head: ClassVar[bool] = False  # True: evicts per KV head (see the module docstring)
+    prunes: ClassVar[bool] = False  # True: before each write the cache evicts `choose_pruned`, full or not
+    merges: ClassVar[bool] = False  # True: an evicted token's value is folded into a survivor (`merge_targets`)
     state_class: ClassVar[type[PolicyState]] = PolicyState
 
     def bind(self, capacity: int, page_size: int) -> None:
@@ -114,6 +116,16 @@ class EvictionPolicy:
         victim = tied[np.argmin(pages.positions[tied])]
         return np.array([victim]), scores[[victim]]
 
+    def choose_pruned(self, pages: LayerView) -> tuple[np.ndarray, np.ndarray]:
+        """Policies that `prune`: flat slots to evict before the next token is written, whether or not the
+        cache is full (a threshold instead of a budget), and their scores."""
+        return np.zeros(0, dtype=np.int64), np.zeros(0)
+
+    def merge_targets(self, pages: LayerView, victims: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Policies that `merge`: for each victim about to be evicted, the flat slot of the survivor its value
+        is folded into and the victim's weight w in it (v_survivor <- (1 - w) v_survivor + w v_victim)."""
+        raise NotImplementedError
+
     def reset(self) -> None:
         """Forget any state (random generators) so a reset cache replays identically."""
 
@@ -122,6 +134,15 @@ class EvictionPolicy:
             return check_int(f"{self.name}.{field}", value, low, high)
         except ConfigError as error:
             raise ConfigError(error.field, value, f"{error.allowed} for a cache of {self.capacity} tokens") from None
+
+
+def newest(pages: LayerView, n: int) -> np.ndarray:
+    """Per flat slot, True on the n newest resident tokens (by position)."""
+    mask = np.zeros(pages.positions.shape, dtype=bool)
+    if n > 0:
+        resident = np.flatnonzero(pages.positions >= 0)
+        mask[resident[np.argsort(pages.positions[resident])[-n:]]] = True
+    return mask
 
 
 def page_values(pages: LayerView, per_slot: np.ndarray) -> np.ndarray:

@@ -14,8 +14,13 @@ class UnitKeys(PolicyState):
         self.unit = self.add_array("unit_keys", np.float32, (n_kv_heads, head_dim))
 
     def write(self, flat, k, v, position):
-        norm = np.linalg.norm(k, axis=-1, keepdims=True)
-        self.unit[flat] = k / np.where(norm > 0, norm, 1)
+        self.unit[flat] = unit_keys(k)
+
+
+def unit_keys(k: np.ndarray) -> np.ndarray:
+    """k (..., d) scaled to unit length (a zero key stays zero)."""
+    norm = np.linalg.norm(k, axis=-1, keepdims=True)
+    return k / np.where(norm > 0, norm, 1)
 
 
 @dataclass
