@@ -76,8 +76,10 @@ class BruteForce:
             half = kernel // 2
             pooled = {p: max(seen[max(0, i - half): i + half + 1]) for i, p in enumerate(by_age)}
             return min(by_age[: len(by_age) - window], key=lambda p: (pooled[p], p))
-        if self.policy == "keydiff":
-            return min(by_age, key=lambda p: (keydiff_scores(self.keys, by_age)[p], p))
+        if self.policy == "keydiff":  # the anchor over every resident key; the `window` newest kept
+            scores = keydiff_scores(self.keys, by_age)
+            window = self.params.get("window", min(8, self.capacity // 2))
+            return min(by_age[: len(by_age) - window], key=lambda p: (scores[p], p))
         if self.policy == "expected-attention":
             n_sink = self.params.get("n_sink", 4)
             scores = expected_attention_scores(self, [p for p in by_age if p >= n_sink], self.step)
@@ -270,6 +272,14 @@ def test_snapkv_parameters(params):
     assert cache.resident_positions(0, 0).tolist()[-window:] == list(range(40 - window, 40))
 
 
+@pytest.mark.parametrize("window", [0, 3])
+def test_keydiff_window(window):
+    """window 0: the bare score (kvpress's press); otherwise the newest `window` tokens are never evicted."""
+    cache = run_both("keydiff", 4, 3, 40, seed=9, params={"window": window})
+    newest = cache.resident_positions(0, 0).tolist()[-window:] if window else []
+    assert newest == list(range(40 - window, 40))
+
+
 @pytest.mark.parametrize("params", [{"threshold_pct": 50}, {"threshold_pct": 1}])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_page_use_threshold(policy, params):
@@ -457,7 +467,8 @@ class PerHeadBruteForce:
 def adakv_policy(scorer, budget, safeguard_pct=20):
     from pagevis.kvcache.policies import POLICIES, AdaKV
 
-    return AdaKV(budget=budget, safeguard_pct=safeguard_pct).wrap(POLICIES[scorer]())
+    inner = POLICIES[scorer](**({"window": 0} if scorer == "keydiff" else {}))  # the brute force's bare score
+    return AdaKV(budget=budget, safeguard_pct=safeguard_pct).wrap(inner)
 
 
 def run_adakv(scorer, page_size, max_pages, budget, n_tokens, seed, safeguard_pct=20, n_seqs=1):

@@ -139,6 +139,10 @@ class Row:
     equal_memory_to: str = ""  # an equal-memory row: the dtype@budget whose K/V bytes it does not exceed
     residual: int | None = None  # int4 / int2: the residual window used (clamped to the budget: quant.py)
     storage_notice: str = ""  # quant.storage_notice: the residual clamped, or bytes beyond float32's and why
+    # tokens held, mean over layers and the tokens predicted once the text passed the budget (a threshold
+    # policy's size floats under its capacity); kv_bytes_held: that many tokens' K/V bytes, all layers
+    mean_resident: float | None = None
+    kv_bytes_held: int | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -238,6 +242,7 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
     kl = np.zeros(n - 1)
     agree = np.zeros(n - 1, dtype=bool)
     lost = np.zeros(n - 1)
+    held = np.zeros(n - 1)  # tokens resident per predicted token, mean over layers
     started = time.perf_counter()
     note = ""
     evictions = 0
@@ -257,6 +262,7 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
                 attention = reference.attention(p)
                 gone = ~resident[:, : p + 1]
                 lost[p] = float(np.mean(np.sum(attention * gone, axis=1, dtype=np.float64)))
+                held[p] = resident.sum() / len(resident)
                 if optimal:
                     optimal.consume(attention)
             if progress:
@@ -282,7 +288,9 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
         kv_bytes_per_token=memory["kv_bytes_per_token"],
         kv_bytes=round(memory["kv_bytes_per_token"] * session.cache_config.capacity),
         kv_bytes_peak_per_token=memory["kv_bytes_peak_per_token"], equal_memory_to=equal_memory_to,
-        residual=memory.get("residual"), storage_notice=memory.get("storage_notice", ""))
+        residual=memory.get("residual"), storage_notice=memory.get("storage_notice", ""),
+        mean_resident=float(np.mean(held[tail])) if evicting else None,
+        kv_bytes_held=round(float(np.mean(held[tail])) * memory["kv_bytes_per_token"]) if evicting else None)
 
 
 TIER_ROWS = ("quest", "disk")  # compare rows with a disk tier: quest's page selection, or exact reads of all

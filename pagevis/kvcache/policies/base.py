@@ -32,7 +32,7 @@ from pagevis.errors import ConfigError, check_int
 from pagevis.kvcache.policy_state import LayerView, PolicyState
 
 
-@dataclass
+@dataclass(kw_only=True)  # the shared options are keywords: a policy's own fields stay positional
 class EvictionPolicy:
     rerotate: int = 0  # 1: survivors' keys re-rotated to contiguous positions after each eviction
     compress_every: int = 1  # N: when full, evict N tokens at once (down to capacity - N)
