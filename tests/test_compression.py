@@ -145,3 +145,23 @@ def test_bad_compression_settings_are_refused(change, field):
         CacheConfig(**{**dict(page_size=4, max_pages=6, n_layers=1, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=D,
                               policy="merge"), **change})
     assert error.value.field == field
+
+
+def test_the_page_grid_draws_each_merge_from_the_evicted_cell_to_its_survivor(qtbot, tmp_path):
+    pytest.importorskip("pytestqt")
+    from gui_helpers import SYNTH, make_window, step
+
+    from pagevis.engine import SessionConfig
+
+    config = SessionConfig(page_size=4, max_pages=4, policy="merge", policy_params={"recent": 4},
+                           max_new_tokens=40, chat=False)
+    window = make_window(qtbot, tmp_path, spec=SYNTH, prompt="merging values", config=config)
+    step(qtbot, window, 6)  # the prompt (14 byte tokens) fills the 16 slots; then one merge per step
+    record, grid = window.timeline.records[-1], window.page_grid
+    merges = [e for e in record.events if e.kind == "evict" and e.layer == window.controls.layer.value()]
+    assert len(merges) == 1 and merges[0].detail >= 0
+    xs, ys = grid.merges.getData()
+    target = np.argwhere(record.slot_maps[window.controls.layer.value()] == merges[0].detail)[0]
+    assert xs.tolist() == [merges[0].slot + 0.5, target[1] + 0.5]
+    assert ys.tolist() == [merges[0].page + 0.5, target[0] + 0.5]
+    assert f"into position {merges[0].detail}" in grid.cell_info(merges[0].page, merges[0].slot)
