@@ -53,9 +53,6 @@ def make_policy(config) -> EvictionPolicy:
             allowed = f"{', '.join(own) if own else 'no parameters of its own'}, or {', '.join(SHARED_PARAMS)}"
             raise ConfigError(f"{config.policy}.{key}", config.policy_params[key],
                               f"a parameter of {config.policy!r}; it takes {allowed}")
-    if cls.per_head and (getattr(config, "disk_pages", 0) or getattr(config, "select", "all") == "quest"):
-        raise ConfigError("policy", config.policy, "a token-level policy with a disk tier or quest (a per-head "
-                          "policy's masks apply to attention over pages in RAM only)")
     rewrites = "rerotate" if config.policy_params.get("rerotate") else "policy" if cls.merges else ""
     if rewrites and (getattr(config, "dtype", "float32") not in ("float32", "float16")
                      or getattr(config, "disk_pages", 0) or getattr(config, "select", "all") == "quest"):
