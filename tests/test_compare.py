@@ -293,3 +293,15 @@ def test_rows_beyond_dropping_tokens(model, reference):
     assert merged.evictions == h2o.evictions and merged.ppl != pytest.approx(h2o.ppl, rel=1e-6)
     floating = row("threshold", threshold_pct=100, window=8)  # below an even share: this model holds ~14
     assert floating.mean_resident < 48 and floating.kv_bytes_held < floating.kv_bytes
+
+
+def test_the_header_and_rows_say_the_window_was_clamped(capsys):
+    args = ["compare", "--model", "synthetic", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+            "--model-seed", "2", "--policies", "sinks", "--no-optimal", "--budgets", "32", "--page-size", "16",
+            "--tokens", "60", "--dtypes", "int4", "--residual", "128", "--no-files", "--quiet"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "int4 at 32: residual 128 clamped to 0" in out and "more than float32's 256" in out
+    assert main([*args, "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    assert row["residual"] == 0 and "clamped to 0" in row["storage_notice"]
