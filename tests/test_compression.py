@@ -165,3 +165,31 @@ def test_the_page_grid_draws_each_merge_from_the_evicted_cell_to_its_survivor(qt
     assert xs.tolist() == [merges[0].slot + 0.5, target[1] + 0.5]
     assert ys.tolist() == [merges[0].page + 0.5, target[0] + 0.5]
     assert f"into position {merges[0].detail}" in grid.cell_info(merges[0].page, merges[0].slot)
+
+
+@pytest.mark.parametrize("policy,params", [("threshold", {"window": 4, "threshold_pct": 60}), ("merge", {}),
+                                           ("sinks", {"rerotate": 1}), ("h2o", {"compress_every": 4})])
+def test_a_fork_takes_no_more_pages_than_pages_needed_says(policy, params):
+    """Pruning, merging into and re-rotating survivors copy the shared pages they change: the scheduler's
+    bound (pages_needed, checked before a step) must cover those copies."""
+    config = CacheConfig(page_size=4, max_pages=6, n_layers=1, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=D,
+                         policy=policy, policy_params=params)
+    cache = KVCacheManager(config, pool_pages=40)
+    cache.add_sequence(0)
+    stream = Stream(cache, seed=5)
+    for p in range(22):
+        cache.extend(0, [p])
+        stream.write(p)
+        stream.attend(p)
+    cache.fork(0, 1)
+    copies = 0
+    for p in range(22, 60):
+        need = cache.pages_needed(1, 1)[0]
+        cache.extend(1, [p])
+        k = stream.rng.standard_normal((1, N_KV, D)).astype(np.float32)
+        cache.append(1, 0, k, k, np.array([p]))
+        taken = [e for e in cache.take_events() if e.kind in ("allocate", "copy_on_write")]
+        copies += sum(e.kind == "copy_on_write" for e in taken)
+        assert len(taken) <= need, p
+        cache.attend(1, 0, stream.rng.standard_normal((1, N_HEADS, D)).astype(np.float32), np.array([p]))
+    assert copies > 0

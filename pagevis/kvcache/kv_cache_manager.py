@@ -302,9 +302,13 @@ class KVCacheManager:
             room = len(seq.holes[layer])
             budget = seq.policy.layer_capacity(layer)
             n_evict = max(0, seq.resident[layer] + n_tokens - budget) if seq.policy.evicts else 0
+            if n_evict:  # compress_every N evicts N at each time the budget is reached
+                n_evict += seq.policy.compress_every - 1
             need = int((shared & (fill < ps)).sum()) + min(n_evict, int(shared.sum()))
             if store.kivi:  # quantizing a key group copies the shared pages it touches
                 need += min(int(shared.sum()), -(-store.layout.group // ps) + 1)
+            if seq.policy.prunes or (n_evict and (seq.policy.rerotate or seq.policy.merges)):
+                need += int(shared.sum())  # pruned tokens, rotated keys, merged values: on any shared page
             need += -(-max(0, n_tokens - room - n_evict) // ps)
             needs.append(need)
         return needs
