@@ -262,7 +262,7 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
                 attention = reference.attention(p)
                 gone = ~resident[:, : p + 1]
                 lost[p] = float(np.mean(np.sum(attention * gone, axis=1, dtype=np.float64)))
-                held[p] = resident.sum() / len(resident)
+                held[p] = resident[:, : p + 1].sum() / len(resident)  # what query p could read (causal)
                 if optimal:
                     optimal.consume(attention)
             if progress:

@@ -279,11 +279,13 @@ class KVCacheManager:
     def room(self, seq_id: int) -> int:
         """Tokens the sequence can still add before its policy must evict (its budget, not the pool; for a
         per-head policy also before it must drop an entry, so that a prefill chunk never evicts mid-chunk on
-        statistics that have not seen the chunk)."""
+        statistics that have not seen the chunk; likewise for a policy that prunes at any fill)."""
         seq = self.sequences[seq_id]
         rooms = [seq.policy.layer_capacity(layer) - seq.resident[layer] for layer in range(len(self.stores))]
         if seq.policy.per_head:
             rooms += [seq.policy.head_room(self.view(seq_id, layer)) for layer in range(len(self.stores))]
+        if seq.policy.prunes:
+            rooms += [seq.policy.prune_room(self.view(seq_id, layer)) for layer in range(len(self.stores))]
         return min(rooms)
 
     def can_append(self, seq_id: int, n: int) -> bool:

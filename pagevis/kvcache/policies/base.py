@@ -121,6 +121,11 @@ class EvictionPolicy:
         cache is full (a threshold instead of a budget), and their scores."""
         return np.zeros(0, dtype=np.int64), np.zeros(0)
 
+    def prune_room(self, pages: LayerView) -> int:
+        """Policies that `prune`: tokens that can be written before the policy may prune on statistics that
+        have not seen them (the whole pool unless overridden)."""
+        return self.capacity
+
     def merge_targets(self, pages: LayerView, victims: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Policies that `merge`: for each victim about to be evicted, the flat slot of the survivor its value
         is folded into and the victim's weight w in it (v_survivor <- (1 - w) v_survivor + w v_victim)."""

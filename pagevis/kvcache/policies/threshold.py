@@ -39,6 +39,11 @@ class Threshold(EvictionPolicy):
     def protected(self, pages):
         return newest(pages, self.window)
 
+    def prune_room(self, pages):
+        """Once a query was seen any write may prune: one token at a time, so that each is judged by the
+        attention of the queries before it (a prefill chunk's queries come only after all its writes)."""
+        return 1 if pages.stats.next else self.capacity
+
     def choose_pruned(self, pages):
         occupied = pages.occupied()
         if not pages.stats.next:  # no query yet: nothing to judge by
