@@ -195,7 +195,8 @@ SETTINGS: dict[str, Setting] = _table(
     Setting("policy", "str", "sinks", "eviction policy", "cache", "cache", label="Policy", choices=policy_names,
             flag="--policy", resets=("policy_params",), front_ends={"serve": "none", "server": "none"}),
     Setting("policy_params", "params", {}, "the policy's parameters, e.g. n_sink=4 (sinks), recent=32 (h2o), "
-            "seed=1 (random); the policy's defaults for those not given", "cache", "cache",
+            "seed=1 (random), and for every token policy rerotate=1 (contiguous RoPE positions after eviction) or "
+            "compress_every=N (evict N at once when full); the policy's defaults for those not given", "cache", "cache",
             label="Policy parameters", flag="--policy-param", metavar="KEY=VALUE"),
     Setting("disk_pages", "int", 0, "pages per layer on disk (0 = no disk tier): capacity = disk pages x page "
             "size, and the RAM frames cache pages (least recently read leaves), written to disk once", "cache",

@@ -73,6 +73,26 @@ def kivi_values(value: np.ndarray, bits: int) -> np.ndarray:
     return out
 
 
+def clamped_residual(dtype: str, residual: int, capacity: int, n_kv_heads: int, head_dim: int) -> int:
+    """The residual the cache uses: the largest r <= residual at which a cache of `capacity` tokens costs no
+    more bytes per token than float16, counting bytes by hand — per token and KV head: K and V codes
+    (head_dim * bits / 8 bytes each), a float16 scale and zero point per value group of 32 channels, 1/32
+    of its key group's float16 scale and zero point per channel, and per token a 4-byte key group index;
+    plus, per token held in float32 (r, at least 1, and 31 waiting), 2 x n_kv_heads x head_dim x 4 bytes.
+    0 when none fits."""
+    bits = {"int4": 4, "int2": 2}.get(dtype)
+    if bits is None:
+        return residual
+    value_groups = -(-head_dim // GROUP)
+    quantized = n_kv_heads * (2 * -(-head_dim * bits // 8) + 2 * 2 * value_groups + 2 * 2 * head_dim / GROUP) + 4
+    float16 = 2 * n_kv_heads * head_dim * 2
+    for r in range(residual, -1, -1):
+        window = min(capacity, max(r, 1) + GROUP - 1)
+        if quantized + window * 2 * n_kv_heads * head_dim * 4 / capacity <= float16:
+            return r
+    return 0
+
+
 class QuantReference:
     """What one sequence's cache holds, position by position: K and V as float64 (exactly as written
     while in the window, else dequantized) and which positions shared a key group."""

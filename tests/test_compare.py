@@ -274,3 +274,34 @@ def test_cli_dtypes_and_equal_memory_rows(tmp_path, capsys):
 def test_bad_dtypes(capsys):
     assert main(["compare", "--model", "synthetic", "--no-files", "--dtypes", "float32,int3"]) == 2
     assert "--dtypes: unknown dtype 'int3'" in capsys.readouterr().err
+
+
+def test_rows_beyond_dropping_tokens(model, reference):
+    """compare's rows for re-rotation, periodic compression, threshold eviction and merging: each changes the
+    perplexity of the plain policy it builds on, and the rows say how many tokens (and bytes) they held."""
+    def row(name, **params):
+        return quality.evaluate(model, reference, quality.PolicyChoice(name, params), budget=48, page_size=8)
+
+    sinks, h2o = row("sinks"), row("h2o")
+    assert sinks.mean_resident == h2o.mean_resident == 48 and sinks.kv_bytes_held == sinks.kv_bytes
+    rotated = row("sinks", rerotate=1)
+    assert rotated.ppl != pytest.approx(sinks.ppl, rel=1e-6) and rotated.evictions == sinks.evictions
+    periodic = row("h2o", compress_every=8)  # full at 48, down to 40: between 41 and 48 after each write
+    assert 41 <= periodic.mean_resident < 48 and periodic.ppl != pytest.approx(h2o.ppl, rel=1e-6)
+    assert periodic.kv_bytes_held == round(periodic.mean_resident * periodic.kv_bytes_per_token)
+    merged = row("merge")
+    assert merged.evictions == h2o.evictions and merged.ppl != pytest.approx(h2o.ppl, rel=1e-6)
+    floating = row("threshold", threshold_pct=100, window=8)  # below an even share: this model holds ~14
+    assert floating.mean_resident < 48 and floating.kv_bytes_held < floating.kv_bytes
+
+
+def test_the_header_and_rows_say_the_window_was_clamped(capsys):
+    args = ["compare", "--model", "synthetic", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+            "--model-seed", "2", "--policies", "sinks", "--no-optimal", "--budgets", "32", "--page-size", "16",
+            "--tokens", "60", "--dtypes", "int4", "--residual", "128", "--no-files", "--quiet"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "int4 at 32: residual 128 clamped to 0" in out and "more than float32's 256" in out
+    assert main([*args, "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    assert row["residual"] == 0 and "clamped to 0" in row["storage_notice"]

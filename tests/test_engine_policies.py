@@ -76,8 +76,10 @@ class BruteForce:
             half = kernel // 2
             pooled = {p: max(seen[max(0, i - half): i + half + 1]) for i, p in enumerate(by_age)}
             return min(by_age[: len(by_age) - window], key=lambda p: (pooled[p], p))
-        if self.policy == "keydiff":
-            return min(by_age, key=lambda p: (keydiff_scores(self.keys, by_age)[p], p))
+        if self.policy == "keydiff":  # the anchor over every resident key; the `window` newest kept
+            scores = keydiff_scores(self.keys, by_age)
+            window = self.params.get("window", min(8, self.capacity // 2))
+            return min(by_age[: len(by_age) - window], key=lambda p: (scores[p], p))
         if self.policy == "expected-attention":
             n_sink = self.params.get("n_sink", 4)
             scores = expected_attention_scores(self, [p for p in by_age if p >= n_sink], self.step)
@@ -270,6 +272,14 @@ def test_snapkv_parameters(params):
     assert cache.resident_positions(0, 0).tolist()[-window:] == list(range(40 - window, 40))
 
 
+@pytest.mark.parametrize("window", [0, 3])
+def test_keydiff_window(window):
+    """window 0: the bare score (kvpress's press); otherwise the newest `window` tokens are never evicted."""
+    cache = run_both("keydiff", 4, 3, 40, seed=9, params={"window": window})
+    newest = cache.resident_positions(0, 0).tolist()[-window:] if window else []
+    assert newest == list(range(40 - window, 40))
+
+
 @pytest.mark.parametrize("params", [{"threshold_pct": 50}, {"threshold_pct": 1}])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_page_use_threshold(policy, params):
@@ -457,14 +467,18 @@ class PerHeadBruteForce:
 def adakv_policy(scorer, budget, safeguard_pct=20):
     from pagevis.kvcache.policies import POLICIES, AdaKV
 
-    return AdaKV(budget=budget, safeguard_pct=safeguard_pct).wrap(POLICIES[scorer]())
+    inner = POLICIES[scorer](**({"window": 0} if scorer == "keydiff" else {}))  # the brute force's bare score
+    return AdaKV(budget=budget, safeguard_pct=safeguard_pct).wrap(inner)
 
 
-def run_adakv(scorer, page_size, max_pages, budget, n_tokens, seed, safeguard_pct=20, n_seqs=1):
-    """The cache (holding n_seqs - 1 other sequences too, so that attention gathers through block tables)
-    against the per-head brute force: each KV head's kept set, and the attention output, every step."""
-    config = CacheConfig(page_size=page_size, max_pages=max_pages * n_seqs, n_layers=1, n_heads=N_HEADS,
-                         n_kv_heads=N_KV, head_dim=HEAD_DIM, policy="sinks")
+def run_adakv(scorer, page_size, max_pages, budget, n_tokens, seed, safeguard_pct=20, n_seqs=1, ram_frames=None):
+    """The cache (holding n_seqs - 1 other sequences too, so that attention gathers through block tables;
+    with ram_frames, a disk tier of the pool's pages cached in that many RAM frames) against the per-head
+    brute force: each KV head's kept set, and the attention output, every step."""
+    pool = {"max_pages": max_pages * n_seqs} if ram_frames is None else {"max_pages": ram_frames,
+                                                                         "disk_pages": max_pages * n_seqs}
+    config = CacheConfig(page_size=page_size, n_layers=1, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HEAD_DIM,
+                         policy="sinks", **pool)
     cache = KVCacheManager(config)
     for other in range(1, n_seqs):
         cache.add_sequence(other)
@@ -501,6 +515,13 @@ def run_adakv(scorer, page_size, max_pages, budget, n_tokens, seed, safeguard_pc
 @pytest.mark.parametrize("page_size,max_pages,budget", [(1, 16, 12), (4, 4, 12), (4, 6, 12), (5, 4, 14)])
 def test_adakv_matches_its_per_head_brute_force(scorer, page_size, max_pages, budget):
     run_adakv(scorer, page_size, max_pages, budget, n_tokens=3 * page_size * max_pages + 5, seed=21)
+
+
+@pytest.mark.parametrize("scorer,ram_frames,n_seqs", [("snapkv", 2, 1), ("tova", 3, 1), ("snapkv", 3, 2)])
+def test_adakv_with_a_disk_tier_matches_its_per_head_brute_force(scorer, ram_frames, n_seqs):
+    """The reader applies each KV head's mask to RAM pages and to disk pages read back alike."""
+    cache = run_adakv(scorer, 4, 6, 12, 60, seed=28, n_seqs=n_seqs, ram_frames=ram_frames)
+    assert cache.stores[0].counts.faults > 0  # pages were read back from disk
 
 
 @pytest.mark.parametrize("safeguard_pct", [0, 50, 100])
@@ -568,18 +589,41 @@ def test_adakv_over_expected_attention_holds_its_budget():
     assert all(set(range(4)) <= set(cache.stores[0].positions[kept[kv]].tolist()) for kv in range(N_KV))  # sinks
 
 
-def test_per_head_policies_refuse_a_disk_tier_and_quest():
-    with pytest.raises(ConfigError, match="token-level policy with a disk tier or quest"):
-        CacheConfig(page_size=4, max_pages=4, disk_pages=8, policy="adakv")
-    with pytest.raises(ConfigError, match="token-level policy"):
-        CacheConfig(page_size=4, max_pages=4, select="quest", policy="adakv")
+@pytest.mark.parametrize("disk", [False, True])
+def test_per_head_masks_compose_with_quest(disk):
+    """Quest reads the pages its key bounds choose (bounds over every key of a page, dropped entries included:
+    still an upper bound), and each KV head attends only to the tokens it keeps there: every step's output
+    equals dense float64 attention over, per KV head, the read tokens that head keeps."""
+    pool = {"max_pages": 3, "disk_pages": 8} if disk else {"max_pages": 8}
+    config = CacheConfig(page_size=4, n_layers=1, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HEAD_DIM,
+                         policy="adakv", policy_params={"budget": 12}, select="quest", select_pages=2, **pool)
+    cache = KVCacheManager.single(config)
+    rng = np.random.default_rng(29)
+    keys, values, narrowed = {}, {}, 0
+    for position in range(50):
+        k, v, q = random_token(rng)
+        keys[position], values[position] = k[0].astype(np.float64), v[0].astype(np.float64)
+        cache.append(0, 0, k, v, np.array([position]))
+        result = cache.attend(0, 0, q, np.array([position]))
+        store, keep = cache.stores[0], cache.sequences[0].head_keep[0]
+        read = set(store.positions[result.slots].tolist()) - {-1}
+        narrowed += len(read) < cache.resident(0, 0)
+        for head in range(N_HEADS):
+            kv = head // GROUP
+            kept = sorted(p for p in read if keep[kv, np.flatnonzero(store.positions == p)[0]])
+            expected, _ = dense_attention_f64(q[0][head: head + 1], np.stack([keys[p][kv: kv + 1] for p in kept]),
+                                              np.stack([values[p][kv: kv + 1] for p in kept]))
+            np.testing.assert_allclose(result.output[0, head], expected[0], atol=1e-5)
+        assert cache.head_entries(0, 0) <= N_KV * 12
+    assert narrowed > 20  # quest did leave pages unread
 
 
-def duo_cache(page_size, max_pages, n_layers, scores, **params):
+def duo_cache(page_size, max_pages, n_layers, scores, ram_frames=None, **params):
     from pagevis.kvcache.policies import DuoAttention
 
-    config = CacheConfig(page_size=page_size, max_pages=max_pages, n_layers=n_layers, n_heads=N_HEADS,
-                         n_kv_heads=N_KV, head_dim=HEAD_DIM, policy="sinks")
+    pool = {"max_pages": max_pages} if ram_frames is None else {"max_pages": ram_frames, "disk_pages": max_pages}
+    config = CacheConfig(page_size=page_size, n_layers=n_layers, n_heads=N_HEADS, n_kv_heads=N_KV,
+                         head_dim=HEAD_DIM, policy="sinks", **pool)
     cache = KVCacheManager(config)
     policy = DuoAttention(**params).calibrated(scores)
     policy.bind(config.capacity, page_size)
@@ -651,6 +695,25 @@ def test_duo_budget_gives_retrieval_heads_what_streaming_heads_leave():
     assert [cache.resident(0, layer) for layer in range(3)] == [16, 12, 8]
     with pytest.raises(ConfigError, match="duo.budget.*layer 0 needs 22 tokens"):
         duo_cache(4, 5, 3, scores, n_sink=2, recent=6, budget=15)
+
+
+def test_duo_with_a_disk_tier_keeps_and_attends_as_in_ram():
+    """Each layer's head masks and attention with 2 RAM frames caching 5 disk pages equal those in RAM."""
+    scores = np.array([[0.1, 0.9], [0.5, 0.6], [0.2, 0.3]])
+    caches = [duo_cache(4, 5, 3, scores, ram_frames=frames, n_sink=2, recent=6, budget=12)[0] for frames in (None, 2)]
+    rng = np.random.default_rng(33)
+    for position in range(50):
+        k, v, q = random_token(rng)
+        for layer in range(3):
+            outputs = []
+            for cache in caches:
+                cache.append(0, layer, k, v, np.array([position]))
+                outputs.append(cache.attend(0, layer, q, np.array([position])).output)
+            np.testing.assert_allclose(outputs[1], outputs[0], atol=1e-5)
+            kept = [{(h, int(p)) for h in range(N_KV) for p in c.stores[layer].positions[
+                c.sequences[0].head_keep[layer][h] & (c.stores[layer].positions >= 0)]} for c in caches]
+            assert kept[0] == kept[1]
+    assert caches[1].stores[0].counts.faults > 0
 
 
 def test_duo_ships_a_calibration_for_smollm2_only():

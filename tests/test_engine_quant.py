@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant
 from test_pool_invariants import SharedPoolMachine
-from quant_reference import GROUP, QuantReference, f16_down, f16_up, kivi_keys
+from quant_reference import GROUP, QuantReference, clamped_residual, f16_down, f16_up, kivi_keys
 
-from pagevis.kvcache import POLICIES, CacheConfig, KVCacheManager
+from pagevis.kvcache import POLICIES, CacheConfig, ConfigError, KVCacheManager
 from pagevis.kvcache import quant
 
 QUANTIZED = ("int8", "int4", "int2")
@@ -110,7 +110,8 @@ def run_sequence(config: CacheConfig, n_tokens: int, seed: int, chunk: int = 1, 
     QuantReference. Returns (cache, reference, rng)."""
     rng = np.random.default_rng(seed)
     cache = KVCacheManager.single(config)
-    reference = QuantReference(config.dtype, config.residual)
+    reference = QuantReference(config.dtype, clamped_residual(config.dtype, config.residual, config.capacity,
+                                                              config.n_kv_heads, config.head_dim))
     shape = (config.n_kv_heads, config.head_dim)
     position = 0
     while position < n_tokens:
@@ -395,6 +396,10 @@ def test_every_policy_decodes_with_int4(policy):
     from pagevis.model.synthetic import SyntheticModel
 
     model = SyntheticModel(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=3)
+    if policy == "merge":  # merging rewrites float values in place: refused with quantized codes
+        with pytest.raises(ConfigError, match="another policy with a quantized dtype"):
+            SessionConfig(page_size=4, dtype="int4", policy=policy).check()
+        return
     if policy == "none":
         settings = dict(max_pages=30)
     else:  # adakv holds about half its slots' tokens per head, duo all until the pool fills: room for groups
@@ -458,7 +463,11 @@ def test_bytes_per_token_equal_a_hand_count(dtype):
     assert quant.bytes_per_token(dtype, 3, 64) == HAND_COUNT[dtype]
     config = CacheConfig(page_size=16, max_pages=16, dtype=dtype, residual=128, n_layers=30, n_heads=9,
                          n_kv_heads=3, head_dim=64, policy="none")
-    window = 128 + 31 if dtype in ("int4", "int2") else 0  # tokens held in float32 besides (2 x 3 x 64 x 4)
+    # tokens held in float32 besides (2 x 3 x 64 x 4 bytes each): 128 + 31 would cost more than float16 in 256
+    # tokens, so the residual is clamped (int4 to 56, int2 to 72: the window may take (768 - 244) / 1536 and
+    # (768 - 148) / 1536 of the budget)
+    window = {"int4": 56 + 31, "int2": 72 + 31}.get(dtype, 0)
+    assert window == 0 or window == clamped_residual(dtype, 128, 256, 3, 64) + 31
     per_token = 30 * (HAND_COUNT[dtype] + window * 1536 / 256)
     assert config.kv_bytes_per_token() == pytest.approx(per_token, rel=1e-12)
     assert quant.bytes_per_token(dtype, 3, 64, residual=128, tokens=256) * 30 == pytest.approx(per_token)

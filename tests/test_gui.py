@@ -195,13 +195,19 @@ def test_changing_page_size_restarts_with_a_new_grid_shape(qtbot, window):
 
 def test_switching_policy_builds_its_parameters_and_evicts_its_way(qtbot, window):
     window.controls.policy.setCurrentIndex(window.controls.policy.findData("h2o"))
-    assert list(window.controls._param_widgets) == ["recent"]
+    assert list(window.controls._param_widgets) == ["recent", "rerotate", "compress_every"]  # own, then shared
     assert window.controls._param_widgets["recent"].text() == "auto"
     qtbot.waitUntil(lambda: window.runner.state == "ready" and window.runner.session.config.policy == "h2o",
                     timeout=5000)
     step(qtbot, window, 3)
     reasons = {row[6] for row in window.events.visible_rows()}
     assert reasons == {"lowest accumulated attention"}
+    window.controls._param_widgets["compress_every"].setValue(3)  # a shared option restarts the session with it
+    qtbot.waitUntil(lambda: window.runner.state == "ready"
+                    and window.runner.session.config.policy_params.get("compress_every") == 3, timeout=5000)
+    step(qtbot, window, 12)  # the 16-token cache compresses 3 at a time
+    bursts = {sum(1 for e in r.events if e.kind == "evict" and e.layer == 0) for r in window.timeline.records[-12:]}
+    assert bursts == {0, 3}
 
 
 def test_view_only_changes_rerender_without_restarting(qtbot, window):

@@ -40,7 +40,7 @@ def test_cli_and_app_start_from_the_same_defaults(qtbot, tmp_path):
     qtbot.addWidget(window)
     config = window.controls.session_config()
     assert replace(config, policy_params={}) == DEFAULT_CONFIG  # the app spells out the policy's defaults
-    assert dict(config.policy_params) == {"n_sink": 4}
+    assert dict(config.policy_params) == {"n_sink": 4, "rerotate": 0, "compress_every": 1}
     assert window.controls.prompt() == default_prompt("smollm2")
     window.controls.model.setCurrentIndex(window.controls.model.findData("synthetic"))
     assert window.controls.prompt() == default_prompt("synthetic")  # a default prompt follows the model

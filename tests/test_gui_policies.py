@@ -13,7 +13,7 @@ from gui_helpers import CONFIG, make_window, step
                                             ("pyramidkv", ["window", "kernel", "beta", "budget"])])
 def test_new_policies_in_the_window(qtbot, tmp_path, policy, params):
     window = make_window(qtbot, tmp_path, config=dataclasses.replace(CONFIG, policy=policy))
-    assert list(window.controls._param_widgets) == params
+    assert list(window.controls._param_widgets) == [*params, "rerotate", "compress_every"]  # own, then shared
     step(qtbot, window, 3)
     assert window.timeline.records[-1].evictions_total > 0
     assert window.page_grid.states.shape == (4, 4)

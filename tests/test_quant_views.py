@@ -14,7 +14,8 @@ SPEC = ModelSpec(kind="synthetic", n_layers=3, n_heads=4, n_kv_heads=2, head_dim
 
 
 def quantized_session(steps=60, **overrides):
-    config = dict(page_size=4, max_pages=16, policy="sinks", dtype="int4", residual=5, max_new_tokens=200,
+    # 144 tokens: the smallest multiple of 4 at which this layout keeps residual 5 (at 64 the window is clamped)
+    config = dict(page_size=4, max_pages=36, policy="sinks", dtype="int4", residual=5, max_new_tokens=200,
                   chat=False)
     config.update(overrides)
     session = DecodeSession(SPEC.load(), "a quantized cache, token by token", SessionConfig(**config))
@@ -115,7 +116,9 @@ def test_the_app_shows_a_quantized_cache(qtbot, tmp_path):
     info = window.timeline.info
     assert info.kv_bytes_per_token == pytest.approx(window.runner.session.cache_config.kv_bytes_per_token())
     text = window.status_memory.text()
-    assert text == memory_text(info.cache_bytes, info.n_kv_heads, "int4", info.kv_bytes_per_token)
+    assert text == memory_text(info.cache_bytes, info.n_kv_heads, "int4", info.kv_bytes_per_token,
+                               info.storage_notice)
+    assert text.endswith(" · residual 4 clamped to 0")  # 64 tokens of this layout: the window is clamped
     assert f"int4, {8 * info.kv_bytes_per_token / 1000:,.1f} kbit per token" in text
     assert "bits per K/V value" in window.status_memory.toolTip()
 
@@ -156,7 +159,9 @@ def test_the_server_takes_the_dtype_and_residual_and_describes_the_storage():
         body = answer.json()
         assert body["config"]["dtype"] == "int4" and body["config"]["residual"] == 16
         storage = body["storage"]
-        assert storage["dtype"] == "int4" and storage["residual"] == 16
+        # the window as used: clamped to the session's budget, the residual asked beside it when it was
+        assert storage["dtype"] == "int4" and storage.get("residual_requested", storage["residual"]) == 16
+        assert storage["residual"] <= 16 and ("residual_requested" in storage) == ("storage_notice" in storage)
         assert storage["kv_bytes_per_token"] > storage["kv_quantized_bytes_per_token"] > 0
         refused = server.client.post("/v1/sessions", json={"prompt": "x", "dtype": "int4", "residual": -1})
         assert refused.status_code == 422 and "residual" in refused.text

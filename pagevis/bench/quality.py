@@ -138,6 +138,12 @@ class Row:
     kv_bytes: int | None = None  # all layers: kv_bytes_per_token x the tokens its pages hold
     kv_bytes_peak_per_token: float | None = None  # measured: what the run's stores held at most, per token
     equal_memory_to: str = ""  # an equal-memory row: the dtype@budget whose K/V bytes it does not exceed
+    residual: int | None = None  # int4 / int2: the residual window used (clamped to the budget: quant.py)
+    storage_notice: str = ""  # quant.storage_notice: the residual clamped, or bytes beyond float32's and why
+    # tokens held, mean over layers and the tokens predicted once the text passed the budget (a threshold
+    # policy's size floats under its capacity); kv_bytes_held: that many tokens' K/V bytes, all layers
+    mean_resident: float | None = None
+    kv_bytes_held: int | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -215,6 +221,7 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
     kl = np.zeros(n - 1)
     agree = np.zeros(n - 1, dtype=bool)
     lost = np.zeros(n - 1)
+    held = np.zeros(n - 1)  # tokens resident per predicted token, mean over layers
     started = time.perf_counter()
     note = ""
     evictions = 0
@@ -236,6 +243,7 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
                 attention = reference.attention(p)
                 gone = ~resident[:, : p + 1]
                 lost[p] = float(np.mean(np.sum(attention * gone, axis=1, dtype=np.float64)))
+                held[p] = resident[:, : p + 1].sum() / len(resident)  # what query p could read (causal)
                 if optimal:
                     optimal.consume(attention)
             if progress:
@@ -260,7 +268,10 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
         recall=1 - float(np.mean(lost[tail])) if evicting and config.tiered else None, dtype=dtype,
         kv_bytes_per_token=memory["kv_bytes_per_token"],
         kv_bytes=round(memory["kv_bytes_per_token"] * session.cache_config.capacity),
-        kv_bytes_peak_per_token=memory["kv_bytes_peak_per_token"], equal_memory_to=equal_memory_to)
+        kv_bytes_peak_per_token=memory["kv_bytes_peak_per_token"], equal_memory_to=equal_memory_to,
+        residual=memory.get("residual"), storage_notice=memory.get("storage_notice", ""),
+        mean_resident=float(np.mean(held[tail])) if evicting else None,
+        kv_bytes_held=round(float(np.mean(held[tail])) * memory["kv_bytes_per_token"]) if evicting else None)
 
 
 TIER_ROWS = ("quest", "disk")  # compare rows with a disk tier: quest's page selection, or exact reads of all

@@ -21,7 +21,8 @@ DEFAULT_POLICIES = "sinks,oldest,h2o,tova,snapkv,pyramidkv,lru,lfu"
 MAX_TOKENS = 1 << 20  # the reference's logits go to temporary files; the text bounds it in practice
 COLUMNS = ("policy", "budget", "page_size", "dtype", "kv_bytes_per_token", "kv_bytes", "kv_bytes_peak_per_token",
            "equal_memory_to", "ppl", "ppl_evicting", "full_ppl_evicting", "gap_to_optimal", "mean_kl",
-           "top1_agreement", "lost_attention", "evictions", "evicting_tokens", "seconds", "note", "recall")
+           "top1_agreement", "lost_attention", "evictions", "evicting_tokens", "seconds", "note", "recall",
+           "residual", "storage_notice", "mean_resident", "kv_bytes_held")
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -266,6 +267,8 @@ def report(result: dict, rows: list, args: argparse.Namespace, note: str | None 
     print(f"{result['model']}, {result['tokens']} tokens of {result['text']}, page size {args.page_size}, {storage}")
     if note:
         print(note)
+    for notice in dict.fromkeys(f"{r.dtype} at {r.budget}: {r.storage_notice}" for r in rows[1:] if r.storage_notice):
+        print(notice)
     print(format_table(rows))
     if not args.no_files:
         print(f"wrote {args.csv} and {args.plot}", file=sys.stderr)
@@ -312,6 +315,8 @@ def format_table(rows) -> str:
                      f"{_f(r.top1_agreement, 6, 3)} "
                      f"{_f(r.lost_attention, 9, 4)} {r.evictions:>9}"
                      + ("" if r.recall is None else f"  recall {r.recall:.3f}")
+                     + ("" if r.mean_resident is None or r.recall is not None or r.mean_resident >= r.budget - 0.5
+                        else f"  holds {r.mean_resident:.1f} ({r.kv_bytes_held / 1e6:.2f} MB)")
                      + (f"  = {r.equal_memory_to} bytes" if r.equal_memory_to else ""))
     lines.append("ppl: all predicted tokens. ppl evict / full, mean KL, top-1, lost attn: the tokens predicted "
                  "once the cache was full (bounded vs full cache on the same tokens). vs opt: ppl evict over "

@@ -10,7 +10,7 @@ from typing import NamedTuple
 class EventKind(str, Enum):
     ALLOCATE = "allocate"  # a free page joined a sequence's block table
     WRITE = "write"  # a token's K/V was written into a slot
-    EVICT = "evict"  # a policy removed a token from its slot
+    EVICT = "evict"  # a policy removed a token from its slot (detail: merge: the survivor's position, else -1)
     RELEASE = "release"  # a page lost its last reference and went back to the free queue
     SWAP_OUT = "swap_out"  # a page left its RAM frame for the disk tier (written only if dirty)
     FAULT_IN = "fault_in"  # a page was read from the disk tier into a RAM frame

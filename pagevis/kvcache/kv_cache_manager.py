@@ -48,6 +48,7 @@ from pagevis.kvcache.policy_state import LayerView, PolicyState
 from pagevis.kvcache.prefix_cache import ROOT_HASH, PrefixCacheStats, page_hash, prefix_hashes
 from pagevis.kvcache.reader import read_attention
 from pagevis.kvcache.spec import first_kept_page, first_visible
+from pagevis.kvcache.rope_shift import inverse_frequencies, rotate
 from pagevis.kvcache.store import PageStore, TierCounts
 from pagevis.kvcache.swap import SwapSpace
 
@@ -122,6 +123,7 @@ class KVCacheManager:
             store.on_move = self._move_event(store.layer)
         self.select_pages = config.select_pages if config.select == "quest" else None
         self.windows = tuple(spec.window for spec in config.layer_specs)  # per layer: None (global) or W (local)
+        self.inv_freq = inverse_frequencies(config.head_dim, config.rope_base)  # re-rotation's RoPE frequencies
         self.prefix_caching = prefix_caching
         self.prefix_stats = PrefixCacheStats()
         self.sequences: dict[int, SequenceCache] = {}
@@ -346,11 +348,13 @@ class KVCacheManager:
     def room(self, seq_id: int) -> int:
         """Tokens the sequence can still add before its policy must evict (its budget, not the pool; for a
         per-head policy also before it must drop an entry, so that a prefill chunk never evicts mid-chunk on
-        statistics that have not seen the chunk)."""
+        statistics that have not seen the chunk; likewise for a policy that prunes at any fill)."""
         seq = self.sequences[seq_id]
         rooms = [self._budget(seq, layer) - seq.resident[layer] for layer in range(len(self.stores))]
         if seq.policy.per_head:
             rooms += [seq.policy.head_room(self.view(seq_id, layer)) for layer in range(len(self.stores))]
+        if seq.policy.prunes:
+            rooms += [seq.policy.prune_room(self.view(seq_id, layer)) for layer in range(len(self.stores))]
         return min(rooms)
 
     def can_append(self, seq_id: int, n: int) -> bool:
@@ -369,9 +373,13 @@ class KVCacheManager:
             room = len(seq.holes[layer])
             budget = self._budget(seq, layer)
             n_evict = max(0, seq.resident[layer] + n_tokens - budget) if seq.policy.evicts else 0
+            if n_evict:  # compress_every N evicts N at each time the budget is reached
+                n_evict += seq.policy.compress_every - 1
             need = int((shared & (fill < ps)).sum()) + min(n_evict, int(shared.sum()))
             if store.kivi:  # quantizing a key group copies the shared pages it touches
                 need += min(int(shared.sum()), -(-store.layout.group // ps) + 1)
+            if seq.policy.prunes or (n_evict and (seq.policy.rerotate or seq.policy.merges)):
+                need += int(shared.sum())  # pruned tokens, rotated keys, merged values: on any shared page
             need += -(-max(0, n_tokens - room - n_evict) // ps)
             needs.append(need)
         return needs
@@ -466,6 +474,8 @@ class KVCacheManager:
         for i, position in enumerate(positions):
             if keep is not None:
                 self._evict_heads(seq, layer)
+            if seq.policy.prunes:
+                self._prune(seq, layer)
             if seq.resident[layer] >= budget or not (holes or store.pages.can_allocate()):
                 if not seq.policy.evicts and seq.resident[layer] < budget:
                     raise CacheFullError(f"the pool's {self.pool_pages} pages of layer {layer} are all in use "
@@ -553,8 +563,48 @@ class KVCacheManager:
         return page * ps + slot
 
     def _evict(self, seq: SequenceCache, layer: int) -> None:
-        victims, scores = seq.policy.choose_victims(self.view(seq.seq_id, layer))
-        self._remove(seq, layer, victims, scores, seq.policy.reason)
+        """The policy's victims; with compress_every N, N of them (one choice at a time), down to the budget
+        minus N (or to the last token the policy may evict)."""
+        policy = seq.policy
+        target = seq.resident[layer] - policy.compress_every
+        while True:
+            view = self.view(seq.seq_id, layer)
+            victims, scores = policy.choose_victims(view)
+            if policy.merges:
+                self._merge(seq, layer, victims, scores, *policy.merge_targets(view, victims))
+            else:
+                self._remove(seq, layer, victims, scores, policy.reason)
+            if seq.resident[layer] <= target or not (view.occupied() & ~policy.protected(view)).any():
+                return
+
+    def _prune(self, seq: SequenceCache, layer: int) -> None:
+        """A pruning policy's victims before the next token, however full the cache is."""
+        victims, scores = seq.policy.choose_pruned(self.view(seq.seq_id, layer))
+        if len(victims):
+            self._remove(seq, layer, victims, scores, seq.policy.reason)
+
+    def _merge(self, seq: SequenceCache, layer: int, victims: np.ndarray, scores: np.ndarray, targets: np.ndarray,
+               weights: np.ndarray) -> None:
+        """Evict the victims, folding each one's value into its target survivor (v <- (1 - w) v + w v_victim;
+        -1: none); the eviction events name the survivor's position. Targets are found again by position
+        after the removal, which may have copied their page."""
+        store, ps = self.stores[layer], self.page_size
+        values = store.v[:, victims // ps, victims % ps].astype(np.float64)  # (n_kv, victims, d)
+        into = np.where(targets >= 0, store.positions[targets], -1)
+        self._remove(seq, layer, victims, scores, seq.policy.reason, details=into.tolist())
+        flat = self._flat_slots(seq.block_tables[layer])
+        slot_of = dict(zip(store.positions[flat].tolist(), flat.tolist(), strict=True))
+        for i, position in enumerate(into.tolist()):
+            if position < 0:
+                continue
+            page, slot = divmod(slot_of[position], ps)
+            self._forget(seq, layer, page)
+            if store.pages.is_shared(page):
+                page = self._copy_on_write(seq, layer, page)
+                flat = self._flat_slots(seq.block_tables[layer])
+                slot_of = dict(zip(store.positions[flat].tolist(), flat.tolist(), strict=True))
+            merged = (1 - weights[i]) * store.v[:, page, slot].astype(np.float64) + weights[i] * values[:, i]
+            store.v[:, page, slot] = merged.astype(store.v.dtype)
 
     def _evict_heads(self, seq: SequenceCache, layer: int) -> None:
         """A per-head policy's drops before the next token: mask each (KV head, slot) entry it names; free
@@ -573,29 +623,55 @@ class KVCacheManager:
         if len(gone):
             self._remove(seq, layer, gone, np.full(len(gone), np.nan), "dropped by every KV head")
 
-    def _remove(self, seq: SequenceCache, layer: int, victims: np.ndarray, scores: np.ndarray, reason: str) -> None:
+    def _remove(self, seq: SequenceCache, layer: int, victims: np.ndarray, scores: np.ndarray, reason: str,
+                details: list[int] | None = None) -> None:
         """Take the tokens in these flat slots out of the sequence (copying a shared page first); free
-        the pages left empty."""
+        the pages left empty. `details`: each eviction event's detail (merges: the survivor's position)."""
         store, ps = self.stores[layer], self.page_size
         seq.hashable = False
         copies: dict[int, int] = {}  # shared page -> this sequence's copy (a policy may take several slots)
-        for flat, score in zip(victims.tolist(), scores.tolist(), strict=True):
+        removed: list[int] = []
+        for flat, score, detail in zip(victims.tolist(), scores.tolist(), details or [-1] * len(victims),
+                                       strict=True):
             page, slot = divmod(flat, ps)
             page = copies.get(page, page)
             if store.pages.is_shared(page):
                 copies[page] = page = self._copy_on_write(seq, layer, page)
             self._forget(seq, layer, page)
             position = store.remove(page * ps + slot)
+            removed.append(position)
             seq.holes[layer].add(page * ps + slot)
             seq.resident[layer] -= 1
             if seq.head_keep[layer] is not None:
                 seq.head_keep[layer][:, page * ps + slot] = False
-            self._event(E.EVICT, seq.seq_id, layer, page, slot, position, seq.policy.name, reason, float(score))
+            self._event(E.EVICT, seq.seq_id, layer, page, slot, position, seq.policy.name, reason, float(score),
+                        detail=detail)
             if store.fill[page] == 0:
                 seq.block_tables[layer].remove(page)
                 seq.holes[layer].difference_update(range(page * ps, (page + 1) * ps))
                 store.release(page)
                 self._event(E.RELEASE, seq.seq_id, layer, page)
+        if seq.policy.rerotate:
+            self._rerotate(seq, layer, removed)
+
+    def _rerotate(self, seq: SequenceCache, layer: int, removed: list[int]) -> None:
+        """After the tokens at positions `removed` left: each survivor older than k of them moves k positions
+        later (its key rotated by k; kvcache/rope_shift.py), so that the distance from any query to it is
+        the one contiguous positions would give. A page it changes is copied first if shared, and no longer
+        stands for its prefix hash."""
+        store, ps = self.stores[layer], self.page_size
+        flat = self._flat_slots(seq.block_tables[layer])
+        positions = store.positions[flat]
+        later = len(removed) - np.searchsorted(np.sort(removed), positions, side="right")
+        moving = (positions >= 0) & (later > 0)
+        moved, delta = flat[moving], later[moving]
+        for page in np.unique(moved // ps).tolist():
+            self._forget(seq, layer, page)
+            if store.pages.is_shared(page):
+                copy = self._copy_on_write(seq, layer, page)
+                moved = np.where(moved // ps == page, copy * ps + moved % ps, moved)
+        pages, slots = moved // ps, moved % ps
+        store.k[:, pages, slots] = rotate(store.k[:, pages, slots], delta, self.inv_freq).astype(store.k.dtype)
 
     def _forget(self, seq: SequenceCache, layer: int, page: int) -> None:
         """The page's contents change: it no longer stands for its prefix hash."""

@@ -29,6 +29,7 @@ groups' per-channel scales and zero points (n_kv, d) float16 each, and the resid
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -258,24 +259,44 @@ class Layout:
         least the token just written), plus up to group - 1 waiting for their key group to fill."""
         return max(self.residual, 1) + self.group - 1 if self.kivi else 0
 
+    def largest_residual(self, tokens: int) -> int:
+        """The largest residual at which a cache of `tokens` costs no more per token than float16 (what
+        int4 / int2 exist to beat): the window's float32 tokens may take at most (float16 - quantized) /
+        float32 of the budget. 0 when even the smallest window (one key group waiting) costs more."""
+        float16 = 2 * self.n_kv_heads * self.head_dim * 2
+        most_window = int((float16 - self.quantized_bytes_per_token()) * tokens // self.residual_bytes_per_token())
+        return max(0, most_window - self.group + 1)
+
 
 def layout_for(config) -> Layout | None:
-    """The layout of a CacheConfig's storage, None for float32 / float16."""
+    """The layout of a CacheConfig's storage, None for float32 / float16. int4 / int2: the residual is
+    clamped to the budget (`clamp_residual`)."""
     if not is_quantized(config.dtype):
         return None
-    return Layout(config.dtype, config.n_kv_heads, config.page_size, config.head_dim,
-                  config.residual if has_residual(config.dtype) else 0, GROUP)
+    return clamp_residual(Layout(config.dtype, config.n_kv_heads, config.page_size, config.head_dim,
+                                 config.residual if has_residual(config.dtype) else 0, GROUP), config.capacity)
+
+
+def clamp_residual(layout: Layout, tokens: int) -> Layout:
+    """The layout with its residual cut to `largest_residual(tokens)`. KIVI's 128 is sized for long
+    contexts: in a cache of 96 tokens its window (128 + 31) would hold every token in float32, so int4
+    would quantize nothing and cost more per token than float32 (pages, scales and the window besides)."""
+    if not layout.kivi:
+        return layout
+    return dataclasses.replace(layout, residual=min(layout.residual, layout.largest_residual(tokens)))
 
 
 def bytes_per_token(dtype: str, n_kv_heads: int, head_dim: int, page_size: int = GROUP,
                     residual: int = 0, tokens: int | None = None) -> float:
     """K/V bytes per token of one layer. Float dtypes: 2 * n_kv * d * itemsize. Quantized: a quantized
-    token's bytes; with `tokens` (a cache of that many, KIVI's window included at full precision):
-    (tokens * quantized + min(tokens, window) * float32) / tokens — every slot of a page holds codes,
-    and the window's tokens are held in float32 besides."""
+    token's bytes; with `tokens` (a cache of that many, KIVI's window included at full precision, the
+    residual clamped to it as the cache clamps it): (tokens * quantized + min(tokens, window) * float32) /
+    tokens — every slot of a page holds codes, and the window's tokens are held in float32 besides."""
     if not is_quantized(dtype):
         return 2 * n_kv_heads * head_dim * np.dtype(dtype).itemsize
     layout = Layout(dtype, n_kv_heads, page_size, head_dim, residual if has_residual(dtype) else 0)
+    if tokens is not None:
+        layout = clamp_residual(layout, tokens)
     per = layout.quantized_bytes_per_token()
     if tokens is None or not layout.kivi:
         return per
@@ -403,12 +424,40 @@ def storage_summary(config, stores=None) -> dict:
     if layout is not None:
         out["kv_quantized_bytes_per_token"] = config.n_layers * layout.quantized_bytes_per_token()
     if layout is not None and layout.kivi:
-        out.update(residual=config.residual, kv_residual_bytes_per_token=config.n_layers * layout.residual_bytes_per_token())
+        out.update(residual=layout.residual, kv_residual_bytes_per_token=config.n_layers * layout.residual_bytes_per_token())
+        if layout.residual != config.residual:
+            out["residual_requested"] = config.residual
+    notice = storage_notice(config)
+    if notice:
+        out["storage_notice"] = notice
     if stores is not None:
         out["kv_bytes_peak_per_token"] = sum(store.peak_bytes() for store in stores) / stores[0].n_slots
         if config.hybrid:
             out.update(peak_bytes(config, stores).as_dict())
     return out
+
+
+def storage_notice(config) -> str:
+    """What the user must know about this storage at this budget, or "": the residual window clamped (and
+    to what), and a quantized cache costing more per token than float32 (and why). Clauses are joined by
+    '; ', each a headline, ': ', and its reason (the status bar shows the headlines)."""
+    layout = layout_for(config)
+    if layout is None or not layout.kivi:
+        return ""
+    notes = []
+    per_token = config.kv_bytes_per_token() / config.n_layers
+    float32 = layout.residual_bytes_per_token()
+    if layout.residual != config.residual:
+        why = (f"so that {config.dtype} costs no more per token than float16" if per_token <= float32 / 2 else
+               f"the fewest it can: one key group of {layout.group} fills in float32")
+        notes.append(f"residual {config.residual} clamped to {layout.residual}: a {config.capacity}-token cache "
+                     f"keeps at most {layout.window()} tokens in float32, {why}")
+    if per_token > float32:
+        notes.append(f"{config.dtype} costs {per_token:.0f} B per token and layer, more than float32's {float32}: "
+                     f"a {config.capacity}-token cache holds little more than the {layout.window()} tokens kept in "
+                     f"float32 until their key group of {layout.group} is complete, and pages, scales and zero "
+                     f"points besides")
+    return "; ".join(notes)
 
 
 def storage_text(config) -> str:
@@ -421,5 +470,6 @@ def storage_text(config) -> str:
         return text
     text += f" ({layout.quantized_bytes_per_token():g} B per token and layer quantized"
     if layout.kivi:
-        text += f"; the newest {max(config.residual, 1)} + up to {layout.group - 1} tokens in float32"
-    return text + ")"
+        text += f"; the newest {max(layout.residual, 1)} + up to {layout.group - 1} tokens in float32"
+    notice = storage_notice(config)
+    return text + ")" + (f"; {notice}" if notice else "")

@@ -67,6 +67,7 @@ class SessionInfo:
     storage: str = ""  # one line on the K/V storage (quant.storage_text); "": unknown
     sliding_windows: tuple[int | None, ...] | None = None  # per layer, a hybrid cache's windows (None: all global)
     page_bytes: int = 0  # K/V bytes of one page of one layer; 0: unknown
+    storage_notice: str = ""  # quant.storage_notice: the residual window clamped, bytes beyond float32's
 
 
 def kv_head_of(head: int, n_heads: int, n_kv_heads: int) -> int | None:

@@ -21,7 +21,7 @@ from superqt.utils import create_worker
 
 from pagevis.engine import DecodeSession, ModelSpec, RunControl, SessionConfig, steps
 from pagevis.kvcache import CacheSettings, ConfigError
-from pagevis.kvcache.quant import storage_text
+from pagevis.kvcache.quant import storage_notice, storage_text
 from pagevis.viewmodel.timeline import SessionInfo, Timeline, timeline_from_trace
 
 GIL_BREATH = 0.002  # seconds the worker sleeps after a short step ...
@@ -96,7 +96,7 @@ def new_session(model, spec: ModelSpec, prompt: str, config: SessionConfig) -> t
     cfg = model.config
     info = SessionInfo(spec.label, prompt, session.prompt_ids, config, cfg.n_layers, cfg.n_heads,
                        cache.total_bytes(), cfg.n_kv_heads, cache.kv_bytes_per_token(), storage_text(cache),
-                       cache.sliding_windows, cache.page_bytes())
+                       cache.sliding_windows, cache.page_bytes(), storage_notice(cache))
     return session, Timeline(info, session.token_text)
 
 

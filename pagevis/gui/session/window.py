@@ -63,9 +63,10 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
 
 
-def memory_text(cache_bytes: int, n_kv_heads: int, dtype: str = "", per_token: float = 0.0) -> str:
+def memory_text(cache_bytes: int, n_kv_heads: int, dtype: str = "", per_token: float = 0.0, notice: str = "") -> str:
     """The cache's K/V storage, and each KV head's share (every KV head has its own K and V pages); with
-    the storage dtype and its bytes per token (all layers), the bits per token."""
+    the storage dtype and its bytes per token (all layers), the bits per token; with a storage notice, the
+    headline of each of its clauses (the tooltip has them whole)."""
     if not cache_bytes:
         return "K/V —"
     text = f"K/V {_mib(cache_bytes)}"
@@ -73,6 +74,8 @@ def memory_text(cache_bytes: int, n_kv_heads: int, dtype: str = "", per_token: f
         text += f" = {n_kv_heads} KV heads × {_mib(cache_bytes // n_kv_heads)}"
     if dtype and per_token:
         text += f" · {dtype}, {8 * per_token / 1000:,.1f} kbit per token"
+    for clause in filter(None, notice.split("; ")):
+        text += f" · {clause.split(': ')[0]}"
     return text
 
 
@@ -400,7 +403,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.statusBar().clearMessage()
         self.status_model.setText(info.model_label)
         self.status_memory.setText(memory_text(info.cache_bytes, info.n_kv_heads, info.config.dtype,
-                                               info.kv_bytes_per_token))
+                                               info.kv_bytes_per_token, info.storage_notice))
         self.status_memory.setToolTip(f"K/V storage, all layers, one sequence at capacity: {info.storage}"
                                       if info.storage else "")
         previous = self.runner.previous

@@ -25,11 +25,27 @@ _CELL_PX = 12  # pixels per cell side in the rendered image (1 of them is the ce
 _MAX_BORDERED_CELLS = 8192
 FULL_PRECISION_COLOR = "#f2d45c"  # the bar marking a slot still in float32 (int4 / int2's residual window)
 _FULL_PRECISION = theme.rgb(FULL_PRECISION_COLOR)
+MERGE_COLOR = "#5ce0f2"  # a line from an evicted cell to the survivor its value was merged into (policy merge)
 
 
 def full_precision_mask(record, layer: int) -> np.ndarray | None:
     """(max_pages, page_size) bool: slots of the layer still in full precision (int4 / int2), else None."""
     return None if record.full_precision is None else record.full_precision[layer]
+
+
+def merge_segments(record, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """x, y of a line per merge this step (an eviction whose detail names the survivor's position): from the
+    evicted token's cell centre to its survivor's, in pairs (PlotCurveItem connect='pairs'). Empty without."""
+    slots, frame_of = record.slot_maps[layer], frames_of_pages(record, layer)
+    xs, ys = [], []
+    for event in in_layer(record.events, layer):
+        if event.kind is not EventKind.EVICT or event.detail < 0 or frame_of.get(event.page, -1) < 0:
+            continue
+        target = np.argwhere(slots == event.detail)
+        if len(target):
+            xs += [event.slot + 0.5, target[0][1] + 0.5]
+            ys += [frame_of[event.page] + 0.5, target[0][0] + 0.5]
+    return np.array(xs, dtype=float), np.array(ys, dtype=float)
 
 
 def shade_values(record, layer: int, mode: str) -> np.ndarray:
@@ -286,6 +302,8 @@ class PageGridView(QWidget):
         self.labels = CellLabels()
         self.plot.addItem(self.image)
         self.plot.addItem(self.labels)
+        self.merges = pg.PlotCurveItem(pen=pg.mkPen(MERGE_COLOR, width=2), connect="pairs")
+        self.plot.addItem(self.merges)
         self.plot.scene().sigMouseMoved.connect(self._hover)
         self.hover_text = ""
         self._held_texts: dict[bytes, tuple[int, str]] = {}  # a page's positions -> (tokens, run list)
@@ -361,6 +379,7 @@ class PageGridView(QWidget):
         self.image.set_image(cell_image(self.states, self.shade, bordered, self.full_precision), pages, page_size)
         self.precision_legend.setVisible(self.full_precision is not None)
         self.labels.set_positions(slots if self.states.size <= 1024 else np.full((0, 0), -1, np.int32))
+        self.merges.setData(*merge_segments(record, layer))
         self._fit_axes(pages, page_size)
         used = len(record.block_tables[layer])
         resident = int((slots >= 0).sum())
@@ -480,6 +499,7 @@ class PageGridView(QWidget):
     def _show_empty_pool(self, state: ViewState) -> None:
         """Before the first step (or while the model loads): the session's pool, every page free."""
         self.labels.set_positions(np.zeros((0, 0), dtype=np.int32))
+        self.merges.setData([], [])
         self.blocks.set_rows([])
         config = state.config
         if config is None:
@@ -533,7 +553,8 @@ class PageGridView(QWidget):
             if frame_of.get(event.page, -1) == page and event.slot == slot and \
                     event.kind is EventKind.EVICT:
                 lines.append(f"evicted position {event.position} "
-                             f"({state.timeline.position_text(event.position)!r}): {event.reason}")
+                             f"({state.timeline.position_text(event.position)!r}): {event.reason}"
+                             + (f" into position {event.detail}" if event.detail >= 0 else ""))
         return "\n".join(lines)
 
     def _hover(self, scene_pos: QPointF) -> None:

@@ -13,6 +13,7 @@ from pagevis.kvcache.policies.h2o import HeavyHitter
 from pagevis.kvcache.policies.keydiff import KeyDiff
 from pagevis.kvcache.policies.lfu import LeastFrequentlyUsedPage
 from pagevis.kvcache.policies.lru import LeastRecentlyUsedPage
+from pagevis.kvcache.policies.merge import MergeValues
 from pagevis.kvcache.policies.none import NoEviction
 from pagevis.kvcache.policies.oldest import Oldest
 from pagevis.kvcache.policies.oldest_page import OldestPage
@@ -20,18 +21,24 @@ from pagevis.kvcache.policies.pyramidkv import PyramidKV
 from pagevis.kvcache.policies.random import RandomEviction
 from pagevis.kvcache.policies.sinks import Sinks
 from pagevis.kvcache.policies.snapkv import SnapKV
+from pagevis.kvcache.policies.threshold import Threshold
 from pagevis.kvcache.policies.tova import Tova
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls for cls in (Oldest, OldestPage, Sinks, HeavyHitter, Tova, SnapKV, PyramidKV,
                               LeastRecentlyUsedPage, LeastFrequentlyUsedPage, RandomEviction, NoEviction,
-                              KeyDiff, ExpectedAttention, AdaKV, DuoAttention)
+                              KeyDiff, ExpectedAttention, AdaKV, DuoAttention, Threshold, MergeValues)
 }
 
 
+SHARED_PARAMS = tuple(f.name for f in dataclasses.fields(EvictionPolicy))  # every token policy's options
+
+
 def policy_params(name: str) -> dict[str, object]:
-    """The parameters a policy takes and their defaults."""
-    return {f.name: f.default for f in dataclasses.fields(POLICIES[name])}
+    """The parameters a policy takes and their defaults: its own, then the options every policy has
+    (rerotate, compress_every: policies/base.py)."""
+    fields = dataclasses.fields(POLICIES[name])
+    return {f.name: f.default for f in sorted(fields, key=lambda f: f.name in SHARED_PARAMS)}
 
 
 def make_policy(config) -> EvictionPolicy:
@@ -42,12 +49,18 @@ def make_policy(config) -> EvictionPolicy:
     known = policy_params(config.policy)
     for key in config.policy_params:
         if key not in known:
-            allowed = ", ".join(known) if known else "no parameters"
+            own = [name for name in known if name not in SHARED_PARAMS]
+            allowed = f"{', '.join(own) if own else 'no parameters of its own'}, or {', '.join(SHARED_PARAMS)}"
             raise ConfigError(f"{config.policy}.{key}", config.policy_params[key],
                               f"a parameter of {config.policy!r}; it takes {allowed}")
-    if cls.per_head and (getattr(config, "disk_pages", 0) or getattr(config, "select", "all") == "quest"):
-        raise ConfigError("policy", config.policy, "a token-level policy with a disk tier or quest (a per-head "
-                          "policy's masks apply to attention over pages in RAM only)")
+    rewrites = "rerotate" if config.policy_params.get("rerotate") else "policy" if cls.merges else ""
+    if rewrites and (getattr(config, "dtype", "float32") not in ("float32", "float16")
+                     or getattr(config, "disk_pages", 0) or getattr(config, "select", "all") == "quest"):
+        field = f"{config.policy}.rerotate" if rewrites == "rerotate" else "policy"
+        raise ConfigError(field, config.policy_params.get("rerotate", config.policy),
+                          f"{'0' if rewrites == 'rerotate' else 'another policy'} with a quantized dtype, a disk tier "
+                          "or quest (re-rotating keys and merging values rewrite float K/V in RAM pages; quantized "
+                          "codes, pages on disk and Quest's key bounds would go stale)")
     policy = cls(**config.policy_params)
     policy.bind(config.capacity, config.page_size)
     policy.bind_layers(getattr(config, "n_layers", 1))  # CacheSettings (no model yet) knows no layer count

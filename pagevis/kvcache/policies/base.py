@@ -7,6 +7,14 @@ keys written, or the queries) names a PolicyState subclass (defined in its own f
 the cache keeps one per layer and feeds it. Policies read a LayerView: positions, block table and that
 state.
 
+Every token-level policy also takes two options (kvpress's wrappers, composed with any scorer):
+- `rerotate=1` (KeyRerotationPress): after each eviction the survivors' RoPE positions are made contiguous.
+  The cache keeps every query at its own position and moves each survivor older than an evicted token one
+  position later (its key rotated by +1, kvcache/rope_shift.py): every query-key distance is then the one
+  contiguous positions give (query at the survivor count, keys at 0, 1, ...), so attention is the same.
+- `compress_every=N` (DecodingPress): when the cache is full it evicts N tokens at once (the policy's
+  choice, N times over), down to capacity - N, and refills for N tokens before it compresses again.
+
 A policy with `per_head` evicts (KV head, token) entries, not tokens: before each token is written the
 cache asks it for `choose_head_victims`, masks those entries out of that KV head's attention, and frees
 a slot once every KV head dropped its token (`choose_victims` still picks whole tokens when the sequence
@@ -24,8 +32,10 @@ from pagevis.errors import ConfigError, check_int
 from pagevis.kvcache.policy_state import LayerView, PolicyState
 
 
-@dataclass
+@dataclass(kw_only=True)  # the shared options are keywords: a policy's own fields stay positional
 class EvictionPolicy:
+    rerotate: int = 0  # 1: survivors' keys re-rotated to contiguous positions after each eviction
+    compress_every: int = 1  # N: when full, evict N tokens at once (down to capacity - N)
     name: ClassVar[str]
     citation: ClassVar[str]
     reason: ClassVar[str] = "lowest score"
@@ -33,12 +43,21 @@ class EvictionPolicy:
     uses_attention: ClassVar[bool] = False  # True: the cache feeds every attention call to its state
     uses_queries: ClassVar[bool] = False  # True: the cache feeds every attention call's queries to its state
     per_head: ClassVar[bool] = False  # True: evicts per KV head (see the module docstring)
+    prunes: ClassVar[bool] = False  # True: before each write the cache evicts `choose_pruned`, full or not
+    merges: ClassVar[bool] = False  # True: an evicted token's value is folded into a survivor (`merge_targets`)
     state_class: ClassVar[type[PolicyState]] = PolicyState
 
     def bind(self, capacity: int, page_size: int) -> None:
         """Fix the budget this policy works in; raise ConfigError if its parameters cannot fit."""
         self.capacity = capacity
         self.page_size = page_size
+        self.rerotate = check_int(f"{self.name}.rerotate", self.rerotate, 0, 1)
+        self.compress_every = self.check_int_param("compress_every", self.compress_every, 1, max(1, capacity - 1))
+        if (self.rerotate or self.compress_every > 1) and (self.per_head or not self.evicts):
+            option = "rerotate" if self.rerotate else "compress_every"
+            raise ConfigError(f"{self.name}.{option}", getattr(self, option),
+                              f"the default ({'0' if self.rerotate else '1'}): {self.name!r} "
+                              f"{'evicts per KV head' if self.per_head else 'never evicts'}")
 
     def bind_layers(self, n_layers: int) -> None:
         """Learn the number of layers (after bind), for policies whose budget differs by layer."""
@@ -97,6 +116,21 @@ class EvictionPolicy:
         victim = tied[np.argmin(pages.positions[tied])]
         return np.array([victim]), scores[[victim]]
 
+    def choose_pruned(self, pages: LayerView) -> tuple[np.ndarray, np.ndarray]:
+        """Policies that `prune`: flat slots to evict before the next token is written, whether or not the
+        cache is full (a threshold instead of a budget), and their scores."""
+        return np.zeros(0, dtype=np.int64), np.zeros(0)
+
+    def prune_room(self, pages: LayerView) -> int:
+        """Policies that `prune`: tokens that can be written before the policy may prune on statistics that
+        have not seen them (the whole pool unless overridden)."""
+        return self.capacity
+
+    def merge_targets(self, pages: LayerView, victims: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Policies that `merge`: for each victim about to be evicted, the flat slot of the survivor its value
+        is folded into and the victim's weight w in it (v_survivor <- (1 - w) v_survivor + w v_victim)."""
+        raise NotImplementedError
+
     def reset(self) -> None:
         """Forget any state (random generators) so a reset cache replays identically."""
 
@@ -105,6 +139,15 @@ class EvictionPolicy:
             return check_int(f"{self.name}.{field}", value, low, high)
         except ConfigError as error:
             raise ConfigError(error.field, value, f"{error.allowed} for a cache of {self.capacity} tokens") from None
+
+
+def newest(pages: LayerView, n: int) -> np.ndarray:
+    """Per flat slot, True on the n newest resident tokens (by position)."""
+    mask = np.zeros(pages.positions.shape, dtype=bool)
+    if n > 0:
+        resident = np.flatnonzero(pages.positions >= 0)
+        mask[resident[np.argsort(pages.positions[resident])[-n:]]] = True
+    return mask
 
 
 def page_values(pages: LayerView, per_slot: np.ndarray) -> np.ndarray:

@@ -5,6 +5,7 @@ import numpy as np
 from pagevis.errors import check_int
 from pagevis.kvcache.policy_state import PolicyState
 from pagevis.kvcache.policies.base import EvictionPolicy
+from pagevis.kvcache.rope_shift import inverse_frequencies, rotate
 
 
 class QueryMoments(PolicyState):
@@ -15,7 +16,7 @@ class QueryMoments(PolicyState):
         super().__init__(n_slots)
         self.keys = self.add_array("keys", np.float32, (n_kv_heads, head_dim))
         self.value_norms = self.add_array("value_norms", np.float32, (n_kv_heads,))
-        self.inv_freq = rope_base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+        self.inv_freq = inverse_frequencies(head_dim, rope_base)
         self.n_sink = n_sink
         self.count = 0
         self.total = np.zeros((n_heads, head_dim))
@@ -52,13 +53,7 @@ class QueryMoments(PolicyState):
 
 def unrotate(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
     """Undo RoPE (adjacent pairs, as pagevis.model.rope applies it) on x (n, heads, d) at `positions`."""
-    angles = positions[:, None, None] * inv_freq[None, None, :]
-    cos, sin = np.cos(angles), np.sin(angles)
-    even, odd = x[..., 0::2], x[..., 1::2]
-    out = np.empty_like(x)
-    out[..., 0::2] = even * cos + odd * sin
-    out[..., 1::2] = odd * cos - even * sin
-    return out
+    return rotate(x, -np.asarray(positions, dtype=np.float64)[:, None], inv_freq)
 
 
 def mean_rotation(start: int, n_positions: int, inv_freq: np.ndarray) -> np.ndarray:

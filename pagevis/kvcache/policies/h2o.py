@@ -1,9 +1,8 @@
 from dataclasses import dataclass
 
-import numpy as np
 
 from pagevis.kvcache.policy_state import PolicyState
-from pagevis.kvcache.policies.base import EvictionPolicy
+from pagevis.kvcache.policies.base import EvictionPolicy, newest
 
 
 class AccumulatedAttention(PolicyState):
@@ -45,9 +44,4 @@ class HeavyHitter(EvictionPolicy):
         return pages.stats.accumulated
 
     def protected(self, pages):
-        mask = np.zeros(pages.positions.shape, dtype=bool)
-        if self.recent:
-            resident = np.flatnonzero(pages.positions >= 0)
-            newest = resident[np.argsort(pages.positions[resident])[-self.recent:]]
-            mask[newest] = True
-        return mask
+        return newest(pages, self.recent)

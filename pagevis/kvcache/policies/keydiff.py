@@ -3,7 +3,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagevis.kvcache.policy_state import PolicyState
-from pagevis.kvcache.policies.base import EvictionPolicy
+from pagevis.kvcache.policies.base import EvictionPolicy, newest
 
 
 class UnitKeys(PolicyState):
@@ -14,8 +14,13 @@ class UnitKeys(PolicyState):
         self.unit = self.add_array("unit_keys", np.float32, (n_kv_heads, head_dim))
 
     def write(self, flat, k, v, position):
-        norm = np.linalg.norm(k, axis=-1, keepdims=True)
-        self.unit[flat] = k / np.where(norm > 0, norm, 1)
+        self.unit[flat] = unit_keys(k)
+
+
+def unit_keys(k: np.ndarray) -> np.ndarray:
+    """k (..., d) scaled to unit length (a zero key stays zero)."""
+    norm = np.linalg.norm(k, axis=-1, keepdims=True)
+    return k / np.where(norm > 0, norm, 1)
 
 
 @dataclass
@@ -24,15 +29,28 @@ class KeyDiff(EvictionPolicy):
     keys the head keeps, and a token's score is minus its key's cosine similarity to that anchor (mean over
     KV heads for one set per layer). It reads keys only, never attention weights, so it works with kernels
     that do not materialise them. As kvpress's KeyDiffPress; the paper evicts block by block, here every
-    eviction is scored against the current anchor."""
+    eviction is scored against the current anchor. The `window` newest tokens are kept: kvpress compresses a
+    context once and never evicts the question after it nor the answer, and streaming through a cache the
+    newest tokens are that question (docs/policies.md: without them keydiff evicted the tokens the next
+    prediction needs most; window 0 is the bare score)."""
 
+    window: int | None = None  # default 8 (half the cache in caches of fewer than 16 tokens)
     name = "keydiff"
     citation = ("KeyDiff: Park et al. 2025, Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference "
                 "in Resource-Constrained Environments, arXiv:2504.15364 (score: -cos(key, mean unit key)).")
     reason = "key most similar to the mean key"
 
+    def bind(self, capacity, page_size):
+        super().bind(capacity, page_size)
+        if self.window is None:
+            self.window = min(8, capacity // 2)
+        self.window = self.check_int_param("window", self.window, 0, capacity - 1)
+
     def make_state(self, n_slots):
         return UnitKeys(n_slots, self.n_kv_heads, self.head_dim)
+
+    def protected(self, pages):
+        return newest(pages, self.window)
 
     def head_scores(self, pages):
         unit = pages.stats.unit  # (n_slots, n_kv, d)

@@ -5,7 +5,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from pagevis.errors import ConfigError, check_int
 from pagevis.kvcache.policy_state import PolicyState
-from pagevis.kvcache.policies.base import EvictionPolicy
+from pagevis.kvcache.policies.base import EvictionPolicy, newest
 
 
 class ObservationWindow(PolicyState):
@@ -88,7 +88,4 @@ class SnapKV(EvictionPolicy):
         return scores
 
     def protected(self, pages):
-        mask = np.zeros(pages.positions.shape, dtype=bool)
-        resident = np.flatnonzero(pages.positions >= 0)
-        mask[resident[np.argsort(pages.positions[resident])[-self.window:]]] = True
-        return mask
+        return newest(pages, self.window)
