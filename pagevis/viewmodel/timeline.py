@@ -127,7 +127,9 @@ class Timeline:
             start, end = self._n_evictions, self._n_evictions + len(evicted)
             self._evictions = _grow(self._evictions, end - 1)
             added = self._evictions[start:end]
-            added["step"] = np.where(evicted["step"] >= 0, evicted["step"], record.step)
+            # the record's index, not the event's step: events carry the engine's step count, which a
+            # restart in place (the app's Reset) carries on while the new timeline counts from 0 again
+            added["step"] = index
             for name in ("layer", "page", "slot", "position", "reason", "score"):
                 added[name] = evicted[name]
             np.add.at(self._per_layer[index], evicted["layer"], 1)

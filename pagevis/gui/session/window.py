@@ -364,6 +364,7 @@ class MainWindow(TimelineCursor, QMainWindow):
     def _session_started(self, timeline: Timeline) -> None:
         self.timeline = timeline
         self.index, self.follow = -1, True
+        self._status_at = 0.0  # the new session's first record sets the status bar at once
         info = timeline.info
         self.controls.set_model_shape(info.n_layers, info.n_heads, info.n_kv_heads)
         saved_layer = getattr(self.controls, "_saved_layer", None)
@@ -558,6 +559,7 @@ class MainWindow(TimelineCursor, QMainWindow):
             self.transport.slider.set_marks(np.zeros(0))
             self.narration.setText("Press Space to play, → to decode one token" if timeline is not None else "")
             self.status_step.setText("step —")
+            self.status_speed.setText("— tok/s")  # not the previous run's speed
             return
         label = f"step {state.index} / {count - 1} · {record.kind}"
         self.transport.set_range(count, state.index, label)
