@@ -59,7 +59,7 @@ def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, sessi
     if not (trace and window.open_trace(trace)):
         window.start()
     if ab is not None:
-        window.open_ab(ab.a, ab.b, window.controls.prompt(), title=ab.name)
+        window.open_ab(ab.a, ab.b, window.controls.prompt(), title=ab.name, play=True)
     return app.exec()
 
 

@@ -116,6 +116,7 @@ class ABWindow(TimelineCursor, QMainWindow):
         self.index = -1
         self.follow = True
         self._drawn_at = 0.0
+        self._play_when_ready = False
         self._frame = QTimer(self, singleShot=True)
         self._frame.timeout.connect(self.redraw)
         self._build(config_a, config_b)
@@ -200,12 +201,16 @@ class ABWindow(TimelineCursor, QMainWindow):
         whole.setSizes([620, 200])
         self.setCentralWidget(whole)
         self.resize(1280, 720)
+        theme.grow_range(self.plot, 1, 1)
+        self.redraw()
 
     # --- sessions --------------------------------------------------------------------------------
     def configs(self) -> ABConfig:
         return ABConfig(self.sides[0][0].config(), self.sides[1][0].config())
 
-    def start(self, blocking: bool = False) -> None:
+    def start(self, blocking: bool = False, play: bool = False) -> None:
+        """Start both sessions; with `play`, decode them as soon as the model is ready (a preset)."""
+        self._play_when_ready = play
         self.restart("", blocking=blocking)
 
     def restart(self, reason: str = "reset", blocking: bool = False) -> None:
@@ -226,6 +231,9 @@ class ABWindow(TimelineCursor, QMainWindow):
         self.layer.setMaximum(timeline.info.n_layers - 1)
         self.summary.setText("Press Space to decode both sessions in lockstep.")
         self.redraw()
+        if self._play_when_ready:
+            self._play_when_ready = False
+            self.toggle_play()
 
     def toggle_play(self) -> None:
         if self.runner.running:
@@ -255,7 +263,9 @@ class ABWindow(TimelineCursor, QMainWindow):
         self._frame.stop()
         self._drawn_at = time.perf_counter()
         timeline = self.timeline
-        if timeline is None:
+        if timeline is None:  # the model loads: each side's empty pool, not pyqtgraph's default axes
+            for controls, grid, text in self.sides:
+                grid.show_state(ViewState(None, -1, loading=controls.config()))
             return
         layer = min(self.layer.value(), timeline.info.n_layers - 1)
         for (controls, grid, text), side in zip(self.sides, (timeline.a, timeline.b)):
@@ -269,8 +279,13 @@ class ABWindow(TimelineCursor, QMainWindow):
         self._updating = False
         self.position.setText(f"step {self.index} / {count - 1}" if count else "no steps yet")
         steps = np.arange(count, dtype=np.float64)
+        top = 0.0
         for name, curve in self.curves.items():
-            curve.setData(steps, timeline.series(name), connect="finite")
+            series = timeline.series(name)
+            curve.setData(steps, series, connect="finite")
+            if np.isfinite(series).any():
+                top = max(top, float(np.nanmax(series)))
+        theme.grow_range(self.plot, max(count - 1, 1), max(top, 1.0))
         self.cursor.setValue(max(self.index, 0))
         self.summary.setText(self.describe())
 

@@ -301,15 +301,16 @@ class MainWindow(TimelineCursor, QMainWindow):
         kind = self.controls.model.currentData()
         prompt = preset.prompt_text() if kind != "synthetic" else default_prompt("synthetic")
         if preset.b is not None:
-            self.open_ab(preset.a, preset.b, prompt, title=preset.name)
+            self.open_ab(preset.a, preset.b, prompt, title=preset.name, play=True)
             return
         self.controls.set_configuration(prompt=prompt, config=preset.a)
         self.restart(f"preset {preset.name!r}")
 
     def open_ab(self, config_a=None, config_b=None, prompt: str | None = None, title: str = "",
-                blocking: bool = False):
+                blocking: bool = False, play: bool = False):
         """Open the A/B window: by default A is the controls' configuration and B the same cache with the
-        other of sinks / oldest (the StreamingLLM comparison)."""
+        other of sinks / oldest (the StreamingLLM comparison). With `play` (a preset), both sides decode
+        once the model is ready."""
         from pagevis.gui.ab.window import ABWindow
 
         try:
@@ -324,7 +325,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.ab_window = ABWindow(self.controls.model_spec(), prompt or self.controls.prompt(), config_a, config_b,
                                   title=title)
         self.ab_window.show()
-        self.ab_window.start(blocking=blocking)
+        self.ab_window.start(blocking=blocking, play=play)
         return self.ab_window
 
     def leave_replay(self, reason: str) -> bool:
