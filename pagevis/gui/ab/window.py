@@ -198,7 +198,8 @@ class ABWindow(TimelineCursor, QMainWindow):
         whole = QSplitter(Qt.Vertical)
         whole.addWidget(columns)
         whole.addWidget(bottom)
-        whole.setSizes([620, 200])
+        self.plot_widget.setMinimumHeight(120)  # the KL axis's label and ticks stay whole
+        whole.setSizes([600, 220])
         self.setCentralWidget(whole)
         self.resize(1280, 720)
         theme.grow_range(self.plot, 1, 1)

@@ -178,7 +178,8 @@ class MainWindow(TimelineCursor, QMainWindow):
         x = (self.width() - controls) / (1600 - 330)
         y = self.height() / 1000
         self.resizeDocks([d["Controls"]], [controls], Qt.Horizontal)
-        self.resizeDocks([d["Page grid"], d["Text"]], [int(540 * y), int(420 * y)], Qt.Vertical)
+        rows = (500, 500) if compact else (540, 420)  # compact: the events' plot and the metrics get the height
+        self.resizeDocks([d["Page grid"], d["Text"]], [int(rows[0] * y), int(rows[1] * y)], Qt.Vertical)
         top = (700, 570) if compact else (600, 660)  # compact: the grid keeps room beside its block table
         self.resizeDocks([d["Page grid"], d["Attention"]], [int(top[0] * x), int(top[1] * x)], Qt.Horizontal)
         bottom = [d["Text"], d["Eviction events"]] + ([] if compact else [d["Metrics"]])
