@@ -383,10 +383,10 @@ class MainWindow(TimelineCursor, QMainWindow):
                                       if info.storage else "")
         previous = self.runner.previous
         if self._restart_reason:
-            kept = (f"; the previous run ({len(previous.timeline)} steps) is kept: Ctrl+Z returns to it"
-                    if previous is not None else "")
+            # short enough for the status bar of a 1280-px window beside its permanent fields
+            kept = f" · Ctrl+Z: the previous run ({len(previous.timeline)} steps)" if previous is not None else ""
             self.statusBar().showMessage(f"{self._restart_reason[0].upper()}{self._restart_reason[1:]}: "
-                                         f"restarted the session with a new cache{kept}", 8000)
+                                         f"restarted{kept}", 8000)
         self.transport.previous_action.setEnabled(previous is not None)
         self._restart_reason = ""
         self.request_render()
