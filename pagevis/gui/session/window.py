@@ -29,7 +29,7 @@ from pagevis.gui.session.controls import ControlsPanel
 from pagevis.gui.widgets.messages import MessagesPanel
 from pagevis.viewmodel.narration import narrate
 from pagevis.gui.session.runner import SessionRunner
-from pagevis.viewmodel.timeline import Timeline
+from pagevis.viewmodel.timeline import Timeline, kv_layout
 from pagevis.gui.widgets.transport import TimelineCursor, TransportBar
 from pagevis.viewmodel.view_state import ViewState
 from pagevis.gui.widgets.attention import AttentionView
@@ -640,7 +640,8 @@ class MainWindow(TimelineCursor, QMainWindow):
                       token_texts={int(t): timeline.token_text(int(t)) for t in sorted(ids)},
                       model_spec=runner.timeline_spec if runner.timeline is timeline else None,
                       stop_reason=session.stop_reason if session is not None else None,
-                      text=session.text() if session is not None else "", meta={"command": "pagevis (app)"})
+                      text=session.text() if session is not None else "", meta={"command": "pagevis (app)"},
+                      kv_layout=kv_layout(timeline.info))
         try:
             size = write_trace(path, trace)
         except (OSError, ValueError) as error:
