@@ -31,6 +31,7 @@ from pagevis.gui.widgets.setting_inputs import setting_input
 from pagevis.gui.widgets.setting_inputs import spin as _spin
 from pagevis.gui.session.runner import SessionRunner, new_session, validate
 from pagevis.gui.widgets.transport import TimelineCursor
+from pagevis.gui.widgets.windows import add_close_keys
 from pagevis.viewmodel.view_state import ViewState
 from pagevis.gui.widgets.page_grid import PageGridView
 from pagevis.gui.widgets.text import TextView
@@ -123,6 +124,7 @@ class ABWindow(TimelineCursor, QMainWindow):
         self.runner.started.connect(self._started)
         self.runner.records.connect(self._arrived)
         self.runner.state_changed.connect(self._state_changed)
+        add_close_keys(self)
         self.runner.failed.connect(lambda message, _: self.summary.setText(
             f"<span style='color:#ff7a7a'>{message}</span>"))
 

@@ -29,6 +29,7 @@ from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QHeaderView, QLabel, QMainWindow, QPlainTextEdit,
                                QPushButton, QSlider, QSplitter, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
+from pagevis.gui.widgets.windows import add_close_keys
 from pagevis.gui.widgets import theme
 from pagevis.viewmodel.attach_forest import (
     hot_rows,
@@ -185,6 +186,7 @@ class AttachWindow(QMainWindow):
         self.timer.setInterval(REFRESH_MS)
         self.timer.timeout.connect(self.refresh)
         self.resize(1600, 1000)
+        add_close_keys(self)
 
     # --- building ---------------------------------------------------------------------------------------------
     def _build(self, budget: int) -> None:

@@ -22,6 +22,7 @@ from pagevis.engine.batch import BatchConfig
 from pagevis.kvcache import CacheFullError, ConfigError, EventKind
 from pagevis.gui.widgets.setting_inputs import setting_input
 from pagevis.gui.sequences.view import SequencesView, peak_rows
+from pagevis.gui.widgets.windows import add_close_keys
 
 SHORT_NAMES = {EventKind.COPY_ON_WRITE: "cow"}  # the status line is narrow
 
@@ -102,6 +103,7 @@ class SequencesWindow(QWidget):
         self.fork_button.clicked.connect(lambda: self.fork(self.fork_seq.currentData(), self.slider.value(),
                                                            self.fork_seed.value()))
         self.slider.valueChanged.connect(self.show_step)
+        add_close_keys(self)
         self.resize(1200, 800)
 
     # --- actions -----------------------------------------------------------------------------------------

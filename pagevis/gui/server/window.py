@@ -31,6 +31,7 @@ from pagevis.gui.server.forest import ServerForest
 from pagevis.gui.server.plots import SIDE_COLORS, SideSeries, ServerPlots
 from pagevis.gui.server.pool import BARS_SHOWN, BatchBars, QueuesView, RequestPoolGrid, legend_html, pool_cells
 from pagevis.gui.server.timeline import RequestTimeline
+from pagevis.gui.widgets.windows import add_close_keys, place_beside
 
 FRAME = 1 / 30  # the UI redraws at most this often
 SLOW = 0.5  # seconds between redraws of the plots, forests, timelines and the table while running
@@ -158,6 +159,7 @@ class ServerWindow(QWidget):
         self.redraw_timer.setSingleShot(True)
         self.redraw_timer.timeout.connect(self._frame)
         self.resize(1600, 1000)
+        add_close_keys(self)
         self.start()
         if autorun:  # one click (View ▸ Server, --server-demo) shows the server at work
             QTimer.singleShot(0, lambda: self.run_button.setChecked(True))
@@ -409,13 +411,14 @@ class ServerWindow(QWidget):
                 + (" · every request has been served; Start builds the server again" if done else ""))
 
     def _summary(self) -> None:
-        """The numbers of each side so far, and B against A."""
-        rows = (("server time", "time", "{:.1f} s"), ("requests done", "completed", "{:.0f}"),
-                ("tokens generated", "generated", "{:.0f}"), ("throughput", "throughput", "{:.2f} tok/s"),
-                ("mean TTFT", "ttft_mean", "{:.2f} s"), ("mean ITL", "itl_mean", "{:.3f} s"),
-                ("peak KV pages", "peak_pages", "{:.0f}"), ("peak reserved", "peak_reserved", "{:.0f}"),
-                ("preemptions", "preemptions", "{:.0f}"), ("prefix hit rate", "hit_rate", "{:.0f}%"),
-                ("rejected (too long)", "rejected", "{:.0f}"))
+        """The numbers of each side so far, and A against B where both have some (each row says whether
+        higher or lower is better, and the ratio is green where A is better)."""
+        rows = ((None, "server time", "time", "{:.1f} s"), (1, "requests done", "completed", "{:.0f}"),
+                (1, "tokens generated", "generated", "{:.0f}"), (1, "throughput", "throughput", "{:.2f} tok/s"),
+                (-1, "mean TTFT", "ttft_mean", "{:.2f} s"), (-1, "mean ITL", "itl_mean", "{:.3f} s"),
+                (-1, "peak KV pages", "peak_pages", "{:.0f}"), (-1, "peak reserved", "peak_reserved", "{:.0f}"),
+                (-1, "preemptions", "preemptions", "{:.0f}"), (1, "prefix hit rate", "hit_rate", "{:.0f}%"),
+                (-1, "rejected (too long)", "rejected", "{:.0f}"))
         numbers = {side: s.summary() for side, s in self.series.items()}
         if not any(numbers.values()):
             self.summary.setText(theme.muted("the numbers of each side appear with its first step"))
@@ -423,17 +426,16 @@ class ServerWindow(QWidget):
         head = "".join(f"<th style='color:{SIDE_COLORS[side]}'>{side}</th>" for side in numbers)
         ratio = len(numbers) == 2 and all(numbers.values())
         body = ""
-        for label, key, fmt in rows:
+        for better, label, key, fmt in rows:
             if key == "rejected" and not any(n.get(key) for n in numbers.values()):
                 continue
             cells = "".join(f"<td align=right>&nbsp;{fmt.format(n[key]) if n and n[key] == n[key] else '–'}</td>"
                             for n in numbers.values())
             if ratio:
-                a, b = numbers["A"][key], numbers["B"][key]
-                cells += f"<td align=right>&nbsp;{a / b:.2f}×</td>" if b and a == a and b == b else "<td></td>"
+                cells += ratio_cells(numbers["A"][key], numbers["B"][key], better, numbers)
             body += f"<tr><td>{label}</td>{cells}</tr>"
-        self.summary.setText(f"<table cellspacing=0><tr><th></th>{head}{'<th>A/B</th>' if ratio else ''}</tr>"
-                             f"{body}</table>")
+        head += "<th>&nbsp;A/B</th><th></th>" if ratio else ""
+        self.summary.setText(f"<table cellspacing=0><tr><th></th>{head}</tr>{body}</table>")
 
     # --- closing -----------------------------------------------------------------------------------------
     def shutdown(self, timeout_ms: int = 30000) -> bool:
@@ -451,6 +453,18 @@ class ServerWindow(QWidget):
         super().closeEvent(event)
 
 
+def ratio_cells(a: float, b: float, better: int | None, numbers: dict) -> str:
+    """The A/B cells of one summary row: A's value over B's, green where A is better and amber where it is
+    worse, and which way is better. Blank until both sides have generated tokens and both values are
+    non-zero (a ratio of 0 or over 0 says nothing), and for rows that are not a result (the clock)."""
+    both = all(n["generated"] > 0 for n in numbers.values())
+    if better is None or not both or not (a == a and b == b) or a == 0 or b == 0:
+        return "<td></td><td></td>"
+    color = "#7ee787" if (a - b) * better > 0 else "#ffb020" if a != b else theme.TEXT
+    way = "higher is better" if better > 0 else "lower is better"
+    return f"<td align=right style='color:{color}'>&nbsp;{a / b:.2f}×</td><td>&nbsp;{theme.muted(way)}</td>"
+
+
 def server_demo(app, spec, preset: ServerPreset | None, screenshot: str | None, steps: int) -> int:
     """`pagevis --server-demo`: the window alone on the spec's model; with a screenshot, `steps` steps first."""
     import sys
@@ -462,6 +476,7 @@ def server_demo(app, spec, preset: ServerPreset | None, screenshot: str | None, 
     window = ServerWindow(spec.load(), preset or SERVER_PRESETS[0], model_label=spec.label,
                           realtime=not screenshot, autorun=not screenshot)
     if not screenshot:
+        place_beside(window, None)  # alone: near the screen's top left, wholly on it
         window.show()
         return app.exec()
     real_display = app.platformName() not in ("offscreen", "minimal")

@@ -31,6 +31,7 @@ from pagevis.viewmodel.narration import narrate
 from pagevis.gui.session.runner import SessionRunner
 from pagevis.viewmodel.timeline import Timeline, kv_layout
 from pagevis.gui.widgets.transport import TimelineCursor, TransportBar
+from pagevis.gui.widgets.windows import place_beside
 from pagevis.viewmodel.view_state import ViewState
 from pagevis.gui.widgets.attention import AttentionView
 from pagevis.gui.widgets.events import EventsView
@@ -325,6 +326,7 @@ class MainWindow(TimelineCursor, QMainWindow):
             self.ab_window.close()
         self.ab_window = ABWindow(self.controls.model_spec(), prompt or self.controls.prompt(), config_a, config_b,
                                   title=title)
+        place_beside(self.ab_window, self)
         self.ab_window.show()
         self.ab_window.start(blocking=blocking, play=play)
         return self.ab_window
@@ -591,6 +593,7 @@ class MainWindow(TimelineCursor, QMainWindow):
             self.statusBar().showMessage(f"Sequences view: {error}", 8000)
             return None
         self.sequences_window = SequencesWindow(self.runner.model, config, self.controls.prompt(), self)
+        place_beside(self.sequences_window, self, steps=2)
         self.sequences_window.show()
         return self.sequences_window
 
@@ -605,6 +608,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         label = self.runner.spec.label if self.runner.spec is not None else ""
         self.server_window = ServerWindow(self.runner.model, preset or SERVER_PRESETS[0], self, model_label=label,
                                           autorun=True)
+        place_beside(self.server_window, self, steps=3)
         self.server_window.show()
         return self.server_window
 
