@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from PySide6.QtCore import QThreadPool, QTimer, Qt
 from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QGridLayout, QHBoxLayout, QLabel, QPushButton, QSizePolicy,
-                               QSplitter, QVBoxLayout, QWidget)
+                               QSplitter, QTabWidget, QVBoxLayout, QWidget)
 from superqt.utils import create_worker
 
 from pagevis.engine import RunControl, steps
@@ -76,11 +76,16 @@ class SidePanel(QWidget):
         column.addWidget(self.pool, 3)
         column.addWidget(self.queues)
         column.addWidget(self.batch, 1)
+        # the forest and the request timeline share a place, as tabs: stacked under the pool, the five parts
+        # of a side left each plot a line high at 1280 × 720
+        self.tabs = QTabWidget()
+        self.tabs.addTab(self.timeline, "requests over time")
+        self.tabs.addTab(self.forest, "prefix forest")
         split = QSplitter(Qt.Vertical)
         split.addWidget(top)
-        split.addWidget(self.forest)
-        split.addWidget(self.timeline)
-        split.setSizes([420, 260, 260])
+        split.addWidget(self.tabs)
+        split.setChildrenCollapsible(False)
+        split.setSizes([480, 360])
         layout = QVBoxLayout(self)
         layout.setContentsMargins(2, 2, 2, 2)
         layout.addWidget(split)
@@ -139,7 +144,7 @@ class ServerWindow(QWidget):
         column.setContentsMargins(0, 0, 0, 0)
         self.numbers = QLabel()
         self.numbers.setTextFormat(Qt.RichText)
-        self.numbers.setFixedHeight(self.numbers.fontMetrics().lineSpacing() * 2 + 4)
+        self.numbers.setFixedHeight(self.numbers.fontMetrics().lineSpacing() * 3 + 4)
         self.numbers.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Fixed)  # long text is clipped, not a minimum
         column.addWidget(self.summary)
         column.addWidget(self.numbers)
@@ -195,14 +200,17 @@ class ServerWindow(QWidget):
         row = [("workload", self.workload), ("arrivals", self.rate), ("requests", self.n_requests),
                ("seed", self.seed), ("max running", self.max_running), ("pool pages", self.pool_pages),
                ("compare", self.compare)]
-        for col, (label, widget) in enumerate(row):
-            self.controls.addWidget(QLabel(label), 0, 2 * col)
-            self.controls.addWidget(widget, 0, 2 * col + 1)
+        per_row = 4  # two rows: one row was 1 470 px wide, more than a 1280-px screen
+        for i, (label, widget) in enumerate(row):
+            self.controls.addWidget(QLabel(label), i // per_row, 2 * (i % per_row))
+            self.controls.addWidget(widget, i // per_row, 2 * (i % per_row) + 1)
+        for box in (self.seed, self.n_requests, self.pool_pages):
+            box.setMaximumWidth(90)  # a spin box sizes itself for its largest value (2^31 for the seed)
         buttons = QHBoxLayout()
         for button in (self.start_button, self.run_button, self.step_button):
             buttons.addWidget(button)
-        self.controls.addLayout(buttons, 0, 2 * len(row))
-        self.controls.setColumnStretch(2 * len(row) + 1, 1)
+        self.controls.addLayout(buttons, 1, 2 * (len(row) % per_row), 1, 2)
+        self.controls.setColumnStretch(2 * per_row, 1)
         self.start_button.clicked.connect(self.start)
         self.run_button.toggled.connect(lambda on: self.play() if on else self.pause())
         self.step_button.clicked.connect(lambda: self.run_steps(1))
