@@ -122,10 +122,13 @@ def _one_blas_thread() -> None:
 def _screenshot(app, window, path: str, steps: int, ab=None) -> int:
     """Offscreen: the window at the fixed default size, rendered by Qt. On a real display (xcb, wayland):
     the window as it opens on that screen, read back from the display server once it has been painted."""
+    from PySide6.QtCore import Qt
+
     from pagevis.gui.widgets.export import default_size
 
     real_display = app.platformName() not in ("offscreen", "minimal")
     if not real_display:
+        window.setWindowState(window.windowState() & ~Qt.WindowMaximized)  # (a small screen maximizes it)
         window.resize(default_size())
         window.size_docks()
     window.show()

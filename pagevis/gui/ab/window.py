@@ -66,14 +66,16 @@ class SideControls(QWidget):
         self.oracle.setToolTip(f"{name}: compare with a full cache every step (KL against it; twice the work)")
         self.header = QLabel()
         self.header.setStyleSheet("font-weight: bold; font-size: 13px;")
-        row = QHBoxLayout(self)
-        row.setContentsMargins(0, 0, 0, 0)
-        row.addWidget(self.header)
-        row.addStretch(1)
+        column = QVBoxLayout(self)  # the header above the inputs: beside them, two sides were 1394 px wide
+        column.setContentsMargins(0, 0, 0, 0)
+        column.addWidget(self.header)
+        row = QHBoxLayout()
+        column.addLayout(row)
         for label, widget in (("policy", self.policy), ("page size", self.page_size), ("pages", self.max_pages)):
             row.addWidget(QLabel(label))
             row.addWidget(widget)
         row.addWidget(self.oracle)
+        row.addStretch(1)
         self._base = SessionConfig()
         for signal in (self.policy.currentIndexChanged, self.page_size.valueChanged, self.max_pages.valueChanged,
                        self.oracle.toggled):
@@ -288,7 +290,7 @@ class ABWindow(TimelineCursor, QMainWindow):
             curve.setData(steps, series, connect="finite")
             if np.isfinite(series).any():
                 top = max(top, float(np.nanmax(series)))
-        theme.grow_range(self.plot, max(count - 1, 1), max(top, 1.0))
+        theme.grow_range(self.plot, max(count - 1, 1), max(top, 1.0), x_step=32)
         self.cursor.setValue(max(self.index, 0))
         self.summary.setText(self.describe())
 

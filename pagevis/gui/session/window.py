@@ -70,6 +70,7 @@ def memory_text(cache_bytes: int, n_kv_heads: int, dtype: str = "", per_token: f
 
 
 COMPACT_WIDTH = 1366  # windows this narrow (projectors) tab the metrics behind the events (see size_docks)
+SMALL_HEIGHT = 800  # a first window on a screen this low (or one COMPACT_WIDTH narrow) takes all of it
 
 
 class MainWindow(TimelineCursor, QMainWindow):
@@ -193,6 +194,12 @@ class MainWindow(TimelineCursor, QMainWindow):
         if screen is None:
             return
         area = screen.availableGeometry()
+        if area.width() <= COMPACT_WIDTH or area.height() <= SMALL_HEIGHT:
+            # a projector or small laptop: 85 % of 1280 × 720 squeezed the page grid to a line. Maximized,
+            # the window manager fits the frame (the area itself as the inner geometry would overhang it)
+            self.setGeometry(area)
+            self.setWindowState(self.windowState() | Qt.WindowMaximized)
+            return
         size = QSize(int(area.width() * share), int(area.height() * share))
         size = size.expandedTo(self.minimumSizeHint()).boundedTo(area.size())
         rect = QRect(0, 0, size.width(), size.height())
