@@ -53,6 +53,22 @@ def test_the_main_window_at_1280_x_720_clips_nothing_in_any_view(qtbot, tmp_path
         assert look(qtbot, window) == [], tabs
 
 
+@pytest.mark.parametrize("size", [(1600, 1000), pytest.param((1366, 768), marks=slow),
+                                  pytest.param((1440, 900), marks=slow), pytest.param((1920, 1080), marks=slow)])
+def test_the_main_window_at_common_screen_sizes_clips_nothing(qtbot, tmp_path, size):
+    window = projector_window(qtbot, tmp_path)
+    window.resize(*size)  # (1440 and 1600 px had three docks in the bottom row too narrow for their text)
+    window.size_docks()
+    window.runner.step_blocking(40)
+    window.scrub(39)
+    assert window.size().toTuple() == size
+    assert look(qtbot, window) == []
+    for dock in ("Metrics", "Heads", "Weights"):
+        window.docks[dock].raise_()
+    window.redraw()
+    assert look(qtbot, window) == []
+
+
 def test_the_restart_message_fits_the_status_bar(qtbot, tmp_path):
     window = projector_window(qtbot, tmp_path)
     step(qtbot, window, 2)

@@ -69,8 +69,10 @@ def memory_text(cache_bytes: int, n_kv_heads: int, dtype: str = "", per_token: f
     return text
 
 
-COMPACT_WIDTH = 1366  # windows this narrow (projectors) tab the metrics behind the events (see size_docks)
-SMALL_HEIGHT = 800  # a first window on a screen this low (or one COMPACT_WIDTH narrow) takes all of it
+COMPACT_WIDTH = 1680  # windows this narrow tab the metrics behind the events (see size_docks): at 1440-1600 px
+# three docks in the bottom row clipped the events table and the metrics titles
+SMALL_WIDTH = 1366
+SMALL_HEIGHT = 800  # a first window on a screen this low (or at most 1366 px wide) takes all of it
 
 
 class MainWindow(TimelineCursor, QMainWindow):
@@ -185,7 +187,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         top = (700, 570) if compact else (600, 660)  # compact: the grid keeps room beside its block table
         self.resizeDocks([d["Page grid"], d["Attention"]], [int(top[0] * x), int(top[1] * x)], Qt.Horizontal)
         bottom = [d["Text"], d["Eviction events"]] + ([] if compact else [d["Metrics"]])
-        self.resizeDocks(bottom, [int(w * x) for w in ((560, 710) if compact else (400, 400, 470))], Qt.Horizontal)
+        self.resizeDocks(bottom, [int(w * x) for w in ((560, 710) if compact else (380, 470, 420))], Qt.Horizontal)
 
     def fit_to_screen(self, share: float = FIRST_SCREEN_SHARE) -> None:
         """Take `share` of the screen's available area (at least the window's minimum, at most the area),
@@ -194,7 +196,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         if screen is None:
             return
         area = screen.availableGeometry()
-        if area.width() <= COMPACT_WIDTH or area.height() <= SMALL_HEIGHT:
+        if area.width() <= SMALL_WIDTH or area.height() <= SMALL_HEIGHT:
             # a projector or small laptop: 85 % of 1280 × 720 squeezed the page grid to a line. Maximized,
             # the window manager fits the frame (the area itself as the inner geometry would overhang it)
             self.setGeometry(area)

@@ -104,8 +104,8 @@ class MetricsView(QWidget):
         # named in the plot's title, not by a label on the line: the resident curve runs along it once full
         self.capacity = pg.InfiniteLine(angle=0, pen=pg.mkPen(theme.MUTED, style=Qt.DotLine))
         self.occupancy.addItem(self.capacity)
-        self.occupancy.setToolTip("resident tokens and slots in used pages of the layer; the dotted line (cap) is "
-                                  "the cache's capacity in tokens")
+        self.occupancy.setToolTip("resident tokens and slots in used pages of the selected layer; the dotted line "
+                                  "(cap) is the cache's capacity in tokens")
         self.cursors = []
         for plot in (self.occupancy, self.evictions, self.latency, self.oracle):
             line = pg.InfiniteLine(angle=90, pen=pg.mkPen(theme.ACCENT, style=Qt.DashLine))
@@ -134,7 +134,7 @@ class MetricsView(QWidget):
                             justify="left")
 
         s = theme.SERIES
-        title(self.occupancy, f"layer {layer}", key(s[0], "resident"), key(s[1], "allocated"),
+        title(self.occupancy, key(s[0], "resident"), key(s[1], "allocated"),  # of the layer the next plot names
               f"<span style='color:{theme.MUTED}'>┈ cap</span>")
         title(self.evictions, f"evicted / step · layer {layer}")
         title(self.latency, "ms / token", key(s[0], "each"), key(s[1], "mean of 8"))

@@ -21,6 +21,7 @@ _PALETTE = np.array([theme.rgb(c) for c in theme.STATE_COLORS])
 _BACKGROUND = theme.rgb(theme.BACKGROUND)
 _CELL_PX = 12  # pixels per cell side in the rendered image (1 of them is the cell border)
 _MAX_BORDERED_CELLS = 8192
+MIN_TABLE_WIDTH, MAX_TABLE_WIDTH = 200, 280  # the block table's width, pixels
 FULL_PRECISION_COLOR = "#f2d45c"  # the bar marking a slot still in float32 (int4 / int2's residual window)
 _FULL_PRECISION = theme.rgb(FULL_PRECISION_COLOR)
 
@@ -293,6 +294,11 @@ class BlockTable(QTableWidget):
         self.rows = rows
         if resize:
             self.resizeColumnsToContents()
+            # as wide as its columns (within the page grid's bounds): beside a stretching grid, the table got
+            # its size hint and cut the longest positions
+            need = (self.verticalHeader().sizeHint().width() + self.verticalScrollBar().sizeHint().width()
+                    + sum(self.columnWidth(c) for c in range(self.columnCount())) + 2 * self.frameWidth())
+            self.setMinimumWidth(min(max(need, MIN_TABLE_WIDTH), MAX_TABLE_WIDTH))
 
 
 class PageGridView(QWidget):
@@ -352,8 +358,8 @@ class PageGridView(QWidget):
         self.disk_legend.hide()
         self.blocks = BlockTable()
         self.block_view = self.blocks
-        self.block_view.setMinimumWidth(200)
-        self.block_view.setMaximumWidth(280)
+        self.block_view.setMinimumWidth(MIN_TABLE_WIDTH)
+        self.block_view.setMaximumWidth(MAX_TABLE_WIDTH)
         self.graphics.setMinimumWidth(250)  # the grid's title fits (a projector's 1280 × 720)
         self.block_title = block_title = QLabel("Block table (logical → physical)")
         block_title.setStyleSheet(f"color: {theme.MUTED}")
