@@ -1,8 +1,8 @@
 """Every window at a projector's 1280 × 720, after real steps on the synthetic model: no clipped or cramped text
 (tests/clipping.py measures labels, buttons, tables, the status bar, plot titles, axis labels and ticks, plot
 sizes and text over curves). The main window at page sizes 8, 16 and 32 and with int4 storage, each view raised;
-the A/B, Sequences and Server windows (every server preset). Not yet the attach window: its two tables are
-wider than their panes at this size (columns past a horizontal scroll bar)."""
+the A/B, Sequences and Server windows (every server preset) and the attach window on a recording; the main window
+at other common screen sizes."""
 
 from __future__ import annotations
 
@@ -122,3 +122,27 @@ def test_the_server_window_at_1280_x_720_clips_nothing(qtbot, index):
         panel.tabs.setCurrentIndex(1)
     assert look(qtbot, server) == []
 
+
+
+def test_the_attach_window_at_1280_x_720_clips_nothing(qtbot):
+    import pathlib
+
+    from pagevis.attach.playback import Playback
+    from pagevis.attach.recording import read_recording
+    from pagevis.gui.attach.window import open_window, wait_for_position
+
+    recording = pathlib.Path(__file__).parent / "data" / "kv_events" / "vllm-0.34.0.kvev"
+    window = open_window(playback=Playback(read_recording(recording)))
+    qtbot.addWidget(window)
+    window.resize(*PROJECTOR)
+    window.show()
+    window.start()
+    try:
+        window.scrub(7)
+        assert wait_for_position(window, 7, 20)
+        assert window.size().toTuple() == PROJECTOR
+        assert look(qtbot, window) == []
+        window.engines_table.parentWidget().parentWidget().setCurrentIndex(1)  # the engines' tab
+        assert look(qtbot, window) == []
+    finally:
+        window.close()

@@ -27,7 +27,8 @@ import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QColor
 from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QHeaderView, QLabel, QMainWindow, QPlainTextEdit,
-                               QPushButton, QSlider, QSplitter, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+                               QPushButton, QSlider, QSplitter, QTableWidget, QTableWidgetItem, QTabWidget, QVBoxLayout,
+                               QWidget)
 
 from pagevis.gui.widgets.windows import add_close_keys
 from pagevis.gui.widgets import theme
@@ -295,16 +296,13 @@ class AttachWindow(QMainWindow):
         self.hot_table = _table(["block", "medium", "restores", "last gap", "resident", "text"])
         self.engines_table = _table(["engine", "batches", "last seq", "epoch", "resident", "held elsewhere",
                                      "decode errors", "gaps lost"])
-        tables = QSplitter(Qt.Horizontal)
-        for title, table in (("Hot prefixes: stored again soon after removal", self.hot_table),
-                             ("Engines: GPU blocks held in common (a KV-aware router's overlap)",
-                              self.engines_table)):
-            box = QWidget()
-            column = QVBoxLayout(box)
-            column.setContentsMargins(0, 0, 0, 0)
-            column.addWidget(QLabel(f"<b>{title}</b>"))
-            column.addWidget(table)
-            tables.addWidget(box)
+        # tabs, each table the pane's whole width: side by side, at 1280 × 720 both hid columns past a scroll bar
+        tables = QTabWidget()
+        for name, title, table in (("Hot prefixes", "stored again soon after removal", self.hot_table),
+                                   ("Engines", "GPU blocks held in common (a KV-aware router's overlap)",
+                                    self.engines_table)):
+            tables.addTab(table, name)
+            tables.setTabToolTip(tables.count() - 1, f"{name}: {title}")
         self.plot_stats = QLabel("")
         self.plot_stats.setWordWrap(True)
         plots = QWidget()
@@ -322,8 +320,8 @@ class AttachWindow(QMainWindow):
         body = QSplitter(Qt.Horizontal)
         body.addWidget(left)
         body.addWidget(right)
-        body.setStretchFactor(0, 3)
-        body.setStretchFactor(1, 2)
+        body.setStretchFactor(0, 1)  # halves: the plots' titles need the width (the tables held it before)
+        body.setStretchFactor(1, 1)
         central = QWidget()
         layout = QVBoxLayout(central)
         layout.addLayout(top)
@@ -339,7 +337,7 @@ class AttachWindow(QMainWindow):
         theme.set_title(self.resident_plot, "resident blocks (all media) after each batch")
         theme.set_title(self.media_plot, "resident blocks per medium, now")
         theme.set_title(self.lifetime_plot, "block lifetimes (the most recent removals)")
-        theme.set_title(self.hot_plot, "hot prefixes: restores by the gap after removal")
+        theme.set_title(self.hot_plot, "hot prefixes: restores by gap")
         theme.set_title(self.requests_plot, f"requests <span style='color:{theme.SERIES[0]}'>running</span> / "
                         f"<span style='color:{theme.SERIES[1]}'>waiting</span> (--metrics)")
         theme.set_title(self.cache_plot, f"<span style='color:{theme.SERIES[2]}'>KV usage</span> / "
