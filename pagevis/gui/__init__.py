@@ -31,12 +31,13 @@ def _application():
 
 def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, session_config: SessionConfig | None = None,
            screenshot: str | None = None, steps: int = 0, trace: str | None = None, metrics=None,
-           preset=None) -> int:
+           preset=None, tour: bool = False) -> int:
     """Open the main window (QApplication created here). With `screenshot`, open offscreen-capable, decode `steps`
     steps (synchronously), save a PNG of the whole window to that path and return 0 without entering the event
     loop. With `trace`, open that trace for replay. With `metrics` (a pagevis.observe.Metrics), every session
     the window starts feeds it. With an A/B `preset` (pagevis.presets), the A/B window opens on its two
-    configurations (and is what a screenshot shows). Returns the exit code."""
+    configurations (and is what a screenshot shows). With `tour`, Help ▸ Tour starts at once. Returns the exit
+    code."""
     if screenshot and "QT_QPA_PLATFORM" not in os.environ:
         os.environ["QT_QPA_PLATFORM"] = "offscreen"  # a screenshot needs no screen and should not flash one
     verdict = platform_check.check()
@@ -60,6 +61,8 @@ def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, sessi
         window.start()
     if ab is not None:
         window.open_ab(ab.a, ab.b, window.controls.prompt(), title=ab.name, play=True)
+    if tour:
+        window.start_tour()
     return app.exec()
 
 

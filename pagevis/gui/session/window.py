@@ -89,6 +89,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.follow = True  # keep showing the newest record as records arrive
         self.frames = 0  # redraws so far (the benchmark reads it)
         self.ab_window = None  # the A/B window, once opened
+        self.tour = None  # Help ▸ Tour, once started
         self._last_frame = 0.0
         self._restart_reason = ""
         self._replay_timer = QTimer(self, interval=100)
@@ -265,6 +266,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         view_menu.addAction("Se&rver: requests arriving…", self.open_server)
         view_menu.addAction("&Reset layout", self.reset_layout)
         help_menu = self.menuBar().addMenu("&Help")
+        help_menu.addAction("&Tour", self.start_tour)
         help_menu.addAction("&Keyboard shortcuts", self._show_shortcuts)
 
     def _connect(self) -> None:
@@ -620,6 +622,14 @@ class MainWindow(TimelineCursor, QMainWindow):
         place_beside(self.server_window, self, steps=3)
         self.server_window.show()
         return self.server_window
+
+    def start_tour(self):
+        """Help ▸ Tour: the StreamingLLM A/B, then Sequences, then the Server window (gui/session/tour.py)."""
+        from pagevis.gui.session.tour import Tour
+
+        self.tour = Tour(self)
+        self.tour.start()
+        return self.tour
 
     def open_gguf(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Open a Llama-family GGUF model", "", "GGUF models (*.gguf)")
