@@ -17,6 +17,7 @@ pytest.importorskip("pytestqt")
 from PySide6.QtCore import QSettings, Qt, QThreadPool  # noqa: E402
 
 from pagevis.engine import ModelSpec, SamplingConfig, SessionConfig  # noqa: E402
+from pagevis.kvcache import EventKind  # noqa: E402
 from pagevis.gui.widgets.theme import PINNED, REPLACED, RESIDENT, WRITTEN  # noqa: E402
 
 from gui_helpers import CONFIG, PROMPT, SYNTH, make_window, step, write_synthetic_trace  # noqa: E402
@@ -191,6 +192,26 @@ def test_changing_page_size_restarts_with_a_new_grid_shape(qtbot, window):
     assert window.page_grid.states.shape == (4, 8)
     assert len(window.text.tints) == 17  # 32 slots: the whole prompt fits at once, nothing evicted
     assert all(t.resident for t in window.text.tints)
+
+
+def test_after_reset_the_event_table_and_plot_show_the_new_runs_evictions(qtbot, window):
+    step(qtbot, window, 6)
+    assert "tok/s" in window.status_speed.text() and window.status_speed.text() != "— tok/s"
+    window.transport.reset_action.trigger()  # Decode ▸ Reset (Ctrl+R): the same engine decodes again
+    qtbot.waitUntil(lambda: window.runner.state == "ready" and len(window.runner.previous.timeline) == 6,
+                    timeout=5000)
+    window.redraw()
+    assert window.status_speed.text() == "— tok/s"  # the old run's speed is not the new run's
+    step(qtbot, window, 5)
+    records = window.timeline.records
+    # the reference: each record's own evict events (the engine numbers them 6..10 after the reset)
+    expected = [(i, e.layer, e.position) for i, r in enumerate(records) for e in r.events if e.kind is EventKind.EVICT]
+    assert len(expected) >= 8 and {i for i, _, _ in expected} >= {2, 3, 4}
+    assert window.events.model.rowCount() == len(expected)
+    assert [(r[0], r[4]) for r in window.events.visible_rows()] == [(i, p) for i, layer, p in expected if layer == 0]
+    xs, ys = window.events.scatter.getData()
+    assert sorted(set(xs.tolist())) == sorted({float(i) for i, layer, _ in expected if layer == 0})
+    assert window.transport.slider.marks.tolist() == sorted({i for i, _, _ in expected})
 
 
 def test_switching_policy_builds_its_parameters_and_evicts_its_way(qtbot, window):

@@ -27,12 +27,40 @@ def step(qtbot, seqs, click: bool = False):
     return len(seqs.records) > count
 
 
-def sequences_window(qtbot, tmp_path, config=SEQ_CONFIG):
-    window = make_window(qtbot, tmp_path, config=config)
-    seqs = window.open_sequences()
+def sequences_window(qtbot, tmp_path, config=SEQ_CONFIG, **window):
+    main = make_window(qtbot, tmp_path, config=config, **window)
+    seqs = main.open_sequences()
     assert seqs is not None
     qtbot.addWidget(seqs)
+    if config is SEQ_CONFIG:
+        seqs.new_tokens.setValue(SEQ_CONFIG.max_new_tokens)
     return seqs
+
+
+def test_at_its_defaults_sharing_saves_pages_and_contiguous_reserves_more(qtbot, tmp_path):
+    from pagevis.engine import ModelSpec
+    from pagevis.kvcache import EventKind
+    from pagevis.presets import DEFAULT_CONFIG, default_prompt
+
+    # the app's default cache (sinks, 12 pages of 8: a sequence evicts past 96 tokens) and the synthetic model
+    seqs = sequences_window(qtbot, tmp_path, config=DEFAULT_CONFIG, spec=ModelSpec(kind="synthetic"),
+                            prompt=default_prompt("synthetic"))
+    assert seqs.n.value() == 4 and seqs.new_tokens.value() == 128
+    seqs.start()
+    prompt, size = seqs.prompt_tokens, DEFAULT_CONFIG.page_size
+    for _ in range(60):  # past the main window's 96-token cap: the window's own cache evicts nothing
+        assert step(qtbot, seqs)
+    record = seqs.view.record
+    assert len(record.n_cached) == 4 and not any(e.kind is EventKind.EVICT for r in seqs.records for e in r.events)
+    pages = {s: -(-n // size) for s, n in record.n_cached.items()}  # each sequence's pages, from its tokens
+    full = prompt // size  # the prompt's full pages, stored once
+    expected = [("paged, shared", full + sum(p - full for p in pages.values())),
+                ("paged, no sharing", sum(pages.values())),
+                ("contiguous reservation", -(-4 * (prompt + 128) // size))]
+    assert seqs.view.memory.rows == expected
+    shared, unshared, contiguous = (pages for _, pages in expected)
+    assert shared < unshared < contiguous and unshared - shared == 3 * full
+    assert seqs.view.memory.peaks == expected  # nothing has finished: the peaks are now
 
 
 def test_parallel_samples_share_the_prompt_pages_then_copy_on_write(qtbot, tmp_path):

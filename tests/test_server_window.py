@@ -410,3 +410,39 @@ def test_the_window_attached_to_pagevis_serve_shows_its_cache_and_metrics(qtbot)
         assert "they need the engine itself" in window.header.text()
         window.close()
     assert not window.fleet_worker.isRunning() and not window.metrics_worker.isRunning()
+
+
+def test_the_ab_column_compares_only_numbers_both_sides_have_and_says_which_way_is_better(qtbot, model):
+    import re
+
+    from clipping import plain
+
+    w = window(qtbot, model, preset(compare="prefix", n=6))
+
+    def rows() -> dict[str, list[str]]:
+        lines = plain(w.summary.text()).replace("\u00a0", " ").split("\n")
+        return {line.split("  ")[0].strip(): line for line in lines}
+
+    w.redraw()
+    assert "×" not in w.summary.text()  # nothing served yet
+    while not all(s.summary() and s.summary()["generated"] > 0 for s in w.series.values()):
+        w.step_blocking(1)
+        w.redraw()
+        if not all(s.summary() and s.summary()["generated"] > 0 for s in w.series.values()):
+            assert "×" not in w.summary.text()  # a side without tokens: no ratio (it read 2.01× at 0 tokens)
+    for _ in range(10):
+        w.step_blocking(1)
+    w.redraw()
+    a, b = (w.series[s].summary() for s in "AB")
+    html = w.summary.text()
+    for label, key, way in (("throughput", "throughput", "higher"), ("mean TTFT", "ttft_mean", "lower"),
+                            ("tokens generated", "generated", "higher"), ("peak KV pages", "peak_pages", "lower")):
+        row = re.search(rf"<tr><td>{label}</td>(.*?)</tr>", html).group(1)
+        if a[key] and b[key] and a[key] == a[key] and b[key] == b[key]:
+            assert f"{a[key] / b[key]:.2f}×" in row and f"{way} is better" in row
+            better = (a[key] > b[key]) == (way == "higher")
+            assert ("#7ee787" in row) == (better and a[key] != b[key])
+        else:
+            assert "×" not in row
+    server_time = re.search(r"<tr><td>server time</td>(.*?)</tr>", html).group(1)
+    assert "×" not in server_time  # the clock is not a result

@@ -54,6 +54,9 @@ def gui_parser() -> ArgumentParser:
     group.add_argument("--server-metrics", metavar="URL",
                        help="with --server-demo: that server's /metrics (e.g. http://127.0.0.1:8000/metrics) for "
                             "the plots")
+    group.add_argument("--tour", action="store_true",
+                       help="start the guided tour (Help > Tour): the StreamingLLM A/B, then Sequences, then the "
+                            "Server window, each with one line on what to look at")
     add_metrics_option(group)
     add_debug_option(parser)
     return parser
@@ -168,7 +171,8 @@ def launch_app(args: argparse.Namespace) -> int:
     from pagevis.gui import launch
 
     return launch(model_spec=spec, prompt=prompt, session_config=config, screenshot=args.screenshot,
-                  steps=args.steps, metrics=metrics, preset=options.preset(args), recording=recording)
+                  steps=args.steps, metrics=metrics, preset=options.preset(args), recording=recording,
+                  **({"tour": True} if args.tour else {}))
 
 
 def launch_server_demo(args: argparse.Namespace, spec, recording=None) -> int:

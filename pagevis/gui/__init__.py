@@ -32,14 +32,14 @@ def _application():
 
 def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, session_config: SessionConfig | None = None,
            screenshot: str | None = None, steps: int = 0, trace: str | None = None, metrics=None,
-           preset=None, recording=None) -> int:
+           preset=None, recording=None, tour: bool = False) -> int:
     """Open the main window (QApplication created here). With `screenshot`, open offscreen-capable, decode `steps`
     steps (synchronously), save a PNG of the whole window to that path and return 0 without entering the event
     loop. With `trace`, open that trace for replay. With `metrics` (a pagevis.observe.Metrics), every session
     the window starts feeds it. With an A/B `preset` (pagevis.presets), the A/B window opens on its two
     configurations (and is what a screenshot shows). With `recording` (a pagevis.gui.record.Request), record
-    the window (or one view) to a video instead: `steps` decoded steps, or every step of `trace`. Returns the exit
-    code."""
+    the window (or one view) to a video instead: `steps` decoded steps, or every step of `trace`. With `tour`,
+    Help ▸ Tour starts at once. Returns the exit code."""
     from pagevis.gui.startup import probe_from_environment
 
     probe = probe_from_environment(time.time())  # `pagevis bench startup` times the phases below
@@ -74,7 +74,9 @@ def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, sessi
     if not (trace and window.open_trace(trace)):
         window.start()
     if ab is not None:
-        window.open_ab(ab.a, ab.b, window.controls.prompt(), title=ab.name)
+        window.open_ab(ab.a, ab.b, window.controls.prompt(), title=ab.name, play=True)
+    if tour:
+        window.start_tour()
     return app.exec()
 
 
@@ -152,10 +154,13 @@ def open_for_picture(app, window, ab=None, purpose: str = "the screenshot", trac
     """The window shown at the default size (offscreen) or as it opens (on a display), its session started
     (or `trace` opened) on this thread; the A/B window on `ab`'s two configurations instead when given. None
     (said on stderr, the window closed) when no session could start."""
+    from PySide6.QtCore import Qt
+
     from pagevis.gui.widgets.export import default_size
 
     real_display = app.platformName() not in ("offscreen", "minimal")
     if not real_display:
+        window.setWindowState(window.windowState() & ~Qt.WindowMaximized)  # (a small screen maximizes it)
         window.resize(default_size())
         window.size_docks()
     window.show()

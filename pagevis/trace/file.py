@@ -28,6 +28,7 @@ from pagevis.engine.table_log import TablesAt
 from pagevis.kvcache import COUNT_NAMES, CacheEvent, ConfigError, EventKind
 from pagevis.kvcache.event_array import EventArray, Strings, to_rows
 from pagevis.trace.archive import Archive, TraceError
+from pagevis.kvcache.quant import storage_text
 from pagevis.trace.schema import (
     DELTA_ENCODED,
     FORMAT,
@@ -37,6 +38,7 @@ from pagevis.trace.schema import (
     VERSION,
     arrays_of_version,
     check_header,
+    check_kv_layout,
     check_values,
     config_from_dict,
     expected_arrays,
@@ -63,6 +65,7 @@ class Trace:
     stop_reason: str | None = None
     text: str = ""
     meta: dict[str, Any] = field(default_factory=dict)  # free-form (e.g. the command line), kept as JSON
+    kv_layout: dict[str, Any] = field(default_factory=dict)  # schema.check_kv_layout; {}: unknown (older traces)
 
     @classmethod
     def from_session(cls, session, model_label: str | None = None, model_spec: ModelSpec | None = None,
@@ -76,7 +79,14 @@ class Trace:
         return cls(model_label=label, prompt=session.prompt, config=session.config,
                    prompt_ids=tuple(int(t) for t in session.prompt_ids), records=list(session.records),
                    token_texts={int(t): session.token_text(t) for t in sorted(ids)}, model_spec=model_spec,
-                   stop_reason=session.stop_reason, text=session.text(), meta=dict(meta or {}))
+                   stop_reason=session.stop_reason, text=session.text(), meta=dict(meta or {}),
+                   kv_layout=kv_layout(session.model.config, session.cache_config))
+
+
+def kv_layout(model_config, cache) -> dict[str, Any]:
+    """What a replay shows of the model's heads and the cache's size (the trace's `kv_layout` header)."""
+    return {"n_heads": model_config.n_heads, "n_kv_heads": model_config.n_kv_heads, "cache_bytes": cache.total_bytes(),
+            "kv_bytes_per_token": cache.kv_bytes_per_token(), "storage": storage_text(cache)}
 
 
 # --- writing ---------------------------------------------------------------------------------------
@@ -240,6 +250,7 @@ def _header(trace: Trace, shape: _Shape, strings: Strings, sizes: dict[str, int]
         "arrays": {name: {"dtype": np.dtype(spec.dtype).str, "shape": [sizes[symbol] for symbol in spec.dims]}
                    for name, spec in arrays_of_version(VERSION).items()},
         "meta": trace.meta,
+        "kv_layout": trace.kv_layout or None,
     }
 
 
@@ -308,6 +319,7 @@ def read_trace(path) -> Trace:
     with Archive(name) as archive:
         header = archive.read_json(HEADER, MAX_HEADER_BYTES)
         sizes = check_header(header, name)
+        header["kv_layout"] = check_kv_layout(header.get("kv_layout"), name)
         expected = expected_arrays(header, sizes, name)
         arrays = {key: archive.read_npy(f"{key}.npy", dtype, shape) for key, (dtype, shape) in expected.items()}
     for key in header["delta_encoded"]:
@@ -376,6 +388,7 @@ def _decode(header: dict, a: dict[str, np.ndarray]) -> Trace:
         token_texts={int(k): v for k, v in header["token_texts"].items()},
         model_spec=ModelSpec(**model) if model else None, stop_reason=header.get("stop_reason"),
         text=header.get("text", ""), meta=header.get("meta") or {},
+        kv_layout=header.get("kv_layout") or {},
     )
 
 

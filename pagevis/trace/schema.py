@@ -102,7 +102,35 @@ HEADER_TYPES = {
     "oracle_columns": "list[str]", "next_texts": "list[str]", "token_texts": "dict[str]",
     "delta_encoded": "list[str]", "arrays": "dict",
 }
-OPTIONAL_HEADER_TYPES = {"written_by": "str", "meta": "dict", "n_page_ids": "int", "page_map_pages": "int"}
+OPTIONAL_HEADER_TYPES = {"written_by": "str", "meta": "dict", "n_page_ids": "int", "page_map_pages": "int",
+                         "kv_layout": "dict"}  # kv_layout: added within format 4 (older traces lack it)
+MAX_STORAGE_TEXT = 400  # characters of kv_layout's storage line
+
+
+def check_kv_layout(layout: dict | None, where: str) -> dict:
+    """The model's head layout and the cache's size a trace states (its `kv_layout` header): n_heads and
+    n_kv_heads (query heads read KV head h // (n_heads // n_kv_heads)), cache_bytes, kv_bytes_per_token and a
+    storage line. {} for an older trace without it (its replay says the layout is unknown); TraceError if a
+    value is off."""
+    if not layout:
+        return {}
+    expected = {"n_heads": int, "n_kv_heads": int, "cache_bytes": int, "kv_bytes_per_token": (int, float),
+                "storage": str}
+    for key, kind in expected.items():
+        value = layout.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            what = getattr(kind, "__name__", "number")
+            raise TraceError(f"{where}: header.json kv_layout {key} = {value!r} is not a {what}")
+    n_heads, n_kv = layout["n_heads"], layout["n_kv_heads"]
+    if not (1 <= n_heads <= MAX_HEADS and 1 <= n_kv <= n_heads and n_heads % n_kv == 0):
+        raise TraceError(f"{where}: header.json kv_layout has {n_heads} query heads over {n_kv} KV heads "
+                         f"(1 to {MAX_HEADS} query heads, a whole number per KV head)")
+    if not (0 <= layout["cache_bytes"] <= 1 << 50 and 0 <= layout["kv_bytes_per_token"] <= 1 << 40):
+        raise TraceError(f"{where}: header.json kv_layout sizes are out of range (cache_bytes "
+                         f"{layout['cache_bytes']}, kv_bytes_per_token {layout['kv_bytes_per_token']})")
+    if len(layout["storage"]) > MAX_STORAGE_TEXT:
+        raise TraceError(f"{where}: header.json kv_layout storage is over {MAX_STORAGE_TEXT} characters")
+    return {key: layout[key] for key in expected}
 # The config's keys and JSON types, from the settings table (record_layers is checked against the arrays).
 JSON_TYPES = {"int": "int", "float": "number", "str": "str", "bool": "bool", "params": "dict"}
 CONFIG_TYPES = {**{s.name: JSON_TYPES[s.kind] + ("?" if s.nullable else "")

@@ -135,7 +135,9 @@ class Timeline:
             start, end = self._n_evictions, self._n_evictions + len(evicted)
             self._evictions = _grow(self._evictions, end - 1)
             added = self._evictions[start:end]
-            added["step"] = np.where(evicted["step"] >= 0, evicted["step"], record.step)
+            # the record's index, not the event's step: events carry the engine's step count, which a
+            # restart in place (the app's Reset) carries on while the new timeline counts from 0 again
+            added["step"] = index
             for name in ("layer", "page", "slot", "position", "reason", "score"):
                 added[name] = evicted[name]
             is_evict = evicted["kind"] == EVICT
@@ -333,20 +335,33 @@ class Timeline:
 
 
 def _trace_kv_heads(trace) -> int:
-    """KV heads of the traced model when the trace says (a synthetic spec does), else 0 (unknown)."""
+    """KV heads of the traced model when an older trace says (a synthetic spec does), else 0 (unknown)."""
     spec = getattr(trace, "model_spec", None)
     return spec.n_kv_heads if spec is not None and spec.kind == "synthetic" else 0
 
 
+def kv_layout(info: SessionInfo) -> dict:
+    """The session's head layout and cache size as a trace carries them (pagevis.trace's kv_layout header)."""
+    return {"n_heads": info.n_heads, "n_kv_heads": info.n_kv_heads, "cache_bytes": info.cache_bytes,
+            "kv_bytes_per_token": info.kv_bytes_per_token, "storage": info.storage} if info.n_kv_heads else {}
+
+
 def timeline_from_trace(trace) -> Timeline:
-    """The timeline a replay shows: a trace's records, with its own token texts."""
+    """The timeline a replay shows: a trace's records, with its own token texts and, when the trace carries
+    it (kv_layout, since format 4's later files), the model's head layout and the cache's size."""
     texts = dict(trace.token_texts)
     first = trace.records[0] if trace.records else None
     n_layers = first.slot_maps.shape[0] if first is not None else 1
-    n_heads = first.attention[0].shape[0] if first is not None and first.attention else 1
     spec = getattr(trace, "model_spec", None)
+    layout = getattr(trace, "kv_layout", None) or {}
+    recorded = first is not None and first.attention
+    n_heads = first.attention[0].shape[0] if recorded else layout.get("n_heads", 1)
+    n_kv_heads = layout.get("n_kv_heads", _trace_kv_heads(trace))
+    if n_kv_heads and n_heads % n_kv_heads:  # a layout that does not fit the recorded heads: unknown
+        n_kv_heads = 0
     info = SessionInfo(f"{trace.model_label} (trace)", trace.prompt, tuple(trace.prompt_ids), trace.config,
-                       n_layers, n_heads, 0, _trace_kv_heads(trace),
+                       n_layers, n_heads, layout.get("cache_bytes", 0), n_kv_heads,
+                       layout.get("kv_bytes_per_token", 0.0), layout.get("storage", ""),
                        sliding_windows=spec.sliding_windows if spec is not None else None)
     timeline = Timeline(info, lambda token: texts.get(token, f"<{token}>"))
     timeline.extend(list(trace.records))

@@ -33,6 +33,7 @@ from pagevis.gui.widgets.setting_inputs import setting_input
 from pagevis.gui.widgets.setting_inputs import spin as _spin
 from pagevis.gui.session.runner import SessionRunner, new_session, validate
 from pagevis.gui.widgets.transport import TimelineCursor
+from pagevis.gui.widgets.windows import add_close_keys
 from pagevis.viewmodel.view_state import ViewState
 from pagevis.gui.widgets.page_grid import PageGridView
 from pagevis.gui.widgets.text import TextView
@@ -67,14 +68,16 @@ class SideControls(QWidget):
         self.oracle.setToolTip(f"{name}: compare with a full cache every step (KL against it; twice the work)")
         self.header = QLabel()
         self.header.setStyleSheet("font-weight: bold; font-size: 13px;")
-        row = QHBoxLayout(self)
-        row.setContentsMargins(0, 0, 0, 0)
-        row.addWidget(self.header)
-        row.addStretch(1)
+        column = QVBoxLayout(self)  # the header above the inputs: beside them, two sides were 1394 px wide
+        column.setContentsMargins(0, 0, 0, 0)
+        column.addWidget(self.header)
+        row = QHBoxLayout()
+        column.addLayout(row)
         for label, widget in (("policy", self.policy), ("page size", self.page_size), ("pages", self.max_pages)):
             row.addWidget(QLabel(label))
             row.addWidget(widget)
         row.addWidget(self.oracle)
+        row.addStretch(1)
         self._base = SessionConfig()
         for signal in (self.policy.currentIndexChanged, self.page_size.valueChanged, self.max_pages.valueChanged,
                        self.oracle.toggled):
@@ -118,12 +121,14 @@ class ABWindow(TimelineCursor, QMainWindow):
         self.index = -1
         self.follow = True
         self._drawn_at = 0.0
+        self._play_when_ready = False
         self._frame = QTimer(self, singleShot=True)
         self._frame.timeout.connect(self.redraw)
         self._build(config_a, config_b)
         self.runner.started.connect(self._started)
         self.runner.records.connect(self._arrived)
         self.runner.state_changed.connect(self._state_changed)
+        add_close_keys(self)
         self.runner.failed.connect(lambda message, _: self.summary.setText(
             f"<span style='color:#ff7a7a'>{message}</span>"))
 
@@ -192,14 +197,19 @@ class ABWindow(TimelineCursor, QMainWindow):
         self.cursor = pg.InfiniteLine(angle=90, pen=pg.mkPen(theme.ACCENT, style=Qt.DashLine))
         self.plot.addItem(self.cursor, ignoreBounds=True)
         bottom = stacked(self.summary, (self.plot_widget, 1), margins=(4, 2, 4, 2))
-        self.setCentralWidget(splitter(Qt.Vertical, columns, bottom, sizes=[620, 200]))
+        self.plot_widget.setMinimumHeight(120)  # the KL axis's label and ticks stay whole
+        self.setCentralWidget(splitter(Qt.Vertical, columns, bottom, sizes=[600, 220]))
         self.resize(1280, 720)
+        theme.grow_range(self.plot, 1, 1)
+        self.redraw()
 
     # --- sessions --------------------------------------------------------------------------------
     def configs(self) -> ABConfig:
         return ABConfig(self.sides[0][0].config(), self.sides[1][0].config())
 
-    def start(self, blocking: bool = False) -> None:
+    def start(self, blocking: bool = False, play: bool = False) -> None:
+        """Start both sessions; with `play`, decode them as soon as the model is ready (a preset)."""
+        self._play_when_ready = play
         self.restart("", blocking=blocking)
 
     def restart(self, reason: str = "reset", blocking: bool = False) -> None:
@@ -220,6 +230,9 @@ class ABWindow(TimelineCursor, QMainWindow):
         self.layer.setMaximum(timeline.info.n_layers - 1)
         self.summary.setText("Press Space to decode both sessions in lockstep.")
         self.redraw()
+        if self._play_when_ready:
+            self._play_when_ready = False
+            self.toggle_play()
 
     def toggle_play(self) -> None:
         if self.runner.running:
@@ -249,7 +262,9 @@ class ABWindow(TimelineCursor, QMainWindow):
         self._frame.stop()
         self._drawn_at = time.perf_counter()
         timeline = self.timeline
-        if timeline is None:
+        if timeline is None:  # the model loads: each side's empty pool, not pyqtgraph's default axes
+            for controls, grid, text in self.sides:
+                grid.show_state(ViewState(None, -1, loading=controls.config()))
             return
         layer = min(self.layer.value(), timeline.info.n_layers - 1)
         for (controls, grid, text), side in zip(self.sides, (timeline.a, timeline.b)):
@@ -263,8 +278,13 @@ class ABWindow(TimelineCursor, QMainWindow):
         self._updating = False
         self.position.setText(f"step {self.index} / {count - 1}" if count else "no steps yet")
         steps = np.arange(count, dtype=np.float64)
+        top = 0.0
         for name, curve in self.curves.items():
-            curve.setData(steps, timeline.series(name), connect="finite")
+            series = timeline.series(name)
+            curve.setData(steps, series, connect="finite")
+            if np.isfinite(series).any():
+                top = max(top, float(np.nanmax(series)))
+        theme.grow_range(self.plot, max(count - 1, 1), max(top, 1.0), x_step=32)
         self.cursor.setValue(max(self.index, 0))
         self.summary.setText(self.describe())
 

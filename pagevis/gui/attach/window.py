@@ -23,8 +23,9 @@ import time
 
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QMainWindow, QPushButton, QSlider, QSplitter,
-                               QVBoxLayout, QWidget)
+                               QTabWidget, QVBoxLayout, QWidget)
 
+from pagevis.gui.widgets.windows import add_close_keys
 from pagevis.gui.widgets import theme
 from pagevis.viewmodel.attach_forest import (
     hot_rows,
@@ -80,6 +81,7 @@ class AttachWindow(QMainWindow):
         self.timer.setInterval(REFRESH_MS)
         self.timer.timeout.connect(self.refresh)
         self.resize(1600, 1000)
+        add_close_keys(self)
 
     # --- building ---------------------------------------------------------------------------------------------
     def _build(self, budget: int) -> None:
@@ -137,19 +139,16 @@ class AttachWindow(QMainWindow):
         scrub_row.setVisible(not self.source.live)
         return scrub_row
 
-    def _build_tables(self) -> QSplitter:
+    def _build_tables(self) -> QTabWidget:
         self.hot_table = HotTable()
         self.engines_table = EnginesTable()
-        tables = QSplitter(Qt.Horizontal)
-        for title, table in (("Hot prefixes: stored again soon after removal", self.hot_table),
-                             ("Engines: GPU blocks held in common (a KV-aware router's overlap)",
-                              self.engines_table)):
-            box = QWidget()
-            column = QVBoxLayout(box)
-            column.setContentsMargins(0, 0, 0, 0)
-            column.addWidget(QLabel(f"<b>{title}</b>"))
-            column.addWidget(table)
-            tables.addWidget(box)
+        # tabs, each table the pane's whole width: side by side, at 1280 × 720 both hid columns past a scroll bar
+        tables = QTabWidget()
+        for name, title, table in (("Hot prefixes", "stored again soon after removal", self.hot_table),
+                                   ("Engines", "GPU blocks held in common (a KV-aware router's overlap)",
+                                    self.engines_table)):
+            tables.addTab(table, name)
+            tables.setTabToolTip(tables.count() - 1, f"{name}: {title}")
         return tables
 
     def _build_body(self, left: QWidget) -> QSplitter:
@@ -162,8 +161,8 @@ class AttachWindow(QMainWindow):
         body = QSplitter(Qt.Horizontal)
         body.addWidget(left)
         body.addWidget(right)
-        body.setStretchFactor(0, 3)
-        body.setStretchFactor(1, 2)
+        body.setStretchFactor(0, 1)  # halves: the plots' titles need the width (the tables held it before)
+        body.setStretchFactor(1, 1)
         return body
 
     # --- running ----------------------------------------------------------------------------------------------

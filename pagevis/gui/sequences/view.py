@@ -33,6 +33,7 @@ class SequencesStep:
     record: object
     page_size: int
     texts: tuple[tuple[int, str], ...]
+    peaks: tuple[tuple[str, int], ...] = ()  # the memory rows' largest values up to this record (peak_rows)
 
 
 def memory_rows(record, page_size: int) -> tuple[tuple[str, int], ...]:
@@ -41,16 +42,24 @@ def memory_rows(record, page_size: int) -> tuple[tuple[str, int], ...]:
             ("contiguous reservation", -(-record.contiguous_reserved_tokens // page_size)))
 
 
+def peak_rows(before, record, page_size: int) -> tuple[tuple[str, int], ...]:
+    """memory_rows' largest values so far: those `before` it (empty at the first step) and the record's own
+    (the README's table compares peaks)."""
+    rows = memory_rows(record, page_size)
+    return tuple((label, max(pages, dict(before).get(label, 0))) for label, pages in rows)
+
+
 class MemoryBars(QWidget):
     """Horizontal bars: pages per way of allocating the same sequences."""
 
     def __init__(self):
         super().__init__()
         self.rows: tuple[tuple[str, int], ...] = ()
+        self.peaks: tuple[tuple[str, int], ...] = ()
         self.setMinimumHeight(70)
 
-    def show_state(self, rows: tuple[tuple[str, int], ...]) -> None:
-        self.rows = rows
+    def show_state(self, rows: tuple[tuple[str, int], ...], peaks: tuple[tuple[str, int], ...] = ()) -> None:
+        self.rows, self.peaks = rows, peaks or rows
         self.update()
 
     def paintEvent(self, event) -> None:
@@ -58,16 +67,17 @@ class MemoryBars(QWidget):
         painter.fillRect(self.rect(), QColor(theme.PANEL))
         if not self.rows:
             return
-        top = max(max(pages for _, pages in self.rows), 1)
+        top = max(max(pages for _, pages in self.peaks), 1)
         height = self.height() / len(self.rows)
-        label_w = 210
-        for i, (label, pages) in enumerate(self.rows):
+        label_w = 290
+        for i, ((label, pages), (_, peak)) in enumerate(zip(self.rows, self.peaks, strict=True)):
             y = i * height
             painter.setPen(QColor(theme.TEXT))
-            painter.drawText(QRectF(4, y, label_w, height), Qt.AlignVCenter, f"{label}: {pages}")
-            width = (self.width() - label_w - 8) * pages / top
-            painter.fillRect(QRectF(label_w + 4, y + height * 0.2, width, height * 0.6),
-                             QColor((SHARED_COLOR, theme.SERIES[0], theme.SERIES[3])[i % 3]))
+            painter.drawText(QRectF(4, y, label_w, height), Qt.AlignVCenter, f"{label}: {pages} (peak {peak})")
+            color = QColor((SHARED_COLOR, theme.SERIES[0], theme.SERIES[3])[i % 3])
+            room = self.width() - label_w - 8
+            painter.fillRect(QRectF(label_w + 4, y + height * 0.2, room * peak / top, height * 0.6), color.darker(250))
+            painter.fillRect(QRectF(label_w + 4, y + height * 0.2, room * pages / top, height * 0.6), color)
 
 
 class SequencesView(QWidget):
@@ -109,7 +119,7 @@ class SequencesView(QWidget):
         queue = ", ".join(str(p) for p in record.cached_free[:24])
         more = f" … (+{len(record.cached_free) - 24})" if len(record.cached_free) > 24 else ""
         self.queue.setText(f"cached free queue (reused first →): {queue or 'empty'}{more}")
-        self.memory.show_state(memory_rows(record, page_size))
+        self.memory.show_state(memory_rows(record, page_size), snapshot.peaks)
         slots = record.pages_used * page_size
         internal = slots - record.tokens_stored
         self.memory_note.setText(

@@ -18,15 +18,27 @@ from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QPushButton, QSli
                                QWidget)
 
 from pagevis.engine import Engine, RunControl, SamplingConfig
+from pagevis.engine.session_config import encode_prompt
 from pagevis.engine.batch import BatchConfig
 from pagevis.kvcache import CacheFullError, ConfigError, EventKind
 from pagevis.gui.session.runner import WorkerFailure, run_control, worker_steps
 from pagevis.gui.widgets.setting_inputs import setting_input
-from pagevis.gui.sequences.view import SequencesStep, SequencesView
+from pagevis.gui.sequences.view import SequencesStep, SequencesView, peak_rows
+from pagevis.gui.widgets.windows import add_close_keys
 
 SHORT_NAMES = {EventKind.COPY_ON_WRITE: "cow"}  # the status line is narrow
 
 MAX_RECORDS = 5000  # recorded steps kept for the step slider (each holds a few small arrays)
+NEW_TOKENS = 128  # the window's default new tokens per sequence: a budget most answers stop short of (at EOS)
+
+
+def sequence_config(config, prompt_tokens: int, new_tokens: int):
+    """The window's own cache per sequence: policy none and room for the prompt and `new_tokens`, so that
+    nothing is evicted. Under an evicting policy a full cache copies the shared pages it evicts from (and a
+    per-sequence cap makes the paged sequences as large as contiguous reservations): the comparison would
+    show 48 / 48 / 48 pages instead of what sharing and paging save."""
+    pages = -(-(prompt_tokens + new_tokens) // config.page_size)
+    return replace(config, policy="none", policy_params={}, max_new_tokens=new_tokens, max_pages=pages)
 
 
 class SequencesWindow(QWidget):
@@ -36,15 +48,20 @@ class SequencesWindow(QWidget):
         self.model, self.prompt = model, prompt
         self.config = config if config.sampling.mode == "sample" else replace(
             config, sampling=replace(config.sampling, mode="sample"))
+        self.prompt_tokens = len(encode_prompt(model, prompt, config.chat, config.special))
         self.records: list = []
         self.lengths: list[dict[int, int]] = []  # per record: generated tokens of every sequence
+        self.peaks: list[list[tuple[str, int]]] = []  # per record: the memory rows' peaks up to it
         self.batch: Engine | None = None
         self.worker = None  # the steps running in a worker thread, if any
         self.control: RunControl | None = None  # the worker's (Run's toggle stops it between steps)
         self.view = SequencesView()
         self.n = _spin(1, 16, 4, "parallel samples of the prompt")
         self.seed = _spin(0, 2**31 - 1, config.sampling.seed, "seed of the first sample (the others: +1, +2…)")
-        self.pool_pages = setting_input("pool_pages", value=4 * config.max_pages)
+        self.new_tokens = _spin(1, 2048, NEW_TOKENS, "new tokens per sequence: each sequence's cache holds its "
+                                "prompt and these, and evicts nothing (policy none), so its prompt pages stay shared")
+        per_sequence = sequence_config(self.config, self.prompt_tokens, NEW_TOKENS).max_pages
+        self.pool_pages = setting_input("pool_pages", value=4 * per_sequence)
         self.start_button = QPushButton("Start")
         self.add_button = QPushButton("Add sequence")
         self.step_button = QPushButton("Step")
@@ -59,7 +76,8 @@ class SequencesWindow(QWidget):
         self.status = QLabel("Start runs N samples of the prompt; shared pages are amber with their ref count.")
         self.status.setWordWrap(True)
         top = QHBoxLayout()
-        for label, widget in (("n", self.n), ("seed", self.seed), ("pool pages", self.pool_pages)):
+        for label, widget in (("n", self.n), ("new tokens", self.new_tokens), ("seed", self.seed),
+                              ("pool pages", self.pool_pages)):
             top.addWidget(QLabel(label))
             top.addWidget(widget)
         for button in (self.start_button, self.add_button, self.step_button, self.run_button):
@@ -85,6 +103,7 @@ class SequencesWindow(QWidget):
         self.fork_button.clicked.connect(lambda: self.fork(self.fork_seq.currentData(), self.slider.value(),
                                                            self.fork_seed.value()))
         self.slider.valueChanged.connect(self.show_step)
+        add_close_keys(self)
         self.resize(1200, 800)
 
     # --- actions -----------------------------------------------------------------------------------------
@@ -96,14 +115,17 @@ class SequencesWindow(QWidget):
         if self._busy_says_so():
             return False
         self.run_button.setChecked(False)
+        config = sequence_config(self.config, self.prompt_tokens, self.new_tokens.value())
         try:
-            self.batch = Engine(self.model, self.config, BatchConfig(pool_pages=self.pool_pages.value()))
+            self.batch = Engine(self.model, config, BatchConfig(pool_pages=self.pool_pages.value()))
             sampling = replace(self.config.sampling, seed=self.seed.value())
             self.batch.submit_parallel(self.batch.encode(self.prompt), self.n.value(), sampling)
         except ConfigError as error:
             return self._fail(str(error))
-        self.records, self.lengths = [], []
-        self.status.setText(f"{self.n.value()} samples of a {len(self.batch.requests[0].prompt_ids)}-token prompt")
+        self.records, self.lengths, self.peaks = [], [], []
+        self.status.setText(f"{self.n.value()} samples of a {self.prompt_tokens}-token prompt, up to "
+                            f"{config.max_new_tokens} new tokens each, in {config.max_pages} pages of "
+                            f"{config.page_size} per sequence (policy none: nothing evicted)")
         return True
 
     def add_sequence(self) -> None:
@@ -146,7 +168,8 @@ class SequencesWindow(QWidget):
         for record, lengths in item:
             self.records.append(record)
             self.lengths.append(lengths)
-        del self.records[:-MAX_RECORDS], self.lengths[:-MAX_RECORDS]
+            self.peaks.append(peak_rows(self.peaks[-1] if self.peaks else [], record, self.config.page_size))
+        del self.records[:-MAX_RECORDS], self.lengths[:-MAX_RECORDS], self.peaks[:-MAX_RECORDS]
         self._stepped(item[-1][0])
 
     def _worker_done(self) -> None:
@@ -209,7 +232,8 @@ class SequencesWindow(QWidget):
         for seq_id, n in lengths.items():
             ids = self.batch.requests[seq_id].generated[:n]
             texts.append((seq_id, self.model.tokenizer.decode(ids) if self.model.tokenizer else " ".join(map(str, ids))))
-        self.view.show_state(SequencesStep(self.records[index], self.config.page_size, tuple(texts)))
+        self.view.show_state(SequencesStep(self.records[index], self.config.page_size, tuple(texts),
+                                          tuple(self.peaks[index])))
         current = self.fork_seq.currentData()
         self.fork_seq.clear()
         for seq_id in lengths:

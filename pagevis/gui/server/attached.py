@@ -22,6 +22,7 @@ from PySide6.QtCore import QTimer, Qt
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from pagevis.attach.metrics import fetch, totals
+from pagevis.gui.widgets.windows import add_close_keys
 from pagevis.gui.widgets import theme
 from pagevis.gui.widgets.layout import splitter, stacked
 from pagevis.gui.attach.worker import FleetWorker, ForestWorker, LiveSource, MetricsWorker
@@ -228,6 +229,7 @@ class AttachedServerWindow(QWidget):
         self.timer.timeout.connect(self.refresh)
         self.timer.start()
         self.resize(1600, 1000)
+        add_close_keys(self)
 
     def refresh(self) -> None:
         """Take the workers' newest frames (the UI thread only swaps them in)."""

@@ -57,7 +57,8 @@ def reused_prefix(nodes: tuple[ForestNode, ...]) -> list[ForestNode]:
 
 class ServerForest(PrefixForestView):
     def __init__(self):
-        super().__init__(x_label="tokens into the prompt", y_label="branches")
+        super().__init__(x_label="tokens into the prompt", y_label="")  # rows: the prefix tree's branches
+        self.graphics.setMinimumHeight(90)
         self.nodes: tuple[ForestNode, ...] = ()
         self.set_empty_text("no full page cached yet")
         self.hot = QLabel()

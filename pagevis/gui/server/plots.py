@@ -108,16 +108,18 @@ def _curve(plot, color: str, style=None, width: float = 1.6) -> pg.PlotCurveItem
 
 
 class ServerPlots(pg.GraphicsLayoutWidget):
-    """Five plots over server time; each side a colour (A blue, B amber)."""
+    """Five plots over server time, two a row (one plot a row left each 18 px high at 1280 × 720); each side a
+    colour (A blue, B amber)."""
 
     def __init__(self):
         super().__init__()
         from PySide6.QtCore import Qt
 
         self.plots = {}
-        for row, (name, left) in enumerate((("throughput", "tokens / s"), ("ttft", "seconds"), ("itl", "seconds"),
-                                            ("kv", "% of pool"), ("hits", "% of prompt tokens"))):
-            plot = self.addPlot(row=row, col=0)
+        places = {"throughput": (0, 0, 1), "ttft": (0, 1, 1), "itl": (1, 0, 1), "kv": (1, 1, 1), "hits": (2, 0, 2)}
+        for name, left in (("throughput", "tok/s"), ("ttft", "s"), ("itl", "s"), ("kv", "% pool"), ("hits", "%")):
+            row, col, span = places[name]
+            plot = self.addPlot(row=row, col=col, colspan=span)
             theme.style_plot(plot, left=left, bottom="server time (s)" if name == "hits" else "")
             plot.setMenuEnabled(False)
             plot.hideButtons()
@@ -169,12 +171,11 @@ class ServerPlots(pg.GraphicsLayoutWidget):
 
     def _titles(self) -> None:
         """Fixed titles (a title whose text changes re-lays its plot out); the numbers are in numbers_html()."""
-        for name, title in (("throughput", f"throughput: tokens per server second, over the last "
-                                           f"{THROUGHPUT_WINDOW:g} s"),
-                            ("ttft", "time to first token, each request"),
-                            ("itl", "inter-token latency, mean per step"),
-                            ("kv", "KV pages used (solid), a contiguous reservation (dashed); dotted: the whole pool"),
-                            ("hits", "prefix-cache hit rate so far (prompt tokens found cached)")):
+        for name, title in (("throughput", f"throughput, last {THROUGHPUT_WINDOW:g} s"),
+                            ("ttft", "time to first token"),
+                            ("itl", "inter-token latency"),
+                            ("kv", "KV pages: used ━ reserved ╌"),
+                            ("hits", "prefix-cache hit rate so far (share of prompt tokens found cached)")):
             theme.set_title(self.plots[name], title)
 
     def numbers_html(self) -> str:
@@ -189,11 +190,11 @@ class ServerPlots(pg.GraphicsLayoutWidget):
 
         if not any(len(s) for s in self.series.values()):
             return ""
-        return (" │ ".join((
-            "throughput " + each(lambda s: last(s.throughput()[1], "{:.1f}/s")),
-            "last TTFT " + each(lambda s: last(s.ttft.values, "{:.2f} s")),
-            "ITL " + each(lambda s: last(s["itl"], "{:.2f} s")))) + "<br>" + " │ ".join((
-            "KV " + each(lambda s: f"{s['pages_used'][-1]:.0f}%" if getattr(s, "percent", False)
-                         else f"{s['pages_used'][-1]:.0f} of {s['pool'][-1]:.0f} pages"),
-            "reserved " + each(lambda s: last(s["reserved"], "{:.0f}")),
-            "hit rate " + each(lambda s: last(s.hit_rate(), "{:.0f}%")))))
+        items = ("throughput " + each(lambda s: last(s.throughput()[1], "{:.1f}/s")),
+                 "last TTFT " + each(lambda s: last(s.ttft.values, "{:.2f} s")),
+                 "ITL " + each(lambda s: last(s["itl"], "{:.2f} s")),
+                 "KV " + each(lambda s: f"{s['pages_used'][-1]:.0f}%" if getattr(s, "percent", False)
+                              else f"{s['pages_used'][-1]:.0f} of {s['pool'][-1]:.0f} pages"),
+                 "reserved " + each(lambda s: last(s["reserved"], "{:.0f}")),
+                 "hit rate " + each(lambda s: last(s.hit_rate(), "{:.0f}%")))
+        return "<br>".join(" │ ".join(items[i: i + 2]) for i in range(0, len(items), 2))  # fits a 1280-px window

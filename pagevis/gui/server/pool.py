@@ -47,7 +47,7 @@ def legend_html() -> str:
 class QueuesView(QLabel):
     """The waiting, running and preempted requests after the step, in queue order, in their colours."""
 
-    MAX_SHOWN = 30
+    MAX_SHOWN = 12  # ids a queue's line shows: one line each in a side's panel at 1280 × 720
 
     def __init__(self):
         super().__init__()
@@ -93,7 +93,9 @@ class BatchBars(pg.PlotWidget):
         self.steps = np.zeros(0, np.int64)
         self.prefill_tokens = np.zeros(0, np.int64)
         self.decode_tokens = np.zeros(0, np.int64)
-        self.setMinimumHeight(110)
+        self.setMinimumHeight(115)  # its title and axis take 75 px: the bars keep 40
+        self.plot.setYRange(0, 1, padding=0.02)  # before the first batch, the same two ticks as after
+        self.plot.getAxis("left").setTicks([[(0, "0"), (1, "1")]])
 
     def show_state(self, series) -> None:
         """The newest BARS_SHOWN engine steps of a side's SideSeries (idle steps have no batch: left out); its

@@ -54,7 +54,7 @@ class RequestTimeline(pg.PlotWidget):
         self.plot.addItem(self.done_marks)
         self.rows: tuple = ()
         swatches = " ".join(f"<span style='color:{c}'>■</span> {p}" for p, c in PHASE_COLORS.items())
-        theme.set_title(self.plot, f"each request over time: {swatches} │ done", justify="left")
+        theme.set_title(self.plot, f"{swatches} │ done", justify="left")  # the tab says what it is
         self.setMinimumHeight(120)
 
     def show_state(self, snapshot) -> None:

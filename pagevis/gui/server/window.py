@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from PySide6.QtCore import QThreadPool, QTimer, Qt
 from PySide6.QtWidgets import (QComboBox, QDoubleSpinBox, QGridLayout, QHBoxLayout, QLabel, QPushButton, QSizePolicy,
-                               QSplitter, QVBoxLayout, QWidget)
+                               QSplitter, QTabWidget, QVBoxLayout, QWidget)
 from superqt.utils import create_worker
 
 from pagevis.engine import RunControl
@@ -31,6 +31,7 @@ from pagevis.gui.server.forest import ServerForest
 from pagevis.gui.server.plots import SIDE_COLORS, SideSeries, ServerPlots
 from pagevis.gui.server.pool import BatchBars, QueuesView, legend_html, pool_cells, request_pool_grid
 from pagevis.gui.server.timeline import RequestTimeline
+from pagevis.gui.widgets.windows import add_close_keys, place_beside
 
 FRAME = 1 / 30  # the UI redraws at most this often
 SLOW = 0.5  # seconds between redraws of the plots, forests, timelines and the table while running
@@ -56,11 +57,16 @@ class SidePanel(QWidget):
         column.addWidget(self.pool, 3)
         column.addWidget(self.queues)
         column.addWidget(self.batch, 1)
+        # the forest and the request timeline share a place, as tabs: stacked under the pool, the five parts
+        # of a side left each plot a line high at 1280 × 720
+        self.tabs = QTabWidget()
+        self.tabs.addTab(self.timeline, "requests over time")
+        self.tabs.addTab(self.forest, "prefix forest")
         split = QSplitter(Qt.Vertical)
         split.addWidget(top)
-        split.addWidget(self.forest)
-        split.addWidget(self.timeline)
-        split.setSizes([420, 260, 260])
+        split.addWidget(self.tabs)
+        split.setChildrenCollapsible(False)
+        split.setSizes([480, 360])
         layout = QVBoxLayout(self)
         layout.setContentsMargins(2, 2, 2, 2)
         layout.addWidget(split)
@@ -110,7 +116,7 @@ class ServerWindow(QWidget):
         column.setContentsMargins(0, 0, 0, 0)
         self.numbers = QLabel()
         self.numbers.setTextFormat(Qt.RichText)
-        self.numbers.setFixedHeight(self.numbers.fontMetrics().lineSpacing() * 2 + 4)
+        self.numbers.setFixedHeight(self.numbers.fontMetrics().lineSpacing() * 3 + 4)
         self.numbers.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Fixed)  # long text is clipped, not a minimum
         column.addWidget(self.summary)
         column.addWidget(self.numbers)
@@ -130,6 +136,7 @@ class ServerWindow(QWidget):
         self.redraw_timer.setSingleShot(True)
         self.redraw_timer.timeout.connect(self._frame)
         self.resize(1600, 1000)
+        add_close_keys(self)
         self.start()
         if autorun:  # one click (View ▸ Server, --server-demo) shows the server at work
             QTimer.singleShot(0, lambda: self.run_button.setChecked(True))
@@ -165,14 +172,17 @@ class ServerWindow(QWidget):
         row = [("workload", self.workload), ("arrivals", self.rate), ("requests", self.n_requests),
                ("seed", self.seed), ("max running", self.max_running), ("pool pages", self.pool_pages),
                ("compare", self.compare)]
-        for col, (label, widget) in enumerate(row):
-            self.controls.addWidget(QLabel(label), 0, 2 * col)
-            self.controls.addWidget(widget, 0, 2 * col + 1)
+        per_row = 4  # two rows: one row was 1 470 px wide, more than a 1280-px screen
+        for i, (label, widget) in enumerate(row):
+            self.controls.addWidget(QLabel(label), i // per_row, 2 * (i % per_row))
+            self.controls.addWidget(widget, i // per_row, 2 * (i % per_row) + 1)
+        for box in (self.seed, self.n_requests, self.pool_pages):
+            box.setMaximumWidth(90)  # a spin box sizes itself for its largest value (2^31 for the seed)
         buttons = QHBoxLayout()
         for button in (self.start_button, self.run_button, self.step_button):
             buttons.addWidget(button)
-        self.controls.addLayout(buttons, 0, 2 * len(row))
-        self.controls.setColumnStretch(2 * len(row) + 1, 1)
+        self.controls.addLayout(buttons, 1, 2 * (len(row) % per_row), 1, 2)
+        self.controls.setColumnStretch(2 * per_row, 1)
         self.start_button.clicked.connect(self.start)
         self.run_button.toggled.connect(lambda on: self.play() if on else self.pause())
         self.step_button.clicked.connect(lambda: self.run_steps(1))
@@ -381,13 +391,14 @@ class ServerWindow(QWidget):
                 + (" · every request has been served; Start builds the server again" if done else ""))
 
     def _summary(self) -> None:
-        """The numbers of each side so far, and B against A."""
-        rows = (("server time", "time", "{:.1f} s"), ("requests done", "completed", "{:.0f}"),
-                ("tokens generated", "generated", "{:.0f}"), ("throughput", "throughput", "{:.2f} tok/s"),
-                ("mean TTFT", "ttft_mean", "{:.2f} s"), ("mean ITL", "itl_mean", "{:.3f} s"),
-                ("peak KV pages", "peak_pages", "{:.0f}"), ("peak reserved", "peak_reserved", "{:.0f}"),
-                ("preemptions", "preemptions", "{:.0f}"), ("prefix hit rate", "hit_rate", "{:.0f}%"),
-                ("rejected (too long)", "rejected", "{:.0f}"))
+        """The numbers of each side so far, and A against B where both have some (each row says whether
+        higher or lower is better, and the ratio is green where A is better)."""
+        rows = ((None, "server time", "time", "{:.1f} s"), (1, "requests done", "completed", "{:.0f}"),
+                (1, "tokens generated", "generated", "{:.0f}"), (1, "throughput", "throughput", "{:.2f} tok/s"),
+                (-1, "mean TTFT", "ttft_mean", "{:.2f} s"), (-1, "mean ITL", "itl_mean", "{:.3f} s"),
+                (-1, "peak KV pages", "peak_pages", "{:.0f}"), (-1, "peak reserved", "peak_reserved", "{:.0f}"),
+                (-1, "preemptions", "preemptions", "{:.0f}"), (1, "prefix hit rate", "hit_rate", "{:.0f}%"),
+                (-1, "rejected (too long)", "rejected", "{:.0f}"))
         numbers = {side: s.summary() for side, s in self.series.items()}
         if not any(numbers.values()):
             self.summary.setText(theme.muted("the numbers of each side appear with its first step"))
@@ -395,17 +406,16 @@ class ServerWindow(QWidget):
         head = "".join(f"<th style='color:{SIDE_COLORS[side]}'>{side}</th>" for side in numbers)
         ratio = len(numbers) == 2 and all(numbers.values())
         body = ""
-        for label, key, fmt in rows:
+        for better, label, key, fmt in rows:
             if key == "rejected" and not any(n.get(key) for n in numbers.values()):
                 continue
             cells = "".join(f"<td align=right>&nbsp;{fmt.format(n[key]) if n and n[key] == n[key] else '–'}</td>"
                             for n in numbers.values())
             if ratio:
-                a, b = numbers["A"][key], numbers["B"][key]
-                cells += f"<td align=right>&nbsp;{a / b:.2f}×</td>" if b and a == a and b == b else "<td></td>"
+                cells += ratio_cells(numbers["A"][key], numbers["B"][key], better, numbers)
             body += f"<tr><td>{label}</td>{cells}</tr>"
-        self.summary.setText(f"<table cellspacing=0><tr><th></th>{head}{'<th>A/B</th>' if ratio else ''}</tr>"
-                             f"{body}</table>")
+        head += "<th>&nbsp;A/B</th><th></th>" if ratio else ""
+        self.summary.setText(f"<table cellspacing=0><tr><th></th>{head}</tr>{body}</table>")
 
     # --- closing -----------------------------------------------------------------------------------------
     def shutdown(self, timeout_ms: int = 30000) -> bool:
@@ -423,6 +433,18 @@ class ServerWindow(QWidget):
         super().closeEvent(event)
 
 
+def ratio_cells(a: float, b: float, better: int | None, numbers: dict) -> str:
+    """The A/B cells of one summary row: A's value over B's, green where A is better and amber where it is
+    worse, and which way is better. Blank until both sides have generated tokens and both values are
+    non-zero (a ratio of 0 or over 0 says nothing), and for rows that are not a result (the clock)."""
+    both = all(n["generated"] > 0 for n in numbers.values())
+    if better is None or not both or not (a == a and b == b) or a == 0 or b == 0:
+        return "<td></td><td></td>"
+    color = "#7ee787" if (a - b) * better > 0 else "#ffb020" if a != b else theme.TEXT
+    way = "higher is better" if better > 0 else "lower is better"
+    return f"<td align=right style='color:{color}'>&nbsp;{a / b:.2f}×</td><td>&nbsp;{theme.muted(way)}</td>"
+
+
 def server_demo(app, spec, preset: ServerPreset | None, screenshot: str | None, steps: int, recording=None) -> int:
     """`pagevis --server-demo`: the window alone on the spec's model; with a screenshot, `steps` steps first;
     with a recording (pagevis.gui.record.Request), `steps` steps, one frame each."""
@@ -436,6 +458,7 @@ def server_demo(app, spec, preset: ServerPreset | None, screenshot: str | None, 
     window = ServerWindow(spec.load(), preset or SERVER_PRESETS[0], model_label=spec.label,
                           realtime=not headless, autorun=not headless)
     if not headless:
+        place_beside(window, None)  # alone: near the screen's top left, wholly on it
         window.show()
         return app.exec()
     real_display = app.platformName() not in ("offscreen", "minimal")

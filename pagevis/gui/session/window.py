@@ -37,8 +37,9 @@ from pagevis.gui.session.controls import ControlsPanel
 from pagevis.gui.widgets.messages import MessagesPanel
 from pagevis.viewmodel.narration import narrate
 from pagevis.gui.session.runner import SessionRunner
-from pagevis.viewmodel.timeline import Timeline
+from pagevis.viewmodel.timeline import Timeline, kv_layout
 from pagevis.gui.widgets.transport import TimelineCursor, TransportBar
+from pagevis.gui.widgets.windows import place_beside
 from pagevis.viewmodel.view_state import ViewState
 from pagevis.gui.widgets.attention import AttentionView
 from pagevis.gui.widgets.events import EventsView
@@ -86,7 +87,10 @@ def hybrid_memory_text(info, record) -> str:
     return held.text()
 
 
-COMPACT_WIDTH = 1366  # windows this narrow (projectors) tab the metrics behind the events (see size_docks)
+COMPACT_WIDTH = 1680  # windows this narrow tab the metrics behind the events (see size_docks): at 1440-1600 px
+# three docks in the bottom row clipped the events table and the metrics titles
+SMALL_WIDTH = 1366
+SMALL_HEIGHT = 800  # a first window on a screen this low (or at most 1366 px wide) takes all of it
 
 
 class MainWindow(TimelineCursor, QMainWindow):
@@ -103,6 +107,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.follow = True  # keep showing the newest record as records arrive
         self.frames = 0  # redraws so far (the benchmark reads it)
         self.ab_window = None  # the A/B window, once opened
+        self.tour = None  # Help ▸ Tour, once started
         self._last_frame = 0.0
         self._restart_reason = ""
         self._replay_timer = QTimer(self, interval=100)
@@ -202,11 +207,12 @@ class MainWindow(TimelineCursor, QMainWindow):
         x = (self.width() - controls) / (1600 - 330)
         y = self.height() / 1000
         self.resizeDocks([d["Controls"]], [controls], Qt.Horizontal)
-        self.resizeDocks([d["Page grid"], d["Text"]], [int(540 * y), int(420 * y)], Qt.Vertical)
+        rows = (500, 500) if compact else (540, 420)  # compact: the events' plot and the metrics get the height
+        self.resizeDocks([d["Page grid"], d["Text"]], [int(rows[0] * y), int(rows[1] * y)], Qt.Vertical)
         top = (700, 570) if compact else (600, 660)  # compact: the grid keeps room beside its block table
         self.resizeDocks([d["Page grid"], d["Attention"]], [int(top[0] * x), int(top[1] * x)], Qt.Horizontal)
         bottom = [d["Text"], d["Eviction events"]] + ([] if compact else [d["Metrics"]])
-        self.resizeDocks(bottom, [int(w * x) for w in ((560, 710) if compact else (400, 400, 470))], Qt.Horizontal)
+        self.resizeDocks(bottom, [int(w * x) for w in ((560, 710) if compact else (380, 470, 420))], Qt.Horizontal)
 
     def fit_to_screen(self, share: float = FIRST_SCREEN_SHARE) -> None:
         """Take `share` of the screen's available area (at least the window's minimum, at most the area),
@@ -215,6 +221,12 @@ class MainWindow(TimelineCursor, QMainWindow):
         if screen is None:
             return
         area = screen.availableGeometry()
+        if area.width() <= SMALL_WIDTH or area.height() <= SMALL_HEIGHT:
+            # a projector or small laptop: 85 % of 1280 × 720 squeezed the page grid to a line. Maximized,
+            # the window manager fits the frame (the area itself as the inner geometry would overhang it)
+            self.setGeometry(area)
+            self.setWindowState(self.windowState() | Qt.WindowMaximized)
+            return
         size = QSize(int(area.width() * share), int(area.height() * share))
         size = size.expandedTo(self.minimumSizeHint()).boundedTo(area.size())
         rect = QRect(0, 0, size.width(), size.height())
@@ -280,6 +292,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         view_menu.addAction("Se&rver: requests arriving…", self.open_server)
         view_menu.addAction("&Reset layout", self.reset_layout)
         help_menu = self.menuBar().addMenu("&Help")
+        help_menu.addAction("&Tour", self.start_tour)
         help_menu.addAction("&Keyboard shortcuts", self._show_shortcuts)
 
     def _connect(self) -> None:
@@ -327,15 +340,16 @@ class MainWindow(TimelineCursor, QMainWindow):
         kind = self.controls.model.currentData()
         prompt = preset.prompt_text() if kind != "synthetic" else default_prompt("synthetic")
         if preset.b is not None:
-            self.open_ab(preset.a, preset.b, prompt, title=preset.name)
+            self.open_ab(preset.a, preset.b, prompt, title=preset.name, play=True)
             return
         self.controls.set_configuration(prompt=prompt, config=preset.a)
         self.restart(f"preset {preset.name!r}")
 
     def open_ab(self, config_a=None, config_b=None, prompt: str | None = None, title: str = "",
-                blocking: bool = False):
+                blocking: bool = False, play: bool = False):
         """Open the A/B window: by default A is the controls' configuration and B the same cache with the
-        other of sinks / oldest (the StreamingLLM comparison)."""
+        other of sinks / oldest (the StreamingLLM comparison). With `play` (a preset), both sides decode
+        once the model is ready."""
         from pagevis.gui.ab.window import ABWindow
 
         try:
@@ -349,8 +363,9 @@ class MainWindow(TimelineCursor, QMainWindow):
             self.ab_window.close()
         self.ab_window = ABWindow(self.controls.model_spec(), prompt or self.controls.prompt(), config_a, config_b,
                                   title=title)
+        place_beside(self.ab_window, self)
         self.ab_window.show()
-        self.ab_window.start(blocking=blocking)
+        self.ab_window.start(blocking=blocking, play=play)
         return self.ab_window
 
     def leave_replay(self, reason: str) -> bool:
@@ -390,6 +405,7 @@ class MainWindow(TimelineCursor, QMainWindow):
     def _session_started(self, timeline: Timeline) -> None:
         self.timeline = timeline
         self.index, self.follow = -1, True
+        self._status_at = 0.0  # the new session's first record sets the status bar at once
         info = timeline.info
         self.controls.set_model_shape(info.n_layers, info.n_heads, info.n_kv_heads,
                                       [spec.label for spec in layer_specs(info.sliding_windows, info.n_layers)]
@@ -408,10 +424,10 @@ class MainWindow(TimelineCursor, QMainWindow):
                                       if info.storage else "")
         previous = self.runner.previous
         if self._restart_reason:
-            kept = (f"; the previous run ({len(previous.timeline)} steps) is kept: Ctrl+Z returns to it"
-                    if previous is not None else "")
+            # short enough for the status bar of a 1280-px window beside its permanent fields
+            kept = f" · Ctrl+Z: the previous run ({len(previous.timeline)} steps)" if previous is not None else ""
             self.statusBar().showMessage(f"{self._restart_reason[0].upper()}{self._restart_reason[1:]}: "
-                                         f"restarted the session with a new cache{kept}", 8000)
+                                         f"restarted{kept}", 8000)
         self.transport.previous_action.setEnabled(previous is not None)
         self._restart_reason = ""
         self.request_render()
@@ -586,6 +602,7 @@ class MainWindow(TimelineCursor, QMainWindow):
             self.transport.slider.set_marks(np.zeros(0))
             self.narration.setText("Press Space to play, → to decode one token" if timeline is not None else "")
             self.status_step.setText("step —")
+            self.status_speed.setText("— tok/s")  # not the previous run's speed
             return
         label = f"step {state.index} / {count - 1} · {record.kind}"
         self.transport.set_range(count, state.index, label)
@@ -618,6 +635,7 @@ class MainWindow(TimelineCursor, QMainWindow):
             self.statusBar().showMessage(f"Sequences view: {error}", 8000)
             return None
         self.sequences_window = SequencesWindow(self.runner.model, config, self.controls.prompt(), self)
+        place_beside(self.sequences_window, self, steps=2)
         self.sequences_window.show()
         return self.sequences_window
 
@@ -632,8 +650,17 @@ class MainWindow(TimelineCursor, QMainWindow):
         label = self.runner.spec.label if self.runner.spec is not None else ""
         self.server_window = ServerWindow(self.runner.model, preset or SERVER_PRESETS[0], self, model_label=label,
                                           autorun=True)
+        place_beside(self.server_window, self, steps=3)
         self.server_window.show()
         return self.server_window
+
+    def start_tour(self):
+        """Help ▸ Tour: the StreamingLLM A/B, then Sequences, then the Server window (gui/session/tour.py)."""
+        from pagevis.gui.session.tour import Tour
+
+        self.tour = Tour(self)
+        self.tour.start()
+        return self.tour
 
     def open_gguf(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Open a Llama-family GGUF model", "", "GGUF models (*.gguf)")
@@ -671,7 +698,8 @@ class MainWindow(TimelineCursor, QMainWindow):
                       token_texts={int(t): timeline.token_text(int(t)) for t in sorted(ids)},
                       model_spec=runner.timeline_spec if runner.timeline is timeline else None,
                       stop_reason=session.stop_reason if session is not None else None,
-                      text=session.text() if session is not None else "", meta={"command": "pagevis (app)"})
+                      text=session.text() if session is not None else "", meta={"command": "pagevis (app)"},
+                      kv_layout=kv_layout(timeline.info))
         try:
             size = write_trace(path, trace)
         except (OSError, ValueError) as error:

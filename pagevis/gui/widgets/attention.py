@@ -26,7 +26,8 @@ class AttentionView(QWidget):
         self.origin = (0, 0)  # (first step, first position) of the matrix
         self.graphics = pg.GraphicsLayoutWidget()
         self.plot = self.graphics.addPlot()
-        theme.style_plot(self.plot, left="step (a row: its last query)", bottom="token position")
+        theme.style_plot(self.plot, left="step", bottom="token position")
+        self.plot.getAxis("left").setToolTip("a row per step: the attention of that step's last query")
         self.plot.invertY(True)
         self.plot.setMenuEnabled(False)
         self.plot.showGrid(x=False, y=False)

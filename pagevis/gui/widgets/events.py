@@ -171,7 +171,7 @@ class EventsView(QWidget):
 
         self.graphics = pg.GraphicsLayoutWidget()
         self.plot = self.graphics.addPlot()
-        theme.style_plot(self.plot, left="position", bottom="step")
+        theme.style_plot(self.plot)  # the title names the axes: its plot keeps the height a label would take
         self.plot.setMenuEnabled(False)
         # one short vertical dash per eviction, drawn as a single path (connect="pairs"): a ScatterPlotItem
         # costs microseconds per point in Python, which made a scrub at 10 000 steps twice as slow as at 1 000
@@ -194,6 +194,10 @@ class EventsView(QWidget):
         splitter = QSplitter(Qt.Vertical)
         splitter.addWidget(table_box)
         splitter.addWidget(self.graphics)
+        self.graphics.setMinimumHeight(112)  # the splitter cannot squeeze the plot to a line (title and axes: 65 px)
+        splitter.setChildrenCollapsible(False)
+        splitter.setStretchFactor(0, 3)
+        splitter.setStretchFactor(1, 2)
         splitter.setSizes([220, 160])
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
@@ -239,4 +243,4 @@ class EventsView(QWidget):
         if state.record is not None:
             self.cursor.setValue(state.record.step)
         where = f"layer {layer}" if layer is not None else "all layers"
-        theme.set_title(self.plot, theme.muted(f"evicted positions · {where}"), size="9pt")
+        theme.set_title(self.plot, theme.muted(f"evicted positions (y) by step (x) · {where}"), size="9pt")

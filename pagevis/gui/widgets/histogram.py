@@ -74,7 +74,7 @@ class HistogramView(QWidget):
         self.tokens = self.graphics.addPlot(row=0, col=0)
         self.mass = self.graphics.addPlot(row=1, col=0)
         ticks = [[(float(x), "1" if x == 0 else f"1e{int(x)}") for x in range(LOW_DECADE, 1)] + [(EVICTED_X, "evicted")]]
-        for plot, left in ((self.tokens, "tokens"), (self.mass, "attention")):
+        for plot, left in ((self.tokens, "tokens"), (self.mass, "share")):
             theme.style_plot(plot, left=left)
             plot.setMenuEnabled(False)
             plot.setMouseEnabled(False, False)
@@ -123,13 +123,14 @@ class HistogramView(QWidget):
         self.tokens.setYRange(0, max(1, int(data.counts.max())), padding=0.05)
         uniform = np.log(data.tokens) if data.tokens else 0.0
         dropped = f" (+{data.zeros} at weight 0)" if data.zeros else ""  # dropped by this head, or below float16
-        theme.set_title(self.tokens, theme.muted(
-            f"layer {state.layer} · {state.head_label} · {data.tokens} tokens{dropped} · entropy "
-            f"{data.entropy:.2f} of {uniform:.2f} nats · max {data.max_weight:.3f}"), size="9pt")
-        lost = ("turn the oracle on to see the attention evicted tokens would get" if data.lost is None else
-                f"<span style='color:{theme.SERIES[3]}'>■</span> evicted tokens would get {100 * data.lost:.1f}% "
-                f"of the full cache's attention")
-        theme.set_title(self.mass, theme.muted(f"attention per bin · {lost}"), size="9pt")
+        theme.set_title(self.tokens, theme.muted(theme.fit_parts(self.tokens, (
+            f"layer {state.layer}", state.head_label, f"{data.tokens} tokens{dropped}",
+            f"entropy {data.entropy:.2f} of {uniform:.2f} nats", f"max {data.max_weight:.3f}"))), size="9pt")
+        lost = ("evicted tokens' share: turn the oracle on" if data.lost is None else
+                f"■ evicted tokens would get {100 * data.lost:.1f}% of the full cache's attention")
+        title = theme.fit_parts(self.mass, ("attention per bin", lost))
+        red = f"<span style='color:{theme.SERIES[3]}'>■</span>"
+        theme.set_title(self.mass, theme.muted(title.replace("■", red)), size="9pt")
 
     def _clear(self, hint: str) -> None:
         zeros = np.zeros(len(EDGES) - 1)

@@ -36,6 +36,7 @@ def rolling_mean(values: np.ndarray, window: int = 8) -> np.ndarray:
 
 
 MAX_DRAWN = 2000  # points (or bars) a plot draws: more than its pixels, and a long session stays cheap
+HEADROOM = 1.1  # the occupancy plot's y range over the capacity
 
 
 def strided(x: np.ndarray, y: np.ndarray, limit: int = MAX_DRAWN) -> tuple[np.ndarray, np.ndarray]:
@@ -100,11 +101,11 @@ class MetricsView(QWidget):
                                     brush=pg.mkBrush(theme.STATE_COLORS[5]), name="evicted")
         theme.cache_item(self.bars)
         self.evictions.addItem(self.bars)
-        self.capacity = pg.InfiniteLine(angle=0, pen=pg.mkPen(theme.MUTED, style=Qt.DotLine),
-                                        label="capacity", labelOpts={"color": theme.MUTED, "position": 0.02,
-                                                                     "anchors": [(0, 0), (0, 0)]})
-        # the label hangs below the line at its left end: the resident curve runs along the line once full
+        # named in the plot's title, not by a label on the line: the resident curve runs along it once full
+        self.capacity = pg.InfiniteLine(angle=0, pen=pg.mkPen(theme.MUTED, style=Qt.DotLine))
         self.occupancy.addItem(self.capacity)
+        self.occupancy.setToolTip("resident tokens and slots in used pages of the selected layer; the dotted line "
+                                  "(cap) is the cache's capacity in tokens")
         self.cursors = []
         for plot in (self.occupancy, self.evictions, self.latency, self.oracle):
             line = pg.InfiniteLine(angle=90, pen=pg.mkPen(theme.ACCENT, style=Qt.DashLine))
@@ -133,7 +134,8 @@ class MetricsView(QWidget):
                             justify="left")
 
         s = theme.SERIES
-        title(self.occupancy, f"layer {layer}", key(s[0], "resident"), key(s[1], "allocated"))
+        title(self.occupancy, key(s[0], "resident"), key(s[1], "allocated"),  # of the layer the next plot names
+              f"<span style='color:{theme.MUTED}'>┈ cap</span>")
         title(self.evictions, f"evicted / step · layer {layer}")
         title(self.latency, "ms / token", key(s[0], "each"), key(s[1], "mean of 8"))
         title(self.oracle, "oracle", key(s[1], "KL"), key(s[3], "lost attn"), key(s[2], "top-1"))
@@ -198,7 +200,7 @@ class MetricsView(QWidget):
             finite = values[np.isfinite(values)]
             return float(finite.max()) if finite.size else 1.0
 
-        theme.grow_range(self.occupancy, n, capacity * 1.1, x_step=32, y_step=capacity * 1.1)
+        theme.grow_range(self.occupancy, n, capacity * HEADROOM, x_step=32, y_step=capacity * HEADROOM)
         # headroom above the tallest bar, so that one eviction every step reads as bars, not a wall
         theme.grow_range(self.evictions, None, max(top(data["evictions"]), 1.0) * 1.25)
         theme.grow_range(self.latency, None, top(latency))
@@ -220,7 +222,7 @@ class MetricsView(QWidget):
         if config is not None and self.capacity.value() != capacity:
             self.capacity.setValue(capacity)
         self.capacity.setVisible(config is not None)
-        theme.grow_range(self.occupancy, 32, capacity * 1.1, x_step=32, y_step=capacity * 1.1)
+        theme.grow_range(self.occupancy, 32, capacity * HEADROOM, x_step=32, y_step=capacity * HEADROOM)
         for plot in (self.evictions, self.latency, self.oracle):
             theme.grow_range(plot, None, 1.0)
         self.hint.setPos(16, capacity * 0.5)

@@ -23,6 +23,7 @@ _PALETTE = np.array([theme.rgb(c) for c in theme.STATE_COLORS])
 _BACKGROUND = theme.rgb(theme.BACKGROUND)
 _CELL_PX = 12  # pixels per cell side in the rendered image (1 of them is the cell border)
 _MAX_BORDERED_CELLS = 8192
+MIN_TABLE_WIDTH, MAX_TABLE_WIDTH = 200, 280  # the block table's width, pixels
 FULL_PRECISION_COLOR = "#f2d45c"  # the bar marking a slot still in float32 (int4 / int2's residual window)
 _FULL_PRECISION = theme.rgb(FULL_PRECISION_COLOR)
 MERGE_COLOR = "#5ce0f2"  # a line from an evicted cell to the survivor its value was merged into (policy merge)
@@ -145,6 +146,19 @@ def layer_label(info, layer: int) -> str:
     return layer_specs(info.sliding_windows, info.n_layers)[layer].label
 
 
+def cell_ticks(n: int) -> list[list[tuple[float, str]]]:
+    """Tick levels for n cells, labelled at their centres: every 8th cell, then the 4th, 2nd and each between
+    (disjoint levels). pyqtgraph draws a finer level's labels only while they fit, so a narrow grid shows
+    0, 8, 16 … instead of numbers running together."""
+    levels, taken = [], set()
+    for stride in (8, 4, 2, 1):
+        level = [(i + 0.5, str(i)) for i in range(0, n, stride) if i not in taken]
+        taken.update(range(0, n, stride))
+        if level:
+            levels.append(level)
+    return levels
+
+
 class CellLabels(pg.GraphicsObject):
     """Token positions written inside the cells, in screen pixels so they stay legible at any zoom. They
     are drawn into a transparent overlay at screen resolution that is kept between paints: a step redraws
@@ -236,18 +250,20 @@ class CellLabels(pg.GraphicsObject):
 
 class BlockTable(QTableWidget):
     """Logical page → physical page of one layer, with the token positions each page holds. A C++ item
-    model: repainting it calls no Python, and only cells whose text changed are touched."""
+    model: repainting it calls no Python, and only cells whose text changed are touched. The logical page
+    is the row's header (a narrow column of its own), which leaves the positions the width they need."""
 
-    HEADERS = ("logical", "physical", "tokens", "positions")
+    HEADERS = ("physical", "tokens", "positions")
 
     def __init__(self):
         super().__init__(0, len(self.HEADERS))
-        self.rows: list[tuple[int, int, int, str]] = []
+        self.rows: list[tuple[int, int, int, str]] = []  # (logical, physical, tokens, positions) per row
         self._longest = 0  # characters of the longest positions text the column was fitted to
         self.setHorizontalHeaderLabels(self.HEADERS)
         self.setEditTriggers(QTableWidget.NoEditTriggers)
-        self.verticalHeader().hide()
         self.verticalHeader().setDefaultSectionSize(20)
+        self.verticalHeader().setDefaultAlignment(Qt.AlignRight | Qt.AlignVCenter)
+        self.resizeColumnsToContents()  # the headers' width before any row (a loading session's empty table)
         # widths fitted when the row count changes, not on every cell change (ResizeToContents measured every
         # cell of the table whenever one text changed, i.e. every step)
         self.horizontalHeader().setSectionResizeMode(QHeaderView.Interactive)
@@ -265,19 +281,26 @@ class BlockTable(QTableWidget):
             resize, self._longest = True, longest
         for r, row in enumerate(rows):
             old = self.rows[r] if r < len(self.rows) else None
-            for c, value in enumerate(row):
-                if old is not None and old[c] == value:
+            if old is None or old[0] != row[0]:
+                self.setVerticalHeaderItem(r, QTableWidgetItem(str(row[0])))
+            for c, value in enumerate(row[1:]):
+                if old is not None and old[c + 1] == value:
                     continue
                 item = self.item(r, c)
                 if item is None:
                     item = QTableWidgetItem()
-                    if c < 3:
+                    if c < 2:
                         item.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
                     self.setItem(r, c, item)
                 item.setText(str(value))
         self.rows = rows
         if resize:
             self.resizeColumnsToContents()
+            # as wide as its columns (within the page grid's bounds): beside a stretching grid, the table got
+            # its size hint and cut the longest positions
+            need = (self.verticalHeader().sizeHint().width() + self.verticalScrollBar().sizeHint().width()
+                    + sum(self.columnWidth(c) for c in range(self.columnCount())) + 2 * self.frameWidth())
+            self.setMinimumWidth(min(max(need, MIN_TABLE_WIDTH), MAX_TABLE_WIDTH))
 
 
 class PageGridView(QWidget):
@@ -293,7 +316,7 @@ class PageGridView(QWidget):
 
         self.graphics = pg.GraphicsLayoutWidget()
         self.plot = self.graphics.addPlot()
-        theme.style_plot(self.plot, left="physical page", bottom="slot")
+        theme.style_plot(self.plot, left="page", bottom="slot")  # physical: the block table maps logical pages to these
         self.plot.invertY(True)
         self.plot.setMenuEnabled(False)
         self.plot.hideButtons()
@@ -322,8 +345,9 @@ class PageGridView(QWidget):
         self.legend = QLabel(legend_html(hybrid=False))
         self.legend.setWordWrap(True)  # its lines may wrap rather than hold the dock wider than its share
         self.precision_legend = QLabel(
-            f"<span style='color:{FULL_PRECISION_COLOR}'>&#9601;</span>&nbsp;still in float32 (the residual "
-            f"window: int4 / int2 quantize a group of 32 once it is older than the window)")
+            f"<span style='color:{FULL_PRECISION_COLOR}'>&#9601;</span>&nbsp;still float32 (residual window)")
+        self.precision_legend.setToolTip("int4 / int2 quantize a group of 32 tokens once it is older than the "
+                                         "residual window; until then its slots stay in float32")
         self.precision_legend.setWordWrap(True)
         self.precision_legend.hide()
 
@@ -334,8 +358,8 @@ class PageGridView(QWidget):
         self.disk_legend.hide()
         self.blocks = BlockTable()
         self.block_view = self.blocks
-        self.block_view.setMinimumWidth(200)
-        self.block_view.setMaximumWidth(280)
+        self.block_view.setMinimumWidth(MIN_TABLE_WIDTH)
+        self.block_view.setMaximumWidth(MAX_TABLE_WIDTH)
         self.graphics.setMinimumWidth(250)  # the grid's title fits (a projector's 1280 × 720)
         self.block_title = block_title = QLabel("Block table (logical → physical)")
         block_title.setStyleSheet(f"color: {theme.MUTED}")
@@ -384,19 +408,18 @@ class PageGridView(QWidget):
         used = len(record.block_tables[layer])
         resident = int((slots >= 0).sum())
         capacity = self.layer_capacity(state.timeline.info, layer)
-        own = f" · holds at most {capacity}" if capacity < pages * page_size else ""
-        title = f"layer {layer} · {used}/{pages} pages · {resident} tokens{own}"
+        own = f"holds at most {capacity}" if capacity < pages * page_size else ""
+        parts = [f"layer {layer}", own, f"{used}/{pages} pages", f"{resident} tokens"]  # most telling first
         if record.tiers is not None:
-            in_ram = len(frames_of_pages(record, layer))
-            title = f"layer {layer} · RAM frames keep {in_ram} of {used} pages"
+            parts = [f"layer {layer}", f"RAM frames keep {len(frames_of_pages(record, layer))} of {used} pages"]
         if self.full_precision is not None:
-            title += f" · {int(self.full_precision.sum())} float32"
+            parts.append(f"{int(self.full_precision.sum())} float32")
         info = state.timeline.info
         hybrid = info.sliding_windows is not None
         if hybrid:
-            title = title.replace(f"layer {layer} ·", f"layer {layer} ({layer_label(info, layer)}) ·", 1)
+            parts[0] = f"layer {layer} ({layer_label(info, layer)})"
         self.legend.setText(legend_html(hybrid))
-        theme.set_title(self.plot, theme.muted(title), size="9pt")
+        theme.set_title(self.plot, theme.muted(theme.fit_parts(self.plot, parts)), size="9pt")
         table = f" · layer {layer}: {capacity} tokens" if own else ""
         self.block_title.setText(f"Block table (logical → physical){table}")
         self.blocks.set_rows(self.block_rows(record, layer))
@@ -523,9 +546,8 @@ class PageGridView(QWidget):
             return
         self._shape = (pages, page_size)
         self.plot.setRange(xRange=(0, page_size), yRange=(0, pages), padding=0.02)
-        self.plot.getAxis("left").setTicks([[(p + 0.5, str(p)) for p in range(pages)]] if pages <= 40 else None)
-        self.plot.getAxis("bottom").setTicks(
-            [[(s + 0.5, str(s)) for s in range(page_size)]] if page_size <= 32 else None)
+        self.plot.getAxis("left").setTicks(cell_ticks(pages) if pages <= 64 else None)
+        self.plot.getAxis("bottom").setTicks(cell_ticks(page_size) if page_size <= 64 else None)
 
     def cell_info(self, page: int, slot: int) -> str:
         """The hover text of one cell."""

@@ -4,7 +4,7 @@ there, and `read_input` / `write_input` move values between a widget and its set
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QEvent, Qt
 from PySide6.QtWidgets import QCheckBox, QComboBox, QDoubleSpinBox, QSpinBox, QWidget
 
 from pagevis import settings
@@ -22,6 +22,13 @@ class _WheelOnlyWhenFocused:
             super().wheelEvent(event)
         else:
             event.ignore()  # the scroll area under the box gets it
+
+    def event(self, event) -> bool:
+        # a focused spin box claims Space (its line edit takes it as text, and refuses it): left unclaimed,
+        # Space stays the window's play / pause, whichever box was clicked last
+        if event.type() == QEvent.ShortcutOverride and event.key() == Qt.Key_Space and not event.modifiers():
+            return False
+        return super().event(event)
 
 
 class ComboBox(_WheelOnlyWhenFocused, QComboBox):

@@ -75,6 +75,8 @@ def style_plot(plot: pg.PlotItem, left: str = "", bottom: str = "") -> None:
         if label:
             plot.setLabel(name, label, color=MUTED)
     plot.showGrid(x=False, y=False)  # grid lines make each axis repaint whenever anything in the plot does
+    plot.getAxis("left").setTickDensity(0.5)  # pyqtgraph's spacing ignores the labels' height: on a plot
+    # 40 px high its labels ran into each other
     cache_axes(plot)
 
 
@@ -114,6 +116,27 @@ def set_title(plot: pg.PlotItem, html: str, size: str = "8pt", justify: str = "c
         label.updateMin = types.MethodType(_update_min_shrinkable, label)
         label.setFlag(label.GraphicsItemFlag.ItemClipsChildrenToShape, True)
     plot.setTitle(html, size=size, justify=justify)
+
+
+def fit_parts(plot: pg.PlotItem, parts, size: str = "9pt", separator: str = " · ") -> str:
+    """The leading `parts` (plain text, most important first) that fit the plot's width in one title line at
+    `size`; the whole line goes to the plot's tooltip, so what a narrow plot drops stays readable on hover."""
+    from PySide6.QtGui import QFont, QFontMetricsF
+
+    parts = [p for p in parts if p]
+    font = QFont()
+    font.setPointSizeF(float(size.removesuffix("pt")))
+    metrics = QFontMetricsF(font)
+    label = plot.titleLabel.boundingRect().width()  # the space the plot's layout gives its title
+    room = (label if label > 0 else plot.width()) - 8  # the text's margins
+    shown = parts[:1]
+    for part in parts[1:]:
+        if metrics.horizontalAdvance(separator.join([*shown, part])) > room:
+            break
+        shown.append(part)
+    whole = separator.join(parts)
+    plot.setToolTip(whole if len(shown) < len(parts) else "")
+    return separator.join(shown)
 
 
 def _update_min_shrinkable(label) -> None:

@@ -53,7 +53,7 @@ class MarkedSlider(QSlider):
 
     def set_marks(self, steps: np.ndarray) -> None:
         """The steps to mark; call it after changing the range too (the ticks move with it)."""
-        if len(steps) != len(self.marks):
+        if len(steps) != len(self.marks) or not np.array_equal(steps, self.marks):
             self.marks = np.asarray(steps, dtype=np.int64)
         self._place_ticks()
 

@@ -1,0 +1,148 @@
+"""Every window at a projector's 1280 × 720, after real steps on the synthetic model: no clipped or cramped text
+(tests/clipping.py measures labels, buttons, tables, the status bar, plot titles, axis labels and ticks, plot
+sizes and text over curves). The main window at page sizes 8, 16 and 32 and with int4 storage, each view raised;
+the A/B, Sequences and Server windows (every server preset) and the attach window on a recording; the main window
+at other common screen sizes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+pytest.importorskip("pytestqt")
+from clipping import clipped_texts  # noqa: E402
+from gui_helpers import make_window, step  # noqa: E402
+
+slow = pytest.mark.slow
+
+from pagevis.engine import ModelSpec  # noqa: E402
+from pagevis.presets import DEFAULT_CONFIG, default_prompt, find_preset  # noqa: E402
+
+SPEC = ModelSpec(kind="synthetic")
+PROJECTOR = (1280, 720)
+
+
+def projector_window(qtbot, tmp_path, config=DEFAULT_CONFIG):
+    window = make_window(qtbot, tmp_path, spec=SPEC, prompt=default_prompt("synthetic"), config=config)
+    window.resize(*PROJECTOR)
+    window.size_docks()
+    return window
+
+
+def look(qtbot, window) -> list[str]:
+    qtbot.wait(30)
+    return clipped_texts(window)
+
+
+@pytest.mark.parametrize("config", [
+    DEFAULT_CONFIG, pytest.param(replace(DEFAULT_CONFIG, page_size=16, max_pages=8), marks=slow),
+    pytest.param(replace(DEFAULT_CONFIG, page_size=32, max_pages=4), marks=slow),
+    pytest.param(replace(DEFAULT_CONFIG, dtype="int4", residual=32, max_pages=16), marks=slow)],
+    ids=["page8", "page16", "page32", "int4"])
+def test_the_main_window_at_1280_x_720_clips_nothing_in_any_view(qtbot, tmp_path, config):
+    window = projector_window(qtbot, tmp_path, config)
+    window.runner.step_blocking(40)  # past the first evictions: every view has content, positions past 100
+    window.scrub(39)
+    assert window.size().toTuple() == PROJECTOR
+    assert look(qtbot, window) == []
+    for tabs in (("Metrics", "Heads"), ("Weights",)):  # the views behind tabs, raised and drawn
+        for dock in tabs:
+            window.docks[dock].raise_()
+        window.redraw()
+        assert look(qtbot, window) == [], tabs
+
+
+@pytest.mark.parametrize("size", [(1600, 1000), pytest.param((1366, 768), marks=slow),
+                                  pytest.param((1440, 900), marks=slow), pytest.param((1920, 1080), marks=slow)])
+def test_the_main_window_at_common_screen_sizes_clips_nothing(qtbot, tmp_path, size):
+    window = projector_window(qtbot, tmp_path)
+    window.resize(*size)  # (1440 and 1600 px had three docks in the bottom row too narrow for their text)
+    window.size_docks()
+    window.runner.step_blocking(40)
+    window.scrub(39)
+    assert window.size().toTuple() == size
+    assert look(qtbot, window) == []
+    for dock in ("Metrics", "Heads", "Weights"):
+        window.docks[dock].raise_()
+    window.redraw()
+    assert look(qtbot, window) == []
+
+
+def test_the_restart_message_fits_the_status_bar(qtbot, tmp_path):
+    window = projector_window(qtbot, tmp_path)
+    step(qtbot, window, 2)
+    old = window.timeline
+    window.controls.page_size.setValue(16)
+    qtbot.waitUntil(lambda: window.timeline is not old and window.runner.state == "ready", timeout=5000)
+    assert "restarted" in window.statusBar().currentMessage()
+    assert look(qtbot, window) == []
+
+
+@slow
+def test_the_ab_window_at_1280_x_720_clips_nothing(qtbot, tmp_path):
+    window = projector_window(qtbot, tmp_path)
+    preset = find_preset("streaming")
+    ab = window.open_ab(preset.a, preset.b, window.controls.prompt(), title=preset.name, blocking=True)
+    qtbot.addWidget(ab)
+    assert look(qtbot, ab) == []  # before the first step
+    ab.resize(*PROJECTOR)
+    ab.runner.step_blocking(20)
+    ab.redraw()
+    assert look(qtbot, ab) == []
+
+
+def test_the_sequences_window_at_1280_x_720_clips_nothing(qtbot, tmp_path):
+    window = projector_window(qtbot, tmp_path)
+    seqs = window.open_sequences()
+    qtbot.addWidget(seqs)
+    seqs.resize(*PROJECTOR)
+    seqs.start()
+    for _ in range(12):
+        seqs.step()
+        qtbot.waitUntil(lambda: not seqs.busy, timeout=10000)
+    assert look(qtbot, seqs) == []
+
+
+@pytest.mark.parametrize("index", range(4))  # every server preset
+def test_the_server_window_at_1280_x_720_clips_nothing(qtbot, index):
+    from pagevis.gui.server.window import ServerWindow
+    from pagevis.presets import SERVER_PRESETS
+
+    server = ServerWindow(SPEC.load(), SERVER_PRESETS[index], realtime=False)
+    qtbot.addWidget(server)
+    server.resize(*PROJECTOR)
+    server.show()
+    assert look(qtbot, server) == []  # before the first step
+    server.step_blocking(30, every_step=False)
+    server.redraw()
+    assert server.size().toTuple() == PROJECTOR  # its minimum fits the screen
+    assert look(qtbot, server) == []
+    for panel in server.panels.values():  # the tab behind the request timeline
+        panel.tabs.setCurrentIndex(1)
+    assert look(qtbot, server) == []
+
+
+
+def test_the_attach_window_at_1280_x_720_clips_nothing(qtbot):
+    import pathlib
+
+    from pagevis.attach.playback import Playback
+    from pagevis.attach.recording import read_recording
+    from pagevis.gui.attach.window import open_window, wait_for_position
+
+    recording = pathlib.Path(__file__).parent / "data" / "kv_events" / "vllm-0.34.0.kvev"
+    window = open_window(playback=Playback(read_recording(recording)))
+    qtbot.addWidget(window)
+    window.resize(*PROJECTOR)
+    window.show()
+    window.start()
+    try:
+        window.scrub(7)
+        assert wait_for_position(window, 7, 20)
+        assert window.size().toTuple() == PROJECTOR
+        assert look(qtbot, window) == []
+        window.engines_table.parentWidget().parentWidget().setCurrentIndex(1)  # the engines' tab
+        assert look(qtbot, window) == []
+    finally:
+        window.close()
