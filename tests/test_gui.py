@@ -393,8 +393,10 @@ def test_smollm2_loads_without_freezing_and_decodes(qtbot, tmp_path):
     gaps.sort()
     # The UI kept ticking while the model loaded on the worker (a load on the UI thread would let no tick
     # through until it ended). How late the ticks are is a speed figure, measured by `python -m
-    # pagevis.bench.gui.app` (target p90 < 100 ms), not asserted here: this machine is shared and noisy.
-    assert len(gaps) > 20
+    # pagevis.bench.gui.app` (target p90 < 100 ms), not asserted here: this machine is shared and noisy. A warm
+    # load (the dequantized weights memory-mapped from the cache) takes a few hundred ms, so a few ticks: a load
+    # on the UI thread would let at most one through.
+    assert len(gaps) >= 5
     step(qtbot, window, 3)
     assert window.timeline.info.n_layers == 30
     assert window.page_grid.states.shape == (8, 8)
