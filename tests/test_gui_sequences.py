@@ -54,9 +54,9 @@ def test_at_its_defaults_sharing_saves_pages_and_contiguous_reserves_more(qtbot,
     assert len(record.n_cached) == 4 and not any(e.kind is EventKind.EVICT for r in seqs.records for e in r.events)
     pages = {s: -(-n // size) for s, n in record.n_cached.items()}  # each sequence's pages, from its tokens
     full = prompt // size  # the prompt's full pages, stored once
-    expected = [("paged, shared", full + sum(p - full for p in pages.values())),
+    expected = (("paged, shared", full + sum(p - full for p in pages.values())),
                 ("paged, no sharing", sum(pages.values())),
-                ("contiguous reservation", -(-4 * (prompt + 128) // size))]
+                ("contiguous reservation", -(-4 * (prompt + 128) // size)))
     assert seqs.view.memory.rows == expected
     shared, unshared, contiguous = (pages for _, pages in expected)
     assert shared < unshared < contiguous and unshared - shared == 3 * full

@@ -96,7 +96,16 @@ def test_plan_picks_the_kernel_of_the_next_calibrated_row_count_and_gemm_past_th
     assert MatmulPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
 
 
+class QuietWatch(matmul_module.CpuWatch):
+    """A CPU watch that saw no other process: the test machine may be busy, and a plan measured under load is
+    measured again once the machine is quiet (tested below), which these tests must not depend on."""
+
+    def __exit__(self, *exc):
+        self.share = 0.0
+
+
 def test_plan_for_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(matmul_module, "CpuWatch", QuietWatch)
     rng = np.random.default_rng(4)
     matrices = [output_major(rng, 32, 192) for _ in range(3)] + [output_major(rng, 64, 32)]
     path = tmp_path / "plans.json"
@@ -109,10 +118,12 @@ def test_plan_for_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     def no_measuring(*args, **kwargs):
         raise AssertionError("the cached plan should have been used")
 
+    real_calibrate = matmul_module.calibrate
+
     monkeypatch.setattr("pagevis.model.matmul.calibrate", no_measuring)
     assert plan_for(matrices, path) == plan
     path.write_text("not json")  # a broken cache only costs a measurement
-    monkeypatch.undo()
+    monkeypatch.setattr("pagevis.model.matmul.calibrate", real_calibrate)
     assert set(plan_for(matrices, path).table) == set(plan.table)
 
 
@@ -262,10 +273,6 @@ def test_a_plan_measured_under_load_is_measured_again_once_the_machine_is_quiet(
     busy = plan_for(matrices, path)  # still busy: the plan is kept, not measured under load again
     assert calls == [] and busy.under_load() == [(32, 192)] and "under load" in busy.describe()[0]
     monkeypatch.setattr(matmul_module, "others_busy_now", lambda: 0.0)
-
-    class QuietWatch(matmul_module.CpuWatch):  # the test machine may be busy; the plan must not depend on it
-        def __exit__(self, *exc):
-            self.share = 0.0
 
     monkeypatch.setattr(matmul_module, "CpuWatch", QuietWatch)
     quiet = plan_for(matrices, path)

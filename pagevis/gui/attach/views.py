@@ -211,7 +211,7 @@ class EnginePlots(QWidget):
         theme.set_title(self.resident_plot, "resident blocks (all media) after each batch")
         theme.set_title(self.media_plot, "resident blocks per medium, now")
         theme.set_title(self.lifetime_plot, "block lifetimes (the most recent removals)")
-        theme.set_title(self.hot_plot, "hot prefixes: restores by the gap after removal")
+        theme.set_title(self.hot_plot, "hot prefixes: restores by gap")
 
     def show_state(self, engine) -> None:
         """The curves, bars and histogram of one engine's state (a FleetFrame's `engine`)."""
