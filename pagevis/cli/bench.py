@@ -96,17 +96,39 @@ def parse_ints(text: str, flag: str, low: int, high: int) -> list[int]:
     return values
 
 
+class _Sections:
+    """The bench's measurements one after another: each said on stderr as it starts, and the load average when
+    it ended kept for its table's heading."""
+
+    def __init__(self, say):
+        self.say, self.loads = say, {}
+
+    def run(self, name: str, message: str, measure):
+        self.say(message)
+        value = measure()
+        self.loads[name] = _load_average()
+        return value
+
+
+def _load_average():
+    from pagevis.bench.machine import load_average
+
+    return load_average()
+
+
 def main(args: argparse.Namespace) -> int:
     if args.target == "startup":
         return startup_main(args)
     if args.target == "serve":
         return serve_main(args)
-    from pagevis.bench import attention, machine, suite
+    from pagevis.bench import machine, suite
 
     contexts = parse_ints(args.contexts or (QUICK_CONTEXTS if args.quick else FULL_CONTEXTS), "--contexts", 1,
                           max_context())
     page_sizes = parse_ints(args.page_sizes or ("16" if args.quick else "8,16,32,64"), "--page-sizes", 1, 4096)
     options.check_range("--decode-tokens", args.decode_tokens, 1, MAX_DECODE_TOKENS)
+    if args.transformers_python and not os.access(args.transformers_python, os.X_OK):
+        raise UsageError(f"--transformers-python {args.transformers_python}: not an executable")
     if not args.no_files:
         if not os.path.isdir(args.out):
             raise UsageError(f"--out {args.out}: no such folder")
@@ -116,89 +138,20 @@ def main(args: argparse.Namespace) -> int:
         if args.quick and args.model is None:
             args.model = "synthetic"
         spec = options.model_spec(args)
-    repeats = 10 if args.quick else None
     say = (lambda text: print(text, file=sys.stderr)) if not args.json else (lambda text: None)
     host = machine.describe()
     say(machine.machine_line(host))
-    loads = {}  # section -> the load average when its measurement ended, printed beside its table
     if args.remeasure_plans and spec is not None and spec.kind != "synthetic":
         from pagevis.model.matmul import plan_for
 
         say("matmul plans: measuring again ...")
         plan_for(spec.load().weights.matrices(), remeasure=True)
-
-    say("attention: paged vs dense, float32 ...")
-    paged = attention.run_attention_bench(contexts, page_sizes, dtype="float32", repeats=repeats)
-    storage_page = 16 if 16 in page_sizes else page_sizes[0]
-    loads["attention"] = machine.load_average()
-    say("attention: float16 storage ...")
-    half = attention.run_attention_bench(contexts, [storage_page], dtype="float16", repeats=repeats)
-    storage = suite.storage_rows(paged, half)
-    loads["storage"] = machine.load_average()
-    say("attention: quantized storage (int8, int4, int2) ...")
-    quantized = suite.quantized_rows(contexts, storage_page, repeats=repeats)
-    loads["quantized"] = machine.load_average()
-    from pagevis.bench.hybrid import hybrid_rows
-
-    say("attention: a hybrid cache (Gemma 3 270M's sliding-window and global layers) ...")
-    hybrid = hybrid_rows(contexts, storage_page, repeats=repeats)
-    loads["hybrid"] = machine.load_average()
-    torch_rows = None
-    if suite.torch_available():
-        say("attention: torch scaled_dot_product_attention ...")
-        torch_rows = suite.torch_rows(contexts, storage_page, repeats=repeats, threads=args.blas_threads)
-        loads["torch"] = machine.load_average()
-    decode = None
-    if spec is not None:
-        say(f"decode: {spec.label} ...")
-        decode = suite.decode_row(spec, n_tokens=args.decode_tokens, probe_bytes=(64 << 20) if args.quick else None)
-        if args.transformers_python and not os.access(args.transformers_python, os.X_OK):
-            raise UsageError(f"--transformers-python {args.transformers_python}: not an executable")
-        say("decode: transformers eager (if available) ...")
-        eager = suite.transformers_row(spec, args.transformers_python, args.decode_tokens, args.blas_threads)
-        if eager:
-            decode.update(transformers_tok_s=eager["tokens_per_s"], transformers_threads=eager["threads"],
-                          transformers_versions=eager["versions"],
-                          paged_over_transformers=decode["paged_tok_s"] / eager["tokens_per_s"])
-        loads["decode"] = machine.load_average()
-
-    kernels = None
-    if spec is not None and not args.no_kernels:
-        from pagevis.bench.kernels import run_kernel_bench
-
-        say("kernels: batched decode through the forward, decode attention against the read bandwidth ...")
-        kernels = run_kernel_bench(spec.load(), quick=args.quick, threads=args.blas_threads)
-        loads["kernels"] = machine.load_average()
-    prefill = None
-    if spec is not None and not args.no_kernels:
-        from pagevis.bench.prefill import CONCURRENT, PROMPT_TOKENS, run_prefill_bench
-
-        say("prefill: scored prompts (log-likelihood requests) one and many at once, against sgemm ...")
-        prefill = run_prefill_bench(spec.load(), (1, 2) if args.quick else CONCURRENT,
-                                    64 if args.quick else PROMPT_TOKENS)
-        loads["prefill"] = machine.load_average()
-    sequences = None
-    if spec is not None and not args.no_sequences:
-        from pagevis.bench.sequences import run_sequences_bench
-
-        say("many sequences: continuous batching, parallel sampling, prefix caching ...")
-        sequences = run_sequences_bench(spec.load(), spec.kind, n_tokens=4 if args.quick else 12)
-        loads["sequences"] = machine.load_average()
-    tiers = None
-    if not args.no_tiers:
-        from pagevis.bench import tiers as tier_bench
-
-        say("disk tier: streamed attention by RAM share, quest by K, memory by context ...")
-        tier_contexts = [c for c in contexts if c >= 512] or [max(contexts)]
-        tiers = {"streamed": tier_bench.streamed_rows(tier_contexts, swap_dir=args.swap_dir, repeats=repeats),
-                 "quest": tier_bench.quest_rows(max(tier_contexts), swap_dir=args.swap_dir),
-                 "rss": None if args.quick else tier_bench.rss_rows(swap_dir=args.swap_dir)}
-        loads["tiers"] = machine.load_average()
-    result = {"attention": paged, "storage": storage, "quantized": quantized, "hybrid": hybrid, "torch": torch_rows,
-              "decode": decode,
-              "kernels": kernels, "prefill": prefill,
-              "sequences": sequences,
-              "tiers": tiers, "shape": suite.SMOLLM2_LAYER, "machine": host, "loads": loads}
+    sections = _Sections(say)
+    result, half = _attention_tables(args, contexts, page_sizes, sections)
+    result.update(_model_tables(args, spec, sections) if spec is not None else
+                  {"decode": None, "kernels": None, "prefill": None, "sequences": None})
+    result["tiers"] = None if args.no_tiers else _tier_tables(args, contexts, sections)
+    result.update(shape=suite.SMOLLM2_LAYER, machine=host, loads=sections.loads)
     if not args.no_files:
         result["files"] = write_files(args.out, result, half)
     if args.json:
@@ -208,13 +161,119 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _attention_tables(args, contexts, page_sizes, sections: _Sections) -> tuple[dict, list]:
+    """Decode attention over one layer: paged vs dense, float16 and quantized storage, a hybrid cache, torch."""
+    from pagevis.bench import attention, suite
+    from pagevis.bench.hybrid import hybrid_rows
+
+    repeats = 10 if args.quick else None
+    page = 16 if 16 in page_sizes else page_sizes[0]
+    paged = sections.run("attention", "attention: paged vs dense, float32 ...",
+                         lambda: attention.run_attention_bench(contexts, page_sizes, dtype="float32", repeats=repeats))
+    half = sections.run("storage", "attention: float16 storage ...",
+                        lambda: attention.run_attention_bench(contexts, [page], dtype="float16", repeats=repeats))
+    quantized = sections.run("quantized", "attention: quantized storage (int8, int4, int2) ...",
+                             lambda: suite.quantized_rows(contexts, page, repeats=repeats))
+    hybrid = sections.run("hybrid", "attention: a hybrid cache (Gemma 3 270M's sliding-window and global layers) ...",
+                          lambda: hybrid_rows(contexts, page, repeats=repeats))
+    torch_rows = None
+    if suite.torch_available():
+        torch_rows = sections.run("torch", "attention: torch scaled_dot_product_attention ...",
+                                  lambda: suite.torch_rows(contexts, page, repeats=repeats, threads=args.blas_threads))
+    return {"attention": paged, "storage": suite.storage_rows(paged, half), "quantized": quantized, "hybrid": hybrid,
+            "torch": torch_rows}, half
+
+
+def _model_tables(args, spec, sections: _Sections) -> dict:
+    """The model: one sequence against the read floor (and transformers), the batched kernels, prefill, many
+    sequences."""
+    from pagevis.bench import suite
+
+    def decode() -> dict:
+        row = suite.decode_row(spec, n_tokens=args.decode_tokens, probe_bytes=(64 << 20) if args.quick else None)
+        eager = suite.transformers_row(spec, args.transformers_python, args.decode_tokens, args.blas_threads)
+        if eager:
+            row.update(transformers_tok_s=eager["tokens_per_s"], transformers_threads=eager["threads"],
+                       transformers_versions=eager["versions"],
+                       paged_over_transformers=row["paged_tok_s"] / eager["tokens_per_s"])
+        return row
+
+    tables = {"decode": sections.run("decode", f"decode: {spec.label} (and transformers eager, if available) ...",
+                                     decode), "kernels": None, "prefill": None, "sequences": None}
+    if not args.no_kernels:
+        from pagevis.bench.kernels import run_kernel_bench
+        from pagevis.bench.prefill import CONCURRENT, PROMPT_TOKENS, run_prefill_bench
+
+        tables["kernels"] = sections.run(
+            "kernels", "kernels: batched decode through the forward, decode attention against the read bandwidth ...",
+            lambda: run_kernel_bench(spec.load(), quick=args.quick, threads=args.blas_threads))
+        tables["prefill"] = sections.run(
+            "prefill", "prefill: scored prompts (log-likelihood requests) one and many at once, against sgemm ...",
+            lambda: run_prefill_bench(spec.load(), (1, 2) if args.quick else CONCURRENT,
+                                      64 if args.quick else PROMPT_TOKENS))
+    if not args.no_sequences:
+        from pagevis.bench.sequences import run_sequences_bench
+
+        tables["sequences"] = sections.run(
+            "sequences", "many sequences: continuous batching, parallel sampling, prefix caching ...",
+            lambda: run_sequences_bench(spec.load(), spec.kind, n_tokens=4 if args.quick else 12))
+    return tables
+
+
+def _tier_tables(args, contexts, sections: _Sections) -> dict:
+    from pagevis.bench import tiers as tier_bench
+
+    repeats = 10 if args.quick else None
+    tier_contexts = [c for c in contexts if c >= 512] or [max(contexts)]
+    return sections.run("tiers", "disk tier: streamed attention by RAM share, quest by K, memory by context ...",
+                        lambda: {"streamed": tier_bench.streamed_rows(tier_contexts, swap_dir=args.swap_dir,
+                                                                      repeats=repeats),
+                                 "quest": tier_bench.quest_rows(max(tier_contexts), swap_dir=args.swap_dir),
+                                 "rss": None if args.quick else tier_bench.rss_rows(swap_dir=args.swap_dir)})
+
+
 def format_report(result: dict) -> str:
-    from pagevis.bench.attention import format_table
-    from pagevis.bench.machine import load_note, machine_line
+    from pagevis.bench.machine import machine_line
 
     loads = result.get("loads")
     out = [machine_line(result["machine"]), ""] if result.get("machine") else []
-    out += ["Paged vs dense decode attention (one layer, 9 query / 3 KV heads, head dim 64, float32)"
+    out += _attention_report(result, loads)
+    if result["decode"]:
+        out += _decode_report(result["decode"], loads)
+    if result.get("kernels"):
+        from pagevis.bench.kernels import format_kernels
+
+        out += _titled(format_kernels(result["kernels"]), loads, "kernels")
+    if result.get("prefill"):
+        from pagevis.bench.prefill import format_prefill
+
+        out += _titled(format_prefill(result["prefill"]), loads, "prefill")
+    if result.get("sequences"):
+        from pagevis.bench.sequences import format_sequences
+
+        out += _titled(format_sequences(result["sequences"]), loads, "sequences")
+    if result.get("tiers"):
+        from pagevis.bench.tiers import format_tables
+
+        t = result["tiers"]
+        out += _titled(format_tables(t["streamed"], t["quest"], t["rss"]), loads, "tiers")
+    if result.get("files"):
+        out += ["", "wrote " + ", ".join(result["files"])]
+    return "\n".join(out)
+
+
+def _titled(lines: list[str], loads, section: str) -> list[str]:
+    """A table after a blank line, its first line (the title) with the load while it was measured."""
+    from pagevis.bench.machine import load_note
+
+    return ["", lines[0] + load_note(loads, section), *lines[1:]]
+
+
+def _attention_report(result: dict, loads) -> list[str]:
+    from pagevis.bench.attention import format_table
+    from pagevis.bench.machine import load_note
+
+    out = ["Paged vs dense decode attention (one layer, 9 query / 3 KV heads, head dim 64, float32)"
            + load_note(loads, "attention"),
            format_table(result["attention"]), "", "Storage: float16 vs float32 (paged)" + load_note(loads, "storage"),
            f"{'context':>8} {'page':>5} {'f32 µs':>9} {'f16 µs':>9} {'f16/f32':>8} {'f32 KV KiB':>11} {'f16 KV KiB':>11}"]
@@ -234,7 +293,8 @@ def format_report(result: dict) -> str:
     if result.get("hybrid"):
         from pagevis.bench.hybrid import format_rows
 
-        out += [*format_rows(result["hybrid"]), ""]
+        hybrid_lines = format_rows(result["hybrid"])
+        out += [hybrid_lines[0] + load_note(loads, "hybrid"), *hybrid_lines[1:], ""]
     if result["torch"]:
         first = result["torch"][0]
         out.append(f"torch {first['torch_version']} scaled_dot_product_attention on the same data "
@@ -252,54 +312,35 @@ def format_report(result: dict) -> str:
         out.append("torch: not installed (make torch, or pip install -e '.[torch]', to compare with "
                    "scaled_dot_product_attention)")
     out.append("")
-    d = result["decode"]
-    if d:
-        out += [f"Decode speed: {d['model']}" + load_note(loads, "decode"),
-                f"  weights read per token {d['weight_mb_per_token']:.1f} MB",
-                f"  read bandwidth {d['read_gb_s']:.2f} GB/s (best of a {d['probe_mb']:.0f} MB float32 gemv, "
-                f"{d['gemv_gb_s']:.2f}, and a sum, {d['reduce_gb_s']:.2f}, on decoding's threads)",
-                f"  bandwidth floor {d['floor_tok_s']:.1f} tok/s (read bandwidth / weight bytes)",
-                f"  paged session   {d['paged_tok_s']:.1f} tok/s ({d['paged_of_floor']:.2f} of the floor; median of "
-                f"{d['decode_steps']} steps)",
-                f"  dense attention {d['dense_tok_s']:.1f} tok/s ({d['dense_of_floor']:.2f} of the floor)",
-                f"  (copy: {d['copy_gb_s']:.2f} GB/s counting each byte once, {d['copy_tok_s']:.1f} tok/s; a copy "
-                f"reads and writes every byte, so this is not a floor)"]
-        out += [f"  WARNING: {w}" for w in d["warnings"]]
-        if d.get("shapes"):
-            out.append("  read rate by weight shape, one row (the forward's kernel / a contiguous gemv of the same "
-                       "bytes):")
-            out += [f"    {r['shape']:>12} x{r['matrices']:<3} {r['mb']:>7.1f} MB  {r['kernel']:>6} "
-                    f"{r['forward_gb_s']:>6.2f} GB/s  gemv {r['gemv_gb_s']:>6.2f} GB/s" for r in d["shapes"]]
-        if "transformers_tok_s" in d:
-            out.append(f"  transformers eager {d['transformers_tok_s']:.1f} tok/s ({d['transformers_threads']} torch "
-                       f"threads, as many as our BLAS threads); paged session {d['paged_over_transformers']:.2f}x "
-                       f"transformers")
-        else:
-            out.append("  transformers eager: not measured (--transformers-python PYTHON)")
-    if result.get("kernels"):
-        from pagevis.bench.kernels import format_kernels
+    return out
 
-        kernel_lines = format_kernels(result["kernels"])
-        out += ["", kernel_lines[0] + load_note(loads, "kernels"), *kernel_lines[1:]]
-    if result.get("prefill"):
-        from pagevis.bench.prefill import format_prefill
 
-        prefill_lines = format_prefill(result["prefill"])
-        out += ["", prefill_lines[0] + load_note(loads, "prefill"), *prefill_lines[1:]]
-    if result.get("sequences"):
-        from pagevis.bench.sequences import format_sequences
+def _decode_report(d: dict, loads) -> list[str]:
+    from pagevis.bench.machine import load_note
 
-        sequence_lines = format_sequences(result["sequences"])
-        out += ["", sequence_lines[0] + load_note(loads, "sequences"), *sequence_lines[1:]]
-    if result.get("tiers"):
-        from pagevis.bench.tiers import format_tables
-
-        t = result["tiers"]
-        tier_lines = format_tables(t["streamed"], t["quest"], t["rss"])
-        out += ["", tier_lines[0] + load_note(loads, "tiers"), *tier_lines[1:]]
-    if result.get("files"):
-        out += ["", "wrote " + ", ".join(result["files"])]
-    return "\n".join(out)
+    out = [f"Decode speed: {d['model']}" + load_note(loads, "decode"),
+            f"  weights read per token {d['weight_mb_per_token']:.1f} MB",
+            f"  read bandwidth {d['read_gb_s']:.2f} GB/s (best of a {d['probe_mb']:.0f} MB float32 gemv, "
+            f"{d['gemv_gb_s']:.2f}, and a sum, {d['reduce_gb_s']:.2f}, on decoding's threads)",
+            f"  bandwidth floor {d['floor_tok_s']:.1f} tok/s (read bandwidth / weight bytes)",
+            f"  paged session   {d['paged_tok_s']:.1f} tok/s ({d['paged_of_floor']:.2f} of the floor; median of "
+            f"{d['decode_steps']} steps)",
+            f"  dense attention {d['dense_tok_s']:.1f} tok/s ({d['dense_of_floor']:.2f} of the floor)",
+            f"  (copy: {d['copy_gb_s']:.2f} GB/s counting each byte once, {d['copy_tok_s']:.1f} tok/s; a copy "
+            f"reads and writes every byte, so this is not a floor)"]
+    out += [f"  WARNING: {w}" for w in d["warnings"]]
+    if d.get("shapes"):
+        out.append("  read rate by weight shape, one row (the forward's kernel / a contiguous gemv of the same "
+                   "bytes):")
+        out += [f"    {r['shape']:>12} x{r['matrices']:<3} {r['mb']:>7.1f} MB  {r['kernel']:>6} "
+                f"{r['forward_gb_s']:>6.2f} GB/s  gemv {r['gemv_gb_s']:>6.2f} GB/s" for r in d["shapes"]]
+    if "transformers_tok_s" in d:
+        out.append(f"  transformers eager {d['transformers_tok_s']:.1f} tok/s ({d['transformers_threads']} torch "
+                   f"threads, as many as our BLAS threads); paged session {d['paged_over_transformers']:.2f}x "
+                   f"transformers")
+    else:
+        out.append("  transformers eager: not measured (--transformers-python PYTHON)")
+    return out
 
 
 def startup_main(args: argparse.Namespace) -> int:

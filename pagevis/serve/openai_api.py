@@ -20,6 +20,7 @@ import asyncio
 import json
 import secrets
 import time
+from dataclasses import dataclass, field
 from typing import Literal
 
 from fastapi import APIRouter, Request
@@ -236,28 +237,58 @@ async def _generate(request: Request, body: _GenerationRequest, prompts: list[st
             generation.close()
         raise
 
-    kind = "chat.completion" if chat else "text_completion"
-    ident = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
-    created = int(time.time())
+    reply = _Reply(state, body, chat, drop, scores)
     if not body.stream:
-        try:
-            answers = await asyncio.gather(*(g.collect(request, stops) for g in generations))
-        finally:
-            for generation in generations:
-                generation.close()
-        choices = []
-        for prompt, ids, generation, samples in zip(prompts, encoded, generations, answers, strict=True):
-            for sample in samples:
-                choices.append(_choice(len(choices), model.tokenizer, chat, body, prompt, ids, generation, sample,
-                                       drop))
-        usages = [g.usage(len(ids), drop) for g, ids in zip(generations, encoded, strict=True)]
-        usage = {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
-        usage["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"]
-                                                               for u in usages)}
-        return {"id": ident, "object": kind, "created": created, "model": state.model_id, "choices": choices,
-                "usage": usage}
+        return await _answer(request, reply, prompts, encoded, generations, stops)
+    return _stream(reply, generations[0], len(encoded[0]), stops)
 
-    generation, prompt_ids = generations[0], encoded[0]
+
+@dataclass(frozen=True)
+class _Reply:
+    """What every part of one answer shares: its kind, id and time, and how its choices are written."""
+
+    state: object
+    body: object
+    chat: bool
+    drop: bool  # max_tokens 0: the one token sampled to end an echo request is not sent
+    scores: tuple
+    ident: str = field(default_factory=lambda: secrets.token_hex(12))
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def kind(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    @property
+    def id(self) -> str:
+        return f"{'chatcmpl' if self.chat else 'cmpl'}-{self.ident}"
+
+
+async def _answer(request: Request, reply: _Reply, prompts, encoded, generations, stops) -> dict:
+    """The whole answer of a request that is not streamed: every prompt's samples as choices, summed usage."""
+    model, body, chat, drop = reply.state.model, reply.body, reply.chat, reply.drop
+    try:
+        answers = await asyncio.gather(*(g.collect(request, stops) for g in generations))
+    finally:
+        for generation in generations:
+            generation.close()
+    choices = []
+    for prompt, ids, generation, samples in zip(prompts, encoded, generations, answers, strict=True):
+        for sample in samples:
+            choices.append(_choice(len(choices), model.tokenizer, chat, body, prompt, ids, generation, sample,
+                                   drop))
+    usages = [g.usage(len(ids), drop) for g, ids in zip(generations, encoded, strict=True)]
+    usage = {key: sum(u[key] for u in usages) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    usage["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"]
+                                                           for u in usages)}
+    return {"id": reply.id, "object": reply.kind, "created": reply.created, "model": reply.state.model_id,
+            "choices": choices, "usage": usage}
+
+
+def _stream(reply: _Reply, generation, prompt_tokens: int, stops) -> StreamingResponse:
+    """Server-sent events of one streamed request: chunks of text (and their log-probabilities), then usage."""
+    state, body, chat, drop, scores = reply.state, reply.body, reply.chat, reply.drop, reply.scores
+    model, kind, ident, created = state.model, reply.kind, reply.id, reply.created
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     sent = {"tokens": 0, "offset": 0}  # tokens whose log-probabilities went out, and their text's length
 
@@ -298,7 +329,7 @@ async def _generate(request: Request, body: _GenerationRequest, prompts: list[st
             if include_usage:
                 yield _sse({"id": ident, "object": kind + ".chunk" if chat else kind, "created": created,
                             "model": state.model_id, "choices": [],
-                            "usage": generation.usage(len(prompt_ids), drop)})
+                            "usage": generation.usage(prompt_tokens, drop)})
         except ApiError as error:  # the status is sent; the client learns of it in-band
             yield _sse(error_body(error.status, error.message, code=error.code))
         finally:
