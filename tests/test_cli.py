@@ -153,6 +153,7 @@ def test_app_options_reach_launch(monkeypatch, tmp_path):
     assert calls[-1] == dict(trace=str(trace), recording=None)
 
 
+@pytest.mark.slow
 def test_screenshot_from_the_command_line(tmp_path):
     shot = tmp_path / "shot.png"
     done = subprocess.run([sys.executable, "-m", "pagevis", *SYNTH, "--prompt", "hello", "--no-chat",

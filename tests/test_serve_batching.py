@@ -61,6 +61,7 @@ def complete(client: httpx.Client, prompt, cache, temperature, seed, max_tokens,
     return text
 
 
+@pytest.mark.slow
 def test_batching_never_changes_results():
     expected = [alone(*request) for request in REQUESTS]
     # a small token budget: prompts are prefilled in chunks between the others' decode steps
@@ -173,6 +174,7 @@ def test_preemption_under_memory_pressure_keeps_results_and_is_counted():
         assert value(samples, "pagevis_request_queue_time_seconds_count") == 4
 
 
+@pytest.mark.slow
 def test_a_session_among_other_requests_records_only_its_own_pages():
     """While completions decode in the same pool, a session's records (block tables, slot maps, scores,
     attention, events) equal those of a DecodeSession alone: its pages renumbered as a pool of its own."""

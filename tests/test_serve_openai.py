@@ -121,6 +121,7 @@ def test_bad_requests_get_clear_errors(client, changes, status, words):
     assert words in caught.value.message
 
 
+@pytest.mark.slow
 def test_smollm2_streams_a_known_greedy_answer(smollm2):  # noqa: F811
     from pagevis.serve.settings import ServeSettings
 
