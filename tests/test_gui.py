@@ -465,3 +465,19 @@ def test_the_gui_bench_breakdown_times_each_entry_point_into_python(qtbot, windo
         assert clock.seconds.get(label, 0) > 0, label
     # instrumenting adds no Python paintEvent where Qt paints alone (that would take the GIL it measures)
     assert "paintEvent" not in vars(window.transport.slider) and type(window.transport.slider).paintEvent is QSlider.paintEvent
+
+
+def test_a_gguf_given_on_the_command_line_is_not_restarted_after_its_first_steps(qtbot, tmp_path):
+    """`pagevis --model FILE.gguf --screenshot`: showing the file in the model box used to arm the controls'
+    debounced 'model changed', which restarted the session after its steps (the screenshot showed none)."""
+    from pathlib import Path
+
+    from gui_helpers import make_window
+
+    gguf = Path(__file__).parent / "data" / "tiny-qwen2.gguf"
+    window = make_window(qtbot, tmp_path, spec=ModelSpec(kind="gguf", path=str(gguf)), prompt="hello",
+                         config=SessionConfig(page_size=4, max_pages=8, max_new_tokens=8))
+    window.runner.step_blocking(3)
+    qtbot.wait(800)  # past the controls' debounce
+    assert window.runner.state == "ready" and len(window.timeline) == 3
+    assert "restarted" not in window.statusBar().currentMessage()

@@ -438,9 +438,7 @@ class ControlsPanel(QScrollArea):
         try:
             if spec is not None:
                 if spec.kind == "gguf":
-                    self._loading = False
-                    self.set_gguf(spec.path)
-                    self._loading = True
+                    self.set_gguf(spec.path)  # while loading: showing the file restarts nothing
                 else:
                     self.model.setCurrentIndex(self.model.findData(spec.kind))
                 self.layers.setValue(spec.n_layers)
