@@ -121,3 +121,18 @@ def test_rerotation_is_refused_where_it_cannot_work(settings, field):
     with pytest.raises(ConfigError) as error:
         CacheConfig(**{**kwargs, **settings})
     assert error.value.field == field
+
+
+def test_models_that_rotate_otherwise_refuse_re_rotation_and_expected_attention_by_name():
+    """Both redo RoPE as llama rotates (adjacent pairs, one base): Qwen rotates halves, so they are refused."""
+    from pathlib import Path
+
+    from pagevis.kvcache import CacheConfig, CacheSettings, ConfigError
+    from pagevis.model import load_model
+
+    qwen = load_model(Path(__file__).parent / "data" / "tiny-qwen2.gguf").config
+    with pytest.raises(ConfigError, match="rerotate.*adjacent pairs"):
+        CacheConfig.for_model(CacheSettings(policy="sinks", policy_params={"rerotate": 1}), qwen)
+    with pytest.raises(ConfigError, match="expected-attention needs"):
+        CacheConfig.for_model(CacheSettings(policy="expected-attention"), qwen)
+    assert CacheConfig.for_model(CacheSettings(policy="sinks"), qwen).n_layers == qwen.n_layers

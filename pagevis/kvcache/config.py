@@ -103,6 +103,7 @@ class CacheConfig(CacheSettings):
 
     @classmethod
     def for_model(cls, settings: CacheSettings, model_config) -> CacheConfig:
+        _check_rope_is_llamas(settings, model_config)
         return cls(**settings.cache_settings(), n_layers=model_config.n_layers, n_heads=model_config.n_heads,
                    n_kv_heads=model_config.n_kv_heads, head_dim=model_config.head_dim,
                    rope_base=float(getattr(model_config, "rope_base", 10000.0)),
@@ -191,3 +192,17 @@ class CacheConfig(CacheSettings):
 
     def total_bytes(self) -> int:
         return self.n_layers * self.bytes_per_layer()
+
+
+def _check_rope_is_llamas(settings: CacheSettings, model_config) -> None:
+    """Re-rotation and expected-attention undo or redo RoPE themselves, as llama rotates: adjacent pairs, one
+    base. A model that rotates halves (NEOX: Qwen, Gemma) or has a base per layer (Gemma 3) is refused by name."""
+    layout = getattr(model_config, "layout", None)
+    bases = set(getattr(model_config, "rope_bases", ()) or ())
+    if not (getattr(layout, "rope_neox", False) or len(bases) > 1):
+        return
+    why = "a model with llama's RoPE (adjacent pairs, one base); this one rotates halves or has a base per layer"
+    if settings.policy_params.get("rerotate"):
+        raise ConfigError("rerotate", settings.policy_params["rerotate"], f"0 here: re-rotation needs {why}")
+    if settings.policy == "expected-attention":
+        raise ConfigError("policy", settings.policy, f"another policy here: expected-attention needs {why}")
