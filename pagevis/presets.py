@@ -43,6 +43,7 @@ class Preset:
     prompt: str  # a shipped prompt's name (resources/prompts/NAME.txt)
     a: SessionConfig
     b: SessionConfig | None = None  # the second session of an A/B demo
+    model: str | None = None  # a model known by name (pagevis.model.locate.MODEL_NAMES); None: the one chosen
 
     def prompt_text(self) -> str:
         return prompt_resource(self.prompt)
@@ -78,6 +79,11 @@ PRESETS: tuple[Preset, ...] = (
            "A: TOVA evicts the token the latest query attends to least · B: H2O (accumulated attention).",
            "explain-paging", _config(policy="tova", max_pages=8, oracle=True),
            _config(policy="h2o", max_pages=8, oracle=True)),
+    Preset("Gemma 3: sliding window vs global layers",
+           "Gemma 3 270M (the pagevis[gemma] extra) on a 700-token passage, nothing evicted (policy none): its "
+           "15 local layers keep a 512-token window and free each page that leaves it (a 'slide' event); layers "
+           "5, 11 and 17 keep every token. Step the layer box between 0 and 5 to see both.",
+           "sliding-window", _config(policy="none", page_size=16, max_pages=64, chat=False), model="gemma3-270m"),
 )
 
 

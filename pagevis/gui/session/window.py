@@ -338,7 +338,19 @@ class MainWindow(TimelineCursor, QMainWindow):
         """Set the preset's prompt and cache (the synthetic model keeps a prompt that fits it) and restart;
         an A/B preset opens the A/B window on both of its configurations instead."""
         kind = self.controls.model.currentData()
-        prompt = preset.prompt_text() if kind != "synthetic" else default_prompt("synthetic")
+        prompt = preset.prompt_text() if kind != "synthetic" or preset.model else default_prompt("synthetic")
+        if preset.model is not None:  # a preset of its own model (Gemma 3's): that model, or why it cannot be
+            from pagevis.model import ModelLoadError
+            from pagevis.model.locate import named_model_path
+
+            try:
+                path = named_model_path(preset.model)
+            except ModelLoadError as error:
+                self.statusBar().showMessage(f"Preset {preset.name!r}: {error}", 15000)
+                return
+            self.controls.set_configuration(ModelSpec(kind="gguf", path=str(path)), prompt, preset.a)
+            self.restart(f"preset {preset.name!r}")
+            return
         if preset.b is not None:
             self.open_ab(preset.a, preset.b, prompt, title=preset.name, play=True)
             return
