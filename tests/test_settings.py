@@ -123,7 +123,8 @@ def test_one_set_of_defaults_and_presets_override_it():
         for config in (preset.a, preset.b):
             if config is not None:
                 changed = {k for k, v in settings.values(config).items() if v != settings.values(DEFAULT_CONFIG)[k]}
-                assert changed <= {"policy", "page_size", "max_pages", "oracle"}, (preset.name, changed)
+                # chat: Gemma 3 270M's preset feeds a base model its passage as plain text
+                assert changed <= {"policy", "page_size", "max_pages", "oracle", "chat"}, (preset.name, changed)
 
 
 @pytest.mark.parametrize("name, value, words", [
