@@ -6,21 +6,11 @@ on one CPU and 0.58 on an AMD EPYC of this project's machine kind)."""
 from __future__ import annotations
 
 import os
-import platform
-from pathlib import Path
 
 import numpy as np
 
 from pagevis.model.blas_threads import blas_description
-
-
-def cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+from pagevis.model.matmul import cpu_model
 
 
 def load_average() -> float | None:

@@ -104,16 +104,12 @@ class _Sections:
         self.say, self.loads = say, {}
 
     def run(self, name: str, message: str, measure):
+        from pagevis.bench.machine import load_average
+
         self.say(message)
         value = measure()
-        self.loads[name] = _load_average()
+        self.loads[name] = load_average()
         return value
-
-
-def _load_average():
-    from pagevis.bench.machine import load_average
-
-    return load_average()
 
 
 def main(args: argparse.Namespace) -> int:

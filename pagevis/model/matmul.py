@@ -241,15 +241,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagevis"
 
 
-def fingerprint() -> str:
-    """What a measured plan depends on: the CPU, NumPy and its BLAS, and the BLAS thread count."""
-    cpu = platform.processor() or platform.machine()
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo's first), else what platform knows of it."""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                 if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    return f"v{PLAN_VERSION} | {cpu} x{os.cpu_count()} | numpy {np.__version__} | {blas_description()}"
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def fingerprint() -> str:
+    """What a measured plan depends on: the CPU, NumPy and its BLAS, and the BLAS thread count."""
+    return f"v{PLAN_VERSION} | {cpu_model()} x{os.cpu_count()} | numpy {np.__version__} | {blas_description()}"
 
 
 def plan_for(matrices: Iterable[np.ndarray], path: Path | None = None, remeasure: bool = False) -> MatmulPlan:
