@@ -77,7 +77,10 @@ def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, sessi
         window.open_ab(ab.a, ab.b, window.controls.prompt(), title=ab.name, play=True)
     if tour:
         window.start_tour()
-    return app.exec()
+    code = app.exec()
+    if window.isVisible():  # the loop ended without the window closing (app.quit): stop the decoder all the same
+        window.close()
+    return code
 
 
 def launch_server(model_spec: ModelSpec | None = None, preset=None, screenshot: str | None = None,

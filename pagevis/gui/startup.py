@@ -36,7 +36,7 @@ class StartupProbe:
 
     def watch(self, app, window) -> None:
         """Mark the first paint, the session's readiness and the paint after it; then write and quit."""
-        from PySide6.QtCore import QEvent, QObject
+        from PySide6.QtCore import QEvent, QObject, QTimer
 
         probe = self
 
@@ -47,7 +47,9 @@ class StartupProbe:
                     if "ready" in probe.marks and "ready_drawn" not in probe.marks:
                         probe.mark("ready_drawn")
                         probe.write()
-                        app.quit()
+                        # Close as a user would, after this paint: quitting inside it skips closeEvent, so the
+                        # decoder thread outlived the app and the process crashed on exit (exit -11 under load).
+                        QTimer.singleShot(0, window.close)
                 return False
 
         def state_changed(state: str) -> None:
