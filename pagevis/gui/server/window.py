@@ -462,7 +462,9 @@ def server_demo(app, spec, preset: ServerPreset | None, screenshot: str | None, 
         window.show()
         return app.exec()
     real_display = app.platformName() not in ("offscreen", "minimal")
-    if not real_display:
+    if real_display:
+        place_beside(window, None)  # as it opens for a user: a 1600 x 1000 window on a 1280 x 720 screen was cut
+    else:
         window.resize(default_size())
     window.show()
     app.processEvents()
