@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -97,6 +98,25 @@ def test_bad_arguments_exit_2_with_one_line(capsys, argv, message):
     assert status == 2
     assert message in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_app_refuses_a_file_that_is_not_gguf_before_opening_a_window(capsys, tmp_path):
+    notes = tmp_path / "notes.gguf"
+    notes.write_text("shopping list")
+    status, out, err = run_main(capsys, "--model", str(notes))
+    assert status == 2 and err.count("\n") == 1
+    assert f"--model: {notes} is not a GGUF file (it starts with b'shop'" in err
+
+
+@pytest.mark.slow
+def test_a_screenshot_of_a_model_that_cannot_load_says_why(tmp_path):
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes((Path(__file__).parent / "data" / "tiny-qwen2.gguf").read_bytes()[:100])
+    done = subprocess.run([sys.executable, "-m", "pagevis", "--model", str(truncated), "--screenshot",
+                           str(tmp_path / "shot.png"), "--steps", "1"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
+    assert done.returncode == 1 and not (tmp_path / "shot.png").exists()
+    assert f"pagevis: Could not load {truncated}: {truncated} (100 bytes) is truncated or corrupt" in done.stderr
 
 
 def test_bad_trace_file_exits_2(capsys, tmp_path):

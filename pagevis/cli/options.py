@@ -119,6 +119,15 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
     if not os.path.isfile(name):
         raise UsageError(f"--model {name}: no such file (use smollm2, gemma3-270m, synthetic, or the path of a "
                          ".gguf file)")
+    from pathlib import Path
+
+    from pagevis.model import ModelLoadError
+    from pagevis.model.gguf_file import check_gguf_start
+
+    try:  # before a window opens on it
+        check_gguf_start(Path(name))
+    except ModelLoadError as error:
+        raise UsageError(f"--model: {error}") from None
     return ModelSpec(kind="gguf", path=os.path.abspath(name))
 
 

@@ -171,19 +171,25 @@ def open_for_picture(app, window, ab=None, purpose: str = "the screenshot", trac
     if trace is not None:
         if window.open_trace(trace):
             return window
-        print(f"pagevis: {window.messages.toPlainText().strip() or f'could not open {trace}'}", file=sys.stderr)
-        window.close()
-        return None
+        return _refuse(window, f"could not open {trace}")
     window.start(blocking=True)
     if window.runner.session is None:
-        print(f"pagevis: could not start a session for {purpose}", file=sys.stderr)
-        window.close()
-        return None
+        return _refuse(window, f"could not start a session for {purpose}")
     if ab is not None:  # the A/B window is the picture: two sessions in lockstep
         window = window.open_ab(ab.a, ab.b, window.controls.prompt(), title=ab.name, blocking=True)
         if not real_display:
             window.resize(default_size())
     return window
+
+
+def _refuse(window, fallback: str) -> None:
+    """Say on stderr why the window has nothing to show (the last line its messages hold, else `fallback`) and
+    close it."""
+    said = window.messages.toPlainText().strip().splitlines()
+    last = said[-1].split("] ", 1)[-1] if said else fallback  # without the line's [hh:mm:ss]
+    print(f"pagevis: {last}", file=sys.stderr)
+    window.close()
+    return None
 
 
 def save_screenshot(app, window, path: str) -> int:

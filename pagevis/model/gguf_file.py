@@ -67,8 +67,9 @@ class _PlainArrayReader(GGUFReader):
         self._plain = mapped.view(np.ndarray)
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """Parse path's header, metadata and tensor table, or raise ModelLoadError saying why not."""
+def check_gguf_start(path: Path) -> int:
+    """The file's size, if path is a file that starts as a GGUF file does; ModelLoadError saying why not. Cheap:
+    the command line asks it before the app opens a window on the file."""
     if not path.exists():
         raise ModelLoadError(f"model file not found: {path}")
     if not path.is_file():
@@ -80,6 +81,12 @@ def open_gguf(path: Path) -> GGUFReader:
         raise ModelLoadError(f"{path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
     if size < HEADER_BYTES:
         raise ModelLoadError(f"{path} is truncated: {size} bytes is shorter than a GGUF header")
+    return size
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    """Parse path's header, metadata and tensor table, or raise ModelLoadError saying why not."""
+    size = check_gguf_start(path)
     check_gguf_structure(path)  # every count and length fits the file before the gguf reader trusts them
     try:
         reader = _PlainArrayReader(path)
