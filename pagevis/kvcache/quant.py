@@ -427,6 +427,9 @@ def storage_summary(config, stores=None) -> dict:
         out.update(residual=layout.residual, kv_residual_bytes_per_token=config.n_layers * layout.residual_bytes_per_token())
         if layout.residual != config.residual:
             out["residual_requested"] = config.residual
+    if config.key_channels:  # ThinK: per_token is what a store of the kept key channels needs (key_channels.py)
+        out.update(key_channels=config.key_channels, key_channels_kept=config.kept_key_channels,
+                   kv_bytes_per_token_full_width=per_token + config.pruned_key_bytes_per_token())
     notice = storage_notice(config)
     if notice:
         out["storage_notice"] = notice
@@ -465,6 +468,9 @@ def storage_text(config) -> str:
     token and layer quantized; the newest 128 + up to 31 tokens in float32)'."""
     summary = storage_summary(config)
     text = f"{config.dtype}: {summary['kv_bits_per_value']:.2f} bits per K/V value"
+    if config.key_channels:
+        text += (f"; keys {config.kept_key_channels} of {config.head_dim} channels (ThinK: the pruned ones are "
+                 f"zeros in full-width pages here)")
     layout = layout_for(config)
     if layout is None:
         return text
