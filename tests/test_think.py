@@ -154,3 +154,15 @@ def test_run_json_reports_the_narrow_bytes_and_refuses_int4(capsys):
     assert main(["run", *synth, "--key-channels", "0.5", "--dtype", "int4"]) == 2
     err = capsys.readouterr().err
     assert "dtype = 'int4' is not allowed" in err and "key_channels 0.5" in err and err.count("\n") == 1
+
+
+def test_compare_has_a_think_row_with_its_bytes(capsys):
+    assert main(["compare", "--model", "synthetic", "--tokens", "60", "--budgets", "32", "--no-optimal", "--json",
+                 "--no-files", "--quiet", "--policies", "sinks,sinks:key_channels=0.5"]) == 0
+    plain, think = json.loads(capsys.readouterr().out)["rows"]
+    assert (plain["policy"], think["policy"]) == ("sinks", "sinks+think(0.5)") and think["key_channels"] == 0.5
+    assert think["kv_bytes_per_token"] == 0.75 * plain["kv_bytes_per_token"]  # K and V: half the key channels go
+    assert think["ppl"] != plain["ppl"] and think["evictions"] == plain["evictions"]
+    assert main(["compare", "--model", "synthetic", "--tokens", "60", "--budgets", "32", "--no-files", "--quiet",
+                 "--policies", "quest:key_channels=0.5"]) == 2
+    assert "disk_pages = " in capsys.readouterr().err
