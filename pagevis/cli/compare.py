@@ -329,10 +329,7 @@ def format_table(rows) -> str:
                  "lost attn is then the attention on tokens not read, recall = 1 - lost attn."
                  + (" KiB/tok: K/V bytes per token at the budget, all layers (pages, scales, zero points and the "
                     "residual window); = D@B: the largest budget within dtype D's K/V bytes at budget B. Quality "
-                    "is against the float32 full cache." if dtypes else "")
-                 + (" key_channels=R (ThinK): KiB/tok counts the kept key channels, what a narrow store needs; the "
-                    "pages here stay full width, the pruned channels zeros." if any(r.key_channels for r in rows[1:])
-                    else ""))
+                    "is against the float32 full cache." if dtypes else ""))
     return "\n".join(lines)
 
 

@@ -443,11 +443,14 @@ def storage_summary(config, stores=None) -> dict:
 def storage_notice(config) -> str:
     """What the user must know about this storage at this budget, or "": the residual window clamped (and
     to what), and a quantized cache costing more per token than float32 (and why). Clauses are joined by
-    '; ', each a headline, ': ', and its reason (the status bar shows the headlines)."""
+    '; ', each a headline, ': ', and its reason (the status bar shows the headlines). With key_channels (ThinK),
+    the key channels kept: the bytes per token count those alone, the pages here are full width."""
+    notes = [] if not config.key_channels else [
+        f"keys {config.kept_key_channels} of {config.head_dim} channels (ThinK): bytes per token count the kept "
+        f"channels (what a narrow store needs), the pages here stay full width with the pruned channels zeros"]
     layout = layout_for(config)
     if layout is None or not layout.kivi:
-        return ""
-    notes = []
+        return "; ".join(notes)
     per_token = config.kv_bytes_per_token() / config.n_layers
     float32 = layout.residual_bytes_per_token()
     if layout.residual != config.residual:
@@ -468,12 +471,9 @@ def storage_text(config) -> str:
     token and layer quantized; the newest 128 + up to 31 tokens in float32)'."""
     summary = storage_summary(config)
     text = f"{config.dtype}: {summary['kv_bits_per_value']:.2f} bits per K/V value"
-    if config.key_channels:
-        text += (f"; keys {config.kept_key_channels} of {config.head_dim} channels (ThinK: the pruned ones are "
-                 f"zeros in full-width pages here)")
     layout = layout_for(config)
     if layout is None:
-        return text
+        return text + (f"; {summary['storage_notice']}" if "storage_notice" in summary else "")
     text += f" ({layout.quantized_bytes_per_token():g} B per token and layer quantized"
     if layout.kivi:
         text += f"; the newest {max(layout.residual, 1)} + up to {layout.group - 1} tokens in float32"
