@@ -131,6 +131,8 @@ def test_bytes_per_token_are_a_narrow_stores():
     summary = storage_summary(think)
     assert summary["kv_bytes_per_token"] == 448 and summary["kv_bytes_per_token_full_width"] == 512
     assert summary["key_channels_kept"] == 12 and "key_channels" not in storage_summary(plain)
+    assert summary["storage_notice"].startswith("keys 12 of 16 channels (ThinK): ") and "full width" in summary[
+        "storage_notice"] and "storage_notice" not in storage_summary(plain)
 
 
 @pytest.mark.parametrize("changes, named", [
@@ -166,3 +168,32 @@ def test_compare_has_a_think_row_with_its_bytes(capsys):
     assert main(["compare", "--model", "synthetic", "--tokens", "60", "--budgets", "32", "--no-files", "--quiet",
                  "--policies", "quest:key_channels=0.5"]) == 2
     assert "disk_pages = " in capsys.readouterr().err
+
+
+def test_pruning_copies_a_shared_page_and_leaves_the_other_sequence_whole():
+    """A page another sequence shares (a prefix hit) is copied before its keys are zeroed; the pruned pages
+    leave the prefix cache."""
+    from pagevis.kvcache import KVCacheManager
+
+    config = CacheConfig(page_size=4, max_pages=16, policy="none", key_channels=0.5, n_layers=1, n_heads=N_HEADS,
+                         n_kv_heads=N_KV, head_dim=HEAD_DIM)
+    cache = KVCacheManager(config)
+    cache.add_sequence(0)
+    rng = np.random.default_rng(0)
+    k, v, q = (rng.standard_normal((9, n, HEAD_DIM)).astype(np.float32) for n in (N_KV, N_KV, N_HEADS))
+    tokens, positions = list(range(9)), np.arange(9)
+    cache.extend(0, tokens)
+    cache.append(0, 0, k, v, positions)
+    cache.attend(0, 0, q, positions)
+    cache.commit(0)  # the prompt goes on: its two full pages are registered
+    cache.add_sequence(1)
+    assert cache.match_prefix(1, tokens) == 8
+    shared = list(cache.block_table(1))
+    cache.commit(0, prompt_done=True)
+    kept = cache.sequences[0].channels.kept[0]
+    assert cache.block_table(1) == shared and not set(shared) & set(cache.block_table(0))
+    store = cache.stores[0]
+    np.testing.assert_array_equal(store.k[:, shared].reshape(N_KV, 8, HEAD_DIM), k[:8].transpose(1, 0, 2))
+    mine = store.k[:, cache.block_table(0)].reshape(N_KV, 12, HEAD_DIM)[:, :9]
+    np.testing.assert_array_equal(mine, np.where(kept[:, None], k.transpose(1, 0, 2), 0))
+    assert [store.pages.lookup(h) for h in cache.sequences[0].hashes] == shared  # the plain pages stay cached

@@ -688,15 +688,17 @@ class KVCacheManager:
 
     def _prune_key_channels(self, seq: SequenceCache) -> None:
         """ThinK: each layer's key channels chosen from its query window and the keys the sequence holds, and
-        the pruned ones zeroed in those keys (a shared page is copied first; changed pages leave the prefix
-        cache, and the sequence registers no more pages: they no longer hold the prefix's plain keys)."""
+        the pruned ones zeroed in those keys (a shared page is copied first and keeps its prefix hash; a page
+        changed in place leaves the prefix cache; the sequence registers no more pages: they no longer hold the
+        prefix's plain keys)."""
         ps = self.page_size
         seq.hashable = False
         for layer, store in enumerate(self.stores):
             for page in list(seq.block_tables[layer]):
-                self._forget(seq, layer, page)
                 if store.pages.is_shared(page):
                     self._copy_on_write(seq, layer, page)
+                else:
+                    self._forget(seq, layer, page)
             flat = self._flat_slots(seq.block_tables[layer])
             flat = flat[store.positions[flat] >= 0]
             pages, slots = flat // ps, flat % ps
