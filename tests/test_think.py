@@ -197,3 +197,25 @@ def test_pruning_copies_a_shared_page_and_leaves_the_other_sequence_whole():
     mine = store.k[:, cache.block_table(0)].reshape(N_KV, 12, HEAD_DIM)[:, :9]
     np.testing.assert_array_equal(mine, np.where(kept[:, None], k.transpose(1, 0, 2), 0))
     assert [store.pages.lookup(h) for h in cache.sequences[0].hashes] == shared  # the plain pages stay cached
+
+
+def test_a_served_completion_prunes_in_a_pool_of_its_own():
+    """The server keys its pools by key_channels too: a completion asking for ThinK equals a direct session with
+    it (a pool built without it would ignore the request's value)."""
+    from serve_fixtures import SYNTH, running_server
+
+    cache = {"page_size": 4, "max_pages": 4, "policy": "tova"}
+    with running_server() as server:
+        def complete(**extra):
+            body = {"model": "synthetic", "prompt": "The cache holds", "max_tokens": 16, "temperature": 0,
+                    "pagevis": {**cache, **extra}}
+            answer = server.client.post("/v1/completions", json=body)
+            assert answer.status_code == 200, answer.text
+            return answer.json()["choices"][0]["text"]
+
+        plain, pruned = complete(), complete(key_channels=0.5)
+        assert len(server.app.state.engines.cores) == 2
+    session = DecodeSession(SYNTH.load(), "The cache holds", SessionConfig(**cache, key_channels=0.5,
+                                                                          max_new_tokens=16, chat=False))
+    list(session.run())
+    assert pruned == session.text() != plain
