@@ -219,3 +219,23 @@ def test_a_served_completion_prunes_in_a_pool_of_its_own():
                                                                           max_new_tokens=16, chat=False))
     list(session.run())
     assert pruned == session.text() != plain
+
+
+@pytest.mark.parametrize("policy, params", [("sinks", {"rerotate": 1}), ("tova", {"rerotate": 1}),
+                                            ("merge", {}), ("adakv", {})])
+def test_keys_stay_pruned_under_policies_that_rewrite_or_mask(policy, params):
+    """Re-rotation turns a RoPE pair with one pruned channel: the channel is zeroed again. Merging (values only)
+    and per-head masks leave the pruned keys as they are."""
+    model = SyntheticModel(n_layers=N_LAYERS, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HEAD_DIM, seed=5)
+    config = SessionConfig(page_size=4, max_pages=6, policy=policy, policy_params=params, key_channels=0.5,
+                           max_new_tokens=24, chat=False)
+    session = DecodeSession(model, "a prompt of a few tokens", config)
+    for _ in session.run():
+        pass
+    seq = session.cache.sequences[session.seq_id]
+    assert session.records[-1].evictions_total > 0
+    for layer, store in enumerate(session.cache.stores):
+        held = np.flatnonzero(store.positions >= 0)
+        keys = store.k[:, held // 4, held % 4]  # (n_kv, held, d)
+        assert not np.any(keys * ~seq.channels.kept[layer][:, None, :])
+        assert np.all(np.any(keys != 0, axis=1) == seq.channels.kept[layer])  # the kept ones are not all zero

@@ -684,7 +684,10 @@ class KVCacheManager:
                 copy = self._copy_on_write(seq, layer, page)
                 moved = np.where(moved // ps == page, copy * ps + moved % ps, moved)
         pages, slots = moved // ps, moved % ps
-        store.k[:, pages, slots] = rotate(store.k[:, pages, slots], delta, self.inv_freq).astype(store.k.dtype)
+        rotated = rotate(store.k[:, pages, slots], delta, self.inv_freq).astype(store.k.dtype)
+        if seq.channels is not None:  # ThinK: a RoPE pair with one channel pruned keeps that channel zero
+            rotated = seq.channels.prune(layer, rotated.transpose(1, 0, 2)).transpose(1, 0, 2)
+        store.k[:, pages, slots] = rotated
 
     def _prune_key_channels(self, seq: SequenceCache) -> None:
         """ThinK: each layer's key channels chosen from its query window and the keys the sequence holds, and
