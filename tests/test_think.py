@@ -239,3 +239,13 @@ def test_keys_stay_pruned_under_policies_that_rewrite_or_mask(policy, params):
         keys = store.k[:, held // 4, held % 4]  # (n_kv, held, d)
         assert not np.any(keys * ~seq.channels.kept[layer][:, None, :])
         assert np.all(np.any(keys != 0, axis=1) == seq.channels.kept[layer])  # the kept ones are not all zero
+
+
+def test_the_oracle_keeps_whole_keys(capsys):
+    synth = ["--model", "synthetic", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
+    runs = {}
+    for ratio in ("0", "0.5"):
+        assert main(["run", *synth, "--prompt", "hello paging", "--page-size", "4", "--max-pages", "8",
+                     "--max-tokens", "8", "--key-channels", ratio, "--oracle", "--no-chat", "--json", "--quiet"]) == 0
+        runs[ratio] = json.loads(capsys.readouterr().out)
+    assert runs["0"]["mean_kl"] == 0 and runs["0.5"]["mean_kl"] > 0  # no eviction: only the pruned channels differ
