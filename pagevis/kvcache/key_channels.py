@@ -1,5 +1,5 @@
 """ThinK: key channels pruned per layer and KV head, not tokens (Xu et al. 2024, "ThinK: Thinner Key Cache by
-Query-Driven Pruning", arXiv:2407.21450; kvpress's `ThinKPress`, kvpress/presses/think_press.py).
+Query-Driven Pruning", arXiv:2407.21018; kvpress's `ThinKPress`, kvpress/presses/think_press.py).
 
 Each of a KV head's head_dim key channels c is scored as kvpress scores it: the mean square of the observation
 window's queries on c (the last WINDOW queries, after RoPE, averaged over the KV head's query heads) times the
