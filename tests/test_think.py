@@ -90,33 +90,38 @@ def brute_force(calls, prompt_len, capacity, ratio):
     return outputs, kept
 
 
-@pytest.mark.parametrize("prompt, max_pages, ratio", [
-    ("a short prompt", 8, 0.5),  # the prompt ends first: its 14 queries score; decoding evicts later
-    ("a prompt longer than the cache, streamed through it as compare feeds a text", 12, 0.25),  # full first
-    ("x" * 30 + "a prompt long enough for a window of 32 queries", 16, 0.75),
+@pytest.mark.parametrize("prompt, max_pages, ratio, chunk", [
+    ("a short prompt", 8, 0.5, None),  # the prompt ends first: its 14 queries score; decoding evicts later
+    ("a prompt longer than the cache, streamed through it as compare feeds a text", 12, 0.25, None),  # full first
+    ("x" * 30 + "a prompt long enough for a window of 32 queries", 16, 0.75, None),
+    ("a prompt prefilled in chunks of 5, its window of 32 spanning seven of them", 32, 0.5, 5),
 ])
-def test_channels_and_attention_match_brute_force(prompt, max_pages, ratio):
+def test_channels_and_attention_match_brute_force(prompt, max_pages, ratio, chunk):
+    from pagevis.engine import Engine
+    from pagevis.engine.batch import BatchConfig
+
     model = Recorded(SyntheticModel(n_layers=N_LAYERS, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HEAD_DIM, seed=5))
     config = SessionConfig(page_size=4, max_pages=max_pages, policy="sinks", key_channels=ratio, max_new_tokens=24,
                            chat=False)
-    session = DecodeSession(model, prompt, config)
-    for _ in session.run():
-        pass
-    expected, kept = brute_force(model.calls, len(session.prompt_ids), config.capacity, ratio)
-    engine_kept = session.cache.sequences[session.seq_id].channels.kept
+    engine = Engine(model, config, BatchConfig(max_seqs=1), max_chunk=chunk, hold_finished=True)
+    prompt_ids = list(prompt.encode())
+    seq_id = engine.submit(prompt_ids)
+    while not engine.done:
+        engine.step()
+    expected, kept = brute_force(model.calls, len(prompt_ids), config.capacity, ratio)
+    engine_kept = engine.cache.sequences[seq_id].channels.kept
     for layer in range(N_LAYERS):
         np.testing.assert_array_equal(engine_kept[layer], kept[layer])
         assert (~kept[layer]).sum(axis=1).tolist() == [int(HEAD_DIM * ratio)] * N_KV
     for (_, _, _, _, _, out), reference in zip(model.calls, expected, strict=True):
         np.testing.assert_allclose(out, reference, rtol=2e-4, atol=2e-5)
-    stored = session.cache.stores[0].k  # the keys held: zero on every pruned channel
+    stored = engine.cache.stores[0].k  # the keys held: zero on every pruned channel
     assert not np.any(stored * ~kept[0][:, None, None, :])
-    pruned_free = DecodeSession(SyntheticModel(n_layers=N_LAYERS, n_heads=N_HEADS, n_kv_heads=N_KV,
-                                               head_dim=HEAD_DIM, seed=5), prompt,
-                                SessionConfig(page_size=4, max_pages=max_pages, max_new_tokens=24, chat=False))
-    for _ in pruned_free.run():
-        pass
-    assert pruned_free.cache.sequences[pruned_free.seq_id].channels is None
+    assert len({len(positions) for *_, positions, _ in model.calls}) > 1  # prefill chunks and decode steps
+    plain = Engine(model.model, SessionConfig(page_size=4, max_pages=max_pages, chat=False), BatchConfig(max_seqs=1))
+    plain.submit(prompt_ids)
+    plain.step()
+    assert all(seq.channels is None for seq in plain.cache.sequences.values())  # off by default
 
 
 def test_bytes_per_token_are_a_narrow_stores():
