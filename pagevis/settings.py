@@ -198,6 +198,11 @@ SETTINGS: dict[str, Setting] = _table(
             "seed=1 (random), and for every token policy rerotate=1 (contiguous RoPE positions after eviction) or "
             "compress_every=N (evict N at once when full); the policy's defaults for those not given", "cache", "cache",
             label="Policy parameters", flag="--policy-param", metavar="KEY=VALUE"),
+    Setting("key_channels", "float", 0.0, "ThinK: the share of key channels pruned (zeroed) per layer and KV head, "
+            "the lowest by mean square of the last 32 queries times that of the keys, chosen once the prompt is "
+            "prefilled or the cache is full; values untouched (0 = off; float32 / float16, no disk tier or quest; "
+            "docs/policies.md)", "cache", "cache", label="Pruned key channels", low=0, high=0.95,
+            flag="--key-channels", metavar="R", app_range=(0, 0.95), app_step=0.05),
     Setting("disk_pages", "int", 0, "pages per layer on disk (0 = no disk tier): capacity = disk pages x page "
             "size, and the RAM frames cache pages (least recently read leaves), written to disk once", "cache",
             "tiers", label="Disk pages", low=0, high=MAX_PAGES, flag="--disk-pages", metavar="N", request=False,

@@ -38,16 +38,17 @@ from pagevis.bench.optimal import OPTIMAL, FutureAttention
 
 @dataclass(frozen=True)
 class PolicyChoice:
-    """A policy and its parameters, e.g. parsed from 'sinks:n_sink=0'."""
+    """A policy and its parameters, e.g. parsed from 'sinks:n_sink=0', and the share of key channels ThinK
+    prunes (the cache setting key_channels; compare reads it from 'sinks:key_channels=0.5')."""
 
     name: str
     params: dict = field(default_factory=dict)
+    key_channels: float = 0.0
 
     @property
     def label(self) -> str:
-        if not self.params:
-            return self.name
-        return f"{self.name}({','.join(f'{k}={v}' for k, v in self.params.items())})"
+        label = f"{self.name}({','.join(f'{k}={v}' for k, v in self.params.items())})" if self.params else self.name
+        return label + (f"+think({self.key_channels:g})" if self.key_channels else "")
 
 
 class Reference:
@@ -138,6 +139,7 @@ class Row:
     kv_bytes: int | None = None  # all layers: kv_bytes_per_token x the tokens its pages hold
     kv_bytes_peak_per_token: float | None = None  # measured: what the run's stores held at most, per token
     equal_memory_to: str = ""  # an equal-memory row: the dtype@budget whose K/V bytes it does not exceed
+    key_channels: float = 0.0  # ThinK: the share of key channels pruned (kv_bytes_per_token counts the kept ones)
     residual: int | None = None  # int4 / int2: the residual window used (clamped to the budget: quant.py)
     storage_notice: str = ""  # quant.storage_notice: the residual clamped, or bytes beyond float32's and why
     # tokens held, mean over layers and the tokens predicted once the text passed the budget (a threshold
@@ -212,7 +214,8 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
         tier = {"policy": "oldest" if optimal else choice.name}
     storage = {"dtype": dtype} if residual is None else {"dtype": dtype, "residual": residual}
     config = SessionConfig(page_size=page_size, max_pages=max_pages, policy_params=params, max_new_tokens=1,
-                           oracle=False, chat=False, record_layers=(), **storage, **tier)
+                           oracle=False, chat=False, record_layers=(), key_channels=choice.key_channels, **storage,
+                           **tier)
     tap = LogitsTap(model, piece)
     if optimal:  # the session builds policies by name; this one needs the future
         optimal.bind(config.capacity, page_size)
@@ -269,6 +272,7 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
         kv_bytes_per_token=memory["kv_bytes_per_token"],
         kv_bytes=round(memory["kv_bytes_per_token"] * session.cache_config.capacity),
         kv_bytes_peak_per_token=memory["kv_bytes_peak_per_token"], equal_memory_to=equal_memory_to,
+        key_channels=choice.key_channels,
         residual=memory.get("residual"), storage_notice=memory.get("storage_notice", ""),
         mean_resident=float(np.mean(held[tail])) if evicting else None,
         kv_bytes_held=round(float(np.mean(held[tail])) * memory["kv_bytes_per_token"]) if evicting else None)

@@ -22,7 +22,7 @@ MAX_TOKENS = 1 << 20  # the reference's logits go to temporary files; the text b
 COLUMNS = ("policy", "budget", "page_size", "dtype", "kv_bytes_per_token", "kv_bytes", "kv_bytes_peak_per_token",
            "equal_memory_to", "ppl", "ppl_evicting", "full_ppl_evicting", "gap_to_optimal", "mean_kl",
            "top1_agreement", "lost_attention", "evictions", "evicting_tokens", "seconds", "note", "recall",
-           "residual", "storage_notice", "mean_resident", "kv_bytes_held")
+           "residual", "storage_notice", "mean_resident", "kv_bytes_held", "key_channels")
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -43,7 +43,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
                              f"'optimal' is always added unless --no-optimal. Disk-tier rows: 'quest' (RAM = the "
                              f"budget, the whole text on disk, budget/page-size pages read per token by key "
                              f"bounds; quest:select_pages=K) and 'disk' (the same tiers, every page read: exact); "
-                             f"both take disk_pages=N")
+                             f"both take disk_pages=N. key_channels=R on any row prunes that share of key "
+                             f"channels (ThinK), e.g. sinks,sinks:key_channels=0.5")
     parser.add_argument("--no-optimal", action="store_true",
                         help="skip the clairvoyant 'optimal' rows (then no row has a gap to optimal)")
     parser.add_argument("--tmp-dir", metavar="DIR",
@@ -90,7 +91,8 @@ def parse_policies(text: str, optimal: bool = True):
             raise UsageError(f"--policies: unknown policy {name!r}; the policies are {', '.join(POLICIES)}, "
                              f"{OPTIMAL} (compare only, no parameters) and the disk-tier rows "
                              f"{', '.join(TIER_ROWS)}")
-        choices.append(PolicyChoice(name, dict(options.parse_param(p, "--policies") for p in params)))
+        params = dict(options.parse_param(p, "--policies") for p in params)
+        choices.append(PolicyChoice(name, params, params.pop("key_channels", 0.0)))
     if not choices:
         raise UsageError("--policies: give at least one policy")
     return choices
@@ -242,6 +244,8 @@ def check_policy_budgets(choices, budgets, args, model_config) -> None:
                 continue
             try:
                 tier = quality.tier_settings(choice, budget, args.page_size, args.tokens)
+                for dtype in parse_dtypes(args):
+                    CacheSettings(dtype=dtype, key_channels=choice.key_channels, **(tier or {})).check()
                 if tier is not None:
                     CacheSettings(page_size=args.page_size, max_pages=budget // args.page_size, **tier).check()
                     continue
@@ -299,7 +303,8 @@ def _duration(seconds: float) -> str:
 
 
 def format_table(rows) -> str:
-    dtypes = len({r.dtype for r in rows[1:]}) > 1 or any(r.dtype != "float32" for r in rows[1:])
+    dtypes = (len({r.dtype for r in rows[1:]}) > 1 or any(r.dtype != "float32" for r in rows[1:])
+              or any(r.key_channels for r in rows[1:]))
     storage = f"{'dtype':<7} {'KiB/tok':>7} " if dtypes else ""
     header = (f"{'policy':<18} {storage}{'budget':>6} {'ppl':>8} {'ppl evict':>9} {'full':>8} {'vs opt':>7} "
               f"{'mean KL':>8} {'top-1':>6} {'lost attn':>9} {'evictions':>9}")

@@ -248,7 +248,7 @@ class Engine:
         for (request, tokens, start), row in zip(plan, logits, strict=True):
             request.n_cached = start + len(tokens)
             request.steps += 1
-            self.cache.commit(request.seq_id)
+            self.cache.commit(request.seq_id, prompt_done=request.n_cached >= len(request.prompt_ids))
             self.last_logits[request.seq_id] = row
             kind = "prefill" if start + 1 < len(request.tokens) else "decode"
             self._steps[request.seq_id] = SeqStep(request.seq_id, kind, len(tokens), -1)

@@ -16,10 +16,10 @@ class FullCacheOracle:
     def __init__(self, model, bounded: CacheConfig, max_tokens: int, record_layers: tuple[int, ...] = ()):
         """record_layers: the layers whose per-head lost attention each step reports (OracleStep.lost_by_head)."""
         pages = math.ceil(max_tokens / bounded.page_size)
-        # float32: the oracle is the full cache at full precision, so a quantized or float16 cache's KL
-        # includes what its storage loses
+        # float32 and whole keys: the oracle is the full cache at full precision, so a quantized, float16 or
+        # channel-pruned (ThinK) cache's KL includes what its storage loses
         config = dataclasses.replace(bounded, max_pages=pages, policy="none", policy_params={}, disk_pages=0,
-                                     select="all", dtype="float32")
+                                     select="all", dtype="float32", key_channels=0.0)
         self.model = model
         self.cache = KVCacheManager.single(config, prefix_caching=False)
         self._bounded: KVCacheManager | None = None

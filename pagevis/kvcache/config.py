@@ -14,6 +14,7 @@ from pagevis import settings
 from pagevis.errors import ConfigError, check_int
 from pagevis.settings import MAX_PAGE_SIZE, MAX_PAGES, SELECT_MODES, STORAGE_DTYPES, field_for
 from pagevis.kvcache.policies import make_policy
+from pagevis.kvcache.key_channels import pruned_count
 from pagevis.kvcache.quant import is_quantized, layout_for
 from pagevis.kvcache.spec import LayerSpec, check_windows, layer_specs
 
@@ -41,6 +42,7 @@ class CacheSettings:
     residual: int = field_for("residual")  # int4 / int2: tokens kept in float32 (KIVI's residual window)
     policy: str = field_for("policy")
     policy_params: Mapping[str, Any] = field_for("policy_params")
+    key_channels: float = field_for("key_channels")  # ThinK: the share of key channels pruned (key_channels.py)
     disk_pages: int = field_for("disk_pages")  # per layer; 0 = no disk tier. With one, RAM frames cache them
     swap_dir: str | None = field_for("swap_dir")  # None = the system's temporary folder
     select: str = field_for("select")  # which pages a decode query reads: all (exact) or quest (by key bounds)
@@ -59,6 +61,19 @@ class CacheSettings:
         if self.disk_pages and self.max_pages < 2:
             raise ConfigError("max_pages", self.max_pages, "at least 2 with a disk tier (one RAM frame for the "
                               "newest page, one to read disk pages into)")
+        self._check_key_channels()
+
+    def _check_key_channels(self) -> None:
+        """ThinK zeroes channels of float keys in RAM pages: refused with a quantized dtype, a disk tier or quest."""
+        if not self.key_channels:
+            return
+        clash = (("dtype", self.dtype, "float32 or float16") if is_quantized(self.dtype) else
+                 ("disk_pages", self.disk_pages, "0") if self.disk_pages else
+                 ("select", self.select, "all") if self.select == "quest" else None)
+        if clash is not None:
+            name, value, allowed = clash
+            raise ConfigError(name, value, f"{allowed} with key_channels {self.key_channels:g} (ThinK zeroes key "
+                                           "channels in float pages held in RAM)")
 
     @property
     def tiered(self) -> bool:
@@ -184,7 +199,19 @@ class CacheConfig(CacheSettings):
     def kv_bytes_per_token(self) -> float:
         """K/V bytes per token, all layers, of one sequence's cache at capacity (every page, in whichever
         tier, and what sits beside them), over the tokens it holds."""
-        return self.n_layers * (self.n_page_ids * self.page_bytes() + self.side_bytes()) / self.capacity
+        return (self.n_layers * (self.n_page_ids * self.page_bytes() + self.side_bytes()) / self.capacity
+                - self.pruned_key_bytes_per_token())
+
+    @property
+    def kept_key_channels(self) -> int:
+        """Key channels per KV head a token keeps: head_dim, less ThinK's pruned ones (key_channels.py)."""
+        return self.head_dim - pruned_count(self.head_dim, self.key_channels)
+
+    def pruned_key_bytes_per_token(self) -> int:
+        """ThinK: the bytes per token, all layers, that a store of the kept key channels alone saves. The
+        arrays here stay full width (the pruned channels are zeros): see key_channels.py."""
+        pruned = self.head_dim - self.kept_key_channels
+        return self.n_layers * self.n_kv_heads * pruned * np.dtype(self.dtype).itemsize if pruned else 0
 
     @property
     def quantized(self) -> bool:

@@ -43,6 +43,7 @@ from pagevis.kvcache.attention import AttentionResult, attend, attend_decode_bat
 from pagevis.kvcache.config import MAX_PAGES, CacheConfig
 from pagevis.kvcache.errors import CacheFullError, ConfigError
 from pagevis.kvcache.events import CacheEvent, EventKind
+from pagevis.kvcache.key_channels import KeyChannels
 from pagevis.kvcache.policies import EvictionPolicy, make_policy
 from pagevis.kvcache.policy_state import LayerView, PolicyState
 from pagevis.kvcache.prefix_cache import ROOT_HASH, PrefixCacheStats, page_hash, prefix_hashes
@@ -84,6 +85,7 @@ class SequenceCache:
     dropped: list[int] = field(default_factory=list)
     slid: list[int] = field(default_factory=list)
     newest: int = -1  # the newest position written (its query is the one a sliding window follows)
+    channels: KeyChannels | None = None  # ThinK (key_channels): the query window, then the key channels kept
 
     def clear(self) -> None:
         for layer, table in enumerate(self.block_tables):
@@ -97,6 +99,8 @@ class SequenceCache:
             self.dropped[layer], self.slid[layer] = 0, -1
         self.newest = -1
         self.policy.reset()
+        if self.channels is not None:
+            self.channels.reset()
         self.token_ids.clear()
         self.hashes.clear()
         self.hashable = True
@@ -174,6 +178,8 @@ class KVCacheManager:
         seq = SequenceCache(seq_id, policy, [policy.make_state(store.n_slots) for store in self.stores],
                             [[] for _ in range(n_layers)], [set() for _ in range(n_layers)], [0] * n_layers,
                             [None] * n_layers, head_keep, dropped=[0] * n_layers, slid=[-1] * n_layers)
+        if self.config.key_channels:
+            seq.channels = KeyChannels(n_layers, self.config.key_channels, self.config.head_dim)
         self.sequences[seq_id] = seq
         return seq
 
@@ -261,6 +267,7 @@ class KVCacheManager:
         child.policy = copy.deepcopy(parent.policy)
         child.states = [copy.deepcopy(state) for state in parent.states]
         child.head_keep = [None if keep is None else keep.copy() for keep in parent.head_keep]
+        child.channels = copy.deepcopy(parent.channels)
         child.token_ids = parent.token_ids[:n]
         child.hashable = parent.hashable
         child.hashes = parent.hashes[: n // self.page_size]
@@ -378,8 +385,9 @@ class KVCacheManager:
             need = int((shared & (fill < ps)).sum()) + min(n_evict, int(shared.sum()))
             if store.kivi:  # quantizing a key group copies the shared pages it touches
                 need += min(int(shared.sum()), -(-store.layout.group // ps) + 1)
-            if seq.policy.prunes or (n_evict and (seq.policy.rerotate or seq.policy.merges)):
-                need += int(shared.sum())  # pruned tokens, rotated keys, merged values: on any shared page
+            if (seq.policy.prunes or (n_evict and (seq.policy.rerotate or seq.policy.merges))
+                    or (seq.channels is not None and not seq.channels.chosen)):
+                need += int(shared.sum())  # pruned tokens or key channels, rotated keys, merged values: any shared page
             need += -(-max(0, n_tokens - room - n_evict) // ps)
             needs.append(need)
         return needs
@@ -471,6 +479,8 @@ class KVCacheManager:
             self._slide(seq, layer, int(positions[0]) - 1)
         state, holes, keep = seq.states[layer], seq.holes[layer], seq.head_keep[layer]
         budget = self._budget(seq, layer)
+        if seq.channels is not None:
+            k = seq.channels.prune(layer, k)
         for i, position in enumerate(positions):
             if keep is not None:
                 self._evict_heads(seq, layer)
@@ -493,9 +503,12 @@ class KVCacheManager:
         if len(positions):
             seq.newest = max(seq.newest, int(positions[-1]))
 
-    def commit(self, seq_id: int) -> None:
-        """After a step: register the sequence's newly full pages under their prefix hashes."""
+    def commit(self, seq_id: int, prompt_done: bool = False) -> None:
+        """After a step: register the sequence's newly full pages under their prefix hashes. With key_channels
+        (ThinK), once its prompt is done or its cache full, choose each layer's key channels and prune them."""
         seq = self.sequences[seq_id]
+        if seq.channels is not None and not seq.channels.chosen and (prompt_done or self.free_slots(seq_id) <= 0):
+            self._prune_key_channels(seq)
         if seq.hashable and self.prefix_caching:
             self._register(seq)
         for layer, (store, window) in enumerate(zip(self.stores, self.windows, strict=True)):
@@ -671,7 +684,29 @@ class KVCacheManager:
                 copy = self._copy_on_write(seq, layer, page)
                 moved = np.where(moved // ps == page, copy * ps + moved % ps, moved)
         pages, slots = moved // ps, moved % ps
-        store.k[:, pages, slots] = rotate(store.k[:, pages, slots], delta, self.inv_freq).astype(store.k.dtype)
+        rotated = rotate(store.k[:, pages, slots], delta, self.inv_freq).astype(store.k.dtype)
+        if seq.channels is not None:  # ThinK: a RoPE pair with one channel pruned keeps that channel zero
+            rotated = seq.channels.prune(layer, rotated.transpose(1, 0, 2)).transpose(1, 0, 2)
+        store.k[:, pages, slots] = rotated
+
+    def _prune_key_channels(self, seq: SequenceCache) -> None:
+        """ThinK: each layer's key channels chosen from its query window and the keys the sequence holds, and
+        the pruned ones zeroed in those keys (a shared page is copied first and keeps its prefix hash; a page
+        changed in place leaves the prefix cache; the sequence registers no more pages: they no longer hold the
+        prefix's plain keys)."""
+        ps = self.page_size
+        seq.hashable = False
+        for layer, store in enumerate(self.stores):
+            for page in list(seq.block_tables[layer]):
+                if store.pages.is_shared(page):
+                    self._copy_on_write(seq, layer, page)
+                else:
+                    self._forget(seq, layer, page)
+            flat = self._flat_slots(seq.block_tables[layer])
+            flat = flat[store.positions[flat] >= 0]
+            pages, slots = flat // ps, flat % ps
+            kept = seq.channels.choose(layer, store.k[:, pages, slots])
+            store.k[:, pages, slots] *= kept[:, None, :].astype(store.k.dtype)
 
     def _forget(self, seq: SequenceCache, layer: int, page: int) -> None:
         """The page's contents change: it no longer stands for its prefix hash."""
@@ -763,8 +798,7 @@ class KVCacheManager:
         if store.tiered or store.quantized or (self.select_pages is not None and len(q) == 1):
             return self._read(seq, layer, q, positions)
         seq.read_slots[layer] = None
-        if seq.policy.uses_queries:
-            seq.states[layer].query(q, positions)
+        self._observe_queries(seq, layer, q, positions)
         n_kv, _, ps, head_dim = store.k.shape
         keep = seq.head_keep[layer]
         # a local layer's window may sit far above the pool's bottom (slid-out pages stay cached below it):
@@ -792,6 +826,14 @@ class KVCacheManager:
         if seq.policy.uses_attention:
             seq.states[layer].observe(result.weights, read)
         return result
+
+    @staticmethod
+    def _observe_queries(seq: SequenceCache, layer: int, q: np.ndarray, positions: np.ndarray) -> None:
+        """The queries a layer attends with, to the policy that reads them and to ThinK's window."""
+        if seq.policy.uses_queries:
+            seq.states[layer].query(q, positions)
+        if seq.channels is not None:
+            seq.channels.observe(layer, q)
 
     def can_attend_many(self, seq_ids: list[int], layer: int) -> bool:
         """Whether `attend_many` serves these sequences: several of them in a shared pool, pages in RAM and
@@ -824,8 +866,7 @@ class KVCacheManager:
         values = store.v[:, padded].reshape(n_kv, len(seqs), widest * ps, head_dim)
         for i, seq in enumerate(seqs):
             seq.read_slots[layer] = None
-            if seq.policy.uses_queries:
-                seq.states[layer].query(q[i: i + 1], positions[i: i + 1])
+            self._observe_queries(seq, layer, q[i: i + 1], positions[i: i + 1])
         output, weights = attend_decode_batch(q, keys, values, bias)
         results = []
         for i, seq in enumerate(seqs):
@@ -840,8 +881,7 @@ class KVCacheManager:
         """Attention through the reader: pages on disk, or a page selection (a chunk of several
         queries reads every page: max_chunk keeps such chunks within select_pages pages)."""
         select = self.select_pages if len(q) == 1 else None
-        if seq.policy.uses_queries:
-            seq.states[layer].query(q, positions)
+        self._observe_queries(seq, layer, q, positions)
         result = read_attention(self.stores[layer], seq.block_tables[layer], q, positions, self.step, select,
                                 all_weights=seq.policy.uses_attention and len(q) > 1,
                                 own_pages_only=len(self.sequences) > 1, keep=seq.head_keep[layer],

@@ -427,6 +427,9 @@ def storage_summary(config, stores=None) -> dict:
         out.update(residual=layout.residual, kv_residual_bytes_per_token=config.n_layers * layout.residual_bytes_per_token())
         if layout.residual != config.residual:
             out["residual_requested"] = config.residual
+    if config.key_channels:  # ThinK: per_token is what a store of the kept key channels needs (key_channels.py)
+        out.update(key_channels=config.key_channels, key_channels_kept=config.kept_key_channels,
+                   kv_bytes_per_token_full_width=per_token + config.pruned_key_bytes_per_token())
     notice = storage_notice(config)
     if notice:
         out["storage_notice"] = notice
@@ -440,11 +443,14 @@ def storage_summary(config, stores=None) -> dict:
 def storage_notice(config) -> str:
     """What the user must know about this storage at this budget, or "": the residual window clamped (and
     to what), and a quantized cache costing more per token than float32 (and why). Clauses are joined by
-    '; ', each a headline, ': ', and its reason (the status bar shows the headlines)."""
+    '; ', each a headline, ': ', and its reason (the status bar shows the headlines). With key_channels (ThinK),
+    the key channels kept: the bytes per token count those alone, the pages here are full width."""
+    notes = [] if not config.key_channels else [
+        f"keys {config.kept_key_channels} of {config.head_dim} channels (ThinK): bytes per token count the kept "
+        f"channels (what a narrow store needs), the pages here stay full width with the pruned channels zeros"]
     layout = layout_for(config)
     if layout is None or not layout.kivi:
-        return ""
-    notes = []
+        return "; ".join(notes)
     per_token = config.kv_bytes_per_token() / config.n_layers
     float32 = layout.residual_bytes_per_token()
     if layout.residual != config.residual:
@@ -467,7 +473,7 @@ def storage_text(config) -> str:
     text = f"{config.dtype}: {summary['kv_bits_per_value']:.2f} bits per K/V value"
     layout = layout_for(config)
     if layout is None:
-        return text
+        return text + (f"; {summary['storage_notice']}" if "storage_notice" in summary else "")
     text += f" ({layout.quantized_bytes_per_token():g} B per token and layer quantized"
     if layout.kivi:
         text += f"; the newest {max(layout.residual, 1)} + up to {layout.group - 1} tokens in float32"

@@ -44,9 +44,10 @@ class Engines:
 
     @staticmethod
     def layout(config) -> tuple:
-        """What requests must share to share a pool (int4 / int2: the residual window is part of the layout)."""
+        """What requests must share to share a pool (int4 / int2: the residual window is part of the layout; ThinK's
+        share of key channels pruned is the pool's, each sequence choosing its own channels)."""
         return (config.page_size, config.dtype, config.residual if config.dtype in ("int4", "int2") else None,
-                config.max_pages if config.tiered else None)
+                config.max_pages if config.tiered else None, config.key_channels)
 
     def core(self, config) -> EngineCore:
         """The engine for this request's layout (made now if there is none); ConfigError when the request's
@@ -74,7 +75,7 @@ class Engines:
     def _start(self, key: tuple, config) -> EngineCore:
         defaults = self.settings.defaults
         pool_config = dataclasses.replace(defaults, page_size=config.page_size, dtype=config.dtype,
-                                          residual=config.residual,
+                                          residual=config.residual, key_channels=config.key_channels,
                                           max_pages=config.max_pages if config.tiered else defaults.max_pages)
         batch = BatchConfig(max_seqs=self.settings.max_seqs, pool_pages=self.settings.pool_pages_for(config.page_size),
                             token_budget=self.settings.token_budget)
@@ -84,7 +85,8 @@ class Engines:
                 array.fill(0)
         if self.kv_events is not None:
             self.kv_events.watch(engine)
-        name = f"{config.page_size}x{config.dtype}" + (f"x{config.max_pages}" if config.tiered else "")
+        name = (f"{config.page_size}x{config.dtype}" + (f"x{config.max_pages}" if config.tiered else "")
+                + (f"-think{config.key_channels:g}" if config.key_channels else ""))
         core = EngineCore(engine, name, self.metrics.observe_engine(name))
         self.cores[key] = core
         return core
