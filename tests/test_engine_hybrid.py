@@ -82,6 +82,24 @@ def test_windowed_attention_over_pages_equals_dense_float64_with_the_window_mask
     cache.close()
 
 
+def test_every_batch_record_gives_the_pools_bytes_by_layer_type_as_its_block_tables_count_them():
+    cfg = session_config(max_new_tokens=25, sampling=SamplingConfig(mode="sample", seed=5))
+    engine = Engine(MODEL, cfg, BatchConfig(max_seqs=3))
+    engine.submit_parallel(PROMPT, 3)
+    page_bytes, seen_slides = engine.cache_config.page_bytes(), False
+    for record in engine.run():
+        running = list(record.n_cached)
+        # brute force: each layer's distinct pages over the running sequences' block tables (shared ones once)
+        pages = [len({p for s in running for p in engine.cache.block_table(s, layer)}) for layer in range(3)]
+        local, global_ = pages[0] + pages[1], pages[2]
+        assert record.hybrid == (local * page_bytes, global_ * page_bytes, 3 * global_ * page_bytes, 2, 1)
+        seen_slides |= pages[0] < global_
+    assert seen_slides  # the local layers held fewer pages than the global one at some step
+    plain = Engine(SyntheticModel(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=3), cfg, BatchConfig())
+    plain.submit(PROMPT)
+    assert all(record.hybrid is None for record in plain.run())  # no window, no line
+
+
 def simulate_slides(n_steps_tokens, window, page_size):
     """Brute force: after each step (tokens written so far), which logical pages a local layer has let go of —
     those whose newest position is below the newest query's window. Returns per step the newest position of

@@ -74,3 +74,33 @@ def test_a_trace_of_a_hybrid_run_replays_with_its_layer_types_and_slides(tmp_pat
     # 17 prompt tokens and 5 more: the query at 21 sees 14..21, so pages 0-2 (positions 0-11) have slid out
     assert [(e.page, e.reason) for e in timeline.evictions] == [(p, f"slid out of the window ({W})") for p in range(3)]
     assert timeline.resident_per_step(0).tolist() == [int((r.slot_maps[0] >= 0).sum()) for r in session.records]
+
+
+def test_the_sequences_window_gives_the_hybrid_pools_bytes_by_layer_type(qtbot, tmp_path):
+    window = make_window(qtbot, tmp_path, SPEC, PROMPT, CONFIG)
+    seqs = window.open_sequences()
+    qtbot.addWidget(seqs)
+    seqs.start()
+    for _ in range(12):
+        seqs.step()
+        qtbot.waitUntil(lambda: not seqs.busy, timeout=20000)
+    record = seqs.view.record
+    local, global_ = record.hybrid.local, record.hybrid.global_
+    assert 0 < local < global_  # layer 0's window let pages go that layer 1 keeps
+    assert seqs.view.memory_note.text().endswith(f"\nAll layers: {record.hybrid.text()}.")
+    seqs.close()
+
+
+@pytest.mark.slow
+def test_the_server_window_gives_the_hybrid_pools_bytes_by_layer_type(qtbot, tmp_path):
+    from dataclasses import replace
+
+    from pagevis.presets import SERVER_PRESETS
+
+    window = make_window(qtbot, tmp_path, SPEC, PROMPT, CONFIG)
+    first = SERVER_PRESETS[0]
+    server = window.open_server(replace(first, server=replace(first.server, step_seconds=None)))
+    qtbot.addWidget(server)
+    qtbot.waitUntil(lambda: "without windows" in server.status.text(), timeout=30000)
+    assert "A: " in server.status.text() and ", hybrid K/V " in server.status.text()
+    server.close()

@@ -11,6 +11,7 @@ import numpy as np
 
 from pagevis import settings
 from pagevis.kvcache import CacheEvent
+from pagevis.kvcache.memory import HybridBytes
 from pagevis.settings import MAX_SEQUENCES, field_for
 
 __all__ = ["MAX_CHUNK", "MAX_SEQUENCES", "BatchConfig", "BatchRecord", "SeqStep"]
@@ -59,6 +60,9 @@ class BatchRecord:
     n_cached: dict[int, int] = field(default_factory=dict)  # running sequence -> tokens in the pool after the step
     waiting: int = 0  # requests waiting after the step
     ended: tuple[int, ...] = ()  # requests that ended in this step (any stop reason)
+    # a model with sliding-window layers: the pool's bytes in use by layer type against a cache without windows
+    # (kvcache.memory.HybridBytes); None otherwise
+    hybrid: HybridBytes | None = None
 
     @property
     def tokens_decoded(self) -> int:

@@ -22,6 +22,7 @@ from typing import Iterator
 import numpy as np
 
 from pagevis.kvcache import CacheFullError, ConfigError, EventKind, KVCacheManager
+from pagevis.kvcache.memory import HybridBytes, hybrid_bytes
 from pagevis.kvcache.swap import SwapSpaceError
 from pagevis.errors import check_int
 from pagevis.engine import logprobs
@@ -353,7 +354,16 @@ class Engine:
             pages_used=cache.pages_used(), pages_unshared=cache.pages_unshared(),
             contiguous_reserved_tokens=reserved, tokens_stored=int(store.fill[used].sum()),
             seconds=time.perf_counter() - started, n_cached={r.seq_id: r.n_cached for r in running},
-            waiting=len(self.scheduler.waiting), ended=ended)
+            waiting=len(self.scheduler.waiting), ended=ended, hybrid=self._hybrid_bytes())
+
+    def _hybrid_bytes(self) -> HybridBytes | None:
+        """The pool's pages in use per layer, by layer type, when some layer has a sliding window."""
+        config = self.cache_config
+        if not any(spec.window for spec in config.layer_specs):
+            return None
+        longest = max((r.n_cached for r in self.scheduler.running), default=0)
+        return hybrid_bytes(config.layer_specs, [self.cache.pages_used(layer) for layer in range(config.n_layers)],
+                            config.page_bytes(), longest, config.page_size)
 
 
 def _reseeded(sampling: SamplingConfig, seed: int) -> SamplingConfig:

@@ -127,6 +127,8 @@ class SequencesView(QWidget):
             f"({internal / slots:.0%} internal fragmentation, only in last pages); no external fragmentation "
             f"(any free page fits any sequence). Contiguous allocation reserves prompt + max new tokens per "
             f"sequence up front." if slots else "no pages in use")
+        if record.hybrid is not None:  # sliding-window layers: what they save against a cache without windows
+            self.memory_note.setText(f"{self.memory_note.text()}\nAll layers: {record.hybrid.text()}.")
         self.texts.setColumnCount(len(texts))
         self.texts.setRowCount(1)
         self.texts.setHorizontalHeaderLabels([f"sequence {s}" for s in texts])

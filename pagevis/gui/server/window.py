@@ -100,6 +100,7 @@ class ServerWindow(QWidget):
         self._dirty = False
         self._last_draw = self._last_slow = 0.0
         self._jobs: list = []
+        self.closed = False
         self._build_controls(preset)
         self.plots = ServerPlots()
         self.summary = QLabel()
@@ -327,6 +328,8 @@ class ServerWindow(QWidget):
         return self._dirty or bool(self._jobs) or self.redraw_timer.isActive()
 
     def request_redraw(self) -> None:
+        if self.closed:
+            return
         self._dirty = True
         if not self.redraw_timer.isActive() and not self._jobs:
             wait = max(0.0, FRAME - (time.perf_counter() - self._last_draw))
@@ -346,6 +349,8 @@ class ServerWindow(QWidget):
         self._next_job()
 
     def _next_job(self) -> None:
+        if self.closed:
+            return
         if self._jobs:
             self._jobs.pop(0)()
         if self._jobs:
@@ -387,6 +392,7 @@ class ServerWindow(QWidget):
             done = self.stepper is not None and self.stepper.done
             self.status.setText(f"server time {newest.t1:.1f} s · " + " · ".join(
                 f"{s.side}: {s.completed} done, {len(s.running)} running, {len(s.waiting)} waiting"
+                + (f", {s.pool.hybrid.text()}" if s.pool is not None and s.pool.hybrid is not None else "")
                 for s in self.latest.values())
                 + (" · every request has been served; Start builds the server again" if done else ""))
 
@@ -423,13 +429,20 @@ class ServerWindow(QWidget):
         self.pause()
         return QThreadPool.globalInstance().waitForDone(timeout_ms)
 
+    def showEvent(self, event) -> None:
+        self.closed = False
+        super().showEvent(event)
+
     def closeEvent(self, event) -> None:
+        self.closed = True  # records the worker still delivers while it stops draw nothing
         self.redraw_timer.stop()
         self._jobs = []
         if self.worker is not None:
             self.shutdown()
             self.worker, self.control = None, None  # its queued `finished` may come after the window is gone
         self._close_sides()
+        self.redraw_timer.stop()
+        self._jobs, self._dirty = [], False  # a job queued after this would draw widgets Qt has deleted
         super().closeEvent(event)
 
 
