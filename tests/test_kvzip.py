@@ -85,10 +85,10 @@ def brute_force_scores(model, prompt, chunk):
 def global_keep(scores, budget):
     """The budget x layers x KV heads best entries (ties: the older goes); and the margin at the threshold."""
     n_layers, n_heads, n = scores.shape
-    entries = sorted(((scores[layer, head, p], -p, -head, -layer) for layer in range(n_layers)
+    entries = sorted(((scores[layer, head, p], p, head, layer) for layer in range(n_layers)
                       for head in range(n_heads) for p in range(n)), reverse=True)
     k = budget * n_layers * n_heads
-    kept = {(-e[3], -e[2], -e[1]) for e in entries[:k]}
+    kept = {(e[3], e[2], e[1]) for e in entries[:k]}
     margin = entries[k - 1][0] - entries[k][0] if k < len(entries) else np.inf
     return kept, margin
 
