@@ -105,9 +105,10 @@ def engine_kept(session):
     return kept
 
 
-def kvzip_session(model, budget, chunk=2048, max_new_tokens=1, max_pages=40):
+def kvzip_session(model, budget, chunk=2048, max_new_tokens=1, max_pages=40, context=0):
     config = SessionConfig(page_size=4, max_pages=max_pages, policy="kvzip", max_new_tokens=max_new_tokens,
-                           chat=False, policy_params={"budget": budget, "n_sink": N_SINK, "chunk": chunk})
+                           chat=False, policy_params={"budget": budget, "n_sink": N_SINK, "chunk": chunk,
+                                                      "context": context})
     return DecodeSession(model, TEXT, config)
 
 
@@ -130,6 +131,16 @@ def test_kept_entries_equal_the_brute_force(model, budget, chunk):
     assert reconstruct.detail == fed and "reconstruction pass" in reconstruct.reason
     assert "reconstruct" in record.timings
     assert session.cache.n_tokens(session.seq_id) == len(prompt)
+
+
+def test_a_context_shorter_than_the_prompt_is_compressed_after_its_last_token(model):
+    """compare's row: the first `context` tokens are prefilled and compressed; the rest comes one at a time."""
+    session = kvzip_session(model, 8, context=40, max_pages=10)
+    first = session.step()
+    assert first.positions == tuple(range(40))
+    expected, margin = global_keep(brute_force_scores(model, list(session.prompt_ids[:40]), 2048)[0], 8)
+    assert margin > 1e-5 and engine_kept(session) == expected
+    assert session.step().positions == (40,)
 
 
 def test_decoding_keeps_each_heads_budget_by_the_stated_rule(model):
@@ -170,6 +181,24 @@ def test_refusal_names_the_numbers(model):
     assert str(error.value) == ("max_pages = 10 is not allowed: at least 23 pages of 4: policy 'kvzip' prefills the "
                                 "whole prompt before compressing it, and the prompt is 90 tokens while the cache "
                                 "holds 40")
+
+
+def test_compare_row_scores_the_tokens_after_its_context(tmp_path, capsys):
+    from pagevis.bench import quality
+
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT * 2)
+    status = main(["compare", str(text), "--model", "synthetic", "--layers", "2", "--heads", "4", "--kv-heads", "2",
+                   "--head-dim", "16", "--model-seed", "3", "--policies", "kvzip", "--budgets", "32",
+                   "--page-size", "16", "--tokens", "120", "--json", "--no-files", "--quiet"])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    rows = {r["policy"]: r for r in json.loads(out)["rows"]}
+    kvzip, optimal = rows["kvzip"], rows["optimal"]
+    assert kvzip["scored_from"] == 80 and kvzip["evicting_tokens"] == 120 - 1 - 80  # (120 - 32) // 16 * 16
+    assert kvzip["gap_to_optimal"] == pytest.approx(kvzip["ppl_evicting"] / kvzip["optimal_ppl_scored"] - 1)
+    assert kvzip["kv_bytes"] == optimal["kv_bytes"]  # the same K/V as 32 whole tokens, once compressed
+    assert quality.session_pages(quality.PolicyChoice("kvzip"), 32, 16, None, 120) == (5, {"budget": 32, "context": 80})
 
 
 def test_cli_run_json(capsys):

@@ -106,11 +106,12 @@ class Engine:
         if not policy.compresses:
             return
         cfg = self.cache_config
-        held = min(policy.capacity, self.cache.pool_pages * cfg.page_size)
-        if len(prompt_ids) > held:
+        held, context = min(policy.capacity, self.cache.pool_pages * cfg.page_size), policy.context_of(len(prompt_ids))
+        if context > held:
+            whole = "prompt" if context == len(prompt_ids) else f"prompt's first {context} tokens (context)"
             raise ConfigError("max_pages", cfg.max_pages,
-                              f"at least {-(-len(prompt_ids) // cfg.page_size)} pages of {cfg.page_size}: policy "
-                              f"{policy.name!r} prefills the whole prompt before compressing it, and the prompt is "
+                              f"at least {-(-context // cfg.page_size)} pages of {cfg.page_size}: policy "
+                              f"{policy.name!r} prefills the whole {whole} before compressing it, and the prompt is "
                               f"{len(prompt_ids)} tokens while the cache holds {held}")
         if any(self.cache.windows):
             raise ConfigError("policy", policy.name, "another policy on a model with sliding-window layers (its "
@@ -271,7 +272,8 @@ class Engine:
             request.steps += 1
             self.cache.commit(request.seq_id)
             policy = self.cache.sequences[request.seq_id].policy
-            if policy.compresses and not policy.compressed and request.n_cached >= len(request.prompt_ids):
+            if policy.compresses and not policy.compressed and request.n_cached >= policy.context_of(
+                    len(request.prompt_ids)):
                 self.reconstruct_seconds = reconstruct_and_compress(self.model, self.cache, request.seq_id)
             self.last_logits[request.seq_id] = row
             kind = "prefill" if start + 1 < len(request.tokens) else "decode"

@@ -13,7 +13,8 @@ once (one global threshold, kvpress's `layerwise=False`), so each (layer, KV hea
 cache masks the dropped entries per head and frees the slots every head dropped.
 
 kvpress's `compression_ratio` r removes r x (the context's entries); here `budget` B keeps B tokens' worth
-per layer on average: r = 1 - B / (prompt tokens). The first `n_sink` positions are always kept (kvpress
+per layer on average: r = 1 - B / (prompt tokens). With `context` N the compression comes after the prompt's
+first N tokens, and the rest of the prompt is fed one token at a time as if decoded (compare's row). The first `n_sink` positions are always kept (kvpress
 gives them the score 1.0, the largest a weight can be; it overwrites them when the context has no
 chat-template prefix, here they stay: n_sink=0 is the bare score).
 
@@ -56,6 +57,7 @@ class KVzip(EvictionPolicy):
     budget: int | None = None  # tokens per layer kept on average: budget x n_layers x n_kv_heads entries
     n_sink: int = 4
     chunk: int = 2048  # prompt tokens per reconstruction chunk (kvpress's chunk_size)
+    context: int = 0  # compress after this many tokens (0: the whole prompt); compare's row sets it
     per_head = True
     compresses = True
     name = "kvzip"
@@ -67,6 +69,7 @@ class KVzip(EvictionPolicy):
         super().bind(capacity, page_size)
         self.n_sink = self.check_int_param("n_sink", self.n_sink, 0, capacity)
         self.chunk = self.check_int_param("chunk", self.chunk, 1, 1 << 20)
+        self.context = self.check_int_param("context", self.context, 0, capacity)
         self.budget = self.check_int_param("budget", capacity // 2 if self.budget is None else self.budget,
                                            max(1, self.n_sink), capacity)
         self.reset()
@@ -81,6 +84,10 @@ class KVzip(EvictionPolicy):
     @property
     def compressed(self) -> bool:
         return self.head_budgets is not None
+
+    def context_of(self, n_prompt: int) -> int:
+        """The tokens prefilled before the compression: the prompt's, or the first `context` of them."""
+        return min(self.context or n_prompt, n_prompt)
 
     def protected(self, pages):
         return pages.occupied() & (pages.positions < self.n_sink)
@@ -114,8 +121,8 @@ class KVzip(EvictionPolicy):
                 for layer, gone in enumerate(per_layer)]
 
     def head_room(self, pages):
-        if not self.compressed:
-            return self.capacity
+        if not self.compressed:  # a prefill chunk stops at the context (the pass runs after that step)
+            return (self.context or self.capacity) - int(pages.occupied().sum())
         return max(0, int((self.head_budgets[pages.layer] - pages.kept().sum(axis=1)).min()))
 
     def choose_head_victims(self, pages):
