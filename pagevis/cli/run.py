@@ -99,7 +99,8 @@ def summarize(session, model_label: str, elapsed: float) -> dict:
     decode = [r for r in records if r.kind == "decode"]
     prefill = [r for r in records if r.kind == "prefill"]
     decode_seconds = sum(r.timings.get("total", 0.0) - r.timings.get("oracle", 0.0) for r in decode)
-    prefill_seconds = sum(r.timings.get("total", 0.0) - r.timings.get("oracle", 0.0) for r in prefill)
+    prefill_seconds = sum(r.timings.get("total", 0.0) - r.timings.get("oracle", 0.0) - r.timings.get("reconstruct", 0.0)
+                          for r in prefill)  # kvzip's reconstruction pass: compression.reconstruct_seconds
     summary = {
         "model": model_label,
         "prompt_tokens": len(session.prompt_ids),
