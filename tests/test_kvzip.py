@@ -210,6 +210,7 @@ def test_cli_run_json(capsys):
     assert status == 0, err
     compression = json.loads(out)["compression"]
     assert compression["compressed"] and compression["context_tokens"] == 90
+    assert compression["reconstruct_tokens"] == len("\n\nRepeat the previous context exactly.\n") + 90
     assert sum(map(sum, compression["head_budgets"])) == 12 * 2 * 2
     assert compression["kv_bytes_entries"] == 12 * 2 * 2 * (2 * 16 * 4)  # entries x (K + V) x head_dim x float32
     assert compression["kv_bytes_slots"] >= compression["kv_bytes_entries"]

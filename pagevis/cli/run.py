@@ -140,12 +140,16 @@ def compression_summary(session) -> dict:
     """A compressing policy (kvzip): its reconstruction pass, each (layer, KV head)'s budget, and the K/V held
     at the end as entries (what a per-head layout stores) and as slots (what the shared pages hold)."""
     policy, cache, cfg = session.policy, session.cache, session.cache_config
+    from pagevis.kvcache import EventKind
+
     reconstruct = [r.timings["reconstruct"] for r in session.records if "reconstruct" in r.timings]
+    fed = [e.detail for r in session.records for e in r.events if e.kind is EventKind.RECONSTRUCT]
     entry_bytes = 2 * cfg.head_dim * np.dtype(cfg.dtype).itemsize  # one KV head's key and value of one token
     layers = range(cfg.n_layers)
     return {
         "compressed": policy.compressed,
         "context_tokens": policy.context_length,
+        "reconstruct_tokens": fed[0] if fed else None,
         "reconstruct_seconds": reconstruct[0] if reconstruct else None,
         "head_budgets": None if policy.head_budgets is None else policy.head_budgets.tolist(),
         "kv_bytes_entries": sum(cache.head_entries(session.seq_id, layer) for layer in layers) * entry_bytes,
