@@ -223,3 +223,29 @@ def test_trace_round_trip(model, tmp_path):
     loaded = read_trace(tmp_path / "t")
     assert [record_differences(a, b) for a, b in zip(session.records, loaded.records)] == [[]] * len(session.records)
     assert any(e.kind is EventKind.RECONSTRUCT for e in loaded.records[0].events)
+
+
+def test_two_sequences_in_one_engine_each_compress_alone(model):
+    """Batched beside another request (the server's engine): each keeps exactly what it keeps alone, prompt
+    chunks cut by the step's token budget included (the pass runs in the step that completes the prompt)."""
+    from pagevis.engine.batch import BatchConfig
+    from pagevis.engine.engine import Engine
+
+    config = SessionConfig(page_size=4, max_pages=30, policy="kvzip", max_new_tokens=3, chat=False,
+                           policy_params={"budget": 12})
+    engine = Engine(model, config, BatchConfig(max_seqs=2, prefix_caching=False, token_budget=32),
+                    hold_finished=True)
+    prompts = [model.tokenizer.encode(TEXT), model.tokenizer.encode(TEXT[::-1])]
+    ids = [engine.submit(prompt) for prompt in prompts]
+    list(engine.run())
+    for seq_id, prompt in zip(ids, prompts):
+        alone = DecodeSession(model, "", config, prompt_ids=prompt)
+        list(alone.run())
+        policy = engine.cache.sequences[seq_id].policy
+        assert policy.head_budgets.tolist() == alone.policy.head_budgets.tolist()
+        assert engine.requests[seq_id].generated == alone.generated
+        kept = {(layer, head, int(engine.cache.stores[layer].positions[flat]))
+                for layer in range(2) for flat in engine.cache._flat_slots(engine.cache.block_table(seq_id, layer))
+                for head in np.flatnonzero(engine.cache.sequences[seq_id].head_keep[layer][:, flat])
+                if engine.cache.stores[layer].positions[flat] >= 0}
+        assert kept == engine_kept(alone)
