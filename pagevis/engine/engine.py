@@ -21,7 +21,7 @@ from typing import Iterator
 
 import numpy as np
 
-from pagevis.kvcache import CacheFullError, ConfigError, EventKind, KVCacheManager, make_policy
+from pagevis.kvcache import POLICIES, CacheFullError, ConfigError, EventKind, KVCacheManager, make_policy
 from pagevis.kvcache.swap import SwapSpaceError
 from pagevis.errors import check_int
 from pagevis.engine import logprobs
@@ -102,9 +102,9 @@ class Engine:
     def _check_compression(self, prompt_ids: tuple[int, ...], policy) -> None:
         """A policy that compresses after the prefill (kvzip) needs the whole prompt in the cache, in RAM pages of a
         model without sliding-window layers: ConfigError naming the numbers otherwise."""
-        policy = policy or make_policy(self.cache_config)
-        if not policy.compresses:
+        if not (policy.compresses if policy is not None else POLICIES[self.cache_config.policy].compresses):
             return
+        policy = policy or make_policy(self.cache_config)
         cfg = self.cache_config
         held, context = min(policy.capacity, self.cache.pool_pages * cfg.page_size), policy.context_of(len(prompt_ids))
         if context > held:
