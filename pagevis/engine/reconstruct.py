@@ -6,8 +6,8 @@ chunks: "... the part of the previous context exactly, starting with" and the pr
 a newline (kvpress's suffix for a model without a chat template) and the chunk itself, at the positions after
 the prompt. The forward is read-only: the model's `attend` is a `ReadOnlyAttend`, whose queries read the
 cache and the chunk's own earlier tokens (causally) and which writes nothing, so every chunk sees the prompt's
-cache alone, as kvpress's does (it drops each chunk's K/V after scoring). Each call's weights on the cached
-tokens feed the policy's `ReconstructionScores`.
+cache alone, as kvpress's does (it drops each chunk's K/V after scoring). The cache hands each call's weights on
+its tokens to the policy's statistics (`PolicyState.reconstruct`: kvzip's `ReconstructionScores`).
 
 One difference: kvpress normalises a chunk's scores over its sinks, its own slice of the context and
 itself; here they are the weights the pass pays over the whole cache. With one chunk (prompts up to
@@ -44,16 +44,13 @@ class ReadOnlyAttend:
         self.own: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # layer -> the chunk's k, v, positions
 
     def __call__(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        own_positions = positions
         if layer in self.own:
-            k, v, positions_so_far = (np.concatenate([old, new]) for old, new in
-                                      zip(self.own[layer], (k, v, positions), strict=True))
-        else:
-            positions_so_far = positions
-        self.own[layer] = (k, v, positions_so_far)
-        result = self.cache.attend_beside(self.seq_id, layer, q, positions, k, v, positions_so_far)
-        cached = len(result.slots)
-        self.cache.sequences[self.seq_id].states[layer].reconstruct(result.weights[..., :cached], result.slots)
-        return result.output
+            old_k, old_v, old_positions = self.own[layer]
+            k, v, own_positions = np.concatenate([old_k, k]), np.concatenate([old_v, v]), np.concatenate(
+                [old_positions, positions])
+        self.own[layer] = (k, v, own_positions)
+        return self.cache.attend_beside(self.seq_id, layer, q, positions, k, v, own_positions).output
 
 
 def reconstruct_and_compress(model, cache, seq_id: int) -> float:

@@ -810,8 +810,9 @@ class KVCacheManager:
                       v: np.ndarray, own_positions: np.ndarray) -> AttentionResult:
         """Attention of queries whose tokens are not cached (kvzip's reconstruction pass) over the sequence's
         resident tokens and the given ones (k, v: (m, n_kv_heads, head_dim) at own_positions, seen causally);
-        nothing is written and the policy's statistics are not fed. Weights over the read slots, then the
-        given tokens; result.slots: the read slots. RAM pages of float K/V only."""
+        nothing is written, and the policy's statistics see the weights on the cached tokens only through
+        `reconstruct`. Weights over the read slots, then the given tokens; result.slots: the read slots. RAM
+        pages of float K/V only."""
         seq, store = self.sequences[seq_id], self.stores[layer]
         table = seq.block_tables[layer]
         n_kv, _, ps, head_dim = store.k.shape
@@ -825,6 +826,7 @@ class KVCacheManager:
             keep = np.concatenate([keep[:, read], np.ones((n_kv, len(own_positions)), dtype=bool)], axis=1)
         result = attend_kept(q, keys, values, bias, np.concatenate([store.positions[read], own_positions]),
                              positions, keep, self.windows[layer])
+        seq.states[layer].reconstruct(result.weights[..., : len(read)], read)
         return result._replace(slots=read)
 
     def can_attend_many(self, seq_ids: list[int], layer: int) -> bool:
