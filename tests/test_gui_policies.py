@@ -30,3 +30,16 @@ def test_pyramidkv_grid_shows_each_layers_capacity(qtbot, tmp_path):
     assert "holds at most 9" in grid.plot.titleLabel.text
     assert grid.block_title.text().endswith("layer 1: 9 tokens")
     assert int((window.timeline.records[-1].slot_maps[1] >= 0).sum()) == 9
+
+
+def test_kvzip_in_the_window(qtbot, tmp_path):
+    """kvzip's parameters become controls; the first step's narration names its reconstruction pass and what each
+    KV head kept; decoding then drops entries per head."""
+    window = make_window(qtbot, tmp_path, config=dataclasses.replace(CONFIG, policy="kvzip", max_pages=5))
+    assert list(window.controls._param_widgets) == ["budget", "n_sink", "chunk", "context", "rerotate",
+                                                    "compress_every"]
+    step(qtbot, window, 3)
+    window.scrub(0)
+    window.redraw()
+    assert "reconstruction pass" in window.narration.text() and "KV heads keep" in window.narration.text()
+    assert window.timeline.records[-1].evictions_total > 0

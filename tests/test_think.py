@@ -143,6 +143,7 @@ def test_bytes_per_token_are_a_narrow_stores():
 @pytest.mark.parametrize("changes, named", [
     ({"dtype": "int4"}, "dtype = 'int4'"), ({"dtype": "int2"}, "dtype = 'int2'"), ({"dtype": "int8"}, "dtype = 'int8'"),
     ({"disk_pages": 8}, "disk_pages = 8"), ({"select": "quest"}, "select = 'quest'"),
+    ({"policy": "kvzip"}, "policy = 'kvzip'"),
 ])
 def test_what_does_not_combine_is_refused_by_name(changes, named):
     with pytest.raises(ConfigError) as error:

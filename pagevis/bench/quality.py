@@ -146,9 +146,14 @@ class Row:
     # policy's size floats under its capacity); kv_bytes_held: that many tokens' K/V bytes, all layers
     mean_resident: float | None = None
     kv_bytes_held: int | None = None
+    # a compressing row (kvzip): the first position whose prediction the evicting columns score (its context's
+    # length; None: the budget), and optimal's perplexity on those same tokens (what its gap is taken against)
+    scored_from: int | None = None
+    optimal_ppl_scored: float | None = None
+    logprobs: np.ndarray | None = field(default=None, repr=False, compare=False)  # per predicted token; not saved
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {key: value for key, value in asdict(self).items() if key != "logprobs"}
 
 
 def perplexity(logprobs: np.ndarray) -> float | None:
@@ -210,7 +215,7 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
     if tier is not None:
         max_pages, params = budget // page_size, {}
     else:
-        max_pages, params = session_pages(choice, budget, page_size, model.config)
+        max_pages, params = session_pages(choice, budget, page_size, model.config, n)
         tier = {"policy": "oldest" if optimal else choice.name}
     storage = {"dtype": dtype} if residual is None else {"dtype": dtype, "residual": residual}
     config = SessionConfig(page_size=page_size, max_pages=max_pages, policy_params=params, max_new_tokens=1,
@@ -233,7 +238,7 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
             session.records[-1] = None  # read once here; keeps the step count, not the arrays (8k steps)
             evictions = record.evictions_total
             resident = _read_by_layer(session, record, n)  # what this step's queries attended to
-            logits = tap.logits[-1]  # every token of the step's one forward (no oracle)
+            logits = tap.logits[0]  # every token of the step's own forward (no oracle; kvzip's pass comes after)
             tap.clear()
             for i, p in enumerate(record.positions):
                 if p >= n - 1:
@@ -255,11 +260,15 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
         note = "cache full (policy none never evicts)"
         return Row(choice.label, budget, page_size, None, None, None, None, None, None, 0, 0,
                    time.perf_counter() - started, note, dtype=dtype, equal_memory_to=equal_memory_to)
-    tail = slice(min(budget, n - 1), n - 1)
+    scored_from = params.get("context") if getattr(POLICIES.get(choice.name), "compresses", False) else None
+    tail = slice(min(budget if scored_from is None else scored_from, n - 1), n - 1)
     evicting = n - 1 - tail.start
+    if scored_from is not None:
+        note = (f"context: the first {scored_from} tokens prefilled whole, compressed to {budget}; ppl evict and the "
+                f"gap over positions >= {scored_from}")
     per_head = optimal is None and getattr(POLICIES.get(choice.name), "per_head", False)
     if per_head:  # the reference keeps head means: what each head dropped cannot be weighed against it
-        note = "lost attn not measured for a per-head policy"
+        note = "; ".join(filter(None, [note, "lost attn not measured for a per-head policy"]))
     memory = storage_summary(session.cache_config, session.cache.stores)
     return Row(
         policy=choice.label, budget=budget, page_size=page_size, ppl=perplexity(true_lp),
@@ -270,12 +279,14 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
         evictions=evictions, evicting_tokens=evicting, seconds=time.perf_counter() - started, note=note,
         recall=1 - float(np.mean(lost[tail])) if evicting and config.tiered else None, dtype=dtype,
         kv_bytes_per_token=memory["kv_bytes_per_token"],
-        kv_bytes=round(memory["kv_bytes_per_token"] * session.cache_config.capacity),
+        kv_bytes=round(memory["kv_bytes_per_token"] * (session.cache_config.capacity if scored_from is None
+                                                        else budget)),
         kv_bytes_peak_per_token=memory["kv_bytes_peak_per_token"], equal_memory_to=equal_memory_to,
         key_channels=choice.key_channels,
         residual=memory.get("residual"), storage_notice=memory.get("storage_notice", ""),
         mean_resident=float(np.mean(held[tail])) if evicting else None,
-        kv_bytes_held=round(float(np.mean(held[tail])) * memory["kv_bytes_per_token"]) if evicting else None)
+        kv_bytes_held=round(float(np.mean(held[tail])) * memory["kv_bytes_per_token"]) if evicting else None,
+        scored_from=scored_from, logprobs=true_lp)
 
 
 TIER_ROWS = ("quest", "disk")  # compare rows with a disk tier: quest's page selection, or exact reads of all
@@ -311,13 +322,20 @@ def _read_by_layer(session, record, n: int) -> np.ndarray:
     return mask
 
 
-def session_pages(choice: PolicyChoice, budget: int, page_size: int, model_config=None) -> tuple[int, dict]:
+def session_pages(choice: PolicyChoice, budget: int, page_size: int, model_config=None,
+                  n_tokens: int | None = None) -> tuple[int, dict]:
     """Pages per layer and policy parameters for a row at `budget` tokens per layer. pyramidkv's budget is
     a mean over layers: its pool holds the first (largest) layer's share. A per-head policy (adakv, duo) with a
     model holds n_kv_heads x budget (KV head, token) entries per layer, the K/V of `budget` whole tokens: its
-    pool holds the slots its heads' tokens may spread over."""
+    pool holds the slots its heads' tokens may spread over. A compressing policy (kvzip) prefills a context
+    (`context`, default the text's first n_tokens - budget tokens, whole pages), compresses it to `budget`, then
+    takes the rest one token at a time: its pool holds the context."""
     params = dict(choice.params)
     cls = POLICIES.get(choice.name)
+    if cls is not None and cls.compresses and n_tokens is not None:
+        params.setdefault("budget", budget)
+        params.setdefault("context", max(budget, (n_tokens - budget) // page_size * page_size))
+        return math.ceil(params["context"] / page_size), params
     if cls is not None and cls.per_head and model_config is not None:
         params.setdefault("budget", budget)
         policy = cls(**params)
@@ -352,10 +370,14 @@ def full_row(reference: Reference, page_size: int) -> Row:
 def fill_gaps(rows: list[Row]) -> None:
     """Set each row's gap to the `optimal` row of its budget and dtype (when there is one and both have a
     perplexity)."""
-    best = {(r.budget, r.dtype): r.ppl_evicting for r in rows if r.policy == OPTIMAL and r.ppl_evicting}
+    best = {(r.budget, r.dtype): r for r in rows if r.policy == OPTIMAL and r.ppl_evicting}
     for r in rows:
-        if r.ppl_evicting is not None and (r.budget, r.dtype) in best:
-            r.gap_to_optimal = r.ppl_evicting / best[r.budget, r.dtype] - 1
+        optimal = best.get((r.budget, r.dtype))
+        if r.ppl_evicting is None or optimal is None:
+            continue
+        if r.scored_from is not None:  # a compressing row scores other tokens: optimal's ppl on the same ones
+            r.optimal_ppl_scored = perplexity(optimal.logprobs[r.scored_from:])
+        r.gap_to_optimal = r.ppl_evicting / (r.optimal_ppl_scored or optimal.ppl_evicting) - 1
 
 
 def cache_bytes(dtype: str, budget: int, page_size: int, residual: int, model_config) -> int:

@@ -22,7 +22,8 @@ MAX_TOKENS = 1 << 20  # the reference's logits go to temporary files; the text b
 COLUMNS = ("policy", "budget", "page_size", "dtype", "kv_bytes_per_token", "kv_bytes", "kv_bytes_peak_per_token",
            "equal_memory_to", "ppl", "ppl_evicting", "full_ppl_evicting", "gap_to_optimal", "mean_kl",
            "top1_agreement", "lost_attention", "evictions", "evicting_tokens", "seconds", "note", "recall",
-           "residual", "storage_notice", "mean_resident", "kv_bytes_held", "key_channels")
+           "residual", "storage_notice", "mean_resident", "kv_bytes_held", "key_channels", "scored_from",
+           "optimal_ppl_scored")
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -249,7 +250,7 @@ def check_policy_budgets(choices, budgets, args, model_config) -> None:
                 if tier is not None:
                     CacheSettings(page_size=args.page_size, max_pages=budget // args.page_size, **tier).check()
                     continue
-                max_pages, params = quality.session_pages(choice, budget, args.page_size, model_config)
+                max_pages, params = quality.session_pages(choice, budget, args.page_size, model_config, args.tokens)
                 CacheSettings(page_size=args.page_size, max_pages=max_pages, policy=choice.name,
                               policy_params=params).check()
             except ConfigError as error:
@@ -327,6 +328,9 @@ def format_table(rows) -> str:
                  "once the cache was full (bounded vs full cache on the same tokens). vs opt: ppl evict over "
                  "optimal's at the same budget, minus 1. quest / disk: RAM frames = budget, the rest on disk; "
                  "lost attn is then the attention on tokens not read, recall = 1 - lost attn."
+                 + (" kvzip: its context (the text's first n - budget tokens) is prefilled whole and compressed to "
+                    "the budget; ppl evict, full and vs opt are over the tokens after it (optimal's on the same "
+                    "tokens): its row's note says where." if any(r.scored_from is not None for r in rows) else "")
                  + (" KiB/tok: K/V bytes per token at the budget, all layers (pages, scales, zero points and the "
                     "residual window); = D@B: the largest budget within dtype D's K/V bytes at budget B. Quality "
                     "is against the float32 full cache." if dtypes else ""))

@@ -99,7 +99,8 @@ def summarize(session, model_label: str, elapsed: float) -> dict:
     decode = [r for r in records if r.kind == "decode"]
     prefill = [r for r in records if r.kind == "prefill"]
     decode_seconds = sum(r.timings.get("total", 0.0) - r.timings.get("oracle", 0.0) for r in decode)
-    prefill_seconds = sum(r.timings.get("total", 0.0) - r.timings.get("oracle", 0.0) for r in prefill)
+    prefill_seconds = sum(r.timings.get("total", 0.0) - r.timings.get("oracle", 0.0) - r.timings.get("reconstruct", 0.0)
+                          for r in prefill)  # kvzip's reconstruction pass: compression.reconstruct_seconds
     summary = {
         "model": model_label,
         "prompt_tokens": len(session.prompt_ids),
@@ -119,6 +120,8 @@ def summarize(session, model_label: str, elapsed: float) -> dict:
         "prefill_tokens_per_s": len(session.prompt_ids) / prefill_seconds if prefill_seconds > 0 else None,
         "seconds": elapsed,
     }
+    if session.policy.compresses:
+        summary["compression"] = compression_summary(session)
     scored = [r.oracle for r in records if r.oracle is not None and r.next_token >= 0]
     if config.oracle:
         summary.update(
@@ -131,6 +134,28 @@ def summarize(session, model_label: str, elapsed: float) -> dict:
         summary.update(disk_pages=config.disk_pages, select=config.select, select_pages=config.select_pages,
                        tiers=tier_summary(records, session.cache_config.page_bytes()))
     return summary
+
+
+def compression_summary(session) -> dict:
+    """A compressing policy (kvzip): its reconstruction pass, each (layer, KV head)'s budget, and the K/V held
+    at the end as entries (what a per-head layout stores) and as slots (what the shared pages hold)."""
+    policy, cache, cfg = session.policy, session.cache, session.cache_config
+    from pagevis.kvcache import EventKind
+
+    reconstruct = [r.timings["reconstruct"] for r in session.records if "reconstruct" in r.timings]
+    fed = [e.detail for r in session.records for e in r.events if e.kind is EventKind.RECONSTRUCT]
+    entry_bytes = 2 * cfg.head_dim * np.dtype(cfg.dtype).itemsize  # one KV head's key and value of one token
+    layers = range(cfg.n_layers)
+    return {
+        "compressed": policy.compressed,
+        "context_tokens": policy.context_length,
+        "reconstruct_tokens": fed[0] if fed else None,
+        "reconstruct_seconds": reconstruct[0] if reconstruct else None,
+        "head_budgets": None if policy.head_budgets is None else policy.head_budgets.tolist(),
+        "kv_bytes_entries": sum(cache.head_entries(session.seq_id, layer) for layer in layers) * entry_bytes,
+        "kv_bytes_slots": sum(cache.resident(session.seq_id, layer) for layer in layers) * cfg.n_kv_heads
+        * entry_bytes,
+    }
 
 
 def tier_summary(records, page_bytes: int) -> dict:

@@ -21,12 +21,13 @@ from typing import Iterator
 
 import numpy as np
 
-from pagevis.kvcache import CacheFullError, ConfigError, EventKind, KVCacheManager
+from pagevis.kvcache import POLICIES, CacheFullError, ConfigError, EventKind, KVCacheManager, make_policy
 from pagevis.kvcache.memory import HybridBytes, hybrid_bytes
 from pagevis.kvcache.swap import SwapSpaceError
 from pagevis.errors import check_int
 from pagevis.engine import logprobs
 from pagevis.engine.batch import MAX_CHUNK, MAX_SEQUENCES, BatchConfig, BatchRecord, SeqStep
+from pagevis.engine.reconstruct import reconstruct_and_compress
 from pagevis.engine.request import Request
 from pagevis.engine.run_loop import RunControl, steps
 from pagevis.engine.sampling import Sampler, SamplingConfig
@@ -53,6 +54,7 @@ class Engine:
         self.n_steps = 0
         self.last_plan: dict[int, tuple[list[int], int]] = {}  # seq -> (tokens fed, first position), last step
         self.last_logits: dict[int, np.ndarray] = {}  # seq -> logits of its last row fed, last step
+        self.reconstruct_seconds = 0.0  # a compressing policy's reconstruction pass in the last step (kvzip)
         self.last_events: list = []  # every cache event of the last step (records keep all but writes)
         self.attention: dict[int, dict[int, tuple]] = {}  # watched seq -> layer -> (last query's weights, slots)
         self._watched: dict[int, tuple[int, ...]] = {}
@@ -86,6 +88,7 @@ class Engine:
         prompt_ids = tuple(int(t) for t in prompt_ids)
         if not prompt_ids:
             raise ConfigError("prompt", prompt_ids, "at least one token")
+        self._check_compression(prompt_ids, policy)
         request = self._new_request(prompt_ids, sampling, max_new_tokens, stop, ignore_eos)
         request.policy = policy
         request.logprobs, request.prompt_logprobs = scores
@@ -96,6 +99,24 @@ class Engine:
             request.prompt_scores = logprobs.Scores.empty(len(prompt_ids) - 1, request.prompt_logprobs)
         self.scheduler.add(request)
         return request.seq_id
+
+    def _check_compression(self, prompt_ids: tuple[int, ...], policy) -> None:
+        """A policy that compresses after the prefill (kvzip) needs the whole prompt in the cache, in RAM pages of a
+        model without sliding-window layers: ConfigError naming the numbers otherwise."""
+        if not (policy.compresses if policy is not None else POLICIES[self.cache_config.policy].compresses):
+            return
+        policy = policy or make_policy(self.cache_config)
+        cfg = self.cache_config
+        held, context = min(policy.capacity, self.cache.pool_pages * cfg.page_size), policy.context_of(len(prompt_ids))
+        if context > held:
+            whole = "prompt" if context == len(prompt_ids) else f"prompt's first {context} tokens (context)"
+            raise ConfigError("max_pages", cfg.max_pages,
+                              f"at least {-(-context // cfg.page_size)} pages of {cfg.page_size}: policy "
+                              f"{policy.name!r} prefills the whole {whole} before compressing it, and the prompt is "
+                              f"{len(prompt_ids)} tokens while the cache holds {held}")
+        if any(self.cache.windows):
+            raise ConfigError("policy", policy.name, "another policy on a model with sliding-window layers (its "
+                              "reconstruction pass scores every layer's whole prompt; kvpress refuses Gemma 3 too)")
 
     def encode(self, prompt: str) -> list[int]:
         """The prompt's token ids (in the chat template when the config says so)."""
@@ -207,6 +228,7 @@ class Engine:
         started = time.perf_counter()
         self.cache.step = self.n_steps
         self.last_plan, self.last_logits, self._steps = {}, {}, {}
+        self.reconstruct_seconds = 0.0  # a compressing policy's reconstruction pass in this step
         plan = self.scheduler.schedule(self._finish)
         if plan:
             try:
@@ -250,6 +272,10 @@ class Engine:
             request.n_cached = start + len(tokens)
             request.steps += 1
             self.cache.commit(request.seq_id, prompt_done=request.n_cached >= len(request.prompt_ids))
+            policy = self.cache.sequences[request.seq_id].policy
+            if policy.compresses and not policy.compressed and request.n_cached >= policy.context_of(
+                    len(request.prompt_ids)):
+                self.reconstruct_seconds = reconstruct_and_compress(self.model, self.cache, request.seq_id)
             self.last_logits[request.seq_id] = row
             kind = "prefill" if start + 1 < len(request.tokens) else "decode"
             self._steps[request.seq_id] = SeqStep(request.seq_id, kind, len(tokens), -1)

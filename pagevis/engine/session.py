@@ -216,10 +216,12 @@ class DecodeSession:
         oracle_done = time.perf_counter()
         record = self._record(kind, tokens, positions, next_token, oracle_step, counts)
         finished = time.perf_counter()
-        forward = self.engine.forward_seconds
-        record.timings.update(forward=forward, sample=max(0.0, engine_done - started - forward),
+        forward, reconstruct = self.engine.forward_seconds, self.engine.reconstruct_seconds
+        record.timings.update(forward=forward, sample=max(0.0, engine_done - started - forward - reconstruct),
                               oracle=oracle_done - engine_done, record=finished - oracle_done,
                               total=finished - started)
+        if reconstruct:  # kvzip's reconstruction pass, after this step's prefill
+            record.timings["reconstruct"] = reconstruct
         self.records.append(record)
         for hook in self._hooks:
             hook(record)

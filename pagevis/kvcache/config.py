@@ -67,13 +67,15 @@ class CacheSettings:
         """ThinK zeroes channels of float keys in RAM pages: refused with a quantized dtype, a disk tier or quest."""
         if not self.key_channels:
             return
-        clash = (("dtype", self.dtype, "float32 or float16") if is_quantized(self.dtype) else
-                 ("disk_pages", self.disk_pages, "0") if self.disk_pages else
-                 ("select", self.select, "all") if self.select == "quest" else None)
+        in_ram = "ThinK zeroes key channels in float pages held in RAM"
+        clash = (("dtype", self.dtype, "float32 or float16", in_ram) if is_quantized(self.dtype) else
+                 ("disk_pages", self.disk_pages, "0", in_ram) if self.disk_pages else
+                 ("select", self.select, "all", in_ram) if self.select == "quest" else
+                 ("policy", self.policy, "a policy other than kvzip", "kvzip's reconstruction pass would score "
+                  "whole new keys against pruned cached ones") if self.policy == "kvzip" else None)
         if clash is not None:
-            name, value, allowed = clash
-            raise ConfigError(name, value, f"{allowed} with key_channels {self.key_channels:g} (ThinK zeroes key "
-                                           "channels in float pages held in RAM)")
+            name, value, allowed, why = clash
+            raise ConfigError(name, value, f"{allowed} with key_channels {self.key_channels:g} ({why})")
 
     @property
     def tiered(self) -> bool:

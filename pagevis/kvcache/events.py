@@ -30,6 +30,9 @@ class EventKind(str, Enum):
     SLIDE = "slide"  # a page of a local layer left the sequence: none of its tokens is in the newest query's
     # window any more (position: its newest token; detail: the tokens it held; reason names the window). A release
     # follows if no other sequence uses the page
+    # compression after the prefill (kvzip):
+    RECONSTRUCT = "reconstruct"  # a reconstruction pass read the sequence's cache and wrote nothing (detail: the
+    # tokens it fed; reason: its chunks and time); the compression's mask and evict events follow in the same step
 
 
 class CacheEvent(NamedTuple):

@@ -620,9 +620,22 @@ class KVCacheManager:
             store.v[:, page, slot] = merged.astype(store.v.dtype)
 
     def _evict_heads(self, seq: SequenceCache, layer: int) -> None:
-        """A per-head policy's drops before the next token: mask each (KV head, slot) entry it names; free
-        the slots no KV head keeps any more."""
-        heads, victims, scores = seq.policy.choose_head_victims(self.view(seq.seq_id, layer))
+        """A per-head policy's drops before the next token."""
+        self._drop_entries(seq, layer, *seq.policy.choose_head_victims(self.view(seq.seq_id, layer)))
+
+    def compress(self, seq_id: int, reconstructed: int, note: str) -> None:
+        """A compressing policy's one-shot drops (kvzip), every layer at once, after its reconstruction pass
+        fed `reconstructed` tokens (a RECONSTRUCT event, `note` its reason)."""
+        self._acting = seq_id
+        seq = self.sequences[seq_id]
+        self._event(E.RECONSTRUCT, seq_id, policy=seq.policy.name, reason=note, detail=reconstructed)
+        drops = seq.policy.compress([self.view(seq_id, layer) for layer in range(len(self.stores))])
+        for layer, (heads, victims, scores) in enumerate(drops):
+            self._drop_entries(seq, layer, heads, victims, scores)
+
+    def _drop_entries(self, seq: SequenceCache, layer: int, heads: np.ndarray, victims: np.ndarray,
+                      scores: np.ndarray) -> None:
+        """Mask each (KV head, slot) entry named; free the slots no KV head keeps any more."""
         if not len(victims):
             return
         keep, ps = seq.head_keep[layer], self.page_size
@@ -834,6 +847,29 @@ class KVCacheManager:
             seq.states[layer].query(q, positions)
         if seq.channels is not None:
             seq.channels.observe(layer, q)
+
+    def attend_beside(self, seq_id: int, layer: int, q: np.ndarray, positions: np.ndarray, k: np.ndarray,
+                      v: np.ndarray, own_positions: np.ndarray) -> AttentionResult:
+        """Attention of queries whose tokens are not cached (kvzip's reconstruction pass) over the sequence's
+        resident tokens and the given ones (k, v: (m, n_kv_heads, head_dim) at own_positions, seen causally);
+        nothing is written, and the policy's statistics see the weights on the cached tokens only through
+        `reconstruct`. Weights over the read slots, then the given tokens; result.slots: the read slots. RAM
+        pages of float K/V only."""
+        seq, store = self.sequences[seq_id], self.stores[layer]
+        table = seq.block_tables[layer]
+        n_kv, _, ps, head_dim = store.k.shape
+        read = self._flat_slots(table)
+        keys = np.concatenate([store.k[:, table].reshape(n_kv, len(read), head_dim), k.transpose(1, 0, 2)], axis=1)
+        values = np.concatenate([store.v[:, table].reshape(n_kv, len(read), head_dim), v.transpose(1, 0, 2)],
+                                axis=1)
+        bias = np.concatenate([store.bias[read], np.zeros(len(own_positions), dtype=np.float32)])
+        keep = seq.head_keep[layer]
+        if keep is not None:
+            keep = np.concatenate([keep[:, read], np.ones((n_kv, len(own_positions)), dtype=bool)], axis=1)
+        result = attend_kept(q, keys, values, bias, np.concatenate([store.positions[read], own_positions]),
+                             positions, keep, self.windows[layer])
+        seq.states[layer].reconstruct(result.weights[..., : len(read)], read)
+        return result._replace(slots=read)
 
     def can_attend_many(self, seq_ids: list[int], layer: int) -> bool:
         """Whether `attend_many` serves these sequences: several of them in a shared pool, pages in RAM and

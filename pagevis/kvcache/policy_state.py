@@ -44,6 +44,10 @@ class PolicyState:
         """The key and value of the token at `position`, each (n_kv_heads, head_dim) as the model made them
         (after RoPE), were written into slot `flat` (just after `clear(flat)`). Called for every policy."""
 
+    def reconstruct(self, weights: np.ndarray, slots: np.ndarray) -> None:
+        """A reconstruction pass's weights (n_queries, n_heads, len(slots)) over these flat slots: queries that
+        read the cache without writing (`KVCacheManager.attend_beside`; kvzip keeps their maxima)."""
+
     def query(self, q: np.ndarray, positions: np.ndarray) -> None:
         """One attention call's queries (n, n_heads, head_dim), after RoPE, at `positions`; before the
         call's `observe`. Called only for policies with `uses_queries`."""

@@ -140,7 +140,8 @@ CONFIG_TYPES = {**{s.name: JSON_TYPES[s.kind] + ("?" if s.nullable else "")
 # Event kinds a trace may list, by the format version that introduced them (absent: version 1).
 # version-1 files written after the disk tier list all six first kinds
 EVENT_KIND_SINCE: dict[str, int] = {**{kind: 3 for kind in ("share", "copy_on_write", "fork", "prefix_hit", "store",
-                                                            "uncache", "free", "preempt")}, "mask": 4}
+                                                            "uncache", "free", "preempt")}, "mask": 4,
+                                  "reconstruct": 4}
 
 
 def event_kinds_of_version(version: int) -> list[str]:

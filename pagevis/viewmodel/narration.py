@@ -22,7 +22,11 @@ def narrate(record, layer: int, text: Callable[[int], str], policy: str) -> str:
     slid = [e.page for e in events if e.kind is EventKind.SLIDE]
     released = [e.page for e in events if e.kind is EventKind.RELEASE and e.page not in slid]
     parts = []
-    if evictions:
+    reconstructed = in_layer(record.events, -1)
+    reconstructed = [e for e in reconstructed if e.kind is EventKind.RECONSTRUCT]
+    if reconstructed:
+        parts.append(_compressed(reconstructed[0], events, layer, record.events))
+    elif evictions:
         parts.append(f"cache full → {policy} evicted {_evicted(evictions, text)}")
     if record.kind == "prefill" and len(writes) > 1:
         pages = sorted({e.page for e in writes})
@@ -52,3 +56,18 @@ def _evicted(evictions, text) -> str:
     pages = sorted({e.page for e in evictions})
     return (f"{len(evictions)} tokens (positions {run_list([e.position for e in evictions])}) from "
             f"page{'s' if len(pages) > 1 else ''} {run_list(pages)}")
+
+
+def _compressed(reconstruct, events, layer: int, every_layer) -> str:
+    """kvzip's step: its reconstruction pass, then what each KV head of this layer kept of the prompt (the KV
+    heads: those any layer's mask events name)."""
+    written = sum(1 for e in events if e.kind is EventKind.WRITE)
+    masked: dict[int, int] = {}
+    for e in events:
+        if e.kind is EventKind.MASK:
+            masked[e.detail] = masked.get(e.detail, 0) + 1
+    heads = max((e.detail for e in every_layer if e.kind is EventKind.MASK), default=-1) + 1
+    kept = ", ".join(str(written - masked.get(head, 0)) for head in range(heads))
+    return (f"{reconstruct.policy} {reconstruct.reason} → compressed: layer {layer}'s KV heads keep {kept} of "
+            f"{written} tokens" if heads else f"{reconstruct.policy} {reconstruct.reason} → layer {layer} keeps all "
+            f"{written} tokens")

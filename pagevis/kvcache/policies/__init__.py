@@ -11,6 +11,7 @@ from pagevis.kvcache.policies.duo import DuoAttention
 from pagevis.kvcache.policies.expected_attention import ExpectedAttention
 from pagevis.kvcache.policies.h2o import HeavyHitter
 from pagevis.kvcache.policies.keydiff import KeyDiff
+from pagevis.kvcache.policies.kvzip import KVzip
 from pagevis.kvcache.policies.lfu import LeastFrequentlyUsedPage
 from pagevis.kvcache.policies.lru import LeastRecentlyUsedPage
 from pagevis.kvcache.policies.merge import MergeValues
@@ -27,7 +28,8 @@ from pagevis.kvcache.policies.tova import Tova
 POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls for cls in (Oldest, OldestPage, Sinks, HeavyHitter, Tova, SnapKV, PyramidKV,
                               LeastRecentlyUsedPage, LeastFrequentlyUsedPage, RandomEviction, NoEviction,
-                              KeyDiff, ExpectedAttention, AdaKV, DuoAttention, Threshold, MergeValues)
+                              KeyDiff, ExpectedAttention, AdaKV, DuoAttention, Threshold, MergeValues,
+                              KVzip)
 }
 
 
@@ -61,6 +63,10 @@ def make_policy(config) -> EvictionPolicy:
                           f"{'0' if rewrites == 'rerotate' else 'another policy'} with a quantized dtype, a disk tier "
                           "or quest (re-rotating keys and merging values rewrite float K/V in RAM pages; quantized "
                           "codes, pages on disk and Quest's key bounds would go stale)")
+    if cls.compresses and (getattr(config, "dtype", "float32") not in ("float32", "float16")
+                           or getattr(config, "disk_pages", 0) or getattr(config, "select", "all") == "quest"):
+        raise ConfigError("policy", config.policy, "another policy with a quantized dtype, a disk tier or quest "
+                          f"({config.policy}'s reconstruction pass reads float K/V from RAM pages)")
     policy = cls(**config.policy_params)
     policy.bind(config.capacity, config.page_size)
     policy.bind_layers(getattr(config, "n_layers", 1))  # CacheSettings (no model yet) knows no layer count

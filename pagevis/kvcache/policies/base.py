@@ -45,6 +45,7 @@ class EvictionPolicy:
     per_head: ClassVar[bool] = False  # True: evicts per KV head (see the module docstring)
     prunes: ClassVar[bool] = False  # True: before each write the cache evicts `choose_pruned`, full or not
     merges: ClassVar[bool] = False  # True: an evicted token's value is folded into a survivor (`merge_targets`)
+    compresses: ClassVar[bool] = False  # True: compressed once after the prefill (kvzip: `compress`)
     state_class: ClassVar[type[PolicyState]] = PolicyState
 
     def bind(self, capacity: int, page_size: int) -> None:
