@@ -201,16 +201,12 @@ def full_reference(model, token_ids, page_size: int = 16, dtype: str = "float32"
     return reference
 
 
-def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, page_size: int,
-             dtype: str = "float32", progress: Callable[[int], None] | None = None, piece: int = 256,
-             residual: int | None = None, equal_memory_to: str = "") -> Row:
-    """Teacher-force the reference's text through a bounded cache and compare with the full cache.
-    `optimal` (compare only) is the clairvoyant policy of pagevis.bench.optimal, fed the reference's future."""
-    ids = reference.token_ids
-    n = len(ids)
-    optimal = None
-    if choice.name == OPTIMAL:
-        optimal = FutureAttention(reference.attention_totals.copy())
+def _bounded_session(model, reference: Reference, choice: PolicyChoice, budget: int, page_size: int, dtype: str,
+                     residual: int | None, piece: int):
+    """The session that feeds the reference's text through the row's cache, the tap keeping its logits, the
+    policy parameters the settings got, and `optimal`'s policy (None for every other row)."""
+    n = len(reference.token_ids)
+    optimal = FutureAttention(reference.attention_totals.copy()) if choice.name == OPTIMAL else None
     tier = tier_settings(choice, budget, page_size, n)
     if tier is not None:
         max_pages, params = budget // page_size, {}
@@ -224,7 +220,19 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
     tap = LogitsTap(model, piece)
     if optimal:  # the session builds policies by name; this one needs the future
         optimal.bind(config.capacity, page_size)
-    session = DecodeSession(tap, "", config, prompt_ids=[int(t) for t in ids], policy=optimal)
+    session = DecodeSession(tap, "", config, prompt_ids=[int(t) for t in reference.token_ids], policy=optimal)
+    return session, tap, params, optimal
+
+
+def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, page_size: int,
+             dtype: str = "float32", progress: Callable[[int], None] | None = None, piece: int = 256,
+             residual: int | None = None, equal_memory_to: str = "") -> Row:
+    """Teacher-force the reference's text through a bounded cache and compare with the full cache.
+    `optimal` (compare only) is the clairvoyant policy of pagevis.bench.optimal, fed the reference's future."""
+    ids = reference.token_ids
+    n = len(ids)
+    session, tap, params, optimal = _bounded_session(model, reference, choice, budget, page_size, dtype, residual,
+                                                     piece)
     true_lp = np.zeros(n - 1)
     kl = np.zeros(n - 1)
     agree = np.zeros(n - 1, dtype=bool)
@@ -277,7 +285,7 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
         top1_agreement=float(np.mean(agree[tail])) if evicting else 1.0,
         lost_attention=None if per_head else float(np.mean(lost[tail])) if evicting else 0.0,
         evictions=evictions, evicting_tokens=evicting, seconds=time.perf_counter() - started, note=note,
-        recall=1 - float(np.mean(lost[tail])) if evicting and config.tiered else None, dtype=dtype,
+        recall=1 - float(np.mean(lost[tail])) if evicting and session.cache_config.tiered else None, dtype=dtype,
         kv_bytes_per_token=memory["kv_bytes_per_token"],
         kv_bytes=round(memory["kv_bytes_per_token"] * (session.cache_config.capacity if scored_from is None
                                                         else budget)),

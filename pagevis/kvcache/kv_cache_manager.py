@@ -25,10 +25,11 @@ settings' capacity; the pool's pages are shared by all sequences.
 
 Every change is recorded as a CacheEvent.
 
-Why one module of about 700 lines: it is the only code that changes pages, and append, evict, copy-on-write,
+Why one module of about 950 lines: it is the only code that changes pages, and append, evict, copy-on-write,
 fork, the prefix cache and attention all read and write the same per-sequence tables, the pool's reference
 counts and one event list; the pieces without that state already live beside it (block_pool, store, reader,
-prefix hashing, events).
+prefix hashing, events, key_channels). It grew by ThinK's pruning and kvzip's read-only attention
+(`attend_beside`) this round: those two are the next to move out, into modules that take the tables they read.
 """
 
 from __future__ import annotations
