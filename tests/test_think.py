@@ -255,3 +255,19 @@ def test_the_oracle_keeps_whole_keys(capsys):
                      "--max-tokens", "8", "--key-channels", ratio, "--oracle", "--no-chat", "--json", "--quiet"]) == 0
         runs[ratio] = json.loads(capsys.readouterr().out)
     assert runs["0"]["mean_kl"] == 0 and runs["0.5"]["mean_kl"] > 0  # no eviction: only the pruned channels differ
+
+
+def test_the_app_says_how_narrow_the_keys_are_in_the_page_grid_and_status_bar(qtbot, tmp_path):
+    pytest.importorskip("pytestqt")
+    from dataclasses import replace
+
+    from gui_helpers import CONFIG, make_window, step
+
+    window = make_window(qtbot, tmp_path, config=replace(CONFIG, key_channels=0.5))
+    step(qtbot, window)
+    plot = window.page_grid.plot  # its title says it where it fits; the tooltip holds the whole line otherwise
+    assert "keys 8 of 16 channels (ThinK)" in plot.titleLabel.text + plot.toolTip()  # head_dim 16, half pruned
+    assert "keys 8 of 16 channels (ThinK)" in window.status_memory.text()
+    plain = make_window(qtbot, tmp_path / "plain")
+    step(qtbot, plain)
+    assert "ThinK" not in plain.page_grid.plot.titleLabel.text + plain.page_grid.plot.toolTip()

@@ -415,6 +415,7 @@ class PageGridView(QWidget):
         if self.full_precision is not None:
             parts.append(f"{int(self.full_precision.sum())} float32")
         info = state.timeline.info
+        parts += [clause.split(": ", 1)[0] for clause in info.storage_notice.split("; ") if "(ThinK)" in clause]
         hybrid = info.sliding_windows is not None
         if hybrid:
             parts[0] = f"layer {layer} ({layer_label(info, layer)})"
