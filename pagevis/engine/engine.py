@@ -384,9 +384,9 @@ class Engine:
 
     def _hybrid_bytes(self) -> HybridBytes | None:
         """The pool's pages in use per layer, by layer type, when some layer has a sliding window."""
-        config = self.cache_config
-        if not any(spec.window for spec in config.layer_specs):
+        if not any(self.cache.windows):  # the cache's per-layer windows, as _check_compression reads them
             return None
+        config = self.cache_config
         longest = max((r.n_cached for r in self.scheduler.running), default=0)
         return hybrid_bytes(config.layer_specs, [self.cache.pages_used(layer) for layer in range(config.n_layers)],
                             config.page_bytes(), longest, config.page_size)
