@@ -20,7 +20,7 @@ from pagevis.model.locate import default_model_path
 from pagevis.model.matmul import plan_for
 from pagevis.model.rope_scaling import linear_factor
 from pagevis.model.tokenizer_cache import cached_backend
-from pagevis.model.vocab_tokenizer import (TOKENIZER_KINDS, byte_level_backend, byte_to_unicode,
+from pagevis.model.vocab_tokenizer import (TOKENIZER_KINDS, byte_level_backend, byte_to_unicode, check_spellable,
                                            sentencepiece_backend)
 from pagevis.model.weights import LlamaWeights, check_weight_shapes, layer_from_gguf_matrices
 
@@ -260,6 +260,7 @@ def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any], voc
             add_bos_default = False
         else:
             space_prefix = value("ggml.add_space_prefix", "bool", True)
+            check_spellable(tokens, token_types)  # before the (cached) build: a cached file is checked too
             backend = cached_backend(path, len(tokens), lambda: sentencepiece_backend(tokens, token_types, space_prefix))
             add_bos_default = True  # llama.cpp's default for a SentencePiece vocabulary that does not say
         return GGUFTokenizer(
