@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pagevis.cli.options import UsageError, check_range, check_writable
-from pagevis.cli.record import add_record_options, recording_request
+from pagevis.cli.record_options import add_record_options, recording_request
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
