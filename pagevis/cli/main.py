@@ -15,7 +15,7 @@ import traceback
 
 from pagevis.cli import options
 from pagevis.cli.metrics_port import add_metrics_option, start_metrics_server
-from pagevis.cli.record import add_record_options, recording_request
+from pagevis.cli.record_options import add_record_options, recording_request
 from pagevis.presets import SERVER_PRESETS
 from pagevis.cli.options import ArgumentParser, UsageError
 
