@@ -132,7 +132,7 @@ def config_from_metadata(path: Path, metadata: dict[str, Any], reader: Any) -> M
             **architecture.settings(value, shape),
         )
     except (ModelConfigError, ValueError) as exc:
-        raise ModelLoadError(f"{path}: inconsistent metadata: {exc}") from exc
+        raise _naming_the_file(path, exc, "inconsistent metadata: ") from exc
     need = config.weight_bytes()
     if not fits(need):
         raise ModelLoadError(f"{path}: its weights need {gib(need)} as float32, more than the memory available "
@@ -149,6 +149,12 @@ def _rope_factors(path: Path, reader: Any, head_dim: int) -> tuple[float, ...]:
     if not (np.isfinite(factors).all() and (factors > 0).all()):
         raise ModelLoadError(f"{path}: tensor {ROPE_FREQS} must hold positive finite numbers")
     return tuple(float(f) for f in factors)
+
+
+def _naming_the_file(path: Path, error: Exception, what: str = "") -> ModelLoadError:
+    """error as a ModelLoadError that names the file once (a metadata check inside already names it)."""
+    text = str(error)
+    return ModelLoadError(text if text.startswith(f"{path}: ") else f"{path}: {what}{text}")
 
 
 def _vocab_from_embedding(path: Path, reader: Any) -> int:
@@ -269,7 +275,7 @@ def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any], voc
             add_bos=value("ggml.add_bos_token", "bool", add_bos_default),
             chat_template=value("chat_template", "str", None))
     except ValueError as exc:  # ModelLoadError (a bad template) is one
-        raise ModelLoadError(f"{path}: {exc}") from exc
+        raise _naming_the_file(path, exc) from exc
     except Exception as exc:  # the tokenizers backend refusing the vocabulary (its own exception type)
         raise ModelLoadError(f"{path}: the tokenizer cannot be built from this vocabulary: {exc}") from exc
 
