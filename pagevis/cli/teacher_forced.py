@@ -33,7 +33,7 @@ def add_options(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from pagevis.bench import quality
+    from pagevis.quality import measure as quality
     from pagevis.cli.compare import MAX_TOKENS, load_text
     from pagevis.engine.teacher_forced import TeacherForced, perplexity
     from pagevis.kvcache import CacheFullError

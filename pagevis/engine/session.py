@@ -26,7 +26,7 @@ from pagevis.errors import check_int
 from pagevis.engine.batch import BatchConfig
 from pagevis.engine.engine import Engine
 from pagevis.engine.oracle import FullCacheOracle
-from pagevis.engine.record import StepRecord, TierStep
+from pagevis.engine.step_record import StepRecord, TierStep
 from pagevis.engine.run_loop import RunControl, steps
 from pagevis.engine.table_log import TableLog
 from pagevis.engine.session_config import MAX_NEW_TOKENS, SessionConfig, decode_ids, encode_prompt, token_text

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pagevis.engine.logits_tap import LogitsTap
-from pagevis.engine.record import StepRecord
+from pagevis.engine.step_record import StepRecord
 from pagevis.engine.sampling import log_softmax
 from pagevis.engine.session import DecodeSession
 from pagevis.engine.session_config import SessionConfig

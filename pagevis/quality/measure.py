@@ -33,7 +33,7 @@ from pagevis.settings import MAX_PAGES as MAX_POOL_PAGES
 from pagevis.kvcache.policies.pyramidkv import PyramidKV, pool_tokens
 from pagevis.kvcache.policies.snapkv import SnapKV
 from pagevis.kvcache.quant import storage_summary
-from pagevis.bench.optimal import OPTIMAL, FutureAttention
+from pagevis.quality.optimal import OPTIMAL, FutureAttention
 
 
 @dataclass(frozen=True)
@@ -268,7 +268,7 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
              dtype: str = "float32", progress: Callable[[int], None] | None = None, piece: int = 256,
              residual: int | None = None, equal_memory_to: str = "") -> Row:
     """Teacher-force the reference's text through a bounded cache and compare with the full cache.
-    `optimal` (compare only) is the clairvoyant policy of pagevis.bench.optimal, fed the reference's future."""
+    `optimal` (compare only) is the clairvoyant policy of pagevis.quality.optimal, fed the reference's future."""
     n = len(reference.token_ids)
     forced, params, optimal = _bounded_session(model, reference, choice, budget, page_size, dtype, residual, piece)
     session = forced.session
