@@ -2,7 +2,7 @@
 
 compare's kvzip row at budget B prefills the text's first C = n - B tokens (whole pages), compresses them to B and
 scores only the predictions after them (positions >= C). This script evaluates every row from one full-cache
-reference (pagevis.bench.quality, as compare does) and prints each row's perplexity over positions >= C from its
+reference (pagevis.quality.measure, as compare does) and prints each row's perplexity over positions >= C from its
 per-token log-probabilities (Row.logprobs); then, for the kvzip compression alone, the share of the 16 newest
 context tokens each (layer, KV head) kept, read from the engine's per-head masks, and the heads' budgets.
 
@@ -16,8 +16,8 @@ from importlib import resources
 
 import numpy as np
 
-from pagevis.bench import quality
-from pagevis.bench.quality import PolicyChoice, perplexity
+from pagevis.quality import measure
+from pagevis.quality.measure import PolicyChoice, perplexity
 from pagevis.engine import DecodeSession, ModelSpec, SessionConfig
 
 ROWS = [("optimal", {}), ("kvzip", {}), ("tova", {}), ("snapkv", {}), ("sinks", {}), ("adakv", {}),
@@ -26,9 +26,9 @@ PAGE_SIZE = 16
 
 
 def same_tokens(model, ids, budgets) -> None:
-    with quality.full_reference(model, ids, PAGE_SIZE) as reference:
+    with measure.full_reference(model, ids, PAGE_SIZE) as reference:
         for budget in budgets:
-            rows = [quality.evaluate(model, reference, PolicyChoice(name, params), budget, PAGE_SIZE)
+            rows = [measure.evaluate(model, reference, PolicyChoice(name, params), budget, PAGE_SIZE)
                     for name, params in ROWS]
             start = next(row.scored_from for row in rows if row.scored_from is not None)
             print(f"budget {budget}: positions >= {start}, full cache {reference.perplexity(start):.3f}")

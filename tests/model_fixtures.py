@@ -38,13 +38,15 @@ def reference() -> dict:
 def write_llama_gguf(path: Path, model=None, arch: str = "llama", tensor_overrides: dict | None = None,
                      drop_tensors: tuple[str, ...] = (), tokenizer: bool = True,
                      metadata_overrides: dict | None = None, byte_tokens: bool = True,
-                     sentencepiece: list[str] | None = None) -> Path:
+                     sentencepiece: list[str] | None = None, spm_bytes: range | tuple = range(256),
+                     spm_unknown: bool = True) -> Path:
     """Write a small Llama-layout GGUF (F32) holding model's weights (a SyntheticModel by default).
 
     metadata_overrides replaces metadata values (str, int or float); byte_tokens=False spells the 256
     byte tokens as <byteN> words instead, a vocabulary that cannot encode arbitrary text. sentencepiece: a
     SentencePiece ("llama") vocabulary instead: <pad> <eos> <bos> <unk>, the 256 <0xNN> byte tokens, then these
-    pieces (model.config.vocab_size must be their count)."""
+    pieces (model.config.vocab_size must be their count); spm_bytes: which byte tokens it has, spm_unknown: whether
+    it has <unk>."""
     import gguf
 
     from pagevis.model.synthetic import SyntheticModel
@@ -62,8 +64,9 @@ def write_llama_gguf(path: Path, model=None, arch: str = "llama", tensor_overrid
     writer.add_layer_norm_rms_eps(c.rms_eps)
     if sentencepiece is not None:
         writer.add_tokenizer_model("llama")
-        writer.add_token_list(["<pad>", "<eos>", "<bos>", "<unk>", *(f"<0x{b:02X}>" for b in range(256)), *sentencepiece])
-        writer.add_token_types([3, 3, 3, 2] + [6] * 256 + [1] * len(sentencepiece))
+        unknown = ["<unk>"] if spm_unknown else []
+        writer.add_token_list(["<pad>", "<eos>", "<bos>", *unknown, *(f"<0x{b:02X}>" for b in spm_bytes), *sentencepiece])
+        writer.add_token_types([3, 3, 3] + [2] * len(unknown) + [6] * len(spm_bytes) + [1] * len(sentencepiece))
         writer.add_bos_token_id(2)
         writer.add_eos_token_id(1)
         writer.add_add_bos_token(True)

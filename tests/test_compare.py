@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pagevis.__main__ import main
-from pagevis.bench import quality
+from pagevis.quality import measure
 from pagevis.engine import DecodeSession, ModelSpec, SessionConfig
 from pagevis.engine.sampling import log_softmax
 from pagevis.model import DenseAttention
@@ -37,21 +37,21 @@ def ids(model):
 
 @pytest.fixture(scope="module")
 def reference(model, ids):
-    with quality.full_reference(model, ids, page_size=8, chunk=50) as reference:
+    with measure.full_reference(model, ids, page_size=8, chunk=50) as reference:
         yield reference
 
 
 def test_full_cache_perplexity_equals_dense(model, ids, reference):
     expected = dense_perplexity(model, ids)
     assert reference.perplexity() == pytest.approx(expected, rel=1e-5)
-    row = quality.evaluate(model, reference, quality.PolicyChoice("none"), budget=128, page_size=8)
+    row = measure.evaluate(model, reference, measure.PolicyChoice("none"), budget=128, page_size=8)
     assert row.ppl == pytest.approx(expected, rel=1e-5)
     assert row.evictions == 0 and row.evicting_tokens == 0
 
 
 def test_a_budget_prefilled_in_pieces_equals_one_chunk(model, reference):
     """compare prefills in pieces to bound memory: the rows are those of one whole chunk."""
-    rows = [quality.evaluate(model, reference, quality.PolicyChoice("h2o"), budget=48, page_size=8, piece=piece)
+    rows = [measure.evaluate(model, reference, measure.PolicyChoice("h2o"), budget=48, page_size=8, piece=piece)
             for piece in (1000, 7)]
     assert rows[0].ppl == pytest.approx(rows[1].ppl, rel=1e-6)
     assert rows[0].mean_kl == pytest.approx(rows[1].mean_kl, rel=1e-5, abs=1e-9)
@@ -59,14 +59,14 @@ def test_a_budget_prefilled_in_pieces_equals_one_chunk(model, reference):
 
 
 def test_policy_none_below_the_text_reports_cache_full(model, reference):
-    row = quality.evaluate(model, reference, quality.PolicyChoice("none"), budget=64, page_size=8)
+    row = measure.evaluate(model, reference, measure.PolicyChoice("none"), budget=64, page_size=8)
     assert row.ppl is None and "cache full" in row.note
 
 
 @pytest.mark.parametrize("policy", ["sinks", "oldest", "h2o", "tova", "snapkv"])
 def test_metrics_agree_with_the_session_oracle(model, ids, reference, policy):
     budget = 48
-    row = quality.evaluate(model, reference, quality.PolicyChoice(policy), budget=budget, page_size=8)
+    row = measure.evaluate(model, reference, measure.PolicyChoice(policy), budget=budget, page_size=8)
     session = DecodeSession(model, "", SessionConfig(page_size=8, max_pages=budget // 8, policy=policy,
                                                      max_new_tokens=1, oracle=True, chat=False, record_layers=()),
                             prompt_ids=ids)
@@ -125,17 +125,17 @@ def test_bad_arguments(argv, message, capsys):
 
 def test_pyramidkv_row_holds_its_mean_budget(model, reference):
     """compare's pyramidkv at budget B: per-layer budgets with mean B, in a pool that holds layer 0's share."""
-    choice = quality.PolicyChoice("pyramidkv", {"window": 4})
-    max_pages, params = quality.session_pages(choice, 32, 8)
+    choice = measure.PolicyChoice("pyramidkv", {"window": 4})
+    max_pages, params = measure.session_pages(choice, 32, 8)
     assert params["budget"] == 32 and max_pages * 8 >= 60
-    row = quality.evaluate(model, reference, choice, budget=32, page_size=8)
+    row = measure.evaluate(model, reference, choice, budget=32, page_size=8)
     assert row.ppl is not None and row.evictions > 0
 
 
 def test_reference_streams_to_files_and_leaves_none(model, ids, tmp_path):
     """The reference keeps O(T) in memory; its files hold what a dense pass computes, and have no name."""
     logits, weights = dense_logits_and_attention(model, ids)
-    with quality.full_reference(model, ids, page_size=8, chunk=37, folder=str(tmp_path)) as reference:
+    with measure.full_reference(model, ids, page_size=8, chunk=37, folder=str(tmp_path)) as reference:
         for p in (0, 1, 36, 37, 80, len(ids) - 2):
             assert np.allclose(reference.logprobs(p), log_softmax(logits[p]), atol=1e-5)
             assert np.allclose(reference.attention(p), weights[:, p, : p + 1], atol=2e-3)
@@ -177,12 +177,12 @@ def test_a_shipped_text_by_name():
 
 
 def test_disk_row_is_exact_and_quest_recall_agrees_with_the_session_oracle(model, ids, reference):
-    disk = quality.evaluate(model, reference, quality.PolicyChoice("disk"), budget=32, page_size=8)
+    disk = measure.evaluate(model, reference, measure.PolicyChoice("disk"), budget=32, page_size=8)
     assert disk.ppl == pytest.approx(reference.perplexity(), rel=1e-5)  # every page read: exact
     assert disk.recall == pytest.approx(1.0) and disk.evictions == 0
     budget = 32
-    row = quality.evaluate(model, reference, quality.PolicyChoice("quest"), budget=budget, page_size=8)
-    settings = quality.tier_settings(quality.PolicyChoice("quest"), budget, 8, len(ids))
+    row = measure.evaluate(model, reference, measure.PolicyChoice("quest"), budget=budget, page_size=8)
+    settings = measure.tier_settings(measure.PolicyChoice("quest"), budget, 8, len(ids))
     assert settings == {"disk_pages": 15, "policy": "none", "select": "quest", "select_pages": 4}
     session = DecodeSession(model, "", SessionConfig(page_size=8, max_pages=budget // 8, max_new_tokens=1,
                                                      oracle=True, chat=False, record_layers=(), **settings),
@@ -199,7 +199,7 @@ def test_estimate_and_progress_say_how_long(model):
 
     from pagevis.cli.progress import Progress
 
-    estimate = quality.estimate_seconds(model, 1000, [64, 256])
+    estimate = measure.estimate_seconds(model, 1000, [64, 256])
     assert 0 < estimate.reference < estimate.total
     cfg = model.config
     assert estimate.disk_bytes == 999 * cfg.vocab_size * 4 + cfg.n_layers * 999 * 1000  # float32 rows + f16 triangle
@@ -214,10 +214,10 @@ def test_per_head_rows_hold_the_entries_of_their_budget(model, reference):
     """compare's adakv at budget B: n_kv x B entries per layer in a pool of n_kv x B slots (where its heads'
     tokens may spread); every layer's entries stay within the budget; lost attention is not claimed."""
     n_kv = model.config.n_kv_heads
-    choice = quality.PolicyChoice("adakv", {})
-    max_pages, params = quality.session_pages(choice, 32, 8, model.config)
+    choice = measure.PolicyChoice("adakv", {})
+    max_pages, params = measure.session_pages(choice, 32, 8, model.config)
     assert params["budget"] == 32 and max_pages * 8 == n_kv * 32
-    row = quality.evaluate(model, reference, choice, budget=32, page_size=8)
+    row = measure.evaluate(model, reference, choice, budget=32, page_size=8)
     assert row.ppl is not None and row.evictions > 0 and row.lost_attention is None and "per-head" in row.note
 
 
@@ -225,7 +225,7 @@ def test_per_head_rows_hold_the_entries_of_their_budget(model, reference):
 def test_quantized_rows_agree_with_the_session_oracle(model, ids, reference, dtype, residual):
     """A quantized row's KL and top-1 are the session's own oracle's (a float32 full cache) on the same tokens."""
     budget = 64
-    row = quality.evaluate(model, reference, quality.PolicyChoice("tova"), budget=budget, page_size=8, dtype=dtype,
+    row = measure.evaluate(model, reference, measure.PolicyChoice("tova"), budget=budget, page_size=8, dtype=dtype,
                            residual=residual)
     storage = {"dtype": dtype} if residual is None else {"dtype": dtype, "residual": residual}
     session = DecodeSession(model, "", SessionConfig(page_size=8, max_pages=budget // 8, policy="tova",
@@ -266,7 +266,7 @@ def test_cli_dtypes_and_equal_memory_rows(tmp_path, capsys):
     for r in equal:  # the most tokens within float16's bytes: one more page would not fit
         allowed = float16[int(r["equal_memory_to"].split("@")[1])]
         assert r["kv_bytes"] <= allowed
-        bigger = quality.cache_bytes(r["dtype"], r["budget"] + 16, 16, 0, SPEC.load().config)
+        bigger = measure.cache_bytes(r["dtype"], r["budget"] + 16, 16, 0, SPEC.load().config)
         assert bigger > allowed or r["budget"] + 16 > 160
     assert any(r["dtype"] == "int8" and r["budget"] > 64 for r in equal)
 
@@ -280,7 +280,7 @@ def test_rows_beyond_dropping_tokens(model, reference):
     """compare's rows for re-rotation, periodic compression, threshold eviction and merging: each changes the
     perplexity of the plain policy it builds on, and the rows say how many tokens (and bytes) they held."""
     def row(name, **params):
-        return quality.evaluate(model, reference, quality.PolicyChoice(name, params), budget=48, page_size=8)
+        return measure.evaluate(model, reference, measure.PolicyChoice(name, params), budget=48, page_size=8)
 
     sinks, h2o = row("sinks"), row("h2o")
     assert sinks.mean_resident == h2o.mean_resident == 48 and sinks.kv_bytes_held == sinks.kv_bytes

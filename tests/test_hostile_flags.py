@@ -106,6 +106,23 @@ def test_unwritable_outputs_are_refused_before_work(capsys, argv, message, monke
     assert message in refusal(capsys, *argv)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["replay", "--html", "", "tests/data/hostile/valid.pvtrace"], "--html: an empty path"),
+    (["replay", "", "--check"], "FILE: an empty path"),
+    (["run", *SYNTH, "--trace", ""], "--trace: an empty path"),
+    (["compare", *SYNTH, "--csv", ""], "--csv: an empty path"),
+    (["--screenshot", "", *SYNTH], "--screenshot: an empty path"),
+])
+def test_empty_paths_are_refused_not_taken_as_absent(capsys, argv, message, monkeypatch):
+    """`--html ""` used to open the app (an empty name read as no flag at all)."""
+    def no_app(*args, **kwargs):
+        raise AssertionError("the app started")
+
+    monkeypatch.setattr("pagevis.gui.launch", no_app)
+    monkeypatch.setattr(cli_main, "launch_app", no_app)
+    assert message in refusal(capsys, *argv)
+
+
 def test_unexpected_error_is_one_line_with_status_70(capsys, monkeypatch):
     def broken(args):
         raise RuntimeError("something the code did not expect\nsecond line")

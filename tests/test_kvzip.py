@@ -184,7 +184,7 @@ def test_refusal_names_the_numbers(model):
 
 
 def test_compare_row_scores_the_tokens_after_its_context(tmp_path, capsys):
-    from pagevis.bench import quality
+    from pagevis.quality import measure
 
     text = tmp_path / "text.txt"
     text.write_text(TEXT * 2)
@@ -198,7 +198,7 @@ def test_compare_row_scores_the_tokens_after_its_context(tmp_path, capsys):
     assert kvzip["scored_from"] == 80 and kvzip["evicting_tokens"] == 120 - 1 - 80  # (120 - 32) // 16 * 16
     assert kvzip["gap_to_optimal"] == pytest.approx(kvzip["ppl_evicting"] / kvzip["optimal_ppl_scored"] - 1)
     assert kvzip["kv_bytes"] == optimal["kv_bytes"]  # the same K/V as 32 whole tokens, once compressed
-    assert quality.session_pages(quality.PolicyChoice("kvzip"), 32, 16, None, 120) == (5, {"budget": 32, "context": 80})
+    assert measure.session_pages(measure.PolicyChoice("kvzip"), 32, 16, None, 120) == (5, {"budget": 32, "context": 80})
 
 
 def test_cli_run_json(capsys):

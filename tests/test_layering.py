@@ -4,7 +4,7 @@ runtime check that the core packages load no Qt.
 
 The layers, each importable without the ones above it (docs/architecture.md):
     errors, settings · kvcache · model · engine · simserver, presets, trace · attach, viewmodel · serve, bench ·
-    cli · gui, bench.gui
+    quality · cli · plots · gui, bench.gui
 """
 
 from __future__ import annotations
@@ -63,26 +63,33 @@ ALLOWED: dict[str, set[str]] = {
     "export": FOUNDATION | {"kvcache", "model", "engine", "trace", "viewmodel"},
     # The HTTP server: never the CLI (requests are built through the settings table, as flags are), never Qt.
     "serve": FOUNDATION | {"kvcache", "model", "engine", "trace", "observe", "attach"},
+    # The engine of `pagevis compare` and `pagevis eval`: teacher-forced quality of each policy at each budget
+    # against the full cache, and the clairvoyant policy (optimal); no front end, no Qt.
+    "quality": FOUNDATION | {"kvcache", "model", "engine"},
+    # The PNG plots every headless command writes (compare, eval, bench): pyqtgraph's exporter, imported only
+    # when drawing, so importing the module loads no Qt; it knows nothing else of pagevis.
+    "plots": set(),
     # `pagevis eval`: lm-eval against an in-process server (serve), its rows' cache settings and bytes as
-    # compare's (bench.quality); its plots through bench.gui.plots, imported only when drawing.
-    "eval": FOUNDATION | {"kvcache", "model", "engine", "serve", "bench"},
-    # Benchmarks: measure and return rows; never Qt (the windows' benches and the PNG plots are bench.gui).
+    # compare's (quality); its plots through pagevis.plots, imported only when drawing.
+    "eval": FOUNDATION | {"kvcache", "model", "engine", "serve", "quality", "plots"},
+    # Benchmarks: measure and return rows; never Qt (the windows' benches are bench.gui, the PNGs pagevis.plots).
     "bench": FOUNDATION | {"kvcache", "model", "engine", "simserver", "serve", "attach"},
-    # Benchmarks of the windows, and the plots every bench draws: the benches and the app.
+    # Benchmarks of the windows themselves: frames, UI time per token, record cost, startup.
     "bench.gui": FOUNDATION | {"kvcache", "model", "engine", "simserver", "presets", "viewmodel", "attach", "bench",
-                               "gui"},
-    # The command line: every layer below, and the app it opens and the plots it draws (bench.gui).
+                               "gui", "plots"},
+    # The command line: every layer below, and the app it opens and the plots it draws (pagevis.plots).
     "cli": FOUNDATION | {"kvcache", "model", "engine", "simserver", "presets", "trace", "observe", "platform_check",
                          "viewmodel",
-                         "serve", "bench", "gui", "attach", "export", "eval"},
-    # The app: with bench.gui the only packages that import Qt; never the CLI (`pagevis` parses the command line
-    # and then opens the app with plain objects).
+                         "serve", "bench", "gui", "attach", "export", "eval", "quality", "plots"},
+    # The app: with bench.gui and plots the only modules that import Qt; never the CLI (`pagevis` parses the
+    # command line and then opens the app with plain objects).
     "gui": FOUNDATION | {"kvcache", "model", "engine", "simserver", "viewmodel", "presets", "trace", "platform_check",
                          "attach", "export"},
     # `python -m pagevis`: the command line.
     "__main__": {"cli"},
 }
-QT_PACKAGES = {"gui", "bench.gui"}  # the only places Qt (and pyqtgraph, superqt) may be imported
+QT_PACKAGES = {"gui", "bench.gui", "plots"}  # the only places Qt (and pyqtgraph, superqt) may be imported
+# (plots imports pyqtgraph only inside its drawing functions: test_core_packages_import_no_qt holds it to that)
 
 
 def modules():
@@ -158,7 +165,7 @@ def test_every_import_follows_the_layers():
             where = f"{path.relative_to(ROOT.parent)}:{line}"
             top = target.split(".")[0]
             if top in QT and source not in QT_PACKAGES:
-                problems.append(f"{where} imports {target}: only pagevis.gui and pagevis.bench.gui import Qt")
+                problems.append(f"{where} imports {target}: only pagevis.gui, pagevis.bench.gui and pagevis.plots import Qt")
             elif top == "pagevis" and not allowed(source, target):
                 problems.append(f"{where} imports {target}: {source} may import only "
                                 f"{', '.join(sorted(ALLOWED[source])) or 'nothing of pagevis'}")
@@ -186,7 +193,8 @@ def loaded(modules: str, gui_too: bool) -> str:
                                      "pagevis.trace", "pagevis.viewmodel, pagevis.viewmodel.attach_forest, "
                                      "pagevis.viewmodel.forest_layout, pagevis.viewmodel.timeline",
                                      "pagevis.attach, pagevis.attach.state, pagevis.attach.events",
-                                     "pagevis.eval.run, pagevis.eval.report, pagevis.serve.background"])
+                                     "pagevis.eval.run, pagevis.eval.report, pagevis.serve.background",
+                                     "pagevis.quality.measure, pagevis.quality.optimal, pagevis.plots"])
 def test_core_packages_import_no_qt(package):
     found = loaded(package, gui_too=False)
     assert found == "", f"{package} imported {found}"

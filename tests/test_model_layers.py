@@ -1,5 +1,6 @@
 """The layer kit and the layouts (Qwen 2 / Qwen 3 / Gemma 3 wiring) against a float64 reference written here,
-sharing no code with pagevis/model: every option the architectures use, per-layer RoPE bases and windows."""
+sharing no code with pagevis/model: every option the architectures use, per-layer RoPE bases, linear RoPE
+scales and windows."""
 
 from __future__ import annotations
 
@@ -43,10 +44,11 @@ def test_gelu_tanh_matches_its_formula():
 def test_gemma3_pattern_every_sixth_layer_is_global():
     value = lambda key, kind="int", default=None: {"attention.sliding_window": 512}[key]
     fields = gemma3_settings(value, {"n_layers": 18, "d_model": 640, "n_heads": 4, "head_dim": 256,
-                                     "rope_base": 1e6})
+                                     "rope_base": 1e6, "rope_scale": 8.0})
     assert [i for i, w in enumerate(fields["sliding_windows"]) if w is None] == [5, 11, 17]
     assert set(fields["sliding_windows"]) == {512, None}
     assert [b for b in fields["rope_bases"]] == [1e6 if i in (5, 11, 17) else 1e4 for i in range(18)]
+    assert fields["rope_scales"] == tuple(8.0 if i in (5, 11, 17) else 1.0 for i in range(18))  # global layers only
     assert fields["layout"].query_scale == pytest.approx(1 / 16)
     assert fields["layout"].embedding_scale == pytest.approx(np.sqrt(640))
 
@@ -62,7 +64,8 @@ def test_per_layer_fields_must_have_one_entry_per_layer():
                                     Layout(rope_neox=True, qk_norm=True), GEMMA_LIKE], ids=str)
 def test_layouts_equal_a_float64_reference(layout):
     config = _config(layout, sliding_windows=(3, None, 3) if layout.post_norms else (),
-                     rope_bases=(100.0, 1000.0, 100.0) if layout.post_norms else ())
+                     rope_bases=(100.0, 1000.0, 100.0) if layout.post_norms else (),
+                     rope_scales=(1.0, 8.0, 1.0) if layout.post_norms else ())
     model = LlamaModel(config, _random_weights(config, seed=1), tokenizer=None)
     ids = np.array([3, 14, 15, 9, 26, 5, 35, 8])
     got = model.forward(ids, np.arange(8), DenseAttention(config), all_logits=True)
@@ -144,8 +147,8 @@ def _reference_logits(config: ModelConfig, weights: LlamaWeights, ids: np.ndarra
         v = qkv[:, config.q_dim + config.kv_dim:].reshape(n, KV, HD)
         if layout.qk_norm:
             q, k = _norm(q, layer.q_norm, eps), _norm(k, layer.k_norm, eps)
-        base = config.rope_bases[index]
-        q, k = _rotate(q, positions, base, layout.rope_neox), _rotate(k, positions, base, layout.rope_neox)
+        base, turned = config.rope_bases[index], positions / config.rope_scales[index]  # linear scaling
+        q, k = _rotate(q, turned, base, layout.rope_neox), _rotate(k, turned, base, layout.rope_neox)
         window = config.sliding_windows[index] or n
         out = np.empty((n, HEADS, HD))
         for head in range(HEADS):

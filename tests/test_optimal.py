@@ -5,7 +5,7 @@ later rows of a given attention matrix), ties to the oldest. Shares no code with
 import numpy as np
 import pytest
 
-from pagevis.bench.optimal import FutureAttention
+from pagevis.quality.optimal import FutureAttention
 from pagevis.kvcache import CacheConfig, EventKind, KVCacheManager
 
 

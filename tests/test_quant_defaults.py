@@ -6,7 +6,7 @@ import pytest
 from model_fixtures import smollm2  # noqa: F401  (fixture)
 from quant_reference import clamped_residual
 
-from pagevis.bench import quality
+from pagevis.quality import measure
 from pagevis.engine import SessionConfig
 from pagevis.kvcache import CacheConfig
 from pagevis.kvcache.quant import storage_summary, storage_text
@@ -65,8 +65,8 @@ def test_int4_at_the_app_defaults_changes_perplexity(smollm2):
     app = SessionConfig()
     ids = smollm2.tokenizer.encode(TEXT)[:112]
     assert len(ids) == 112
-    with quality.full_reference(smollm2, ids, page_size=app.page_size) as reference:
-        rows = {dtype: quality.evaluate(smollm2, reference, quality.PolicyChoice(app.policy), app.capacity,
+    with measure.full_reference(smollm2, ids, page_size=app.page_size) as reference:
+        rows = {dtype: measure.evaluate(smollm2, reference, measure.PolicyChoice(app.policy), app.capacity,
                                         app.page_size, dtype, residual=app.residual) for dtype in ("float32", "int4")}
     assert rows["int4"].ppl != pytest.approx(rows["float32"].ppl, rel=1e-4)
     assert rows["int4"].residual == 1 and "clamped to 1" in rows["int4"].storage_notice

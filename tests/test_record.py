@@ -1,4 +1,4 @@
-"""Recordings (pagevis.export.video, pagevis.gui.record): every written file is decoded back — frame count,
+"""Recordings (pagevis.export.video, pagevis.gui.video_frames): every written file is decoded back — frame count,
 size, frames that differ — and the captions are compared with the narration of the same records; bad targets
 are one-line errors. The windows are driven for real (offscreen) on the small synthetic model."""
 
@@ -144,7 +144,7 @@ def test_replay_record_refuses_an_unwritable_path_before_qt(capsys, tmp_path):
 def test_main_window_recording_is_every_step_with_its_narration(qtbot, tmp_path):
     from PySide6.QtCore import Qt
 
-    from pagevis.gui.record import record, timeline_scene
+    from pagevis.gui.video_frames import record, timeline_scene
     from pagevis.viewmodel.narration import narrate
     from tests.gui_helpers import make_window
 
@@ -171,7 +171,7 @@ def test_main_window_recording_is_every_step_with_its_narration(qtbot, tmp_path)
 
 
 def test_a_view_recording_from_a_trace_has_the_views_size_and_stops_when_cancelled(qtbot, tmp_path):
-    from pagevis.gui.record import find_view, record, timeline_scene
+    from pagevis.gui.video_frames import find_view, record, timeline_scene
     from tests.gui_helpers import make_window, write_synthetic_trace
 
     trace, _ = write_synthetic_trace(tmp_path, 5)
@@ -235,7 +235,7 @@ def test_file_menu_export_recording_records_the_chosen_steps_and_keeps_the_shown
 @pytest.mark.slow  # decodes as it records (2-3 s on a quiet 2-core machine, more under load)
 def test_server_window_recording_takes_one_engine_step_a_frame(qtbot, tmp_path):
     from pagevis.engine import ModelSpec
-    from pagevis.gui.record import record, server_scene
+    from pagevis.gui.video_frames import record, server_scene
     from pagevis.gui.server.window import ServerWindow
     from pagevis.presets import SERVER_PRESETS
 

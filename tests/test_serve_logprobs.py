@@ -178,14 +178,14 @@ def scores_as_compare_does(model, model_id: str, settings=None) -> None:
     """Full cache: compare's full-cache reference token by token; sinks, h2o and int4 at a budget of half the
     prompt: compare's rows' perplexities (every token teacher-forced through the evicting cache). The four
     requests run at once, so sinks and h2o share one batch."""
-    from pagevis.bench import quality
+    from pagevis.quality import measure
     from pagevis.cli.compare import load_text
 
     ids = model.tokenizer.encode(load_text(None))[:48]
     rows = {"full": ("none", "float32"), "sinks": ("sinks", "float32"), "h2o": ("h2o", "float32"),
             "int4": ("sinks", "int4")}
-    with quality.full_reference(model, ids, page_size=8) as reference:
-        expected = {name: quality.evaluate(model, reference, quality.PolicyChoice(policy), 24, 8, dtype).ppl
+    with measure.full_reference(model, ids, page_size=8) as reference:
+        expected = {name: measure.evaluate(model, reference, measure.PolicyChoice(policy), 24, 8, dtype).ppl
                     for name, (policy, dtype) in rows.items() if name != "full"}
         full = reference.true_logprobs.copy()
     with running_server(settings, model=model) as running:

@@ -68,3 +68,52 @@ def test_a_vocabulary_built_to_stall_the_merge_rebuild_is_refused(tmp_path, monk
     path = write_llama_gguf(tmp_path / "long.gguf", model, sentencepiece=pieces)
     with pytest.raises(ModelLoadError, match=r"long\.gguf: tokenizer\.ggml\.tokens: rebuilding .* more than the 2e\+08"):
         load_model(path)
+
+
+def spm_variant(tmp_path, name: str, byte_values, unknown: bool, pieces=PIECES):
+    """A SentencePiece file with these byte tokens and <unk> or not (filler pieces reach SyntheticModel's 256)."""
+    pieces = [*pieces, *(f"<filler{i}>" for i in range(256 - 3 - unknown - len(byte_values) - len(pieces)))]
+    model = SyntheticModel(n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
+                           vocab_size=3 + unknown + len(byte_values) + len(pieces))
+    return write_llama_gguf(tmp_path / name, model, sentencepiece=pieces, spm_bytes=byte_values, spm_unknown=unknown)
+
+
+@pytest.mark.parametrize("byte_values, first_missing", [
+    ((), "<0x00>"),                            # no byte tokens at all
+    (range(0x80), "<0x80>"),                   # ASCII only: any non-ASCII character without a piece would be lost
+    ((*range(0x20), *range(0x21, 0xC0), *range(0xC2, 0xF5)), None),   # every byte but the space: "▁" is a piece
+    ((*range(0x40), *range(0x42, 0x100)), "<0x40>"),  # '@' (0x40) has neither a byte token nor a piece
+])
+def test_a_vocabulary_without_unk_must_spell_every_byte(tmp_path, monkeypatch, byte_values, first_missing):
+    """No <unk> and a byte it cannot spell: refused at load with one line (SentencePiece refuses a model without
+    <unk>; llama.cpp throws mid-tokenisation). 'A' (0x41) has no byte token in the last case but is a piece."""
+    from pagevis.model import ModelLoadError
+
+    monkeypatch.setenv("PAGEVIS_CACHE_DIR", str(tmp_path / "cache"))
+    pieces = [*PIECES, "A"]
+    path = spm_variant(tmp_path, "v.gguf", tuple(byte_values), unknown=False, pieces=pieces)
+    if first_missing is None:
+        tokenizer = load_model(path).tokenizer
+        text = " the cat\tsé 😀"
+        assert tokenizer.decode(tokenizer.encode(text), skip_special=True) == text
+        return
+    with pytest.raises(ModelLoadError) as refused:
+        load_model(path)
+    message = str(refused.value)
+    assert message.startswith(f"{path}: tokenizer.ggml.tokens: this SentencePiece vocabulary has no unknown token")
+    assert f"e.g. {first_missing}" in message and message.count(str(path)) == 1 and "\n" not in message
+
+
+def test_with_unk_a_character_it_cannot_spell_becomes_unk_not_nothing(tmp_path, monkeypatch):
+    """SentencePiece's rule: no piece and no byte tokens -> <unk> (id 3), which shows; nothing is dropped."""
+    monkeypatch.setenv("PAGEVIS_CACHE_DIR", str(tmp_path / "cache"))
+    tokenizer = load_model(spm_variant(tmp_path, "u.gguf", (), unknown=True)).tokenizer
+    ids = tokenizer.encode(" the é cat")
+    assert 3 in ids and tokenizer.decode(ids, skip_special=True) == " the <unk> cat"
+
+
+def test_a_full_byte_fallback_needs_no_unk(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEVIS_CACHE_DIR", str(tmp_path / "cache"))
+    tokenizer = load_model(spm_variant(tmp_path, "b.gguf", range(256), unknown=False)).tokenizer
+    text = "é\x00\x7f 日本 😀"
+    assert tokenizer.decode(tokenizer.encode(text), skip_special=True) == text

@@ -204,7 +204,7 @@ def format_tables(streamed: list[dict], quest: list[dict], rss: list[dict] | Non
 
 
 def write_plots(folder: str, streamed: list[dict], quest: list[dict], line_plot) -> list[str]:
-    """bench-tiers.png and bench-quest.png, drawn by `line_plot` (pagevis.bench.gui.plots.line_plot: the benches
+    """bench-tiers.png and bench-quest.png, drawn by `line_plot` (pagevis.plots.line_plot: the benches
     import no Qt, so the caller passes it in)."""
     written = []
     series = {}

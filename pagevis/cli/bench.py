@@ -378,7 +378,7 @@ def serve_main(args: argparse.Namespace) -> int:
     say("  ".join(serving.HEADER))
     result = serving.run(model, concurrencies, rates, args.num_prompts, args.output_tokens, progress=say)
     if not args.no_files:
-        from pagevis.bench.gui.plots import line_plot
+        from pagevis.plots import line_plot
 
         result["files"] = serving.plot(result, args.out, line_plot)
     if args.json:
@@ -401,7 +401,7 @@ def _rates(text: str) -> list[float]:
 
 
 def write_files(folder: str, result: dict, half: list[dict]) -> list[str]:
-    from pagevis.bench.gui.plots import line_plot
+    from pagevis.plots import line_plot
 
     written = []
     for name in ("attention", "storage", "quantized", "hybrid", "torch"):

@@ -78,8 +78,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 def parse_policies(text: str, optimal: bool = True):
     """The policies to compare; the clairvoyant `optimal` comes first (unless not wanted), once."""
-    from pagevis.bench.optimal import OPTIMAL
-    from pagevis.bench.quality import TIER_ROWS, PolicyChoice
+    from pagevis.quality.optimal import OPTIMAL
+    from pagevis.quality.measure import TIER_ROWS, PolicyChoice
     from pagevis.kvcache import POLICIES
 
     choices = [PolicyChoice(OPTIMAL)] if optimal else []
@@ -152,7 +152,7 @@ def load_text(path: str | None) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pagevis.bench import quality
+    from pagevis.quality import measure
     from pagevis.kvcache import CacheConfig, CacheSettings
     from pagevis.kvcache.memory import modelled_bytes
 
@@ -178,7 +178,7 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError("the text is too short: it must encode to at least 2 tokens")
     plan = configurations(choices, budgets, dtypes, args, residual, model.config, len(ids))
 
-    estimate = quality.estimate_seconds(model, len(ids), [budget for _, budget, _, _ in plan])
+    estimate = measure.estimate_seconds(model, len(ids), [budget for _, budget, _, _ in plan])
     if not args.quiet:
         print(f"compare: {len(ids)} tokens, {len(plan)} configurations; estimated "
               f"{_duration(estimate.total)} (full-cache reference {_duration(estimate.reference)}, from timed "
@@ -193,17 +193,17 @@ def main(args: argparse.Namespace) -> int:
 
     log = progress.enabled or args.quiet  # without a progress bar, one line per configuration instead
     # the reference is the full cache at full precision, whatever the rows' storage
-    with quality.full_reference(model, ids, page_size=args.page_size, dtype="float32", folder=args.tmp_dir,
+    with measure.full_reference(model, ids, page_size=args.page_size, dtype="float32", folder=args.tmp_dir,
                                 progress=advance("full cache")) as reference:
         done[0] += len(ids)
-        rows = [quality.full_row(reference, args.page_size)]
-        rows[0].kv_bytes_per_token = quality.cache_bytes("float32", args.page_size, args.page_size, residual,
+        rows = [measure.full_row(reference, args.page_size)]
+        rows[0].kv_bytes_per_token = measure.cache_bytes("float32", args.page_size, args.page_size, residual,
                                                          model.config) / args.page_size
         if not log:
             print(f"compare: full cache, ppl {rows[0].ppl:.3f} ({reference.seconds:.0f} s)", file=sys.stderr)
         for choice, budget, dtype, equal in plan:
             label = f"{choice.label} @ {budget} {dtype}" + (f" (= {equal})" if equal else "")
-            row = quality.evaluate(model, reference, choice, budget, args.page_size, dtype, residual=residual,
+            row = measure.evaluate(model, reference, choice, budget, args.page_size, dtype, residual=residual,
                                    progress=advance(label), equal_memory_to=equal)
             rows.append(row)
             done[0] += len(ids)
@@ -211,14 +211,14 @@ def main(args: argparse.Namespace) -> int:
                 ppl = "-" if row.ppl is None else f"{row.ppl:.3f}"
                 print(f"compare: {label}: ppl {ppl} ({row.seconds:.0f} s)", file=sys.stderr)
     progress.close()
-    quality.fill_gaps(rows)
+    measure.fill_gaps(rows)
 
     result = {"model": spec.label, "text": args.text or f"pagevis.resources/{DEFAULT_TEXT}", "tokens": len(ids),
               "page_size": args.page_size, "dtypes": dtypes, "reference_dtype": "float32",
               **({"residual": residual} if any(d in ("int4", "int2") for d in dtypes) else {}),
               "equal_memory": args.equal_memory, "full_cache_ppl": reference.perplexity(),
               "seconds": progress.elapsed(), "estimated_seconds": estimate.total,
-              "peak_rss_mb": quality.peak_rss_bytes() / 1e6, "rows": [row.as_dict() for row in rows[1:]]}
+              "peak_rss_mb": measure.peak_rss_bytes() / 1e6, "rows": [row.as_dict() for row in rows[1:]]}
     note = None
     if getattr(model.config, "local_windows", None) is not None:  # a hybrid model: its full-cache row by layer type
         reference_config = CacheConfig.for_model(CacheSettings(page_size=args.page_size, policy="none"), model.config)
@@ -235,8 +235,8 @@ def main(args: argparse.Namespace) -> int:
 
 def check_policy_budgets(choices, budgets, args, model_config) -> None:
     """Policy parameters that cannot fit a budget fail before decoding (UsageError), not halfway through."""
-    from pagevis.bench import quality
-    from pagevis.bench.optimal import OPTIMAL
+    from pagevis.quality import measure
+    from pagevis.quality.optimal import OPTIMAL
     from pagevis.kvcache import CacheSettings, ConfigError
 
     for choice in choices:
@@ -244,13 +244,13 @@ def check_policy_budgets(choices, budgets, args, model_config) -> None:
             if choice.name == OPTIMAL:
                 continue
             try:
-                tier = quality.tier_settings(choice, budget, args.page_size, args.tokens)
+                tier = measure.tier_settings(choice, budget, args.page_size, args.tokens)
                 for dtype in parse_dtypes(args):
                     CacheSettings(dtype=dtype, key_channels=choice.key_channels, **(tier or {})).check()
                 if tier is not None:
                     CacheSettings(page_size=args.page_size, max_pages=budget // args.page_size, **tier).check()
                     continue
-                max_pages, params = quality.session_pages(choice, budget, args.page_size, model_config, args.tokens)
+                max_pages, params = measure.session_pages(choice, budget, args.page_size, model_config, args.tokens)
                 CacheSettings(page_size=args.page_size, max_pages=max_pages, policy=choice.name,
                               policy_params=params).check()
             except ConfigError as error:
@@ -283,17 +283,17 @@ def configurations(choices, budgets, dtypes, args, residual, model_config, n_tok
     """(policy choice, budget, dtype, equal_memory_to) of every row to evaluate: each dtype x policy x budget,
     then with --equal-memory D each other dtype's largest budget within D's K/V bytes at each budget (no
     larger than the text, a row of its own even when that budget is also among --budgets)."""
-    from pagevis.bench import quality
+    from pagevis.quality import measure
 
     plan = [(choice, budget, dtype, "") for dtype in dtypes for choice in choices for budget in budgets]
     if args.equal_memory:
         most = -(-n_tokens // args.page_size) * args.page_size
         for budget in budgets:
-            allowed = quality.cache_bytes(args.equal_memory, budget, args.page_size, residual, model_config)
+            allowed = measure.cache_bytes(args.equal_memory, budget, args.page_size, residual, model_config)
             for dtype in dtypes:
                 if dtype == args.equal_memory:
                     continue
-                fits = quality.equal_memory_budget(dtype, allowed, args.page_size, residual, model_config, most)
+                fits = measure.equal_memory_budget(dtype, allowed, args.page_size, residual, model_config, most)
                 if fits:
                     plan += [(choice, fits, dtype, f"{args.equal_memory}@{budget}") for choice in choices]
     return plan
@@ -361,7 +361,7 @@ def write_csv(path: str, rows) -> None:
 def write_plot(path: str, rows, result) -> None:
     import numpy as np
 
-    from pagevis.bench.gui.plots import line_plot
+    from pagevis.plots import line_plot
 
     series: dict[str, tuple[list, list]] = {}
     by_memory = len(result["dtypes"]) > 1

@@ -27,6 +27,9 @@ class UsageError(ValueError):
     """A bad command line: printed as one line, exit status 2."""
 
 
+PATH_METAVARS = ("FILE", "DIR", "PATH")
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but errors raise UsageError instead of printing usage and exiting, and a flag is only ever
     its whole name: with abbreviations `--record` would be read as `--record-layers`, and each flag added
@@ -38,6 +41,15 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise UsageError(f"{message} (see {self.prog} --help)")
+
+    def parse_known_args(self, args=None, namespace=None):
+        """As argparse's, and a FILE or DIR given as "" is refused: `--html ""` is a mistake, not "no page"."""
+        parsed, extras = super().parse_known_args(args, namespace)
+        for action in self._actions:
+            if action.metavar in PATH_METAVARS and getattr(parsed, action.dest, None) == "":
+                name = "/".join(action.option_strings) or action.metavar
+                self.error(f"{name}: an empty path; give a file or folder name")
+        return parsed, extras
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:

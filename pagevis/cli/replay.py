@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pagevis.cli.options import UsageError, check_range, check_writable
-from pagevis.cli.record import add_record_options, recording_request
+from pagevis.cli.record_options import add_record_options, recording_request
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -29,8 +29,10 @@ def add_parser(commands) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     from pagevis.trace import read_trace
 
+    if args.html is not None:
+        check_writable(args.html, "--html", suffix=".html")  # before the trace is read: fail fast
     trace = read_trace(args.file)  # refuse a bad file here, with a clear message, before Qt starts
-    if args.html:
+    if args.html is not None:
         return write_page(args, trace)
     recording = recording_request(args, len(trace.records))
     if args.check:
@@ -51,7 +53,6 @@ def write_page(args: argparse.Namespace, trace) -> int:
     from pagevis.export.html import HtmlExportError, write_html
     from pagevis.viewmodel.timeline import timeline_from_trace
 
-    check_writable(args.html, "--html", suffix=".html")
     timeline = timeline_from_trace(trace)
     check_range("--layer", args.layer, 0, timeline.info.n_layers - 1)
     try:

@@ -3,7 +3,7 @@ session the app uses. NumPy only, never Qt."""
 
 from pagevis.engine.engine import Engine
 from pagevis.engine.oracle import FullCacheOracle
-from pagevis.engine.record import OracleStep, StepRecord, TierStep
+from pagevis.engine.step_record import OracleStep, StepRecord, TierStep
 from pagevis.engine.request import Request
 from pagevis.engine.run_loop import RunControl, run, steps
 from pagevis.engine.sampling import Sampler, SamplingConfig

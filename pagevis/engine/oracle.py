@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from pagevis.kvcache import CacheConfig, KVCacheManager
-from pagevis.engine.record import OracleStep
+from pagevis.engine.step_record import OracleStep
 from pagevis.engine.sampling import log_softmax
 
 

@@ -1,5 +1,5 @@
 """What `pagevis eval` prints and draws: compare's kind of table (a row per configuration, the full cache
-first, each task's metric and the K/V bytes per token) and the plots (bench/gui/plots.py, imported only
+first, each task's metric and the K/V bytes per token) and the plots (plots.py, imported only
 when drawing: it loads Qt)."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def format_table(rows, tasks) -> str:
 def write_plots(prefix: str, rows, plan, model: str) -> list[str]:
     """A line plot per task (its metric vs budget, a line per policy and dtype, the full cache dashed) and
     the needle's heatmaps; the paths written."""
-    from pagevis.bench.gui.plots import heatmap_grid, line_plot
+    from pagevis.plots import heatmap_grid, line_plot
 
     paths = []
     full, others = rows[0], rows[1:]

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagevis.bench import quality
+from pagevis.quality import measure
 from pagevis.engine import SessionConfig
 from pagevis.eval.tasks import NEEDLE, SHIPPED, Needle, task_config
 from pagevis.serve.app import model_id
@@ -125,8 +125,8 @@ def server_settings(model, spec, plan: Plan, configuration: Configuration) -> Se
     if configuration.policy is None:
         max_pages, policy, params = configuration.budget // plan.page_size, "none", {}
     else:
-        choice = quality.PolicyChoice(configuration.policy, configuration.params)
-        max_pages, params = quality.session_pages(choice, configuration.budget, plan.page_size, model.config)
+        choice = measure.PolicyChoice(configuration.policy, configuration.params)
+        max_pages, params = measure.session_pages(choice, configuration.budget, plan.page_size, model.config)
         policy = configuration.policy
     defaults = dataclasses.replace(SessionConfig(), page_size=plan.page_size, max_pages=max_pages, policy=policy,
                                    policy_params=params, dtype=configuration.dtype, residual=plan.residual,
@@ -161,7 +161,7 @@ def _row(model, plan: Plan, configuration: Configuration, results: dict, seconds
     needle: dict[tuple[int, float], list[float]] = {}
     for sample in results.get("samples", {}).get(NEEDLE, []):
         needle.setdefault((sample["doc"]["length"], sample["doc"]["depth"]), []).append(sample["acc"])
-    kv = quality.cache_bytes(configuration.dtype, configuration.budget, plan.page_size, plan.residual,
+    kv = measure.cache_bytes(configuration.dtype, configuration.budget, plan.page_size, plan.residual,
                              model.config) / configuration.budget
     return EvalRow(configuration.label, configuration.budget, configuration.dtype, kv, metrics,
                    {cell: sum(v) / len(v) for cell, v in needle.items()}, seconds)

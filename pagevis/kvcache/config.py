@@ -225,12 +225,14 @@ class CacheConfig(CacheSettings):
 
 def _check_rope_is_llamas(settings: CacheSettings, model_config) -> None:
     """Re-rotation and expected-attention undo or redo RoPE themselves, as llama rotates: adjacent pairs, one
-    base. A model that rotates halves (NEOX: Qwen, Gemma) or has a base per layer (Gemma 3) is refused by name."""
+    base, unscaled. A model that rotates halves (NEOX: Qwen, Gemma), has a base per layer (Gemma 3) or scales its
+    angles (rope_freqs, linear scaling) is refused by name."""
     layout = getattr(model_config, "layout", None)
     bases = set(getattr(model_config, "rope_bases", ()) or ())
-    if not (getattr(layout, "rope_neox", False) or len(bases) > 1):
+    if not (getattr(layout, "rope_neox", False) or len(bases) > 1 or getattr(model_config, "rope_scaled", False)):
         return
-    why = "a model with llama's RoPE (adjacent pairs, one base); this one rotates halves or has a base per layer"
+    why = ("a model with llama's RoPE (adjacent pairs, one base, unscaled); this one rotates halves, has a base "
+           "per layer or scales its RoPE")
     if settings.policy_params.get("rerotate"):
         raise ConfigError("rerotate", settings.policy_params["rerotate"], f"0 here: re-rotation needs {why}")
     if settings.policy == "expected-attention":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +70,9 @@ class ModelConfig:
     Per layer (one entry each; left empty they are filled in): rope_bases, the RoPE base of each layer (Gemma 3's
     local layers use 10 000, its global ones rope_base), and sliding_windows, how many of the latest positions
     a query of that layer sees (itself included), None for a full (global) layer. rope_factors divides each
-    RoPE frequency (llama.cpp's rope_freqs: Llama 3's rope scaling), empty for none.
+    RoPE frequency (llama.cpp's rope_freqs: Llama 3's rope scaling), empty for none. rope_scale divides every
+    RoPE position (linear scaling, llama.cpp's rope.scaling.factor; 1.0: none) and rope_scales is it per layer
+    (Gemma 3's local layers are never scaled).
     """
 
     name: str
@@ -90,6 +93,8 @@ class ModelConfig:
     rope_bases: tuple[float, ...] = ()
     sliding_windows: tuple[int | None, ...] = ()
     rope_factors: tuple[float, ...] = dataclasses.field(default=(), repr=False)
+    rope_scale: float = 1.0
+    rope_scales: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff",
@@ -113,11 +118,15 @@ class ModelConfig:
     def _fill_per_layer(self) -> None:
         bases = tuple(float(b) for b in self.rope_bases) or (float(self.rope_base),) * self.n_layers
         windows = tuple(self.sliding_windows) or (None,) * self.n_layers
-        for name, values in (("rope_bases", bases), ("sliding_windows", windows)):
+        scales = tuple(float(s) for s in self.rope_scales) or (float(self.rope_scale),) * self.n_layers
+        for name, values in (("rope_bases", bases), ("sliding_windows", windows), ("rope_scales", scales)):
             if len(values) != self.n_layers:
                 raise ModelConfigError(name, len(values), f"one entry per layer ({self.n_layers})")
         if not all(b > 1 for b in bases):
             raise ModelConfigError("rope_bases", min(bases), "numbers greater than 1")
+        bad_scale = next((s for s in (self.rope_scale, *scales) if not 0 < s < math.inf), None)
+        if bad_scale is not None:
+            raise ModelConfigError("rope_scales", bad_scale, "positive finite numbers")
         for window in windows:
             if window is not None:
                 check_positive_int("sliding_window", window)
@@ -127,6 +136,13 @@ class ModelConfig:
                                    f"{self.head_dim // 2} positive numbers (one per RoPE pair)")
         object.__setattr__(self, "rope_bases", bases)  # frozen: filled once, here
         object.__setattr__(self, "sliding_windows", windows)
+        object.__setattr__(self, "rope_scales", scales)
+
+    @property
+    def rope_scaled(self) -> bool:
+        """True when some layer's RoPE angles are not plain position * base**(-2i/d) (a linear scale or rope_freqs):
+        whoever redoes RoPE outside the model (the cache's re-rotation) must then refuse or follow."""
+        return bool(self.rope_factors) or any(s != 1 for s in self.rope_scales)
 
     @property
     def local_windows(self) -> tuple[int | None, ...] | None:

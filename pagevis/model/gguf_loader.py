@@ -18,8 +18,9 @@ from pagevis.model.gguf_tokenizer import GGUFTokenizer
 from pagevis.model.llama import LlamaModel
 from pagevis.model.locate import default_model_path
 from pagevis.model.matmul import plan_for
+from pagevis.model.rope_scaling import linear_factor
 from pagevis.model.tokenizer_cache import cached_backend
-from pagevis.model.vocab_tokenizer import (TOKENIZER_KINDS, byte_level_backend, byte_to_unicode,
+from pagevis.model.vocab_tokenizer import (TOKENIZER_KINDS, byte_level_backend, byte_to_unicode, check_spellable,
                                            sentencepiece_backend)
 from pagevis.model.weights import LlamaWeights, check_weight_shapes, layer_from_gguf_matrices
 
@@ -90,10 +91,11 @@ def metadata_value(path: Path, metadata: dict[str, Any], key: str, kind: str, de
 def config_from_metadata(path: Path, metadata: dict[str, Any], reader: Any) -> ModelConfig:
     arch = metadata_value(path, metadata, "general.architecture", "str")
     architecture = architecture_of(path, arch)
-    _refuse_rope_scaling(path, metadata, arch)
 
     def value(key: str, kind: str = "int", default: Any = _MISSING) -> Any:
         return metadata_value(path, metadata, f"{arch}.{key}", kind, default)
+
+    rope_scale = linear_factor(path, arch, value)
 
     d_model = value("embedding_length")
     n_heads = value("attention.head_count")
@@ -108,7 +110,7 @@ def config_from_metadata(path: Path, metadata: dict[str, Any], reader: Any) -> M
     ))
     bos = metadata_value(path, metadata, "tokenizer.ggml.bos_token_id", "int", None)
     shape = {"n_layers": value("block_count"), "d_model": d_model, "n_heads": n_heads, "head_dim": head_dim,
-             "rope_base": float(value("rope.freq_base", "number", 10000.0))}
+             "rope_base": float(value("rope.freq_base", "number", 10000.0)), "rope_scale": rope_scale}
     try:
         config = ModelConfig(
             name=path.stem,
@@ -126,22 +128,16 @@ def config_from_metadata(path: Path, metadata: dict[str, Any], reader: Any) -> M
             eos_ids=eos_ids,
             architecture=arch,
             rope_factors=_rope_factors(path, reader, head_dim),
+            rope_scale=rope_scale,
             **architecture.settings(value, shape),
         )
     except (ModelConfigError, ValueError) as exc:
-        raise ModelLoadError(f"{path}: inconsistent metadata: {exc}") from exc
+        raise _naming_the_file(path, exc, "inconsistent metadata: ") from exc
     need = config.weight_bytes()
     if not fits(need):
         raise ModelLoadError(f"{path}: its weights need {gib(need)} as float32, more than the memory available "
                              f"now ({gib(available_bytes() or 0)})")
     return config
-
-
-def _refuse_rope_scaling(path: Path, metadata: dict[str, Any], arch: str) -> None:
-    scaling = metadata_value(path, metadata, f"{arch}.rope.scaling.type", "str", "none")
-    if scaling != "none":
-        raise ModelLoadError(f"{path}: RoPE scaling {scaling!r} ({arch}.rope.scaling.type) is not supported; "
-                             f"pagevis reads Llama 3's scaling as the rope_freqs tensor, and none")
 
 
 def _rope_factors(path: Path, reader: Any, head_dim: int) -> tuple[float, ...]:
@@ -153,6 +149,12 @@ def _rope_factors(path: Path, reader: Any, head_dim: int) -> tuple[float, ...]:
     if not (np.isfinite(factors).all() and (factors > 0).all()):
         raise ModelLoadError(f"{path}: tensor {ROPE_FREQS} must hold positive finite numbers")
     return tuple(float(f) for f in factors)
+
+
+def _naming_the_file(path: Path, error: Exception, what: str = "") -> ModelLoadError:
+    """error as a ModelLoadError that names the file once (a metadata check inside already names it)."""
+    text = str(error)
+    return ModelLoadError(text if text.startswith(f"{path}: ") else f"{path}: {what}{text}")
 
 
 def _vocab_from_embedding(path: Path, reader: Any) -> int:
@@ -264,6 +266,7 @@ def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any], voc
             add_bos_default = False
         else:
             space_prefix = value("ggml.add_space_prefix", "bool", True)
+            check_spellable(tokens, token_types)  # before the (cached) build: a cached file is checked too
             backend = cached_backend(path, len(tokens), lambda: sentencepiece_backend(tokens, token_types, space_prefix))
             add_bos_default = True  # llama.cpp's default for a SentencePiece vocabulary that does not say
         return GGUFTokenizer(
@@ -272,7 +275,7 @@ def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any], voc
             add_bos=value("ggml.add_bos_token", "bool", add_bos_default),
             chat_template=value("chat_template", "str", None))
     except ValueError as exc:  # ModelLoadError (a bad template) is one
-        raise ModelLoadError(f"{path}: {exc}") from exc
+        raise _naming_the_file(path, exc) from exc
     except Exception as exc:  # the tokenizers backend refusing the vocabulary (its own exception type)
         raise ModelLoadError(f"{path}: the tokenizer cannot be built from this vocabulary: {exc}") from exc
 

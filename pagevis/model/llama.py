@@ -39,8 +39,9 @@ class LlamaModel:
         self.plan = plan
         self._eps = np.float32(config.rms_eps)
         layout = config.layout
-        self._inv_freqs = {base: inverse_frequencies(config.head_dim, base, config.rope_factors)
-                           for base in set(config.rope_bases)}
+        self._rope_keys = tuple(zip(config.rope_bases, config.rope_scales))  # per layer: (base, linear scale)
+        self._inv_freqs = {key: inverse_frequencies(config.head_dim, key[0], config.rope_factors, key[1])
+                           for key in set(self._rope_keys)}
         self._rope = apply_rope_neox if layout.rope_neox else apply_rope
         self._activation = ACTIVATIONS[layout.activation]
         # attend scales scores by 1/sqrt(head_dim) (DenseAttention, the paged cache): another scale is
@@ -61,9 +62,9 @@ class LlamaModel:
         x = self.weights.embedding[ids].astype(np.float32, order="C")
         if self.config.layout.embedding_scale != 1:
             x *= np.float32(self.config.layout.embedding_scale)
-        tables = {base: rope_tables(pos, inv_freq) for base, inv_freq in self._inv_freqs.items()}
+        tables = {key: rope_tables(pos, inv_freq) for key, inv_freq in self._inv_freqs.items()}
         for index, layer in enumerate(self.weights.layers):
-            cos, sin = tables[self.config.rope_bases[index]]
+            cos, sin = tables[self._rope_keys[index]]
             self._attention_block(index, layer, x, pos, cos, sin, attend)
             self._feed_forward_block(layer, x)
         if logit_rows is not None:  # a batch of sequences: the last row of each

@@ -18,11 +18,14 @@ from __future__ import annotations
 import numpy as np
 
 
-def inverse_frequencies(head_dim: int, base: float, factors: tuple[float, ...] = ()) -> np.ndarray:
+def inverse_frequencies(head_dim: int, base: float, factors: tuple[float, ...] = (), scale: float = 1.0) -> np.ndarray:
     """base**(-2i/head_dim) for each pair i, float64; divided by factors[i] when given (llama.cpp's
-    rope_freqs tensor, how a GGUF carries Llama 3's rope scaling)."""
+    rope_freqs tensor, how a GGUF carries Llama 3's rope scaling) and by scale (linear scaling: position p turns
+    as p / scale would; rope_scaling.py)."""
     inv_freq = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    return inv_freq / np.asarray(factors, dtype=np.float64) if len(factors) else inv_freq
+    if len(factors):
+        inv_freq = inv_freq / np.asarray(factors, dtype=np.float64)
+    return inv_freq / scale if scale != 1 else inv_freq
 
 
 def rope_tables(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

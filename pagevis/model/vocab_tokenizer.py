@@ -102,6 +102,39 @@ def sentencepiece_backend(tokens: Sequence[str], token_types: Sequence[int], add
     return backend
 
 
+# Bytes UTF-8 text can hold (a Python str encodes to no others): what a byte fallback must be able to spell.
+UTF8_BYTES = (*range(0xC0), *range(0xC2, 0xF5))
+
+
+def check_spellable(tokens: Sequence[str], token_types: Sequence[int]) -> None:
+    """Refuse a SentencePiece vocabulary that would drop characters without a word: ValueError (one line) when it
+    has no unknown token and some byte of UTF-8 text has no way to be spelled.
+
+    A character with no piece falls back to its bytes' <0xNN> tokens; where one is missing SentencePiece emits
+    <unk> (it refuses to load a model without one), and llama.cpp (llama_vocab::byte_to_token) tries the byte
+    as a one-character piece and otherwise throws mid-tokenisation. So with an unknown token nothing is lost
+    (the <unk> shows); without one, every byte needs <0xNN> or, for ASCII, its own piece (a space: U+2581, what
+    it becomes before tokenising) -- else text with that byte would silently lose it, and the file is refused."""
+    if _unknown(tokens, token_types) is not None:
+        return
+    known = set(tokens)
+    byte_token = {b: f"<0x{b:02X}>" for b in range(256)}
+
+    def spelled(b: int) -> bool:
+        if byte_token[b] in known:
+            return True
+        if b == 0x20:
+            return SPIECE_SPACE in known or all(byte_token[x] in known for x in SPIECE_SPACE.encode())
+        return b < 0x80 and chr(b) in known
+
+    missing = [b for b in UTF8_BYTES if not spelled(b)]
+    if missing:
+        raise ValueError(f"tokenizer.ggml.tokens: this SentencePiece vocabulary has no unknown token (type 2) and "
+                         f"cannot spell {len(missing)} bytes of UTF-8 text (e.g. {byte_token[missing[0]]}, no byte "
+                         "token nor piece): text holding them would be lost, so it is refused (SentencePiece "
+                         "refuses a model without <unk>)")
+
+
 def merges_by_position(vocab: dict[str, int]) -> list[tuple[str, str]]:
     """Every (left, right) pair of tokens that spells a token, the merged token's earlier place in the file first,
     then the longer left piece (transformers' generate_merges with Gemma's position scores). vocab is in file

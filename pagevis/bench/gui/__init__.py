@@ -1,2 +1,2 @@
-"""pagevis.bench.gui: benchmarks of the windows themselves (frames, UI time per token, record cost) and the PNG
-plots of every bench. The only part of pagevis.bench that imports Qt."""
+"""pagevis.bench.gui: benchmarks of the windows themselves (frames, UI time per token, record cost, startup).
+The only part of pagevis.bench that imports Qt (the PNG plots every command writes are pagevis.plots)."""

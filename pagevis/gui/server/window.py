@@ -460,7 +460,7 @@ def ratio_cells(a: float, b: float, better: int | None, numbers: dict) -> str:
 
 def server_demo(app, spec, preset: ServerPreset | None, screenshot: str | None, steps: int, recording=None) -> int:
     """`pagevis --server-demo`: the window alone on the spec's model; with a screenshot, `steps` steps first;
-    with a recording (pagevis.gui.record.Request), `steps` steps, one frame each."""
+    with a recording (pagevis.gui.video_frames.Request), `steps` steps, one frame each."""
     import sys
 
     from pagevis.gui import save_screenshot
@@ -482,7 +482,7 @@ def server_demo(app, spec, preset: ServerPreset | None, screenshot: str | None, 
     window.show()
     app.processEvents()
     if recording is not None:
-        from pagevis.gui.record import record_window
+        from pagevis.gui.video_frames import record_window
 
         return record_window(window, recording, steps)
     window.step_blocking(steps, every_step=False)

@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (
 )
 
 from pagevis.export.video import FORMATS, MAX_FPS, MAX_SIDE, MIN_FPS, RecordingError
-from pagevis.gui.record import Recording, record, server_scene, timeline_scene
+from pagevis.gui.video_frames import Recording, record, server_scene, timeline_scene
 from pagevis.gui.widgets.setting_inputs import combo, spin
 
 WHOLE_WINDOW, AB_WINDOW, SERVER_WINDOW = "Whole window", "A/B window", "Server window"

@@ -14,5 +14,6 @@ MetadataValue = Callable[..., Any]
 class Architecture:
     name: str
     models: str
-    # (value, shape) -> extra ModelConfig fields; shape holds n_layers, d_model, n_heads, head_dim, rope_base.
+    # (value, shape) -> extra ModelConfig fields; shape holds n_layers, d_model, n_heads, head_dim, rope_base,
+    # rope_scale.
     settings: Callable[[MetadataValue, dict[str, Any]], dict[str, Any]]

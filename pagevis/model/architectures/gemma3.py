@@ -4,7 +4,8 @@
   embeddings times sqrt(d_model), tied output, no final logit soft-capping.
 - Sliding-window pattern 6: layer i is local when i % 6 < 5, so every 6th layer (5, 11, 17, ...) is global.
   Local layers see the latest `attention.sliding_window` positions and use RoPE base 10 000; global layers see
-  everything and use the file's base (1 000 000).
+  everything and use the file's base (1 000 000). Only global layers take the file's linear RoPE scaling
+  (the 4B, 12B and 27B have factor 8; llama.cpp: rope_freq_scale_train_swa = 1).
 - Scores scale by 1/sqrt(head_dim) (query_pre_attn_scalar = head_dim), except the 27B (62 layers), which uses
   1/sqrt(d_model / n_heads).
 """
@@ -36,6 +37,7 @@ def settings(value: MetadataValue, shape: dict[str, Any]) -> dict[str, Any]:
         "layout": layout,
         "sliding_windows": tuple(window if is_local(i) else None for i in range(n_layers)),
         "rope_bases": tuple(LOCAL_ROPE_BASE if is_local(i) else shape["rope_base"] for i in range(n_layers)),
+        "rope_scales": tuple(1.0 if is_local(i) else shape["rope_scale"] for i in range(n_layers)),
     }
 
 

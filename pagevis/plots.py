@@ -1,8 +1,8 @@
 """PNG line plots for `compare`, `bench` and `eval` (and `eval`'s heatmaps), drawn with pyqtgraph's exporter off screen (no matplotlib).
 
-They live with the app because only pagevis.gui imports Qt; the commands import this module (the benches
-get `line_plot` passed in). Qt is imported only when a plot is drawn; without a display the offscreen
-platform is used.
+The commands import this module (the benches get `line_plot` passed in); it imports pyqtgraph (and so Qt)
+only inside the functions that draw, so importing it loads no Qt (tests/test_layering.py checks both). Without
+a display the offscreen platform is used.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def recording_request(args: argparse.Namespace, total: int):
     check_writable(args.record, "--record")
     if args.record_width is not None:
         check_range("--record-width", args.record_width, MIN_WIDTH, MAX_SIDE)
-    from pagevis.gui.record import Request
+    from pagevis.gui.video_frames import Request
 
     bar = Progress(total, "recording")
 

@@ -1,0 +1,146 @@
+"""StepRecord: the immutable snapshot of one decode (or prefill) step — everything a view, a trace or a
+summary needs, so nothing downstream ever reads the live engine.
+
+Its fields are declared once, in FIELDS below (record_fields.py says what a row holds); the class is made from
+the table, and the timeline's spill and the trace format derive their parts and arrays from it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagevis.engine.record_fields import RecordField, RecordTable
+from pagevis.kvcache import COUNT_NAMES, CacheEvent, EventKind  # noqa: F401 (CacheEvent: FIELDS' annotations)
+
+
+@dataclass(frozen=True)
+class OracleStep:
+    """The bounded cache against the full (never-evicting) cache on the same token stream."""
+
+    kl: float  # KL(full || bounded) of the next-token distributions, nats
+    top1_agree: bool  # do both caches put the same token first?
+    logprob_bounded: float  # log-probability of the chosen token under the bounded cache
+    logprob_full: float  # ... and under the full cache
+    lost_attention: float  # share of the full model's attention on tokens the bounded cache evicted
+    # per recorded layer (attention_layers), per query head: the share of the full cache's last-query
+    # attention on the tokens the bounded cache evicted (for a per-head policy: the tokens that head's KV
+    # head dropped); float32 values as tuples (records compare with ==); None when no layer is recorded
+    lost_by_head: tuple[tuple[float, ...], ...] | None = None
+
+
+@dataclass(frozen=True)
+class TierStep:
+    """What a step did with the disk tier or page selection, per layer.
+
+    counts:       (n_layers, 5) int64, columns COUNT_NAMES: pages read from RAM, pages read from disk
+                  (faults), pages that left RAM, bytes read from and written to the disk tier
+    page_maps:    (len(attention_layers), n_page_ids, page_size) int32, for the recorded layers only (it
+                  grows with the disk tier): token position per slot of every page id (with a disk tier,
+                  page id = disk frame), -1 empty: what `attention` columns index
+    block_frames: per layer, the RAM frame of each block-table page (-1: on disk only)
+    recall:       (n_layers,) float32, share of the full cache's attention (the oracle's) on the tokens
+                  this step read; None without the oracle
+    """
+
+    counts: np.ndarray
+    page_maps: np.ndarray
+    block_frames: Sequence[tuple[int, ...]]
+    recall: np.ndarray | None = None
+
+    def count(self, name: str) -> np.ndarray:
+        return self.counts[:, COUNT_NAMES.index(name)]
+
+    def hit_rate(self) -> float:
+        """Pages read from RAM over all pages read, all layers (NaN if nothing was read)."""
+        hits, faults = self.count("hits").sum(), self.count("faults").sum()
+        return float(hits / (hits + faults)) if hits + faults else float("nan")
+
+
+MAX_TOKEN_ID = 2**31 - 1  # the largest token id a record (and a trace) may hold
+
+# The step record, declared once: StepRecord's fields in order, and from the same rows the spill's parts
+# (viewmodel/spill.py) and a trace's arrays and their read-time ranges (trace/schema.py, trace/file.py).
+# Adding a field: one row here. A "scalar" or "grid" (record_fields.py) needs nothing else: the session sets it,
+# the spill and the trace carry it; give it `since` = the trace format version after the current one and a
+# default (what older traces read back), and `bounds` for its range in a trace. A "custom" field also needs its
+# codec in the spill and in trace/file.py (tests/test_record_fields.py checks every custom field has one).
+FIELDS = (
+    RecordField("step", "int", "0.. counts the session's records", "scalar", "<i8", bounds=(0, "T-1")),
+    RecordField("kind", "str", '"prefill" (a chunk of prompt tokens) or "decode" (one token)'),
+    RecordField("token_ids", "tuple[int, ...]", "the tokens that entered the cache in this step",
+                bounds=(0, MAX_TOKEN_ID)),
+    RecordField("positions", "tuple[int, ...]", "their positions", bounds=(0, "N-1")),
+    RecordField("next_token", "int", "the token sampled from this step's logits (-1 for a prefill chunk that "
+                "is not the prompt's last)", "scalar", "<i8", bounds=(-1, MAX_TOKEN_ID)),
+    RecordField("next_text", "str", "next_token's text (empty for -1)"),
+    RecordField("slot_maps", "np.ndarray", "(n_layers, max_pages, page_size) int32, token position per physical "
+                "slot, -1 empty", "grid", "<i4", delta=True, bounds=(-1, "N-1")),
+    RecordField("protected", "np.ndarray", "(n_layers, max_pages, page_size) bool, slots the policy will not "
+                "evict (e.g. sinks)", "grid", "|b1", delta=True),
+    RecordField("scores", "np.ndarray", "(n_layers, max_pages, page_size) float32, the policy's keep-score per "
+                "slot (NaN empty)", "grid", "<f4", delta=True),
+    RecordField("block_tables", "Sequence[tuple[int, ...]]", "per layer, the page ids in logical order (RAM "
+                "frames without a disk tier): a TablesAt view of the session's TableLog, or tuples",
+                bounds=(-1, "B-1")),
+    RecordField("events", "Sequence[CacheEvent]", "the step's cache events: an EventArray (compact rows) from a "
+                "session, or a tuple"),
+    RecordField("attention_layers", "tuple[int, ...]", "the layers whose attention is recorded (the session's "
+                "record_layers)"),
+    RecordField("attention", "tuple[np.ndarray, ...]", "per recorded layer, (n_heads, page ids * page_size) "
+                "float16: the step's last query's weights over flat slots (page * page_size + slot); exactly 0 on "
+                "empty slots, evicted tokens and tokens not read"),
+    RecordField("timings", "dict[str, float]", "seconds: forward, sample, oracle, record, total", factory=dict),
+    RecordField("resident_tokens", "int", "tokens in layer 0's cache", "scalar", "<i8", default=0,
+                bounds=(0, "C")),
+    RecordField("pages_used", "int", "pages in layer 0's block table", "scalar", "<i8", default=0,
+                bounds=(0, "B")),
+    RecordField("evictions_total", "int", "evictions over all layers since the session began", "scalar", "<i8",
+                default=0, bounds=(0, 2**62)),
+    RecordField("oracle", "OracleStep | None", "the bounded cache against the full cache (with the oracle)",
+                default=None),
+    RecordField("tiers", "TierStep | None", "with a disk tier or a page selection: the per-page state and what "
+                "moved (slot_maps, protected and scores then describe the RAM frames)", default=None),
+    RecordField("full_precision", "np.ndarray | None", "with int4 / int2 storage, (n_layers, max_pages, "
+                "page_size) bool: the RAM slots whose tokens are still in float32 (KIVI's residual window); None "
+                "for other storage", "grid", "|b1", default=None, optional=True, delta=True, since=4),
+)
+
+
+class StepRecordViews:
+    """One step of a session: the immutable snapshot every view, trace and summary reads (StepRecord, made
+    from FIELDS; these are its methods). Per-layer state has a leading layer axis over every layer; attention
+    only for `attention_layers`."""
+
+    def page_map(self, layer: int) -> np.ndarray:
+        """(page ids, page_size) token position per slot of every page: what attention columns index.
+        With a disk tier and a layer whose attention is not recorded, only its RAM frames are known."""
+        if self.tiers is None or layer not in self.attention_layers:
+            return self.slot_maps[layer]
+        return self.tiers.page_maps[self.attention_layers.index(layer)]
+
+    @property
+    def evictions(self) -> tuple[CacheEvent, ...]:
+        return tuple(e for e in self.events if e.kind is EventKind.EVICT)
+
+    def attention_over_positions(self, layer: int, n_positions: int) -> np.ndarray:
+        """(n_heads, n_positions) float32 attention of this step's last query by token position."""
+        weights = self.attention[self.attention_layers.index(layer)]
+        slots = self.page_map(layer).ravel()
+        resident = slots >= 0
+        out = np.zeros((weights.shape[0], n_positions), dtype=np.float32)
+        keep = resident & (slots < n_positions)
+        out[:, slots[keep]] = weights[:, keep]
+        return out
+
+    def resident_mask(self, layer: int, n_positions: int) -> np.ndarray:
+        """(n_positions,) bool: which token positions are in the cache of `layer` after this step."""
+        slots = self.page_map(layer).ravel()
+        mask = np.zeros(n_positions, dtype=bool)
+        mask[slots[(slots >= 0) & (slots < n_positions)]] = True
+        return mask
+
+
+TABLE = RecordTable(FIELDS, StepRecordViews, module=__name__)
+StepRecord = TABLE.record
