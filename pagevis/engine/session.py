@@ -65,10 +65,11 @@ class PoolView:
 class DecodeSession:
     def __init__(self, model, prompt: str, config: SessionConfig | None = None,
                  prompt_ids: list[int] | None = None, policy=None, engine: Engine | None = None,
-                 pool: PoolView | None = None):
+                 pool: PoolView | None = None, max_chunk: int | None = None):
         """policy: an eviction policy object instead of the settings' one (bound to the cache's budget).
         engine: a shared engine to live in (its owner steps it, calls `submit` on its stepping thread, then
-        `take_step` after each step); pool: how records show that engine's pool."""
+        `take_step` after each step); pool: how records show that engine's pool. max_chunk: prompt tokens
+        a step feeds (None: as many as fit; a teacher-forced session reads its text in smaller chunks)."""
         self.model = model
         self.config = config or SessionConfig()
         n_layers = model.config.n_layers
@@ -83,7 +84,7 @@ class DecodeSession:
         if not self.prompt_ids:
             raise ConfigError("prompt", prompt, "text that encodes to at least one token")
         self.shared = engine is not None
-        self.engine = engine or Engine(model, self.config, BatchConfig(max_seqs=1), max_chunk=None,
+        self.engine = engine or Engine(model, self.config, BatchConfig(max_seqs=1), max_chunk=max_chunk,
                                        hold_finished=True)
         self.cache_config = self.config.cache_config(model.config)
         self.cache = self.engine.cache
