@@ -39,6 +39,7 @@ from pagevis.kvcache.policy_state import LayerView
 from pagevis.kvcache.prefix_cache import ROOT_HASH, PrefixCacheStats, page_hash, prefix_hashes
 from pagevis.kvcache.rope_shift import inverse_frequencies
 from pagevis.kvcache.sequence import SequenceCache
+from pagevis.kvcache.snapshot import CacheSnapshot, LayerFrames, layer_frames, take
 from pagevis.kvcache.store import PageStore, TierCounts
 from pagevis.kvcache.swap import SwapSpace
 
@@ -105,6 +106,15 @@ class KVCacheManager(Admission):
     def take_counts(self) -> list[TierCounts]:
         """Per layer, what moved between the tiers since the last call."""
         return [store.take_counts() for store in self.stores]
+
+    def snapshot(self, seq_id: int, shown: int, held=None) -> CacheSnapshot:
+        """The sequence's cache as a step record shows it (kvcache/snapshot.py): slot maps, protected slots,
+        scores, float32 slots, block-table frames, per-layer capacities and labels; `shown` frames per layer."""
+        return take(self, seq_id, shown, held)
+
+    def frames(self, layer: int) -> LayerFrames:
+        """What the layer's RAM frames hold, read-only (kvcache/snapshot.py)."""
+        return layer_frames(self.stores[layer])
 
     # --- sequences -------------------------------------------------------------------------------
     def add_sequence(self, seq_id: int, policy: EvictionPolicy | None = None) -> SequenceCache:
