@@ -278,6 +278,9 @@ def check_values(a: dict[str, np.ndarray], header: dict, sizes: dict[str, int], 
     if header["version"] >= 2:
         within("event_frame", a["event_frame"], -1, P - 1)
         within("has_tiers", a["has_tiers"].view(np.uint8), 0, 1)
+        if np.any(a["has_tiers"] != (sizes["D"] > 0)):  # the writer records tiers on every step or none
+            raise TraceError(f"{where}: array 'has_tiers' disagrees with page_map_pages = {sizes['D']} (a disk tier "
+                             "or page selection records its tiers on every step, and only then)")
         within("tier_counts", a["tier_counts"], 0, 2**62)
         within("page_maps", a["page_maps"], -1, max(N - 1, 0))
         within("block_frames", a["block_frames"], -1, P - 1)
