@@ -163,6 +163,8 @@ def test_app_options_reach_launch(monkeypatch, tmp_path):
     assert call["model_spec"].kind == "synthetic" and call["model_spec"].n_layers == 2
     assert call["prompt"] == "hi" and call["screenshot"] == "s.png" and call["steps"] == 3
     assert call["session_config"].page_size == 8 and call["session_config"].policy == "tova"
+    assert main(["--present"]) == 0 and calls[-1]["present"] is True  # the presentation layout
+    assert main(["--no-present"]) == 0 and calls[-1]["present"] is False
     assert main(["--preset", "streaming"]) == 0  # a preset sets prompt and cache; an A/B one opens both
     call = calls[-1]
     assert call["preset"].name == "StreamingLLM: window vs sinks" and call["session_config"] == call["preset"].a

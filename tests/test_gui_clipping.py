@@ -146,3 +146,28 @@ def test_the_attach_window_at_1280_x_720_clips_nothing(qtbot):
         assert look(qtbot, window) == []
     finally:
         window.close()
+
+
+def test_the_presentation_layout_clips_nothing_at_page_sizes_8_16_32_on_a_projector_and_full_hd(qtbot, tmp_path):
+    """One window, three sessions (restarts are cheaper than windows): the presentation layout at 1280 × 720 and
+    1920 × 1080, each view tab raised at the first page size."""
+    window = projector_window(qtbot, tmp_path)
+    window.set_presentation(True)
+    for page_size, pages in ((8, 12), (16, 16), (32, 4)):
+        window.controls.set_configuration(config=replace(DEFAULT_CONFIG, page_size=page_size, max_pages=pages))
+        window.restart("page size", blocking=True)
+        window.runner.step_blocking(40)
+        window.scrub(39)
+        for size in (PROJECTOR, (1920, 1080)):
+            window.resize(*size)
+            window.size_docks()
+            window.redraw()
+            assert window.size().toTuple() == size
+            assert look(qtbot, window) == [], (page_size, size)
+        if page_size == 8:
+            for dock in ("Attention", "Heads", "Weights", "Eviction events", "Metrics", "Controls"):
+                window.docks[dock].raise_()
+                window.redraw()
+                assert look(qtbot, window) == [], dock
+            window.docks["Page grid"].raise_()
+            window.docks["Text"].raise_()

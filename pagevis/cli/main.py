@@ -54,6 +54,10 @@ def gui_parser() -> ArgumentParser:
     group.add_argument("--server-metrics", metavar="URL",
                        help="with --server-demo: that server's /metrics (e.g. http://127.0.0.1:8000/metrics) for "
                             "the plots")
+    group.add_argument("--present", action=argparse.BooleanOptionalAction, default=None,
+                       help="open in the presentation layout (View > Presentation, F11): the page grid fills the "
+                            "window, the other views a tab away; --no-present: the normal layout (default: "
+                            "presentation on a display at most 1366 px wide)")
     group.add_argument("--tour", action="store_true",
                        help="start the guided tour (Help > Tour): the StreamingLLM A/B, then Sequences, then the "
                             "Server window, each with one line on what to look at")
@@ -172,7 +176,7 @@ def launch_app(args: argparse.Namespace) -> int:
 
     return launch(model_spec=spec, prompt=prompt, session_config=config, screenshot=args.screenshot,
                   steps=args.steps, metrics=metrics, preset=options.preset(args), recording=recording,
-                  **({"tour": True} if args.tour else {}))
+                  **({"tour": True} if args.tour else {}), **({} if args.present is None else {"present": args.present}))
 
 
 def launch_server_demo(args: argparse.Namespace, spec, recording=None) -> int:

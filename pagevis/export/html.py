@@ -22,7 +22,7 @@ import numpy as np
 
 from pagevis.kvcache import EventKind
 from pagevis.kvcache.event_array import in_layer
-from pagevis.viewmodel.cells import STATE_COLORS, STATE_NAMES, cell_states
+from pagevis.viewmodel.cells import CELL_TEXT_COLOR, LEGEND_NOTE, STATE_COLORS, STATE_NAMES, cell_states, legend_states
 from pagevis.viewmodel.narration import narrate
 
 MAX_BYTES = 64 << 20  # a browser opens this fast; a longer session is better sent as a video
@@ -61,7 +61,8 @@ def page_data(timeline, layer: int = 0) -> dict:
         "model": info.model_label, "prompt": info.prompt, "layer": layer, "layers": info.n_layers,
         "pages": int(config.max_pages), "slots": int(config.page_size), "policy": config.policy,
         "dtype": config.dtype, "prompt_tokens": len(info.prompt_ids),
-        "names": list(STATE_NAMES), "colors": list(STATE_COLORS), "kinds": list(KINDS), "reasons": list(reasons),
+        "names": list(STATE_NAMES), "colors": list(STATE_COLORS), "cell_text": CELL_TEXT_COLOR,
+        "legend": legend_states(info.sliding_windows is not None), "legend_note": LEGEND_NOTE, "kinds": list(KINDS), "reasons": list(reasons),
         "tokens": [timeline.position_text(p) for p in range(n_positions)],
         "steps": steps, "cells": cells, "narration": narration, "events": events,
     }

@@ -32,14 +32,15 @@ def _application():
 
 def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, session_config: SessionConfig | None = None,
            screenshot: str | None = None, steps: int = 0, trace: str | None = None, metrics=None,
-           preset=None, recording=None, tour: bool = False) -> int:
+           preset=None, recording=None, tour: bool = False, present: bool | None = None) -> int:
     """Open the main window (QApplication created here). With `screenshot`, open offscreen-capable, decode `steps`
     steps (synchronously), save a PNG of the whole window to that path and return 0 without entering the event
     loop. With `trace`, open that trace for replay. With `metrics` (a pagevis.observe.Metrics), every session
     the window starts feeds it. With an A/B `preset` (pagevis.presets), the A/B window opens on its two
     configurations (and is what a screenshot shows). With `recording` (a pagevis.gui.video_frames.Request), record
     the window (or one view) to a video instead: `steps` decoded steps, or every step of `trace`. With `tour`,
-    Help ▸ Tour starts at once. Returns the exit code."""
+    Help ▸ Tour starts at once. `present`: the presentation layout (True) or the normal one (False); None: the
+    window's own choice (presentation on a real display at most 1366 px wide). Returns the exit code."""
     from pagevis.gui.startup import probe_from_environment
 
     probe = probe_from_environment(time.time())  # `pagevis bench startup` times the phases below
@@ -58,6 +59,8 @@ def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, sessi
     headless = bool(screenshot or recording)
     window = MainWindow(restore=not headless, persist=not headless)
     window.apply_arguments(model_spec, prompt, session_config)
+    if present is not None:
+        window.set_presentation(present)
     if probe is not None:
         probe.mark("window")
         probe.watch(app, window)

@@ -3,21 +3,20 @@ messages are always encoded as text (a user typing `<|im_end|>` gets the charact
 
 from __future__ import annotations
 
-import regex
-
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 # The default system prompt written in SmolLM2-135M-Instruct's GGUF `tokenizer.chat_template`.
 SMOLLM2_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
-_TEMPLATE_SYSTEM = regex.compile(r"<\|im_start\|>system\n(.*?)<\|im_end\|>", regex.DOTALL)
+_SYSTEM_TURN = IM_START + "system\n"
 
 
 def system_prompt_from_template(chat_template: str | None) -> str | None:
     """The default system prompt a ChatML Jinja template inserts, or None if it has none."""
     if not chat_template:
         return None
-    found = _TEMPLATE_SYSTEM.search(chat_template)
-    return found.group(1) if found else None
+    start = chat_template.find(_SYSTEM_TURN)  # two finds: linear in the template's length, whatever it holds
+    end = chat_template.find(IM_END, start + len(_SYSTEM_TURN)) if start >= 0 else -1
+    return chat_template[start + len(_SYSTEM_TURN): end] if end >= 0 else None
 
 
 def chatml_segments(

@@ -14,6 +14,14 @@ FREE, RESIDENT, PINNED, WRITTEN, REPLACED, EVICTED, SLID = range(7)
 STATE_NAMES = ("free", "resident", "protected (sink / recent)", "written this step", "evicted + rewritten",
                "evicted this step", "slid out of the window")
 STATE_COLORS = ("#2a2e36", "#3b82c4", "#b48cf2", "#3ddc84", "#ffb020", "#ef4b4b", "#8c6a3f")
+CELL_TEXT_COLOR = "#ffffff"  # the numbers written in the cells (the app's grid and the HTML page's)
+LEGEND_NOTE = "numbers: token positions"  # said after the colours, in the app and the HTML page
+
+
+def legend_states(hybrid: bool) -> list[int]:
+    """The states a grid's legend names, in order: 'slid out of the window' only for a hybrid cache (a model
+    with sliding-window layers), where pages leave the window; elsewhere it never shows."""
+    return [state for state in range(len(STATE_NAMES)) if hybrid or state != SLID]
 
 
 def frames_of_pages(record, layer: int) -> dict[int, int]:

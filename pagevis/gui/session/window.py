@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from PySide6.QtCore import QByteArray, QRect, QSettings, QSize, Qt, QTimer
+from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer
 from PySide6.QtGui import QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget,
@@ -34,6 +34,7 @@ from pagevis.kvcache.spec import layer_specs
 from pagevis.presets import default_prompt
 from pagevis.gui.widgets import export, theme
 from pagevis.gui.session.controls import ControlsPanel
+from pagevis.gui.session.layout import FIRST_SCREEN_SHARE, NARRATION_STYLE, DockLayout, wants_presentation
 from pagevis.gui.widgets.messages import MessagesPanel
 from pagevis.viewmodel.narration import narrate
 from pagevis.gui.session.runner import SessionRunner
@@ -57,7 +58,6 @@ UI_SHARE = 0.12  # while decoding, the UI thread (redraws, painting, everything)
 # 0.94x (python -m pagevis.bench.gui.app; docs/gui.md). Only at max speed: see request_render.
 STATUS_INTERVAL = 0.25  # while decoding, the status bar's step and speed change at most this often
 SETTINGS_VERSION = 1
-FIRST_SCREEN_SHARE = 0.85  # until the user's own geometry is saved, the window takes this share of the screen
 
 
 def _mib(n: int) -> str:
@@ -85,12 +85,6 @@ def hybrid_memory_text(info, record) -> str:
     held = hybrid_bytes(layer_specs(info.sliding_windows, info.n_layers), [len(t) for t in record.block_tables],
                         info.page_bytes, max(record.positions, default=-1) + 1, info.config.page_size)
     return held.text()
-
-
-COMPACT_WIDTH = 1680  # windows this narrow tab the metrics behind the events (see size_docks): at 1440-1600 px
-# three docks in the bottom row clipped the events table and the metrics titles
-SMALL_WIDTH = 1366
-SMALL_HEIGHT = 800  # a first window on a screen this low (or at most 1366 px wide) takes all of it
 
 
 class MainWindow(TimelineCursor, QMainWindow):
@@ -129,7 +123,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.narration = QLabel("")  # one line: what the cache did at the shown step (selected layer)
         self.narration.setObjectName("narration")
         self.narration.setTextFormat(Qt.PlainText)  # token texts like '<0xA5>' are not markup
-        self.narration.setStyleSheet("QLabel#narration { font-size: 13px; padding: 2px 8px; }")
+        self.narration.setStyleSheet(NARRATION_STYLE)
         self.narration.setTextInteractionFlags(Qt.TextSelectableByMouse)
         narration_bar = QToolBar("Narration", self)
         narration_bar.setObjectName("narration_bar")
@@ -148,6 +142,7 @@ class MainWindow(TimelineCursor, QMainWindow):
                       self.histogram]
         self.messages = MessagesPanel()
         self.docks: dict[str, QDockWidget] = {}
+        self.layout_ = DockLayout(self)
         self.setDockNestingEnabled(True)
         self.setCorner(Qt.BottomLeftCorner, Qt.LeftDockWidgetArea)
         for widget, title in ((self.controls, "Controls"), *((v, v.title) for v in self.views),
@@ -160,6 +155,8 @@ class MainWindow(TimelineCursor, QMainWindow):
         self._default_state = self.saveState(SETTINGS_VERSION)
         self._size_docks_on_show = not (restore and self._restore_settings())
         if self._size_docks_on_show:
+            if wants_presentation(QGuiApplication.instance(), self.screen()):
+                self.set_presentation(True)
             self.fit_to_screen()
         self.redraw()  # the views' empty state from the start, not pyqtgraph's default axes
 
@@ -172,66 +169,22 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.docks[title] = dock
 
     def _default_layout(self) -> None:
-        d = self.docks
-        for dock in d.values():
-            dock.setFloating(False)
-            dock.show()
-        self.setCentralWidget(None)
-        self.addDockWidget(Qt.LeftDockWidgetArea, d["Controls"])
-        self.addDockWidget(Qt.RightDockWidgetArea, d["Page grid"])
-        self.splitDockWidget(d["Page grid"], d["Text"], Qt.Vertical)
-        self.splitDockWidget(d["Page grid"], d["Attention"], Qt.Horizontal)
-        self.splitDockWidget(d["Text"], d["Eviction events"], Qt.Horizontal)
-        self.splitDockWidget(d["Eviction events"], d["Metrics"], Qt.Horizontal)
-        self.tabifyDockWidget(d["Attention"], d["Heads"])  # heads per KV group: a tab behind the heatmap
-        self.tabifyDockWidget(d["Attention"], d["Weights"])  # the step's weights as a histogram: another tab
-        for view in self.views:  # a view with no place above: a tab behind the heatmap
-            if self.dockWidgetArea(d[view.title]) == Qt.NoDockWidgetArea:
-                self.tabifyDockWidget(d["Attention"], d[view.title])
-        d["Attention"].raise_()
-        self.addDockWidget(Qt.BottomDockWidgetArea, d["Messages"])
-        d["Messages"].hide()
-        self.size_docks()
+        self.layout_.default()
 
     def size_docks(self) -> None:
-        """The default proportions (drawn for 1600 × 1000) at the window's size: absolute sizes would let Qt
-        take the whole shortfall of a smaller window from the last docks, squeezing them to an ellipsis."""
-        d = self.docks
-        compact = self.width() <= COMPACT_WIDTH and self.isVisible()  # hidden, the size is not yet the real one
-        if compact and d["Metrics"] not in self.tabifiedDockWidgets(d["Eviction events"]):
-            # a projector (1280 × 720): metrics become a tab behind the eviction events, so that the text,
-            # the events' columns and the metrics' legends get the width to show without clipping
-            self.tabifyDockWidget(d["Eviction events"], d["Metrics"])
-            d["Eviction events"].raise_()
-        controls = max(d["Controls"].minimumSizeHint().width(), min(330, self.width() // 4))
-        x = (self.width() - controls) / (1600 - 330)
-        y = self.height() / 1000
-        self.resizeDocks([d["Controls"]], [controls], Qt.Horizontal)
-        rows = (500, 500) if compact else (540, 420)  # compact: the events' plot and the metrics get the height
-        self.resizeDocks([d["Page grid"], d["Text"]], [int(rows[0] * y), int(rows[1] * y)], Qt.Vertical)
-        top = (700, 570) if compact else (600, 660)  # compact: the grid keeps room beside its block table
-        self.resizeDocks([d["Page grid"], d["Attention"]], [int(top[0] * x), int(top[1] * x)], Qt.Horizontal)
-        bottom = [d["Text"], d["Eviction events"]] + ([] if compact else [d["Metrics"]])
-        self.resizeDocks(bottom, [int(w * x) for w in ((560, 710) if compact else (380, 470, 420))], Qt.Horizontal)
+        """The docks in their proportions at the window's size (pagevis.gui.session.layout)."""
+        self.layout_.size_docks()
 
     def fit_to_screen(self, share: float = FIRST_SCREEN_SHARE) -> None:
-        """Take `share` of the screen's available area (at least the window's minimum, at most the area),
-        centred, with the docks in their default proportions: the first window, before any saved geometry."""
-        screen = self.screen() or QGuiApplication.primaryScreen()
-        if screen is None:
-            return
-        area = screen.availableGeometry()
-        if area.width() <= SMALL_WIDTH or area.height() <= SMALL_HEIGHT:
-            # a projector or small laptop: 85 % of 1280 × 720 squeezed the page grid to a line. Maximized,
-            # the window manager fits the frame (the area itself as the inner geometry would overhang it)
-            self.setGeometry(area)
-            self.setWindowState(self.windowState() | Qt.WindowMaximized)
-            return
-        size = QSize(int(area.width() * share), int(area.height() * share))
-        size = size.expandedTo(self.minimumSizeHint()).boundedTo(area.size())
-        rect = QRect(0, 0, size.width(), size.height())
-        rect.moveCenter(area.center())
-        self.setGeometry(rect)
+        self.layout_.fit_to_screen(share)
+
+    def set_presentation(self, on: bool) -> None:
+        """The presentation layout (View ▸ Presentation, F11): the page grid fills most of the window."""
+        self.layout_.set_presentation(on)
+
+    @property
+    def presentation(self) -> bool:
+        return self.layout_.presentation
 
     def showEvent(self, event) -> None:
         """The first time, without a saved layout: the default proportions at the size the window opens at."""
@@ -241,6 +194,8 @@ class MainWindow(TimelineCursor, QMainWindow):
             self.size_docks()
 
     def reset_layout(self) -> None:
+        if self.presentation:
+            self.layout_.set_presentation(False, arrange=False)
         self.restoreState(self._default_state, SETTINGS_VERSION)
         self._default_layout()
         self.statusBar().showMessage("Layout reset", 3000)
@@ -287,6 +242,13 @@ class MainWindow(TimelineCursor, QMainWindow):
         view_menu = self.menuBar().addMenu("&View")
         for dock in self.docks.values():
             view_menu.addAction(dock.toggleViewAction())
+        view_menu.addSeparator()
+        self.presentation_action = view_menu.addAction("&Presentation")
+        self.presentation_action.setShortcut(QKeySequence("F11"))
+        self.presentation_action.setCheckable(True)
+        self.presentation_action.triggered.connect(self.set_presentation)  # (checked)
+        self.presentation_action.setToolTip("the page grid fills the window, the other views one tab away")
+        self.addAction(self.presentation_action)
         view_menu.addSeparator()
         view_menu.addAction("&Sequences sharing one pool…", self.open_sequences)
         view_menu.addAction("Se&rver: requests arriving…", self.open_server)
@@ -792,6 +754,8 @@ class MainWindow(TimelineCursor, QMainWindow):
         state = s.value("window/state")
         if isinstance(state, QByteArray) and not state.isEmpty():
             self.restoreState(state, SETTINGS_VERSION)
+            if s.value("window/presentation") in (True, "true"):  # the docks are already where it puts them
+                self.layout_.set_presentation(True, arrange=False)
         raw = s.value("session/config")
         if isinstance(raw, str) and raw:
             try:
@@ -804,6 +768,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         s = self.settings
         s.setValue("window/geometry", self.saveGeometry())
         s.setValue("window/state", self.saveState(SETTINGS_VERSION))
+        s.setValue("window/presentation", self.presentation)
         try:
             s.setValue("session/config", json.dumps(self.controls.to_dict()))
         except (ConfigError, ValueError):

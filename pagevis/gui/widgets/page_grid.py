@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, QRectF, Qt
-from PySide6.QtGui import QColor, QFont, QImage, QPainter, QStaticText, QTransform
+from PySide6.QtGui import QColor, QFont, QFontMetrics, QImage, QPainter, QStaticText, QTransform
 from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QLabel, QTableWidget, QTableWidgetItem, QToolTip,
                                QVBoxLayout, QWidget)
 
@@ -13,8 +13,8 @@ from pagevis.kvcache import ConfigError, EventKind, layer_capacities
 from pagevis.kvcache.event_array import in_layer
 from pagevis.kvcache.spec import layer_specs
 from pagevis.gui.widgets import theme
-from pagevis.gui.widgets.theme import FREE, PINNED, REPLACED, RESIDENT, SLID, WRITTEN
-from pagevis.viewmodel.cells import cell_states, frames_of_pages
+from pagevis.gui.widgets.theme import FREE, PINNED, REPLACED, RESIDENT, WRITTEN
+from pagevis.viewmodel.cells import CELL_TEXT_COLOR, LEGEND_NOTE, cell_states, frames_of_pages, legend_states
 from pagevis.viewmodel.view_state import ViewState
 from pagevis.gui.widgets.rgba_image import RgbaImage
 from pagevis.viewmodel.run_list import run_list
@@ -24,8 +24,11 @@ _BACKGROUND = theme.rgb(theme.BACKGROUND)
 _CELL_PX = 12  # pixels per cell side in the rendered image (1 of them is the cell border)
 _MAX_BORDERED_CELLS = 8192
 MIN_TABLE_WIDTH, MAX_TABLE_WIDTH = 200, 280  # the block table's width, pixels
+WIDE_PAGE = 16  # pages of this many slots or more narrow the block table to MIN_TABLE_WIDTH
 FULL_PRECISION_COLOR = "#f2d45c"  # the bar marking a slot still in float32 (int4 / int2's residual window)
 _FULL_PRECISION = theme.rgb(FULL_PRECISION_COLOR)
+DIM_FLOOR = 0.5  # the oldest (or lowest-scored) resident cell keeps this share of its state's colour: still the
+# HTML page's blue, with its white number readable
 MERGE_COLOR = "#5ce0f2"  # a line from an evicted cell to the survivor its value was merged into (policy merge)
 
 
@@ -73,7 +76,7 @@ def cell_image(states: np.ndarray, shade: np.ndarray, bordered: bool, full: np.n
     (still in full precision) get a bar along their bottom (bordered) or are tinted (not bordered)."""
     colors = _PALETTE[states]
     dim = np.isin(states, (RESIDENT, PINNED)) & np.isfinite(shade)
-    strength = np.where(dim, 0.35 + 0.65 * np.nan_to_num(shade, nan=1.0), 1.0)[..., None]
+    strength = np.where(dim, DIM_FLOOR + (1 - DIM_FLOOR) * np.nan_to_num(shade, nan=1.0), 1.0)[..., None]
     colors = _BACKGROUND + (colors - _BACKGROUND) * strength
     rgba = np.empty(states.shape + (4,), dtype=np.uint8)
     rgba[..., :3] = np.clip(colors * 255, 0, 255)
@@ -130,15 +133,19 @@ def disk_image(states: np.ndarray) -> np.ndarray:
     return big
 
 
-def legend_html(hybrid: bool) -> str:
-    """The grid's colour legend; the slid-out state only for a hybrid cache (sliding-window layers)."""
-    shown = [(n, c) for state, (n, c) in enumerate(zip(theme.STATE_NAMES, theme.STATE_COLORS, strict=True))
-             if hybrid or state != SLID]
-    swatches = [f"<span style='color:{c}'>&#9632;</span>&nbsp;{n.replace(' ', '&nbsp;')}"  # wrap between
-                for n, c in shown]  # entries, never inside one
-    return ("&nbsp;&nbsp; ".join(swatches[:3]) + "<br>" + "&nbsp;&nbsp; ".join(swatches[3:])
-            + f"<br><span style='color:{theme.MUTED}'>numbers: token positions · resident cells dim with age "
-            "(or score)</span>")
+def legend_html(hybrid: bool, note: bool = True) -> str:
+    """The grid's colour legend in one line (wrapping between entries, never inside one, where the dock is
+    narrow), in the HTML page's words; the slid-out state only for a hybrid cache (sliding-window layers).
+    `note`: what the numbers are, after the colours (the presentation layout leaves it to the tooltip)."""
+    swatches = [f"<span style='color:{theme.STATE_COLORS[state]}'>&#9632;</span>&nbsp;"
+                + theme.STATE_NAMES[state].replace(" ", "&nbsp;") for state in legend_states(hybrid)]
+    if note:
+        swatches.append(f"<span style='color:{theme.MUTED}'>{LEGEND_NOTE.replace(' ', '&nbsp;')}</span>")
+    return "&nbsp;&nbsp; ".join(swatches)
+
+
+LEGEND_TOOLTIP = ("numbers: the token position each slot holds (and its text, where the cell has room); resident "
+                  "cells dim with age or policy score (Controls ▸ Grid shading)")
 
 
 def layer_label(info, layer: int) -> str:
@@ -159,60 +166,96 @@ def cell_ticks(n: int) -> list[list[tuple[float, str]]]:
     return levels
 
 
+MIN_NUMBER_CELL = (14, 10)  # a cell's screen size (width, height) below which its number is left out
+MIN_TEXT_CELL = (40, 30)  # ... and below which its token text is
+MIN_PIXEL_SIZE = 6  # numbers smaller than this are left out (a cell too narrow for its digits)
+DIGIT_WIDTH = 0.64  # a digit's width in the font's pixel size (DejaVu Sans: 0.636)
+
+
+def cell_token(text: str) -> str:
+    """A token's text as a cell shows it: outer spaces off, a newline as ↵, nothing but spaces as ␣."""
+    shown = text.replace("\n", "↵").replace("\t", "→").strip()
+    return shown or ("␣" if text else "")
+
+
 class CellLabels(pg.GraphicsObject):
-    """Token positions written inside the cells, in screen pixels so they stay legible at any zoom. They
-    are drawn into a transparent overlay at screen resolution that is kept between paints: a step redraws
-    only the cells whose number changed (one or two), and a paint is one image blit."""
+    """Token positions written inside the cells, in screen pixels so they stay legible at any zoom, and under
+    each number the token's text where the cell has room (`text_of`: position → text). They are drawn into a
+    transparent overlay at screen resolution that is kept between paints: a step redraws only the cells
+    whose number changed (one or two), and a paint is one image blit."""
 
     def __init__(self):
         super().__init__()
         self.positions = np.zeros((0, 0), dtype=np.int32)
-        self.font = QFont()
-        self._texts: dict[int, tuple] = {}  # number -> (laid-out text, half width, half height) at this font size
-        self._pixel_size = 0
+        self.text_of = None
+        self.max_pixel_size = 13  # the numbers' largest size (the presentation layout's is larger)
+        self.pixel_size = 0  # the numbers' size at the last paint; 0: the cells were too small for numbers
+        self.with_text = False  # did the last paint write token texts?
+        self.font, self.text_font = QFont(), QFont()
+        self._texts: dict[object, tuple] = {}  # number or token -> (laid-out text, half width, half height)
         self._overlay: QImage | None = None
         self._overlay_key = None  # the device geometry the overlay was drawn for
         self._drawn = np.zeros((0, 0), dtype=np.int32)  # the numbers the overlay holds
         self.setZValue(10)
 
-    def set_positions(self, positions: np.ndarray) -> None:
+    def set_positions(self, positions: np.ndarray, text_of=None) -> None:
         if positions.shape != self.positions.shape:
             self.prepareGeometryChange()
+        if text_of != self.text_of:  # another session's tokens: every cell anew
+            self.text_of, self._overlay_key = text_of, None
         self.positions = positions
         self.update()
+
+    def point_size(self, logical_dpi: float = 96.0) -> float:
+        """The numbers' size in points at the last paint (0 when none were written)."""
+        return self.pixel_size * 72.0 / logical_dpi
 
     def boundingRect(self) -> QRectF:
         rows, cols = self.positions.shape
         return QRectF(0, 0, cols, rows)
 
-    def _text(self, number: int) -> tuple:
-        entry = self._texts.get(number)
+    def _text(self, key, text: str, font: QFont) -> tuple:
+        entry = self._texts.get(key)
         if entry is None:
-            text = QStaticText(str(number))
-            text.setTextFormat(Qt.PlainText)
-            text.prepare(QTransform(), self.font)
-            size = text.size()
-            entry = self._texts[number] = (text, size.width() / 2, size.height() / 2)
+            laid = QStaticText(text)
+            laid.setTextFormat(Qt.PlainText)
+            laid.prepare(QTransform(), font)
+            size = laid.size()
+            if len(self._texts) >= 4096:
+                self._texts.clear()
+            entry = self._texts[key] = (laid, size.width() / 2, size.height() / 2)
         return entry
+
+    def _sizes(self, cell: QRectF) -> tuple[int, bool]:
+        """(the numbers' pixel size, whether token texts fit under them) for cells of this screen size."""
+        if cell.width() < MIN_NUMBER_CELL[0] or cell.height() < MIN_NUMBER_CELL[1]:
+            return 0, False
+        with_text = self.text_of is not None and cell.width() >= MIN_TEXT_CELL[0] and \
+            cell.height() >= MIN_TEXT_CELL[1]
+        share = 0.4 if with_text else 0.5
+        digits = len(str(max(int(self.positions.max(initial=0)), 0)))  # the widest number fits its cell
+        size = int(min(cell.height() * share, (cell.width() - 3) / (DIGIT_WIDTH * digits), self.max_pixel_size))
+        return (size, with_text) if size >= MIN_PIXEL_SIZE else (0, False)
 
     def paint(self, painter: QPainter, *args) -> None:
         rows, cols = self.positions.shape
         if not rows:
             return
         transform = painter.transform()
-        cell = transform.mapRect(QRectF(0, 0, 1, 1))
-        if cell.width() < 16 or cell.height() < 11:
+        pixel_size, with_text = self._sizes(transform.mapRect(QRectF(0, 0, 1, 1)))
+        if not pixel_size:
+            self.pixel_size = 0
             return  # too small to read: leave the colours alone
-        pixel_size = int(max(7, min(cell.height() * 0.45, cell.width() * 0.32, 13)))
-        if pixel_size != self._pixel_size:
-            self._pixel_size = pixel_size
+        if (pixel_size, with_text) != (self.pixel_size, self.with_text):
+            self.pixel_size, self.with_text = pixel_size, with_text
             self.font.setPixelSize(pixel_size)
+            self.text_font.setPixelSize(max(7, int(pixel_size * 0.8)))
             self._texts.clear()
         device = transform.mapRect(QRectF(0, 0, cols, rows))
         left, top = np.floor(device.left()), np.floor(device.top())
         ratio = painter.device().devicePixelRatioF() if painter.device() is not None else 1.0
         key = (transform.m11(), transform.m22(), transform.dx() - left, transform.dy() - top,
-               int(np.ceil(device.width())) + 2, int(np.ceil(device.height())) + 2, pixel_size, ratio)
+               int(np.ceil(device.width())) + 2, int(np.ceil(device.height())) + 2, pixel_size, with_text, ratio)
         if key != self._overlay_key or self._drawn.shape != self.positions.shape:
             self._overlay_key = key
             self._overlay = QImage(int(key[4] * ratio), int(key[5] * ratio), QImage.Format_ARGB32_Premultiplied)
@@ -236,15 +279,26 @@ class CellLabels(pg.GraphicsObject):
         xs = (sx * (cols + 0.5) + dx).tolist()
         ys = (sy * (rows + 0.5) + dy).tolist()
         painter = QPainter(self._overlay)
-        painter.setFont(self.font)
-        painter.setPen(QColor(235, 238, 242))
+        number_color, text_color = QColor(CELL_TEXT_COLOR), QColor(CELL_TEXT_COLOR)
+        text_color.setAlpha(200)
+        lift = height * 0.21 if self.with_text else 0.0  # the number above the token's text
+        elide = QFontMetrics(self.text_font)
         for x, y, number in zip(xs, ys, self.positions[rows, cols].tolist()):
             painter.setCompositionMode(QPainter.CompositionMode_Source)
             painter.fillRect(QRectF(x - width / 2, y - height / 2, width, height), Qt.transparent)
             painter.setCompositionMode(QPainter.CompositionMode_SourceOver)
-            if number >= 0:
-                text, half_width, half_height = self._text(number)
-                painter.drawStaticText(QPointF(x - half_width, y - half_height), text)
+            if number < 0:
+                continue
+            painter.setFont(self.font)
+            painter.setPen(number_color)
+            text, half_width, half_height = self._text(number, str(number), self.font)
+            painter.drawStaticText(QPointF(x - half_width, y - lift - half_height), text)
+            if self.with_text:
+                token = elide.elidedText(cell_token(self.text_of(number)), Qt.ElideRight, int(width - 6))
+                painter.setFont(self.text_font)
+                painter.setPen(text_color)
+                text, half_width, half_height = self._text(("t", token), token, self.text_font)
+                painter.drawStaticText(QPointF(x - half_width, y + lift - half_height), text)
         painter.end()
 
 
@@ -259,6 +313,7 @@ class BlockTable(QTableWidget):
         super().__init__(0, len(self.HEADERS))
         self.rows: list[tuple[int, int, int, str]] = []  # (logical, physical, tokens, positions) per row
         self._longest = 0  # characters of the longest positions text the column was fitted to
+        self.widest = MAX_TABLE_WIDTH  # the most width the table takes (the page grid narrows it)
         self.setHorizontalHeaderLabels(self.HEADERS)
         self.setEditTriggers(QTableWidget.NoEditTriggers)
         self.verticalHeader().setDefaultSectionSize(20)
@@ -300,7 +355,7 @@ class BlockTable(QTableWidget):
             # its size hint and cut the longest positions
             need = (self.verticalHeader().sizeHint().width() + self.verticalScrollBar().sizeHint().width()
                     + sum(self.columnWidth(c) for c in range(self.columnCount())) + 2 * self.frameWidth())
-            self.setMinimumWidth(min(max(need, MIN_TABLE_WIDTH), MAX_TABLE_WIDTH))
+            self.setMinimumWidth(min(max(need, MIN_TABLE_WIDTH), self.widest))
 
 
 class PageGridView(QWidget):
@@ -313,6 +368,7 @@ class PageGridView(QWidget):
         self.full_precision: np.ndarray | None = None  # int4 / int2: slots still in float32 (drawn with a bar)
         self._state = ViewState()
         self._key = None
+        self.presentation = False  # the presentation layout: no block table, bigger numbers and titles
 
         self.graphics = pg.GraphicsLayoutWidget()
         self.plot = self.graphics.addPlot()
@@ -343,7 +399,8 @@ class PageGridView(QWidget):
         self.disk.hide()
 
         self.legend = QLabel(legend_html(hybrid=False))
-        self.legend.setWordWrap(True)  # its lines may wrap rather than hold the dock wider than its share
+        self.legend.setWordWrap(True)  # it may wrap (between entries) rather than hold the dock wider than its share
+        self.legend.setToolTip(LEGEND_TOOLTIP)
         self.precision_legend = QLabel(
             f"<span style='color:{FULL_PRECISION_COLOR}'>&#9601;</span>&nbsp;still float32 (residual window)")
         self.precision_legend.setToolTip("int4 / int2 quantize a group of 32 tokens once it is older than the "
@@ -379,6 +436,36 @@ class PageGridView(QWidget):
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addLayout(left, 1)
         layout.addLayout(right)
+        self._table_narrow = False
+
+    def _place_block_table(self, page_size: int) -> None:
+        """Pages of 16 slots or more: the block table at its narrowest, leaving the grid the width to write
+        its numbers (at 1600 × 1000 beside a full-width table, 16 columns were 14 px each). Its positions
+        column then scrolls sideways for a long run list (the tooltip has it whole)."""
+        narrow = page_size >= WIDE_PAGE
+        if narrow == self._table_narrow:
+            return
+        self._table_narrow = narrow
+        self.blocks.widest = MIN_TABLE_WIDTH if narrow else MAX_TABLE_WIDTH
+        self.block_view.setMaximumWidth(self.blocks.widest)
+
+    def set_presentation(self, on: bool) -> None:
+        """The presentation layout's grid: the block table hidden (the cells' numbers say what each page
+        holds), numbers and token texts up to a larger size, a larger title and legend."""
+        self.presentation = on
+        self.block_title.setVisible(not on)
+        self.block_view.setVisible(not on)
+        self.labels.max_pixel_size = 20 if on else 13
+        self.legend.setStyleSheet("font-size: 13px;" if on else "")
+        self._key = None  # the title's size changes
+        self.labels.update()
+        self.show_state(self._state)
+
+    def _title_size(self) -> str:
+        return "12pt" if self.presentation else "9pt"
+
+    def _title(self, plot, text: str) -> None:
+        theme.set_title(plot, theme.muted(text), size=self._title_size())
 
     def export_target(self):
         return self.graphics
@@ -396,13 +483,15 @@ class PageGridView(QWidget):
         layer = state.layer
         slots = record.slot_maps[layer]
         pages, page_size = slots.shape
+        self._place_block_table(page_size)
         self.states = cell_states(record, layer)
         self.shade = shade_values(record, layer, state.shade)
         self.full_precision = full_precision_mask(record, layer)
         bordered = self.states.size <= _MAX_BORDERED_CELLS
         self.image.set_image(cell_image(self.states, self.shade, bordered, self.full_precision), pages, page_size)
         self.precision_legend.setVisible(self.full_precision is not None)
-        self.labels.set_positions(slots if self.states.size <= 1024 else np.full((0, 0), -1, np.int32))
+        self.labels.set_positions(slots if self.states.size <= 1024 else np.full((0, 0), -1, np.int32),
+                                  state.timeline.position_text)
         self.merges.setData(*merge_segments(record, layer))
         self._fit_axes(pages, page_size)
         used = len(record.block_tables[layer])
@@ -419,8 +508,8 @@ class PageGridView(QWidget):
         hybrid = info.sliding_windows is not None
         if hybrid:
             parts[0] = f"layer {layer} ({layer_label(info, layer)})"
-        self.legend.setText(legend_html(hybrid))
-        theme.set_title(self.plot, theme.muted(theme.fit_parts(self.plot, parts)), size="9pt")
+        self.legend.setText(legend_html(hybrid, note=not self.presentation))
+        self._title(self.plot, theme.fit_parts(self.plot, parts, size=self._title_size()))
         table = f" · layer {layer}: {capacity} tokens" if own else ""
         self.block_title.setText(f"Block table (logical → physical){table}")
         self.blocks.set_rows(self.block_rows(record, layer))
@@ -530,9 +619,10 @@ class PageGridView(QWidget):
             self.states = np.zeros((0, 0), dtype=np.int8)
             self.image.clear()
             self._fit_axes(1, 1)
-            theme.set_title(self.plot, theme.muted("no session"), size="9pt")
+            self._title(self.plot, "no session")
             return
         pages, page_size = config.max_pages, config.page_size
+        self._place_block_table(page_size)
         self.full_precision = None
         self.precision_legend.hide()
         self.states = np.full((pages, page_size), FREE, dtype=np.int8)
@@ -540,7 +630,7 @@ class PageGridView(QWidget):
         self.image.set_image(cell_image(self.states, self.shade, self.states.size <= _MAX_BORDERED_CELLS),
                              pages, page_size)
         self._fit_axes(pages, page_size)
-        theme.set_title(self.plot, theme.muted(f"{pages} pages × {page_size} slots, all free"), size="9pt")
+        self._title(self.plot, f"{pages} pages × {page_size} slots, all free")
 
     def _fit_axes(self, pages: int, page_size: int) -> None:
         if getattr(self, "_shape", None) == (pages, page_size):

@@ -62,7 +62,7 @@ class TextView(QWidget):
         self._key = None
         self.browser = QTextBrowser()
         self.browser.setOpenLinks(False)
-        self.browser.setStyleSheet("QTextBrowser { font-family: 'DejaVu Sans Mono', monospace; font-size: 12px; }")
+        self.set_presentation(False)
         self.legend = QLabel(
             f"<span style='background:rgba{ATTENTION_RGB + (0.8,)};color:#000'>&nbsp;{TOP_K} most attended"
             f"&nbsp;</span>&nbsp; "
@@ -73,6 +73,11 @@ class TextView(QWidget):
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(self.browser, 1)
         layout.addWidget(self.legend)
+
+    def set_presentation(self, on: bool) -> None:
+        """The presentation layout's text: large enough to read from the back of a room."""
+        self.browser.setStyleSheet("QTextBrowser { font-family: 'DejaVu Sans Mono', monospace; "
+                                   f"font-size: {17 if on else 12}px; }}")
 
     def export_target(self):
         return self
