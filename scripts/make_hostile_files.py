@@ -297,7 +297,8 @@ def trace_cases(base: Path) -> dict[str, str]:
 
 
 def event_cases(base: Path) -> dict[str, str]:
-    """Event columns whose range depends on the event's kind (trace/event_bounds.py), on a kvzip trace."""
+    """Event columns whose range depends on the event's kind (engine/step_record.py DETAIL_BOUNDS), on a kvzip
+    trace."""
     made = {}
     header, arrays = members(base)
     kinds = load_npy(arrays["event_kind.npy"])
@@ -355,11 +356,13 @@ def gguf_cases() -> dict[str, str]:
     case("gguf-freq-base-string.gguf", "llama.rope.freq_base is a string", small_model(freq_base="fast"))
     case("gguf-vocab-size-string.gguf", "llama.vocab_size is a string", small_model(vocab_size="many"))
     scaling = {
-        "gguf-rope-yarn.gguf": ("RoPE scaling type yarn (llama.cpp's; not computed here)", {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}),
+        "gguf-rope-yarn.gguf": ("RoPE scaling type yarn (llama.cpp's; not computed here)",
+                                {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}),
         "gguf-rope-unknown-type.gguf": ("RoPE scaling type 'dynamic'", {"llama.rope.scaling.type": "dynamic"}),
         "gguf-rope-factor-negative.gguf": ("rope.scaling.factor -8", {"llama.rope.scaling.factor": -8.0}),
         "gguf-rope-factor-nan.gguf": ("rope.scaling.factor NaN", {"llama.rope.scaling.factor": float("nan")}),
-        "gguf-rope-scale-linear-inf.gguf": ("the old rope.scale_linear infinite", {"llama.rope.scale_linear": float("inf")}),
+        "gguf-rope-scale-linear-inf.gguf": ("the old rope.scale_linear infinite",
+                                            {"llama.rope.scale_linear": float("inf")}),
         "gguf-rope-factor-string.gguf": ("rope.scaling.factor a string", {"llama.rope.scaling.factor": "8"}),
         "gguf-rope-attn-factor.gguf": ("rope.scaling.attn_factor 2", {"llama.rope.scaling.attn_factor": 2.0}),
     }

@@ -215,7 +215,7 @@ DETAIL_VALUES = [-(2**63), -2, -1, 0, 1, 2, 3, 7, 8, 23, 24, 25, 31, 32, 2**31 -
 @given(data=st.data())
 def test_event_details_and_sequences_of_every_kind(tmp_path_factory, data):
     """kvzip's trace with one event's detail (or sequence) set to a boundary of some kind's range: refused in one
-    line, or replayed and exported within the trace's size (trace/event_bounds.py declares the ranges)."""
+    line, or replayed and exported within the trace's size (engine/step_record.py DETAIL_BOUNDS declares the ranges)."""
     members = VALID_MEMBERS["v4-kvzip"]
     column = data.draw(st.sampled_from(["event_detail", "event_seq"]), label="column")
     array = np.lib.format.read_array(io.BytesIO(members[f"{column}.npy"]), allow_pickle=False).copy()

@@ -32,7 +32,6 @@ from pagevis.engine.table_log import TablesAt
 from pagevis.kvcache import COUNT_NAMES, CacheEvent, ConfigError, EventKind
 from pagevis.kvcache.event_array import EventArray, Strings, to_rows
 from pagevis.trace.archive import Archive, TraceError
-from pagevis.trace.event_bounds import check_event_details
 from pagevis.kvcache.quant import storage_text
 from pagevis.trace.schema import (
     FORMAT,
@@ -344,7 +343,6 @@ def read_trace(path) -> Trace:
     for key in header["delta_encoded"]:
         arrays[key] = undo_xor_delta(arrays[key])
     check_values(arrays, header, sizes, name)
-    check_event_details(arrays, header, sizes, name)
     try:
         return _decode(header, arrays)
     except (KeyError, IndexError, TypeError, ValueError, ConfigError) as error:  # a gap in the schema: still one line
