@@ -105,6 +105,9 @@ FIELDS = (
     RecordField("full_precision", "np.ndarray | None", "with int4 / int2 storage, (n_layers, max_pages, "
                 "page_size) bool: the RAM slots whose tokens are still in float32 (KIVI's residual window); None "
                 "for other storage", "grid", "|b1", default=None, optional=True, delta=True, since=4),
+    RecordField("capacities", "np.ndarray | None", "(n_layers,) int32, the tokens each layer may hold under the "
+                "sequence's policy (less than the pool under pyramidkv or duo); None in traces before version 5",
+                "layers", "<i4", default=None, optional=True, since=5, bounds=(0, "C")),
 )
 
 # The `events` field's columns (kvcache/event_array.py; a trace's event_<column> arrays) and the range each keeps in a

@@ -24,7 +24,7 @@ import numpy as np
 
 from pagevis import settings
 from pagevis.engine import ModelSpec, SamplingConfig, SessionConfig, step_record
-from pagevis.engine.record_fields import GRID, RecordTable, bound_limits
+from pagevis.engine.record_fields import DIMS, RecordTable, bound_limits
 from pagevis.kvcache import COUNT_NAMES, POLICIES, ConfigError, EventKind
 from pagevis.kvcache.config import MAX_HEADS, MAX_LAYERS
 from pagevis.settings import MAX_PAGE_SIZE, MAX_PAGES, STORAGE_DTYPES
@@ -91,14 +91,14 @@ CUSTOM_ARRAYS = {
 
 
 def field_arrays(table: RecordTable) -> dict[str, ArraySpec]:
-    """The arrays of the record table's scalar and grid fields: (T,) per scalar, (T, L, P, S) per grid, and a
-    (T,) bool `has_<name>` before each optional grid."""
+    """The arrays of the record table's scalar, layers and grid fields: (T,) per scalar, (T, L) per layers field,
+    (T, L, P, S) per grid, and a (T,) bool `has_<name>` before each optional one."""
     found = {}
     for f in table.fields:
         if f.optional:
             found[f"has_{f.name}"] = ArraySpec("|b1", ("T",), since=f.since)
         if f.stored != "custom":
-            found[f.name] = ArraySpec(f.trace_dtype, ("T",) + (GRID if f.stored == "grid" else ()), since=f.since)
+            found[f.name] = ArraySpec(f.trace_dtype, ("T",) + DIMS[f.stored], since=f.since)
     return found
 
 
