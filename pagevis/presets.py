@@ -36,6 +36,21 @@ def prompt_resource(name: str) -> str:
     return resources.files("pagevis.resources").joinpath(f"prompts/{name}.txt").read_text("utf-8").strip()
 
 
+DEFAULT_TEXT = "pride-and-prejudice-ch1"  # what `compare` and the A/B's "same text" read unless told otherwise
+HELD_OUT_TEXT = "the-ferry-timetable"  # written for pagevis: in no model's training data (resources/texts/SOURCES.md)
+
+
+def shipped_text(name: str) -> str | None:
+    """A text shipped in resources/texts/ by its name (without .txt), or None if there is none."""
+    path = resources.files("pagevis.resources").joinpath("texts").joinpath(f"{name}.txt")
+    return path.read_text("utf-8") if "/" not in name and path.is_file() else None
+
+
+def shipped_texts() -> list[str]:
+    folder = resources.files("pagevis.resources").joinpath("texts")
+    return sorted(p.name[:-4] for p in folder.iterdir() if p.name.endswith(".txt"))
+
+
 @dataclass(frozen=True)
 class Preset:
     name: str

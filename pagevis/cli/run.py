@@ -15,6 +15,7 @@ from pagevis.cli.metrics_port import add_metrics_option, start_metrics_server
 from pagevis.cli.checks import check_cache_memory, check_prompt_fits
 from pagevis.cli.parallel import add_parallel_options, check_parallel_options, run_parallel
 from pagevis.cli.progress import Progress
+from pagevis.cli import teacher_forced
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -28,6 +29,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     add_metrics_option(parser)
     add_parallel_options(parser)
+    teacher_forced.add_options(parser)
     parser.set_defaults(handler=main)
     return parser
 
@@ -37,6 +39,10 @@ def main(args: argparse.Namespace) -> int:
     from pagevis.kvcache import CacheFullError
     from pagevis.kvcache.swap import SwapSpaceError
 
+    if args.teacher_forced:
+        return teacher_forced.main(args)
+    if args.tokens is not None:
+        raise options.UsageError("--tokens only applies with --teacher-forced")
     spec = options.model_spec(args)
     config = options.session_config(args)
     prompt = options.prompt_text(args) or default_prompt(spec.kind)

@@ -1,14 +1,18 @@
 """StepRecord: the immutable snapshot of one decode (or prefill) step — everything a view, a trace or a
-summary needs, so nothing downstream ever reads the live engine."""
+summary needs, so nothing downstream ever reads the live engine.
+
+Its fields are declared once, in FIELDS below (record_fields.py says what a row holds); the class is made from
+the table, and the timeline's spill and the trace format derive their parts and arrays from it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from pagevis.kvcache import COUNT_NAMES, CacheEvent, EventKind
+from pagevis.engine.record_fields import RecordField, RecordTable
+from pagevis.kvcache import COUNT_NAMES, CacheEvent, EventKind  # noqa: F401 (CacheEvent: FIELDS' annotations)
 
 
 @dataclass(frozen=True)
@@ -54,48 +58,63 @@ class TierStep:
         return float(hits / (hits + faults)) if hits + faults else float("nan")
 
 
-@dataclass(frozen=True)
-class StepRecord:
-    """One step of a session.
+MAX_TOKEN_ID = 2**31 - 1  # the largest token id a record (and a trace) may hold
 
-    step 0.. counts records; kind is "prefill" (a chunk of prompt tokens) or "decode" (one token).
-    `token_ids`/`positions` are the tokens that entered the cache in this step; `next_token` is the
-    token sampled from this step's logits (-1 for a prefill chunk that is not the prompt's last).
+# The step record, declared once: StepRecord's fields in order, and from the same rows the spill's parts
+# (viewmodel/spill.py) and a trace's arrays and their read-time ranges (trace/schema.py, trace/file.py).
+# Adding a field: one row here. A "scalar" or "grid" (record_fields.py) needs nothing else: the session sets it,
+# the spill and the trace carry it; give it `since` = the trace format version after the current one and a
+# default (what older traces read back), and `bounds` for its range in a trace. A "custom" field also needs its
+# codec in the spill and in trace/file.py (tests/test_record_fields.py checks every custom field has one).
+FIELDS = (
+    RecordField("step", "int", "0.. counts the session's records", "scalar", "<i8", bounds=(0, "T-1")),
+    RecordField("kind", "str", '"prefill" (a chunk of prompt tokens) or "decode" (one token)'),
+    RecordField("token_ids", "tuple[int, ...]", "the tokens that entered the cache in this step",
+                bounds=(0, MAX_TOKEN_ID)),
+    RecordField("positions", "tuple[int, ...]", "their positions", bounds=(0, "N-1")),
+    RecordField("next_token", "int", "the token sampled from this step's logits (-1 for a prefill chunk that "
+                "is not the prompt's last)", "scalar", "<i8", bounds=(-1, MAX_TOKEN_ID)),
+    RecordField("next_text", "str", "next_token's text (empty for -1)"),
+    RecordField("slot_maps", "np.ndarray", "(n_layers, max_pages, page_size) int32, token position per physical "
+                "slot, -1 empty", "grid", "<i4", delta=True, bounds=(-1, "N-1")),
+    RecordField("protected", "np.ndarray", "(n_layers, max_pages, page_size) bool, slots the policy will not "
+                "evict (e.g. sinks)", "grid", "|b1", delta=True),
+    RecordField("scores", "np.ndarray", "(n_layers, max_pages, page_size) float32, the policy's keep-score per "
+                "slot (NaN empty)", "grid", "<f4", delta=True),
+    RecordField("block_tables", "Sequence[tuple[int, ...]]", "per layer, the page ids in logical order (RAM "
+                "frames without a disk tier): a TablesAt view of the session's TableLog, or tuples",
+                bounds=(-1, "B-1")),
+    RecordField("events", "Sequence[CacheEvent]", "the step's cache events: an EventArray (compact rows) from a "
+                "session, or a tuple"),
+    RecordField("attention_layers", "tuple[int, ...]", "the layers whose attention is recorded (the session's "
+                "record_layers)"),
+    RecordField("attention", "tuple[np.ndarray, ...]", "per recorded layer, (n_heads, page ids * page_size) "
+                "float16: the step's last query's weights over flat slots (page * page_size + slot); exactly 0 on "
+                "empty slots, evicted tokens and tokens not read"),
+    RecordField("timings", "dict[str, float]", "seconds: forward, sample, oracle, record, total", factory=dict),
+    RecordField("resident_tokens", "int", "tokens in layer 0's cache", "scalar", "<i8", default=0,
+                bounds=(0, "C")),
+    RecordField("pages_used", "int", "pages in layer 0's block table", "scalar", "<i8", default=0,
+                bounds=(0, "B")),
+    RecordField("evictions_total", "int", "evictions over all layers since the session began", "scalar", "<i8",
+                default=0, bounds=(0, 2**62)),
+    RecordField("oracle", "OracleStep | None", "the bounded cache against the full cache (with the oracle)",
+                default=None),
+    RecordField("tiers", "TierStep | None", "with a disk tier or a page selection: the per-page state and what "
+                "moved (slot_maps, protected and scores then describe the RAM frames)", default=None),
+    RecordField("full_precision", "np.ndarray | None", "with int4 / int2 storage, (n_layers, max_pages, "
+                "page_size) bool: the RAM slots whose tokens are still in float32 (KIVI's residual window); None "
+                "for other storage", "grid", "|b1", default=None, optional=True, delta=True, since=4),
+    RecordField("capacities", "np.ndarray | None", "(n_layers,) int32, the tokens each layer may hold under the "
+                "sequence's policy (less than the pool under pyramidkv or duo); None in traces before version 5",
+                "layers", "<i4", default=None, optional=True, since=5, bounds=(0, "C")),
+)
 
-    Per-layer state is stored for every layer as arrays with a leading layer axis:
-      slot_maps:   (n_layers, max_pages, page_size) int32, token position per physical slot, -1 empty
-      protected:   (n_layers, max_pages, page_size) bool, slots the policy will not evict (e.g. sinks)
-      scores:      (n_layers, max_pages, page_size) float32, the policy's keep-score per slot (NaN empty)
-      block_tables: per layer, the page ids in logical order (RAM frames without a disk tier)
-    Attention is stored for the layers in `attention_layers` only (the session's `record_layers`):
-      attention[i]: (n_heads, page ids * page_size) float16, the step's last query's weights over
-      flat slots (page * page_size + slot); exactly 0 on empty slots, evicted tokens and tokens not read.
-    With a disk tier (or a page selection) `tiers` holds the per-page state and what moved; slot_maps,
-    protected and scores then describe the RAM frames (what each frame holds).
-    With int4 / int2 storage, full_precision: (n_layers, max_pages, page_size) bool, the RAM slots whose
-    tokens are still in float32 (KIVI's residual window); None for other storage.
-    """
 
-    step: int
-    kind: str
-    token_ids: tuple[int, ...]
-    positions: tuple[int, ...]
-    next_token: int
-    next_text: str
-    slot_maps: np.ndarray
-    protected: np.ndarray
-    scores: np.ndarray
-    block_tables: Sequence[tuple[int, ...]]  # a TablesAt view of the session's TableLog, or tuples
-    events: Sequence[CacheEvent]  # an EventArray (compact rows) from a session, or a tuple
-    attention_layers: tuple[int, ...]
-    attention: tuple[np.ndarray, ...]
-    timings: dict[str, float] = field(default_factory=dict)  # seconds: forward, sample, oracle, total
-    resident_tokens: int = 0  # in layer 0
-    pages_used: int = 0  # in layer 0
-    evictions_total: int = 0  # over all layers, since the session began
-    oracle: OracleStep | None = None
-    tiers: TierStep | None = None
-    full_precision: np.ndarray | None = None
+class StepRecordViews:
+    """One step of a session: the immutable snapshot every view, trace and summary reads (StepRecord, made
+    from FIELDS; these are its methods). Per-layer state has a leading layer axis over every layer; attention
+    only for `attention_layers`."""
 
     def page_map(self, layer: int) -> np.ndarray:
         """(page ids, page_size) token position per slot of every page: what attention columns index.
@@ -124,3 +143,7 @@ class StepRecord:
         mask = np.zeros(n_positions, dtype=bool)
         mask[slots[(slots >= 0) & (slots < n_positions)]] = True
         return mask
+
+
+TABLE = RecordTable(FIELDS, StepRecordViews, module=__name__)
+StepRecord = TABLE.record

@@ -46,6 +46,7 @@ from pagevis.kvcache.errors import CacheFullError, ConfigError
 from pagevis.kvcache.events import CacheEvent, EventKind
 from pagevis.kvcache.key_channels import KeyChannels
 from pagevis.kvcache.policies import EvictionPolicy, make_policy
+from pagevis.kvcache.snapshot import CacheSnapshot, LayerFrames, layer_frames, take
 from pagevis.kvcache.policy_state import LayerView, PolicyState
 from pagevis.kvcache.prefix_cache import ROOT_HASH, PrefixCacheStats, page_hash, prefix_hashes
 from pagevis.kvcache.reader import read_attention
@@ -166,6 +167,15 @@ class KVCacheManager:
     def take_counts(self) -> list[TierCounts]:
         """Per layer, what moved between the tiers since the last call."""
         return [store.take_counts() for store in self.stores]
+
+    def snapshot(self, seq_id: int, shown: int, held=None) -> CacheSnapshot:
+        """The sequence's cache as a step record shows it (kvcache/snapshot.py): slot maps, protected slots,
+        scores, float32 slots, block-table frames, per-layer capacities and labels; `shown` frames per layer."""
+        return take(self, seq_id, shown, held)
+
+    def frames(self, layer: int) -> LayerFrames:
+        """What the layer's RAM frames hold, read-only (kvcache/snapshot.py)."""
+        return layer_frames(self.stores[layer])
 
     # --- sequences -------------------------------------------------------------------------------
     def add_sequence(self, seq_id: int, policy: EvictionPolicy | None = None) -> SequenceCache:

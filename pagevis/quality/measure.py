@@ -24,8 +24,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pagevis.engine import DecodeSession, SessionConfig, steps
-from pagevis.engine.logits_tap import LogitsTap
+from pagevis.engine import SessionConfig, steps
+from pagevis.engine.teacher_forced import TeacherForced
 from pagevis.engine.sampling import log_softmax
 from pagevis.kvcache import CacheConfig, CacheFullError, ConfigError, KVCacheManager
 from pagevis.kvcache.policies import POLICIES
@@ -203,8 +203,8 @@ def full_reference(model, token_ids, page_size: int = 16, dtype: str = "float32"
 
 def _bounded_session(model, reference: Reference, choice: PolicyChoice, budget: int, page_size: int, dtype: str,
                      residual: int | None, piece: int):
-    """The session that feeds the reference's text through the row's cache, the tap keeping its logits, the
-    policy parameters the settings got, and `optimal`'s policy (None for every other row)."""
+    """The teacher-forced session that reads the reference's text through the row's cache, the policy
+    parameters the settings got, and `optimal`'s policy (None for every other row)."""
     n = len(reference.token_ids)
     optimal = FutureAttention(reference.attention_totals.copy()) if choice.name == OPTIMAL else None
     tier = tier_settings(choice, budget, page_size, n)
@@ -217,11 +217,51 @@ def _bounded_session(model, reference: Reference, choice: PolicyChoice, budget: 
     config = SessionConfig(page_size=page_size, max_pages=max_pages, policy_params=params, max_new_tokens=1,
                            oracle=False, chat=False, record_layers=(), key_channels=choice.key_channels, **storage,
                            **tier)
-    tap = LogitsTap(model, piece)
     if optimal:  # the session builds policies by name; this one needs the future
         optimal.bind(config.capacity, page_size)
-    session = DecodeSession(tap, "", config, prompt_ids=[int(t) for t in reference.token_ids], policy=optimal)
-    return session, tap, params, optimal
+    return TeacherForced(model, reference.token_ids, config, policy=optimal, piece=piece), params, optimal
+
+
+class Scores(NamedTuple):
+    """Per predicted token p (the query at p predicting token p + 1) of a bounded cache against the reference."""
+
+    logprobs: np.ndarray  # log p_bounded(true next token)
+    kl: np.ndarray  # KL(full || bounded)
+    agree: np.ndarray  # bool: the same top-1 token
+    lost: np.ndarray  # share of the full cache's attention on tokens the bounded cache did not read
+    held: np.ndarray  # tokens resident per predicted token, mean over layers
+    evictions: int
+
+
+def score(forced: TeacherForced, reference: Reference, optimal: FutureAttention | None = None,
+          progress: Callable[[int], None] | None = None) -> Scores:
+    """Step the teacher-forced session through the reference's text and score every predicted token against
+    the full cache (CacheFullError when a cache that never evicts cannot hold the text)."""
+    n = len(reference.token_ids)
+    scores = Scores(np.zeros(n - 1), np.zeros(n - 1), np.zeros(n - 1, dtype=bool), np.zeros(n - 1),
+                    np.zeros(n - 1), 0)
+    evictions = 0
+    session = forced.session
+    for step in steps(forced):
+        record = step.record
+        session.records[-1] = None  # read once here; keeps the step count, not the arrays (8k steps)
+        evictions = record.evictions_total
+        resident = _read_by_layer(session, record, n)  # what this step's queries attended to
+        for row, p, nll in zip(step.logits, step.positions, step.nll):
+            bounded = log_softmax(row)
+            full = reference.logprobs(p)
+            scores.logprobs[p] = -nll
+            scores.kl[p] = float(np.sum(np.exp(full) * (full - bounded)))
+            scores.agree[p] = reference.top1[p] == np.argmax(bounded)
+            attention = reference.attention(p)
+            gone = ~resident[:, : p + 1]
+            scores.lost[p] = float(np.mean(np.sum(attention * gone, axis=1, dtype=np.float64)))
+            scores.held[p] = resident[:, : p + 1].sum() / len(resident)  # what query p could read (causal)
+            if optimal:
+                optimal.consume(attention)
+        if progress:
+            progress(record.positions[-1] + 1)
+    return scores._replace(evictions=evictions)
 
 
 def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, page_size: int,
@@ -229,41 +269,13 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
              residual: int | None = None, equal_memory_to: str = "") -> Row:
     """Teacher-force the reference's text through a bounded cache and compare with the full cache.
     `optimal` (compare only) is the clairvoyant policy of pagevis.quality.optimal, fed the reference's future."""
-    ids = reference.token_ids
-    n = len(ids)
-    session, tap, params, optimal = _bounded_session(model, reference, choice, budget, page_size, dtype, residual,
-                                                     piece)
-    true_lp = np.zeros(n - 1)
-    kl = np.zeros(n - 1)
-    agree = np.zeros(n - 1, dtype=bool)
-    lost = np.zeros(n - 1)
-    held = np.zeros(n - 1)  # tokens resident per predicted token, mean over layers
+    n = len(reference.token_ids)
+    forced, params, optimal = _bounded_session(model, reference, choice, budget, page_size, dtype, residual, piece)
+    session = forced.session
     started = time.perf_counter()
     note = ""
-    evictions = 0
     try:
-        for record in steps(session):
-            session.records[-1] = None  # read once here; keeps the step count, not the arrays (8k steps)
-            evictions = record.evictions_total
-            resident = _read_by_layer(session, record, n)  # what this step's queries attended to
-            logits = tap.logits[0]  # every token of the step's own forward (no oracle; kvzip's pass comes after)
-            tap.clear()
-            for i, p in enumerate(record.positions):
-                if p >= n - 1:
-                    continue
-                bounded = log_softmax(logits[i])
-                full = reference.logprobs(p)
-                true_lp[p] = bounded[ids[p + 1]]
-                kl[p] = float(np.sum(np.exp(full) * (full - bounded)))
-                agree[p] = reference.top1[p] == np.argmax(bounded)
-                attention = reference.attention(p)
-                gone = ~resident[:, : p + 1]
-                lost[p] = float(np.mean(np.sum(attention * gone, axis=1, dtype=np.float64)))
-                held[p] = resident[:, : p + 1].sum() / len(resident)  # what query p could read (causal)
-                if optimal:
-                    optimal.consume(attention)
-            if progress:
-                progress(record.positions[-1] + 1)
+        true_lp, kl, agree, lost, held, evictions = score(forced, reference, optimal, progress)
     except CacheFullError:
         note = "cache full (policy none never evicts)"
         return Row(choice.label, budget, page_size, None, None, None, None, None, None, 0, 0,

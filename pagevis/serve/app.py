@@ -16,7 +16,7 @@ from pagevis import __version__
 from pagevis.observe import Metrics
 from pagevis.serve import attention, openai_api, session_api, tokenize_api
 from pagevis.serve.engines import Engines
-from pagevis.serve.errors import install_handlers
+from pagevis.serve.errors import CheckedRoute, install_handlers
 from pagevis.serve.middleware import BodyLimit, RequestCounter
 from pagevis.serve.sessions import SessionStore
 from pagevis.serve.settings import ServeSettings
@@ -62,6 +62,7 @@ def create_app(settings: ServeSettings | None = None, model=None) -> FastAPI:
             await asyncio.to_thread(app.state.engines.close)
 
     app = FastAPI(title="pagevis", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app.router.route_class = CheckedRoute
     app.state.settings = settings
     app.state.model = model if model is not None else settings.model_spec.load()
     app.state.model_id = model_id(settings.model_spec)

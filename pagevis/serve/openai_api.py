@@ -33,13 +33,13 @@ from pagevis.engine.session_config import encode_prompt
 from pagevis.kvcache import ConfigError, make_policy
 from pagevis.serve import logprobs
 from pagevis.serve.core import Output
-from pagevis.serve.errors import ApiError, error_body
+from pagevis.serve.errors import ApiError, CheckedRoute, error_body, log
 from pagevis.serve.requests import MAX_PROMPT_CHARS, CacheSettings
 from pagevis.serve.sessions import check_tokens, session_config
+from pagevis.serve.stop import StopMatcher, stop_problem
 from pagevis.serve.worker import in_worker
 
-router = APIRouter(prefix="/v1", tags=["openai"])
-MAX_STOPS = 4
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=CheckedRoute)
 MAX_N = 16
 MAX_PROMPTS = 32  # prompts in one completion request (lm-eval's batch_size); each is a request in flight
 DISCONNECT_POLL = 0.5  # seconds between checks that a non-streamed request's client is still there
@@ -127,30 +127,6 @@ class ChatRequest(_GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None, None
 
 
-class StopMatcher:
-    """Streams text while watching for stop strings: text that could be the start of one is held back
-    until it is clearly not; at a match everything from the stop string on is dropped."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-
-    def push(self, text: str) -> tuple[str, bool]:
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[: min(hits)], ""
-            return out, True
-        held = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
-        cut = len(self.pending) - held
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
-
-
 @router.get("/models")
 async def list_models(request: Request) -> dict:
     state = request.app.state
@@ -179,9 +155,11 @@ async def chat_completions(body: ChatRequest, request: Request):
     if tokenizer is None:
         raise ApiError(400, "this model has no tokenizer, so it cannot take messages", param="messages")
     messages = [{"role": m.role, "content": _content_text(m.content, i)} for i, m in enumerate(body.messages)]
-    _check_prompt(tokenizer.format_chat(messages), "messages")
-    # Only the template inserts control tokens: the messages' own text is encoded as text.
-    prompt_ids = tokenizer.encode_chat(messages)
+    total = sum(len(m["content"]) for m in messages)
+    if total > MAX_PROMPT_CHARS:
+        raise ApiError(422, f"messages: {total} characters of content; at most {MAX_PROMPT_CHARS}", param="messages")
+    # The template renders in its own bounded process, one render at a time: never on this event loop.
+    prompt_ids = await in_worker(request, _chat_ids, tokenizer, messages)
     return await _generate(request, body, [prompt_ids], chat=True,
                            max_tokens=body.max_completion_tokens or body.max_tokens)
 
@@ -195,8 +173,9 @@ async def _generate(request: Request, body: _GenerationRequest, prompts: list[st
         raise ApiError(404, f"model {body.model!r} is not served here; this server serves {state.model_id!r} "
                             "(GET /v1/models)", param="model", code="model_not_found")
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stops) > MAX_STOPS:
-        raise ApiError(422, f"stop: {len(stops)} stop strings; at most {MAX_STOPS}", param="stop")
+    problem = stop_problem(stops)
+    if problem:
+        raise ApiError(422, f"stop: {problem}", param="stop")
     temperature = 1.0 if body.temperature is None else body.temperature
     sampled = temperature > 0
     # max_tokens 0 (echo: the prompt scored, nothing generated): the one token the engine samples is dropped
@@ -382,7 +361,10 @@ class Generation:
             self.ends[index] = item
             reason, error = item[1], item[2]
             if reason == "error":
-                raise ApiError(500, f"decoding failed: {error}", code="internal_error")
+                ident = secrets.token_hex(6)
+                log.error("request %s: decoding failed: %s", ident, error)
+                raise ApiError(500, f"decoding failed (request id {ident}): {error}", code="internal_error",
+                               request_id=ident)
             tail = ""
             if not hit:
                 tail, hit = matcher.push(decoder.flush())
@@ -464,6 +446,13 @@ def _choice(index: int, tokenizer, chat: bool, body, prompt, prompt_ids: list[in
             ids, rows = prompt_ids + ids, logprobs.prompt_rows(generation.prompt_scores) + rows
     return {"index": index, "text": text, "finish_reason": finish,
             "logprobs": None if body.logprobs is None else logprobs.completion_logprobs(tokenizer, ids, rows)}
+
+
+def _chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """The conversation's prompt ids (only the template inserts control tokens); a template that fails on it,
+    or a rendered prompt over the limit, is the request's 422."""
+    _check_prompt(tokenizer.format_chat(messages), "messages")
+    return list(tokenizer.encode_chat(messages))  # the same render, from the template's cache
 
 
 def _check_ids(ids: list[int], field: str, vocab_size: int) -> None:

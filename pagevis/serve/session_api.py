@@ -21,12 +21,12 @@ from pagevis import settings as table
 from pagevis.kvcache import EventKind
 from pagevis.serve.core import StepOrder
 from pagevis.kvcache.quant import storage_summary
-from pagevis.serve.errors import ApiError
+from pagevis.serve.errors import ApiError, CheckedRoute
 from pagevis.serve.requests import SessionRequest
 from pagevis.serve.sessions import ServedSession, build_session, session_config
 from pagevis.serve.worker import in_worker
 
-router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"], route_class=CheckedRoute)
 
 
 class StepRequest(BaseModel):

@@ -14,6 +14,7 @@ from pagevis import settings as table
 from pagevis.engine import DecodeSession, SessionConfig
 from pagevis.engine.session_config import encode_prompt
 from pagevis.kvcache import ConfigError
+from pagevis.model.chat_template import ChatTemplateError
 from pagevis.serve.errors import ApiError
 from pagevis.serve.session_pages import OwnPages
 from pagevis.serve.settings import ServeSettings
@@ -68,7 +69,10 @@ def build_session(model, settings: ServeSettings, prompt: str, config: SessionCo
     thread submits it on its first step. Runs in a worker thread: encoding a long prompt takes a while."""
     if model.tokenizer is None:
         raise ApiError(400, "this model has no tokenizer, so it cannot take text prompts", param="prompt")
-    prompt_ids = prompt_ids or encode_prompt(model, prompt, config.chat, config.special)
+    try:
+        prompt_ids = prompt_ids or encode_prompt(model, prompt, config.chat, config.special)
+    except ChatTemplateError as error:  # the prompt, in the model's chat template
+        raise ApiError(422, f"prompt: {error}", param="prompt", code="chat_template") from None
     check_tokens(settings, len(prompt_ids), config.max_new_tokens)
     if fit:
         needed = -(-(len(prompt_ids) + config.max_new_tokens) // config.page_size)

@@ -12,11 +12,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagevis.serve.errors import ApiError
+from pagevis.serve.errors import ApiError, CheckedRoute
 from pagevis.serve.requests import MAX_PROMPT_CHARS
 from pagevis.serve.worker import in_worker
 
-router = APIRouter(tags=["tokenizer"])
+router = APIRouter(tags=["tokenizer"], route_class=CheckedRoute)
 
 
 class _TokenizerRequest(BaseModel):

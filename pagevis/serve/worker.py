@@ -5,16 +5,15 @@ runs on the engines' own threads (core.py)."""
 from __future__ import annotations
 
 import functools
-import logging
 
 from anyio import to_thread
 from fastapi.exceptions import RequestValidationError
 
 from pagevis.kvcache import ConfigError
-from pagevis.serve.errors import ApiError
+from pagevis.model.chat_template import ChatTemplateError
+from pagevis.serve.errors import ApiError, server_fault
 
-log = logging.getLogger("pagevis.serve")
-ANSWERED = (ApiError, ConfigError, RequestValidationError)  # errors with their own 4xx handler
+ANSWERED = (ApiError, ConfigError, RequestValidationError, ChatTemplateError)  # errors with their own 4xx handler
 
 
 async def in_worker(request, function, *args):
@@ -26,5 +25,4 @@ async def in_worker(request, function, *args):
     except ANSWERED:
         raise
     except Exception as error:
-        log.exception("%s %s failed", request.method, request.url.path)
-        raise ApiError(500, f"internal error: {type(error).__name__}: {error}", code="internal_error") from error
+        raise server_fault(request, error) from error

@@ -7,6 +7,9 @@ allow_pickle=False and the header is plain JSON, so the file opens without pagev
 Per-step state that changes little between steps (slot maps, protected flags, policy scores, block
 tables) is stored as an XOR delta against the previous step, which deflate squeezes to almost nothing;
 reading undoes it exactly (bit for bit, also for NaN scores). Events are stored as columns.
+
+The record's scalar, layers and grid fields are written and read from its field table (engine/step_record.py FIELDS:
+`_field_builders`, `_field_values`); the custom fields have their codecs here.
 """
 
 from __future__ import annotations
@@ -23,14 +26,14 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 
 from pagevis import __version__, settings
-from pagevis.engine import ModelSpec, OracleStep, SessionConfig, StepRecord, TierStep
+from pagevis.engine import ModelSpec, OracleStep, SessionConfig, StepRecord, TierStep, step_record
+from pagevis.engine.record_fields import DIMS, RecordField
 from pagevis.engine.table_log import TablesAt
 from pagevis.kvcache import COUNT_NAMES, CacheEvent, ConfigError, EventKind
 from pagevis.kvcache.event_array import EventArray, Strings, to_rows
 from pagevis.trace.archive import Archive, TraceError
 from pagevis.kvcache.quant import storage_text
 from pagevis.trace.schema import (
-    DELTA_ENCODED,
     FORMAT,
     KINDS,
     MAX_HEADER_BYTES,
@@ -41,7 +44,9 @@ from pagevis.trace.schema import (
     check_kv_layout,
     check_values,
     config_from_dict,
+    delta_encoded,
     expected_arrays,
+    format_version,
 )
 
 __all__ = ["FORMAT", "SUFFIX", "VERSION", "Trace", "TraceError", "read_trace", "record_differences", "write_trace"]
@@ -129,6 +134,9 @@ class _Shape(NamedTuple):
     tiered: list[bool]  # per record: has tier counts
 
 
+# The record's custom fields (step_record.FIELDS), each with its arrays (or header keys) here.
+CUSTOM_FIELDS = ("kind", "token_ids", "positions", "next_text", "block_tables", "events", "attention_layers",
+                 "attention", "timings", "oracle", "tiers")
 EVENT_COLUMNS = {"kind": np.int8, "step": np.int64, "layer": np.int32, "page": np.int32, "slot": np.int32,
                  "position": np.int64, "policy": np.int32, "reason": np.int32, "score": np.float64,
                  "frame": np.int32, "seq": np.int32, "detail": np.int64}
@@ -145,11 +153,11 @@ def _encode(trace: Trace) -> tuple[dict, dict[str, Callable[[], np.ndarray]]]:
              "B": shape.n_page_ids, "C": shape.n_page_ids * shape.page_size, "A": len(shape.attention_layers),
              "H": shape.n_heads, "K": len(shape.timing_keys), "O": len(ORACLE_COLUMNS), "D": shape.map_pages,
              "Q": len(COUNT_NAMES)}
-    builders = {**_record_builders(records, shape), **_tier_builders(records, shape),
+    builders = {**_record_builders(records, shape), **_field_builders(records, shape), **_tier_builders(records, shape),
                 **{f"event_{column}": (lambda c=column, d=dtype: events[c].astype(d))
                    for column, dtype in EVENT_COLUMNS.items()}}
     # built one at a time by write_trace, in the format table's order, so that only one is in memory
-    return _header(trace, shape, strings, sizes), {name: builders[name] for name in arrays_of_version(VERSION)}
+    return _header(trace, shape, strings, sizes), {name: builders[name] for name in arrays_of_version(format_version())}
 
 
 def _shape_of(trace: Trace) -> _Shape:
@@ -169,21 +177,15 @@ def _shape_of(trace: Trace) -> _Shape:
 
 
 def _record_builders(records: list, shape: _Shape) -> dict[str, Callable[[], np.ndarray]]:
-    """The arrays of every step: tokens, slot maps, block tables, attention, timings, the oracle's columns."""
+    """The custom fields' arrays of every step: tokens, block tables, attention, timings, the oracle's columns."""
     T, L, B = len(records), shape.n_layers, shape.n_page_ids
-    grid = (T, L, shape.max_pages, shape.page_size)
     heads = (T, len(shape.attention_layers), shape.n_heads)
     keys = shape.timing_keys
     return {
-        "step": lambda: np.array([r.step for r in records], dtype=np.int64),
         "kind": lambda: np.array([KINDS.index(r.kind) for r in records], dtype=np.int8),
         "token_offsets": lambda: _offsets([len(r.token_ids) for r in records]),
         "token_ids": lambda: np.array([t for r in records for t in r.token_ids], dtype=np.int64),
         "positions": lambda: np.array([p for r in records for p in r.positions], dtype=np.int64),
-        "next_token": lambda: np.array([r.next_token for r in records], dtype=np.int64),
-        "slot_maps": lambda: xor_delta(_stack((r.slot_maps for r in records), grid, np.int32)),
-        "protected": lambda: xor_delta(_stack((r.protected for r in records), grid, bool)),
-        "scores": lambda: xor_delta(_stack((r.scores for r in records), grid, np.float32).view(np.uint32)),
         "block_tables": lambda: xor_delta(_stack((_pad_tables(r.block_tables, L, B) for r in records), (T, L, B),
                                                  np.int32)),
         "event_offsets": lambda: _offsets([len(r.events) for r in records]),
@@ -191,19 +193,36 @@ def _record_builders(records: list, shape: _Shape) -> dict[str, Callable[[], np.
                                     (*heads, B * shape.page_size), np.float16),
         "timings": lambda: np.array([[r.timings.get(k, math.nan) for k in keys] for r in records],
                                     dtype=np.float64).reshape(T, len(keys)),
-        "resident_tokens": lambda: np.array([r.resident_tokens for r in records], dtype=np.int64),
-        "pages_used": lambda: np.array([r.pages_used for r in records], dtype=np.int64),
-        "evictions_total": lambda: np.array([r.evictions_total for r in records], dtype=np.int64),
         "has_oracle": lambda: np.array([r.oracle is not None for r in records], dtype=bool),
         "oracle": lambda: np.array([_oracle_row(r.oracle) for r in records],
                                    dtype=np.float64).reshape(T, len(ORACLE_COLUMNS)),
         "oracle_lost_by_head": lambda: _stack((r.oracle.lost_by_head if r.oracle is not None and
                                                r.oracle.lost_by_head is not None else np.nan for r in records),
                                               heads, np.float32),
-        "has_full_precision": lambda: np.array([r.full_precision is not None for r in records], dtype=bool),
-        "full_precision": lambda: xor_delta(_stack((r.full_precision if r.full_precision is not None else False
-                                                    for r in records), grid, bool)),
     }
+
+
+def _field_builders(records: list, shape: _Shape) -> dict[str, Callable[[], np.ndarray]]:
+    """The arrays of the record table's scalar, layers and grid fields (schema.field_arrays): stacked over steps
+    (an optional field's None as zeros, with `has_<name>`), XOR-delta encoded if the table says so."""
+    sizes = {"L": shape.n_layers, "P": shape.max_pages, "S": shape.page_size}
+
+    def build(f: RecordField) -> np.ndarray:
+        dtype = np.dtype(f.dtype)
+        if f.stored == "scalar":
+            return np.array([getattr(r, f.name) for r in records], dtype=dtype)
+        values = (getattr(r, f.name) for r in records)
+        full = (len(records), *(sizes[d] for d in DIMS[f.stored]))
+        stacked = _stack((0 if v is None else v for v in values), full, dtype).view(f.trace_dtype)
+        return xor_delta(stacked) if f.delta else stacked
+
+    builders = {}
+    for f in step_record.TABLE.fields:
+        if f.optional:
+            builders[f"has_{f.name}"] = lambda f=f: np.array([getattr(r, f.name) is not None for r in records], bool)
+        if f.stored != "custom":
+            builders[f.name] = lambda f=f: build(f)
+    return builders
 
 
 def _tier_builders(records: list, shape: _Shape) -> dict[str, Callable[[], np.ndarray]]:
@@ -226,7 +245,7 @@ def _tier_builders(records: list, shape: _Shape) -> dict[str, Callable[[], np.nd
 def _header(trace: Trace, shape: _Shape, strings: Strings, sizes: dict[str, int]) -> dict:
     return {
         "format": FORMAT,
-        "version": VERSION,
+        "version": format_version(),
         "written_by": f"pagevis {__version__}",
         "model_label": trace.model_label,
         "model": dataclasses.asdict(trace.model_spec) if trace.model_spec else None,
@@ -246,9 +265,9 @@ def _header(trace: Trace, shape: _Shape, strings: Strings, sizes: dict[str, int]
         "oracle_columns": list(ORACLE_COLUMNS),
         "next_texts": [r.next_text for r in trace.records],
         "token_texts": {str(k): v for k, v in sorted(trace.token_texts.items())},
-        "delta_encoded": list(DELTA_ENCODED),
+        "delta_encoded": delta_encoded(format_version()),
         "arrays": {name: {"dtype": np.dtype(spec.dtype).str, "shape": [sizes[symbol] for symbol in spec.dims]}
-                   for name, spec in arrays_of_version(VERSION).items()},
+                   for name, spec in arrays_of_version(format_version()).items()},
         "meta": trace.meta,
         "kv_layout": trace.kv_layout or None,
     }
@@ -335,8 +354,7 @@ def _decode(header: dict, a: dict[str, np.ndarray]) -> Trace:
     """Records from arrays that passed check_values (deltas already undone)."""
     n = header["n_steps"]
     layers = tuple(header["attention_layers"])
-    slot_maps, protected, tables = a["slot_maps"], a["protected"], a["block_tables"]
-    scores = a["scores"].view(np.float32)
+    tables = a["block_tables"]
     token_offsets, event_offsets = a["token_offsets"], a["event_offsets"]
     strings = header["strings"]
     event_kinds = [EventKind(k) for k in header["event_kinds"]]
@@ -356,6 +374,7 @@ def _decode(header: dict, a: dict[str, np.ndarray]) -> Trace:
     ]
     timing_keys = header["timing_keys"]
     next_texts = header["next_texts"]
+    record_type, fields = step_record.TABLE.record, _field_values(a)
     records = []
     for i in range(n):
         t0, t1 = int(token_offsets[i]), int(token_offsets[i + 1])
@@ -367,19 +386,15 @@ def _decode(header: dict, a: dict[str, np.ndarray]) -> Trace:
             oracle = OracleStep(kl=kl, top1_agree=bool(agree), logprob_bounded=lp_bounded, logprob_full=lp_full,
                                 lost_attention=lost, lost_by_head=None if by_head is None or np.isnan(by_head).all()
                                 else tuple(map(tuple, by_head.tolist())))
-        records.append(StepRecord(
-            step=int(a["step"][i]), kind=kinds[int(a["kind"][i])],
+        records.append(record_type(
+            kind=kinds[int(a["kind"][i])],
             token_ids=tuple(a["token_ids"][t0:t1].tolist()), positions=tuple(a["positions"][t0:t1].tolist()),
-            next_token=int(a["next_token"][i]), next_text=next_texts[i],
-            slot_maps=slot_maps[i], protected=protected[i], scores=scores[i],
+            next_text=next_texts[i],
             block_tables=tuple(tuple(int(p) for p in row[row >= 0]) for row in tables[i]),
             events=tuple(events[e0:e1]), attention_layers=layers,
             attention=tuple(a["attention"][i, j] for j in range(len(layers))),
             timings={k: v for k, v in zip(timing_keys, a["timings"][i].tolist()) if not math.isnan(v)},
-            resident_tokens=int(a["resident_tokens"][i]), pages_used=int(a["pages_used"][i]),
-            evictions_total=int(a["evictions_total"][i]), oracle=oracle, tiers=_tiers(a, i),
-            full_precision=a["full_precision"][i] if "has_full_precision" in a and a["has_full_precision"][i]
-            else None,
+            oracle=oracle, tiers=_tiers(a, i), **fields(i),
         ))
     model = header.get("model")
     return Trace(
@@ -390,6 +405,26 @@ def _decode(header: dict, a: dict[str, np.ndarray]) -> Trace:
         text=header.get("text", ""), meta=header.get("meta") or {},
         kv_layout=header.get("kv_layout") or {},
     )
+
+
+def _field_values(a: dict[str, np.ndarray]) -> Callable[[int], dict[str, Any]]:
+    """Step i's scalar, layers and grid fields from their arrays (deltas undone); a field the trace's version predates
+    (no array) reads back as its default, an optional one whose `has_<name>` is false as None."""
+    table = step_record.TABLE
+    present = [f for f in table.fields if f.stored != "custom" and f.name in a]
+    absent = {f.name: f for f in table.fields if f.stored != "custom" and f.name not in a}
+    stored = {f.name: a[f.name].view(f.dtype) for f in present}
+
+    def values(i: int) -> dict[str, Any]:
+        found = {name: f.empty() for name, f in absent.items()}
+        for f in present:
+            if f.optional and not a[f"has_{f.name}"][i]:
+                found[f.name] = None
+            else:
+                found[f.name] = stored[f.name][i].item() if f.stored == "scalar" else stored[f.name][i]
+        return found
+
+    return values
 
 
 def _tiers(a: dict[str, np.ndarray], i: int) -> TierStep | None:
@@ -411,7 +446,7 @@ def _tables(a: dict[str, np.ndarray], i: int) -> list[np.ndarray]:
 def record_differences(a: StepRecord, b: StepRecord) -> list[str]:
     """Names of the fields in which two records differ (arrays compared exactly, NaN equal to NaN)."""
     differ = []
-    for f in dataclasses.fields(StepRecord):
+    for f in dataclasses.fields(a):
         x, y = getattr(a, f.name), getattr(b, f.name)
         if not _same(x, y):
             differ.append(f.name)

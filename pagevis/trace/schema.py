@@ -2,12 +2,15 @@
 
 The header is checked field by field (type, range), then against itself (the configuration agrees with
 the shapes, record layers with attention layers), and it fixes the dtype and shape of every array from
-`ARRAYS`, a table of symbolic shapes per format version. After reading, `check_values` bounds every
-index an array holds (kinds, layers, pages, slots, positions, string-table entries), so that the records
-built from an accepted file cannot send a view out of range.
+`arrays()`, a table of symbolic shapes per format version: the custom arrays below (CUSTOM_ARRAYS) and one
+per scalar or grid field of the step record's field table (engine/step_record.py FIELDS). After reading,
+`check_values` bounds every index an array holds (kinds, layers, pages, slots, positions, string-table
+entries; a field's range is its `bounds` in the field table), so that the records built from an accepted file
+cannot send a view out of range.
 
-A new format version adds rows to `ARRAYS` (with `since`) and event kinds to the EventKind enum; the
-checks below are driven by those tables.
+A new record field is a row of the field table (with `since`: the format version becomes the newest `since`);
+other new arrays are rows of CUSTOM_ARRAYS (with `since`), new event kinds are the EventKind enum's; the checks
+below are driven by those tables.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from pagevis import settings
-from pagevis.engine import ModelSpec, SamplingConfig, SessionConfig
+from pagevis.engine import ModelSpec, SamplingConfig, SessionConfig, step_record
+from pagevis.engine.record_fields import DIMS, RecordTable
 from pagevis.kvcache import COUNT_NAMES, POLICIES, ConfigError, EventKind
 from pagevis.kvcache.config import MAX_HEADS, MAX_LAYERS
 from pagevis.settings import MAX_PAGE_SIZE, MAX_PAGES, STORAGE_DTYPES
@@ -28,20 +32,20 @@ from pagevis.system_memory import available_bytes, fits, gib
 from pagevis.trace.archive import TraceError
 
 FORMAT = "pagevis-trace"
-VERSION = 4  # 2: disk tier and page selection (event frames, per-page maps, tier counts, recall);
+BASE_VERSION = 4  # 2: disk tier and page selection (event frames, per-page maps, tier counts, recall);
 # 3: the one engine (events name their sequence and a detail; sharing, prefix-cache and sequence events);
 # 4: per-head policies (mask events) and the oracle's lost attention per recorded layer and head; quantized
-# storage (int4 / int2: which slots are still in full precision)
+# storage (int4 / int2: which slots are still in full precision). Later versions: a record field's `since`.
 KINDS = ("prefill", "decode")
 ORACLE_COLUMNS = ("kl", "top1_agree", "logprob_bounded", "logprob_full", "lost_attention")
-DELTA_ENCODED = ("slot_maps", "protected", "scores", "block_tables", "page_maps", "block_frames", "full_precision")
+CUSTOM_DELTA = ("block_tables", "page_maps", "block_frames")  # custom arrays stored as XOR deltas
 MAX_HEADER_BYTES = 64 << 20
 MAX_TRACE_BYTES = 2 << 30  # arrays and the records' Python objects, as held in memory once read
 # Python objects the records hold beyond the arrays (measured with tracemalloc on a 1.5k-step trace: 3.9 KB per
 # step in all; these bounds are deliberately high): per step, per event, per token, per block-table entry.
 OBJECT_BYTES = {"T": 2048, "E": 300, "N": 80, "table entry": 36}
 MAX_STEPS = 10_000_000
-MAX_TOKEN_ID = 2**31 - 1
+MAX_TOKEN_ID = step_record.MAX_TOKEN_ID
 
 
 @dataclass(frozen=True)
@@ -52,16 +56,13 @@ class ArraySpec:
     # H heads, K timing keys, O oracle columns, D pages in page maps (B, or 0), Q tier count columns
 
 
-ARRAYS = {
-    "step": ArraySpec("<i8", ("T",)),
+# The arrays that are not one scalar or grid field of the record each: the custom fields' (tokens, tables,
+# events, attention, timings, the oracle's and the tiers') and the offsets that index them.
+CUSTOM_ARRAYS = {
     "kind": ArraySpec("|i1", ("T",)),
     "token_offsets": ArraySpec("<i8", ("T1",)),
     "token_ids": ArraySpec("<i8", ("N",)),
     "positions": ArraySpec("<i8", ("N",)),
-    "next_token": ArraySpec("<i8", ("T",)),
-    "slot_maps": ArraySpec("<i4", ("T", "L", "P", "S")),
-    "protected": ArraySpec("|b1", ("T", "L", "P", "S")),
-    "scores": ArraySpec("<u4", ("T", "L", "P", "S")),
     "block_tables": ArraySpec("<i4", ("T", "L", "B")),
     "event_offsets": ArraySpec("<i8", ("T1",)),
     "event_kind": ArraySpec("|i1", ("E",)),
@@ -75,9 +76,6 @@ ARRAYS = {
     "event_score": ArraySpec("<f8", ("E",)),
     "attention": ArraySpec("<f2", ("T", "A", "H", "C")),
     "timings": ArraySpec("<f8", ("T", "K")),
-    "resident_tokens": ArraySpec("<i8", ("T",)),
-    "pages_used": ArraySpec("<i8", ("T",)),
-    "evictions_total": ArraySpec("<i8", ("T",)),
     "has_oracle": ArraySpec("|b1", ("T",)),
     "oracle": ArraySpec("<f8", ("T", "O")),
     "event_frame": ArraySpec("<i4", ("E",), since=2),
@@ -89,9 +87,38 @@ ARRAYS = {
     "event_seq": ArraySpec("<i4", ("E",), since=3),
     "event_detail": ArraySpec("<i8", ("E",), since=3),
     "oracle_lost_by_head": ArraySpec("<f4", ("T", "A", "H"), since=4),
-    "has_full_precision": ArraySpec("|b1", ("T",), since=4),
-    "full_precision": ArraySpec("|b1", ("T", "L", "P", "S"), since=4),
 }
+
+
+def field_arrays(table: RecordTable) -> dict[str, ArraySpec]:
+    """The arrays of the record table's scalar, layers and grid fields: (T,) per scalar, (T, L) per layers field,
+    (T, L, P, S) per grid, and a (T,) bool `has_<name>` before each optional one."""
+    found = {}
+    for f in table.fields:
+        if f.optional:
+            found[f"has_{f.name}"] = ArraySpec("|b1", ("T",), since=f.since)
+        if f.stored != "custom":
+            found[f.name] = ArraySpec(f.trace_dtype, ("T",) + DIMS[f.stored], since=f.since)
+    return found
+
+
+def arrays() -> dict[str, ArraySpec]:
+    """Every array of the newest format: CUSTOM_ARRAYS and the record table's (step_record.TABLE, read now)."""
+    return {**CUSTOM_ARRAYS, **field_arrays(step_record.TABLE)}
+
+
+def format_version() -> int:
+    """The newest trace format version: this module's, or the newest a record field needs."""
+    return max(BASE_VERSION, step_record.TABLE.version)
+
+
+def delta_encoded(version: int) -> list[str]:
+    """The arrays a trace of `version` stores as XOR deltas."""
+    table = arrays_of_version(version)
+    return [name for name in (*CUSTOM_DELTA, *(f.name for f in step_record.TABLE.fields if f.delta)) if name in table]
+
+
+VERSION = format_version()  # as this pagevis writes it (a test's wider table writes its own format_version())
 
 # Header keys and their JSON types ("?" = may be null). Keys not listed are ignored (added within a version).
 HEADER_TYPES = {
@@ -104,7 +131,7 @@ HEADER_TYPES = {
 }
 OPTIONAL_HEADER_TYPES = {"written_by": "str", "meta": "dict", "n_page_ids": "int", "page_map_pages": "int",
                          "kv_layout": "dict"}  # kv_layout: added within format 4 (older traces lack it)
-MAX_STORAGE_TEXT = 400  # characters of kv_layout's storage line
+MAX_STORAGE_TEXT = 2000  # characters of kv_layout's storage line (quant.storage_text with its notices: ~500 at most)
 
 
 def check_kv_layout(layout: dict | None, where: str) -> dict:
@@ -149,7 +176,7 @@ def event_kinds_of_version(version: int) -> list[str]:
 
 
 def arrays_of_version(version: int) -> dict[str, ArraySpec]:
-    return {name: spec for name, spec in ARRAYS.items() if spec.since <= version}
+    return {name: spec for name, spec in arrays().items() if spec.since <= version}
 
 
 def check_header(header: Any, where: str) -> dict[str, int]:
@@ -193,9 +220,9 @@ def check_version(header: dict, where: str) -> int:
     version = header.get("version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         raise TraceError(f"{where}: the trace header has an invalid format version {version!r} (an integer from 1)")
-    if version > VERSION:
+    if version > (newest := format_version()):
         raise TraceError(f"{where}: written by a newer pagevis ({header.get('written_by', 'unknown')}, trace format "
-                         f"version {version}); this pagevis {__version__} reads versions up to {VERSION}. "
+                         f"version {version}); this pagevis {__version__} reads versions up to {newest}. "
                          "Upgrade pagevis to open it.")
     return version
 
@@ -255,15 +282,15 @@ def check_values(a: dict[str, np.ndarray], header: dict, sizes: dict[str, int], 
     _check_offsets(where, "event_offsets", a["event_offsets"], T, E)
     if np.any(np.diff(a["token_offsets"]) < 1):
         raise TraceError(f"{where}: array 'token_offsets' has a step that fed no token")
-    within("token_ids", a["token_ids"], 0, MAX_TOKEN_ID)
-    within("positions", a["positions"], 0, max(N - 1, 0))
-    within("next_token", a["next_token"], -1, MAX_TOKEN_ID)
-    within("slot_maps", a["slot_maps"], -1, max(N - 1, 0))
+    for f in step_record.TABLE.fields:  # the ranges the record's field table declares
+        limits = f.limits(sizes)
+        if limits is not None and f.name in a:
+            within(f.name, a[f.name], *limits)
     B = sizes["B"]
-    within("block_tables", a["block_tables"], -1, B - 1)
     _check_block_tables(where, a["block_tables"])
-    for name in ("protected", "has_oracle"):
-        within(name, a[name].view(np.uint8), 0, 1)
+    for name, array in a.items():
+        if array.dtype == np.bool_:
+            within(name, array.view(np.uint8), 0, 1)
     within("event_kind", a["event_kind"], 0, len(header["event_kinds"]) - 1)
     within("event_step", a["event_step"], -1, T - 1)
     whole = -1 if header["version"] >= 3 else 0  # version 3: sequence events name no layer or page
@@ -273,8 +300,6 @@ def check_values(a: dict[str, np.ndarray], header: dict, sizes: dict[str, int], 
     within("event_position", a["event_position"], -1, max(N - 1, 0))
     for name in ("event_policy", "event_reason"):
         within(name, a[name], 0, len(header["strings"]) - 1)
-    within("resident_tokens", a["resident_tokens"], 0, sizes["C"])
-    within("pages_used", a["pages_used"], 0, B)
     if header["version"] >= 2:
         within("event_frame", a["event_frame"], -1, P - 1)
         within("has_tiers", a["has_tiers"].view(np.uint8), 0, 1)
@@ -284,7 +309,6 @@ def check_values(a: dict[str, np.ndarray], header: dict, sizes: dict[str, int], 
         recall = a["recall"][~np.isnan(a["recall"])]
         if recall.size and (recall.min() < 0 or recall.max() > 1.01):
             raise TraceError(f"{where}: array 'recall' holds shares outside [0, 1]")
-    within("evictions_total", a["evictions_total"], 0, 2**62)
     if header["version"] >= 4:
         lost = a["oracle_lost_by_head"][~np.isnan(a["oracle_lost_by_head"])]
         if lost.size and (lost.min() < 0 or lost.max() > 1.01):
@@ -358,7 +382,7 @@ def _check_tables(header: dict, sizes: dict[str, int], where: str) -> None:
     unknown("event_kinds", event_kinds_of_version(header["version"]))
     if tuple(header["oracle_columns"]) != ORACLE_COLUMNS:
         raise TraceError(f"{where}: header.json oracle_columns must be {list(ORACLE_COLUMNS)}")
-    delta = [name for name in DELTA_ENCODED if ARRAYS[name].since <= header["version"]]
+    delta = delta_encoded(header["version"])
     if sorted(header["delta_encoded"]) != sorted(delta):
         raise TraceError(f"{where}: header.json delta_encoded must be {delta}")
     if len(set(header["timing_keys"])) != len(header["timing_keys"]):

@@ -5,10 +5,13 @@ Why: a record holds every layer's slot map, protected flags, scores and block ta
 layers' attention (about 60 KB for SmolLM2 with 96 slots, 200 KB with 256), so keeping them all would make
 a long demo gigabytes. Here they go to an anonymous temporary file (deleted when closed or when the
 process ends) with plain `os.pwrite`/`os.pread`: the file's pages live in the OS page cache, not in this
-process's memory, and the only per-record memory is one row of part offsets (~100 bytes).
+process's memory, and the only per-record memory is its start and one row of part offsets (~70 bytes).
 
-Layout of a record: its parts (PARTS) one after the other, each a C-contiguous array's raw bytes; the
-offsets of the parts are kept in memory, the shapes follow from the timeline's fixed geometry.
+Layout of a record: its parts one after the other, each a C-contiguous array's raw bytes; the offsets of the
+parts are kept in memory, the shapes follow from the timeline's fixed geometry. The parts are the record's
+custom fields' (CUSTOM_PARTS, written and read here) and then one per grid or layers field of the record's
+field table (engine/step_record.py FIELDS: bool arrays bit-packed, an optional field's None as an empty part);
+its scalar fields are columns of the small table. A new scalar, layers or grid field needs nothing here.
 """
 
 from __future__ import annotations
@@ -18,17 +21,19 @@ import tempfile
 
 import numpy as np
 
-from pagevis.engine import OracleStep, StepRecord, TierStep
+from pagevis.engine import OracleStep, StepRecord, TierStep, step_record
 from pagevis.kvcache.event_array import EVENT_DTYPE, EventArray, Strings, to_rows
 
-PARTS = ("token_ids", "positions", "slot_maps", "protected", "scores", "block_tables", "events", "attention_layers",
-         "attention", "tier_counts", "page_maps", "block_frames", "recall")  # the last four: empty without tiers
+# The record's custom fields (step_record.FIELDS), each written and read by this module's own code.
+CUSTOM_FIELDS = ("kind", "token_ids", "positions", "next_text", "block_tables", "events", "attention_layers",
+                 "attention", "timings", "oracle", "tiers")
+CUSTOM_PARTS = ("token_ids", "positions", "block_tables", "events", "attention_layers", "attention", "tier_counts",
+                "page_maps", "block_frames", "recall")  # the last four: empty without tiers
 # "recall" holds the oracle's float32 rows: the tier recall (n_layers, with tiers and the oracle), then its lost
 # attention per recorded layer and head (with the oracle): one part, so a record's row of offsets stays as small
-# "protected" packs the protected flags, then with int4 / int2 storage the full-precision flags
-SMALL = np.dtype([("kind", "i1"), ("next_token", "i8"), ("resident", "i4"), ("pages_used", "i4"),
-                  ("evictions_total", "i8"), ("has_oracle", "?"), ("kl", "f8"), ("top1", "?"), ("lp_bounded", "f8"),
-                  ("lp_full", "f8"), ("lost", "f8")])
+# The small table's columns of the custom fields (kind, the oracle's numbers); the scalar fields' follow.
+CUSTOM_SMALL = [("kind", "i1"), ("has_oracle", "?"), ("kl", "f8"), ("top1", "?"), ("lp_bounded", "f8"),
+                ("lp_full", "f8"), ("lost", "f8")]
 TIMINGS = ("forward", "sample", "oracle", "record", "total")
 RECORD_KINDS = ("prefill", "decode")
 
@@ -38,11 +43,16 @@ class RecordSpill:
     the first record; every later record of a session has the same."""
 
     def __init__(self):
+        table = step_record.TABLE  # read now: a test may give the spill a table with one more field
+        self._record_type = table.record
+        self._grids, self._scalars = table.of("grid", "layers"), table.of("scalar")
+        self.parts = CUSTOM_PARTS + tuple(f.name for f in self._grids)
         self._file = tempfile.TemporaryFile(prefix="pagevis-timeline-")
         self._fd = self._file.fileno()
         self._end = 0
-        self._offsets = np.zeros((0, len(PARTS) + 1), dtype=np.int64)
-        self._small = np.zeros(0, dtype=SMALL)
+        self._starts = np.zeros(0, dtype=np.int64)  # per record: where it begins in the file
+        self._cuts = np.zeros((0, len(self.parts) + 1), dtype=np.uint32)  # and where its parts begin in it
+        self._small = np.zeros(0, dtype=CUSTOM_SMALL + [(f.name, f.dtype) for f in self._scalars])
         self._timings = np.zeros((0, len(TIMINGS)), dtype=np.float64)
         self.strings = Strings()  # the policy names and reasons events carry, interned
         self.count = 0
@@ -57,7 +67,7 @@ class RecordSpill:
         return self._end
 
     def memory_bytes(self) -> int:
-        return self._offsets.nbytes + self._small.nbytes + self._timings.nbytes
+        return self._starts.nbytes + self._cuts.nbytes + self._small.nbytes + self._timings.nbytes
 
     # --- writing ---------------------------------------------------------------------------------
     def append(self, record: StepRecord) -> np.ndarray:
@@ -78,24 +88,26 @@ class RecordSpill:
         for layer, row in enumerate(tiers.block_frames if tiers else ()):
             frames[layer, : len(row)] = row
         nothing = np.zeros(0, np.int32)
-        parts = (np.asarray(record.token_ids, np.int64), np.asarray(record.positions, np.int64),
-                 np.ascontiguousarray(record.slot_maps, np.int32), _flags(record),
-                 np.ascontiguousarray(record.scores, np.float32), tables, events,
+        parts = (np.asarray(record.token_ids, np.int64), np.asarray(record.positions, np.int64), tables, events,
                  np.asarray(record.attention_layers, np.int16), attention,
                  np.ascontiguousarray(tiers.counts, np.int64) if tiers else np.zeros(0, np.int64),
                  np.ascontiguousarray(tiers.page_maps, np.int32) if tiers else nothing,
                  frames if tiers else nothing,
-                 _oracle_floats(record))
+                 _oracle_floats(record),
+                 *(_grid_bytes(getattr(record, f.name), f.dtype) for f in self._grids))
         blob = b"".join(memoryview(np.ascontiguousarray(p)).cast("B") for p in parts)
+        if len(blob) >= 1 << 32:
+            raise ValueError(f"a record of {len(blob)} bytes is too large for the timeline's spill (4 GiB)")
         os.pwrite(self._fd, blob, self._end)
-        sizes = np.cumsum([0] + [p.nbytes for p in parts]) + self._end
+        self._starts, self._cuts = _grow(self._starts, self.count), _grow(self._cuts, self.count)
+        self._starts[self.count] = self._end
+        self._cuts[self.count] = np.cumsum([0] + [p.nbytes for p in parts])
         self._end += len(blob)
-        self._offsets = _grow(self._offsets, self.count)
-        self._offsets[self.count] = sizes
         o = record.oracle
-        small = (RECORD_KINDS.index(record.kind), record.next_token, record.resident_tokens, record.pages_used,
-                 record.evictions_total, o is not None, o.kl if o else np.nan, bool(o.top1_agree) if o else False,
-                 o.logprob_bounded if o else np.nan, o.logprob_full if o else np.nan, o.lost_attention if o else np.nan)
+        small = (RECORD_KINDS.index(record.kind), o is not None, o.kl if o else np.nan,
+                 bool(o.top1_agree) if o else False, o.logprob_bounded if o else np.nan,
+                 o.logprob_full if o else np.nan, o.lost_attention if o else np.nan,
+                 *(getattr(record, f.name) for f in self._scalars))
         self._small = _grow(self._small, self.count)
         self._small[self.count] = small
         self._timings = _grow(self._timings, self.count)
@@ -106,8 +118,9 @@ class RecordSpill:
     # --- reading ---------------------------------------------------------------------------------
     def _part(self, index: int, name: str, dtype, start: int = 0, count: int | None = None) -> np.ndarray:
         """Part `name` of record `index` (or `count` items of it from item `start`)."""
-        part = PARTS.index(name)
-        begin, end = self._offsets[index, part], self._offsets[index, part + 1]
+        part = self.parts.index(name)
+        begin = int(self._starts[index]) + int(self._cuts[index, part])
+        end = int(self._starts[index]) + int(self._cuts[index, part + 1])
         itemsize = np.dtype(dtype).itemsize
         begin += start * itemsize
         if count is not None:
@@ -146,12 +159,11 @@ class RecordSpill:
         """Record `index` rebuilt whole (equal to the one appended)."""
         shape = self.shape
         layers, pages, _ = shape
-        begin, end = self._offsets[index, 0], self._offsets[index, -1]
-        blob = os.pread(self._fd, int(end - begin), int(begin))
-        cuts = self._offsets[index] - begin
+        cuts = self._cuts[index].astype(np.int64)
+        blob = os.pread(self._fd, int(cuts[-1]), int(self._starts[index]))
 
         def part(name: str, dtype) -> np.ndarray:
-            i = PARTS.index(name)
+            i = self.parts.index(name)
             return np.frombuffer(blob, dtype=dtype, count=int(cuts[i + 1] - cuts[i]) // np.dtype(dtype).itemsize,
                                  offset=int(cuts[i]))
 
@@ -168,19 +180,16 @@ class RecordSpill:
                             if by_head.size else None) if s["has_oracle"] else None
         timings = {name: float(v) for name, v in zip(TIMINGS, self._timings[index]) if v == v}
         next_token = int(s["next_token"])
-        protected, full_precision = _unflags(part("protected", np.uint8), shape)
-        return StepRecord(
-            step=index, kind=RECORD_KINDS[s["kind"]], token_ids=tuple(part("token_ids", np.int64).tolist()),
-            positions=tuple(part("positions", np.int64).tolist()), next_token=next_token,
+        return self._record_type(
+            kind=RECORD_KINDS[s["kind"]], token_ids=tuple(part("token_ids", np.int64).tolist()),
+            positions=tuple(part("positions", np.int64).tolist()),
             next_text=token_text(next_token) if next_token >= 0 else "",
-            slot_maps=part("slot_maps", np.int32).reshape(shape),
-            protected=protected,
-            scores=part("scores", np.float32).reshape(shape),
             block_tables=tuple(tuple(int(p) for p in row[row >= 0]) for row in tables),
             events=events, attention_layers=attention_layers, attention=tuple(attention), timings=timings,
-            resident_tokens=int(s["resident"]), pages_used=int(s["pages_used"]),
-            evictions_total=int(s["evictions_total"]), oracle=oracle, tiers=self._tiers(part, tables, attention_layers),
-            full_precision=full_precision)
+            oracle=oracle, tiers=self._tiers(part, tables, attention_layers),
+            **{f.name: s[f.name].item() for f in self._scalars},
+            **{f.name: _grid_of(part(f.name, np.uint8), f.dtype, shape if f.stored == "grid" else (layers,))
+               for f in self._grids})
 
     def _tiers(self, part, tables: np.ndarray, attention_layers: tuple[int, ...]) -> TierStep | None:
         counts = part("tier_counts", np.int64)
@@ -214,18 +223,19 @@ def _grow(array: np.ndarray, needed: int) -> np.ndarray:
     return grown
 
 
-def _flags(record: StepRecord) -> np.ndarray:
-    """The protected flags, packed; with full-precision flags, both packed and one more byte (so the two
-    lengths never coincide)."""
-    if record.full_precision is None:
-        return np.packbits(record.protected)
-    both = np.packbits(np.concatenate([record.protected.ravel(), record.full_precision.ravel()]))
-    return np.append(both, np.uint8(1))
+def _grid_bytes(grid: np.ndarray | None, dtype: str) -> np.ndarray:
+    """A grid field's part: its values (a bool grid bit-packed); None (an optional grid's) as no bytes."""
+    if grid is None:
+        return np.zeros(0, np.uint8)
+    if np.dtype(dtype) == np.bool_:
+        return np.packbits(grid)
+    return np.ascontiguousarray(grid, dtype)
 
 
-def _unflags(packed: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray | None]:
-    """(protected, full_precision or None) from `_flags`' bytes."""
-    size = int(np.prod(shape))
-    both = len(packed) == -(-2 * size // 8) + 1
-    flags = np.unpackbits(packed[: len(packed) - both], count=2 * size if both else size).astype(bool)
-    return flags[:size].reshape(shape), flags[size:].reshape(shape) if both else None
+def _grid_of(data: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray | None:
+    """A grid field back from its part's bytes (`_grid_bytes`)."""
+    if not data.size:
+        return None
+    if np.dtype(dtype) == np.bool_:
+        return np.unpackbits(data, count=int(np.prod(shape))).astype(bool).reshape(shape)
+    return data.view(dtype).reshape(shape)
