@@ -89,10 +89,13 @@ class RecordField:
 
     def limits(self, sizes: Mapping[str, int]) -> tuple[float, float] | None:
         """`bounds` with its symbols replaced by a trace's sizes."""
-        if self.bounds is None:
-            return None
-        low, high = (_evaluate(b, sizes) for b in self.bounds)
-        return low, max(low, high)
+        return None if self.bounds is None else bound_limits(self.bounds, sizes)
+
+
+def bound_limits(bounds: tuple[Bound, Bound], sizes: Mapping[str, int]) -> tuple[float, float]:
+    """A (low, high) pair of bounds with their symbols replaced by a trace's sizes (high no lower than low)."""
+    low, high = (_evaluate(b, sizes) for b in bounds)
+    return low, max(low, high)
 
 
 def _evaluate(bound: Bound, sizes: Mapping[str, int]) -> float:
