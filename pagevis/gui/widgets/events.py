@@ -227,13 +227,13 @@ class EventsView(QWidget):
         if self._key is None or self._key[0] != key[0]:
             self.plot._grown = (None, None)
         self._key = key
-        events = timeline.evictions if timeline is not None else []
+        events, rows = (timeline.evictions if timeline is not None else []), limit
         if timeline is not None and self.only_layer.isChecked():  # the layer's own newest MAX_ROWS
             if self._layer_events is None or self._layer_events[0] != (id(timeline), state.layer):
                 self._layer_events = ((id(timeline), state.layer), timeline.evictions.of_layer(state.layer))
             events = self._layer_events[1]
-            limit = events.until(limit)
-        self.model.show(events, limit, self.proxy.accepts)
+            rows = events.until(limit)
+        self.model.show(events, rows, self.proxy.accepts)
         if self.proxy.set_filter(self.filter.text(), state.layer if self.only_layer.isChecked() else None):
             self.model.fill(self.proxy.accepts)
         if self.table.verticalScrollBar().value() >= self.table.verticalScrollBar().maximum() - 2:
