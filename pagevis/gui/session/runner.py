@@ -103,7 +103,7 @@ def new_session(model, spec: ModelSpec, prompt: str, config: SessionConfig) -> t
 def validate(config: SessionConfig, model_config=None) -> CacheSettings:
     """The cache this configuration builds, or ConfigError. Without the model's shape, check everything
     that does not depend on it (sizes, policy parameters) and return the settings themselves."""
-    capacity = config.page_size * config.max_pages
+    capacity = config.ram_tokens
     if capacity > MAX_CAPACITY:
         raise ConfigError("max_pages", config.max_pages,
                           f"at most {MAX_CAPACITY // config.page_size} pages of {config.page_size} "
