@@ -200,7 +200,8 @@ class SessionRunner(QObject):
             return
         expected = isinstance(error, (ValueError, OSError))  # ModelLoadError, ConfigError, a missing file
         detail = "" if expected else "".join(traceback.format_exception(error))
-        self._fail(f"Could not load {self.spec.label}: {error}", detail)
+        named = str(error).startswith(self.spec.label)  # a load error names the file itself: once is enough
+        self._fail(f"Could not load {'the model' if named else self.spec.label}: {error}", detail)
 
     def _loader_finished(self) -> None:
         self._loader = None
