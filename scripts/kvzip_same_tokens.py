@@ -45,7 +45,7 @@ def recent_kept(model, ids, budget: int, context: int, newest: int = 16) -> None
     cache, seq = session.cache, session.cache.sequences[session.seq_id]
     shares = []
     for layer, store in enumerate(cache.stores):
-        flat = cache._flat_slots(seq.block_tables[layer])
+        flat = cache.flat_slots(session.seq_id, layer)
         recent = store.positions[flat] >= context - newest
         shares.append(seq.head_keep[layer][:, flat[recent]].sum(axis=1) / newest)
     shares, budgets = np.array(shares), session.policy.head_budgets

@@ -1,12 +1,16 @@
 """Write the hostile trace and GGUF files of issue #8 to tests/data/hostile/ (small files; run from the repo root).
 
-    .venv/bin/python scripts/make_hostile_files.py
+    .venv/bin/python scripts/make_hostile_files.py          (adds the files tests/data/hostile/ lacks)
+    .venv/bin/python scripts/make_hostile_files.py --all    (rewrites every file with today's trace writer)
 
 Each file is one crafted case: a zip bomb (1.5 GiB of zeros as a ~1.5 MB deflate stream), an `.npy` member
 that declares 10**12 elements, encrypted / unknown-compression / non-UTF-8 zip entries, header.json entries
 of the wrong type or out of range or inconsistent with the arrays, a deeply nested header, GGUF files whose
 header claims 2**40-element arrays or 10**9 layers, and small GGUF models with no tokenizer, no byte tokens
-or a metadata value of the wrong type. tests/test_hostile_files.py expects every one of them to be refused
+or a metadata value of the wrong type (issue #8). Issue #36 added: events whose detail (a mask event's KV head,
+...) is out of the range its kind allows, on a kvzip trace (valid-kvzip.pvtrace, the uncorrupted one); RoPE
+scaling llama.cpp reads but pagevis does not compute, or out of range; SentencePiece vocabularies that would
+lose characters. tests/test_hostile_files.py expects every one of them to be refused
 with one line (exit status 2). `MANIFEST` (written next to them) says what each file is.
 """
 
@@ -40,6 +44,23 @@ def base_trace(path: Path) -> Path:
     session = DecodeSession(spec.load(), "pages of keys", config)
     for record in session.run():
         record.timings.update({key: 0.001 for key in record.timings})  # the same bytes on every run
+    write_trace(path, session, model_spec=spec, meta={"command": "make_hostile_files.py"})
+    header, arrays = members(path)
+    write_zip(path, header, arrays)  # fixed member dates
+    return path
+
+
+def kvzip_trace(path: Path) -> Path:
+    """A trace with the newest event kinds (kvzip: reconstruct, mask per KV head; the prefix cache: store,
+    uncache), whose event_detail columns the event cases below corrupt."""
+    from pagevis.engine import DecodeSession, ModelSpec, SessionConfig
+    from pagevis.trace import write_trace
+
+    spec = ModelSpec(kind="synthetic", n_layers=2, n_heads=2, n_kv_heads=2, head_dim=8, seed=1)
+    config = SessionConfig(page_size=4, max_pages=8, policy="kvzip", max_new_tokens=4, chat=False)
+    session = DecodeSession(spec.load(), "pages of keys and values", config)
+    for record in session.run():
+        record.timings.update({key: 0.001 for key in record.timings})
     write_trace(path, session, model_spec=spec, meta={"command": "make_hostile_files.py"})
     header, arrays = members(path)
     write_zip(path, header, arrays)  # fixed member dates
@@ -275,6 +296,33 @@ def trace_cases(base: Path) -> dict[str, str]:
     return made
 
 
+def event_cases(base: Path) -> dict[str, str]:
+    """Event columns whose range depends on the event's kind (engine/step_record.py DETAIL_BOUNDS), on a kvzip
+    trace."""
+    made = {}
+    header, arrays = members(base)
+    kinds = load_npy(arrays["event_kind.npy"])
+
+    def first(kind: str) -> int:
+        return int(np.flatnonzero(kinds == header["event_kinds"].index(kind))[0])
+
+    def detail_case(name: str, what: str, kind: str, value: int, member: str = "event_detail.npy") -> None:
+        made[name] = what
+        column = load_npy(arrays[member]).copy()
+        column[first(kind)] = value
+        write_zip(OUT / name, header, {**arrays, member: npy_bytes(column)})
+
+    detail_case("mask-detail-1e6.pvtrace", "a mask event's KV head 10**6 (the narration looped to it)", "mask", 10**6)
+    detail_case("mask-detail-2p40.pvtrace", "a mask event's KV head 2**40", "mask", 2**40)
+    detail_case("mask-detail-heads.pvtrace", "a mask event's KV head = the trace's KV heads (one past)", "mask", 2)
+    detail_case("mask-detail-negative.pvtrace", "a mask event's KV head -1", "mask", -1)
+    detail_case("write-detail.pvtrace", "a write event (no detail) with detail 7", "write", 7)
+    detail_case("evict-detail-position.pvtrace", "an evict event's merge position 10**9", "evict", 10**9)
+    detail_case("reconstruct-detail-negative.pvtrace", "a reconstruct event's fed tokens -5", "reconstruct", -5)
+    detail_case("event-seq-negative.pvtrace", "a write event of sequence -1", "write", -1, "event_seq.npy")
+    return made
+
+
 # --- GGUF ---------------------------------------------------------------------------------------------
 
 def gguf_string(text: str) -> bytes:
@@ -307,18 +355,39 @@ def gguf_cases() -> dict[str, str]:
     case("gguf-no-byte-tokens.gguf", "a vocabulary without byte tokens", small_model(byte_tokens=False))
     case("gguf-freq-base-string.gguf", "llama.rope.freq_base is a string", small_model(freq_base="fast"))
     case("gguf-vocab-size-string.gguf", "llama.vocab_size is a string", small_model(vocab_size="many"))
+    scaling = {
+        "gguf-rope-yarn.gguf": ("RoPE scaling type yarn (llama.cpp's; not computed here)",
+                                {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0}),
+        "gguf-rope-unknown-type.gguf": ("RoPE scaling type 'dynamic'", {"llama.rope.scaling.type": "dynamic"}),
+        "gguf-rope-factor-negative.gguf": ("rope.scaling.factor -8", {"llama.rope.scaling.factor": -8.0}),
+        "gguf-rope-factor-nan.gguf": ("rope.scaling.factor NaN", {"llama.rope.scaling.factor": float("nan")}),
+        "gguf-rope-scale-linear-inf.gguf": ("the old rope.scale_linear infinite",
+                                            {"llama.rope.scale_linear": float("inf")}),
+        "gguf-rope-factor-string.gguf": ("rope.scaling.factor a string", {"llama.rope.scaling.factor": "8"}),
+        "gguf-rope-attn-factor.gguf": ("rope.scaling.attn_factor 2", {"llama.rope.scaling.attn_factor": 2.0}),
+    }
+    for name, (what, overrides) in scaling.items():
+        case(name, what, small_model(overrides=overrides))
+    case("gguf-spm-no-unk-no-bytes.gguf", "a SentencePiece vocabulary with neither <unk> nor byte tokens",
+         small_model(sentencepiece=(range(0), False)))
+    case("gguf-spm-no-unk-ascii-bytes.gguf", "a SentencePiece vocabulary with no <unk> and only ASCII byte tokens",
+         small_model(sentencepiece=(range(0x80), False)))
     return made
 
 
+SPM_PIECES = ["▁", "t", "h", "e", "▁the", "a", "c", "▁cat"]
+
+
 def small_model(block_count=None, embedding_length=None, tokenizer=True, byte_tokens=True, freq_base=None,
-                vocab_size=None) -> bytes:
-    """A tiny valid Llama GGUF (random weights), with one thing changed."""
+                vocab_size=None, overrides=None, sentencepiece=None) -> bytes:
+    """A tiny valid Llama GGUF (random weights), with one thing changed. sentencepiece: (byte values that have
+    a <0xNN> token, whether it has <unk>) for a SentencePiece vocabulary instead."""
     import tempfile
 
     from model_fixtures import write_llama_gguf
     from pagevis.model.synthetic import SyntheticModel
 
-    overrides = {}
+    overrides = dict(overrides or {})
     if block_count is not None:
         overrides["llama.block_count"] = block_count
     if embedding_length is not None:
@@ -327,29 +396,50 @@ def small_model(block_count=None, embedding_length=None, tokenizer=True, byte_to
         overrides["llama.rope.freq_base"] = freq_base
     if vocab_size is not None:
         overrides["llama.vocab_size"] = vocab_size
-    model = SyntheticModel(n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, seed=2)
+    spm = {}
+    vocab = 256
+    if sentencepiece is not None:
+        byte_values, unknown = sentencepiece
+        pieces = SPM_PIECES + [f"<filler{i}>" for i in range(256 - 3 - unknown - len(byte_values) - len(SPM_PIECES))]
+        spm = {"sentencepiece": pieces, "spm_bytes": byte_values, "spm_unknown": unknown}
+        vocab = 3 + unknown + len(byte_values) + len(pieces)
+    model = SyntheticModel(n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, seed=2, vocab_size=vocab)
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "m.gguf"
         write_llama_gguf(path, model, tokenizer=tokenizer, metadata_overrides=overrides,
-                         byte_tokens=byte_tokens)
+                         byte_tokens=byte_tokens, **spm)
         return path.read_bytes()
 
 
 def main() -> None:
+    """Write the cases into a scratch folder, then copy into tests/data/hostile/ only the files it lacks (with
+    --all, every file): the files already there stay as they were written (valid.pvtrace is format version 1, the
+    fuzz tests' old-file case), so only new cases are added. MANIFEST is rewritten."""
+    import shutil
     import tempfile
 
-    OUT.mkdir(parents=True, exist_ok=True)
-    for old in OUT.glob("*"):
-        old.unlink()
+    global OUT
+    target, rewrite = OUT, "--all" in sys.argv[1:]
+    target.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as folder:
+        OUT = Path(folder) / "hostile"
+        OUT.mkdir()
         base = base_trace(Path(folder) / "base.pvtrace")
         (OUT / "valid.pvtrace").write_bytes(base.read_bytes())
         made = trace_cases(base)
-    made.update(gguf_cases())
+        kvzip = kvzip_trace(Path(folder) / "kvzip.pvtrace")
+        (OUT / "valid-kvzip.pvtrace").write_bytes(kvzip.read_bytes())
+        made.update(event_cases(kvzip))
+        made.update(gguf_cases())
+        added = [p.name for p in sorted(OUT.iterdir()) if rewrite or not (target / p.name).exists()]
+        for name in added:
+            shutil.copyfile(OUT / name, target / name)
+        OUT = target
     lines = [f"{name}\t{what}" for name, what in sorted(made.items())]
     (OUT / "MANIFEST").write_text("\n".join(lines) + "\n")
     total = sum(p.stat().st_size for p in OUT.iterdir())
-    print(f"wrote {len(made)} hostile files and valid.pvtrace to {OUT} ({total / 1e6:.1f} MB)")
+    print(f"{len(made)} hostile files and valid.pvtrace, valid-kvzip.pvtrace in {OUT} ({total / 1e6:.1f} MB); "
+          f"written now: {', '.join(added) or 'none'}")
 
 
 if __name__ == "__main__":

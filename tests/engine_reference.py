@@ -1,5 +1,7 @@
 """Independent references for engine tests: float64 dense attention over an explicit token list."""
 
+import os
+
 import numpy as np
 
 
@@ -44,3 +46,26 @@ class WindowedDenseAttend:
             self.tokens[layer][position] = (k[i], v[i])
         return np.stack([windowed_attention_f64(q[i], position, self.tokens[layer], self.windows[layer])[0]
                          for i, position in enumerate(positions.tolist())]).astype(np.float32)
+
+
+def weight_positions(cache, layer, result):
+    """Token position of each weight column of an `attend` result: over its `slots`, or (None) over the pool's
+    allocated prefix (`slot_positions`)."""
+    if result.slots is None:
+        return cache.slot_positions(layer)
+    return cache.stores[layer].positions[result.slots]
+
+
+def page_kv(store, page):
+    """Keys and values (n_kv, page_size, head_dim) float32 of one page as attention reads them: from its RAM
+    frame, or else straight from the disk tier's file (nothing moves, nothing is counted)."""
+    frame = int(store.frame_of[page])
+    if frame >= 0:
+        keys, values = store.frame_kv(frame, frame + 1)
+        return keys.astype(np.float32), values.astype(np.float32)
+    swap = store.swap
+    block = np.frombuffer(os.pread(swap.fd, swap.page_bytes, page * swap.page_bytes), np.uint8)
+    if not store.quantized:
+        kv = block.view(store.k.dtype).reshape(2, store.n_kv, store.page_size, store.head_dim)
+        return kv[0].astype(np.float32), kv[1].astype(np.float32)
+    return store._dequantize(store.layout.views(block[None].copy()), np.array([page]))

@@ -8,6 +8,8 @@ from collections import deque
 import numpy as np
 import pytest
 
+from engine_reference import weight_positions
+
 from pagevis.kvcache import CacheConfig, ConfigError, KVCacheManager
 
 N_KV, N_HEADS, D = 2, 4, 8
@@ -37,7 +39,7 @@ class Stream:
         """{position: head-mean attention of this query}."""
         q = self.rng.standard_normal((1, N_HEADS, D)).astype(np.float32) * 2
         result = self.cache.attend(0, 0, q, np.array([p]))
-        positions = self.cache.weight_positions(0, 0, result)
+        positions = weight_positions(self.cache, 0, result)
         weights = result.weights[0].mean(axis=0)
         return {int(pos): float(w) for pos, w in zip(positions, weights, strict=True) if pos >= 0}
 

@@ -2,7 +2,7 @@
 
 import pytest
 import numpy as np
-from engine_reference import dense_attention_f64
+from engine_reference import dense_attention_f64, weight_positions
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -69,7 +69,7 @@ def test_decode_attention_matches_dense_float64(setup):
     out, weights = dense_attention_f64(q[0], keys, values)
 
     assert relative_error(result.output[0], out) < 1e-5
-    slot_positions = cache.weight_positions(0, 0, result)
+    slot_positions = weight_positions(cache, 0, result)
     by_position = np.zeros((config.n_heads, n_tokens))
     occupied = slot_positions >= 0
     by_position[:, slot_positions[occupied]] = result.weights[0][:, occupied]
@@ -105,7 +105,7 @@ def test_prefill_chunk_is_causal_and_matches_dense(setup, chunk):
         # with a disk tier and a policy that ignores attention only the last query's weights come back
         row = i - len(positions) + len(result.weights)
         if row >= 0:
-            future = cache.weight_positions(0, 0, result) > p
+            future = weight_positions(cache, 0, result) > p
             assert np.all(result.weights[row][:, future] == 0), "a query saw a later token"
 
 
@@ -188,7 +188,7 @@ def test_sequences_decoding_together_match_dense_float64_each_over_its_own_token
         values = np.stack([stored[seq][p][1] for p in resident])
         out, weights = dense_attention_f64(q[seq], keys, values)
         assert relative_error(result.output[0], out) < 1e-5
-        slot_positions = cache.weight_positions(seq, 0, result)
+        slot_positions = weight_positions(cache, 0, result)
         occupied = slot_positions >= 0
         assert np.all(result.weights[0][:, ~occupied] == 0), "empty slots and padding get exactly zero weight"
         by_position = np.zeros((config.n_heads, len(stored[seq])))

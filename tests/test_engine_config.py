@@ -51,7 +51,7 @@ def test_more_sinks_than_the_cache_holds():
 
 def test_valid_configuration_and_defaults():
     config = CacheConfig(**BASE, policy="h2o")
-    assert config.capacity == 128 and config.group_size == 2
+    assert config.capacity == 128 and config.n_heads // config.n_kv_heads == 2
     assert config.bytes_per_layer() == 2 * 128 * 3 * 16 * 4
     shared = {"rerotate": 0, "compress_every": 1}  # every token policy's options, after its own
     assert list(policy_params("sinks").items()) == [("n_sink", 4), *shared.items()]

@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from engine_reference import WindowedDenseAttend, windowed_attention_f64
+from engine_reference import WindowedDenseAttend, page_kv, windowed_attention_f64
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -65,7 +65,7 @@ def test_windowed_attention_over_pages_equals_dense_float64_with_the_window_mask
             store = cache.stores[layer]
             for i, p in enumerate(positions.tolist()):  # the reference reads K/V as the pages hold them
                 page, slot = divmod(int(np.flatnonzero(store.positions == p)[0]), PS)
-                keys, values = store.peek_page(page)
+                keys, values = page_kv(store, page)
                 tokens[layer][p] = (keys[:, slot], values[:, slot])
             for i, p in enumerate(positions.tolist()):
                 expected, _ = windowed_attention_f64(q[i], p, tokens[layer], config.sliding_windows[layer])

@@ -9,7 +9,7 @@ import tempfile
 
 import numpy as np
 import pytest
-from engine_reference import dense_attention_f64
+from engine_reference import dense_attention_f64, page_kv, weight_positions
 from model_fixtures import smollm2  # noqa: F401  (fixture)
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -239,7 +239,7 @@ def test_attention_over_quantized_pages_equals_dense_float64_over_the_dequantize
     scale = max(np.linalg.norm(out), np.linalg.norm(values, axis=-1).max() * np.sqrt(config.n_heads), 1e-30)
     error = np.linalg.norm(result.output[0] - out) / scale
     assert error < 1e-5
-    positions = cache.weight_positions(0, 0, result)
+    positions = weight_positions(cache, 0, result)
     by_position = np.zeros((config.n_heads, n_tokens))
     by_position[:, positions[positions >= 0]] = result.weights[0][:, positions >= 0]
     np.testing.assert_allclose(by_position[:, resident], weights, rtol=1e-4, atol=1e-6)
@@ -382,9 +382,9 @@ def test_quantizing_a_shared_page_copies_it_first():
     after = sequence_kv(cache, 0)
     assert after.keys() == parent.keys() and all(
         np.array_equal(after[p][0], parent[p][0]) and np.array_equal(after[p][1], parent[p][1]) for p in parent)
-    assert len(store.residual_slots(cache._flat_slots(cache.block_table(0)))) == 30
+    assert len(store.residual_slots(cache.flat_slots(0, 0))) == 30
     child = sequence_kv(cache, 1)  # the child's 0-31 are quantized, its 32-44 still as written
-    assert len(store.residual_slots(cache._flat_slots(cache.block_table(1)))) == 13
+    assert len(store.residual_slots(cache.flat_slots(1, 0))) == 13
     expected = kivi_keys(kv[0][:32], 4)  # the child's own key group: its tokens 0-31
     np.testing.assert_allclose(np.stack([child[p][0] for p in range(32)]), expected, rtol=0, atol=1e-5)
     assert all(np.array_equal(child[p][0], kv[0][p]) for p in range(32, 45))
@@ -463,9 +463,10 @@ HAND_COUNT = {  # bytes per token and layer, counted by hand
 @pytest.mark.parametrize("dtype", sorted(HAND_COUNT))
 def test_bytes_per_token_equal_a_hand_count(dtype):
     assert HAND_COUNT["int4"] == 244 and HAND_COUNT["int2"] == 148
-    assert quant.bytes_per_token(dtype, 3, 64) == HAND_COUNT[dtype]
     config = CacheConfig(page_size=16, max_pages=16, dtype=dtype, residual=128, n_layers=30, n_heads=9,
                          n_kv_heads=3, head_dim=64, policy="none")
+    layout = quant.layout_for(config)  # a quantized slot: its codes, scales, key group and share of that group
+    assert (layout.quantized_bytes_per_token() if layout else config.page_bytes() / 16) == HAND_COUNT[dtype]
     # tokens held in float32 besides (2 x 3 x 64 x 4 bytes each): 128 + 31 would cost more than float16 in 256
     # tokens, so the residual is clamped (int4 to 56, int2 to 72: the window may take (768 - 244) / 1536 and
     # (768 - 148) / 1536 of the budget)
@@ -473,7 +474,6 @@ def test_bytes_per_token_equal_a_hand_count(dtype):
     assert window == 0 or window == clamped_residual(dtype, 128, 256, 3, 64) + 31
     per_token = 30 * (HAND_COUNT[dtype] + window * 1536 / 256)
     assert config.kv_bytes_per_token() == pytest.approx(per_token, rel=1e-12)
-    assert quant.bytes_per_token(dtype, 3, 64, residual=128, tokens=256) * 30 == pytest.approx(per_token)
     # the store holds exactly that for one sequence at capacity (nothing grew)
     cache = KVCacheManager.single(config)
     cache, _, _ = run_sequence(config, 256, seed=0, chunk=1, attend_each=False) if dtype != "float32" else (cache, 0, 0)
@@ -513,7 +513,7 @@ class QuantizedPoolMachine(SharedPoolMachine):
 
     def _token_kv(self, store, flat):
         ps = self.config.page_size
-        pages = {page: store.peek_page(page) for page in {int(f) // ps for f in flat}}
+        pages = {page: page_kv(store, page) for page in {int(f) // ps for f in flat}}
         k = [pages[f // ps][0][:, f % ps] for f in flat]
         v = [pages[f // ps][1][:, f % ps] for f in flat]
         empty = np.zeros((1, 0, 2), np.float32)

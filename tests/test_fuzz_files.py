@@ -66,8 +66,10 @@ def _members(raw: bytes) -> dict[str, bytes]:
         return {name: archive.read(name) for name in archive.namelist()}
 
 
-# Every test mutates the shipped version-1 trace (old files must keep opening safely) or a version-2 one.
-VALID = {"v1": VALID_TRACE.read_bytes(), "v2": _disk_tier_trace()}
+# Every test mutates the shipped version-1 trace (old files must keep opening safely), one with a disk tier, or
+# one with kvzip's events (mask per KV head, reconstruct; details whose range depends on their kind).
+VALID = {"v1": VALID_TRACE.read_bytes(), "v2": _disk_tier_trace(),
+         "v4-kvzip": (VALID_TRACE.parent / "valid-kvzip.pvtrace").read_bytes()}
 VALID_MEMBERS = {version: _members(raw) for version, raw in VALID.items()}
 VERSIONS = st.sampled_from(sorted(VALID))
 
@@ -81,14 +83,20 @@ def zip_of(members: dict[str, bytes]) -> bytes:
 
 
 def check_trace(path: Path) -> None:
-    """The reader's contract: a Trace whose replay timeline builds, or one TraceError line naming the file."""
+    """The reader's contract: a Trace whose replay timeline builds and whose HTML page stays within a size set by
+    the trace's own steps and events, or one TraceError line naming the file."""
+    from pagevis.export.html import write_html
+
     try:
         trace = read_trace(path)
     except TraceError as refused:
         message = str(refused)
         assert message.startswith(f"{path}:") and "\n" not in message, message
         return
-    timeline_from_trace(trace)  # what the app's replay builds: must not raise
+    timeline = timeline_from_trace(trace)  # what the app's replay builds: must not raise
+    events = sum(len(r.events) for r in trace.records)
+    size = write_html(path.with_suffix(".html"), timeline, 0)  # the narration included
+    assert size < (256 << 10) + (16 << 10) * len(trace.records) + 512 * events, (size, len(trace.records), events)
 
 
 @FUZZ
@@ -200,6 +208,31 @@ def test_huge_declared_sizes_in_zip_and_npy_headers(tmp_path_factory, data):
     assert peak_rss() - before < 256 << 20
 
 
+DETAIL_VALUES = [-(2**63), -2, -1, 0, 1, 2, 3, 7, 8, 23, 24, 25, 31, 32, 2**31 - 1, 2**31, 10**6, 2**40, 2**63 - 1]
+
+
+@FUZZ
+@given(data=st.data())
+def test_event_details_and_sequences_of_every_kind(tmp_path_factory, data):
+    """kvzip's trace with one event's detail (or sequence) set to a boundary of some kind's range: refused in one
+    line, or replayed and exported within the trace's size (engine/step_record.py DETAIL_BOUNDS declares the ranges)."""
+    members = VALID_MEMBERS["v4-kvzip"]
+    column = data.draw(st.sampled_from(["event_detail", "event_seq"]), label="column")
+    array = np.lib.format.read_array(io.BytesIO(members[f"{column}.npy"]), allow_pickle=False).copy()
+    for _ in range(data.draw(st.integers(1, 3), label="changes")):
+        at = data.draw(st.integers(0, array.size - 1), label="event")
+        value = data.draw(st.sampled_from(DETAIL_VALUES), label="value")
+        with np.errstate(over="ignore"):
+            array[at] = np.array(value).astype(array.dtype)
+    buffer = io.BytesIO()
+    np.lib.format.write_array(buffer, array, allow_pickle=False)
+    path = tmp_path_factory.mktemp("detail") / "t.pvtrace"
+    path.write_bytes(zip_of({**members, f"{column}.npy": buffer.getvalue()}))
+    before = peak_rss()
+    check_trace(path)
+    assert peak_rss() - before < 256 << 20
+
+
 # --- GGUF ---------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=1)
@@ -252,6 +285,71 @@ def test_gguf_header_mutations(tmp_path_factory, data):
     before = peak_rss()
     check_model(path)
     assert peak_rss() - before < 256 << 20
+
+
+ROPE_KEYS = ["llama.rope.scaling.type", "llama.rope.scaling.factor", "llama.rope.scale_linear",
+             "llama.rope.scaling.attn_factor"]
+ROPE_VALUES = st.sampled_from(["none", "linear", "yarn", "longrope", "dynamic", "", "LINEAR", 0.0, 1.0, 8.0, -1.0,
+                               0.5, 1e-30, 1e30, float("nan"), float("inf"), float("-inf"), 3, "8"])
+SCALES = {"yarn", "longrope"}
+
+
+@settings(FUZZ, max_examples=min(FUZZ.max_examples, 40))
+@given(data=st.data())
+def test_rope_scaling_metadata_is_honoured_or_refused_by_its_key(tmp_path_factory, data):
+    """Any value of the RoPE scaling keys: the model loads with the factor llama.cpp would read (and its forward
+    pass stays finite), or the load is refused in one line naming a RoPE key and the file once."""
+    from pagevis.model import DenseAttention
+    from pagevis.model.synthetic import SyntheticModel
+
+    overrides = {key: data.draw(ROPE_VALUES, label=key) for key in ROPE_KEYS if data.draw(st.booleans(), label=key)}
+    path = tmp_path_factory.mktemp("rope") / "m.gguf"
+    write_llama_gguf(path, SyntheticModel(n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, seed=5),
+                     metadata_overrides=overrides)
+    try:
+        model = load_model(path)
+    except ModelLoadError as refused:
+        message = str(refused)
+        assert message.count(str(path)) == 1 and "\n" not in message and "rope" in message, message
+        return
+    kind = overrides.get("llama.rope.scaling.type", "linear")
+    factor = overrides.get("llama.rope.scaling.factor", overrides.get("llama.rope.scale_linear", 0.0))
+    expected = 1.0 if kind == "none" or factor == 0 else float(np.float32(factor))
+    assert kind in ("none", "linear") and model.config.rope_scale == expected
+    logits = model.forward(np.arange(6), np.arange(6) * 1000, DenseAttention(model.config))
+    assert np.isfinite(logits).all()
+
+
+SPM_BYTES = st.sampled_from([(), tuple(range(0x80)), tuple(range(256)), tuple(range(0xC0)) + tuple(range(0xC2, 0xF5)),
+                             tuple(b for b in range(256) if b not in (0x20, 0x41)), tuple(range(1, 256))])
+
+
+@settings(FUZZ, max_examples=min(FUZZ.max_examples, 30))
+@given(data=st.data())
+def test_a_sentencepiece_vocabulary_never_drops_a_character(tmp_path_factory, data):
+    """With or without <unk>, with some byte tokens or none: the file is refused at load in one line, or every
+    text round-trips (a character it cannot spell showing as <unk>, never vanishing)."""
+    from pagevis.model.synthetic import SyntheticModel
+
+    byte_values, unknown = data.draw(SPM_BYTES, label="bytes"), data.draw(st.booleans(), label="unk")
+    pieces = ["▁", "t", "h", "e", "▁the", "A", "é"]
+    pieces += [f"<filler{i}>" for i in range(max(0, 256 - 3 - unknown - len(byte_values) - len(pieces)))]
+    folder = tmp_path_factory.mktemp("spm")
+    path = write_llama_gguf(folder / "m.gguf", SyntheticModel(n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4,
+                                                              vocab_size=3 + unknown + len(byte_values) + len(pieces)),
+                            sentencepiece=pieces, spm_bytes=byte_values, spm_unknown=unknown)
+    os.environ["PAGEVIS_CACHE_DIR"] = str(folder / "cache")
+    try:
+        tokenizer = load_model(path).tokenizer
+    except ModelLoadError as refused:
+        message = str(refused)
+        assert not unknown and message.count(str(path)) == 1 and "\n" not in message, message
+        return
+    finally:
+        del os.environ["PAGEVIS_CACHE_DIR"]
+    text = data.draw(st.text(st.characters(codec="utf-8"), max_size=12), label="text")
+    back = tokenizer.decode(tokenizer.encode(text), skip_special=True)
+    assert back == text or (unknown and "<unk>" in back), (text, back)
 
 
 # --- through the CLI, memory-limited ------------------------------------------------------------------

@@ -16,7 +16,7 @@ from pagevis.model import ModelLoadError, load_model
 from pagevis.trace import TraceError, read_trace
 
 HOSTILE = Path(__file__).parent / "data" / "hostile"
-TRACES = sorted(p.name for p in HOSTILE.glob("*.pvtrace") if p.name != "valid.pvtrace")
+TRACES = sorted(p.name for p in HOSTILE.glob("*.pvtrace") if not p.name.startswith("valid"))
 MODELS = sorted(p.name for p in HOSTILE.glob("*.gguf"))
 MEMORY_LIMIT = 3 << 29  # 1.5 GiB of address space for a CLI run on a hostile file
 
@@ -24,12 +24,15 @@ MEMORY_LIMIT = 3 << 29  # 1.5 GiB of address space for a CLI run on a hostile fi
 def test_the_manifest_lists_every_file():
     listed = {line.split("\t")[0] for line in (HOSTILE / "MANIFEST").read_text().splitlines() if line}
     assert listed == set(TRACES) | set(MODELS)
-    assert len(TRACES) >= 40 and len(MODELS) >= 12
+    assert len(TRACES) >= 48 and len(MODELS) >= 21
 
 
-def test_the_valid_trace_is_accepted():
+def test_the_valid_traces_are_accepted():
     trace = read_trace(HOSTILE / "valid.pvtrace")
     assert len(trace.records) > 5 and trace.config.policy == "h2o"
+    kvzip = read_trace(HOSTILE / "valid-kvzip.pvtrace")  # the base of the event-detail cases
+    kinds = {e.kind.value for r in kvzip.records for e in r.events}
+    assert kvzip.config.policy == "kvzip" and {"mask", "reconstruct", "evict"} <= kinds
 
 
 @pytest.mark.parametrize("name", TRACES)
@@ -70,6 +73,18 @@ def assert_one_line_refusal(result: subprocess.CompletedProcess, name: str) -> N
                                   "huge-position.pvtrace", "encrypted.pvtrace", "deep-nesting.pvtrace"])
 def test_cli_refuses_hostile_traces_in_bounded_memory(name):
     assert_one_line_refusal(run_cli("replay", "--check", str(HOSTILE / name)), name)
+
+
+@pytest.mark.parametrize("name", ["mask-detail-1e6.pvtrace", "mask-detail-2p40.pvtrace"])
+@pytest.mark.parametrize("output", ["--check", "--html", "--record"])
+def test_every_replay_output_refuses_an_out_of_range_event_detail(name, output, tmp_path):
+    """A mask event's KV head of 10**6 drove the narration's loop: --check accepted it, --html wrote 3.9 MB from
+    a 10 kB trace, --record ended in an internal error after 29 s at 2.5 GB; 2**40 ran out of memory."""
+    target = {"--check": [], "--html": [str(tmp_path / "page.html")], "--record": [str(tmp_path / "v.mp4")]}[output]
+    result = run_cli("replay", output, *target, str(HOSTILE / name), timeout=30)
+    assert_one_line_refusal(result, name)
+    assert "'event_detail' holds" in result.stderr and "for a 'mask' event, outside 0..1" in result.stderr
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("name", ["gguf-array-2p40.gguf", "gguf-block-count-1e9.gguf", "gguf-no-tokenizer.gguf"])

@@ -98,7 +98,7 @@ def engine_kept(session):
     kept = set()
     for layer, store in enumerate(cache.stores):
         keep = cache.sequences[seq_id].head_keep[layer]
-        for flat in cache._flat_slots(cache.block_table(seq_id, layer)):
+        for flat in cache.flat_slots(seq_id, layer):
             position = int(store.positions[flat])
             if position >= 0:
                 kept |= {(layer, head, position) for head in np.flatnonzero(keep[:, flat])}
@@ -245,7 +245,7 @@ def test_two_sequences_in_one_engine_each_compress_alone(model):
         assert policy.head_budgets.tolist() == alone.policy.head_budgets.tolist()
         assert engine.requests[seq_id].generated == alone.generated
         kept = {(layer, head, int(engine.cache.stores[layer].positions[flat]))
-                for layer in range(2) for flat in engine.cache._flat_slots(engine.cache.block_table(seq_id, layer))
+                for layer in range(2) for flat in engine.cache.flat_slots(seq_id, layer)
                 for head in np.flatnonzero(engine.cache.sequences[seq_id].head_keep[layer][:, flat])
                 if engine.cache.stores[layer].positions[flat] >= 0}
         assert kept == engine_kept(alone)

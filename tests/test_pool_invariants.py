@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pagevis.kvcache import CacheConfig, EventKind, KVCacheManager
+from pagevis.kvcache import CacheConfig, EventKind, KVCacheManager, eviction
 
 N_LAYERS, N_KV, HEAD_DIM = 2, 1, 2
 
@@ -114,7 +114,7 @@ class SharedPoolMachine(RuleBasedStateMachine):
         for seq_id in seq_ids:
             per_layer = []
             for layer, store in enumerate(self.pool.stores):
-                flat = self.pool._flat_slots(self.pool.block_table(seq_id, layer))
+                flat = self.pool.flat_slots(seq_id, layer)
                 pos = store.positions[flat]
                 keep = flat[pos >= 0][np.argsort(pos[pos >= 0])]
                 k, v = self._token_kv(store, keep)
@@ -144,7 +144,7 @@ class SharedPoolMachine(RuleBasedStateMachine):
         hit = self.pool.match_prefix(seq_id, tokens)
         assert hit % self.config.page_size == 0 and hit < len(tokens)
         for layer, store in enumerate(self.pool.stores):  # a hit brings back exactly the K/V of its tokens
-            flat = self.pool._flat_slots(self.pool.block_table(seq_id, layer))[:hit]
+            flat = self.pool.flat_slots(seq_id, layer)[:hit]
             assert store.positions[flat].tolist() == list(range(hit))
             expected = self._kv(tokens[:hit], np.arange(hit), layer, 0)
             self._check_hit(store, self.pool.block_table(seq_id, layer), flat, expected)
@@ -174,8 +174,8 @@ class SharedPoolMachine(RuleBasedStateMachine):
         self.next_id += 1
         self._others_unchanged(lambda: self.pool.fork(parent, child, n), child)
         for layer, store in enumerate(self.pool.stores):
-            flat = self.pool._flat_slots(self.pool.block_table(child, layer))
-            parent_flat = self.pool._flat_slots(self.pool.block_table(parent, layer))
+            flat = self.pool.flat_slots(child, layer)
+            parent_flat = self.pool.flat_slots(parent, layer)
             expected = store.positions[parent_flat]
             assert sorted(store.positions[flat][store.positions[flat] >= 0]) == sorted(
                 expected[(expected >= 0) & (expected < n)])
@@ -190,7 +190,7 @@ class SharedPoolMachine(RuleBasedStateMachine):
             return
         before = self.pool.resident(seq_id, layer)
         try:
-            self._others_unchanged(lambda: self.pool._evict(seq, layer), seq_id)
+            self._others_unchanged(lambda: eviction.evict(self.pool.layers[layer], seq), seq_id)
         except RuntimeError:  # everything left is protected (sinks, h2o's recent window)
             return
         assert self.pool.resident(seq_id, layer) < before

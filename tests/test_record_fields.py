@@ -117,7 +117,7 @@ def test_every_custom_field_has_its_codec_in_the_spill_and_the_trace():
 def test_the_table_refuses_what_it_could_not_store():
     with pytest.raises(ValueError, match="needs a default"):
         RecordField("late", "int", "", "scalar", "<i8", since=VERSION + 1)
-    with pytest.raises(ValueError, match="only a grid may be optional"):
+    with pytest.raises(ValueError, match="only a grid or layers field may be optional"):
         RecordField("maybe", "int", "", "scalar", "<i8", default=None, optional=True)
     with pytest.raises(ValueError, match="named twice"):
         step_record.TABLE.with_field(RecordField("step", "int", "", "scalar", "<i8", default=0))

@@ -73,6 +73,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
     serve.add_argument("--output-tokens", type=int, default=32, metavar="N", help="tokens each request decodes (32)")
     serve.add_argument("--overhead", action="store_true", help="instead: HTTP against the engine called directly "
                        "(tokens/s, /healthz while sessions decode, /v1/attention)")
+    serve.add_argument("--hostile", action="store_true", help="instead: eight clients' chat latency on an idle "
+                       "server and while one client sends the worst requests (2 MB stop strings, lone surrogates, "
+                       "1.1 M characters of content, injected control tokens), phases alternating")
     startup = parser.add_argument_group("bench startup")
     startup.add_argument("--starts", type=int, default=2, metavar="N", help="warm starts to time (default 2)")
     startup.add_argument("--no-cold", action="store_true",
@@ -363,6 +366,10 @@ def serve_main(args: argparse.Namespace) -> int:
     if args.overhead:
         result = serve.overhead(model, args.decode_tokens, 3)
         print(json.dumps(result) if args.json else serve.format_overhead(result))
+        return 0
+    if args.hostile:
+        result = serve.hostile(model)
+        print(json.dumps(result) if args.json else serve.format_hostile(result))
         return 0
     rates = _rates(args.request_rate) if args.request_rate else None
     concurrencies = parse_ints(args.concurrency, "--concurrency", 1, 256) if args.concurrency else (

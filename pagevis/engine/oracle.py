@@ -71,7 +71,7 @@ class FullCacheOracle:
         result = self.cache.attend(0, layer, q, positions)
         # The last query's attention, by slot of the full cache, on positions the bounded layer lacks (per
         # query head: a per-head policy's KV head may have dropped tokens the others keep).
-        bounded = self._bounded.stores[layer].positions
+        bounded = self._bounded.frames(layer).positions
         full_positions = self.cache.slot_positions(layer)
         evicted = (full_positions >= 0) & ~np.isin(full_positions, bounded[bounded >= 0])
         keep = self._bounded.sequences[self._bounded_seq].head_keep[layer]

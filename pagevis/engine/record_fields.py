@@ -7,10 +7,11 @@ read at call time (`step_record.TABLE`), so a table with one more field is all a
 
 How a field is stored (`stored`):
   "scalar"  one number per step, of `dtype`: a column of the spill's small table, a (T,) array in a trace;
+  "layers"  one number per layer per step, of `dtype`: a part of the spill, a (T, L) array in a trace;
   "grid"    one (layers, max pages, page size) array per step, of `dtype`: a part of the spill (bool grids
             bit-packed), a (T, L, P, S) array in a trace (XOR-delta encoded if `delta`; a float grid is then
-            stored as the unsigned integers of its bits). An `optional` grid may be None: the spill writes an
-            empty part, the trace a (T,) bool array `has_<name>` beside it;
+            stored as the unsigned integers of its bits). An `optional` grid (or layers field) may be None: the
+            spill writes an empty part, the trace a (T,) bool array `has_<name>` beside it;
   "custom"  its own codec, named by the field in the spill (viewmodel/spill.py) and the trace (trace/file.py):
             tokens, texts, tables, events, attention, timings, the oracle's and the tiers' sub-records.
 """
@@ -24,8 +25,9 @@ from typing import Any
 
 import numpy as np
 
-STORED = ("scalar", "grid", "custom")
-GRID = ("L", "P", "S")  # a grid's symbolic shape: layers, RAM pages (frames), page size
+STORED = ("scalar", "layers", "grid", "custom")
+# Each kind's symbolic shape per step: layers, RAM pages (frames), page size
+DIMS = {"scalar": (), "layers": ("L",), "grid": ("L", "P", "S")}
 # The symbols a bound may name, as a trace's reader knows them (trace/schema.py check_header): T steps, L layers,
 # P RAM pages, S page size, B page ids, C slots (B x S), N tokens, E events, A attention layers, H heads.
 Bound = int | float | str  # a number, or a symbol, or "symbol-k" / "symbol+k" (e.g. "N-1": the last position)
@@ -50,7 +52,7 @@ class RecordField:
     dtype: str = ""  # scalar and grid: the numpy dtype (as a trace's header writes it: "<i4", "|b1", "<f4")
     default: Any = REQUIRED  # or a factory
     factory: Callable[[], Any] | None = None
-    optional: bool = False  # a grid that may be None
+    optional: bool = False  # a grid or layers field that may be None
     delta: bool = False  # a grid a trace stores as its XOR against the step before
     since: int = 1  # the trace format version that added it (older traces read back its default)
     # The range a trace's values must keep, checked at read time (trace/schema.py check_values) on the trace
@@ -62,8 +64,9 @@ class RecordField:
             raise ValueError(f"record field {self.name}: stored must be one of {STORED}, not {self.stored!r}")
         if self.stored != "custom" and not self.dtype:
             raise ValueError(f"record field {self.name}: a {self.stored} needs a dtype")
-        if self.optional and (self.stored != "grid" or self.default is not None):
-            raise ValueError(f"record field {self.name}: only a grid may be optional, with default None")
+        if self.optional and (self.stored not in ("grid", "layers") or self.default is not None):
+            raise ValueError(f"record field {self.name}: only a grid or layers field may be optional, with "
+                             "default None")
         if self.since > 1 and not self.has_default:
             raise ValueError(f"record field {self.name}: a field added after version 1 needs a default "
                              "(what older traces read back)")
@@ -86,10 +89,13 @@ class RecordField:
 
     def limits(self, sizes: Mapping[str, int]) -> tuple[float, float] | None:
         """`bounds` with its symbols replaced by a trace's sizes."""
-        if self.bounds is None:
-            return None
-        low, high = (_evaluate(b, sizes) for b in self.bounds)
-        return low, max(low, high)
+        return None if self.bounds is None else bound_limits(self.bounds, sizes)
+
+
+def bound_limits(bounds: tuple[Bound, Bound], sizes: Mapping[str, int]) -> tuple[float, float]:
+    """A (low, high) pair of bounds with their symbols replaced by a trace's sizes (high no lower than low)."""
+    low, high = (_evaluate(b, sizes) for b in bounds)
+    return low, max(low, high)
 
 
 def _evaluate(bound: Bound, sizes: Mapping[str, int]) -> float:
@@ -122,9 +128,9 @@ class RecordTable:
     def __getitem__(self, name: str) -> RecordField:
         return next(f for f in self.fields if f.name == name)
 
-    def of(self, stored: str) -> tuple[RecordField, ...]:
-        """The fields stored as `stored` ("scalar", "grid" or "custom"), in table order."""
-        return tuple(f for f in self.fields if f.stored == stored)
+    def of(self, *stored: str) -> tuple[RecordField, ...]:
+        """The fields stored as one of `stored` ("scalar", "layers", "grid", "custom"), in table order."""
+        return tuple(f for f in self.fields if f.stored in stored)
 
     @property
     def version(self) -> int:

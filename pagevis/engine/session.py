@@ -48,17 +48,18 @@ class PoolView:
     def tables(self, tables: list[list[int]]) -> list[list[int]]:
         return tables
 
-    def held_slots(self, layer: int, store, shown: int) -> np.ndarray | None:
+    def held_slots(self, layer: int, frames, shown: int) -> np.ndarray | None:
         """Per slot of the `shown` frames the records show, the pool's flat slot it holds (-1: none); None:
-        the store's own RAM frames, as they are."""
+        the layer's own RAM frames, as they are. frames: what they hold (kvcache.snapshot.LayerFrames)."""
         return None
 
     def columns(self, layer: int, slots: np.ndarray | None, width: int) -> tuple:
         """Where an attention result's weights go among the record's flat slots: (columns, which weights)."""
         return (slice(0, width) if slots is None else slots), slice(None)
 
-    def page_map(self, layer: int, store, n_pages: int) -> np.ndarray:
-        return store.positions.reshape(n_pages, store.page_size)
+    def page_map(self, layer: int, frames, n_pages: int) -> np.ndarray:
+        """(n_pages, page_size) token position per slot of every page id (frames: LayerFrames)."""
+        return frames.positions.reshape(n_pages, frames.page_size)
 
 
 class DecodeSession:
@@ -83,15 +84,16 @@ class DecodeSession:
         if not self.prompt_ids:
             raise ConfigError("prompt", prompt, "text that encodes to at least one token")
         self.shared = engine is not None
+        self.cache_config = self.config.cache_config(model.config)  # built once, here: the engine is given it
         self.engine = engine or Engine(model, self.config, BatchConfig(max_seqs=1), max_chunk=max_chunk,
-                                       hold_finished=True)
-        self.cache_config = self.config.cache_config(model.config)
+                                       hold_finished=True, cache_config=self.cache_config)
         self.cache = self.engine.cache
         self.pool = pool or PoolView()
         self.oracle = (FullCacheOracle(model, self.cache_config, len(self.prompt_ids) + self.config.max_new_tokens,
                                        self.record_layers) if self.config.oracle else None)
         self._hooks: list[StepHook] = []
-        self._policy = policy
+        self._given_policy = policy
+        self._policy = policy  # the request's: built once per submit (one per sequence), unless given
         self.seq_id, self.request = -1, None  # until submitted
         self.records: list[StepRecord] = []
         if not self.shared:
@@ -100,8 +102,8 @@ class DecodeSession:
     def submit(self) -> None:
         """Queue the session's request in its engine (a shared engine's owner calls this on its thread)."""
         config = self.config
-        policy = self._policy or (make_policy(self.cache_config) if self.shared else None)
-        self.seq_id = self.engine.submit(self.prompt_ids, config.sampling, config.max_new_tokens, policy=policy)
+        self._policy = self._given_policy or make_policy(self.cache_config)
+        self.seq_id = self.engine.submit(self.prompt_ids, config.sampling, config.max_new_tokens, policy=self._policy)
         self.request = self.engine.requests[self.seq_id]
         self.request.hold = True  # the last record shows the cache as the request left it
         self.engine.watch_attention(self.seq_id, self.record_layers)
@@ -136,9 +138,8 @@ class DecodeSession:
     # --- state ---------------------------------------------------------------------------------------
     @property
     def policy(self):
-        """The request's eviction policy (its settings' until the first step admits it)."""
-        seq = self.cache.sequences.get(self.seq_id)
-        return seq.policy if seq is not None else self._policy or make_policy(self.cache_config)
+        """The request's eviction policy (the one its sequence evicts by, once the first step admits it)."""
+        return self._policy
 
     @property
     def read_slots(self) -> list:
@@ -229,30 +230,12 @@ class DecodeSession:
         return record
 
     def _record(self, kind, tokens, positions, next_token, oracle_step, counts=None) -> StepRecord:
-        pool = self.pool
-        events = EventArray.pack(pool.events(self.engine.last_events, len(self.records)), self._strings)
+        pool, cfg, step = self.pool, self.cache_config, len(self.records)
+        events = EventArray.pack(pool.events(self.engine.last_events, step), self._strings)
         self._evictions += len(events.of_kind(EventKind.EVICT))
-        cfg = self.cache_config
         seq = self.cache.sequences[self.seq_id]
-        policy = seq.policy
-        views = [self.cache.view(self.seq_id, layer) for layer in range(cfg.n_layers)]
-        shape = (cfg.max_pages, cfg.page_size)
-        slot_maps, protected, scores, full = [], [], [], []
-        for layer, (view, store) in enumerate(zip(views, self.cache.stores, strict=True)):
-            held = pool.held_slots(layer, store, cfg.max_pages)
-            if held is None:
-                # per RAM slot: the flat slot (page id * page size + slot) of the page it holds, -1 if none
-                held = (store.page_in[:, None] * cfg.page_size + np.arange(cfg.page_size)).ravel()
-                held = np.where(np.repeat(store.page_in >= 0, cfg.page_size), held, -1)
-                slot_maps.append(store.frame_slot_map())
-            else:
-                slot_maps.append(np.where(held < 0, -1, store.positions[held]).reshape(shape))
-            empty = held < 0
-            protected.append(np.where(empty, False, policy.protected(view)[held]).reshape(shape))
-            score = np.where(view.occupied(), policy.score(view), np.nan)
-            scores.append(np.where(empty, np.nan, score[held]).reshape(shape))
-            if store.kivi:  # slots whose tokens are still in the residual window (float32)
-                full.append(np.where(empty, False, store.res_of[np.maximum(held, 0)] >= 0).reshape(shape))
+        snap = self.cache.snapshot(self.seq_id, cfg.max_pages,
+                                   lambda layer, frames: pool.held_slots(layer, frames, cfg.max_pages))
         attention = []
         for layer in self.record_layers:
             weights = np.zeros((cfg.n_heads, cfg.capacity), dtype=np.float16)
@@ -261,27 +244,24 @@ class DecodeSession:
             weights[:, columns] = last[:, kept]
             attention.append(weights)
         tiers = None
-        if cfg.tiered or self.cache.select_pages is not None:
+        if snap.block_frames is not None:  # a disk tier or a page selection
             tiers = TierStep(
                 counts=np.array([c.as_tuple() for c in counts or self.cache.take_counts()], dtype=np.int64),
-                page_maps=np.array([pool.page_map(layer, self.cache.stores[layer], cfg.n_page_ids)
+                page_maps=np.array([pool.page_map(layer, self.cache.frames(layer), cfg.n_page_ids)
                                     for layer in self.record_layers], dtype=np.int32
                                    ).reshape(len(self.record_layers), cfg.n_page_ids, cfg.page_size),
-                block_frames=self._frames.record(len(self.records), [
-                    s.frame_of[np.asarray(table, dtype=np.int64)].tolist()
-                    for s, table in zip(self.cache.stores, seq.block_tables, strict=True)]),
+                block_frames=self._frames.record(step, snap.block_frames),
                 recall=None if self.oracle is None else self.oracle.recall.copy())  # (the oracle reuses its array)
         return StepRecord(
-            step=len(self.records), kind=kind, token_ids=tuple(int(t) for t in tokens),
+            step=step, kind=kind, token_ids=tuple(int(t) for t in tokens),
             positions=tuple(int(p) for p in positions), next_token=int(next_token),
             next_text=self.token_text(next_token) if next_token >= 0 else "",
-            slot_maps=np.stack(slot_maps).astype(np.int32), protected=np.stack(protected),
-            scores=np.stack(scores).astype(np.float32),
-            block_tables=self._tables.record(len(self.records), pool.tables(seq.block_tables)),
+            slot_maps=snap.slot_maps, protected=snap.protected, scores=snap.scores,
+            block_tables=self._tables.record(step, pool.tables(seq.block_tables)),
             events=events, attention_layers=self.record_layers, attention=tuple(attention),
             timings={}, resident_tokens=seq.resident[0], pages_used=len(seq.block_tables[0]),
-            evictions_total=self._evictions, oracle=oracle_step, tiers=tiers,
-            full_precision=np.stack(full) & (np.stack(slot_maps) >= 0) if full else None,
+            evictions_total=self._evictions, oracle=oracle_step, tiers=tiers, full_precision=snap.full_precision,
+            capacities=np.array(snap.capacities, dtype=np.int32),
         )
 
 

@@ -105,7 +105,36 @@ FIELDS = (
     RecordField("full_precision", "np.ndarray | None", "with int4 / int2 storage, (n_layers, max_pages, "
                 "page_size) bool: the RAM slots whose tokens are still in float32 (KIVI's residual window); None "
                 "for other storage", "grid", "|b1", default=None, optional=True, delta=True, since=4),
+    RecordField("capacities", "np.ndarray | None", "(n_layers,) int32, the tokens each layer may hold under the "
+                "sequence's policy (less than the pool under pyramidkv or duo); None in traces before version 5",
+                "layers", "<i4", default=None, optional=True, since=5, bounds=(0, "C")),
 )
+
+# The `events` field's columns (kvcache/event_array.py; a trace's event_<column> arrays) and the range each keeps in a
+# trace, checked when it is read (trace/schema.py check_values), bounds as FIELDS writes them. kind, policy and
+# reason index the trace header's own tables and are checked against them there. Before trace version 3 an
+# event's layer and page are never -1 (sequence events came with version 3).
+MAX_SEQUENCE_ID = 2**31 - 1
+EVENT_BOUNDS = {"step": (-1, "T-1"), "layer": (-1, "L-1"), "page": (-1, "B-1"), "slot": (-1, "S-1"),
+                "position": (-1, "N-1"), "frame": (-1, "P-1"), "seq": (0, MAX_SEQUENCE_ID)}
+# An event's `detail`, by its kind (kvcache/events.py): (low, high, what it holds); None: any value (a prefix hash).
+# A kind not listed carries no detail: -1. KV is the trace's KV heads (its kv_layout; else its recorded query heads,
+# else the most any model has). An index is bounded by what the trace has of it, so no view that loops over it or
+# indexes with it (the narration's KV heads) runs past the trace's own size; a count no view iterates is bounded
+# by its int32 range (a restarted session's prefix hit reuses tokens the trace never fed: not bounded by N).
+DETAIL_BOUNDS: dict[str, tuple[int | str, int | str, str] | None] = {
+    EventKind.EVICT.value: (-1, "N-1", "a merge's surviving position, else -1"),
+    EventKind.SHARE.value: (1, MAX_SEQUENCE_ID, "the page's reference count"),
+    EventKind.COPY_ON_WRITE.value: (0, "B-1", "the page copied from"),
+    EventKind.FORK.value: (0, MAX_SEQUENCE_ID, "the parent sequence"),
+    EventKind.PREFIX_HIT.value: (0, MAX_SEQUENCE_ID, "the tokens reused"),
+    EventKind.STORE.value: None,
+    EventKind.UNCACHE.value: None,
+    EventKind.MASK.value: (0, "KV-1", "the KV head that dropped the token"),
+    EventKind.SLIDE.value: (0, "S", "the tokens the page held"),
+    EventKind.RECONSTRUCT.value: (0, MAX_SEQUENCE_ID, "the tokens the reconstruction pass fed"),
+}
+NO_DETAIL = (-1, -1, "none: this kind carries no detail")
 
 
 class StepRecordViews:

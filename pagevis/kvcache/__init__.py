@@ -6,7 +6,8 @@ from pagevis.kvcache.block_pool import BlockPool
 from pagevis.kvcache.config import CacheConfig, CacheSettings
 from pagevis.kvcache.errors import CacheFullError, ConfigError
 from pagevis.kvcache.events import CacheEvent, EventKind
-from pagevis.kvcache.kv_cache_manager import KVCacheManager, SequenceCache
+from pagevis.kvcache.kv_cache_manager import KVCacheManager
+from pagevis.kvcache.sequence import SequenceCache
 from pagevis.kvcache.policies import POLICIES, EvictionPolicy, layer_capacities, make_policy, policy_params
 from pagevis.kvcache.policy_state import LayerView, PolicyState
 from pagevis.kvcache.store import COUNT_NAMES, PageStore, TierCounts

@@ -48,3 +48,24 @@ class CacheEvent(NamedTuple):
     frame: int = -1  # the RAM frame, with a disk tier (-1: none, or no disk tier)
     seq: int = 0  # the sequence it happened to (or for)
     detail: int = -1  # kind-specific: see EventKind
+
+
+class EventLog:
+    """The cache's events as they happen: each stamped with the step the caller set and named after its sequence
+    (`acting`: the sequence a change is for, which names the tier moves it causes)."""
+
+    def __init__(self) -> None:
+        self.events: list[CacheEvent] = []
+        self.step = 0
+        self.acting = -1
+
+    def add(self, kind: EventKind, seq: int, layer: int = -1, page: int = -1, slot: int = -1, position: int = -1,
+            policy: str = "", reason: str = "", score: float = float("nan"), frame: int = -1,
+            detail: int = -1) -> None:
+        self.events.append(CacheEvent(kind, self.step, layer, page, slot, position, policy, reason, score, frame,
+                                      seq, detail))
+
+    def take(self) -> list[CacheEvent]:
+        """Events since the last call, oldest first."""
+        events, self.events = self.events, []
+        return events

@@ -115,12 +115,12 @@ class OwnPages(PoolView):
     def tables(self, tables):
         return [[self.own[layer][page] for page in table] for layer, table in enumerate(tables)]
 
-    def held_slots(self, layer: int, store, shown: int) -> np.ndarray:
+    def held_slots(self, layer: int, frames, shown: int) -> np.ndarray:
         ps = self.page_size
         held = np.full(shown * ps, -1, dtype=np.int64)
         offsets = np.arange(ps)
-        if store.tiered:  # RAM frames are the pool's: show those holding the session's pages
-            pages = store.page_in[:shown]
+        if frames.tiered:  # RAM frames are the pool's: show those holding the session's pages
+            pages = frames.page_in[:shown]
             mine = (pages >= 0) & (self._to_own(layer)[np.maximum(pages, 0)] >= 0)
             for frame in np.flatnonzero(mine):
                 held[frame * ps: (frame + 1) * ps] = pages[frame] * ps + offsets
@@ -136,9 +136,9 @@ class OwnPages(PoolView):
         kept = own >= 0
         return own[kept] * ps + flat[kept] % ps, kept
 
-    def page_map(self, layer: int, store, n_pages: int) -> np.ndarray:
+    def page_map(self, layer: int, frames, n_pages: int) -> np.ndarray:
         ps = self.page_size
         out = np.full((n_pages, ps), -1, dtype=np.int64)
         for page, mine in self.own[layer].items():
-            out[mine] = store.positions[page * ps: (page + 1) * ps]
+            out[mine] = frames.positions[page * ps: (page + 1) * ps]
         return out

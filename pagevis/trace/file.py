@@ -8,7 +8,7 @@ Per-step state that changes little between steps (slot maps, protected flags, po
 tables) is stored as an XOR delta against the previous step, which deflate squeezes to almost nothing;
 reading undoes it exactly (bit for bit, also for NaN scores). Events are stored as columns.
 
-The record's scalar and grid fields are written and read from its field table (engine/step_record.py FIELDS:
+The record's scalar, layers and grid fields are written and read from its field table (engine/step_record.py FIELDS:
 `_field_builders`, `_field_values`); the custom fields have their codecs here.
 """
 
@@ -27,7 +27,7 @@ import numpy as np
 
 from pagevis import __version__, settings
 from pagevis.engine import ModelSpec, OracleStep, SessionConfig, StepRecord, TierStep, step_record
-from pagevis.engine.record_fields import RecordField
+from pagevis.engine.record_fields import DIMS, RecordField
 from pagevis.engine.table_log import TablesAt
 from pagevis.kvcache import COUNT_NAMES, CacheEvent, ConfigError, EventKind
 from pagevis.kvcache.event_array import EventArray, Strings, to_rows
@@ -203,16 +203,17 @@ def _record_builders(records: list, shape: _Shape) -> dict[str, Callable[[], np.
 
 
 def _field_builders(records: list, shape: _Shape) -> dict[str, Callable[[], np.ndarray]]:
-    """The arrays of the record table's scalar and grid fields (schema.field_arrays): a grid stacked over steps
-    (an optional grid's None as zeros, with `has_<name>`), XOR-delta encoded if the table says so."""
-    grid = (len(records), shape.n_layers, shape.max_pages, shape.page_size)
+    """The arrays of the record table's scalar, layers and grid fields (schema.field_arrays): stacked over steps
+    (an optional field's None as zeros, with `has_<name>`), XOR-delta encoded if the table says so."""
+    sizes = {"L": shape.n_layers, "P": shape.max_pages, "S": shape.page_size}
 
     def build(f: RecordField) -> np.ndarray:
         dtype = np.dtype(f.dtype)
         if f.stored == "scalar":
             return np.array([getattr(r, f.name) for r in records], dtype=dtype)
         values = (getattr(r, f.name) for r in records)
-        stacked = _stack((0 if v is None else v for v in values), grid, dtype).view(f.trace_dtype)
+        full = (len(records), *(sizes[d] for d in DIMS[f.stored]))
+        stacked = _stack((0 if v is None else v for v in values), full, dtype).view(f.trace_dtype)
         return xor_delta(stacked) if f.delta else stacked
 
     builders = {}
@@ -407,8 +408,8 @@ def _decode(header: dict, a: dict[str, np.ndarray]) -> Trace:
 
 
 def _field_values(a: dict[str, np.ndarray]) -> Callable[[int], dict[str, Any]]:
-    """Step i's scalar and grid fields from their arrays (deltas undone); a field the trace's version predates
-    (no array) reads back as its default, an optional grid whose `has_<name>` is false as None."""
+    """Step i's scalar, layers and grid fields from their arrays (deltas undone); a field the trace's version predates
+    (no array) reads back as its default, an optional one whose `has_<name>` is false as None."""
     table = step_record.TABLE
     present = [f for f in table.fields if f.stored != "custom" and f.name in a]
     absent = {f.name: f for f in table.fields if f.stored != "custom" and f.name not in a}

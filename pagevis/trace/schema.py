@@ -24,7 +24,7 @@ import numpy as np
 
 from pagevis import settings
 from pagevis.engine import ModelSpec, SamplingConfig, SessionConfig, step_record
-from pagevis.engine.record_fields import GRID, RecordTable
+from pagevis.engine.record_fields import DIMS, RecordTable, bound_limits
 from pagevis.kvcache import COUNT_NAMES, POLICIES, ConfigError, EventKind
 from pagevis.kvcache.config import MAX_HEADS, MAX_LAYERS
 from pagevis.settings import MAX_PAGE_SIZE, MAX_PAGES, STORAGE_DTYPES
@@ -91,14 +91,14 @@ CUSTOM_ARRAYS = {
 
 
 def field_arrays(table: RecordTable) -> dict[str, ArraySpec]:
-    """The arrays of the record table's scalar and grid fields: (T,) per scalar, (T, L, P, S) per grid, and a
-    (T,) bool `has_<name>` before each optional grid."""
+    """The arrays of the record table's scalar, layers and grid fields: (T,) per scalar, (T, L) per layers field,
+    (T, L, P, S) per grid, and a (T,) bool `has_<name>` before each optional one."""
     found = {}
     for f in table.fields:
         if f.optional:
             found[f"has_{f.name}"] = ArraySpec("|b1", ("T",), since=f.since)
         if f.stored != "custom":
-            found[f.name] = ArraySpec(f.trace_dtype, ("T",) + (GRID if f.stored == "grid" else ()), since=f.since)
+            found[f.name] = ArraySpec(f.trace_dtype, ("T",) + DIMS[f.stored], since=f.since)
     return found
 
 
@@ -286,23 +286,25 @@ def check_values(a: dict[str, np.ndarray], header: dict, sizes: dict[str, int], 
         limits = f.limits(sizes)
         if limits is not None and f.name in a:
             within(f.name, a[f.name], *limits)
-    B = sizes["B"]
     _check_block_tables(where, a["block_tables"])
     for name, array in a.items():
         if array.dtype == np.bool_:
             within(name, array.view(np.uint8), 0, 1)
     within("event_kind", a["event_kind"], 0, len(header["event_kinds"]) - 1)
-    within("event_step", a["event_step"], -1, T - 1)
-    whole = -1 if header["version"] >= 3 else 0  # version 3: sequence events name no layer or page
-    within("event_layer", a["event_layer"], whole, L - 1)
-    within("event_page", a["event_page"], whole, B - 1)
-    within("event_slot", a["event_slot"], -1, S - 1)
-    within("event_position", a["event_position"], -1, max(N - 1, 0))
     for name in ("event_policy", "event_reason"):
         within(name, a[name], 0, len(header["strings"]) - 1)
+    for column, bounds in step_record.EVENT_BOUNDS.items():  # the ranges the record's table declares
+        if f"event_{column}" in a:  # (frame: version 2; seq: version 3)
+            low, high = bound_limits(bounds, sizes)
+            whole = column in ("layer", "page") and header["version"] < 3  # no sequence events before version 3
+            within(f"event_{column}", a[f"event_{column}"], 0 if whole else low, high)
+    if "event_detail" in a:
+        _check_details(a["event_kind"], a["event_detail"], header, sizes, where)
     if header["version"] >= 2:
-        within("event_frame", a["event_frame"], -1, P - 1)
         within("has_tiers", a["has_tiers"].view(np.uint8), 0, 1)
+        if np.any(a["has_tiers"] != (sizes["D"] > 0)):  # the writer records tiers on every step or none
+            raise TraceError(f"{where}: array 'has_tiers' disagrees with page_map_pages = {sizes['D']} (a disk tier "
+                             "or page selection records its tiers on every step, and only then)")
         within("tier_counts", a["tier_counts"], 0, 2**62)
         within("page_maps", a["page_maps"], -1, max(N - 1, 0))
         within("block_frames", a["block_frames"], -1, P - 1)
@@ -318,6 +320,22 @@ def check_values(a: dict[str, np.ndarray], header: dict, sizes: dict[str, int], 
         part = attention[start: start + 64]
         if not np.all((part >= 0) & (part <= 1)):  # also false for NaN
             raise TraceError(f"{where}: array 'attention' holds weights outside [0, 1] at step {start} or after")
+
+
+def _check_details(kinds: np.ndarray, details: np.ndarray, header: dict, sizes: dict[str, int], where: str) -> None:
+    """Each event's detail within the range its kind allows (step_record.DETAIL_BOUNDS)."""
+    layout = header.get("kv_layout") or {}
+    sizes = {**sizes, "KV": layout.get("n_kv_heads") or sizes["H"] or MAX_HEADS}
+    for index, name in enumerate(header["event_kinds"]):
+        bounds = step_record.DETAIL_BOUNDS.get(name, step_record.NO_DETAIL)
+        if bounds is None:
+            continue
+        low, high = bound_limits(bounds[:2], sizes)
+        of_kind = details[kinds == index]
+        bad = of_kind[(of_kind < low) | (of_kind > high)]
+        if bad.size:
+            raise TraceError(f"{where}: array 'event_detail' holds {bad[0]} for a {name!r} event, outside "
+                             f"{low}..{high} ({bounds[2]})")
 
 
 # --- helpers ---------------------------------------------------------------------------------------

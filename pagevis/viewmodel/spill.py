@@ -9,9 +9,9 @@ process's memory, and the only per-record memory is its start and one row of par
 
 Layout of a record: its parts one after the other, each a C-contiguous array's raw bytes; the offsets of the
 parts are kept in memory, the shapes follow from the timeline's fixed geometry. The parts are the record's
-custom fields' (CUSTOM_PARTS, written and read here) and then one per grid field of the record's field table
-(engine/step_record.py FIELDS: bool grids bit-packed, an optional grid's None as an empty part); its scalar
-fields are columns of the small table. A new scalar or grid field in the table needs nothing here.
+custom fields' (CUSTOM_PARTS, written and read here) and then one per grid or layers field of the record's
+field table (engine/step_record.py FIELDS: bool arrays bit-packed, an optional field's None as an empty part);
+its scalar fields are columns of the small table. A new scalar, layers or grid field needs nothing here.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class RecordSpill:
     def __init__(self):
         table = step_record.TABLE  # read now: a test may give the spill a table with one more field
         self._record_type = table.record
-        self._grids, self._scalars = table.of("grid"), table.of("scalar")
+        self._grids, self._scalars = table.of("grid", "layers"), table.of("scalar")
         self.parts = CUSTOM_PARTS + tuple(f.name for f in self._grids)
         self._file = tempfile.TemporaryFile(prefix="pagevis-timeline-")
         self._fd = self._file.fileno()
@@ -188,7 +188,8 @@ class RecordSpill:
             events=events, attention_layers=attention_layers, attention=tuple(attention), timings=timings,
             oracle=oracle, tiers=self._tiers(part, tables, attention_layers),
             **{f.name: s[f.name].item() for f in self._scalars},
-            **{f.name: _grid_of(part(f.name, np.uint8), f.dtype, shape) for f in self._grids})
+            **{f.name: _grid_of(part(f.name, np.uint8), f.dtype, shape if f.stored == "grid" else (layers,))
+               for f in self._grids})
 
     def _tiers(self, part, tables: np.ndarray, attention_layers: tuple[int, ...]) -> TierStep | None:
         counts = part("tier_counts", np.int64)

@@ -9,7 +9,7 @@ from PySide6.QtGui import QColor, QFont, QFontMetrics, QImage, QPainter, QStatic
 from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QLabel, QTableWidget, QTableWidgetItem, QToolTip,
                                QVBoxLayout, QWidget)
 
-from pagevis.kvcache import ConfigError, EventKind, layer_capacities
+from pagevis.kvcache import EventKind
 from pagevis.kvcache.event_array import in_layer
 from pagevis.kvcache.spec import layer_specs
 from pagevis.gui.widgets import theme
@@ -146,6 +146,14 @@ def legend_html(hybrid: bool, note: bool = True) -> str:
 
 LEGEND_TOOLTIP = ("numbers: the token position each slot holds (and its text, where the cell has room); resident "
                   "cells dim with age or policy score (Controls ▸ Grid shading)")
+
+
+def layer_capacity(record, layer: int) -> int:
+    """Tokens this layer may hold, as the record says: the pool, or less under a policy with per-layer budgets
+    (pyramidkv, duo); a trace before version 5 does not say, so the pool's RAM slots."""
+    if record.capacities is not None:
+        return int(record.capacities[layer])
+    return record.slot_maps[layer].size
 
 
 def layer_label(info, layer: int) -> str:
@@ -420,7 +428,6 @@ class PageGridView(QWidget):
         self.graphics.setMinimumWidth(250)  # the grid's title fits (a projector's 1280 × 720)
         self.block_title = block_title = QLabel("Block table (logical → physical)")
         block_title.setStyleSheet(f"color: {theme.MUTED}")
-        self._capacities = (None, [])  # (session info, tokens each layer may hold)
 
         left = QVBoxLayout()
         left.setContentsMargins(0, 0, 0, 0)
@@ -496,7 +503,7 @@ class PageGridView(QWidget):
         self._fit_axes(pages, page_size)
         used = len(record.block_tables[layer])
         resident = int((slots >= 0).sum())
-        capacity = self.layer_capacity(state.timeline.info, layer)
+        capacity = layer_capacity(record, layer)
         own = f"holds at most {capacity}" if capacity < pages * page_size else ""
         parts = [f"layer {layer}", own, f"{used}/{pages} pages", f"{resident} tokens"]  # most telling first
         if record.tiers is not None:
@@ -597,17 +604,6 @@ class PageGridView(QWidget):
             if event.page == page and event.kind in (EventKind.FAULT_IN, EventKind.SWAP_OUT):
                 lines.append(f"{event.kind.value} (RAM frame {event.frame}): {event.reason}")
         return "\n".join(lines)
-
-    def layer_capacity(self, info, layer: int) -> int:
-        """Tokens this layer may hold: the pool, or less under a policy with per-layer budgets (pyramidkv)."""
-        if self._capacities[0] is not info:
-            try:
-                self._capacities = (info, layer_capacities(info.config, info.n_layers, info.n_heads,
-                                                           info.n_kv_heads or 1))
-            except (ConfigError, TypeError, AttributeError):  # a trace's settings this build cannot rebuild
-                self._capacities = (info, [])
-        capacities = self._capacities[1]
-        return capacities[layer] if layer < len(capacities) else info.config.max_pages * info.config.page_size
 
     def _show_empty_pool(self, state: ViewState) -> None:
         """Before the first step (or while the model loads): the session's pool, every page free."""

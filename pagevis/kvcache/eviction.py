@@ -1,0 +1,211 @@
+"""Writing a sequence's tokens into one layer (`append`), and eviction: what the cache does with a policy's
+choices there.
+
+The policy chooses (policies/): whole tokens when the layer is at its budget (`evict`, N at once for periodic
+compression), tokens under a threshold before every write (`prune`), (KV head, token) entries for a per-head
+policy (`evict_heads`, and kvzip's one-shot `compress`); a merging policy also names the survivor each victim's
+value folds into (`merge`). Here the choice is carried out: a shared page is copied before it changes
+(copy-on-write), a page that changes leaves the prefix cache, a page left empty is released, every change is
+an event; with re-rotation the survivors' keys move to contiguous positions (`rerotate`). ThinK's key-channel
+pruning (`prune_key_channels`) rewrites keys in place the same way.
+
+Each function takes the layer's manager (layers.py: the store, the event log, copy-on-write) and the sequence.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagevis.kvcache.errors import CacheFullError
+from pagevis.kvcache.events import EventKind
+from pagevis.kvcache.layers import LayerManager
+from pagevis.kvcache.rope_shift import rotate
+from pagevis.kvcache.sequence import SequenceCache
+
+E = EventKind
+
+
+def append(layer: LayerManager, seq: SequenceCache, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> None:
+    """Write n tokens' K/V (each (n, n_kv_heads, head_dim)) at their positions into the sequence's own
+    pages, evicting (its policy) at its budget and copying any shared page before changing it."""
+    store, index, policy = layer.store, layer.layer, seq.policy
+    if store.kivi:
+        layer.seal_residual(seq, len(positions))
+    if len(positions):
+        layer.before_write(seq, int(positions[0]))
+    state, holes, keep = seq.states[index], seq.holes[index], seq.head_keep[index]
+    budget = layer.budget(seq)
+    if seq.channels is not None:
+        k = seq.channels.prune(index, k)
+    for i, position in enumerate(positions):
+        if keep is not None:
+            evict_heads(layer, seq)
+        if policy.prunes:
+            prune(layer, seq)
+        if seq.resident[index] >= budget or not (holes or store.pages.can_allocate()):
+            if not policy.evicts and seq.resident[index] < budget:
+                raise CacheFullError(f"the pool's {layer.pool_pages} pages of layer {index} are all in use "
+                                     f"(sequence {seq.seq_id} needs one more)")
+            evict(layer, seq)
+        flat = layer.free_slot(seq)
+        store.write(flat, k[i], v[i], int(position))
+        holes.remove(flat)
+        seq.resident[index] += 1
+        state.clear(flat)
+        state.write(flat, k[i], v[i], int(position))
+        if keep is not None:
+            keep[:, flat] = True
+        layer.event(E.WRITE, seq, *divmod(flat, layer.page_size), int(position))
+
+
+def evict(layer: LayerManager, seq: SequenceCache) -> None:
+    """The policy's victims; with compress_every N, N of them (one choice at a time), down to the budget
+    minus N (or to the last token the policy may evict)."""
+    policy = seq.policy
+    target = seq.resident[layer.layer] - policy.compress_every
+    while True:
+        view = layer.view(seq)
+        victims, scores = policy.choose_victims(view)
+        if policy.merges:
+            merge(layer, seq, victims, scores, *policy.merge_targets(view, victims))
+        else:
+            remove(layer, seq, victims, scores, policy.reason)
+        if seq.resident[layer.layer] <= target or not (view.occupied() & ~policy.protected(view)).any():
+            return
+
+
+def prune(layer: LayerManager, seq: SequenceCache) -> None:
+    """A pruning policy's victims before the next token, however full the cache is."""
+    victims, scores = seq.policy.choose_pruned(layer.view(seq))
+    if len(victims):
+        remove(layer, seq, victims, scores, seq.policy.reason)
+
+
+def evict_heads(layer: LayerManager, seq: SequenceCache) -> None:
+    """A per-head policy's drops before the next token."""
+    drop_entries(layer, seq, *seq.policy.choose_head_victims(layer.view(seq)))
+
+
+def compress(layers: list[LayerManager], seq: SequenceCache) -> None:
+    """A compressing policy's one-shot drops (kvzip), every layer at once."""
+    drops = seq.policy.compress([layer.view(seq) for layer in layers])
+    for layer, (heads, victims, scores) in zip(layers, drops, strict=True):
+        drop_entries(layer, seq, heads, victims, scores)
+
+
+def drop_entries(layer: LayerManager, seq: SequenceCache, heads: np.ndarray, victims: np.ndarray,
+                 scores: np.ndarray) -> None:
+    """Mask each (KV head, slot) entry named; free the slots no KV head keeps any more."""
+    if not len(victims):
+        return
+    keep, ps, positions = seq.head_keep[layer.layer], layer.page_size, layer.store.positions
+    for head, flat, score in zip(heads.tolist(), victims.tolist(), scores.tolist(), strict=True):
+        if not keep[head, flat]:
+            raise RuntimeError(f"policy {seq.policy.name!r} dropped an entry KV head {head} no longer keeps")
+        keep[head, flat] = False
+        layer.event(E.MASK, seq, *divmod(flat, ps), int(positions[flat]), seq.policy.name, seq.policy.reason,
+                    float(score), detail=head)
+    gone = np.unique(victims[~keep[:, victims].any(axis=0)])
+    if len(gone):
+        remove(layer, seq, gone, np.full(len(gone), np.nan), "dropped by every KV head")
+
+
+def remove(layer: LayerManager, seq: SequenceCache, victims: np.ndarray, scores: np.ndarray, reason: str,
+           details: list[int] | None = None) -> None:
+    """Take the tokens in these flat slots out of the sequence (copying a shared page first); free
+    the pages left empty. `details`: each eviction event's detail (merges: the survivor's position)."""
+    store, ps, index = layer.store, layer.page_size, layer.layer
+    seq.hashable = False
+    copies: dict[int, int] = {}  # shared page -> this sequence's copy (a policy may take several slots)
+    removed: list[int] = []
+    for flat, score, detail in zip(victims.tolist(), scores.tolist(), details or [-1] * len(victims), strict=True):
+        page, slot = divmod(flat, ps)
+        page = copies.get(page, page)
+        if store.pages.is_shared(page):
+            copies[page] = page = layer.copy_on_write(seq, page)
+        layer.forget(seq, page)
+        position = store.remove(page * ps + slot)
+        removed.append(position)
+        seq.holes[index].add(page * ps + slot)
+        seq.resident[index] -= 1
+        if seq.head_keep[index] is not None:
+            seq.head_keep[index][:, page * ps + slot] = False
+        layer.event(E.EVICT, seq, page, slot, position, seq.policy.name, reason, float(score), detail=detail)
+        if store.fill[page] == 0:
+            seq.block_tables[index].remove(page)
+            seq.holes[index].difference_update(range(page * ps, (page + 1) * ps))
+            store.release(page)
+            layer.event(E.RELEASE, seq, page)
+    if seq.policy.rerotate:
+        rerotate(layer, seq, removed)
+
+
+def merge(layer: LayerManager, seq: SequenceCache, victims: np.ndarray, scores: np.ndarray, targets: np.ndarray,
+          weights: np.ndarray) -> None:
+    """Evict the victims, folding each one's value into its target survivor (v <- (1 - w) v + w v_victim;
+    -1: none); the eviction events name the survivor's position. Targets are found again by position
+    after the removal, which may have copied their page."""
+    store, ps = layer.store, layer.page_size
+    values = store.v[:, victims // ps, victims % ps].astype(np.float64)  # (n_kv, victims, d)
+    into = np.where(targets >= 0, store.positions[targets], -1)
+    remove(layer, seq, victims, scores, seq.policy.reason, details=into.tolist())
+    slot_of = _slot_of(layer, seq)
+    for i, position in enumerate(into.tolist()):
+        if position < 0:
+            continue
+        page, slot = divmod(slot_of[position], ps)
+        layer.forget(seq, page)
+        if store.pages.is_shared(page):
+            page = layer.copy_on_write(seq, page)
+            slot_of = _slot_of(layer, seq)
+        merged = (1 - weights[i]) * store.v[:, page, slot].astype(np.float64) + weights[i] * values[:, i]
+        store.v[:, page, slot] = merged.astype(store.v.dtype)
+
+
+def _slot_of(layer: LayerManager, seq: SequenceCache) -> dict[int, int]:
+    """Position -> flat slot of the sequence's tokens in the layer."""
+    flat = layer.flat(seq)
+    return dict(zip(layer.store.positions[flat].tolist(), flat.tolist(), strict=True))
+
+
+def rerotate(layer: LayerManager, seq: SequenceCache, removed: list[int]) -> None:
+    """After the tokens at positions `removed` left: each survivor older than k of them moves k positions
+    later (its key rotated by k; kvcache/rope_shift.py), so that the distance from any query to it is
+    the one contiguous positions would give. A page it changes is copied first if shared, and no longer
+    stands for its prefix hash."""
+    store, ps = layer.store, layer.page_size
+    flat = layer.flat(seq)
+    positions = store.positions[flat]
+    later = len(removed) - np.searchsorted(np.sort(removed), positions, side="right")
+    moving = (positions >= 0) & (later > 0)
+    moved, delta = flat[moving], later[moving]
+    for page in np.unique(moved // ps).tolist():
+        layer.forget(seq, page)
+        if store.pages.is_shared(page):
+            copy = layer.copy_on_write(seq, page)
+            moved = np.where(moved // ps == page, copy * ps + moved % ps, moved)
+    pages, slots = moved // ps, moved % ps
+    rotated = rotate(store.k[:, pages, slots], delta, layer.inv_freq).astype(store.k.dtype)
+    if seq.channels is not None:  # ThinK: a RoPE pair with one channel pruned keeps that channel zero
+        rotated = seq.channels.prune(layer.layer, rotated.transpose(1, 0, 2)).transpose(1, 0, 2)
+    store.k[:, pages, slots] = rotated
+
+
+def prune_key_channels(layers: list[LayerManager], seq: SequenceCache) -> None:
+    """ThinK: each layer's key channels chosen from its query window and the keys the sequence holds, and
+    the pruned ones zeroed in those keys (a shared page is copied first and keeps its prefix hash; a page
+    changed in place leaves the prefix cache; the sequence registers no more pages: they no longer hold the
+    prefix's plain keys)."""
+    seq.hashable = False
+    for layer in layers:
+        store, ps = layer.store, layer.page_size
+        for page in list(seq.block_tables[layer.layer]):
+            if store.pages.is_shared(page):
+                layer.copy_on_write(seq, page)
+            else:
+                layer.forget(seq, page)
+        flat = layer.flat(seq)
+        flat = flat[store.positions[flat] >= 0]
+        pages, slots = flat // ps, flat % ps
+        kept = seq.channels.choose(layer.layer, store.k[:, pages, slots])
+        store.k[:, pages, slots] *= kept[:, None, :].astype(store.k.dtype)

@@ -1,0 +1,366 @@
+"""One manager per layer, chosen by the layer's spec (vLLM v1's `single_type_kv_cache_manager.py`): the layer's
+pages under every sequence's block table.
+
+`LayerManager` holds what every kind of layer does with its pages: share one, take an empty slot (allocating,
+reading a disk page back, copying a shared page first: copy-on-write), copy, release, register a full page under
+its prefix hash, quantize KIVI's oldest residual tokens (eviction.py writes a sequence's new tokens through
+these, evicting at its budget). The two kinds differ only where they hold different tokens:
+
+- `FullAttentionManager` (a global layer) keeps every token until a policy evicts it: its block tables only grow
+  (or leave holes), its prefix hit is every cached page from the first on.
+- `SlidingWindowManager` (a local layer, spec.py) drops each page none of whose tokens the sequence's newest
+  query sees (`slide`: a SLIDE event, then a release if no other sequence uses it), before each write and after
+  each step; its attention masks keys beyond the window; a policy's budget applies only when it is smaller
+  than the window; its prefix hit needs only the pages of the last window, found right to left, and its block
+  table then starts at logical page `dropped`.
+
+The coordinator (kv_cache_manager.py) asks each layer's manager and never branches on the kind: a new kind of
+layer is a new spec and a new manager in `MANAGERS`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagevis.kvcache.errors import CacheFullError, ConfigError
+from pagevis.kvcache.events import EventKind, EventLog
+from pagevis.kvcache.policy_state import LayerView
+from pagevis.kvcache.sequence import SequenceCache
+from pagevis.kvcache.slots import flat_slots, page_slots
+from pagevis.kvcache.spec import FullAttentionSpec, LayerSpec, SlidingWindowSpec, first_kept_page, first_visible
+from pagevis.kvcache.store import PageStore
+
+E = EventKind
+
+
+class LayerManager:
+    """One layer's pages for any number of sequences (their tables are per layer: policies evict per layer)."""
+
+    def __init__(self, spec: LayerSpec, store: PageStore, log: EventLog, sequences: dict[int, SequenceCache],
+                 pool_pages: int, inv_freq: np.ndarray):
+        self.window = spec.window  # the keys a query sees: all (None), or the last `window` positions
+        self.store, self.log, self.sequences = store, log, sequences
+        self.layer, self.page_size, self.pool_pages = store.layer, store.page_size, pool_pages
+        self.inv_freq = inv_freq  # re-rotation's RoPE frequencies
+        self.copies = 0  # copy-on-write copies made
+        store.on_move = self._moved
+
+    def event(self, kind: EventKind, seq: SequenceCache, *args, **kwargs) -> None:
+        self.log.add(kind, seq.seq_id, self.layer, *args, **kwargs)
+
+    def _moved(self, kind: EventKind, page: int, frame: int, detail: str) -> None:
+        self.log.add(kind, self.log.acting, self.layer, page, reason=detail, frame=frame)
+
+    # --- questions -------------------------------------------------------------------------------
+    def flat(self, seq: SequenceCache) -> np.ndarray:
+        """The flat slots of the sequence's pages, in logical order."""
+        return flat_slots(seq.block_tables[self.layer], self.page_size)
+
+    def budget(self, seq: SequenceCache) -> int:
+        """Tokens the layer may hold before the sequence's policy evicts there."""
+        return seq.policy.layer_capacity(self.layer)
+
+    def view(self, seq: SequenceCache) -> LayerView:
+        """What the sequence's policy reads: positions of its own slots (the live store array when it is
+        the only sequence; a masked copy otherwise)."""
+        table, positions = seq.block_tables[self.layer], self.store.positions
+        if len(self.sequences) > 1:
+            flat = flat_slots(table, self.page_size)
+            positions = np.full(self.store.n_slots, -1, dtype=np.int64)
+            positions[flat] = self.store.positions[flat]
+        return LayerView(self.layer, self.page_size, positions, table, seq.states[self.layer],
+                         seq.head_keep[self.layer])
+
+    def head_entries(self, seq: SequenceCache) -> int:
+        """(KV head, token) entries the sequence holds here (n_kv_heads per resident token for a token policy)."""
+        keep = seq.head_keep[self.layer]
+        if keep is None:
+            return seq.resident[self.layer] * self.store.n_kv
+        flat = self.flat(seq)
+        return int((keep[:, flat] & (self.store.positions[flat] >= 0)).sum())
+
+    def free_slots(self, seq: SequenceCache) -> int:
+        """Tokens the layer takes before the sequence's policy must evict: its budget, and the pool."""
+        layer = self.layer
+        return min(len(seq.holes[layer]) + self.store.pages.n_free() * self.page_size,
+                   self.budget(seq) - seq.resident[layer])
+
+    def pages_needed(self, seq: SequenceCache, n_tokens: int) -> int:
+        """An upper bound on the pages writing n_tokens more takes from the pool (new pages, and the shared
+        pages that writing, evicting, quantizing, pruning, re-rotating or merging would copy)."""
+        store, ps, table, policy = self.store, self.page_size, seq.block_tables[self.layer], seq.policy
+        fill = store.fill[table] if table else np.zeros(0, dtype=np.int64)
+        shared = store.pages.ref_counts[table] > 1 if table else np.zeros(0, dtype=bool)
+        room = len(seq.holes[self.layer])
+        n_evict = max(0, seq.resident[self.layer] + n_tokens - self.budget(seq)) if policy.evicts else 0
+        if n_evict:  # compress_every N evicts N at each time the budget is reached
+            n_evict += policy.compress_every - 1
+        need = int((shared & (fill < ps)).sum()) + min(n_evict, int(shared.sum()))
+        if store.kivi:  # quantizing a key group copies the shared pages it touches
+            need += min(int(shared.sum()), -(-store.layout.group // ps) + 1)
+        if (policy.prunes or (n_evict and (policy.rerotate or policy.merges))
+                or (seq.channels is not None and not seq.channels.chosen)):
+            need += int(shared.sum())  # pruned tokens or key channels, rotated keys, merged values: any shared page
+        return need + -(-max(0, n_tokens - room - n_evict) // ps)
+
+    # --- what the kinds of layer do differently --------------------------------------------------
+    def before_write(self, seq: SequenceCache, first: int) -> None:
+        """Tokens from position `first` on are about to be written."""
+
+    def after_step(self, seq: SequenceCache) -> None:
+        """A step wrote the sequence's tokens."""
+
+    def longest_hit(self, hashes: list[int], n: int) -> int:
+        """The most of the first n full pages of a prompt (their prefix hashes) a prefix hit may reuse here."""
+        raise NotImplementedError
+
+    def hit_pages(self, hashes: list[int]) -> list[int | None]:
+        """Per full page of a prefix hit, the cached page this layer reuses (None: a page it does not need)."""
+        raise NotImplementedError
+
+    def after_hit(self, seq: SequenceCache, n_tokens: int) -> None:
+        """A prefix hit gave the sequence its first n_tokens."""
+
+    def check_fork(self, parent: SequenceCache, n: int) -> None:
+        """ConfigError when a child of the parent's first n tokens cannot be made here."""
+
+    def gathers(self, seq: SequenceCache) -> bool:
+        """Whether a sole sequence's attention gathers its pages rather than reading the used prefix in place."""
+        return False
+
+    def mask(self, bias: np.ndarray, key_positions: np.ndarray, positions: np.ndarray) -> None:
+        """Add -inf to `bias` (queries x keys) where a query at `positions` must not see a key here."""
+
+    # --- pages -----------------------------------------------------------------------------------
+    def share(self, seq: SequenceCache, page: int, first_position: int | None = None) -> None:
+        """One more table entry of seq points at page (in use, or a cached free page, restored)."""
+        store, ps, layer = self.store, self.page_size, self.layer
+        was_free = store.pages.ref_counts[page] == 0
+        store.pages.share(page)
+        if was_free:
+            store.restore(page, first_position)
+        seq.block_tables[layer].append(page)
+        seq.resident[layer] += int(store.fill[page])
+        held = store.positions[page_slots(page, ps)] >= 0
+        seq.holes[layer].update((page * ps + np.flatnonzero(~held)).tolist())
+        if seq.head_keep[layer] is not None and first_position is not None:  # a prefix hit: all heads keep it
+            seq.head_keep[layer][:, page_slots(page, ps)] = held  # (a fork keeps its parent's masks)
+        self.event(E.SHARE, seq, page, detail=int(store.pages.ref_counts[page]))
+
+    def release(self, seq: SequenceCache, page: int) -> None:
+        """Drop one of the sequence's references to the page (a RELEASE event if it became free)."""
+        if self.store.release(page):
+            self.event(E.RELEASE, seq, page)
+
+    def free(self, seq: SequenceCache) -> None:
+        """Release the sequence's pages, last first (so a cached prefix outlives its tail)."""
+        for page in reversed(seq.block_tables[self.layer]):
+            self.release(seq, page)
+
+    def fork(self, parent: SequenceCache, child: SequenceCache, n: int) -> None:
+        """The child shares each parent page whose tokens all come before n; a page holding later tokens too is
+        copied with those masked out."""
+        store, ps = self.store, self.page_size
+        for page in parent.block_tables[self.layer]:
+            positions = store.positions[page_slots(page, ps)]
+            keep = (positions >= 0) & (positions < n)
+            if not keep.any():
+                continue
+            if keep.sum() == store.fill[page]:
+                self.share(child, page)
+            else:
+                self.copy_page(child, page, keep)
+        self.after_step(child)
+
+    def register(self, seq: SequenceCache, index: int, page_hash: int) -> None:
+        """The sequence's logical page `index` is full: register it under its prefix hash (if this layer holds it)."""
+        index -= seq.dropped[self.layer]  # a local layer's table starts at its first kept page
+        table = seq.block_tables[self.layer]
+        if index >= 0 and self.store.pages.register(table[index], page_hash):
+            self.event(E.STORE, seq, table[index], detail=page_hash)
+
+    def commit(self, seq: SequenceCache) -> None:
+        """After a step: the layer's own bookkeeping, and the pool's peak."""
+        self.after_step(seq)
+        self.store.used_peak = max(self.store.used_peak, self.store.pages.n_used())
+
+    def forget(self, seq: SequenceCache, page: int) -> None:
+        """The page's contents change: it no longer stands for its prefix hash."""
+        old_hash = self.store.pages.forget(page)
+        if old_hash is not None:
+            self.event(E.UNCACHE, seq, page, detail=old_hash)
+
+    def copy_on_write(self, seq: SequenceCache, page: int) -> int:
+        keep = self.store.positions[page_slots(page, self.page_size)] >= 0
+        self.copies += 1
+        return self.copy_page(seq, page, keep, replace=True)
+
+    def copy_page(self, seq: SequenceCache, page: int, keep: np.ndarray, replace: bool = False) -> int:
+        """Copy the `keep` slots of page into a new page of seq (replacing page in its table, or appended)."""
+        store, ps, layer = self.store, self.page_size, self.layer
+        if not store.pages.can_allocate():
+            raise CacheFullError(f"the pool's {self.pool_pages} pages of layer {layer} are all in use "
+                                 f"(sequence {seq.seq_id} must copy page {page} before writing to it)")
+        new, old_hash = store.allocate(self.log.step)
+        if old_hash is not None:
+            self.event(E.UNCACHE, seq, new, detail=old_hash)
+        store.copy_page(page, new, keep)
+        src, dst = page_slots(page, ps), page_slots(new, ps)
+        for array in seq.states[layer].arrays.values():
+            array[dst] = np.where(keep.reshape(-1, *(1,) * (array.ndim - 1)), array[src], 0)
+        head_keep = seq.head_keep[layer]
+        if head_keep is not None:
+            head_keep[:, dst] = head_keep[:, src] & keep
+        table, holes = seq.block_tables[layer], seq.holes[layer]
+        empty = (new * ps + np.flatnonzero(~keep)).tolist()
+        if replace:
+            if head_keep is not None:
+                head_keep[:, src] = False  # the page stays another sequence's, not this one's
+            table[table.index(page)] = new
+            holes.difference_update(range(page * ps, (page + 1) * ps))
+            store.release(page)
+        else:
+            table.append(new)
+            seq.resident[layer] += int(keep.sum())
+        holes.update(empty)
+        self.event(E.COPY_ON_WRITE, seq, new, detail=page)
+        return new
+
+    # --- writing ---------------------------------------------------------------------------------
+    def free_slot(self, seq: SequenceCache) -> int:
+        """The lowest empty slot of the sequence's pages, preferring pages in RAM (allocating a page if it
+        has none); a page on disk is read back into RAM, a shared page is copied first."""
+        store, holes, ps, step = self.store, seq.holes[self.layer], self.page_size, self.log.step
+        if not holes:
+            page, old_hash = store.allocate(step)
+            if old_hash is not None:
+                self.event(E.UNCACHE, seq, page, detail=old_hash)
+            seq.block_tables[self.layer].append(page)
+            holes.update(range(page * ps, (page + 1) * ps))
+            self.event(E.ALLOCATE, seq, page, frame=int(store.frame_of[page]) if store.tiered else -1)
+        flat = min(holes)
+        if store.tiered and store.frame_of[flat // ps] < 0:
+            in_ram = [h for h in holes if store.frame_of[h // ps] >= 0]
+            flat = min(in_ram) if in_ram else flat
+            store.make_resident(flat // ps, step)
+        page, slot = divmod(flat, ps)
+        if store.pages.is_shared(page):
+            page = self.copy_on_write(seq, page)
+        return page * ps + slot
+
+    def seal_residual(self, seq: SequenceCache, n_new: int) -> None:
+        """int4 / int2 (KIVI), before n_new tokens are written: while the sequence's full-precision tokens would
+        then exceed residual + group - 1, quantize the oldest `group` (32) of them (written in earlier calls) as
+        one key group. A prefill chunk is attended in full precision; in decoding the newest `residual` tokens
+        stay float32 and the oldest 32 beyond them are quantized once they have all arrived. A shared page is
+        copied first: the change is this sequence's alone."""
+        store, ps = self.store, self.page_size
+        group, limit = store.layout.group, store.layout.residual + store.layout.group - 1
+        window = store.residual_slots(self.flat(seq))
+        while len(window) >= group and len(window) + n_new > limit:
+            oldest = window[np.argsort(store.positions[window], kind="stable")[:group]]
+            for page in np.unique(oldest // ps).tolist():
+                if store.pages.is_shared(page):
+                    copy = self.copy_on_write(seq, page)
+                    oldest = np.where(oldest // ps == page, copy * ps + oldest % ps, oldest)
+            store.seal(oldest, self.log.step)
+            window = store.residual_slots(self.flat(seq))
+
+
+class FullAttentionManager(LayerManager):
+    """A global layer: every token stays until a policy evicts it."""
+
+    def longest_hit(self, hashes, n):
+        pages = []
+        for h in hashes[:n]:
+            page = self.store.pages.lookup(h)
+            if page is None:
+                break
+            pages.append(page)
+        n = len(pages)  # int4 / int2: no key group of the hit's pages may reach a token past it
+        while n and self.store.group_reach(pages[:n]) >= n * self.page_size:
+            n -= 1
+        return n
+
+    def hit_pages(self, hashes):
+        return [self.store.pages.lookup(h) for h in hashes]
+
+
+class SlidingWindowManager(LayerManager):
+    """A local layer: the last `window` positions (spec.py)."""
+
+    def budget(self, seq):
+        """The policy's budget when smaller than the window; else the window alone bounds the layer (there the
+        window slides and the policy never runs)."""
+        budget = seq.policy.layer_capacity(self.layer)
+        return budget if budget < self.window else max(budget, self.pool_pages * self.page_size)
+
+    def before_write(self, seq, first):
+        self.slide(seq, first - 1)
+
+    def after_step(self, seq):
+        self.slide(seq)
+
+    def slide(self, seq: SequenceCache, last: int | None = None) -> None:
+        """Drop the pages that the query at `last` (default: the newest written) cannot see."""
+        store, ps, layer = self.store, self.page_size, self.layer
+        last = seq.newest if last is None else last
+        table = seq.block_tables[layer]
+        if last < 0 or not table:
+            return
+        newest_of = store.positions.reshape(-1, ps)[table].max(axis=1)  # each page's newest token (-1: empty)
+        gone = (newest_of >= 0) & (newest_of < first_visible(last, self.window))
+        for page, newest in zip(np.asarray(table)[gone].tolist(), newest_of[gone].tolist(), strict=True):
+            table.remove(page)
+            seq.holes[layer].difference_update(range(page * ps, (page + 1) * ps))
+            seq.resident[layer] -= int(store.fill[page])
+            if seq.head_keep[layer] is not None:
+                seq.head_keep[layer][:, page_slots(page, ps)] = False
+            seq.slid[layer] = max(seq.slid[layer], newest)
+            if seq.hashable:
+                seq.dropped[layer] += 1
+            self.event(E.SLIDE, seq, page, position=newest, reason=f"slid out of the window ({self.window})",
+                       detail=int(store.fill[page]))
+            self.release(seq, page)
+
+    def longest_hit(self, hashes, n):
+        """Right to left (vLLM's SlidingWindowManager): the longest n whose last window's pages are all cached."""
+        ps, length, run = self.page_size, 0, []  # cached pages in a row ending at each logical page
+        for h in hashes[:n]:
+            length = length + 1 if self.store.pages.lookup(h) is not None else 0
+            run.append(length)
+        while n and run[n - 1] < n - first_kept_page(n * ps, self.window, ps):
+            n -= 1
+        return n
+
+    def hit_pages(self, hashes):
+        first = first_kept_page(len(hashes) * self.page_size, self.window, self.page_size) if hashes else 0
+        return [None] * first + [self.store.pages.lookup(h) for h in hashes[first:]]
+
+    def after_hit(self, seq, n_tokens):
+        if n_tokens:
+            seq.dropped[self.layer] = first_kept_page(n_tokens, self.window, self.page_size)
+            seq.slid[self.layer] = seq.dropped[self.layer] * self.page_size - 1
+
+    def check_fork(self, parent, n):
+        if n and parent.slid[self.layer] >= first_visible(n, self.window):
+            raise ConfigError("n_tokens", n, f"at least {parent.slid[self.layer] + self.window} for sequence "
+                              f"{parent.seq_id}: local layer {self.layer} (window {self.window}) no longer holds "
+                              f"position {parent.slid[self.layer]}")
+
+    def gathers(self, seq):
+        # the window may sit far above the pool's bottom (slid-out pages stay cached below it): gathering its few
+        # pages beats reading the whole used prefix
+        return 2 * len(seq.block_tables[self.layer]) < self.store.high_water
+
+    def mask(self, bias, key_positions, positions):
+        bias[key_positions <= positions[:, None] - self.window] = -np.inf
+
+
+MANAGERS: dict[type, type[LayerManager]] = {FullAttentionSpec: FullAttentionManager,
+                                            SlidingWindowSpec: SlidingWindowManager}
+
+
+def layer_manager(spec: LayerSpec, *args) -> LayerManager:
+    """The manager of a layer of this spec (then: the store, event log, sequences, pool size, RoPE frequencies)."""
+    return MANAGERS[type(spec)](spec, *args)

@@ -1,0 +1,169 @@
+"""Attention over a sequence's pages in one layer: which keys it reads and how (the kernels are attention.py's).
+
+- A single live sequence in RAM reads the pool's used prefix in place (no gather), unless its layer prefers
+  to gather (a sliding window far above the pool's bottom); with several sequences, each reads its own pages
+  through its block table (`attend`), or, decoding one token each, all at once (`attend_many`).
+- With a disk tier, a quantized dtype or Quest's page selection, through the reader (reader.py).
+- A per-head policy's masks: each KV head reads only the tokens it keeps (`attend_kept`).
+- kvzip's reconstruction pass reads the cache beside tokens that are not written (`attend_beside`).
+
+The layer's manager (layers.py) masks what its kind of layer does not see (a sliding window). The policy's
+statistics see the queries and the weights (`uses_queries`, `uses_attention`), and ThinK its query window.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagevis.kvcache import attention as kernels
+from pagevis.kvcache.attention import AttentionResult, attend_decode_batch
+from pagevis.kvcache.layers import LayerManager
+from pagevis.kvcache.reader import read_attention
+from pagevis.kvcache.sequence import SequenceCache
+from pagevis.kvcache.slots import flat_slots
+
+
+def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np.ndarray,
+           select_pages: int | None) -> AttentionResult:
+    """Attention of the sequence's n queries (n, n_heads, head_dim) at `positions` over its resident
+    tokens. Weights come back over flat slots: the pool's allocated prefix when `slots` is None (a
+    single sequence in RAM), else over `result.slots`; exactly 0 on empty slots."""
+    store, index = layer.store, layer.layer
+    if store.tiered or store.quantized or (select_pages is not None and len(q) == 1):
+        return read(layer, seq, q, positions, select_pages)
+    seq.read_slots[index] = None
+    observe_queries(seq, index, q, positions)
+    n_kv, _, ps, head_dim = store.k.shape
+    keep = seq.head_keep[index]
+    if len(layer.sequences) == 1 and not layer.gathers(seq):  # the only owner: the pool's used prefix, in place
+        n_slots = store.high_water * ps
+        keys = store.k[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
+        values = store.v[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
+        # With no empty slot below the high-water mark the occupancy mask is all zeros: skip it.
+        bias = None if seq.resident[index] == n_slots else store.bias[:n_slots]
+        read_slots: slice | np.ndarray = slice(0, n_slots)
+        result = attend_kept(q, keys, values, bias, store.positions[:n_slots], positions,
+                             None if keep is None else keep[:, read_slots], layer.window)
+    else:  # gathered through its block table
+        table = seq.block_tables[index]
+        keys = store.k[:, table].reshape(n_kv, len(table) * ps, head_dim)
+        values = store.v[:, table].reshape(n_kv, len(table) * ps, head_dim)
+        read_slots = flat_slots(table, ps)
+        bias = store.bias[read_slots]
+        result = attend_kept(q, keys, values, bias if bias.any() else None, store.positions[read_slots], positions,
+                             None if keep is None else keep[:, read_slots], layer.window)
+        result = result._replace(slots=read_slots)
+    if seq.policy.uses_attention:
+        seq.states[index].observe(result.weights, read_slots)
+    return result
+
+
+def observe_queries(seq: SequenceCache, layer: int, q: np.ndarray, positions: np.ndarray) -> None:
+    """The queries a layer attends with, to the policy that reads them and to ThinK's window."""
+    if seq.policy.uses_queries:
+        seq.states[layer].query(q, positions)
+    if seq.channels is not None:
+        seq.channels.observe(layer, q)
+
+
+def read(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np.ndarray,
+         select_pages: int | None) -> AttentionResult:
+    """Attention through the reader: pages on disk, or a page selection (a chunk of several
+    queries reads every page: max_chunk keeps such chunks within select_pages pages)."""
+    index = layer.layer
+    observe_queries(seq, index, q, positions)
+    result = read_attention(layer.store, seq.block_tables[index], q, positions, layer.log.step,
+                            select_pages if len(q) == 1 else None,
+                            all_weights=seq.policy.uses_attention and len(q) > 1,
+                            own_pages_only=len(layer.sequences) > 1, keep=seq.head_keep[index], window=layer.window)
+    seq.read_slots[index] = result.slots
+    if seq.policy.uses_attention:
+        seq.states[index].observe(result.weights, result.slots)
+    return result
+
+
+def attend_beside(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np.ndarray, k: np.ndarray,
+                  v: np.ndarray, own_positions: np.ndarray) -> AttentionResult:
+    """Attention of queries whose tokens are not cached (kvzip's reconstruction pass) over the sequence's
+    resident tokens and the given ones (k, v: (m, n_kv_heads, head_dim) at own_positions, seen causally);
+    nothing is written, and the policy's statistics see the weights on the cached tokens only through
+    `reconstruct`. Weights over the read slots, then the given tokens; result.slots: the read slots. RAM
+    pages of float K/V only."""
+    store, index = layer.store, layer.layer
+    table = seq.block_tables[index]
+    n_kv, _, _, head_dim = store.k.shape
+    read_slots = layer.flat(seq)
+    keys = np.concatenate([store.k[:, table].reshape(n_kv, len(read_slots), head_dim), k.transpose(1, 0, 2)], axis=1)
+    values = np.concatenate([store.v[:, table].reshape(n_kv, len(read_slots), head_dim), v.transpose(1, 0, 2)],
+                            axis=1)
+    bias = np.concatenate([store.bias[read_slots], np.zeros(len(own_positions), dtype=np.float32)])
+    keep = seq.head_keep[index]
+    if keep is not None:
+        keep = np.concatenate([keep[:, read_slots], np.ones((n_kv, len(own_positions)), dtype=bool)], axis=1)
+    result = attend_kept(q, keys, values, bias, np.concatenate([store.positions[read_slots], own_positions]),
+                         positions, keep, layer.window)
+    seq.states[index].reconstruct(result.weights[..., : len(read_slots)], read_slots)
+    return result._replace(slots=read_slots)
+
+
+def can_attend_many(layer: LayerManager, seqs: list[SequenceCache], select_pages: int | None) -> bool:
+    """Whether `attend_many` serves these sequences: several of them in a shared pool, pages in RAM and
+    unquantized, no page selection, no per-head residency."""
+    store = layer.store
+    return (len(seqs) > 1 and len(layer.sequences) > 1 and not (store.tiered or store.quantized)
+            and select_pages is None and all(seq.head_keep[layer.layer] is None for seq in seqs))
+
+
+def attend_many(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray, positions: np.ndarray
+                ) -> list[AttentionResult]:
+    """`attend` for several sequences that each decode one token (q: (B, n_heads, d), positions (B,)),
+    in one batched kernel over their block tables, padded to the longest. Only where `can_attend_many`."""
+    store, index, ps = layer.store, layer.layer, layer.page_size
+    tables = [seq.block_tables[index] for seq in seqs]
+    widest = max(len(table) for table in tables)
+    padded = np.zeros((len(seqs), widest), dtype=np.int64)
+    for row, table in zip(padded, tables, strict=True):
+        row[: len(table)] = table
+    flat = flat_slots(padded, ps)
+    bias = store.bias[flat]
+    lengths = np.array([len(table) for table in tables]) * ps
+    bias[np.arange(widest * ps)[None, :] >= lengths[:, None]] = -np.inf  # the padding
+    layer.mask(bias, store.positions[flat], positions)
+    n_kv, _, _, head_dim = store.k.shape
+    keys = store.k[:, padded].reshape(n_kv, len(seqs), widest * ps, head_dim)
+    values = store.v[:, padded].reshape(n_kv, len(seqs), widest * ps, head_dim)
+    for i, seq in enumerate(seqs):
+        seq.read_slots[index] = None
+        observe_queries(seq, index, q[i: i + 1], positions[i: i + 1])
+    output, weights = attend_decode_batch(q, keys, values, bias)
+    results = []
+    for i, seq in enumerate(seqs):
+        n = lengths[i]
+        result = AttentionResult(output[i: i + 1], weights[i: i + 1, :, :n], flat[i, :n])
+        if seq.policy.uses_attention:
+            seq.states[index].observe(result.weights, result.slots)
+        results.append(result)
+    return results
+
+
+def attend_kept(q: np.ndarray, keys: np.ndarray, values: np.ndarray, bias: np.ndarray | None,
+                key_positions: np.ndarray, positions: np.ndarray, keep: np.ndarray | None,
+                window: int | None = None) -> AttentionResult:
+    """`attend`, where KV head h reads only the keys with keep[h] (per-head residency; None: all keys for
+    every head). When some head dropped a resident token, each KV head's queries attend alone with that
+    head's mask added to the occupancy bias (-inf on dropped entries); the heads' results are joined in
+    query-head order."""
+    if keep is None or (keep.all(axis=0) | ~keep.any(axis=0)).all():  # no head differs: one call
+        return kernels.attend(q, keys, values, bias, key_positions, positions, window)
+    n_kv = keys.shape[0]
+    group = q.shape[1] // n_kv
+    outputs, weights = [], []
+    for head in range(n_kv):
+        head_bias = np.where(keep[head], np.float32(0), np.float32(-np.inf))
+        if bias is not None:
+            head_bias += bias
+        part = kernels.attend(q[:, head * group: (head + 1) * group], keys[head: head + 1], values[head: head + 1],
+                              head_bias, key_positions, positions, window)
+        outputs.append(part.output)
+        weights.append(part.weights)
+    return AttentionResult(np.concatenate(outputs, axis=1), np.concatenate(weights, axis=1))

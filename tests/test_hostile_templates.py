@@ -1,0 +1,41 @@
+"""Small GGUF models whose chat template is hostile: `pagevis run` refuses each at load in one line naming the
+bound it went over, within the hostile checks' bounds (60 s, an address space of 1.5 GiB for the process, the
+template's worker within its own 512 MiB). The template's worker is a separate process, so the model's own
+process never runs the template at all."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from model_fixtures import write_llama_gguf
+from test_hostile_files import assert_one_line_refusal, run_cli
+
+from pagevis.model.synthetic import SyntheticModel
+
+TEMPLATES = {
+    "loop-no-output": ("{% for a in 'x' * 100000 %}{% for b in 'x' * 100000 %}{% endfor %}{% endfor %}",
+                       "ran longer than 3 s"),
+    "lipsum": ("{{ lipsum(10**6) }}", "ran longer than 3 s"),
+    "power": ("{{ 9 ** (9 ** 9) }}", "a number of more than 65536 bits"),
+    "repeat": ("{{ 'x' * 10**9 }}", "a value of 1000000000 items"),
+    "center": ("{{ 'x' | center(10**9) }}", "ran out of memory (its limit is 512 MiB)"),
+    "cut": ("{% for m in messages %}{{ m.content[:3] if m.content == 'Hello, how are you?' else m.content }}"
+            "{% endfor %}", "cannot be split into its own text and the messages'"),
+}
+
+
+SLOW = {"loop-no-output", "lipsum"}  # killed at the wall-clock limit (test_chat_template.py has them in-process)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(TEMPLATES)])
+def test_run_refuses_a_hostile_template_at_load_in_one_line(tmp_path, name):
+    source, bound = TEMPLATES[name]
+    path = tmp_path / f"template-{name}.gguf"
+    write_llama_gguf(path, SyntheticModel(n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, seed=2),
+                     metadata_overrides={"tokenizer.chat_template": source})
+    started = time.monotonic()
+    result = run_cli("run", "--model", str(path), "--max-tokens", "2", "--quiet")
+    assert time.monotonic() - started < 60
+    assert_one_line_refusal(result, path.name)
+    assert bound in result.stderr
