@@ -89,6 +89,7 @@ def main(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"trace: {args.trace} ({size / 1024:.0f} KiB, {len(session.records)} steps)", file=sys.stderr)
     summary = summarize(session, spec.label, elapsed)
+    summary["weights"] = getattr(model, "weight_info", None)
     if args.json:
         print(json.dumps(summary, ensure_ascii=False))
     else:

@@ -40,7 +40,8 @@ from pagevis.kvcache.prefix_cache import ROOT_HASH, PrefixCacheStats, page_hash,
 from pagevis.kvcache.rope_shift import inverse_frequencies
 from pagevis.kvcache.sequence import SequenceCache
 from pagevis.kvcache.snapshot import CacheSnapshot, LayerFrames, layer_frames, take
-from pagevis.kvcache.store import PageStore, TierCounts
+from pagevis.kvcache.storage import make_store
+from pagevis.kvcache.store import TierCounts
 from pagevis.kvcache.swap import SwapSpace
 
 E = EventKind
@@ -61,7 +62,7 @@ class KVCacheManager(Admission):
                                                                                    MAX_PAGES)
         self.page_size = config.page_size
         self.swap = SwapSpace(config.n_layers, config.page_bytes(), config.swap_dir) if config.tiered else None
-        self.stores = [PageStore(config, layer, self.swap.files[layer] if self.swap else None, self.pool_pages)
+        self.stores = [make_store(config, layer, self.swap.files[layer] if self.swap else None, self.pool_pages)
                        for layer in range(config.n_layers)]
         self.log = EventLog()
         self.sequences: dict[int, SequenceCache] = {}

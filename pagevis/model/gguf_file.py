@@ -133,6 +133,16 @@ def field_contents(reader: GGUFReader, key: str) -> Any:
 
 def tensor_as_float32(path: Path, tensor: Any, expected_shape: tuple[int, ...]) -> np.ndarray:
     """Dequantise one tensor to float32 in numpy order (GGUF dims reversed), checking type and shape."""
+    shape = check_tensor(path, tensor, expected_shape)
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type)
+    except (ValueError, NotImplementedError) as exc:
+        raise ModelLoadError(f"{path}: cannot dequantise tensor {tensor.name}: {exc}") from exc
+    return np.asarray(values, dtype=np.float32).reshape(shape)
+
+
+def check_tensor(path: Path, tensor: Any, expected_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The tensor's shape in numpy order if its type is supported and its shape expected; else ModelLoadError."""
     if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
         raise ModelLoadError(
             f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which pagevis does not "
@@ -143,8 +153,4 @@ def tensor_as_float32(path: Path, tensor: Any, expected_shape: tuple[int, ...]) 
         raise ModelLoadError(
             f"{path}: tensor {tensor.name} has shape {shape}, but the metadata implies {expected_shape}"
         )
-    try:
-        values = dequantize(tensor.data, tensor.tensor_type)
-    except (ValueError, NotImplementedError) as exc:
-        raise ModelLoadError(f"{path}: cannot dequantise tensor {tensor.name}: {exc}") from exc
-    return np.asarray(values, dtype=np.float32).reshape(shape)
+    return shape

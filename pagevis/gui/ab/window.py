@@ -106,7 +106,7 @@ class SideControls(QWidget):
     def _update_header(self) -> None:
         c = self.config()
         self.header.setText(f"{self.name} · {c.policy} · {c.max_pages} × {c.page_size} = "
-                            f"{c.max_pages * c.page_size} tokens")
+                            f"{c.ram_tokens} tokens")
 
 
 class ABWindow(TimelineCursor, QMainWindow):

@@ -31,9 +31,10 @@ from pagevis.engine import ModelSpec, SessionConfig
 from pagevis.kvcache import ConfigError
 from pagevis.kvcache.memory import hybrid_bytes
 from pagevis.kvcache.spec import layer_specs
-from pagevis.presets import default_prompt
 from pagevis.gui.widgets import export, theme
 from pagevis.gui.session.controls import ControlsPanel
+from pagevis.gui.session.presets import PresetPlayer, model_title
+from pagevis.presets import PRESETS
 from pagevis.gui.session.layout import FIRST_SCREEN_SHARE, NARRATION_STYLE, DockLayout, wants_presentation
 from pagevis.gui.widgets.messages import MessagesPanel
 from pagevis.viewmodel.narration import narrate
@@ -130,6 +131,9 @@ class MainWindow(TimelineCursor, QMainWindow):
         narration_bar.setMovable(False)
         narration_bar.addWidget(self.narration)
         self.addToolBar(Qt.TopToolBarArea, narration_bar)
+        self.presets = PresetPlayer(self)  # the chosen preset's point: a line under the narration
+        self.addToolBarBreak(Qt.TopToolBarArea)
+        self.addToolBar(Qt.TopToolBarArea, self.presets.banner)
         self.controls = ControlsPanel()
         self.page_grid = PageGridView()
         self.attention = AttentionView()
@@ -239,6 +243,13 @@ class MainWindow(TimelineCursor, QMainWindow):
                 self.addAction(action)  # shortcuts work whichever dock has focus
         play_menu.addSeparator()
         play_menu.addAction("&A/B compare…", self.open_ab, QKeySequence("Ctrl+B"))
+        demo_menu = self.menuBar().addMenu("De&mo")  # the presets, also where the controls are a tab away
+        for preset in PRESETS:
+            action = demo_menu.addAction(preset.name + (" (A/B)" if preset.b is not None else ""),
+                                         lambda p=preset: self.apply_preset(p))
+            action.setToolTip(preset.description)
+        demo_menu.addSeparator()
+        demo_menu.addAction("&Tour", self.start_tour)
         view_menu = self.menuBar().addMenu("&View")
         for dock in self.docks.values():
             view_menu.addAction(dock.toggleViewAction())
@@ -249,6 +260,9 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.presentation_action.triggered.connect(self.set_presentation)  # (checked)
         self.presentation_action.setToolTip("the page grid fills the window, the other views one tab away")
         self.addAction(self.presentation_action)
+        for text, keys, change in (("Ne&xt layer", "Ctrl+Up", 1), ("Pre&vious layer", "Ctrl+Down", -1)):
+            action = view_menu.addAction(text, lambda c=change: self.controls.layer.stepBy(c), QKeySequence(keys))
+            self.addAction(action)
         view_menu.addSeparator()
         view_menu.addAction("&Sequences sharing one pool…", self.open_sequences)
         view_menu.addAction("Se&rver: requests arriving…", self.open_server)
@@ -274,6 +288,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         r.failed.connect(self._failed)
         r.state_changed.connect(self._state_changed)
         r.message.connect(lambda text: self.statusBar().showMessage(text, 5000))
+        self.controls.session_changed.connect(lambda *_: self.presets.settings_changed())
         self.controls.session_changed.connect(self.restart)
         self.controls.preset_chosen.connect(self.apply_preset)
         self.controls.view_changed.connect(self.request_render)
@@ -297,27 +312,8 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.runner.configure(self.controls.model_spec(), self.controls.prompt(), config, blocking=blocking)
 
     def apply_preset(self, preset) -> None:
-        """Set the preset's prompt and cache (the synthetic model keeps a prompt that fits it) and restart;
-        an A/B preset opens the A/B window on both of its configurations instead."""
-        kind = self.controls.model.currentData()
-        prompt = preset.prompt_text() if kind != "synthetic" or preset.model else default_prompt("synthetic")
-        if preset.model is not None:  # a preset of its own model (Gemma 3's): that model, or why it cannot be
-            from pagevis.model import ModelLoadError
-            from pagevis.model.locate import named_model_path
-
-            try:
-                path = named_model_path(preset.model)
-            except ModelLoadError as error:
-                self.statusBar().showMessage(f"Preset {preset.name!r}: {error}", 15000)
-                return
-            self.controls.set_configuration(ModelSpec(kind="gguf", path=str(path)), prompt, preset.a)
-            self.restart(f"preset {preset.name!r}")
-            return
-        if preset.b is not None:
-            self.open_ab(preset.a, preset.b, prompt, title=preset.name, play=True)
-            return
-        self.controls.set_configuration(prompt=prompt, config=preset.a)
-        self.restart(f"preset {preset.name!r}")
+        """The preset's settings, its point in the banner, playing (pagevis.gui.session.presets)."""
+        self.presets.apply(preset)
 
     def open_ab(self, config_a=None, config_b=None, prompt: str | None = None, title: str = "",
                 blocking: bool = False, play: bool = False):
@@ -391,7 +387,8 @@ class MainWindow(TimelineCursor, QMainWindow):
         if len(timeline):
             self.index = len(timeline) - 1
         self.statusBar().clearMessage()
-        self.status_model.setText(info.model_label)
+        self.status_model.setText(model_title(info.model_label, self.presets.titles))
+        self.status_model.setToolTip(info.model_label)
         self.status_memory.setText(memory_text(info.cache_bytes, info.n_kv_heads, info.config.dtype,
                                                info.kv_bytes_per_token, info.storage_notice))
         self.status_memory.setToolTip(f"K/V storage, all layers, one sequence at capacity: {info.storage}"
@@ -405,6 +402,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.transport.previous_action.setEnabled(previous is not None)
         self._restart_reason = ""
         self.request_render()
+        self.presets.session_started()
 
     def open_trace(self, path: str) -> bool:
         try:

@@ -56,15 +56,14 @@ def make_policy(config) -> EvictionPolicy:
             raise ConfigError(f"{config.policy}.{key}", config.policy_params[key],
                               f"a parameter of {config.policy!r}; it takes {allowed}")
     rewrites = "rerotate" if config.policy_params.get("rerotate") else "policy" if cls.merges else ""
-    if rewrites and (getattr(config, "dtype", "float32") not in ("float32", "float16")
-                     or getattr(config, "disk_pages", 0) or getattr(config, "select", "all") == "quest"):
+    float_in_ram = getattr(config, "float_in_ram", True)  # CacheSettings.float_in_ram
+    if rewrites and not float_in_ram:
         field = f"{config.policy}.rerotate" if rewrites == "rerotate" else "policy"
         raise ConfigError(field, config.policy_params.get("rerotate", config.policy),
                           f"{'0' if rewrites == 'rerotate' else 'another policy'} with a quantized dtype, a disk tier "
                           "or quest (re-rotating keys and merging values rewrite float K/V in RAM pages; quantized "
                           "codes, pages on disk and Quest's key bounds would go stale)")
-    if cls.compresses and (getattr(config, "dtype", "float32") not in ("float32", "float16")
-                           or getattr(config, "disk_pages", 0) or getattr(config, "select", "all") == "quest"):
+    if cls.compresses and not float_in_ram:
         raise ConfigError("policy", config.policy, "another policy with a quantized dtype, a disk tier or quest "
                           f"({config.policy}'s reconstruction pass reads float K/V from RAM pages)")
     policy = cls(**config.policy_params)

@@ -30,6 +30,7 @@ import numpy as np
 
 from pagevis.errors import ConfigError, check_int
 from pagevis.kvcache.policy_state import LayerView, PolicyState
+from pagevis.kvcache.slots import flat_slots
 
 
 @dataclass(kw_only=True)  # the shared options are keywords: a policy's own fields stay positional
@@ -170,5 +171,5 @@ def evict_page(pages: LayerView, scores: np.ndarray, candidates: list[int]) -> t
 
 def page_slots(pages: LayerView, page: int) -> np.ndarray:
     """The flat slots of a page that hold a token."""
-    slots = np.arange(page * pages.page_size, (page + 1) * pages.page_size)
+    slots = flat_slots(page, pages.page_size)
     return slots[pages.positions[slots] >= 0]
