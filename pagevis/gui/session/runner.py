@@ -88,10 +88,12 @@ class NewestRecord:
         raise IndexError(f"the app's session keeps only its newest record; the timeline has record {index}")
 
 
-def new_session(model, spec: ModelSpec, prompt: str, config: SessionConfig) -> tuple[DecodeSession, Timeline]:
-    """A DecodeSession for the app (keeping only its newest record) and the empty Timeline for its records."""
+def new_session(model, spec: ModelSpec, prompt: str, config: SessionConfig,
+                session: DecodeSession | None = None) -> tuple[DecodeSession, Timeline]:
+    """A DecodeSession for the app (keeping only its newest record) and the empty Timeline for its records;
+    `session`: one already made (a teacher-forced A/B side's)."""
     cache = validate(config, model.config)
-    session = DecodeSession(model, prompt, config)
+    session = session or DecodeSession(model, prompt, config)
     session.records = NewestRecord()
     cfg = model.config
     info = SessionInfo(spec.label, prompt, session.prompt_ids, config, cfg.n_layers, cfg.n_heads,
