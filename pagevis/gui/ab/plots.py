@@ -18,7 +18,7 @@ from pagevis.gui.widgets import theme
 from pagevis.viewmodel.ab_session import REPEAT_N, REPEAT_WINDOW, ABTimeline
 
 SMOOTH = 16  # tokens in the NLL plot's running mean
-COLORS = {"a": theme.SERIES[1], "b": theme.SERIES[2], "full": theme.MUTED}  # A orange, B green, full grey
+COLORS = {"a": theme.SERIES[1], "b": theme.SERIES[2], "full": "#e8e8e8"}  # A orange, B green, full white
 
 
 def _plot(widget: pg.GraphicsLayoutWidget, left: str, bottom: str) -> pg.PlotItem:
@@ -42,10 +42,19 @@ class ABPlots(QWidget):
         layout.addWidget(self.left_widget, 3)
         layout.addWidget(self.right_widget, 2)
         self.setMinimumHeight(150)
-        self.ppl = {side: self.left.plot() for side in ("full", "a", "b")}
+        self.ppl = {side: self.left.plot() for side in ("a", "b", "full")}  # the full cache's on top
         self.raw = {side: self.right.plot(pen=pg.mkPen(pg.mkColor(COLORS[side]).lighter(60), width=1))
                     for side in ("a", "b")}
-        self.smooth = {side: self.right.plot(pen=pg.mkPen(COLORS[side], width=2.2)) for side in ("full", "a", "b")}
+        self.smooth = {side: self.right.plot(pen=pg.mkPen(COLORS[side], width=2.2,
+                                                          style=Qt.DashLine if side == "full" else Qt.SolidLine))
+                       for side in ("a", "b", "full")}
+        self.evicted = {}  # teacher-forced: where each side first evicted
+        for side in ("a", "b"):
+            line = pg.InfiniteLine(angle=90, pen=pg.mkPen(COLORS[side], width=1, style=Qt.DotLine),
+                                   label="", labelOpts={"position": 0.92, "color": COLORS[side]})
+            self.left.addItem(line, ignoreBounds=True)
+            line.hide()
+            self.evicted[side] = line
         self.cursors = []
         for plot in (self.left, self.right):
             cursor = pg.InfiniteLine(angle=90, pen=pg.mkPen(theme.ACCENT, style=Qt.DashLine))
@@ -57,6 +66,9 @@ class ABPlots(QWidget):
     def set_mode(self, forced: bool, labels: tuple[str, str]) -> None:
         """Teacher-forced plots or free-running ones, the sides named (e.g. "A oldest", "B sinks")."""
         self.forced = forced
+        self.labels = {"a": labels[0], "b": labels[1]}
+        for line in self.evicted.values():
+            line.hide()
         self.left.setLogMode(y=forced)
         for plot in (self.left, self.right):
             plot._grown = (None, None)  # grow_range starts over
@@ -122,6 +134,21 @@ class ABPlots(QWidget):
         self.right.setXRange(0, max(total, 16), padding=0.02)
         for cursor in self.cursors:
             cursor.setValue(shown)
+        self._mark_evictions(timeline)
+
+    def _mark_evictions(self, timeline: ABTimeline) -> None:
+        """A dotted line where each side first evicted, labelled once per place ("first eviction: A, B")."""
+        places: dict[int, list[str]] = {}
+        for side, line in self.evicted.items():
+            step = timeline.first_eviction(side)
+            line.setVisible(step is not None)
+            if step is not None:
+                places.setdefault(timeline.scored_at(step), []).append(side)
+        for at, sides in places.items():
+            for side in sides:
+                self.evicted[side].setValue(at)
+                self.evicted[side].label.setFormat("" if side != sides[0] else "first eviction: " + ", ".join(
+                    self.labels[s].split(" ")[0] for s in sides))
 
     def _show_free(self, timeline: ABTimeline, index: int) -> None:
         count = len(timeline)
