@@ -225,9 +225,18 @@ def test_head_labels_name_their_kv_head_and_small_multiples_group_by_it(qtbot, w
     assert window.status_memory.text() == "K/V 8 KiB = 2 KV heads × 4 KiB · float32, 4.1 kbit per token"
 
 
-def test_narration_block_table_and_slider_marks_tell_what_happened(qtbot, window):
-    from pagevis.viewmodel.run_list import parse_run_list
+def parse_run_list(text: str) -> list[int]:
+    """The positions a run list names ("0–3, 17" -> 0, 1, 2, 3, 17): run_list read back, without truncation."""
+    if text == "—":
+        return []
+    out = []
+    for part in text.split(", "):
+        first, _, last = part.partition("–")
+        out.extend(range(int(first), int(last or first) + 1))
+    return out
 
+
+def test_narration_block_table_and_slider_marks_tell_what_happened(qtbot, window):
     step(qtbot, window, 4)
     window.scrub(1)  # the step whose prompt token evicted position 4 (sinks keep 0-3)
     narration = window.narration.text()
@@ -285,7 +294,7 @@ def test_slider_ticks_sit_under_the_handle_at_each_marked_step_and_need_no_pytho
 
 
 def test_block_table_lists_the_scattered_positions_of_a_token_level_policy():
-    from pagevis.viewmodel.run_list import parse_run_list, run_list
+    from pagevis.viewmodel.run_list import run_list
 
     assert run_list([40, 41, 3, 0, 1, 2, 17, 43, 42]) == "0–3, 17, 40–43"
     assert parse_run_list("0–3, 17, 40–43") == [0, 1, 2, 3, 17, 40, 41, 42, 43]

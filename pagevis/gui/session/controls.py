@@ -31,6 +31,7 @@ from PySide6.QtWidgets import (
 from pagevis import settings
 from pagevis.engine import ModelSpec, SessionConfig
 from pagevis.kvcache import POLICIES, ConfigError, policy_params
+from pagevis.kvcache.quant import has_residual
 from pagevis.presets import PRESETS, Preset, default_prompt
 from pagevis.gui.session.presets import model_title
 from pagevis.gui.session.runner import validate
@@ -308,7 +309,7 @@ class ControlsPanel(QScrollArea):
 
     def _storage_changed(self) -> None:
         """The residual window applies to int4 / int2 (KIVI) only."""
-        self.residual.setEnabled(self.dtype.currentData() in ("int4", "int2"))
+        self.residual.setEnabled(has_residual(self.dtype.currentData()))
 
     def _policy_changed(self) -> None:
         self._rebuild_params()
