@@ -190,7 +190,6 @@ def tier_summary(records, page_bytes: int) -> dict:
 
 def _policy_params(session) -> dict:
     """The policy's parameters as bound (defaults filled in, e.g. h2o's recent window)."""
-    from pagevis.kvcache import policy_params
+    from pagevis.kvcache.policies import bound_params
 
-    policy = session.policy
-    return {name: getattr(policy, name) for name in policy_params(policy.name)}
+    return bound_params(session.policy)
