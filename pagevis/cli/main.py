@@ -104,8 +104,9 @@ def command_parser() -> ArgumentParser:
         command = module.add_parser(commands)
         command.add_argument(
             "--blas-threads", type=int, default=1, metavar="N",
-            help="threads NumPy's BLAS may use (default 1: decoding is memory-bound, and spinning BLAS threads "
-                 "slow it down several times when another process is busy)")
+            help="threads NumPy's BLAS may use with --weights float32 (default 1: decoding is memory-bound, and "
+                 "spinning BLAS threads slow it down several times when another process is busy; quantized "
+                 "weights use --threads and one BLAS thread per thread)")
         add_weight_options(command, threads_default=None)
         add_debug_option(command)
     return parser
