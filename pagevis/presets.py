@@ -59,6 +59,8 @@ class Preset:
     a: SessionConfig
     b: SessionConfig | None = None  # the second session of an A/B demo
     model: str | None = None  # a model known by name (pagevis.model.locate.MODEL_NAMES); None: the one chosen
+    point: str = ""  # what it shows, in one line (the windows show it when it is chosen)
+    text: str | None = None  # an A/B that reads this shipped text on both sides ("same text", teacher-forced)
 
     def prompt_text(self) -> str:
         return prompt_resource(self.prompt)
@@ -71,35 +73,58 @@ def _config(**changes) -> SessionConfig:
 PRESETS: tuple[Preset, ...] = (
     Preset(f"Default: {DEFAULT_CONFIG.policy}, {DEFAULT_CONFIG.max_pages} × {DEFAULT_CONFIG.page_size}",
            f"The defaults ({DEFAULT_CONFIG.policy}: StreamingLLM's attention sinks plus the newest tokens, in "
-           f"{DEFAULT_CONFIG.max_pages} pages of {DEFAULT_CONFIG.page_size}); eviction within seconds.",
-           "explain-paging", DEFAULT_CONFIG),
+           f"{DEFAULT_CONFIG.max_pages} pages of {DEFAULT_CONFIG.page_size}) on SmolLM2, the default model.",
+           "explain-paging", DEFAULT_CONFIG, model=None,
+           point=f"The cache fills its {DEFAULT_CONFIG.max_pages} pages, then each new token evicts an old one — never "
+                 "the 4 sink tokens at the start."),
     Preset("StreamingLLM: window vs sinks",
-           "A: a plain sliding window (oldest) · B: the same window plus 4 sink tokens. Watch A's text degrade "
-           "once the first tokens leave, and the KL against the full cache.",
-           "attention-sinks", _config(policy="oldest", page_size=8, max_pages=8, oracle=True),
-           _config(policy="sinks", page_size=8, max_pages=8, oracle=True)),
+           "Both sides read the same text (chapter 1 of Pride and Prejudice), one token a step, in 8 pages of 8 "
+           "tokens, beside the full cache: A a plain sliding window (oldest), B the same window plus 4 sink "
+           "tokens. The curves are each side's perplexity so far (pagevis compare's numbers).",
+           "attention-sinks", _config(policy="oldest", page_size=8, max_pages=8),
+           _config(policy="sinks", page_size=8, max_pages=8), text=DEFAULT_TEXT,
+           point="The window's perplexity leaves the full cache's at its first eviction; keeping the first 4 "
+                 "tokens (sinks) holds it near."),
     Preset("H2O heavy hitters",
            "A: H2O keeps the most-attended tokens plus a recent window · B: sinks with the same budget.",
            "explain-paging", _config(policy="h2o", max_pages=8, oracle=True),
-           _config(policy="sinks", max_pages=8, oracle=True)),
+           _config(policy="sinks", max_pages=8, oracle=True),
+           point="H2O keeps the tokens attention returns to, wherever they are; sinks the first and the newest: "
+                 "the grids hold different tokens."),
     Preset("vLLM page-level",
-           "A: vLLM-style whole-page eviction (oldest-page, pages of 16) · B: token-level sliding window with "
-           "the same 64-token budget.",
+           "Both sides read the same text in 4 pages of 16: A evicts like vLLM, a whole page at a time "
+           "(oldest-page); B one token at a time (oldest), the same 64-token budget. Pages are per layer here, "
+           "and token-level policies mix old and new positions within one page; vLLM never does.",
            "explain-paging", _config(policy="oldest-page", page_size=16, max_pages=4),
-           _config(policy="oldest", page_size=16, max_pages=4)),
+           _config(policy="oldest", page_size=16, max_pages=4), text=DEFAULT_TEXT,
+           point="vLLM frees whole pages: A drops 16 tokens at once (49-64 held, a saw-tooth); B drops one "
+                 "token a step and stays full."),
     Preset("Page size 8 vs 32",
-           "Same budget (64 tokens), same policy (sinks): 8 pages of 8 against 2 pages of 32.",
-           "explain-paging", _config(page_size=8, max_pages=8), _config(page_size=32, max_pages=2)),
+           "Both sides read the same text with whole-page eviction (oldest-page) and the same 64-token budget: "
+           "8 pages of 8 against 2 pages of 32.",
+           "explain-paging", _config(policy="oldest-page", page_size=8, max_pages=8),
+           _config(policy="oldest-page", page_size=32, max_pages=2), text=DEFAULT_TEXT,
+           point="The page is the unit of eviction: pages of 8 free 8 tokens, pages of 32 half the cache — B "
+                 "falls to 33 tokens and its perplexity rises."),
     Preset("TOVA: least attended leaves",
            "A: TOVA evicts the token the latest query attends to least · B: H2O (accumulated attention).",
            "explain-paging", _config(policy="tova", max_pages=8, oracle=True),
-           _config(policy="h2o", max_pages=8, oracle=True)),
+           _config(policy="h2o", max_pages=8, oracle=True),
+           point="TOVA asks only the newest query, H2O every query so far: they keep different tokens and their "
+                 "texts part."),
     Preset("Gemma 3: sliding window vs global layers",
            "Gemma 3 270M (the pagevis[gemma] extra) on a 700-token passage, nothing evicted (policy none): its "
            "15 local layers keep a 512-token window and free each page that leaves it (a 'slide' event); layers "
            "5, 11 and 17 keep every token. Step the layer box between 0 and 5 to see both.",
-           "sliding-window", _config(policy="none", page_size=16, max_pages=64, chat=False), model="gemma3-270m"),
+           "sliding-window", _config(policy="none", page_size=16, max_pages=64, chat=False), model="gemma3-270m",
+           point="Gemma 3's local layers (0-4) free the pages that leave their 512-token window; its global "
+                 "layers (5, 11, 17) keep every token."),
 )
+
+
+def preset_named(name: str) -> Preset | None:
+    """The preset called exactly `name`, or None (the A/B window's title names its preset)."""
+    return next((p for p in PRESETS if p.name == name), None)
 
 
 def preset_names() -> list[str]:

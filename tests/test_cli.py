@@ -116,7 +116,8 @@ def test_a_screenshot_of_a_model_that_cannot_load_says_why(tmp_path):
                            str(tmp_path / "shot.png"), "--steps", "1"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
     assert done.returncode == 1 and not (tmp_path / "shot.png").exists()
-    assert f"pagevis: Could not load {truncated}: {truncated} (100 bytes) is truncated or corrupt" in done.stderr
+    assert f"pagevis: Could not load the model: {truncated} (100 bytes) is truncated or corrupt" in done.stderr
+    assert done.stderr.count(str(truncated)) == 1  # the path once (it was twice)
 
 
 def test_bad_trace_file_exits_2(capsys, tmp_path):

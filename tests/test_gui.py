@@ -44,7 +44,10 @@ def test_steps_fill_the_grid_then_evict_and_every_view_shows_it(qtbot, window):
 
     rows = window.events.visible_rows()  # selected layer only
     assert [(r[0], r[1], r[4], r[5]) for r in rows] == [(1, 0, 4, "o")]
+    assert window.events.model.rowCount() == 1  # the selected layer's rows only (its newest MAX_ROWS)
+    window.events.only_layer.setChecked(False)
     assert window.events.model.rowCount() == 2  # both layers
+    window.events.only_layer.setChecked(True)
 
     tints = window.text.tints
     assert len(tints) == 17
@@ -207,7 +210,7 @@ def test_after_reset_the_event_table_and_plot_show_the_new_runs_evictions(qtbot,
     # the reference: each record's own evict events (the engine numbers them 6..10 after the reset)
     expected = [(i, e.layer, e.position) for i, r in enumerate(records) for e in r.events if e.kind is EventKind.EVICT]
     assert len(expected) >= 8 and {i for i, _, _ in expected} >= {2, 3, 4}
-    assert window.events.model.rowCount() == len(expected)
+    assert window.events.model.rowCount() == len([e for e in expected if e[1] == 0])  # the selected layer's
     assert [(r[0], r[4]) for r in window.events.visible_rows()] == [(i, p) for i, layer, p in expected if layer == 0]
     xs, ys = window.events.scatter.getData()
     assert sorted(set(xs.tolist())) == sorted({float(i) for i, layer, _ in expected if layer == 0})

@@ -75,5 +75,89 @@ def test_while_the_model_loads_each_grid_shows_its_empty_pool(qtbot, tmp_path):
         assert -1 < x0 < 0.5 and config.page_size <= x1 < config.page_size + 1
         assert -1 < y0 < 0.5 and config.max_pages <= y1 < config.max_pages + 1
         assert f"{config.max_pages} pages × {config.page_size} slots" in grid.plot.titleLabel.text
-    (x0, x1), (y0, y1) = ab.plot.viewRange()
+    (x0, x1), (y0, y1) = ab.plots.left.viewRange()
     assert x0 > -0.5 and y0 > -0.5 and x1 <= 2 and y1 <= 2  # the KL plot starts at 0, not at −400
+
+
+def test_left_in_a_freshly_opened_ab_window_moves_a_step_back(qtbot, window):
+    """Opening the A/B left the focus in the layer box, which ate ← and → (they moved its text cursor)."""
+    from PySide6.QtWidgets import QApplication
+
+    ab = open_ab(qtbot, window)
+    qtbot.waitUntil(lambda: ab.runner.state == "ready", timeout=10000)
+    ab.runner.step_blocking(3)
+    ab.activateWindow()
+    qtbot.waitUntil(lambda: QApplication.focusWidget() is not None, timeout=3000)
+    assert ab.index == 2 and not isinstance(QApplication.focusWidget(), type(ab.layer))
+    qtbot.keyClick(QApplication.focusWidget(), Qt.Key_Left)
+    assert ab.index == 1
+    qtbot.keyClick(QApplication.focusWidget(), Qt.Key_Right)
+    assert ab.index == 2
+
+
+def test_same_text_reads_one_text_on_both_sides_with_the_full_cache_and_compares_numbers(qtbot, tmp_path, capsys):
+    """The "same text" mode: one token a step after the warm-up, each side's running perplexity and the full
+    cache's — the numbers `pagevis run --teacher-forced` (and so `pagevis compare`) gives for the same tokens."""
+    import json
+    from pathlib import Path
+
+    from pagevis.cli.main import main
+    from pagevis.gui.ab.window import ABWindow
+    from pagevis.viewmodel.ab_session import WARM_UP_MARGIN
+
+    a, b = replace(CONFIG, policy="oldest", page_size=8, max_pages=4), replace(CONFIG, page_size=8, max_pages=4)
+    text = Path(__file__).parent.parent / "resources" / "texts" / "pride-and-prejudice-ch1.txt"
+    ab = ABWindow(SYNTH, PROMPT, a, b, text=str(text))
+    qtbot.addWidget(ab)
+    ab.show()
+    ab.start(blocking=True)
+    assert ab.same_text.isChecked() and ab.timeline.forced
+    ab.runner.step_blocking(40)
+    ab.redraw()
+    timeline = ab.timeline
+    scored = timeline.scored_at(len(timeline) - 1)
+    first = 32 - WARM_UP_MARGIN
+    assert scored == first + 39 and [len(timeline.a.record(i).positions) for i in range(3)] == [first, 1, 1]
+    assert timeline.a.record(39).evictions_total > 0
+    summary = ab.summary.text()
+    assert f"ppl after {scored} tokens: full" in summary and "A oldest" in summary and "B sinks" in summary
+    assert len(ab.plots.ppl["a"].getData()[0]) == scored
+    layout = ["--model", "synthetic", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+              "--model-seed", "1", "--page-size", "8", "--max-pages", "4", "--teacher-forced", str(text),
+              "--tokens", str(scored + 1), "--json"]
+    for side, policy in (("a", "oldest"), ("b", "sinks")):
+        assert main(["run", *layout, "--policy", policy]) == 0
+        run = json.loads(capsys.readouterr().out)
+        assert run["tokens"] == scored
+        assert timeline.ppl(side, scored) == pytest.approx(run["ppl"], rel=1e-4)
+        assert timeline.ppl("full", scored) == pytest.approx(run["full_ppl"], rel=1e-4)
+    ab.same_text.setChecked(False)  # free-running again: both decode the prompt
+    qtbot.waitUntil(lambda: ab.runner.state == "ready" and not ab.timeline.forced, timeout=10000)
+
+
+def test_the_ab_grids_write_their_numbers_in_cells_of_24_by_16_at_1280_by_720(qtbot, tmp_path):
+    from pagevis.gui.ab.window import ABWindow
+    from pagevis.presets import find_preset
+
+    preset = find_preset("streaming")
+    ab = ABWindow(SYNTH, PROMPT, preset.a, preset.b, title=preset.name)
+    qtbot.addWidget(ab)
+    ab.resize(1280, 720)
+    ab.show()
+    ab.start(blocking=True)
+    ab.runner.step_blocking(3)
+    ab.redraw()
+    qtbot.wait(50)
+    assert preset.point in ab.point.text() and ab.point.isVisible()
+    for _, grid, _ in ab.sides:
+        grid.graphics.grab()  # paint: the labels size their numbers to the cells
+        view = grid.plot.getViewBox()
+        cell = view.mapViewToDevice(pg_rect(0, 0, 1, 1)).boundingRect()
+        assert grid.states.shape == (8, 8) and cell.width() >= 24 and cell.height() >= 16
+        assert grid.labels.pixel_size > 0  # the numbers are written
+
+
+def pg_rect(x, y, w, h):
+    from PySide6.QtCore import QRectF
+
+    return QRectF(x, y, w, h)

@@ -55,7 +55,7 @@ def test_empty_plots_have_sensible_axes_and_a_hint_that_goes_after_a_step(qtbot,
     assert ax0 == pytest.approx(0, abs=1) and prompt <= ax1 <= 4 * max(prompt, 32)  # positions the prefill fills
     assert ay0 == pytest.approx(0, abs=1) and ay1 >= 8
     (mx0, mx1), (my0, my1) = metrics.occupancy.vb.viewRange()
-    capacity = CONFIG.page_size * CONFIG.max_pages
+    capacity = CONFIG.capacity
     assert mx0 <= 0 and mx1 >= 16 and my0 <= 0 and capacity <= my1 <= 2 * capacity  # room for the cache
     assert metrics.capacity.value() == capacity and metrics.oracle_off.isVisible()
     assert not any(line.isVisible() for line in metrics.cursors) and not attention.cursor.isVisible()
@@ -164,7 +164,7 @@ def test_while_the_model_loads_the_views_show_the_pool_it_will_have(qtbot, tmp_p
     assert window.page_grid.states.shape == (CONFIG.max_pages, CONFIG.page_size)
     assert (window.page_grid.states == FREE).all()
     assert "loading" in window.attention.hint.toPlainText() and window.attention.hint.isVisible()
-    assert window.metrics.capacity.value() == CONFIG.page_size * CONFIG.max_pages
+    assert window.metrics.capacity.value() == CONFIG.capacity
     qtbot.waitUntil(lambda: window.runner.state == "ready", timeout=20000)
     window.redraw()
     assert EMPTY_HINT in window.attention.hint.toPlainText()

@@ -67,3 +67,14 @@ def test_spilled_tiered_records_come_back_whole():
     for index in (0, 5, 17):  # rebuilt from the spill file
         assert record_differences(timeline.records[index], records[index]) == []
     session.cache.close()
+
+
+def test_the_capacity_line_is_the_disk_tiers_from_the_first_frame_on(qtbot, window):
+    """One formula (config.capacity: disk pages × page size with a disk tier) before the first step and after:
+    the line no longer jumps from the RAM frames' 12 tokens to the tier's 40 at the first step."""
+    window.docks["Metrics"].raise_()
+    window.redraw()
+    assert window.timeline is not None and not len(window.timeline)
+    assert window.metrics.capacity.value() == TIERED.capacity == 40
+    step(qtbot, window)
+    assert window.metrics.capacity.value() == 40

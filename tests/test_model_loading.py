@@ -37,10 +37,25 @@ def test_smollm2_config_comes_from_metadata(smollm2):
     assert c.bos_id == 1 and c.eos_ids == (2,)
 
 
-def test_smollm2_weights_are_output_major_float32(smollm2):
-    """Each (in, out) matrix is the transposed view of an (out, in) C-contiguous array (matmul.py's
-    blocked kernel views runs of output columns as contiguous blocks); the embedding is row-contiguous."""
+def test_smollm2_weights_stay_as_the_file_stores_them(smollm2):
+    """The default: Q4_1 matrices (Q, K, V packed as one; gate and up as one) and the Q8_0 embedding, whose packed
+    matrix is also the tied output; nothing dequantised to float32 but the norms."""
+    from pagevis.model.quant_weights import QuantEmbedding
+    from pagevis.model.quantized import QuantMatrix
+
     w = smollm2.weights
+    assert all(isinstance(m, QuantMatrix) and m.kind.name == "Q4_1" for m in w.matrices()[:-1])
+    assert isinstance(w.embedding, QuantEmbedding) and w.embedding.matrix is w.output_t
+    assert w.output_t.kind.name == "Q8_0"
+    assert smollm2.weight_info == {"format": "quantized", "types": {"F32": 61, "Q4_1": 210, "Q8_0": 1},
+                                   "bytes": smollm2.weight_info["bytes"]}
+    assert smollm2.weight_info["bytes"] < 1.2 * default_model_path().stat().st_size
+
+
+def test_smollm2_float32_weights_are_output_major():
+    """--weights float32: each (in, out) matrix is the transposed view of an (out, in) C-contiguous array
+    (matmul.py's blocked kernel views runs of output columns as contiguous blocks); the embedding is row-contiguous."""
+    w = load_model(weights="float32").weights
     assert w.embedding.flags.c_contiguous
     for array in w.matrices():
         assert array.dtype == np.float32 and array.T.flags.c_contiguous

@@ -29,9 +29,9 @@ def logits(model):
 
 def test_second_load_maps_the_cached_arrays(tmp_path, cache):
     path = write_llama_gguf(tmp_path / "tiny.gguf", SyntheticModel(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8))
-    first = load_model(path)
+    first = load_model(path, weights="float32")
     assert len(list(cache.iterdir())) == 1
-    second = load_model(path)
+    second = load_model(path, weights="float32")
     assert not second.weights.embedding.flags.writeable  # a read-only map of the cache, not a fresh dequantisation
     assert np.shares_memory(second.weights.embedding, second.weights.output_t)  # tied: still one matrix
     np.testing.assert_array_equal(logits(second), logits(first))
@@ -39,16 +39,16 @@ def test_second_load_maps_the_cached_arrays(tmp_path, cache):
 
 def test_damaged_or_stale_entries_are_not_used(tmp_path, cache):
     path = write_llama_gguf(tmp_path / "tiny.gguf", SyntheticModel(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8))
-    expected = logits(load_model(path))
+    expected = logits(load_model(path, weights="float32"))
     entry = next(cache.iterdir())
     (entry / "0.wqkv.npy").write_bytes(b"\x93NUMPY garbage")
-    reloaded = load_model(path)
+    reloaded = load_model(path, weights="float32")
     assert reloaded.weights.embedding.flags.writeable  # dequantised again
     np.testing.assert_array_equal(logits(reloaded), expected)
     np.save(entry / "embedding.npy", np.zeros((3, 3), np.float32))  # a valid .npy of the wrong shape
-    np.testing.assert_array_equal(logits(load_model(path)), expected)
+    np.testing.assert_array_equal(logits(load_model(path, weights="float32")), expected)
     os.utime(path, ns=(1, 1))  # the source changed: a new entry, the old one is never read
-    load_model(path)
+    load_model(path, weights="float32")
     assert len(list(cache.iterdir())) == 2
 
 
@@ -56,5 +56,6 @@ def test_at_most_max_entries_are_kept(tmp_path, cache, monkeypatch):
     monkeypatch.setattr(weight_cache, "MAX_ENTRIES", 2)
     for index in range(3):
         load_model(write_llama_gguf(tmp_path / f"m{index}.gguf", SyntheticModel(n_layers=1, n_heads=2, n_kv_heads=1,
-                                                                                 head_dim=8, seed=index)))
+                                                                                 head_dim=8, seed=index)),
+                   weights="float32")
     assert len(list(cache.iterdir())) == 2

@@ -33,13 +33,24 @@ def test_logits_equal_transformers(name):
 
 
 def test_the_scaling_changes_the_answer():
-    """The four files hold the same weights: the references differ only by the scaling, and by a lot."""
+    """The four Llama files hold the same weights: the references differ only by the scaling, and by a lot."""
     plain = np.array(CASES["none-type"]["logits"])
     for name in ("factor-no-type", "scale-linear", "linear-type"):
         assert np.abs(np.array(CASES[name]["logits"]) - plain).max() > 0.1, name
     model = load_model(DATA / "factor-no-type.gguf")
     unscaled = LlamaModel(replace(model.config, rope_scale=1.0, rope_scales=()), model.weights, None)
     np.testing.assert_allclose(logits_of(unscaled), plain, rtol=1e-4, atol=2e-4)
+
+
+def test_gemma3_scales_only_its_global_layer():
+    """Gemma 3 (the 4B-27B scale by 8): llama.cpp and transformers scale the global layers and never the local ones.
+    Scaling every layer, or none, gives other logits than transformers'."""
+    model = load_model(DATA / "gemma3-linear.gguf")
+    assert model.config.rope_scales == (1.0, 1.0, 1.0, 1.0, 1.0, 8.0)
+    reference = np.array(CASES["gemma3-linear"]["logits"])
+    for scales in ((8.0,) * 6, (1.0,) * 6):
+        wrong = LlamaModel(replace(model.config, rope_scales=scales), model.weights, None)
+        assert np.abs(logits_of(wrong) - reference).max() > 0.05, scales
 
 
 def rewritten(tmp_path: Path, changes: dict) -> Path:

@@ -72,3 +72,32 @@ def test_the_frames_a_pool_view_reads_are_read_only():
     with pytest.raises(ValueError):
         frames.positions[0] = 7
     assert frames.page_size == 4 and not frames.tiered
+
+
+def test_a_session_builds_its_cache_config_once_and_one_policy_per_sequence(monkeypatch):
+    from pagevis.engine import engine, session as session_module
+    from pagevis.kvcache import CacheConfig, kv_cache_manager
+
+    built = {"config": 0, "session": 0, "elsewhere": 0}
+    for_model = CacheConfig.for_model.__func__
+
+    def counted_config(cls, *args, **kwargs):
+        built["config"] += 1
+        return for_model(cls, *args, **kwargs)
+
+    def counted(key, make):
+        def wrapper(*args, **kwargs):
+            built[key] += 1
+            return make(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(CacheConfig, "for_model", classmethod(counted_config))
+    monkeypatch.setattr(session_module, "make_policy", counted("session", session_module.make_policy))
+    for module in (engine, kv_cache_manager):  # the fallbacks that build one when none is given
+        monkeypatch.setattr(module, "make_policy", counted("elsewhere", module.make_policy))
+    session = decoded(max_new_tokens=6)
+    assert built == {"config": 1, "session": 1, "elsewhere": 0}
+    assert session.policy is session.cache.sequences[session.seq_id].policy
+    session.restart()  # a new sequence: its own policy, which the step that admits it evicts by
+    session.step()
+    assert built["session"] == 2 and session.policy is session.cache.sequences[session.seq_id].policy

@@ -12,6 +12,7 @@ from importlib import resources
 from pagevis import settings
 from pagevis.cli import options
 from pagevis.kvcache.config import MAX_PAGE_SIZE, MAX_PAGES, STORAGE_DTYPES
+from pagevis.kvcache.quant import has_residual
 from pagevis.cli.options import UsageError
 from pagevis.cli.progress import Progress
 
@@ -215,7 +216,7 @@ def main(args: argparse.Namespace) -> int:
 
     result = {"model": spec.label, "text": args.text or f"pagevis.resources/{DEFAULT_TEXT}", "tokens": len(ids),
               "page_size": args.page_size, "dtypes": dtypes, "reference_dtype": "float32",
-              **({"residual": residual} if any(d in ("int4", "int2") for d in dtypes) else {}),
+              **({"residual": residual} if any(has_residual(d) for d in dtypes) else {}),
               "equal_memory": args.equal_memory, "full_cache_ppl": reference.perplexity(),
               "seconds": progress.elapsed(), "estimated_seconds": estimate.total,
               "peak_rss_mb": measure.peak_rss_bytes() / 1e6, "rows": [row.as_dict() for row in rows[1:]]}

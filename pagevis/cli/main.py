@@ -62,8 +62,32 @@ def gui_parser() -> ArgumentParser:
                        help="start the guided tour (Help > Tour): the StreamingLLM A/B, then Sequences, then the "
                             "Server window, each with one line on what to look at")
     add_metrics_option(group)
+    add_weight_options(parser, threads_default=APP_WEIGHT_THREADS)
     add_debug_option(parser)
     return parser
+
+
+# The app decodes on one core and leaves the other to its window (docs/model.md: its step rate either way).
+APP_WEIGHT_THREADS = 1
+
+
+def add_weight_options(parser: argparse.ArgumentParser, threads_default: int | None) -> None:
+    parser.add_argument("--weights", choices=("quantized", "float32"), default="quantized",
+                        help="quantized (default): a GGUF's matrices stay as the file stores them (Q4_1, Q8_0, "
+                             "Q4_K, ...), multiplied block by block; float32: dequantised at load, BLAS products")
+    parser.add_argument("--threads", type=int, default=threads_default, metavar="N",
+                        help="threads for the products with quantized weights (1 or 2; default: "
+                             + ("every core, up to 2" if threads_default is None else str(threads_default)) + ")")
+
+
+def use_weight_options(args: argparse.Namespace) -> None:
+    from pagevis.model.quant_weights import set_weight_format
+    from pagevis.model.weight_threads import set_weight_threads
+
+    if args.threads is not None:
+        options.check_range("--threads", args.threads, 1, 2)
+    set_weight_format(args.weights)
+    set_weight_threads(args.threads)
 
 
 def add_debug_option(parser: argparse.ArgumentParser) -> None:
@@ -80,8 +104,10 @@ def command_parser() -> ArgumentParser:
         command = module.add_parser(commands)
         command.add_argument(
             "--blas-threads", type=int, default=1, metavar="N",
-            help="threads NumPy's BLAS may use (default 1: decoding is memory-bound, and spinning BLAS threads "
-                 "slow it down several times when another process is busy)")
+            help="threads NumPy's BLAS may use with --weights float32 (default 1: decoding is memory-bound, and "
+                 "spinning BLAS threads slow it down several times when another process is busy; quantized "
+                 "weights use --threads and one BLAS thread per thread)")
+        add_weight_options(command, threads_default=None)
         add_debug_option(command)
     return parser
 
@@ -96,11 +122,13 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError(f"unrecognized arguments: {' '.join(unknown)} (see pagevis {argv[0]} --help)")
             parsed.append(args)
             use_blas_threads(parsed[0].blas_threads)
+            use_weight_options(parsed[0])
             return parsed[0].handler(parsed[0])
         if argv and not argv[0].startswith("-"):
             raise UsageError(f"unknown command {argv[0]!r}; the commands are {', '.join(COMMANDS)} "
                              "(see pagevis --help)")
         parsed.append(gui_parser().parse_args(argv))
+        use_weight_options(parsed[0])
         return launch_app(parsed[0])
     except SystemExit as done:  # --help and --version end here
         return done.code if isinstance(done.code, int) else 0

@@ -89,6 +89,7 @@ def main(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(f"trace: {args.trace} ({size / 1024:.0f} KiB, {len(session.records)} steps)", file=sys.stderr)
     summary = summarize(session, spec.label, elapsed)
+    summary["weights"] = getattr(model, "weight_info", None)
     if args.json:
         print(json.dumps(summary, ensure_ascii=False))
     else:
@@ -189,7 +190,6 @@ def tier_summary(records, page_bytes: int) -> dict:
 
 def _policy_params(session) -> dict:
     """The policy's parameters as bound (defaults filled in, e.g. h2o's recent window)."""
-    from pagevis.kvcache import policy_params
+    from pagevis.kvcache.policies import bound_params
 
-    policy = session.policy
-    return {name: getattr(policy, name) for name in policy_params(policy.name)}
+    return bound_params(session.policy)

@@ -21,7 +21,7 @@ from typing import Iterator
 
 import numpy as np
 
-from pagevis.kvcache import POLICIES, CacheFullError, ConfigError, EventKind, KVCacheManager, make_policy
+from pagevis.kvcache import POLICIES, CacheConfig, CacheFullError, ConfigError, EventKind, KVCacheManager, make_policy
 from pagevis.kvcache.memory import HybridBytes, hybrid_bytes
 from pagevis.kvcache.swap import SwapSpaceError
 from pagevis.errors import check_int
@@ -39,14 +39,16 @@ EngineHook = Callable[[BatchRecord], None]
 
 class Engine:
     def __init__(self, model, config: SessionConfig | None = None, batch: BatchConfig | None = None,
-                 max_chunk: int | None = MAX_CHUNK, hold_finished: bool = False):
+                 max_chunk: int | None = MAX_CHUNK, hold_finished: bool = False,
+                 cache_config: CacheConfig | None = None):
         """max_chunk: prompt tokens one request feeds per step (None: as many as fit). hold_finished: keep a
-        finished request's pages until `release` (the app shows the cache as the request left it)."""
+        finished request's pages until `release` (the app shows the cache as the request left it).
+        cache_config: `config`'s for this model, when the caller has built it already (a DecodeSession)."""
         self.model = model
         self.hold_finished = hold_finished
         self.config = config or SessionConfig()
         self.batch = batch or BatchConfig()
-        self.cache_config = self.config.cache_config(model.config)
+        self.cache_config = cache_config or self.config.cache_config(model.config)
         pool_pages = self.batch.pool_pages or self.batch.max_seqs * self.cache_config.n_page_ids
         self.cache = KVCacheManager(self.cache_config, pool_pages, self.batch.prefix_caching)
         self.scheduler = Scheduler(self.cache, self.batch.max_seqs, self.batch.token_budget, max_chunk)

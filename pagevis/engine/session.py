@@ -84,15 +84,16 @@ class DecodeSession:
         if not self.prompt_ids:
             raise ConfigError("prompt", prompt, "text that encodes to at least one token")
         self.shared = engine is not None
+        self.cache_config = self.config.cache_config(model.config)  # built once, here: the engine is given it
         self.engine = engine or Engine(model, self.config, BatchConfig(max_seqs=1), max_chunk=max_chunk,
-                                       hold_finished=True)
-        self.cache_config = self.config.cache_config(model.config)
+                                       hold_finished=True, cache_config=self.cache_config)
         self.cache = self.engine.cache
         self.pool = pool or PoolView()
         self.oracle = (FullCacheOracle(model, self.cache_config, len(self.prompt_ids) + self.config.max_new_tokens,
                                        self.record_layers) if self.config.oracle else None)
         self._hooks: list[StepHook] = []
-        self._policy = policy
+        self._given_policy = policy
+        self._policy = policy  # the request's: built once per submit (one per sequence), unless given
         self.seq_id, self.request = -1, None  # until submitted
         self.records: list[StepRecord] = []
         if not self.shared:
@@ -101,8 +102,8 @@ class DecodeSession:
     def submit(self) -> None:
         """Queue the session's request in its engine (a shared engine's owner calls this on its thread)."""
         config = self.config
-        policy = self._policy or (make_policy(self.cache_config) if self.shared else None)
-        self.seq_id = self.engine.submit(self.prompt_ids, config.sampling, config.max_new_tokens, policy=policy)
+        self._policy = self._given_policy or make_policy(self.cache_config)
+        self.seq_id = self.engine.submit(self.prompt_ids, config.sampling, config.max_new_tokens, policy=self._policy)
         self.request = self.engine.requests[self.seq_id]
         self.request.hold = True  # the last record shows the cache as the request left it
         self.engine.watch_attention(self.seq_id, self.record_layers)
@@ -137,9 +138,8 @@ class DecodeSession:
     # --- state ---------------------------------------------------------------------------------------
     @property
     def policy(self):
-        """The request's eviction policy (its settings' until the first step admits it)."""
-        seq = self.cache.sequences.get(self.seq_id)
-        return seq.policy if seq is not None else self._policy or make_policy(self.cache_config)
+        """The request's eviction policy (the one its sequence evicts by, once the first step admits it)."""
+        return self._policy
 
     @property
     def read_slots(self) -> list:

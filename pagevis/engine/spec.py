@@ -49,12 +49,14 @@ class ModelSpec:
         return window_pattern(self.n_layers, self.sliding_window, self.global_every)
 
     def load(self):
-        """The model, loaded once per spec and then shared (weights are read-only)."""
-        return _load(self)
+        """The model, loaded once per spec and weight format (`--weights`), then shared (weights are read-only)."""
+        from pagevis.model.quant_weights import weight_format
+
+        return _load(self, weight_format())
 
 
 @functools.lru_cache(maxsize=2)
-def _load(spec: ModelSpec):
+def _load(spec: ModelSpec, weights: str = "quantized"):
     if spec.kind == "synthetic":
         from pagevis.model.synthetic import SyntheticModel
 
@@ -63,4 +65,4 @@ def _load(spec: ModelSpec):
                               sliding_window=spec.sliding_window, global_every=spec.global_every)
     from pagevis.model import load_model
 
-    return load_model(spec.path if spec.kind == "gguf" else None)
+    return load_model(spec.path if spec.kind == "gguf" else None, weights=weights)

@@ -61,6 +61,8 @@ def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, sessi
     window.apply_arguments(model_spec, prompt, session_config)
     if present is not None:
         window.set_presentation(present)
+    if preset is not None:
+        window.presets.announce(preset)
     if probe is not None:
         probe.mark("window")
         probe.watch(app, window)

@@ -15,7 +15,7 @@ from pagevis.errors import ConfigError, check_int
 from pagevis.settings import MAX_PAGE_SIZE, MAX_PAGES, SELECT_MODES, STORAGE_DTYPES, field_for
 from pagevis.kvcache.policies import make_policy
 from pagevis.kvcache.key_channels import pruned_count
-from pagevis.kvcache.quant import is_quantized, layout_for
+from pagevis.kvcache.quant import has_residual, is_quantized, layout_for
 from pagevis.kvcache.spec import LayerSpec, check_windows, layer_specs
 
 # The settings' bounds live in the table (pagevis.settings); they are named here too for the engine's readers.
@@ -98,8 +98,24 @@ class CacheSettings:
 
     @property
     def capacity(self) -> int:
-        """Tokens each layer can hold."""
+        """Tokens each layer can hold: its page ids' slots (disk pages with a disk tier, else RAM frames)."""
         return self.n_page_ids * self.page_size
+
+    @property
+    def ram_tokens(self) -> int:
+        """Tokens the RAM frames hold, max_pages * page_size (the capacity without a disk tier)."""
+        return self.max_pages * self.page_size
+
+    @property
+    def has_residual(self) -> bool:
+        """int4 / int2 (KIVI): a float32 residual window beside the quantized pages (`residual` applies)."""
+        return has_residual(self.dtype)
+
+    @property
+    def float_in_ram(self) -> bool:
+        """Whether K/V are float32 / float16 in RAM pages (no quantized dtype, no disk tier, no quest): what
+        rewriting them in place (re-rotation, merging) and kvzip's reconstruction pass need."""
+        return not is_quantized(self.dtype) and not self.disk_pages and self.select != "quest"
 
 
 @dataclass(frozen=True)
@@ -169,11 +185,6 @@ class CacheConfig(CacheSettings):
     def hybrid(self) -> bool:
         """Whether some layer keeps a sliding window."""
         return self.sliding_windows is not None
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head."""
-        return self.n_heads // self.n_kv_heads
 
     def page_bytes(self) -> int:
         """K and V of one page of one layer, in bytes (the unit the disk tier moves): with a quantized dtype

@@ -6,8 +6,8 @@ compression), tokens under a threshold before every write (`prune`), (KV head, t
 policy (`evict_heads`, and kvzip's one-shot `compress`); a merging policy also names the survivor each victim's
 value folds into (`merge`). Here the choice is carried out: a shared page is copied before it changes
 (copy-on-write), a page that changes leaves the prefix cache, a page left empty is released, every change is
-an event; with re-rotation the survivors' keys move to contiguous positions (`rerotate`). ThinK's key-channel
-pruning (`prune_key_channels`) rewrites keys in place the same way.
+an event; then the policy hears of the removal (a re-rotating policy moves the survivors' keys: wrappers.py).
+ThinK's key-channel pruning (`prune_key_channels`) rewrites keys in place the same way.
 
 Each function takes the layer's manager (layers.py: the store, the event log, copy-on-write) and the sequence.
 """
@@ -19,7 +19,6 @@ import numpy as np
 from pagevis.kvcache.errors import CacheFullError
 from pagevis.kvcache.events import EventKind
 from pagevis.kvcache.layers import LayerManager
-from pagevis.kvcache.rope_shift import rotate
 from pagevis.kvcache.sequence import SequenceCache
 
 E = EventKind
@@ -59,10 +58,10 @@ def append(layer: LayerManager, seq: SequenceCache, k: np.ndarray, v: np.ndarray
 
 
 def evict(layer: LayerManager, seq: SequenceCache) -> None:
-    """The policy's victims; with compress_every N, N of them (one choice at a time), down to the budget
-    minus N (or to the last token the policy may evict)."""
+    """The policy's victims: as many as it evicts at once (periodic compression: N, one choice at a time),
+    down to the budget minus that (or to the last token the policy may evict)."""
     policy = seq.policy
-    target = seq.resident[layer.layer] - policy.compress_every
+    target = seq.resident[layer.layer] - policy.evicted_at_once()
     while True:
         view = layer.view(seq)
         victims, scores = policy.choose_victims(view)
@@ -136,8 +135,7 @@ def remove(layer: LayerManager, seq: SequenceCache, victims: np.ndarray, scores:
             seq.holes[index].difference_update(range(page * ps, (page + 1) * ps))
             store.release(page)
             layer.event(E.RELEASE, seq, page)
-    if seq.policy.rerotate:
-        rerotate(layer, seq, removed)
+    seq.policy.after_removal(layer, seq, removed)
 
 
 def merge(layer: LayerManager, seq: SequenceCache, victims: np.ndarray, scores: np.ndarray, targets: np.ndarray,
@@ -166,29 +164,6 @@ def _slot_of(layer: LayerManager, seq: SequenceCache) -> dict[int, int]:
     """Position -> flat slot of the sequence's tokens in the layer."""
     flat = layer.flat(seq)
     return dict(zip(layer.store.positions[flat].tolist(), flat.tolist(), strict=True))
-
-
-def rerotate(layer: LayerManager, seq: SequenceCache, removed: list[int]) -> None:
-    """After the tokens at positions `removed` left: each survivor older than k of them moves k positions
-    later (its key rotated by k; kvcache/rope_shift.py), so that the distance from any query to it is
-    the one contiguous positions would give. A page it changes is copied first if shared, and no longer
-    stands for its prefix hash."""
-    store, ps = layer.store, layer.page_size
-    flat = layer.flat(seq)
-    positions = store.positions[flat]
-    later = len(removed) - np.searchsorted(np.sort(removed), positions, side="right")
-    moving = (positions >= 0) & (later > 0)
-    moved, delta = flat[moving], later[moving]
-    for page in np.unique(moved // ps).tolist():
-        layer.forget(seq, page)
-        if store.pages.is_shared(page):
-            copy = layer.copy_on_write(seq, page)
-            moved = np.where(moved // ps == page, copy * ps + moved % ps, moved)
-    pages, slots = moved // ps, moved % ps
-    rotated = rotate(store.k[:, pages, slots], delta, layer.inv_freq).astype(store.k.dtype)
-    if seq.channels is not None:  # ThinK: a RoPE pair with one channel pruned keeps that channel zero
-        rotated = seq.channels.prune(layer.layer, rotated.transpose(1, 0, 2)).transpose(1, 0, 2)
-    store.k[:, pages, slots] = rotated
 
 
 def prune_key_channels(layers: list[LayerManager], seq: SequenceCache) -> None:

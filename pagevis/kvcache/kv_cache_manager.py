@@ -37,10 +37,10 @@ from pagevis.kvcache.layers import layer_manager
 from pagevis.kvcache.policies import EvictionPolicy, make_policy
 from pagevis.kvcache.policy_state import LayerView
 from pagevis.kvcache.prefix_cache import ROOT_HASH, PrefixCacheStats, page_hash, prefix_hashes
-from pagevis.kvcache.rope_shift import inverse_frequencies
 from pagevis.kvcache.sequence import SequenceCache
 from pagevis.kvcache.snapshot import CacheSnapshot, LayerFrames, layer_frames, take
-from pagevis.kvcache.store import PageStore, TierCounts
+from pagevis.kvcache.storage import make_store
+from pagevis.kvcache.store import TierCounts
 from pagevis.kvcache.swap import SwapSpace
 
 E = EventKind
@@ -61,12 +61,11 @@ class KVCacheManager(Admission):
                                                                                    MAX_PAGES)
         self.page_size = config.page_size
         self.swap = SwapSpace(config.n_layers, config.page_bytes(), config.swap_dir) if config.tiered else None
-        self.stores = [PageStore(config, layer, self.swap.files[layer] if self.swap else None, self.pool_pages)
+        self.stores = [make_store(config, layer, self.swap.files[layer] if self.swap else None, self.pool_pages)
                        for layer in range(config.n_layers)]
         self.log = EventLog()
         self.sequences: dict[int, SequenceCache] = {}
-        inv_freq = inverse_frequencies(config.head_dim, config.rope_base)  # re-rotation's RoPE frequencies
-        self.layers = [layer_manager(spec, store, self.log, self.sequences, self.pool_pages, inv_freq)
+        self.layers = [layer_manager(spec, store, self.log, self.sequences, self.pool_pages)
                        for spec, store in zip(config.layer_specs, self.stores, strict=True)]
         self.select_pages = config.select_pages if config.select == "quest" else None
         self.windows = tuple(layer.window for layer in self.layers)  # per layer: None (global) or W (local)

@@ -37,11 +37,10 @@ class LayerManager:
     """One layer's pages for any number of sequences (their tables are per layer: policies evict per layer)."""
 
     def __init__(self, spec: LayerSpec, store: PageStore, log: EventLog, sequences: dict[int, SequenceCache],
-                 pool_pages: int, inv_freq: np.ndarray):
+                 pool_pages: int):
         self.window = spec.window  # the keys a query sees: all (None), or the last `window` positions
         self.store, self.log, self.sequences = store, log, sequences
         self.layer, self.page_size, self.pool_pages = store.layer, store.page_size, pool_pages
-        self.inv_freq = inv_freq  # re-rotation's RoPE frequencies
         self.copies = 0  # copy-on-write copies made
         store.on_move = self._moved
 
@@ -93,12 +92,12 @@ class LayerManager:
         shared = store.pages.ref_counts[table] > 1 if table else np.zeros(0, dtype=bool)
         room = len(seq.holes[self.layer])
         n_evict = max(0, seq.resident[self.layer] + n_tokens - self.budget(seq)) if policy.evicts else 0
-        if n_evict:  # compress_every N evicts N at each time the budget is reached
-            n_evict += policy.compress_every - 1
+        if n_evict:  # a policy evicting N at once (periodic compression) evicts N each time the budget is reached
+            n_evict += policy.evicted_at_once() - 1
         need = int((shared & (fill < ps)).sum()) + min(n_evict, int(shared.sum()))
         if store.kivi:  # quantizing a key group copies the shared pages it touches
             need += min(int(shared.sum()), -(-store.layout.group // ps) + 1)
-        if (policy.prunes or (n_evict and (policy.rerotate or policy.merges))
+        if (policy.prunes or (n_evict and policy.rewrites_survivors())
                 or (seq.channels is not None and not seq.channels.chosen)):
             need += int(shared.sum())  # pruned tokens or key channels, rotated keys, merged values: any shared page
         return need + -(-max(0, n_tokens - room - n_evict) // ps)
@@ -362,5 +361,5 @@ MANAGERS: dict[type, type[LayerManager]] = {FullAttentionSpec: FullAttentionMana
 
 
 def layer_manager(spec: LayerSpec, *args) -> LayerManager:
-    """The manager of a layer of this spec (then: the store, event log, sequences, pool size, RoPE frequencies)."""
+    """The manager of a layer of this spec (then: the store, event log, sequences and pool size)."""
     return MANAGERS[type(spec)](spec, *args)

@@ -13,7 +13,7 @@ Three schemes (storage dtypes beside float32 and float16):
   group), in groups of GROUP = 32: a key group is 32 tokens sharing one scale and zero point per channel;
   a value group is 32 channels of one token. The newest `residual` tokens of a sequence stay in full
   precision (float32, exactly as computed); once GROUP more have arrived, the oldest GROUP of them are
-  quantized together as one key group (see KVCacheManager._seal_residual for when).
+  quantized together as one key group (see LayerManager.seal_residual, kvcache/layers.py, for when).
 
 Rounding: a zero point is rounded down to a float16 and a scale up, so every value of its group maps to a
 code in range and `|x - dequantized| <= scale / 2` (plus float32 rounding) holds for every element — the
@@ -284,23 +284,6 @@ def clamp_residual(layout: Layout, tokens: int) -> Layout:
     if not layout.kivi:
         return layout
     return dataclasses.replace(layout, residual=min(layout.residual, layout.largest_residual(tokens)))
-
-
-def bytes_per_token(dtype: str, n_kv_heads: int, head_dim: int, page_size: int = GROUP,
-                    residual: int = 0, tokens: int | None = None) -> float:
-    """K/V bytes per token of one layer. Float dtypes: 2 * n_kv * d * itemsize. Quantized: a quantized
-    token's bytes; with `tokens` (a cache of that many, KIVI's window included at full precision, the
-    residual clamped to it as the cache clamps it): (tokens * quantized + min(tokens, window) * float32) /
-    tokens — every slot of a page holds codes, and the window's tokens are held in float32 besides."""
-    if not is_quantized(dtype):
-        return 2 * n_kv_heads * head_dim * np.dtype(dtype).itemsize
-    layout = Layout(dtype, n_kv_heads, page_size, head_dim, residual if has_residual(dtype) else 0)
-    if tokens is not None:
-        layout = clamp_residual(layout, tokens)
-    per = layout.quantized_bytes_per_token()
-    if tokens is None or not layout.kivi:
-        return per
-    return per + min(tokens, layout.window()) * layout.residual_bytes_per_token() / tokens
 
 
 # --- what sits beside the pages (int4 / int2) ----------------------------------------------------------

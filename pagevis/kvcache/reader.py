@@ -20,6 +20,7 @@ import numpy as np
 
 from pagevis.kvcache.attention import AttentionResult, Partial, attend_part, merge, rescale
 from pagevis.kvcache.quant import BLOCK_TOKENS
+from pagevis.kvcache.slots import flat_slots
 from pagevis.kvcache.store import PageStore
 
 
@@ -79,7 +80,7 @@ def read_attention(store: PageStore, table: list[int], q: np.ndarray, positions:
         nonlocal whole
         span = slice(lo * ps, hi * ps)
         keys, values = store.frame_kv(lo, hi)
-        slots = (store.page_in[lo:hi, None] * ps + np.arange(ps)).ravel()
+        slots = flat_slots(store.page_in[lo:hi], ps)
         held = None if keep is None else np.where(slots >= 0, keep[:, np.maximum(slots, 0)], False)
         part, weights = attend_part_kept(q, keys, values, bias, store.frame_positions[span], positions, held, window)
         whole = part if whole is None else merge(whole, part)

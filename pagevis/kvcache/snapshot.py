@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagevis.kvcache.slots import flat_slots
+
 
 @dataclass(frozen=True)
 class LayerFrames:
@@ -97,7 +99,7 @@ def take(cache, seq_id: int, shown: int, held: HeldSlots | None = None) -> Cache
 def _own_slots(store) -> np.ndarray:
     """Per RAM slot, the flat page-id slot (page id * page size + slot) of the page its frame holds, -1 if none."""
     ps = store.page_size
-    held = (store.page_in[:, None] * ps + np.arange(ps)).ravel()
+    held = flat_slots(store.page_in, ps)
     return np.where(np.repeat(store.page_in >= 0, ps), held, -1)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import struct
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,21 @@ def _check_tensor_extents(path: Path, reader: GGUFReader, size: int) -> None:
             )
 
 
+def release_pages(reader: GGUFReader, tensor: Any) -> None:
+    """Drop this tensor's pages of the file mapping from the process (they stay in the page cache): once a tensor is
+    repacked its mapped bytes would otherwise count in the resident set until the reader is gone."""
+    mapped = getattr(getattr(reader, "_mapped", None), "_mmap", None)
+    if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = -(-int(tensor.data_offset) // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (int(tensor.data_offset) + int(tensor.n_bytes)) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        try:
+            mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):
+            pass
+
+
 def read_metadata(reader: GGUFReader, skip_arrays_longer_than: int | None = None) -> dict[str, Any]:
     """Metadata as Python values (strings, numbers, lists)."""
     metadata = {}
@@ -133,6 +149,16 @@ def field_contents(reader: GGUFReader, key: str) -> Any:
 
 def tensor_as_float32(path: Path, tensor: Any, expected_shape: tuple[int, ...]) -> np.ndarray:
     """Dequantise one tensor to float32 in numpy order (GGUF dims reversed), checking type and shape."""
+    shape = check_tensor(path, tensor, expected_shape)
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type)
+    except (ValueError, NotImplementedError) as exc:
+        raise ModelLoadError(f"{path}: cannot dequantise tensor {tensor.name}: {exc}") from exc
+    return np.asarray(values, dtype=np.float32).reshape(shape)
+
+
+def check_tensor(path: Path, tensor: Any, expected_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The tensor's shape in numpy order if its type is supported and its shape expected; else ModelLoadError."""
     if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
         raise ModelLoadError(
             f"{path}: tensor {tensor.name} has type {tensor.tensor_type.name}, which pagevis does not "
@@ -143,8 +169,4 @@ def tensor_as_float32(path: Path, tensor: Any, expected_shape: tuple[int, ...]) 
         raise ModelLoadError(
             f"{path}: tensor {tensor.name} has shape {shape}, but the metadata implies {expected_shape}"
         )
-    try:
-        values = dequantize(tensor.data, tensor.tensor_type)
-    except (ValueError, NotImplementedError) as exc:
-        raise ModelLoadError(f"{path}: cannot dequantise tensor {tensor.name}: {exc}") from exc
-    return np.asarray(values, dtype=np.float32).reshape(shape)
+    return shape

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -11,9 +12,11 @@ import numpy as np
 from pagevis.system_memory import available_bytes, fits, gib
 from pagevis.model import weight_cache
 from pagevis.model.architectures import architecture_of
+from pagevis.model.blas_threads import set_blas_threads
 from pagevis.model.config import ModelConfig
 from pagevis.model.errors import ModelConfigError, ModelLoadError
-from pagevis.model.gguf_file import field_contents, open_gguf, read_metadata, tensor_as_float32
+from pagevis.model.gguf_file import (check_tensor, field_contents, open_gguf, read_metadata, release_pages,
+                                    tensor_as_float32)
 from pagevis.model.gguf_tokenizer import GGUFTokenizer
 from pagevis.model.llama import LlamaModel
 from pagevis.model.locate import default_model_path
@@ -22,6 +25,7 @@ from pagevis.model.rope_scaling import linear_factor
 from pagevis.model.tokenizer_cache import cached_backend
 from pagevis.model.vocab_tokenizer import (TOKENIZER_KINDS, byte_level_backend, byte_to_unicode, check_spellable,
                                            sentencepiece_backend)
+from pagevis.model.quant_weights import held_bytes, quantized_weights, weight_format
 from pagevis.model.weights import LlamaWeights, check_weight_shapes, layer_from_gguf_matrices
 
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
@@ -40,15 +44,33 @@ REQUIRED_BYTES = (0x09, 0x0A, *range(0x20, 0x7F))
 LONG_ARRAY = 64
 
 
-def load_model(path: str | Path | None = None) -> LlamaModel:
-    """Load a GGUF file of a registered architecture (default: SmolLM2-135M-Instruct) with weights as float32."""
+def load_model(path: str | Path | None = None, weights: str | None = None) -> LlamaModel:
+    """Load a GGUF file of a registered architecture (default: SmolLM2-135M-Instruct), its matrices kept as the file
+    stores them (weights "quantized", the default: quant_weights.py) or dequantised to float32 ("float32")."""
+    fmt = weights or weight_format()
     path = default_model_path() if path is None else Path(path)
     reader = open_gguf(path)
     metadata = read_metadata(reader, skip_arrays_longer_than=LONG_ARRAY)
-    config = config_from_metadata(path, metadata, reader)
+    config = config_from_metadata(path, metadata, reader, float32=fmt == "float32")
     tokenizer = tokenizer_from_reader(path, reader, metadata, config.vocab_size)  # before the weights: fail fast
-    weights = cached_or_dequantised_weights(path, config, reader)
-    return LlamaModel(config, weights, tokenizer, plan=plan_for(weights.matrices()))
+    types = dict(sorted(Counter(t.tensor_type.name for t in reader.tensors).items()))
+    if fmt == "float32":
+        held = cached_or_dequantised_weights(path, config, reader)
+        model = LlamaModel(config, held, tokenizer, plan=plan_for(held.matrices()))
+    else:
+        tensors = {tensor.name: tensor for tensor in reader.tensors}
+        expected = check_tensor_names(path, config, tensors)
+        optional = {argument: name for field, parts in OPTIONAL_LAYER_TENSORS.items()
+                    if getattr(config.layout, field) for argument, name in parts.items()}
+        held = quantized_weights(path, tensors, lambda name: tensor_as_float32(path, tensors[name], expected[name]),
+                                 config.n_layers, LAYER_TENSORS, optional, lambda t: release_pages(reader, t))
+        model = LlamaModel(config, held, tokenizer)
+        # Products with these weights run on the weight threads (weight_threads.py), which never wait for a busy
+        # core; BLAS (prefill's sgemm chunks, attention) stays on one thread per caller: two spinning OpenBLAS
+        # threads made a SmolLM2 prefill 13 s instead of 1 s on a busy machine (issue 37's 30 s first step).
+        set_blas_threads(1)
+    model.weight_info = {"format": fmt, "types": types, "bytes": held_bytes(held)}
+    return model
 
 
 def cached_or_dequantised_weights(path: Path, config: ModelConfig, reader: Any) -> LlamaWeights:
@@ -88,7 +110,7 @@ def metadata_value(path: Path, metadata: dict[str, Any], key: str, kind: str, de
     return value
 
 
-def config_from_metadata(path: Path, metadata: dict[str, Any], reader: Any) -> ModelConfig:
+def config_from_metadata(path: Path, metadata: dict[str, Any], reader: Any, float32: bool = True) -> ModelConfig:
     arch = metadata_value(path, metadata, "general.architecture", "str")
     architecture = architecture_of(path, arch)
 
@@ -133,10 +155,10 @@ def config_from_metadata(path: Path, metadata: dict[str, Any], reader: Any) -> M
         )
     except (ModelConfigError, ValueError) as exc:
         raise _naming_the_file(path, exc, "inconsistent metadata: ") from exc
-    need = config.weight_bytes()
+    need = config.weight_bytes() if float32 else sum(int(t.n_bytes) for t in reader.tensors)
     if not fits(need):
-        raise ModelLoadError(f"{path}: its weights need {gib(need)} as float32, more than the memory available "
-                             f"now ({gib(available_bytes() or 0)})")
+        raise ModelLoadError(f"{path}: its weights need {gib(need)}{' as float32' if float32 else ''}, more than "
+                             f"the memory available now ({gib(available_bytes() or 0)})")
     return config
 
 
@@ -166,17 +188,7 @@ def _vocab_from_embedding(path: Path, reader: Any) -> int:
 
 def weights_from_tensors(path: Path, config: ModelConfig, tensors: dict[str, Any]) -> LlamaWeights:
     """Dequantise and lay out every weight. Two threads: NumPy releases the GIL in the bulk work."""
-    expected = _expected_shapes(config, tied="output.weight" not in tensors,
-                                rope_freqs=ROPE_FREQS in tensors)  # n_layers is bounded: small
-    missing = [name for name in expected if name not in tensors]
-    if missing:
-        raise ModelLoadError(f"{path}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
-    unexpected = sorted(set(tensors) - set(expected))
-    if unexpected:
-        raise ModelLoadError(
-            f"{path}: unexpected tensor {unexpected[0]} for a {config.architecture} model (ignoring it would "
-            f"compute something other than what the file describes)"
-        )
+    expected = check_tensor_names(path, config, tensors)
 
     def dense(name: str) -> np.ndarray:
         return tensor_as_float32(path, tensors[name], expected[name])
@@ -203,6 +215,24 @@ def weights_from_tensors(path: Path, config: ModelConfig, tensors: dict[str, Any
         layers = tuple(pool.map(layer, range(config.n_layers)))
         embedding, output_t = output_job.result()
     return LlamaWeights(embedding, layers, dense("output_norm.weight").copy(), output_t)
+
+
+def check_tensor_names(path: Path, config: ModelConfig, tensors: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor the config implies, with its shape; ModelLoadError naming a missing or an unexpected one."""
+    expected = _expected_shapes(config, tied="output.weight" not in tensors,
+                                rope_freqs=ROPE_FREQS in tensors)  # n_layers is bounded: small
+    missing = [name for name in expected if name not in tensors]
+    if missing:
+        raise ModelLoadError(f"{path}: tensor {missing[0]} is missing ({len(missing)} missing in all)")
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise ModelLoadError(
+            f"{path}: unexpected tensor {unexpected[0]} for a {config.architecture} model (ignoring it would "
+            f"compute something other than what the file describes)"
+        )
+    for name, shape in expected.items():
+        check_tensor(path, tensors[name], shape)
+    return expected
 
 
 def _expected_shapes(config: ModelConfig, tied: bool, rope_freqs: bool) -> dict[str, tuple[int, ...]]:

@@ -37,6 +37,9 @@ class LlamaModel:
         self.weights = weights
         self.tokenizer = tokenizer
         self.plan = plan
+        # what `run --json` and the status bar say of the weights (load_model fills it in for a GGUF file)
+        self.weight_info = {"format": "float32", "types": {"F32": len(weights.matrices())},
+                            "bytes": int(weights.nbytes_per_token())}
         self._eps = np.float32(config.rms_eps)
         layout = config.layout
         self._rope_keys = tuple(zip(config.rope_bases, config.rope_scales))  # per layer: (base, linear scale)

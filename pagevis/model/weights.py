@@ -120,5 +120,5 @@ def check_weight_shapes(config: ModelConfig, weights: LlamaWeights) -> None:
             if wanted:
                 expected[f"layers[{index}].{field}"] = (array, shape)
     for name, (array, shape) in expected.items():
-        if array.shape != shape or array.dtype != np.float32:
+        if tuple(array.shape) != shape or array.dtype != np.float32:
             raise ValueError(f"{name} is {array.dtype}{array.shape}, expected float32{shape}")

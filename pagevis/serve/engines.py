@@ -46,7 +46,7 @@ class Engines:
     def layout(config) -> tuple:
         """What requests must share to share a pool (int4 / int2: the residual window is part of the layout; ThinK's
         share of key channels pruned is the pool's, each sequence choosing its own channels)."""
-        return (config.page_size, config.dtype, config.residual if config.dtype in ("int4", "int2") else None,
+        return (config.page_size, config.dtype, config.residual if config.has_residual else None,
                 config.max_pages if config.tiered else None, config.key_channels)
 
     def core(self, config) -> EngineCore:

@@ -30,7 +30,7 @@ def session_config(settings: ServeSettings, fields: dict) -> SessionConfig:
     if settings.full_cache and fields.get("max_pages") is None:
         config = replace(config, max_pages=settings.full_cache_pages(config.page_size))
     config.check()
-    capacity = config.page_size * config.max_pages
+    capacity = config.ram_tokens
     if capacity > settings.max_cache_tokens:
         raise ConfigError("max_pages", config.max_pages,
                           f"at most {max(settings.max_cache_tokens // config.page_size, 0)} pages of "

@@ -26,13 +26,3 @@ def run_list(positions, max_runs: int = 4) -> str:
     text = ", ".join(f"{a}–{b}" if b > a else f"{a}" for a, b in found[:max_runs])
     return text + (f", +{len(found) - max_runs} more runs" if len(found) > max_runs else "")
 
-
-def parse_run_list(text: str) -> list[int]:
-    """The positions a run list names (the inverse of run_list without truncation)."""
-    if text == "—":
-        return []
-    out = []
-    for part in text.split(", "):
-        first, _, last = part.partition("–")
-        out.extend(range(int(first), int(last or first) + 1))
-    return out

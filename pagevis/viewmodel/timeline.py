@@ -433,3 +433,36 @@ class _Evictions:
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
+
+    def of_layer(self, layer: int) -> _LayerEvictions:
+        return _LayerEvictions(self, layer)
+
+
+class _LayerEvictions:
+    """One layer's evictions so far, in order, as a read-only sequence: the events table's "selected layer only"
+    takes its newest rows from these (the newest rows of every layer, then filtered, left a few of one layer)."""
+
+    def __init__(self, evictions: _Evictions, layer: int):
+        self._all, self.layer = evictions, layer
+        self._index = np.zeros(0, dtype=np.int64)  # the layer's evictions' indexes among all
+        self._seen = 0  # evictions (all layers) looked at so far
+
+    def indexes(self) -> np.ndarray:
+        t = self._all._timeline
+        if self._seen != t._n_evictions:
+            layers = t._evictions["layer"][self._seen: t._n_evictions]
+            self._index = np.concatenate([self._index, np.flatnonzero(layers == self.layer) + self._seen])
+            self._seen = t._n_evictions
+        return self._index
+
+    def until(self, limit: int) -> int:
+        """How many of the layer's evictions are among the first `limit` of all layers."""
+        return int(np.searchsorted(self.indexes(), limit))
+
+    def __len__(self) -> int:
+        return len(self.indexes())
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self._all[int(i)] for i in self.indexes()[index]]
+        return self._all[int(self.indexes()[index])]

@@ -1,120 +1,56 @@
-"""The A/B window: two sessions on the same prompt with different cache settings, decoding in lockstep side
-by side — both page grids, both texts with their evicted tokens, and per step how far apart they are."""
+"""The A/B window: two sessions with different cache settings in lockstep side by side — both page grids above
+both texts, the two sides' curves below — either decoding the same prompt (free-running) or reading the same
+text (teacher-forced, "same text": the StreamingLLM figure, live, with the full cache's perplexity beside them)."""
 
 from __future__ import annotations
 
 import html
 import time
-from dataclasses import replace
 
-import numpy as np
-import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (
     QCheckBox,
-    QHBoxLayout,
+    QComboBox,
+    QFileDialog,
     QLabel,
     QMainWindow,
     QSlider,
     QSplitter,
     QToolBar,
-    QVBoxLayout,
-    QWidget,
 )
 
 from pagevis.engine import ModelSpec, SessionConfig
-from pagevis.kvcache import ConfigError
+from pagevis.gui.ab.plots import ABPlots
+from pagevis.gui.ab.sides import ABRunner, SideControls
+from pagevis.gui.session.runner import validate
 from pagevis.gui.widgets import theme
 from pagevis.gui.widgets.layout import splitter, stacked
-from pagevis.engine.logits_tap import LogitsTap
-from pagevis.viewmodel.ab_session import ABConfig, ABTimeline, LockstepPair
-from pagevis.gui.widgets.setting_inputs import setting_input
+from pagevis.gui.widgets.page_grid import PageGridView
 from pagevis.gui.widgets.setting_inputs import spin as _spin
-from pagevis.gui.session.runner import SessionRunner, new_session, validate
+from pagevis.gui.widgets.text import TextView
 from pagevis.gui.widgets.transport import TimelineCursor
 from pagevis.gui.widgets.windows import add_close_keys
+from pagevis.kvcache import ConfigError
+from pagevis.presets import DEFAULT_TEXT, preset_named, shipped_text, shipped_texts
+from pagevis.viewmodel.ab_session import ABConfig, ABTimeline, describe
 from pagevis.viewmodel.view_state import ViewState
-from pagevis.gui.widgets.page_grid import PageGridView
-from pagevis.gui.widgets.text import TextView
 
 FRAME_INTERVAL_MS = 100  # redraw at most 10 times a second while decoding (two grids and two texts)
-
-
-class ABRunner(SessionRunner):
-    """A SessionRunner whose session is a LockstepPair and whose timeline is an ABTimeline."""
-
-    def _new_session(self):
-        configs: ABConfig = self.config
-        taps = LogitsTap(self.model), LogitsTap(self.model)
-        a, timeline_a = new_session(taps[0], self.spec, self.prompt, configs.a)
-        b, timeline_b = new_session(taps[1], self.spec, self.prompt, configs.b)
-        return LockstepPair(a, b, *taps), ABTimeline(timeline_a, timeline_b)
-
-    def _keep_current(self) -> None:
-        """An A/B restart is a new comparison; the main window keeps the runs worth returning to."""
-
-
-class SideControls(QWidget):
-    """Policy, page size, max pages and oracle of one side."""
-
-    def __init__(self, name: str, changed):
-        super().__init__()
-        self.name = name
-        self.policy = setting_input("policy", f"{name}: ")
-        self.page_size = setting_input("page_size", f"{name}: ")
-        self.max_pages = setting_input("max_pages", f"{name}: ")
-        self.oracle = QCheckBox("oracle")
-        self.oracle.setToolTip(f"{name}: compare with a full cache every step (KL against it; twice the work)")
-        self.header = QLabel()
-        self.header.setStyleSheet("font-weight: bold; font-size: 13px;")
-        column = QVBoxLayout(self)  # the header above the inputs: beside them, two sides were 1394 px wide
-        column.setContentsMargins(0, 0, 0, 0)
-        column.addWidget(self.header)
-        row = QHBoxLayout()
-        column.addLayout(row)
-        for label, widget in (("policy", self.policy), ("page size", self.page_size), ("pages", self.max_pages)):
-            row.addWidget(QLabel(label))
-            row.addWidget(widget)
-        row.addWidget(self.oracle)
-        row.addStretch(1)
-        self._base = SessionConfig()
-        for signal in (self.policy.currentIndexChanged, self.page_size.valueChanged, self.max_pages.valueChanged,
-                       self.oracle.toggled):
-            signal.connect(lambda *_: changed(f"{name} changed"))
-
-    def set_config(self, config: SessionConfig) -> None:
-        self._base = config
-        for widget in (self.policy, self.page_size, self.max_pages, self.oracle):
-            widget.blockSignals(True)
-        try:
-            self.policy.setCurrentIndex(self.policy.findData(config.policy))
-            self.page_size.setValue(config.page_size)
-            self.max_pages.setValue(config.max_pages)
-            self.oracle.setChecked(config.oracle)
-        finally:
-            for widget in (self.policy, self.page_size, self.max_pages, self.oracle):
-                widget.blockSignals(False)
-        self._update_header()
-
-    def config(self) -> SessionConfig:
-        policy = self.policy.currentData()
-        params = dict(self._base.policy_params) if policy == self._base.policy else {}
-        return replace(self._base, policy=policy, policy_params=params, page_size=self.page_size.value(),
-                       max_pages=self.max_pages.value(), oracle=self.oracle.isChecked())
-
-    def _update_header(self) -> None:
-        c = self.config()
-        self.header.setText(f"{self.name} · {c.policy} · {c.max_pages} × {c.page_size} = "
-                            f"{c.max_pages * c.page_size} tokens")
+SIZE = (1280, 720)  # a projector's: two 8 × 8 grids of 24 × 16 px cells with numbers, the curves under them
+OPEN_FILE = "Open a file…"
 
 
 class ABWindow(TimelineCursor, QMainWindow):
     def __init__(self, spec: ModelSpec, prompt: str, config_a: SessionConfig, config_b: SessionConfig,
-                 title: str = "", parent=None):
+                 title: str = "", parent=None, text: str | None = None):
+        """title: the window's title — a preset's name shows that preset's point and, if it reads a text,
+        starts in "same text" mode on it. text: start in "same text" mode on this text (a shipped text's name
+        or a file's path)."""
         super().__init__(parent)
         self.setWindowTitle(f"pagevis — A/B{': ' + title if title else ''}")
         self.setWindowIcon(theme.icon("pagevis"))
+        self.preset = preset_named(title)
         self.spec, self.prompt = spec, prompt
         self.runner = ABRunner(self)
         self.timeline: ABTimeline | None = None
@@ -125,15 +61,56 @@ class ABWindow(TimelineCursor, QMainWindow):
         self._frame = QTimer(self, singleShot=True)
         self._frame.timeout.connect(self.redraw)
         self._build(config_a, config_b)
+        text = text or (self.preset.text if self.preset is not None else None)
+        if text:
+            self.choose_text(text, restart=False)
+        self.plots.set_mode(bool(text), tuple(controls.label for controls, _, _ in self.sides))
         self.runner.started.connect(self._started)
         self.runner.records.connect(self._arrived)
         self.runner.state_changed.connect(self._state_changed)
         add_close_keys(self)
         self.runner.failed.connect(lambda message, _: self.summary.setText(
-            f"<span style='color:#ff7a7a'>{message}</span>"))
+            f"<span style='color:#ff7a7a'>{html.escape(message)}</span>"))
 
     # --- construction ----------------------------------------------------------------------------
     def _build(self, config_a: SessionConfig, config_b: SessionConfig) -> None:
+        self._build_toolbar()
+        self.point = QLabel()  # a preset's point, in one line
+        self.point.setStyleSheet(f"font-size: 16px; color: {theme.TEXT}; padding: 2px 6px;")
+        self.point.setWordWrap(True)
+        if self.preset is not None and self.preset.point:
+            self.point.setText(f"<span style='color:{theme.ACCENT}'>&#9656; {html.escape(self.preset.name)}</span>"
+                               f": {html.escape(self.preset.point, quote=False)}")
+            self.point.setToolTip(self.preset.description)
+        else:
+            self.point.hide()
+        self.sides = []
+        columns = QSplitter(Qt.Horizontal)
+        for name, config in (("A", config_a), ("B", config_b)):
+            controls = SideControls(name, self.restart)
+            controls.set_config(config)
+            grid, text = PageGridView(), TextView()
+            grid.set_presentation(True)  # no block table: the cells' numbers say what each page holds
+            grid.legend.hide()  # one legend is enough: the main window explains the colours
+            text.legend.hide()
+            column = splitter(Qt.Vertical, stacked(controls, (grid, 1), margins=(2, 2, 2, 2)), text,
+                              sizes=[330, 90])
+            columns.addWidget(column)
+            self.sides.append((controls, grid, text))
+        self.summary = QLabel()  # the headline: the perplexities (teacher-forced) or where the texts diverge
+        self.summary.setWordWrap(True)
+        self.summary.setTextFormat(Qt.RichText)
+        self.summary.setStyleSheet("font-size: 15px;")
+        self.plots = ABPlots()
+        bottom = stacked(self.summary, (self.plots, 1), margins=(4, 2, 4, 2))
+        body = splitter(Qt.Vertical, columns, bottom, sizes=[420, 230])
+        self.setCentralWidget(stacked(self.point, (body, 1)))
+        self.resize(*SIZE)
+        self._focus_home = self.sides[0][1].graphics  # ← / → go to the window's actions, not to a spin box
+        self._focus_home.setFocusPolicy(Qt.StrongFocus)
+        self.redraw()
+
+    def _build_toolbar(self) -> None:
         bar = QToolBar("A/B transport")
         bar.setMovable(False)
         self.addToolBar(bar)
@@ -141,18 +118,35 @@ class ABWindow(TimelineCursor, QMainWindow):
         self.step_action = QAction(theme.icon("step"), "Step", self, shortcut=QKeySequence(Qt.Key_Right))
         self.step_action.setToolTip("Next recorded step when scrubbed back; at the newest, decode one step of both (→)")
         self.reset_action = QAction(theme.icon("reset"), "Reset", self, shortcut=QKeySequence("Ctrl+R"))
-        back = QAction("Back", self, shortcut=QKeySequence(Qt.Key_Left))
+        self.back_action = QAction("Back", self, shortcut=QKeySequence(Qt.Key_Left))
         for action in (self.play_action, self.step_action, self.reset_action):
             bar.addAction(action)
-        self.addAction(back)
+        self.addAction(self.back_action)
         self.play_action.triggered.connect(self.toggle_play)
         self.step_action.triggered.connect(self.step)
         self.reset_action.triggered.connect(lambda: self.restart("reset"))
-        back.triggered.connect(lambda: self.scrub(self.index - 1))
+        self.back_action.triggered.connect(lambda: self.scrub(self.index - 1))
         bar.addWidget(QLabel(" layer "))
         self.layer = _spin(0, 0, 0, "the layer both grids and texts show")
+        self.layer.setFocusPolicy(Qt.ClickFocus)  # opening the window leaves ← / → to the transport
         self.layer.valueChanged.connect(lambda *_: self.redraw())
         bar.addWidget(self.layer)
+        self.same_text = QCheckBox("same text")
+        self.same_text.setFocusPolicy(Qt.ClickFocus)
+        self.same_text.setToolTip("teacher-forced: both sides read the same text one token a step, beside the "
+                                  "full cache; the curves are each side's perplexity on it (pagevis compare's "
+                                  "numbers). Off: both sides decode the prompt, each sampling its own tokens")
+        self.texts = QComboBox()
+        self.texts.setFocusPolicy(Qt.ClickFocus)
+        for name in shipped_texts():
+            self.texts.addItem(name, name)
+        self.texts.addItem(OPEN_FILE, None)
+        self.texts.setCurrentIndex(max(self.texts.findData(DEFAULT_TEXT), 0))
+        self.texts.setEnabled(False)
+        self.same_text.toggled.connect(self._same_text_toggled)
+        self.texts.activated.connect(self._text_chosen)
+        bar.addWidget(self.same_text)
+        bar.addWidget(self.texts)
         self.slider = QSlider(Qt.Horizontal)
         self.slider.setFocusPolicy(Qt.NoFocus)
         self.slider.valueChanged.connect(lambda value: None if self._updating else self.scrub(value))
@@ -162,46 +156,44 @@ class ABWindow(TimelineCursor, QMainWindow):
         self.position.setMinimumWidth(120)
         bar.addWidget(self.position)
 
-        self.sides = []
-        columns = QSplitter(Qt.Horizontal)
-        for name, config in (("A", config_a), ("B", config_b)):
-            controls = SideControls(name, self.restart)
-            controls.set_config(config)
-            grid, text = PageGridView(), TextView()
-            grid.legend.hide()  # one legend is enough: the main window explains the colours
-            column = QSplitter(Qt.Vertical)
-            top = QWidget()
-            layout = QVBoxLayout(top)
-            layout.setContentsMargins(2, 2, 2, 2)
-            layout.addWidget(controls)
-            layout.addWidget(grid, 1)
-            column.addWidget(top)
-            column.addWidget(text)
-            column.setSizes([420, 220])
-            columns.addWidget(column)
-            self.sides.append((controls, grid, text))
-        self.summary = QLabel()
-        self.summary.setWordWrap(True)
-        self.summary.setTextFormat(Qt.RichText)
-        self.plot_widget = pg.GraphicsLayoutWidget()
-        self.plot = self.plot_widget.addPlot()
-        theme.style_plot(self.plot, left="KL (nats)", bottom="step")
-        self.plot.setMenuEnabled(False)
-        s = theme.SERIES
-        self.curves = {name: self.plot.plot(pen=pg.mkPen(color, width=1.6), name=label, connect="finite")
-                       for name, color, label in (("kl_ab", s[0], "A‖B"), ("kl_a_full", s[1], "A‖full"),
-                                                  ("kl_b_full", s[3], "B‖full"))}
-        theme.set_title(self.plot, "  ".join(f"<span style='color:{c}'>━ {t}</span>" for c, t in
-                                             ((s[0], "KL(A‖B)"), (s[1], "KL(full‖A)"), (s[3], "KL(full‖B)"))),
-                        size="9pt", justify="left")
-        self.cursor = pg.InfiniteLine(angle=90, pen=pg.mkPen(theme.ACCENT, style=Qt.DashLine))
-        self.plot.addItem(self.cursor, ignoreBounds=True)
-        bottom = stacked(self.summary, (self.plot_widget, 1), margins=(4, 2, 4, 2))
-        self.plot_widget.setMinimumHeight(120)  # the KL axis's label and ticks stay whole
-        self.setCentralWidget(splitter(Qt.Vertical, columns, bottom, sizes=[600, 220]))
-        self.resize(1280, 720)
-        theme.grow_range(self.plot, 1, 1)
-        self.redraw()
+    # --- the text read in "same text" mode -------------------------------------------------------
+    def choose_text(self, name_or_path: str, restart: bool = True) -> None:
+        """Read this text (a shipped text's name or a file's path) in "same text" mode."""
+        index = self.texts.findData(name_or_path)
+        if index < 0:
+            self.texts.insertItem(self.texts.count() - 1, name_or_path.rsplit("/", 1)[-1], name_or_path)
+            index = self.texts.count() - 2
+        self.texts.setCurrentIndex(index)
+        self.same_text.blockSignals(True)
+        self.same_text.setChecked(True)
+        self.same_text.blockSignals(False)
+        self.texts.setEnabled(True)
+        if restart:
+            self.restart("text chosen")
+
+    def forced_text(self) -> str | None:
+        """The text both sides read, or None when they decode the prompt (free-running)."""
+        if not self.same_text.isChecked():
+            return None
+        name = self.texts.currentData()
+        text = shipped_text(name)
+        if text is not None:
+            return text
+        with open(name, encoding="utf-8") as handle:
+            return handle.read(4 << 20)
+
+    def _same_text_toggled(self, on: bool) -> None:
+        self.texts.setEnabled(on)
+        self.restart("same text" if on else "free-running")
+
+    def _text_chosen(self, index: int) -> None:
+        if self.texts.itemData(index) is None:
+            path, _ = QFileDialog.getOpenFileName(self, "A text both sides read", "", "Text (*.txt);;All files (*)")
+            if not path:
+                self.texts.setCurrentIndex(max(self.texts.findData(DEFAULT_TEXT), 0))
+                return
+            self.choose_text(path, restart=False)
+        self.restart("text chosen")
 
     # --- sessions --------------------------------------------------------------------------------
     def configs(self) -> ABConfig:
@@ -217,22 +209,32 @@ class ABWindow(TimelineCursor, QMainWindow):
         try:
             for config in configs:
                 validate(config)
-        except ConfigError as error:
-            self.summary.setText(f"<span style='color:#ff7a7a'>Not restarted: {error}</span>")
+            text = self.forced_text()
+        except (ConfigError, OSError, UnicodeDecodeError) as error:
+            self.summary.setText(f"<span style='color:#ff7a7a'>Not restarted: {html.escape(str(error))}</span>")
             return
         for controls, _, _ in self.sides:
-            controls._update_header()
-        self.runner.configure(self.spec, self.prompt, configs, blocking=blocking)
+            controls.update_header()
+            controls.oracle.setEnabled(text is None)  # teacher-forced: the full cache is always beside them
+        labels = tuple(controls.label for controls, _, _ in self.sides)
+        self.plots.set_mode(text is not None, labels)
+        self.runner.configure(self.spec, self.prompt if text is None else text, (configs, text is not None),
+                              blocking=blocking)
 
     def _started(self, timeline: ABTimeline) -> None:
         self.timeline = timeline
         self.index, self.follow = -1, True
         self.layer.setMaximum(timeline.info.n_layers - 1)
-        self.summary.setText("Press Space to decode both sessions in lockstep.")
+        self.summary.setText("Press Space to read the text on both sides, one token a step." if timeline.forced
+                             else "Press Space to decode both sessions in lockstep.")
         self.redraw()
         if self._play_when_ready:
             self._play_when_ready = False
             self.toggle_play()
+
+    def showEvent(self, event) -> None:
+        super().showEvent(event)
+        self._focus_home.setFocus(Qt.OtherFocusReason)
 
     def toggle_play(self) -> None:
         if self.runner.running:
@@ -252,10 +254,10 @@ class ABWindow(TimelineCursor, QMainWindow):
         playing = state == "running" and self.runner.running
         self.play_action.setIcon(theme.icon("pause" if playing else "play"))
         self.play_action.setText("Pause" if playing else "Play")
-        if state == "done" and self.runner.session is not None:
-            self.summary.setText(self.summary.text() + f" — finished ({self.runner.session.stop_reason})")
         if state != "running":
             self.redraw()
+        if state == "done" and self.runner.session is not None:
+            self.summary.setText(self.summary.text() + f" — finished ({self.runner.session.stop_reason})")
 
     # --- drawing ---------------------------------------------------------------------------------
     def redraw(self) -> None:
@@ -277,40 +279,14 @@ class ABWindow(TimelineCursor, QMainWindow):
         self.slider.setValue(max(self.index, 0))
         self._updating = False
         self.position.setText(f"step {self.index} / {count - 1}" if count else "no steps yet")
-        steps = np.arange(count, dtype=np.float64)
-        top = 0.0
-        for name, curve in self.curves.items():
-            series = timeline.series(name)
-            curve.setData(steps, series, connect="finite")
-            if np.isfinite(series).any():
-                top = max(top, float(np.nanmax(series)))
-        theme.grow_range(self.plot, max(count - 1, 1), max(top, 1.0), x_step=32)
-        self.cursor.setValue(max(self.index, 0))
+        self.plots.show(timeline, self.index)
         self.summary.setText(self.describe())
 
     def describe(self) -> str:
-        """One line: where the two texts diverge and how far apart the predictions are at this step."""
-        timeline, index = self.timeline, self.index
-        if timeline is None or index < 0:
-            return ""
-        a, b = timeline.a.record(index), timeline.b.record(index)
-        parts = [f"step {index}: A {a.resident_tokens} resident, {a.evictions_total} evictions · "
-                 f"B {b.resident_tokens} resident, {b.evictions_total} evictions"]
-        kl = timeline.series("kl_ab")[index]
-        if kl == kl:
-            agree = timeline.series("top1_agree")[index]
-            parts.append(f"KL(A‖B) {kl:.3f} nats, top-1 {'agrees' if agree else 'differs'}")
-        for name, record in (("A", a), ("B", b)):
-            if record.oracle is not None:
-                parts.append(f"{name} vs full cache: KL {record.oracle.kl:.3f}")
-        diverged = timeline.first_divergence()
-        if diverged is None or diverged > index:
-            parts.append("<span style='color:#7ee787'>the texts agree so far</span>")
-        else:
-            ra, rb = timeline.a.record(diverged), timeline.b.record(diverged)
-            parts.append(f"<span style='color:#ffb020'>the texts diverge at step {diverged}: "
-                         f"A {html.escape(repr(ra.next_text))} vs B {html.escape(repr(rb.next_text))}</span>")
-        return " · ".join(parts)
+        """One line: the perplexities so far (teacher-forced), or where the texts diverge and how each side
+        is doing (free-running)."""
+        labels = tuple(controls.label for controls, _, _ in self.sides)
+        return describe(self.timeline, self.index, labels)
 
     def closeEvent(self, event) -> None:
         self._frame.stop()

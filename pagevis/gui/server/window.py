@@ -86,7 +86,8 @@ class ServerWindow(QWidget):
                  realtime: bool = True, autorun: bool = False):
         super().__init__(parent, Qt.Window)
         self.model, self.preset, self.realtime = model, preset, realtime
-        self.setWindowTitle(f"pagevis — server: {preset.name}" + (f" ({model_label})" if model_label else ""))
+        name = preset.name.removeprefix("Server: ")  # the presets' names say it already
+        self.setWindowTitle(f"pagevis — server: {name}" + (f" ({model_label})" if model_label else ""))
         self.sides: list[ServerRun] = []
         self.stepper = None
         self.schedule: ArrivalSchedule | None = None

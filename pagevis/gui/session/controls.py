@@ -31,7 +31,9 @@ from PySide6.QtWidgets import (
 from pagevis import settings
 from pagevis.engine import ModelSpec, SessionConfig
 from pagevis.kvcache import POLICIES, ConfigError, policy_params
+from pagevis.kvcache.quant import has_residual
 from pagevis.presets import PRESETS, Preset, default_prompt
+from pagevis.gui.session.presets import model_title
 from pagevis.gui.session.runner import validate
 from pagevis.gui.widgets.setting_inputs import combo as _combo
 from pagevis.gui.widgets.setting_inputs import read_input, setting_input, write_input
@@ -75,11 +77,11 @@ class ControlsPanel(QScrollArea):
         column = QVBoxLayout(body)
         column.setContentsMargins(6, 6, 6, 6)
         column.addWidget(self._demo_group())
+        column.addWidget(self._view_group())  # at the top: a hybrid model's layers compared without scrolling
         column.addWidget(self._model_group())
         column.addWidget(self._prompt_group())
         column.addWidget(self._cache_group())
         column.addWidget(self._decoding_group())
-        column.addWidget(self._view_group())
         column.addStretch(1)
         self.setWidget(body)
         self.setMinimumWidth(300)
@@ -307,7 +309,7 @@ class ControlsPanel(QScrollArea):
 
     def _storage_changed(self) -> None:
         """The residual window applies to int4 / int2 (KIVI) only."""
-        self.residual.setEnabled(self.dtype.currentData() in ("int4", "int2"))
+        self.residual.setEnabled(has_residual(self.dtype.currentData()))
 
     def _policy_changed(self) -> None:
         self._rebuild_params()
@@ -428,7 +430,8 @@ class ControlsPanel(QScrollArea):
         if index < 0:
             self.model.addItem("", "gguf")
             index = self.model.count() - 1
-        self.model.setItemText(index, f"GGUF: {Path(path).name}")
+        title = model_title(path)
+        self.model.setItemText(index, title if title != Path(path).name else f"GGUF: {title}")
         self.model.setItemData(index, path, Qt.ToolTipRole)
         self.model.setCurrentIndex(index)
 

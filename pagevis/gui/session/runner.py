@@ -88,10 +88,12 @@ class NewestRecord:
         raise IndexError(f"the app's session keeps only its newest record; the timeline has record {index}")
 
 
-def new_session(model, spec: ModelSpec, prompt: str, config: SessionConfig) -> tuple[DecodeSession, Timeline]:
-    """A DecodeSession for the app (keeping only its newest record) and the empty Timeline for its records."""
+def new_session(model, spec: ModelSpec, prompt: str, config: SessionConfig,
+                session: DecodeSession | None = None) -> tuple[DecodeSession, Timeline]:
+    """A DecodeSession for the app (keeping only its newest record) and the empty Timeline for its records;
+    `session`: one already made (a teacher-forced A/B side's)."""
     cache = validate(config, model.config)
-    session = DecodeSession(model, prompt, config)
+    session = session or DecodeSession(model, prompt, config)
     session.records = NewestRecord()
     cfg = model.config
     info = SessionInfo(spec.label, prompt, session.prompt_ids, config, cfg.n_layers, cfg.n_heads,
@@ -103,7 +105,7 @@ def new_session(model, spec: ModelSpec, prompt: str, config: SessionConfig) -> t
 def validate(config: SessionConfig, model_config=None) -> CacheSettings:
     """The cache this configuration builds, or ConfigError. Without the model's shape, check everything
     that does not depend on it (sizes, policy parameters) and return the settings themselves."""
-    capacity = config.page_size * config.max_pages
+    capacity = config.ram_tokens
     if capacity > MAX_CAPACITY:
         raise ConfigError("max_pages", config.max_pages,
                           f"at most {MAX_CAPACITY // config.page_size} pages of {config.page_size} "
@@ -200,7 +202,8 @@ class SessionRunner(QObject):
             return
         expected = isinstance(error, (ValueError, OSError))  # ModelLoadError, ConfigError, a missing file
         detail = "" if expected else "".join(traceback.format_exception(error))
-        self._fail(f"Could not load {self.spec.label}: {error}", detail)
+        named = str(error).startswith(self.spec.label)  # a load error names the file itself: once is enough
+        self._fail(f"Could not load {'the model' if named else self.spec.label}: {error}", detail)
 
     def _loader_finished(self) -> None:
         self._loader = None

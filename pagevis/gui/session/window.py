@@ -19,7 +19,6 @@ from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer
 from PySide6.QtGui import QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget,
-    QFileDialog,
     QToolBar,
     QLabel,
     QMainWindow,
@@ -31,14 +30,16 @@ from pagevis.engine import ModelSpec, SessionConfig
 from pagevis.kvcache import ConfigError
 from pagevis.kvcache.memory import hybrid_bytes
 from pagevis.kvcache.spec import layer_specs
-from pagevis.presets import default_prompt
-from pagevis.gui.widgets import export, theme
+from pagevis.gui.widgets import theme
 from pagevis.gui.session.controls import ControlsPanel
+from pagevis.gui.session.files import FileActions
+from pagevis.gui.session.presets import PresetPlayer, model_title
+from pagevis.presets import PRESETS
 from pagevis.gui.session.layout import FIRST_SCREEN_SHARE, NARRATION_STYLE, DockLayout, wants_presentation
 from pagevis.gui.widgets.messages import MessagesPanel
 from pagevis.viewmodel.narration import narrate
 from pagevis.gui.session.runner import SessionRunner
-from pagevis.viewmodel.timeline import Timeline, kv_layout
+from pagevis.viewmodel.timeline import Timeline
 from pagevis.gui.widgets.transport import TimelineCursor, TransportBar
 from pagevis.gui.widgets.windows import place_beside
 from pagevis.viewmodel.view_state import ViewState
@@ -87,7 +88,7 @@ def hybrid_memory_text(info, record) -> str:
     return held.text()
 
 
-class MainWindow(TimelineCursor, QMainWindow):
+class MainWindow(FileActions, TimelineCursor, QMainWindow):
     def __init__(self, settings: QSettings | None = None, restore: bool = True, persist: bool = True):
         """`restore`: start from the saved layout and configuration; `persist`: save them on close."""
         super().__init__()
@@ -102,6 +103,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.frames = 0  # redraws so far (the benchmark reads it)
         self.ab_window = None  # the A/B window, once opened
         self.tour = None  # Help ▸ Tour, once started
+        self._savers: list = []  # workers writing traces
         self._last_frame = 0.0
         self._restart_reason = ""
         self._replay_timer = QTimer(self, interval=100)
@@ -130,6 +132,9 @@ class MainWindow(TimelineCursor, QMainWindow):
         narration_bar.setMovable(False)
         narration_bar.addWidget(self.narration)
         self.addToolBar(Qt.TopToolBarArea, narration_bar)
+        self.presets = PresetPlayer(self)  # the chosen preset's point: a line under the narration
+        self.addToolBarBreak(Qt.TopToolBarArea)
+        self.addToolBar(Qt.TopToolBarArea, self.presets.banner)
         self.controls = ControlsPanel()
         self.page_grid = PageGridView()
         self.attention = AttentionView()
@@ -239,6 +244,13 @@ class MainWindow(TimelineCursor, QMainWindow):
                 self.addAction(action)  # shortcuts work whichever dock has focus
         play_menu.addSeparator()
         play_menu.addAction("&A/B compare…", self.open_ab, QKeySequence("Ctrl+B"))
+        demo_menu = self.menuBar().addMenu("De&mo")  # the presets, also where the controls are a tab away
+        for preset in PRESETS:
+            action = demo_menu.addAction(preset.name + (" (A/B)" if preset.b is not None else ""),
+                                         lambda p=preset: self.apply_preset(p))
+            action.setToolTip(preset.description)
+        demo_menu.addSeparator()
+        demo_menu.addAction("&Tour", self.start_tour)
         view_menu = self.menuBar().addMenu("&View")
         for dock in self.docks.values():
             view_menu.addAction(dock.toggleViewAction())
@@ -249,9 +261,15 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.presentation_action.triggered.connect(self.set_presentation)  # (checked)
         self.presentation_action.setToolTip("the page grid fills the window, the other views one tab away")
         self.addAction(self.presentation_action)
+        for text, keys, change in (("Ne&xt layer", "Ctrl+Up", 1), ("Pre&vious layer", "Ctrl+Down", -1)):
+            action = view_menu.addAction(text, lambda c=change: self.controls.layer.stepBy(c), QKeySequence(keys))
+            self.addAction(action)
         view_menu.addSeparator()
         view_menu.addAction("&Sequences sharing one pool…", self.open_sequences)
         view_menu.addAction("Se&rver: requests arriving…", self.open_server)
+        attach_menu = view_menu.addMenu("&Attach: another engine's KV cache")
+        attach_menu.addAction("&Endpoints (vLLM, SGLang, pagevis serve)…", self.open_attach)
+        attach_menu.addAction("&Play a KV-event recording…", self.open_attach_recording)
         view_menu.addAction("&Reset layout", self.reset_layout)
         help_menu = self.menuBar().addMenu("&Help")
         help_menu.addAction("&Tour", self.start_tour)
@@ -274,6 +292,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         r.failed.connect(self._failed)
         r.state_changed.connect(self._state_changed)
         r.message.connect(lambda text: self.statusBar().showMessage(text, 5000))
+        self.controls.session_changed.connect(lambda *_: self.presets.settings_changed())
         self.controls.session_changed.connect(self.restart)
         self.controls.preset_chosen.connect(self.apply_preset)
         self.controls.view_changed.connect(self.request_render)
@@ -297,27 +316,8 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.runner.configure(self.controls.model_spec(), self.controls.prompt(), config, blocking=blocking)
 
     def apply_preset(self, preset) -> None:
-        """Set the preset's prompt and cache (the synthetic model keeps a prompt that fits it) and restart;
-        an A/B preset opens the A/B window on both of its configurations instead."""
-        kind = self.controls.model.currentData()
-        prompt = preset.prompt_text() if kind != "synthetic" or preset.model else default_prompt("synthetic")
-        if preset.model is not None:  # a preset of its own model (Gemma 3's): that model, or why it cannot be
-            from pagevis.model import ModelLoadError
-            from pagevis.model.locate import named_model_path
-
-            try:
-                path = named_model_path(preset.model)
-            except ModelLoadError as error:
-                self.statusBar().showMessage(f"Preset {preset.name!r}: {error}", 15000)
-                return
-            self.controls.set_configuration(ModelSpec(kind="gguf", path=str(path)), prompt, preset.a)
-            self.restart(f"preset {preset.name!r}")
-            return
-        if preset.b is not None:
-            self.open_ab(preset.a, preset.b, prompt, title=preset.name, play=True)
-            return
-        self.controls.set_configuration(prompt=prompt, config=preset.a)
-        self.restart(f"preset {preset.name!r}")
+        """The preset's settings, its point in the banner, playing (pagevis.gui.session.presets)."""
+        self.presets.apply(preset)
 
     def open_ab(self, config_a=None, config_b=None, prompt: str | None = None, title: str = "",
                 blocking: bool = False, play: bool = False):
@@ -391,7 +391,11 @@ class MainWindow(TimelineCursor, QMainWindow):
         if len(timeline):
             self.index = len(timeline) - 1
         self.statusBar().clearMessage()
-        self.status_model.setText(info.model_label)
+        title = model_title(info.model_label, self.presets.titles)
+        self.setWindowTitle(f"pagevis — {title}, replay" if self.runner.state == "replay"
+                            else f"pagevis — {title}, paged KV cache, live")
+        self.status_model.setText(title)
+        self.status_model.setToolTip(info.model_label)
         self.status_memory.setText(memory_text(info.cache_bytes, info.n_kv_heads, info.config.dtype,
                                                info.kv_bytes_per_token, info.storage_notice))
         self.status_memory.setToolTip(f"K/V storage, all layers, one sequence at capacity: {info.storage}"
@@ -405,6 +409,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.transport.previous_action.setEnabled(previous is not None)
         self._restart_reason = ""
         self.request_render()
+        self.presets.session_started()
 
     def open_trace(self, path: str) -> bool:
         try:
@@ -418,6 +423,7 @@ class MainWindow(TimelineCursor, QMainWindow):
             self._report(f"Could not open trace {path}: {error}")
             return False
         self.runner.replay(trace)
+        self.setWindowTitle(f"pagevis — replay of {Path(path).name} ({model_title(trace.model_label)})")
         self.controls.set_configuration(prompt=trace.prompt, config=trace.config)
         self.scrub(0)
         self.statusBar().showMessage(f"Replaying {Path(path).name}: {len(trace.records)} steps "
@@ -593,157 +599,6 @@ class MainWindow(TimelineCursor, QMainWindow):
         info = timeline.info
         if info.sliding_windows is not None and info.page_bytes:
             self.status_memory.setText(hybrid_memory_text(info, record))
-
-    # --- files -----------------------------------------------------------------------------------
-    def open_sequences(self):
-        """A window decoding many sequences of the current model and prompt over one shared pool."""
-        from pagevis.gui.sequences.window import SequencesWindow
-
-        if self.runner.model is None:
-            self.statusBar().showMessage("Load a model first (start decoding once), then open the sequences view",
-                                         8000)
-            return None
-        try:
-            config = self.controls.session_config()
-        except (ConfigError, ValueError) as error:
-            self.statusBar().showMessage(f"Sequences view: {error}", 8000)
-            return None
-        self.sequences_window = SequencesWindow(self.runner.model, config, self.controls.prompt(), self)
-        place_beside(self.sequences_window, self, steps=2)
-        self.sequences_window.show()
-        return self.sequences_window
-
-    def open_server(self, preset=None):
-        """The Server window: the current model serving arriving requests (docs/server-window.md)."""
-        from pagevis.presets import SERVER_PRESETS
-        from pagevis.gui.server.window import ServerWindow
-
-        if self.runner.model is None:
-            self.statusBar().showMessage("Load a model first (start decoding once), then open the server", 8000)
-            return None
-        label = self.runner.spec.label if self.runner.spec is not None else ""
-        self.server_window = ServerWindow(self.runner.model, preset or SERVER_PRESETS[0], self, model_label=label,
-                                          autorun=True)
-        place_beside(self.server_window, self, steps=3)
-        self.server_window.show()
-        return self.server_window
-
-    def start_tour(self):
-        """Help ▸ Tour: the StreamingLLM A/B, then Sequences, then the Server window (gui/session/tour.py)."""
-        from pagevis.gui.session.tour import Tour
-
-        self.tour = Tour(self)
-        self.tour.start()
-        return self.tour
-
-    def open_gguf(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "Open a Llama-family GGUF model", "", "GGUF models (*.gguf)")
-        if path:
-            self.controls.set_gguf(path)
-
-    def choose_trace(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "Open a pagevis trace", "", "pagevis traces (*)")
-        if path:
-            self.open_trace(path)
-
-    def _session_file(self, path: str | None, title: str, name: str, kinds: str) -> str | None:
-        """Where to write the session: `path`, or the user's choice; None (said) before the first step."""
-        if self.timeline is None or not len(self.timeline):
-            self.statusBar().showMessage("Nothing to save yet: decode a step first", 5000)
-            return None
-        return path or QFileDialog.getSaveFileName(self, title, name, kinds)[0] or None
-
-    def save_trace(self, path: str | None = None) -> str | None:
-        """Write the shown session's records to a trace file (File ▸ Open trace replays it)."""
-        path = self._session_file(path, "Save trace", "session.pvtrace", "pagevis traces (*.pvtrace)")
-        if not path:
-            return None
-        from pagevis.trace import Trace, write_trace
-
-        timeline, runner = self.timeline, self.runner
-        records = list(timeline.records)
-        ids = set(timeline.info.prompt_ids)
-        for record in records:
-            ids.update(record.token_ids)
-            ids.update([record.next_token] if record.next_token >= 0 else [])
-        session = runner.session if runner.timeline is timeline else None
-        trace = Trace(model_label=timeline.info.model_label, prompt=timeline.info.prompt, config=timeline.info.config,
-                      prompt_ids=tuple(timeline.info.prompt_ids), records=records,
-                      token_texts={int(t): timeline.token_text(int(t)) for t in sorted(ids)},
-                      model_spec=runner.timeline_spec if runner.timeline is timeline else None,
-                      stop_reason=session.stop_reason if session is not None else None,
-                      text=session.text() if session is not None else "", meta={"command": "pagevis (app)"},
-                      kv_layout=kv_layout(timeline.info))
-        try:
-            size = write_trace(path, trace)
-        except (OSError, ValueError) as error:
-            self._report(f"Could not save the trace to {path}: {error}")
-            return None
-        self.statusBar().showMessage(f"Saved {len(records)} steps to {path} ({size / 1024:.0f} KiB)", 6000)
-        return path
-
-    def export_view(self, view: QWidget | None, path: str | None = None) -> str | None:
-        if path is None:
-            name = "window" if view is None else view.title.lower().replace(" ", "-")
-            path, _ = QFileDialog.getSaveFileName(self, "Export view", f"{name}.png", "PNG image (*.png);;SVG (*.svg)")
-        if not path:
-            return None
-        if view is not None:
-            view.show_state(self.view_state())  # a view behind a tab has not been drawn yet
-        target = self if view is None else view.export_target()
-        export.save_widget(target, path)
-        self.statusBar().showMessage(f"Saved {path}", 5000)
-        return path
-
-    def export_events(self, path: str | None = None) -> str | None:
-        if self.timeline is None:
-            return None
-        path = path or QFileDialog.getSaveFileName(self, "Export eviction events", "evictions.csv", "CSV (*.csv)")[0]
-        if path:
-            rows = export.save_events_csv(self.timeline, path, self.index)
-            self.statusBar().showMessage(f"Saved {rows} events to {path}", 5000)
-        return path or None
-
-    def export_metrics(self, path: str | None = None) -> str | None:
-        if self.timeline is None:
-            return None
-        path = path or QFileDialog.getSaveFileName(self, "Export metrics", "metrics.csv", "CSV (*.csv)")[0]
-        if path:
-            rows = export.save_metrics_csv(self.timeline, path)
-            self.statusBar().showMessage(f"Saved {rows} steps to {path}", 5000)
-        return path or None
-
-    def export_recording(self, choice=None):
-        """The recorded steps (or the A/B or Server window) to a video (pagevis.gui.widgets.recording)."""
-        from pagevis.gui.widgets.recording import export_recording
-
-        return export_recording(self, choice)
-
-    def export_html(self, path: str | None = None) -> str | None:
-        """The session as one HTML page anyone can open (pagevis.export.html), at the selected layer."""
-        path = self._session_file(path, "Export HTML page", "session.html", "HTML (*.html)")
-        if not path:
-            return None
-        from pagevis.export.html import HtmlExportError, write_html
-
-        layer = self.view_state().layer
-        try:
-            size = write_html(path, self.timeline, layer)
-        except (HtmlExportError, OSError) as error:
-            self._report(f"Could not export {path}: {error}")
-            return None
-        self.statusBar().showMessage(f"Saved {len(self.timeline)} steps of layer {layer} to {path} "
-                                     f"({size / 1024:.0f} KiB)", 6000)
-        return path
-
-    def _show_shortcuts(self) -> None:
-        box = QMessageBox(QMessageBox.Information, "Keyboard shortcuts",
-                          "Space: play / pause\n→: next recorded step, or at the newest decode one token\n"
-                          "← or Ctrl+←: previous step\nCtrl+→: next recorded step\nHome / End: first / latest step\n"
-                          "Ctrl+R: reset the session\nCtrl+Z: back to the previous run (kept on every restart)\n"
-                          "Ctrl+Return (in the prompt): restart with the prompt", QMessageBox.Ok, self)
-        box.setModal(False)
-        box.show()
 
     # --- settings and closing ----------------------------------------------------------------------
     def _restore_settings(self) -> bool:

@@ -18,7 +18,8 @@ HEADERS = ("step", "layer", "page", "slot", "pos", "token", "reason", "score")
 
 
 _RIGHT = Qt.AlignRight | Qt.AlignVCenter
-MAX_ROWS = 200  # the table holds the newest evictions up to the selected step (the plot shows them all)
+MAX_ROWS = 200  # the table holds the newest evictions (of the selected layer, or of all) up to the selected step
+# (the plot shows them all)
 _NUMERIC = (0, 1, 2, 3, 4, 7)  # right-aligned columns
 
 
@@ -155,6 +156,7 @@ class EventsView(QWidget):
         self.filter = QLineEdit()
         self.filter.setPlaceholderText("filter: token or reason text, or field=value (page=3 position=12)")
         self.filter.setClearButtonEnabled(True)
+        self._layer_events = None  # ((timeline id, layer), that layer's evictions) for "selected layer only"
         self.only_layer = QCheckBox("selected layer only")
         self.only_layer.setChecked(True)
         self.table = QTableView()
@@ -225,8 +227,13 @@ class EventsView(QWidget):
         if self._key is None or self._key[0] != key[0]:
             self.plot._grown = (None, None)
         self._key = key
-        events = timeline.evictions if timeline is not None else []
-        self.model.show(events, limit, self.proxy.accepts)
+        events, rows = (timeline.evictions if timeline is not None else []), limit
+        if timeline is not None and self.only_layer.isChecked():  # the layer's own newest MAX_ROWS
+            if self._layer_events is None or self._layer_events[0] != (id(timeline), state.layer):
+                self._layer_events = ((id(timeline), state.layer), timeline.evictions.of_layer(state.layer))
+            events = self._layer_events[1]
+            rows = events.until(limit)
+        self.model.show(events, rows, self.proxy.accepts)
         if self.proxy.set_filter(self.filter.text(), state.layer if self.only_layer.isChecked() else None):
             self.model.fill(self.proxy.accepts)
         if self.table.verticalScrollBar().value() >= self.table.verticalScrollBar().maximum() - 2:

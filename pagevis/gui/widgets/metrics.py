@@ -218,7 +218,7 @@ class MetricsView(QWidget):
             curve.setData([], [])
         self.bars.setOpts(x=np.zeros(0), height=np.zeros(0))
         config = state.config
-        capacity = config.page_size * config.max_pages if config is not None else 1
+        capacity = config.capacity if config is not None else 1  # what the first step's line will be (a disk tier's)
         if config is not None and self.capacity.value() != capacity:
             self.capacity.setValue(capacity)
         self.capacity.setVisible(config is not None)

@@ -24,6 +24,8 @@ from pagevis.kvcache.policies.sinks import Sinks
 from pagevis.kvcache.policies.snapkv import SnapKV
 from pagevis.kvcache.policies.threshold import Threshold
 from pagevis.kvcache.policies.tova import Tova
+from pagevis.kvcache.policies.wrappers import (SHARED_PARAMS, WRAPPERS, PolicyWrapper, check_options, unwrapped,
+                                               wrap)
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls for cls in (Oldest, OldestPage, Sinks, HeavyHitter, Tova, SnapKV, PyramidKV,
@@ -33,17 +35,22 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
 }
 
 
-SHARED_PARAMS = tuple(f.name for f in dataclasses.fields(EvictionPolicy))  # every token policy's options
-
-
 def policy_params(name: str) -> dict[str, object]:
-    """The parameters a policy takes and their defaults: its own, then the options every policy has
-    (rerotate, compress_every: policies/base.py)."""
-    fields = dataclasses.fields(POLICIES[name])
-    return {f.name: f.default for f in sorted(fields, key=lambda f: f.name in SHARED_PARAMS)}
+    """The parameters a policy takes and their defaults: its own, then the options every token policy has
+    (rerotate, compress_every: the wrappers, wrappers.py)."""
+    own = {f.name: f.default for f in dataclasses.fields(POLICIES[name])}
+    return {**own, **{option: default for option, (_, default) in WRAPPERS.items()}}
 
 
-def make_policy(config) -> EvictionPolicy:
+def bound_params(policy) -> dict[str, object]:
+    """A bound policy's parameters as `policy_params` lists them (defaults filled in, e.g. h2o's recent window):
+    its own, then the options its wrappers set (or their defaults)."""
+    inner = unwrapped(policy)
+    return {name: getattr(inner, name) if name not in WRAPPERS else getattr(policy, name, default)
+            for name, default in policy_params(inner.name).items()}
+
+
+def make_policy(config) -> EvictionPolicy | PolicyWrapper:
     """Build and bind the policy a CacheConfig names; ConfigError for an unknown name or parameter."""
     cls = POLICIES.get(config.policy)
     if cls is None:
@@ -56,22 +63,22 @@ def make_policy(config) -> EvictionPolicy:
             raise ConfigError(f"{config.policy}.{key}", config.policy_params[key],
                               f"a parameter of {config.policy!r}; it takes {allowed}")
     rewrites = "rerotate" if config.policy_params.get("rerotate") else "policy" if cls.merges else ""
-    if rewrites and (getattr(config, "dtype", "float32") not in ("float32", "float16")
-                     or getattr(config, "disk_pages", 0) or getattr(config, "select", "all") == "quest"):
+    float_in_ram = getattr(config, "float_in_ram", True)  # CacheSettings.float_in_ram
+    if rewrites and not float_in_ram:
         field = f"{config.policy}.rerotate" if rewrites == "rerotate" else "policy"
         raise ConfigError(field, config.policy_params.get("rerotate", config.policy),
                           f"{'0' if rewrites == 'rerotate' else 'another policy'} with a quantized dtype, a disk tier "
                           "or quest (re-rotating keys and merging values rewrite float K/V in RAM pages; quantized "
                           "codes, pages on disk and Quest's key bounds would go stale)")
-    if cls.compresses and (getattr(config, "dtype", "float32") not in ("float32", "float16")
-                           or getattr(config, "disk_pages", 0) or getattr(config, "select", "all") == "quest"):
+    if cls.compresses and not float_in_ram:
         raise ConfigError("policy", config.policy, "another policy with a quantized dtype, a disk tier or quest "
                           f"({config.policy}'s reconstruction pass reads float K/V from RAM pages)")
-    policy = cls(**config.policy_params)
+    options = check_options(cls, config.policy_params, config.capacity)
+    policy = cls(**{key: value for key, value in config.policy_params.items() if key not in WRAPPERS})
     policy.bind(config.capacity, config.page_size)
     policy.bind_layers(getattr(config, "n_layers", 1))  # CacheSettings (no model yet) knows no layer count
     bind_heads(policy, config)
-    return policy
+    return wrap(policy, options)
 
 
 def bind_heads(policy: EvictionPolicy, config) -> None:

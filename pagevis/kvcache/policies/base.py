@@ -7,13 +7,9 @@ keys written, or the queries) names a PolicyState subclass (defined in its own f
 the cache keeps one per layer and feeds it. Policies read a LayerView: positions, block table and that
 state.
 
-Every token-level policy also takes two options (kvpress's wrappers, composed with any scorer):
-- `rerotate=1` (KeyRerotationPress): after each eviction the survivors' RoPE positions are made contiguous.
-  The cache keeps every query at its own position and moves each survivor older than an evicted token one
-  position later (its key rotated by +1, kvcache/rope_shift.py): every query-key distance is then the one
-  contiguous positions give (query at the survivor count, keys at 0, 1, ...), so attention is the same.
-- `compress_every=N` (DecodingPress): when the cache is full it evicts N tokens at once (the policy's
-  choice, N times over), down to capacity - N, and refills for N tokens before it compresses again.
+Behaviour that composes with any token-level scorer is a wrapper around it (wrappers.py: re-rotation,
+periodic compression), not an option here. The cache asks every policy the same questions (`evicted_at_once`,
+`after_removal`, `rewrites_survivors`); a wrapper answers for what it adds.
 
 A policy with `per_head` evicts (KV head, token) entries, not tokens: before each token is written the
 cache asks it for `choose_head_victims`, masks those entries out of that KV head's attention, and frees
@@ -23,19 +19,16 @@ needs a slot and none is free). Its LayerView carries the per-head `head_keep` m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
 from pagevis.errors import ConfigError, check_int
 from pagevis.kvcache.policy_state import LayerView, PolicyState
+from pagevis.kvcache.slots import flat_slots
 
 
-@dataclass(kw_only=True)  # the shared options are keywords: a policy's own fields stay positional
 class EvictionPolicy:
-    rerotate: int = 0  # 1: survivors' keys re-rotated to contiguous positions after each eviction
-    compress_every: int = 1  # N: when full, evict N tokens at once (down to capacity - N)
     name: ClassVar[str]
     citation: ClassVar[str]
     reason: ClassVar[str] = "lowest score"
@@ -52,13 +45,6 @@ class EvictionPolicy:
         """Fix the budget this policy works in; raise ConfigError if its parameters cannot fit."""
         self.capacity = capacity
         self.page_size = page_size
-        self.rerotate = check_int(f"{self.name}.rerotate", self.rerotate, 0, 1)
-        self.compress_every = self.check_int_param("compress_every", self.compress_every, 1, max(1, capacity - 1))
-        if (self.rerotate or self.compress_every > 1) and (self.per_head or not self.evicts):
-            option = "rerotate" if self.rerotate else "compress_every"
-            raise ConfigError(f"{self.name}.{option}", getattr(self, option),
-                              f"the default ({'0' if self.rerotate else '1'}): {self.name!r} "
-                              f"{'evicts per KV head' if self.per_head else 'never evicts'}")
 
     def bind_layers(self, n_layers: int) -> None:
         """Learn the number of layers (after bind), for policies whose budget differs by layer."""
@@ -135,6 +121,20 @@ class EvictionPolicy:
     def reset(self) -> None:
         """Forget any state (random generators) so a reset cache replays identically."""
 
+    # --- what the cache asks every policy (wrappers.py answers for what a wrapper adds) ---------------
+    def evicted_at_once(self) -> int:
+        """Tokens an eviction takes when the layer is full (its choice, one at a time): 1 unless wrapped."""
+        return 1
+
+    def after_removal(self, layer, seq, removed: list[int]) -> None:
+        """The tokens at positions `removed` left the sequence's layer (its manager, layers.py): nothing to do
+        unless wrapped (re-rotation moves the survivors' keys)."""
+
+    def rewrites_survivors(self) -> bool:
+        """Whether an eviction may change tokens that stay (a merged value, a re-rotated key), so that any
+        shared page may be copied."""
+        return self.merges
+
     def check_int_param(self, field: str, value: object, low: int, high: int) -> int:
         try:
             return check_int(f"{self.name}.{field}", value, low, high)
@@ -170,5 +170,5 @@ def evict_page(pages: LayerView, scores: np.ndarray, candidates: list[int]) -> t
 
 def page_slots(pages: LayerView, page: int) -> np.ndarray:
     """The flat slots of a page that hold a token."""
-    slots = np.arange(page * pages.page_size, (page + 1) * pages.page_size)
+    slots = flat_slots(page, pages.page_size)
     return slots[pages.positions[slots] >= 0]

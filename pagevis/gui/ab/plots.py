@@ -1,0 +1,141 @@
+"""The A/B window's two plots, side by side under the grids.
+
+Teacher-forced ("same text"): the running perplexity of A, B and the full cache over the tokens read (log
+scale; the window's leaves the full cache's at its first eviction), and each token's NLL (faint) with its
+16-token mean. Free-running: KL(A‖B) while both still predict after the same text (after the texts diverge it
+only says that they differ, so the curve stops there), then each side's repetition rate — the share of its
+newest 64 tokens that repeat a 4-gram it already wrote: a side that loops climbs towards 1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QHBoxLayout, QWidget
+
+from pagevis.gui.widgets import theme
+from pagevis.viewmodel.ab_session import REPEAT_N, REPEAT_WINDOW, ABTimeline
+
+SMOOTH = 16  # tokens in the NLL plot's running mean
+COLORS = {"a": theme.SERIES[1], "b": theme.SERIES[2], "full": theme.MUTED}  # A orange, B green, full grey
+
+
+def _plot(widget: pg.GraphicsLayoutWidget, left: str, bottom: str) -> pg.PlotItem:
+    plot = widget.addPlot()
+    theme.style_plot(plot, left=left, bottom=bottom)
+    plot.setMenuEnabled(False)
+    plot.hideButtons()
+    return plot
+
+
+class ABPlots(QWidget):
+    """show(timeline, index, labels): both plots for the shown step; labels name the sides ("A window")."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.left_widget, self.right_widget = pg.GraphicsLayoutWidget(), pg.GraphicsLayoutWidget()
+        self.left = _plot(self.left_widget, "perplexity", "tokens read")
+        self.right = _plot(self.right_widget, "NLL (nats)", "token")
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.left_widget, 3)
+        layout.addWidget(self.right_widget, 2)
+        self.setMinimumHeight(150)
+        self.ppl = {side: self.left.plot() for side in ("full", "a", "b")}
+        self.raw = {side: self.right.plot(pen=pg.mkPen(pg.mkColor(COLORS[side]).lighter(60), width=1))
+                    for side in ("a", "b")}
+        self.smooth = {side: self.right.plot(pen=pg.mkPen(COLORS[side], width=2.2)) for side in ("full", "a", "b")}
+        self.cursors = []
+        for plot in (self.left, self.right):
+            cursor = pg.InfiniteLine(angle=90, pen=pg.mkPen(theme.ACCENT, style=Qt.DashLine))
+            plot.addItem(cursor, ignoreBounds=True)
+            self.cursors.append(cursor)
+        self.forced: bool | None = None
+        self.set_mode(False, ("A", "B"))
+
+    def set_mode(self, forced: bool, labels: tuple[str, str]) -> None:
+        """Teacher-forced plots or free-running ones, the sides named (e.g. "A oldest", "B sinks")."""
+        self.forced = forced
+        self.left.setLogMode(y=forced)
+        for plot in (self.left, self.right):
+            plot._grown = (None, None)  # grow_range starts over
+        for side, curve in self.ppl.items():
+            color = COLORS[side] if forced else theme.SERIES[0]
+            curve.setPen(pg.mkPen(color, width=2.0 if side == "full" else 2.6,
+                                  style=Qt.DashLine if side == "full" else Qt.SolidLine))
+        names = {"a": labels[0], "b": labels[1], "full": "full cache"}
+        if forced:
+            theme.set_title(self.left, self._legend("running perplexity", names, ("full", "a", "b")), size="10pt",
+                            justify="left")
+            theme.set_title(self.right, self._legend(f"NLL per token ({SMOOTH}-token mean)", names,
+                                                     ("full", "a", "b")), size="10pt", justify="left")
+            self.left.setLabel("left", "perplexity (log)")
+            self.left.setLabel("bottom", "tokens read")
+            self.right.setLabel("left", "NLL (nats)")
+        else:
+            theme.set_title(self.left, f"<span style='color:{theme.SERIES[0]}'>━ KL(A‖B)</span> "
+                            f"<span style='color:{theme.MUTED}'>until the texts diverge</span>", size="10pt",
+                            justify="left")
+            theme.set_title(self.right, self._legend(f"repetition: share of the last {REPEAT_WINDOW} tokens "
+                                                     f"repeating a {REPEAT_N}-gram", names, ("a", "b")),
+                            size="10pt", justify="left")
+            self.left.setLabel("left", "KL (nats)")
+            self.left.setLabel("bottom", "step")
+            self.right.setLabel("left", "repetition")
+        for curve in (*self.ppl.values(), *self.raw.values(), *self.smooth.values()):
+            curve.setData([], [])
+        for plot in (self.left, self.right):  # from 0, not pyqtgraph's default −0.5 .. 0.5 or a log decade
+            theme.grow_range(plot, 1, 1)
+
+    @staticmethod
+    def _legend(title: str, names: dict, sides) -> str:
+        return f"<span style='color:{theme.TEXT}'>{title}</span>&nbsp; " + " ".join(
+            f"<span style='color:{COLORS[s]}'>{'┅' if s == 'full' else '━'} {names[s]}</span>" for s in sides)
+
+    def show(self, timeline: ABTimeline | None, index: int) -> None:
+        if timeline is None or index < 0:
+            return
+        if timeline.forced:
+            self._show_forced(timeline, index)
+        else:
+            self._show_free(timeline, index)
+
+    def _show_forced(self, timeline: ABTimeline, index: int) -> None:
+        shown = timeline.scored_at(index)
+        total = timeline.scored_at(len(timeline) - 1)
+        x = np.arange(1, total + 1, dtype=np.float64)
+        top = 1.0
+        for side, curve in self.ppl.items():
+            ppl = timeline.running_ppl(side)
+            curve.setData(x, ppl)
+            top = max(top, float(ppl.max(initial=1.0)))
+        for side in ("full", "a", "b"):
+            nll = timeline.nll(side)
+            if side in self.raw:
+                self.raw[side].setData(x, nll)
+            kernel = np.ones(min(SMOOTH, max(len(nll), 1))) / min(SMOOTH, max(len(nll), 1))
+            mean = np.convolve(nll, kernel, mode="valid") if len(nll) else nll
+            self.smooth[side].setData(x[len(x) - len(mean):], mean)
+        theme.grow_range(self.left, max(total, 16), np.log10(max(top, 10.0)) * 1.05, x_step=64)
+        self.right.enableAutoRange(axis="y")
+        self.right.setXRange(0, max(total, 16), padding=0.02)
+        for cursor in self.cursors:
+            cursor.setValue(shown)
+
+    def _show_free(self, timeline: ABTimeline, index: int) -> None:
+        count = len(timeline)
+        steps = np.arange(count, dtype=np.float64)
+        kl = timeline.series("kl_ab")
+        diverged = timeline.first_divergence()
+        if diverged is not None:
+            kl[diverged + 1:] = np.nan  # past the divergence KL(A‖B) compares predictions after different texts
+        self.ppl["a"].setData(steps, kl, connect="finite")
+        for side, name in (("a", "rep_a"), ("b", "rep_b")):
+            self.smooth[side].setData(steps, timeline.series(name), connect="finite")
+        top = float(np.nanmax(kl)) if np.isfinite(kl).any() else 1.0
+        theme.grow_range(self.left, max(count - 1, 1), max(top, 1.0), x_step=32)
+        self.right.setYRange(0, 1.05, padding=0)
+        self.right.setXRange(0, max(count - 1, 1), padding=0.02)
+        for cursor in self.cursors:
+            cursor.setValue(max(index, 0))
