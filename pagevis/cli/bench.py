@@ -30,10 +30,13 @@ def add_parser(commands) -> argparse.ArgumentParser:
                     "bandwidth of a weight-sized float32 gemv or sum, on the BLAS threads decoding uses, over "
                     "weight bytes per token). "
                     "Timings are medians; a busy machine makes them noisy.")
-    parser.add_argument("target", nargs="?", choices=("serve", "startup"),
+    parser.add_argument("target", nargs="?", choices=("serve", "startup", "weights"),
                         help="serve: benchmark `pagevis serve` instead (a chat workload at concurrency 1-16 or "
                              "Poisson rates, shaped like vLLM's benchmark_serving; see its options below); "
-                             "startup: the app's time to its first drawn frame, cold and warm, by phase")
+                             "startup: the app's time to its first drawn frame, cold and warm, by phase; "
+                             "weights: decode, prefill, batches and peak RSS with the weights as the GGUF stores "
+                             "them, beside --weights float32 and llama.cpp (the bench extra), SmolLM2, Gemma 3 "
+                             "270M (when installed) and a synthetic 1B Q4_K_M file; --rounds, --decode-tokens")
     parser.add_argument("--contexts", metavar="LIST", help=f"context lengths (default {FULL_CONTEXTS})")
     parser.add_argument("--page-sizes", metavar="LIST", help="page sizes (default 8,16,32,64)")
     parser.add_argument("--quick", action="store_true",
@@ -76,6 +79,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
     serve.add_argument("--hostile", action="store_true", help="instead: eight clients' chat latency on an idle "
                        "server and while one client sends the worst requests (2 MB stop strings, lone surrogates, "
                        "1.1 M characters of content, injected control tokens), phases alternating")
+    parser.add_argument("--rounds", type=int, default=3, metavar="N",
+                        help="bench weights: interleaved rounds, each configuration in its own process (3)")
     startup = parser.add_argument_group("bench startup")
     startup.add_argument("--starts", type=int, default=2, metavar="N", help="warm starts to time (default 2)")
     startup.add_argument("--no-cold", action="store_true",
@@ -120,6 +125,14 @@ def main(args: argparse.Namespace) -> int:
         return startup_main(args)
     if args.target == "serve":
         return serve_main(args)
+    if args.target == "weights":
+        from pagevis.bench import weights
+
+        options.check_range("--rounds", args.rounds, 1, 20)
+        options.check_range("--decode-tokens", args.decode_tokens, 1, MAX_DECODE_TOKENS)
+        result = weights.run_bench(args.rounds, args.decode_tokens, say=lambda text: print(text, file=sys.stderr))
+        print(json.dumps(result) if args.json else weights.format_report(result))
+        return 0
     from pagevis.bench import machine, suite
 
     contexts = parse_ints(args.contexts or (QUICK_CONTEXTS if args.quick else FULL_CONTEXTS), "--contexts", 1,

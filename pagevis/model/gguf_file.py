@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import struct
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,21 @@ def _check_tensor_extents(path: Path, reader: GGUFReader, size: int) -> None:
                 f"{path} is truncated: tensor {tensor.name} needs bytes up to {end}, "
                 f"but the file has {size}"
             )
+
+
+def release_pages(reader: GGUFReader, tensor: Any) -> None:
+    """Drop this tensor's pages of the file mapping from the process (they stay in the page cache): once a tensor is
+    repacked its mapped bytes would otherwise count in the resident set until the reader is gone."""
+    mapped = getattr(getattr(reader, "_mapped", None), "_mmap", None)
+    if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = -(-int(tensor.data_offset) // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (int(tensor.data_offset) + int(tensor.n_bytes)) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        try:
+            mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):
+            pass
 
 
 def read_metadata(reader: GGUFReader, skip_arrays_longer_than: int | None = None) -> dict[str, Any]:

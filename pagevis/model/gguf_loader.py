@@ -12,9 +12,11 @@ import numpy as np
 from pagevis.system_memory import available_bytes, fits, gib
 from pagevis.model import weight_cache
 from pagevis.model.architectures import architecture_of
+from pagevis.model.blas_threads import set_blas_threads
 from pagevis.model.config import ModelConfig
 from pagevis.model.errors import ModelConfigError, ModelLoadError
-from pagevis.model.gguf_file import check_tensor, field_contents, open_gguf, read_metadata, tensor_as_float32
+from pagevis.model.gguf_file import (check_tensor, field_contents, open_gguf, read_metadata, release_pages,
+                                    tensor_as_float32)
 from pagevis.model.gguf_tokenizer import GGUFTokenizer
 from pagevis.model.llama import LlamaModel
 from pagevis.model.locate import default_model_path
@@ -61,8 +63,12 @@ def load_model(path: str | Path | None = None, weights: str | None = None) -> Ll
         optional = {argument: name for field, parts in OPTIONAL_LAYER_TENSORS.items()
                     if getattr(config.layout, field) for argument, name in parts.items()}
         held = quantized_weights(path, tensors, lambda name: tensor_as_float32(path, tensors[name], expected[name]),
-                                 config.n_layers, LAYER_TENSORS, optional)
+                                 config.n_layers, LAYER_TENSORS, optional, lambda t: release_pages(reader, t))
         model = LlamaModel(config, held, tokenizer)
+        # Products with these weights run on the weight threads (weight_threads.py), which never wait for a busy
+        # core; BLAS (prefill's sgemm chunks, attention) stays on one thread per caller: two spinning OpenBLAS
+        # threads made a SmolLM2 prefill 13 s instead of 1 s on a busy machine (issue 37's 30 s first step).
+        set_blas_threads(1)
     model.weight_info = {"format": fmt, "types": types, "bytes": held_bytes(held)}
     return model
 

@@ -79,9 +79,10 @@ class QuantEmbedding:
 
 
 def quantized_weights(path: Path, tensors: dict[str, Any], dense: Callable[[str], np.ndarray],
-                      n_layers: int, parts: tuple[str, ...], optional: dict[str, str]) -> LlamaWeights:
+                      n_layers: int, parts: tuple[str, ...], optional: dict[str, str],
+                      release: Callable[[Any], None] = lambda tensor: None) -> LlamaWeights:
     """The weights with every quantised matrix packed (tensors already checked by name and shape by the loader;
-    `dense(name)` dequantises one tensor to float32 in numpy order)."""
+    `dense(name)` dequantises one tensor to float32 in numpy order; `release(tensor)` once it is copied)."""
 
     def matrix(*names: str) -> Any:
         groups: list[list[str]] = []
@@ -92,10 +93,14 @@ def quantized_weights(path: Path, tensors: dict[str, Any], dense: Callable[[str]
             else:
                 groups.append([name])
         packed = [_packed(path, [tensors[n] for n in group], dense) for group in groups]
+        for name in names:
+            release(tensors[name])
         return packed[0] if len(packed) == 1 else QuantStack(packed)
 
     def vector(name: str) -> np.ndarray:
-        return np.array(dense(name), dtype=np.float32)
+        values = np.array(dense(name), dtype=np.float32)
+        release(tensors[name])
+        return values
 
     layers = []
     for i in range(n_layers):

@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as Q
 from pagevis.model.weight_threads import split
 
 TILE = 64
-SMALL_BATCH = 4  # rows up to which the small-batch kernel beats dequantise-then-sgemm (bench: pagevis bench)
+SMALL_BATCH = 16  # rows up to which the small-batch kernel beats dequantise-then-sgemm (a batched decode step)
 CHUNK_BYTES = 2 << 20  # float32 bytes of dequantised weights per sgemm chunk (stays in L2 while it is used)
 REPACK_ROWS = 4096  # rows decoded at a time while repacking (bounds the temporary codes)
 QK_K = 256

@@ -1,0 +1,39 @@
+"""The weights bench's pieces: the synthetic Q4_K_M file it writes loads and decodes the same with its weights kept
+packed as dequantised to float32, and the ratios it prints are the ones its rows give."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagevis.bench.synthetic_gguf import write_q4_k_m_gguf
+from pagevis.bench.weights import format_report, ratios
+from pagevis.model import DenseAttention, load_model
+
+TINY = dict(n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, head_dim=64, d_ff=512, vocab=400)
+
+
+def test_the_synthetic_q4_k_m_file_decodes_alike_packed_and_as_float32(tmp_path):
+    path = write_q4_k_m_gguf(tmp_path / "tiny.gguf", TINY)
+    packed, dense = load_model(path), load_model(path, weights="float32")
+    assert packed.weight_info["types"] == {"F32": 5, "Q4_K": 12, "Q6_K": 3}
+    assert packed.weight_info["bytes"] < dense.weight_info["bytes"] / 3
+    ids = np.array([300, 301, 302, 7])
+    got = packed.forward(ids, np.arange(4), DenseAttention(packed.config), all_logits=True)
+    want = dense.forward(ids, np.arange(4), DenseAttention(dense.config), all_logits=True)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_ratios_and_report_come_from_the_rows():
+    rows = [{"name": "pagevis quantized 1t", "weights": "quantized", "decode_23": 60.0, "decode_512": 50.0,
+             "prefill_512": 150.0, "peak_rss": 250 << 20, "batch_8": 200.0, "batch_16": 300.0, "load_s": 1.0,
+             "floor_tok_s": 100.0, "read_gb_s": 11.0, "weights_info": {"types": {"Q4_1": 1}, "bytes": 10**8}},
+            {"name": "pagevis float32 1t", "weights": "float32", "decode_23": 20.0, "decode_512": 18.0,
+             "prefill_512": 190.0, "peak_rss": 900 << 20, "batch_8": 100.0, "batch_16": 150.0, "load_s": 2.0},
+            {"name": "llama.cpp 1t", "decode_23": 80.0, "decode_512": 70.0, "prefill_512": 170.0,
+             "peak_rss": 200 << 20, "load_s": 0.5}]
+    out = ratios(rows)
+    assert out["decode_23 vs llama.cpp 1t"] == 0.75 and out["peak RSS vs llama.cpp 1t"] == 1.25
+    assert out["decode_23 1t vs float32"] == 3.0 and out["batch_16 1t vs float32"] == 2.0
+    report = format_report({"cpu": "test CPU x2", "load_before": (1.0,), "load_after": (1.2,),
+                            "models": [{"model": "m", "path": "/x/m.gguf", "rows": rows, "ratios": out}]})
+    assert "decode_23 vs llama.cpp 1t: 0.75" in report and "read floor 100.0 tok/s" in report
