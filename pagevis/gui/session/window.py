@@ -320,7 +320,7 @@ class MainWindow(FileActions, TimelineCursor, QMainWindow):
         self.presets.apply(preset)
 
     def open_ab(self, config_a=None, config_b=None, prompt: str | None = None, title: str = "",
-                blocking: bool = False, play: bool = False):
+                blocking: bool = False, play: bool = False, text: str | None = None):
         """Open the A/B window: by default A is the controls' configuration and B the same cache with the
         other of sinks / oldest (the StreamingLLM comparison). With `play` (a preset), both sides decode
         once the model is ready."""
@@ -336,7 +336,7 @@ class MainWindow(FileActions, TimelineCursor, QMainWindow):
         if self.ab_window is not None:
             self.ab_window.close()
         self.ab_window = ABWindow(self.controls.model_spec(), prompt or self.controls.prompt(), config_a, config_b,
-                                  title=title)
+                                  title=title, text=text)
         place_beside(self.ab_window, self)
         self.ab_window.show()
         self.ab_window.start(blocking=blocking, play=play)
