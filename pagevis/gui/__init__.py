@@ -79,7 +79,7 @@ def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, sessi
     if not (trace and window.open_trace(trace)):
         window.start()
     if ab is not None:
-        window.open_ab(ab.a, ab.b, window.controls.prompt(), title=ab.name, play=True)
+        window.open_ab(ab.a, ab.b, window.controls.prompt(), title=ab.name, play=True, text=ab.text)
     if tour:
         window.start_tour()
     code = app.exec()
@@ -181,7 +181,7 @@ def open_for_picture(app, window, ab=None, purpose: str = "the screenshot", trac
     if window.runner.session is None:
         return _refuse(window, f"could not start a session for {purpose}")
     if ab is not None:  # the A/B window is the picture: two sessions in lockstep
-        window = window.open_ab(ab.a, ab.b, window.controls.prompt(), title=ab.name, blocking=True)
+        window = window.open_ab(ab.a, ab.b, window.controls.prompt(), title=ab.name, blocking=True, text=ab.text)
         if not real_display:
             window.resize(default_size())
     return window

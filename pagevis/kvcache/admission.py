@@ -56,6 +56,21 @@ class Admission:
             rooms += [seq.policy.prune_room(layer.view(seq)) for layer in self.layers]
         return min(rooms)
 
+    def is_full(self, seq_id: int) -> bool:
+        """Whether the sequence takes no more tokens: its room is used up and its policy never evicts ('none')."""
+        return self.room(seq_id) <= 0 and not self.sequences[seq_id].policy.evicts
+
+    def hit_limit(self, seq_id: int, longest: int, n_tokens: int) -> int:
+        """How many of its n_tokens a sequence that may grow to `longest` tokens may take from the prefix cache
+        and still decode what it would alone: all if it never reaches its budget (its smallest layer's); else
+        what it holds before its first eviction, its budget — none if its policy learns from attention, which
+        cached pages never got from it."""
+        seq = self.sequences[seq_id]
+        budget = min(layer.budget(seq) for layer in self.layers)
+        if longest <= budget:
+            return n_tokens
+        return 0 if seq.policy.uses_attention else budget
+
     def can_append(self, seq_id: int, n: int) -> bool:
         """Whether n more tokens fit, by eviction if the policy evicts. Check before a step so that a
         full cache fails before any layer has changed."""

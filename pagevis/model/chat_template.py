@@ -188,9 +188,14 @@ class _Worker:
         self.process = subprocess.Popen([sys.executable, "-I", WORKER, json.dumps(limits)], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
         self._out = self.process.stdout.fileno()
-        ready = self.receive(time.monotonic() + START_SECONDS)
+        try:
+            ready = self.receive(time.monotonic() + START_SECONDS)
+        except (_Timeout, _Died):
+            self.stop()
+            raise
         if ready.get("ok") != "ready":
-            raise ChatTemplateError("the chat-template worker did not start")
+            self.stop()
+            raise _Died("it answered something else")
 
     def send(self, request: dict) -> None:
         data = json.dumps(request).encode("ascii")
@@ -206,10 +211,10 @@ class _Worker:
         while got < size:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([self._out], [], [], left)[0]:
-                raise _Timeout
+                raise _Timeout("no answer in time")
             chunk = os.read(self._out, size - got)
             if not chunk:
-                raise _Died
+                raise _Died("it exited")
             chunks.append(chunk)
             got += len(chunk)
         return b"".join(chunks)
@@ -244,7 +249,7 @@ def _call(load: dict, request: dict):
     global _WORKER
     with _WORKER_LOCK:
         if _WORKER is None or _WORKER.pid != os.getpid():
-            _WORKER = _Worker()
+            _WORKER = _start()
         worker = _WORKER
         try:
             if load["key"] not in worker.loaded:
@@ -255,6 +260,13 @@ def _call(load: dict, request: dict):
             _WORKER = None
             code = worker.stop()
             raise ChatTemplateError(_ended(failure, code), bound=True) from None
+
+
+def _start() -> _Worker:
+    try:
+        return _Worker()
+    except (_Timeout, _Died, OSError) as failure:
+        raise ChatTemplateError(f"the chat template's worker process did not start: {failure}") from None
 
 
 def _answer(worker: _Worker, request: dict):
