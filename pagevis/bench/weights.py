@@ -88,10 +88,13 @@ def llama_cpp_worker(path: str, threads: int, decode: int) -> dict:
                 verbose=False)
     out = {"load_s": time.perf_counter() - start}
 
+    def last_logits() -> np.ndarray:  # the batch's last row: the only one llama.cpp computes (logits_all off)
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+
     def greedy(steps: int) -> float:
         begin = time.perf_counter()
         for _ in range(steps):
-            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+            llm.eval([int(np.argmax(last_logits()))])
         return steps / (time.perf_counter() - begin)
 
     ids = _prompt_ids(llm.n_vocab(), PREFILL_TOKENS)
