@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as Q
 from pagevis.model.weight_threads import split
 
 TILE = 64
-SMALL_BATCH = 16  # rows up to which the small-batch kernel beats dequantise-then-sgemm (a batched decode step)
+SMALL_BATCH = 8  # rows up to which the small-batch kernel beats dequantise-then-sgemm (measured: 8 yes, 16 no)
 CHUNK_BYTES = 2 << 20  # float32 bytes of dequantised weights per sgemm chunk (stays in L2 while it is used)
 REPACK_ROWS = 4096  # rows decoded at a time while repacking (bounds the temporary codes)
 QK_K = 256
@@ -72,6 +72,7 @@ def announce_compiling() -> None:
 
 def _kernel_stamp(numba_version: str):
     """(stamp file, what it holds once this kernel source was compiled with this numba on this CPU), or None."""
+    import hashlib
     import os
     from pathlib import Path
 
@@ -84,7 +85,9 @@ def _kernel_stamp(numba_version: str):
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:
         return None
-    return folder / "weight-kernels.stamp", f"{numba_version} {stat.st_size} {stat.st_mtime_ns} {cpu_model()} {os.cpu_count()}"
+    where = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:12]  # one per installed copy of the source
+    return (folder / f"weight-kernels-{where}.stamp",
+            f"{numba_version} {stat.st_size} {stat.st_mtime_ns} {cpu_model()} {os.cpu_count()}")
 
 
 _KERNELS: dict | None = None
