@@ -2,7 +2,7 @@
 
 Random blocks measure speed and memory, not text. The types follow llama.cpp's Q4_K_M for this model: Q4_K
 for most matrices, Q6_K for the tied embedding and for attn_v and ffn_down of every other layer, F32 norms.
-The vocabulary is the 256 byte-level symbols and filler tokens (no merges): a tokenizer the loader accepts.
+The vocabulary is the 256 byte-level symbols, one merge and filler tokens: a tokenizer both loaders accept.
 Tensors are streamed to the file one at a time (the largest, the embedding, is ~215 MB).
 """
 
@@ -49,7 +49,8 @@ def write_q4_k_m_gguf(path: Path, shape: dict = LLAMA_32_1B, seed: int = 0) -> P
     writer.add_vocab_size(vocab)
     writer.add_tokenizer_model("gpt2")
     symbols = list(byte_to_unicode().values())
-    writer.add_token_list(symbols + [f"<t{i}>" for i in range(vocab - len(symbols))])
+    writer.add_token_list(symbols + ["ab"] + [f"<t{i}>" for i in range(vocab - len(symbols) - 1)])
+    writer.add_token_merges(["a b"])  # llama.cpp refuses a byte-level BPE vocabulary without merges
     writer.add_token_types([1] * vocab)
     writer.add_eos_token_id(vocab - 1)
 
