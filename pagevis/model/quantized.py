@@ -29,7 +29,9 @@ QK_K = 256
 # ggml type -> (packed format, weights per group, bytes per block, weights per block)
 FORMATS = {
     Q.Q4_0: ("u4", 32, 18, 32), Q.Q4_1: ("u4", 32, 20, 32), Q.Q4_K: ("u4", 32, 144, QK_K),
-    Q.Q5_0: ("u5", 32, 22, 32), Q.Q5_1: ("u5", 32, 24, 32), Q.Q5_K: ("u5", 32, 176, QK_K),
+    # Q5_0 as signed bytes (code - 16, no offset: 9 bits a weight for its 5.5): the i8 kernel reads it ~3x faster
+    # than u5's bit-by-bit high bits, which matters where Q5_0 holds most matrices (Gemma 3's Q4_K_M)
+    Q.Q5_0: ("i8", 32, 22, 32), Q.Q5_1: ("u5", 32, 24, 32), Q.Q5_K: ("u5", 32, 176, QK_K),
     Q.Q8_0: ("i8", 32, 34, 32), Q.Q6_K: ("i8", 16, 210, QK_K),
 }
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
@@ -80,8 +82,10 @@ def decode_blocks(kind: Q, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
             at += 4
         nib = _nibbles(blocks[:, at:at + 16])
         codes = nib if codes is None else nib | codes
+        if kind == Q.Q5_0:
+            return codes.astype(np.int8) - np.int8(16), d, None
         if m is None:
-            m = d * np.float32(-16 if kind == Q.Q5_0 else -8)
+            m = d * np.float32(-8)
         return codes, d, m
     if kind == Q.Q8_0:
         return blocks[:, 2:].view(np.int8), _f16(blocks[:, 0:2]), None
