@@ -115,7 +115,9 @@ class SessionLifecycle:
         title = model_title(info.model_label, self.presets.titles)
         self.setWindowTitle(f"pagevis — {title}, replay" if self.runner.state == "replay"
                             else f"pagevis — {title}, paged KV cache, live")
-        self.status_model.setText(title)
+        weights = getattr(getattr(self.runner.session, "model", None), "weight_info", None)
+        self.status_model.setText(title + (f" · {weights_text(weights)}" if weights and self.runner.state != "replay"
+                                           else ""))
         self.status_model.setToolTip(info.model_label)
         self.status_memory.setText(memory_text(info.cache_bytes, info.n_kv_heads, info.config.dtype,
                                                info.kv_bytes_per_token, info.storage_notice))
@@ -150,3 +152,12 @@ class SessionLifecycle:
         self.statusBar().showMessage(f"Replaying {Path(path).name}: {len(trace.records)} steps "
                                      f"(play animates them; Reset returns to live decoding)", 8000)
         return True
+
+
+def weights_text(weights: dict) -> str:
+    """The status bar's word on the weights: 'Q4_1+Q8_0 · 112 MB' (as the file stores them) or 'float32 · 651 MB'."""
+    size = f"{weights['bytes'] / 1e6:.0f} MB"
+    if weights["format"] != "quantized":
+        return f"float32 · {size}"
+    types = [t for t in weights["types"] if t not in ("F32", "F16", "BF16")] or ["F32"]
+    return f"{'+'.join(types)} · {size}"
