@@ -6,6 +6,11 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QHeaderView, QTableWidget, QTableWidgetItem
 
 MIN_TABLE_WIDTH, MAX_TABLE_WIDTH = 200, 280  # the block table's width, pixels
+PAGES_NOTE = ("Pages are per layer: every layer has its own pages and block table, since each layer's policy "
+              "evicts on its own (vLLM's block table is shared by every layer). A token-level policy (sinks, H2O, "
+              "TOVA, …) writes the next token into the slot it evicted, so one page can hold positions far apart "
+              "(\"0–3, 188–191\"); vLLM never does that — only oldest-page, which evicts whole pages, behaves "
+              "like vLLM.")
 
 
 class BlockTable(QTableWidget):
@@ -21,6 +26,9 @@ class BlockTable(QTableWidget):
         self._longest = 0  # characters of the longest positions text the column was fitted to
         self.widest = MAX_TABLE_WIDTH  # the most width the table takes (the page grid narrows it)
         self.setHorizontalHeaderLabels(self.HEADERS)
+        for column in range(len(self.HEADERS)):
+            self.horizontalHeaderItem(column).setToolTip(PAGES_NOTE)
+        self.setToolTip(PAGES_NOTE)
         self.setEditTriggers(QTableWidget.NoEditTriggers)
         self.verticalHeader().setDefaultSectionSize(20)
         self.verticalHeader().setDefaultAlignment(Qt.AlignRight | Qt.AlignVCenter)

@@ -12,7 +12,7 @@ from pagevis.kvcache.event_array import in_layer
 from pagevis.kvcache.spec import layer_specs
 from pagevis.gui.widgets import theme
 from pagevis.gui.widgets.theme import FREE, PINNED, REPLACED, RESIDENT, WRITTEN
-from pagevis.gui.widgets.block_table import MAX_TABLE_WIDTH, MIN_TABLE_WIDTH, BlockTable
+from pagevis.gui.widgets.block_table import MAX_TABLE_WIDTH, MIN_TABLE_WIDTH, PAGES_NOTE, BlockTable
 from pagevis.gui.widgets.cell_labels import CellLabels
 from pagevis.viewmodel.cells import (  # noqa: F401 - cell_states and DISK_STATES for the tests, as before
     DISK_STATES, LEGEND_NOTE, cell_states, disk_states, frames_of_pages, full_precision_mask, layer_capacity,
@@ -175,6 +175,7 @@ class PageGridView(QWidget):
         self.graphics.setMinimumWidth(250)  # the grid's title fits (a projector's 1280 × 720)
         self.block_title = block_title = QLabel("Block table (logical → physical)")
         block_title.setStyleSheet(f"color: {theme.MUTED}")
+        block_title.setToolTip(PAGES_NOTE)
 
         left = QVBoxLayout()
         left.setContentsMargins(0, 0, 0, 0)
@@ -357,6 +358,9 @@ class PageGridView(QWidget):
         self.labels.set_positions(np.zeros((0, 0), dtype=np.int32))
         self.merges.setData([], [])
         self.blocks.set_rows([])
+        info = state.timeline.info if state.timeline is not None else None  # (a model loading: not hybrid yet)
+        hybrid = info is not None and info.sliding_windows is not None
+        self.legend.setText(legend_html(hybrid, note=not self.presentation))  # not the last session's
         config = state.config
         if config is None:
             self.states = np.zeros((0, 0), dtype=np.int8)
