@@ -77,6 +77,7 @@ def test_a_template_that_writes_bos_gets_no_second_one():
     ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "more than 1048576 characters"),
     ("{{ messages.__class__.__mro__ }}", "failed"),
     ("{{ raise_exception('no system role') }}", "refused the conversation: no system role"),
+    ("{{ raise_exception('two\\nlines') }}", "refused the conversation: two lines"),
     ("{% for %}", "does not parse"),
     ("{{ messages.append(1) }}", "failed"),
 ])

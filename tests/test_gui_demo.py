@@ -78,7 +78,7 @@ def test_choosing_a_preset_sets_prompt_cache_and_policy(qtbot, window):
     controls = window.controls
     controls.presets.activated.emit(controls.presets.findData(PRESETS[0]))  # "Default": every default, SmolLM2 too
     qtbot.waitUntil(lambda: window.runner.config.max_pages == DEFAULT_CONFIG.max_pages
-                    and window.runner.state in ("running", "done"), timeout=20000)  # playing by itself
+                    and window.runner.state in ("running", "done"), timeout=60000)  # playing by itself (SmolLM2 loads)
     window.runner.stop()
     assert replace(window.runner.config, policy_params={}) == DEFAULT_CONFIG
     assert window.runner.spec == ModelSpec() and controls.prompt() == default_prompt()

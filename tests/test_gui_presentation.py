@@ -41,6 +41,8 @@ def test_a_12_x_8_grid_reads_from_the_back_of_the_room_at_1280_x_720(qtbot, wind
     assert width >= 28 and height >= 18, (width, height)
     assert grid.labels.point_size(grid.graphics.logicalDpiY()) >= 9
     assert not grid.blocks.isVisible()  # the cells' numbers say what each page holds
+    note = grid.blocks.horizontalHeaderItem(2).toolTip()  # what vLLM users ask: pages per layer, mixed positions
+    assert "per layer" in note and "oldest-page" in note and note == grid.block_title.toolTip()
     window.set_presentation(False)  # the normal layout at the same size: the grid shares its row
     qtbot.wait(30)
     window.redraw()

@@ -25,7 +25,7 @@ TEMPLATES = {
 }
 
 
-SLOW = {"loop-no-output", "lipsum"}  # killed at the wall-clock limit (test_chat_template.py has them in-process)
+SLOW = {"loop-no-output", "lipsum", "power", "repeat"}  # test_chat_template.py has each in-process
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(TEMPLATES)])

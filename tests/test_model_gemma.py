@@ -54,7 +54,8 @@ def test_config_has_the_sliding_window_pattern():
     assert c.rope_bases == tuple(1e6 if i % 6 == 5 else 1e4 for i in range(18))
     weights = gemma().weights
     assert weights.embedding.shape == (262144, 640)
-    assert np.shares_memory(weights.embedding, weights.output_t)  # tied: one float32 matrix
+    assert weights.embedding.matrix is weights.output_t  # tied: one packed Q8_0 matrix
+    assert gemma().weight_info["types"] == {"F32": 109, "Q4_K": 27, "Q5_0": 81, "Q6_K": 9, "Q8_0": 10}
 
 
 @pytest.mark.slow

@@ -75,7 +75,7 @@ def test_streamingllm_window_leaves_the_full_cache_and_sinks_stay_near_it(smollm
 def test_vllm_page_level_frees_whole_pages_where_the_token_window_frees_one(smollm2):
     steps = ab_steps(smollm2, "vLLM page-level")
     a, b = resident_after_eviction(steps, "a"), resident_after_eviction(steps, "b")
-    assert min(a) <= 49 and max(a) == 64 and 16 in -np.diff(a)  # a whole page of 16 at once
+    assert min(a) <= 49 and max(a) == 64 and 15 in -np.diff(a)  # a page of 16 freed in one step (and 1 written)
     assert set(b) == {64}
 
 

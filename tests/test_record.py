@@ -259,3 +259,16 @@ def test_a_missing_encoder_names_the_extra_to_install(monkeypatch):
     with pytest.raises(RecordingError, match=r"needs imageio-ffmpeg, which is not installed: pip install 'pagevis\[record\]'"):
         check_target("demo.webm")
     check_target("demo.gif")  # Pillow is still there
+
+
+@pytest.mark.slow  # a process of its own: in one under pytest-qt, Qt's messages go to pytest-qt's handler
+def test_recording_headless_prints_no_size_hint_notices(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "pagevis", "--model", "synthetic", "--record", str(tmp_path / "r.gif"),
+                           "--steps", "3"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
+    assert done.returncode == 0, done.stderr
+    assert "propagateSizeHints" not in done.stderr  # the offscreen platform said it 5-9 times a recording

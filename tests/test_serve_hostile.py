@@ -16,7 +16,7 @@ from pagevis.engine import ModelSpec
 from pagevis.model import load_model
 from pagevis.model.chat_template import ChatTemplate
 from pagevis.serve.settings import ServeSettings
-from pagevis.serve.stop import MAX_STOP_CHARS, MAX_STOPS, StopMatcher
+from pagevis.engine.stop import MAX_STOP_CHARS, MAX_STOPS, StopMatcher
 
 TINY = Path(__file__).parent / "data" / "tiny-qwen2.gguf"
 # ChatML that refuses a conversation whose last message says "boom" (a template failing on request content)

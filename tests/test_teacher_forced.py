@@ -95,3 +95,19 @@ def test_smollm2_window_collapses_and_sinks_stay_near_the_full_cache(capsys, tex
     assert window["full_ppl"] == pytest.approx(sinks["full_ppl"], rel=1e-6)
     assert window["ppl"] >= window_over_sinks * sinks["ppl"]
     assert sinks["ppl"] <= 1.3 * sinks["full_ppl"]
+
+
+def test_the_apps_teacher_forced_flag_opens_the_ab_on_that_text(monkeypatch, tmp_path, capsys):
+    import pagevis.gui
+
+    calls = []
+    monkeypatch.setattr(pagevis.gui, "launch", lambda **kwargs: calls.append(kwargs) or 0)
+    assert main(["--teacher-forced", str(HELD_OUT), "--policy", "sinks", "--page-size", "8"]) == 0
+    preset = calls[-1]["preset"]
+    assert preset.text == str(HELD_OUT) and (preset.a.policy, preset.b.policy) == ("sinks", "oldest")
+    assert preset.a.page_size == preset.b.page_size == 8
+    assert main(["--preset", "vLLM", "--teacher-forced", "the-ferry-timetable"]) == 0  # an A/B preset's sides
+    preset = calls[-1]["preset"]
+    assert preset.name == "vLLM page-level" and preset.text == "the-ferry-timetable" and preset.b.policy == "oldest"
+    assert main(["--teacher-forced", str(tmp_path / "missing.txt")]) == 2
+    assert "no such file" in capsys.readouterr().err

@@ -37,3 +37,11 @@ def test_ratios_and_report_come_from_the_rows():
     report = format_report({"cpu": "test CPU x2", "load_before": (1.0,), "load_after": (1.2,),
                             "models": [{"model": "m", "path": "/x/m.gguf", "rows": rows, "ratios": out}]})
     assert "decode_23 vs llama.cpp 1t: 0.75" in report and "read floor 100.0 tok/s" in report
+
+
+def test_the_status_bar_names_the_weight_types_and_bytes():
+    from pagevis.gui.session.lifecycle import weights_text
+
+    assert weights_text({"format": "quantized", "types": {"F32": 61, "Q4_1": 210, "Q8_0": 1},
+                         "bytes": 111_617_280}) == "Q4_1+Q8_0 · 112 MB"
+    assert weights_text({"format": "float32", "types": {"Q4_1": 210}, "bytes": 651_306_240}) == "float32 · 651 MB"

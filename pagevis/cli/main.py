@@ -58,6 +58,11 @@ def gui_parser() -> ArgumentParser:
                        help="open in the presentation layout (View > Presentation, F11): the page grid fills the "
                             "window, the other views a tab away; --no-present: the normal layout (default: "
                             "presentation on a display at most 1366 px wide)")
+    group.add_argument("--teacher-forced", metavar="FILE",
+                       help="open the A/B window in its 'same text' mode on FILE (a UTF-8 text, or a shipped "
+                            "text's name such as pride-and-prejudice-ch1): both sides read it one token a step beside "
+                            "the full cache, their perplexities live; the sides are an A/B --preset's, else the "
+                            "options' cache against the same cache with the other of sinks / oldest")
     group.add_argument("--tour", action="store_true",
                        help="start the guided tour (Help > Tour): the StreamingLLM A/B, then Sequences, then the "
                             "Server window, each with one line on what to look at")
@@ -199,12 +204,32 @@ def launch_app(args: argparse.Namespace) -> int:
         raise UsageError("--record: give the number of steps to record with --steps N (1 or more)")
     if args.server_demo is not None or args.server_events or args.server_metrics:
         return launch_server_demo(args, spec, recording)
+    preset = options.preset(args)
+    if args.teacher_forced:
+        preset = same_text_preset(args.teacher_forced, preset, config)
     metrics, _exporter = start_metrics_server(args.metrics_port)  # a daemon thread, until the app quits
     from pagevis.gui import launch
 
     return launch(model_spec=spec, prompt=prompt, session_config=config, screenshot=args.screenshot,
-                  steps=args.steps, metrics=metrics, preset=options.preset(args), recording=recording,
+                  steps=args.steps, metrics=metrics, preset=preset, recording=recording,
                   **({"tour": True} if args.tour else {}), **({} if args.present is None else {"present": args.present}))
+
+
+def same_text_preset(path: str, preset, config):
+    """The A/B that `--teacher-forced FILE` opens: an A/B preset's sides (else the options' cache against the
+    same cache with the other of sinks / oldest) reading FILE, which must be readable."""
+    from dataclasses import replace
+
+    from pagevis.cli.compare import load_text
+    from pagevis.presets import DEFAULT_CONFIG, Preset, shipped_text
+
+    load_text(path)  # a UsageError now, not a message in the window later
+    text = path if shipped_text(path) is not None else os.path.abspath(path)
+    if preset is not None and preset.b is not None:
+        return replace(preset, text=text)
+    a = config or (preset.a if preset is not None else DEFAULT_CONFIG)
+    b = replace(a, policy="oldest" if a.policy != "oldest" else "sinks", policy_params={})
+    return Preset(f"same text: {os.path.basename(path)}", "", "explain-paging", a, b, text=text)
 
 
 def launch_server_demo(args: argparse.Namespace, spec, recording=None) -> int:

@@ -33,6 +33,7 @@ from pagevis.engine.run_loop import RunControl, steps
 from pagevis.engine.sampling import Sampler, SamplingConfig
 from pagevis.engine.scheduler import Plan, Scheduler
 from pagevis.engine.session_config import SessionConfig, decode_ids, encode_prompt
+from pagevis.engine.stop import StopMatcher
 
 EngineHook = Callable[[BatchRecord], None]
 
@@ -340,9 +341,21 @@ class Engine:
             self._finish(request, "eos")
         elif len(request.generated) >= request.max_new_tokens:
             self._finish(request, "max_new_tokens")
-        elif request.stop and any(s in self.text(request.seq_id) for s in request.stop):
+        elif request.stop and self._stop_hit(request, token):
             self._finish(request, "stop")
         return token
+
+    def _stop_hit(self, request: Request, token: int) -> bool:
+        """Whether this token completes one of the request's stop strings: a matcher per request (stop.py) fed
+        each token's text once, linear in the text (rebuilt from the tokens so far after a fork)."""
+        state = request.stop_state
+        if state is None or state[2] != len(request.generated) - 1:
+            decoder, matcher = self.model.tokenizer.incremental_decoder(), StopMatcher(list(request.stop))
+            for earlier in request.generated[:-1]:
+                matcher.push(decoder.feed(earlier))
+            state = request.stop_state = [decoder, matcher, len(request.generated) - 1]
+        state[2] += 1
+        return state[1].push(state[0].feed(token))[1]
 
     def _finish(self, request: Request, reason: str) -> None:
         if reason == "cache_full":

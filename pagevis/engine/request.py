@@ -15,6 +15,7 @@ class Request:
     max_new_tokens: int
     ignore_eos: bool = False  # decode max_new_tokens whatever is sampled (benchmarks of a fixed shape)
     stop: tuple[str, ...] = ()  # stop strings: the request ends when its text contains one
+    stop_state: list | None = None  # the engine's (decoder, StopMatcher, tokens fed) for `stop`
     generated: list[int] = field(default_factory=list)
     n_cached: int = 0  # tokens whose K/V are in the pool
     started: int = -1  # admission order (preemption takes the highest)

@@ -48,6 +48,13 @@ class PoolView:
     def tables(self, tables: list[list[int]]) -> list[list[int]]:
         return tables
 
+    def holder(self, shown: int):
+        """The snapshot's `held` (kvcache/snapshot.py) for `shown` frames: None when the records show the layers'
+        own RAM frames as they are (this class), else this view's held_slots."""
+        if type(self).held_slots is PoolView.held_slots:
+            return None
+        return lambda layer, frames: self.held_slots(layer, frames, shown)
+
     def held_slots(self, layer: int, frames, shown: int) -> np.ndarray | None:
         """Per slot of the `shown` frames the records show, the pool's flat slot it holds (-1: none); None:
         the layer's own RAM frames, as they are. frames: what they hold (kvcache.snapshot.LayerFrames)."""
@@ -234,8 +241,7 @@ class DecodeSession:
         events = EventArray.pack(pool.events(self.engine.last_events, step), self._strings)
         self._evictions += len(events.of_kind(EventKind.EVICT))
         seq = self.cache.sequences[self.seq_id]
-        snap = self.cache.snapshot(self.seq_id, cfg.max_pages,
-                                   lambda layer, frames: pool.held_slots(layer, frames, cfg.max_pages))
+        snap = self.cache.snapshot(self.seq_id, cfg.max_pages, pool.holder(cfg.max_pages))
         attention = []
         for layer in self.record_layers:
             weights = np.zeros((cfg.n_heads, cfg.capacity), dtype=np.float16)

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
+
+from pagevis.kvcache.spec import layer_specs
 
 from pagevis.kvcache.slots import flat_slots
 
@@ -93,7 +96,13 @@ def take(cache, seq_id: int, shown: int, held: HeldSlots | None = None) -> Cache
         slot_maps=slot_maps, protected=np.stack(protected), scores=np.stack(scores).astype(np.float32),
         full_precision=np.stack(full) & (slot_maps >= 0) if full else None,
         capacities=tuple(int(policy.layer_capacity(layer)) for layer in range(len(cache.stores))),
-        labels=tuple(spec.label for spec in cache.config.layer_specs), block_frames=frames)
+        labels=_labels(cache.config.sliding_windows, cache.config.n_layers), block_frames=frames)
+
+
+@lru_cache(maxsize=64)
+def _labels(windows: tuple[int | None, ...] | None, n_layers: int) -> tuple[str, ...]:
+    """Each layer's spec label (made once per layout: every step asks)."""
+    return tuple(spec.label for spec in layer_specs(windows, n_layers))
 
 
 def _own_slots(store) -> np.ndarray:

@@ -26,6 +26,7 @@ from pagevis.model.tokenizer_cache import cached_backend
 from pagevis.model.vocab_tokenizer import (TOKENIZER_KINDS, byte_level_backend, byte_to_unicode, check_spellable,
                                            sentencepiece_backend)
 from pagevis.model.quant_weights import held_bytes, quantized_weights, weight_format
+from pagevis.model.quantized import announce_compiling, kernels
 from pagevis.model.weights import LlamaWeights, check_weight_shapes, layer_from_gguf_matrices
 
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
@@ -58,6 +59,8 @@ def load_model(path: str | Path | None = None, weights: str | None = None) -> Ll
         held = cached_or_dequantised_weights(path, config, reader)
         model = LlamaModel(config, held, tokenizer, plan=plan_for(held.matrices()))
     else:
+        announce_compiling()
+        kernels()  # compiled (first launch) or loaded from numba's cache now, not in the first step
         tensors = {tensor.name: tensor for tensor in reader.tensors}
         expected = check_tensor_names(path, config, tensors)
         optional = {argument: name for field, parts in OPTIONAL_LAYER_TENSORS.items()

@@ -100,7 +100,7 @@ def _send(writer, reply: dict) -> None:
     writer.flush()
 
 
-def _one_line(exc: BaseException) -> str:
+def _one_line(exc: object) -> str:
     return " ".join(str(exc).split())[:300]
 
 
@@ -263,7 +263,7 @@ def _sandbox(limits: dict):
     env.policies["json.dumps_kwargs"] = {"sort_keys": True, "ensure_ascii": False}
 
     def raise_exception(message: str) -> None:
-        raise TemplateRefusal(f"the chat template refused the conversation: {message}")
+        raise TemplateRefusal(f"the chat template refused the conversation: {_one_line(message)}")
 
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)

@@ -3,8 +3,9 @@
 Three packed formats cover every supported ggml type (quantized.py repacks each into one of them at load):
   u4: 4-bit codes q in 0..15, per 32-weight group a scale d and an offset m: w = d*q + m
       (Q4_0: m = -8d; Q4_1; Q4_K: d = super-scale * 6-bit scale, m = -super-min * 6-bit min)
-  u5: u4's nibbles plus one high bit per weight (a uint32 per group): q in 0..31, w = d*q + m (Q5_0, Q5_1, Q5_K)
-  i8: signed 8-bit codes, per G-weight group a scale: w = d*q (Q8_0, G = 32; Q6_K, G = 16, q = its 6 bits - 32)
+  u5: u4's nibbles plus one high bit per weight (a uint32 per group): q in 0..31, w = d*q + m (Q5_1, Q5_K)
+  i8: signed 8-bit codes, per G-weight group a scale: w = d*q (Q8_0 and Q5_0 (q = its 5 bits - 16), G = 32;
+      Q6_K, G = 16, q = its 6 bits - 32)
 Rows come in tiles of TILE = 64 output rows: `qs[tile, group, j, r]` is byte j of row r's group, so the innermost
 loop runs across a tile's 64 rows, contiguous in memory, and LLVM vectorises it (a loop over one row's blocks
 does not: ~4x slower). Per format three kernels:
@@ -49,8 +50,8 @@ def _u4_dot(qs, t, g, x, s):
     for j in range(16):
         x0, x1 = x[g * 32 + j], x[g * 32 + 16 + j]
         for r in range(TILE):
-            q = qs[t, g, j, r]
-            s[r] = s[r] + np.float32(q & 15) * x0 + np.float32(q >> 4) * x1
+            q = np.int32(qs[t, g, j, r])  # int32, not numba's int64: LLVM then converts 16 lanes at a time (2x)
+            s[r] = s[r] + np.float32(np.int32(q & 15)) * x0 + np.float32(np.int32(q >> 4)) * x1
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -59,9 +60,9 @@ def _u5_dot(qs, qh, t, g, x, s):
     for j in range(16):
         x0, x1 = x[g * 32 + j], x[g * 32 + 16 + j]
         for r in range(TILE):
-            q, h = qs[t, g, j, r], qh[t, g, r]
-            lo = (q & 15) | (((h >> j) & 1) << 4)
-            hi = (q >> 4) | (((h >> (j + 16)) & 1) << 4)
+            q, h = np.int32(qs[t, g, j, r]), np.int32(qh[t, g, r])
+            lo = np.int32((q & 15) | (((h >> j) & 1) << 4))
+            hi = np.int32((q >> 4) | (((h >> (j + 16)) & 1) << 4))
             s[r] = s[r] + np.float32(lo) * x0 + np.float32(hi) * x1
 
 
@@ -70,13 +71,13 @@ def _nib_weights(qs, qh, d, m, high, t, g, w):
     """w (32, TILE) = the group's weights d * code + m, as float32."""
     for j in range(16):
         for r in range(TILE):
-            q = qs[t, g, j, r]
-            w[j, r] = np.float32(q & 15)
-            w[j + 16, r] = np.float32(q >> 4)
+            q = np.int32(qs[t, g, j, r])
+            w[j, r] = np.float32(np.int32(q & 15))
+            w[j + 16, r] = np.float32(np.int32(q >> 4))
     if high:
         for j in range(32):
             for r in range(TILE):
-                w[j, r] += np.float32(((qh[t, g, r] >> j) & 1) << 4)
+                w[j, r] += np.float32(np.int32(((np.int32(qh[t, g, r]) >> j) & 1) << 4))
     for j in range(32):
         for r in range(TILE):
             w[j, r] = d[t, g, r] * w[j, r] + m[t, g, r]

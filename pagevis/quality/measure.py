@@ -335,9 +335,10 @@ def _read_by_layer(session, record, n: int) -> np.ndarray:
     with a page selection the tokens of the pages it read). Read from the live cache, just after the step."""
     if record.tiers is None:
         return _resident_by_layer(record.slot_maps, n)
-    mask = np.zeros((len(session.cache.stores), n), dtype=bool)
-    for layer, (store, slots) in enumerate(zip(session.cache.stores, session.read_slots, strict=True)):
-        read = store.positions if slots is None else store.positions[slots]
+    mask = np.zeros((len(session.read_slots), n), dtype=bool)
+    for layer, slots in enumerate(session.read_slots):
+        positions = session.cache.frames(layer).positions
+        read = positions if slots is None else positions[slots]
         mask[layer, read[(read >= 0) & (read < n)]] = True
     return mask
 

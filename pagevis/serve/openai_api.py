@@ -36,7 +36,7 @@ from pagevis.serve.core import Output
 from pagevis.serve.errors import ApiError, CheckedRoute, error_body, log
 from pagevis.serve.requests import MAX_PROMPT_CHARS, CacheSettings
 from pagevis.serve.sessions import check_tokens, session_config
-from pagevis.serve.stop import StopMatcher, stop_problem
+from pagevis.engine.stop import StopMatcher, stop_problem
 from pagevis.serve.worker import in_worker
 
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=CheckedRoute)

@@ -198,7 +198,7 @@ class Repetition:
 
 
 COLUMNS = ("kl_ab", "top1_agree", "same_token", "kl_a_full", "kl_b_full", "lp_a_full", "lp_b_full", "rep_a",
-           "rep_b", "scored")
+           "rep_b", "scored", "evictions_a", "evictions_b")
 SIDES = ("a", "b", "full")
 
 
@@ -224,7 +224,7 @@ class ABTimeline:
             self.a.extend([step.a])
             self.b.extend([step.b])
             self._log = _grow(self._log, self._count)
-            self._log[self._count] = self._row(step)
+            self._log[self._count] = (*self._row(step), step.a.evictions_total, step.b.evictions_total)
             self._count += 1
 
     def _row(self, step: LockstepStep) -> tuple:
@@ -259,6 +259,11 @@ class ABTimeline:
         """Tokens scored up to and including step `index` (teacher-forced)."""
         return int(self._log[index, COLUMNS.index("scored")]) if 0 <= index < self._count else 0
 
+    def first_eviction(self, side: str) -> int | None:
+        """The first step at which side "a" or "b" evicted, or None."""
+        evicted = np.flatnonzero(self.series(f"evictions_{side}") > 0)
+        return int(evicted[0]) if evicted.size else None
+
     def nll(self, side: str, upto: int | None = None) -> np.ndarray:
         """Each scored token's NLL (side "a", "b" or "full"), the first `upto` of them."""
         return self._nll[: self._scored if upto is None else min(upto, self._scored), SIDES.index(side)].copy()
@@ -284,7 +289,9 @@ def describe(timeline: ABTimeline | None, index: int, labels: tuple[str, str] = 
     if timeline is None or index < 0:
         return ""
     a, b = timeline.a.record(index), timeline.b.record(index)
-    evictions = f"step {index}: evictions {labels[0]} {a.evictions_total} · {labels[1]} {b.evictions_total}"
+    layers = timeline.info.n_layers
+    evictions = (f"step {index}: evicted per layer {labels[0]} {a.evictions_total / layers:.0f} · "
+                 f"{labels[1]} {b.evictions_total / layers:.0f}")
     if timeline.forced:
         scored = timeline.scored_at(index)
         ppl = [timeline.ppl(side, scored) for side in SIDES]

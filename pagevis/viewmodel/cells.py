@@ -59,3 +59,74 @@ def cell_states(record, layer: int) -> np.ndarray:
     for page in slid:  # written and slid out in one step (a prefill longer than the window): slid
         states[page][slots[page] < 0] = SLID
     return states
+
+
+# --- what the page grid draws besides the states (the app's and the HTML page's) ------------------------------
+DISK_STATES = ("free", "on disk", "in RAM", "read from disk this step", "swapped out this step")  # the disk strip
+
+
+def cell_token(text: str) -> str:
+    """A token's text as a cell shows it: outer spaces off, a newline as ↵, nothing but spaces as ␣."""
+    shown = text.replace("\n", "↵").replace("\t", "→").strip()
+    return shown or ("␣" if text else "")
+
+
+def full_precision_mask(record, layer: int) -> np.ndarray | None:
+    """(max_pages, page_size) bool: slots of the layer still in full precision (int4 / int2), else None."""
+    return None if record.full_precision is None else record.full_precision[layer]
+
+
+def merge_segments(record, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """x, y of a line per merge this step (an eviction whose detail names the survivor's position): from the
+    evicted token's cell centre to its survivor's, in pairs (PlotCurveItem connect='pairs'). Empty without."""
+    slots, frame_of = record.slot_maps[layer], frames_of_pages(record, layer)
+    xs, ys = [], []
+    for event in in_layer(record.events, layer):
+        if event.kind is not EventKind.EVICT or event.detail < 0 or frame_of.get(event.page, -1) < 0:
+            continue
+        target = np.argwhere(slots == event.detail)
+        if len(target):
+            xs += [event.slot + 0.5, target[0][1] + 0.5]
+            ys += [frame_of[event.page] + 0.5, target[0][0] + 0.5]
+    return np.array(xs, dtype=float), np.array(ys, dtype=float)
+
+
+def shade_values(record, layer: int, mode: str) -> np.ndarray:
+    """(max_pages, page_size) in [0, 1]: 1 = newest (age) or highest keep-score (score); NaN where empty."""
+    slots = record.slot_maps[layer].astype(np.float64)
+    resident = slots >= 0
+    out = np.full(slots.shape, np.nan)
+    if mode == "none" or not resident.any():
+        out[resident] = 1.0
+        return out
+    values = slots if mode == "age" else record.scores[layer].astype(np.float64)
+    finite = resident & np.isfinite(values)
+    if finite.any():
+        # by rank, so that a few outliers (sinks, heavy hitters) do not flatten everyone else
+        ranked = values[finite]
+        order = np.argsort(np.argsort(ranked, kind="stable"), kind="stable")
+        out[finite] = order / max(ranked.size - 1, 1) if ranked.max() > ranked.min() else 1.0
+    out[resident & ~finite] = 1.0
+    return out
+
+
+def disk_states(record, layer: int, n_pages: int) -> np.ndarray:
+    """(n_pages,) int8 index into DISK_STATES for every page id of a tiered layer."""
+    states = np.zeros(n_pages, dtype=np.int8)
+    frames = frames_of_pages(record, layer)
+    for page in record.block_tables[layer]:
+        states[page] = 2 if page in frames else 1
+    for event in in_layer(record.events, layer):
+        if event.kind is EventKind.FAULT_IN and event.page < n_pages:
+            states[event.page] = 3
+        elif event.kind is EventKind.SWAP_OUT and event.page < n_pages:
+            states[event.page] = 4
+    return states
+
+
+def layer_capacity(record, layer: int) -> int:
+    """Tokens this layer may hold, as the record says: the pool, or less under a policy with per-layer budgets
+    (pyramidkv, duo); a trace before version 5 does not say, so the pool's RAM slots."""
+    if record.capacities is not None:
+        return int(record.capacities[layer])
+    return record.slot_maps[layer].size

@@ -18,7 +18,27 @@ from pagevis.gui.widgets import theme
 from pagevis.viewmodel.ab_session import REPEAT_N, REPEAT_WINDOW, ABTimeline
 
 SMOOTH = 16  # tokens in the NLL plot's running mean
-COLORS = {"a": theme.SERIES[1], "b": theme.SERIES[2], "full": theme.MUTED}  # A orange, B green, full grey
+COLORS = {"a": theme.SERIES[1], "b": theme.SERIES[2], "full": "#e8e8e8"}  # A orange, B green, full white
+
+
+def _rolling_mean(values: np.ndarray, n: int = SMOOTH) -> np.ndarray:
+    """The mean of each value and the n - 1 before it, skipping NaN (NaN where all are)."""
+    finite = np.isfinite(values)
+    sums = np.cumsum(np.where(finite, values, 0.0))
+    counts = np.cumsum(finite)
+    sums[n:], counts[n:] = sums[n:] - sums[:-n], counts[n:] - counts[:-n]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+
+
+def _pen(side: str):
+    """The full cache's curve is a wide translucent band under the sides' lines: a side that stays with it
+    is drawn inside it, not hidden under it."""
+    if side == "full":
+        color = pg.mkColor(COLORS["full"])
+        color.setAlpha(110)
+        return pg.mkPen(color, width=7)
+    return pg.mkPen(COLORS[side], width=2.4)
 
 
 def _plot(widget: pg.GraphicsLayoutWidget, left: str, bottom: str) -> pg.PlotItem:
@@ -42,10 +62,17 @@ class ABPlots(QWidget):
         layout.addWidget(self.left_widget, 3)
         layout.addWidget(self.right_widget, 2)
         self.setMinimumHeight(150)
-        self.ppl = {side: self.left.plot() for side in ("full", "a", "b")}
+        self.ppl = {side: self.left.plot() for side in ("full", "a", "b")}  # the full cache's a band beneath
         self.raw = {side: self.right.plot(pen=pg.mkPen(pg.mkColor(COLORS[side]).lighter(60), width=1))
                     for side in ("a", "b")}
-        self.smooth = {side: self.right.plot(pen=pg.mkPen(COLORS[side], width=2.2)) for side in ("full", "a", "b")}
+        self.smooth = {side: self.right.plot(pen=_pen(side)) for side in ("full", "a", "b")}
+        self.evicted = {}  # teacher-forced: where each side first evicted
+        for side in ("a", "b"):
+            line = pg.InfiniteLine(angle=90, pen=pg.mkPen(COLORS[side], width=1, style=Qt.DotLine),
+                                   label="", labelOpts={"position": 0.92, "color": COLORS[side]})
+            self.left.addItem(line, ignoreBounds=True)
+            line.hide()
+            self.evicted[side] = line
         self.cursors = []
         for plot in (self.left, self.right):
             cursor = pg.InfiniteLine(angle=90, pen=pg.mkPen(theme.ACCENT, style=Qt.DashLine))
@@ -57,32 +84,33 @@ class ABPlots(QWidget):
     def set_mode(self, forced: bool, labels: tuple[str, str]) -> None:
         """Teacher-forced plots or free-running ones, the sides named (e.g. "A oldest", "B sinks")."""
         self.forced = forced
+        self.labels = {"a": labels[0], "b": labels[1]}
+        for line in self.evicted.values():
+            line.hide()
         self.left.setLogMode(y=forced)
         for plot in (self.left, self.right):
             plot._grown = (None, None)  # grow_range starts over
-        for side, curve in self.ppl.items():
-            color = COLORS[side] if forced else theme.SERIES[0]
-            curve.setPen(pg.mkPen(color, width=2.0 if side == "full" else 2.6,
-                                  style=Qt.DashLine if side == "full" else Qt.SolidLine))
+        for side, curve in self.ppl.items():  # free-running: "full" draws KL(A‖B), "a" / "b" the full cache's NLL
+            curve.setPen(_pen(side) if forced or side != "full" else pg.mkPen(theme.SERIES[0], width=2.4))
         names = {"a": labels[0], "b": labels[1], "full": "full cache"}
         if forced:
             theme.set_title(self.left, self._legend("running perplexity", names, ("full", "a", "b")), size="10pt",
                             justify="left")
-            theme.set_title(self.right, self._legend(f"NLL per token ({SMOOTH}-token mean)", names,
+            theme.set_title(self.right, self._legend(f"NLL, {SMOOTH}-token mean", names,
                                                      ("full", "a", "b")), size="10pt", justify="left")
             self.left.setLabel("left", "perplexity (log)")
             self.left.setLabel("bottom", "tokens read")
             self.right.setLabel("left", "NLL (nats)")
         else:
-            theme.set_title(self.left, f"<span style='color:{theme.SERIES[0]}'>━ KL(A‖B)</span> "
-                            f"<span style='color:{theme.MUTED}'>until the texts diverge</span>", size="10pt",
-                            justify="left")
-            theme.set_title(self.right, self._legend(f"repetition: share of the last {REPEAT_WINDOW} tokens "
-                                                     f"repeating a {REPEAT_N}-gram", names, ("a", "b")),
-                            size="10pt", justify="left")
-            self.left.setLabel("left", "KL (nats)")
+            theme.set_title(self.left, f"<span style='color:{theme.SERIES[0]}'>━ KL(A‖B)</span> until the texts "
+                            f"part · " + self._legend("", names, ("a", "b")) + " full cache's NLL of its tokens "
+                            f"({SMOOTH}-step mean, oracle on)", size="10pt", justify="left")
+            theme.set_title(self.right, self._legend(f"repeated {REPEAT_N}-grams, last {REPEAT_WINDOW} tokens", names,
+                                                     ("a", "b")), size="10pt", justify="left")
+            self.left.setLabel("left", "nats")
             self.left.setLabel("bottom", "step")
             self.right.setLabel("left", "repetition")
+        self.right.setLabel("bottom", "token" if forced else "step")
         for curve in (*self.ppl.values(), *self.raw.values(), *self.smooth.values()):
             curve.setData([], [])
         for plot in (self.left, self.right):  # from 0, not pyqtgraph's default −0.5 .. 0.5 or a log decade
@@ -91,7 +119,7 @@ class ABPlots(QWidget):
     @staticmethod
     def _legend(title: str, names: dict, sides) -> str:
         return f"<span style='color:{theme.TEXT}'>{title}</span>&nbsp; " + " ".join(
-            f"<span style='color:{COLORS[s]}'>{'┅' if s == 'full' else '━'} {names[s]}</span>" for s in sides)
+            f"<span style='color:{COLORS[s]}'>{'▬' if s == 'full' else '━'} {names[s]}</span>" for s in sides)
 
     def show(self, timeline: ABTimeline | None, index: int) -> None:
         if timeline is None or index < 0:
@@ -122,6 +150,21 @@ class ABPlots(QWidget):
         self.right.setXRange(0, max(total, 16), padding=0.02)
         for cursor in self.cursors:
             cursor.setValue(shown)
+        self._mark_evictions(timeline)
+
+    def _mark_evictions(self, timeline: ABTimeline) -> None:
+        """A dotted line where each side first evicted, labelled once per place ("first eviction: A, B")."""
+        places: dict[int, list[str]] = {}
+        for side, line in self.evicted.items():
+            step = timeline.first_eviction(side)
+            line.setVisible(step is not None)
+            if step is not None:
+                places.setdefault(timeline.scored_at(step), []).append(side)
+        for at, sides in places.items():
+            for side in sides:
+                self.evicted[side].setValue(at)
+                self.evicted[side].label.setFormat("" if side != sides[0] else "first eviction: " + ", ".join(
+                    self.labels[s].split(" ")[0] for s in sides))
 
     def _show_free(self, timeline: ABTimeline, index: int) -> None:
         count = len(timeline)
@@ -130,10 +173,15 @@ class ABPlots(QWidget):
         diverged = timeline.first_divergence()
         if diverged is not None:
             kl[diverged + 1:] = np.nan  # past the divergence KL(A‖B) compares predictions after different texts
-        self.ppl["a"].setData(steps, kl, connect="finite")
-        for side, name in (("a", "rep_a"), ("b", "rep_b")):
-            self.smooth[side].setData(steps, timeline.series(name), connect="finite")
+        self.ppl["full"].setData(steps, kl, connect="finite")
         top = float(np.nanmax(kl)) if np.isfinite(kl).any() else 1.0
+        for side in ("a", "b"):
+            self.smooth[side].setData(steps, timeline.series(f"rep_{side}"), connect="finite")
+            nll = -timeline.series(f"lp_{side}_full")
+            mean = _rolling_mean(nll)
+            self.ppl[side].setData(steps, mean, connect="finite")
+            if np.isfinite(mean).any():
+                top = max(top, float(np.nanmax(mean)))
         theme.grow_range(self.left, max(count - 1, 1), max(top, 1.0), x_step=32)
         self.right.setYRange(0, 1.05, padding=0)
         self.right.setXRange(0, max(count - 1, 1), padding=0.02)

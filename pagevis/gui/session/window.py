@@ -1,19 +1,14 @@
 """The main window: controls, transport, dockable views, menus, status bar; wires the runner to the views.
 
-Why one module of about 730 lines: one QMainWindow whose sections (layout, session, transport, rendering,
-files, settings) act on the same docks, runner and transport; the views, controls, runner and exports it wires
-live in their own modules. The next part to move out is the files section (the other windows, save and
-export), into a module of its own.
+MainWindow is put together from parts by job, each in its own module: the dock layouts (layout.py, an object it
+holds), sessions (lifecycle.py), drawing (rendering.py), files and other windows (files.py) and presets
+(presets.py); this module builds the window, its menus and signals, and saves and restores its settings.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
-from pathlib import Path
-
-import numpy as np
 
 from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer
 from PySide6.QtGui import QGuiApplication, QKeySequence
@@ -22,27 +17,24 @@ from PySide6.QtWidgets import (
     QToolBar,
     QLabel,
     QMainWindow,
-    QMessageBox,
     QWidget,
 )
 
 from pagevis.engine import ModelSpec, SessionConfig
 from pagevis.kvcache import ConfigError
-from pagevis.kvcache.memory import hybrid_bytes
-from pagevis.kvcache.spec import layer_specs
 from pagevis.gui.widgets import theme
 from pagevis.gui.session.controls import ControlsPanel
 from pagevis.gui.session.files import FileActions
-from pagevis.gui.session.presets import PresetPlayer, model_title
+from pagevis.gui.session.lifecycle import SessionLifecycle
+from pagevis.gui.session.rendering import (  # noqa: F401 - the frame pacing's constants, read by tests and benches
+    FRAME_INTERVAL, MAX_FRAME_INTERVAL, UI_SHARE, Rendering, memory_text)
+from pagevis.gui.session.presets import PresetPlayer
 from pagevis.presets import PRESETS
 from pagevis.gui.session.layout import FIRST_SCREEN_SHARE, NARRATION_STYLE, DockLayout, wants_presentation
 from pagevis.gui.widgets.messages import MessagesPanel
-from pagevis.viewmodel.narration import narrate
 from pagevis.gui.session.runner import SessionRunner
 from pagevis.viewmodel.timeline import Timeline
 from pagevis.gui.widgets.transport import TimelineCursor, TransportBar
-from pagevis.gui.widgets.windows import place_beside
-from pagevis.viewmodel.view_state import ViewState
 from pagevis.gui.widgets.attention import AttentionView
 from pagevis.gui.widgets.events import EventsView
 from pagevis.gui.widgets.heads import HeadsView
@@ -51,44 +43,10 @@ from pagevis.gui.widgets.metrics import MetricsView
 from pagevis.gui.widgets.page_grid import PageGridView
 from pagevis.gui.widgets.text import TextView
 
-FRAME_INTERVAL = 1 / 30  # redraw at most this often, however fast records arrive
-MAX_FRAME_INTERVAL = 1 / 5  # ... and at least this often while records arrive
-UI_SHARE = 0.12  # while decoding, the UI thread (redraws, painting, everything) may use this share of a core. Its
-# Python holds the GIL the decoding worker needs: at one frame per SmolLM2 token (19 tok/s here) the UI took 20 %
-# and the worker ran at 0.89x its headless speed; at 0.12 it draws ~12 frames a second and the worker runs at
-# 0.94x (python -m pagevis.bench.gui.app; docs/gui.md). Only at max speed: see request_render.
-STATUS_INTERVAL = 0.25  # while decoding, the status bar's step and speed change at most this often
 SETTINGS_VERSION = 1
 
 
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
-
-
-def memory_text(cache_bytes: int, n_kv_heads: int, dtype: str = "", per_token: float = 0.0, notice: str = "") -> str:
-    """The cache's K/V storage, and each KV head's share (every KV head has its own K and V pages); with
-    the storage dtype and its bytes per token (all layers), the bits per token; with a storage notice, the
-    headline of each of its clauses (the tooltip has them whole)."""
-    if not cache_bytes:
-        return "K/V —"
-    text = f"K/V {_mib(cache_bytes)}"
-    if n_kv_heads > 0:
-        text += f" = {n_kv_heads} KV heads × {_mib(cache_bytes // n_kv_heads)}"
-    if dtype and per_token:
-        text += f" · {dtype}, {8 * per_token / 1000:,.1f} kbit per token"
-    for clause in filter(None, notice.split("; ")):
-        text += f" · {clause.split(': ')[0]}"
-    return text
-
-
-def hybrid_memory_text(info, record) -> str:
-    """A hybrid cache's K/V at the step shown, by layer type, against every layer global at that length."""
-    held = hybrid_bytes(layer_specs(info.sliding_windows, info.n_layers), [len(t) for t in record.block_tables],
-                        info.page_bytes, max(record.positions, default=-1) + 1, info.config.page_size)
-    return held.text()
-
-
-class MainWindow(FileActions, TimelineCursor, QMainWindow):
+class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMainWindow):
     def __init__(self, settings: QSettings | None = None, restore: bool = True, persist: bool = True):
         """`restore`: start from the saved layout and configuration; `persist`: save them on close."""
         super().__init__()
@@ -104,6 +62,7 @@ class MainWindow(FileActions, TimelineCursor, QMainWindow):
         self.ab_window = None  # the A/B window, once opened
         self.tour = None  # Help ▸ Tour, once started
         self._savers: list = []  # workers writing traces
+        self.model_status = ("no model", "", "")  # the status bar's model: (name, weights, file or label)
         self._last_frame = 0.0
         self._restart_reason = ""
         self._replay_timer = QTimer(self, interval=100)
@@ -190,6 +149,10 @@ class MainWindow(FileActions, TimelineCursor, QMainWindow):
     @property
     def presentation(self) -> bool:
         return self.layout_.presentation
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self.fit_model_status()
 
     def showEvent(self, event) -> None:
         """The first time, without a saved layout: the default proportions at the size the window opens at."""
@@ -297,139 +260,6 @@ class MainWindow(FileActions, TimelineCursor, QMainWindow):
         self.controls.preset_chosen.connect(self.apply_preset)
         self.controls.view_changed.connect(self.request_render)
 
-    # --- session ---------------------------------------------------------------------------------
-    def start(self, blocking: bool = False) -> None:
-        """Start a session with the configuration the controls show."""
-        self.restart("", blocking=blocking)
-
-    def restart(self, reason: str = "reset", blocking: bool = False) -> None:
-        try:
-            config = self.controls.session_config()
-        except (ConfigError, ValueError) as error:
-            self.statusBar().showMessage(f"Not restarted: {error}", 8000)
-            return
-        if self.runner.state == "replay" and not self.leave_replay(reason):
-            return
-        self._replay_timer.stop()
-        self._restart_reason = reason
-        self._clear_messages()
-        self.runner.configure(self.controls.model_spec(), self.controls.prompt(), config, blocking=blocking)
-
-    def apply_preset(self, preset) -> None:
-        """The preset's settings, its point in the banner, playing (pagevis.gui.session.presets)."""
-        self.presets.apply(preset)
-
-    def open_ab(self, config_a=None, config_b=None, prompt: str | None = None, title: str = "",
-                blocking: bool = False, play: bool = False):
-        """Open the A/B window: by default A is the controls' configuration and B the same cache with the
-        other of sinks / oldest (the StreamingLLM comparison). With `play` (a preset), both sides decode
-        once the model is ready."""
-        from pagevis.gui.ab.window import ABWindow
-
-        try:
-            config_a = config_a or self.controls.session_config()
-        except (ConfigError, ValueError) as error:
-            self.statusBar().showMessage(f"No A/B: {error}", 8000)
-            return None
-        if config_b is None:
-            config_b = replace(config_a, policy="oldest" if config_a.policy != "oldest" else "sinks", policy_params={})
-        if self.ab_window is not None:
-            self.ab_window.close()
-        self.ab_window = ABWindow(self.controls.model_spec(), prompt or self.controls.prompt(), config_a, config_b,
-                                  title=title)
-        place_beside(self.ab_window, self)
-        self.ab_window.show()
-        self.ab_window.start(blocking=blocking, play=play)
-        return self.ab_window
-
-    def leave_replay(self, reason: str) -> bool:
-        """Ask before a change ends the replay; on no, the controls show the replay's settings again."""
-        name = self.timeline.info.model_label if self.timeline is not None else "the trace"
-        if self.confirm("Leave the replay?", f"{reason[:1].upper()}{reason[1:]}: start a live session and leave the "
-                        f"replay of {name}? (Decode ▸ Back to previous run returns to it.)"):
-            return True
-        info = self.timeline.info
-        self.controls.set_configuration(prompt=info.prompt, config=info.config)
-        self.statusBar().showMessage("Still replaying: nothing changed", 5000)
-        return False
-
-    def confirm(self, title: str, question: str) -> bool:
-        answer = QMessageBox.question(self, title, question, QMessageBox.Yes | QMessageBox.No, QMessageBox.Yes)
-        return answer == QMessageBox.Yes
-
-    def back_to_previous(self) -> None:
-        """Swap the current session with the previous one (kept on every restart), both still resumable."""
-        if self.runner.busy:
-            self.runner.stop()
-            self.statusBar().showMessage("Paused: press Ctrl+Z again to return to the previous run", 5000)
-            return
-        if not self.runner.swap_previous():
-            self.statusBar().showMessage("No previous run to return to", 4000)
-            return
-        runner = self.runner
-        self.controls.set_configuration(runner.spec, runner.prompt, runner.config)
-        self.statusBar().showMessage(f"Back to the previous run ({len(runner.timeline)} steps); "
-                                     "Ctrl+Z swaps again", 6000)
-
-    def _clear_messages(self) -> None:
-        """Messages belong to the session that produced them: a new one starts with none."""
-        self.messages.clear()
-        self.docks["Messages"].hide()
-
-    def _session_started(self, timeline: Timeline) -> None:
-        self.timeline = timeline
-        self.index, self.follow = -1, True
-        self._status_at = 0.0  # the new session's first record sets the status bar at once
-        info = timeline.info
-        self.controls.set_model_shape(info.n_layers, info.n_heads, info.n_kv_heads,
-                                      [spec.label for spec in layer_specs(info.sliding_windows, info.n_layers)]
-                                      if info.sliding_windows is not None else None)
-        saved_layer = getattr(self.controls, "_saved_layer", None)
-        if saved_layer is not None:
-            self.controls._saved_layer = None
-            self.controls.layer.setValue(min(saved_layer, info.n_layers - 1))
-        if len(timeline):
-            self.index = len(timeline) - 1
-        self.statusBar().clearMessage()
-        title = model_title(info.model_label, self.presets.titles)
-        self.setWindowTitle(f"pagevis — {title}, replay" if self.runner.state == "replay"
-                            else f"pagevis — {title}, paged KV cache, live")
-        self.status_model.setText(title)
-        self.status_model.setToolTip(info.model_label)
-        self.status_memory.setText(memory_text(info.cache_bytes, info.n_kv_heads, info.config.dtype,
-                                               info.kv_bytes_per_token, info.storage_notice))
-        self.status_memory.setToolTip(f"K/V storage, all layers, one sequence at capacity: {info.storage}"
-                                      if info.storage else "")
-        previous = self.runner.previous
-        if self._restart_reason:
-            # short enough for the status bar of a 1280-px window beside its permanent fields
-            kept = f" · Ctrl+Z: the previous run ({len(previous.timeline)} steps)" if previous is not None else ""
-            self.statusBar().showMessage(f"{self._restart_reason[0].upper()}{self._restart_reason[1:]}: "
-                                         f"restarted{kept}", 8000)
-        self.transport.previous_action.setEnabled(previous is not None)
-        self._restart_reason = ""
-        self.request_render()
-        self.presets.session_started()
-
-    def open_trace(self, path: str) -> bool:
-        try:
-            from pagevis.trace import TraceError, read_trace
-        except ImportError:
-            self._report("Traces cannot be opened yet: pagevis.trace is not available in this installation.")
-            return False
-        try:
-            trace = read_trace(path)
-        except (TraceError, OSError, ValueError, MemoryError) as error:
-            self._report(f"Could not open trace {path}: {error}")
-            return False
-        self.runner.replay(trace)
-        self.setWindowTitle(f"pagevis — replay of {Path(path).name} ({model_title(trace.model_label)})")
-        self.controls.set_configuration(prompt=trace.prompt, config=trace.config)
-        self.scrub(0)
-        self.statusBar().showMessage(f"Replaying {Path(path).name}: {len(trace.records)} steps "
-                                     f"(play animates them; Reset returns to live decoding)", 8000)
-        return True
-
     # --- transport -------------------------------------------------------------------------------
     def toggle_play(self) -> None:
         if self.runner.state == "replay":
@@ -484,121 +314,6 @@ class MainWindow(FileActions, TimelineCursor, QMainWindow):
         dock = self.docks["Messages"]
         dock.show()
         dock.raise_()
-
-    # --- rendering -------------------------------------------------------------------------------
-    def view_state(self) -> ViewState:
-        options = self.controls.view_options()
-        if self.timeline is not None:
-            options["layer"] = min(options["layer"], self.timeline.info.n_layers - 1)
-            if options["head"] is not None and options["head"] >= self.timeline.info.n_heads:
-                options["head"] = None
-        loading = None
-        if self.timeline is None and self.runner.state == "loading":
-            try:  # the pool the loading session will have, shown while the model loads
-                loading = self.controls.session_config()
-            except (ConfigError, ValueError):
-                pass
-        return ViewState(self.timeline, self.index, loading=loading, **options)
-
-    def request_render(self) -> None:
-        """Redraw soon: at once if the last frame is older than FRAME_INTERVAL, else when it is."""
-        if self._frame_timer.isActive():
-            return
-        # at max speed the pace keeps the UI's share of the GIL down; at a chosen playback speed the decoder
-        # waits between steps anyway, and every step gets its frame
-        interval = self._pace() if self.runner.running and not self.runner.interval else FRAME_INTERVAL
-        wait = self._last_frame + interval - time.perf_counter()
-        self._frame_timer.start(max(0, int(wait * 1000)))
-
-    def redraw(self) -> None:
-        """Show the selected record in every visible view. While decoding runs, the views that are watched
-        (page grid, attention) draw now and the others follow in later event-loop turns, each at most
-        as often as its `live_interval`: no single turn paints the whole window, so input never waits
-        for a full repaint. Once decoding stops, every view shows the selected record."""
-        self._frame_timer.stop()
-        self._last_frame = time.perf_counter()
-        self.frames += 1
-        state = self.view_state()
-        now = time.perf_counter()
-        if not self.runner.running:
-            self._show(self.views, state, now)
-        else:
-            self._show([v for v in self.views if not getattr(v, "live_interval", 0.0)], state, now)
-            self._slow_timer.start()
-        self._update_transport(state)
-
-    def _shown(self, view) -> bool:
-        """Should the view be drawn? Not when its dock is closed; a costly view (`only_when_visible`) not
-        either while it is behind another dock's tab (Qt keeps such a dock 'visible' but off the window):
-        it is drawn when its tab is raised."""
-        dock = self.docks[view.title]
-        if dock.isHidden():
-            return False
-        return not (getattr(view, "only_when_visible", False) and self.isVisible() and dock.visibleRegion().isEmpty())
-
-    def _show(self, views, state: ViewState, now: float) -> None:
-        for view in views:
-            if self._shown(view):
-                self._shown_at[view.title] = now
-                view.show_state(state)
-
-    def _pace(self) -> float:
-        """Seconds between redraws while decoding: adjusted so that the UI thread's CPU time (redraws,
-        painting, everything) stays near UI_SHARE of the wall clock, between 30 and 5 frames a second.
-        On a small or busy machine the decoder keeps its speed and the screen gets fewer frames."""
-        wall, cpu = time.perf_counter(), time.thread_time()
-        elapsed = wall - self._cpu_mark[0]
-        if elapsed >= 0.25:
-            share = (cpu - self._cpu_mark[1]) / elapsed
-            self._cpu_mark = (wall, cpu)
-            factor = min(max(share / UI_SHARE, 0.5), 2.0)
-            self._interval = min(max(self._interval * factor ** 0.5, FRAME_INTERVAL), MAX_FRAME_INTERVAL)
-        return self._interval
-
-    def _show_slow_views(self) -> None:
-        """While decoding: the slow view waiting longest, if its turn came, and the next one a turn later;
-        when none is due, come back when the first is. Once decoding stopped: all of them, and no more turns."""
-        state = self.view_state()
-        now = time.perf_counter()
-        slow = [v for v in self.views if getattr(v, "live_interval", 0.0) and self._shown(v)]
-        if not self.runner.running:
-            self._show(slow, state, now)
-            return
-        slow.sort(key=lambda v: self._shown_at.get(v.title, 0.0))
-        for view in slow:
-            if now - self._shown_at.get(view.title, 0.0) >= view.live_interval:
-                self._show([view], state, now)
-                self._slow_timer.start()
-                return
-        if slow and not self._catch_up.isActive():
-            wait = min(v.live_interval - (now - self._shown_at.get(v.title, 0.0)) for v in slow)
-            self._catch_up.start(max(1, int(wait * 1000)))
-
-    def _update_transport(self, state: ViewState) -> None:
-        timeline, record = state.timeline, state.record
-        count = len(timeline) if timeline is not None else 0
-        if record is None:
-            self.transport.set_range(0, 0, "no steps yet" if timeline is not None else "no session")
-            self.transport.slider.set_marks(np.zeros(0))
-            self.narration.setText("Press Space to play, → to decode one token" if timeline is not None else "")
-            self.status_step.setText("step —")
-            self.status_speed.setText("— tok/s")  # not the previous run's speed
-            return
-        label = f"step {state.index} / {count - 1} · {record.kind}"
-        self.transport.set_range(count, state.index, label)
-        self.transport.slider.set_marks(timeline.eviction_steps())
-        self.narration.setText(narrate(record, state.layer, timeline.position_text, timeline.info.config.policy))
-        now = time.perf_counter()
-        if self.runner.running and now - self._status_at < STATUS_INTERVAL:
-            return  # the status bar repeats the transport's step and is read, not watched: 4× a second
-        self._status_at = now
-        self.status_step.setText(f"step {state.index}: {record.kind} of {len(record.token_ids)} token"
-                                 f"{'s' if len(record.token_ids) != 1 else ''}")
-        speed = timeline.tokens_per_second(state.index)
-        self.status_speed.setText(f"{speed:.1f} tok/s" if speed == speed else "— tok/s")
-        info = timeline.info
-        if info.sliding_windows is not None and info.page_bytes:
-            self.status_memory.setText(hybrid_memory_text(info, record))
 
     # --- settings and closing ----------------------------------------------------------------------
     def _restore_settings(self) -> bool:

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6.QtCore import QPointF, QRectF, Qt
-from PySide6.QtGui import QColor, QFont, QFontMetrics, QImage, QPainter, QStaticText, QTransform
-from PySide6.QtWidgets import (QHBoxLayout, QHeaderView, QLabel, QTableWidget, QTableWidgetItem, QToolTip,
-                               QVBoxLayout, QWidget)
+from PySide6.QtCore import QPointF
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QToolTip, QVBoxLayout, QWidget
 
 from pagevis.kvcache import EventKind
 from pagevis.kvcache.event_array import in_layer
 from pagevis.kvcache.spec import layer_specs
 from pagevis.gui.widgets import theme
 from pagevis.gui.widgets.theme import FREE, PINNED, REPLACED, RESIDENT, WRITTEN
-from pagevis.viewmodel.cells import CELL_TEXT_COLOR, LEGEND_NOTE, cell_states, frames_of_pages, legend_states
+from pagevis.gui.widgets.block_table import MAX_TABLE_WIDTH, MIN_TABLE_WIDTH, PAGES_NOTE, BlockTable
+from pagevis.gui.widgets.cell_labels import CellLabels
+from pagevis.viewmodel.cells import (  # noqa: F401 - cell_states and DISK_STATES for the tests, as before
+    DISK_STATES, LEGEND_NOTE, cell_states, disk_states, frames_of_pages, full_precision_mask, layer_capacity,
+    legend_states, merge_segments, shade_values)
 from pagevis.viewmodel.view_state import ViewState
 from pagevis.gui.widgets.rgba_image import RgbaImage
 from pagevis.viewmodel.run_list import run_list
@@ -23,52 +25,12 @@ _PALETTE = np.array([theme.rgb(c) for c in theme.STATE_COLORS])
 _BACKGROUND = theme.rgb(theme.BACKGROUND)
 _CELL_PX = 12  # pixels per cell side in the rendered image (1 of them is the cell border)
 _MAX_BORDERED_CELLS = 8192
-MIN_TABLE_WIDTH, MAX_TABLE_WIDTH = 200, 280  # the block table's width, pixels
 WIDE_PAGE = 16  # pages of this many slots or more narrow the block table to MIN_TABLE_WIDTH
 FULL_PRECISION_COLOR = "#f2d45c"  # the bar marking a slot still in float32 (int4 / int2's residual window)
 _FULL_PRECISION = theme.rgb(FULL_PRECISION_COLOR)
 DIM_FLOOR = 0.5  # the oldest (or lowest-scored) resident cell keeps this share of its state's colour: still the
 # HTML page's blue, with its white number readable
 MERGE_COLOR = "#5ce0f2"  # a line from an evicted cell to the survivor its value was merged into (policy merge)
-
-
-def full_precision_mask(record, layer: int) -> np.ndarray | None:
-    """(max_pages, page_size) bool: slots of the layer still in full precision (int4 / int2), else None."""
-    return None if record.full_precision is None else record.full_precision[layer]
-
-
-def merge_segments(record, layer: int) -> tuple[np.ndarray, np.ndarray]:
-    """x, y of a line per merge this step (an eviction whose detail names the survivor's position): from the
-    evicted token's cell centre to its survivor's, in pairs (PlotCurveItem connect='pairs'). Empty without."""
-    slots, frame_of = record.slot_maps[layer], frames_of_pages(record, layer)
-    xs, ys = [], []
-    for event in in_layer(record.events, layer):
-        if event.kind is not EventKind.EVICT or event.detail < 0 or frame_of.get(event.page, -1) < 0:
-            continue
-        target = np.argwhere(slots == event.detail)
-        if len(target):
-            xs += [event.slot + 0.5, target[0][1] + 0.5]
-            ys += [frame_of[event.page] + 0.5, target[0][0] + 0.5]
-    return np.array(xs, dtype=float), np.array(ys, dtype=float)
-
-
-def shade_values(record, layer: int, mode: str) -> np.ndarray:
-    """(max_pages, page_size) in [0, 1]: 1 = newest (age) or highest keep-score (score); NaN where empty."""
-    slots = record.slot_maps[layer].astype(np.float64)
-    resident = slots >= 0
-    out = np.full(slots.shape, np.nan)
-    if mode == "none" or not resident.any():
-        out[resident] = 1.0
-        return out
-    values = slots if mode == "age" else record.scores[layer].astype(np.float64)
-    finite = resident & np.isfinite(values)
-    if finite.any():
-        # by rank, so that a few outliers (sinks, heavy hitters) do not flatten everyone else
-        ranked = values[finite]
-        order = np.argsort(np.argsort(ranked, kind="stable"), kind="stable")
-        out[finite] = order / max(ranked.size - 1, 1) if ranked.max() > ranked.min() else 1.0
-    out[resident & ~finite] = 1.0
-    return out
 
 
 def cell_image(states: np.ndarray, shade: np.ndarray, bordered: bool, full: np.ndarray | None = None) -> np.ndarray:
@@ -98,23 +60,8 @@ def cell_image(states: np.ndarray, shade: np.ndarray, bordered: bool, full: np.n
 
 
 DISK_COLUMNS = 64  # the disk strip: one cell per disk page, rows of this many
-DISK_STATES = ("free", "on disk", "in RAM", "read from disk this step", "swapped out this step")
 DISK_COLORS = (theme.STATE_COLORS[FREE], "#51606f", theme.STATE_COLORS[RESIDENT], theme.STATE_COLORS[WRITTEN],
                theme.STATE_COLORS[REPLACED])
-
-
-def disk_states(record, layer: int, n_pages: int) -> np.ndarray:
-    """(n_pages,) int8 index into DISK_STATES for every page id of a tiered layer."""
-    states = np.zeros(n_pages, dtype=np.int8)
-    frames = frames_of_pages(record, layer)
-    for page in record.block_tables[layer]:
-        states[page] = 2 if page in frames else 1
-    for event in in_layer(record.events, layer):
-        if event.kind is EventKind.FAULT_IN and event.page < n_pages:
-            states[event.page] = 3
-        elif event.kind is EventKind.SWAP_OUT and event.page < n_pages:
-            states[event.page] = 4
-    return states
 
 
 def disk_image(states: np.ndarray) -> np.ndarray:
@@ -148,14 +95,6 @@ LEGEND_TOOLTIP = ("numbers: the token position each slot holds (and its text, wh
                   "cells dim with age or policy score (Controls ▸ Grid shading)")
 
 
-def layer_capacity(record, layer: int) -> int:
-    """Tokens this layer may hold, as the record says: the pool, or less under a policy with per-layer budgets
-    (pyramidkv, duo); a trace before version 5 does not say, so the pool's RAM slots."""
-    if record.capacities is not None:
-        return int(record.capacities[layer])
-    return record.slot_maps[layer].size
-
-
 def layer_label(info, layer: int) -> str:
     """'global' or 'local W=512': what a layer of the session's cache holds."""
     return layer_specs(info.sliding_windows, info.n_layers)[layer].label
@@ -172,198 +111,6 @@ def cell_ticks(n: int) -> list[list[tuple[float, str]]]:
         if level:
             levels.append(level)
     return levels
-
-
-MIN_NUMBER_CELL = (14, 10)  # a cell's screen size (width, height) below which its number is left out
-MIN_TEXT_CELL = (40, 30)  # ... and below which its token text is
-MIN_PIXEL_SIZE = 6  # numbers smaller than this are left out (a cell too narrow for its digits)
-DIGIT_WIDTH = 0.64  # a digit's width in the font's pixel size (DejaVu Sans: 0.636)
-
-
-def cell_token(text: str) -> str:
-    """A token's text as a cell shows it: outer spaces off, a newline as ↵, nothing but spaces as ␣."""
-    shown = text.replace("\n", "↵").replace("\t", "→").strip()
-    return shown or ("␣" if text else "")
-
-
-class CellLabels(pg.GraphicsObject):
-    """Token positions written inside the cells, in screen pixels so they stay legible at any zoom, and under
-    each number the token's text where the cell has room (`text_of`: position → text). They are drawn into a
-    transparent overlay at screen resolution that is kept between paints: a step redraws only the cells
-    whose number changed (one or two), and a paint is one image blit."""
-
-    def __init__(self):
-        super().__init__()
-        self.positions = np.zeros((0, 0), dtype=np.int32)
-        self.text_of = None
-        self.max_pixel_size = 13  # the numbers' largest size (the presentation layout's is larger)
-        self.pixel_size = 0  # the numbers' size at the last paint; 0: the cells were too small for numbers
-        self.with_text = False  # did the last paint write token texts?
-        self.font, self.text_font = QFont(), QFont()
-        self._texts: dict[object, tuple] = {}  # number or token -> (laid-out text, half width, half height)
-        self._overlay: QImage | None = None
-        self._overlay_key = None  # the device geometry the overlay was drawn for
-        self._drawn = np.zeros((0, 0), dtype=np.int32)  # the numbers the overlay holds
-        self.setZValue(10)
-
-    def set_positions(self, positions: np.ndarray, text_of=None) -> None:
-        if positions.shape != self.positions.shape:
-            self.prepareGeometryChange()
-        if text_of != self.text_of:  # another session's tokens: every cell anew
-            self.text_of, self._overlay_key = text_of, None
-        self.positions = positions
-        self.update()
-
-    def point_size(self, logical_dpi: float = 96.0) -> float:
-        """The numbers' size in points at the last paint (0 when none were written)."""
-        return self.pixel_size * 72.0 / logical_dpi
-
-    def boundingRect(self) -> QRectF:
-        rows, cols = self.positions.shape
-        return QRectF(0, 0, cols, rows)
-
-    def _text(self, key, text: str, font: QFont) -> tuple:
-        entry = self._texts.get(key)
-        if entry is None:
-            laid = QStaticText(text)
-            laid.setTextFormat(Qt.PlainText)
-            laid.prepare(QTransform(), font)
-            size = laid.size()
-            if len(self._texts) >= 4096:
-                self._texts.clear()
-            entry = self._texts[key] = (laid, size.width() / 2, size.height() / 2)
-        return entry
-
-    def _sizes(self, cell: QRectF) -> tuple[int, bool]:
-        """(the numbers' pixel size, whether token texts fit under them) for cells of this screen size."""
-        if cell.width() < MIN_NUMBER_CELL[0] or cell.height() < MIN_NUMBER_CELL[1]:
-            return 0, False
-        with_text = self.text_of is not None and cell.width() >= MIN_TEXT_CELL[0] and \
-            cell.height() >= MIN_TEXT_CELL[1]
-        share = 0.4 if with_text else 0.5
-        digits = len(str(max(int(self.positions.max(initial=0)), 0)))  # the widest number fits its cell
-        size = int(min(cell.height() * share, (cell.width() - 3) / (DIGIT_WIDTH * digits), self.max_pixel_size))
-        return (size, with_text) if size >= MIN_PIXEL_SIZE else (0, False)
-
-    def paint(self, painter: QPainter, *args) -> None:
-        rows, cols = self.positions.shape
-        if not rows:
-            return
-        transform = painter.transform()
-        pixel_size, with_text = self._sizes(transform.mapRect(QRectF(0, 0, 1, 1)))
-        if not pixel_size:
-            self.pixel_size = 0
-            return  # too small to read: leave the colours alone
-        if (pixel_size, with_text) != (self.pixel_size, self.with_text):
-            self.pixel_size, self.with_text = pixel_size, with_text
-            self.font.setPixelSize(pixel_size)
-            self.text_font.setPixelSize(max(7, int(pixel_size * 0.8)))
-            self._texts.clear()
-        device = transform.mapRect(QRectF(0, 0, cols, rows))
-        left, top = np.floor(device.left()), np.floor(device.top())
-        ratio = painter.device().devicePixelRatioF() if painter.device() is not None else 1.0
-        key = (transform.m11(), transform.m22(), transform.dx() - left, transform.dy() - top,
-               int(np.ceil(device.width())) + 2, int(np.ceil(device.height())) + 2, pixel_size, with_text, ratio)
-        if key != self._overlay_key or self._drawn.shape != self.positions.shape:
-            self._overlay_key = key
-            self._overlay = QImage(int(key[4] * ratio), int(key[5] * ratio), QImage.Format_ARGB32_Premultiplied)
-            self._overlay.setDevicePixelRatio(ratio)
-            self._overlay.fill(Qt.transparent)
-            self._drawn = np.full(self.positions.shape, -1, dtype=np.int32)
-        changed_rows, changed_cols = np.nonzero(self.positions != self._drawn)
-        if changed_rows.size:
-            self._draw_cells(changed_rows, changed_cols, key)
-            self._drawn = self.positions.copy()
-        painter.save()
-        painter.resetTransform()
-        painter.drawImage(QPointF(left, top), self._overlay)
-        painter.restore()
-
-    def _draw_cells(self, rows: np.ndarray, cols: np.ndarray, key) -> None:
-        """Clear the given cells of the overlay and write their numbers (the view scales and translates,
-        never rotates: a cell's centre is linear in its row and column)."""
-        sx, sy, dx, dy = key[:4]
-        width, height = abs(sx), abs(sy)
-        xs = (sx * (cols + 0.5) + dx).tolist()
-        ys = (sy * (rows + 0.5) + dy).tolist()
-        painter = QPainter(self._overlay)
-        number_color, text_color = QColor(CELL_TEXT_COLOR), QColor(CELL_TEXT_COLOR)
-        text_color.setAlpha(200)
-        lift = height * 0.21 if self.with_text else 0.0  # the number above the token's text
-        elide = QFontMetrics(self.text_font)
-        for x, y, number in zip(xs, ys, self.positions[rows, cols].tolist()):
-            painter.setCompositionMode(QPainter.CompositionMode_Source)
-            painter.fillRect(QRectF(x - width / 2, y - height / 2, width, height), Qt.transparent)
-            painter.setCompositionMode(QPainter.CompositionMode_SourceOver)
-            if number < 0:
-                continue
-            painter.setFont(self.font)
-            painter.setPen(number_color)
-            text, half_width, half_height = self._text(number, str(number), self.font)
-            painter.drawStaticText(QPointF(x - half_width, y - lift - half_height), text)
-            if self.with_text:
-                token = elide.elidedText(cell_token(self.text_of(number)), Qt.ElideRight, int(width - 6))
-                painter.setFont(self.text_font)
-                painter.setPen(text_color)
-                text, half_width, half_height = self._text(("t", token), token, self.text_font)
-                painter.drawStaticText(QPointF(x - half_width, y + lift - half_height), text)
-        painter.end()
-
-
-class BlockTable(QTableWidget):
-    """Logical page → physical page of one layer, with the token positions each page holds. A C++ item
-    model: repainting it calls no Python, and only cells whose text changed are touched. The logical page
-    is the row's header (a narrow column of its own), which leaves the positions the width they need."""
-
-    HEADERS = ("physical", "tokens", "positions")
-
-    def __init__(self):
-        super().__init__(0, len(self.HEADERS))
-        self.rows: list[tuple[int, int, int, str]] = []  # (logical, physical, tokens, positions) per row
-        self._longest = 0  # characters of the longest positions text the column was fitted to
-        self.widest = MAX_TABLE_WIDTH  # the most width the table takes (the page grid narrows it)
-        self.setHorizontalHeaderLabels(self.HEADERS)
-        self.setEditTriggers(QTableWidget.NoEditTriggers)
-        self.verticalHeader().setDefaultSectionSize(20)
-        self.verticalHeader().setDefaultAlignment(Qt.AlignRight | Qt.AlignVCenter)
-        self.resizeColumnsToContents()  # the headers' width before any row (a loading session's empty table)
-        # widths fitted when the row count changes, not on every cell change (ResizeToContents measured every
-        # cell of the table whenever one text changed, i.e. every step)
-        self.horizontalHeader().setSectionResizeMode(QHeaderView.Interactive)
-        self.horizontalHeader().setStretchLastSection(True)
-
-    def set_rows(self, rows: list[tuple[int, int, int, str]]) -> None:
-        if rows == self.rows:
-            return
-        resize = len(rows) != self.rowCount()
-        if resize:
-            self.setRowCount(len(rows))
-        # a run list longer than any so far (token-level policies scatter positions) widens its column too
-        longest = max((len(row[3]) for row in rows), default=0)
-        if resize or longest > self._longest:
-            resize, self._longest = True, longest
-        for r, row in enumerate(rows):
-            old = self.rows[r] if r < len(self.rows) else None
-            if old is None or old[0] != row[0]:
-                self.setVerticalHeaderItem(r, QTableWidgetItem(str(row[0])))
-            for c, value in enumerate(row[1:]):
-                if old is not None and old[c + 1] == value:
-                    continue
-                item = self.item(r, c)
-                if item is None:
-                    item = QTableWidgetItem()
-                    if c < 2:
-                        item.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
-                    self.setItem(r, c, item)
-                item.setText(str(value))
-        self.rows = rows
-        if resize:
-            self.resizeColumnsToContents()
-            # as wide as its columns (within the page grid's bounds): beside a stretching grid, the table got
-            # its size hint and cut the longest positions
-            need = (self.verticalHeader().sizeHint().width() + self.verticalScrollBar().sizeHint().width()
-                    + sum(self.columnWidth(c) for c in range(self.columnCount())) + 2 * self.frameWidth())
-            self.setMinimumWidth(min(max(need, MIN_TABLE_WIDTH), self.widest))
 
 
 class PageGridView(QWidget):
@@ -428,6 +175,7 @@ class PageGridView(QWidget):
         self.graphics.setMinimumWidth(250)  # the grid's title fits (a projector's 1280 × 720)
         self.block_title = block_title = QLabel("Block table (logical → physical)")
         block_title.setStyleSheet(f"color: {theme.MUTED}")
+        block_title.setToolTip(PAGES_NOTE)
 
         left = QVBoxLayout()
         left.setContentsMargins(0, 0, 0, 0)
@@ -610,6 +358,9 @@ class PageGridView(QWidget):
         self.labels.set_positions(np.zeros((0, 0), dtype=np.int32))
         self.merges.setData([], [])
         self.blocks.set_rows([])
+        info = state.timeline.info if state.timeline is not None else None  # (a model loading: not hybrid yet)
+        hybrid = info is not None and info.sliding_windows is not None
+        self.legend.setText(legend_html(hybrid, note=not self.presentation))  # not the last session's
         config = state.config
         if config is None:
             self.states = np.zeros((0, 0), dtype=np.int8)

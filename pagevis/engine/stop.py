@@ -1,4 +1,5 @@
-"""Stop strings on streamed text, in time linear in the text: one Knuth-Morris-Pratt automaton per stop string
+"""Stop strings on streamed text, in time linear in the text (the engine ends a request at one; the server
+holds back streamed text that may be the start of one): one Knuth-Morris-Pratt automaton per stop string
 (its state: how much of the stop string the text now ends with). Each character moves every automaton; the
 failure links it follows are paid for by the characters that advanced it, so a request's whole output costs
 at most 2 x (number of stop strings) transitions per character, whatever the stop strings' lengths. What is

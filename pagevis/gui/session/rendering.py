@@ -1,0 +1,168 @@
+"""The main window's rendering (a part of MainWindow, by job): the view state, frames paced so the UI thread
+leaves the decoder its share of the GIL, the slow views in turns, the transport, narration and status bar; and
+the status bar's memory texts."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from pagevis.kvcache import ConfigError
+from pagevis.kvcache.memory import hybrid_bytes
+from pagevis.kvcache.spec import layer_specs
+from pagevis.viewmodel.narration import narrate
+from pagevis.viewmodel.view_state import ViewState
+
+FRAME_INTERVAL = 1 / 30  # redraw at most this often, however fast records arrive
+MAX_FRAME_INTERVAL = 1 / 5  # ... and at least this often while records arrive
+UI_SHARE = 0.12  # while decoding, the UI thread (redraws, painting, everything) may use this share of a core. Its
+# Python holds the GIL the decoding worker needs: at one frame per SmolLM2 token (19 tok/s here) the UI took 20 %
+# and the worker ran at 0.89x its headless speed; at 0.12 it draws ~12 frames a second and the worker runs at
+# 0.94x (python -m pagevis.bench.gui.app; docs/gui.md). Only at max speed: see request_render.
+STATUS_INTERVAL = 0.25  # while decoding, the status bar's step and speed change at most this often
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"
+
+
+def memory_text(cache_bytes: int, n_kv_heads: int, dtype: str = "", per_token: float = 0.0, notice: str = "") -> str:
+    """The cache's K/V storage, and each KV head's share (every KV head has its own K and V pages); with
+    the storage dtype and its bytes per token (all layers), the bits per token; with a storage notice, the
+    headline of each of its clauses (the tooltip has them whole)."""
+    if not cache_bytes:
+        return "K/V —"
+    text = f"K/V {_mib(cache_bytes)}"
+    if n_kv_heads > 0:
+        text += f" = {n_kv_heads} KV heads × {_mib(cache_bytes // n_kv_heads)}"
+    if dtype and per_token:
+        text += f" · {dtype}, {8 * per_token / 1000:,.1f} kbit per token"
+    for clause in filter(None, notice.split("; ")):
+        text += f" · {clause.split(': ')[0]}"
+    return text
+
+
+def hybrid_memory_text(info, record) -> str:
+    """A hybrid cache's K/V at the step shown, by layer type, against every layer global at that length."""
+    held = hybrid_bytes(layer_specs(info.sliding_windows, info.n_layers), [len(t) for t in record.block_tables],
+                        info.page_bytes, max(record.positions, default=-1) + 1, info.config.page_size)
+    return held.text()
+
+
+class Rendering:
+    """MainWindow's drawing (a mixin: it reads the window's timeline, index, runner, controls, views, docks,
+    transport, narration and status bar)."""
+
+    def view_state(self) -> ViewState:
+        options = self.controls.view_options()
+        if self.timeline is not None:
+            options["layer"] = min(options["layer"], self.timeline.info.n_layers - 1)
+            if options["head"] is not None and options["head"] >= self.timeline.info.n_heads:
+                options["head"] = None
+        loading = None
+        if self.timeline is None and self.runner.state == "loading":
+            try:  # the pool the loading session will have, shown while the model loads
+                loading = self.controls.session_config()
+            except (ConfigError, ValueError):
+                pass
+        return ViewState(self.timeline, self.index, loading=loading, **options)
+
+    def request_render(self) -> None:
+        """Redraw soon: at once if the last frame is older than FRAME_INTERVAL, else when it is."""
+        if self._frame_timer.isActive():
+            return
+        # at max speed the pace keeps the UI's share of the GIL down; at a chosen playback speed the decoder
+        # waits between steps anyway, and every step gets its frame
+        interval = self._pace() if self.runner.running and not self.runner.interval else FRAME_INTERVAL
+        wait = self._last_frame + interval - time.perf_counter()
+        self._frame_timer.start(max(0, int(wait * 1000)))
+
+    def redraw(self) -> None:
+        """Show the selected record in every visible view. While decoding runs, the views that are watched
+        (page grid, attention) draw now and the others follow in later event-loop turns, each at most
+        as often as its `live_interval`: no single turn paints the whole window, so input never waits
+        for a full repaint. Once decoding stops, every view shows the selected record."""
+        self._frame_timer.stop()
+        self._last_frame = time.perf_counter()
+        self.frames += 1
+        state = self.view_state()
+        now = time.perf_counter()
+        if not self.runner.running:
+            self._show(self.views, state, now)
+        else:
+            self._show([v for v in self.views if not getattr(v, "live_interval", 0.0)], state, now)
+            self._slow_timer.start()
+        self._update_transport(state)
+
+    def _shown(self, view) -> bool:
+        """Should the view be drawn? Not when its dock is closed; a costly view (`only_when_visible`) not
+        either while it is behind another dock's tab (Qt keeps such a dock 'visible' but off the window):
+        it is drawn when its tab is raised."""
+        dock = self.docks[view.title]
+        if dock.isHidden():
+            return False
+        return not (getattr(view, "only_when_visible", False) and self.isVisible() and dock.visibleRegion().isEmpty())
+
+    def _show(self, views, state: ViewState, now: float) -> None:
+        for view in views:
+            if self._shown(view):
+                self._shown_at[view.title] = now
+                view.show_state(state)
+
+    def _pace(self) -> float:
+        """Seconds between redraws while decoding: adjusted so that the UI thread's CPU time (redraws,
+        painting, everything) stays near UI_SHARE of the wall clock, between 30 and 5 frames a second.
+        On a small or busy machine the decoder keeps its speed and the screen gets fewer frames."""
+        wall, cpu = time.perf_counter(), time.thread_time()
+        elapsed = wall - self._cpu_mark[0]
+        if elapsed >= 0.25:
+            share = (cpu - self._cpu_mark[1]) / elapsed
+            self._cpu_mark = (wall, cpu)
+            factor = min(max(share / UI_SHARE, 0.5), 2.0)
+            self._interval = min(max(self._interval * factor ** 0.5, FRAME_INTERVAL), MAX_FRAME_INTERVAL)
+        return self._interval
+
+    def _show_slow_views(self) -> None:
+        """While decoding: the slow view waiting longest, if its turn came, and the next one a turn later;
+        when none is due, come back when the first is. Once decoding stopped: all of them, and no more turns."""
+        state = self.view_state()
+        now = time.perf_counter()
+        slow = [v for v in self.views if getattr(v, "live_interval", 0.0) and self._shown(v)]
+        if not self.runner.running:
+            self._show(slow, state, now)
+            return
+        slow.sort(key=lambda v: self._shown_at.get(v.title, 0.0))
+        for view in slow:
+            if now - self._shown_at.get(view.title, 0.0) >= view.live_interval:
+                self._show([view], state, now)
+                self._slow_timer.start()
+                return
+        if slow and not self._catch_up.isActive():
+            wait = min(v.live_interval - (now - self._shown_at.get(v.title, 0.0)) for v in slow)
+            self._catch_up.start(max(1, int(wait * 1000)))
+
+    def _update_transport(self, state: ViewState) -> None:
+        timeline, record = state.timeline, state.record
+        count = len(timeline) if timeline is not None else 0
+        if record is None:
+            self.transport.set_range(0, 0, "no steps yet" if timeline is not None else "no session")
+            self.transport.slider.set_marks(np.zeros(0))
+            self.narration.setText("Press Space to play, → to decode one token" if timeline is not None else "")
+            self.status_step.setText("step —")
+            self.status_speed.setText("— tok/s")  # not the previous run's speed
+            return
+        label = f"step {state.index} / {count - 1} · {record.kind}"
+        self.transport.set_range(count, state.index, label)
+        self.transport.slider.set_marks(timeline.eviction_steps())
+        self.narration.setText(narrate(record, state.layer, timeline.position_text, timeline.info.config.policy))
+        now = time.perf_counter()
+        if self.runner.running and now - self._status_at < STATUS_INTERVAL:
+            return  # the status bar repeats the transport's step and is read, not watched: 4× a second
+        self._status_at = now
+        self.status_step.setText(f"step {state.index}: {record.kind} of {len(record.token_ids)} token"
+                                 f"{'s' if len(record.token_ids) != 1 else ''}")
+        speed = timeline.tokens_per_second(state.index)
+        self.status_speed.setText(f"{speed:.1f} tok/s" if speed == speed else "— tok/s")
+        info = timeline.info
+        if info.sliding_windows is not None and info.page_bytes:
+            self.status_memory.setText(hybrid_memory_text(info, record))
