@@ -186,3 +186,17 @@ def test_the_attention_title_past_768_positions_drops_parts_instead_of_cutting_o
     assert window.timeline.n_positions(1) > 768
     assert look(qtbot, window) == []
     assert "last" in window.attention.plot.toolTip()  # what the title leaves out, on hover
+
+
+@pytest.mark.parametrize("policy", ["tova", pytest.param("h2o", marks=slow)])
+def test_token_policies_scattered_positions_fit_the_block_table_and_events_at_1280_x_720(qtbot, tmp_path, policy):
+    """H2O and TOVA leave a page holding runs far apart ('0–2, 4–5, 7, 152–153'): the block table shows the runs
+    that fit and counts the rest (the whole list in the cell's tooltip); their reasons fit the events table."""
+    window = projector_window(qtbot, tmp_path, replace(DEFAULT_CONFIG, policy=policy))
+    window.runner.step_blocking(80)
+    window.scrub(79)
+    window.redraw()
+    assert look(qtbot, window) == []
+    blocks = window.page_grid.blocks
+    cut = [r for r in range(blocks.rowCount()) if blocks.item(r, 2).toolTip()]
+    assert all(blocks.item(r, 2).toolTip() == f"positions {blocks.rows[r][3]}" for r in cut)

@@ -110,7 +110,7 @@ class AttentionView(QWidget):
             self.plot.setYRange(first, first + rows, padding=0)
         window = "" if first == 0 and low == 0 else f"last {rows} steps, {cols} positions"
         # the parts that fit, most telling first (past 768 positions the window's part was cut mid-word)
-        shown = theme.fit_parts(self.plot, [f"layer {state.layer}", state.head_label, "■ evicted", window])
+        shown = theme.fit_parts(self.plot, [f"layer {state.layer}", state.head_label, "■ evicted", window], keep=2)
         theme.set_title(self.plot, theme.muted(shown.replace(
             "■", f"<span style='color:rgb{theme.EVICTED_MARK[:3]}'>■</span>")), size="9pt")
 

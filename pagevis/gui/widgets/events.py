@@ -168,7 +168,7 @@ class EventsView(QWidget):
         header = self.table.horizontalHeader()
         header.setSectionResizeMode(QHeaderView.Interactive)
         header.setMinimumSectionSize(24)
-        for column, width in enumerate((38, 38, 36, 32, 40, 60, 150, 50)):
+        for column, width in enumerate((38, 38, 36, 32, 40, 60, 150, 64)):  # a score: '0.004254'
             self.table.setColumnWidth(column, width)
         # the reason takes the room left ("slid out of the window (512)" was cut beside an empty score column)
         header.setStretchLastSection(False)
@@ -188,6 +188,8 @@ class EventsView(QWidget):
 
         self.filter.textChanged.connect(lambda *_: self._refilter())
         self.only_layer.toggled.connect(lambda *_: self._refilter())
+        self.only_layer.toggled.connect(self._show_layer_column)
+        self._show_layer_column(self.only_layer.isChecked())
         top = QHBoxLayout()
         top.addWidget(self.filter, 1)
         top.addWidget(self.only_layer)
@@ -207,6 +209,10 @@ class EventsView(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(splitter)
+
+    def _show_layer_column(self, only_layer: bool) -> None:
+        """One layer's rows say the same layer: its column goes, and the reason gets the width."""
+        self.table.setColumnHidden(COLUMNS.index("layer"), only_layer)
 
     def export_target(self):
         return self.graphics

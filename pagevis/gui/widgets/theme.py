@@ -118,9 +118,10 @@ def set_title(plot: pg.PlotItem, html: str, size: str = "8pt", justify: str = "c
     plot.setTitle(html, size=size, justify=justify)
 
 
-def fit_parts(plot: pg.PlotItem, parts, size: str = "9pt", separator: str = " · ") -> str:
+def fit_parts(plot: pg.PlotItem, parts, size: str = "9pt", separator: str = " · ", keep: int = 1) -> str:
     """The leading `parts` (plain text, most important first) that fit the plot's width in one title line at
-    `size`; the whole line goes to the plot's tooltip, so what a narrow plot drops stays readable on hover."""
+    `size`, the first `keep` always; the whole line goes to the plot's tooltip, so what a narrow plot drops
+    stays readable on hover."""
     from PySide6.QtGui import QFont, QFontMetricsF
 
     parts = [p for p in parts if p]
@@ -129,8 +130,8 @@ def fit_parts(plot: pg.PlotItem, parts, size: str = "9pt", separator: str = " ·
     metrics = QFontMetricsF(font)
     label = plot.titleLabel.boundingRect().width()  # the space the plot's layout gives its title
     room = (label if label > 0 else plot.width()) - 8  # the text's margins
-    shown = parts[:1]
-    for part in parts[1:]:
+    shown = parts[:keep]
+    for part in parts[keep:]:
         if metrics.horizontalAdvance(separator.join([*shown, part])) > room:
             break
         shown.append(part)
