@@ -171,3 +171,18 @@ def test_the_presentation_layout_clips_nothing_at_page_sizes_8_16_32_on_a_projec
                 assert look(qtbot, window) == [], dock
             window.docks["Page grid"].raise_()
             window.docks["Text"].raise_()
+
+
+def test_the_attention_title_past_768_positions_drops_parts_instead_of_cutting_one(qtbot, tmp_path):
+    from pagevis.presets import prompt_resource
+
+    long_prompt = prompt_resource("sliding-window")[:900]  # 900 byte tokens: the heatmap shows its last 768
+    window = projector_window(qtbot, tmp_path)
+    window.controls.set_configuration(prompt=long_prompt, config=replace(DEFAULT_CONFIG, chat=False, max_pages=128))
+    window.restart("prompt", blocking=True)
+    assert not window.statusBar().currentMessage().startswith("Not restarted"), window.statusBar().currentMessage()
+    window.runner.step_blocking(2)
+    window.redraw()
+    assert window.timeline.n_positions(1) > 768
+    assert look(qtbot, window) == []
+    assert "last" in window.attention.plot.toolTip()  # what the title leaves out, on hover

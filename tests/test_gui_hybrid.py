@@ -116,3 +116,15 @@ def test_leaving_a_hybrid_model_takes_slid_out_off_the_legend_at_once(qtbot, tmp
     window.redraw()
     assert window.timeline is not None and not len(window.timeline)  # before its first step
     assert "slid&nbsp;out" not in window.page_grid.legend.text()
+
+
+def test_the_slides_reasons_fit_the_events_table_at_1280_x_720(qtbot, tmp_path):
+    from clipping import clipped_texts
+
+    window = make_window(qtbot, tmp_path, SPEC, PROMPT, CONFIG)
+    window.resize(1280, 720)
+    window.size_docks()
+    step(qtbot, window)
+    qtbot.wait(30)
+    assert any("slid out of the window" in row[6] for row in window.events.visible_rows())
+    assert [c for c in clipped_texts(window.events) if "EventsView" in c or "QTableView" in c] == []

@@ -165,11 +165,14 @@ class EventsView(QWidget):
         self.table.verticalHeader().hide()
         self.table.verticalHeader().setDefaultSectionSize(20)
         self.table.setAlternatingRowColors(True)
-        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.Interactive)
-        self.table.horizontalHeader().setStretchLastSection(True)
-        self.table.horizontalHeader().setMinimumSectionSize(24)
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(QHeaderView.Interactive)
+        header.setMinimumSectionSize(24)
         for column, width in enumerate((38, 38, 36, 32, 40, 60, 150, 50)):
             self.table.setColumnWidth(column, width)
+        # the reason takes the room left ("slid out of the window (512)" was cut beside an empty score column)
+        header.setStretchLastSection(False)
+        header.setSectionResizeMode(COLUMNS.index("reason"), QHeaderView.Stretch)
 
         self.graphics = pg.GraphicsLayoutWidget()
         self.plot = self.graphics.addPlot()
@@ -247,6 +250,7 @@ class EventsView(QWidget):
             self.scatter.setData([], [])
         theme.grow_range(self.plot, len(timeline) if timeline is not None else 1,
                          timeline.n_positions(state.index) if state.record is not None else 1, x_step=32, y_step=32)
+        theme.spare_ticks(self.plot)
         if state.record is not None:
             self.cursor.setValue(state.record.step)
         where = f"layer {layer}" if layer is not None else "all layers"

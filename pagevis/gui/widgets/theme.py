@@ -188,6 +188,20 @@ def level_ceiling(value: float) -> float:
     return float(10 * exponent)
 
 
+def spare_ticks(plot: pg.PlotItem, side: str = "left", label_px: float = 20.0) -> None:
+    """At most one tick label per `label_px` of the axis (a major spacing of 1-2-2.5-5 × 10^k): on a plot
+    50 px high over 900 positions, pyqtgraph's own choice put '0' and '200' on top of each other."""
+    low, high = plot.vb.viewRange()[1 if side in ("left", "right") else 0]
+    length = plot.vb.height() if side in ("left", "right") else plot.vb.width()
+    if length <= 0 or high <= low:
+        return
+    spacing = nice_ceiling((high - low) / max(1, int(length // label_px)))
+    key = (spacing, side)
+    if getattr(plot, "_spare_ticks", None) != key:
+        plot._spare_ticks = key
+        plot.getAxis(side).setTickSpacing(spacing, spacing)
+
+
 def grow_range(plot: pg.PlotItem, x_max: float | None = None, y_max: float | None = None, *,
                x_step: float = 0, y_step: float = 0, padding: float = 0.02) -> None:
     """Fit the view to data from 0 to (x_max, y_max) by growing its range in coarse steps (multiples of
