@@ -98,10 +98,15 @@ def test_the_sequences_window_at_1280_x_720_clips_nothing(qtbot, tmp_path):
     qtbot.addWidget(seqs)
     seqs.resize(*PROJECTOR)
     seqs.start()
-    for _ in range(12):
+    texts = seqs.view.texts
+    texts.setFixedHeight(36)  # less than the texts need: they scroll to their newest tokens, not their first
+    for _ in range(24):
         seqs.step()
         qtbot.waitUntil(lambda: not seqs.busy, timeout=10000)
     assert look(qtbot, seqs) == []
+    qtbot.wait(30)
+    bar = texts.verticalScrollBar()
+    assert bar.maximum() > 0 and bar.value() == bar.maximum()
 
 
 @pytest.mark.parametrize("index", range(4))  # every server preset
