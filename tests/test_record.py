@@ -272,3 +272,24 @@ def test_recording_headless_prints_no_size_hint_notices(tmp_path):
                           env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
     assert done.returncode == 0, done.stderr
     assert "propagateSizeHints" not in done.stderr  # the offscreen platform said it 5-9 times a recording
+
+
+def test_an_800_px_recordings_caption_wraps_to_two_lines_instead_of_cutting_the_narration(qtbot):
+    from PySide6.QtGui import QFont, QFontMetrics, QImage
+
+    from pagevis.gui.video_frames import CAPTION_PADDING, CAPTION_POINTS, caption_lines, with_caption, wrap_words
+
+    narration = ("step 59: cache full → sinks evicted position 20 '\\n' from page 2 slot 4; wrote position 112 "
+                 "' process' there · next ' allows'")
+    font = QFont()
+    font.setPointSize(CAPTION_POINTS)
+    metrics = QFontMetrics(font)
+    room = 800 - 2 * CAPTION_PADDING
+    assert metrics.horizontalAdvance(narration) > room  # one line would cut it
+    lines = wrap_words(narration, metrics, room, caption_lines(800))
+    assert len(lines) == 2 and " ".join(lines) == narration  # whole, in two lines
+    assert all(metrics.horizontalAdvance(line) <= room for line in lines)
+    sizes = {with_caption(QImage(800, 100, QImage.Format_RGB888), text).size().toTuple()
+             for text in ("", "short", narration)}
+    assert len(sizes) == 1  # every frame of a video has one size
+    assert caption_lines(1600) == 1
