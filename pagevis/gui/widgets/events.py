@@ -26,7 +26,7 @@ _NUMERIC = (0, 1, 2, 3, 4, 7)  # right-aligned columns
 def _cells(event) -> tuple[str, ...]:
     """The displayed text of one eviction's row."""
     return (str(event.step), str(event.layer), str(event.page), str(event.slot), str(event.position),
-            repr(event.token)[1:-1], event.reason, "" if np.isnan(event.score) else f"{event.score:.4g}")
+            repr(event.token)[1:-1], event.reason, "" if np.isnan(event.score) else f"{event.score:.3g}")  # 3 digits: the score column fits them
 
 
 class EventTableModel(QStandardItemModel):
