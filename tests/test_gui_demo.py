@@ -241,7 +241,7 @@ def test_narration_block_table_and_slider_marks_tell_what_happened(qtbot, window
     window.scrub(1)  # the step whose prompt token evicted position 4 (sinks keep 0-3)
     narration = window.narration.text()
     assert narration.startswith("step 1: cache full → sinks evicted position 4 'o' from page 1 slot 0; "
-                                "wrote position 16 'd' there · next ")
+                                "wrote position 16 'd' there (page 1 now holds 5–7, 16) · next ")  # mixed runs
     for index in range(4):
         window.scrub(index)
         record = window.timeline.records[index]
