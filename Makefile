@@ -40,8 +40,8 @@ soak: $(STAMP)
 screenshot: $(STAMP)
 	QT_QPA_PLATFORM=xcb xvfb-run -a -s "-screen 0 1280x720x24" $(PY) -m pagevis --screenshot docs/presentation.png \
 	  --steps 100 --preset default $(ARGS)
-	QT_QPA_PLATFORM=offscreen $(PY) -m pagevis --screenshot docs/screenshot.png --steps 110 \
-	  --preset "StreamingLLM: window vs sinks" $(ARGS)
+	QT_QPA_PLATFORM=xcb xvfb-run -a -s "-screen 0 1280x720x24" $(PY) -m pagevis --screenshot docs/screenshot.png \
+	  --steps 110 --preset "StreamingLLM: window vs sinks" $(ARGS)
 	QT_QPA_PLATFORM=offscreen $(PY) -m pagevis --screenshot docs/main-window.png --steps 80 \
 	  --disk-pages 64 --select quest --select-pages 4 $(ARGS)
 

@@ -76,7 +76,7 @@ def test_event_table_shows_the_text_of_the_rows_it_filters_in(qtbot, window):
         return [[proxy.index(r, c).data() for c in range(proxy.columnCount())] for r in range(proxy.rowCount())]
 
     def expected() -> list[list[str]]:
-        return [[str(v) for v in row[:5]] + [row[5], row[6], "" if np.isnan(row[7]) else f"{row[7]:.4g}"]
+        return [[str(v) for v in row[:5]] + [row[5], row[6], "" if np.isnan(row[7]) else f"{row[7]:.3g}"]
                 for row in window.events.visible_rows()]
 
     assert shown() == expected() and {row[1] for row in shown()} == {"0"}

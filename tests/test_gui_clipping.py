@@ -98,10 +98,15 @@ def test_the_sequences_window_at_1280_x_720_clips_nothing(qtbot, tmp_path):
     qtbot.addWidget(seqs)
     seqs.resize(*PROJECTOR)
     seqs.start()
-    for _ in range(12):
+    texts = seqs.view.texts
+    texts.setFixedHeight(36)  # less than the texts need: they scroll to their newest tokens, not their first
+    for _ in range(24):
         seqs.step()
         qtbot.waitUntil(lambda: not seqs.busy, timeout=10000)
     assert look(qtbot, seqs) == []
+    qtbot.wait(30)
+    bar = texts.verticalScrollBar()
+    assert bar.maximum() > 0 and bar.value() == bar.maximum()
 
 
 @pytest.mark.parametrize("index", range(4))  # every server preset
@@ -171,3 +176,32 @@ def test_the_presentation_layout_clips_nothing_at_page_sizes_8_16_32_on_a_projec
                 assert look(qtbot, window) == [], dock
             window.docks["Page grid"].raise_()
             window.docks["Text"].raise_()
+
+
+def test_the_attention_title_past_768_positions_drops_parts_instead_of_cutting_one(qtbot, tmp_path):
+    from pagevis.presets import prompt_resource
+
+    long_prompt = prompt_resource("sliding-window")[:900]  # 900 byte tokens: the heatmap shows its last 768
+    window = projector_window(qtbot, tmp_path)
+    window.controls.set_configuration(prompt=long_prompt, config=replace(DEFAULT_CONFIG, chat=False, max_pages=128))
+    window.restart("prompt", blocking=True)
+    assert not window.statusBar().currentMessage().startswith("Not restarted"), window.statusBar().currentMessage()
+    window.runner.step_blocking(2)
+    window.redraw()
+    assert window.timeline.n_positions(1) > 768
+    assert look(qtbot, window) == []
+    assert "last" in window.attention.plot.toolTip()  # what the title leaves out, on hover
+
+
+@pytest.mark.parametrize("policy", ["tova", pytest.param("h2o", marks=slow)])
+def test_token_policies_scattered_positions_fit_the_block_table_and_events_at_1280_x_720(qtbot, tmp_path, policy):
+    """H2O and TOVA leave a page holding runs far apart ('0–2, 4–5, 7, 152–153'): the block table shows the runs
+    that fit and counts the rest (the whole list in the cell's tooltip); their reasons fit the events table."""
+    window = projector_window(qtbot, tmp_path, replace(DEFAULT_CONFIG, policy=policy))
+    window.runner.step_blocking(80)
+    window.scrub(79)
+    window.redraw()
+    assert look(qtbot, window) == []
+    blocks = window.page_grid.blocks
+    cut = [r for r in range(blocks.rowCount()) if blocks.item(r, 2).toolTip()]
+    assert all(blocks.item(r, 2).toolTip() == f"positions {blocks.rows[r][3]}" for r in cut)

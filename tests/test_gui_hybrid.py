@@ -104,3 +104,27 @@ def test_the_server_window_gives_the_hybrid_pools_bytes_by_layer_type(qtbot, tmp
     qtbot.waitUntil(lambda: "without windows" in server.status.text(), timeout=30000)
     assert "A: " in server.status.text() and ", hybrid K/V " in server.status.text()
     server.close()
+
+
+def test_leaving_a_hybrid_model_takes_slid_out_off_the_legend_at_once(qtbot, tmp_path):
+    window = make_window(qtbot, tmp_path, SPEC, PROMPT, CONFIG)
+    step(qtbot, window)
+    assert "slid&nbsp;out" in window.page_grid.legend.text()
+    window.controls.set_configuration(spec=ModelSpec(kind="synthetic", n_layers=2, n_heads=4, n_kv_heads=2,
+                                                     head_dim=16, seed=1))  # the same model without windows
+    window.restart("model changed", blocking=True)
+    window.redraw()
+    assert window.timeline is not None and not len(window.timeline)  # before its first step
+    assert "slid&nbsp;out" not in window.page_grid.legend.text()
+
+
+def test_the_slides_reasons_fit_the_events_table_at_1280_x_720(qtbot, tmp_path):
+    from clipping import clipped_texts
+
+    window = make_window(qtbot, tmp_path, SPEC, PROMPT, CONFIG)
+    window.resize(1280, 720)
+    window.size_docks()
+    step(qtbot, window)
+    qtbot.wait(30)
+    assert any("slid out of the window" in row[6] for row in window.events.visible_rows())
+    assert [c for c in clipped_texts(window.events) if "EventsView" in c or "QTableView" in c] == []

@@ -50,7 +50,7 @@ def gemma_window(qtbot, tmp_path, monkeypatch):
 def test_the_gemma_preset_names_its_model_states_its_point_and_puts_the_layer_box_in_sight(qtbot, gemma_window):
     window, gemma = gemma_window, find_preset("Gemma 3")
     controls = window.controls
-    assert window.status_model.text() == "Gemma 3 270M" and window.status_model.toolTip() == str(TINY)
+    assert window.status_model.text() == "Gemma 3 270M" and window.status_model.toolTip().startswith(str(TINY))
     banner = window.presets.banner
     assert banner.isVisible() and gemma.name in banner.text and gemma.description[:40] in banner.text
     # the layer box is above the model box and in sight: a local and a global layer are a click apart

@@ -259,3 +259,37 @@ def test_a_missing_encoder_names_the_extra_to_install(monkeypatch):
     with pytest.raises(RecordingError, match=r"needs imageio-ffmpeg, which is not installed: pip install 'pagevis\[record\]'"):
         check_target("demo.webm")
     check_target("demo.gif")  # Pillow is still there
+
+
+@pytest.mark.slow  # a process of its own: in one under pytest-qt, Qt's messages go to pytest-qt's handler
+def test_recording_headless_prints_no_size_hint_notices(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "pagevis", "--model", "synthetic", "--record", str(tmp_path / "r.gif"),
+                           "--steps", "3"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
+    assert done.returncode == 0, done.stderr
+    assert "propagateSizeHints" not in done.stderr  # the offscreen platform said it 5-9 times a recording
+
+
+def test_an_800_px_recordings_caption_wraps_to_two_lines_instead_of_cutting_the_narration(qtbot):
+    from PySide6.QtGui import QFont, QFontMetrics, QImage
+
+    from pagevis.gui.video_frames import CAPTION_PADDING, CAPTION_POINTS, caption_lines, with_caption, wrap_words
+
+    narration = ("step 59: cache full → sinks evicted position 20 '\\n' from page 2 slot 4; wrote position 112 "
+                 "' process' there · next ' allows'")
+    font = QFont()
+    font.setPointSize(CAPTION_POINTS)
+    metrics = QFontMetrics(font)
+    room = 800 - 2 * CAPTION_PADDING
+    assert metrics.horizontalAdvance(narration) > room  # one line would cut it
+    lines = wrap_words(narration, metrics, room, caption_lines(800))
+    assert len(lines) == 2 and " ".join(lines) == narration  # whole, in two lines
+    assert all(metrics.horizontalAdvance(line) <= room for line in lines)
+    sizes = {with_caption(QImage(800, 100, QImage.Format_RGB888), text).size().toTuple()
+             for text in ("", "short", narration)}
+    assert len(sizes) == 1  # every frame of a video has one size
+    assert caption_lines(1600) == 1

@@ -412,11 +412,14 @@ def test_the_window_attached_to_pagevis_serve_shows_its_cache_and_metrics(qtbot)
     assert not window.fleet_worker.isRunning() and not window.metrics_worker.isRunning()
 
 
-def test_the_ab_column_compares_only_numbers_both_sides_have_and_says_which_way_is_better(qtbot, model):
+def test_the_ab_column_compares_only_numbers_both_sides_have_and_says_which_way_is_better(qtbot, model, monkeypatch):
     import re
 
     from clipping import plain
 
+    from pagevis.gui.server import window as server_window
+
+    monkeypatch.setattr(server_window, "MIN_SERVED", 2)  # of the preset's 6 requests
     w = window(qtbot, model, preset(compare="prefix", n=6))
 
     def rows() -> dict[str, list[str]]:
@@ -425,13 +428,15 @@ def test_the_ab_column_compares_only_numbers_both_sides_have_and_says_which_way_
 
     w.redraw()
     assert "×" not in w.summary.text()  # nothing served yet
-    while not all(s.summary() and s.summary()["generated"] > 0 for s in w.series.values()):
+    def served(n: int) -> bool:
+        return all(s.summary() and s.summary()["completed"] >= n for s in w.series.values())
+
+    while not served(2):
         w.step_blocking(1)
         w.redraw()
-        if not all(s.summary() and s.summary()["generated"] > 0 for s in w.series.values()):
-            assert "×" not in w.summary.text()  # a side without tokens: no ratio (it read 2.01× at 0 tokens)
-    for _ in range(10):
-        w.step_blocking(1)
+        if not served(2):  # no ratio until both sides have served 2 requests (throughput read 15.96× at 16 s,
+            assert "×" not in w.summary.text()  # ~2× steady; and 2.01× at 0 tokens)
+            assert "once both have served 2 requests" in plain(w.summary.text())
     w.redraw()
     a, b = (w.series[s].summary() for s in "AB")
     html = w.summary.text()

@@ -51,6 +51,8 @@ def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, sessi
         print(verdict.message(), file=sys.stderr)
         return platform_check.EXIT_STATUS
     app = _application()
+    if screenshot or recording:
+        quiet_size_hints()
     probe and probe.mark("qt")
     from pagevis.gui.session.window import MainWindow
 
@@ -120,6 +122,25 @@ def launch_attached_server(model_spec: ModelSpec | None, events: str | None, met
     window = AttachedServerWindow(events, metrics_url, detokenizer_for(model_spec or ModelSpec()))
     window.show()
     return app.exec()
+
+
+def quiet_size_hints() -> None:
+    """Drop Qt's "This plugin does not support propagateSizeHints()" (the offscreen platform says it for every
+    window and dock resized: 9 lines per headless recording, none of them the user's concern); every other Qt
+    message goes where it went before."""
+    from PySide6.QtCore import qInstallMessageHandler
+
+    previous = None
+
+    def handler(mode, context, message) -> None:
+        if "propagateSizeHints" in message:
+            return
+        if previous is not None:
+            previous(mode, context, message)
+        else:
+            print(message, file=sys.stderr)
+
+    previous = qInstallMessageHandler(handler)
 
 
 def _observe_sessions(runner, metrics) -> None:

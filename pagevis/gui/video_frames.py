@@ -22,6 +22,7 @@ from pagevis.export.video import open_video, sidecar_path
 from pagevis.gui.widgets import theme
 
 CAPTION_POINTS = 12
+WIDE_CAPTION = 1200  # frames at least this wide caption in one line
 CAPTION_PADDING = 8
 
 
@@ -118,13 +119,21 @@ def grab(widget: QWidget) -> QImage:
     return widget.grab().toImage()
 
 
+def caption_lines(width: int) -> int:
+    """Lines of the caption strip for frames this wide: one from WIDE_CAPTION px, else two (an 800-px GIF's one
+    line cut the narration in half). Fixed per width, so that every frame of a video has one size."""
+    return 1 if width >= WIDE_CAPTION else 2
+
+
 def with_caption(image: QImage, text: str) -> QImage:
-    """The image with one caption line in a strip below it (elided to the width)."""
+    """The image with the caption in a strip below it: caption_lines(width) lines, words wrapped, the last
+    line elided only where the text needs more."""
     font = QFont()
     font.setPointSize(CAPTION_POINTS)
     metrics = QFontMetrics(font)
-    strip = metrics.height() + 2 * CAPTION_PADDING
     width, height = image.width(), image.height()
+    room, lines = width - 2 * CAPTION_PADDING, caption_lines(image.width())
+    strip = lines * metrics.lineSpacing() + 2 * CAPTION_PADDING
     out = QImage(width, height + strip, QImage.Format_RGB888)
     out.fill(QColor(theme.BACKGROUND))
     painter = QPainter(out)
@@ -132,11 +141,24 @@ def with_caption(image: QImage, text: str) -> QImage:
         painter.drawImage(QPoint(0, 0), image)
         painter.setFont(font)
         painter.setPen(QColor(theme.TEXT))
-        line = metrics.elidedText(" ".join(text.split()), Qt.ElideRight, width - 2 * CAPTION_PADDING)
-        painter.drawText(QRect(CAPTION_PADDING, height, width - 2 * CAPTION_PADDING, strip),
-                         Qt.AlignVCenter | Qt.AlignLeft, line)
+        for i, line in enumerate(wrap_words(" ".join(text.split()), metrics, room, lines)):
+            painter.drawText(QRect(CAPTION_PADDING, height + CAPTION_PADDING + i * metrics.lineSpacing(), room,
+                                   metrics.lineSpacing()), Qt.AlignVCenter | Qt.AlignLeft, line)
     finally:
         painter.end()
+    return out
+
+
+def wrap_words(text: str, metrics: QFontMetrics, room: int, lines: int) -> list[str]:
+    """At most `lines` lines of `text` within `room` px, broken between words; the last elided if need be."""
+    out, words = [], text.split(" ")
+    while words and len(out) < lines - 1:
+        line = words.pop(0)
+        while words and metrics.horizontalAdvance(f"{line} {words[0]}") <= room:
+            line += " " + words.pop(0)
+        out.append(line)
+    if words:
+        out.append(metrics.elidedText(" ".join(words), Qt.ElideRight, room))
     return out
 
 

@@ -4,6 +4,8 @@ may be. The cache manager (kv_cache_manager.py) answers them from its layers' ma
 
 from __future__ import annotations
 
+import numpy as np
+
 from pagevis.kvcache.config import CacheConfig
 from pagevis.kvcache.layers import LayerManager
 from pagevis.kvcache.sequence import SequenceCache
@@ -37,7 +39,7 @@ class Admission:
     def free_slots(self, seq_id: int) -> int:
         """Tokens every layer of the sequence can take before its policy must evict: its budget (a policy
         may give a layer less: pyramidkv), and the pool."""
-        return min(layer.free_slots(self.sequences[seq_id]) for layer in self.layers)
+        return min(layer_free_slots(layer, self.sequences[seq_id]) for layer in self.layers)
 
     def layer_budget(self, seq_id: int, layer: int) -> int:
         """Tokens the layer may hold before the sequence's policy evicts there: its policy's budget, except on a
@@ -78,7 +80,7 @@ class Admission:
 
     def pages_needed(self, seq_id: int, n_tokens: int) -> list[int]:
         """Per layer, an upper bound on the pages writing n_tokens more will take from the pool."""
-        return [layer.pages_needed(self.sequences[seq_id], n_tokens) for layer in self.layers]
+        return [layer_pages_needed(layer, self.sequences[seq_id], n_tokens) for layer in self.layers]
 
     def pages_bound(self, seq_id: int, n_tokens: int) -> int:
         """A cheap upper bound on every layer's `pages_needed`: each of its copy-on-write terms copies at most
@@ -116,3 +118,29 @@ class Admission:
             self.sequences[seq_id].policy.choose_victims(self.view(seq_id, 0))  # raises CacheFullError
         for store, need in zip(self.stores, self.pages_needed(seq_id, n), strict=True):
             store.reserve(need)
+
+
+def layer_free_slots(layer: LayerManager, seq: SequenceCache) -> int:
+    """Tokens the layer takes before the sequence's policy must evict: its budget, and the pool."""
+    index = layer.layer
+    return min(len(seq.holes[index]) + layer.store.pages.n_free() * layer.page_size,
+               layer.budget(seq) - seq.resident[index])
+
+
+def layer_pages_needed(layer: LayerManager, seq: SequenceCache, n_tokens: int) -> int:
+    """An upper bound on the pages writing n_tokens more takes from the pool (new pages, and the shared
+    pages that writing, evicting, quantizing, pruning, re-rotating or merging would copy)."""
+    store, ps, table, policy = layer.store, layer.page_size, seq.block_tables[layer.layer], seq.policy
+    fill = store.fill[table] if table else np.zeros(0, dtype=np.int64)
+    shared = store.pages.ref_counts[table] > 1 if table else np.zeros(0, dtype=bool)
+    room = len(seq.holes[layer.layer])
+    n_evict = max(0, seq.resident[layer.layer] + n_tokens - layer.budget(seq)) if policy.evicts else 0
+    if n_evict:  # a policy evicting N at once (periodic compression) evicts N each time the budget is reached
+        n_evict += policy.evicted_at_once() - 1
+    need = int((shared & (fill < ps)).sum()) + min(n_evict, int(shared.sum()))
+    if store.kivi:  # quantizing a key group copies the shared pages it touches
+        need += min(int(shared.sum()), -(-store.layout.group // ps) + 1)
+    if (policy.prunes or (n_evict and policy.rewrites_survivors())
+            or (seq.channels is not None and not seq.channels.chosen)):
+        need += int(shared.sum())  # pruned tokens or key channels, rotated keys, merged values: any shared page
+    return need + -(-max(0, n_tokens - room - n_evict) // ps)

@@ -78,30 +78,6 @@ class LayerManager:
         flat = self.flat(seq)
         return int((keep[:, flat] & (self.store.positions[flat] >= 0)).sum())
 
-    def free_slots(self, seq: SequenceCache) -> int:
-        """Tokens the layer takes before the sequence's policy must evict: its budget, and the pool."""
-        layer = self.layer
-        return min(len(seq.holes[layer]) + self.store.pages.n_free() * self.page_size,
-                   self.budget(seq) - seq.resident[layer])
-
-    def pages_needed(self, seq: SequenceCache, n_tokens: int) -> int:
-        """An upper bound on the pages writing n_tokens more takes from the pool (new pages, and the shared
-        pages that writing, evicting, quantizing, pruning, re-rotating or merging would copy)."""
-        store, ps, table, policy = self.store, self.page_size, seq.block_tables[self.layer], seq.policy
-        fill = store.fill[table] if table else np.zeros(0, dtype=np.int64)
-        shared = store.pages.ref_counts[table] > 1 if table else np.zeros(0, dtype=bool)
-        room = len(seq.holes[self.layer])
-        n_evict = max(0, seq.resident[self.layer] + n_tokens - self.budget(seq)) if policy.evicts else 0
-        if n_evict:  # a policy evicting N at once (periodic compression) evicts N each time the budget is reached
-            n_evict += policy.evicted_at_once() - 1
-        need = int((shared & (fill < ps)).sum()) + min(n_evict, int(shared.sum()))
-        if store.kivi:  # quantizing a key group copies the shared pages it touches
-            need += min(int(shared.sum()), -(-store.layout.group // ps) + 1)
-        if (policy.prunes or (n_evict and policy.rewrites_survivors())
-                or (seq.channels is not None and not seq.channels.chosen)):
-            need += int(shared.sum())  # pruned tokens or key channels, rotated keys, merged values: any shared page
-        return need + -(-max(0, n_tokens - room - n_evict) // ps)
-
     # --- what the kinds of layer do differently --------------------------------------------------
     def before_write(self, seq: SequenceCache, first: int) -> None:
         """Tokens from position `first` on are about to be written."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
+
 from pagevis.kvcache import EventKind
 from pagevis.kvcache.event_array import in_layer
 from pagevis.viewmodel.run_list import run_list
@@ -36,6 +38,8 @@ def narrate(record, layer: int, text: Callable[[int], str], policy: str) -> str:
         write = writes[-1]
         evicted_here = any((e.page, e.slot) == (write.page, write.slot) for e in evictions)
         where = "there" if evicted_here and len(evictions) == 1 else f"into page {write.page} slot {write.slot}"
+        if evicted_here:
+            where += _mixed(record, layer, write.page)
         parts.append(f"wrote position {write.position} {text(write.position)!r} {where}")
     if allocated:
         parts.append(f"took free page{'s' if len(allocated) > 1 else ''} {run_list(allocated)}")
@@ -47,6 +51,18 @@ def narrate(record, layer: int, text: Callable[[int], str], policy: str) -> str:
     if record.next_token >= 0:
         line += f" · next {record.next_text!r}"
     return line
+
+
+def _mixed(record, layer: int, page: int) -> str:
+    """' (page 1 now holds 5–7, 16)' when a token-level policy's write into the slot it evicted leaves the page
+    holding positions that are not one run: vLLM's pages never do that (only oldest-page behaves like vLLM)."""
+    if record.tiers is not None:  # slot maps are RAM frames there, not page ids
+        return ""
+    held = record.slot_maps[layer][page]
+    held = np.sort(held[held >= 0])
+    if held.size < 2 or held[-1] - held[0] == held.size - 1:
+        return ""
+    return f" (page {page} now holds {run_list(held.tolist())})"
 
 
 def _evicted(evictions, text) -> str:

@@ -106,6 +106,7 @@ class SequencesView(QWidget):
         self.texts.setWordWrap(True)
         self.texts.horizontalHeader().setSectionResizeMode(QHeaderView.Stretch)
         self.texts.verticalHeader().setVisible(False)
+        self.texts.setVerticalScrollMode(QTableWidget.ScrollPerPixel)  # a row taller than the view: its end
         left = stacked((self.grid, 3), self.legend, self.queue, self.memory, self.memory_note)
         top = splitter(Qt.Horizontal, left, self.tables)
         stacked(splitter(Qt.Vertical, top, self.texts, sizes=[500, 200]), margins=(2, 2, 2, 2), into=self)
@@ -135,6 +136,8 @@ class SequencesView(QWidget):
         for column, text in enumerate(texts.values()):
             self.texts.setItem(0, column, QTableWidgetItem(text))
         self.texts.resizeRowsToContents()
+        bar = self.texts.verticalScrollBar()  # the newest tokens, at the texts' end (they were cut off below)
+        bar.setValue(bar.maximum())
 
     def _fill_tables(self, record) -> None:
         tables = record.block_tables

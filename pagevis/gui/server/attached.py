@@ -14,140 +14,22 @@ says so instead of drawing those views.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
 
-import numpy as np
 from PySide6.QtCore import QTimer, Qt
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
-from pagevis.attach.metrics import fetch, totals
 from pagevis.gui.widgets.windows import add_close_keys
 from pagevis.gui.widgets import theme
 from pagevis.gui.widgets.layout import splitter, stacked
 from pagevis.gui.attach.worker import FleetWorker, ForestWorker, LiveSource, MetricsWorker
 from pagevis.gui.widgets.prefix_forest import PrefixForestView
 from pagevis.gui.server.plots import SIDE_COLORS, ServerPlots
+from pagevis.viewmodel.server_series import (  # noqa: F401 - where the attached window and its tests took them
+    COUNTERS, GAUGES, MetricsSeries, ServeSample, parse_serve_metrics, scrape_serve)
 
-COUNTERS = {"generated": "pagevis_generation_tokens", "prompt": "pagevis_prompt_tokens",
-            "hits": "pagevis_prefix_cache_hits", "queries": "pagevis_prefix_cache_queries",
-            "preemptions": "pagevis_preemptions", "ttft_sum": "pagevis_time_to_first_token_seconds_sum",
-            "ttft_count": "pagevis_time_to_first_token_seconds_count",
-            "itl_sum": "pagevis_inter_token_latency_seconds_sum",
-            "itl_count": "pagevis_inter_token_latency_seconds_count"}
-GAUGES = {"running": "pagevis_requests_running", "waiting": "pagevis_requests_waiting",
-          "kv_usage": "pagevis_kv_cache_usage_ratio"}
 NOT_FROM_EVENTS = ("which request holds a page, reference counts, which requests wait, run or were preempted, "
                    "each request's timeline and each step's batch are not in the events or the metrics: they "
                    "need the engine itself (the Server window's own servers)")
-
-
-@dataclass(frozen=True)
-class ServeSample:
-    """One scrape of `pagevis serve`'s /metrics: its counters (since it started) and gauges, summed over labels."""
-
-    time: float  # time.monotonic() of the scrape
-    generated: float
-    prompt: float
-    hits: float
-    queries: float
-    preemptions: float
-    ttft_sum: float
-    ttft_count: float
-    itl_sum: float
-    itl_count: float
-    running: float
-    waiting: float
-    kv_usage: float  # 0..1
-
-
-def parse_serve_metrics(text: str, when: float | None = None) -> ServeSample:
-    """The sample a /metrics text of `pagevis serve` gives (ValueError if it is not Prometheus text); a metric
-    that is absent counts 0."""
-    found = totals(text, skip=("_created", "_bucket"))
-    values = {key: found.get(name, 0.0) for key, name in {**COUNTERS, **GAUGES}.items()}
-    return ServeSample(time.monotonic() if when is None else when, **values)
-
-
-def scrape_serve(url: str, timeout: float = 2.0) -> ServeSample:
-    return parse_serve_metrics(fetch(url, timeout))
-
-
-class MetricsSeries:
-    """The Server window's plot columns, from consecutive scrapes (the same names as SideSeries): time since the
-    first scrape, tokens generated since then, KV usage in % (pool 100), the prefix cache's counters since then,
-    and per interval between two scrapes the mean inter-token latency and the mean time to first token of the
-    requests that got their first token in it. What the metrics do not hold (a contiguous reservation) is NaN."""
-
-    percent = True  # KV usage is a share of the server's pools, not pages of one pool
-
-    def __init__(self, side: str = "A"):
-        self.side = side
-        self.samples: list[ServeSample] = []
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def add(self, sample: ServeSample) -> None:
-        if self.samples and sample.generated < self.samples[-1].generated:  # the server restarted: start again
-            self.samples = []
-        self.samples.append(sample)
-
-    def _column(self, name: str) -> np.ndarray:
-        return np.array([getattr(s, name) for s in self.samples], dtype=np.float64)
-
-    def _interval_mean(self, total: str, count: str) -> tuple[np.ndarray, np.ndarray]:
-        sums, counts = np.diff(self._column(total)), np.diff(self._column(count))
-        with np.errstate(invalid="ignore", divide="ignore"):
-            means = np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
-        return np.concatenate([[np.nan], means]) if len(self.samples) else means, np.concatenate([[0], counts])
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        if not self.samples:
-            return np.zeros(0)
-        first = self.samples[0]
-        if name == "t":
-            return self._column("time") - first.time
-        if name in ("generated", "hits", "queries", "preemptions"):
-            return self._column(name) - getattr(first, name)
-        if name == "pages_used":
-            return 100.0 * self._column("kv_usage")
-        if name == "pool":
-            return np.full(len(self.samples), 100.0)
-        if name == "reserved":
-            return np.full(len(self.samples), np.nan)
-        if name == "itl":
-            return self._interval_mean("itl_sum", "itl_count")[0]
-        if name in ("running", "waiting"):
-            return self._column(name)
-        raise KeyError(name)
-
-    @property
-    def ttft_t(self):
-        means, counts = self._interval_mean("ttft_sum", "ttft_count")
-        return _Values(self["t"][counts > 0] if len(self.samples) else np.zeros(0))
-
-    @property
-    def ttft(self):
-        means, counts = self._interval_mean("ttft_sum", "ttft_count")
-        return _Values(means[counts > 0] if len(self.samples) else np.zeros(0))
-
-    def throughput(self, window: float = 10.0) -> tuple[np.ndarray, np.ndarray]:
-        from pagevis.gui.server.plots import SideSeries
-
-        return SideSeries.throughput(self, window)  # the same computation, over these columns
-
-    def hit_rate(self) -> np.ndarray:
-        queries = self["queries"]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(queries > 0, 100.0 * self["hits"] / np.maximum(queries, 1), np.nan)
-
-
-class _Values:
-    """What ServerPlots reads of SideSeries' TTFT columns (`.values`, `.n`)."""
-
-    def __init__(self, values: np.ndarray):
-        self.values, self.n = values, len(values)
 
 
 def detokenizer_for(spec):

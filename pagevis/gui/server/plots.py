@@ -10,92 +10,9 @@ import pyqtgraph as pg
 
 from pagevis.gui.widgets import theme
 from pagevis.gui.widgets.metrics import strided
+from pagevis.viewmodel.server_series import THROUGHPUT_WINDOW, SideSeries  # noqa: F401 - where the windows took it
 
 SIDE_COLORS = {"A": theme.SERIES[0], "B": theme.SERIES[1]}
-THROUGHPUT_WINDOW = 10.0  # server seconds the throughput is averaged over
-
-
-class _Column:
-    """A growing NumPy column (amortised doubling)."""
-
-    def __init__(self, dtype=np.float64):
-        self._data = np.zeros(64, dtype)
-        self.n = 0
-
-    def append(self, value) -> None:
-        if self.n == len(self._data):
-            self._data = np.concatenate([self._data, np.zeros_like(self._data)])
-        self._data[self.n] = value
-        self.n += 1
-
-    @property
-    def values(self) -> np.ndarray:
-        return self._data[: self.n]
-
-
-class SideSeries:
-    """Every step's numbers of one side, as its ServerSteps gave them."""
-
-    COLUMNS = ("t", "engine", "tokens_out", "generated", "prefill", "decode", "pages_used", "reserved", "pool",
-               "hits", "queries", "itl", "completed", "preemptions", "step", "rejected")
-
-    def __init__(self, side: str):
-        self.side = side
-        self.columns = {name: _Column() for name in self.COLUMNS}
-        self.ttft_t, self.ttft = _Column(), _Column()
-
-    def __len__(self) -> int:
-        return self.columns["t"].n
-
-    def add(self, step) -> None:
-        c = self.columns
-        for name, value in (("t", step.t1), ("engine", step.record is not None), ("tokens_out", step.tokens_out),
-                            ("generated", step.generated), ("prefill", step.prefill_tokens),
-                            ("decode", step.decode_tokens), ("pages_used", step.pages_used),
-                            ("reserved", step.reserved_pages), ("pool", step.pool_pages),
-                            ("hits", step.prefix_hits), ("queries", step.prefix_queries),
-                            ("itl", np.mean(step.itl) if step.itl else np.nan), ("completed", step.completed),
-                            ("preemptions", step.preemptions), ("step", step.step),
-                            ("rejected", step.rejected)):
-            c[name].append(value)
-        for value in step.ttft:
-            self.ttft_t.append(step.t1)
-            self.ttft.append(value)
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        return self.columns[name].values
-
-    def throughput(self, window: float = THROUGHPUT_WINDOW) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens generated per server second over the last `window` seconds, at the end of each step."""
-        t, generated = self["t"], self["generated"]
-        if not len(t):
-            return t, t
-        j = np.searchsorted(t, t - window, side="right") - 1  # the last step that ended a window ago
-        t_from = np.where(j >= 0, t[np.maximum(j, 0)], 0.0)
-        g_from = np.where(j >= 0, generated[np.maximum(j, 0)], 0.0)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return t, np.where(t > t_from, (generated - g_from) / (t - t_from), 0.0)
-
-    def hit_rate(self) -> np.ndarray:
-        """The engine's prefix-cache hit rate so far (hit tokens / looked-up prompt tokens), in %."""
-        queries = self["queries"]
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(queries > 0, 100.0 * self["hits"] / np.maximum(queries, 1), np.nan)
-
-    def summary(self) -> dict[str, float]:
-        """The numbers of the A/B table, over the whole run so far."""
-        if not len(self):
-            return {}
-        t = float(self["t"][-1])
-        generated = float(self["generated"][-1])
-        return {"time": t, "completed": float(self["completed"][-1]), "generated": generated,
-                "throughput": generated / t if t > 0 else 0.0,
-                "ttft_mean": float(np.mean(self.ttft.values)) if self.ttft.n else np.nan,
-                "itl_mean": float(np.nanmean(self["itl"])) if np.isfinite(self["itl"]).any() else np.nan,
-                "peak_pages": float(self["pages_used"].max()), "peak_reserved": float(self["reserved"].max()),
-                "pool": float(self["pool"][-1]), "preemptions": float(self["preemptions"][-1]),
-                "rejected": float(self["rejected"][-1]),
-                "hit_rate": float(self.hit_rate()[-1]) if np.isfinite(self.hit_rate()[-1]) else 0.0}
 
 
 def _curve(plot, color: str, style=None, width: float = 1.6) -> pg.PlotCurveItem:

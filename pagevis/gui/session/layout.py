@@ -129,7 +129,8 @@ class DockLayout:
         w.presentation_action.setChecked(on)
         if w.presets.banner.isVisible():
             w.presets.banner.set_large(on)
-        w.status_step.setVisible(not on)  # the transport says the step: the status bar's messages get the room
+        w.status_step.setVisible(not on)
+        w.fit_model_status()  # the transport says the step: the status bar's messages get the room
         if not arrange:
             return
         if on:

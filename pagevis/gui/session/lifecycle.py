@@ -116,9 +116,9 @@ class SessionLifecycle:
         self.setWindowTitle(f"pagevis — {title}, replay" if self.runner.state == "replay"
                             else f"pagevis — {title}, paged KV cache, live")
         weights = getattr(getattr(self.runner.session, "model", None), "weight_info", None)
-        self.status_model.setText(title + (f" · {weights_text(weights)}" if weights and self.runner.state != "replay"
-                                           else ""))
-        self.status_model.setToolTip(info.model_label)
+        self.model_status = (title, weights_text(weights) if weights and self.runner.state != "replay" else "",
+                             info.model_label)
+        self.fit_model_status()
         self.status_memory.setText(memory_text(info.cache_bytes, info.n_kv_heads, info.config.dtype,
                                                info.kv_bytes_per_token, info.storage_notice))
         self.status_memory.setToolTip(f"K/V storage, all layers, one sequence at capacity: {info.storage}"
@@ -133,6 +133,16 @@ class SessionLifecycle:
         self._restart_reason = ""
         self.request_render()
         self.presets.session_started()
+
+    def fit_model_status(self) -> None:
+        """The status bar's model: its name, and its weights (types and size) where the window is wide enough
+        for them beside a restart message (at 1280 px they clipped it); the tooltip always has both."""
+        if not hasattr(self, "status_model"):  # a resize while the window is being built
+            return
+        title, weights, label = self.model_status
+        wide = self.width() >= WIDE_STATUS and not self.presentation
+        self.status_model.setText(f"{title} · {weights}" if weights and wide else title)
+        self.status_model.setToolTip(label + (f"\nweights: {weights}" if weights else ""))
 
     def open_trace(self, path: str) -> bool:
         try:
@@ -152,6 +162,9 @@ class SessionLifecycle:
         self.statusBar().showMessage(f"Replaying {Path(path).name}: {len(trace.records)} steps "
                                      f"(play animates them; Reset returns to live decoding)", 8000)
         return True
+
+
+WIDE_STATUS = 1600  # windows at least this wide name the model's weights in the status bar
 
 
 def weights_text(weights: dict) -> str:

@@ -12,9 +12,9 @@ from pagevis.gui.widgets.windows import add_close_keys
 from pagevis.presets import find_preset
 
 STEPS = (
-    ("1 / 3 · StreamingLLM", "A keeps a window of the newest tokens, B also keeps 4 sink tokens: watch A's text "
-                             "drift from B's as the prompt leaves A (the KL curve climbs), while B stays close to "
-                             "the full cache."),
+    ("1 / 3 · StreamingLLM", "Both read the same text: A keeps a window of the newest tokens, B also keeps 4 sink "
+                             "tokens. At the first eviction A's perplexity curve leaves the full cache's; B's stays "
+                             "with it."),
     ("2 / 3 · Sequences", "Four samples of one prompt in one pool: amber pages are shared (×4), and the bars "
                           "compare pages used with sharing, without it, and a contiguous reservation."),
     ("3 / 3 · Server", "Requests arrive with one system prompt: A (prefix caching on) computes its pages once and "

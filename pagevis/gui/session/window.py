@@ -62,6 +62,7 @@ class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMain
         self.ab_window = None  # the A/B window, once opened
         self.tour = None  # Help ▸ Tour, once started
         self._savers: list = []  # workers writing traces
+        self.model_status = ("no model", "", "")  # the status bar's model: (name, weights, file or label)
         self._last_frame = 0.0
         self._restart_reason = ""
         self._replay_timer = QTimer(self, interval=100)
@@ -148,6 +149,10 @@ class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMain
     @property
     def presentation(self) -> bool:
         return self.layout_.presentation
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self.fit_model_status()
 
     def showEvent(self, event) -> None:
         """The first time, without a saved layout: the default proportions at the size the window opens at."""

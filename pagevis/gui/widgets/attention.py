@@ -108,10 +108,11 @@ class AttentionView(QWidget):
             self.plot.disableAutoRange()
             self.plot.setXRange(low, low + cols, padding=0)
             self.plot.setYRange(first, first + rows, padding=0)
-        window = "" if first == 0 and low == 0 else f" · last {rows} steps, {cols} positions"
-        theme.set_title(self.plot, theme.muted(
-            f"layer {state.layer} · {state.head_label} · "
-            f"<span style='color:rgb{theme.EVICTED_MARK[:3]}'>■</span> evicted{window}"), size="9pt")
+        window = "" if first == 0 and low == 0 else f"last {rows} steps, {cols} positions"
+        # the parts that fit, most telling first (past 768 positions the window's part was cut mid-word)
+        shown = theme.fit_parts(self.plot, [f"layer {state.layer}", state.head_label, "■ evicted", window], keep=2)
+        theme.set_title(self.plot, theme.muted(shown.replace(
+            "■", f"<span style='color:rgb{theme.EVICTED_MARK[:3]}'>■</span>")), size="9pt")
 
     def _show_empty(self, state: ViewState) -> None:
         """Before the first step: the axes the first rows will fill (the prompt's positions, 32 steps)."""

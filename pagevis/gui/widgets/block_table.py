@@ -38,6 +38,35 @@ class BlockTable(QTableWidget):
         self.horizontalHeader().setSectionResizeMode(QHeaderView.Interactive)
         self.horizontalHeader().setStretchLastSection(True)
 
+    def _fit(self, runs: str) -> str:
+        """A positions run list ("41, 44, 145–147, 149, +2 more runs") cut to the runs that fit the positions
+        column, the rest counted ("41, 44 +4"); the cell's tooltip has it whole. Token-level policies (H2O,
+        TOVA) scatter a page's positions: their lists were cut mid-run ("+4 more ru")."""
+        visible = self.viewport().width() - self.columnViewportPosition(2)  # a vertical scroll bar takes some
+        room = min(self.columnWidth(2), visible) - 12
+        metrics = self.fontMetrics()
+        if room <= 0 or metrics.horizontalAdvance(runs) <= room:
+            return runs
+        parts = runs.split(", ")
+        extra = int(parts.pop()[1:].split()[0]) if parts[-1].startswith("+") else 0
+        for keep in range(len(parts) - 1, 0, -1):
+            text = f"{', '.join(parts[:keep])} +{extra + len(parts) - keep}"
+            if metrics.horizontalAdvance(text) <= room:
+                return text
+        return f"{parts[0]} +{extra + len(parts) - 1}"
+
+    def refit(self) -> None:
+        """Fit every row's positions to the column's width again (after the table changed size)."""
+        for r, row in enumerate(self.rows):
+            item = self.item(r, 2)
+            if item is not None:
+                item.setText(self._fit(row[3]))
+                item.setToolTip(f"positions {row[3]}" if item.text() != row[3] else "")
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self.refit()
+
     def set_rows(self, rows: list[tuple[int, int, int, str]]) -> None:
         if rows == self.rows:
             return
@@ -61,7 +90,9 @@ class BlockTable(QTableWidget):
                     if c < 2:
                         item.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
                     self.setItem(r, c, item)
-                item.setText(str(value))
+                item.setText(str(value) if c < 2 else self._fit(str(value)))
+                if c == 2:
+                    item.setToolTip(f"positions {value}" if item.text() != value else "")
         self.rows = rows
         if resize:
             self.resizeColumnsToContents()
@@ -70,3 +101,4 @@ class BlockTable(QTableWidget):
             need = (self.verticalHeader().sizeHint().width() + self.verticalScrollBar().sizeHint().width()
                     + sum(self.columnWidth(c) for c in range(self.columnCount())) + 2 * self.frameWidth())
             self.setMinimumWidth(min(max(need, MIN_TABLE_WIDTH), self.widest))
+            self.refit()

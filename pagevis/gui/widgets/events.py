@@ -26,7 +26,7 @@ _NUMERIC = (0, 1, 2, 3, 4, 7)  # right-aligned columns
 def _cells(event) -> tuple[str, ...]:
     """The displayed text of one eviction's row."""
     return (str(event.step), str(event.layer), str(event.page), str(event.slot), str(event.position),
-            repr(event.token)[1:-1], event.reason, "" if np.isnan(event.score) else f"{event.score:.4g}")
+            repr(event.token)[1:-1], event.reason, "" if np.isnan(event.score) else f"{event.score:.3g}")  # 3 digits: the score column fits them
 
 
 class EventTableModel(QStandardItemModel):
@@ -165,11 +165,14 @@ class EventsView(QWidget):
         self.table.verticalHeader().hide()
         self.table.verticalHeader().setDefaultSectionSize(20)
         self.table.setAlternatingRowColors(True)
-        self.table.horizontalHeader().setSectionResizeMode(QHeaderView.Interactive)
-        self.table.horizontalHeader().setStretchLastSection(True)
-        self.table.horizontalHeader().setMinimumSectionSize(24)
-        for column, width in enumerate((38, 38, 36, 32, 40, 60, 150, 50)):
+        header = self.table.horizontalHeader()
+        header.setSectionResizeMode(QHeaderView.Interactive)
+        header.setMinimumSectionSize(24)
+        for column, width in enumerate((38, 38, 36, 32, 40, 60, 150, 64)):  # a score: '0.004254'
             self.table.setColumnWidth(column, width)
+        # the reason takes the room left ("slid out of the window (512)" was cut beside an empty score column)
+        header.setStretchLastSection(False)
+        header.setSectionResizeMode(COLUMNS.index("reason"), QHeaderView.Stretch)
 
         self.graphics = pg.GraphicsLayoutWidget()
         self.plot = self.graphics.addPlot()
@@ -185,6 +188,8 @@ class EventsView(QWidget):
 
         self.filter.textChanged.connect(lambda *_: self._refilter())
         self.only_layer.toggled.connect(lambda *_: self._refilter())
+        self.only_layer.toggled.connect(self._show_layer_column)
+        self._show_layer_column(self.only_layer.isChecked())
         top = QHBoxLayout()
         top.addWidget(self.filter, 1)
         top.addWidget(self.only_layer)
@@ -204,6 +209,10 @@ class EventsView(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(splitter)
+
+    def _show_layer_column(self, only_layer: bool) -> None:
+        """One layer's rows say the same layer: its column goes, and the reason gets the width."""
+        self.table.setColumnHidden(COLUMNS.index("layer"), only_layer)
 
     def export_target(self):
         return self.graphics
@@ -247,6 +256,7 @@ class EventsView(QWidget):
             self.scatter.setData([], [])
         theme.grow_range(self.plot, len(timeline) if timeline is not None else 1,
                          timeline.n_positions(state.index) if state.record is not None else 1, x_step=32, y_step=32)
+        theme.spare_ticks(self.plot)
         if state.record is not None:
             self.cursor.setValue(state.record.step)
         where = f"layer {layer}" if layer is not None else "all layers"

@@ -358,6 +358,9 @@ class PageGridView(QWidget):
         self.labels.set_positions(np.zeros((0, 0), dtype=np.int32))
         self.merges.setData([], [])
         self.blocks.set_rows([])
+        info = state.timeline.info if state.timeline is not None else None  # (a model loading: not hybrid yet)
+        hybrid = info is not None and info.sliding_windows is not None
+        self.legend.setText(legend_html(hybrid, note=not self.presentation))  # not the last session's
         config = state.config
         if config is None:
             self.states = np.zeros((0, 0), dtype=np.int8)

@@ -118,9 +118,10 @@ def set_title(plot: pg.PlotItem, html: str, size: str = "8pt", justify: str = "c
     plot.setTitle(html, size=size, justify=justify)
 
 
-def fit_parts(plot: pg.PlotItem, parts, size: str = "9pt", separator: str = " · ") -> str:
+def fit_parts(plot: pg.PlotItem, parts, size: str = "9pt", separator: str = " · ", keep: int = 1) -> str:
     """The leading `parts` (plain text, most important first) that fit the plot's width in one title line at
-    `size`; the whole line goes to the plot's tooltip, so what a narrow plot drops stays readable on hover."""
+    `size`, the first `keep` always; the whole line goes to the plot's tooltip, so what a narrow plot drops
+    stays readable on hover."""
     from PySide6.QtGui import QFont, QFontMetricsF
 
     parts = [p for p in parts if p]
@@ -129,8 +130,8 @@ def fit_parts(plot: pg.PlotItem, parts, size: str = "9pt", separator: str = " ·
     metrics = QFontMetricsF(font)
     label = plot.titleLabel.boundingRect().width()  # the space the plot's layout gives its title
     room = (label if label > 0 else plot.width()) - 8  # the text's margins
-    shown = parts[:1]
-    for part in parts[1:]:
+    shown = parts[:keep]
+    for part in parts[keep:]:
         if metrics.horizontalAdvance(separator.join([*shown, part])) > room:
             break
         shown.append(part)
@@ -186,6 +187,20 @@ def level_ceiling(value: float) -> float:
         if m * exponent >= value * (1 - 1e-9):
             return float(m * exponent)
     return float(10 * exponent)
+
+
+def spare_ticks(plot: pg.PlotItem, side: str = "left", label_px: float = 20.0) -> None:
+    """At most one tick label per `label_px` of the axis (a major spacing of 1-2-2.5-5 × 10^k): on a plot
+    50 px high over 900 positions, pyqtgraph's own choice put '0' and '200' on top of each other."""
+    low, high = plot.vb.viewRange()[1 if side in ("left", "right") else 0]
+    length = plot.vb.height() if side in ("left", "right") else plot.vb.width()
+    if length <= 0 or high <= low:
+        return
+    spacing = nice_ceiling((high - low) / max(1, int(length // label_px)))
+    key = (spacing, side)
+    if getattr(plot, "_spare_ticks", None) != key:
+        plot._spare_ticks = key
+        plot.getAxis(side).setTickSpacing(spacing, spacing)
 
 
 def grow_range(plot: pg.PlotItem, x_max: float | None = None, y_max: float | None = None, *,

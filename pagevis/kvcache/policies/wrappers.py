@@ -94,7 +94,8 @@ def check_options(policy: type[EvictionPolicy], options: dict[str, object], capa
     try:
         every = check_int(f"{name}.compress_every", options.get("compress_every", 1), 1, max(1, capacity - 1))
     except ConfigError as error:
-        raise ConfigError(error.field, options.get("compress_every"), f"{error.allowed} for a cache of {capacity} tokens") from None
+        raise ConfigError(error.field, options.get("compress_every"),
+                          f"{error.allowed} for a cache of {capacity} tokens") from None
     if (rerotate or every > 1) and (policy.per_head or not policy.evicts):
         option = "rerotate" if rerotate else "compress_every"
         raise ConfigError(f"{name}.{option}", rerotate if rerotate else every,
