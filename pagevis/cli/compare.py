@@ -13,7 +13,7 @@ from pagevis import settings
 from pagevis.cli import options
 from pagevis.kvcache.config import MAX_PAGE_SIZE, MAX_PAGES, STORAGE_DTYPES
 from pagevis.kvcache.quant import has_residual
-from pagevis.cli.options import UsageError
+from pagevis.cli.options import UsageError, add_report_options
 from pagevis.cli.progress import Progress
 
 DEFAULT_TEXT = "texts/pride-and-prejudice-ch1.txt"
@@ -70,9 +70,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--csv", default="compare.csv", metavar="FILE", help="CSV output (default compare.csv)")
     parser.add_argument("--plot", default="compare.png", metavar="FILE",
                         help="PNG plot of perplexity vs budget (default compare.png)")
-    parser.add_argument("--no-files", action="store_true", help="write neither the CSV nor the plot")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_report_options(parser, "neither the CSV nor the plot", "no progress bar")
     parser.set_defaults(handler=main)
     return parser
 

@@ -9,7 +9,7 @@ import sys
 
 from pagevis import settings
 from pagevis.cli import options
-from pagevis.cli.options import UsageError
+from pagevis.cli.options import UsageError, add_report_options
 from pagevis.kvcache.config import STORAGE_DTYPES
 
 DEFAULT_TASKS = "pagevis_mc,pagevis_ppl,pagevis_needle"
@@ -53,9 +53,7 @@ def add_parser(commands) -> argparse.ArgumentParser:
                         help="pagevis_needle: documents per depth and length (default 2)")
     parser.add_argument("--plot", default="eval", metavar="PREFIX",
                         help="PNG files PREFIX-TASK.png per task and PREFIX-needle.png (default eval)")
-    parser.add_argument("--no-files", action="store_true", help="write no plots")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    add_report_options(parser, "no plots", "no progress lines")
     parser.set_defaults(handler=main)
     return parser
 

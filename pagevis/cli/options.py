@@ -88,6 +88,13 @@ def add_decoding_options(parser: argparse.ArgumentParser, front_end: str | None 
     settings.add_flags(parser.add_argument_group(settings.SECTIONS["decoding"]), "decoding", front_end=front_end)
 
 
+def add_report_options(parser: argparse.ArgumentParser, files: str, progress: str) -> None:
+    """--no-files, --json and --quiet, as the commands that write files and print a table (compare, eval) name them."""
+    parser.add_argument("--no-files", action="store_true", help=f"write {files}")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--quiet", action="store_true", help=progress)
+
+
 def add_preset_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", metavar="NAME",
                         help="start from a named demo preset (prompt, cache, policy); flags given too override it. "

@@ -69,7 +69,7 @@ class ABPlots(QWidget):
         self.evicted = {}  # teacher-forced: where each side first evicted
         for side in ("a", "b"):
             line = pg.InfiniteLine(angle=90, pen=pg.mkPen(COLORS[side], width=1, style=Qt.DotLine),
-                                   label="", labelOpts={"position": 0.92, "color": COLORS[side]})
+                                   label="", labelOpts={"position": 0.85, "color": COLORS[side]})
             self.left.addItem(line, ignoreBounds=True)
             line.hide()
             self.evicted[side] = line
@@ -94,19 +94,19 @@ class ABPlots(QWidget):
             curve.setPen(_pen(side) if forced or side != "full" else pg.mkPen(theme.SERIES[0], width=2.4))
         names = {"a": labels[0], "b": labels[1], "full": "full cache"}
         if forced:
-            theme.set_title(self.left, self._legend("running perplexity", names, ("full", "a", "b")), size="10pt",
-                            justify="left")
-            theme.set_title(self.right, self._legend(f"NLL, {SMOOTH}-token mean", names,
-                                                     ("full", "a", "b")), size="10pt", justify="left")
+            self.titles = {self.left: ("running perplexity", names, ("full", "a", "b"), ""),
+                           self.right: (f"NLL, {SMOOTH}-token mean", names, ("full", "a", "b"), "")}
+            # a log axis labels every minor tick (2, 3, ... 9 × 10^k), which overlap on a short plot: decades only
+            self.left.getAxis("left").setTicks([[(k, f"{10 ** k:g}") for k in range(7)], []])
             self.left.setLabel("left", "perplexity (log)")
             self.left.setLabel("bottom", "tokens read")
             self.right.setLabel("left", "NLL (nats)")
         else:
-            theme.set_title(self.left, f"<span style='color:{theme.SERIES[0]}'>━ KL(A‖B)</span> until the texts "
-                            f"part · " + self._legend("", names, ("a", "b")) + " full cache's NLL of its tokens "
-                            f"({SMOOTH}-step mean, oracle on)", size="10pt", justify="left")
-            theme.set_title(self.right, self._legend(f"repeated {REPEAT_N}-grams, last {REPEAT_WINDOW} tokens", names,
-                                                     ("a", "b")), size="10pt", justify="left")
+            self.titles = {self.left: ("", names, ("a", "b"), f"full cache's NLL of its tokens ({SMOOTH}-step mean, "
+                                       "oracle on)", ),
+                           self.right: (f"repeated {REPEAT_N}-grams, last {REPEAT_WINDOW} tokens", names, ("a", "b"),
+                                        "")}
+            self.left.getAxis("left").setTicks(None)
             self.left.setLabel("left", "nats")
             self.left.setLabel("bottom", "step")
             self.right.setLabel("left", "repetition")
@@ -116,10 +116,33 @@ class ABPlots(QWidget):
         for plot in (self.left, self.right):  # from 0, not pyqtgraph's default −0.5 .. 0.5 or a log decade
             theme.grow_range(plot, 1, 1)
 
-    @staticmethod
-    def _legend(title: str, names: dict, sides) -> str:
-        return f"<span style='color:{theme.TEXT}'>{title}</span>&nbsp; " + " ".join(
-            f"<span style='color:{COLORS[s]}'>{'▬' if s == 'full' else '━'} {names[s]}</span>" for s in sides)
+        self._retitle()
+
+    def _retitle(self) -> None:
+        """Each plot's title: its legend, with the title's words (and the free-running KL key and note) only
+        where the plot is wide enough for them — a narrow window keeps the legend whole rather than cut."""
+        from PySide6.QtGui import QFont, QFontMetricsF
+
+        font = QFont()
+        font.setPointSizeF(10.0)
+        metrics = QFontMetricsF(font)
+        for plot, (title, names, sides, note) in self.titles.items():
+            room = plot.titleLabel.boundingRect().width() or plot.width()
+            keys = [("━", theme.SERIES[0], "KL(A‖B) until the texts part")] if not self.forced else []
+            keys += [("▬" if s == "full" else "━", COLORS[s], names[s]) for s in sides]
+            plain = " ".join(f"{mark} {name}" for mark, _, name in keys)
+            words = [w for w in (title, note) if w]
+            while words and metrics.horizontalAdvance("  ".join([*words, plain])) + 12 > room:
+                words.pop()  # the note goes first, then the title's words (the axis labels say them too)
+            head = "".join(f"<span style='color:{theme.TEXT}'>{w}</span>&nbsp; " for w in words[:1] if w == title)
+            tail = "".join(f" <span style='color:{theme.TEXT}'>{w}</span>" for w in words if w == note)
+            legend = "&nbsp; ".join(f"<span style='color:{color}'>{mark} {name}</span>" for mark, color, name in keys)
+            theme.set_title(plot, head + legend + tail, size="10pt", justify="left")
+            plot.setToolTip(" ".join([title, plain, note]).strip())
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._retitle()
 
     def show(self, timeline: ABTimeline | None, index: int) -> None:
         if timeline is None or index < 0:
