@@ -42,6 +42,9 @@ class GGUFTokenizer:
         # so one long encoding never holds up another
         self._special_backend = Backend.from_str(backend.to_str())
         self._special_backend.encode_special_tokens = False
+        # set here, not trusted from the builder: a backend read back from the tokenizer cache (Gemma's) comes
+        # without the flag (tokenizers does not serialize it), and would match control-token text in user input
+        backend.encode_special_tokens = True
 
     def encode(self, text: str, special: bool = False) -> list[int]:
         """Token ids for text. With special=True, control-token strings in it become their single ids; by default
