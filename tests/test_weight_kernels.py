@@ -18,7 +18,7 @@ from gguf.quants import dequantize
 
 from pagevis.model import weight_threads
 from pagevis.model.quant_weights import QuantStack
-from pagevis.model.quantized import FORMATS, pack
+from pagevis.model.quantized import FORMATS, SMALL_BATCH, pack
 
 EPS = np.finfo(np.float32).eps
 # the byte offsets of each type's float16 scales within its block
@@ -58,7 +58,8 @@ def test_products_equal_the_float64_product_of_gguf_dequantised_weights(kind, ro
         w = dequantize(raw, kind).reshape(rows, n_in).astype(np.float64)
         matrix = pack(kind, raw, n_in)
         assert matrix.shape == (n_in, rows)
-        for m in (1, 3, 9):  # matrix-vector, small batch, dequantise-then-sgemm
+        # matrix-vector; small batch (3, 8 and 16 rows: a batched decode step); dequantise-then-sgemm
+        for m in (1, 3, 8, SMALL_BATCH, SMALL_BATCH + 1):
             x = rng.standard_normal((m, n_in)).astype(np.float32)
             got = x @ matrix
             assert got.shape == (m, rows) and got.dtype == np.float32

@@ -21,7 +21,8 @@ from gguf import GGMLQuantizationType as Q
 from pagevis.model.weight_threads import split
 
 TILE = 64
-SMALL_BATCH = 8  # rows up to which the small-batch kernel beats dequantise-then-sgemm (measured: 8 yes, 16 no)
+# rows up to which the small-batch kernel beats dequantise-then-sgemm (pagevis bench weights, SmolLM2: 8 and 16 yes)
+SMALL_BATCH = 16
 CHUNK_BYTES = 2 << 20  # float32 bytes of dequantised weights per sgemm chunk, for many rows (prefill)
 # For a batch of a few rows the chunk must stay in L2 (1 MB here) between being written and read: 256 KB made
 # 16 sequences' aggregate decode 1.2x faster than 2 MB (SmolLM2: 113-119 against 88-100 tokens/s)
