@@ -167,12 +167,21 @@ def reference_logits(weights64: dict, config, tokens) -> np.ndarray:
     return norm(x[-1], weights64["output_norm"]) @ weights64["output_t"]
 
 
+def as_float64(w) -> np.ndarray:
+    """A float32 (in, out) array, or packed weights (QuantMatrix, QuantStack) dequantised (identity @ w: exact), as
+    float64."""
+    if isinstance(w, np.ndarray):
+        return w.astype(np.float64)
+    return (np.eye(w.shape[0], dtype=np.float32) @ w).astype(np.float64)
+
+
 def float64_weights(model) -> dict:
     w = model.weights
-    layers = [{name: getattr(layer, name).astype(np.float64)
+    layers = [{name: as_float64(getattr(layer, name))
                for name in ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down")} for layer in w.layers]
-    return {"embedding": w.embedding.astype(np.float64), "layers": layers,
-            "output_norm": w.output_norm.astype(np.float64), "output_t": w.output_t.astype(np.float64)}
+    embedding = w.embedding.astype(np.float64) if isinstance(w.embedding, np.ndarray) else as_float64(w.embedding.matrix).T
+    return {"embedding": embedding, "layers": layers,
+            "output_norm": w.output_norm.astype(np.float64), "output_t": as_float64(w.output_t)}
 
 
 def prompts(vocab: int, count: int) -> list[list[int]]:
