@@ -10,7 +10,8 @@ header claims 2**40-element arrays or 10**9 layers, and small GGUF models with n
 or a metadata value of the wrong type (issue #8). Issue #36 added: events whose detail (a mask event's KV head,
 ...) is out of the range its kind allows, on a kvzip trace (valid-kvzip.pvtrace, the uncorrupted one); RoPE
 scaling llama.cpp reads but pagevis does not compute, or out of range; SentencePiece vocabularies that would
-lose characters. tests/test_hostile_files.py expects every one of them to be refused
+lose characters; small models whose chat template is a bomb or cannot be split
+(template-*.gguf, checked by tests/test_hostile_templates.py). tests/test_hostile_files.py expects every one of them to be refused
 with one line (exit status 2). `MANIFEST` (written next to them) says what each file is.
 """
 
@@ -372,6 +373,11 @@ def gguf_cases() -> dict[str, str]:
          small_model(sentencepiece=(range(0), False)))
     case("gguf-spm-no-unk-ascii-bytes.gguf", "a SentencePiece vocabulary with no <unk> and only ASCII byte tokens",
          small_model(sentencepiece=(range(0x80), False)))
+    from test_hostile_templates import TEMPLATES  # the table the test checks each file's refusal against
+
+    for name, (source, bound) in TEMPLATES.items():
+        case(f"template-{name}.gguf", f"chat template {source[:48]!r}… (refused: {bound})",
+             small_model(overrides={"tokenizer.chat_template": source}))
     return made
 
 

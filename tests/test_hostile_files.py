@@ -17,14 +17,15 @@ from pagevis.trace import TraceError, read_trace
 
 HOSTILE = Path(__file__).parent / "data" / "hostile"
 TRACES = sorted(p.name for p in HOSTILE.glob("*.pvtrace") if not p.name.startswith("valid"))
-MODELS = sorted(p.name for p in HOSTILE.glob("*.gguf"))
+MODELS = sorted(p.name for p in HOSTILE.glob("*.gguf") if not p.name.startswith("template-"))
+TEMPLATE_MODELS = sorted(p.name for p in HOSTILE.glob("template-*.gguf"))  # test_hostile_templates.py
 MEMORY_LIMIT = 3 << 29  # 1.5 GiB of address space for a CLI run on a hostile file
 
 
 def test_the_manifest_lists_every_file():
     listed = {line.split("\t")[0] for line in (HOSTILE / "MANIFEST").read_text().splitlines() if line}
-    assert listed == set(TRACES) | set(MODELS)
-    assert len(TRACES) >= 48 and len(MODELS) >= 21
+    assert listed == set(TRACES) | set(MODELS) | set(TEMPLATE_MODELS)
+    assert len(TRACES) >= 48 and len(MODELS) >= 21 and len(TEMPLATE_MODELS) >= 6
 
 
 def test_the_valid_traces_are_accepted():

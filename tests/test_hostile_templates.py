@@ -8,10 +8,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from model_fixtures import write_llama_gguf
-from test_hostile_files import assert_one_line_refusal, run_cli
-
-from pagevis.model.synthetic import SyntheticModel
+from gguf import GGUFReader
+from test_hostile_files import HOSTILE, assert_one_line_refusal, run_cli
 
 TEMPLATES = {
     "loop-no-output": ("{% for a in 'x' * 100000 %}{% for b in 'x' * 100000 %}{% endfor %}{% endfor %}",
@@ -29,11 +27,10 @@ SLOW = {"loop-no-output", "lipsum", "power", "repeat"}  # test_chat_template.py 
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in sorted(TEMPLATES)])
-def test_run_refuses_a_hostile_template_at_load_in_one_line(tmp_path, name):
+def test_run_refuses_a_hostile_template_at_load_in_one_line(name):
     source, bound = TEMPLATES[name]
-    path = tmp_path / f"template-{name}.gguf"
-    write_llama_gguf(path, SyntheticModel(n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, seed=2),
-                     metadata_overrides={"tokenizer.chat_template": source})
+    path = HOSTILE / f"template-{name}.gguf"  # written by scripts/make_hostile_files.py from TEMPLATES
+    assert source in GGUFReader(path).fields["tokenizer.chat_template"].contents()
     started = time.monotonic()
     result = run_cli("run", "--model", str(path), "--max-tokens", "2", "--quiet")
     assert time.monotonic() - started < 60
