@@ -350,7 +350,8 @@ def _decode_report(d: dict, loads) -> list[str]:
         out.append("  read rate by weight shape, one row (the forward's kernel / a contiguous gemv of the same "
                    "bytes):")
         out += [f"    {r['shape']:>12} x{r['matrices']:<3} {r['mb']:>7.1f} MB  {r['kernel']:>6} "
-                f"{r['forward_gb_s']:>6.2f} GB/s  gemv {r['gemv_gb_s']:>6.2f} GB/s" for r in d["shapes"]]
+                f"{r['forward_gb_s']:>6.2f} GB/s" + (f"  gemv {r['gemv_gb_s']:>6.2f} GB/s" if r["gemv_gb_s"] else "")
+                for r in d["shapes"]]
     if "transformers_tok_s" in d:
         out.append(f"  transformers eager {d['transformers_tok_s']:.1f} tok/s ({d['transformers_threads']} torch "
                    f"threads, as many as our BLAS threads); paged session {d['paged_over_transformers']:.2f}x "
