@@ -70,6 +70,11 @@ def _config(**changes) -> SessionConfig:
     return replace(DEFAULT_CONFIG, **changes)
 
 
+def _versus(policy_a: str, policy_b: str, **shared) -> tuple[SessionConfig, SessionConfig]:
+    """An A/B's two sides: the same settings (the same budget) but for the policy."""
+    return _config(policy=policy_a, **shared), _config(policy=policy_b, **shared)
+
+
 PRESETS: tuple[Preset, ...] = (
     Preset(f"Default: {DEFAULT_CONFIG.policy}, {DEFAULT_CONFIG.max_pages} × {DEFAULT_CONFIG.page_size}",
            f"The defaults ({DEFAULT_CONFIG.policy}: StreamingLLM's attention sinks plus the newest tokens, in "
@@ -81,22 +86,19 @@ PRESETS: tuple[Preset, ...] = (
            "Both sides read the same text (chapter 1 of Pride and Prejudice), one token a step, in 8 pages of 8 "
            "tokens, beside the full cache: A a plain sliding window (oldest), B the same window plus 4 sink "
            "tokens. The curves are each side's perplexity so far (pagevis compare's numbers).",
-           "attention-sinks", _config(policy="oldest", page_size=8, max_pages=8),
-           _config(policy="sinks", page_size=8, max_pages=8), text=DEFAULT_TEXT,
+           "attention-sinks", *_versus("oldest", "sinks", page_size=8, max_pages=8), text=DEFAULT_TEXT,
            point="The window's perplexity leaves the full cache's at its first eviction; keeping the first 4 "
                  "tokens (sinks) holds it near."),
     Preset("H2O heavy hitters",
            "A: H2O keeps the most-attended tokens plus a recent window · B: sinks with the same budget.",
-           "explain-paging", _config(policy="h2o", max_pages=8, oracle=True),
-           _config(policy="sinks", max_pages=8, oracle=True),
+           "explain-paging", *_versus("h2o", "sinks", max_pages=8, oracle=True),
            point="H2O keeps the tokens attention returns to, wherever they are; sinks the first and the newest: "
                  "the grids hold different tokens."),
     Preset("vLLM page-level",
            "Both sides read the same text in 4 pages of 16: A evicts like vLLM, a whole page at a time "
            "(oldest-page); B one token at a time (oldest), the same 64-token budget. Pages are per layer here, "
            "and token-level policies mix old and new positions within one page; vLLM never does.",
-           "explain-paging", _config(policy="oldest-page", page_size=16, max_pages=4),
-           _config(policy="oldest", page_size=16, max_pages=4), text=DEFAULT_TEXT,
+           "explain-paging", *_versus("oldest-page", "oldest", page_size=16, max_pages=4), text=DEFAULT_TEXT,
            point="vLLM frees whole pages: A drops 16 tokens at once (49-64 held, a saw-tooth); B drops one "
                  "token a step and stays full."),
     Preset("Page size 8 vs 32",
@@ -108,8 +110,7 @@ PRESETS: tuple[Preset, ...] = (
                  "falls to 33 tokens and its perplexity rises."),
     Preset("TOVA: least attended leaves",
            "A: TOVA evicts the token the latest query attends to least · B: H2O (accumulated attention).",
-           "explain-paging", _config(policy="tova", max_pages=8, oracle=True),
-           _config(policy="h2o", max_pages=8, oracle=True),
+           "explain-paging", *_versus("tova", "h2o", max_pages=8, oracle=True),
            point="TOVA asks only the newest query, H2O every query so far: they keep different tokens and their "
                  "texts part."),
     Preset("Gemma 3: sliding window vs global layers",

@@ -7,6 +7,8 @@ import pytest
 
 from pagevis.__main__ import main
 
+from model_fixtures import smollm2  # noqa: F401  (fixture)
+
 
 def test_bench_quick_json_and_files(tmp_path, capsys):
     status = main(["bench", "--quick", "--contexts", "32,64", "--page-sizes", "8,16", "--model", "synthetic",
@@ -117,3 +119,14 @@ def test_bench_serve_bad_arguments(capsys):
     assert main(["bench", "serve", "--request-rate", "0"]) == 2
     assert "--request-rate" in capsys.readouterr().err
     assert main(["bench", "serve", "--model", "some.gguf"]) == 2
+
+
+def test_the_read_rate_by_shape_measures_weights_kept_as_the_gguf_stores_them(smollm2):  # noqa: F811
+    """The decode row's read rates on today's default weights (`pagevis bench` failed: 'QuantMatrix' has no T):
+    each shape through its packed kernel, no float32 gemv to compare with."""
+    from pagevis.bench.bandwidth import shape_read_rates
+
+    rows = shape_read_rates(smollm2, repeats=1)
+    assert {r["kernel"] for r in rows} <= {"u4", "u5", "i8"} and len(rows) == 5
+    assert all(r["forward_gb_s"] > 0 and r["gemv_gb_s"] is None for r in rows)
+    assert sum(r["mb"] for r in rows) * 1e6 == pytest.approx(sum(w.nbytes for w in smollm2.weights.matrices()))

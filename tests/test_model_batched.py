@@ -10,12 +10,15 @@ import os
 import subprocess
 import sys
 import time
+from functools import lru_cache
 
 import numpy as np
 import pytest
 
-from pagevis.model import DenseAttention
+from pagevis.model import DenseAttention, load_model
 from pagevis.model import matmul as matmul_module
+from pagevis.model.quant_weights import QuantEmbedding
+from pagevis.model.quantized import QuantMatrix
 from pagevis.model.matmul import GEMM, GEMM_ONLY, Kernel, MatmulPlan, candidates, matmul, plan_for, product
 from pagevis.model.synthetic import SyntheticModel
 from pagevis.model.weights import as_input_major
@@ -66,17 +69,24 @@ def test_every_kernel_matches_float64_on_the_vocabulary_projection():
 
 
 @pytest.mark.slow
-def test_smollm2_plan_matches_float64_on_its_own_weights(smollm2):  # noqa: F811
+@lru_cache(maxsize=1)
+def smollm2_float32():
+    """SmolLM2 with its matrices dequantised to float32 (--weights float32): the path the matmul plans serve."""
+    return load_model(weights="float32")
+
+
+def test_smollm2_plan_matches_float64_on_its_own_weights():
     """The kernels load_model measured and chose, on the real matrices of one layer and the output."""
-    layer = smollm2.weights.layers[7]
-    matrices = [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down, smollm2.weights.output_t]
+    model = smollm2_float32()
+    layer = model.weights.layers[7]
+    matrices = [layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down, model.weights.output_t]
     assert sorted(w.shape for w in matrices) == sorted(SMOLLM2_SHAPES)
-    assert set(SMOLLM2_SHAPES) <= set(smollm2.plan.table)
+    assert set(SMOLLM2_SHAPES) <= set(model.plan.table)
     rng = np.random.default_rng(2)
     for m in ROWS:
         for w in matrices:
             x = rng.standard_normal((m, w.shape[0]), dtype=np.float32)
-            assert_close_to_float64(x, w, matmul(x, w, smollm2.plan))
+            assert_close_to_float64(x, w, matmul(x, w, model.plan))
 
 
 def test_a_block_that_does_not_divide_or_a_c_contiguous_weight_falls_back_to_gemm():
@@ -167,21 +177,22 @@ def reference_logits(weights64: dict, config, tokens) -> np.ndarray:
     return norm(x[-1], weights64["output_norm"]) @ weights64["output_t"]
 
 
-def as_float64(w) -> np.ndarray:
-    """A float32 (in, out) array, or packed weights (QuantMatrix, QuantStack) dequantised (identity @ w: exact), as
-    float64."""
-    if isinstance(w, np.ndarray):
-        return w.astype(np.float64)
-    return (np.eye(w.shape[0], dtype=np.float32) @ w).astype(np.float64)
+def as_float64(weight) -> np.ndarray:
+    """A weight as float64: a matrix kept as the GGUF stores it dequantised tile by tile (its kernels are checked
+    against gguf-py's dequantiser in test_weight_kernels.py), a quantised embedding row by row."""
+    if isinstance(weight, QuantMatrix):
+        return weight.dequantize()[:, :weight.n_out].astype(np.float64)
+    if isinstance(weight, QuantEmbedding):
+        return weight[np.arange(weight.shape[0])].astype(np.float64)
+    return np.asarray(weight, dtype=np.float64)
 
 
 def float64_weights(model) -> dict:
     w = model.weights
     layers = [{name: as_float64(getattr(layer, name))
                for name in ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down")} for layer in w.layers]
-    embedding = w.embedding.astype(np.float64) if isinstance(w.embedding, np.ndarray) else as_float64(w.embedding.matrix).T
-    return {"embedding": embedding, "layers": layers,
-            "output_norm": w.output_norm.astype(np.float64), "output_t": as_float64(w.output_t)}
+    return {"embedding": as_float64(w.embedding), "layers": layers,
+            "output_norm": as_float64(w.output_norm), "output_t": as_float64(w.output_t)}
 
 
 def prompts(vocab: int, count: int) -> list[list[int]]:

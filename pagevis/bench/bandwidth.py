@@ -60,9 +60,10 @@ def measure_read_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 3, columns: 
 
 def shape_read_rates(model: LlamaModel, repeats: int = 5) -> list[dict]:
     """Read bandwidth of one row (a decode step) through each weight shape the model multiplies, as the
-    forward does it (its plan's kernel for one row over the stored (in, out) view) and as a plain contiguous
-    gemv over the same (out, in) array: on some CPUs the shape and orientation matter more than the square
-    probe of measure_read_bandwidth shows. Best of `repeats`, each over every matrix of that shape."""
+    forward does it (its plan's kernel for one row over the stored (in, out) view, or the packed format's own
+    kernel for weights kept as the GGUF stores them) and, for float32 weights, as a plain contiguous gemv over
+    the same (out, in) array: on some CPUs the shape and orientation matter more than the square probe of
+    measure_read_bandwidth shows. Best of `repeats`, each over every matrix of that shape."""
     from pagevis.model.matmul import matmul
 
     by_shape: dict[tuple[int, int], list[np.ndarray]] = {}
@@ -72,19 +73,22 @@ def shape_read_rates(model: LlamaModel, repeats: int = 5) -> list[dict]:
     for shape, matrices in by_shape.items():
         x = np.ones((1, shape[0]), dtype=np.float32)
         nbytes = sum(w.nbytes for w in matrices)
+        packed = not isinstance(matrices[0], np.ndarray)  # kept as the GGUF stores them: its own kernel, no gemv
         forward = plain = np.inf
         for _ in range(repeats):
             start = time.perf_counter()
             for w in matrices:
-                matmul(x, w, model.plan)
+                x @ w if packed else matmul(x, w, model.plan)
             forward = min(forward, time.perf_counter() - start)
+            if packed:
+                continue
             start = time.perf_counter()
             for w in matrices:
                 np.matmul(w.T, x[0])  # (out, in) C-contiguous times a vector: BLAS sgemv, no transpose
             plain = min(plain, time.perf_counter() - start)
         rows.append({"shape": f"{shape[0]}x{shape[1]}", "matrices": len(matrices), "mb": nbytes / 1e6,
-                     "kernel": str(model.plan.kernel(shape, 1)), "forward_gb_s": nbytes / forward / 1e9,
-                     "gemv_gb_s": nbytes / plain / 1e9})
+                     "kernel": matrices[0].fmt if packed else str(model.plan.kernel(shape, 1)),
+                     "forward_gb_s": nbytes / forward / 1e9, "gemv_gb_s": None if packed else nbytes / plain / 1e9})
     return rows
 
 

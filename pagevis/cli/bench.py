@@ -281,6 +281,13 @@ def _titled(lines: list[str], loads, section: str) -> list[str]:
     return ["", lines[0] + load_note(loads, section), *lines[1:]]
 
 
+def _table(rows: list[dict], *columns: tuple[str, int, str]) -> list[str]:
+    """A fixed-width table's lines: the headings, then a line a row. A column is (heading, width, the cell: a
+    format string over the row's keys); headings and cells are right-aligned to the width."""
+    return [" ".join(f"{heading:>{width}}" for heading, width, _ in columns),
+            *(" ".join(f"{cell.format(**row):>{width}}" for _, width, cell in columns) for row in rows)]
+
+
 def _attention_report(result: dict, loads) -> list[str]:
     from pagevis.bench.attention import format_table
     from pagevis.bench.machine import load_note
@@ -288,20 +295,18 @@ def _attention_report(result: dict, loads) -> list[str]:
     out = ["Paged vs dense decode attention (one layer, 9 query / 3 KV heads, head dim 64, float32)"
            + load_note(loads, "attention"),
            format_table(result["attention"]), "", "Storage: float16 vs float32 (paged)" + load_note(loads, "storage"),
-           f"{'context':>8} {'page':>5} {'f32 µs':>9} {'f16 µs':>9} {'f16/f32':>8} {'f32 KV KiB':>11} {'f16 KV KiB':>11}"]
-    for r in result["storage"]:
-        out.append(f"{r['context']:>8} {r['page_size']:>5} {r['f32_us']:>9.1f} {r['f16_us']:>9.1f} "
-                   f"{r['f16_over_f32']:>7.2f}x {r['f32_kv_bytes'] / 1024:>11.0f} {r['f16_kv_bytes'] / 1024:>11.0f}")
-    out.append("")
+           *_table([{**r, "f32_kib": r["f32_kv_bytes"] / 1024, "f16_kib": r["f16_kv_bytes"] / 1024}
+                    for r in result["storage"]], ("context", 8, "{context}"), ("page", 5, "{page_size}"),
+                   ("f32 µs", 9, "{f32_us:.1f}"), ("f16 µs", 9, "{f16_us:.1f}"), ("f16/f32", 8, "{f16_over_f32:.2f}x"),
+                   ("f32 KV KiB", 11, "{f32_kib:.0f}"), ("f16 KV KiB", 11, "{f16_kib:.0f}")), ""]
     if result.get("quantized"):
         out += ["Quantized storage (paged, one layer; output error against float32 storage; KV bytes per token: "
                 "pages, scales, zero points, key groups and int4 / int2's float32 window; docs/quantization.md)"
                 + load_note(loads, "quantized"),
-                f"{'context':>8} {'dtype':>8} {'µs':>9} {'vs f32':>7} {'B/token':>9} {'KV KiB':>8} {'rel error':>10}"]
-        for r in result["quantized"]:
-            out.append(f"{r['context']:>8} {r['dtype']:>8} {r['paged_us']:>9.1f} {r['over_first']:>6.2f}x "
-                       f"{r['kv_bytes_per_token']:>9.1f} {r['kv_bytes'] / 1024:>8.1f} {r['rel_error']:>10.2e}")
-        out.append("")
+                *_table([{**r, "kv_kib": r["kv_bytes"] / 1024} for r in result["quantized"]],
+                        ("context", 8, "{context}"), ("dtype", 8, "{dtype}"), ("µs", 9, "{paged_us:.1f}"),
+                        ("vs f32", 7, "{over_first:.2f}x"), ("B/token", 9, "{kv_bytes_per_token:.1f}"),
+                        ("KV KiB", 8, "{kv_kib:.1f}"), ("rel error", 10, "{rel_error:.2e}")), ""]
     if result.get("hybrid"):
         from pagevis.bench.hybrid import format_rows
 
@@ -345,7 +350,8 @@ def _decode_report(d: dict, loads) -> list[str]:
         out.append("  read rate by weight shape, one row (the forward's kernel / a contiguous gemv of the same "
                    "bytes):")
         out += [f"    {r['shape']:>12} x{r['matrices']:<3} {r['mb']:>7.1f} MB  {r['kernel']:>6} "
-                f"{r['forward_gb_s']:>6.2f} GB/s  gemv {r['gemv_gb_s']:>6.2f} GB/s" for r in d["shapes"]]
+                f"{r['forward_gb_s']:>6.2f} GB/s" + (f"  gemv {r['gemv_gb_s']:>6.2f} GB/s" if r["gemv_gb_s"] else "")
+                for r in d["shapes"]]
     if "transformers_tok_s" in d:
         out.append(f"  transformers eager {d['transformers_tok_s']:.1f} tok/s ({d['transformers_threads']} torch "
                    f"threads, as many as our BLAS threads); paged session {d['paged_over_transformers']:.2f}x "

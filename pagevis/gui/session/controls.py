@@ -33,7 +33,7 @@ from pagevis.engine import ModelSpec, SessionConfig
 from pagevis.kvcache import POLICIES, ConfigError, policy_params
 from pagevis.kvcache.quant import has_residual
 from pagevis.presets import PRESETS, Preset, default_prompt
-from pagevis.gui.session.controls_state import ControlsState
+from pagevis.gui.session.controls_state import SPEC_INPUTS, ControlsState
 from pagevis.gui.session.presets import model_title
 from pagevis.gui.session.runner import validate
 from pagevis.gui.widgets.setting_inputs import combo as _combo
@@ -363,10 +363,7 @@ class ControlsPanel(ControlsState, QScrollArea):
         if kind == "gguf":
             return ModelSpec(kind="gguf", path=self._gguf_path)
         if kind == "synthetic":
-            return ModelSpec(kind="synthetic", n_layers=self.layers.value(), n_heads=self.heads.value(),
-                             n_kv_heads=self.kv_heads.value(), head_dim=self.head_dim.value(),
-                             seed=self.model_seed.value(), sliding_window=self.sliding_window.value(),
-                             global_every=self.global_every.value())
+            return ModelSpec(kind="synthetic", **{field: getattr(self, name).value() for name, field in SPEC_INPUTS})
         return ModelSpec()
 
     def prompt(self) -> str:

@@ -10,6 +10,11 @@ from pagevis.gui.session.runner import validate
 from pagevis.gui.widgets.setting_inputs import write_input
 from pagevis.presets import default_prompt
 
+# The synthetic model's shape inputs: (the panel's input, which is also its key in the saved dictionary; the
+# ModelSpec field it shows).
+SPEC_INPUTS = (("layers", "n_layers"), ("heads", "n_heads"), ("kv_heads", "n_kv_heads"), ("head_dim", "head_dim"),
+               ("model_seed", "seed"), ("sliding_window", "sliding_window"), ("global_every", "global_every"))
+
 
 class ControlsState:
     """ControlsPanel's persistence (a mixin over the panel's inputs)."""
@@ -24,13 +29,8 @@ class ControlsState:
                     self.set_gguf(spec.path)  # while loading: showing the file restarts nothing
                 else:
                     self.model.setCurrentIndex(self.model.findData(spec.kind))
-                self.layers.setValue(spec.n_layers)
-                self.heads.setValue(spec.n_heads)
-                self.kv_heads.setValue(spec.n_kv_heads)
-                self.head_dim.setValue(spec.head_dim)
-                self.model_seed.setValue(spec.seed)
-                self.sliding_window.setValue(spec.sliding_window)
-                self.global_every.setValue(spec.global_every)
+                for name, field in SPEC_INPUTS:
+                    getattr(self, name).setValue(getattr(spec, field))
             if prompt is not None:
                 self.prompt_edit.setPlainText(prompt)
             if config is not None:
@@ -52,9 +52,8 @@ class ControlsState:
         table's JSON form, as a trace header holds it) and the view options."""
         spec = self.model_spec() if self.model.currentData() != "gguf" else ModelSpec()
         return {
-            "model": spec.kind, "gguf": self._gguf_path or "", "layers": spec.n_layers, "heads": spec.n_heads,
-            "kv_heads": spec.n_kv_heads, "head_dim": spec.head_dim, "model_seed": spec.seed,
-            "sliding_window": spec.sliding_window, "global_every": spec.global_every,
+            "model": spec.kind, "gguf": self._gguf_path or "",
+            **{name: getattr(spec, field) for name, field in SPEC_INPUTS},
             "prompt": self.prompt(), **settings.to_dict(self.session_config(), where=lambda s: s.app),
             **{f"view_{k}": v for k, v in self.view_options().items()},
         }
