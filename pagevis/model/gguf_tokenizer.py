@@ -42,8 +42,8 @@ class GGUFTokenizer:
         # so one long encoding never holds up another
         self._special_backend = Backend.from_str(backend.to_str())
         self._special_backend.encode_special_tokens = False
-        # set here, not trusted from the builder: a backend read back from the tokenizer cache (Gemma's) comes
-        # without the flag (tokenizers does not serialize it), and would match control-token text in user input
+        # plain encoding spells control-token text as text, so user input cannot inject one; set here for every
+        # backend, built or read back from the tokenizer cache (tokenizers does not serialize this flag)
         backend.encode_special_tokens = True
 
     def encode(self, text: str, special: bool = False) -> list[int]:

@@ -7,8 +7,8 @@
   does, they are rebuilt from the vocabulary (every split of a token into two tokens), ordered by the position of
   the merged token in the file; spaces become U+2581 and tokens spelled with real spaces are respelled with it.
 
-Control tokens (GGUF type 3) are special added tokens, matched whole only when the caller asks (the backend's
-encode_special_tokens is left on, so plain encoding spells them as text); user-defined ones (type 4, e.g.
+Control tokens (GGUF type 3) are special added tokens, matched whole only when the caller asks (GGUFTokenizer
+sets the backend's encode_special_tokens, so plain encoding spells them as text); user-defined ones (type 4, e.g.
 Gemma's newline runs) are added tokens matched whole always, as llama.cpp does.
 """
 
@@ -154,4 +154,3 @@ def _add_control_tokens(backend: Tokenizer, tokens: Sequence[str], token_types: 
     backend.add_special_tokens(control)
     backend.add_tokens([AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, token_types)
                         if kind == USER_DEFINED and t in vocab])
-    backend.encode_special_tokens = True  # plain encoding spells control tokens as text: see gguf_tokenizer.py
