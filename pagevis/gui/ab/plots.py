@@ -134,8 +134,8 @@ class ABPlots(QWidget):
             words = [w for w in (title, note) if w]
             while words and metrics.horizontalAdvance("  ".join([*words, plain])) + 12 > room:
                 words.pop()  # the note goes first, then the title's words (the axis labels say them too)
-            head = "".join(f"<span style='color:{theme.TEXT}'>{w}</span>&nbsp; " for w in words[:1] if w == title)
-            tail = "".join(f" <span style='color:{theme.TEXT}'>{w}</span>" for w in words if w == note)
+            head = f"<span style='color:{theme.TEXT}'>{title}</span>&nbsp; " if title in words else ""
+            tail = f" <span style='color:{theme.TEXT}'>{note}</span>" if note in words else ""
             legend = "&nbsp; ".join(f"<span style='color:{color}'>{mark} {name}</span>" for mark, color, name in keys)
             theme.set_title(plot, head + legend + tail, size="10pt", justify="left")
             plot.setToolTip(" ".join([title, plain, note]).strip())
