@@ -26,7 +26,9 @@ def test_the_synthetic_q4_k_m_file_decodes_alike_packed_and_as_float32(tmp_path)
 def test_ratios_and_report_come_from_the_rows():
     rows = [{"name": "pagevis quantized 1t", "weights": "quantized", "decode_23": 60.0, "decode_512": 50.0,
              "prefill_512": 150.0, "peak_rss": 250 << 20, "batch_8": 200.0, "batch_16": 300.0, "load_s": 1.0,
-             "floor_tok_s": 100.0, "read_gb_s": 11.0, "weights_info": {"types": {"Q4_1": 1}, "bytes": 10**8}},
+             "floor_tok_s": 100.0, "read_gb_s": 11.0, "weights_info": {"types": {"Q4_1": 1}, "bytes": 10**8},
+             "memory": {"imports": 45 << 20, "kernels": 110 << 20, "weights": 96 << 20,
+                        "tokenizer_and_rest": 20 << 20, "load_peak": 280 << 20}},
             {"name": "pagevis float32 1t", "weights": "float32", "decode_23": 20.0, "decode_512": 18.0,
              "prefill_512": 190.0, "peak_rss": 900 << 20, "batch_8": 100.0, "batch_16": 150.0, "load_s": 2.0},
             {"name": "llama.cpp 1t", "decode_23": 80.0, "decode_512": 70.0, "prefill_512": 170.0,
@@ -37,6 +39,8 @@ def test_ratios_and_report_come_from_the_rows():
     report = format_report({"cpu": "test CPU x2", "load_before": (1.0,), "load_after": (1.2,),
                             "models": [{"model": "m", "path": "/x/m.gguf", "rows": rows, "ratios": out}]})
     assert "decode_23 vs llama.cpp 1t: 0.75" in report and "read floor 100.0 tok/s" in report
+    assert ("pagevis quantized 1t memory (MiB): imports 45, kernels 110, weights 96, tokenizer and rest 20, "
+            "load peak 280") in report
 
 
 def test_the_status_bar_names_the_weight_types_and_bytes():

@@ -34,6 +34,15 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _resident() -> int:
+    """The process's resident bytes now (Linux /proc; elsewhere the peak, which is all getrusage says)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return _peak_rss()
+
+
 def _prompt_ids(vocab: int, n: int) -> list[int]:
     return [int(v) for v in (np.arange(n) * 7919 + 1009) % min(vocab, 32000) + 256]
 
@@ -44,9 +53,19 @@ def pagevis_worker(path: str, weights: str, threads: int, decode: int, batches: 
 
     set_blas_threads(1)
     set_weight_threads(threads)
+    memory = {"imports": _resident()}
+    if weights == "quantized":
+        from pagevis.model.quantized import kernels
+
+        kernels()  # load_model would load them too: here first, so their runtime's memory is told apart
+    memory["kernels"] = _resident() - memory["imports"]
     start = time.perf_counter()
     model = load_model(path, weights=weights)
     out = {"load_s": time.perf_counter() - start, "weights": model.weight_info}
+    memory["weights"] = model.weight_info["bytes"]
+    memory["tokenizer_and_rest"] = _resident() - memory["imports"] - memory["kernels"] - memory["weights"]
+    memory["load_peak"] = _peak_rss()
+    out["memory"] = memory
 
     def greedy(logits, attention, position, steps) -> float:
         begin = time.perf_counter()
@@ -158,6 +177,8 @@ def bench_model(label: str, path: str, rounds: int, decode: int, llama_cpp: bool
             keys = {k for r in good for k, v in r.items() if isinstance(v, (int, float))}
             row.update({k: statistics.median(r[k] for r in good if k in r) for k in sorted(keys)})
             row["weights_info"] = good[-1].get("weights")
+            if all("memory" in r for r in good):
+                row["memory"] = {k: statistics.median(r["memory"][k] for r in good) for k in good[0]["memory"]}
         rows.append(row)
     return {"model": label, "path": path, "rows": rows, "ratios": ratios(rows)}
 
@@ -241,6 +262,11 @@ def format_report(result: dict) -> str:
             lines.append(f"  weights {info['types']}: {info['bytes'] / 1e6:.0f} MB read per token; read floor "
                          f"{quantized['floor_tok_s']:.1f} tok/s at {quantized['read_gb_s']:.1f} GB/s (1 thread): "
                          f"decode at {quantized['decode_23'] / quantized['floor_tok_s']:.2f} of it")
+        for row in model["rows"]:
+            if "memory" in row:
+                parts = ", ".join(f"{name.replace('_', ' ')} {row['memory'][name] / 2**20:.0f}" for name in
+                                  ("imports", "kernels", "weights", "tokenizer_and_rest", "load_peak"))
+                lines.append(f"  {row['name']} memory (MiB): {parts}")
         for key, value in model["ratios"].items():
             lines.append(f"  {key}: {value:.2f}")
     return "\n".join(lines)
