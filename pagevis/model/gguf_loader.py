@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import GGUFValueType
 
 from pagevis.system_memory import available_bytes, fits, gib
 from pagevis.model import weight_cache
@@ -292,6 +293,8 @@ def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any], voc
         values = field_values(reader, key)
         if isinstance(values, np.ndarray):  # numbers read in one view: integers if their type is one
             ok = item is int and values.dtype.kind in "iu"
+        elif reader.fields[key].types == [GGUFValueType.ARRAY, GGUFValueType.STRING]:  # every item decoded as a str
+            ok = item is str
         else:
             ok = isinstance(values, list) and all(isinstance(v, item) and not isinstance(v, bool) for v in values)
         if not ok:

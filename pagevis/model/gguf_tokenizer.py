@@ -15,7 +15,7 @@ from pagevis.errors import ConfigError
 from pagevis.model.chat import chatml_segments, system_prompt_from_template
 from pagevis.model.chat_template import ChatTemplate
 from pagevis.model.tokenizer import IncrementalDecoder, printable_token
-from pagevis.model.vocab_tokenizer import CONTROL, SPIECE_SPACE, USER_DEFINED, byte_to_unicode
+from pagevis.model.vocab_tokenizer import CONTROL, SPIECE_SPACE, USER_DEFINED, byte_to_unicode, in_byte_alphabet
 
 BYTE_TOKEN = 6  # GGUF token type BYTE: "<0xNN>" in a SentencePiece vocabulary
 
@@ -119,10 +119,10 @@ class _TokenBytes:
     """Every token's bytes in one bytes object with an array of where each begins: indexed like a list of them
     (a list of Gemma's 262,144 bytes objects took ~15 MiB)."""
 
-    def __init__(self, pieces: list[bytes]):
-        self._blob = b"".join(pieces)
-        self._starts = array("q", accumulate(map(len, pieces), initial=0))
-        self._count = len(pieces)
+    def __init__(self, blob: bytes, lengths: Iterable[int]):
+        self._blob = blob
+        self._starts = array("q", accumulate(lengths, initial=0))
+        self._count = len(self._starts) - 1
 
     def __len__(self) -> int:
         return self._count
@@ -136,17 +136,31 @@ class _TokenBytes:
 
 def _token_bytes(kind: str, tokens: Sequence[str], token_types: np.ndarray, plain: set[str]) -> _TokenBytes:
     if kind == "gpt2":
-        alphabet = byte_to_unicode()
-        undo = str.maketrans({char: chr(byte) for byte, char in alphabet.items()})
-        in_alphabet = set(alphabet.values())
-        return _TokenBytes([t.encode("utf-8") if t in plain or not set(t) <= in_alphabet
-                            else t.translate(undo).encode("latin-1") for t in tokens])
+        return _byte_level_bytes(tokens, plain)
     pieces = [token.replace(SPIECE_SPACE, " ").encode("utf-8") for token in tokens]
     for index in np.flatnonzero(token_types == BYTE_TOKEN).tolist():
         token = tokens[index]
         if len(token) == 6 and token.startswith("<0x"):
             pieces[index] = bytes([int(token[3:5], 16)])
-    return _TokenBytes(pieces)
+    return _TokenBytes(b"".join(pieces), map(len, pieces))
+
+
+def _byte_level_bytes(tokens: Sequence[str], plain: set[str]) -> _TokenBytes:
+    """GPT-2's alphabet undone (one byte a character), for whole runs of tokens at once; a token in plain (control
+    text) or with a character outside the alphabet is its UTF-8 as it stands."""
+    undo = str.maketrans({char: chr(byte) for byte, char in byte_to_unicode().items()})
+    lengths = list(map(len, tokens))
+    outside = [i for i, t in enumerate(tokens) if t in plain]
+    if not in_byte_alphabet("".join(tokens)):
+        outside = [i for i, t in enumerate(tokens) if t in plain or not in_byte_alphabet(t)]
+    parts, start = [], 0
+    for index in outside:
+        parts.append("".join(tokens[start:index]).translate(undo).encode("latin-1"))
+        parts.append(tokens[index].encode("utf-8"))
+        lengths[index] = len(parts[-1])
+        start = index + 1
+    parts.append("".join(tokens[start:]).translate(undo).encode("latin-1"))
+    return _TokenBytes(b"".join(parts), lengths)
 
 
 def _bytes_without_token(kind: str, tokens: Sequence[str]) -> set[int]:

@@ -60,6 +60,16 @@ def byte_to_unicode() -> dict[int, str]:
     return {byte: chr(char) for byte, char in zip(printable, chars)}
 
 
+@lru_cache(maxsize=1)
+def _drop_byte_alphabet() -> dict[int, None]:
+    return dict.fromkeys(map(ord, byte_to_unicode().values()))
+
+
+def in_byte_alphabet(text: str) -> bool:
+    """Whether every character of text is one of GPT-2's 256 byte characters (one C pass over text)."""
+    return not text.translate(_drop_byte_alphabet())
+
+
 def byte_level_backend(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int],
                        pre: str) -> Tokenizer:
     if pre not in PRE_TOKENIZER_SPLITS:
@@ -67,11 +77,14 @@ def byte_level_backend(tokens: Sequence[str], merges: Sequence[str], token_types
                          f"(supported: {', '.join(sorted(PRE_TOKENIZER_SPLITS))})")
     alphabet = set(byte_to_unicode().values())
     spelled = byte_to_unicode()
-    vocab = {}
-    for index, token in enumerate(tokens):
-        # A control token written in plain text (<|im_start|> is, in GPT-2's alphabet already) stays as it is.
-        key = token if set(token) <= alphabet else "".join(spelled[b] for b in token.encode("utf-8"))
-        vocab.setdefault(key, index)
+    if in_byte_alphabet("".join(tokens)):  # every token spelled in the alphabet (SmolLM2's): each its own key
+        vocab = dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1)))  # a repeated token: its first id
+    else:
+        vocab = {}
+        for index, token in enumerate(tokens):
+            # A control token written in plain text (<|im_start|> is, in GPT-2's alphabet already) stays as it is.
+            key = token if set(token) <= alphabet else "".join(spelled[b] for b in token.encode("utf-8"))
+            vocab.setdefault(key, index)
     backend = Tokenizer(models.BPE(vocab, _merge_pairs(vocab, merges), ignore_merges=False))
     del vocab  # the model holds its own copy
     split = PRE_TOKENIZER_SPLITS[pre]
@@ -208,10 +221,9 @@ def _unknown(tokens: Sequence[str], token_types: Sequence[int]) -> str | None:
 
 
 def _add_control_tokens(backend: Tokenizer, tokens: Sequence[str], token_types: Sequence[int], spellable) -> None:
-    vocab = backend.get_vocab()
     types = np.asarray(token_types)
-    control = [AddedToken(tokens[i], normalized=False, special=True) for i in np.flatnonzero(types == CONTROL).tolist()
-               if tokens[i] and spellable(tokens[i])]
-    backend.add_special_tokens(control)
-    backend.add_tokens([AddedToken(tokens[i], normalized=False, special=False)
-                        for i in np.flatnonzero(types == USER_DEFINED).tolist() if tokens[i] in vocab])
+    user = [AddedToken(tokens[i], normalized=False, special=False)
+            for i in np.flatnonzero(types == USER_DEFINED).tolist() if backend.token_to_id(tokens[i]) is not None]
+    backend.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True)
+                                for i in np.flatnonzero(types == CONTROL).tolist() if tokens[i] and spellable(tokens[i])])
+    backend.add_tokens(user)
