@@ -324,7 +324,7 @@ def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any], voc
             space_prefix = value("ggml.add_space_prefix", "bool", True)
             check_spellable(tokens, token_types)  # before the (cached) build: a cached file is checked too
             backend = sentencepiece_backend(tokens, token_types, space_prefix,
-                                            lambda rebuild, valid: cached_merges(path, len(tokens), rebuild, valid))
+                                            lambda rebuild: cached_merges(path, len(tokens), rebuild))
             add_bos_default = True  # llama.cpp's default for a SentencePiece vocabulary that does not say
         return GGUFTokenizer(
             backend, kind, tokens, token_types,

@@ -15,7 +15,6 @@ Gemma's newline runs) are added tokens matched whole always, as llama.cpp does.
 from __future__ import annotations
 
 import collections.abc
-import operator
 from array import array
 from functools import lru_cache
 from typing import Callable, Sequence
@@ -41,8 +40,8 @@ MAX_MERGE_WORK = 200_000_000
 CONTROL, USER_DEFINED = 3, 4
 SPIECE_SPACE = "\u2581"
 TOKENIZER_KINDS = ("gpt2", "llama")
-# (rebuild, valid) -> the merges as token-id pairs: tokenizer_cache.cached_merges with its file, or rebuild().
-CachedMerges = Callable[[Callable[[], np.ndarray], Callable[[np.ndarray], bool]], np.ndarray]
+# rebuild -> the merges as token-id pairs: tokenizer_cache.cached_merges with its file, or rebuild().
+CachedMerges = Callable[[Callable[[], np.ndarray]], np.ndarray]
 
 
 @lru_cache(maxsize=1)
@@ -114,10 +113,9 @@ def _merge_pairs(vocab: dict[str, int], merges: Sequence[str]) -> list[tuple[str
 
 
 def sentencepiece_backend(tokens: Sequence[str], token_types: Sequence[int], add_space_prefix: bool,
-                          cached_merges: CachedMerges = lambda rebuild, valid: rebuild()) -> Tokenizer:
+                          cached_merges: CachedMerges = lambda rebuild: rebuild()) -> Tokenizer:
     """The SentencePiece BPE of this vocabulary. Its merges are rebuilt from the vocabulary (merges_by_position), as
-    token-id pairs: cached_merges(rebuild, valid) returns them, read from tokenizer_cache.py's file if valid says
-    they are (every pair spells a token), else by calling rebuild."""
+    token-id pairs: cached_merges(rebuild) returns them, read from tokenizer_cache.py's file or made by rebuild."""
     work = sum(len(t) ** 2 for t in tokens)
     if work > MAX_MERGE_WORK:
         raise ValueError(f"tokenizer.ggml.tokens: rebuilding this vocabulary's merges takes {work:.3g} steps (the "
@@ -134,11 +132,8 @@ def sentencepiece_backend(tokens: Sequence[str], token_types: Sequence[int], add
 
 def _sentencepiece_model(respelled: list[str], unknown: str | None, cached_merges: CachedMerges) -> models.BPE:
     """The BPE model; the vocabulary dict and the merges end with this call (the model holds its own copies)."""
-    vocab: dict[str, int] = {}
-    for index, token in enumerate(respelled):
-        vocab.setdefault(token, index)
-    merges = _MergePairs(respelled, cached_merges(lambda: merges_by_position(vocab),
-                                                  lambda ids: _MergePairs(respelled, ids).spell_tokens(vocab)))
+    vocab = dict(zip(reversed(respelled), range(len(respelled) - 1, -1, -1)))  # a repeated token: its first id
+    merges = _MergePairs(respelled, cached_merges(lambda: merges_by_position(respelled, vocab)))
     return models.BPE(vocab, merges, unk_token=unknown, fuse_unk=True, byte_fallback=True)
 
 
@@ -160,11 +155,6 @@ class _MergePairs(collections.abc.Sequence):
 
     def __iter__(self):
         return zip(map(self.names.__getitem__, self.left), map(self.names.__getitem__, self.right))
-
-    def spell_tokens(self, vocab: dict[str, int]) -> bool:
-        """Whether every pair joins into a token of vocab (the tokenizers library panics on one that does not)."""
-        joined = map(operator.add, map(self.names.__getitem__, self.left), map(self.names.__getitem__, self.right))
-        return all(map(vocab.__contains__, joined))
 
 
 # Bytes UTF-8 text can hold (a Python str encodes to no others): what a byte fallback must be able to spell.
@@ -200,13 +190,16 @@ def check_spellable(tokens: Sequence[str], token_types: Sequence[int]) -> None:
                          "refuses a model without <unk>)")
 
 
-def merges_by_position(vocab: dict[str, int]) -> np.ndarray:
+def merges_by_position(tokens: Sequence[str], vocab: dict[str, int]) -> np.ndarray:
     """Every (left, right) pair of tokens that spells a token, as an int32 (n, 2) array of their ids: the merged
     token's earlier place in the file first, then the longer left piece (transformers' generate_merges with Gemma's
-    position scores). vocab is in file order, so walking it (and each token's cuts from the right) yields that order
-    without a sort. Ids, not strings: Gemma's 515k pairs of new strings took ~90 MiB."""
+    position scores). Walking the tokens in file order (a repeated one at its first place, where vocab has it) and
+    each token's cuts from the right yields that order without a sort. Ids, not strings: Gemma's 515k pairs of new
+    strings took ~90 MiB."""
     ids = array("i")
-    for merged in vocab:
+    for index, merged in enumerate(tokens):
+        if vocab[merged] != index:
+            continue
         for cut in range(len(merged) - 1, 0, -1):
             left, right = vocab.get(merged[:cut]), vocab.get(merged[cut:])
             if left is not None and right is not None:
