@@ -154,11 +154,21 @@ def _check_tensor_extents(path: Path, reader: GGUFReader, size: int) -> None:
 def release_pages(reader: GGUFReader, tensor: Any) -> None:
     """Drop this tensor's pages of the file mapping from the process (they stay in the page cache): once a tensor is
     repacked its mapped bytes would otherwise count in the resident set until the reader is gone."""
+    _drop_pages(reader, int(tensor.data_offset), int(tensor.data_offset) + int(tensor.n_bytes))
+
+
+def release_metadata_pages(reader: GGUFReader) -> None:
+    """Drop the pages of the header, metadata and tensor table from the process, as release_pages does: once the
+    tokenizer is built nothing reads the vocabulary's bytes again (Gemma's: 6 MiB). A later read maps them back."""
+    _drop_pages(reader, 0, int(reader.data_offset))
+
+
+def _drop_pages(reader: GGUFReader, start: int, end: int) -> None:
     mapped = getattr(getattr(reader, "_mapped", None), "_mmap", None)
     if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
         return
-    start = -(-int(tensor.data_offset) // mmap.PAGESIZE) * mmap.PAGESIZE
-    end = (int(tensor.data_offset) + int(tensor.n_bytes)) // mmap.PAGESIZE * mmap.PAGESIZE
+    start = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = end // mmap.PAGESIZE * mmap.PAGESIZE
     if end > start:
         try:
             mapped.madvise(mmap.MADV_DONTNEED, start, end - start)

@@ -17,8 +17,8 @@ from pagevis.model.architectures import architecture_of
 from pagevis.model.blas_threads import set_blas_threads
 from pagevis.model.config import ModelConfig
 from pagevis.model.errors import ModelConfigError, ModelLoadError
-from pagevis.model.gguf_file import (check_tensor, field_values, open_gguf, read_metadata, release_pages,
-                                    tensor_as_float32)
+from pagevis.model.gguf_file import (check_tensor, field_values, open_gguf, read_metadata, release_metadata_pages,
+                                    release_pages, tensor_as_float32)
 from pagevis.model.gguf_tokenizer import GGUFTokenizer
 from pagevis.model.llama import LlamaModel
 from pagevis.model.locate import default_model_path
@@ -56,6 +56,7 @@ def load_model(path: str | Path | None = None, weights: str | None = None) -> Ll
     metadata = read_metadata(reader, skip_arrays_longer_than=LONG_ARRAY)
     config = config_from_metadata(path, metadata, reader, float32=fmt == "float32")
     tokenizer = tokenizer_from_reader(path, reader, metadata, config.vocab_size)  # before the weights: fail fast
+    release_metadata_pages(reader)
     release_freed_heap()
     types = dict(sorted(Counter(t.tensor_type.name for t in reader.tensors).items()))
     if fmt == "float32":
