@@ -107,8 +107,8 @@ def _merge_pairs(vocab: dict[str, int], merges: Sequence[str]) -> list[tuple[str
     same = {token: token for token in vocab}
     pairs = []
     for merge in merges:
-        left, _, right = merge.partition(" ")
-        pairs.append((same.get(left, left), same.get(right, right)) if _ else (merge,))
+        left, space, right = merge.partition(" ")
+        pairs.append((same.get(left, left), same.get(right, right)) if space else (merge,))
     return pairs
 
 
