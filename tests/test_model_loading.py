@@ -167,3 +167,16 @@ def test_lean_array_parsing_reads_what_the_gguf_reader_reads():
     for key, field in theirs.fields.items():
         assert ours.fields[key].contents() == field.contents() and ours.fields[key].types == field.types, key
     assert [(t.name, t.data_offset) for t in ours.tensors] == [(t.name, t.data_offset) for t in theirs.tensors]
+
+
+def test_a_long_metadata_array_is_held_as_one_view_not_an_object_per_item():
+    """The vocabulary is a few views whatever its length (gguf's reader keeps two numpy arrays per token: ~100 MiB for
+    Gemma's 262,144); its strings are decoded when asked for, and number arrays come back as one ndarray."""
+    from pagevis.model.gguf_file import field_values, open_gguf
+
+    reader = open_gguf(Path(__file__).parent / "data" / "tiny-llama3.gguf")
+    tokens, types = reader.fields["tokenizer.ggml.tokens"], reader.fields["tokenizer.ggml.token_type"]
+    assert len(tokens.data) > 200 and len(tokens.parts) == len(types.parts) == 6  # key (2), type, item type, count, items
+    assert len(field_values(reader, "tokenizer.ggml.tokens")) == len(tokens.data)
+    values = field_values(reader, "tokenizer.ggml.token_type")
+    assert isinstance(values, np.ndarray) and values.tolist() == types.contents()

@@ -92,6 +92,22 @@ def test_chat_format_uses_the_gguf_default_system_prompt(tokenizer):
     assert own_system == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
 
 
+def test_the_special_token_backend_is_the_same_tokenizer_but_for_control_text(tokenizer):
+    """encode(special=True) reads a second backend over the same model: its whole configuration (vocabulary, merges,
+    pre-tokenizer, decoder, added tokens) serializes as the first one's does; only the control-text flag differs."""
+    assert tokenizer._special_backend.to_str() == tokenizer.backend.to_str()
+    assert tokenizer.backend.encode_special_tokens and not tokenizer._special_backend.encode_special_tokens
+
+
+def test_token_bytes_index_like_a_list(tokenizer):
+    last = tokenizer.vocab_size - 1
+    assert tokenizer.token_bytes(-1) == tokenizer.token_bytes(last) and tokenizer.token_bytes(0) == b"<|endoftext|>"
+    assert tokenizer.token_bytes(tokenizer.encode(" hello")[0]) == b" hello"
+    for outside in (tokenizer.vocab_size, -tokenizer.vocab_size - 1):
+        with pytest.raises(IndexError):
+            tokenizer.token_bytes(outside)
+
+
 def test_byte_tokenizer_round_trips_any_text():
     tokenizer = ByteTokenizer()
     text = "héllo\t世界 😀 <|im_end|>"

@@ -5,6 +5,7 @@ in test_model_gemma.py.)"""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pagevis.model import load_model, vocab_tokenizer
@@ -45,8 +46,10 @@ def test_bytes_without_a_piece_fall_back_to_byte_tokens(spm_file):
 
 def test_the_built_tokenizer_is_cached_and_a_damaged_cache_is_rebuilt(spm_file, tmp_path, monkeypatch):
     first = load_model(spm_file).tokenizer.encode(" the cat")
-    cached = list((tmp_path / "cache" / "tokenizers").glob("*.json"))
+    cached = list((tmp_path / "cache" / "tokenizers").glob("*.merges.npy"))
     assert len(cached) == 1
+    merges = np.load(cached[0], allow_pickle=False)  # token-id pairs, 8 bytes a merge (Gemma: 4 MB, not 33 MB of JSON)
+    assert merges.dtype == np.int32 and merges.shape[1] == 2 and len(merges) > 0
 
     def refuse(*args):
         raise AssertionError("rebuilt although the cache is valid")

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf.gguf_reader import ReaderField
 from gguf.quants import dequantize
 
 from pagevis.model.errors import ModelLoadError
@@ -21,6 +22,28 @@ SUPPORTED_TENSOR_TYPES = frozenset(GGMLQuantizationType[name] for name in (
 ))
 
 
+class _LeanArray(ReaderField):
+    """A metadata array of numbers or strings read lean: its last part is one view of all its items (the values, or
+    the strings with their 8-byte lengths, as the file lays them out), and `data` is range(item count) -- indices of
+    items, not of parts. contents() decodes the items in one pass: no numpy object per item (Gemma's 262 144 tokens
+    made 524 288 views, ~100 MiB)."""
+
+    def contents(self, index_or_slice: int | slice = slice(None)) -> Any:
+        items = self.parts[-1]
+        values = _strings(items, len(self.data)) if self.types[-1] == GGUFValueType.STRING else items.tolist()
+        return values[index_or_slice]
+
+
+def _strings(items: np.ndarray, count: int) -> list[str]:
+    """count length-prefixed UTF-8 strings (native byte order) laid out one after the other in items."""
+    view, length_of, at, out = memoryview(items), struct.Struct("=Q").unpack_from, 0, []
+    for _ in range(count):
+        length = length_of(view, at)[0]
+        out.append(str(view[at + 8:at + 8 + length], "utf-8"))
+        at += 8 + length
+    return out
+
+
 class _PlainArrayReader(GGUFReader):
     """GGUFReader over a plain ndarray view of its memory map, with a lean walk over long arrays.
 
@@ -28,35 +51,53 @@ class _PlainArrayReader(GGUFReader):
     string is its own slice), and each memmap slice pays memmap.__array_finalize__: parsing
     SmolLM2 takes ~6 s. Slicing a plain ndarray view of the same mapping takes ~1.5 s. It also reads an
     array item by item (three numpy calls per string, one per number: over a million for Gemma's 262 144
-    tokens, scores and types); _get_field_parts below reads a number array in one view and a string array
-    with struct, giving the same parts (so field.contents() is unchanged).
+    tokens, scores and types), keeping two numpy views per string. Here an array of numbers or strings becomes a
+    _LeanArray (one view of its items, decoded by contents()); other fields are read as GGUFReader reads them.
     """
 
     def __init__(self, path: Path):
         self.path = path
         super().__init__(path)
 
-    def _get_field_parts(self, orig_offs: int, raw_type: int):
-        if raw_type != GGUFValueType.ARRAY or self.byte_order != "I":
-            return super()._get_field_parts(orig_offs, raw_type)
-        raw_itype = self._get(orig_offs, np.uint32)
-        alen = self._get(orig_offs + 4, np.uint64)
-        item, count, offs = GGUFValueType(int(raw_itype[0])), int(alen[0]), orig_offs + 12
-        types = [GGUFValueType.ARRAY, item]
+    def _build_fields(self, offs: int, count: int) -> int:
+        if self.byte_order != "I":
+            return super()._build_fields(offs, count)
+        for _ in range(count):  # GGUFReader._build_fields, with long arrays read lean
+            orig_offs = offs
+            key_length, key = self._get_str(offs)
+            offs += int(key_length.nbytes + key.nbytes)
+            raw_type = self._get(offs, np.uint32)
+            offs += int(raw_type.nbytes)
+            head = [key_length, key, raw_type]
+            lean = self._lean_array(offs) if raw_type[0] == GGUFValueType.ARRAY else None
+            if lean is None:
+                size, parts, indices, types = self._get_field_parts(offs, raw_type[0])
+                field = ReaderField(orig_offs, str(bytes(key), encoding="utf-8"), head + parts,
+                                    [index + len(head) for index in indices], types)
+            else:
+                size, parts, item_count, types = lean
+                field = _LeanArray(orig_offs, str(bytes(key), encoding="utf-8"), head + parts, range(item_count),
+                                   types)
+            self._push_field(field, skip_sum=True)
+            offs += size
+        return offs
+
+    def _lean_array(self, offs: int) -> tuple[int, list[np.ndarray], int, list[GGUFValueType]] | None:
+        """(bytes, parts, item count, types) of the array at offs if its items are numbers or strings, else None."""
+        raw_itype = self._get(offs, np.uint32)
+        alen = self._get(offs + 4, np.uint64)
+        item, count, start = GGUFValueType(int(raw_itype[0])), int(alen[0]), offs + 12
         nptype = self.gguf_scalar_to_np.get(item)
-        if nptype is not None:  # one view; contents() flattens parts[data] either way
-            values = self._get(offs, nptype, count)
-            return 12 + int(values.nbytes), [raw_itype, alen, values], [2], types
-        if item != GGUFValueType.STRING:
-            return super()._get_field_parts(orig_offs, raw_type)  # nested arrays: rare and short
-        plain, length_of = self._plain, struct.Struct("<Q").unpack_from
-        parts, data = [raw_itype, alen], []
-        for _ in range(count):
-            length = length_of(plain, offs)[0]
-            data.append(len(parts) + 1)
-            parts += [plain[offs:offs + 8].view(np.uint64), plain[offs + 8:offs + 8 + length]]
-            offs += 8 + length
-        return offs - orig_offs, parts, data, types
+        if nptype is not None:
+            items = self._get(start, nptype, count)
+        elif item == GGUFValueType.STRING:  # the walk only: check_gguf_structure has bounded every length
+            plain, length_of, end = self._plain, struct.Struct("=Q").unpack_from, start
+            for _ in range(count):
+                end += 8 + length_of(plain, end)[0]
+            items = plain[start:end]
+        else:
+            return None  # nested arrays: rare and short
+        return 12 + int(items.nbytes), [raw_itype, alen, items], count, [GGUFValueType.ARRAY, item]
 
     @property
     def data(self) -> np.ndarray:
@@ -113,11 +154,21 @@ def _check_tensor_extents(path: Path, reader: GGUFReader, size: int) -> None:
 def release_pages(reader: GGUFReader, tensor: Any) -> None:
     """Drop this tensor's pages of the file mapping from the process (they stay in the page cache): once a tensor is
     repacked its mapped bytes would otherwise count in the resident set until the reader is gone."""
+    _drop_pages(reader, int(tensor.data_offset), int(tensor.data_offset) + int(tensor.n_bytes))
+
+
+def release_metadata_pages(reader: GGUFReader) -> None:
+    """Drop the pages of the header, metadata and tensor table from the process, as release_pages does: once the
+    tokenizer is built nothing reads the vocabulary's bytes again (Gemma's: 6 MiB). A later read maps them back."""
+    _drop_pages(reader, 0, int(reader.data_offset))
+
+
+def _drop_pages(reader: GGUFReader, start: int, end: int) -> None:
     mapped = getattr(getattr(reader, "_mapped", None), "_mmap", None)
     if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
         return
-    start = -(-int(tensor.data_offset) // mmap.PAGESIZE) * mmap.PAGESIZE
-    end = (int(tensor.data_offset) + int(tensor.n_bytes)) // mmap.PAGESIZE * mmap.PAGESIZE
+    start = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = end // mmap.PAGESIZE * mmap.PAGESIZE
     if end > start:
         try:
             mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
@@ -145,6 +196,15 @@ def field_contents(reader: GGUFReader, key: str) -> Any:
     except (UnicodeDecodeError, ValueError, IndexError, TypeError, OverflowError) as exc:
         raise ModelLoadError(f"{getattr(reader, 'path', 'the model file')}: metadata key {key} cannot be read "
                              f"({type(exc).__name__}: {exc})") from None
+
+
+def field_values(reader: GGUFReader, key: str) -> Any:
+    """field_contents, but an array of numbers read lean comes back as one ndarray (a copy: it does not hold the
+    file's mapping) instead of a list of Python numbers."""
+    field = reader.fields[key]
+    if isinstance(field, _LeanArray) and field.types[-1] != GGUFValueType.STRING:
+        return np.array(field.parts[-1])
+    return field_contents(reader, key)
 
 
 def tensor_as_float32(path: Path, tensor: Any, expected_shape: tuple[int, ...]) -> np.ndarray:

@@ -4,15 +4,18 @@ as llama.cpp falls back)."""
 
 from __future__ import annotations
 
+from array import array
+from itertools import accumulate
 from typing import Iterable, Sequence
 
+import numpy as np
 from tokenizers import Tokenizer as Backend
 
 from pagevis.errors import ConfigError
 from pagevis.model.chat import chatml_segments, system_prompt_from_template
 from pagevis.model.chat_template import ChatTemplate
 from pagevis.model.tokenizer import IncrementalDecoder, printable_token
-from pagevis.model.vocab_tokenizer import CONTROL, SPIECE_SPACE, USER_DEFINED, byte_to_unicode
+from pagevis.model.vocab_tokenizer import CONTROL, SPIECE_SPACE, USER_DEFINED, byte_to_unicode, in_byte_alphabet
 
 BYTE_TOKEN = 6  # GGUF token type BYTE: "<0xNN>" in a SentencePiece vocabulary
 
@@ -28,19 +31,20 @@ class GGUFTokenizer:
         self.kind = kind
         self.vocab_size = len(tokens)
         self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
-        self.special_ids = {t: i for i, (t, kind_) in enumerate(zip(tokens, token_types))
-                            if kind_ in (CONTROL, USER_DEFINED) and t}
-        self._control_ids = {i for t, i in self.special_ids.items() if token_types[i] == CONTROL}
-        self._token_bytes = _token_bytes(kind, tokens, token_types, set(self.special_ids))
+        types = np.asarray(token_types)
+        special = np.flatnonzero((types == CONTROL) | (types == USER_DEFINED)).tolist()
+        self.special_ids = {tokens[i]: i for i in special if tokens[i]}
+        self._control_ids = {i for t, i in self.special_ids.items() if types[i] == CONTROL}
+        self._token_bytes = _token_bytes(kind, tokens, types, set(self.special_ids))
         self._missing_bytes = _bytes_without_token(kind, tokens)
         bos = tokens[bos_id] if bos_id is not None else ""
         eos = tokens[eos_id] if eos_id is not None else ""
         controls = [t for t, i in self.special_ids.items() if i in self._control_ids]
         self._template = ChatTemplate(chat_template, controls, bos, eos) if chat_template else None
         self.chat_system_prompt = system_prompt_from_template(chat_template)  # ChatML's default system turn
-        # encode(special=True) reads a copy whose control-token text is matched: no flag flipped under a lock,
-        # so one long encoding never holds up another
-        self._special_backend = Backend.from_str(backend.to_str())
+        # encode(special=True) reads a second backend whose control-token text is matched: no flag flipped under a
+        # lock, so one long encoding never holds up another. It shares the first one's model (vocabulary, merges).
+        self._special_backend = _sharing_the_model(backend)
         self._special_backend.encode_special_tokens = False
         # plain encoding spells control-token text as text, so user input cannot inject one; set here for every
         # backend, built or read back from the tokenizer cache (tokenizers does not serialize this flag)
@@ -99,18 +103,64 @@ class GGUFTokenizer:
         return backend.encode_batch([text], add_special_tokens=False)[0].ids
 
 
-def _token_bytes(kind: str, tokens: Sequence[str], token_types: Sequence[int], plain: set[str]) -> list[bytes]:
+def _sharing_the_model(backend: Backend) -> Backend:
+    """A second backend over the same model object (one copy of the vocabulary and merges in memory) with the same
+    normalizer, pre-tokenizer, decoder and added tokens (re-added in id order, as Backend.from_str does)."""
+    twin = Backend(backend.model)
+    twin.normalizer = backend.normalizer
+    twin.pre_tokenizer = backend.pre_tokenizer
+    twin.post_processor = backend.post_processor
+    twin.decoder = backend.decoder
+    twin.add_tokens([token for _, token in sorted(backend.get_added_tokens_decoder().items())])
+    return twin
+
+
+class _TokenBytes:
+    """Every token's bytes in one bytes object with an array of where each begins: indexed like a list of them
+    (a list of Gemma's 262,144 bytes objects took ~15 MiB)."""
+
+    def __init__(self, blob: bytes, lengths: Iterable[int]):
+        self._blob = blob
+        self._starts = array("q", accumulate(lengths, initial=0))
+        self._count = len(self._starts) - 1
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: int) -> bytes:
+        if not -self._count <= index < self._count:
+            raise IndexError("token id out of range")
+        index = int(index) % self._count
+        return self._blob[self._starts[index]:self._starts[index + 1]]
+
+
+def _token_bytes(kind: str, tokens: Sequence[str], token_types: np.ndarray, plain: set[str]) -> _TokenBytes:
     if kind == "gpt2":
-        to_byte = {char: byte for byte, char in byte_to_unicode().items()}
-        return [t.encode("utf-8") if t in plain or any(ch not in to_byte for ch in t)
-                else bytes(to_byte[ch] for ch in t) for t in tokens]
-    out = []
-    for token, kind_ in zip(tokens, token_types):
-        if kind_ == BYTE_TOKEN and len(token) == 6 and token.startswith("<0x"):
-            out.append(bytes([int(token[3:5], 16)]))
-        else:
-            out.append(token.replace(SPIECE_SPACE, " ").encode("utf-8"))
-    return out
+        return _byte_level_bytes(tokens, plain)
+    pieces = [token.replace(SPIECE_SPACE, " ").encode("utf-8") for token in tokens]
+    for index in np.flatnonzero(token_types == BYTE_TOKEN).tolist():
+        token = tokens[index]
+        if len(token) == 6 and token.startswith("<0x"):
+            pieces[index] = bytes([int(token[3:5], 16)])
+    return _TokenBytes(b"".join(pieces), map(len, pieces))
+
+
+def _byte_level_bytes(tokens: Sequence[str], plain: set[str]) -> _TokenBytes:
+    """GPT-2's alphabet undone (one byte a character), for whole runs of tokens at once; a token in plain (control
+    text) or with a character outside the alphabet is its UTF-8 as it stands."""
+    undo = str.maketrans({char: chr(byte) for byte, char in byte_to_unicode().items()})
+    lengths = list(map(len, tokens))
+    outside = [i for i, t in enumerate(tokens) if t in plain]
+    if not in_byte_alphabet("".join(tokens)):
+        outside = [i for i, t in enumerate(tokens) if t in plain or not in_byte_alphabet(t)]
+    parts, start = [], 0
+    for index in outside:
+        parts.append("".join(tokens[start:index]).translate(undo).encode("latin-1"))
+        parts.append(tokens[index].encode("utf-8"))
+        lengths[index] = len(parts[-1])
+        start = index + 1
+    parts.append("".join(tokens[start:]).translate(undo).encode("latin-1"))
+    return _TokenBytes(b"".join(parts), lengths)
 
 
 def _bytes_without_token(kind: str, tokens: Sequence[str]) -> set[int]:

@@ -1,41 +1,75 @@
-"""The built tokenizer of a SentencePiece GGUF kept on disk: Gemma's merges are rebuilt from 262,144 tokens
-(vocab_tokenizer.merges_by_position), which costs seconds a launch; its tokenizer.json is written once under
-<cache>/tokenizers/, named like the weight cache's entries (the file's path, size, mtime), and read back by the
-tokenizers library (JSON, no code). A file that fails to parse or whose vocabulary size differs is rebuilt;
-at most weight_cache.MAX_ENTRIES files are kept. PAGEVIS_WEIGHT_CACHE=0 turns it off too."""
+"""The merges of a SentencePiece GGUF kept on disk: Gemma's merges are rebuilt from 262,144 tokens
+(vocab_tokenizer.merges_by_position), which costs seconds a launch; they are written once under <cache>/tokenizers/
+as an int32 (n, 2) array of token-id pairs (.npy, 4 MB for Gemma's 515k merges), named like the weight cache's
+entries (the file's path, size, mtime), this module's MERGES_VERSION, the vocabulary size and the SHA-256 of the
+ids, and read back with np.load(allow_pickle=False). A file that does not load, whose shape or dtype differ, whose
+ids are out of the vocabulary or whose digest differs from its name's is rebuilt. (The digest stands for checking
+that every pair spells a token, which took 0.23 s: ids that are what was written are pairs merges_by_position
+made from this file.) An earlier version kept the whole tokenizer.json: reading its 33 MB of JSON peaked at
++365 MiB; those files are removed. At most weight_cache.MAX_ENTRIES files are kept. PAGEVIS_WEIGHT_CACHE=0 turns
+it off too."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Callable
 
-from tokenizers import Tokenizer
+import numpy as np
 
 from pagevis.model import weight_cache
 from pagevis.model.matmul import cache_dir
 
 
-def cached_backend(source: Path, vocab_size: int, build: Callable[[], Tokenizer]) -> Tokenizer:
+MERGES_VERSION = 1  # bump when merges_by_position's pairs change
+
+
+def cached_merges(source: Path, vocab_size: int, rebuild: Callable[[], np.ndarray]) -> np.ndarray:
+    """The merges of source's vocabulary as token-id pairs: the cached array if there is a valid one, else
+    rebuild()'s (then cached)."""
     if os.environ.get("PAGEVIS_WEIGHT_CACHE", "1") == "0":
-        return build()
+        return rebuild()
     folder, _ = weight_cache.entry_for(source, cache_dir() / "tokenizers")
-    path = folder.with_suffix(".json")
+    prefix = f"{folder.name}-v{MERGES_VERSION}-{vocab_size}-"
+    for path in folder.parent.glob(f"{prefix}*.merges.npy"):
+        cached = _read(path, vocab_size, path.name[len(prefix):-len(".merges.npy")])
+        if cached is not None:
+            return cached
+    merges = rebuild()
+    _write(folder.parent, prefix, merges)
+    return merges
+
+
+def _digest(ids: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(ids)).hexdigest()[:32]
+
+
+def _read(path: Path, vocab_size: int, digest: str) -> np.ndarray | None:
     try:
-        backend = Tokenizer.from_file(str(path))
-        if backend.get_vocab_size(with_added_tokens=True) == vocab_size:
-            return backend
-    except Exception:  # noqa: BLE001  (missing or damaged: the tokenizers library has its own exception type)
-        pass
-    backend = build()
+        ids = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
+    if ids.dtype != np.int32 or ids.ndim != 2 or ids.shape[1] != 2 or _digest(ids) != digest:
+        return None
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        return None
+    return ids
+
+
+def _write(folder: Path, prefix: str, merges: np.ndarray) -> None:
+    path = folder / f"{prefix}{_digest(merges)}.merges.npy"
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        backend.save(str(temporary))
+        with temporary.open("wb") as file:
+            np.save(file, merges, allow_pickle=False)
         temporary.replace(path)
-        stale = sorted(path.parent.glob("*.json"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
-        for old in stale[weight_cache.MAX_ENTRIES:]:
+        stale = [*folder.glob("*.json"), *(p for p in folder.glob(f"{prefix}*.merges.npy") if p != path)]
+        for old in stale:  # whole tokenizers (as an earlier version kept them), damaged entries of this file
+            old.unlink(missing_ok=True)
+        kept = sorted(path.parent.glob("*.merges.npy"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+        for old in kept[weight_cache.MAX_ENTRIES:]:
             old.unlink(missing_ok=True)
     except OSError:
         pass
-    return backend

@@ -14,9 +14,12 @@ Gemma's newline runs) are added tokens matched whole always, as llama.cpp does.
 
 from __future__ import annotations
 
+import collections.abc
+from array import array
 from functools import lru_cache
-from typing import Sequence
+from typing import Callable, Sequence
 
+import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 LLAMA3_SPLIT = (
@@ -37,6 +40,8 @@ MAX_MERGE_WORK = 200_000_000
 CONTROL, USER_DEFINED = 3, 4
 SPIECE_SPACE = "\u2581"
 TOKENIZER_KINDS = ("gpt2", "llama")
+# rebuild -> the merges as token-id pairs: tokenizer_cache.cached_merges with its file, or rebuild().
+CachedMerges = Callable[[Callable[[], np.ndarray]], np.ndarray]
 
 
 @lru_cache(maxsize=1)
@@ -54,6 +59,16 @@ def byte_to_unicode() -> dict[int, str]:
     return {byte: chr(char) for byte, char in zip(printable, chars)}
 
 
+@lru_cache(maxsize=1)
+def _drop_byte_alphabet() -> dict[int, None]:
+    return dict.fromkeys(map(ord, byte_to_unicode().values()))
+
+
+def in_byte_alphabet(text: str) -> bool:
+    """Whether every character of text is one of GPT-2's 256 byte characters (one C pass over text)."""
+    return not text.translate(_drop_byte_alphabet())
+
+
 def byte_level_backend(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int],
                        pre: str) -> Tokenizer:
     if pre not in PRE_TOKENIZER_SPLITS:
@@ -61,13 +76,16 @@ def byte_level_backend(tokens: Sequence[str], merges: Sequence[str], token_types
                          f"(supported: {', '.join(sorted(PRE_TOKENIZER_SPLITS))})")
     alphabet = set(byte_to_unicode().values())
     spelled = byte_to_unicode()
-    vocab = {}
-    for index, token in enumerate(tokens):
-        # A control token written in plain text (<|im_start|> is, in GPT-2's alphabet already) stays as it is.
-        key = token if set(token) <= alphabet else "".join(spelled[b] for b in token.encode("utf-8"))
-        vocab.setdefault(key, index)
-    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
-    backend = Tokenizer(models.BPE(vocab, pairs, ignore_merges=False))
+    if in_byte_alphabet("".join(tokens)):  # every token spelled in the alphabet (SmolLM2's): each its own key
+        vocab = dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1)))  # a repeated token: its first id
+    else:
+        vocab = {}
+        for index, token in enumerate(tokens):
+            # A control token written in plain text (<|im_start|> is, in GPT-2's alphabet already) stays as it is.
+            key = token if set(token) <= alphabet else "".join(spelled[b] for b in token.encode("utf-8"))
+            vocab.setdefault(key, index)
+    backend = Tokenizer(models.BPE(vocab, _merge_pairs(vocab, merges), ignore_merges=False))
+    del vocab  # the model holds its own copy
     split = PRE_TOKENIZER_SPLITS[pre]
     if pre == "smollm":
         backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
@@ -83,23 +101,60 @@ def byte_level_backend(tokens: Sequence[str], merges: Sequence[str], token_types
     return backend
 
 
-def sentencepiece_backend(tokens: Sequence[str], token_types: Sequence[int], add_space_prefix: bool) -> Tokenizer:
+def _merge_pairs(vocab: dict[str, int], merges: Sequence[str]) -> list[tuple[str, str]]:
+    """The file's merges ("left right") as pairs holding the vocabulary's own string objects where the pieces are
+    tokens (a piece that is not stays a new string: the tokenizers library then refuses the merge)."""
+    same = {token: token for token in vocab}
+    pairs = []
+    for merge in merges:
+        left, space, right = merge.partition(" ")
+        pairs.append((same.get(left, left), same.get(right, right)) if space else (merge,))
+    return pairs
+
+
+def sentencepiece_backend(tokens: Sequence[str], token_types: Sequence[int], add_space_prefix: bool,
+                          cached_merges: CachedMerges = lambda rebuild: rebuild()) -> Tokenizer:
+    """The SentencePiece BPE of this vocabulary. Its merges are rebuilt from the vocabulary (merges_by_position), as
+    token-id pairs: cached_merges(rebuild) returns them, read from tokenizer_cache.py's file or made by rebuild."""
     work = sum(len(t) ** 2 for t in tokens)
     if work > MAX_MERGE_WORK:
         raise ValueError(f"tokenizer.ggml.tokens: rebuilding this vocabulary's merges takes {work:.3g} steps (the "
                          f"sum of squared token lengths), more than the {MAX_MERGE_WORK:.3g} pagevis allows")
     respelled = [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
-    vocab: dict[str, int] = {}
-    for index, token in enumerate(respelled):
-        vocab.setdefault(token, index)
-    backend = Tokenizer(models.BPE(vocab, merges_by_position(vocab), unk_token=_unknown(tokens, token_types),
-                                   fuse_unk=True, byte_fallback=True))
+    backend = Tokenizer(_sentencepiece_model(respelled, _unknown(tokens, token_types), cached_merges))
     steps = [normalizers.Prepend(SPIECE_SPACE)] if add_space_prefix else []
     backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", SPIECE_SPACE)])
     backend.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(),
                                          decoders.Fuse()])
     _add_control_tokens(backend, respelled, token_types, lambda token: True)
     return backend
+
+
+def _sentencepiece_model(respelled: list[str], unknown: str | None, cached_merges: CachedMerges) -> models.BPE:
+    """The BPE model; the vocabulary dict and the merges end with this call (the model holds its own copies)."""
+    vocab = dict(zip(reversed(respelled), range(len(respelled) - 1, -1, -1)))  # a repeated token: its first id
+    merges = _MergePairs(respelled, cached_merges(lambda: merges_by_position(respelled, vocab)))
+    return models.BPE(vocab, merges, unk_token=unknown, fuse_unk=True, byte_fallback=True)
+
+
+class _MergePairs(collections.abc.Sequence):
+    """Merges given as token-id pairs, seen as the (left, right) string pairs models.BPE reads, made one at a time
+    while it reads them: 515k tuples for Gemma held at once would cost ~40 MiB more at the build's peak."""
+
+    def __init__(self, names: Sequence[str], ids: np.ndarray):
+        self.names = names
+        self.left, self.right = (memoryview(np.ascontiguousarray(ids[:, side])) for side in (0, 1))
+
+    def __len__(self) -> int:
+        return len(self.left)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return self.names[self.left[index]], self.names[self.right[index]]
+
+    def __iter__(self):
+        return zip(map(self.names.__getitem__, self.left), map(self.names.__getitem__, self.right))
 
 
 # Bytes UTF-8 text can hold (a Python str encodes to no others): what a byte fallback must be able to spell.
@@ -135,22 +190,33 @@ def check_spellable(tokens: Sequence[str], token_types: Sequence[int]) -> None:
                          "refuses a model without <unk>)")
 
 
-def merges_by_position(vocab: dict[str, int]) -> list[tuple[str, str]]:
-    """Every (left, right) pair of tokens that spells a token, the merged token's earlier place in the file first,
-    then the longer left piece (transformers' generate_merges with Gemma's position scores). vocab is in file
-    order, so walking it (and each token's cuts from the right) yields that order without a sort."""
-    return [(merged[:cut], merged[cut:]) for merged in vocab for cut in range(len(merged) - 1, 0, -1)
-            if merged[:cut] in vocab and merged[cut:] in vocab]
+def merges_by_position(tokens: Sequence[str], vocab: dict[str, int]) -> np.ndarray:
+    """Every (left, right) pair of tokens that spells a token, as an int32 (n, 2) array of their ids: the merged
+    token's earlier place in the file first, then the longer left piece (transformers' generate_merges with Gemma's
+    position scores). Walking the tokens in file order (a repeated one at its first place, where vocab has it) and
+    each token's cuts from the right yields that order without a sort. Ids, not strings: Gemma's 515k pairs of new
+    strings took ~90 MiB."""
+    ids = array("i")
+    for index, merged in enumerate(tokens):
+        if vocab[merged] != index:
+            continue
+        for cut in range(len(merged) - 1, 0, -1):
+            left, right = vocab.get(merged[:cut]), vocab.get(merged[cut:])
+            if left is not None and right is not None:
+                ids.append(left)
+                ids.append(right)
+    return np.frombuffer(ids, dtype=np.int32).reshape(-1, 2).copy()
 
 
 def _unknown(tokens: Sequence[str], token_types: Sequence[int]) -> str | None:
-    return next((t for t, kind in zip(tokens, token_types) if kind == 2), None)  # GGUF type 2: UNKNOWN
+    unknown = np.flatnonzero(np.asarray(token_types) == 2)  # GGUF type 2: UNKNOWN
+    return tokens[unknown[0]] if unknown.size else None
 
 
 def _add_control_tokens(backend: Tokenizer, tokens: Sequence[str], token_types: Sequence[int], spellable) -> None:
-    vocab = backend.get_vocab()
-    control = [AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, token_types)
-               if kind == CONTROL and t and spellable(t)]
-    backend.add_special_tokens(control)
-    backend.add_tokens([AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, token_types)
-                        if kind == USER_DEFINED and t in vocab])
+    types = np.asarray(token_types)
+    user = [AddedToken(tokens[i], normalized=False, special=False)
+            for i in np.flatnonzero(types == USER_DEFINED).tolist() if backend.token_to_id(tokens[i]) is not None]
+    backend.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True)
+                                for i in np.flatnonzero(types == CONTROL).tolist() if tokens[i] and spellable(tokens[i])])
+    backend.add_tokens(user)
