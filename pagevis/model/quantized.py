@@ -244,21 +244,20 @@ def pack(kind: Q, raw_rows: np.ndarray | list[np.ndarray], n_in: int) -> QuantMa
         mode = {Q.Q4_0: Q4_0_MODE, Q.Q4_K: SUPER, Q.Q5_K: SUPER}.get(kind, HALF)
         arrays = (qs, qh, dh, ds, mh, ms, fmt == "u5", per, mode)
     repack_nib, repack_k, repack_i8 = kernels()["repack"]
-    row0 = 0
+    row0, inf_nan = 0, False
     for part in parts:
         for start in range(0, len(part), REPACK_ROWS):
             rows = np.ascontiguousarray(part[start:start + REPACK_ROWS], dtype=np.uint8)
             if fmt == "i8":
-                repack_i8(rows, row0 + start, *arrays, {Q.Q8_0: 8, Q.Q5_0: 5, Q.Q6_K: 6}[kind])
+                inf_nan |= repack_i8(rows, row0 + start, *arrays, {Q.Q8_0: 8, Q.Q5_0: 5, Q.Q6_K: 6}[kind])
             elif per > 1:
-                repack_k(rows, row0 + start, *arrays[:6], kind == Q.Q5_K)
+                inf_nan |= repack_k(rows, row0 + start, *arrays[:6], kind == Q.Q5_K)
             else:
-                repack_nib(rows, row0 + start, *arrays[:6], block_bytes, kind != Q.Q4_0, fmt == "u5")
+                inf_nan |= repack_nib(rows, row0 + start, *arrays[:6], block_bytes, kind != Q.Q4_0, fmt == "u5")
             _drop_pages(part[start:start + REPACK_ROWS])
         row0 += len(part)
-    for halves in (dh, mh) if fmt != "i8" else (dh,):
-        if halves is not NO_I16 and ((halves & 0x7C00) == 0x7C00).any():
-            raise ValueError("a block's float16 scale is infinite or NaN (the file's weights are not numbers)")
+    if inf_nan:  # the kernels' conversion (weight_kernels._half) is for finite halves
+        raise ValueError("a block's float16 scale is infinite or NaN (the file's weights are not numbers)")
     return QuantMatrix(kind, fmt, n_out, n_in, arrays, sum(int(part.nbytes) for part in parts))
 
 

@@ -386,18 +386,25 @@ _SRC = types.Array(types.uint8, 2, "C", readonly=True)
 
 
 def _signature(*arguments) -> types.Signature:
-    """A void signature from numba types and signature strings' argument lists."""
+    """A repack kernel's signature (it returns whether a scale was infinite or NaN) from numba types and signature
+    strings' argument lists."""
     parsed = []
     for argument in arguments:
         parsed += [argument] if isinstance(argument, types.Type) else list(sigutils.normalize_signature(
             f"void({argument})")[0])
-    return types.void(*parsed)
+    return types.boolean(*parsed)
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _u16(src, i, at):
     """A little-endian 16-bit field (a float16's bits), as int16."""
     return np.int16(np.int32(src[i, at]) | (np.int32(src[i, at + 1]) << np.int32(8)))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _inf_nan(h):
+    """Whether the float16 bits h are an infinity or a NaN (its exponent all ones)."""
+    return (np.int32(h) & np.int32(0x7C00)) == np.int32(0x7C00)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -410,20 +417,24 @@ def _u32(src, i, at):
 def repack_nib(src, row0, qs, qh, dh, ds, mh, ms, block_bytes, has_m, has_h):
     """Q4_0 {d, qs[16]}, Q4_1 {d, m, qs[16]}, Q5_1 {d, m, qh[4], qs[16]}: the file's bytes are the packed ones (low
     nibble weight j, high nibble j + 16; qh bit j weight j), moved into tiles."""
+    bad = False
     for i in range(src.shape[0]):
         t, r = (row0 + i) // TILE, (row0 + i) % TILE
         for b in range(src.shape[1] // block_bytes):
             at = b * block_bytes
             dh[t, b, r] = _u16(src, i, at)
+            bad |= _inf_nan(dh[t, b, r])
             at += 2
             if has_m:
                 mh[t, b, r] = _u16(src, i, at)
+                bad |= _inf_nan(mh[t, b, r])
                 at += 2
             if has_h:
                 qh[t, b, r] = _u32(src, i, at)
                 at += 4
             for j in range(16):
                 qs[t, b, j, r] = src[i, at + j]
+    return bad
 
 
 @njit(_signature(_SRC, f"int64, {_NIB_ARRAYS}, boolean"), **_OPTIONS)
@@ -433,12 +444,14 @@ def repack_k(src, row0, qs, qh, dh, ds, mh, ms, five):
     low nibbles and 64c+32.. in their high ones (regrouped into u4's group order); Q5_K's high bit of weight
     32k + j is bit k of qh[j]."""
     block_bytes = 176 if five else 144
+    bad = False
     for i in range(src.shape[0]):
         t, r = (row0 + i) // TILE, (row0 + i) % TILE
         for b in range(src.shape[1] // block_bytes):
             at = b * block_bytes
             dh[t, b, r] = _u16(src, i, at)
             mh[t, b, r] = _u16(src, i, at + 2) ^ np.int16(-0x8000)
+            bad |= _inf_nan(dh[t, b, r]) | _inf_nan(mh[t, b, r])
             sc = at + 4
             for k in range(8):
                 if k < 4:
@@ -460,6 +473,7 @@ def repack_k(src, row0, qs, qh, dh, ds, mh, ms, five):
                     for j in range(32):
                         h |= np.uint32((src[i, at + 16 + j] >> k) & 1) << np.uint32(j)
                     qh[t, 8 * b + k, r] = h
+    return bad
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -473,6 +487,7 @@ def repack_i8(src, row0, qs, dh, ds, per, kind):
     """kind 8: Q8_0 {d, qs[32] int8}; 5: Q5_0 {d, qh[4], qs[16]}, codes (nibble | high bit << 4) - 16;
     6: Q6_K {ql[128], qh[64], scales[16] int8, d}: 16 groups of 16, code = ql's nibble | qh's 2 bits << 4, - 32."""
     block_bytes = 34 if kind == 8 else (22 if kind == 5 else 210)
+    bad = False
     for i in range(src.shape[0]):
         t, r = (row0 + i) // TILE, (row0 + i) % TILE
         for b in range(src.shape[1] // block_bytes):
@@ -498,6 +513,8 @@ def repack_i8(src, row0, qs, dh, ds, per, kind):
                     low = (np.int32(src[i, at + 64 * half + (quarter % 2) * 32 + j]) >> (4 * (quarter // 2))) & 15
                     high = (np.int32(src[i, at + 128 + 32 * half + j]) >> (2 * quarter)) & 3
                     qs[t, 16 * b + w // 16, w % 16, r] = np.int8((low | (high << 4)) - 32)
+            bad |= _inf_nan(dh[t, b, r])
+    return bad
 
 
 KERNELS = {
