@@ -346,17 +346,8 @@ def _nib_dequant_tiles(qs, qh, dh, ds, mh, ms, high, per, mode, t0, t1, out):
 
 @njit(f"void({_NIB}, {_DEQ})", **_OPTIONS)
 def nib_dequant(qs, qh, dh, ds, mh, ms, high, per, mode, t0, t1, out):
-    if per > 1:
-        if high:
-            _nib_dequant_tiles(qs, qh, dh, ds, mh, ms, True, 8, SUPER, t0, t1, out)
-        else:
-            _nib_dequant_tiles(qs, qh, dh, ds, mh, ms, False, 8, SUPER, t0, t1, out)
-    elif high:
-        _nib_dequant_tiles(qs, qh, dh, ds, mh, ms, True, 1, HALF, t0, t1, out)
-    elif mode == Q4_0:
-        _nib_dequant_tiles(qs, qh, dh, ds, mh, ms, False, 1, Q4_0, t0, t1, out)
-    else:
-        _nib_dequant_tiles(qs, qh, dh, ds, mh, ms, False, 1, HALF, t0, t1, out)
+    """One copy for every type (dequantising is a small part of the sgemm it feeds: compiled once, not per type)."""
+    _nib_dequant_tiles(qs, qh, dh, ds, mh, ms, high, per, mode, t0, t1, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -373,10 +364,7 @@ def _i8_dequant_tiles(qs, dh, ds, per, t0, t1, out):
 
 @njit(f"void({_I8}, {_DEQ})", **_OPTIONS)
 def i8_dequant(qs, dh, ds, per, t0, t1, out):
-    if per > 1:  # Q6_K
-        _i8_dequant_tiles(qs, dh, ds, 16, t0, t1, out)
-    else:
-        _i8_dequant_tiles(qs, dh, ds, 1, t0, t1, out)
+    _i8_dequant_tiles(qs, dh, ds, per, t0, t1, out)
 
 
 # Repacking (quantized.pack): raw GGUF rows (n, bytes a row) -> rows row0.. of the packed arrays, block by block,
