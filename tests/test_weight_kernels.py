@@ -85,3 +85,90 @@ def test_a_stack_of_types_is_its_parts_side_by_side():
 def test_a_row_that_is_not_whole_blocks_is_refused():
     with pytest.raises(ValueError, match="Q4_0 rows of 48 weights"):
         pack(Q.Q4_0, np.zeros((4, 18), np.uint8), 48)
+
+
+# float16 bit patterns at the edges: zero and minus zero, the smallest and largest subnormals, the smallest normal,
+# one, negative ones, the largest half (65504) and its negative
+EDGE_HALVES = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x8001, 0x0400, 0x3C00, 0xBC00, 0xB555, 0x7BFF, 0xFBFF],
+                       np.uint16)
+
+
+def test_the_kernels_float16_conversion_is_numpys_on_every_finite_half():
+    from pagevis.model.weight_kernels import halves_to_float32
+
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    finite = bits[(bits & 0x7C00) != 0x7C00]  # every finite half (the scales holding inf or NaN are refused)
+    got = np.empty(len(finite), np.float32)
+    halves_to_float32(finite.view(np.int16), got)
+    expected = finite.view(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))  # bit for bit: -0 stays -0
+    at_edges = np.empty(len(EDGE_HALVES), np.float32)
+    halves_to_float32(EDGE_HALVES.view(np.int16), at_edges)
+    assert at_edges.tolist()[:4] == [0.0, -0.0, 2.0 ** -24, 1023 * 2.0 ** -24]
+    assert at_edges.tolist()[-2:] == [65504.0, -65504.0]
+
+
+@pytest.mark.parametrize("kind", list(FORMATS), ids=[k.name for k in FORMATS])
+def test_weights_with_edge_scales_are_gguf_pys_bit_for_bit(kind):
+    """Scales of zero, subnormal, negative and the largest halves (Q4_0's m = -8d at 65504 too): the packed
+    weights, dequantised by the kernels, are gguf-py's dequantised weights exactly, and a product stays in bound."""
+    rng = np.random.default_rng(11)
+    rows, n_in = 70, FORMATS[kind][3] * 2
+    raw = random_blocks(kind, rows, n_in, rng)
+    blocks = raw.reshape(-1, FORMATS[kind][2])
+    for at in SCALE_BYTES[kind]:
+        blocks[:, at:at + 2] = rng.choice(EDGE_HALVES, len(blocks)).view(np.uint8).reshape(-1, 2)
+    w = dequantize(raw, kind).reshape(rows, n_in)
+    matrix = pack(kind, raw, n_in)
+    np.testing.assert_array_equal(matrix.dequantize()[:, :rows].T, w)
+    np.testing.assert_array_equal(matrix.rows(np.arange(rows)), w)
+    x = rng.standard_normal((1, n_in)).astype(np.float32)
+    error = np.abs((x @ matrix) - x.astype(np.float64) @ w.T.astype(np.float64))
+    assert (error <= bound(w.astype(np.float64), x.astype(np.float64), FORMATS[kind][1])).all()
+
+
+@pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q4_1, Q.Q4_K], ids=lambda k: k.name)
+def test_a_scale_that_is_infinite_or_nan_is_refused(kind):
+    rng = np.random.default_rng(2)
+    raw = random_blocks(kind, 64, FORMATS[kind][3], rng)
+    raw[5, SCALE_BYTES[kind][-1]:SCALE_BYTES[kind][-1] + 2] = np.array([0x7E00], np.uint16).view(np.uint8)  # NaN
+    with pytest.raises(ValueError, match="infinite or NaN"):
+        pack(kind, raw, FORMATS[kind][3])
+
+
+# bits a weight held: codes, and per group (or K types' super-block) float16 scales and 8-bit sub-scales
+HELD_BITS = {Q.Q4_0: 4.5, Q.Q4_1: 5.0, Q.Q5_1: 6.0, Q.Q8_0: 8.5, Q.Q5_0: 8.5, Q.Q4_K: 4 + 16 / 32 + 32 / 256,
+             Q.Q5_K: 5 + 16 / 32 + 32 / 256, Q.Q6_K: 8 + 8 / 16 + 16 / 256}
+
+
+@pytest.mark.parametrize("kind", list(FORMATS), ids=[k.name for k in FORMATS])
+def test_the_bytes_held_are_the_files_where_the_format_keeps_its_bits(kind):
+    rng = np.random.default_rng(3)
+    raw = random_blocks(kind, 128, FORMATS[kind][3] * 2, rng)
+    matrix = pack(kind, raw, FORMATS[kind][3] * 2)
+    assert matrix.nbytes * 8 == HELD_BITS[kind] * raw.size // FORMATS[kind][2] * FORMATS[kind][3]
+    if kind in (Q.Q4_0, Q.Q4_1, Q.Q5_1, Q.Q8_0):
+        assert matrix.nbytes == raw.nbytes == matrix.file_bytes
+
+
+def test_parts_are_packed_as_their_rows_one_after_another(tmp_path):
+    """Q, K, V packed as one matrix without concatenating them (a part ending inside a row tile), straight from a
+    read-only file mapping, whose pages the repacking drops as it goes: the same as packing their concatenation
+    in memory, and the mapping still reads the file's bytes afterwards."""
+    from pagevis.model import quantized
+
+    rng = np.random.default_rng(4)
+    parts = [random_blocks(Q.Q4_K, rows, 512, rng) for rows in (70, 60, 200)]
+    path = tmp_path / "rows.bin"
+    np.concatenate(parts).tofile(path)
+    mapped = np.memmap(path, np.uint8, mode="r").reshape(330, -1)
+    views = [mapped[:70], mapped[70:130], mapped[130:]]
+    old_rows, quantized.REPACK_ROWS = quantized.REPACK_ROWS, 64  # several chunks, each dropped once repacked
+    try:
+        matrix = pack(Q.Q4_K, views, 512)
+    finally:
+        quantized.REPACK_ROWS = old_rows
+    whole = pack(Q.Q4_K, np.concatenate(parts), 512)
+    np.testing.assert_array_equal(matrix.dequantize(), whole.dequantize())
+    np.testing.assert_array_equal(mapped, np.concatenate(parts))
+    assert matrix.shape == (512, 330) and matrix.file_bytes == mapped.nbytes

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from pagevis.model.errors import ModelLoadError
-from pagevis.model.quantized import FLOAT_TYPES, FORMATS, QuantMatrix, pack
+from pagevis.model.quantized import FLOAT_TYPES, FORMATS, QuantMatrix, file_pages_dropper, pack
 from pagevis.model.weights import LayerWeights, LlamaWeights
 
 WEIGHT_FORMATS = ("quantized", "float32")
@@ -102,6 +102,9 @@ def quantized_weights(path: Path, tensors: dict[str, Any], dense: Callable[[str]
         release(tensors[name])
         return values
 
+    # Reading a page of the file maps its neighbours too (fault-around), which each tensor's release leaves
+    # behind: after each layer every tensor page still mapped is dropped (a few MB a layer otherwise)
+    drop_file_pages = file_pages_dropper([np.asarray(t.data) for t in tensors.values()]) or (lambda: None)
     layers = []
     for i in range(n_layers):
         b = f"blk.{i}."
@@ -114,6 +117,7 @@ def quantized_weights(path: Path, tensors: dict[str, Any], dense: Callable[[str]
             w_gate_up=matrix(names["ffn_gate"], names["ffn_up"]),
             w_down=matrix(names["ffn_down"]),
             **_optional_vectors(optional, b, vector)))
+        drop_file_pages()
     embedding_matrix = matrix("token_embd.weight")
     if isinstance(embedding_matrix, QuantMatrix):
         embedding = QuantEmbedding(embedding_matrix)
@@ -121,7 +125,9 @@ def quantized_weights(path: Path, tensors: dict[str, Any], dense: Callable[[str]
         embedding = np.ascontiguousarray(embedding_matrix.T)
         embedding_matrix = embedding.T
     output = matrix("output.weight") if "output.weight" in tensors else embedding_matrix
-    return LlamaWeights(embedding, tuple(layers), vector("output_norm.weight"), output)
+    weights = LlamaWeights(embedding, tuple(layers), vector("output_norm.weight"), output)
+    drop_file_pages()
+    return weights
 
 
 def _optional_vectors(optional: dict[str, str], prefix: str, vector: Callable) -> dict[str, np.ndarray]:
@@ -133,13 +139,18 @@ def _optional_vectors(optional: dict[str, str], prefix: str, vector: Callable) -
 
 def _packed(path: Path, tensors: list[Any], dense: Callable[[str], np.ndarray]) -> Any:
     kind = tensors[0].tensor_type
-    if kind in FLOAT_TYPES or kind not in FORMATS:
-        arrays = [dense(t.name) for t in tensors]  # F32/F16/BF16 (and the K types with no kernel): float32
-        return np.ascontiguousarray(np.concatenate(arrays, axis=0), dtype=np.float32).T
+    if kind in FLOAT_TYPES or kind not in FORMATS:  # F32/F16/BF16 (and the K types with no kernel): float32
+        if len(tensors) == 1:
+            return np.ascontiguousarray(dense(tensors[0].name), dtype=np.float32).T
+        rows = [int(np.prod(t.shape[1:])) for t in tensors]
+        out = np.empty((sum(rows), int(tensors[0].shape[0])), np.float32)  # filled part by part: no concatenation
+        for t, start, n in zip(tensors, np.cumsum([0] + rows), rows):
+            out[start:start + n] = dense(t.name)
+        return out.T
     n_in = int(tensors[0].shape[0])
     raw = [np.asarray(t.data).reshape(int(np.prod(t.shape[1:])), -1) for t in tensors]
     try:
-        return pack(kind, raw[0] if len(raw) == 1 else np.concatenate(raw, axis=0), n_in)
+        return pack(kind, raw, n_in)  # Q, K, V (gate, up) packed one after another into one matrix
     except ValueError as exc:
         raise ModelLoadError(f"{path}: tensor {tensors[0].name}: {exc}") from exc
 

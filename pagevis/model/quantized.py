@@ -7,13 +7,18 @@ the format's matrix-vector kernel; up to SMALL_BATCH rows -> the small-batch ker
 all rows); more -> tiles dequantised a chunk at a time into a float32 buffer and multiplied by BLAS sgemm
 (prefill). F32, F16 and BF16 tensors stay float32 arrays (BLAS).
 
-The ggml block layouts (what each decoder below reads) are ggml's, as gguf-py's `gguf.quants` dequantises them;
-the tests check every type against that dequantiser.
+Held as the file holds them: the codes (Q5_0 widened to bytes), each block's float16 scales as their bits, the K
+types' 6- or 8-bit sub-scales as bytes; 4.5 bits a weight for Q4_0, 5 for Q4_1, 6 for Q5_1, 8.5 for Q8_0 and Q5_0,
+4.625 for Q4_K, 5.625 for Q5_K, 8.5625 for Q6_K. The repack kernels (weight_kernels.py) read ggml's block layouts as
+gguf-py's `gguf.quants` dequantises them (the tests check every type against that dequantiser), straight into
+the packed arrays: nothing a tensor's size is allocated besides them.
 """
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
@@ -27,19 +32,22 @@ CHUNK_BYTES = 2 << 20  # float32 bytes of dequantised weights per sgemm chunk, f
 # For a batch of a few rows the chunk must stay in L2 (1 MB here) between being written and read: 256 KB made
 # 16 sequences' aggregate decode 1.2x faster than 2 MB (SmolLM2: 113-119 against 88-100 tokens/s)
 SMALL_CHUNK_BYTES, SMALL_CHUNK_ROWS = 256 << 10, 64
-REPACK_ROWS = 4096  # rows decoded at a time while repacking (bounds the temporary codes)
+REPACK_ROWS = 4096  # rows repacked before their pages of the file mapping are dropped (bounds what is resident)
 QK_K = 256
 
 # ggml type -> (packed format, weights per group, bytes per block, weights per block)
 FORMATS = {
     Q.Q4_0: ("u4", 32, 18, 32), Q.Q4_1: ("u4", 32, 20, 32), Q.Q4_K: ("u4", 32, 144, QK_K),
-    # Q5_0 as signed bytes (code - 16, no offset: 9 bits a weight for its 5.5): the i8 kernel reads it ~3x faster
+    # Q5_0 as signed bytes (code - 16, no offset: 8.5 bits a weight for its 5.5): the i8 kernel reads it ~3x faster
     # than u5's bit-by-bit high bits, which matters where Q5_0 holds most matrices (Gemma 3's Q4_K_M)
     Q.Q5_0: ("i8", 32, 22, 32), Q.Q5_1: ("u5", 32, 24, 32), Q.Q5_K: ("u5", 32, 176, QK_K),
     Q.Q8_0: ("i8", 32, 34, 32), Q.Q6_K: ("i8", 16, 210, QK_K),
 }
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
-NO_HIGH_BITS = np.zeros((1, 1, 1), np.uint32)  # u4's placeholder for u5's high bits (never read)
+# placeholders for arrays a format does not use (u4's high bits, plain types' 6-bit scales, Q4_0's offsets)
+NO_U32, NO_I16, NO_I8 = np.zeros((1, 1, 1), np.uint32), np.zeros((1, 1, 1), np.int16), np.zeros((1, 1, 1), np.int8)
+PLACEHOLDERS = (NO_U32, NO_I16, NO_I8)
+HALF, Q4_0_MODE, SUPER = 0, 1, 2  # the kernels' scale modes (weight_kernels.py)
 
 
 def kernels() -> dict:
@@ -97,75 +105,6 @@ def _kernel_stamp(numba_version: str):
 _KERNELS: dict | None = None
 
 
-def _f16(raw: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """(n, 16) bytes -> (n, 32) codes: low nibbles are weights 0..15, high nibbles 16..31 (ggml's *_0, *_1)."""
-    return np.concatenate([qs & 15, qs >> 4], axis=-1)
-
-
-def _high_bits(qh: np.ndarray) -> np.ndarray:
-    """(n, 4) bytes of a little-endian uint32 -> (n, 32) bits, bit j for weight j."""
-    return np.unpackbits(qh, axis=-1, bitorder="little")
-
-
-def _k_scales(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K/Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins per super-block (as gguf-py's get_scale_min)."""
-    s = scales.reshape(-1, 3, 4)
-    d, m, md = s[:, 0], s[:, 1], s[:, 2]
-    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
-    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return sc.astype(np.float32), mn.astype(np.float32)
-
-
-def _k4_codes(qs: np.ndarray) -> np.ndarray:
-    """Q4_K/Q5_K's 128 bytes -> 256 codes: each 32 bytes hold weights 0..31 of a 64 in low nibbles, 32..63 in high."""
-    q = qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-    return (q & 15).reshape(-1, QK_K)
-
-
-def decode_blocks(kind: Q, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """(n, bytes per block) raw blocks -> codes (n, weights per block), scale and offset per group (n, groups):
-    weight = scale * code + offset (offset None: 0). Codes are uint8 (int8 for i8 formats)."""
-    n = len(blocks)
-    if kind in (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1):
-        d = _f16(blocks[:, 0:2])
-        has_min = kind in (Q.Q4_1, Q.Q5_1)
-        m = _f16(blocks[:, 2:4]) if has_min else None
-        at = 4 if has_min else 2
-        codes = None
-        if kind in (Q.Q5_0, Q.Q5_1):
-            codes = _high_bits(blocks[:, at:at + 4]) << 4
-            at += 4
-        nib = _nibbles(blocks[:, at:at + 16])
-        codes = nib if codes is None else nib | codes
-        if kind == Q.Q5_0:
-            return codes.astype(np.int8) - np.int8(16), d, None
-        if m is None:
-            m = d * np.float32(-8)
-        return codes, d, m
-    if kind == Q.Q8_0:
-        return blocks[:, 2:].view(np.int8), _f16(blocks[:, 0:2]), None
-    if kind in (Q.Q4_K, Q.Q5_K):
-        d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
-        sc, mn = _k_scales(blocks[:, 4:16])
-        codes = _k4_codes(blocks[:, -128:])
-        if kind == Q.Q5_K:
-            qh = blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-            codes = codes | ((qh & 1).reshape(n, QK_K) << 4)
-        return codes, d * sc, -(dmin * mn)
-    if kind == Q.Q6_K:
-        ql = blocks[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
-        qh = blocks[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
-        q = (ql & 15).reshape(n, 8, 32) | ((qh & 3).reshape(n, 8, 32) << 4)
-        codes = q.reshape(n, QK_K).astype(np.int8) - np.int8(32)
-        scales = blocks[:, 192:208].view(np.int8).astype(np.float32)
-        return codes, _f16(blocks[:, 208:210]) * scales, None
-    raise ValueError(f"no decoder for ggml type {kind.name}")
-
-
 @dataclass
 class QuantMatrix:
     """An (out, in) weight matrix in a packed format, used as its (in, out) view: `x @ matrix`."""
@@ -174,7 +113,7 @@ class QuantMatrix:
     fmt: str           # u4, u5, i8
     n_out: int
     n_in: int
-    arrays: tuple      # the kernel's arguments: (qs, qh, d, m, has high bits) or (qs, d)
+    arrays: tuple      # the kernels' arguments: (qs, qh, dh, ds, mh, ms, high, per, mode) or (qs, dh, ds, per)
     file_bytes: int    # its size in the GGUF file
 
     __array_ufunc__ = None  # `x @ matrix` calls __rmatmul__
@@ -195,10 +134,10 @@ class QuantMatrix:
     def ndim(self) -> int:
         return 2
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         """Bytes held (and read per product): the packed codes, scales and offsets."""
-        return sum(a.nbytes for a in self.arrays if isinstance(a, np.ndarray) and a is not NO_HIGH_BITS)
+        return sum(a.nbytes for a in self.arrays if isinstance(a, np.ndarray) and all(a is not p for p in PLACEHOLDERS))
 
     @property
     def tiles(self) -> int:
@@ -272,44 +211,96 @@ class QuantMatrix:
         return out
 
 
-def pack(kind: Q, raw_rows: np.ndarray, n_in: int) -> QuantMatrix:
-    """Repack a quantised (out, in) matrix from its raw GGUF rows (out, bytes per row) into TILE-row tiles."""
+def pack(kind: Q, raw_rows: np.ndarray | list[np.ndarray], n_in: int) -> QuantMatrix:
+    """Repack a quantised (out, in) matrix from its raw GGUF rows (out, bytes per row) into TILE-row tiles; a list
+    of raw matrices (Q, K, V of one type) is packed as one, their rows one after another. The file's pages of
+    each REPACK_ROWS rows are dropped from the process once repacked (when the rows are a read-only file
+    mapping), so a big tensor is never resident twice."""
     if kind not in FORMATS:
         raise ValueError(f"ggml type {kind.name} has no packed format")
     fmt, group, block_bytes, block_weights = FORMATS[kind]
-    n_out = len(raw_rows)
+    parts = [raw_rows] if isinstance(raw_rows, np.ndarray) else list(raw_rows)
     blocks_per_row = n_in // block_weights
-    if n_in % block_weights or raw_rows.shape[1] != blocks_per_row * block_bytes:
-        raise ValueError(f"{kind.name} rows of {n_in} weights take {blocks_per_row} blocks of {block_bytes} bytes; "
-                         f"got rows of {raw_rows.shape[1]} bytes")
+    for part in parts:
+        if n_in % block_weights or part.ndim != 2 or part.shape[1] != blocks_per_row * block_bytes:
+            raise ValueError(f"{kind.name} rows of {n_in} weights take {blocks_per_row} blocks of {block_bytes} "
+                             f"bytes; got rows of {part.shape[-1]} bytes")
+    n_out = sum(len(part) for part in parts)
     tiles, groups = -(-n_out // TILE), n_in // group
-    code_type = np.int8 if fmt == "i8" else np.uint8
-    qs = np.zeros((tiles, groups, group // 2 if fmt != "i8" else group, TILE), code_type)
-    qh = np.zeros((tiles, groups, TILE), np.uint32) if fmt == "u5" else None
-    d = np.zeros((tiles, groups, TILE), np.float32)
-    m = np.zeros((tiles, groups, TILE), np.float32) if fmt != "i8" else None
-    step = REPACK_ROWS // TILE * TILE
-    for start in range(0, n_out, step):
-        rows = raw_rows[start:start + step]
-        n = len(rows)
-        codes, scale, offset = decode_blocks(kind, np.ascontiguousarray(rows).reshape(n * blocks_per_row, -1))
-        codes = codes.reshape(n, groups, group)
-        t0, t_n = start // TILE, -(-n // TILE)
-        pad = t_n * TILE - n
+    per = block_weights // group  # groups a float16 scale covers: 1, or a K type's super-block
 
-        def tiled(a: np.ndarray) -> np.ndarray:  # (n, groups, ...) -> (tiles, groups, ..., TILE)
-            a = np.pad(a, [(0, pad)] + [(0, 0)] * (a.ndim - 1)) if pad else a
-            a = a.reshape(t_n, TILE, *a.shape[1:])
-            return np.moveaxis(a, 1, -1)
+    def held(dtype, n: int, *inner: int) -> np.ndarray:
+        return np.zeros((tiles, n, *inner, TILE), dtype)
 
-        if fmt == "i8":
-            qs[t0:t0 + t_n] = tiled(codes)
-        else:
-            qs[t0:t0 + t_n] = tiled((codes[..., :16] & 15) | ((codes[..., 16:] & 15) << 4))
-            m[t0:t0 + t_n] = tiled(offset.reshape(n, groups))
-        if fmt == "u5":
-            bits = (codes >> 4).astype(np.uint32) << np.arange(32, dtype=np.uint32)
-            qh[t0:t0 + t_n] = tiled(np.bitwise_or.reduce(bits, axis=-1))
-        d[t0:t0 + t_n] = tiled(scale.reshape(n, groups))
-    arrays = {"u4": (qs, NO_HIGH_BITS, d, m, False), "u5": (qs, qh, d, m, True), "i8": (qs, d)}[fmt]
-    return QuantMatrix(kind, fmt, n_out, n_in, arrays, int(raw_rows.nbytes))
+    qs = held(np.int8 if fmt == "i8" else np.uint8, groups, group if fmt == "i8" else group // 2)
+    dh = held(np.int16, blocks_per_row)  # float16 bits
+    ds = held(np.int8, groups) if per > 1 else NO_I8
+    if fmt == "i8":
+        arrays: tuple = (qs, dh, ds, per)
+    else:
+        qh = held(np.uint32, groups) if fmt == "u5" else NO_U32
+        mh = held(np.int16, blocks_per_row) if kind != Q.Q4_0 else NO_I16
+        ms = held(np.int8, groups) if per > 1 else NO_I8
+        mode = {Q.Q4_0: Q4_0_MODE, Q.Q4_K: SUPER, Q.Q5_K: SUPER}.get(kind, HALF)
+        arrays = (qs, qh, dh, ds, mh, ms, fmt == "u5", per, mode)
+    repack_nib, repack_k, repack_i8 = kernels()["repack"]
+    row0 = 0
+    for part in parts:
+        for start in range(0, len(part), REPACK_ROWS):
+            rows = np.ascontiguousarray(part[start:start + REPACK_ROWS], dtype=np.uint8)
+            if fmt == "i8":
+                repack_i8(rows, row0 + start, *arrays, {Q.Q8_0: 8, Q.Q5_0: 5, Q.Q6_K: 6}[kind])
+            elif per > 1:
+                repack_k(rows, row0 + start, *arrays[:6], kind == Q.Q5_K)
+            else:
+                repack_nib(rows, row0 + start, *arrays[:6], block_bytes, kind != Q.Q4_0, fmt == "u5")
+            _drop_pages(part[start:start + REPACK_ROWS])
+        row0 += len(part)
+    for halves in (dh, mh) if fmt != "i8" else (dh,):
+        if halves is not NO_I16 and ((halves & 0x7C00) == 0x7C00).any():
+            raise ValueError("a block's float16 scale is infinite or NaN (the file's weights are not numbers)")
+    return QuantMatrix(kind, fmt, n_out, n_in, arrays, sum(int(part.nbytes) for part in parts))
+
+
+def _drop_pages(rows: np.ndarray) -> None:
+    """Drop the whole pages of rows from the process if they are a read-only file mapping."""
+    place = _mapped_place(rows)
+    if place is not None:
+        owner, offset = place
+        _advise_dont_need(owner, -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE,
+                          (offset + rows.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE)
+
+
+def file_pages_dropper(arrays: list[np.ndarray]):
+    """A function that drops every page the arrays' span of a read-only file mapping has in the process, partial
+    pages included (reading a page maps its neighbours too: fault-around), or None if they are not one."""
+    places = [_mapped_place(a) for a in arrays]
+    if not places or any(p is None or p[0] is not places[0][0] for p in places):
+        return None
+    owner = places[0][0]
+    start = min(offset for _, offset in places) // mmap.PAGESIZE * mmap.PAGESIZE
+    end = max(offset + a.nbytes for (_, offset), a in zip(places, arrays))
+    return lambda: _advise_dont_need(owner, start, end)
+
+
+def _mapped_place(array: np.ndarray):
+    """(the mmap, the array's offset in it) if the array is a read-only view of an open mmap, else None: MADV_DONTNEED
+    on anything else (a private copy, the heap) could lose data, so nothing else is ever advised."""
+    if array.flags.writeable or not array.flags.c_contiguous or not hasattr(mmap, "MADV_DONTNEED"):
+        return None
+    owner = array.base
+    while isinstance(owner, np.ndarray):
+        owner = owner.base
+    if not isinstance(owner, mmap.mmap) or owner.closed:
+        return None
+    return owner, array.ctypes.data - np.frombuffer(owner, np.uint8, count=1).ctypes.data
+
+
+def _advise_dont_need(owner: mmap.mmap, start: int, end: int) -> None:
+    """Bytes start..end of the mapping (start page-aligned; the kernel rounds the end up to a page) dropped from the
+    process: they stay in the page cache, and come back if read again."""
+    if end > start:
+        try:
+            owner.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):
+            pass

@@ -5,15 +5,20 @@ Three packed formats cover every supported ggml type (quantized.py repacks each 
       (Q4_0: m = -8d; Q4_1; Q4_K: d = super-scale * 6-bit scale, m = -super-min * 6-bit min)
   u5: u4's nibbles plus one high bit per weight (a uint32 per group): q in 0..31, w = d*q + m (Q5_1, Q5_K)
   i8: signed 8-bit codes, per G-weight group a scale: w = d*q (Q8_0 and Q5_0 (q = its 5 bits - 16), G = 32;
-      Q6_K, G = 16, q = its 6 bits - 32)
+      Q6_K, G = 16, q = its 6 bits - 32, d = super-scale * 8-bit scale)
+The scales are held as the file holds them: float16 bit patterns (as int16) and, for the K types, the 6- or 8-bit
+sub-scales beside one float16 per super-block; the kernels convert a group's 64 rows of them to float32 (exactly:
+see _halves) before using them, so every weight is the file's, in the file's bits.
 Rows come in tiles of TILE = 64 output rows: `qs[tile, group, j, r]` is byte j of row r's group, so the innermost
 loop runs across a tile's 64 rows, contiguous in memory, and LLVM vectorises it (a loop over one row's blocks
 does not: ~4x slower). Per format three kernels:
-  *_matvec(..., x, t0, t1, out): one row x, tiles t0..t1 into out (their rows) (decode); the group's codes times x summed first, then scaled:
+  *_matvec(..., x, t0, t1, out): one row x, tiles t0..t1 into out (their rows) (decode); the group's codes times x
+      summed first, then scaled:
       out[r] = sum_g d[g,r] * (sum_j q[g,j,r] x[j]) + m[g,r] * (sum_j x[j])
-  *_matmul(..., X, t0, t1, out): a few rows (a batched decode step): each group dequantised to float32 once, used by all
-      rows, each row's group sum first (as *_matvec), vectorised across the tile's rows
+  *_matmul(..., X, t0, t1, out): a few rows (a batched decode step): each group dequantised to float32 once, used by
+      all rows, each row's group sum first (as *_matvec), vectorised across the tile's rows
   *_dequant(..., t0, t1, out): tiles t0..t1 as float32 (in_features, rows), for sgemm (prefill, big batches)
+and the repack kernels that fill the packed arrays from the file's blocks at load.
 All arithmetic is float32; every kernel is compiled once and kept in numba's on-disk cache (cache=True), with
 explicit signatures, so importing this module compiles (the first time) or loads them (every later time).
 """
@@ -21,12 +26,27 @@ explicit signatures, so importing this module compiles (the first time) or loads
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+from numba.core import sigutils
 
 TILE = 64
+TWO_112 = np.float32(2.0 ** 112)
 
-_NIB = "uint8[:, :, :, ::1], uint32[:, :, ::1], float32[:, :, ::1], float32[:, :, ::1], boolean"
-_I8 = "int8[:, :, :, ::1], float32[:, :, ::1]"
+# The scales as the file holds them: float16 bit patterns (int16), converted in the kernels (_half) 64 rows at a time.
+#   nib (u4, u5): qs, qh, dh, ds, mh, ms, high, per, mode
+#     mode HALF: d = half(dh[t, g]), m = half(mh[t, g])                      (Q4_1, Q5_1)
+#     mode Q4_0: d = half(dh[t, g]), m = -8 d                                (Q4_0)
+#     mode SUPER: d = half(dh[t, g // per]) * ds[t, g], m = half(mh[t, g // per]) * ms[t, g]
+#                 (Q4_K, Q5_K: per = 8 groups a super-block; mh holds -dmin; ds, ms the 6-bit scales and mins)
+#   i8: qs, dh, ds, per: per 1: d = half(dh[t, g]) (Q8_0, Q5_0); else d = half(dh[t, g // per]) * ds[t, g] (Q6_K)
+# Every product is exact in float32 (an 11-bit half times at most 8 bits), so the weights are those of the file.
+HALF, Q4_0, SUPER = 0, 1, 2
+_NIB_ARRAYS = ("uint8[:, :, :, ::1], uint32[:, :, ::1], int16[:, :, ::1], int8[:, :, ::1], int16[:, :, ::1], "
+               "int8[:, :, ::1]")
+_NIB = f"{_NIB_ARRAYS}, boolean, int64, int64"
+_I8 = "int8[:, :, :, ::1], int16[:, :, ::1], int8[:, :, ::1], int64"
 _VEC = "float32[::1], int64, int64, float32[::1]"
 _MAT = "float32[:, ::1], int64, int64, float32[:, :]"
 _DEQ = "int64, int64, float32[:, ::1]"
@@ -46,6 +66,57 @@ def _group_sums(x, group):
             s += x[g * group + j]
         sums[g] = s
     return sums
+
+
+@intrinsic
+def _bits_as_float32(typingctx, bits):
+    """The float32 whose bits are the int32 bits (LLVM's bitcast: no instruction)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _half(h):
+    """The finite float16 whose bits are the int16 h, as float32, exactly: sign-extended and shifted, its exponent
+    and mantissa land in float32's (read so, a half's bits are 2**-112 of its value, subnormals included) and its
+    sign in the sign bit once the three sign copies between them are cleared; then times 2**112. Three integer
+    instructions and a multiply, so the loops over a tile's rows that use it vectorise. (Infinities and NaNs would
+    come out finite: quantized.pack refuses scales that hold them.)"""
+    return _bits_as_float32((np.int32(h) << np.int32(13)) & np.int32(-0x70000001)) * TWO_112
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _scales(h, sub, per, t, g, out, sup):
+    """out[r] = a group's scales for a tile's rows: half(h[t, g, r]), or (K types) half(h[t, g // per, r]) *
+    sub[t, g, r], the super-block's halves converted into sup at its first group."""
+    if per == 1:
+        for r in range(TILE):
+            out[r] = _half(h[t, g, r])
+    else:
+        if g % per == 0:
+            for r in range(TILE):
+                sup[r] = _half(h[t, g // per, r])
+        for r in range(TILE):
+            out[r] = sup[r] * np.float32(sub[t, g, r])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _nib_scales(dh, ds, mh, ms, per, mode, t, g, d, m, sup):
+    """d, m = a group's scales and offsets for a tile's rows (see the modes above); sup (2, TILE): scratch."""
+    _scales(dh, ds, per, t, g, d, sup[0])
+    if mode == Q4_0:
+        for r in range(TILE):
+            m[r] = d[r] * np.float32(-8)
+    else:
+        _scales(mh, ms, per, t, g, m, sup[1])
+
+
+@njit("void(int16[::1], float32[::1])", cache=True, nogil=True)
+def halves_to_float32(h, out):
+    """The kernels' float16 conversion over a vector (its tests compare it with NumPy's on every half)."""
+    for i in range(h.size):
+        out[i] = _half(h[i])
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -71,7 +142,7 @@ def _u5_dot(qs, qh, t, g, x, s):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _nib_weights(qs, qh, d, m, high, t, g, w):
+def _nib_weights(qs, qh, high, t, g, d, m, w):
     """w (32, TILE) = the group's weights d * code + m, as float32 (one pass: a pass per step was slower)."""
     if high:
         for j in range(16):
@@ -79,37 +150,75 @@ def _nib_weights(qs, qh, d, m, high, t, g, w):
                 q, h = np.int32(qs[t, g, j, r]), np.int32(qh[t, g, r])
                 lo = np.int32((q & 15) | (((h >> j) & 1) << 4))
                 hi = np.int32((q >> 4) | (((h >> (j + 16)) & 1) << 4))
-                w[j, r] = d[t, g, r] * np.float32(lo) + m[t, g, r]
-                w[j + 16, r] = d[t, g, r] * np.float32(hi) + m[t, g, r]
+                w[j, r] = d[r] * np.float32(lo) + m[r]
+                w[j + 16, r] = d[r] * np.float32(hi) + m[r]
     else:
         for j in range(16):
             for r in range(TILE):
                 q = np.int32(qs[t, g, j, r])
-                w[j, r] = d[t, g, r] * np.float32(np.int32(q & 15)) + m[t, g, r]
-                w[j + 16, r] = d[t, g, r] * np.float32(np.int32(q >> 4)) + m[t, g, r]
+                w[j, r] = d[r] * np.float32(np.int32(q & 15)) + m[r]
+                w[j + 16, r] = d[r] * np.float32(np.int32(q >> 4)) + m[r]
 
 
-@njit(f"void({_NIB}, {_VEC})", **_OPTIONS)
-def nib_matvec(qs, qh, d, m, high, x, t0, t1, out):
-    groups = qs.shape[1]
-    xs = _group_sums(x, 32)
+@njit(cache=True, nogil=True, inline="always")
+def _nib_scale_sums(dh, ds, mh, ms, per, mode, t, g, s, xsg, acc, sup):
+    """acc[r] += d[r] * s[r] + m[r] * xsg with the group's scales converted in the same loop (one pass: converting
+    into a buffer first made SmolLM2's matrix-vector products ~15% slower); a K type's super-block scales (sup:
+    d, then -dmin) once per super-block."""
+    if per > 1:
+        if g % per == 0:
+            for r in range(TILE):
+                sup[0, r] = _half(dh[t, g // per, r])
+                sup[1, r] = _half(mh[t, g // per, r])
+        for r in range(TILE):
+            acc[r] += (sup[0, r] * np.float32(ds[t, g, r])) * s[r] + (sup[1, r] * np.float32(ms[t, g, r])) * xsg
+    elif mode == Q4_0:
+        for r in range(TILE):
+            d = _half(dh[t, g, r])
+            acc[r] += d * s[r] + (d * np.float32(-8)) * xsg
+    else:
+        for r in range(TILE):
+            acc[r] += _half(dh[t, g, r]) * s[r] + _half(mh[t, g, r]) * xsg
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _nib_matvec_tiles(qs, qh, dh, ds, mh, ms, high, per, mode, x, xs, t0, t1, out):
+    sup = np.empty((2, TILE), np.float32)
     for t in range(t0, t1):
         acc = np.zeros(TILE, np.float32)
         s = np.empty(TILE, np.float32)
-        for g in range(groups):
+        for g in range(qs.shape[1]):
             s[:] = 0
             if high:
                 _u5_dot(qs, qh, t, g, x, s)
             else:
                 _u4_dot(qs, t, g, x, s)
-            for r in range(TILE):
-                acc[r] += d[t, g, r] * s[r] + m[t, g, r] * xs[g]
+            _nib_scale_sums(dh, ds, mh, ms, per, mode, t, g, s, xs[g], acc, sup)
         out[(t - t0) * TILE:(t - t0 + 1) * TILE] = acc
 
 
-@njit(f"void({_I8}, {_VEC})", **_OPTIONS)
-def i8_matvec(qs, d, x, t0, t1, out):
+@njit(f"void({_NIB}, {_VEC})", **_OPTIONS)
+def nib_matvec(qs, qh, dh, ds, mh, ms, high, per, mode, x, t0, t1, out):
+    """One copy of the loops per type family, its flags literal: with them tested inside the group loop, SmolLM2's
+    Q4_1 products ran ~25% slower."""
+    xs = _group_sums(x, 32)
+    if per > 1:  # Q4_K, Q5_K: 8 groups a super-block
+        if high:
+            _nib_matvec_tiles(qs, qh, dh, ds, mh, ms, True, 8, SUPER, x, xs, t0, t1, out)
+        else:
+            _nib_matvec_tiles(qs, qh, dh, ds, mh, ms, False, 8, SUPER, x, xs, t0, t1, out)
+    elif high:  # Q5_1
+        _nib_matvec_tiles(qs, qh, dh, ds, mh, ms, True, 1, HALF, x, xs, t0, t1, out)
+    elif mode == Q4_0:
+        _nib_matvec_tiles(qs, qh, dh, ds, mh, ms, False, 1, Q4_0, x, xs, t0, t1, out)
+    else:  # Q4_1
+        _nib_matvec_tiles(qs, qh, dh, ds, mh, ms, False, 1, HALF, x, xs, t0, t1, out)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _i8_matvec_tiles(qs, dh, ds, per, x, t0, t1, out):
     groups, size = qs.shape[1], qs.shape[2]
+    sup = np.empty(TILE, np.float32)
     for t in range(t0, t1):
         acc = np.zeros(TILE, np.float32)
         s = np.empty(TILE, np.float32)
@@ -119,9 +228,24 @@ def i8_matvec(qs, d, x, t0, t1, out):
                 xj = x[g * size + j]
                 for r in range(TILE):
                     s[r] += np.float32(qs[t, g, j, r]) * xj
-            for r in range(TILE):
-                acc[r] += d[t, g, r] * s[r]
+            if per > 1:
+                if g % per == 0:
+                    for r in range(TILE):
+                        sup[r] = _half(dh[t, g // per, r])
+                for r in range(TILE):
+                    acc[r] += (sup[r] * np.float32(ds[t, g, r])) * s[r]
+            else:
+                for r in range(TILE):
+                    acc[r] += _half(dh[t, g, r]) * s[r]
         out[(t - t0) * TILE:(t - t0 + 1) * TILE] = acc
+
+
+@njit(f"void({_I8}, {_VEC})", **_OPTIONS)
+def i8_matvec(qs, dh, ds, per, x, t0, t1, out):
+    if per > 1:  # Q6_K: 16 groups a super-block
+        _i8_matvec_tiles(qs, dh, ds, 16, x, t0, t1, out)
+    else:  # Q8_0, Q5_0
+        _i8_matvec_tiles(qs, dh, ds, 1, x, t0, t1, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -148,27 +272,52 @@ def _accumulate16(w, X, column, acc):
             acc[i, r] += s
 
 
-@njit(f"void({_NIB}, {_MAT})", **_BATCH_OPTIONS)
-def nib_matmul(qs, qh, d, m, high, X, t0, t1, out):
+@njit(cache=True, nogil=True, inline="always")
+def _nib_matmul_tiles(qs, qh, dh, ds, mh, ms, high, per, mode, X, t0, t1, out):
+    d, m, sup = np.empty(TILE, np.float32), np.empty(TILE, np.float32), np.empty((2, TILE), np.float32)
     for t in range(t0, t1):
         acc = np.zeros((X.shape[0], TILE), np.float32)
         w = np.empty((32, TILE), np.float32)
         for g in range(qs.shape[1]):
-            _nib_weights(qs, qh, d, m, high, t, g, w)
+            _nib_scales(dh, ds, mh, ms, per, mode, t, g, d, m, sup)
+            _nib_weights(qs, qh, high, t, g, d, m, w)
             _accumulate32(w, X, g * 32, acc)
         out[:, (t - t0) * TILE:(t - t0 + 1) * TILE] = acc
 
 
-@njit(f"void({_I8}, {_MAT})", **_BATCH_OPTIONS)
-def i8_matmul(qs, d, X, t0, t1, out):
+@njit(f"void({_NIB}, {_MAT})", **_BATCH_OPTIONS)
+def nib_matmul(qs, qh, dh, ds, mh, ms, high, per, mode, X, t0, t1, out):
+    """Per type family a copy with its flags literal, as nib_matvec (tested inside the loops: 1.2-1.5x slower)."""
+    if per > 1:
+        if high:
+            _nib_matmul_tiles(qs, qh, dh, ds, mh, ms, True, 8, SUPER, X, t0, t1, out)
+        else:
+            _nib_matmul_tiles(qs, qh, dh, ds, mh, ms, False, 8, SUPER, X, t0, t1, out)
+    elif high:
+        _nib_matmul_tiles(qs, qh, dh, ds, mh, ms, True, 1, HALF, X, t0, t1, out)
+    elif mode == Q4_0:
+        _nib_matmul_tiles(qs, qh, dh, ds, mh, ms, False, 1, Q4_0, X, t0, t1, out)
+    else:
+        _nib_matmul_tiles(qs, qh, dh, ds, mh, ms, False, 1, HALF, X, t0, t1, out)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _i8_weights(qs, t, g, d, w):
+    for j in range(qs.shape[2]):
+        for r in range(TILE):
+            w[j, r] = d[r] * np.float32(qs[t, g, j, r])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _i8_matmul_tiles(qs, dh, ds, per, X, t0, t1, out):
     groups, size = qs.shape[1], qs.shape[2]
+    d, sup = np.empty(TILE, np.float32), np.empty(TILE, np.float32)
     for t in range(t0, t1):
         acc = np.zeros((X.shape[0], TILE), np.float32)
         w = np.empty((size, TILE), np.float32)
         for g in range(groups):
-            for j in range(size):
-                for r in range(TILE):
-                    w[j, r] = d[t, g, r] * np.float32(qs[t, g, j, r])
+            _scales(dh, ds, per, t, g, d, sup)
+            _i8_weights(qs, t, g, d, w)
             if size == 32:
                 _accumulate32(w, X, g * size, acc)
             else:
@@ -176,28 +325,184 @@ def i8_matmul(qs, d, X, t0, t1, out):
         out[:, (t - t0) * TILE:(t - t0 + 1) * TILE] = acc
 
 
-@njit(f"void({_NIB}, {_DEQ})", **_OPTIONS)
-def nib_dequant(qs, qh, d, m, high, t0, t1, out):
+@njit(f"void({_I8}, {_MAT})", **_BATCH_OPTIONS)
+def i8_matmul(qs, dh, ds, per, X, t0, t1, out):
+    if per > 1:  # Q6_K
+        _i8_matmul_tiles(qs, dh, ds, 16, X, t0, t1, out)
+    else:
+        _i8_matmul_tiles(qs, dh, ds, 1, X, t0, t1, out)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _nib_dequant_tiles(qs, qh, dh, ds, mh, ms, high, per, mode, t0, t1, out):
+    d, m, sup = np.empty(TILE, np.float32), np.empty(TILE, np.float32), np.empty((2, TILE), np.float32)
     w = np.empty((32, TILE), np.float32)
     for t in range(t0, t1):
         for g in range(qs.shape[1]):
-            _nib_weights(qs, qh, d, m, high, t, g, w)
+            _nib_scales(dh, ds, mh, ms, per, mode, t, g, d, m, sup)
+            _nib_weights(qs, qh, high, t, g, d, m, w)
             out[g * 32:(g + 1) * 32, (t - t0) * TILE:(t - t0 + 1) * TILE] = w
 
 
-@njit(f"void({_I8}, {_DEQ})", **_OPTIONS)
-def i8_dequant(qs, d, t0, t1, out):
+@njit(f"void({_NIB}, {_DEQ})", **_OPTIONS)
+def nib_dequant(qs, qh, dh, ds, mh, ms, high, per, mode, t0, t1, out):
+    if per > 1:
+        if high:
+            _nib_dequant_tiles(qs, qh, dh, ds, mh, ms, True, 8, SUPER, t0, t1, out)
+        else:
+            _nib_dequant_tiles(qs, qh, dh, ds, mh, ms, False, 8, SUPER, t0, t1, out)
+    elif high:
+        _nib_dequant_tiles(qs, qh, dh, ds, mh, ms, True, 1, HALF, t0, t1, out)
+    elif mode == Q4_0:
+        _nib_dequant_tiles(qs, qh, dh, ds, mh, ms, False, 1, Q4_0, t0, t1, out)
+    else:
+        _nib_dequant_tiles(qs, qh, dh, ds, mh, ms, False, 1, HALF, t0, t1, out)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _i8_dequant_tiles(qs, dh, ds, per, t0, t1, out):
     groups, size = qs.shape[1], qs.shape[2]
+    d, sup = np.empty(TILE, np.float32), np.empty(TILE, np.float32)
+    w = np.empty((size, TILE), np.float32)
     for t in range(t0, t1):
-        c = (t - t0) * TILE
         for g in range(groups):
-            for j in range(size):
-                for r in range(TILE):
-                    out[g * size + j, c + r] = d[t, g, r] * np.float32(qs[t, g, j, r])
+            _scales(dh, ds, per, t, g, d, sup)
+            _i8_weights(qs, t, g, d, w)
+            out[g * size:(g + 1) * size, (t - t0) * TILE:(t - t0 + 1) * TILE] = w
+
+
+@njit(f"void({_I8}, {_DEQ})", **_OPTIONS)
+def i8_dequant(qs, dh, ds, per, t0, t1, out):
+    if per > 1:  # Q6_K
+        _i8_dequant_tiles(qs, dh, ds, 16, t0, t1, out)
+    else:
+        _i8_dequant_tiles(qs, dh, ds, 1, t0, t1, out)
+
+
+# Repacking (quantized.pack): raw GGUF rows (n, bytes a row) -> rows row0.. of the packed arrays, block by block,
+# reading ggml's layouts as gguf-py's dequantiser does (the tests check every type against it).
+# the file's rows: a read-only mapping (numba's signature strings cannot say readonly)
+_SRC = types.Array(types.uint8, 2, "C", readonly=True)
+
+
+def _signature(*arguments) -> types.Signature:
+    """A void signature from numba types and signature strings' argument lists."""
+    parsed = []
+    for argument in arguments:
+        parsed += [argument] if isinstance(argument, types.Type) else list(sigutils.normalize_signature(
+            f"void({argument})")[0])
+    return types.void(*parsed)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _u16(src, i, at):
+    """A little-endian 16-bit field (a float16's bits), as int16."""
+    return np.int16(np.int32(src[i, at]) | (np.int32(src[i, at + 1]) << np.int32(8)))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _u32(src, i, at):
+    return np.uint32(np.uint32(src[i, at]) | (np.uint32(src[i, at + 1]) << np.uint32(8))
+                     | (np.uint32(src[i, at + 2]) << np.uint32(16)) | (np.uint32(src[i, at + 3]) << np.uint32(24)))
+
+
+@njit(_signature(_SRC, f"int64, {_NIB_ARRAYS}, int64, boolean, boolean"), **_OPTIONS)
+def repack_nib(src, row0, qs, qh, dh, ds, mh, ms, block_bytes, has_m, has_h):
+    """Q4_0 {d, qs[16]}, Q4_1 {d, m, qs[16]}, Q5_1 {d, m, qh[4], qs[16]}: the file's bytes are the packed ones (low
+    nibble weight j, high nibble j + 16; qh bit j weight j), moved into tiles."""
+    for i in range(src.shape[0]):
+        t, r = (row0 + i) // TILE, (row0 + i) % TILE
+        for b in range(src.shape[1] // block_bytes):
+            at = b * block_bytes
+            dh[t, b, r] = _u16(src, i, at)
+            at += 2
+            if has_m:
+                mh[t, b, r] = _u16(src, i, at)
+                at += 2
+            if has_h:
+                qh[t, b, r] = _u32(src, i, at)
+                at += 4
+            for j in range(16):
+                qs[t, b, j, r] = src[i, at + j]
+
+
+@njit(_signature(_SRC, f"int64, {_NIB_ARRAYS}, boolean"), **_OPTIONS)
+def repack_k(src, row0, qs, qh, dh, ds, mh, ms, five):
+    """Q4_K {d, dmin, scales[12], qs[128]}, Q5_K {d, dmin, scales[12], qh[32], qs[128]}: 8 groups of 32 a block,
+    6-bit scales and mins (gguf-py's get_scale_min), mh = -dmin; qs bytes 32c..32c+31 hold weights 64c.. in their
+    low nibbles and 64c+32.. in their high ones (regrouped into u4's group order); Q5_K's high bit of weight
+    32k + j is bit k of qh[j]."""
+    block_bytes = 176 if five else 144
+    for i in range(src.shape[0]):
+        t, r = (row0 + i) // TILE, (row0 + i) % TILE
+        for b in range(src.shape[1] // block_bytes):
+            at = b * block_bytes
+            dh[t, b, r] = _u16(src, i, at)
+            mh[t, b, r] = _u16(src, i, at + 2) ^ np.int16(-0x8000)
+            sc = at + 4
+            for k in range(8):
+                if k < 4:
+                    scale, low = src[i, sc + k] & 63, src[i, sc + k + 4] & 63
+                else:
+                    scale = (src[i, sc + k + 4] & 15) | ((src[i, sc + k - 4] >> 6) << 4)
+                    low = (src[i, sc + k + 4] >> 4) | ((src[i, sc + k] >> 6) << 4)
+                ds[t, 8 * b + k, r] = np.int8(scale)
+                ms[t, 8 * b + k, r] = np.int8(low)
+            q = at + (48 if five else 16)
+            for c in range(4):
+                for j in range(16):
+                    f0, f1 = src[i, q + 32 * c + j], src[i, q + 32 * c + 16 + j]
+                    qs[t, 8 * b + 2 * c, j, r] = (f0 & 15) | ((f1 & 15) << 4)
+                    qs[t, 8 * b + 2 * c + 1, j, r] = (f0 >> 4) | (f1 & 0xF0)
+            if five:
+                for k in range(8):
+                    h = np.uint32(0)
+                    for j in range(32):
+                        h |= np.uint32((src[i, at + 16 + j] >> k) & 1) << np.uint32(j)
+                    qh[t, 8 * b + k, r] = h
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _signed(byte):
+    v = np.int32(byte)
+    return np.int8(v - ((v >> 7) << 8))
+
+
+@njit(_signature(_SRC, f"int64, {_I8}, int64"), **_OPTIONS)
+def repack_i8(src, row0, qs, dh, ds, per, kind):
+    """kind 8: Q8_0 {d, qs[32] int8}; 5: Q5_0 {d, qh[4], qs[16]}, codes (nibble | high bit << 4) - 16;
+    6: Q6_K {ql[128], qh[64], scales[16] int8, d}: 16 groups of 16, code = ql's nibble | qh's 2 bits << 4, - 32."""
+    block_bytes = 34 if kind == 8 else (22 if kind == 5 else 210)
+    for i in range(src.shape[0]):
+        t, r = (row0 + i) // TILE, (row0 + i) % TILE
+        for b in range(src.shape[1] // block_bytes):
+            at = b * block_bytes
+            if kind == 8:
+                dh[t, b, r] = _u16(src, i, at)
+                for j in range(32):
+                    qs[t, b, j, r] = _signed(src[i, at + 2 + j])
+            elif kind == 5:
+                dh[t, b, r] = _u16(src, i, at)
+                h = _u32(src, i, at + 2)
+                for j in range(16):
+                    byte = np.int32(src[i, at + 6 + j])
+                    qs[t, b, j, r] = np.int8((byte & 15) + ((np.int32(h >> np.uint32(j)) & 1) << 4) - 16)
+                    qs[t, b, j + 16, r] = np.int8((byte >> 4) + ((np.int32(h >> np.uint32(j + 16)) & 1) << 4) - 16)
+            else:
+                dh[t, b, r] = _u16(src, i, at + 208)
+                for k in range(16):
+                    ds[t, 16 * b + k, r] = _signed(src[i, at + 192 + k])
+                for w in range(256):
+                    group, j = w // 32, w % 32  # weight w: ql byte and shift, qh byte and shift
+                    half, quarter = group // 4, group % 4
+                    low = (np.int32(src[i, at + 64 * half + (quarter % 2) * 32 + j]) >> (4 * (quarter // 2))) & 15
+                    high = (np.int32(src[i, at + 128 + 32 * half + j]) >> (2 * quarter)) & 3
+                    qs[t, 16 * b + w // 16, w % 16, r] = np.int8((low | (high << 4)) - 32)
 
 
 KERNELS = {
     "u4": (nib_matvec, nib_matmul, nib_dequant),  # with high False (and a placeholder for qh)
     "u5": (nib_matvec, nib_matmul, nib_dequant),
     "i8": (i8_matvec, i8_matmul, i8_dequant),
+    "repack": (repack_nib, repack_k, repack_i8),
 }
