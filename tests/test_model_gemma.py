@@ -46,6 +46,26 @@ def test_the_file_is_found_and_checked_once():
     assert gemma3_270m_path() == path  # the stamp: no second join
 
 
+def test_parts_from_another_install_keep_the_joined_file_when_it_matches(tmp_path):
+    path = gemma3_270m_path(cache=tmp_path)
+    stamp = path.with_suffix(".stamp.json")
+    elsewhere = stamp.read_text().replace('"/', '"/another/venv/')
+    stamp.write_text(elsewhere)
+    joined_at = path.stat().st_mtime_ns
+    assert gemma3_270m_path(cache=tmp_path) == path
+    assert path.stat().st_mtime_ns == joined_at  # hashed, found equal, kept: caches keyed on it stay valid
+    assert stamp.read_text() != elsewhere
+    with path.open("r+b") as file:  # the same size but other bytes: joined again
+        file.seek(1 << 20)
+        file.write(b"\xff" * 16)
+    stamp.write_text(elsewhere)
+    assert gemma3_270m_path(cache=tmp_path) == path
+    assert path.stat().st_mtime_ns != joined_at
+    with path.open("rb") as file:
+        file.seek(1 << 20)
+        assert file.read(16) != b"\xff" * 16
+
+
 @pytest.mark.slow
 def test_config_has_the_sliding_window_pattern():
     c = gemma().config

@@ -124,3 +124,13 @@ def test_a_full_byte_fallback_needs_no_unk(tmp_path, monkeypatch):
     tokenizer = load_model(spm_variant(tmp_path, "b.gguf", range(256), unknown=False)).tokenizer
     text = "é\x00\x7f 日本 😀"
     assert tokenizer.decode(tokenizer.encode(text), skip_special=True) == text
+
+
+def test_the_build_takes_the_token_strings_over_once_the_library_has_read_them():
+    """sentencepiece_backend empties the token list once tokenizers has read the vocabulary and the merges, so that
+    Gemma's strings are not held through the library's build (its peak); the tokenizer built is whole."""
+    tokens = ["<unk>", *(f"<0x{b:02X}>" for b in range(256)), *PIECES]
+    types = [2, *[6] * 256, *[1] * len(PIECES)]
+    backend = vocab_tokenizer.sentencepiece_backend(tokens, types, add_space_prefix=True)
+    assert tokens == [] and backend.get_vocab_size() == 1 + 256 + len(PIECES)
+    assert backend.encode("the cat").tokens == ["▁the", "▁cat"]  # the space prefix added

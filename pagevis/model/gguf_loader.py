@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -324,8 +325,9 @@ def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any], voc
         else:
             space_prefix = value("ggml.add_space_prefix", "bool", True)
             check_spellable(tokens, token_types)  # before the (cached) build: a cached file is checked too
-            backend = sentencepiece_backend(tokens, token_types, space_prefix,
-                                            lambda rebuild: cached_merges(path, len(tokens), rebuild))
+            cached = functools.partial(cached_merges, path, len(tokens))
+            # built by GGUFTokenizer once it has read the tokens, which the build then takes over (and empties)
+            backend = functools.partial(sentencepiece_backend, tokens, token_types, space_prefix, cached)
             add_bos_default = True  # llama.cpp's default for a SentencePiece vocabulary that does not say
         return GGUFTokenizer(
             backend, kind, tokens, token_types,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from array import array
 from itertools import accumulate
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 from tokenizers import Tokenizer as Backend
@@ -25,9 +25,9 @@ class GGUFTokenizer:
     (byte-level: GPT-2's alphabet undone; SentencePiece: U+2581 as a space, <0xNN> as that byte), so streaming
     decode needs no backend call."""
 
-    def __init__(self, backend: Backend, kind: str, tokens: Sequence[str], token_types: Sequence[int],
-                 bos_id: int | None, eos_id: int | None, add_bos: bool, chat_template: str | None) -> None:
-        self.backend = backend
+    def __init__(self, backend: Backend | Callable[[], Backend], kind: str, tokens: Sequence[str],
+                 token_types: Sequence[int], bos_id: int | None, eos_id: int | None, add_bos: bool,
+                 chat_template: str | None) -> None:
         self.kind = kind
         self.vocab_size = len(tokens)
         self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
@@ -40,6 +40,9 @@ class GGUFTokenizer:
         bos = tokens[bos_id] if bos_id is not None else ""
         eos = tokens[eos_id] if eos_id is not None else ""
         controls = [t for t, i in self.special_ids.items() if i in self._control_ids]
+        # a backend given as its builder may take the token strings over (sentencepiece_backend empties tokens)
+        self.backend = backend if isinstance(backend, Backend) else backend()
+        backend = self.backend
         self._template = ChatTemplate(chat_template, controls, bos, eos) if chat_template else None
         self.chat_system_prompt = system_prompt_from_template(chat_template)  # ChatML's default system turn
         # encode(special=True) reads a second backend whose control-token text is matched: no flag flipped under a

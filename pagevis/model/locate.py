@@ -60,14 +60,26 @@ def gemma3_270m_path(cache: Path | None = None) -> Path:
     target = (cache or cache_dir() / "models") / name
     stamp = target.with_suffix(".stamp.json")
     identity = {"sha256": digest, "parts": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in parts]}
+    size = sum(p[1] for p in identity["parts"])
     try:
-        if json.loads(stamp.read_text()) == identity and target.stat().st_size == sum(p[1] for p in identity["parts"]):
+        if json.loads(stamp.read_text()) == identity and target.stat().st_size == size:
             return target
     except (OSError, ValueError):
         pass
-    _join(parts, target, digest)
+    # Parts installed elsewhere (another venv) that join to the file already here: keep it, so its modification
+    # time, and with it every cache keyed on it (tokenizer merges, float32 weights), stays valid.
+    if not (target.is_file() and target.stat().st_size == size and _sha256(target) == digest):
+        _join(parts, target, digest)
     stamp.write_text(json.dumps(identity))
     return target
+
+
+def _sha256(path: Path) -> str:
+    hasher = hashlib.sha256()
+    with path.open("rb") as source:
+        while block := source.read(1 << 22):
+            hasher.update(block)
+    return hasher.hexdigest()
 
 
 def _package_folder(package: str, missing: str) -> Path:

@@ -20,6 +20,7 @@ from functools import lru_cache
 from typing import Callable, Sequence
 
 import numpy as np
+import tokenizers
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 LLAMA3_SPLIT = (
@@ -112,37 +113,60 @@ def _merge_pairs(vocab: dict[str, int], merges: Sequence[str]) -> list[tuple[str
     return pairs
 
 
-def sentencepiece_backend(tokens: Sequence[str], token_types: Sequence[int], add_space_prefix: bool,
+def sentencepiece_backend(tokens: list[str], token_types: Sequence[int], add_space_prefix: bool,
                           cached_merges: CachedMerges = lambda rebuild: rebuild()) -> Tokenizer:
     """The SentencePiece BPE of this vocabulary. Its merges are rebuilt from the vocabulary (merges_by_position), as
-    token-id pairs: cached_merges(rebuild) returns them, read from tokenizer_cache.py's file or made by rebuild."""
+    token-id pairs: cached_merges(rebuild) returns them, read from tokenizer_cache.py's file or made by rebuild.
+
+    It takes the token strings over: `tokens` is emptied once the tokenizers library has read the vocabulary and
+    the merges, before it builds its own tables from them, so that the strings and the dict (~50 MiB for Gemma)
+    are not held through that build's peak. The caller reads what it needs from them first."""
     work = sum(len(t) ** 2 for t in tokens)
     if work > MAX_MERGE_WORK:
         raise ValueError(f"tokenizer.ggml.tokens: rebuilding this vocabulary's merges takes {work:.3g} steps (the "
                          f"sum of squared token lengths), more than the {MAX_MERGE_WORK:.3g} pagevis allows")
     respelled = [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
-    backend = Tokenizer(_sentencepiece_model(respelled, _unknown(tokens, token_types), cached_merges))
+    unknown, added = _unknown(tokens, token_types), _added_tokens(respelled, token_types, lambda token: True)
+
+    def release() -> None:
+        tokens.clear()
+        respelled.clear()
+
+    backend = Tokenizer(_sentencepiece_model(respelled, unknown, cached_merges, release))
     steps = [normalizers.Prepend(SPIECE_SPACE)] if add_space_prefix else []
     backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", SPIECE_SPACE)])
     backend.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(),
                                          decoders.Fuse()])
-    _add_control_tokens(backend, respelled, token_types, lambda token: True)
+    _add_tokens(backend, *added)
     return backend
 
 
-def _sentencepiece_model(respelled: list[str], unknown: str | None, cached_merges: CachedMerges) -> models.BPE:
-    """The BPE model; the vocabulary dict and the merges end with this call (the model holds its own copies)."""
+def _sentencepiece_model(respelled: list[str], unknown: str | None, cached_merges: CachedMerges,
+                         release: Callable[[], None]) -> models.BPE:
+    """The BPE model. The vocabulary dict is emptied and release() called once models.BPE has read the dict and
+    every merge (it reads its arguments in order, then builds): checked by the model's vocabulary size."""
     vocab = dict(zip(reversed(respelled), range(len(respelled) - 1, -1, -1)))  # a repeated token: its first id
-    merges = _MergePairs(respelled, cached_merges(lambda: merges_by_position(respelled, vocab)))
-    return models.BPE(vocab, merges, unk_token=unknown, fuse_unk=True, byte_fallback=True)
+    distinct = len(vocab)
+
+    def read() -> None:
+        vocab.clear()
+        release()
+
+    merges = _MergePairs(respelled, cached_merges(lambda: merges_by_position(respelled, vocab)), read)
+    model = models.BPE(vocab, merges, unk_token=unknown, fuse_unk=True, byte_fallback=True)
+    if Tokenizer(model).get_vocab_size(with_added_tokens=False) != distinct:
+        raise RuntimeError(f"the tokenizers library read the vocabulary after its merges: this version of it "
+                           f"({tokenizers.__version__}) needs vocab_tokenizer._sentencepiece_model changed")
+    return model
 
 
 class _MergePairs(collections.abc.Sequence):
     """Merges given as token-id pairs, seen as the (left, right) string pairs models.BPE reads, made one at a time
-    while it reads them: 515k tuples for Gemma held at once would cost ~40 MiB more at the build's peak."""
+    while it reads them (515k tuples for Gemma held at once would cost ~40 MiB more at the build's peak); read() is
+    called once they have all been read."""
 
-    def __init__(self, names: Sequence[str], ids: np.ndarray):
-        self.names = names
+    def __init__(self, names: Sequence[str], ids: np.ndarray, read: Callable[[], None]):
+        self.names, self.read = names, read
         self.left, self.right = (memoryview(np.ascontiguousarray(ids[:, side])) for side in (0, 1))
 
     def __len__(self) -> int:
@@ -154,7 +178,8 @@ class _MergePairs(collections.abc.Sequence):
         return self.names[self.left[index]], self.names[self.right[index]]
 
     def __iter__(self):
-        return zip(map(self.names.__getitem__, self.left), map(self.names.__getitem__, self.right))
+        yield from zip(map(self.names.__getitem__, self.left), map(self.names.__getitem__, self.right))
+        self.read()
 
 
 # Bytes UTF-8 text can hold (a Python str encodes to no others): what a byte fallback must be able to spell.
@@ -214,9 +239,18 @@ def _unknown(tokens: Sequence[str], token_types: Sequence[int]) -> str | None:
 
 
 def _add_control_tokens(backend: Tokenizer, tokens: Sequence[str], token_types: Sequence[int], spellable) -> None:
+    _add_tokens(backend, *_added_tokens(tokens, token_types, spellable))
+
+
+def _added_tokens(tokens: Sequence[str], token_types: Sequence[int], spellable) -> tuple[list[str], list[str]]:
+    """(control tokens that can be spelled, user-defined tokens), in id order."""
     types = np.asarray(token_types)
-    user = [AddedToken(tokens[i], normalized=False, special=False)
-            for i in np.flatnonzero(types == USER_DEFINED).tolist() if backend.token_to_id(tokens[i]) is not None]
-    backend.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True)
-                                for i in np.flatnonzero(types == CONTROL).tolist() if tokens[i] and spellable(tokens[i])])
+    control = [tokens[i] for i in np.flatnonzero(types == CONTROL).tolist() if tokens[i] and spellable(tokens[i])]
+    return control, [tokens[i] for i in np.flatnonzero(types == USER_DEFINED).tolist()]
+
+
+def _add_tokens(backend: Tokenizer, control: list[str], user: list[str]) -> None:
+    """Control tokens as special added tokens; user-defined ones the vocabulary has as plain added tokens."""
+    user = [AddedToken(t, normalized=False, special=False) for t in user if backend.token_to_id(t) is not None]
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
     backend.add_tokens(user)
