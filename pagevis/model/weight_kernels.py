@@ -8,7 +8,7 @@ Three packed formats cover every supported ggml type (quantized.py repacks each 
       Q6_K, G = 16, q = its 6 bits - 32, d = super-scale * 8-bit scale)
 The scales are held as the file holds them: float16 bit patterns (as int16) and, for the K types, the 6- or 8-bit
 sub-scales beside one float16 per super-block; the kernels convert a group's 64 rows of them to float32 (exactly:
-see _halves) before using them, so every weight is the file's, in the file's bits.
+see _half) as they use them, so every weight is the file's, in the file's bits.
 Rows come in tiles of TILE = 64 output rows: `qs[tile, group, j, r]` is byte j of row r's group, so the innermost
 loop runs across a tile's 64 rows, contiguous in memory, and LLVM vectorises it (a loop over one row's blocks
 does not: ~4x slower). Per format three kernels:
