@@ -52,7 +52,7 @@ HALF, Q4_0_MODE, SUPER = 0, 1, 2  # the kernels' scale modes (weight_kernels.py)
 
 def kernels() -> dict:
     """The kernels by packed format, imported on first use. Importing compiles them when numba's on-disk cache does
-    not hold them yet (a first launch, a new numba or CPU): that is said on stderr, as it takes ~15-30 s."""
+    not hold them yet (a first launch, a new numba or CPU): that is said on stderr, as it takes ~25 s."""
     global _KERNELS
     if _KERNELS is None:
         import numba
@@ -79,7 +79,7 @@ def announce_compiling() -> None:
     stamp = _kernel_stamp(version)
     if stamp is not None and (not stamp[0].exists() or stamp[0].read_text() != stamp[1]):
         print("pagevis: compiling the quantized-weight kernels (numba, once: its on-disk cache keeps them; "
-              "about 15-30 s)", file=sys.stderr, flush=True)
+              "about 25 s on an idle 2-core machine, longer on a busy one)", file=sys.stderr, flush=True)
 
 
 def _kernel_stamp(numba_version: str):
