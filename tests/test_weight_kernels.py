@@ -2,11 +2,11 @@
 reference, within float32 rounding: for each ggml type, over shapes that leave a partial row tile, for one row
 (the matrix-vector kernel), a few (the small-batch kernel) and many (dequantise-then-sgemm), on one thread and two.
 
-The blocks are random bytes (any code is a valid weight) with sane float16 scales (edge scales: their own test). The bound: the products are
-summed in float32 in groups, then across groups, so each output is within (terms summed in a chain + slack) * eps
-of the exact value times the sum of |terms|; the terms of the factored decode sum (d * sum q x + m * sum x) are
-bounded by the group's largest |weight| (4x: the offset may exceed it). Compiling the kernels the first time
-takes ~25 s on an idle 2-core machine (numba's on-disk cache holds them after that: ~1 s to load).
+The blocks are random bytes (any code is a valid weight) with sane float16 scales (edge scales: their own test).
+The bound: the products are summed in float32 in groups, then across groups, so each output is within (terms
+summed in a chain + slack) * eps of the exact value times the sum of |terms|; the terms of the factored decode sum
+(d * sum q x + m * sum x) are bounded by the group's largest |weight| (4x: the offset may exceed it). Compiling the
+kernels the first time takes ~25 s on an idle 2-core machine (numba's on-disk cache holds them after that: ~1 s).
 """
 
 from __future__ import annotations
