@@ -229,8 +229,11 @@ def pack(kind: Q, raw_rows: np.ndarray | list[np.ndarray], n_in: int) -> QuantMa
     tiles, groups = -(-n_out // TILE), n_in // group
     per = block_weights // group  # groups a float16 scale covers: 1, or a K type's super-block
 
-    def held(dtype, n: int, *inner: int) -> np.ndarray:
-        return np.zeros((tiles, n, *inner, TILE), dtype)
+    def held(dtype, n: int, *inner: int) -> np.ndarray:  # every row is written by the repack kernel but a last
+        array = np.empty((tiles, n, *inner, TILE), dtype)    # tile's padding (np.zeros: memset reused memory)
+        if n_out % TILE:
+            array[-1] = 0
+        return array
 
     qs = held(np.int8 if fmt == "i8" else np.uint8, groups, group if fmt == "i8" else group // 2)
     dh = held(np.int16, blocks_per_row)  # float16 bits
