@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +29,7 @@ from pagevis.model.vocab_tokenizer import (TOKENIZER_KINDS, byte_level_backend, 
                                            sentencepiece_backend)
 from pagevis.model.quant_weights import held_bytes, quantized_weights, weight_format
 from pagevis.model.quantized import announce_compiling, kernels
+from pagevis.model.resident import release_freed_heap
 from pagevis.model.weights import LlamaWeights, check_weight_shapes, layer_from_gguf_matrices
 
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
@@ -79,19 +79,6 @@ def load_model(path: str | Path | None = None, weights: str | None = None) -> Ll
         set_blas_threads(1)
     model.weight_info = {"format": fmt, "types": types, "bytes": held_bytes(held)}
     return model
-
-
-def release_freed_heap() -> None:
-    """Give the heap the tokenizer build freed back to the system (glibc's malloc_trim; elsewhere nothing).
-
-    Building the tokenizer frees ~100 MiB for Gemma (the vocabulary dict and merges handed to the tokenizers library,
-    its own transient copies) in small blocks that glibc keeps for reuse: they stay in the resident set. The weights
-    that load next come in large blocks or file mappings that do not reuse them, so without the trim they stack on top
-    of the freed transient and the peak RSS counts both."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):  # not glibc (no malloc_trim), or no C library to name
-        pass
 
 
 def cached_or_dequantised_weights(path: Path, config: ModelConfig, reader: Any) -> LlamaWeights:

@@ -23,6 +23,7 @@ from functools import cached_property
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from pagevis.model.resident import release_compiler_pages
 from pagevis.model.weight_threads import split
 
 TILE = 64
@@ -62,6 +63,7 @@ def kernels() -> dict:
         stamp = _kernel_stamp(numba.__version__)
         if stamp is not None:
             stamp[0].write_text(stamp[1])
+        release_compiler_pages()  # linked: the compiler's code is not run again
     return _KERNELS
 
 

@@ -1,0 +1,69 @@
+"""Handing memory the process no longer uses back to the system, so that it does not count in the resident set.
+
+Two kinds, each after the step that left it behind: the heap a build freed in small blocks (glibc keeps them for
+reuse), and the code pages of numba's compiler and LLVM once the weight kernels are linked (decoding runs only the
+kernels' machine code; the compiler is not executed again)."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import mmap
+import sys
+from pathlib import Path
+
+COMPILER_PACKAGES = ("llvmlite", "numba")
+# Linux's MADV_PAGEOUT (5.4+), which Python's mmap names only when it was built against headers that have it
+MADV_PAGEOUT = getattr(mmap, "MADV_PAGEOUT", 21 if sys.platform == "linux" else None)
+
+
+def release_freed_heap() -> None:
+    """Give the heap the tokenizer build freed back to the system (glibc's malloc_trim; elsewhere nothing).
+
+    Building the tokenizer frees ~100 MiB for Gemma (the vocabulary dict and merges handed to the tokenizers library,
+    its own transient copies) in small blocks that glibc keeps for reuse: they stay in the resident set. The weights
+    that load next come in large blocks or file mappings that do not reuse them, so without the trim they stack on top
+    of the freed transient and the peak RSS counts both."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc (no malloc_trim), or no C library to name
+        pass
+
+
+def release_compiler_pages() -> int:
+    """Page out this process's read-only file mappings of numba and llvmlite (madvise MADV_PAGEOUT, Linux 5.4+);
+    the bytes advised (0 where it cannot be done).
+
+    Loading the cached kernels runs LLVM's initialisation and linker: ~65 MiB of libllvmlite's and numba's code
+    pages become resident (SmolLM2's whole packed weights are 97 MB) and would stay so, unused, for the life of the
+    process. They are clean pages of the installed files: paged out they cost nothing, and come back from the file
+    if a compile ever needs them. Pages another process also maps are left to it (the kernel skips them)."""
+    advice = MADV_PAGEOUT
+    folders = _package_folders(COMPILER_PACKAGES)
+    if advice is None or not folders:
+        return 0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        with open("/proc/self/maps") as maps:
+            lines = maps.read().splitlines()
+    except (OSError, AttributeError):
+        return 0
+    advised = 0
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or "w" in fields[1] or not fields[5].startswith(folders):
+            continue
+        start, end = (int(address, 16) for address in fields[0].split("-"))
+        if libc.madvise(start, end - start, advice) == 0:
+            advised += end - start
+    return advised
+
+
+def _package_folders(names: tuple[str, ...]) -> tuple[str, ...]:
+    folders = []
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            folders.append(str(Path(location).resolve()) + "/")
+    return tuple(folders)
