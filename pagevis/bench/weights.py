@@ -62,10 +62,11 @@ def pagevis_worker(path: str, weights: str, threads: int, decode: int, batches: 
     start = time.perf_counter()
     model = load_model(path, weights=weights)
     out = {"load_s": time.perf_counter() - start, "weights": model.weight_info}
-    memory["weights"] = model.weight_info["bytes"]
-    memory["tokenizer_and_rest"] = _resident() - memory["imports"] - memory["kernels"] - memory["weights"]
-    memory["load_peak"] = _peak_rss()
-    out["memory"] = memory
+    if weights == "quantized":  # float32 weights are mapped from the weight cache: resident only once read
+        memory["weights"] = model.weight_info["bytes"]
+        memory["tokenizer_and_rest"] = _resident() - memory["imports"] - memory["kernels"] - memory["weights"]
+        memory["load_peak"] = _peak_rss()
+        out["memory"] = memory
 
     def greedy(logits, attention, position, steps) -> float:
         begin = time.perf_counter()

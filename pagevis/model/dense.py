@@ -72,11 +72,13 @@ class DenseAttention:
         window = self.config.sliding_windows[layer]
         stored = cache.positions[:cache.length][None, :]
         query_positions = np.repeat(positions, group)[:, None]
+        # masked with copyto's where, not boolean indexing: for a 512-token prefill of Gemma that was 13 ms a
+        # layer against 1 (the indexing materialises the masked elements' indices)
         if window is not None and stored.min() <= positions.max() - window:  # keys left some query's window
-            visible = (stored <= query_positions) & (stored > query_positions - window)
-            scores[:, ~visible] = -np.inf
+            hidden = (stored > query_positions) | (stored <= query_positions - window)
+            np.copyto(scores, np.float32(-np.inf), where=hidden)
         elif positions.min() < cache.newest:  # some query has keys after it: mask them
-            scores[:, ~(stored <= query_positions)] = -np.inf
+            np.copyto(scores, np.float32(-np.inf), where=stored > query_positions)
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
