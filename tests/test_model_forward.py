@@ -187,3 +187,30 @@ def test_forward_rejects_bad_inputs():
         model.forward(np.array([1, 2]), np.array([0]), attention)
     with pytest.raises(ValueError, match="at least one token"):
         model.forward(np.array([], dtype=np.int64), np.array([], dtype=np.int64), attention)
+
+
+@pytest.mark.parametrize("window", [0, 24])
+def test_dense_attention_on_two_threads_is_its_float64_softmax_row_by_row(window, monkeypatch):
+    """A prefill's queries split over the weight threads (both halves, the sliding window's mask too) give every
+    row exactly what one thread gives, and that is the float64 softmax over the keys each query may see."""
+    from pagevis.model import weight_threads
+
+    model = SyntheticModel(n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, sliding_window=window,
+                           global_every=0)
+    rng = np.random.default_rng(6)
+    n = 64
+    q, k, v = (rng.standard_normal((n, h, 8), dtype=np.float32) for h in (4, 2, 2))
+    monkeypatch.setattr(weight_threads, "MIN_SPLIT_BYTES", 0)
+    weight_threads.set_weight_threads(2)
+    try:
+        two = DenseAttention(model.config)(0, q, k, v, np.arange(n))
+    finally:
+        weight_threads.set_weight_threads(1)
+    one = DenseAttention(model.config)(0, q, k, v, np.arange(n))
+    np.testing.assert_array_equal(two, one)
+    for t in range(n):
+        first = max(0, t - window + 1) if window else 0
+        for h in range(4):
+            scores = k[first:t + 1, h // 2].astype(np.float64) @ q[t, h] / np.sqrt(8)
+            weights = np.exp(scores - scores.max())
+            np.testing.assert_allclose(two[t, h], (weights / weights.sum()) @ v[first:t + 1, h // 2], atol=1e-5)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from pagevis.model.config import ModelConfig
+from pagevis.model.weight_threads import split
 
 
 class _LayerCache:
@@ -60,6 +61,26 @@ class DenseAttention:
                  positions: np.ndarray) -> np.ndarray:
         cache = self._layers[layer]
         cache.append(k, v, positions)
+        n, n_heads, head_dim = q.shape
+        out = np.empty_like(q, dtype=np.float32)
+
+        def work(t0: int, t1: int, private: bool) -> np.ndarray | None:
+            part = self._attend(layer, q[t0:t1], positions[t0:t1])
+            if private:
+                return part
+            out[t0:t1] = part
+            return None
+
+        def place(t0: int, t1: int, part: np.ndarray) -> None:
+            out[t0:t1] = part
+
+        # a prefill's queries in two halves on the weight threads (NumPy releases the GIL in these products);
+        # the cost passed is the scores' bytes, so decoding's one query stays on the caller
+        split(n, 4 * n * n_heads * cache.length, work, place)
+        return out
+
+    def _attend(self, layer: int, q: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        cache = self._layers[layer]
         keys = cache.keys[:cache.length]
         values = cache.values[:cache.length]
         n, n_heads, head_dim = q.shape
