@@ -1,5 +1,7 @@
 import gc
 import os
+import subprocess
+import sys
 
 import pytest
 from hypothesis import settings
@@ -11,6 +13,17 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # draw failed CI once on an example no earlier run had met); PAGEVIS_HYPOTHESIS_EXPLORE=1 draws new ones each run.
 settings.register_profile("pagevis", derandomize=not os.environ.get("PAGEVIS_HYPOTHESIS_EXPLORE"))
 settings.load_profile("pagevis")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def weight_kernels_ready_beside():
+    """Load (on a clean checkout: compile, ~25 s) the quantized-weight kernels in another process while the first
+    tests run on this core: the first test that needs them waits on their lock (quantized._compiling_alone) for what
+    is left, then loads them from numba's cache."""
+    loader = subprocess.Popen([sys.executable, "-c", "from pagevis.model.quantized import kernels; kernels()"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    yield
+    loader.wait()
 
 
 @pytest.fixture(autouse=True)

@@ -172,3 +172,25 @@ def test_parts_are_packed_as_their_rows_one_after_another(tmp_path):
     np.testing.assert_array_equal(matrix.dequantize(), whole.dequantize())
     np.testing.assert_array_equal(mapped, np.concatenate(parts))
     assert matrix.shape == (512, 330) and matrix.file_bytes == mapped.nbytes
+
+
+def test_a_second_process_waits_for_the_one_compiling_the_kernels():
+    """Loading the kernels takes the cache folder's lock: while another process holds it (compiling), a starting
+    process waits, then loads them once it is released."""
+    import fcntl
+    import subprocess
+    import sys
+    import time
+
+    from pagevis.model.matmul import cache_dir
+
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / "weight-kernels.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as a process compiling them would
+        loader = subprocess.Popen([sys.executable, "-c", "from pagevis.model.quantized import kernels; kernels()"])
+        try:
+            time.sleep(3)
+            assert loader.poll() is None, "the kernels were loaded while another process held their lock"
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    assert loader.wait(timeout=120) == 0

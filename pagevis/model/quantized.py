@@ -16,6 +16,7 @@ the packed arrays: nothing a tensor's size is allocated besides them.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 from dataclasses import dataclass
 from functools import cached_property
@@ -58,13 +59,38 @@ def kernels() -> dict:
     if _KERNELS is None:
         import numba
 
-        from pagevis.model import weight_kernels as module  # noqa: F401  (below: its file's identity)
+        with _compiling_alone():
+            from pagevis.model import weight_kernels as module  # noqa: F401  (below: its file's identity)
         _KERNELS = module.KERNELS
         stamp = _kernel_stamp(numba.__version__)
         if stamp is not None:
             stamp[0].write_text(stamp[1])
         release_compiler_pages()  # linked: the compiler's code is not run again
     return _KERNELS
+
+
+@contextlib.contextmanager
+def _compiling_alone():
+    """Hold the cache folder's kernel lock (fcntl) while importing the kernels: of two processes starting on a new
+    install (the app and `pagevis serve`, a test run's subprocesses) one compiles, and the other waits and then
+    loads what it wrote from numba's cache, instead of both compiling for ~25 s. Without fcntl, no lock."""
+    from pagevis.model.matmul import cache_dir
+
+    try:
+        import fcntl
+
+        folder = cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = open(folder / "weight-kernels.lock", "a")
+    except (ImportError, OSError):
+        yield
+        return
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield  # the lock goes with the file's closing
 
 
 def announce_compiling() -> None:
