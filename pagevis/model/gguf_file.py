@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import mmap
 import struct
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from gguf.quants import dequantize
 
 from pagevis.model.errors import ModelLoadError
 from pagevis.model.gguf_header import check_gguf_structure
+from pagevis.model.resident import release_whole_pages
 
 GGUF_MAGIC = b"GGUF"
 HEADER_BYTES = 24  # magic, version, tensor count, metadata count
@@ -164,16 +164,9 @@ def release_metadata_pages(reader: GGUFReader) -> None:
 
 
 def _drop_pages(reader: GGUFReader, start: int, end: int) -> None:
-    mapped = getattr(getattr(reader, "_mapped", None), "_mmap", None)
-    if mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    start = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
-    end = end // mmap.PAGESIZE * mmap.PAGESIZE
-    if end > start:
-        try:
-            mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
-        except (OSError, ValueError):
-            pass
+    mapped = getattr(getattr(reader, "_mapped", None), "_mmap", None)  # the reader's read-only np.memmap's mmap
+    if mapped is not None:
+        release_whole_pages(mapped, start, end)
 
 
 def read_metadata(reader: GGUFReader, skip_arrays_longer_than: int | None = None) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from functools import cached_property
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from pagevis.model.resident import release_compiler_pages
+from pagevis.model.resident import release_compiler_pages, release_mapped, release_whole_pages
 from pagevis.model.weight_threads import split
 
 TILE = 64
@@ -297,8 +297,7 @@ def _drop_pages(rows: np.ndarray) -> None:
     place = _mapped_place(rows)
     if place is not None:
         owner, offset = place
-        _advise_dont_need(owner, -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE,
-                          (offset + rows.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE)
+        release_whole_pages(owner, offset, offset + rows.nbytes)
 
 
 def file_pages_dropper(arrays: list[np.ndarray]):
@@ -310,7 +309,7 @@ def file_pages_dropper(arrays: list[np.ndarray]):
     owner = places[0][0]
     start = min(offset for _, offset in places) // mmap.PAGESIZE * mmap.PAGESIZE
     end = max(offset + a.nbytes for (_, offset), a in zip(places, arrays))
-    return lambda: _advise_dont_need(owner, start, end)
+    return lambda: release_mapped(owner, start, end)
 
 
 def _mapped_place(array: np.ndarray):
@@ -324,13 +323,3 @@ def _mapped_place(array: np.ndarray):
     if not isinstance(owner, mmap.mmap) or owner.closed:
         return None
     return owner, array.ctypes.data - np.frombuffer(owner, np.uint8, count=1).ctypes.data
-
-
-def _advise_dont_need(owner: mmap.mmap, start: int, end: int) -> None:
-    """Bytes start..end of the mapping (start page-aligned; the kernel rounds the end up to a page) dropped from the
-    process: they stay in the page cache, and come back if read again."""
-    if end > start:
-        try:
-            owner.madvise(mmap.MADV_DONTNEED, start, end - start)
-        except (OSError, ValueError):
-            pass

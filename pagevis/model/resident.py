@@ -1,8 +1,9 @@
 """Handing memory the process no longer uses back to the system, so that it does not count in the resident set.
 
-Two kinds, each after the step that left it behind: the heap a build freed in small blocks (glibc keeps them for
-reuse), and the code pages of numba's compiler and LLVM once the weight kernels are linked (decoding runs only the
-kernels' machine code; the compiler is not executed again)."""
+Three kinds, each after the step that left it behind: the heap a build freed in small blocks (glibc keeps them for
+reuse), pages of the model file's read-only mapping once what they hold is repacked or read, and the code pages of
+numba's compiler and LLVM once the weight kernels are linked (decoding runs only the kernels' machine code; the
+compiler is not executed again)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,22 @@ def release_freed_heap() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError, TypeError):  # not glibc (no malloc_trim), or no C library to name
         pass
+
+
+def release_mapped(mapped: mmap.mmap, start: int, end: int) -> None:
+    """Drop bytes start..end of a read-only file mapping from the process (MADV_DONTNEED; start page-aligned, the
+    kernel rounds the end up to a page): they stay in the page cache, and come back if read again. Only ever on a
+    read-only file mapping: on anything else (a private copy, the heap) it would lose data."""
+    if end > start and hasattr(mmap, "MADV_DONTNEED"):
+        try:
+            mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
+        except (OSError, ValueError):
+            pass
+
+
+def release_whole_pages(mapped: mmap.mmap, start: int, end: int) -> None:
+    """release_mapped for the pages lying wholly within bytes start..end (a neighbour's bytes stay mapped)."""
+    release_mapped(mapped, -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE)
 
 
 def release_compiler_pages() -> int:
