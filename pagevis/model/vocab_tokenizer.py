@@ -78,7 +78,7 @@ def byte_level_backend(tokens: Sequence[str], merges: Sequence[str], token_types
     alphabet = set(byte_to_unicode().values())
     spelled = byte_to_unicode()
     if in_byte_alphabet("".join(tokens)):  # every token spelled in the alphabet (SmolLM2's): each its own key
-        vocab = dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1)))  # a repeated token: its first id
+        vocab = _first_ids(tokens)
     else:
         vocab = {}
         for index, token in enumerate(tokens):
@@ -100,6 +100,11 @@ def byte_level_backend(tokens: Sequence[str], merges: Sequence[str], token_types
     backend.decoder = decoders.ByteLevel()
     _add_control_tokens(backend, tokens, token_types, lambda token: set(token) <= alphabet)
     return backend
+
+
+def _first_ids(tokens: Sequence[str]) -> dict[str, int]:
+    """token -> id, a repeated token mapped to its first id (setdefault's result, built in one C pass)."""
+    return dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1)))
 
 
 def _merge_pairs(vocab: dict[str, int], merges: Sequence[str]) -> list[tuple[str, str]]:
@@ -145,7 +150,7 @@ def _sentencepiece_model(respelled: list[str], unknown: str | None, cached_merge
                          release: Callable[[], None]) -> models.BPE:
     """The BPE model. The vocabulary dict is emptied and release() called once models.BPE has read the dict and
     every merge (it reads its arguments in order, then builds): checked by the model's vocabulary size."""
-    vocab = dict(zip(reversed(respelled), range(len(respelled) - 1, -1, -1)))  # a repeated token: its first id
+    vocab = _first_ids(respelled)
     distinct = len(vocab)
 
     def read() -> None:
