@@ -58,7 +58,7 @@ def pagevis_worker(path: str, weights: str, threads: int, decode: int, batches: 
         from pagevis.model.quantized import kernels
 
         kernels()  # load_model would load them too: here first, so their runtime's memory is told apart
-    memory["kernels"] = _resident() - memory["imports"]
+        memory["kernels"] = _resident() - memory["imports"]
     start = time.perf_counter()
     model = load_model(path, weights=weights)
     out = {"load_s": time.perf_counter() - start, "weights": model.weight_info}

@@ -61,7 +61,7 @@ class DenseAttention:
                  positions: np.ndarray) -> np.ndarray:
         cache = self._layers[layer]
         cache.append(k, v, positions)
-        n, n_heads, head_dim = q.shape
+        n, n_heads = q.shape[:2]
         out = np.empty_like(q, dtype=np.float32)
 
         def work(t0: int, t1: int, private: bool) -> np.ndarray | None:
