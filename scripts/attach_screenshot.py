@@ -1,4 +1,4 @@
-"""The README's picture of the attach window: `python scripts/attach_screenshot.py [OUT.png] [--tokenizer FILE]`.
+"""docs/attach.md's picture of the attach window: `python scripts/attach_screenshot.py [OUT.png] [--tokenizer FILE]`.
 
 Opens the window on the recording made from vLLM 0.34.0's own publisher code (tests/data/kv_events), scrubs to
 its last message (one message before it first, so the marks show what the last one changed), clicks block B

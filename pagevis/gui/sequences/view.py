@@ -44,7 +44,7 @@ def memory_rows(record, page_size: int) -> tuple[tuple[str, int], ...]:
 
 def peak_rows(before, record, page_size: int) -> tuple[tuple[str, int], ...]:
     """memory_rows' largest values so far: those `before` it (empty at the first step) and the record's own
-    (the README's table compares peaks)."""
+    (docs/sequences.md's table compares peaks)."""
     rows = memory_rows(record, page_size)
     return tuple((label, max(pages, dict(before).get(label, 0))) for label, pages in rows)
 
