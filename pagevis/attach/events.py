@@ -280,7 +280,7 @@ def check_event(event: Any) -> None:
     """The checks msgspec's types cannot express: token count = blocks × block size, per-block lists."""
     if isinstance(event, (BlockStored, _StoredArray)):
         blocks = len(event.block_hashes)
-        if len(event.token_ids) != blocks * event.block_size:
+        if event.token_ids and len(event.token_ids) != blocks * event.block_size:  # none: the engine sent none
             raise DecodeError("tokens", f"{len(event.token_ids)} token ids for {blocks} blocks of "
                                         f"{event.block_size}")
         for name in ("extra_keys", "lookahead_token_ids"):

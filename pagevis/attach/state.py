@@ -98,7 +98,7 @@ def _frozen(values: np.ndarray) -> np.ndarray:
 
 
 class _Tier:
-    __slots__ = ("index", "medium", "group", "slot_of", "heads", "removed_at")
+    __slots__ = ("index", "medium", "group", "slot_of", "heads", "removed_at", "removed_key")
 
     def __init__(self, index: int, medium: str, group: int | None):
         self.index, self.medium, self.group = index, medium, group
@@ -106,7 +106,15 @@ class _Tier:
         self.heads: dict[Any, int] = {}  # parent hash (None for roots) -> first child slot
         # hash -> ts of its removal, oldest first. An OrderedDict: dropping a plain dict's first key again and again
         # scans the deleted entries before it (quadratic), popitem(last=False) does not.
-        self.removed_at: OrderedDict[Any, float] = OrderedDict()
+        # The value is (removal ts, parent hash, packed tokens, store ts, extras): what explain.py says of a block
+        # that was stored and removed. `removed_key` finds one by (parent hash, packed tokens).
+        self.removed_at: OrderedDict[Any, tuple] = OrderedDict()
+        self.removed_key: dict[tuple, Any] = {}
+
+    def forget_removed(self, block_hash: Any, record: tuple) -> None:
+        key = (record[1], record[2])
+        if self.removed_key.get(key) == block_hash:
+            del self.removed_key[key]
 
 
 class SharedIndex:
@@ -181,6 +189,8 @@ class EngineState:
         self._lifetimes_total = 0
         self._lifetime_sum = 0.0
         self._hot: OrderedDict[tuple, list] = OrderedDict()  # (medium, group, hash) -> [restores, last_ts, gap]
+        self.block_size: int | None = None  # of the last BlockStored
+        self.tokenless_blocks = 0  # stored without token ids (vLLM's offloading events before 0.20)
         self._clear_blocks()
 
     # --- applying ---------------------------------------------------------------------------------------------
@@ -297,6 +307,9 @@ class EngineState:
         size = event.block_size
         width = 4 * size
         packed = pack_tokens(event.token_ids)
+        self.block_size = size
+        if not packed:
+            self.tokenless_blocks += len(event.block_hashes)
         values = _extras_of(event)
         common = {} if values == _NO_EXTRAS else {k: v for k, v in zip(STORED_EXTRAS, values) if v is not None}
         extra_keys, lookahead = event.extra_keys, event.lookahead_token_ids
@@ -331,8 +344,10 @@ class EngineState:
             self._resident += 1
             stored += 1
             removed = removed_at.pop(block_hash, None)
-            if removed is not None and ts - removed <= self.limits.hot_window_s:
-                self._mark_hot(tier, block_hash, ts, ts - removed)
+            if removed is not None:
+                tier.forget_removed(block_hash, removed)
+                if ts - removed[0] <= self.limits.hot_window_s:
+                    self._mark_hot(tier, block_hash, ts, ts - removed[0])
             if shared is not None and not (len(self._gpu_tiers) > 1 and self._on_other_gpu_tier(block_hash, tier)):
                 shared.add(block_hash)
             parent = block_hash
@@ -388,6 +403,7 @@ class EngineState:
                 continue
             self._unlink(tier, slot, block_hash)
             lifetime = ts - self._ts_of[slot]
+            record = (ts, self._parent_of[slot], self._tokens_of[slot], self._ts_of[slot], self._extra_of[slot])
             self._lifetimes.append(lifetime)
             self._lifetimes_total += 1
             self._lifetime_sum += lifetime
@@ -396,10 +412,11 @@ class EngineState:
             self._free.append(slot)
             self._resident -= 1
             removed += 1
-            removed_at[block_hash] = ts
+            removed_at[block_hash] = record
             removed_at.move_to_end(block_hash)
+            tier.removed_key[(record[1], record[2])] = block_hash
             if len(removed_at) > memory:
-                removed_at.popitem(last=False)
+                tier.forget_removed(*removed_at.popitem(last=False))
             if shared is not None and not (len(self._gpu_tiers) > 1 and self._on_other_gpu_tier(block_hash, tier)):
                 shared.discard(block_hash)
         self._counts["blocks_removed"] += removed
