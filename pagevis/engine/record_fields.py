@@ -1,9 +1,10 @@
-"""The machinery of the step record's field table (the table itself is in step_record.py).
+"""The machinery of the step record's field table (the record itself is declared in step_record.py).
 
-A RecordField declares one field of StepRecord: its type and default, how it is stored, and the range a trace's
-values must keep. A RecordTable turns a tuple of them into the StepRecord class, and is what the spill
-(viewmodel/spill.py) and the trace format (trace/schema.py, trace/file.py) derive their parts and arrays from,
-read at call time (`step_record.TABLE`), so a table with one more field is all a new field needs.
+Each field of the StepRecord dataclass carries its row in its metadata (`row(...)`): what it holds, how it is
+stored, and the range a trace's values must keep. A RecordTable reads them off the class as RecordFields (name,
+type and default from the dataclass field, the rest from the row), and is what the spill (viewmodel/spill.py) and
+the trace format (trace/schema.py, trace/file.py) derive their parts and arrays from, read at call time
+(`step_record.TABLE`), so one more annotated field is all a new field needs.
 
 How a field is stored (`stored`):
   "scalar"  one number per step, of `dtype`: a column of the spill's small table, a (T,) array in a trace;
@@ -41,6 +42,14 @@ class _Required:
 REQUIRED = _Required()  # a field without a default
 
 
+def row(doc: str, stored: str = "custom", dtype: str = "", *, optional: bool = False, delta: bool = False,
+        since: int = 1, bounds: tuple[Bound, Bound] | None = None) -> dict[str, Any]:
+    """A StepRecord field's metadata: its row of the table (RecordField's attributes other than the name, type
+    and default, which the dataclass field gives)."""
+    return {"row": dict(doc=doc, stored=stored, dtype=dtype, optional=optional, delta=delta, since=since,
+                        bounds=bounds)}
+
+
 @dataclass(frozen=True)
 class RecordField:
     """One field of StepRecord, declared once."""
@@ -58,6 +67,23 @@ class RecordField:
     # The range a trace's values must keep, checked at read time (trace/schema.py check_values) on the trace
     # array of the same name: (low, high), inclusive, each a Bound. None: no range (or checked by its codec).
     bounds: tuple[Bound, Bound] | None = None
+
+    @classmethod
+    def of(cls, member: dataclasses.Field) -> RecordField:
+        """The row a record's dataclass field declares (its metadata, from `row`)."""
+        default = REQUIRED if member.default is dataclasses.MISSING else member.default
+        factory = None if member.default_factory is dataclasses.MISSING else member.default_factory
+        return cls(member.name, str(member.type), default=default, factory=factory, **member.metadata["row"])
+
+    def member(self) -> tuple[str, str, Any]:
+        """This row as a make_dataclass member: (name, annotation, dataclasses.field with its default and row)."""
+        metadata = row(self.doc, self.stored, self.dtype, optional=self.optional, delta=self.delta,
+                       since=self.since, bounds=self.bounds)
+        if self.factory is not None:
+            return self.name, self.type, dataclasses.field(default_factory=self.factory, metadata=metadata)
+        if self.default is not REQUIRED:
+            return self.name, self.type, dataclasses.field(default=self.default, metadata=metadata)
+        return self.name, self.type, dataclasses.field(metadata=metadata)
 
     def __post_init__(self):
         if self.stored not in STORED:
@@ -109,21 +135,11 @@ def _evaluate(bound: Bound, sizes: Mapping[str, int]) -> float:
 
 
 class RecordTable:
-    """A tuple of RecordFields and the record class made from it (fields in table order; methods from `base`)."""
+    """A record dataclass (StepRecord) and its fields' rows, in declaration order."""
 
-    def __init__(self, fields: tuple[RecordField, ...], base: type, name: str = "StepRecord", module: str = __name__):
-        names = [f.name for f in fields]
-        if len(set(names)) != len(names):
-            raise ValueError(f"record fields named twice: {sorted({n for n in names if names.count(n) > 1})}")
-        self.fields = tuple(fields)
-        self.base, self._name, self._module = base, name, module
-        members = [(f.name, f.type, dataclasses.field(default_factory=f.factory) if f.factory is not None
-                    else dataclasses.field(default=f.default) if f.default is not REQUIRED else dataclasses.field())
-                   for f in fields]
-        self.record = dataclasses.make_dataclass(name, members, bases=(base,), frozen=True)
-        self.record.__module__ = module  # (pickle finds it there)
-        self.record.__doc__ = (base.__doc__ or "").rstrip() + "\n\nFields (step_record.FIELDS):\n" + "\n".join(
-            f"  {f.name}: {f.doc}" for f in fields)
+    def __init__(self, record: type):
+        self.record = record
+        self.fields = tuple(RecordField.of(member) for member in dataclasses.fields(record))
 
     def __getitem__(self, name: str) -> RecordField:
         return next(f for f in self.fields if f.name == name)
@@ -138,6 +154,11 @@ class RecordTable:
         return max(f.since for f in self.fields)
 
     def with_field(self, field: RecordField) -> RecordTable:
-        """This table and one more field at its end, with a record class of its own (for tests: a new field
-        belongs in step_record.FIELDS)."""
-        return RecordTable(self.fields + (field,), self.base, self._name, self._module)
+        """This table and one more field at its end, with a record class of its own, a subclass of this one's (for
+        tests: a new field belongs in StepRecord)."""
+        if field.name in {f.name for f in self.fields}:
+            raise ValueError(f"record fields named twice: [{field.name!r}]")
+        record = dataclasses.make_dataclass(self.record.__name__, [field.member()], bases=(self.record,),
+                                            frozen=True)
+        record.__module__ = self.record.__module__
+        return RecordTable(record)
