@@ -197,3 +197,18 @@ def test_sequences_decoding_together_match_dense_float64_each_over_its_own_token
         alone = cache.attend(seq, 0, q[seq: seq + 1], positions[seq: seq + 1])
         np.testing.assert_array_equal(alone.slots, result.slots)
         np.testing.assert_allclose(alone.weights, result.weights, rtol=1e-5, atol=1e-7)
+
+
+def test_the_watched_attention_keeps_the_last_query_only():
+    """The weights a session watches after a prefill are the last query's row, in an array of its own: a view
+    of the chunk's (n, heads, keys) weights kept every layer alive (a 512-token SmolLM2 prompt: 310 MB)."""
+    from pagevis.engine import DecodeSession, SessionConfig
+    from pagevis.model.synthetic import SyntheticModel
+
+    model = SyntheticModel(n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16)
+    session = DecodeSession(model, "", SessionConfig(page_size=8, max_pages=8, policy="none", max_new_tokens=2),
+                            prompt_ids=list(range(40, 80)))
+    session.step()
+    for layer in range(3):
+        weights, _ = session.engine.attention[session.seq_id][layer]
+        assert weights.shape[0] == 4 and weights.base is None and weights.nbytes == weights.size * 4

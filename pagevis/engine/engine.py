@@ -318,7 +318,7 @@ class Engine:
             for (seq_id, start, end), result in zip(pieces, results, strict=True):
                 out[start:end] = result.output
                 if layer in watched.get(seq_id, ()):
-                    attention.setdefault(seq_id, {})[layer] = (result.weights[-1], result.slots)
+                    attention.setdefault(seq_id, {})[layer] = (result.weights[-1].copy(), result.slots)
             return out
 
         return attend
