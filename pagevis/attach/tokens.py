@@ -1,16 +1,33 @@
 """Block text for `--tokenizer FILE`: a Hugging Face tokenizer.json (through the optional `tokenizers` package) or
 a GGUF file's own byte-level BPE vocabulary (pagevis.model, no extra package). `load_detokenizer(path)` returns
-a function from token ids to text; ValueError with a sentence if the file cannot serve."""
+a function from token ids to text; `load_tokenizer(path)` a `PromptTokenizer` that encodes prompts too (for
+`--explain`); ValueError with a sentence if the file cannot serve.
+
+Prompts are encoded as the engine's /v1/completions does: the model's own BOS rule, no chat template (a GGUF:
+pagevis serve's `encode(text)`; a tokenizer.json: its post-processor, `add_special_tokens=True`, as vLLM's
+tokenizer call). Messages go through the GGUF's chat template; a tokenizer.json carries no template."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 Detokenizer = Callable[[Sequence[int]], str]
 
 
+@dataclass(frozen=True)
+class PromptTokenizer:
+    decode: Detokenizer
+    encode: Callable[[str], list[int]]
+    encode_chat: Callable[[list[dict]], list[int]] | None  # None: the file has no chat template
+
+
 def load_detokenizer(path: str | Path) -> Detokenizer:
+    return load_tokenizer(path).decode
+
+
+def load_tokenizer(path: str | Path) -> PromptTokenizer:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"--tokenizer {path}: no such file")
@@ -21,7 +38,7 @@ def load_detokenizer(path: str | Path) -> Detokenizer:
     raise ValueError(f"--tokenizer {path}: give a tokenizer.json or a .gguf file")
 
 
-def _hugging_face(path: Path) -> Detokenizer:
+def _hugging_face(path: Path) -> PromptTokenizer:
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -35,10 +52,13 @@ def _hugging_face(path: Path) -> Detokenizer:
 
     def decode(ids: Sequence[int]) -> str:
         return tokenizer.decode([i for i in ids if 0 <= i < size], skip_special_tokens=False)
-    return decode
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=True).ids
+    return PromptTokenizer(decode, encode, None)
 
 
-def _gguf(path: Path) -> Detokenizer:
+def _gguf(path: Path) -> PromptTokenizer:
     from pagevis.model.errors import ModelLoadError
     from pagevis.model.gguf_file import field_contents, open_gguf, read_metadata
     from pagevis.model.gguf_loader import LONG_ARRAY, tokenizer_from_reader
@@ -54,4 +74,4 @@ def _gguf(path: Path) -> Detokenizer:
 
     def decode(ids: Sequence[int]) -> str:
         return tokenizer.decode([i for i in ids if 0 <= i < size])
-    return decode
+    return PromptTokenizer(decode, tokenizer.encode, tokenizer.encode_chat)

@@ -49,6 +49,14 @@ def add_parser(commands) -> argparse.ArgumentParser:
     group.add_argument("--save-state", metavar="FILE",
                        help="write every endpoint's resident blocks as JSON at exit (hash, parent, medium, tokens; "
                             "and text with --tokenizer)")
+    why = parser.add_argument_group("explain (headless, JSON a line)")
+    why.add_argument("--explain", metavar="FILE",
+                     help="a JSON request a line ({\"prompt\"}, {\"prompt_token_ids\"} or {\"messages\"}, optional "
+                          "cache_salt, lora_name; - for stdin): how much of each the engines' caches hold, where and "
+                          "why the rest misses, which engine it should go to")
+    why.add_argument("--explain-log", metavar="FILE",
+                     help="with --play: each request of a `pagevis serve --request-log` file against the pool as it "
+                          "was at its arrival; flags cached tokens that differ from what the pool held")
     parser.set_defaults(handler=main)
     return parser
 
@@ -81,8 +89,19 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, value in (("--duration", args.duration), ("--idle-exit", args.idle_exit)):
         if value is not None and not 0 < value <= 7 * 86400:
             raise UsageError(f"pagevis attach: {flag} {value}: give seconds between 0 and a week")
-    if (args.json or args.save_state or args.duration or args.idle_exit) and not args.headless:
+    explaining = bool(args.explain or args.explain_log)
+    if (args.save_state or args.duration) and explaining:
+        raise UsageError("pagevis attach: --explain and --explain-log print their own JSON; no --save-state, "
+                         "--duration")
+    if (args.json or args.save_state or args.duration or args.idle_exit) and not (args.headless or explaining):
         raise UsageError("pagevis attach: --json, --save-state, --duration and --idle-exit go with --headless")
+    if args.explain and args.explain_log:
+        raise UsageError("pagevis attach: give --explain or --explain-log, not both")
+    if args.explain_log and not args.play:
+        raise UsageError("pagevis attach: --explain-log explains a request log against a recording: give --play")
+    for flag, path in (("--explain", args.explain), ("--explain-log", args.explain_log)):
+        if path and path != "-" and not os.path.isfile(path):
+            raise UsageError(f"pagevis attach: {flag} {path}: no such file")
     for flag, path in (("--save-state", args.save_state), ("--record", args.record)):
         if path:
             check_writable(path, flag)
@@ -95,14 +114,15 @@ def check_args(args: argparse.Namespace) -> None:
 def main(args: argparse.Namespace) -> int:
     sources = sources_from_args(args)
     check_args(args)
-    detokenizer = None
+    detokenizer = tokenizer = None
     if args.tokenizer:
-        from pagevis.attach.tokens import load_detokenizer
+        from pagevis.attach.tokens import load_tokenizer
 
         try:
-            detokenizer = load_detokenizer(args.tokenizer)
+            tokenizer = load_tokenizer(args.tokenizer)
         except ValueError as error:
             raise UsageError(f"pagevis attach: {error}") from None
+        detokenizer = tokenizer.decode
     playback = None
     if args.play:
         from pagevis.attach.recording import RecordingError, read_recording
@@ -112,6 +132,8 @@ def main(args: argparse.Namespace) -> int:
             playback = Playback(read_recording(args.play))
         except (RecordingError, OSError) as error:
             raise UsageError(f"pagevis attach: --play {args.play}: {error}") from None
+    if args.explain or args.explain_log:
+        return run_explain(args, sources, playback, tokenizer)
     if not args.headless:
         try:
             from pagevis.gui.attach import window as attach_window
@@ -178,6 +200,50 @@ def run_headless(args, sources, playback, detokenizer) -> int:
                   f"{item['gaps_unrecovered']} gaps unrecovered, {item['decode_errors']} decode errors")
         print(f"GPU blocks held by two or more endpoints: {summary['shared_blocks']}")
     return 0
+
+
+def run_explain(args, sources, playback, tokenizer) -> int:
+    """--explain / --explain-log: rebuild the pools (replay, then the live stream until --idle-exit, default 1 s;
+    or the whole recording), then one JSON object a request on stdout."""
+    from pagevis.attach import explain_run
+
+    def opened(path: str):
+        return sys.stdin if path == "-" else open(path, encoding="utf-8", errors="replace")
+
+    if args.explain_log:
+        with opened(args.explain_log) as file:
+            flagged, refused = explain_run.explain_log(file, playback, tokenizer, sys.stdout)
+        print(f"pagevis attach: {flagged} requests flagged (cached tokens differ from what the pool held); "
+              f"{refused} lines refused", file=sys.stderr)
+        return 1 if refused else 0
+    if playback is not None:
+        playback.seek(len(playback))
+        engines = explain_run.fleet_engines(playback.fleet)
+    else:
+        engines = _attach_for_explain(sources, args.idle_exit or 1.0, args.dp_size)
+    with opened(args.explain) as file:
+        refused = explain_run.explain_file(file, engines, tokenizer, sys.stdout)
+    return 1 if refused else 0
+
+
+def _attach_for_explain(sources, idle_exit: float, dp_size: int):
+    import zmq
+
+    from pagevis.attach import explain_run
+    from pagevis.attach.subscriber import Attacher
+
+    attacher = Attacher(sources)
+    try:
+        attacher.start()
+        _print_history(attacher.fleet)
+        attacher.run(idle_exit=idle_exit)
+    except KeyboardInterrupt:
+        pass
+    except zmq.ZMQError as error:
+        raise UsageError(f"pagevis attach: {error}") from None
+    finally:
+        attacher.close()
+    return explain_run.fleet_engines(attacher.fleet, [i % dp_size for i in range(len(sources))])
 
 
 def _print_history(fleet) -> None:
