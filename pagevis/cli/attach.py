@@ -18,6 +18,12 @@ from pagevis.cli.options import UsageError
 
 MAX_DP = 1024
 MAX_ENDPOINTS = 1024
+EXPLAIN_FLAGS = (
+    ("--explain", "a JSON request a line ({\"prompt\"}, {\"prompt_token_ids\"} or {\"messages\"}, optional cache_salt, "
+                  "lora_name; - for stdin): how much of each the engines' caches hold, where and why the rest "
+                  "misses, which engine it should go to"),
+    ("--explain-log", "with --play: each request of a `pagevis serve --request-log` file against the pool as it was "
+                      "at its arrival; flags cached tokens that differ from what the pool held"))
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -50,13 +56,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
                        help="write every endpoint's resident blocks as JSON at exit (hash, parent, medium, tokens; "
                             "and text with --tokenizer)")
     why = parser.add_argument_group("explain (headless, JSON a line)")
-    why.add_argument("--explain", metavar="FILE",
-                     help="a JSON request a line ({\"prompt\"}, {\"prompt_token_ids\"} or {\"messages\"}, optional "
-                          "cache_salt, lora_name; - for stdin): how much of each the engines' caches hold, where and "
-                          "why the rest misses, which engine it should go to")
-    why.add_argument("--explain-log", metavar="FILE",
-                     help="with --play: each request of a `pagevis serve --request-log` file against the pool as it "
-                          "was at its arrival; flags cached tokens that differ from what the pool held")
+    for flag, text in EXPLAIN_FLAGS:
+        why.add_argument(flag, metavar="FILE", help=text)
     parser.set_defaults(handler=main)
     return parser
 
