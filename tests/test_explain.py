@@ -215,3 +215,24 @@ def test_the_recorded_vllm_stream():
     assert why(state, tokens_of("A", "B", "C"))["first_miss"]["reason"] == "capped"
     assert why(state, tokens_of("X", extra=[1]))["first_miss"]["reason"] == "never_stored"  # cleared at seq 1
     assert state.counters().last_ts == ts0 + 6
+
+
+def test_a_cache_salt_starts_pagevis_own_hash_chain_elsewhere():
+    """kvcache: the same tokens under another salt (or none) share no page; under the same salt, every full page
+    below the last token."""
+    import numpy as np
+
+    from pagevis.kvcache import CacheConfig, KVCacheManager
+
+    config = CacheConfig(page_size=4, max_pages=16, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=4, policy="none")
+    cache, tokens = KVCacheManager(config, pool_pages=64), list(range(13))
+    kv = np.random.default_rng(0).standard_normal((13, 1, 4)).astype(np.float32)
+    cache.add_sequence(0)
+    assert cache.match_prefix(0, tokens, cache_salt="t1") == 0
+    cache.extend(0, tokens)
+    cache.append(0, 0, kv, kv, np.arange(13))
+    cache.commit(0)
+    cache.free(0)
+    for seq, salt, hit in ((1, "t1", 12), (2, "t2", 0), (3, None, 0)):
+        cache.add_sequence(seq)
+        assert cache.match_prefix(seq, tokens + [1], cache_salt=salt) == hit

@@ -36,7 +36,7 @@ from pagevis.kvcache.key_channels import KeyChannels
 from pagevis.kvcache.layers import layer_manager
 from pagevis.kvcache.policies import EvictionPolicy, make_policy
 from pagevis.kvcache.policy_state import LayerView
-from pagevis.kvcache.prefix_cache import ROOT_HASH, PrefixCacheStats, page_hash, prefix_hashes
+from pagevis.kvcache.prefix_cache import PrefixCacheStats, page_hash, prefix_hashes, salt_root
 from pagevis.kvcache.sequence import SequenceCache
 from pagevis.kvcache.snapshot import CacheSnapshot, LayerFrames, layer_frames, take
 from pagevis.kvcache.storage import make_store
@@ -141,14 +141,16 @@ class KVCacheManager(Admission):
         if kind is not None:
             self.log.add(kind, seq_id)
 
-    def match_prefix(self, seq_id: int, token_ids) -> int:
+    def match_prefix(self, seq_id: int, token_ids, cache_salt: str | None = None) -> int:
         """Point an empty sequence at the cached pages of token_ids' longest cached full-page prefix
         (leaving at least the last token to compute): the longest every layer's manager accepts. Returns the
-        number of tokens reused. The caller counts the lookup in `prefix_stats` once the sequence is admitted."""
+        number of tokens reused. The caller counts the lookup in `prefix_stats` once the sequence is admitted.
+        `cache_salt`: its pages hash from the salt's root (only the same salt shares them)."""
         seq = self.sequences[seq_id]
         if any(seq.block_tables) or not self.prefix_caching:
             return 0
-        hashes = prefix_hashes(token_ids[: len(token_ids) - 1], self.page_size)
+        seq.root = salt_root(cache_salt)
+        hashes = prefix_hashes(token_ids[: len(token_ids) - 1], self.page_size, seq.root)
         n = len(hashes)
         while (shorter := min(layer.longest_hit(hashes, n) for layer in self.layers)) < n:
             n = shorter  # until every layer accepts the same length (vLLM's hybrid coordinator does the same)
@@ -181,7 +183,7 @@ class KVCacheManager(Admission):
         child.head_keep = [None if keep is None else keep.copy() for keep in parent.head_keep]
         child.channels = copy.deepcopy(parent.channels)
         child.token_ids = parent.token_ids[:n]
-        child.hashable = parent.hashable
+        child.hashable, child.root = parent.hashable, parent.root
         child.hashes = parent.hashes[: n // self.page_size]
         child.dropped, child.slid, child.newest = list(parent.dropped), list(parent.slid), n - 1
         self.log.acting = child_id
@@ -253,7 +255,7 @@ class KVCacheManager(Admission):
         if seq.channels is not None and not seq.channels.chosen and (prompt_done or self.free_slots(seq_id) <= 0):
             eviction.prune_key_channels(self.layers, seq)
         while seq.hashable and self.prefix_caching and (len(seq.hashes) + 1) * ps <= len(seq.token_ids):
-            i, parent = len(seq.hashes), seq.hashes[-1] if seq.hashes else ROOT_HASH
+            i, parent = len(seq.hashes), seq.hashes[-1] if seq.hashes else seq.root
             seq.hashes.append(page_hash(parent, seq.token_ids[i * ps: (i + 1) * ps]))
             for layer in self.layers:
                 layer.register(seq, i, seq.hashes[-1])

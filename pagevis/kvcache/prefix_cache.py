@@ -1,5 +1,7 @@
 """Prefix hashes of full pages: a page is named by its parent page's hash and its own token ids, so two
-sequences get the same hash for page i exactly when their first (i + 1) pages hold the same tokens."""
+sequences get the same hash for page i exactly when their first (i + 1) pages hold the same tokens. A cache
+salt (vLLM's `cache_salt`, folded into its first block's hash) starts the chain from another root, so salted
+and unsalted prompts, or two salts, share no page."""
 
 from __future__ import annotations
 
@@ -18,9 +20,16 @@ def page_hash(parent: int, token_ids) -> int:
     return int.from_bytes(digest.digest(), "little") >> 1  # 63 bits: fits the int64 columns of a trace
 
 
-def prefix_hashes(token_ids, page_size: int) -> list[int]:
+def salt_root(salt: str | None) -> int:
+    """The parent hash of a sequence's first page: ROOT_HASH without a salt."""
+    if not salt:
+        return ROOT_HASH
+    return int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8, person=b"cache_salt").digest(), "little") >> 1
+
+
+def prefix_hashes(token_ids, page_size: int, root: int = ROOT_HASH) -> list[int]:
     """The hash of every full page of token_ids, in order (a partial last page has none)."""
-    hashes, parent = [], ROOT_HASH
+    hashes, parent = [], root
     for start in range(0, len(token_ids) - page_size + 1, page_size):
         parent = page_hash(parent, token_ids[start: start + page_size])
         hashes.append(parent)

@@ -29,6 +29,7 @@ class SequenceCache:
     token_ids: list[int] = field(default_factory=list)  # tokens whose K/V are written, in position order
     hashes: list[int] = field(default_factory=list)  # prefix hash of each full logical page, while hashable
     hashable: bool = True  # False once the sequence evicted: its pages no longer hold whole prefixes
+    root: int = 0  # the parent hash of its first page (prefix_cache.salt_root: 0 without a cache salt)
     # local layers: per layer, the logical pages slid off the front of its table, the newest position slid out
     dropped: list[int] = field(default_factory=list)
     slid: list[int] = field(default_factory=list)
