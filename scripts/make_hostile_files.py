@@ -373,6 +373,10 @@ def gguf_cases() -> dict[str, str]:
          small_model(sentencepiece=(range(0), False)))
     case("gguf-spm-no-unk-ascii-bytes.gguf", "a SentencePiece vocabulary with no <unk> and only ASCII byte tokens",
          small_model(sentencepiece=(range(0x80), False)))
+    from test_hostile_layout import CASES  # issue #44's table: layout, metadata, numbers
+
+    for name, (what, change, _) in CASES.items():
+        case(name, what, crafted(change))
     from test_hostile_templates import TEMPLATES  # the table the test checks each file's refusal against
 
     for name, (source, bound) in TEMPLATES.items():
@@ -381,13 +385,34 @@ def gguf_cases() -> dict[str, str]:
     return made
 
 
+def crafted(change: tuple) -> bytes:
+    """The small model with one change of test_hostile_layout.CASES."""
+    from test_hostile_layout import patched
+
+    if change[0] == "metadata":
+        return small_model(overrides=change[1])
+    if change[0] == "tensor":
+        return small_model(tensors=change[1])
+    if change[0] == "big-endian":
+        import functools
+        from unittest import mock
+
+        import gguf
+
+        big = functools.partial(gguf.GGUFWriter, endianess=gguf.GGUFEndian.BIG)
+        with mock.patch.object(gguf, "GGUFWriter", big):
+            return small_model()
+    return patched(small_model(), change)
+
+
 SPM_PIECES = ["▁", "t", "h", "e", "▁the", "a", "c", "▁cat"]
 
 
 def small_model(block_count=None, embedding_length=None, tokenizer=True, byte_tokens=True, freq_base=None,
-                vocab_size=None, overrides=None, sentencepiece=None) -> bytes:
+                vocab_size=None, overrides=None, sentencepiece=None, tensors=None) -> bytes:
     """A tiny valid Llama GGUF (random weights), with one thing changed. sentencepiece: (byte values that have
-    a <0xNN> token, whether it has <unk>) for a SentencePiece vocabulary instead."""
+    a <0xNN> token, whether it has <unk>) for a SentencePiece vocabulary instead. tensors: {name: (flat index,
+    value)}, one weight of an F32 tensor replaced."""
     import tempfile
 
     from model_fixtures import write_llama_gguf
@@ -414,7 +439,20 @@ def small_model(block_count=None, embedding_length=None, tokenizer=True, byte_to
         path = Path(folder) / "m.gguf"
         write_llama_gguf(path, model, tokenizer=tokenizer, metadata_overrides=overrides,
                          byte_tokens=byte_tokens, **spm)
+        if tensors:
+            path.write_bytes(_with_weights(path, tensors))
         return path.read_bytes()
+
+
+def _with_weights(path: Path, changes: dict) -> bytes:
+    """path's bytes with one F32 weight of each named tensor replaced: {name: (flat index, value)}."""
+    from gguf import GGUFReader
+
+    data = bytearray(path.read_bytes())
+    offsets = {t.name: int(t.data_offset) for t in GGUFReader(path).tensors}
+    for name, (index, value) in changes.items():
+        struct.pack_into("<f", data, offsets[name] + 4 * index, value)
+    return bytes(data)
 
 
 def main() -> None:

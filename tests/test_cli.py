@@ -110,14 +110,24 @@ def test_the_app_refuses_a_file_that_is_not_gguf_before_opening_a_window(capsys,
 
 @pytest.mark.slow
 def test_a_screenshot_of_a_model_that_cannot_load_says_why(tmp_path):
-    truncated = tmp_path / "truncated.gguf"
-    truncated.write_bytes((Path(__file__).parent / "data" / "tiny-qwen2.gguf").read_bytes()[:100])
-    done = subprocess.run([sys.executable, "-m", "pagevis", "--model", str(truncated), "--screenshot",
+    """A file whose structure is sound (a truncated one is refused before the window opens) but whose model
+    cannot be built: the window's load fails and says why."""
+    broken = tmp_path / "no-tokenizer.gguf"
+    broken.write_bytes((Path(__file__).parent / "data" / "hostile" / "gguf-no-tokenizer.gguf").read_bytes())
+    done = subprocess.run([sys.executable, "-m", "pagevis", "--model", str(broken), "--screenshot",
                            str(tmp_path / "shot.png"), "--steps", "1"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "QT_QPA_PLATFORM": "offscreen"})
     assert done.returncode == 1 and not (tmp_path / "shot.png").exists()
-    assert f"pagevis: Could not load the model: {truncated} (100 bytes) is truncated or corrupt" in done.stderr
-    assert done.stderr.count(str(truncated)) == 1  # the path once (it was twice)
+    assert f"pagevis: Could not load the model: {broken}: metadata key tokenizer.ggml.model is missing" in done.stderr
+    assert done.stderr.count(str(broken)) == 1  # the path once (it was twice)
+
+
+def test_the_app_refuses_a_truncated_file_before_opening_a_window(capsys, tmp_path):
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes((Path(__file__).parent / "data" / "tiny-qwen2.gguf").read_bytes()[:100])
+    status, out, err = run_main(capsys, "--model", str(truncated))
+    assert status == 2 and err.count("\n") == 1
+    assert f"--model: {truncated} (100 bytes) is truncated or corrupt" in err
 
 
 def test_bad_trace_file_exits_2(capsys, tmp_path):

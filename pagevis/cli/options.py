@@ -141,10 +141,10 @@ def model_spec(args: argparse.Namespace) -> ModelSpec:
     from pathlib import Path
 
     from pagevis.model import ModelLoadError
-    from pagevis.model.gguf_file import check_gguf_start
+    from pagevis.model.gguf_file import check_gguf_file
 
-    try:  # before a window opens on it
-        check_gguf_start(Path(name))
+    try:  # before a window opens on it or a server starts
+        check_gguf_file(Path(name))
     except ModelLoadError as error:
         raise UsageError(f"--model: {error}") from None
     return ModelSpec(kind="gguf", path=os.path.abspath(name))

@@ -126,10 +126,18 @@ def check_gguf_start(path: Path) -> int:
     return size
 
 
+def check_gguf_file(path: Path) -> int:
+    """check_gguf_start, then the structural checks (gguf_header.py: every count and length fits the file, the
+    tensors' layout is llama.cpp's); the file's size. Reads the header and tables only: the command line asks it
+    before `pagevis serve`, `run` or the app take the file."""
+    size = check_gguf_start(path)
+    check_gguf_structure(path)
+    return size
+
+
 def open_gguf(path: Path) -> GGUFReader:
     """Parse path's header, metadata and tensor table, or raise ModelLoadError saying why not."""
-    size = check_gguf_start(path)
-    check_gguf_structure(path)  # every count and length fits the file before the gguf reader trusts them
+    size = check_gguf_file(path)  # every count, length and offset fits the file before the gguf reader trusts them
     try:
         reader = _PlainArrayReader(path)
     except (ValueError, IndexError, KeyError, TypeError, OverflowError, MemoryError) as exc:
