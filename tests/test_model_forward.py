@@ -192,7 +192,9 @@ def test_forward_rejects_bad_inputs():
 @pytest.mark.parametrize("window", [0, 24])
 def test_dense_attention_on_two_threads_is_its_float64_softmax_row_by_row(window, monkeypatch):
     """A prefill's queries split over the weight threads (both halves, the sliding window's mask too) give every
-    row exactly what one thread gives, and that is the float64 softmax over the keys each query may see."""
+    row what one thread gives, within float32 rounding, and that is the float64 softmax over the keys each query
+    may see. Not bit for bit: OpenBLAS's Haswell sgemm (what it picks on this machine kind's AMD EPYC) rounds a row
+    by the rows beside it (a 32-row product's rows differ from the same rows of a 64-row one in the last bit)."""
     from pagevis.model import weight_threads
 
     model = SyntheticModel(n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, sliding_window=window,
@@ -207,7 +209,7 @@ def test_dense_attention_on_two_threads_is_its_float64_softmax_row_by_row(window
     finally:
         weight_threads.set_weight_threads(1)
     one = DenseAttention(model.config)(0, q, k, v, np.arange(n))
-    np.testing.assert_array_equal(two, one)
+    np.testing.assert_allclose(two, one, rtol=0, atol=1e-6)
     for t in range(n):
         first = max(0, t - window + 1) if window else 0
         for h in range(4):
