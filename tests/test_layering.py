@@ -77,6 +77,10 @@ ALLOWED: dict[str, set[str]] = {
     # Benchmarks of the windows themselves: frames, UI time per token, record cost, startup.
     "bench.gui": FOUNDATION | {"kvcache", "model", "engine", "simserver", "presets", "viewmodel", "attach", "bench",
                                "gui", "plots"},
+    # The Python API and what its objects show in a notebook (pagevis.Session, compare, load_trace): built on the
+    # command line's own checks and measurements (cli), the HTML export's view (export) and the view model.
+    "notebook": FOUNDATION | {"kvcache", "model", "engine", "presets", "trace", "viewmodel", "export", "quality",
+                              "cli"},
     # The command line: every layer below, and the app it opens and the plots it draws (pagevis.plots).
     "cli": FOUNDATION | {"kvcache", "model", "engine", "simserver", "presets", "trace", "observe", "platform_check",
                          "viewmodel",

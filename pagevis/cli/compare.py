@@ -151,15 +151,27 @@ def load_text(path: str | None) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    if not args.no_files:
+        options.check_writable(args.csv, "--csv", suffix=".csv")
+        options.check_writable(args.plot, "--plot", suffix=".png")
+    result, rows, note = measure_rows(args, load_text(args.text) if args.text is not None else None)
+    report(result, rows, args, note)
+    if not args.quiet:
+        print(f"compare: took {_duration(result['seconds'])} (estimated {_duration(result['estimated_seconds'])}), "
+              f"peak memory {result['peak_rss_mb']:.0f} MB", file=sys.stderr)
+    return 0
+
+
+def measure_rows(args: argparse.Namespace, text: str | None) -> tuple[dict, list, str | None]:
+    """Everything compare measures for these options on `text` (None: the shipped default): the result (the
+    JSON object's fields), the rows (the full cache's first) and a note on a hybrid model's full-cache row.
+    `pagevis compare` and `pagevis.compare()` both measure here; UsageError for a bad option, before any work."""
     from pagevis.quality import measure
     from pagevis.kvcache import CacheConfig, CacheSettings
     from pagevis.kvcache.memory import modelled_bytes
 
     options.check_range("--page-size", args.page_size, 1, MAX_PAGE_SIZE)
     options.check_range("--tokens", args.tokens, 2, MAX_TOKENS)
-    if not args.no_files:
-        options.check_writable(args.csv, "--csv", suffix=".csv")
-        options.check_writable(args.plot, "--plot", suffix=".png")
     if args.tmp_dir is not None and not os.path.isdir(args.tmp_dir):
         raise UsageError(f"--tmp-dir {args.tmp_dir}: no such folder")
     choices = parse_policies(args.policies, optimal=not args.no_optimal)
@@ -167,7 +179,7 @@ def main(args: argparse.Namespace) -> int:
     dtypes = parse_dtypes(args)
     residual = settings.setting("residual").default if args.residual is None else args.residual
     options.check_range("--residual", residual, 0, settings.MAX_RESIDUAL)
-    text = load_text(args.text)
+    text = load_text(None) if text is None else text
     spec = options.model_spec(args)
     model = spec.load()
     check_budgets(budgets, args, model.config)
@@ -176,7 +188,6 @@ def main(args: argparse.Namespace) -> int:
     if len(ids) < 2:
         raise UsageError("the text is too short: it must encode to at least 2 tokens")
     plan = configurations(choices, budgets, dtypes, args, residual, model.config, len(ids))
-
     estimate = measure.estimate_seconds(model, len(ids), [budget for _, budget, _, _ in plan])
     if not args.quiet:
         print(f"compare: {len(ids)} tokens, {len(plan)} configurations; estimated "
@@ -225,11 +236,7 @@ def main(args: argparse.Namespace) -> int:
         labels = sorted({layer_spec.label for layer_spec in reference_config.layer_specs})
         result["hybrid"] = hybrid.as_dict()
         note = f"full-cache row: {hybrid.text()} ({', '.join(labels)} layers)"
-    report(result, rows, args, note)
-    if not args.quiet:
-        print(f"compare: took {_duration(result['seconds'])} (estimated {_duration(estimate.total)}), peak memory "
-              f"{result['peak_rss_mb']:.0f} MB", file=sys.stderr)
-    return 0
+    return result, rows, note
 
 
 def check_policy_budgets(choices, budgets, args, model_config) -> None:
@@ -358,9 +365,17 @@ def write_csv(path: str, rows) -> None:
 
 
 def write_plot(path: str, rows, result) -> None:
-    import numpy as np
-
     from pagevis.plots import line_plot
+
+    series, layout = plot_series(rows, result)
+    line_plot(path, series, **layout)
+
+
+def plot_series(rows, result) -> tuple[dict, dict]:
+    """The plot of perplexity vs budget (vs K/V memory across dtypes): its series (label -> xs, ys, sorted by x;
+    the full cache's dashed) and its layout (line_plot's title, labels, log axes, dashed series and ticks). The
+    PNG here and a notebook's inline SVG (pagevis.notebook.plot) draw the same plot from them."""
+    import numpy as np
 
     series: dict[str, tuple[list, list]] = {}
     by_memory = len(result["dtypes"]) > 1
@@ -378,8 +393,9 @@ def write_plot(path: str, rows, result) -> None:
     values = [y for _, ys in series.values() for y in ys if y]
     ladder = (10, 12, 14, 16, 18, 20, 25, 30, 40, 50, 75, 100, 150, 200, 300, 500, 1000, 2000, 5000)
     ticks = [t for t in ladder if min(values, default=1) / 1.1 <= t <= max(values, default=1) * 1.1]
-    line_plot(path, series, title=f"Perplexity vs {'K/V memory' if by_memory else 'cache budget'} ({result['model']}, "
-                                  f"{result['tokens']} tokens, page size {result['page_size']})",
-              x_label="K/V memory of the bounded cache, all layers (MB)" if by_memory else
-              "cache budget (tokens per layer)", y_label="perplexity (log scale)", log_x=True, log_y=True,
-              dashed={"full cache", "optimal"}, x_ticks=None if by_memory else budgets, y_ticks=ticks or None)
+    return series, dict(
+        title=f"Perplexity vs {'K/V memory' if by_memory else 'cache budget'} ({result['model']}, "
+              f"{result['tokens']} tokens, page size {result['page_size']})",
+        x_label="K/V memory of the bounded cache, all layers (MB)" if by_memory else "cache budget (tokens per layer)",
+        y_label="perplexity (log scale)", log_x=True, log_y=True, dashed={"full cache", "optimal"},
+        x_ticks=None if by_memory else budgets, y_ticks=ticks or None)

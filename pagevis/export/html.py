@@ -15,6 +15,7 @@ from __future__ import annotations
 import html
 import json
 import os
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -73,11 +74,65 @@ def _score(score) -> float | None:
 
 
 def render(data: dict) -> str:
-    """The page: the template with the data embedded (a JSON script block, `</` escaped so no text ends it)."""
-    template = resources.files("pagevis.export").joinpath("page.html").read_text(encoding="utf-8")
-    payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False).replace("</", "<\\/")
+    """The page: the view (view.html) in a document of its own (page.html), its data embedded as JSON."""
     title = f"pagevis · {data['model']} · {data['policy']}, {data['pages']} × {data['slots']}"
-    return template.replace("{{title}}", html.escape(title)).replace("{{data}}", payload)
+    return _fill("page.html", {"title": html.escape(title), "view": render_view(data, standalone=True)})
+
+
+def render_view(data: dict, prefix: str = "", standalone: bool = False, start: int | None = None) -> str:
+    """The session's view as one HTML element (its style and script inside it): the page's whole body, or one
+    view among others in a page (a notebook's output) when its element ids start with `prefix`. `start`: the
+    step it opens at (default the last; the page's address says it). Without scripts (a notebook shown where they
+    do not run) it still shows that step's grid, text and narration, drawn here."""
+    last = len(data["steps"]) - 1
+    start = last if start is None else max(0, min(last, start))
+    static = {"grid": "", "text": "", "narration": "", "where": ""} if standalone else _drawn(data, start)
+    payload = json.dumps({**data, "start": start}, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    fields = {
+        "p": prefix, "standalone": "true" if standalone else "false", "cell_text": data["cell_text"],
+        "slots": str(data["slots"]), "layer": str(data["layer"]), "last": str(last), "start": str(start),
+        "heading": html.escape(f"{data['model']} — paged KV cache, {last + 1} steps"),
+        "config": html.escape(f"{data['pages']} pages × {data['slots']} tokens · policy {data['policy']} · "
+                              f"{data['dtype']} · layer {data['layer']} of {data['layers']} · prompt "
+                              f"{data['prompt_tokens']} tokens"),
+        "legend": "".join(f'<span style="--c:{data["colors"][i]}">{html.escape(data["names"][i])}</span>'
+                          for i in data["legend"]) + f'<em class="muted">{html.escape(data["legend_note"])}</em>',
+        **static, "data": payload.replace("</", "<\\/"),  # no text in the data ends its script block
+    }
+    return _fill("view.html", fields)
+
+
+def _fill(name: str, fields: dict[str, str]) -> str:
+    """The template `name` with its {{placeholders}} replaced in one pass (no value is read as a placeholder)."""
+    template = resources.files("pagevis.export").joinpath(name).read_text(encoding="utf-8")
+    return re.sub(r"\{\{(\w+)\}\}", lambda match: fields[match.group(1)], template)
+
+
+def _drawn(data: dict, index: int) -> dict[str, str]:
+    """The grid, text and narration at step `index` as HTML, for a view whose script may not run: the page's
+    changes applied up to that step, as its script applies them."""
+    n = data["pages"] * data["slots"]
+    states, positions = np.zeros(n, np.int64), np.full(n, -1, np.int64)
+    for changes in data["cells"][: index + 1]:
+        c = np.asarray(changes, np.int64).reshape(-1, 3)
+        states[c[:, 0]], positions[c[:, 0]] = c[:, 1], c[:, 2]
+    cells = []
+    for page in range(data["pages"]):
+        cells.append(f'<div class="page">{page}</div>')
+        for k in range(page * data["slots"], (page + 1) * data["slots"]):
+            shown = "" if positions[k] < 0 else str(positions[k])
+            cells.append(f'<div class="cell" style="background:{data["colors"][states[k]]}">{shown}</div>')
+    evicted = {e[2] for step in data["events"][: index + 1] for e in step}
+    step, kind, written, resident, evictions, next_text = data["steps"][index]
+    spans = []
+    for position, token in enumerate(data["tokens"][:written]):
+        kinds = ("prompt" if position < data["prompt_tokens"] else "") + (" evicted" if position in evicted else "")
+        spans.append(f'<span class="{kinds.strip()}">{html.escape(token)}</span>')
+    spans.append(f'<span class="next">{html.escape(next_text)}</span>')
+    where = (f"step {step} / {data['steps'][-1][0]} · {data['kinds'][kind]} · {resident} resident · {evictions} "
+             "evicted (all layers)")
+    return {"grid": "".join(cells), "text": "".join(spans), "narration": html.escape(data["narration"][index]),
+            "where": html.escape(where)}
 
 
 def write_html(path: str, timeline, layer: int = 0) -> int:
