@@ -301,6 +301,9 @@ SETTINGS: dict[str, Setting] = _table(
             **_SERVER),
     Setting("kv_events_topic", "str", "", "the topic of every KV event message", "serve", "kv_events",
             allowed="a string", blank=True, flag="--kv-events-topic", metavar="TOPIC", **_SERVER),
+    Setting("request_log", "str", None, "append each completion's arrival time, prompt token ids and cached tokens "
+            "to this file, a JSON object a line (`pagevis attach --play REC --explain-log FILE`)", "serve",
+            "kv_events", allowed="a file path", nullable=True, flag="--request-log", metavar="FILE", **_SERVER),
 )
 
 

@@ -17,7 +17,8 @@ and where the rest misses:
   (it was stored, then removed: when, and how long it lived), `extra_keys` (the same tokens are cached under other
   keys: `which`), `partial_block` (the prompt's tail is shorter than a block), `capped` (every full block is
   cached, but the last prompt token is computed, so the last block's hit is given up), `never_stored`.
-- `best`: the longest hit, then more of it on GPU, then the fewest GPU blocks in use; `ranking` orders them all.
+- `best`: the longest hit, then more of it on GPU, then the fewest blocks in use (resident, every medium);
+  `ranking` orders them all.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def explain(engines: Sequence[Engine], request: ExplainRequest, detokenize: Deto
 def explain_engine(state: EngineState, request: ExplainRequest, detokenize: Detokenize | None = None) -> dict:
     """hit_tokens, hit_blocks, media (per hit block), first_miss, block_size, blocks_in_use of one engine."""
     tokens, size = list(request.tokens), state.block_size
-    in_use = state.resident_by_medium().get(GPU, 0)
+    in_use = state.resident_blocks
     result: dict[str, Any] = {"hit_tokens": 0, "hit_blocks": 0, "media": [], "first_miss": None,
                               "block_size": size, "blocks_in_use": in_use}
     if state.tokenless_blocks:
@@ -128,8 +129,7 @@ class _Pool:
         """(hash, medium, removal ts, store ts, extras) of each remembered removed block with these tokens."""
         found = []
         for tier in self.tiers:
-            block_hash = tier.removed_key.get((parent, packed))
-            if block_hash is not None:
+            for block_hash in tier.removed_key.get((parent, packed), ()):
                 ts, _, _, stored, extras = tier.removed_at[block_hash]
                 found.append((block_hash, tier.medium, ts, stored, extras))
         return found

@@ -107,14 +107,18 @@ class _Tier:
         # hash -> ts of its removal, oldest first. An OrderedDict: dropping a plain dict's first key again and again
         # scans the deleted entries before it (quadratic), popitem(last=False) does not.
         # The value is (removal ts, parent hash, packed tokens, store ts, extras): what explain.py says of a block
-        # that was stored and removed. `removed_key` finds one by (parent hash, packed tokens).
+        # that was stored and removed. `removed_key` finds them by (parent hash, packed tokens): several hashes
+        # when extra keys (a cache salt, a LoRA) made the same tokens under the same parent other blocks.
         self.removed_at: OrderedDict[Any, tuple] = OrderedDict()
-        self.removed_key: dict[tuple, Any] = {}
+        self.removed_key: dict[tuple, list] = {}
 
     def forget_removed(self, block_hash: Any, record: tuple) -> None:
         key = (record[1], record[2])
-        if self.removed_key.get(key) == block_hash:
-            del self.removed_key[key]
+        hashes = self.removed_key.get(key)
+        if hashes is not None and block_hash in hashes:
+            hashes.remove(block_hash)
+            if not hashes:
+                del self.removed_key[key]
 
 
 class SharedIndex:
@@ -414,7 +418,7 @@ class EngineState:
             removed += 1
             removed_at[block_hash] = record
             removed_at.move_to_end(block_hash)
-            tier.removed_key[(record[1], record[2])] = block_hash
+            tier.removed_key.setdefault((record[1], record[2]), []).append(block_hash)
             if len(removed_at) > memory:
                 tier.forget_removed(*removed_at.popitem(last=False))
             if shared is not None and not (len(self._gpu_tiers) > 1 and self._on_other_gpu_tier(block_hash, tier)):

@@ -74,6 +74,8 @@ def main(args: argparse.Namespace) -> int:
 
     served = settings_from_args(args)
     check_host(served.host, served.allow_remote)
+    if served.request_log:
+        options.check_writable(served.request_log, "--request-log")
     app = create_app(served)
     # Connections beyond the limit get 503 at once rather than queueing without bound. On SIGTERM the server
     # drains (--drain-seconds), then every stream has ended: 5 s more is plenty for the last bytes.

@@ -25,6 +25,7 @@ class Request:
     error: str = ""  # with stop_reason cache_full: the cache's message
     preemptions: int = 0
     prefix_hit_tokens: int = 0  # prompt tokens found in the prefix cache at its (last) admission
+    cache_salt: str | None = None  # vLLM's cache_salt: only requests with the same salt share cached pages
     children: list[int] = field(default_factory=list)  # parallel samples waiting for this one's prefill
     paused: bool = False  # held between calls (a session stepped over HTTP): not scheduled, pages kept
     hold: bool = False  # keep its pages when it finishes, until Engine.release (a server's session records them)

@@ -94,7 +94,8 @@ class Scheduler:
             request = self.waiting[0]
             cache.add_sequence(request.seq_id, request.policy)
             tokens = request.tokens
-            request.n_cached = cache.match_prefix(request.seq_id, tokens[: self._hit_limit(request) + 1])
+            request.n_cached = cache.match_prefix(request.seq_id, tokens[: self._hit_limit(request) + 1],
+                                                  request.cache_salt)
             if cache.is_full(request.seq_id):
                 self.start(self.waiting.popleft())  # its cached prefix already fills its budget
                 finish(request, "cache_full")

@@ -60,6 +60,8 @@ def create_app(settings: ServeSettings | None = None, model=None) -> FastAPI:
             sweeper.cancel()
             app.state.store.close()
             await asyncio.to_thread(app.state.engines.close)
+            if app.state.request_log is not None:
+                app.state.request_log.close()
 
     app = FastAPI(title="pagevis", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.router.route_class = CheckedRoute
@@ -69,6 +71,11 @@ def create_app(settings: ServeSettings | None = None, model=None) -> FastAPI:
     app.state.metrics = metrics
     app.state.store = store = SessionStore(settings)
     app.state.engines = engines = Engines(settings, app.state.model, metrics)
+    app.state.request_log = None
+    if settings.request_log:
+        from pagevis.serve.request_log import RequestLog
+
+        app.state.request_log = RequestLog(settings.request_log, settings.kv_events_endpoint)
     metrics.active_sessions.set_function(lambda: len(store.sessions))
     app.state.started = int(time.time())
     install_handlers(app)

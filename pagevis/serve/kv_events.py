@@ -18,7 +18,7 @@ import threading
 from pagevis.attach.events import BlockRemoved, BlockStored
 from pagevis.attach.publisher import KVEventPublisher
 from pagevis.kvcache import EventKind
-from pagevis.kvcache.prefix_cache import prefix_hashes
+from pagevis.kvcache.prefix_cache import prefix_hashes, salt_root
 
 
 class KVEvents:
@@ -62,11 +62,13 @@ def batch_events(engine, cache_events) -> list:
     def flush() -> None:
         if run:
             seq, first, _, chain = run[0]
-            tokens = engine.requests[seq].tokens
+            request = engine.requests[seq]
+            tokens, salt = request.tokens, request.cache_salt
             out.append(BlockStored(block_hashes=[h for _, _, h, _ in run],
                                    parent_block_hash=chain[first - 1] if first else None,
                                    token_ids=[int(t) for t in tokens[first * ps: (first + len(run)) * ps]],
-                                   block_size=ps, medium=where))
+                                   block_size=ps, medium=where,  # vLLM's extra keys: the salt on a first block
+                                   extra_keys=[[salt]] + [None] * (len(run) - 1) if salt and not first else None))
             run.clear()
 
     for event in cache_events:
@@ -78,7 +80,7 @@ def batch_events(engine, cache_events) -> list:
                 continue
             chain = chains.get(event.seq)
             if chain is None:
-                chain = chains[event.seq] = prefix_hashes(request.tokens, ps)
+                chain = chains[event.seq] = prefix_hashes(request.tokens, ps, salt_root(request.cache_salt))
             if event.detail not in chain:
                 continue
             index = chain.index(event.detail)

@@ -64,6 +64,8 @@ class _GenerationRequest(BaseModel):
     ignore_eos: bool = Field(False, description="decode max_tokens whatever is sampled (benchmarks of a fixed "
                                                 "shape, as vLLM's)")
     pagevis: CacheSettings | None = Field(None, description="cache settings: page_size, max_pages, policy, ...")
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024,
+                                   description="vLLM's: only requests with the same salt share cached prompt pages")
     # Accepted only at their no-op values: silently ignoring them would change what the client asked for.
     best_of: int | None = None
     presence_penalty: float = 0.0
@@ -210,7 +212,7 @@ async def _generate(request: Request, body: _GenerationRequest, prompts: list[st
     try:
         for ids, policy in zip(encoded, policies, strict=True):  # each holds the core (no await before the
             generations.append(Generation(state, core, body.n))  # first one): the pool stays
-            await generations[-1].submit(ids, config, tuple(stops), body.ignore_eos, policy, scores)
+            await generations[-1].submit(ids, config, tuple(stops), body.ignore_eos, policy, scores, body.cache_salt)
     except BaseException:
         for generation in generations:
             generation.close()
@@ -332,14 +334,16 @@ class Generation:
         self.ends: list[tuple | None] = [None] * n
         self.tokens: list[list[tuple]] = [[] for _ in range(n)]  # each sample's (token id, logprob row)
         self.closed = False
+        self.arrival, self.logged = time.time(), None  # --request-log: (prompt ids, salt, scored prompt)
         state.engines.take()
         core.holders += 1
 
     async def submit(self, prompt_ids, config, stops: tuple[str, ...], ignore_eos: bool, policy,
-                     scores: tuple[int | None, int | None] = (None, None)) -> None:
+                     scores: tuple[int | None, int | None] = (None, None), cache_salt: str | None = None) -> None:
+        self.logged = (prompt_ids, cache_salt, scores[1] is not None)
         try:
             self.ids = await self.core.run(self.core.submit, prompt_ids, config.sampling, config.max_new_tokens,
-                                           stops, ignore_eos, policy, self.n, self.outputs, scores)
+                                           stops, ignore_eos, policy, self.n, self.outputs, scores, cache_salt)
         except BaseException:
             self.close()
             raise
@@ -408,6 +412,9 @@ class Generation:
         if self.closed:
             return
         self.closed = True
+        log = getattr(self.state, "request_log", None)
+        if log is not None and self.logged is not None and self.ends[0] is not None:
+            log.write(self.arrival, self.logged[0], self.ends[0][4], *self.logged[1:])
         self.state.engines.give()
         self.core.holders -= 1
         unfinished = [seq for seq, end in zip(self.ids, self.ends) if end is None]

@@ -45,6 +45,7 @@ class ServeSettings:
     kv_events_endpoint: str | None = field_for("kv_events_endpoint", "serve")  # vLLM KV events (ZMQ PUB) here
     kv_events_replay: str | None = field_for("kv_events_replay", "serve")  # and replay requests (ZMQ ROUTER)
     kv_events_topic: str = field_for("kv_events_topic", "serve")
+    request_log: str | None = field_for("request_log", "serve")  # JSONL of each completion (request_log.py)
     max_session_tokens: int = field_for("max_session_tokens", "serve")  # prompt + generated tokens of one request
     max_cache_tokens: int = field_for("max_cache_tokens", "serve")  # page_size * max_pages of one request
     max_session_mib: int = field_for("max_session_mib", "serve")  # one session's KV caches and snapshots
