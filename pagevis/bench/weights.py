@@ -44,7 +44,7 @@ def _resident() -> int:
 
 
 def _prompt_ids(vocab: int, n: int) -> list[int]:
-    return [int(v) for v in (np.arange(n) * 7919 + 1009) % min(vocab, 32000) + 256]
+    return [int(v) for v in (np.arange(n) * 7919 + 1009) % min(vocab - 256, 32000) + 256]  # in any vocabulary
 
 
 def pagevis_worker(path: str, weights: str, threads: int, decode: int, batches: bool) -> dict:
@@ -145,11 +145,12 @@ def configurations(llama_cpp: bool, float32: bool = True) -> list[dict]:
     return rows
 
 
-def run_worker(config: dict, path: str, decode: int, timeout: float = 900) -> dict:
-    """One configuration in a fresh process; its measurements (or {"error": ...})."""
-    job = dict(config, path=path, decode=decode)
+def run_worker(config: dict, path: str, decode: int, timeout: float = 900, module: str = "pagevis.bench.weights",
+               **job_extra) -> dict:
+    """One configuration in a fresh process (`python -m module --worker JOB`); its measurements (or {"error": ...})."""
+    job = dict(config, path=path, decode=decode, **job_extra)
     try:
-        done = subprocess.run([sys.executable, "-m", "pagevis.bench.weights", "--worker", json.dumps(job)],
+        done = subprocess.run([sys.executable, "-m", module, "--worker", json.dumps(job)],
                               capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}

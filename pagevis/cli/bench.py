@@ -9,12 +9,12 @@ import math
 import os
 import sys
 
-from pagevis.cli import options
+from pagevis.cli import bench_targets, options
 from pagevis.cli.options import UsageError
 
 FULL_CONTEXTS = "32,128,512,1024,2048,4096,8192"
 QUICK_CONTEXTS = "32,128,512"
-MAX_DECODE_TOKENS = 10_000
+MAX_DECODE_TOKENS = bench_targets.MAX_DECODE_TOKENS
 # Peak memory of the attention rows per context token (float64 draws, K/V, the page pool and the dense copy),
 # measured at 4.7 KB with SmolLM2's layer shape at 64k and 256k tokens; rounded up for torch's copies.
 BYTES_PER_CONTEXT_TOKEN = 8 << 10
@@ -30,13 +30,6 @@ def add_parser(commands) -> argparse.ArgumentParser:
                     "bandwidth of a weight-sized float32 gemv or sum, on the BLAS threads decoding uses, over "
                     "weight bytes per token). "
                     "Timings are medians; a busy machine makes them noisy.")
-    parser.add_argument("target", nargs="?", choices=("serve", "startup", "weights"),
-                        help="serve: benchmark `pagevis serve` instead (a chat workload at concurrency 1-16 or "
-                             "Poisson rates, shaped like vLLM's benchmark_serving; see its options below); "
-                             "startup: the app's time to its first drawn frame, cold and warm, by phase; "
-                             "weights: decode, prefill, batches and peak RSS with the weights as the GGUF stores "
-                             "them, beside --weights float32 and llama.cpp (the bench extra), SmolLM2, Gemma 3 "
-                             "270M (when installed) and a synthetic 1B Q4_K_M file; --rounds, --decode-tokens")
     parser.add_argument("--contexts", metavar="LIST", help=f"context lengths (default {FULL_CONTEXTS})")
     parser.add_argument("--page-sizes", metavar="LIST", help="page sizes (default 8,16,32,64)")
     parser.add_argument("--quick", action="store_true",
@@ -66,26 +59,8 @@ def add_parser(commands) -> argparse.ArgumentParser:
     parser.add_argument("--transformers-python", metavar="PYTHON",
                         help="a Python with torch, transformers, accelerate and gguf: time transformers eager "
                              "decoding of the same GGUF with it (default: this Python, if it has them)")
-    serve = parser.add_argument_group("bench serve")
-    serve.add_argument("--concurrency", metavar="LIST", help="concurrent streaming clients per level (default "
-                       "1,2,4,8,16)")
-    serve.add_argument("--request-rate", metavar="LIST", help="Poisson arrivals, requests/s per level (instead of "
-                       "the concurrency levels, or after those given with --concurrency)")
-    serve.add_argument("--num-prompts", type=int, metavar="N", help="requests per level (default 2 x the "
-                       "concurrency, at least 4; 16 per rate)")
-    serve.add_argument("--output-tokens", type=int, default=32, metavar="N", help="tokens each request decodes (32)")
-    serve.add_argument("--overhead", action="store_true", help="instead: HTTP against the engine called directly "
-                       "(tokens/s, /healthz while sessions decode, /v1/attention)")
-    serve.add_argument("--hostile", action="store_true", help="instead: eight clients' chat latency on an idle "
-                       "server and while one client sends the worst requests (2 MB stop strings, lone surrogates, "
-                       "1.1 M characters of content, injected control tokens), phases alternating")
-    parser.add_argument("--rounds", type=int, default=3, metavar="N",
-                        help="bench weights: interleaved rounds, each configuration in its own process (3)")
-    startup = parser.add_argument_group("bench startup")
-    startup.add_argument("--starts", type=int, default=2, metavar="N", help="warm starts to time (default 2)")
-    startup.add_argument("--no-cold", action="store_true",
-                         help="no cold start (the model and the app's packages dropped from the page cache first)")
-    parser.set_defaults(handler=main)
+    parser.set_defaults(handler=main, target=None)
+    bench_targets.add_parsers(parser)
     return parser
 
 
@@ -121,18 +96,6 @@ class _Sections:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.target == "startup":
-        return startup_main(args)
-    if args.target == "serve":
-        return serve_main(args)
-    if args.target == "weights":
-        from pagevis.bench import weights
-
-        options.check_range("--rounds", args.rounds, 1, 20)
-        options.check_range("--decode-tokens", args.decode_tokens, 1, MAX_DECODE_TOKENS)
-        result = weights.run_bench(args.rounds, args.decode_tokens, say=lambda text: print(text, file=sys.stderr))
-        print(json.dumps(result) if args.json else weights.format_report(result))
-        return 0
     from pagevis.bench import machine, suite
 
     contexts = parse_ints(args.contexts or (QUICK_CONTEXTS if args.quick else FULL_CONTEXTS), "--contexts", 1,
@@ -359,71 +322,6 @@ def _decode_report(d: dict, loads) -> list[str]:
     else:
         out.append("  transformers eager: not measured (--transformers-python PYTHON)")
     return out
-
-
-def startup_main(args: argparse.Namespace) -> int:
-    """`pagevis bench startup`: `pagevis` to its first drawn frame, cold and warm, by phase (bench/gui/startup.py)."""
-    from pagevis.bench.gui.startup import format_rows, run_startup_bench
-
-    model = args.model or "smollm2"
-    options.check_range("--starts", args.starts, 1, 20)
-    if model not in ("smollm2", "synthetic") and not os.path.isfile(model):
-        raise UsageError(f"--model {model}: smollm2, synthetic or the path of a .gguf file")
-    rows = run_startup_bench(model, args.starts, cold=not args.no_cold)
-    print(json.dumps(rows) if args.json else format_rows(rows, model))
-    return 0
-
-
-def serve_main(args: argparse.Namespace) -> int:
-    """`pagevis bench serve`: the serving benchmark (or --overhead); a table on stdout, a PNG plot."""
-    from pagevis.bench import serve, serving
-
-    model = args.model or "smollm2"
-    if model not in ("smollm2", "synthetic"):
-        raise UsageError(f"pagevis bench serve: --model {model}: smollm2 or synthetic")
-    say = (lambda text: print(text, file=sys.stderr)) if not args.json else (lambda text: None)
-    if args.overhead:
-        result = serve.overhead(model, args.decode_tokens, 3)
-        print(json.dumps(result) if args.json else serve.format_overhead(result))
-        return 0
-    if args.hostile:
-        result = serve.hostile(model)
-        print(json.dumps(result) if args.json else serve.format_hostile(result))
-        return 0
-    rates = _rates(args.request_rate) if args.request_rate else None
-    concurrencies = parse_ints(args.concurrency, "--concurrency", 1, 256) if args.concurrency else (
-        None if rates else [1, 2, 4, 8, 16])
-    if args.num_prompts is not None:
-        options.check_range("--num-prompts", args.num_prompts, 1, 100_000)
-    options.check_range("--output-tokens", args.output_tokens, 1, 4096)
-    if not args.no_files:
-        if not os.path.isdir(args.out):
-            raise UsageError(f"--out {args.out}: no such folder")
-        options.check_writable(os.path.join(args.out, "bench-serve.png"), "--out")
-    say(f"load average {os.getloadavg()[0]:.1f}; starting pagevis serve --model {model} ...")
-    say("  ".join(serving.HEADER))
-    result = serving.run(model, concurrencies, rates, args.num_prompts, args.output_tokens, progress=say)
-    if not args.no_files:
-        from pagevis.plots import line_plot
-
-        result["files"] = serving.plot(result, args.out, line_plot)
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    print(serving.format_table(result))
-    if result.get("files"):
-        print("wrote " + ", ".join(result["files"]))
-    return 0
-
-
-def _rates(text: str) -> list[float]:
-    try:
-        rates = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise UsageError(f"--request-rate {text!r}: numbers like 1,2,4") from None
-    if not rates or any(not 0 < r <= 1000 for r in rates):
-        raise UsageError(f"--request-rate {text!r}: each must be more than 0 and at most 1000")
-    return rates
 
 
 def write_files(folder: str, result: dict, half: list[dict]) -> list[str]:

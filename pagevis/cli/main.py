@@ -107,13 +107,14 @@ def command_parser() -> ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=ArgumentParser, prog="pagevis")
     for module in (run, compare, eval, bench, replay, serve, attach):
         command = module.add_parser(commands)
-        command.add_argument(
-            "--blas-threads", type=int, default=1, metavar="N",
-            help="threads NumPy's BLAS may use with --weights float32 (default 1: decoding is memory-bound, and "
-                 "spinning BLAS threads slow it down several times when another process is busy; quantized "
-                 "weights use --threads and one BLAS thread per thread)")
-        add_weight_options(command, threads_default=None)
-        add_debug_option(command)
+        for each in (command, *getattr(command, "subcommands", ())):  # `bench weights`, `bench engine`, ...
+            each.add_argument(
+                "--blas-threads", type=int, default=1, metavar="N",
+                help="threads NumPy's BLAS may use with --weights float32 (default 1: decoding is memory-bound, and "
+                     "spinning BLAS threads slow it down several times when another process is busy; quantized "
+                     "weights use --threads and one BLAS thread per thread)")
+            add_weight_options(each, threads_default=None)
+            add_debug_option(each)
     return parser
 
 

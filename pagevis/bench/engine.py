@@ -1,0 +1,319 @@
+"""`pagevis bench engine`: decoding as `pagevis run` does it, beside the bare model and llama.cpp, and where a step's
+time goes.
+
+Three engines per model file, each on 1 and 2 threads, each configuration in its own process (its own peak RSS),
+the configurations interleaved round by round (load from other processes falls on all alike), medians over rounds:
+  engine     `pagevis run --no-chat --policy none --page-size 16`'s path: a DecodeSession (the paged cache, the
+             scheduler, the step record, the run loop and a hook as `run`'s progress bar), configured as `run` is;
+  model      the bare `model.forward` with a DenseAttention (what `bench weights` measures);
+  llama.cpp  llama-cpp-python (the `bench` extra), when installed.
+Each decodes greedily after a 23-token and after a 512-token prompt (the same token ids for all three): decode
+tokens/s from the first decoded token to the last (wall clock), prefill tokens/s of the prompt, and the peak RSS
+when that prompt's decode ended. After the timed tokens the pagevis engines decode a few more with every part timed
+(weights, attention, the rest of the forward, sampling, the scheduler and cache bookkeeping, the record, the Python
+between steps): per token, in ms, measured in the same process right after the timed run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from pagevis.bench import weights
+from pagevis.bench.weights import _cpu, _peak_rss, _prompt_ids, llama_cpp_available
+
+PROMPTS = (23, 512)
+PAGE_SIZE = 16
+SPLIT_TOKENS = 16  # tokens decoded with every part timed, after the timed ones
+ENGINES = ("engine", "model", "llama.cpp")
+PARTS = ("weights", "attention", "forward_rest", "sampling", "bookkeeping", "record", "between")
+
+
+class _Clock:
+    """Seconds spent inside wrapped callables, by part."""
+
+    def __init__(self):
+        self.seconds = dict.fromkeys(PARTS, 0.0)
+
+    def wrap(self, part: str, function):
+        seconds, clock = self.seconds, time.perf_counter
+
+        def timed(*args, **kwargs):
+            begin = clock()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                seconds[part] += clock() - begin
+
+        return timed
+
+
+@contextmanager
+def _timed_products(clock: _Clock):
+    """Every weight product of the forward (model/llama.py's matmul) timed as 'weights'."""
+    from pagevis.model import llama
+
+    original = llama.matmul
+    llama.matmul = clock.wrap("weights", original)
+    try:
+        yield
+    finally:
+        llama.matmul = original
+
+
+def _run_config(prompt: int, new_tokens: int):
+    """The session `pagevis run --no-chat --policy none --page-size 16 --max-pages N --max-tokens M` decodes with
+    (everything else the settings table's defaults, as `run` has them)."""
+    from pagevis.engine import SessionConfig
+
+    pages = -(-(prompt + new_tokens + 1) // PAGE_SIZE)
+    return SessionConfig(page_size=PAGE_SIZE, max_pages=pages, policy="none", max_new_tokens=new_tokens, chat=False)
+
+
+def engine_worker(path: str, threads: int, decode: int, prompts=PROMPTS) -> dict:
+    from pagevis.engine import DecodeSession, ModelSpec
+    from pagevis.model import set_blas_threads
+    from pagevis.model.weight_threads import set_weight_threads
+
+    set_blas_threads(1)
+    set_weight_threads(threads)
+    start = time.perf_counter()
+    model = ModelSpec(kind="gguf", path=path).load()
+    out = {"load_s": time.perf_counter() - start}
+    for n in prompts:
+        config = _run_config(n, decode + SPLIT_TOKENS + 1)
+        ids = _prompt_ids(model.config.vocab_size, n)
+        begin = time.perf_counter()
+        session = DecodeSession(model, "", config, prompt_ids=ids)
+        # `run`'s progress hook (its bar drawn only on a terminal) stands for the hooks a front end adds
+        session.add_hook(lambda record, s=session: (len(s.generated), record.kind, record.resident_tokens))
+        stamps: list[float] = []
+        session.add_hook(lambda record: stamps.append(time.perf_counter()))
+        loop = session.run()
+        next(loop)  # the prompt's prefill: the first token
+        for _ in range(decode):
+            next(loop)
+        out[f"prefill_{n}"] = n / (stamps[0] - begin)
+        out[f"decode_{n}"] = decode / (stamps[-1] - stamps[0])
+        out[f"split_{n}"] = _engine_split(session, loop, stamps)
+        out[f"peak_rss_{n}"] = _peak_rss()
+        session.close()
+    return out
+
+
+def _engine_split(session, loop, stamps: list[float]) -> dict:
+    """SPLIT_TOKENS more steps with every part timed: ms per token by part."""
+    clock = _Clock()
+    engine = session.engine
+    attend, sample = engine._batched_attend, engine._sample
+    engine._batched_attend = lambda segments: clock.wrap("attention", attend(segments))
+    engine._sample = clock.wrap("sampling", sample)
+    totals = {"forward": 0.0, "sample": 0.0, "oracle": 0.0, "record": 0.0, "total": 0.0}
+    first = len(stamps)
+    with _timed_products(clock):
+        for _ in range(SPLIT_TOKENS):
+            record = next(loop)
+            for key in totals:
+                totals[key] += record.timings.get(key, 0.0)
+    engine._batched_attend, engine._sample = attend, sample
+    wall = stamps[-1] - stamps[first - 1]
+    parts = clock.seconds
+    parts["forward_rest"] = totals["forward"] - parts["weights"] - parts["attention"]
+    # the engine's step outside the forward and the sampling, and the session's between the step and its record
+    parts["bookkeeping"] = totals["sample"] + totals["oracle"] - parts["sampling"]
+    parts["record"] = totals["record"]
+    parts["between"] = wall - totals["total"]
+    return {"wall": 1e3 * wall / SPLIT_TOKENS, **{k: 1e3 * v / SPLIT_TOKENS for k, v in parts.items()}}
+
+
+def model_worker(path: str, threads: int, decode: int, prompts=PROMPTS) -> dict:
+    from pagevis.model import DenseAttention, load_model, set_blas_threads
+    from pagevis.model.weight_threads import set_weight_threads
+
+    set_blas_threads(1)
+    set_weight_threads(threads)
+    start = time.perf_counter()
+    model = load_model(path)
+    out = {"load_s": time.perf_counter() - start}
+    for n in prompts:
+        ids = _prompt_ids(model.config.vocab_size, n)
+        attention = DenseAttention(model.config)
+        begin = time.perf_counter()
+        logits = model.forward(np.array(ids), np.arange(n), attention)
+        out[f"prefill_{n}"] = n / (time.perf_counter() - begin)
+        position = n
+        begin = time.perf_counter()
+        for _ in range(decode):
+            logits = model.forward(np.array([int(np.argmax(logits))]), np.array([position]), attention)
+            position += 1
+        out[f"decode_{n}"] = decode / (time.perf_counter() - begin)
+        clock = _Clock()
+        attend = clock.wrap("attention", attention)
+        with _timed_products(clock):
+            begin = time.perf_counter()
+            for _ in range(SPLIT_TOKENS):
+                logits = model.forward(np.array([int(np.argmax(logits))]), np.array([position]), attend)
+                position += 1
+            wall = time.perf_counter() - begin
+        parts = clock.seconds
+        parts["forward_rest"] = wall - parts["weights"] - parts["attention"]
+        out[f"split_{n}"] = {"wall": 1e3 * wall / SPLIT_TOKENS, **{k: 1e3 * v / SPLIT_TOKENS for k, v in parts.items()}}
+        out[f"peak_rss_{n}"] = _peak_rss()
+        del attention, attend
+    return out
+
+
+def llama_cpp_worker(path: str, threads: int, decode: int, prompts=PROMPTS) -> dict:
+    from llama_cpp import Llama
+
+    start = time.perf_counter()
+    llm = Llama(model_path=path, n_ctx=max(prompts) + decode + 16, n_batch=max(prompts), n_threads=threads,
+                n_threads_batch=threads, verbose=False)
+    out = {"load_s": time.perf_counter() - start}
+    for n in prompts:
+        ids = _prompt_ids(llm.n_vocab(), n)
+        llm.reset()
+        begin = time.perf_counter()
+        llm.eval(ids)
+        out[f"prefill_{n}"] = n / (time.perf_counter() - begin)
+        begin = time.perf_counter()
+        for _ in range(decode):  # the batch's last row: the only logits llama.cpp computes (logits_all off)
+            llm.eval([int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))])
+        out[f"decode_{n}"] = decode / (time.perf_counter() - begin)
+        out[f"peak_rss_{n}"] = _peak_rss()
+    return out
+
+
+WORKERS = {"engine": engine_worker, "model": model_worker, "llama.cpp": llama_cpp_worker}
+
+
+def run_worker(config: dict, path: str, decode: int, prompts, timeout: float = 1200) -> dict:
+    """One configuration in a fresh process; its measurements (or {"error": ...})."""
+    return weights.run_worker(config, path, decode, timeout, "pagevis.bench.engine", prompts=list(prompts))
+
+
+def configurations(llama_cpp: bool, threads=(1, 2)) -> list[dict]:
+    return [{"engine": e, "threads": t} for t in threads for e in ENGINES if e != "llama.cpp" or llama_cpp]
+
+
+def _median_row(config: dict, results: list[dict]) -> dict:
+    good = [r for r in results if "error" not in r]
+    row = dict(config, name=f"{config['engine']} {config['threads']}t", runs=len(good), loads=[r.get("load")
+                                                                                          for r in results])
+    if not good:
+        row["error"] = results[-1].get("error")
+        return row
+    for key in good[0]:
+        if isinstance(good[0][key], (int, float)):
+            row[key] = statistics.median(r[key] for r in good)
+        elif key.startswith("split_"):
+            row[key] = {part: statistics.median(r[key][part] for r in good) for part in good[0][key]}
+    return row
+
+
+def bench_model(label: str, path: str, rounds: int, decode: int, prompts, llama_cpp: bool, threads=(1, 2),
+                say=print) -> dict:
+    """Every configuration on one file, interleaved over `rounds`; per configuration the median of each number."""
+    configs = configurations(llama_cpp, threads)
+    runs: list[list[dict]] = [[] for _ in configs]
+    for round_index in range(rounds):
+        for index, config in enumerate(configs):
+            say(f"  {label}: round {round_index + 1}/{rounds}, {config['engine']} {config['threads']}t")
+            result = run_worker(config, path, decode, prompts)
+            result["load"] = os.getloadavg()[0]
+            runs[index].append(result)
+    rows = [_median_row(config, results) for config, results in zip(configs, runs)]
+    return {"model": label, "path": path, "rows": rows, "ratios": ratios(rows, prompts)}
+
+
+def ratios(rows: list[dict], prompts=PROMPTS) -> dict:
+    """engine over llama.cpp and over the bare model, at equal threads and prompt; 2 threads over 1."""
+    by = {r["name"]: r for r in rows if "error" not in r}
+    out = {}
+    for t in (1, 2):
+        engine, model, peer = by.get(f"engine {t}t"), by.get(f"model {t}t"), by.get(f"llama.cpp {t}t")
+        for n in prompts:
+            for key in (f"decode_{n}", f"prefill_{n}"):
+                if engine and peer and key in engine and key in peer:
+                    out[f"{key} engine/llama.cpp {t}t"] = engine[key] / peer[key]
+                if engine and model and key in engine and key in model:
+                    out[f"{key} engine/model {t}t"] = engine[key] / model[key]
+            if engine and peer and f"peak_rss_{n}" in peer:
+                out[f"peak_rss_{n} engine/llama.cpp {t}t"] = engine[f"peak_rss_{n}"] / peer[f"peak_rss_{n}"]
+    for name in ENGINES:
+        one, two = by.get(f"{name} 1t"), by.get(f"{name} 2t")
+        for n in prompts:
+            if one and two and f"decode_{n}" in one:
+                out[f"decode_{n} {name} 2t/1t"] = two[f"decode_{n}"] / one[f"decode_{n}"]
+    return out
+
+
+def run_bench(rounds: int = 3, decode: int = 64, models: tuple[str, ...] = ("smollm2", "gemma3-270m"),
+              prompts=PROMPTS, threads=(1, 2), say=print) -> dict:
+    from pagevis.model.errors import ModelLoadError
+    from pagevis.model.locate import named_model_path
+
+    llama_cpp = llama_cpp_available()
+    result = {"cpu": _cpu(), "load_before": os.getloadavg(), "llama_cpp": llama_cpp, "prompts": list(prompts),
+              "decode_tokens": decode, "models": []}
+    for name in models:
+        try:
+            path = str(named_model_path(name)) if not os.path.isfile(name) else name
+        except ModelLoadError as error:
+            say(f"  {name}: skipped ({error})")
+            continue
+        result["models"].append(bench_model(name, path, rounds, decode, prompts, llama_cpp, threads, say))
+    result["load_after"] = os.getloadavg()
+    return result
+
+
+def format_report(result: dict) -> str:
+    prompts = result["prompts"]
+    lines = [f"pagevis run's decode (engine) beside the bare model and llama.cpp — {result['cpu']}, load "
+             f"{result['load_before'][0]:.1f} before, {result['load_after'][0]:.1f} after; medians of interleaved "
+             f"rounds, {result['decode_tokens']} greedy tokens, tokens/s wall clock"]
+    if not result["llama_cpp"]:
+        lines.append("llama.cpp: not installed (pip install -e '.[bench]')")
+    heads = "".join(f" {'dec@' + str(n):>8} {'pre@' + str(n):>8} {'RSS@' + str(n):>8}" for n in prompts)
+    for model in result["models"]:
+        lines += [f"\n{model['model']} ({Path(model['path']).name})", f"  {'':14}{heads}"]
+        for row in model["rows"]:
+            if "error" in row:
+                lines.append(f"  {row['name']:14} error: {row['error']}")
+                continue
+            cells = "".join(f" {row[f'decode_{n}']:8.1f} {row[f'prefill_{n}']:8.1f} "
+                            f"{row[f'peak_rss_{n}'] / 2**20:5.0f}MiB" for n in prompts)
+            lines.append(f"  {row['name']:14}{cells}")
+        lines.append("  ms per token (" + ", ".join(PARTS) + "; wall: all of it):")
+        for row in model["rows"]:
+            for n in prompts:
+                split = row.get(f"split_{n}")
+                if split:
+                    parts = " ".join(f"{part} {split[part]:.2f}" for part in PARTS if split.get(part))
+                    lines.append(f"    {row['name']:14} after {n:>4}: wall {split['wall']:.2f} = {parts}")
+        for key, value in model["ratios"].items():
+            lines.append(f"  {key}: {value:.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m pagevis.bench.engine")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    job = json.loads(args.worker)
+    out = WORKERS[job["engine"]](job["path"], job["threads"], job["decode"], tuple(job["prompts"]))
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
