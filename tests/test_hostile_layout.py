@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
 import pytest
 from test_hostile_files import HOSTILE, assert_one_line_refusal, run_cli
 
@@ -46,6 +47,28 @@ CASES = {
                                      "general.alignment has value type 8"),
     "layout-big-endian.gguf": ("the small model written big-endian by gguf-py", ("big-endian",),
                                "a big-endian GGUF file"),
+    "numbers-rope-base-inf.gguf": ("llama.rope.freq_base infinite (it passed `> 1`)",
+                                   ("metadata", {"llama.rope.freq_base": float("inf")}),
+                                   "metadata key llama.rope.freq_base is inf, expected a finite number"),
+    "numbers-rms-eps-inf.gguf": ("llama.attention.layer_norm_rms_epsilon infinite",
+                                 ("metadata", {"llama.attention.layer_norm_rms_epsilon": float("inf")}),
+                                 "metadata key llama.attention.layer_norm_rms_epsilon is inf, expected a finite number"),
+    "numbers-f32-nan-attn-v.gguf": ("a NaN in the F32 blk.0.attn_v.weight (fused with Q and K on load)",
+                                    ("tensor", {"blk.0.attn_v.weight": (3, float("nan"))}),
+                                    "tensor blk.0.attn_v.weight holds nan at flat index 3"),
+    "numbers-f32-inf-ffn-up.gguf": ("an infinity in the F32 blk.0.ffn_up.weight (fused with ffn_gate on load)",
+                                    ("tensor", {"blk.0.ffn_up.weight": (5, float("-inf"))}),
+                                    "tensor blk.0.ffn_up.weight holds -inf at flat index 5"),
+    "numbers-f32-nan-norm.gguf": ("a NaN in output_norm.weight", ("tensor", {"output_norm.weight": (0, float("nan"))}),
+                                  "tensor output_norm.weight holds nan at flat index 0"),
+    "metadata-value-length.gguf": ("llama.attention.value_length 16, the key length 4",
+                                   ("metadata", {"llama.attention.value_length": 16}),
+                                   "metadata key llama.attention.value_length is 16, but the key length"),
+    "metadata-expert-count.gguf": ("llama.expert_count 8 on a dense model", ("metadata", {"llama.expert_count": 8}),
+                                   "metadata key llama.expert_count is 8: a mixture-of-experts model"),
+    "metadata-attention-scale.gguf": ("llama.attention.scale 0.5, a key pagevis does not read",
+                                      ("metadata", {"llama.attention.scale": 0.5}),
+                                      "metadata key llama.attention.scale is not one pagevis's llama reads"),
 }
 
 
@@ -101,22 +124,68 @@ def patched(data: bytes, change: tuple) -> bytes:
 
 
 def test_the_cases_are_in_the_hostile_folder():
-    assert {p.name for p in HOSTILE.glob("layout-*.gguf")} == {n for n in CASES if n.startswith("layout-")}
+    made = {p.name for prefix in ("layout", "numbers", "metadata") for p in HOSTILE.glob(f"{prefix}-*.gguf")}
+    assert made == set(CASES)
 
 
+@pytest.mark.parametrize("weights", ["quantized", "float32"])
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_a_broken_file_is_refused_naming_the_rule(name):
+def test_a_broken_file_is_refused_naming_the_rule(name, weights):
     with pytest.raises(ModelLoadError) as refused:
-        load_model(HOSTILE / name)
+        load_model(HOSTILE / name, weights=weights)
     message = str(refused.value)
     assert CASES[name][2] in message and message.count(name) == 1 and "\n" not in message, message
+
+
+def q8_model(path, nan_scale_in: str, scale: bytes = struct.pack("<H", 0x7E00)) -> None:
+    """A small model whose Q, K, V and feed-forward matrices are Q8_0 (gguf-py's quantiser), with the float16 scale
+    of one block of one tensor replaced (by a NaN: 0x7E00)."""
+    from unittest import mock
+
+    import gguf
+    from gguf.quants import quantize
+
+    from model_fixtures import write_llama_gguf
+    from pagevis.model.synthetic import SyntheticModel
+
+    original = gguf.GGUFWriter.add_tensor
+
+    def add_tensor(self, name, array, **kwargs):
+        if array.ndim == 2:
+            array = quantize(np.asarray(array, np.float32), gguf.GGMLQuantizationType.Q8_0)
+            kwargs["raw_dtype"] = gguf.GGMLQuantizationType.Q8_0
+        return original(self, name, array, **kwargs)
+
+    model = SyntheticModel(n_layers=1, n_heads=2, n_kv_heads=1, head_dim=32, seed=4, vocab_size=256)
+    with mock.patch.object(gguf.GGUFWriter, "add_tensor", add_tensor):
+        write_llama_gguf(path, model)
+    offset = {t.name: int(t.data_offset) for t in gguf.GGUFReader(path).tensors}[nan_scale_in]
+    data = bytearray(path.read_bytes())
+    data[offset + 34:offset + 36] = scale  # the second block's
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("weights", ["quantized", "float32"])
+@pytest.mark.parametrize("member", ["blk.0.attn_v.weight", "blk.0.ffn_up.weight", "blk.0.attn_q.weight"])
+def test_a_nan_block_scale_is_refused_naming_its_tensor_not_its_groups_first(tmp_path, member, weights):
+    """Q, K, V (gate, up) of one type are packed as one matrix; the refusal names the member whose scale is NaN (it
+    named attn_q for attn_v, ffn_gate for ffn_up), on both weight paths."""
+    q8_model(tmp_path / "m.gguf", member)
+    with pytest.raises(ModelLoadError) as refused:
+        load_model(tmp_path / "m.gguf", weights=weights)
+    assert f"tensor {member}" in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_q8_model_loads_without_the_nan(tmp_path):
+    """q8_model's file is a valid Q8_0 model but for the scale it breaks: the refusal above is that scale's."""
+    q8_model(tmp_path / "m.gguf", "blk.0.attn_v.weight", struct.pack("<e", 0.01))
+    assert load_model(tmp_path / "m.gguf").weight_info["types"]["Q8_0"] >= 7
 
 
 def test_gguf_py_files_pass_the_layout_checks(tmp_path):
     """The checks refuse what breaks a rule, not gguf-py's own files: a small model loads as written, and a tensor
     table with a 64-byte alignment too."""
     import gguf
-    import numpy as np
 
     from model_fixtures import write_llama_gguf
     from pagevis.model.gguf_file import check_gguf_file

@@ -88,8 +88,8 @@ def rewritten(tmp_path: Path, changes: dict) -> Path:
     ({"llama.rope.scaling.type": "longrope"}, "'longrope' (llama.cpp's)"),
     ({"llama.rope.scaling.type": "dynamic"}, "'dynamic' (not one of llama.cpp's)"),
     ({"llama.rope.scaling.factor": -2.0}, "llama.rope.scaling.factor is -2.0, expected a positive number"),
-    ({"llama.rope.scaling.factor": float("nan")}, "llama.rope.scaling.factor is nan"),
-    ({"llama.rope.scaling.factor": None, "llama.rope.scale_linear": float("inf")}, "llama.rope.scale_linear is inf"),
+    ({"llama.rope.scaling.factor": float("nan")}, "llama.rope.scaling.factor is nan, expected a finite number"),
+    ({"llama.rope.scaling.factor": None, "llama.rope.scale_linear": float("inf")}, "llama.rope.scale_linear is inf, expected a finite number"),
     ({"llama.rope.scaling.attn_factor": 2.0}, "llama.rope.scaling.attn_factor is 2.0"),
     ({"llama.rope.scaling.factor": "eight"}, "llama.rope.scaling.factor is str 'eight', expected a number"),
 ])

@@ -51,8 +51,8 @@ class Layout:
             raise ModelConfigError("activation", self.activation, f"one of {', '.join(ACTIVATIONS)}")
         for name in ("embedding_scale", "query_scale", "logit_softcap"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ModelConfigError(name, value, "a positive number")
+            if value is not None and not 0 < value < math.inf:  # NaN and inf are not scales
+                raise ModelConfigError(name, value, "a positive finite number")
 
 
 LLAMA_LAYOUT = Layout()
@@ -106,10 +106,10 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ModelConfigError("head_dim", self.head_dim, "even (RoPE rotates pairs)")
-        if not self.rope_base > 1:
-            raise ModelConfigError("rope_base", self.rope_base, "a number greater than 1")
-        if not self.rms_eps > 0:
-            raise ModelConfigError("rms_eps", self.rms_eps, "a positive number")
+        if not 1 < self.rope_base < math.inf:  # an infinite base passed `> 1`: every angle 0
+            raise ModelConfigError("rope_base", self.rope_base, "a finite number greater than 1")
+        if not 0 < self.rms_eps < math.inf:
+            raise ModelConfigError("rms_eps", self.rms_eps, "a positive finite number")
         for token in (*self.eos_ids, *(() if self.bos_id is None else (self.bos_id,))):
             if not 0 <= token < self.vocab_size:
                 raise ModelConfigError("eos_ids/bos_id", token, f"a token id below {self.vocab_size}")
@@ -122,8 +122,9 @@ class ModelConfig:
         for name, values in (("rope_bases", bases), ("sliding_windows", windows), ("rope_scales", scales)):
             if len(values) != self.n_layers:
                 raise ModelConfigError(name, len(values), f"one entry per layer ({self.n_layers})")
-        if not all(b > 1 for b in bases):
-            raise ModelConfigError("rope_bases", min(bases), "numbers greater than 1")
+        if not all(1 < b < math.inf for b in bases):
+            raise ModelConfigError("rope_bases", next(b for b in bases if not 1 < b < math.inf),
+                                   "finite numbers greater than 1")
         bad_scale = next((s for s in (self.rope_scale, *scales) if not 0 < s < math.inf), None)
         if bad_scale is not None:
             raise ModelConfigError("rope_scales", bad_scale, "positive finite numbers")
@@ -131,7 +132,7 @@ class ModelConfig:
             if window is not None:
                 check_positive_int("sliding_window", window)
         if self.rope_factors and (len(self.rope_factors) != self.head_dim // 2
-                                  or not all(f > 0 for f in self.rope_factors)):
+                                  or not all(0 < f < math.inf for f in self.rope_factors)):
             raise ModelConfigError("rope_factors", len(self.rope_factors),
                                    f"{self.head_dim // 2} positive numbers (one per RoPE pair)")
         object.__setattr__(self, "rope_bases", bases)  # frozen: filled once, here

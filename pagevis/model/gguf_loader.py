@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,6 +24,7 @@ from pagevis.model.gguf_tokenizer import GGUFTokenizer
 from pagevis.model.llama import LlamaModel
 from pagevis.model.locate import default_model_path
 from pagevis.model.matmul import plan_for
+from pagevis.model.metadata_keys import check_every_key_honoured
 from pagevis.model.rope_scaling import linear_factor
 from pagevis.model.tokenizer_cache import cached_merges
 from pagevis.model.vocab_tokenizer import (TOKENIZER_KINDS, byte_level_backend, byte_to_unicode, check_spellable,
@@ -115,6 +117,8 @@ def metadata_value(path: Path, metadata: dict[str, Any], key: str, kind: str, de
     if not ok:
         shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "…"
         raise ModelLoadError(f"{path}: metadata key {key} is {type(value).__name__} {shown}, expected {_KINDS[kind]}")
+    if kind == "number" and not math.isfinite(value):  # inf passed every `> 0` check downstream
+        raise ModelLoadError(f"{path}: metadata key {key} is {value!r}, expected a finite number")
     return value
 
 
@@ -122,7 +126,10 @@ def config_from_metadata(path: Path, metadata: dict[str, Any], reader: Any, floa
     arch = metadata_value(path, metadata, "general.architecture", "str")
     architecture = architecture_of(path, arch)
 
+    read: set[str] = set()  # the `<arch>.` keys asked for: any other is refused (metadata_keys.py)
+
     def value(key: str, kind: str = "int", default: Any = _MISSING) -> Any:
+        read.add(key)
         return metadata_value(path, metadata, f"{arch}.{key}", kind, default)
 
     rope_scale = linear_factor(path, arch, value)
@@ -163,6 +170,7 @@ def config_from_metadata(path: Path, metadata: dict[str, Any], reader: Any, floa
         )
     except (ModelConfigError, ValueError) as exc:
         raise _naming_the_file(path, exc, "inconsistent metadata: ") from exc
+    check_every_key_honoured(path, arch, metadata, read, head_dim)
     need = config.weight_bytes() if float32 else sum(int(t.n_bytes) for t in reader.tensors)
     if not fits(need):
         raise ModelLoadError(f"{path}: its weights need {gib(need)}{' as float32' if float32 else ''}, more than "

@@ -152,7 +152,19 @@ def _packed(path: Path, tensors: list[Any], dense: Callable[[str], np.ndarray]) 
     try:
         return pack(kind, raw, n_in)  # Q, K, V (gate, up) packed one after another into one matrix
     except ValueError as exc:
-        raise ModelLoadError(f"{path}: tensor {tensors[0].name}: {exc}") from exc
+        raise ModelLoadError(f"{path}: tensor {_member_at_fault(kind, tensors, raw, n_in)}: {exc}") from exc
+
+
+def _member_at_fault(kind: Any, tensors: list[Any], raw: list[np.ndarray], n_in: int) -> str:
+    """The name of the tensor of a fused group (Q, K, V; gate, up) that pack refuses alone (a block scale that is
+    not a number): the refusal names the member that holds it, not the group's first. Runs on refusal only."""
+    if len(tensors) > 1:
+        for tensor, rows in zip(tensors, raw):
+            try:
+                pack(kind, rows, n_in)
+            except ValueError:
+                return tensor.name
+    return tensors[0].name
 
 
 def held_bytes(weights: LlamaWeights) -> int:
