@@ -89,3 +89,10 @@ def test_every_relative_link_resolves():
 def test_anchors_follow_github():
     assert anchors("# A `b` (c)\n## The README's two pictures\n```\n# not a heading\n```\n## A `b` (c)") == {
         "a-b-c", "the-readmes-two-pictures", "a-b-c-1"}
+
+
+def test_the_readme_indexes_every_doc():
+    """The README's index of docs/ has a line for every doc, so a newcomer finds each one from the first page."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    missing = [doc.name for doc in sorted((ROOT / "docs").glob("*.md")) if f"](docs/{doc.name})" not in text]
+    assert not missing, f"README.md's index of docs/ does not link {missing}"
