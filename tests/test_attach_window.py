@@ -425,5 +425,5 @@ def test_the_cli_opens_this_window_with_its_arguments(monkeypatch, tmp_path):
     monkeypatch.setattr(attach_window, "launch", lambda **kwargs: calls.append(kwargs) or 0)
     assert main(["attach", "--play", str(DATA / "vllm-0.34.0.kvev")]) == 0
     (kwargs,) = calls
-    assert set(kwargs) == {"sources", "playback", "detokenizer", "metrics_url", "record"}
+    assert set(kwargs) == {"sources", "playback", "detokenizer", "metrics_url", "record", "tokenizer"}
     assert len(kwargs["playback"]) == 7 and kwargs["sources"] == []

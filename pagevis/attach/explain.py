@@ -51,9 +51,10 @@ class Engine:
 
 
 def explain(engines: Sequence[Engine], request: ExplainRequest, detokenize: Detokenize | None = None,
-            index: int = 0) -> dict:
-    """The JSON object of one request (see the module docstring); engines in the order given."""
-    results = [explain_engine(e.state, request, detokenize) for e in engines]
+            index: int = 0, with_path: bool = False) -> dict:
+    """The JSON object of one request (see the module docstring); engines in the order given. `with_path`: each
+    engine's matched blocks' hashes too (`path`, JSON hashes: what the window highlights)."""
+    results = [explain_engine(e.state, request, detokenize, with_path) for e in engines]
     for engine, result in zip(engines, results):
         result["endpoint"], result["rank"] = engine.endpoint, engine.rank
     order = sorted(range(len(results)), key=lambda i: (-results[i]["hit_tokens"], -results[i]["media"].count(GPU),
@@ -67,7 +68,8 @@ def explain(engines: Sequence[Engine], request: ExplainRequest, detokenize: Deto
                          "hit_tokens": results[i]["hit_tokens"]} for i in order]}
 
 
-def explain_engine(state: EngineState, request: ExplainRequest, detokenize: Detokenize | None = None) -> dict:
+def explain_engine(state: EngineState, request: ExplainRequest, detokenize: Detokenize | None = None,
+                   with_path: bool = False) -> dict:
     """hit_tokens, hit_blocks, media (per hit block), first_miss, block_size, blocks_in_use of one engine."""
     tokens, size = list(request.tokens), state.block_size
     in_use = state.resident_blocks
@@ -75,6 +77,8 @@ def explain_engine(state: EngineState, request: ExplainRequest, detokenize: Deto
                               "block_size": size, "blocks_in_use": in_use}
     if state.tokenless_blocks:
         result["tokenless_blocks"] = state.tokenless_blocks  # stored without token ids: they match by hash only
+    if with_path:
+        result["path"] = []
     if size is None:
         result["first_miss"] = {"reason": "never_stored", "block": 0, "position": 0,
                                 "detail": "this engine has stored no blocks"}
@@ -82,7 +86,7 @@ def explain_engine(state: EngineState, request: ExplainRequest, detokenize: Deto
     groups = _groups(state)
     pool = _Pool(state, groups[0] if groups else None)
     full, cap = len(tokens) // size, max(0, (len(tokens) - 1) // size)
-    parent, media = None, []
+    parent, media, path = None, [], []
     miss = None
     for i in range(full):
         packed = array("I", tokens[i * size:(i + 1) * size]).tobytes()
@@ -91,6 +95,7 @@ def explain_engine(state: EngineState, request: ExplainRequest, detokenize: Deto
             miss = _diagnose(pool, parent, packed, request, i, size, detokenize)
             break
         parent = found
+        path.append(hash_json(found))
         media.append(_best_medium(pool.media_holding(found)))
     hit = min(len(media), cap)
     if miss is None:
@@ -104,6 +109,8 @@ def explain_engine(state: EngineState, request: ExplainRequest, detokenize: Deto
     if miss is not None:
         miss["block_size"] = size
     result.update(hit_tokens=hit * size, hit_blocks=hit, media=media[:hit], first_miss=miss)
+    if with_path:
+        result["path"] = path
     return result
 
 

@@ -142,7 +142,7 @@ def main(args: argparse.Namespace) -> int:
             raise UsageError("pagevis attach: the attach window is not part of this pagevis yet; "
                              "use --headless (--json) for now") from None
         return attach_window.launch(sources=sources, playback=playback, detokenizer=detokenizer,
-                                    metrics_url=args.metrics, record=args.record)
+                                    metrics_url=args.metrics, record=args.record, tokenizer=tokenizer)
     return run_headless(args, sources, playback, detokenizer)
 
 

@@ -41,6 +41,7 @@ from pagevis.gui.attach.worker import (
 )
 from pagevis.viewmodel.forest_layout import DEFAULT_BUDGET
 from pagevis.gui.attach.views import EnginePlots, EnginesTable, Fleet, ForestPanel, HotTable
+from pagevis.gui.attach.explain_pane import ExplainPane, add_overlay, give_room, run_explain
 
 REFRESH_MS = 33  # at most ~30 redraws a second
 TABLE_S = 0.25  # tables refresh at most 4 times a second
@@ -52,10 +53,11 @@ MAX_PREFIX_BLOCKS = 4096  # walked up from a selected block for its prefix text
 
 class AttachWindow(QMainWindow):
     def __init__(self, source, detokenizer=None, metrics_url: str | None = None, recorder=None,
-                 budget: int = DEFAULT_BUDGET, parent=None):
+                 budget: int = DEFAULT_BUDGET, parent=None, tokenizer=None):
         super().__init__(parent)
         theme.configure_pyqtgraph()
         self.source, self.detokenizer, self.recorder = source, detokenizer, recorder
+        self.tokenizer = tokenizer  # attach.tokens.PromptTokenizer: the Explain tab encodes text with it
         self.forest_worker = ForestWorker(detokenizer, budget, LIVE_FOREST_S if source.live else 0.0)
         self.freezer = GcFreezer()
         self.fleet_worker = FleetWorker(source, self.forest_worker, self.freezer)
@@ -102,6 +104,7 @@ class AttachWindow(QMainWindow):
         self.forest_panel = left = ForestPanel(budget)
         self.forest, self.show_all, self.details = left.forest, left.show_all, left.details
         self.forest.clicked.connect(self._clicked)
+        self.overlay = add_overlay(self.forest)
         self.forest.focus_requested.connect(self.focus)
         self.show_all.clicked.connect(lambda: self.focus(-1))
         self.plots = EnginePlots(with_metrics=self.metrics_worker is not None)
@@ -142,19 +145,25 @@ class AttachWindow(QMainWindow):
     def _build_tables(self) -> QTabWidget:
         self.hot_table = HotTable()
         self.engines_table = EnginesTable()
+        self.explain_pane = ExplainPane(self.tokenizer)
+        self.explain_pane.button.clicked.connect(self.run_explain)
         # tabs, each table the pane's whole width: side by side, at 1280 × 720 both hid columns past a scroll bar
         tables = QTabWidget()
         for name, title, table in (("Hot prefixes", "stored again soon after removal", self.hot_table),
                                    ("Engines", "GPU blocks held in common (a KV-aware router's overlap)",
-                                    self.engines_table)):
+                                    self.engines_table),
+                                   ("Explain", "a prompt against every engine's cache: hits, the first miss and "
+                                               "why, the engine it should go to", self.explain_pane)):
             tables.addTab(table, name)
             tables.setTabToolTip(tables.count() - 1, f"{name}: {title}")
         return tables
 
     def _build_body(self, left: QWidget) -> QSplitter:
-        right = QSplitter(Qt.Vertical)
+        self.right = right = QSplitter(Qt.Vertical)
         right.addWidget(self.plots)
-        right.addWidget(self._build_tables())
+        tables = self._build_tables()
+        tables.currentChanged.connect(self._tab_changed)
+        right.addWidget(tables)
         right.setStretchFactor(0, 3)
         right.setStretchFactor(1, 1)
         right.setSizes([700, 260])
@@ -164,6 +173,9 @@ class AttachWindow(QMainWindow):
         body.setStretchFactor(0, 1)  # halves: the plots' titles need the width (the tables held it before)
         body.setStretchFactor(1, 1)
         return body
+
+    def _tab_changed(self, index: int) -> None:
+        give_room(self.right, self.right.widget(1).widget(index) is self.explain_pane)
 
     # --- running ----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -215,6 +227,8 @@ class AttachWindow(QMainWindow):
         self.fleet_worker.selected = index
         self.forest_worker.forget()
         self.selected_key = None
+        self.overlay.show(self.forest, None)
+        self.explain_pane.show_detail(index, self.engine_box.itemText(index))
 
     def _play_toggled(self, on: bool) -> None:
         if on and self.source.target >= self.source.length:
@@ -361,8 +375,22 @@ class AttachWindow(QMainWindow):
         self.show_all.setVisible(key is not None)
         self.forest.summary.setText(self.forest.summary.text() + theme.muted(" · laying out…"))
 
+    def run_explain(self) -> None:
+        """Explain the Explain tab's request against every engine now, rank them, outline the selected engine's
+        path (explain_pane.run)."""
+        run_explain(self.explain_pane, self.source.fleet, self.detokenizer)
+        self._show_overlay()
+
+    def _show_overlay(self) -> None:
+        result, selected = self.explain_pane.result, self.fleet_worker.selected
+        engines = result["engines"] if result is not None else []
+        self.overlay.show(self.forest, engines[selected] if 0 <= selected < len(engines) else None)
+        self.explain_pane.show_detail(selected, self.engine_box.currentText())
+
     def _show_forest(self, frame) -> None:
         self.forest_panel.show_state(frame)
+        if self.explain_pane.result is not None:
+            self.run_explain()  # the pools changed (or a scrub moved): the same request against them now
         if self.forest_worker.focus is not None:  # a subtree asked for and not laid out yet
             self.show_all.show()
         self.forest_frames += 1
@@ -415,7 +443,7 @@ class AttachWindow(QMainWindow):
 
 
 def open_window(sources=(), playback=None, detokenizer=None, metrics_url=None, record=None,
-                budget: int = DEFAULT_BUDGET) -> AttachWindow:
+                budget: int = DEFAULT_BUDGET, tokenizer=None) -> AttachWindow:
     """The window on endpoints (`sources`, pagevis.attach.subscriber.Source) or a `playback`, not started."""
     recorder = None
     if playback is not None:
@@ -429,13 +457,13 @@ def open_window(sources=(), playback=None, detokenizer=None, metrics_url=None, r
             recorder = Recorder(record, [s.endpoint for s in sources],
                                 {"replays": [s.replay for s in sources], "topic": topic})
         source = LiveSource(list(sources), recorder)
-    window = AttachWindow(source, detokenizer, metrics_url, recorder, budget)
+    window = AttachWindow(source, detokenizer, metrics_url, recorder, budget, tokenizer=tokenizer)
     if playback is not None:
         window.scrub(len(playback))
     return window
 
 
-def launch(sources=(), playback=None, detokenizer=None, metrics_url=None, record=None) -> int:
+def launch(sources=(), playback=None, detokenizer=None, metrics_url=None, record=None, tokenizer=None) -> int:
     """Open the attach window (QApplication created here) and run until it closes; the exit code."""
     from pagevis import platform_check
     from pagevis.gui import _application
@@ -445,7 +473,7 @@ def launch(sources=(), playback=None, detokenizer=None, metrics_url=None, record
         print(verdict.message(), file=sys.stderr)
         return platform_check.EXIT_STATUS
     app = _application()
-    window = open_window(sources, playback, detokenizer, metrics_url, record)
+    window = open_window(sources, playback, detokenizer, metrics_url, record, tokenizer=tokenizer)
     window.show()
     window.start()
     code = app.exec()
