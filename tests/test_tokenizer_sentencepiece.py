@@ -66,6 +66,54 @@ def test_the_built_tokenizer_is_cached_and_a_damaged_cache_is_rebuilt(spm_file, 
     assert load_model(spm_file).tokenizer.encode(" the cat") == first
 
 
+@pytest.mark.parametrize("forgery", ["reordered", "spells-no-token"])
+def test_a_forged_merges_cache_with_a_valid_name_is_rebuilt_and_said_once(spm_file, tmp_path, forgery, capfd):
+    """The cache file's name held the digest of its own content, so any writer could make it "valid": reordered
+    merges were used (another tokenization), and pairs that spell no token made the tokenizers library panic (a
+    Rust PanicException, a BaseException: "internal error"). Each is rebuilt, said once on stderr."""
+    import hashlib
+
+    first = load_model(spm_file).tokenizer.encode(" the cat")
+    [cached] = (tmp_path / "cache" / "tokenizers").glob("*.merges.npy")
+    merges = np.load(cached)
+    forged = merges[::-1].copy() if forgery == "reordered" else np.array([[0, 1]] * 3, np.int32)  # <pad><eos>
+    prefix = cached.name[:cached.name.rindex("-") + 1]
+    cached.unlink()
+    np.save(cached.with_name(f"{prefix}{hashlib.sha256(forged).hexdigest()[:32]}.merges.npy"), forged)
+    capfd.readouterr()
+    assert load_model(spm_file).tokenizer.encode(" the cat") == first
+    said = capfd.readouterr().err
+    assert said.count("\n") == 1 and "failed its check; rebuilding it" in said and "panicked" not in said
+    assert load_model(spm_file).tokenizer.encode(" the cat") == first and capfd.readouterr().err == ""
+
+
+def test_a_merge_that_spells_no_token_is_refused_in_one_line(tmp_path):
+    """A byte-level (gpt2) file's own merge "a b" with no token "ab": the tokenizers library panicked on it."""
+    import gguf
+
+    from pagevis.model import ModelLoadError
+
+    path = write_llama_gguf(tmp_path / "m.gguf")
+    reader = gguf.GGUFReader(path)  # write_llama_gguf's byte vocabulary has no merges: the file rewritten with one
+    writer = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "llama")
+    writer.add_token_merges(["a b"])
+    for key, value in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "tokenizer.ggml.merges"):
+            continue
+        kind = value.types[0]
+        contents = value.contents()
+        writer.add_key_value(key, contents, kind, sub_type=value.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data), raw_shape=list(reversed(tensor.shape.tolist())))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError) as refused:
+        load_model(tmp_path / "bad.gguf")
+    assert "merge 0 ('a b') makes 'ab', which is not a token" in str(refused.value)
+
+
 def test_a_vocabulary_built_to_stall_the_merge_rebuild_is_refused(tmp_path, monkeypatch):
     from pagevis.model import ModelLoadError
 

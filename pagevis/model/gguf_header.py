@@ -19,6 +19,7 @@ offsets in uint64) and the last ends inside the file. Each refusal is one line n
 from __future__ import annotations
 
 import functools
+import hashlib
 import mmap
 import struct
 from pathlib import Path
@@ -118,6 +119,20 @@ class _Walk:
                     self.value(item, what, depth + 1)
         else:
             raise self.fail(f"{what} has value type {kind}, which GGUF does not define")
+
+
+@functools.lru_cache(maxsize=8)
+def _table_digest(path: str, *stat: int) -> str:
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return hashlib.sha256(data[:check_gguf_structure(Path(path))]).hexdigest()[:32]
+
+
+def table_digest(path: Path) -> str:
+    """The SHA-256 of a GGUF file's header, metadata and tensor table (a few MB: its vocabulary; ~10 ms): with its
+    size and modification time, the cheap key of what a cache derived from the file was derived from (never a
+    read of every weight byte). ModelLoadError if the file's structure is refused."""
+    stat = path.stat()
+    return _table_digest(str(path.resolve()), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino)
 
 
 class Tensor:

@@ -331,8 +331,11 @@ def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any], voc
             chat_template=value("chat_template", "str", None))
     except ValueError as exc:  # ModelLoadError (a bad template) is one
         raise _naming_the_file(path, exc) from exc
-    except Exception as exc:  # the tokenizers backend refusing the vocabulary (its own exception type)
-        raise ModelLoadError(f"{path}: the tokenizer cannot be built from this vocabulary: {exc}") from exc
+    except BaseException as exc:  # the tokenizers library refusing the vocabulary: its own exception type, or a Rust
+        if isinstance(exc, (KeyboardInterrupt, SystemExit, GeneratorExit)):  # panic (pyo3's PanicException is a
+            raise                                                              # BaseException)
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelLoadError(f"{path}: the tokenizer cannot be built from this vocabulary: {reason}") from None
 
 
 def _check_byte_tokens(path: Path, tokens: list[str]) -> None:

@@ -2,9 +2,12 @@
 dequantising again (Gemma 3 270M: the 262144 x 640 embedding alone takes ~10 s to dequantise, see docs/model.md).
 
 One directory per source file under <cache>/weights/, named by the file's resolved path, size and modification
-time and the gguf package's version: a changed file gets a new entry. Each array is an .npy file (read with
-allow_pickle=False, memory-mapped read-only); a manifest lists every array's shape and dtype and the source's
-identity, and is checked before use, and the model then checks every shape against its config. Files below
+time, the SHA-256 of its header, metadata and tensor table (gguf_header.table_digest: the cheap key, no weight byte
+read) and the gguf package's version: a changed file gets a new entry. Each array is an .npy file (read with
+allow_pickle=False, memory-mapped read-only); a manifest lists every array's shape, dtype and CRC-32 (taken when
+the entry is written, checked when it is read: two threads, ~0.1 s for SmolLM2's 540 MB, the pages it reads are
+the ones the first step reads) and the source's identity, and is checked before use, and the model then checks
+every shape against its config. An entry that fails a check is rebuilt, said once on stderr. Files below
 MIN_CACHED_BYTES of float32 weights are not cached (dequantising them is fast); at most MAX_ENTRIES entries are
 kept, the least recently written removed first. PAGEVIS_WEIGHT_CACHE=0 turns the cache off.
 """
@@ -16,15 +19,19 @@ import importlib.metadata
 import json
 import os
 import shutil
+import sys
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
+from pagevis.model.gguf_header import table_digest
 from pagevis.model.matmul import cache_dir
 from pagevis.model.weights import LayerWeights, LlamaWeights
 
-CACHE_VERSION = 1  # bump when what is stored changes (LlamaWeights' fields, their layout)
+CACHE_VERSION = 2  # bump when what is stored changes (LlamaWeights' fields, their layout)
 MIN_CACHED_BYTES = 64 << 20
 MAX_ENTRIES = 4
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # stored output-major (the C-contiguous array behind the view)
@@ -38,7 +45,7 @@ def enabled(weight_bytes: int) -> bool:
 def entry_for(source: Path, root: Path | None = None) -> tuple[Path, dict]:
     stat = source.stat()
     identity = {"version": CACHE_VERSION, "gguf": _gguf_version(), "source": str(source.resolve()),
-                "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+                "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "table": table_digest(source)}
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
     return (root or cache_dir() / "weights") / key, identity
 
@@ -55,14 +62,30 @@ def _gguf_version() -> str:
 def load(source: Path, root: Path | None = None) -> LlamaWeights | None:
     """The cached weights of source, or None when there is no valid entry (then the caller dequantises)."""
     folder, identity = entry_for(source, root)
+    if not (folder / "manifest.json").exists():
+        return None
     try:
         manifest = json.loads((folder / "manifest.json").read_text())
         if manifest.get("identity") != identity:
-            return None
-        arrays = {name: _mapped(folder, name, shape, dtype) for name, (shape, dtype) in manifest["arrays"].items()}
+            raise ValueError("its manifest names another source")
+        arrays = {name: _mapped(folder, name, shape, dtype) for name, (shape, dtype, _) in manifest["arrays"].items()}
+        _check_content(arrays, {name: crc for name, (_, _, crc) in manifest["arrays"].items()})
         return _weights(arrays, manifest["n_layers"], manifest["tied"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"pagevis: the float32 weight cache {folder} failed its check ({exc}); rebuilding it",
+              file=sys.stderr, flush=True)
         return None
+
+
+def _crc(array: np.ndarray) -> int:
+    return zlib.crc32(memoryview(array).cast("B"))  # lets go of the GIL: two arrays at once on two threads
+
+
+def _check_content(arrays: dict[str, np.ndarray], expected: dict[str, int]) -> None:
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for name, crc in zip(arrays, pool.map(_crc, arrays.values())):
+            if crc != expected[name]:
+                raise ValueError(f"{name}.npy's CRC-32 is {crc:08x}, its manifest's {expected[name]:08x}")
 
 
 def store(source: Path, weights: LlamaWeights, root: Path | None = None) -> None:
@@ -77,7 +100,7 @@ def store(source: Path, weights: LlamaWeights, root: Path | None = None) -> None
             np.save(temporary / f"{name}.npy", array, allow_pickle=False)
         manifest = {"identity": identity, "n_layers": len(weights.layers),
                     "tied": np.shares_memory(weights.embedding, weights.output_t),
-                    "arrays": {name: [list(a.shape), a.dtype.str] for name, a in arrays.items()}}
+                    "arrays": {name: [list(a.shape), a.dtype.str, _crc(a)] for name, a in arrays.items()}}
         (temporary / "manifest.json").write_text(json.dumps(manifest))
         shutil.rmtree(folder, ignore_errors=True)
         temporary.rename(folder)
