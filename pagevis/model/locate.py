@@ -14,6 +14,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 from pagevis.model.errors import ModelLoadError
@@ -56,22 +57,42 @@ def gemma3_270m_path(cache: Path | None = None) -> Path:
     """Gemma 3 270M's GGUF, joined from its part packages into the cache directory on first use."""
     folder = _package_folder(GEMMA_PACKAGE, f"Gemma 3 270M is not installed: run `{GEMMA_INSTALL_HINT}`")
     name, digest = _expected_file(folder / "data" / "SHA256SUMS")
-    parts = _part_files(name)
-    target = (cache or cache_dir() / "models") / name
+    return joined(_part_files(name), (cache or cache_dir() / "models") / name, digest)
+
+
+def joined(parts: list[Path], target: Path, digest: str) -> Path:
+    """target, the parts joined, checked against their SHA-256 once. Its stamp holds the parts' paths, sizes and
+    modification times (the source) and the joined file's size, modification time and the digest of its header
+    and tables (gguf_header.table_digest): a launch checks these cheaply, never every byte. A stamp that does not
+    match means the whole file's SHA-256 is checked again (and the parts joined again if it differs), said once."""
     stamp = target.with_suffix(".stamp.json")
     identity = {"sha256": digest, "parts": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in parts]}
     size = sum(p[1] for p in identity["parts"])
     try:
-        if json.loads(stamp.read_text()) == identity and target.stat().st_size == size:
-            return target
+        held = json.loads(stamp.read_text())
     except (OSError, ValueError):
-        pass
+        held = None
+    if isinstance(held, dict) and held.get("source") == identity and held.get("joined") == _joined_key(target):
+        return target
+    if isinstance(held, dict) and "joined" in held:
+        print(f"pagevis: {target} does not match its stamp ({stamp.name}); checking its SHA-256 again",
+              file=sys.stderr, flush=True)
     # Parts installed elsewhere (another venv) that join to the file already here: keep it, so its modification
     # time, and with it every cache keyed on it (tokenizer merges, float32 weights), stays valid.
     if not (target.is_file() and target.stat().st_size == size and _sha256(target) == digest):
         _join(parts, target, digest)
-    stamp.write_text(json.dumps(identity))
+    stamp.write_text(json.dumps({"source": identity, "joined": _joined_key(target)}))
     return target
+
+
+def _joined_key(target: Path) -> list | None:
+    from pagevis.model.gguf_header import table_digest
+
+    try:
+        stat = target.stat()
+        return [stat.st_size, stat.st_mtime_ns, table_digest(target)]
+    except (OSError, ModelLoadError):
+        return None
 
 
 def _sha256(path: Path) -> str:
