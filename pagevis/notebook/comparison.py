@@ -136,9 +136,9 @@ def _joined(values, name: str) -> str:
 
 
 def _label(text: str) -> str:
-    from pagevis.presets import shipped_text
+    from pagevis.presets import shipped_texts
 
-    if isinstance(text, str) and shipped_text(text) is not None:
+    if isinstance(text, str) and text in shipped_texts():
         return text
     return f"a text of {len(text)} characters" if isinstance(text, str) else repr(text)
 

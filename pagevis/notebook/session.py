@@ -93,6 +93,8 @@ class Session(Recorded):
         from pagevis.cli.checks import check_cache_memory, check_prompt_fits
         from pagevis.engine import DecodeSession
 
+        self._given = dict(model=model, prompt=prompt, teacher_forced=teacher_forced, tokens=tokens, policy=policy,
+                           page_size=page_size, max_pages=max_pages, layer=layer, **settings)
         self.spec = arguments.model_spec(model)
         self.config = arguments.session_config(dict(policy=policy, page_size=page_size, max_pages=max_pages,
                                                     **settings))
@@ -184,6 +186,11 @@ class Session(Recorded):
             check_writable(os.fspath(path), "save")
         return write_trace(path, self._trace())
 
+    def with_policy(self, policy: str, **policy_params) -> Session:
+        """A new session like this one (model, text, settings) under another policy, stepped as far."""
+        other = Session(**{**self._given, "policy": policy, "policy_params": policy_params or None})
+        return other.step(len(self))
+
     def widget(self, **options):
         """A live view (the pagevis[notebook] extra, anywidget): step, play, pause, layer and policy."""
         from pagevis.notebook.widget import SessionWidget
@@ -270,11 +277,11 @@ def _prompt(prompt: str | None, model_kind: str) -> str:
 
 def read_text(text: str, field: str = "teacher_forced") -> str:
     """A shipped text by its name (e.g. "pride-and-prejudice-ch1"), else `text` itself."""
-    from pagevis.presets import shipped_text
+    from pagevis.presets import shipped_text, shipped_texts
 
     if not isinstance(text, str) or not text.strip():
         raise ConfigError(field, text, "a text, or the name of a shipped text such as pride-and-prejudice-ch1")
-    return shipped_text(text) or text
+    return shipped_text(text) if text in shipped_texts() else text
 
 
 def text_ids(model, text: str, tokens: int | None, field: str = "teacher_forced") -> list[int]:
