@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import pagevis
-from tests.model_fixtures import _load_smollm2, reference  # noqa: F401 (a fixture)
+from tests.model_fixtures import reference  # noqa: F401 (a fixture)
 
 HEAVY = ("PySide6", "shiboken6", "pyqtgraph", "numba", "pagevis.model", "pagevis.engine", "pagevis.kvcache",
          "pagevis.notebook", "pagevis.cli")
@@ -55,7 +55,9 @@ def test_bad_arguments_are_config_errors_with_the_command_lines_words(kwargs, wo
 
 @pytest.fixture(scope="module")
 def session():
-    _load_smollm2()  # the tests' own load (one BLAS thread); Session's spec load shares the weights' files
+    from pagevis.model import set_blas_threads
+
+    set_blas_threads(1)  # as the model tests run (tests/model_fixtures.py): a busy core slows spinning threads
     s = pagevis.Session(prompt="The capital of France is", chat=False, policy="sinks", page_size=4, max_pages=3,
                         max_new_tokens=14)
     yield s.run()

@@ -86,3 +86,46 @@ def test_the_shipped_notebooks_assert_what_they_show_and_hold_no_outputs():
         asserts = sum("assert " in "".join(c["source"]) for c in code)
         assert asserts >= 2, f"{path.name}: {asserts} cells assert what they show"
         assert not any("except" in "".join(c["source"]) for c in code), f"{path.name}: a cell hides an error"
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium here (Debian: apt-get install chromium)")
+def test_the_widgets_script_draws_the_view_and_asks_for_steps(tmp_path):
+    """The widget's ES module in Chromium, given a stand-in for anywidget's model (get, set, on, send): it draws
+    the view with the view's own script, its buttons send "step", Play asks again after each redraw."""
+    import base64
+
+    pytest.importorskip("anywidget")
+    session = pagevis.Session(model="synthetic", policy="sinks", page_size=4, max_pages=4, max_new_tokens=30).step(6)
+    widget = session.widget()
+    state = {name: getattr(widget, name) for name in ("html", "layer", "layers", "policy", "policies", "playing",
+                                                      "status", "interval_ms")}
+    module = base64.b64encode(widget._esm.encode()).decode()
+    inline = json.dumps(state).replace("</", "<\\/")  # no text in it ends the script block it sits in
+    page = tmp_path / "widget.html"
+    page.write_text(f"""<!DOCTYPE html><html><body><div id="w"></div><script type="module">
+import widget from "data:text/javascript;base64,{module}";
+const state = {inline}, handlers = {{}};
+window.sent = [];
+window.model = {{ get: (k) => state[k], send: (m) => window.sent.push(m), save_changes: () => {{}},
+  set: (k, v) => {{ state[k] = v; (handlers["change:" + k] || []).forEach((f) => f()); }},
+  on: (e, f) => (handlers[e] = handlers[e] || []).push(f) }};
+widget.render({{ model: window.model, el: document.getElementById("w") }});
+</script></body></html>""", encoding="utf-8")
+    prefix = prefix_of(widget.html)
+    browser = DevTools(f"file://{page}", tmp_path / "profile")
+    try:
+        browser.wait_for(f"document.querySelectorAll('#{prefix}text span[title]').length > 0")  # the view's script ran
+        cells = browser.js(f"[...document.querySelectorAll('#{prefix}grid .cell')].map(c => c.textContent)")
+        assert cells == [str(p) if p >= 0 else "" for p in session.positions(-1, 0).ravel()]
+        browser.js("document.querySelector('#w button').click()")
+        assert browser.js("JSON.stringify(window.sent)") == '[{"action":"step"}]'
+        widget.step()
+        again = prefix_of(widget.html)
+        browser.js(f"window.model.set('html', {json.dumps(widget.html)})")
+        browser.wait_for(f"document.querySelectorAll('#{again}text span[title]').length > 0")
+        assert browser.js(f"document.getElementById('{prefix}root') === null")
+        browser.js("document.querySelectorAll('#w button')[1].click()")  # Play
+        browser.wait_for("window.sent.length === 2")
+        assert browser.js("window.model.get('playing')") is True
+    finally:
+        browser.close()

@@ -59,11 +59,12 @@ class Recorded:
         layer = self.layer if layer is None else layer
         if not self._records():
             return views.HtmlView(f"<p>{html.escape(repr(self))}: no steps yet (call .step())</p>")
-        with arguments.usage_errors("layer", layer):
-            try:
-                return views.session_view(self._trace(), layer, step, self._label())
-            except ValueError as error:  # HtmlExportError: a layer the session does not have
-                raise ConfigError("layer", layer, str(error)) from None
+        from pagevis.export.html import HtmlExportError
+
+        try:
+            return views.session_view(self._trace(), layer, step, self._label())
+        except HtmlExportError as error:  # a layer the session does not have
+            raise ConfigError("layer", layer, str(error)) from None
 
     def _label(self) -> str | None:
         return None
