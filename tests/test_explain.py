@@ -236,3 +236,31 @@ def test_a_cache_salt_starts_pagevis_own_hash_chain_elsewhere():
     for seq, salt, hit in ((1, "t1", 12), (2, "t2", 0), (3, None, 0)):
         cache.add_sequence(seq)
         assert cache.match_prefix(seq, tokens + [1], cache_salt=salt) == hit
+
+
+def test_the_removed_memory_is_bounded_and_indexed_on_first_use():
+    """removed_memory bounds what can be explained as `removed`; the index by (parent, tokens) is built on the
+    first question, then kept through removals, re-stores and forgetting; a salted and an unsalted first block
+    with the same tokens are both found."""
+    from pagevis.attach import StateLimits
+    from pagevis.attach.events import decode_payload, encode_batch
+
+    state = EngineState("e", StateLimits(removed_memory=3))
+    plain = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=tokens_of("A"), block_size=BS)
+    salted = BlockStored(block_hashes=[2], parent_block_hash=None, token_ids=tokens_of("A"), block_size=BS,
+                         extra_keys=[["s"]])
+    apply(state, [plain, salted], 0, ts=1.0)
+    apply(state, [BlockRemoved(block_hashes=[1, 2])], 1, ts=2.0)
+    assert why(state, tokens_of("A", extra=[1]))["first_miss"]["reason"] == "removed"  # the index is built here
+    assert why(state, tokens_of("A", extra=[1]), cache_salt="s")["first_miss"]["reason"] == "removed"
+    apply(state, [plain], 2, ts=3.0)  # stored again: a hit, not a removal
+    assert why(state, tokens_of("A", extra=[1]))["hit_tokens"] == 4
+    for seq, label in enumerate("BCDE", start=3):  # four more removals: the salted block is forgotten
+        apply(state, [BlockStored(block_hashes=[seq * 10], parent_block_hash=None, token_ids=tokens_of(label),
+                                  block_size=BS), BlockRemoved(block_hashes=[seq * 10])], seq, ts=float(seq))
+    apply(state, [BlockRemoved(block_hashes=[1])], 9, ts=9.0)
+    assert why(state, tokens_of("A", extra=[1]), cache_salt="s")["first_miss"]["reason"] == "never_stored"
+    assert why(state, tokens_of("A", extra=[1]))["first_miss"]["reason"] == "removed"
+    assert why(state, tokens_of("B", extra=[1]))["first_miss"]["reason"] == "never_stored"  # forgotten too
+    tokenless = BlockStored(block_hashes=[5], parent_block_hash=None, token_ids=[], block_size=BS, medium="CPU")
+    assert decode_payload(encode_batch(1.0, [tokenless])).events[0].token_ids == []  # accepted: no token ids sent

@@ -136,7 +136,7 @@ class _Pool:
         """(hash, medium, removal ts, store ts, extras) of each remembered removed block with these tokens."""
         found = []
         for tier in self.tiers:
-            for block_hash in tier.removed_key.get((parent, packed), ()):
+            for block_hash in tier.removed_hashes(parent, packed):
                 ts, _, _, stored, extras = tier.removed_at[block_hash]
                 found.append((block_hash, tier.medium, ts, stored, extras))
         return found

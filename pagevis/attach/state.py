@@ -107,18 +107,37 @@ class _Tier:
         # hash -> ts of its removal, oldest first. An OrderedDict: dropping a plain dict's first key again and again
         # scans the deleted entries before it (quadratic), popitem(last=False) does not.
         # The value is (removal ts, parent hash, packed tokens, store ts, extras): what explain.py says of a block
-        # that was stored and removed. `removed_key` finds them by (parent hash, packed tokens): several hashes
-        # when extra keys (a cache salt, a LoRA) made the same tokens under the same parent other blocks.
+        # that was stored and removed. `removed_key` finds it by (parent hash, packed tokens): the hash, or a tuple
+        # of hashes when extra keys (a cache salt, a LoRA) made the same tokens under the same parent other blocks.
+        # Built on the explainer's first question (`removed_hashes`), kept up to date from then on (None: not yet).
         self.removed_at: OrderedDict[Any, tuple] = OrderedDict()
-        self.removed_key: dict[tuple, list] = {}
+        self.removed_key: dict[tuple, Any] | None = None
+
+    def remember_removed(self, block_hash: Any, record: tuple) -> None:
+        key = (record[1], record[2])
+        held = self.removed_key.get(key)
+        if held is None or held == block_hash:
+            self.removed_key[key] = block_hash
+        else:
+            # at most 8 (the newest): a stream repeating the same tokens under one parent stays linear
+            self.removed_key[key] = (*held[-7:], block_hash) if type(held) is tuple else (held, block_hash)
 
     def forget_removed(self, block_hash: Any, record: tuple) -> None:
         key = (record[1], record[2])
-        hashes = self.removed_key.get(key)
-        if hashes is not None and block_hash in hashes:
-            hashes.remove(block_hash)
-            if not hashes:
-                del self.removed_key[key]
+        held = self.removed_key.get(key)
+        if held == block_hash:
+            del self.removed_key[key]
+        elif type(held) is tuple and block_hash in held:
+            rest = tuple(h for h in held if h != block_hash)
+            self.removed_key[key] = rest[0] if len(rest) == 1 else rest
+
+    def removed_hashes(self, parent: Any, packed: bytes) -> tuple:
+        if self.removed_key is None:
+            self.removed_key = {}
+            for block_hash, record in self.removed_at.items():
+                self.remember_removed(block_hash, record)
+        held = self.removed_key.get((parent, packed))
+        return () if held is None else held if type(held) is tuple else (held,)
 
 
 class SharedIndex:
@@ -349,7 +368,8 @@ class EngineState:
             stored += 1
             removed = removed_at.pop(block_hash, None)
             if removed is not None:
-                tier.forget_removed(block_hash, removed)
+                if tier.removed_key is not None:
+                    tier.forget_removed(block_hash, removed)
                 if ts - removed[0] <= self.limits.hot_window_s:
                     self._mark_hot(tier, block_hash, ts, ts - removed[0])
             if shared is not None and not (len(self._gpu_tiers) > 1 and self._on_other_gpu_tier(block_hash, tier)):
@@ -418,9 +438,12 @@ class EngineState:
             removed += 1
             removed_at[block_hash] = record
             removed_at.move_to_end(block_hash)
-            tier.removed_key.setdefault((record[1], record[2]), []).append(block_hash)
+            if tier.removed_key is not None:
+                tier.remember_removed(block_hash, record)
             if len(removed_at) > memory:
-                tier.forget_removed(*removed_at.popitem(last=False))
+                forgotten = removed_at.popitem(last=False)
+                if tier.removed_key is not None:
+                    tier.forget_removed(*forgotten)
             if shared is not None and not (len(self._gpu_tiers) > 1 and self._on_other_gpu_tier(block_hash, tier)):
                 shared.discard(block_hash)
         self._counts["blocks_removed"] += removed
