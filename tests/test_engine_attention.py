@@ -212,3 +212,19 @@ def test_the_watched_attention_keeps_the_last_query_only():
     for layer in range(3):
         weights, _ = session.engine.attention[session.seq_id][layer]
         assert weights.shape[0] == 4 and weights.base is None and weights.nbytes == weights.size * 4
+
+
+def test_the_records_float16_conversion_is_numpys_bit_for_bit():
+    """The record's attention is converted to float16 without NumPy's slow path for subnormals, to the same bits:
+    random values from 2**-30 to 2**5 (most halves' subnormals and normals), zeros, infinities, NaN, ties."""
+    from pagevis.engine.session import to_half
+
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal(200_000) * np.exp2(rng.uniform(-30, 5, 200_000))).astype(np.float32)
+    x[:11] = [0, -0.0, np.inf, -np.inf, np.nan, 2**-24, 2**-25, 3 * 2**-26, 2**-14, -(2**-14) * 0.999, 1e-45]
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16)
+    got = to_half(x.reshape(4, 50_000)).reshape(-1)
+    assert got.dtype == np.float16
+    same = (want.view(np.uint16) == got.view(np.uint16)) | (np.isnan(want) & np.isnan(got))
+    assert same.all(), x[~same][:5]

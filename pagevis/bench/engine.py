@@ -74,7 +74,9 @@ def _run_config(prompt: int, new_tokens: int):
     from pagevis.engine import SessionConfig
 
     pages = -(-(prompt + new_tokens + 1) // PAGE_SIZE)
-    return SessionConfig(page_size=PAGE_SIZE, max_pages=pages, policy="none", max_new_tokens=new_tokens, chat=False)
+    # (without --trace, run's records keep no layer's attention)
+    return SessionConfig(page_size=PAGE_SIZE, max_pages=pages, policy="none", max_new_tokens=new_tokens, chat=False,
+                         record_layers=())
 
 
 def engine_worker(path: str, threads: int, decode: int, prompts=PROMPTS) -> dict:
@@ -92,6 +94,7 @@ def engine_worker(path: str, threads: int, decode: int, prompts=PROMPTS) -> dict
         ids = _prompt_ids(model.config.vocab_size, n)
         begin = time.perf_counter()
         session = DecodeSession(model, "", config, prompt_ids=ids)
+        session.request.ignore_eos = True  # a fixed number of tokens, as llama.cpp's loop decodes past its EOS
         # `run`'s progress hook (its bar drawn only on a terminal) stands for the hooks a front end adds
         session.add_hook(lambda record, s=session: (len(s.generated), record.kind, record.resident_tokens))
         stamps: list[float] = []

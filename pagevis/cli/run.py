@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -45,6 +46,8 @@ def main(args: argparse.Namespace) -> int:
         raise options.UsageError("--tokens only applies with --teacher-forced")
     spec = options.model_spec(args)
     config = options.session_config(args)
+    if not args.trace and args.record_layers is None:  # nothing reads the records' attention: the step skips it
+        config = replace(config, record_layers=())
     prompt = options.prompt_text(args) or default_prompt(spec.kind)
     check_parallel_options(args)
     if args.n > 1:
