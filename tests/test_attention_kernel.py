@@ -127,3 +127,29 @@ def test_block_measurement_is_bounded_whatever_the_shape():
     assert kernel.block_sizes(3, kernel.DECODE_ROWS + 1, 64) == (0, 0)
     score, value = kernel.block_sizes(2, 2, 16)
     assert score in kernel.BLOCK_CANDIDATES and value in kernel.BLOCK_CANDIDATES
+
+
+@settings(max_examples=80, deadline=None)
+@given(n_kv=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3, 4]), d=st.sampled_from([4, 64, 256]),
+       n_keys=st.integers(1, 600), spare=st.integers(0, 40), masked=st.sampled_from(["none", "some", "all"]),
+       window=st.sampled_from([None, 1, 7, 100]), seed=st.integers(0, 2**31))
+def test_the_decode_kernel_reads_the_pools_prefix_and_matches_float64(n_kv, group, d, n_keys, spare, masked, window,
+                                                                       seed):
+    """attend_decode (one numba call for every head) over the first n_keys slots of a larger pool, in place, with an
+    occupancy bias and a sliding window, against the float64 reference over exactly the keys the query may see."""
+    rng = np.random.default_rng(seed)
+    pool_k = rng.standard_normal((n_kv, n_keys + spare, d)).astype(np.float32)
+    pool_v = rng.standard_normal((n_kv, n_keys + spare, d)).astype(np.float32)
+    q = rng.standard_normal((1, n_kv * group, d)).astype(np.float32)
+    bias = {"none": None, "some": np.where(rng.random(n_keys) < 0.3, -np.inf, 0).astype(np.float32),
+            "all": np.full(n_keys, -np.inf, np.float32)}[masked]
+    positions = rng.permutation(n_keys + spare).astype(np.int64)  # slots hold positions in any order
+    position = int(positions[:n_keys].max())
+    result = kernel.attend_decode(q, pool_k, pool_v, n_keys, bias, positions, position, window)
+    visible = np.zeros(n_keys) if bias is None else bias.copy()
+    if window:
+        visible[(positions[:n_keys] <= position - window) | (positions[:n_keys] > position)] = -np.inf
+    want_out, want_weights = reference(q, pool_k[:, :n_keys], pool_v[:, :n_keys], visible)
+    assert result.weights.shape == (1, n_kv * group, n_keys) and np.all(result.weights[0][:, ~np.isfinite(visible)] == 0)
+    np.testing.assert_allclose(result.output, want_out, atol=2e-5 * max(1.0, np.abs(want_out).max()))
+    np.testing.assert_allclose(result.weights, want_weights, atol=2e-6)

@@ -70,8 +70,41 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_bias: np.nda
     sliding-window layer). For a single decode query without a window every resident key is visible.
     """
     n = q.shape[0]
+    if n == 1 and keys.dtype == values.dtype == np.float32 and keys.shape[1]:  # one query: the decode kernel
+        position = -1 if q_positions is None else int(q_positions[0])
+        return attend_decode(q, np.ascontiguousarray(keys), np.ascontiguousarray(values), keys.shape[1], key_bias,
+                             key_positions if window and position >= 0 else None, position, window)
     weights, output, _, _ = _attention(q, keys, values, key_bias, key_positions, q_positions, window=window)
     return AttentionResult(_ungroup(output, n), _ungroup(weights, n))
+
+
+def load_decode_kernel() -> bool:
+    """Load the decode kernel (decode_kernel.py: numba's cache, ~0.6 s of CPU; a first compile ~1.2 s) now rather
+    than in the first decode step; whether it was loaded by this call."""
+    import sys
+
+    if "pagevis.kvcache.decode_kernel" in sys.modules:
+        return False
+    import pagevis.kvcache.decode_kernel  # noqa: F401
+    return True
+
+
+def attend_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_keys: int, key_bias: np.ndarray | None,
+                  key_positions: np.ndarray | None, position: int, window: int | None) -> AttentionResult:
+    """`attend` of one query (q: (1, n_heads, d)) over the first n_keys slots of C-contiguous float32 keys and values
+    (n_kv, S, d), read where they lie (a page pool's frames), in one numba call for every head (decode_kernel.py).
+    key_positions: the slots' positions, with a `window` (else None)."""
+    from pagevis.kvcache.decode_kernel import NO_BIAS, NO_POSITIONS, attend_one
+
+    n_heads, d = q.shape[1:]
+    out = np.empty((1, n_heads, d), np.float32)
+    weights = np.empty((1, n_heads, n_keys), np.float32)
+    bias = NO_BIAS if key_bias is None else np.ascontiguousarray(key_bias[:n_keys], dtype=np.float32)
+    hidden_by_window = window is not None and window > 0 and key_positions is not None
+    attend_one(np.multiply(q[0], np.float32(1.0 / np.sqrt(d)), dtype=np.float32), keys, values, n_keys, bias,
+               np.ascontiguousarray(key_positions[:n_keys], dtype=np.int64) if hidden_by_window else NO_POSITIONS,
+               position, window if hidden_by_window else 0, out[0], weights[0])
+    return AttentionResult(out, weights)
 
 
 def attend_decode_batch(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_bias: np.ndarray

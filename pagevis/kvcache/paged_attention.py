@@ -37,13 +37,17 @@ def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np
     keep = seq.head_keep[index]
     if len(layer.sequences) == 1 and not layer.gathers(seq):  # the only owner: the pool's used prefix, in place
         n_slots = store.high_water * ps
-        keys = store.k[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
-        values = store.v[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
         # With no empty slot below the high-water mark the occupancy mask is all zeros: skip it.
         bias = None if seq.resident[index] == n_slots else store.bias[:n_slots]
         read_slots: slice | np.ndarray = slice(0, n_slots)
-        result = attend_kept(q, keys, values, bias, store.positions[:n_slots], positions,
-                             None if keep is None else keep[:, read_slots], layer.window)
+        if len(q) == 1 and keep is None and store.k.dtype == np.float32 and n_slots:  # decode: one kernel call
+            result = kernels.attend_decode(q, store.k.reshape(n_kv, -1, head_dim), store.v.reshape(n_kv, -1, head_dim),
+                                           n_slots, bias, store.positions, int(positions[0]), layer.window)
+        else:
+            keys = store.k[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
+            values = store.v[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
+            result = attend_kept(q, keys, values, bias, store.positions[:n_slots], positions,
+                                 None if keep is None else keep[:, read_slots], layer.window)
     else:  # gathered through its block table
         table = seq.block_tables[index]
         keys = store.k[:, table].reshape(n_kv, len(table) * ps, head_dim)
