@@ -22,6 +22,7 @@ from typing import Iterator
 import numpy as np
 
 from pagevis.kvcache import POLICIES, CacheConfig, CacheFullError, ConfigError, EventKind, KVCacheManager, make_policy
+from pagevis.kvcache.attention import load_decode_kernel
 from pagevis.kvcache.memory import HybridBytes, hybrid_bytes
 from pagevis.kvcache.swap import SwapSpaceError
 from pagevis.errors import check_int
@@ -34,6 +35,7 @@ from pagevis.engine.sampling import Sampler, SamplingConfig
 from pagevis.engine.scheduler import Plan, Scheduler
 from pagevis.engine.session_config import SessionConfig, decode_ids, encode_prompt
 from pagevis.engine.stop import StopMatcher
+from pagevis.model.resident import release_compiler_pages
 
 EngineHook = Callable[[BatchRecord], None]
 
@@ -52,6 +54,8 @@ class Engine:
         self.cache_config = cache_config or self.config.cache_config(model.config)
         pool_pages = self.batch.pool_pages or self.batch.max_seqs * self.cache_config.n_page_ids
         self.cache = KVCacheManager(self.cache_config, pool_pages, self.batch.prefix_caching)
+        if load_decode_kernel():  # not in the first decode step; the linker's code pages go out again after it
+            release_compiler_pages()
         self.scheduler = Scheduler(self.cache, self.batch.max_seqs, self.batch.token_budget, max_chunk)
         self.requests: dict[int, Request] = {}
         self.n_steps = 0
