@@ -33,6 +33,18 @@ def test_run_json_has_the_keys(capsys):
     assert 0 <= summary["top1_agreement"] <= 1 and summary["mean_kl"] >= 0
 
 
+def test_run_json_rates_are_the_wall_clock_with_the_oracle_inside(capsys):
+    """One clock: the prompt's time to the first token and the decoded tokens' time after it add up to the run's
+    seconds, the oracle's full-cache forwards included (they were left out of tokens_per_s before)."""
+    status, out, err = run_main(capsys, "run", *SYNTH, "--prompt", "hello paging", "--page-size", "4",
+                                "--max-pages", "3", "--max-tokens", "30", "--oracle", "--json", "--quiet")
+    assert status == 0, err
+    summary = json.loads(out)
+    waited = (summary["prompt_tokens"] / summary["prefill_tokens_per_s"]
+              + (summary["generated_tokens"] - 1) / summary["tokens_per_s"])
+    assert 0.9 * summary["seconds"] <= waited <= summary["seconds"]
+
+
 def test_run_json_reports_the_disk_tier(capsys, tmp_path):
     status, out, err = run_main(capsys, "run", *SYNTH, "--prompt", "hello paging", "--page-size", "4",
                                 "--max-pages", "3", "--disk-pages", "8", "--select", "quest", "--select-pages", "2",
