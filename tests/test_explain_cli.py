@@ -96,3 +96,29 @@ def test_bad_arguments(tmp_path, capsys):
                         (["--play", FIXTURE, "--explain", FIXTURE, "--duration", "1"], "--duration")):
         assert main(["attach", *argv]) == 2
         assert words in capsys.readouterr().err
+
+
+def test_explain_log_plays_each_endpoint_at_its_own_time(tmp_path, capsys):
+    """Engine b's batch (ts 1) was received after engine a's later one (ts 5): a request b answered at 2 is
+    explained with b's block; one it answered at 0.5 without it. A reported count that differs is flagged."""
+    from pagevis.attach.events import encode_batch, seq_bytes
+    from pagevis.attach.recording import LIVE, Recorder
+
+    def frames(seq, ts, hashes, labels):
+        return [b"t", seq_bytes(seq), encode_batch(ts, [BlockStored(block_hashes=hashes, parent_block_hash=None,
+                                                                    token_ids=tokens_of(*labels), block_size=4)])]
+    path = tmp_path / "r.kvev"
+    with Recorder(path, ["tcp://a:5557", "tcp://b:6557"]) as recorder:
+        recorder.write(LIVE, 0, 0.0, frames(0, 5.0, [1], "A"))
+        recorder.write(LIVE, 1, 0.0, frames(0, 1.0, [7], "A"))
+    prompt = tokens_of("A", extra=[1])
+    log = write(tmp_path / "log.jsonl", *({"arrival": t, "prompt_token_ids": prompt, "cached_tokens": n,
+                                           "kv_events_endpoint": "tcp://*:6557"} for t, n in ((2.0, 4), (0.5, 0),
+                                                                                           (0.6, 4))))
+    assert main(["attach", "--play", str(path), "--explain-log", log]) == 0
+    captured = capsys.readouterr()
+    out = [json.loads(line) for line in captured.out.splitlines()]
+    assert "1 requests flagged" in captured.err
+    assert [(o["served_by"], o["expected"], o["reported"], o["flag"]) for o in out] == [
+        ("tcp://b:6557", 4, 4, False), ("tcp://b:6557", 0, 0, False), ("tcp://b:6557", 0, 4, True)]
+    assert [e["hit_tokens"] for e in out[0]["engines"]] == [0, 4]  # a's block came at 5

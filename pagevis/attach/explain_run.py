@@ -8,8 +8,8 @@ prints `{"index", "error"}` and the next line is read.
 
 A request log line (`pagevis serve --request-log`): `{"arrival", "prompt_token_ids", "cached_tokens",
 "cache_salt"?, "kv_events_endpoint"?}`. Each is explained against the recording played up to its arrival (the
-events' own clock: batches whose ts is before the arrival), and `"flag": true` when the cached tokens the
-engine reported differ from the hit the pool held then (`"expected"`, `"reported"`).
+events' own clock: each endpoint's batches whose ts is before the arrival), and `"flag": true` when the cached
+tokens the engine reported differ from the hit the pool held then (`"expected"`, `"reported"`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pagevis.attach.explain import Engine, ExplainRequest, explain
 from pagevis.attach.feed import parse_live
 from pagevis.attach.events import DecodeError, decode_payload
 from pagevis.attach.playback import Playback
+from pagevis.attach.recording import Record, Recording
 from pagevis.attach.tokens import PromptTokenizer
 
 MAX_LINE = 16 << 20
@@ -138,10 +139,12 @@ def _engine_for(engines: Sequence[Engine], endpoint: object) -> int:
 
 
 def explain_log(file: IO[str], playback: Playback, tokenizer: PromptTokenizer | None, out: IO[str]) -> tuple[int, int]:
-    """Explain each logged request against the pool as it was at its arrival; returns (flagged, refused)."""
+    """Explain each logged request against the pools as they were at its arrival; returns (flagged, refused).
+    Each endpoint is played on its own (its batches' ts only grow), so one engine's batches received after
+    another's later ones still count at their own time."""
     detokenize = tokenizer.decode if tokenizer is not None else None
     flagged = refused = 0
-    playback.seek(0)
+    playbacks = [Playback(recording, playback.limits) for recording in split_by_endpoint(playback.recording)]
     for index, obj in read_lines(file):
         try:
             if isinstance(obj, RequestError):
@@ -157,10 +160,11 @@ def explain_log(file: IO[str], playback: Playback, tokenizer: PromptTokenizer | 
             refused += 1
             print(json.dumps({"index": index, "error": str(error)}), file=out, flush=True)
             continue
-        if arrival < _position_ts(playback):
-            playback.seek(0)  # a log out of order: start again
-        play_until(playback, float(arrival))
-        engines = fleet_engines(playback.fleet)
+        for one in playbacks:
+            if arrival < _position_ts(one):
+                one.seek(0)  # a log out of order: start again
+            play_until(one, float(arrival))
+        engines = [Engine(one.recording.endpoints[0], None, one.fleet.engines[0]) for one in playbacks]
         result = explain(engines, request, detokenize, index)
         served = _engine_for(engines, obj.get("kv_events_endpoint"))
         expected = result["engines"][served]["hit_tokens"]
@@ -169,6 +173,15 @@ def explain_log(file: IO[str], playback: Playback, tokenizer: PromptTokenizer | 
         flagged += reported != expected
         print(json.dumps(result), file=out, flush=True)
     return flagged, refused
+
+
+def split_by_endpoint(recording: Recording) -> list[Recording]:
+    """One recording per endpoint, with its own records (live and replay) and its replay endpoint."""
+    meta = recording.meta
+    replays = meta.get("replays") if isinstance(meta.get("replays"), list) else []
+    return [Recording((name,), {**meta, "replays": replays[i:i + 1]},
+                      tuple(Record(r.kind, 0, r.time, r.frames) for r in recording.records if r.endpoint == i),
+                      recording.truncated) for i, name in enumerate(recording.endpoints)]
 
 
 def _position_ts(playback: Playback) -> float:
