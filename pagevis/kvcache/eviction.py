@@ -4,10 +4,10 @@ choices there.
 The policy chooses (policies/): whole tokens when the layer is at its budget (`evict`, N at once for periodic
 compression), tokens under a threshold before every write (`prune`), (KV head, token) entries for a per-head
 policy (`evict_heads`, and kvzip's one-shot `compress`); a merging policy also names the survivor each victim's
-value folds into (`merge`). Here the choice is carried out: a shared page is copied before it changes
-(copy-on-write), a page that changes leaves the prefix cache, a page left empty is released, every change is
-an event; then the policy hears of the removal (a re-rotating policy moves the survivors' keys: wrappers.py).
-ThinK's key-channel pruning (`prune_key_channels`) rewrites keys in place the same way.
+value folds into (`merge`). Here the choice is carried out: every page about to change is asked for through
+`LayerManager.writable` (a shared page is copied and keeps its prefix hash; a page changed in place leaves the
+prefix cache), a page left empty is released, every change is an event; then the policy hears of the removal
+(a re-rotating policy moves the survivors' keys: wrappers.py). ThinK's key-channel pruning (`prune_key_channels`) rewrites keys in place the same way.
 
 Each function takes the layer's manager (layers.py: the store, the event log, copy-on-write) and the sequence.
 """
@@ -119,10 +119,9 @@ def remove(layer: LayerManager, seq: SequenceCache, victims: np.ndarray, scores:
     removed: list[int] = []
     for flat, score, detail in zip(victims.tolist(), scores.tolist(), details or [-1] * len(victims), strict=True):
         page, slot = divmod(flat, ps)
-        page = copies.get(page, page)
-        if store.pages.is_shared(page):
-            copies[page] = page = layer.copy_on_write(seq, page)
-        layer.forget(seq, page)
+        if page not in copies:
+            copies[page] = layer.writable(seq, page)
+        page = copies[page]
         position = store.remove(page * ps + slot)
         removed.append(position)
         seq.holes[index].add(page * ps + slot)
@@ -152,10 +151,8 @@ def merge(layer: LayerManager, seq: SequenceCache, victims: np.ndarray, scores: 
         if position < 0:
             continue
         page, slot = divmod(slot_of[position], ps)
-        layer.forget(seq, page)
-        if store.pages.is_shared(page):
-            page = layer.copy_on_write(seq, page)
-            slot_of = _slot_of(layer, seq)
+        if (own := layer.writable(seq, page)) != page:
+            page, slot_of = own, _slot_of(layer, seq)
         merged = (1 - weights[i]) * store.v[:, page, slot].astype(np.float64) + weights[i] * values[:, i]
         store.v[:, page, slot] = merged.astype(store.v.dtype)
 
@@ -175,10 +172,7 @@ def prune_key_channels(layers: list[LayerManager], seq: SequenceCache) -> None:
     for layer in layers:
         store, ps = layer.store, layer.page_size
         for page in list(seq.block_tables[layer.layer]):
-            if store.pages.is_shared(page):
-                layer.copy_on_write(seq, page)
-            else:
-                layer.forget(seq, page)
+            layer.writable(seq, page)
         flat = layer.flat(seq)
         flat = flat[store.positions[flat] >= 0]
         pages, slots = flat // ps, flat % ps

@@ -159,13 +159,24 @@ class LayerManager:
         self.after_step(seq)
         self.store.used_peak = max(self.store.used_peak, self.store.pages.n_used())
 
-    def forget(self, seq: SequenceCache, page: int) -> None:
+    def writable(self, seq: SequenceCache, page: int, keeps_prefix: bool = False) -> int:
+        """The page the sequence is about to change (copy-on-write, for every change): a copy of its own when
+        another sequence shares the page — which keeps its K/V and its prefix hash, unchanged — else the page
+        itself, which then no longer stands for its prefix hash (unless the change `keeps_prefix`: KIVI's
+        sealing quantizes the tokens as every sequence with this prefix does)."""
+        if self.store.pages.is_shared(page):
+            return self._copy_on_write(seq, page)
+        if not keeps_prefix:
+            self._forget(seq, page)
+        return page
+
+    def _forget(self, seq: SequenceCache, page: int) -> None:
         """The page's contents change: it no longer stands for its prefix hash."""
         old_hash = self.store.pages.forget(page)
         if old_hash is not None:
             self.event(E.UNCACHE, seq, page, detail=old_hash)
 
-    def copy_on_write(self, seq: SequenceCache, page: int) -> int:
+    def _copy_on_write(self, seq: SequenceCache, page: int) -> int:
         keep = self.store.positions[page_slots(page, self.page_size)] >= 0
         self.copies += 1
         return self.copy_page(seq, page, keep, replace=True)
@@ -219,9 +230,7 @@ class LayerManager:
             flat = min(in_ram) if in_ram else flat
             store.make_resident(flat // ps, step)
         page, slot = divmod(flat, ps)
-        if store.pages.is_shared(page):
-            page = self.copy_on_write(seq, page)
-        return page * ps + slot
+        return self.writable(seq, page) * ps + slot
 
     def seal_residual(self, seq: SequenceCache, n_new: int) -> None:
         """int4 / int2 (KIVI), before n_new tokens are written: while the sequence's full-precision tokens would
@@ -235,8 +244,8 @@ class LayerManager:
         while len(window) >= group and len(window) + n_new > limit:
             oldest = window[np.argsort(store.positions[window], kind="stable")[:group]]
             for page in np.unique(oldest // ps).tolist():
-                if store.pages.is_shared(page):
-                    copy = self.copy_on_write(seq, page)
+                copy = self.writable(seq, page, keeps_prefix=True)
+                if copy != page:
                     oldest = np.where(oldest // ps == page, copy * ps + oldest % ps, oldest)
             store.seal(oldest, self.log.step)
             window = store.residual_slots(self.flat(seq))

@@ -47,7 +47,8 @@ class KeyRerotation(PolicyWrapper):
     def after_removal(self, layer, seq, removed: list[int]) -> None:
         """After the tokens at positions `removed` left: each survivor older than k of them moves k positions
         later (its key rotated by k), so that the distance from any query to it is the one contiguous positions
-        would give. A page it changes is copied first if shared, and no longer stands for its prefix hash."""
+        would give. A page it changes comes from `layer.writable`: a shared one is copied (and keeps its prefix
+        hash), one changed in place no longer stands for its prefix hash."""
         self.inner.after_removal(layer, seq, removed)
         store, ps = layer.store, layer.page_size
         flat = layer.flat(seq)
@@ -56,9 +57,7 @@ class KeyRerotation(PolicyWrapper):
         moving = (positions >= 0) & (later > 0)
         moved, delta = flat[moving], later[moving]
         for page in np.unique(moved // ps).tolist():
-            layer.forget(seq, page)
-            if store.pages.is_shared(page):
-                copy = layer.copy_on_write(seq, page)
+            if (copy := layer.writable(seq, page)) != page:
                 moved = np.where(moved // ps == page, copy * ps + moved % ps, moved)
         pages, slots = moved // ps, moved % ps
         inv_freq = inverse_frequencies(self.head_dim, self.rope_base)
