@@ -75,8 +75,12 @@ class Metrics:
         self.preemptions = Counter("pagevis_preemptions", "Sequences preempted (freed, to be recomputed) when "
                                    "the shared pool ran out", registry=r)
         self.kv_cache_usage = Gauge("pagevis_kv_cache_usage_ratio", "Share (0-1) of the KV cache in use: a "
-                                    "server's pools (slots of pages some request holds, layer 0), or the "
-                                    "resident tokens of the sessions of `run` and the app", registry=r)
+                                    "server's pools (slots of pages some request holds, every layer's pool), or "
+                                    "the resident tokens of the sessions of `run` and the app", registry=r)
+        self.kv_cache_layer_usage = Gauge("pagevis_kv_cache_layer_usage_ratio", "Share (0-1) of a server "
+                                          "engine's pools in use, by kind of layer ('global'; on a hybrid model "
+                                          "such as Gemma 3 also 'local W=...', its sliding-window layers)",
+                                          ["engine", "layers"], registry=r)
         self.active_sessions = Gauge("pagevis_active_sessions", "Decoding sessions alive now", registry=r)
         self.requests_running = Gauge("pagevis_requests_running", "Requests in a server engine's running batch "
                                       "(paused sessions not included)", registry=r)
@@ -116,6 +120,8 @@ class Metrics:
         with self._lock:
             if observer in self._engines:
                 self._engines.remove(observer)
+        for label in observer.groups:
+            self.kv_cache_layer_usage.remove(observer.name, label)
 
     def observe(self, session) -> SessionObserver:
         """Count this session's steps from now on (until `observer.close()`)."""
@@ -152,7 +158,8 @@ class EngineObserver:
     def __init__(self, metrics: Metrics, name: str) -> None:
         self.metrics, self.name = metrics, name
         self.running = self.waiting = self.paused_requests = 0
-        self.used_slots = self.slots = 0
+        self.used_slots = self.slots = 0  # over every layer's pool
+        self.groups: set[str] = set()  # the kinds of layer its usage gauge has been set for
         self._prefix = (0, 0)  # the pool's prefix-cache queries and hits counted so far
         self._requests: dict[int, _Timeline] = {}
 
@@ -181,9 +188,15 @@ class EngineObserver:
         self.running = scheduler.n_active
         self.waiting = len(scheduler.waiting)
         self.paused_requests = len(scheduler.running) - self.running
-        pool = engine.cache.stores[0].pages
-        self.used_slots = pool.n_used() * engine.cache.page_size
-        self.slots = pool.n_frames * engine.cache.page_size
+        cache = engine.cache
+        used_pages = 0
+        for label, layers in cache.layer_groups().items():
+            used = sum(cache.pages_used(layer) for layer in layers)
+            self.metrics.kv_cache_layer_usage.labels(self.name, label).set(used / (len(layers) * cache.pool_pages))
+            self.groups.add(label)
+            used_pages += used
+        self.used_slots = used_pages * cache.page_size
+        self.slots = cache.config.n_layers * cache.pool_pages * cache.page_size
 
     # --- steps -----------------------------------------------------------------------------------
     def step(self, record, engine, counts=None) -> None:

@@ -186,7 +186,7 @@ def test_a_fork_takes_no_more_pages_than_pages_needed_says(policy, params):
     cache.fork(0, 1)
     copies = 0
     for p in range(22, 60):
-        need = cache.pages_needed(1, 1)[0]
+        need = cache.admission.pages_needed(1, 1)[0]
         cache.extend(1, [p])
         k = stream.rng.standard_normal((1, N_KV, D)).astype(np.float32)
         cache.append(1, 0, k, k, np.array([p]))

@@ -33,7 +33,7 @@ def decode(cache, n_tokens, seed=0, on_step=None):
         v = rng.standard_normal((1, N_KV, HEAD_DIM)).astype(np.float32)
         stored[position] = (k[0], v[0])
         cache.step = position
-        cache.ensure_room(0, 1)
+        cache.admission.ensure_room(0, 1)
         cache.append(0, 0, k, v, np.array([position]))
         q = (2 * rng.standard_normal((1, N_HEADS, HEAD_DIM))).astype(np.float32)
         cache.attend(0, 0, q, np.array([position]))
@@ -252,7 +252,7 @@ def test_quest_reads_the_pages_with_the_highest_key_bounds(seed):
     for position in range(70):
         k = rng.standard_normal((1, N_KV, HEAD_DIM)).astype(np.float32)
         keys[position] = k[0]
-        cache.ensure_room(0, 1)
+        cache.admission.ensure_room(0, 1)
         cache.append(0, 0, k, k, np.array([position]))
     store, table = cache.stores[0], np.array(cache.block_table(0, 0))
     q = (2 * rng.standard_normal((1, N_HEADS, HEAD_DIM))).astype(np.float32)

@@ -417,3 +417,33 @@ def test_random_prefix_hits_on_hybrid_caches_decode_as_the_dense_model(window, p
                            WindowedDenseAttend(model.config.sliding_windows),
                            logit_rows=np.arange(len(prompt) - 1, len(tokens) - 1))
     assert np.argmax(logits, axis=-1).tolist() == generated
+
+
+def test_a_server_engines_pool_gauges_report_the_local_and_global_layers_apart():
+    """Each kind of layer's pools have their own usage gauge (counted from the block tables, brute force); the
+    overall ratio is over every layer's pool, not layer 0's (a local one here)."""
+    from prometheus_client import generate_latest
+    from test_serve_load import scrape, value
+
+    from pagevis.observe import Metrics
+
+    metrics = Metrics()
+    observer = metrics.observe_engine("e")
+    cfg = session_config(max_new_tokens=25, sampling=SamplingConfig(mode="sample", seed=5))
+    engine = Engine(MODEL, cfg, BatchConfig(max_seqs=3))
+    engine.submit_parallel(PROMPT, 3)
+    pool, seen_apart = engine.cache.pool_pages, False
+    for _ in engine.run():
+        observer.queues(engine)
+        pages = [len({p for s in engine.cache.seq_ids() for p in engine.cache.block_table(s, layer)})
+                 for layer in range(3)]
+        samples = scrape(generate_latest(metrics.registry).decode())
+        local = value(samples, "pagevis_kv_cache_layer_usage_ratio", engine="e", layers=f"local W={W}")
+        global_ = value(samples, "pagevis_kv_cache_layer_usage_ratio", engine="e", layers="global")
+        assert local == pytest.approx((pages[0] + pages[1]) / (2 * pool)) and global_ == pytest.approx(pages[2] / pool)
+        assert value(samples, "pagevis_kv_cache_usage_ratio") == pytest.approx(sum(pages) / (3 * pool))
+        seen_apart |= local < global_
+    assert seen_apart
+    metrics.forget_engine(observer)
+    assert not any(name == "pagevis_kv_cache_layer_usage_ratio" for name, _ in scrape(
+        generate_latest(metrics.registry).decode()))

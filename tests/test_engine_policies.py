@@ -259,9 +259,9 @@ def test_none_refuses_when_full_without_changing_anything():
     x = np.zeros((1, 1, 2), np.float32)
     for p in range(4):
         cache.append(0, 0, x, x, np.array([p]))
-    assert not cache.can_append(0, 1)
+    assert not cache.admission.can_append(0, 1)
     with pytest.raises(CacheFullError, match=r"cache is full.*4 tokens.*2 pages x 2.*policy 'none'"):
-        cache.ensure_room(0, 1)
+        cache.admission.ensure_room(0, 1)
     assert cache.resident_positions(0, 0).tolist() == [0, 1, 2, 3]
 
 
@@ -773,9 +773,9 @@ def test_adakv_prefill_chunks_stop_where_its_entries_run_out():
     config = CacheConfig(page_size=4, max_pages=8, n_layers=1, n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HEAD_DIM,
                          policy="adakv", policy_params={"budget": 16})
     cache = KVCacheManager.single(config)
-    assert cache.room(0) == 16
+    assert cache.admission.room(0) == 16
     rng = np.random.default_rng(33)
     k, v, q = random_token(rng)
     keys = np.repeat(k, 16, axis=0)
     cache.append(0, 0, keys, keys, np.arange(16))
-    assert cache.room(0) == 0 and cache.head_entries(0, 0) == N_KV * 16 and cache.resident(0, 0) == 16
+    assert cache.admission.room(0) == 0 and cache.head_entries(0, 0) == N_KV * 16 and cache.resident(0, 0) == 16

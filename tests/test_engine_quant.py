@@ -120,7 +120,7 @@ def run_sequence(config: CacheConfig, n_tokens: int, seed: int, chunk: int = 1, 
         k = real_like(rng, (n, *shape))
         v = real_like(rng, (n, *shape), outliers=False)
         cache.step = position
-        cache.ensure_room(0, n)
+        cache.admission.ensure_room(0, n)
         reference.before_write(n)
         cache.append(0, 0, k, v, positions)
         reference.follow(cache.take_events(), dict(zip(positions.tolist(), k)), dict(zip(positions.tolist(), v)))

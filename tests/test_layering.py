@@ -176,6 +176,32 @@ def test_every_import_follows_the_layers():
     assert not problems, "\n".join(problems)
 
 
+# The cache's state has one owner: outside pagevis/kvcache/ it is reached only through KVCacheManager's methods
+# (block_table, pool, cached_pages, page_hash, policy, ...), never through its stores, its sequences or a
+# BlockPool's hash tables. An attribute of these names read anywhere else is refused.
+CACHE_INSIDES = {"stores", "sequences", "hash_frame", "frame_hash", "used_peak"}
+
+
+def cache_insides(path: Path):
+    """(line, attribute) of every read of an attribute named in CACHE_INSIDES in the file."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr in CACHE_INSIDES:
+            yield node.lineno, node.attr
+
+
+def test_nothing_above_the_cache_reads_its_insides():
+    problems = [f"{path.relative_to(ROOT.parent)}:{line} reads .{attribute}: ask KVCacheManager instead"
+                for path, name, _package in modules() if layer_of(name) != "kvcache"
+                for line, attribute in cache_insides(path)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_insides_check_sees_a_read(tmp_path):
+    source = tmp_path / "reader.py"
+    source.write_text("def f(engine):\n    return engine.cache.stores[0].pages.hash_frame\n")
+    assert list(cache_insides(source)) == [(2, "hash_frame"), (2, "stores")]
+
+
 def test_the_check_sees_lazy_and_relative_imports(tmp_path):
     source = tmp_path / "lazy.py"
     source.write_text("from . import settings\n\ndef f():\n    from ..cli import options\n    import PySide6.QtCore\n")

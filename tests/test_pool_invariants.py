@@ -64,7 +64,7 @@ class SharedPoolMachine(RuleBasedStateMachine):
     # --- helpers --------------------------------------------------------------------------------------
     def _write(self, seq_id, token_ids):
         """Append tokens the way a step does, if the pool can take them (else leave the pool unchanged)."""
-        if not self.pool.fits(self.pool.pages_needed(seq_id, len(token_ids))):
+        if not self.pool.admission.fits(self.pool.admission.pages_needed(seq_id, len(token_ids))):
             return False
         start = len(self.pool.sequences[seq_id].token_ids)
         positions = np.arange(start, start + len(token_ids))
@@ -168,7 +168,7 @@ class SharedPoolMachine(RuleBasedStateMachine):
         partial = sum(1 for layer in range(N_LAYERS) for p in self.pool.block_table(parent, layer)
                       if self.pool.stores[layer].fill[p] and not (self.pool.stores[layer].positions[
                           p * self.config.page_size:(p + 1) * self.config.page_size] < n).all())
-        if partial > self.pool.n_free():
+        if partial > self.pool.admission.n_free():
             return
         child = self.next_id
         self.next_id += 1
@@ -186,7 +186,7 @@ class SharedPoolMachine(RuleBasedStateMachine):
         seq_id = data.draw(st.sampled_from(sorted(self.pool.sequences)))
         layer = data.draw(st.integers(0, N_LAYERS - 1))
         seq = self.pool.sequences[seq_id]
-        if self.pool.resident(seq_id, layer) < 2 or self.pool.n_free() < 1:
+        if self.pool.resident(seq_id, layer) < 2 or self.pool.admission.n_free() < 1:
             return
         before = self.pool.resident(seq_id, layer)
         try:

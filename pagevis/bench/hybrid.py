@@ -39,7 +39,7 @@ def hybrid_rows(contexts, page_size: int = 16, dtype: str = "float16", layout: d
         last = np.array([context - 1])
         local_us, global_us = (best_time(lambda layer=layer: cache.attend(0, layer, q, last), reps) * 1e6
                                for layer in range(2))
-        measured = [cache.stores[0 if spec.window else 1].used_peak for spec in specs]  # pages, per layer
+        measured = [cache.pool(0 if spec.window else 1).peak for spec in specs]  # pages, per layer
         held = hybrid_bytes(specs, measured, config.page_bytes(), context, page_size)
         modelled = modelled_bytes(CacheConfig(**{**config.cache_settings(), "max_pages": 1}, n_layers=len(specs),
                                               n_heads=heads, n_kv_heads=kv, head_dim=dim,

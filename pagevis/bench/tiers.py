@@ -49,7 +49,7 @@ def tiered_cache(kv: tuple[np.ndarray, np.ndarray], page_size: int, ram_frames: 
     tiers = {"max_pages": pages} if ram_frames is None else {"max_pages": ram_frames, "disk_pages": pages}
     cache = KVCacheManager.single(CacheConfig(page_size=page_size, n_layers=1, policy="none", select=select,
                                      select_pages=select_pages, swap_dir=swap_dir, **tiers, **SHAPE))
-    cache.ensure_room(0, context)
+    cache.admission.ensure_room(0, context)
     cache.append(0, 0, kv[0], kv[1], np.arange(context))
     cache.take_events()
     cache.take_counts()
@@ -97,7 +97,7 @@ def streamed_rows(contexts=CONTEXTS, shares=RAM_SHARES, page_size: int = 16, rep
 
 def cold_time(cache: KVCacheManager, q: np.ndarray, position: np.ndarray) -> float:
     """One decode attention right after the swap file's pages left the OS page cache."""
-    fd = cache.stores[0].swap.fd
+    fd = cache.swap.files[0].fd
     os.fdatasync(fd)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     start = time.perf_counter()

@@ -39,7 +39,6 @@ def run_parallel(args: argparse.Namespace, spec, config, prompt: str) -> int:
     from pagevis.engine.batch import BatchConfig
     from pagevis.engine.batch_summary import batch_summary
     from pagevis.kvcache import CacheFullError, ConfigError
-    from pagevis.kvcache.quant import storage_summary
     from pagevis.kvcache.swap import SwapSpaceError
     from pagevis.cli.checks import check_prompt_fits
 
@@ -67,7 +66,7 @@ def run_parallel(args: argparse.Namespace, spec, config, prompt: str) -> int:
     finally:
         batch.close()
     summary = {"model": spec.label, "prompt_tokens": len(batch.requests[ids[0]].prompt_ids),
-               **storage_summary(batch.cache_config, batch.cache.stores),
+               **batch.cache.storage(),
                "policy": config.policy, "max_pages": config.max_pages, **batch_summary(batch, records,
                                                                                       time.perf_counter() - started),
                "samples": [{"seed": batch.requests[i].sampler.config.seed, "text": batch.text(i),

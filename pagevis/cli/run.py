@@ -111,7 +111,6 @@ def summarize(session, model_label: str, elapsed: float, started: float, stamps:
     kvzip's reconstruction pass): tokens_per_s from the first decoded token to the last (the tokens after the first
     over that time), prefill_tokens_per_s the prompt's tokens over the time from the start to the first token.
     stamps: when each record was made."""
-    from pagevis.kvcache.quant import storage_summary
 
     records = session.records
     config = session.config
@@ -128,7 +127,7 @@ def summarize(session, model_label: str, elapsed: float, started: float, stamps:
         "page_size": config.page_size,
         "max_pages": config.max_pages,
         "capacity": config.capacity,
-        **storage_summary(session.cache_config, session.cache.stores),
+        **session.cache.storage(),
         "policy": config.policy,
         "policy_params": _policy_params(session),
         "steps": len(records),

@@ -179,7 +179,7 @@ class Engine:
 
     def release(self, seq_id: int) -> None:
         """Free the pages a finished request still holds (with hold_finished)."""
-        if self.requests[seq_id].done and seq_id in self.cache.sequences:
+        if self.requests[seq_id].done and self.cache.has_sequence(seq_id):
             self.cache.free(seq_id)
 
     def forget(self, seq_id: int) -> None:
@@ -253,7 +253,7 @@ class Engine:
 
     def _execute(self, plan: Plan) -> None:
         for request, tokens, _ in plan:
-            self.cache.ensure_room(request.seq_id, len(tokens))
+            self.cache.admission.ensure_room(request.seq_id, len(tokens))
         ids = np.concatenate([np.asarray(tokens, dtype=np.int64) for _, tokens, _ in plan])
         positions = np.concatenate([np.arange(start, start + len(tokens), dtype=np.int64)
                                     for _, tokens, start in plan])
@@ -279,7 +279,7 @@ class Engine:
             request.n_cached = start + len(tokens)
             request.steps += 1
             self.cache.commit(request.seq_id, prompt_done=request.n_cached >= len(request.prompt_ids))
-            policy = self.cache.sequences[request.seq_id].policy
+            policy = self.cache.policy(request.seq_id)
             if policy.compresses and not policy.compressed and request.n_cached >= policy.context_of(
                     len(request.prompt_ids)):
                 self.reconstruct_seconds = reconstruct_and_compress(self.model, self.cache, request.seq_id)
@@ -364,7 +364,7 @@ class Engine:
     def _finish(self, request: Request, reason: str) -> None:
         if reason == "cache_full":
             try:  # the policy's own message says why (policy 'none' never evicts)
-                self.cache.sequences[request.seq_id].policy.choose_victims(self.cache.view(request.seq_id, 0))
+                self.cache.policy(request.seq_id).choose_victims(self.cache.view(request.seq_id, 0))
             except CacheFullError as error:
                 request.error = str(error)
         self.scheduler.remove(request)
@@ -385,9 +385,7 @@ class Engine:
         events = cache.take_events()
         self.last_events = events
         ended, self._ended = tuple(self._ended), []
-        store = cache.stores[0]
-        pool = store.pages
-        used = pool.ref_counts > 0
+        pool = cache.pool(0)
         capacity = self.cache_config.capacity
         running = self.scheduler.running
         reserved = sum(min(len(r.prompt_ids) + r.max_new_tokens, capacity) for r in running)
@@ -395,9 +393,9 @@ class Engine:
             step=self.n_steps, seqs=tuple(self._steps.values()),
             events=tuple(e for e in events if e.kind is not EventKind.WRITE),
             block_tables={r.seq_id: tuple(cache.block_table(r.seq_id, 0)) for r in running},
-            ref_counts=pool.ref_counts.copy(), fill=store.fill.copy(), cached_free=tuple(pool.cached_free()),
+            ref_counts=pool.ref_counts, fill=pool.fill, cached_free=pool.cached_free,
             pages_used=cache.pages_used(), pages_unshared=cache.pages_unshared(),
-            contiguous_reserved_tokens=reserved, tokens_stored=int(store.fill[used].sum()),
+            contiguous_reserved_tokens=reserved, tokens_stored=int(pool.fill[pool.ref_counts > 0].sum()),
             seconds=time.perf_counter() - started, n_cached={r.seq_id: r.n_cached for r in running},
             waiting=len(self.scheduler.waiting), ended=ended, hybrid=self._hybrid_bytes())
 

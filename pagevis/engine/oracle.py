@@ -74,7 +74,7 @@ class FullCacheOracle:
         bounded = self._bounded.frames(layer).positions
         full_positions = self.cache.slot_positions(layer)
         evicted = (full_positions >= 0) & ~np.isin(full_positions, bounded[bounded >= 0])
-        keep = self._bounded.sequences[self._bounded_seq].head_keep[layer]
+        keep = self._bounded.head_keep(self._bounded_seq, layer)
         weights = result.weights[-1]
         if keep is None:
             lost = weights[:, evicted].sum(axis=-1)
@@ -85,7 +85,7 @@ class FullCacheOracle:
         self.lost_by_head[layer] = lost
         self._lost.append(float(lost.mean()))
         # Recall: the share of that attention on the tokens the bounded layer actually read.
-        read_slots = self._bounded.sequences[self._bounded_seq].read_slots[layer]
+        read_slots = self._bounded.read_slots(self._bounded_seq)[layer]
         read = bounded[bounded >= 0] if read_slots is None else bounded[read_slots]
         covered = np.isin(full_positions, read[read >= 0])
         self.recall[layer] = float(result.weights[-1][:, covered].sum(axis=-1).mean())

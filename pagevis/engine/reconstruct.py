@@ -56,9 +56,8 @@ class ReadOnlyAttend:
 def reconstruct_and_compress(model, cache, seq_id: int) -> float:
     """Run the reconstruction pass over the sequence's cached tokens, then compress it (cache.compress);
     return the pass's seconds."""
-    seq = cache.sequences[seq_id]
-    context = seq.token_ids
-    chunks = reconstruction_chunks(model.tokenizer, context, seq.policy.chunk)
+    context = cache.token_ids(seq_id)
+    chunks = reconstruction_chunks(model.tokenizer, context, cache.policy(seq_id).chunk)
     started = time.perf_counter()
     for ids in chunks:
         positions = np.arange(len(context), len(context) + len(ids), dtype=np.int64)

@@ -13,14 +13,15 @@ swapping cannot give back.
 A paused request (a server's session between calls) holds its pages but neither runs nor counts against
 `max_running`, and is never preempted.
 
-The scheduler never touches pages: it asks the cache manager what a chunk needs and whether it fits.
+The scheduler touches no page: toward the cache its whole vocabulary is `admit` (a new sequence, with its prefix
+hit), `chunk_limit`, `is_full`, `allocate` (a Reservation of the step's pages, or None: kvcache/admission.py) and
+`free`.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-import numpy as np
 
 from pagevis.kvcache import CacheFullError, EventKind, KVCacheManager
 from pagevis.engine.request import Request
@@ -32,6 +33,7 @@ class Scheduler:
     def __init__(self, cache: KVCacheManager, max_running: int, token_budget: int | None = None,
                  max_chunk: int | None = None):
         self.cache = cache
+        self.admission = cache.admission  # the questions it asks (kvcache/admission.py)
         self.max_running = max_running
         self.token_budget = token_budget  # tokens per step over all requests; None: no limit
         self.max_chunk = max_chunk  # prompt tokens one request feeds per step; None: no limit
@@ -72,17 +74,13 @@ class Scheduler:
         budget is full under policy 'none'); CacheFullError when the pool cannot hold even one request."""
         cache = self.cache
         for request in list(self.running):
-            if not request.paused and cache.is_full(request.seq_id):
+            if not request.paused and self.admission.is_full(request.seq_id):
                 finish(request, "cache_full")
         budget = self.token_budget
         while True:
             plan = self._running_plan(budget)
-            if not self.waiting and sum(cache.pages_bound(r.seq_id, len(tokens)) for r, tokens, _ in plan) \
-                    <= cache.fewest_free():
-                return plan  # fits even at the bound, and nobody waits to be admitted: no exact count needed
-            needs = [cache.pages_needed(r.seq_id, len(tokens)) for r, tokens, _ in plan]
-            total = np.sum(needs, axis=0) if needs else np.zeros(len(cache.stores), dtype=np.int64)
-            if cache.fits(total.tolist()):
+            held = self.admission.allocate([(r.seq_id, len(tokens)) for r, tokens, _ in plan])
+            if held is not None:
                 break
             active = [r for r in self.running if not r.paused]
             if len(active) == 1:
@@ -92,17 +90,15 @@ class Scheduler:
         used = sum(len(tokens) for _, tokens, _ in plan)
         while self.waiting and self.n_active < self.max_running and (budget is None or used < budget):
             request = self.waiting[0]
-            cache.add_sequence(request.seq_id, request.policy)
-            tokens = request.tokens
-            request.n_cached = cache.match_prefix(request.seq_id, tokens[: self._hit_limit(request) + 1],
-                                                  request.cache_salt)
-            if cache.is_full(request.seq_id):
+            request.n_cached = self.admission.admit(request.seq_id, request.tokens, request.policy, self._longest(request),
+                                           request.cache_salt)
+            if self.admission.is_full(request.seq_id):
                 self.start(self.waiting.popleft())  # its cached prefix already fills its budget
                 finish(request, "cache_full")
                 continue
             chunk = self._chunk(request, None if budget is None else budget - used)
-            need = cache.pages_needed(request.seq_id, len(chunk[1]))
-            if not cache.fits((total + np.asarray(need)).tolist()):
+            reserved = self.admission.allocate([(request.seq_id, len(chunk[1]))], held)
+            if reserved is None:
                 cache.free(request.seq_id, None)
                 if not self.running:
                     raise CacheFullError(f"the pool of {cache.pool_pages} pages per layer cannot hold "
@@ -113,20 +109,18 @@ class Scheduler:
             if cache.prefix_caching:
                 cache.prefix_stats.record(len(request.tokens), request.n_cached)
             self.start(request)
-            total = total + np.asarray(need)
+            held = reserved
             used += len(chunk[1])
             plan.append(chunk)
         return plan
 
-    def _hit_limit(self, request: Request) -> int:
-        """How many of its tokens a request may take from the prefix cache without decoding other tokens than
-        it would alone: a request that never reaches its budget, all; one that will evict, only what it holds
-        before its first eviction (its budget) — and none if its policy learns from attention, which cached
-        pages never got from it. A request scoring its prompt takes none: it needs every prompt token's logits."""
+    @staticmethod
+    def _longest(request: Request) -> int | None:
+        """The tokens the request may grow to, which bounds what it may take from the prefix cache (`admit`);
+        None for a request scoring its prompt: it takes nothing from it, it needs every prompt token's logits."""
         if request.prompt_logprobs is not None:
-            return 0
-        return self.cache.hit_limit(request.seq_id, len(request.prompt_ids) + request.max_new_tokens,
-                                    len(request.tokens))
+            return None
+        return len(request.prompt_ids) + request.max_new_tokens
 
     def _running_plan(self, budget: int | None) -> Plan:
         """Decode tokens first (one per request), then prefill chunks within what the budget leaves."""
@@ -145,9 +139,9 @@ class Scheduler:
     def _chunk(self, request: Request, left: int | None) -> tuple[Request, list[int], int]:
         """The request's next tokens: its room (1 when its policy must evict to go on), the cache's own chunk
         limit (disk tier, Quest), the scheduler's, and what the step's budget leaves."""
-        cache, tokens = self.cache, request.tokens
-        limits = [len(tokens) - request.n_cached, cache.room(request.seq_id)]
-        limits += [limit for limit in (cache.max_chunk(request.seq_id), self.max_chunk, left) if limit is not None]
+        tokens = request.tokens
+        limits = [len(tokens) - request.n_cached, self.admission.chunk_limit(request.seq_id)]
+        limits += [limit for limit in (self.max_chunk, left) if limit is not None]
         n = max(1, min(limits))
         return request, tokens[request.n_cached: request.n_cached + n], request.n_cached
 

@@ -151,7 +151,7 @@ class DecodeSession:
     @property
     def read_slots(self) -> list:
         """Per layer, the flat slots the last step's attention read (None: every resident slot)."""
-        return self.cache.sequences[self.seq_id].read_slots
+        return self.cache.read_slots(self.seq_id)
 
     @property
     def sampler(self):
@@ -240,7 +240,7 @@ class DecodeSession:
         pool, cfg, step = self.pool, self.cache_config, len(self.records)
         events = EventArray.pack(pool.events(self.engine.last_events, step), self._strings)
         self._evictions += len(events.of_kind(EventKind.EVICT))
-        seq = self.cache.sequences[self.seq_id]
+        tables = self.cache.block_tables(self.seq_id)
         snap = self.cache.snapshot(self.seq_id, cfg.max_pages, pool.holder(cfg.max_pages))
         rows = np.zeros((len(self.record_layers), cfg.n_heads, cfg.capacity), dtype=np.float32)
         for row, layer in zip(rows, self.record_layers):
@@ -262,9 +262,9 @@ class DecodeSession:
             positions=tuple(int(p) for p in positions), next_token=int(next_token),
             next_text=self.token_text(next_token) if next_token >= 0 else "",
             slot_maps=snap.slot_maps, protected=snap.protected, scores=snap.scores,
-            block_tables=self._tables.record(step, pool.tables(seq.block_tables)),
+            block_tables=self._tables.record(step, pool.tables(tables)),
             events=events, attention_layers=self.record_layers, attention=attention,
-            timings={}, resident_tokens=seq.resident[0], pages_used=len(seq.block_tables[0]),
+            timings={}, resident_tokens=self.cache.resident(self.seq_id, 0), pages_used=len(tables[0]),
             evictions_total=self._evictions, oracle=oracle_step, tiers=tiers, full_precision=snap.full_precision,
             capacities=np.array(snap.capacities, dtype=np.int32),
         )

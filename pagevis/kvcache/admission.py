@@ -1,15 +1,21 @@
-"""What the scheduler asks the cache before it schedules a sequence's tokens: its room before the policy evicts,
-the pages writing n more tokens may take from the pool, whether the pool has them, and how long a prefill chunk
-may be. The cache manager (kv_cache_manager.py) answers them from its layers' managers (layers.py)."""
+"""What the scheduler asks the cache before it schedules a sequence's tokens, in four questions (vLLM's
+get_computed_blocks, allocate_slots; nano-vllm's can_allocate, may_append):
+
+- `admit`: a new sequence, pointed at the cached pages of its prompt's longest prefix it may reuse;
+- `chunk_limit`: the most tokens its next step may feed (its room before the policy evicts, the tiers' limits);
+- `is_full`: whether it takes no more tokens (its room is used up and its policy never evicts);
+- `allocate`: whether the pool holds the pages a step's chunks may take — a Reservation, or None.
+
+The cache manager (kv_cache_manager.py) answers them from its layers' managers (layers.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from pagevis.kvcache.config import CacheConfig
+from dataclasses import dataclass
+
 from pagevis.kvcache.layers import LayerManager
 from pagevis.kvcache.sequence import SequenceCache
-from pagevis.kvcache.store import PageStore
 
 # With a disk tier, prefill chunks are cut so that their scores over a batch of frames, and their weights
 # over every slot when the policy learns from attention, stay under this many float32 values (32 MB).
@@ -19,56 +25,89 @@ MAX_CHUNK_WEIGHTS = 8 << 20
 MAX_TIERED_CHUNK = 1024
 
 
-class Admission:
-    """The scheduler's questions, answered by the cache manager (a part of it: it reads the manager's
-    sequences, layers, stores and config)."""
+@dataclass(frozen=True)
+class Reservation:
+    """The pages a step's chunks ((seq_id, n_tokens), ...) may take from the pool: per layer, counted exactly
+    (`pages`), or None while a cheap bound showed they fit and nobody has asked for more on top of them."""
 
-    config: CacheConfig
-    page_size: int
-    select_pages: int | None
-    sequences: dict[int, SequenceCache]
-    layers: list[LayerManager]
-    stores: list[PageStore]
+    chunks: tuple[tuple[int, int], ...]
+    pages: np.ndarray | None
+
+
+class Admission:
+    """The scheduler's questions, answered from the cache manager's sequences, layers and pools (the manager
+    holds one: `KVCacheManager.admission`)."""
+
+    def __init__(self, cache):
+        self.cache = cache  # the KVCacheManager that holds it (not imported here: it imports this module)
+
+    def admit(self, seq_id: int, tokens, policy=None, longest: int | None = None, cache_salt: str | None = None
+              ) -> int:
+        """A new sequence for `tokens` (evicting by `policy`, default the settings'), pointed at the cached pages
+        of their longest cached prefix it may reuse if it will grow to `longest` tokens (`hit_limit`; None: no
+        reuse, the caller needs every token's logits); `cache_salt`: the root its pages hash from
+        (`match_prefix`). Returns the tokens reused."""
+        self.cache.add_sequence(seq_id, policy)
+        reuse = 0 if longest is None else self.hit_limit(seq_id, longest, len(tokens))
+        return self.cache.match_prefix(seq_id, tokens[: reuse + 1], cache_salt)
+
+    def chunk_limit(self, seq_id: int) -> int:
+        """The most tokens the sequence's next step may feed: its room before its policy evicts, and the cache's
+        own prefill limit (`max_chunk`: a disk tier, quest). 0 or less: it must evict to go on (one at a time)."""
+        limit = self.max_chunk(seq_id)
+        return self.room(seq_id) if limit is None else min(self.room(seq_id), limit)
+
+    def allocate(self, chunks, held: Reservation | None = None) -> Reservation | None:
+        """Whether the pool holds the pages writing these (seq_id, n_tokens) chunks may take, on top of the ones
+        `held` counts: their Reservation (with held's chunks), or None (vLLM's allocate_slots; pages are taken
+        as the tokens are written). A cheap bound answers first when nothing is held; the exact count
+        (`pages_needed`, per layer) only when the bound does not fit or more is asked for on top."""
+        chunks = tuple(chunks)
+        if held is None and sum(self.pages_bound(s, n) for s, n in chunks) <= self.n_free():
+            return Reservation(chunks, None)
+        earlier = held.chunks if held is not None else ()
+        base = held.pages if held is not None and held.pages is not None else self._needs(earlier)
+        total = base + self._needs(chunks)
+        return Reservation(earlier + chunks, total) if self.fits(total.tolist()) else None
+
+    def _needs(self, chunks) -> np.ndarray:
+        total = np.zeros(len(self.cache.stores), dtype=np.int64)
+        for seq_id, n_tokens in chunks:
+            total += self.pages_needed(seq_id, n_tokens)
+        return total
 
     def n_free(self) -> int:
-        """Pages free in every layer (cached free pages included)."""
-        return min(store.pages.n_free() for store in self.stores)
-
-    fewest_free = n_free  # free pages of the layer that has the fewest
+        """Pages free in the layer that has the fewest (cached free pages included)."""
+        return min(store.pages.n_free() for store in self.cache.stores)
 
     def free_slots(self, seq_id: int) -> int:
         """Tokens every layer of the sequence can take before its policy must evict: its budget (a policy
         may give a layer less: pyramidkv), and the pool."""
-        return min(layer_free_slots(layer, self.sequences[seq_id]) for layer in self.layers)
-
-    def layer_budget(self, seq_id: int, layer: int) -> int:
-        """Tokens the layer may hold before the sequence's policy evicts there: its policy's budget, except on a
-        local layer whose window is the smaller bound (there the window slides and the policy never runs)."""
-        return self.layers[layer].budget(self.sequences[seq_id])
+        return min(layer_free_slots(layer, self.cache.sequences[seq_id]) for layer in self.cache.layers)
 
     def room(self, seq_id: int) -> int:
         """Tokens the sequence can still add before its policy must evict (its budget, not the pool; for a
         per-head policy also before it must drop an entry, so that a prefill chunk never evicts mid-chunk on
         statistics that have not seen the chunk; likewise for a policy that prunes at any fill)."""
-        seq = self.sequences[seq_id]
-        rooms = [layer.budget(seq) - seq.resident[layer.layer] for layer in self.layers]
+        seq = self.cache.sequences[seq_id]
+        rooms = [layer.budget(seq) - seq.resident[layer.layer] for layer in self.cache.layers]
         if seq.policy.per_head:
-            rooms += [seq.policy.head_room(layer.view(seq)) for layer in self.layers]
+            rooms += [seq.policy.head_room(layer.view(seq)) for layer in self.cache.layers]
         if seq.policy.prunes:
-            rooms += [seq.policy.prune_room(layer.view(seq)) for layer in self.layers]
+            rooms += [seq.policy.prune_room(layer.view(seq)) for layer in self.cache.layers]
         return min(rooms)
 
     def is_full(self, seq_id: int) -> bool:
         """Whether the sequence takes no more tokens: its room is used up and its policy never evicts ('none')."""
-        return self.room(seq_id) <= 0 and not self.sequences[seq_id].policy.evicts
+        return self.room(seq_id) <= 0 and not self.cache.sequences[seq_id].policy.evicts
 
     def hit_limit(self, seq_id: int, longest: int, n_tokens: int) -> int:
         """How many of its n_tokens a sequence that may grow to `longest` tokens may take from the prefix cache
         and still decode what it would alone: all if it never reaches its budget (its smallest layer's); else
         what it holds before its first eviction, its budget — none if its policy learns from attention, which
         cached pages never got from it."""
-        seq = self.sequences[seq_id]
-        budget = min(layer.budget(seq) for layer in self.layers)
+        seq = self.cache.sequences[seq_id]
+        budget = min(layer.budget(seq) for layer in self.cache.layers)
         if longest <= budget:
             return n_tokens
         return 0 if seq.policy.uses_attention else budget
@@ -76,21 +115,21 @@ class Admission:
     def can_append(self, seq_id: int, n: int) -> bool:
         """Whether n more tokens fit, by eviction if the policy evicts. Check before a step so that a
         full cache fails before any layer has changed."""
-        return self.sequences[seq_id].policy.evicts or self.free_slots(seq_id) >= n
+        return self.cache.sequences[seq_id].policy.evicts or self.free_slots(seq_id) >= n
 
     def pages_needed(self, seq_id: int, n_tokens: int) -> list[int]:
         """Per layer, an upper bound on the pages writing n_tokens more will take from the pool."""
-        return [layer_pages_needed(layer, self.sequences[seq_id], n_tokens) for layer in self.layers]
+        return [layer_pages_needed(layer, self.cache.sequences[seq_id], n_tokens) for layer in self.cache.layers]
 
     def pages_bound(self, seq_id: int, n_tokens: int) -> int:
         """A cheap upper bound on every layer's `pages_needed`: each of its copy-on-write terms copies at most
         every page of the table once."""
-        longest = max(len(table) for table in self.sequences[seq_id].block_tables)
-        return 3 * longest + -(-n_tokens // self.page_size)
+        longest = max(len(table) for table in self.cache.sequences[seq_id].block_tables)
+        return 3 * longest + -(-n_tokens // self.cache.page_size)
 
     def fits(self, needs: list[int]) -> bool:
         """Whether the pool has the pages `needs` (per layer) asks for."""
-        return all(need <= store.pages.n_free() for need, store in zip(needs, self.stores, strict=True))
+        return all(need <= store.pages.n_free() for need, store in zip(needs, self.cache.stores, strict=True))
 
     def max_chunk(self, seq_id: int) -> int | None:
         """The most tokens one prefill step of the sequence may feed (None: no limit beyond its room). With
@@ -99,15 +138,15 @@ class Admission:
         stops where the sequence outgrows select_pages pages: from there on every query is fed alone and
         reads its own selection."""
         limits = []
-        cfg, seq = self.config, self.sequences[seq_id]
+        cfg, seq = self.cache.config, self.cache.sequences[seq_id]
         if cfg.tiered:
             frames = max(cfg.home_frames, cfg.max_pages - cfg.home_frames)
             limits.append(MAX_CHUNK_WEIGHTS // (cfg.n_heads * frames * cfg.page_size))
             limits.append(MAX_TIERED_CHUNK)
             if seq.policy.uses_attention:
                 limits.append(MAX_CHUNK_WEIGHTS // (cfg.n_heads * cfg.capacity))
-        if self.select_pages is not None:
-            limits.append(self.select_pages * cfg.page_size - max(seq.resident))
+        if self.cache.select_pages is not None:
+            limits.append(self.cache.select_pages * cfg.page_size - max(seq.resident))
         return max(1, min(limits)) if limits else None
 
 
@@ -115,8 +154,8 @@ class Admission:
         """Raise before anything changes if n tokens cannot go in: CacheFullError from policy 'none',
         SwapSpaceError when the disk tier has no space for the pages they may need."""
         if not self.can_append(seq_id, n):
-            self.sequences[seq_id].policy.choose_victims(self.view(seq_id, 0))  # raises CacheFullError
-        for store, need in zip(self.stores, self.pages_needed(seq_id, n), strict=True):
+            self.cache.sequences[seq_id].policy.choose_victims(self.cache.view(seq_id, 0))  # raises CacheFullError
+        for store, need in zip(self.cache.stores, self.pages_needed(seq_id, n), strict=True):
             store.reserve(need)
 
 

@@ -22,6 +22,9 @@ Every change is recorded as a CacheEvent.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -37,6 +40,7 @@ from pagevis.kvcache.layers import layer_manager
 from pagevis.kvcache.policies import EvictionPolicy, make_policy
 from pagevis.kvcache.policy_state import LayerView
 from pagevis.kvcache.prefix_cache import PrefixCacheStats, page_hash, prefix_hashes, salt_root
+from pagevis.kvcache.quant import storage_summary
 from pagevis.kvcache.sequence import SequenceCache
 from pagevis.kvcache.snapshot import CacheSnapshot, LayerFrames, layer_frames, take
 from pagevis.kvcache.storage import make_store
@@ -46,7 +50,21 @@ from pagevis.kvcache.swap import SwapSpace
 E = EventKind
 
 
-class KVCacheManager(Admission):
+@dataclass(frozen=True)
+class PoolState:
+    """One layer's pool at one moment (KVCacheManager.pool), copied: page ids, those in use (now and at most),
+    each page's reference count and tokens, and the cached free pages in the order the pool reuses them."""
+
+    layer: int
+    n_pages: int
+    used: int
+    peak: int
+    ref_counts: np.ndarray
+    fill: np.ndarray
+    cached_free: tuple[int, ...]
+
+
+class KVCacheManager:
     """K/V pages of every layer for any number of sequences.
 
     `config` gives the head layout, the page size, each sequence's budget (its capacity) and policy, and
@@ -71,6 +89,7 @@ class KVCacheManager(Admission):
         self.windows = tuple(layer.window for layer in self.layers)  # per layer: None (global) or W (local)
         self.prefix_caching = prefix_caching
         self.prefix_stats = PrefixCacheStats()
+        self.admission = Admission(self)  # what the scheduler asks (admission.py)
 
     @classmethod
     def single(cls, config: CacheConfig, **kwargs) -> KVCacheManager:
@@ -234,6 +253,72 @@ class KVCacheManager(Admission):
         positions = self.stores[layer].positions[self.flat_slots(seq_id, layer)]
         return np.sort(positions[positions >= 0])
 
+    def has_sequence(self, seq_id: int) -> bool:
+        return seq_id in self.sequences
+
+    def seq_ids(self) -> list[int]:
+        """The live sequences, oldest first."""
+        return list(self.sequences)
+
+    def block_tables(self, seq_id: int) -> list[list[int]]:
+        """The sequence's block table of every layer (live lists: they change with the next step)."""
+        return self.sequences[seq_id].block_tables
+
+    def policy(self, seq_id: int) -> EvictionPolicy:
+        """The policy the sequence evicts by."""
+        return self.sequences[seq_id].policy
+
+    def token_ids(self, seq_id: int) -> list[int]:
+        """The tokens whose K/V the sequence wrote, in position order."""
+        return self.sequences[seq_id].token_ids
+
+    def read_slots(self, seq_id: int) -> list[np.ndarray | None]:
+        """Per layer, the flat slots the sequence's last attention there read (None: every resident slot)."""
+        return self.sequences[seq_id].read_slots
+
+    def head_keep(self, seq_id: int, layer: int) -> np.ndarray | None:
+        """(n_kv_heads, n_slots) bool, the KV heads that keep each slot's token (a per-head policy's masks; None
+        for a token policy), read-only."""
+        keep = self.sequences[seq_id].head_keep[layer]
+        return None if keep is None else _read_only(keep)
+
+    # --- the pool, for records and reports --------------------------------------------------------
+    def layer_groups(self) -> dict[str, tuple[int, ...]]:
+        """The layers by kind, in layer order: 'global' and, on a hybrid model (Gemma 3), 'local W=...' (its
+        sliding-window layers). Each layer has its own pool of `pool_pages` page ids."""
+        groups: dict[str, list[int]] = {}
+        for layer, spec in enumerate(self.config.layer_specs):
+            groups.setdefault(spec.label, []).append(layer)
+        return {label: tuple(layers) for label, layers in groups.items()}
+
+    def pool(self, layer: int = 0) -> PoolState:
+        """The layer's pool now, copied: what a record or a report shows of it."""
+        store = self.stores[layer]
+        pages = store.pages
+        return PoolState(layer=layer, n_pages=pages.n_frames, used=pages.n_used(), peak=store.used_peak,
+                         ref_counts=pages.ref_counts.copy(), fill=store.fill.copy(),
+                         cached_free=tuple(pages.cached_free()))
+
+    def cached_pages(self, layer: int = 0) -> Mapping[int, int]:
+        """Prefix hash -> page, for every full page the layer's pool holds under its hash (in use or cached free),
+        read-only and live (it changes with the next step)."""
+        return MappingProxyType(self.stores[layer].pages.hash_frame)
+
+    def page_hash(self, layer: int, page: int) -> int | None:
+        """The prefix hash the page stands for (None: none)."""
+        return self.stores[layer].pages.frame_hash.get(page)
+
+    def storage(self) -> dict:
+        """What the cache's K/V storage costs and held at most, for reports (quant.storage_summary)."""
+        return storage_summary(self.config, self.stores)
+
+    def take_memory(self) -> None:
+        """Write every page of the pool once, so that its memory is taken now rather than as pages fill (a
+        server's, as vLLM's: its resident size is flat from the start)."""
+        for store in self.stores:
+            for array in (store.data,) if store.quantized else (store.k, store.v):
+                array.fill(0)
+
     # --- writing ---------------------------------------------------------------------------------
     def extend(self, seq_id: int, token_ids) -> None:
         """The token ids whose K/V the coming `append` calls write (prefix hashes need them)."""
@@ -252,7 +337,8 @@ class KVCacheManager(Admission):
         """After a step: register the sequence's newly full pages under their prefix hashes. With key_channels
         (ThinK), once its prompt is done or its cache full, choose each layer's key channels and prune them."""
         seq, ps = self.sequences[seq_id], self.page_size
-        if seq.channels is not None and not seq.channels.chosen and (prompt_done or self.free_slots(seq_id) <= 0):
+        if seq.channels is not None and not seq.channels.chosen and (
+                prompt_done or self.admission.free_slots(seq_id) <= 0):
             eviction.prune_key_channels(self.layers, seq)
         while seq.hashable and self.prefix_caching and (len(seq.hashes) + 1) * ps <= len(seq.token_ids):
             i, parent = len(seq.hashes), seq.hashes[-1] if seq.hashes else seq.root
@@ -293,3 +379,9 @@ class KVCacheManager(Admission):
                     ) -> list[AttentionResult]:
         """`attend` for several sequences that each decode one token, in one batched kernel."""
         return paged_attention.attend_many(self.layers[layer], [self.sequences[s] for s in seq_ids], q, positions)
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view

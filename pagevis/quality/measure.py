@@ -32,7 +32,6 @@ from pagevis.kvcache.policies import POLICIES
 from pagevis.settings import MAX_PAGES as MAX_POOL_PAGES
 from pagevis.kvcache.policies.pyramidkv import PyramidKV, pool_tokens
 from pagevis.kvcache.policies.snapkv import SnapKV
-from pagevis.kvcache.quant import storage_summary
 from pagevis.quality.optimal import OPTIMAL, FutureAttention
 
 
@@ -289,7 +288,7 @@ def evaluate(model, reference: Reference, choice: PolicyChoice, budget: int, pag
     per_head = optimal is None and getattr(POLICIES.get(choice.name), "per_head", False)
     if per_head:  # the reference keeps head means: what each head dropped cannot be weighed against it
         note = "; ".join(filter(None, [note, "lost attn not measured for a per-head policy"]))
-    memory = storage_summary(session.cache_config, session.cache.stores)
+    memory = session.cache.storage()
     return Row(
         policy=choice.label, budget=budget, page_size=page_size, ppl=perplexity(true_lp),
         ppl_evicting=perplexity(true_lp[tail]), full_ppl_evicting=reference.perplexity(tail.start),

@@ -80,9 +80,7 @@ class Engines:
         batch = BatchConfig(max_seqs=self.settings.max_seqs, pool_pages=self.settings.pool_pages_for(config.page_size),
                             token_budget=self.settings.token_budget)
         engine = Engine(self.model, pool_config, batch, max_chunk=self.settings.max_chunk)
-        for store in engine.cache.stores:  # the pool's memory, taken now (as vLLM's): RSS is flat from the start
-            for array in (store.data,) if store.quantized else (store.k, store.v):
-                array.fill(0)
+        engine.cache.take_memory()  # the pool's memory, taken now (as vLLM's): RSS is flat from the start
         if self.kv_events is not None:
             self.kv_events.watch(engine)
         name = (f"{config.page_size}x{config.dtype}" + (f"x{config.max_pages}" if config.tiered else "")

@@ -36,7 +36,7 @@ class KVEvents:
 
     def closing(self, engine) -> None:
         """The pool goes away: its cached blocks are gone."""
-        cached = list(engine.cache.stores[0].pages.hash_frame)
+        cached = list(engine.cache.cached_pages(0))
         if cached:
             self.publish([BlockRemoved(block_hashes=cached, medium=medium(engine))])
 

@@ -63,7 +63,7 @@ class OwnPages(PoolView):
             uncached, mine = self._allocate(layer, page, event)
             return [*uncached, event._replace(page=mine, detail=source)]
         if kind is E.SHARE and page not in own:
-            page_hash = self.cache.stores[layer].pages.frame_hash.get(page)
+            page_hash = self.cache.page_hash(layer, page)
             cached = mirror.lookup(page_hash) if page_hash is not None else None
             if cached is not None and mirror.ref_counts[cached] == 0:
                 mirror.share(cached)
@@ -97,9 +97,10 @@ class OwnPages(PoolView):
     def _settle(self) -> None:
         """Pages the session no longer holds that no event released (a shared page it let go, a preempted or
         freed sequence): released in the mirror too."""
-        seq = self.cache.sequences.get(self.seq_id) if self.cache is not None else None
+        live = self.cache is not None and self.cache.has_sequence(self.seq_id)
+        tables = self.cache.block_tables(self.seq_id) if live else [[] for _ in self.own]
         for layer, own in enumerate(self.own):
-            held = set(seq.block_tables[layer]) if seq is not None else set()
+            held = set(tables[layer])
             for page in [p for p in own if p not in held]:
                 self.mirrors[layer].release(own.pop(page))
 

@@ -1,7 +1,7 @@
 """The prefix cache of one engine's pool as a forest: one node per full page registered under a prefix hash,
 under the page before it. Qt-free; the Server window draws the nodes with the prefix-forest widget.
 
-The pool knows each registered page's hash (BlockPool.hash_frame) but not its parent: a hash names a page by
+The pool knows each registered page's hash (KVCacheManager.cached_pages) but not its parent: a hash names a page by
 its parent's hash and its own tokens (engine/prefix_cache.py), and cannot be read backwards. So the parent
 links come from the requests themselves: each request's written tokens, hashed page by page with the engine's
 own `page_hash`, give the chain its commits registered. Nodes are exactly the hashes the pool holds now
@@ -90,33 +90,34 @@ class PoolForest:
         return chain
 
     def _forget(self, engine) -> None:
-        held = engine.cache.stores[0].pages.hash_frame
+        held = engine.cache.cached_pages(0)
         self._info = {h: v for h, v in self._info.items() if h in held}
-        self._chains = {s: c for s, c in self._chains.items() if s in engine.cache.sequences}
+        self._chains = {s: c for s, c in self._chains.items() if engine.cache.has_sequence(s)}
 
     def nodes(self, engine, owners: dict[int, int] | None = None) -> tuple[ForestNode, ...]:
         """The pool's prefix cache now, and ghosts of the pages removed since the last call. `owners` maps
         sequence ids to the request ids shown (default: sequence ids)."""
-        pool = engine.cache.stores[0].pages
+        cache = engine.cache
+        cached, ref_counts = cache.cached_pages(0), cache.pool(0).ref_counts
         holders: dict[int, list[int]] = {}
-        for seq_id, seq in engine.cache.sequences.items():
-            for page in seq.block_tables[0]:
+        for seq_id in cache.seq_ids():
+            for page in cache.block_table(seq_id, 0):
                 holders.setdefault(page, []).append(owners.get(seq_id, seq_id) if owners else seq_id)
         nodes = []
-        for h, frame in pool.hash_frame.items():
+        for h, frame in cached.items():
             info = self._info.get(h)
             if info is None:
                 continue  # registered by no request this forest saw (it was made after the pages were)
             parent, tokens, order = info
-            refs = int(pool.ref_counts[frame])
+            refs = int(ref_counts[frame])
             state = STATES[0] if refs > 1 else STATES[1] if refs == 1 else STATES[2]
-            nodes.append(ForestNode(h, parent if parent in pool.hash_frame else None, len(tokens), state, refs,
+            nodes.append(ForestNode(h, parent if parent in cached else None, len(tokens), state, refs,
                                     self.hits.get(h, 0), frame, tuple(holders.get(frame, ())), self._text(h),
                                     NEW if h in self._new else 0, order))
-        for h in self._removed - pool.hash_frame.keys():
+        for h in self._removed - cached.keys():
             if h in self._info:
                 parent, tokens, order = self._info[h]
-                nodes.append(ForestNode(h, parent if parent in pool.hash_frame else None, len(tokens), "removed",
+                nodes.append(ForestNode(h, parent if parent in cached else None, len(tokens), "removed",
                                         0, self.hits.get(h, 0), -1, (), self._text(h), REMOVED, order))
         self._new, self._removed = set(), set()
         return tuple(nodes)
