@@ -26,7 +26,7 @@ from pagevis.cli.main import main
 PAGE = 4
 SYSTEM = "You are a careful assistant. Answer in one short line, and cite the page. "
 CHANGED = SYSTEM.replace("careful", "helpful")  # the same length: one word differs
-pytestmark = pytest.mark.slow  # three server processes: ~12 s here (8 of them starting), in make test-all
+SLOW = pytest.mark.slow  # three server processes: ~12 s here (8 of them starting), in make test-all
 
 MODEL = ["--model", "synthetic", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
 
@@ -115,6 +115,7 @@ def settle(attacher, quiet=0.2):
             last = time.monotonic()
 
 
+@SLOW
 def test_hit_tokens_are_what_each_engine_then_answers(fleet):
     servers, attacher, tmp = fleet
     a, b, c = servers
@@ -158,6 +159,7 @@ def test_hit_tokens_are_what_each_engine_then_answers(fleet):
     assert json.loads(cli.stdout) == json.loads(json.dumps(expected))
 
 
+@SLOW
 def test_the_request_logs_explained_after_the_fact(fleet, capsys):
     servers, attacher, tmp = fleet
     for server in servers:  # two requests of its own, so that every log has some whichever test ran first
@@ -173,3 +175,37 @@ def test_the_request_logs_explained_after_the_fact(fleet, capsys):
         assert len(out) == len(lines) and {o["served_by"] for o in out} == {server.events}
         assert [o["expected"] for o in out] == [o["reported"] for o in out]
         assert not any(o["flag"] for o in out)
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions"])
+def test_a_salt_on_chat_completions_is_in_the_hashes_and_the_events(route):
+    """In process (one server thread): the same chat under one salt hits, under none or another it does not; the
+    salted first block's BlockStored carries the salt in extra_keys, as vLLM's does, and the explainer says so."""
+    from serve_fixtures import running_server
+
+    with running_server(kv_events_endpoint="tcp://127.0.0.1:*", kv_events_replay="tcp://127.0.0.1:*") as running:
+        publisher = running.app.state.engines.kv_events.publisher
+
+        def ask(salt):
+            body = {"model": "synthetic", "messages": [{"role": "system", "content": SYSTEM},
+                                                       {"role": "user", "content": "Q: salt?"}],
+                    "max_tokens": 1, "temperature": 0, "pagevis": {"page_size": PAGE}}
+            if salt:
+                body["cache_salt"] = salt
+            answer = running.client.post(route, json=body)
+            assert answer.status_code == 200, answer.text
+            return answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        assert ask("t1") == 0 and ask("t1") > 0 and ask(None) == 0 and ask("t2") == 0
+        bad = running.client.post(route, json={"model": "synthetic", "messages": [{"role": "user", "content": "x"}],
+                                               "cache_salt": ""})
+        assert bad.status_code == 422
+        attacher = Attacher([parse_source(f"{publisher.endpoint},{publisher.replay_endpoint}")])
+        try:
+            attacher.start()
+            settle(attacher)
+            state = attacher.fleet.engines[0]
+        finally:
+            attacher.close()
+    roots = [extras for extras in state._extra_of if extras and "extra_keys" in extras]
+    assert sorted(e["extra_keys"][0] for e in roots) == ["t1", "t2"]  # a first block per salt
