@@ -19,7 +19,8 @@ settings.load_profile("pagevis")
 def weight_kernels_ready_beside():
     """Load (on a clean checkout: compile, ~25 s) the quantized-weight kernels in another process while the first
     tests run on this core: the first test that needs them waits on their lock (quantized._compiling_alone) for what
-    is left, then loads them from numba's cache."""
+    is left, up to quantized.LOCK_WAIT (15 s; then it compiles its own in memory), then loads them from numba's
+    cache."""
     loader = subprocess.Popen([sys.executable, "-c", "from pagevis.model.quantized import kernels; kernels()"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     yield

@@ -30,7 +30,7 @@ from pagevis.model.tokenizer_cache import cached_merges
 from pagevis.model.vocab_tokenizer import (TOKENIZER_KINDS, byte_level_backend, byte_to_unicode, check_spellable,
                                            sentencepiece_backend)
 from pagevis.model.quant_weights import held_bytes, quantized_weights, weight_format
-from pagevis.model.quantized import announce_compiling, kernels
+from pagevis.model.quantized import kernels
 from pagevis.model.resident import release_freed_heap
 from pagevis.model.weights import LlamaWeights, check_weight_shapes, layer_from_gguf_matrices
 
@@ -66,7 +66,6 @@ def load_model(path: str | Path | None = None, weights: str | None = None) -> Ll
         held = cached_or_dequantised_weights(path, config, reader)
         model = LlamaModel(config, held, tokenizer, plan=plan_for(held.matrices()))
     else:
-        announce_compiling()
         kernels()  # compiled (first launch) or loaded from numba's cache now, not in the first step
         tensors = {tensor.name: tensor for tensor in reader.tensors}
         expected = check_tensor_names(path, config, tensors)

@@ -52,28 +52,59 @@ PLACEHOLDERS = (NO_U32, NO_I16, NO_I8)
 HALF, Q4_0_MODE, SUPER = 0, 1, 2  # the kernels' scale modes (weight_kernels.py)
 
 
+LOCK_WAIT = 15.0  # seconds a launch waits for another process compiling the kernels before compiling its own
+
+
 def kernels() -> dict:
-    """The kernels by packed format, imported on first use. Importing compiles them when numba's on-disk cache does
-    not hold them yet (a first launch, a new numba or CPU): that is said on stderr, as it takes ~25 s."""
+    """The kernels by packed format, imported on first use: loaded from numba's on-disk cache, or compiled (~25 s:
+    a first launch, a new numba or CPU; said on stderr when numba starts compiling, not before). A cache numba cannot
+    use (damaged files, no writable folder, a read-only install) or a compile lock held for LOCK_WAIT seconds by
+    another process falls back to compiling, in memory where the cache is unusable, with one line on stderr."""
     global _KERNELS
     if _KERNELS is None:
-        import numba
-
-        with _compiling_alone():
-            from pagevis.model import weight_kernels as module  # noqa: F401  (below: its file's identity)
-        _KERNELS = module.KERNELS
-        stamp = _kernel_stamp(numba.__version__)
-        if stamp is not None:
-            stamp[0].write_text(stamp[1])
+        _KERNELS = _imported_kernels().KERNELS
         release_compiler_pages()  # linked: the compiler's code is not run again
     return _KERNELS
+
+
+def _imported_kernels():
+    import sys
+
+    with _compiling_alone() as alone, _saying_when_compiling() as announce:
+        if alone:
+            try:
+                from pagevis.model import weight_kernels as module
+                return module
+            except Exception as exc:  # numba's cache: unpickling a damaged file, "no locator available", ...
+                sys.modules.pop("pagevis.model.weight_kernels", None)
+                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+                print(f"pagevis: numba's cache of the quantized-weight kernels cannot be used ({reason}); compiling "
+                      "them again (about 25 s)", file=sys.stderr, flush=True)
+                announce.said = True  # that one line is all that is said
+            try:
+                with _damaged_cache_files_ignored():  # compiled and written over the damaged files: healed
+                    from pagevis.model import weight_kernels as module
+                    return module
+            except Exception:
+                sys.modules.pop("pagevis.model.weight_kernels", None)
+        else:
+            print(f"pagevis: another process has held the kernels' compile lock for {LOCK_WAIT:.0f} s; compiling "
+                  "them in memory (about 25 s)", file=sys.stderr, flush=True)
+            announce.said = True
+        with _numba_cache_off():
+            from pagevis.model import weight_kernels as module
+            return module
 
 
 @contextlib.contextmanager
 def _compiling_alone():
     """Hold the cache folder's kernel lock (fcntl) while importing the kernels: of two processes starting on a new
     install (the app and `pagevis serve`, a test run's subprocesses) one compiles, and the other waits and then
-    loads what it wrote from numba's cache, instead of both compiling for ~25 s. Without fcntl, no lock."""
+    loads what it wrote from numba's cache, instead of both compiling for ~25 s. It waits LOCK_WAIT seconds at most
+    (a process stopped while holding it would make every launch wait): then yields False, and the caller compiles
+    in memory. Without fcntl or a writable cache folder, no lock (True)."""
+    import time
+
     from pagevis.model.matmul import cache_dir
 
     try:
@@ -83,51 +114,88 @@ def _compiling_alone():
         folder.mkdir(parents=True, exist_ok=True)
         lock = open(folder / "weight-kernels.lock", "a")
     except (ImportError, OSError):
-        yield
+        yield True
         return
     with lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        except OSError:
-            pass
-        yield  # the lock goes with the file's closing
+        deadline = time.monotonic() + LOCK_WAIT
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    yield False
+                    return
+                time.sleep(0.1)
+            except OSError:
+                break  # a file system without locks: go on alone
+        yield True  # the lock goes with the file's closing
 
 
-def announce_compiling() -> None:
-    """Say on stderr that the kernels are about to be compiled, if they are not in the on-disk cache yet."""
-    import importlib.metadata
+@contextlib.contextmanager
+def _saying_when_compiling():
+    """Say on stderr, once, when numba starts compiling a kernel (its "numba:compile" event fires on a cache miss
+    only): a launch that loads them from the cache says nothing."""
     import sys
 
-    if _KERNELS is not None:
-        return
+    from numba.core import event
+
+    class Announce(event.Listener):
+        said = False
+
+        def on_start(self, _):
+            if not self.said:
+                self.said = True
+                print("pagevis: compiling the quantized-weight kernels (numba, once: its on-disk cache keeps them; "
+                      "about 25 s on an idle 2-core machine, longer on a busy one)", file=sys.stderr, flush=True)
+
+        def on_end(self, _):
+            pass
+
+    announce = Announce()
+    with event.install_listener("numba:compile", announce):
+        yield announce
+
+
+@contextlib.contextmanager
+def _damaged_cache_files_ignored():
+    """numba's cache index and data files read as absent when they do not unpickle (a truncated .nbc, a garbage
+    .nbi): numba then compiles and writes them again."""
+    from numba.core import caching
+
+    cls = caching.IndexDataCacheFile
+    load_index, load_data = cls._load_index, cls._load_data
+
+    def tolerant_index(self):
+        try:
+            return load_index(self)
+        except Exception:
+            return {}
+
+    def tolerant_data(self, name):
+        try:
+            return load_data(self, name)
+        except Exception:
+            raise OSError(f"damaged numba cache file {name}") from None  # load() reads OSError as absent
+
+    cls._load_index, cls._load_data = tolerant_index, tolerant_data
     try:
-        version = importlib.metadata.version("numba")
-    except importlib.metadata.PackageNotFoundError:
-        return
-    stamp = _kernel_stamp(version)
-    if stamp is not None and (not stamp[0].exists() or stamp[0].read_text() != stamp[1]):
-        print("pagevis: compiling the quantized-weight kernels (numba, once: its on-disk cache keeps them; "
-              "about 25 s on an idle 2-core machine, longer on a busy one)", file=sys.stderr, flush=True)
+        yield
+    finally:
+        cls._load_index, cls._load_data = load_index, load_data
 
 
-def _kernel_stamp(numba_version: str):
-    """(stamp file, what it holds once this kernel source was compiled with this numba on this CPU), or None."""
-    import hashlib
-    import os
-    from pathlib import Path
+@contextlib.contextmanager
+def _numba_cache_off():
+    """cache=True ignored: the kernels compiled in memory only (no usable cache folder, a read-only install)."""
+    from numba.core import dispatcher
 
-    from pagevis.model.matmul import cache_dir, cpu_model
-
-    source = Path(__file__).with_name("weight_kernels.py")
+    enable = dispatcher.Dispatcher.enable_caching
+    dispatcher.Dispatcher.enable_caching = lambda self: None
     try:
-        stat = source.stat()
-        folder = cache_dir()
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return None
-    where = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:12]  # one per installed copy of the source
-    return (folder / f"weight-kernels-{where}.stamp",
-            f"{numba_version} {stat.st_size} {stat.st_mtime_ns} {cpu_model()} {os.cpu_count()}")
+        yield
+    finally:
+        dispatcher.Dispatcher.enable_caching = enable
 
 
 _KERNELS: dict | None = None
