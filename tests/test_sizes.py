@@ -1,5 +1,7 @@
 """Sizes that keep the code readable, enforced for every module of pagevis (beside test_layering.py's arrows): no
-function over 80 lines, no class over 400, no module over 600. A failure names each offender and its size.
+function over 80 lines, no class over 400 — counted with every pagevis class it inherits from, so that a class is
+not kept small by moving its methods into mixins on the same `self` —, no module over 600. A failure names each
+offender and its size.
 
 ALLOWED_OVER names what is still over today, one entry each (the demo issue splits the main window and its
 controls, and empties it); an entry that is no longer over fails too, so the list only shrinks.
@@ -17,6 +19,18 @@ MAX_FUNCTION, MAX_CLASS, MAX_MODULE = 80, 400, 600
 
 # "path/under/pagevis.py" for a module, "path.py::Class" for a class, "path.py::Class.method" for a function
 ALLOWED_OVER: set[str] = set()  # empty: the main window, its controls and the page grid were split by job
+# Classes over MAX_CLASS only with their pagevis base classes, still built from mixins: class -> why it stands.
+# An entry no longer over fails too (test_the_allowlist_names_only_what_is_still_over).
+KNOWN_MIXINS: dict[str, str] = {
+    "gui/session/window.py::MainWindow": "recomposed after issue 41's behaviour lands",
+    "gui/session/controls.py::ControlsPanel": "recomposed after issue 41's behaviour lands",
+    # the disk tier is still a mixin over PageStore's frame hooks (_take_frame, _show_restored, _free_frames, ...);
+    # a tier object the store holds touches the reader and paged attention, which issue 43 rewrites this session
+    "kvcache/disk_tier.py::DiskTier": "a tier object the store holds: after issue 43's paged attention lands",
+    "kvcache/storage.py::TieredFloatPages": "a tier object the store holds: after issue 43's paged attention lands",
+    "kvcache/storage.py::TieredQuantizedPages": "a tier object the store holds: after issue 43's paged attention "
+                                                "lands",
+}
 
 
 def sizes() -> dict[str, tuple[str, int, int]]:
@@ -28,6 +42,50 @@ def sizes() -> dict[str, tuple[str, int, int]]:
         found[module] = ("module", len(text.splitlines()), MAX_MODULE)
         _walk(ast.parse(text), module + "::", found)
     return found
+
+
+def class_sizes() -> dict[str, int]:
+    """Every top-level class of pagevis ("path.py::Class") -> its lines and those of every pagevis class it
+    inherits from (each once), bases found through the module's own classes and its `from pagevis... import`s."""
+    trees = {path.relative_to(ROOT).as_posix(): ast.parse(path.read_text(encoding="utf-8"))
+             for path in sorted(ROOT.rglob("*.py"))}
+    own, bases, names = {}, {}, {}
+    for module, tree in trees.items():
+        local = names[module] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("pagevis."):
+                for alias in node.names:
+                    local[alias.asname or alias.name] = (_module_path(node.module), alias.name)
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                key = f"{module}::{node.name}"
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                own[key], local[node.name] = node.end_lineno - first + 1, key
+                bases[key] = [b.id for b in node.bases if isinstance(b, ast.Name)]
+
+    def resolve(module: str | None, name: str, depth: int = 0) -> str | None:
+        entry = names.get(module, {}).get(name)
+        if isinstance(entry, tuple) and depth < 8:  # imported: the class where that module has it (or re-exports it)
+            return resolve(*entry, depth + 1)
+        return entry
+
+    def ancestors(key: str, seen: set[str]) -> set[str]:
+        for base in bases[key]:
+            found = resolve(key.split("::")[0], base)
+            if found in own and found not in seen:
+                seen.add(found)
+                ancestors(found, seen)
+        return seen
+
+    return {key: lines + sum(own[a] for a in ancestors(key, set()) - {key}) for key, lines in own.items()}
+
+
+def _module_path(dotted: str) -> str | None:
+    path = ROOT.joinpath(*dotted.split(".")[1:])
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate.relative_to(ROOT).as_posix()
+    return None
 
 
 def _walk(node: ast.AST, prefix: str, found: dict) -> None:
@@ -47,15 +105,35 @@ def test_no_function_class_or_module_is_over_its_limit():
     assert not over, "over the size limits (split them, see docs/architecture.md):\n" + "\n".join(over)
 
 
+def test_no_class_is_over_its_limit_with_its_bases():
+    over = [f"{name}: {lines} lines with its pagevis base classes (at most {MAX_CLASS}): hold the parts, do not "
+            "inherit them" for name, lines in class_sizes().items() if lines > MAX_CLASS and name not in KNOWN_MIXINS
+            and name not in ALLOWED_OVER]
+    assert not over, "\n".join(over)
+
+
 def test_the_allowlist_names_only_what_is_still_over():
-    found = sizes()
+    found, classes = sizes(), class_sizes()
     stale = [name for name in sorted(ALLOWED_OVER) if name not in found or found[name][1] <= found[name][2]]
-    assert not stale, "no longer over its limit (or gone): remove from ALLOWED_OVER in tests/test_sizes.py: " + \
-        ", ".join(stale)
+    stale += [name for name in sorted(KNOWN_MIXINS) if classes.get(name, 0) <= MAX_CLASS]
+    assert not stale, "no longer over its limit (or gone): remove from ALLOWED_OVER / KNOWN_MIXINS in " \
+        "tests/test_sizes.py: " + ", ".join(stale)
 
 
 def test_the_cache_is_not_on_the_allowlist():
     assert not [name for name in ALLOWED_OVER if name.startswith("kvcache/")]
+    assert {name for name in KNOWN_MIXINS if name.startswith("kvcache/")} <= {
+        "kvcache/disk_tier.py::DiskTier", "kvcache/storage.py::TieredFloatPages",
+        "kvcache/storage.py::TieredQuantizedPages"}  # the disk tier's mixin, and no other
+
+
+def test_a_class_is_counted_with_its_bases():
+    classes = class_sizes()
+    # the disk tier's store: two lines of its own over DiskTier, QuantizedPages and PageStore (one each)
+    parts = ("kvcache/disk_tier.py::DiskTier", "kvcache/quantized_pages.py::QuantizedPages", "kvcache/store.py::PageStore")
+    own = {name: lines for name, (kind, lines, _) in sizes().items() if kind == "class"}
+    assert classes["kvcache/storage.py::TieredQuantizedPages"] == own["kvcache/storage.py::TieredQuantizedPages"] + \
+        sum(own[p] for p in parts)
 
 
 def test_a_long_function_is_found_by_name(tmp_path):
