@@ -120,9 +120,8 @@ def _batch_ts(frames) -> float | None:
 
 def play_until(playback: Playback, arrival: float) -> None:
     """Advance the playback over every live message whose batch was published before `arrival`."""
-    live = playback._live
-    while playback.position < len(live):
-        ts = _batch_ts(live[playback.position].frames)
+    while (frames := playback.live_frames(playback.position)) is not None:
+        ts = _batch_ts(frames)
         if ts is not None and ts >= arrival:
             return
         playback.advance(1)
@@ -187,5 +186,5 @@ def split_by_endpoint(recording: Recording) -> list[Recording]:
 def _position_ts(playback: Playback) -> float:
     if playback.position == 0:
         return float("-inf")
-    ts = _batch_ts(playback._live[playback.position - 1].frames)
+    ts = _batch_ts(playback.live_frames(playback.position - 1))
     return float("-inf") if ts is None else ts

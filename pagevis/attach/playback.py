@@ -52,6 +52,10 @@ class Playback:
             return groups[at]
         return replay
 
+    def live_frames(self, index: int) -> tuple[bytes, ...] | None:
+        """The frames of live message `index` (None past the end): what a caller peeks at before playing it."""
+        return self._live[index].frames if 0 <= index < len(self._live) else None
+
     def advance(self, count: int = 1) -> int:
         """Play up to `count` more live messages; returns how many were played."""
         played = 0
