@@ -16,6 +16,7 @@ from pagevis.system_memory import available_bytes, fits, gib
 from pagevis.model import weight_cache
 from pagevis.model.architectures import architecture_of
 from pagevis.model.blas_threads import set_blas_threads
+from pagevis.model.chat_template import ChatTemplateError
 from pagevis.model.config import ModelConfig
 from pagevis.model.errors import ModelConfigError, ModelLoadError
 from pagevis.model.gguf_file import (check_tensor, field_values, open_gguf, read_metadata, release_metadata_pages,
@@ -59,6 +60,7 @@ def load_model(path: str | Path | None = None, weights: str | None = None) -> Ll
     metadata = read_metadata(reader, skip_arrays_longer_than=LONG_ARRAY)
     config = config_from_metadata(path, metadata, reader, float32=fmt == "float32")
     tokenizer = tokenizer_from_reader(path, reader, metadata, config.vocab_size)  # before the weights: fail fast
+    bound_prompts(path, tokenizer, config.context_length)
     release_metadata_pages(reader)
     release_freed_heap()
     types = dict(sorted(Counter(t.tensor_type.name for t in reader.tensors).items()))
@@ -80,6 +82,17 @@ def load_model(path: str | Path | None = None, weights: str | None = None) -> Ll
         set_blas_threads(1)
     model.weight_info = {"format": fmt, "types": types, "bytes": held_bytes(held)}
     return model
+
+
+def bound_prompts(path: Path, tokenizer: GGUFTokenizer, context_length: int) -> None:
+    """Prompts in the chat template are refused past the model's context (or the tokenizer's cap); a template that
+    makes a one-line conversation longer than that is refused now, not after minutes of prefill."""
+    tokenizer.max_prompt_tokens = min(tokenizer.max_prompt_tokens, context_length)
+    try:
+        tokenizer.encode_chat([{"role": "user", "content": "Hello, how are you?"}])
+    except ChatTemplateError as error:
+        if error.bound:
+            raise ModelLoadError(f"{path}: {error}") from None  # one that raises on this may render real ones
 
 
 def cached_or_dequantised_weights(path: Path, config: ModelConfig, reader: Any) -> LlamaWeights:
