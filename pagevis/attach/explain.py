@@ -122,15 +122,33 @@ class _Pool:
         self.state, self.group = state, group
         self.tiers = [t for t in state._tier_list if t.group == group]
 
-    def stored_children(self, parent: Any) -> list[tuple]:
-        """(hash, medium, packed tokens, extras) of each resident block under `parent` (None: first blocks)."""
+    def same_tokens(self, parent: Any, packed: bytes) -> list[tuple]:
+        """(hash, medium, extras) of each resident block under `parent` (None: first blocks) with these tokens
+        (the tiers' index: no walk over the siblings)."""
         s, found = self.state, []
+        for tier in self.tiers:
+            for slot in tier.child_slots(parent, packed, s._parent_of, s._tokens_of):
+                found.append((s._hash_of[slot], tier.medium, s._extra_of[slot]))
+        return found
+
+    def closest_sibling(self, parent: Any, packed: bytes) -> tuple[tuple | None, int, int]:
+        """The resident block under `parent` whose tokens agree longest with `packed` from its start: ((hash,
+        medium, tokens), tokens agreed) or (None, -1) without one with tokens; and how many have no tokens. One
+        walk over the siblings (the only one the explainer makes, at a miss)."""
+        s, best, agree, tokenless = self.state, None, -1, 0
+        head = packed[:4]
         for tier in self.tiers:
             child = tier.heads.get(parent, -1)
             while child >= 0:
-                found.append((s._hash_of[child], tier.medium, s._tokens_of[child], s._extra_of[child]))
+                tokens = s._tokens_of[child]
+                if not tokens:
+                    tokenless += 1
+                elif best is None or tokens[:4] == head:  # the others agree on no token
+                    same = _agreed(tokens, packed)
+                    if same > agree:
+                        best, agree = (s._hash_of[child], tier.medium, tokens), same
                 child = s._next[child]
-        return found
+        return best, agree, tokenless
 
     def removed_child(self, parent: Any, packed: bytes) -> list[tuple]:
         """(hash, medium, removal ts, store ts, extras) of each remembered removed block with these tokens."""
@@ -178,11 +196,17 @@ def _key_differences(extras: Any, wanted: dict, first: bool) -> list[str]:
     return names + [name for name in ("multimodal", "prompt_embeds", "other") if keys[name]]
 
 
+def _agreed(a: bytes, b: bytes) -> int:
+    """Tokens (4 bytes each) two packed blocks share from their start."""
+    n = min(len(a), len(b)) // 4
+    return next((i for i in range(n) if a[4 * i:4 * i + 4] != b[4 * i:4 * i + 4]), n)
+
+
 def _match(pool: _Pool, parent: Any, packed: bytes, wanted: dict) -> Any:
     """The hash of the block that continues `parent` with these tokens and keys, resident in some medium."""
     first = parent is None
-    for block_hash, _, tokens, extras in pool.stored_children(parent):
-        if tokens == packed and not _key_differences(extras, wanted, first):
+    for block_hash, _, extras in pool.same_tokens(parent, packed):
+        if not _key_differences(extras, wanted, first):
             return block_hash
     for block_hash, _, _, _, extras in pool.removed_child(parent, packed):  # a copy without tokens may be held
         if not _key_differences(extras, wanted, first) and pool.media_holding(block_hash):
@@ -194,15 +218,12 @@ def _diagnose(pool: _Pool, parent: Any, packed: bytes, request: ExplainRequest, 
               detokenize: Detokenize | None) -> dict:
     start = index * size
     miss: dict[str, Any] = {"block": index, "position": start}
-    children = pool.stored_children(parent)
     wanted = _wanted(request, index)
-    for block_hash, medium, tokens, extras in children:
-        if tokens == packed:
-            which = _key_differences(extras, wanted, parent is None)
-            keys = block_keys(extras, parent is None)
-            return {"reason": "extra_keys", **miss, "which": which, "medium": medium, "hash": hash_json(block_hash),
-                    "cached": {name: keys[name] for name in which}, "requested": {
-                        name: wanted.get(name) for name in which}}
+    for block_hash, medium, extras in pool.same_tokens(parent, packed):  # resident, under other keys
+        which = _key_differences(extras, wanted, parent is None)
+        keys = block_keys(extras, parent is None)
+        return {"reason": "extra_keys", **miss, "which": which, "medium": medium, "hash": hash_json(block_hash),
+                "cached": {name: keys[name] for name in which}, "requested": {name: wanted.get(name) for name in which}}
     removed = [r for r in pool.removed_child(parent, packed)
                if not _key_differences(r[4], wanted, parent is None)]
     if removed:
@@ -212,17 +233,9 @@ def _diagnose(pool: _Pool, parent: Any, packed: bytes, request: ExplainRequest, 
                 "removed_at": removed_ts, "lived_s": removed_ts - stored_ts,
                 "ago_s": None if last is None else last - removed_ts}
     prompt = _unpack(packed)
-    best, agree = None, -1
-    for block_hash, medium, tokens, _ in children:
-        cached = _unpack(tokens)
-        if not cached:
-            continue
-        same = next((j for j, (a, b) in enumerate(zip(cached, prompt)) if a != b), min(len(cached), len(prompt)))
-        if same > agree:
-            best, agree = (block_hash, medium, cached), same
-    tokenless = sum(1 for c in children if not c[2])
+    best, agree, tokenless = pool.closest_sibling(parent, packed)
     if best is not None and (agree > 0 or parent is not None):
-        block_hash, medium, cached = best
+        block_hash, medium, cached = best[0], best[1], _unpack(best[2])
         found = {"reason": "token_differs", **miss, "position": start + agree, "medium": medium,
                  "hash": hash_json(block_hash), "cached_tokens": cached, "prompt_tokens": prompt,
                  "cached_token": cached[agree] if agree < len(cached) else None,

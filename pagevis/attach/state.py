@@ -58,6 +58,7 @@ from pagevis.attach.events import (
     pack_tokens,
 )
 from pagevis.attach.events import _ClearedArray, _RemovedArray, _StoredArray
+from pagevis.attach.tiers import Tier
 from pagevis.attach.snapshot import (
     BlockColumns,
     BlockInfo,
@@ -95,49 +96,6 @@ class StateLimits:
 def _frozen(values: np.ndarray) -> np.ndarray:
     values.flags.writeable = False
     return values
-
-
-class _Tier:
-    __slots__ = ("index", "medium", "group", "slot_of", "heads", "removed_at", "removed_key")
-
-    def __init__(self, index: int, medium: str, group: int | None):
-        self.index, self.medium, self.group = index, medium, group
-        self.slot_of: dict[Any, int] = {}  # hash -> slot
-        self.heads: dict[Any, int] = {}  # parent hash (None for roots) -> first child slot
-        # hash -> ts of its removal, oldest first. An OrderedDict: dropping a plain dict's first key again and again
-        # scans the deleted entries before it (quadratic), popitem(last=False) does not.
-        # The value is (removal ts, parent hash, packed tokens, store ts, extras): what explain.py says of a block
-        # that was stored and removed. `removed_key` finds it by (parent hash, packed tokens): the hash, or a tuple
-        # of hashes when extra keys (a cache salt, a LoRA) made the same tokens under the same parent other blocks.
-        # Built on the explainer's first question (`removed_hashes`), kept up to date from then on (None: not yet).
-        self.removed_at: OrderedDict[Any, tuple] = OrderedDict()
-        self.removed_key: dict[tuple, Any] | None = None
-
-    def remember_removed(self, block_hash: Any, record: tuple) -> None:
-        key = (record[1], record[2])
-        held = self.removed_key.get(key)
-        if held is None or held == block_hash:
-            self.removed_key[key] = block_hash
-        else:
-            # at most 8 (the newest): a stream repeating the same tokens under one parent stays linear
-            self.removed_key[key] = (*held[-7:], block_hash) if type(held) is tuple else (held, block_hash)
-
-    def forget_removed(self, block_hash: Any, record: tuple) -> None:
-        key = (record[1], record[2])
-        held = self.removed_key.get(key)
-        if held == block_hash:
-            del self.removed_key[key]
-        elif type(held) is tuple and block_hash in held:
-            rest = tuple(h for h in held if h != block_hash)
-            self.removed_key[key] = rest[0] if len(rest) == 1 else rest
-
-    def removed_hashes(self, parent: Any, packed: bytes) -> tuple:
-        if self.removed_key is None:
-            self.removed_key = {}
-            for block_hash, record in self.removed_at.items():
-                self.remember_removed(block_hash, record)
-        held = self.removed_key.get((parent, packed))
-        return () if held is None else held if type(held) is tuple else (held,)
 
 
 class SharedIndex:
@@ -290,9 +248,9 @@ class EngineState:
         if self._shared is not None and getattr(self, "_tiers", None):
             for block_hash in set().union(*(tier.slot_of for tier in self._gpu_tiers)):
                 self._shared.discard(block_hash)
-        self._tiers: dict[tuple[str, int | None], _Tier] = {}
-        self._tier_list: list[_Tier] = []
-        self._gpu_tiers: list[_Tier] = []
+        self._tiers: dict[tuple[str, int | None], Tier] = {}
+        self._tier_list: list[Tier] = []
+        self._gpu_tiers: list[Tier] = []
         self._resident = 0
         self._free: list[int] = []
         self._hash_of: list = []
@@ -307,20 +265,20 @@ class EngineState:
         self._next = array("i")
         self._prev = array("i")
 
-    def _tier(self, medium: str | None, group: int | None) -> _Tier | None:
+    def _tier(self, medium: str | None, group: int | None) -> Tier | None:
         key = (medium or GPU, group)
         tier = self._tiers.get(key)
         if tier is None:
             if len(self._tier_list) >= MAX_TIERS:
                 self.note_decode_error("too_many_tiers", f"more than {MAX_TIERS} (medium, group) pairs")
                 return None
-            tier = self._tiers[key] = _Tier(len(self._tier_list), key[0], group)
+            tier = self._tiers[key] = Tier(len(self._tier_list), key[0], group)
             self._tier_list.append(tier)
             if tier.medium == GPU:
                 self._gpu_tiers.append(tier)
         return tier
 
-    def _on_other_gpu_tier(self, block_hash: Any, tier: _Tier) -> bool:
+    def _on_other_gpu_tier(self, block_hash: Any, tier: Tier) -> bool:
         return any(block_hash in other.slot_of for other in self._gpu_tiers if other is not tier)
 
     def _apply_stored(self, event: Any, seq: int, ts: float) -> None:
@@ -367,9 +325,10 @@ class EngineState:
             self._resident += 1
             stored += 1
             removed = removed_at.pop(block_hash, None)
+            if tier.children is not None:
+                tier.children.add((parent, self._tokens_of[slot]), slot)
             if removed is not None:
-                if tier.removed_key is not None:
-                    tier.forget_removed(block_hash, removed)
+                tier.forget_removed(block_hash, removed)
                 if ts - removed[0] <= self.limits.hot_window_s:
                     self._mark_hot(tier, block_hash, ts, ts - removed[0])
             if shared is not None and not (len(self._gpu_tiers) > 1 and self._on_other_gpu_tier(block_hash, tier)):
@@ -397,7 +356,7 @@ class EngineState:
         self._prev.append(-1)
         return slot
 
-    def _link(self, tier: _Tier, slot: int, block_hash: Any, parent: Any) -> None:
+    def _link(self, tier: Tier, slot: int, block_hash: Any, parent: Any) -> None:
         """Put `slot` first among its parent's children; adopt its own children (stored before it came back)."""
         heads, nxt, prev, parent_slot = tier.heads, self._next, self._prev, self._parent_slot
         head = heads.get(parent, -1)
@@ -428,6 +387,8 @@ class EngineState:
             self._unlink(tier, slot, block_hash)
             lifetime = ts - self._ts_of[slot]
             record = (ts, self._parent_of[slot], self._tokens_of[slot], self._ts_of[slot], self._extra_of[slot])
+            if tier.children is not None:
+                tier.children.discard((record[1], record[2]), slot)
             self._lifetimes.append(lifetime)
             self._lifetimes_total += 1
             self._lifetime_sum += lifetime
@@ -438,12 +399,9 @@ class EngineState:
             removed += 1
             removed_at[block_hash] = record
             removed_at.move_to_end(block_hash)
-            if tier.removed_key is not None:
-                tier.remember_removed(block_hash, record)
+            tier.remember_removed(block_hash, record)
             if len(removed_at) > memory:
-                forgotten = removed_at.popitem(last=False)
-                if tier.removed_key is not None:
-                    tier.forget_removed(*forgotten)
+                tier.forget_removed(*removed_at.popitem(last=False))
             if shared is not None and not (len(self._gpu_tiers) > 1 and self._on_other_gpu_tier(block_hash, tier)):
                 shared.discard(block_hash)
         self._counts["blocks_removed"] += removed
@@ -451,7 +409,7 @@ class EngineState:
         for block_hash in event.block_hashes[-self.limits.recent:]:
             recent.append((block_hash, tier.medium, tier.group, seq, ts))
 
-    def _unlink(self, tier: _Tier, slot: int, block_hash: Any) -> None:
+    def _unlink(self, tier: Tier, slot: int, block_hash: Any) -> None:
         nxt, prev, parent_slot = self._next, self._prev, self._parent_slot
         before, after = prev[slot], nxt[slot]
         if before >= 0:
@@ -470,7 +428,7 @@ class EngineState:
             child = nxt[child]
         parent_slot[slot] = nxt[slot] = prev[slot] = -1
 
-    def _mark_hot(self, tier: _Tier, block_hash: Any, ts: float, gap: float) -> None:
+    def _mark_hot(self, tier: Tier, block_hash: Any, ts: float, gap: float) -> None:
         key = (tier.medium, tier.group, block_hash)
         entry = self._hot.pop(key, None) or [0, ts, gap]
         entry[0] += 1
