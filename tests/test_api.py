@@ -5,6 +5,7 @@ and the perplexity ordering holds; bad arguments are ConfigErrors with the comma
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import subprocess
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import pagevis
+from pagevis.viewmodel.cells import cell_token
 from tests.model_fixtures import reference  # noqa: F401 (a fixture)
 
 HEAVY = ("PySide6", "shiboken6", "pyqtgraph", "numba", "pagevis.model", "pagevis.engine", "pagevis.kvcache",
@@ -92,8 +94,10 @@ def test_the_grid_holds_each_position_the_evictions_left_and_the_view_shows_it(s
     data = json.loads(re.search(r'<script type="application/json" id="(pv[\w-]+)data">(.*?)</script>', page, re.S)
                       .group(2).replace("<\\/", "</"))
     assert data["layer"] == 1 and data["start"] == len(session) - 1 and len(data["steps"]) == len(session)
-    drawn = re.findall(r'<div class="cell" style="background:[^"]+">(-?\d*)</div>', page)  # without the script
-    assert drawn == [str(p) if p >= 0 else "" for p in session.positions(-1, 1).ravel()]
+    drawn = re.findall(r'<div class="cell" style="background:[^"]+" data-token="([^"]*)">(-?\d*)</div>', page)
+    texts = [(cell_token(session.token_text(session.prompt_ids[p] if p < 5 else session.record(p - 5).next_token))
+              if p >= 0 else "", str(p) if p >= 0 else "") for p in session.positions(-1, 1).ravel()]
+    assert [(html.unescape(token), shown) for token, shown in drawn] == texts  # without the script: position, text
     assert page != session.view(layer=1)._repr_html_()  # each output has ids of its own
     with pytest.raises(pagevis.ConfigError, match="layers 0 to 29"):
         session.view(layer=30)

@@ -23,7 +23,8 @@ import numpy as np
 
 from pagevis.kvcache import EventKind
 from pagevis.kvcache.event_array import in_layer
-from pagevis.viewmodel.cells import CELL_TEXT_COLOR, LEGEND_NOTE, STATE_COLORS, STATE_NAMES, cell_states, legend_states
+from pagevis.viewmodel.cells import (CELL_TEXT_COLOR, LEGEND_NOTE, STATE_COLORS, STATE_NAMES, cell_states, cell_token,
+                                     legend_states)
 from pagevis.viewmodel.narration import narrate
 
 MAX_BYTES = 64 << 20  # a browser opens this fast; a longer session is better sent as a video
@@ -65,6 +66,7 @@ def page_data(timeline, layer: int = 0) -> dict:
         "names": list(STATE_NAMES), "colors": list(STATE_COLORS), "cell_text": CELL_TEXT_COLOR,
         "legend": legend_states(info.sliding_windows is not None), "legend_note": LEGEND_NOTE, "kinds": list(KINDS), "reasons": list(reasons),
         "tokens": [timeline.position_text(p) for p in range(n_positions)],
+        "cell_tokens": [cell_token(timeline.position_text(p)) for p in range(n_positions)],  # as the app's cells
         "steps": steps, "cells": cells, "narration": narration, "events": events,
     }
 
@@ -120,8 +122,9 @@ def _drawn(data: dict, index: int) -> dict[str, str]:
     for page in range(data["pages"]):
         cells.append(f'<div class="page">{page}</div>')
         for k in range(page * data["slots"], (page + 1) * data["slots"]):
-            shown = "" if positions[k] < 0 else str(positions[k])
-            cells.append(f'<div class="cell" style="background:{data["colors"][states[k]]}">{shown}</div>')
+            shown, token = ("", "") if positions[k] < 0 else (str(positions[k]), data["cell_tokens"][positions[k]])
+            cells.append(f'<div class="cell" style="background:{data["colors"][states[k]]}" '
+                         f'data-token="{html.escape(token)}">{shown}</div>')
     evicted = {e[2] for step in data["events"][: index + 1] for e in step}
     step, kind, written, resident, evictions, next_text = data["steps"][index]
     spans = []
