@@ -34,12 +34,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from PySide6.QtCore import QThread
 
 from pagevis.attach.metrics import MetricsHistory, scrape
 from pagevis.attach.state import Counters, EngineSnapshot, FleetSnapshot
 from pagevis.viewmodel.attach_forest import EngineForest, Overlap, build_forest, elsewhere, overlap
 from pagevis.viewmodel.forest_layout import DEFAULT_BUDGET, ForestLayout, Interrupted, layout_forest, subtree
+from pagevis.gui.widgets.owned_thread import OwnedThread
 from pagevis.gui.widgets.prefix_forest import ForestDrawing, prepare_drawing
 
 FRAME_S = 1 / 30  # light frames at most this often (a playback that moved; forests)
@@ -171,7 +171,7 @@ class ForestFrame:
     shown_rows: np.ndarray | None = None  # with a focus: the forest rows drawn (drawing row i is forest row [i])
 
 
-class ForestWorker(QThread):
+class ForestWorker(OwnedThread):
     def __init__(self, detokenizer=None, budget: int = DEFAULT_BUDGET, min_interval_s: float = 0.0, parent=None):
         super().__init__(parent)
         self.detokenizer, self.budget, self.min_interval_s = detokenizer, budget, min_interval_s
@@ -251,7 +251,7 @@ class ForestWorker(QThread):
         return self.wait(timeout_ms)
 
 
-class FleetWorker(QThread):
+class FleetWorker(OwnedThread):
     def __init__(self, source, forest: ForestWorker | None = None, freezer: GcFreezer | None = None, parent=None):
         super().__init__(parent)
         self.source, self.forest, self.freezer = source, forest, freezer
@@ -349,7 +349,7 @@ class FleetWorker(QThread):
         return self.wait(timeout_ms)
 
 
-class MetricsWorker(QThread):
+class MetricsWorker(OwnedThread):
     """Scrapes `url` every `interval_s`; `samples()` is a copy of what it has, `error` the last failure."""
 
     scrape = staticmethod(scrape)  # url -> a sample `history.add` takes

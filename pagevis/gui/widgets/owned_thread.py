@@ -1,0 +1,46 @@
+"""A QThread that is never destroyed while it runs.
+
+Destroying a running QThread is fatal in Qt (qFatal "QThread: Destroyed while thread is still running": the process
+aborts, "Fatal Python error: Aborted"). A Python-owned worker thread is destroyed when its wrapper is collected, and
+a window and its workers form reference cycles (connected slots), so the cyclic garbage collector, running on the
+GUI thread at any allocation, would destroy a worker that a window's stop() left running (it waits a few seconds
+only) together with the closed window: reproduced with a QThread child of a collected QObject. CI aborted so
+once while a GUI test loaded SmolLM2 on a worker thread (issue #44). Every OwnedThread started is held here, from
+the GUI thread, until it has finished; at exit, each still running is asked to stop and waited for.
+"""
+
+from __future__ import annotations
+
+import atexit
+
+from PySide6.QtCore import QThread
+
+STOP_AT_EXIT_MS = 5000
+_started: set[QThread] = set()
+
+
+class OwnedThread(QThread):
+    """start() (on the GUI thread) keeps the thread referenced until it has finished."""
+
+    def start(self, *args) -> None:
+        keep_until_finished(self)
+        super().start(*args)
+
+
+def keep_until_finished(thread: QThread) -> None:
+    """Hold thread (and let go of the started ones that have finished). Only the GUI thread calls this: a release
+    from the worker's own `finished` signal would drop the last reference on that thread, while it still runs."""
+    for done in [t for t in _started if t.isFinished()]:
+        _started.discard(done)
+    _started.add(thread)
+
+
+def running() -> list[QThread]:
+    return [t for t in _started if t.isRunning()]
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    for thread in running():
+        thread.requestInterruption()
+        thread.wait(STOP_AT_EXIT_MS)
