@@ -8,6 +8,9 @@ from hypothesis import settings
 
 # Tests never need a screen; `make test` sets this too, this covers a bare `pytest`.
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# The kernels' compile lock is held by weight_kernels_ready_beside's process (a live compiler, ~25-60 s on a clean
+# checkout): tests wait for it rather than compile their own in memory after the app's 15 s.
+os.environ.setdefault("PAGEVIS_KERNEL_LOCK_WAIT", "600")
 
 # Property tests draw the same examples on every run, so a CI failure is reproducible from a clean clone (a random
 # draw failed CI once on an example no earlier run had met); PAGEVIS_HYPOTHESIS_EXPLORE=1 draws new ones each run.
@@ -19,8 +22,8 @@ settings.load_profile("pagevis")
 def weight_kernels_ready_beside():
     """Load (on a clean checkout: compile, ~25 s) the quantized-weight kernels in another process while the first
     tests run on this core: the first test that needs them waits on their lock (quantized._compiling_alone) for what
-    is left, up to quantized.LOCK_WAIT (15 s; then it compiles its own in memory), then loads them from numba's
-    cache."""
+    is left (PAGEVIS_KERNEL_LOCK_WAIT above; the app waits 15 s, then compiles its own in memory), then loads them
+    from numba's cache."""
     loader = subprocess.Popen([sys.executable, "-c", "from pagevis.model.quantized import kernels; kernels()"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     yield

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -52,7 +53,9 @@ PLACEHOLDERS = (NO_U32, NO_I16, NO_I8)
 HALF, Q4_0_MODE, SUPER = 0, 1, 2  # the kernels' scale modes (weight_kernels.py)
 
 
-LOCK_WAIT = 15.0  # seconds a launch waits for another process compiling the kernels before compiling its own
+# seconds a launch waits for another process compiling the kernels before compiling its own (in memory); the test
+# suite, whose conftest compiles them beside the first tests, waits longer
+LOCK_WAIT = float(os.environ.get("PAGEVIS_KERNEL_LOCK_WAIT", "15"))
 
 
 def kernels() -> dict:

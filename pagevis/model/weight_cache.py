@@ -7,8 +7,8 @@ read) and the gguf package's version: a changed file gets a new entry. Each arra
 allow_pickle=False, memory-mapped read-only); a manifest lists every array's shape, dtype and CRC-32 (taken when
 the entry is written, checked when it is read: two threads, 16 MiB at a time, each part's pages dropped after;
 SmolLM2's 540 MB: +0.6 s of load on a busy 2-core machine, +7 MiB peak RSS) and the source's identity, and is
-checked before use, and the model then checks every shape against its config. An entry that fails a check is rebuilt, said once on stderr. Files below
-MIN_CACHED_BYTES of float32 weights are not cached (dequantising them is fast); at most MAX_ENTRIES entries are
+checked before use, and the model then checks every shape against its config. An entry that fails a check is
+rebuilt, said once on stderr. Files below MIN_CACHED_BYTES of float32 weights are not cached (dequantising them is fast); at most MAX_ENTRIES entries are
 kept, the least recently written removed first. PAGEVIS_WEIGHT_CACHE=0 turns the cache off.
 """
 
