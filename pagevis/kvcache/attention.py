@@ -102,7 +102,8 @@ def attend_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_keys: i
     bias = NO_BIAS if key_bias is None else np.ascontiguousarray(key_bias[:n_keys], dtype=np.float32)
     hidden_by_window = window is not None and window > 0 and key_positions is not None
     attend_one(np.multiply(q[0], np.float32(1.0 / np.sqrt(d)), dtype=np.float32), keys, values, n_keys, bias,
-               np.ascontiguousarray(key_positions[:n_keys], dtype=np.int64) if hidden_by_window else NO_POSITIONS,
+               np.ascontiguousarray(key_positions[:n_keys], dtype=np.int64)
+               if key_positions is not None and hidden_by_window else NO_POSITIONS,
                position, window if hidden_by_window else 0, out[0], weights[0])
     return AttentionResult(out, weights)
 
@@ -244,6 +245,8 @@ def _as_float32(array: np.ndarray, buffer: np.ndarray | None) -> np.ndarray:
     """array in float32: itself, or converted into the front of the reused buffer."""
     if array.dtype == np.float32:
         return array
+    if buffer is None:
+        return array.astype(np.float32)
     view = buffer[:, :array.shape[1]]
     np.copyto(view, array)
     return view
@@ -301,7 +304,7 @@ def block_sizes(n_kv: int, rows: int, d: int, n_keys: int = 4096, repeats: int =
                 run(block)
                 best = min(best, time.perf_counter() - start)
             times[block] = best
-        return min(times, key=times.get)
+        return min(times, key=lambda block: times[block])
 
     return (fastest(lambda block: _block_product(a, keys, out, block)),
             fastest(lambda block: _block_product(weights, values, None, block)))

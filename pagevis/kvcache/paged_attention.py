@@ -80,9 +80,9 @@ def read(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np.n
                             select_pages if len(q) == 1 else None,
                             all_weights=seq.policy.uses_attention and len(q) > 1,
                             own_pages_only=len(layer.sequences) > 1, keep=seq.head_keep[index], window=layer.window)
-    seq.read_slots[index] = result.slots
-    if seq.policy.uses_attention:
-        seq.states[index].observe(result.weights, result.slots)
+    seq.read_slots[index] = slots = result.slots
+    if seq.policy.uses_attention and slots is not None:  # (the reader always says which slots it read)
+        seq.states[index].observe(result.weights, slots)
     return result
 
 
@@ -145,7 +145,7 @@ def attend_many(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray, p
         n = lengths[i]
         result = AttentionResult(output[i: i + 1], weights[i: i + 1, :, :n], flat[i, :n])
         if seq.policy.uses_attention:
-            seq.states[index].observe(result.weights, result.slots)
+            seq.states[index].observe(result.weights, flat[i, :n])
         results.append(result)
     return results
 
