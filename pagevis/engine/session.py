@@ -26,6 +26,7 @@ from pagevis.errors import check_int
 from pagevis.engine.batch import BatchConfig
 from pagevis.engine.engine import Engine
 from pagevis.engine.oracle import FullCacheOracle
+from pagevis.engine.request import Request
 from pagevis.engine.step_record import StepRecord, TierStep
 from pagevis.engine.run_loop import RunControl, steps
 from pagevis.engine.table_log import TableLog
@@ -101,7 +102,8 @@ class DecodeSession:
         self._hooks: list[StepHook] = []
         self._given_policy = policy
         self._policy = policy  # the request's: built once per submit (one per sequence), unless given
-        self.seq_id, self.request = -1, None  # until submitted
+        self.seq_id = -1
+        self.request: Request | None = None  # until submitted
         self.records: list[StepRecord] = []
         if not self.shared:
             self.submit()
@@ -111,10 +113,10 @@ class DecodeSession:
         config = self.config
         self._policy = self._given_policy or make_policy(self.cache_config)
         self.seq_id = self.engine.submit(self.prompt_ids, config.sampling, config.max_new_tokens, policy=self._policy)
-        self.request = self.engine.requests[self.seq_id]
-        self.request.hold = True  # the last record shows the cache as the request left it
+        self.request = request = self.engine.requests[self.seq_id]
+        request.hold = True  # the last record shows the cache as the request left it
         self.engine.watch_attention(self.seq_id, self.record_layers)
-        self.records: list[StepRecord] = []
+        self.records = []
         self._evictions = 0
         # the records' block tables (and RAM frames) as changes, not one copy per step
         self._tables = TableLog(self.cache_config.n_layers)
@@ -154,8 +156,15 @@ class DecodeSession:
         return self.cache.read_slots(self.seq_id)
 
     @property
+    def submitted(self) -> Request:
+        """The session's request (RuntimeError before `submit`)."""
+        if self.request is None:
+            raise RuntimeError("the session's request is not submitted yet")
+        return self.request
+
+    @property
     def sampler(self):
-        return self.request.sampler
+        return self.submitted.sampler
 
     @property
     def generated(self) -> list[int]:
@@ -174,7 +183,7 @@ class DecodeSession:
 
     @property
     def next_position(self) -> int:
-        return self.request.n_cached
+        return self.submitted.n_cached
 
     def text(self) -> str:
         """The generated text so far (not the prompt, not the end-of-sequence token that stopped it)."""
@@ -196,12 +205,12 @@ class DecodeSession:
         CacheFullError says why; nothing changed in the cache."""
         if self.done:
             raise RuntimeError(f"the session has finished ({self.stop_reason}); restart to decode again")
-        if self.request.done:
-            raise CacheFullError(self.request.error)
+        if self.submitted.done:
+            raise CacheFullError(self.submitted.error)
         started = time.perf_counter()
         batch = self.engine.step()
         if self.seq_id not in self.engine.last_plan:
-            raise CacheFullError(self.request.error or "the cache cannot take another token")
+            raise CacheFullError(self.submitted.error or "the cache cannot take another token")
         return self.take_step(batch, started)
 
     def take_step(self, batch, started: float | None = None, counts=None) -> StepRecord:

@@ -47,10 +47,10 @@ class _LayerLog:
         _, done, table = self.checkpoints[index]
         upto = bisect_right(self.steps, step)
         if upto > done:
-            table = list(table)
+            rows = list(table)
             for start, end, inserted in self.changes[done:upto]:
-                table[start:end] = inserted
-            table = tuple(table)
+                rows[start:end] = inserted
+            table = tuple(rows)
         self._cached = (step, table)
         return table
 

@@ -177,7 +177,7 @@ def layer_pages_needed(layer: LayerManager, seq: SequenceCache, n_tokens: int) -
     if n_evict:  # a policy evicting N at once (periodic compression) evicts N each time the budget is reached
         n_evict += policy.evicted_at_once() - 1
     need = int((shared & (fill < ps)).sum()) + min(n_evict, int(shared.sum()))
-    if store.kivi:  # quantizing a key group copies the shared pages it touches
+    if store.kivi and store.layout is not None:  # quantizing a key group copies the shared pages it touches
         need += min(int(shared.sum()), -(-store.layout.group // ps) + 1)
     if (policy.prunes or (n_evict and policy.rewrites_survivors())
             or (seq.channels is not None and not seq.channels.chosen)):

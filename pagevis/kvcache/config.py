@@ -172,7 +172,7 @@ class CacheConfig(CacheSettings):
         if windows is not None and not any(windows):  # all None: no layer is local
             windows = None
         object.__setattr__(self, "sliding_windows", windows)
-        if windows is not None and layout_for(self) is not None and layout_for(self).kivi:
+        if windows is not None and (layout := layout_for(self)) is not None and layout.kivi:
             raise ConfigError("dtype", self.dtype, "float32, float16 or int8 with sliding_windows (int4 / int2 "
                               "key groups span the pages a sliding window frees)")
 

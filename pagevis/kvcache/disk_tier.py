@@ -15,6 +15,7 @@ from pagevis.kvcache.block_pool import BlockPool
 from pagevis.kvcache.events import EventKind
 from pagevis.kvcache.slots import page_slots
 from pagevis.kvcache.store import PageStore
+from pagevis.kvcache.swap import SwapFile
 
 SWAP_OUT, FAULT_IN = EventKind.SWAP_OUT, EventKind.FAULT_IN
 
@@ -23,6 +24,7 @@ class DiskTier(PageStore):
     """A PageStore whose pages live on disk and are cached in RAM frames (mixed with float or quantized pages)."""
 
     tiered = True
+    swap: SwapFile  # always one: the store is made with its layer's swap file
 
     def _init_frames(self) -> None:
         ps = self.page_size

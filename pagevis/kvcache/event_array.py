@@ -95,7 +95,7 @@ class EventArray(Sequence):
             a == b or (a[:8] == b[:8] and a[9:] == b[9:] and a.score != a.score and b.score != b.score)
             for a, b in zip(self, other))
 
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]  # rows compare by value: unhashable, as a list is
 
     def __repr__(self) -> str:
         return f"EventArray({len(self)} events)"

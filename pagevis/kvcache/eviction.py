@@ -98,6 +98,7 @@ def drop_entries(layer: LayerManager, seq: SequenceCache, heads: np.ndarray, vic
     if not len(victims):
         return
     keep, ps, positions = seq.head_keep[layer.layer], layer.page_size, layer.store.positions
+    assert keep is not None  # only a per-head policy drops entries, and its sequence keeps masks
     for head, flat, score in zip(heads.tolist(), victims.tolist(), scores.tolist(), strict=True):
         if not keep[head, flat]:
             raise RuntimeError(f"policy {seq.policy.name!r} dropped an entry KV head {head} no longer keeps")
@@ -126,8 +127,9 @@ def remove(layer: LayerManager, seq: SequenceCache, victims: np.ndarray, scores:
         removed.append(position)
         seq.holes[index].add(page * ps + slot)
         seq.resident[index] -= 1
-        if seq.head_keep[index] is not None:
-            seq.head_keep[index][:, page * ps + slot] = False
+        keep = seq.head_keep[index]
+        if keep is not None:
+            keep[:, page * ps + slot] = False
         layer.event(E.EVICT, seq, page, slot, position, seq.policy.name, reason, float(score), detail=detail)
         if store.fill[page] == 0:
             seq.block_tables[index].remove(page)
@@ -169,6 +171,8 @@ def prune_key_channels(layers: list[LayerManager], seq: SequenceCache) -> None:
     changed in place leaves the prefix cache; the sequence registers no more pages: they no longer hold the
     prefix's plain keys)."""
     seq.hashable = False
+    channels = seq.channels
+    assert channels is not None  # called only for a sequence with key_channels
     for layer in layers:
         store, ps = layer.store, layer.page_size
         for page in list(seq.block_tables[layer.layer]):
@@ -176,5 +180,5 @@ def prune_key_channels(layers: list[LayerManager], seq: SequenceCache) -> None:
         flat = layer.flat(seq)
         flat = flat[store.positions[flat] >= 0]
         pages, slots = flat // ps, flat % ps
-        kept = seq.channels.choose(layer.layer, store.k[:, pages, slots])
+        kept = channels.choose(layer.layer, store.k[:, pages, slots])
         store.k[:, pages, slots] *= kept[:, None, :].astype(store.k.dtype)

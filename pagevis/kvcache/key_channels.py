@@ -74,9 +74,12 @@ class KeyChannels:
 
     def choose(self, layer: int, keys: np.ndarray) -> np.ndarray:
         """The layer's kept channels from its window and its keys (n_kv, n_keys, d); the window is dropped."""
-        self.kept[layer] = kept_channels(channel_scores(self.queries[layer], keys), self.n_pruned)
+        queries = self.queries[layer]
+        if queries is None:
+            raise RuntimeError(f"layer {layer}'s key channels are chosen before it attended with any query")
+        kept = self.kept[layer] = kept_channels(channel_scores(queries, keys), self.n_pruned)
         self.queries[layer] = None
-        return self.kept[layer]
+        return kept
 
     def prune(self, layer: int, k: np.ndarray) -> np.ndarray:
         """Keys (n, n_kv, d) as the layer stores them: the pruned channels zeroed once chosen."""

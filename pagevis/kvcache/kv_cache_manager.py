@@ -37,7 +37,8 @@ from pagevis.kvcache.errors import ConfigError
 from pagevis.kvcache.events import CacheEvent, EventKind, EventLog
 from pagevis.kvcache.key_channels import KeyChannels
 from pagevis.kvcache.layers import layer_manager
-from pagevis.kvcache.policies import EvictionPolicy, make_policy
+from pagevis.kvcache.policies import make_policy
+from pagevis.kvcache.policies.wrappers import Policy
 from pagevis.kvcache.policy_state import LayerView
 from pagevis.kvcache.prefix_cache import PrefixCacheStats, page_hash, prefix_hashes, salt_root
 from pagevis.kvcache.quant import storage_summary
@@ -135,11 +136,12 @@ class KVCacheManager:
         return layer_frames(self.stores[layer])
 
     # --- sequences -------------------------------------------------------------------------------
-    def add_sequence(self, seq_id: int, policy: EvictionPolicy | None = None) -> SequenceCache:
+    def add_sequence(self, seq_id: int, policy: Policy | None = None) -> SequenceCache:
         """A new, empty sequence evicting by `policy` (default: a fresh one of the settings' policy)."""
         if seq_id in self.sequences:
             raise ConfigError("seq_id", seq_id, "an id no live sequence has")
-        policy = policy or make_policy(self.config)
+        if policy is None:
+            policy = make_policy(self.config)
         n_layers, n_kv = self.config.n_layers, self.config.n_kv_heads
         head_keep = [np.zeros((n_kv, store.n_slots), dtype=bool) if policy.per_head else None for store in self.stores]
         seq = SequenceCache(seq_id, policy, [policy.make_state(store.n_slots) for store in self.stores],
@@ -176,8 +178,8 @@ class KVCacheManager:
         hit_pages = [layer.hit_pages(hashes[:n]) for layer in self.layers]
         for i in range(n):
             for layer, pages in zip(self.layers, hit_pages, strict=True):
-                if pages[i] is not None:
-                    layer.share(seq, pages[i], first_position=i * self.page_size)
+                if (page := pages[i]) is not None:
+                    layer.share(seq, page, first_position=i * self.page_size)
             seq.hashes.append(hashes[i])
         n_tokens = n * self.page_size
         seq.token_ids = [int(t) for t in token_ids[:n_tokens]]
@@ -264,7 +266,7 @@ class KVCacheManager:
         """The sequence's block table of every layer (live lists: they change with the next step)."""
         return self.sequences[seq_id].block_tables
 
-    def policy(self, seq_id: int) -> EvictionPolicy:
+    def policy(self, seq_id: int) -> Policy:
         """The policy the sequence evicts by."""
         return self.sequences[seq_id].policy
 
@@ -316,7 +318,7 @@ class KVCacheManager:
         """Write every page of the pool once, so that its memory is taken now rather than as pages fill (a
         server's, as vLLM's: its resident size is flat from the start)."""
         for store in self.stores:
-            for array in (store.data,) if store.quantized else (store.k, store.v):
+            for array in store.kv_arrays():
                 array.fill(0)
 
     # --- writing ---------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import numpy as np
 from pagevis.kvcache.errors import CacheFullError, ConfigError
 from pagevis.kvcache.events import EventKind, EventLog
 from pagevis.kvcache.policy_state import LayerView
+from pagevis.kvcache.quantized_pages import QuantizedPages
 from pagevis.kvcache.sequence import SequenceCache
 from pagevis.kvcache.slots import flat_slots, page_slots
 from pagevis.kvcache.spec import FullAttentionSpec, LayerSpec, SlidingWindowSpec, first_kept_page, first_visible
@@ -112,14 +113,16 @@ class LayerManager:
         store, ps, layer = self.store, self.page_size, self.layer
         was_free = store.pages.ref_counts[page] == 0
         store.pages.share(page)
-        if was_free:
+        if was_free:  # a cached free page comes back: only a prefix hit takes one (a fork shares live pages)
+            assert first_position is not None
             store.restore(page, first_position)
         seq.block_tables[layer].append(page)
         seq.resident[layer] += int(store.fill[page])
         held = store.positions[page_slots(page, ps)] >= 0
         seq.holes[layer].update((page * ps + np.flatnonzero(~held)).tolist())
-        if seq.head_keep[layer] is not None and first_position is not None:  # a prefix hit: all heads keep it
-            seq.head_keep[layer][:, page_slots(page, ps)] = held  # (a fork keeps its parent's masks)
+        keep = seq.head_keep[layer]
+        if keep is not None and first_position is not None:  # a prefix hit: all heads keep it
+            keep[:, page_slots(page, ps)] = held  # (a fork keeps its parent's masks)
         self.event(E.SHARE, seq, page, detail=int(store.pages.ref_counts[page]))
 
     def release(self, seq: SequenceCache, page: int) -> None:
@@ -239,6 +242,7 @@ class LayerManager:
         stay float32 and the oldest 32 beyond them are quantized once they have all arrived. A shared page is
         copied first: the change is this sequence's alone."""
         store, ps = self.store, self.page_size
+        assert isinstance(store, QuantizedPages)  # only int4 / int2 stores have a residual window
         group, limit = store.layout.group, store.layout.residual + store.layout.group - 1
         window = store.residual_slots(self.flat(seq))
         while len(window) >= group and len(window) + n_new > limit:
@@ -273,6 +277,8 @@ class FullAttentionManager(LayerManager):
 class SlidingWindowManager(LayerManager):
     """A local layer: the last `window` positions (spec.py)."""
 
+    window: int  # a sliding window's spec always has one
+
     def budget(self, seq):
         """The policy's budget when smaller than the window; else the window alone bounds the layer (there the
         window slides and the policy never runs)."""
@@ -298,8 +304,9 @@ class SlidingWindowManager(LayerManager):
             table.remove(page)
             seq.holes[layer].difference_update(range(page * ps, (page + 1) * ps))
             seq.resident[layer] -= int(store.fill[page])
-            if seq.head_keep[layer] is not None:
-                seq.head_keep[layer][:, page_slots(page, ps)] = False
+            keep = seq.head_keep[layer]
+            if keep is not None:
+                keep[:, page_slots(page, ps)] = False
             seq.slid[layer] = max(seq.slid[layer], newest)
             if seq.hashable:
                 seq.dropped[layer] += 1

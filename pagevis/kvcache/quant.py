@@ -212,8 +212,9 @@ class Layout:
     def parts(self) -> list[tuple[str, tuple[int, ...], np.dtype]]:
         """(name, shape within one page, dtype) of each array of a page, in byte order."""
         n, ps = self.n_kv_heads, self.page_size
-        code = np.dtype(np.int8 if self.bits == 8 else np.uint8)
-        parts = [("k", (n, ps, self.width), code), ("v", (n, ps, self.width), code)]
+        code: np.dtype = np.dtype(np.int8 if self.bits == 8 else np.uint8)
+        parts: list[tuple[str, tuple[int, ...], np.dtype]] = [("k", (n, ps, self.width), code),
+                                                               ("v", (n, ps, self.width), code)]
         if self.kivi:
             parts += [("v_scale", (n, ps, self.n_value_groups), np.dtype(np.float16)),
                       ("v_zero", (n, ps, self.n_value_groups), np.dtype(np.float16))]
@@ -317,9 +318,7 @@ class KeyGroups:
 
     def add(self, scale: np.ndarray, zero: np.ndarray, end: int, refs: int) -> int:
         free = np.flatnonzero(self.refs == 0)
-        if not free.size:
-            free = [self._grow()]
-        g = int(free[0])
+        g = int(free[0]) if free.size else self._grow()
         self.scale[:, g], self.zero[:, g] = scale, zero
         self.refs[g], self.end[g] = refs, end
         self.peak = max(self.peak, self.in_use)

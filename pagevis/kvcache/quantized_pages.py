@@ -19,18 +19,21 @@ class QuantizedPages(PageStore):
     """A PageStore whose frames hold int8 or int4 / int2 codes."""
 
     quantized = True
+    layout: quant.Layout  # always one: the store is made for a quantized dtype
 
     def _init_kv(self, config) -> None:
         self.kivi = self.layout.kivi
         self.data = np.zeros((self.n_frames, self.layout.page_bytes()), np.uint8)
         self.parts = self.layout.views(self.data)  # named views of the block's parts, each (frames, ...)
-        self.k = self.v = None
         if self.kivi:
             n_slots = self.n_pages * self.page_size
             self.slot_group = np.full(n_slots, -1, np.int32)  # per page id slot: its key group, -1 none
             self.res_of = np.full(n_slots, -1, np.int64)  # per page id slot: its residual row, -1 none
             self.groups = quant.KeyGroups(self.n_kv, self.head_dim, -(-n_slots // self.layout.group))
             self.residual = quant.ResidualBuffer(self.n_kv, self.head_dim, min(n_slots, self.layout.window()))
+
+    def kv_arrays(self) -> tuple[np.ndarray, ...]:
+        return (self.data,)
 
     def reset(self) -> None:
         super().reset()

@@ -19,9 +19,12 @@ from __future__ import annotations
 import numpy as np
 
 from pagevis.kvcache.attention import AttentionResult, Partial, attend_part, merge, rescale
+from pagevis.kvcache.disk_tier import DiskTier
 from pagevis.kvcache.quant import BLOCK_TOKENS
 from pagevis.kvcache.slots import flat_slots
 from pagevis.kvcache.store import PageStore
+
+NO_OUTPUT = np.zeros(0, np.float32)  # a Partial kept for its max and sum only (rescaling the weights)
 
 
 def quest_pages(store: PageStore, pages: np.ndarray, q: np.ndarray, k: int) -> np.ndarray:
@@ -86,15 +89,14 @@ def read_attention(store: PageStore, table: list[int], q: np.ndarray, positions:
         whole = part if whole is None else merge(whole, part)
         resident = np.isfinite(bias)  # resident slots of read pages only
         # copies of the rows kept: views would keep a prefill's whole (queries, heads, keys) arrays alive
-        pieces.append((Partial(None, part.max[-rows:].copy(), part.total[-rows:].copy()),
+        pieces.append((Partial(NO_OUTPUT, part.max[-rows:].copy(), part.total[-rows:].copy()),
                        weights[-rows:].copy(), np.where(resident, slots, -1)))
 
-    if store.tiered:
+    if isinstance(store, DiskTier):
         store.clear_read_frames()
         store.last_read[ram_pages] = step
     store.counts.hits += len(ram_pages)
-    high = store.high_water
-    if high:
+    if high := store.high_water:
         bias = store.bias[: high * ps]
         if select_pages is not None or own_pages_only:  # read only the chosen pages among those in RAM
             chosen = np.zeros(high, dtype=bool)
@@ -104,6 +106,7 @@ def read_attention(store: PageStore, table: list[int], q: np.ndarray, positions:
     batch = max(1, store.n_frames - store.home_frames)  # 0 read frames: RAM only, no disk page
     promote = select_pages is not None
     for start in range(0, len(disk_pages), batch):
+        assert isinstance(store, DiskTier)  # only a disk tier has pages outside RAM
         chunk = disk_pages[start: start + batch]
         store.load(chunk, step, announce=select_pages is not None)
         lo = store.home_frames
@@ -114,7 +117,8 @@ def read_attention(store: PageStore, table: list[int], q: np.ndarray, positions:
 
     if whole is None:  # nothing to read (a quantized store skipped every block): no key is visible
         attend_block(0, 0, store.bias[:0])
-    last = Partial(None, whole.max[-rows:], whole.total[-rows:])
+    assert whole is not None  # attend_block set it
+    last = Partial(NO_OUTPUT, whole.max[-rows:], whole.total[-rows:])
     weights = np.concatenate([w * rescale(p, last)[..., None] for p, w, _ in pieces], axis=-1)
     slots = np.concatenate([s for _, _, s in pieces])
     keep = slots >= 0

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagevis.kvcache.key_channels import KeyChannels
-from pagevis.kvcache.policies import EvictionPolicy
+from pagevis.kvcache.policies.wrappers import Policy
 from pagevis.kvcache.policy_state import PolicyState
 
 
@@ -18,7 +18,7 @@ class SequenceCache:
     hashes)."""
 
     seq_id: int
-    policy: EvictionPolicy
+    policy: Policy
     states: list[PolicyState]
     block_tables: list[list[int]]
     holes: list[set[int]]
@@ -43,8 +43,9 @@ class SequenceCache:
             self.resident[layer] = 0
             self.read_slots[layer] = None
             self.states[layer].reset()
-            if self.head_keep[layer] is not None:
-                self.head_keep[layer].fill(False)
+            keep = self.head_keep[layer]
+            if keep is not None:
+                keep.fill(False)
             self.dropped[layer], self.slid[layer] = 0, -1
         self.newest = -1
         self.policy.reset()

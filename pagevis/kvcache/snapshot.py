@@ -87,14 +87,14 @@ def take(cache, seq_id: int, shown: int, held: HeldSlots | None = None) -> Cache
         scores.append(np.where(empty, np.nan, score[slots]).reshape(shape))
         if store.kivi:  # slots whose tokens are still in the residual window (float32)
             full.append(np.where(empty, False, store.res_of[np.maximum(slots, 0)] >= 0).reshape(shape))
-    slot_maps = np.stack(slot_maps).astype(np.int32)
+    maps = np.stack(slot_maps).astype(np.int32)
     frames = None
     if cache.config.tiered or cache.select_pages is not None:
         frames = tuple(tuple(store.frame_of[np.asarray(table, dtype=np.int64)].tolist())
                        for store, table in zip(cache.stores, seq.block_tables, strict=True))
     return CacheSnapshot(
-        slot_maps=slot_maps, protected=np.stack(protected), scores=np.stack(scores).astype(np.float32),
-        full_precision=np.stack(full) & (slot_maps >= 0) if full else None,
+        slot_maps=maps, protected=np.stack(protected), scores=np.stack(scores).astype(np.float32),
+        full_precision=np.stack(full) & (maps >= 0) if full else None,
         capacities=tuple(int(policy.layer_capacity(layer)) for layer in range(len(cache.stores))),
         labels=_labels(cache.config.sliding_windows, cache.config.n_layers), block_frames=frames)
 

@@ -51,6 +51,10 @@ class PageStore:
     tiered = False
     quantized = False
     kivi = False
+    # FloatPages' K and V, (n_kv_heads, frames, page_size, head_dim) each: what attention reads in place, merging
+    # and re-rotation rewrite (a quantized store has neither: `frame_kv` decodes its frames)
+    k: np.ndarray
+    v: np.ndarray
 
     def __init__(self, config, layer: int, swap: SwapFile | None = None, n_pages: int | None = None):
         """n_pages: page ids (default the config's: RAM frames, or disk frames with a disk tier, whose RAM
@@ -190,6 +194,10 @@ class PageStore:
     def _init_kv(self, config) -> None:
         raise NotImplementedError
 
+    def kv_arrays(self) -> tuple[np.ndarray, ...]:
+        """The arrays that hold every frame's K/V."""
+        raise NotImplementedError
+
     def frame_blocks(self, frame: int) -> list[np.ndarray]:
         """One RAM frame's arrays in the order the disk lays a page out (a swap file's preadv / pwritev targets)."""
         raise NotImplementedError
@@ -279,6 +287,9 @@ class FloatPages(PageStore):
         shape = (config.n_kv_heads, self.n_frames, self.page_size, config.head_dim)
         self.k = np.zeros(shape, dtype=config.dtype)
         self.v = np.zeros(shape, dtype=config.dtype)
+
+    def kv_arrays(self) -> tuple[np.ndarray, ...]:
+        return self.k, self.v
 
     def frame_blocks(self, frame: int) -> list[np.ndarray]:
         return [self.k[h, frame] for h in range(self.n_kv)] + [self.v[h, frame] for h in range(self.n_kv)]

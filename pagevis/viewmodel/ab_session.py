@@ -92,7 +92,8 @@ class LockstepPair:
 def lockstep_pair(model, prompt: str, configs: ABConfig) -> LockstepPair:
     """Two sessions of `model` on `prompt` (headless; the app's runner keeps only their newest records)."""
     taps = LogitsTap(model), LogitsTap(model)
-    return LockstepPair(*(DecodeSession(tap, prompt, config) for tap, config in zip(taps, configs)), *taps)
+    session_a, session_b = (DecodeSession(tap, prompt, config) for tap, config in zip(taps, configs))
+    return LockstepPair(session_a, session_b, *taps)
 
 
 def _stop_reason(a, b) -> str | None:
@@ -139,7 +140,8 @@ class ForcedPair:
 
     def step(self) -> LockstepStep:
         a, b, full = self.a.step(), self.b.step(), self.full.step()
-        self.full.session.records[-1] = None  # the full cache's record is not shown: keep the count, not the arrays
+        # the full cache's record is not shown: keep the count, not the arrays
+        self.full.session.records[-1] = None  # type: ignore[call-overload]
         if not len(a.positions):  # the last token: it predicts nothing in the text
             nan = float("nan")
             return LockstepStep(a.record, b.record, Comparison(nan, False, True),
@@ -147,7 +149,7 @@ class ForcedPair:
         last_a, last_b = log_softmax(a.logits[-1]), log_softmax(b.logits[-1])
         comparison = Comparison(float(np.sum(np.exp(last_a) * (last_a - last_b))),
                                 bool(np.argmax(last_a) == np.argmax(last_b)), True)
-        kl_full = tuple(_mean_kl(full, side) for side in (a, b))
+        kl_full = (_mean_kl(full, a), _mean_kl(full, b))
         return LockstepStep(a.record, b.record, comparison, ForcedScores(a.positions, (a.nll, b.nll, full.nll),
                                                                          kl_full))
 

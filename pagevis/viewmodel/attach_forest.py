@@ -115,7 +115,9 @@ class EngineForest:
 
     def tokens(self, row: int) -> np.ndarray:
         if row < len(self.live):
-            return self.engine.blocks.token_ids(int(self.live[row]))
+            blocks = self.engine.blocks
+            assert blocks is not None  # live rows are rows of the snapshot's blocks
+            return blocks.token_ids(int(self.live[row]))
         data = self.ghosts[row - len(self.live)].tokens
         return np.frombuffer(data or b"", dtype="<u4")
 
@@ -216,11 +218,10 @@ def _flags(engine: EngineSnapshot, index: dict, inverse: np.ndarray, live: np.nd
     if since is not None:
         mark((r for r in engine.recent_stored if r.seq > since), NEWEST)
     mark(engine.hot, HOT)
-    if shared:
+    if shared and (blocks := engine.blocks) is not None:
         gpu_tiers = [t.index for t in engine.tiers if t.medium == GPU]
         gpu_rows = np.flatnonzero(np.isin(tier_of, gpu_tiers))
-        held = np.fromiter((engine.blocks.hashes[s] in shared for s in live[gpu_rows].tolist()), dtype=bool,
-                           count=len(gpu_rows))
+        held = np.array([blocks.hashes[s] in shared for s in live[gpu_rows].tolist()], dtype=bool)
         flags[gpu_rows[held]] |= SHARED
     return flags
 
@@ -237,6 +238,8 @@ def _ghosts(engine: EngineSnapshot, previous: EngineForest, index: dict, since: 
             continue
         seen.add((key, r.hash))
         old = previous.engine.blocks
+        if old is None:  # (a frame whose index holds the hash was drawn from its blocks)
+            continue
         ghosts.append(Ghost(key, r.hash, old.parents[slot], int(old.block_size[slot]), int(old.seq[slot]),
                             float(old.ts[slot]), old.tokens[slot], r.seq, r.ts))
     return ghosts
@@ -263,9 +266,11 @@ def build_forest(engine: EngineSnapshot, previous: EngineForest | None = None, s
     index = _hash_index(cols, tiers, live, tier_of)
     last_seq = engine.counters.last_seq
     continuing = _same_epoch(previous, engine)
-    since = previous.engine.counters.last_seq if continuing else (last_seq - 1 if last_seq is not None else None)
+    since = (previous.engine.counters.last_seq if continuing and previous is not None
+             else (last_seq - 1 if last_seq is not None else None))
     flags = _flags(engine, index, inverse, live, tier_of, since, shared)
-    ghosts = _ghosts(engine, previous, index, since) if continuing and since is not None else []
+    ghosts = _ghosts(engine, previous, index, since) if continuing and previous is not None and since is not None \
+        else []
     ghost_index = {(g.tier, g.hash): n + k for k, g in enumerate(ghosts)}
 
     def find(block_hash: Any, tier: tuple) -> int:
@@ -464,11 +469,11 @@ def hot_rows(engine: EngineSnapshot, forest: EngineForest | None, detokenizer: D
     """The hot prefixes, most restores first; text from the forest frame when it holds the block."""
     rows = []
     last = engine.counters.last_ts
-    same = forest is not None and forest.name == engine.name
     for h in engine.hot[:limit]:
-        row = forest.block_row(h.hash, h.medium, h.group) if same else -1
+        row = forest.block_row(h.hash, h.medium, h.group) if forest is not None and forest.name == engine.name \
+            else -1
         text = ""
-        if row >= 0 and detokenizer is not None:
+        if row >= 0 and detokenizer is not None and forest is not None:
             try:
                 text = " ".join(detokenizer(forest.tokens(row)[:64].tolist()).split())[:80]
             except Exception:  # noqa: BLE001 - see _Texts._text

@@ -95,7 +95,7 @@ class RecordSpill:
                  frames if tiers else nothing,
                  _oracle_floats(record),
                  *(_grid_bytes(getattr(record, f.name), f.dtype) for f in self._grids))
-        blob = b"".join(memoryview(np.ascontiguousarray(p)).cast("B") for p in parts)
+        blob = b"".join(np.ascontiguousarray(p).data.cast("B") for p in parts)
         if len(blob) >= 1 << 32:
             raise ValueError(f"a record of {len(blob)} bytes is too large for the timeline's spill (4 GiB)")
         os.pwrite(self._fd, blob, self._end)
@@ -128,10 +128,16 @@ class RecordSpill:
         data = os.pread(self._fd, int(end - begin), int(begin))
         return np.frombuffer(data, dtype=dtype)
 
+    def _grid_shape(self) -> tuple[int, int, int]:
+        """(layers, pages, page_size) of the records' grids (set by the first append)."""
+        if self.shape is None:
+            raise IndexError("the spill holds no record yet")
+        return self.shape
+
     def layer_row(self, index: int, layer: int) -> tuple[np.ndarray, np.ndarray | None]:
         """One layer of record `index`: its flat slot positions (slots,) int32 and attention (heads, slots)
         float16 (None if that layer's attention was not recorded). Two small reads."""
-        _, pages, page_size = self.shape
+        _, pages, page_size = self._grid_shape()
         slots = pages * page_size
         layers = self._part(index, "attention_layers", np.int16).tolist()
         if layer not in layers:
@@ -157,7 +163,7 @@ class RecordSpill:
 
     def record(self, index: int, token_text) -> StepRecord:
         """Record `index` rebuilt whole (equal to the one appended)."""
-        shape = self.shape
+        shape = self._grid_shape()
         layers, pages, _ = shape
         cuts = self._cuts[index].astype(np.int64)
         blob = os.pread(self._fd, int(cuts[-1]), int(self._starts[index]))
@@ -200,7 +206,7 @@ class RecordSpill:
         frames = part("block_frames", np.int32).reshape(tables.shape)
         recall = part("recall", np.float32)[:layers]  # (the oracle's lost attention per head follows)
         return TierStep(counts=counts.reshape(layers, -1),
-                        page_maps=maps.reshape(len(attention_layers), -1, self.shape[2]),
+                        page_maps=maps.reshape(len(attention_layers), -1, self._grid_shape()[2]),
                         block_frames=tuple(tuple(int(f) for f in frames[layer, : int((tables[layer] >= 0).sum())])
                                            for layer in range(layers)),
                         recall=recall if recall.size else None)

@@ -104,7 +104,8 @@ class Timeline:
         self._series = np.zeros((0, len(SERIES)), dtype=np.float64)
         self._columns_cache = (np.zeros((3, 0)), 0)
         self._rows: OrderedDict[int, OrderedDict[int, tuple]] = OrderedDict()  # heatmap rows by layer, step
-        self._heat = None  # the last heatmap window (see _window)
+        # the last heatmap window (see _window): layer, head, first step, positions, weights
+        self._heat: tuple[int, int | None, int, np.ndarray, np.ndarray] | None = None
 
     # --- growth ----------------------------------------------------------------------------------
     def extend(self, records: list[StepRecord]) -> None:
@@ -289,6 +290,8 @@ class Timeline:
         (steps, slots) float32, of head `head` or the mean of heads. The last window is kept (HEATMAP_ROWS x
         slots x 8 bytes at most), so following the newest step reduces one new row, not every row again."""
         kept = self._heat
+        positions: np.ndarray | None
+        weights: np.ndarray | None
         if kept is not None and kept[:2] == (layer, head) and kept[2] <= first <= kept[2] + len(kept[3]):
             start, positions, weights = kept[2:]
             positions = positions[first - start: index + 1 - start]
@@ -307,6 +310,7 @@ class Timeline:
             else:
                 positions = np.concatenate([positions, new_positions])
                 weights = np.concatenate([weights, new_weights])
+        assert positions is not None and weights is not None  # (begin <= index: first <= index)
         self._heat = (layer, head, first, positions, weights)
         return positions, weights
 
@@ -354,8 +358,7 @@ def timeline_from_trace(trace) -> Timeline:
     n_layers = first.slot_maps.shape[0] if first is not None else 1
     spec = getattr(trace, "model_spec", None)
     layout = getattr(trace, "kv_layout", None) or {}
-    recorded = first is not None and first.attention
-    n_heads = first.attention[0].shape[0] if recorded else layout.get("n_heads", 1)
+    n_heads = first.attention[0].shape[0] if first is not None and first.attention else layout.get("n_heads", 1)
     n_kv_heads = layout.get("n_kv_heads", _trace_kv_heads(trace))
     if n_kv_heads and n_heads % n_kv_heads:  # a layout that does not fit the recorded heads: unknown
         n_kv_heads = 0

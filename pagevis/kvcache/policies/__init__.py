@@ -24,8 +24,7 @@ from pagevis.kvcache.policies.sinks import Sinks
 from pagevis.kvcache.policies.snapkv import SnapKV
 from pagevis.kvcache.policies.threshold import Threshold
 from pagevis.kvcache.policies.tova import Tova
-from pagevis.kvcache.policies.wrappers import (SHARED_PARAMS, WRAPPERS, PolicyWrapper, check_options, unwrapped,
-                                               wrap)
+from pagevis.kvcache.policies.wrappers import SHARED_PARAMS, WRAPPERS, Policy, check_options, unwrapped, wrap
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls for cls in (Oldest, OldestPage, Sinks, HeavyHitter, Tova, SnapKV, PyramidKV,
@@ -50,7 +49,7 @@ def bound_params(policy) -> dict[str, object]:
             for name, default in policy_params(inner.name).items()}
 
 
-def make_policy(config) -> EvictionPolicy | PolicyWrapper:
+def make_policy(config) -> Policy:
     """Build and bind the policy a CacheConfig names; ConfigError for an unknown name or parameter."""
     cls = POLICIES.get(config.policy)
     if cls is None:

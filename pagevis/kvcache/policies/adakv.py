@@ -3,7 +3,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from pagevis.kvcache.policies.base import EvictionPolicy
+from pagevis.kvcache.policies.base import EvictionPolicy, bound
 from pagevis.kvcache.policies.snapkv import SnapKV
 
 
@@ -39,8 +39,8 @@ class AdaKV(EvictionPolicy):
             self.inner = self.scorer()
         self.inner.bind(capacity, page_size)
         self.inner.head_stats = True
-        self.uses_attention = self.inner.uses_attention
-        self.uses_queries = self.inner.uses_queries
+        self.uses_attention = self.inner.uses_attention  # type: ignore[misc]  # AdaKV needs what its scorer needs
+        self.uses_queries = self.inner.uses_queries  # type: ignore[misc]
         self.safeguard_pct = self.check_int_param("safeguard_pct", self.safeguard_pct, 0, 100)
 
     def bind_layers(self, n_layers):
@@ -57,7 +57,7 @@ class AdaKV(EvictionPolicy):
 
     def pool_tokens(self):
         """Slots the heads' tokens may spread over: n_kv_heads x budget (each head keeping other tokens)."""
-        return self.n_kv_heads * self.budget
+        return self.n_kv_heads * bound(self.budget, "budget")
 
     def make_state(self, n_slots):
         return self.inner.make_state(n_slots)
@@ -76,7 +76,7 @@ class AdaKV(EvictionPolicy):
         return np.where(pages.kept(), self.head_scores(pages), -np.inf).max(axis=0)
 
     def head_room(self, pages):
-        return (self.n_kv_heads * self.budget - int(pages.kept().sum())) // self.n_kv_heads
+        return (self.n_kv_heads * bound(self.budget, "budget") - int(pages.kept().sum())) // self.n_kv_heads
 
     def choose_head_victims(self, pages):
         kept = pages.kept()

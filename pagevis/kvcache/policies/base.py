@@ -19,6 +19,7 @@ needs a slot and none is free). Its LayerView carries the per-head `head_keep` m
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
@@ -28,6 +29,7 @@ from pagevis.kvcache.policy_state import LayerView, PolicyState
 from pagevis.kvcache.slots import flat_slots
 
 
+@dataclass
 class EvictionPolicy:
     name: ClassVar[str]
     citation: ClassVar[str]
@@ -40,6 +42,20 @@ class EvictionPolicy:
     merges: ClassVar[bool] = False  # True: an evicted token's value is folded into a survivor (`merge_targets`)
     compresses: ClassVar[bool] = False  # True: compressed once after the prefill (kvzip: `compress`)
     state_class: ClassVar[type[PolicyState]] = PolicyState
+    head_stats = False  # per KV head statistics: AdaKV sets it on the scorer it wraps, before make_state
+
+    @property
+    def compressed(self) -> bool:
+        """A compressing policy (`compresses`): whether it has compressed its sequence yet."""
+        return False
+
+    def context_of(self, n_prompt: int) -> int:
+        """A compressing policy: the tokens of a prompt of n_prompt it compresses once they are cached."""
+        return n_prompt
+
+    def compress(self, views: list[LayerView]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """A compressing policy's one-shot drops: per layer (KV heads, flat slots, scores)."""
+        raise NotImplementedError(f"policy {self.name!r} does not compress")
 
     def bind(self, capacity: int, page_size: int) -> None:
         """Fix the budget this policy works in; raise ConfigError if its parameters cannot fit."""
@@ -172,3 +188,10 @@ def page_slots(pages: LayerView, page: int) -> np.ndarray:
     """The flat slots of a page that hold a token."""
     slots = flat_slots(page, pages.page_size)
     return slots[pages.positions[slots] >= 0]
+
+
+def bound(value: int | None, name: str) -> int:
+    """A parameter that defaults to None until the policy's `bind` sets it from the cache's capacity."""
+    if value is None:
+        raise RuntimeError(f"the policy's {name} is read before the policy is bound to a cache")
+    return value

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from pagevis.kvcache.errors import ConfigError
-from pagevis.kvcache.policies.base import EvictionPolicy
+from pagevis.kvcache.policies.base import EvictionPolicy, bound
 
 CALIBRATION = "calibration/duo-smollm2-135m.json"  # in pagevis.resources; made by scripts/calibrate_duo.py
 
@@ -93,7 +93,7 @@ class DuoAttention(EvictionPolicy):
         window = self.n_sink + self.recent
         if n_streaming == self.n_kv_heads:
             return window
-        return max(window, (self.n_kv_heads * self.budget - n_streaming * window) // (self.n_kv_heads - n_streaming))
+        return max(window, (self.n_kv_heads * bound(self.budget, "budget") - n_streaming * window) // (self.n_kv_heads - n_streaming))
 
     def layer_capacity(self, layer):
         return self.budgets[layer] if layer < len(self.budgets) else self.capacity

@@ -97,7 +97,7 @@ class ExpectedAttention(EvictionPolicy):
         self.n_sink = self.check_int_param("n_sink", self.n_sink, 0, capacity - 1)
         self.use_covariance = check_int(f"{self.name}.use_covariance", self.use_covariance, 0, 1)
         self.use_vnorm = check_int(f"{self.name}.use_vnorm", self.use_vnorm, 0, 1)
-        self._rotation = (None, None)
+        self._rotation: tuple[int | None, np.ndarray | None] = (None, None)
 
     def make_state(self, n_slots):
         return QueryMoments(n_slots, self.n_heads, self.n_kv_heads, self.head_dim, self.rope_base, self.n_sink)
@@ -142,4 +142,5 @@ class ExpectedAttention(EvictionPolicy):
         if start != state.next_position:  # every layer scores from the same position: computed once
             rotation = mean_rotation(state.next_position, self.n_future_positions, state.inv_freq)
             self._rotation = (state.next_position, rotation)
+        assert rotation is not None  # (a start of None never equals a position: computed above)
         return rotation

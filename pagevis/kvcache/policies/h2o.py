@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 
 from pagevis.kvcache.policy_state import PolicyState
-from pagevis.kvcache.policies.base import EvictionPolicy, newest
+from pagevis.kvcache.policies.base import EvictionPolicy, bound, newest
 
 
 class AccumulatedAttention(PolicyState):
@@ -44,4 +44,4 @@ class HeavyHitter(EvictionPolicy):
         return pages.stats.accumulated
 
     def protected(self, pages):
-        return newest(pages, self.recent)
+        return newest(pages, bound(self.recent, "recent"))

@@ -3,7 +3,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagevis.kvcache.policy_state import PolicyState
-from pagevis.kvcache.policies.base import EvictionPolicy, newest
+from pagevis.kvcache.policies.base import EvictionPolicy, bound, newest
 
 
 class UnitKeys(PolicyState):
@@ -50,7 +50,7 @@ class KeyDiff(EvictionPolicy):
         return UnitKeys(n_slots, self.n_kv_heads, self.head_dim)
 
     def protected(self, pages):
-        return newest(pages, self.window)
+        return newest(pages, bound(self.window, "window"))
 
     def head_scores(self, pages):
         unit = pages.stats.unit  # (n_slots, n_kv, d)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagevis.kvcache.policies.base import EvictionPolicy
+from pagevis.kvcache.policies.base import EvictionPolicy, bound
 from pagevis.kvcache.policy_state import LayerView, PolicyState
 
 DECODED = 2.0  # a decoded token's value is DECODED + its position: above every attention weight (<= 1)
@@ -95,7 +95,9 @@ class KVzip(EvictionPolicy):
     def values(self, pages: LayerView) -> np.ndarray:
         """(n_kv_heads, n_slots): what each entry is worth keeping — its KVzip score (1 for sinks), or for a
         token written after compression DECODED + its position."""
-        scores = np.where(pages.positions < self.n_sink, 1.0, pages.stats.scores.T)
+        stats = pages.stats
+        assert isinstance(stats, ReconstructionScores)  # the state kvzip's make_state gives every layer
+        scores = np.where(pages.positions < self.n_sink, 1.0, stats.scores.T)
         decoded = self.compressed & (pages.positions >= self.context_length)
         return np.where(decoded, DECODED + pages.positions, scores)
 
@@ -112,7 +114,7 @@ class KVzip(EvictionPolicy):
         layers, heads, slots = np.nonzero(kept)
         positions = np.stack([view.positions for view in views])[layers, slots]
         order = np.lexsort((layers, heads, positions, values[layers, heads, slots]))
-        dropped = order[: max(0, len(order) - self.budget * len(views) * self.n_kv_heads)]
+        dropped = order[: max(0, len(order) - bound(self.budget, "budget") * len(views) * self.n_kv_heads)]
         kept[layers[dropped], heads[dropped], slots[dropped]] = False
         self.head_budgets = kept.sum(axis=2)
         self.context_length = int(positions.max()) + 1 if len(positions) else 0
@@ -123,6 +125,7 @@ class KVzip(EvictionPolicy):
     def head_room(self, pages):
         if not self.compressed:  # a prefill chunk stops at the context (the pass runs after that step)
             return (self.context or self.capacity) - int(pages.occupied().sum())
+        assert self.head_budgets is not None  # set by compress
         return max(0, int((self.head_budgets[pages.layer] - pages.kept().sum(axis=1)).min()))
 
     def choose_head_victims(self, pages):
@@ -131,12 +134,14 @@ class KVzip(EvictionPolicy):
             return super().choose_head_victims(pages)
         kept, values = pages.kept(), self.values(pages)
         droppable = kept & ~self.protected(pages)[None, :]
-        heads, slots = [], []
+        assert self.head_budgets is not None  # set by compress
+        heads: list[int] = []
+        slots: list[int] = []
         for head, (budget, row) in enumerate(zip(self.head_budgets[pages.layer], droppable, strict=True)):
             over = int(kept[head].sum()) + 1 - int(budget)
             candidates = np.flatnonzero(row)
             gone = candidates[np.lexsort((pages.positions[candidates], values[head, candidates]))[: max(0, over)]]
             heads += [head] * len(gone)
             slots += gone.tolist()
-        heads, slots = np.array(heads, dtype=np.int64), np.array(slots, dtype=np.int64)
-        return heads, slots, values[heads, slots]
+        head_ids, slot_ids = np.array(heads, dtype=np.int64), np.array(slots, dtype=np.int64)
+        return head_ids, slot_ids, values[head_ids, slot_ids]

@@ -65,7 +65,6 @@ class SnapKV(EvictionPolicy):
         if self.kernel % 2 == 0:
             raise ConfigError(f"{self.name}.kernel", self.kernel, "an odd number (pooling centred on each token)")
 
-    head_stats = False  # per KV head statistics (set by AdaKV before make_state)
 
     def make_state(self, n_slots):
         return ObservationWindow(n_slots, self.window, self.n_kv_heads if self.head_stats else None)

@@ -35,7 +35,6 @@ class Tova(EvictionPolicy):
     citation = "TOVA: Oren et al. 2024, Transformers are Multi-State RNNs, arXiv:2401.06104."
     reason = "lowest attention at the latest step"
 
-    head_stats = False  # per KV head statistics (set by AdaKV before make_state)
 
     def make_state(self, n_slots):
         return LatestAttention(n_slots, self.n_kv_heads if self.head_stats else None)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from collections.abc import Callable
+
 from pagevis.errors import ConfigError, check_int
 from pagevis.kvcache.policies.base import EvictionPolicy
 from pagevis.kvcache.rope_shift import inverse_frequencies, rotate
@@ -32,6 +34,9 @@ class PolicyWrapper:
         if name == "inner" or name.startswith("__"):  # not set yet (a copy being made): no recursion
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+Policy = EvictionPolicy | PolicyWrapper  # what a sequence evicts by: a scorer, or a scorer in wrappers
 
 
 class KeyRerotation(PolicyWrapper):
@@ -80,7 +85,7 @@ class PeriodicCompression(PolicyWrapper):
 
 # every token policy's options: option -> (its wrapper, the default that means no wrapper); applied in this
 # order, the first innermost
-WRAPPERS: dict[str, tuple[type[PolicyWrapper], int]] = {"rerotate": (KeyRerotation, 0),
+WRAPPERS: dict[str, tuple[Callable[[Policy, int], PolicyWrapper], int]] = {"rerotate": (KeyRerotation, 0),
                                                         "compress_every": (PeriodicCompression, 1)}
 SHARED_PARAMS = tuple(WRAPPERS)
 
@@ -103,12 +108,13 @@ def check_options(policy: type[EvictionPolicy], options: dict[str, object], capa
     return {"rerotate": rerotate, "compress_every": every}
 
 
-def wrap(policy: EvictionPolicy, options: dict[str, int]) -> EvictionPolicy | PolicyWrapper:
+def wrap(policy: EvictionPolicy, options: dict[str, int]) -> Policy:
     """The policy in the wrappers its (checked) options ask for."""
+    wrapped: Policy = policy
     for option, (wrapper, default) in WRAPPERS.items():
         if options[option] != default:
-            policy = wrapper(policy, options[option])
-    return policy
+            wrapped = wrapper(wrapped, options[option])
+    return wrapped
 
 
 def unwrapped(policy) -> EvictionPolicy:
