@@ -65,6 +65,11 @@ class Preset:
     def prompt_text(self) -> str:
         return prompt_resource(self.prompt)
 
+    @property
+    def title(self) -> str:
+        """The preset's full title in the Demo menu (and its test's id)."""
+        return self.name + (" (A/B)" if self.b is not None else "")
+
 
 def _config(**changes) -> SessionConfig:
     return replace(DEFAULT_CONFIG, **changes)
@@ -95,19 +100,23 @@ PRESETS: tuple[Preset, ...] = (
            point="H2O keeps the tokens attention returns to, wherever they are; sinks the first and the newest: "
                  "the grids hold different tokens."),
     Preset("vLLM page-level",
-           "Both sides read the same text in 4 pages of 16: A evicts like vLLM, a whole page at a time "
-           "(oldest-page); B one token at a time (oldest), the same 64-token budget. Pages are per layer here, "
-           "and token-level policies mix old and new positions within one page; vLLM never does.",
-           "explain-paging", *_versus("oldest-page", "oldest", page_size=16, max_pages=4), text=DEFAULT_TEXT,
-           point="vLLM frees whole pages: A drops 16 tokens at once (49-64 held, a saw-tooth); B drops one "
-                 "token a step and stays full."),
+           "Both sides read the same text in 4 pages of 16 and keep their first page (16 sink tokens, so both "
+           "read it well): A frees a whole page when the cache is full, as vLLM's block manager frees blocks; B "
+           "one token a step (StreamingLLM), the same 64-token budget. The right-hand plot is the tokens each "
+           "side holds, step by step.",
+           "explain-paging", _config(policy="sinks", page_size=16, max_pages=4,
+                                     policy_params={"n_sink": 16, "compress_every": 16}),
+           _config(policy="sinks", page_size=16, max_pages=4, policy_params={"n_sink": 16}), text=DEFAULT_TEXT,
+           point="vLLM frees whole pages: A drops 16 tokens at once and refills (49-64 held, a saw-tooth); B "
+                 "drops one a step and stays at 64."),
     Preset("Page size 8 vs 32",
-           "Both sides read the same text with whole-page eviction (oldest-page) and the same 64-token budget: "
-           "8 pages of 8 against 2 pages of 32.",
-           "explain-paging", _config(policy="oldest-page", page_size=8, max_pages=8),
-           _config(policy="oldest-page", page_size=32, max_pages=2), text=DEFAULT_TEXT,
-           point="The page is the unit of eviction: pages of 8 free 8 tokens, pages of 32 half the cache — B "
-                 "falls to 33 tokens and its perplexity rises."),
+           "Both sides read the same text with the same policy (4 sinks, then the oldest) and the same 64-token "
+           "budget, freeing a page's worth of tokens at a time: 8 pages of 8 against 2 pages of 32.",
+           "explain-paging", _config(policy="sinks", page_size=8, max_pages=8, policy_params={"compress_every": 8}),
+           _config(policy="sinks", page_size=32, max_pages=2, policy_params={"compress_every": 32}),
+           text=DEFAULT_TEXT,
+           point="Pages of 8 free 8 tokens at a time, pages of 32 half the cache: B holds ~48 tokens to A's ~60, "
+                 "and reads the text worse."),
     Preset("TOVA: least attended leaves",
            "A: TOVA evicts the token the latest query attends to least · B: H2O (accumulated attention).",
            "explain-paging", *_versus("tova", "h2o", max_pages=8, oracle=True),

@@ -13,6 +13,7 @@ import pytest
 from pagevis.cli.main import main
 from pagevis.engine import ModelSpec, SessionConfig
 from pagevis.engine.teacher_forced import TeacherForced, perplexity
+from pagevis.presets import find_preset
 
 TEXTS = Path(__file__).parent.parent / "resources" / "texts"
 HELD_OUT = TEXTS / "the-ferry-timetable.txt"
@@ -108,6 +109,6 @@ def test_the_apps_teacher_forced_flag_opens_the_ab_on_that_text(monkeypatch, tmp
     assert preset.a.page_size == preset.b.page_size == 8
     assert main(["--preset", "vLLM", "--teacher-forced", "the-ferry-timetable"]) == 0  # an A/B preset's sides
     preset = calls[-1]["preset"]
-    assert preset.name == "vLLM page-level" and preset.text == "the-ferry-timetable" and preset.b.policy == "oldest"
+    assert preset.name == "vLLM page-level" and preset.text == "the-ferry-timetable" and preset.b == find_preset("vLLM").b
     assert main(["--teacher-forced", str(tmp_path / "missing.txt")]) == 2
     assert "no such file" in capsys.readouterr().err

@@ -60,17 +60,22 @@ def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, sessi
     # A screenshot is a pure function of its arguments: it neither reads nor writes the user's settings.
     headless = bool(screenshot or recording)
     window = MainWindow(restore=not headless, persist=not headless)
+    ab = preset if preset is not None and preset.b is not None else None
+    if ab is not None:  # an A/B preset is the A/B window's session: the main window keeps its own settings
+        session_config = None if session_config == ab.a else session_config
+        prompt = None if prompt == ab.prompt_text() else prompt
+    given = model_spec is not None or prompt is not None or session_config is not None
     window.apply_arguments(model_spec, prompt, session_config)
     if present is not None:
         window.set_presentation(present)
-    if preset is not None:
+    if preset is not None and ab is None:
         window.presets.announce(preset)
+    window.start_note = start_note(window, preset, given)
     if probe is not None:
         probe.mark("window")
         probe.watch(app, window)
     if metrics is not None:
         _observe_sessions(window.runner, metrics)
-    ab = preset if preset is not None and preset.b is not None else None
     if recording is not None:
         from pagevis.gui.video_frames import record_from_launch
 
@@ -88,6 +93,17 @@ def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, sessi
     if window.isVisible():  # the loop ended without the window closing (app.quit): stop the decoder all the same
         window.close()
     return code
+
+
+def start_note(window, preset, given: bool) -> str:
+    """What the status bar says once the first session is ready: whose settings the window opened with."""
+    if preset is not None and preset.b is None:
+        return f"Preset {preset.name!r}: a session of its own, not saved · a plain launch opens your settings"
+    if given:
+        return "Opened with the command line's settings"
+    if window.restored_config:
+        return "Restored your last settings · Demo ▸ Default resets them"
+    return "The default settings (README) · Demo ▸ presets for the other demos"
 
 
 def launch_server(model_spec: ModelSpec | None = None, preset=None, screenshot: str | None = None,

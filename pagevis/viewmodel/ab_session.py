@@ -136,7 +136,8 @@ class ForcedPair:
 
     @property
     def stop_reason(self) -> str | None:
-        return _stop_reason(self.a.session, self.b.session)
+        """"end of text" once the sides have read the whole text (their sessions call it max_new_tokens)."""
+        return "end of text" if self.done else None
 
     def step(self) -> LockstepStep:
         a, b, full = self.a.step(), self.b.step(), self.full.step()
@@ -200,7 +201,7 @@ class Repetition:
 
 
 COLUMNS = ("kl_ab", "top1_agree", "same_token", "kl_a_full", "kl_b_full", "lp_a_full", "lp_b_full", "rep_a",
-           "rep_b", "scored", "evictions_a", "evictions_b")
+           "rep_b", "scored", "evictions_a", "evictions_b", "held_a", "held_b")
 SIDES = ("a", "b", "full")
 
 
@@ -226,7 +227,8 @@ class ABTimeline:
             self.a.extend([step.a])
             self.b.extend([step.b])
             self._log = _grow(self._log, self._count)
-            self._log[self._count] = (*self._row(step), step.a.evictions_total, step.b.evictions_total)
+            self._log[self._count] = (*self._row(step), step.a.evictions_total, step.b.evictions_total,
+                                      step.a.resident_tokens, step.b.resident_tokens)
             self._count += 1
 
     def _row(self, step: LockstepStep) -> tuple:
@@ -256,6 +258,20 @@ class ABTimeline:
         different = np.flatnonzero(self.series("same_token") == 0.0)
         return int(different[0]) if different.size else None
 
+    def held(self, side: str, index: int) -> tuple[float, int, int] | None:
+        """Tokens side "a" or "b" held (layer 0) from its first eviction to step `index`: mean, least, most;
+        None before it first evicted."""
+        first = self.first_eviction(side)
+        if first is None or first > index:
+            return None
+        held = self.series(f"held_{side}")[first: index + 1]
+        return float(held.mean()), int(held.min()), int(held.max())
+
+    def held_apart(self, index: int, layer: int = 0) -> int:
+        """Token positions one side holds in `layer` and the other does not, at step `index`."""
+        kept = [set(m[m >= 0].tolist()) for m in (side.record(index).slot_maps[layer] for side in (self.a, self.b))]
+        return len(kept[0] ^ kept[1])
+
     # --- teacher-forced ----------------------------------------------------------------------------
     def scored_at(self, index: int) -> int:
         """Tokens scored up to and including step `index` (teacher-forced)."""
@@ -280,6 +296,40 @@ class ABTimeline:
         return float(np.exp(np.mean(nll))) if len(nll) else None
 
 
+def side_labels(configs: ABConfig) -> tuple[str, str]:
+    """How every legend and headline names the sides: "A" / "B" and what differs between them — the policy,
+    the pages ("A 8×8" / "B 2×32"), the sinks, what a full cache frees at once ("A frees pages" / "B frees
+    tokens") — so that two sides of one policy are never named alike."""
+    a, b = configs
+    described = [[_freed(c), f"{dict(c.policy_params).get('n_sink', 'default')} sinks"] for c in configs]
+    labels = []
+    for name, mine, other, (freed, sinks), (other_freed, other_sinks) in (
+            ("A", a, b, *described), ("B", b, a, *described[::-1])):
+        parts = [mine.policy] if mine.policy != other.policy else []
+        if (mine.page_size, mine.max_pages) != (other.page_size, other.max_pages):
+            parts.append(f"{mine.max_pages}×{mine.page_size}")
+        parts += [words for words, others in ((sinks, other_sinks), (freed, other_freed)) if words != others]
+        labels.append(f"{name} " + (", ".join(parts) or mine.policy))
+    return labels[0], labels[1]
+
+
+def _freed(config: SessionConfig) -> str:
+    """What a full cache frees at once: tokens (one a step), pages (a page's worth), or n tokens."""
+    n = int(dict(config.policy_params).get("compress_every", 1))
+    return "frees tokens" if n == 1 else "frees pages" if n == config.page_size else f"frees {n} at once"
+
+
+def held_text(timeline: ABTimeline, index: int, labels: tuple[str, str]) -> str:
+    """"held A … 60 (57-64) · B … 48 (33-64)": the tokens each side held since its first eviction."""
+    parts = []
+    for label, side in zip(labels, "ab"):
+        held = timeline.held(side, index)
+        if held is not None:
+            mean, low, high = held
+            parts.append(f"{html.escape(label.split(' ')[0])} {mean:.0f}" + (f" ({low}-{high})" if low != high else ""))
+    return "tokens held " + " · ".join(parts) if parts else ""
+
+
 GOOD, WARN, PLAIN = "#7ee787", "#ffb020", "#d8dce3"
 
 
@@ -292,16 +342,21 @@ def describe(timeline: ABTimeline | None, index: int, labels: tuple[str, str] = 
         return ""
     a, b = timeline.a.record(index), timeline.b.record(index)
     layers = timeline.info.n_layers
-    evictions = (f"step {index}: evicted per layer {labels[0]} {a.evictions_total / layers:.0f} · "
-                 f"{labels[1]} {b.evictions_total / layers:.0f}")
+    short = [html.escape(label.split(" ")[0]) for label in labels]
+    evictions = (f"step {index}: evicted per layer {short[0]} {a.evictions_total / layers:.0f} · "
+                 f"{short[1]} {b.evictions_total / layers:.0f}")
     if timeline.forced:
         scored = timeline.scored_at(index)
         ppl = [timeline.ppl(side, scored) for side in SIDES]
         if ppl[0] is None:
             return evictions
+        held = held_text(timeline, index, labels)
         return (f"<b>ppl after {scored} tokens: full {ppl[2]:.1f} · {html.escape(labels[0])} {ppl[0]:.1f} · "
-                f"{html.escape(labels[1])} {ppl[1]:.1f}</b> · {evictions}")
+                f"{html.escape(labels[1])} {ppl[1]:.1f}</b>" + (f" · <b>{held}</b>" if held else "") +
+                f" · {evictions}")
     parts = [evictions]
+    if a.evictions_total or b.evictions_total:
+        parts.append(f"<b>the grids hold {timeline.held_apart(index)} different tokens</b>")
     diverged = timeline.first_divergence()
     if diverged is None or diverged > index:
         kl = timeline.series("kl_ab")[index]

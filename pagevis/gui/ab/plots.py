@@ -4,7 +4,9 @@ Teacher-forced ("same text"): the running perplexity of A, B and the full cache 
 scale; the window's leaves the full cache's at its first eviction), and each token's NLL (faint) with its
 16-token mean. Free-running: KL(A‖B) while both still predict after the same text (after the texts diverge it
 only says that they differ, so the curve stops there), then each side's repetition rate — the share of its
-newest 64 tokens that repeat a 4-gram it already wrote: a side that loops climbs towards 1.
+newest 64 tokens that repeat a 4-gram it already wrote: a side that loops climbs towards 1. In both modes a
+third plot draws the tokens each side holds (layer 0) step by step: a cache that frees a page at once draws a
+saw-tooth, one that frees a token a step a flat line at its capacity.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pagevis.gui.widgets import theme
 from pagevis.viewmodel.ab_session import REPEAT_N, REPEAT_WINDOW, ABTimeline
 
 SMOOTH = 16  # tokens in the NLL plot's running mean
+WARM_UP_SKIP = 32  # the perplexity axis fits the curves after this many tokens: the first tokens' spike is clipped
 COLORS = {"a": theme.SERIES[1], "b": theme.SERIES[2], "full": "#e8e8e8"}  # A orange, B green, full white
 
 
@@ -55,12 +58,18 @@ class ABPlots(QWidget):
     def __init__(self, parent=None):
         super().__init__(parent)
         self.left_widget, self.right_widget = pg.GraphicsLayoutWidget(), pg.GraphicsLayoutWidget()
+        self.held_widget = pg.GraphicsLayoutWidget()
         self.left = _plot(self.left_widget, "perplexity", "tokens read")
         self.right = _plot(self.right_widget, "NLL (nats)", "token")
+        self.held_plot = _plot(self.held_widget, "tokens held", "step")
+        self.left.getAxis("left").enableAutoSIPrefix(False)  # a log axis's ticks are the values themselves
         layout = QHBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.left_widget, 3)
         layout.addWidget(self.right_widget, 2)
+        layout.addWidget(self.held_widget, 2)
+        self.held = {side: self.held_plot.plot(pen=pg.mkPen(COLORS[side], width=2.0))
+                     for side in ("a", "b")}
         self.setMinimumHeight(150)
         self.ppl = {side: self.left.plot() for side in ("full", "a", "b")}  # the full cache's a band beneath
         self.raw = {side: self.right.plot(pen=pg.mkPen(pg.mkColor(COLORS[side]).lighter(60), width=1))
@@ -74,6 +83,8 @@ class ABPlots(QWidget):
             line.hide()
             self.evicted[side] = line
         self.cursors = []
+        self.held_cursor = pg.InfiniteLine(angle=90, pen=pg.mkPen(theme.ACCENT, style=Qt.DashLine))
+        self.held_plot.addItem(self.held_cursor, ignoreBounds=True)
         for plot in (self.left, self.right):
             cursor = pg.InfiniteLine(angle=90, pen=pg.mkPen(theme.ACCENT, style=Qt.DashLine))
             plot.addItem(cursor, ignoreBounds=True)
@@ -96,8 +107,7 @@ class ABPlots(QWidget):
         if forced:
             self.titles = {self.left: ("running perplexity", names, ("full", "a", "b"), ""),
                            self.right: (f"NLL, {SMOOTH}-token mean", names, ("full", "a", "b"), "")}
-            # a log axis labels every minor tick (2, 3, ... 9 × 10^k), which overlap on a short plot: decades only
-            self.left.getAxis("left").setTicks([[(k, f"{10 ** k:g}") for k in range(7)], []])
+            self._decades(1)
             self.left.setLabel("left", "perplexity (log)")
             self.left.setLabel("bottom", "tokens read")
             self.right.setLabel("left", "NLL (nats)")
@@ -111,12 +121,20 @@ class ABPlots(QWidget):
             self.left.setLabel("bottom", "step")
             self.right.setLabel("left", "repetition")
         self.right.setLabel("bottom", "token" if forced else "step")
-        for curve in (*self.ppl.values(), *self.raw.values(), *self.smooth.values()):
+        self.held_plot.setLabel("bottom", "tokens read" if forced else "step")
+        self.titles[self.held_plot] = ("tokens held", names, ("a", "b"), "")
+        for curve in (*self.ppl.values(), *self.raw.values(), *self.smooth.values(), *self.held.values()):
             curve.setData([], [])
-        for plot in (self.left, self.right):  # from 0, not pyqtgraph's default −0.5 .. 0.5 or a log decade
+        self.held_plot._grown = (None, None)
+        for plot in (self.left, self.right, self.held_plot):  # from 0, not pyqtgraph's default −0.5 .. 0.5 or a log decade
             theme.grow_range(plot, 1, 1)
 
         self._retitle()
+
+    def _decades(self, top: int) -> None:
+        """A log axis labels every minor tick (2, 3, ... 9 × 10^k), which overlap on a short plot: the decades
+        up to 10^top only, each labelled with its value (the axis is log10 of the perplexity)."""
+        self.left.getAxis("left").setTicks([[(k, f"{10 ** k:g}") for k in range(max(top, 1) + 1)], []])
 
     def _retitle(self) -> None:
         """Each plot's title: its legend, with the title's words (and the free-running KL key and note) only
@@ -157,10 +175,11 @@ class ABPlots(QWidget):
         total = timeline.scored_at(len(timeline) - 1)
         x = np.arange(1, total + 1, dtype=np.float64)
         top = 1.0
+        skip = WARM_UP_SKIP if total > 2 * WARM_UP_SKIP else 0
         for side, curve in self.ppl.items():
             ppl = timeline.running_ppl(side)
             curve.setData(x, ppl)
-            top = max(top, float(ppl.max(initial=1.0)))
+            top = max(top, float(ppl[skip:].max(initial=1.0)))  # the warm-up's spike leaves the top: clipped
         for side in ("full", "a", "b"):
             nll = timeline.nll(side)
             if side in self.raw:
@@ -168,11 +187,14 @@ class ABPlots(QWidget):
             kernel = np.ones(min(SMOOTH, max(len(nll), 1))) / min(SMOOTH, max(len(nll), 1))
             mean = np.convolve(nll, kernel, mode="valid") if len(nll) else nll
             self.smooth[side].setData(x[len(x) - len(mean):], mean)
-        theme.grow_range(self.left, max(total, 16), np.log10(max(top, 10.0)) * 1.05, x_step=64)
+        decades = float(np.log10(max(top, 10.0)))
+        theme.grow_range(self.left, max(total, 16), decades * 1.05, x_step=64)
+        self._decades(int(np.ceil(self.left.getViewBox().viewRange()[1][1])))
         self.right.enableAutoRange(axis="y")
         self.right.setXRange(0, max(total, 16), padding=0.02)
         for cursor in self.cursors:
             cursor.setValue(shown)
+        self._show_held(timeline, timeline.series("scored"), shown)
         self._mark_evictions(timeline)
 
     def _mark_evictions(self, timeline: ABTimeline) -> None:
@@ -210,3 +232,14 @@ class ABPlots(QWidget):
         self.right.setXRange(0, max(count - 1, 1), padding=0.02)
         for cursor in self.cursors:
             cursor.setValue(max(index, 0))
+        self._show_held(timeline, steps, max(index, 0))
+
+    def _show_held(self, timeline: ABTimeline, x: np.ndarray, at: float) -> None:
+        """Each side's tokens held (layer 0) per step, against `x` (tokens read, or the step)."""
+        top = 1
+        for side, curve in self.held.items():
+            held = timeline.series(f"held_{side}")
+            curve.setData(x, held)
+            top = max(top, int(held.max(initial=1)))
+        theme.grow_range(self.held_plot, max(float(x[-1]) if len(x) else 1, 16), top * 1.1, x_step=64)
+        self.held_cursor.setValue(at)

@@ -29,11 +29,11 @@ from pagevis.gui.widgets.layout import splitter, stacked
 from pagevis.gui.widgets.page_grid import PageGridView
 from pagevis.gui.widgets.setting_inputs import spin as _spin
 from pagevis.gui.widgets.text import TextView
-from pagevis.gui.widgets.transport import TimelineCursor
+from pagevis.gui.widgets.transport import PRESENTER_PACE, TimelineCursor, speed_box
 from pagevis.gui.widgets.windows import add_close_keys
 from pagevis.kvcache import ConfigError
 from pagevis.presets import DEFAULT_TEXT, preset_named, shipped_text, shipped_texts
-from pagevis.viewmodel.ab_session import ABConfig, ABTimeline, describe
+from pagevis.viewmodel.ab_session import ABConfig, ABTimeline, describe, side_labels
 from pagevis.viewmodel.view_state import ViewState
 
 FRAME_INTERVAL_MS = 100  # redraw at most 10 times a second while decoding (two grids and two texts)
@@ -64,7 +64,7 @@ class ABWindow(TimelineCursor, QMainWindow):
         text = text or (self.preset.text if self.preset is not None else None)
         if text:
             self.choose_text(text, restart=False)
-        self.plots.set_mode(bool(text), tuple(controls.label for controls, _, _ in self.sides))
+        self.plots.set_mode(bool(text), self.side_labels())
         self.runner.started.connect(self._started)
         self.runner.records.connect(self._arrived)
         self.runner.state_changed.connect(self._state_changed)
@@ -119,9 +119,18 @@ class ABWindow(TimelineCursor, QMainWindow):
         self.step_action.setToolTip("Next recorded step when scrubbed back; at the newest, decode one step of both (→)")
         self.reset_action = QAction(theme.icon("reset"), "Reset", self, shortcut=QKeySequence("Ctrl+R"))
         self.back_action = QAction("Back", self, shortcut=QKeySequence(Qt.Key_Left))
+        self.first_action = QAction("First step", self, shortcut=QKeySequence(Qt.Key_Home))
+        self.last_action = QAction("Latest step", self, shortcut=QKeySequence(Qt.Key_End))
         for action in (self.play_action, self.step_action, self.reset_action):
             bar.addAction(action)
-        self.addAction(self.back_action)
+        self.speed = speed_box(PRESENTER_PACE)
+        self.speed.currentIndexChanged.connect(lambda *_: self.runner.set_interval(self.speed.currentData()))
+        self.runner.set_interval(self.speed.currentData())
+        bar.addWidget(self.speed)
+        for action in (self.back_action, self.first_action, self.last_action):
+            self.addAction(action)
+        self.first_action.triggered.connect(lambda: self.scrub(0))
+        self.last_action.triggered.connect(lambda: self.scrub(len(self.timeline) - 1 if self.timeline else -1))
         self.play_action.triggered.connect(self.toggle_play)
         self.step_action.triggered.connect(self.step)
         self.reset_action.triggered.connect(lambda: self.restart("reset"))
@@ -216,8 +225,7 @@ class ABWindow(TimelineCursor, QMainWindow):
         for controls, _, _ in self.sides:
             controls.update_header()
             controls.oracle.setEnabled(text is None)  # teacher-forced: the full cache is always beside them
-        labels = tuple(controls.label for controls, _, _ in self.sides)
-        self.plots.set_mode(text is not None, labels)
+        self.plots.set_mode(text is not None, self.side_labels())
         self.runner.configure(self.spec, self.prompt if text is None else text, (configs, text is not None),
                               blocking=blocking)
 
@@ -285,8 +293,11 @@ class ABWindow(TimelineCursor, QMainWindow):
     def describe(self) -> str:
         """One line: the perplexities so far (teacher-forced), or where the texts diverge and how each side
         is doing (free-running)."""
-        labels = tuple(controls.label for controls, _, _ in self.sides)
-        return describe(self.timeline, self.index, labels)
+        return describe(self.timeline, self.index, self.side_labels())
+
+    def side_labels(self) -> tuple[str, str]:
+        """The sides' names in every legend and headline ("A sinks, 8×8, frees 8 at once"): never alike."""
+        return side_labels(self.configs())
 
     def closeEvent(self, event) -> None:
         self._frame.stop()

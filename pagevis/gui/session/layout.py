@@ -127,6 +127,8 @@ class DockLayout:
         for dock in w.docks.values():  # the tabs name the docks: no title bars under them
             dock.setTitleBarWidget(QWidget(dock) if on else None)
         w.presentation_action.setChecked(on)
+        if on:
+            w.transport.use_presenter_pace()
         if w.presets.banner.isVisible():
             w.presets.banner.set_large(on)
         w.status_step.setVisible(not on)

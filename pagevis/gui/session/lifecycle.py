@@ -129,10 +129,13 @@ class SessionLifecycle:
             kept = f" · Ctrl+Z: the previous run ({len(previous.timeline)} steps)" if previous is not None else ""
             self.statusBar().showMessage(f"{self._restart_reason[0].upper()}{self._restart_reason[1:]}: "
                                          f"restarted{kept}", 8000)
+        elif self.start_note:  # the first session: whose settings these are
+            self.statusBar().showMessage(self.start_note, 12000)
+        self.start_note = ""
         self.transport.previous_action.setEnabled(previous is not None)
-        self._restart_reason = ""
+        reason, self._restart_reason = self._restart_reason, ""
         self.request_render()
-        self.presets.session_started()
+        self.presets.session_started(reason)
 
     def fit_model_status(self) -> None:
         """The status bar's model: its name, and its weights (types and size) where the window is wide enough
@@ -156,6 +159,7 @@ class SessionLifecycle:
             self._report(f"Could not open trace {path}: {error}")
             return False
         self.runner.replay(trace)
+        self.session_source = "trace"  # a replay's settings are not the user's to save
         self.setWindowTitle(f"pagevis — replay of {Path(path).name} ({model_title(trace.model_label)})")
         self.controls.set_configuration(prompt=trace.prompt, config=trace.config)
         self.scrub(0)

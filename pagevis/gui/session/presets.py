@@ -98,6 +98,7 @@ class PresetPlayer:
     def __init__(self, window):
         self.window = window
         self.current = None  # the preset whose session is shown (None once a setting changed)
+        self._pending = False  # the next session to start is the current preset's
         self.play_on_start = False  # the next session to start plays by itself
         self.model_from_preset = False  # the model was a preset's own (Gemma's): a later preset returns to ours
         self.titles: dict[str, str] = {}  # model label → the name a preset gave it
@@ -126,12 +127,13 @@ class PresetPlayer:
         kind = spec.kind if spec is not None else controls.model.currentData()
         prompt = preset.prompt_text() if kind != "synthetic" or preset.model else default_prompt("synthetic")
         self.model_from_preset = preset.model is not None
-        self.announce(preset)
-        if preset.b is not None:
+        w.transport.use_presenter_pace()  # a preset plays at a pace an audience follows, never at max speed
+        if preset.b is not None:  # the A/B window's session, its banner there: the main window's stays as it is
             if spec is not None:
                 controls.set_configuration(spec)
             w.open_ab(preset.a, preset.b, prompt, title=preset.name, play=True)
             return
+        self.announce(preset)
         controls.set_configuration(spec, prompt, preset.a)
         if is_default(preset):
             controls.layer.setValue(0)
@@ -139,18 +141,32 @@ class PresetPlayer:
         w.restart(f"preset {preset.name!r}")
 
     def announce(self, preset) -> None:
-        """The preset's point in the banner (also for a preset given on the command line)."""
+        """The preset's point in the banner for the session about to start (also for a preset given on the
+        command line). The session is the preset's: the window does not save its settings."""
         self.current = preset
+        self._pending = True
+        self.window.session_source = "preset"
         self.banner.show_preset(preset, large=self.window.presentation)
 
-    def session_started(self) -> None:
-        """The new session is ready: play it if a preset asked to."""
-        if self.play_on_start:
-            self.play_on_start = False
-            self.window.runner.play()
+    def session_started(self, reason: str = "") -> None:
+        """A new session is ready: the preset's own (play it if the preset asked to), the preset's restarted
+        (Reset keeps the banner), or another one (a replay, the previous run): the banner goes with the
+        preset's session."""
+        if getattr(self, "_pending", False) or (self.current is not None and reason == "reset"):
+            self._pending = False
+            if self.play_on_start:
+                self.play_on_start = False
+                self.window.runner.play()
+            return
+        self.drop()
 
     def settings_changed(self) -> None:
         """The user changed a setting: the session is no longer the preset's."""
+        self.drop()
+
+    def drop(self) -> None:
+        """No preset's session is shown: no banner (nor in an export of the window)."""
         self.current = None
+        self._pending = False
         self.play_on_start = False
         self.banner.hide()

@@ -51,6 +51,8 @@ class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMain
         """`restore`: start from the saved layout and configuration; `persist`: save them on close."""
         super().__init__()
         self.persist = persist
+        # whose configuration the controls show (save_settings), whether it was restored, what the first session says
+        self.session_source, self.restored_config, self.start_note = "own", False, ""
         self.setWindowTitle("pagevis — paged KV cache, live")
         self.setWindowIcon(theme.icon("pagevis"))
         self.settings = settings if settings is not None else QSettings()
@@ -209,8 +211,7 @@ class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMain
         play_menu.addAction("&A/B compare…", self.open_ab, QKeySequence("Ctrl+B"))
         demo_menu = self.menuBar().addMenu("De&mo")  # the presets, also where the controls are a tab away
         for preset in PRESETS:
-            action = demo_menu.addAction(preset.name + (" (A/B)" if preset.b is not None else ""),
-                                         lambda p=preset: self.apply_preset(p))
+            action = demo_menu.addAction(preset.title, lambda p=preset: self.apply_preset(p))
             action.setToolTip(preset.description)
         demo_menu.addSeparator()
         demo_menu.addAction("&Tour", self.start_tour)
@@ -255,7 +256,7 @@ class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMain
         r.failed.connect(self._failed)
         r.state_changed.connect(self._state_changed)
         r.message.connect(lambda text: self.statusBar().showMessage(text, 5000))
-        self.controls.session_changed.connect(lambda *_: self.presets.settings_changed())
+        self.controls.session_changed.connect(lambda *_: self._own_settings())
         self.controls.session_changed.connect(self.restart)
         self.controls.preset_chosen.connect(self.apply_preset)
         self.controls.view_changed.connect(self.request_render)
@@ -316,6 +317,11 @@ class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMain
         dock.raise_()
 
     # --- settings and closing ----------------------------------------------------------------------
+    def _own_settings(self) -> None:
+        """The user changed a setting: the session is theirs now (no longer a preset's), and saved on close."""
+        self.session_source = "own"
+        self.presets.settings_changed()
+
     def _restore_settings(self) -> bool:
         """Restore the saved layout and configuration; True if there was a saved geometry."""
         s = self.settings
@@ -330,19 +336,24 @@ class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMain
         if isinstance(raw, str) and raw:
             try:
                 self.controls.from_dict(json.loads(raw))
+                self.restored_config = True
             except (ValueError, TypeError):
                 pass
         return bool(restored)
 
     def save_settings(self) -> None:
+        """The layout, and the configuration if it is the user's own (session_source "own": restored, given as
+        flags or changed by hand): a preset's ("preset") or a replay's ("trace") session never replaces it, so a
+        plain launch opens the user's last settings, or the defaults."""
         s = self.settings
         s.setValue("window/geometry", self.saveGeometry())
         s.setValue("window/state", self.saveState(SETTINGS_VERSION))
         s.setValue("window/presentation", self.presentation)
-        try:
-            s.setValue("session/config", json.dumps(self.controls.to_dict()))
-        except (ConfigError, ValueError):
-            pass
+        if self.session_source == "own":
+            try:
+                s.setValue("session/config", json.dumps(self.controls.to_dict()))
+            except (ConfigError, ValueError):
+                pass
         s.sync()
 
     def apply_arguments(self, spec: ModelSpec | None, prompt: str | None, config: SessionConfig | None) -> None:

@@ -10,6 +10,19 @@ from PySide6.QtWidgets import QComboBox, QLabel, QSlider, QStyle, QStyleOptionSl
 from pagevis.gui.widgets.theme import STATE_COLORS, icon
 
 SPEEDS = (("max speed", 0.0), ("30 tok/s", 1 / 30), ("10 tok/s", 0.1), ("4 tok/s", 0.25), ("1 tok/s", 1.0))
+PRESENTER_PACE = "4 tok/s"  # the presentation layout's, the presets' and the A/B window's pace: an audience reads it
+
+
+def speed_box(default: str = SPEEDS[0][0]) -> QComboBox:
+    """The playback speed choice (seconds per step as its data), showing `default`; it never takes the focus:
+    the arrow keys belong to step / scrub."""
+    box = QComboBox()
+    for label, seconds in SPEEDS:
+        box.addItem(label, seconds)
+    box.setCurrentIndex(max(box.findText(default), 0))
+    box.setToolTip("playback speed")
+    box.setFocusPolicy(Qt.NoFocus)
+    return box
 
 
 class TimelineCursor:
@@ -129,11 +142,7 @@ class TransportBar(QToolBar):
         self.last_action.setShortcut(QKeySequence(Qt.Key_End))
         for action in (self.play_action, self.step_action, self.reset_action):
             self.addAction(action)
-        self.speed = QComboBox()
-        for label, seconds in SPEEDS:
-            self.speed.addItem(label, seconds)
-        self.speed.setToolTip("playback speed")
-        self.speed.setFocusPolicy(Qt.NoFocus)
+        self.speed = speed_box()
         self.speed.currentIndexChanged.connect(lambda *_: self.speed_changed.emit(self.speed.currentData()))
         self.addWidget(self.speed)
         self.addSeparator()
@@ -148,6 +157,12 @@ class TransportBar(QToolBar):
         self.position.setAlignment(Qt.AlignRight | Qt.AlignVCenter)
         self.addWidget(self.position)
         self._updating = False
+
+    def use_presenter_pace(self) -> None:
+        """At max speed, slow to the presenter's pace (a preset plays, the presentation layout comes on); a
+        speed the user chose stays."""
+        if self.speed.currentData() == 0.0:
+            self.speed.setCurrentIndex(self.speed.findText(PRESENTER_PACE))
 
     def set_playing(self, playing: bool) -> None:
         self.play_action.setIcon(icon("pause" if playing else "play"))
