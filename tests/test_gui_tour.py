@@ -37,6 +37,9 @@ def test_the_tour_opens_and_runs_each_window_in_turn(qtbot, window):
     qtbot.waitUntil(lambda: server.worker is None, timeout=10000)
     tour.next()
     assert not tour.isVisible()
+    # Finish leaves nothing the tour started open or running
+    assert not any(w.isVisible() for w in (ab, seqs, server)) and server.worker is None
+    assert not ab.runner.busy and not seqs.busy
 
 
 def test_pagevis_tour_starts_the_tour(monkeypatch):

@@ -41,13 +41,25 @@ def test_run_teacher_forced_gives_compares_ppl_and_full_ppl(capsys, policy):
     assert run["evictions"] > 0 and run["ppl"] != run["full_ppl"]
 
 
-def test_run_teacher_forced_reads_512_tokens_or_the_whole_shorter_text(capsys, tmp_path):
+def test_run_teacher_forced_reads_a_shorter_text_whole(capsys, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("A few words only, read whole.", encoding="utf-8")
     run = run_json(capsys, ["run", *SYNTHETIC, "--teacher-forced", str(short), "--json"])
-    assert run["tokens"] == run["text_tokens"] - 1 == len(run["nll"]) and run["text_tokens"] < 512
-    run = run_json(capsys, ["run", *SYNTHETIC, "--max-pages", "64", "--teacher-forced", str(HELD_OUT), "--json"])
-    assert run["text_tokens"] == 512 and run["tokens"] == 511
+    assert run["tokens"] == run["text_tokens"] - 1 == len(run["nll"]) == run["text_total_tokens"] - 1
+
+
+@pytest.mark.slow  # 4096 tokens (12 s on a busy machine)
+def test_run_teacher_forced_reads_up_to_its_cap_and_says_when_the_cap_cut_it(capsys, tmp_path):
+    from pagevis.cli.teacher_forced import CAP
+
+    assert CAP >= 4096
+    long = tmp_path / "long.txt"  # the synthetic model's byte tokenizer: one token per byte
+    long.write_text("paging " * (CAP // 7 + 20), encoding="utf-8")
+    assert main(["run", *SYNTHETIC, "--teacher-forced", str(long), "--json"]) == 0
+    out, err = capsys.readouterr()
+    run = json.loads(out)
+    assert run["tokens"] == CAP - 1 == len(run["nll"]) and run["text_total_tokens"] > CAP
+    assert f"read the first {CAP} of the text's {run['text_total_tokens']} tokens" in err
 
 
 def test_teacher_forced_flags_that_do_not_apply_are_refused(capsys):

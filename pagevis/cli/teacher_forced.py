@@ -15,7 +15,7 @@ import time
 from pagevis.cli import options
 from pagevis.cli.options import UsageError
 
-DEFAULT_TOKENS = 512  # as compare's --tokens
+CAP = 4096  # tokens run --teacher-forced reads of a text by default (the whole text when shorter); --tokens N for more
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
@@ -26,8 +26,8 @@ def add_options(parser: argparse.ArgumentParser) -> None:
                              "tokens (the numbers of `pagevis compare` for this cache and policy)")
     parser.add_argument("--tokens", type=int, metavar="N",
                         help=f"with --teacher-forced: read the text's first N tokens, scoring the N - 1 "
-                             f"predictions among them (default {DEFAULT_TOKENS} as in compare, or the whole "
-                             f"text if shorter)")
+                             f"predictions among them (default: the whole text, at most {CAP} tokens; stderr says "
+                             f"when that cap cut it)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -38,7 +38,7 @@ def main(args: argparse.Namespace) -> int:
     from pagevis.engine.teacher_forced import TeacherForced, perplexity
     from pagevis.kvcache import CacheFullError
 
-    tokens = DEFAULT_TOKENS if args.tokens is None else args.tokens
+    tokens = CAP if args.tokens is None else args.tokens
     options.check_range("--tokens", tokens, 2, MAX_TOKENS)
     for flag, given in (("--trace", args.trace), ("--n", args.n > 1), ("--prompt", getattr(args, "prompt", None))):
         if given:
@@ -47,7 +47,11 @@ def main(args: argparse.Namespace) -> int:
     config = replace(options.session_config(args), record_layers=())
     text = load_text(args.teacher_forced)
     model = spec.load()
-    ids = model.tokenizer.encode(text)[:tokens]
+    whole = model.tokenizer.encode(text)
+    ids = whole[:tokens]
+    if args.tokens is None and len(whole) > CAP:
+        print(f"run --teacher-forced: read the first {CAP} of the text's {len(whole)} tokens (the default cap; "
+              f"--tokens N reads N)", file=sys.stderr)
     if len(ids) < 2:
         raise UsageError("--teacher-forced: the text is too short: it must encode to at least 2 tokens")
     started = time.perf_counter()
@@ -64,6 +68,7 @@ def main(args: argparse.Namespace) -> int:
     evicting = slice(min(config.capacity, len(ids) - 1), len(ids) - 1)
     result = {
         "model": spec.label, "text": args.teacher_forced, "text_tokens": len(ids), "tokens": len(ids) - 1,
+        "text_total_tokens": len(whole),
         "policy": config.policy, "page_size": config.page_size, "max_pages": config.max_pages,
         "capacity": config.capacity, "dtype": config.dtype,
         "ppl": perplexity(-scores.logprobs), "full_ppl": full_ppl,

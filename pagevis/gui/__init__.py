@@ -135,7 +135,10 @@ def launch_attached_server(model_spec: ModelSpec | None, events: str | None, met
     app = _application()
     from pagevis.gui.server.attached import AttachedServerWindow, detokenizer_for
 
+    from pagevis.gui.widgets.windows import place_beside
+
     window = AttachedServerWindow(events, metrics_url, detokenizer_for(model_spec or ModelSpec()))
+    place_beside(window, None, steps=0)  # at most the screen's size, wholly on it (it opened at 1600 × 1000)
     window.show()
     return app.exec()
 

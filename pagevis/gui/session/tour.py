@@ -1,6 +1,7 @@
 """Help ▸ Tour: the three windows that show what paging does, one after another, each on real sessions of the
 main window's model, with one line on what to look at. The tour only opens and starts the windows; they run as
-they do when opened by hand."""
+they do when opened by hand. One step's window at a time: the next step closes the one before, and Finish (or
+Close, Esc) closes the last, so nothing the tour started keeps running after it."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ STEPS = (
     ("1 / 3 · StreamingLLM", "Both read the same text: A keeps a window of the newest tokens, B also keeps 4 sink "
                              "tokens. At the first eviction A's perplexity curve leaves the full cache's; B's stays "
                              "with it."),
-    ("2 / 3 · Sequences", "Four samples of one prompt in one pool: amber pages are shared (×4), and the bars "
-                          "compare pages used with sharing, without it, and a contiguous reservation."),
+    ("2 / 3 · Sequences", "Four samples of one prompt in one pool: amber pages are shared (×N: by N sequences), "
+                          "and the bars compare pages used with sharing, without it, and a contiguous reservation."),
     ("3 / 3 · Server", "Requests arrive with one system prompt: A (prefix caching on) computes its pages once and "
                        "reuses them, B computes them for every request; compare the hit rate and TTFT rows."),
 )
@@ -29,6 +30,7 @@ class Tour(QWidget):
         super().__init__(main, Qt.Window)
         self.main = main
         self.index = -1
+        self.opened: list[QWidget] = []  # the window the current step opened
         self.setWindowTitle("pagevis — tour")
         self.title = QLabel()
         self.title.setStyleSheet("font-weight: bold; font-size: 14px;")
@@ -79,12 +81,26 @@ class Tour(QWidget):
         self.title.setText(STEPS[index][0])
         self.line.setText(STEPS[index][1])
         self.next_button.setText("Next" if index < len(STEPS) - 1 else "Finish")
+        self._close_opened()
         if index == 0:
             self.main.apply_preset(find_preset("streaming"))  # the A/B window, both sides playing
+            opened = self.main.ab_window
         elif index == 1:
-            sequences = self.main.open_sequences()
-            if sequences is not None and sequences.start():
-                sequences.run_button.setChecked(True)
+            opened = self.main.open_sequences()
+            if opened is not None and opened.start():
+                opened.run_button.setChecked(True)
         else:
-            self.main.open_server()  # it serves at once
+            opened = self.main.open_server()  # it serves at once
+        if opened is not None:
+            self.opened.append(opened)
         self.raise_()
+
+    def _close_opened(self) -> None:
+        """Close the window the step before opened (it stops its sessions, workers and timers)."""
+        for window in self.opened:
+            window.close()
+        self.opened = []
+
+    def closeEvent(self, event) -> None:
+        self._close_opened()
+        super().closeEvent(event)

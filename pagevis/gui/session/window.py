@@ -44,6 +44,7 @@ from pagevis.gui.widgets.page_grid import PageGridView
 from pagevis.gui.widgets.text import TextView
 
 SETTINGS_VERSION = 1
+MORE = " · whole in View ▸ Messages"  # ends a status-bar message too long for the bar
 
 
 class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMainWindow):
@@ -181,6 +182,22 @@ class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMain
                       self.status_memory):
             label.setStyleSheet(f"color: {theme.MUTED}; padding: 0 8px;")
             bar.addPermanentWidget(label)
+        bar.messageChanged.connect(self._message_shown)
+
+    def _message_shown(self, text: str) -> None:
+        """A message wider than the status bar's room beside its fields goes whole to View ▸ Messages; the bar
+        shows its beginning and says where the rest is."""
+        bar = self.statusBar()
+        if not text or text.endswith(MORE):
+            return
+        fields = (self.status_state, self.status_model, self.status_step, self.status_speed, self.status_memory)
+        room = bar.width() - sum(f.width() for f in fields if f.isVisible()) - 40
+        metrics = bar.fontMetrics()
+        if metrics.horizontalAdvance(text) <= room:
+            return
+        self.messages.report(text)
+        shown = metrics.elidedText(text, Qt.ElideRight, max(room - metrics.horizontalAdvance(MORE), 80))
+        bar.showMessage(shown + MORE, 15000)
 
     def _build_menus(self) -> None:
         file_menu = self.menuBar().addMenu("&File")
