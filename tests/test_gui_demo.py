@@ -164,7 +164,8 @@ def test_a_restart_clears_the_messages_of_the_session_before(qtbot, tmp_path):
     assert "the cache is full" in window.messages.toPlainText()
     window.controls.max_pages.setValue(8)  # the error's own advice
     qtbot.waitUntil(lambda: window.runner.state == "ready", timeout=5000)
-    assert window.messages.toPlainText() == "" and not window.docks["Messages"].isVisible()
+    # the old session's lines are gone (a restart message too long for the status bar may be there, whole)
+    assert "the cache is full" not in window.messages.toPlainText() and not window.docks["Messages"].isVisible()
     assert window.runner.previous is not None  # the failed run's records are kept too
 
 

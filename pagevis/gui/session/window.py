@@ -44,7 +44,6 @@ from pagevis.gui.widgets.page_grid import PageGridView
 from pagevis.gui.widgets.text import TextView
 
 SETTINGS_VERSION = 1
-MORE = " · whole in View ▸ Messages"  # ends a status-bar message too long for the bar
 
 
 class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMainWindow):
@@ -185,19 +184,14 @@ class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMain
         bar.messageChanged.connect(self._message_shown)
 
     def _message_shown(self, text: str) -> None:
-        """A message wider than the status bar's room beside its fields goes whole to View ▸ Messages; the bar
-        shows its beginning and says where the rest is."""
+        """A message wider than the status bar's room beside its fields goes whole to View ▸ Messages too (the
+        bar clips it; the line there keeps every word)."""
         bar = self.statusBar()
-        if not text or text.endswith(MORE):
-            return
         fields = (self.status_state, self.status_model, self.status_step, self.status_speed, self.status_memory)
-        room = bar.width() - sum(f.width() for f in fields if f.isVisible()) - 40
-        metrics = bar.fontMetrics()
-        if metrics.horizontalAdvance(text) <= room:
-            return
-        self.messages.report(text)
-        shown = metrics.elidedText(text, Qt.ElideRight, max(room - metrics.horizontalAdvance(MORE), 80))
-        bar.showMessage(shown + MORE, 15000)
+        room = min((f.x() for f in fields if f.isVisible()), default=bar.width()) - 16  # the message's area
+        said = self.messages.toPlainText().rstrip().rpartition("\n")[2]  # _report has put it there already
+        if text and bar.fontMetrics().horizontalAdvance(text) > room and not said.endswith(text):
+            self.messages.report(text)
 
     def _build_menus(self) -> None:
         file_menu = self.menuBar().addMenu("&File")
@@ -327,8 +321,8 @@ class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMain
     def _report(self, message: str, detail: str = "") -> None:
         """Show a problem without blocking: one line in the status bar and the Messages panel (raised), the
         traceback (if any) behind the panel's Details toggle."""
-        self.statusBar().showMessage(message.strip().partition("\n")[0], 15000)
         self.messages.report(message, detail)
+        self.statusBar().showMessage(message.strip().partition("\n")[0], 15000)
         dock = self.docks["Messages"]
         dock.show()
         dock.raise_()
