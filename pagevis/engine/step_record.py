@@ -1,5 +1,5 @@
 """StepRecord: the immutable snapshot of one decode (or prefill) step — everything a view, a trace or a
-summary needs, so nothing downstream ever reads the live engine.
+summary needs, so that they read it rather than the live engine.
 
 Its fields are declared once, in the StepRecord class below, each with its row (record_fields.py says what a row
 holds); the timeline's spill and the trace format derive their parts and arrays from them (TABLE)."""

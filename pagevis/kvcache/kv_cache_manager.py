@@ -1,5 +1,7 @@
-"""The cache manager: every sequence's pages in one pool per layer — the only part of the cache the engine,
-the scheduler and the model's attention see (vLLM v1's KVCacheManager over its KVCacheCoordinator).
+"""The cache manager: every sequence's pages in one pool per layer (vLLM v1's KVCacheManager over its
+KVCacheCoordinator). Above kvcache/, the cache's state is reached through its methods alone (block tables,
+`pool`, `cached_pages`, `snapshot`, `frames`, ...): tests/test_layering.py refuses a read of its stores, its
+sequences or a pool's hash tables anywhere else.
 
 It keeps the sequences (sequence.py: per layer a block table, holes, resident count, the policy's statistics)
 and the one event log, and asks each layer's manager (layers.py, one per layer spec: full attention or a
@@ -7,8 +9,9 @@ sliding window) for what differs by kind of layer; it never branches on a layer'
 choice does to the pages is eviction.py's; attention over the pages is paged_attention.py's; storage is the
 layer's PageStore (store.py) and its BlockPool.
 
-- A page two sequences point at is never written: the writer copies it first (copy-on-write), whether it
-  appends into a shared partial page or its policy evicts a token from a shared page.
+- A page two sequences point at is not changed in place: every change (a write into a shared partial page, an
+  eviction, a merge, re-rotated keys, pruned key channels, a sealed key group) asks `LayerManager.writable`,
+  which copies it first (copy-on-write); the shared page keeps its K/V and its prefix hash.
 - A sequence that has not evicted registers each full page under its prefix hash; a later sequence with
   the same tokens points at those pages instead of computing them (the prefix cache). A freed page keeps
   its K/V and hash until the pool reuses it. A hit is the longest prefix every layer's manager accepts.

@@ -2,8 +2,8 @@
 the slot maps, the slots its policy protects, its scores, which slots still hold float32 (KIVI's residual),
 the RAM frame of each block-table page, the tokens each layer may hold and what kind of layer it is.
 
-The engine's step record is made of it (engine/session.py), so nothing above the cache reads a PageStore's
-arrays or builds a policy to learn a layer's budget. A caller that shows the pool differently (a session in a
+The engine's step record is made of it (engine/session.py), so that nothing above the cache reaches into a
+PageStore (tests/test_layering.py) or builds a policy to learn a layer's budget. A caller that shows the pool differently (a session in a
 shared engine shows only its own pages: serve/session_pages.py) passes `held`, which sees each layer's RAM
 frames through a read-only LayerFrames.
 """
