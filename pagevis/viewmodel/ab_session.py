@@ -300,17 +300,21 @@ def side_labels(configs: ABConfig) -> tuple[str, str]:
     """How every legend and headline names the sides: "A" / "B" and what differs between them — the policy,
     the pages ("A 8×8" / "B 2×32"), the sinks, what a full cache frees at once ("A frees pages" / "B frees
     tokens") — so that two sides of one policy are never named alike."""
-    a, b = configs
-    described = [[_freed(c), f"{dict(c.policy_params).get('n_sink', 'default')} sinks"] for c in configs]
-    labels = []
-    for name, mine, other, (freed, sinks), (other_freed, other_sinks) in (
-            ("A", a, b, *described), ("B", b, a, *described[::-1])):
-        parts = [mine.policy] if mine.policy != other.policy else []
-        if (mine.page_size, mine.max_pages) != (other.page_size, other.max_pages):
-            parts.append(f"{mine.max_pages}×{mine.page_size}")
-        parts += [words for words, others in ((sinks, other_sinks), (freed, other_freed)) if words != others]
-        labels.append(f"{name} " + (", ".join(parts) or mine.policy))
-    return labels[0], labels[1]
+    return _side_label("A", configs.a, configs.b), _side_label("B", configs.b, configs.a)
+
+
+def _side_label(name: str, mine: SessionConfig, other: SessionConfig) -> str:
+    parts = [mine.policy] if mine.policy != other.policy else []
+    if (mine.page_size, mine.max_pages) != (other.page_size, other.max_pages):
+        parts.append(f"{mine.max_pages}×{mine.page_size}")
+    for describe_side in (_sinks, _freed):
+        if describe_side(mine) != describe_side(other):
+            parts.append(describe_side(mine))
+    return f"{name} " + (", ".join(parts) or mine.policy)
+
+
+def _sinks(config: SessionConfig) -> str:
+    return f"{dict(config.policy_params).get('n_sink', 'default')} sinks"
 
 
 def _freed(config: SessionConfig) -> str:
