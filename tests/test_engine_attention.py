@@ -228,3 +228,22 @@ def test_the_records_float16_conversion_is_numpys_bit_for_bit():
     assert got.dtype == np.float16
     same = (want.view(np.uint16) == got.view(np.uint16)) | (np.isnan(want) & np.isnan(got))
     assert same.all(), x[~same][:5]
+
+
+def test_a_session_without_cache_grids_decodes_the_same_and_records_the_rest():
+    """record_cache off (`run` without --trace): the records show no frame of the cache, and everything else they
+    hold (tokens, residency, evictions, capacities) is the same as with the grids."""
+    from pagevis.engine import DecodeSession, SessionConfig
+    from pagevis.model.synthetic import SyntheticModel
+
+    model = SyntheticModel(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16)
+    config = SessionConfig(page_size=4, max_pages=3, policy="sinks", max_new_tokens=12, record_layers=())
+    runs = []
+    for grids in (True, False):
+        session = DecodeSession(model, "", config, prompt_ids=list(range(40, 50)))
+        session.record_cache = grids
+        runs.append(list(session.run()))
+    full, bare = runs
+    assert bare[-1].slot_maps.shape == (2, 0, 4) and full[-1].slot_maps.shape == (2, 3, 4)
+    assert [(r.next_token, r.resident_tokens, r.evictions_total, tuple(r.capacities)) for r in full] == [
+        (r.next_token, r.resident_tokens, r.evictions_total, tuple(r.capacities)) for r in bare]

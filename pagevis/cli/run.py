@@ -63,6 +63,7 @@ def main(args: argparse.Namespace) -> int:
     check_cache_memory(config, model.config)
     session = DecodeSession(model, prompt, config)
     check_prompt_fits(config, session.prompt_ids, model.config)
+    session.record_cache = bool(args.trace)  # what run prints reads none of the cache's grids
     progress = Progress(config.max_new_tokens, "decoding", enabled=False if args.quiet else None)
     session.add_hook(lambda record: progress.update(
         len(session.generated), f"{record.kind} step {record.step}, {record.resident_tokens} resident"))

@@ -22,6 +22,7 @@ import numpy as np
 
 from pagevis.kvcache import CacheFullError, ConfigError, EventKind, make_policy
 from pagevis.kvcache.event_array import EventArray, Strings
+from pagevis.kvcache.snapshot import CacheSnapshot
 from pagevis.errors import check_int
 from pagevis.engine.batch import BatchConfig
 from pagevis.engine.engine import Engine
@@ -100,6 +101,9 @@ class DecodeSession:
         self.oracle = (FullCacheOracle(model, self.cache_config, len(self.prompt_ids) + self.config.max_new_tokens,
                                        self.record_layers) if self.config.oracle else None)
         self._hooks: list[StepHook] = []
+        # False: records carry no grids of the cache (slot maps, protected slots, scores: no frames shown) unless a
+        # disk tier or a page selection needs them, for a consumer that reads none (`run` without --trace)
+        self.record_cache = True
         self._given_policy = policy
         self._policy = policy  # the request's: built once per submit (one per sequence), unless given
         self.seq_id = -1
@@ -245,12 +249,22 @@ class DecodeSession:
             hook(record)
         return record
 
+    def _no_grids(self) -> CacheSnapshot:
+        """A snapshot showing no frame (record_cache off): its layers' capacities only."""
+        cfg = self.cache_config
+        shape = (cfg.n_layers, 0, cfg.page_size)
+        return CacheSnapshot(
+            slot_maps=np.zeros(shape, np.int32), protected=np.zeros(shape, bool), scores=np.zeros(shape, np.float32),
+            full_precision=None, labels=(), block_frames=None,
+            capacities=tuple(int(self.policy.layer_capacity(layer)) for layer in range(cfg.n_layers)))
+
     def _record(self, kind, tokens, positions, next_token, oracle_step, counts=None) -> StepRecord:
         pool, cfg, step = self.pool, self.cache_config, len(self.records)
         events = EventArray.pack(pool.events(self.engine.last_events, step), self._strings)
         self._evictions += len(events.of_kind(EventKind.EVICT))
         tables = self.cache.block_tables(self.seq_id)
-        snap = self.cache.snapshot(self.seq_id, cfg.max_pages, pool.holder(cfg.max_pages))
+        shown = cfg.max_pages if self.record_cache or cfg.tiered or self.cache.select_pages is not None else 0
+        snap = self.cache.snapshot(self.seq_id, shown, pool.holder(shown)) if shown else self._no_grids()
         rows = np.zeros((len(self.record_layers), cfg.n_heads, cfg.capacity), dtype=np.float32)
         for row, layer in zip(rows, self.record_layers):
             last, slots = self.engine.attention[self.seq_id][layer]
