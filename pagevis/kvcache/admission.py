@@ -6,7 +6,7 @@ get_computed_blocks, allocate_slots; nano-vllm's can_allocate, may_append):
 - `is_full`: whether it takes no more tokens (its room is used up and its policy never evicts);
 - `allocate`: whether the pool holds the pages a step's chunks may take — a Reservation, or None.
 
-The cache manager (kv_cache_manager.py) answers them from its layers' managers (layers.py)."""
+The cache manager (kv_cache_manager.py) answers them from its layers' managers (layer_managers.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 
 from dataclasses import dataclass
 
-from pagevis.kvcache.layers import LayerManager
+from pagevis.kvcache.layer_managers import LayerManager
 from pagevis.kvcache.sequence import SequenceCache
 
 # With a disk tier, prefill chunks are cut so that their scores over a batch of frames, and their weights

@@ -9,7 +9,7 @@ value folds into (`merge`). Here the choice is carried out: every page about to 
 prefix cache), a page left empty is released, every change is an event; then the policy hears of the removal
 (a re-rotating policy moves the survivors' keys: wrappers.py). ThinK's key-channel pruning (`prune_key_channels`) rewrites keys in place the same way.
 
-Each function takes the layer's manager (layers.py: the store, the event log, copy-on-write) and the sequence.
+Each function takes the layer's manager (layer_managers.py: the store, the event log, copy-on-write) and the sequence.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 
 from pagevis.kvcache.errors import CacheFullError
 from pagevis.kvcache.events import EventKind
-from pagevis.kvcache.layers import LayerManager
+from pagevis.kvcache.layer_managers import LayerManager
 from pagevis.kvcache.sequence import SequenceCache
 
 E = EventKind

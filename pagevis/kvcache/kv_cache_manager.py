@@ -4,7 +4,7 @@ KVCacheCoordinator). Above kvcache/, the cache's state is reached through its me
 sequences or a pool's hash tables anywhere else.
 
 It keeps the sequences (sequence.py: per layer a block table, holes, resident count, the policy's statistics)
-and the one event log, and asks each layer's manager (layers.py, one per layer spec: full attention or a
+and the one event log, and asks each layer's manager (layer_managers.py, one per layer spec: full attention or a
 sliding window) for what differs by kind of layer; it never branches on a layer's kind itself. What a policy's
 choice does to the pages is eviction.py's; attention over the pages is paged_attention.py's; storage is the
 layer's PageStore (store.py) and its BlockPool.
@@ -39,7 +39,7 @@ from pagevis.kvcache.config import MAX_PAGES, CacheConfig
 from pagevis.kvcache.errors import ConfigError
 from pagevis.kvcache.events import CacheEvent, EventKind, EventLog
 from pagevis.kvcache.key_channels import KeyChannels
-from pagevis.kvcache.layers import layer_manager
+from pagevis.kvcache.layer_managers import layer_manager
 from pagevis.kvcache.policies import make_policy
 from pagevis.kvcache.policies.wrappers import Policy
 from pagevis.kvcache.policy_state import LayerView

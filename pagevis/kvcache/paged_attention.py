@@ -7,7 +7,7 @@
 - A per-head policy's masks: each KV head reads only the tokens it keeps (`attend_kept`).
 - kvzip's reconstruction pass reads the cache beside tokens that are not written (`attend_beside`).
 
-The layer's manager (layers.py) masks what its kind of layer does not see (a sliding window). The policy's
+The layer's manager (layer_managers.py) masks what its kind of layer does not see (a sliding window). The policy's
 statistics see the queries and the weights (`uses_queries`, `uses_attention`), and ThinK its query window.
 """
 
@@ -17,7 +17,7 @@ import numpy as np
 
 from pagevis.kvcache import attention as kernels
 from pagevis.kvcache.attention import AttentionResult, attend_decode_batch
-from pagevis.kvcache.layers import LayerManager
+from pagevis.kvcache.layer_managers import LayerManager
 from pagevis.kvcache.reader import read_attention
 from pagevis.kvcache.sequence import SequenceCache
 from pagevis.kvcache.slots import flat_slots

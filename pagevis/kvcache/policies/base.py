@@ -143,7 +143,7 @@ class EvictionPolicy:
         return 1
 
     def after_removal(self, layer, seq, removed: list[int]) -> None:
-        """The tokens at positions `removed` left the sequence's layer (its manager, layers.py): nothing to do
+        """The tokens at positions `removed` left the sequence's layer (its manager, layer_managers.py): nothing to do
         unless wrapped (re-rotation moves the survivors' keys)."""
 
     def rewrites_survivors(self) -> bool:
