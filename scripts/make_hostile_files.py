@@ -393,6 +393,8 @@ def crafted(change: tuple) -> bytes:
         return small_model(overrides=change[1])
     if change[0] == "tensor":
         return small_model(tensors=change[1])
+    if change[0] == "embedding-3d":
+        return small_model(embedding_3d=True)
     if change[0] == "big-endian":
         import functools
         from unittest import mock
@@ -409,7 +411,7 @@ SPM_PIECES = ["▁", "t", "h", "e", "▁the", "a", "c", "▁cat"]
 
 
 def small_model(block_count=None, embedding_length=None, tokenizer=True, byte_tokens=True, freq_base=None,
-                vocab_size=None, overrides=None, sentencepiece=None, tensors=None) -> bytes:
+                vocab_size=None, overrides=None, sentencepiece=None, tensors=None, embedding_3d=False) -> bytes:
     """A tiny valid Llama GGUF (random weights), with one thing changed. sentencepiece: (byte values that have
     a <0xNN> token, whether it has <unk>) for a SentencePiece vocabulary instead. tensors: {name: (flat index,
     value)}, one weight of an F32 tensor replaced."""
@@ -437,8 +439,9 @@ def small_model(block_count=None, embedding_length=None, tokenizer=True, byte_to
     model = SyntheticModel(n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, seed=2, vocab_size=vocab)
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "m.gguf"
+        reshaped = {"token_embd.weight": model.weights.embedding.reshape(vocab, 2, -1)} if embedding_3d else None
         write_llama_gguf(path, model, tokenizer=tokenizer, metadata_overrides=overrides,
-                         byte_tokens=byte_tokens, **spm)
+                         byte_tokens=byte_tokens, tensor_overrides=reshaped, **spm)
         if tensors:
             path.write_bytes(_with_weights(path, tensors))
         return path.read_bytes()

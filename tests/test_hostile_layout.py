@@ -61,6 +61,9 @@ CASES = {
                                     "tensor blk.0.ffn_up.weight holds -inf at flat index 5"),
     "numbers-f32-nan-norm.gguf": ("a NaN in output_norm.weight", ("tensor", {"output_norm.weight": (0, float("nan"))}),
                                   "tensor output_norm.weight holds nan at flat index 0"),
+    "metadata-embedding-3d.gguf": ("token_embd.weight of 3 dimensions and no vocab_size key (it was read as a "
+                                   "vocabulary of 1: 'bos_id ... below 1')", ("embedding-3d",),
+                                   "tensor token_embd.weight has 3 dimensions"),
     "metadata-value-length.gguf": ("llama.attention.value_length 16, the key length 4",
                                    ("metadata", {"llama.attention.value_length": 16}),
                                    "metadata key llama.attention.value_length is 16, but the key length"),

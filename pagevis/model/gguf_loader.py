@@ -210,6 +210,9 @@ def _naming_the_file(path: Path, error: Exception, what: str = "") -> ModelLoadE
 def _vocab_from_embedding(path: Path, reader: Any) -> int:
     for tensor in reader.tensors:
         if tensor.name == "token_embd.weight":
+            if len(tensor.shape) != 2:  # its last dim was taken for the vocabulary: "bos_id ... below 1"
+                raise ModelLoadError(f"{path}: tensor token_embd.weight has {len(tensor.shape)} dimensions "
+                                     f"{tensor.shape.tolist()}; an embedding has 2 (d_model, vocabulary)")
             return int(tensor.shape[-1])
     raise ModelLoadError(f"{path}: tensor token_embd.weight is missing")
 
