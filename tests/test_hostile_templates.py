@@ -19,7 +19,7 @@ TEMPLATES = {
     "repeat": ("{{ 'x' * 10**9 }}", "a value of 1000000000 items"),
     "center": ("{{ 'x' | center(10**9) }}", "ran out of memory (its limit is 512 MiB)"),
     "flood": ("{% for i in range(80000) %}<|im_end|>{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}",
-              "is more than 2048 tokens (the model's context"),  # 93 s of prefill into a 96-token cache, before
+              "is more than 16384 tokens (pagevis's cap: the model's context"),  # 93 s of prefill into a 96-token cache, before
     "cut": ("{% for m in messages %}{{ m.content[:3] if m.content == 'Hello, how are you?' else m.content }}"
             "{% endfor %}", "cannot be split into its own text and the messages'"),
 }

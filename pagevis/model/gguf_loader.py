@@ -21,7 +21,7 @@ from pagevis.model.config import ModelConfig
 from pagevis.model.errors import ModelConfigError, ModelLoadError
 from pagevis.model.gguf_file import (check_tensor, field_values, open_gguf, read_metadata, release_metadata_pages,
                                     release_pages, tensor_as_float32)
-from pagevis.model.gguf_tokenizer import GGUFTokenizer
+from pagevis.model.gguf_tokenizer import GGUFTokenizer, prompt_cap
 from pagevis.model.llama import LlamaModel
 from pagevis.model.locate import default_model_path
 from pagevis.model.matmul import plan_for
@@ -85,9 +85,10 @@ def load_model(path: str | Path | None = None, weights: str | None = None) -> Ll
 
 
 def bound_prompts(path: Path, tokenizer: GGUFTokenizer, context_length: int) -> None:
-    """Prompts in the chat template are refused past the model's context (or the tokenizer's cap); a template that
-    makes a one-line conversation longer than that is refused now, not after minutes of prefill."""
-    tokenizer.max_prompt_tokens = min(tokenizer.max_prompt_tokens, context_length)
+    """Prompts in the chat template are refused past gguf_tokenizer.prompt_cap (the model's context, within fixed
+    bounds); a template that makes a one-line conversation longer than that is refused now, not after minutes of
+    prefill."""
+    tokenizer.max_prompt_tokens = prompt_cap(context_length)
     try:
         tokenizer.encode_chat([{"role": "user", "content": "Hello, how are you?"}])
     except ChatTemplateError as error:

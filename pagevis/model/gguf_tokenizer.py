@@ -18,9 +18,14 @@ from pagevis.model.tokenizer import IncrementalDecoder, printable_token
 from pagevis.model.vocab_tokenizer import CONTROL, SPIECE_SPACE, USER_DEFINED, byte_to_unicode, in_byte_alphabet
 
 BYTE_TOKEN = 6  # GGUF token type BYTE: "<0xNN>" in a SentencePiece vocabulary
-# A prompt rendered in the chat template is refused past the model's context or this many tokens, whichever is less:
-# a template that emits 80,000 control tokens (under its output cap) took 93 s to prefill into a 96-token cache.
-MAX_PROMPT_TOKENS = 1 << 15
+# A prompt rendered in the chat template is refused past the model's context, counted as at least MIN_PROMPT_CAP
+# (positions beyond a small trained context still work: tiny test models have 64) and at most MAX_PROMPT_TOKENS: a
+# template that emits 80,000 control tokens (under its output cap) took 93 s to prefill into a 96-token cache.
+MIN_PROMPT_CAP, MAX_PROMPT_TOKENS = 1 << 14, 1 << 15
+
+
+def prompt_cap(context_length: int) -> int:
+    return min(MAX_PROMPT_TOKENS, max(context_length, MIN_PROMPT_CAP))
 
 
 class GGUFTokenizer:
@@ -34,7 +39,7 @@ class GGUFTokenizer:
         self.kind = kind
         self.vocab_size = len(tokens)
         self.bos_id, self.eos_id, self.add_bos = bos_id, eos_id, add_bos
-        self.max_prompt_tokens = MAX_PROMPT_TOKENS  # the loader lowers it to the model's context
+        self.max_prompt_tokens = MAX_PROMPT_TOKENS  # the loader sets prompt_cap(the model's context)
         types = np.asarray(token_types)
         special = np.flatnonzero((types == CONTROL) | (types == USER_DEFINED)).tolist()
         self.special_ids = {tokens[i]: i for i in special if tokens[i]}
@@ -72,8 +77,8 @@ class GGUFTokenizer:
             ids += self._encode_text(text, special=control)
             if len(ids) > self.max_prompt_tokens:
                 raise ChatTemplateError(f"the conversation in the chat template is more than {self.max_prompt_tokens} "
-                                        f"tokens (the model's context, or pagevis's cap of {MAX_PROMPT_TOKENS} "
-                                        f"tokens a prompt)", bound=True)
+                                        f"tokens (pagevis's cap: the model's context, at least {MIN_PROMPT_CAP} and "
+                                        f"at most {MAX_PROMPT_TOKENS})", bound=True)
         return ids
 
     def format_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
