@@ -27,8 +27,8 @@ KNOWN_MIXINS: dict[str, str] = {
     # the disk tier is still a mixin over PageStore's frame hooks (_take_frame, _show_restored, _free_frames, ...);
     # a tier object the store holds touches the reader and paged attention, which issue 43 rewrites this session
     "kvcache/disk_tier.py::DiskTier": "a tier object the store holds: after issue 43's paged attention lands",
-    "kvcache/storage.py::TieredFloatPages": "a tier object the store holds: after issue 43's paged attention lands",
-    "kvcache/storage.py::TieredQuantizedPages": "a tier object the store holds: after issue 43's paged attention "
+    "kvcache/store_kinds.py::TieredFloatPages": "a tier object the store holds: after issue 43's paged attention lands",
+    "kvcache/store_kinds.py::TieredQuantizedPages": "a tier object the store holds: after issue 43's paged attention "
                                                 "lands",
 }
 
@@ -123,17 +123,18 @@ def test_the_allowlist_names_only_what_is_still_over():
 def test_the_cache_is_not_on_the_allowlist():
     assert not [name for name in ALLOWED_OVER if name.startswith("kvcache/")]
     assert {name for name in KNOWN_MIXINS if name.startswith("kvcache/")} <= {
-        "kvcache/disk_tier.py::DiskTier", "kvcache/storage.py::TieredFloatPages",
-        "kvcache/storage.py::TieredQuantizedPages"}  # the disk tier's mixin, and no other
+        "kvcache/disk_tier.py::DiskTier", "kvcache/store_kinds.py::TieredFloatPages",
+        "kvcache/store_kinds.py::TieredQuantizedPages"}  # the disk tier's mixin, and no other
 
 
 def test_a_class_is_counted_with_its_bases():
     classes = class_sizes()
     # the disk tier's store: two lines of its own over DiskTier, QuantizedPages and PageStore (one each)
-    parts = ("kvcache/disk_tier.py::DiskTier", "kvcache/quantized_pages.py::QuantizedPages", "kvcache/store.py::PageStore")
+    parts = ("kvcache/disk_tier.py::DiskTier", "kvcache/quantized_pages.py::QuantizedPages",
+             "kvcache/store.py::PageStore")
     own = {name: lines for name, (kind, lines, _) in sizes().items() if kind == "class"}
-    assert classes["kvcache/storage.py::TieredQuantizedPages"] == own["kvcache/storage.py::TieredQuantizedPages"] + \
-        sum(own[p] for p in parts)
+    tiered = "kvcache/store_kinds.py::TieredQuantizedPages"
+    assert classes[tiered] == own[tiered] + sum(own[p] for p in parts)
 
 
 def test_a_long_function_is_found_by_name(tmp_path):

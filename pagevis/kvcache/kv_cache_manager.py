@@ -47,7 +47,7 @@ from pagevis.kvcache.prefix_cache import PrefixCacheStats, page_hash, prefix_has
 from pagevis.kvcache.quant import storage_summary
 from pagevis.kvcache.sequence import SequenceCache
 from pagevis.kvcache.snapshot import CacheSnapshot, LayerFrames, layer_frames, take
-from pagevis.kvcache.storage import make_store
+from pagevis.kvcache.store_kinds import make_store
 from pagevis.kvcache.store import TierCounts
 from pagevis.kvcache.swap import SwapSpace
 

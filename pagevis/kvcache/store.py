@@ -1,6 +1,6 @@
 """One layer's page store: which token sits in which slot, which pages are in use, the K/V frames — by kind:
 float pages (here), quantized pages (quantized_pages.py), and a disk tier under either (disk_tier.py, over
-swap.py's files); storage.py's `make_store` builds the one a CacheConfig asks for.
+swap.py's files); store_kinds.py's `make_store` builds the one a CacheConfig asks for.
 
 RAM storage is laid out (n_kv_heads, frames, page_size, head_dim) rather than pages-first, so that for
 each KV head the pool is one contiguous matrix: attention runs on a view of the pool's used prefix with
