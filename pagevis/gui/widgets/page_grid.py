@@ -135,6 +135,10 @@ class PageGridView(QWidget):
         self.image = RgbaImage()
         self.labels = CellLabels()
         self.plot.addItem(self.image)
+        # the cells' borders as 1-pixel lines at every page and slot boundary, drawn at the screen's scale: borders
+        # inside the image, scaled down to 64 rows of ~5 px, came out as uneven bands of lines (Gemma's grid)
+        self.borders = pg.PlotCurveItem(pen=pg.mkPen(theme.BACKGROUND, width=1), connect="pairs")
+        self.plot.addItem(self.borders)
         self.plot.addItem(self.labels)
         self.merges = pg.PlotCurveItem(pen=pg.mkPen(MERGE_COLOR, width=2), connect="pairs")
         self.plot.addItem(self.merges)
@@ -242,8 +246,9 @@ class PageGridView(QWidget):
         self.states = cell_states(record, layer)
         self.shade = shade_values(record, layer, state.shade)
         self.full_precision = full_precision_mask(record, layer)
-        bordered = self.states.size <= _MAX_BORDERED_CELLS
+        bordered = self.states.size <= _MAX_BORDERED_CELLS and self.full_precision is not None
         self.image.set_image(cell_image(self.states, self.shade, bordered, self.full_precision), pages, page_size)
+        self._draw_borders(pages, page_size)
         self.precision_legend.setVisible(self.full_precision is not None)
         self.labels.set_positions(slots if self.states.size <= 1024 else np.full((0, 0), -1, np.int32),
                                   state.timeline.position_text)
@@ -374,10 +379,23 @@ class PageGridView(QWidget):
         self.precision_legend.hide()
         self.states = np.full((pages, page_size), FREE, dtype=np.int8)
         self.shade = np.full(self.states.shape, np.nan)
-        self.image.set_image(cell_image(self.states, self.shade, self.states.size <= _MAX_BORDERED_CELLS),
-                             pages, page_size)
+        self.image.set_image(cell_image(self.states, self.shade, False), pages, page_size)
+        self._draw_borders(pages, page_size)
         self._fit_axes(pages, page_size)
         self._title(self.plot, f"{pages} pages × {page_size} slots, all free")
+
+    def _draw_borders(self, pages: int, page_size: int) -> None:
+        """A line between every two pages and every two slots (none over a grid too large for borders)."""
+        if getattr(self, "_borders", None) == (pages, page_size):
+            return
+        self._borders = (pages, page_size)
+        if pages * page_size > _MAX_BORDERED_CELLS:
+            self.borders.setData([], [])
+            return
+        rows, columns = np.arange(1, pages, dtype=float), np.arange(1, page_size, dtype=float)
+        x = np.concatenate([np.tile([0.0, page_size], len(rows)), np.repeat(columns, 2)])
+        y = np.concatenate([np.repeat(rows, 2), np.tile([0.0, pages], len(columns))])
+        self.borders.setData(x, y, connect="pairs")
 
     def _fit_axes(self, pages: int, page_size: int) -> None:
         if getattr(self, "_shape", None) == (pages, page_size):
