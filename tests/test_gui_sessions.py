@@ -102,3 +102,27 @@ def test_a_message_the_status_bar_cannot_hold_goes_whole_to_messages(qtbot, wind
     window.messages.clear()
     window.statusBar().showMessage("Short and whole")
     assert window.messages.toPlainText() == ""
+
+
+def test_a_first_launch_says_in_the_window_that_the_kernels_compile(qtbot, window, monkeypatch):
+    """A first launch compiles numba's kernels for ~25-45 s: the window says so while it lasts (numba's own
+    "numba:compile" events, as a cache miss fires them), not only the terminal."""
+    from numba.core import event
+
+    from gui_helpers import SYNTH
+
+    real_load = type(SYNTH).load
+
+    def compiling_load(spec):
+        for _ in range(2):  # two kernels compiled
+            event.start_event("numba:compile")
+            event.end_event("numba:compile")
+        return real_load(spec)
+
+    monkeypatch.setattr(type(SYNTH), "load", compiling_load)
+    said = []
+    window.runner.message.connect(said.append)
+    window.controls.layers.setValue(3)  # another model: loaded again
+    qtbot.waitUntil(lambda: window.runner.state == "ready" and len(said) >= 3, timeout=20000)
+    compiling = [line for line in said if line.startswith("Compiling the model's kernels")]
+    assert len(compiling) == 2 and compiling[-1].split(": ")[1].startswith("2 so far")

@@ -26,7 +26,7 @@ from pagevis.gui.ab.sides import ABRunner, SideControls
 from pagevis.gui.session.runner import validate
 from pagevis.gui.widgets import theme
 from pagevis.gui.widgets.layout import splitter, stacked
-from pagevis.gui.widgets.page_grid import PageGridView
+from pagevis.gui.widgets.page_grid import PageGridView, legend_html
 from pagevis.gui.widgets.setting_inputs import spin as _spin
 from pagevis.gui.widgets.text import TextView
 from pagevis.gui.widgets.transport import PRESENTER_PACE, TimelineCursor, speed_box
@@ -97,12 +97,17 @@ class ABWindow(TimelineCursor, QMainWindow):
                               sizes=[330, 90])
             columns.addWidget(column)
             self.sides.append((controls, grid, text))
+        self.legend = QLabel(legend_html(hybrid=False, note=False) + f"<span style='color:{theme.MUTED}'>&nbsp;&nbsp; "
+                             "protected: what a side's policy never evicts (sinks' first tokens, H2O's recent "
+                             "window)</span>")  # one legend for both grids: the colours mean the same
+        self.legend.setWordWrap(True)
+        self.legend.setStyleSheet("font-size: 11px; padding: 0 4px;")
         self.summary = QLabel()  # the headline: the perplexities (teacher-forced) or where the texts diverge
         self.summary.setWordWrap(True)
         self.summary.setTextFormat(Qt.RichText)
         self.summary.setStyleSheet("font-size: 15px;")
         self.plots = ABPlots()
-        bottom = stacked(self.summary, (self.plots, 1), margins=(4, 2, 4, 2))
+        bottom = stacked(self.legend, self.summary, (self.plots, 1), margins=(4, 2, 4, 2))
         body = splitter(Qt.Vertical, columns, bottom, sizes=[420, 230])
         self.setCentralWidget(stacked(self.point, (body, 1)))
         self.resize(*SIZE)

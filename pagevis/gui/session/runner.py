@@ -178,18 +178,39 @@ class SessionRunner(QObject):
         self.message.emit(f"Loading {spec.label}…")
         if blocking:
             try:
-                model = spec.load()
+                model = self._load(spec)
             except Exception as error:  # noqa: BLE001
                 self._load_failed(error)
                 return
             self._loaded(model, self._generation)
             return
         generation = self._generation
-        self._loader = create_worker(spec.load, _start_thread=False, _ignore_errors=True)
+        self._loader = create_worker(self._load, spec, _start_thread=False, _ignore_errors=True)
         self._loader.returned.connect(lambda model: self._loaded(model, generation))
         self._loader.errored.connect(lambda error: self._load_failed(error, generation))
         self._loader.finished.connect(self._loader_finished)
         self._loader.start()
+
+    def _load(self, spec: ModelSpec):
+        """spec.load(), saying in the window (the status bar, from the loading thread) while numba compiles the
+        kernels: a first launch compiles for ~25-45 s, which the terminal alone used to say."""
+        from numba.core import event
+
+        started, runner = time.monotonic(), self
+
+        class Progress(event.Listener):
+            compiled = 0
+
+            def on_start(self, _):
+                self.compiled += 1
+                runner.message.emit(f"Compiling the model's kernels, once (numba keeps them; ~25-45 s on a first "
+                                    f"launch): {self.compiled} so far, {time.monotonic() - started:.0f} s")
+
+            def on_end(self, _):
+                pass
+
+        with event.install_listener("numba:compile", Progress()):
+            return spec.load()
 
     def _loaded(self, model, generation: int) -> None:
         if generation != self._generation:
