@@ -98,7 +98,7 @@ def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, sessi
 def start_note(window, preset, given: bool) -> str:
     """What the status bar says once the first session is ready: whose settings the window opened with."""
     if preset is not None and preset.b is None:
-        return f"Preset {preset.name!r}: a session of its own, not saved · a plain launch opens your settings"
+        return f"{preset.name}: a preset's session, not saved"
     if given:
         return "Opened with the command line's settings"
     if window.restored_config:

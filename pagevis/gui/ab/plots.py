@@ -146,7 +146,8 @@ class ABPlots(QWidget):
         metrics = QFontMetricsF(font)
         for plot, (title, names, sides, note) in self.titles.items():
             room = plot.titleLabel.boundingRect().width() or plot.width()
-            keys = [("━", theme.SERIES[0], "KL(A‖B) until the texts part")] if not self.forced else []
+            keys = [("━", theme.SERIES[0], "KL(A‖B) until the texts part")] if not self.forced and \
+                plot is self.left else []  # the KL curve is the left plot's only
             keys += [("▬" if s == "full" else "━", COLORS[s], names[s]) for s in sides]
             plain = " ".join(f"{mark} {name}" for mark, _, name in keys)
             words = [w for w in (title, note) if w]

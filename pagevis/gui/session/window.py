@@ -313,6 +313,9 @@ class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMain
         self.transport.step_action.setEnabled(state not in ("loading", "idle"))
         self.transport.play_action.setEnabled(state not in ("loading", "idle"))
         if state == "done" and self.runner.session is not None:
+            if self.follow and self.timeline is not None:  # the last step drawn before "Finished" is said
+                self.index = len(self.timeline) - 1
+                self.redraw()
             self.statusBar().showMessage(f"Finished: {self.runner.session.stop_reason}", 5000)
 
     def _failed(self, message: str, trace: str) -> None:
