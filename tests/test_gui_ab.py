@@ -135,19 +135,26 @@ def test_same_text_reads_one_text_on_both_sides_with_the_full_cache_and_compares
     qtbot.waitUntil(lambda: ab.runner.state == "ready" and not ab.timeline.forced, timeout=10000)
 
 
-def test_the_ab_grids_write_their_numbers_in_cells_of_24_by_16_at_1280_by_720(qtbot, tmp_path):
+def preset_ab_at_1280_by_720(qtbot, preset, steps: int):
+    """The A/B window of `preset` on the synthetic model at 1280 × 720 after `steps` steps, drawn."""
     from pagevis.gui.ab.window import ABWindow
-    from pagevis.presets import find_preset
 
-    preset = find_preset("streaming")
     ab = ABWindow(SYNTH, PROMPT, preset.a, preset.b, title=preset.name)
     qtbot.addWidget(ab)
     ab.resize(1280, 720)
     ab.show()
     ab.start(blocking=True)
-    ab.runner.step_blocking(3)
+    ab.runner.step_blocking(steps)
     ab.redraw()
     qtbot.wait(50)
+    return ab
+
+
+def test_the_ab_grids_write_their_numbers_in_cells_of_24_by_16_at_1280_by_720(qtbot, tmp_path):
+    from pagevis.presets import find_preset
+
+    preset = find_preset("streaming")
+    ab = preset_ab_at_1280_by_720(qtbot, preset, 3)
     assert preset.point in ab.point.text() and ab.point.isVisible()
     for _, grid, _ in ab.sides:
         grid.graphics.grab()  # paint: the labels size their numbers to the cells
@@ -161,3 +168,19 @@ def pg_rect(x, y, w, h):
     from PySide6.QtCore import QRectF
 
     return QRectF(x, y, w, h)
+
+
+def test_the_page_size_presets_32_wide_pages_write_their_numbers_upright_and_legibly(qtbot, tmp_path):
+    """B's 2 pages of 32 in half a 1280-px window are ~17 × 75 px cells: across, their numbers were ~6 px; upright
+    (a quarter turn, along the cell) they are at least 9 px."""
+    from pagevis.presets import find_preset
+
+    ab = preset_ab_at_1280_by_720(qtbot, find_preset("page size"), 60)  # past position 100: three digits
+    (_, grid_a, _), (_, grid_b, _) = ab.sides
+    for grid in (grid_a, grid_b):
+        grid.graphics.grab()
+    assert max(side.record(len(ab.timeline) - 1).positions[-1] for side in (ab.timeline.a, ab.timeline.b)) >= 100
+    assert grid_b.states.shape == (2, 32) and grid_b.labels.rotated and grid_b.labels.pixel_size >= 9
+    assert not grid_a.labels.rotated and grid_a.labels.pixel_size >= 9
+    legend = ab.legend.text()
+    assert "protected" in legend and "written&nbsp;this&nbsp;step" in legend  # one colour legend for both grids

@@ -1,4 +1,4 @@
-"""The presentation layout (View ▸ Presentation, F11, --present): the page grid fills the window, big enough to read
+"""The presentation layout (View ▸ Presentation, F5, --present): the page grid fills the window, big enough to read
 from the back of a room at a projector's 1280 × 720; the other views are tabs; switching back restores the docks."""
 
 from __future__ import annotations
@@ -54,14 +54,14 @@ def test_f11_switches_layouts_and_back_restores_the_docks(qtbot, window):
     docks = window.docks
     attention_area = window.dockWidgetArea(docks["Attention"])
     window.setFocus()
-    qtbot.keyClick(window, Qt.Key_F11)
+    qtbot.keyClick(window, Qt.Key_F5)
     assert window.presentation and window.presentation_action.isChecked()
     # the other views are tabs behind the grid; the controls a tab behind the text
     assert {docks[t] for t in ("Attention", "Heads", "Weights", "Eviction events", "Metrics")} <= set(
         window.tabifiedDockWidgets(docks["Page grid"]))
     assert docks["Controls"] in window.tabifiedDockWidgets(docks["Text"])
     assert window.narration.font().pixelSize() >= 18 or window.narration.fontInfo().pixelSize() >= 18
-    qtbot.keyClick(window, Qt.Key_F11)
+    qtbot.keyClick(window, Qt.Key_F5)
     assert not window.presentation
     assert window.dockWidgetArea(docks["Attention"]) == attention_area
     assert docks["Attention"] not in window.tabifiedDockWidgets(docks["Page grid"])

@@ -55,7 +55,7 @@ def gui_parser() -> ArgumentParser:
                        help="with --server-demo: that server's /metrics (e.g. http://127.0.0.1:8000/metrics) for "
                             "the plots")
     group.add_argument("--present", action=argparse.BooleanOptionalAction, default=None,
-                       help="open in the presentation layout (View > Presentation, F11): the page grid fills the "
+                       help="open in the presentation layout (View > Presentation, F5): the page grid fills the "
                             "window, the other views a tab away; --no-present: the normal layout (default: "
                             "presentation on a display at most 1366 px wide)")
     group.add_argument("--teacher-forced", metavar="FILE",

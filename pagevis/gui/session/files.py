@@ -236,7 +236,7 @@ class FileActions:
                           "← or Ctrl+←: previous step\nCtrl+→: next recorded step\nHome / End: first / latest step\n"
                           "Ctrl+R: reset the session\nCtrl+Z: back to the previous run (kept on every restart)\n"
                           "Ctrl+Return (in the prompt): restart with the prompt\n"
-                          "F11: the presentation layout\nCtrl+↑ / Ctrl+↓: next / previous layer", QMessageBox.Ok, self)
+                          "F5: the presentation layout\nF11: full screen\nCtrl+↑ / Ctrl+↓: next / previous layer", QMessageBox.Ok, self)
         box.setModal(False)
         box.show()
 

@@ -1,5 +1,5 @@
 """Where the main window's docks go: the default layout (drawn for 1600 × 1000, kept in proportion at any
-size), the window's first size on a screen, and the presentation layout (View ▸ Presentation, F11,
+size), the window's first size on a screen, and the presentation layout (View ▸ Presentation, F5,
 `--present`; chosen by itself on a real display at most 1366 px wide), in which the page grid fills most of
 the window, the text sits beside it, the narration line is large and every other view is a tab away."""
 

@@ -145,7 +145,7 @@ class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMain
         self.layout_.fit_to_screen(share)
 
     def set_presentation(self, on: bool) -> None:
-        """The presentation layout (View ▸ Presentation, F11): the page grid fills most of the window."""
+        """The presentation layout (View ▸ Presentation, F5): the page grid fills most of the window."""
         self.layout_.set_presentation(on)
 
     @property
@@ -231,11 +231,14 @@ class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMain
             view_menu.addAction(dock.toggleViewAction())
         view_menu.addSeparator()
         self.presentation_action = view_menu.addAction("&Presentation")
-        self.presentation_action.setShortcut(QKeySequence("F11"))
+        self.presentation_action.setShortcut(QKeySequence("F5"))  # a slide show's key; F11 is full screen
         self.presentation_action.setCheckable(True)
         self.presentation_action.triggered.connect(self.set_presentation)  # (checked)
         self.presentation_action.setToolTip("the page grid fills the window, the other views one tab away")
         self.addAction(self.presentation_action)
+        full_screen = view_menu.addAction("&Full screen", lambda: self.showNormal() if self.isFullScreen()
+                                          else self.showFullScreen(), QKeySequence("F11"))
+        self.addAction(full_screen)
         for text, keys, change in (("Ne&xt layer", "Ctrl+Up", 1), ("Pre&vious layer", "Ctrl+Down", -1)):
             action = view_menu.addAction(text, lambda c=change: self.controls.layer.stepBy(c), QKeySequence(keys))
             self.addAction(action)

@@ -29,6 +29,7 @@ class CellLabels(pg.GraphicsObject):
         self.max_pixel_size = 13  # the numbers' largest size (the presentation layout's is larger)
         self.pixel_size = 0  # the numbers' size at the last paint; 0: the cells were too small for numbers
         self.with_text = False  # did the last paint write token texts?
+        self.rotated = False  # did it write the numbers upright along tall narrow cells (pages of 32 in a half)?
         self.font, self.text_font = QFont(), QFont()
         self._texts: dict[object, tuple] = {}  # number or token -> (laid-out text, half width, half height)
         self._overlay: QImage | None = None
@@ -64,28 +65,33 @@ class CellLabels(pg.GraphicsObject):
             entry = self._texts[key] = (laid, size.width() / 2, size.height() / 2)
         return entry
 
-    def _sizes(self, cell: QRectF) -> tuple[int, bool]:
-        """(the numbers' pixel size, whether token texts fit under them) for cells of this screen size."""
+    def _sizes(self, cell: QRectF) -> tuple[int, bool, bool]:
+        """(the numbers' pixel size, whether token texts fit under them, whether the numbers run upright) for
+        cells of this screen size: a tall narrow cell (a page of 32 in half a 1280-px window: 17 × 75 px) has
+        its number turned a quarter, at twice the size it would get across."""
+        digits = len(str(max(int(self.positions.max(initial=0)), 0)))  # the widest number fits its cell
+        upright = int(min(cell.width() * 0.7, (cell.height() - 3) / (DIGIT_WIDTH * digits), self.max_pixel_size))
         if cell.width() < MIN_NUMBER_CELL[0] or cell.height() < MIN_NUMBER_CELL[1]:
-            return 0, False
+            return (upright, False, True) if upright >= 9 and cell.height() >= MIN_NUMBER_CELL[0] else (0, False, False)
         with_text = self.text_of is not None and cell.width() >= MIN_TEXT_CELL[0] and \
             cell.height() >= MIN_TEXT_CELL[1]
         share = 0.4 if with_text else 0.5
-        digits = len(str(max(int(self.positions.max(initial=0)), 0)))  # the widest number fits its cell
         size = int(min(cell.height() * share, (cell.width() - 3) / (DIGIT_WIDTH * digits), self.max_pixel_size))
-        return (size, with_text) if size >= MIN_PIXEL_SIZE else (0, False)
+        if not with_text and size < 10 and upright >= max(size + 3, 9):
+            return upright, False, True
+        return (size, with_text, False) if size >= MIN_PIXEL_SIZE else (0, False, False)
 
     def paint(self, painter: QPainter, *args) -> None:
         rows, cols = self.positions.shape
         if not rows:
             return
         transform = painter.transform()
-        pixel_size, with_text = self._sizes(transform.mapRect(QRectF(0, 0, 1, 1)))
+        pixel_size, with_text, rotated = self._sizes(transform.mapRect(QRectF(0, 0, 1, 1)))
         if not pixel_size:
             self.pixel_size = 0
             return  # too small to read: leave the colours alone
-        if (pixel_size, with_text) != (self.pixel_size, self.with_text):
-            self.pixel_size, self.with_text = pixel_size, with_text
+        if (pixel_size, with_text, rotated) != (self.pixel_size, self.with_text, self.rotated):
+            self.pixel_size, self.with_text, self.rotated = pixel_size, with_text, rotated
             self.font.setPixelSize(pixel_size)
             self.text_font.setPixelSize(max(7, int(pixel_size * 0.8)))
             self._texts.clear()
@@ -93,7 +99,8 @@ class CellLabels(pg.GraphicsObject):
         left, top = np.floor(device.left()), np.floor(device.top())
         ratio = painter.device().devicePixelRatioF() if painter.device() is not None else 1.0
         key = (transform.m11(), transform.m22(), transform.dx() - left, transform.dy() - top,
-               int(np.ceil(device.width())) + 2, int(np.ceil(device.height())) + 2, pixel_size, with_text, ratio)
+               int(np.ceil(device.width())) + 2, int(np.ceil(device.height())) + 2, pixel_size, with_text, ratio,
+               rotated)
         if key != self._overlay_key or self._drawn.shape != self.positions.shape:
             self._overlay_key = key
             self._overlay = QImage(int(key[4] * ratio), int(key[5] * ratio), QImage.Format_ARGB32_Premultiplied)
@@ -130,6 +137,13 @@ class CellLabels(pg.GraphicsObject):
             painter.setFont(self.font)
             painter.setPen(number_color)
             text, half_width, half_height = self._text(number, str(number), self.font)
+            if self.rotated:  # read bottom to top, along the cell
+                painter.save()
+                painter.translate(x, y)
+                painter.rotate(-90)
+                painter.drawStaticText(QPointF(-half_width, -half_height), text)
+                painter.restore()
+                continue
             painter.drawStaticText(QPointF(x - half_width, y - lift - half_height), text)
             if self.with_text:
                 token = elide.elidedText(cell_token(self.text_of(number)), Qt.ElideRight, int(width - 6))
