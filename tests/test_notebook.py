@@ -124,6 +124,8 @@ widget.render({{ model: window.model, el: document.getElementById("w") }});
         browser.js(f"window.model.set('html', {json.dumps(widget.html)})")
         browser.wait_for(f"document.querySelectorAll('#{again}text span[title]').length > 0")
         assert browser.js(f"document.getElementById('{prefix}root') === null")
+        browser.js(f"window.model.set('status', {json.dumps(widget.status)})")  # its own message (JupyterLab)
+        assert browser.js("document.querySelector('#w span').textContent") == "7 steps"
         browser.js("document.querySelectorAll('#w button')[1].click()")  # Play
         browser.wait_for("window.sent.length === 2")
         assert browser.js("window.model.get('playing')") is True

@@ -51,6 +51,7 @@ function render({ model, el }) {
   layer.onchange = () => { model.set("layer", +layer.value); model.save_changes(); };
   policy.onchange = () => { model.set("policy", policy.value); model.save_changes(); };
   model.on("change:html", draw);
+  model.on("change:status", () => { status.textContent = model.get("status"); });
   model.on("change:playing", () => { play.textContent = model.get("playing") ? "Pause" : "Play"; });
   draw();
 }
@@ -87,14 +88,16 @@ class SessionWidget(anywidget.AnyWidget):
     def step(self, n: int | None = None) -> None:
         """Step the session (default steps_per_click) and redraw; at its end, stop playing."""
         self.session.step(self.steps_per_click if n is None else n)
-        if self.session.done:
-            self.playing = False
-        self.redraw()
+        with self.hold_sync():
+            if self.session.done:
+                self.playing = False
+            self.redraw()
 
     def redraw(self) -> None:
         s = self.session
-        self.html = s.view(layer=self.layer).html
-        self.status = f"{len(s)} steps" + (f" · done ({s.stop_reason})" if s.done else "")
+        with self.hold_sync():  # one message: the browser draws the view and its status together
+            self.html = s.view(layer=self.layer).html
+            self.status = f"{len(s)} steps" + (f" · done ({s.stop_reason})" if s.done else "")
 
     def _message(self, _widget, content, _buffers) -> None:
         if content.get("action") == "step" and (not self.session.done):
