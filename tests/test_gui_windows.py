@@ -76,3 +76,17 @@ def test_the_server_window_alone_closes_with_the_usual_keys(qtbot, keys):
     qtbot.waitUntil(server.isActiveWindow, timeout=3000)
     qtbot.keyClick(server, *keys)
     qtbot.waitUntil(lambda: not server.isVisible(), timeout=3000)
+
+
+def test_the_attached_server_window_opens_within_its_screen(qtbot):
+    """`pagevis --server-events …` opened the Server window at 1600 × 1000 on a 1280 × 720 screen (plots and
+    header cut off); it opens at most the screen's size, wholly on it, and its layout fits 1280 × 720."""
+    from pagevis.gui import attached_server_window
+    from pagevis.engine import ModelSpec
+
+    window = attached_server_window(ModelSpec(kind="synthetic"), None, None)
+    qtbot.addWidget(window)
+    area = window.screen().availableGeometry()
+    assert area.contains(window.geometry())
+    hint = window.minimumSizeHint()
+    assert hint.width() <= 1280 and hint.height() <= 720

@@ -133,14 +133,20 @@ def launch_attached_server(model_spec: ModelSpec | None, events: str | None, met
         print(verdict.message(), file=sys.stderr)
         return platform_check.EXIT_STATUS
     app = _application()
-    from pagevis.gui.server.attached import AttachedServerWindow, detokenizer_for
+    window = attached_server_window(model_spec, events, metrics_url)
+    window.show()
+    return app.exec()
 
+
+def attached_server_window(model_spec: ModelSpec | None, events: str | None, metrics_url: str | None):
+    """The attached Server window, at most its screen's size and wholly on it (it opened at 1600 × 1000, cut
+    off on a 1280 × 720 screen)."""
+    from pagevis.gui.server.attached import AttachedServerWindow, detokenizer_for
     from pagevis.gui.widgets.windows import place_beside
 
     window = AttachedServerWindow(events, metrics_url, detokenizer_for(model_spec or ModelSpec()))
-    place_beside(window, None, steps=0)  # at most the screen's size, wholly on it (it opened at 1600 × 1000)
-    window.show()
-    return app.exec()
+    place_beside(window, None, steps=0)
+    return window
 
 
 def quiet_size_hints() -> None:

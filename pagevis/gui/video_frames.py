@@ -93,6 +93,9 @@ def record(scene: Scene, path: str, fps: float, caption: bool = True,
     window is several times smaller at half its width); the caption is drawn after, at full sharpness."""
     app = QApplication.instance()
     started = time.perf_counter()
+    # a whole window shows its own narration (its line, the A/B's headline, the Server's status): burnt in below
+    # too, every frame said it twice; a single view gets the caption (and every recording its subtitles file)
+    caption = caption and not scene.target.isWindow()
     writer = open_video(path, fps)
     cancelled = ended = False
     try:
