@@ -1,4 +1,3 @@
-import gc
 import os
 import subprocess
 import sys
@@ -46,20 +45,27 @@ def private_settings(request, tmp_path):
     qapp.setOrganizationName("pagevis-tests")
     qapp.setApplicationName("pagevis-tests")
     theme.configure_pyqtgraph()
-    # Cyclic garbage collection stays on, as in the app. CI aborted once ("Fatal Python error: Aborted") while the
-    # main thread collected garbage during a GUI test's SmolLM2 load; the one way found to abort so is a collection
-    # destroying a QThread that still runs (Qt's qFatal; tests/test_gui_owned_thread.py reproduces it), which the
-    # attach window's workers could be after its stop() gave up waiting: they are OwnedThreads now, held until they
-    # finish. PAGEVIS_GUI_GC=0 turns the collector off during GUI tests again (collecting at teardown), to bisect.
-    if os.environ.get("PAGEVIS_GUI_GC") != "0":
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-        gc.collect()
+    yield
+
+
+@pytest.fixture(autouse=True)
+def gui_thread_collection(request):
+    """Cyclic garbage is collected on the GUI thread, as in the app (pagevis.gui.widgets.gui_gc), for every test
+    that uses Qt and every test after it: the collector ran on whichever thread allocated, and a GUI test's model
+    loader thread, collecting, destroyed earlier tests' Qt objects there: "Fatal Python error: Aborted" (CI once,
+    and `make test` here: the loader "Garbage-collecting" in vocab_tokenizer._merge_pairs). Once installed, the
+    automatic collector is off; each test's teardown collects on the main thread what the thresholds call for."""
+    from_qt = {"qtbot", "qapp"} & set(request.fixturenames)
+    if from_qt:
+        from pagevis.gui.widgets import gui_gc
+
+        gui_gc.install(request.getfixturevalue("qapp"))
+    yield
+    if "pagevis.gui.widgets.gui_gc" in sys.modules:
+        from pagevis.gui.widgets import gui_gc
+
+        if gui_gc.installed() is not None:
+            gui_gc.installed().check()
 
 
 @pytest.fixture

@@ -40,3 +40,41 @@ def test_a_running_worker_is_never_destroyed(base):
         assert done.returncode != 0 and "Destroyed while thread" in done.stderr, done.stderr
     else:
         assert done.returncode == 0 and done.stdout == "collected\n" and done.stderr == "", done.stderr
+
+
+def test_cyclic_garbage_is_collected_on_the_gui_thread_only(qapp, qtbot):
+    """Once the app's collector is installed, a worker thread that allocates past every threshold collects nothing
+    (it collected earlier tests' Qt objects on itself: the abort); the GUI thread's timer collects the cycles."""
+    import gc
+    import threading
+    import weakref
+
+    from PySide6.QtCore import QObject
+
+    from pagevis.gui.widgets import gui_gc
+
+    gui_gc.install(qapp)
+    threads: list[int] = []
+
+    def record(phase, info):
+        if phase == "start":
+            threads.append(threading.get_ident())
+
+    gc.callbacks.append(record)
+    try:
+        class Window:  # a Python object holding a Qt one, in a cycle (as a window and its connected slots)
+            pass
+
+        holder = Window()
+        holder.me, holder.qt = holder, QObject()  # only the cyclic collector can free them
+        gone = weakref.ref(holder)
+        del holder
+        kept: list = []  # kept: the collector's count stays past its threshold (freed lists lower it again)
+        worker = threading.Thread(target=lambda: kept.append([[index] for index in range(300_000)]))
+        worker.start()
+        worker.join()
+        assert all(ident == threading.get_ident() for ident in threads)
+        qtbot.waitUntil(lambda: gone() is None, timeout=10_000)
+    finally:
+        gc.callbacks.remove(record)
+    assert threads and set(threads) == {threading.get_ident()} and not gc.isenabled()

@@ -16,7 +16,7 @@ APPLICATION = "pagevis"
 def _application():
     from PySide6.QtWidgets import QApplication
 
-    from pagevis.gui.widgets import theme
+    from pagevis.gui.widgets import gui_gc, theme
 
     app = QApplication.instance()
     if app is None:
@@ -27,6 +27,7 @@ def _application():
         theme.apply(app)
     else:
         theme.configure_pyqtgraph()
+    gui_gc.install(app)  # cyclic garbage collected on this thread only: never a Qt object on a worker's
     return app
 
 

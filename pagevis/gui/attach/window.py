@@ -250,6 +250,7 @@ class AttachWindow(QMainWindow):
     def refresh(self) -> None:
         """Show the newest frames the workers made (a no-op for the ones already shown). Whatever goes wrong
         while drawing is shown in the error line, never raised out of the timer."""
+        self.freezer.tick()  # its periodic collection on this (the GUI) thread: never a Qt object on a worker's
         try:
             self._refresh()
         except Exception as error:  # noqa: BLE001 - a display bug must not take the window down

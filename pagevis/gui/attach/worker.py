@@ -281,8 +281,6 @@ class FleetWorker(OwnedThread):
                         time.sleep(0.05)
                 else:
                     time.sleep(0.05)
-                if self.freezer is not None:
-                    self.freezer.tick()
                 now = time.monotonic()
                 if now - last >= (LIVE_FRAME_S if self.source.live else FRAME_S) or self._arrived():
                     self._publish(now)
