@@ -1,7 +1,8 @@
-"""A worker QThread destroyed while it runs aborts the process (qFatal "QThread: Destroyed while thread is still
-running": "Fatal Python error: Aborted", as CI aborted once with the garbage collector running on the GUI thread).
-OwnedThread (the attach window's workers) is held until it has finished, so neither a collection nor the exit
-destroys one that runs. Each case runs in its own process: the failure is an abort."""
+"""Two ways a collection aborts a Qt app ("Fatal Python error: Aborted", issue #44): a worker QThread destroyed while
+it runs (qFatal "QThread: Destroyed while thread is still running"; OwnedThread, the attach window's workers, is held
+until it has finished, so neither a collection nor the exit destroys one that runs: each case in its own process,
+the failure being an abort), and Qt objects collected on a worker thread (the CI abort: the collector ran on a
+model loader's thread; gui_gc collects on the GUI thread only)."""
 
 from __future__ import annotations
 

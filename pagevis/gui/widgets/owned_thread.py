@@ -2,11 +2,12 @@
 
 Destroying a running QThread is fatal in Qt (qFatal "QThread: Destroyed while thread is still running": the process
 aborts, "Fatal Python error: Aborted"). A Python-owned worker thread is destroyed when its wrapper is collected, and
-a window and its workers form reference cycles (connected slots), so the cyclic garbage collector, running on the
-GUI thread at any allocation, would destroy a worker that a window's stop() left running (it waits a few seconds
-only) together with the closed window: reproduced with a QThread child of a collected QObject. CI aborted so
-once while a GUI test loaded SmolLM2 on a worker thread (issue #44). Every OwnedThread started is held here, from
-the GUI thread, until it has finished; at exit, each still running is asked to stop and waited for.
+a window and its workers form reference cycles (connected slots), so a collection could destroy a worker that a
+window's stop() left running (it waits a few seconds only) together with the closed window: reproduced with a
+QThread child of a collected QObject (tests/test_gui_owned_thread.py). This was a suspect for issue #44's CI abort;
+the cause found was another (a collection on a worker thread: gui_gc.py), but the guard stays. Every OwnedThread
+started is held here, from the GUI thread, until it has finished; at exit, each still running is asked to stop and
+waited for.
 """
 
 from __future__ import annotations
