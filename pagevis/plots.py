@@ -23,11 +23,18 @@ def _app():
     return pg, pg.mkQApp("pagevis plots")
 
 
+# a qualitative palette (matplotlib's tab10 without its grey): neighbours never look alike, as hues spread evenly
+# over many series did (h2o's green beside the full cache's); a reference series ("full ...") is black
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf",
+           "#393b79", "#637939", "#843c39")
+
+
 def line_plot(path: str, series: Series, title: str, x_label: str, y_label: str, log_x: bool = False,
               log_y: bool = False, width: int = 900, height: int = 560, dashed: set[str] = frozenset(),
               x_ticks: list[float] | None = None, y_ticks: list[float] | None = None) -> str:
     """Write one plot with a line and markers per series (label -> (xs, ys)); return the path.
-    `x_ticks`/`y_ticks` label exactly those values (pyqtgraph's log axes label every minor tick)."""
+    `x_ticks`/`y_ticks` label exactly those values (pyqtgraph's log axes label every minor tick), and the y axis
+    gets ticks up to the highest point. The legend stands beside the plot, never over its lines."""
     pg, app = _app()
     widget = pg.GraphicsLayoutWidget()
     widget.resize(width, height)
@@ -36,24 +43,43 @@ def line_plot(path: str, series: Series, title: str, x_label: str, y_label: str,
     plot.setLabel("left", y_label)
     plot.showGrid(x=True, y=True, alpha=0.25)
     plot.setLogMode(x=log_x, y=log_y)
-    plot.addLegend(offset=(10, 10), labelTextColor="k")
+    legend = pg.LegendItem(labelTextColor="k")
+    widget.addItem(legend, row=0, col=1)
+    top = max((y for _, ys in series.values() for y in ys if y is not None), default=None)
     if x_ticks:
         place = math.log10 if log_x else float
         plot.getAxis("bottom").setTicks([[(place(x), f"{x:g}") for x in x_ticks]])
     if y_ticks:
         place = math.log10 if log_y else float
-        plot.getAxis("left").setTicks([[(place(y), f"{y:g}") for y in y_ticks]])
+        plot.getAxis("left").setTicks([[(place(y), f"{y:g}") for y in _ticks_to(y_ticks, top)]])
     symbols = ("o", "s", "d", "t", "+", "x", "t1", "star", "p", "h")
     for i, (label, (xs, ys)) in enumerate(series.items()):
         points = [(x, y) for x, y in zip(xs, ys) if y is not None and x is not None]
         if not points:
             continue
-        color = pg.intColor(i, hues=max(len(series), 1), values=1, maxValue=200)
+        color = "#000000" if label.startswith("full") else PALETTE[i % len(PALETTE)]
         style = pg.QtCore.Qt.PenStyle.DashLine if label in dashed else pg.QtCore.Qt.PenStyle.SolidLine
-        plot.plot([p[0] for p in points], [p[1] for p in points], name=label,
-                  pen=pg.mkPen(color, width=2, style=style), symbol=symbols[i % len(symbols)], symbolSize=8,
-                  symbolBrush=color, symbolPen=color)
+        curve = plot.plot([p[0] for p in points], [p[1] for p in points], pen=pg.mkPen(color, width=2, style=style),
+                          symbol=symbols[i % len(symbols)], symbolSize=8, symbolBrush=color, symbolPen=color)
+        legend.addItem(curve, label)
+    legend.setMaximumHeight(legend.layout.minimumHeight())  # its rows together, at the top of its column
+    widget.ci.layout.setAlignment(legend, pg.QtCore.Qt.AlignmentFlag.AlignTop)
+    if top is not None:  # the highest point inside the frame, below its own tick, not on the edge
+        plot.enableAutoRange(axis="y", enable=False)
+        low, high = plot.getViewBox().childrenBounds()[1] or (0, 0)
+        plot.setYRange(low, high + (high - low) * 0.06, padding=0.02)
     return _export(app, widget, path, width)
+
+
+def _ticks_to(ticks: list[float], top: float | None) -> list[float]:
+    """The given ticks, and 1-2-2.5-5 steps above them up to the first at or over `top`."""
+    ticks = sorted(ticks)
+    if top is None or not ticks or ticks[-1] <= 0:
+        return ticks
+    while ticks[-1] < top:
+        decade = 10 ** math.floor(math.log10(ticks[-1]))
+        ticks.append(next(m * decade for m in (1, 2, 2.5, 5, 10) if m * decade > ticks[-1]))
+    return ticks
 
 
 def _export(app, widget, path: str, width: int) -> str:

@@ -128,3 +128,19 @@ def test_the_slides_reasons_fit_the_events_table_at_1280_x_720(qtbot, tmp_path):
     qtbot.wait(30)
     assert any("slid out of the window" in row[6] for row in window.events.visible_rows())
     assert [c for c in clipped_texts(window.events) if "EventsView" in c or "QTableView" in c] == []
+
+
+def test_a_page_that_slid_out_keeps_its_colour_until_the_pool_hands_it_out_again(qtbot, tmp_path):
+    """Gemma's grid showed no slid-out colour: a page slides once every page-size steps and was coloured for that
+    one step only. It stays brown while it holds nothing; a page the pool reuses is drawn as what it holds."""
+    window = make_window(qtbot, tmp_path, SPEC, PROMPT, CONFIG)
+    step(qtbot, window, 3)  # the prompt's pages 0 and 1 slid out two steps ago
+    grid = window.page_grid
+    record = window.timeline.records[-1]
+    free = [p for p in range(CONFIG.max_pages) if p not in record.block_tables[0]
+            and (record.slot_maps[0][p] < 0).all()]
+    slid = [p for p in range(CONFIG.max_pages) if (grid.states[p] == SLID).all()]
+    assert {0, 1} <= set(slid) and set(slid) <= set(free)
+    window.controls.layer.setValue(1)  # a global layer: nothing slides
+    window.redraw()
+    assert not (grid.states == SLID).any()

@@ -11,7 +11,7 @@ from pagevis.kvcache import EventKind
 from pagevis.kvcache.event_array import in_layer
 from pagevis.kvcache.spec import layer_specs
 from pagevis.gui.widgets import theme
-from pagevis.gui.widgets.theme import FREE, PINNED, REPLACED, RESIDENT, WRITTEN
+from pagevis.gui.widgets.theme import FREE, PINNED, REPLACED, RESIDENT, SLID, WRITTEN
 from pagevis.gui.widgets.block_table import MAX_TABLE_WIDTH, MIN_TABLE_WIDTH, PAGES_NOTE, BlockTable
 from pagevis.gui.widgets.cell_labels import CellLabels
 from pagevis.viewmodel.cells import (  # noqa: F401 - cell_states and DISK_STATES for the tests, as before
@@ -78,6 +78,24 @@ def disk_image(states: np.ndarray) -> np.ndarray:
     big[3::4, :, :3] = (_BACKGROUND * 255).astype(np.uint8)
     big[:, 3::4, :3] = (_BACKGROUND * 255).astype(np.uint8)
     return big
+
+
+SLID_LOOKBACK = 512  # a layer's newest evictions and slides looked at for the pages that slid out
+
+
+def slid_out_pages(state) -> list[int]:
+    """On a sliding-window layer, the pages that slid out of the window up to the shown step and hold nothing
+    since: the grid keeps them in the slid-out colour until the pool hands them out again (one step's colour
+    alone was never seen: a page slides every page-size steps)."""
+    timeline, record, layer = state.timeline, state.record, state.layer
+    windows = getattr(timeline.info, "sliding_windows", None) if timeline is not None else None
+    if record is None or windows is None or not windows[layer]:
+        return []
+    of_layer = timeline.evictions.of_layer(layer)
+    until = of_layer.until(timeline.evictions_until(state.index))
+    slid = {e.page for e in of_layer[max(0, until - SLID_LOOKBACK): until] if e.slot < 0}
+    slots, table = record.slot_maps[layer], set(record.block_tables[layer])
+    return sorted(page for page in slid if page not in table and 0 <= page < len(slots) and (slots[page] < 0).all())
 
 
 def legend_html(hybrid: bool, note: bool = True) -> str:
@@ -244,6 +262,8 @@ class PageGridView(QWidget):
         pages, page_size = slots.shape
         self._place_block_table(page_size)
         self.states = cell_states(record, layer)
+        for page in slid_out_pages(state):  # a local layer's pages that left its window and hold nothing since
+            self.states[page] = SLID
         self.shade = shade_values(record, layer, state.shade)
         self.full_precision = full_precision_mask(record, layer)
         bordered = self.states.size <= _MAX_BORDERED_CELLS and self.full_precision is not None
