@@ -66,6 +66,7 @@ def test_running_every_preset_leaves_the_saved_settings_and_a_plain_launch_evict
     again.close()
 
 
+@pytest.mark.slow  # the Default preset loads SmolLM2 (~40 s on a busy machine)
 def test_a_preset_banner_goes_with_its_session(qtbot, window):
     """The Default preset's banner stays through Reset and goes when the user changes a setting (the session is
     then theirs, saved on close); an A/B preset's banner is the A/B window's, never the main window's."""

@@ -124,7 +124,7 @@ def test_one_set_of_defaults_and_presets_override_it():
             if config is not None:
                 changed = {k for k, v in settings.values(config).items() if v != settings.values(DEFAULT_CONFIG)[k]}
                 # chat: Gemma 3 270M's preset feeds a base model its passage as plain text; policy_params: a
-                # preset's policy with its own parameters (vLLM page-level's oldest-page keeps sinks)
+                # preset's policy with its own parameters (the page-level presets' compress_every and n_sink)
                 allowed = {"policy", "policy_params", "page_size", "max_pages", "oracle", "chat"}
                 assert changed <= allowed, (preset.name, changed)
 
