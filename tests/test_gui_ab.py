@@ -184,3 +184,36 @@ def test_the_page_size_presets_32_wide_pages_write_their_numbers_upright_and_leg
     assert not grid_a.labels.rotated and grid_a.labels.pixel_size >= 9
     legend = ab.legend.text()
     assert "protected" in legend and "written&nbsp;this&nbsp;step" in legend  # one colour legend for both grids
+
+
+def test_the_ab_window_has_the_presenters_pace_and_home_end(qtbot, window):
+    """The A/B window had no speed control and Home / End did nothing there: it opens at 4 tok/s (a pace an
+    audience follows), its speed box sets its runner's, and Home / End go to the first and the newest step."""
+    from PySide6.QtWidgets import QApplication
+
+    from pagevis.gui.widgets.transport import PRESENTER_PACE
+
+    ab = open_ab(qtbot, window)
+    qtbot.waitUntil(lambda: ab.runner.state == "ready", timeout=10000)
+    assert ab.speed.currentText() == PRESENTER_PACE and ab.runner.interval == 0.25
+    ab.speed.setCurrentIndex(ab.speed.findText("10 tok/s"))
+    assert ab.runner.interval == 0.1
+    ab.runner.step_blocking(4)
+    ab.activateWindow()
+    qtbot.waitUntil(lambda: QApplication.focusWidget() is not None, timeout=3000)
+    qtbot.keyClick(QApplication.focusWidget(), Qt.Key_Home)
+    assert ab.index == 0
+    qtbot.keyClick(QApplication.focusWidget(), Qt.Key_End)
+    assert ab.index == len(ab.timeline) - 1 == 3
+
+
+def test_the_presentation_layout_slows_max_speed_to_the_presenters_pace(qtbot, window):
+    from pagevis.gui.widgets.transport import PRESENTER_PACE
+
+    assert window.transport.speed.currentData() == 0.0  # the desk's default: max speed
+    window.set_presentation(True)
+    assert window.transport.speed.currentText() == PRESENTER_PACE
+    window.transport.speed.setCurrentIndex(window.transport.speed.findText("1 tok/s"))
+    window.set_presentation(False)
+    window.set_presentation(True)
+    assert window.transport.speed.currentText() == "1 tok/s"  # a speed the presenter chose stays
