@@ -7,9 +7,11 @@ policy (`evict_heads`, and kvzip's one-shot `compress`); a merging policy also n
 value folds into (`merge`). Here the choice is carried out: every page about to change is asked for through
 `LayerManager.writable` (a shared page is copied and keeps its prefix hash; a page changed in place leaves the
 prefix cache), a page left empty is released, every change is an event; then the policy hears of the removal
-(a re-rotating policy moves the survivors' keys: wrappers.py). ThinK's key-channel pruning (`prune_key_channels`) rewrites keys in place the same way.
+(a re-rotating policy moves the survivors' keys: wrappers.py). ThinK's key-channel pruning
+(`prune_key_channels`) rewrites keys in place the same way.
 
-Each function takes the layer's manager (layer_managers.py: the store, the event log, copy-on-write) and the sequence.
+Each function takes the layer's manager (layer_managers.py) and the sequence, and changes the sequence's pages
+through the manager's named operations: `write` a token, `take_out` one, `writable` for a page about to change.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def append(layer: LayerManager, seq: SequenceCache, k: np.ndarray, v: np.ndarray
         layer.seal_residual(seq, len(positions))
     if len(positions):
         layer.before_write(seq, int(positions[0]))
-    state, holes, keep = seq.states[index], seq.holes[index], seq.head_keep[index]
+    holes, keep = seq.holes[index], seq.head_keep[index]
     budget = layer.budget(seq)
     if seq.channels is not None:
         k = seq.channels.prune(index, k)
@@ -46,15 +48,7 @@ def append(layer: LayerManager, seq: SequenceCache, k: np.ndarray, v: np.ndarray
                 raise CacheFullError(f"the pool's {layer.pool_pages} pages of layer {index} are all in use "
                                      f"(sequence {seq.seq_id} needs one more)")
             evict(layer, seq)
-        flat = layer.free_slot(seq)
-        store.write(flat, k[i], v[i], int(position))
-        holes.remove(flat)
-        seq.resident[index] += 1
-        state.clear(flat)
-        state.write(flat, k[i], v[i], int(position))
-        if keep is not None:
-            keep[:, flat] = True
-        layer.event(E.WRITE, seq, *divmod(flat, layer.page_size), int(position))
+        layer.write(seq, k[i], v[i], int(position))
 
 
 def evict(layer: LayerManager, seq: SequenceCache) -> None:
@@ -114,7 +108,7 @@ def remove(layer: LayerManager, seq: SequenceCache, victims: np.ndarray, scores:
            details: list[int] | None = None) -> None:
     """Take the tokens in these flat slots out of the sequence (copying a shared page first); free
     the pages left empty. `details`: each eviction event's detail (merges: the survivor's position)."""
-    store, ps, index = layer.store, layer.page_size, layer.layer
+    ps = layer.page_size
     seq.hashable = False
     copies: dict[int, int] = {}  # shared page -> this sequence's copy (a policy may take several slots)
     removed: list[int] = []
@@ -122,20 +116,7 @@ def remove(layer: LayerManager, seq: SequenceCache, victims: np.ndarray, scores:
         page, slot = divmod(flat, ps)
         if page not in copies:
             copies[page] = layer.writable(seq, page)
-        page = copies[page]
-        position = store.remove(page * ps + slot)
-        removed.append(position)
-        seq.holes[index].add(page * ps + slot)
-        seq.resident[index] -= 1
-        keep = seq.head_keep[index]
-        if keep is not None:
-            keep[:, page * ps + slot] = False
-        layer.event(E.EVICT, seq, page, slot, position, seq.policy.name, reason, float(score), detail=detail)
-        if store.fill[page] == 0:
-            seq.block_tables[index].remove(page)
-            seq.holes[index].difference_update(range(page * ps, (page + 1) * ps))
-            store.release(page)
-            layer.event(E.RELEASE, seq, page)
+        removed.append(layer.take_out(seq, copies[page] * ps + slot, reason, float(score), detail))
     seq.policy.after_removal(layer, seq, removed)
 
 

@@ -215,6 +215,41 @@ class LayerManager:
         self.event(E.COPY_ON_WRITE, seq, new, detail=page)
         return new
 
+    # --- one token in, one token out ------------------------------------------------------------------
+    def write(self, seq: SequenceCache, k: np.ndarray, v: np.ndarray, position: int) -> None:
+        """The token at `position` (its key and value (n_kv_heads, head_dim)) into the sequence's lowest empty
+        slot (free_slot: a page allocated, read back from disk or copied first as needed)."""
+        flat, index = self.free_slot(seq), self.layer
+        self.store.write(flat, k, v, position)
+        seq.holes[index].remove(flat)
+        seq.resident[index] += 1
+        state = seq.states[index]
+        state.clear(flat)
+        state.write(flat, k, v, position)
+        keep = seq.head_keep[index]
+        if keep is not None:
+            keep[:, flat] = True
+        self.event(E.WRITE, seq, *divmod(flat, self.page_size), position)
+
+    def take_out(self, seq: SequenceCache, flat: int, reason: str, score: float, detail: int = -1) -> int:
+        """Evict the token in the sequence's slot `flat` (of a page `writable` gave) and release its page if
+        that left it empty; returns the token's position. reason, score, detail: its EVICT event's."""
+        store, ps, index = self.store, self.page_size, self.layer
+        page, slot = divmod(flat, ps)
+        position = store.remove(flat)
+        seq.holes[index].add(flat)
+        seq.resident[index] -= 1
+        keep = seq.head_keep[index]
+        if keep is not None:
+            keep[:, flat] = False
+        self.event(E.EVICT, seq, page, slot, position, seq.policy.name, reason, score, detail=detail)
+        if store.fill[page] == 0:
+            seq.block_tables[index].remove(page)
+            seq.holes[index].difference_update(range(page * ps, (page + 1) * ps))
+            store.release(page)
+            self.event(E.RELEASE, seq, page)
+        return position
+
     # --- writing ---------------------------------------------------------------------------------
     def free_slot(self, seq: SequenceCache) -> int:
         """The lowest empty slot of the sequence's pages, preferring pages in RAM (allocating a page if it
