@@ -9,6 +9,8 @@ from PySide6.QtCore import QRect, QSize, Qt
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QSizePolicy, QTabWidget, QWidget
 
+from pagevis.gui.widgets.windows import set_frame_geometry
+
 COMPACT_WIDTH = 1680  # windows this narrow tab the metrics behind the events (see size_docks): at 1440-1600 px
 # three docks in the bottom row clipped the events table and the metrics titles
 SMALL_WIDTH = 1366
@@ -102,14 +104,14 @@ class DockLayout:
         if area.width() <= SMALL_WIDTH or area.height() <= SMALL_HEIGHT:
             # a projector or small laptop: 85 % of 1280 × 720 squeezed the page grid to a line. Maximized,
             # the window manager fits the frame (the area itself as the inner geometry would overhang it)
-            w.setGeometry(area)
+            set_frame_geometry(w, area)
             w.setWindowState(w.windowState() | Qt.WindowMaximized)
             return
         size = QSize(int(area.width() * share), int(area.height() * share))
         size = size.expandedTo(w.minimumSizeHint()).boundedTo(area.size())
         rect = QRect(0, 0, size.width(), size.height())
         rect.moveCenter(area.center())
-        w.setGeometry(rect)
+        set_frame_geometry(w, rect)
 
     # --- the presentation layout ----------------------------------------------------------------
     def set_presentation(self, on: bool, arrange: bool = True) -> None:

@@ -9,7 +9,7 @@ from PySide6.QtCore import QRect, Qt
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPushButton, QVBoxLayout, QWidget
 
-from pagevis.gui.widgets.windows import add_close_keys
+from pagevis.gui.widgets.windows import add_close_keys, frame_margins, set_frame_geometry
 from pagevis.presets import find_preset
 
 STEPS = (
@@ -64,9 +64,9 @@ class Tour(QWidget):
         if screen is None:
             return
         area = screen.availableGeometry()
-        size = self.size().boundedTo(area.size())
-        self.setGeometry(QRect(area.right() + 1 - size.width(), area.bottom() + 1 - size.height(), size.width(),
-                               size.height()))
+        size = self.size().grownBy(frame_margins(self, self.main)).boundedTo(area.size())
+        set_frame_geometry(self, QRect(area.right() + 1 - size.width(), area.bottom() + 1 - size.height(),
+                                       size.width(), size.height()), self.main)
 
     def next(self) -> None:
         """Open the next step's window; a step that needs the model waits for it (it says so)."""

@@ -30,7 +30,7 @@ from pagevis.gui.session.rendering import (  # noqa: F401 - the frame pacing's c
     FRAME_INTERVAL, MAX_FRAME_INTERVAL, UI_SHARE, Rendering, memory_text)
 from pagevis.gui.session.presets import PresetPlayer
 from pagevis.presets import PRESETS
-from pagevis.gui.session.layout import FIRST_SCREEN_SHARE, NARRATION_STYLE, DockLayout, wants_presentation
+from pagevis.gui.session.layout import FIRST_SCREEN_SHARE, NARRATION_STYLE, SMALL_HEIGHT, DockLayout, wants_presentation
 from pagevis.gui.widgets.messages import MessagesPanel
 from pagevis.gui.session.runner import SessionRunner
 from pagevis.viewmodel.timeline import Timeline
@@ -330,6 +330,12 @@ class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMain
         self.messages.report(message, detail)
         self.statusBar().showMessage(message.strip().partition("\n")[0], 15000)
         dock = self.docks["Messages"]
+        events = self.docks["Eviction events"]
+        screen = self.screen()
+        if (not dock.isVisible() and events.isVisible() and screen is not None
+                and screen.availableGeometry().height() <= SMALL_HEIGHT):
+            # a row of its own below the docks grew the window past a 1280 × 720 screen: a tab beside the events
+            self.tabifyDockWidget(events, dock)
         dock.show()
         dock.raise_()
 

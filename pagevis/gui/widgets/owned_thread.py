@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 
+import shiboken6
 from PySide6.QtCore import QThread
 
 STOP_AT_EXIT_MS = 5000
@@ -31,13 +32,15 @@ class OwnedThread(QThread):
 def keep_until_finished(thread: QThread) -> None:
     """Hold thread (and let go of the started ones that have finished). Only the GUI thread calls this: a release
     from the worker's own `finished` signal would drop the last reference on that thread, while it still runs."""
-    for done in [t for t in _started if t.isFinished()]:
+    for done in [t for t in _started if not shiboken6.isValid(t) or t.isFinished()]:
         _started.discard(done)
     _started.add(thread)
 
 
 def running() -> list[QThread]:
-    return [t for t in _started if t.isRunning()]
+    """The held threads still running (one whose C++ object its parent already deleted is not: Qt deletes a
+    thread only once it has finished, and asking the wrapper raised RuntimeError at exit)."""
+    return [t for t in _started if shiboken6.isValid(t) and t.isRunning()]
 
 
 @atexit.register
