@@ -19,7 +19,7 @@ test: $(STAMP) system-libs typecheck
 	$(PY) -m ruff check pagevis tests scripts
 	QT_QPA_PLATFORM=offscreen $(PY) -m pytest $(PYTEST_ARGS)
 
-# mypy over the core (the cache, the engine, the view models: pyproject.toml's [tool.mypy]); `make test` runs it first.
+# mypy over the core (the cache, the engine, the model, the view models: pyproject.toml's [tool.mypy]); `make test` runs it first.
 typecheck: $(STAMP)
 	$(PY) -m mypy
 

@@ -187,7 +187,10 @@ class _Worker:
         self.loaded: set[str] = set()
         self.process = subprocess.Popen([sys.executable, "-I", WORKER, json.dumps(limits)], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True)
-        self._out = self.process.stdout.fileno()
+        stdin, stdout = self.process.stdin, self.process.stdout
+        assert stdin is not None and stdout is not None  # both are PIPE
+        self._stdin, self._stdout = stdin, stdout
+        self._out = stdout.fileno()
         try:
             ready = self.receive(time.monotonic() + START_SECONDS)
         except (_Timeout, _Died):
@@ -199,8 +202,8 @@ class _Worker:
 
     def send(self, request: dict) -> None:
         data = json.dumps(request).encode("ascii")
-        self.process.stdin.write(struct.pack(">I", len(data)) + data)
-        self.process.stdin.flush()
+        self._stdin.write(struct.pack(">I", len(data)) + data)
+        self._stdin.flush()
 
     def receive(self, deadline: float) -> dict:
         header = self._read(4, deadline)
@@ -224,7 +227,7 @@ class _Worker:
         if self.pid == os.getpid() and self.process.poll() is None:
             self.process.kill()
         code = self.process.wait() if self.pid == os.getpid() else None
-        for stream in (self.process.stdin, self.process.stdout):
+        for stream in (self._stdin, self._stdout):
             try:
                 stream.close()
             except OSError:

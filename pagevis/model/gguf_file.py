@@ -36,7 +36,7 @@ class _LeanArray(ReaderField):
 
 def _strings(items: np.ndarray, count: int) -> list[str]:
     """count length-prefixed UTF-8 strings (native byte order) laid out one after the other in items."""
-    view, length_of, at, out = memoryview(items), struct.Struct("=Q").unpack_from, 0, []
+    view, length_of, at, out = items.data, struct.Struct("=Q").unpack_from, 0, []
     for _ in range(count):
         length = length_of(view, at)[0]
         out.append(str(view[at + 8:at + 8 + length], "utf-8"))
@@ -68,7 +68,7 @@ class _PlainArrayReader(GGUFReader):
             offs += int(key_length.nbytes + key.nbytes)
             raw_type = self._get(offs, np.uint32)
             offs += int(raw_type.nbytes)
-            head = [key_length, key, raw_type]
+            head: list[np.ndarray] = [key_length, key, raw_type]
             lean = self._lean_array(offs) if raw_type[0] == GGUFValueType.ARRAY else None
             if lean is None:
                 size, parts, indices, types = self._get_field_parts(offs, raw_type[0])
@@ -76,8 +76,9 @@ class _PlainArrayReader(GGUFReader):
                                     [index + len(head) for index in indices], types)
             else:
                 size, parts, item_count, types = lean
-                field = _LeanArray(orig_offs, str(bytes(key), encoding="utf-8"), head + parts, range(item_count),
-                                   types)
+                # data: the items' indices as a range (GGUFReader's field holds a list of them)
+                field = _LeanArray(orig_offs, str(bytes(key), encoding="utf-8"), head + parts,
+                                   range(item_count), types)  # type: ignore[arg-type]
             self._push_field(field, skip_sum=True)
             offs += size
         return offs
@@ -91,15 +92,16 @@ class _PlainArrayReader(GGUFReader):
         if nptype is not None:
             items = self._get(start, nptype, count)
         elif item == GGUFValueType.STRING:  # the walk only: check_gguf_structure has bounded every length
-            plain, length_of, end = self._plain, struct.Struct("=Q").unpack_from, start
+            view, length_of, end = self._plain.data, struct.Struct("=Q").unpack_from, start
             for _ in range(count):
-                end += 8 + length_of(plain, end)[0]
-            items = plain[start:end]
+                end += 8 + length_of(view, end)[0]
+            items = self._plain[start:end]
         else:
             return None  # nested arrays: rare and short
         return 12 + int(items.nbytes), [raw_itype, alen, items], count, [GGUFValueType.ARRAY, item]
 
-    @property
+    # the memmap read as a plain ndarray (see the class), where GGUFReader declares a memmap
+    @property  # type: ignore[override]
     def data(self) -> np.ndarray:
         return self._plain
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import functools
 import math
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from gguf import GGUFValueType
+from tokenizers import Tokenizer
 
 from pagevis.system_memory import available_bytes, fits, gib
 from pagevis.model import weight_cache
@@ -298,10 +300,9 @@ def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any], voc
         raise ModelLoadError(f"{path}: tokenizer model {kind!r} is not supported; pagevis reads byte-level BPE "
                              "('gpt2') and SentencePiece BPE with byte fallback ('llama')")
 
-    def array(key: str, item: type, required: bool) -> list[Any] | None:
+    def array(key: str, item: type) -> Any:
+        """key's values, each an item (numbers may come as one ndarray), or None when the file has no key."""
         if key not in reader.fields:
-            if required:
-                raise ModelLoadError(f"{path}: metadata key {key} is missing")
             return None
         values = field_values(reader, key)
         if isinstance(values, np.ndarray):  # numbers read in one view: integers if their type is one
@@ -314,11 +315,13 @@ def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any], voc
             raise ModelLoadError(f"{path}: metadata key {key} must be a list of {item.__name__} values")
         return values
 
-    tokens = array("tokenizer.ggml.tokens", str, required=True)
+    tokens: list[str] | None = array("tokenizer.ggml.tokens", str)
+    if tokens is None:
+        raise ModelLoadError(f"{path}: metadata key tokenizer.ggml.tokens is missing")
     if len(tokens) != vocab_size:
         raise ModelLoadError(f"{path}: tokenizer.ggml.tokens has {len(tokens)} tokens; the model's vocabulary "
                              f"has {vocab_size}")
-    token_types = array("tokenizer.ggml.token_type", int, required=False)
+    token_types: list[int] | np.ndarray | None = array("tokenizer.ggml.token_type", int)
     token_types = np.ones(len(tokens), np.int32) if token_types is None or not len(token_types) else token_types
     if len(token_types) != len(tokens):
         raise ModelLoadError(f"{path}: tokenizer.ggml.token_type has {len(token_types)} entries for "
@@ -327,10 +330,11 @@ def tokenizer_from_reader(path: Path, reader: Any, metadata: dict[str, Any], voc
     def value(key: str, kind_: str, default: Any) -> Any:
         return metadata_value(path, metadata, f"tokenizer.{key}", kind_, default)
 
+    backend: Tokenizer | Callable[[], Tokenizer]
     try:
         if kind == "gpt2":
             _check_byte_tokens(path, tokens)
-            merges = array("tokenizer.ggml.merges", str, required=False) or []  # a byte-only vocabulary needs none
+            merges: list[str] = array("tokenizer.ggml.merges", str) or []  # a byte-only vocabulary needs none
             backend = byte_level_backend(tokens, merges, token_types, value("ggml.pre", "str", "default"))
             add_bos_default = False
         else:

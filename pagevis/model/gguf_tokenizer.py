@@ -15,7 +15,8 @@ from pagevis.errors import ConfigError
 from pagevis.model.chat import chatml_segments, system_prompt_from_template
 from pagevis.model.chat_template import ChatTemplate, ChatTemplateError
 from pagevis.model.tokenizer import IncrementalDecoder, printable_token
-from pagevis.model.vocab_tokenizer import CONTROL, SPIECE_SPACE, USER_DEFINED, byte_to_unicode, in_byte_alphabet
+from pagevis.model.vocab_tokenizer import (CONTROL, SPIECE_SPACE, USER_DEFINED, TokenTypes, byte_to_unicode,
+                                           in_byte_alphabet)
 
 BYTE_TOKEN = 6  # GGUF token type BYTE: "<0xNN>" in a SentencePiece vocabulary
 # A prompt rendered in the chat template is refused past the model's context, counted as at least MIN_PROMPT_CAP
@@ -34,7 +35,7 @@ class GGUFTokenizer:
     decode needs no backend call."""
 
     def __init__(self, backend: Backend | Callable[[], Backend], kind: str, tokens: Sequence[str],
-                 token_types: Sequence[int], bos_id: int | None, eos_id: int | None, add_bos: bool,
+                 token_types: TokenTypes, bos_id: int | None, eos_id: int | None, add_bos: bool,
                  chat_template: str | None) -> None:
         self.kind = kind
         self.vocab_size = len(tokens)

@@ -93,7 +93,7 @@ class LlamaModel:
             qkv += layer.qkv_bias
         q = qkv[:, :c.q_dim].reshape(n, c.n_heads, c.head_dim)
         k = qkv[:, c.q_dim:c.q_dim + c.kv_dim].reshape(n, c.n_kv_heads, c.head_dim)
-        if layer.q_norm is not None:
+        if layer.q_norm is not None and layer.k_norm is not None:  # qk_norm: both (check_weight_shapes)
             q, k = rms_norm(q, layer.q_norm, self._eps), rms_norm(k, layer.k_norm, self._eps)
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         if self._query_scale is not None:

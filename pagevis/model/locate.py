@@ -66,8 +66,9 @@ def joined(parts: list[Path], target: Path, digest: str) -> Path:
     and tables (gguf_header.table_digest): a launch checks these cheaply, never every byte. A stamp that does not
     match means the whole file's SHA-256 is checked again (and the parts joined again if it differs), said once."""
     stamp = target.with_suffix(".stamp.json")
-    identity = {"sha256": digest, "parts": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in parts]}
-    size = sum(p[1] for p in identity["parts"])
+    stats = [p.stat() for p in parts]
+    identity = {"sha256": digest, "parts": [[str(p), s.st_size, s.st_mtime_ns] for p, s in zip(parts, stats)]}
+    size = sum(s.st_size for s in stats)
     try:
         held = json.loads(stamp.read_text())
     except (OSError, ValueError):

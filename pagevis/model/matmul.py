@@ -135,7 +135,7 @@ class CpuWatch:
     own CPU time); None where /proc/stat is missing. A plan measured while others were busy is not trusted."""
 
     def __enter__(self) -> CpuWatch:
-        self.share = None
+        self.share: float | None = None
         self._start = (_busy_seconds(), _own_seconds(), time.perf_counter())
         return self
 
@@ -211,8 +211,8 @@ def _fastest(kernels: list[Kernel], x: np.ndarray, matrices: list[np.ndarray], r
             for w in matrices:
                 product(x, w, kernel)
             best[kernel] = min(best[kernel], time.perf_counter() - start)
-        alive = sorted(alive, key=best.get)[:max(2, len(alive) // 2)]
-    return min(kernels, key=best.get)
+        alive = sorted(alive, key=best.__getitem__)[:max(2, len(alive) // 2)]
+    return min(kernels, key=best.__getitem__)
 
 
 def sample_matrices(matrices: Iterable[np.ndarray], budget: int = SAMPLE_BYTES,

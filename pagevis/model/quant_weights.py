@@ -119,11 +119,12 @@ def quantized_weights(path: Path, tensors: dict[str, Any], dense: Callable[[str]
             **_optional_vectors(optional, b, vector)))
         drop_file_pages()
     embedding_matrix = matrix("token_embd.weight")
+    embedding: np.ndarray | QuantEmbedding
     if isinstance(embedding_matrix, QuantMatrix):
         embedding = QuantEmbedding(embedding_matrix)
     else:
-        embedding = np.ascontiguousarray(embedding_matrix.T)
-        embedding_matrix = embedding.T
+        rows = np.ascontiguousarray(embedding_matrix.T)
+        embedding, embedding_matrix = rows, rows.T
     output = matrix("output.weight") if "output.weight" in tensors else embedding_matrix
     weights = LlamaWeights(embedding, tuple(layers), vector("output_norm.weight"), output)
     drop_file_pages()

@@ -181,11 +181,8 @@ def _damaged_cache_files_ignored():
         except Exception:
             raise OSError(f"damaged numba cache file {name}") from None  # load() reads OSError as absent
 
-    cls._load_index, cls._load_data = tolerant_index, tolerant_data
-    try:
+    with _patched(cls, _load_index=tolerant_index, _load_data=tolerant_data):
         yield
-    finally:
-        cls._load_index, cls._load_data = load_index, load_data
 
 
 @contextlib.contextmanager
@@ -193,12 +190,22 @@ def _numba_cache_off():
     """cache=True ignored: the kernels compiled in memory only (no usable cache folder, a read-only install)."""
     from numba.core import dispatcher
 
-    enable = dispatcher.Dispatcher.enable_caching
-    dispatcher.Dispatcher.enable_caching = lambda self: None
+    with _patched(dispatcher.Dispatcher, enable_caching=lambda self: None):
+        yield
+
+
+@contextlib.contextmanager
+def _patched(owner: type, **methods: object):
+    """numba's class owner with methods replaced (a monkeypatch: numba has no hook for these) while the block runs,
+    its own methods put back after."""
+    saved = {name: getattr(owner, name) for name in methods}
+    for name, method in methods.items():
+        setattr(owner, name, method)
     try:
         yield
     finally:
-        dispatcher.Dispatcher.enable_caching = enable
+        for name, method in saved.items():
+            setattr(owner, name, method)
 
 
 _KERNELS: dict | None = None

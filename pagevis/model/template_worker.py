@@ -186,7 +186,8 @@ def _marked(message: dict, start: str, end: str) -> dict:
 
 def _pieces(marked: str, plain: str, start: str, end: str) -> list[list]:
     """The marked render as [text, from_user] pieces; refused unless it is the plain render, marked in order."""
-    pieces, inside, text = [], False, []
+    pieces: list[list] = []
+    inside, text = False, list[str]()
     for ch in marked:
         if ch == start or ch == end:
             if (ch == start) == inside:
@@ -202,7 +203,7 @@ def _pieces(marked: str, plain: str, start: str, end: str) -> list[list]:
                               "(a message's text is cut short)")
     if text:
         pieces.append(["".join(text), False])
-    if "".join(p[0] for p in pieces) != plain:
+    if "".join(str(p[0]) for p in pieces) != plain:
         raise TemplateRefusal("the chat template's output cannot be split into its own text and the messages' "
                               "(it writes something else when the messages are marked)")
     return pieces
@@ -210,7 +211,6 @@ def _pieces(marked: str, plain: str, start: str, end: str) -> list[list]:
 
 def _sandbox(limits: dict):
     from jinja2.sandbox import ImmutableSandboxedEnvironment
-    from jinja2.utils import _PassArg
 
     class Sandbox(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset({"+", "*", "**"})
@@ -234,7 +234,7 @@ def _sandbox(limits: dict):
 
         def wrap(self, value):
             """A value computed from a content's text, marked as the user's again."""
-            if isinstance(value, str):
+            if isinstance(value, str) and self.markers is not None:  # wrap runs inside a marked render only
                 return _Span(self.markers[0] + value + self.markers[1]) if value else value
             if isinstance(value, (list, tuple)):
                 return type(value)(self.wrap(v) for v in value)
@@ -268,9 +268,9 @@ def _sandbox(limits: dict):
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
     for name, function in list(env.filters.items()):
-        env.filters[name] = _span_aware(env, function, 1 if _PassArg.from_obj(function) else 0)
+        env.filters[name] = _span_aware(env, function, 1 if getattr(function, "jinja_pass_arg", None) else 0)
     for name, function in list(env.tests.items()):
-        env.tests[name] = _span_aware(env, function, 1 if _PassArg.from_obj(function) else 0, wrap=False)
+        env.tests[name] = _span_aware(env, function, 1 if getattr(function, "jinja_pass_arg", None) else 0, wrap=False)
     return env
 
 

@@ -46,7 +46,7 @@ def cached_merges(source: Path, vocab_size: int, rebuild: Callable[[], np.ndarra
 
 
 def _digest(ids: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(ids)).hexdigest()[:32]
+    return hashlib.sha256(np.ascontiguousarray(ids).data).hexdigest()[:32]
 
 
 def _read(path: Path, vocab_size: int, digest: str) -> np.ndarray | None:

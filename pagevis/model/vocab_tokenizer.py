@@ -43,6 +43,8 @@ SPIECE_SPACE = "\u2581"
 TOKENIZER_KINDS = ("gpt2", "llama")
 # (rebuild, spelled) -> the merges as token-id pairs: tokenizer_cache.cached_merges with its file (checked by
 # spelled(ids): does every pair spell a token?), or rebuild().
+# a vocabulary's GGUF token types: the file's numbers as one ndarray, or a list of ints
+TokenTypes = Sequence[int] | np.ndarray
 CachedMerges = Callable[[Callable[[], np.ndarray], Callable[[np.ndarray], bool]], np.ndarray]
 
 
@@ -71,7 +73,7 @@ def in_byte_alphabet(text: str) -> bool:
     return not text.translate(_drop_byte_alphabet())
 
 
-def byte_level_backend(tokens: Sequence[str], merges: Sequence[str], token_types: Sequence[int],
+def byte_level_backend(tokens: Sequence[str], merges: Sequence[str], token_types: TokenTypes,
                        pre: str) -> Tokenizer:
     if pre not in PRE_TOKENIZER_SPLITS:
         raise ValueError(f"pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported "
@@ -86,7 +88,8 @@ def byte_level_backend(tokens: Sequence[str], merges: Sequence[str], token_types
             # A control token written in plain text (<|im_start|> is, in GPT-2's alphabet already) stays as it is.
             key = token if set(token) <= alphabet else "".join(spelled[b] for b in token.encode("utf-8"))
             vocab.setdefault(key, index)
-    backend = Tokenizer(models.BPE(vocab, _merge_pairs(vocab, merges), ignore_merges=False))
+    # a merge without a space goes as a 1-tuple, which the library refuses (its stub types pairs only)
+    backend = Tokenizer(models.BPE(vocab, _merge_pairs(vocab, merges), ignore_merges=False))  # type: ignore[arg-type]
     del vocab  # the model holds its own copy
     split = PRE_TOKENIZER_SPLITS[pre]
     if pre == "smollm":
@@ -108,11 +111,11 @@ def _first_ids(tokens: Sequence[str]) -> dict[str, int]:
     return dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1)))
 
 
-def _merge_pairs(vocab: dict[str, int], merges: Sequence[str]) -> list[tuple[str, str]]:
+def _merge_pairs(vocab: dict[str, int], merges: Sequence[str]) -> list[tuple[str, str] | tuple[str]]:
     """The file's merges ("left right") as pairs holding the vocabulary's own string objects where the pieces are
     tokens (a piece that is not stays a new string: the tokenizers library then refuses the merge)."""
     same = {token: token for token in vocab}
-    pairs = []
+    pairs: list[tuple[str, str] | tuple[str]] = []
     for index, merge in enumerate(merges):
         left, space, right = merge.partition(" ")
         if space and left + right not in same:  # the tokenizers library panics (a BaseException) on such a merge
@@ -122,7 +125,7 @@ def _merge_pairs(vocab: dict[str, int], merges: Sequence[str]) -> list[tuple[str
     return pairs
 
 
-def sentencepiece_backend(tokens: list[str], token_types: Sequence[int], add_space_prefix: bool,
+def sentencepiece_backend(tokens: list[str], token_types: TokenTypes, add_space_prefix: bool,
                           cached_merges: CachedMerges = lambda rebuild, spelled: rebuild()) -> Tokenizer:
     """The SentencePiece BPE of this vocabulary. Its merges are rebuilt from the vocabulary (merges_by_position), as
     token-id pairs: cached_merges(rebuild) returns them, read from tokenizer_cache.py's file or made by rebuild.
@@ -177,7 +180,7 @@ class _MergePairs(collections.abc.Sequence):
 
     def __init__(self, names: Sequence[str], ids: np.ndarray, read: Callable[[], None]):
         self.names, self.read = names, read
-        self.left, self.right = (memoryview(np.ascontiguousarray(ids[:, side])) for side in (0, 1))
+        self.left, self.right = (np.ascontiguousarray(ids[:, side]).data for side in (0, 1))
 
     def __len__(self) -> int:
         return len(self.left)
@@ -196,7 +199,7 @@ class _MergePairs(collections.abc.Sequence):
 UTF8_BYTES = (*range(0xC0), *range(0xC2, 0xF5))
 
 
-def check_spellable(tokens: Sequence[str], token_types: Sequence[int]) -> None:
+def check_spellable(tokens: Sequence[str], token_types: TokenTypes) -> None:
     """Refuse a SentencePiece vocabulary that would drop characters without a word: ValueError (one line) when it
     has no unknown token and some byte of UTF-8 text has no way to be spelled.
 
@@ -256,16 +259,16 @@ def in_merge_order(tokens: Sequence[str], vocab: dict[str, int], ids: np.ndarray
     return True
 
 
-def _unknown(tokens: Sequence[str], token_types: Sequence[int]) -> str | None:
+def _unknown(tokens: Sequence[str], token_types: TokenTypes) -> str | None:
     unknown = np.flatnonzero(np.asarray(token_types) == 2)  # GGUF type 2: UNKNOWN
     return tokens[unknown[0]] if unknown.size else None
 
 
-def _add_control_tokens(backend: Tokenizer, tokens: Sequence[str], token_types: Sequence[int], spellable) -> None:
+def _add_control_tokens(backend: Tokenizer, tokens: Sequence[str], token_types: TokenTypes, spellable) -> None:
     _add_tokens(backend, *_added_tokens(tokens, token_types, spellable))
 
 
-def _added_tokens(tokens: Sequence[str], token_types: Sequence[int], spellable) -> tuple[list[str], list[str]]:
+def _added_tokens(tokens: Sequence[str], token_types: TokenTypes, spellable) -> tuple[list[str], list[str]]:
     """(control tokens that can be spelled, user-defined tokens), in id order."""
     types = np.asarray(token_types)
     control = [tokens[i] for i in np.flatnonzero(types == CONTROL).tolist() if tokens[i] and spellable(tokens[i])]
@@ -274,6 +277,6 @@ def _added_tokens(tokens: Sequence[str], token_types: Sequence[int], spellable) 
 
 def _add_tokens(backend: Tokenizer, control: list[str], user: list[str]) -> None:
     """Control tokens as special added tokens; user-defined ones the vocabulary has as plain added tokens."""
-    user = [AddedToken(t, normalized=False, special=False) for t in user if backend.token_to_id(t) is not None]
+    known = [AddedToken(t, normalized=False, special=False) for t in user if backend.token_to_id(t) is not None]
     backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
-    backend.add_tokens(user)
+    backend.add_tokens(known)

@@ -37,7 +37,8 @@ MIN_CACHED_BYTES = 64 << 20
 MAX_ENTRIES = 4
 CRC_CHUNK = 16 << 20  # bytes of a cached array checked before its pages are dropped
 MATRICES = ("wqkv", "wo", "w_gate_up", "w_down")  # stored output-major (the C-contiguous array behind the view)
-VECTORS = ("attn_norm", "ffn_norm", "qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")
+OPTIONAL_VECTORS = ("qkv_bias", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")  # the layouts' own
+VECTORS = ("attn_norm", "ffn_norm", *OPTIONAL_VECTORS)
 
 
 def enabled(weight_bytes: int) -> bool:
@@ -80,7 +81,7 @@ def load(source: Path, root: Path | None = None) -> LlamaWeights | None:
 
 
 def _crc(array: np.ndarray) -> int:
-    return zlib.crc32(memoryview(array).cast("B"))  # lets go of the GIL: two arrays at once on two threads
+    return zlib.crc32(array.data.cast("B"))  # lets go of the GIL: two arrays at once on two threads
 
 
 def _mapped_crc(array: np.ndarray) -> int:
@@ -91,7 +92,7 @@ def _mapped_crc(array: np.ndarray) -> int:
     flat, crc = array.reshape(-1).view(np.uint8), 0
     for start in range(0, len(flat), CRC_CHUNK):
         part = flat[start:start + CRC_CHUNK]
-        crc = zlib.crc32(memoryview(part), crc)
+        crc = zlib.crc32(part.data, crc)
         drop = file_pages_dropper([part])
         if drop is not None:
             drop()
@@ -116,7 +117,7 @@ def store(source: Path, weights: LlamaWeights, root: Path | None = None) -> None
         for name, array in arrays.items():
             np.save(temporary / f"{name}.npy", array, allow_pickle=False)
         manifest = {"identity": identity, "n_layers": len(weights.layers),
-                    "tied": np.shares_memory(weights.embedding, weights.output_t),
+                    "tied": np.shares_memory(_dense_embedding(weights), weights.output_t),
                     "arrays": {name: [list(a.shape), a.dtype.str, _crc(a)] for name, a in arrays.items()}}
         (temporary / "manifest.json").write_text(json.dumps(manifest))
         shutil.rmtree(folder, ignore_errors=True)
@@ -126,9 +127,15 @@ def store(source: Path, weights: LlamaWeights, root: Path | None = None) -> None
         shutil.rmtree(temporary, ignore_errors=True)
 
 
+def _dense_embedding(weights: LlamaWeights) -> np.ndarray:
+    if not isinstance(weights.embedding, np.ndarray):
+        raise TypeError("the weight cache holds float32 weights only, not packed ones")
+    return weights.embedding
+
+
 def _arrays(weights: LlamaWeights) -> dict[str, np.ndarray]:
-    arrays = {"embedding": weights.embedding, "output_norm": weights.output_norm}
-    if not np.shares_memory(weights.embedding, weights.output_t):
+    arrays = {"embedding": _dense_embedding(weights), "output_norm": weights.output_norm}
+    if not np.shares_memory(arrays["embedding"], weights.output_t):
         arrays["output"] = weights.output_t.T
     for index, layer in enumerate(weights.layers):
         arrays.update({f"{index}.{name}": getattr(layer, name).T for name in MATRICES})
@@ -137,12 +144,18 @@ def _arrays(weights: LlamaWeights) -> dict[str, np.ndarray]:
 
 
 def _weights(arrays: dict[str, np.ndarray], n_layers: int, tied: bool) -> LlamaWeights:
-    layers = tuple(
-        LayerWeights(**{name: arrays[f"{index}.{name}"].T for name in MATRICES},
-                     **{name: arrays.get(f"{index}.{name}") for name in VECTORS})
-        for index in range(n_layers))
+    layers = tuple(_layer(arrays, index) for index in range(n_layers))
     embedding = arrays["embedding"]
     return LlamaWeights(embedding, layers, arrays["output_norm"], embedding.T if tied else arrays["output"].T)
+
+
+def _layer(arrays: dict[str, np.ndarray], index: int) -> LayerWeights:
+    def matrix(name: str) -> np.ndarray:
+        return arrays[f"{index}.{name}"].T
+
+    return LayerWeights(attn_norm=arrays[f"{index}.attn_norm"], wqkv=matrix("wqkv"), wo=matrix("wo"),
+                        ffn_norm=arrays[f"{index}.ffn_norm"], w_gate_up=matrix("w_gate_up"), w_down=matrix("w_down"),
+                        **{name: arrays.get(f"{index}.{name}") for name in OPTIONAL_VECTORS})
 
 
 def _mapped(folder: Path, name: str, shape: list[int], dtype: str) -> np.ndarray:

@@ -25,11 +25,14 @@ explicit signatures, so importing this module compiles (the first time) or loads
 
 from __future__ import annotations
 
+from typing import Literal, TypedDict
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 from numba.core import sigutils
+from numba.core.typing import Signature
 
 TILE = 64
 TWO_112 = np.float32(2.0 ** 112)
@@ -50,11 +53,23 @@ _I8 = "int8[:, :, :, ::1], int16[:, :, ::1], int8[:, :, ::1], int64"
 _VEC = "float32[::1], int64, int64, float32[::1]"
 _MAT = "float32[:, ::1], int64, int64, float32[:, :]"
 _DEQ = "int64, int64, float32[:, ::1]"
+
+
+class _KernelOptions(TypedDict, total=False):
+    """The njit options the kernels are compiled with (named so a type checker matches them to njit's)."""
+    cache: bool
+    nogil: bool
+    fastmath: bool | set[str]
+    error_model: Literal["python", "numpy"]
+    boundscheck: bool
+
+
 # One thread each (threads: weight_threads.py splits tiles between two callers); nogil so they run side by side.
-_OPTIONS = dict(cache=True, nogil=True, fastmath=False, error_model="numpy", boundscheck=False)
+_OPTIONS: _KernelOptions = {"cache": True, "nogil": True, "fastmath": False, "error_model": "numpy",
+                            "boundscheck": False}
 # The small-batch kernels may fuse a multiply and an add into one FMA (one rounding instead of two, so within the
 # same bound): without it their arithmetic is a multiply and an add per weight and row
-_BATCH_OPTIONS = dict(_OPTIONS, fastmath={"contract"})
+_BATCH_OPTIONS: _KernelOptions = {**_OPTIONS, "fastmath": {"contract"}}
 
 
 @njit("float32[::1](float32[::1], int64)", cache=True, nogil=True)
@@ -83,7 +98,9 @@ def _half(h):
     sign in the sign bit once the three sign copies between them are cleared; then times 2**112. Three integer
     instructions and a multiply, so the loops over a tile's rows that use it vectorise. (Infinities and NaNs would
     come out finite: quantized.pack refuses scales that hold them.)"""
-    return _bits_as_float32((np.int32(h) << np.int32(13)) & np.int32(-0x70000001)) * TWO_112
+    # numba's stub types an intrinsic's call with its typing function's parameters (typingctx first)
+    bits = (np.int32(h) << np.int32(13)) & np.int32(-0x70000001)
+    return _bits_as_float32(bits) * TWO_112  # type: ignore[call-arg]
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -373,7 +390,7 @@ def i8_dequant(qs, dh, ds, per, t0, t1, out):
 _SRC = types.Array(types.uint8, 2, "C", readonly=True)
 
 
-def _signature(*arguments) -> types.Signature:
+def _signature(*arguments) -> Signature:
     """A repack kernel's signature (it returns whether a scale was infinite or NaN) from numba types and signature
     strings' argument lists."""
     parsed = []

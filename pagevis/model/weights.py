@@ -6,10 +6,26 @@ and gemm reads the same array through BLAS's transpose flag: one copy serves bot
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol, overload
 
 import numpy as np
 
 from pagevis.model.config import ModelConfig
+
+
+class PackedRows(Protocol):
+    """An embedding held packed (quant_weights.QuantEmbedding): `rows[ids]` dequantises those rows."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> np.dtype: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def __getitem__(self, ids: Any) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -38,7 +54,7 @@ class LayerWeights:
 
 @dataclass(frozen=True)
 class LlamaWeights:
-    embedding: np.ndarray  # (vocab, d_model), C-contiguous
+    embedding: np.ndarray | PackedRows  # (vocab, d_model), C-contiguous, or its packed rows (quant_weights)
     layers: tuple[LayerWeights, ...]
     output_norm: np.ndarray  # (d_model,)
     output_t: np.ndarray   # (d_model, vocab): with tied weights embedding.T, else another output-major view
@@ -85,6 +101,10 @@ def layer_from_gguf_matrices(
     )
 
 
+@overload
+def _vector(values: np.ndarray) -> np.ndarray: ...
+@overload
+def _vector(values: None) -> None: ...
 def _vector(values: np.ndarray | None) -> np.ndarray | None:
     return None if values is None else np.array(values, dtype=np.float32)  # a copy: never a file view
 
@@ -92,7 +112,7 @@ def _vector(values: np.ndarray | None) -> np.ndarray | None:
 def check_weight_shapes(config: ModelConfig, weights: LlamaWeights) -> None:
     """Raise ValueError naming the first array whose shape disagrees with config."""
     d, q, kv, ff, vocab = config.d_model, config.q_dim, config.kv_dim, config.d_ff, config.vocab_size
-    expected = {
+    expected: dict[str, tuple[np.ndarray | PackedRows, tuple[int, ...]]] = {
         "embedding": (weights.embedding, (vocab, d)),
         "output_norm": (weights.output_norm, (d,)),
         "output_t": (weights.output_t, (d, vocab)),
@@ -119,6 +139,6 @@ def check_weight_shapes(config: ModelConfig, weights: LlamaWeights) -> None:
                                  f"layout {'needs' if wanted else 'has no'} it")
             if wanted:
                 expected[f"layers[{index}].{field}"] = (array, shape)
-    for name, (array, shape) in expected.items():
-        if tuple(array.shape) != shape or array.dtype != np.float32:
-            raise ValueError(f"{name} is {array.dtype}{array.shape}, expected float32{shape}")
+    for name, (values, want) in expected.items():
+        if tuple(values.shape) != want or values.dtype != np.float32:
+            raise ValueError(f"{name} is {values.dtype}{values.shape}, expected float32{want}")
