@@ -9,12 +9,19 @@ Run under an X server with xwd available (scripts/xvfb_smoke.sh sets that up):
 3. While the second one runs, `xwd -root` captures the whole X screen every half second, independently of
    Qt: the screen's root is black (Xvfb -br), so the box of non-black pixels is the window. It must be
    where and as large as the screenshot says, and its content must not be blank.
+4. A presenter's rehearsal, with its own XDG_CONFIG_HOME (OUTDIR/config, emptied first): `pagevis --preset
+   streaming` plays its A/B for a few seconds, `pagevis --preset default --policy oldest --max-pages 8` shows its
+   banner, each then closed as a user closes it (settings saved); then `pagevis` with no flags must open the
+   first launch's default settings (policy and cache), no banner, and say so in its status bar. What each launch
+   showed comes from the app itself (its startup probe's JSON: pagevis/gui/startup.py).
 The PNGs and the last root capture (root.png) are left in OUTDIR. Exit status 0 when all checks pass.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -171,7 +178,68 @@ def main(argv: list[str]) -> int:
     for capture in captures:
         capture.unlink()
 
+    problems += rehearse(outdir, env)
     return report("xvfb smoke", problems)
+
+
+def launch_probed(outdir: Path, name: str, flags: list[str], env: dict, linger_s: float) -> dict:
+    """`pagevis FLAGS` until its session is ready and drawn (plus linger_s), closed as a user closes it; what its
+    window showed (the startup probe's JSON), {} if it wrote none."""
+    probe = outdir / f"{name}.json"
+    probe.unlink(missing_ok=True)
+    env = dict(env, PAGEVIS_STARTUP_PROBE=str(probe), PAGEVIS_STARTUP_T0=str(time.time()),
+               PAGEVIS_STARTUP_PROBE_LINGER=str(linger_s))
+    print("  $ pagevis " + " ".join(flags))
+    try:
+        run = subprocess.run([sys.executable, "-m", "pagevis", *flags], env=env, timeout=STEP_TIMEOUT, check=False)
+    except subprocess.TimeoutExpired:
+        print(f"  {name}: not closed within {STEP_TIMEOUT} s")
+        return {}
+    shown = json.loads(probe.read_text()) if probe.is_file() else {}
+    print(f"  {name}: exit {run.returncode}, ready after {shown.get('phases', {}).get('ready', -1):.1f} s, "
+          f"showed {brief(shown.get('window'))}" + (f"; closing: {brief(shown['closing'])}" if "closing" in shown else ""))
+    return shown if run.returncode == 0 else {}
+
+
+def brief(shown: dict | None) -> str:
+    if not shown:
+        return "nothing"
+    banner = shown.get("banner", "")
+    return ", ".join(f"{k} {v!r}" for k, v in shown.items() if k != "banner") + \
+        f", banner {(banner[:60] + '…') if len(banner) > 60 else banner!r}"
+
+
+def rehearse(outdir: Path, env: dict) -> list[str]:
+    """Step 4 of the module docstring: a preset's session is never what a plain relaunch opens."""
+    config = outdir / "config"
+    shutil.rmtree(config, ignore_errors=True)
+    config.mkdir(parents=True)
+    env = dict(env, XDG_CONFIG_HOME=str(config))
+    print("  rehearsal: presets, quit, relaunch (XDG_CONFIG_HOME=" + str(config) + ")")
+    ab = launch_probed(outdir, "rehearsal-ab", ["--preset", "streaming"], env, linger_s=5)
+    main = launch_probed(outdir, "rehearsal-main", ["--preset", "default", "--policy", "oldest", "--max-pages", "8"],
+                         env, linger_s=1)
+    plain = launch_probed(outdir, "rehearsal-relaunch", [], env, linger_s=0)
+    if not (ab and main and plain):
+        return ["rehearsal: a launch failed or wrote no probe (see above)"]
+    problems = []
+    first, closing = ab["window"], ab.get("closing", {})
+    if not first["status"].startswith("The default settings") or first["banner"]:
+        problems.append(f"rehearsal: the first launch on an empty config did not open the defaults: {first}")
+    if not (closing.get("ab_window") and closing.get("ab_steps", 0) > 0):
+        problems.append(f"rehearsal: --preset streaming's A/B window did not play: {closing}")
+    if not main["window"]["banner"] or main["window"]["policy"] != "oldest":
+        problems.append(f"rehearsal: --preset default --policy oldest showed no banner or not its policy: {main}")
+    cache = ("policy", "page_size", "max_pages")
+    relaunch = plain["window"]
+    if [relaunch[k] for k in cache] != [first[k] for k in cache]:
+        problems.append(f"rehearsal: the relaunch opened {[relaunch[k] for k in cache]}, not the defaults "
+                        f"{[first[k] for k in cache]}")
+    if relaunch["banner"]:
+        problems.append(f"rehearsal: the relaunch shows a preset's banner: {relaunch['banner']!r}")
+    if not relaunch["status"].startswith(("The default settings", "Restored your last settings")):
+        problems.append(f"rehearsal: the relaunch's status bar says {relaunch['status']!r}")
+    return problems
 
 
 def report(name: str, problems: list[str]) -> int:

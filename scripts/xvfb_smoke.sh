@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Real-display smoke test (see scripts/xvfb_smoke.py): the app on a real X server (Xvfb) with Qt's xcb
-# platform, on SmolLM2, checked against the X server's own screen capture.
+# platform, on SmolLM2, checked against the X server's own screen capture; then a presenter's rehearsal
+# (presets, quit, relaunch: the defaults, no banner).
 #
 # Sets up what it needs where it can: Xvfb, xauth and xwd, and the system libraries the PySide6 wheel's xcb
 # plugin lacks (found by ldd: python -m pagevis.platform_check), from Debian/Ubuntu packages with apt-get.
@@ -13,7 +14,7 @@ PY=${PY:-.venv/bin/python}
 SCREEN=${SCREEN:-1600x1000}
 OUT=${OUT:-build/xvfb-smoke}
 APT_TIMEOUT=${APT_TIMEOUT:-300}   # seconds for apt-get update, then for apt-get install
-SMOKE_TIMEOUT=${SMOKE_TIMEOUT:-300}  # seconds for the whole run under Xvfb (two app runs on SmolLM2)
+SMOKE_TIMEOUT=${SMOKE_TIMEOUT:-300}  # seconds for the whole run under Xvfb (five app runs on SmolLM2: two screenshots, a rehearsal of three launches)
 
 skip() { echo "xvfb smoke: SKIPPED: $*"; exit 0; }
 

@@ -10,6 +10,12 @@ once the ready session's first frame has been painted:
   ready        the model loaded and the session started (the prompt tokenized, the cache allocated; a small
                model can be ready before the first paint)
   ready_drawn  the first paint after the views show the ready session
+
+The file also holds what the window showed when ready ("window": the status bar's message, the preset banner's
+text or "", the configuration's policy and cache, whether an A/B window is open), so a rehearsal can check which
+settings a launch opened with (scripts/xvfb_smoke.py). With PAGEVIS_STARTUP_PROBE_LINGER=SECONDS the app runs
+that long after ready before it closes (as a user closes it: settings saved), and "closing" holds the same at
+that moment.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import json
 import os
 import time
 
-ENV_FILE, ENV_T0 = "PAGEVIS_STARTUP_PROBE", "PAGEVIS_STARTUP_T0"
+ENV_FILE, ENV_T0, ENV_LINGER = "PAGEVIS_STARTUP_PROBE", "PAGEVIS_STARTUP_T0", "PAGEVIS_STARTUP_PROBE_LINGER"
 PHASES = ("launch", "qt", "window", "first_paint", "ready", "ready_drawn")
 
 
@@ -28,6 +34,8 @@ class StartupProbe:
         self.marks: dict[str, float] = {}
         self.cpu: dict[str, float] = {}  # the process's CPU seconds (all threads) at each mark: less noisy when
         self._filter = None  # other processes share the cores
+        self.shown: dict[str, dict] = {}  # what the window showed: "window" (when ready), "closing"
+        self.linger_s = float(os.environ.get(ENV_LINGER) or 0)
 
     def mark(self, phase: str) -> None:
         if phase not in self.marks:
@@ -46,11 +54,18 @@ class StartupProbe:
                     probe.mark("first_paint")
                     if "ready" in probe.marks and "ready_drawn" not in probe.marks:
                         probe.mark("ready_drawn")
+                        probe.shown["window"] = shown(window)
                         probe.write()
                         # Close as a user would, after this paint: quitting inside it skips closeEvent, so the
                         # decoder thread outlived the app and the process crashed on exit (exit -11 under load).
-                        QTimer.singleShot(0, window.close)
+                        QTimer.singleShot(int(probe.linger_s * 1000), close)
                 return False
+
+        def close() -> None:
+            if self.linger_s:
+                self.shown["closing"] = shown(window)
+                self.write()
+            window.close()
 
         def state_changed(state: str) -> None:
             if state in ("ready", "error"):
@@ -63,7 +78,23 @@ class StartupProbe:
 
     def write(self) -> None:
         with open(self.path, "w", encoding="utf-8") as handle:
-            json.dump({"phases": self.marks, "cpu": self.cpu}, handle)
+            json.dump({"phases": self.marks, "cpu": self.cpu, **self.shown}, handle)
+
+
+def shown(window) -> dict:
+    """What the main window shows: its status message, its preset banner's text ("" when hidden), its
+    configuration's policy and cache, and whether an A/B window is open (and its steps)."""
+    banner = window.presets.banner
+    try:
+        config = window.controls.session_config()
+        cache = {"policy": config.policy, "page_size": config.page_size, "max_pages": config.max_pages}
+    except Exception as error:  # noqa: BLE001 - a probe reports what it finds, it never stops the app
+        cache = {"error": str(error)}
+    ab = window.ab_window
+    return {"status": window.statusBar().currentMessage(),
+            "banner": banner.label.text() if banner.isVisible() else "", **cache,
+            "ab_window": ab is not None and ab.isVisible(),
+            "ab_steps": len(ab.timeline) if ab is not None and ab.timeline is not None else 0}
 
 
 def probe_from_environment(started: float) -> StartupProbe | None:
