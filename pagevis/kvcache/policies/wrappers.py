@@ -17,23 +17,161 @@ from __future__ import annotations
 import numpy as np
 
 from collections.abc import Callable
+from typing import ClassVar
 
 from pagevis.errors import ConfigError, check_int
 from pagevis.kvcache.policies.base import EvictionPolicy
+from pagevis.kvcache.policy_state import LayerView, PolicyState
 from pagevis.kvcache.rope_shift import inverse_frequencies, rotate
+
+# What the cache, the engine and the settings ask of a sequence's policy, wrapped or not (its callers:
+# kvcache/eviction.py, admission.py, layer_managers.py, paged_attention.py, snapshot.py, kv_cache_manager.py,
+# sequence.py, engine/engine.py, engine/session.py, policies/__init__.py): a wrapper answers these and nothing
+# else of EvictionPolicy's, passing each to the policy it wraps unless it adds to it.
+POLICY_INTERFACE = (
+    # what it is
+    "name", "reason", "evicts", "uses_attention", "uses_queries", "per_head", "prunes", "merges", "compresses",
+    "capacity", "compressed",
+    # binding to a model and a cache
+    "bind_layers", "bind_heads", "layer_capacity", "make_state", "reset", "context_of",
+    # choosing what goes
+    "score", "protected", "choose_victims", "choose_pruned", "prune_room", "head_room", "choose_head_victims",
+    "compress", "merge_targets",
+    # what the cache asks every policy (a wrapper answers for what it adds)
+    "evicted_at_once", "after_removal", "rewrites_survivors",
+)
 
 
 class PolicyWrapper:
-    """A policy around another: everything it does not override is the inner policy's (its name, budget,
-    scores, statistics)."""
+    """A policy around another (`inner`: a scorer, or a scorer in wrappers), kvpress's wrapper presses' shape: it
+    answers POLICY_INTERFACE, each question passed to `inner` unless the wrapper adds to it, and besides that
+    only its options (`rerotate`, `compress_every`: its own or a wrapper's inside it)."""
 
-    def __init__(self, inner: EvictionPolicy | PolicyWrapper):
+    option: ClassVar[str]  # the setting this wrapper stands for (WRAPPERS' key)
+
+    def __init__(self, inner: Policy, value: int):
         self.inner = inner
+        self._value = value
 
-    def __getattr__(self, name: str):
-        if name == "inner" or name.startswith("__"):  # not set yet (a copy being made): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    # --- its options: bound_params reads them off the outermost wrapper ---------------------------------
+    def _option(self, option: str, default: int) -> int:
+        """The value of `option` on this wrapper or on one inside it; default when none sets it."""
+        policy: Policy = self
+        while isinstance(policy, PolicyWrapper):
+            if policy.option == option:
+                return policy._value
+            policy = policy.inner
+        return default
+
+    @property
+    def rerotate(self) -> int:
+        return self._option("rerotate", 0)
+
+    @property
+    def compress_every(self) -> int:
+        return self._option("compress_every", 1)
+
+    # --- what it is: the wrapped policy's ---------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def reason(self) -> str:
+        return self.inner.reason
+
+    @property
+    def evicts(self) -> bool:
+        return self.inner.evicts
+
+    @property
+    def uses_attention(self) -> bool:
+        return self.inner.uses_attention
+
+    @property
+    def uses_queries(self) -> bool:
+        return self.inner.uses_queries
+
+    @property
+    def per_head(self) -> bool:
+        return self.inner.per_head
+
+    @property
+    def prunes(self) -> bool:
+        return self.inner.prunes
+
+    @property
+    def merges(self) -> bool:
+        return self.inner.merges
+
+    @property
+    def compresses(self) -> bool:
+        return self.inner.compresses
+
+    @property
+    def capacity(self) -> int:
+        return self.inner.capacity
+
+    @property
+    def compressed(self) -> bool:
+        return self.inner.compressed
+
+    # --- binding ------------------------------------------------------------------------------------------
+    def bind_layers(self, n_layers: int) -> None:
+        self.inner.bind_layers(n_layers)
+
+    def bind_heads(self, n_heads: int, n_kv_heads: int, head_dim: int, rope_base: float) -> None:
+        self.inner.bind_heads(n_heads, n_kv_heads, head_dim, rope_base)
+
+    def layer_capacity(self, layer: int) -> int:
+        return self.inner.layer_capacity(layer)
+
+    def make_state(self, n_slots: int) -> PolicyState:
+        return self.inner.make_state(n_slots)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def context_of(self, n_prompt: int) -> int:
+        return self.inner.context_of(n_prompt)
+
+    # --- choosing what goes: the wrapped scorer's choice ---------------------------------------------------
+    def score(self, pages: LayerView) -> np.ndarray:
+        return self.inner.score(pages)
+
+    def protected(self, pages: LayerView) -> np.ndarray:
+        return self.inner.protected(pages)
+
+    def choose_victims(self, pages: LayerView) -> tuple[np.ndarray, np.ndarray]:
+        return self.inner.choose_victims(pages)
+
+    def choose_pruned(self, pages: LayerView) -> tuple[np.ndarray, np.ndarray]:
+        return self.inner.choose_pruned(pages)
+
+    def prune_room(self, pages: LayerView) -> int:
+        return self.inner.prune_room(pages)
+
+    def head_room(self, pages: LayerView) -> int:
+        return self.inner.head_room(pages)
+
+    def choose_head_victims(self, pages: LayerView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.inner.choose_head_victims(pages)
+
+    def compress(self, views: list[LayerView]) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        return self.inner.compress(views)
+
+    def merge_targets(self, pages: LayerView, victims: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return self.inner.merge_targets(pages, victims)
+
+    # --- what the cache asks every policy: a wrapper overrides what it adds ---------------------------------
+    def evicted_at_once(self) -> int:
+        return self.inner.evicted_at_once()
+
+    def after_removal(self, layer, seq, removed: list[int]) -> None:
+        self.inner.after_removal(layer, seq, removed)
+
+    def rewrites_survivors(self) -> bool:
+        return self.inner.rewrites_survivors()
 
 
 Policy = EvictionPolicy | PolicyWrapper  # what a sequence evicts by: a scorer, or a scorer in wrappers
@@ -42,9 +180,10 @@ Policy = EvictionPolicy | PolicyWrapper  # what a sequence evicts by: a scorer, 
 class KeyRerotation(PolicyWrapper):
     """Survivors' keys re-rotated to contiguous positions after each eviction."""
 
-    def __init__(self, inner, rerotate: int = 1):
-        super().__init__(inner)
-        self.rerotate = rerotate
+    option = "rerotate"
+
+    def __init__(self, inner: Policy, rerotate: int = 1):
+        super().__init__(inner, rerotate)
 
     def rewrites_survivors(self) -> bool:
         return True
@@ -65,7 +204,8 @@ class KeyRerotation(PolicyWrapper):
             if (copy := layer.writable(seq, page)) != page:
                 moved = np.where(moved // ps == page, copy * ps + moved % ps, moved)
         pages, slots = moved // ps, moved % ps
-        inv_freq = inverse_frequencies(self.head_dim, self.rope_base)
+        scorer = unwrapped(self.inner)
+        inv_freq = inverse_frequencies(scorer.head_dim, scorer.rope_base)
         rotated = rotate(store.k[:, pages, slots], delta, inv_freq).astype(store.k.dtype)
         if seq.channels is not None:  # ThinK: a RoPE pair with one channel pruned keeps that channel zero
             rotated = seq.channels.prune(layer.layer, rotated.transpose(1, 0, 2)).transpose(1, 0, 2)
@@ -75,9 +215,10 @@ class KeyRerotation(PolicyWrapper):
 class PeriodicCompression(PolicyWrapper):
     """When full, N tokens evicted at once (down to capacity - N)."""
 
-    def __init__(self, inner, compress_every: int):
-        super().__init__(inner)
-        self.compress_every = compress_every
+    option = "compress_every"
+
+    def __init__(self, inner: Policy, compress_every: int):
+        super().__init__(inner, compress_every)
 
     def evicted_at_once(self) -> int:
         return self.compress_every
@@ -117,7 +258,7 @@ def wrap(policy: EvictionPolicy, options: dict[str, int]) -> Policy:
     return wrapped
 
 
-def unwrapped(policy) -> EvictionPolicy:
+def unwrapped(policy: Policy) -> EvictionPolicy:
     """The scorer inside a policy's wrappers."""
     while isinstance(policy, PolicyWrapper):
         policy = policy.inner
