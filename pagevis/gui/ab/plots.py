@@ -62,6 +62,7 @@ class ABPlots(QWidget):
         self.left = _plot(self.left_widget, "perplexity", "tokens read")
         self.right = _plot(self.right_widget, "NLL (nats)", "token")
         self.held_plot = _plot(self.held_widget, "tokens held", "step")
+        self.left_labels = {self.held_plot: ("tokens held", "held")}  # each plot's left label: whole, and short
         self.left.getAxis("left").enableAutoSIPrefix(False)  # a log axis's ticks are the values themselves
         layout = QHBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -108,18 +109,16 @@ class ABPlots(QWidget):
             self.titles = {self.left: ("running perplexity", names, ("full", "a", "b"), ""),
                            self.right: (f"NLL, {SMOOTH}-token mean", names, ("full", "a", "b"), "")}
             self._decades(1)
-            self.left.setLabel("left", "perplexity (log)")
+            self.left_labels.update({self.left: ("perplexity (log)", "ppl"), self.right: ("NLL (nats)", "nats")})
             self.left.setLabel("bottom", "tokens read")
-            self.right.setLabel("left", "NLL (nats)")
         else:
             self.titles = {self.left: ("", names, ("a", "b"), f"full cache's NLL of its tokens ({SMOOTH}-step mean, "
                                        "oracle on)", ),
                            self.right: (f"repeated {REPEAT_N}-grams, last {REPEAT_WINDOW} tokens", names, ("a", "b"),
                                         "")}
             self.left.getAxis("left").setTicks(None)
-            self.left.setLabel("left", "nats")
+            self.left_labels.update({self.left: ("nats", "nats"), self.right: ("repetition", "rep.")})
             self.left.setLabel("bottom", "step")
-            self.right.setLabel("left", "repetition")
         self.right.setLabel("bottom", "token" if forced else "step")
         self.held_plot.setLabel("bottom", "tokens read" if forced else "step")
         self.titles[self.held_plot] = ("tokens held", names, ("a", "b"), "")
@@ -153,11 +152,21 @@ class ABPlots(QWidget):
             words = [w for w in (title, note) if w]
             while words and metrics.horizontalAdvance("  ".join([*words, plain])) + 12 > room:
                 words.pop()  # the note goes first, then the title's words (the axis labels say them too)
+            if metrics.horizontalAdvance(plain) + 12 > room:  # too narrow for the names: the sides' letters
+                keys = [(mark, color, name.split()[0]) for mark, color, name in keys]
+                plain = " ".join(f"{mark} {name}" for mark, _, name in keys)
             head = f"<span style='color:{theme.TEXT}'>{title}</span>&nbsp; " if title in words else ""
             tail = f" <span style='color:{theme.TEXT}'>{note}</span>" if note in words else ""
             legend = "&nbsp; ".join(f"<span style='color:{color}'>{mark} {name}</span>" for mark, color, name in keys)
             theme.set_title(plot, head + legend + tail, size="10pt", justify="left")
             plot.setToolTip(" ".join([title, plain, note]).strip())
+        self._relabel(metrics)
+
+    def _relabel(self, metrics) -> None:
+        """The left axes' labels, shortened where a short plot's axis cannot hold them whole."""
+        for plot, (long, short) in self.left_labels.items():
+            room = plot.getAxis("left").size().height()
+            plot.setLabel("left", long if not room or metrics.horizontalAdvance(long) + 8 <= room else short)
 
     def resizeEvent(self, event) -> None:
         super().resizeEvent(event)
