@@ -103,11 +103,15 @@ def _say(args) -> callable:
     return (lambda text: print(text, file=sys.stderr)) if not args.json else (lambda text: None)
 
 
+def _check_rounds_and_tokens(args: argparse.Namespace) -> None:
+    options.check_range("--rounds", args.rounds, 1, 20)
+    options.check_range("--decode-tokens", args.decode_tokens, 1, MAX_DECODE_TOKENS)
+
+
 def weights_main(args: argparse.Namespace) -> int:
     from pagevis.bench import weights
 
-    options.check_range("--rounds", args.rounds, 1, 20)
-    options.check_range("--decode-tokens", args.decode_tokens, 1, MAX_DECODE_TOKENS)
+    _check_rounds_and_tokens(args)
     result = weights.run_bench(args.rounds, args.decode_tokens, say=lambda text: print(text, file=sys.stderr))
     print(json.dumps(result) if args.json else weights.format_report(result))
     return 0
@@ -117,8 +121,7 @@ def engine_main(args: argparse.Namespace) -> int:
     from pagevis.bench import engine
     from pagevis.bench.machine import load_average
 
-    options.check_range("--rounds", args.rounds, 1, 20)
-    options.check_range("--decode-tokens", args.decode_tokens, 1, MAX_DECODE_TOKENS)
+    _check_rounds_and_tokens(args)
     prompts = options.parse_int_list(args.prompts, "--prompts", "numbers like 23,512")
     if any(not 1 <= n <= 32_768 for n in prompts):
         raise UsageError(f"--prompts {args.prompts!r}: each must be from 1 to 32768")
