@@ -8,6 +8,7 @@ import time
 
 from pagevis import platform_check
 from pagevis.engine import ModelSpec, SessionConfig
+from pagevis.gui.teardown import windows_deleted_on_return
 
 ORGANIZATION = "pagevis"
 APPLICATION = "pagevis"
@@ -31,6 +32,7 @@ def _application():
     return app
 
 
+@windows_deleted_on_return
 def launch(model_spec: ModelSpec | None = None, prompt: str | None = None, session_config: SessionConfig | None = None,
            screenshot: str | None = None, steps: int = 0, trace: str | None = None, metrics=None,
            preset=None, recording=None, tour: bool = False, present: bool | None = None) -> int:
@@ -107,6 +109,7 @@ def start_note(window, preset, given: bool) -> str:
     return "The default settings (README) · Demo ▸ presets for the other demos"
 
 
+@windows_deleted_on_return
 def launch_server(model_spec: ModelSpec | None = None, preset=None, screenshot: str | None = None,
                   steps: int = 0, recording=None) -> int:
     """Open the Server window alone (`pagevis --server-demo`) on `model_spec` (default SmolLM2) with a server
@@ -126,6 +129,7 @@ def launch_server(model_spec: ModelSpec | None = None, preset=None, screenshot: 
     return server_demo(app, model_spec or ModelSpec(), preset, screenshot, steps, recording)
 
 
+@windows_deleted_on_return
 def launch_attached_server(model_spec: ModelSpec | None, events: str | None, metrics_url: str | None) -> int:
     """The Server window attached to a running `pagevis serve` (its KV events, its /metrics); pages' text with
     the model's tokenizer (SmolLM2's by default)."""

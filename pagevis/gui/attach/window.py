@@ -25,6 +25,7 @@ from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import (QComboBox, QHBoxLayout, QLabel, QMainWindow, QPushButton, QSlider, QSplitter,
                                QTabWidget, QVBoxLayout, QWidget)
 
+from pagevis.gui.teardown import windows_deleted_on_return
 from pagevis.gui.widgets.windows import add_close_keys
 from pagevis.gui.widgets import theme
 from pagevis.viewmodel.attach_forest import (
@@ -464,6 +465,7 @@ def open_window(sources=(), playback=None, detokenizer=None, metrics_url=None, r
     return window
 
 
+@windows_deleted_on_return
 def launch(sources=(), playback=None, detokenizer=None, metrics_url=None, record=None, tokenizer=None) -> int:
     """Open the attach window (QApplication created here) and run until it closes; the exit code."""
     from pagevis import platform_check
