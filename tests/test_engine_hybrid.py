@@ -15,7 +15,7 @@ from pagevis.engine.batch import BatchConfig
 from pagevis.kvcache import CacheConfig, ConfigError, EventKind, KVCacheManager
 from pagevis.kvcache.prefix_cache import prefix_hashes
 from pagevis.kvcache.quant import storage_summary
-from pagevis.kvcache.spec import first_kept_page, layer_specs, pages_held
+from pagevis.kvcache.layer_spec import first_kept_page, layer_specs, pages_held
 from pagevis.model.synthetic import SyntheticModel, window_pattern
 
 W, PS = 10, 4

@@ -17,7 +17,7 @@ def hybrid_rows(contexts, page_size: int = 16, dtype: str = "float16", layout: d
                 repeats: int | None = None, seed: int = 0) -> list[dict]:
     from pagevis.kvcache import CacheConfig, KVCacheManager
     from pagevis.kvcache.memory import hybrid_bytes, modelled_bytes
-    from pagevis.kvcache.spec import layer_specs
+    from pagevis.kvcache.layer_spec import layer_specs
     from pagevis.model.synthetic import window_pattern
 
     rng = np.random.default_rng(seed)

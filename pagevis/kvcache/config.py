@@ -16,7 +16,7 @@ from pagevis.settings import MAX_PAGE_SIZE, MAX_PAGES, SELECT_MODES, STORAGE_DTY
 from pagevis.kvcache.policies import make_policy
 from pagevis.kvcache.key_channels import pruned_count
 from pagevis.kvcache.quant import has_residual, is_quantized, layout_for
-from pagevis.kvcache.spec import LayerSpec, check_windows, layer_specs
+from pagevis.kvcache.layer_spec import LayerSpec, check_windows, layer_specs
 
 # The settings' bounds live in the table (pagevis.settings); they are named here too for the engine's readers.
 __all__ = ["MAX_CACHE_BYTES", "MAX_HEADS", "MAX_HEAD_DIM", "MAX_LAYERS", "MAX_PAGE_SIZE", "MAX_PAGES", "SELECT_MODES",

@@ -8,7 +8,7 @@ these, evicting at its budget). The two kinds differ only where they hold differ
 
 - `FullAttentionManager` (a global layer) keeps every token until a policy evicts it: its block tables only grow
   (or leave holes), its prefix hit is every cached page from the first on.
-- `SlidingWindowManager` (a local layer, spec.py) drops each page none of whose tokens the sequence's newest
+- `SlidingWindowManager` (a local layer, layer_spec.py) drops each page none of whose tokens the sequence's newest
   query sees (`slide`: a SLIDE event, then a release if no other sequence uses it), before each write and after
   each step; its attention masks keys beyond the window; a policy's budget applies only when it is smaller
   than the window; its prefix hit needs only the pages of the last window, found right to left, and its block
@@ -28,7 +28,7 @@ from pagevis.kvcache.policy_state import LayerView
 from pagevis.kvcache.quantized_pages import QuantizedPages
 from pagevis.kvcache.sequence import SequenceCache
 from pagevis.kvcache.slots import flat_slots, page_slots
-from pagevis.kvcache.spec import FullAttentionSpec, LayerSpec, SlidingWindowSpec, first_kept_page, first_visible
+from pagevis.kvcache.layer_spec import FullAttentionSpec, LayerSpec, SlidingWindowSpec, first_kept_page, first_visible
 from pagevis.kvcache.store import PageStore
 
 E = EventKind
@@ -310,7 +310,7 @@ class FullAttentionManager(LayerManager):
 
 
 class SlidingWindowManager(LayerManager):
-    """A local layer: the last `window` positions (spec.py)."""
+    """A local layer: the last `window` positions (layer_spec.py)."""
 
     window: int  # a sliding window's spec always has one
 

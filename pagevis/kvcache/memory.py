@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from pagevis.kvcache.spec import FullAttentionSpec, LayerSpec, pages_held
+from pagevis.kvcache.layer_spec import FullAttentionSpec, LayerSpec, pages_held
 
 
 class HybridBytes(NamedTuple):

@@ -16,7 +16,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from pagevis.kvcache.spec import layer_specs
+from pagevis.kvcache.layer_spec import layer_specs
 
 from pagevis.kvcache.slots import flat_slots
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from PySide6.QtWidgets import QMessageBox
 
 from pagevis.kvcache import ConfigError
-from pagevis.kvcache.spec import layer_specs
+from pagevis.kvcache.layer_spec import layer_specs
 from pagevis.gui.session.presets import model_title
 from pagevis.gui.session.rendering import memory_text
 from pagevis.gui.widgets.windows import place_beside

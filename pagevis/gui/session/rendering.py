@@ -10,7 +10,7 @@ import numpy as np
 
 from pagevis.kvcache import ConfigError
 from pagevis.kvcache.memory import hybrid_bytes
-from pagevis.kvcache.spec import layer_specs
+from pagevis.kvcache.layer_spec import layer_specs
 from pagevis.viewmodel.narration import narrate
 from pagevis.viewmodel.view_state import ViewState
 

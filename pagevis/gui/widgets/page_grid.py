@@ -9,7 +9,7 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QToolTip, QVBoxLayout, QWidge
 
 from pagevis.kvcache import EventKind
 from pagevis.kvcache.event_array import in_layer
-from pagevis.kvcache.spec import layer_specs
+from pagevis.kvcache.layer_spec import layer_specs
 from pagevis.gui.widgets import theme
 from pagevis.gui.widgets.theme import FREE, PINNED, REPLACED, RESIDENT, SLID, WRITTEN
 from pagevis.gui.widgets.block_table import MAX_TABLE_WIDTH, MIN_TABLE_WIDTH, PAGES_NOTE, BlockTable
