@@ -102,7 +102,7 @@ def test_unwritable_outputs_are_refused_before_work(capsys, argv, message, monke
     def no_model(*args, **kwargs):
         raise AssertionError("the model loaded before the output was checked")
 
-    monkeypatch.setattr("pagevis.engine.spec.ModelSpec.load", no_model)
+    monkeypatch.setattr("pagevis.engine.model_spec.ModelSpec.load", no_model)
     assert message in refusal(capsys, *argv)
 
 

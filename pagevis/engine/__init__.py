@@ -9,7 +9,7 @@ from pagevis.engine.run_loop import RunControl, run, steps
 from pagevis.engine.sampling import Sampler, SamplingConfig
 from pagevis.engine.session import DecodeSession
 from pagevis.engine.session_config import SessionConfig
-from pagevis.engine.spec import ModelSpec
+from pagevis.engine.model_spec import ModelSpec
 
 __all__ = ["DecodeSession", "Engine", "FullCacheOracle", "ModelSpec", "OracleStep", "Request", "RunControl",
            "Sampler", "SamplingConfig", "SessionConfig", "StepRecord", "TierStep", "run", "steps"]

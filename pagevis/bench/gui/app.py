@@ -142,7 +142,7 @@ def loading_latency(spec, config) -> dict[str, float]:
     from PySide6.QtCore import QElapsedTimer, QEventLoop, QTimer
     from PySide6.QtWidgets import QApplication
 
-    from pagevis.engine.spec import _load
+    from pagevis.engine.model_spec import _load
     from pagevis.gui import _application
     from pagevis.gui.session.window import MainWindow
 
