@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagevis.kvcache import attend, attend_part, merge
-from pagevis.kvcache import attention as kernel
+from pagevis.kvcache import attention_kernels as kernel
 
 
 def relative_error(actual, expected):

@@ -22,7 +22,7 @@ from typing import Iterator
 import numpy as np
 
 from pagevis.kvcache import POLICIES, CacheConfig, CacheFullError, ConfigError, EventKind, KVCacheManager, make_policy
-from pagevis.kvcache.attention import load_decode_kernel
+from pagevis.kvcache.attention_kernels import load_decode_kernel
 from pagevis.kvcache.memory import HybridBytes, hybrid_bytes
 from pagevis.kvcache.swap import SwapSpaceError
 from pagevis.errors import check_int

@@ -1,7 +1,7 @@
 """pagevis.kvcache: the paged KV cache (one block pool, one cache manager), its eviction policies and
 attention. NumPy only, never Qt."""
 
-from pagevis.kvcache.attention import AttentionResult, Partial, attend, attend_part, merge, rescale, softmax
+from pagevis.kvcache.attention_kernels import AttentionResult, Partial, attend, attend_part, merge, rescale, softmax
 from pagevis.kvcache.block_pool import BlockPool
 from pagevis.kvcache.config import CacheConfig, CacheSettings
 from pagevis.kvcache.errors import CacheFullError, ConfigError

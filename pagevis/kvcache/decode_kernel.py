@@ -8,7 +8,7 @@
   Writes out (n_heads, d) and weights (n_heads, n_keys), normalised, exactly 0 on hidden keys; a head that
   sees no key gets zeros.
 Query head h reads KV head h // group: each key and value row is read once for the group's heads together (GQA).
-Two sweeps per KV head, as attention.py's kernel: the scores, then softmax, then the values weighted. The dot
+Two sweeps per KV head, as attention_kernels.py's kernel: the scores, then softmax, then the values weighted. The dot
 products may be summed in any order (fastmath reassoc: vectorised), so a score differs from NumPy's by float32
 rounding only; the float64 reference tests and paged = dense hold it to that.
 

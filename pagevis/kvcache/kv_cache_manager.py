@@ -34,7 +34,7 @@ import numpy as np
 from pagevis.errors import check_int
 from pagevis.kvcache import eviction, paged_attention
 from pagevis.kvcache.admission import Admission
-from pagevis.kvcache.attention import AttentionResult
+from pagevis.kvcache.attention_kernels import AttentionResult
 from pagevis.kvcache.config import MAX_PAGES, CacheConfig
 from pagevis.kvcache.errors import ConfigError
 from pagevis.kvcache.events import CacheEvent, EventKind, EventLog

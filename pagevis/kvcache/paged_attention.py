@@ -1,4 +1,4 @@
-"""Attention over a sequence's pages in one layer: which keys it reads and how (the kernels are attention.py's).
+"""Attention over a sequence's pages in one layer: which keys it reads and how (the kernels are attention_kernels.py's).
 
 - A single live sequence in RAM reads the pool's used prefix in place (no gather), unless its layer prefers
   to gather (a sliding window far above the pool's bottom); with several sequences, each reads its own pages
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagevis.kvcache import attention as kernels
-from pagevis.kvcache.attention import AttentionResult, attend_decode_batch
+from pagevis.kvcache import attention_kernels as kernels
+from pagevis.kvcache.attention_kernels import AttentionResult, attend_decode_batch
 from pagevis.kvcache.layer_managers import LayerManager
 from pagevis.kvcache.reader import read_attention
 from pagevis.kvcache.sequence import SequenceCache

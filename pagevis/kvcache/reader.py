@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagevis.kvcache.attention import AttentionResult, Partial, attend_part, merge, rescale
+from pagevis.kvcache.attention_kernels import AttentionResult, Partial, attend_part, merge, rescale
 from pagevis.kvcache.disk_tier import DiskTier
 from pagevis.kvcache.quant import BLOCK_TOKENS
 from pagevis.kvcache.slots import flat_slots

@@ -4,7 +4,7 @@ swap.py's files); store_kinds.py's `make_store` builds the one a CacheConfig ask
 
 RAM storage is laid out (n_kv_heads, frames, page_size, head_dim) rather than pages-first, so that for
 each KV head the pool is one contiguous matrix: attention runs on a view of the pool's used prefix with
-no gather and no copy (see attention.py). A page id names a page for its whole life; a "flat slot" is
+no gather and no copy (see attention_kernels.py). A page id names a page for its whole life; a "flat slot" is
 page * page_size + slot (slots.py), the index every per-token array (positions, policy statistics) uses.
 RAM only, page id and RAM frame are the same number; with a disk tier, page ids are disk frames and RAM
 frames cache them.
