@@ -149,7 +149,7 @@ def health_latency_while_decoding(url: str, sessions: int = 4, probes: int = 200
 # --- 3. /v1/attention overhead ------------------------------------------------------------------------
 
 def attention_overhead(client, n_keys: int = 512, d: int = 64, repeats: int = 30) -> dict:
-    from pagevis.serve.attention import paged_attention
+    from pagevis.serve.attention_api import paged_attention
 
     rng = np.random.default_rng(0)
     q, k, v = rng.normal(size=d), rng.normal(size=(n_keys, d)), rng.normal(size=(n_keys, d))

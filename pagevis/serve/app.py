@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pagevis import __version__
 from pagevis.observe import Metrics
-from pagevis.serve import attention, openai_api, session_api, tokenize_api
+from pagevis.serve import attention_api, openai_api, session_api, tokenize_api
 from pagevis.serve.engines import Engines
 from pagevis.serve.errors import CheckedRoute, install_handlers
 from pagevis.serve.middleware import BodyLimit, RequestCounter
@@ -90,13 +90,13 @@ def create_app(settings: ServeSettings | None = None, model=None) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/attention", tags=["attention"], response_model=attention.AttentionResponse,
+    @app.post("/v1/attention", tags=["attention"], response_model=attention_api.AttentionResponse,
               openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-                  "schema": attention.AttentionRequest.model_json_schema()}}}})
+                  "schema": attention_api.AttentionRequest.model_json_schema()}}}})
     async def attend(request: Request) -> Response:
         """Write `keys` and `values` into a page pool and attend `query` over them with the engine."""
         body = await request.body()
-        return Response(await in_worker(request, attention.answer_json, body), media_type="application/json")
+        return Response(await in_worker(request, attention_api.answer_json, body), media_type="application/json")
 
     app.include_router(session_api.router)
     app.include_router(openai_api.router)
