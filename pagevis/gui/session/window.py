@@ -35,7 +35,7 @@ from pagevis.gui.widgets.messages import MessagesPanel
 from pagevis.gui.session.runner import SessionRunner
 from pagevis.viewmodel.timeline import Timeline
 from pagevis.gui.widgets.transport import TimelineCursor, TransportBar
-from pagevis.gui.widgets.attention import AttentionView
+from pagevis.gui.widgets.attention_heatmap import AttentionView
 from pagevis.gui.widgets.events import EventsView
 from pagevis.gui.widgets.heads import HeadsView
 from pagevis.gui.widgets.histogram import HistogramView
