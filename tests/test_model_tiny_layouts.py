@@ -47,7 +47,7 @@ def test_llama3_rope_scaling_matters(loaded):
         pytest.skip("only the Llama 3 file carries rope_freqs")
     from dataclasses import replace
 
-    from pagevis.model.llama import LlamaModel
+    from pagevis.model.decoder import LlamaModel
 
     plain = replace(model.config, rope_factors=())
     ids = np.array(case["ids"])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pagevis.model import DenseAttention, ModelLoadError, load_model
-from pagevis.model.llama import LlamaModel
+from pagevis.model.decoder import LlamaModel
 
 DATA = Path(__file__).parent / "data" / "rope-scaling"
 REFERENCE = json.loads((DATA / "reference.json").read_text())

@@ -15,7 +15,7 @@ import numpy as np
 
 from pagevis.model.blas_threads import set_blas_threads
 from pagevis.model.dense import DenseAttention
-from pagevis.model.llama import LlamaModel
+from pagevis.model.decoder import LlamaModel
 
 COPY_BYTES = 512 << 20
 

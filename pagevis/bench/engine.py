@@ -57,15 +57,15 @@ class _Clock:
 
 @contextmanager
 def _timed_products(clock: _Clock):
-    """Every weight product of the forward (model/llama.py's matmul) timed as 'weights'."""
-    from pagevis.model import llama
+    """Every weight product of the forward (model/decoder.py's matmul) timed as 'weights'."""
+    from pagevis.model import decoder
 
-    original = llama.matmul
-    llama.matmul = clock.wrap("weights", original)
+    original = decoder.matmul
+    decoder.matmul = clock.wrap("weights", original)
     try:
         yield
     finally:
-        llama.matmul = original
+        decoder.matmul = original
 
 
 def _run_config(prompt: int, new_tokens: int):

@@ -10,7 +10,7 @@ from pagevis.model.dense import DenseAttention
 from pagevis.model.errors import ModelConfigError, ModelLoadError
 from pagevis.model.gguf_loader import load_model
 from pagevis.model.interface import AttendFn, Model
-from pagevis.model.llama import LlamaModel
+from pagevis.model.decoder import LlamaModel
 from pagevis.model.locate import default_model_path
 from pagevis.model.tokenizer import IncrementalDecoder, Tokenizer
 

@@ -24,7 +24,7 @@ from pagevis.model.errors import ModelConfigError, ModelLoadError
 from pagevis.model.gguf_file import (check_tensor, field_values, open_gguf, read_metadata, release_metadata_pages,
                                     release_pages, tensor_as_float32)
 from pagevis.model.gguf_tokenizer import GGUFTokenizer, prompt_cap
-from pagevis.model.llama import LlamaModel
+from pagevis.model.decoder import LlamaModel
 from pagevis.model.locate import default_model_path
 from pagevis.model.matmul import plan_for
 from pagevis.model.metadata_keys import check_every_key_honoured

@@ -10,7 +10,7 @@ from pagevis.model.byte_tokenizer import ByteTokenizer
 from pagevis.errors import check_int
 from pagevis.model.config import LIMITS, ModelConfig, check_positive_int
 from pagevis.model.errors import ModelConfigError
-from pagevis.model.llama import LlamaModel
+from pagevis.model.decoder import LlamaModel
 from pagevis.model.weights import LlamaWeights, layer_from_gguf_matrices
 
 BYTE_VOCAB = 256
