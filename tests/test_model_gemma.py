@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagevis.model import DenseAttention, LlamaModel, load_model, set_blas_threads
+from pagevis.model import DenseAttention, DecoderModel, load_model, set_blas_threads
 from pagevis.model.locate import GEMMA_PACKAGE, gemma3_270m_path
 
 REFERENCE = json.loads((Path(__file__).parent / "data" / "gemma3_reference.json").read_text())
@@ -25,12 +25,12 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec(GEMMA_PACKAGE) is None,
 
 
 @lru_cache(maxsize=1)
-def gemma() -> LlamaModel:
+def gemma() -> DecoderModel:
     set_blas_threads(1)
     return load_model(gemma3_270m_path())
 
 
-def greedy(model: LlamaModel, ids: list[int], steps: int) -> tuple[list[int], np.ndarray]:
+def greedy(model: DecoderModel, ids: list[int], steps: int) -> tuple[list[int], np.ndarray]:
     attend = DenseAttention(model.config)
     logits = model.forward(np.array(ids), np.arange(len(ids)), attend)
     first, out = logits, []
@@ -102,7 +102,7 @@ def test_the_long_prompt_needs_the_window():
     case = max(REFERENCE["prompts"], key=lambda c: len(c["ids"]))
     assert len(case["ids"]) > 900
     full = replace(model.config, sliding_windows=(None,) * model.config.n_layers)
-    logits = LlamaModel(full, model.weights, None).forward(np.array(case["ids"]), np.arange(len(case["ids"])),
+    logits = DecoderModel(full, model.weights, None).forward(np.array(case["ids"]), np.arange(len(case["ids"])),
                                                           DenseAttention(full))
     assert np.abs(logits[case["top_ids"]] - np.array(case["top_logits"])).max() > 0.5
 

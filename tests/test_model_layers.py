@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pagevis.errors import ConfigError
-from pagevis.model import DenseAttention, LlamaModel
+from pagevis.model import DenseAttention, DecoderModel
 from pagevis.model.architectures.gemma3 import settings as gemma3_settings
 from pagevis.model.config import Layout, ModelConfig
 from pagevis.model.layers import gelu_tanh_mul
@@ -66,7 +66,7 @@ def test_layouts_equal_a_float64_reference(layout):
     config = _config(layout, sliding_windows=(3, None, 3) if layout.post_norms else (),
                      rope_bases=(100.0, 1000.0, 100.0) if layout.post_norms else (),
                      rope_scales=(1.0, 8.0, 1.0) if layout.post_norms else ())
-    model = LlamaModel(config, _random_weights(config, seed=1), tokenizer=None)
+    model = DecoderModel(config, _random_weights(config, seed=1), tokenizer=None)
     ids = np.array([3, 14, 15, 9, 26, 5, 35, 8])
     got = model.forward(ids, np.arange(8), DenseAttention(config), all_logits=True)
     np.testing.assert_allclose(got, _reference_logits(config, model.weights, ids), rtol=2e-4, atol=2e-4)
@@ -83,8 +83,8 @@ def test_the_window_changes_the_answer():
     full = _config(GEMMA_LIKE)
     weights = _random_weights(full, seed=1)
     ids = np.arange(8)
-    a = LlamaModel(windowed, weights, None).forward(ids, ids, DenseAttention(windowed), all_logits=True)
-    b = LlamaModel(full, weights, None).forward(ids, ids, DenseAttention(full), all_logits=True)
+    a = DecoderModel(windowed, weights, None).forward(ids, ids, DenseAttention(windowed), all_logits=True)
+    b = DecoderModel(full, weights, None).forward(ids, ids, DenseAttention(full), all_logits=True)
     np.testing.assert_allclose(a[:3], b[:3], rtol=1e-5, atol=1e-5)
     assert np.abs(a[3:] - b[3:]).max() > 1e-2
 

@@ -47,11 +47,11 @@ def test_llama3_rope_scaling_matters(loaded):
         pytest.skip("only the Llama 3 file carries rope_freqs")
     from dataclasses import replace
 
-    from pagevis.model.decoder import LlamaModel
+    from pagevis.model.decoder import DecoderModel
 
     plain = replace(model.config, rope_factors=())
     ids = np.array(case["ids"])
-    logits = LlamaModel(plain, model.weights, None).forward(ids, np.arange(len(ids)), DenseAttention(plain),
+    logits = DecoderModel(plain, model.weights, None).forward(ids, np.arange(len(ids)), DenseAttention(plain),
                                                            all_logits=True)
     assert np.abs(logits[case["rows"]][-1] - np.array(case["logits"][-1])).max() > 1e-2
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pagevis.model import DenseAttention, ModelLoadError, load_model
-from pagevis.model.decoder import LlamaModel
+from pagevis.model.decoder import DecoderModel
 
 DATA = Path(__file__).parent / "data" / "rope-scaling"
 REFERENCE = json.loads((DATA / "reference.json").read_text())
@@ -38,7 +38,7 @@ def test_the_scaling_changes_the_answer():
     for name in ("factor-no-type", "scale-linear", "linear-type"):
         assert np.abs(np.array(CASES[name]["logits"]) - plain).max() > 0.1, name
     model = load_model(DATA / "factor-no-type.gguf")
-    unscaled = LlamaModel(replace(model.config, rope_scale=1.0, rope_scales=()), model.weights, None)
+    unscaled = DecoderModel(replace(model.config, rope_scale=1.0, rope_scales=()), model.weights, None)
     np.testing.assert_allclose(logits_of(unscaled), plain, rtol=1e-4, atol=2e-4)
 
 
@@ -49,7 +49,7 @@ def test_gemma3_scales_only_its_global_layer():
     assert model.config.rope_scales == (1.0, 1.0, 1.0, 1.0, 1.0, 8.0)
     reference = np.array(CASES["gemma3-linear"]["logits"])
     for scales in ((8.0,) * 6, (1.0,) * 6):
-        wrong = LlamaModel(replace(model.config, rope_scales=scales), model.weights, None)
+        wrong = DecoderModel(replace(model.config, rope_scales=scales), model.weights, None)
         assert np.abs(logits_of(wrong) - reference).max() > 0.05, scales
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from pagevis.model.blas_threads import set_blas_threads
 from pagevis.model.dense import DenseAttention
-from pagevis.model.decoder import LlamaModel
+from pagevis.model.decoder import DecoderModel
 
 COPY_BYTES = 512 << 20
 
@@ -58,7 +58,7 @@ def measure_read_bandwidth(nbytes: int = COPY_BYTES, repeats: int = 3, columns: 
     return {"gemv": size / gemv, "reduce": size / reduce, "read": size / min(gemv, reduce)}
 
 
-def shape_read_rates(model: LlamaModel, repeats: int = 5) -> list[dict]:
+def shape_read_rates(model: DecoderModel, repeats: int = 5) -> list[dict]:
     """Read bandwidth of one row (a decode step) through each weight shape the model multiplies, as the
     forward does it (its plan's kernel for one row over the stored (in, out) view, or the packed format's own
     kernel for weights kept as the GGUF stores them) and, for float32 weights, as a plain contiguous gemv over
@@ -92,12 +92,12 @@ def shape_read_rates(model: LlamaModel, repeats: int = 5) -> list[dict]:
     return rows
 
 
-def weight_bytes_per_token(model: LlamaModel) -> int:
+def weight_bytes_per_token(model: DecoderModel) -> int:
     """Bytes of float32 weights one decode step reads."""
     return model.weights.nbytes_per_token()
 
 
-def measure_decode_speed(model: LlamaModel, n_tokens: int = 32, prompt_length: int = 16) -> float:
+def measure_decode_speed(model: DecoderModel, n_tokens: int = 32, prompt_length: int = 16) -> float:
     """Decode steps per second (one token per forward, DenseAttention), after a short prefill."""
     attention = DenseAttention(model.config)
     prompt = np.arange(prompt_length, dtype=np.int64) % model.config.vocab_size

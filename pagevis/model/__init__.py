@@ -10,12 +10,12 @@ from pagevis.model.dense import DenseAttention
 from pagevis.model.errors import ModelConfigError, ModelLoadError
 from pagevis.model.gguf_loader import load_model
 from pagevis.model.interface import AttendFn, Model
-from pagevis.model.decoder import LlamaModel
+from pagevis.model.decoder import DecoderModel
 from pagevis.model.locate import default_model_path
 from pagevis.model.tokenizer import IncrementalDecoder, Tokenizer
 
 __all__ = [
     "AttendFn", "ByteTokenizer", "GGUFTokenizer", "DenseAttention", "IncrementalDecoder",
-    "LlamaModel", "Model", "ModelConfig", "ModelConfigError", "ModelLoadError", "Tokenizer",
+    "DecoderModel", "Model", "ModelConfig", "ModelConfigError", "ModelLoadError", "Tokenizer",
     "default_model_path", "load_model", "set_blas_threads",
 ]

@@ -23,11 +23,11 @@ from pagevis.model.rope import apply_rope, apply_rope_neox, inverse_frequencies,
 from pagevis.model.tokenizer import Tokenizer
 from pagevis.model.weights import LayerWeights, LlamaWeights, check_weight_shapes
 
-__all__ = ["LlamaModel", "rms_norm", "silu_mul"]
+__all__ = ["DecoderModel", "rms_norm", "silu_mul"]
 
 
-class LlamaModel:
-    """A decoder with float32 weights (every registered architecture; the name is Llama's, the first one);
+class DecoderModel:
+    """A decoder with float32 weights (every registered architecture: config.Layout says how each wires it);
     implements the Model protocol."""
 
     def __init__(self, config: ModelConfig, weights: LlamaWeights, tokenizer: Tokenizer | None,

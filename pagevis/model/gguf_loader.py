@@ -1,4 +1,4 @@
-"""Building a LlamaModel (config, float32 weights, tokenizer) from a GGUF file of a registered architecture."""
+"""Building a DecoderModel (config, float32 weights, tokenizer) from a GGUF file of a registered architecture."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pagevis.model.errors import ModelConfigError, ModelLoadError
 from pagevis.model.gguf_file import (check_tensor, field_values, open_gguf, read_metadata, release_metadata_pages,
                                     release_pages, tensor_as_float32)
 from pagevis.model.gguf_tokenizer import GGUFTokenizer, prompt_cap
-from pagevis.model.decoder import LlamaModel
+from pagevis.model.decoder import DecoderModel
 from pagevis.model.locate import default_model_path
 from pagevis.model.matmul import plan_for
 from pagevis.model.metadata_keys import check_every_key_honoured
@@ -53,7 +53,7 @@ REQUIRED_BYTES = (0x09, 0x0A, *range(0x20, 0x7F))
 LONG_ARRAY = 64
 
 
-def load_model(path: str | Path | None = None, weights: str | None = None) -> LlamaModel:
+def load_model(path: str | Path | None = None, weights: str | None = None) -> DecoderModel:
     """Load a GGUF file of a registered architecture (default: SmolLM2-135M-Instruct), its matrices kept as the file
     stores them (weights "quantized", the default: quant_weights.py) or dequantised to float32 ("float32")."""
     fmt = weights or weight_format()
@@ -68,7 +68,7 @@ def load_model(path: str | Path | None = None, weights: str | None = None) -> Ll
     types = dict(sorted(Counter(t.tensor_type.name for t in reader.tensors).items()))
     if fmt == "float32":
         held = cached_or_dequantised_weights(path, config, reader)
-        model = LlamaModel(config, held, tokenizer, plan=plan_for(held.matrices()))
+        model = DecoderModel(config, held, tokenizer, plan=plan_for(held.matrices()))
     else:
         kernels()  # compiled (first launch) or loaded from numba's cache now, not in the first step
         tensors = {tensor.name: tensor for tensor in reader.tensors}
@@ -77,7 +77,7 @@ def load_model(path: str | Path | None = None, weights: str | None = None) -> Ll
                     if getattr(config.layout, field) for argument, name in parts.items()}
         held = quantized_weights(path, tensors, lambda name: tensor_as_float32(path, tensors[name], expected[name]),
                                  config.n_layers, LAYER_TENSORS, optional, lambda t: release_pages(reader, t))
-        model = LlamaModel(config, held, tokenizer)
+        model = DecoderModel(config, held, tokenizer)
         # Products with these weights run on the weight threads (weight_threads.py), which never wait for a busy
         # core; BLAS (prefill's sgemm chunks, attention) stays on one thread per caller: two spinning OpenBLAS
         # threads made a SmolLM2 prefill 13 s instead of 1 s on a busy machine (issue 37's 30 s first step).

@@ -10,7 +10,7 @@ from pagevis.model.byte_tokenizer import ByteTokenizer
 from pagevis.errors import check_int
 from pagevis.model.config import LIMITS, ModelConfig, check_positive_int
 from pagevis.model.errors import ModelConfigError
-from pagevis.model.decoder import LlamaModel
+from pagevis.model.decoder import DecoderModel
 from pagevis.model.weights import LlamaWeights, layer_from_gguf_matrices
 
 BYTE_VOCAB = 256
@@ -28,8 +28,8 @@ def window_pattern(n_layers: int, window: int, global_every: int) -> tuple[int |
     return tuple(None if global_every and (layer + 1) % global_every == 0 else window for layer in range(n_layers))
 
 
-class SyntheticModel(LlamaModel):
-    """LlamaModel with random weights (same forward code as the real model).
+class SyntheticModel(DecoderModel):
+    """DecoderModel with random weights (same forward code as the real model).
 
     Its tokenizer is a ByteTokenizer: token id == UTF-8 byte, so text round-trips; ids >= 256 (if
     vocab_size is larger) decode to nothing. It has no BOS and no EOS (eos_ids == ()).
