@@ -13,7 +13,7 @@ from pagevis.model.architectures.gemma3 import settings as gemma3_settings
 from pagevis.model.config import Layout, ModelConfig
 from pagevis.model.layers import gelu_tanh_mul
 from pagevis.model.rope import apply_rope_neox, inverse_frequencies, rope_tables
-from pagevis.model.weights import LlamaWeights, layer_from_gguf_matrices
+from pagevis.model.weights import DecoderWeights, layer_from_gguf_matrices
 
 D, HEADS, KV, HD, FF, VOCAB, LAYERS = 24, 4, 2, 8, 40, 50, 3
 GEMMA_LIKE = Layout(rope_neox=True, qk_norm=True, post_norms=True, activation="gelu_tanh",
@@ -95,7 +95,7 @@ def _config(layout: Layout, **fields) -> ModelConfig:
                        layout=layout, **fields)
 
 
-def _random_weights(config: ModelConfig, seed: int) -> LlamaWeights:
+def _random_weights(config: ModelConfig, seed: int) -> DecoderWeights:
     rng = np.random.default_rng(seed)
     layout = config.layout
     m = lambda out, inp: (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32)
@@ -113,7 +113,7 @@ def _random_weights(config: ModelConfig, seed: int) -> LlamaWeights:
         layers.append(layer_from_gguf_matrices(v(D), m(q, D), m(kv, D), m(kv, D), m(D, q), v(D), m(FF, D), m(FF, D),
                                                m(D, FF), **extra))
     embedding = rng.standard_normal((VOCAB, D)).astype(np.float32)
-    return LlamaWeights(embedding, tuple(layers), v(D), embedding.T)
+    return DecoderWeights(embedding, tuple(layers), v(D), embedding.T)
 
 
 def _norm(x, w, eps):
@@ -134,7 +134,7 @@ def _rotate(x, positions, base, neox):
     return out
 
 
-def _reference_logits(config: ModelConfig, weights: LlamaWeights, ids: np.ndarray) -> np.ndarray:
+def _reference_logits(config: ModelConfig, weights: DecoderWeights, ids: np.ndarray) -> np.ndarray:
     layout, eps, n = config.layout, config.rms_eps, len(ids)
     positions = np.arange(n, dtype=np.float64)
     x = weights.embedding[ids].astype(np.float64) * layout.embedding_scale

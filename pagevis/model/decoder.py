@@ -21,7 +21,7 @@ from pagevis.model.layers import ACTIVATIONS, rms_norm, silu_mul, soft_cap
 from pagevis.model.matmul import GEMM_ONLY, MatmulPlan, matmul
 from pagevis.model.rope import apply_rope, apply_rope_neox, inverse_frequencies, rope_tables
 from pagevis.model.tokenizer import Tokenizer
-from pagevis.model.weights import LayerWeights, LlamaWeights, check_weight_shapes
+from pagevis.model.weights import LayerWeights, DecoderWeights, check_weight_shapes
 
 __all__ = ["DecoderModel", "rms_norm", "silu_mul"]
 
@@ -30,7 +30,7 @@ class DecoderModel:
     """A decoder with float32 weights (every registered architecture: config.Layout says how each wires it);
     implements the Model protocol."""
 
-    def __init__(self, config: ModelConfig, weights: LlamaWeights, tokenizer: Tokenizer | None,
+    def __init__(self, config: ModelConfig, weights: DecoderWeights, tokenizer: Tokenizer | None,
                  plan: MatmulPlan = GEMM_ONLY) -> None:
         check_weight_shapes(config, weights)
         self.config = config

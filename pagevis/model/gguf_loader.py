@@ -35,7 +35,7 @@ from pagevis.model.vocab_tokenizer import (TOKENIZER_KINDS, byte_level_backend, 
 from pagevis.model.quant_weights import held_bytes, quantized_weights, weight_format
 from pagevis.model.quantized import kernels
 from pagevis.model.resident import release_freed_heap
-from pagevis.model.weights import LlamaWeights, check_weight_shapes, layer_from_gguf_matrices
+from pagevis.model.weights import DecoderWeights, check_weight_shapes, layer_from_gguf_matrices
 
 LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
@@ -98,7 +98,7 @@ def bound_prompts(path: Path, tokenizer: GGUFTokenizer, context_length: int) -> 
             raise ModelLoadError(f"{path}: {error}") from None  # one that raises on this may render real ones
 
 
-def cached_or_dequantised_weights(path: Path, config: ModelConfig, reader: Any) -> LlamaWeights:
+def cached_or_dequantised_weights(path: Path, config: ModelConfig, reader: Any) -> DecoderWeights:
     """The weights from the on-disk cache (weight_cache.py) when it has a valid entry with the shapes this config
     implies, else dequantised from the file (and stored for next time)."""
     use_cache = weight_cache.enabled(config.weight_bytes())
@@ -220,7 +220,7 @@ def _vocab_from_embedding(path: Path, reader: Any) -> int:
     raise ModelLoadError(f"{path}: tensor token_embd.weight is missing")
 
 
-def weights_from_tensors(path: Path, config: ModelConfig, tensors: dict[str, Any]) -> LlamaWeights:
+def weights_from_tensors(path: Path, config: ModelConfig, tensors: dict[str, Any]) -> DecoderWeights:
     """Dequantise and lay out every weight. Two threads: NumPy releases the GIL in the bulk work."""
     expected = check_tensor_names(path, config, tensors)
 
@@ -248,7 +248,7 @@ def weights_from_tensors(path: Path, config: ModelConfig, tensors: dict[str, Any
         output_job = pool.submit(output)
         layers = tuple(pool.map(layer, range(config.n_layers)))
         embedding, output_t = output_job.result()
-    return LlamaWeights(embedding, layers, dense("output_norm.weight").copy(), output_t)
+    return DecoderWeights(embedding, layers, dense("output_norm.weight").copy(), output_t)
 
 
 def check_tensor_names(path: Path, config: ModelConfig, tensors: dict[str, Any]) -> dict[str, tuple[int, ...]]:

@@ -1,4 +1,4 @@
-"""LlamaWeights whose matrices stay as the GGUF stores them (quantized.py), and which weight format a process uses.
+"""DecoderWeights whose matrices stay as the GGUF stores them (quantized.py), and which weight format a process uses.
 
 `--weights quantized` (the default): every quantised matrix repacked into row tiles of its own bits (QuantMatrix),
 the embedding looked up through the same packed matrix (tied output: one copy); F32/F16/BF16 matrices and every
@@ -16,7 +16,7 @@ import numpy as np
 
 from pagevis.model.errors import ModelLoadError
 from pagevis.model.quantized import FLOAT_TYPES, FORMATS, QuantMatrix, file_pages_dropper, pack
-from pagevis.model.weights import LayerWeights, LlamaWeights
+from pagevis.model.weights import LayerWeights, DecoderWeights
 
 WEIGHT_FORMATS = ("quantized", "float32")
 _format = os.environ.get("PAGEVIS_WEIGHTS", "quantized")
@@ -80,7 +80,7 @@ class QuantEmbedding:
 
 def quantized_weights(path: Path, tensors: dict[str, Any], dense: Callable[[str], np.ndarray],
                       n_layers: int, parts: tuple[str, ...], optional: dict[str, str],
-                      release: Callable[[Any], None] = lambda tensor: None) -> LlamaWeights:
+                      release: Callable[[Any], None] = lambda tensor: None) -> DecoderWeights:
     """The weights with every quantised matrix packed (tensors already checked by name and shape by the loader;
     `dense(name)` dequantises one tensor to float32 in numpy order; `release(tensor)` once it is copied)."""
 
@@ -126,7 +126,7 @@ def quantized_weights(path: Path, tensors: dict[str, Any], dense: Callable[[str]
         rows = np.ascontiguousarray(embedding_matrix.T)
         embedding, embedding_matrix = rows, rows.T
     output = matrix("output.weight") if "output.weight" in tensors else embedding_matrix
-    weights = LlamaWeights(embedding, tuple(layers), vector("output_norm.weight"), output)
+    weights = DecoderWeights(embedding, tuple(layers), vector("output_norm.weight"), output)
     drop_file_pages()
     return weights
 
@@ -168,7 +168,7 @@ def _member_at_fault(kind: Any, tensors: list[Any], raw: list[np.ndarray], n_in:
     return tensors[0].name
 
 
-def held_bytes(weights: LlamaWeights) -> int:
+def held_bytes(weights: DecoderWeights) -> int:
     """Bytes of weights held: every packed matrix, float32 matrix, norm and bias once (a tied output counted once)."""
     items = [weights.embedding, weights.output_t, weights.output_norm]
     for layer in weights.layers:

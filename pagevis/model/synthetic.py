@@ -11,7 +11,7 @@ from pagevis.errors import check_int
 from pagevis.model.config import LIMITS, ModelConfig, check_positive_int
 from pagevis.model.errors import ModelConfigError
 from pagevis.model.decoder import DecoderModel
-from pagevis.model.weights import LlamaWeights, layer_from_gguf_matrices
+from pagevis.model.weights import DecoderWeights, layer_from_gguf_matrices
 
 BYTE_VOCAB = 256
 MAX_WINDOW = 1 << 20
@@ -81,7 +81,7 @@ def synthetic_config(
     )
 
 
-def random_weights(config: ModelConfig, seed: int) -> LlamaWeights:
+def random_weights(config: ModelConfig, seed: int) -> DecoderWeights:
     rng = np.random.default_rng(seed)
     d, q, kv, ff = config.d_model, config.q_dim, config.kv_dim, config.d_ff
 
@@ -101,4 +101,4 @@ def random_weights(config: ModelConfig, seed: int) -> LlamaWeights:
     # a clear greedy choice, flat enough that the oracle's KL and perplexity say something.
     output_t = rng.standard_normal((d, config.vocab_size), dtype=np.float32) * np.float32(2 / np.sqrt(d))
     embedding = np.ascontiguousarray(output_t.T)  # output-major, as the loader lays out tied weights
-    return LlamaWeights(embedding, layers, ones(), embedding.T)
+    return DecoderWeights(embedding, layers, ones(), embedding.T)

@@ -30,9 +30,9 @@ import numpy as np
 from pagevis.model.gguf_header import table_digest
 from pagevis.model.matmul import cache_dir
 from pagevis.model.quantized import file_pages_dropper
-from pagevis.model.weights import LayerWeights, LlamaWeights
+from pagevis.model.weights import LayerWeights, DecoderWeights
 
-CACHE_VERSION = 2  # bump when what is stored changes (LlamaWeights' fields, their layout)
+CACHE_VERSION = 2  # bump when what is stored changes (DecoderWeights' fields, their layout)
 MIN_CACHED_BYTES = 64 << 20
 MAX_ENTRIES = 4
 CRC_CHUNK = 16 << 20  # bytes of a cached array checked before its pages are dropped
@@ -62,7 +62,7 @@ def _gguf_version() -> str:
         return "unknown"
 
 
-def load(source: Path, root: Path | None = None) -> LlamaWeights | None:
+def load(source: Path, root: Path | None = None) -> DecoderWeights | None:
     """The cached weights of source, or None when there is no valid entry (then the caller dequantises)."""
     folder, identity = entry_for(source, root)
     if not (folder / "manifest.json").exists():
@@ -106,7 +106,7 @@ def _check_content(arrays: dict[str, np.ndarray], expected: dict[str, int]) -> N
                 raise ValueError(f"{name}.npy's CRC-32 is {crc:08x}, its manifest's {expected[name]:08x}")
 
 
-def store(source: Path, weights: LlamaWeights, root: Path | None = None) -> None:
+def store(source: Path, weights: DecoderWeights, root: Path | None = None) -> None:
     """Write weights as source's entry (atomically: a temporary directory renamed); a full disk only costs the
     cache."""
     folder, identity = entry_for(source, root)
@@ -127,13 +127,13 @@ def store(source: Path, weights: LlamaWeights, root: Path | None = None) -> None
         shutil.rmtree(temporary, ignore_errors=True)
 
 
-def _dense_embedding(weights: LlamaWeights) -> np.ndarray:
+def _dense_embedding(weights: DecoderWeights) -> np.ndarray:
     if not isinstance(weights.embedding, np.ndarray):
         raise TypeError("the weight cache holds float32 weights only, not packed ones")
     return weights.embedding
 
 
-def _arrays(weights: LlamaWeights) -> dict[str, np.ndarray]:
+def _arrays(weights: DecoderWeights) -> dict[str, np.ndarray]:
     arrays = {"embedding": _dense_embedding(weights), "output_norm": weights.output_norm}
     if not np.shares_memory(arrays["embedding"], weights.output_t):
         arrays["output"] = weights.output_t.T
@@ -143,10 +143,10 @@ def _arrays(weights: LlamaWeights) -> dict[str, np.ndarray]:
     return {name: np.ascontiguousarray(array) for name, array in arrays.items()}
 
 
-def _weights(arrays: dict[str, np.ndarray], n_layers: int, tied: bool) -> LlamaWeights:
+def _weights(arrays: dict[str, np.ndarray], n_layers: int, tied: bool) -> DecoderWeights:
     layers = tuple(_layer(arrays, index) for index in range(n_layers))
     embedding = arrays["embedding"]
-    return LlamaWeights(embedding, layers, arrays["output_norm"], embedding.T if tied else arrays["output"].T)
+    return DecoderWeights(embedding, layers, arrays["output_norm"], embedding.T if tied else arrays["output"].T)
 
 
 def _layer(arrays: dict[str, np.ndarray], index: int) -> LayerWeights:

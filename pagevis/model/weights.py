@@ -53,7 +53,7 @@ class LayerWeights:
 
 
 @dataclass(frozen=True)
-class LlamaWeights:
+class DecoderWeights:
     embedding: np.ndarray | PackedRows  # (vocab, d_model), C-contiguous, or its packed rows (quant_weights)
     layers: tuple[LayerWeights, ...]
     output_norm: np.ndarray  # (d_model,)
@@ -109,7 +109,7 @@ def _vector(values: np.ndarray | None) -> np.ndarray | None:
     return None if values is None else np.array(values, dtype=np.float32)  # a copy: never a file view
 
 
-def check_weight_shapes(config: ModelConfig, weights: LlamaWeights) -> None:
+def check_weight_shapes(config: ModelConfig, weights: DecoderWeights) -> None:
     """Raise ValueError naming the first array whose shape disagrees with config."""
     d, q, kv, ff, vocab = config.d_model, config.q_dim, config.kv_dim, config.d_ff, config.vocab_size
     expected: dict[str, tuple[np.ndarray | PackedRows, tuple[int, ...]]] = {
