@@ -171,7 +171,7 @@ def test_a_restart_clears_the_messages_of_the_session_before(qtbot, tmp_path):
 
 def test_ab_shows_two_grids_whose_slot_maps_equal_two_headless_runs(qtbot, window):
     from pagevis.engine import SessionConfig
-    from pagevis.gui.widgets.page_grid import cell_states
+    from pagevis.viewmodel.cells import cell_states
 
     a = SessionConfig(page_size=4, max_pages=4, policy="oldest", max_new_tokens=30, chat=False)
     b = SessionConfig(page_size=2, max_pages=8, policy="sinks", max_new_tokens=30, chat=False, oracle=True)

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("pytestqt")
 
 from pagevis.engine import DecodeSession  # noqa: E402
-from pagevis.gui.widgets.histogram import BINS_PER_DECADE, EDGES, weight_histogram  # noqa: E402
+from pagevis.viewmodel.histogram import BINS_PER_DECADE, EDGES, weight_histogram  # noqa: E402
 
 from gui_helpers import CONFIG, PROMPT, SYNTH, make_window, step  # noqa: E402
 

@@ -7,7 +7,7 @@ import pytest
 from gui_helpers import PROMPT, SYNTH, make_window, step
 from pagevis.engine import DecodeSession, SessionConfig
 from pagevis.viewmodel.timeline import Timeline, SessionInfo
-from pagevis.gui.widgets.page_grid import DISK_STATES
+from pagevis.viewmodel.cells import DISK_STATES
 from pagevis.trace import record_differences
 
 TIERED = SessionConfig(page_size=4, max_pages=3, disk_pages=10, policy="sinks", select="quest", select_pages=2,

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pagevis.model import DenseAttention, ModelConfigError
-from pagevis.model.decoder import rms_norm
+from pagevis.model.layers import rms_norm
 from pagevis.model.rope import apply_rope, inverse_frequencies, rope_tables
 from pagevis.model.synthetic import SyntheticModel
 

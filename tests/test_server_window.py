@@ -354,7 +354,7 @@ def test_server_demo_screenshot_from_the_command_line(qtbot, tmp_path):
 # --- attached to a running `pagevis serve` --------------------------------------------------------------------
 
 def test_metrics_series_from_pagevis_serve_metrics_text():
-    from pagevis.gui.server.attached import MetricsSeries, parse_serve_metrics
+    from pagevis.viewmodel.server_series import MetricsSeries, parse_serve_metrics
     from pagevis.observe import Metrics
     from prometheus_client import generate_latest
 
@@ -380,7 +380,8 @@ def test_metrics_series_from_pagevis_serve_metrics_text():
 def test_the_window_attached_to_pagevis_serve_shows_its_cache_and_metrics(qtbot):
     from serve_fixtures import running_server
 
-    from pagevis.gui.server.attached import AttachedServerWindow, parse_serve_metrics
+    from pagevis.gui.server.attached import AttachedServerWindow
+    from pagevis.viewmodel.server_series import parse_serve_metrics
 
     with running_server(kv_events_endpoint="tcp://127.0.0.1:*", kv_events_replay="tcp://127.0.0.1:*",
                         pool_pages=64) as running:

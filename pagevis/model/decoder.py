@@ -17,13 +17,13 @@ import numpy as np
 
 from pagevis.model.config import ModelConfig
 from pagevis.model.interface import AttendFn
-from pagevis.model.layers import ACTIVATIONS, rms_norm, silu_mul, soft_cap
+from pagevis.model.layers import ACTIVATIONS, rms_norm, soft_cap
 from pagevis.model.matmul import GEMM_ONLY, MatmulPlan, matmul
 from pagevis.model.rope import apply_rope, apply_rope_neox, inverse_frequencies, rope_tables
 from pagevis.model.tokenizer import Tokenizer
 from pagevis.model.weights import LayerWeights, DecoderWeights, check_weight_shapes
 
-__all__ = ["DecoderModel", "rms_norm", "silu_mul"]
+__all__ = ["DecoderModel"]
 
 
 class DecoderModel:

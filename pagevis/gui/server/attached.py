@@ -24,8 +24,7 @@ from pagevis.gui.widgets.layout import splitter, stacked
 from pagevis.gui.attach.worker import FleetWorker, ForestWorker, LiveSource, MetricsWorker
 from pagevis.gui.widgets.prefix_forest import PrefixForestView
 from pagevis.gui.server.plots import SIDE_COLORS, ServerPlots
-from pagevis.viewmodel.server_series import (  # noqa: F401 - where the attached window and its tests took them
-    COUNTERS, GAUGES, MetricsSeries, ServeSample, parse_serve_metrics, scrape_serve)
+from pagevis.viewmodel.server_series import MetricsSeries, scrape_serve
 
 NOT_FROM_EVENTS = ("which request holds a page, reference counts, which requests wait, run or were preempted, "
                    "each request's timeline and each step's batch are not in the events or the metrics: they "

@@ -10,7 +10,7 @@ import pyqtgraph as pg
 
 from pagevis.gui.widgets import theme
 from pagevis.gui.widgets.metrics import strided
-from pagevis.viewmodel.server_series import THROUGHPUT_WINDOW, SideSeries  # noqa: F401 - where the windows took it
+from pagevis.viewmodel.server_series import THROUGHPUT_WINDOW, SideSeries
 
 SIDE_COLORS = {"A": theme.SERIES[0], "B": theme.SERIES[1]}
 

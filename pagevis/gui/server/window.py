@@ -28,7 +28,8 @@ from pagevis.gui.widgets.setting_inputs import setting_input
 from pagevis.gui.session.runner import WorkerFailure, run_control, worker_steps
 from pagevis.gui.sequences.window import _spin
 from pagevis.gui.server.forest import ServerForest
-from pagevis.gui.server.plots import SIDE_COLORS, SideSeries, ServerPlots
+from pagevis.gui.server.plots import SIDE_COLORS, ServerPlots
+from pagevis.viewmodel.server_series import SideSeries
 from pagevis.gui.server.pool import BatchBars, QueuesView, legend_html, pool_cells, request_pool_grid
 from pagevis.gui.server.timeline import RequestTimeline
 from pagevis.gui.widgets.windows import add_close_keys, place_beside

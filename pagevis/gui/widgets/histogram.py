@@ -12,7 +12,7 @@ from PySide6.QtWidgets import QWidget
 
 from pagevis.gui.widgets import theme
 from pagevis.gui.widgets.layout import stacked
-from pagevis.viewmodel.histogram import (  # noqa: F401 - BINS_PER_DECADE for the tests, as before
+from pagevis.viewmodel.histogram import (
     BINS_PER_DECADE, EDGES, LOW_DECADE, WeightHistogram, weight_histogram)
 from pagevis.viewmodel.view_state import EMPTY_HINT, ViewState
 

@@ -14,7 +14,7 @@ from pagevis.gui.widgets import theme
 from pagevis.gui.widgets.theme import FREE, PINNED, REPLACED, RESIDENT, SLID, WRITTEN
 from pagevis.gui.widgets.block_table import MAX_TABLE_WIDTH, MIN_TABLE_WIDTH, PAGES_NOTE, BlockTable
 from pagevis.gui.widgets.cell_labels import CellLabels
-from pagevis.viewmodel.cells import (  # noqa: F401 - cell_states and DISK_STATES for the tests, as before
+from pagevis.viewmodel.cells import (
     DISK_STATES, LEGEND_NOTE, cell_states, disk_states, frames_of_pages, full_precision_mask, layer_capacity,
     legend_states, merge_segments, shade_values)
 from pagevis.viewmodel.view_state import ViewState
