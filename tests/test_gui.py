@@ -333,16 +333,16 @@ def test_controls_are_made_from_the_settings_table(qtbot):
 
 def test_exports(qtbot, window, tmp_path):
     step(qtbot, window, 4)
-    events = window.export_events(str(tmp_path / "events.csv"))
+    events = window.files.export_events(str(tmp_path / "events.csv"))
     rows = list(csv.reader(open(events)))
     assert rows[0][:5] == ["step", "layer", "page", "slot", "position"]
     assert len(rows) - 1 == len(window.timeline.evictions)
-    metrics = list(csv.reader(open(window.export_metrics(str(tmp_path / "metrics.csv")))))
+    metrics = list(csv.reader(open(window.files.export_metrics(str(tmp_path / "metrics.csv")))))
     assert len(metrics) - 1 == 4
     for view in window.views:
         for suffix in ("png", "svg"):
             path = tmp_path / f"{view.title}.{suffix}"
-            window.export_view(view, str(path))
+            window.files.export_view(view, str(path))
             assert path.stat().st_size > 500
 
 
@@ -429,7 +429,7 @@ def test_an_error_shows_one_line_and_its_traceback_behind_details(qtbot, tmp_pat
     except ValueError:
         import traceback
 
-        window._report("Something failed: a first line\nand a second", traceback.format_exc())
+        window.report("Something failed: a first line\nand a second", traceback.format_exc())
     panel = window.messages
     lines = panel.toPlainText().splitlines()
     assert len(lines) == 1 and lines[0].endswith("Something failed: a first line")

@@ -27,12 +27,12 @@ def test_save_trace_from_the_menu_writes_on_a_worker_and_confirms(qtbot, tmp_pat
     monkeypatch.setattr(QFileDialog, "getSaveFileName", lambda *a, **k: (str(target), ""))
     action = next(a for a in window.menuBar().actions()[0].menu().actions() if a.text() == "&Save trace…")
     action.trigger()  # returns before the file is written: the window goes on
-    assert window._savers and "Saving 5 steps" in window.statusBar().currentMessage()
-    qtbot.waitUntil(lambda: not window._savers, timeout=20000)
+    assert window.files.savers and "Saving 5 steps" in window.statusBar().currentMessage()
+    qtbot.waitUntil(lambda: not window.files.savers, timeout=20000)
     assert len(read_trace(target).records) == 5
-    assert window.saved_box.isVisible() and str(target) in window.saved_box.text()
+    assert window.files.saved_box.isVisible() and str(target) in window.files.saved_box.text()
     assert "Saved 5 steps" in window.statusBar().currentMessage()
-    window.saved_box.close()
+    window.files.saved_box.close()
 
 
 def test_the_attach_window_is_in_the_view_menu(qtbot, window, monkeypatch):
@@ -42,10 +42,10 @@ def test_the_attach_window_is_in_the_view_menu(qtbot, window, monkeypatch):
                                                     "&Play a KV-event recording…"]
     monkeypatch.setattr(QFileDialog, "getOpenFileName", lambda *a, **k: (str(RECORDING), ""))
     attach.actions()[1].trigger()
-    opened = window.attach_window
+    opened = window.files.attach_window
     qtbot.addWidget(opened)
     try:
         assert opened.isVisible() and "recording" in opened.windowTitle()
     finally:
         opened.close()
-    assert window.open_attach("not an endpoint") is None and "Attach" in window.statusBar().currentMessage()
+    assert window.files.open_attach("not an endpoint") is None and "Attach" in window.statusBar().currentMessage()

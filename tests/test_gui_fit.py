@@ -71,14 +71,14 @@ def _check_every_window(qtbot, window):
     qtbot.waitUntil(server.run_button.isChecked, timeout=3000)
     server.run_button.setChecked(False)
     qtbot.waitUntil(lambda: server.worker is None, timeout=10000)
-    shown["Attach"] = window._show_attach()
+    shown["Attach"] = window.files.show_attach()
     shown["Export recording"] = RecordDialog(window)
-    window._trace_saved("/tmp/a-trace-with-a-long-name-in-a-deep-folder.pvtrace", 3, 1 << 20)
-    shown["Trace saved"] = window.saved_box
-    window._show_shortcuts()
-    shown["Keyboard shortcuts"] = next(w for w in window.findChildren(type(window.saved_box))
+    window.files.trace_saved("/tmp/a-trace-with-a-long-name-in-a-deep-folder.pvtrace", 3, 1 << 20)
+    shown["Trace saved"] = window.files.saved_box
+    window.files.show_shortcuts()
+    shown["Keyboard shortcuts"] = next(w for w in window.findChildren(type(window.files.saved_box))
                                        if w.windowTitle() == "Keyboard shortcuts")
-    window._report("a message the status bar cannot hold: " + "word " * 80)
+    window.report("a message the status bar cannot hold: " + "word " * 80)
     for name, w in shown.items():
         w.show()
     qtbot.wait(50)

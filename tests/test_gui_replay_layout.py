@@ -56,7 +56,7 @@ def test_a_replay_shows_the_head_layout_and_cache_size_without_a_model_spec(qtbo
 def test_a_trace_saved_by_the_app_carries_the_layout(qtbot, tmp_path):
     window = make_window(qtbot, tmp_path)
     step(qtbot, window, 3)
-    path = window.save_trace(str(tmp_path / "saved.pvtrace"))
+    path = window.files.save_trace(str(tmp_path / "saved.pvtrace"))
     assert path and window.open_trace(path)
     assert window.status_memory.text() == MEMORY
     assert window.timeline.info.n_kv_heads == 2 and window.timeline.info.storage

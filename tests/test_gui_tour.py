@@ -22,14 +22,14 @@ def test_the_tour_opens_and_runs_each_window_in_turn(qtbot, window):
     ab.toggle_play()
     qtbot.waitUntil(lambda: not ab.runner.busy, timeout=10000)
     tour.next()
-    seqs = window.sequences_window
+    seqs = window.files.sequences_window
     qtbot.addWidget(seqs)
     assert tour.title.text() == STEPS[1][0]
     qtbot.waitUntil(lambda: len(seqs.records) >= 3, timeout=20000)  # running
     seqs.run_button.setChecked(False)
     qtbot.waitUntil(lambda: not seqs.busy, timeout=10000)
     tour.next()
-    server = window.server_window
+    server = window.files.server_window
     qtbot.addWidget(server)
     assert tour.title.text() == STEPS[2][0] and tour.next_button.text() == "Finish"
     qtbot.waitUntil(lambda: bool(server.latest), timeout=20000)  # serving

@@ -89,12 +89,12 @@ def test_file_menu_export_html(qtbot, tmp_path):
     from tests.gui_helpers import make_window
 
     window = make_window(qtbot, tmp_path)
-    assert window.export_html(str(tmp_path / "none.html")) is None  # no steps yet
+    assert window.files.export_html(str(tmp_path / "none.html")) is None  # no steps yet
     window.runner.step_blocking(3)
     window.controls.layer.setValue(1)
     window.scrub(2)
     out = tmp_path / "menu.html"
-    assert window.export_html(str(out)) == str(out)
+    assert window.files.export_html(str(out)) == str(out)
     text = out.read_text(encoding="utf-8")
     data = json.loads(re.search(r'<script type="application/json" id="data">(.*?)</script>', text, re.S)
                       .group(1).replace("<\\/", "</"))

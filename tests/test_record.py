@@ -222,14 +222,14 @@ def test_file_menu_export_recording_records_the_chosen_steps_and_keeps_the_shown
     dialog.last.setValue(3)
     dialog.source.setCurrentText("Text")
     dialog.path.setText(str(tmp_path / "menu.webm"))
-    result = window.export_recording(dialog.choice())
+    result = window.files.export_recording(dialog.choice())
     assert result.frames == 3 and len(decode(tmp_path / "menu.webm")) == 3 and window.index == 2
     cues = (tmp_path / "menu.vtt").read_text()
     assert "step 1:" in cues and "step 3:" in cues and "step 4:" not in cues and "step 0:" not in cues
-    grid = window.export_recording(Choice("Page grid", str(tmp_path / "grid.gif"), first=2, last=None, fps=5))
+    grid = window.files.export_recording(Choice("Page grid", str(tmp_path / "grid.gif"), first=2, last=None, fps=5))
     target = window.page_grid.export_target()
     assert grid.frames == 3 and grid.size[0] == target.width() + target.width() % 2
-    assert window.export_recording(Choice("Whole window", str(tmp_path / "x.avi"))) is None
+    assert window.files.export_recording(Choice("Whole window", str(tmp_path / "x.avi"))) is None
     assert "unknown video format '.avi'" in window.messages.toPlainText()
 
 

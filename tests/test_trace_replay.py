@@ -52,7 +52,7 @@ def test_replay_shows_the_live_page_grid(qtbot, window, tmp_path):
     live = grids(window, layers=(0, 1))
 
     path = tmp_path / "live.pvtrace"
-    assert window.save_trace(str(path)) == str(path)  # File ▸ Save trace: the timeline's records
+    assert window.files.save_trace(str(path)) == str(path)  # File ▸ Save trace: the timeline's records
     steps = len(window.timeline)
     assert window.open_trace(str(path)) and window.runner.state == "replay"
     replayed = grids(window, layers=(0, 1))

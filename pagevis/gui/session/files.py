@@ -1,6 +1,6 @@
-"""The main window's files and other windows (a part of MainWindow, by job): open a model or a trace, save the
-trace (on a worker thread, confirmed), export views, events, metrics, a recording or an HTML page, and open the
-Sequences, Server, Attach windows and the tour."""
+"""The main window's files and other windows (a part the window holds, `window.files`): open a model or a trace,
+save the trace (on a worker thread, confirmed), export views, events, metrics, a recording or an HTML page, and open
+the Sequences, Server, Attach windows and the tour beside the main window."""
 
 from __future__ import annotations
 
@@ -14,24 +14,36 @@ from pagevis.viewmodel.timeline import kv_layout
 
 
 class FileActions:
-    """MainWindow's File menu and the windows it opens beside itself (a mixin: it reads the window's timeline,
-    runner, controls, views and status bar)."""
+    """The File menu and the windows opened beside the main window. It reads the window's timeline, index, runner,
+    controls and preset titles, shows the view state the window's renderer gives, and speaks through the window's
+    status bar and `report`; it holds what it opened (sequences_window, server_window, attach_window, tour) and the
+    trace writers still running (`savers`)."""
+
+    def __init__(self, window):
+        self.window = window
+        self.sequences_window = self.server_window = self.attach_window = None
+        self.tour = None  # Help ▸ Tour, once started
+        self.saved_box: QMessageBox | None = None  # "Trace saved", once a trace was saved from the dialog
+        self.savers: list = []  # workers writing traces, each kept until it finishes
+
+    def _say(self, text: str, ms: int = 0) -> None:
+        self.window.statusBar().showMessage(text, ms)
 
     def open_sequences(self):
         """A window decoding many sequences of the current model and prompt over one shared pool."""
         from pagevis.gui.sequences.window import SequencesWindow
 
-        if self.runner.model is None:
-            self.statusBar().showMessage("Load a model first (start decoding once), then open the sequences view",
-                                         8000)
+        w = self.window
+        if w.runner.model is None:
+            self._say("Load a model first (start decoding once), then open the sequences view", 8000)
             return None
         try:
-            config = self.controls.session_config()
+            config = w.controls.session_config()
         except (ConfigError, ValueError) as error:
-            self.statusBar().showMessage(f"Sequences view: {error}", 8000)
+            self._say(f"Sequences view: {error}", 8000)
             return None
-        self.sequences_window = SequencesWindow(self.runner.model, config, self.controls.prompt(), self)
-        place_beside(self.sequences_window, self, steps=2)
+        self.sequences_window = SequencesWindow(w.runner.model, config, w.controls.prompt(), w)
+        place_beside(self.sequences_window, w, steps=2)
         self.sequences_window.show()
         return self.sequences_window
 
@@ -40,13 +52,14 @@ class FileActions:
         from pagevis.presets import SERVER_PRESETS
         from pagevis.gui.server.window import ServerWindow
 
-        if self.runner.model is None:
-            self.statusBar().showMessage("Load a model first (start decoding once), then open the server", 8000)
+        w = self.window
+        if w.runner.model is None:
+            self._say("Load a model first (start decoding once), then open the server", 8000)
             return None
-        label = model_title(self.runner.spec.label, self.presets.titles) if self.runner.spec is not None else ""
-        self.server_window = ServerWindow(self.runner.model, preset or SERVER_PRESETS[0], self, model_label=label,
+        label = model_title(w.runner.spec.label, w.presets.titles) if w.runner.spec is not None else ""
+        self.server_window = ServerWindow(w.runner.model, preset or SERVER_PRESETS[0], w, model_label=label,
                                           autorun=True)
-        place_beside(self.server_window, self, steps=3)
+        place_beside(self.server_window, w, steps=3)
         self.server_window.show()
         return self.server_window
 
@@ -54,26 +67,27 @@ class FileActions:
         """Help ▸ Tour: the StreamingLLM A/B, then Sequences, then the Server window (gui/session/tour.py)."""
         from pagevis.gui.session.tour import Tour
 
-        self.tour = Tour(self)
+        self.tour = Tour(self.window)
         self.tour.start()
         return self.tour
 
     def open_gguf(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "Open a Llama-family GGUF model", "", "GGUF models (*.gguf)")
+        path, _ = QFileDialog.getOpenFileName(self.window, "Open a Llama-family GGUF model", "",
+                                              "GGUF models (*.gguf)")
         if path:
-            self.controls.set_gguf(path)
+            self.window.controls.set_gguf(path)
 
     def choose_trace(self) -> None:
-        path, _ = QFileDialog.getOpenFileName(self, "Open a pagevis trace", "", "pagevis traces (*)")
+        path, _ = QFileDialog.getOpenFileName(self.window, "Open a pagevis trace", "", "pagevis traces (*)")
         if path:
-            self.open_trace(path)
+            self.window.open_trace(path)
 
     def _session_file(self, path: str | None, title: str, name: str, kinds: str) -> str | None:
         """Where to write the session: `path`, or the user's choice; None (said) before the first step."""
-        if self.timeline is None or not len(self.timeline):
-            self.statusBar().showMessage("Nothing to save yet: decode a step first", 5000)
+        if self.window.timeline is None or not len(self.window.timeline):
+            self._say("Nothing to save yet: decode a step first", 5000)
             return None
-        return path or QFileDialog.getSaveFileName(self, title, name, kinds)[0] or None
+        return path or QFileDialog.getSaveFileName(self.window, title, name, kinds)[0] or None
 
     def save_trace(self, path: str | None = None, blocking: bool | None = None) -> str | None:
         """Write the shown session's records to a trace file (File ▸ Open trace replays it). Chosen in the
@@ -85,23 +99,23 @@ class FileActions:
             return None
         from pagevis.trace import write_trace
 
-        trace, steps = self._trace_of_timeline(), len(self.timeline)
+        trace, steps, report = self._trace_of_timeline(), len(self.window.timeline), self.window.report
         if blocking:
             try:
                 size = write_trace(path, trace)
             except (OSError, ValueError) as error:
-                self._report(f"Could not save the trace to {path}: {error}")
+                report(f"Could not save the trace to {path}: {error}")
                 return None
-            self._trace_saved(path, steps, size, confirm=False)
+            self.trace_saved(path, steps, size, confirm=False)
             return path
         from superqt.utils import create_worker
 
-        self.statusBar().showMessage(f"Saving {steps} steps to {path}…")
+        self._say(f"Saving {steps} steps to {path}…")
         worker = create_worker(write_trace, path, trace, _start_thread=False, _ignore_errors=True)
-        worker.returned.connect(lambda size: self._trace_saved(path, steps, size))
-        worker.errored.connect(lambda error: self._report(f"Could not save the trace to {path}: {error}"))
-        worker.finished.connect(lambda: self._savers.remove(worker))
-        self._savers.append(worker)  # kept until it finishes
+        worker.returned.connect(lambda size: self.trace_saved(path, steps, size))
+        worker.errored.connect(lambda error: report(f"Could not save the trace to {path}: {error}"))
+        worker.finished.connect(lambda: self.savers.remove(worker))
+        self.savers.append(worker)  # kept until it finishes
         worker.start()
         return path
 
@@ -109,7 +123,7 @@ class FileActions:
         """The shown session as a Trace (its records, token texts, model, stop reason and text)."""
         from pagevis.trace import Trace
 
-        timeline, runner = self.timeline, self.runner
+        timeline, runner = self.window.timeline, self.window.runner
         records = list(timeline.records)
         ids = set(timeline.info.prompt_ids)
         for record in records:
@@ -124,52 +138,57 @@ class FileActions:
                      text=session.text() if session is not None else "", meta={"command": "pagevis (app)"},
                      kv_layout=kv_layout(timeline.info))
 
-    def _trace_saved(self, path: str, steps: int, size: int, confirm: bool = True) -> None:
+    def trace_saved(self, path: str, steps: int, size: int, confirm: bool = True) -> None:
+        """Say that the trace is written; with `confirm` (saved from the dialog), also in a box that does not block."""
         text = f"Saved {steps} steps to {path} ({size / (1 << 20):.1f} MB)"
-        self.statusBar().showMessage(text, 10000)
+        self._say(text, 10000)
         if confirm:  # not modal: the window goes on playing behind it
             self.saved_box = QMessageBox(QMessageBox.Information, "Trace saved",
                                          f"{text}.\nFile ▸ Open trace… (or `pagevis replay FILE`) replays it.",
-                                         QMessageBox.Ok, self)
+                                         QMessageBox.Ok, self.window)
             self.saved_box.setModal(False)
             self.saved_box.show()
 
     def export_view(self, view: QWidget | None, path: str | None = None) -> str | None:
         if path is None:
             name = "window" if view is None else view.title.lower().replace(" ", "-")
-            path, _ = QFileDialog.getSaveFileName(self, "Export view", f"{name}.png", "PNG image (*.png);;SVG (*.svg)")
+            path, _ = QFileDialog.getSaveFileName(self.window, "Export view", f"{name}.png",
+                                                  "PNG image (*.png);;SVG (*.svg)")
         if not path:
             return None
         if view is not None:
-            view.show_state(self.view_state())  # a view behind a tab has not been drawn yet
-        target = self if view is None else view.export_target()
+            view.show_state(self.window.view_state())  # a view behind a tab has not been drawn yet
+        target = self.window if view is None else view.export_target()
         export.save_widget(target, path)
-        self.statusBar().showMessage(f"Saved {path}", 5000)
+        self._say(f"Saved {path}", 5000)
         return path
 
     def export_events(self, path: str | None = None) -> str | None:
-        if self.timeline is None:
+        timeline = self.window.timeline
+        if timeline is None:
             return None
-        path = path or QFileDialog.getSaveFileName(self, "Export eviction events", "evictions.csv", "CSV (*.csv)")[0]
+        path = path or QFileDialog.getSaveFileName(self.window, "Export eviction events", "evictions.csv",
+                                                   "CSV (*.csv)")[0]
         if path:
-            rows = export.save_events_csv(self.timeline, path, self.index)
-            self.statusBar().showMessage(f"Saved {rows} events to {path}", 5000)
+            rows = export.save_events_csv(timeline, path, self.window.index)
+            self._say(f"Saved {rows} events to {path}", 5000)
         return path or None
 
     def export_metrics(self, path: str | None = None) -> str | None:
-        if self.timeline is None:
+        timeline = self.window.timeline
+        if timeline is None:
             return None
-        path = path or QFileDialog.getSaveFileName(self, "Export metrics", "metrics.csv", "CSV (*.csv)")[0]
+        path = path or QFileDialog.getSaveFileName(self.window, "Export metrics", "metrics.csv", "CSV (*.csv)")[0]
         if path:
-            rows = export.save_metrics_csv(self.timeline, path)
-            self.statusBar().showMessage(f"Saved {rows} steps to {path}", 5000)
+            rows = export.save_metrics_csv(timeline, path)
+            self._say(f"Saved {rows} steps to {path}", 5000)
         return path or None
 
     def export_recording(self, choice=None):
         """The recorded steps (or the A/B or Server window) to a video (pagevis.gui.widgets.recording)."""
         from pagevis.gui.widgets.recording import export_recording
 
-        return export_recording(self, choice)
+        return export_recording(self.window, choice)
 
     def export_html(self, path: str | None = None) -> str | None:
         """The session as one HTML page anyone can open (pagevis.export.html), at the selected layer."""
@@ -178,14 +197,13 @@ class FileActions:
             return None
         from pagevis.export.html import HtmlExportError, write_html
 
-        layer = self.view_state().layer
+        layer, timeline = self.window.view_state().layer, self.window.timeline
         try:
-            size = write_html(path, self.timeline, layer)
+            size = write_html(path, timeline, layer)
         except (HtmlExportError, OSError) as error:
-            self._report(f"Could not export {path}: {error}")
+            self.window.report(f"Could not export {path}: {error}")
             return None
-        self.statusBar().showMessage(f"Saved {len(self.timeline)} steps of layer {layer} to {path} "
-                                     f"({size / 1024:.0f} KiB)", 6000)
+        self._say(f"Saved {len(timeline)} steps of layer {layer} to {path} ({size / 1024:.0f} KiB)", 6000)
         return path
 
     def open_attach(self, endpoints: str | None = None):
@@ -194,49 +212,50 @@ class FileActions:
         from pagevis.attach.subscriber import parse_source
 
         if endpoints is None:
-            endpoints, ok = QInputDialog.getText(self, "Attach to an engine's KV events",
+            endpoints, ok = QInputDialog.getText(self.window, "Attach to an engine's KV events",
                                                  "ZMQ endpoint(s), comma-separated (e.g. tcp://127.0.0.1:5557):")
             if not ok or not endpoints.strip():
                 return None
         try:
             sources = [parse_source(text.strip()) for text in endpoints.split(",") if text.strip()]
         except ValueError as error:
-            self.statusBar().showMessage(f"Attach: {error}", 8000)
+            self._say(f"Attach: {error}", 8000)
             return None
-        return self._show_attach(sources=sources)
+        return self.show_attach(sources=sources)
 
     def open_attach_recording(self, path: str | None = None):
         """View ▸ Attach: play a KV-event recording (`pagevis attach --record FILE` makes one)."""
         from pagevis.attach.playback import Playback
         from pagevis.attach.recording import RecordingError, read_recording
 
-        path = path or QFileDialog.getOpenFileName(self, "Play a KV-event recording", "",
+        path = path or QFileDialog.getOpenFileName(self.window, "Play a KV-event recording", "",
                                                    "KV-event recordings (*.kvev);;All files (*)")[0]
         if not path:
             return None
         try:
             playback = Playback(read_recording(path))
         except (RecordingError, OSError) as error:
-            self._report(f"Could not play {path}: {error}")
+            self.window.report(f"Could not play {path}: {error}")
             return None
-        return self._show_attach(playback=playback)
+        return self.show_attach(playback=playback)
 
-    def _show_attach(self, sources=(), playback=None):
+    def show_attach(self, sources=(), playback=None):
+        """The attach window on `sources` (endpoints) or a recording's `playback`, beside the main window."""
         from pagevis.gui.attach.window import open_window
 
         self.attach_window = open_window(sources=sources, playback=playback)
-        place_beside(self.attach_window, self, steps=4)
+        place_beside(self.attach_window, self.window, steps=4)
         self.attach_window.show()
         self.attach_window.start()
         return self.attach_window
 
-    def _show_shortcuts(self) -> None:
+    def show_shortcuts(self) -> None:
         box = QMessageBox(QMessageBox.Information, "Keyboard shortcuts",
                           "Space: play / pause\n→: next recorded step, or at the newest decode one token\n"
                           "← or Ctrl+←: previous step\nCtrl+→: next recorded step\nHome / End: first / latest step\n"
                           "Ctrl+R: reset the session\nCtrl+Z: back to the previous run (kept on every restart)\n"
                           "Ctrl+Return (in the prompt): restart with the prompt\n"
-                          "F5: the presentation layout\nF11: full screen\nCtrl+↑ / Ctrl+↓: next / previous layer", QMessageBox.Ok, self)
+                          "F5: the presentation layout\nF11: full screen\nCtrl+↑ / Ctrl+↓: next / previous layer",
+                          QMessageBox.Ok, self.window)
         box.setModal(False)
         box.show()
-

@@ -151,12 +151,12 @@ class SessionLifecycle:
         try:
             from pagevis.trace import TraceError, read_trace
         except ImportError:
-            self._report("Traces cannot be opened yet: pagevis.trace is not available in this installation.")
+            self.report("Traces cannot be opened yet: pagevis.trace is not available in this installation.")
             return False
         try:
             trace = read_trace(path)
         except (TraceError, OSError, ValueError, MemoryError) as error:
-            self._report(f"Could not open trace {path}: {error}")
+            self.report(f"Could not open trace {path}: {error}")
             return False
         self.runner.replay(trace)
         self.session_source = "trace"  # a replay's settings are not the user's to save

@@ -1,8 +1,9 @@
 """The main window: controls, transport, dockable views, menus, status bar; wires the runner to the views.
 
-MainWindow is put together from parts by job, each in its own module: the dock layouts (layout.py, an object it
-holds), sessions (lifecycle.py), drawing (rendering.py), files and other windows (files.py) and presets
-(presets.py); this module builds the window, its menus and signals, and saves and restores its settings.
+MainWindow holds its parts, each an object in its own module: the dock layouts (layout.py, `layout_`), files and
+other windows (files.py, `files`) and presets (presets.py, `presets`); sessions (lifecycle.py) and drawing
+(rendering.py) are still mixins. This module builds the window, its menus and signals, and saves and restores its
+settings.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from pagevis.gui.widgets.text import TextView
 SETTINGS_VERSION = 1
 
 
-class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMainWindow):
+class MainWindow(SessionLifecycle, Rendering, TimelineCursor, QMainWindow):
     def __init__(self, settings: QSettings | None = None, restore: bool = True, persist: bool = True):
         """`restore`: start from the saved layout and configuration; `persist`: save them on close."""
         super().__init__()
@@ -57,13 +58,12 @@ class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMain
         self.setWindowIcon(theme.icon("pagevis"))
         self.settings = settings if settings is not None else QSettings()
         self.runner = SessionRunner(self)
+        self.files = FileActions(self)  # the File menu and the windows opened beside this one
         self.timeline: Timeline | None = None
         self.index = -1  # the record the views show
         self.follow = True  # keep showing the newest record as records arrive
         self.frames = 0  # redraws so far (the benchmark reads it)
         self.ab_window = None  # the A/B window, once opened
-        self.tour = None  # Help ▸ Tour, once started
-        self._savers: list = []  # workers writing traces
         self.model_status = ("no model", "", "")  # the status bar's model: (name, weights, file or label)
         self._last_frame = 0.0
         self._restart_reason = ""
@@ -189,24 +189,24 @@ class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMain
         bar = self.statusBar()
         fields = (self.status_state, self.status_model, self.status_step, self.status_speed, self.status_memory)
         room = min((f.x() for f in fields if f.isVisible()), default=bar.width()) - 16  # the message's area
-        said = self.messages.toPlainText().rstrip().rpartition("\n")[2]  # _report has put it there already
+        said = self.messages.toPlainText().rstrip().rpartition("\n")[2]  # report() has put it there already
         if text and bar.fontMetrics().horizontalAdvance(text) > room and not said.endswith(text):
             self.messages.report(text)
 
     def _build_menus(self) -> None:
         file_menu = self.menuBar().addMenu("&File")
-        file_menu.addAction("Open &GGUF model…", self.open_gguf, QKeySequence("Ctrl+O"))
-        file_menu.addAction("Open &trace…", self.choose_trace, QKeySequence("Ctrl+Shift+O"))
-        file_menu.addAction("&Save trace…", self.save_trace, QKeySequence.Save)
+        file_menu.addAction("Open &GGUF model…", self.files.open_gguf, QKeySequence("Ctrl+O"))
+        file_menu.addAction("Open &trace…", self.files.choose_trace, QKeySequence("Ctrl+Shift+O"))
+        file_menu.addAction("&Save trace…", self.files.save_trace, QKeySequence.Save)
         file_menu.addSeparator()
         export_menu = file_menu.addMenu("&Export view")
         for view in self.views:
-            export_menu.addAction(f"{view.title}…", lambda v=view: self.export_view(v))
-        export_menu.addAction("Whole window…", lambda: self.export_view(None))
-        file_menu.addAction("Export &events (CSV)…", self.export_events)
-        file_menu.addAction("Export &metrics (CSV)…", self.export_metrics)
-        file_menu.addAction("Export &recording (MP4, WebM, GIF)…", self.export_recording)
-        file_menu.addAction("Export &HTML page…", self.export_html)
+            export_menu.addAction(f"{view.title}…", lambda v=view: self.files.export_view(v))
+        export_menu.addAction("Whole window…", lambda: self.files.export_view(None))
+        file_menu.addAction("Export &events (CSV)…", self.files.export_events)
+        file_menu.addAction("Export &metrics (CSV)…", self.files.export_metrics)
+        file_menu.addAction("Export &recording (MP4, WebM, GIF)…", self.files.export_recording)
+        file_menu.addAction("Export &HTML page…", self.files.export_html)
         file_menu.addSeparator()
         file_menu.addAction("&Quit", self.close, QKeySequence.Quit)
         play_menu = self.menuBar().addMenu("&Decode")
@@ -225,7 +225,7 @@ class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMain
             action = demo_menu.addAction(preset.title, lambda p=preset: self.apply_preset(p))
             action.setToolTip(preset.description)
         demo_menu.addSeparator()
-        demo_menu.addAction("&Tour", self.start_tour)
+        demo_menu.addAction("&Tour", self.files.start_tour)
         view_menu = self.menuBar().addMenu("&View")
         for dock in self.docks.values():
             view_menu.addAction(dock.toggleViewAction())
@@ -243,15 +243,15 @@ class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMain
             action = view_menu.addAction(text, lambda c=change: self.controls.layer.stepBy(c), QKeySequence(keys))
             self.addAction(action)
         view_menu.addSeparator()
-        view_menu.addAction("&Sequences sharing one pool…", self.open_sequences)
-        view_menu.addAction("Se&rver: requests arriving…", self.open_server)
+        view_menu.addAction("&Sequences sharing one pool…", self.files.open_sequences)
+        view_menu.addAction("Se&rver: requests arriving…", self.files.open_server)
         attach_menu = view_menu.addMenu("&Attach: another engine's KV cache")
-        attach_menu.addAction("&Endpoints (vLLM, SGLang, pagevis serve)…", self.open_attach)
-        attach_menu.addAction("&Play a KV-event recording…", self.open_attach_recording)
+        attach_menu.addAction("&Endpoints (vLLM, SGLang, pagevis serve)…", self.files.open_attach)
+        attach_menu.addAction("&Play a KV-event recording…", self.files.open_attach_recording)
         view_menu.addAction("&Reset layout", self.reset_layout)
         help_menu = self.menuBar().addMenu("&Help")
-        help_menu.addAction("&Tour", self.start_tour)
-        help_menu.addAction("&Keyboard shortcuts", self._show_shortcuts)
+        help_menu.addAction("&Tour", self.files.start_tour)
+        help_menu.addAction("&Keyboard shortcuts", self.files.show_shortcuts)
 
     def _connect(self) -> None:
         t, r = self.transport, self.runner
@@ -274,6 +274,16 @@ class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMain
         self.controls.session_changed.connect(self.restart)
         self.controls.preset_chosen.connect(self.apply_preset)
         self.controls.view_changed.connect(self.request_render)
+
+    # --- the parts' verbs other modules call on the window (the tour, pagevis.gui.launch) ----------------
+    def open_sequences(self):
+        return self.files.open_sequences()
+
+    def open_server(self, preset=None):
+        return self.files.open_server(preset)
+
+    def start_tour(self):
+        return self.files.start_tour()
 
     # --- transport -------------------------------------------------------------------------------
     def toggle_play(self) -> None:
@@ -322,9 +332,9 @@ class MainWindow(SessionLifecycle, Rendering, FileActions, TimelineCursor, QMain
             self.statusBar().showMessage(f"Finished: {self.runner.session.stop_reason}", 5000)
 
     def _failed(self, message: str, trace: str) -> None:
-        self._report(message, trace)
+        self.report(message, trace)
 
-    def _report(self, message: str, detail: str = "") -> None:
+    def report(self, message: str, detail: str = "") -> None:
         """Show a problem without blocking: one line in the status bar and the Messages panel (raised), the
         traceback (if any) behind the panel's Details toggle."""
         self.messages.report(message, detail)

@@ -45,7 +45,7 @@ def sources(main) -> list[str]:
     names = [WHOLE_WINDOW, *(v.title for v in main.views)]
     if main.ab_window is not None and main.ab_window.isVisible():
         names.append(AB_WINDOW)
-    server = getattr(main, "server_window", None)
+    server = main.files.server_window
     if server is not None and server.isVisible():
         names.append(SERVER_WINDOW)
     return names
@@ -137,7 +137,7 @@ def export_recording(main, choice: Choice | None = None) -> Recording | None:
     try:
         result = record(scene, choice.path, choice.fps, choice.caption, advanced, choice.width or None)
     except (RecordingError, OSError) as error:
-        main._report(f"Could not record {choice.path}: {error}")
+        main.report(f"Could not record {choice.path}: {error}")
         return None
     finally:
         progress.close()
@@ -150,7 +150,7 @@ def export_recording(main, choice: Choice | None = None) -> Recording | None:
 
 
 def _window(main, source: str):
-    return {AB_WINDOW: main.ab_window, SERVER_WINDOW: getattr(main, "server_window", None)}.get(source, main)
+    return {AB_WINDOW: main.ab_window, SERVER_WINDOW: main.files.server_window}.get(source, main)
 
 
 def _scene(main, window, choice: Choice):
