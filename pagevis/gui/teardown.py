@@ -10,9 +10,12 @@ context menus among them) crashes in its own way.
 from __future__ import annotations
 
 import functools
+import sys
 
 
 def delete_windows() -> None:
+    if "PySide6.QtWidgets" not in sys.modules:  # nothing was opened (no display: the check exits before Qt loads)
+        return
     from PySide6.QtCore import QCoreApplication, QEvent
     from PySide6.QtWidgets import QApplication, QMainWindow
 
