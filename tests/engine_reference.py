@@ -63,7 +63,7 @@ def page_kv(store, page):
     if frame >= 0:
         keys, values = store.frame_kv(frame, frame + 1)
         return keys.astype(np.float32), values.astype(np.float32)
-    swap = store.swap
+    swap = store.tier.swap
     block = np.frombuffer(os.pread(swap.fd, swap.page_bytes, page * swap.page_bytes), np.uint8)
     if not store.quantized:
         kv = block.view(store.k.dtype).reshape(2, store.n_kv, store.page_size, store.head_dim)

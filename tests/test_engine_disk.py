@@ -54,7 +54,7 @@ def test_disk_file_holds_exactly_the_pages_swapped_out():
     stored = decode(cache, 70, on_step=collect)
     store, ps = cache.stores[0], cache.config.page_size
     page_bytes = cache.config.page_bytes()
-    with open(store.swap.path, "rb") as file:
+    with open(store.tier.swap.path, "rb") as file:
         data = file.read()
     assert written and len(data) >= (max(written) + 1) * page_bytes
     for page in range(cache.config.disk_pages):
@@ -69,12 +69,12 @@ def test_disk_file_holds_exactly_the_pages_swapped_out():
                 if position >= 0:
                     np.testing.assert_array_equal(k[:, slot], stored[position][0])
                     np.testing.assert_array_equal(v[:, slot], stored[position][1])
-        elif not store.dirty[page]:  # a clean copy in RAM equals the file
+        elif not store.tier.dirty[page]:  # a clean copy in RAM equals the file
             frame = store.frame_of[page]
             np.testing.assert_array_equal(k, store.k[:, frame])
             np.testing.assert_array_equal(v, store.v[:, frame])
     cache.close()
-    assert not os.path.exists(store.swap.path)
+    assert not os.path.exists(store.tier.swap.path)
 
 
 class BruteForceLRU:

@@ -114,13 +114,13 @@ class PagePoolMachine(RuleBasedStateMachine):
         home = pages.page_in[: pages.home_frames]
         in_home = home[home >= 0]
         assert set(in_home.tolist()) <= set(table)
-        assert np.array_equal(np.flatnonzero(pages.home.ref_counts), np.flatnonzero(home >= 0))
+        assert np.array_equal(np.flatnonzero(pages.tier.home.ref_counts), np.flatnonzero(home >= 0))
         for page in table:
             frame = pages.frame_of[page]
             if frame >= 0:
                 assert frame < pages.home_frames and pages.page_in[frame] == page
             else:
-                assert not pages.dirty[page], "a page left RAM without being written"
+                assert not pages.tier.dirty[page], "a page left RAM without being written"
         ps = pages.page_size
         for frame in range(pages.n_frames):
             page = pages.page_in[frame]
@@ -130,7 +130,7 @@ class PagePoolMachine(RuleBasedStateMachine):
             else:
                 assert np.all(shown == -1)
             assert np.array_equal(np.isfinite(pages.bias[frame * ps: (frame + 1) * ps]), shown >= 0)
-        assert pages.high_water == pages.home.high_water()
+        assert pages.high_water == pages.tier.home.high_water()
 
 
 PagePoolMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)

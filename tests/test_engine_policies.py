@@ -521,7 +521,7 @@ def test_adakv_matches_its_per_head_brute_force(scorer, page_size, max_pages, bu
 def test_adakv_with_a_disk_tier_matches_its_per_head_brute_force(scorer, ram_frames, n_seqs):
     """The reader applies each KV head's mask to RAM pages and to disk pages read back alike."""
     cache = run_adakv(scorer, 4, 6, 12, 60, seed=28, n_seqs=n_seqs, ram_frames=ram_frames)
-    assert cache.stores[0].counts.faults > 0  # pages were read back from disk
+    assert cache.stores[0].tier.counts.faults > 0  # pages were read back from disk
 
 
 @pytest.mark.parametrize("safeguard_pct", [0, 50, 100])
@@ -713,7 +713,7 @@ def test_duo_with_a_disk_tier_keeps_and_attends_as_in_ram():
             kept = [{(h, int(p)) for h in range(N_KV) for p in c.stores[layer].positions[
                 c.sequences[0].head_keep[layer][h] & (c.stores[layer].positions >= 0)]} for c in caches]
             assert kept[0] == kept[1]
-    assert caches[1].stores[0].counts.faults > 0
+    assert caches[1].stores[0].tier.counts.faults > 0
 
 
 def test_duo_ships_a_calibration_for_smollm2_only():

@@ -273,12 +273,12 @@ def test_the_disk_tier_moves_quantized_pages_byte_exactly(dtype, tmp_path):
     assert config.page_bytes() == quant.layout_for(config).page_bytes() < 2 * 8 * 2 * 16 * 2
     cache, reference, _ = run_sequence(config, 90, seed=2, attend_each=False)
     store = cache.stores[0]
-    assert store.swap.reserved > 0 and np.sum(store.frame_of >= 0) < 90 // 8
+    assert store.tier.swap.reserved > 0 and np.sum(store.frame_of >= 0) < 90 // 8
     for page in range(90 // 8):
         store.make_resident(page, step=1000 + page)  # back from disk (swapping another out) if not in RAM
         before = store.data[store.frame_of[page]].copy()
         frame = int(store.frame_of[page])
-        store._swap_out(frame)  # the page leaves RAM: written if dirty
+        store.tier._swap_out(frame)  # the page leaves RAM: written if dirty
         assert store.frame_of[page] < 0
         store.make_resident(page, step=2000 + page)
         assert np.array_equal(store.data[store.frame_of[page]], before), f"page {page} changed on disk"

@@ -96,7 +96,7 @@ class SharedPoolMachine(RuleBasedStateMachine):
         if frame >= 0:
             return store.k[:, frame], store.v[:, frame]
         ps = self.config.page_size
-        data = os.pread(store.swap.fd, self.config.page_bytes(), page * self.config.page_bytes())
+        data = os.pread(store.tier.swap.fd, self.config.page_bytes(), page * self.config.page_bytes())
         kv = np.frombuffer(data, dtype=np.float32).reshape(2, N_KV, ps, HEAD_DIM)
         return kv[0], kv[1]
 

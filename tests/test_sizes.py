@@ -24,12 +24,6 @@ ALLOWED_OVER: set[str] = set()  # empty: the main window, its controls and the p
 KNOWN_MIXINS: dict[str, str] = {
     "gui/session/window.py::MainWindow": "recomposed after issue 41's behaviour lands",
     "gui/session/controls.py::ControlsPanel": "recomposed after issue 41's behaviour lands",
-    # the disk tier is still a mixin over PageStore's frame hooks (_take_frame, _show_restored, _free_frames, ...);
-    # a tier object the store holds touches the reader and paged attention, which issue 43 rewrites this session
-    "kvcache/disk_tier.py::DiskTier": "a tier object the store holds: after issue 43's paged attention lands",
-    "kvcache/store_kinds.py::TieredFloatPages": "a tier object the store holds: after issue 43's paged attention lands",
-    "kvcache/store_kinds.py::TieredQuantizedPages": "a tier object the store holds: after issue 43's paged attention "
-                                                "lands",
 }
 
 
@@ -122,19 +116,16 @@ def test_the_allowlist_names_only_what_is_still_over():
 
 def test_the_cache_is_not_on_the_allowlist():
     assert not [name for name in ALLOWED_OVER if name.startswith("kvcache/")]
-    assert {name for name in KNOWN_MIXINS if name.startswith("kvcache/")} <= {
-        "kvcache/disk_tier.py::DiskTier", "kvcache/store_kinds.py::TieredFloatPages",
-        "kvcache/store_kinds.py::TieredQuantizedPages"}  # the disk tier's mixin, and no other
+    assert not [name for name in KNOWN_MIXINS if name.startswith("kvcache/")]  # a store holds its tier
 
 
 def test_a_class_is_counted_with_its_bases():
     classes = class_sizes()
-    # the disk tier's store: two lines of its own over DiskTier, QuantizedPages and PageStore (one each)
-    parts = ("kvcache/disk_tier.py::DiskTier", "kvcache/quantized_pages.py::QuantizedPages",
-             "kvcache/store.py::PageStore")
     own = {name: lines for name, (kind, lines, _) in sizes().items() if kind == "class"}
-    tiered = "kvcache/store_kinds.py::TieredQuantizedPages"
-    assert classes[tiered] == own[tiered] + sum(own[p] for p in parts)
+    # a quantized store: its own lines over PageStore's (imported from store.py); the tier it holds is not counted
+    quantized, base = "kvcache/quantized_pages.py::QuantizedPages", "kvcache/store.py::PageStore"
+    assert classes[quantized] == own[quantized] + own[base]
+    assert classes["kvcache/disk_tier.py::DiskTier"] == own["kvcache/disk_tier.py::DiskTier"]
 
 
 def test_a_long_function_is_found_by_name(tmp_path):

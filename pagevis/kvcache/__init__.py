@@ -10,7 +10,8 @@ from pagevis.kvcache.kv_cache_manager import KVCacheManager
 from pagevis.kvcache.sequence import SequenceCache
 from pagevis.kvcache.policies import POLICIES, EvictionPolicy, layer_capacities, make_policy, policy_params
 from pagevis.kvcache.policy_state import LayerView, PolicyState
-from pagevis.kvcache.store import COUNT_NAMES, PageStore, TierCounts
+from pagevis.kvcache.ram_tier import COUNT_NAMES, TierCounts
+from pagevis.kvcache.store import PageStore
 
 __all__ = [
     "COUNT_NAMES",

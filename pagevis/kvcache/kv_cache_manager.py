@@ -48,7 +48,7 @@ from pagevis.kvcache.quant import storage_summary
 from pagevis.kvcache.sequence import SequenceCache
 from pagevis.kvcache.snapshot import CacheSnapshot, LayerFrames, layer_frames, take
 from pagevis.kvcache.store_kinds import make_store
-from pagevis.kvcache.store import TierCounts
+from pagevis.kvcache.ram_tier import TierCounts
 from pagevis.kvcache.swap import SwapSpace
 
 E = EventKind

@@ -43,7 +43,7 @@ class LayerManager:
         self.store, self.log, self.sequences = store, log, sequences
         self.layer, self.page_size, self.pool_pages = store.layer, store.page_size, pool_pages
         self.copies = 0  # copy-on-write copies made
-        store.on_move = self._moved
+        store.tier.on_move = self._moved
 
     def event(self, kind: EventKind, seq: SequenceCache, *args, **kwargs) -> None:
         self.log.add(kind, seq.seq_id, self.layer, *args, **kwargs)

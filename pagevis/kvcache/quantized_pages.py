@@ -103,7 +103,7 @@ class QuantizedPages(PageStore):
         pages, slots = np.divmod(flats, ps)
         for page in np.unique(pages).tolist():
             self.make_resident(page, step)
-            self._changed(page)
+            self.tier.changed(page)
             mine = pages == page
             frame, at = self.frame_of[page], slots[mine]
             p = self.parts
@@ -137,7 +137,7 @@ class QuantizedPages(PageStore):
         return (self.data.nbytes + self.slot_group.nbytes + self.groups.nbytes(self.groups.peak)
                 + self.residual.nbytes(self.residual.peak))
 
-    def _copy_frame(self, src: int, dst: int) -> None:
+    def copy_frame(self, src: int, dst: int) -> None:
         self.data[dst] = self.data[src]
 
     def _copy_slots(self, src: int, dst: int, keep: np.ndarray) -> None:

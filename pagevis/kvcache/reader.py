@@ -55,7 +55,7 @@ def read_attention(store: PageStore, table: list[int], q: np.ndarray, positions:
     Weights come back over flat slots `result.slots` (page * page_size + slot): all queries' if
     `all_weights`, else only the last query's (shape (1, n_heads, m)).
     """
-    ps = store.page_size
+    ps, tier = store.page_size, store.tier
     pages = np.asarray(table, dtype=np.int64)
     if select_pages is not None:
         if window:
@@ -92,10 +92,10 @@ def read_attention(store: PageStore, table: list[int], q: np.ndarray, positions:
         pieces.append((Partial(NO_OUTPUT, part.max[-rows:].copy(), part.total[-rows:].copy()),
                        weights[-rows:].copy(), np.where(resident, slots, -1)))
 
-    if isinstance(store, DiskTier):
-        store.clear_read_frames()
-        store.last_read[ram_pages] = step
-    store.counts.hits += len(ram_pages)
+    if isinstance(tier, DiskTier):
+        tier.clear_read_frames()
+        tier.last_read[ram_pages] = step
+    tier.counts.hits += len(ram_pages)
     if high := store.high_water:
         bias = store.bias[: high * ps]
         if select_pages is not None or own_pages_only:  # read only the chosen pages among those in RAM
@@ -106,14 +106,14 @@ def read_attention(store: PageStore, table: list[int], q: np.ndarray, positions:
     batch = max(1, store.n_frames - store.home_frames)  # 0 read frames: RAM only, no disk page
     promote = select_pages is not None
     for start in range(0, len(disk_pages), batch):
-        assert isinstance(store, DiskTier)  # only a disk tier has pages outside RAM
+        assert isinstance(tier, DiskTier)  # only a disk tier has pages outside RAM
         chunk = disk_pages[start: start + batch]
-        store.load(chunk, step, announce=select_pages is not None)
+        tier.load(chunk, step, announce=select_pages is not None)
         lo = store.home_frames
         attend_frames(lo, lo + len(chunk), store.bias[lo * ps: (lo + len(chunk)) * ps])
         if promote:
             for frame in range(lo, lo + len(chunk)):
-                store.promote(frame, step)
+                tier.promote(frame, step)
 
     if whole is None:  # nothing to read (a quantized store skipped every block): no key is visible
         attend_block(0, 0, store.bias[:0])

@@ -1,6 +1,7 @@
 """One layer's page store: which token sits in which slot, which pages are in use, the K/V frames — by kind:
-float pages (here), quantized pages (quantized_pages.py), and a disk tier under either (disk_tier.py, over
-swap.py's files); store_kinds.py's `make_store` builds the one a CacheConfig asks for.
+float pages (here) or quantized pages (quantized_pages.py) — and the tier it holds: RAM only (ram_tier.py) or a
+disk tier under the RAM frames (disk_tier.py, over swap.py's files). store_kinds.py's `make_store` builds the one
+a CacheConfig asks for.
 
 RAM storage is laid out (n_kv_heads, frames, page_size, head_dim) rather than pages-first, so that for
 each KV head the pool is one contiguous matrix: attention runs on a view of the pool's used prefix with
@@ -16,39 +17,21 @@ and largest key) are kept here for the reader.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import numpy as np
 
 from pagevis.kvcache import quant
 from pagevis.kvcache.block_pool import BlockPool
+from pagevis.kvcache.disk_tier import DiskTier
+from pagevis.kvcache.ram_tier import RamTier, TierCounts
 from pagevis.kvcache.slots import page_slots
 from pagevis.kvcache.swap import SwapFile
 
 
-@dataclass
-class TierCounts:
-    """What moved between the tiers of one layer (since the counts were last taken)."""
-
-    hits: int = 0  # pages a query read from RAM
-    faults: int = 0  # pages read from disk
-    swapped_out: int = 0  # pages that left RAM (written if dirty)
-    bytes_read: int = 0
-    bytes_written: int = 0
-
-    def as_tuple(self) -> tuple[int, ...]:
-        return tuple(getattr(self, f.name) for f in fields(self))
-
-
-COUNT_NAMES = tuple(f.name for f in fields(TierCounts))
-
-
 class PageStore:
-    """One layer's pages in RAM: positions, fill, occupancy bias, the pool of page ids, Quest's bounds. Its
-    subclasses give the K/V frames (FloatPages, QuantizedPages) and the disk tier (DiskTier overrides the
-    RAM-only tier's hooks below)."""
+    """One layer's pages: positions, fill, the pool of page ids, Quest's bounds, and the tier it holds (`tier`:
+    RamTier, or DiskTier with a swap file), which owns the RAM frames' side (which page each frame holds, its
+    slots' positions and occupancy bias). Its subclasses give the K/V frames (FloatPages, QuantizedPages)."""
 
-    tiered = False
     quantized = False
     kivi = False
     # FloatPages' K and V, (n_kv_heads, frames, page_size, head_dim) each: what attention reads in place, merging
@@ -64,7 +47,6 @@ class PageStore:
         self.n_pages = n_pages or config.n_page_ids
         self.n_frames = config.max_pages if swap is not None else self.n_pages
         self.home_frames = config.home_frames
-        self.swap = swap
         self.n_kv, self.head_dim = config.n_kv_heads, config.head_dim
         self.layout = quant.layout_for(config)
         self._init_kv(config)
@@ -75,20 +57,16 @@ class PageStore:
         if self.quest:  # per KV head and page, the smallest and largest key (Quest's bounds), head-major
             self.key_min = np.zeros((config.n_kv_heads, self.n_pages, config.head_dim), np.float32)
             self.key_max = np.zeros_like(self.key_min)
-        self._init_frames()
-        self.counts = TierCounts()
-        self.on_move = lambda kind, page, frame, detail: None  # the cache turns moves into events
+        self.tier: RamTier | DiskTier = RamTier(self) if swap is None else DiskTier(self, swap)
         self.reset()
 
     def reset(self) -> None:
         self.pages.reset()
         self.positions.fill(-1)
-        self.bias.fill(-np.inf)
         self.fill.fill(0)
-        self.high_water = 0  # 1 + highest used RAM (home) frame: attention reads frames [0, high_water)
         self.used_peak = 0  # pages in use at most between steps (the cache manager notes it after each step)
         self.newest = -1  # the newest position ever written (a report's length)
-        self.counts = TierCounts()
+        self.tier.reset()
 
     # --- questions -------------------------------------------------------------------------------
     @property
@@ -108,8 +86,48 @@ class PageStore:
         return self.frame_positions.reshape(self.n_frames, self.page_size)
 
     def take_counts(self) -> TierCounts:
-        counts, self.counts = self.counts, TierCounts()
-        return counts
+        return self.tier.take_counts()
+
+    # --- the tier's frames (ram_tier.py, disk_tier.py): what attention and the views read -----------------
+    @property
+    def tiered(self) -> bool:
+        return self.tier.tiered
+
+    @property
+    def high_water(self) -> int:
+        """1 + highest used RAM (home) frame: attention reads frames [0, high_water)."""
+        return self.tier.high_water
+
+    @property
+    def bias(self) -> np.ndarray:
+        """Per RAM slot: 0 resident, -inf empty."""
+        return self.tier.bias
+
+    @property
+    def frame_positions(self) -> np.ndarray:
+        """Per RAM slot: its token's position, -1 empty."""
+        return self.tier.frame_positions
+
+    @property
+    def frame_of(self) -> np.ndarray:
+        """Per page id: the RAM frame holding it, -1 none."""
+        return self.tier.frame_of
+
+    @property
+    def page_in(self) -> np.ndarray:
+        """Per RAM frame: the page id it holds, -1 none."""
+        return self.tier.page_in
+
+    def in_ram(self, pages: np.ndarray) -> np.ndarray:
+        return self.tier.in_ram(pages)
+
+    def make_resident(self, page: int, step: int) -> None:
+        """With a disk tier, read the page back into a home frame if it is only on disk (to write to it)."""
+        self.tier.make_resident(page, step)
+
+    def reserve(self, new_pages: int) -> None:
+        """With a disk tier, reserve disk space for the next new_pages pages (RAM only: nothing to do)."""
+        self.tier.reserve(new_pages)
 
     # --- tokens ----------------------------------------------------------------------------------
     def allocate(self, step: int) -> tuple[int, int | None]:
@@ -118,7 +136,7 @@ class PageStore:
         page, old_hash = self.pages.allocate()
         self._clear(page)
         self._drop_slots(np.arange(page * self.page_size, (page + 1) * self.page_size))  # a reclaimed page's own
-        self._take_frame(page, step)
+        self.tier.take_frame(page, step)
         if self.quest:
             self.key_min[:, page] = np.inf
             self.key_max[:, page] = -np.inf
@@ -129,12 +147,12 @@ class PageStore:
         ps = self.page_size
         self.positions[page_slots(page, ps)] = np.arange(first_position, first_position + ps)
         self.fill[page] = ps
-        self._show_restored(page)
+        self.tier.show_restored(page)
 
     def _clear(self, page: int) -> None:
         self.positions[page_slots(page, self.page_size)] = -1
         self.fill[page] = 0
-        self._hide(page)
+        self.tier.hide(page)
 
     def write(self, flat: int, k: np.ndarray, v: np.ndarray, position: int) -> None:
         page, slot = divmod(flat, self.page_size)
@@ -143,7 +161,7 @@ class PageStore:
         self.positions[flat] = position
         self.newest = max(self.newest, position)
         self.fill[page] += 1
-        self._mark_written(page, frame, slot, flat, position)
+        self.tier.mark_written(page, frame, slot, flat, position)
         if self.quest:
             np.minimum(self.key_min[:, page], k, out=self.key_min[:, page])
             np.maximum(self.key_max[:, page], k, out=self.key_max[:, page])
@@ -157,10 +175,11 @@ class PageStore:
         page, slot = divmod(flat, self.page_size)
         self.positions[flat] = -1
         self._drop_slots(np.array([flat]))
-        for frame in self._frames_showing(page):
+        tier = self.tier
+        for frame in tier.frames_showing(page):
             ram = frame * self.page_size + slot
-            self.frame_positions[ram] = -1
-            self.bias[ram] = -np.inf
+            tier.frame_positions[ram] = -1
+            tier.bias[ram] = -np.inf
         self.fill[page] -= 1
         return position
 
@@ -171,7 +190,7 @@ class PageStore:
         if not self.pages.release(page):
             return False
         cached = page in self.pages.frame_hash
-        self._free_frames(page, cached)
+        self.tier.free_frames(page, cached)
         self._clear(page)
         if not cached:
             self._drop_slots(np.arange(page * self.page_size, (page + 1) * self.page_size))
@@ -180,12 +199,12 @@ class PageStore:
     def copy_page(self, src: int, dst: int, keep: np.ndarray) -> None:
         """Copy-on-write: the `keep` slots of page src into the freshly allocated page dst."""
         target = self.frame_of[dst]
-        self._copy_source(src, target)
+        self.tier.copy_source(src, target)
         self._copy_slots(src, dst, keep)
         src_slots, dst_slots = page_slots(src, self.page_size), page_slots(dst, self.page_size)
         self.positions[dst_slots] = np.where(keep, self.positions[src_slots], -1)
         self.fill[dst] = int(keep.sum())
-        self._show_copy(src, dst, target, keep)
+        self.tier.show_copy(src, dst, target, keep)
         if self.quest:  # the source's bounds still bound the kept keys
             self.key_min[:, dst] = self.key_min[:, src]
             self.key_max[:, dst] = self.key_max[:, src]
@@ -209,7 +228,8 @@ class PageStore:
         """Keys and values of RAM frames [lo, hi), each (n_kv, (hi - lo) * page_size, head_dim)."""
         raise NotImplementedError
 
-    def _copy_frame(self, src: int, dst: int) -> None:
+    def copy_frame(self, src: int, dst: int) -> None:
+        """RAM frame src's K/V into RAM frame dst."""
         raise NotImplementedError
 
     def nbytes(self) -> int:
@@ -234,50 +254,6 @@ class PageStore:
         """The highest token position any key group of these pages' slots covers (-1 if none: int4 / int2
         only): a page's codes depend on every token of their groups, which may sit in later pages."""
         return -1
-
-    # --- the tier: RAM only (DiskTier overrides these) -------------------------------------------------
-    def _init_frames(self) -> None:
-        self.frame_positions = self.positions
-        self.bias = np.full(self.n_pages * self.page_size, -np.inf, dtype=np.float32)
-        self.frame_of = self.page_in = np.arange(self.n_pages, dtype=np.int64)
-
-    def in_ram(self, pages: np.ndarray) -> np.ndarray:
-        return np.ones(len(pages), dtype=bool)
-
-    def _take_frame(self, page: int, step: int) -> None:
-        self.high_water = max(self.high_water, page + 1)
-
-    def _show_restored(self, page: int) -> None:
-        self.bias[page_slots(page, self.page_size)] = 0.0
-        self.high_water = max(self.high_water, page + 1)
-
-    def make_resident(self, page: int, step: int) -> None:
-        """With a disk tier, read the page back into a home frame if it is only on disk (to write to it)."""
-
-    def _hide(self, page: int) -> None:
-        self.bias[page_slots(page, self.page_size)] = -np.inf
-
-    def _mark_written(self, page: int, frame: int, slot: int, flat: int, position: int) -> None:
-        self.bias[flat] = 0.0
-
-    def _changed(self, page: int) -> None:
-        """The page's K/V changed in RAM."""
-
-    def _free_frames(self, page: int, cached: bool) -> None:
-        self.high_water = self.pages.high_water()
-
-    def _copy_source(self, src: int, target: int) -> None:
-        self._copy_frame(self.frame_of[src], target)
-
-    def _show_copy(self, src: int, dst: int, target: int, keep: np.ndarray) -> None:
-        self.bias[page_slots(dst, self.page_size)] = np.where(keep, self.bias[page_slots(src, self.page_size)],
-                                                              -np.inf)
-
-    def _frames_showing(self, page: int) -> list[int]:
-        return [page]
-
-    def reserve(self, new_pages: int) -> None:
-        """With a disk tier, reserve disk space for the next new_pages pages (RAM only: nothing to do)."""
 
 
 class FloatPages(PageStore):
@@ -304,7 +280,7 @@ class FloatPages(PageStore):
         return (self.k[:, lo:hi].reshape(self.n_kv, n, self.head_dim),
                 self.v[:, lo:hi].reshape(self.n_kv, n, self.head_dim))
 
-    def _copy_frame(self, src: int, dst: int) -> None:
+    def copy_frame(self, src: int, dst: int) -> None:
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
 
