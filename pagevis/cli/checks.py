@@ -20,7 +20,7 @@ def check_cache_memory(config, model_config) -> None:
 def check_prompt_fits(config, prompt_ids, model_config=None) -> None:
     """Policy 'none' never evicts: a prompt longer than the cache can never be fed, so say so before decoding
     (unless every layer of the model keeps a sliding window: its pages slide out and the cache never fills)."""
-    windows = getattr(model_config, "local_windows", None)
+    windows = model_config.local_windows if model_config is not None else None
     if windows is not None and None not in windows:
         return
     if config.policy == "none" and len(prompt_ids) > config.capacity:

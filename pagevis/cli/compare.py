@@ -230,7 +230,7 @@ def measure_rows(args: argparse.Namespace, text: str | None) -> tuple[dict, list
               "seconds": progress.elapsed(), "estimated_seconds": estimate.total,
               "peak_rss_mb": measure.peak_rss_bytes() / 1e6, "rows": [row.as_dict() for row in rows[1:]]}
     note = None
-    if getattr(model.config, "local_windows", None) is not None:  # a hybrid model: its full-cache row by layer type
+    if model.config.local_windows is not None:  # a hybrid model: its full-cache row by layer type
         reference_config = CacheConfig.for_model(CacheSettings(page_size=args.page_size, policy="none"), model.config)
         hybrid = modelled_bytes(reference_config, len(ids))
         labels = sorted({layer_spec.label for layer_spec in reference_config.layer_specs})

@@ -9,6 +9,7 @@ from pagevis import settings
 from pagevis.kvcache import CacheConfig, CacheSettings
 from pagevis.settings import MAX_NEW_TOKENS, field_for
 from pagevis.engine.sampling import SamplingConfig
+from pagevis.model.config import ModelConfig
 
 __all__ = ["MAX_NEW_TOKENS", "SessionConfig", "decode_ids", "encode_prompt", "token_text"]
 
@@ -29,7 +30,7 @@ class SessionConfig(CacheSettings):
         super().__post_init__()
         settings.check(self, ("max_new_tokens",))
 
-    def cache_config(self, model_config) -> CacheConfig:
+    def cache_config(self, model_config: ModelConfig) -> CacheConfig:
         return CacheConfig.for_model(self, model_config)
 
 

@@ -6,14 +6,14 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from pagevis import settings
 from pagevis.errors import ConfigError, check_int
 from pagevis.settings import MAX_PAGE_SIZE, MAX_PAGES, SELECT_MODES, STORAGE_DTYPES, field_for
-from pagevis.kvcache.policies import make_policy
+from pagevis.kvcache.policies import HeadLayout, make_policy
 from pagevis.kvcache.key_channels import pruned_count
 from pagevis.kvcache.quant import has_residual, is_quantized, layout_for
 from pagevis.kvcache.layer_spec import LayerSpec, check_windows, layer_specs
@@ -25,6 +25,37 @@ MAX_HEADS = 1024
 MAX_HEAD_DIM = 1024
 MAX_LAYERS = 1024
 MAX_CACHE_BYTES = 8 << 30  # refuse a configuration whose K/V storage alone would exceed 8 GiB
+
+
+class RopeLayout(Protocol):
+    """How a model rotates its keys (model.config.Layout), as far as the cache asks."""
+
+    @property
+    def rope_neox(self) -> bool: ...
+
+
+class ModelLayout(Protocol):
+    """What `CacheConfig.for_model` reads of a model's config: model.config.ModelConfig satisfies it (the cache does
+    not import the model package; mypy checks the match where engine/session_config.py passes a ModelConfig)."""
+
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_heads(self) -> int: ...
+    @property
+    def n_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def rope_base(self) -> float: ...
+    @property
+    def rope_bases(self) -> tuple[float, ...]: ...
+    @property
+    def rope_scaled(self) -> bool: ...
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...]: ...
+    @property
+    def layout(self) -> RopeLayout: ...
 
 
 @dataclass(frozen=True)
@@ -117,6 +148,11 @@ class CacheSettings:
         rewriting them in place (re-rotation, merging) and kvzip's reconstruction pass need."""
         return not is_quantized(self.dtype) and not self.disk_pages and self.select != "quest"
 
+    @property
+    def head_layout(self) -> HeadLayout:
+        """Settings alone know no model: the one-head layout a policy is checked against (CacheConfig: the model's)."""
+        return HeadLayout()
+
 
 @dataclass(frozen=True)
 class CacheConfig(CacheSettings):
@@ -135,12 +171,11 @@ class CacheConfig(CacheSettings):
     sliding_windows: tuple[int | None, ...] | None = None
 
     @classmethod
-    def for_model(cls, settings: CacheSettings, model_config) -> CacheConfig:
+    def for_model(cls, settings: CacheSettings, model_config: ModelLayout) -> CacheConfig:
         _check_rope_is_llamas(settings, model_config)
         return cls(**settings.cache_settings(), n_layers=model_config.n_layers, n_heads=model_config.n_heads,
                    n_kv_heads=model_config.n_kv_heads, head_dim=model_config.head_dim,
-                   rope_base=float(getattr(model_config, "rope_base", 10000.0)),
-                   sliding_windows=getattr(model_config, "sliding_windows", None))
+                   rope_base=float(model_config.rope_base), sliding_windows=model_config.sliding_windows)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -175,6 +210,10 @@ class CacheConfig(CacheSettings):
         if windows is not None and (layout := layout_for(self)) is not None and layout.kivi:
             raise ConfigError("dtype", self.dtype, "float32, float16 or int8 with sliding_windows (int4 / int2 "
                               "key groups span the pages a sliding window frees)")
+
+    @property
+    def head_layout(self) -> HeadLayout:
+        return HeadLayout(self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim, self.rope_base)
 
     @property
     def layer_specs(self) -> tuple[LayerSpec, ...]:
@@ -234,13 +273,11 @@ class CacheConfig(CacheSettings):
         return self.n_layers * self.bytes_per_layer()
 
 
-def _check_rope_is_llamas(settings: CacheSettings, model_config) -> None:
+def _check_rope_is_llamas(settings: CacheSettings, model_config: ModelLayout) -> None:
     """Re-rotation and expected-attention undo or redo RoPE themselves, as llama rotates: adjacent pairs, one
     base, unscaled. A model that rotates halves (NEOX: Qwen, Gemma), has a base per layer (Gemma 3) or scales its
     angles (rope_freqs, linear scaling) is refused by name."""
-    layout = getattr(model_config, "layout", None)
-    bases = set(getattr(model_config, "rope_bases", ()) or ())
-    if not (getattr(layout, "rope_neox", False) or len(bases) > 1 or getattr(model_config, "rope_scaled", False)):
+    if not (model_config.layout.rope_neox or len(set(model_config.rope_bases)) > 1 or model_config.rope_scaled):
         return
     why = ("a model with llama's RoPE (adjacent pairs, one base, unscaled); this one rotates halves, has a base "
            "per layer or scales its RoPE")

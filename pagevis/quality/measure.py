@@ -169,7 +169,7 @@ def full_reference(model, token_ids, page_size: int = 16, dtype: str = "float32"
     cache = KVCacheManager.single(CacheConfig(
         page_size=page_size, max_pages=math.ceil(n / page_size), n_layers=cfg.n_layers, n_heads=cfg.n_heads,
         n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, dtype=dtype, policy="none",
-        sliding_windows=getattr(cfg, "sliding_windows", None)), prefix_caching=False)  # the model's own windows
+        sliding_windows=cfg.sliding_windows), prefix_caching=False)  # the model's own windows
     reference = Reference(ids, cfg.n_layers, cfg.vocab_size, folder)
     block = np.zeros((cfg.n_layers, min(chunk, n), n), dtype=np.float32)  # this chunk's attention by position
     started = time.perf_counter()
@@ -362,7 +362,7 @@ def session_pages(choice: PolicyChoice, budget: int, page_size: int, model_confi
         policy.bind(MAX_POOL_PAGES * page_size, page_size)
         policy.bind_layers(model_config.n_layers)
         policy.bind_heads(model_config.n_heads, model_config.n_kv_heads, model_config.head_dim,
-                          float(getattr(model_config, "rope_base", 10000.0)))
+                          float(model_config.rope_base))
         return math.ceil(policy.pool_tokens() / page_size), params
     if choice.name != PyramidKV.name:
         return budget // page_size, params

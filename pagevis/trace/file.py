@@ -80,7 +80,7 @@ class Trace:
             ids.update(record.token_ids)
             if record.next_token >= 0:
                 ids.add(record.next_token)
-        label = model_label or (model_spec.label if model_spec else getattr(session.model.config, "name", "model"))
+        label = model_label or (model_spec.label if model_spec else session.model.config.name)
         return cls(model_label=label, prompt=session.prompt, config=session.config,
                    prompt_ids=tuple(int(t) for t in session.prompt_ids), records=list(session.records),
                    token_texts={int(t): session.token_text(t) for t in sorted(ids)}, model_spec=model_spec,

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from pagevis.kvcache.errors import ConfigError
 from pagevis.kvcache.policies.adakv import AdaKV
@@ -49,8 +52,39 @@ def bound_params(policy) -> dict[str, object]:
             for name, default in policy_params(inner.name).items()}
 
 
-def make_policy(config) -> Policy:
-    """Build and bind the policy a CacheConfig names; ConfigError for an unknown name or parameter."""
+@dataclass(frozen=True)
+class HeadLayout:
+    """The model's shape a policy is bound to: a CacheConfig's, or for settings checked without a model
+    (CacheSettings, SessionConfig) one layer of one head of 64 channels at RoPE base 10 000."""
+
+    n_layers: int = 1
+    n_heads: int = 1
+    n_kv_heads: int = 1
+    head_dim: int = 64
+    rope_base: float = 10000.0
+
+
+class PolicySettings(Protocol):
+    """What make_policy reads of a configuration: CacheSettings (and so SessionConfig and CacheConfig) satisfies it;
+    mypy checks the match where config.py passes itself (this module cannot import config.py, which imports it)."""
+
+    @property
+    def policy(self) -> str: ...
+    @property
+    def policy_params(self) -> Mapping[str, Any]: ...
+    @property
+    def capacity(self) -> int: ...
+    @property
+    def page_size(self) -> int: ...
+    @property
+    def float_in_ram(self) -> bool: ...
+    @property
+    def head_layout(self) -> HeadLayout: ...
+
+
+def make_policy(config: PolicySettings) -> Policy:
+    """Build and bind the policy a CacheConfig (or settings alone, with their one-head layout) names; ConfigError for
+    an unknown name or parameter."""
     cls = POLICIES.get(config.policy)
     if cls is None:
         raise ConfigError("policy", config.policy, f"one of {', '.join(POLICIES)}")
@@ -62,34 +96,34 @@ def make_policy(config) -> Policy:
             raise ConfigError(f"{config.policy}.{key}", config.policy_params[key],
                               f"a parameter of {config.policy!r}; it takes {allowed}")
     rewrites = "rerotate" if config.policy_params.get("rerotate") else "policy" if cls.merges else ""
-    float_in_ram = getattr(config, "float_in_ram", True)  # CacheSettings.float_in_ram
-    if rewrites and not float_in_ram:
+    if rewrites and not config.float_in_ram:
         field = f"{config.policy}.rerotate" if rewrites == "rerotate" else "policy"
         raise ConfigError(field, config.policy_params.get("rerotate", config.policy),
                           f"{'0' if rewrites == 'rerotate' else 'another policy'} with a quantized dtype, a disk tier "
                           "or quest (re-rotating keys and merging values rewrite float K/V in RAM pages; quantized "
                           "codes, pages on disk and Quest's key bounds would go stale)")
-    if cls.compresses and not float_in_ram:
+    if cls.compresses and not config.float_in_ram:
         raise ConfigError("policy", config.policy, "another policy with a quantized dtype, a disk tier or quest "
                           f"({config.policy}'s reconstruction pass reads float K/V from RAM pages)")
     options = check_options(cls, config.policy_params, config.capacity)
     policy = cls(**{key: value for key, value in config.policy_params.items() if key not in WRAPPERS})
     policy.bind(config.capacity, config.page_size)
-    policy.bind_layers(getattr(config, "n_layers", 1))  # CacheSettings (no model yet) knows no layer count
-    bind_heads(policy, config)
+    layout = config.head_layout
+    policy.bind_layers(layout.n_layers)
+    bind_heads(policy, layout)
     return wrap(policy, options)
 
 
-def bind_heads(policy: EvictionPolicy, config) -> None:
-    """Tell the policy the model's head layout (a one-head layout for settings checked without a model)."""
-    policy.bind_heads(getattr(config, "n_heads", 1), getattr(config, "n_kv_heads", 1),
-                      getattr(config, "head_dim", 64), getattr(config, "rope_base", 10000.0))
+def bind_heads(policy: EvictionPolicy, layout: HeadLayout) -> None:
+    """Tell the policy the model's head layout."""
+    policy.bind_heads(layout.n_heads, layout.n_kv_heads, layout.head_dim, layout.rope_base)
 
 
-def layer_capacities(settings, n_layers: int, n_heads: int = 1, n_kv_heads: int = 1) -> list[int]:
+def layer_capacities(settings: PolicySettings, n_layers: int, n_heads: int = 1, n_kv_heads: int = 1) -> list[int]:
     """Tokens each layer may hold under these settings' policy (all the pool, except for pyramidkv and duo with
     a budget) for a model of this layout."""
     policy = make_policy(settings)
     policy.bind_layers(n_layers)
-    policy.bind_heads(n_heads, n_kv_heads, getattr(settings, "head_dim", 64), getattr(settings, "rope_base", 10000.0))
+    layout = settings.head_layout
+    policy.bind_heads(n_heads, n_kv_heads, layout.head_dim, layout.rope_base)
     return [policy.layer_capacity(layer) for layer in range(n_layers)]

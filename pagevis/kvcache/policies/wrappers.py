@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 from pagevis.errors import ConfigError, check_int
@@ -231,7 +231,7 @@ WRAPPERS: dict[str, tuple[Callable[[Policy, int], PolicyWrapper], int]] = {"rero
 SHARED_PARAMS = tuple(WRAPPERS)
 
 
-def check_options(policy: type[EvictionPolicy], options: dict[str, object], capacity: int) -> dict[str, int]:
+def check_options(policy: type[EvictionPolicy], options: Mapping[str, object], capacity: int) -> dict[str, int]:
     """The shared options checked for this policy class in a cache of `capacity` tokens: ConfigError for a
     value out of range, or for an option a per-head or never-evicting policy cannot take."""
     name = policy.name
