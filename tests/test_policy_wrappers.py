@@ -37,6 +37,15 @@ def test_a_policy_without_options_is_the_bare_scorer():
     assert merge.rewrites_survivors()  # a merge folds values into survivors: any shared page may be copied
 
 
+def test_bound_params_read_each_option_off_the_wrapper_that_sets_it():
+    """One wrapper alone: its option is its value, the other option its default, whichever of the two it is."""
+    for params, expected in (({"compress_every": 2}, (0, 2)), ({"rerotate": 1}, (1, 1))):
+        policy = make_policy(CacheConfig(**BASE, policy_params=params))
+        assert isinstance(policy, PolicyWrapper) and not isinstance(policy.inner, PolicyWrapper)
+        assert bound_params(policy) == {"n_sink": 4, "rerotate": expected[0], "compress_every": expected[1]}
+        assert (policy.rerotate, policy.compress_every) == expected
+
+
 def _public(obj) -> set[str]:
     return {name for name in dir(obj) if not name.startswith("_")}
 

@@ -27,7 +27,8 @@ from pagevis.kvcache.policies.sinks import Sinks
 from pagevis.kvcache.policies.snapkv import SnapKV
 from pagevis.kvcache.policies.threshold import Threshold
 from pagevis.kvcache.policies.tova import Tova
-from pagevis.kvcache.policies.wrappers import SHARED_PARAMS, WRAPPERS, Policy, check_options, unwrapped, wrap
+from pagevis.kvcache.policies.wrappers import (
+    SHARED_PARAMS, WRAPPERS, Policy, check_options, options_of, unwrapped, wrap)
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls for cls in (Oldest, OldestPage, Sinks, HeavyHitter, Tova, SnapKV, PyramidKV,
@@ -44,12 +45,11 @@ def policy_params(name: str) -> dict[str, object]:
     return {**own, **{option: default for option, (_, default) in WRAPPERS.items()}}
 
 
-def bound_params(policy) -> dict[str, object]:
+def bound_params(policy: Policy) -> dict[str, object]:
     """A bound policy's parameters as `policy_params` lists them (defaults filled in, e.g. h2o's recent window):
     its own, then the options its wrappers set (or their defaults)."""
-    inner = unwrapped(policy)
-    return {name: getattr(inner, name) if name not in WRAPPERS else getattr(policy, name, default)
-            for name, default in policy_params(inner.name).items()}
+    inner, options = unwrapped(policy), options_of(policy)
+    return {name: options[name] if name in options else getattr(inner, name) for name in policy_params(inner.name)}
 
 
 @dataclass(frozen=True)

@@ -53,23 +53,14 @@ class PolicyWrapper:
         self.inner = inner
         self._value = value
 
-    # --- its options: bound_params reads them off the outermost wrapper ---------------------------------
-    def _option(self, option: str, default: int) -> int:
-        """The value of `option` on this wrapper or on one inside it; default when none sets it."""
-        policy: Policy = self
-        while isinstance(policy, PolicyWrapper):
-            if policy.option == option:
-                return policy._value
-            policy = policy.inner
-        return default
-
+    # --- its options: its own or a wrapper's inside it (options_of) -------------------------------------
     @property
     def rerotate(self) -> int:
-        return self._option("rerotate", 0)
+        return options_of(self)["rerotate"]
 
     @property
     def compress_every(self) -> int:
-        return self._option("compress_every", 1)
+        return options_of(self)["compress_every"]
 
     # --- what it is: the wrapped policy's ---------------------------------------------------------------
     @property
@@ -256,6 +247,15 @@ def wrap(policy: EvictionPolicy, options: dict[str, int]) -> Policy:
         if options[option] != default:
             wrapped = wrapper(wrapped, options[option])
     return wrapped
+
+
+def options_of(policy: Policy) -> dict[str, int]:
+    """Each wrapper option's value on the policy: the wrapper's that sets it (the outermost), else its default."""
+    options: dict[str, int] = {}
+    while isinstance(policy, PolicyWrapper):
+        options.setdefault(policy.option, policy._value)
+        policy = policy.inner
+    return {option: options.get(option, default) for option, (_, default) in WRAPPERS.items()}
 
 
 def unwrapped(policy: Policy) -> EvictionPolicy:
