@@ -137,7 +137,7 @@ def test_scrub_back_and_forward_with_keys_and_slider(qtbot, window):
 
 def test_play_pause_loses_no_record_and_redraws_throttled(qtbot, window):
     window.transport.speed.setCurrentIndex(1)  # 30 tok/s, so that the run is still going when we look
-    frames = window.frames
+    frames = window.renderer.frames
     qtbot.keyClick(window, Qt.Key_Space)
     qtbot.waitUntil(lambda: len(window.timeline) >= 12, timeout=10000)
     assert window.transport.play_action.text() == "Pause"
@@ -149,22 +149,22 @@ def test_play_pause_loses_no_record_and_redraws_throttled(qtbot, window):
     assert [r.step for r in window.timeline.records] == list(range(n))
     assert window.runner.state == "ready" and window.transport.play_action.text() == "Play"
     qtbot.waitUntil(lambda: window.index == n - 1)
-    assert window.frames > frames
+    assert window.renderer.frames > frames
     window.redraw()
     assert window.page_grid._state.index == n - 1
 
 
 def test_frames_are_paced_at_max_speed_but_a_chosen_playback_speed_draws_every_step(qtbot, window, monkeypatch):
-    from pagevis.gui.session import window as mainwindow
+    from pagevis.gui.session import rendering
 
     # as if the UI had used more than its share: the pace falls to its slowest, 5 frames a second
-    monkeypatch.setattr(window, "_pace", lambda: mainwindow.MAX_FRAME_INTERVAL)
+    monkeypatch.setattr(window.renderer, "_pace", lambda: rendering.MAX_FRAME_INTERVAL)
 
     def play(steps: int) -> tuple[int, int]:
-        frames, start = window.frames, len(window.timeline)
+        frames, start = window.renderer.frames, len(window.timeline)
         window.runner.step(steps)
         qtbot.waitUntil(lambda: not window.runner.busy, timeout=20000)
-        return window.frames - frames, len(window.timeline) - start
+        return window.renderer.frames - frames, len(window.timeline) - start
 
     window.transport.speed.setCurrentIndex(2)  # 10 tok/s: the decoder waits between steps, every step is drawn
     frames, steps = play(10)

@@ -158,7 +158,7 @@ def test_while_the_model_loads_the_views_show_the_pool_it_will_have(qtbot, tmp_p
     window.docks["Metrics"].raise_()  # on a small screen its tab sits behind the events
     window.start()  # the loader's result arrives through the event loop: until then, the state is "loading"
     assert window.runner.state == "loading" and window.timeline is None
-    state = window.view_state()
+    state = window.renderer.view_state()
     assert state.loading == window.controls.session_config() and state.config == state.loading
     window.redraw()
     assert window.page_grid.states.shape == (CONFIG.max_pages, CONFIG.page_size)

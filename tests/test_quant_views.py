@@ -85,7 +85,7 @@ def test_the_app_shows_a_quantized_cache(qtbot, tmp_path):
     pytest.importorskip("pytestqt")
     from gui_helpers import SYNTH, make_window, step
 
-    from pagevis.gui.session.window import memory_text
+    from pagevis.gui.session.rendering import memory_text
     from pagevis.gui.widgets.page_grid import FULL_PRECISION_COLOR, cell_image
 
     config = SessionConfig(page_size=4, max_pages=16, policy="sinks", dtype="int4", residual=4, max_new_tokens=80,

@@ -4,7 +4,7 @@ Plays a model at full speed in the real window (offscreen, every view visible) a
   * decode speed in the GUI relative to a headless DecodeSession with the same configuration (target ≥ 0.9),
   * the UI thread's event-loop latency: how late a 5 ms QTimer fires, p50 / p99 (target p99 ≤ 50 ms),
   * the redraw rate while playing at max speed (target ≥ 10 fps, or a frame per step when steps are slower: the
-    window paces its frames to keep the UI thread's share of the GIL down, see mainwindow.UI_SHARE),
+    window paces its frames to keep the UI thread's share of the GIL down, see rendering.UI_SHARE),
   * how late a 10 ms QTimer fires while the window loads the model on its worker (target p90 < 100 ms).
 Both runs use one BLAS thread, as the app does. With --ab: the A/B window's lockstep speed (two sessions)
 relative to the same two sessions run headless one after the other.
@@ -79,7 +79,7 @@ class UiClock:
         import pyqtgraph as pg
 
         self.wrap(window.runner.timeline, "extend", "records arrive (timeline)")
-        self.wrap(window, "_update_transport", "transport, narration")
+        self.wrap(window.renderer, "_update_transport", "transport, narration")
         for view in window.views:
             self.wrap(view, "show_state", f"update: {view.title}")
             for graphics in view.findChildren(pg.GraphicsView):
@@ -119,7 +119,7 @@ def in_gui(spec, config, steps: int, clock: UiClock | None = None) -> dict[str, 
 
     window.runner.records.connect(received)
     window.runner.state_changed.connect(state_changed)
-    frames = window.frames
+    frames = window.renderer.frames
     clock.start()
     probe.start()
     cpu = time.thread_time()
@@ -128,7 +128,7 @@ def in_gui(spec, config, steps: int, clock: UiClock | None = None) -> dict[str, 
     loop.exec()
     ui_cpu = time.thread_time() - cpu
     elapsed = arrived[0] - started
-    redraws = window.frames - frames
+    redraws = window.renderer.frames - frames
     probe.stop()
     window.close()
     QApplication.processEvents()

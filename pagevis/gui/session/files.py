@@ -157,7 +157,7 @@ class FileActions:
         if not path:
             return None
         if view is not None:
-            view.show_state(self.window.view_state())  # a view behind a tab has not been drawn yet
+            view.show_state(self.window.renderer.view_state())  # a view behind a tab has not been drawn yet
         target = self.window if view is None else view.export_target()
         export.save_widget(target, path)
         self._say(f"Saved {path}", 5000)
@@ -197,7 +197,7 @@ class FileActions:
             return None
         from pagevis.export.html import HtmlExportError, write_html
 
-        layer, timeline = self.window.view_state().layer, self.window.timeline
+        layer, timeline = self.window.renderer.view_state().layer, self.window.timeline
         try:
             size = write_html(path, timeline, layer)
         except (HtmlExportError, OSError) as error:

@@ -141,7 +141,7 @@ class DockLayout:
             self._arrange_presentation()
         else:
             self.default()
-        w.request_render()
+        w.renderer.request_render()
 
     def fit_narration(self) -> None:
         """Presentation: the narration line spans the window (an expanding widget in its toolbar) and holds two

@@ -100,7 +100,7 @@ class SessionLifecycle:
     def _session_started(self, timeline: Timeline) -> None:
         self.timeline = timeline
         self.index, self.follow = -1, True
-        self._status_at = 0.0  # the new session's first record sets the status bar at once
+        self.renderer.new_session()
         info = timeline.info
         self.controls.set_model_shape(info.n_layers, info.n_heads, info.n_kv_heads,
                                       [spec.label for spec in layer_specs(info.sliding_windows, info.n_layers)]
@@ -134,7 +134,7 @@ class SessionLifecycle:
         self.start_note = ""
         self.transport.previous_action.setEnabled(previous is not None)
         reason, self._restart_reason = self._restart_reason, ""
-        self.request_render()
+        self.renderer.request_render()
         self.presets.session_started(reason)
 
     def fit_model_status(self) -> None:

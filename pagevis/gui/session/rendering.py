@@ -1,12 +1,13 @@
-"""The main window's rendering (a part of MainWindow, by job): the view state, frames paced so the UI thread
-leaves the decoder its share of the GIL, the slow views in turns, the transport, narration and status bar; and
-the status bar's memory texts."""
+"""The main window's rendering (the Renderer it holds): the view state, frames paced so the UI thread leaves the
+decoder its share of the GIL, the slow views in turns, the transport, narration and status bar; and the status
+bar's memory texts."""
 
 from __future__ import annotations
 
 import time
 
 import numpy as np
+from PySide6.QtCore import QTimer
 
 from pagevis.kvcache import ConfigError
 from pagevis.kvcache.memory import hybrid_bytes
@@ -49,23 +50,50 @@ def hybrid_memory_text(info, record) -> str:
     return held.text()
 
 
-class Rendering:
-    """MainWindow's drawing (a mixin: it reads the window's timeline, index, runner, controls, views, docks,
-    transport, narration and status bar)."""
+class Renderer:
+    """The main window's drawing (a part the window holds, `window.renderer`): it reads the window's timeline,
+    index, runner and controls, draws the window's views (in their docks) and sets its transport, narration and
+    status bar; it owns the frame pacing (its timers, when each view last drew) and counts the redraws (`frames`,
+    which the benchmark reads)."""
+
+    def __init__(self, window):
+        self.window = window
+        self.frames = 0  # redraws so far
+        self._last_frame = 0.0
+        self._shown_at: dict[str, float] = {}  # when each view last rendered
+        self._status_at = 0.0  # when the status bar's step and speed were last set
+        self._interval = FRAME_INTERVAL  # the current pace of redraws while decoding (see _pace)
+        self._cpu_mark = (time.perf_counter(), time.thread_time())
+        self._frame_timer = QTimer(window, singleShot=True)
+        self._frame_timer.timeout.connect(self.redraw)
+        self._slow_timer = QTimer(window, singleShot=True, interval=5)  # the next slow view, a turn later
+        self._slow_timer.timeout.connect(self._show_slow_views)
+        self._catch_up = QTimer(window, singleShot=True)  # shows the slow views' turn when it comes
+        self._catch_up.timeout.connect(self._show_slow_views)
+
+    def stop(self) -> None:
+        """No more frames (the window closes)."""
+        for timer in (self._frame_timer, self._catch_up, self._slow_timer):
+            timer.stop()
+
+    def new_session(self) -> None:
+        """A new session's first record sets the status bar at once."""
+        self._status_at = 0.0
 
     def view_state(self) -> ViewState:
-        options = self.controls.view_options()
-        if self.timeline is not None:
-            options["layer"] = min(options["layer"], self.timeline.info.n_layers - 1)
-            if options["head"] is not None and options["head"] >= self.timeline.info.n_heads:
+        w = self.window
+        options = w.controls.view_options()
+        if w.timeline is not None:
+            options["layer"] = min(options["layer"], w.timeline.info.n_layers - 1)
+            if options["head"] is not None and options["head"] >= w.timeline.info.n_heads:
                 options["head"] = None
         loading = None
-        if self.timeline is None and self.runner.state == "loading":
+        if w.timeline is None and w.runner.state == "loading":
             try:  # the pool the loading session will have, shown while the model loads
-                loading = self.controls.session_config()
+                loading = w.controls.session_config()
             except (ConfigError, ValueError):
                 pass
-        return ViewState(self.timeline, self.index, loading=loading, **options)
+        return ViewState(w.timeline, w.index, loading=loading, **options)
 
     def request_render(self) -> None:
         """Redraw soon: at once if the last frame is older than FRAME_INTERVAL, else when it is."""
@@ -73,7 +101,8 @@ class Rendering:
             return
         # at max speed the pace keeps the UI's share of the GIL down; at a chosen playback speed the decoder
         # waits between steps anyway, and every step gets its frame
-        interval = self._pace() if self.runner.running and not self.runner.interval else FRAME_INTERVAL
+        runner = self.window.runner
+        interval = self._pace() if runner.running and not runner.interval else FRAME_INTERVAL
         wait = self._last_frame + interval - time.perf_counter()
         self._frame_timer.start(max(0, int(wait * 1000)))
 
@@ -86,11 +115,11 @@ class Rendering:
         self._last_frame = time.perf_counter()
         self.frames += 1
         state = self.view_state()
-        now = time.perf_counter()
-        if not self.runner.running:
-            self._show(self.views, state, now)
+        now, views = time.perf_counter(), self.window.views
+        if not self.window.runner.running:
+            self._show(views, state, now)
         else:
-            self._show([v for v in self.views if not getattr(v, "live_interval", 0.0)], state, now)
+            self._show([v for v in views if not getattr(v, "live_interval", 0.0)], state, now)
             self._slow_timer.start()
         self._update_transport(state)
 
@@ -98,10 +127,11 @@ class Rendering:
         """Should the view be drawn? Not when its dock is closed; a costly view (`only_when_visible`) not
         either while it is behind another dock's tab (Qt keeps such a dock 'visible' but off the window):
         it is drawn when its tab is raised."""
-        dock = self.docks[view.title]
+        dock = self.window.docks[view.title]
         if dock.isHidden():
             return False
-        return not (getattr(view, "only_when_visible", False) and self.isVisible() and dock.visibleRegion().isEmpty())
+        return not (getattr(view, "only_when_visible", False) and self.window.isVisible()
+                    and dock.visibleRegion().isEmpty())
 
     def _show(self, views, state: ViewState, now: float) -> None:
         for view in views:
@@ -127,8 +157,8 @@ class Rendering:
         when none is due, come back when the first is. Once decoding stopped: all of them, and no more turns."""
         state = self.view_state()
         now = time.perf_counter()
-        slow = [v for v in self.views if getattr(v, "live_interval", 0.0) and self._shown(v)]
-        if not self.runner.running:
+        slow = [v for v in self.window.views if getattr(v, "live_interval", 0.0) and self._shown(v)]
+        if not self.window.runner.running:
             self._show(slow, state, now)
             return
         slow.sort(key=lambda v: self._shown_at.get(v.title, 0.0))
@@ -142,27 +172,27 @@ class Rendering:
             self._catch_up.start(max(1, int(wait * 1000)))
 
     def _update_transport(self, state: ViewState) -> None:
-        timeline, record = state.timeline, state.record
+        w, timeline, record = self.window, state.timeline, state.record
         count = len(timeline) if timeline is not None else 0
         if record is None:
-            self.transport.set_range(0, 0, "no steps yet" if timeline is not None else "no session")
-            self.transport.slider.set_marks(np.zeros(0))
-            self.narration.setText("Press Space to play, → to decode one token" if timeline is not None else "")
-            self.status_step.setText("step —")
-            self.status_speed.setText("— tok/s")  # not the previous run's speed
+            w.transport.set_range(0, 0, "no steps yet" if timeline is not None else "no session")
+            w.transport.slider.set_marks(np.zeros(0))
+            w.narration.setText("Press Space to play, → to decode one token" if timeline is not None else "")
+            w.status_step.setText("step —")
+            w.status_speed.setText("— tok/s")  # not the previous run's speed
             return
         label = f"step {state.index} / {count - 1} · {record.kind}"
-        self.transport.set_range(count, state.index, label)
-        self.transport.slider.set_marks(timeline.eviction_steps())
-        self.narration.setText(narrate(record, state.layer, timeline.position_text, timeline.info.config.policy))
+        w.transport.set_range(count, state.index, label)
+        w.transport.slider.set_marks(timeline.eviction_steps())
+        w.narration.setText(narrate(record, state.layer, timeline.position_text, timeline.info.config.policy))
         now = time.perf_counter()
-        if self.runner.running and now - self._status_at < STATUS_INTERVAL:
+        if w.runner.running and now - self._status_at < STATUS_INTERVAL:
             return  # the status bar repeats the transport's step and is read, not watched: 4× a second
         self._status_at = now
-        self.status_step.setText(f"step {state.index}: {record.kind} of {len(record.token_ids)} token"
-                                 f"{'s' if len(record.token_ids) != 1 else ''}")
+        w.status_step.setText(f"step {state.index}: {record.kind} of {len(record.token_ids)} token"
+                              f"{'s' if len(record.token_ids) != 1 else ''}")
         speed = timeline.tokens_per_second(state.index)
-        self.status_speed.setText(f"{speed:.1f} tok/s" if speed == speed else "— tok/s")
+        w.status_speed.setText(f"{speed:.1f} tok/s" if speed == speed else "— tok/s")
         info = timeline.info
         if info.sliding_windows is not None and info.page_bytes:
-            self.status_memory.setText(hybrid_memory_text(info, record))
+            w.status_memory.setText(hybrid_memory_text(info, record))

@@ -1,15 +1,14 @@
 """The main window: controls, transport, dockable views, menus, status bar; wires the runner to the views.
 
-MainWindow holds its parts, each an object in its own module: the dock layouts (layout.py, `layout_`), files and
-other windows (files.py, `files`) and presets (presets.py, `presets`); sessions (lifecycle.py) and drawing
-(rendering.py) are still mixins. This module builds the window, its menus and signals, and saves and restores its
+MainWindow holds its parts, each an object in its own module: the dock layouts (layout.py, `layout_`), drawing (rendering.py,
+`renderer`), files and other windows (files.py, `files`) and presets (presets.py, `presets`); sessions
+(lifecycle.py) are still a mixin. This module builds the window, its menus and signals, and saves and restores its
 settings.
 """
 
 from __future__ import annotations
 
 import json
-import time
 
 from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer
 from PySide6.QtGui import QGuiApplication, QKeySequence
@@ -27,8 +26,7 @@ from pagevis.gui.widgets import theme
 from pagevis.gui.session.controls import ControlsPanel
 from pagevis.gui.session.files import FileActions
 from pagevis.gui.session.lifecycle import SessionLifecycle
-from pagevis.gui.session.rendering import (  # noqa: F401 - the frame pacing's constants, read by tests and benches
-    FRAME_INTERVAL, MAX_FRAME_INTERVAL, UI_SHARE, Rendering, memory_text)
+from pagevis.gui.session.rendering import Renderer
 from pagevis.gui.session.presets import PresetPlayer
 from pagevis.presets import PRESETS
 from pagevis.gui.session.layout import FIRST_SCREEN_SHARE, NARRATION_STYLE, SMALL_HEIGHT, DockLayout, wants_presentation
@@ -47,7 +45,7 @@ from pagevis.gui.widgets.text import TextView
 SETTINGS_VERSION = 1
 
 
-class MainWindow(SessionLifecycle, Rendering, TimelineCursor, QMainWindow):
+class MainWindow(SessionLifecycle, TimelineCursor, QMainWindow):
     def __init__(self, settings: QSettings | None = None, restore: bool = True, persist: bool = True):
         """`restore`: start from the saved layout and configuration; `persist`: save them on close."""
         super().__init__()
@@ -59,26 +57,15 @@ class MainWindow(SessionLifecycle, Rendering, TimelineCursor, QMainWindow):
         self.settings = settings if settings is not None else QSettings()
         self.runner = SessionRunner(self)
         self.files = FileActions(self)  # the File menu and the windows opened beside this one
+        self.renderer = Renderer(self)  # draws the record at `index` in the views, frames paced
         self.timeline: Timeline | None = None
         self.index = -1  # the record the views show
         self.follow = True  # keep showing the newest record as records arrive
-        self.frames = 0  # redraws so far (the benchmark reads it)
         self.ab_window = None  # the A/B window, once opened
         self.model_status = ("no model", "", "")  # the status bar's model: (name, weights, file or label)
-        self._last_frame = 0.0
         self._restart_reason = ""
         self._replay_timer = QTimer(self, interval=100)
         self._replay_timer.timeout.connect(self._replay_tick)
-        self._shown_at: dict[str, float] = {}  # when each view last rendered
-        self._status_at = 0.0  # when the status bar's step and speed were last set
-        self._interval = FRAME_INTERVAL  # the current pace of redraws while decoding (see _pace)
-        self._cpu_mark = (time.perf_counter(), time.thread_time())
-        self._frame_timer = QTimer(self, singleShot=True)
-        self._frame_timer.timeout.connect(self.redraw)
-        self._slow_timer = QTimer(self, singleShot=True, interval=5)  # the next slow view, a turn later
-        self._slow_timer.timeout.connect(self._show_slow_views)
-        self._catch_up = QTimer(self, singleShot=True)  # shows the slow views' turn when it comes
-        self._catch_up.timeout.connect(self._show_slow_views)
 
         self.transport = TransportBar(self)
         self.addToolBar(Qt.TopToolBarArea, self.transport)
@@ -131,7 +118,7 @@ class MainWindow(SessionLifecycle, Rendering, TimelineCursor, QMainWindow):
         dock = QDockWidget(title, self)
         dock.setObjectName(title.lower().replace(" ", "_"))
         dock.setWidget(widget)
-        dock.visibilityChanged.connect(lambda visible: visible and self.request_render())  # a raised tab
+        dock.visibilityChanged.connect(lambda visible: visible and self.renderer.request_render())  # a raised tab
         self.docks[title] = dock
 
     def _default_layout(self) -> None:
@@ -273,9 +260,13 @@ class MainWindow(SessionLifecycle, Rendering, TimelineCursor, QMainWindow):
         self.controls.session_changed.connect(lambda *_: self._own_settings())
         self.controls.session_changed.connect(self.restart)
         self.controls.preset_chosen.connect(self.apply_preset)
-        self.controls.view_changed.connect(self.request_render)
+        self.controls.view_changed.connect(self.renderer.request_render)
 
     # --- the parts' verbs other modules call on the window (the tour, pagevis.gui.launch) ----------------
+    def redraw(self) -> None:
+        """Show the record at `index` in the views now (pagevis.gui.session.rendering)."""
+        self.renderer.redraw()
+
     def open_sequences(self):
         return self.files.open_sequences()
 
@@ -316,12 +307,12 @@ class MainWindow(SessionLifecycle, Rendering, TimelineCursor, QMainWindow):
     def _records_arrived(self, records: list) -> None:
         if self.follow and self.timeline is not None:
             self.index = len(self.timeline) - 1
-        self.request_render()
+        self.renderer.request_render()
 
     def _state_changed(self, state: str) -> None:
         self.transport.set_playing(state == "running" and self.runner.running)
         if state != "running":
-            self.request_render()  # views that refresh slowly while decoding catch up
+            self.renderer.request_render()  # views that refresh slowly while decoding catch up
         self.status_state.setText(state)
         self.transport.step_action.setEnabled(state not in ("loading", "idle"))
         self.transport.play_action.setEnabled(state not in ("loading", "idle"))
@@ -393,9 +384,7 @@ class MainWindow(SessionLifecycle, Rendering, TimelineCursor, QMainWindow):
         self.controls.set_configuration(spec, prompt, config)
 
     def closeEvent(self, event) -> None:
-        self._frame_timer.stop()
-        self._catch_up.stop()
-        self._slow_timer.stop()
+        self.renderer.stop()
         self._replay_timer.stop()
         if self.persist:
             self.save_settings()
