@@ -20,10 +20,10 @@ class Request:
     generated: list[int] = field(default_factory=list)
     n_cached: int = 0  # tokens whose K/V are in the pool
     started: int = -1  # admission order (preemption takes the highest)
-    # why it ended, set by the engine only: eos, max_new_tokens, stop, cache_full, swap_full, or cancel's reason
-    # (cancelled, interrupted, abort, error)
+    # why it ended, set by the engine (Engine._end): eos, max_new_tokens, stop, cache_full, swap_full, or cancel's
+    # reason (cancelled, interrupted, abort, error); serve/core.py sets "error" itself when ending it failed
     stop_reason: str | None = None
-    error: str = ""  # with stop_reason cache_full: the cache's message
+    error: str = ""  # with stop_reason cache_full, swap_full or error: why
     preemptions: int = 0
     prefix_hit_tokens: int = 0  # prompt tokens found in the prefix cache at its (last) admission
     cache_salt: str | None = None  # vLLM's cache_salt: only requests with the same salt share cached pages

@@ -1,5 +1,6 @@
 """The one run loop: every front end (the app's worker, the CLI, the server, the benches) steps an Engine,
-or a one-request DecodeSession, through `steps`; nothing else in pagevis loops over `step()`."""
+or a one-request DecodeSession, through `steps`; the notebook's Session (notebook/session.py) is the one other
+loop over `step()` (`step(n)` and `run()` in a cell, with no pacing or stop flag to honour)."""
 
 from __future__ import annotations
 

@@ -13,9 +13,10 @@ swapping cannot give back.
 A paused request (a server's session between calls) holds its pages but neither runs nor counts against
 `max_running`, and is never preempted.
 
-The scheduler touches no page: toward the cache its whole vocabulary is `admit` (a new sequence, with its prefix
-hit), `chunk_limit`, `is_full`, `allocate` (a Reservation of the step's pages, or None: kvcache/admission.py) and
-`free`.
+The scheduler touches no page: toward the cache it asks `admit` (a new sequence, with its prefix hit),
+`chunk_limit`, `is_full`, `allocate` (a Reservation of the step's pages, or None: kvcache/admission.py) and
+`free`; besides, it reads `pool_pages` for its CacheFullError messages and records each admission's prefix hit in
+`prefix_stats`.
 """
 
 from __future__ import annotations

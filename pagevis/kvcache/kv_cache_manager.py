@@ -1,7 +1,9 @@
 """The cache manager: every sequence's pages in one pool per layer (vLLM v1's KVCacheManager over its
-KVCacheCoordinator). Above kvcache/, the cache's state is reached through its methods alone (block tables,
+KVCacheCoordinator). Above kvcache/, its pages and sequences are reached through its methods alone (block tables,
 `pool`, `cached_pages`, `snapshot`, `frames`, ...): tests/test_layering.py refuses a read of its stores, its
-sequences or a pool's hash tables anywhere else.
+sequences or a pool's hash tables anywhere else. Beside them callers read its settings (`config`, `pool_pages`,
+`windows`), the engine and the oracle set `step` (the step its events carry) and the scheduler records each
+prefix hit in `prefix_stats`.
 
 It keeps the sequences (sequence.py: per layer a block table, holes, resident count, the policy's statistics)
 and the one event log, and asks each layer's manager (layer_managers.py, one per layer spec: full attention or a

@@ -2,8 +2,8 @@
 
 Every request the server decodes — a completion, each of a chat's n samples, a /v1/sessions session — is a
 request in this engine: they join and leave between steps, and every step is one batched forward over all
-of them. Other threads never touch the engine: they queue commands (`call`), which the engine thread runs
-between steps, and read what it pushes:
+of them. Once its thread runs, other threads never change the engine (they read only its pool size): they queue
+commands (`call`), which the engine thread runs between steps, and read what it pushes:
 
 - a completion's tokens go to its `Output`, an asyncio queue the event loop reads (the engine thread puts
   into it with call_soon_threadsafe), each with its log-probabilities if asked; its end comes last, with
