@@ -89,13 +89,6 @@ class LockstepPair:
         return LockstepStep(records[0], records[1], compare(records[0], records[1], *logits))
 
 
-def lockstep_pair(model, prompt: str, configs: ABConfig) -> LockstepPair:
-    """Two sessions of `model` on `prompt` (headless; the app's runner keeps only their newest records)."""
-    taps = LogitsTap(model), LogitsTap(model)
-    session_a, session_b = (DecodeSession(tap, prompt, config) for tap, config in zip(taps, configs))
-    return LockstepPair(session_a, session_b, *taps)
-
-
 def _stop_reason(a, b) -> str | None:
     if not (a.done or b.done):
         return None
