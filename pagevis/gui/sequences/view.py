@@ -9,8 +9,6 @@ sequences' continuations side by side.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from PySide6.QtCore import QRectF, QSize, Qt
 from PySide6.QtGui import QColor, QPainter
 from PySide6.QtWidgets import (QHeaderView, QLabel, QTableWidget, QTableWidgetItem,
@@ -19,34 +17,11 @@ from PySide6.QtWidgets import (QHeaderView, QLabel, QTableWidget, QTableWidgetIt
 from pagevis.gui.widgets import theme
 from pagevis.gui.widgets.layout import splitter, stacked
 from pagevis.gui.widgets.pool_grid import CACHED_COLOR, FREE_COLOR, INK, SHARED_COLOR, PoolGrid, page_cells
+from pagevis.viewmodel.sequences_step import SequencesStep, memory_rows
 
 def owner_color(seq_id: int) -> str:
     palette = (theme.SERIES[0], theme.SERIES[2], theme.SERIES[4], theme.SERIES[5], "#e86fb0", "#9bd15a")
     return palette[seq_id % len(palette)]
-
-
-@dataclass(frozen=True)
-class SequencesStep:
-    """What the view draws: one BatchRecord of the engine, the page size, and every sequence's continuation
-    so far (finished ones too) as (sequence id, text)."""
-
-    record: object
-    page_size: int
-    texts: tuple[tuple[int, str], ...]
-    peaks: tuple[tuple[str, int], ...] = ()  # the memory rows' largest values up to this record (peak_rows)
-
-
-def memory_rows(record, page_size: int) -> tuple[tuple[str, int], ...]:
-    """(label, pages) for the memory panel: paged with sharing, without, contiguous reservation."""
-    return (("paged, shared", record.pages_used), ("paged, no sharing", record.pages_unshared),
-            ("contiguous reservation", -(-record.contiguous_reserved_tokens // page_size)))
-
-
-def peak_rows(before, record, page_size: int) -> tuple[tuple[str, int], ...]:
-    """memory_rows' largest values so far: those `before` it (empty at the first step) and the record's own
-    (docs/sequences.md's table compares peaks)."""
-    rows = memory_rows(record, page_size)
-    return tuple((label, max(pages, dict(before).get(label, 0))) for label, pages in rows)
 
 
 class MemoryBars(QWidget):

@@ -23,7 +23,8 @@ from pagevis.engine.batch import BatchConfig
 from pagevis.kvcache import CacheFullError, ConfigError, EventKind
 from pagevis.gui.session.runner import WorkerFailure, run_control, worker_steps
 from pagevis.gui.widgets.setting_inputs import setting_input
-from pagevis.gui.sequences.view import SequencesStep, SequencesView, peak_rows
+from pagevis.gui.sequences.view import SequencesView
+from pagevis.viewmodel.sequences_step import SequencesStep, peak_rows
 from pagevis.gui.widgets.windows import add_close_keys
 
 SHORT_NAMES = {EventKind.COPY_ON_WRITE: "cow"}  # the status line is narrow
