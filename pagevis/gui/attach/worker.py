@@ -36,8 +36,9 @@ from typing import Any
 import numpy as np
 
 from pagevis.attach.metrics import MetricsHistory, scrape
-from pagevis.attach.state import Counters, EngineSnapshot, FleetSnapshot
+from pagevis.attach.state import FleetSnapshot
 from pagevis.viewmodel.attach_forest import EngineForest, Overlap, build_forest, elsewhere, overlap
+from pagevis.viewmodel.fleet_frame import EngineLine, FleetFrame
 from pagevis.viewmodel.forest_layout import DEFAULT_BUDGET, ForestLayout, Interrupted, layout_forest, subtree
 from pagevis.gui.widgets.owned_thread import OwnedThread
 from pagevis.gui.widgets.prefix_forest import ForestDrawing, prepare_drawing
@@ -134,27 +135,6 @@ class PlaybackSource:
 
     def close(self) -> None:
         pass
-
-
-@dataclass(frozen=True)
-class EngineLine:
-    name: str
-    counters: Counters
-    resident: dict
-
-
-@dataclass(frozen=True)
-class FleetFrame:
-    engines: tuple[EngineLine, ...]
-    selected: int
-    engine: EngineSnapshot | None  # the selected engine, without blocks
-    shared_blocks: int
-    position: int | None  # playback: live messages applied; None live
-    length: int | None
-    started: bool  # the source is attached (a live attach first rebuilds from the replay endpoints)
-    error: str  # the worker's own trouble (a bad endpoint, an unexpected exception), not decode errors
-    worker_errors: int
-    made: float  # time.monotonic()
 
 
 @dataclass(frozen=True)
