@@ -107,7 +107,7 @@ def test_a_restart_keeps_the_previous_run_and_ctrl_z_returns_to_it(qtbot, window
     assert window.page_grid.states.shape == (4, 4) and window.index == 2
     step(qtbot, window)  # the restored session still decodes, from where it was
     assert len(old) == 4 and [r.step for r in old.records] == [0, 1, 2, 3]
-    window.back_to_previous()
+    window.lifecycle.back_to_previous()
     assert window.timeline is new and window.controls.page_size.value() == 8
 
 
@@ -140,17 +140,17 @@ def test_leaving_a_replay_asks_first(qtbot, tmp_path):
     window = make_window(qtbot, tmp_path)
     assert window.open_trace(str(path))
     questions = []
-    window.confirm = lambda title, question: questions.append(question) or False
+    window.lifecycle.confirm = lambda title, question: questions.append(question) or False
     window.controls.policy.setCurrentIndex(window.controls.policy.findData("oldest"))
     qtbot.waitUntil(lambda: len(questions) == 1, timeout=3000)
     assert window.runner.state == "replay" and "policy changed" in questions[0].lower()
     assert window.controls.policy.currentData() == "sinks"  # the controls show the replay's settings again
     replay = window.timeline
-    window.confirm = lambda title, question: True
+    window.lifecycle.confirm = lambda title, question: True
     window.controls.policy.setCurrentIndex(window.controls.policy.findData("oldest"))
     qtbot.waitUntil(lambda: window.runner.state == "ready", timeout=5000)
     assert window.runner.previous.timeline is replay  # kept: Ctrl+Z returns to the replay
-    window.back_to_previous()
+    window.lifecycle.back_to_previous()
     assert window.runner.state == "replay" and window.timeline is replay
 
 

@@ -69,7 +69,7 @@ def test_default_after_the_gemma_preset_restores_the_default_model_and_layer(qtb
     controls.layer.setValue(1)
     window.runner.stop()
     qtbot.waitUntil(lambda: not window.runner.busy, timeout=30000)
-    window._clear_messages()
+    window.lifecycle.clear_messages()
     choose(window, default)
     qtbot.waitUntil(lambda: window.runner.spec == ModelSpec() and window.runner.session is not None
                     and window.runner.state in ("ready", "running", "done"), timeout=60000)

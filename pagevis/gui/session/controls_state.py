@@ -47,6 +47,11 @@ class ControlsState:
         self._update_capacity()
         self.check()
 
+    def take_saved_layer(self) -> int | None:
+        """The layer the restored settings showed, once (the first session shows it), then None."""
+        layer, self._saved_layer = getattr(self, "_saved_layer", None), None
+        return layer
+
     def to_dict(self) -> dict:
         """What the app saves (QSettings): the model, the prompt, the settings the controls show (the settings
         table's JSON form, as a trace header holds it) and the view options."""

@@ -134,7 +134,7 @@ class DockLayout:
         if w.presets.banner.isVisible():
             w.presets.banner.set_large(on)
         w.status_step.setVisible(not on)
-        w.fit_model_status()  # the transport says the step: the status bar's messages get the room
+        w.lifecycle.fit_model_status()  # the transport says the step: the status bar's messages get the room
         if not arrange:
             return
         if on:

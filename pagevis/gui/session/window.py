@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from PySide6.QtCore import QByteArray, QSettings, Qt, QTimer
+from PySide6.QtCore import QByteArray, QSettings, Qt
 from PySide6.QtGui import QGuiApplication, QKeySequence
 from PySide6.QtWidgets import (
     QDockWidget,
@@ -45,7 +45,7 @@ from pagevis.gui.widgets.text import TextView
 SETTINGS_VERSION = 1
 
 
-class MainWindow(SessionLifecycle, TimelineCursor, QMainWindow):
+class MainWindow(TimelineCursor, QMainWindow):
     def __init__(self, settings: QSettings | None = None, restore: bool = True, persist: bool = True):
         """`restore`: start from the saved layout and configuration; `persist`: save them on close."""
         super().__init__()
@@ -58,14 +58,11 @@ class MainWindow(SessionLifecycle, TimelineCursor, QMainWindow):
         self.runner = SessionRunner(self)
         self.files = FileActions(self)  # the File menu and the windows opened beside this one
         self.renderer = Renderer(self)  # draws the record at `index` in the views, frames paced
+        self.lifecycle = SessionLifecycle(self)  # starts, restarts, replays and presets sessions
         self.timeline: Timeline | None = None
         self.index = -1  # the record the views show
         self.follow = True  # keep showing the newest record as records arrive
-        self.ab_window = None  # the A/B window, once opened
-        self.model_status = ("no model", "", "")  # the status bar's model: (name, weights, file or label)
-        self._restart_reason = ""
-        self._replay_timer = QTimer(self, interval=100)
-        self._replay_timer.timeout.connect(self._replay_tick)
+        self.ab_window = None  # the A/B window, once opened (lifecycle.open_ab)
 
         self.transport = TransportBar(self)
         self.addToolBar(Qt.TopToolBarArea, self.transport)
@@ -141,7 +138,7 @@ class MainWindow(SessionLifecycle, TimelineCursor, QMainWindow):
 
     def resizeEvent(self, event) -> None:
         super().resizeEvent(event)
-        self.fit_model_status()
+        self.lifecycle.fit_model_status()
 
     def showEvent(self, event) -> None:
         """The first time, without a saved layout: the default proportions at the size the window opens at."""
@@ -206,10 +203,10 @@ class MainWindow(SessionLifecycle, TimelineCursor, QMainWindow):
                 play_menu.addAction(action)
                 self.addAction(action)  # shortcuts work whichever dock has focus
         play_menu.addSeparator()
-        play_menu.addAction("&A/B compare…", self.open_ab, QKeySequence("Ctrl+B"))
+        play_menu.addAction("&A/B compare…", self.lifecycle.open_ab, QKeySequence("Ctrl+B"))
         demo_menu = self.menuBar().addMenu("De&mo")  # the presets, also where the controls are a tab away
         for preset in PRESETS:
-            action = demo_menu.addAction(preset.title, lambda p=preset: self.apply_preset(p))
+            action = demo_menu.addAction(preset.title, lambda p=preset: self.lifecycle.apply_preset(p))
             action.setToolTip(preset.description)
         demo_menu.addSeparator()
         demo_menu.addAction("&Tour", self.files.start_tour)
@@ -242,27 +239,46 @@ class MainWindow(SessionLifecycle, TimelineCursor, QMainWindow):
 
     def _connect(self) -> None:
         t, r = self.transport, self.runner
-        t.play_action.triggered.connect(self.toggle_play)
+        t.play_action.triggered.connect(self.lifecycle.toggle_play)
         t.step_action.triggered.connect(self.step)
-        t.reset_action.triggered.connect(lambda: self.restart("reset"))
-        t.previous_action.triggered.connect(self.back_to_previous)
+        t.reset_action.triggered.connect(lambda: self.lifecycle.restart("reset"))
+        t.previous_action.triggered.connect(self.lifecycle.back_to_previous)
         t.back_action.triggered.connect(lambda: self.scrub(self.index - 1))
         t.forward_action.triggered.connect(lambda: self.scrub(self.index + 1))
         t.first_action.triggered.connect(lambda: self.scrub(0))
         t.last_action.triggered.connect(lambda: self.scrub(len(self.timeline) - 1 if self.timeline else -1))
         t.scrubbed.connect(self.scrub)
-        t.speed_changed.connect(self._speed_changed)
-        r.started.connect(self._session_started)
+        t.speed_changed.connect(self.lifecycle.speed_changed)
+        r.started.connect(self.lifecycle.session_started)
         r.records.connect(self._records_arrived)
         r.failed.connect(self._failed)
         r.state_changed.connect(self._state_changed)
         r.message.connect(lambda text: self.statusBar().showMessage(text, 5000))
         self.controls.session_changed.connect(lambda *_: self._own_settings())
-        self.controls.session_changed.connect(self.restart)
-        self.controls.preset_chosen.connect(self.apply_preset)
+        self.controls.session_changed.connect(self.lifecycle.restart)
+        self.controls.preset_chosen.connect(self.lifecycle.apply_preset)
         self.controls.view_changed.connect(self.renderer.request_render)
 
     # --- the parts' verbs other modules call on the window (the tour, pagevis.gui.launch) ----------------
+    def start(self, blocking: bool = False) -> None:
+        """Start a session with the configuration the controls show (pagevis.gui.session.lifecycle)."""
+        self.lifecycle.start(blocking)
+
+    def restart(self, reason: str = "reset", blocking: bool = False) -> None:
+        self.lifecycle.restart(reason, blocking)
+
+    def apply_preset(self, preset) -> None:
+        self.lifecycle.apply_preset(preset)
+
+    def open_ab(self, *args, **kwargs):
+        return self.lifecycle.open_ab(*args, **kwargs)
+
+    def open_trace(self, path: str) -> bool:
+        return self.lifecycle.open_trace(path)
+
+    def toggle_play(self) -> None:
+        self.lifecycle.toggle_play()
+
     def redraw(self) -> None:
         """Show the record at `index` in the views now (pagevis.gui.session.rendering)."""
         self.renderer.redraw()
@@ -277,33 +293,6 @@ class MainWindow(SessionLifecycle, TimelineCursor, QMainWindow):
         return self.files.start_tour()
 
     # --- transport -------------------------------------------------------------------------------
-    def toggle_play(self) -> None:
-        if self.runner.state == "replay":
-            if self._replay_timer.isActive():
-                self._replay_timer.stop()
-            else:
-                if self.index >= len(self.timeline) - 1:
-                    self.scrub(0)
-                self._replay_timer.start()
-            self.transport.set_playing(self._replay_timer.isActive())
-            return
-        if self.runner.running:
-            self.runner.stop()
-        else:
-            self.follow = True
-            self.runner.play()
-
-    def _replay_tick(self) -> None:
-        if self.timeline is None or self.index >= len(self.timeline) - 1:
-            self._replay_timer.stop()
-            self.transport.set_playing(False)
-            return
-        self.scrub(self.index + 1)
-
-    def _speed_changed(self, seconds: float) -> None:
-        self.runner.set_interval(seconds)
-        self._replay_timer.setInterval(int(max(seconds, 1 / 30) * 1000))
-
     def _records_arrived(self, records: list) -> None:
         if self.follow and self.timeline is not None:
             self.index = len(self.timeline) - 1
@@ -385,7 +374,7 @@ class MainWindow(SessionLifecycle, TimelineCursor, QMainWindow):
 
     def closeEvent(self, event) -> None:
         self.renderer.stop()
-        self._replay_timer.stop()
+        self.lifecycle.replay_timer.stop()
         if self.persist:
             self.save_settings()
         try:
