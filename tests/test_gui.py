@@ -18,7 +18,7 @@ from PySide6.QtCore import QSettings, Qt, QThreadPool  # noqa: E402
 
 from pagevis.engine import ModelSpec, SamplingConfig, SessionConfig  # noqa: E402
 from pagevis.kvcache import EventKind  # noqa: E402
-from pagevis.gui.widgets.theme import PINNED, REPLACED, RESIDENT, WRITTEN  # noqa: E402
+from pagevis.viewmodel.cells import PINNED, REPLACED, RESIDENT, WRITTEN  # noqa: E402
 
 from gui_helpers import CONFIG, PROMPT, SYNTH, make_window, step, write_synthetic_trace  # noqa: E402
 

@@ -12,7 +12,7 @@ from PySide6.QtCore import Qt  # noqa: E402
 
 from gui_helpers import CONFIG, PROMPT, SYNTH, make_window  # noqa: E402
 
-from pagevis.gui.widgets.theme import FREE  # noqa: E402
+from pagevis.viewmodel.cells import FREE  # noqa: E402
 
 
 def open_ab(qtbot, window, play=False):

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("pytestqt")
 from gui_helpers import CONFIG, make_window, step
 
-from pagevis.gui.widgets.theme import FREE
+from pagevis.viewmodel.cells import FREE
 from pagevis.viewmodel.view_state import EMPTY_HINT
 
 

@@ -11,7 +11,7 @@ pytest.importorskip("pytestqt")
 from gui_helpers import PROMPT, make_window, step  # noqa: E402
 
 from pagevis.engine import ModelSpec, SessionConfig  # noqa: E402
-from pagevis.gui.widgets.theme import SLID, WRITTEN  # noqa: E402
+from pagevis.viewmodel.cells import SLID, WRITTEN  # noqa: E402
 
 W, PS = 8, 4
 SPEC = ModelSpec(kind="synthetic", n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=1, sliding_window=W,

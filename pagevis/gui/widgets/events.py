@@ -11,6 +11,7 @@ from PySide6.QtWidgets import (QCheckBox, QHBoxLayout, QHeaderView, QLineEdit, Q
                                QVBoxLayout, QWidget)
 
 from pagevis.gui.widgets import theme
+from pagevis.viewmodel.cells import STATE_COLORS
 from pagevis.viewmodel.view_state import ViewState
 
 COLUMNS = ("step", "layer", "page", "slot", "position", "token", "reason", "score")
@@ -180,7 +181,7 @@ class EventsView(QWidget):
         self.plot.setMenuEnabled(False)
         # one short vertical dash per eviction, drawn as a single path (connect="pairs"): a ScatterPlotItem
         # costs microseconds per point in Python, which made a scrub at 10 000 steps twice as slow as at 1 000
-        self.scatter = pg.PlotCurveItem(pen=pg.mkPen(theme.STATE_COLORS[5], width=3), connect="pairs")
+        self.scatter = pg.PlotCurveItem(pen=pg.mkPen(STATE_COLORS[5], width=3), connect="pairs")
         theme.cache_item(self.scatter)
         self.plot.addItem(self.scatter)
         self.cursor = pg.InfiniteLine(angle=90, pen=pg.mkPen(theme.ACCENT, style=pg.QtCore.Qt.DashLine))

@@ -9,6 +9,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QVBoxLayout, QWidget
 
 from pagevis.gui.widgets import theme
+from pagevis.viewmodel.cells import STATE_COLORS
 from pagevis.viewmodel.view_state import EMPTY_HINT, ViewState
 
 
@@ -98,7 +99,7 @@ class MetricsView(QWidget):
         }
         # one bar per step with gaps between them (a filled step curve read as a solid block at 1 per step)
         self.bars = pg.BarGraphItem(x=np.zeros(0), height=np.zeros(0), width=0.6, pen=None,
-                                    brush=pg.mkBrush(theme.STATE_COLORS[5]), name="evicted")
+                                    brush=pg.mkBrush(STATE_COLORS[5]), name="evicted")
         theme.cache_item(self.bars)
         self.evictions.addItem(self.bars)
         # named in the plot's title, not by a label on the line: the resident curve runs along it once full

@@ -11,17 +11,17 @@ from pagevis.kvcache import EventKind
 from pagevis.kvcache.event_array import in_layer
 from pagevis.kvcache.layer_spec import layer_specs
 from pagevis.gui.widgets import theme
-from pagevis.gui.widgets.theme import FREE, PINNED, REPLACED, RESIDENT, SLID, WRITTEN
 from pagevis.gui.widgets.block_table import MAX_TABLE_WIDTH, MIN_TABLE_WIDTH, PAGES_NOTE, BlockTable
 from pagevis.gui.widgets.cell_labels import CellLabels
 from pagevis.viewmodel.cells import (
-    DISK_STATES, LEGEND_NOTE, cell_states, disk_states, frames_of_pages, full_precision_mask, layer_capacity,
-    legend_states, merge_segments, shade_values)
+    DISK_STATES, FREE, LEGEND_NOTE, PINNED, REPLACED, RESIDENT, SLID, STATE_COLORS, STATE_NAMES, WRITTEN,
+    cell_states, disk_states, frames_of_pages, full_precision_mask, layer_capacity, legend_states, merge_segments,
+    shade_values)
 from pagevis.viewmodel.view_state import ViewState
 from pagevis.gui.widgets.rgba_image import RgbaImage
 from pagevis.viewmodel.run_list import run_list
 
-_PALETTE = np.array([theme.rgb(c) for c in theme.STATE_COLORS])
+_PALETTE = np.array([theme.rgb(c) for c in STATE_COLORS])
 _BACKGROUND = theme.rgb(theme.BACKGROUND)
 _CELL_PX = 12  # pixels per cell side in the rendered image (1 of them is the cell border)
 _MAX_BORDERED_CELLS = 8192
@@ -60,8 +60,8 @@ def cell_image(states: np.ndarray, shade: np.ndarray, bordered: bool, full: np.n
 
 
 DISK_COLUMNS = 64  # the disk strip: one cell per disk page, rows of this many
-DISK_COLORS = (theme.STATE_COLORS[FREE], "#51606f", theme.STATE_COLORS[RESIDENT], theme.STATE_COLORS[WRITTEN],
-               theme.STATE_COLORS[REPLACED])
+DISK_COLORS = (STATE_COLORS[FREE], "#51606f", STATE_COLORS[RESIDENT], STATE_COLORS[WRITTEN],
+               STATE_COLORS[REPLACED])
 
 
 def disk_image(states: np.ndarray) -> np.ndarray:
@@ -102,8 +102,8 @@ def legend_html(hybrid: bool, note: bool = True) -> str:
     """The grid's colour legend in one line (wrapping between entries, never inside one, where the dock is
     narrow), in the HTML page's words; the slid-out state only for a hybrid cache (sliding-window layers).
     `note`: what the numbers are, after the colours (the presentation layout leaves it to the tooltip)."""
-    swatches = [f"<span style='color:{theme.STATE_COLORS[state]}'>&#9632;</span>&nbsp;"
-                + theme.STATE_NAMES[state].replace(" ", "&nbsp;") for state in legend_states(hybrid)]
+    swatches = [f"<span style='color:{STATE_COLORS[state]}'>&#9632;</span>&nbsp;"
+                + STATE_NAMES[state].replace(" ", "&nbsp;") for state in legend_states(hybrid)]
     if note:
         swatches.append(f"<span style='color:{theme.MUTED}'>{LEGEND_NOTE.replace(' ', '&nbsp;')}</span>")
     return "&nbsp;&nbsp; ".join(swatches)
@@ -433,7 +433,7 @@ class PageGridView(QWidget):
         if record is None:
             return f"page {page}, slot {slot}: free"
         position = int(record.slot_maps[state.layer][page, slot])
-        lines = [f"page {page}, slot {slot}: {theme.STATE_NAMES[self.states[page, slot]]}"]
+        lines = [f"page {page}, slot {slot}: {STATE_NAMES[self.states[page, slot]]}"]
         if position >= 0:
             token = state.timeline.position_text(position)
             lines.append(f"position {position}: {token!r}")

@@ -20,10 +20,11 @@ from PySide6.QtGui import QColor, QPainter
 from PySide6.QtWidgets import QSizePolicy, QWidget
 
 from pagevis.gui.widgets import theme
+from pagevis.viewmodel.cells import STATE_COLORS
 
 SHARED_COLOR = "#ffb020"
 CACHED_COLOR = "#4a5568"
-FREE_COLOR = theme.STATE_COLORS[0]
+FREE_COLOR = STATE_COLORS[0]
 INK = "#0b0c0f"  # labels on coloured pages
 
 

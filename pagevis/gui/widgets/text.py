@@ -11,6 +11,7 @@ import numpy as np
 from PySide6.QtWidgets import QLabel, QTextBrowser, QVBoxLayout, QWidget
 
 from pagevis.gui.widgets import theme
+from pagevis.viewmodel.cells import STATE_COLORS
 from pagevis.viewmodel.view_state import ViewState
 
 ATTENTION_RGB = (255, 176, 32)  # amber, alpha grows with attention
@@ -68,7 +69,7 @@ class TextView(QWidget):
             f"&nbsp;</span>&nbsp; "
             f"<span style='color:{PROMPT_FG}'>prompt</span> · <span style='color:{GENERATED_FG}'>generated</span> · "
             f"<span style='background:{EVICTED_BG};color:{EVICTED_FG}'><s>&nbsp;evicted&nbsp;</s></span> · "
-            f"<span style='color:{theme.STATE_COLORS[3]}'>▸ next token</span>")
+            f"<span style='color:{STATE_COLORS[3]}'>▸ next token</span>")
         layout = QVBoxLayout(self)
         layout.setContentsMargins(4, 4, 4, 4)
         layout.addWidget(self.browser, 1)
@@ -130,6 +131,6 @@ class TextView(QWidget):
                 style = f"color:{color}"
             parts.append(f"<span style='{style}' title='{title}'>{text}</span>")
         if record.next_token >= 0:
-            parts.append(f"<span style='color:{theme.STATE_COLORS[3]};font-weight:bold'>▸"
+            parts.append(f"<span style='color:{STATE_COLORS[3]};font-weight:bold'>▸"
                          f"{html.escape(record.next_text).replace(chr(10), '↵')}</span>")
         return "<div style='white-space:pre-wrap;line-height:140%'>" + "".join(parts) + "</div>"

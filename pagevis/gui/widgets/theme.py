@@ -9,9 +9,6 @@ import pyqtgraph as pg
 from PySide6.QtGui import QColor, QPalette
 from PySide6.QtWidgets import QApplication
 
-from pagevis.viewmodel.cells import (  # noqa: F401 - the views take the states and colours from the theme
-    EVICTED, FREE, PINNED, REPLACED, RESIDENT, SLID, STATE_COLORS, STATE_NAMES, WRITTEN)
-
 BACKGROUND = "#16181d"  # plot backgrounds
 PANEL = "#1f2228"  # widget backgrounds
 TEXT = "#d8dce3"

@@ -7,7 +7,8 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QAction, QColor, QImage, QKeySequence, QPixmap
 from PySide6.QtWidgets import QComboBox, QLabel, QSlider, QStyle, QStyleOptionSlider, QToolBar, QWidget
 
-from pagevis.gui.widgets.theme import STATE_COLORS, icon
+from pagevis.gui.widgets.theme import icon
+from pagevis.viewmodel.cells import STATE_COLORS
 
 SPEEDS = (("max speed", 0.0), ("30 tok/s", 1 / 30), ("10 tok/s", 0.1), ("4 tok/s", 0.25), ("1 tok/s", 1.0))
 PRESENTER_PACE = "4 tok/s"  # the presentation layout's, the presets' and the A/B window's pace: an audience reads it
