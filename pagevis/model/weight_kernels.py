@@ -15,6 +15,8 @@ does not: ~4x slower). Per format three kernels:
   *_matvec(..., x, t0, t1, out): one row x, tiles t0..t1 into out (their rows) (decode); the group's codes times x
       summed first, then scaled:
       out[r] = sum_g d[g,r] * (sum_j q[g,j,r] x[j]) + m[g,r] * (sum_j x[j])
+      each row's group sum in a register (vectorised across rows, the loop over j unrolled), the codes asked for
+      ahead of their use (_prefetch_ahead)
   *_matmul(..., X, t0, t1, out): a few rows (a batched decode step): each group dequantised to float32 once, used by
       all rows, each row's group sum first (as *_matvec), vectorised across the tile's rows
   *_dequant(..., t0, t1, out): tiles t0..t1 as float32 (in_features, rows), for sgemm (prefill, big batches)
@@ -35,6 +37,7 @@ from numba.core import sigutils
 from numba.core.typing import Signature
 
 TILE = 64
+PREFETCH_AHEAD = 8192  # bytes: 4-8 groups of codes ahead (4096 and 8192 measured alike)
 TWO_112 = np.float32(2.0 ** 112)
 
 # The scales as the file holds them: float16 bit patterns (int16), converted in the kernels (_half) 64 rows at a time.
@@ -136,26 +139,57 @@ def halves_to_float32(h, out):
         out[i] = _half(h[i])
 
 
+@intrinsic
+def _prefetch(typingctx, address):
+    """Ask for the cache line at an address (int64) ahead of its use (LLVM's prefetch: a hint, no fault whatever
+    the address)."""
+    def codegen(context, builder, signature, args):
+        pointer = ir.IntType(8).as_pointer()
+        kind = ir.FunctionType(ir.VoidType(), [pointer, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
+        function = builder.module.declare_intrinsic("llvm.prefetch", [pointer], kind)
+        read, keep, data = (ir.Constant(ir.IntType(32), v) for v in (0, 3, 1))
+        builder.call(function, [builder.inttoptr(args[0], pointer), read, keep, data])
+        return context.get_dummy_value()
+    return types.void(types.int64), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _prefetch_ahead(qs, t, g):
+    """The codes PREFETCH_AHEAD bytes past group g of tile t, asked for: the row-by-row dot products read a group's
+    codes 64 bytes apart (one line per j), which the hardware prefetcher does not follow from memory (measured:
+    12 against 18 GB/s over Gemma 3's 178 MB logits matrix without it; the same with it, in cache)."""
+    group_bytes = qs.shape[2] * TILE
+    at = qs.ctypes.data + (t * qs.shape[1] + g) * group_bytes + PREFETCH_AHEAD
+    for k in range(0, group_bytes, 64):
+        _prefetch(at + k)  # type: ignore[call-arg]
+
+
 @njit(cache=True, nogil=True, inline="always")
 def _u4_dot(qs, t, g, x, s):
-    """s[r] = sum over the group's 32 weights of code * x, for a tile's rows r (4-bit codes)."""
-    for j in range(16):
-        x0, x1 = x[g * 32 + j], x[g * 32 + 16 + j]
-        for r in range(TILE):
+    """s[r] = sum over the group's 32 weights of code * x, for a tile's rows r (4-bit codes), in j's order. Row by
+    row with j's loop (a literal 16) unrolled: LLVM vectorises across rows with each sum in a register (summing
+    into s a j at a time kept s in memory: 1.2-1.8x slower per type, the same sums bit for bit)."""
+    b = g * 32
+    for r in range(TILE):
+        v = np.float32(0)
+        for j in range(16):
             q = np.int32(qs[t, g, j, r])  # int32, not numba's int64: LLVM then converts 16 lanes at a time (2x)
-            s[r] = s[r] + np.float32(np.int32(q & 15)) * x0 + np.float32(np.int32(q >> 4)) * x1
+            v = v + np.float32(np.int32(q & 15)) * x[b + j] + np.float32(np.int32(q >> 4)) * x[b + 16 + j]
+        s[r] = v
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _u5_dot(qs, qh, t, g, x, s):
     """_u4_dot with each code's fifth bit from qh (bit j: weight j)."""
-    for j in range(16):
-        x0, x1 = x[g * 32 + j], x[g * 32 + 16 + j]
-        for r in range(TILE):
-            q, h = np.int32(qs[t, g, j, r]), np.int32(qh[t, g, r])
+    b = g * 32
+    for r in range(TILE):
+        v, h = np.float32(0), np.int32(qh[t, g, r])
+        for j in range(16):
+            q = np.int32(qs[t, g, j, r])
             lo = np.int32((q & 15) | (((h >> j) & 1) << 4))
             hi = np.int32((q >> 4) | (((h >> (j + 16)) & 1) << 4))
-            s[r] = s[r] + np.float32(lo) * x0 + np.float32(hi) * x1
+            v = v + np.float32(lo) * x[b + j] + np.float32(hi) * x[b + 16 + j]
+        s[r] = v
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -200,12 +234,11 @@ def _nib_scale_sums(dh, ds, mh, ms, per, mode, t, g, s, xsg, acc, sup):
 
 @njit(cache=True, nogil=True, inline="always")
 def _nib_matvec_tiles(qs, qh, dh, ds, mh, ms, high, per, mode, x, xs, t0, t1, out):
-    sup = np.empty((2, TILE), np.float32)
+    sup, s = np.empty((2, TILE), np.float32), np.empty(TILE, np.float32)
     for t in range(t0, t1):
         acc = np.zeros(TILE, np.float32)
-        s = np.empty(TILE, np.float32)
         for g in range(qs.shape[1]):
-            s[:] = 0
+            _prefetch_ahead(qs, t, g)
             if high:
                 _u5_dot(qs, qh, t, g, x, s)
             else:
@@ -233,18 +266,22 @@ def nib_matvec(qs, qh, dh, ds, mh, ms, high, per, mode, x, t0, t1, out):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _i8_matvec_tiles(qs, dh, ds, per, x, t0, t1, out):
-    groups, size = qs.shape[1], qs.shape[2]
+def _i8_matvec_tiles(qs, dh, ds, per, size, x, t0, t1, out):
+    """As _nib_matvec_tiles for signed 8-bit codes, size (a literal: 32, or Q6_K's 16) weights a group, each row's
+    group sum in a register (_u4_dot)."""
+    groups = qs.shape[1]
     sup = np.empty(TILE, np.float32)
+    s = np.empty(TILE, np.float32)
     for t in range(t0, t1):
         acc = np.zeros(TILE, np.float32)
-        s = np.empty(TILE, np.float32)
         for g in range(groups):
-            s[:] = 0
-            for j in range(size):
-                xj = x[g * size + j]
-                for r in range(TILE):
-                    s[r] += np.float32(qs[t, g, j, r]) * xj
+            _prefetch_ahead(qs, t, g)
+            b = g * size
+            for r in range(TILE):
+                v = np.float32(0)
+                for j in range(size):
+                    v += np.float32(qs[t, g, j, r]) * x[b + j]
+                s[r] = v
             if per > 1:
                 if g % per == 0:
                     for r in range(TILE):
@@ -259,10 +296,10 @@ def _i8_matvec_tiles(qs, dh, ds, per, x, t0, t1, out):
 
 @njit(f"void({_I8}, {_VEC})", **_OPTIONS)
 def i8_matvec(qs, dh, ds, per, x, t0, t1, out):
-    if per > 1:  # Q6_K: 16 groups a super-block
-        _i8_matvec_tiles(qs, dh, ds, 16, x, t0, t1, out)
+    if per > 1:  # Q6_K: 16 groups of 16 a super-block
+        _i8_matvec_tiles(qs, dh, ds, 16, 16, x, t0, t1, out)
     else:  # Q8_0, Q5_0
-        _i8_matvec_tiles(qs, dh, ds, 1, x, t0, t1, out)
+        _i8_matvec_tiles(qs, dh, ds, 1, 32, x, t0, t1, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
