@@ -14,6 +14,10 @@ import pytest
 from model_fixtures import smollm2  # noqa: F401 - a fixture
 from pagevis.engine import DecodeSession, SessionConfig
 from pagevis.kvcache import CacheConfig, ConfigError, EventKind, KVCacheManager
+from pagevis.kvcache.disk_tier import DiskTier
+from pagevis.kvcache.quantized_pages import QuantizedPages
+from pagevis.kvcache.ram_tier import RamTier
+from pagevis.kvcache.store import FloatPages
 
 N_KV, HEAD_DIM, N_HEADS = 2, 4, 4
 
@@ -40,6 +44,26 @@ def decode(cache, n_tokens, seed=0, on_step=None):
         if on_step:
             on_step(position)
     return stored
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_a_store_holds_its_tier_and_the_frames_attention_reads_are_the_tiers(dtype, tmp_path):
+    """A layer's store is its pages' kind (float or quantized) holding a tier object: RAM only, or with a swap file
+    a disk tier; the frame arrays the store shows are the tier's own, and only the disk tier moves pages."""
+    for disk in (0, 12):
+        cache = KVCacheManager.single(CacheConfig(page_size=4, max_pages=3, disk_pages=disk, dtype=dtype, n_layers=1,
+                                                  n_heads=N_HEADS, n_kv_heads=N_KV, head_dim=HEAD_DIM, policy="sinks",
+                                                  swap_dir=str(tmp_path)))
+        store = cache.stores[0]
+        assert type(store) is (QuantizedPages if dtype == "int8" else FloatPages)
+        assert type(store.tier) is (DiskTier if disk else RamTier) and store.tiered == bool(disk)
+        for name in ("bias", "frame_positions", "frame_of", "page_in"):
+            assert getattr(store, name) is getattr(store.tier, name)
+        decode(cache, 30)
+        assert store.high_water == store.tier.high_water <= 3
+        moved = cache.take_counts()[0]
+        assert (moved.faults > 0 and moved.swapped_out > 0) if disk else (moved.faults == moved.swapped_out == 0)
+        cache.close()
 
 
 def test_disk_file_holds_exactly_the_pages_swapped_out():
