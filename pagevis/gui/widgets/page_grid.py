@@ -88,7 +88,7 @@ def slid_out_pages(state) -> list[int]:
     since: the grid keeps them in the slid-out colour until the pool hands them out again (one step's colour
     alone was never seen: a page slides every page-size steps)."""
     timeline, record, layer = state.timeline, state.record, state.layer
-    windows = getattr(timeline.info, "sliding_windows", None) if timeline is not None else None
+    windows = timeline.info.sliding_windows if timeline is not None else None
     if record is None or windows is None or not windows[layer]:
         return []
     of_layer = timeline.evictions.of_layer(layer)
@@ -338,7 +338,7 @@ class PageGridView(QWidget):
 
     def _show_disk(self, record, layer: int) -> None:
         info = self._state.timeline.info if self._state.timeline is not None else None
-        n_pages = getattr(getattr(info, "config", None), "disk_pages", 0)
+        n_pages = info.config.disk_pages if info is not None else 0
         if record.tiers is None or not n_pages:
             self.disk.hide()
             self.disk_legend.hide()
