@@ -23,7 +23,8 @@ def weight_kernels_ready_beside():
     tests run on this core: the first test that needs them waits on their lock (quantized._compiling_alone) for what
     is left (PAGEVIS_KERNEL_LOCK_WAIT above; the app waits 15 s, then compiles its own in memory), then loads them
     from numba's cache."""
-    loader = subprocess.Popen([sys.executable, "-c", "from pagevis.model.quantized import kernels; kernels()"],
+    loader = subprocess.Popen([sys.executable, "-c", "from pagevis.model.quantized import kernels, _rows_kernel; "
+                               "kernels(); _rows_kernel('u4', None)"],  # and batch_kernels.py's
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     yield
     loader.wait()

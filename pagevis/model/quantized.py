@@ -3,7 +3,7 @@ or 8 bits a weight, see weight_kernels.py), multiplied by activations without a 
 
 `QuantMatrix` stands where a float32 (in, out) weight view stood: `x @ matrix` works (NumPy defers to
 `__rmatmul__`), `matrix.rows(ids)` gives dequantised output rows (the embedding lookup). Its product: one row ->
-the format's matrix-vector kernel; up to SMALL_BATCH rows -> the small-batch kernel (each group dequantised once for
+the format's matrix-vector kernel; up to SMALL_BATCH rows -> batch_kernels.py's (each group's codes converted once for
 all rows); more -> tiles dequantised a chunk at a time into a float32 buffer and multiplied by BLAS sgemm
 (prefill). F32, F16 and BF16 tensors stay float32 arrays (BLAS).
 
@@ -211,6 +211,20 @@ def _patched(owner: type, **methods: object):
 _KERNELS: dict | None = None
 
 
+def _rows_kernel(fmt: str, fallback):
+    """The kernel for 2 to SMALL_BATCH rows: batch_kernels.py's (a weight read once for every row), else fallback."""
+    global _ROWS_KERNELS
+    if _ROWS_KERNELS is None:
+        with _compiling_alone() as alone, _saying_when_compiling():
+            from pagevis.model.batch_kernels import compiled
+
+            _ROWS_KERNELS = compiled(cache=alone)
+    return _ROWS_KERNELS.get(fmt, fallback)
+
+
+_ROWS_KERNELS: dict | None = None
+
+
 @dataclass
 class QuantMatrix:
     """An (out, in) weight matrix in a packed format, used as its (in, out) view: `x @ matrix`."""
@@ -260,7 +274,7 @@ class QuantMatrix:
         if x.ndim == 2 and len(x) > SMALL_BATCH:
             return self._sgemm(x)
         out = np.empty((*x.shape[:-1], self.tiles * TILE), np.float32)
-        kernel = matvec if x.ndim == 1 else matmul
+        kernel = matvec if x.ndim == 1 else _rows_kernel(self.fmt, matmul)
 
         def work(t0: int, t1: int, private: bool) -> np.ndarray:
             target = np.empty((*x.shape[:-1], (t1 - t0) * TILE), np.float32) if private else out[..., t0 * TILE:t1 * TILE]

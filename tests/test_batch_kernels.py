@@ -1,0 +1,61 @@
+"""Several rows times the packed weights (model/batch_kernels.py): each row of a batched product equals that row
+multiplied alone (the matrix-vector kernel) and the float64 product of gguf-py's dequantised weights, within float32
+rounding, for every ggml type the packed formats hold, at row counts that take the two-row path and the odd row
+after it; and on the real model a batch of sequences decodes greedily what each sequence decodes alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf.quants import dequantize
+from model_fixtures import smollm2  # noqa: F401  (fixture)
+from test_weight_kernels import bound, random_blocks
+
+from pagevis.engine import DecodeSession, Engine, SamplingConfig, SessionConfig
+from pagevis.engine.batch import BatchConfig
+from pagevis.model.batch_kernels import compiled
+from pagevis.model.quantized import FORMATS, SMALL_BATCH, pack
+
+KINDS = list(FORMATS)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
+def test_each_row_of_a_batch_equals_that_row_alone_and_the_float64_product(kind):
+    rng = np.random.default_rng(int(kind))
+    rows, n_in = 130, FORMATS[kind][3] * 3  # a partial last tile
+    raw = random_blocks(kind, rows, n_in, rng)
+    w = dequantize(raw, kind).reshape(rows, n_in).astype(np.float64)
+    matrix = pack(kind, raw, n_in)
+    for m in (2, 5, SMALL_BATCH):
+        x = rng.standard_normal((m, n_in)).astype(np.float32)
+        x[1] *= 1e4  # rows of very different sizes share a code block: each keeps its own bound
+        got = x @ matrix
+        x64 = x.astype(np.float64)
+        limit = bound(w, x64, FORMATS[kind][1])
+        assert (np.abs(got - x64 @ w.T) <= limit).all(), (m, kind.name)
+        alone = np.stack([row @ matrix for row in x])
+        assert (np.abs(got - alone) <= 2 * limit).all(), (m, kind.name)
+
+
+def test_the_formats_with_a_batch_kernel_are_the_ones_the_models_use():
+    """u4 (Q4_0, Q4_1, Q4_K) and i8 (Q8_0, Q5_0, Q6_K) here; u5 (Q5_1, Q5_K) keeps weight_kernels' small-batch
+    kernel (its result is checked above all the same)."""
+    assert set(compiled()) == {"u4", "i8"}
+    assert {FORMATS[k][0] for k in KINDS} == {"u4", "u5", "i8"}
+
+
+@pytest.mark.slow
+def test_smollm2_batched_greedy_decode_equals_each_sequence_alone(smollm2):  # noqa: F811
+    """Eight sequences in one batch (every decode step a product of 8 rows by SmolLM2's Q4_1 and Q8_0 weights)
+    decode greedily token for token what each decodes alone (one row a step)."""
+    config = SessionConfig(page_size=16, max_pages=48, policy="none", max_new_tokens=12, chat=False,
+                           sampling=SamplingConfig(mode="greedy"))
+    prompts = ["The page table maps", "A cache evicts the", "Attention weights sum to", "The prime numbers below",
+               "Copy-on-write means that", "A token is", "Memory is divided into", "The kernel schedules"]
+    batch = Engine(smollm2, config, BatchConfig(max_seqs=len(prompts)))
+    ids = [batch.submit(batch.encode(prompt)) for prompt in prompts]
+    list(batch.run())
+    for seq_id, prompt in zip(ids, prompts):
+        session = DecodeSession(smollm2, prompt, config)
+        list(session.run())
+        assert batch.requests[seq_id].generated == session.generated, prompt
