@@ -49,3 +49,18 @@ def test_the_status_bar_names_the_weight_types_and_bytes():
     assert weights_text({"format": "quantized", "types": {"F32": 61, "Q4_1": 210, "Q8_0": 1},
                          "bytes": 111_617_280}) == "Q4_1+Q8_0 · 112 MB"
     assert weights_text({"format": "float32", "types": {"Q4_1": 210}, "bytes": 651_306_240}) == "float32 · 651 MB"
+
+
+def test_the_kernels_by_type_count_every_packed_matrix_once(tmp_path):
+    from pagevis.bench.weight_types import format_rates, packed_matrices, type_rates
+
+    model = load_model(write_q4_k_m_gguf(tmp_path / "tiny.gguf", TINY))
+    matrices = packed_matrices(model.weights)
+    rates = type_rates(model.weights, reps=2)
+    assert set(rates) == {label for label, _ in matrices} and set(rates) >= {"Q4_K", "Q6_K"}
+    for label, entry in rates.items():  # every byte of that type's matrices, each matrix once
+        assert entry["bytes"] == sum(m.nbytes for name, m in matrices if name == label) == entry["mb"] * 1e6
+        assert entry["ms"] > 0 and entry["gb_s"] == entry["mb"] / entry["ms"]
+    assert sum(m.nbytes for _, m in matrices) <= model.weight_info["bytes"]
+    line = format_rates(rates, 30.0)
+    assert all(label in line for label in rates) and "30.0 GB/s" in line

@@ -91,6 +91,10 @@ def pagevis_worker(path: str, weights: str, threads: int, decode: int, batches: 
         read = measure_read_bandwidth(model.weight_info["bytes"])["read"]
         out["read_gb_s"] = read / 1e9
         out["floor_tok_s"] = read / model.weight_info["bytes"]
+        if threads == 1:
+            from pagevis.bench.weight_types import read_rate, type_rates
+
+            out["types"], out["core_read_gb_s"] = type_rates(model.weights), read_rate()
     if batches:
         from pagevis.bench.kernels import _decode_steps
 
@@ -179,6 +183,9 @@ def bench_model(label: str, path: str, rounds: int, decode: int, llama_cpp: bool
             keys = {k for r in good for k, v in r.items() if isinstance(v, (int, float))}
             row.update({k: statistics.median(r[k] for r in good if k in r) for k in sorted(keys)})
             row["weights_info"] = good[-1].get("weights")
+            if all("types" in r for r in good):
+                row["types"] = {label: {k: statistics.median(r["types"][label][k] for r in good) for k in entry}
+                                for label, entry in good[0]["types"].items()}
             if all("memory" in r for r in good):
                 row["memory"] = {k: statistics.median(r["memory"][k] for r in good) for k in good[0]["memory"]}
         rows.append(row)
@@ -264,6 +271,11 @@ def format_report(result: dict) -> str:
             lines.append(f"  weights {info['types']}: {info['bytes'] / 1e6:.0f} MB read per token; read floor "
                          f"{quantized['floor_tok_s']:.1f} tok/s at {quantized['read_gb_s']:.1f} GB/s (1 thread): "
                          f"decode at {quantized['decode_23'] / quantized['floor_tok_s']:.2f} of it")
+        typed = next((r for r in model["rows"] if "types" in r), None)
+        if typed:
+            from pagevis.bench.weight_types import format_rates
+
+            lines.append("  " + format_rates(typed["types"], typed.get("core_read_gb_s")))
         for row in model["rows"]:
             if "memory" in row:
                 parts = ", ".join(f"{name.replace('_', ' ')} {row['memory'][name] / 2**20:.0f}" for name in
