@@ -340,7 +340,7 @@ class Timeline:
 
 def _trace_kv_heads(trace) -> int:
     """KV heads of the traced model when an older trace says (a synthetic spec does), else 0 (unknown)."""
-    spec = getattr(trace, "model_spec", None)
+    spec = trace.model_spec
     return spec.n_kv_heads if spec is not None and spec.kind == "synthetic" else 0
 
 
@@ -351,13 +351,14 @@ def kv_layout(info: SessionInfo) -> dict:
 
 
 def timeline_from_trace(trace) -> Timeline:
-    """The timeline a replay shows: a trace's records, with its own token texts and, when the trace carries
-    it (kv_layout, since format 4's later files), the model's head layout and the cache's size."""
+    """The timeline a replay shows: a trace's records (a pagevis.trace.Trace, which this package may not import),
+    with its own token texts and, when the trace carries it (kv_layout, since format 4's later files), the model's
+    head layout and the cache's size."""
     texts = dict(trace.token_texts)
     first = trace.records[0] if trace.records else None
     n_layers = first.slot_maps.shape[0] if first is not None else 1
-    spec = getattr(trace, "model_spec", None)
-    layout = getattr(trace, "kv_layout", None) or {}
+    spec = trace.model_spec
+    layout = trace.kv_layout or {}
     n_heads = first.attention[0].shape[0] if first is not None and first.attention else layout.get("n_heads", 1)
     n_kv_heads = layout.get("n_kv_heads", _trace_kv_heads(trace))
     if n_kv_heads and n_heads % n_kv_heads:  # a layout that does not fit the recorded heads: unknown
