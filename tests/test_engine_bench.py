@@ -58,3 +58,33 @@ def test_ratios_and_report_come_from_the_rows():
 def test_the_subcommands_refuse_bad_options_in_one_line(capsys, argv, message):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_policy_worker_decodes_with_every_step_evicting(tiny_file):
+    out = bench.engine_worker(tiny_file, 1, 3, (300,), policy="h2o")
+    assert out["decode_300"] > 0
+    split = out["split_300"]
+    assert sum(split[part] for part in bench.PARTS) == pytest.approx(split["wall"], rel=1e-6)
+
+
+def test_the_policy_report_states_each_rate_over_sinks_in_the_same_round(monkeypatch, tiny_file):
+    rates = iter([10.0, 5.0, 8.0, 8.0])  # round 1: sinks, h2o; round 2: sinks, h2o
+
+    def worker(config, path, decode, prompts):
+        return {"decode_512": next(rates), "prefill_512": 1.0, "peak_rss_512": 1 << 20,
+                "split_512": {part: 1.0 for part in ("wall", *bench.PARTS)}}
+
+    monkeypatch.setattr(bench, "run_worker", worker)
+    result = bench.run_policy_bench(2, 4, tiny_file, ("h2o",), say=lambda text: None)
+    h2o = next(row for row in result["rows"] if row["name"] == "h2o")
+    assert h2o["over_sinks_rounds"] == [0.5, 1.0] and h2o["over_sinks"] == 0.75
+    assert "h2o" in bench.format_policy_report(result) and "0.75x" in bench.format_policy_report(result)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "engine", "--policies", "sinks,nothing"], "--policies: nothing: all, or names from"),
+    (["bench", "engine", "--policies", "all", "--prompts", "100"], "--prompts 100: with --policies, more than"),
+])
+def test_the_policy_bench_refuses_bad_options_in_one_line(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -31,6 +31,13 @@ from pagevis.bench.weights import _cpu, _peak_rss, _prompt_ids, llama_cpp_availa
 
 PROMPTS = (23, 512)
 PAGE_SIZE = 16
+TEXT = "pride-and-prejudice-ch1"  # the policies' prompt: presets.DEFAULT_TEXT, compare's text
+POLICY_PAGES = 16  # the policies' row: 16 pages of 16 tokens, after a 512-token prompt every step evicts
+# the policies that choose tokens (adakv: KV heads' entries) under the cache's budget as each one arrives (not
+# kvzip's one-shot compression, threshold's pruning, the page policies, duo's per-layer budgets), sinks first:
+# the others' rates are said over its rate in the same round
+TOKEN_POLICIES = ("sinks", "oldest", "h2o", "tova", "snapkv", "pyramidkv", "keydiff", "expected-attention", "adakv",
+                  "merge", "random")
 SPLIT_TOKENS = 16  # tokens decoded with every part timed, after the timed ones
 ENGINES = ("engine", "model", "llama.cpp")
 PARTS = ("weights", "attention", "forward_rest", "sampling", "bookkeeping", "record", "between")
@@ -79,7 +86,27 @@ def _run_config(prompt: int, new_tokens: int):
                          record_layers=())
 
 
-def engine_worker(path: str, threads: int, decode: int, prompts=PROMPTS) -> dict:
+def _policy_config(policy: str, new_tokens: int):
+    """`pagevis run --no-chat --policy P --page-size 16 --max-pages 16`: a 256-token cache, so that after a
+    longer prompt every step evicts."""
+    from pagevis.engine import SessionConfig
+
+    return SessionConfig(page_size=PAGE_SIZE, max_pages=POLICY_PAGES, policy=policy, max_new_tokens=new_tokens,
+                         chat=False, record_layers=())
+
+
+def _text_ids(model, n: int) -> list[int]:
+    """The first n tokens of a shipped text (a policy's cost depends on what attention does), repeated if short."""
+    from importlib import resources
+
+    text = resources.files("pagevis.resources").joinpath(f"texts/{TEXT}.txt").read_text("utf-8")
+    ids = model.tokenizer.encode(text)
+    return (ids * -(-n // len(ids)))[:n]
+
+
+def engine_worker(path: str, threads: int, decode: int, prompts=PROMPTS, policy: str | None = None) -> dict:
+    """`run`'s decode with the whole prompt cached (policy None), or in POLICY_PAGES pages under `policy`
+    (the shipped text's tokens as the prompt)."""
     from pagevis.engine import DecodeSession, ModelSpec
     from pagevis.model import set_blas_threads
     from pagevis.model.weight_threads import set_weight_threads
@@ -90,8 +117,12 @@ def engine_worker(path: str, threads: int, decode: int, prompts=PROMPTS) -> dict
     model = ModelSpec(kind="gguf", path=path).load()
     out = {"load_s": time.perf_counter() - start}
     for n in prompts:
-        config = _run_config(n, decode + SPLIT_TOKENS + 1)
-        ids = _prompt_ids(model.config.vocab_size, n)
+        if policy is None:
+            config = _run_config(n, decode + SPLIT_TOKENS + 1)
+            ids = _prompt_ids(model.config.vocab_size, n)
+        else:
+            config = _policy_config(policy, decode + SPLIT_TOKENS + 1)
+            ids = _text_ids(model, n)
         session = DecodeSession(model, "", config, prompt_ids=ids)
         session.request.ignore_eos = True  # a fixed number of tokens, as llama.cpp's loop decodes past its EOS
         session.record_cache = False  # as `run` without --trace
@@ -278,6 +309,56 @@ def run_bench(rounds: int = 3, decode: int = 64, models: tuple[str, ...] = ("smo
     return result
 
 
+def run_policy_bench(rounds: int = 3, decode: int = 64, model: str = "smollm2", policies=TOKEN_POLICIES,
+                     prompt: int = 512, say=print) -> dict:
+    """Each policy's decode as `run --policy P --page-size 16 --max-pages 16` after a `prompt`-token text (every
+    step evicts), one thread, each in its own process, rounds interleaved; its rate over sinks' in each round."""
+    from pagevis.model.locate import named_model_path
+
+    path = str(named_model_path(model)) if not os.path.isfile(model) else model
+    policies = ("sinks", *[p for p in policies if p != "sinks"])
+    runs: dict[str, list[dict]] = {p: [] for p in policies}
+    for round_index in range(rounds):
+        for policy in policies:
+            say(f"  {model}: round {round_index + 1}/{rounds}, {policy}")
+            result = run_worker({"engine": "engine", "threads": 1, "policy": policy}, path, decode, (prompt,))
+            result["load"] = os.getloadavg()[0]
+            runs[policy].append(result)
+    rows = []
+    for policy, results in runs.items():
+        row = _median_row({"engine": "engine", "threads": 1}, results)
+        row["name"] = policy
+        # the ratio in each round (the same minutes' load on both), then their median
+        per_round = [r[f"decode_{prompt}"] / s[f"decode_{prompt}"] for r, s in zip(results, runs["sinks"])
+                     if "error" not in r and "error" not in s]
+        if per_round:
+            row["over_sinks"] = statistics.median(per_round)
+            row["over_sinks_rounds"] = per_round
+        rows.append(row)
+    return {"cpu": _cpu(), "model": model, "prompt": prompt, "pages": f"{POLICY_PAGES} x {PAGE_SIZE}",
+            "decode_tokens": decode, "rounds": rounds, "rows": rows}
+
+
+def format_policy_report(result: dict) -> str:
+    n = result["prompt"]
+    lines = [f"Each policy's decode, {result['model']}, pages of {result['pages']} after a {n}-token text (every "
+             f"step evicts), one thread — {result['cpu']}; medians of {result['rounds']} interleaved rounds, "
+             f"{result['decode_tokens']} tokens, tokens/s wall clock",
+             f"  {'policy':20} {'decode':>8} {'/ sinks':>8}  {'per round':24} {'load':>14}   ms a token: wall, "
+             "attention, bookkeeping (scoring is in these two), weights"]
+    for row in result["rows"]:
+        if "error" in row:
+            lines.append(f"  {row['name']:20} error: {row['error']}")
+            continue
+        rounds = " ".join(f"{r:.2f}" for r in row.get("over_sinks_rounds", []))
+        loads = " ".join(f"{load:.1f}" for load in row["loads"] if load is not None)
+        split = row.get(f"split_{n}", {})
+        parts = " ".join(f"{split.get(part, 0.0):6.2f}" for part in ("wall", "attention", "bookkeeping", "weights"))
+        lines.append(f"  {row['name']:20} {row[f'decode_{n}']:8.1f} {row.get('over_sinks', 0.0):7.2f}x  "
+                     f"{rounds:24} {loads:>14}   {parts}")
+    return "\n".join(lines)
+
+
 def format_report(result: dict) -> str:
     prompts = result["prompts"]
     lines = [f"pagevis run's decode (engine) beside the bare model and llama.cpp — {result['cpu']}, load "
@@ -314,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     job = json.loads(args.worker)
-    out = WORKERS[job["engine"]](job["path"], job["threads"], job["decode"], tuple(job["prompts"]))
+    extra = {"policy": job["policy"]} if job.get("policy") else {}
+    out = WORKERS[job["engine"]](job["path"], job["threads"], job["decode"], tuple(job["prompts"]), **extra)
     print(json.dumps(out))
     return 0
 

@@ -62,6 +62,9 @@ def _engine_parser(targets) -> argparse.ArgumentParser:
                           "skipped)")
     sub.add_argument("--prompts", default="23,512", metavar="LIST", help="prompt lengths in tokens (23,512)")
     sub.add_argument("--thread-counts", default="1,2", metavar="LIST", help="weight threads to measure (1,2)")
+    sub.add_argument("--policies", metavar="LIST", help="instead: each policy's decode (all: every token policy) in "
+                     "16 pages of 16 after a 512-token text (--prompts' first), every step evicting, one thread, the "
+                     "first of --models, against sinks in the same rounds")
     return _common(sub, engine_main, 64, rounds=True)
 
 
@@ -134,8 +137,27 @@ def engine_main(args: argparse.Namespace) -> int:
             raise UsageError(f"--models: {model}: smollm2, gemma3-270m or the path of a .gguf file")
     say = _say(args)
     say(f"load average {load_average()}; each configuration in its own process ...")
+    if args.policies:
+        return _policies_main(args, models[0] if models else "smollm2", prompts, say)
     result = engine.run_bench(args.rounds, args.decode_tokens, models, tuple(prompts), tuple(threads), say=say)
     print(json.dumps(result) if args.json else engine.format_report(result))
+    return 0
+
+
+def _policies_main(args: argparse.Namespace, model: str, prompts: list[int], say) -> int:
+    from pagevis.bench import engine
+    from pagevis.kvcache.policies import POLICIES
+
+    policies = engine.TOKEN_POLICIES if args.policies == "all" else tuple(p for p in args.policies.split(",") if p)
+    for policy in policies:
+        if policy not in POLICIES:
+            raise UsageError(f"--policies: {policy}: all, or names from {', '.join(POLICIES)}")
+    prompt = prompts[0] if args.prompts != "23,512" else 512
+    if prompt <= engine.POLICY_PAGES * engine.PAGE_SIZE:
+        raise UsageError(f"--prompts {prompt}: with --policies, more than the cache's "
+                         f"{engine.POLICY_PAGES * engine.PAGE_SIZE} tokens (so that every step evicts)")
+    result = engine.run_policy_bench(args.rounds, args.decode_tokens, model, policies, prompt, say=say)
+    print(json.dumps(result) if args.json else engine.format_policy_report(result))
     return 0
 
 

@@ -10,7 +10,8 @@ from pagevis.kvcache.rope_shift import inverse_frequencies, rotate
 
 class QueryMoments(PolicyState):
     """What expected attention needs: the mean and covariance of the queries before RoPE (per query head,
-    every query at a position >= n_sink so far), and each token's key and value norm per KV head."""
+    every query at a position >= n_sink so far, as a running mean and sum of squared deviations: Chan et al.'s
+    update, one batch of queries at a time), and each token's key and value norm per KV head."""
 
     def __init__(self, n_slots, n_heads, n_kv_heads, head_dim, rope_base, n_sink):
         super().__init__(n_slots)
@@ -19,15 +20,15 @@ class QueryMoments(PolicyState):
         self.inv_freq = inverse_frequencies(head_dim, rope_base)
         self.n_sink = n_sink
         self.count = 0
-        self.total = np.zeros((n_heads, head_dim))
-        self.outer = np.zeros((n_heads, head_dim, head_dim))
+        self.mean = np.zeros((n_heads, head_dim))
+        self.deviations = np.zeros((n_heads, head_dim, head_dim))  # sum of (x - mean)(x - mean)ᵀ
         self.next_position = 0  # the position the next token takes: where the future starts
 
     def reset(self):
         super().reset()
         self.count, self.next_position = 0, 0
-        self.total.fill(0.0)
-        self.outer.fill(0.0)
+        self.mean.fill(0.0)
+        self.deviations.fill(0.0)
 
     def write(self, flat, k, v, position):
         self.keys[flat] = k
@@ -39,16 +40,19 @@ class QueryMoments(PolicyState):
         if not keep.any():
             return
         pre = unrotate(q[keep].astype(np.float64), positions[keep], self.inv_freq)  # (n, heads, d)
-        self.count += len(pre)
-        self.total += pre.sum(axis=0)
-        self.outer += np.einsum("nhi,nhj->hij", pre, pre)
+        n, before = len(pre), self.count
+        batch_mean = pre.mean(axis=0)
+        if n > 1:
+            centred = pre - batch_mean
+            self.deviations += np.einsum("nhi,nhj->hij", centred, centred)
+        shift = batch_mean - self.mean
+        self.count += n
+        self.deviations += shift[:, :, None] * shift[:, None, :] * (before * n / self.count)
+        self.mean += shift * (n / self.count)
 
     def moments(self) -> tuple[np.ndarray, np.ndarray]:
         """Mean (heads, d) and covariance (heads, d, d) of the queries before RoPE (zeros before any)."""
-        if not self.count:
-            return self.total.copy(), self.outer.copy()
-        mean = self.total / self.count
-        return mean, self.outer / self.count - np.einsum("hi,hj->hij", mean, mean)
+        return self.mean.copy(), self.deviations / max(self.count, 1)
 
 
 def unrotate(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
@@ -97,7 +101,7 @@ class ExpectedAttention(EvictionPolicy):
         self.n_sink = self.check_int_param("n_sink", self.n_sink, 0, capacity - 1)
         self.use_covariance = check_int(f"{self.name}.use_covariance", self.use_covariance, 0, 1)
         self.use_vnorm = check_int(f"{self.name}.use_vnorm", self.use_vnorm, 0, 1)
-        self._rotation: tuple[int | None, np.ndarray | None] = (None, None)
+        self._rotation: tuple[int | None, np.ndarray | None, np.ndarray | None] = (None, None, None)
 
     def make_state(self, n_slots):
         return QueryMoments(n_slots, self.n_heads, self.n_kv_heads, self.head_dim, self.rope_base, self.n_sink)
@@ -107,35 +111,42 @@ class ExpectedAttention(EvictionPolicy):
         n_kv = state.keys.shape[1]
         sinks = pages.occupied() & (pages.positions < self.n_sink)
         candidates = np.broadcast_to(pages.kept(), (n_kv, len(pages.positions))) & ~sinks
-        mean, cov = state.moments()
-        rotation = self._mean_rotation(state)
-        mean = mean @ rotation.T
-        group = len(mean) // n_kv
-        d = state.keys.shape[2]
-        # R is 2 x 2 blocks (one per RoPE pair): kᵀ R Σ Rᵀ k is (Rᵀk)ᵀ Σ (Rᵀk), Rᵀk elementwise per pair
-        cos, sin = np.diagonal(rotation)[0::2], np.diagonal(rotation, -1)[0::2]
+        if pages.head_keep is None:  # one set of candidates for every KV head: scored all at once
+            sets = [(np.arange(n_kv), np.flatnonzero(candidates[0]))]
+        else:
+            sets = [(np.array([kv]), np.flatnonzero(candidates[kv])) for kv in range(n_kv)]
         scores = np.zeros(candidates.shape)
-        for kv in range(n_kv):
-            rows = np.flatnonzero(candidates[kv])
-            if not len(rows):
-                continue
-            keys = state.keys[rows, kv].astype(np.float64)  # (T, d)
-            heads = slice(kv * group, (kv + 1) * group)
-            logits = keys @ mean[heads].T / np.sqrt(d)  # (T, group)
-            if self.use_covariance:
-                turned = np.empty_like(keys)  # keys @ rotation
-                turned[:, 0::2] = cos * keys[:, 0::2] + sin * keys[:, 1::2]
-                turned[:, 1::2] = cos * keys[:, 1::2] - sin * keys[:, 0::2]
-                # per key and head as a product and a row sum: the three-operand einsum it replaces looped in C
-                # (0.05x sinks' decode rate); the same victims (tests/test_expected_attention_victims.py)
-                logits += ((turned @ cov[heads]) * turned).sum(axis=2).T / (2 * d)
-            weights = np.exp(logits - logits.max(axis=0))
-            scores[kv, rows] = (weights / weights.sum(axis=0)).mean(axis=1)
-            if self.use_vnorm:
-                scores[kv, rows] *= state.value_norms[rows, kv]
+        turn, columns = self._mean_turn(state), self._columns(state)
+        for heads, rows in sets:
+            if len(rows):
+                scores[np.ix_(heads, rows)] = self._expected(state, heads, rows, turn, columns[heads])
         top = scores.max() + 1
         scores[:, sinks] = top  # as kvpress pads them: above every other token
         return scores
+
+    def _expected(self, state, heads, rows, turn, columns) -> np.ndarray:
+        """(len(heads), len(rows)): the expected attention of those KV heads' query heads on the keys in rows (the
+        softmax over them), averaged over each group, times ||v||."""
+        d = state.keys.shape[2]
+        group = (columns.shape[2]) // (d + 1)
+        # Rᵀk for every key: R's 2 x 2 blocks [[cos, -sin], [sin, cos]] act as complex numbers on RoPE's pairs, Rᵀ
+        # as their conjugates (the keys as the cache holds them, float32: a pair is one complex64)
+        keys = np.ascontiguousarray(state.keys[rows[None, :], heads[:, None]])  # (heads, T, d)
+        turned = (keys.view(np.complex64) * turn).view(np.float32)
+        # one float32 product gives k·Rμ = (Rᵀk)·μ and, per query head, (Rᵀk)ᵀΣ, whose row sums with Rᵀk are
+        # kᵀRΣRᵀk: in float64 this cost 3x. tests/test_expected_attention_victims.py checks every victim of a real
+        # run against the float64 score, within a bound on this rounding
+        products = turned @ columns  # (heads, T, group * d + group)
+        logits = products[..., group * d:] / np.sqrt(d)
+        if self.use_covariance:
+            quadratic = products[..., :group * d].reshape(*turned.shape[:2], group, d) @ turned[..., None]
+            logits += quadratic[..., 0] / (2 * d)
+        logits = logits.astype(np.float64)
+        weights = np.exp(logits - logits.max(axis=1, keepdims=True))
+        expected = (weights / weights.sum(axis=1, keepdims=True)).mean(axis=2)
+        if self.use_vnorm:
+            expected *= state.value_norms[rows[None, :], heads[:, None]]
+        return expected
 
     def score(self, pages):
         return self.head_scores(pages).mean(axis=0)
@@ -144,9 +155,28 @@ class ExpectedAttention(EvictionPolicy):
         return pages.occupied() & (pages.positions < self.n_sink)
 
     def _mean_rotation(self, state):
-        start, rotation = self._rotation
+        start, rotation, _ = self._rotation
         if start != state.next_position:  # every layer scores from the same position: computed once
             rotation = mean_rotation(state.next_position, self.n_future_positions, state.inv_freq)
-            self._rotation = (state.next_position, rotation)
+            turn = (np.diagonal(rotation)[0::2] - 1j * np.diagonal(rotation, -1)[0::2]).astype(np.complex64)
+            self._rotation = (state.next_position, rotation, turn)
         assert rotation is not None  # (a start of None never equals a position: computed above)
         return rotation
+
+    def _mean_turn(self, state) -> np.ndarray:
+        """Rᵀ as complex64 factors, one per RoPE pair (cos - i sin of the averaged angle)."""
+        self._mean_rotation(state)
+        return self._rotation[2]
+
+    def _columns(self, state) -> np.ndarray:
+        """Per KV head, (d, group * d + group) float32: its query heads' covariances Σ side by side, then their
+        means — the right-hand side of one product with the turned keys Rᵀk (k·Rμ = (Rᵀk)·μ)."""
+        n_kv, d = state.keys.shape[1:]
+        group = len(state.mean) // n_kv
+        columns = np.empty((n_kv, d, group * d + group), np.float32)
+        covariances = columns[:, :, :group * d].reshape(n_kv, d, group, d)
+        # Σ = deviations / count, cast as it is written
+        np.multiply(state.deviations.reshape(n_kv, group, d, d).transpose(0, 2, 1, 3), 1 / max(state.count, 1),
+                    out=covariances, casting="unsafe")
+        columns[:, :, group * d:] = state.mean.reshape(n_kv, group, d).transpose(0, 2, 1)
+        return columns
