@@ -43,6 +43,7 @@ def test_ratios_and_report_come_from_the_rows():
     out = bench.ratios(rows, (23,))
     assert out["decode_23 engine/llama.cpp 1t"] == 0.5 and out["decode_23 engine/model 1t"] == 0.8
     assert out["peak_rss_23 engine/llama.cpp 1t"] == 1.5 and out["decode_23 engine 2t/1t"] == 1.5
+    assert out["attention_23 engine/model 1t"] == 1.0
     report = bench.format_report({"cpu": "test CPU x2", "load_before": (1.0,), "load_after": (1.5,), "prompts": [23],
                                   "decode_tokens": 8, "llama_cpp": True,
                                   "models": [{"model": "m", "path": "/x/m.gguf", "rows": rows, "ratios": out}]})

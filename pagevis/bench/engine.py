@@ -269,7 +269,8 @@ def bench_model(label: str, path: str, rounds: int, decode: int, prompts, llama_
 
 
 def ratios(rows: list[dict], prompts=PROMPTS) -> dict:
-    """engine over llama.cpp and over the bare model, at equal threads and prompt; 2 threads over 1."""
+    """engine over llama.cpp and over the bare model, at equal threads and prompt (decode, prefill, peak RSS, and the
+    attention's ms a token over the dense attention's); 2 threads over 1."""
     by = {r["name"]: r for r in rows if "error" not in r}
     out = {}
     for t in (1, 2):
@@ -280,6 +281,10 @@ def ratios(rows: list[dict], prompts=PROMPTS) -> dict:
                     out[f"{key} engine/llama.cpp {t}t"] = engine[key] / peer[key]
                 if engine and model and key in engine and key in model:
                     out[f"{key} engine/model {t}t"] = engine[key] / model[key]
+            if engine and model and f"split_{n}" in engine and f"split_{n}" in model:
+                # the paged decode attention (K/V written into pages, attended in place) over the dense one's
+                out[f"attention_{n} engine/model {t}t"] = (engine[f"split_{n}"]["attention"]
+                                                         / model[f"split_{n}"]["attention"])
             if engine and peer and f"peak_rss_{n}" in peer:
                 out[f"peak_rss_{n} engine/llama.cpp {t}t"] = engine[f"peak_rss_{n}"] / peer[f"peak_rss_{n}"]
     for name in ENGINES:

@@ -162,9 +162,14 @@ def newest(pages: LayerView, n: int) -> np.ndarray:
     """Per flat slot, True on the n newest resident tokens (by position)."""
     mask = np.zeros(pages.positions.shape, dtype=bool)
     if n > 0:
-        resident = np.flatnonzero(pages.positions >= 0)
-        mask[resident[np.argsort(pages.positions[resident])[-n:]]] = True
+        mask[resident_order(pages)[-n:]] = True
     return mask
+
+
+def resident_order(pages: LayerView) -> np.ndarray:
+    """The flat slots holding a token, oldest position first."""
+    resident = np.flatnonzero(pages.positions >= 0)
+    return resident[np.argsort(pages.positions[resident])]
 
 
 def page_values(pages: LayerView, per_slot: np.ndarray) -> np.ndarray:

@@ -41,13 +41,13 @@ class QueryMoments(PolicyState):
             return
         pre = unrotate(q[keep].astype(np.float64), positions[keep], self.inv_freq)  # (n, heads, d)
         n, before = len(pre), self.count
-        batch_mean = pre.mean(axis=0)
+        batch_mean = pre[0] if n == 1 else pre.mean(axis=0)
         if n > 1:
             centred = pre - batch_mean
             self.deviations += np.einsum("nhi,nhj->hij", centred, centred)
         shift = batch_mean - self.mean
         self.count += n
-        self.deviations += shift[:, :, None] * shift[:, None, :] * (before * n / self.count)
+        self.deviations += (shift * (before * n / self.count))[:, :, None] * shift[:, None, :]
         self.mean += shift * (n / self.count)
 
     def moments(self) -> tuple[np.ndarray, np.ndarray]:
