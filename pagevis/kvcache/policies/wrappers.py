@@ -212,7 +212,7 @@ class PeriodicCompression(PolicyWrapper):
         super().__init__(inner, compress_every)
 
     def evicted_at_once(self) -> int:
-        return self.compress_every
+        return self._value  # its own compress_every (read per eviction: no walk through options_of)
 
 
 # every token policy's options: option -> (its wrapper, the default that means no wrapper); applied in this
