@@ -42,12 +42,12 @@ def recent_kept(model, ids, budget: int, context: int, newest: int = 16) -> None
                            max_new_tokens=1, policy_params={"budget": budget})
     session = DecodeSession(model, "", config, prompt_ids=ids[:context])
     session.step()
-    cache, seq = session.cache, session.cache.sequences[session.seq_id]
+    cache = session.cache
     shares = []
     for layer, store in enumerate(cache.stores):
         flat = cache.flat_slots(session.seq_id, layer)
         recent = store.positions[flat] >= context - newest
-        shares.append(seq.head_keep[layer][:, flat[recent]].sum(axis=1) / newest)
+        shares.append(cache.head_keep(session.seq_id, layer)[:, flat[recent]].sum(axis=1) / newest)
     shares, budgets = np.array(shares), session.policy.head_budgets
     print(f"budget {budget}, context {context}: the {newest} newest context tokens kept by a (layer, KV head): "
           f"{shares.mean():.0%} on average, none by {int((shares == 0).sum())} of {shares.size}; head budgets "

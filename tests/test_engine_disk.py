@@ -152,7 +152,7 @@ def test_fault_and_swap_counts_equal_a_brute_force_simulation(select, ram):
     table = cache.block_table(0, 0)
 
     def check(step):
-        read = set(table) if cache.sequences[0].read_slots[0] is None else set((cache.sequences[0].read_slots[0] // 2).tolist())
+        read = set(table) if cache.read_slots(0)[0] is None else set((cache.read_slots(0)[0] // 2).tolist())
         if select == "all":
             assert read == set(table)
         else:

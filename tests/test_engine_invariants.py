@@ -65,7 +65,7 @@ class PagePoolMachine(RuleBasedStateMachine):
         self.next_position = 0
         self.replayed = [dict() for _ in range(N_LAYERS)]
         for layer, pages in enumerate(self.cache.stores):
-            assert pages.resident == 0 and not self.cache.block_table(0, layer) and not self.cache.sequences[0].holes[layer]
+            assert pages.resident == 0 and not self.cache.block_table(0, layer) and not self.cache.layers[layer].table(self.cache.sequences[0]).holes
             assert sorted(pages.pages.empty) == list(range(self.n_pages)) and not pages.pages.cached
             assert not pages.pages.ref_counts.any()
             assert np.all(pages.positions == -1) and np.all(np.isneginf(pages.bias))
@@ -95,7 +95,7 @@ class PagePoolMachine(RuleBasedStateMachine):
                 assert in_table == (pages.fill[page] > 0), "block table disagrees with the slot map"
             # holes are exactly the empty slots of allocated pages
             expected_holes = {p * ps + s for p in table for s in range(ps) if not occupied[p, s]}
-            assert self.cache.sequences[0].holes[layer] == expected_holes
+            assert self.cache.layers[layer].table(self.cache.sequences[0]).holes == expected_holes
             if pages.tiered:
                 self.tiers_are_consistent(pages, table)
             else:

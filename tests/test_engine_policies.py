@@ -500,7 +500,7 @@ def run_adakv(scorer, page_size, max_pages, budget, n_tokens, seed, safeguard_pc
         result = cache.attend(0, 0, q, np.array([position]))
         brute.append(position)
         expected = brute.attend(q[0], keys, values)
-        keep = cache.sequences[0].head_keep[0]
+        keep = cache.head_keep(0, 0)
         positions = cache.stores[0].positions
         for kv in range(N_KV):
             held = sorted(positions[keep[kv] & (positions >= 0)].tolist())
@@ -542,7 +542,7 @@ def test_adakv_heads_keep_different_tokens_and_slots_free_both_ways():
     evictions = [e for e in events if e.kind is EventKind.EVICT]
     assert {e.detail for e in masks} == set(range(N_KV))
     assert {e.reason for e in evictions} == {"dropped by every KV head", AdaKVReason}
-    keep = cache.sequences[0].head_keep[0] & (cache.stores[0].positions >= 0)
+    keep = cache.head_keep(0, 0) & (cache.stores[0].positions >= 0)
     assert (keep[0] != keep[1]).any()
 
 
@@ -553,7 +553,6 @@ def test_per_head_masks_survive_fork_and_copy_on_write():
     """A forked child reads exactly what its parent read (masks and all), and its writes into the shared
     partial page copy the page without changing the parent's view."""
     cache = run_adakv("tova", 4, 8, 10, 40, seed=25)
-    parent = cache.sequences[0]
     q = (2.5 * np.random.default_rng(26).standard_normal((1, N_HEADS, HEAD_DIM))).astype(np.float32)
     before = cache.attend(0, 0, q, np.array([40])).output
     cache.extend(0, range(40))  # the token ids fork counts (run_adakv writes K/V only)
@@ -566,7 +565,7 @@ def test_per_head_masks_survive_fork_and_copy_on_write():
     cache.append(1, 0, x, x, np.array([40]))
     assert cache.cow_total >= 1
     assert np.allclose(cache.attend(0, 0, q, np.array([40])).output, before)
-    assert parent.head_keep[0].shape == (N_KV, cache.stores[0].n_slots)
+    assert cache.head_keep(0, 0).shape == (N_KV, cache.stores[0].n_slots)
 
 
 def test_adakv_over_expected_attention_holds_its_budget():
@@ -585,7 +584,7 @@ def test_adakv_over_expected_attention_holds_its_budget():
         cache.append(0, 0, k, v, np.array([position]))
         cache.attend(0, 0, q, np.array([position]))
         assert cache.head_entries(0, 0) <= N_KV * 10
-    kept = cache.sequences[0].head_keep[0] & (cache.stores[0].positions >= 0)
+    kept = cache.head_keep(0, 0) & (cache.stores[0].positions >= 0)
     assert all(set(range(4)) <= set(cache.stores[0].positions[kept[kv]].tolist()) for kv in range(N_KV))  # sinks
 
 
@@ -605,7 +604,7 @@ def test_per_head_masks_compose_with_quest(disk):
         keys[position], values[position] = k[0].astype(np.float64), v[0].astype(np.float64)
         cache.append(0, 0, k, v, np.array([position]))
         result = cache.attend(0, 0, q, np.array([position]))
-        store, keep = cache.stores[0], cache.sequences[0].head_keep[0]
+        store, keep = cache.stores[0], cache.head_keep(0, 0)
         read = set(store.positions[result.slots].tolist()) - {-1}
         narrowed += len(read) < cache.resident(0, 0)
         for head in range(N_HEADS):
@@ -668,7 +667,7 @@ def test_duo_matches_its_brute_force(params, page_size, max_pages):
                 held.add(position)
             cache.append(0, layer, k, v, np.array([position]))
             out = cache.attend(0, layer, q, np.array([position])).output[0]
-            keep = cache.sequences[0].head_keep[layer] & (cache.stores[layer].positions >= 0)
+            keep = cache.head_keep(0, layer) & (cache.stores[layer].positions >= 0)
             for kv in range(N_KV):
                 assert sorted(cache.stores[layer].positions[keep[kv]].tolist()) == sorted(heads[kv]), (layer, kv)
                 for h in range(kv * GROUP, (kv + 1) * GROUP):
@@ -711,7 +710,7 @@ def test_duo_with_a_disk_tier_keeps_and_attends_as_in_ram():
                 outputs.append(cache.attend(0, layer, q, np.array([position])).output)
             np.testing.assert_allclose(outputs[1], outputs[0], atol=1e-5)
             kept = [{(h, int(p)) for h in range(N_KV) for p in c.stores[layer].positions[
-                c.sequences[0].head_keep[layer][h] & (c.stores[layer].positions >= 0)]} for c in caches]
+                c.head_keep(0, layer)[h] & (c.stores[layer].positions >= 0)]} for c in caches]
             assert kept[0] == kept[1]
     assert caches[1].stores[0].tier.counts.faults > 0
 

@@ -622,7 +622,7 @@ def test_per_head_masks_over_quantized_pages_equal_dense_float64_per_head(dtype,
         cache.append(0, 0, k, v, np.array([position]))
         reference.follow(cache.take_events(), {position: k[0]}, {position: v[0]})
         result = cache.attend(0, 0, q, np.array([position]))
-        store, keep = cache.stores[0], cache.sequences[0].head_keep[0]
+        store, keep = cache.stores[0], cache.head_keep(0, 0)
         for head in range(2):
             kept = sorted(store.positions[keep[head] & (store.positions >= 0)].tolist())
             out, _ = dense_attention_f64(q[0, 2 * head: 2 * head + 2],

@@ -97,7 +97,7 @@ def engine_kept(session):
     cache, seq_id = session.cache, session.seq_id
     kept = set()
     for layer, store in enumerate(cache.stores):
-        keep = cache.sequences[seq_id].head_keep[layer]
+        keep = cache.head_keep(seq_id, layer)
         for flat in cache.flat_slots(seq_id, layer):
             position = int(store.positions[flat])
             if position >= 0:
@@ -246,6 +246,6 @@ def test_two_sequences_in_one_engine_each_compress_alone(model):
         assert engine.requests[seq_id].generated == alone.generated
         kept = {(layer, head, int(engine.cache.stores[layer].positions[flat]))
                 for layer in range(2) for flat in engine.cache.flat_slots(seq_id, layer)
-                for head in np.flatnonzero(engine.cache.sequences[seq_id].head_keep[layer][:, flat])
+                for head in np.flatnonzero(engine.cache.head_keep(seq_id, layer)[:, flat])
                 if engine.cache.stores[layer].positions[flat] >= 0}
         assert kept == engine_kept(alone)

@@ -209,7 +209,7 @@ class SharedPoolMachine(RuleBasedStateMachine):
         for layer, blocks in enumerate(store.pages for store in self.pool.stores):
             expected = np.zeros(self.pool.pool_pages, dtype=np.int32)
             for seq in self.pool.sequences.values():
-                table = seq.block_tables[layer]
+                table = self.pool.layers[layer].table(seq).pages
                 assert len(set(table)) == len(table), "a sequence points at one page twice"
                 np.add.at(expected, table, 1)
             assert np.array_equal(blocks.ref_counts, expected)

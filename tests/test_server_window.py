@@ -216,8 +216,8 @@ def check_views_against_the_engine(w) -> None:
             assert cells == pool_cells(step)
             assert [c.ref_count for c in cells] == pool.ref_counts.tolist()
             owners = {}
-            for seq_id, seq in engine.cache.sequences.items():
-                for page in seq.block_tables[0]:
+            for seq_id in engine.cache.seq_ids():
+                for page in engine.cache.block_table(seq_id, 0):
                     owners.setdefault(page, []).append(rid(seq_id))
             assert {c.page: list(c.owners) for c in cells if c.owners} == owners
             assert {c.page for c in cells if c.state == "cached"} == set(pool.cached_free())

@@ -90,7 +90,7 @@ class Admission:
         per-head policy also before it must drop an entry, so that a prefill chunk never evicts mid-chunk on
         statistics that have not seen the chunk; likewise for a policy that prunes at any fill)."""
         seq = self.cache.sequences[seq_id]
-        rooms = [layer.budget(seq) - seq.resident[layer.layer] for layer in self.cache.layers]
+        rooms = [layer.budget(seq) - layer.table(seq).resident for layer in self.cache.layers]
         if seq.policy.per_head:
             rooms += [seq.policy.head_room(layer.view(seq)) for layer in self.cache.layers]
         if seq.policy.prunes:
@@ -124,7 +124,8 @@ class Admission:
     def pages_bound(self, seq_id: int, n_tokens: int) -> int:
         """A cheap upper bound on every layer's `pages_needed`: each of its copy-on-write terms copies at most
         every page of the table once."""
-        longest = max(len(table) for table in self.cache.sequences[seq_id].block_tables)
+        seq = self.cache.sequences[seq_id]
+        longest = max(len(layer.table(seq).pages) for layer in self.cache.layers)
         return 3 * longest + -(-n_tokens // self.cache.page_size)
 
     def fits(self, needs: list[int]) -> bool:
@@ -146,7 +147,8 @@ class Admission:
             if seq.policy.uses_attention:
                 limits.append(MAX_CHUNK_WEIGHTS // (cfg.n_heads * cfg.capacity))
         if self.cache.select_pages is not None:
-            limits.append(self.cache.select_pages * cfg.page_size - max(seq.resident))
+            limits.append(self.cache.select_pages * cfg.page_size - max(layer.table(seq).resident
+                                                                         for layer in self.cache.layers))
         return max(1, min(limits)) if limits else None
 
 
@@ -161,19 +163,19 @@ class Admission:
 
 def layer_free_slots(layer: LayerManager, seq: SequenceCache) -> int:
     """Tokens the layer takes before the sequence's policy must evict: its budget, and the pool."""
-    index = layer.layer
-    return min(len(seq.holes[index]) + layer.store.pages.n_free() * layer.page_size,
-               layer.budget(seq) - seq.resident[index])
+    table = layer.table(seq)
+    return min(len(table.holes) + layer.store.pages.n_free() * layer.page_size, layer.budget(seq) - table.resident)
 
 
 def layer_pages_needed(layer: LayerManager, seq: SequenceCache, n_tokens: int) -> int:
     """An upper bound on the pages writing n_tokens more takes from the pool (new pages, and the shared
     pages that writing, evicting, quantizing, pruning, re-rotating or merging would copy)."""
-    store, ps, table, policy = layer.store, layer.page_size, seq.block_tables[layer.layer], seq.policy
+    store, ps, own, policy = layer.store, layer.page_size, layer.table(seq), seq.policy
+    table = own.pages
     fill = store.fill[table] if table else np.zeros(0, dtype=np.int64)
     shared = store.pages.ref_counts[table] > 1 if table else np.zeros(0, dtype=bool)
-    room = len(seq.holes[layer.layer])
-    n_evict = max(0, seq.resident[layer.layer] + n_tokens - layer.budget(seq)) if policy.evicts else 0
+    room = len(own.holes)
+    n_evict = max(0, own.resident + n_tokens - layer.budget(seq)) if policy.evicts else 0
     if n_evict:  # a policy evicting N at once (periodic compression) evicts N each time the budget is reached
         n_evict += policy.evicted_at_once() - 1
     need = int((shared & (fill < ps)).sum()) + min(n_evict, int(shared.sum()))

@@ -5,9 +5,10 @@ sequences or a pool's hash tables anywhere else. Beside them callers read its se
 `windows`), the engine and the oracle set `step` (the step its events carry) and the scheduler records each
 prefix hit in `prefix_stats`.
 
-It keeps the sequences (sequence.py: per layer a block table, holes, resident count, the policy's statistics)
-and the one event log, and asks each layer's manager (layer_managers.py, one per layer spec: full attention or a
-sliding window) for what differs by kind of layer; it never branches on a layer's kind itself. What a policy's
+It keeps the sequences (sequence.py: each one's policy, tokens and prefix hashes) and the one event log; each
+layer's manager (layer_managers.py, one per layer spec: full attention or a sliding window) owns every sequence's
+table in its layer (block table, holes, resident count, the policy's statistics: vLLM's req_to_blocks) and answers
+for what differs by kind of layer; the cache manager never branches on a layer's kind itself. What a policy's
 choice does to the pages is eviction.py's; attention over the pages is paged_attention.py's; storage is the
 layer's PageStore (store.py) and its BlockPool.
 
@@ -89,7 +90,7 @@ class KVCacheManager:
                        for layer in range(config.n_layers)]
         self.log = EventLog()
         self.sequences: dict[int, SequenceCache] = {}
-        self.layers = [layer_manager(spec, store, self.log, self.sequences, self.pool_pages)
+        self.layers = [layer_manager(spec, store, self.log, self.pool_pages)
                        for spec, store in zip(config.layer_specs, self.stores, strict=True)]
         self.select_pages = config.select_pages if config.select == "quest" else None
         self.windows = tuple(layer.window for layer in self.layers)  # per layer: None (global) or W (local)
@@ -120,6 +121,8 @@ class KVCacheManager:
             store.reset()
         for seq in self.sequences.values():
             seq.clear()
+        for layer in self.layers:
+            layer.clear()
         self.log.step = 0
         self.log.events = []
 
@@ -147,14 +150,12 @@ class KVCacheManager:
             raise ConfigError("seq_id", seq_id, "an id no live sequence has")
         if policy is None:
             policy = make_policy(self.config)
-        n_layers, n_kv = self.config.n_layers, self.config.n_kv_heads
-        head_keep = [np.zeros((n_kv, store.n_slots), dtype=bool) if policy.per_head else None for store in self.stores]
-        seq = SequenceCache(seq_id, policy, [policy.make_state(store.n_slots) for store in self.stores],
-                            [[] for _ in range(n_layers)], [set() for _ in range(n_layers)], [0] * n_layers,
-                            [None] * n_layers, head_keep, dropped=[0] * n_layers, slid=[-1] * n_layers)
+        seq = SequenceCache(seq_id, policy)
         if self.config.key_channels:
-            seq.channels = KeyChannels(n_layers, self.config.key_channels, self.config.head_dim)
+            seq.channels = KeyChannels(self.config.n_layers, self.config.key_channels, self.config.head_dim)
         self.sequences[seq_id] = seq
+        for layer in self.layers:
+            layer.add(seq)
         return seq
 
     def free(self, seq_id: int, kind: EventKind | None = E.FREE) -> None:
@@ -173,7 +174,7 @@ class KVCacheManager:
         number of tokens reused. The caller counts the lookup in `prefix_stats` once the sequence is admitted.
         `cache_salt`: its pages hash from the salt's root (only the same salt shares them)."""
         seq = self.sequences[seq_id]
-        if any(seq.block_tables) or not self.prefix_caching:
+        if any(layer.table(seq).pages for layer in self.layers) or not self.prefix_caching:
             return 0
         seq.root = salt_root(cache_salt)
         hashes = prefix_hashes(token_ids[: len(token_ids) - 1], self.page_size, seq.root)
@@ -203,15 +204,12 @@ class KVCacheManager:
         n = len(parent.token_ids) if n_tokens is None else check_int("n_tokens", n_tokens, 0, len(parent.token_ids))
         for layer in self.layers:
             layer.check_fork(parent, n)
-        child = self.add_sequence(child_id)
-        child.policy = copy.deepcopy(parent.policy)
-        child.states = [copy.deepcopy(state) for state in parent.states]
-        child.head_keep = [None if keep is None else keep.copy() for keep in parent.head_keep]
-        child.channels = copy.deepcopy(parent.channels)
-        child.token_ids = parent.token_ids[:n]
-        child.hashable, child.root = parent.hashable, parent.root
-        child.hashes = parent.hashes[: n // self.page_size]
-        child.dropped, child.slid, child.newest = list(parent.dropped), list(parent.slid), n - 1
+        if child_id in self.sequences:
+            raise ConfigError("seq_id", child_id, "an id no live sequence has")
+        child = self.sequences[child_id] = SequenceCache(
+            child_id, copy.deepcopy(parent.policy), token_ids=parent.token_ids[:n],
+            hashes=parent.hashes[: n // self.page_size], hashable=parent.hashable, root=parent.root, newest=n - 1,
+            channels=copy.deepcopy(parent.channels))
         self.log.acting = child_id
         for layer in self.layers:
             layer.fork(parent, child, n)
@@ -220,21 +218,21 @@ class KVCacheManager:
 
     # --- questions -------------------------------------------------------------------------------
     def block_table(self, seq_id: int, layer: int = 0) -> list[int]:
-        return self.sequences[seq_id].block_tables[layer]
+        return self.layers[layer].table(self.sequences[seq_id]).pages
 
     def n_tokens(self, seq_id: int) -> int:
         """Positions written so far (the next one to write): what a global layer holds if nothing was evicted."""
         return self.sequences[seq_id].newest + 1
 
     def resident(self, seq_id: int, layer: int) -> int:
-        return self.sequences[seq_id].resident[layer]
+        return self.layers[layer].table(self.sequences[seq_id]).resident
 
     def pages_used(self, layer: int = 0) -> int:
         return self.stores[layer].pages.n_used()
 
     def pages_unshared(self, layer: int = 0) -> int:
         """Pages the live sequences would hold if none were shared (the sum of their block tables)."""
-        return sum(len(seq.block_tables[layer]) for seq in self.sequences.values())
+        return sum(len(table.pages) for table in self.layers[layer].tables.values())
 
     def head_entries(self, seq_id: int, layer: int) -> int:
         """(KV head, token) entries the sequence holds in the layer: what a per-head policy's budget counts,
@@ -269,7 +267,8 @@ class KVCacheManager:
 
     def block_tables(self, seq_id: int) -> list[list[int]]:
         """The sequence's block table of every layer (live lists: they change with the next step)."""
-        return self.sequences[seq_id].block_tables
+        seq = self.sequences[seq_id]
+        return [layer.table(seq).pages for layer in self.layers]
 
     def policy(self, seq_id: int) -> Policy:
         """The policy the sequence evicts by."""
@@ -281,12 +280,13 @@ class KVCacheManager:
 
     def read_slots(self, seq_id: int) -> list[np.ndarray | None]:
         """Per layer, the flat slots the sequence's last attention there read (None: every resident slot)."""
-        return self.sequences[seq_id].read_slots
+        seq = self.sequences[seq_id]
+        return [layer.table(seq).read_slots for layer in self.layers]
 
     def head_keep(self, seq_id: int, layer: int) -> np.ndarray | None:
         """(n_kv_heads, n_slots) bool, the KV heads that keep each slot's token (a per-head policy's masks; None
         for a token policy), read-only."""
-        keep = self.sequences[seq_id].head_keep[layer]
+        keep = self.layers[layer].table(self.sequences[seq_id]).head_keep
         return None if keep is None else _read_only(keep)
 
     # --- the pool, for records and reports --------------------------------------------------------

@@ -1,10 +1,14 @@
 """One manager per layer, chosen by the layer's spec (vLLM v1's `single_type_kv_cache_manager.py`): the layer's
 pages under every sequence's block table.
 
-`LayerManager` holds what every kind of layer does with its pages: share one, take an empty slot (allocating,
-reading a disk page back, copying a shared page first: copy-on-write), copy, release, register a full page under
-its prefix hash, quantize KIVI's oldest residual tokens (eviction.py writes a sequence's new tokens through
-these, evicting at its budget). The two kinds differ only where they hold different tokens:
+`LayerManager` owns every sequence's table in its layer (`tables`: seq_id -> LayerTable, sequence.py; vLLM's
+`req_to_blocks`): nothing else changes a block table, its holes, its resident count, its policy statistics or
+per-head masks. It holds what every kind of layer does with its pages: share one, take an empty slot (allocating,
+reading a disk page back, copying a shared page first: copy-on-write, through the one door `writable`), copy,
+release, register a full page under its prefix hash; and what a policy's choice does there (eviction.py asks):
+`evict` tokens, `drop_entries` of per-head masks, and through its `rewrites` part (rewrites.py) the in-place
+changes to survivors (merged values, re-rotated keys, ThinK's key channels, KIVI's sealed key groups). The two
+kinds differ only where they hold different tokens:
 
 - `FullAttentionManager` (a global layer) keeps every token until a policy evicts it: its block tables only grow
   (or leave holes), its prefix hit is every cached page from the first on.
@@ -20,13 +24,15 @@ layer is a new spec and a new manager in `MANAGERS`.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from pagevis.kvcache.errors import CacheFullError, ConfigError
 from pagevis.kvcache.events import EventKind, EventLog
 from pagevis.kvcache.policy_state import LayerView
-from pagevis.kvcache.quantized_pages import QuantizedPages
-from pagevis.kvcache.sequence import SequenceCache
+from pagevis.kvcache.rewrites import Rewrites
+from pagevis.kvcache.sequence import LayerTable, SequenceCache
 from pagevis.kvcache.slots import flat_slots, page_slots
 from pagevis.kvcache.layer_spec import FullAttentionSpec, LayerSpec, SlidingWindowSpec, first_kept_page, first_visible
 from pagevis.kvcache.store import PageStore
@@ -37,13 +43,31 @@ E = EventKind
 class LayerManager:
     """One layer's pages for any number of sequences (their tables are per layer: policies evict per layer)."""
 
-    def __init__(self, spec: LayerSpec, store: PageStore, log: EventLog, sequences: dict[int, SequenceCache],
-                 pool_pages: int):
+    def __init__(self, spec: LayerSpec, store: PageStore, log: EventLog, pool_pages: int):
         self.window = spec.window  # the keys a query sees: all (None), or the last `window` positions
-        self.store, self.log, self.sequences = store, log, sequences
+        self.store, self.log = store, log
         self.layer, self.page_size, self.pool_pages = store.layer, store.page_size, pool_pages
+        self.tables: dict[int, LayerTable] = {}  # seq_id -> its share of this layer (vLLM's req_to_blocks)
         self.copies = 0  # copy-on-write copies made
+        self.rewrites = Rewrites(self)  # its in-place changes to surviving tokens (merges, re-rotation, ThinK, KIVI)
         store.tier.on_move = self._moved
+
+    # --- its sequences' tables ---------------------------------------------------------------------
+    def add(self, seq: SequenceCache) -> LayerTable:
+        """A new sequence's empty table here (its policy's statistics; per-head masks if it evicts per head)."""
+        store = self.store
+        keep = np.zeros((store.n_kv, store.n_slots), dtype=bool) if seq.policy.per_head else None
+        table = self.tables[seq.seq_id] = LayerTable(seq.policy.make_state(store.n_slots), keep)
+        return table
+
+    def clear(self) -> None:
+        """Every sequence's table empty (the cache's reset: the sequences stay)."""
+        for table in self.tables.values():
+            table.clear()
+
+    def table(self, seq: SequenceCache) -> LayerTable:
+        """The sequence's share of this layer (live: it changes with the next step)."""
+        return self.tables[seq.seq_id]
 
     def event(self, kind: EventKind, seq: SequenceCache, *args, **kwargs) -> None:
         self.log.add(kind, seq.seq_id, self.layer, *args, **kwargs)
@@ -54,7 +78,7 @@ class LayerManager:
     # --- questions -------------------------------------------------------------------------------
     def flat(self, seq: SequenceCache) -> np.ndarray:
         """The flat slots of the sequence's pages, in logical order."""
-        return flat_slots(seq.block_tables[self.layer], self.page_size)
+        return flat_slots(self.tables[seq.seq_id].pages, self.page_size)
 
     def budget(self, seq: SequenceCache) -> int:
         """Tokens the layer may hold before the sequence's policy evicts there."""
@@ -63,19 +87,19 @@ class LayerManager:
     def view(self, seq: SequenceCache) -> LayerView:
         """What the sequence's policy reads: positions of its own slots (the live store array when it is
         the only sequence; a masked copy otherwise)."""
-        table, positions = seq.block_tables[self.layer], self.store.positions
-        if len(self.sequences) > 1:
-            flat = flat_slots(table, self.page_size)
+        table, positions = self.tables[seq.seq_id], self.store.positions
+        if len(self.tables) > 1:
+            flat = flat_slots(table.pages, self.page_size)
             positions = np.full(self.store.n_slots, -1, dtype=np.int64)
             positions[flat] = self.store.positions[flat]
-        return LayerView(self.layer, self.page_size, positions, table, seq.states[self.layer],
-                         seq.head_keep[self.layer])
+        return LayerView(self.layer, self.page_size, positions, table.pages, table.state, table.head_keep)
 
     def head_entries(self, seq: SequenceCache) -> int:
         """(KV head, token) entries the sequence holds here (n_kv_heads per resident token for a token policy)."""
-        keep = seq.head_keep[self.layer]
+        table = self.tables[seq.seq_id]
+        keep = table.head_keep
         if keep is None:
-            return seq.resident[self.layer] * self.store.n_kv
+            return table.resident * self.store.n_kv
         flat = self.flat(seq)
         return int((keep[:, flat] & (self.store.positions[flat] >= 0)).sum())
 
@@ -110,17 +134,18 @@ class LayerManager:
     # --- pages -----------------------------------------------------------------------------------
     def share(self, seq: SequenceCache, page: int, first_position: int | None = None) -> None:
         """One more table entry of seq points at page (in use, or a cached free page, restored)."""
-        store, ps, layer = self.store, self.page_size, self.layer
+        store, ps = self.store, self.page_size
         was_free = store.pages.ref_counts[page] == 0
         store.pages.share(page)
         if was_free:  # a cached free page comes back: only a prefix hit takes one (a fork shares live pages)
             assert first_position is not None
             store.restore(page, first_position)
-        seq.block_tables[layer].append(page)
-        seq.resident[layer] += int(store.fill[page])
+        table = self.tables[seq.seq_id]
+        table.pages.append(page)
+        table.resident += int(store.fill[page])
         held = store.positions[page_slots(page, ps)] >= 0
-        seq.holes[layer].update((page * ps + np.flatnonzero(~held)).tolist())
-        keep = seq.head_keep[layer]
+        table.holes.update((page * ps + np.flatnonzero(~held)).tolist())
+        keep = table.head_keep
         if keep is not None and first_position is not None:  # a prefix hit: all heads keep it
             keep[:, page_slots(page, ps)] = held  # (a fork keeps its parent's masks)
         self.event(E.SHARE, seq, page, detail=int(store.pages.ref_counts[page]))
@@ -131,15 +156,19 @@ class LayerManager:
             self.event(E.RELEASE, seq, page)
 
     def free(self, seq: SequenceCache) -> None:
-        """Release the sequence's pages, last first (so a cached prefix outlives its tail)."""
-        for page in reversed(seq.block_tables[self.layer]):
+        """Release the sequence's pages, last first (so a cached prefix outlives its tail); its table goes."""
+        for page in reversed(self.tables.pop(seq.seq_id).pages):
             self.release(seq, page)
 
     def fork(self, parent: SequenceCache, child: SequenceCache, n: int) -> None:
         """The child shares each parent page whose tokens all come before n; a page holding later tokens too is
-        copied with those masked out."""
-        store, ps = self.store, self.page_size
-        for page in parent.block_tables[self.layer]:
+        copied with those masked out. The child's table starts with copies of the parent's statistics, per-head
+        masks and slide."""
+        store, ps, own = self.store, self.page_size, self.tables[parent.seq_id]
+        self.tables[child.seq_id] = LayerTable(copy.deepcopy(own.state),
+                                               None if own.head_keep is None else own.head_keep.copy(),
+                                               dropped=own.dropped, slid=own.slid)
+        for page in own.pages:
             positions = store.positions[page_slots(page, ps)]
             keep = (positions >= 0) & (positions < n)
             if not keep.any():
@@ -152,8 +181,8 @@ class LayerManager:
 
     def register(self, seq: SequenceCache, index: int, page_hash: int) -> None:
         """The sequence's logical page `index` is full: register it under its prefix hash (if this layer holds it)."""
-        index -= seq.dropped[self.layer]  # a local layer's table starts at its first kept page
-        table = seq.block_tables[self.layer]
+        index -= self.tables[seq.seq_id].dropped  # a local layer's table starts at its first kept page
+        table = self.tables[seq.seq_id].pages
         if index >= 0 and self.store.pages.register(table[index], page_hash):
             self.event(E.STORE, seq, table[index], detail=page_hash)
 
@@ -195,12 +224,13 @@ class LayerManager:
             self.event(E.UNCACHE, seq, new, detail=old_hash)
         store.copy_page(page, new, keep)
         src, dst = page_slots(page, ps), page_slots(new, ps)
-        for array in seq.states[layer].arrays.values():
+        own = self.tables[seq.seq_id]
+        for array in own.state.arrays.values():
             array[dst] = np.where(keep.reshape(-1, *(1,) * (array.ndim - 1)), array[src], 0)
-        head_keep = seq.head_keep[layer]
+        head_keep = own.head_keep
         if head_keep is not None:
             head_keep[:, dst] = head_keep[:, src] & keep
-        table, holes = seq.block_tables[layer], seq.holes[layer]
+        table, holes = own.pages, own.holes
         empty = (new * ps + np.flatnonzero(~keep)).tolist()
         if replace:
             if head_keep is not None:
@@ -210,7 +240,7 @@ class LayerManager:
             store.release(page)
         else:
             table.append(new)
-            seq.resident[layer] += int(keep.sum())
+            own.resident += int(keep.sum())
         holes.update(empty)
         self.event(E.COPY_ON_WRITE, seq, new, detail=page)
         return new
@@ -219,14 +249,14 @@ class LayerManager:
     def write(self, seq: SequenceCache, k: np.ndarray, v: np.ndarray, position: int) -> None:
         """The token at `position` (its key and value (n_kv_heads, head_dim)) into the sequence's lowest empty
         slot (free_slot: a page allocated, read back from disk or copied first as needed)."""
-        flat, index = self.free_slot(seq), self.layer
+        flat, table = self.free_slot(seq), self.tables[seq.seq_id]
         self.store.write(flat, k, v, position)
-        seq.holes[index].remove(flat)
-        seq.resident[index] += 1
-        state = seq.states[index]
+        table.holes.remove(flat)
+        table.resident += 1
+        state = table.state
         state.clear(flat)
         state.write(flat, k, v, position)
-        keep = seq.head_keep[index]
+        keep = table.head_keep
         if keep is not None:
             keep[:, flat] = True
         self.event(E.WRITE, seq, *divmod(flat, self.page_size), position)
@@ -234,18 +264,18 @@ class LayerManager:
     def take_out(self, seq: SequenceCache, flat: int, reason: str, score: float, detail: int = -1) -> int:
         """Evict the token in the sequence's slot `flat` (of a page `writable` gave) and release its page if
         that left it empty; returns the token's position. reason, score, detail: its EVICT event's."""
-        store, ps, index = self.store, self.page_size, self.layer
+        store, ps, table = self.store, self.page_size, self.tables[seq.seq_id]
         page, slot = divmod(flat, ps)
         position = store.remove(flat)
-        seq.holes[index].add(flat)
-        seq.resident[index] -= 1
-        keep = seq.head_keep[index]
+        table.holes.add(flat)
+        table.resident -= 1
+        keep = table.head_keep
         if keep is not None:
             keep[:, flat] = False
         self.event(E.EVICT, seq, page, slot, position, seq.policy.name, reason, score, detail=detail)
         if store.fill[page] == 0:
-            seq.block_tables[index].remove(page)
-            seq.holes[index].difference_update(range(page * ps, (page + 1) * ps))
+            table.pages.remove(page)
+            table.holes.difference_update(range(page * ps, (page + 1) * ps))
             store.release(page)
             self.event(E.RELEASE, seq, page)
         return position
@@ -254,12 +284,13 @@ class LayerManager:
     def free_slot(self, seq: SequenceCache) -> int:
         """The lowest empty slot of the sequence's pages, preferring pages in RAM (allocating a page if it
         has none); a page on disk is read back into RAM, a shared page is copied first."""
-        store, holes, ps, step = self.store, seq.holes[self.layer], self.page_size, self.log.step
+        store, table, ps, step = self.store, self.tables[seq.seq_id], self.page_size, self.log.step
+        holes = table.holes
         if not holes:
             page, old_hash = store.allocate(step)
             if old_hash is not None:
                 self.event(E.UNCACHE, seq, page, detail=old_hash)
-            seq.block_tables[self.layer].append(page)
+            table.pages.append(page)
             holes.update(range(page * ps, (page + 1) * ps))
             self.event(E.ALLOCATE, seq, page, frame=int(store.frame_of[page]) if store.tiered else -1)
         flat = min(holes)
@@ -270,24 +301,45 @@ class LayerManager:
         page, slot = divmod(flat, ps)
         return self.writable(seq, page) * ps + slot
 
-    def seal_residual(self, seq: SequenceCache, n_new: int) -> None:
-        """int4 / int2 (KIVI), before n_new tokens are written: while the sequence's full-precision tokens would
-        then exceed residual + group - 1, quantize the oldest `group` (32) of them (written in earlier calls) as
-        one key group. A prefill chunk is attended in full precision; in decoding the newest `residual` tokens
-        stay float32 and the oldest 32 beyond them are quantized once they have all arrived. A shared page is
-        copied first: the change is this sequence's alone."""
-        store, ps = self.store, self.page_size
-        assert isinstance(store, QuantizedPages)  # only int4 / int2 stores have a residual window
-        group, limit = store.layout.group, store.layout.residual + store.layout.group - 1
-        window = store.residual_slots(self.flat(seq))
-        while len(window) >= group and len(window) + n_new > limit:
-            oldest = window[np.argsort(store.positions[window], kind="stable")[:group]]
-            for page in np.unique(oldest // ps).tolist():
-                copy = self.writable(seq, page, keeps_prefix=True)
-                if copy != page:
-                    oldest = np.where(oldest // ps == page, copy * ps + oldest % ps, oldest)
-            store.seal(oldest, self.log.step)
-            window = store.residual_slots(self.flat(seq))
+    # --- what a policy's choice does here (eviction.py asks; every changed page comes from `writable`) -----
+    def evict(self, seq: SequenceCache, victims: np.ndarray, scores: np.ndarray, reason: str,
+              details: list[int] | None = None) -> list[int]:
+        """Take the tokens in these flat slots out of the sequence (copying a shared page first) and free the
+        pages left empty; returns their positions. `details`: each EVICT event's (merges: the survivor's
+        position). The sequence's pages no longer hold whole prefixes: it registers no more."""
+        ps = self.page_size
+        seq.hashable = False
+        copies: dict[int, int] = {}  # shared page -> this sequence's copy (a policy may take several slots)
+        removed: list[int] = []
+        for flat, score, detail in zip(victims.tolist(), scores.tolist(), details or [-1] * len(victims),
+                                       strict=True):
+            page, slot = divmod(flat, ps)
+            if page not in copies:
+                copies[page] = self.writable(seq, page)
+            removed.append(self.take_out(seq, copies[page] * ps + slot, reason, float(score), detail))
+        return removed
+
+    def drop_entries(self, seq: SequenceCache, heads: np.ndarray, victims: np.ndarray,
+                     scores: np.ndarray) -> np.ndarray:
+        """Mask each (KV head, slot) entry named out of the sequence's per-head masks (a MASK event each; masks
+        are the sequence's, so a shared page is not copied); returns the slots no KV head keeps now."""
+        keep, ps, positions, policy = self.tables[seq.seq_id].head_keep, self.page_size, self.store.positions, seq.policy
+        assert keep is not None  # only a per-head policy drops entries, and its sequence keeps masks
+        for head, flat, score in zip(heads.tolist(), victims.tolist(), scores.tolist(), strict=True):
+            if not keep[head, flat]:
+                raise RuntimeError(f"policy {policy.name!r} dropped an entry KV head {head} no longer keeps")
+            keep[head, flat] = False
+            self.event(E.MASK, seq, *divmod(flat, ps), int(positions[flat]), policy.name, policy.reason,
+                       float(score), detail=head)
+        return np.unique(victims[~keep[:, victims].any(axis=0)])
+
+    def positions_at(self, flats: np.ndarray) -> np.ndarray:
+        """The token positions in these flat slots (-1: empty)."""
+        return self.store.positions[flats]
+
+    def values_at(self, flats: np.ndarray) -> np.ndarray:
+        """The values in these flat slots, (n_kv, len(flats), head_dim) float64 (a merge's victims)."""
+        return self.store.v[:, flats // self.page_size, flats % self.page_size].astype(np.float64)
 
 
 class FullAttentionManager(LayerManager):
@@ -328,23 +380,22 @@ class SlidingWindowManager(LayerManager):
 
     def slide(self, seq: SequenceCache, last: int | None = None) -> None:
         """Drop the pages that the query at `last` (default: the newest written) cannot see."""
-        store, ps, layer = self.store, self.page_size, self.layer
+        store, ps, own = self.store, self.page_size, self.tables[seq.seq_id]
         last = seq.newest if last is None else last
-        table = seq.block_tables[layer]
+        table = own.pages
         if last < 0 or not table:
             return
         newest_of = store.positions.reshape(-1, ps)[table].max(axis=1)  # each page's newest token (-1: empty)
         gone = (newest_of >= 0) & (newest_of < first_visible(last, self.window))
         for page, newest in zip(np.asarray(table)[gone].tolist(), newest_of[gone].tolist(), strict=True):
             table.remove(page)
-            seq.holes[layer].difference_update(range(page * ps, (page + 1) * ps))
-            seq.resident[layer] -= int(store.fill[page])
-            keep = seq.head_keep[layer]
-            if keep is not None:
-                keep[:, page_slots(page, ps)] = False
-            seq.slid[layer] = max(seq.slid[layer], newest)
+            own.holes.difference_update(range(page * ps, (page + 1) * ps))
+            own.resident -= int(store.fill[page])
+            if own.head_keep is not None:
+                own.head_keep[:, page_slots(page, ps)] = False
+            own.slid = max(own.slid, newest)
             if seq.hashable:
-                seq.dropped[layer] += 1
+                own.dropped += 1
             self.event(E.SLIDE, seq, page, position=newest, reason=f"slid out of the window ({self.window})",
                        detail=int(store.fill[page]))
             self.release(seq, page)
@@ -365,19 +416,21 @@ class SlidingWindowManager(LayerManager):
 
     def after_hit(self, seq, n_tokens):
         if n_tokens:
-            seq.dropped[self.layer] = first_kept_page(n_tokens, self.window, self.page_size)
-            seq.slid[self.layer] = seq.dropped[self.layer] * self.page_size - 1
+            own = self.tables[seq.seq_id]
+            own.dropped = first_kept_page(n_tokens, self.window, self.page_size)
+            own.slid = own.dropped * self.page_size - 1
 
     def check_fork(self, parent, n):
-        if n and parent.slid[self.layer] >= first_visible(n, self.window):
-            raise ConfigError("n_tokens", n, f"at least {parent.slid[self.layer] + self.window} for sequence "
+        slid = self.tables[parent.seq_id].slid
+        if n and slid >= first_visible(n, self.window):
+            raise ConfigError("n_tokens", n, f"at least {slid + self.window} for sequence "
                               f"{parent.seq_id}: local layer {self.layer} (window {self.window}) no longer holds "
-                              f"position {parent.slid[self.layer]}")
+                              f"position {slid}")
 
     def gathers(self, seq):
         # the window may sit far above the pool's bottom (slid-out pages stay cached below it): gathering its few
         # pages beats reading the whole used prefix
-        return 2 * len(seq.block_tables[self.layer]) < self.store.high_water
+        return 2 * len(self.tables[seq.seq_id].pages) < self.store.high_water
 
     def mask(self, bias, key_positions, positions):
         bias[key_positions <= positions[:, None] - self.window] = -np.inf

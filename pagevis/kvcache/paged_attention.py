@@ -18,6 +18,7 @@ import numpy as np
 from pagevis.kvcache import attention_kernels as kernels
 from pagevis.kvcache.attention_kernels import AttentionResult, attend_decode_batch
 from pagevis.kvcache.layer_managers import LayerManager
+from pagevis.kvcache.policy_state import PolicyState
 from pagevis.kvcache.reader import read_attention
 from pagevis.kvcache.sequence import SequenceCache
 from pagevis.kvcache.slots import flat_slots
@@ -28,17 +29,17 @@ def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np
     """Attention of the sequence's n queries (n, n_heads, head_dim) at `positions` over its resident
     tokens. Weights come back over flat slots: the pool's allocated prefix when `slots` is None (a
     single sequence in RAM), else over `result.slots`; exactly 0 on empty slots."""
-    store, index = layer.store, layer.layer
+    store, index, own = layer.store, layer.layer, layer.table(seq)
     if store.tiered or store.quantized or (select_pages is not None and len(q) == 1):
         return read(layer, seq, q, positions, select_pages)
-    seq.read_slots[index] = None
-    observe_queries(seq, index, q, positions)
+    own.read_slots = None
+    observe_queries(seq, own.state, index, q, positions)
     n_kv, _, ps, head_dim = store.k.shape
-    keep = seq.head_keep[index]
-    if len(layer.sequences) == 1 and not layer.gathers(seq):  # the only owner: the pool's used prefix, in place
+    keep = own.head_keep
+    if len(layer.tables) == 1 and not layer.gathers(seq):  # the only owner: the pool's used prefix, in place
         n_slots = store.high_water * ps
         # With no empty slot below the high-water mark the occupancy mask is all zeros: skip it.
-        bias = None if seq.resident[index] == n_slots else store.bias[:n_slots]
+        bias = None if own.resident == n_slots else store.bias[:n_slots]
         read_slots: slice | np.ndarray = slice(0, n_slots)
         if len(q) == 1 and keep is None and store.k.dtype == np.float32 and n_slots:  # decode: one kernel call
             result = kernels.attend_decode(q, store.k.reshape(n_kv, -1, head_dim), store.v.reshape(n_kv, -1, head_dim),
@@ -49,7 +50,7 @@ def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np
             result = attend_kept(q, keys, values, bias, store.positions[:n_slots], positions,
                                  None if keep is None else keep[:, read_slots], layer.window)
     else:  # gathered through its block table
-        table = seq.block_tables[index]
+        table = own.pages
         keys = store.k[:, table].reshape(n_kv, len(table) * ps, head_dim)
         values = store.v[:, table].reshape(n_kv, len(table) * ps, head_dim)
         read_slots = flat_slots(table, ps)
@@ -58,14 +59,14 @@ def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np
                              None if keep is None else keep[:, read_slots], layer.window)
         result = result._replace(slots=read_slots)
     if seq.policy.uses_attention:
-        seq.states[index].observe(result.weights, read_slots)
+        own.state.observe(result.weights, read_slots)
     return result
 
 
-def observe_queries(seq: SequenceCache, layer: int, q: np.ndarray, positions: np.ndarray) -> None:
-    """The queries a layer attends with, to the policy that reads them and to ThinK's window."""
+def observe_queries(seq: SequenceCache, state: PolicyState, layer: int, q: np.ndarray, positions: np.ndarray) -> None:
+    """The queries a layer attends with, to the policy's statistics there if it reads them and to ThinK's window."""
     if seq.policy.uses_queries:
-        seq.states[layer].query(q, positions)
+        state.query(q, positions)
     if seq.channels is not None:
         seq.channels.observe(layer, q)
 
@@ -74,15 +75,15 @@ def read(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np.n
          select_pages: int | None) -> AttentionResult:
     """Attention through the reader: pages on disk, or a page selection (a chunk of several
     queries reads every page: max_chunk keeps such chunks within select_pages pages)."""
-    index = layer.layer
-    observe_queries(seq, index, q, positions)
-    result = read_attention(layer.store, seq.block_tables[index], q, positions, layer.log.step,
+    index, own = layer.layer, layer.table(seq)
+    observe_queries(seq, own.state, index, q, positions)
+    result = read_attention(layer.store, own.pages, q, positions, layer.log.step,
                             select_pages if len(q) == 1 else None,
                             all_weights=seq.policy.uses_attention and len(q) > 1,
-                            own_pages_only=len(layer.sequences) > 1, keep=seq.head_keep[index], window=layer.window)
-    seq.read_slots[index] = slots = result.slots
+                            own_pages_only=len(layer.tables) > 1, keep=own.head_keep, window=layer.window)
+    own.read_slots = slots = result.slots
     if seq.policy.uses_attention and slots is not None:  # (the reader always says which slots it read)
-        seq.states[index].observe(result.weights, slots)
+        own.state.observe(result.weights, slots)
     return result
 
 
@@ -93,20 +94,20 @@ def attend_beside(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positi
     nothing is written, and the policy's statistics see the weights on the cached tokens only through
     `reconstruct`. Weights over the read slots, then the given tokens; result.slots: the read slots. RAM
     pages of float K/V only."""
-    store, index = layer.store, layer.layer
-    table = seq.block_tables[index]
+    store, own = layer.store, layer.table(seq)
+    table = own.pages
     n_kv, _, _, head_dim = store.k.shape
     read_slots = layer.flat(seq)
     keys = np.concatenate([store.k[:, table].reshape(n_kv, len(read_slots), head_dim), k.transpose(1, 0, 2)], axis=1)
     values = np.concatenate([store.v[:, table].reshape(n_kv, len(read_slots), head_dim), v.transpose(1, 0, 2)],
                             axis=1)
     bias = np.concatenate([store.bias[read_slots], np.zeros(len(own_positions), dtype=np.float32)])
-    keep = seq.head_keep[index]
+    keep = own.head_keep
     if keep is not None:
         keep = np.concatenate([keep[:, read_slots], np.ones((n_kv, len(own_positions)), dtype=bool)], axis=1)
     result = attend_kept(q, keys, values, bias, np.concatenate([store.positions[read_slots], own_positions]),
                          positions, keep, layer.window)
-    seq.states[index].reconstruct(result.weights[..., : len(read_slots)], read_slots)
+    own.state.reconstruct(result.weights[..., : len(read_slots)], read_slots)
     return result._replace(slots=read_slots)
 
 
@@ -114,8 +115,8 @@ def can_attend_many(layer: LayerManager, seqs: list[SequenceCache], select_pages
     """Whether `attend_many` serves these sequences: several of them in a shared pool, pages in RAM and
     unquantized, no page selection, no per-head residency."""
     store = layer.store
-    return (len(seqs) > 1 and len(layer.sequences) > 1 and not (store.tiered or store.quantized)
-            and select_pages is None and all(seq.head_keep[layer.layer] is None for seq in seqs))
+    return (len(seqs) > 1 and len(layer.tables) > 1 and not (store.tiered or store.quantized)
+            and select_pages is None and all(layer.table(seq).head_keep is None for seq in seqs))
 
 
 def attend_many(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray, positions: np.ndarray
@@ -123,7 +124,8 @@ def attend_many(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray, p
     """`attend` for several sequences that each decode one token (q: (B, n_heads, d), positions (B,)),
     in one batched kernel over their block tables, padded to the longest. Only where `can_attend_many`."""
     store, index, ps = layer.store, layer.layer, layer.page_size
-    tables = [seq.block_tables[index] for seq in seqs]
+    owns = [layer.table(seq) for seq in seqs]
+    tables = [own.pages for own in owns]
     widest = max(len(table) for table in tables)
     padded = np.zeros((len(seqs), widest), dtype=np.int64)
     for row, table in zip(padded, tables, strict=True):
@@ -136,16 +138,16 @@ def attend_many(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray, p
     n_kv, _, _, head_dim = store.k.shape
     keys = store.k[:, padded].reshape(n_kv, len(seqs), widest * ps, head_dim)
     values = store.v[:, padded].reshape(n_kv, len(seqs), widest * ps, head_dim)
-    for i, seq in enumerate(seqs):
-        seq.read_slots[index] = None
-        observe_queries(seq, index, q[i: i + 1], positions[i: i + 1])
+    for i, (seq, own) in enumerate(zip(seqs, owns, strict=True)):
+        own.read_slots = None
+        observe_queries(seq, own.state, index, q[i: i + 1], positions[i: i + 1])
     output, weights = attend_decode_batch(q, keys, values, bias)
     results = []
-    for i, seq in enumerate(seqs):
+    for i, (seq, own) in enumerate(zip(seqs, owns, strict=True)):
         n = lengths[i]
         result = AttentionResult(output[i: i + 1], weights[i: i + 1, :, :n], flat[i, :n])
         if seq.policy.uses_attention:
-            seq.states[index].observe(result.weights, flat[i, :n])
+            own.state.observe(result.weights, flat[i, :n])
         results.append(result)
     return results
 

@@ -13,7 +13,7 @@ Three schemes (storage dtypes beside float32 and float16):
   group), in groups of GROUP = 32: a key group is 32 tokens sharing one scale and zero point per channel;
   a value group is 32 channels of one token. The newest `residual` tokens of a sequence stay in full
   precision (float32, exactly as computed); once GROUP more have arrived, the oldest GROUP of them are
-  quantized together as one key group (see LayerManager.seal_residual, kvcache/layer_managers.py, for when).
+  quantized together as one key group (see Rewrites.seal_residual, kvcache/rewrites.py, for when).
 
 Rounding: a zero point is rounded down to a float16 and a scale up, so every value of its group maps to a
 code in range and `|x - dequantized| <= scale / 2` (plus float32 rounding) holds for every element — the

@@ -1,4 +1,12 @@
-"""One sequence's share of the cache: what the cache manager keeps per sequence, per layer."""
+"""One sequence's share of the cache, in two parts (vLLM v1's shape: the request, and each layer manager's
+`req_to_blocks` entry for it):
+
+- `SequenceCache`: what the cache manager keeps per sequence whatever the layer: its policy, the tokens it
+  wrote and their prefix hashes, its newest position, ThinK's key channels;
+- `LayerTable`: its share of one layer, held by that layer's manager (layer_managers.py, `LayerManager.tables`):
+  the block table, the empty slots of its own pages, its resident tokens, its policy's statistics and per-head
+  masks, what its last attention read, and (local layers) what slid out of the window. Nothing else changes them.
+"""
 
 from __future__ import annotations
 
@@ -12,41 +20,46 @@ from pagevis.kvcache.policy_state import PolicyState
 
 
 @dataclass
+class LayerTable:
+    """One sequence's share of one layer: its block table (page ids in logical order), the empty slots of its
+    own pages (`holes`), its resident tokens, its policy's statistics there (`state`), per KV head the slots whose
+    tokens that head keeps (`head_keep`, (n_kv_heads, n_slots) bool: per-head policies only), the flat slots its
+    last attention read (None: all); a local layer's logical pages slid off the front (`dropped`) and the newest
+    position slid out (`slid`)."""
+
+    state: PolicyState
+    head_keep: np.ndarray | None = None
+    pages: list[int] = field(default_factory=list)
+    holes: set[int] = field(default_factory=set)
+    resident: int = 0
+    read_slots: np.ndarray | None = None
+    dropped: int = 0
+    slid: int = -1
+
+    def clear(self) -> None:
+        self.pages.clear()
+        self.holes.clear()
+        self.resident, self.read_slots, self.dropped, self.slid = 0, None, 0, -1
+        self.state.reset()
+        if self.head_keep is not None:
+            self.head_keep.fill(False)
+
+
+@dataclass
 class SequenceCache:
-    """One sequence's share of the cache: per layer its block table (page ids in logical order), the empty
-    slots of its own pages, its resident tokens; its policy and statistics; the tokens it wrote (for prefix
-    hashes)."""
+    """One sequence's facts that hold for every layer: its policy, the tokens it wrote (for prefix hashes) and
+    their hashes, its newest position, ThinK's key channels. Its pages are its layers' managers' (`LayerTable`)."""
 
     seq_id: int
     policy: Policy
-    states: list[PolicyState]
-    block_tables: list[list[int]]
-    holes: list[set[int]]
-    resident: list[int]
-    read_slots: list[np.ndarray | None]  # per layer, the flat slots its last attention read (None: all)
-    # per layer, (n_kv_heads, n_slots) bool: the KV heads that keep each slot's token (per-head policies only)
-    head_keep: list[np.ndarray | None]
     token_ids: list[int] = field(default_factory=list)  # tokens whose K/V are written, in position order
     hashes: list[int] = field(default_factory=list)  # prefix hash of each full logical page, while hashable
     hashable: bool = True  # False once the sequence evicted: its pages no longer hold whole prefixes
     root: int = 0  # the parent hash of its first page (prefix_cache.salt_root: 0 without a cache salt)
-    # local layers: per layer, the logical pages slid off the front of its table, the newest position slid out
-    dropped: list[int] = field(default_factory=list)
-    slid: list[int] = field(default_factory=list)
     newest: int = -1  # the newest position written (its query is the one a sliding window follows)
     channels: KeyChannels | None = None  # ThinK (key_channels): the query window, then the key channels kept
 
     def clear(self) -> None:
-        for layer, table in enumerate(self.block_tables):
-            table.clear()
-            self.holes[layer].clear()
-            self.resident[layer] = 0
-            self.read_slots[layer] = None
-            self.states[layer].reset()
-            keep = self.head_keep[layer]
-            if keep is not None:
-                keep.fill(False)
-            self.dropped[layer], self.slid[layer] = 0, -1
         self.newest = -1
         self.policy.reset()
         if self.channels is not None:

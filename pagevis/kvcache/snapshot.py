@@ -91,7 +91,7 @@ def take(cache, seq_id: int, shown: int, held: HeldSlots | None = None) -> Cache
     frames = None
     if cache.config.tiered or cache.select_pages is not None:
         frames = tuple(tuple(store.frame_of[np.asarray(table, dtype=np.int64)].tolist())
-                       for store, table in zip(cache.stores, seq.block_tables, strict=True))
+                       for store, table in zip(cache.stores, cache.block_tables(seq_id), strict=True))
     return CacheSnapshot(
         slot_maps=maps, protected=np.stack(protected), scores=np.stack(scores).astype(np.float32),
         full_precision=np.stack(full) & (maps >= 0) if full else None,

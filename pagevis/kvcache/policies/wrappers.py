@@ -22,7 +22,7 @@ from typing import ClassVar
 from pagevis.errors import ConfigError, check_int
 from pagevis.kvcache.policies.base import EvictionPolicy
 from pagevis.kvcache.policy_state import LayerView, PolicyState
-from pagevis.kvcache.rope_shift import inverse_frequencies, rotate
+from pagevis.kvcache.rope_shift import inverse_frequencies
 
 # What the cache, the engine and the settings ask of a sequence's policy, wrapped or not (its callers:
 # kvcache/eviction.py, admission.py, layer_managers.py, paged_attention.py, snapshot.py, kv_cache_manager.py,
@@ -182,25 +182,15 @@ class KeyRerotation(PolicyWrapper):
     def after_removal(self, layer, seq, removed: list[int]) -> None:
         """After the tokens at positions `removed` left: each survivor older than k of them moves k positions
         later (its key rotated by k), so that the distance from any query to it is the one contiguous positions
-        would give. A page it changes comes from `layer.writable`: a shared one is copied (and keeps its prefix
-        hash), one changed in place no longer stands for its prefix hash."""
+        would give. The layer's manager rotates them (`rotate_keys`: a shared page is copied and keeps its prefix
+        hash, one changed in place no longer stands for its prefix hash)."""
         self.inner.after_removal(layer, seq, removed)
-        store, ps = layer.store, layer.page_size
         flat = layer.flat(seq)
-        positions = store.positions[flat]
+        positions = layer.positions_at(flat)
         later = len(removed) - np.searchsorted(np.sort(removed), positions, side="right")
         moving = (positions >= 0) & (later > 0)
-        moved, delta = flat[moving], later[moving]
-        for page in np.unique(moved // ps).tolist():
-            if (copy := layer.writable(seq, page)) != page:
-                moved = np.where(moved // ps == page, copy * ps + moved % ps, moved)
-        pages, slots = moved // ps, moved % ps
         scorer = unwrapped(self.inner)
-        inv_freq = inverse_frequencies(scorer.head_dim, scorer.rope_base)
-        rotated = rotate(store.k[:, pages, slots], delta, inv_freq).astype(store.k.dtype)
-        if seq.channels is not None:  # ThinK: a RoPE pair with one channel pruned keeps that channel zero
-            rotated = seq.channels.prune(layer.layer, rotated.transpose(1, 0, 2)).transpose(1, 0, 2)
-        store.k[:, pages, slots] = rotated
+        layer.rewrites.rotate_keys(seq, flat[moving], later[moving], inverse_frequencies(scorer.head_dim, scorer.rope_base))
 
 
 class PeriodicCompression(PolicyWrapper):
