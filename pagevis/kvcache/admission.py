@@ -123,10 +123,12 @@ class Admission:
 
     def pages_bound(self, seq_id: int, n_tokens: int) -> int:
         """A cheap upper bound on every layer's `pages_needed`: each of its copy-on-write terms copies at most
-        every page of the table once."""
+        every page of the table once, and none when the cache holds one sequence (no page is shared then)."""
+        new_pages = -(-n_tokens // self.cache.page_size)
+        if len(self.cache.sequences) == 1:
+            return new_pages
         seq = self.cache.sequences[seq_id]
-        longest = max(len(layer.table(seq).pages) for layer in self.cache.layers)
-        return 3 * longest + -(-n_tokens // self.cache.page_size)
+        return 3 * max(len(layer.table(seq).pages) for layer in self.cache.layers) + new_pages
 
     def fits(self, needs: list[int]) -> bool:
         """Whether the pool has the pages `needs` (per layer) asks for."""
@@ -157,8 +159,9 @@ class Admission:
         SwapSpaceError when the disk tier has no space for the pages they may need."""
         if not self.can_append(seq_id, n):
             self.cache.sequences[seq_id].policy.choose_victims(self.cache.view(seq_id, 0))  # raises CacheFullError
-        for store, need in zip(self.cache.stores, self.pages_needed(seq_id, n), strict=True):
-            store.reserve(need)
+        if self.cache.config.tiered:  # (a RAM-only store reserves nothing)
+            for store, need in zip(self.cache.stores, self.pages_needed(seq_id, n), strict=True):
+                store.reserve(need)
 
 
 def layer_free_slots(layer: LayerManager, seq: SequenceCache) -> int:

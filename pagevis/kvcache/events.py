@@ -65,7 +65,14 @@ class EventLog:
         self.events.append(CacheEvent(kind, self.step, layer, page, slot, position, policy, reason, score, frame,
                                       seq, detail))
 
+    def add_write(self, seq: int, layer: int, page: int, slot: int, position: int) -> None:
+        """`add` of a WRITE event (one per token and layer: the commonest, made without add's keywords)."""
+        self.events.append(CacheEvent(WRITE, self.step, layer, page, slot, position, "", "", NAN, -1, seq, -1))
+
     def take(self) -> list[CacheEvent]:
         """Events since the last call, oldest first."""
         events, self.events = self.events, []
         return events
+
+
+WRITE, NAN = EventKind.WRITE, float("nan")

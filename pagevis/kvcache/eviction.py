@@ -34,6 +34,9 @@ def append(layer: LayerManager, seq: SequenceCache, k: np.ndarray, v: np.ndarray
     budget = layer.budget(seq)
     if seq.channels is not None:
         k = seq.channels.prune(index, k)
+    if len(positions) == 1 and keep is None and not policy.prunes and table.resident < budget and holes:
+        layer.write(seq, k[0], v[0], int(positions[0]))  # decoding, room in its own pages: nothing else to do
+        return
     for i, position in enumerate(positions):
         if keep is not None:
             evict_heads(layer, seq)

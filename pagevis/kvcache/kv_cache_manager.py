@@ -379,8 +379,8 @@ class KVCacheManager:
 
     def can_attend_many(self, seq_ids: list[int], layer: int) -> bool:
         """Whether `attend_many` serves these sequences (several, in RAM, unquantized, no selection or masks)."""
-        return paged_attention.can_attend_many(self.layers[layer], [self.sequences[s] for s in seq_ids],
-                                               self.select_pages)
+        return len(seq_ids) > 1 and paged_attention.can_attend_many(
+            self.layers[layer], [self.sequences[s] for s in seq_ids], self.select_pages)
 
     def attend_many(self, seq_ids: list[int], layer: int, q: np.ndarray, positions: np.ndarray
                     ) -> list[AttentionResult]:

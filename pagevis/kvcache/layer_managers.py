@@ -30,7 +30,7 @@ import numpy as np
 
 from pagevis.kvcache.errors import CacheFullError, ConfigError
 from pagevis.kvcache.events import EventKind, EventLog
-from pagevis.kvcache.policy_state import LayerView
+from pagevis.kvcache.policy_state import LayerView, PolicyState
 from pagevis.kvcache.rewrites import Rewrites
 from pagevis.kvcache.sequence import LayerTable, SequenceCache
 from pagevis.kvcache.slots import flat_slots, page_slots
@@ -196,9 +196,10 @@ class LayerManager:
         another sequence shares the page — which keeps its K/V and its prefix hash, unchanged — else the page
         itself, which then no longer stands for its prefix hash (unless the change `keeps_prefix`: KIVI's
         sealing quantizes the tokens as every sequence with this prefix does)."""
-        if self.store.pages.is_shared(page):
+        pages = self.store.pages
+        if pages.ref_counts[page] > 1:  # shared (BlockPool.is_shared)
             return self._copy_on_write(seq, page)
-        if not keeps_prefix:
+        if not keeps_prefix and page in pages.frame_hash:
             self._forget(seq, page)
         return page
 
@@ -249,17 +250,19 @@ class LayerManager:
     def write(self, seq: SequenceCache, k: np.ndarray, v: np.ndarray, position: int) -> None:
         """The token at `position` (its key and value (n_kv_heads, head_dim)) into the sequence's lowest empty
         slot (free_slot: a page allocated, read back from disk or copied first as needed)."""
-        flat, table = self.free_slot(seq), self.tables[seq.seq_id]
+        table = self.tables[seq.seq_id]
+        flat = self.free_slot(seq, table)
         self.store.write(flat, k, v, position)
         table.holes.remove(flat)
         table.resident += 1
         state = table.state
-        state.clear(flat)
-        state.write(flat, k, v, position)
-        keep = table.head_keep
-        if keep is not None:
-            keep[:, flat] = True
-        self.event(E.WRITE, seq, *divmod(flat, self.page_size), position)
+        if type(state) is not PolicyState:  # (the base keeps no statistics)
+            state.clear(flat)
+            state.write(flat, k, v, position)
+        if table.head_keep is not None:
+            table.head_keep[:, flat] = True
+        page, slot = divmod(flat, self.page_size)
+        self.log.add_write(seq.seq_id, self.layer, page, slot, position)
 
     def take_out(self, seq: SequenceCache, flat: int, reason: str, score: float, detail: int = -1) -> int:
         """Evict the token in the sequence's slot `flat` (of a page `writable` gave) and release its page if
@@ -281,10 +284,10 @@ class LayerManager:
         return position
 
     # --- writing ---------------------------------------------------------------------------------
-    def free_slot(self, seq: SequenceCache) -> int:
-        """The lowest empty slot of the sequence's pages, preferring pages in RAM (allocating a page if it
-        has none); a page on disk is read back into RAM, a shared page is copied first."""
-        store, table, ps, step = self.store, self.tables[seq.seq_id], self.page_size, self.log.step
+    def free_slot(self, seq: SequenceCache, table: LayerTable) -> int:
+        """The lowest empty slot of the sequence's pages (`table`: its table here), preferring pages in RAM
+        (allocating a page if it has none); a page on disk is read back into RAM, a shared page is copied first."""
+        store, ps, step = self.store, self.page_size, self.log.step
         holes = table.holes
         if not holes:
             page, old_hash = store.allocate(step)

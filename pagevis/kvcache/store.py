@@ -156,10 +156,11 @@ class PageStore:
 
     def write(self, flat: int, k: np.ndarray, v: np.ndarray, position: int) -> None:
         page, slot = divmod(flat, self.page_size)
-        frame = self.frame_of[page]
+        frame = int(self.frame_of[page])
         self._write_kv(flat, frame, slot, k, v)
         self.positions[flat] = position
-        self.newest = max(self.newest, position)
+        if position > self.newest:
+            self.newest = position
         self.fill[page] += 1
         self.tier.mark_written(page, frame, slot, flat, position)
         if self.quest:
