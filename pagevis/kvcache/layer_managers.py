@@ -142,6 +142,7 @@ class LayerManager:
             store.restore(page, first_position)
         table = self.tables[seq.seq_id]
         table.pages.append(page)
+        table.floor = -1
         table.resident += int(store.fill[page])
         held = store.positions[page_slots(page, ps)] >= 0
         table.holes.update((page * ps + np.flatnonzero(~held)).tolist())
@@ -232,6 +233,7 @@ class LayerManager:
         if head_keep is not None:
             head_keep[:, dst] = head_keep[:, src] & keep
         table, holes = own.pages, own.holes
+        own.floor = -1
         empty = (new * ps + np.flatnonzero(~keep)).tolist()
         if replace:
             if head_keep is not None:
@@ -255,6 +257,8 @@ class LayerManager:
         self.store.write(flat, k, v, position)
         table.holes.remove(flat)
         table.resident += 1
+        if position < table.floor:
+            table.floor = -1
         state = table.state
         if type(state) is not PolicyState:  # (the base keeps no statistics)
             state.clear(flat)
@@ -270,6 +274,7 @@ class LayerManager:
         store, ps, table = self.store, self.page_size, self.tables[seq.seq_id]
         page, slot = divmod(flat, ps)
         position = store.remove(flat)
+        table.floor = -1
         table.holes.add(flat)
         table.resident -= 1
         keep = table.head_keep
@@ -294,6 +299,7 @@ class LayerManager:
             if old_hash is not None:
                 self.event(E.UNCACHE, seq, page, detail=old_hash)
             table.pages.append(page)
+            table.floor = -1
             holes.update(range(page * ps, (page + 1) * ps))
             self.event(E.ALLOCATE, seq, page, frame=int(store.frame_of[page]) if store.tiered else -1)
         flat = min(holes)
@@ -385,11 +391,13 @@ class SlidingWindowManager(LayerManager):
         """Drop the pages that the query at `last` (default: the newest written) cannot see."""
         store, ps, own = self.store, self.page_size, self.tables[seq.seq_id]
         last = seq.newest if last is None else last
-        table = own.pages
-        if last < 0 or not table:
+        table, first = own.pages, first_visible(last, self.window)
+        if last < 0 or not table or first <= own.floor:  # (no page's newest token is below the window)
             return
         newest_of = store.positions.reshape(-1, ps)[table].max(axis=1)  # each page's newest token (-1: empty)
-        gone = (newest_of >= 0) & (newest_of < first_visible(last, self.window))
+        gone = (newest_of >= 0) & (newest_of < first)
+        held = newest_of[~gone & (newest_of >= 0)]
+        own.floor = int(held.min()) if len(held) else -1
         for page, newest in zip(np.asarray(table)[gone].tolist(), newest_of[gone].tolist(), strict=True):
             table.remove(page)
             own.holes.difference_update(range(page * ps, (page + 1) * ps))

@@ -35,11 +35,14 @@ class LayerTable:
     read_slots: np.ndarray | None = None
     dropped: int = 0
     slid: int = -1
+    # a lower bound on each non-empty page's newest position (-1: unknown; a local layer slides nothing while its
+    # window starts at or below it): unknown again whenever a page joins the table or a token leaves it
+    floor: int = -1
 
     def clear(self) -> None:
         self.pages.clear()
         self.holes.clear()
-        self.resident, self.read_slots, self.dropped, self.slid = 0, None, 0, -1
+        self.resident, self.read_slots, self.dropped, self.slid, self.floor = 0, None, 0, -1, -1
         self.state.reset()
         if self.head_keep is not None:
             self.head_keep.fill(False)
