@@ -15,6 +15,7 @@ EVENT_DTYPE = np.dtype([("kind", "i1"), ("step", "i4"), ("layer", "i4"), ("page"
                         ("position", "i8"), ("policy", "i2"), ("reason", "i2"), ("score", "f8"),
                         ("frame", "i4"), ("seq", "i4"), ("detail", "i8")])
 KINDS = tuple(EventKind)
+KIND_CODES = {kind: code for code, kind in enumerate(KINDS)}
 
 
 class Strings:
@@ -36,8 +37,9 @@ def to_rows(events: Iterable[CacheEvent], strings: Strings) -> np.ndarray:
     """Events as EVENT_DTYPE rows (texts interned in `strings`)."""
     if isinstance(events, EventArray):
         return events.rows if events.strings is strings else events.recoded(strings)
-    return np.array([(KINDS.index(e.kind), e.step, e.layer, e.page, e.slot, e.position, strings.code(e.policy),
-                      strings.code(e.reason), e.score, e.frame, e.seq, e.detail) for e in events], dtype=EVENT_DTYPE)
+    code = strings.code
+    return np.array([(KIND_CODES[e.kind], e.step, e.layer, e.page, e.slot, e.position, code(e.policy),
+                      code(e.reason), e.score, e.frame, e.seq, e.detail) for e in events], dtype=EVENT_DTYPE)
 
 
 def in_layer(events: Sequence[CacheEvent], layer: int) -> list[CacheEvent]:
