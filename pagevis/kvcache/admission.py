@@ -90,7 +90,7 @@ class Admission:
         per-head policy also before it must drop an entry, so that a prefill chunk never evicts mid-chunk on
         statistics that have not seen the chunk; likewise for a policy that prunes at any fill)."""
         seq = self.cache.sequences[seq_id]
-        rooms = [layer.budget(seq) - layer.table(seq).resident for layer in self.cache.layers]
+        rooms = [layer.budget(seq) - layer.tables[seq_id].resident for layer in self.cache.layers]
         if seq.policy.per_head:
             rooms += [seq.policy.head_room(layer.view(seq)) for layer in self.cache.layers]
         if seq.policy.prunes:
@@ -99,7 +99,7 @@ class Admission:
 
     def is_full(self, seq_id: int) -> bool:
         """Whether the sequence takes no more tokens: its room is used up and its policy never evicts ('none')."""
-        return self.room(seq_id) <= 0 and not self.cache.sequences[seq_id].policy.evicts
+        return not self.cache.sequences[seq_id].policy.evicts and self.room(seq_id) <= 0
 
     def hit_limit(self, seq_id: int, longest: int, n_tokens: int) -> int:
         """How many of its n_tokens a sequence that may grow to `longest` tokens may take from the prefix cache

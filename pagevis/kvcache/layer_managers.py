@@ -190,7 +190,10 @@ class LayerManager:
     def commit(self, seq: SequenceCache) -> None:
         """After a step: the layer's own bookkeeping, and the pool's peak."""
         self.after_step(seq)
-        self.store.used_peak = max(self.store.used_peak, self.store.pages.n_used())
+        pages = self.store.pages
+        used = pages.n_frames - len(pages.empty) - len(pages.cached)  # (BlockPool.n_used)
+        if used > self.store.used_peak:
+            self.store.used_peak = used
 
     def writable(self, seq: SequenceCache, page: int, keeps_prefix: bool = False) -> int:
         """The page the sequence is about to change (copy-on-write, for every change): a copy of its own when
