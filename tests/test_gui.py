@@ -317,8 +317,8 @@ def test_controls_are_made_from_the_settings_table(qtbot):
 
     controls = ControlsPanel()
     qtbot.addWidget(controls)
-    assert set(controls._inputs) == {s.name for s in settings.SETTINGS.values() if s.app and s.kind != "params"}
-    for name, widget in controls._inputs.items():
+    assert set(controls.inputs) == {s.name for s in settings.SETTINGS.values() if s.app and s.kind != "params"}
+    for name, widget in controls.inputs.items():
         s = settings.setting(name)
         assert widget.toolTip() == s.help, name
         if s.kind in ("int", "float"):

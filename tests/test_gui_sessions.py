@@ -43,7 +43,7 @@ def test_running_every_preset_leaves_the_saved_settings_and_a_plain_launch_evict
     monkeypatch.setattr(locate, "named_model_path", lambda name: TINY)  # Gemma's preset on a stand-in
     first = open_window(qtbot, tmp_path)
     assert first.statusBar().currentMessage().startswith("The default settings")
-    first.controls._inputs["max_new_tokens"].setValue(150)  # the user's own setting
+    first.controls.inputs["max_new_tokens"].setValue(150)  # the user's own setting
     qtbot.waitUntil(lambda: first.runner.state == "ready", timeout=60000)
     first.close()
     before = saved(tmp_path)
@@ -60,7 +60,7 @@ def test_running_every_preset_leaves_the_saved_settings_and_a_plain_launch_evict
         window.close()
         assert saved(tmp_path) == before, preset.name
     again = open_window(qtbot, tmp_path)
-    assert again.controls._inputs["max_new_tokens"].value() == 150 and not again.presets.banner.isVisible()
+    assert again.controls.inputs["max_new_tokens"].value() == 150 and not again.presets.banner.isVisible()
     again.runner.step_blocking(60)  # a presenter's first minute is many more steps than this
     assert again.runner.session.records[-1].evictions_total > 0
     again.close()

@@ -10,6 +10,7 @@ options that only change what is drawn.
 from __future__ import annotations
 
 import importlib.resources
+from contextlib import contextmanager
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, Signal
@@ -34,7 +35,6 @@ from pagevis.kvcache import POLICIES, ConfigError, policy_params
 from pagevis.kvcache.quant import has_residual
 from pagevis.presets import PRESETS, Preset, default_prompt
 from pagevis.gui.session.controls_state import SPEC_INPUTS, ControlsState
-from pagevis.gui.session.presets import model_title
 from pagevis.gui.session.runner import validate
 from pagevis.gui.widgets.setting_inputs import combo as _combo
 from pagevis.gui.widgets.setting_inputs import read_input, setting_input
@@ -55,7 +55,7 @@ def sample_prompts() -> dict[str, str]:
         return {}
 
 
-class ControlsPanel(ControlsState, QScrollArea):
+class ControlsPanel(QScrollArea):
     session_changed = Signal(str)  # a human-readable reason: "page size changed"
     view_changed = Signal()
     preset_chosen = Signal(object)  # a Preset: the window applies it (one session, or A/B)
@@ -64,10 +64,8 @@ class ControlsPanel(ControlsState, QScrollArea):
         super().__init__(parent)
         self.setWidgetResizable(True)
         self.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
-        self._gguf_path: str | None = None
-        self._swap_dir: str | None = None  # from --swap-dir; the controls have no field for it
-        self._inputs: dict[str, QWidget] = {}  # setting name -> its widget (made from the settings table)
-        self._param_values: dict[str, dict[str, object]] = {}
+        self.state = ControlsState(self)  # the configuration in and out, and what no input shows
+        self.inputs: dict[str, QWidget] = {}  # setting name -> its widget (made from the settings table)
         self._param_widgets: dict[str, QSpinBox] = {}
         self._reason = ""
         self._debounce = QTimer(self, singleShot=True, interval=150)
@@ -86,10 +84,8 @@ class ControlsPanel(ControlsState, QScrollArea):
         column.addStretch(1)
         self.setWidget(body)
         self.setMinimumWidth(300)
-        self._rebuild_params()
-        self._update_model_rows()
-        self._update_sampling_rows()
-        self.check()
+        self.rebuild_params()
+        self.refresh()
 
     # --- construction ----------------------------------------------------------------------------
     def _demo_group(self) -> QGroupBox:
@@ -172,12 +168,12 @@ class ControlsPanel(ControlsState, QScrollArea):
     def _input(self, name: str) -> QWidget:
         """The widget of a setting (range, default and tooltip from the settings table), registered so that
         session_config() reads it and set_configuration() writes it."""
-        self._inputs[name] = setting_input(name)
-        return self._inputs[name]
+        self.inputs[name] = setting_input(name)
+        return self.inputs[name]
 
     def _add_rows(self, form: QFormLayout, *names: str) -> None:
         for name in names:
-            form.addRow(settings.setting(name).label, self._inputs[name])
+            form.addRow(settings.setting(name).label, self.inputs[name])
 
     def _cache_group(self) -> QGroupBox:
         box = QGroupBox("Paged KV cache")
@@ -232,7 +228,7 @@ class ControlsPanel(ControlsState, QScrollArea):
         self._add_rows(form, "mode")
         self._sampling_rows = []
         for name in ("temperature", "top_k", "top_p", "seed"):
-            widget = self._inputs[name]
+            widget = self.inputs[name]
             self._add_rows(form, name)
             self._sampling_rows.append((form, widget))
             widget.valueChanged.connect(lambda *_: self._session("sampling changed"))
@@ -313,7 +309,7 @@ class ControlsPanel(ControlsState, QScrollArea):
         self.residual.setEnabled(has_residual(self.dtype.currentData()))
 
     def _policy_changed(self) -> None:
-        self._rebuild_params()
+        self.rebuild_params()
         self._session("policy changed")
 
     def _sample_chosen(self, index: int) -> None:
@@ -323,12 +319,13 @@ class ControlsPanel(ControlsState, QScrollArea):
             self.samples.setCurrentIndex(0)
             self._session("prompt changed", now=True)
 
-    def _rebuild_params(self) -> None:
+    def rebuild_params(self) -> None:
+        """One input per parameter of the chosen policy, each showing its remembered value or default."""
         while self.params_form.rowCount():
             self.params_form.removeRow(0)
         self._param_widgets = {}
         name = self.policy.currentData()
-        remembered = self._param_values.setdefault(name, {})
+        remembered = self.state.param_values.setdefault(name, {})
         for param, default in policy_params(name).items():
             value = remembered.get(param, default)
             box = _spin(-1 if default is None else 0, 2**31 - 1, -1 if value is None else int(value),
@@ -341,7 +338,7 @@ class ControlsPanel(ControlsState, QScrollArea):
         self._update_capacity()
 
     def _param_edited(self, param: str) -> None:
-        self._param_values[self.policy.currentData()] = self.policy_parameters()
+        self.state.param_values[self.policy.currentData()] = self.policy_parameters()
         self._session(f"{param.replace('_', ' ')} changed")
 
     def _update_capacity(self) -> None:
@@ -361,7 +358,7 @@ class ControlsPanel(ControlsState, QScrollArea):
     def model_spec(self) -> ModelSpec:
         kind = self.model.currentData()
         if kind == "gguf":
-            return ModelSpec(kind="gguf", path=self._gguf_path)
+            return ModelSpec(kind="gguf", path=self.state.gguf_path)
         if kind == "synthetic":
             return ModelSpec(kind="synthetic", **{field: getattr(self, name).value() for name, field in SPEC_INPUTS})
         return ModelSpec()
@@ -371,9 +368,9 @@ class ControlsPanel(ControlsState, QScrollArea):
 
     def session_config(self) -> SessionConfig:
         """The configuration the controls describe; ConfigError if it is not valid."""
-        values = {name: read_input(widget) for name, widget in self._inputs.items()}
+        values = {name: read_input(widget) for name, widget in self.inputs.items()}
         values["policy_params"] = {k: v for k, v in self.policy_parameters().items() if v is not None}
-        return settings.with_values(SessionConfig(swap_dir=self._swap_dir), values)
+        return settings.with_values(SessionConfig(swap_dir=self.state.swap_dir), values)
 
     def check(self) -> bool:
         """Validate the configuration; show the first problem inline. True when it is valid."""
@@ -404,8 +401,7 @@ class ControlsPanel(ControlsState, QScrollArea):
                         layer_kinds: list[str] | None = None) -> None:
         """Fit the layer and head selectors to the loaded model, keeping the selection when it exists;
         `layer_kinds` ('global', 'local W=512' per layer) for a hybrid cache: the layer box says which."""
-        self._loading = True
-        try:
+        with self.quiet():
             self._layer_kinds = layer_kinds
             self.layer.setMaximum(n_layers - 1)
             self._show_layer_kind()
@@ -415,24 +411,37 @@ class ControlsPanel(ControlsState, QScrollArea):
             for h in range(n_heads):
                 self.head.addItem(head_label(h, n_heads, n_kv_heads), h)
             self.head.setCurrentIndex(0 if head is None or head >= n_heads else head + 1)
-        finally:
-            self._loading = False
 
     def _show_layer_kind(self) -> None:
         kinds = self._layer_kinds
         self.layer.setSuffix(f"  ({kinds[self.layer.value()]})" if kinds and self.layer.value() < len(kinds) else "")
 
-    def set_gguf(self, path: str) -> None:
-        self._gguf_path = path
-        index = self.model.findData("gguf")
-        if index < 0:
-            self.model.addItem("", "gguf")
-            index = self.model.count() - 1
-        title = model_title(path)
-        self.model.setItemText(index, title if title != Path(path).name else f"GGUF: {title}")
-        self.model.setItemData(index, path, Qt.ToolTipRole)
-        self.model.setCurrentIndex(index)
+    # --- the state's (pagevis.gui.session.controls_state), called on the panel by the window and presets --------
+    def set_configuration(self, spec: ModelSpec | None = None, prompt: str | None = None,
+                          config: SessionConfig | None = None) -> None:
+        self.state.set_configuration(spec, prompt, config)
 
+    def to_dict(self) -> dict:
+        return self.state.to_dict()
+
+    def from_dict(self, data: dict) -> None:
+        self.state.from_dict(data)
+
+    @contextmanager
+    def quiet(self):
+        """Set inputs without emitting session_changed or view_changed (a configuration being shown)."""
+        self._loading = True
+        try:
+            yield
+        finally:
+            self._loading = False
+
+    def refresh(self) -> None:
+        """The rows, the capacity and the inline check, after inputs were set quietly."""
+        self._update_model_rows()
+        self._update_sampling_rows()
+        self._update_capacity()
+        self.check()
 
 def _show_rows(rows, visible: bool) -> None:
     """Show or hide form rows given as (form, widget) pairs."""

@@ -1,11 +1,18 @@
-"""The controls' configuration in and out (a part of ControlsPanel, by job): show a configuration (launch's
-arguments, a preset, the saved settings) without restarting anything, and the dictionary the app saves."""
+"""The controls' configuration in and out (the ControlsState a ControlsPanel holds): show a configuration (launch's
+arguments, a preset, the saved settings) without restarting anything, the dictionary the app saves, and what the
+configuration holds that no input shows (the GGUF file, the swap folder, each policy's parameters, the restored
+layer)."""
 
 from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Qt
 
 from pagevis import settings
 from pagevis.engine import ModelSpec, SessionConfig
 from pagevis.kvcache import ConfigError
+from pagevis.gui.session.presets import model_title
 from pagevis.gui.session.runner import validate
 from pagevis.gui.widgets.setting_inputs import write_input
 from pagevis.presets import default_prompt
@@ -17,50 +24,69 @@ SPEC_INPUTS = (("layers", "n_layers"), ("heads", "n_heads"), ("kv_heads", "n_kv_
 
 
 class ControlsState:
-    """ControlsPanel's persistence (a mixin over the panel's inputs)."""
+    """A ControlsPanel's configuration in and out (`panel.state`): it writes the panel's inputs quietly (no
+    session_changed, no view_changed) and reads them through the panel's model_spec, prompt, session_config and
+    view_options; it holds the GGUF file shown (`gguf_path`), the swap folder (from --swap-dir: no input shows it),
+    the parameters each policy had when last shown (`param_values`) and the layer the restored settings showed."""
+
+    def __init__(self, panel):
+        self.panel = panel
+        self.gguf_path: str | None = None
+        self.swap_dir: str | None = None
+        self.param_values: dict[str, dict[str, object]] = {}  # policy name -> its parameters, kept across switches
+        self._saved_layer: int | None = None
 
     def set_configuration(self, spec: ModelSpec | None = None, prompt: str | None = None,
                           config: SessionConfig | None = None) -> None:
         """Show a configuration (from launch() arguments or saved settings) without emitting anything."""
-        self._loading = True
-        try:
+        panel = self.panel
+        with panel.quiet():
             if spec is not None:
                 if spec.kind == "gguf":
-                    self.set_gguf(spec.path)  # while loading: showing the file restarts nothing
+                    self.set_gguf(spec.path)  # while quiet: showing the file restarts nothing
                 else:
-                    self.model.setCurrentIndex(self.model.findData(spec.kind))
+                    panel.model.setCurrentIndex(panel.model.findData(spec.kind))
                 for name, field in SPEC_INPUTS:
-                    getattr(self, name).setValue(getattr(spec, field))
+                    getattr(panel, name).setValue(getattr(spec, field))
             if prompt is not None:
-                self.prompt_edit.setPlainText(prompt)
+                panel.prompt_edit.setPlainText(prompt)
             if config is not None:
-                self._param_values[config.policy] = dict(config.policy_params)
+                self.param_values[config.policy] = dict(config.policy_params)
                 values = settings.values(config)
-                for name, widget in self._inputs.items():
+                for name, widget in panel.inputs.items():
                     write_input(widget, values[name])
-                self._rebuild_params()
-                self._swap_dir = config.swap_dir
-        finally:
-            self._loading = False
-        self._update_model_rows()
-        self._update_sampling_rows()
-        self._update_capacity()
-        self.check()
+                panel.rebuild_params()
+                self.swap_dir = config.swap_dir
+        panel.refresh()
+
+    def set_gguf(self, path: str) -> None:
+        """Show a GGUF file as the model (File ▸ Open GGUF model, --model FILE)."""
+        self.gguf_path = path
+        model = self.panel.model
+        index = model.findData("gguf")
+        if index < 0:
+            model.addItem("", "gguf")
+            index = model.count() - 1
+        title = model_title(path)
+        model.setItemText(index, title if title != Path(path).name else f"GGUF: {title}")
+        model.setItemData(index, path, Qt.ToolTipRole)
+        model.setCurrentIndex(index)
 
     def take_saved_layer(self) -> int | None:
         """The layer the restored settings showed, once (the first session shows it), then None."""
-        layer, self._saved_layer = getattr(self, "_saved_layer", None), None
+        layer, self._saved_layer = self._saved_layer, None
         return layer
 
     def to_dict(self) -> dict:
         """What the app saves (QSettings): the model, the prompt, the settings the controls show (the settings
         table's JSON form, as a trace header holds it) and the view options."""
-        spec = self.model_spec() if self.model.currentData() != "gguf" else ModelSpec()
+        panel = self.panel
+        spec = panel.model_spec() if panel.model.currentData() != "gguf" else ModelSpec()
         return {
-            "model": spec.kind, "gguf": self._gguf_path or "",
+            "model": spec.kind, "gguf": self.gguf_path or "",
             **{name: getattr(spec, field) for name, field in SPEC_INPUTS},
-            "prompt": self.prompt(), **settings.to_dict(self.session_config(), where=lambda s: s.app),
-            **{f"view_{k}": v for k, v in self.view_options().items()},
+            "prompt": panel.prompt(), **settings.to_dict(panel.session_config(), where=lambda s: s.app),
+            **{f"view_{k}": v for k, v in panel.view_options().items()},
         }
 
     def from_dict(self, data: dict) -> None:
@@ -80,10 +106,8 @@ class ControlsState:
         except (ConfigError, ValueError, TypeError):
             return
         self.set_configuration(spec, data.get("prompt") or default_prompt(spec.kind), config)
-        self._loading = True
-        try:
-            self.shade.setCurrentIndex(max(0, self.shade.findData(data.get("view_shade", "age"))))
-            self.scale.setCurrentText("log" if data.get("view_log_scale") else "linear")
+        panel = self.panel
+        with panel.quiet():
+            panel.shade.setCurrentIndex(max(0, panel.shade.findData(data.get("view_shade", "age"))))
+            panel.scale.setCurrentText("log" if data.get("view_log_scale") else "linear")
             self._saved_layer = int(data.get("view_layer", 0))
-        finally:
-            self._loading = False

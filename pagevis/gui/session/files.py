@@ -75,7 +75,7 @@ class FileActions:
         path, _ = QFileDialog.getOpenFileName(self.window, "Open a Llama-family GGUF model", "",
                                               "GGUF models (*.gguf)")
         if path:
-            self.window.controls.set_gguf(path)
+            self.window.controls.state.set_gguf(path)
 
     def choose_trace(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self.window, "Open a pagevis trace", "", "pagevis traces (*)")

@@ -153,7 +153,7 @@ class SessionLifecycle:
         w.controls.set_model_shape(info.n_layers, info.n_heads, info.n_kv_heads,
                                    [spec.label for spec in layer_specs(info.sliding_windows, info.n_layers)]
                                    if info.sliding_windows is not None else None)
-        saved_layer = w.controls.take_saved_layer()
+        saved_layer = w.controls.state.take_saved_layer()
         if saved_layer is not None:
             w.controls.layer.setValue(min(saved_layer, info.n_layers - 1))
         if len(timeline):
