@@ -41,7 +41,7 @@ SIZE = (1280, 720)  # a projector's: two 8 × 8 grids of 24 × 16 px cells with 
 OPEN_FILE = "Open a file…"
 
 
-class ABWindow(TimelineCursor, QMainWindow):
+class ABWindow(QMainWindow):
     def __init__(self, spec: ModelSpec, prompt: str, config_a: SessionConfig, config_b: SessionConfig,
                  title: str = "", parent=None, text: str | None = None):
         """title: the window's title — a preset's name shows that preset's point and, if it reads a text,
@@ -53,6 +53,7 @@ class ABWindow(TimelineCursor, QMainWindow):
         self.preset = preset_named(title)
         self.spec, self.prompt = spec, prompt
         self.runner = ABRunner(self)
+        self.cursor = TimelineCursor(self)  # step / scrub: which recorded step both sides show
         self.timeline: ABTimeline | None = None
         self.index = -1
         self.follow = True
@@ -273,6 +274,12 @@ class ABWindow(TimelineCursor, QMainWindow):
             self.summary.setText(self.summary.text() + f" — finished ({self.runner.session.stop_reason})")
 
     # --- drawing ---------------------------------------------------------------------------------
+    def step(self) -> None:
+        self.cursor.step()
+
+    def scrub(self, index: int) -> None:
+        self.cursor.scrub(index)
+
     def redraw(self) -> None:
         self._frame.stop()
         self._drawn_at = time.perf_counter()

@@ -1,9 +1,12 @@
 """The main window: controls, transport, dockable views, menus, status bar; wires the runner to the views.
 
-MainWindow holds its parts, each an object in its own module: the dock layouts (layout.py, `layout_`), drawing (rendering.py,
-`renderer`), files and other windows (files.py, `files`) and presets (presets.py, `presets`); sessions
-(lifecycle.py) are still a mixin. This module builds the window, its menus and signals, and saves and restores its
-settings.
+MainWindow holds its parts, each an object in its own module that gets the window: sessions (lifecycle.py,
+`lifecycle`), drawing (rendering.py, `renderer`), files and other windows (files.py, `files`), the step shown
+(widgets/transport.py, `cursor`), the dock layouts (layout.py, `layout_`) and presets (presets.py, `presets`). The
+window keeps the state they share (`timeline`, `index`, `follow`, `ab_window`), builds itself, its menus and signals,
+reports problems, saves and restores its settings, and passes on the few verbs other modules call on it (start,
+restart, open_trace, open_ab, apply_preset, toggle_play, step, scrub, redraw, open_sequences, open_server,
+start_tour).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from pagevis.gui.widgets.text import TextView
 SETTINGS_VERSION = 1
 
 
-class MainWindow(TimelineCursor, QMainWindow):
+class MainWindow(QMainWindow):
     def __init__(self, settings: QSettings | None = None, restore: bool = True, persist: bool = True):
         """`restore`: start from the saved layout and configuration; `persist`: save them on close."""
         super().__init__()
@@ -59,6 +62,7 @@ class MainWindow(TimelineCursor, QMainWindow):
         self.files = FileActions(self)  # the File menu and the windows opened beside this one
         self.renderer = Renderer(self)  # draws the record at `index` in the views, frames paced
         self.lifecycle = SessionLifecycle(self)  # starts, restarts, replays and presets sessions
+        self.cursor = TimelineCursor(self)  # step / scrub: which recorded step the views show
         self.timeline: Timeline | None = None
         self.index = -1  # the record the views show
         self.follow = True  # keep showing the newest record as records arrive
@@ -278,6 +282,13 @@ class MainWindow(TimelineCursor, QMainWindow):
 
     def toggle_play(self) -> None:
         self.lifecycle.toggle_play()
+
+    def step(self) -> None:
+        """→: the next recorded step, or at the newest decode one token (pagevis.gui.widgets.transport)."""
+        self.cursor.step()
+
+    def scrub(self, index: int) -> None:
+        self.cursor.scrub(index)
 
     def redraw(self) -> None:
         """Show the record at `index` in the views now (pagevis.gui.session.rendering)."""

@@ -27,26 +27,31 @@ def speed_box(default: str = SPEEDS[0][0]) -> QComboBox:
 
 
 class TimelineCursor:
-    """Transport semantics shared by the main and the A/B window (which provide `timeline`, `index`,
-    `follow`, `runner` and `redraw()`): → moves through the recorded steps and decodes only at the newest
-    (or never, in a replay); scrubbing to the newest record follows new records again."""
+    """Which recorded step a timeline window shows (a part the main and the A/B window hold, `window.cursor`):
+    → moves through the recorded steps and decodes only at the newest (or never, in a replay); scrubbing to the
+    newest record follows new records again. It reads the window's `timeline` and `runner`, sets its `index` and
+    `follow`, and calls its `redraw()`."""
+
+    def __init__(self, window):
+        self.window = window
 
     def step(self) -> None:
-        timeline = self.timeline
-        if timeline is not None and (self.index < len(timeline) - 1 or self.runner.state == "replay"):
-            self.scrub(self.index + 1)
+        w = self.window
+        if w.timeline is not None and (w.index < len(w.timeline) - 1 or w.runner.state == "replay"):
+            self.scrub(w.index + 1)
             return
-        if self.runner.busy:
+        if w.runner.busy:
             return
-        self.follow = True
-        self.runner.step(1)
+        w.follow = True
+        w.runner.step(1)
 
     def scrub(self, index: int) -> None:
-        if self.timeline is None or not len(self.timeline):
+        w = self.window
+        if w.timeline is None or not len(w.timeline):
             return
-        self.index = max(0, min(index, len(self.timeline) - 1))
-        self.follow = self.index == len(self.timeline) - 1
-        self.redraw()
+        w.index = max(0, min(index, len(w.timeline) - 1))
+        w.follow = w.index == len(w.timeline) - 1
+        w.redraw()
 
 
 class MarkedSlider(QSlider):
