@@ -25,6 +25,8 @@ def test_a_worker_decodes_and_its_parts_add_up_to_the_wall_time(tiny_file, worke
     out = worker(tiny_file, 1, 3, (5, 40))
     for n in (5, 40):
         assert out[f"decode_{n}"] > 0 and out[f"prefill_{n}"] > 0 and out[f"peak_rss_{n}"] > 0
+        if worker is bench.engine_worker:
+            assert out[f"decode_cpu_{n}"] > 0
         split = out[f"split_{n}"]
         assert min(split[part] for part in ("weights", "attention", "forward_rest")) > 0
         assert sum(split[part] for part in bench.PARTS) == pytest.approx(split["wall"], rel=1e-6)
@@ -72,13 +74,14 @@ def test_the_policy_report_states_each_rate_over_sinks_in_the_same_round(monkeyp
     rates = iter([10.0, 5.0, 8.0, 8.0])  # round 1: sinks, h2o; round 2: sinks, h2o
 
     def worker(config, path, decode, prompts):
-        return {"decode_512": next(rates), "prefill_512": 1.0, "peak_rss_512": 1 << 20,
+        rate = next(rates)
+        return {"decode_512": rate, "decode_cpu_512": 2 * rate, "prefill_512": 1.0, "peak_rss_512": 1 << 20,
                 "split_512": {part: 1.0 for part in ("wall", *bench.PARTS)}}
 
     monkeypatch.setattr(bench, "run_worker", worker)
     result = bench.run_policy_bench(2, 4, tiny_file, ("h2o",), say=lambda text: None)
     h2o = next(row for row in result["rows"] if row["name"] == "h2o")
-    assert h2o["over_sinks_rounds"] == [0.5, 1.0] and h2o["over_sinks"] == 0.75
+    assert h2o["over_sinks_rounds"] == [0.5, 1.0] and h2o["over_sinks"] == 0.75 and h2o["over_sinks_cpu"] == 0.75
     assert "h2o" in bench.format_policy_report(result) and "0.75x" in bench.format_policy_report(result)
 
 
