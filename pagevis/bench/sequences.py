@@ -97,6 +97,10 @@ def format_sequences(result: dict) -> list[str]:
     for r in result["batching"]:
         out.append(f"{r['sequences']:>10} {r['step_ms']:>9.1f} {r['tokens_per_s']:>8.1f} {r['over_one']:>6.2f}x "
                    f"{r['cpu_step_ms']:>8.1f} {r['cpu_tokens_per_s']:>10.1f} {r['cpu_over_one']:>6.2f}x")
+    ratios = {r["sequences"]: r["over_one"] for r in result["batching"]}
+    if 8 in ratios and 16 in ratios:
+        out.append(f"  8 sequences {ratios[8]:.2f}x one sequence's rate, 16 {ratios[16]:.2f}x (targets 3.5x and 5x: "
+                   "docs/speed.md, batches)")
     p = result["parallel"]
     out.append(f"  parallel sampling n={p['sequences']}: {p['pages_used_peak']} pages at the peak vs "
                f"{p['pages_one_sequence']} for one sequence ({p['pages_over_one']:.2f}x; no sharing "
