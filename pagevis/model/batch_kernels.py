@@ -26,7 +26,8 @@ from pagevis.model.weight_kernels import (_BATCH_OPTIONS, _I8, _MAT, _NIB, HALF,
                                          _scales)
 
 TILE = 64
-BLOCK = 16  # codes per register block: 8 and 16 measured alike, 4 slower, 32 left the loop rolled
+BLOCK = 8  # codes per register block: 8 and 16 measured alike (8 with the split chains ~10% faster), 4 slower,
+# 32 left the loop rolled
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -47,18 +48,20 @@ def _i8_codes(qs, t, g, c):
 
 @njit(cache=True, nogil=True, inline="always")
 def _pair_sums(c, size, X, i, column, s):
-    """s[0], s[1] (TILE each) = the group's codes c (size, TILE) times rows i and i + 1 of X."""
+    """s[0], s[1] (TILE each) = the group's codes c (size, TILE) times rows i and i + 1 of X; each row's sum in two
+    chains (even and odd codes), so four FMA chains are in flight, not two (8 rows: ~10% faster)."""
     s[:] = 0
     for j0 in range(0, size, BLOCK):
         for r in range(TILE):
-            s0 = s[0, r]
-            s1 = s[1, r]
-            for j in range(BLOCK):
-                code = c[j0 + j, r]
-                s0 += code * X[i, column + j0 + j]
-                s1 += code * X[i + 1, column + j0 + j]
-            s[0, r] = s0
-            s[1, r] = s1
+            even0, even1, odd0, odd1 = s[0, r], s[1, r], np.float32(0), np.float32(0)
+            for j in range(0, BLOCK, 2):
+                code, next_code = c[j0 + j, r], c[j0 + j + 1, r]
+                even0 += code * X[i, column + j0 + j]
+                even1 += code * X[i + 1, column + j0 + j]
+                odd0 += next_code * X[i, column + j0 + j + 1]
+                odd1 += next_code * X[i + 1, column + j0 + j + 1]
+            s[0, r] = even0 + odd0
+            s[1, r] = even1 + odd1
 
 
 @njit(cache=True, nogil=True, inline="always")
