@@ -274,8 +274,9 @@ class MainWindow(QMainWindow):
     def apply_preset(self, preset) -> None:
         self.lifecycle.apply_preset(preset)
 
-    def open_ab(self, *args, **kwargs):
-        return self.lifecycle.open_ab(*args, **kwargs)
+    def open_ab(self, config_a=None, config_b=None, prompt: str | None = None, title: str = "",
+                blocking: bool = False, play: bool = False, text: str | None = None):
+        return self.lifecycle.open_ab(config_a, config_b, prompt, title, blocking, play, text)
 
     def open_trace(self, path: str) -> bool:
         return self.lifecycle.open_trace(path)
