@@ -43,3 +43,16 @@ def test_a_growing_table_costs_its_changes_not_steps_times_length():
     copies = sum(len(range(step // 16 + 1)) for step in range(20_000))  # what one copy per step held
     assert log.entries() <= 4 * 1250 < copies / 1000
     assert log.table(0, 19_999) == tuple(range(1250)) and log.table(0, 31) == (0, 1)
+
+
+def test_request_tokens_in_is_a_slice_of_tokens():
+    """Request.tokens_in and n_tokens (the scheduler's per-step reads) agree with slicing the whole token list."""
+    from pagevis.engine.request import Request
+    from pagevis.engine.sampling import Sampler, SamplingConfig
+
+    request = Request(0, (5, 6, 7), Sampler(SamplingConfig()), 10)
+    request.generated = [8, 9]
+    assert request.n_tokens == len(request.tokens) == 5
+    for start in range(6):
+        for stop in range(start, 8):
+            assert request.tokens_in(start, stop) == request.tokens[start:stop], (start, stop)

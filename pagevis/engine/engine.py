@@ -284,10 +284,10 @@ class Engine:
                     len(request.prompt_ids)):
                 self.reconstruct_seconds = reconstruct_and_compress(self.model, self.cache, request.seq_id)
             self.last_logits[request.seq_id] = row
-            kind = "prefill" if start + 1 < len(request.tokens) else "decode"
+            kind = "prefill" if start + 1 < request.n_tokens else "decode"
             self._steps[request.seq_id] = SeqStep(request.seq_id, kind, len(tokens), -1)
         for (request, tokens, start), row in zip(plan, logits, strict=True):
-            if request.n_cached == len(request.tokens):
+            if request.n_cached == request.n_tokens:
                 for child_id in self._fork_children(request):
                     self._steps[child_id] = SeqStep(child_id, "fork", 0, self._sample(self.requests[child_id], row))
                 step = self._steps[request.seq_id]

@@ -41,7 +41,19 @@ class Request:
 
     @property
     def tokens(self) -> list[int]:
+        """Every token so far, prompt then generated: a new list (the engine's step asks n_tokens and tokens_in)."""
         return [*self.prompt_ids, *self.generated]
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.generated)
+
+    def tokens_in(self, start: int, stop: int) -> list[int]:
+        """tokens[start:stop] (0 <= start <= stop), without building the whole list: a decode step's one token."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.generated[start - n: stop - n]
+        return [*self.prompt_ids[start:stop], *self.generated[:max(0, stop - n)]]
 
     @property
     def done(self) -> bool:

@@ -126,7 +126,7 @@ class Scheduler:
     def _running_plan(self, budget: int | None) -> Plan:
         """Decode tokens first (one per request), then prefill chunks within what the budget leaves."""
         active = [r for r in self.running if not r.paused]
-        decoding = [r for r in active if len(r.tokens) - r.n_cached == 1]
+        decoding = [r for r in active if r.n_tokens - r.n_cached == 1]
         plan = [self._chunk(r, None) for r in decoding]
         left = None if budget is None else budget - len(plan)
         for request in active:
@@ -140,11 +140,10 @@ class Scheduler:
     def _chunk(self, request: Request, left: int | None) -> tuple[Request, list[int], int]:
         """The request's next tokens: its room (1 when its policy must evict to go on), the cache's own chunk
         limit (disk tier, Quest), the scheduler's, and what the step's budget leaves."""
-        tokens = request.tokens
-        limits = [len(tokens) - request.n_cached, self.admission.chunk_limit(request.seq_id)]
+        limits = [request.n_tokens - request.n_cached, self.admission.chunk_limit(request.seq_id)]
         limits += [limit for limit in (self.max_chunk, left) if limit is not None]
         n = max(1, min(limits))
-        return request, tokens[request.n_cached: request.n_cached + n], request.n_cached
+        return request, request.tokens_in(request.n_cached, request.n_cached + n), request.n_cached
 
     def preempt(self, request: Request) -> None:
         self.running.remove(request)

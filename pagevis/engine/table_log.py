@@ -27,7 +27,12 @@ class _LayerLog:
         self._cached: tuple[int, tuple[int, ...]] | None = None  # the last table rebuilt, by step
 
     def record(self, step: int, table) -> None:
-        new = tuple(int(p) for p in table) if not isinstance(table, tuple) else table
+        if isinstance(table, tuple):
+            new = table
+        else:  # the live lists of a cache's tables: unchanged most steps, compared at C speed before any copy
+            if len(table) == len(self.current) and tuple(table) == self.current:
+                return
+            new = tuple(int(p) for p in table)
         if new == self.current:
             return
         start, end, inserted = _difference(self.current, new)
