@@ -13,6 +13,7 @@ relative to the same two sessions run headless one after the other.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import os
 import statistics
 import sys
@@ -208,8 +209,6 @@ def ab_in_gui(spec, config_a, config_b, steps: int) -> float:
 def ab_main(spec, config, steps: int, repeat: int) -> None:
     """A/B (sinks vs oldest, same cache) in lockstep against the same two sessions run headless one after
     the other: one core can do no better than that, so the ratio is the A/B window's overhead."""
-    from dataclasses import replace
-
     config_b = replace(config, policy="oldest" if config.policy != "oldest" else "sinks", policy_params={})
     ab, both = [], []
     for _ in range(repeat):
@@ -232,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also print where the UI thread's Python time goes, in ms per decoded token")
     parser.add_argument("--ab", action="store_true",
                         help="measure the A/B window's lockstep speed against two headless runs instead")
+    parser.add_argument("--app-defaults", action="store_true",
+                        help="play what `pagevis` opens with: the Default preset's settings and prompt (instead of "
+                             "this bench's prompt and the cache flags)")
     args = parser.parse_args(argv)
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
@@ -240,8 +242,14 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = ModelSpec(kind=args.model)
     config = settings.apply(SessionConfig(max_new_tokens=args.steps + 8), vars(args))
-    print(f"model {spec.label}; {args.steps} decode steps; cache {args.max_pages} pages x {args.page_size}, "
-          f"policy {args.policy}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    if args.app_defaults:
+        global PROMPT
+        from pagevis import presets
+
+        PROMPT = presets.default_prompt(args.model)
+        config = replace(presets.DEFAULT_CONFIG, max_new_tokens=max(presets.DEFAULT_CONFIG.max_new_tokens, args.steps + 8))
+    print(f"model {spec.label}; {args.steps} decode steps; cache {config.max_pages} pages x {config.page_size}, "
+          f"policy {config.policy}; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     set_blas_threads(1)
     spec.load()
     if args.ab:
