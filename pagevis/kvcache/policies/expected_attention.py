@@ -166,7 +166,9 @@ class ExpectedAttention(EvictionPolicy):
     def _mean_turn(self, state) -> np.ndarray:
         """Rᵀ as complex64 factors, one per RoPE pair (cos - i sin of the averaged angle)."""
         self._mean_rotation(state)
-        return self._rotation[2]
+        turn = self._rotation[2]
+        assert turn is not None  # (set with the rotation above)
+        return turn
 
     def _columns(self, state) -> np.ndarray:
         """Per KV head, (d, group * d + group) float32: its query heads' covariances Σ side by side, then their
