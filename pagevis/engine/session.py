@@ -270,7 +270,7 @@ class DecodeSession:
             last, slots = self.engine.attention[self.seq_id][layer]
             columns, kept = pool.columns(layer, slots, last.shape[1])
             row[:, columns] = last[:, kept]
-        attention = tuple(to_half(rows))  # one conversion for every layer
+        attention = tuple(to_half(rows)) if len(rows) else ()  # one conversion for every layer
         tiers = None
         if snap.block_frames is not None:  # a disk tier or a page selection
             tiers = TierStep(
