@@ -82,7 +82,9 @@ class ExpectedAttention(EvictionPolicy):
     Gaussian's moment generating function), averaged over each KV head's query heads, times ||v||, and the
     mean over KV heads. The first n_sink tokens are kept. As kvpress's ExpectedAttentionPress, except that
     the statistics come from the queries the cache has seen (pagevis never sees hidden states): every query
-    so far, not a buffer of the last ones."""
+    so far, not a buffer of the last ones. The logits are computed in float32 (the keys' precision), the softmax
+    and the means in float64: a victim may differ from a float64 score's only where that score ties within
+    float32's rounding (tests/test_expected_attention_victims.py states the bound)."""
 
     n_future_positions: int = 512
     n_sink: int = 4
