@@ -254,9 +254,8 @@ class Engine:
     def _execute(self, plan: Plan) -> None:
         for request, tokens, _ in plan:
             self.cache.admission.ensure_room(request.seq_id, len(tokens))
-        ids = np.concatenate([np.asarray(tokens, dtype=np.int64) for _, tokens, _ in plan])
-        positions = np.concatenate([np.arange(start, start + len(tokens), dtype=np.int64)
-                                    for _, tokens, start in plan])
+        ids = np.array([t for _, tokens, _ in plan for t in tokens], dtype=np.int64)
+        positions = _joined([np.arange(start, start + len(tokens), dtype=np.int64) for _, tokens, start in plan])
         segments, offset = [], 0
         for request, tokens, start in plan:
             segments.append((request.seq_id, offset, offset + len(tokens)))
@@ -264,17 +263,22 @@ class Engine:
             self.last_plan[request.seq_id] = (tokens, start)
             offset += len(tokens)
         # the last row of each request; every row of one scoring its prompt
-        wanted = [np.arange(begin if request.prompt_logprobs is not None else end - 1, end)
-                  for (request, _, _), (_, begin, end) in zip(plan, segments, strict=True)]
+        scoring = any(request.prompt_logprobs is not None for request, _, _ in plan)
+        if scoring:
+            wanted = [np.arange(begin if request.prompt_logprobs is not None else end - 1, end)
+                      for (request, _, _), (_, begin, end) in zip(plan, segments, strict=True)]
+            rows, ends = np.concatenate(wanted), np.cumsum([len(w) for w in wanted])
+        else:
+            rows = np.array([end - 1 for _, _, end in segments], dtype=np.int64)
         forward_started = time.perf_counter()
-        all_rows = self.model.forward(ids, positions, self._batched_attend(segments),
-                                      logit_rows=np.concatenate(wanted))
+        all_rows = self.model.forward(ids, positions, self._batched_attend(segments), logit_rows=rows)
         self.forward_seconds = time.perf_counter() - forward_started
-        ends = np.cumsum([len(w) for w in wanted])
-        for (request, tokens, start), end in zip(plan, ends, strict=True):
-            if request.prompt_logprobs is not None:
-                self._score_prompt(request, start, all_rows[end - len(tokens): end])
-        logits = all_rows[ends - 1]
+        logits = all_rows  # without scoring: one row a request, in the plan's order
+        if scoring:
+            for (request, tokens, start), end in zip(plan, ends, strict=True):
+                if request.prompt_logprobs is not None:
+                    self._score_prompt(request, start, all_rows[end - len(tokens): end])
+            logits = all_rows[ends - 1]
         for (request, tokens, start), row in zip(plan, logits, strict=True):
             request.n_cached = start + len(tokens)
             request.steps += 1
@@ -416,6 +420,10 @@ class Engine:
         longest = max((r.n_cached for r in self.scheduler.running), default=0)
         return hybrid_bytes(config.layer_specs, [self.cache.pages_used(layer) for layer in range(config.n_layers)],
                             config.page_bytes(), longest, config.page_size)
+
+
+def _joined(arrays: list[np.ndarray]) -> np.ndarray:
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
 
 def _reseeded(sampling: SamplingConfig, seed: int) -> SamplingConfig:
