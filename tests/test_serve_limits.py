@@ -112,9 +112,12 @@ def test_a_third_layout_while_two_pools_are_busy_is_429():
 
 
 def test_shutdown_drains_then_aborts_streams_and_refuses_new_requests():
-    settings = ServeSettings(model_spec=SYNTH, drain_seconds=0.5)
+    # The drain must end before the request would: the synthetic model decodes ~1,500 tokens/s here since this
+    # round's engine work (1,500 tokens once finished inside a 0.5 s drain: finish_reason "length"), so 2,000 tokens
+    # (its context is 2,048) against a 0.1 s drain
+    settings = ServeSettings(model_spec=SYNTH, drain_seconds=0.1)
     with running_server(settings) as running:
-        body = {"model": "synthetic", "prompt": "abc", "max_tokens": 1500, "temperature": 0, "stream": True,
+        body = {"model": "synthetic", "prompt": "abc", "max_tokens": 2000, "temperature": 0, "stream": True,
                 "ignore_eos": True}
         lines: list[str] = []
         started = threading.Event()
