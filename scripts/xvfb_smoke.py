@@ -211,7 +211,7 @@ def brief(shown: dict | None) -> str:
 
 def rehearse(outdir: Path, env: dict) -> list[str]:
     """Step 4 of the module docstring: a preset's session is never what a plain relaunch opens."""
-    config = outdir / "config"
+    config = (outdir / "config").resolve()  # Qt ignores a relative XDG_CONFIG_HOME (the XDG spec's rule) and reads ~/.config
     shutil.rmtree(config, ignore_errors=True)
     config.mkdir(parents=True)
     env = dict(env, XDG_CONFIG_HOME=str(config))

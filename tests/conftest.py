@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 from hypothesis import settings
@@ -10,6 +11,10 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # The kernels' compile lock is held by weight_kernels_ready_beside's process (a live compiler, ~25-60 s on a clean
 # checkout): tests wait for it rather than compile their own in memory after the app's 15 s.
 os.environ.setdefault("PAGEVIS_KERNEL_LOCK_WAIT", "600")
+# The apps the tests launch as processes keep their settings (QSettings) here, never in the user's ~/.config: a
+# `--screenshot` run saved its session there, and the next plain launch (CI's rehearsal) opened it. Absolute, since
+# Qt ignores a relative XDG_CONFIG_HOME.
+os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="pagevis-test-config-")
 
 # Property tests draw the same examples on every run, so a CI failure is reproducible from a clean clone (a random
 # draw failed CI once on an example no earlier run had met); PAGEVIS_HYPOTHESIS_EXPLORE=1 draws new ones each run.
