@@ -58,3 +58,10 @@ def step(qtbot, window, n: int = 1) -> None:
     window.redraw()
 
 
+def restart_by(qtbot, window, change):
+    """Call `change` (a control edit or a reset) and wait until the window has restarted on a new timeline;
+    return the old timeline."""
+    old = window.timeline
+    change()
+    qtbot.waitUntil(lambda: window.timeline is not old and window.runner.state == "ready", timeout=5000)
+    return old

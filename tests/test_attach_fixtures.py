@@ -59,12 +59,18 @@ def test_live_frames_rebuild_the_reference_state(name):
     assert state.snapshot().hot[0].restores == 1  # E came back one step after its removal
 
 
+def replaying_feed(reply):
+    """A feed whose replay endpoint answers `reply` and notes each sequence number it was asked from."""
+    asked = []
+    state = EngineState("e")
+    feed = EndpointFeed(state, replay=lambda start: asked.append(start) or reply, topic=b"kv-events")
+    return state, feed, asked
+
+
 @pytest.mark.parametrize("name", SOURCES)
 def test_late_attach_rebuilds_what_the_replay_buffer_still_has(name):
     _, _, groups, expected = load(name)
-    asked = []
-    state = EngineState("e")
-    feed = EndpointFeed(state, replay=lambda start: asked.append(start) or groups[0], topic=b"kv-events")
+    state, feed, asked = replaying_feed(groups[0])
     feed.start()
     c = state.counters()
     assert asked == [0]
@@ -75,9 +81,7 @@ def test_late_attach_rebuilds_what_the_replay_buffer_still_has(name):
 @pytest.mark.parametrize("name", SOURCES)
 def test_a_gap_is_filled_from_the_replay_endpoint(name):
     _, live, groups, expected = load(name)
-    asked = []
-    state = EngineState("e")
-    feed = EndpointFeed(state, replay=lambda start: asked.append(start) or groups[1], topic=b"kv-events")
+    state, feed, asked = replaying_feed(groups[1])
     for frames in live[:4] + live[6:]:  # seqs 4 and 5 lost
         feed.on_live(frames)
     c = state.counters()

@@ -20,7 +20,7 @@ from pagevis.engine import ModelSpec, SamplingConfig, SessionConfig  # noqa: E40
 from pagevis.kvcache import EventKind  # noqa: E402
 from pagevis.viewmodel.cells import PINNED, REPLACED, RESIDENT, WRITTEN  # noqa: E402
 
-from gui_helpers import CONFIG, PROMPT, SYNTH, make_window, step, write_synthetic_trace  # noqa: E402
+from gui_helpers import CONFIG, PROMPT, SYNTH, make_window, restart_by, step, write_synthetic_trace  # noqa: E402
 
 
 def counts(states: np.ndarray) -> dict[int, int]:
@@ -185,9 +185,7 @@ def test_play_to_the_end_reports_done(qtbot, tmp_path):
 
 def test_changing_page_size_restarts_with_a_new_grid_shape(qtbot, window):
     step(qtbot, window, 2)
-    old = window.timeline
-    window.controls.page_size.setValue(8)
-    qtbot.waitUntil(lambda: window.timeline is not old and window.runner.state == "ready", timeout=5000)
+    restart_by(qtbot, window, lambda: window.controls.page_size.setValue(8))
     assert "restarted" in window.statusBar().currentMessage()
     assert "page size" in window.statusBar().currentMessage().lower()
     assert window.runner.session.config.page_size == 8

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("pytestqt")
 from clipping import clipped_texts  # noqa: E402
-from gui_helpers import make_window, step  # noqa: E402
+from gui_helpers import make_window, restart_by, step  # noqa: E402
 
 slow = pytest.mark.slow
 
@@ -72,9 +72,7 @@ def test_the_main_window_at_common_screen_sizes_clips_nothing(qtbot, tmp_path, s
 def test_the_restart_message_fits_the_status_bar(qtbot, tmp_path):
     window = projector_window(qtbot, tmp_path)
     step(qtbot, window, 2)
-    old = window.timeline
-    window.controls.page_size.setValue(16)
-    qtbot.waitUntil(lambda: window.timeline is not old and window.runner.state == "ready", timeout=5000)
+    restart_by(qtbot, window, lambda: window.controls.page_size.setValue(16))
     assert "restarted" in window.statusBar().currentMessage()
     assert look(qtbot, window) == []
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("pytestqt")
-from gui_helpers import CONFIG, PROMPT, SYNTH, make_window, step, write_synthetic_trace  # noqa: E402
+from gui_helpers import CONFIG, PROMPT, SYNTH, make_window, restart_by, step, write_synthetic_trace  # noqa: E402
 from model_fixtures import smollm2  # noqa: E402,F401  (fixture)
 from PySide6.QtCore import QPoint, QPointF, Qt  # noqa: E402
 from PySide6.QtGui import QWheelEvent  # noqa: E402
@@ -93,9 +93,7 @@ def test_choosing_a_preset_sets_prompt_cache_and_policy(qtbot, window):
 
 def test_a_restart_keeps_the_previous_run_and_ctrl_z_returns_to_it(qtbot, window):
     step(qtbot, window, 3)
-    old = window.timeline
-    window.controls.page_size.setValue(8)
-    qtbot.waitUntil(lambda: window.timeline is not old and window.runner.state == "ready", timeout=5000)
+    old = restart_by(qtbot, window, lambda: window.controls.page_size.setValue(8))
     assert "Ctrl+Z: the previous run (3 steps)" in window.statusBar().currentMessage()
     assert window.runner.previous.timeline is old
     step(qtbot, window)
@@ -333,9 +331,7 @@ def test_text_tints_only_the_most_attended_and_the_colour_scale_can_be_fixed(qtb
 def test_reset_with_the_same_settings_takes_the_prompt_from_the_prefix_cache(qtbot, tmp_path):
     window = make_window(qtbot, tmp_path, config=replace(CONFIG, max_pages=8))  # the 17-token prompt fits
     step(qtbot, window, 3)
-    old = window.timeline
-    window.restart("reset")
-    qtbot.waitUntil(lambda: window.timeline is not old and window.runner.state == "ready", timeout=5000)
+    old = restart_by(qtbot, window, lambda: window.restart("reset"))
     assert window.runner.previous.timeline is old and len(old) == 3  # the previous run's records are kept
     step(qtbot, window)
     first = window.timeline.records[0]

@@ -95,30 +95,18 @@ def test_other_architecture_is_refused_by_name(tmp_path):
         load_model(path)
 
 
-def test_unsupported_tensor_type_is_named(tmp_path):
-    path = write_llama_gguf(tmp_path / "ints.gguf",
-                            tensor_overrides={"blk.0.ffn_norm.weight": np.ones(32, dtype=np.int32)})
-    with pytest.raises(ModelLoadError, match=r"blk\.0\.ffn_norm\.weight has type I32"):
-        load_model(path)
-
-
-def test_shape_inconsistent_with_metadata(tmp_path):
-    path = write_llama_gguf(tmp_path / "shape.gguf",
-                            tensor_overrides={"blk.1.attn_k.weight": np.zeros((8, 32), dtype=np.float32)})
-    with pytest.raises(ModelLoadError, match=r"blk\.1\.attn_k\.weight has shape \(8, 32\).*implies \(16, 32\)"):
-        load_model(path)
-
-
-def test_missing_tensor(tmp_path):
-    path = write_llama_gguf(tmp_path / "gap.gguf", drop_tensors=("blk.1.ffn_up.weight",))
-    with pytest.raises(ModelLoadError, match=r"blk\.1\.ffn_up\.weight is missing"):
-        load_model(path)
-
-
-def test_unknown_tensor_is_refused(tmp_path):
-    path = write_llama_gguf(tmp_path / "extra.gguf",
-                            tensor_overrides={"blk.0.attn_q.bias": np.ones(32, dtype=np.float32)})
-    with pytest.raises(ModelLoadError, match=r"unexpected tensor blk\.0\.attn_q\.bias for a llama model"):
+@pytest.mark.parametrize("name, change, message", [
+    ("ints", {"tensor_overrides": {"blk.0.ffn_norm.weight": np.ones(32, dtype=np.int32)}},
+     r"blk\.0\.ffn_norm\.weight has type I32"),
+    ("shape", {"tensor_overrides": {"blk.1.attn_k.weight": np.zeros((8, 32), dtype=np.float32)}},
+     r"blk\.1\.attn_k\.weight has shape \(8, 32\).*implies \(16, 32\)"),
+    ("gap", {"drop_tensors": ("blk.1.ffn_up.weight",)}, r"blk\.1\.ffn_up\.weight is missing"),
+    ("extra", {"tensor_overrides": {"blk.0.attn_q.bias": np.ones(32, dtype=np.float32)}},
+     r"unexpected tensor blk\.0\.attn_q\.bias for a llama model"),
+], ids=["unsupported-type", "shape-against-metadata", "missing-tensor", "unknown-tensor"])
+def test_a_bad_tensor_is_named(tmp_path, name, change, message):
+    path = write_llama_gguf(tmp_path / f"{name}.gguf", **change)
+    with pytest.raises(ModelLoadError, match=message):
         load_model(path)
 
 
