@@ -62,12 +62,11 @@ class DecodeError(ValueError):
         self.detail = detail
 
 
-# --- map-tagged events (vLLM ≥ 0.24, SGLang) -------------------------------------------------------------------
-class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=True, gc=False):
-    """Blocks newly cached (or, in vLLM 0.34, reported again when a request reuses them)."""
+class _StoredFields(msgspec.Struct, gc=False):
+    """BlockStored's fields in vLLM's positional order (the map form names them; the array form is this order)."""
 
     block_hashes: _Hashes
-    parent_block_hash: _HashT | None = None
+    parent_block_hash: _HashT | None
     token_ids: _Tokens
     block_size: _BlockSize
     lora_id: int | None = None
@@ -77,6 +76,7 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=T
     group_idx: int | None = None
     kv_cache_spec_kind: _Str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    # map form only (vLLM 0.34, SGLang): never sent positionally; in both forms so both have the same attributes
     locality: _Str | None = None
     ownership: _Str | None = None
     session_id: _Str | None = None
@@ -84,10 +84,22 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=T
     cache_salt: _Str | None = None  # SGLang
 
 
-class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", kw_only=True, gc=False):
+class _RemovedFields(msgspec.Struct, gc=False):
+    """BlockRemoved's fields in vLLM's positional order."""
+
     block_hashes: _Hashes
     medium: _Str | None = None
     group_idx: int | None = None
+
+
+# --- map-tagged events (vLLM ≥ 0.24, SGLang) -------------------------------------------------------------------
+class BlockStored(_StoredFields, tag="BlockStored", tag_field="type", kw_only=True, gc=False):
+    """Blocks newly cached (or, in vLLM 0.34, reported again when a request reuses them)."""
+
+    parent_block_hash: _HashT | None = None  # may be left out of a map
+
+
+class BlockRemoved(_RemovedFields, tag="BlockRemoved", tag_field="type", kw_only=True, gc=False):
     locality: _Str | None = None
     ownership: _Str | None = None
 
@@ -107,30 +119,12 @@ class _MapBatch(msgspec.Struct, array_like=True, gc=False):
 
 
 # --- positional events (vLLM array_like, before 0.24) ---------------------------------------------------------
-class _StoredArray(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
-    block_hashes: _Hashes
-    parent_block_hash: _HashT | None
-    token_ids: _Tokens
-    block_size: _BlockSize
-    lora_id: int | None = None
-    medium: _Str | None = None
-    lora_name: _Str | None = None
-    extra_keys: _ExtraKeys | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: _Str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    # never sent positionally; here so both event classes have the same attributes
-    locality: _Str | None = None
-    ownership: _Str | None = None
-    session_id: _Str | None = None
-    lookahead_token_ids: _Lookahead | None = None
-    cache_salt: _Str | None = None
+class _StoredArray(_StoredFields, tag="BlockStored", array_like=True, gc=False):
+    pass
 
 
-class _RemovedArray(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
-    block_hashes: _Hashes
-    medium: _Str | None = None
-    group_idx: int | None = None
+class _RemovedArray(_RemovedFields, tag="BlockRemoved", array_like=True, gc=False):
+    pass
 
 
 class _ClearedArray(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=False):
