@@ -16,8 +16,10 @@ What a SessionObserver observes, per step record:
     so a client's pauses between steps never count);
   - prompt tokens fed, tokens generated, cache events by kind, evictions by policy, and with a disk tier
     its page faults (fault_in events), bytes written and read, and pages read from RAM and from disk;
-  - the session's KV cache usage (resident tokens over capacity, layer 0), and the K/V bytes its cache
-    takes at capacity (pages, scales and zero points, a quantized cache's residual window; all layers).
+  - the session's KV cache usage: its resident tokens over its capacity, summed over every layer, and per kind
+    of layer (Gemma 3's sliding-window layers apart from its global ones) on the layer gauge as engine
+    "sessions"; the K/V bytes its cache takes at capacity (pages, scales and zero points, a quantized cache's
+    residual window; all layers).
 Each observer keeps O(1) state; nothing grows with steps.
 """
 
@@ -30,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagevis.token_times import TokenTimes
 
+SESSIONS = "sessions"  # the layer usage gauge's engine label for the sessions of `run` and the app
 PAGE_FAULT_KIND = "fault_in"  # the disk tier's event: a page read from disk into a RAM frame
 # A record's `tiers.count(name)` (per layer; records of sessions with a disk tier) -> what is counted.
 TIER_BYTES = {"bytes_written": "swap_out", "bytes_read": "fault_in"}
@@ -76,11 +79,12 @@ class Metrics:
                                    "the shared pool ran out", registry=r)
         self.kv_cache_usage = Gauge("pagevis_kv_cache_usage_ratio", "Share (0-1) of the KV cache in use: a "
                                     "server's pools (slots of pages some request holds, every layer's pool), or "
-                                    "the resident tokens of the sessions of `run` and the app", registry=r)
+                                    "the resident tokens of the sessions of `run` and the app, every layer)", registry=r)
         self.kv_cache_layer_usage = Gauge("pagevis_kv_cache_layer_usage_ratio", "Share (0-1) of a server "
-                                          "engine's pools in use, by kind of layer ('global'; on a hybrid model "
-                                          "such as Gemma 3 also 'local W=...', its sliding-window layers)",
-                                          ["engine", "layers"], registry=r)
+                                          "engine's pools in use (or, as engine 'sessions', of the resident "
+                                          "tokens of `run`'s and the app's sessions), by kind of layer ('global'; "
+                                          "on a hybrid model such as Gemma 3 also 'local W=...', its "
+                                          "sliding-window layers)", ["engine", "layers"], registry=r)
         self.active_sessions = Gauge("pagevis_active_sessions", "Decoding sessions alive now", registry=r)
         self.requests_running = Gauge("pagevis_requests_running", "Requests in a server engine's running batch "
                                       "(paused sessions not included)", registry=r)
@@ -98,11 +102,13 @@ class Metrics:
         self.kv_bytes_per_token = Gauge("pagevis_kv_cache_bytes_per_token", "pagevis_kv_cache_bytes over the "
                                         "tokens those caches hold at capacity (per layer 0 token)", registry=r)
         self._lock = threading.Lock()
-        self._usage: dict[int, tuple[int, int]] = {}  # observer id -> (resident, capacity)
+        # session observer id -> kind of layer -> (resident tokens, capacity) summed over those layers
+        self._usage: dict[int, dict[str, tuple[int, int]]] = {}
         self._engines: list[EngineObserver] = []
-        self._bytes: dict[int, float] = {}  # observer id -> its cache's K/V bytes at capacity
+        # observer id -> its cache's K/V bytes at capacity, and the tokens it holds at capacity (per layer 0 token)
+        self._bytes: dict[int, tuple[float, int]] = {}
         self.kv_cache_usage.set_function(self._usage_ratio)
-        self.kv_cache_bytes.set_function(lambda: sum(self._bytes.values()))
+        self.kv_cache_bytes.set_function(lambda: sum(b for b, _ in self._bytes.values()))
         self.kv_bytes_per_token.set_function(self._bytes_per_token)
         self.active_sessions.set_function(lambda: len(self._usage))
         for gauge, attribute in ((self.requests_running, "running"), (self.requests_waiting, "waiting"),
@@ -129,23 +135,35 @@ class Metrics:
         session.add_hook(observer)
         return observer
 
-    def _set_usage(self, key: int, resident: int, capacity: int) -> None:
+    def _set_usage(self, key: int, usage: dict[str, tuple[int, int]]) -> None:
         with self._lock:
-            self._usage[key] = (resident, capacity)
+            new = [label for label in usage if not any(label in u for u in self._usage.values())]
+            self._usage[key] = usage
+        for label in new:
+            self.kv_cache_layer_usage.labels(SESSIONS, label).set_function(
+                lambda label=label: self._usage_ratio(label))
 
     def _forget(self, key: int) -> None:
         with self._lock:
-            self._usage.pop(key, None)
+            gone = self._usage.pop(key, {})
             self._bytes.pop(key, None)
+            unused = [label for label in gone if not any(label in u for u in self._usage.values())]
+        for label in unused:
+            self.kv_cache_layer_usage.remove(SESSIONS, label)
 
     def _bytes_per_token(self) -> float:
         with self._lock:
-            capacity = sum(c for _, c in self._usage.values())
-            return sum(self._bytes.values()) / capacity if capacity else 0.0
+            capacity = sum(c for _, c in self._bytes.values())
+            return sum(b for b, _ in self._bytes.values()) / capacity if capacity else 0.0
 
-    def _usage_ratio(self) -> float:
+    def _usage_ratio(self, label: str | None = None) -> float:
+        """Resident over capacity of every session and every server engine (all layers); with a label, of the
+        sessions' layers of that kind."""
         with self._lock:
-            parts = [*self._usage.values(), *((e.used_slots, e.slots) for e in self._engines)]
+            parts = [pair for usage in self._usage.values() for kind, pair in usage.items()
+                     if label is None or kind == label]
+            if label is None:
+                parts += [(e.used_slots, e.slots) for e in self._engines]
         capacity = sum(c for _, c in parts)
         return sum(r for r, _ in parts) / capacity if capacity else 0.0
 
@@ -267,11 +285,12 @@ class SessionObserver:
         cfg = session.cache_config
         self.capacity = cfg.capacity
         self.policy = cfg.policy
+        self.groups = session.cache.layer_groups()  # kind of layer -> its layers
         self._before_first_token = 0.0  # seconds stepped before the first sampled token; None after it
         self._tokens = 0
-        metrics._set_usage(id(self), 0, self.capacity)
+        metrics._set_usage(id(self), self._usage())
         with metrics._lock:
-            metrics._bytes[id(self)] = cfg.kv_bytes_per_token() * cfg.capacity
+            metrics._bytes[id(self)] = (cfg.kv_bytes_per_token() * cfg.capacity, cfg.capacity)
 
     def __call__(self, record) -> None:
         m = self.metrics
@@ -290,7 +309,14 @@ class SessionObserver:
             m.inter_token_latency.observe(seconds)
         self._count_events(record.events)
         self._count_tiers(getattr(record, "tiers", None))
-        m._set_usage(id(self), record.resident_tokens, self.capacity)
+        m._set_usage(id(self), self._usage())
+
+    def _usage(self) -> dict[str, tuple[int, int]]:
+        """Per kind of layer: the session's resident tokens and its capacity, summed over those layers."""
+        cache, seq_id = self.session.cache, self.session.seq_id
+        held = cache.has_sequence(seq_id)
+        return {label: (sum(cache.resident(seq_id, layer) for layer in layers) if held else 0,
+                        len(layers) * self.capacity) for label, layers in self.groups.items()}
 
     def _count_events(self, events) -> None:
         m = self.metrics

@@ -447,3 +447,31 @@ def test_a_server_engines_pool_gauges_report_the_local_and_global_layers_apart()
     metrics.forget_engine(observer)
     assert not any(name == "pagevis_kv_cache_layer_usage_ratio" for name, _ in scrape(
         generate_latest(metrics.registry).decode()))
+
+
+def test_a_sessions_usage_gauges_count_every_layer_and_each_kind_apart():
+    """`pagevis run`'s and the app's gauges (a session's observer): the overall ratio is the resident tokens of every
+    layer over every layer's capacity, not layer 0's (a local one here); the layer gauge shows the local and global
+    layers apart, as engine "sessions". Counted from each record's slot maps, brute force."""
+    from prometheus_client import generate_latest
+    from test_serve_load import scrape, value
+
+    from pagevis.observe import Metrics
+
+    metrics = Metrics()
+    session = DecodeSession(MODEL, "", session_config(max_new_tokens=12), prompt_ids=PROMPT)
+    observer = metrics.observe(session)
+    capacity, seen_apart = session.cache_config.capacity, False
+    for record in session.run():
+        held = [int((record.slot_maps[layer] >= 0).sum()) for layer in range(3)]
+        samples = scrape(generate_latest(metrics.registry).decode())
+        local = value(samples, "pagevis_kv_cache_layer_usage_ratio", engine="sessions", layers=f"local W={W}")
+        global_ = value(samples, "pagevis_kv_cache_layer_usage_ratio", engine="sessions", layers="global")
+        assert local == pytest.approx((held[0] + held[1]) / (2 * capacity))
+        assert global_ == pytest.approx(held[2] / capacity)
+        assert value(samples, "pagevis_kv_cache_usage_ratio") == pytest.approx(sum(held) / (3 * capacity))
+        seen_apart |= held[0] < held[2]
+    assert seen_apart
+    observer.close()
+    assert not any(name == "pagevis_kv_cache_layer_usage_ratio" for name, _ in scrape(
+        generate_latest(metrics.registry).decode()))
