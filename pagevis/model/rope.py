@@ -29,12 +29,18 @@ def inverse_frequencies(head_dim: int, base: float, factors: tuple[float, ...] =
 
 
 def rope_tables(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of each position's angles, float32 of shape (n, 1, head_dim / 2).
+    """cos and sin of each position's angles, float32 of shape (n, 1, head_dim / 2)."""
+    cos, sin = rope_rows(positions, inv_freq)
+    return cos[:, None, :], sin[:, None, :]
+
+
+def rope_rows(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of each position's angles, float32 C-contiguous of shape (n, head_dim / 2) (fused_kernels').
 
     Angles are formed in float64 so that large positions do not lose precision before the cast.
     """
-    angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(angles).astype(np.float32)[:, None, :], np.sin(angles).astype(np.float32)[:, None, :]
+    angles = np.multiply.outer(np.asarray(positions, dtype=np.float64), inv_freq)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
