@@ -1,5 +1,5 @@
 """pagevis.kvcache: the paged KV cache (one block pool, one cache manager), its eviction policies and
-attention. NumPy only, never Qt."""
+attention. NumPy, with Numba for the attention kernels; never Qt."""
 
 from pagevis.kvcache.attention_kernels import AttentionResult, Partial, attend, attend_part, merge, rescale, softmax
 from pagevis.kvcache.block_pool import BlockPool

@@ -2,8 +2,9 @@
 pages under every sequence's block table.
 
 `LayerManager` owns every sequence's table in its layer (`tables`: seq_id -> LayerTable, sequence.py; vLLM's
-`req_to_blocks`): nothing else changes a block table, its holes, its resident count, its policy statistics or
-per-head masks. It holds what every kind of layer does with its pages: share one, take an empty slot (allocating,
+`req_to_blocks`): nothing else changes a block table, its holes, its resident count or per-head masks, and
+besides attention (paged_attention.py: the weights it feeds the policy's statistics, the slots it read) nothing
+changes its policy statistics. It holds what every kind of layer does with its pages: share one, take an empty slot (allocating,
 reading a disk page back, copying a shared page first: copy-on-write, through the one door `writable`), copy,
 release, register a full page under its prefix hash; and what a policy's choice does there (eviction.py asks):
 `evict` tokens, `drop_entries` of per-head masks, and through its `rewrites` part (rewrites.py) the in-place

@@ -14,6 +14,7 @@ from pagevis.kvcache.events import EventLog
 from pagevis.kvcache.quantized_pages import QuantizedPages
 from pagevis.kvcache.rope_shift import rotate
 from pagevis.kvcache.sequence import LayerTable, SequenceCache
+from pagevis.kvcache.slots import page_and_slot
 from pagevis.kvcache.store import PageStore
 
 
@@ -60,11 +61,9 @@ class Rewrites:
     def rotate_keys(self, seq: SequenceCache, moved: np.ndarray, delta: np.ndarray, inv_freq: np.ndarray) -> None:
         """Re-rotation: the keys in flat slots `moved` rotated by `delta` positions (RoPE, rope_shift.py), their
         pages copied first if shared; with ThinK, the pruned channels stay zero."""
-        store, ps = self.layer.store, self.layer.page_size
-        for page in np.unique(moved // ps).tolist():
-            if (copy_ := self.layer.writable(seq, page)) != page:
-                moved = np.where(moved // ps == page, copy_ * ps + moved % ps, moved)
-        pages, slots = moved // ps, moved % ps
+        store = self.layer.store
+        moved = self._writable(seq, moved)
+        pages, slots = page_and_slot(moved, self.layer.page_size)
         rotated = rotate(store.k[:, pages, slots], delta, inv_freq).astype(store.k.dtype)
         if seq.channels is not None:  # ThinK: a RoPE pair with one channel pruned keeps that channel zero
             rotated = seq.channels.prune(self.layer.layer, rotated.transpose(1, 0, 2)).transpose(1, 0, 2)
@@ -73,13 +72,13 @@ class Rewrites:
     def prune_key_channels(self, seq: SequenceCache) -> None:
         """ThinK: the layer's key channels chosen from its query window and the keys the sequence holds, and the
         pruned ones zeroed in those keys (every page through `writable`: a shared one is copied)."""
-        store, ps, channels = self.layer.store, self.layer.page_size, seq.channels
+        store, channels = self.layer.store, seq.channels
         assert channels is not None  # called only for a sequence with key_channels
         for page in list(self.layer.table(seq).pages):
             self.layer.writable(seq, page)
         flat = self.layer.flat(seq)
         flat = flat[store.positions[flat] >= 0]
-        pages, slots = flat // ps, flat % ps
+        pages, slots = page_and_slot(flat, self.layer.page_size)
         kept = channels.choose(self.layer.layer, store.k[:, pages, slots])
         store.k[:, pages, slots] *= kept[:, None, :].astype(store.k.dtype)
 
@@ -89,15 +88,21 @@ class Rewrites:
         one key group. A prefill chunk is attended in full precision; in decoding the newest `residual` tokens
         stay float32 and the oldest 32 beyond them are quantized once they have all arrived. A shared page is
         copied first: the change is this sequence's alone."""
-        store, ps = self.layer.store, self.layer.page_size
+        store = self.layer.store
         assert isinstance(store, QuantizedPages)  # only int4 / int2 stores have a residual window
         group, limit = store.layout.group, store.layout.residual + store.layout.group - 1
         window = store.residual_slots(self.layer.flat(seq))
         while len(window) >= group and len(window) + n_new > limit:
             oldest = window[np.argsort(store.positions[window], kind="stable")[:group]]
-            for page in np.unique(oldest // ps).tolist():
-                copy = self.layer.writable(seq, page, keeps_prefix=True)
-                if copy != page:
-                    oldest = np.where(oldest // ps == page, copy * ps + oldest % ps, oldest)
-            store.seal(oldest, self.layer.log.step)
+            store.seal(self._writable(seq, oldest, keeps_prefix=True), self.layer.log.step)
             window = store.residual_slots(self.layer.flat(seq))
+
+    def _writable(self, seq: SequenceCache, flats: np.ndarray, keeps_prefix: bool = False) -> np.ndarray:
+        """The flat slots `flats` once each of their pages is writable (`LayerManager.writable`): the slots of a
+        shared page move to the same slots of its copy."""
+        ps = self.layer.page_size
+        for page in np.unique(flats // ps).tolist():
+            if (copy := self.layer.writable(seq, page, keeps_prefix=keeps_prefix)) != page:
+                pages, slots = page_and_slot(flats, ps)
+                flats = np.where(pages == page, copy * ps + slots, flats)
+        return flats

@@ -5,7 +5,8 @@
   wrote and their prefix hashes, its newest position, ThinK's key channels;
 - `LayerTable`: its share of one layer, held by that layer's manager (layer_managers.py, `LayerManager.tables`):
   the block table, the empty slots of its own pages, its resident tokens, its policy's statistics and per-head
-  masks, what its last attention read, and (local layers) what slid out of the window. Nothing else changes them.
+  masks, what its last attention read, and (local layers) what slid out of the window. Nothing else changes them
+  but attention (paged_attention.py), which feeds the policy's statistics and notes the slots it read.
 """
 
 from __future__ import annotations

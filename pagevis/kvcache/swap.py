@@ -1,4 +1,5 @@
-"""The disk tier's files: one swap file per layer in a private folder that is always removed.
+"""The disk tier's files: one swap file per layer in a private folder, removed when the cache closes or the
+process exits (not after SIGKILL: below).
 
 Pages move with os.preadv / os.pwritev between the swap file and RAM frames, not through np.memmap:
 a page in RAM is n_kv_heads separate (page_size, head_dim) blocks of the pool, which preadv/pwritev

@@ -1,6 +1,7 @@
 """The language model: GGUF loading (architectures: llama, qwen2, qwen3, gemma3, see architectures.py), the
 file's own tokenizer and chat template, and a forward pass that leaves attention (and so the KV cache) to its
-caller. NumPy, with tokenizers and jinja2 for the tokenizer; no Qt, no torch."""
+caller. NumPy (Numba for the quantized weight kernels), with tokenizers and jinja2 for the tokenizer; no Qt, no
+torch."""
 
 from pagevis.model.blas_threads import set_blas_threads
 from pagevis.model.byte_tokenizer import ByteTokenizer
