@@ -25,6 +25,8 @@ by `kernels()` on the first forward (~1-2 s to compile once, ~0.1 s to load).
 
 from __future__ import annotations
 
+from typing import Literal, TypedDict
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -33,7 +35,21 @@ from numba.extending import intrinsic
 _ROWS = "float32[:, ::1]"
 _VEC = "float32[::1]"
 _HEADS = "float32[:, :, ::1]"
-_OPTIONS = {"cache": True, "nogil": True, "error_model": "numpy", "boundscheck": False}
+
+
+class _Options(TypedDict):
+    """The njit options (named so a type checker matches them to njit's)."""
+    cache: bool
+    nogil: bool
+    fastmath: set[str]
+    error_model: Literal["python", "numpy"]
+    boundscheck: bool
+
+
+# products and sums may fuse into FMAs (one rounding instead of two); sums of squares may be reordered (vectorised)
+_OPTIONS: _Options = {"cache": True, "nogil": True, "fastmath": {"contract"}, "error_model": "numpy",
+                      "boundscheck": False}
+_SUM_OPTIONS: _Options = {**_OPTIONS, "fastmath": {"reassoc", "contract"}}
 
 GELU_C = np.float32(np.sqrt(2 / np.pi))
 
@@ -46,7 +62,7 @@ def _float_from_bits(typingctx, bits):
     return types.float32(types.int32), codegen
 
 
-@njit(fastmath={"contract"}, inline="always", **_OPTIONS)
+@njit(inline="always", **_OPTIONS)
 def _exp(x):  # pragma: no cover (numba)
     """exp(x) in float32 for x clamped to [-87, 88] (Cephes expf: 2^k e^r, |r| <= ln2 / 2, a degree-7 polynomial)."""
     x = min(max(x, np.float32(-87.0)), np.float32(88.0))
@@ -60,10 +76,10 @@ def _exp(x):  # pragma: no cover (numba)
     p = p * r + np.float32(1.6666665459e-1)
     p = p * r + np.float32(5.0000001201e-1)
     y = p * (r * r) + r + np.float32(1.0)
-    return y * _float_from_bits((np.int32(k) + np.int32(127)) << np.int32(23))
+    return y * _float_from_bits((np.int32(k) + np.int32(127)) << np.int32(23))  # type: ignore[call-arg]
 
 
-@njit(fastmath={"reassoc", "contract"}, **_OPTIONS)
+@njit(**_SUM_OPTIONS)
 def _inverse_rms(row, eps):  # pragma: no cover (numba)
     total = 0.0
     for j in range(row.shape[0]):
@@ -72,7 +88,7 @@ def _inverse_rms(row, eps):  # pragma: no cover (numba)
     return np.float32(1.0 / np.sqrt(total / row.shape[0] + np.float64(eps)))
 
 
-@njit(f"void({_ROWS}, {_ROWS}, {_VEC}, {_VEC}, float32, {_ROWS})", fastmath={"contract"}, **_OPTIONS)
+@njit(f"void({_ROWS}, {_ROWS}, {_VEC}, {_VEC}, float32, {_ROWS})", **_OPTIONS)
 def residual_norm(x, delta, post, weight, eps, out):  # pragma: no cover (numba)
     n, d = x.shape
     for i in range(n):
@@ -92,7 +108,7 @@ def residual_norm(x, delta, post, weight, eps, out):  # pragma: no cover (numba)
             target[j] = row[j] * scale * weight[j]
 
 
-@njit(fastmath={"contract"}, inline="always", **_OPTIONS)
+@njit(inline="always", **_OPTIONS)
 def _head(source, start, bias, norm, eps, cos, sin, neox, scale, target):  # pragma: no cover (numba)
     """One head of a projection row (source[start:start + d]) into target (d,): bias, RMSNorm, RoPE, scale."""
     d = target.shape[0]
@@ -119,7 +135,7 @@ def _head(source, start, bias, norm, eps, cos, sin, neox, scale, target):  # pra
 
 
 @njit(f"void({_ROWS}, {_VEC}, {_VEC}, {_VEC}, float32, {_ROWS}, {_ROWS}, boolean, float32, {_HEADS}, {_HEADS}, "
-      f"{_HEADS})", fastmath={"contract"}, **_OPTIONS)
+      f"{_HEADS})", **_OPTIONS)
 def prepare_qkv(qkv, bias, q_norm, k_norm, eps, cos, sin, neox, q_scale, q, k, v):  # pragma: no cover (numba)
     n, n_heads, d = q.shape
     n_kv = k.shape[1]
@@ -140,7 +156,7 @@ def prepare_qkv(qkv, bias, q_norm, k_norm, eps, cos, sin, neox, q_scale, q, k, v
                     target[j] += bias[start + j]
 
 
-@njit(f"void({_ROWS}, int64, boolean, {_ROWS})", fastmath={"contract"}, **_OPTIONS)
+@njit(f"void({_ROWS}, int64, boolean, {_ROWS})", **_OPTIONS)
 def gated(gate_up, d_ff, gelu, out):  # pragma: no cover (numba)
     n = gate_up.shape[0]
     for i in range(n):
