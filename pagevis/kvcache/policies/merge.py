@@ -3,6 +3,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagevis.kvcache.policies.h2o import AccumulatedAttention, HeavyHitter
+from pagevis.kvcache.policies.kernels import most_similar
 from pagevis.kvcache.policies.keydiff import unit_keys
 
 
@@ -40,13 +41,12 @@ class MergeValues(HeavyHitter):
         stats = pages.stats
         survivors = pages.occupied()
         survivors[victims] = False
-        candidates = np.flatnonzero(survivors)
         targets, weights = np.zeros(len(victims), dtype=np.int64), np.zeros(len(victims))
-        if not len(candidates):
-            return targets - 1, weights
         for i, victim in enumerate(victims.tolist()):
-            similarity = np.einsum("shd,hd->s", stats.unit[candidates].astype(np.float64), stats.unit[victim])
-            target = candidates[np.argmax(similarity)]
+            # the largest sum of the KV heads' cosines (the first slot on a tie), in one numba call (kernels.py)
+            target = most_similar(stats.unit, survivors, victim)
+            if target < 0:
+                return targets - 1, weights
             mass = stats.accumulated[target] + stats.accumulated[victim]
             weights[i] = stats.accumulated[victim] / mass if mass > 0 else 0.5
             stats.accumulated[target] = mass

@@ -1,0 +1,68 @@
+"""The policies' numba kernels (kvcache/policies/kernels.py) choose what their NumPy definitions choose: KeyDiff's
+victim against the base rule over `score` (the lowest outside the window, ties to the oldest token), merge's survivor
+against the einsum over every survivor (the first on a tie), on random layers where many keys repeat (exact ties).
+NumPy's product (BLAS) may score two equal keys a rounding apart, the kernel scores them alike: so the kernel's victim
+must be the oldest of the tokens within float64 rounding of NumPy's lowest score, when those are all the same key."""
+
+import numpy as np
+import pytest
+
+from pagevis.kvcache.policies.base import EvictionPolicy
+from pagevis.kvcache.policies.kernels import most_similar
+from pagevis.kvcache.policies.keydiff import KeyDiff, UnitKeys, unit_keys
+from pagevis.kvcache.policy_state import LayerView
+
+
+def random_layer(rng, n_slots, n_kv, d):
+    """Positions (some slots empty) and unit keys drawn from a few distinct keys, so that scores tie."""
+    positions = np.full(n_slots, -1)
+    resident = int(rng.integers(1, n_slots))
+    positions[rng.choice(n_slots, resident, replace=False)] = rng.choice(1000, resident, replace=False)
+    state = UnitKeys(n_slots, n_kv, d)
+    distinct = rng.standard_normal((int(rng.integers(1, 6)), n_kv, d)).astype(np.float32)
+    state.unit[:] = unit_keys(distinct[rng.integers(0, len(distinct), n_slots)])
+    return positions, state
+
+
+def test_keydiff_kernel_chooses_what_the_base_rule_chooses():
+    rng = np.random.default_rng(5)
+    compared = 0
+    for _ in range(300):
+        n_kv, d, window = int(rng.integers(1, 4)), int(rng.choice([4, 64])), int(rng.integers(0, 10))
+        positions, state = random_layer(rng, 40, n_kv, d)
+        pages = LayerView(0, 8, positions, [], state)
+        policy = KeyDiff(window=window)
+        policy.bind(64, 8)
+        policy.bind_heads(n_kv, n_kv, d, 10000.0)
+        if (positions >= 0).sum() <= window:
+            with pytest.raises(RuntimeError, match="no evictable token"):
+                policy.choose_victims(pages)
+            continue
+        victims, scores = policy.choose_victims(pages)
+        base_victims, base_scores = EvictionPolicy.choose_victims(policy, pages)
+        reference = policy.score(pages)
+        candidates = np.flatnonzero((positions >= 0) & ~policy.protected(pages))
+        near = candidates[reference[candidates] <= base_scores[0] + 1e-12]
+        assert victims[0] in near
+        np.testing.assert_allclose(scores, base_scores, rtol=1e-12)
+        if all((state.unit[near] == state.unit[near[0]]).all(axis=(1, 2))):  # one key: a true tie
+            assert victims[0] == near[np.argmin(positions[near])]
+        else:
+            assert victims.tolist() == base_victims.tolist()
+        compared += 1
+    assert compared > 200
+
+
+def test_merge_kernel_finds_the_most_similar_survivor():
+    rng = np.random.default_rng(6)
+    for _ in range(300):
+        positions, state = random_layer(rng, 40, 3, 16)
+        survivors = positions >= 0
+        victim = int(rng.choice(np.flatnonzero(survivors)))
+        survivors[victim] = False
+        candidates = np.flatnonzero(survivors)
+        if not len(candidates):
+            assert most_similar(state.unit, survivors, victim) == -1
+            continue
+        similarity = np.einsum("shd,hd->s", state.unit[candidates].astype(np.float64), state.unit[victim])
+        assert most_similar(state.unit, survivors, victim) == candidates[np.argmax(similarity)]
