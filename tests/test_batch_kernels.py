@@ -1,7 +1,7 @@
 """Several rows times the packed weights (model/batch_kernels.py): each row of a batched product equals that row
-multiplied alone (the matrix-vector kernel) and the float64 product of gguf-py's dequantised weights, within float32
-rounding, for every ggml type the packed formats hold, at row counts that take the two-row path and the odd row
-after it; and on the real model a batch of sequences decodes greedily what each sequence decodes alone."""
+multiplied alone (the matrix-vector kernel) bit for bit, and the float64 product of gguf-py's dequantised weights
+within float32 rounding, for every ggml type the packed formats hold, at row counts that fill the register blocks and
+leave partial ones; and on the real model a batch of sequences decodes greedily what each sequence decodes alone."""
 
 from __future__ import annotations
 
@@ -21,12 +21,14 @@ KINDS = list(FORMATS)
 
 @pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
 def test_each_row_of_a_batch_equals_that_row_alone_and_the_float64_product(kind):
+    """u5 (Q5_1, Q5_K) keeps weight_kernels' small-batch kernel: within float32 rounding of the row alone, not bit
+    for bit."""
     rng = np.random.default_rng(int(kind))
     rows, n_in = 130, FORMATS[kind][3] * 3  # a partial last tile
     raw = random_blocks(kind, rows, n_in, rng)
     w = dequantize(raw, kind).reshape(rows, n_in).astype(np.float64)
     matrix = pack(kind, raw, n_in)
-    for m in (2, 5, SMALL_BATCH):
+    for m in (2, 5, 7, SMALL_BATCH):
         x = rng.standard_normal((m, n_in)).astype(np.float32)
         x[1] *= 1e4  # rows of very different sizes share a code block: each keeps its own bound
         got = x @ matrix
@@ -34,7 +36,10 @@ def test_each_row_of_a_batch_equals_that_row_alone_and_the_float64_product(kind)
         limit = bound(w, x64, FORMATS[kind][1])
         assert (np.abs(got - x64 @ w.T) <= limit).all(), (m, kind.name)
         alone = np.stack([row @ matrix for row in x])
-        assert (np.abs(got - alone) <= 2 * limit).all(), (m, kind.name)
+        if FORMATS[kind][0] == "u5":
+            assert (np.abs(got - alone) <= 2 * limit).all(), (m, kind.name)
+        else:
+            assert np.array_equal(got, alone), (m, kind.name)
 
 
 def test_the_formats_with_a_batch_kernel_are_the_ones_the_models_use():
