@@ -151,6 +151,20 @@ def test_a_small_pool_preempts_and_the_preempted_recompute(model):
     assert all(r.phase == "done" for r in rows.values())
 
 
+def test_the_kv_curve_is_the_fullest_layers_pool_on_a_hybrid_model():
+    """With sliding-window layers beside a global one, each layer's pool holds different pages: the KV curve is the
+    fullest pool's (counted from the block tables, brute force), not layer 0's (a local one here)."""
+    hybrid = replace(SYNTH, sliding_window=8, global_every=2).load()  # layer 0 local (8 positions), layer 1 global
+    _, (server,) = sides(hybrid, preset(n=3, max_new_tokens=4))
+    cache, apart = server.engine.cache, False
+    for _ in range(12):
+        step = server.step()
+        pages = [len({p for s in cache.seq_ids() for p in cache.block_table(s, layer)}) for layer in range(2)]
+        assert step.pages_used == max(pages)
+        apart |= pages[0] < pages[1]
+    assert apart
+
+
 def test_the_forest_is_the_pools_prefix_cache_with_parents_by_the_engines_own_hash(model):
     from pagevis.simserver.forest import REMOVED
     from pagevis.kvcache.prefix_cache import ROOT_HASH, page_hash

@@ -94,7 +94,7 @@ class ServerStep:
     tokens_out: int  # tokens sampled in this step
     ttft: tuple[float, ...]  # time to first token of each request that got its first token in this step
     itl: tuple[float, ...]  # time since its previous token, of each request that got a later token
-    pages_used: int  # layer 0 (every layer holds the same pages without eviction)
+    pages_used: int  # of the fullest layer's pool (each layer has one; on Gemma 3 a global layer is the fullest)
     pool_pages: int
     reserved_pages: int  # what reserving prompt + max_new_tokens per request held by the engine would take
     prefix_queries: int  # the engine's prefix-cache counters so far, in tokens
@@ -207,6 +207,12 @@ class ServerRun:
         """Pages a contiguous reservation of prompt + max_new_tokens would hold for every request the engine
         holds now (waiting or running)."""
         return sum(self._reservation(self.engine.requests[self.tracks[r].seq_id]) for r in self._in_engine())
+
+    def pages_used(self) -> int:
+        """Pages in use in the fullest layer's pool: the one that runs out first (every layer has a pool of
+        pool_pages; a sliding-window layer holds fewer than a global one)."""
+        cache = self.engine.cache
+        return max(cache.pages_used(layer) for layer in range(cache.config.n_layers))
 
     def _reservation(self, request) -> int:
         return -(-min(len(request.prompt_ids) + request.max_new_tokens, self.capacity) // self.page_size)
@@ -340,7 +346,7 @@ class ServerRun:
             arrived=tuple(arrived), waiting=tuple(waiting), running=tuple(self.by_seq[s] for s in engine.running),
             preempted=preempted, ended=tuple(self.by_seq[s] for s in ended), prefill_tokens=prefill,
             decode_tokens=decode, tokens_out=record.tokens_decoded if record is not None else 0, ttft=ttft,
-            itl=itl, pages_used=engine.cache.pages_used(), pool_pages=self.config.pool_pages,
+            itl=itl, pages_used=self.pages_used(), pool_pages=self.config.pool_pages,
             reserved_pages=self.reserved_pages(), prefix_queries=stats.queries, prefix_hits=stats.hits,
             preemptions=engine.preemptions, preempted_now=len(preempted_now), completed=self._completed,
             generated=self._generated, rejected=len(self.rejected))
