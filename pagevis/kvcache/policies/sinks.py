@@ -5,7 +5,8 @@ from pagevis.kvcache.policies.base import EvictionPolicy
 
 @dataclass
 class Sinks(EvictionPolicy):
-    """Always keep the first n_sink tokens of the sequence (attention sinks), otherwise evict the oldest."""
+    """Keep the first n_sink tokens of the sequence (attention sinks), otherwise evict the oldest. A sliding-window
+    layer (Gemma 3's local ones) still drops the sinks with its window: the window is the layer's, not the policy's."""
 
     n_sink: int = 4
     name = "sinks"
