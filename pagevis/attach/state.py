@@ -32,7 +32,7 @@ parent hash (no set per block). Measured by `python -m pagevis.bench.attach`: se
 per engine (`max_blocks`; more stores are dropped and counted), the batch history ring, recent hashes,
 lifetimes sample, hot table, removal memory.
 
-The snapshots' classes are in snapshot.py. Snapshot rows are slots: `BlockColumns.resident` marks the rows that hold a block; rows keep their block while
+The snapshots' classes are in fleet_snapshot.py. Snapshot rows are slots: `BlockColumns.resident` marks the rows that hold a block; rows keep their block while
 it is resident, so a view can lay out incrementally. `parent_row` is the parent's row when the parent is
 resident in the same tier, else -1. A hostile stream can make parent links cycle: walk them with a visited set.
 """
@@ -59,7 +59,7 @@ from pagevis.attach.events import (
 )
 from pagevis.attach.events import _ClearedArray, _RemovedArray, _StoredArray
 from pagevis.attach.tiers import Tier
-from pagevis.attach.snapshot import (
+from pagevis.attach.fleet_snapshot import (
     BlockColumns,
     BlockInfo,
     Counters,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagevis.attach.snapshot import Counters, EngineSnapshot
+from pagevis.attach.fleet_snapshot import Counters, EngineSnapshot
 
 
 @dataclass(frozen=True)
