@@ -285,7 +285,6 @@ class SessionObserver:
         cfg = session.cache_config
         self.capacity = cfg.capacity
         self.policy = cfg.policy
-        self.groups = session.cache.layer_groups()  # kind of layer -> its layers
         self._before_first_token = 0.0  # seconds stepped before the first sampled token; None after it
         self._tokens = 0
         metrics._set_usage(id(self), self._usage())
@@ -313,10 +312,8 @@ class SessionObserver:
 
     def _usage(self) -> dict[str, tuple[int, int]]:
         """Per kind of layer: the session's resident tokens and its capacity, summed over those layers."""
-        cache, seq_id = self.session.cache, self.session.seq_id
-        held = cache.has_sequence(seq_id)
-        return {label: (sum(cache.resident(seq_id, layer) for layer in layers) if held else 0,
-                        len(layers) * self.capacity) for label, layers in self.groups.items()}
+        return {label: (sum(held), len(held) * self.capacity)
+                for label, held in self.session.cache.resident_by_layers(self.session.seq_id).items()}
 
     def _count_events(self, events) -> None:
         m = self.metrics

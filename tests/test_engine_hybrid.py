@@ -364,6 +364,21 @@ def test_a_cache_of_local_layers_only_streams_past_its_pool_under_policy_none(ca
     assert "--policy none: the prompt is" in capsys.readouterr().err
 
 
+def test_run_json_reports_the_tokens_each_kind_of_layer_holds(capsys):
+    """`pagevis run --json` on a hybrid model: the global layer holds every token fed, the local one the pages its
+    window still sees (brute force from the window), where peak_resident_tokens is layer 0's alone."""
+    window, ps = 6, 4
+    args = ["run", "--model", "synthetic", "--layers", "2", "--sliding-window", str(window), "--global-every", "2",
+            "--page-size", str(ps), "--max-pages", "32", "--max-tokens", "5", "--policy", "none", "--quiet",
+            "--no-chat", "--prompt", "a prompt longer than the window", "--json"]
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    n = summary["prompt_tokens"] + summary["generated_tokens"] - 1  # the last token sampled is not fed
+    local = n - (n - window) // ps * ps  # from the page of the oldest position the newest query sees
+    assert summary["resident_tokens_by_layers"] == {f"local W={window}": local, "global": n}
+    assert local < n
+
+
 @settings(max_examples=12, deadline=None)
 @given(window=st.integers(1, 20), page_size=st.integers(1, 8), chunk=st.integers(1, 30), n_prompt=st.integers(1, 50),
        n_new=st.integers(1, 12), global_every=st.integers(0, 3))

@@ -133,7 +133,11 @@ def summarize(session, model_label: str, elapsed: float, started: float, stamps:
         "policy_params": _policy_params(session),
         "steps": len(records),
         "evictions": records[-1].evictions_total if records else 0,
-        "peak_resident_tokens": max((r.resident_tokens for r in records), default=0),
+        "peak_resident_tokens": max((r.resident_tokens for r in records), default=0),  # layer 0's
+        # per kind of layer (Gemma 3: its sliding-window layers apart from its global ones), the most tokens one of
+        # its layers holds at the end
+        "resident_tokens_by_layers": {label: max(held) for label, held in
+                                      session.cache.resident_by_layers(session.seq_id).items()},
         "tokens_per_s": decoded / decode_seconds if decode_seconds > 0 else None,
         "prefill_tokens_per_s": len(session.prompt_ids) / prefill_seconds if prefill_seconds > 0 else None,
         "seconds": elapsed,

@@ -298,6 +298,13 @@ class KVCacheManager:
             groups.setdefault(spec.label, []).append(layer)
         return {label: tuple(layers) for label, layers in groups.items()}
 
+    def resident_by_layers(self, seq_id: int) -> dict[str, tuple[int, ...]]:
+        """Per kind of layer (`layer_groups`), the tokens the sequence holds in each of those layers (none once
+        it is freed)."""
+        seq = self.sequences.get(seq_id)
+        return {label: tuple(0 if seq is None else self.layers[layer].table(seq).resident for layer in layers)
+                for label, layers in self.layer_groups().items()}
+
     def pool(self, layer: int = 0) -> PoolState:
         """The layer's pool now, copied: what a record or a report shows of it."""
         store = self.stores[layer]
