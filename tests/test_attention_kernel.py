@@ -130,7 +130,7 @@ def test_block_measurement_is_bounded_whatever_the_shape():
 
 
 @settings(max_examples=80, deadline=None)
-@given(n_kv=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3, 4]), d=st.sampled_from([4, 64, 256]),
+@given(n_kv=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 2, 3, 4, 6, 9]), d=st.sampled_from([4, 64, 256]),
        n_keys=st.integers(1, 600), spare=st.integers(0, 40), masked=st.sampled_from(["none", "some", "all"]),
        window=st.sampled_from([None, 1, 7, 100]), seed=st.integers(0, 2**31))
 def test_the_decode_kernel_reads_the_pools_prefix_and_matches_float64(n_kv, group, d, n_keys, spare, masked, window,
@@ -153,3 +153,23 @@ def test_the_decode_kernel_reads_the_pools_prefix_and_matches_float64(n_kv, grou
     assert result.weights.shape == (1, n_kv * group, n_keys) and np.all(result.weights[0][:, ~np.isfinite(visible)] == 0)
     np.testing.assert_allclose(result.output, want_out, atol=2e-5 * max(1.0, np.abs(want_out).max()))
     np.testing.assert_allclose(result.weights, want_weights, atol=2e-6)
+
+
+@pytest.mark.parametrize("n_keys", [1, 2, 3, 5, 8, 37])
+def test_the_decode_kernels_exponential_over_the_whole_float32_range(n_keys):
+    """Scores spread from 0 down to far below exp's float32 floor (the kernel's own exponential, its key blocks and
+    their tails): weights within float32 rounding of float64's, the tiny ones included, and exactly 0 under it."""
+    rng = np.random.default_rng(n_keys)
+    d, n_kv, group = 8, 2, 3
+    keys = np.zeros((n_kv, n_keys, d), np.float32)
+    keys[:, :, 0] = -np.linspace(0, 120, n_keys, dtype=np.float32)  # q . k = -(0 .. 120): exp from 1 to 1e-52
+    values = rng.standard_normal((n_kv, n_keys, d)).astype(np.float32)
+    q = np.zeros((1, n_kv * group, d), np.float32)
+    q[..., 0] = np.sqrt(d) * rng.uniform(0.5, 1.0, n_kv * group)  # (attend_decode scales by 1/sqrt(d))
+    result = kernel.attend_decode(q, keys, values, n_keys, None, None, 0, None)
+    out, weights = reference(q, keys, values)
+    tiny = np.finfo(np.float32).tiny  # under float32's smallest normal, a weight may be 0 (it is, below e^-87.4)
+    np.testing.assert_allclose(result.weights, weights, rtol=2e-5, atol=tiny)  # (a score near -87 has ulp 8e-6)
+    scores = q[0, :, 0, None].astype(np.float64) / np.sqrt(d) * np.repeat(keys[:, :, 0], group, axis=0)
+    assert np.all(result.weights[0][scores - scores.max(axis=1, keepdims=True) < -87.4] == 0)
+    np.testing.assert_allclose(result.output, out, rtol=1e-5, atol=1e-6)

@@ -25,7 +25,7 @@ QT = ("PySide6", "shiboken6", "pyqtgraph", "superqt", "qtpy", "PyQt5", "PyQt6")
 # Each package of pagevis (or module at its top), and the other pagevis packages and modules it may import.
 # An entry allows that package or module and everything under it; `pagevis` itself (the version string)
 # is allowed everywhere. Anything else is refused, and a new package must be given a row here.
-FOUNDATION = {"errors", "settings", "system_memory", "token_times"}
+FOUNDATION = {"errors", "settings", "system_memory", "token_times", "kernel_intrinsics"}
 ALLOWED: dict[str, set[str]] = {
     # One error type for a bad setting, used by every layer.
     "errors": set(),
@@ -36,6 +36,8 @@ ALLOWED: dict[str, set[str]] = {
     "system_memory": set(),
     # One request's time to first token and inter-token gaps: the metrics, the simulated server, the benches.
     "token_times": set(),
+    # LLVM's bitcast and prefetch for the compiled kernels of the model and of the cache.
+    "kernel_intrinsics": set(),
     # The paged KV cache, its policies and attention: the bottom layer; it knows none of the layers above.
     "kvcache": FOUNDATION,
     # The model: forward passes over an attention function the caller passes in.

@@ -30,11 +30,12 @@ from __future__ import annotations
 from typing import Literal, TypedDict
 
 import numpy as np
-from llvmlite import ir
 from numba import njit, types
-from numba.extending import intrinsic
 from numba.core import sigutils
 from numba.core.typing import Signature
+
+from pagevis.kernel_intrinsics import bits_as_float32 as _bits_as_float32
+from pagevis.kernel_intrinsics import prefetch as _prefetch
 
 TILE = 64
 PREFETCH_AHEAD = 8192  # bytes: 4-8 groups of codes ahead (4096 and 8192 measured alike)
@@ -86,14 +87,6 @@ def _group_sums(x, group):
     return sums
 
 
-@intrinsic
-def _bits_as_float32(typingctx, bits):
-    """The float32 whose bits are the int32 bits (LLVM's bitcast: no instruction)."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.int32), codegen
-
-
 @njit(cache=True, nogil=True, inline="always")
 def _half(h):
     """The finite float16 whose bits are the int16 h, as float32, exactly: sign-extended and shifted, its exponent
@@ -137,20 +130,6 @@ def halves_to_float32(h, out):
     """The kernels' float16 conversion over a vector (its tests compare it with NumPy's on every half)."""
     for i in range(h.size):
         out[i] = _half(h[i])
-
-
-@intrinsic
-def _prefetch(typingctx, address):
-    """Ask for the cache line at an address (int64) ahead of its use (LLVM's prefetch: a hint, no fault whatever
-    the address)."""
-    def codegen(context, builder, signature, args):
-        pointer = ir.IntType(8).as_pointer()
-        kind = ir.FunctionType(ir.VoidType(), [pointer, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
-        function = builder.module.declare_intrinsic("llvm.prefetch", [pointer], kind)
-        read, keep, data = (ir.Constant(ir.IntType(32), v) for v in (0, 3, 1))
-        builder.call(function, [builder.inttoptr(args[0], pointer), read, keep, data])
-        return context.get_dummy_value()
-    return types.void(types.int64), codegen
 
 
 @njit(cache=True, nogil=True, inline="always")
