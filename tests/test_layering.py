@@ -3,8 +3,9 @@ and inside functions: lazy imports count too) against one table of what each pac
 runtime check that the core packages load no Qt.
 
 The layers, each importable without the ones above it (docs/architecture.md):
-    errors, settings · kvcache · model · engine · simserver, presets, trace · attach, viewmodel · serve, bench ·
-    quality · cli · plots · gui, bench.gui
+    errors, settings · kvcache · model · engine · simserver · presets, trace · attach · viewmodel · export ·
+    plots, observe · serve · quality · eval · bench · gui · bench.gui · cli · notebook
+(test_the_architecture_docs_list_the_packages_bottom_up holds the docs' list to ALLOWED)
 """
 
 from __future__ import annotations
@@ -159,6 +160,20 @@ def test_every_package_has_a_row():
     layers = {layer_of(name) for _path, name, _package in modules()} - {"pagevis"}
     missing = sorted(layers - set(ALLOWED))
     assert not missing, f"give {missing} a row in ALLOWED (what they may import, and why)"
+
+
+def test_the_architecture_docs_list_the_packages_bottom_up():
+    """docs/architecture.md lists the packages so that each builds only on those listed before it (and the small
+    modules of FOUNDATION and platform_check): what ALLOWED says, in the order a newcomer reads. The one exception,
+    which the docs say: settings reads the policy names from kvcache.policies, lazily, when a front end asks."""
+    text = (ROOT.parent / "docs" / "architecture.md").read_text()
+    listed = [line.split()[0].removeprefix("pagevis/").removesuffix(".py").replace("/", ".")
+              for line in text.splitlines() if line.startswith("    pagevis/")]
+    assert set(listed) >= set(ALLOWED) - FOUNDATION - {"platform_check", "__main__"}, "a package is not listed"
+    for i, package in enumerate(listed):
+        uses = ALLOWED[package] - ({"kvcache.policies"} if package == "settings" else set())
+        later = [p for p in listed[i + 1:] if any(a == p or a.startswith(p + ".") for a in uses)]
+        assert not later, f"architecture.md lists {package} before {later}, which it imports"
 
 
 def test_every_import_follows_the_layers():
