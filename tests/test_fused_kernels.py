@@ -127,3 +127,14 @@ def test_exp_within_two_ulps_over_its_range():
     every(values, out)
     want = np.exp(values.astype(np.float64))
     assert np.all(np.abs(out - want) <= 2 * np.spacing(want.astype(np.float32)))
+
+
+def test_rope_tables_match_float64_for_every_key():
+    from pagevis.model.rope import inverse_frequencies
+
+    positions = np.array([0, 1, 17, 4095, 131071], np.int64)
+    inv = np.stack([inverse_frequencies(64, 10000.0), inverse_frequencies(64, 1e6, scale=8.0)])
+    cos, sin = np.empty((2, 5, 32), np.float32), np.empty((2, 5, 32), np.float32)
+    _fused().rope_tables(positions, inv, cos, sin)
+    angles = positions[None, :, None] * inv[:, None, :]
+    assert np.all(np.abs(cos - np.cos(angles)) <= 6e-8) and np.all(np.abs(sin - np.sin(angles)) <= 6e-8)

@@ -171,3 +171,16 @@ def gated(gate_up, d_ff, gelu, out):  # pragma: no cover (numba)
                 g = row[j]
                 target[j] = g / (np.float32(1.0) + _exp(-g)) * row[d_ff + j]
 
+
+
+@njit("void(int64[::1], float64[:, ::1], float32[:, :, ::1], float32[:, :, ::1])", **_OPTIONS)
+def rope_tables(positions, inv_freqs, cos, sin):  # pragma: no cover (numba)
+    """cos[key, i, j], sin[key, i, j] of the angle positions[i] * inv_freqs[key, j], formed in float64 (rope.py's
+    rope_rows, in one call for every key: a decode step's one row)."""
+    for key in range(inv_freqs.shape[0]):
+        for i in range(positions.shape[0]):
+            position = np.float64(positions[i])
+            for j in range(inv_freqs.shape[1]):
+                angle = position * inv_freqs[key, j]
+                cos[key, i, j] = np.float32(np.cos(angle))
+                sin[key, i, j] = np.float32(np.sin(angle))
