@@ -66,3 +66,47 @@ def test_merge_kernel_finds_the_most_similar_survivor():
             continue
         similarity = np.einsum("shd,hd->s", state.unit[candidates].astype(np.float64), state.unit[victim])
         assert most_similar(state.unit, survivors, victim) == candidates[np.argmax(similarity)]
+
+
+def test_snapkv_head_scores_are_the_pooled_window_sums():
+    from pagevis.kvcache.policies.snapkv import ObservationWindow, SnapKV
+
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        window, kernel = int(rng.integers(1, 9)), int(rng.choice([1, 3, 7, 101]))
+        positions, _ = random_layer(rng, 48, 1, 4)
+        state = ObservationWindow(48, window, 3)
+        state.rows[:] = rng.random(state.rows.shape) * (rng.random(state.rows.shape) < 0.7)
+        pages = LayerView(0, 16, positions, [], state)
+        policy = SnapKV(window=window, kernel=kernel)
+        policy.bind(64, 16)
+        expected = policy._pooled(pages, state.window_attention())
+        assert np.array_equal(policy.head_scores(pages), expected)  # the same float64 values, not within rounding
+
+
+def adakv_drops_by_lexsort(scores, kept, positions, protected, n_safe, need):
+    """AdaKV's drops as NumPy sorts them (the policy's code before its kernel)."""
+    tier = np.where(protected[None, :], 2, 0) * kept
+    for head in range(len(kept)):
+        rows = np.flatnonzero(kept[head])
+        best = rows[np.lexsort((-positions[rows], -scores[head, rows]))[:n_safe]]
+        tier[head, best] = np.maximum(tier[head, best], 1)
+    heads, slots = np.nonzero(kept)
+    order = np.lexsort((heads, positions[slots], scores[heads, slots], tier[heads, slots]))[:need]
+    return heads[order], slots[order]
+
+
+def test_adakv_kernel_drops_what_the_lexsorts_drop():
+    from pagevis.kvcache.policies.kernels import adakv_drops
+
+    rng = np.random.default_rng(8)
+    for _ in range(400):
+        n_kv, n_slots = int(rng.integers(1, 4)), 40
+        positions, _ = random_layer(rng, n_slots, 1, 4)
+        kept = (positions >= 0)[None, :] & (rng.random((n_kv, n_slots)) < 0.8)
+        scores = rng.integers(0, 5, size=(n_kv, n_slots)) / 4  # coarse: ties everywhere
+        protected = (positions >= 0) & (rng.random(n_slots) < 0.2)
+        n_safe, need = int(rng.integers(0, 12)), int(rng.integers(1, 3 * n_kv + 2))
+        heads, slots = adakv_drops(scores, kept, positions, protected, n_safe, need)
+        expected = adakv_drops_by_lexsort(scores, kept, positions, protected, n_safe, need)
+        assert heads.tolist() == expected[0].tolist() and slots.tolist() == expected[1].tolist()

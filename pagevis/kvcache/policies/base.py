@@ -25,6 +25,7 @@ from typing import ClassVar
 import numpy as np
 
 from pagevis.errors import ConfigError, check_int
+from pagevis.kvcache.policies.kernels import newest_mask
 from pagevis.kvcache.policy_state import LayerView, PolicyState
 from pagevis.kvcache.slots import flat_slots
 
@@ -159,11 +160,9 @@ class EvictionPolicy:
 
 
 def newest(pages: LayerView, n: int) -> np.ndarray:
-    """Per flat slot, True on the n newest resident tokens (by position)."""
-    mask = np.zeros(pages.positions.shape, dtype=bool)
-    if n > 0:
-        mask[resident_order(pages)[-n:]] = True
-    return mask
+    """Per flat slot, True on the n newest resident tokens (by position): one numba call (kernels.py), where the
+    mask, the sort and the scatter were 5 NumPy calls for every eviction of h2o, snapkv, merge and adakv."""
+    return newest_mask(pages.positions, n)
 
 
 def resident_order(pages: LayerView) -> np.ndarray:

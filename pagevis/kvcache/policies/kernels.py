@@ -90,3 +90,104 @@ def most_similar(unit, survivors, victim):  # pragma: no cover (numba)
         if target < 0 or dot > best:
             target, best = s, dot
     return target
+
+
+_EXACT = {"cache": True, "nogil": True, "error_model": "numpy", "boundscheck": False}  # sums in NumPy's order
+
+
+@njit(**_EXACT)
+def snapkv_head_scores(rows, positions, kernel):  # pragma: no cover (numba)
+    """SnapKV's per-KV-head scores (SnapKV.head_scores): the window's rows (window, n_kv, n_slots) summed in their
+    order (as NumPy's sum over the first axis: the same float64 values), then max-pooled over `kernel` neighbouring
+    resident tokens in position order (ends clipped); 0 on empty slots."""
+    window, n_kv, n_slots = rows.shape
+    order = _resident_by_position(positions)
+    count = len(order)
+    scores = np.zeros((n_kv, n_slots))
+    seen = np.empty(count)
+    half = kernel // 2
+    for h in range(n_kv):
+        for i in range(count):
+            s = order[i]
+            total = rows[0, h, s]
+            for w in range(1, window):
+                total += rows[w, h, s]
+            seen[i] = total
+        for i in range(count):
+            best = seen[i]
+            for j in range(max(0, i - half), min(count, i + half + 1)):
+                if seen[j] > best:
+                    best = seen[j]
+            scores[h, order[i]] = best
+    return scores
+
+
+@njit(**_EXACT)
+def adakv_drops(scores, kept, positions, protected, n_safe, need):  # pragma: no cover (numba)
+    """AdaKV's `need` (KV head, slot) entries to drop (AdaKV.choose_head_victims): each kept entry's tier is 2 where
+    the token is protected, else 1 among its head's n_safe best (highest score, ties to the newest), else 0; the
+    entries go by (tier, score, position, head), lowest first. scores (n_kv, n_slots) float64, kept (n_kv, n_slots)
+    bool (resident and kept by that head). Returns (heads, slots), in the order they go."""
+    n_kv, n_slots = kept.shape
+    tier = np.zeros((n_kv, n_slots), np.int64)
+    newest_first = _resident_by_position(positions)[::-1]
+    rows = np.empty(len(newest_first), np.int64)
+    for h in range(n_kv):
+        n = 0
+        for s in newest_first:
+            if kept[h, s]:
+                rows[n] = s
+                n += 1
+        for s in rows[:n]:
+            tier[h, s] = 2 if protected[s] else 0
+        # the n_safe highest scores, ties to the newest: a stable sort of the newest-first rows by score, descending
+        best = rows[:n][np.argsort(-scores[h, rows[:n]], kind="mergesort")[:n_safe]]
+        for s in best:
+            if tier[h, s] == 0:
+                tier[h, s] = 1
+    heads, slots = np.empty(need, np.int64), np.empty(need, np.int64)
+    taken = np.zeros((n_kv, n_slots), np.bool_)
+    n = 0
+    while n < need:
+        bh, bs = -1, -1
+        for h in range(n_kv):
+            for s in range(n_slots):
+                if not kept[h, s] or taken[h, s]:
+                    continue
+                if bh < 0 or tier[h, s] < tier[bh, bs] or (tier[h, s] == tier[bh, bs] and (
+                        scores[h, s] < scores[bh, bs] or (scores[h, s] == scores[bh, bs] and (
+                            positions[s] < positions[bs] or (positions[s] == positions[bs] and h < bh))))):
+                    bh, bs = h, s
+        if bh < 0:
+            break
+        taken[bh, bs] = True
+        heads[n], slots[n] = bh, bs
+        n += 1
+    return heads[:n], slots[:n]
+
+
+@njit(**_EXACT)
+def _resident_by_position(positions):  # pragma: no cover (numba)
+    """The flat slots holding a token (positions >= 0), oldest position first."""
+    count = 0
+    for s in range(len(positions)):
+        if positions[s] >= 0:
+            count += 1
+    resident = np.empty(count, np.int64)
+    i = 0
+    for s in range(len(positions)):
+        if positions[s] >= 0:
+            resident[i] = s
+            i += 1
+    return resident[np.argsort(positions[resident])]
+
+
+@njit(**_EXACT)
+def newest_mask(positions, n):  # pragma: no cover (numba)
+    """Per flat slot, True on the n newest resident tokens (base.newest)."""
+    mask = np.zeros(len(positions), np.bool_)
+    if n > 0:
+        order = _resident_by_position(positions)
+        for s in order[max(0, len(order) - n):]:
+            mask[s] = True
+    return mask
