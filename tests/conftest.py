@@ -28,8 +28,9 @@ def weight_kernels_ready_beside():
     tests run on this core: the first test that needs them waits on their lock (quantized._compiling_alone) for what
     is left (PAGEVIS_KERNEL_LOCK_WAIT above; the app waits 15 s, then compiles its own in memory), then loads them
     from numba's cache."""
-    loader = subprocess.Popen([sys.executable, "-c", "from pagevis.model.quantized import kernels, _rows_kernel; "
-                               "kernels(); _rows_kernel('u4', None)"],  # and batch_kernels.py's
+    loader = subprocess.Popen([sys.executable, "-c", "from pagevis.model.quantized import kernels, _rows_kernel, "
+                               "spin_pool; from pagevis.model.weight_threads import set_weight_threads; kernels(); "
+                               "_rows_kernel('u4', None); set_weight_threads(2); spin_pool()"],  # batch_kernels', spin_pool's
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     yield
     loader.wait()

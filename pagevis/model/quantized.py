@@ -26,7 +26,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from pagevis.model.resident import release_compiler_pages, release_mapped, release_whole_pages
-from pagevis.model.weight_threads import split
+from pagevis.model.weight_threads import split, weight_threads
 
 TILE = 64
 # rows up to which the small-batch kernel beats dequantise-then-sgemm (pagevis bench weights, SmolLM2: 8 and 16 yes)
@@ -225,6 +225,41 @@ def _rows_kernel(fmt: str, fallback):
 _ROWS_KERNELS: dict | None = None
 
 
+def spin_pool():
+    """The second thread of one-row (decode) products, or None on one thread (spin_pool.py: it waits in numba code
+    for products, without the GIL and without a wake-up per product, so every layer's small products are shared;
+    weight_threads.split hands a Python thread only products big enough to pay for waking it). Started on the
+    first product with two threads; its kernels compiled or loaded under the weight kernels' lock."""
+    global _POOL, _POOL_FAILED
+    if weight_threads() < 2 or _POOL_FAILED:
+        return None
+    if _POOL is None:
+        try:
+            with _compiling_alone() as alone, _saying_when_compiling():
+                with contextlib.nullcontext() if alone else _numba_cache_off():
+                    from pagevis.model import spin_pool as module
+            _POOL = module.new_pool()
+        except Exception as exc:  # numba could neither load nor compile it: one thread's products, said once
+            import sys
+
+            _POOL_FAILED = True
+            print(f"pagevis: the weights' second thread is unavailable ({type(exc).__name__}: {exc}); one-row "
+                  "products stay on one thread", file=sys.stderr, flush=True)
+            return None
+    return _POOL
+
+
+def _forget_pool_in_child() -> None:
+    global _POOL
+    _POOL = None  # a forked child has no helper thread: it starts its own on its first product
+
+
+_POOL = None
+_POOL_FAILED = False
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
 @dataclass
 class QuantMatrix:
     """An (out, in) weight matrix in a packed format, used as its (in, out) view: `x @ matrix`."""
@@ -259,6 +294,13 @@ class QuantMatrix:
         """Bytes held (and read per product): the packed codes, scales and offsets."""
         return sum(a.nbytes for a in self.arrays if isinstance(a, np.ndarray) and all(a is not p for p in PLACEHOLDERS))
 
+    @cached_property
+    def descriptor(self) -> np.ndarray:
+        """The kernel's arrays as addresses and shapes, for spin_pool.product (the helper thread's view of them)."""
+        from pagevis.model.spin_pool import describe
+
+        return describe(self.fmt, self.arrays, self.n_in)
+
     @property
     def tiles(self) -> int:
         return self.arrays[0].shape[0]
@@ -274,6 +316,9 @@ class QuantMatrix:
         if x.ndim == 2 and len(x) > SMALL_BATCH:
             return self._sgemm(x)
         out = np.empty((*x.shape[:-1], self.tiles * TILE), np.float32)
+        if x.ndim == 1 and len(x) == self.n_in and (pool := spin_pool()) is not None:
+            pool.product(self.descriptor, self.arrays, x, out)  # shared with the second thread, every size
+            return out[:self.n_out]
         kernel = matvec if x.ndim == 1 else _rows_kernel(self.fmt, matmul)
 
         def work(t0: int, t1: int, private: bool) -> np.ndarray:

@@ -1,0 +1,384 @@
+"""A second thread for one-row weight products that needs no waking: a helper waits in numba code (no GIL) on a
+shared control array, and every product call (also numba, also without the GIL) shares its tiles with it.
+
+The caller writes the product's arguments (its kernel's arrays, as addresses and shapes) into the control array
+and publishes a job word (NEXT: the job's tag, its count of chunks, the next chunk to take). Then the caller and
+the helper take chunks of tiles by atomic operations on NEXT until none is left: the caller computes its chunks
+into the output, the helper its own into a scratch buffer it owns, marking each chunk done (STATE). The caller
+copies the helper's chunks in; a chunk the helper took but has not finished within PATIENCE times the caller's
+own time per chunk (its core went to another process) the caller computes itself, and the helper's late copy is
+never read. So a product never waits for a descheduled helper, and a helper that is not running costs the caller
+one uncontended atomic operation a chunk: it takes every chunk, as one thread would.
+
+The helper's claim is a compare-and-swap on NEXT, tagged with the job, taken only while the job has chunks left:
+a claim that succeeds proves the job (its arguments, its arrays, its scratch) is live. It announces the job it
+is about to claim in HELPER_SEQ first, so the Python side keeps that job's arrays alive for as long as the helper
+may read them (a model freed while the helper is descheduled on one of its chunks).
+
+Between jobs the helper spins (a pause instruction a turn) for SPIN_NS, then sleeps SLEEP_US at a time, and after
+IDLE_NS without a job it returns to Python and waits on an Event (no CPU at all) until a product wakes it. It runs
+at the lowest priority (nice 19): where another process wants its core it gets almost none of it, so two threads
+fall back to about one thread's rate instead of below it (a helper at normal priority spinning on a busy machine
+takes time from the caller and from everything else). Each row's arithmetic is the kernel's on one thread
+whichever thread computes its tile: the outputs are bit for bit one thread's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import platform
+import threading
+import time
+
+import numpy as np
+from llvmlite import ir
+from numba import carray, njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from pagevis.model.weight_kernels import i8_matvec, nib_matvec
+
+TILE = 64
+MAX_CHUNKS = 32  # a chunk's call costs ~0.45 us: 64 chunks cost 30 of the 850 us of SmolLM2's logits alone
+CHUNK_TILES = 8  # tiles a chunk, about (each kernel call costs ~0.35 us: 4-tile chunks cost 4 us more over a 48-tile product, 12-tile 1.1); smaller products still split in two
+PATIENCE = 1.0  # the caller waits for the helper's chunk up to this times its own time a chunk (+ PATIENCE_NS)
+PATIENCE_NS = 5_000
+SPIN_NS, SLEEP_US, IDLE_NS = 2_000_000, 50, 100_000_000
+PROBE_AFTER = 16  # products in a row without the helper after which they are cut in two only (until it helps)
+
+# A matrix's descriptor (describe()): its kernel's family and flags, tiles, input size and six arrays (address and
+# four dimensions each)
+KIND, HIGH, PER, MODE, TILES, N_IN = range(6)
+ARRAYS = 6
+DESCRIPTOR = ARRAYS + 30
+# the control array: words the two threads write often on cache lines of their own; then the job
+NEXT, HELPER_SEQ, STOP, PARKED, OWNER = 0, 8, 16, 24, 32
+HELPED, TAKEN_OVER, CLOCK, MISSES = 40, 41, 42, 43  # chunks the helper computed, chunks the caller took back; the
+# clock's id; products in a row the helper took no chunk of
+STATE = 48  # per chunk: tag << 2 | DONE once the helper's copy is in scratch
+X, CHUNK, SCRATCH = range(STATE + MAX_CHUNKS, STATE + MAX_CHUNKS + 3)
+JOB = STATE + MAX_CHUNKS + 3  # the product's matrix descriptor
+WORDS = JOB + DESCRIPTOR
+DONE = 1
+NIB, I8 = 0, 1
+COUNT_BITS, INDEX_MASK = 16, 0xFFFF
+
+_X86 = platform.machine() in ("x86_64", "AMD64", "i686", "i386")
+
+
+def _element(context, builder, array_type, array, index):
+    return cgutils.get_item_pointer(context, builder, array_type, context.make_array(array_type)(
+        context, builder, array), [index])
+
+
+@intrinsic
+def _load(typingctx, ctrl, index):
+    """ctrl[index], an atomic (sequentially consistent) read: never hoisted out of a loop."""
+    def codegen(context, builder, signature, args):
+        return builder.load_atomic(_element(context, builder, signature.args[0], *args), "seq_cst", 8)
+    return types.int64(ctrl, types.int64), codegen
+
+
+@intrinsic
+def _store(typingctx, ctrl, index, value):
+    def codegen(context, builder, signature, args):
+        builder.store_atomic(args[2], _element(context, builder, signature.args[0], args[0], args[1]), "seq_cst", 8)
+        return context.get_dummy_value()
+    return types.void(ctrl, types.int64, types.int64), codegen
+
+
+@intrinsic
+def _add(typingctx, ctrl, index, value):
+    """ctrl[index] += value atomically; returns the value before."""
+    def codegen(context, builder, signature, args):
+        pointer = _element(context, builder, signature.args[0], args[0], args[1])
+        return builder.atomic_rmw("add", pointer, args[2], "seq_cst")
+    return types.int64(ctrl, types.int64, types.int64), codegen
+
+
+@intrinsic
+def _swap(typingctx, ctrl, index, expected, value):
+    """Compare-and-swap ctrl[index] from expected to value; returns the value found (expected: swapped)."""
+    def codegen(context, builder, signature, args):
+        pointer = _element(context, builder, signature.args[0], args[0], args[1])
+        return builder.extract_value(builder.cmpxchg(pointer, args[2], args[3], "seq_cst", "seq_cst"), 0)
+    return types.int64(ctrl, types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def _pause(typingctx):
+    """x86's spin-wait hint (pause: the spinning loop leaves the core's pipeline alone); nothing elsewhere."""
+    def codegen(context, builder, signature, args):
+        if _X86:
+            kind = ir.FunctionType(ir.VoidType(), [])
+            builder.call(builder.module.declare_intrinsic("llvm.x86.sse2.pause", (), kind), [])
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+def _libc(builder, name: str, result, *arguments):
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(result, list(arguments)), name)
+
+
+@intrinsic
+def _usleep(typingctx, microseconds):
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        builder.call(_libc(builder, "usleep", i32, i32), [builder.trunc(args[0], i32)])
+        return context.get_dummy_value()
+    return types.void(types.int64), codegen
+
+
+@intrinsic
+def _clock_ns(typingctx, clock):
+    """clock_gettime(clock) in ns (CLOCK_MONOTONIC: its id from Python's time module, held in ctrl[CLOCK])."""
+    def codegen(context, builder, signature, args):
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        spec = cgutils.alloca_once(builder, ir.ArrayType(i64, 2))
+        function = _libc(builder, "clock_gettime", i32, i32, ir.IntType(8).as_pointer())
+        builder.call(function, [builder.trunc(args[0], i32), builder.bitcast(spec, ir.IntType(8).as_pointer())])
+        seconds = builder.load(builder.gep(spec, [ir.Constant(i32, 0), ir.Constant(i32, 0)]))
+        nanoseconds = builder.load(builder.gep(spec, [ir.Constant(i32, 0), ir.Constant(i32, 1)]))
+        return builder.add(builder.mul(seconds, ir.Constant(i64, 1_000_000_000)), nanoseconds)
+    return types.int64(types.int64), codegen
+
+
+def _pointer_to(numba_type):
+    @intrinsic
+    def pointer(typingctx, address):
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(numba_type).as_pointer())
+        return types.CPointer(numba_type)(types.int64), codegen
+    return pointer
+
+
+_u8, _u32, _i16, _i8 = (_pointer_to(t) for t in (types.uint8, types.uint32, types.int16, types.int8))
+_f32 = _pointer_to(types.float32)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _shape3(words, at):
+    return (words[at + 1], words[at + 2], words[at + 3])
+
+
+@njit(cache=True, nogil=True)
+def _kernel(words, at, x_address, t0, t1, target):
+    """Tiles t0..t1 of the matrix described at words[at:] times the row at x_address, into target (an address)."""
+    x = carray(_f32(x_address), (words[at + N_IN],))  # type: ignore[call-arg]
+    out = carray(_f32(target), ((t1 - t0) * TILE,))  # type: ignore[call-arg]
+    a = at + ARRAYS
+    if words[at + KIND] == I8:
+        qs = carray(_i8(words[a]), (words[a + 1], words[a + 2], words[a + 3], words[a + 4]))  # type: ignore[call-arg]
+        dh = carray(_i16(words[a + 5]), _shape3(words, a + 5))  # type: ignore[call-arg]
+        ds = carray(_i8(words[a + 10]), _shape3(words, a + 10))  # type: ignore[call-arg]
+        i8_matvec(qs, dh, ds, words[at + PER], x, t0, t1, out)
+    else:
+        qs = carray(_u8(words[a]), (words[a + 1], words[a + 2], words[a + 3], words[a + 4]))  # type: ignore[call-arg]
+        qh = carray(_u32(words[a + 5]), _shape3(words, a + 5))  # type: ignore[call-arg]
+        dh = carray(_i16(words[a + 10]), _shape3(words, a + 10))  # type: ignore[call-arg]
+        ds = carray(_i8(words[a + 15]), _shape3(words, a + 15))  # type: ignore[call-arg]
+        mh = carray(_i16(words[a + 20]), _shape3(words, a + 20))  # type: ignore[call-arg]
+        ms = carray(_i8(words[a + 25]), _shape3(words, a + 25))  # type: ignore[call-arg]
+        nib_matvec(qs, qh, dh, ds, mh, ms, words[at + HIGH] != 0, words[at + PER], words[at + MODE], x, t0, t1, out)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _compute(ctrl, index, target):
+    """Chunk index of the job in ctrl into target (the output's or the scratch's address of its first row)."""
+    t0 = index * ctrl[CHUNK]
+    _kernel(ctrl, JOB, ctrl[X], t0, min(ctrl[JOB + TILES], t0 + ctrl[CHUNK]), target)
+
+
+@njit("void(int64[::1], int64)", cache=True, nogil=True)
+def help_job(ctrl, seen):
+    """Take chunks of the job seen (a NEXT word) until none is left, each into scratch, marked done."""
+    tag = seen >> 32
+    word = seen
+    while (word >> 32) == tag and (word & INDEX_MASK) < ((word >> COUNT_BITS) & INDEX_MASK):
+        _store(ctrl, HELPER_SEQ, tag)  # before the claim: the caller's side then keeps the job's arrays alive
+        if _swap(ctrl, NEXT, word, word + 1) == word:
+            index = word & INDEX_MASK
+            _compute(ctrl, index, ctrl[SCRATCH] + 4 * index * ctrl[CHUNK] * TILE)
+            _store(ctrl, STATE + index, (tag << 2) | DONE)
+            ctrl[HELPED] += 1
+        word = _load(ctrl, NEXT)
+    _store(ctrl, HELPER_SEQ, -1)
+
+
+@njit("int64(int64[::1])", cache=True, nogil=True)
+def serve(ctrl):
+    """The helper's loop: returns 0 when told to stop, 1 after IDLE_NS without a job (parked: PARKED set)."""
+    clock = ctrl[CLOCK]
+    idle_from = _clock_ns(clock)  # type: ignore[call-arg]
+    while _load(ctrl, STOP) == 0:
+        word = _load(ctrl, NEXT)
+        if (word & INDEX_MASK) < ((word >> COUNT_BITS) & INDEX_MASK):
+            help_job(ctrl, word)
+            idle_from = _clock_ns(clock)  # type: ignore[call-arg]
+            continue
+        idle = _clock_ns(clock) - idle_from  # type: ignore[call-arg]
+        if idle < SPIN_NS:
+            for _ in range(32):
+                _pause()  # type: ignore[call-arg]
+        elif idle < IDLE_NS:
+            _usleep(SLEEP_US)  # type: ignore[call-arg]
+        else:
+            _store(ctrl, PARKED, 1)
+            word = _load(ctrl, NEXT)
+            if (word & INDEX_MASK) < ((word >> COUNT_BITS) & INDEX_MASK):  # a job came in between: take it
+                _store(ctrl, PARKED, 0)
+                continue
+            return 1
+    return 0
+
+
+@njit("void(int64[::1], int64, int64, float32[::1], float32[::1])", cache=True, nogil=True)
+def run(ctrl, tag, count, out, scratch):
+    """The caller's side of the job just published: chunks taken by atomic add until none is left, computed into
+    out; then the helper's chunks copied from scratch once marked done, or computed here if one is not done within
+    the patience (the helper's core went elsewhere: the caller never waits longer than about a chunk for it)."""
+    clock, rows = ctrl[CLOCK], ctrl[CHUNK] * TILE
+    mine, own = 0, 0
+    start = _clock_ns(clock)  # type: ignore[call-arg]
+    while True:
+        index = _add(ctrl, NEXT, 1) & INDEX_MASK
+        if index >= count:
+            break
+        _compute(ctrl, index, out.ctypes.data + 4 * index * rows)
+        own, mine = own + 1, mine | (1 << index)
+    now = _clock_ns(clock)  # type: ignore[call-arg]
+    deadline = now + PATIENCE_NS + int(PATIENCE * (now - start) / max(own, 1))
+    ctrl[MISSES] = ctrl[MISSES] + 1 if own == count else 0
+    done = (tag << 2) | DONE
+    for index in range(count):
+        if mine & (1 << index):
+            continue
+        while True:
+            state = _load(ctrl, STATE + index)
+            if state == done:
+                for r in range(index * rows, min(out.size, (index + 1) * rows)):
+                    out[r] = scratch[r]
+                break
+            if _clock_ns(clock) > deadline and _swap(ctrl, STATE + index, state, done + 1) == state:  # type: ignore[call-arg]
+                _compute(ctrl, index, out.ctypes.data + 4 * index * rows)  # taken back: the helper's copy unread
+                ctrl[TAKEN_OVER] += 1
+                break
+            _pause()  # type: ignore[call-arg]
+
+
+@njit("int64(int64[::1], int64[::1], int64, float32[::1], float32[::1])", cache=True, nogil=True)
+def post(ctrl, job, tag, x, scratch):
+    """Publish the product of x by the matrix job describes, cut into chunks for the caller and the helper: returns
+    the count of chunks (then the caller holds the pool: run() next), or 0 if the product is too small to cut or
+    another caller holds the pool."""
+    tiles = job[TILES]
+    count = 2 if ctrl[MISSES] > PROBE_AFTER else max(2, min(MAX_CHUNKS, tiles // CHUNK_TILES))
+    chunk = -(-tiles // count)
+    count = -(-tiles // chunk)
+    if count < 2 or _swap(ctrl, OWNER, 0, 1) != 0:
+        return 0
+    ctrl[X], ctrl[CHUNK], ctrl[SCRATCH] = x.ctypes.data, chunk, scratch.ctypes.data
+    ctrl[JOB:JOB + DESCRIPTOR] = job
+    for k in range(count):  # a late helper's DONE from an earlier job with this tag (after 2**31 jobs) is cleared
+        ctrl[STATE + k] = 0
+    _store(ctrl, NEXT, (tag << 32) | (count << COUNT_BITS))
+    return count
+
+
+@njit("void(int64[::1], int64[::1], int64, float32[::1], float32[::1], float32[::1])", cache=True, nogil=True)
+def product(ctrl, job, tag, x, out, scratch):
+    """out = x times the matrix described by job (describe()), its chunks shared with the helper (alone if the
+    product is too small to cut or another caller holds the pool)."""
+    count = post(ctrl, job, tag, x, scratch)
+    if count == 0:
+        _kernel(job, 0, x.ctypes.data, 0, job[TILES], out.ctypes.data)
+        return
+    run(ctrl, tag, count, out, scratch)
+    _store(ctrl, OWNER, 0)
+
+
+def describe(fmt: str, arrays: tuple, n_in: int) -> np.ndarray:
+    """A packed matrix's descriptor for product(): its kernel's family (u4 and u5 nib, i8), flags, tiles, input size
+    and arrays' addresses and shapes (the matrix must outlive it: QuantMatrix keeps both)."""
+    job = np.zeros(DESCRIPTOR, np.int64)
+    if fmt == "i8":
+        held, (job[KIND], job[PER]) = arrays[:3], (I8, arrays[3])
+    else:
+        held, (job[KIND], job[HIGH], job[PER], job[MODE]) = arrays[:6], (NIB, int(arrays[6]), arrays[7], arrays[8])
+    job[TILES], job[N_IN] = arrays[0].shape[0], n_in
+    for k, array in enumerate(held):
+        if not array.flags.c_contiguous:
+            raise ValueError("packed arrays are C-contiguous")
+        job[ARRAYS + 5 * k] = array.ctypes.data
+        job[ARRAYS + 5 * k + 1:ARRAYS + 5 * k + 1 + array.ndim] = array.shape
+    return job
+
+
+class SpinPool:
+    """The helper thread and its control array; product() is called from one thread at a time or several (a
+    second caller while one holds the pool computes alone)."""
+
+    def __init__(self, niceness: int = 19) -> None:
+        self.ctrl = np.zeros(WORDS, np.int64)
+        self.ctrl[HELPER_SEQ], self.ctrl[CLOCK] = -1, time.CLOCK_MONOTONIC
+        self.scratch = np.empty(0, np.float32)
+        self.tag = 0
+        self.held: tuple | None = None  # (tag, what its addresses point into) while the helper may still read them
+        self.wake = threading.Event()
+        self.niceness = niceness
+        self.thread = threading.Thread(target=self._loop, name="pagevis-weights", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        try:  # Linux: a thread's own niceness (its id as a process id); elsewhere the process keeps its own
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.niceness)
+        except (AttributeError, OSError):
+            pass
+        while serve(self.ctrl):  # parked after a while without a job: wait for a product to wake it
+            self.wake.wait()
+            self.wake.clear()
+
+    def product(self, job: np.ndarray, arrays: tuple, x: np.ndarray, out: np.ndarray) -> None:
+        """out (the matrix's tiles' rows) = x times the packed matrix that job describes (arrays: what it points
+        into), its chunks shared with the helper."""
+        ctrl = self.ctrl
+        if ctrl[PARKED]:
+            ctrl[PARKED] = 0
+            self.wake.set()
+        if self.scratch.size < out.size:
+            self.scratch = np.empty(out.size, np.float32)
+        self.tag = tag = self.tag % (1 << 31) + 1
+        product(ctrl, job, tag, x, out, self.scratch)
+        keep = ctrl[HELPER_SEQ]
+        if keep == tag:  # the helper may still read this job's arrays (its core went elsewhere mid-chunk)
+            self.held = (tag, (job, arrays, x, self.scratch))
+        elif keep < 0:
+            self.held = None
+        # else: an earlier job, held since it ended (or a claim that fails: never read)
+
+    def stats(self) -> tuple[int, int]:
+        """(chunks the helper computed, chunks the caller took back from it) so far."""
+        return int(self.ctrl[HELPED]), int(self.ctrl[TAKEN_OVER])
+
+    def close(self, timeout: float = 2.0) -> bool:
+        """Stop the helper; True once its thread has ended."""
+        self.ctrl[STOP] = 1
+        self.wake.set()
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
+
+
+_pools: list[SpinPool] = []
+
+
+def new_pool(niceness: int = 19) -> SpinPool:
+    pool = SpinPool(niceness)
+    _pools.append(pool)
+    return pool
+
+
+@atexit.register
+def _close_all() -> None:
+    for pool in _pools:
+        pool.close(0.5)
