@@ -51,6 +51,35 @@ def test_attach_rebuilds_the_pools_prefix_cache_from_pagevis_serve(tmp_path):
             assert prefix_hashes(tokens, 4)[-1] == block["hash"]
 
 
+def test_each_kind_of_layer_of_a_hybrid_model_is_a_group_of_its_own():
+    """With sliding-window layers each kind of layer's prefix cache is a KV cache group of its own (vLLM's
+    group_idx): the events of each group, replayed, are that kind's cached pages, hash for hash; the kinds differ (a
+    local layer frees pages as its window slides), so layer 0's events alone would not speak for the global layer."""
+    from pagevis.attach.events import BlockStored
+    from pagevis.engine import Engine, SessionConfig
+    from pagevis.engine.batch import BatchConfig
+    from pagevis.model.synthetic import SyntheticModel
+    from pagevis.serve.kv_events import batch_events, groups
+
+    config = SessionConfig(page_size=4, max_pages=16, policy="none", max_new_tokens=6, chat=False)
+    plain = Engine(SyntheticModel(n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, seed=1), config)
+    assert groups(plain) == [(None, 0)]  # one kind of layer: no group_idx, as before
+    model = SyntheticModel(n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, seed=1, sliding_window=8, global_every=2)
+    engine = Engine(model, config, BatchConfig(pool_pages=16))  # a small pool: later prompts reclaim cached pages
+    assert groups(engine) == [(0, 0), (1, 1)]  # layer 0 local, layer 1 global
+    text = list(b"Local layers keep a window; the global one keeps it all.")
+    held: dict = {0: set(), 1: set()}
+    for i in range(8):
+        engine.submit(text[i: 30 + i] if i % 2 else text[:40])
+        for record in engine.run():
+            for event in batch_events(engine, record.events):
+                change = held[event.group_idx].update if isinstance(event, BlockStored) else \
+                    held[event.group_idx].difference_update
+                change(event.block_hashes)
+    cached = {group: set(engine.cache.cached_pages(layer)) for group, layer in groups(engine)}
+    assert held == cached and cached[0] != cached[1]
+
+
 @pytest.mark.parametrize("flag,value,field", [("--kv-events-endpoint", "not-an-endpoint", "kv_events_endpoint"),
                                               ("--kv-events-endpoint", "tcp://*:99999", "kv_events_endpoint"),
                                               ("--kv-events-endpoint", "tcp://127.0.0.1:0", "kv_events_endpoint"),
