@@ -144,3 +144,22 @@ def test_a_page_that_slid_out_keeps_its_colour_until_the_pool_hands_it_out_again
     window.controls.layer.setValue(1)  # a global layer: nothing slides
     window.redraw()
     assert not (grid.states == SLID).any()
+
+
+def test_the_metrics_csv_gives_each_kind_of_layer_its_resident_tokens(qtbot, tmp_path):
+    """File > Export of the metrics: beside layer 0's resident tokens (a local layer's here), one column per kind of
+    layer with the most tokens one of its layers holds after each step (counted from the records' slot maps)."""
+    import csv
+
+    from pagevis.gui.widgets.export import save_metrics_csv
+
+    window = make_window(qtbot, tmp_path, SPEC, PROMPT, CONFIG)
+    step(qtbot, window, 6)
+    path = tmp_path / "metrics.csv"
+    assert save_metrics_csv(window.timeline, str(path)) == 6
+    rows = list(csv.DictReader(path.open()))
+    for row, record in zip(rows, window.timeline.records, strict=True):
+        held = [int((record.slot_maps[layer] >= 0).sum()) for layer in range(2)]
+        assert int(row["resident_tokens"]) == record.resident_tokens == held[0]
+        assert (int(row[f"resident_tokens local W={W}"]), int(row["resident_tokens global"])) == tuple(held)
+    assert int(rows[-1]["resident_tokens global"]) > int(rows[-1][f"resident_tokens local W={W}"])

@@ -5,11 +5,14 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+import numpy as np
+
 from PySide6.QtCore import QPoint, QRect, QSize
 from PySide6.QtGui import QPainter
 from PySide6.QtSvg import QSvgGenerator
 from PySide6.QtWidgets import QWidget
 
+from pagevis.kvcache.layer_spec import layer_specs
 from pagevis.viewmodel.timeline import Timeline
 
 EVENT_COLUMNS = ("step", "layer", "page", "slot", "position", "token", "reason", "score")
@@ -57,17 +60,35 @@ def save_events_csv(timeline: Timeline, path: str, upto: int | None = None) -> i
 
 
 def save_metrics_csv(timeline: Timeline, path: str) -> int:
-    """One row per record: occupancy, evictions, latency and the oracle's figures."""
+    """One row per record: occupancy (layer 0's), evictions, latency and the oracle's figures; on a model with
+    sliding-window layers also, per kind of layer, the most tokens one of its layers holds."""
     evictions = timeline.evictions_per_step()
+    kinds = _resident_by_kind(timeline)
     with open(path, "w", newline="", encoding="utf-8") as handle:
         writer = csv.writer(handle)
-        writer.writerow(METRIC_COLUMNS)
+        writer.writerow(METRIC_COLUMNS + tuple(f"resident_tokens {label}" for label in kinds))
         for i, r in enumerate(timeline.records):
             o = r.oracle
             writer.writerow((r.step, r.kind, len(r.token_ids), r.resident_tokens, r.pages_used, int(evictions[i]),
                              r.evictions_total, round(r.timings.get("total", float("nan")) * 1e3, 3),
-                             o.kl if o else "", int(o.top1_agree) if o else "", o.lost_attention if o else ""))
+                             o.kl if o else "", int(o.top1_agree) if o else "", o.lost_attention if o else "",
+                             *(int(resident[i]) for resident in kinds.values())))
     return len(timeline.records)
+
+
+def _resident_by_kind(timeline: Timeline) -> dict:
+    """Per kind of layer ('local W=...', 'global') of a hybrid model, the most tokens one of its layers holds after
+    each record; empty when every layer is of one kind."""
+    windows = timeline.info.sliding_windows
+    if windows is None:
+        return {}
+    kinds: dict[str, list[int]] = {}
+    for layer, spec in enumerate(layer_specs(windows, len(windows))):
+        kinds.setdefault(spec.label, []).append(layer)
+    if len(kinds) < 2:
+        return {}
+    return {label: np.max([timeline.resident_per_step(layer) for layer in layers], axis=0)
+            for label, layers in kinds.items()}
 
 
 def default_size() -> QSize:
