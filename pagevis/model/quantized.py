@@ -3,9 +3,10 @@ or 8 bits a weight, see weight_kernels.py), multiplied by activations without a 
 
 `QuantMatrix` stands where a float32 (in, out) weight view stood: `x @ matrix` works (NumPy defers to
 `__rmatmul__`), `matrix.rows(ids)` gives dequantised output rows (the embedding lookup). Its product: one row ->
-the format's matrix-vector kernel; up to SMALL_BATCH rows -> batch_kernels.py's (each group's codes converted once for
-all rows); more -> tiles dequantised a chunk at a time into a float32 buffer and multiplied by BLAS sgemm
-(prefill). F32, F16 and BF16 tensors stay float32 arrays (BLAS).
+the format's matrix-vector kernel; more -> batch_kernels.py's (each group's codes converted once for all rows; every
+row bit for bit the matrix-vector kernel's), PREFILL_ROWS rows at a time past SMALL_BATCH (a prefill); the formats
+it lacks (u5) take weight_kernels' small-batch kernel up to SMALL_BATCH rows, and beyond, tiles dequantised a chunk
+at a time into a float32 buffer multiplied by BLAS sgemm. F32, F16 and BF16 tensors stay float32 arrays (BLAS).
 
 Held as the file holds them: the codes (Q5_0 widened to bytes), each block's float16 scales as their bits, the K
 types' 6- or 8-bit sub-scales as bytes; 4.5 bits a weight for Q4_0, 5 for Q4_1, 6 for Q5_1, 8.5 for Q8_0 and Q5_0,
@@ -31,6 +32,10 @@ from pagevis.model.weight_threads import split, weight_threads
 TILE = 64
 # rows up to which the small-batch kernel beats dequantise-then-sgemm (pagevis bench weights, SmolLM2: 8 and 16 yes)
 SMALL_BATCH = 16
+# More rows (a prefill) go through batch_kernels.py's kernel this many at a time, where it has one (u4, i8): every
+# row then equals the row alone bit for bit, and a 512-token prompt's products took 0.51 s of CPU against
+# dequantise-then-sgemm's 0.87 (Gemma 3 270M; SmolLM2 0.63 against 1.02; 32 and 128 rows alike, all 512 at once 0.56)
+PREFILL_ROWS = 64
 CHUNK_BYTES = 2 << 20  # float32 bytes of dequantised weights per sgemm chunk, for many rows (prefill)
 # For a batch of a few rows the chunk must stay in L2 (1 MB here) between being written and read: 256 KB made
 # 16 sequences' aggregate decode 1.2x faster than 2 MB (SmolLM2: 113-119 against 88-100 tokens/s)
@@ -313,23 +318,28 @@ class QuantMatrix:
             return self.product(x[0])[None]
         matvec, matmul, _ = kernels()[self.fmt]
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if x.ndim == 2 and len(x) > SMALL_BATCH:
+        rows = None if x.ndim == 1 else _rows_kernel(self.fmt, None)
+        if x.ndim == 2 and len(x) > SMALL_BATCH and rows is None:
             return self._sgemm(x)
         out = np.empty((*x.shape[:-1], self.tiles * TILE), np.float32)
         if x.ndim == 1 and len(x) == self.n_in and (pool := spin_pool()) is not None:
             pool.product(self.descriptor, self.arrays, x, out)  # shared with the second thread, every size
             return out[:self.n_out]
-        kernel = matvec if x.ndim == 1 else _rows_kernel(self.fmt, matmul)
+        kernel = matvec if x.ndim == 1 else rows or matmul
+        many = x.ndim == 2 and len(x) > SMALL_BATCH  # a prefill's rows: PREFILL_ROWS at a time
 
         def work(t0: int, t1: int, private: bool) -> np.ndarray:
             target = np.empty((*x.shape[:-1], (t1 - t0) * TILE), np.float32) if private else out[..., t0 * TILE:t1 * TILE]
-            kernel(*self.arrays, x, t0, t1, target)
+            if not many:
+                kernel(*self.arrays, x, t0, t1, target)
+            for i in range(0, len(x), PREFILL_ROWS) if many else ():
+                kernel(*self.arrays, x[i:i + PREFILL_ROWS], t0, t1, target[i:i + PREFILL_ROWS])
             return target
 
         def place(t0: int, t1: int, part: np.ndarray) -> None:
             out[..., t0 * TILE:t1 * TILE] = part
 
-        split(self.tiles, self.nbytes, work, place)
+        split(self.tiles, self.nbytes * (len(x) if many else 1), work, place)
         return out[..., :self.n_out]
 
     def _sgemm(self, x: np.ndarray) -> np.ndarray:
