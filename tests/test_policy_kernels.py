@@ -110,3 +110,19 @@ def test_adakv_kernel_drops_what_the_lexsorts_drop():
         heads, slots = adakv_drops(scores, kept, positions, protected, n_safe, need)
         expected = adakv_drops_by_lexsort(scores, kept, positions, protected, n_safe, need)
         assert heads.tolist() == expected[0].tolist() and slots.tolist() == expected[1].tolist()
+
+
+def test_expected_attention_moments_kernel_equals_the_numpy_update():
+    """Decoding's one-query update (numba, with the unrotation's cos/sin shared by the layers) gives the same float64
+    moments as the batch update NumPy does for several queries, fed one query at a time."""
+    from pagevis.kvcache.policies.expected_attention import QueryMoments
+
+    rng = np.random.default_rng(9)
+    fast, slow = QueryMoments(8, 6, 2, 16, 10000.0, 4), QueryMoments(8, 6, 2, 16, 10000.0, 4)
+    for position in range(60):
+        q = rng.standard_normal((1, 6, 16)).astype(np.float32)
+        fast.query(q, np.array([position]))
+        # the batch path, two copies of the query with one of them at a sink position (dropped): n = 1 there too
+        slow.query(np.concatenate([q, q]), np.array([0, position]) if position >= 4 else np.array([0, 1]))
+    assert fast.count == slow.count == 56
+    assert np.array_equal(fast.mean, slow.mean) and np.array_equal(fast.deviations, slow.deviations)

@@ -5,6 +5,7 @@ import numpy as np
 from pagevis.errors import check_int
 from pagevis.kvcache.policy_state import PolicyState
 from pagevis.kvcache.policies.base import EvictionPolicy
+from pagevis.kvcache.policies.kernels import covariance_columns, expected_weights, moments_add_one
 from pagevis.kvcache.rope_shift import inverse_frequencies, rotate
 
 
@@ -39,12 +40,16 @@ class QueryMoments(PolicyState):
         keep = positions >= self.n_sink
         if not keep.any():
             return
+        if len(positions) == 1:  # decoding: one numba call, the same float64 values as the lines below (kernels.py)
+            self.count += 1
+            cos, sin = unrotation(int(positions[0]), self.inv_freq)
+            moments_add_one(self.deviations, self.mean, q[0], cos, sin, (self.count - 1) / self.count, 1 / self.count)
+            return
         pre = unrotate(q[keep].astype(np.float64), positions[keep], self.inv_freq)  # (n, heads, d)
         n, before = len(pre), self.count
-        batch_mean = pre[0] if n == 1 else pre.mean(axis=0)
-        if n > 1:
-            centred = pre - batch_mean
-            self.deviations += np.einsum("nhi,nhj->hij", centred, centred)
+        batch_mean = pre.mean(axis=0)
+        centred = pre - batch_mean
+        self.deviations += np.einsum("nhi,nhj->hij", centred, centred)
         shift = batch_mean - self.mean
         self.count += n
         self.deviations += (shift * (before * n / self.count))[:, :, None] * shift[:, None, :]
@@ -58,6 +63,20 @@ class QueryMoments(PolicyState):
 def unrotate(x: np.ndarray, positions: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
     """Undo RoPE (adjacent pairs, as pagevis.model.rope applies it) on x (n, heads, d) at `positions`."""
     return rotate(x, -np.asarray(positions, dtype=np.float64)[:, None], inv_freq)
+
+
+_UNROTATION: list = [None, None, None]  # the last (position, inv_freq, (cos, sin)): every layer asks for the same
+
+
+def unrotation(position: int, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of the angles that undo RoPE at `position` (rope_shift.rotate's, by -position), computed once
+    for all the layers that ask in a step."""
+    last, freq, pair = _UNROTATION
+    if last != position or freq is None or not np.array_equal(freq, inv_freq):
+        angles = np.asarray([-position], dtype=np.float64)[..., None] * inv_freq
+        pair = (np.cos(angles)[0], np.sin(angles)[0])
+        _UNROTATION[:] = [position, inv_freq, pair]
+    return pair
 
 
 def mean_rotation(start: int, n_positions: int, inv_freq: np.ndarray) -> np.ndarray:
@@ -129,8 +148,6 @@ class ExpectedAttention(EvictionPolicy):
     def _expected(self, state, heads, rows, turn, columns) -> np.ndarray:
         """(len(heads), len(rows)): the expected attention of those KV heads' query heads on the keys in rows (the
         softmax over them), averaged over each group, times ||v||."""
-        d = state.keys.shape[2]
-        group = (columns.shape[2]) // (d + 1)
         # Rᵀk for every key: R's 2 x 2 blocks [[cos, -sin], [sin, cos]] act as complex numbers on RoPE's pairs, Rᵀ
         # as their conjugates (the keys as the cache holds them, float32: a pair is one complex64)
         keys = np.ascontiguousarray(state.keys[rows[None, :], heads[:, None]])  # (heads, T, d)
@@ -139,16 +156,10 @@ class ExpectedAttention(EvictionPolicy):
         # kᵀRΣRᵀk: in float64 this cost 3x. tests/test_expected_attention_victims.py checks every victim of a real
         # run against the float64 score, within a bound on this rounding
         products = turned @ columns  # (heads, T, group * d + group)
-        logits = products[..., group * d:] / np.sqrt(d)
-        if self.use_covariance:
-            quadratic = products[..., :group * d].reshape(*turned.shape[:2], group, d) @ turned[..., None]
-            logits += quadratic[..., 0] / (2 * d)
-        logits = logits.astype(np.float64)
-        weights = np.exp(logits - logits.max(axis=1, keepdims=True))
-        expected = (weights / weights.sum(axis=1, keepdims=True)).mean(axis=2)
-        if self.use_vnorm:
-            expected *= state.value_norms[rows[None, :], heads[:, None]]
-        return expected
+        # the logits, the softmax over the keys in float64, the group's mean and ||v||: one numba call (kernels.py)
+        # where ~12 NumPy calls and their temporaries cost as much as the product
+        values = np.ascontiguousarray(state.value_norms[rows[None, :], heads[:, None]])
+        return expected_weights(products, turned, values, self.use_covariance, self.use_vnorm)
 
     def score(self, pages):
         return self.head_scores(pages).mean(axis=0)
@@ -178,9 +189,5 @@ class ExpectedAttention(EvictionPolicy):
         n_kv, d = state.keys.shape[1:]
         group = len(state.mean) // n_kv
         columns = np.empty((n_kv, d, group * d + group), np.float32)
-        covariances = columns[:, :, :group * d].reshape(n_kv, d, group, d)
-        # Σ = deviations / count, cast as it is written
-        np.multiply(state.deviations.reshape(n_kv, group, d, d).transpose(0, 2, 1, 3), 1 / max(state.count, 1),
-                    out=covariances, casting="unsafe")
-        columns[:, :, group * d:] = state.mean.reshape(n_kv, group, d).transpose(0, 2, 1)
+        covariance_columns(state.deviations, state.mean, 1 / max(state.count, 1), columns)  # Σ = deviations / count
         return columns

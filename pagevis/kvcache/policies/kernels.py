@@ -191,3 +191,78 @@ def newest_mask(positions, n):  # pragma: no cover (numba)
         for s in order[max(0, len(order) - n):]:
             mask[s] = True
     return mask
+
+
+@njit(**_EXACT)
+def moments_add_one(deviations, mean, q, cos, sin, scale, fraction):  # pragma: no cover (numba)
+    """Expected attention's running moments after one query (QueryMoments.query, n = 1; Chan et al.'s update): the
+    query q (heads, d) float32 unrotated (RoPE's pairs turned back by cos, sin of its position's angles:
+    rope_shift.rotate's arithmetic), shift = pre - mean; deviations += (shift * scale) shiftᵀ; mean += shift *
+    fraction, with NumPy's operations in its order (no fused multiply-add): the same float64 values as the NumPy
+    update, without its (heads, d, d) temporaries."""
+    n_heads, d = mean.shape
+    shift = np.empty(d)
+    for h in range(n_heads):
+        for i in range(d // 2):
+            even, odd = np.float64(q[h, 2 * i]), np.float64(q[h, 2 * i + 1])
+            shift[2 * i] = (even * cos[i] - odd * sin[i]) - mean[h, 2 * i]
+            shift[2 * i + 1] = (even * sin[i] + odd * cos[i]) - mean[h, 2 * i + 1]
+        for i in range(d):
+            scaled = shift[i] * scale
+            for j in range(d):
+                deviations[h, i, j] += scaled * shift[j]
+        for i in range(d):
+            mean[h, i] += shift[i] * fraction
+
+
+@njit(**_EXACT)
+def covariance_columns(deviations, mean, inverse_count, columns):  # pragma: no cover (numba)
+    """ExpectedAttention._columns: per KV head, (d, group * d + group) float32, its query heads' covariances
+    (deviations * inverse_count, cast as written) side by side, then their means."""
+    n_kv, d, width = columns.shape
+    group = width // (d + 1)
+    for kv in range(n_kv):
+        for g in range(group):
+            head = kv * group + g
+            for i in range(d):
+                for j in range(d):
+                    columns[kv, i, g * d + j] = np.float32(deviations[head, i, j] * inverse_count)
+                columns[kv, i, group * d + g] = np.float32(mean[head, i])
+
+
+@njit(**_FLAGS)
+def expected_weights(products, turned, value_norms, use_covariance, use_vnorm):  # pragma: no cover (numba)
+    """ExpectedAttention._expected after its one product: products (heads, T, group * d + group) float32 (per query
+    head (Rᵀk)ᵀΣ, then k·Rμ), turned (heads, T, d) float32 (Rᵀk), value_norms (heads, T) float32. Per query head the
+    logits k·Rμ / sqrt(d) (float64) + (Rᵀk)ᵀΣ(Rᵀk) / (2d) (a float32 dot, summed in any order), softmax over the T
+    keys in float64, the mean over the group's query heads, times ||v||: (heads, T) float64."""
+    n_kv, n_keys, d = turned.shape
+    group = products.shape[2] // (d + 1)
+    root = math.sqrt(d)
+    logits = np.empty((group, n_keys))
+    expected = np.zeros((n_kv, n_keys))
+    for h in range(n_kv):
+        for t in range(n_keys):
+            for g in range(group):
+                logit = np.float64(products[h, t, group * d + g]) / root
+                if use_covariance:
+                    quadratic = np.float32(0.0)
+                    for j in range(d):
+                        quadratic += products[h, t, g * d + j] * turned[h, t, j]
+                    logit += np.float64(quadratic / np.float32(2 * d))
+                logits[g, t] = logit
+        for g in range(group):
+            top = -np.inf
+            for t in range(n_keys):
+                top = max(top, logits[g, t])
+            total = 0.0
+            for t in range(n_keys):
+                logits[g, t] = math.exp(logits[g, t] - top)
+                total += logits[g, t]
+            for t in range(n_keys):
+                expected[h, t] += logits[g, t] / total
+        for t in range(n_keys):
+            expected[h, t] /= group
+            if use_vnorm:
+                expected[h, t] *= value_norms[h, t]
+    return expected
