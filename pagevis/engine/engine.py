@@ -311,16 +311,13 @@ class Engine:
         cache, watched, attention = self.cache, self._watched, self.attention
 
         def attend(layer, q, k, v, positions):
-            out = np.empty_like(q)
             if len(segments) == 1:  # one request (every row its own, however the model splits its forward:
                 # compare's pieces): what the loop below does for one piece, without its lists (a decode step's)
                 seq_id = segments[0][0]
-                cache.append(seq_id, layer, k, v, positions)
-                result = cache.attend(seq_id, layer, q, positions)
-                out[:] = result.output
+                result = cache.write_and_attend(seq_id, layer, q, k, v, positions)  # (append, attend: one call)
                 if layer in watched.get(seq_id, ()):
                     attention.setdefault(seq_id, {})[layer] = (result.weights[-1].copy(), result.slots)
-                return out
+                return np.asarray(result.output, dtype=q.dtype)
             ids = [seq_id for seq_id, _, _ in segments]
             if all(end - start == 1 for _, start, end in segments) and cache.can_attend_many(ids, layer):
                 # every sequence decodes one token: write them all, then one batched attention
@@ -332,6 +329,7 @@ class Engine:
                 for seq_id, start, end in segments:
                     cache.append(seq_id, layer, k[start:end], v[start:end], positions[start:end])
                     results.append(cache.attend(seq_id, layer, q[start:end], positions[start:end]))
+            out = np.empty_like(q)
             for (seq_id, start, end), result in zip(segments, results, strict=True):
                 out[start:end] = result.output
                 if layer in watched.get(seq_id, ()):

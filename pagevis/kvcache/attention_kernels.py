@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from functools import lru_cache
+from types import ModuleType
 from typing import NamedTuple
 
 import numpy as np
@@ -78,33 +79,43 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_bias: np.nda
     return AttentionResult(_ungroup(output, n), _ungroup(weights, n))
 
 
-def load_decode_kernel() -> bool:
-    """Load the decode kernel (decode_kernel.py: numba's cache, ~0.6 s of CPU; a first compile ~1.2 s) now rather
-    than in the first decode step; whether it was loaded by this call."""
-    import sys
+_decode_kernel: ModuleType | None = None  # decode_kernel.py, once loaded
 
-    if "pagevis.kvcache.decode_kernel" in sys.modules:
+
+def load_decode_kernel() -> bool:
+    """Load the decode kernel (decode_kernel.py: numba's cache, ~0.3 s of CPU; a first compile ~3.5 s) now rather
+    than in the first decode step; whether it was loaded by this call."""
+    global _decode_kernel
+    if _decode_kernel is not None:
         return False
-    import pagevis.kvcache.decode_kernel  # noqa: F401
+    from pagevis.kvcache import decode_kernel
+
+    _decode_kernel = decode_kernel
     return True
 
 
 def attend_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_keys: int, key_bias: np.ndarray | None,
-                  key_positions: np.ndarray | None, position: int, window: int | None) -> AttentionResult:
+                  key_positions: np.ndarray | None, position: int, window: int | None,
+                  write: tuple[int, np.ndarray, np.ndarray] | None = None) -> AttentionResult:
     """`attend` of one query (q: (1, n_heads, d)) over the first n_keys slots of C-contiguous float32 keys and values
     (n_kv, S, d), read where they lie (a page pool's frames), in one numba call for every head (decode_kernel.py).
-    key_positions: the slots' positions, with a `window` (else None)."""
-    from pagevis.kvcache.decode_kernel import NO_BIAS, NO_POSITIONS, attend_one
-
+    key_positions: the slots' positions, with a `window` (else None). write: (slot, k, v), the new token's key and
+    value (n_kv, d) written into that slot of keys and values first, in the same call (a decode step's)."""
+    load_decode_kernel()
+    kernel = _decode_kernel
+    assert kernel is not None
     n_heads, d = q.shape[1:]
     out = np.empty((1, n_heads, d), np.float32)
     weights = np.empty((1, n_heads, n_keys), np.float32)
-    bias = NO_BIAS if key_bias is None else np.ascontiguousarray(key_bias[:n_keys], dtype=np.float32)
-    hidden_by_window = window is not None and window > 0 and key_positions is not None
-    attend_one(np.multiply(q[0], np.float32(1.0 / np.sqrt(d)), dtype=np.float32), keys, values, n_keys, bias,
-               np.ascontiguousarray(key_positions[:n_keys], dtype=np.int64)
-               if key_positions is not None and hidden_by_window else NO_POSITIONS,
-               position, window if hidden_by_window else 0, out[0], weights[0])
+    bias = kernel.NO_BIAS if key_bias is None else np.ascontiguousarray(key_bias[:n_keys], dtype=np.float32)
+    if window is not None and window > 0 and key_positions is not None:
+        hidden = np.ascontiguousarray(key_positions[:n_keys], dtype=np.int64), window
+    else:
+        hidden = kernel.NO_POSITIONS, 0
+    slot, k, v = (-1, kernel.NO_ROW, kernel.NO_ROW) if write is None else (
+        write[0], np.ascontiguousarray(write[1], dtype=np.float32), np.ascontiguousarray(write[2], dtype=np.float32))
+    kernel.attend_one(np.ascontiguousarray(q[0], dtype=np.float32), np.float32(1.0 / np.sqrt(d)), keys, values, slot,
+                      k, v, n_keys, bias, hidden[0], position, hidden[1], out[0], weights[0])
     return AttentionResult(out, weights)
 
 

@@ -1,10 +1,12 @@
 """Decode attention in one numba call per layer: one query token, every head, K/V read where they lie.
 
-`attend_one(q, k, v, n_keys, bias, key_positions, position, window, out, weights)`:
-  q (n_heads, d) float32, already scaled by 1/sqrt(d); k, v (n_kv, S, d) float32, C-contiguous: the pool's
+`attend_one(q, scale, k, v, slot, k_new, v_new, n_keys, bias, key_positions, position, window, out, weights)`:
+  q (n_heads, d) float32, scaled here by `scale` (1/sqrt(d)); k, v (n_kv, S, d) float32, C-contiguous: the pool's
   frames as one array (a page-store's (n_kv, pages, page_size, d) reshaped, free), of which the first n_keys
-  slots are read; bias (n_keys,) additive (0 resident, -inf empty) or empty; with window > 0, key_positions
-  (n_keys,) and the query's position: keys at or below position - window (or after it) are hidden.
+  slots are read; with slot >= 0, the new token's k_new, v_new (n_kv, d) are written into that slot first (a
+  decode step's write and attention in one call); bias (n_keys,) additive (0 resident, -inf empty) or empty; with
+  window > 0, key_positions (n_keys,) and the query's position: keys at or below position - window (or after it)
+  are hidden.
   Writes out (n_heads, d) and weights (n_heads, n_keys), normalised, exactly 0 on hidden keys; a head that
   sees no key gets zeros. The slots read hold finite numbers (the pool starts zeroed): a hidden key's value is
   multiplied by its weight, 0.
@@ -29,8 +31,8 @@ from numba import njit
 
 from pagevis.kernel_intrinsics import bits_as_float32, prefetch
 
-_SIGNATURE = ("void(float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1], int64, float32[::1], int64[::1], "
-              "int64, int64, float32[:, ::1], float32[:, ::1])")
+_SIGNATURE = ("void(float32[:, ::1], float32, float32[:, :, ::1], float32[:, :, ::1], int64, float32[:, ::1], "
+              "float32[:, ::1], int64, float32[::1], int64[::1], int64, int64, float32[:, ::1], float32[:, ::1])")
 _FAST = {"reassoc", "contract"}
 ROWS = 4  # query rows (of one KV head's group) per sweep over the keys
 # bytes ahead of the rows in use that the sweeps ask for: the cache's K/V come from memory (a decode step's weights
@@ -49,6 +51,18 @@ def _ask_ahead(array, h, t, n_rows):  # pragma: no cover (numba)
     at = array.ctypes.data + (h * array.shape[1] + t) * row_bytes + PREFETCH_AHEAD
     for b in range(0, n_rows * row_bytes, 64):
         prefetch(at + b)  # type: ignore[call-arg]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _ask_starts(array, n_keys):  # pragma: no cover (numba)
+    """The first PREFETCH_AHEAD bytes of every head's rows of array (up to n_keys rows), asked for at once: the
+    sweeps ask ahead only of where they read, and a stream's start from memory, one line after another, cost more
+    than the kernel's arithmetic when there are few keys (measured: a call after 23 tokens, 13 us against 4 warm)."""
+    row_bytes = array.shape[2] * 4
+    for h in range(array.shape[0]):
+        at = array.ctypes.data + h * array.shape[1] * row_bytes
+        for b in range(0, min(n_keys * row_bytes, PREFETCH_AHEAD), 64):
+            prefetch(at + b)  # type: ignore[call-arg]
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
@@ -159,10 +173,17 @@ def _values(weights, v, h, first, rows, n_keys, acc):  # pragma: no cover (numba
 
 
 @njit(_SIGNATURE, cache=True, nogil=True, fastmath=_FAST, error_model="numpy", boundscheck=False)
-def attend_one(q, k, v, n_keys, bias, key_positions, position, window, out, weights):  # pragma: no cover (numba)
+def attend_one(q, scale, k, v, slot, k_new, v_new, n_keys, bias, key_positions, position, window, out,
+               weights):  # pragma: no cover (numba)
     n_heads, d = q.shape
     n_kv = k.shape[0]
     group = n_heads // n_kv
+    if slot >= 0:
+        k[:, slot] = k_new
+        v[:, slot] = v_new
+    _ask_starts(k, n_keys)
+    _ask_starts(v, n_keys)
+    q = q * scale
     acc = np.empty((ROWS, d), np.float32)
     for h in range(n_kv):
         for first in range(h * group, (h + 1) * group, ROWS):
@@ -185,3 +206,4 @@ def attend_one(q, k, v, n_keys, bias, key_positions, position, window, out, weig
 
 NO_BIAS = np.zeros(0, np.float32)
 NO_POSITIONS = np.zeros(0, np.int64)
+NO_ROW = np.zeros((0, 0), np.float32)  # k_new, v_new when nothing is written (slot -1)

@@ -378,6 +378,21 @@ class KVCacheManager:
         self.log.acting = seq_id
         return paged_attention.attend(self.layers[layer], self.sequences[seq_id], q, positions, self.select_pages)
 
+    def write_and_attend(self, seq_id: int, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                         positions: np.ndarray) -> AttentionResult:
+        """`append` then `attend` of the sequence's n tokens (q (n, n_heads, head_dim), k, v (n, n_kv_heads,
+        head_dim)): for a decoding token, where nothing else is due, one kernel call that writes its K/V and
+        attends (paged_attention.write_and_attend)."""
+        if len(positions) == 1 and self.select_pages is None:
+            self.log.acting = seq_id
+            seq, position = self.sequences[seq_id], int(positions[0])
+            result = paged_attention.write_and_attend(self.layers[layer], seq, q, k[0], v[0], position)
+            if result is not None:
+                seq.newest = max(seq.newest, position)
+                return result
+        self.append(seq_id, layer, k, v, positions)
+        return self.attend(seq_id, layer, q, positions)
+
     def attend_beside(self, seq_id: int, layer: int, q: np.ndarray, positions: np.ndarray, k: np.ndarray,
                       v: np.ndarray, own_positions: np.ndarray) -> AttentionResult:
         """Attention of queries whose tokens are not cached (kvzip's reconstruction pass): paged_attention.py."""

@@ -259,6 +259,12 @@ class LayerManager:
         table = self.tables[seq.seq_id]
         flat = self.free_slot(seq, table)
         self.store.write(flat, k, v, position)
+        self.wrote(seq, table, flat, k, v, position)
+
+    def wrote(self, seq: SequenceCache, table: LayerTable, flat: int, k: np.ndarray, v: np.ndarray,
+              position: int) -> None:
+        """The sequence's table, its policy's statistics and the event log after its token went into slot flat
+        (`write`, or the decode kernel that writes and attends: paged_attention.write_and_attend)."""
         table.holes.remove(flat)
         table.resident += 1
         if position < table.floor:

@@ -20,7 +20,7 @@ from pagevis.kvcache.attention_kernels import AttentionResult, attend_decode_bat
 from pagevis.kvcache.layer_managers import LayerManager
 from pagevis.kvcache.policy_state import PolicyState
 from pagevis.kvcache.reader import read_attention
-from pagevis.kvcache.sequence import SequenceCache
+from pagevis.kvcache.sequence import LayerTable, SequenceCache
 from pagevis.kvcache.slots import flat_slots
 
 
@@ -42,8 +42,8 @@ def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np
         bias = None if own.resident == n_slots else store.bias[:n_slots]
         read_slots: slice | np.ndarray = slice(0, n_slots)
         if len(q) == 1 and keep is None and store.k.dtype == np.float32 and n_slots:  # decode: one kernel call
-            result = kernels.attend_decode(q, store.k.reshape(n_kv, -1, head_dim), store.v.reshape(n_kv, -1, head_dim),
-                                           n_slots, bias, store.positions, int(positions[0]), layer.window)
+            result = kernels.attend_decode(q, store.k_rows, store.v_rows, n_slots, bias, store.positions,
+                                           int(positions[0]), layer.window)
         else:
             keys = store.k[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
             values = store.v[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
@@ -61,6 +61,50 @@ def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np
     if seq.policy.uses_attention:
         own.state.observe(result.weights, read_slots)
     return result
+
+
+def write_and_attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                     position: int) -> AttentionResult | None:
+    """A decode step's `append` and `attend` (one token: q (1, n_heads, d), k, v (n_kv, d)) in one kernel call that
+    writes the token's K/V into its slot and attends over the pool's used prefix in place, where nothing else is
+    due: the layer's only sequence, float32 RAM pages (`store.in_place`), no per-head masks, ThinK channels or
+    pruning, room under its budget in a page of its own (`_slot_in_place`), no gathering; its policy's statistics
+    see the token and the weights as `attend` gives them. None when any of that does not hold, before anything
+    changed but a sliding window's slide (`before_write`, which `append` does first too): append and attend then.
+    (No page selection either: the caller asks only without one.)"""
+    store, own = layer.store, layer.tables[seq.seq_id]
+    if (not store.in_place or len(layer.tables) != 1 or own.head_keep is not None or seq.channels is not None
+            or seq.policy.prunes):
+        return None
+    layer.before_write(seq, position)
+    if own.resident >= layer.budget(seq) or layer.gathers(seq):
+        return None
+    flat = _slot_in_place(layer, own)
+    if flat is None:
+        return None
+    layer.wrote(seq, own, flat, k, v, position)
+    store.mark_written(flat, flat // store.page_size, flat // store.page_size, flat % store.page_size, position)
+    own.read_slots = None
+    observe_queries(seq, own.state, layer.layer, q, np.array([position]))
+    n_slots = store.high_water * store.page_size
+    # with no empty slot below the high-water mark the occupancy mask is all zeros: skip it
+    result = kernels.attend_decode(q, store.k_rows, store.v_rows, n_slots,
+                                   None if own.resident == n_slots else store.bias[:n_slots], store.positions,
+                                   position, layer.window, (flat, k, v))
+    if seq.policy.uses_attention:
+        own.state.observe(result.weights, slice(0, n_slots))
+    return result
+
+
+def _slot_in_place(layer: LayerManager, own: LayerTable) -> int | None:
+    """The sequence's lowest empty slot when its page needs nothing before a write (`own`: its table; a page of its
+    own, neither shared, which `writable` would copy, nor named by a prefix hash, which it would forget); None when
+    it has no empty slot or its page needs more (`write` does it)."""
+    if not own.holes:
+        return None
+    flat = min(own.holes)
+    page, pages = flat // layer.page_size, layer.store.pages
+    return flat if pages.ref_counts[page] == 1 and page not in pages.frame_hash else None
 
 
 def observe_queries(seq: SequenceCache, state: PolicyState, layer: int, q: np.ndarray, positions: np.ndarray) -> None:

@@ -38,6 +38,8 @@ class PageStore:
     # and re-rotation rewrite (a quantized store has neither: `frame_kv` decodes its frames)
     k: np.ndarray
     v: np.ndarray
+    k_rows: np.ndarray  # FloatPages' K and V as (n_kv_heads, frames * page_size, head_dim) views
+    v_rows: np.ndarray
 
     def __init__(self, config, layer: int, swap: SwapFile | None = None, n_pages: int | None = None):
         """n_pages: page ids (default the config's: RAM frames, or disk frames with a disk tier, whose RAM
@@ -58,6 +60,9 @@ class PageStore:
             self.key_min = np.zeros((config.n_kv_heads, self.n_pages, config.head_dim), np.float32)
             self.key_max = np.zeros_like(self.key_min)
         self.tier: RamTier | DiskTier = RamTier(self) if swap is None else DiskTier(self, swap)
+        # float32 pages in RAM whose frames are the page ids, no Quest bounds: a decode step's token may be written
+        # by the attention kernel itself, into `k_rows` / `v_rows` (paged_attention.write_and_attend)
+        self.in_place = not self.quantized and swap is None and not self.quest and self.k.dtype == np.float32
         self.reset()
 
     def reset(self) -> None:
@@ -158,14 +163,18 @@ class PageStore:
         page, slot = divmod(flat, self.page_size)
         frame = int(self.frame_of[page])
         self._write_kv(flat, frame, slot, k, v)
+        self.mark_written(flat, page, frame, slot, position)
+        if self.quest:
+            np.minimum(self.key_min[:, page], k, out=self.key_min[:, page])
+            np.maximum(self.key_max[:, page], k, out=self.key_max[:, page])
+
+    def mark_written(self, flat: int, page: int, frame: int, slot: int, position: int) -> None:
+        """A token's K/V went into slot flat (`write`; the decode kernel, in place: `in_place`)."""
         self.positions[flat] = position
         if position > self.newest:
             self.newest = position
         self.fill[page] += 1
         self.tier.mark_written(page, frame, slot, flat, position)
-        if self.quest:
-            np.minimum(self.key_min[:, page], k, out=self.key_min[:, page])
-            np.maximum(self.key_max[:, page], k, out=self.key_max[:, page])
 
     def remove(self, flat: int) -> int:
         """Take the token out of a slot (its K/V stays, masked, so the page stays clean); return its
@@ -264,6 +273,8 @@ class FloatPages(PageStore):
         shape = (config.n_kv_heads, self.n_frames, self.page_size, config.head_dim)
         self.k = np.zeros(shape, dtype=config.dtype)
         self.v = np.zeros(shape, dtype=config.dtype)
+        rows = (config.n_kv_heads, self.n_frames * self.page_size, config.head_dim)
+        self.k_rows, self.v_rows = self.k.reshape(rows), self.v.reshape(rows)  # the frames' slots as rows (views)
 
     def kv_arrays(self) -> tuple[np.ndarray, ...]:
         return self.k, self.v
