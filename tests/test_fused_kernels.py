@@ -138,3 +138,20 @@ def test_rope_tables_match_float64_for_every_key():
     _fused().rope_tables(positions, inv, cos, sin)
     angles = positions[None, :, None] * inv[:, None, :]
     assert np.all(np.abs(cos - np.cos(angles)) <= 6e-8) and np.all(np.abs(sin - np.sin(angles)) <= 6e-8)
+
+
+def test_one_embedding_row_is_its_tiles_row():
+    """QuantMatrix.rows' one-row path (a decode step's Q8_0 token, without dequantising its 64-row tile) gives the
+    tile path's bits, and gguf-py's dequantiser's values."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize, quantize
+
+    from pagevis.model.quantized import pack
+
+    weights = np.random.default_rng(5).standard_normal((130, 64)).astype(np.float32)
+    raw = quantize(weights, Q.Q8_0)
+    matrix, want = pack(Q.Q8_0, raw, 64), dequantize(raw, Q.Q8_0)
+    for row in (0, 63, 64, 129):
+        one = matrix.rows(np.array([row]))
+        assert one.shape == (1, 64) and np.array_equal(one, matrix.rows(np.array([row, 0]))[:1])
+        np.testing.assert_allclose(one[0], want[row], rtol=1e-6)

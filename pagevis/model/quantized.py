@@ -376,6 +376,12 @@ class QuantMatrix:
     def rows(self, ids: np.ndarray) -> np.ndarray:
         """Output rows ids, dequantised: (len(ids), in) float32 (the embedding's lookup)."""
         ids = np.asarray(ids).reshape(-1)
+        if len(ids) == 1 and self.fmt == "i8" and self.arrays[3] == 1:  # a decode step's one Q8_0 row: not its tile
+            qs, dh = self.arrays[:2]
+            tile, r = divmod(int(ids[0]), TILE)
+            # d * code in float32, as the kernels' dequantiser forms it (the same bits)
+            return np.multiply(qs[tile, :, :, r], dh[tile, :, r].view(np.float16).astype(np.float32)[:, None],
+                               dtype=np.float32).reshape(1, self.n_in)
         out = np.empty((len(ids), self.n_in), np.float32)
         tiles: dict[int, np.ndarray] = {}
         for i, row in enumerate(ids.tolist()):
