@@ -45,7 +45,9 @@ CHUNK_TILES = 8  # tiles a chunk, about (each kernel call costs ~0.35 us: 4-tile
 PATIENCE = 1.0  # the caller waits for the helper's chunk up to this times its own time a chunk (+ PATIENCE_NS)
 PATIENCE_NS = 5_000
 SPIN_NS, SLEEP_US, IDLE_NS = 2_000_000, 50, 100_000_000
-PROBE_AFTER = 16  # products in a row without the helper after which they are cut in two only (until it helps)
+# after PROBE_AFTER products in a row without the helper (its core is busy elsewhere), only one product in
+# PROBE_EVERY is shared, in two halves, until the helper takes one: the others cost the caller nothing more
+PROBE_AFTER, PROBE_EVERY = 16, 8
 
 # A matrix's descriptor (describe()): its kernel's family and flags, tiles, input size and six arrays (address and
 # four dimensions each)
@@ -273,7 +275,12 @@ def post(ctrl, job, tag, x, scratch):
     the count of chunks (then the caller holds the pool: run() next), or 0 if the product is too small to cut or
     another caller holds the pool."""
     tiles = job[TILES]
-    count = 2 if ctrl[MISSES] > PROBE_AFTER else max(2, min(MAX_CHUNKS, tiles // CHUNK_TILES))
+    if ctrl[MISSES] > PROBE_AFTER:  # the helper is not running: one product in PROBE_EVERY offers it half
+        if tag % PROBE_EVERY:
+            return 0
+        count = 2
+    else:
+        count = max(2, min(MAX_CHUNKS, tiles // CHUNK_TILES))
     chunk = -(-tiles // count)
     count = -(-tiles // chunk)
     if count < 2 or _swap(ctrl, OWNER, 0, 1) != 0:
