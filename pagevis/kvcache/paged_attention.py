@@ -179,13 +179,18 @@ def attend_many(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray, p
     lengths = np.array([len(table) for table in tables]) * ps
     bias[np.arange(widest * ps)[None, :] >= lengths[:, None]] = -np.inf  # the padding
     layer.mask(bias, store.positions[flat], positions)
-    n_kv, _, _, head_dim = store.k.shape
-    keys = store.k[:, padded].reshape(n_kv, len(seqs), widest * ps, head_dim)
-    values = store.v[:, padded].reshape(n_kv, len(seqs), widest * ps, head_dim)
     for i, (seq, own) in enumerate(zip(seqs, owns, strict=True)):
         own.read_slots = None
         observe_queries(seq, own.state, index, q[i: i + 1], positions[i: i + 1])
-    output, weights = attend_decode_batch(q, keys, values, bias)
+    if store.k.dtype == np.float32:  # K/V read in place through the tables, one numba call
+        from pagevis.kvcache.batch_decode_kernel import attend_tables  # (compiled or loaded on first use)
+
+        output, weights = attend_tables(q, store.k, store.v, padded, lengths // ps, bias)
+    else:
+        n_kv, _, _, head_dim = store.k.shape
+        keys = store.k[:, padded].reshape(n_kv, len(seqs), widest * ps, head_dim)
+        values = store.v[:, padded].reshape(n_kv, len(seqs), widest * ps, head_dim)
+        output, weights = attend_decode_batch(q, keys, values, bias)
     results = []
     for i, (seq, own) in enumerate(zip(seqs, owns, strict=True)):
         n = lengths[i]
