@@ -1,5 +1,6 @@
-"""Two LLVM operations numba does not spell, for the compiled kernels of the model (model/weight_kernels.py) and
-of the cache (kvcache/decode_kernel.py): imported by both, so it builds on nothing of pagevis.
+"""Two LLVM operations numba does not spell, and the njit options' type, for the compiled kernels of the model
+(model/weight_kernels.py, fused_kernels.py) and of the cache (kvcache/decode_kernel.py, policies/kernels.py):
+imported by both, so it builds on nothing of pagevis.
 
 They are inlined into the kernels that call them, and numba's on-disk cache does not notice a change here: change
 one only together with the kernels' files (or clear the cache).
@@ -7,9 +8,20 @@ one only together with the kernels' files (or clear the cache).
 
 from __future__ import annotations
 
+from typing import Literal, TypedDict
+
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
+
+
+class NjitOptions(TypedDict, total=False):
+    """The njit options a kernel module compiles with, as one dict (named so a type checker matches it to njit's)."""
+    cache: bool
+    nogil: bool
+    fastmath: bool | set[str]
+    error_model: Literal["python", "numpy"]
+    boundscheck: bool
 
 
 @intrinsic

@@ -25,31 +25,21 @@ by `kernels()` on the first forward (~1-2 s to compile once, ~0.1 s to load).
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict
-
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
+from pagevis.kernel_intrinsics import NjitOptions
+
 _ROWS = "float32[:, ::1]"
 _VEC = "float32[::1]"
 _HEADS = "float32[:, :, ::1]"
 
-
-class _Options(TypedDict):
-    """The njit options (named so a type checker matches them to njit's)."""
-    cache: bool
-    nogil: bool
-    fastmath: set[str]
-    error_model: Literal["python", "numpy"]
-    boundscheck: bool
-
-
 # products and sums may fuse into FMAs (one rounding instead of two); sums of squares may be reordered (vectorised)
-_OPTIONS: _Options = {"cache": True, "nogil": True, "fastmath": {"contract"}, "error_model": "numpy",
-                      "boundscheck": False}
-_SUM_OPTIONS: _Options = {**_OPTIONS, "fastmath": {"reassoc", "contract"}}
+_OPTIONS: NjitOptions = {"cache": True, "nogil": True, "fastmath": {"contract"}, "error_model": "numpy",
+                         "boundscheck": False}
+_SUM_OPTIONS: NjitOptions = {**_OPTIONS, "fastmath": {"reassoc", "contract"}}
 
 GELU_C = np.float32(np.sqrt(2 / np.pi))
 

@@ -27,13 +27,12 @@ explicit signatures, so importing this module compiles (the first time) or loads
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict
-
 import numpy as np
 from numba import njit, types
 from numba.core import sigutils
 from numba.core.typing import Signature
 
+from pagevis.kernel_intrinsics import NjitOptions
 from pagevis.kernel_intrinsics import bits_as_float32 as _bits_as_float32
 from pagevis.kernel_intrinsics import prefetch as _prefetch
 
@@ -59,21 +58,12 @@ _MAT = "float32[:, ::1], int64, int64, float32[:, :]"
 _DEQ = "int64, int64, float32[:, ::1]"
 
 
-class _KernelOptions(TypedDict, total=False):
-    """The njit options the kernels are compiled with (named so a type checker matches them to njit's)."""
-    cache: bool
-    nogil: bool
-    fastmath: bool | set[str]
-    error_model: Literal["python", "numpy"]
-    boundscheck: bool
-
-
 # One thread each (threads: weight_threads.py splits tiles between two callers); nogil so they run side by side.
-_OPTIONS: _KernelOptions = {"cache": True, "nogil": True, "fastmath": False, "error_model": "numpy",
+_OPTIONS: NjitOptions = {"cache": True, "nogil": True, "fastmath": False, "error_model": "numpy",
                             "boundscheck": False}
 # The small-batch kernels may fuse a multiply and an add into one FMA (one rounding instead of two, so within the
 # same bound): without it their arithmetic is a multiply and an add per weight and row
-_BATCH_OPTIONS: _KernelOptions = {**_OPTIONS, "fastmath": {"contract"}}
+_BATCH_OPTIONS: NjitOptions = {**_OPTIONS, "fastmath": {"contract"}}
 
 
 @njit("float32[::1](float32[::1], int64)", cache=True, nogil=True)

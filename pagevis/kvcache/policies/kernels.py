@@ -17,8 +17,10 @@ import math
 import numpy as np
 from numba import njit
 
-_FLAGS = {"cache": True, "nogil": True, "fastmath": {"reassoc", "contract"}, "error_model": "numpy",
-          "boundscheck": False}
+from pagevis.kernel_intrinsics import NjitOptions
+
+_FLAGS: NjitOptions = {"cache": True, "nogil": True, "fastmath": {"reassoc", "contract"}, "error_model": "numpy",
+                       "boundscheck": False}
 
 
 @njit(**_FLAGS)
@@ -92,7 +94,7 @@ def most_similar(unit, survivors, victim):  # pragma: no cover (numba)
     return target
 
 
-_EXACT = {"cache": True, "nogil": True, "error_model": "numpy", "boundscheck": False}  # sums in NumPy's order
+_EXACT: NjitOptions = {"cache": True, "nogil": True, "error_model": "numpy", "boundscheck": False}  # sums in NumPy's order
 
 
 @njit(**_EXACT)
