@@ -22,12 +22,16 @@ import mmap
 import os
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from pagevis.model.resident import release_compiler_pages, release_mapped, release_whole_pages
 from pagevis.model.weight_threads import split, weight_threads
+
+if TYPE_CHECKING:
+    from pagevis.model.spin_pool import SpinPool
 
 TILE = 64
 # rows up to which the small-batch kernel beats dequantise-then-sgemm (pagevis bench weights, SmolLM2: 8 and 16 yes)
@@ -259,7 +263,7 @@ def _forget_pool_in_child() -> None:
     _POOL = None  # a forked child has no helper thread: it starts its own on its first product
 
 
-_POOL = None
+_POOL: SpinPool | None = None
 _POOL_FAILED = False
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool_in_child)

@@ -167,21 +167,21 @@ def _shape3(words, at):
 @njit(cache=True, nogil=True)
 def _kernel(words, at, x_address, t0, t1, target):
     """Tiles t0..t1 of the matrix described at words[at:] times the row at x_address, into target (an address)."""
-    x = carray(_f32(x_address), (words[at + N_IN],))  # type: ignore[call-arg]
-    out = carray(_f32(target), ((t1 - t0) * TILE,))  # type: ignore[call-arg]
+    x = carray(_f32(x_address), (words[at + N_IN],))
+    out = carray(_f32(target), ((t1 - t0) * TILE,))
     a = at + ARRAYS
     if words[at + KIND] == I8:
-        qs = carray(_i8(words[a]), (words[a + 1], words[a + 2], words[a + 3], words[a + 4]))  # type: ignore[call-arg]
-        dh = carray(_i16(words[a + 5]), _shape3(words, a + 5))  # type: ignore[call-arg]
-        ds = carray(_i8(words[a + 10]), _shape3(words, a + 10))  # type: ignore[call-arg]
+        qs = carray(_i8(words[a]), (words[a + 1], words[a + 2], words[a + 3], words[a + 4]))
+        dh = carray(_i16(words[a + 5]), _shape3(words, a + 5))
+        ds = carray(_i8(words[a + 10]), _shape3(words, a + 10))
         i8_matvec(qs, dh, ds, words[at + PER], x, t0, t1, out)
     else:
-        qs = carray(_u8(words[a]), (words[a + 1], words[a + 2], words[a + 3], words[a + 4]))  # type: ignore[call-arg]
-        qh = carray(_u32(words[a + 5]), _shape3(words, a + 5))  # type: ignore[call-arg]
-        dh = carray(_i16(words[a + 10]), _shape3(words, a + 10))  # type: ignore[call-arg]
-        ds = carray(_i8(words[a + 15]), _shape3(words, a + 15))  # type: ignore[call-arg]
-        mh = carray(_i16(words[a + 20]), _shape3(words, a + 20))  # type: ignore[call-arg]
-        ms = carray(_i8(words[a + 25]), _shape3(words, a + 25))  # type: ignore[call-arg]
+        qs = carray(_u8(words[a]), (words[a + 1], words[a + 2], words[a + 3], words[a + 4]))
+        qh = carray(_u32(words[a + 5]), _shape3(words, a + 5))
+        dh = carray(_i16(words[a + 10]), _shape3(words, a + 10))
+        ds = carray(_i8(words[a + 15]), _shape3(words, a + 15))
+        mh = carray(_i16(words[a + 20]), _shape3(words, a + 20))
+        ms = carray(_i8(words[a + 25]), _shape3(words, a + 25))
         nib_matvec(qs, qh, dh, ds, mh, ms, words[at + HIGH] != 0, words[at + PER], words[at + MODE], x, t0, t1, out)
 
 
@@ -198,33 +198,34 @@ def help_job(ctrl, seen):
     tag = seen >> 32
     word = seen
     while (word >> 32) == tag and (word & INDEX_MASK) < ((word >> COUNT_BITS) & INDEX_MASK):
-        _store(ctrl, HELPER_SEQ, tag)  # before the claim: the caller's side then keeps the job's arrays alive
+        # before the claim: the caller's side then keeps the job's arrays alive
+        _store(ctrl, HELPER_SEQ, tag)  # type: ignore[call-arg]
         if _swap(ctrl, NEXT, word, word + 1) == word:
             index = word & INDEX_MASK
             _compute(ctrl, index, ctrl[SCRATCH] + 4 * index * ctrl[CHUNK] * TILE)
             _store(ctrl, STATE + index, (tag << 2) | DONE)
             ctrl[HELPED] += 1
         word = _load(ctrl, NEXT)
-    _store(ctrl, HELPER_SEQ, -1)
+    _store(ctrl, HELPER_SEQ, -1)  # type: ignore[call-arg]
 
 
 @njit("int64(int64[::1])", cache=True, nogil=True)
 def serve(ctrl):
     """The helper's loop: returns 0 when told to stop, 1 after IDLE_NS without a job (parked: PARKED set)."""
     clock = ctrl[CLOCK]
-    idle_from = _clock_ns(clock)  # type: ignore[call-arg]
+    idle_from = _clock_ns(clock)  # type: ignore[call-arg, var-annotated]
     while _load(ctrl, STOP) == 0:
         word = _load(ctrl, NEXT)
         if (word & INDEX_MASK) < ((word >> COUNT_BITS) & INDEX_MASK):
             help_job(ctrl, word)
-            idle_from = _clock_ns(clock)  # type: ignore[call-arg]
+            idle_from = _clock_ns(clock)
             continue
-        idle = _clock_ns(clock) - idle_from  # type: ignore[call-arg]
+        idle = _clock_ns(clock) - idle_from
         if idle < SPIN_NS:
             for _ in range(32):
-                _pause()  # type: ignore[call-arg]
+                _pause()
         elif idle < IDLE_NS:
-            _usleep(SLEEP_US)  # type: ignore[call-arg]
+            _usleep(SLEEP_US)
         else:
             _store(ctrl, PARKED, 1)
             word = _load(ctrl, NEXT)
@@ -242,14 +243,14 @@ def run(ctrl, tag, count, out, scratch):
     the patience (the helper's core went elsewhere: the caller never waits longer than about a chunk for it)."""
     clock, rows = ctrl[CLOCK], ctrl[CHUNK] * TILE
     mine, own = 0, 0
-    start = _clock_ns(clock)  # type: ignore[call-arg]
+    start = _clock_ns(clock)  # type: ignore[call-arg, var-annotated]
     while True:
         index = _add(ctrl, NEXT, 1) & INDEX_MASK
         if index >= count:
             break
         _compute(ctrl, index, out.ctypes.data + 4 * index * rows)
         own, mine = own + 1, mine | (1 << index)
-    now = _clock_ns(clock)  # type: ignore[call-arg]
+    now = _clock_ns(clock)
     deadline = now + PATIENCE_NS + int(PATIENCE * (now - start) / max(own, 1))
     ctrl[MISSES] = ctrl[MISSES] + 1 if own == count else 0
     done = (tag << 2) | DONE
@@ -262,11 +263,11 @@ def run(ctrl, tag, count, out, scratch):
                 for r in range(index * rows, min(out.size, (index + 1) * rows)):
                     out[r] = scratch[r]
                 break
-            if _clock_ns(clock) > deadline and _swap(ctrl, STATE + index, state, done + 1) == state:  # type: ignore[call-arg]
+            if _clock_ns(clock) > deadline and _swap(ctrl, STATE + index, state, done + 1) == state:
                 _compute(ctrl, index, out.ctypes.data + 4 * index * rows)  # taken back: the helper's copy unread
                 ctrl[TAKEN_OVER] += 1
                 break
-            _pause()  # type: ignore[call-arg]
+            _pause()
 
 
 @njit("int64(int64[::1], int64[::1], int64, float32[::1], float32[::1])", cache=True, nogil=True)
@@ -283,13 +284,13 @@ def post(ctrl, job, tag, x, scratch):
         count = max(2, min(MAX_CHUNKS, tiles // CHUNK_TILES))
     chunk = -(-tiles // count)
     count = -(-tiles // chunk)
-    if count < 2 or _swap(ctrl, OWNER, 0, 1) != 0:
+    if count < 2 or _swap(ctrl, OWNER, 0, 1) != 0:  # type: ignore[call-arg]
         return 0
     ctrl[X], ctrl[CHUNK], ctrl[SCRATCH] = x.ctypes.data, chunk, scratch.ctypes.data
     ctrl[JOB:JOB + DESCRIPTOR] = job
     for k in range(count):  # a late helper's DONE from an earlier job with this tag (after 2**31 jobs) is cleared
         ctrl[STATE + k] = 0
-    _store(ctrl, NEXT, (tag << 32) | (count << COUNT_BITS))
+    _store(ctrl, NEXT, (tag << 32) | (count << COUNT_BITS))  # type: ignore[call-arg]
     return count
 
 
@@ -302,7 +303,7 @@ def product(ctrl, job, tag, x, out, scratch):
         _kernel(job, 0, x.ctypes.data, 0, job[TILES], out.ctypes.data)
         return
     run(ctrl, tag, count, out, scratch)
-    _store(ctrl, OWNER, 0)
+    _store(ctrl, OWNER, 0)  # type: ignore[call-arg]
 
 
 def describe(fmt: str, arrays: tuple, n_in: int) -> np.ndarray:
