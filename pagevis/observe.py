@@ -233,19 +233,7 @@ class EngineObserver:
                 m.generation_tokens.inc()
                 first, seconds = timeline.token(now)
                 (m.time_to_first_token if first else m.inter_token_latency).observe(seconds)
-        kinds: dict[str, int] = {}
-        evicted: dict[str, int] = {}
-        for event in record.events:
-            kind = event.kind.value
-            kinds[kind] = kinds.get(kind, 0) + 1
-            if kind == "evict":
-                evicted[event.policy] = evicted.get(event.policy, 0) + 1
-        for kind, count in kinds.items():
-            m.cache_events.labels(kind).inc(count)
-        m.page_faults.inc(kinds.get(PAGE_FAULT_KIND, 0))
-        m.preemptions.inc(kinds.get("preempt", 0))
-        for policy, count in evicted.items():
-            m.evictions.labels(policy).inc(count)
+        count_events(m, record.events)
         if counts is not None:
             for name, kind in TIER_BYTES.items():
                 m.swapped_bytes.labels(kind).inc(sum(getattr(c, name) for c in counts))
@@ -257,6 +245,24 @@ class EngineObserver:
         m.prefix_cache_hits.inc(stats.hits - hits)
         self._prefix = (stats.queries, stats.hits)
         self.queues(engine)
+
+
+def count_events(m: Metrics, events, policy: str = "") -> None:
+    """A step's cache events: by kind, the disk tier's page faults, preemptions, and evictions by policy (an event
+    without one: `policy`, the session's)."""
+    kinds: dict[str, int] = {}
+    evicted: dict[str, int] = {}
+    for event in events:
+        kind = event.kind.value
+        kinds[kind] = kinds.get(kind, 0) + 1
+        if kind == "evict":
+            evicted[event.policy or policy] = evicted.get(event.policy or policy, 0) + 1
+    for kind, count in kinds.items():
+        m.cache_events.labels(kind).inc(count)
+    m.page_faults.inc(kinds.get(PAGE_FAULT_KIND, 0))
+    m.preemptions.inc(kinds.get("preempt", 0))
+    for name, count in evicted.items():
+        m.evictions.labels(name).inc(count)
 
 
 class _Timeline(TokenTimes):
@@ -306,7 +312,7 @@ class SessionObserver:
             self._before_first_token += seconds
         if record.kind == "decode":
             m.inter_token_latency.observe(seconds)
-        self._count_events(record.events)
+        count_events(m, record.events, self.policy)
         self._count_tiers(getattr(record, "tiers", None))
         m._set_usage(id(self), self._usage())
 
@@ -314,22 +320,6 @@ class SessionObserver:
         """Per kind of layer: the session's resident tokens and its capacity, summed over those layers."""
         return {label: (sum(held), len(held) * self.capacity)
                 for label, held in self.session.cache.resident_by_layers(self.session.seq_id).items()}
-
-    def _count_events(self, events) -> None:
-        m = self.metrics
-        kinds: dict[str, int] = {}
-        evicted: dict[str, int] = {}
-        for event in events:
-            kind = event.kind.value
-            kinds[kind] = kinds.get(kind, 0) + 1
-            if kind == "evict":
-                evicted[event.policy or self.policy] = evicted.get(event.policy or self.policy, 0) + 1
-        for kind, count in kinds.items():
-            m.cache_events.labels(kind).inc(count)
-            if kind == PAGE_FAULT_KIND:
-                m.page_faults.inc(count)
-        for policy, count in evicted.items():
-            m.evictions.labels(policy).inc(count)
 
     def _count_tiers(self, tiers) -> None:
         """Bytes and page reads of the disk tier, from the step's own counts (a clean page that leaves RAM
