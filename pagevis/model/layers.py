@@ -1,4 +1,6 @@
-"""The layer kit the decoder is built from: RMSNorm and the gated feed-forward activations, in float32.
+"""The layer kit in NumPy: RMSNorm and the gated feed-forward activations, in float32. The decoder runs their fused
+numba form (fused_kernels.py: one call for many of these steps, at decode a row's ufunc calls cost more than their
+arithmetic); these stay as the plain statement of each, which tests and tools use.
 
 Gemma's RMSNorm multiplies by (1 + weight); llama.cpp's converter stores that (1 + weight) in the GGUF file,
 so every architecture read from GGUF uses the plain form here (see docs/model.md).
