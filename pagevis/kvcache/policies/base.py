@@ -25,9 +25,9 @@ from typing import ClassVar
 import numpy as np
 
 from pagevis.errors import ConfigError, check_int
-from pagevis.kvcache.policies.kernels import newest_mask
 from pagevis.kvcache.policy_state import LayerView, PolicyState
 from pagevis.kvcache.slots import flat_slots
+from pagevis.kvcache.policies.lazy_kernels import kernels
 
 
 @dataclass
@@ -162,7 +162,7 @@ class EvictionPolicy:
 def newest(pages: LayerView, n: int) -> np.ndarray:
     """Per flat slot, True on the n newest resident tokens (by position): one numba call (kernels.py), where the
     mask, the sort and the scatter were 5 NumPy calls for every eviction of h2o, snapkv, merge and adakv."""
-    return newest_mask(pages.positions, n)
+    return kernels().newest_mask(pages.positions, n)
 
 
 def resident_order(pages: LayerView) -> np.ndarray:

@@ -5,8 +5,8 @@ import numpy as np
 from pagevis.errors import check_int
 from pagevis.kvcache.policy_state import PolicyState
 from pagevis.kvcache.policies.base import EvictionPolicy
-from pagevis.kvcache.policies.kernels import covariance_columns, expected_weights, moments_add_one
 from pagevis.kvcache.rope_shift import inverse_frequencies, rotate
+from pagevis.kvcache.policies.lazy_kernels import kernels
 
 
 class QueryMoments(PolicyState):
@@ -43,7 +43,8 @@ class QueryMoments(PolicyState):
         if len(positions) == 1:  # decoding: one numba call, the same float64 values as the lines below (kernels.py)
             self.count += 1
             cos, sin = unrotation(int(positions[0]), self.inv_freq)
-            moments_add_one(self.deviations, self.mean, q[0], cos, sin, (self.count - 1) / self.count, 1 / self.count)
+            kernels().moments_add_one(self.deviations, self.mean, q[0], cos, sin, (self.count - 1) / self.count,
+                                      1 / self.count)
             return
         pre = unrotate(q[keep].astype(np.float64), positions[keep], self.inv_freq)  # (n, heads, d)
         n, before = len(pre), self.count
@@ -159,7 +160,7 @@ class ExpectedAttention(EvictionPolicy):
         # the logits, the softmax over the keys in float64, the group's mean and ||v||: one numba call (kernels.py)
         # where ~12 NumPy calls and their temporaries cost as much as the product
         values = np.ascontiguousarray(state.value_norms[rows[None, :], heads[:, None]])
-        return expected_weights(products, turned, values, self.use_covariance, self.use_vnorm)
+        return kernels().expected_weights(products, turned, values, self.use_covariance, self.use_vnorm)
 
     def score(self, pages):
         return self.head_scores(pages).mean(axis=0)
@@ -189,5 +190,6 @@ class ExpectedAttention(EvictionPolicy):
         n_kv, d = state.keys.shape[1:]
         group = len(state.mean) // n_kv
         columns = np.empty((n_kv, d, group * d + group), np.float32)
-        covariance_columns(state.deviations, state.mean, 1 / max(state.count, 1), columns)  # Σ = deviations / count
+        # Σ = deviations / count
+        kernels().covariance_columns(state.deviations, state.mean, 1 / max(state.count, 1), columns)
         return columns

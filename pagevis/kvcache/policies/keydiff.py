@@ -4,7 +4,7 @@ import numpy as np
 
 from pagevis.kvcache.policy_state import PolicyState
 from pagevis.kvcache.policies.base import EvictionPolicy, bound, newest
-from pagevis.kvcache.policies.kernels import keydiff_choice
+from pagevis.kvcache.policies.lazy_kernels import kernels
 
 
 class UnitKeys(PolicyState):
@@ -75,7 +75,7 @@ class KeyDiff(EvictionPolicy):
         (kernels.py): the ~20 NumPy calls a layer of `head_scores` and the masks cost 0.7x sinks' rate."""
         if pages.head_keep is not None:
             return super().choose_victims(pages)
-        victim, score = keydiff_choice(pages.stats.unit, pages.positions, bound(self.window, "window"))
+        victim, score = kernels().keydiff_choice(pages.stats.unit, pages.positions, bound(self.window, "window"))
         if victim < 0:
             raise RuntimeError(f"policy {self.name!r} has no evictable token in layer {pages.layer}")
         return np.array([victim]), np.array([score])

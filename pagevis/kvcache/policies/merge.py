@@ -3,8 +3,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagevis.kvcache.policies.h2o import AccumulatedAttention, HeavyHitter
-from pagevis.kvcache.policies.kernels import most_similar
 from pagevis.kvcache.policies.keydiff import unit_keys
+from pagevis.kvcache.policies.lazy_kernels import kernels
 
 
 class AttentionAndKeys(AccumulatedAttention):
@@ -44,7 +44,7 @@ class MergeValues(HeavyHitter):
         targets, weights = np.zeros(len(victims), dtype=np.int64), np.zeros(len(victims))
         for i, victim in enumerate(victims.tolist()):
             # the largest sum of the KV heads' cosines (the first slot on a tie), in one numba call (kernels.py)
-            target = most_similar(stats.unit, survivors, victim)
+            target = kernels().most_similar(stats.unit, survivors, victim)
             if target < 0:
                 return targets - 1, weights
             mass = stats.accumulated[target] + stats.accumulated[victim]

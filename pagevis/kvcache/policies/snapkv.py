@@ -5,7 +5,7 @@ import numpy as np
 from pagevis.errors import ConfigError, check_int
 from pagevis.kvcache.policy_state import PolicyState
 from pagevis.kvcache.policies.base import EvictionPolicy, newest, resident_order
-from pagevis.kvcache.policies.kernels import snapkv_head_scores
+from pagevis.kvcache.policies.lazy_kernels import kernels
 
 
 class ObservationWindow(PolicyState):
@@ -75,7 +75,7 @@ class SnapKV(EvictionPolicy):
     def head_scores(self, pages):
         """Per KV head: its query heads' window attention, max-pooled over the resident tokens (one numba call,
         kernels.py: the same float64 values as `_pooled` over `window_attention`)."""
-        return snapkv_head_scores(pages.stats.rows, pages.positions, self.kernel)
+        return kernels().snapkv_head_scores(pages.stats.rows, pages.positions, self.kernel)
 
     def choose_victims(self, pages):
         """The base's choice (the lowest score outside the window, ties to the oldest token) with the resident
