@@ -19,6 +19,7 @@ the block sizes are measured once per shape (`block_sizes`).
 
 from __future__ import annotations
 
+import math
 import time
 from functools import lru_cache
 from types import ModuleType
@@ -114,7 +115,7 @@ def attend_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_keys: i
         hidden = kernel.NO_POSITIONS, 0
     slot, k, v = (-1, kernel.NO_ROW, kernel.NO_ROW) if write is None else (
         write[0], np.ascontiguousarray(write[1], dtype=np.float32), np.ascontiguousarray(write[2], dtype=np.float32))
-    kernel.attend_one(np.ascontiguousarray(q[0], dtype=np.float32), np.float32(1.0 / np.sqrt(d)), keys, values, slot,
+    kernel.attend_one(np.ascontiguousarray(q[0], dtype=np.float32), np.float32(1.0 / math.sqrt(d)), keys, values, slot,
                       k, v, n_keys, bias, hidden[0], position, hidden[1], out[0], weights[0])
     return AttentionResult(out, weights)
 

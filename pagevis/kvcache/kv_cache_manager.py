@@ -386,7 +386,7 @@ class KVCacheManager:
         if len(positions) == 1 and self.select_pages is None:
             self.log.acting = seq_id
             seq, position = self.sequences[seq_id], int(positions[0])
-            result = paged_attention.write_and_attend(self.layers[layer], seq, q, k[0], v[0], position)
+            result = paged_attention.write_and_attend(self.layers[layer], seq, q, k[0], v[0], positions)
             if result is not None:
                 seq.newest = max(seq.newest, position)
                 return result

@@ -64,15 +64,15 @@ def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np
 
 
 def write_and_attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-                     position: int) -> AttentionResult | None:
-    """A decode step's `append` and `attend` (one token: q (1, n_heads, d), k, v (n_kv, d)) in one kernel call that
-    writes the token's K/V into its slot and attends over the pool's used prefix in place, where nothing else is
-    due: the layer's only sequence, float32 RAM pages (`store.in_place`), no per-head masks, ThinK channels or
-    pruning, room under its budget in a page of its own (`_slot_in_place`), no gathering; its policy's statistics
-    see the token and the weights as `attend` gives them. None when any of that does not hold, before anything
-    changed but a sliding window's slide (`before_write`, which `append` does first too): append and attend then.
-    (No page selection either: the caller asks only without one.)"""
-    store, own = layer.store, layer.tables[seq.seq_id]
+                     positions: np.ndarray) -> AttentionResult | None:
+    """A decode step's `append` and `attend` (one token: q (1, n_heads, d), k, v (n_kv, d) at positions (1,)) in one
+    kernel call that writes the token's K/V into its slot and attends over the pool's used prefix in place, where
+    nothing else is due: the layer's only sequence, float32 RAM pages (`store.in_place`), no per-head masks, ThinK
+    channels or pruning, room under its budget in a page of its own (`_slot_in_place`), no gathering; its policy's
+    statistics see the token and the weights as `attend` gives them. None when any of that does not hold, before
+    anything changed but a sliding window's slide (`before_write`, which `append` does first too): append and
+    attend then. (No page selection either: the caller asks only without one.)"""
+    store, own, position = layer.store, layer.tables[seq.seq_id], int(positions[0])
     if (not store.in_place or len(layer.tables) != 1 or own.head_keep is not None or seq.channels is not None
             or seq.policy.prunes):
         return None
@@ -85,7 +85,7 @@ def write_and_attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, k: 
     layer.wrote(seq, own, flat, k, v, position)
     store.mark_written(flat, flat // store.page_size, flat // store.page_size, flat % store.page_size, position)
     own.read_slots = None
-    observe_queries(seq, own.state, layer.layer, q, np.array([position]))
+    observe_queries(seq, own.state, layer.layer, q, positions)
     n_slots = store.high_water * store.page_size
     # with no empty slot below the high-water mark the occupancy mask is all zeros: skip it
     result = kernels.attend_decode(q, store.k_rows, store.v_rows, n_slots,
