@@ -33,7 +33,7 @@ from pagevis.model.tokenizer_cache import cached_merges
 from pagevis.model.vocab_tokenizer import (TOKENIZER_KINDS, byte_level_backend, byte_to_unicode, check_spellable,
                                            sentencepiece_backend)
 from pagevis.model.quant_weights import held_bytes, quantized_weights, weight_format
-from pagevis.model.quantized import kernels
+from pagevis.model.quantized import kernels, spin_pool
 from pagevis.model.resident import release_freed_heap
 from pagevis.model.weights import DecoderWeights, check_weight_shapes, layer_from_gguf_matrices
 
@@ -71,6 +71,7 @@ def load_model(path: str | Path | None = None, weights: str | None = None) -> De
         model = DecoderModel(config, held, tokenizer, plan=plan_for(held.matrices()))
     else:
         kernels()  # compiled (first launch) or loaded from numba's cache now, not in the first step
+        spin_pool()  # likewise the second thread's (with two threads)
         tensors = {tensor.name: tensor for tensor in reader.tensors}
         expected = check_tensor_names(path, config, tensors)
         optional = {argument: name for field, parts in OPTIONAL_LAYER_TENSORS.items()

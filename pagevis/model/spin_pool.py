@@ -26,6 +26,7 @@ whichever thread computes its tile: the outputs are bit for bit one thread's.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import platform
 import threading
@@ -40,8 +41,12 @@ from numba.extending import intrinsic
 from pagevis.model.weight_kernels import i8_matvec, nib_matvec
 
 TILE = 64
-MAX_CHUNKS = 32  # a chunk's call costs ~0.45 us: 64 chunks cost 30 of the 850 us of SmolLM2's logits alone
-CHUNK_TILES = 8  # tiles a chunk, about (each kernel call costs ~0.35 us: 4-tile chunks cost 4 us more over a 48-tile product, 12-tile 1.1); smaller products still split in two
+# Tiles a chunk: from CHUNK_TILES (a kernel call costs ~0.35-0.45 us: 4-tile chunks cost 4 us more over a 48-tile
+# product than one call, 12-tile ones 1.1; smaller products are still cut in two) to MAX_CHUNK_TILES (~30-60 us: a
+# chunk the helper is descheduled on costs the caller about twice a chunk's time, whatever the product's size)
+CHUNK_TILES, MAX_CHUNK_TILES = 8, 32
+MAX_CHUNKS = 256  # Gemma 3's tied logits: 4,096 tiles
+PROBE_TILES = 2 * MAX_CHUNK_TILES  # bigger products are not offered to a helper that is not running
 PATIENCE = 1.0  # the caller waits for the helper's chunk up to this times its own time a chunk (+ PATIENCE_NS)
 PATIENCE_NS = 5_000
 SPIN_NS, SLEEP_US, IDLE_NS = 2_000_000, 50, 100_000_000
@@ -62,7 +67,7 @@ STATE = 48  # per chunk: tag << 2 | DONE once the helper's copy is in scratch
 X, CHUNK, SCRATCH = range(STATE + MAX_CHUNKS, STATE + MAX_CHUNKS + 3)
 JOB = STATE + MAX_CHUNKS + 3  # the product's matrix descriptor
 WORDS = JOB + DESCRIPTOR
-DONE = 1
+DONE, TAKEN, MINE = 1, 2, 3  # a chunk's state: the helper's copy is ready; the caller took it back; the caller's
 NIB, I8 = 0, 1
 COUNT_BITS, INDEX_MASK = 16, 0xFFFF
 
@@ -242,20 +247,21 @@ def run(ctrl, tag, count, out, scratch):
     out; then the helper's chunks copied from scratch once marked done, or computed here if one is not done within
     the patience (the helper's core went elsewhere: the caller never waits longer than about a chunk for it)."""
     clock, rows = ctrl[CLOCK], ctrl[CHUNK] * TILE
-    mine, own = 0, 0
+    own = 0
     start = _clock_ns(clock)  # type: ignore[call-arg, var-annotated]
     while True:
         index = _add(ctrl, NEXT, 1) & INDEX_MASK
         if index >= count:
             break
         _compute(ctrl, index, out.ctypes.data + 4 * index * rows)
-        own, mine = own + 1, mine | (1 << index)
+        own += 1
+        ctrl[STATE + index] = (tag << 2) | MINE
     now = _clock_ns(clock)
     deadline = now + PATIENCE_NS + int(PATIENCE * (now - start) / max(own, 1))
     ctrl[MISSES] = ctrl[MISSES] + 1 if own == count else 0
     done = (tag << 2) | DONE
     for index in range(count):
-        if mine & (1 << index):
+        if ctrl[STATE + index] == (tag << 2) | MINE:
             continue
         while True:
             state = _load(ctrl, STATE + index)
@@ -263,7 +269,7 @@ def run(ctrl, tag, count, out, scratch):
                 for r in range(index * rows, min(out.size, (index + 1) * rows)):
                     out[r] = scratch[r]
                 break
-            if _clock_ns(clock) > deadline and _swap(ctrl, STATE + index, state, done + 1) == state:
+            if _clock_ns(clock) > deadline and _swap(ctrl, STATE + index, state, (tag << 2) | TAKEN) == state:
                 _compute(ctrl, index, out.ctypes.data + 4 * index * rows)  # taken back: the helper's copy unread
                 ctrl[TAKEN_OVER] += 1
                 break
@@ -276,19 +282,20 @@ def post(ctrl, job, tag, x, scratch):
     the count of chunks (then the caller holds the pool: run() next), or 0 if the product is too small to cut or
     another caller holds the pool."""
     tiles = job[TILES]
-    if ctrl[MISSES] > PROBE_AFTER:  # the helper is not running: one product in PROBE_EVERY offers it half
-        if tag % PROBE_EVERY:
+    if ctrl[MISSES] > PROBE_AFTER:  # the helper is not running: one small product in PROBE_EVERY offers it half
+        if tag % PROBE_EVERY or tiles > PROBE_TILES:
             return 0
-        count = 2
-    else:
-        count = max(2, min(MAX_CHUNKS, tiles // CHUNK_TILES))
-    chunk = -(-tiles // count)
+        chunk = -(-tiles // 2)
+    elif tiles < 2 * CHUNK_TILES:
+        chunk = -(-tiles // 2)
+    else:  # about 16 chunks, of CHUNK_TILES to MAX_CHUNK_TILES tiles
+        chunk = max(min(MAX_CHUNK_TILES, max(CHUNK_TILES, tiles // 16)), -(-tiles // MAX_CHUNKS))
     count = -(-tiles // chunk)
     if count < 2 or _swap(ctrl, OWNER, 0, 1) != 0:  # type: ignore[call-arg]
         return 0
     ctrl[X], ctrl[CHUNK], ctrl[SCRATCH] = x.ctypes.data, chunk, scratch.ctypes.data
     ctrl[JOB:JOB + DESCRIPTOR] = job
-    for k in range(count):  # a late helper's DONE from an earlier job with this tag (after 2**31 jobs) is cleared
+    for k in range(count):  # a late helper's DONE from an earlier job with this tag (2**30 jobs ago) is cleared
         ctrl[STATE + k] = 0
     _store(ctrl, NEXT, (tag << 32) | (count << COUNT_BITS))  # type: ignore[call-arg]
     return count
@@ -329,6 +336,9 @@ class SpinPool:
 
     def __init__(self, niceness: int = 19) -> None:
         self.ctrl = np.zeros(WORDS, np.int64)
+        # never freed: a helper still in numba code while the interpreter ends (close() timed out: its core went
+        # elsewhere) reads STOP from it, not from freed memory (1.4 KB, once a pool)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.ctrl))
         self.ctrl[HELPER_SEQ], self.ctrl[CLOCK] = -1, time.CLOCK_MONOTONIC
         self.scratch = np.empty(0, np.float32)
         self.tag = 0
@@ -356,7 +366,7 @@ class SpinPool:
             self.wake.set()
         if self.scratch.size < out.size:
             self.scratch = np.empty(out.size, np.float32)
-        self.tag = tag = self.tag % (1 << 31) + 1
+        self.tag = tag = self.tag % (1 << 30) + 1  # tag << 32 stays positive
         product(ctrl, job, tag, x, out, self.scratch)
         keep = ctrl[HELPER_SEQ]
         if keep == tag:  # the helper may still read this job's arrays (its core went elsewhere mid-chunk)

@@ -1,5 +1,9 @@
 """Two threads for one weight product, without ever waiting for a core another process holds.
 
+One-row products (decode) do not come here on two threads: spin_pool.py shares every one of them, however small,
+with a helper that waits in numba code instead of being woken (quantized.QuantMatrix.product). This split serves
+the products of several rows (a batched step's, prefill's sgemm chunks) and the dense attention's.
+
 The kernels (weight_kernels.py) release the GIL and work on a range of row tiles. With two threads a product's
 tiles are cut into CHUNKS ranges that the caller and a helper thread take in turn (under a lock), each range
 computed once by whoever takes it: the caller's into the output, the helper's into its own buffer, copied in by
