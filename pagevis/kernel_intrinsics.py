@@ -1,6 +1,6 @@
-"""Two LLVM operations numba does not spell, and the njit options' type, for the compiled kernels of the model
-(model/weight_kernels.py, fused_kernels.py) and of the cache (kvcache/decode_kernel.py, policies/kernels.py):
-imported by both, so it builds on nothing of pagevis.
+"""What the compiled kernels of the model (model/weight_kernels.py, fused_kernels.py) and of the cache
+(kvcache/decode_kernel.py, policies/kernels.py) share: two LLVM operations numba does not spell, one float32 exp that
+vectorises, and the njit options' type. Imported by both, so it builds on nothing of pagevis.
 
 They are inlined into the kernels that call them, and numba's on-disk cache does not notice a change here: change
 one only together with the kernels' files (or clear the cache).
@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from typing import Literal, TypedDict
 
+import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.extending import intrinsic
+
+LOG2E = np.float32(1.4426950408889634)
+LN2_HI, LN2_LO = np.float32(0.693359375), np.float32(-2.12194440e-4)  # ln 2 in two parts (Cephes)
 
 
 class NjitOptions(TypedDict, total=False):
@@ -44,3 +48,20 @@ def prefetch(typingctx, address):
         builder.call(function, [builder.inttoptr(args[0], pointer), read, keep, data])
         return context.get_dummy_value()
     return types.void(types.int64), codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def exp_in_range(x):  # pragma: no cover (numba)
+    """exp(x) in float32 for x in [-87.3, 88.7] (the caller clamps: float32's normal range), as Cephes' expf:
+    x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial in r times 2^n built in the exponent bits. Plain arithmetic
+    (numba has no SVML here), so LLVM vectorises the loops that call it; within 2 ulp of exp."""
+    n = np.floor(x * LOG2E + np.float32(0.5))
+    r = x - n * LN2_HI - n * LN2_LO
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * r * r + r + np.float32(1)  # exp(r); times 2^n:
+    return p * bits_as_float32((np.int32(n) + np.int32(127)) << np.int32(23))  # type: ignore[call-arg]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from pagevis.kernel_intrinsics import bits_as_float32, prefetch
+from pagevis.kernel_intrinsics import exp_in_range, prefetch
 
 _SIGNATURE = ("void(float32[:, ::1], float32, float32[:, :, ::1], float32[:, :, ::1], int64, float32[:, ::1], "
               "float32[:, ::1], int64, float32[::1], int64[::1], int64, int64, float32[:, ::1], float32[:, ::1])")
@@ -39,8 +39,6 @@ ROWS = 4  # query rows (of one KV head's group) per sweep over the keys
 # pushed them out of every cache), and the hardware prefetcher alone kept one layer's read at ~14 GB/s (measured:
 # SmolLM2's 512 keys, 0.79 MB, 55-75 us a layer with cold caches; 35-60 with this, under a loaded machine)
 PREFETCH_AHEAD = 8192
-LOG2E = np.float32(1.4426950408889634)
-LN2_HI, LN2_LO = np.float32(0.693359375), np.float32(-2.12194440e-4)  # ln 2 in two parts (Cephes)
 EXP_FLOOR = np.float32(-87.33654)  # below, exp is under float32's smallest normal: taken as 0 (so is -inf)
 
 
@@ -67,19 +65,8 @@ def _ask_starts(array, n_keys):  # pragma: no cover (numba)
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_FAST)
 def _exp(x):  # pragma: no cover (numba)
-    """exp(x) for x <= 0 in float32 (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial in r times
-    2^n built in the exponent bits); exactly 0 below EXP_FLOOR and for -inf."""
-    c = max(x, EXP_FLOOR)
-    n = np.floor(c * LOG2E + np.float32(0.5))
-    r = c - n * LN2_HI - n * LN2_LO
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
-    p = p * r * r + r + np.float32(1)  # exp(r); times 2^n:
-    p *= bits_as_float32((np.int32(n) + np.int32(127)) << np.int32(23))  # type: ignore[call-arg]
+    """exp(x) for x <= 0 in float32 (kernel_intrinsics.exp_in_range); exactly 0 below EXP_FLOOR and for -inf."""
+    p = exp_in_range(max(x, EXP_FLOOR))
     return p if x >= EXP_FLOOR else np.float32(0)
 
 

@@ -26,11 +26,9 @@ by `kernels()` on the first forward (~1-2 s to compile once, ~0.1 s to load).
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
-from pagevis.kernel_intrinsics import NjitOptions
+from pagevis.kernel_intrinsics import NjitOptions, exp_in_range
 
 _ROWS = "float32[:, ::1]"
 _VEC = "float32[::1]"
@@ -44,29 +42,10 @@ _SUM_OPTIONS: NjitOptions = {**_OPTIONS, "fastmath": {"reassoc", "contract"}}
 GELU_C = np.float32(np.sqrt(2 / np.pi))
 
 
-@intrinsic
-def _float_from_bits(typingctx, bits):
-    """The float32 whose bits are the int32 `bits` (a bitcast, which LLVM vectorises)."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.int32), codegen
-
-
 @njit(inline="always", **_OPTIONS)
 def _exp(x):  # pragma: no cover (numba)
-    """exp(x) in float32 for x clamped to [-87, 88] (Cephes expf: 2^k e^r, |r| <= ln2 / 2, a degree-7 polynomial)."""
-    x = min(max(x, np.float32(-87.0)), np.float32(88.0))
-    k = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
-    r = x - k * np.float32(0.693359375)
-    r = r - k * np.float32(-2.12194440e-4)
-    p = np.float32(1.9875691500e-4)
-    p = p * r + np.float32(1.3981999507e-3)
-    p = p * r + np.float32(8.3334519073e-3)
-    p = p * r + np.float32(4.1665795894e-2)
-    p = p * r + np.float32(1.6666665459e-1)
-    p = p * r + np.float32(5.0000001201e-1)
-    y = p * (r * r) + r + np.float32(1.0)
-    return y * _float_from_bits((np.int32(k) + np.int32(127)) << np.int32(23))  # type: ignore[call-arg]
+    """exp(x) in float32 for x clamped to [-87, 88] (kernel_intrinsics.exp_in_range)."""
+    return exp_in_range(min(max(x, np.float32(-87.0)), np.float32(88.0)))
 
 
 @njit(**_SUM_OPTIONS)
