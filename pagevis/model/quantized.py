@@ -228,6 +228,7 @@ def _rows_kernel(fmt: str, fallback):
             from pagevis.model.batch_kernels import compiled
 
             _ROWS_KERNELS = compiled(cache=alone)
+        release_compiler_pages()  # loading them linked again: ~9 MiB of llvmlite's code back in, out again
     return _ROWS_KERNELS.get(fmt, fallback)
 
 
