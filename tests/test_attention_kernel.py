@@ -173,3 +173,41 @@ def test_the_decode_kernels_exponential_over_the_whole_float32_range(n_keys):
     scores = q[0, :, 0, None].astype(np.float64) / np.sqrt(d) * np.repeat(keys[:, :, 0], group, axis=0)
     assert np.all(result.weights[0][scores - scores.max(axis=1, keepdims=True) < -87.4] == 0)
     np.testing.assert_allclose(result.output, out, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("n_kv, group, n_keys, window", [(2, 3, 37, None), (3, 4, 300, None), (4, 2, 64, 20),
+                                                         (5, 3, 8, None)])
+def test_per_head_masks_in_one_decode_call_equal_each_head_alone_and_float64(n_kv, group, n_keys, window):
+    """attend_kept with per-KV-head masks (GQA groups; some heads drop slots, one keeps a single slot, one keeps all;
+    empty slots in the occupancy bias) in one decode kernel call: bit for bit what each KV head's queries give alone
+    (the kernel over that head with its mask added to the bias), and within 1e-5 of float64 per head."""
+    from pagevis.kvcache.paged_attention import attend_kept
+
+    rng = np.random.default_rng(n_kv * 1000 + n_keys)
+    d = 64
+    keys = rng.standard_normal((n_kv, n_keys, d)).astype(np.float32)
+    values = rng.standard_normal((n_kv, n_keys, d)).astype(np.float32)
+    q = rng.standard_normal((1, n_kv * group, d)).astype(np.float32)
+    bias = np.where(rng.random(n_keys) < 0.2, -np.inf, 0).astype(np.float32)
+    bias[-1] = 0
+    keep = rng.random((n_kv, n_keys)) < 0.6
+    keep[0] = True  # a head that dropped nothing
+    keep[1] = False
+    keep[1, -1] = True  # a head that dropped every slot but one (the newest: inside any window)
+    key_positions = np.arange(n_keys, dtype=np.int64)
+    positions = np.array([n_keys - 1], np.int64)
+    got = attend_kept(q, keys, values, bias, key_positions, positions, keep, window)
+    head_bias = np.where(keep, np.float32(0), np.float32(-np.inf)) + bias
+    visible = head_bias.copy()
+    if window:
+        visible[:, key_positions <= positions[0] - window] = -np.inf
+    for h in range(n_kv):
+        rows = slice(h * group, (h + 1) * group)
+        alone = kernel.attend(q[:, rows], keys[h: h + 1], values[h: h + 1], head_bias[h], key_positions, positions,
+                              window)
+        assert np.array_equal(got.output[:, rows], alone.output) and np.array_equal(got.weights[:, rows], alone.weights)
+        want_out, want_weights = reference(q[:, rows], keys[h: h + 1], values[h: h + 1], visible[h])
+        np.testing.assert_allclose(got.output[:, rows], want_out, atol=1e-5)
+        np.testing.assert_allclose(got.weights[:, rows], want_weights, atol=1e-5)
+        assert np.all(got.weights[0, rows][:, ~np.isfinite(visible[h])] == 0)
+    assert np.count_nonzero(got.weights[0, group]) == 1  # head 1 sees only its one kept slot

@@ -100,6 +100,7 @@ def attend_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_keys: i
                   write: tuple[int, np.ndarray, np.ndarray] | None = None) -> AttentionResult:
     """`attend` of one query (q: (1, n_heads, d)) over the first n_keys slots of C-contiguous float32 keys and values
     (n_kv, S, d), read where they lie (a page pool's frames), in one numba call for every head (decode_kernel.py).
+    key_bias: (S,) for every head, or (n_kv, S) one row a KV head (per-head masks), or None.
     key_positions: the slots' positions, with a `window` (else None). write: (slot, k, v), the new token's key and
     value (n_kv, d) written into that slot of keys and values first, in the same call (a decode step's)."""
     load_decode_kernel()
@@ -108,7 +109,8 @@ def attend_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_keys: i
     n_heads, d = q.shape[1:]
     out = np.empty((1, n_heads, d), np.float32)
     weights = np.empty((1, n_heads, n_keys), np.float32)
-    bias = kernel.NO_BIAS if key_bias is None else np.ascontiguousarray(key_bias[:n_keys], dtype=np.float32)
+    bias = kernel.NO_BIAS if key_bias is None else np.ascontiguousarray(
+        key_bias.reshape(-1, key_bias.shape[-1])[:, :n_keys], dtype=np.float32)
     if window is not None and window > 0 and key_positions is not None:
         hidden = np.ascontiguousarray(key_positions[:n_keys], dtype=np.int64), window
     else:

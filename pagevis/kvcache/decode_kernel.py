@@ -4,8 +4,9 @@
   q (n_heads, d) float32, scaled here by `scale` (1/sqrt(d)); k, v (n_kv, S, d) float32, C-contiguous: the pool's
   frames as one array (a page-store's (n_kv, pages, page_size, d) reshaped, free), of which the first n_keys
   slots are read; with slot >= 0, the new token's k_new, v_new (n_kv, d) are written into that slot first (a
-  decode step's write and attention in one call); bias (n_keys,) additive (0 resident, -inf empty) or empty; with
-  window > 0, key_positions (n_keys,) and the query's position: keys at or below position - window (or after it)
+  decode step's write and attention in one call); bias additive (0 resident, -inf empty or dropped): (1, n_keys)
+  for every KV head, (n_kv, n_keys) one row a KV head (a per-head policy's masks: all heads in one call), or
+  (0, 0), none; with window > 0, key_positions (n_keys,) and the query's position: keys at or below position - window (or after it)
   are hidden.
   Writes out (n_heads, d) and weights (n_heads, n_keys), normalised, exactly 0 on hidden keys; a head that
   sees no key gets zeros. The slots read hold finite numbers (the pool starts zeroed): a hidden key's value is
@@ -32,7 +33,7 @@ from numba import njit
 from pagevis.kernel_intrinsics import exp_in_range, prefetch
 
 _SIGNATURE = ("void(float32[:, ::1], float32, float32[:, :, ::1], float32[:, :, ::1], int64, float32[:, ::1], "
-              "float32[:, ::1], int64, float32[::1], int64[::1], int64, int64, float32[:, ::1], float32[:, ::1])")
+              "float32[:, ::1], int64, float32[:, ::1], int64[::1], int64, int64, float32[:, ::1], float32[:, ::1])")
 _FAST = {"reassoc", "contract"}
 ROWS = 4  # query rows (of one KV head's group) per sweep over the keys
 # bytes ahead of the rows in use that the sweeps ask for: the cache's K/V come from memory (a decode step's weights
@@ -179,8 +180,9 @@ def attend_one(q, scale, k, v, slot, k_new, v_new, n_keys, bias, key_positions, 
             for g in range(first, first + rows):
                 row = weights[g]
                 if bias.shape[0] > 0:
+                    head_bias = bias[h if bias.shape[0] > 1 else 0]
                     for t in range(n_keys):
-                        row[t] += bias[t]
+                        row[t] += head_bias[t]
                 if window > 0:
                     for t in range(n_keys):
                         if key_positions[t] <= position - window or key_positions[t] > position:
@@ -191,6 +193,6 @@ def attend_one(q, scale, k, v, slot, k_new, v_new, n_keys, bias, key_positions, 
                 out[first + i] = acc[i]
 
 
-NO_BIAS = np.zeros(0, np.float32)
+NO_BIAS = np.zeros((0, 0), np.float32)
 NO_POSITIONS = np.zeros(0, np.int64)
 NO_ROW = np.zeros((0, 0), np.float32)  # k_new, v_new when nothing is written (slot -1)

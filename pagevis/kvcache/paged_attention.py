@@ -41,9 +41,10 @@ def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np
         # With no empty slot below the high-water mark the occupancy mask is all zeros: skip it.
         bias = None if own.resident == n_slots else store.bias[:n_slots]
         read_slots: slice | np.ndarray = slice(0, n_slots)
-        if len(q) == 1 and keep is None and store.k.dtype == np.float32 and n_slots:  # decode: one kernel call
-            result = kernels.attend_decode(q, store.k_rows, store.v_rows, n_slots, bias, store.positions,
-                                           int(positions[0]), layer.window)
+        if len(q) == 1 and store.k.dtype == np.float32 and n_slots:  # decode: one kernel call, per-head masks or not
+            result = kernels.attend_decode(q, store.k_rows, store.v_rows, n_slots,
+                                           bias if keep is None else kept_bias(keep[:, :n_slots], bias),
+                                           store.positions, int(positions[0]), layer.window)
         else:
             keys = store.k[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
             values = store.v[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
@@ -205,20 +206,30 @@ def attend_kept(q: np.ndarray, keys: np.ndarray, values: np.ndarray, bias: np.nd
                 key_positions: np.ndarray, positions: np.ndarray, keep: np.ndarray | None,
                 window: int | None = None) -> AttentionResult:
     """`attend`, where KV head h reads only the keys with keep[h] (per-head residency; None: all keys for
-    every head). When some head dropped a resident token, each KV head's queries attend alone with that
-    head's mask added to the occupancy bias (-inf on dropped entries); the heads' results are joined in
-    query-head order."""
-    if keep is None or (keep.all(axis=0) | ~keep.any(axis=0)).all():  # no head differs: one call
-        return kernels.attend(q, keys, values, bias, key_positions, positions, window)
+    every head). When some head dropped a resident token, each KV head's mask is added to the occupancy bias (-inf
+    on dropped entries): a decode query over float32 keys takes every head's in one decode kernel call (its bias
+    one row a KV head); otherwise each KV head's queries attend alone, joined in query-head order."""
+    head_bias = bias if keep is None else kept_bias(keep, bias)
+    decode = len(q) == 1 and keys.dtype == values.dtype == np.float32 and keys.shape[1] > 0  # the decode kernel's
+    if head_bias is None or head_bias.ndim == 1 or decode:  # no head differs, or the decode kernel's: one call
+        return kernels.attend(q, keys, values, head_bias, key_positions, positions, window)
     n_kv = keys.shape[0]
     group = q.shape[1] // n_kv
     outputs, weights = [], []
     for head in range(n_kv):
-        head_bias = np.where(keep[head], np.float32(0), np.float32(-np.inf))
-        if bias is not None:
-            head_bias += bias
         part = kernels.attend(q[:, head * group: (head + 1) * group], keys[head: head + 1], values[head: head + 1],
-                              head_bias, key_positions, positions, window)
+                              head_bias[head], key_positions, positions, window)
         outputs.append(part.output)
         weights.append(part.weights)
     return AttentionResult(np.concatenate(outputs, axis=1), np.concatenate(weights, axis=1))
+
+
+def kept_bias(keep: np.ndarray, bias: np.ndarray | None) -> np.ndarray | None:
+    """The occupancy bias with each KV head's mask added (keep (n_kv, n): -inf where a head dropped the slot), one
+    row a KV head; `bias` itself when no head differs (each slot kept by every head or by none)."""
+    if (keep.all(axis=0) | ~keep.any(axis=0)).all():
+        return bias
+    head_bias = np.where(keep, np.float32(0), np.float32(-np.inf))
+    if bias is not None:
+        head_bias += bias
+    return head_bias
