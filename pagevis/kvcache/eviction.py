@@ -110,7 +110,7 @@ def merge(layer: LayerManager, seq: SequenceCache, victims: np.ndarray, scores: 
     values = layer.values_at(victims)  # (n_kv, victims, d)
     into = np.where(targets >= 0, layer.positions_at(targets), -1).tolist()
     remove(layer, seq, victims, scores, seq.policy.reason, details=into)
-    layer.rewrites.fold_values(seq, into, values, weights)
+    layer.rewrites.fold_values(seq, into, values, weights, near=targets.tolist())
 
 
 def prune_key_channels(layers: list[LayerManager], seq: SequenceCache) -> None:

@@ -39,22 +39,31 @@ class Rewrites:
     def __init__(self, layer: Manager):
         self.layer = layer
 
-    def _slot_of(self, seq: SequenceCache) -> dict[int, int]:
-        """Position -> flat slot of the sequence's tokens here."""
+    def _slot_of(self, seq: SequenceCache, position: int, near: int) -> int:
+        """The flat slot of the sequence's token at `position` here: `near` (where it was before the
+        removal, -1: unknown) if it is still there, else found among the sequence's slots (its page was copied).
+        A sequence holds each position once, so the first is the only one."""
+        store, table = self.layer.store, self.layer.table(seq)
+        if near >= 0 and store.positions[near] == position and near // self.layer.page_size in table.pages:
+            return near
         flat = self.layer.flat(seq)
-        return dict(zip(self.layer.store.positions[flat].tolist(), flat.tolist(), strict=True))
+        found = np.flatnonzero(store.positions[flat] == position)
+        if not len(found):
+            raise KeyError(f"sequence {seq.seq_id} holds no token at position {position} in layer "
+                           f"{self.layer.layer}")
+        return int(flat[found[-1]])
 
-    def fold_values(self, seq: SequenceCache, into: list[int], values: np.ndarray, weights: np.ndarray) -> None:
+    def fold_values(self, seq: SequenceCache, into: list[int], values: np.ndarray, weights: np.ndarray,
+                    near: list[int] | None = None) -> None:
         """Merging: the survivor at position into[i] (-1: none) takes v <- (1 - w_i) v + w_i values[:, i]
-        (values (n_kv, len(into), head_dim), float64), its page copied first if shared."""
+        (values (n_kv, len(into), head_dim), float64), its page copied first if shared. near[i]: the survivor's
+        flat slot before the victims' removal (the removal may have copied its page; -1 or None: look it up)."""
         store, ps = self.layer.store, self.layer.page_size
-        slot_of = self._slot_of(seq)
         for i, position in enumerate(into):
             if position < 0:
                 continue
-            page, slot = divmod(slot_of[position], ps)
-            if (own := self.layer.writable(seq, page)) != page:
-                page, slot_of = own, self._slot_of(seq)
+            page, slot = divmod(self._slot_of(seq, position, near[i] if near is not None else -1), ps)
+            page = self.layer.writable(seq, page)
             merged = (1 - weights[i]) * store.v[:, page, slot].astype(np.float64) + weights[i] * values[:, i]
             store.v[:, page, slot] = merged.astype(store.v.dtype)
 
