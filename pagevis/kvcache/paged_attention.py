@@ -25,10 +25,12 @@ from pagevis.kvcache.slots import flat_slots
 
 
 def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np.ndarray,
-           select_pages: int | None) -> AttentionResult:
+           select_pages: int | None, write: tuple[int, np.ndarray, np.ndarray] | None = None) -> AttentionResult:
     """Attention of the sequence's n queries (n, n_heads, head_dim) at `positions` over its resident
     tokens. Weights come back over flat slots: the pool's allocated prefix when `slots` is None (a
-    single sequence in RAM), else over `result.slots`; exactly 0 on empty slots."""
+    single sequence in RAM), else over `result.slots`; exactly 0 on empty slots. write: (flat, k, v), a decoding
+    token's K/V that the decode kernel writes into slot flat first (`write_and_attend`, which calls only where
+    that in-place decode call is the path taken)."""
     store, index, own = layer.store, layer.layer, layer.table(seq)
     if store.tiered or store.quantized or (select_pages is not None and len(q) == 1):
         return read(layer, seq, q, positions, select_pages)
@@ -44,7 +46,7 @@ def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np
         if len(q) == 1 and store.k.dtype == np.float32 and n_slots:  # decode: one kernel call, per-head masks or not
             result = kernels.attend_decode(q, store.k_rows, store.v_rows, n_slots,
                                            bias if keep is None else kept_bias(keep[:, :n_slots], bias),
-                                           store.positions, int(positions[0]), layer.window)
+                                           store.positions, int(positions[0]), layer.window, write)
         else:
             keys = store.k[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
             values = store.v[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
@@ -85,16 +87,7 @@ def write_and_attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, k: 
         return None
     layer.wrote(seq, own, flat, k, v, position)
     store.mark_written(flat, flat // store.page_size, flat // store.page_size, flat % store.page_size, position)
-    own.read_slots = None
-    observe_queries(seq, own.state, layer.layer, q, positions)
-    n_slots = store.high_water * store.page_size
-    # with no empty slot below the high-water mark the occupancy mask is all zeros: skip it
-    result = kernels.attend_decode(q, store.k_rows, store.v_rows, n_slots,
-                                   None if own.resident == n_slots else store.bias[:n_slots], store.positions,
-                                   position, layer.window, (flat, k, v))
-    if seq.policy.uses_attention:
-        own.state.observe(result.weights, slice(0, n_slots))
-    return result
+    return attend(layer, seq, q, positions, None, (flat, k, v))
 
 
 def _slot_in_place(layer: LayerManager, own: LayerTable) -> int | None:
