@@ -42,7 +42,7 @@ class Rewrites:
     def _slot_of(self, seq: SequenceCache, position: int, near: int) -> int:
         """The flat slot of the sequence's token at `position` here: `near` (where it was before the
         removal, -1: unknown) if it is still there, else found among the sequence's slots (its page was copied).
-        A sequence holds each position once, so the first is the only one."""
+        A sequence holds each position once: the slot found is the only one."""
         store, table = self.layer.store, self.layer.table(seq)
         if near >= 0 and store.positions[near] == position and near // self.layer.page_size in table.pages:
             return near

@@ -335,10 +335,11 @@ class QuantMatrix:
 
         def work(t0: int, t1: int, private: bool) -> np.ndarray:
             target = np.empty((*x.shape[:-1], (t1 - t0) * TILE), np.float32) if private else out[..., t0 * TILE:t1 * TILE]
-            if not many:
+            if many:
+                for i in range(0, len(x), PREFILL_ROWS):
+                    kernel(*self.arrays, x[i:i + PREFILL_ROWS], t0, t1, target[i:i + PREFILL_ROWS])
+            else:
                 kernel(*self.arrays, x, t0, t1, target)
-            for i in range(0, len(x), PREFILL_ROWS) if many else ():
-                kernel(*self.arrays, x[i:i + PREFILL_ROWS], t0, t1, target[i:i + PREFILL_ROWS])
             return target
 
         def place(t0: int, t1: int, part: np.ndarray) -> None:

@@ -90,6 +90,6 @@ class AdaKV(EvictionPolicy):
         # newest), then protected; within a tier the lowest score first (ties: the oldest token, then the lowest
         # head). One numba call (kernels.py) where a lexsort per head and one over every entry cost 0.65x sinks
         protected = np.ascontiguousarray(self.protected(pages))
-        heads, slots = kernels().adakv_drops(np.ascontiguousarray(scores, dtype=np.float64), np.ascontiguousarray(kept),
-                                   pages.positions, protected, self.n_safe, need)
+        heads, slots = kernels().adakv_drops(np.ascontiguousarray(scores, dtype=np.float64),
+                                             np.ascontiguousarray(kept), pages.positions, protected, self.n_safe, need)
         return heads, slots, scores[heads, slots]
