@@ -70,6 +70,13 @@ def test_the_policy_worker_decodes_with_every_step_evicting(tiny_file):
     assert sum(split[part] for part in bench.PARTS) == pytest.approx(split["wall"], rel=1e-6)
 
 
+def test_a_policy_with_a_parameter_is_run_with_it():
+    assert bench.policy_spec("expected-attention:compress_every=1") == ("expected-attention", {"compress_every": 1})
+    config = bench._policy_config("expected-attention:compress_every=1", 8)
+    assert config.policy == "expected-attention" and dict(config.policy_params) == {"compress_every": 1}
+    assert dict(bench._policy_config("expected-attention", 8).policy_params) == {}
+
+
 def test_the_policy_report_states_each_rate_over_sinks_in_the_same_round(monkeypatch, tiny_file):
     rates = iter([10.0, 5.0, 8.0, 8.0])  # round 1: sinks, h2o; round 2: sinks, h2o
 
@@ -88,6 +95,7 @@ def test_the_policy_report_states_each_rate_over_sinks_in_the_same_round(monkeyp
 @pytest.mark.parametrize("argv, message", [
     (["bench", "engine", "--policies", "sinks,nothing"], "--policies: nothing: all, or names from"),
     (["bench", "engine", "--policies", "all", "--prompts", "100"], "--prompts 100: with --policies, more than"),
+    (["bench", "engine", "--policies", "sinks:n_sink"], "--policies: sinks:n_sink: all, or names from"),
 ])
 def test_the_policy_bench_refuses_bad_options_in_one_line(capsys, argv, message):
     assert main(argv) == 2

@@ -46,9 +46,20 @@ class BruteForce:
             self.pages[-1].append(position)
             self.page_last[-1] = 2 * self.step
         elif len(self.resident) == self.capacity:
-            self.resident.remove(self.victim())
+            for victim in self.burst():
+                self.resident.remove(victim)
         self.resident.append(position)
         self.accumulated[position] = 0.0
+
+    def burst(self):
+        """The tokens a full cache evicts at once: one (a victim), or for expected-attention its compress_every
+        (10, or the cache less one if smaller) lowest of one scoring, as kvpress's DecodingPress compresses."""
+        if self.policy != "expected-attention":
+            return [self.victim()]
+        n = self.params.get("compress_every", min(10, self.capacity - 1))
+        by_age = sorted(self.resident)
+        scores = expected_attention_scores(self, [p for p in by_age if p >= self.params.get("n_sink", 4)], self.step)
+        return sorted(scores, key=lambda p: (scores[p], p))[:n]
 
     def page_victim(self):
         """Index of the page to free; ties go to the page holding the oldest token."""
@@ -80,10 +91,6 @@ class BruteForce:
             scores = keydiff_scores(self.keys, by_age)
             window = self.params.get("window", min(8, self.capacity // 2))
             return min(by_age[: len(by_age) - window], key=lambda p: (scores[p], p))
-        if self.policy == "expected-attention":
-            n_sink = self.params.get("n_sink", 4)
-            scores = expected_attention_scores(self, [p for p in by_age if p >= n_sink], self.step)
-            return min(scores, key=lambda p: (scores[p], p))
         raise AssertionError(self.policy)
 
     def observe(self, weights_by_position):
@@ -368,7 +375,8 @@ def test_keydiff_reads_keys_not_attention():
 
 
 @pytest.mark.parametrize("params", [{"use_covariance": 0}, {"use_vnorm": 0}, {"n_future_positions": 1},
-                                    {"n_sink": 0, "n_future_positions": 64}])
+                                    {"n_sink": 0, "n_future_positions": 64}, {"compress_every": 1},
+                                    {"compress_every": 3}])
 def test_expected_attention_parameters(params):
     run_both("expected-attention", 4, 3, 40, seed=12, params=params)
 

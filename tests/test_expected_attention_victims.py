@@ -73,7 +73,7 @@ def test_victims_are_the_float64_scores_victims_up_to_float32_rounding(smollm2, 
     monkeypatch.setattr(base.EvictionPolicy, "choose_victims", checked)
     ids = smollm2.tokenizer.encode(open(PROMPT).read())[:300]
     config = SessionConfig(page_size=16, max_pages=16, policy="expected-attention", max_new_tokens=2, chat=False,
-                           record_layers=())
+                           record_layers=(), policy_params={"compress_every": 1})
     session = DecodeSession(smollm2, "", config, prompt_ids=ids)
     session.record_cache = False
     for _ in session.run():

@@ -36,8 +36,8 @@ POLICY_PAGES = 16  # the policies' row: 16 pages of 16 tokens, after a 512-token
 # the policies that choose tokens (adakv: KV heads' entries) under the cache's budget as each one arrives (not
 # kvzip's one-shot compression, threshold's pruning, the page policies, duo's per-layer budgets), sinks first:
 # the others' rates are said over its rate in the same round
-TOKEN_POLICIES = ("sinks", "oldest", "h2o", "tova", "snapkv", "pyramidkv", "keydiff", "expected-attention", "adakv",
-                  "merge", "random")
+TOKEN_POLICIES = ("sinks", "oldest", "h2o", "tova", "snapkv", "pyramidkv", "keydiff", "expected-attention",
+                  "expected-attention:compress_every=1", "adakv", "merge", "random")
 SPLIT_TOKENS = 16  # tokens decoded with every part timed, after the timed ones
 ENGINES = ("engine", "model", "llama.cpp")
 PARTS = ("weights", "attention", "forward_rest", "sampling", "bookkeeping", "record", "between")
@@ -88,11 +88,19 @@ def _run_config(prompt: int, new_tokens: int):
 
 def _policy_config(policy: str, new_tokens: int):
     """`pagevis run --no-chat --policy P --page-size 16 --max-pages 16`: a 256-token cache, so that after a
-    longer prompt every step evicts."""
+    longer prompt every step evicts. `P:key=value`: with that parameter (`--policy-param key=value`)."""
     from pagevis.engine import SessionConfig
 
-    return SessionConfig(page_size=PAGE_SIZE, max_pages=POLICY_PAGES, policy=policy, max_new_tokens=new_tokens,
-                         chat=False, record_layers=())
+    name, params = policy_spec(policy)
+    return SessionConfig(page_size=PAGE_SIZE, max_pages=POLICY_PAGES, policy=name, policy_params=params,
+                         max_new_tokens=new_tokens, chat=False, record_layers=())
+
+
+def policy_spec(spec: str) -> tuple[str, dict[str, int]]:
+    """`NAME` or `NAME:KEY=INTEGER` (a policy with one parameter set) as (name, params); ValueError if malformed."""
+    name, colon, param = spec.partition(":")
+    key, _, value = param.partition("=")
+    return name, ({key: int(value)} if colon else {})
 
 
 def _text_ids(model, n: int) -> list[int]:

@@ -63,8 +63,9 @@ def _engine_parser(targets) -> argparse.ArgumentParser:
     sub.add_argument("--prompts", default="23,512", metavar="LIST", help="prompt lengths in tokens (23,512)")
     sub.add_argument("--thread-counts", default="1,2", metavar="LIST", help="weight threads to measure (1,2)")
     sub.add_argument("--policies", metavar="LIST", help="instead: each policy's decode (all: every token policy) in "
-                     "16 pages of 16 after a 512-token text (--prompts' first), every step evicting, one thread, the "
-                     "first of --models, against sinks in the same rounds")
+                     "16 pages of 16 after a 512-token text (--prompts' first), the cache full every step, one thread, "
+                     "the first of --models, against sinks in the same rounds; NAME:KEY=INTEGER sets one parameter "
+                     "(all adds expected-attention:compress_every=1: scored every token, not every 10)")
     return _common(sub, engine_main, 64, rounds=True)
 
 
@@ -150,8 +151,13 @@ def _policies_main(args: argparse.Namespace, model: str, prompts: list[int], say
 
     policies = engine.TOKEN_POLICIES if args.policies == "all" else tuple(p for p in args.policies.split(",") if p)
     for policy in policies:
-        if policy not in POLICIES:
-            raise UsageError(f"--policies: {policy}: all, or names from {', '.join(POLICIES)}")
+        try:
+            name, _ = engine.policy_spec(policy)
+        except ValueError:
+            name = ""
+        if name not in POLICIES:
+            raise UsageError(f"--policies: {policy}: all, or names from {', '.join(POLICIES)}, each alone or as "
+                             "NAME:KEY=INTEGER (one of its parameters set, e.g. expected-attention:compress_every=1)")
     prompt = prompts[0] if args.prompts != "23,512" else 512
     if prompt <= engine.POLICY_PAGES * engine.PAGE_SIZE:
         raise UsageError(f"--prompts {prompt}: with --policies, more than the cache's "

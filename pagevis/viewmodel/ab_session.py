@@ -27,6 +27,7 @@ from pagevis.engine import DecodeSession, SessionConfig, StepRecord
 from pagevis.engine.logits_tap import LogitsTap
 from pagevis.engine.sampling import log_softmax
 from pagevis.engine.teacher_forced import ForcedStep, TeacherForced
+from pagevis.kvcache.policies import policy_params
 from pagevis.viewmodel.spill import _grow
 from pagevis.viewmodel.timeline import Timeline
 
@@ -312,7 +313,7 @@ def _sinks(config: SessionConfig) -> str:
 
 def _freed(config: SessionConfig) -> str:
     """What a full cache frees at once: tokens (one a step), pages (a page's worth), or n tokens."""
-    n = int(dict(config.policy_params).get("compress_every", 1))
+    n = int(dict(config.policy_params).get("compress_every", policy_params(config.policy)["compress_every"]))
     return "frees tokens" if n == 1 else "frees pages" if n == config.page_size else f"frees {n} at once"
 
 

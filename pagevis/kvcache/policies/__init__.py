@@ -28,7 +28,7 @@ from pagevis.kvcache.policies.snapkv import SnapKV
 from pagevis.kvcache.policies.threshold import Threshold
 from pagevis.kvcache.policies.tova import Tova
 from pagevis.kvcache.policies.wrappers import (
-    SHARED_PARAMS, WRAPPERS, Policy, check_options, options_of, unwrapped, wrap)
+    SHARED_PARAMS, WRAPPERS, Policy, check_options, option_defaults, options_of, unwrapped, wrap)
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls for cls in (Oldest, OldestPage, Sinks, HeavyHitter, Tova, SnapKV, PyramidKV,
@@ -42,7 +42,7 @@ def policy_params(name: str) -> dict[str, object]:
     """The parameters a policy takes and their defaults: its own, then the options every token policy has
     (rerotate, compress_every: the wrappers, wrappers.py)."""
     own = {f.name: f.default for f in dataclasses.fields(POLICIES[name])}
-    return {**own, **{option: default for option, (_, default) in WRAPPERS.items()}}
+    return {**own, **option_defaults(POLICIES[name])}
 
 
 def bound_params(policy: Policy) -> dict[str, object]:

@@ -43,6 +43,10 @@ class EvictionPolicy:
     merges: ClassVar[bool] = False  # True: an evicted token's value is folded into a survivor (`merge_targets`)
     compresses: ClassVar[bool] = False  # True: compressed once after the prefill (kvzip: `compress`)
     state_class: ClassVar[type[PolicyState]] = PolicyState
+    # periodic compression (wrappers.py): the compress_every a policy gets when its settings name none, and
+    # whether a burst is one scoring's lowest N (kvpress's DecodingPress) rather than N choices in turn
+    default_compress_every: ClassVar[int] = 1
+    burst_from_one_scoring: ClassVar[bool] = False
     head_stats = False  # per KV head statistics: AdaKV sets it on the scorer it wraps, before make_state
 
     @property

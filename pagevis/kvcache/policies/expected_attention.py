@@ -104,17 +104,25 @@ class ExpectedAttention(EvictionPolicy):
     the statistics come from the queries the cache has seen (pagevis never sees hidden states): every query
     so far, not a buffer of the last ones. The logits are computed in float32 (the keys' precision), the softmax
     and the means in float64: a victim may differ from a float64 score's only where that score ties within
-    float32's rounding (tests/test_expected_attention_victims.py states the bound)."""
+    float32's rounding (tests/test_expected_attention_victims.py states the bound).
+
+    While decoding it compresses every 10 tokens by default, as kvpress runs it (DecodingPress around the press,
+    `compression_steps=10`): when the cache is full one scoring evicts the 10 lowest, and the cache refills for 10
+    tokens. Its scoring is one product of (kept keys x query heads x d x d) multiply-adds a layer (kvpress's
+    einsum), ~9 M a SmolLM2 layer at 256 tokens: scored every token (`compress_every=1`) it costs more than the
+    rest of the step (docs/speed.md, "Policies")."""
 
     n_future_positions: int = 512
     n_sink: int = 4
     use_covariance: int = 1
     use_vnorm: int = 1
     uses_queries = True
+    default_compress_every = 10
+    burst_from_one_scoring = True
     name = "expected-attention"
     citation = ("Expected Attention: Devoto et al. 2025, Expected Attention: KV Cache Compression by Estimating "
                 "Attention from Future Queries Distribution, arXiv:2510.00636 (kvpress defaults: 512 future "
-                "positions, 4 sinks, covariance and value norms on).")
+                "positions, 4 sinks, covariance and value norms on; DecodingPress's 10 steps a compression).")
     reason = "lowest expected attention from future queries"
 
     def bind(self, capacity, page_size):

@@ -9,7 +9,10 @@ survivors' pages (`rewrites_survivors`).
   token one position later (its key rotated by +1, kvcache/rope_shift.py): every query-key distance is then the
   one contiguous positions give (query at the survivor count, keys at 0, 1, ...), so attention is the same.
 - `PeriodicCompression` (`compress_every=N`, DecodingPress): when the cache is full it evicts N tokens at once
-  (the policy's choice, N times over), down to capacity - N, and refills for N tokens before it compresses again.
+  (the policy's choice, N times over; or, for a policy that asks (`burst_from_one_scoring`), the N lowest of one
+  scoring, as DecodingPress scores once a compression), down to capacity - N, and refills for N tokens before it
+  compresses again. A policy may default to it (`default_compress_every`: expected-attention, as kvpress runs
+  ExpectedAttentionPress while decoding).
 """
 
 from __future__ import annotations
@@ -204,6 +207,18 @@ class PeriodicCompression(PolicyWrapper):
     def evicted_at_once(self) -> int:
         return self._value  # its own compress_every (read per eviction: no walk through options_of)
 
+    def choose_victims(self, pages: LayerView) -> tuple[np.ndarray, np.ndarray]:
+        """A policy that asks: its N lowest-scored unprotected tokens from one scoring (ties: the oldest first), where
+        N choices in turn would score N times (the policy's own choice otherwise)."""
+        if not unwrapped(self).burst_from_one_scoring:
+            return self.inner.choose_victims(pages)
+        candidates = np.flatnonzero(pages.occupied() & ~self.inner.protected(pages))
+        if not len(candidates):
+            raise RuntimeError(f"policy {self.name!r} has no evictable token in layer {pages.layer}")
+        scores = self.inner.score(pages)[candidates]
+        lowest = np.lexsort((pages.positions[candidates], scores))[:self._value]
+        return candidates[lowest], scores[lowest]
+
 
 # every token policy's options: option -> (its wrapper, the default that means no wrapper); applied in this
 # order, the first innermost
@@ -217,8 +232,10 @@ def check_options(policy: type[EvictionPolicy], options: Mapping[str, object], c
     value out of range, or for an option a per-head or never-evicting policy cannot take."""
     name = policy.name
     rerotate = check_int(f"{name}.rerotate", options.get("rerotate", 0), 0, 1)
+    # a policy's own default shrinks to fit a small cache; a value given does not
+    default = min(option_defaults(policy)["compress_every"], max(1, capacity - 1))
     try:
-        every = check_int(f"{name}.compress_every", options.get("compress_every", 1), 1, max(1, capacity - 1))
+        every = check_int(f"{name}.compress_every", options.get("compress_every", default), 1, max(1, capacity - 1))
     except ConfigError as error:
         raise ConfigError(error.field, options.get("compress_every"),
                           f"{error.allowed} for a cache of {capacity} tokens") from None
@@ -228,6 +245,12 @@ def check_options(policy: type[EvictionPolicy], options: Mapping[str, object], c
                           f"the default ({'0' if rerotate else '1'}): {name!r} "
                           f"{'evicts per KV head' if policy.per_head else 'never evicts'}")
     return {"rerotate": rerotate, "compress_every": every}
+
+
+def option_defaults(policy: type[EvictionPolicy]) -> dict[str, int]:
+    """Each wrapper option's value when a policy's settings name none (compress_every: the policy's own default)."""
+    return {option: policy.default_compress_every if option == "compress_every" else default
+            for option, (_, default) in WRAPPERS.items()}
 
 
 def wrap(policy: EvictionPolicy, options: dict[str, int]) -> Policy:
