@@ -233,3 +233,56 @@ def test_parallel_samples_of_a_client_that_leaves_are_all_cancelled():
         assert running.client.get("/healthz").json()["in_flight"] == 0
         samples = scrape(running.metrics_text())
         assert value(samples, "pagevis_generation_tokens_total") < 3 * 1500
+
+
+def _streamed_tokens(client: httpx.Client, body: dict) -> tuple[list, list]:
+    """A streamed completion's tokens and their log-probabilities, chunk after chunk."""
+    tokens, values = [], []
+    with client.stream("POST", "/v1/completions", json=dict(body, stream=True)) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            if line.startswith("data: {"):
+                logprobs = json.loads(line[6:])["choices"][0]["logprobs"]
+                if logprobs:
+                    tokens += logprobs["tokens"]
+                    values += logprobs["token_logprobs"]
+    return tokens, values
+
+
+def test_eight_streams_at_once_get_what_each_gets_alone_with_one_hand_off_a_step(monkeypatch):
+    """Eight greedy clients streaming at once get token for token (log-probabilities to float32 rounding) what
+    each gets alone, not streamed; the engine thread wakes the event loop once per step, not once per token."""
+    from pagevis.serve import core as core_module
+
+    bodies = [{"model": "synthetic", "prompt": f"Client {i} asks about pages.", "max_tokens": 16, "temperature": 0,
+               "logprobs": 0, "ignore_eos": True, "pagevis": {"page_size": 4, "max_pages": 16}} for i in range(8)]
+    with running_server(max_seqs=8) as running:
+        alone = []
+        for body in bodies:
+            choice = running.client.post("/v1/completions", json=body).json()["choices"][0]
+            alone.append((choice["logprobs"]["tokens"], choice["logprobs"]["token_logprobs"]))
+        engine = next(iter(running.app.state.engines.cores.values())).engine
+        hand_offs, original = [0], core_module._hand_over
+
+        def counted(loop, items):
+            hand_offs[0] += 1
+            original(loop, items)
+
+        monkeypatch.setattr(core_module, "_hand_over", counted)
+        steps_before, barrier = engine.n_steps, threading.Barrier(len(bodies))
+
+        def run(body: dict) -> tuple[list, list]:
+            with httpx.Client(base_url=running.url, timeout=120) as client:
+                barrier.wait()
+                return _streamed_tokens(client, body)
+
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            together = list(pool.map(run, bodies))
+        steps = engine.n_steps - steps_before
+    assert [tokens for tokens, _ in together] == [tokens for tokens, _ in alone]
+    assert all(len(tokens) == 16 for tokens, _ in together)
+    # a batch's rows go through the float32 products together: log-probabilities equal to float32 rounding
+    assert np.allclose([v for _, values in together for v in values], [v for _, values in alone for v in values],
+                       rtol=0, atol=1e-5)
+    # 8 x 16 tokens and 8 ends went over in at most one hand-off a step (the old core: one a token, 136)
+    assert hand_offs[0] <= steps < 8 * 16, (hand_offs[0], steps)

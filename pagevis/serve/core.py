@@ -5,9 +5,11 @@ request in this engine: they join and leave between steps, and every step is one
 of them. Once its thread runs, other threads never change the engine (they read only its pool size): they queue
 commands (`call`), which the engine thread runs between steps, and read what it pushes:
 
-- a completion's tokens go to its `Output`, an asyncio queue the event loop reads (the engine thread puts
-  into it with call_soon_threadsafe), each with its log-probabilities if asked; its end comes last, with
-  the engine's stop reason (and the prompt's log-probabilities if asked);
+- a completion's tokens go to its `Output`, an asyncio queue the event loop reads, each with its
+  log-probabilities if asked; its end comes last, with the engine's stop reason (and the prompt's
+  log-probabilities if asked). What a step gives every output goes over in ONE hand-off to the event loop
+  after the step (one call_soon_threadsafe, one wake-up of the loop, however many requests the batch holds),
+  not one per token: each wake-up is a write to the loop's self-pipe and a contest for the GIL;
 - a session is a request that pauses between HTTP calls: `step_session(session, n)` unpauses it, the core
   builds its record after each step that fed it (`DecodeSession.take_step`, masked to its own pages) and
   pauses it again after n of them, keeping its pages (they count as held, not running);
@@ -45,10 +47,7 @@ class Output:
         self.queue: asyncio.Queue = asyncio.Queue()
 
     def push(self, item: tuple) -> None:  # any thread
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop has closed: nobody reads this any more
-            pass
+        _hand_over(self.loop, [(self, item)])
 
     async def get(self) -> tuple:
         return await self.queue.get()
@@ -77,6 +76,17 @@ class StepOrder:
             pass
 
 
+def _hand_over(loop: asyncio.AbstractEventLoop, items: list[tuple[Output, tuple]]) -> None:
+    """Put every (output, item) into its queue on the loop, in order, with one wake-up of the loop."""
+    def deliver() -> None:
+        for output, item in items:
+            output.queue.put_nowait(item)
+    try:
+        loop.call_soon_threadsafe(deliver)
+    except RuntimeError:  # the loop has closed: nobody reads these any more
+        pass
+
+
 class EngineCore:
     def __init__(self, engine, name: str, observer=None) -> None:
         self.engine = engine
@@ -88,6 +98,7 @@ class EngineCore:
         self.last_step = time.monotonic()
         self.holders = 0  # completions in flight and sessions that live here (counted on the event loop)
         self._inbox: deque = deque()
+        self._outbox: list[tuple[Output, tuple]] = []  # what this step gave the outputs, handed over after it
         self._wake = threading.Condition()
         self._stopping = False
         engine.add_hook(self._after_step)
@@ -191,6 +202,7 @@ class EngineCore:
             for record in steps(self.engine, self.control):
                 self.last_step = time.monotonic()
                 self._settle()
+                self._hand_over()
                 self._apply()
                 if not record.seqs and not record.ended:  # nothing fits until a session lets go of its pages
                     self._wait(IDLE_WAIT)
@@ -203,6 +215,7 @@ class EngineCore:
             log.exception("engine step failed")
             self._fail(error)
         self._settle()
+        self._hand_over()
 
     def _wait(self, timeout: float | None) -> None:
         with self._wake:
@@ -213,18 +226,33 @@ class EngineCore:
                 self._wake.wait(timeout)
 
     def _apply(self) -> None:
+        applied = False
         while True:
             with self._wake:
                 if not self._inbox:
                     break
                 function, args, future = self._inbox.popleft()
+            applied = True
             if not future.set_running_or_notify_cancel():
                 continue
             try:
                 future.set_result(function(*args))
             except BaseException as error:  # noqa: BLE001 - handed to the caller
                 future.set_exception(error)
-        self._observe("queues")
+        if applied:  # (after a step the observer has counted the queues already)
+            self._hand_over()  # a cancel's ends
+            self._observe("queues")
+
+    def _hand_over(self) -> None:
+        """Hand what the outputs got since the last hand-off to their event loops: one wake-up per loop."""
+        if not self._outbox:
+            return
+        items, self._outbox = self._outbox, []
+        loops: dict[asyncio.AbstractEventLoop, list] = {}
+        for output, item in items:
+            loops.setdefault(output.loop, []).append((output, item))
+        for loop, theirs in loops.items():
+            _hand_over(loop, theirs)
 
     # --- after every step (engine thread, inside Engine.step) -----------------------------------
     def _after_step(self, record) -> None:
@@ -236,7 +264,7 @@ class EngineCore:
                 if output is not None:
                     request = self.engine.requests[seq.seq_id]
                     row = request.token_scores[-1].row(0) if request.logprobs is not None else None
-                    output.push(("token", seq.next_token, row))
+                    self._outbox.append((output, ("token", seq.next_token, row)))
         answered = []  # step calls answered once the metrics have seen this step
         for seq_id, order in list(self.orders.items()):
             if seq_id not in self.engine.last_plan:
@@ -270,8 +298,9 @@ class EngineCore:
             request = requests[seq_id]
             self.engine.forget(seq_id)
             self._observe("finished", seq_id)
-            self.outputs.pop(seq_id).push(("end", request.stop_reason, request.error, len(request.generated),
-                                           request.prefix_hit_tokens, request.prompt_scores))
+            self._outbox.append((self.outputs.pop(seq_id), ("end", request.stop_reason, request.error,
+                                                            len(request.generated), request.prefix_hit_tokens,
+                                                            request.prompt_scores)))
         for seq_id in [s for s, order in self.orders.items() if order.session.request.done]:
             order = self.orders.pop(seq_id)
             self.engine.release(seq_id)
@@ -319,6 +348,7 @@ class EngineCore:
             self.cancel(live, "abort")
             self._settle()
         finally:
+            self._hand_over()
             self.engine.close()
 
     def _observe(self, what: str, *args) -> None:
