@@ -126,3 +126,139 @@ def test_expected_attention_moments_kernel_equals_the_numpy_update():
         slow.query(np.concatenate([q, q]), np.array([0, position]) if position >= 4 else np.array([0, 1]))
     assert fast.count == slow.count == 56
     assert np.array_equal(fast.mean, slow.mean) and np.array_equal(fast.deviations, slow.deviations)
+
+
+def test_adakv_one_call_drops_what_snapkv_scores_and_the_lexsorts_drop():
+    """AdaKV over SnapKV in one numba call: SnapKV's pooled window attention per KV head (NumPy), its window, the
+    drops by lexsort, the same scores bit for bit; nothing when the heads hold fewer than n_kv x budget entries."""
+    from pagevis.kvcache.policies.adakv import AdaKV
+    from pagevis.kvcache.policies.base import newest
+    from pagevis.kvcache.policies.snapkv import ObservationWindow
+
+    rng = np.random.default_rng(10)
+    dropped = 0
+    for _ in range(300):
+        n_kv, n_slots, window = int(rng.integers(1, 4)), 48, int(rng.integers(1, 6))
+        positions, _ = random_layer(rng, n_slots, 1, 4)
+        state = ObservationWindow(n_slots, window, n_kv)
+        state.rows[:] = rng.integers(0, 4, state.rows.shape) / 8  # coarse: ties
+        keep = rng.random((n_kv, n_slots)) < 0.8
+        policy = AdaKV(budget=int(rng.integers(1, 40)), safeguard_pct=int(rng.integers(0, 60)))
+        policy.bind(64, 16)
+        policy.inner.window, policy.inner.kernel = window, int(rng.choice([1, 3, 7]))
+        policy.bind_layers(1)
+        policy.bind_heads(n_kv, n_kv, 4, 10000.0)
+        pages = LayerView(0, 16, positions, [], state, keep)
+        assert policy._snapkv() is policy.inner
+        heads, slots, scores = policy.choose_head_victims(pages)
+        kept = keep & (positions >= 0)[None, :]
+        need = int(kept.sum()) + n_kv - n_kv * policy.budget
+        assert policy.head_room(pages) == (n_kv * policy.budget - int(kept.sum())) // n_kv
+        if need <= 0:
+            assert len(heads) == len(slots) == len(scores) == 0
+            continue
+        reference = policy.inner._pooled(pages, state.window_attention())
+        expected = adakv_drops_by_lexsort(reference, kept, positions, newest(pages, window), policy.n_safe, need)
+        assert heads.tolist() == expected[0].tolist() and slots.tolist() == expected[1].tolist()
+        assert np.array_equal(scores, reference[heads, slots])
+        dropped += len(heads)
+    assert dropped > 100
+
+
+def test_head_mask_bias_is_the_masks_added_to_the_occupancy_bias():
+    from pagevis.kvcache.paged_attention import kept_bias
+
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        n_kv, n = int(rng.integers(1, 4)), int(rng.integers(1, 30))
+        keep = rng.random((n_kv, n)) < 0.7
+        if rng.random() < 0.3:  # every slot kept by every head or by none: no head differs
+            keep = np.broadcast_to(keep[:1], (n_kv, n)).copy()
+        bias = None if rng.random() < 0.3 else np.where(rng.random(n) < 0.8, 0, -np.inf).astype(np.float32)
+        differ = not (keep.all(axis=0) | ~keep.any(axis=0)).all()
+        got = kept_bias(keep[:, :n], bias)
+        if not differ:
+            assert got is bias
+            continue
+        expected = np.where(keep, np.float32(0), np.float32(-np.inf)) + (0 if bias is None else bias)
+        assert got.dtype == np.float32 and np.array_equal(got, expected)
+
+
+def test_observation_window_kernel_keeps_numpys_means():
+    """A decode query's weights per KV head (its query heads' mean): the kernel's rows equal NumPy's bit for bit,
+    for groups of 1 to 9 query heads."""
+    from pagevis.kvcache.policies.snapkv import ObservationWindow
+
+    rng = np.random.default_rng(12)
+    for group in range(1, 10):
+        n_kv, n_slots, m = int(rng.integers(1, 4)), 40, int(rng.integers(1, 40))
+        fast, slow = ObservationWindow(n_slots, 3, n_kv), ObservationWindow(n_slots, 3, n_kv)
+        for _ in range(5):
+            weights = rng.random((1, n_kv * group, m), dtype=np.float32) ** 3
+            fast.observe(weights, slice(0, m))
+            slow.observe(weights, np.arange(m))  # (slots as an array: NumPy's path)
+        assert fast.next == slow.next and np.array_equal(fast.rows, slow.rows)
+
+
+def test_h2o_kernel_chooses_what_the_base_rule_chooses():
+    from pagevis.kvcache.policies.h2o import AccumulatedAttention, HeavyHitter
+
+    rng = np.random.default_rng(13)
+    for _ in range(300):
+        positions, _ = random_layer(rng, 40, 1, 4)
+        state = AccumulatedAttention(40)
+        state.accumulated[:] = rng.integers(0, 6, 40) / 4  # coarse: ties
+        policy = HeavyHitter(recent=int(rng.integers(0, 30)))
+        policy.bind(64, 8)
+        pages = LayerView(0, 8, positions, [], state)
+        if (positions >= 0).sum() <= policy.recent:
+            with pytest.raises(RuntimeError, match="no evictable token"):
+                policy.choose_victims(pages)
+            continue
+        victims, scores = policy.choose_victims(pages)
+        expected = EvictionPolicy.choose_victims(policy, pages)
+        assert victims.tolist() == expected[0].tolist() and np.array_equal(scores, expected[1])
+
+
+def merge_targets_by_einsum(unit, positions, victims, accumulated):
+    """Each victim's most similar survivor (the einsum of its cosines over the tokens that stay), its weight
+    a_v / (a_s + a_v) (0.5 if both are 0); the survivor then carries a_s + a_v."""
+    staying = np.flatnonzero((positions >= 0) & ~np.isin(np.arange(len(positions)), victims))
+    if not len(staying):
+        return np.full(len(victims), -1), np.zeros(len(victims))
+    found = []
+    for victim in victims:
+        target = staying[np.argmax(np.einsum("shd,hd->s", unit[staying].astype(np.float64), unit[victim]))]
+        total = accumulated[target] + accumulated[victim]
+        found.append((target, accumulated[victim] / total if total > 0 else 0.5))
+        accumulated[target] = total
+    return np.array([t for t, _ in found]), np.array([w for _, w in found])
+
+
+def test_merge_targets_kernel_is_the_loop_over_victims():
+    from pagevis.kvcache.policies.kernels import merge_targets
+
+    rng = np.random.default_rng(14)
+    for _ in range(300):
+        positions, state = random_layer(rng, 24, 3, 16)
+        resident = np.flatnonzero(positions >= 0)
+        victims = rng.choice(resident, int(rng.integers(1, len(resident) + 1)), replace=False)
+        accumulated = rng.integers(0, 4, 24) / 3  # zeros too: weight 0.5
+        mine, theirs = accumulated.copy(), accumulated.copy()
+        targets, weights = merge_targets(state.unit, positions, victims, mine)
+        expected = merge_targets_by_einsum(state.unit, positions, victims, theirs)
+        assert targets.tolist() == expected[0].tolist() and np.array_equal(weights, expected[1])
+        assert np.array_equal(mine, theirs)
+
+
+def test_fold_value_kernel_rounds_as_numpy():
+    from pagevis.kvcache.policies.kernels import fold_value
+
+    rng = np.random.default_rng(15)
+    v = rng.standard_normal((3, 4, 8, 16)).astype(np.float32)
+    for _ in range(200):
+        page, slot, weight = int(rng.integers(0, 4)), int(rng.integers(0, 8)), float(rng.random())
+        values = rng.standard_normal((3, 2, 16)) * 3
+        expected = ((1 - weight) * v[:, page, slot].astype(np.float64) + weight * values[:, 1]).astype(np.float32)
+        fold_value(v, page, slot, values[:, 1], weight)
+        assert np.array_equal(v[:, page, slot], expected)

@@ -342,15 +342,17 @@ class LayerManager:
                      scores: np.ndarray) -> np.ndarray:
         """Mask each (KV head, slot) entry named out of the sequence's per-head masks (a MASK event each; masks
         are the sequence's, so a shared page is not copied); returns the slots no KV head keeps now."""
-        keep, ps, positions, policy = self.tables[seq.seq_id].head_keep, self.page_size, self.store.positions, seq.policy
+        keep, ps, policy = self.tables[seq.seq_id].head_keep, self.page_size, seq.policy
         assert keep is not None  # only a per-head policy drops entries, and its sequence keeps masks
-        for head, flat, score in zip(heads.tolist(), victims.tolist(), scores.tolist(), strict=True):
+        add, name, reason, seq_id, layer = self.log.add, policy.name, policy.reason, seq.seq_id, self.layer
+        for head, flat, position, score in zip(heads.tolist(), victims.tolist(), self.store.positions[victims].tolist(),
+                                               scores.tolist(), strict=True):
             if not keep[head, flat]:
                 raise RuntimeError(f"policy {policy.name!r} dropped an entry KV head {head} no longer keeps")
             keep[head, flat] = False
-            self.event(E.MASK, seq, *divmod(flat, ps), int(positions[flat]), policy.name, policy.reason,
-                       float(score), detail=head)
-        return np.unique(victims[~keep[:, victims].any(axis=0)])
+            add(E.MASK, seq_id, layer, flat // ps, flat % ps, position, name, reason, score, -1, head)
+        gone = victims[~keep[:, victims].any(axis=0)]
+        return np.unique(gone) if len(gone) > 1 else gone
 
     def positions_at(self, flats: np.ndarray) -> np.ndarray:
         """The token positions in these flat slots (-1: empty)."""

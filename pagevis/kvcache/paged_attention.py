@@ -19,6 +19,7 @@ from pagevis.kvcache import attention_kernels as kernels
 from pagevis.kvcache.attention_kernels import AttentionResult, attend_decode_batch
 from pagevis.kvcache.layer_managers import LayerManager
 from pagevis.kvcache.policy_state import PolicyState
+from pagevis.kvcache.policies.lazy_kernels import kernels as kernels_of_policies
 from pagevis.kvcache.reader import read_attention
 from pagevis.kvcache.sequence import LayerTable, SequenceCache
 from pagevis.kvcache.slots import flat_slots
@@ -220,9 +221,5 @@ def attend_kept(q: np.ndarray, keys: np.ndarray, values: np.ndarray, bias: np.nd
 def kept_bias(keep: np.ndarray, bias: np.ndarray | None) -> np.ndarray | None:
     """The occupancy bias with each KV head's mask added (keep (n_kv, n): -inf where a head dropped the slot), one
     row a KV head; `bias` itself when no head differs (each slot kept by every head or by none)."""
-    if (keep.all(axis=0) | ~keep.any(axis=0)).all():
-        return bias
-    head_bias = np.where(keep, np.float32(0), np.float32(-np.inf))
-    if bias is not None:
-        head_bias += bias
-    return head_bias
+    head_bias = kernels_of_policies().head_mask_bias(keep, bias)  # one numba call (policies/kernels.py)
+    return bias if head_bias.size == 0 else head_bias

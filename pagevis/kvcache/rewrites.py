@@ -11,6 +11,7 @@ from typing import Protocol
 import numpy as np
 
 from pagevis.kvcache.events import EventLog
+from pagevis.kvcache.policies.lazy_kernels import kernels
 from pagevis.kvcache.quantized_pages import QuantizedPages
 from pagevis.kvcache.rope_shift import rotate
 from pagevis.kvcache.sequence import LayerTable, SequenceCache
@@ -64,6 +65,9 @@ class Rewrites:
                 continue
             page, slot = divmod(self._slot_of(seq, position, near[i] if near is not None else -1), ps)
             page = self.layer.writable(seq, page)
+            if store.v.dtype == np.float32:  # one numba call (the same float64 arithmetic, rounded as NumPy does)
+                kernels().fold_value(store.v, page, slot, values[:, i], float(weights[i]))
+                continue
             merged = (1 - weights[i]) * store.v[:, page, slot].astype(np.float64) + weights[i] * values[:, i]
             store.v[:, page, slot] = merged.astype(store.v.dtype)
 

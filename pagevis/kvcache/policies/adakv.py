@@ -77,9 +77,17 @@ class AdaKV(EvictionPolicy):
         return np.where(pages.kept(), self.head_scores(pages), -np.inf).max(axis=0)
 
     def head_room(self, pages):
-        return (self.n_kv_heads * bound(self.budget, "budget") - int(pages.kept().sum())) // self.n_kv_heads
+        entries = kernels().kept_entries(pages.head_keep, pages.positions) if pages.head_keep is not None else int(
+            pages.kept().sum())
+        return (self.n_kv_heads * bound(self.budget, "budget") - entries) // self.n_kv_heads
 
     def choose_head_victims(self, pages):
+        inner = self._snapkv()
+        if inner is not None and pages.head_keep is not None:
+            # SnapKV's scores (the default): the kept entries, the scores, the window and the drops in one numba
+            # call (kernels.py), where ~10 NumPy calls and 3 kernels a layer and step cost most of adakv's choice
+            return kernels().adakv_snapkv_drops(pages.stats.rows, pages.positions, pages.head_keep, inner.window,
+                                                inner.kernel, self.n_safe, self.budget)
         kept = pages.kept()
         n_kv = kept.shape[0]
         need = int(kept.sum()) + n_kv - n_kv * self.budget
@@ -93,3 +101,11 @@ class AdaKV(EvictionPolicy):
         heads, slots = kernels().adakv_drops(np.ascontiguousarray(scores, dtype=np.float64),
                                              np.ascontiguousarray(kept), pages.positions, protected, self.n_safe, need)
         return heads, slots, scores[heads, slots]
+
+    def _snapkv(self) -> SnapKV | None:
+        """The wrapped policy if it scores and protects as SnapKV does (SnapKV, PyramidKV), per KV head."""
+        inner, kind = self.inner, type(self.inner)
+        if (isinstance(inner, SnapKV) and kind.head_scores is SnapKV.head_scores and kind.protected is SnapKV.protected
+                and inner.head_stats):
+            return inner
+        return None

@@ -268,3 +268,131 @@ def expected_weights(products, turned, value_norms, use_covariance, use_vnorm): 
             if use_vnorm:
                 expected[h, t] *= value_norms[h, t]
     return expected
+
+
+@njit(**_EXACT)
+def adakv_snapkv_drops(rows, positions, head_keep, window, kernel, n_safe, budget):  # pragma: no cover (numba)
+    """AdaKV.choose_head_victims over SnapKV's per-KV-head scores in one call: the kept entries (head_keep where a
+    token is resident), `need` = kept + n_kv - n_kv * budget, and if any, SnapKV's head scores (snapkv_head_scores),
+    its window (newest_mask) and adakv_drops. Returns (heads, slots, their scores); empty when nothing is due."""
+    n_kv, n_slots = head_keep.shape
+    kept = np.empty((n_kv, n_slots), np.bool_)
+    count = 0
+    for h in range(n_kv):
+        for s in range(n_slots):
+            kept[h, s] = head_keep[h, s] and positions[s] >= 0
+            if kept[h, s]:
+                count += 1
+    need = count + n_kv - n_kv * budget
+    if need <= 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
+    scores = snapkv_head_scores(rows, positions, kernel)
+    heads, slots = adakv_drops(scores, kept, positions, newest_mask(positions, window), n_safe, need)
+    chosen = np.empty(len(heads))
+    for i in range(len(heads)):
+        chosen[i] = scores[heads[i], slots[i]]
+    return heads, slots, chosen
+
+
+@njit(**_EXACT)
+def kept_entries(head_keep, positions):  # pragma: no cover (numba)
+    """The (KV head, token) entries kept: head_keep where a token is resident (positions >= 0), summed."""
+    n_kv, n_slots = head_keep.shape
+    count = 0
+    for h in range(n_kv):
+        for s in range(n_slots):
+            if head_keep[h, s] and positions[s] >= 0:
+                count += 1
+    return count
+
+
+@njit(**_EXACT)
+def head_mask_bias(keep, bias):  # pragma: no cover (numba)
+    """paged_attention.kept_bias: (n_kv, n) float32, 0 where KV head h keeps slot s, -inf where it does not, plus the
+    occupancy bias (n,) (None: 0); a (0, 0) array when no slot is kept by some KV heads and not others."""
+    n_kv, n = keep.shape
+    differ = False
+    for s in range(n):
+        first = keep[0, s]
+        for h in range(1, n_kv):
+            if keep[h, s] != first:
+                differ = True
+                break
+        if differ:
+            break
+    if not differ:
+        return np.zeros((0, 0), np.float32)
+    out = np.empty((n_kv, n), np.float32)
+    for h in range(n_kv):
+        for s in range(n):
+            value = np.float32(0.0) if keep[h, s] else np.float32(-np.inf)
+            if bias is not None:
+                value += bias[s]
+            out[h, s] = value
+    return out
+
+
+@njit(**_EXACT)
+def observe_window(rows, row, weights, start):  # pragma: no cover (numba)
+    """ObservationWindow.observe of one decode query's weights (1, n_heads, m) float32 over the slots start:start + m,
+    per KV head (rows (window, n_kv, n_slots) float64): ring row `row` zeroed, then each KV head's query heads' mean
+    (a float32 sum in head order, divided in float64 and rounded to float32: NumPy's mean) on those slots."""
+    _, n_kv, n_slots = rows.shape
+    n_heads, m = weights.shape[1], weights.shape[2]
+    group = n_heads // n_kv
+    count = np.float64(group)
+    for h in range(n_kv):
+        for s in range(n_slots):
+            rows[row, h, s] = 0.0
+        for i in range(m):
+            total = weights[0, h * group, i]
+            for g in range(1, group):
+                total += weights[0, h * group + g, i]
+            rows[row, h, start + i] = np.float32(np.float64(total) / count)
+
+
+@njit(**_EXACT)
+def lowest_unprotected(scores, positions, n_newest):  # pragma: no cover (numba)
+    """EvictionPolicy.choose_victims where the protected tokens are the n_newest resident ones (H2O, merge): the
+    resident slot outside them with the lowest score, ties to the oldest position; -1 if every resident token is
+    protected."""
+    order = _resident_by_position(positions)
+    victim = -1
+    for i in range(len(order) - max(n_newest, 0)):  # oldest first: a later slot wins only with a lower score
+        s = order[i]
+        if victim < 0 or scores[s] < scores[victim]:
+            victim = s
+    return victim
+
+
+@njit(**_FLAGS)
+def merge_targets(unit, positions, victims, accumulated):  # pragma: no cover (numba)
+    """MergeValues.merge_targets: for each victim in turn, the survivor most like it (most_similar over the resident
+    slots that are not victims) and the victim's weight a_v / (a_s + a_v) (0.5 if both are 0); the survivor's
+    accumulated attention becomes a_s + a_v (in `accumulated`). Returns (targets, weights): every target -1 when
+    no token survives."""
+    survivors = positions >= 0
+    for victim in victims:
+        survivors[victim] = False
+    targets, weights = np.zeros(len(victims), np.int64), np.zeros(len(victims))
+    for i in range(len(victims)):
+        victim = victims[i]
+        target = most_similar(unit, survivors, victim)
+        if target < 0:  # (survivors are the same for every victim: the first finds none)
+            return np.full(len(victims), -1, np.int64), weights
+        mass = accumulated[target] + accumulated[victim]
+        weights[i] = accumulated[victim] / mass if mass > 0 else 0.5
+        accumulated[target] = mass
+        targets[i] = target
+    return targets, weights
+
+
+@njit(**_EXACT)
+def fold_value(v, page, slot, values, weight):  # pragma: no cover (numba)
+    """Rewrites.fold_values for one survivor of float32 values v (n_kv, pages, page_size, d): v[:, page, slot] <-
+    (1 - weight) v + weight values (values (n_kv, d) float64), in float64 and rounded to float32, as NumPy does."""
+    n_kv, d = values.shape
+    keep = 1.0 - weight
+    for h in range(n_kv):
+        for j in range(d):
+            v[h, page, slot, j] = np.float32(keep * np.float64(v[h, page, slot, j]) + weight * values[h, j])

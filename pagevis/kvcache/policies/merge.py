@@ -15,7 +15,7 @@ class AttentionAndKeys(AccumulatedAttention):
         self.unit = self.add_array("unit_keys", np.float32, (n_kv_heads, head_dim))
 
     def write(self, flat, k, v, position):
-        self.unit[flat] = unit_keys(k)
+        unit_keys(k, self.unit[flat])
 
 
 @dataclass
@@ -38,17 +38,8 @@ class MergeValues(HeavyHitter):
         return AttentionAndKeys(n_slots, self.n_kv_heads, self.head_dim)
 
     def merge_targets(self, pages, victims):
+        # for each victim in turn: the survivor with the largest sum of the KV heads' cosines (the first slot on a
+        # tie), its weight, and the survivor's accumulated attention, in one numba call (kernels.py)
         stats = pages.stats
-        survivors = pages.occupied()
-        survivors[victims] = False
-        targets, weights = np.zeros(len(victims), dtype=np.int64), np.zeros(len(victims))
-        for i, victim in enumerate(victims.tolist()):
-            # the largest sum of the KV heads' cosines (the first slot on a tie), in one numba call (kernels.py)
-            target = kernels().most_similar(stats.unit, survivors, victim)
-            if target < 0:
-                return targets - 1, weights
-            mass = stats.accumulated[target] + stats.accumulated[victim]
-            weights[i] = stats.accumulated[victim] / mass if mass > 0 else 0.5
-            stats.accumulated[target] = mass
-            targets[i] = target
-        return targets, weights
+        return kernels().merge_targets(stats.unit, pages.positions, np.ascontiguousarray(victims, dtype=np.int64),
+                                       stats.accumulated)

@@ -27,6 +27,12 @@ class ObservationWindow(PolicyState):
         self.rows[..., flat] = 0.0
 
     def observe(self, weights, slots):
+        if (self.rows.ndim == 3 and len(weights) == 1 and weights.dtype == np.float32 and isinstance(slots, slice)
+                and slots.step is None and slots.stop - (slots.start or 0) == weights.shape[2]):
+            # a decode query over a run of slots, per KV head: one numba call (kernels.py), NumPy's means bit for bit
+            kernels().observe_window(self.rows, self.next % len(self.rows), weights, slots.start or 0)
+            self.next += 1
+            return
         last = weights[-len(self.rows):]
         if self.rows.ndim == 2:
             means = last.mean(axis=1)
