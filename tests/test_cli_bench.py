@@ -110,15 +110,30 @@ def test_bench_serve_at_concurrencies_and_poisson_rates(tmp_path, capsys):
     assert all(level["completed"] == level["requests"] == 4 and level["output_tokens"] == 12
                for level in result["levels"])
     assert all(level["system_prompt_hit_min"] > 0.9 for level in result["levels"])
+    # the server process's own CPU time (clock ticks: some in 4 requests), per output token
+    assert all(level["server_cpu_s"] > 0 and level["cpu_ms_per_token"] == pytest.approx(1e3 * level["server_cpu_s"] / 12)
+               for level in result["levels"])
     assert (tmp_path / "bench-serve.png").stat().st_size > 0
     table = serving.format_table(result)
     assert "c=2" in table and "20/s" in table and "system prompt tokens from the prefix cache" in table
+
+
+def test_eight_clients_over_one_is_of_the_medians_by_wall_clock_and_by_cpu():
+    from pagevis.bench.serving import eight_over_one
+
+    levels = [{"concurrency": c, "output_throughput": t, "cpu_ms_per_token": cpu}
+              for c, t, cpu in ((1, 40.0, 12.0), (8, 90.0, 6.0), (1, 50.0, 10.0), (8, 150.0, 5.0), (1, 20.0, 11.0),
+                                (8, 100.0, 4.0), (2, 70.0, None))]
+    assert eight_over_one(levels) == {"c8_over_c1": 100.0 / 40.0, "c8_over_c1_cpu": 11.0 / 5.0}
+    assert eight_over_one([dict(level, cpu_ms_per_token=None) for level in levels]) == {"c8_over_c1": 2.5}
+    assert eight_over_one(levels[:1]) == {}
 
 
 def test_bench_serve_bad_arguments(capsys):
     assert main(["bench", "serve", "--request-rate", "0"]) == 2
     assert "--request-rate" in capsys.readouterr().err
     assert main(["bench", "serve", "--model", "some.gguf"]) == 2
+    assert main(["bench", "serve", "--rounds", "0"]) == 2
 
 
 def test_the_read_rate_by_shape_measures_weights_kept_as_the_gguf_stores_them(smollm2):  # noqa: F811

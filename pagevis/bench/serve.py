@@ -38,6 +38,16 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process pid (all its threads) from /proc/PID/stat; None where there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class ServerProcess:
     def __init__(self, model: str, workers: int = 2, flags: tuple[str, ...] = ()) -> None:
         self.port = free_port()
@@ -60,6 +70,10 @@ class ServerProcess:
             except httpx.HTTPError:
                 time.sleep(0.2)
         raise RuntimeError("pagevis serve did not start within 120 s")
+
+    def cpu_seconds(self) -> float | None:
+        """The server process's CPU time so far, every thread's (user + system); None without /proc."""
+        return process_cpu_seconds(self.process.pid)
 
     def __exit__(self, *_exc) -> None:
         self.process.terminate()

@@ -83,6 +83,8 @@ def _serve_parser(targets) -> argparse.ArgumentParser:
     sub.add_argument("--num-prompts", type=int, metavar="N", help="requests per level (default 2 x the "
                      "concurrency, at least 4; 16 per rate)")
     sub.add_argument("--output-tokens", type=int, default=32, metavar="N", help="tokens each request decodes (32)")
+    sub.add_argument("--rounds", type=int, default=1, metavar="N", help="run the levels N times in turn, against one "
+                     "server (1); 8 clients over 1 is of the medians")
     sub.add_argument("--overhead", action="store_true", help="instead: HTTP against the engine called directly "
                      "(tokens/s, /healthz while sessions decode, /v1/attention)")
     sub.add_argument("--hostile", action="store_true", help="instead: eight clients' chat latency on an idle "
@@ -201,13 +203,17 @@ def serve_main(args: argparse.Namespace) -> int:
     if args.num_prompts is not None:
         options.check_range("--num-prompts", args.num_prompts, 1, 100_000)
     options.check_range("--output-tokens", args.output_tokens, 1, 4096)
+    options.check_range("--rounds", args.rounds, 1, 100)
     if not args.no_files:
         if not os.path.isdir(args.out):
             raise UsageError(f"--out {args.out}: no such folder")
         options.check_writable(os.path.join(args.out, "bench-serve.png"), "--out")
     say(f"load average {os.getloadavg()[0]:.1f}; starting pagevis serve --model {model} ...")
     say("  ".join(serving.HEADER))
-    result = serving.run(model, concurrencies, rates, args.num_prompts, args.output_tokens, progress=say)
+    # --threads: the server's weight threads (its default: every core, up to 2)
+    flags = serving.SERVER_FLAGS + (() if args.threads is None else ("--threads", str(args.threads)))
+    result = serving.run(model, concurrencies, rates, args.num_prompts, args.output_tokens, progress=say,
+                         rounds=args.rounds, flags=flags)
     if not args.no_files:
         from pagevis.plots import line_plot
 
