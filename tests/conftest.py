@@ -25,7 +25,7 @@ settings.load_profile("pagevis")
 @pytest.fixture(autouse=True, scope="session")
 def weight_kernels_ready_beside():
     """Load (on a clean checkout: compile, ~25 s) the quantized-weight kernels in another process while the first
-    tests run on this core: the first test that needs them waits on their lock (quantized._compiling_alone) for what
+    tests run on this core: the first test that needs them waits on their lock (kernel_loader._compile_lock) for what
     is left (PAGEVIS_KERNEL_LOCK_WAIT above; the app waits 15 s, then compiles its own in memory), then loads them
     from numba's cache."""
     loader = subprocess.Popen([sys.executable, "-c", "from pagevis.model.quantized import kernels, _rows_kernel, "

@@ -52,7 +52,8 @@ def test_damaged_cache_files_are_compiled_again_and_healed(tmp_path):
     damaged = load_kernels(env)
     assert damaged.returncode == 0, damaged.stderr
     lines = damaged.stderr.strip().splitlines()
-    assert len(lines) == 1 and "numba's cache of the quantized-weight kernels cannot be used" in lines[0]
+    assert len(lines) == 1 and ("numba's cache of the quantized-weight kernels (pagevis.model.weight_kernels) cannot "
+                                "be used") in lines[0]
     healed = load_kernels(env)
     assert healed.returncode == 0 and healed.stderr == "", healed.stderr
 
@@ -80,7 +81,7 @@ def test_a_held_compile_lock_is_waited_for_a_bounded_time(tmp_path):
     (tmp_path / "pagevis").mkdir()
     with open(tmp_path / "pagevis" / "weight-kernels.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a live process that never lets go
-        done = load_kernels(env, "import pagevis.model.quantized as q\nq.LOCK_WAIT = 1.0\n")
+        done = load_kernels(env, "import pagevis.kernel_loader as loader\nloader.LOCK_WAIT = 1.0\n")
     assert done.returncode == 0, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "has held the kernels' compile lock for 1 s; compiling them in memory" in lines[0]

@@ -27,6 +27,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from pagevis.kernel_loader import import_kernels
+
 CHUNK_BYTES = 1 << 20  # float16 keys (or values) of all KV heads converted to float32 at once: fits in L2
 DECODE_ROWS = 32  # up to this many rows (queries x group) per KV head, key blocks are measured; above, gemm
 BLOCK_CANDIDATES = (0, 32, 64, 128, 256)  # keys per block; 0: one product over the whole chunk
@@ -84,14 +86,13 @@ _decode_kernel: ModuleType | None = None  # decode_kernel.py, once loaded
 
 
 def load_decode_kernel() -> bool:
-    """Load the decode kernel (decode_kernel.py: numba's cache, ~0.3 s of CPU; a first compile ~3.5 s) now rather
-    than in the first decode step; whether it was loaded by this call."""
+    """Load the decode kernel (decode_kernel.py: numba's cache, ~0.3 s of CPU; a first compile ~3.5 s;
+    kernel_loader.import_kernels: under the compile lock, a damaged cache healed) now rather than in the first decode
+    step; whether it was loaded by this call."""
     global _decode_kernel
     if _decode_kernel is not None:
         return False
-    from pagevis.kvcache import decode_kernel
-
-    _decode_kernel = decode_kernel
+    _decode_kernel = import_kernels("pagevis.kvcache.decode_kernel", "the decode attention kernel")
     return True
 
 

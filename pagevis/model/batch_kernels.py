@@ -177,19 +177,10 @@ def _i8_rows(qs, dh, ds, per, X, t0, t1, out):
         _i8_rows_tiles(qs, dh, ds, 1, 32, X, t0, t1, out)
 
 
-def compiled(cache: bool = True) -> dict:
+def compiled() -> dict:
     """The row kernels by packed format, for quantized.QuantMatrix.product's 2 to SMALL_BATCH rows (it calls this
-    once, under weight_kernels' compile lock, after loading those): compiled, or loaded from numba's on-disk cache
-    (cache); a cache numba cannot use (damaged files, no writable folder) falls back to compiling in memory. u4
-    (Q4_0, Q4_1, Q4_K) and i8 (Q8_0, Q5_0, Q6_K): the types SmolLM2's and Gemma 3's files hold; u5 (Q5_1, Q5_K)
-    keeps weight_kernels' small-batch kernel."""
-    def compile_all(options) -> dict:
-        return {"u4": njit(f"void({_NIB}, {_MAT})", **options)(_u4_rows),
-                "i8": njit(f"void({_I8}, {_MAT})", **options)(_i8_rows)}
-
-    if cache:
-        try:
-            return compile_all(_OPTIONS)
-        except Exception:  # numba's cache: unpickling a damaged file, "no locator available", ...
-            pass
-    return compile_all({**_OPTIONS, "cache": False})
+    once, through kernel_loader.import_kernels: under the compile lock, a damaged cache healed, in memory where numba
+    cannot cache): compiled, or loaded from numba's on-disk cache. u4 (Q4_0, Q4_1, Q4_K) and i8 (Q8_0, Q5_0, Q6_K):
+    the types SmolLM2's and Gemma 3's files hold; u5 (Q5_1, Q5_K) keeps weight_kernels' small-batch kernel."""
+    return {"u4": njit(f"void({_NIB}, {_MAT})", **_OPTIONS)(_u4_rows),
+            "i8": njit(f"void({_I8}, {_MAT})", **_OPTIONS)(_i8_rows)}

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from pagevis.kernel_loader import import_kernels
 from pagevis.model.config import ModelConfig
 from pagevis.model.interface import AttendFn
 from pagevis.model.layers import soft_cap
@@ -202,24 +203,10 @@ def _fused():
 
 
 def _load_fused() -> bool:
-    """Import fused_kernels (numba's on-disk cache, ~0.1 s; a first compile a few seconds, under the weight kernels'
-    compile lock), once; whether this call loaded them. A cache numba cannot use compiles them in memory."""
+    """Import fused_kernels (numba's cache, ~0.1 s; a first compile a few seconds; kernel_loader.import_kernels: under
+    the compile lock, a damaged cache healed), once; whether this call loaded them."""
     global _FUSED
     if _FUSED is not None:
         return False
-    import sys
-
-    from pagevis.model.quantized import _compiling_alone, _numba_cache_off
-
-    with _compiling_alone() as alone:
-        if alone:
-            try:
-                from pagevis.model import fused_kernels
-                _FUSED = fused_kernels
-                return True
-            except Exception:  # numba's cache: a damaged file, "no locator available", ...
-                sys.modules.pop("pagevis.model.fused_kernels", None)
-        with _numba_cache_off():
-            from pagevis.model import fused_kernels
-            _FUSED = fused_kernels
+    _FUSED = import_kernels("pagevis.model.fused_kernels", "the fused layer kernels")
     return True

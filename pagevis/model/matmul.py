@@ -29,6 +29,7 @@ from typing import Iterable
 
 import numpy as np
 
+from pagevis.kernel_loader import cache_dir  # (where every cache of pagevis lives; imported from here too)
 from pagevis.model.blas_threads import blas_description
 
 ORDERS = ("xw", "wx")
@@ -232,13 +233,6 @@ def sample_matrices(matrices: Iterable[np.ndarray], budget: int = SAMPLE_BYTES,
             w = w.T[:columns].T
         group.append(w)
     return samples
-
-
-def cache_dir() -> Path:
-    """Where measured plans are kept: $PAGEVIS_CACHE_DIR, else $XDG_CACHE_HOME/pagevis, else ~/.cache/pagevis."""
-    if os.environ.get("PAGEVIS_CACHE_DIR"):
-        return Path(os.environ["PAGEVIS_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagevis"
 
 
 def cpu_model() -> str:

@@ -17,7 +17,6 @@ the packed arrays: nothing a tensor's size is allocated besides them.
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from pagevis.kernel_loader import import_kernels
 from pagevis.model.resident import release_compiler_pages, release_mapped, release_whole_pages
 from pagevis.model.weight_threads import split, weight_threads
 
@@ -62,159 +62,16 @@ PLACEHOLDERS = (NO_U32, NO_I16, NO_I8)
 HALF, Q4_0_MODE, SUPER = 0, 1, 2  # the kernels' scale modes (weight_kernels.py)
 
 
-# seconds a launch waits for another process compiling the kernels before compiling its own (in memory); the test
-# suite, whose conftest compiles them beside the first tests, waits longer
-LOCK_WAIT = float(os.environ.get("PAGEVIS_KERNEL_LOCK_WAIT", "15"))
-
-
 def kernels() -> dict:
     """The kernels by packed format, imported on first use: loaded from numba's on-disk cache, or compiled (~25 s:
-    a first launch, a new numba or CPU; said on stderr when numba starts compiling, not before). A cache numba cannot
-    use (damaged files, no writable folder, a read-only install) or a compile lock held for LOCK_WAIT seconds by
-    another process falls back to compiling, in memory where the cache is unusable, with one line on stderr."""
+    a first launch, a new numba or CPU; said on stderr when numba starts compiling, not before), through
+    kernel_loader.import_kernels: under the compile lock, a damaged cache healed, in memory where numba cannot cache
+    or another process holds the lock too long, each said in one line."""
     global _KERNELS
     if _KERNELS is None:
-        _KERNELS = _imported_kernels().KERNELS
+        _KERNELS = import_kernels("pagevis.model.weight_kernels", "the quantized-weight kernels", seconds=25).KERNELS
         release_compiler_pages()  # linked: the compiler's code is not run again
     return _KERNELS
-
-
-def _imported_kernels():
-    import sys
-
-    with _compiling_alone() as alone, _saying_when_compiling() as announce:
-        if alone:
-            try:
-                from pagevis.model import weight_kernels as module
-                return module
-            except Exception as exc:  # numba's cache: unpickling a damaged file, "no locator available", ...
-                sys.modules.pop("pagevis.model.weight_kernels", None)
-                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
-                print(f"pagevis: numba's cache of the quantized-weight kernels cannot be used ({reason}); compiling "
-                      "them again (about 25 s)", file=sys.stderr, flush=True)
-                announce.said = True  # that one line is all that is said
-            try:
-                with _damaged_cache_files_ignored():  # compiled and written over the damaged files: healed
-                    from pagevis.model import weight_kernels as module
-                    return module
-            except Exception:
-                sys.modules.pop("pagevis.model.weight_kernels", None)
-        else:
-            print(f"pagevis: another process has held the kernels' compile lock for {LOCK_WAIT:.0f} s; compiling "
-                  "them in memory (about 25 s)", file=sys.stderr, flush=True)
-            announce.said = True
-        with _numba_cache_off():
-            from pagevis.model import weight_kernels as module
-            return module
-
-
-@contextlib.contextmanager
-def _compiling_alone():
-    """Hold the cache folder's kernel lock (fcntl) while importing the kernels: of two processes starting on a new
-    install (the app and `pagevis serve`, a test run's subprocesses) one compiles, and the other waits and then
-    loads what it wrote from numba's cache, instead of both compiling for ~25 s. It waits LOCK_WAIT seconds at most
-    (a process stopped while holding it would make every launch wait): then yields False, and the caller compiles
-    in memory. Without fcntl or a writable cache folder, no lock (True)."""
-    import time
-
-    from pagevis.model.matmul import cache_dir
-
-    try:
-        import fcntl
-
-        folder = cache_dir()
-        folder.mkdir(parents=True, exist_ok=True)
-        lock = open(folder / "weight-kernels.lock", "a")
-    except (ImportError, OSError):
-        yield True
-        return
-    with lock:
-        deadline = time.monotonic() + LOCK_WAIT
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    yield False
-                    return
-                time.sleep(0.1)
-            except OSError:
-                break  # a file system without locks: go on alone
-        yield True  # the lock goes with the file's closing
-
-
-@contextlib.contextmanager
-def _saying_when_compiling():
-    """Say on stderr, once, when numba starts compiling a kernel (its "numba:compile" event fires on a cache miss
-    only): a launch that loads them from the cache says nothing."""
-    import sys
-
-    from numba.core import event
-
-    class Announce(event.Listener):
-        said = False
-
-        def on_start(self, _):
-            if not self.said:
-                self.said = True
-                print("pagevis: compiling the quantized-weight kernels (numba, once: its on-disk cache keeps them; "
-                      "about 25 s on an idle 2-core machine, longer on a busy one)", file=sys.stderr, flush=True)
-
-        def on_end(self, _):
-            pass
-
-    announce = Announce()
-    with event.install_listener("numba:compile", announce):
-        yield announce
-
-
-@contextlib.contextmanager
-def _damaged_cache_files_ignored():
-    """numba's cache index and data files read as absent when they do not unpickle (a truncated .nbc, a garbage
-    .nbi): numba then compiles and writes them again."""
-    from numba.core import caching
-
-    cls = caching.IndexDataCacheFile
-    load_index, load_data = cls._load_index, cls._load_data
-
-    def tolerant_index(self):
-        try:
-            return load_index(self)
-        except Exception:
-            return {}
-
-    def tolerant_data(self, name):
-        try:
-            return load_data(self, name)
-        except Exception:
-            raise OSError(f"damaged numba cache file {name}") from None  # load() reads OSError as absent
-
-    with _patched(cls, _load_index=tolerant_index, _load_data=tolerant_data):
-        yield
-
-
-@contextlib.contextmanager
-def _numba_cache_off():
-    """cache=True ignored: the kernels compiled in memory only (no usable cache folder, a read-only install)."""
-    from numba.core import dispatcher
-
-    with _patched(dispatcher.Dispatcher, enable_caching=lambda self: None):
-        yield
-
-
-@contextlib.contextmanager
-def _patched(owner: type, **methods: object):
-    """numba's class owner with methods replaced (a monkeypatch: numba has no hook for these) while the block runs,
-    its own methods put back after."""
-    saved = {name: getattr(owner, name) for name in methods}
-    for name, method in methods.items():
-        setattr(owner, name, method)
-    try:
-        yield
-    finally:
-        for name, method in saved.items():
-            setattr(owner, name, method)
 
 
 _KERNELS: dict | None = None
@@ -224,10 +81,8 @@ def _rows_kernel(fmt: str, fallback):
     """The kernel for 2 to SMALL_BATCH rows: batch_kernels.py's (a weight read once for every row), else fallback."""
     global _ROWS_KERNELS
     if _ROWS_KERNELS is None:
-        with _compiling_alone() as alone, _saying_when_compiling():
-            from pagevis.model.batch_kernels import compiled
-
-            _ROWS_KERNELS = compiled(cache=alone)
+        _ROWS_KERNELS = import_kernels("pagevis.model.batch_kernels", "the batched weight kernels",
+                                       build=lambda module: module.compiled(), seconds=10)
         release_compiler_pages()  # loading them linked again: ~9 MiB of llvmlite's code back in, out again
     return _ROWS_KERNELS.get(fmt, fallback)
 
@@ -239,16 +94,13 @@ def spin_pool():
     """The second thread of one-row (decode) products, or None on one thread (spin_pool.py: it waits in numba code
     for products, without the GIL and without a wake-up per product, so every layer's small products are shared;
     weight_threads.split hands a Python thread only products big enough to pay for waking it). Started on the
-    first product with two threads; its kernels compiled or loaded under the weight kernels' lock."""
+    first product with two threads; its kernels compiled or loaded through kernel_loader.import_kernels."""
     global _POOL, _POOL_FAILED
     if weight_threads() < 2 or _POOL_FAILED:
         return None
     if _POOL is None:
         try:
-            with _compiling_alone() as alone, _saying_when_compiling():
-                with contextlib.nullcontext() if alone else _numba_cache_off():
-                    from pagevis.model import spin_pool as module
-            _POOL = module.new_pool()
+            _POOL = import_kernels("pagevis.model.spin_pool", "the weights' second thread", seconds=10).new_pool()
         except Exception as exc:  # numba could neither load nor compile it: one thread's products, said once
             import sys
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from pagevis.kernel_loader import import_kernels
+
 
 def kernels() -> ModuleType:
-    """pagevis.kvcache.policies.kernels, imported (its kernels loaded from numba's cache, or compiled) the first
-    time a policy scores."""
-    from pagevis.kvcache.policies import kernels as module
-
-    return module
+    """pagevis.kvcache.policies.kernels, imported the first time a policy scores (kernel_loader.import_kernels: under
+    the compile lock). Its kernels have no signatures: each is loaded from numba's cache, or compiled, at its first
+    call."""
+    return import_kernels("pagevis.kvcache.policies.kernels", "the policies' scoring kernels")

@@ -1,0 +1,165 @@
+"""kernel_loader.import_kernels, the one way a kernel module is imported: a damaged numba cache is healed (said once,
+with why) and the kernels still compute what they should; threads importing at once build once; a lock another
+process holds is waited for a bounded time; a module numba cannot compile is an error naming it; and every loader of
+pagevis goes through it. Small kernel modules written for each test (compiled in well under a second), their cache
+beside them in tmp_path and the lock in a private cache folder, so nothing here waits on the suite's own compiles
+(test_hostile_caches.py does the same with the weight kernels, in processes: slow tests)."""
+
+from __future__ import annotations
+
+import fcntl
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_layering import every_import
+
+from pagevis import kernel_loader
+from pagevis.kernel_loader import KernelLoadError, import_kernels
+
+SUM = """
+from numba import njit
+
+
+@njit("float64(float64[::1])", cache=True)
+def total(x):
+    s = 0.0
+    for v in x:
+        s += v * v
+    return s
+"""
+
+UNTYPABLE = """
+from numba import njit
+
+
+@njit("float64(float64)", cache=True)
+def broken(x):
+    return x.no_such_attribute
+"""
+
+
+@pytest.fixture
+def kernel_module(tmp_path, monkeypatch, request):
+    """A function writing a kernel module of the given source into tmp_path (importable) and returning its name;
+    the compile lock in tmp_path's own cache folder; the module forgotten after the test."""
+    names = []
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PAGEVIS_CACHE_DIR", str(tmp_path / "pagevis"))
+    monkeypatch.setattr(kernel_loader, "_gave_up", False)
+    monkeypatch.setattr(kernel_loader, "_said_gave_up", False)
+
+    def write(source: str) -> str:
+        name = f"kernels_{request.node.name.split('[')[0][5:40]}_{len(names)}_{time.monotonic_ns()}"
+        (tmp_path / f"{name}.py").write_text(source)
+        names.append(name)
+        return name
+
+    yield write
+    for name in names:
+        forget(name)
+
+
+def forget(name: str) -> None:
+    """As a new process would find it: not imported (its numba cache files stay)."""
+    sys.modules.pop(name, None)
+    kernel_loader._LOADED.pop(name, None)
+
+
+def squares(x: np.ndarray) -> float:
+    return float(np.sum(x.astype(np.float64) ** 2))
+
+
+@pytest.mark.parametrize("damage", ["garbage index", "truncated data"])
+def test_a_damaged_cache_is_healed_once_saying_why_and_the_kernels_still_compute(kernel_module, capsys, damage):
+    name = kernel_module(SUM)
+    x = np.random.default_rng(0).standard_normal(1000)
+    first = import_kernels(name, "the test kernels")
+    assert first.total(x) == pytest.approx(squares(x), rel=1e-12)
+    folder = Path(first.total._cache._cache_path)
+    [index], [data] = folder.glob(f"{name}.total-*.nbi"), folder.glob(f"{name}.total-*.nbc")
+    forget(name)
+    if damage == "garbage index":
+        index.write_bytes(b"garbage")
+    else:
+        data.write_bytes(data.read_bytes()[:40])
+    capsys.readouterr()
+    healed = import_kernels(name, "the test kernels")
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and f"numba's cache of the test kernels ({name}) cannot be used (" in said[0], said
+    assert "compiling them again" in said[0] and "Traceback" not in said[0]
+    assert healed is not first and healed.total(x) == pytest.approx(squares(x), rel=1e-12)
+    forget(name)
+    again = import_kernels(name, "the test kernels")  # the files were written again: loaded, silently
+    assert capsys.readouterr().err == "" and sum(again.total.stats.cache_hits.values()) == 1
+    assert again.total(x) == pytest.approx(squares(x), rel=1e-12)
+
+
+def test_threads_importing_at_once_build_once_and_share_it(kernel_module):
+    name = kernel_module(SUM)
+    builds, results = [], [None] * 4
+    start = threading.Barrier(len(results))
+
+    def build(module):
+        builds.append(threading.get_ident())
+        time.sleep(0.2)  # the other threads arrive meanwhile
+        return {"total": module.total}
+
+    def load(i):
+        start.wait()
+        results[i] = import_kernels(name, "the test kernels", build=build)
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(len(results))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(builds) == 1 and all(result is results[0] for result in results)
+    assert results[0]["total"](np.ones(3)) == 3.0
+
+
+def test_a_lock_another_process_holds_is_waited_for_a_bounded_time_then_compiled_in_memory(kernel_module, tmp_path,
+                                                                                              capsys, monkeypatch):
+    monkeypatch.setattr(kernel_loader, "LOCK_WAIT", 0.5)
+    first, second = kernel_module(SUM), kernel_module(SUM.replace("v * v", "v"))
+    (tmp_path / "pagevis").mkdir()
+    with open(tmp_path / "pagevis" / kernel_loader.LOCK_NAME, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (flock: another open file, as another process's, is refused it)
+        started = time.monotonic()
+        module = import_kernels(first, "the test kernels")
+        waited = time.monotonic() - started
+        said = capsys.readouterr().err.strip().splitlines()
+        monkeypatch.setattr(kernel_loader, "LOCK_WAIT", 60.0)
+        started = time.monotonic()
+        other = import_kernels(second, "the other kernels")  # given up on once: not waited for again, nor said
+        again = time.monotonic() - started
+    assert waited >= 0.5 and again < 30 and capsys.readouterr().err == ""
+    assert len(said) == 1 and "has held the kernels' compile lock for 0.5 s; compiling them in memory" in said[0]
+    assert module.total(np.arange(4.0)) == 14.0 and other.total(np.arange(4.0)) == 6.0
+    assert not list(tmp_path.rglob(f"{first}.*.nbi"))  # in memory: nothing written
+
+
+def test_a_module_numba_cannot_compile_is_an_error_naming_it(kernel_module, capsys):
+    name = kernel_module(UNTYPABLE)
+    with pytest.raises(KernelLoadError, match=rf"numba could not compile the broken kernels \({name}\): TypingError"):
+        import_kernels(name, "the broken kernels")
+    assert name not in sys.modules and name not in kernel_loader._LOADED
+    assert f"numba's cache of the broken kernels ({name}) cannot be used" in capsys.readouterr().err
+
+
+KERNEL_MODULES = {f"pagevis.{name}" for name in ("model.weight_kernels", "model.batch_kernels", "model.fused_kernels",
+                                                 "model.spin_pool", "kvcache.decode_kernel",
+                                                 "kvcache.batch_decode_kernel", "kvcache.policies.kernels")}
+
+
+def test_every_kernel_module_is_loaded_through_import_kernels():
+    """No module of pagevis imports a kernel module itself, but another kernel module (the inlined helpers they
+    share) and quantized.py's spin_pool names (a type; `describe`, called only once the pool is running)."""
+    allowed = {("pagevis.model.quantized", "pagevis.model.spin_pool")}
+    found = [(name, target) for _path, name, _package, targets in every_import() if name not in KERNEL_MODULES
+             for _line, target in targets if any(target == kernel or target.startswith(kernel + ".")
+                                                 for kernel in KERNEL_MODULES)]
+    assert set(found) <= allowed, sorted(set(found) - allowed)
