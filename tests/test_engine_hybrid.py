@@ -100,6 +100,27 @@ def test_every_batch_record_gives_the_pools_bytes_by_layer_type_as_its_block_tab
     assert all(record.hybrid is None for record in plain.run())  # no window, no line
 
 
+def test_a_batch_records_pages_are_its_fullest_layers_over_every_kind_of_layer_not_layer_0s():
+    """Layer 0 is a local layer here (as on Gemma 3): past its window it holds fewer pages than the global layer. A
+    record's pages in use, without sharing and tokens stored (`pagevis run --n`'s pages line, the Sequences window)
+    are those of the layer holding the most pages; brute force: the distinct pages of the running sequences' block
+    tables, their lengths, the distinct slots holding a token."""
+    cfg = session_config(max_new_tokens=25, sampling=SamplingConfig(mode="sample", seed=5))
+    engine = Engine(MODEL, cfg, BatchConfig(max_seqs=3))
+    engine.submit_parallel(PROMPT, 3)
+    cache, seen_slides = engine.cache, False
+    for record in engine.run():
+        running = list(record.n_cached)
+        used = [len({p for s in running for p in cache.block_table(s, layer)}) for layer in range(3)]
+        fullest = used.index(max(used))
+        stored = {int(slot) for s in running for slot in cache.flat_slots(s, fullest)
+                  if cache.slot_positions(fullest)[slot] >= 0}
+        assert (record.pages_used, record.pages_unshared, record.tokens_stored) == (
+            used[fullest], sum(len(cache.block_table(s, fullest)) for s in running), len(stored))
+        seen_slides |= used[0] < used[fullest]
+    assert seen_slides
+
+
 def simulate_slides(n_steps_tokens, window, page_size):
     """Brute force: after each step (tokens written so far), which logical pages a local layer has let go of —
     those whose newest position is below the newest query's window. Returns per step the newest position of

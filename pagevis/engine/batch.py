@@ -42,8 +42,9 @@ class SeqStep:
 
 @dataclass(frozen=True)
 class BatchRecord:
-    """One engine step, with the pool as the sequences view shows it (layer 0). Events are every cache
-    event of the step but token writes (the one-request session's records keep those)."""
+    """One engine step, with the pool as the sequences view shows it (layer 0); its counts of pages and tokens are
+    the fullest layer's (each layer has its own pool: on Gemma 3 layer 0 is a sliding-window layer). Events are every
+    cache event of the step but token writes (the one-request session's records keep those)."""
 
     step: int
     seqs: tuple[SeqStep, ...]
@@ -52,10 +53,10 @@ class BatchRecord:
     ref_counts: np.ndarray  # (pool_pages,) int32
     fill: np.ndarray  # (pool_pages,) tokens per page
     cached_free: tuple[int, ...]  # free pages still holding a cached prefix, next reused first
-    pages_used: int
-    pages_unshared: int  # what the live sequences would hold without sharing
+    pages_used: int  # of the fullest layer's pool (over every layer; layer 0's on a tie)
+    pages_unshared: int  # what the live sequences would hold without sharing, in that layer
     contiguous_reserved_tokens: int  # what per-sequence contiguous allocation would reserve
-    tokens_stored: int  # tokens in used pages (shared ones once)
+    tokens_stored: int  # tokens in that layer's used pages (shared ones once)
     seconds: float
     n_cached: dict[int, int] = field(default_factory=dict)  # running sequence -> tokens in the pool after the step
     waiting: int = 0  # requests waiting after the step

@@ -7,7 +7,8 @@ from pagevis.kvcache import EventKind
 
 
 def batch_summary(batch, records, seconds: float) -> dict:
-    """`records` are the BatchRecords of the run (in order); peaks are over them, in layer 0's pages."""
+    """`records` are the BatchRecords of the run (in order); peaks are over them, in each record's fullest layer's pages
+    (BatchRecord.pages_used)."""
     page_size = batch.config.page_size
     decoded = sum(r.tokens_decoded for r in records)
     peak_used = max((r.pages_used for r in records), default=0)

@@ -397,6 +397,11 @@ class Engine:
         self.last_events = events
         ended, self._ended = tuple(self._ended), []
         pool = cache.pool(0)
+        # every layer's pages in use (each has its own pool): the counts are the fullest layer's, over every kind of
+        # layer (Gemma 3's layer 0 is a sliding-window one, holding at most its window); layer 0's on a tie
+        used = [cache.pages_used(layer) for layer in range(self.cache_config.n_layers)]
+        fullest = used.index(max(used))
+        counted = pool if fullest == 0 else cache.pool(fullest)
         capacity = self.cache_config.capacity
         running = self.scheduler.running
         reserved = sum(min(len(r.prompt_ids) + r.max_new_tokens, capacity) for r in running)
@@ -405,19 +410,18 @@ class Engine:
             events=tuple(e for e in events if e.kind is not EventKind.WRITE),
             block_tables={r.seq_id: tuple(cache.block_table(r.seq_id, 0)) for r in running},
             ref_counts=pool.ref_counts, fill=pool.fill, cached_free=pool.cached_free,
-            pages_used=cache.pages_used(), pages_unshared=cache.pages_unshared(),
-            contiguous_reserved_tokens=reserved, tokens_stored=int(pool.fill[pool.ref_counts > 0].sum()),
-            seconds=time.perf_counter() - started, n_cached={r.seq_id: r.n_cached for r in running},
-            waiting=len(self.scheduler.waiting), ended=ended, hybrid=self._hybrid_bytes())
+            pages_used=used[fullest], pages_unshared=cache.pages_unshared(fullest), contiguous_reserved_tokens=reserved,
+            tokens_stored=int(counted.fill[counted.ref_counts > 0].sum()), seconds=time.perf_counter() - started,
+            n_cached={r.seq_id: r.n_cached for r in running}, waiting=len(self.scheduler.waiting), ended=ended,
+            hybrid=self._hybrid_bytes(used))
 
-    def _hybrid_bytes(self) -> HybridBytes | None:
-        """The pool's pages in use per layer, by layer type, when some layer has a sliding window."""
+    def _hybrid_bytes(self, used: list[int]) -> HybridBytes | None:
+        """The pool's pages in use per layer (`used`), by layer type, when some layer has a sliding window."""
         if not any(self.cache.windows):  # the cache's per-layer windows, as _check_compression reads them
             return None
         config = self.cache_config
         longest = max((r.n_cached for r in self.scheduler.running), default=0)
-        return hybrid_bytes(config.layer_specs, [self.cache.pages_used(layer) for layer in range(config.n_layers)],
-                            config.page_bytes(), longest, config.page_size)
+        return hybrid_bytes(config.layer_specs, used, config.page_bytes(), longest, config.page_size)
 
 
 def _joined(arrays: list[np.ndarray]) -> np.ndarray:
