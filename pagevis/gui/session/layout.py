@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from PySide6.QtCore import QRect, QSize, Qt
 from PySide6.QtGui import QGuiApplication
-from PySide6.QtWidgets import QSizePolicy, QTabWidget, QWidget
+from PySide6.QtWidgets import QTabWidget, QWidget
 
 from pagevis.gui.widgets.windows import set_frame_geometry
 
@@ -133,7 +133,7 @@ class DockLayout:
             w.transport.use_presenter_pace()
         if w.presets.banner.isVisible():
             w.presets.banner.set_large(on)
-        w.status_step.setVisible(not on)
+        w.status_step.holder.setVisible(not on)
         w.lifecycle.fit_model_status()  # the transport says the step: the status bar's messages get the room
         if not arrange:
             return
@@ -146,16 +146,15 @@ class DockLayout:
     def fit_narration(self) -> None:
         """Presentation: the narration line spans the window (an expanding widget in its toolbar) and holds two
         lines of its large font (a toolbar lays a wrapping label out at its size hint, a narrow column)."""
-        label = self.window.narration
+        label = self.window.narration  # a SteadyLabel: its holder spans the toolbar's row in both layouts
         if self.presentation:
             label.ensurePolished()
-            label.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Fixed)
             label.setMinimumWidth(200)
             label.setFixedHeight(2 * label.fontMetrics().lineSpacing() + 6)
         else:
-            label.setSizePolicy(QSizePolicy.Preferred, QSizePolicy.Preferred)
             label.setMinimumSize(0, 0)
             label.setMaximumSize(QWIDGETSIZE_MAX, QWIDGETSIZE_MAX)
+        label.refit()
 
     def _arrange_presentation(self) -> None:
         """The page grid on the left, most of the width; the text beside it, the controls a tab behind it;

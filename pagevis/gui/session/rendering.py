@@ -178,8 +178,8 @@ class Renderer:
             w.transport.set_range(0, 0, "no steps yet" if timeline is not None else "no session")
             w.transport.slider.set_marks(np.zeros(0))
             w.narration.setText("Press Space to play, → to decode one token" if timeline is not None else "")
-            w.status_step.setText("step —")
-            w.status_speed.setText("— tok/s")  # not the previous run's speed
+            w.status_step.fit("step —")  # (narrower again: the room for the status bar's messages)
+            w.status_speed.fit("— tok/s")  # not the previous run's speed
             return
         label = f"step {state.index} / {count - 1} · {record.kind}"
         w.transport.set_range(count, state.index, label)

@@ -34,6 +34,7 @@ from pagevis.gui.session.presets import PresetPlayer
 from pagevis.presets import PRESETS
 from pagevis.gui.session.layout import FIRST_SCREEN_SHARE, NARRATION_STYLE, SMALL_HEIGHT, DockLayout, wants_presentation
 from pagevis.gui.widgets.messages import MessagesPanel
+from pagevis.gui.widgets.steady_label import SteadyLabel
 from pagevis.gui.session.runner import SessionRunner
 from pagevis.viewmodel.timeline import Timeline
 from pagevis.gui.widgets.transport import TimelineCursor, TransportBar
@@ -71,7 +72,7 @@ class MainWindow(QMainWindow):
         self.transport = TransportBar(self)
         self.addToolBar(Qt.TopToolBarArea, self.transport)
         self.addToolBarBreak(Qt.TopToolBarArea)
-        self.narration = QLabel("")  # one line: what the cache did at the shown step (selected layer)
+        self.narration = SteadyLabel(expanding=True)  # one line: what the cache did at the shown step (selected layer)
         self.narration.setObjectName("narration")
         self.narration.setTextFormat(Qt.PlainText)  # token texts like '<0xA5>' are not markup
         self.narration.setStyleSheet(NARRATION_STYLE)
@@ -79,7 +80,7 @@ class MainWindow(QMainWindow):
         narration_bar = QToolBar("Narration", self)
         narration_bar.setObjectName("narration_bar")
         narration_bar.setMovable(False)
-        narration_bar.addWidget(self.narration)
+        narration_bar.addWidget(self.narration.holder)
         self.addToolBar(Qt.TopToolBarArea, narration_bar)
         self.presets = PresetPlayer(self)  # the chosen preset's point: a line under the narration
         self.addToolBarBreak(Qt.TopToolBarArea)
@@ -161,21 +162,23 @@ class MainWindow(QMainWindow):
     def _build_status_bar(self) -> None:
         bar = self.statusBar()
         self.status_model = QLabel("no model")
-        self.status_step = QLabel("step —")
-        self.status_speed = QLabel("— tok/s")
+        # set with every frame while decoding: SteadyLabels, so that a new text does not lay the window out again
+        self.status_step = SteadyLabel("step —")
+        self.status_speed = SteadyLabel("— tok/s")
         self.status_memory = QLabel("K/V —")
         self.status_state = QLabel("idle")
         for label in (self.status_state, self.status_model, self.status_step, self.status_speed,
                       self.status_memory):
             label.setStyleSheet(f"color: {theme.MUTED}; padding: 0 8px;")
-            bar.addPermanentWidget(label)
+            bar.addPermanentWidget(getattr(label, "holder", label))
         bar.messageChanged.connect(self._message_shown)
 
     def _message_shown(self, text: str) -> None:
         """A message wider than the status bar's room beside its fields goes whole to View ▸ Messages too (the
         bar clips it; the line there keeps every word)."""
         bar = self.statusBar()
-        fields = (self.status_state, self.status_model, self.status_step, self.status_speed, self.status_memory)
+        fields = (self.status_state, self.status_model, self.status_step.holder, self.status_speed.holder,
+                  self.status_memory)
         room = min((f.x() for f in fields if f.isVisible()), default=bar.width()) - 16  # the message's area
         said = self.messages.toPlainText().rstrip().rpartition("\n")[2]  # report() has put it there already
         if text and bar.fontMetrics().horizontalAdvance(text) > room and not said.endswith(text):

@@ -7,6 +7,7 @@ from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QAction, QColor, QImage, QKeySequence, QPixmap
 from PySide6.QtWidgets import QComboBox, QLabel, QSlider, QStyle, QStyleOptionSlider, QToolBar, QWidget
 
+from pagevis.gui.widgets.steady_label import SteadyLabel
 from pagevis.gui.widgets.theme import icon
 from pagevis.viewmodel.cells import STATE_COLORS
 
@@ -158,10 +159,11 @@ class TransportBar(QToolBar):
         self.slider.setToolTip("Scrub to any recorded step (← / →, Home, End); red ticks: steps that evicted")
         self.slider.valueChanged.connect(self._moved)
         self.addWidget(self.slider)
-        self.position = QLabel("no session")
+        # set with every frame while decoding: a SteadyLabel, so that a new text does not lay the window out again
+        self.position = SteadyLabel("no session")
         self.position.setMinimumWidth(150)
         self.position.setAlignment(Qt.AlignRight | Qt.AlignVCenter)
-        self.addWidget(self.position)
+        self.addWidget(self.position.holder)
         self._updating = False
 
     def use_presenter_pace(self) -> None:
