@@ -8,6 +8,7 @@ beside them in tmp_path and the lock in a private cache folder, so nothing here 
 from __future__ import annotations
 
 import fcntl
+import importlib
 import sys
 import threading
 import time
@@ -148,6 +149,30 @@ def test_a_module_numba_cannot_compile_is_an_error_naming_it(kernel_module, caps
         import_kernels(name, "the broken kernels")
     assert name not in sys.modules and name not in kernel_loader._LOADED
     assert f"numba's cache of the broken kernels ({name}) cannot be used" in capsys.readouterr().err
+
+
+def test_run_says_which_kernels_numba_could_not_compile_in_one_line(monkeypatch, capsys):
+    """The decode kernel's every import failing (as a numba that cannot compile for this CPU would): `pagevis run`
+    exits 2 with one line naming it, not an internal error."""
+    from pagevis.__main__ import main
+    from pagevis.kvcache import attention_kernels
+
+    name, real = "pagevis.kvcache.decode_kernel", importlib.import_module
+
+    def refuse(module_name, *args):
+        if module_name == name:
+            raise ImportError("simulated: no code generation for this CPU")
+        return real(module_name, *args)
+
+    monkeypatch.setattr(attention_kernels, "_decode_kernel", None)
+    monkeypatch.delitem(kernel_loader._LOADED, name, raising=False)
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.setattr(kernel_loader.importlib, "import_module", refuse)
+    capsys.readouterr()
+    assert main(["run", "--model", "synthetic", "--prompt", "hi", "--max-tokens", "2", "--no-chat"]) == 2
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said[-1] == (f"pagevis run: error: numba could not compile the decode attention kernel ({name}): "
+                        "ImportError: simulated: no code generation for this CPU"), said
 
 
 KERNEL_MODULES = {f"pagevis.{name}" for name in ("model.weight_kernels", "model.batch_kernels", "model.fused_kernels",

@@ -172,6 +172,7 @@ def use_blas_threads(count: int) -> None:
 
 def user_error_message(error: BaseException, args: argparse.Namespace | None = None) -> str | None:
     """One line for an error the user can fix (arguments, files, models, configurations, memory); None for a bug."""
+    from pagevis.kernel_loader import KernelLoadError
     from pagevis.kvcache import ConfigError
     from pagevis.model.errors import ModelConfigError, ModelLoadError
     from pagevis.trace import TraceError
@@ -180,7 +181,7 @@ def user_error_message(error: BaseException, args: argparse.Namespace | None = N
         return str(error)
     if isinstance(error, ConfigError):
         return options.describe_config_error(error, args)
-    if isinstance(error, (ModelLoadError, ModelConfigError, TraceError)):
+    if isinstance(error, (ModelLoadError, ModelConfigError, TraceError, KernelLoadError)):
         return str(error)
     if isinstance(error, OSError) and error.strerror:
         return f"{error.filename}: {error.strerror}" if error.filename else error.strerror
