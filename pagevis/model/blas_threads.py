@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np  # noqa: F401  (loads OpenBLAS, so it is in the process maps below)
@@ -23,11 +24,7 @@ def set_blas_threads(count: int) -> bool:
     """Ask every loaded OpenBLAS to use count threads; False if none could be found (not Linux,
     or NumPy built on another BLAS). Environment variables cannot do this once NumPy is imported."""
     done = False
-    for library in _loaded_openblas_libraries():
-        try:
-            handle = ctypes.CDLL(library)
-        except OSError:
-            continue
+    for handle in _loaded_openblas():
         for name in SETTERS:
             setter = getattr(handle, name, None)
             if setter is not None:
@@ -39,11 +36,7 @@ def set_blas_threads(count: int) -> bool:
 
 def blas_description() -> str:
     """The loaded OpenBLAS build (its config string) and thread count, or "unknown BLAS"."""
-    for library in _loaded_openblas_libraries():
-        try:
-            handle = ctypes.CDLL(library)
-        except OSError:
-            continue
+    for handle in _loaded_openblas():
         parts = []
         for prefix in ("scipy_openblas_", "scipy_openblas", "openblas_"):
             config = getattr(handle, f"{prefix}get_config64_", None) or getattr(handle, f"{prefix}get_config", None)
@@ -58,8 +51,13 @@ def blas_description() -> str:
     return "unknown BLAS"
 
 
-def _loaded_openblas_libraries() -> list[str]:
+def _loaded_openblas() -> Iterator[ctypes.CDLL]:
+    """Every OpenBLAS library loaded in this process (from /proc/self/maps: none elsewhere), opened."""
     maps = Path("/proc/self/maps")
     if not maps.exists():
-        return []
-    return sorted(set(re.findall(r"(/\S*openblas\S*\.so[\w.]*)", maps.read_text())))
+        return
+    for library in sorted(set(re.findall(r"(/\S*openblas\S*\.so[\w.]*)", maps.read_text()))):
+        try:
+            yield ctypes.CDLL(library)
+        except OSError:
+            continue
