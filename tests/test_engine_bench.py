@@ -63,9 +63,12 @@ def test_the_subcommands_refuse_bad_options_in_one_line(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-def test_the_policy_worker_decodes_with_every_step_evicting(tiny_file):
-    out = bench.engine_worker(tiny_file, 1, 3, (300,), policy="h2o")
-    assert out["decode_300"] > 0
+@pytest.mark.parametrize("policy", ["h2o", "sinks:compress_every=8"])
+def test_the_policy_worker_times_decode_steps_with_the_cache_full(tiny_file, policy):
+    # the prompt overflows the cache: it is prefilled in chunks (of 8 with compress_every=8) before the first token,
+    # and none of those chunks is timed as decoding
+    out = bench.engine_worker(tiny_file, 1, 3, (300,), policy=policy)
+    assert out["decode_300"] > 0 and out["timed_decode_steps_300"] == 3
     split = out["split_300"]
     assert sum(split[part] for part in bench.PARTS) == pytest.approx(split["wall"], rel=1e-6)
 

@@ -139,14 +139,19 @@ def engine_worker(path: str, threads: int, decode: int, prompts=PROMPTS, policy:
         session.add_hook(lambda record, s=session: (len(s.generated), record.kind, record.resident_tokens))
         stamps: list[float] = []
         cpu: list[float] = []  # the process's CPU seconds: what a step costs however many others share the cores
-        session.add_hook(lambda record: (stamps.append(time.perf_counter()), cpu.append(time.process_time())))
+        kinds: list[str] = []
+        session.add_hook(lambda record: (stamps.append(time.perf_counter()), cpu.append(time.process_time()),
+                                         kinds.append(record.kind)))
         loop = session.run()
-        next(loop)  # the prompt's prefill: the first token
+        while not session.generated:  # the prompt's prefill, to the first token (in chunks when the cache evicts)
+            next(loop)
+        first = len(stamps) - 1
         for _ in range(decode):
             next(loop)
-        out[f"prefill_{n}"] = n / (stamps[0] - begin)
-        out[f"decode_{n}"] = decode / (stamps[-1] - stamps[0])
-        out[f"decode_cpu_{n}"] = decode / (cpu[decode] - cpu[0])  # tokens per CPU second
+        out[f"prefill_{n}"] = n / (stamps[first] - begin)
+        out[f"decode_{n}"] = decode / (stamps[-1] - stamps[first])
+        out[f"decode_cpu_{n}"] = decode / (cpu[-1] - cpu[first])  # tokens per CPU second
+        out[f"timed_decode_steps_{n}"] = kinds[first + 1:].count("decode")  # all of them: no prompt chunk timed
         out[f"split_{n}"] = _engine_split(session, loop, stamps)
         out[f"peak_rss_{n}"] = _peak_rss()
         session.close()
