@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any, TypeVar, overload
+from typing import IO, Any, TypeVar, overload
 
 LOCK_NAME = "weight-kernels.lock"  # (its name from when only the weight kernels took it)
 # seconds an import waits for another process compiling kernels before compiling its own in memory; the test suite,
@@ -46,6 +46,22 @@ _LOADED: dict[str, Any] = {}  # module name -> the module (or what `build` made 
 _holding = 0  # imports under way in this process while it holds the file lock (one nested in another's import)
 _gave_up = False  # a wait for the file lock timed out: later imports take it only if it is free at once
 _said_gave_up = False  # ... and that was said
+_lock_file: IO[str] | None = None  # the lock file while it is open
+
+
+def _new_lock_in_child() -> None:
+    """A forked child has one thread: the thread lock another thread of the parent held at the fork would never be
+    released, and its copy of the lock file's descriptor would keep the file lock held (flock's lock is the open file's)
+    for as long as the child lives, after the parent let go: both are let go here."""
+    global _THREADS, _holding, _lock_file
+    _THREADS, _holding = threading.RLock(), 0
+    if _lock_file is not None:
+        _lock_file.close()  # this process's copy only
+        _lock_file = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 class KernelLoadError(RuntimeError):
@@ -136,7 +152,7 @@ def _compile_lock() -> Iterator[bool]:
     for another process: True once held, False if it stayed held elsewhere (the caller compiles in memory). True
     without a lock where there is no fcntl or no writable cache folder, or a file system without locks, and inside
     an import that holds it already (a kernel module importing another through import_kernels)."""
-    global _holding, _gave_up
+    global _holding, _gave_up, _lock_file
     if _holding:
         yield True
         return
@@ -153,10 +169,12 @@ def _compile_lock() -> Iterator[bool]:
         held = _flock(fcntl, lock, 0.0 if _gave_up else LOCK_WAIT)
         _gave_up = _gave_up or not held
         _holding += held
+        _lock_file = lock
         try:
             yield held
         finally:
             _holding -= held
+            _lock_file = None
 
 
 def _flock(fcntl, lock, wait: float) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import importlib
+import os
 import sys
 import threading
 import time
@@ -120,6 +121,36 @@ def test_threads_importing_at_once_build_once_and_share_it(kernel_module):
         thread.join()
     assert len(builds) == 1 and all(result is results[0] for result in results)
     assert results[0]["total"](np.ones(3)) == 3.0
+
+
+def test_a_child_forked_while_another_thread_imports_kernels_imports_its_own(kernel_module):
+    """The thread lock another thread held at the fork is not held in the child (its one thread would wait forever)."""
+    slow, other = kernel_module(SUM), kernel_module(SUM.replace("v * v", "v"))
+    inside, release = threading.Event(), threading.Event()
+
+    def build(module):
+        inside.set()
+        release.wait(30)
+        return module
+
+    loader = threading.Thread(target=import_kernels, args=(slow, "the slow kernels"), kwargs={"build": build})
+    loader.start()
+    assert inside.wait(30)
+    child = os.fork()
+    if child == 0:  # (the file lock is the parent thread's until it is released below: the child waits for it)
+        try:
+            os._exit(0 if import_kernels(other, "the other kernels").total(np.arange(4.0)) == 6.0 else 1)
+        finally:
+            os._exit(2)
+    release.set()
+    loader.join()
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(child, 9)
+        os.waitpid(child, 0)
+    assert done[0] == child and os.waitstatus_to_exitcode(done[1]) == 0, "the child hung or failed"
 
 
 def test_a_lock_another_process_holds_is_waited_for_a_bounded_time_then_compiled_in_memory(kernel_module, tmp_path,
