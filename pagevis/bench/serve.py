@@ -38,6 +38,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def loopback_client(url: str, timeout: float):
+    """An httpx client of the server on loopback: plain HTTP, so no TLS context (httpx loads the certificate store
+    for every client otherwise: 40-80 ms of the client process's CPU each, inside the time a level measures)."""
+    import httpx
+
+    return httpx.Client(base_url=url, timeout=timeout, verify=False)
+
+
 def process_cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of process pid (all its threads) from /proc/PID/stat; None where there is none."""
     try:
@@ -124,13 +132,12 @@ def streamed_tokens_per_s(client, model_id: str, tokens: int) -> float:
 # --- 2. /healthz under load ---------------------------------------------------------------------------
 
 def health_latency_while_decoding(url: str, sessions: int = 4, probes: int = 200) -> dict:
-    import httpx
 
     stop = threading.Event()
     steps = [0] * sessions
 
     def decode(index: int) -> None:
-        with httpx.Client(base_url=url, timeout=120) as client:
+        with loopback_client(url, 120) as client:
             sid = client.post("/v1/sessions", json={"prompt": f"{index}: {PROMPT}", "max_tokens": 1000,
                                                     **CACHE}).json()["id"]
             while not stop.is_set():
@@ -144,7 +151,7 @@ def health_latency_while_decoding(url: str, sessions: int = 4, probes: int = 200
     for worker in workers:
         worker.start()
     latencies = []
-    with httpx.Client(base_url=url, timeout=30) as client:
+    with loopback_client(url, 30) as client:
         while sum(steps) < 2 * sessions:  # every session has started decoding
             time.sleep(0.05)
         for _ in range(probes):
@@ -190,8 +197,6 @@ def attention_overhead(client, n_keys: int = 512, d: int = 64, repeats: int = 30
 def overhead(model_name: str, tokens: int, rounds: int) -> dict:
     """Decode tokens/s headless against HTTP (one step per request, and streamed); /healthz while 4 sessions
     decode; /v1/attention against the direct engine call."""
-    import httpx
-
     from pagevis.engine import ModelSpec
     from pagevis.model import set_blas_threads
     from pagevis.serve.app import model_id
@@ -201,7 +206,7 @@ def overhead(model_name: str, tokens: int, rounds: int) -> dict:
     model = spec.load()
     results: dict = {"model": spec.label, "tokens": tokens, "rounds": rounds, "cpu_count": os.cpu_count(),
                      "load_average": os.getloadavg()}
-    with ServerProcess(model_name) as server, httpx.Client(base_url=server.url, timeout=300) as client:
+    with ServerProcess(model_name) as server, loopback_client(server.url, 300) as client:
         headless, http, streamed = [], [], []
         for _ in range(rounds):  # alternate, so a change in machine load hits both sides alike
             headless.append(headless_tokens_per_s(model, tokens))
@@ -258,11 +263,10 @@ def hostile_bodies(model_id: str) -> list[tuple[str, bytes]]:
 
 
 def _normal_client(url: str, model_id: str, requests: int, latencies: list, deadline: float) -> None:
-    import httpx
 
     body = {"model": model_id, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8,
             "temperature": 0}
-    with httpx.Client(base_url=url, timeout=120) as client:
+    with loopback_client(url, 120) as client:
         for _ in range(requests):
             if time.monotonic() > deadline:
                 return
@@ -272,9 +276,8 @@ def _normal_client(url: str, model_id: str, requests: int, latencies: list, dead
 
 
 def _hostile_client(url: str, bodies, stop: threading.Event, statuses: list) -> None:
-    import httpx
 
-    with httpx.Client(base_url=url, timeout=120) as client:
+    with loopback_client(url, 120) as client:
         while not stop.is_set():
             for path, body in bodies:
                 statuses.append(client.post(path, content=body, headers={"content-type": "application/json"})

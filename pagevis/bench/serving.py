@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagevis.bench.serve import ServerProcess
+from pagevis.bench.serve import ServerProcess, loopback_client
 from pagevis.simserver.workload import PoissonGaps, returning_turn
 from pagevis.simserver.workload import first_turn as chat_turn
 from pagevis.token_times import TokenTimes
@@ -140,8 +140,6 @@ def first_turn(system: int, question: str) -> list[dict]:
 
 def at_concurrency(url: str, model: str, concurrency: int, n_requests: int, max_tokens: int, seed: int) -> list:
     """C clients, each running users (first turn, then the returning one) until n_requests are sent."""
-    import httpx
-
     users, outcomes, left = Users(seed), [], [n_requests]
     lock = threading.Lock()
 
@@ -151,7 +149,7 @@ def at_concurrency(url: str, model: str, concurrency: int, n_requests: int, max_
             return left[0] >= 0
 
     def client_loop() -> None:
-        with httpx.Client(base_url=url, timeout=600) as client:
+        with loopback_client(url, 600) as client:
             while take():
                 system, question, follow_up = users.next()
                 first = chat(client, model, first_turn(system, question), max_tokens, system)
@@ -175,14 +173,12 @@ def at_concurrency(url: str, model: str, concurrency: int, n_requests: int, max_
 def at_rate(url: str, model: str, rate: float, n_requests: int, max_tokens: int, seed: int) -> list:
     """Poisson arrivals at `rate` requests/s: each a new user's first turn, or (half the time, when one is
     waiting) a returning user's next turn."""
-    import httpx
-
     users, rng, gaps = Users(seed), random.Random(seed + 1), PoissonGaps(seed)
     outcomes, returning, threads = [], [], []
     lock = threading.Lock()
 
     def send(messages, system, user) -> None:
-        with httpx.Client(base_url=url, timeout=600) as client:
+        with loopback_client(url, 600) as client:
             outcome = chat(client, model, messages, max_tokens, system)
         with lock:
             outcomes.append(outcome)
@@ -207,9 +203,8 @@ def at_rate(url: str, model: str, rate: float, n_requests: int, max_tokens: int,
 
 
 def probe_health(url: str, stop: threading.Event, latencies: list[float]) -> None:
-    import httpx
 
-    with httpx.Client(base_url=url, timeout=30) as client:
+    with loopback_client(url, 30) as client:
         while not stop.is_set():
             started = time.perf_counter()
             client.get("/healthz")
@@ -255,8 +250,6 @@ def run(model: str = "smollm2", concurrencies=CONCURRENCIES, rates=None, num_pro
         rounds: int = 1) -> dict:
     """Every level against one server process, the levels repeated `rounds` times in turn (so load from
     elsewhere hits each alike); the result (levels, system prompt sizes, 8 clients over 1)."""
-    import httpx
-
     from pagevis.engine import ModelSpec
     from pagevis.serve.app import model_id
 
@@ -267,7 +260,7 @@ def run(model: str = "smollm2", concurrencies=CONCURRENCIES, rates=None, num_pro
     result = {"model": spec.label, "max_tokens": max_tokens, "server_flags": list(flags), "cpu_count": os.cpu_count(),
               "system_prompt_tokens": shared, "rounds": rounds, "levels": []}
     with ServerProcess(model, flags=flags) as server:
-        with httpx.Client(base_url=server.url, timeout=600) as client:
+        with loopback_client(server.url, 600) as client:
             for system in range(len(SYSTEM_PROMPTS)):  # the first request of each system prompt: a miss
                 warm = chat(client, name, first_turn(system, "Hello?"), 2, system)
                 if warm.status != 200:
