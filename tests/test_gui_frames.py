@@ -49,3 +49,57 @@ def test_a_new_session_gives_the_status_bar_its_room_back(qtbot, window):
     window.restart("reset", blocking=True)
     qtbot.waitUntil(lambda: window.status_step.text() == "step —")
     qtbot.waitUntil(lambda: window.status_step.holder.width() < wide)
+
+
+def test_the_pace_keeps_the_ui_threads_cpu_a_share_of_the_decoders(window, monkeypatch):
+    from pagevis.gui.session import rendering
+
+    renderer = window.renderer
+    clock = {"perf_counter": 100.0, "thread_time": 10.0, "process_time": 50.0}
+    for name in clock:
+        monkeypatch.setattr(rendering.time, name, lambda name=name: clock[name])
+    renderer._cpu_mark, renderer.frames = (100.0, 10.0, 50.0, 0), 0
+    # 0.5 s: the UI thread used 0.02 s over 4 frames, the decoder 0.4 s -> 5 ms a frame against 0.06 * 0.8 s a second
+    clock.update(perf_counter=100.5, thread_time=10.02, process_time=50.42)
+    renderer.frames = 4
+    expected = 0.005 / (rendering.UI_SHARE * 0.4 / 0.5)
+    assert renderer._pace() == pytest.approx(expected)
+    assert window.runner.hand_every == pytest.approx(expected / 2)
+    # a frame costing 50 ms: the slowest pace, 5 frames a second; a cheap one: at most 30
+    clock.update(perf_counter=101.0, thread_time=10.22, process_time=50.82)
+    renderer.frames = 8
+    assert renderer._pace() == rendering.MAX_FRAME_INTERVAL
+    clock.update(perf_counter=101.5, thread_time=10.2201, process_time=51.2201)
+    renderer.frames = 12
+    assert renderer._pace() == rendering.FRAME_INTERVAL
+    # after a pause (a mark older than a second) the pace stays and a new measure starts
+    clock.update(perf_counter=110.0, thread_time=10.3, process_time=51.3)
+    assert renderer._pace() == rendering.FRAME_INTERVAL and renderer._cpu_mark == (110.0, 10.3, 51.3, 12)
+
+
+def test_coalesced_frames_lose_no_step_and_the_last_step_is_drawn(qtbot, window, monkeypatch):
+    from pagevis.gui.session import rendering
+
+    arrivals, shown = [], {}
+    window.runner.records.connect(lambda records: arrivals.append(len(records)))
+    for view in window.views:  # what each view was last asked to show
+        def show(state, view=view, draw=view.show_state):
+            shown[view.title] = state.index
+            draw(state)
+        monkeypatch.setattr(view, "show_state", show)
+    monkeypatch.setattr(window.renderer, "_pace", lambda: rendering.MAX_FRAME_INTERVAL)  # 5 frames a second
+    window.runner.hand_every = 60.0  # one hand-off for the whole run, as a slow UI would get
+    frames, start = window.renderer.frames, len(window.timeline)
+    window.runner.step(25)
+    qtbot.waitUntil(lambda: not window.runner.busy, timeout=20000)
+    qtbot.waitUntil(lambda: window.index == len(window.timeline) - 1)
+    assert arrivals == [25] and len(window.timeline) - start == 25 == len(window.runner.session.records) - start
+    assert [r.step for r in window.timeline.records] == list(range(len(window.timeline)))
+    last = len(window.timeline) - 1
+    # every view shows the last step, the slow ones too once decoding stopped (the frame pending then)
+    drawn = [view.title for view in window.views if window.renderer._shown(view)]
+    assert len(drawn) >= 5
+    qtbot.waitUntil(lambda: all(shown.get(title) == last for title in drawn), timeout=2000)
+    assert window.renderer.frames - frames <= 3  # not one a step
+    assert window.transport.position.text().startswith(f"step {last} / {last}")
+    assert window.status_step.text().startswith(f"step {last}:")

@@ -115,6 +115,10 @@ class TablesAt(Sequence):
             raise IndexError(layer)
         return self._log.table(layer, self.step)
 
+    def __iter__(self):  # (Sequence's own calls __getitem__ with its checks per layer: the app iterates every step)
+        step = self.step
+        return iter([layer.at(step) for layer in self._log._layers])
+
     def __eq__(self, other) -> bool:
         return isinstance(other, Sequence) and len(other) == len(self) and all(
             tuple(a) == tuple(b) for a, b in zip(self, other))

@@ -1,6 +1,6 @@
 """The main window's rendering (the Renderer it holds): the view state, frames paced so the UI thread leaves the
-decoder its share of the GIL, the slow views in turns, the transport, narration and status bar; and the status
-bar's memory texts."""
+decoder its share of the GIL (and the worker's hand-offs with them), the slow views in turns (one a frame), the
+transport, narration and status bar; and the status bar's memory texts."""
 
 from __future__ import annotations
 
@@ -17,10 +17,13 @@ from pagevis.viewmodel.view_state import ViewState
 
 FRAME_INTERVAL = 1 / 30  # redraw at most this often, however fast records arrive
 MAX_FRAME_INTERVAL = 1 / 5  # ... and at least this often while records arrive
-UI_SHARE = 0.12  # while decoding, the UI thread (redraws, painting, everything) may use this share of a core. Its
-# Python holds the GIL the decoding worker needs: at one frame per SmolLM2 token (19 tok/s here) the UI took 20 %
-# and the worker ran at 0.89x its headless speed; at 0.12 it draws ~12 frames a second and the worker runs at
-# 0.94x (python -m pagevis.bench.gui.app; docs/gui.md). Only at max speed: see request_render.
+FIRST_FRAME_INTERVAL = 1 / 10  # the pace a run starts at, until the first measure (PACE_WINDOW) sets it
+PACE_WINDOW = 0.25  # seconds of CPU time the pace is measured over
+UI_SHARE = 0.06  # while decoding at max speed, the UI thread (records arriving, redraws, painting: everything) may
+# use this share of the decoding's CPU time. Its Python holds the GIL the worker needs, and on a busy machine its
+# CPU is the worker's too: at a share of the wall clock (0.12), SmolLM2's default session drew 12-14 frames a second
+# at 5-8 ms each and the app decoded at 0.56-0.84x its headless rate with 14-17 ms of CPU a step against 9
+# (load 3-5; python -m pagevis.bench.gui.app --app-defaults). Only at max speed: see request_render.
 STATUS_INTERVAL = 0.25  # while decoding, the status bar's step and speed change at most this often
 
 def _mib(n: int) -> str:
@@ -62,19 +65,14 @@ class Renderer:
         self._last_frame = 0.0
         self._shown_at: dict[str, float] = {}  # when each view last rendered
         self._status_at = 0.0  # when the status bar's step and speed were last set
-        self._interval = FRAME_INTERVAL  # the current pace of redraws while decoding (see _pace)
-        self._cpu_mark = (time.perf_counter(), time.thread_time())
+        self._interval = FIRST_FRAME_INTERVAL  # the current pace of redraws while decoding (see _pace)
+        self._cpu_mark = (time.perf_counter(), time.thread_time(), time.process_time(), 0)
         self._frame_timer = QTimer(window, singleShot=True)
         self._frame_timer.timeout.connect(self.redraw)
-        self._slow_timer = QTimer(window, singleShot=True, interval=5)  # the next slow view, a turn later
-        self._slow_timer.timeout.connect(self._show_slow_views)
-        self._catch_up = QTimer(window, singleShot=True)  # shows the slow views' turn when it comes
-        self._catch_up.timeout.connect(self._show_slow_views)
 
     def stop(self) -> None:
         """No more frames (the window closes)."""
-        for timer in (self._frame_timer, self._catch_up, self._slow_timer):
-            timer.stop()
+        self._frame_timer.stop()
 
     def new_session(self) -> None:
         """A new session's first record sets the status bar at once."""
@@ -108,9 +106,10 @@ class Renderer:
 
     def redraw(self) -> None:
         """Show the selected record in every visible view. While decoding runs, the views that are watched
-        (page grid, attention) draw now and the others follow in later event-loop turns, each at most
-        as often as its `live_interval`: no single turn paints the whole window, so input never waits
-        for a full repaint. Once decoding stops, every view shows the selected record."""
+        (page grid, attention) draw in every frame, and of the others (each at most as often as its
+        `live_interval`) the one waiting longest whose turn came: one paint of the window a frame, and no frame
+        paints every view, so input never waits for a full repaint. Once decoding stops, every view shows the
+        selected record."""
         self._frame_timer.stop()
         self._last_frame = time.perf_counter()
         self.frames += 1
@@ -120,8 +119,14 @@ class Renderer:
             self._show(views, state, now)
         else:
             self._show([v for v in views if not getattr(v, "live_interval", 0.0)], state, now)
-            self._slow_timer.start()
+            self._show(self._slow_view_due(now), state, now)
         self._update_transport(state)
+
+    def _slow_view_due(self, now: float) -> list:
+        """While decoding: the slow view waiting longest, if its turn came ([] if none)."""
+        slow = [v for v in self.window.views if getattr(v, "live_interval", 0.0) and self._shown(v)]
+        due = [v for v in slow if now - self._shown_at.get(v.title, 0.0) >= v.live_interval]
+        return [min(due, key=lambda v: self._shown_at.get(v.title, 0.0))] if due else []
 
     def _shown(self, view) -> bool:
         """Should the view be drawn? Not when its dock is closed; a costly view (`only_when_visible`) not
@@ -140,36 +145,23 @@ class Renderer:
                 view.show_state(state)
 
     def _pace(self) -> float:
-        """Seconds between redraws while decoding: adjusted so that the UI thread's CPU time (redraws,
-        painting, everything) stays near UI_SHARE of the wall clock, between 30 and 5 frames a second.
-        On a small or busy machine the decoder keeps its speed and the screen gets fewer frames."""
-        wall, cpu = time.perf_counter(), time.thread_time()
-        elapsed = wall - self._cpu_mark[0]
-        if elapsed >= 0.25:
-            share = (cpu - self._cpu_mark[1]) / elapsed
-            self._cpu_mark = (wall, cpu)
-            factor = min(max(share / UI_SHARE, 0.5), 2.0)
-            self._interval = min(max(self._interval * factor ** 0.5, FRAME_INTERVAL), MAX_FRAME_INTERVAL)
+        """Seconds between redraws while decoding: what keeps the UI thread's CPU time (arrivals, redraws,
+        painting, everything, charged to the frames) near UI_SHARE of the decoding's (the process's other
+        threads), between 30 and 5 frames a second. On a small or busy machine the decoder keeps its speed and
+        the screen gets fewer frames. A mark older than a second (a pause) starts a new measure."""
+        wall, cpu, total = time.perf_counter(), time.thread_time(), time.process_time()
+        since_wall, since_cpu, since_total, since_frames = self._cpu_mark
+        elapsed, frames = wall - since_wall, self.frames - since_frames
+        if elapsed >= 1.0 or (elapsed >= PACE_WINDOW and frames):
+            ui = cpu - since_cpu
+            decoder = total - since_total - ui
+            if elapsed < 1.0 and decoder > 0:
+                allowed = UI_SHARE * decoder / elapsed  # UI seconds a second
+                self._interval = min(max(ui / frames / allowed, FRAME_INTERVAL), MAX_FRAME_INTERVAL)
+                # records are handed over twice a frame: each hand-off costs the UI thread too (SessionRunner)
+                self.window.runner.hand_every = self._interval / 2
+            self._cpu_mark = (wall, cpu, total, self.frames)
         return self._interval
-
-    def _show_slow_views(self) -> None:
-        """While decoding: the slow view waiting longest, if its turn came, and the next one a turn later;
-        when none is due, come back when the first is. Once decoding stopped: all of them, and no more turns."""
-        state = self.view_state()
-        now = time.perf_counter()
-        slow = [v for v in self.window.views if getattr(v, "live_interval", 0.0) and self._shown(v)]
-        if not self.window.runner.running:
-            self._show(slow, state, now)
-            return
-        slow.sort(key=lambda v: self._shown_at.get(v.title, 0.0))
-        for view in slow:
-            if now - self._shown_at.get(view.title, 0.0) >= view.live_interval:
-                self._show([view], state, now)
-                self._slow_timer.start()
-                return
-        if slow and not self._catch_up.isActive():
-            wait = min(v.live_interval - (now - self._shown_at.get(v.title, 0.0)) for v in slow)
-            self._catch_up.start(max(1, int(wait * 1000)))
 
     def _update_transport(self, state: ViewState) -> None:
         w, timeline, record = self.window, state.timeline, state.record

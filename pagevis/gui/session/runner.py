@@ -1,7 +1,7 @@
 """Runs a DecodeSession off the UI thread and hands its StepRecords to the UI thread.
 
 One superqt GeneratorWorker per run of steps (a single step, or play until paused). The generator steps
-the session and yields *batches* of records (at most every 20 ms), so a fast model cannot flood the
+the session and yields *batches* of records (at most every HAND_EVERY, 50 ms), so a fast model cannot flood the
 event loop with one signal per token; the UI keeps only the latest for drawing. Errors travel in-band
 as a WorkerFailure yielded after the records that preceded them: superqt's GeneratorWorker swallows a
 RuntimeError raised by the generator (it takes it for a deleted Qt object), and CacheFullError is one.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 import traceback
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from PySide6.QtCore import QObject, QThreadPool, Signal
 from superqt.utils import create_worker
@@ -26,6 +26,8 @@ from pagevis.viewmodel.timeline import SessionInfo, Timeline, timeline_from_trac
 
 GIL_BREATH = 0.002  # seconds the worker sleeps after a short step ...
 SHORT_STEP = 0.02  # ... one shorter than this
+HAND_EVERY = 0.05  # seconds: the worker hands the UI its records at most this often at max speed, until the window's
+# frame pace sets `hand_every` (half a frame: each arrival costs the UI thread ~0.5 ms besides its records' own)
 MAX_CAPACITY = 4096  # tokens per layer; beyond this the per-step snapshots get too heavy to keep
 
 
@@ -42,19 +44,20 @@ def run_control(budget: int | None = None, interval: float = 0.0) -> RunControl:
     return RunControl(budget=budget, interval=interval, breath=GIL_BREATH, short_step=SHORT_STEP)
 
 
-def worker_steps(stepper, control: RunControl, flush_every: float = 0.02, pack=None):
+def worker_steps(stepper, control: RunControl, flush_every: float | Callable[[], float] = 0.02, pack=None):
     """Generator run by a worker (every window's): step `stepper` through the run loop and yield its records
-    in lists, at most every `flush_every` seconds (each step when the control paces steps, and after the
-    last), each list passed through `pack` if given; then a WorkerFailure if a step raised. `control` is
-    checked between steps."""
+    in lists, at most every `flush_every` seconds (a number, or a function read after each step; each step when
+    the control paces steps, and after the last), each list passed through `pack` if given; then a WorkerFailure
+    if a step raised. `control` is checked between steps."""
     batch = []
     flushed = time.perf_counter()
     hand = pack or (lambda records: records)
+    every = flush_every if callable(flush_every) else (lambda: flush_every)
     try:
         for record in steps(stepper, control):
             batch.append(record)
             now = time.perf_counter()
-            if now - flushed >= flush_every or control.interval > 0:
+            if now - flushed >= every() or control.interval > 0:
                 yield hand(batch)
                 batch, flushed = [], now
     except Exception as error:  # noqa: BLE001 - every failure is shown in the GUI
@@ -152,6 +155,7 @@ class SessionRunner(QObject):
         self.timeline: Timeline | None = None
         self.state = "idle"
         self.interval = 0.0
+        self.hand_every = HAND_EVERY  # seconds between the worker's hand-offs at max speed (the window's pace sets it)
         self._worker = None
         self._control: RunControl | None = None
         self._loader = None
@@ -344,8 +348,8 @@ class SessionRunner(QObject):
             return
         self._control = run_control(budget, self.interval)
         generation = self._generation
-        worker = create_worker(worker_steps, self.session, self._control, _start_thread=False,
-                               _ignore_errors=True)
+        worker = create_worker(worker_steps, self.session, self._control, lambda: self.hand_every,
+                               _start_thread=False, _ignore_errors=True)
         worker.yielded.connect(lambda item: self._received(item, generation))
         worker.finished.connect(self._worker_finished)
         self._worker = worker
