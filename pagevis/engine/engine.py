@@ -320,9 +320,8 @@ class Engine:
                 return np.asarray(result.output, dtype=q.dtype)
             ids = [seq_id for seq_id, _, _ in segments]
             if all(end - start == 1 for _, start, end in segments) and cache.can_attend_many(ids, layer):
-                # every sequence decodes one token: write them all, then one batched attention
-                for seq_id, start, end in segments:
-                    cache.append(seq_id, layer, k[start:end], v[start:end], positions[start:end])
+                # every sequence decodes one token: write them all (one call), then one batched attention
+                cache.append_many(ids, layer, k, v, positions)
                 results = cache.attend_many(ids, layer, q, positions)
             else:
                 results = []

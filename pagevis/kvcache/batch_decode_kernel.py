@@ -72,6 +72,31 @@ def _attend(q, k, v, tables, n_pages, bias, out, weights):  # pragma: no cover (
                 weights[b, h, n:] = 0
 
 
+@njit("void(float32[:, :, ::1], float32[:, :, ::1], int64[::1], int64[::1], float32[::1], int64[::1], int64[::1], "
+      "float32[:, :, ::1], float32[:, :, ::1], int64[::1], int64)", cache=True, nogil=True, boundscheck=False)
+def _write_rows(k_rows, v_rows, positions, fill, bias, flats, rows, k, v, token_positions, page_size):  # pragma: no cover
+    """Row rows[i] of k, v (B, n_kv, d) and of token_positions into flat slot flats[i] of the pool's rows (n_kv,
+    slots, d): its K/V, position, page fill and occupancy bias (0)."""
+    for i in range(flats.size):
+        flat, row = flats[i], rows[i]
+        for h in range(k_rows.shape[0]):
+            for e in range(k_rows.shape[2]):
+                k_rows[h, flat, e] = k[row, h, e]
+                v_rows[h, flat, e] = v[row, h, e]
+        positions[flat] = token_positions[row]
+        fill[flat // page_size] += 1
+        bias[flat] = 0
+
+
+def write_rows(k_rows: np.ndarray, v_rows: np.ndarray, positions: np.ndarray, fill: np.ndarray, bias: np.ndarray,
+               flats: np.ndarray, rows: np.ndarray, k: np.ndarray, v: np.ndarray, token_positions: np.ndarray,
+               page_size: int) -> None:
+    """A page store's `write` of several tokens in one call (PageStore.write_rows): see _write_rows."""
+    _write_rows(k_rows, v_rows, positions, fill, bias, flats, rows, np.ascontiguousarray(k, dtype=np.float32),
+                np.ascontiguousarray(v, dtype=np.float32), np.ascontiguousarray(token_positions, dtype=np.int64),
+                page_size)
+
+
 def attend_tables(q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.ndarray, n_pages: np.ndarray,
                   bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """See the module docstring; q is scaled by 1 / sqrt(d) here, as attend_decode_batch scales it."""

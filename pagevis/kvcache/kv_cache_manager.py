@@ -38,6 +38,7 @@ from pagevis.errors import check_int
 from pagevis.kvcache import eviction, paged_attention
 from pagevis.kvcache.admission import Admission
 from pagevis.kvcache.attention_kernels import AttentionResult
+from pagevis.kvcache.batch_writes import write_many
 from pagevis.kvcache.config import MAX_PAGES, CacheConfig
 from pagevis.kvcache.errors import ConfigError
 from pagevis.kvcache.events import CacheEvent, EventKind, EventLog
@@ -346,6 +347,23 @@ class KVCacheManager:
         eviction.append(self.layers[layer], seq, k, v, positions)
         if len(positions):
             seq.newest = max(seq.newest, int(positions[-1]))
+
+    def append_many(self, seq_ids: list[int], layer: int, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> None:
+        """`append` of one token for each of several sequences (k, v (B, n_kv_heads, head_dim), positions (B,)), with
+        the pages, tables, events and K/V of B `append` calls in that order: on float32 RAM pages the tokens that
+        need only a slot are written by one call (batch_writes.py), the others one `append` each."""
+        seqs = [self.sequences[s] for s in seq_ids]
+        manager = self.layers[layer]
+        if manager.store.in_place:
+            write_many(manager, seqs, k, v, positions, lambda i: eviction.append(
+                manager, seqs[i], k[i: i + 1], v[i: i + 1], positions[i: i + 1]))
+        else:
+            for i, seq in enumerate(seqs):
+                self.log.acting = seq.seq_id
+                eviction.append(manager, seq, k[i: i + 1], v[i: i + 1], positions[i: i + 1])
+        for seq, position in zip(seqs, positions.tolist(), strict=True):
+            if position > seq.newest:
+                seq.newest = position
 
     def commit(self, seq_id: int, prompt_done: bool = False) -> None:
         """After a step: register the sequence's newly full pages under their prefix hashes. With key_channels

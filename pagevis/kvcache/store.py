@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pagevis.kernel_loader import import_kernels
 from pagevis.kvcache import quant
 from pagevis.kvcache.block_pool import BlockPool
 from pagevis.kvcache.disk_tier import DiskTier
@@ -167,6 +168,16 @@ class PageStore:
         if self.quest:
             np.minimum(self.key_min[:, page], k, out=self.key_min[:, page])
             np.maximum(self.key_max[:, page], k, out=self.key_max[:, page])
+
+    def write_rows(self, flats: np.ndarray, rows: np.ndarray, k: np.ndarray, v: np.ndarray,
+                   positions: np.ndarray) -> None:
+        """`write` of several tokens at once: row rows[i] of k, v (B, n_kv_heads, head_dim) and positions (B,) into
+        flat slot flats[i] (distinct slots), in one numba call. Float32 RAM pages only (`in_place`: frames are page
+        ids, `k_rows` / `v_rows` the pool; no Quest bounds): kvcache/batch_writes.py."""
+        kernel = import_kernels("pagevis.kvcache.batch_decode_kernel", "the batched decode attention kernel")
+        kernel.write_rows(self.k_rows, self.v_rows, self.positions, self.fill, self.tier.bias, flats, rows, k, v,
+                          positions, self.page_size)
+        self.newest = max(self.newest, int(positions[rows].max()))
 
     def mark_written(self, flat: int, page: int, frame: int, slot: int, position: int) -> None:
         """A token's K/V went into slot flat (`write`; the decode kernel, in place: `in_place`)."""

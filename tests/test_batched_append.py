@@ -1,0 +1,114 @@
+"""KVCacheManager.append_many (one call a layer for every decoding sequence) leaves the cache exactly as one
+`append` per sequence in the same order does: the same pages, block tables, holes, events and stored K/V bit for
+bit, through page allocation, a reclaimed cached page, copy-on-write of a shared page, a sliding window's slides,
+and sequences that take the one-at-a-time path (an evicting policy at its budget, a per-head policy's masks)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from pagevis.kvcache import CacheConfig, KVCacheManager, make_policy
+
+PS, N_KV, HEAD_DIM = 4, 2, 8
+PROMPT = list(range(100, 109))  # two full pages and one token
+CONFIG = CacheConfig(page_size=PS, max_pages=8, n_layers=2, n_heads=4, n_kv_heads=N_KV, head_dim=HEAD_DIM,
+                     policy="none", sliding_windows=(None, 6))
+
+
+def _policy(name: str):
+    return make_policy(dataclasses.replace(CONFIG, policy=name, policy_params={}))
+
+
+def _prefill(cache: KVCacheManager, seq_id: int, tokens: list[int], first: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    cache.extend(seq_id, tokens)
+    for layer in range(CONFIG.n_layers):
+        k, v = (rng.standard_normal((len(tokens), N_KV, HEAD_DIM)).astype(np.float32) for _ in range(2))
+        cache.append(seq_id, layer, k, v, np.arange(first, first + len(tokens)))
+    cache.commit(seq_id)
+
+
+def _cache(policies: dict[int, str]) -> KVCacheManager:
+    """Sequence 0 wrote PROMPT (its full pages registered) and was freed after a second sequence took them by a
+    prefix hit (so they are shared); the others start by a prefix hit, a fork (sharing a partial page) or empty."""
+    cache = KVCacheManager(CONFIG, pool_pages=40)
+    cache.add_sequence(0, _policy(policies[0]))
+    _prefill(cache, 0, PROMPT, 0, seed=1)
+    cache.add_sequence(1, _policy(policies[1]))
+    assert cache.match_prefix(1, PROMPT) == 2 * PS
+    _prefill(cache, 1, PROMPT[2 * PS:] + [5, 6], 2 * PS, seed=2)
+    cache.fork(0, 2)  # shares sequence 0's partial third page: its first write copies it
+    cache.add_sequence(3, _policy(policies[3]))
+    _prefill(cache, 3, [9, 8, 7], 0, seed=3)
+    cache.add_sequence(4, _policy(policies[4]))
+    _prefill(cache, 4, list(range(200, 228)), 0, seed=4)
+    cache.take_events()
+    return cache
+
+
+def _state(cache: KVCacheManager) -> tuple:
+    layers = []
+    for manager, store in zip(cache.layers, cache.stores, strict=True):
+        tables = {s: (list(t.pages), sorted(t.holes), t.resident, t.floor, t.dropped, t.slid,
+                      None if t.head_keep is None else t.head_keep.tobytes()) for s, t in manager.tables.items()}
+        layers.append((tables, store.k.view(np.uint32).tobytes(), store.v.view(np.uint32).tobytes(),
+                       store.positions.tobytes(), store.fill.tobytes(), store.bias.tobytes(),
+                       store.pages.ref_counts.tobytes(), store.newest, sorted(store.pages.frame_hash.items())))
+    newest = {s: seq.newest for s, seq in cache.sequences.items()}
+    return layers, newest, repr(cache.take_events())
+
+
+@pytest.mark.parametrize("policies", [
+    {0: "none", 1: "none", 2: "none", 3: "none", 4: "sinks"},  # sequence 4 reaches its budget (32)
+    {0: "none", 1: "h2o", 2: "sinks", 3: "adakv", 4: "h2o"},  # evictions at the budget (32), per-head masks
+])
+def test_append_many_equals_one_append_per_sequence(policies):
+    batched, single = _cache(policies), _cache(policies)
+    assert _state(batched) == _state(single)
+    rng = np.random.default_rng(7)
+    live = [1, 2, 3, 4]
+    for step in range(14):
+        if step == 6:  # sequence 2 leaves: its pages go back (cached ones reclaimed later: uncache events)
+            for cache in (batched, single):
+                cache.free(2)
+            live.remove(2)
+        for cache in (batched, single):
+            cache.step = step
+        positions = np.array([batched.n_tokens(s) for s in live], np.int64)
+        for cache in (batched, single):
+            for seq_id in live:
+                cache.extend(seq_id, [step])
+        for layer in range(CONFIG.n_layers):
+            k, v = (rng.standard_normal((len(live), N_KV, HEAD_DIM)).astype(np.float32) for _ in range(2))
+            batched.append_many(live, layer, k, v, positions)
+            for i, seq_id in enumerate(live):
+                single.append(seq_id, layer, k[i: i + 1], v[i: i + 1], positions[i: i + 1])
+        for cache in (batched, single):
+            for seq_id in live:
+                cache.commit(seq_id)
+        assert _state(batched) == _state(single), f"step {step}"
+
+
+def test_append_many_covers_the_paths_it_claims():
+    """The scenario above does reach allocation, copy-on-write, slides, reclaimed cached pages and evictions."""
+    cache = _cache({0: "none", 1: "h2o", 2: "sinks", 3: "adakv", 4: "h2o"})
+    rng = np.random.default_rng(7)
+    live, kinds = [1, 2, 3, 4], set()
+    for step in range(14):
+        if step == 6:
+            cache.free(2)
+            live.remove(2)
+        cache.step = step
+        positions = np.array([cache.n_tokens(s) for s in live], np.int64)
+        for seq_id in live:
+            cache.extend(seq_id, [step])
+        for layer in range(CONFIG.n_layers):
+            k, v = (rng.standard_normal((len(live), N_KV, HEAD_DIM)).astype(np.float32) for _ in range(2))
+            cache.append_many(live, layer, k, v, positions)
+        for seq_id in live:
+            cache.commit(seq_id)
+        kinds |= {e.kind.value for e in cache.take_events()}
+    assert {"allocate", "write", "copy_on_write", "slide", "evict", "mask", "release"} <= kinds, kinds
