@@ -262,3 +262,19 @@ def test_fold_value_kernel_rounds_as_numpy():
         expected = ((1 - weight) * v[:, page, slot].astype(np.float64) + weight * values[:, 1]).astype(np.float32)
         fold_value(v, page, slot, values[:, 1], weight)
         assert np.array_equal(v[:, page, slot], expected)
+
+
+def test_unit_keys_kernel_is_numpys_norm_bit_for_bit():
+    """A token's float32 keys scaled by the kernel (NumPy's pairwise float32 sum of squares replayed) equal
+    k / np.linalg.norm(k) exactly: head sizes under 8, blocks of 8, past 128 (halves), zero keys, overflow."""
+    rng = np.random.default_rng(16)
+    for case in range(600):
+        n_kv, d = int(rng.integers(1, 4)), int(rng.choice([3, 8, 12, 64, 100, 129, 256, 300]))
+        k = (rng.standard_normal((n_kv, d)) * 10.0 ** rng.uniform(-20, 19)).astype(np.float32)
+        if case % 7 == 0:
+            k[0] = 0
+        with np.errstate(over="ignore"):
+            norm = np.linalg.norm(k, axis=-1, keepdims=True)
+        out = np.empty_like(k)
+        assert unit_keys(k, out) is out
+        assert np.array_equal(out, k / np.where(norm > 0, norm, 1), equal_nan=True)

@@ -45,13 +45,18 @@ def keydiff_choice(unit, positions, window):  # pragma: no cover (numba)
     cutoff = np.iinfo(np.int64).max  # positions at or after it are the window's
     if window > 0:
         cutoff = np.sort(positions[rows])[count - window]
-    total = np.zeros(count)
-    anchor = np.empty(d)
-    for h in range(n_kv):
-        anchor[:] = 0.0
-        for r in rows:
+    # the keys are read token by token (each token's KV heads side by side, as they lie: one pass through the array,
+    # which is cold at every step: the weights went through the caches since), each sum in the same order as head by
+    # head: an anchor entry over the tokens in slot order, a dot over the channels, a token's total over the heads
+    anchors = np.zeros((n_kv, d))
+    for r in rows:
+        for h in range(n_kv):
+            anchor = anchors[h]
             for j in range(d):
                 anchor[j] += unit[r, h, j]
+    norms = np.empty(n_kv)
+    for h in range(n_kv):
+        anchor = anchors[h]
         square = 0.0
         for j in range(d):
             anchor[j] /= count
@@ -59,12 +64,16 @@ def keydiff_choice(unit, positions, window):  # pragma: no cover (numba)
         norm = math.sqrt(square)
         if not norm > 0:
             norm = 1.0
-        for i in range(count):
-            r = rows[i]
+        norms[h] = norm
+    total = np.zeros(count)
+    for i in range(count):
+        r = rows[i]
+        for h in range(n_kv):
+            anchor = anchors[h]
             dot = 0.0
             for j in range(d):
                 dot += unit[r, h, j] * anchor[j]
-            total[i] += -dot / norm
+            total[i] += -dot / norms[h]
     victim, best, oldest = -1, np.inf, np.iinfo(np.int64).max
     for i in range(count):
         r = rows[i]
@@ -396,3 +405,71 @@ def fold_value(v, page, slot, values, weight):  # pragma: no cover (numba)
     for h in range(n_kv):
         for j in range(d):
             v[h, page, slot, j] = np.float32(keep * np.float64(v[h, page, slot, j]) + weight * values[h, j])
+
+
+@njit(**_EXACT)
+def unit_rows(k, out):  # pragma: no cover (numba)
+    """keydiff.unit_keys for float32 keys (n, d), into out (n, d) float32: each row over the square root of its sum of
+    squares, summed as NumPy sums a float32 row (pairwise: eight running sums per block of up to 128, halves above)
+    so that every unit key is NumPy's bit for bit (a zero row stays zero)."""
+    n, d = k.shape
+    squares = np.empty(d, np.float32)
+    for h in range(n):
+        for j in range(d):
+            squares[j] = k[h, j] * k[h, j]
+        norm = np.sqrt(_pairwise_sum(squares, 0, d))
+        if not norm > 0:
+            norm = np.float32(1.0)
+        for j in range(d):
+            out[h, j] = k[h, j] / norm
+
+
+@njit(**_EXACT)
+def _pairwise_sum(a, lo, n):  # pragma: no cover (numba)
+    """NumPy's pairwise sum of a[lo:lo + n] (float32, its FLOAT_pairwise_sum): up to 128 (PW_BLOCKSIZE) one block
+    (_block_sum), else the sum of its two halves (the first a multiple of 8), each summed so: here with a stack of
+    the halves still open rather than recursion (a recursive kernel loaded from numba's cache crashes)."""
+    if n <= 128:
+        return _block_sum(a, lo, n)
+    starts, sizes, stage = np.empty(64, np.int64), np.empty(64, np.int64), np.zeros(64, np.int64)
+    sums = np.empty(64, np.float32)
+    starts[0], sizes[0], depth, done = lo, n, 1, 0
+    while depth:
+        top = depth - 1
+        first, size = starts[top], sizes[top]
+        half = size // 2
+        half -= half % 8
+        if size <= 128:
+            sums[done] = _block_sum(a, first, size)
+            done += 1
+            depth -= 1
+        elif stage[top] < 2:
+            starts[depth], sizes[depth], stage[depth] = (first, half, 0) if stage[top] == 0 else (first + half,
+                                                                                                  size - half, 0)
+            stage[top] += 1
+            depth += 1
+        else:
+            sums[done - 2] = sums[done - 2] + sums[done - 1]
+            done -= 1
+            depth -= 1
+    return sums[0]
+
+
+@njit(**_EXACT)
+def _block_sum(a, lo, n):  # pragma: no cover (numba)
+    """NumPy's pairwise sum of at most 128 float32: a plain loop under 8, else eight running sums combined pairwise
+    and the rest added in order."""
+    if n < 8:
+        total = np.float32(0.0)
+        for i in range(n):
+            total += a[lo + i]
+        return total
+    r = a[lo: lo + 8].copy()
+    last = n - n % 8
+    for i in range(8, last, 8):
+        for j in range(8):
+            r[j] += a[lo + i + j]
+    total = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+    for i in range(last, n):
+        total += a[lo + i]
+    return total

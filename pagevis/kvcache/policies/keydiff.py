@@ -19,8 +19,12 @@ class UnitKeys(PolicyState):
 
 
 def unit_keys(k: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """k (..., d) scaled to unit length (a zero key stays zero), into `out` if given. np.linalg.norm's arithmetic for
-    a real k (the square root of NumPy's sum of squares) without its checks: each write of keydiff and merge."""
+    """k (..., d) scaled to unit length (a zero key stays zero), into `out` if given: np.linalg.norm's arithmetic
+    for a real k (the square root of NumPy's sum of squares). A token's float32 keys (each write of keydiff and
+    merge) in one numba call that sums as NumPy does (kernels.unit_rows: the same float32 values)."""
+    if out is not None and k.ndim == 2 and k.dtype == out.dtype == np.float32:
+        kernels().unit_rows(k, out)
+        return out
     norm = np.sqrt(np.add.reduce(k * k, axis=-1, keepdims=True))
     return np.divide(k, np.where(norm > 0, norm, 1), out=out)
 
