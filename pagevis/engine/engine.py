@@ -314,7 +314,8 @@ class Engine:
             if len(segments) == 1:  # one request (every row its own, however the model splits its forward:
                 # compare's pieces): what the loop below does for one piece, without its lists (a decode step's)
                 seq_id = segments[0][0]
-                result = cache.write_and_attend(seq_id, layer, q, k, v, positions)  # (append, attend: one call)
+                # (append, attend: one call; a prefill's weights only for the last row, all that is kept)
+                result = cache.write_and_attend(seq_id, layer, q, k, v, positions, all_weights=False)
                 if layer in watched.get(seq_id, ()):
                     attention.setdefault(seq_id, {})[layer] = (result.weights[-1].copy(), result.slots)
                 return np.asarray(result.output, dtype=q.dtype)
@@ -327,7 +328,7 @@ class Engine:
                 results = []
                 for seq_id, start, end in segments:
                     cache.append(seq_id, layer, k[start:end], v[start:end], positions[start:end])
-                    results.append(cache.attend(seq_id, layer, q[start:end], positions[start:end]))
+                    results.append(cache.attend(seq_id, layer, q[start:end], positions[start:end], all_weights=False))
             out = np.empty_like(q)
             for (seq_id, start, end), result in zip(segments, results, strict=True):
                 out[start:end] = result.output

@@ -65,21 +65,78 @@ def _finite(peak: np.ndarray) -> np.ndarray:
 
 def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_bias: np.ndarray | None = None,
            key_positions: np.ndarray | None = None, q_positions: np.ndarray | None = None,
-           window: int | None = None) -> AttentionResult:
+           window: int | None = None, all_weights: bool = True) -> AttentionResult:
     """Scaled dot-product attention of n queries over the given keys.
 
     q: (n, n_heads, d); keys, values: (n_kv_heads, T, d); key_bias: (T,) additive mask or None.
     With q_positions and key_positions, query i sees only keys at positions <= q_positions[i]
     (the causal mask of a prefill chunk), and with a `window` only those > q_positions[i] - window (a
     sliding-window layer). For a single decode query without a window every resident key is visible.
+    Weights: every query's (n, n_heads, T) with `all_weights`, else the last query's only (1, n_heads, T).
+    Queries go in blocks of `query_block` (a prefill's scores stay within SCORE_BYTES): each row's arithmetic is
+    the same in any aligned block, so blocks change no bit of the result (with one BLAS thread, as pagevis runs).
     """
     n = q.shape[0]
     if n == 1 and keys.dtype == values.dtype == np.float32 and keys.shape[1]:  # one query: the decode kernel
         position = -1 if q_positions is None else int(q_positions[0])
         return attend_decode(q, np.ascontiguousarray(keys), np.ascontiguousarray(values), keys.shape[1], key_bias,
                              key_positions if window and position >= 0 else None, position, window)
-    weights, output, _, _ = _attention(q, keys, values, key_bias, key_positions, q_positions, window=window)
-    return AttentionResult(_ungroup(output, n), _ungroup(weights, n))
+    rows = query_block(n, q.shape[1], keys.shape[1], keys.shape[0])
+    if rows >= n:  # one block
+        weights, output, _, _ = _attention(q, keys, values, key_bias, key_positions, q_positions, window=window)
+        return AttentionResult(_ungroup(output, n), _ungroup(weights, n) if all_weights else _last_row(weights, n))
+    output = np.empty(q.shape, np.float32)
+    every = np.empty((n, q.shape[1], keys.shape[1]), np.float32) if all_weights else None
+    sizes = block_sizes(keys.shape[0], n * q.shape[1] // keys.shape[0], q.shape[2])  # the whole's (a short last
+    # block would measure its own)
+    for t0 in range(0, n, rows):
+        t1 = min(t0 + rows, n)
+        weights, part, _, _ = _attention(q[t0:t1], keys, values, key_bias, key_positions,
+                                         None if q_positions is None else q_positions[t0:t1], sizes, window=window,
+                                         causal=True)
+        _ungroup_into(part, output[t0:t1])
+        if every is not None:
+            _ungroup_into(weights, every[t0:t1])
+        elif t1 == n:
+            every = _last_row(weights, t1 - t0)
+        del weights, part  # (the next block's arrays take their place, not stack on them)
+    assert every is not None
+    return AttentionResult(output, every)
+
+
+SCORE_BYTES = 16 << 20  # a prefill's scores (queries x heads x keys, float32) at most this many bytes a block
+# A block's rows (its queries x the group, per KV head) are a multiple of this where the budget allows: BLAS's
+# kernels compute a tile of 16, 24, 32, 48 or 64 rows (by CPU) in one order and a shorter tail in another, so
+# blocks aligned to every tile give each row the bits the whole product gives it (OpenBLAS's Haswell sgemm: 24)
+ROW_ALIGN = 192
+
+
+def query_block(n: int, n_heads: int, n_keys: int, n_kv: int = 1) -> int:
+    """Queries a block of `attend`: as many as keep the scores within SCORE_BYTES, in whole ROW_ALIGN rows of each
+    KV head's group when that fits (else as many as fit, at least one). A prefill of a few hundred tokens is one
+    block; over 4,096 keys SmolLM2's 9 heads take 64 queries a block, not 604 MB of scores for the 4,096 queries of
+    one layer (llama.cpp's ubatch: 512 queries)."""
+    fit = max(1, SCORE_BYTES // (4 * n_heads * max(n_keys, 1)))
+    group = max(1, n_heads // max(n_kv, 1))
+    align = ROW_ALIGN // math.gcd(ROW_ALIGN, group)  # queries whose rows are whole ROW_ALIGN multiples
+    return fit // align * align if fit >= align else fit
+
+
+def _last_row(grouped: np.ndarray, n: int) -> np.ndarray:
+    """The last query's (1, n_heads, ...) of a grouped (n_kv, n * group, ...) array, copied (the rest can go)."""
+    n_kv, rows = grouped.shape[:2]
+    group = rows // n
+    return grouped[:, rows - group:].reshape(1, n_kv * group, *grouped.shape[2:]).copy()
+
+
+def _ungroup_into(grouped: np.ndarray, out: np.ndarray) -> None:
+    """out (n, n_heads, ...) = _ungroup(grouped, n), written in place (no whole copy beside it)."""
+    n, n_heads = out.shape[:2]
+    n_kv = grouped.shape[0]
+    group = n_heads // n_kv
+    rest = out.shape[2:]
+    out.reshape(n, n_kv, group, *rest).transpose(1, 0, 2, *range(3, 3 + len(rest)))[...] = grouped.reshape(
+        n_kv, n, group, *rest)
 
 
 _decode_kernel: ModuleType | None = None  # decode_kernel.py, once loaded
@@ -200,11 +257,12 @@ def _share(part: Partial, peak: np.ndarray) -> np.ndarray:
 
 
 def _attention(q, keys, values, key_bias, key_positions, q_positions, blocks=None, chunk_bytes=CHUNK_BYTES,
-               window=None):
+               window=None, causal=False):
     """The kernel (see the module docstring). Returns, grouped (n_kv, rows, ...): the weights (rows, T),
     normalised; the output (rows, d), normalised; each row's largest score (-inf: no key visible) and its
     sum of exp(score - max) (0: no key visible). `blocks` (score block, value block) overrides the measured
-    sizes; chunk_bytes the float16 chunk length (tests use both to reach every path)."""
+    sizes; chunk_bytes the float16 chunk length (tests use both to reach every path). causal: mask by positions
+    even a single query (a block of a prefill's; a lone decode query sees every resident key)."""
     n, n_heads, d = q.shape
     n_kv, n_keys, _ = keys.shape
     group = n_heads // n_kv
@@ -224,7 +282,7 @@ def _attention(q, keys, values, key_bias, key_positions, q_positions, blocks=Non
                        scores[:, :, lo:lo + step], score_block)
     if key_bias is not None:
         scores += key_bias
-    if q_positions is not None and key_positions is not None and (n > 1 or window):
+    if q_positions is not None and key_positions is not None and (n > 1 or window or causal):
         hidden = position_mask(key_positions, q_positions, window)
         scores.reshape(n_kv, n, group, n_keys)[...] += hidden[None, :, None, :]
     peak = np.maximum.reduce(scores, axis=-1, keepdims=True) if n_keys else np.full((n_kv, rows, 1), -np.inf,

@@ -389,18 +389,21 @@ class KVCacheManager:
         eviction.compress(self.layers, seq)
 
     # --- attention (paged_attention.py) --------------------------------------------------------------
-    def attend(self, seq_id: int, layer: int, q: np.ndarray, positions: np.ndarray) -> AttentionResult:
+    def attend(self, seq_id: int, layer: int, q: np.ndarray, positions: np.ndarray,
+               all_weights: bool = True) -> AttentionResult:
         """Attention of the sequence's n queries (n, n_heads, head_dim) at `positions` over its resident
         tokens. Weights come back over flat slots: the pool's allocated prefix when `slots` is None (a
-        single sequence in RAM), else over `result.slots`; exactly 0 on empty slots."""
+        single sequence in RAM), else over `result.slots`; exactly 0 on empty slots. all_weights False: only the
+        last query's weights are wanted (a long prefill's are then never whole in memory; paged_attention.attend)."""
         self.log.acting = seq_id
-        return paged_attention.attend(self.layers[layer], self.sequences[seq_id], q, positions, self.select_pages)
+        return paged_attention.attend(self.layers[layer], self.sequences[seq_id], q, positions, self.select_pages,
+                                      all_weights=all_weights)
 
     def write_and_attend(self, seq_id: int, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-                         positions: np.ndarray) -> AttentionResult:
+                         positions: np.ndarray, all_weights: bool = True) -> AttentionResult:
         """`append` then `attend` of the sequence's n tokens (q (n, n_heads, head_dim), k, v (n, n_kv_heads,
         head_dim)): for a decoding token, where nothing else is due, one kernel call that writes its K/V and
-        attends (paged_attention.write_and_attend)."""
+        attends (paged_attention.write_and_attend). all_weights: `attend`'s."""
         if len(positions) == 1 and self.select_pages is None:
             self.log.acting = seq_id
             seq, position = self.sequences[seq_id], int(positions[0])
@@ -409,7 +412,7 @@ class KVCacheManager:
                 seq.newest = max(seq.newest, position)
                 return result
         self.append(seq_id, layer, k, v, positions)
-        return self.attend(seq_id, layer, q, positions)
+        return self.attend(seq_id, layer, q, positions, all_weights)
 
     def attend_beside(self, seq_id: int, layer: int, q: np.ndarray, positions: np.ndarray, k: np.ndarray,
                       v: np.ndarray, own_positions: np.ndarray) -> AttentionResult:

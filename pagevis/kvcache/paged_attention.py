@@ -27,17 +27,21 @@ from pagevis.kvcache.slots import flat_slots
 
 
 def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np.ndarray,
-           select_pages: int | None, write: tuple[int, np.ndarray, np.ndarray] | None = None) -> AttentionResult:
+           select_pages: int | None, write: tuple[int, np.ndarray, np.ndarray] | None = None,
+           all_weights: bool = True) -> AttentionResult:
     """Attention of the sequence's n queries (n, n_heads, head_dim) at `positions` over its resident
     tokens. Weights come back over flat slots: the pool's allocated prefix when `slots` is None (a
-    single sequence in RAM), else over `result.slots`; exactly 0 on empty slots. write: (flat, k, v), a decoding
-    token's K/V that the decode kernel writes into slot flat first (`write_and_attend`, which calls only where
-    that in-place decode call is the path taken)."""
+    single sequence in RAM), else over `result.slots`; exactly 0 on empty slots; every query's, or with
+    `all_weights` False only the last query's (1, n_heads, m) unless the policy's statistics read them all (a
+    long prefill's weights are then never whole in memory: attention_kernels.query_block). write: (flat, k, v), a
+    decoding token's K/V that the decode kernel writes into slot flat first (`write_and_attend`, which calls only
+    where that in-place decode call is the path taken)."""
     store, index, own = layer.store, layer.layer, layer.table(seq)
     if store.tiered or store.quantized or (select_pages is not None and len(q) == 1):
         return read(layer, seq, q, positions, select_pages)
     own.read_slots = None
     observe_queries(seq, own.state, index, q, positions)
+    all_weights = all_weights or seq.policy.uses_attention
     n_kv, _, ps, head_dim = store.k.shape
     keep = own.head_keep
     if len(layer.tables) == 1 and not layer.gathers(seq):  # the only owner: the pool's used prefix, in place
@@ -53,7 +57,7 @@ def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np
             keys = store.k[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
             values = store.v[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
             result = attend_kept(q, keys, values, bias, store.positions[:n_slots], positions,
-                                 None if keep is None else keep[:, read_slots], layer.window)
+                                 None if keep is None else keep[:, read_slots], layer.window, all_weights)
     else:  # gathered through its block table
         table = own.pages
         keys = store.k[:, table].reshape(n_kv, len(table) * ps, head_dim)
@@ -61,7 +65,7 @@ def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np
         read_slots = flat_slots(table, ps)
         bias = store.bias[read_slots]
         result = attend_kept(q, keys, values, bias if bias.any() else None, store.positions[read_slots], positions,
-                             None if keep is None else keep[:, read_slots], layer.window)
+                             None if keep is None else keep[:, read_slots], layer.window, all_weights)
         result = result._replace(slots=read_slots)
     if seq.policy.uses_attention:
         own.state.observe(result.weights, read_slots)
@@ -198,21 +202,22 @@ def attend_many(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray, p
 
 def attend_kept(q: np.ndarray, keys: np.ndarray, values: np.ndarray, bias: np.ndarray | None,
                 key_positions: np.ndarray, positions: np.ndarray, keep: np.ndarray | None,
-                window: int | None = None) -> AttentionResult:
+                window: int | None = None, all_weights: bool = True) -> AttentionResult:
     """`attend`, where KV head h reads only the keys with keep[h] (per-head residency; None: all keys for
     every head). When some head dropped a resident token, each KV head's mask is added to the occupancy bias (-inf
     on dropped entries): a decode query over float32 keys takes every head's in one decode kernel call (its bias
-    one row a KV head); otherwise each KV head's queries attend alone, joined in query-head order."""
+    one row a KV head); otherwise each KV head's queries attend alone, joined in query-head order. all_weights:
+    kernels.attend's (False: the last query's only)."""
     head_bias = bias if keep is None else kept_bias(keep, bias)
     decode = len(q) == 1 and keys.dtype == values.dtype == np.float32 and keys.shape[1] > 0  # the decode kernel's
     if head_bias is None or head_bias.ndim == 1 or decode:  # no head differs, or the decode kernel's: one call
-        return kernels.attend(q, keys, values, head_bias, key_positions, positions, window)
+        return kernels.attend(q, keys, values, head_bias, key_positions, positions, window, all_weights)
     n_kv = keys.shape[0]
     group = q.shape[1] // n_kv
     outputs, weights = [], []
     for head in range(n_kv):
         part = kernels.attend(q[:, head * group: (head + 1) * group], keys[head: head + 1], values[head: head + 1],
-                              head_bias[head], key_positions, positions, window)
+                              head_bias[head], key_positions, positions, window, all_weights)
         outputs.append(part.output)
         weights.append(part.weights)
     return AttentionResult(np.concatenate(outputs, axis=1), np.concatenate(weights, axis=1))

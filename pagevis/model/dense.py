@@ -32,6 +32,18 @@ class _LayerCache:
         self.newest = max(self.newest, int(positions.max()))
 
 
+SCORE_BYTES = 16 << 20  # a long prefill's scores (queries x heads x keys, float32) at most this many bytes at once
+ROW_ALIGN = 192  # a block's rows a KV head: a multiple of BLAS's row tiles (16-64), so no bit moves
+
+
+def _query_block(n_heads: int, n_kv: int, n_keys: int) -> int:
+    """Queries attended at once: as many as keep the scores within SCORE_BYTES, whole ROW_ALIGN rows of each KV
+    head's group where that fits (as the paged cache's kernels block them: kvcache/attention_kernels.py)."""
+    fit = max(1, SCORE_BYTES // (4 * n_heads * max(n_keys, 1)))
+    align = ROW_ALIGN // np.gcd(ROW_ALIGN, n_heads // n_kv)
+    return int(fit // align * align if fit >= align else fit)
+
+
 def _grown(array: np.ndarray, capacity: int) -> np.ndarray:
     bigger = np.empty((capacity, *array.shape[1:]), dtype=array.dtype)
     bigger[:len(array)] = array
@@ -63,13 +75,14 @@ class DenseAttention:
         cache.append(k, v, positions)
         n, n_heads = q.shape[:2]
         out = np.empty_like(q, dtype=np.float32)
+        block = _query_block(n_heads, cache.keys.shape[1], cache.length)
 
         def work(t0: int, t1: int, private: bool) -> np.ndarray | None:
-            part = self._attend(layer, q[t0:t1], positions[t0:t1])
-            if private:
-                return part
-            out[t0:t1] = part
-            return None
+            target = np.empty((t1 - t0, *q.shape[1:]), np.float32) if private else out[t0:t1]
+            for b0 in range(t0, t1, block):
+                b1 = min(t1, b0 + block)
+                target[b0 - t0:b1 - t0] = self._attend(layer, q[b0:b1], positions[b0:b1])
+            return target if private else None
 
         def place(t0: int, t1: int, part: np.ndarray) -> None:
             out[t0:t1] = part
