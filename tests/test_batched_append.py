@@ -112,3 +112,38 @@ def test_append_many_covers_the_paths_it_claims():
             cache.commit(seq_id)
         kinds |= {e.kind.value for e in cache.take_events()}
     assert {"allocate", "write", "copy_on_write", "slide", "evict", "mask", "release"} <= kinds, kinds
+
+
+def _watched_weights(prompts: list[list[int]], watched: int) -> list[dict[int, dict[int, float]]]:
+    """Per decode step of sequence `watched` (submitted index), per layer: its newest query's weight on each
+    position (head 0), as the engine keeps them for a watched sequence (Engine.watch_attention)."""
+    from pagevis.engine import Engine, SamplingConfig, SessionConfig
+    from pagevis.model.synthetic import SyntheticModel
+
+    model = SyntheticModel(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=1)
+    engine = Engine(model, SessionConfig(page_size=4, max_pages=8, policy="none", max_new_tokens=5, chat=False,
+                                         sampling=SamplingConfig(mode="greedy")))
+    ids = [engine.submit(prompt) for prompt in prompts]
+    engine.watch_attention(ids[watched], (0, 1))
+    steps = []
+    while not engine.done:
+        record = engine.step()
+        if any(s.seq_id == ids[watched] and s.kind == "decode" for s in record.seqs):
+            steps.append({layer: {int(engine.cache.stores[layer].positions[slot]): float(weight)
+                                  for slot, weight in zip(slots if slots is not None else range(len(w[0])), w[0])
+                                  if weight > 0}
+                          for layer, (w, slots) in engine.attention[ids[watched]].items()})
+    return steps
+
+
+def test_a_watched_sequence_decoding_in_a_batch_keeps_the_weights_it_has_alone():
+    """The batched decode step builds an AttentionResult only for watched rows: a watched sequence among others
+    gets, per layer and decode step, the weights by position it gets decoding alone (float32 rounding apart)."""
+    prompts = [list(b"Pages let many"), list(b"share one pool"), list(b"frames.")]  # one prefill chunk each
+    batched, alone = _watched_weights(prompts, 1), _watched_weights(prompts[1:2], 0)
+    assert len(batched) == len(alone) == 4  # (the prefill step samples the first of the 5 tokens)
+    for step_batched, step_alone in zip(batched, alone, strict=True):
+        for layer in (0, 1):
+            assert step_batched[layer].keys() == step_alone[layer].keys()
+            np.testing.assert_allclose([step_batched[layer][p] for p in step_alone[layer]],
+                                       list(step_alone[layer].values()), rtol=1e-5, atol=1e-7)

@@ -321,14 +321,16 @@ class Engine:
                 return np.asarray(result.output, dtype=q.dtype)
             ids = [seq_id for seq_id, _, _ in segments]
             if all(end - start == 1 for _, start, end in segments) and cache.can_attend_many(ids, layer):
-                # every sequence decodes one token: write them all (one call), then one batched attention
-                cache.append_many(ids, layer, k, v, positions)
-                results = cache.attend_many(ids, layer, q, positions)
-            else:
-                results = []
-                for seq_id, start, end in segments:
-                    cache.append(seq_id, layer, k[start:end], v[start:end], positions[start:end])
-                    results.append(cache.attend(seq_id, layer, q[start:end], positions[start:end], all_weights=False))
+                # every sequence decodes one token (row i is ids[i]'s): write them all, then one batched attention
+                wanted = [i for i, seq_id in enumerate(ids) if layer in watched.get(seq_id, ())] if watched else ()
+                output, kept = cache.decode_many(ids, layer, q, k, v, positions, wanted)
+                for i, result in kept.items():
+                    attention.setdefault(ids[i], {})[layer] = (result.weights[-1].copy(), result.slots)
+                return np.asarray(output, dtype=q.dtype)
+            results = []
+            for seq_id, start, end in segments:
+                cache.append(seq_id, layer, k[start:end], v[start:end], positions[start:end])
+                results.append(cache.attend(seq_id, layer, q[start:end], positions[start:end], all_weights=False))
             out = np.empty_like(q)
             for (seq_id, start, end), result in zip(segments, results, strict=True):
                 out[start:end] = result.output

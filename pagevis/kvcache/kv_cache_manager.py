@@ -425,6 +425,14 @@ class KVCacheManager:
         return len(seq_ids) > 1 and paged_attention.can_attend_many(
             self.layers[layer], [self.sequences[s] for s in seq_ids], self.select_pages)
 
+    def decode_many(self, seq_ids: list[int], layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                    positions: np.ndarray, wanted=()) -> tuple[np.ndarray, dict[int, AttentionResult]]:
+        """`append_many` then `attend_many` (where `can_attend_many`), the output as one (B, n_heads, head_dim) array
+        and the AttentionResult of the rows in `wanted` (indices into seq_ids) only: a batched decode step's layer."""
+        self.append_many(seq_ids, layer, k, v, positions)
+        return paged_attention.attend_stacked(self.layers[layer], [self.sequences[s] for s in seq_ids], q, positions,
+                                              wanted)
+
     def attend_many(self, seq_ids: list[int], layer: int, q: np.ndarray, positions: np.ndarray
                     ) -> list[AttentionResult]:
         """`attend` for several sequences that each decode one token, in one batched kernel."""

@@ -167,21 +167,29 @@ def attend_many(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray, p
                 ) -> list[AttentionResult]:
     """`attend` for several sequences that each decode one token (q: (B, n_heads, d), positions (B,)),
     in one batched kernel over their block tables, padded to the longest. Only where `can_attend_many`."""
+    _, results = attend_stacked(layer, seqs, q, positions, range(len(seqs)))
+    return [results[i] for i in range(len(seqs))]
+
+
+def attend_stacked(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray, positions: np.ndarray,
+                   wanted) -> tuple[np.ndarray, dict[int, AttentionResult]]:
+    """`attend_many`'s output as one (B, n_heads, d) array, and the AttentionResult of the rows in `wanted` only
+    (indices: a decode step's watched sequences), so a step builds no per-sequence result nobody reads."""
     store, index, ps = layer.store, layer.layer, layer.page_size
-    owns = [layer.table(seq) for seq in seqs]
+    owns = [layer.tables[seq.seq_id] for seq in seqs]
     tables = [own.pages for own in owns]
-    widest = max(len(table) for table in tables)
-    padded = np.zeros((len(seqs), widest), dtype=np.int64)
-    for row, table in zip(padded, tables, strict=True):
-        row[: len(table)] = table
+    counts = [len(table) for table in tables]
+    widest = max(counts)
+    padded = np.array([table + [0] * (widest - n) for table, n in zip(tables, counts, strict=True)], dtype=np.int64)
     flat = flat_slots(padded, ps)
     bias = store.bias[flat]
-    lengths = np.array([len(table) for table in tables]) * ps
+    lengths = np.array(counts) * ps
     bias[np.arange(widest * ps)[None, :] >= lengths[:, None]] = -np.inf  # the padding
     layer.mask(bias, store.positions[flat], positions)
     for i, (seq, own) in enumerate(zip(seqs, owns, strict=True)):
         own.read_slots = None
-        observe_queries(seq, own.state, index, q[i: i + 1], positions[i: i + 1])
+        if seq.policy.uses_queries or seq.channels is not None:
+            observe_queries(seq, own.state, index, q[i: i + 1], positions[i: i + 1])
     if store.k.dtype == np.float32:  # K/V read in place through the tables, one numba call
         kernel = import_kernels("pagevis.kvcache.batch_decode_kernel", "the batched decode attention kernel")
         output, weights = kernel.attend_tables(q, store.k, store.v, padded, lengths // ps, bias)  # (loaded once)
@@ -190,14 +198,13 @@ def attend_many(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray, p
         keys = store.k[:, padded].reshape(n_kv, len(seqs), widest * ps, head_dim)
         values = store.v[:, padded].reshape(n_kv, len(seqs), widest * ps, head_dim)
         output, weights = attend_decode_batch(q, keys, values, bias)
-    results = []
-    for i, (seq, own) in enumerate(zip(seqs, owns, strict=True)):
-        n = lengths[i]
-        result = AttentionResult(output[i: i + 1], weights[i: i + 1, :, :n], flat[i, :n])
-        if seq.policy.uses_attention:
-            own.state.observe(result.weights, flat[i, :n])
-        results.append(result)
-    return results
+    results = {}
+    for i in sorted({*wanted, *(i for i, seq in enumerate(seqs) if seq.policy.uses_attention)}):
+        n = counts[i] * ps
+        result = results[i] = AttentionResult(output[i: i + 1], weights[i: i + 1, :, :n], flat[i, :n])
+        if seqs[i].policy.uses_attention:
+            owns[i].state.observe(result.weights, flat[i, :n])
+    return output, {i: results[i] for i in wanted}
 
 
 def attend_kept(q: np.ndarray, keys: np.ndarray, values: np.ndarray, bias: np.ndarray | None,
