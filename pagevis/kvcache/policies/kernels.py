@@ -111,19 +111,26 @@ def snapkv_head_scores(rows, positions, kernel):  # pragma: no cover (numba)
     """SnapKV's per-KV-head scores (SnapKV.head_scores): the window's rows (window, n_kv, n_slots) summed in their
     order (as NumPy's sum over the first axis: the same float64 values), then max-pooled over `kernel` neighbouring
     resident tokens in position order (ends clipped); 0 on empty slots."""
+    return _pooled_window(rows, _resident_by_position(positions), kernel)
+
+
+@njit(**_EXACT)
+def _pooled_window(rows, order, kernel):  # pragma: no cover (numba)
+    """snapkv_head_scores over the resident slots `order` (oldest first). The rows are summed as they lie, every slot
+    (one pass through them, cold at every step), each slot's sum in window order; then pooled in position order."""
     window, n_kv, n_slots = rows.shape
-    order = _resident_by_position(positions)
+    sums = rows[0].copy()
+    for w in range(1, window):
+        for h in range(n_kv):
+            for s in range(n_slots):
+                sums[h, s] += rows[w, h, s]
     count = len(order)
     scores = np.zeros((n_kv, n_slots))
     seen = np.empty(count)
     half = kernel // 2
     for h in range(n_kv):
         for i in range(count):
-            s = order[i]
-            total = rows[0, h, s]
-            for w in range(1, window):
-                total += rows[w, h, s]
-            seen[i] = total
+            seen[i] = sums[h, order[i]]
         for i in range(count):
             best = seen[i]
             for j in range(max(0, i - half), min(count, i + half + 1)):
@@ -139,9 +146,15 @@ def adakv_drops(scores, kept, positions, protected, n_safe, need):  # pragma: no
     the token is protected, else 1 among its head's n_safe best (highest score, ties to the newest), else 0; the
     entries go by (tier, score, position, head), lowest first. scores (n_kv, n_slots) float64, kept (n_kv, n_slots)
     bool (resident and kept by that head). Returns (heads, slots), in the order they go."""
+    return _adakv_drops(scores, kept, positions, _resident_by_position(positions), protected, n_safe, need)
+
+
+@njit(**_EXACT)
+def _adakv_drops(scores, kept, positions, order, protected, n_safe, need):  # pragma: no cover (numba)
+    """adakv_drops with the resident slots sorted by position (`order`, oldest first) given."""
     n_kv, n_slots = kept.shape
     tier = np.zeros((n_kv, n_slots), np.int64)
-    newest_first = _resident_by_position(positions)[::-1]
+    newest_first = order[::-1]
     rows = np.empty(len(newest_first), np.int64)
     for h in range(n_kv):
         n = 0
@@ -295,8 +308,12 @@ def adakv_snapkv_drops(rows, positions, head_keep, window, kernel, n_safe, budge
     need = count + n_kv - n_kv * budget
     if need <= 0:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
-    scores = snapkv_head_scores(rows, positions, kernel)
-    heads, slots = adakv_drops(scores, kept, positions, newest_mask(positions, window), n_safe, need)
+    order = _resident_by_position(positions)  # (sorted once for the scores' pooling, the window and the tiers)
+    scores = _pooled_window(rows, order, kernel)
+    protected = np.zeros(n_slots, np.bool_)
+    for s in order[max(0, len(order) - window):]:
+        protected[s] = True
+    heads, slots = _adakv_drops(scores, kept, positions, order, protected, n_safe, need)
     chosen = np.empty(len(heads))
     for i in range(len(heads)):
         chosen[i] = scores[heads[i], slots[i]]
