@@ -1,6 +1,6 @@
 """A decode step's write and attention in one kernel call (KVCacheManager.write_and_attend) against the same cache fed
 through `append` then `attend`: the same outputs and weights to the bit, the same cache afterwards (slots, tables,
-occupancy, K/V, policy statistics, events); and its output against an independent float64 dense attention over the
+occupancy, K/V, policy statistics, per-head masks, events); and its output against an independent float64 dense attention over the
 tokens the layer holds."""
 
 import numpy as np
@@ -15,9 +15,10 @@ from pagevis.kvcache import CacheConfig, KVCacheManager, paged_attention
 def setups(draw):
     n_kv = draw(st.sampled_from([1, 2, 3]))
     group = draw(st.sampled_from([1, 3, 4, 6]))
-    page_size = draw(st.sampled_from([1, 2, 4, 16]))
-    max_pages = draw(st.integers(2, 8))
-    policy = draw(st.sampled_from(["none", "oldest", "sinks", "h2o", "tova", "snapkv"]))
+    policy = draw(st.sampled_from(["none", "oldest", "sinks", "h2o", "tova", "snapkv", "adakv"]))
+    # (adakv's SnapKV keeps a window of 8: a cache of at least 16 tokens)
+    page_size = draw(st.sampled_from([4, 16] if policy == "adakv" else [1, 2, 4, 16]))
+    max_pages = draw(st.integers(4 if policy == "adakv" else 2, 8))
     window = draw(st.sampled_from([None, 3, 8]))
     config = CacheConfig(page_size=page_size, max_pages=max_pages, n_layers=2, n_heads=n_kv * group, n_kv_heads=n_kv,
                          head_dim=draw(st.sampled_from([4, 16, 64])), policy=policy,
@@ -30,16 +31,25 @@ def setups(draw):
 def state(cache: KVCacheManager, layer: int) -> list:
     store, table = cache.stores[layer], cache.layers[layer].tables[0]
     stats = sorted((name, array.tolist()) for name, array in table.state.arrays.items())
+    keep = None if table.head_keep is None else table.head_keep.tolist()  # (a per-head policy's masks)
     return [store.positions.tolist(), store.fill.tolist(), store.bias.tolist(), store.k.tolist(), store.v.tolist(),
-            list(table.pages), sorted(table.holes), table.resident, stats, cache.sequences[0].newest]
+            list(table.pages), sorted(table.holes), table.resident, stats, cache.sequences[0].newest, keep]
 
 
 def reference(cache: KVCacheManager, layer: int, q: np.ndarray, position: int, window: int | None, stored: dict):
-    """Float64 attention of the query over the tokens the layer holds (within its window)."""
-    held = [p for p in cache.resident_positions(0, layer).tolist() if window is None or p > position - window]
-    keys = np.stack([stored[layer, p][0] for p in held])
-    values = np.stack([stored[layer, p][1] for p in held])
-    return dense_attention_f64(q[0], keys, values)[0]
+    """Float64 attention of the query over the tokens the layer holds (within its window); with per-head masks,
+    each KV head's query heads over the tokens that KV head keeps."""
+    keep, positions = cache.head_keep(0, layer), cache.stores[layer].positions
+    n_kv = cache.stores[layer].k.shape[0]
+    group = q.shape[1] // n_kv
+    out = []
+    for kv in range(n_kv):
+        mine = positions[keep[kv]] if keep is not None else cache.resident_positions(0, layer)
+        held = [p for p in sorted(mine.tolist()) if p >= 0 and (window is None or p > position - window)]
+        keys = np.stack([stored[layer, p][0][kv: kv + 1] for p in held])
+        values = np.stack([stored[layer, p][1][kv: kv + 1] for p in held])
+        out.append(dense_attention_f64(q[0, kv * group: (kv + 1) * group], keys, values)[0])
+    return np.concatenate(out)
 
 
 @settings(max_examples=60, deadline=None)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from pagevis.kernel_loader import import_kernels
-from pagevis.kvcache import attention_kernels as kernels
+from pagevis.kvcache import attention_kernels as kernels, eviction
 from pagevis.kvcache.attention_kernels import AttentionResult, attend_decode_batch
 from pagevis.kvcache.layer_managers import LayerManager
 from pagevis.kvcache.policy_state import PolicyState
@@ -76,16 +76,18 @@ def write_and_attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, k: 
                      positions: np.ndarray) -> AttentionResult | None:
     """A decode step's `append` and `attend` (one token: q (1, n_heads, d), k, v (n_kv, d) at positions (1,)) in one
     kernel call that writes the token's K/V into its slot and attends over the pool's used prefix in place, where
-    nothing else is due: the layer's only sequence, float32 RAM pages (`store.in_place`), no per-head masks, ThinK
-    channels or pruning, room under its budget in a page of its own (`_slot_in_place`), no gathering; its policy's
-    statistics see the token and the weights as `attend` gives them. None when any of that does not hold, before
-    anything changed but a sliding window's slide (`before_write`, which `append` does first too): append and
-    attend then. (No page selection either: the caller asks only without one.)"""
+    nothing else is due: the layer's only sequence, float32 RAM pages (`store.in_place`), no ThinK channels or
+    pruning, room under its budget in a page of its own (`_slot_in_place`), no gathering; its policy's statistics
+    see the token and the weights as `attend` gives them. None when any of that does not hold, before anything
+    changed but a sliding window's slide and a per-head policy's drops (`before_write`, then `evict_heads`, which
+    `append` does first too, and which then drops nothing more): append and attend then. (No page selection
+    either: the caller asks only without one.)"""
     store, own, position = layer.store, layer.tables[seq.seq_id], int(positions[0])
-    if (not store.in_place or len(layer.tables) != 1 or own.head_keep is not None or seq.channels is not None
-            or seq.policy.prunes):
+    if not store.in_place or len(layer.tables) != 1 or seq.channels is not None or seq.policy.prunes:
         return None
     layer.before_write(seq, position)
+    if own.head_keep is not None:  # a per-head policy's drops before the token is written (as eviction.append)
+        eviction.evict_heads(layer, seq)
     if own.resident >= layer.budget(seq) or layer.gathers(seq):
         return None
     flat = _slot_in_place(layer, own)
