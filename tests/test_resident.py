@@ -38,7 +38,8 @@ PROBE = """
 import json
 from tests.test_resident import _compiler_pages
 from pagevis.model import weight_kernels  # the kernels loaded and linked, nothing released yet
-from pagevis.model.resident import release_compiler_pages
+from pagevis.model.resident import release_compiler_pages, release_linking_modules
+release_linking_modules()  # (which release_compiler_pages does first: its bitcode writer's pages in before)
 before = _compiler_pages()
 advised = release_compiler_pages()
 print(json.dumps([before, advised, _compiler_pages()]))

@@ -101,6 +101,7 @@ def spin_pool():
     if _POOL is None:
         try:
             _POOL = import_kernels("pagevis.model.spin_pool", "the weights' second thread", seconds=10).new_pool()
+            release_compiler_pages()  # the pool's kernels loaded: llvmlite's code and their IR out again
         except Exception as exc:  # numba could neither load nor compile it: one thread's products, said once
             import sys
 
