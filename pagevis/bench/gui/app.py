@@ -3,8 +3,9 @@
 Plays a model at full speed in the real window (offscreen, every view visible) and prints
   * decode speed in the GUI relative to a headless DecodeSession with the same configuration (target ≥ 0.9),
   * the UI thread's event-loop latency: how late a 5 ms QTimer fires, p50 / p99 (target p99 ≤ 50 ms),
-  * the redraw rate while playing at max speed (target ≥ 10 fps, or a frame per step when steps are slower: the
-    window paces its frames to keep the UI thread's CPU a share of the decoder's, see rendering.UI_SHARE),
+  * the redraw rate while playing at max speed (target: at least the pace's slowest, 5 fps, or a frame per step
+    when steps are slower: the window paces its frames to keep the UI thread's CPU a share of the decoder's, see
+    rendering.UI_SHARE),
   * the process's CPU time a step in both runs (on a shared machine the CPU a step moves less than the wall clock),
   * how late a 10 ms QTimer fires while the window loads the model on its worker (target p90 < 100 ms).
 Both runs use one BLAS thread, as the app does. With --ab: the A/B window's lockstep speed (two sessions)
@@ -244,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
     from pagevis.engine import ModelSpec, SessionConfig
+    from pagevis.gui.session import rendering
     from pagevis.model import set_blas_threads
 
     spec = ModelSpec(kind=args.model)
@@ -287,8 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"UI thread CPU: {ui:.0%} of one core while playing")
     print(f"CPU time a step (the process, every thread): GUI {statistics.median(CPU_MS['gui']):.1f} ms, headless "
           f"{statistics.median(CPU_MS['headless']):.1f} ms")
-    print(f"redraw rate: {fps:.1f} fps while playing, {fps / gui_speed:.2f} frames per token (target >= 10 fps, or "
-          f"one frame per step when steps are slower: {verdict(fps >= min(10.0, 0.9 * gui_speed))})")
+    slowest = 1 / rendering.MAX_FRAME_INTERVAL  # the pace never draws fewer frames while records arrive
+    print(f"redraw rate: {fps:.1f} fps while playing, {fps / gui_speed:.2f} frames per token (target >= "
+          f"{slowest:.0f} fps, the pace's slowest, or one frame per step when steps are slower: "
+          f"{verdict(fps >= 0.9 * min(slowest, gui_speed))})")
     if args.breakdown:
         print_breakdown(spec, config, args.steps)
     return 0
