@@ -266,9 +266,9 @@ def run(model: str = "smollm2", concurrencies=CONCURRENCIES, rates=None, num_pro
                 if warm.status != 200:
                     raise RuntimeError(f"the server refused the warm-up request: {warm.status} {warm.error}")
         levels = [("concurrency", c) for c in concurrencies or ()] + [("rate", r) for r in rates or ()]
-        for _ in range(rounds):
+        for index in range(rounds):  # each round its own users (seed + round): a round's prompts are not all cached
             for kind, value in levels:
-                level = _level(server, name, kind, value, num_prompts, max_tokens, seed, shared)
+                level = _level(server, name, kind, value, num_prompts, max_tokens, seed + index, shared)
                 result["levels"].append(level)
                 if progress is not None:
                     progress(format_level(level))
