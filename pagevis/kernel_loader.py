@@ -4,9 +4,9 @@ batch, fused and spin-pool kernels) and the cache's (decode attention, batched d
 A kernel compiled with an explicit signature compiles, or loads from numba's on-disk cache, when its module is
 imported (a first compile takes seconds: ~25 for the weight kernels). So the import:
 - holds the compile lock: a thread lock within the process (of two threads, one imports, the other then finds the
-  module) and a file lock (fcntl) on LOCK_NAME in the cache folder between processes (of two processes starting on
-  a new install, the app and `pagevis serve`, a test run's subprocesses, one compiles and the other waits, then
-  loads what it wrote from numba's cache, instead of both compiling). A lock another process has held for LOCK_WAIT
+  module) and a file lock (fcntl) on LOCK_NAME in the cache folder, one a numba cache, between processes (of two
+  processes starting on a new install, the app and `pagevis serve`, a test run's subprocesses, one compiles and the
+  other waits, then loads what it wrote from numba's cache, instead of both compiling). A lock another process has held for LOCK_WAIT
   seconds (one stopped while holding it would make every launch wait) is given up on: the kernels compile in memory,
   said in one line; later imports in the process then do not wait for it again (and compile in memory while it is
   still held, that line having said so).
@@ -34,7 +34,19 @@ from pathlib import Path
 from types import ModuleType
 from typing import IO, Any, TypeVar, overload
 
-LOCK_NAME = "weight-kernels.lock"  # (its name from when only the weight kernels took it)
+
+
+def _lock_name() -> str:
+    """One lock per numba cache of pagevis's kernels: numba keeps them beside the modules (or under NUMBA_CACHE_DIR),
+    so the processes of one install share it, and another checkout or install, compiling into its own cache, has its
+    own (it waited for the others' compiles when the lock was one a machine)."""
+    import hashlib
+
+    where = f"{Path(__file__).resolve().parent}|{os.environ.get('NUMBA_CACHE_DIR', '')}"
+    return f"kernels-{hashlib.sha256(where.encode()).hexdigest()[:12]}.lock"
+
+
+LOCK_NAME = _lock_name()
 # seconds an import waits for another process compiling kernels before compiling its own in memory; the test suite,
 # whose conftest compiles the weight kernels beside the first tests, waits longer
 LOCK_WAIT = float(os.environ.get("PAGEVIS_KERNEL_LOCK_WAIT", "15"))

@@ -174,6 +174,18 @@ def test_a_lock_another_process_holds_is_waited_for_a_bounded_time_then_compiled
     assert not list(tmp_path.rglob(f"{first}.*.nbi"))  # in memory: nothing written
 
 
+def test_the_file_lock_is_one_a_numba_cache_not_one_a_machine(monkeypatch):
+    """Another checkout or NUMBA_CACHE_DIR compiles into its own cache: it takes its own lock, and never waits for
+    this one's compiles (the helpers' checkouts on one machine did)."""
+    here = kernel_loader._lock_name()
+    assert here == kernel_loader.LOCK_NAME
+    monkeypatch.setenv("NUMBA_CACHE_DIR", "/another/numba/cache")
+    assert kernel_loader._lock_name() != here
+    monkeypatch.setattr(kernel_loader, "__file__", "/another/checkout/pagevis/kernel_loader.py")
+    monkeypatch.delenv("NUMBA_CACHE_DIR")
+    assert kernel_loader._lock_name() != here
+
+
 def test_a_module_numba_cannot_compile_is_an_error_naming_it(kernel_module, capsys):
     name = kernel_module(UNTYPABLE)
     with pytest.raises(KernelLoadError, match=rf"numba could not compile the broken kernels \({name}\): TypingError"):
