@@ -129,6 +129,18 @@ def test_eight_clients_over_one_is_of_the_medians_by_wall_clock_and_by_cpu():
     assert eight_over_one(levels[:1]) == {}
 
 
+def test_a_bench_server_that_does_not_start_in_time_is_stopped(monkeypatch):
+    """A server the bench gives up on is not left running (a `with` whose __enter__ raises never exits)."""
+    from pagevis.bench import serve
+
+    monkeypatch.setattr(serve, "START_SECONDS", 0.0)
+    server = serve.ServerProcess("synthetic")
+    with pytest.raises(RuntimeError, match="did not start within 0 s"):
+        with server:
+            pass
+    assert server.process.poll() is not None
+
+
 def test_bench_serve_bad_arguments(capsys):
     assert main(["bench", "serve", "--request-rate", "0"]) == 2
     assert "--request-rate" in capsys.readouterr().err
