@@ -2,20 +2,25 @@
 
 A weight read once serves every row, and each row's result is bit for bit the matrix-vector kernel's for that row
 alone (weight_kernels.py), so a batched decode is the same arithmetic as decoding each sequence by itself. Per tile
-of 64 output rows and group of G weights (32; Q6_K 16) the group's codes are converted to float32 once into a
-(G, 64) block that stays in L1 (the 4-bit codes in the matrix-vector kernel's order: weight j, then j + 16); then,
-ROWS batch rows at a time, a register block of ROWS x 64 sums (16 zmm registers at 4 rows) takes the group's sums
-straight from the block, and each row's sum is scaled into its output as the matrix-vector kernel scales it:
+of 64 output rows and group of G weights (32; Q6_K 16), the rows take their group sums in a register block of 16
+zmm registers, and each row's sum is scaled into its output as the matrix-vector kernel scales it:
     out[i, r] += d[g, r] * (sum_j q[g, j, r] x[i, j]) + m[g, r] * (sum_j x[i, j])
-every multiply and add in the matrix-vector kernel's order, none fused (an FMA rounds once where it rounds twice).
-The register block is written in LLVM IR (`_sums`: numba's loops spilled such blocks or left the code loop rolled),
+every multiply and add in the matrix-vector kernel's order, none fused (an FMA rounds once where it rounds twice);
+the codes (4-bit ones in the matrix-vector kernel's order: weight j, then j + 16) are exact small integers in float32:
+- up to FUSED_ROWS = 8 rows: per half tile (PART = 32 outputs, 2 registers a row) the block holds 8 rows' sums, the
+  group's codes converted to float32 in registers as they are used, each conversion serving every row;
+- more rows (16, and a prefill's 64 at a time): the group's codes converted once into a (G, 64) float32 block that
+  stays in L1, then read by blocks of ROWS = 4 rows x a whole tile (4 x 4 registers).
+The register blocks are written in LLVM IR (`_sums`: numba's loops spilled such blocks or left the code loop rolled),
 a multiply and an add per code and row: Zen's add pipes take the adds beside the multiplies on the FMA pipes, so
-this runs at the FMA rate.
+they run at the FMA rate (~95-100 GMAC/s a core here).
 
-Measured (one thread, Zen 5, CPU time of every SmolLM2 product of a token, best of 3, load 5.8, one interleaved run;
-docs/speed.md, batches): 8 rows 26.5 -> 16.7 ms (the previous kernel: two rows per code load, sums in numba loops
-with FMA), 16 rows 43.3 -> 28.7 ms (75 GMAC/s), 2 rows 8.0 -> 7.7 ms; one row through the matrix-vector kernel 4.9.
-Each extra row costs ~1.4 ms (~95 GMAC/s); the rest (~5 ms) is converting the codes and reading the weights.
+Measured (one thread, CPU time of every SmolLM2 product of a token, best of 5, load 6-6.7, this kernel against the
+block-only one in one interleaved run, 2 rounds): 2 rows 8.6 / 10.0 -> 5.8 / 5.7 ms, 4 rows 12.0 / 13.4 -> 9.2 / 9.0,
+8 rows 17.8 / 19.4 -> 15.7 / 15.9; 16 rows take the block path as before (29.2 / 32.1 -> 28.2 / 26.9, noise). The
+block's conversion is a pass of its own, ~4.6 ms a token at any row count; converting in the register block costs
+what that pass did at 16 rows (done for each 8, 30.5 -> 30.6-30.9 ms), since it shares the float pipes with the
+multiplies and adds, and converting once for 8 rows while storing the codes for the next 8 measured slower (32-35).
 
 Compiled on first use (under weight_kernels' compile lock) and kept in numba's on-disk cache like weight_kernels.py's.
 """
@@ -31,23 +36,33 @@ from pagevis.model.weight_kernels import (_I8, _MAT, _NIB, _OPTIONS, HALF, Q4_0,
                                          _prefetch_ahead, _scales)
 
 TILE = 64
-LANES = 16  # float32 lanes of a 512-bit register: a tile's 64 outputs are 4 registers a row
-ROWS = 4  # batch rows a register block (4 x 4 registers of sums); 5 and 6 measured slower or alike
+LANES = 16  # float32 lanes of a 512-bit register
+# up to FUSED_ROWS rows: the codes converted in the register block, which covers PART outputs of FUSED_ROWS rows
+# (8 x 2 registers of sums); more rows: each group's codes converted once into a float32 block, then read by
+# register blocks of a whole tile's outputs and ROWS rows (4 x 4 registers)
+PART, FUSED_ROWS = 32, 8
+ROWS = 4
 
 
-def _sums(size: int, pairs: bool, offsets: bool):
-    """An intrinsic: for batch rows i < rows (1 to ROWS, read at run time) and a tile's 64 outputs r,
+def _sums(size: int, pairs: bool, offsets: bool, fused: bool):
+    """An intrinsic: for batch rows i < rows (1 to FUSED_ROWS (fused) or ROWS, read at run time) and PART (fused) or
+    TILE outputs r of a tile,
         acc[i, r] = acc[i, r] + (d[r] * s[i, r] + m[r] * xsum[i])     (offsets; else acc[i, r] + d[r] * s[i, r])
         s[i, r] = (((0 + c[0, r] x[i, k(0)]) + c[1, r] x[i, k(1)]) + ...)  over the group's `size` codes
-    where k(j) = j // 2 + 16 (j % 2) for 4-bit codes (pairs: the matrix-vector kernel's low then high nibble) and
-    j otherwise. Arguments are addresses (int64) and byte strides: c (size, 64) float32 codes; x, row 0's first
-    input of the group (row i at x + i * x_stride); d, m (64) float32; xsum, row 0's group sum (stride
-    xsum_stride); acc (rows, 64) float32, contiguous. Straight-line code for each row count, chosen by a switch."""
+    where k(j) = j // 2 + 16 (j % 2) for 4-bit codes (pairs: c[j] is byte j // 2's low nibble for even j, its high
+    nibble for odd j, the matrix-vector kernel's order) and j otherwise (c[j] is byte j, signed); each code converted
+    to float32 in a register as it is used (fused; exact: the value the matrix-vector kernel multiplies) or read from
+    the group's float32 block (size, TILE) `_u4_codes` / `_i8_codes` wrote. Arguments are addresses (int64) and byte
+    strides: q, the first code byte (fused: a group's line of 64 bytes per byte row) or the float32 block; x,
+    row 0's first input of the group (row i at x + i * x_stride); d, m (PART) float32; xsum, row 0's group sum (stride
+    xsum_stride); acc, row 0's first sum (row i at acc + i * TILE * 4). Straight-line code for each row count, chosen
+    by a switch."""
     order = [j // 2 + 16 * (j % 2) for j in range(size)] if pairs else list(range(size))
-    f32, i32, i64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
-    vec = ir.VectorType(f32, LANES)
+    f32, i8, i32, i64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+    vec, ints, bytes_ = ir.VectorType(f32, LANES), ir.VectorType(i32, LANES), ir.VectorType(i8, LANES)
+    vectors, most = (PART // LANES, FUSED_ROWS) if fused else (TILE // LANES, ROWS)
 
-    def block(builder, rows, c, x, x_stride, d, m, xsum, xsum_stride, acc):
+    def block(builder, rows, q, x, x_stride, d, m, xsum, xsum_stride, acc):
         def address(base, offset):
             return builder.add(base, offset if isinstance(offset, ir.Value) else ir.Constant(i64, offset))
 
@@ -57,20 +72,31 @@ def _sums(size: int, pairs: bool, offsets: bool):
         def broadcast(base, offset):
             scalar = builder.load(builder.inttoptr(address(base, offset), f32.as_pointer()), align=4)
             one = builder.insert_element(ir.Constant(vec, None), scalar, ir.Constant(i32, 0))
-            return builder.shuffle_vector(one, ir.Constant(vec, None), ir.Constant(ir.VectorType(i32, LANES),
-                                                                                  [0] * LANES))
+            return builder.shuffle_vector(one, ir.Constant(vec, None), ir.Constant(ints, [0] * LANES))
+
+        def codes_of(j, v):
+            if not fused:
+                return load_vector(q, (j * TILE + v * LANES) * 4)
+            packed = builder.load(builder.inttoptr(address(q, (j // 2 if pairs else j) * TILE + v * LANES),
+                                                   bytes_.as_pointer()), align=1)
+            if not pairs:
+                return builder.sitofp(builder.sext(packed, ints), vec)
+            wide = builder.zext(packed, ints)
+            nibble = (builder.and_(wide, ir.Constant(ints, [15] * LANES)) if j % 2 == 0
+                      else builder.lshr(wide, ir.Constant(ints, [4] * LANES)))
+            return builder.sitofp(nibble, vec)
 
         x_rows = [address(x, builder.mul(x_stride, ir.Constant(i64, i))) for i in range(rows)]
-        sums = [[ir.Constant(vec, [0.0] * LANES) for _ in range(TILE // LANES)] for _ in range(rows)]
+        sums = [[ir.Constant(vec, [0.0] * LANES) for _ in range(vectors)] for _ in range(rows)]
         for j, k in enumerate(order):
-            codes = [load_vector(c, (j * TILE + v * LANES) * 4) for v in range(TILE // LANES)]
+            codes = [codes_of(j, v) for v in range(vectors)]
             for i in range(rows):
                 xv = broadcast(x_rows[i], k * 4)
                 for v, code in enumerate(codes):
                     sums[i][v] = builder.fadd(sums[i][v], builder.fmul(code, xv))
         for i in range(rows):
             xs = broadcast(address(xsum, builder.mul(xsum_stride, ir.Constant(i64, i))), 0) if offsets else None
-            for v in range(TILE // LANES):
+            for v in range(vectors):
                 term = builder.fmul(load_vector(d, v * LANES * 4), sums[i][v])
                 if offsets:
                     term = builder.fadd(term, builder.fmul(load_vector(m, v * LANES * 4), xs))
@@ -79,7 +105,7 @@ def _sums(size: int, pairs: bool, offsets: bool):
 
     def codegen(context, builder, signature, args):
         done = builder.append_basic_block("done")
-        cases = [builder.append_basic_block(f"rows{rows}") for rows in range(1, ROWS + 1)]
+        cases = [builder.append_basic_block(f"rows{rows}") for rows in range(1, most + 1)]
         switch = builder.switch(args[0], cases[0])
         for rows, case in enumerate(cases, 1):
             switch.add_case(ir.Constant(i64, rows), case)
@@ -89,14 +115,17 @@ def _sums(size: int, pairs: bool, offsets: bool):
         builder.position_at_end(done)
         return context.get_dummy_value()
 
-    def typer(typingctx, rows, c, x, x_stride, d, m, xsum, xsum_stride, acc):
+    def typer(typingctx, rows, q, x, x_stride, d, m, xsum, xsum_stride, acc):
         return types.void(*([types.int64] * 9)), codegen
 
     return intrinsic(typer)
 
 
-# u4 (Q4_0, Q4_1, Q4_K), i8 groups of 32 (Q8_0, Q5_0) and of 16 (Q6_K)
-_U4_SUMS, _I8_SUMS, _I8_16_SUMS = _sums(32, True, True), _sums(32, False, False), _sums(16, False, False)
+# u4 (Q4_0, Q4_1, Q4_K), i8 groups of 32 (Q8_0, Q5_0) and of 16 (Q6_K): converting, and from a float32 block
+_U4_FUSED, _I8_FUSED, _I8_16_FUSED = (_sums(32, True, True, True), _sums(32, False, False, True),
+                                      _sums(16, False, False, True))
+_U4_SUMS, _I8_SUMS, _I8_16_SUMS = (_sums(32, True, True, False), _sums(32, False, False, False),
+                                   _sums(16, False, False, False))
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -125,38 +154,52 @@ def _u4_rows_tiles(qs, dh, ds, mh, ms, per, mode, X, t0, t1, out):
         xs[i] = _group_sums(X[i], 32)
     d, m, sup = np.empty(TILE, np.float32), np.empty(TILE, np.float32), np.empty((2, TILE), np.float32)
     c, acc = np.empty((32, TILE), np.float32), np.empty((n, TILE), np.float32)
-    stride, c_at, d_at, m_at = X.shape[1] * 4, c.ctypes.data, d.ctypes.data, m.ctypes.data
+    stride, d_at, m_at, group_bytes = X.shape[1] * 4, d.ctypes.data, m.ctypes.data, qs.shape[2] * TILE
     for t in range(t0, t1):
         acc[:] = 0
         for g in range(groups):
             _prefetch_ahead(qs, t, g)
             _nib_scales(dh, ds, mh, ms, per, mode, t, g, d, m, sup)
-            _u4_codes(qs, t, g, c)
-            for i in range(0, n, ROWS):
-                _U4_SUMS(min(ROWS, n - i), c_at, X.ctypes.data + (i * X.shape[1] + g * 32) * 4, stride, d_at, m_at,
-                          xs.ctypes.data + (i * groups + g) * 4, groups * 4, acc.ctypes.data + i * TILE * 4)
+            x_at, xs_at, acc_at = X.ctypes.data + g * 32 * 4, xs.ctypes.data + g * 4, acc.ctypes.data
+            if n <= FUSED_ROWS:
+                q_at = qs.ctypes.data + (t * groups + g) * group_bytes
+                for o in range(0, TILE, PART):
+                    _U4_FUSED(n, q_at + o, x_at, stride, d_at + o * 4, m_at + o * 4, xs_at, groups * 4, acc_at + o * 4)
+            else:
+                _u4_codes(qs, t, g, c)
+                for i in range(0, n, ROWS):
+                    _U4_SUMS(min(ROWS, n - i), c.ctypes.data, x_at + i * stride, stride, d_at, m_at,
+                             xs_at + i * groups * 4, groups * 4, acc_at + i * TILE * 4)
         out[:, (t - t0) * TILE:(t - t0 + 1) * TILE] = acc
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _i8_rows_tiles(qs, dh, ds, per, size, X, t0, t1, out):
-    n = X.shape[0]
+    n, groups = X.shape[0], qs.shape[1]
     d, sup = np.empty(TILE, np.float32), np.empty(TILE, np.float32)
     c, acc = np.empty((size, TILE), np.float32), np.empty((n, TILE), np.float32)
-    stride, c_at, d_at = X.shape[1] * 4, c.ctypes.data, d.ctypes.data
+    stride, d_at = X.shape[1] * 4, d.ctypes.data
     for t in range(t0, t1):
         acc[:] = 0
-        for g in range(qs.shape[1]):
+        for g in range(groups):
             _prefetch_ahead(qs, t, g)
             _scales(dh, ds, per, t, g, d, sup)
+            x_at, acc_at = X.ctypes.data + g * size * 4, acc.ctypes.data
+            if n <= FUSED_ROWS:
+                q_at = qs.ctypes.data + (t * groups + g) * size * TILE
+                for o in range(0, TILE, PART):
+                    if size == 32:
+                        _I8_FUSED(n, q_at + o, x_at, stride, d_at + o * 4, d_at, d_at, 0, acc_at + o * 4)
+                    else:
+                        _I8_16_FUSED(n, q_at + o, x_at, stride, d_at + o * 4, d_at, d_at, 0, acc_at + o * 4)
+                continue
             _i8_codes(qs, t, g, c)
             for i in range(0, n, ROWS):
-                rows, acc_at = min(ROWS, n - i), acc.ctypes.data + i * TILE * 4
-                x_at = X.ctypes.data + (i * X.shape[1] + g * size) * 4
+                rows, at = min(ROWS, n - i), acc_at + i * TILE * 4
                 if size == 32:
-                    _I8_SUMS(rows, c_at, x_at, stride, d_at, d_at, d_at, 0, acc_at)
+                    _I8_SUMS(rows, c.ctypes.data, x_at + i * stride, stride, d_at, d_at, d_at, 0, at)
                 else:
-                    _I8_16_SUMS(rows, c_at, x_at, stride, d_at, d_at, d_at, 0, acc_at)
+                    _I8_16_SUMS(rows, c.ctypes.data, x_at + i * stride, stride, d_at, d_at, d_at, 0, at)
         out[:, (t - t0) * TILE:(t - t0 + 1) * TILE] = acc
 
 
