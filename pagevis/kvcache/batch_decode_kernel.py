@@ -8,8 +8,9 @@ the weights (B, n_heads, widest * page_size), normalised, exactly 0 on masked sl
 visible key gets zeros. What `attention_kernels.attend_decode_batch` computes over gathered keys, without the
 gather (a copy of every sequence's pages a layer) and without NumPy's calls on small arrays: for SmolLM2's 8 and
 16 sequences of ~40 tokens the batched attention took 7.3 and 11.4 ms of a step's CPU (docs/speed.md, batches).
-Query head h reads KV head h // group; dot products and sums in any order (fastmath reassoc), the exponential the
-single-sequence kernel's (decode_kernel._exp), so results agree with it and with float64 within float32 rounding.
+Query head h reads KV head h // group; dot products and sums in any order (fastmath reassoc), the softmax the
+single-sequence kernel's (decode_kernel._softmax: its exponential, normalised before the values), so results agree
+with it and with float64 within float32 rounding.
 Compiled once and kept in numba's on-disk cache, as decode_kernel.py is.
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from pagevis.kvcache.decode_kernel import _exp
+from pagevis.kvcache.decode_kernel import _softmax
 
 _SIGNATURE = ("void(float32[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], int64[:, ::1], int64[::1], "
               "float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1])")
@@ -26,16 +27,17 @@ _SIGNATURE = ("void(float32[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, 
 
 @njit(_SIGNATURE, cache=True, nogil=True, fastmath={"reassoc", "contract"}, error_model="numpy", boundscheck=False)
 def _attend(q, k, v, tables, n_pages, bias, out, weights):  # pragma: no cover (numba)
-    """Per sequence and KV head, each key and value row read once for the group's query heads."""
+    """Per sequence and KV head, each key and value row read once for the group's query heads; each head's softmax
+    decode_kernel's (`_softmax`: normalised before the values, as the one-sequence kernel does)."""
     batch, n_heads, d = q.shape
     ps = k.shape[2]
     group = n_heads // k.shape[0]
-    acc, peak = np.empty((group, d), np.float32), np.empty(group, np.float32)
+    acc = np.empty((group, d), np.float32)
     for b in range(batch):
         n = n_pages[b] * ps
+        rows = weights[b]
         for kv in range(k.shape[0]):
             first = kv * group
-            peak[:] = -np.inf
             for j in range(n):
                 score = bias[b, j]
                 page, slot = tables[b, j // ps], j % ps
@@ -46,30 +48,20 @@ def _attend(q, k, v, tables, n_pages, bias, out, weights):  # pragma: no cover (
                         for e in range(d):
                             dot += q[b, first + g, e] * k[kv, page, slot, e]
                         value += dot
-                        peak[g] = max(peak[g], value)
-                    weights[b, first + g, j] = value
-            acc[:] = 0
+                    rows[first + g, j] = value
             for g in range(group):
-                w, top, total = weights[b, first + g], peak[g], np.float32(0)
-                for j in range(n):
-                    x = _exp(w[j] - top) if top > -np.inf else np.float32(0)
-                    w[j] = x
-                    total += x
-                peak[g] = np.float32(1) / total if total > 0 else np.float32(0)  # now each head's 1 / total
+                _softmax(rows, first + g, n)
+            acc[:] = 0
             for j in range(n):
                 page, slot = tables[b, j // ps], j % ps
                 for g in range(group):
-                    x = weights[b, first + g, j]
+                    x = rows[first + g, j]
                     if x != 0:
                         for e in range(d):
                             acc[g, e] += x * v[kv, page, slot, e]
             for g in range(group):
-                h, inverse = first + g, peak[g]
-                for e in range(d):
-                    out[b, h, e] = acc[g, e] * inverse
-                for j in range(n):
-                    weights[b, h, j] *= inverse
-                weights[b, h, n:] = 0
+                out[b, first + g] = acc[g]
+                rows[first + g, n:] = 0
 
 
 @njit("void(float32[:, :, ::1], float32[:, :, ::1], int64[::1], int64[::1], float32[::1], int64[::1], int64[::1], "
