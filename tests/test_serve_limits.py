@@ -94,8 +94,10 @@ def test_each_cache_layout_gets_a_pool_and_a_budget_must_fit_it():
 
 
 def test_a_third_layout_while_two_pools_are_busy_is_429():
+    # the two streams must outlast the third request: the synthetic model decodes ~1,500 tokens/s, so 400 tokens
+    # (0.3 s) sometimes ended first on a loaded machine; 2,000 (its context is 2,048) keep both pools busy longer
     with running_server(max_pools=2) as running:
-        body = {"model": "synthetic", "prompt": "abc", "max_tokens": 400, "temperature": 0, "stream": True,
+        body = {"model": "synthetic", "prompt": "abc", "max_tokens": 2000, "temperature": 0, "stream": True,
                 "ignore_eos": True}
         outputs, threads = [[], []], []
         for i, page_size in enumerate((4, 8)):
