@@ -103,3 +103,22 @@ def test_coalesced_frames_lose_no_step_and_the_last_step_is_drawn(qtbot, window,
     assert window.renderer.frames - frames <= 3  # not one a step
     assert window.transport.position.text().startswith(f"step {last} / {last}")
     assert window.status_step.text().startswith(f"step {last}:")
+
+
+def test_pausing_at_max_speed_shows_the_exact_step_paused_at(qtbot, window, monkeypatch):
+    shown = {}
+    for view in window.views:
+        def show(state, view=view, draw=view.show_state):
+            shown[view.title] = state.index
+            draw(state)
+        monkeypatch.setattr(view, "show_state", show)
+    window.toggle_play()  # max speed: frames paced, records handed over in batches
+    qtbot.waitUntil(lambda: len(window.timeline) >= 10, timeout=20000)
+    window.toggle_play()
+    qtbot.waitUntil(lambda: not window.runner.busy, timeout=20000)
+    last = len(window.timeline) - 1
+    assert last == len(window.runner.session.records) - 1 and window.runner.state == "ready"
+    drawn = [view.title for view in window.views if window.renderer._shown(view)]
+    qtbot.waitUntil(lambda: all(shown.get(title) == last for title in drawn), timeout=2000)
+    assert window.index == last and window.transport.position.text().startswith(f"step {last} / {last}")
+    assert window.narration.text().startswith(f"step {last}:")
