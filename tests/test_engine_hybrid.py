@@ -266,6 +266,18 @@ def test_a_fork_behind_the_window_is_refused_and_one_at_the_end_continues():
     assert len(engine.requests[child].generated) > 0
 
 
+@pytest.mark.parametrize("at", [None, 3])
+def test_a_fork_of_a_prompt_shorter_than_the_window_is_allowed(at):
+    # nothing has slid out of the window yet (`run --n 2` on Gemma 3 with any short prompt was refused: "no longer
+    # holds position -1")
+    engine = Engine(MODEL, session_config(max_new_tokens=4))
+    seq = engine.submit(PROMPT[:W - 4])
+    engine.step()
+    child = engine.fork(seq, at)
+    list(engine.run())
+    assert len(engine.requests[child].generated) > 0
+
+
 def test_pages_held_counts_a_window_and_a_page_at_most():
     local, full = layer_specs((512, None), 2)
     assert pages_held(full, 4096, 16) == 256

@@ -445,7 +445,7 @@ class SlidingWindowManager(LayerManager):
 
     def check_fork(self, parent, n):
         slid = self.tables[parent.seq_id].slid
-        if n and slid >= first_visible(n, self.window):
+        if n and slid >= max(0, first_visible(n, self.window)):  # (slid -1: nothing slid out yet)
             raise ConfigError("n_tokens", n, f"at least {slid + self.window} for sequence "
                               f"{parent.seq_id}: local layer {self.layer} (window {self.window}) no longer holds "
                               f"position {slid}")
