@@ -149,6 +149,7 @@ class DecoderModel:
             k = flat[n * q_end:n * k_end].reshape(n, n_kv, d)
             v = flat[n * k_end:].reshape(n, n_kv, d)
         _fused().prepare_qkv(qkv, bias, q_norm, k_norm, eps, cos, sin, neox, query_scale, q, k, v)
+        del qkv  # (a long prefill's projections: not held through its attention, 25 MB for Gemma 3 at 4,096 tokens)
         out = attend(index, q, k, v, pos)
         if out.shape != q.shape:
             raise ValueError(f"attend returned shape {out.shape} for layer {index}, expected {q.shape}")
