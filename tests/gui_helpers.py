@@ -25,7 +25,8 @@ def make_window(qtbot, tmp_path, spec=SYNTH, prompt=PROMPT, config=CONFIG, resto
     window.resize(1400, 900)
     window.show()
     window.start()
-    qtbot.waitUntil(lambda: window.runner.state == "ready", timeout=20000)
+    # a hang guard: the first session of a process may compile numba kernels (10-25 s each at load 6 on 2 cores)
+    qtbot.waitUntil(lambda: window.runner.state == "ready", timeout=120_000)
     return window
 
 

@@ -163,7 +163,7 @@ def test_frames_are_paced_at_max_speed_but_a_chosen_playback_speed_draws_every_s
     def play(steps: int) -> tuple[int, int]:
         frames, start = window.renderer.frames, len(window.timeline)
         window.runner.step(steps)
-        qtbot.waitUntil(lambda: not window.runner.busy, timeout=20000)
+        qtbot.waitUntil(lambda: not window.runner.busy, timeout=120_000)
         return window.renderer.frames - frames, len(window.timeline) - start
 
     window.transport.speed.setCurrentIndex(2)  # 10 tok/s: the decoder waits between steps, every step is drawn
@@ -459,7 +459,7 @@ def test_the_gui_bench_breakdown_times_each_entry_point_into_python(qtbot, windo
     clock = UiClock()
     clock.instrument(window)
     window.runner.step(6)
-    qtbot.waitUntil(lambda: not window.runner.busy, timeout=20000)
+    qtbot.waitUntil(lambda: not window.runner.busy, timeout=120_000)
     window.redraw()
     qtbot.waitUntil(lambda: clock.seconds.get("paint: Page grid", 0) > 0, timeout=5000)
     for label in ("records arrive (timeline)", "update: Page grid", "update: Attention", "transport, narration"):

@@ -57,7 +57,7 @@ def test_an_ab_preset_plays_by_itself(qtbot, tmp_path):
     window.controls.presets.activated.emit(window.controls.presets.findData(preset))
     ab = window.ab_window
     qtbot.addWidget(ab)
-    qtbot.waitUntil(lambda: ab.timeline is not None and len(ab.timeline) >= 3, timeout=20000)
+    qtbot.waitUntil(lambda: ab.timeline is not None and len(ab.timeline) >= 3, timeout=120_000)
     ab.toggle_play()
     qtbot.waitUntil(lambda: not ab.runner.busy, timeout=10000)
 

@@ -362,7 +362,7 @@ def test_the_gemma_preset_runs_its_own_model_or_says_how_to_install_it(qtbot, wi
     tiny = Path(__file__).parent / "data" / "tiny-qwen2.gguf"
     monkeypatch.setattr(locate, "named_model_path", lambda name: tiny)
     controls.presets.activated.emit(controls.presets.findData(preset))
-    qtbot.waitUntil(lambda: window.runner.state != "loading" and window.runner.session is not before, timeout=20000)
+    qtbot.waitUntil(lambda: window.runner.state != "loading" and window.runner.session is not before, timeout=120_000)
     assert controls.model_spec().path == str(tiny) and window.runner.config.max_pages == 64
     assert controls.prompt() == preset.prompt_text()
 

@@ -28,7 +28,7 @@ def test_save_trace_from_the_menu_writes_on_a_worker_and_confirms(qtbot, tmp_pat
     action = next(a for a in window.menuBar().actions()[0].menu().actions() if a.text() == "&Save trace…")
     action.trigger()  # returns before the file is written: the window goes on
     assert window.files.savers and "Saving 5 steps" in window.statusBar().currentMessage()
-    qtbot.waitUntil(lambda: not window.files.savers, timeout=20000)
+    qtbot.waitUntil(lambda: not window.files.savers, timeout=120_000)
     assert len(read_trace(target).records) == 5
     assert window.files.saved_box.isVisible() and str(target) in window.files.saved_box.text()
     assert "Saved 5 steps" in window.statusBar().currentMessage()

@@ -165,6 +165,6 @@ def test_while_the_model_loads_the_views_show_the_pool_it_will_have(qtbot, tmp_p
     assert (window.page_grid.states == FREE).all()
     assert "loading" in window.attention.hint.toPlainText() and window.attention.hint.isVisible()
     assert window.metrics.capacity.value() == CONFIG.capacity
-    qtbot.waitUntil(lambda: window.runner.state == "ready", timeout=20000)
+    qtbot.waitUntil(lambda: window.runner.state == "ready", timeout=120_000)
     window.redraw()
     assert EMPTY_HINT in window.attention.hint.toPlainText()

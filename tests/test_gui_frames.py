@@ -91,7 +91,7 @@ def test_coalesced_frames_lose_no_step_and_the_last_step_is_drawn(qtbot, window,
     window.runner.hand_every = 60.0  # one hand-off for the whole run, as a slow UI would get
     frames, start = window.renderer.frames, len(window.timeline)
     window.runner.step(25)
-    qtbot.waitUntil(lambda: not window.runner.busy, timeout=20000)
+    qtbot.waitUntil(lambda: not window.runner.busy, timeout=120_000)
     qtbot.waitUntil(lambda: window.index == len(window.timeline) - 1)
     assert arrivals == [25] and len(window.timeline) - start == 25 == len(window.runner.session.records) - start
     assert [r.step for r in window.timeline.records] == list(range(len(window.timeline)))
@@ -113,9 +113,9 @@ def test_pausing_at_max_speed_shows_the_exact_step_paused_at(qtbot, window, monk
             draw(state)
         monkeypatch.setattr(view, "show_state", show)
     window.toggle_play()  # max speed: frames paced, records handed over in batches
-    qtbot.waitUntil(lambda: len(window.timeline) >= 10, timeout=20000)
+    qtbot.waitUntil(lambda: len(window.timeline) >= 10, timeout=120_000)
     window.toggle_play()
-    qtbot.waitUntil(lambda: not window.runner.busy, timeout=20000)
+    qtbot.waitUntil(lambda: not window.runner.busy, timeout=120_000)
     last = len(window.timeline) - 1
     assert last == len(window.runner.session.records) - 1 and window.runner.state == "ready"
     drawn = [view.title for view in window.views if window.renderer._shown(view)]

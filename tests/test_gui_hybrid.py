@@ -83,7 +83,7 @@ def test_the_sequences_window_gives_the_hybrid_pools_bytes_by_layer_type(qtbot, 
     seqs.start()
     for _ in range(12):
         seqs.step()
-        qtbot.waitUntil(lambda: not seqs.busy, timeout=20000)
+        qtbot.waitUntil(lambda: not seqs.busy, timeout=120_000)
     record = seqs.view.record
     local, global_ = record.hybrid.local, record.hybrid.global_
     assert 0 < local < global_  # layer 0's window let pages go that layer 1 keeps

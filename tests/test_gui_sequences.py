@@ -23,7 +23,7 @@ def step(qtbot, seqs, click: bool = False):
         qtbot.mouseClick(seqs.step_button, Qt.LeftButton)
     else:
         seqs.step()
-    qtbot.waitUntil(lambda: not seqs.busy, timeout=20000)
+    qtbot.waitUntil(lambda: not seqs.busy, timeout=120_000)
     return len(seqs.records) > count
 
 

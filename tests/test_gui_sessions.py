@@ -124,6 +124,6 @@ def test_a_first_launch_says_in_the_window_that_the_kernels_compile(qtbot, windo
     said = []
     window.runner.message.connect(said.append)
     window.controls.layers.setValue(3)  # another model: loaded again
-    qtbot.waitUntil(lambda: window.runner.state == "ready" and len(said) >= 3, timeout=20000)
+    qtbot.waitUntil(lambda: window.runner.state == "ready" and len(said) >= 3, timeout=120_000)
     compiling = [line for line in said if line.startswith("Compiling the model's kernels")]
     assert len(compiling) == 2 and compiling[-1].split(": ")[1].startswith("2 so far")

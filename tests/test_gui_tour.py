@@ -18,21 +18,21 @@ def test_the_tour_opens_and_runs_each_window_in_turn(qtbot, window):
     qtbot.addWidget(ab)
     assert tour.title.text() == STEPS[0][0] and tour.line.text() == STEPS[0][1]
     assert "StreamingLLM" in ab.windowTitle() and [c.policy for c in ab.configs()] == ["oldest", "sinks"]
-    qtbot.waitUntil(lambda: ab.timeline is not None and len(ab.timeline) >= 3, timeout=20000)  # it plays
+    qtbot.waitUntil(lambda: ab.timeline is not None and len(ab.timeline) >= 3, timeout=120_000)  # it plays
     ab.toggle_play()
     qtbot.waitUntil(lambda: not ab.runner.busy, timeout=10000)
     tour.next()
     seqs = window.files.sequences_window
     qtbot.addWidget(seqs)
     assert tour.title.text() == STEPS[1][0]
-    qtbot.waitUntil(lambda: len(seqs.records) >= 3, timeout=20000)  # running
+    qtbot.waitUntil(lambda: len(seqs.records) >= 3, timeout=120_000)  # running
     seqs.run_button.setChecked(False)
     qtbot.waitUntil(lambda: not seqs.busy, timeout=10000)
     tour.next()
     server = window.files.server_window
     qtbot.addWidget(server)
     assert tour.title.text() == STEPS[2][0] and tour.next_button.text() == "Finish"
-    qtbot.waitUntil(lambda: bool(server.latest), timeout=20000)  # serving
+    qtbot.waitUntil(lambda: bool(server.latest), timeout=120_000)  # serving
     server.run_button.setChecked(False)
     qtbot.waitUntil(lambda: server.worker is None, timeout=10000)
     tour.next()

@@ -26,7 +26,7 @@ def window(qtbot, tmp_path, qapp):
     window.resize(1200, 800)
     window.show()
     window.start()
-    qtbot.waitUntil(lambda: window.runner.state == "ready", timeout=20000)
+    qtbot.waitUntil(lambda: window.runner.state == "ready", timeout=120_000)
     return window
 
 
