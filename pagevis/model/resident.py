@@ -114,8 +114,7 @@ def release_linking_modules(dispatchers=None) -> int:
                         setattr(library, BITCODE, module.as_bitcode())
                     library._shared_module = None
                     released += 1
-    if released:
-        release_freed_heap()  # the IR's many small blocks
+    release_freed_heap()  # the IR's many small blocks (released here, or as each kernel loaded)
     return released
 
 
@@ -123,8 +122,9 @@ BITCODE = "_pagevis_bitcode"  # a library's linking module as bitcode, where rel
 
 
 def _keep_bitcode(library_class, binding) -> None:
-    """Once: a library loaded from numba's cache keeps the linking module's bitcode the cache gave, and a library
-    whose linking module was released parses it again from that bitcode when numba asks for it."""
+    """Once: a library loaded from numba's cache from now on keeps the linking module's bitcode the cache gave and
+    releases the module itself as soon as it is loaded, and a library whose linking module was released parses it
+    again from that bitcode when numba asks for it."""
     if getattr(library_class._get_module_for_linking, "parses_released", False):
         return
     linking, unserialize = library_class._get_module_for_linking, library_class._unserialize.__func__
@@ -136,8 +136,9 @@ def _keep_bitcode(library_class, binding) -> None:
 
     def unserialized(cls, codegen, state):
         library = unserialize(cls, codegen, state)
-        if state[1] == "object":  # (name, kind, (object code, linking bitcode))
-            setattr(library, BITCODE, state[2][1])
+        if state[1] == "object":  # (name, kind, (object code, linking bitcode)): released at once, so that a
+            setattr(library, BITCODE, state[2][1])  # module's kernels loading one after another hold one's IR at most
+            library._shared_module = None
         return library
 
     module_for_linking.parses_released = True  # type: ignore[attr-defined]
