@@ -26,7 +26,8 @@ QT = ("PySide6", "shiboken6", "pyqtgraph", "superqt", "qtpy", "PyQt5", "PyQt6")
 # Each package of pagevis (or module at its top), and the other pagevis packages and modules it may import.
 # An entry allows that package or module and everything under it; `pagevis` itself (the version string)
 # is allowed everywhere. Anything else is refused, and a new package must be given a row here.
-FOUNDATION = {"errors", "settings", "system_memory", "token_times", "kernel_intrinsics", "kernel_loader"}
+FOUNDATION = {"errors", "settings", "system_memory", "token_times", "kernel_intrinsics", "kernel_loader",
+              "query_blocks"}
 ALLOWED: dict[str, set[str]] = {
     # One error type for a bad setting, used by every layer.
     "errors": set(),
@@ -41,6 +42,8 @@ ALLOWED: dict[str, set[str]] = {
     "kernel_intrinsics": set(),
     # The one way a kernel module is imported (a compile lock, a damaged cache healed), for the model and the cache.
     "kernel_loader": set(),
+    # How many queries of a long prefill attend at once, alike in the cache's attention and the model's dense one.
+    "query_blocks": set(),
     # The paged KV cache, its policies and attention: the bottom layer; it knows none of the layers above.
     "kvcache": FOUNDATION,
     # The model: forward passes over an attention function the caller passes in.

@@ -10,7 +10,8 @@ from test_attention_kernel import reference
 
 from pagevis.kvcache import CacheConfig, KVCacheManager
 from pagevis.kvcache import attention_kernels as kernels
-from pagevis.model import decoder, dense, set_blas_threads
+from pagevis import query_blocks
+from pagevis.model import decoder, set_blas_threads
 from pagevis.model.dense import DenseAttention
 from pagevis.model.synthetic import SyntheticModel
 
@@ -42,9 +43,9 @@ def test_aligned_blocks_equal_one_block_bit_for_bit(monkeypatch, n_kv, group, d,
     q, keys, values, bias, key_positions, q_positions = _problem(n_kv, group, d, n, dtype)
     whole = kernels.attend(q, keys, values, bias, key_positions, q_positions, window)
     n_keys = keys.shape[1]
-    monkeypatch.setattr(kernels, "SCORE_BYTES", 4 * n_kv * group * n_keys * 200)  # room for 200 queries a block
-    rows = kernels.query_block(n, n_kv * group, n_keys, n_kv)
-    assert 1 < rows < n and rows * group % kernels.ROW_ALIGN == 0
+    monkeypatch.setattr(query_blocks, "SCORE_BYTES", 4 * n_kv * group * n_keys * 200)  # room for 200 queries a block
+    rows = query_blocks.query_block(n_kv * group, n_keys, n_kv)
+    assert 1 < rows < n and rows * group % query_blocks.ROW_ALIGN == 0
     blocked = kernels.attend(q, keys, values, bias, key_positions, q_positions, window)
     last = kernels.attend(q, keys, values, bias, key_positions, q_positions, window, all_weights=False)
     assert np.array_equal(blocked.output, whole.output) and np.array_equal(blocked.weights, whole.weights)
@@ -53,8 +54,8 @@ def test_aligned_blocks_equal_one_block_bit_for_bit(monkeypatch, n_kv, group, d,
 
 def test_unaligned_blocks_down_to_one_query_keep_the_causal_mask_and_match_float64(monkeypatch):
     q, keys, values, bias, key_positions, q_positions = _problem(2, 3, 32, 40, "float32", seed=3)
-    monkeypatch.setattr(kernels, "SCORE_BYTES", 1)  # one query a block
-    assert kernels.query_block(40, 6, keys.shape[1], 2) == 1
+    monkeypatch.setattr(query_blocks, "SCORE_BYTES", 1)  # one query a block
+    assert query_blocks.query_block(6, keys.shape[1], 2) == 1
     blocked = kernels.attend(q, keys, values, bias, key_positions, q_positions)
     out, weights = reference(q, keys, values, bias, key_positions, q_positions)
     assert np.abs(blocked.output - out).max() < 1e-5 and np.abs(blocked.weights - weights).max() < 1e-6
@@ -90,7 +91,7 @@ def _statistics(state) -> dict:
 @pytest.mark.parametrize("policy", ["h2o", "snapkv", "tova", "none"])
 def test_a_policys_statistics_after_a_blocked_prefill_are_the_whole_ones(monkeypatch, policy):
     whole = _prefill(policy, 400, True)
-    monkeypatch.setattr(kernels, "SCORE_BYTES", 4 * 6 * 408 * 100)  # 64 queries a block (group 3: 192 rows)
+    monkeypatch.setattr(query_blocks, "SCORE_BYTES", 4 * 6 * 408 * 100)  # 64 queries a block (group 3: 192 rows)
     for all_weights in (True, False):  # the engine asks for the last row only; a policy that reads them gets all
         blocked = _prefill(policy, 400, all_weights)
         for a, b in zip(whole[0] + whole[1], blocked[0] + blocked[1], strict=True):
@@ -112,6 +113,6 @@ def test_the_feed_forward_in_row_blocks_and_dense_attention_in_query_blocks_chan
     whole = logits()
     monkeypatch.setattr(decoder, "MLP_ROWS", 192)  # 192, 192, 116
     assert np.array_equal(logits(), whole)
-    monkeypatch.setattr(dense, "SCORE_BYTES", 4 * 4 * 500 * 100)  # 96 queries a block (group 2: 192 rows)
-    assert dense._query_block(4, 2, 500) == 96
+    monkeypatch.setattr(query_blocks, "SCORE_BYTES", 4 * 4 * 500 * 100)  # 96 queries a block (group 2: 192 rows)
+    assert query_blocks.query_block(4, 500, 2) == 96
     assert np.array_equal(logits(), whole)

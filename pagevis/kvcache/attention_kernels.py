@@ -28,6 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pagevis.kernel_loader import import_kernels
+from pagevis.query_blocks import query_block
 
 CHUNK_BYTES = 1 << 20  # float16 keys (or values) of all KV heads converted to float32 at once: fits in L2
 DECODE_ROWS = 32  # up to this many rows (queries x group) per KV head, key blocks are measured; above, gemm
@@ -73,7 +74,7 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_bias: np.nda
     (the causal mask of a prefill chunk), and with a `window` only those > q_positions[i] - window (a
     sliding-window layer). For a single decode query without a window every resident key is visible.
     Weights: every query's (n, n_heads, T) with `all_weights`, else the last query's only (1, n_heads, T).
-    Queries go in blocks of `query_block` (a prefill's scores stay within SCORE_BYTES): each row's arithmetic is
+    Queries go in blocks of `query_block` (query_blocks.py: a prefill's scores stay within SCORE_BYTES): each row's arithmetic is
     the same in any aligned block, so blocks change no bit of the result (with one BLAS thread, as pagevis runs).
     """
     n = q.shape[0]
@@ -81,7 +82,7 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_bias: np.nda
         position = -1 if q_positions is None else int(q_positions[0])
         return attend_decode(q, np.ascontiguousarray(keys), np.ascontiguousarray(values), keys.shape[1], key_bias,
                              key_positions if window and position >= 0 else None, position, window)
-    rows = query_block(n, q.shape[1], keys.shape[1], keys.shape[0])
+    rows = query_block(q.shape[1], keys.shape[1], keys.shape[0])
     if rows >= n:  # one block
         weights, output, _, _ = _attention(q, keys, values, key_bias, key_positions, q_positions, window=window)
         return AttentionResult(_ungroup(output, n), _ungroup(weights, n) if all_weights else _last_row(weights, n))
@@ -102,24 +103,6 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_bias: np.nda
         del weights, part  # (the next block's arrays take their place, not stack on them)
     assert every is not None
     return AttentionResult(output, every)
-
-
-SCORE_BYTES = 16 << 20  # a prefill's scores (queries x heads x keys, float32) at most this many bytes a block
-# A block's rows (its queries x the group, per KV head) are a multiple of this where the budget allows: BLAS's
-# kernels compute a tile of 16, 24, 32, 48 or 64 rows (by CPU) in one order and a shorter tail in another, so
-# blocks aligned to every tile give each row the bits the whole product gives it (OpenBLAS's Haswell sgemm: 24)
-ROW_ALIGN = 192
-
-
-def query_block(n: int, n_heads: int, n_keys: int, n_kv: int = 1) -> int:
-    """Queries a block of `attend`: as many as keep the scores within SCORE_BYTES, in whole ROW_ALIGN rows of each
-    KV head's group when that fits (else as many as fit, at least one). A prefill of a few hundred tokens is one
-    block; over 4,096 keys SmolLM2's 9 heads take 64 queries a block, not 604 MB of scores for the 4,096 queries of
-    one layer (llama.cpp's ubatch: 512 queries)."""
-    fit = max(1, SCORE_BYTES // (4 * n_heads * max(n_keys, 1)))
-    group = max(1, n_heads // max(n_kv, 1))
-    align = ROW_ALIGN // math.gcd(ROW_ALIGN, group)  # queries whose rows are whole ROW_ALIGN multiples
-    return fit // align * align if fit >= align else fit
 
 
 def _last_row(grouped: np.ndarray, n: int) -> np.ndarray:

@@ -6,6 +6,7 @@ import numpy as np
 
 from pagevis.model.config import ModelConfig
 from pagevis.model.weight_threads import split
+from pagevis.query_blocks import query_block
 
 
 class _LayerCache:
@@ -30,18 +31,6 @@ class _LayerCache:
         self.positions[self.length:end] = positions
         self.length = end
         self.newest = max(self.newest, int(positions.max()))
-
-
-SCORE_BYTES = 16 << 20  # a long prefill's scores (queries x heads x keys, float32) at most this many bytes at once
-ROW_ALIGN = 192  # a block's rows a KV head: a multiple of BLAS's row tiles (16-64), so no bit moves
-
-
-def _query_block(n_heads: int, n_kv: int, n_keys: int) -> int:
-    """Queries attended at once: as many as keep the scores within SCORE_BYTES, whole ROW_ALIGN rows of each KV
-    head's group where that fits (as the paged cache's kernels block them: kvcache/attention_kernels.py)."""
-    fit = max(1, SCORE_BYTES // (4 * n_heads * max(n_keys, 1)))
-    align = ROW_ALIGN // np.gcd(ROW_ALIGN, n_heads // n_kv)
-    return int(fit // align * align if fit >= align else fit)
 
 
 def _grown(array: np.ndarray, capacity: int) -> np.ndarray:
@@ -75,7 +64,7 @@ class DenseAttention:
         cache.append(k, v, positions)
         n, n_heads = q.shape[:2]
         out = np.empty_like(q, dtype=np.float32)
-        block = _query_block(n_heads, cache.keys.shape[1], cache.length)
+        block = query_block(n_heads, cache.length, cache.keys.shape[1])  # (as the paged cache blocks them)
 
         def work(t0: int, t1: int, private: bool) -> np.ndarray | None:
             target = np.empty((t1 - t0, *q.shape[1:]), np.float32) if private else out[t0:t1]
