@@ -136,6 +136,12 @@ def load_decode_kernel() -> bool:
     return True
 
 
+def batch_decode_kernels() -> ModuleType:
+    """batch_decode_kernel.py (several sequences' decode attention through their block tables, and their K/V
+    written in one call), imported on first use through kernel_loader.import_kernels."""
+    return import_kernels("pagevis.kvcache.batch_decode_kernel", "the batched decode kernels")
+
+
 def attend_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_keys: int, key_bias: np.ndarray | None,
                   key_positions: np.ndarray | None, position: int, window: int | None,
                   write: tuple[int, np.ndarray, np.ndarray] | None = None) -> AttentionResult:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagevis.kernel_loader import import_kernels
 from pagevis.kvcache import attention_kernels as kernels, eviction
 from pagevis.kvcache.attention_kernels import AttentionResult, attend_decode_batch
 from pagevis.kvcache.layer_managers import LayerManager
@@ -193,8 +192,7 @@ def attend_stacked(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray
         if seq.policy.uses_queries or seq.channels is not None:
             observe_queries(seq, own.state, index, q[i: i + 1], positions[i: i + 1])
     if store.k.dtype == np.float32:  # K/V read in place through the tables, one numba call
-        kernel = import_kernels("pagevis.kvcache.batch_decode_kernel", "the batched decode attention kernel")
-        output, weights = kernel.attend_tables(q, store.k, store.v, padded, lengths // ps, bias)  # (loaded once)
+        output, weights = kernels.batch_decode_kernels().attend_tables(q, store.k, store.v, padded, lengths // ps, bias)
     else:
         n_kv, _, _, head_dim = store.k.shape
         keys = store.k[:, padded].reshape(n_kv, len(seqs), widest * ps, head_dim)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagevis.kernel_loader import import_kernels
 from pagevis.kvcache import quant
+from pagevis.kvcache.attention_kernels import batch_decode_kernels
 from pagevis.kvcache.block_pool import BlockPool
 from pagevis.kvcache.disk_tier import DiskTier
 from pagevis.kvcache.ram_tier import RamTier, TierCounts
@@ -174,9 +174,8 @@ class PageStore:
         """`write` of several tokens at once: row rows[i] of k, v (B, n_kv_heads, head_dim) and positions (B,) into
         flat slot flats[i] (distinct slots), in one numba call. Float32 RAM pages only (`in_place`: frames are page
         ids, `k_rows` / `v_rows` the pool; no Quest bounds): kvcache/batch_writes.py."""
-        kernel = import_kernels("pagevis.kvcache.batch_decode_kernel", "the batched decode attention kernel")
-        kernel.write_rows(self.k_rows, self.v_rows, self.positions, self.fill, self.tier.bias, flats, rows, k, v,
-                          positions, self.page_size)
+        batch_decode_kernels().write_rows(self.k_rows, self.v_rows, self.positions, self.fill, self.tier.bias, flats,
+                                          rows, k, v, positions, self.page_size)
         self.newest = max(self.newest, int(positions[rows].max()))
 
     def mark_written(self, flat: int, page: int, frame: int, slot: int, position: int) -> None:
