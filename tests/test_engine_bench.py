@@ -8,6 +8,7 @@ import pytest
 
 from pagevis.bench import engine as bench
 from pagevis.bench.synthetic_gguf import write_q4_k_m_gguf
+from pagevis.cli import options
 from pagevis.cli.main import main
 from pagevis.model.weight_threads import set_weight_threads
 
@@ -63,21 +64,23 @@ def test_the_subcommands_refuse_bad_options_in_one_line(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("policy", ["h2o", "sinks:compress_every=8"])
-def test_the_policy_worker_times_decode_steps_with_the_cache_full(tiny_file, policy):
+@pytest.mark.parametrize("policy, params", [("h2o", {}), ("sinks", {"compress_every": 8})])
+def test_the_policy_worker_times_decode_steps_with_the_cache_full(tiny_file, policy, params):
     # the prompt overflows the cache: it is prefilled in chunks (of 8 with compress_every=8) before the first token,
     # and none of those chunks is timed as decoding
-    out = bench.engine_worker(tiny_file, 1, 3, (300,), policy=policy)
+    out = bench.engine_worker(tiny_file, 1, 3, (300,), policy=policy, policy_params=params)
     assert out["decode_300"] > 0 and out["timed_decode_steps_300"] == 3
     split = out["split_300"]
     assert sum(split[part] for part in bench.PARTS) == pytest.approx(split["wall"], rel=1e-6)
 
 
 def test_a_policy_with_a_parameter_is_run_with_it():
-    assert bench.policy_spec("expected-attention:compress_every=1") == ("expected-attention", {"compress_every": 1})
-    config = bench._policy_config("expected-attention:compress_every=1", 8)
+    assert options.parse_policy_item("expected-attention:compress_every=1", "--policies") == (
+        "expected-attention", {"compress_every": 1})
+    every = next(p for p in bench.TOKEN_POLICIES if p.label == "expected-attention:compress_every=1")
+    config = bench.policy_config(every.name, every.params, 8)
     assert config.policy == "expected-attention" and dict(config.policy_params) == {"compress_every": 1}
-    assert dict(bench._policy_config("expected-attention", 8).policy_params) == {}
+    assert dict(bench.policy_config("expected-attention", {}, 8).policy_params) == {}
 
 
 def test_the_policy_report_states_each_rate_over_sinks_in_the_same_round(monkeypatch, tiny_file):
@@ -89,7 +92,7 @@ def test_the_policy_report_states_each_rate_over_sinks_in_the_same_round(monkeyp
                 "split_512": {part: 1.0 for part in ("wall", *bench.PARTS)}}
 
     monkeypatch.setattr(bench, "run_worker", worker)
-    result = bench.run_policy_bench(2, 4, tiny_file, ("h2o",), say=lambda text: None)
+    result = bench.run_policy_bench(2, 4, tiny_file, (bench.plain("h2o"),), say=lambda text: None)
     h2o = next(row for row in result["rows"] if row["name"] == "h2o")
     assert h2o["over_sinks_rounds"] == [0.5, 1.0] and h2o["over_sinks"] == 0.75 and h2o["over_sinks_cpu"] == 0.75
     assert "h2o" in bench.format_policy_report(result) and "0.75x" in bench.format_policy_report(result)
@@ -98,7 +101,9 @@ def test_the_policy_report_states_each_rate_over_sinks_in_the_same_round(monkeyp
 @pytest.mark.parametrize("argv, message", [
     (["bench", "engine", "--policies", "sinks,nothing"], "--policies: nothing: all, or names from"),
     (["bench", "engine", "--policies", "all", "--prompts", "100"], "--prompts 100: with --policies, more than"),
-    (["bench", "engine", "--policies", "sinks:n_sink"], "--policies: sinks:n_sink: all, or names from"),
+    (["bench", "engine", "--policies", "sinks:n_sink"], "--policies 'n_sink': expected KEY=VALUE"),
+    (["bench", "engine", "--policies", "sinks,nothing:n_sink=4"], "--policies: nothing:n_sink=4: all, or names from"),
+    (["bench", "engine", "--policies", "sinks:n_sink=x"], "sinks.n_sink = 'x' is not allowed"),
 ])
 def test_the_policy_bench_refuses_bad_options_in_one_line(capsys, argv, message):
     assert main(argv) == 2

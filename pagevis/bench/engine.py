@@ -23,6 +23,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,11 +34,27 @@ PROMPTS = (23, 512)
 PAGE_SIZE = 16
 TEXT = "pride-and-prejudice-ch1"  # the policies' prompt: presets.DEFAULT_TEXT, compare's text
 POLICY_PAGES = 16  # the policies' row: 16 pages of 16 tokens, after a 512-token prompt every step evicts
+
+
+class PolicyRun(NamedTuple):
+    """A policy the bench decodes with: its row's label (as --policies names it), its name and its parameters."""
+
+    label: str
+    name: str
+    params: dict
+
+
+def plain(name: str) -> PolicyRun:
+    return PolicyRun(name, name, {})
+
+
 # the policies that choose tokens (adakv: KV heads' entries) under the cache's budget as each one arrives (not
 # kvzip's one-shot compression, threshold's pruning, the page policies, duo's per-layer budgets), sinks first:
 # the others' rates are said over its rate in the same round
-TOKEN_POLICIES = ("sinks", "oldest", "h2o", "tova", "snapkv", "pyramidkv", "keydiff", "expected-attention",
-                  "expected-attention:compress_every=1", "adakv", "merge", "random")
+TOKEN_POLICIES = (*map(plain, ("sinks", "oldest", "h2o", "tova", "snapkv", "pyramidkv", "keydiff")),
+                  plain("expected-attention"),
+                  PolicyRun("expected-attention:compress_every=1", "expected-attention", {"compress_every": 1}),
+                  *map(plain, ("adakv", "merge", "random")))
 SPLIT_TOKENS = 16  # tokens decoded with every part timed, after the timed ones
 ENGINES = ("engine", "model", "llama.cpp")
 PARTS = ("weights", "attention", "forward_rest", "sampling", "bookkeeping", "record", "between")
@@ -86,21 +103,13 @@ def _run_config(prompt: int, new_tokens: int):
                          record_layers=())
 
 
-def _policy_config(policy: str, new_tokens: int):
-    """`pagevis run --no-chat --policy P --page-size 16 --max-pages 16`: a 256-token cache, so that after a
-    longer prompt every step evicts. `P:key=value`: with that parameter (`--policy-param key=value`)."""
+def policy_config(policy: str, params: dict, new_tokens: int):
+    """`pagevis run --no-chat --policy P [--policy-param K=V ...] --page-size 16 --max-pages 16`: a 256-token cache,
+    so that after a longer prompt every step evicts."""
     from pagevis.engine import SessionConfig
 
-    name, params = policy_spec(policy)
-    return SessionConfig(page_size=PAGE_SIZE, max_pages=POLICY_PAGES, policy=name, policy_params=params,
+    return SessionConfig(page_size=PAGE_SIZE, max_pages=POLICY_PAGES, policy=policy, policy_params=params,
                          max_new_tokens=new_tokens, chat=False, record_layers=())
-
-
-def policy_spec(spec: str) -> tuple[str, dict[str, int]]:
-    """`NAME` or `NAME:KEY=INTEGER` (a policy with one parameter set) as (name, params); ValueError if malformed."""
-    name, colon, param = spec.partition(":")
-    key, _, value = param.partition("=")
-    return name, ({key: int(value)} if colon else {})
 
 
 def _text_ids(model, n: int) -> list[int]:
@@ -112,9 +121,10 @@ def _text_ids(model, n: int) -> list[int]:
     return (ids * -(-n // len(ids)))[:n]
 
 
-def engine_worker(path: str, threads: int, decode: int, prompts=PROMPTS, policy: str | None = None) -> dict:
-    """`run`'s decode with the whole prompt cached (policy None), or in POLICY_PAGES pages under `policy`
-    (the shipped text's tokens as the prompt)."""
+def engine_worker(path: str, threads: int, decode: int, prompts=PROMPTS, policy: str | None = None,
+                  policy_params: dict | None = None) -> dict:
+    """`run`'s decode with the whole prompt cached (policy None), or in POLICY_PAGES pages under `policy` with
+    `policy_params` (the shipped text's tokens as the prompt)."""
     from pagevis.engine import DecodeSession, ModelSpec
     from pagevis.model import set_blas_threads
     from pagevis.model.weight_threads import set_weight_threads
@@ -129,7 +139,7 @@ def engine_worker(path: str, threads: int, decode: int, prompts=PROMPTS, policy:
             config = _run_config(n, decode + SPLIT_TOKENS + 1)
             ids = _prompt_ids(model.config.vocab_size, n)
         else:
-            config = _policy_config(policy, decode + SPLIT_TOKENS + 1)
+            config = policy_config(policy, policy_params or {}, decode + SPLIT_TOKENS + 1)
             ids = _text_ids(model, n)
         session = DecodeSession(model, "", config, prompt_ids=ids)
         session.request.ignore_eos = True  # a fixed number of tokens, as llama.cpp's loop decodes past its EOS
@@ -336,14 +346,15 @@ def run_policy_bench(rounds: int = 3, decode: int = 64, model: str = "smollm2", 
     from pagevis.model.locate import named_model_path
 
     path = str(named_model_path(model)) if not os.path.isfile(model) else model
-    policies = ("sinks", *[p for p in policies if p != "sinks"])
-    runs: dict[str, list[dict]] = {p: [] for p in policies}
+    policies = (plain("sinks"), *[p for p in policies if p.label != "sinks"])
+    runs: dict[str, list[dict]] = {p.label: [] for p in policies}
     for round_index in range(rounds):
         for policy in policies:
-            say(f"  {model}: round {round_index + 1}/{rounds}, {policy}")
-            result = run_worker({"engine": "engine", "threads": 1, "policy": policy}, path, decode, (prompt,))
+            say(f"  {model}: round {round_index + 1}/{rounds}, {policy.label}")
+            job = {"engine": "engine", "threads": 1, "policy": policy.name, "policy_params": policy.params}
+            result = run_worker(job, path, decode, (prompt,))
             result["load"] = os.getloadavg()[0]
-            runs[policy].append(result)
+            runs[policy.label].append(result)
     rows = []
     for policy, results in runs.items():
         row = _median_row({"engine": "engine", "threads": 1}, results)
@@ -417,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     job = json.loads(args.worker)
-    extra = {"policy": job["policy"]} if job.get("policy") else {}
+    extra = {"policy": job["policy"], "policy_params": job.get("policy_params")} if job.get("policy") else {}
     out = WORKERS[job["engine"]](job["path"], job["threads"], job["decode"], tuple(job["prompts"]), **extra)
     print(json.dumps(out))
     return 0

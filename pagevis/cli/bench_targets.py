@@ -64,8 +64,9 @@ def _engine_parser(targets) -> argparse.ArgumentParser:
     sub.add_argument("--thread-counts", default="1,2", metavar="LIST", help="weight threads to measure (1,2)")
     sub.add_argument("--policies", metavar="LIST", help="instead: each policy's decode (all: every token policy) in "
                      "16 pages of 16 after a 512-token text (--prompts' first), the cache full every step, one thread, "
-                     "the first of --models, against sinks in the same rounds; NAME:KEY=INTEGER sets one parameter "
-                     "(all adds expected-attention:compress_every=1: scored every token, not every 10)")
+                     "the first of --models, against sinks in the same rounds; NAME:KEY=VALUE[:KEY=VALUE] sets "
+                     "parameters, as in compare (all adds expected-attention:compress_every=1: scored every token, "
+                     "not every 10)")
     return _common(sub, engine_main, 64, rounds=True)
 
 
@@ -151,15 +152,16 @@ def _policies_main(args: argparse.Namespace, model: str, prompts: list[int], say
     from pagevis.bench import engine
     from pagevis.kvcache.policies import POLICIES
 
-    policies = engine.TOKEN_POLICIES if args.policies == "all" else tuple(p for p in args.policies.split(",") if p)
+    policies = engine.TOKEN_POLICIES
+    if args.policies != "all":
+        items = [item for item in args.policies.split(",") if item.strip()]
+        policies = tuple(engine.PolicyRun(item, *options.parse_policy_item(item, "--policies")) for item in items)
     for policy in policies:
-        try:
-            name, _ = engine.policy_spec(policy)
-        except ValueError:
-            name = ""
-        if name not in POLICIES:
-            raise UsageError(f"--policies: {policy}: all, or names from {', '.join(POLICIES)}, each alone or as "
-                             "NAME:KEY=INTEGER (one of its parameters set, e.g. expected-attention:compress_every=1)")
+        if policy.name not in POLICIES:
+            raise UsageError(f"--policies: {policy.label}: all, or names from {', '.join(POLICIES)}, each alone or "
+                             "as NAME:KEY=VALUE[:KEY=VALUE] (its parameters set, e.g. "
+                             "expected-attention:compress_every=1)")
+        engine.policy_config(policy.name, policy.params, 1).check()  # a bad parameter: one line, before any run
     prompt = prompts[0] if args.prompts != "23,512" else 512
     if prompt <= engine.POLICY_PAGES * engine.PAGE_SIZE:
         raise UsageError(f"--prompts {prompt}: with --policies, more than the cache's "

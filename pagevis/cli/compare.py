@@ -83,7 +83,7 @@ def parse_policies(text: str, optimal: bool = True):
 
     choices = [PolicyChoice(OPTIMAL)] if optimal else []
     for item in filter(None, (part.strip() for part in text.split(","))):
-        name, *params = item.split(":")
+        name, params = options.parse_policy_item(item, "--policies")
         if name == OPTIMAL and not params:
             choices[:0] = [] if choices[:1] == [PolicyChoice(OPTIMAL)] else [PolicyChoice(OPTIMAL)]
             continue
@@ -91,7 +91,6 @@ def parse_policies(text: str, optimal: bool = True):
             raise UsageError(f"--policies: unknown policy {name!r}; the policies are {', '.join(POLICIES)}, "
                              f"{OPTIMAL} (compare only, no parameters) and the disk-tier rows "
                              f"{', '.join(TIER_ROWS)}")
-        params = dict(options.parse_param(p, "--policies") for p in params)
         choices.append(PolicyChoice(name, params, params.pop("key_channels", 0.0)))
     if not choices:
         raise UsageError("--policies: give at least one policy")

@@ -260,6 +260,13 @@ def parse_param(text: str, flag: str = "--policy-param") -> tuple[str, object]:
     return key.strip(), parse_value(raw.strip())
 
 
+def parse_policy_item(item: str, flag: str) -> tuple[str, dict[str, object]]:
+    """`NAME` or `NAME:KEY=VALUE[:KEY=VALUE ...]` (a policy with some of its parameters set) as (name, params);
+    UsageError naming the flag for a malformed KEY=VALUE (the name is the caller's to check)."""
+    name, *params = item.strip().split(":")
+    return name, dict(parse_param(p, flag) for p in params)
+
+
 def parse_value(raw: str) -> object:
     for convert in (int, float):
         try:
