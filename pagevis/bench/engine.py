@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from pagevis.bench import weights
-from pagevis.bench.weights import _cpu, _peak_rss, _prompt_ids, llama_cpp_available
+from pagevis.bench.weights import _cpu, _peak_rss, _prompt_ids, llama_cpp_available, llama_cpp_worker
 
 PROMPTS = (23, 512)
 PAGE_SIZE = 16
@@ -227,27 +227,6 @@ def model_worker(path: str, threads: int, decode: int, prompts=PROMPTS) -> dict:
         out[f"split_{n}"] = {"wall": 1e3 * wall / SPLIT_TOKENS, **{k: 1e3 * v / SPLIT_TOKENS for k, v in parts.items()}}
         out[f"peak_rss_{n}"] = _peak_rss()
         del attention, attend
-    return out
-
-
-def llama_cpp_worker(path: str, threads: int, decode: int, prompts=PROMPTS) -> dict:
-    from llama_cpp import Llama
-
-    start = time.perf_counter()
-    llm = Llama(model_path=path, n_ctx=max(prompts) + decode + 16, n_batch=max(prompts), n_threads=threads,
-                n_threads_batch=threads, verbose=False)
-    out = {"load_s": time.perf_counter() - start}
-    for n in prompts:
-        ids = _prompt_ids(llm.n_vocab(), n)
-        llm.reset()
-        begin = time.perf_counter()
-        llm.eval(ids)
-        out[f"prefill_{n}"] = n / (time.perf_counter() - begin)
-        begin = time.perf_counter()
-        for _ in range(decode):  # the batch's last row: the only logits llama.cpp computes (logits_all off)
-            llm.eval([int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))])
-        out[f"decode_{n}"] = decode / (time.perf_counter() - begin)
-        out[f"peak_rss_{n}"] = _peak_rss()
     return out
 
 

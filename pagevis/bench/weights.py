@@ -104,33 +104,27 @@ def pagevis_worker(path: str, weights: str, threads: int, decode: int, batches: 
     return out
 
 
-def llama_cpp_worker(path: str, threads: int, decode: int) -> dict:
+def llama_cpp_worker(path: str, threads: int, decode: int, prompts=(PROMPT_TOKENS, PREFILL_TOKENS)) -> dict:
+    """llama.cpp (llama-cpp-python) on the same file: prefill each prompt, then decode greedily from the batch's
+    last row, the only logits it computes (logits_all off); rates and the peak RSS after each prompt."""
     from llama_cpp import Llama
 
     start = time.perf_counter()
-    llm = Llama(model_path=path, n_ctx=1024, n_batch=PREFILL_TOKENS, n_threads=threads, n_threads_batch=threads,
-                verbose=False)
+    llm = Llama(model_path=path, n_ctx=max(prompts) + decode + 16, n_batch=max(prompts), n_threads=threads,
+                n_threads_batch=threads, verbose=False)
     out = {"load_s": time.perf_counter() - start}
-
-    def last_logits() -> np.ndarray:  # the batch's last row: the only one llama.cpp computes (logits_all off)
-        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
-
-    def greedy(steps: int) -> float:
+    for n in prompts:
+        ids = _prompt_ids(llm.n_vocab(), n)
+        llm.reset()
         begin = time.perf_counter()
-        for _ in range(steps):
-            llm.eval([int(np.argmax(last_logits()))])
-        return steps / (time.perf_counter() - begin)
-
-    ids = _prompt_ids(llm.n_vocab(), PREFILL_TOKENS)
-    llm.reset()
-    llm.eval(ids[:PROMPT_TOKENS])
-    out["decode_23"] = greedy(decode)
-    llm.reset()
-    begin = time.perf_counter()
-    llm.eval(ids)
-    out["prefill_512"] = PREFILL_TOKENS / (time.perf_counter() - begin)
-    out["decode_512"] = greedy(decode)
-    out["peak_rss"] = _peak_rss()
+        llm.eval(ids)
+        out[f"prefill_{n}"] = n / (time.perf_counter() - begin)
+        begin = time.perf_counter()
+        for _ in range(decode):
+            llm.eval([int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))])
+        out[f"decode_{n}"] = decode / (time.perf_counter() - begin)
+        out[f"peak_rss_{n}"] = _peak_rss()
+    out["peak_rss"] = out[f"peak_rss_{max(prompts)}"]
     return out
 
 
