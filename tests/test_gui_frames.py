@@ -122,3 +122,32 @@ def test_pausing_at_max_speed_shows_the_exact_step_paused_at(qtbot, window, monk
     qtbot.waitUntil(lambda: all(shown.get(title) == last for title in drawn), timeout=2000)
     assert window.index == last and window.transport.position.text().startswith(f"step {last} / {last}")
     assert window.narration.text().startswith(f"step {last}:")
+
+
+def test_the_worker_pauses_only_after_a_step_that_took_little_cpu(monkeypatch):
+    """A mostly-Python step (the synthetic model's) leaves the GIL to the UI thread for a moment; a step of a real
+    model's length does not pause, however long it took by the wall clock (SmolLM2's paused 2 ms in every ~10)."""
+    import time
+
+    from pagevis.engine import RunControl
+    from pagevis.gui.session import runner
+
+    sleeps = []
+    monkeypatch.setattr(runner.time, "sleep", sleeps.append)
+
+    class Stepper:
+        done = False
+
+        def __init__(self, cpu: float):
+            self.cpu = cpu
+
+        def step(self):
+            started = time.thread_time()
+            while time.thread_time() - started < self.cpu:
+                pass
+            return "record"
+
+    for cpu, pauses in ((0.0, [runner.GIL_BREATH] * 3), (2 * runner.SHORT_STEP, [])):
+        sleeps.clear()
+        batches = list(runner.worker_steps(Stepper(cpu), RunControl(budget=3), flush_every=0.0))
+        assert batches == [["record"]] * 3 and sleeps == pauses

@@ -25,7 +25,7 @@ from pagevis.kvcache.quant import storage_notice, storage_text
 from pagevis.viewmodel.timeline import SessionInfo, Timeline, timeline_from_trace
 
 GIL_BREATH = 0.002  # seconds the worker sleeps after a short step ...
-SHORT_STEP = 0.02  # ... one shorter than this
+SHORT_STEP = 0.002  # ... one that took less of the worker's CPU time than this (a model that is mostly Python)
 HAND_EVERY = 0.05  # seconds: the worker hands the UI its records at most this often at max speed, until the window's
 # frame pace sets `hand_every` (half a frame: each arrival costs the UI thread ~0.5 ms besides its records' own)
 MAX_CAPACITY = 4096  # tokens per layer; beyond this the per-step snapshots get too heavy to keep
@@ -37,24 +37,36 @@ class WorkerFailure(NamedTuple):
 
 
 def run_control(budget: int | None = None, interval: float = 0.0) -> RunControl:
-    """The worker's control, shared between the UI thread (writes) and the worker (reads between steps).
-    After a short step the worker leaves the GIL to the UI thread for a moment: a small model is mostly
-    Python (the synthetic one runs ~400 steps/s) and would otherwise starve the event loop. SmolLM2's
-    steps spend their time in NumPy, which releases the GIL, and skip the pause."""
-    return RunControl(budget=budget, interval=interval, breath=GIL_BREATH, short_step=SHORT_STEP)
+    """The worker's control, shared between the UI thread (writes) and the worker (reads between steps)."""
+    return RunControl(budget=budget, interval=interval)
+
+
+def breathe(cpu_seconds: float) -> None:
+    """After a step that took less than SHORT_STEP of the worker's CPU time, leave the GIL to the UI thread
+    for GIL_BREATH: a small model is mostly Python (the synthetic one runs ~1,000 steps/s) and would otherwise
+    starve the event loop. A real model's step spends its time in numba and NumPy kernels, which release the
+    GIL, and never pauses: SmolLM2's (~8 ms of CPU here) paused 2 ms a step when the test was the step's wall
+    time (< 20 ms), a fifth of the app's decode rate. CPU time, not wall: on a busy machine a step's wall
+    time grows while the thread waits for a core, and a mostly-Python step would stop pausing."""
+    if cpu_seconds < SHORT_STEP:
+        time.sleep(GIL_BREATH)
 
 
 def worker_steps(stepper, control: RunControl, flush_every: float | Callable[[], float] = 0.02, pack=None):
     """Generator run by a worker (every window's): step `stepper` through the run loop and yield its records
     in lists, at most every `flush_every` seconds (a number, or a function read after each step; each step when
     the control paces steps, and after the last), each list passed through `pack` if given; then a WorkerFailure
-    if a step raised. `control` is checked between steps."""
+    if a step raised. `control` is checked between steps; after each step the worker may `breathe`."""
     batch = []
     flushed = time.perf_counter()
     hand = pack or (lambda records: records)
     every = flush_every if callable(flush_every) else (lambda: flush_every)
+    cpu = time.thread_time()
     try:
         for record in steps(stepper, control):
+            stepped = time.thread_time()
+            breathe(stepped - cpu)
+            cpu = stepped
             batch.append(record)
             now = time.perf_counter()
             if now - flushed >= every() or control.interval > 0:
