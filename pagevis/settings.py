@@ -261,6 +261,10 @@ SETTINGS: dict[str, Setting] = _table(
             metavar="N", request=False, app=False, front_ends={"serve": 256, "server": 512}),
     Setting("ignore_eos", "bool", False, "decode max_new_tokens whatever is sampled (benchmarks of a fixed "
             "shape, as vLLM's)", "batch", "batch", request=False, app=False),
+    Setting("exact_batches", "bool", False, "keep every batched decode row exact (bit for bit the sequence "
+            "decoding alone) instead of int8 activations with integer dot products (AVX-512 VNNI, where the CPU has "
+            "it) for steps where several sequences decode together", "batch", "batch", flag="--exact-batches",
+            switch=True, request=False, app=False),
     # --- pagevis serve: ServeSettings (and the Server window's ServerConfig: max_chunk) -------------------------
     Setting("max_chunk", "int", 512, "prompt tokens one request feeds per step (bounds a step's activations)",
             "serve", "scheduler", low=1, high=1 << 20, flag="--max-chunk", metavar="N", front_ends={"server": 256},

@@ -204,6 +204,8 @@ def test_run_n_reports_pages_with_and_without_sharing(capsys):
     assert "--n 0" in capsys.readouterr().err
     assert main(["run", "--model", "synthetic", "--pool-pages", "3"]) == 2
     assert "--pool-pages only applies" in capsys.readouterr().err
+    assert main(["run", "--model", "synthetic", "--exact-batches"]) == 2
+    assert "--exact-batches only applies" in capsys.readouterr().err
 
 
 def test_sequences_bench_rows_on_a_small_model():
@@ -219,7 +221,8 @@ def test_sequences_bench_rows_on_a_small_model():
     assert parallel["pages_without_sharing_peak"] == 4 * 17 and parallel["copy_on_write"] == 3
     shared = result["shared_prompt"]
     assert shared["hit_tokens"][0] == 0 and shared["hit_rate_after_first"] >= 144 / 150
-    assert len(format_sequences(result)) == 2 + 3 + 2
+    assert len(format_sequences(result)) == 2 + 3 + 3
+    assert "batched decode rows: " in format_sequences(result)[5]
 
 
 @pytest.mark.parametrize("tier", [dict(disk_pages=16, max_pages=4), dict(select="quest", select_pages=2, max_pages=16)])
@@ -246,7 +249,7 @@ def test_smollm2_parallel_samples_and_batched_logits(smollm2):  # noqa: F811
     cfg = SessionConfig(page_size=8, max_pages=16, policy="none", max_new_tokens=5,
                         sampling=SamplingConfig(mode="sample", temperature=1.0, seed=21))
     recording = RecordingModel(smollm2)
-    batch = Engine(recording, cfg)
+    batch = Engine(recording, cfg, BatchConfig(exact_batches=True))  # (int8 rows: tests/test_int8_rows.py)
     ids = batch.submit_parallel(batch.encode("Name one use of paging."), 3)
     list(batch.run())
     for i, seq_id in enumerate(ids):

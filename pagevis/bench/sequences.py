@@ -28,14 +28,15 @@ def _config(model_spec_kind: str, max_new_tokens: int, page_size: int = 16, max_
                          chat=model_spec_kind != "synthetic", sampling=SamplingConfig(mode=mode))
 
 
-def batching_rows(model, kind: str, sizes=BATCH_SIZES, n_tokens: int = 12) -> list[dict]:
+def batching_rows(model, kind: str, sizes=BATCH_SIZES, n_tokens: int = 12, exact: bool = False) -> list[dict]:
     """Aggregate decode tokens/s with B sequences decoding together (median step time of the steps in
     which all B decode one token), and its ratio to one sequence. Wall-clock and CPU time both: on a
     machine shared with other jobs the process waits for a core, which wall-clock counts and CPU time
-    (this process's own, memory stalls included) does not."""
+    (this process's own, memory stalls included) does not. exact: BatchConfig.exact_batches (float32 rows,
+    each the row alone), else the engine's default (int8 rows where the CPU has VNNI: model/int8_rows.py)."""
     rows = []
     for size in sizes:
-        batch = Engine(model, _config(kind, n_tokens + 1), BatchConfig(max_seqs=size))
+        batch = Engine(model, _config(kind, n_tokens + 1), BatchConfig(max_seqs=size, exact_batches=exact))
         for i in range(size):
             batch.submit(batch.encode(QUESTIONS[i % len(QUESTIONS)] + f" (#{i})"))
         wall, cpu, clock = [], [], [time.process_time()]
@@ -97,6 +98,7 @@ def format_sequences(result: dict) -> list[str]:
     for r in result["batching"]:
         out.append(f"{r['sequences']:>10} {r['step_ms']:>9.1f} {r['tokens_per_s']:>8.1f} {r['over_one']:>6.2f}x "
                    f"{r['cpu_step_ms']:>8.1f} {r['cpu_tokens_per_s']:>10.1f} {r['cpu_over_one']:>6.2f}x")
+    out.append(f"  {result.get('rows', '')}")
     ratios = {r["sequences"]: r["over_one"] for r in result["batching"]}
     if 8 in ratios and 16 in ratios:
         out.append(f"  8 sequences {ratios[8]:.2f}x one sequence's rate, 16 {ratios[16]:.2f}x (targets 3.5x and 5x: "
@@ -114,6 +116,8 @@ def format_sequences(result: dict) -> list[str]:
 
 
 def run_sequences_bench(model, kind: str, n_tokens: int = 12, sizes=BATCH_SIZES) -> dict:
-    return {"batching": batching_rows(model, kind, sizes, n_tokens),
+    from pagevis.model import int8_rows
+
+    return {"batching": batching_rows(model, kind, sizes, n_tokens), "rows": int8_rows.describe(),
             "parallel": parallel_sampling_row(model, kind),
             "shared_prompt": shared_prompt_row(model, kind)}

@@ -17,7 +17,7 @@ def add_parallel_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--n", type=int, default=1, metavar="N",
                        help="sample N continuations of the prompt (seeds --seed .. --seed+N-1) sharing the "
                             "prompt's pages; implies --sample (default 1)")
-    settings.add_flags(group, "batch", front_end="run")  # --pool-pages
+    settings.add_flags(group, "batch", front_end="run")  # --pool-pages, --exact-batches
 
 
 def check_parallel_options(args: argparse.Namespace) -> None:
@@ -25,8 +25,9 @@ def check_parallel_options(args: argparse.Namespace) -> None:
 
     if not 1 <= args.n <= MAX_SEQUENCES:
         raise options.UsageError(f"--n {args.n}: must be an integer from 1 to {MAX_SEQUENCES}")
-    if args.n == 1 and args.pool_pages is not None:
-        raise options.UsageError("--pool-pages only applies with --n 2 or more")
+    for flag, given in (("--pool-pages", args.pool_pages is not None), ("--exact-batches", args.exact_batches)):
+        if args.n == 1 and given:
+            raise options.UsageError(f"{flag} only applies with --n 2 or more")
     if args.n > 1 and (args.trace or args.oracle or args.metrics_port is not None):
         flag = "--trace" if args.trace else "--oracle" if args.oracle else "--metrics-port"
         raise options.UsageError(f"{flag} follows a single session; it cannot be combined with --n {args.n}")
@@ -45,7 +46,8 @@ def run_parallel(args: argparse.Namespace, spec, config, prompt: str) -> int:
     if config.sampling.mode == "greedy":  # N greedy continuations of one prompt would be one text N times
         config = replace(config, sampling=replace(config.sampling, mode="sample"))
     try:
-        batch_config = BatchConfig(pool_pages=args.pool_pages, max_seqs=max(args.n, 1))
+        batch_config = BatchConfig(pool_pages=args.pool_pages, max_seqs=max(args.n, 1),
+                                   exact_batches=bool(args.exact_batches))
     except ConfigError as error:
         raise options.UsageError(f"--pool-pages {args.pool_pages}: {error.allowed}") from None
     model = spec.load()

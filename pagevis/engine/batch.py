@@ -27,6 +27,9 @@ class BatchConfig:
     prefix_caching: bool = field_for("prefix_caching")
     ignore_eos: bool = field_for("ignore_eos")  # decode max_new_tokens whatever is sampled (fixed-shape benches)
     token_budget: int | None = field_for("token_budget")  # tokens one step feeds (chunked prefill); None: no limit
+    # rows of several sequences decoding together in one step: exact float32 (True), else int8 activations with
+    # integer dot products where the CPU has AVX-512 VNNI (model/int8_rows.py)
+    exact_batches: bool = field_for("exact_batches")
 
     def __post_init__(self) -> None:
         settings.check(self, ("max_seqs", "pool_pages", "token_budget"))

@@ -35,6 +35,7 @@ from pagevis.engine.sampling import Sampler, SamplingConfig
 from pagevis.engine.scheduler import Plan, Scheduler
 from pagevis.engine.session_config import SessionConfig, decode_ids, encode_prompt
 from pagevis.engine.stop import StopMatcher
+from pagevis.model import int8_rows
 from pagevis.model.resident import release_compiler_pages
 
 EngineHook = Callable[[BatchRecord], None]
@@ -270,8 +271,13 @@ class Engine:
             rows, ends = np.concatenate(wanted), np.cumsum([len(w) for w in wanted])
         else:
             rows = np.array([end - 1 for _, _, end in segments], dtype=np.int64)
+        # decode rows of two or more sequences, nothing else in the step: int8 rows (model/int8_rows.py) unless
+        # exact_batches; a step with a prefill chunk or prompt scoring in it stays exact throughout
+        int8 = not (self.batch.exact_batches or scoring) and len(plan) > 1 and all(
+            len(tokens) == 1 and start >= len(request.prompt_ids) for request, tokens, start in plan)
         forward_started = time.perf_counter()
-        all_rows = self.model.forward(ids, positions, self._batched_attend(segments), logit_rows=rows)
+        with int8_rows.batched(int8):
+            all_rows = self.model.forward(ids, positions, self._batched_attend(segments), logit_rows=rows)
         self.forward_seconds = time.perf_counter() - forward_started
         logits = all_rows  # without scoring: one row a request, in the plan's order
         if scoring:

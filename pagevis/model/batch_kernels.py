@@ -103,22 +103,28 @@ def _sums(size: int, pairs: bool, offsets: bool, fused: bool):
                 target = builder.inttoptr(address(acc, (i * TILE + v * LANES) * 4), vec.as_pointer())
                 builder.store(builder.fadd(builder.load(target, align=4), term), target, align=4)
 
+    def typer(typingctx, rows, q, x, x_stride, d, m, xsum, xsum_stride, acc):
+        return types.void(*([types.int64] * 9)), rows_switch(most, block)
+
+    return intrinsic(typer)
+
+
+def rows_switch(most: int, block):
+    """An intrinsic's codegen: straight-line code for each row count 1..most (block(builder, rows, *the other
+    arguments)), chosen by a switch on the first argument (int64)."""
     def codegen(context, builder, signature, args):
         done = builder.append_basic_block("done")
         cases = [builder.append_basic_block(f"rows{rows}") for rows in range(1, most + 1)]
         switch = builder.switch(args[0], cases[0])
         for rows, case in enumerate(cases, 1):
-            switch.add_case(ir.Constant(i64, rows), case)
+            switch.add_case(ir.Constant(ir.IntType(64), rows), case)
             with builder.goto_block(case):
                 block(builder, rows, *args[1:])
                 builder.branch(done)
         builder.position_at_end(done)
         return context.get_dummy_value()
 
-    def typer(typingctx, rows, q, x, x_stride, d, m, xsum, xsum_stride, acc):
-        return types.void(*([types.int64] * 9)), codegen
-
-    return intrinsic(typer)
+    return codegen
 
 
 # u4 (Q4_0, Q4_1, Q4_K), i8 groups of 32 (Q8_0, Q5_0) and of 16 (Q6_K): converting, and from a float32 block

@@ -27,6 +27,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from pagevis.kernel_loader import import_kernels
+from pagevis.model import int8_rows
 from pagevis.model.resident import release_compiler_pages, release_mapped, release_whole_pages
 from pagevis.model.weight_threads import split, weight_threads
 
@@ -176,6 +177,9 @@ class QuantMatrix:
             return self.product(x[0])[None]
         matvec, matmul, _ = kernels()[self.fmt]
         x = np.ascontiguousarray(x, dtype=np.float32)
+        if x.ndim == 2 and int8_rows.active():  # decode rows of several sequences (the engine's batches)
+            if (int8 := int8_rows.product(self.fmt, self.arrays, self.tiles, self.nbytes, x)) is not None:
+                return int8[:, :self.n_out]
         rows = None if x.ndim == 1 else _rows_kernel(self.fmt, None)
         if x.ndim == 2 and len(x) > SMALL_BATCH and rows is None:
             return self._sgemm(x)

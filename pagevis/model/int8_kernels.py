@@ -1,0 +1,270 @@
+"""Several rows times the packed weights in int8: AVX-512 VNNI's vpdpbusd on the packed codes as they lie.
+
+Only for decode rows of several sequences (int8_rows.py says where): each row's activations are quantised per
+group of 32 inputs to int8 with one float32 scale s (s = max |x| / 127, q = rint(x / s)), and a weight group's
+contribution to output r of row i is
+    u4 (Q4_0, Q4_1, Q4_K; codes c in 0..15, w = d c + m):   d[r] s_i (sum_j c[j, r] q_i[j]) + m[r] s_i (sum_j q_i[j])
+    i8 (Q8_0, Q5_0, Q6_K; signed codes c, w = d c):          d[r] s_i (sum_j c[j, r] q_i[j])
+the integer sums exact (int32), the scaling in float32 (fused multiply-adds), llama.cpp's arithmetic. vpdpbusd
+multiplies 4 unsigned bytes by 4 signed bytes in each 32-bit lane and adds the 4 products to the lane: it needs 4
+codes of one output row side by side, where the packed layout (weight_kernels.py: `qs[tile, group, j, r]`, 64 rows
+of one code byte a line) has one. So each group's code lines are turned in registers, 4 lines at a time: two rounds
+of unpacks (bytes, then 16-bit pairs) give 4 vectors whose 32-bit lanes hold 4 consecutive codes of one row,
+    vector k, lane 4 L + i  <-  row 16 L + 4 k + i        (L: the 128-bit lane, i < 4)
+(unpacks work within 128-bit lanes; no other copy of the weights is made, the turn serves every row of the batch).
+u4 bytes hold two codes (j low, j + 16 high): masked and shifted, each turned vector gives codes j..j+3 and
+j+16..j+19. i8 codes are signed: flipped to c + 128 (unsigned) and the row's sums started at -128 sum_j q[j].
+The group's scales d, m (64 rows, natural order) are turned the same way (a 4 x 4 transpose of 128-bit lanes maps
+natural to turned order and back), the tile's float sums kept in turned order and turned back once a tile.
+
+Per group: `_split` turns the codes (and d, m) into a 2.5 KiB block in L1; `_dots` runs blocks of ROWS rows over it,
+each row's 4 accumulators of 16 int32 in registers, one vpdpbusd per code vector and row (64 multiply-adds).
+Compiled only on a CPU with avx512_vnni (int8_rows.route), kept in numba's on-disk cache like the other kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from pagevis.model.batch_kernels import rows_switch
+from pagevis.model.weight_kernels import _I8, _NIB, _OPTIONS, HALF, Q4_0, SUPER, _nib_scales, _prefetch_ahead, _scales
+
+TILE = 64
+ROWS = 4  # rows whose accumulators (4 zmm each) a block holds
+CODE_VECTORS = 32  # at most: 32 codes x 64 rows / 64 bytes
+SCRATCH = (CODE_VECTORS + 8) * 64  # the turned codes, then d and m in turned order
+_INTS = "int8[:, ::1], float32[:, ::1], int32[:, ::1], int64, int64, float32[:, :]"
+
+_I8T, _I16T, _I32T, _I64T, _F32T = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+_BYTES, _WORDS = ir.VectorType(_I8T, 64), ir.VectorType(_I16T, 32)
+_DWORDS, _FLOATS = ir.VectorType(_I32T, 16), ir.VectorType(_F32T, 16)
+
+
+def _unpack(builder, a, b, per_lane: int, high: bool):
+    """x86's unpack (lo or hi) of two vectors of per_lane elements a 128-bit lane, as a shuffle."""
+    half = per_lane // 2
+    mask = [n + source * 4 * per_lane + lane * per_lane + (half if high else 0)
+            for lane in range(4) for n in range(half) for source in (0, 1)]
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32T, len(mask)), mask))
+
+
+def _turn_lanes(builder, vectors):
+    """The 4 x 4 transpose of 128-bit lanes: result k's lane l is vectors[l]'s lane k (its own inverse)."""
+    lanes = ir.VectorType(_I32T, 16)
+    out = []
+    for k in range(4):
+        pick = [4 * k + e for e in range(4)] + [16 + 4 * k + e for e in range(4)] + [0] * 8
+        ab = builder.shuffle_vector(vectors[0], vectors[1], ir.Constant(lanes, pick))
+        cd = builder.shuffle_vector(vectors[2], vectors[3], ir.Constant(lanes, pick))
+        out.append(builder.shuffle_vector(ab, cd, ir.Constant(lanes, list(range(8)) + list(range(16, 24)))))
+    return out
+
+
+def _pointer(builder, base, offset, kind):
+    address = builder.add(base, offset if isinstance(offset, ir.Value) else ir.Constant(_I64T, offset))
+    return builder.inttoptr(address, kind.as_pointer())
+
+
+def _load(builder, base, offset, kind, align=1):
+    return builder.load(_pointer(builder, base, offset, kind), align=align)
+
+
+def _split(lines: int, nibbles: bool):
+    """An intrinsic (q, d, m, scratch): the group's `lines` code lines at q (64 bytes each) turned into code
+    vectors at scratch (vector v at scratch + 64 v, see `_offsets` for the inputs each pairs with), and d, m
+    (64 float32 each) in turned order after the CODE_VECTORS vectors (m skipped for i8: d passed twice)."""
+    def codegen(context, builder, signature, args):
+        q, d, m, scratch = args
+        low4 = ir.Constant(_DWORDS, [0x0F0F0F0F] * 16)
+        flip = ir.Constant(_DWORDS, [-0x7F7F7F80] * 16)  # 0x80808080
+        vector = 0
+        for jb in range(lines // 4):
+            rows = [_load(builder, q, (4 * jb + e) * 64, _BYTES) for e in range(4)]
+            pairs = [_unpack(builder, rows[a], rows[a + 1], 16, high) for a in (0, 2) for high in (False, True)]
+            words = [builder.bitcast(p, _WORDS) for p in pairs]  # lo01, hi01, lo23, hi23
+            turned = [builder.bitcast(_unpack(builder, words[h], words[2 + h], 8, high), _DWORDS)
+                      for h in (0, 1) for high in (False, True)]  # rows 16L + 4k + i for k = 0..3
+            if nibbles:
+                halves = [[builder.and_(t, low4) for t in turned],
+                          [builder.and_(builder.lshr(t, ir.Constant(_DWORDS, [4] * 16)), low4) for t in turned]]
+            else:
+                halves = [[builder.xor(t, flip) for t in turned]]
+            for half in halves:
+                for k, codes in enumerate(half):
+                    builder.store(codes, _pointer(builder, scratch, (vector * 4 + k) * 64, _DWORDS), align=4)
+                vector += 1
+        for n, scales in enumerate((d, m) if nibbles else (d,)):
+            lanes = [builder.bitcast(_load(builder, scales, v * 64, _FLOATS, 4), _DWORDS) for v in range(4)]
+            for k, turned in enumerate(_turn_lanes(builder, lanes)):
+                at = (CODE_VECTORS + 4 * n + k) * 64
+                builder.store(turned, _pointer(builder, scratch, at, _DWORDS), align=4)
+        return context.get_dummy_value()
+
+    def typer(typingctx, q, d, m, scratch):
+        return types.void(types.int64, types.int64, types.int64, types.int64), codegen
+
+    return intrinsic(typer)
+
+
+def _offsets(lines: int, nibbles: bool) -> list[int]:
+    """The input offset (in the group) of the 4 codes each block of 4 code vectors `_split` wrote holds."""
+    if nibbles:
+        return [16 * h + 4 * jb for jb in range(lines // 4) for h in (0, 1)]
+    return [4 * jb for jb in range(lines // 4)]
+
+
+def _dots(lines: int, nibbles: bool):
+    """An intrinsic (rows, scratch, xq, xq_stride, sx, sx_stride, qsum, qsum_stride, acc): for rows i < rows (1 to
+    ROWS) and the tile's 64 outputs (turned order), acc[i] += d s_i (codes . q_i) (+ m s_i qsum_i for u4; for i8 the
+    integer sums start at -128 qsum_i), the codes `_split` left in scratch. Addresses (int64) and byte strides:
+    xq, row 0's first int8 input of the group; sx, its scale; qsum, its sum of the group's int8 inputs; acc, row 0's
+    64 float32 sums (row i at acc + 256 i)."""
+    offsets = _offsets(lines, nibbles)
+
+    def block(builder, rows, scratch, xq, xq_stride, sx, sx_stride, qsum, qsum_stride, acc):
+        vnni = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.512", (), ir.FunctionType(
+            _DWORDS, [_DWORDS, _DWORDS, _DWORDS]))
+
+        def row(base, stride, i):
+            return builder.add(base, builder.mul(stride, ir.Constant(_I64T, i)))
+
+        def splat(value, kind):
+            one = builder.insert_element(ir.Constant(kind, None), value, ir.Constant(_I32T, 0))
+            return builder.shuffle_vector(one, ir.Constant(kind, None), ir.Constant(_DWORDS, [0] * 16))
+
+        sums = [_load(builder, row(qsum, qsum_stride, i), 0, _I32T, 4) for i in range(rows)]
+        if nibbles:
+            accs = [[ir.Constant(_DWORDS, [0] * 16)] * 4 for _ in range(rows)]
+        else:
+            accs = [[splat(builder.mul(s, ir.Constant(_I32T, -128)), _DWORDS)] * 4 for s in sums]
+        for b, offset in enumerate(offsets):
+            inputs = [splat(_load(builder, row(xq, xq_stride, i), offset, _I32T), _DWORDS) for i in range(rows)]
+            for k in range(4):
+                codes = _load(builder, scratch, (b * 4 + k) * 64, _DWORDS, 4)
+                for i in range(rows):
+                    accs[i][k] = builder.call(vnni, [accs[i][k], codes, inputs[i]])
+        fma = builder.module.declare_intrinsic("llvm.fma.v16f32", (), ir.FunctionType(_FLOATS, [_FLOATS] * 3))
+        d = [_load(builder, scratch, (CODE_VECTORS + k) * 64, _FLOATS, 4) for k in range(4)]
+        m = [_load(builder, scratch, (CODE_VECTORS + 4 + k) * 64, _FLOATS, 4) for k in range(4)] if nibbles else d
+        for i in range(rows):
+            s = splat(_load(builder, row(sx, sx_stride, i), 0, _F32T, 4), _FLOATS)
+            term = builder.fmul(s, splat(builder.sitofp(sums[i], _F32T), _FLOATS)) if nibbles else None
+            for k in range(4):
+                target = _pointer(builder, row(acc, ir.Constant(_I64T, TILE * 4), i), k * 64, _FLOATS)
+                total = builder.call(fma, [builder.fmul(d[k], s), builder.sitofp(accs[i][k], _FLOATS),
+                                           builder.load(target, align=4)])
+                if nibbles:
+                    total = builder.call(fma, [m[k], term, total])
+                builder.store(total, target, align=4)
+
+    def typer(typingctx, rows, scratch, xq, xq_stride, sx, sx_stride, qsum, qsum_stride, acc):
+        return types.void(*([types.int64] * 9)), rows_switch(ROWS, block)
+
+    return intrinsic(typer)
+
+
+@intrinsic
+def _unturn(typingctx, turned, out):
+    """out's 64 float32 (natural order) from a tile's sums in turned order (the lane transpose, then the rows
+    4 k + i of each 128-bit lane L back to 16 L + 4 k + i: the same 4 x 4 transpose of lanes)."""
+    def codegen(context, builder, signature, args):
+        lanes = [builder.bitcast(_load(builder, args[0], v * 64, _FLOATS, 4), _DWORDS) for v in range(4)]
+        for v, vector in enumerate(_turn_lanes(builder, lanes)):
+            builder.store(builder.bitcast(vector, _FLOATS), _pointer(builder, args[1], v * 64, _FLOATS), align=4)
+        return context.get_dummy_value()
+    return types.void(types.int64, types.int64), codegen
+
+
+_U4_SPLIT, _U4_DOTS = _split(16, True), _dots(16, True)
+_I8_SPLIT, _I8_DOTS = _split(32, False), _dots(32, False)
+_I8_16_SPLIT, _I8_16_DOTS = _split(16, False), _dots(16, False)
+
+
+@njit("void(float32[:, ::1], int64, int8[:, ::1], float32[:, ::1], int32[:, ::1])", cache=True, nogil=True)
+def quantize(x, size, xq, scales, sums):
+    """Each row's groups of 32 inputs as int8 codes q = rint(x / s), s = max |x| / 127 (0 for an all-zero
+    group: codes 0), and the sum of the codes of each group of `size` inputs (32, or Q6_K's 16)."""
+    for i in range(x.shape[0]):
+        for g in range(x.shape[1] // 32):
+            top = np.float32(0)
+            for j in range(32):
+                top = max(top, abs(x[i, 32 * g + j]))
+            scale = top / np.float32(127)
+            inverse = np.float32(127) / top if top > 0 else np.float32(0)
+            scales[i, g] = scale
+            for j in range(32):
+                xq[i, 32 * g + j] = np.int8(np.rint(x[i, 32 * g + j] * inverse))
+        for g in range(x.shape[1] // size):
+            total = np.int32(0)
+            for j in range(size):
+                total += np.int32(xq[i, size * g + j])
+            sums[i, g] = total
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _unturn_rows(acc, out, t):
+    for i in range(acc.shape[0]):
+        _unturn(acc.ctypes.data + i * TILE * 4,  # type: ignore[call-arg]
+                out.ctypes.data + i * out.strides[0] + t * TILE * 4)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _tiles(qs, dh, ds, mh, ms, per, mode, size, nibbles, xq, sx, sums, t0, t1, out):
+    """Tiles t0..t1 of a u4 (nibbles: size 32, d and m from _nib_scales) or i8 (size 32 or 16, d from _scales)
+    matrix times the int8 rows (xq, their scales sx per 32 inputs, their sums per `size`) into out's columns."""
+    n, groups, inputs = xq.shape[0], qs.shape[1], xq.shape[1]
+    d, m, sup = np.empty(TILE, np.float32), np.empty(TILE, np.float32), np.empty((2, TILE), np.float32)
+    scratch, acc = np.empty(SCRATCH // 4, np.float32), np.empty((n, TILE), np.float32)
+    at, group_bytes, scales = scratch.ctypes.data, qs.shape[2] * TILE, sx.shape[1]
+    for t in range(t0, t1):
+        acc[:] = 0
+        for g in range(groups):
+            _prefetch_ahead(qs, t, g)
+            q_at, s_at = qs.ctypes.data + (t * groups + g) * group_bytes, (g * size) // 32
+            if nibbles:
+                _nib_scales(dh, ds, mh, ms, per, mode, t, g, d, m, sup)
+                _U4_SPLIT(q_at, d.ctypes.data, m.ctypes.data, at)
+            else:
+                _scales(dh, ds, per, t, g, d, sup[0])
+                if size == 32:
+                    _I8_SPLIT(q_at, d.ctypes.data, d.ctypes.data, at)
+                else:
+                    _I8_16_SPLIT(q_at, d.ctypes.data, d.ctypes.data, at)
+            for i in range(0, n, ROWS):
+                args = (min(ROWS, n - i), at, xq.ctypes.data + i * inputs + size * g, inputs,
+                        sx.ctypes.data + (i * scales + s_at) * 4, scales * 4, sums.ctypes.data + (i * groups + g) * 4,
+                        groups * 4, acc.ctypes.data + i * TILE * 4)
+                if nibbles:
+                    _U4_DOTS(*args)
+                elif size == 32:
+                    _I8_DOTS(*args)
+                else:
+                    _I8_16_DOTS(*args)
+        _unturn_rows(acc, out, t - t0)
+
+
+def _u4_rows(qs, qh, dh, ds, mh, ms, high, per, mode, xq, sx, sums, t0, t1, out):
+    """One copy per type with its flags literal, as weight_kernels' kernels."""
+    if per > 1:  # Q4_K
+        _tiles(qs, dh, ds, mh, ms, 8, SUPER, 32, True, xq, sx, sums, t0, t1, out)
+    elif mode == Q4_0:
+        _tiles(qs, dh, ds, mh, ms, 1, Q4_0, 32, True, xq, sx, sums, t0, t1, out)
+    else:  # Q4_1
+        _tiles(qs, dh, ds, mh, ms, 1, HALF, 32, True, xq, sx, sums, t0, t1, out)
+
+
+def _i8_rows(qs, dh, ds, per, xq, sx, sums, t0, t1, out):
+    if per > 1:  # Q6_K: groups of 16, 16 a super-block
+        _tiles(qs, dh, ds, ds, ds, 16, HALF, 16, False, xq, sx, sums, t0, t1, out)
+    else:  # Q8_0, Q5_0
+        _tiles(qs, dh, ds, ds, ds, 1, HALF, 32, False, xq, sx, sums, t0, t1, out)
+
+
+def compiled() -> dict:
+    """The int8 row kernels by packed format and the activations' quantiser (int8_rows.product's), compiled or
+    loaded from numba's on-disk cache (through kernel_loader.import_kernels)."""
+    return {"u4": njit(f"void({_NIB}, {_INTS})", **_OPTIONS)(_u4_rows),
+            "i8": njit(f"void({_I8}, {_INTS})", **_OPTIONS)(_i8_rows), "quantize": quantize}

@@ -1,0 +1,113 @@
+"""Decode rows of several sequences multiplied in int8: the activations quantised per group of 32 inputs, integer
+dot products with the packed weight codes (AVX-512 VNNI's vpdpbusd, int8_kernels.py), scaled once per group --
+llama.cpp's arithmetic for its quantised types.
+
+Where it applies: only inside `batched(True)`, which the engine enters for a forward whose rows are all decode rows
+of two or more different sequences (engine.Engine._execute; BatchConfig.exact_batches turns it off), and only for
+2 to MAX_ROWS rows times a u4 (Q4_0, Q4_1, Q4_K) or i8 (Q8_0, Q5_0, Q6_K) matrix. Everything else -- one sequence,
+every prefill, the float32 tensors, u5 -- is the exact float32 product it always was (quantized.QuantMatrix.product).
+A row's result then differs from the row alone: tests/test_int8_rows.py bounds it against float64 references.
+
+The route is chosen once per process (`route()`): "vnni" where llvmlite reports avx512vnni for this CPU, else
+"exact" (the float32 batch kernels: a CPU without the instruction could not run the compiled kernels at all); the
+environment variable PAGEVIS_NO_VNNI=1 forces "exact" (tests, comparisons). `describe()` says which, for the benches.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+
+from pagevis.kernel_loader import import_kernels
+from pagevis.model.resident import release_compiler_pages
+from pagevis.model.weight_threads import split
+
+MAX_ROWS = 16  # quantized.SMALL_BATCH: more rows are a prefill's, always exact
+NO_VNNI_ENV = "PAGEVIS_NO_VNNI"
+TILE = 64
+_STATE = threading.local()
+
+
+def host_has_vnni() -> bool:
+    """Whether this CPU has AVX-512 VNNI (vpdpbusd), as LLVM sees it (the compiler that would emit it)."""
+    try:
+        from llvmlite import binding
+
+        return bool(binding.get_host_cpu_features().get("avx512vnni"))
+    except Exception:  # no feature list on this platform: assume the instruction is missing
+        return False
+
+
+@functools.cache
+def route() -> str:
+    """"vnni" (int8 rows) or "exact" (float32 rows), decided once per process."""
+    if os.environ.get(NO_VNNI_ENV, "") not in ("", "0") or not host_has_vnni():
+        return "exact"
+    return "vnni"
+
+
+def describe() -> str:
+    """One line for the benches: which arithmetic several sequences' decode rows use on this machine."""
+    if route() == "vnni":
+        return ("batched decode rows: int8 activations x packed codes, integer dot products (AVX-512 VNNI "
+                "vpdpbusd); --exact-batches keeps them float32")
+    why = "PAGEVIS_NO_VNNI is set" if host_has_vnni() else "this CPU has no avx512_vnni"
+    return f"batched decode rows: exact float32 ({why})"
+
+
+@contextmanager
+def batched(on: bool) -> Iterator[None]:
+    """Products inside take int8 rows (on, where the route is "vnni") on this thread; nested calls restore."""
+    previous = getattr(_STATE, "on", False)
+    _STATE.on = bool(on) and route() == "vnni"
+    try:
+        yield
+    finally:
+        _STATE.on = previous
+
+
+def active() -> bool:
+    return getattr(_STATE, "on", False)
+
+
+def _kernels() -> dict:
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = import_kernels("pagevis.model.int8_kernels", "the int8 batch kernels",
+                                  build=lambda module: module.compiled(), seconds=10)
+        release_compiler_pages()
+    return _KERNELS
+
+
+_KERNELS: dict | None = None
+
+
+def product(fmt: str, arrays: tuple, tiles: int, nbytes: int, x: np.ndarray) -> np.ndarray | None:
+    """x (rows, in) float32 C-contiguous times a packed matrix in int8, (rows, tiles * TILE); None where this
+    format or row count has no int8 kernel (the caller takes its exact path)."""
+    if fmt not in ("u4", "i8") or not 2 <= len(x) <= MAX_ROWS:
+        return None
+    kernels = _kernels()
+    size = 16 if fmt == "i8" and arrays[3] > 1 else 32  # Q6_K's groups of 16
+    xq = np.empty(x.shape, np.int8)
+    scales = np.empty((len(x), x.shape[1] // 32), np.float32)
+    sums = np.empty((len(x), x.shape[1] // size), np.int32)
+    kernels["quantize"](x, size, xq, scales, sums)
+    kernel = kernels[fmt]
+    out = np.empty((len(x), tiles * TILE), np.float32)
+
+    def work(t0: int, t1: int, private: bool) -> np.ndarray:
+        target = np.empty((len(x), (t1 - t0) * TILE), np.float32) if private else out[:, t0 * TILE:t1 * TILE]
+        kernel(*arrays, xq, scales, sums, t0, t1, target)
+        return target
+
+    def place(t0: int, t1: int, part: np.ndarray) -> None:
+        out[:, t0 * TILE:t1 * TILE] = part
+
+    split(tiles, nbytes, work, place)
+    return out

@@ -1,0 +1,164 @@
+"""Decode rows of several sequences in int8 (model/int8_rows.py, int8_kernels.py): the kernel against independent
+float64 products, where the engine uses it (only steps whose rows are all decode rows of 2+ sequences), a batch of
+SmolLM2 sequences against each sequence alone within stated bounds, and the exact route of a CPU without VNNI."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+from model_fixtures import smollm2  # noqa: F401  (fixture)
+from test_weight_kernels import random_blocks
+
+from pagevis.engine import Engine, SamplingConfig, SessionConfig
+from pagevis.engine.batch import BatchConfig
+from pagevis.model import DenseAttention, int8_rows
+from pagevis.model.quantized import FORMATS, pack
+from pagevis.model.synthetic import SyntheticModel
+
+KINDS = [kind for kind in FORMATS if FORMATS[kind][0] in ("u4", "i8")]  # Q4_0 Q4_1 Q4_K Q8_0 Q5_0 Q6_K
+vnni = pytest.mark.skipif(int8_rows.route() != "vnni", reason="this CPU has no avx512_vnni (or PAGEVIS_NO_VNNI)")
+EPS32 = 2.0 ** -24
+
+
+def int8_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's groups of 32 as the kernel quantises them, in float64: (the int8 codes times their scale, the
+    scale s = max |x| / 127 broadcast to every input)."""
+    groups = x.reshape(len(x), -1, 32)
+    top = np.abs(groups).max(axis=-1, keepdims=True)
+    scale = top / np.float32(127)
+    codes = np.rint(groups * np.where(top > 0, np.float32(127) / np.where(top > 0, top, 1), 0).astype(np.float32))
+    assert np.abs(codes).max() <= 127
+    s = np.broadcast_to(scale.astype(np.float64), groups.shape).reshape(x.shape)
+    return (codes * scale.astype(np.float64)).reshape(x.shape), s
+
+
+@vnni
+@pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
+def test_int8_rows_equal_the_float64_product_of_their_rounded_activations_and_stay_near_the_exact_one(kind):
+    """Integer sums are exact, so against the dequantised weights times the int8-rounded activations the kernel is
+    off by float32 rounding only (its scaling: one multiply and two fused adds a group); against the activations
+    themselves by at most half a step of each input's group (s / 2) times the weight's magnitude, summed."""
+    rng = np.random.default_rng(int(kind) + 100)
+    rows, n_in = 130, FORMATS[kind][3] * 3  # a partial last tile
+    raw = random_blocks(kind, rows, n_in, rng)
+    w = dequantize(raw, kind).reshape(rows, n_in).astype(np.float64)
+    matrix = pack(kind, raw, n_in)
+    for m in (2, 5, 16):  # one block of rows, a partial one, four
+        x = rng.standard_normal((m, n_in)).astype(np.float32)
+        x[1] *= 1e4  # rows of very different sizes: each keeps its own scales
+        x[-1, :32] = 0  # an all-zero group: scale 0
+        with int8_rows.batched(True):
+            got = (x @ matrix).astype(np.float64)
+        rounded, step = int8_activations(x)
+        magnitude = np.abs(rounded) @ np.abs(w).T
+        assert (np.abs(got - rounded @ w.T) <= (n_in // 16 + 8) * EPS32 * magnitude).all(), (kind.name, m)
+        exact = x.astype(np.float64) @ w.T
+        rounding = (step / 2) @ np.abs(w).T
+        assert (np.abs(got - exact) <= rounding + (n_in // 16 + 8) * EPS32 * magnitude).all(), (kind.name, m)
+        assert not np.array_equal(got, exact)  # (the int8 path really ran)
+
+
+@vnni
+def test_one_row_many_rows_and_products_outside_a_batch_stay_exact():
+    """Only 2 to MAX_ROWS rows inside `batched(True)` take int8: one row (a sequence alone), a prefill's 17+ rows
+    and every product outside are what they were, bit for bit."""
+    rng = np.random.default_rng(5)
+    raw = random_blocks(Q.Q4_1, 64, 64, rng)
+    matrix = pack(Q.Q4_1, raw, 64)
+    x = rng.standard_normal((17, 64)).astype(np.float32)
+    outside = [x[:1] @ matrix, x @ matrix, x[:4] @ matrix]
+    with int8_rows.batched(True):
+        inside = [x[:1] @ matrix, x @ matrix, x[:4] @ matrix]
+        with int8_rows.batched(False):
+            assert np.array_equal(x[:4] @ matrix, outside[2])
+        assert int8_rows.active()
+    assert not int8_rows.active()
+    assert np.array_equal(inside[0], outside[0]) and np.array_equal(inside[1], outside[1])
+    assert not np.array_equal(inside[2], outside[2])
+
+
+class Watching:
+    """A model noting, for each forward, how many rows it ran and whether int8 rows were on."""
+
+    def __init__(self, model):
+        self.model, self.config, self.tokenizer = model, model.config, model.tokenizer
+        self.seen: list[tuple[int, bool]] = []
+
+    def forward(self, token_ids, positions, attend, **kwargs):
+        self.seen.append((len(token_ids), int8_rows.active()))
+        return self.model.forward(token_ids, positions, attend, **kwargs)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_the_engine_asks_for_int8_rows_only_in_steps_of_decode_rows_of_several_sequences(exact):
+    """One sequence, prefill chunks (alone or beside decode rows) and exact_batches stay exact."""
+    model = Watching(SyntheticModel(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=1))
+    config = SessionConfig(page_size=4, max_pages=16, policy="none", max_new_tokens=4, chat=False)
+    engine = Engine(model, config, BatchConfig(max_seqs=4, exact_batches=exact), max_chunk=4)
+    engine.submit(list(range(3, 9)))
+    engine.step()  # 4 of its 6 prompt tokens
+    engine.submit(list(range(10, 13)), max_new_tokens=5)
+    list(engine.run())
+    on = int8_rows.route() == "vnni" and not exact
+    # steps: [4 prompt], [2 prompt + 3 prompt], then both decode (3 steps), then the second's last decode alone
+    assert model.seen == [(4, False), (5, False), (2, on), (2, on), (2, on), (1, False)]
+
+
+def log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.float64) - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+@vnni
+def test_smollm2_int8_batched_decode_stays_within_bounds_of_each_sequence_alone(smollm2):  # noqa: F811
+    """Four sequences decode 8 greedy tokens together (steps 2-8: int8 rows); each step's logits against that
+    sequence's exact logits alone for the same tokens (teacher-forced: one dense forward over prompt + generated):
+    max |diff| <= 2 (the logits span ~+-30; measured 1.09), KL(alone || batched) <= 0.02 nats a step (measured
+    0.007, mean 0.0022), and every top-1 disagreement a near tie of the exact logits (none measured)."""
+    config = SessionConfig(page_size=16, max_pages=48, policy="none", max_new_tokens=8, chat=False,
+                           sampling=SamplingConfig(mode="greedy"))
+    engine = Engine(smollm2, config, BatchConfig(max_seqs=4))
+    prompts = ["The page table maps", "A cache evicts the", "Attention weights sum to", "The prime numbers below"]
+    ids = [engine.submit(engine.encode(prompt)) for prompt in prompts]
+    batched: dict[int, list[np.ndarray]] = {seq_id: [] for seq_id in ids}
+    for record in engine.run():
+        if len(record.seqs) == len(ids) and all(s.kind == "decode" for s in record.seqs):
+            for seq_id in ids:
+                batched[seq_id].append(engine.last_logits[seq_id].copy())
+    agree = total = 0
+    for seq_id in ids:
+        request = engine.requests[seq_id]
+        tokens, start = list(request.prompt_ids) + request.generated, len(request.prompt_ids)
+        got = np.array(batched[seq_id])
+        assert len(got) == 7
+        alone = smollm2.forward(np.array(tokens), np.arange(len(tokens)), DenseAttention(smollm2.config),
+                                all_logits=True)[start:start + len(got)]
+        diff = np.abs(got - alone).max()
+        assert 0 < diff <= 2.0, seq_id
+        p, q = log_softmax(alone), log_softmax(got)
+        assert (np.exp(p) * (p - q)).sum(axis=-1).max() <= 0.02, seq_id
+        top = got.argmax(axis=-1)
+        assert (alone[np.arange(len(got)), top] >= alone.max(axis=-1) - 2 * diff).all(), seq_id
+        agree, total = agree + int((top == alone.argmax(axis=-1)).sum()), total + len(got)
+    assert agree >= 0.9 * total
+
+
+def test_without_vnni_the_exact_route_is_taken_and_said(monkeypatch):
+    """PAGEVIS_NO_VNNI (or a CPU without avx512_vnni): batched(True) does nothing, products stay float32 exact."""
+    monkeypatch.setenv(int8_rows.NO_VNNI_ENV, "1")
+    int8_rows.route.cache_clear()
+    try:
+        assert int8_rows.route() == "exact" and "exact float32" in int8_rows.describe()
+        rng = np.random.default_rng(6)
+        matrix = pack(Q.Q8_0, random_blocks(Q.Q8_0, 64, 64, rng), 64)
+        x = rng.standard_normal((3, 64)).astype(np.float32)
+        with int8_rows.batched(True):
+            assert not int8_rows.active()
+            inside = x @ matrix
+        assert np.array_equal(inside, x @ matrix)
+    finally:
+        monkeypatch.delenv(int8_rows.NO_VNNI_ENV)
+        int8_rows.route.cache_clear()
+    assert int8_rows.route() == ("vnni" if int8_rows.host_has_vnni() else "exact")
