@@ -116,3 +116,21 @@ def test_a_session_gets_a_cache_of_its_request():
         made = running.client.post("/v1/sessions", json={"prompt": "A session of its own.", "max_tokens": 30,
                                                          "chat": False}).json()
     assert made["capacity"] == fixed.defaults.capacity == 12 * PAGE
+
+
+def test_rows_decoding_together_are_int8_by_default_and_exact_with_the_flag():
+    """`pagevis serve` gives its engines BatchConfig.exact_batches from --exact-batches (default: off, int8 rows for
+    requests decoding together where the CPU has VNNI)."""
+    import dataclasses
+
+    from pagevis.cli.main import command_parser
+    from pagevis.cli.serve import settings_from_args
+
+    def settings(*flags):
+        return settings_from_args(command_parser().parse_args(["serve", "--model", "synthetic", *flags]))
+
+    assert settings().exact_batches is False
+    with running_server(dataclasses.replace(settings("--exact-batches"), model_spec=SYNTH)) as running:
+        running.client.post("/v1/completions", json={"model": "synthetic", "prompt": "pages", "max_tokens": 2}
+                            ).raise_for_status()
+        assert [core.engine.batch.exact_batches for core in running.app.state.engines.cores.values()] == [True]
