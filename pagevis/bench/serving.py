@@ -14,8 +14,8 @@ first chunk with text), time per output token (per request: (end - first token) 
 inter-token latency (every gap between text chunks), each as mean, p50 and p99; the prefix-cache hit rate (cached prompt tokens over prompt tokens,
 from usage.prompt_tokens_details.cached_tokens) and the share of the system prompt that hit; /healthz latency
 (probed every 50 ms while the level runs). The server is `pagevis serve` in its own process on a free loopback
-port, warmed with one request per system prompt (their first requests) before the levels; with rounds > 1 the
-levels run again in turn, and 8 clients over 1 is of the medians.
+port, warmed with one request per system prompt (their first requests, sent together so that they decode in one
+batch) before the levels; with rounds > 1 the levels run again in turn, and 8 clients over 1 is of the medians.
 """
 
 from __future__ import annotations
@@ -260,11 +260,7 @@ def run(model: str = "smollm2", concurrencies=CONCURRENCIES, rates=None, num_pro
     result = {"model": spec.label, "max_tokens": max_tokens, "server_flags": list(flags), "cpu_count": os.cpu_count(),
               "system_prompt_tokens": shared, "rounds": rounds, "levels": []}
     with ServerProcess(model, flags=flags) as server:
-        with loopback_client(server.url, 600) as client:
-            for system in range(len(SYSTEM_PROMPTS)):  # the first request of each system prompt: a miss
-                warm = chat(client, name, first_turn(system, "Hello?"), 2, system)
-                if warm.status != 200:
-                    raise RuntimeError(f"the server refused the warm-up request: {warm.status} {warm.error}")
+        warm_up(server.url, name)
         levels = [("concurrency", c) for c in concurrencies or ()] + [("rate", r) for r in rates or ()]
         for index in range(rounds):  # each round its own users (seed + round): a round's prompts are not all cached
             for kind, value in levels:
@@ -274,6 +270,26 @@ def run(model: str = "smollm2", concurrencies=CONCURRENCIES, rates=None, num_pro
                     progress(format_level(level))
     result.update(eight_over_one(result["levels"]))
     return result
+
+
+def warm_up(url: str, name: str) -> None:
+    """The first request of each system prompt (a miss), sent at once so that they also decode together: the
+    kernels of a batched step (loaded on its first use, ~1 s) are in before the levels, not inside the first one
+    with more than one client."""
+    warm: list[Outcome] = []
+
+    def send(system: int) -> None:
+        with loopback_client(url, 600) as client:
+            warm.append(chat(client, name, first_turn(system, "Hello?"), 4, system))
+
+    threads = [threading.Thread(target=send, args=(system,)) for system in range(len(SYSTEM_PROMPTS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for outcome in warm:
+        if outcome.status != 200:
+            raise RuntimeError(f"the server refused the warm-up request: {outcome.status} {outcome.error}")
 
 
 def _level(server, name: str, kind: str, value, num_prompts, max_tokens: int, seed: int, shared) -> dict:
