@@ -10,7 +10,7 @@ import pytest
 from pagevis.kvcache.batch_decode_kernel import attend_tables
 
 
-@pytest.mark.parametrize("n_kv, group, page_size", [(1, 1, 1), (3, 3, 16), (2, 4, 4)])
+@pytest.mark.parametrize("n_kv, group, page_size", [(1, 1, 1), (3, 3, 16), (2, 4, 4), (1, 6, 3), (2, 5, 7)])
 def test_each_sequence_attends_over_its_own_pages_as_float64_does(n_kv, group, page_size):
     rng = np.random.default_rng(n_kv * 100 + group * 10 + page_size)
     d, frames, batch = 16, 24, 5

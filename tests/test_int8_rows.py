@@ -28,7 +28,8 @@ def int8_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     groups = x.reshape(len(x), -1, 32)
     top = np.abs(groups).max(axis=-1, keepdims=True)
     scale = top / np.float32(127)
-    codes = np.rint(groups * np.where(top > 0, np.float32(127) / np.where(top > 0, top, 1), 0).astype(np.float32))
+    scaled = groups * np.where(top > 0, np.float32(127) / np.where(top > 0, top, 1), 0).astype(np.float32)
+    codes = np.trunc(scaled + np.copysign(np.float32(0.5), scaled))  # half away from zero, in float32
     assert np.abs(codes).max() <= 127
     s = np.broadcast_to(scale.astype(np.float64), groups.shape).reshape(x.shape)
     return (codes * scale.astype(np.float64)).reshape(x.shape), s
@@ -115,8 +116,8 @@ def log_softmax(z: np.ndarray) -> np.ndarray:
 def test_smollm2_int8_batched_decode_stays_within_bounds_of_each_sequence_alone(smollm2):  # noqa: F811
     """Four sequences decode 8 greedy tokens together (steps 2-8: int8 rows); each step's logits against that
     sequence's exact logits alone for the same tokens (teacher-forced: one dense forward over prompt + generated):
-    max |diff| <= 2 (the logits span ~+-30; measured 1.09), KL(alone || batched) <= 0.02 nats a step (measured
-    0.007, mean 0.0022), and every top-1 disagreement a near tie of the exact logits (none measured)."""
+    max |diff| <= 2 (the logits span ~+-30; measured 1.25), KL(alone || batched) <= 0.02 nats a step (measured
+    0.006), and every top-1 disagreement a near tie of the exact logits (none measured: 28 of 28 agree)."""
     config = SessionConfig(page_size=16, max_pages=48, policy="none", max_new_tokens=8, chat=False,
                            sampling=SamplingConfig(mode="greedy"))
     engine = Engine(smollm2, config, BatchConfig(max_seqs=4))

@@ -1,7 +1,7 @@
 """Several rows times the packed weights in int8: AVX-512 VNNI's vpdpbusd on the packed codes as they lie.
 
 Only for decode rows of several sequences (int8_rows.py says where): each row's activations are quantised per
-group of 32 inputs to int8 with one float32 scale s (s = max |x| / 127, q = rint(x / s)), and a weight group's
+group of 32 inputs to int8 with one float32 scale s (s = max |x| / 127, q = x / s rounded half away from zero), and a weight group's
 contribution to output r of row i is
     u4 (Q4_0, Q4_1, Q4_K; codes c in 0..15, w = d c + m):   d[r] s_i (sum_j c[j, r] q_i[j]) + m[r] s_i (sum_j q_i[j])
     i8 (Q8_0, Q5_0, Q6_K; signed codes c, w = d c):          d[r] s_i (sum_j c[j, r] q_i[j])
@@ -30,13 +30,13 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 from pagevis.model.batch_kernels import rows_switch
-from pagevis.model.weight_kernels import _I8, _NIB, _OPTIONS, HALF, Q4_0, SUPER, _nib_scales, _prefetch_ahead, _scales
+from pagevis.model.weight_kernels import (_I8, _MAT, _NIB, _OPTIONS, HALF, Q4_0, SUPER, _nib_scales, _prefetch_ahead,
+                                         _scales)
 
 TILE = 64
 ROWS = 4  # rows whose accumulators (4 zmm each) a block holds
 CODE_VECTORS = 32  # at most: 32 codes x 64 rows / 64 bytes
 SCRATCH = (CODE_VECTORS + 8) * 64  # the turned codes, then d and m in turned order
-_INTS = "int8[:, ::1], float32[:, ::1], int32[:, ::1], int64, int64, float32[:, :]"
 
 _I8T, _I16T, _I32T, _I64T, _F32T = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _BYTES, _WORDS = ir.VectorType(_I8T, 64), ir.VectorType(_I16T, 32)
@@ -183,25 +183,34 @@ _I8_SPLIT, _I8_DOTS = _split(32, False), _dots(32, False)
 _I8_16_SPLIT, _I8_16_DOTS = _split(16, False), _dots(16, False)
 
 
-@njit("void(float32[:, ::1], int64, int8[:, ::1], float32[:, ::1], int32[:, ::1])", cache=True, nogil=True)
-def quantize(x, size, xq, scales, sums):
-    """Each row's groups of 32 inputs as int8 codes q = rint(x / s), s = max |x| / 127 (0 for an all-zero
-    group: codes 0), and the sum of the codes of each group of `size` inputs (32, or Q6_K's 16)."""
-    for i in range(x.shape[0]):
-        for g in range(x.shape[1] // 32):
+@njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz"})
+def quantize(x, size):
+    """Each row's groups of 32 inputs as int8 codes q = x / s rounded half away from zero, s = max |x| / 127 (0 for
+    an all-zero group: codes 0): (the codes, s per group of 32, the sum of the codes of each group of `size` inputs
+    (32, or Q6_K's 16)). Written so the loops vectorise (selects, not branches; the inputs are finite)."""
+    n, inputs = x.shape
+    xq = np.empty((n, inputs), np.int8)
+    scales = np.empty((n, inputs // 32), np.float32)
+    sums = np.empty((n, inputs // size), np.int32)
+    half = np.float32(0.5)
+    for i in range(n):
+        for g in range(inputs // 32):
             top = np.float32(0)
             for j in range(32):
-                top = max(top, abs(x[i, 32 * g + j]))
-            scale = top / np.float32(127)
+                value = x[i, 32 * g + j]
+                magnitude = value if value >= 0 else -value
+                top = top if top >= magnitude else magnitude
+            scales[i, g] = top / np.float32(127)
             inverse = np.float32(127) / top if top > 0 else np.float32(0)
-            scales[i, g] = scale
             for j in range(32):
-                xq[i, 32 * g + j] = np.int8(np.rint(x[i, 32 * g + j] * inverse))
-        for g in range(x.shape[1] // size):
+                scaled = x[i, 32 * g + j] * inverse
+                xq[i, 32 * g + j] = np.int8(np.int32(scaled + (half if scaled >= 0 else -half)))
+        for g in range(inputs // size):
             total = np.int32(0)
             for j in range(size):
                 total += np.int32(xq[i, size * g + j])
             sums[i, g] = total
+    return xq, scales, sums
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -212,9 +221,10 @@ def _unturn_rows(acc, out, t):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _tiles(qs, dh, ds, mh, ms, per, mode, size, nibbles, xq, sx, sums, t0, t1, out):
+def _tiles(qs, dh, ds, mh, ms, per, mode, size, nibbles, x, t0, t1, out):
     """Tiles t0..t1 of a u4 (nibbles: size 32, d and m from _nib_scales) or i8 (size 32 or 16, d from _scales)
-    matrix times the int8 rows (xq, their scales sx per 32 inputs, their sums per `size`) into out's columns."""
+    matrix times the rows x, quantised (`quantize`), into out's columns."""
+    xq, sx, sums = quantize(x, size)
     n, groups, inputs = xq.shape[0], qs.shape[1], xq.shape[1]
     d, m, sup = np.empty(TILE, np.float32), np.empty(TILE, np.float32), np.empty((2, TILE), np.float32)
     scratch, acc = np.empty(SCRATCH // 4, np.float32), np.empty((n, TILE), np.float32)
@@ -246,25 +256,25 @@ def _tiles(qs, dh, ds, mh, ms, per, mode, size, nibbles, xq, sx, sums, t0, t1, o
         _unturn_rows(acc, out, t - t0)
 
 
-def _u4_rows(qs, qh, dh, ds, mh, ms, high, per, mode, xq, sx, sums, t0, t1, out):
+def _u4_rows(qs, qh, dh, ds, mh, ms, high, per, mode, x, t0, t1, out):
     """One copy per type with its flags literal, as weight_kernels' kernels."""
     if per > 1:  # Q4_K
-        _tiles(qs, dh, ds, mh, ms, 8, SUPER, 32, True, xq, sx, sums, t0, t1, out)
+        _tiles(qs, dh, ds, mh, ms, 8, SUPER, 32, True, x, t0, t1, out)
     elif mode == Q4_0:
-        _tiles(qs, dh, ds, mh, ms, 1, Q4_0, 32, True, xq, sx, sums, t0, t1, out)
+        _tiles(qs, dh, ds, mh, ms, 1, Q4_0, 32, True, x, t0, t1, out)
     else:  # Q4_1
-        _tiles(qs, dh, ds, mh, ms, 1, HALF, 32, True, xq, sx, sums, t0, t1, out)
+        _tiles(qs, dh, ds, mh, ms, 1, HALF, 32, True, x, t0, t1, out)
 
 
-def _i8_rows(qs, dh, ds, per, xq, sx, sums, t0, t1, out):
+def _i8_rows(qs, dh, ds, per, x, t0, t1, out):
     if per > 1:  # Q6_K: groups of 16, 16 a super-block
-        _tiles(qs, dh, ds, ds, ds, 16, HALF, 16, False, xq, sx, sums, t0, t1, out)
+        _tiles(qs, dh, ds, ds, ds, 16, HALF, 16, False, x, t0, t1, out)
     else:  # Q8_0, Q5_0
-        _tiles(qs, dh, ds, ds, ds, 1, HALF, 32, False, xq, sx, sums, t0, t1, out)
+        _tiles(qs, dh, ds, ds, ds, 1, HALF, 32, False, x, t0, t1, out)
 
 
 def compiled() -> dict:
     """The int8 row kernels by packed format and the activations' quantiser (int8_rows.product's), compiled or
     loaded from numba's on-disk cache (through kernel_loader.import_kernels)."""
-    return {"u4": njit(f"void({_NIB}, {_INTS})", **_OPTIONS)(_u4_rows),
-            "i8": njit(f"void({_I8}, {_INTS})", **_OPTIONS)(_i8_rows), "quantize": quantize}
+    return {"u4": njit(f"void({_NIB}, {_MAT})", **_OPTIONS)(_u4_rows),
+            "i8": njit(f"void({_I8}, {_MAT})", **_OPTIONS)(_i8_rows)}

@@ -92,18 +92,12 @@ def product(fmt: str, arrays: tuple, tiles: int, nbytes: int, x: np.ndarray) -> 
     format or row count has no int8 kernel (the caller takes its exact path)."""
     if fmt not in ("u4", "i8") or not 2 <= len(x) <= MAX_ROWS:
         return None
-    kernels = _kernels()
-    size = 16 if fmt == "i8" and arrays[3] > 1 else 32  # Q6_K's groups of 16
-    xq = np.empty(x.shape, np.int8)
-    scales = np.empty((len(x), x.shape[1] // 32), np.float32)
-    sums = np.empty((len(x), x.shape[1] // size), np.int32)
-    kernels["quantize"](x, size, xq, scales, sums)
-    kernel = kernels[fmt]
+    kernel = _kernels()[fmt]
     out = np.empty((len(x), tiles * TILE), np.float32)
 
     def work(t0: int, t1: int, private: bool) -> np.ndarray:
         target = np.empty((len(x), (t1 - t0) * TILE), np.float32) if private else out[:, t0 * TILE:t1 * TILE]
-        kernel(*arrays, xq, scales, sums, t0, t1, target)
+        kernel(*arrays, x, t0, t1, target)
         return target
 
     def place(t0: int, t1: int, part: np.ndarray) -> None:
