@@ -151,3 +151,35 @@ def test_the_worker_pauses_only_after_a_step_that_took_little_cpu(monkeypatch):
         sleeps.clear()
         batches = list(runner.worker_steps(Stepper(cpu), RunControl(budget=3), flush_every=0.0))
         assert batches == [["record"]] * 3 and sleeps == pauses
+
+
+def test_the_gui_bench_splits_a_steps_wall_time_into_cpu_waiting_and_blocked():
+    """A step that sleeps (as a thread waiting for the GIL does) shows as blocked, one that computes as CPU."""
+    import os
+    import time
+
+    from pagevis.bench.gui.app import StepClock
+
+    if not os.path.exists("/proc/thread-self/schedstat"):
+        pytest.skip("the run-queue wait is read from Linux's /proc/thread-self/schedstat")
+
+    class Session:
+        def __init__(self, sleep: bool):
+            self.sleep = sleep
+
+        def step(self):
+            started = time.thread_time()
+            if self.sleep:
+                time.sleep(0.02)
+            while not self.sleep and time.thread_time() - started < 0.02:
+                pass
+            return "record"
+
+    for sleep in (True, False):
+        clock, session = StepClock(), Session(sleep)
+        clock.install(session)
+        assert [session.step() for _ in range(3)] == ["record"] * 3
+        split = clock.split()
+        assert split["wall"] == pytest.approx(split["cpu"] + split["waiting"] + split["blocked"])
+        assert (split["blocked"] if sleep else split["cpu"]) >= 19
+        assert (split["cpu"] if sleep else split["blocked"]) < 5

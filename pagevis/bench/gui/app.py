@@ -7,6 +7,8 @@ Plays a model at full speed in the real window (offscreen, every view visible) a
     when steps are slower: the window paces its frames to keep the UI thread's CPU a share of the decoder's, see
     rendering.UI_SHARE),
   * the process's CPU time a step in both runs (on a shared machine the CPU a step moves less than the wall clock),
+  * where the decoding thread's wall time a step goes in both runs (Linux): its CPU, waiting for a core, blocked
+    (the GIL, mostly), and the time between steps (hand-offs, pauses); and the UI thread's CPU a frame,
   * how late a 10 ms QTimer fires while the window loads the model on its worker (target p90 < 100 ms).
 Both runs use one BLAS thread, as the app does. With --ab: the A/B window's lockstep speed (two sessions)
 relative to the same two sessions run headless one after the other.
@@ -30,6 +32,50 @@ PROMPT = ("In a paged KV cache, keys and values live in fixed-size pages. Explai
 
 
 CPU_MS: dict[str, list[float]] = {"gui": [], "headless": []}  # the process's CPU time a step, ms, per run
+WORKER: dict[str, list[dict[str, float]]] = {"gui": [], "headless": []}  # StepClock.split() per run
+
+
+class StepClock:
+    """Where the decoding thread's wall time goes, step by step: `install(session)` wraps its `step` (on whichever
+    thread calls it) to read, before and after each step, the wall clock, the thread's CPU time and (Linux) the
+    time it spent runnable but waiting for a core (/proc/thread-self/schedstat). What is left of a step's wall
+    time is time the thread was blocked: in the app, waiting for the GIL (the kernels release it many times a
+    step; the UI thread's Python holds it); headless, nothing."""
+
+    def __init__(self):
+        self.samples: list[tuple[tuple[float, float, float], tuple[float, float, float]]] = []
+
+    @staticmethod
+    def now() -> tuple[float, float, float]:
+        try:
+            with open("/proc/thread-self/schedstat") as stat:
+                waited = int(stat.read().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            waited = float("nan")
+        return time.perf_counter(), time.thread_time(), waited
+
+    def install(self, session) -> None:
+        step = session.step
+
+        def timed():
+            before = self.now()
+            try:
+                return step()
+            finally:
+                self.samples.append((before, self.now()))
+
+        session.step = timed
+
+    def split(self) -> dict[str, float]:
+        """ms a step: wall, cpu, waiting (for a core), blocked (the rest), and between (after one step, before
+        the next: the app's hand-offs and pauses)."""
+        if not self.samples:
+            return {}
+        d = np.array([[b[i] - a[i] for i in range(3)] for a, b in self.samples])
+        between = [later[0][0] - earlier[1][0] for earlier, later in zip(self.samples, self.samples[1:])]
+        wall, cpu, waiting = 1000 * d.mean(axis=0)
+        return {"wall": wall, "cpu": cpu, "waiting": waiting, "blocked": wall - cpu - waiting,
+                "between": 1000 * float(np.mean(between)) if between else 0.0}
 
 
 def headless(spec, config, steps: int) -> float:
@@ -37,9 +83,12 @@ def headless(spec, config, steps: int) -> float:
 
     session = DecodeSession(spec.load(), PROMPT, config)
     run(session, RunControl(budget=1))  # the prefill, timed in neither run
+    worker = StepClock()
+    worker.install(session)
     started, cpu = time.perf_counter(), time.process_time()
     taken = run(session, RunControl(budget=steps))
     CPU_MS["headless"].append(1000 * (time.process_time() - cpu) / taken)
+    WORKER["headless"].append(worker.split())
     return taken / (time.perf_counter() - started)
 
 
@@ -110,6 +159,8 @@ def in_gui(spec, config, steps: int, clock: UiClock | None = None) -> dict[str, 
     app.processEvents()
     if clock is not None:
         clock.instrument(window)
+    worker = StepClock()
+    worker.install(window.runner.session)
 
     probe, clock, lateness = lateness_probe()
     target = len(window.timeline) + steps
@@ -137,11 +188,13 @@ def in_gui(spec, config, steps: int, clock: UiClock | None = None) -> dict[str, 
     ui_cpu = time.thread_time() - cpu
     elapsed = arrived[0] - started
     redraws = window.renderer.frames - frames
+    WORKER["gui"].append(worker.split())
     probe.stop()
     window.close()
     QApplication.processEvents()
     return {"tokens_per_s": steps / elapsed, "fps": redraws / elapsed, "ui_cpu": ui_cpu / elapsed, "p50": float(np.percentile(lateness, 50)),
-            "p99": float(np.percentile(lateness, 99)), "max": float(max(lateness)), "seconds": elapsed}
+            "p99": float(np.percentile(lateness, 99)), "max": float(max(lateness)), "seconds": elapsed,
+            "ui_ms_frame": 1000 * ui_cpu / max(redraws, 1)}
 
 
 def loading_latency(spec, config) -> dict[str, float]:
@@ -289,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"UI thread CPU: {ui:.0%} of one core while playing")
     print(f"CPU time a step (the process, every thread): GUI {statistics.median(CPU_MS['gui']):.1f} ms, headless "
           f"{statistics.median(CPU_MS['headless']):.1f} ms")
+    print_worker(statistics.median(r["ui_ms_frame"] for r in gui_runs))
     slowest = 1 / rendering.MAX_FRAME_INTERVAL  # the pace never draws fewer frames while records arrive
     print(f"redraw rate: {fps:.1f} fps while playing, {fps / gui_speed:.2f} frames per token (target >= "
           f"{slowest:.0f} fps, the pace's slowest, or one frame per step when steps are slower: "
@@ -296,6 +350,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.breakdown:
         print_breakdown(spec, config, args.steps)
     return 0
+
+
+def print_worker(ui_ms_frame: float) -> None:
+    """The decoding thread's ms a step, GUI / headless (medians over the runs), and the UI thread's CPU a frame."""
+    def part(name: str) -> str:
+        gui, alone = (statistics.median(split[name] for split in WORKER[run] if split) for run in ("gui", "headless"))
+        return f"{gui:.2f} / {alone:.2f}"
+
+    if not all(WORKER[run] and WORKER[run][0] for run in WORKER):
+        return
+    print(f"decoding thread, ms a step (GUI / headless): wall {part('wall')} = CPU {part('cpu')} + waiting for a core "
+          f"{part('waiting')} + blocked (the GIL, mostly) {part('blocked')}; between steps {part('between')}")
+    print(f"UI thread: {ui_ms_frame:.1f} ms of CPU a frame (records arriving included); on a busy machine it comes "
+          f"out of the same share of the cores as the decoder's")
 
 
 def print_breakdown(spec, config, steps: int) -> None:
