@@ -218,7 +218,7 @@ def test_run_says_which_kernels_numba_could_not_compile_in_one_line(monkeypatch,
                         "ImportError: simulated: no code generation for this CPU"), said
 
 
-KERNEL_MODULES = {f"pagevis.{name}" for name in ("model.weight_kernels", "model.batch_kernels", "model.fused_kernels",
+KERNEL_MODULES = {f"pagevis.{name}" for name in ("model.weight_kernels", "model.batch_kernels", "model.fused_kernels", "model.int8_kernels",
                                                  "model.spin_pool", "kvcache.decode_kernel",
                                                  "kvcache.batch_decode_kernel", "kvcache.policies.kernels")}
 
