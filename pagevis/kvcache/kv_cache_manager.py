@@ -396,8 +396,11 @@ class KVCacheManager:
         single sequence in RAM), else over `result.slots`; exactly 0 on empty slots. all_weights False: only the
         last query's weights are wanted (a long prefill's are then never whole in memory; paged_attention.attend)."""
         self.log.acting = seq_id
-        return paged_attention.attend(self.layers[layer], self.sequences[seq_id], q, positions, self.select_pages,
-                                      all_weights=all_weights)
+        manager, seq = self.layers[layer], self.sequences[seq_id]
+        result = paged_attention.attend(manager, seq, q, positions, self.select_pages, all_weights=all_weights)
+        if len(positions) > 1:  # (a local layer lets go of a long chunk's pages below its window now)
+            manager.attended(seq, int(positions[-1]))
+        return result
 
     def write_and_attend(self, seq_id: int, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
                          positions: np.ndarray, all_weights: bool = True) -> AttentionResult:

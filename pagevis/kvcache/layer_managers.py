@@ -111,6 +111,9 @@ class LayerManager:
     def after_step(self, seq: SequenceCache) -> None:
         """A step wrote the sequence's tokens."""
 
+    def attended(self, seq: SequenceCache, last: int) -> None:
+        """A chunk of the sequence's queries up to position `last` has attended here (the commit comes later)."""
+
     def longest_hit(self, hashes: list[int], n: int) -> int:
         """The most of the first n full pages of a prompt (their prefix hashes) a prefix hit may reuse here."""
         raise NotImplementedError
@@ -388,8 +391,7 @@ class SlidingWindowManager(LayerManager):
     window: int  # a sliding window's spec always has one
 
     def budget(self, seq):
-        """The policy's budget when smaller than the window; else the window alone bounds the layer (there the
-        window slides and the policy never runs)."""
+        """The policy's budget under the window; else the window alone bounds the layer (the policy never runs)."""
         budget = seq.policy.layer_capacity(self.layer)
         return budget if budget < self.window else max(budget, self.pool_pages * self.page_size)
 
@@ -398,6 +400,10 @@ class SlidingWindowManager(LayerManager):
 
     def after_step(self, seq):
         self.slide(seq)
+
+    def attended(self, seq, last):
+        """A long chunk's pages below the window leave now, unregistered, but for the one a hit of this prompt reads."""
+        self.slide(seq, last - self.page_size)
 
     def slide(self, seq: SequenceCache, last: int | None = None) -> None:
         """Drop the pages that the query at `last` (default: the newest written) cannot see."""
@@ -417,8 +423,7 @@ class SlidingWindowManager(LayerManager):
             if own.head_keep is not None:
                 own.head_keep[:, page_slots(page, ps)] = False
             own.slid = max(own.slid, newest)
-            if seq.hashable:
-                own.dropped += 1
+            own.dropped += int(seq.hashable)
             self.event(E.SLIDE, seq, page, position=newest, reason=f"slid out of the window ({self.window})",
                        detail=int(store.fill[page]))
             self.release(seq, page)

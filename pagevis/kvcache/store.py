@@ -17,6 +17,8 @@ and largest key) are kept here for the reader.
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 
 from pagevis.kvcache import quant
@@ -52,6 +54,8 @@ class PageStore:
         self.home_frames = config.home_frames
         self.n_kv, self.head_dim = config.n_kv_heads, config.head_dim
         self.layout = quant.layout_for(config)
+        # a sliding-window layer's float RAM pages: a free page's memory goes back to the system (`give_back`)
+        self.gives_back = not self.quantized and swap is None and bool(config.layer_specs[layer].window) and CAN_GIVE_BACK
         self._init_kv(config)
         self.pages = BlockPool(self.n_pages)  # page ids: RAM frames, or disk frames with a disk tier
         self.positions = np.full(self.n_pages * ps, -1, dtype=np.int64)  # flat slot -> position, -1 empty
@@ -214,6 +218,7 @@ class PageStore:
         self._clear(page)
         if not cached:
             self._drop_slots(np.arange(page * self.page_size, (page + 1) * self.page_size))
+            self.give_back(page)
         return True
 
     def copy_page(self, src: int, dst: int, keep: np.ndarray) -> None:
@@ -236,6 +241,9 @@ class PageStore:
     def kv_arrays(self) -> tuple[np.ndarray, ...]:
         """The arrays that hold every frame's K/V."""
         raise NotImplementedError
+
+    def give_back(self, page: int) -> None:
+        """The memory of this free, uncached page's frame back to the system, where the store does (FloatPages)."""
 
     def frame_blocks(self, frame: int) -> list[np.ndarray]:
         """One RAM frame's arrays in the order the disk lays a page out (a swap file's preadv / pwritev targets)."""
@@ -281,8 +289,12 @@ class FloatPages(PageStore):
 
     def _init_kv(self, config) -> None:
         shape = (config.n_kv_heads, self.n_frames, self.page_size, config.head_dim)
-        self.k = np.zeros(shape, dtype=config.dtype)
-        self.v = np.zeros(shape, dtype=config.dtype)
+        if self.gives_back:
+            (self.k, k_map), (self.v, v_map) = anonymous_zeros(shape, config.dtype), anonymous_zeros(shape, config.dtype)
+            self._maps = (k_map, v_map)
+        else:
+            self.k = np.zeros(shape, dtype=config.dtype)
+            self.v = np.zeros(shape, dtype=config.dtype)
         rows = (config.n_kv_heads, self.n_frames * self.page_size, config.head_dim)
         self.k_rows, self.v_rows = self.k.reshape(rows), self.v.reshape(rows)  # the frames' slots as rows (views)
 
@@ -308,6 +320,39 @@ class FloatPages(PageStore):
 
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+    def give_back(self, page: int) -> None:
+        """The memory of a free, uncached page's frame back to the system (`gives_back` stores: RAM only, so the page
+        is its frame), in the whole OS pages inside the frame of each KV head: it reads as zeros from now on, as a
+        fresh frame does, and is taken again page by page when written (a sliding-window layer lets go of a page every
+        page_size tokens, and of all but a window's after a long prefill chunk)."""
+        if not self.gives_back:
+            return
+        frame_bytes = self.page_size * self.head_dim * self.k.dtype.itemsize
+        for mapping in self._maps:
+            for head in range(self.n_kv):
+                start = (head * self.n_frames + page) * frame_bytes
+                _advise_free(mapping, start, start + frame_bytes)
+
+
+CAN_GIVE_BACK = all(hasattr(mmap, name) for name in ("MAP_PRIVATE", "MAP_ANONYMOUS", "MADV_DONTNEED"))
+
+
+def anonymous_zeros(shape: tuple[int, ...], dtype) -> tuple[np.ndarray, mmap.mmap]:
+    """Zeros in a private anonymous mapping of their own (and the mapping): page-aligned, taken from the system as they
+    are written, in 4 KiB pages (NumPy asks for 2 MiB pages above 4 MiB: one token written to such a store takes
+    2 MiB), and given back page by page (`FloatPages.give_back`)."""
+    count = int(np.prod(shape))
+    mapping = mmap.mmap(-1, max(1, count * np.dtype(dtype).itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(mapping, dtype, count=count).reshape(shape), mapping
+
+
+def _advise_free(mapping: mmap.mmap, start: int, end: int) -> None:
+    """MADV_DONTNEED on the whole pages of [start, end) of a private anonymous mapping: they read as zeros again."""
+    size = mmap.PAGESIZE
+    first, last = -(-start // size) * size, end // size * size
+    if last > first:
+        mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
 def heads_first(array: np.ndarray) -> np.ndarray:
