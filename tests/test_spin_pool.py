@@ -1,5 +1,5 @@
-"""The weights' second thread for one-row products (model/spin_pool.py): a product shared with the helper equals the
-one-thread kernel's bit for bit on every packed type and size, whichever thread computes which chunk (the helper's
+"""The weights' second thread (model/spin_pool.py): a product shared with the helper equals the one-thread kernel's bit
+for bit on every packed type and size, one row or a prefill's rows, whichever thread computes which chunk (the helper's
 from its scratch buffer, a chunk it stalled on computed again by the caller, which then never waits long); two
 callers at once stay exact; a process using it never hangs, its helper parks when idle (no CPU) and the process
 exits cleanly (bounded, in a subprocess)."""
@@ -48,9 +48,7 @@ def pool_module():
 
 def idle_control(spin_pool) -> np.ndarray:
     """A control array no helper thread serves: the test plays the helper."""
-    ctrl = np.zeros(spin_pool.WORDS, np.int64)
-    ctrl[spin_pool.HELPER_SEQ], ctrl[spin_pool.CLOCK] = -1, time.CLOCK_MONOTONIC
-    return ctrl
+    return spin_pool.new_control()
 
 
 @pytest.mark.parametrize("kind", list(FORMATS), ids=lambda k: k.name)
@@ -92,6 +90,53 @@ def test_a_chunk_the_helper_stalls_on_is_computed_by_the_caller(pool_module):
     assert time.perf_counter() - started < 0.5
     assert ctrl[sp.TAKEN_OVER] == 1 and ctrl[sp.HELPED] == 0
     assert np.array_equal(out.view(np.int32), one_thread(matrix, x).view(np.int32))
+
+
+ROW_KINDS = [kind for kind in FORMATS if FORMATS[kind][0] in quantized.POOL_ROWS]
+
+
+def one_thread_rows(matrix, x) -> np.ndarray:
+    """A prefill's product on one thread (batch_kernels' kernel, PREFILL_ROWS rows at a time)."""
+    weight_threads.set_weight_threads(1)
+    try:
+        return matrix.product(x)
+    finally:
+        weight_threads.set_weight_threads(2)
+
+
+@pytest.mark.parametrize("kind", ROW_KINDS, ids=lambda k: k.name)
+def test_a_prefills_rows_on_two_threads_equal_one_thread_bit_for_bit(kind, pool_module):
+    """More than SMALL_BATCH rows (a prefill) go through the spin pool (product_rows), a last block short or not."""
+    rng = np.random.default_rng(int(kind) + 100)
+    for (matrix, _), n in zip(matrices(kind, rng), (17, 64, 100, 150), strict=True):
+        x = rng.standard_normal((n, matrix.n_in)).astype(np.float32)
+        expected = one_thread_rows(matrix, x)
+        for _ in range(3):
+            assert np.array_equal(matrix.product(x).view(np.int32), expected.view(np.int32))
+
+
+@pytest.mark.parametrize("kind", [Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=lambda k: k.name)
+def test_the_helpers_row_chunks_come_from_its_scratch_and_a_stalled_one_is_taken_back(kind, pool_module):
+    """A block of rows: the helper takes every chunk (the test thread plays it) and the caller copies them from the
+    scratch, laid out as the output's rows; then a chunk the helper claims and never finishes the caller computes."""
+    sp, rng = pool_module, np.random.default_rng(5)
+    matrix = list(matrices(kind, rng))[-1][0]
+    x = rng.standard_normal((quantized.PREFILL_ROWS, matrix.n_in)).astype(np.float32)
+    expected = one_thread_rows(matrix, x)
+    stride = matrix.tiles * TILE
+    for stalled in (False, True):
+        ctrl, scratch = idle_control(sp), np.full(len(x) * stride, np.nan, np.float32)
+        out = np.full(len(x) * stride, np.nan, np.float32)
+        count = sp.post_rows(ctrl, matrix.descriptor, 5, x, stride, scratch)
+        assert count >= 2
+        if stalled:
+            ctrl[sp.NEXT] += 1  # the helper's claim of chunk 0, its result never marked done
+        else:
+            sp.help_job(ctrl, int(ctrl[sp.NEXT]))
+            assert ctrl[sp.HELPED] == count
+        sp.run(ctrl, 5, count, out, scratch)
+        assert ctrl[sp.TAKEN_OVER] == int(stalled)
+        assert np.array_equal(out.reshape(len(x), stride)[:, :matrix.n_out].view(np.int32), expected.view(np.int32))
 
 
 def test_two_callers_at_once_stay_exact(pool_module):

@@ -41,6 +41,9 @@ SMALL_BATCH = 16
 # row then equals the row alone bit for bit, and a 512-token prompt's products took 0.51 s of CPU against
 # dequantise-then-sgemm's 0.87 (Gemma 3 270M; SmolLM2 0.63 against 1.02; 32 and 128 rows alike, all 512 at once 0.56)
 PREFILL_ROWS = 64
+# formats whose prefill rows the spin pool's helper shares on two threads (batch_kernels' kernels, PREFILL_ROWS rows a
+# block, each block's tiles in chunks: spin_pool.product_rows); others go through weight_threads.split
+POOL_ROWS = ("u4", "i8")
 CHUNK_BYTES = 2 << 20  # float32 bytes of dequantised weights per sgemm chunk, for many rows (prefill)
 # For a batch of a few rows the chunk must stay in L2 (1 MB here) between being written and read: 256 KB made
 # 16 sequences' aggregate decode 1.2x faster than 2 MB (SmolLM2: 113-119 against 88-100 tokens/s)
@@ -180,6 +183,11 @@ class QuantMatrix:
         if x.ndim == 2 and int8_rows.active():  # decode rows of several sequences (the engine's batches)
             if (int8 := int8_rows.product(self.fmt, self.arrays, self.tiles, self.nbytes, x)) is not None:
                 return int8[:, :self.n_out]
+        many = x.ndim == 2 and len(x) > SMALL_BATCH  # a prefill's rows: PREFILL_ROWS at a time
+        if many and self.fmt in POOL_ROWS and (pool := spin_pool()) is not None:  # two threads: the spin pool's
+            out = np.empty((len(x), self.tiles * TILE), np.float32)
+            pool.product_rows(self.descriptor, self.arrays, x, out, PREFILL_ROWS)
+            return out[:, :self.n_out]
         rows = None if x.ndim == 1 else _rows_kernel(self.fmt, None)
         if x.ndim == 2 and len(x) > SMALL_BATCH and rows is None:
             return self._sgemm(x)
@@ -188,7 +196,6 @@ class QuantMatrix:
             pool.product(self.descriptor, self.arrays, x, out)  # shared with the second thread, every size
             return out[:self.n_out]
         kernel = matvec if x.ndim == 1 else rows or matmul
-        many = x.ndim == 2 and len(x) > SMALL_BATCH  # a prefill's rows: PREFILL_ROWS at a time
 
         def work(t0: int, t1: int, private: bool) -> np.ndarray:
             target = np.empty((*x.shape[:-1], (t1 - t0) * TILE), np.float32) if private else out[..., t0 * TILE:t1 * TILE]

@@ -1,5 +1,7 @@
-"""A second thread for one-row weight products that needs no waking: a helper waits in numba code (no GIL) on a
-shared control array, and every product call (also numba, also without the GIL) shares its tiles with it.
+"""A second thread for weight products that needs no waking: a helper waits in numba code (no GIL) on a shared control
+array, and every product call (also numba, also without the GIL) shares its tiles with it: every one-row product
+(decode), and a prefill's products (`product_rows`: more than quantized.SMALL_BATCH rows of a u4 or i8 matrix, PREFILL_ROWS
+rows a job, each job's tiles cut into ~16 chunks computed by batch_kernels' kernel, as one thread computes them).
 
 The caller writes the product's arguments (its kernel's arrays, as addresses and shapes) into the control array
 and publishes a job word (NEXT: the job's tag, its count of chunks, the next chunk to take). Then the caller and
@@ -20,7 +22,9 @@ IDLE_NS without a job it returns to Python and waits on an Event (no CPU at all)
 at the lowest priority (nice 19): where another process wants its core it gets almost none of it, so two threads
 fall back to about one thread's rate instead of below it (a helper at normal priority spinning on a busy machine
 takes time from the caller and from everything else). Each row's arithmetic is the kernel's on one thread
-whichever thread computes its tile: the outputs are bit for bit one thread's.
+whichever thread computes its tile: the outputs are bit for bit one thread's. (A prefill's products went through
+weight_threads.split's Python helper until session 12: woken for each product, sharing the GIL between its kernel
+calls.)
 """
 
 from __future__ import annotations
@@ -34,11 +38,12 @@ import time
 
 import numpy as np
 from llvmlite import ir
-from numba import carray, njit, types
+from numba import carray, cfunc, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from pagevis.model.weight_kernels import i8_matvec, nib_matvec
+from pagevis.model.batch_kernels import _i8_rows_tiles, _u4_rows_tiles
+from pagevis.model.weight_kernels import HALF, Q4_0, SUPER, i8_matvec, nib_matvec
 
 TILE = 64
 # Tiles a chunk: from CHUNK_TILES (a kernel call costs ~0.35-0.45 us: 4-tile chunks cost 4 us more over a 48-tile
@@ -64,8 +69,10 @@ NEXT, HELPER_SEQ, STOP, PARKED, OWNER = 0, 8, 16, 24, 32
 HELPED, TAKEN_OVER, CLOCK, MISSES = 40, 41, 42, 43  # chunks the helper computed, chunks the caller took back; the
 # clock's id; products in a row the helper took no chunk of
 STATE = 48  # per chunk: tag << 2 | DONE once the helper's copy is in scratch
-X, CHUNK, SCRATCH = range(STATE + MAX_CHUNKS, STATE + MAX_CHUNKS + 3)
-JOB = STATE + MAX_CHUNKS + 3  # the product's matrix descriptor
+# the job's input, tiles a chunk, the helper's scratch; a prefill's block of rows (0: one row), its output's row, and
+# the address of the rows kernel (rows_kernel: one compiled copy, called through its address)
+X, CHUNK, SCRATCH, ROWS, STRIDE, ROWS_KERNEL = range(STATE + MAX_CHUNKS, STATE + MAX_CHUNKS + 6)
+JOB = STATE + MAX_CHUNKS + 6  # the product's matrix descriptor
 WORDS = JOB + DESCRIPTOR
 DONE, TAKEN, MINE = 1, 2, 3  # a chunk's state: the helper's copy is ready; the caller took it back; the caller's
 NIB, I8 = 0, 1
@@ -161,7 +168,18 @@ def _pointer_to(numba_type):
 
 
 _u8, _u32, _i16, _i8 = (_pointer_to(t) for t in (types.uint8, types.uint32, types.int16, types.int8))
-_f32 = _pointer_to(types.float32)
+_f32, _i64 = _pointer_to(types.float32), _pointer_to(types.int64)
+
+
+@intrinsic
+def _call(typingctx, function, job, x_address, n, t0, t1, target, stride):
+    """The C function at address `function` (rows_kernel's signature: seven int64) called with the other arguments."""
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        kind = ir.FunctionType(ir.VoidType(), [i64] * 7)
+        builder.call(builder.inttoptr(args[0], kind.as_pointer()), args[1:])
+        return context.get_dummy_value()
+    return types.void(*(types.int64,) * 8), codegen
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -190,11 +208,51 @@ def _kernel(words, at, x_address, t0, t1, target):
         nib_matvec(qs, qh, dh, ds, mh, ms, words[at + HIGH] != 0, words[at + PER], words[at + MODE], x, t0, t1, out)
 
 
+_ROWS_SIGNATURE = types.void(*(types.int64,) * 7)
+
+
+@cfunc(_ROWS_SIGNATURE, cache=True, error_model="numpy")
+def rows_kernel(job, x_address, n, t0, t1, target, stride):
+    """Tiles t0..t1 of the matrix described at address job times the n rows at x_address (n, in), into the rows of
+    stride floats at target: batch_kernels' kernel, each row bit for bit the matrix-vector kernel's (u4 and i8). A C
+    function, compiled once: numba links a callee's code into every function that calls it, and this one is big
+    (five kernels), so the pool's functions call it through its address (`_call`), held in the control array."""
+    words = carray(_i64(job), (DESCRIPTOR,))
+    X = carray(_f32(x_address), (n, words[N_IN]))
+    out = carray(_f32(target), (n, stride))[:, t0 * TILE:t1 * TILE]
+    a = ARRAYS
+    if words[KIND] == I8:
+        qs = carray(_i8(words[a]), (words[a + 1], words[a + 2], words[a + 3], words[a + 4]))
+        dh = carray(_i16(words[a + 5]), _shape3(words, a + 5))
+        ds = carray(_i8(words[a + 10]), _shape3(words, a + 10))
+        if words[PER] > 1:  # Q6_K
+            _i8_rows_tiles(qs, dh, ds, 16, 16, X, t0, t1, out)
+        else:
+            _i8_rows_tiles(qs, dh, ds, 1, 32, X, t0, t1, out)
+        return
+    qs = carray(_u8(words[a]), (words[a + 1], words[a + 2], words[a + 3], words[a + 4]))
+    dh = carray(_i16(words[a + 10]), _shape3(words, a + 10))
+    ds = carray(_i8(words[a + 15]), _shape3(words, a + 15))
+    mh = carray(_i16(words[a + 20]), _shape3(words, a + 20))
+    ms = carray(_i8(words[a + 25]), _shape3(words, a + 25))
+    if words[PER] > 1:  # Q4_K
+        _u4_rows_tiles(qs, dh, ds, mh, ms, 8, SUPER, X, t0, t1, out)
+    elif words[MODE] == Q4_0:
+        _u4_rows_tiles(qs, dh, ds, mh, ms, 1, Q4_0, X, t0, t1, out)
+    else:
+        _u4_rows_tiles(qs, dh, ds, mh, ms, 1, HALF, X, t0, t1, out)
+
+
 @njit(cache=True, nogil=True, inline="always")
-def _compute(ctrl, index, target):
-    """Chunk index of the job in ctrl into target (the output's or the scratch's address of its first row)."""
+def _compute(ctrl, index, base):
+    """Chunk index of the job in ctrl into the output or the scratch at address base (laid out as the output)."""
     t0 = index * ctrl[CHUNK]
-    _kernel(ctrl, JOB, ctrl[X], t0, min(ctrl[JOB + TILES], t0 + ctrl[CHUNK]), target)
+    t1 = min(ctrl[JOB + TILES], t0 + ctrl[CHUNK])
+    if ctrl[ROWS]:
+        _call(ctrl[ROWS_KERNEL], ctrl.ctypes.data + 8 * JOB, ctrl[X], ctrl[ROWS], t0, t1, base,  # type: ignore[call-arg]
+              ctrl[STRIDE])
+    else:
+        _kernel(ctrl, JOB, ctrl[X], t0, t1, base + 4 * t0 * TILE)
 
 
 @njit("void(int64[::1], int64)", cache=True, nogil=True)
@@ -207,7 +265,7 @@ def help_job(ctrl, seen):
         _store(ctrl, HELPER_SEQ, tag)  # type: ignore[call-arg]
         if _swap(ctrl, NEXT, word, word + 1) == word:
             index = word & INDEX_MASK
-            _compute(ctrl, index, ctrl[SCRATCH] + 4 * index * ctrl[CHUNK] * TILE)
+            _compute(ctrl, index, ctrl[SCRATCH])
             _store(ctrl, STATE + index, (tag << 2) | DONE)
             ctrl[HELPED] += 1
         word = _load(ctrl, NEXT)
@@ -245,15 +303,17 @@ def serve(ctrl):
 def run(ctrl, tag, count, out, scratch):
     """The caller's side of the job just published: chunks taken by atomic add until none is left, computed into
     out; then the helper's chunks copied from scratch once marked done, or computed here if one is not done within
-    the patience (the helper's core went elsewhere: the caller never waits longer than about a chunk for it)."""
-    clock, rows = ctrl[CLOCK], ctrl[CHUNK] * TILE
+    the patience (the helper's core went elsewhere: the caller never waits longer than about a chunk for it). out and
+    scratch are laid out alike: one row, or ctrl[ROWS] rows of ctrl[STRIDE] floats (post_rows)."""
+    clock, width = ctrl[CLOCK], ctrl[CHUNK] * TILE
+    n, stride = max(1, ctrl[ROWS]), out.size // max(1, ctrl[ROWS])
     own = 0
     start = _clock_ns(clock)  # type: ignore[call-arg, var-annotated]
     while True:
         index = _add(ctrl, NEXT, 1) & INDEX_MASK
         if index >= count:
             break
-        _compute(ctrl, index, out.ctypes.data + 4 * index * rows)
+        _compute(ctrl, index, out.ctypes.data)
         own += 1
         ctrl[STATE + index] = (tag << 2) | MINE
     now = _clock_ns(clock)
@@ -266,23 +326,25 @@ def run(ctrl, tag, count, out, scratch):
         while True:
             state = _load(ctrl, STATE + index)
             if state == done:
-                for r in range(index * rows, min(out.size, (index + 1) * rows)):
-                    out[r] = scratch[r]
+                for i in range(0, n * stride, stride):
+                    for r in range(i + index * width, i + min(stride, (index + 1) * width)):
+                        out[r] = scratch[r]
                 break
             if _clock_ns(clock) > deadline and _swap(ctrl, STATE + index, state, (tag << 2) | TAKEN) == state:
-                _compute(ctrl, index, out.ctypes.data + 4 * index * rows)  # taken back: the helper's copy unread
+                _compute(ctrl, index, out.ctypes.data)  # taken back: the helper's copy unread
                 ctrl[TAKEN_OVER] += 1
                 break
             _pause()
 
 
-@njit("int64(int64[::1], int64[::1], int64, float32[::1], float32[::1])", cache=True, nogil=True)
-def post(ctrl, job, tag, x, scratch):
-    """Publish the product of x by the matrix job describes, cut into chunks for the caller and the helper: returns
-    the count of chunks (then the caller holds the pool: run() next), or 0 if the product is too small to cut or
-    another caller holds the pool."""
+@njit(cache=True, nogil=True, inline="always")
+def _post(ctrl, job, tag, x_address, rows, stride, scratch):
+    """post() of one row (rows 0), or of a block of rows (rows, stride: its output's row) cut into ~16 chunks: a
+    block's chunk is a block's worth of work, and a helper not running claims none (nothing to probe)."""
     tiles = job[TILES]
-    if ctrl[MISSES] > PROBE_AFTER:  # the helper is not running: one small product in PROBE_EVERY offers it half
+    if rows:
+        chunk = max(1, -(-tiles // 16))
+    elif ctrl[MISSES] > PROBE_AFTER:  # the helper is not running: one small product in PROBE_EVERY offers it half
         if tag % PROBE_EVERY or tiles > PROBE_TILES:
             return 0
         chunk = -(-tiles // 2)
@@ -293,12 +355,27 @@ def post(ctrl, job, tag, x, scratch):
     count = -(-tiles // chunk)
     if count < 2 or _swap(ctrl, OWNER, 0, 1) != 0:  # type: ignore[call-arg]
         return 0
-    ctrl[X], ctrl[CHUNK], ctrl[SCRATCH] = x.ctypes.data, chunk, scratch.ctypes.data
+    ctrl[X], ctrl[CHUNK], ctrl[SCRATCH], ctrl[ROWS], ctrl[STRIDE] = x_address, chunk, scratch.ctypes.data, rows, stride
     ctrl[JOB:JOB + DESCRIPTOR] = job
     for k in range(count):  # a late helper's DONE from an earlier job with this tag (2**30 jobs ago) is cleared
         ctrl[STATE + k] = 0
     _store(ctrl, NEXT, (tag << 32) | (count << COUNT_BITS))  # type: ignore[call-arg]
     return count
+
+
+@njit("int64(int64[::1], int64[::1], int64, float32[::1], float32[::1])", cache=True, nogil=True)
+def post(ctrl, job, tag, x, scratch):
+    """Publish the product of x by the matrix job describes, cut into chunks for the caller and the helper: returns
+    the count of chunks (then the caller holds the pool: run() next), or 0 if the product is too small to cut or
+    another caller holds the pool."""
+    return _post(ctrl, job, tag, x.ctypes.data, 0, 0, scratch)
+
+
+@njit("int64(int64[::1], int64[::1], int64, float32[:, ::1], int64, float32[::1])", cache=True, nogil=True)
+def post_rows(ctrl, job, tag, x, stride, scratch):
+    """post() of a block of rows x (n, in), whose output rows are stride floats (the output and the scratch laid out
+    (n, stride): run() next, with both flattened)."""
+    return _post(ctrl, job, tag, x.ctypes.data, x.shape[0], stride, scratch)
 
 
 @njit("void(int64[::1], int64[::1], int64, float32[::1], float32[::1], float32[::1])", cache=True, nogil=True)
@@ -311,6 +388,25 @@ def product(ctrl, job, tag, x, out, scratch):
         return
     run(ctrl, tag, count, out, scratch)
     _store(ctrl, OWNER, 0)  # type: ignore[call-arg]
+
+
+@njit("void(int64[::1], int64[::1], int64, float32[:, ::1], float32[:, ::1], float32[::1], int64)", cache=True,
+      nogil=True)
+def product_rows(ctrl, job, tag, x, out, scratch, block):
+    """out = x (a prefill's rows) times the matrix job describes (u4 or i8: batch_kernels' kernel), block rows at a
+    time, each block's chunks of tiles shared with the helper: block i is job tag + i."""
+    n, n_in, stride = x.shape[0], x.shape[1], out.shape[1]
+    for i in range(0, n, block):
+        rows = min(block, n - i)
+        part = carray(_f32(x.ctypes.data + 4 * i * n_in), (rows, n_in))
+        target = carray(_f32(out.ctypes.data + 4 * i * stride), (rows * stride,))
+        count = post_rows(ctrl, job, tag + i // block, part, stride, scratch)
+        if count == 0:
+            _call(ctrl[ROWS_KERNEL], job.ctypes.data, part.ctypes.data, rows, 0, job[TILES],  # type: ignore[call-arg]
+                  target.ctypes.data, stride)
+            continue
+        run(ctrl, tag + i // block, count, target, scratch)
+        _store(ctrl, OWNER, 0)  # type: ignore[call-arg]
 
 
 def describe(fmt: str, arrays: tuple, n_in: int) -> np.ndarray:
@@ -330,16 +426,22 @@ def describe(fmt: str, arrays: tuple, n_in: int) -> np.ndarray:
     return job
 
 
+def new_control() -> np.ndarray:
+    """A control array with no job: the clock's id, the rows kernel's address, no helper job announced."""
+    ctrl = np.zeros(WORDS, np.int64)
+    ctrl[HELPER_SEQ], ctrl[CLOCK], ctrl[ROWS_KERNEL] = -1, time.CLOCK_MONOTONIC, int(rows_kernel.address or 0)
+    return ctrl
+
+
 class SpinPool:
     """The helper thread and its control array; product() is called from one thread at a time or several (a
     second caller while one holds the pool computes alone)."""
 
     def __init__(self, niceness: int = 19) -> None:
-        self.ctrl = np.zeros(WORDS, np.int64)
+        self.ctrl = new_control()
         # never freed: a helper still in numba code while the interpreter ends (close() timed out: its core went
         # elsewhere) reads STOP from it, not from freed memory (1.4 KB, once a pool)
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.ctrl))
-        self.ctrl[HELPER_SEQ], self.ctrl[CLOCK] = -1, time.CLOCK_MONOTONIC
         self.scratch = np.empty(0, np.float32)
         self.tag = 0
         self.held: tuple | None = None  # (tag, what its addresses point into) while the helper may still read them
@@ -368,12 +470,31 @@ class SpinPool:
             self.scratch = np.empty(out.size, np.float32)
         self.tag = tag = self.tag % (1 << 30) + 1  # tag << 32 stays positive
         product(ctrl, job, tag, x, out, self.scratch)
-        keep = ctrl[HELPER_SEQ]
-        if keep == tag:  # the helper may still read this job's arrays (its core went elsewhere mid-chunk)
-            self.held = (tag, (job, arrays, x, self.scratch))
+        self._hold(tag, (job, arrays, x, self.scratch))
+
+    def _hold(self, first: int, arrays: tuple) -> None:
+        """Keep the arrays of the jobs tagged first..self.tag alive while the helper may still read them (its core
+        went elsewhere mid-chunk)."""
+        keep = self.ctrl[HELPER_SEQ]
+        if first <= keep <= self.tag:
+            self.held = (int(keep), arrays)
         elif keep < 0:
             self.held = None
         # else: an earlier job, held since it ended (or a claim that fails: never read)
+
+    def product_rows(self, job: np.ndarray, arrays: tuple, x: np.ndarray, out: np.ndarray, block: int) -> None:
+        """out (n, the matrix's tiles' rows) = x (n, in) times the packed u4 or i8 matrix that job describes, block
+        rows at a time, each block's tiles shared with the helper (product_rows)."""
+        ctrl = self.ctrl
+        if ctrl[PARKED]:
+            ctrl[PARKED] = 0
+            self.wake.set()
+        if self.scratch.size < min(block, len(x)) * out.shape[1]:
+            self.scratch = np.empty(min(block, len(x)) * out.shape[1], np.float32)
+        first = self.tag % (1 << 30) + 1
+        self.tag = first + (len(x) - 1) // block
+        product_rows(ctrl, job, first, x, out, self.scratch, block)
+        self._hold(first, (job, arrays, x, self.scratch))
 
     def stats(self) -> tuple[int, int]:
         """(chunks the helper computed, chunks the caller took back from it) so far."""
