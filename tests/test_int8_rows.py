@@ -13,7 +13,7 @@ from test_weight_kernels import random_blocks
 
 from pagevis.engine import Engine, SamplingConfig, SessionConfig
 from pagevis.engine.batch import BatchConfig
-from pagevis.model import DenseAttention, int8_rows
+from pagevis.model import DenseAttention, int8_rows, weight_threads
 from pagevis.model.quantized import FORMATS, pack
 from pagevis.model.synthetic import SyntheticModel
 
@@ -59,6 +59,23 @@ def test_int8_rows_equal_the_float64_product_of_their_rounded_activations_and_st
         rounding = (step / 2) @ np.abs(w).T
         assert (np.abs(got - exact) <= rounding + (n_in // 16 + 8) * EPS32 * magnitude).all(), (kind.name, m)
         assert not np.array_equal(got, exact)  # (the int8 path really ran)
+
+
+@vnni
+def test_two_threads_split_the_tiles_and_give_the_same_int8_rows(monkeypatch):
+    """weight_threads.split hands tile ranges to a second thread: each quantises the rows itself, alike."""
+    monkeypatch.setattr(weight_threads, "MIN_SPLIT_BYTES", 0)  # small matrices split too
+    rng = np.random.default_rng(7)
+    matrix = pack(Q.Q4_1, random_blocks(Q.Q4_1, 1000, 64, rng), 64)
+    x = rng.standard_normal((6, 64)).astype(np.float32)
+    with int8_rows.batched(True):
+        one = x @ matrix
+        weight_threads.set_weight_threads(2)
+        try:
+            two = x @ matrix
+        finally:
+            weight_threads.set_weight_threads(1)
+    assert np.array_equal(one, two)
 
 
 @vnni

@@ -20,6 +20,12 @@ natural to turned order and back), the tile's float sums kept in turned order an
 Per group: `_split` turns the codes (and d, m) into a 2.5 KiB block in L1; `_dots` runs blocks of ROWS rows over it,
 each row's 4 accumulators of 16 int32 in registers, one vpdpbusd per code vector and row (64 multiply-adds).
 Compiled only on a CPU with avx512_vnni (int8_rows.route), kept in numba's on-disk cache like the other kernels.
+
+Measured (Zen 5 EPYC, one thread, load 1.5-6): every SmolLM2 product of a token, exact float32 batch kernels /
+these: 2 rows 5.9 / 4.6 ms, 4 rows 9.1 / 5.1, 8 rows 16.0 / 6.8, 16 rows 28.3 / 11.2 (one row, the matrix-vector
+kernel: 5.2). A 3072 x 576 Q4_1 product at 16 rows runs at ~280-320 GMAC/s against vpdpbusd's ~505 alone (2 a
+cycle): the per-group scaling is ~17% of the time (measured without it), the turn of the codes and the scales'
+conversion shared by the rows most of the rest; blocks of 2, 4 or 6 rows measured alike.
 """
 
 from __future__ import annotations
