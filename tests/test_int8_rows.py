@@ -80,8 +80,8 @@ def test_two_threads_split_the_tiles_and_give_the_same_int8_rows(monkeypatch):
 
 @vnni
 def test_one_row_many_rows_and_products_outside_a_batch_stay_exact():
-    """Only 2 to MAX_ROWS rows inside `batched(True)` take int8: one row (a sequence alone), a prefill's 17+ rows
-    and every product outside are what they were, bit for bit."""
+    """Inside `batched(True)` every product of 2+ rows takes int8 (the engine enters it only for decode rows); one
+    row (a sequence alone) and every product outside are what they were, bit for bit."""
     rng = np.random.default_rng(5)
     raw = random_blocks(Q.Q4_1, 64, 64, rng)
     matrix = pack(Q.Q4_1, raw, 64)
@@ -93,35 +93,64 @@ def test_one_row_many_rows_and_products_outside_a_batch_stay_exact():
             assert np.array_equal(x[:4] @ matrix, outside[2])
         assert int8_rows.active()
     assert not int8_rows.active()
-    assert np.array_equal(inside[0], outside[0]) and np.array_equal(inside[1], outside[1])
+    assert np.array_equal(inside[0], outside[0]) and not np.array_equal(inside[1], outside[1])
     assert not np.array_equal(inside[2], outside[2])
 
 
 class Watching:
-    """A model noting, for each forward, how many rows it ran and whether int8 rows were on."""
+    """A model noting, for each forward, how many rows it ran, whether int8 rows were on, and which of its rows
+    were to be int8 (None: all of them, when on)."""
 
     def __init__(self, model):
         self.model, self.config, self.tokenizer = model, model.config, model.tokenizer
-        self.seen: list[tuple[int, bool]] = []
+        self.seen: list[tuple[int, bool, list[bool] | None]] = []
 
     def forward(self, token_ids, positions, attend, **kwargs):
-        self.seen.append((len(token_ids), int8_rows.active()))
+        mask = (int8_rows._STATE.masks or {}).get(len(token_ids))
+        self.seen.append((len(token_ids), int8_rows.active(), None if mask is None else mask.tolist()))
         return self.model.forward(token_ids, positions, attend, **kwargs)
 
 
 @pytest.mark.parametrize("exact", [False, True])
-def test_the_engine_asks_for_int8_rows_only_in_steps_of_decode_rows_of_several_sequences(exact):
-    """One sequence, prefill chunks (alone or beside decode rows) and exact_batches stay exact."""
+def test_the_engine_asks_for_int8_rows_only_for_decode_rows_of_several_sequences(exact):
+    """One sequence decoding, prompt rows (alone or beside decode rows: masked out) and exact_batches stay exact."""
     model = Watching(SyntheticModel(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=1))
     config = SessionConfig(page_size=4, max_pages=16, policy="none", max_new_tokens=4, chat=False)
     engine = Engine(model, config, BatchConfig(max_seqs=4, exact_batches=exact), max_chunk=4)
-    engine.submit(list(range(3, 9)))
-    engine.step()  # 4 of its 6 prompt tokens
-    engine.submit(list(range(10, 13)), max_new_tokens=5)
+    engine.submit(list(range(3, 6)))
+    engine.submit(list(range(6, 9)), max_new_tokens=5)
+    engine.step()  # both prompts
+    engine.step()  # both decode
+    engine.submit(list(range(10, 16)), max_new_tokens=2)
     list(engine.run())
     on = int8_rows.route() == "vnni" and not exact
-    # steps: [4 prompt], [2 prompt + 3 prompt], then both decode (3 steps), then the second's last decode alone
-    assert model.seen == [(4, False), (5, False), (2, on), (2, on), (2, on), (1, False)]
+    assert model.seen == [
+        (6, False, None), (2, on, None),
+        (6, on, [True, True, False, False, False, False] if on else None),  # the third's first 4 prompt tokens
+        (4, on, [True, True, False, False] if on else None),  # its last 2 (its first token); the first's 4th
+        (2, on, None)]  # the second's fifth token and the third's second (the first ended at its fourth)
+    model.seen.clear()
+    engine.submit(list(range(20, 23)), max_new_tokens=3)
+    list(engine.run())
+    assert model.seen == [(3, False, None), (1, False, None), (1, False, None)]  # one sequence alone
+
+
+@vnni
+def test_masked_rows_are_int8_and_the_others_exact_each_as_it_would_be_alone():
+    """A mixed step's product: its decode rows equal their int8 product without the prompt rows, its prompt rows
+    the exact product bit for bit (every u4/i8 row is the row alone); a row count no mask names stays exact."""
+    rng = np.random.default_rng(8)
+    for kind in (Q.Q4_1, Q.Q8_0):
+        matrix = pack(kind, random_blocks(kind, 100, 64, rng), 64)
+        x = rng.standard_normal((6, 64)).astype(np.float32)
+        mask = np.array([True, False, True, False, False, True])
+        with int8_rows.batched(True, (mask, mask[:3])):
+            mixed, other = x @ matrix, x[:4] @ matrix
+        with int8_rows.batched(True):
+            decode = x[mask] @ matrix
+        assert np.array_equal(mixed[mask], decode)
+        assert np.array_equal(mixed[~mask], x[~mask] @ matrix) and np.array_equal(other, x[:4] @ matrix)
+        assert not np.array_equal(decode, x[mask] @ matrix)
 
 
 def log_softmax(z: np.ndarray) -> np.ndarray:

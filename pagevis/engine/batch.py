@@ -14,7 +14,7 @@ from pagevis.kvcache import CacheEvent
 from pagevis.kvcache.memory import HybridBytes
 from pagevis.settings import MAX_SEQUENCES, field_for
 
-__all__ = ["MAX_CHUNK", "MAX_SEQUENCES", "BatchConfig", "BatchRecord", "SeqStep"]
+__all__ = ["MAX_CHUNK", "MAX_SEQUENCES", "BatchConfig", "BatchRecord", "SeqStep", "int8_decode_rows"]
 MAX_CHUNK = settings.setting("max_chunk").default  # prompt tokens one sequence feeds per step (the table's)
 
 
@@ -71,3 +71,17 @@ class BatchRecord:
     @property
     def tokens_decoded(self) -> int:
         return sum(1 for s in self.seqs if s.next_token >= 0)
+
+
+def int8_decode_rows(plan, exact: bool) -> tuple[bool, tuple[np.ndarray, ...]]:
+    """Whether a step's forward may take int8 rows (model/int8_rows.py), and the masks of its decode rows: a
+    step's plan (request, tokens fed, first position) has decode rows (one generated token fed) of two or more
+    sequences and `exact` (exact_batches, prompt scoring) is off. A step with prompt rows too gives masks (over its
+    token rows, and over its logit rows: one a request), so only its decode rows are int8; else none (all rows)."""
+    decoding = [len(tokens) == 1 and start >= len(request.prompt_ids) for request, tokens, start in plan]
+    if exact or sum(decoding) < 2:
+        return False, ()
+    if all(decoding):
+        return True, ()
+    rows = np.repeat(decoding, [len(tokens) for _, tokens, _ in plan])
+    return True, (rows, np.array(decoding))

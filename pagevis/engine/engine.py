@@ -27,7 +27,7 @@ from pagevis.kvcache.memory import HybridBytes, hybrid_bytes
 from pagevis.kvcache.swap import SwapSpaceError
 from pagevis.errors import check_int
 from pagevis.engine import logprobs
-from pagevis.engine.batch import MAX_CHUNK, MAX_SEQUENCES, BatchConfig, BatchRecord, SeqStep
+from pagevis.engine.batch import MAX_CHUNK, MAX_SEQUENCES, BatchConfig, BatchRecord, SeqStep, int8_decode_rows
 from pagevis.engine.reconstruct import reconstruct_and_compress
 from pagevis.engine.request import Request
 from pagevis.engine.run_loop import RunControl, steps
@@ -271,12 +271,9 @@ class Engine:
             rows, ends = np.concatenate(wanted), np.cumsum([len(w) for w in wanted])
         else:
             rows = np.array([end - 1 for _, _, end in segments], dtype=np.int64)
-        # decode rows of two or more sequences, nothing else in the step: int8 rows (model/int8_rows.py) unless
-        # exact_batches; a step with a prefill chunk or prompt scoring in it stays exact throughout
-        int8 = not (self.batch.exact_batches or scoring) and len(plan) > 1 and all(
-            len(tokens) == 1 and start >= len(request.prompt_ids) for request, tokens, start in plan)
+        int8, masks = int8_decode_rows(plan, self.batch.exact_batches or scoring)
         forward_started = time.perf_counter()
-        with int8_rows.batched(int8):
+        with int8_rows.batched(int8, masks):
             all_rows = self.model.forward(ids, positions, self._batched_attend(segments), logit_rows=rows)
         self.forward_seconds = time.perf_counter() - forward_started
         logits = all_rows  # without scoring: one row a request, in the plan's order

@@ -3,9 +3,10 @@ dot products with the packed weight codes (AVX-512 VNNI's vpdpbusd, int8_kernels
 llama.cpp's arithmetic for its quantised types.
 
 Where it applies: only inside `batched(True)`, which the engine enters for a forward whose rows are all decode rows
-of two or more different sequences (engine.Engine._execute; BatchConfig.exact_batches turns it off), and only for
-2 to MAX_ROWS rows times a u4 (Q4_0, Q4_1, Q4_K) or i8 (Q8_0, Q5_0, Q6_K) matrix. Everything else -- one sequence,
-every prefill, the float32 tensors, u5 -- is the exact float32 product it always was (quantized.QuantMatrix.product).
+of two or more different sequences (engine.Engine._execute; BatchConfig.exact_batches turns it off) -- in a step
+that also feeds a prompt chunk, for the decode rows only (`batched`'s masks) -- and only for rows times a u4 (Q4_0,
+Q4_1, Q4_K) or i8 (Q8_0, Q5_0, Q6_K) matrix. Everything else -- one sequence, every prompt row, the float32 tensors,
+u5 -- is the exact float32 product it always was (quantized.QuantMatrix.product).
 A row's result then differs from the row alone: tests/test_int8_rows.py bounds it against float64 references.
 
 The route is chosen once per process (`route()`): "vnni" where llvmlite reports avx512vnni for this CPU, else
@@ -27,7 +28,6 @@ from pagevis.kernel_loader import import_kernels
 from pagevis.model.resident import release_compiler_pages
 from pagevis.model.weight_threads import split
 
-MAX_ROWS = 16  # quantized.SMALL_BATCH: more rows are a prefill's, always exact
 NO_VNNI_ENV = "PAGEVIS_NO_VNNI"
 TILE = 64
 _STATE = threading.local()
@@ -61,14 +61,19 @@ def describe() -> str:
 
 
 @contextmanager
-def batched(on: bool) -> Iterator[None]:
-    """Products inside take int8 rows (on, where the route is "vnni") on this thread; nested calls restore."""
-    previous = getattr(_STATE, "on", False)
+def batched(on: bool, masks: tuple[np.ndarray, ...] = ()) -> Iterator[None]:
+    """Products inside take int8 rows (on, where the route is "vnni") on this thread; nested calls restore. masks:
+    for a step that feeds prompt rows too, which rows are decode rows, one boolean mask per row count the forward
+    multiplies (its token rows, its logit rows): a product of such a count takes int8 for its masked rows only
+    and the exact kernels for the others (each row of those is the row alone, so a prompt's rows are what they
+    are in an all-exact step), a product of another count stays exact; no masks: every row in int8."""
+    previous = getattr(_STATE, "on", False), getattr(_STATE, "masks", None)
     _STATE.on = bool(on) and route() == "vnni"
+    _STATE.masks = {len(mask): mask for mask in masks} if masks else None
     try:
         yield
     finally:
-        _STATE.on = previous
+        _STATE.on, _STATE.masks = previous
 
 
 def active() -> bool:
@@ -87,12 +92,27 @@ def _kernels() -> dict:
 _KERNELS: dict | None = None
 
 
-def product(fmt: str, arrays: tuple, tiles: int, nbytes: int, x: np.ndarray) -> np.ndarray | None:
-    """x (rows, in) float32 C-contiguous times a packed matrix in int8, (rows, tiles * TILE); None where this
-    format or row count has no int8 kernel (the caller takes its exact path)."""
-    if fmt not in ("u4", "i8") or not 2 <= len(x) <= MAX_ROWS:
+def product(matrix, x: np.ndarray) -> np.ndarray | None:
+    """x (rows, in) float32 C-contiguous times a packed matrix (quantized.QuantMatrix) inside `batched(True)`:
+    (rows, n_out), the decode rows in int8; None where this format, row count or mask leaves every row exact (the
+    caller takes its exact path)."""
+    if matrix.fmt not in ("u4", "i8"):
         return None
-    kernel = _kernels()[fmt]
+    masks = getattr(_STATE, "masks", None)
+    if masks is None:
+        return _int8(matrix, x) if len(x) > 1 else None
+    mask = masks.get(len(x))
+    if mask is None or np.count_nonzero(mask) < 2:
+        return None
+    out = np.empty((len(x), matrix.n_out), np.float32)
+    with batched(False):
+        out[~mask] = matrix.product(np.ascontiguousarray(x[~mask]))
+    out[mask] = _int8(matrix, np.ascontiguousarray(x[mask]))
+    return out
+
+
+def _int8(matrix, x: np.ndarray) -> np.ndarray:
+    kernel, arrays, tiles = _kernels()[matrix.fmt], matrix.arrays, matrix.tiles
     out = np.empty((len(x), tiles * TILE), np.float32)
 
     def work(t0: int, t1: int, private: bool) -> np.ndarray:
@@ -103,5 +123,5 @@ def product(fmt: str, arrays: tuple, tiles: int, nbytes: int, x: np.ndarray) -> 
     def place(t0: int, t1: int, part: np.ndarray) -> None:
         out[:, t0 * TILE:t1 * TILE] = part
 
-    split(tiles, nbytes, work, place)
-    return out
+    split(tiles, matrix.nbytes, work, place)
+    return out[:, :matrix.n_out]
