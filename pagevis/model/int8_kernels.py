@@ -78,10 +78,18 @@ def _load(builder, base, offset, kind, align=1):
     return builder.load(_pointer(builder, base, offset, kind), align=align)
 
 
-def _split(lines: int, nibbles: bool):
+def _split(lines: int, nibbles: bool, halves: bool = False):
     """An intrinsic (q, d, m, scratch): the group's `lines` code lines at q (64 bytes each) turned into code
     vectors at scratch (vector v at scratch + 64 v, see `_offsets` for the inputs each pairs with), and d, m
-    (64 float32 each) in turned order after the CODE_VECTORS vectors (m skipped for i8: d passed twice)."""
+    (64 float32 each; halves: 64 float16 bit patterns each, the file's, converted here (vcvtph2ps: exact)) in
+    turned order after the CODE_VECTORS vectors (m skipped for i8: d passed twice)."""
+    def scale_lanes(builder, scales):
+        if not halves:
+            return [builder.bitcast(_load(builder, scales, v * 64, _FLOATS, 4), _DWORDS) for v in range(4)]
+        bits = [_load(builder, scales, v * 32, ir.VectorType(_I16T, 16), 2) for v in range(4)]
+        return [builder.bitcast(builder.fpext(builder.bitcast(b, ir.VectorType(ir.HalfType(), 16)), _FLOATS),
+                                _DWORDS) for b in bits]
+
     def codegen(context, builder, signature, args):
         q, d, m, scratch = args
         low4 = ir.Constant(_DWORDS, [0x0F0F0F0F] * 16)
@@ -103,8 +111,7 @@ def _split(lines: int, nibbles: bool):
                     builder.store(codes, _pointer(builder, scratch, (vector * 4 + k) * 64, _DWORDS), align=4)
                 vector += 1
         for n, scales in enumerate((d, m) if nibbles else (d,)):
-            lanes = [builder.bitcast(_load(builder, scales, v * 64, _FLOATS, 4), _DWORDS) for v in range(4)]
-            for k, turned in enumerate(_turn_lanes(builder, lanes)):
+            for k, turned in enumerate(_turn_lanes(builder, scale_lanes(builder, scales))):
                 at = (CODE_VECTORS + 4 * n + k) * 64
                 builder.store(turned, _pointer(builder, scratch, at, _DWORDS), align=4)
         return context.get_dummy_value()
@@ -186,6 +193,7 @@ def _unturn(typingctx, turned, out):
 
 _U4_SPLIT, _U4_DOTS = _split(16, True), _dots(16, True)
 _I8_SPLIT, _I8_DOTS = _split(32, False), _dots(32, False)
+_U4_SPLIT_HALVES, _I8_SPLIT_HALVES = _split(16, True, True), _split(32, False, True)  # Q4_1; Q8_0, Q5_0
 _I8_16_SPLIT, _I8_16_DOTS = _split(16, False), _dots(16, False)
 
 
@@ -240,7 +248,12 @@ def _tiles(qs, dh, ds, mh, ms, per, mode, size, nibbles, x, t0, t1, out):
         for g in range(groups):
             _prefetch_ahead(qs, t, g)
             q_at, s_at = qs.ctypes.data + (t * groups + g) * group_bytes, (g * size) // 32
-            if nibbles:
+            h_at = (t * dh.shape[1] + g) * TILE * 2  # (per 1: the group's float16 scales and offsets)
+            if nibbles and per == 1 and mode == HALF:
+                _U4_SPLIT_HALVES(q_at, dh.ctypes.data + h_at, mh.ctypes.data + h_at, at)
+            elif not nibbles and per == 1:
+                _I8_SPLIT_HALVES(q_at, dh.ctypes.data + h_at, dh.ctypes.data + h_at, at)
+            elif nibbles:
                 _nib_scales(dh, ds, mh, ms, per, mode, t, g, d, m, sup)
                 _U4_SPLIT(q_at, d.ctypes.data, m.ctypes.data, at)
             else:
