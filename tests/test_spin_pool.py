@@ -106,9 +106,10 @@ def one_thread_rows(matrix, x) -> np.ndarray:
 
 @pytest.mark.parametrize("kind", ROW_KINDS, ids=lambda k: k.name)
 def test_a_prefills_rows_on_two_threads_equal_one_thread_bit_for_bit(kind, pool_module):
-    """More than SMALL_BATCH rows (a prefill) go through the spin pool (product_rows), a last block short or not."""
+    """More than SMALL_BATCH rows (a prefill) go through the spin pool (product_rows): one job or two, a last
+    64-row block short or not."""
     rng = np.random.default_rng(int(kind) + 100)
-    for (matrix, _), n in zip(matrices(kind, rng), (17, 64, 100, 150), strict=True):
+    for (matrix, _), n in zip(matrices(kind, rng), (17, 64, 100, 300), strict=True):
         x = rng.standard_normal((n, matrix.n_in)).astype(np.float32)
         expected = one_thread_rows(matrix, x)
         for _ in range(3):

@@ -186,7 +186,7 @@ class QuantMatrix:
         many = x.ndim == 2 and len(x) > SMALL_BATCH  # a prefill's rows: PREFILL_ROWS at a time
         if many and self.fmt in POOL_ROWS and (pool := spin_pool()) is not None:  # two threads: the spin pool's
             out = np.empty((len(x), self.tiles * TILE), np.float32)
-            pool.product_rows(self.descriptor, self.arrays, x, out, PREFILL_ROWS)
+            pool.product_rows(self.descriptor, self.arrays, x, out)
             return out[:, :self.n_out]
         rows = None if x.ndim == 1 else _rows_kernel(self.fmt, None)
         if x.ndim == 2 and len(x) > SMALL_BATCH and rows is None:

@@ -1,7 +1,7 @@
 """A second thread for weight products that needs no waking: a helper waits in numba code (no GIL) on a shared control
 array, and every product call (also numba, also without the GIL) shares its tiles with it: every one-row product
-(decode), and a prefill's products (`product_rows`: more than quantized.SMALL_BATCH rows of a u4 or i8 matrix, PREFILL_ROWS
-rows a job, each job's tiles cut into ~16 chunks computed by batch_kernels' kernel, as one thread computes them).
+(decode), and a prefill's products (`product_rows`: more than quantized.SMALL_BATCH rows of a u4 or i8 matrix, JOB_ROWS
+rows a job, each job's tiles cut into ROW_CHUNKS chunks computed by batch_kernels' kernel, as one thread computes them).
 
 The caller writes the product's arguments (its kernel's arrays, as addresses and shapes) into the control array
 and publishes a job word (NEXT: the job's tag, its count of chunks, the next chunk to take). Then the caller and
@@ -51,6 +51,12 @@ TILE = 64
 # chunk the helper is descheduled on costs the caller about twice a chunk's time, whatever the product's size)
 CHUNK_TILES, MAX_CHUNK_TILES = 8, 32
 MAX_CHUNKS = 256  # Gemma 3's tied logits: 4,096 tiles
+# A prefill's job: up to JOB_ROWS rows cut into ROW_CHUNKS chunks of tiles, each computed KERNEL_ROWS rows a kernel call
+# (quantized.PREFILL_ROWS: X and the sums stay in cache; a row's result is the same at any count); the helper's scratch
+# holds a job's output rows. Each kernel call sums its rows' groups again and the two threads meet once a job: 64-row
+# jobs of 16 chunks took a SmolLM2 layer's 512-row products 16.0-17.2 ms on two threads (weight_threads.split:
+# 13.9-14.3), 256-row jobs of 8 chunks 12.7 (quiet machine, best of 15)
+JOB_ROWS, KERNEL_ROWS, ROW_CHUNKS = 256, 64, 8
 PROBE_TILES = 2 * MAX_CHUNK_TILES  # bigger products are not offered to a helper that is not running
 PATIENCE = 1.0  # the caller waits for the helper's chunk up to this times its own time a chunk (+ PATIENCE_NS)
 PATIENCE_NS = 5_000
@@ -208,18 +214,9 @@ def _kernel(words, at, x_address, t0, t1, target):
         nib_matvec(qs, qh, dh, ds, mh, ms, words[at + HIGH] != 0, words[at + PER], words[at + MODE], x, t0, t1, out)
 
 
-_ROWS_SIGNATURE = types.void(*(types.int64,) * 7)
-
-
-@cfunc(_ROWS_SIGNATURE, cache=True, error_model="numpy")
-def rows_kernel(job, x_address, n, t0, t1, target, stride):
-    """Tiles t0..t1 of the matrix described at address job times the n rows at x_address (n, in), into the rows of
-    stride floats at target: batch_kernels' kernel, each row bit for bit the matrix-vector kernel's (u4 and i8). A C
-    function, compiled once: numba links a callee's code into every function that calls it, and this one is big
-    (five kernels), so the pool's functions call it through its address (`_call`), held in the control array."""
-    words = carray(_i64(job), (DESCRIPTOR,))
-    X = carray(_f32(x_address), (n, words[N_IN]))
-    out = carray(_f32(target), (n, stride))[:, t0 * TILE:t1 * TILE]
+@njit(cache=True, nogil=True, inline="always")
+def _rows_tiles(words, X, t0, t1, out):
+    """batch_kernels' kernel for the matrix words describes: tiles t0..t1 times the rows X, into out."""
     a = ARRAYS
     if words[KIND] == I8:
         qs = carray(_i8(words[a]), (words[a + 1], words[a + 2], words[a + 3], words[a + 4]))
@@ -241,6 +238,22 @@ def rows_kernel(job, x_address, n, t0, t1, target, stride):
         _u4_rows_tiles(qs, dh, ds, mh, ms, 1, Q4_0, X, t0, t1, out)
     else:
         _u4_rows_tiles(qs, dh, ds, mh, ms, 1, HALF, X, t0, t1, out)
+
+
+_ROWS_SIGNATURE = types.void(*(types.int64,) * 7)
+
+
+@cfunc(_ROWS_SIGNATURE, cache=True, error_model="numpy")
+def rows_kernel(job, x_address, n, t0, t1, target, stride):
+    """Tiles t0..t1 of the matrix described at address job times the n rows at x_address (n, in), into the rows of
+    stride floats at target: batch_kernels' kernel, each row bit for bit the matrix-vector kernel's (u4 and i8). A C
+    function, compiled once: numba links a callee's code into every function that calls it, and this one is big
+    (five kernels), so the pool's functions call it through its address (`_call`), held in the control array."""
+    words = carray(_i64(job), (DESCRIPTOR,))
+    for i in range(0, n, KERNEL_ROWS):
+        rows = min(KERNEL_ROWS, n - i)
+        X = carray(_f32(x_address + 4 * i * words[N_IN]), (rows, words[N_IN]))
+        _rows_tiles(words, X, t0, t1, carray(_f32(target + 4 * i * stride), (rows, stride))[:, t0 * TILE:t1 * TILE])
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -339,11 +352,11 @@ def run(ctrl, tag, count, out, scratch):
 
 @njit(cache=True, nogil=True, inline="always")
 def _post(ctrl, job, tag, x_address, rows, stride, scratch):
-    """post() of one row (rows 0), or of a block of rows (rows, stride: its output's row) cut into ~16 chunks: a
-    block's chunk is a block's worth of work, and a helper not running claims none (nothing to probe)."""
+    """post() of one row (rows 0), or of a block of rows (rows, stride: its output's row) cut into ROW_CHUNKS chunks:
+    a block's chunk is a block's worth of work, and a helper not running claims none (nothing to probe)."""
     tiles = job[TILES]
     if rows:
-        chunk = max(1, -(-tiles // 16))
+        chunk = max(1, -(-tiles // ROW_CHUNKS))
     elif ctrl[MISSES] > PROBE_AFTER:  # the helper is not running: one small product in PROBE_EVERY offers it half
         if tag % PROBE_EVERY or tiles > PROBE_TILES:
             return 0
@@ -482,9 +495,10 @@ class SpinPool:
             self.held = None
         # else: an earlier job, held since it ended (or a claim that fails: never read)
 
-    def product_rows(self, job: np.ndarray, arrays: tuple, x: np.ndarray, out: np.ndarray, block: int) -> None:
+    def product_rows(self, job: np.ndarray, arrays: tuple, x: np.ndarray, out: np.ndarray, block: int = JOB_ROWS
+                     ) -> None:
         """out (n, the matrix's tiles' rows) = x (n, in) times the packed u4 or i8 matrix that job describes, block
-        rows at a time, each block's tiles shared with the helper (product_rows)."""
+        rows a job, each job's tiles shared with the helper (product_rows)."""
         ctrl = self.ctrl
         if ctrl[PARKED]:
             ctrl[PARKED] = 0
