@@ -83,3 +83,6 @@ def test_a_store_with_a_disk_tier_or_quantized_pages_keeps_its_frames():
         assert not store.gives_back
     assert KVCacheManager.single(config()).stores[0].gives_back == CAN_GIVE_BACK
     assert not KVCacheManager.single(config()).stores[1].gives_back  # a global layer
+    taken = KVCacheManager.single(config())
+    taken.take_memory()  # a server's pool: its memory taken once and kept (flat resident size)
+    assert not any(store.gives_back for store in taken.stores)

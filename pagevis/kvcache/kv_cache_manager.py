@@ -329,10 +329,11 @@ class KVCacheManager:
 
     def take_memory(self) -> None:
         """Write every page of the pool once, so that its memory is taken now rather than as pages fill (a
-        server's, as vLLM's: its resident size is flat from the start)."""
+        server's, as vLLM's: its resident size is flat from the start: a sliding-window layer keeps it too)."""
         for store in self.stores:
             for array in store.kv_arrays():
                 array.fill(0)
+            store.gives_back = False
 
     # --- writing ---------------------------------------------------------------------------------
     def extend(self, seq_id: int, token_ids) -> None:
