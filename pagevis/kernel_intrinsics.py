@@ -36,6 +36,16 @@ def bits_as_float32(typingctx, bits):
     return types.float32(types.int32), codegen
 
 
+def pointer_to(numba_type):
+    """An intrinsic: the address (int64) as a pointer to numba_type (for numba's carray)."""
+    @intrinsic
+    def pointer(typingctx, address):
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], context.get_value_type(numba_type).as_pointer())
+        return types.CPointer(numba_type)(types.int64), codegen
+    return pointer
+
+
 @intrinsic
 def prefetch(typingctx, address):
     """Ask for the cache line at an address (int64) ahead of its use (LLVM's prefetch: a hint, no fault whatever

@@ -79,6 +79,47 @@ def test_two_threads_split_the_tiles_and_give_the_same_int8_rows(monkeypatch):
 
 
 @vnni
+@pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
+def test_the_spin_pools_two_threads_give_the_one_thread_int8_rows_bit_for_bit(kind):
+    """Two weight threads: the rows are quantised once and the spin pool's helper takes chunks of tiles
+    (int8_kernels.pool_kernel); then the helper takes every chunk (the test plays it, from its scratch) and once
+    stalls on one (the caller computes it again): every output column as the one-thread kernel gives it."""
+    from pagevis.model import quantized
+
+    rng = np.random.default_rng(int(kind) + 300)
+    n_in = FORMATS[kind][3] * 2
+    matrix = pack(kind, random_blocks(kind, 41 * 64 - 7, n_in, rng), n_in)  # 41 tiles, the last partial
+    x = rng.standard_normal((6, n_in)).astype(np.float32)
+    with int8_rows.batched(True):
+        one = x @ matrix
+        weight_threads.set_weight_threads(2)
+        try:
+            assert quantized.spin_pool() is not None
+            for _ in range(3):  # the chunks fall to either thread differently each time
+                assert np.array_equal((x @ matrix).view(np.int32), one.view(np.int32))
+            from pagevis.model import spin_pool as sp
+
+            kernel, stride = int8_rows._kernels()["pool"], matrix.tiles * 64
+            for stalled in (False, True):
+                ctrl, scratch = sp.new_control(), np.full(len(x) * stride, np.nan, np.float32)
+                out = np.full(len(x) * stride, np.nan, np.float32)
+                handle = int8_rows.pool_handle(matrix, x)
+                count = sp._post(ctrl, matrix.descriptor, 5, handle.ctypes.data, len(x), stride, scratch, kernel, 4)
+                assert count == 4
+                if stalled:
+                    ctrl[sp.NEXT] += 1  # the helper's claim of chunk 0, never marked done
+                else:
+                    sp.help_job(ctrl, int(ctrl[sp.NEXT]))
+                    assert ctrl[sp.HELPED] == count
+                sp.run(ctrl, 5, count, out, scratch)
+                assert ctrl[sp.TAKEN_OVER] == int(stalled)
+                got = out.reshape(len(x), stride)[:, :matrix.n_out]
+                assert np.array_equal(got.view(np.int32), one.view(np.int32))
+        finally:
+            weight_threads.set_weight_threads(1)
+
+
+@vnni
 def test_one_row_many_rows_and_products_outside_a_batch_stay_exact():
     """Inside `batched(True)` every product of 2+ rows takes int8 (the engine enters it only for decode rows); one
     row (a sequence alone) and every product outside are what they were, bit for bit."""

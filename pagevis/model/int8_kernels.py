@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import carray, cfunc, njit, types
 from numba.extending import intrinsic
 
+from pagevis.kernel_intrinsics import pointer_to
 from pagevis.model.batch_kernels import rows_switch
 from pagevis.model.weight_kernels import (_I8, _MAT, _NIB, _OPTIONS, HALF, Q4_0, SUPER, _nib_scales, _prefetch_ahead,
                                          _scales)
@@ -43,6 +44,10 @@ TILE = 64
 ROWS = 4  # rows whose accumulators (4 zmm each) a block holds
 CODE_VECTORS = 32  # at most: 32 codes x 64 rows / 64 bytes
 SCRATCH = (CODE_VECTORS + 8) * 64  # the turned codes, then d and m in turned order
+# A product's handle for `pool_kernel` (int64 words, `handle()`): the matrix's family (u4 0, i8 1), per, mode, input
+# size, the quantised rows' three arrays' addresses, then qs, dh, ds, mh, ms as an address and four dimensions each
+FAMILY, PER, MODE, N_IN, XQ, SX, SUMS, HELD = range(8)
+HANDLE = HELD + 5 * 5
 
 _I8T, _I16T, _I32T, _I64T, _F32T = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _BYTES, _WORDS = ir.VectorType(_I8T, 64), ir.VectorType(_I16T, 32)
@@ -239,6 +244,12 @@ def _tiles(qs, dh, ds, mh, ms, per, mode, size, nibbles, x, t0, t1, out):
     """Tiles t0..t1 of a u4 (nibbles: size 32, d and m from _nib_scales) or i8 (size 32 or 16, d from _scales)
     matrix times the rows x, quantised (`quantize`), into out's columns."""
     xq, sx, sums = quantize(x, size)
+    _quantised_tiles(qs, dh, ds, mh, ms, per, mode, size, nibbles, xq, sx, sums, t0, t1, out)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _quantised_tiles(qs, dh, ds, mh, ms, per, mode, size, nibbles, xq, sx, sums, t0, t1, out):
+    """_tiles of rows already quantised (xq, sx, sums: `quantize`'s)."""
     n, groups, inputs = xq.shape[0], qs.shape[1], xq.shape[1]
     d, m, sup = np.empty(TILE, np.float32), np.empty(TILE, np.float32), np.empty((2, TILE), np.float32)
     scratch, acc = np.empty(SCRATCH // 4, np.float32), np.empty((n, TILE), np.float32)
@@ -296,4 +307,67 @@ def compiled() -> dict:
     """The int8 row kernels by packed format and the activations' quantiser (int8_rows.product's), compiled or
     loaded from numba's on-disk cache (through kernel_loader.import_kernels)."""
     return {"u4": njit(f"void({_NIB}, {_MAT})", **_OPTIONS)(_u4_rows),
-            "i8": njit(f"void({_I8}, {_MAT})", **_OPTIONS)(_i8_rows)}
+            "i8": njit(f"void({_I8}, {_MAT})", **_OPTIONS)(_i8_rows),
+            "quantise_into": quantise_into, "handle": handle, "pool": int(pool_kernel.address or 0)}
+
+
+_AS_I64, _AS_I32, _AS_I16 = pointer_to(types.int64), pointer_to(types.int32), pointer_to(types.int16)
+_AS_I8, _AS_U8, _AS_F32 = pointer_to(types.int8), pointer_to(types.uint8), pointer_to(types.float32)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _dims(h, k):
+    at = HELD + 5 * k
+    return (h[at + 1], h[at + 2], h[at + 3])
+
+
+@cfunc(types.void(*(types.int64,) * 7), cache=True, error_model="numpy")
+def pool_kernel(job, at, n, t0, t1, target, stride):
+    """Tiles t0..t1 of the handle's matrix (at: `handle()`'s address) times its n quantised rows, into the rows of
+    stride floats at target (columns t0 * TILE on): spin_pool's rows-kernel signature (job, its descriptor, unused),
+    so the pool's two threads share a product's tiles, each tile computed as `compiled()`'s kernels compute it."""
+    h = carray(_AS_I64(at), (HANDLE,))
+    size = 16 if h[FAMILY] == 1 and h[PER] > 1 else 32
+    inputs = h[N_IN]
+    xq = carray(_AS_I8(h[XQ]), (n, inputs))
+    sx = carray(_AS_F32(h[SX]), (n, inputs // 32))
+    sums = carray(_AS_I32(h[SUMS]), (n, inputs // size))
+    out = carray(_AS_F32(target), (n, stride))[:, t0 * TILE:t1 * TILE]
+    dh, ds = carray(_AS_I16(h[HELD + 5]), _dims(h, 1)), carray(_AS_I8(h[HELD + 10]), _dims(h, 2))
+    if h[FAMILY] == 1:
+        qs = carray(_AS_I8(h[HELD]), (h[HELD + 1], h[HELD + 2], h[HELD + 3], h[HELD + 4]))
+        if h[PER] > 1:  # Q6_K
+            _quantised_tiles(qs, dh, ds, ds, ds, 16, HALF, 16, False, xq, sx, sums, t0, t1, out)
+        else:
+            _quantised_tiles(qs, dh, ds, ds, ds, 1, HALF, 32, False, xq, sx, sums, t0, t1, out)
+        return
+    codes = carray(_AS_U8(h[HELD]), (h[HELD + 1], h[HELD + 2], h[HELD + 3], h[HELD + 4]))
+    mh, ms = carray(_AS_I16(h[HELD + 15]), _dims(h, 3)), carray(_AS_I8(h[HELD + 20]), _dims(h, 4))
+    if h[PER] > 1:  # Q4_K
+        _quantised_tiles(codes, dh, ds, mh, ms, 8, SUPER, 32, True, xq, sx, sums, t0, t1, out)
+    elif h[MODE] == Q4_0:
+        _quantised_tiles(codes, dh, ds, mh, ms, 1, Q4_0, 32, True, xq, sx, sums, t0, t1, out)
+    else:
+        _quantised_tiles(codes, dh, ds, mh, ms, 1, HALF, 32, True, xq, sx, sums, t0, t1, out)
+
+
+def handle(fmt: str, arrays: tuple, n_in: int) -> np.ndarray:
+    """pool_kernel's handle of a u4 or i8 matrix's kernel arrays (QuantMatrix.arrays), its rows' to be written in
+    (`quantise_into`): addresses, so the arrays must outlive its use."""
+    h = np.zeros(HANDLE, np.int64)
+    if fmt == "i8":
+        held, h[FAMILY], h[PER] = (arrays[0], arrays[1], arrays[2], arrays[2], arrays[2]), 1, arrays[3]
+    else:
+        held, h[PER], h[MODE] = (arrays[0], *arrays[2:6]), arrays[7], arrays[8]
+    h[N_IN] = n_in
+    for k, array in enumerate(held):
+        h[HELD + 5 * k] = array.ctypes.data
+        h[HELD + 5 * k + 1:HELD + 5 * k + 1 + array.ndim] = array.shape
+    return h
+
+
+@njit(cache=True, nogil=True)
+def quantise_into(x, xq, sx, sums):
+    """`quantize` of the rows x into arrays of its results' shapes (sums: groups of 32, or Q6_K's 16, inputs)."""
+    codes, scales, totals = quantize(x, x.shape[1] // sums.shape[1])
+    xq[:], sx[:], sums[:] = codes, scales, totals

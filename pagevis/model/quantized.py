@@ -181,7 +181,7 @@ class QuantMatrix:
         matvec, matmul, _ = kernels()[self.fmt]
         x = np.ascontiguousarray(x, dtype=np.float32)
         if x.ndim == 2 and int8_rows.active():  # decode rows of several sequences (the engine's batches)
-            if (int8 := int8_rows.product(self, x)) is not None:
+            if (int8 := int8_rows.product(self, x, spin_pool())) is not None:
                 return int8
         many = x.ndim == 2 and len(x) > SMALL_BATCH  # a prefill's rows: PREFILL_ROWS at a time
         if many and self.fmt in POOL_ROWS and (pool := spin_pool()) is not None:  # two threads: the spin pool's

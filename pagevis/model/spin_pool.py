@@ -42,6 +42,7 @@ from numba import carray, cfunc, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from pagevis.kernel_intrinsics import pointer_to
 from pagevis.model.batch_kernels import _i8_rows_tiles, _u4_rows_tiles
 from pagevis.model.weight_kernels import HALF, Q4_0, SUPER, i8_matvec, nib_matvec
 
@@ -76,9 +77,10 @@ HELPED, TAKEN_OVER, CLOCK, MISSES = 40, 41, 42, 43  # chunks the helper computed
 # clock's id; products in a row the helper took no chunk of
 STATE = 48  # per chunk: tag << 2 | DONE once the helper's copy is in scratch
 # the job's input, tiles a chunk, the helper's scratch; a prefill's block of rows (0: one row), its output's row, and
-# the address of the rows kernel (rows_kernel: one compiled copy, called through its address)
-X, CHUNK, SCRATCH, ROWS, STRIDE, ROWS_KERNEL = range(STATE + MAX_CHUNKS, STATE + MAX_CHUNKS + 6)
-JOB = STATE + MAX_CHUNKS + 6  # the product's matrix descriptor
+# the address of the rows kernel (rows_kernel: one compiled copy, called through its address); the kernel a job of
+# rows calls (rows_kernel, or product_kernel's: int8_kernels.pool_kernel)
+X, CHUNK, SCRATCH, ROWS, STRIDE, ROWS_KERNEL, JOB_KERNEL = range(STATE + MAX_CHUNKS, STATE + MAX_CHUNKS + 7)
+JOB = STATE + MAX_CHUNKS + 7  # the product's matrix descriptor
 WORDS = JOB + DESCRIPTOR
 DONE, TAKEN, MINE = 1, 2, 3  # a chunk's state: the helper's copy is ready; the caller took it back; the caller's
 NIB, I8 = 0, 1
@@ -164,17 +166,8 @@ def _clock_ns(typingctx, clock):
     return types.int64(types.int64), codegen
 
 
-def _pointer_to(numba_type):
-    @intrinsic
-    def pointer(typingctx, address):
-        def codegen(context, builder, signature, args):
-            return builder.inttoptr(args[0], context.get_value_type(numba_type).as_pointer())
-        return types.CPointer(numba_type)(types.int64), codegen
-    return pointer
-
-
-_u8, _u32, _i16, _i8 = (_pointer_to(t) for t in (types.uint8, types.uint32, types.int16, types.int8))
-_f32, _i64 = _pointer_to(types.float32), _pointer_to(types.int64)
+_u8, _u32, _i16, _i8 = (pointer_to(t) for t in (types.uint8, types.uint32, types.int16, types.int8))
+_f32, _i64 = pointer_to(types.float32), pointer_to(types.int64)
 
 
 @intrinsic
@@ -262,7 +255,7 @@ def _compute(ctrl, index, base):
     t0 = index * ctrl[CHUNK]
     t1 = min(ctrl[JOB + TILES], t0 + ctrl[CHUNK])
     if ctrl[ROWS]:
-        _call(ctrl[ROWS_KERNEL], ctrl.ctypes.data + 8 * JOB, ctrl[X], ctrl[ROWS], t0, t1, base,  # type: ignore[call-arg]
+        _call(ctrl[JOB_KERNEL], ctrl.ctypes.data + 8 * JOB, ctrl[X], ctrl[ROWS], t0, t1, base,  # type: ignore[call-arg]
               ctrl[STRIDE])
     else:
         _kernel(ctrl, JOB, ctrl[X], t0, t1, base + 4 * t0 * TILE)
@@ -351,12 +344,13 @@ def run(ctrl, tag, count, out, scratch):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _post(ctrl, job, tag, x_address, rows, stride, scratch):
-    """post() of one row (rows 0), or of a block of rows (rows, stride: its output's row) cut into ROW_CHUNKS chunks:
-    a block's chunk is a block's worth of work, and a helper not running claims none (nothing to probe)."""
+def _post(ctrl, job, tag, x_address, rows, stride, scratch, kernel, chunks):
+    """post() of one row (rows 0), or of a block of rows (rows, stride: its output's row) cut into `chunks` chunks
+    computed by the C function at kernel: a block's chunk is a block's worth of work, and a helper not running
+    claims none (nothing to probe)."""
     tiles = job[TILES]
     if rows:
-        chunk = max(1, -(-tiles // ROW_CHUNKS))
+        chunk = max(1, -(-tiles // chunks))
     elif ctrl[MISSES] > PROBE_AFTER:  # the helper is not running: one small product in PROBE_EVERY offers it half
         if tag % PROBE_EVERY or tiles > PROBE_TILES:
             return 0
@@ -369,6 +363,7 @@ def _post(ctrl, job, tag, x_address, rows, stride, scratch):
     if count < 2 or _swap(ctrl, OWNER, 0, 1) != 0:  # type: ignore[call-arg]
         return 0
     ctrl[X], ctrl[CHUNK], ctrl[SCRATCH], ctrl[ROWS], ctrl[STRIDE] = x_address, chunk, scratch.ctypes.data, rows, stride
+    ctrl[JOB_KERNEL] = kernel
     ctrl[JOB:JOB + DESCRIPTOR] = job
     for k in range(count):  # a late helper's DONE from an earlier job with this tag (2**30 jobs ago) is cleared
         ctrl[STATE + k] = 0
@@ -381,14 +376,14 @@ def post(ctrl, job, tag, x, scratch):
     """Publish the product of x by the matrix job describes, cut into chunks for the caller and the helper: returns
     the count of chunks (then the caller holds the pool: run() next), or 0 if the product is too small to cut or
     another caller holds the pool."""
-    return _post(ctrl, job, tag, x.ctypes.data, 0, 0, scratch)
+    return _post(ctrl, job, tag, x.ctypes.data, 0, 0, scratch, 0, 0)
 
 
 @njit("int64(int64[::1], int64[::1], int64, float32[:, ::1], int64, float32[::1])", cache=True, nogil=True)
 def post_rows(ctrl, job, tag, x, stride, scratch):
     """post() of a block of rows x (n, in), whose output rows are stride floats (the output and the scratch laid out
     (n, stride): run() next, with both flattened)."""
-    return _post(ctrl, job, tag, x.ctypes.data, x.shape[0], stride, scratch)
+    return _post(ctrl, job, tag, x.ctypes.data, x.shape[0], stride, scratch, ctrl[ROWS_KERNEL], ROW_CHUNKS)
 
 
 @njit("void(int64[::1], int64[::1], int64, float32[::1], float32[::1], float32[::1])", cache=True, nogil=True)
@@ -420,6 +415,22 @@ def product_rows(ctrl, job, tag, x, out, scratch, block):
             continue
         run(ctrl, tag + i // block, count, target, scratch)
         _store(ctrl, OWNER, 0)  # type: ignore[call-arg]
+
+
+@njit("void(int64[::1], int64[::1], int64, int64[::1], int64, float32[:, ::1], float32[::1], int64, int64)",
+      cache=True, nogil=True)
+def product_kernel(ctrl, job, tag, handle, rows, out, scratch, kernel, chunks):
+    """out = rows rows times the matrix job describes, computed by the C function at kernel (rows_kernel's
+    signature, given handle's address for its input) over `chunks` chunks of tiles shared with the helper: the
+    int8 decode rows of several sequences (int8_kernels.pool_kernel, its handle holding the quantised rows)."""
+    target = carray(_f32(out.ctypes.data), (out.size,))
+    count = _post(ctrl, job, tag, handle.ctypes.data, rows, out.shape[1], scratch, kernel, chunks)
+    if count == 0:
+        _call(kernel, job.ctypes.data, handle.ctypes.data, rows, 0, job[TILES], out.ctypes.data,  # type: ignore[call-arg]
+              out.shape[1])
+        return
+    run(ctrl, tag, count, target, scratch)
+    _store(ctrl, OWNER, 0)  # type: ignore[call-arg]
 
 
 def describe(fmt: str, arrays: tuple, n_in: int) -> np.ndarray:
@@ -456,7 +467,7 @@ class SpinPool:
         # elsewhere) reads STOP from it, not from freed memory (1.4 KB, once a pool)
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.ctrl))
         self.scratch = np.empty(0, np.float32)
-        self.tag = 0
+        self.tag, self.skipped = 0, 0
         self.held: tuple | None = None  # (tag, what its addresses point into) while the helper may still read them
         self.wake = threading.Event()
         self.niceness = niceness
@@ -475,15 +486,19 @@ class SpinPool:
     def product(self, job: np.ndarray, arrays: tuple, x: np.ndarray, out: np.ndarray) -> None:
         """out (the matrix's tiles' rows) = x times the packed matrix that job describes (arrays: what it points
         into), its chunks shared with the helper."""
-        ctrl = self.ctrl
-        if ctrl[PARKED]:
-            ctrl[PARKED] = 0
-            self.wake.set()
-        if self.scratch.size < out.size:
-            self.scratch = np.empty(out.size, np.float32)
-        self.tag = tag = self.tag % (1 << 30) + 1  # tag << 32 stays positive
-        product(ctrl, job, tag, x, out, self.scratch)
+        tag = self._ready(out.size)
+        product(self.ctrl, job, tag, x, out, self.scratch)
         self._hold(tag, (job, arrays, x, self.scratch))
+
+    def _ready(self, size: int) -> int:
+        """Wake a parked helper, make the scratch hold size floats; the next job's tag (tag << 32 stays positive)."""
+        if self.ctrl[PARKED]:
+            self.ctrl[PARKED] = 0
+            self.wake.set()
+        if self.scratch.size < size:
+            self.scratch = np.empty(size, np.float32)
+        self.tag = self.tag % (1 << 30) + 1
+        return self.tag
 
     def _hold(self, first: int, arrays: tuple) -> None:
         """Keep the arrays of the jobs tagged first..self.tag alive while the helper may still read them (its core
@@ -499,16 +514,27 @@ class SpinPool:
                      ) -> None:
         """out (n, the matrix's tiles' rows) = x (n, in) times the packed u4 or i8 matrix that job describes, block
         rows a job, each job's tiles shared with the helper (product_rows)."""
-        ctrl = self.ctrl
-        if ctrl[PARKED]:
-            ctrl[PARKED] = 0
-            self.wake.set()
-        if self.scratch.size < min(block, len(x)) * out.shape[1]:
-            self.scratch = np.empty(min(block, len(x)) * out.shape[1], np.float32)
-        first = self.tag % (1 << 30) + 1
+        first = self._ready(min(block, len(x)) * out.shape[1])
         self.tag = first + (len(x) - 1) // block
-        product_rows(ctrl, job, first, x, out, self.scratch, block)
+        product_rows(self.ctrl, job, first, x, out, self.scratch, block)
         self._hold(first, (job, arrays, x, self.scratch))
+
+    def product_kernel(self, kernel: int, job: np.ndarray, arrays: tuple, handle: np.ndarray, out: np.ndarray,
+                       chunks: int) -> None:
+        """out (n, the matrix's tiles' rows) = the n rows handle holds times the matrix job describes, by the C
+        function at kernel, its tiles in `chunks` chunks shared with the helper (product_kernel; arrays: what job
+        and handle point into, held while the helper may read them)."""
+        tag = self._ready(out.size)
+        product_kernel(self.ctrl, job, tag, handle, len(out), out, self.scratch, kernel, chunks)
+        self._hold(tag, (job, arrays, handle, self.scratch))
+
+    def helping(self) -> bool:
+        """Whether to offer the helper a product that costs the caller more cut into chunks (product_kernel's):
+        yes while it takes chunks; after PROBE_AFTER products in a row without it, one in PROBE_EVERY."""
+        if self.ctrl[MISSES] <= PROBE_AFTER:
+            return True
+        self.skipped += 1
+        return self.skipped % PROBE_EVERY == 0
 
     def stats(self) -> tuple[int, int]:
         """(chunks the helper computed, chunks the caller took back from it) so far."""
