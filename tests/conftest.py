@@ -30,7 +30,8 @@ def weight_kernels_ready_beside():
     from numba's cache."""
     loader = subprocess.Popen([sys.executable, "-c", "from pagevis.model.quantized import kernels, _rows_kernel, "
                                "spin_pool; from pagevis.model.weight_threads import set_weight_threads; kernels(); "
-                               "_rows_kernel('u4', None); set_weight_threads(2); spin_pool()"],  # batch_kernels', spin_pool's
+                               "_rows_kernel('u4', None); set_weight_threads(2); spin_pool(); from pagevis.model import int8_rows; "
+                               "int8_rows.route() == 'vnni' and int8_rows._kernels()"],  # batch, spin pool, int8
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     yield
     loader.wait()
