@@ -202,15 +202,27 @@ _U4_SPLIT_HALVES, _I8_SPLIT_HALVES = _split(16, True, True), _split(32, False, T
 _I8_16_SPLIT, _I8_16_DOTS = _split(16, False), _dots(16, False)
 
 
-@njit(cache=True, nogil=True, fastmath={"nnan", "ninf", "nsz"})
+_QUANTIZE_MATH = {"nnan", "ninf", "nsz"}
+
+
+@njit(cache=True, nogil=True, fastmath=_QUANTIZE_MATH)
 def quantize(x, size):
     """Each row's groups of 32 inputs as int8 codes q = x / s rounded half away from zero, s = max |x| / 127 (0 for
     an all-zero group: codes 0): (the codes, s per group of 32, the sum of the codes of each group of `size` inputs
-    (32, or Q6_K's 16)). Written so the loops vectorise (selects, not branches; the inputs are finite)."""
+    (32, or Q6_K's 16))."""
     n, inputs = x.shape
     xq = np.empty((n, inputs), np.int8)
     scales = np.empty((n, inputs // 32), np.float32)
     sums = np.empty((n, inputs // size), np.int32)
+    _quantize_rows(x, size, xq, scales, sums)
+    return xq, scales, sums
+
+
+@njit(cache=True, nogil=True, fastmath=_QUANTIZE_MATH, inline="always")
+def _quantize_rows(x, size, xq, scales, sums):
+    """`quantize` into given arrays. Written so the loops vectorise (selects, not branches; the inputs are
+    finite)."""
+    n, inputs = x.shape
     half = np.float32(0.5)
     for i in range(n):
         for g in range(inputs // 32):
@@ -229,7 +241,6 @@ def quantize(x, size):
             for j in range(size):
                 total += np.int32(xq[i, size * g + j])
             sums[i, g] = total
-    return xq, scales, sums
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -366,8 +377,8 @@ def handle(fmt: str, arrays: tuple, n_in: int) -> np.ndarray:
     return h
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=_QUANTIZE_MATH)
 def quantise_into(x, xq, sx, sums):
-    """`quantize` of the rows x into arrays of its results' shapes (sums: groups of 32, or Q6_K's 16, inputs)."""
-    codes, scales, totals = quantize(x, x.shape[1] // sums.shape[1])
-    xq[:], sx[:], sums[:] = codes, scales, totals
+    """`quantize` of the rows x into arrays of its results' shapes (sums: groups of 32, or Q6_K's 16, inputs), with
+    no arrays of its own to copy from."""
+    _quantize_rows(x, x.shape[1] // sums.shape[1], xq, sx, sums)
