@@ -1,7 +1,8 @@
 """KVCacheManager.append_many (one call a layer for every decoding sequence) leaves the cache exactly as one
 `append` per sequence in the same order does: the same pages, block tables, holes, events and stored K/V bit for
-bit, through page allocation, a reclaimed cached page, copy-on-write of a shared page, a sliding window's slides,
-and sequences that take the one-at-a-time path (an evicting policy at its budget, a per-head policy's masks)."""
+bit (and every policy statistic), through page allocation, a reclaimed cached page, copy-on-write of a shared page,
+a sliding window's slides, and sequences that take the one-at-a-time path (an evicting policy at its budget, a
+per-head policy's masks)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,9 @@ def _state(cache: KVCacheManager) -> tuple:
     layers = []
     for manager, store in zip(cache.layers, cache.stores, strict=True):
         tables = {s: (list(t.pages), sorted(t.holes), t.resident, t.floor, t.dropped, t.slid,
-                      None if t.head_keep is None else t.head_keep.tobytes()) for s, t in manager.tables.items()}
+                      None if t.head_keep is None else t.head_keep.tobytes(),
+                      {name: array.tobytes() for name, array in t.state.arrays.items()})
+                  for s, t in manager.tables.items()}
         layers.append((tables, store.k.view(np.uint32).tobytes(), store.v.view(np.uint32).tobytes(),
                        store.positions.tobytes(), store.fill.tobytes(), store.bias.tobytes(),
                        store.pages.ref_counts.tobytes(), store.newest, sorted(store.pages.frame_hash.items())))
@@ -64,6 +67,7 @@ def _state(cache: KVCacheManager) -> tuple:
 @pytest.mark.parametrize("policies", [
     {0: "none", 1: "none", 2: "none", 3: "none", 4: "sinks"},  # sequence 4 reaches its budget (32)
     {0: "none", 1: "h2o", 2: "sinks", 3: "adakv", 4: "h2o"},  # evictions at the budget (32), per-head masks
+    {0: "none", 1: "keydiff", 2: "merge", 3: "none", 4: "keydiff"},  # statistics written with each token
 ])
 def test_append_many_equals_one_append_per_sequence(policies):
     batched, single = _cache(policies), _cache(policies)
@@ -92,11 +96,16 @@ def test_append_many_equals_one_append_per_sequence(policies):
         assert _state(batched) == _state(single), f"step {step}"
 
 
-def test_append_many_covers_the_paths_it_claims():
-    """The scenario above does reach allocation, copy-on-write, slides, reclaimed cached pages and evictions."""
+def test_append_many_covers_the_paths_it_claims(monkeypatch):
+    """The scenario above does reach allocation, copy-on-write, slides, reclaimed cached pages and evictions, and
+    both of write_many's ways to a slot: inlined (most writes) and through LayerManager.free_slot."""
+    from pagevis.kvcache.layer_managers import LayerManager
+
     cache = _cache({0: "none", 1: "h2o", 2: "sinks", 3: "adakv", 4: "h2o"})
     rng = np.random.default_rng(7)
-    live, kinds = [1, 2, 3, 4], set()
+    live, kinds, writes, slow = [1, 2, 3, 4], set(), 0, []
+    free_slot = LayerManager.free_slot
+    monkeypatch.setattr(LayerManager, "free_slot", lambda self, *a: slow.append(1) or free_slot(self, *a))
     for step in range(14):
         if step == 6:
             cache.free(2)
@@ -110,8 +119,11 @@ def test_append_many_covers_the_paths_it_claims():
             cache.append_many(live, layer, k, v, positions)
         for seq_id in live:
             cache.commit(seq_id)
-        kinds |= {e.kind.value for e in cache.take_events()}
+        events = cache.take_events()
+        kinds |= {e.kind.value for e in events}
+        writes += sum(e.kind.value == "write" for e in events)
     assert {"allocate", "write", "copy_on_write", "slide", "evict", "mask", "release"} <= kinds, kinds
+    assert 0 < len(slow) < writes - 20, (len(slow), writes)  # (every write but the inlined ones calls free_slot)
 
 
 def _watched_weights(prompts: list[list[int]], watched: int) -> list[dict[int, dict[int, float]]]:

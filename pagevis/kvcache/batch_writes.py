@@ -2,10 +2,12 @@
 as one `append` per sequence in the same order writes them (eviction.append).
 
 A token that needs only a slot — no eviction at its budget, no pruning, per-head masks or ThinK channels — has it
-chosen (`LayerManager.free_slot`: a page allocated, or a shared page copied first, as a single write does) and its
-table, policy statistics and event updated here (`LayerManager.wrote`), one sequence at a time in order; the K/V,
-positions and occupancy of all of them are then written by one store call (`PageStore.write_rows`: float32 RAM
-pages, `store.in_place`). Any other token goes through `append_one(i)` at its turn, after the K/V held so far are
+chosen and its table, policy statistics and event updated here, one sequence at a time in order: inlined where its
+lowest empty slot lies in a page of its own that stands for no prefix hash (what `LayerManager.free_slot` then
+`wrote` do there, without their calls: the common decode step), else through those two (a page allocated, or a
+shared or registered page copied or forgotten first, as a single write does). The K/V, positions and
+occupancy of all of them are then written by one store call (`PageStore.write_rows`: float32 RAM pages,
+`store.in_place`). Any other token goes through `append_one(i)` at its turn, after the K/V held so far are
 written, so every page, table, event and stored value is the single calls' (tests/test_batched_append.py).
 """
 
@@ -15,34 +17,65 @@ from collections.abc import Callable
 
 import numpy as np
 
+from pagevis.kvcache.events import NAN, WRITE, CacheEvent
 from pagevis.kvcache.layer_managers import LayerManager
+from pagevis.kvcache.policy_state import PolicyState
 from pagevis.kvcache.sequence import SequenceCache
 
 
 def write_many(layer: LayerManager, seqs: list[SequenceCache], k: np.ndarray, v: np.ndarray, positions: np.ndarray,
                append_one: Callable[[int], None]) -> None:
     """k, v (B, n_kv_heads, head_dim), positions (B,) int64: sequence i's token; see the module docstring."""
-    store, tables, log, held = layer.store, layer.tables, layer.log, []
-    windowed, can_allocate = layer.window is not None, store.pages.can_allocate
+    store, tables, log, flats, rows = layer.store, layer.tables, layer.log, [], []
+    windowed, can_allocate, budget = layer.window is not None, store.pages.can_allocate, layer.budget
+    ps, index, step, events = layer.page_size, layer.layer, log.step, log.events
+    shared, registered = store.pages.ref_counts, store.pages.frame_hash
     for i, (seq, position) in enumerate(zip(seqs, positions.tolist(), strict=True)):
-        log.acting = seq.seq_id
+        seq_id = seq.seq_id
         if windowed:
+            log.acting = seq_id
             layer.before_write(seq, position)
-        table = tables[seq.seq_id]
+        table = tables[seq_id]
+        holes = table.holes
         if (table.head_keep is None and seq.channels is None and not seq.policy.prunes
-                and table.resident < layer.budget(seq) and (table.holes or can_allocate())):
-            flat = layer.free_slot(seq, table)
-            layer.wrote(seq, table, flat, k[i], v[i], position)
-            held.append((i, flat))
-        else:
-            _write_held(layer, held, k, v, positions)
-            append_one(i)
-    _write_held(layer, held, k, v, positions)
+                and table.resident < budget(seq)):
+            if holes:
+                flat = min(holes)
+                page = flat // ps
+                if shared[page] <= 1 and page not in registered:  # `free_slot` takes it as it is: `wrote`, inlined
+                    state = table.state
+                    if type(state) is not PolicyState:  # (the base keeps no statistics)
+                        state.clear(flat)
+                        state.write(flat, k[i], v[i], position)
+                    holes.remove(flat)
+                    table.resident += 1
+                    if position < table.floor:
+                        table.floor = -1
+                    events.append(CacheEvent(WRITE, step, index, page, flat - page * ps, position, "", "", NAN, -1,
+                                             seq_id, -1))
+                    flats.append(flat)
+                    rows.append(i)
+                    continue
+            if holes or can_allocate():
+                log.acting = seq_id
+                flat = layer.free_slot(seq, table)
+                layer.wrote(seq, table, flat, k[i], v[i], position)
+                events = log.events
+                flats.append(flat)
+                rows.append(i)
+                continue
+        log.acting = seq_id
+        _write_held(layer, flats, rows, k, v, positions)
+        append_one(i)
+        events = log.events
+    if seqs:
+        log.acting = seqs[-1].seq_id
+    _write_held(layer, flats, rows, k, v, positions)
 
 
-def _write_held(layer: LayerManager, held: list[tuple[int, int]], k: np.ndarray, v: np.ndarray,
+def _write_held(layer: LayerManager, flats: list[int], rows: list[int], k: np.ndarray, v: np.ndarray,
                 positions: np.ndarray) -> None:
-    if held:
-        rows, flats = zip(*held)
+    if flats:
         layer.store.write_rows(np.array(flats, np.int64), np.array(rows, np.int64), k, v, positions)
-        held.clear()
+        flats.clear()
+        rows.clear()
