@@ -312,6 +312,8 @@ class Engine:
 
     def _batched_attend(self, segments):
         cache, watched, attention = self.cache, self._watched, self.attention
+        ids = [seq_id for seq_id, _, _ in segments]  # (once a step: every layer asks)
+        decoding = len(ids) > 1 and all(end - start == 1 for _, start, end in segments)
 
         def attend(layer, q, k, v, positions):
             if len(segments) == 1:  # one request (every row its own, however the model splits its forward:
@@ -322,8 +324,7 @@ class Engine:
                 if layer in watched.get(seq_id, ()):
                     attention.setdefault(seq_id, {})[layer] = (result.weights[-1].copy(), result.slots)
                 return np.asarray(result.output, dtype=q.dtype)
-            ids = [seq_id for seq_id, _, _ in segments]
-            if all(end - start == 1 for _, start, end in segments) and cache.can_attend_many(ids, layer):
+            if decoding and cache.can_attend_many(ids, layer):
                 # every sequence decodes one token (row i is ids[i]'s): write them all, then one batched attention
                 wanted = [i for i, seq_id in enumerate(ids) if layer in watched.get(seq_id, ())] if watched else ()
                 output, kept = cache.decode_many(ids, layer, q, k, v, positions, wanted)

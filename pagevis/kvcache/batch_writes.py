@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pagevis.kvcache.events import NAN, WRITE, CacheEvent
+from pagevis.kvcache.events import NAN, WRITE, CacheEvent, as_event
 from pagevis.kvcache.layer_managers import LayerManager
 from pagevis.kvcache.policy_state import PolicyState
 from pagevis.kvcache.sequence import SequenceCache
@@ -51,8 +51,8 @@ def write_many(layer: LayerManager, seqs: list[SequenceCache], k: np.ndarray, v:
                     table.resident += 1
                     if position < table.floor:
                         table.floor = -1
-                    events.append(CacheEvent(WRITE, step, index, page, flat - page * ps, position, "", "", NAN, -1,
-                                             seq_id, -1))
+                    events.append(as_event(CacheEvent, (WRITE, step, index, page, flat - page * ps, position, "", "",
+                                                        NAN, -1, seq_id, -1)))
                     flats.append(flat)
                     rows.append(i)
                     continue

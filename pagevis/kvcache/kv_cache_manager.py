@@ -353,7 +353,10 @@ class KVCacheManager:
         """`append` of one token for each of several sequences (k, v (B, n_kv_heads, head_dim), positions (B,)), with
         the pages, tables, events and K/V of B `append` calls in that order: on float32 RAM pages the tokens that
         need only a slot are written by one call (batch_writes.py), the others one `append` each."""
-        seqs = [self.sequences[s] for s in seq_ids]
+        self._append_many([self.sequences[s] for s in seq_ids], layer, k, v, positions)
+
+    def _append_many(self, seqs: list[SequenceCache], layer: int, k: np.ndarray, v: np.ndarray,
+                     positions: np.ndarray) -> None:
         manager = self.layers[layer]
         if manager.store.in_place:
             write_many(manager, seqs, k, v, positions, lambda i: eviction.append(
@@ -433,9 +436,9 @@ class KVCacheManager:
                     positions: np.ndarray, wanted=()) -> tuple[np.ndarray, dict[int, AttentionResult]]:
         """`append_many` then `attend_many` (where `can_attend_many`), the output as one (B, n_heads, head_dim) array
         and the AttentionResult of the rows in `wanted` (indices into seq_ids) only: a batched decode step's layer."""
-        self.append_many(seq_ids, layer, k, v, positions)
-        return paged_attention.attend_stacked(self.layers[layer], [self.sequences[s] for s in seq_ids], q, positions,
-                                              wanted)
+        seqs = [self.sequences[s] for s in seq_ids]
+        self._append_many(seqs, layer, k, v, positions)
+        return paged_attention.attend_stacked(self.layers[layer], seqs, q, positions, wanted)
 
     def attend_many(self, seq_ids: list[int], layer: int, q: np.ndarray, positions: np.ndarray
                     ) -> list[AttentionResult]:
