@@ -1,16 +1,24 @@
 """Decode attention of several sequences in one numba call per layer, each over its own pages, read where they lie.
 
-`attend_tables(q, k, v, tables, n_pages, bias)`: one decode query for each of B sequences (q: (B, n_heads, d)), the
-pool's K and V as the page store holds them ((n_kv, pages, page_size, d) float32), each sequence's block table
-(tables: (B, widest) page ids, row b's first n_pages[b] used) and the additive bias of each table slot (B,
-widest * page_size): 0 resident, -inf empty, padding or hidden by a window. Returns the output (B, n_heads, d) and
-the weights (B, n_heads, widest * page_size), normalised, exactly 0 on masked slots and padding; a sequence with no
-visible key gets zeros. What `attention_kernels.attend_decode_batch` computes over gathered keys, without the
-gather (a copy of every sequence's pages a layer) and without NumPy's calls on small arrays: for SmolLM2's 8 and
-16 sequences of ~40 tokens the batched attention took 7.3 and 11.4 ms of a step's CPU (docs/speed.md, batches).
-Query head h reads KV head h // group; dot products and sums in any order (fastmath reassoc), the softmax the
-single-sequence kernel's (decode_kernel._softmax: its exponential, normalised before the values), so results agree
-with it and with float64 within float32 rounding.
+`attend_tables(q, k, v, tables, n_pages, bias, key_positions, positions, window)`: one decode query for each of B
+sequences (q: (B, n_heads, d)), the pool's K and V as the page store holds them ((n_kv, pages, page_size, d)
+float32), each sequence's block table (tables: (B, widest) page ids, row b's first n_pages[b] used), the pool's
+occupancy bias per flat slot (page * page_size + slot: 0 resident, -inf empty) and, with window > 0, each slot's
+position and each query's: a key at or below position - window is hidden (a sliding window's layer). Returns the
+output (B, n_heads, d) and the weights (B, n_heads, widest * page_size), normalised, exactly 0 on hidden slots and
+padding; a sequence with no visible key gets zeros. What `attention_kernels.attend_decode_batch` computes over
+gathered keys, without the gather (a copy of every sequence's pages a layer), the bias's gather or NumPy's calls on
+small arrays.
+Per sequence and KV head, a page at a time (its keys are contiguous), four keys at a time: each of the group's
+query heads takes the four dot products sharing its loads (scores), or adds the four value rows, read again from
+the first level of cache, each times its weight (values); each head's softmax is decode_kernel's (`_softmax`:
+normalised before the values). The K/V come from memory (a step's weights pushed them out of every cache) and a
+sequence's pages lie anywhere, where the hardware's prefetcher follows no stream: each page's scores ask for the
+next K page read and for its own values' page (measured, 16 sequences of 3 pages x 3 KV heads after 32 MB of other
+reads: 175-230 us a call before this kernel, 90-130 with it). Query head h reads KV head h // group; sums in any
+order (fastmath reassoc), so results agree with the one-sequence kernel and with float64 within float32 rounding.
+Each sequence is computed whole by one call of `_sequences`, so the same inputs give the same bits however the
+sequences are split among calls (threads).
 Compiled once and kept in numba's on-disk cache, as decode_kernel.py is.
 """
 
@@ -19,49 +27,117 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from pagevis.kernel_intrinsics import prefetch
 from pagevis.kvcache.decode_kernel import _softmax
 
+_FAST = {"reassoc", "contract"}
+NO_POSITIONS = np.zeros(0, np.int64)
 _SIGNATURE = ("void(float32[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], int64[:, ::1], int64[::1], "
-              "float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1])")
+              "float32[::1], int64[::1], int64[::1], int64, float32[::1], int64, int64)")
 
 
-@njit(_SIGNATURE, cache=True, nogil=True, fastmath={"reassoc", "contract"}, error_model="numpy", boundscheck=False)
-def _attend(q, k, v, tables, n_pages, bias, out, weights):  # pragma: no cover (numba)
-    """Per sequence and KV head, each key and value row read once for the group's query heads; each head's softmax
-    decode_kernel's (`_softmax`: normalised before the values, as the one-sequence kernel does)."""
+@njit(cache=True, nogil=True, inline="always")
+def _page_at(array, h, page):  # pragma: no cover (numba)
+    """The address of KV head h's rows in a page of array (n_kv, pages, page_size, d)."""
+    return array.ctypes.data + (h * array.shape[1] + page) * array.shape[2] * array.shape[3] * 4
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _page_scores(q, k, h, page, first, rows, at, weights, ahead, also):  # pragma: no cover (numba)
+    """weights[g, at + s] = q[g] . k[h, page, s] for the chunk's rows g, four slots at a time (each row's four dot
+    products sharing its loads); asking for the page at address ahead (the next K page read) and the one at also
+    (this page's values), four rows of each an iteration."""
+    ps, d = k.shape[2], k.shape[3]
+    step = 4 * d * 4
+    body = ps // 4 * 4
+    for s in range(0, body, 4):
+        r0, r1, r2, r3 = k[h, page, s], k[h, page, s + 1], k[h, page, s + 2], k[h, page, s + 3]
+        for line in range(s * d * 4, s * d * 4 + step, 64):
+            prefetch(ahead + line)  # type: ignore[call-arg]
+            prefetch(also + line)
+        for g in range(first, first + rows):
+            row = q[g]
+            x0 = x1 = x2 = x3 = np.float32(0)
+            for j in range(d):
+                x0 += row[j] * r0[j]
+                x1 += row[j] * r1[j]
+                x2 += row[j] * r2[j]
+                x3 += row[j] * r3[j]
+            weights[g, at + s], weights[g, at + s + 1], weights[g, at + s + 2], weights[g, at + s + 3] = x0, x1, x2, x3
+    for s in range(body, ps):
+        for g in range(first, first + rows):
+            total = np.float32(0)
+            for j in range(d):
+                total += q[g, j] * k[h, page, s, j]
+            weights[g, at + s] = total
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _page_values(weights, v, h, page, first, rows, at, acc):  # pragma: no cover (numba)
+    """acc[i] += sum over the page's slots s of weights[first + i, at + s] v[h, page, s], four slots at a time (each
+    output row reading the four value rows again, from the first level of cache)."""
+    ps, d = v.shape[2], v.shape[3]
+    body = ps // 4 * 4
+    for s in range(0, body, 4):
+        r0, r1, r2, r3 = v[h, page, s], v[h, page, s + 1], v[h, page, s + 2], v[h, page, s + 3]
+        for i in range(rows):
+            w, out = weights[first + i], acc[i]
+            a, b, c, e = w[at + s], w[at + s + 1], w[at + s + 2], w[at + s + 3]
+            for j in range(d):
+                out[j] += a * r0[j] + b * r1[j] + c * r2[j] + e * r3[j]
+    for s in range(body, ps):
+        for i in range(rows):
+            w = weights[first + i, at + s]
+            for j in range(d):
+                acc[i, j] += w * v[h, page, s, j]
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _mask(row, table, n_pages, ps, bias, key_positions, position, window):  # pragma: no cover (numba)
+    """The occupancy bias of the table's slots added to a row of scores, and with a window its hidden keys' -inf."""
+    for p in range(n_pages):
+        base, at = table[p] * ps, p * ps
+        for s in range(ps):
+            row[at + s] += bias[base + s]
+        if window > 0:
+            for s in range(ps):
+                if key_positions[base + s] <= position - window:
+                    row[at + s] = -np.inf
+
+
+@njit(_SIGNATURE, cache=True, nogil=True, fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _sequences(q, k, v, tables, n_pages, bias, key_positions, positions, window, result, b0, b1):  # pragma: no cover
+    """Sequences b0 .. b1 into result (the output (B, n_heads, d), then the weights (B, n_heads, widest * page_size),
+    flat), each sequence whole: the same bits whichever call computes it."""
     batch, n_heads, d = q.shape
-    ps = k.shape[2]
-    group = n_heads // k.shape[0]
+    n_kv, ps = k.shape[0], k.shape[2]
+    group = n_heads // n_kv
+    width = tables.shape[1] * ps
+    outs = result[:batch * n_heads * d].reshape((batch, n_heads, d))
+    rows = result[batch * n_heads * d:].reshape((batch, n_heads, width))
     acc = np.empty((group, d), np.float32)
-    for b in range(batch):
-        n = n_pages[b] * ps
-        rows = weights[b]
-        for kv in range(k.shape[0]):
-            first = kv * group
-            for j in range(n):
-                score = bias[b, j]
-                page, slot = tables[b, j // ps], j % ps
-                for g in range(group):
-                    value = score
-                    if score > -np.inf:
-                        dot = np.float32(0)
-                        for e in range(d):
-                            dot += q[b, first + g, e] * k[kv, page, slot, e]
-                        value += dot
-                    rows[first + g, j] = value
-            for g in range(group):
-                _softmax(rows, first + g, n)
+    for b in range(b0, b1):
+        out, weights = outs[b], rows[b]
+        table, used = tables[b], n_pages[b]
+        n = used * ps
+        position = positions[b] if window > 0 else 0
+        for h in range(n_kv):
+            # the K page read after this head's last: the next head's first, or the next sequence's
+            after = (_page_at(k, h + 1, table[0] if used else 0) if h + 1 < n_kv else
+                     _page_at(k, 0, tables[b + 1, 0] if b + 1 < b1 and n_pages[b + 1] else 0))
+            first = h * group
+            for p in range(used):
+                ahead = _page_at(k, h, table[p + 1]) if p + 1 < used else after
+                _page_scores(q[b], k, h, table[p], first, group, p * ps, weights, ahead, _page_at(v, h, table[p]))
+            for g in range(first, first + group):
+                _mask(weights[g], table, used, ps, bias, key_positions, position, window)
+                _softmax(weights, g, n)
             acc[:] = 0
-            for j in range(n):
-                page, slot = tables[b, j // ps], j % ps
-                for g in range(group):
-                    x = rows[first + g, j]
-                    if x != 0:
-                        for e in range(d):
-                            acc[g, e] += x * v[kv, page, slot, e]
-            for g in range(group):
-                out[b, first + g] = acc[g]
-                rows[first + g, n:] = 0
+            for p in range(used):
+                _page_values(weights, v, h, table[p], first, group, p * ps, acc)
+            for i in range(group):
+                out[first + i] = acc[i]
+                weights[first + i, n:] = 0
 
 
 @njit("void(float32[:, :, ::1], float32[:, :, ::1], int64[::1], int64[::1], float32[::1], int64[::1], int64[::1], "
@@ -90,12 +166,15 @@ def write_rows(k_rows: np.ndarray, v_rows: np.ndarray, positions: np.ndarray, fi
 
 
 def attend_tables(q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.ndarray, n_pages: np.ndarray,
-                  bias: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                  bias: np.ndarray, key_positions: np.ndarray = NO_POSITIONS, positions: np.ndarray = NO_POSITIONS,
+                  window: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """See the module docstring; q is scaled by 1 / sqrt(d) here, as attend_decode_batch scales it."""
     batch, n_heads, d = q.shape
-    out = np.empty((batch, n_heads, d), np.float32)
-    weights = np.empty((batch, n_heads, bias.shape[1]), np.float32)
-    _attend(np.multiply(q, np.float32(1.0 / np.sqrt(d)), dtype=np.float32), k, v,
-            np.ascontiguousarray(tables, dtype=np.int64), np.ascontiguousarray(n_pages, dtype=np.int64),
-            np.ascontiguousarray(bias, dtype=np.float32), out, weights)
-    return out, weights
+    width = tables.shape[1] * k.shape[2]
+    result = np.empty(batch * n_heads * (d + width), np.float32)
+    _sequences(np.multiply(q, np.float32(1.0 / np.sqrt(d)), dtype=np.float32), k, v,
+               np.ascontiguousarray(tables, dtype=np.int64), np.ascontiguousarray(n_pages, dtype=np.int64),
+               np.ascontiguousarray(bias, dtype=np.float32), np.ascontiguousarray(key_positions, dtype=np.int64),
+               np.ascontiguousarray(positions, dtype=np.int64), window, result, 0, batch)
+    return result[:batch * n_heads * d].reshape(batch, n_heads, d), result[batch * n_heads * d:].reshape(
+        batch, n_heads, width)

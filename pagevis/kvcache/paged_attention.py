@@ -182,28 +182,28 @@ def attend_stacked(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray
     counts = [len(table) for table in tables]
     widest = max(counts)
     padded = np.array([table + [0] * (widest - n) for table, n in zip(tables, counts, strict=True)], dtype=np.int64)
-    flat = flat_slots(padded, ps)
-    bias = store.bias[flat]
-    lengths = np.array(counts) * ps
-    bias[np.arange(widest * ps)[None, :] >= lengths[:, None]] = -np.inf  # the padding
-    layer.mask(bias, store.positions[flat], positions)
     for i, (seq, own) in enumerate(zip(seqs, owns, strict=True)):
         own.read_slots = None
         if seq.policy.uses_queries or seq.channels is not None:
             observe_queries(seq, own.state, index, q[i: i + 1], positions[i: i + 1])
-    if store.k.dtype == np.float32:  # K/V read in place through the tables, one numba call
-        output, weights = kernels.batch_decode_kernels().attend_tables(q, store.k, store.v, padded, lengths // ps, bias)
+    if store.k.dtype == np.float32:  # K/V read in place through the tables, the bias and the window's mask per slot
+        output, weights = kernels.batch_decode_kernels().attend_tables(  # (layer.mask's), one numba call
+            q, store.k, store.v, padded, np.array(counts), store.bias, store.positions, positions, layer.window or 0)
     else:
+        flat = flat_slots(padded, ps)
+        bias = store.bias[flat]
+        bias[np.arange(widest * ps)[None, :] >= np.array(counts)[:, None] * ps] = -np.inf  # the padding
+        layer.mask(bias, store.positions[flat], positions)
         n_kv, _, _, head_dim = store.k.shape
         keys = store.k[:, padded].reshape(n_kv, len(seqs), widest * ps, head_dim)
         values = store.v[:, padded].reshape(n_kv, len(seqs), widest * ps, head_dim)
         output, weights = attend_decode_batch(q, keys, values, bias)
     results = {}
     for i in sorted({*wanted, *(i for i, seq in enumerate(seqs) if seq.policy.uses_attention)}):
-        n = counts[i] * ps
-        result = results[i] = AttentionResult(output[i: i + 1], weights[i: i + 1, :, :n], flat[i, :n])
+        slots = flat_slots(tables[i], ps)
+        result = results[i] = AttentionResult(output[i: i + 1], weights[i: i + 1, :, :len(slots)], slots)
         if seqs[i].policy.uses_attention:
-            owns[i].state.observe(result.weights, flat[i, :n])
+            owns[i].state.observe(result.weights, slots)
     return output, {i: results[i] for i in wanted}
 
 
