@@ -126,11 +126,12 @@ class Scheduler:
     def _running_plan(self, budget: int | None) -> Plan:
         """Decode tokens first (one per request), then prefill chunks within what the budget leaves."""
         active = [r for r in self.running if not r.paused]
-        decoding = [r for r in active if r.n_tokens - r.n_cached == 1]
-        plan = [self._chunk(r, None) for r in decoding]
+        # (flags by position: `request in decoding` compared Requests field by field, ~2 us a pair)
+        decoding = [r.n_tokens - r.n_cached == 1 for r in active]
+        plan = [self._chunk(r, None) for r, decodes in zip(active, decoding) if decodes]
         left = None if budget is None else budget - len(plan)
-        for request in active:
-            if request in decoding or (left is not None and left <= 0):
+        for request, decodes in zip(active, decoding):
+            if decodes or (left is not None and left <= 0):
                 continue
             chunk = self._chunk(request, left)
             plan.append(chunk)

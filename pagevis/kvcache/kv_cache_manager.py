@@ -433,10 +433,13 @@ class KVCacheManager:
             self.layers[layer], [self.sequences[s] for s in seq_ids], self.select_pages)
 
     def decode_many(self, seq_ids: list[int], layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-                    positions: np.ndarray, wanted=()) -> tuple[np.ndarray, dict[int, AttentionResult]]:
-        """`append_many` then `attend_many` (where `can_attend_many`), the output as one (B, n_heads, head_dim) array
-        and the AttentionResult of the rows in `wanted` (indices into seq_ids) only: a batched decode step's layer."""
+                    positions: np.ndarray, wanted=()) -> tuple[np.ndarray, dict[int, AttentionResult]] | None:
+        """`append_many` then `attend_many` where `can_attend_many` (else None: nothing written), the output as one
+        (B, n_heads, head_dim) array and the AttentionResult of the rows in `wanted` (indices into seq_ids) only: a
+        batched decode step's layer."""
         seqs = [self.sequences[s] for s in seq_ids]
+        if len(seqs) < 2 or not paged_attention.can_attend_many(self.layers[layer], seqs, self.select_pages):
+            return None
         self._append_many(seqs, layer, k, v, positions)
         return paged_attention.attend_stacked(self.layers[layer], seqs, q, positions, wanted)
 

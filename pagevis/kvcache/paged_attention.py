@@ -161,7 +161,7 @@ def can_attend_many(layer: LayerManager, seqs: list[SequenceCache], select_pages
     unquantized, no page selection, no per-head residency."""
     store = layer.store
     return (len(seqs) > 1 and len(layer.tables) > 1 and not (store.tiered or store.quantized)
-            and select_pages is None and all(layer.table(seq).head_keep is None for seq in seqs))
+            and select_pages is None and all(layer.tables[seq.seq_id].head_keep is None for seq in seqs))
 
 
 def attend_many(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray, positions: np.ndarray
