@@ -40,6 +40,8 @@ TIER_READS = {"hits": "ram", "faults": "disk"}
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                    2.5, 5.0, 10.0)
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+STEP_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+STEP_MIXES = ("decode", "prefill", "mixed")  # a server step's rows: decode rows only, prompt rows only, or both
 REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 
 
@@ -61,6 +63,14 @@ class Metrics:
                                          registry=r)
         self.steps = Counter("pagevis_steps", "Session steps by kind (prefill chunk or decode)", ["kind"],
                              registry=r)
+        self.engine_step_seconds = Histogram(
+            "pagevis_engine_step_seconds", "Seconds a server engine's step took (its forward over every running "
+            "request, sampling and the cache's bookkeeping), by its rows: decode (one generated token per request), "
+            "prefill (prompt rows only) or mixed", ["mix"], buckets=LATENCY_BUCKETS, registry=r)
+        self.iteration_tokens = Histogram(
+            "pagevis_iteration_tokens", "Tokens (rows) a server engine's step fed over all its requests, by the "
+            "step's rows (decode, prefill, mixed): a decode step's count is its batch", ["mix"],
+            buckets=STEP_TOKEN_BUCKETS, registry=r)
         self.evictions = Counter("pagevis_evictions", "Tokens evicted from KV caches, by eviction policy",
                                  ["policy"], registry=r)
         self.cache_events = Counter("pagevis_cache_events", "KV cache events by kind (allocate, write, evict, "
@@ -182,8 +192,10 @@ class EngineObserver:
         self._requests: dict[int, _Timeline] = {}
 
     # --- requests --------------------------------------------------------------------------------
-    def arrived(self, engine, seq_id: int) -> None:
-        self._requests[seq_id] = _Timeline(time.monotonic())
+    def arrived(self, engine, seq_id: int, at: float | None = None) -> None:
+        """A request joined the engine; `at`: when it was handed to the engine thread (time.monotonic(): a request
+        that came during a step waits from then), else now."""
+        self._requests[seq_id] = _Timeline(time.monotonic() if at is None else at)
 
     def paused(self, engine, seq_id: int) -> None:
         timeline = self._requests.get(seq_id)
@@ -219,6 +231,12 @@ class EngineObserver:
     # --- steps -----------------------------------------------------------------------------------
     def step(self, record, engine, counts=None) -> None:
         m, now = self.metrics, time.monotonic()
+        fed = [seq for seq in record.seqs if seq.kind != "fork"]
+        if fed:
+            prompt = sum(seq.kind == "prefill" or seq.n_tokens > 1 for seq in fed)
+            mix = STEP_MIXES[0 if not prompt else 1 if prompt == len(fed) else 2]
+            m.engine_step_seconds.labels(mix).observe(record.seconds)
+            m.iteration_tokens.labels(mix).observe(sum(seq.n_tokens for seq in fed))
         for seq in record.seqs:
             m.steps.labels(seq.kind).inc()
             timeline = self._requests.get(seq.seq_id)

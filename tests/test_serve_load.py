@@ -168,3 +168,36 @@ def test_a_client_leaving_mid_stream_frees_its_pages():
         samples = scrape(running.metrics_text())
         assert value(samples, "pagevis_kv_cache_usage_ratio") == 0
         assert value(samples, "pagevis_generation_tokens_total") < 1500, "decoding stopped with the client"
+
+
+def test_engine_steps_are_counted_by_their_rows_and_requests_wait_from_their_arrival():
+    """pagevis_engine_step_seconds / pagevis_iteration_tokens by mix count every engine step and the rows it fed
+    (against the engine's step count and each answer's usage); a request that came while the engine thread was busy
+    waited from then (pagevis_request_queue_time_seconds), not from when the thread took it in."""
+    body = {"model": "synthetic", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    with running_server() as running:
+        c = running.client
+        c.post("/v1/completions", json={**body, "prompt": "warm"}).raise_for_status()
+        core = next(iter(running.app.state.engines.cores.values()))
+        before, steps_before = scrape(running.metrics_text()), core.engine.n_steps
+        busy = core.call(time.sleep, 0.6)  # the engine thread is busy while the three requests arrive
+        with ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(lambda p: c.post("/v1/completions", json={**body, "prompt": p}).json(),
+                                    ("one", "two two", "three three three")))
+        busy.result()
+        after = scrape(running.metrics_text())
+
+        def delta(name, **labels):
+            return value(after, name, **labels) - value(before, name, **labels)
+
+        mixes = ("decode", "prefill", "mixed")
+        counts = {m: delta("pagevis_engine_step_seconds_count", mix=m) for m in mixes}
+        assert sum(counts.values()) == core.engine.n_steps - steps_before == 5
+        assert counts == {"decode": 4, "prefill": 1, "mixed": 0}  # the three prompts in one step, then 4 x 3 rows
+        assert {m: delta("pagevis_iteration_tokens_count", mix=m) for m in mixes} == counts
+        fed = [a["usage"]["prompt_tokens"] - a["usage"]["prompt_tokens_details"]["cached_tokens"] for a in answers]
+        assert delta("pagevis_iteration_tokens_sum", mix="prefill") == sum(fed)
+        assert delta("pagevis_iteration_tokens_sum", mix="decode") == 3 * 4
+        assert delta("pagevis_engine_step_seconds_sum", mix="decode") > 0
+        assert delta("pagevis_request_queue_time_seconds_count") == 3
+        assert delta("pagevis_request_queue_time_seconds_sum") > 3 * 0.3  # each waited out most of the sleep

@@ -16,6 +16,10 @@ from usage.prompt_tokens_details.cached_tokens) and the share of the system prom
 (probed every 50 ms while the level runs). The server is `pagevis serve` in its own process on a free loopback
 port, warmed with one request per system prompt (their first requests, sent together so that they decode in one
 batch) before the levels; with rounds > 1 the levels run again in turn, and 8 clients over 1 is of the medians.
+Each level and round has users of its own (their reader numbers: Users), so what a level finds in the prefix cache
+is what its own users share. The server's own account of each level, from its /metrics: its engine's steps by
+their rows (decode only, prefill only, mixed), the seconds they took and the rows they fed (a decode step's mean
+batch), the share of the level the engine spent in steps, and the mean queue time of a request.
 """
 
 from __future__ import annotations
@@ -122,25 +126,32 @@ def chat(client, model: str, messages: list[dict], max_tokens: int, system: int)
 
 
 class Users:
-    """Users in a fixed order (seeded): each has a system prompt, a question and a follow-up."""
+    """Users in a fixed order (seeded): each has a system prompt, a question and a follow-up. A user's question
+    opens with its reader number, `tag`-N, unique in the run (each level and round has its own tag): no level
+    finds another level's users in the prefix cache (until session 13 a level reused the users of the level before
+    it in the round, which shared its seed: 8 clients found one client's prompts cached), and every level's
+    requests share with the cache what a user's do: the system prompts, and a returning user its first exchange."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, tag: str = "0") -> None:
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
+        self.tag, self.count = tag, 0
 
     def next(self) -> tuple[int, str, str]:
         with self.lock:
-            return (self.rng.randrange(len(SYSTEM_PROMPTS)), self.rng.choice(QUESTIONS),
-                    self.rng.choice(FOLLOW_UPS))
+            self.count += 1
+            question = f"I am reader {self.tag}-{self.count}. {self.rng.choice(QUESTIONS)}"
+            return self.rng.randrange(len(SYSTEM_PROMPTS)), question, self.rng.choice(FOLLOW_UPS)
 
 
 def first_turn(system: int, question: str) -> list[dict]:
     return chat_turn(SYSTEM_PROMPTS[system], question)
 
 
-def at_concurrency(url: str, model: str, concurrency: int, n_requests: int, max_tokens: int, seed: int) -> list:
+def at_concurrency(url: str, model: str, concurrency: int, n_requests: int, max_tokens: int, seed: int,
+                   tag: str = "0") -> list:
     """C clients, each running users (first turn, then the returning one) until n_requests are sent."""
-    users, outcomes, left = Users(seed), [], [n_requests]
+    users, outcomes, left = Users(seed, tag), [], [n_requests]
     lock = threading.Lock()
 
     def take() -> bool:
@@ -170,10 +181,10 @@ def at_concurrency(url: str, model: str, concurrency: int, n_requests: int, max_
     return outcomes
 
 
-def at_rate(url: str, model: str, rate: float, n_requests: int, max_tokens: int, seed: int) -> list:
+def at_rate(url: str, model: str, rate: float, n_requests: int, max_tokens: int, seed: int, tag: str = "0") -> list:
     """Poisson arrivals at `rate` requests/s: each a new user's first turn, or (half the time, when one is
     waiting) a returning user's next turn."""
-    users, rng, gaps = Users(seed), random.Random(seed + 1), PoissonGaps(seed)
+    users, rng, gaps = Users(seed, tag), random.Random(seed + 1), PoissonGaps(seed)
     outcomes, returning, threads = [], [], []
     lock = threading.Lock()
 
@@ -262,9 +273,10 @@ def run(model: str = "smollm2", concurrencies=CONCURRENCIES, rates=None, num_pro
     with ServerProcess(model, flags=flags) as server:
         warm_up(server.url, name)
         levels = [("concurrency", c) for c in concurrencies or ()] + [("rate", r) for r in rates or ()]
-        for index in range(rounds):  # each round its own users (seed + round): a round's prompts are not all cached
-            for kind, value in levels:
-                level = _level(server, name, kind, value, num_prompts, max_tokens, seed + index, shared)
+        for index in range(rounds):  # each round and level its own users (their reader numbers: Users)
+            for number, (kind, value) in enumerate(levels):
+                level = _level(server, name, kind, value, num_prompts, max_tokens, seed + index, shared,
+                               f"{index + 1}.{number + 1}")
                 result["levels"].append(level)
                 if progress is not None:
                     progress(format_level(level))
@@ -292,28 +304,66 @@ def warm_up(url: str, name: str) -> None:
             raise RuntimeError(f"the server refused the warm-up request: {outcome.status} {outcome.error}")
 
 
-def _level(server, name: str, kind: str, value, num_prompts, max_tokens: int, seed: int, shared) -> dict:
-    """One level against the running server: what its clients saw, /healthz meanwhile, and the server process's
-    CPU time (every thread's; the /healthz probes' included) per output token."""
+def _level(server, name: str, kind: str, value, num_prompts, max_tokens: int, seed: int, shared,
+           tag: str = "0") -> dict:
+    """One level against the running server: what its clients saw, /healthz meanwhile, the server process's
+    CPU time (every thread's; the /healthz probes' included) per output token, and its engine's steps (`steps`)."""
     n = num_prompts or max(4, 2 * int(value if kind == "concurrency" else 8))
     latencies: list[float] = []
     stop = threading.Event()
     prober = threading.Thread(target=probe_health, args=(server.url, stop, latencies))
     load = os.getloadavg()[0]
+    counted = engine_counters(server.url)
     prober.start()
     cpu, started = server.cpu_seconds(), time.perf_counter()
     if kind == "concurrency":
-        outcomes = at_concurrency(server.url, name, int(value), n, max_tokens, seed)
+        outcomes = at_concurrency(server.url, name, int(value), n, max_tokens, seed, tag)
     else:
-        outcomes = at_rate(server.url, name, float(value), n, max_tokens, seed)
+        outcomes = at_rate(server.url, name, float(value), n, max_tokens, seed, tag)
     seconds = time.perf_counter() - started
     cpu = None if cpu is None else server.cpu_seconds() - cpu
+    steps = engine_steps(counted, engine_counters(server.url), seconds)
     stop.set()
     prober.join()
     level = {kind: value, "load_average": load, **summarize(outcomes, seconds, shared), "healthz_ms": stats(latencies),
-             "server_cpu_s": cpu}
+             "server_cpu_s": cpu, "steps": steps}
     level["cpu_ms_per_token"] = 1e3 * cpu / level["output_tokens"] if cpu is not None and level["output_tokens"] else None
     return level
+
+
+STEP_FAMILIES = ("pagevis_engine_step_seconds", "pagevis_iteration_tokens", "pagevis_request_queue_time_seconds")
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """The server's step histograms' counts and sums (by the steps' mix) from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with loopback_client(url, 30) as client:
+        text = client.get("/metrics").text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in STEP_FAMILIES:
+            for sample in family.samples:
+                if sample.name.endswith(("_count", "_sum")):
+                    out[sample.name + "/" + sample.labels.get("mix", "")] = sample.value
+    return out
+
+
+def engine_steps(before: dict[str, float], after: dict[str, float], seconds: float) -> dict:
+    """What the engine did in a level, from two scrapes of its counters: steps by mix (decode rows only, prompt rows
+    only, both), the seconds they took and the rows they fed; the share of the level's wall time the engine was in
+    a step (the rest: idle, or between steps); the mean decode step's rows; the mean queue time of a request."""
+    def delta(name: str, mix: str = "") -> float:
+        return after.get(f"{name}/{mix}", 0.0) - before.get(f"{name}/{mix}", 0.0)
+
+    mixes = ("decode", "prefill", "mixed")
+    steps = {mix: int(delta("pagevis_engine_step_seconds_count", mix)) for mix in mixes}
+    busy = {mix: delta("pagevis_engine_step_seconds_sum", mix) for mix in mixes}
+    rows = {mix: int(delta("pagevis_iteration_tokens_sum", mix)) for mix in mixes}
+    queued = delta("pagevis_request_queue_time_seconds_count")
+    return {"steps": steps, "seconds": busy, "rows": rows, "busy_share": sum(busy.values()) / seconds,
+            "decode_rows_per_step": rows["decode"] / steps["decode"] if steps["decode"] else None,
+            "queue_ms": 1e3 * delta("pagevis_request_queue_time_seconds_sum") / queued if queued else None}
 
 
 def eight_over_one(levels: list[dict]) -> dict:
@@ -334,7 +384,8 @@ def eight_over_one(levels: list[dict]) -> dict:
 
 
 HEADER = ("level", "req", "ok", "req/s", "out tok/s", "CPU ms/tok", "TTFT mean/p50/p99 ms", "TPOT mean/p50/p99 ms",
-          "ITL mean/p50/p99 ms", "hit %", "sys hit %", "healthz p99", "load")
+          "ITL mean/p50/p99 ms", "hit %", "sys hit %", "steps dec/mix/pre", "s dec/mix/pre", "rows/dec",
+          "busy %", "queue ms", "healthz p99", "load")
 
 
 def _triple(values: dict) -> str:
@@ -349,9 +400,20 @@ def format_level(level: dict) -> str:
     cpu = level.get("cpu_ms_per_token")
     cells = (name, str(level["requests"]), str(level["completed"]), f"{level['request_throughput']:.2f}",
              f"{level['output_throughput']:.1f}", "-" if cpu is None else f"{cpu:.2f}", _triple(level["ttft_ms"]), _triple(level["tpot_ms"]),
-             _triple(level["itl_ms"]), hit, system, "-" if health is None else f"{health:.0f} ms",
-             f"{level['load_average']:.1f}")
+             _triple(level["itl_ms"]), hit, system, *_step_cells(level.get("steps")),
+             "-" if health is None else f"{health:.0f} ms", f"{level['load_average']:.1f}")
     return "  ".join(c.rjust(len(h)) for c, h in zip(cells, HEADER))
+
+
+def _step_cells(steps: dict | None) -> tuple[str, ...]:
+    """The engine's steps in a level: counts and seconds by mix, a decode step's rows, busy %, queue ms."""
+    if not steps:
+        return ("-",) * 5
+    mixes = ("decode", "mixed", "prefill")
+    rows, queue = steps["decode_rows_per_step"], steps["queue_ms"]
+    return ("/".join(str(steps["steps"][m]) for m in mixes), "/".join(f"{steps['seconds'][m]:.2f}" for m in mixes),
+            "-" if rows is None else f"{rows:.2f}", f"{100 * steps['busy_share']:.0f}",
+            "-" if queue is None else f"{queue:.0f}")
 
 
 def format_table(result: dict) -> str:

@@ -136,9 +136,10 @@ class EngineCore:
     # --- commands (engine thread) ----------------------------------------------------------------
     def submit(self, prompt_ids, sampling, max_new_tokens: int, stop: tuple[str, ...], ignore_eos: bool, policy,
                n: int, outputs: list[Output], scores: tuple[int | None, int | None] = (None, None),
-               cache_salt: str | None = None) -> list[int]:
+               cache_salt: str | None = None, queued: float | None = None) -> list[int]:
         """A completion (n = 1) or n parallel samples of one prompt; each sample's tokens to its output.
-        scores: the log-probabilities to keep (Engine.submit's); cache_salt: vLLM's (set before any step)."""
+        scores: the log-probabilities to keep (Engine.submit's); cache_salt: vLLM's (set before any step); queued:
+        when the submit was queued (time.monotonic(): a request that arrives during a step waits from then)."""
         engine = self.engine
         if n == 1:
             ids = [engine.submit(prompt_ids, sampling, max_new_tokens, stop, ignore_eos, policy, scores)]
@@ -147,7 +148,7 @@ class EngineCore:
         for seq_id, output in zip(ids, outputs, strict=True):
             engine.requests[seq_id].cache_salt = cache_salt
             self.outputs[seq_id] = output
-            self._observe("arrived", seq_id)
+            self._observe("arrived", seq_id, queued)
         return ids
 
     def cancel(self, seq_ids, reason: str = "cancelled") -> None:

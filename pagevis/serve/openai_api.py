@@ -343,7 +343,8 @@ class Generation:
         self.logged = (prompt_ids, cache_salt, scores[1] is not None)
         try:
             self.ids = await self.core.run(self.core.submit, prompt_ids, config.sampling, config.max_new_tokens,
-                                           stops, ignore_eos, policy, self.n, self.outputs, scores, cache_salt)
+                                           stops, ignore_eos, policy, self.n, self.outputs, scores, cache_salt,
+                                           time.monotonic())
         except BaseException:
             self.close()
             raise
