@@ -185,7 +185,7 @@ class Admission:
 
 def layer_free_slots(layer: LayerManager, seq: SequenceCache) -> int:
     """Tokens the layer takes before the sequence's policy must evict: its budget, and the pool."""
-    table = layer.table(seq)
+    table = layer.tables[seq.seq_id]  # (ensure_room asks it of every layer and sequence each step)
     return min(len(table.holes) + layer.store.pages.n_free() * layer.page_size, layer.budget(seq) - table.resident)
 
 

@@ -305,8 +305,7 @@ class LayerManager:
     def free_slot(self, seq: SequenceCache, table: LayerTable) -> int:
         """The lowest empty slot of the sequence's pages (`table`: its table here), preferring pages in RAM
         (allocating a page if it has none); a page on disk is read back into RAM, a shared page is copied first."""
-        store, ps, step = self.store, self.page_size, self.log.step
-        holes = table.holes
+        store, ps, step, holes = self.store, self.page_size, self.log.step, table.holes
         if not holes:
             page, old_hash = store.allocate(step)
             if old_hash is not None:
@@ -315,6 +314,7 @@ class LayerManager:
             table.floor = -1
             holes.update(range(page * ps, (page + 1) * ps))
             self.event(E.ALLOCATE, seq, page, frame=int(store.frame_of[page]) if store.tiered else -1)
+            return page * ps  # its first slot: in RAM, unshared, standing for no prefix hash (`writable`'s page)
         flat = min(holes)
         if store.tiered and store.frame_of[flat // ps] < 0:
             in_ram = [h for h in holes if store.frame_of[h // ps] >= 0]
