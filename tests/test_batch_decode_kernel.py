@@ -47,3 +47,58 @@ def test_each_sequence_attends_over_its_own_pages_as_float64_does(n_kv, group, p
             w /= w.sum()
             np.testing.assert_allclose(weights[b, h, :len(flats)][visible], w, rtol=1e-5, atol=1e-7)
             np.testing.assert_allclose(out[b, h], w @ values, rtol=1e-5, atol=1e-6)
+
+
+def test_the_spin_pools_two_threads_give_one_threads_bits_whoever_computes_each_sequence():
+    """Two weight threads: the sequences are shared with the spin pool's helper, one a chunk, each computed whole by
+    one thread; then the helper takes every sequence (the test plays it, from its scratch) and once stalls on one (the
+    caller computes it again): the output and the weights bit for bit one thread's. The pool's constants are the
+    kernel's."""
+    from pagevis.kvcache import batch_decode_kernel as kernel
+    from pagevis.model import quantized, spin_pool as sp, weight_threads
+
+    assert (kernel.TILE, kernel.DESCRIPTOR, kernel.TILES_WORD) == (sp.TILE, sp.DESCRIPTOR, sp.TILES)
+    rng = np.random.default_rng(7)
+    n_kv, group, d, page_size, frames, batch = 3, 3, 64, 16, 40, 7
+    k = rng.standard_normal((n_kv, frames, page_size, d)).astype(np.float32)
+    v = rng.standard_normal((n_kv, frames, page_size, d)).astype(np.float32)
+    q = rng.standard_normal((batch, n_kv * group, d)).astype(np.float32)
+    n_pages = rng.integers(1, 5, batch)
+    tables = np.zeros((batch, n_pages.max()), np.int64)
+    for b in range(batch):
+        tables[b, :n_pages[b]] = rng.choice(frames, n_pages[b], replace=False)  # shared pages too
+    bias = np.where(rng.random(frames * page_size) < 0.2, -np.inf, 0).astype(np.float32)
+    key_positions = rng.permutation(frames * page_size).astype(np.int64)
+    positions = rng.integers(0, frames * page_size, batch)
+    for window in (0, 300):
+        args = (q, k, v, tables, n_pages, bias, key_positions, positions, window)
+        one = attend_tables(*args)
+        weight_threads.set_weight_threads(2)
+        try:
+            pool = quantized.spin_pool()
+            assert pool is not None
+            for _ in range(3):  # the sequences fall to either thread differently each time
+                for got, want in zip(attend_tables(*args, pool=pool), one, strict=True):
+                    assert np.array_equal(got.view(np.int32), want.view(np.int32))
+        finally:
+            weight_threads.set_weight_threads(1)
+        width = tables.shape[1] * page_size
+        tiles = -(-n_kv * group * (d + width) // kernel.TILE)
+        arrays = (np.multiply(q, np.float32(1.0 / np.sqrt(d)), dtype=np.float32), k, v, tables, n_pages, bias,
+                  key_positions, positions)
+        handle, address = kernel._handle(arrays, window, tiles), kernel._POOL_KERNEL
+        for stalled in (False, True):
+            ctrl = sp.new_control()
+            scratch, out = (np.full(batch * tiles * kernel.TILE, np.nan, np.float32) for _ in range(2))
+            assert sp._post(ctrl, kernel._job(batch * tiles), 5, handle.ctypes.data, 1, out.size, scratch, address,
+                            batch) == batch
+            if not stalled:  # the helper takes every sequence, into its scratch
+                sp.help_job(ctrl, int(ctrl[sp.NEXT]))
+            ctrl[sp.NEXT] += stalled  # or claims sequence 0 and never marks it done
+            sp.run(ctrl, 5, batch, out, scratch)
+            assert (ctrl[sp.HELPED], ctrl[sp.TAKEN_OVER]) == ((0, 1) if stalled else (batch, 0))
+            rows = out.reshape(batch, tiles * kernel.TILE)
+            n_heads = n_kv * group
+            assert np.array_equal(rows[:, :n_heads * d].reshape(one[0].shape).view(np.int32), one[0].view(np.int32))
+            assert np.array_equal(rows[:, n_heads * d:n_heads * (d + width)].reshape(one[1].shape).view(np.int32),
+                                  one[1].view(np.int32))

@@ -18,22 +18,37 @@ next K page read and for its own values' page (measured, 16 sequences of 3 pages
 reads: 175-230 us a call before this kernel, 90-130 with it). Query head h reads KV head h // group; sums in any
 order (fastmath reassoc), so results agree with the one-sequence kernel and with float64 within float32 rounding.
 Each sequence is computed whole by one call of `_sequences`, so the same inputs give the same bits however the
-sequences are split among calls (threads).
+sequences are split among calls (threads). With two weight threads the engine hands in the weights' spin pool
+(paged_attention.share_pool; the cache imports no model) and a layer's sequences are shared with its helper thread,
+one a chunk (model/spin_pool.py's `items`, calling `pool_kernel` through its address): the helper writes only into
+the pool's scratch, which the caller copies from once a sequence is marked done; one the helper is late on the caller
+computes itself, and the helper's late copy lands in the scratch (held by the pool with every array the handle
+points into while the helper may read them), never in the result.
 Compiled once and kept in numba's on-disk cache, as decode_kernel.py is.
 """
 
 from __future__ import annotations
 
-import numpy as np
-from numba import njit
+from typing import Any
 
-from pagevis.kernel_intrinsics import prefetch
+import numpy as np
+from numba import carray, cfunc, njit, types
+
+from pagevis.kernel_intrinsics import pointer_to, prefetch
 from pagevis.kvcache.decode_kernel import _softmax
 
 _FAST = {"reassoc", "contract"}
 NO_POSITIONS = np.zeros(0, np.int64)
 _SIGNATURE = ("void(float32[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], int64[:, ::1], int64[::1], "
-              "float32[::1], int64[::1], int64[::1], int64, float32[::1], int64, int64)")
+              "float32[::1], int64[::1], int64[::1], int64, float32[:, ::1], int64, int64)")
+# model/spin_pool.py's, which the cache cannot import (tests/test_batch_decode_kernel.py checks they agree): a
+# sequence's row of the result is a whole number of TILE floats, one item of the pool's job, whose word TILES_WORD
+# counts the job's tiles (its descriptor: DESCRIPTOR words)
+TILE, DESCRIPTOR, TILES_WORD = 64, 36, 4
+# pool_kernel's handle: the shapes, then the arrays' addresses
+BATCH, HEADS, DIM, N_KV, PAGES, PAGE_SIZE, WIDEST, SLOTS, WINDOW, ROW_TILES, N_KEY_POSITIONS = range(11)
+Q, K, V, TABLES, N_PAGES, BIAS, KEY_POSITIONS, POSITIONS = range(11, 19)
+HANDLE = 19
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -107,24 +122,23 @@ def _mask(row, table, n_pages, ps, bias, key_positions, position, window):  # pr
 
 @njit(_SIGNATURE, cache=True, nogil=True, fastmath=_FAST, error_model="numpy", boundscheck=False)
 def _sequences(q, k, v, tables, n_pages, bias, key_positions, positions, window, result, b0, b1):  # pragma: no cover
-    """Sequences b0 .. b1 into result (the output (B, n_heads, d), then the weights (B, n_heads, widest * page_size),
-    flat), each sequence whole: the same bits whichever call computes it."""
-    batch, n_heads, d = q.shape
+    """Sequences b0 .. b1 into their rows of result (B, a whole number of TILE floats): the output (n_heads, d),
+    then the weights (n_heads, widest * page_size); each sequence whole, the same bits whichever call computes it."""
+    n_heads, d = q.shape[1], q.shape[2]
     n_kv, ps = k.shape[0], k.shape[2]
     group = n_heads // n_kv
     width = tables.shape[1] * ps
-    outs = result[:batch * n_heads * d].reshape((batch, n_heads, d))
-    rows = result[batch * n_heads * d:].reshape((batch, n_heads, width))
     acc = np.empty((group, d), np.float32)
     for b in range(b0, b1):
-        out, weights = outs[b], rows[b]
+        out = result[b][:n_heads * d].reshape((n_heads, d))
+        weights = result[b][n_heads * d:n_heads * (d + width)].reshape((n_heads, width))
         table, used = tables[b], n_pages[b]
         n = used * ps
         position = positions[b] if window > 0 else 0
         for h in range(n_kv):
             # the K page read after this head's last: the next head's first, or the next sequence's
             after = (_page_at(k, h + 1, table[0] if used else 0) if h + 1 < n_kv else
-                     _page_at(k, 0, tables[b + 1, 0] if b + 1 < b1 and n_pages[b + 1] else 0))
+                     _page_at(k, 0, tables[b + 1, 0] if b + 1 < len(tables) and n_pages[b + 1] else 0))
             first = h * group
             for p in range(used):
                 ahead = _page_at(k, h, table[p + 1]) if p + 1 < used else after
@@ -165,16 +179,69 @@ def write_rows(k_rows: np.ndarray, v_rows: np.ndarray, positions: np.ndarray, fi
                 page_size)
 
 
+_i64, _f32 = pointer_to(types.int64), pointer_to(types.float32)
+
+
+@cfunc(types.void(*(types.int64,) * 7), cache=True, error_model="numpy")
+def pool_kernel(job, at, n, t0, t1, target, stride):  # pragma: no cover (numba)
+    """Tiles t0..t1 of the result at target, whole sequences (`_sequences`) of the handle at address at: spin_pool's
+    rows-kernel signature (job, n and stride unused), so the pool's two threads share a layer's sequences."""
+    h = carray(_i64(at), (HANDLE,))
+    batch, n_heads, d, n_kv, tiles = h[BATCH], h[HEADS], h[DIM], h[N_KV], h[ROW_TILES]
+    shape = (n_kv, h[PAGES], h[PAGE_SIZE], d)
+    _sequences(carray(_f32(h[Q]), (batch, n_heads, d)), carray(_f32(h[K]), shape), carray(_f32(h[V]), shape),
+               carray(_i64(h[TABLES]), (batch, h[WIDEST])), carray(_i64(h[N_PAGES]), (batch,)),
+               carray(_f32(h[BIAS]), (h[SLOTS],)), carray(_i64(h[KEY_POSITIONS]), (h[N_KEY_POSITIONS],)),
+               carray(_i64(h[POSITIONS]), (batch,)), h[WINDOW], carray(_f32(target), (batch, tiles * TILE)),
+               t0 // tiles, t1 // tiles)
+
+
+_POOL_KERNEL = int(pool_kernel.address or 0)
+
+
 def attend_tables(q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.ndarray, n_pages: np.ndarray,
-                  bias: np.ndarray, key_positions: np.ndarray = NO_POSITIONS, positions: np.ndarray = NO_POSITIONS,
-                  window: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """See the module docstring; q is scaled by 1 / sqrt(d) here, as attend_decode_batch scales it."""
+                  bias: np.ndarray, key_positions: np.ndarray = NO_POSITIONS, positions: np.ndarray | None = None,
+                  window: int = 0, pool: Any = None) -> tuple[np.ndarray, np.ndarray]:
+    """See the module docstring; q is scaled by 1 / sqrt(d) here, as attend_decode_batch scales it. pool: the weights'
+    spin pool (model/spin_pool.py, handed in by the engine: the cache imports no model) or None; with it, the
+    sequences are shared with its helper thread, one a chunk (SpinPool.items), each computed whole: the same bits."""
     batch, n_heads, d = q.shape
     width = tables.shape[1] * k.shape[2]
-    result = np.empty(batch * n_heads * (d + width), np.float32)
-    _sequences(np.multiply(q, np.float32(1.0 / np.sqrt(d)), dtype=np.float32), k, v,
-               np.ascontiguousarray(tables, dtype=np.int64), np.ascontiguousarray(n_pages, dtype=np.int64),
-               np.ascontiguousarray(bias, dtype=np.float32), np.ascontiguousarray(key_positions, dtype=np.int64),
-               np.ascontiguousarray(positions, dtype=np.int64), window, result, 0, batch)
-    return result[:batch * n_heads * d].reshape(batch, n_heads, d), result[batch * n_heads * d:].reshape(
-        batch, n_heads, width)
+    tiles = -(-n_heads * (d + width) // TILE)
+    result = np.empty((batch, tiles * TILE), np.float32)
+    arrays = (np.multiply(q, np.float32(1.0 / np.sqrt(d)), dtype=np.float32), k, v,
+              np.ascontiguousarray(tables, dtype=np.int64), np.ascontiguousarray(n_pages, dtype=np.int64),
+              np.ascontiguousarray(bias, dtype=np.float32), np.ascontiguousarray(key_positions, dtype=np.int64),
+              np.zeros(batch, np.int64) if positions is None else np.ascontiguousarray(positions, dtype=np.int64))
+    if pool is None or batch < 2:
+        _sequences(*arrays, window, result, 0, batch)
+    else:
+        pool.items(_POOL_KERNEL, _job(batch * tiles), _handle(arrays, window, tiles), arrays,
+                   result.reshape(-1), batch)
+    return (np.ascontiguousarray(result[:, :n_heads * d]).reshape(batch, n_heads, d),
+            result[:, n_heads * d:n_heads * (d + width)].reshape(batch, n_heads, width))
+
+
+def _job(tiles: int) -> np.ndarray:
+    job = np.zeros(DESCRIPTOR, np.int64)
+    job[TILES_WORD] = tiles
+    return job
+
+
+@njit(cache=True, nogil=True)
+def _fill(handle, q, k, v, tables, n_pages, bias, key_positions, positions, window, tiles):  # pragma: no cover
+    handle[BATCH], handle[HEADS], handle[DIM] = q.shape
+    handle[N_KV], handle[PAGES], handle[PAGE_SIZE] = k.shape[0], k.shape[1], k.shape[2]
+    handle[WIDEST], handle[SLOTS], handle[WINDOW], handle[ROW_TILES] = tables.shape[1], bias.size, window, tiles
+    handle[N_KEY_POSITIONS] = key_positions.size
+    handle[Q], handle[K], handle[V], handle[TABLES] = q.ctypes.data, k.ctypes.data, v.ctypes.data, tables.ctypes.data
+    handle[N_PAGES], handle[BIAS] = n_pages.ctypes.data, bias.ctypes.data
+    handle[KEY_POSITIONS], handle[POSITIONS] = key_positions.ctypes.data, positions.ctypes.data
+
+
+def _handle(arrays: tuple, window: int, tiles: int) -> np.ndarray:
+    """pool_kernel's handle of attend_tables' arrays (q scaled, k, v, tables, n_pages, bias, key_positions,
+    positions): their shapes and addresses (read in numba: NumPy's ctypes attribute costs ~2 us an array)."""
+    handle = np.empty(HANDLE, np.int64)
+    _fill(handle, *arrays, window, tiles)  # type: ignore[call-arg]
+    return handle

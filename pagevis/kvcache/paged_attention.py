@@ -13,6 +13,8 @@ statistics see the queries and the weights (`uses_queries`, `uses_attention`), a
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import numpy as np
 
 from pagevis.kvcache import attention_kernels as kernels, eviction
@@ -23,6 +25,22 @@ from pagevis.kvcache.policies.lazy_kernels import kernels as kernels_of_policies
 from pagevis.kvcache.reader import read_attention
 from pagevis.kvcache.sequence import LayerTable, SequenceCache
 from pagevis.kvcache.slots import flat_slots
+
+
+def _no_pool() -> Any:
+    return None
+
+
+# The weights' second thread (model/spin_pool.py's pool, or None on one thread), as a function the engine hands in
+# (share_pool: the cache imports no model); batched decode attention shares its sequences with it.
+_pool: Callable[[], Any] = _no_pool
+
+
+def share_pool(pool: Callable[[], Any]) -> None:
+    """Batched decode attention (`attend_stacked`) shares its sequences with pool()'s helper thread when it gives
+    one (model.quantized.spin_pool: None on one weight thread)."""
+    global _pool
+    _pool = pool
 
 
 def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np.ndarray,
@@ -188,7 +206,8 @@ def attend_stacked(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray
             observe_queries(seq, own.state, index, q[i: i + 1], positions[i: i + 1])
     if store.k.dtype == np.float32:  # K/V read in place through the tables, the bias and the window's mask per slot
         output, weights = kernels.batch_decode_kernels().attend_tables(  # (layer.mask's), one numba call
-            q, store.k, store.v, padded, np.array(counts), store.bias, store.positions, positions, layer.window or 0)
+            q, store.k, store.v, padded, np.array(counts), store.bias, store.positions, positions, layer.window or 0,
+            _pool())
     else:
         flat = flat_slots(padded, ps)
         bias = store.bias[flat]

@@ -433,6 +433,21 @@ def product_kernel(ctrl, job, tag, handle, rows, out, scratch, kernel, chunks):
     _store(ctrl, OWNER, 0)  # type: ignore[call-arg]
 
 
+@njit("void(int64[::1], int64[::1], int64, int64[::1], float32[::1], float32[::1], int64, int64)", cache=True,
+      nogil=True)
+def items(ctrl, job, tag, handle, out, scratch, kernel, count):
+    """The C function at kernel (rows_kernel's signature, given handle's address as its input) over `count` items
+    of job[TILES] // count tiles each, one item a chunk shared with the helper: item i is out's floats [i, i + 1) *
+    out.size // count, written only by the call that computes it (batched decode attention's sequences); job[TILES]
+    a multiple of count, at most MAX_CHUNKS items shared."""
+    if count > MAX_CHUNKS or _post(ctrl, job, tag, handle.ctypes.data, 1, out.size, scratch, kernel, count) == 0:
+        _call(kernel, job.ctypes.data, handle.ctypes.data, 1, 0, job[TILES], out.ctypes.data,  # type: ignore[call-arg]
+              out.size)
+        return
+    run(ctrl, tag, count, out, scratch)
+    _store(ctrl, OWNER, 0)  # type: ignore[call-arg]
+
+
 def describe(fmt: str, arrays: tuple, n_in: int) -> np.ndarray:
     """A packed matrix's descriptor for product(): its kernel's family (u4 and u5 nib, i8), flags, tiles, input size
     and arrays' addresses and shapes (the matrix must outlive it: QuantMatrix keeps both)."""
@@ -535,6 +550,15 @@ class SpinPool:
             return True
         self.skipped += 1
         return self.skipped % PROBE_EVERY == 0
+
+    def items(self, kernel: int, job: np.ndarray, handle: np.ndarray, arrays: tuple, out: np.ndarray,
+              count: int) -> None:
+        """out (flat) = the C function at kernel over `count` items (items(): each computed whole by one thread,
+        the helper's into the scratch, copied in); arrays: what handle points into, held while the helper may read
+        them."""
+        tag = self._ready(out.size)
+        items(self.ctrl, job, tag, handle, out, self.scratch, kernel, count)
+        self._hold(tag, (job, handle, arrays, self.scratch))
 
     def stats(self) -> tuple[int, int]:
         """(chunks the helper computed, chunks the caller took back from it) so far."""
