@@ -36,6 +36,18 @@ def bits_as_float32(typingctx, bits):
     return types.float32(types.int32), codegen
 
 
+@intrinsic
+def call_address(typingctx, function, a, b, c, d, e, f, g):
+    """The C function at address `function` (seven int64 arguments, no result) called with the other arguments: a
+    kernel compiled once (a cfunc) called from others without numba linking its code into each."""
+    def codegen(context, builder, signature, args):
+        i64 = ir.IntType(64)
+        kind = ir.FunctionType(ir.VoidType(), [i64] * 7)
+        builder.call(builder.inttoptr(args[0], kind.as_pointer()), args[1:])
+        return context.get_dummy_value()
+    return types.void(*(types.int64,) * 8), codegen
+
+
 def pointer_to(numba_type):
     """An intrinsic: the address (int64) as a pointer to numba_type (for numba's carray)."""
     @intrinsic

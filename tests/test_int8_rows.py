@@ -62,61 +62,47 @@ def test_int8_rows_equal_the_float64_product_of_their_rounded_activations_and_st
 
 
 @vnni
-def test_two_threads_split_the_tiles_and_give_the_same_int8_rows(monkeypatch):
-    """weight_threads.split hands tile ranges to a second thread: each quantises the rows itself, alike."""
-    monkeypatch.setattr(weight_threads, "MIN_SPLIT_BYTES", 0)  # small matrices split too
-    rng = np.random.default_rng(7)
-    matrix = pack(Q.Q4_1, random_blocks(Q.Q4_1, 1000, 64, rng), 64)
-    x = rng.standard_normal((6, 64)).astype(np.float32)
-    with int8_rows.batched(True):
-        one = x @ matrix
-        weight_threads.set_weight_threads(2)
-        try:
-            two = x @ matrix
-        finally:
-            weight_threads.set_weight_threads(1)
-    assert np.array_equal(one, two)
-
-
-@vnni
 @pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
 def test_the_spin_pools_two_threads_give_the_one_thread_int8_rows_bit_for_bit(kind):
-    """Two weight threads: the rows are quantised once and the spin pool's helper takes chunks of tiles
-    (int8_kernels.pool_kernel); then the helper takes every chunk (the test plays it, from its scratch) and once
-    stalls on one (the caller computes it again): every output column as the one-thread kernel gives it."""
+    """Two weight threads: the rows are quantised once (in the pool's call) and the spin pool's helper takes chunks
+    of tiles (int8_kernels.pool_kernel), for every size (2 to 41 tiles, 2 to 16 rows, any count of chunks); then the
+    helper takes every chunk (the test plays it, from its scratch) and once stalls on one (the caller computes it
+    again): every output column as the one-thread kernel gives it."""
     from pagevis.model import quantized
+    from pagevis.model import spin_pool as sp
 
     rng = np.random.default_rng(int(kind) + 300)
     n_in = FORMATS[kind][3] * 2
-    matrix = pack(kind, random_blocks(kind, 41 * 64 - 7, n_in, rng), n_in)  # 41 tiles, the last partial
-    x = rng.standard_normal((6, n_in)).astype(np.float32)
-    with int8_rows.batched(True):
-        one = x @ matrix
-        weight_threads.set_weight_threads(2)
-        try:
-            assert quantized.spin_pool() is not None
-            for _ in range(3):  # the chunks fall to either thread differently each time
-                assert np.array_equal((x @ matrix).view(np.int32), one.view(np.int32))
-            from pagevis.model import spin_pool as sp
-
-            kernel, stride = int8_rows._kernels()["pool"], matrix.tiles * 64
-            for stalled in (False, True):
-                ctrl, scratch = sp.new_control(), np.full(len(x) * stride, np.nan, np.float32)
-                out = np.full(len(x) * stride, np.nan, np.float32)
-                handle = int8_rows.pool_handle(matrix, x)
-                count = sp._post(ctrl, matrix.descriptor, 5, handle.ctypes.data, len(x), stride, scratch, kernel, 4)
-                assert count == 4
-                if stalled:
-                    ctrl[sp.NEXT] += 1  # the helper's claim of chunk 0, never marked done
-                else:
-                    sp.help_job(ctrl, int(ctrl[sp.NEXT]))
-                    assert ctrl[sp.HELPED] == count
-                sp.run(ctrl, 5, count, out, scratch)
-                assert ctrl[sp.TAKEN_OVER] == int(stalled)
-                got = out.reshape(len(x), stride)[:, :matrix.n_out]
-                assert np.array_equal(got.view(np.int32), one.view(np.int32))
-        finally:
-            weight_threads.set_weight_threads(1)
+    for tiles, rows in ((41, 6), (9, 2), (15, 16), (2, 3)):
+        matrix = pack(kind, random_blocks(kind, tiles * 64 - 7, n_in, rng), n_in)  # the last tile partial
+        x = rng.standard_normal((rows, n_in)).astype(np.float32)
+        with int8_rows.batched(True):
+            one = x @ matrix
+            weight_threads.set_weight_threads(2)
+            try:
+                assert quantized.spin_pool() is not None
+                for _ in range(3):  # the chunks fall to either thread differently each time
+                    assert np.array_equal((x @ matrix).view(np.int32), one.view(np.int32)), (tiles, rows)
+                kernels = int8_rows._kernels()
+                handle, stride = int8_rows.handle(matrix, rows), matrix.tiles * 64
+                for stalled, count in ((False, 4), (True, 4), (False, 2), (True, 2)):
+                    ctrl, scratch = sp.new_control(), np.full(rows * stride, np.nan, np.float32)
+                    out = np.full((rows, stride), np.nan, np.float32)
+                    kernels["product"](handle, x, out, kernels["pool"])  # x quantised into the handle's arrays
+                    out[:] = np.nan
+                    posted = sp._post(ctrl, matrix.descriptor, 5, handle.ctypes.data, rows, stride, scratch,
+                                      kernels["pool"], count)
+                    assert posted == -(-tiles // -(-tiles // count))  # chunks of equal tiles, the last maybe less
+                    if stalled:
+                        ctrl[sp.NEXT] += 1  # the helper's claim of chunk 0, never marked done
+                    else:
+                        sp.help_job(ctrl, int(ctrl[sp.NEXT]))
+                        assert ctrl[sp.HELPED] == posted
+                    sp.run(ctrl, 5, posted, out.reshape(-1), scratch)
+                    assert ctrl[sp.TAKEN_OVER] == int(stalled)
+                    assert np.array_equal(out[:, :matrix.n_out].view(np.int32), one.view(np.int32))
+            finally:
+                weight_threads.set_weight_threads(1)
 
 
 @vnni

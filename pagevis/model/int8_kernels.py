@@ -35,18 +35,18 @@ from llvmlite import ir
 from numba import carray, cfunc, njit, types
 from numba.extending import intrinsic
 
-from pagevis.kernel_intrinsics import pointer_to
+from pagevis.kernel_intrinsics import call_address, pointer_to
 from pagevis.model.batch_kernels import rows_switch
-from pagevis.model.weight_kernels import (_I8, _MAT, _NIB, _OPTIONS, HALF, Q4_0, SUPER, _nib_scales, _prefetch_ahead,
-                                         _scales)
+from pagevis.model.weight_kernels import HALF, Q4_0, SUPER, _nib_scales, _prefetch_ahead, _scales
 
 TILE = 64
 ROWS = 4  # rows whose accumulators (4 zmm each) a block holds
 CODE_VECTORS = 32  # at most: 32 codes x 64 rows / 64 bytes
 SCRATCH = (CODE_VECTORS + 8) * 64  # the turned codes, then d and m in turned order
 # A product's handle for `pool_kernel` (int64 words, `handle()`): the matrix's family (u4 0, i8 1), per, mode, input
-# size, the quantised rows' three arrays' addresses, then qs, dh, ds, mh, ms as an address and four dimensions each
-FAMILY, PER, MODE, N_IN, XQ, SX, SUMS, HELD = range(8)
+# size, the quantised rows' three arrays' addresses, the matrix's tiles, then qs, dh, ds, mh, ms as an address and
+# four dimensions each
+FAMILY, PER, MODE, N_IN, XQ, SX, SUMS, TILES, HELD = range(9)
 HANDLE = HELD + 5 * 5
 
 _I8T, _I16T, _I32T, _I64T, _F32T = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -202,45 +202,69 @@ _U4_SPLIT_HALVES, _I8_SPLIT_HALVES = _split(16, True, True), _split(32, False, T
 _I8_16_SPLIT, _I8_16_DOTS = _split(16, False), _dots(16, False)
 
 
-_QUANTIZE_MATH = {"nnan", "ninf", "nsz"}
+_AS_I64, _AS_I32, _AS_I16 = pointer_to(types.int64), pointer_to(types.int32), pointer_to(types.int16)
+_AS_I8, _AS_U8, _AS_F32 = pointer_to(types.int8), pointer_to(types.uint8), pointer_to(types.float32)
 
 
-@njit(cache=True, nogil=True, fastmath=_QUANTIZE_MATH)
-def quantize(x, size):
-    """Each row's groups of 32 inputs as int8 codes q = x / s rounded half away from zero, s = max |x| / 127 (0 for
-    an all-zero group: codes 0): (the codes, s per group of 32, the sum of the codes of each group of `size` inputs
-    (32, or Q6_K's 16))."""
-    n, inputs = x.shape
-    xq = np.empty((n, inputs), np.int8)
-    scales = np.empty((n, inputs // 32), np.float32)
-    sums = np.empty((n, inputs // size), np.int32)
-    _quantize_rows(x, size, xq, scales, sums)
-    return xq, scales, sums
+def _quantise_group(size: int):
+    """An intrinsic (x, xq, scale, sums): the 32 float32 inputs at x as int8 codes q = x / s rounded half away from
+    zero into xq, s = max |x| / 127 into scale (0 for an all-zero group: codes 0), the sum of the codes of each
+    `size` inputs (32, or Q6_K's 16) into sums (int32): in registers, where numba's loops left the largest magnitude
+    a chain of 32 scalar compares (~0.6-0.9 ns an input). The magnitude is taken on the bits (a finite float's
+    magnitude orders as its bits do); the arithmetic is a float32 loop's, unfused: s = top / 127, each code
+    int(x (127 / top) +- 0.5), truncated."""
+    def codegen(context, builder, signature, args):
+        x, xq, scale, sums = args
+        halves = [_load(builder, x, 64 * v, _FLOATS, 4) for v in (0, 1)]
+        magnitude = [builder.and_(builder.bitcast(h, _DWORDS), ir.Constant(_DWORDS, [0x7FFFFFFF] * 16))
+                     for h in halves]
+        larger = builder.select(builder.icmp_unsigned(">", *magnitude), *magnitude)
+        reduce_max = builder.module.declare_intrinsic("llvm.vector.reduce.umax.v16i32", (), ir.FunctionType(_I32T, [_DWORDS]))
+        top = builder.bitcast(builder.call(reduce_max, [larger]), _F32T)
+        builder.store(builder.fdiv(top, ir.Constant(_F32T, 127.0)), _pointer(builder, scale, 0, _F32T), align=4)
+        inverse = builder.select(builder.fcmp_ordered(">", top, ir.Constant(_F32T, 0.0)),
+                                 builder.fdiv(ir.Constant(_F32T, 127.0), top), ir.Constant(_F32T, 0.0))
+        spread = builder.shuffle_vector(builder.insert_element(ir.Constant(_FLOATS, None), inverse,
+                                                               ir.Constant(_I32T, 0)),
+                                        ir.Constant(_FLOATS, None), ir.Constant(_DWORDS, [0] * 16))
+        codes = []
+        for v, h in enumerate(halves):
+            scaled = builder.fmul(h, spread)
+            nudge = builder.select(builder.fcmp_ordered(">=", scaled, ir.Constant(_FLOATS, [0.0] * 16)),
+                                   ir.Constant(_FLOATS, [0.5] * 16), ir.Constant(_FLOATS, [-0.5] * 16))
+            codes.append(builder.fptosi(builder.fadd(scaled, nudge), _DWORDS))
+            builder.store(builder.trunc(codes[-1], ir.VectorType(_I8T, 16)),
+                          _pointer(builder, xq, 16 * v, ir.VectorType(_I8T, 16)), align=1)
+        reduce_add = builder.module.declare_intrinsic("llvm.vector.reduce.add.v16i32", (), ir.FunctionType(_I32T, [_DWORDS]))
+        if size == 32:
+            builder.store(builder.call(reduce_add, [builder.add(*codes)]), _pointer(builder, sums, 0, _I32T), align=4)
+        else:
+            for v, c in enumerate(codes):
+                builder.store(builder.call(reduce_add, [c]), _pointer(builder, sums, 4 * v, _I32T), align=4)
+        return context.get_dummy_value()
+
+    def typer(typingctx, x, xq, scale, sums):
+        return types.void(*([types.int64] * 4)), codegen
+
+    return intrinsic(typer)
 
 
-@njit(cache=True, nogil=True, fastmath=_QUANTIZE_MATH, inline="always")
+_QUANTISE_32, _QUANTISE_16 = _quantise_group(32), _quantise_group(16)
+
+
+@njit(cache=True, nogil=True)
 def _quantize_rows(x, size, xq, scales, sums):
-    """`quantize` into given arrays. Written so the loops vectorise (selects, not branches; the inputs are
-    finite)."""
+    """Each row of x (C-contiguous) quantised into xq, scales, sums, a group of 32 inputs at a time
+    (`_quantise_group`: sums of each group of `size` inputs, 32 or 16)."""
     n, inputs = x.shape
-    half = np.float32(0.5)
+    groups, at, codes = inputs // 32, x.ctypes.data, xq.ctypes.data
     for i in range(n):
-        for g in range(inputs // 32):
-            top = np.float32(0)
-            for j in range(32):
-                value = x[i, 32 * g + j]
-                magnitude = value if value >= 0 else -value
-                top = top if top >= magnitude else magnitude
-            scales[i, g] = top / np.float32(127)
-            inverse = np.float32(127) / top if top > 0 else np.float32(0)
-            for j in range(32):
-                scaled = x[i, 32 * g + j] * inverse
-                xq[i, 32 * g + j] = np.int8(np.int32(scaled + (half if scaled >= 0 else -half)))
-        for g in range(inputs // size):
-            total = np.int32(0)
-            for j in range(size):
-                total += np.int32(xq[i, size * g + j])
-            sums[i, g] = total
+        for g in range(groups):
+            k = i * groups + g
+            if size == 32:
+                _QUANTISE_32(at + 128 * k, codes + 32 * k, scales.ctypes.data + 4 * k, sums.ctypes.data + 4 * k)
+            else:
+                _QUANTISE_16(at + 128 * k, codes + 32 * k, scales.ctypes.data + 4 * k, sums.ctypes.data + 8 * k)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -251,19 +275,13 @@ def _unturn_rows(acc, out, t):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _tiles(qs, dh, ds, mh, ms, per, mode, size, nibbles, x, t0, t1, out):
-    """Tiles t0..t1 of a u4 (nibbles: size 32, d and m from _nib_scales) or i8 (size 32 or 16, d from _scales)
-    matrix times the rows x, quantised (`quantize`), into out's columns."""
-    xq, sx, sums = quantize(x, size)
-    _quantised_tiles(qs, dh, ds, mh, ms, per, mode, size, nibbles, xq, sx, sums, t0, t1, out)
-
-
-@njit(cache=True, nogil=True, inline="always")
 def _quantised_tiles(qs, dh, ds, mh, ms, per, mode, size, nibbles, xq, sx, sums, t0, t1, out):
-    """_tiles of rows already quantised (xq, sx, sums: `quantize`'s)."""
+    """Tiles t0..t1 of a u4 (nibbles: size 32, d and m from _nib_scales) or i8 (size 32 or 16, d from _scales)
+    matrix times the rows quantised (xq, sx, sums: `_quantize_rows`'), into out's columns."""
     n, groups, inputs = xq.shape[0], qs.shape[1], xq.shape[1]
-    d, m, sup = np.empty(TILE, np.float32), np.empty(TILE, np.float32), np.empty((2, TILE), np.float32)
-    scratch, acc = np.empty(SCRATCH // 4, np.float32), np.empty((n, TILE), np.float32)
+    work = np.empty(4 * TILE + SCRATCH // 4 + n * TILE, np.float32)  # one allocation a call (a chunk of the pool's)
+    d, m, sup = work[:TILE], work[TILE:2 * TILE], work[2 * TILE:4 * TILE].reshape((2, TILE))
+    scratch, acc = work[4 * TILE:4 * TILE + SCRATCH // 4], work[4 * TILE + SCRATCH // 4:].reshape((n, TILE))
     at, group_bytes, scales = scratch.ctypes.data, qs.shape[2] * TILE, sx.shape[1]
     for t in range(t0, t1):
         acc[:] = 0
@@ -297,49 +315,25 @@ def _quantised_tiles(qs, dh, ds, mh, ms, per, mode, size, nibbles, xq, sx, sums,
         _unturn_rows(acc, out, t - t0)
 
 
-def _u4_rows(qs, qh, dh, ds, mh, ms, high, per, mode, x, t0, t1, out):
-    """One copy per type with its flags literal, as weight_kernels' kernels."""
-    if per > 1:  # Q4_K
-        _tiles(qs, dh, ds, mh, ms, 8, SUPER, 32, True, x, t0, t1, out)
-    elif mode == Q4_0:
-        _tiles(qs, dh, ds, mh, ms, 1, Q4_0, 32, True, x, t0, t1, out)
-    else:  # Q4_1
-        _tiles(qs, dh, ds, mh, ms, 1, HALF, 32, True, x, t0, t1, out)
-
-
-def _i8_rows(qs, dh, ds, per, x, t0, t1, out):
-    if per > 1:  # Q6_K: groups of 16, 16 a super-block
-        _tiles(qs, dh, ds, ds, ds, 16, HALF, 16, False, x, t0, t1, out)
-    else:  # Q8_0, Q5_0
-        _tiles(qs, dh, ds, ds, ds, 1, HALF, 32, False, x, t0, t1, out)
-
-
-def compiled() -> dict:
-    """The int8 row kernels by packed format and the activations' quantiser (int8_rows.product's), compiled or
-    loaded from numba's on-disk cache (through kernel_loader.import_kernels)."""
-    return {"u4": njit(f"void({_NIB}, {_MAT})", **_OPTIONS)(_u4_rows),
-            "i8": njit(f"void({_I8}, {_MAT})", **_OPTIONS)(_i8_rows),
-            "quantise_into": quantise_into, "handle": handle, "pool": int(pool_kernel.address or 0)}
-
-
-_AS_I64, _AS_I32, _AS_I16 = pointer_to(types.int64), pointer_to(types.int32), pointer_to(types.int16)
-_AS_I8, _AS_U8, _AS_F32 = pointer_to(types.int8), pointer_to(types.uint8), pointer_to(types.float32)
-
-
 @njit(cache=True, nogil=True, inline="always")
 def _dims(h, k):
     at = HELD + 5 * k
     return (h[at + 1], h[at + 2], h[at + 3])
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _group(h):
+    """The inputs a row's code sum covers: Q6_K's 16, else 32."""
+    return 16 if h[FAMILY] == 1 and h[PER] > 1 else 32
+
+
 @cfunc(types.void(*(types.int64,) * 7), cache=True, error_model="numpy")
 def pool_kernel(job, at, n, t0, t1, target, stride):
     """Tiles t0..t1 of the handle's matrix (at: `handle()`'s address) times its n quantised rows, into the rows of
     stride floats at target (columns t0 * TILE on): spin_pool's rows-kernel signature (job, its descriptor, unused),
-    so the pool's two threads share a product's tiles, each tile computed as `compiled()`'s kernels compute it."""
+    so the pool's two threads share a product's tiles, each tile computed alike whichever thread computes it."""
     h = carray(_AS_I64(at), (HANDLE,))
-    size = 16 if h[FAMILY] == 1 and h[PER] > 1 else 32
-    inputs = h[N_IN]
+    size, inputs = _group(h), h[N_IN]
     xq = carray(_AS_I8(h[XQ]), (n, inputs))
     sx = carray(_AS_F32(h[SX]), (n, inputs // 32))
     sums = carray(_AS_I32(h[SUMS]), (n, inputs // size))
@@ -362,23 +356,50 @@ def pool_kernel(job, at, n, t0, t1, target, stride):
         _quantised_tiles(codes, dh, ds, mh, ms, 1, HALF, 32, True, xq, sx, sums, t0, t1, out)
 
 
-def handle(fmt: str, arrays: tuple, n_in: int) -> np.ndarray:
-    """pool_kernel's handle of a u4 or i8 matrix's kernel arrays (QuantMatrix.arrays), its rows' to be written in
-    (`quantise_into`): addresses, so the arrays must outlive its use."""
+@njit(cache=True, nogil=True, inline="always")
+def _quantise(h, n, x_address):
+    """The n rows (C-contiguous) at x_address quantised into the handle's arrays."""
+    size, inputs = _group(h), h[N_IN]
+    _quantize_rows(carray(_AS_F32(x_address), (n, inputs)), size, carray(_AS_I8(h[XQ]), (n, inputs)),
+                   carray(_AS_F32(h[SX]), (n, inputs // 32)), carray(_AS_I32(h[SUMS]), (n, inputs // size)))
+
+
+@cfunc(types.void(*(types.int64,) * 7), cache=True, error_model="numpy")
+def quantise_kernel(job, at, n, x_address, unused0, unused1, unused2):
+    """The n rows at x_address quantised into the arrays of the handle at `at`: spin_pool's preparation of a job
+    (its caller runs it before sharing the tiles), in the rows kernel's signature (job unused)."""
+    _quantise(carray(_AS_I64(at), (HANDLE,)), n, x_address)
+
+
+@njit("void(int64[::1], float32[:, ::1], float32[:, ::1], int64)", cache=True, nogil=True)
+def product(h, x, out, kernel):
+    """out (rows, the matrix's tiles x TILE) = the rows x times the handle's matrix on this thread: x quantised into
+    the handle's arrays, every tile by pool_kernel (at address kernel), as the pool's two threads compute them."""
+    _quantise(h, x.shape[0], x.ctypes.data)
+    call_address(kernel, 0, h.ctypes.data, x.shape[0], 0, h[TILES], out.ctypes.data,  # type: ignore[call-arg]
+                 out.shape[1])
+
+
+def handle(fmt: str, arrays: tuple, n_in: int, quantised: tuple[np.ndarray, np.ndarray, np.ndarray]
+           ) -> np.ndarray:
+    """pool_kernel's handle of a u4 or i8 matrix's kernel arrays (QuantMatrix.arrays) and the arrays its rows are
+    quantised into (codes, scales, sums: rows x n_in int8, rows x n_in / 32 float32, rows x n_in / `_group` int32):
+    addresses, so the arrays must outlive its use."""
     h = np.zeros(HANDLE, np.int64)
     if fmt == "i8":
         held, h[FAMILY], h[PER] = (arrays[0], arrays[1], arrays[2], arrays[2], arrays[2]), 1, arrays[3]
     else:
         held, h[PER], h[MODE] = (arrays[0], *arrays[2:6]), arrays[7], arrays[8]
-    h[N_IN] = n_in
+    h[N_IN], h[TILES] = n_in, arrays[0].shape[0]
+    h[XQ:XQ + 3] = [array.ctypes.data for array in quantised]
     for k, array in enumerate(held):
         h[HELD + 5 * k] = array.ctypes.data
         h[HELD + 5 * k + 1:HELD + 5 * k + 1 + array.ndim] = array.shape
     return h
 
 
-@njit(cache=True, nogil=True, fastmath=_QUANTIZE_MATH)
-def quantise_into(x, xq, sx, sums):
-    """`quantize` of the rows x into arrays of its results' shapes (sums: groups of 32, or Q6_K's 16, inputs), with
-    no arrays of its own to copy from."""
-    _quantize_rows(x, x.shape[1] // sums.shape[1], xq, sx, sums)
+def compiled() -> dict:
+    """The int8 rows' entries (int8_rows.product's), compiled or loaded from numba's on-disk cache (through
+    kernel_loader.import_kernels): `product` on one thread, the addresses of the pool's kernel and preparation."""
+    return {"product": product, "handle": handle, "pool": int(pool_kernel.address or 0),
+            "prepare": int(quantise_kernel.address or 0)}

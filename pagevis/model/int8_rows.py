@@ -13,9 +13,11 @@ The route is chosen once per process (`route()`): "vnni" where llvmlite reports 
 "exact" (the float32 batch kernels: a CPU without the instruction could not run the compiled kernels at all); the
 environment variable PAGEVIS_NO_VNNI=1 forces "exact" (tests, comparisons). `describe()` says which, for the benches.
 
-Two weight threads: a big enough product's rows are quantised once and its tiles shared with the spin pool's helper
-(int8_kernels.pool_kernel through spin_pool.product_kernel), each output column computed whole by one thread, so
-the rows are bit for bit the one thread's; smaller ones stay on the caller (POOL_TILES).
+Every product goes through one compiled call: the rows quantised into this thread's arrays (int8_kernels'
+`_quantize_rows`), then its tiles multiplied (int8_kernels.pool_kernel) -- on one thread by int8_kernels.product, on
+two by spin_pool.product_kernel, which quantises first and then shares the tiles with the spin pool's helper, each
+output column computed whole by one thread, so the rows are bit for bit the one thread's. A product's handle (the
+matrix's arrays and the quantised rows' addresses) is built once per matrix, row count and thread (`handle`).
 """
 
 from __future__ import annotations
@@ -30,18 +32,13 @@ import numpy as np
 
 from pagevis.kernel_loader import import_kernels
 from pagevis.model.resident import release_compiler_pages
-from pagevis.model.weight_threads import split
 
 NO_VNNI_ENV = "PAGEVIS_NO_VNNI"
 TILE = 64
-XQ = 4  # int8_kernels.XQ: where a pool handle holds the quantised rows' three addresses
-# Two weight threads: a product of POOL_TILES tiles or more (SmolLM2's feed-forward up and gate, the logits) goes
-# to the spin pool, its tiles cut into POOL_CHUNKS chunks (spin_pool.product_kernel). 8 rows of a 1536 x 576 Q4_1
-# matrix (24 tiles), the helper free (load ~1.1, best of 5 x 200): one thread 30.6 us, two 26.2-27.2 (any of 2, 4
-# or 8 chunks; the kernel call alone 27.3 -> 19.4: the rest is quantising apart and the handle); 9 tiles 14.6 ->
-# 15.9-16.6, 3 tiles 8.7 -> 11.2: those stay on the caller (weight_threads.split leaves them there too)
-# A chunk holds at most POOL_CHUNK_TILES tiles (~20-25 us at 8 rows): a chunk the helper stalls on (its core went
-# elsewhere) costs the caller about a chunk's time more, the logits' 4 chunks of 192 tiles ~300 us
+# Two weight threads: every product goes to the spin pool (a helper that is not running takes no chunk and costs the
+# caller ~1 us), cut by `chunks`: below POOL_TILES tiles in two halves (a chunk's fixed cost, ~0.2-0.3 us, is a
+# tenth of a 9-tile product at 2 rows), else into POOL_CHUNKS or more chunks of at most POOL_CHUNK_TILES tiles (~20-25
+# us at 8 rows): a chunk the helper stalls on (its core went elsewhere) costs the caller about a chunk's time more
 POOL_TILES, POOL_CHUNKS, POOL_CHUNK_TILES = 16, 4, 16
 _STATE = threading.local()
 
@@ -105,26 +102,31 @@ def _kernels() -> dict:
 _KERNELS: dict | None = None
 
 
-def pool_handle(matrix, x: np.ndarray) -> np.ndarray:
-    """int8_kernels.pool_kernel's handle of the rows x (quantised here, once for both threads) times matrix."""
-    kernels = _kernels()
-    if (handle := getattr(matrix, "int8_handle", None)) is None:  # the matrix's part, built once
-        handle = matrix.int8_handle = kernels["handle"](matrix.fmt, matrix.arrays, matrix.n_in)
-    handle = handle.copy()
-    quantised, handle[XQ:XQ + 3] = _quantised(len(x), matrix.n_in, 16 if matrix.fmt == "i8" and matrix.arrays[3] > 1
-                                              else 32)
-    kernels["quantise_into"](x, *quantised)
-    return handle
+def handle(matrix, rows: int) -> np.ndarray:
+    """int8_kernels' handle of `rows` rows times matrix (its arrays, and this thread's arrays the rows are quantised
+    into: `_quantised`), built once per matrix, row count and thread and kept on the matrix."""
+    token = _STATE.__dict__.get("token")
+    if token is None:
+        token = _STATE.token = object()  # this thread's: a handle built by another thread holds that one's
+    handles = matrix.__dict__.get("int8_handles")
+    if handles is None:
+        handles = matrix.int8_handles = {}
+    entry = handles.get(rows)
+    if entry is None or entry[0] is not token:
+        size = 16 if matrix.fmt == "i8" and matrix.arrays[3] > 1 else 32
+        quantised = _quantised(rows, matrix.n_in, size)
+        entry = handles[rows] = (token, _kernels()["handle"](matrix.fmt, matrix.arrays, matrix.n_in, quantised),
+                                 quantised)
+    return entry[1]
 
 
-def _quantised(rows: int, n_in: int, size: int) -> tuple[tuple, tuple]:
-    """This thread's arrays for rows quantised (int8_kernels.quantize's: codes, scales, sums of each group of size
-    inputs) and their addresses: kept for good (small), so a late helper never reads freed memory."""
+def _quantised(rows: int, n_in: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This thread's arrays for rows quantised (codes, scales, sums of each group of size inputs): kept for good
+    (small), so a late helper never reads freed memory."""
     buffers = _STATE.__dict__.setdefault("buffers", {})
     if (key := (rows, n_in, size)) not in buffers:
-        arrays = (np.empty((rows, n_in), np.int8), np.empty((rows, n_in // 32), np.float32),
-                  np.empty((rows, n_in // size), np.int32))
-        buffers[key] = arrays, tuple(array.ctypes.data for array in arrays)
+        buffers[key] = (np.empty((rows, n_in), np.int8), np.empty((rows, n_in // 32), np.float32),
+                        np.empty((rows, n_in // size), np.int32))
     return buffers[key]
 
 
@@ -148,21 +150,17 @@ def product(matrix, x: np.ndarray, pool=None) -> np.ndarray | None:
 
 
 def _int8(matrix, x: np.ndarray, pool) -> np.ndarray:
-    kernels, arrays, tiles = _kernels(), matrix.arrays, matrix.tiles
+    kernels, tiles = _kernels(), matrix.tiles
     out = np.empty((len(x), tiles * TILE), np.float32)
-    if tiles >= POOL_TILES and pool is not None and kernels["pool"] and pool.helping():  # two threads: the spin pool's helper takes tiles too
-        pool.product_kernel(kernels["pool"], matrix.descriptor, arrays, pool_handle(matrix, x), out,
-                            max(POOL_CHUNKS, -(-tiles // POOL_CHUNK_TILES)))
-        return out[:, :matrix.n_out]
-    kernel = kernels[matrix.fmt]
-
-    def work(t0: int, t1: int, private: bool) -> np.ndarray:
-        target = np.empty((len(x), (t1 - t0) * TILE), np.float32) if private else out[:, t0 * TILE:t1 * TILE]
-        kernel(*arrays, x, t0, t1, target)
-        return target
-
-    def place(t0: int, t1: int, part: np.ndarray) -> None:
-        out[:, t0 * TILE:t1 * TILE] = part
-
-    split(tiles, matrix.nbytes, work, place)
+    h = handle(matrix, len(x))
+    if pool is not None and pool.helping():  # two threads: the spin pool's helper takes tiles too
+        pool.product_kernel(kernels["pool"], kernels["prepare"], matrix.descriptor, matrix.arrays, h, x, out,
+                            chunks(tiles, len(x)))
+    else:
+        kernels["product"](h, x, out, kernels["pool"])
     return out[:, :matrix.n_out]
+
+
+def chunks(tiles: int, rows: int) -> int:
+    """How many chunks a product of `rows` rows by `tiles` tiles is cut into for the spin pool's two threads."""
+    return max(POOL_CHUNKS, -(-tiles // POOL_CHUNK_TILES)) if tiles >= POOL_TILES else 2

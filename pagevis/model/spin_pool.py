@@ -42,6 +42,7 @@ from numba import carray, cfunc, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from pagevis.kernel_intrinsics import call_address as _call
 from pagevis.kernel_intrinsics import pointer_to
 from pagevis.model.batch_kernels import _i8_rows_tiles, _u4_rows_tiles
 from pagevis.model.weight_kernels import HALF, Q4_0, SUPER, i8_matvec, nib_matvec
@@ -168,17 +169,6 @@ def _clock_ns(typingctx, clock):
 
 _u8, _u32, _i16, _i8 = (pointer_to(t) for t in (types.uint8, types.uint32, types.int16, types.int8))
 _f32, _i64 = pointer_to(types.float32), pointer_to(types.int64)
-
-
-@intrinsic
-def _call(typingctx, function, job, x_address, n, t0, t1, target, stride):
-    """The C function at address `function` (rows_kernel's signature: seven int64) called with the other arguments."""
-    def codegen(context, builder, signature, args):
-        i64 = ir.IntType(64)
-        kind = ir.FunctionType(ir.VoidType(), [i64] * 7)
-        builder.call(builder.inttoptr(args[0], kind.as_pointer()), args[1:])
-        return context.get_dummy_value()
-    return types.void(*(types.int64,) * 8), codegen
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -417,20 +407,23 @@ def product_rows(ctrl, job, tag, x, out, scratch, block):
         _store(ctrl, OWNER, 0)  # type: ignore[call-arg]
 
 
-@njit("void(int64[::1], int64[::1], int64, int64[::1], int64, float32[:, ::1], float32[::1], int64, int64)",
-      cache=True, nogil=True)
-def product_kernel(ctrl, job, tag, handle, rows, out, scratch, kernel, chunks):
-    """out = rows rows times the matrix job describes, computed by the C function at kernel (rows_kernel's
-    signature, given handle's address for its input) over `chunks` chunks of tiles shared with the helper: the
-    int8 decode rows of several sequences (int8_kernels.pool_kernel, its handle holding the quantised rows)."""
-    target = carray(_f32(out.ctypes.data), (out.size,))
+@njit("void(int64[::1], int64[::1], int64, int64[::1], float32[:, ::1], float32[:, ::1], float32[::1], int64, int64, "
+      "int64)", cache=True, nogil=True)
+def product_kernel(ctrl, job, tag, handle, x, out, scratch, prepare, kernel, chunks):
+    """out = the rows x times the matrix job describes, computed by the C function at kernel (rows_kernel's
+    signature, given handle's address for its input) over `chunks` chunks of tiles shared with the helper, after the
+    C function at prepare made the handle's input of x (called as prepare(job, handle, rows, x, 0, 0, 0)): the int8
+    decode rows of several sequences (int8_kernels.quantise_kernel quantises the rows into the handle's arrays,
+    once for both threads; pool_kernel multiplies them)."""
+    rows = x.shape[0]
+    _call(prepare, job.ctypes.data, handle.ctypes.data, rows, x.ctypes.data, 0, 0, 0)  # type: ignore[call-arg]
     count = _post(ctrl, job, tag, handle.ctypes.data, rows, out.shape[1], scratch, kernel, chunks)
     if count == 0:
-        _call(kernel, job.ctypes.data, handle.ctypes.data, rows, 0, job[TILES], out.ctypes.data,  # type: ignore[call-arg]
+        _call(kernel, job.ctypes.data, handle.ctypes.data, rows, 0, job[TILES], out.ctypes.data,
               out.shape[1])
         return
-    run(ctrl, tag, count, target, scratch)
-    _store(ctrl, OWNER, 0)  # type: ignore[call-arg]
+    run(ctrl, tag, count, carray(_f32(out.ctypes.data), (out.size,)), scratch)
+    _store(ctrl, OWNER, 0)
 
 
 @njit("void(int64[::1], int64[::1], int64, int64[::1], float32[::1], float32[::1], int64, int64)", cache=True,
@@ -534,13 +527,13 @@ class SpinPool:
         product_rows(self.ctrl, job, first, x, out, self.scratch, block)
         self._hold(first, (job, arrays, x, self.scratch))
 
-    def product_kernel(self, kernel: int, job: np.ndarray, arrays: tuple, handle: np.ndarray, out: np.ndarray,
-                       chunks: int) -> None:
-        """out (n, the matrix's tiles' rows) = the n rows handle holds times the matrix job describes, by the C
-        function at kernel, its tiles in `chunks` chunks shared with the helper (product_kernel; arrays: what job
-        and handle point into, held while the helper may read them)."""
+    def product_kernel(self, kernel: int, prepare: int, job: np.ndarray, arrays: tuple, handle: np.ndarray,
+                       x: np.ndarray, out: np.ndarray, chunks: int) -> None:
+        """out (rows, the matrix's tiles' rows) = the rows x times the matrix job describes, by the C function at
+        kernel after the one at prepare made handle's input of x, its tiles in `chunks` chunks shared with the
+        helper (product_kernel; arrays: what job and handle point into, held while the helper may read them)."""
         tag = self._ready(out.size)
-        product_kernel(self.ctrl, job, tag, handle, len(out), out, self.scratch, kernel, chunks)
+        product_kernel(self.ctrl, job, tag, handle, x, out, self.scratch, prepare, kernel, chunks)
         self._hold(tag, (job, arrays, handle, self.scratch))
 
     def helping(self) -> bool:
