@@ -8,7 +8,8 @@ lowest empty slot lies in a page of its own that stands for no prefix hash (what
 shared or registered page copied or forgotten first, as a single write does). The K/V, positions and
 occupancy of all of them are then written by one store call (`PageStore.write_rows`: float32 RAM pages,
 `store.in_place`). Any other token goes through `append_one(i)` at its turn, after the K/V held so far are
-written, so every page, table, event and stored value is the single calls' (tests/test_batched_append.py).
+written, so every page, table, event and stored value is the single calls' (tests/test_batched_append.py). Each
+sequence's newest position is set here too, at its turn (`append_many` set it after them all: no write reads it).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def write_many(layer: LayerManager, seqs: list[SequenceCache], k: np.ndarray, v:
     shared, registered = store.pages.ref_counts, store.pages.frame_hash
     for i, (seq, position) in enumerate(zip(seqs, positions.tolist(), strict=True)):
         seq_id = seq.seq_id
+        if position > seq.newest:  # (read by no write of this token: a local layer's slide takes `position`)
+            seq.newest = position
         if windowed:
             log.acting = seq_id
             layer.before_write(seq, position)

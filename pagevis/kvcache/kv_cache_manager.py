@@ -358,13 +358,13 @@ class KVCacheManager:
     def _append_many(self, seqs: list[SequenceCache], layer: int, k: np.ndarray, v: np.ndarray,
                      positions: np.ndarray) -> None:
         manager = self.layers[layer]
-        if manager.store.in_place:
+        if manager.store.in_place:  # (which also sets each sequence's newest position)
             write_many(manager, seqs, k, v, positions, lambda i: eviction.append(
                 manager, seqs[i], k[i: i + 1], v[i: i + 1], positions[i: i + 1]))
-        else:
-            for i, seq in enumerate(seqs):
-                self.log.acting = seq.seq_id
-                eviction.append(manager, seq, k[i: i + 1], v[i: i + 1], positions[i: i + 1])
+            return
+        for i, seq in enumerate(seqs):
+            self.log.acting = seq.seq_id
+            eviction.append(manager, seq, k[i: i + 1], v[i: i + 1], positions[i: i + 1])
         for seq, position in zip(seqs, positions.tolist(), strict=True):
             if position > seq.newest:
                 seq.newest = position
