@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import json
 import random
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -201,3 +202,17 @@ def test_engine_steps_are_counted_by_their_rows_and_requests_wait_from_their_arr
         assert delta("pagevis_engine_step_seconds_sum", mix="decode") > 0
         assert delta("pagevis_request_queue_time_seconds_count") == 3
         assert delta("pagevis_request_queue_time_seconds_sum") > 3 * 0.3  # each waited out most of the sleep
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="uvloop has no Windows build")
+def test_the_server_runs_on_uvloop_and_httptools():
+    """pyproject installs uvicorn's fast event loop and HTTP parser, and the server takes them: the event loop shares
+    the engine thread's interpreter, and each token it streams costs it a fraction of the pure-Python ones' time
+    (docs/serving.md)."""
+    with running_server() as running:
+        assert type(running.server.servers[0]).__module__.startswith("uvloop")
+        assert running.server.config.http_protocol_class.__module__ == "uvicorn.protocols.http.httptools_impl"
+        with running.client.stream("POST", "/v1/completions", json={
+                "model": "synthetic", "prompt": "abc", "max_tokens": 4, "stream": True}) as answer:
+            lines = [line for line in answer.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and len(lines) >= 2
