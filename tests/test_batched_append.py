@@ -90,6 +90,7 @@ def test_append_many_equals_one_append_per_sequence(policies):
             batched.append_many(live, layer, k, v, positions)
             for i, seq_id in enumerate(live):
                 single.append(seq_id, layer, k[i: i + 1], v[i: i + 1], positions[i: i + 1])
+            assert [batched.n_tokens(s) for s in live] == [single.n_tokens(s) for s in live]  # (newest, each layer)
         for cache in (batched, single):
             for seq_id in live:
                 cache.commit(seq_id)

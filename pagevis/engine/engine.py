@@ -403,7 +403,7 @@ class Engine:
 
     def _record(self, started: float) -> BatchRecord:
         cache = self.cache
-        events = cache.take_events()
+        events, write = cache.take_events(), EventKind.WRITE  # (a batch's ~one write event per row and layer)
         self.last_events = events
         ended, self._ended = tuple(self._ended), []
         pool = cache.pool(0)
@@ -417,7 +417,7 @@ class Engine:
         reserved = sum(min(len(r.prompt_ids) + r.max_new_tokens, capacity) for r in running)
         return BatchRecord(
             step=self.n_steps, seqs=tuple(self._steps.values()),
-            events=tuple(e for e in events if e.kind is not EventKind.WRITE),
+            events=tuple(e for e in events if e.kind is not write),
             block_tables={r.seq_id: tuple(cache.block_table(r.seq_id, 0)) for r in running},
             ref_counts=pool.ref_counts, fill=pool.fill, cached_free=pool.cached_free,
             pages_used=used[fullest], pages_unshared=cache.pages_unshared(fullest), contiguous_reserved_tokens=reserved,
