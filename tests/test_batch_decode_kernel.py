@@ -84,9 +84,9 @@ def test_the_spin_pools_two_threads_give_one_threads_bits_whoever_computes_each_
             weight_threads.set_weight_threads(1)
         width = tables.shape[1] * page_size
         tiles = -(-n_kv * group * (d + width) // kernel.TILE)
-        arrays = (np.multiply(q, np.float32(1.0 / np.sqrt(d)), dtype=np.float32), k, v, tables, n_pages, bias,
-                  key_positions, positions)
-        handle, address = kernel._handle(arrays, window, tiles), kernel._POOL_KERNEL
+        arrays = (q, k, v, tables, n_pages, bias, key_positions, positions)
+        handle = kernel._handle(arrays, np.float32(1 / np.sqrt(d)), window, tiles)
+        address = kernel._POOL_KERNEL
         for stalled in (False, True):
             ctrl = sp.new_control()
             scratch, out = (np.full(batch * tiles * kernel.TILE, np.nan, np.float32) for _ in range(2))

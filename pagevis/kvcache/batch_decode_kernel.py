@@ -39,16 +39,16 @@ from pagevis.kvcache.decode_kernel import _softmax
 
 _FAST = {"reassoc", "contract"}
 NO_POSITIONS = np.zeros(0, np.int64)
-_SIGNATURE = ("void(float32[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], int64[:, ::1], int64[::1], "
+_SIGNATURE = ("void(float32[:, :, ::1], float32, float32[:, :, :, ::1], float32[:, :, :, ::1], int64[:, ::1], int64[::1], "
               "float32[::1], int64[::1], int64[::1], int64, float32[:, ::1], int64, int64)")
 # model/spin_pool.py's, which the cache cannot import (tests/test_batch_decode_kernel.py checks they agree): a
 # sequence's row of the result is a whole number of TILE floats, one item of the pool's job, whose word TILES_WORD
 # counts the job's tiles (its descriptor: DESCRIPTOR words)
 TILE, DESCRIPTOR, TILES_WORD = 64, 36, 4
 # pool_kernel's handle: the shapes, then the arrays' addresses
-BATCH, HEADS, DIM, N_KV, PAGES, PAGE_SIZE, WIDEST, SLOTS, WINDOW, ROW_TILES, N_KEY_POSITIONS = range(11)
-Q, K, V, TABLES, N_PAGES, BIAS, KEY_POSITIONS, POSITIONS = range(11, 19)
-HANDLE = 19
+BATCH, HEADS, DIM, N_KV, PAGES, PAGE_SIZE, WIDEST, SLOTS, WINDOW, ROW_TILES, N_KEY_POSITIONS, SCALE = range(12)
+Q, K, V, TABLES, N_PAGES, BIAS, KEY_POSITIONS, POSITIONS = range(12, 20)
+HANDLE = 20
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -121,15 +121,20 @@ def _mask(row, table, n_pages, ps, bias, key_positions, position, window):  # pr
 
 
 @njit(_SIGNATURE, cache=True, nogil=True, fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _sequences(q, k, v, tables, n_pages, bias, key_positions, positions, window, result, b0, b1):  # pragma: no cover
+def _sequences(q, scale, k, v, tables, n_pages, bias, key_positions, positions, window, result, b0, b1):  # pragma: no cover
     """Sequences b0 .. b1 into their rows of result (B, a whole number of TILE floats): the output (n_heads, d),
-    then the weights (n_heads, widest * page_size); each sequence whole, the same bits whichever call computes it."""
+    then the weights (n_heads, widest * page_size); each sequence whole, the same bits whichever call computes it.
+    Each query scaled by scale first (one float32 product an element, as NumPy's)."""
     n_heads, d = q.shape[1], q.shape[2]
     n_kv, ps = k.shape[0], k.shape[2]
     group = n_heads // n_kv
     width = tables.shape[1] * ps
     acc = np.empty((group, d), np.float32)
+    query = np.empty((n_heads, d), np.float32)
     for b in range(b0, b1):
+        for g in range(n_heads):
+            for j in range(d):
+                query[g, j] = q[b, g, j] * scale
         out = result[b][:n_heads * d].reshape((n_heads, d))
         weights = result[b][n_heads * d:n_heads * (d + width)].reshape((n_heads, width))
         table, used = tables[b], n_pages[b]
@@ -142,7 +147,7 @@ def _sequences(q, k, v, tables, n_pages, bias, key_positions, positions, window,
             first = h * group
             for p in range(used):
                 ahead = _page_at(k, h, table[p + 1]) if p + 1 < used else after
-                _page_scores(q[b], k, h, table[p], first, group, p * ps, weights, ahead, _page_at(v, h, table[p]))
+                _page_scores(query, k, h, table[p], first, group, p * ps, weights, ahead, _page_at(v, h, table[p]))
             for g in range(first, first + group):
                 _mask(weights[g], table, used, ps, bias, key_positions, position, window)
                 _softmax(weights, g, n)
@@ -189,7 +194,8 @@ def pool_kernel(job, at, n, t0, t1, target, stride):  # pragma: no cover (numba)
     h = carray(_i64(at), (HANDLE,))
     batch, n_heads, d, n_kv, tiles = h[BATCH], h[HEADS], h[DIM], h[N_KV], h[ROW_TILES]
     shape = (n_kv, h[PAGES], h[PAGE_SIZE], d)
-    _sequences(carray(_f32(h[Q]), (batch, n_heads, d)), carray(_f32(h[K]), shape), carray(_f32(h[V]), shape),
+    scale = carray(_f32(at + 8 * SCALE), (1,))[0]  # (its float32's bits)
+    _sequences(carray(_f32(h[Q]), (batch, n_heads, d)), scale, carray(_f32(h[K]), shape), carray(_f32(h[V]), shape),
                carray(_i64(h[TABLES]), (batch, h[WIDEST])), carray(_i64(h[N_PAGES]), (batch,)),
                carray(_f32(h[BIAS]), (h[SLOTS],)), carray(_i64(h[KEY_POSITIONS]), (h[N_KEY_POSITIONS],)),
                carray(_i64(h[POSITIONS]), (batch,)), h[WINDOW], carray(_f32(target), (batch, tiles * TILE)),
@@ -209,14 +215,15 @@ def attend_tables(q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.ndarra
     width = tables.shape[1] * k.shape[2]
     tiles = -(-n_heads * (d + width) // TILE)
     result = np.empty((batch, tiles * TILE), np.float32)
-    arrays = (np.multiply(q, np.float32(1.0 / np.sqrt(d)), dtype=np.float32), k, v,
-              np.ascontiguousarray(tables, dtype=np.int64), np.ascontiguousarray(n_pages, dtype=np.int64),
-              np.ascontiguousarray(bias, dtype=np.float32), np.ascontiguousarray(key_positions, dtype=np.int64),
+    arrays = (np.ascontiguousarray(q, dtype=np.float32), k, v, np.ascontiguousarray(tables, dtype=np.int64),
+              np.ascontiguousarray(n_pages, dtype=np.int64), np.ascontiguousarray(bias, dtype=np.float32),
+              np.ascontiguousarray(key_positions, dtype=np.int64),
               np.zeros(batch, np.int64) if positions is None else np.ascontiguousarray(positions, dtype=np.int64))
+    scale = np.float32(1.0 / np.sqrt(d))
     if pool is None or batch < 2:
-        _sequences(*arrays, window, result, 0, batch)
+        _sequences(arrays[0], scale, *arrays[1:], window, result, 0, batch)
     else:
-        pool.items(_POOL_KERNEL, _job(batch * tiles), _handle(arrays, window, tiles), arrays,
+        pool.items(_POOL_KERNEL, _job(batch * tiles), _handle(arrays, scale, window, tiles), arrays,
                    result.reshape(-1), batch)
     return (np.ascontiguousarray(result[:, :n_heads * d]).reshape(batch, n_heads, d),
             result[:, n_heads * d:n_heads * (d + width)].reshape(batch, n_heads, width))
@@ -230,6 +237,7 @@ def _job(tiles: int) -> np.ndarray:
 
 @njit(cache=True, nogil=True)
 def _fill(handle, q, k, v, tables, n_pages, bias, key_positions, positions, window, tiles):  # pragma: no cover
+    """The handle's shapes and addresses (its SCALE word: attend_tables writes the float32's bits)."""
     handle[BATCH], handle[HEADS], handle[DIM] = q.shape
     handle[N_KV], handle[PAGES], handle[PAGE_SIZE] = k.shape[0], k.shape[1], k.shape[2]
     handle[WIDEST], handle[SLOTS], handle[WINDOW], handle[ROW_TILES] = tables.shape[1], bias.size, window, tiles
@@ -239,9 +247,10 @@ def _fill(handle, q, k, v, tables, n_pages, bias, key_positions, positions, wind
     handle[KEY_POSITIONS], handle[POSITIONS] = key_positions.ctypes.data, positions.ctypes.data
 
 
-def _handle(arrays: tuple, window: int, tiles: int) -> np.ndarray:
-    """pool_kernel's handle of attend_tables' arrays (q scaled, k, v, tables, n_pages, bias, key_positions,
-    positions): their shapes and addresses (read in numba: NumPy's ctypes attribute costs ~2 us an array)."""
-    handle = np.empty(HANDLE, np.int64)
+def _handle(arrays: tuple, scale: np.float32, window: int, tiles: int) -> np.ndarray:
+    """pool_kernel's handle of attend_tables' arrays (q, k, v, tables, n_pages, bias, key_positions, positions): their
+    shapes and addresses (read in numba: NumPy's ctypes attribute costs ~2 us an array) and the queries' scale."""
+    handle = np.zeros(HANDLE, np.int64)
     _fill(handle, *arrays, window, tiles)  # type: ignore[call-arg]
+    handle[SCALE:SCALE + 1].view(np.float32)[0] = scale
     return handle
