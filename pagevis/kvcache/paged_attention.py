@@ -195,15 +195,19 @@ def attend_stacked(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray
     """`attend_many`'s output as one (B, n_heads, d) array, and the AttentionResult of the rows in `wanted` only
     (indices: a decode step's watched sequences), so a step builds no per-sequence result nobody reads."""
     store, index, ps = layer.store, layer.layer, layer.page_size
-    owns = [layer.tables[seq.seq_id] for seq in seqs]
-    tables = [own.pages for own in owns]
-    counts = [len(table) for table in tables]
-    widest = max(counts)
-    padded = np.array([table + [0] * (widest - n) for table, n in zip(tables, counts, strict=True)], dtype=np.int64)
-    for i, (seq, own) in enumerate(zip(seqs, owns, strict=True)):
+    owns, tables, counts, built = [], [], [], set(wanted)  # built: the rows whose AttentionResult is made
+    for i, seq in enumerate(seqs):
+        own = layer.tables[seq.seq_id]
         own.read_slots = None
+        owns.append(own)
+        tables.append(own.pages)
+        counts.append(len(own.pages))
         if seq.policy.uses_queries or seq.channels is not None:
             observe_queries(seq, own.state, index, q[i: i + 1], positions[i: i + 1])
+        if seq.policy.uses_attention:
+            built.add(i)
+    widest = max(counts)
+    padded = np.array([table + [0] * (widest - n) for table, n in zip(tables, counts, strict=True)], dtype=np.int64)
     if store.k.dtype == np.float32:  # K/V read in place through the tables, the bias and the window's mask per slot
         output, weights = kernels.batch_decode_kernels().attend_tables(  # (layer.mask's), one numba call
             q, store.k, store.v, padded, np.array(counts), store.bias, store.positions, positions, layer.window or 0,
@@ -218,7 +222,7 @@ def attend_stacked(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray
         values = store.v[:, padded].reshape(n_kv, len(seqs), widest * ps, head_dim)
         output, weights = attend_decode_batch(q, keys, values, bias)
     results = {}
-    for i in sorted({*wanted, *(i for i, seq in enumerate(seqs) if seq.policy.uses_attention)}):
+    for i in sorted(built):
         slots = flat_slots(tables[i], ps)
         result = results[i] = AttentionResult(output[i: i + 1], weights[i: i + 1, :, :len(slots)], slots)
         if seqs[i].policy.uses_attention:
