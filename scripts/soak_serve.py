@@ -20,7 +20,8 @@ import time
 import httpx
 
 from pagevis.bench.serve import ServerProcess
-from pagevis.bench.serving import FOLLOW_UPS, QUESTIONS, SYSTEM_PROMPTS, first_turn, returning_turn
+from pagevis.bench.serving_workload import FOLLOW_UPS, QUESTIONS, SYSTEM_PROMPTS, first_turn
+from pagevis.simserver.workload import returning_turn
 
 
 def rss_mib(pid: int) -> float:

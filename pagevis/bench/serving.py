@@ -34,41 +34,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pagevis.bench.serve import ServerProcess, loopback_client
+from pagevis.bench.serving_workload import SYSTEM_PROMPTS, Users, first_turn
 from pagevis.simserver.workload import PoissonGaps, returning_turn
-from pagevis.simserver.workload import first_turn as chat_turn
 from pagevis.token_times import TokenTimes
 
 CONCURRENCIES = (1, 2, 4, 8, 16)
 SERVER_FLAGS = ()  # serve's defaults: a full cache per request (policy none), pages of 16, a 4096-token pool
-SYSTEM_PROMPTS = (
-    "You are the help desk of a small library that lends books, maps and recordings. Answer in two or three "
-    "short sentences, plainly, without lists. The library opens at nine in the morning and closes at six in "
-    "the evening, every day but Sunday. Members may borrow up to eight items at a time for three weeks, and "
-    "may renew an item twice unless someone else has reserved it. Late items cost ten cents a day, and no "
-    "more than the price of the item. Maps of the county and the old railway lines are kept in the reading "
-    "room and do not leave the building. Recordings can be heard in the listening booths on the first floor. "
-    "If a question is not about the library, say politely that you only know about the library and its "
-    "collections, and suggest asking at the front desk.",
-    "You are a patient tutor who explains how computers remember what they have just read. Keep every answer "
-    "short: at most three sentences, in everyday words, with one small example when it helps. A language "
-    "model reads text as tokens, and for every token it keeps a key and a value in each layer, so that the "
-    "next token can look back at all of them without computing them again. That memory is called the key "
-    "value cache. It grows with every token, so servers store it in fixed-size pages, share the pages of a "
-    "prompt that many requests have in common, and drop or move old entries when memory runs short. When a "
-    "student is confused, ask what they already know and build on it instead of repeating yourself.",
-)
-QUESTIONS = (
-    "When can I come in on a Saturday?", "How many books can I take home?", "What happens if I return a map late?",
-    "Can I renew a recording twice?", "Where do I listen to records?", "Do you have maps of the railway?",
-    "Why does the model keep keys and values?", "What is a page in this cache?", "How do requests share pages?",
-    "What happens when memory runs short?", "Is a token the same as a word?", "Why does the cache grow?",
-    "Could you explain that with an example?", "What is the reading room for?", "Do you lend films as well?",
-    "How much is the fine for a week?",
-)
-FOLLOW_UPS = ("Thanks. And on Sunday?", "Could you say that more simply?", "Why is that?", "And what about maps?",
-              "What would you suggest then?", "Can you give another example?")
-
-
 @dataclass
 class Outcome:
     """One request as its client saw it (seconds from its start)."""
@@ -123,29 +94,6 @@ def chat(client, model: str, messages: list[dict], max_tokens: int, system: int)
         outcome.error = f"{type(error).__name__}: {error}"
     outcome.e2e = time.perf_counter() - started
     return outcome
-
-
-class Users:
-    """Users in a fixed order (seeded): each has a system prompt, a question and a follow-up. A user's question
-    opens with its reader number, `tag`-N, unique in the run (each level and round has its own tag): no level
-    finds another level's users in the prefix cache (until session 13 a level reused the users of the level before
-    it in the round, which shared its seed: 8 clients found one client's prompts cached), and every level's
-    requests share with the cache what a user's do: the system prompts, and a returning user its first exchange."""
-
-    def __init__(self, seed: int, tag: str = "0") -> None:
-        self.rng = random.Random(seed)
-        self.lock = threading.Lock()
-        self.tag, self.count = tag, 0
-
-    def next(self) -> tuple[int, str, str]:
-        with self.lock:
-            self.count += 1
-            question = f"I am reader {self.tag}-{self.count}. {self.rng.choice(QUESTIONS)}"
-            return self.rng.randrange(len(SYSTEM_PROMPTS)), question, self.rng.choice(FOLLOW_UPS)
-
-
-def first_turn(system: int, question: str) -> list[dict]:
-    return chat_turn(SYSTEM_PROMPTS[system], question)
 
 
 def at_concurrency(url: str, model: str, concurrency: int, n_requests: int, max_tokens: int, seed: int,
@@ -258,18 +206,24 @@ def shared_tokens(tokenizer) -> list[int]:
 
 def run(model: str = "smollm2", concurrencies=CONCURRENCIES, rates=None, num_prompts: int | None = None,
         max_tokens: int = 32, seed: int = 0, flags: tuple[str, ...] = SERVER_FLAGS, progress=None,
-        rounds: int = 1) -> dict:
+        rounds: int = 1, bare: bool = True) -> dict:
     """Every level against one server process, the levels repeated `rounds` times in turn (so load from
-    elsewhere hits each alike); the result (levels, system prompt sizes, 8 clients over 1)."""
+    elsewhere hits each alike); the result (levels, system prompt sizes, 8 clients over 1). bare (when the levels
+    hold 1 and 8 clients): after each round, the same kind of requests from 1 and 8 clients in the bare engine in
+    this process (serving_bare.py), and the server's c8/c1 over the engine's."""
+    from pagevis.bench import serving_bare
     from pagevis.engine import ModelSpec
     from pagevis.serve.app import model_id
 
     spec = ModelSpec(kind=model)
-    tokenizer = spec.load().tokenizer
+    loaded = spec.load()
+    tokenizer = loaded.tokenizer
+    bare = bare and all(c in (concurrencies or ()) for c in serving_bare.BARE_LEVELS)
     shared = shared_tokens(tokenizer)
     name = model_id(spec)
     result = {"model": spec.label, "max_tokens": max_tokens, "server_flags": list(flags), "cpu_count": os.cpu_count(),
               "system_prompt_tokens": shared, "rounds": rounds, "levels": []}
+    clients = serving_bare.BareClients(loaded, max_tokens, seed) if bare else None
     with ServerProcess(model, flags=flags) as server:
         warm_up(server.url, name)
         levels = [("concurrency", c) for c in concurrencies or ()] + [("rate", r) for r in rates or ()]
@@ -280,7 +234,14 @@ def run(model: str = "smollm2", concurrencies=CONCURRENCIES, rates=None, num_pro
                 result["levels"].append(level)
                 if progress is not None:
                     progress(format_level(level))
+            for count in serving_bare.BARE_LEVELS if clients is not None else ():  # the server idles meanwhile
+                alone = clients.level(count, f"{index + 1}.bare{count}", index)
+                result.setdefault("bare_levels", []).append(alone)
+                if progress is not None:
+                    progress(serving_bare.format_bare(alone))
     result.update(eight_over_one(result["levels"]))
+    if clients is not None:
+        result.update(serving_bare.bare_over(result["bare_levels"], result))
     return result
 
 
@@ -429,6 +390,13 @@ def format_table(result: dict) -> str:
                else "")
         lines.append(f"output tokens/s at 8 clients = {result['c8_over_c1']:.2f}x one client by wall clock{cpu}"
                      f"{rounds} (target >= 3.5)")
+    if "bare_c8_over_c1" in result:
+        from pagevis.bench.serving_bare import format_bare
+
+        lines += [format_bare(level) for level in result["bare_levels"]]
+        served = result.get("served_over_bare")
+        lines.append(f"the engine alone on the same kind of requests: 8 clients = {result['bare_c8_over_c1']:.2f}x one"
+                     + ("" if served is None else f"; the server's ratio is {served:.2f} of it"))
     rates = [level["prefix_hit_rate"] for level in result["levels"] if level["prefix_hit_rate"] is not None]
     if rates:
         lines.append(f"prompt tokens from the prefix cache: {100 * min(rates):.1f}-{100 * max(rates):.1f}% per level")

@@ -91,6 +91,9 @@ def _serve_parser(targets) -> argparse.ArgumentParser:
     sub.add_argument("--hostile", action="store_true", help="instead: eight clients' chat latency on an idle "
                      "server and while one client sends the worst requests (2 MB stop strings, lone surrogates, "
                      "1.1 M characters of content, injected control tokens), phases alternating")
+    sub.add_argument("--no-bare", action="store_true", help="with 1 and 8 clients among the levels, the bench also "
+                     "runs the same kind of requests in the engine alone (no HTTP) after each round and says the "
+                     "server's c8/c1 over the engine's; this skips that")
     sub.add_argument("--out", default=".", metavar="DIR", help="folder for bench-serve.png (default .)")
     sub.add_argument("--no-files", action="store_true", help="write no PNG")
     return _common(sub, serve_main, 32)
@@ -215,7 +218,7 @@ def serve_main(args: argparse.Namespace) -> int:
     # --threads: the server's weight threads (its default: every core, up to 2)
     flags = serving.SERVER_FLAGS + (() if args.threads is None else ("--threads", str(args.threads)))
     result = serving.run(model, concurrencies, rates, args.num_prompts, args.output_tokens, progress=say,
-                         rounds=args.rounds, flags=flags)
+                         rounds=args.rounds, flags=flags, bare=not args.no_bare)
     if not args.no_files:
         from pagevis.plots import line_plot
 
