@@ -235,7 +235,8 @@ def run(model: str = "smollm2", concurrencies=CONCURRENCIES, rates=None, num_pro
                 if progress is not None:
                     progress(format_level(level))
             for count in serving_bare.BARE_LEVELS if clients is not None else ():  # the server idles meanwhile
-                alone = clients.level(count, f"{index + 1}.bare{count}", index)
+                tag = next(f"{index + 1}.{number + 1}" for number, level in enumerate(levels) if level == ("concurrency", count))
+                alone = clients.level(count, tag, index)  # the very requests that level's users sent the server
                 result.setdefault("bare_levels", []).append(alone)
                 if progress is not None:
                     progress(serving_bare.format_bare(alone))

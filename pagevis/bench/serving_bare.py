@@ -6,8 +6,9 @@ The engine is set up as the server sets up its default pool (serve's defaults: p
 cache per request, the pool of --max-cache-tokens, --max-running, --token-budget, --max-chunk). One client: two
 users, one request at a time (a user's first turn, then the returning turn with the answer it got). Eight: eight
 users in lockstep, as the bench's eight clients run (their first turns submitted together and run to the end, then
-their returning turns). Users are serving_workload.Users with their own reader numbers, so nothing is cached but the system
-prompts (warmed first, as the server is). Tokens/s is the wall clock over the level.
+their returning turns). The users are the ones the bench's level sent the server (serving_workload.Users with that
+level's tag), so the engine alone gets the same prompts; its own prefix cache holds the system prompts (warmed first,
+as the server is) and what the level's own requests leave. Tokens/s is the wall clock over the level.
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ class BareClients:
         ids = list(self.model.tokenizer.encode_chat(messages))
         return self.engine.submit(ids, max_new_tokens=max_tokens, ignore_eos=True)
 
+    def _streamed(self, generated: list[int]) -> str:
+        """The text a client of the server gets for these tokens (openai_api.Generation.pieces: an incremental
+        decoder fed every token but the end-of-sequence ones)."""
+        eos, decoder = self.model.config.eos_ids, self.model.tokenizer.incremental_decoder()
+        return "".join(decoder.feed(t) for t in generated if t not in eos) + decoder.flush()
+
     def level(self, clients: int, tag: str, round_index: int = 0) -> dict:
         """`clients` clients' users (two each, as the bench's levels send 2 x the concurrency requests): output
         tokens/s by the wall clock, and the prompt rows the engine fed per output token."""
@@ -82,8 +89,8 @@ class BareClients:
                     seqs.append(self._submit(messages, self.max_tokens))
                 run(self.engine, on_step=count)
                 for (system, question, _), seq in zip(group, seqs, strict=True):
-                    if not turn:  # the answer the user returns with
-                        self.answers[(system, question)] = self.engine.text(seq)
+                    if not turn:  # the answer the user returns with: its text as the server streams it (no eos)
+                        self.answers[(system, question)] = self._streamed(self.engine.requests[seq].generated)
                     tokens += len(self.engine.requests[seq].generated)
                     self.engine.forget(seq)
         seconds = time.perf_counter() - started
