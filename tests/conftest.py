@@ -22,17 +22,29 @@ settings.register_profile("pagevis", derandomize=not os.environ.get("PAGEVIS_HYP
 settings.load_profile("pagevis")
 
 
+# What the background loader compiles, in the order the tests first need it: the weight kernels, the prefill rows'
+# kernels, the spin pool (two weight threads), the int8 batch kernels (where the CPU has VNNI).
+_LOADER_STEPS = (
+    "from pagevis.model.quantized import kernels; kernels()",
+    "from pagevis.model.quantized import _rows_kernel; _rows_kernel('u4', None)",
+    "from pagevis.model.weight_threads import set_weight_threads; from pagevis.model.quantized import spin_pool; "
+    "set_weight_threads(2); spin_pool()",
+    "from pagevis.model import int8_rows; int8_rows.route() == 'vnni' and int8_rows._kernels()",
+)
+# The loader lets go of the compile lock between its steps for this long: one lock covers every kernel module, and a
+# test waiting for one (polling every 0.1 s) lost the lock to the loader's next step each time it was let go -- on
+# a clean clone the first model test waited ~80 s for kernels compiled long before (kernel_loader._flock).
+_LOADER_PAUSE = 0.4
+
+
 @pytest.fixture(autouse=True, scope="session")
 def weight_kernels_ready_beside():
-    """Load (on a clean checkout: compile, ~25 s) the quantized-weight kernels in another process while the first
-    tests run on this core: the first test that needs them waits on their lock (kernel_loader._compile_lock) for what
-    is left (PAGEVIS_KERNEL_LOCK_WAIT above; the app waits 15 s, then compiles its own in memory), then loads them
-    from numba's cache."""
-    loader = subprocess.Popen([sys.executable, "-c", "from pagevis.model.quantized import kernels, _rows_kernel, "
-                               "spin_pool; from pagevis.model.weight_threads import set_weight_threads; kernels(); "
-                               "_rows_kernel('u4', None); set_weight_threads(2); spin_pool(); from pagevis.model import int8_rows; "
-                               "int8_rows.route() == 'vnni' and int8_rows._kernels()"],  # batch, spin pool, int8
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """Load (on a clean checkout: compile, ~60 s) the quantized-weight kernels in another process while the first
+    tests run on this core: a test that needs them waits on their lock (kernel_loader._compile_lock) for what is
+    left of the step compiling them (PAGEVIS_KERNEL_LOCK_WAIT above; the app waits 15 s, then compiles its own in
+    memory), then loads them from numba's cache."""
+    script = f"import time\nfor step in {_LOADER_STEPS!r}:\n    exec(step)\n    time.sleep({_LOADER_PAUSE})\n"
+    loader = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     yield
     loader.wait()
 
