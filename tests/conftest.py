@@ -37,6 +37,16 @@ _LOADER_STEPS = (
 _LOADER_PAUSE = 0.4
 
 
+# Modules whose first tests need the loader's kernels (SmolLM2 decoding on two weight threads) but sort among the
+# first: they run last, after tests that need none of them, so on a clean clone they find those kernels compiled
+# rather than wait for them (test_api's first test waited 40-100 s, test_batch_decode_kernel's pool test 160 s).
+_RUN_LAST = ("test_api.py", "test_batch_decode_kernel.py", "test_batch_kernels.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name in _RUN_LAST)  # stable: the order within each part is kept
+
+
 @pytest.fixture(autouse=True, scope="session")
 def weight_kernels_ready_beside():
     """Load (on a clean checkout: compile, ~60 s) the quantized-weight kernels in another process while the first
