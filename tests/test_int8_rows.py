@@ -105,6 +105,47 @@ def test_the_spin_pools_two_threads_give_the_one_thread_int8_rows_bit_for_bit(ki
                 weight_threads.set_weight_threads(1)
 
 
+def test_products_are_cut_by_their_estimated_time_and_never_into_more_chunks_than_the_pool_holds():
+    """int8_rows.chunks: a small product stays whole (1), others at least 2 chunks, more with more rows and tiles;
+    Gemma 3's tied logits (4,096 tiles) at 16 rows ask for more than the pool's chunk states, and spin_pool._post
+    cuts at most MAX_CHUNKS whatever it is asked."""
+    from pagevis.model import spin_pool as sp
+
+    assert int8_rows.MAX_CHUNKS == sp.MAX_CHUNKS
+    assert int8_rows.chunks(2, 18, 2) == 1 and int8_rows.chunks(9, 18, 2) == 2  # SmolLM2's o projection: 2 halves
+    assert int8_rows.chunks(48, 18, 16) > int8_rows.chunks(48, 18, 2) >= 2
+    assert int8_rows.chunks(4096, 20, 16) == sp.MAX_CHUNKS
+    ctrl, job = sp.new_control(), np.zeros(sp.DESCRIPTOR, np.int64)
+    job[sp.TILES] = 4096
+    count = sp._post(ctrl, job, 1, 0, 16, 4096 * 64, np.empty(0, np.float32), 0, 1000)
+    assert count <= sp.MAX_CHUNKS and count * int(ctrl[sp.CHUNK]) >= 4096
+
+
+@vnni
+def test_a_product_is_offered_to_the_helper_only_while_it_spins_or_as_one_probe_in_eight():
+    """spin_pool.product_kernel posts a job while the helper noted its spin within STALE_NS (BEAT); with a stale
+    beat (a descheduled or sleeping helper) it computes the product whole on the caller, except one tag in
+    PROBE_EVERY: the rows the same bits either way (no helper runs on this control array: the caller takes every
+    chunk of a posted job)."""
+    import time
+
+    from pagevis.model import spin_pool as sp
+
+    rng = np.random.default_rng(11)
+    matrix = pack(Q.Q4_0, random_blocks(Q.Q4_0, 20 * 64, 64, rng), 64)
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    with int8_rows.batched(True):
+        one = x @ matrix
+    kernels, handle = int8_rows._kernels(), int8_rows.handle(matrix, len(x))
+    for beat, tag, posted in ((0, 5, False), (0, 8, True), ("now", 5, True)):
+        ctrl, out = sp.new_control(), np.full((len(x), matrix.tiles * 64), np.nan, np.float32)
+        ctrl[sp.BEAT] = time.clock_gettime_ns(time.CLOCK_MONOTONIC) if beat == "now" else beat
+        sp.product_kernel(ctrl, matrix.descriptor, tag, handle, x, out, np.empty(out.size, np.float32),
+                          kernels["prepare"], kernels["pool"], 4)
+        assert bool(ctrl[sp.NEXT] >> 32 == tag) is posted, (beat, tag)
+        assert np.array_equal(out[:, :matrix.n_out].view(np.int32), one.view(np.int32))
+
+
 @vnni
 def test_one_row_many_rows_and_products_outside_a_batch_stay_exact():
     """Inside `batched(True)` every product of 2+ rows takes int8 (the engine enters it only for decode rows); one

@@ -35,11 +35,14 @@ from pagevis.model.resident import release_compiler_pages
 
 NO_VNNI_ENV = "PAGEVIS_NO_VNNI"
 TILE = 64
-# Two weight threads: every product goes to the spin pool (a helper that is not running takes no chunk and costs the
-# caller ~1 us), cut by `chunks`: below POOL_TILES tiles in two halves (a chunk's fixed cost, ~0.2-0.3 us, is a
-# tenth of a 9-tile product at 2 rows), else into POOL_CHUNKS or more chunks of at most POOL_CHUNK_TILES tiles (~20-25
-# us at 8 rows): a chunk the helper stalls on (its core went elsewhere) costs the caller about a chunk's time more
-POOL_TILES, POOL_CHUNKS, POOL_CHUNK_TILES = 16, 4, 16
+# Two weight threads: a product goes to the spin pool cut by `chunks`, from its estimated time on one thread: a tile
+# times a group of 32 inputs takes ~TILE_GROUP_NS[0] + TILE_GROUP_NS[1] ns a row (SmolLM2, one thread: 40 ns at 2 rows,
+# 75 at 8, 130 at 16). Sharing costs the caller ~1-1.5 us (the post, a second kernel call, the wait for and copy of the
+# helper's chunk; a chunk more ~0.2-0.3 us), so a product under SHARE_NS stays whole; others are cut into chunks of
+# about CHUNK_NS, at least two: a chunk the helper stalls on (its core went elsewhere) costs the caller about a
+# chunk's time more. A helper that is not spinning is offered few (spin_pool.STALE_NS)
+TILE_GROUP_NS, SHARE_NS, CHUNK_NS = (25.0, 6.5), 4_000.0, 16_000.0
+MAX_CHUNKS = 256  # spin_pool.MAX_CHUNKS (a job's chunk states)
 _STATE = threading.local()
 
 
@@ -105,6 +108,11 @@ _KERNELS: dict | None = None
 def handle(matrix, rows: int) -> np.ndarray:
     """int8_kernels' handle of `rows` rows times matrix (its arrays, and this thread's arrays the rows are quantised
     into: `_quantised`), built once per matrix, row count and thread and kept on the matrix."""
+    return _entry(matrix, rows)[1]
+
+
+def _entry(matrix, rows: int) -> tuple:
+    """(this thread's token, handle(), the quantised rows' arrays, `chunks` on two threads) of matrix and rows."""
     token = _STATE.__dict__.get("token")
     if token is None:
         token = _STATE.token = object()  # this thread's: a handle built by another thread holds that one's
@@ -116,8 +124,8 @@ def handle(matrix, rows: int) -> np.ndarray:
         size = 16 if matrix.fmt == "i8" and matrix.arrays[3] > 1 else 32
         quantised = _quantised(rows, matrix.n_in, size)
         entry = handles[rows] = (token, _kernels()["handle"](matrix.fmt, matrix.arrays, matrix.n_in, quantised),
-                                 quantised)
-    return entry[1]
+                                 quantised, chunks(matrix.tiles, matrix.n_in // 32, rows))
+    return entry
 
 
 def _quantised(rows: int, n_in: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -150,17 +158,18 @@ def product(matrix, x: np.ndarray, pool=None) -> np.ndarray | None:
 
 
 def _int8(matrix, x: np.ndarray, pool) -> np.ndarray:
-    kernels, tiles = _kernels(), matrix.tiles
-    out = np.empty((len(x), tiles * TILE), np.float32)
-    h = handle(matrix, len(x))
-    if pool is not None and pool.helping():  # two threads: the spin pool's helper takes tiles too
-        pool.product_kernel(kernels["pool"], kernels["prepare"], matrix.descriptor, matrix.arrays, h, x, out,
-                            chunks(tiles, len(x)))
-    else:
+    kernels = _kernels()
+    out = np.empty((len(x), matrix.tiles * TILE), np.float32)
+    _, h, _, count = _entry(matrix, len(x))
+    if pool is not None and count > 1:
+        pool.product_kernel(kernels["pool"], kernels["prepare"], matrix.descriptor, matrix.arrays, h, x, out, count)
+    else:  # one thread, or a product too small to share
         kernels["product"](h, x, out, kernels["pool"])
     return out[:, :matrix.n_out]
 
 
-def chunks(tiles: int, rows: int) -> int:
-    """How many chunks a product of `rows` rows by `tiles` tiles is cut into for the spin pool's two threads."""
-    return max(POOL_CHUNKS, -(-tiles // POOL_CHUNK_TILES)) if tiles >= POOL_TILES else 2
+def chunks(tiles: int, groups: int, rows: int) -> int:
+    """How many chunks a product of `rows` rows by `tiles` tiles of `groups` groups of 32 inputs is cut into for the
+    spin pool's two threads (1: not shared)."""
+    work = tiles * groups * (TILE_GROUP_NS[0] + TILE_GROUP_NS[1] * rows)
+    return 1 if work < SHARE_NS else max(2, min(tiles, MAX_CHUNKS, round(work / CHUNK_NS)))

@@ -66,6 +66,11 @@ SPIN_NS, SLEEP_US, IDLE_NS = 2_000_000, 50, 100_000_000
 # after PROBE_AFTER products in a row without the helper (its core is busy elsewhere), only one product in
 # PROBE_EVERY is shared, in two halves, until the helper takes one: the others cost the caller nothing more
 PROBE_AFTER, PROBE_EVERY = 16, 8
+# product_kernel's jobs (several rows) are offered to the helper while it spins: it last did so at most STALE_NS ago
+# (it notes the time each turn, ~1 us); else only one in PROBE_EVERY, so that a sleeping helper finds one and spins
+# again, and the others run whole on the caller at no cost (a descheduled helper notes nothing)
+STALE_NS = 20_000
+PARKED_SEEN = -2  # product_kernel's answer when the helper was parked
 
 # A matrix's descriptor (describe()): its kernel's family and flags, tiles, input size and six arrays (address and
 # four dimensions each)
@@ -74,8 +79,8 @@ ARRAYS = 6
 DESCRIPTOR = ARRAYS + 30
 # the control array: words the two threads write often on cache lines of their own; then the job
 NEXT, HELPER_SEQ, STOP, PARKED, OWNER = 0, 8, 16, 24, 32
-HELPED, TAKEN_OVER, CLOCK, MISSES = 40, 41, 42, 43  # chunks the helper computed, chunks the caller took back; the
-# clock's id; products in a row the helper took no chunk of
+HELPED, TAKEN_OVER, CLOCK, MISSES, BEAT = 40, 41, 42, 43, 44  # chunks the helper computed, chunks the caller took
+# back; the clock's id; products in a row the helper took no chunk of; when the helper last spun waiting for a job
 STATE = 48  # per chunk: tag << 2 | DONE once the helper's copy is in scratch
 # the job's input, tiles a chunk, the helper's scratch; a prefill's block of rows (0: one row), its output's row, and
 # the address of the rows kernel (rows_kernel: one compiled copy, called through its address); the kernel a job of
@@ -279,8 +284,10 @@ def serve(ctrl):
             help_job(ctrl, word)
             idle_from = _clock_ns(clock)
             continue
-        idle = _clock_ns(clock) - idle_from
+        now = _clock_ns(clock)
+        idle = now - idle_from
         if idle < SPIN_NS:
+            _store(ctrl, BEAT, now)
             for _ in range(32):
                 _pause()
         elif idle < IDLE_NS:
@@ -340,7 +347,7 @@ def _post(ctrl, job, tag, x_address, rows, stride, scratch, kernel, chunks):
     claims none (nothing to probe)."""
     tiles = job[TILES]
     if rows:
-        chunk = max(1, -(-tiles // chunks))
+        chunk = max(1, -(-tiles // chunks), -(-tiles // MAX_CHUNKS))
     elif ctrl[MISSES] > PROBE_AFTER:  # the helper is not running: one small product in PROBE_EVERY offers it half
         if tag % PROBE_EVERY or tiles > PROBE_TILES:
             return 0
@@ -407,23 +414,32 @@ def product_rows(ctrl, job, tag, x, out, scratch, block):
         _store(ctrl, OWNER, 0)  # type: ignore[call-arg]
 
 
-@njit("void(int64[::1], int64[::1], int64, int64[::1], float32[:, ::1], float32[:, ::1], float32[::1], int64, int64, "
+@njit("int64(int64[::1], int64[::1], int64, int64[::1], float32[:, ::1], float32[:, ::1], float32[::1], int64, int64, "
       "int64)", cache=True, nogil=True)
 def product_kernel(ctrl, job, tag, handle, x, out, scratch, prepare, kernel, chunks):
     """out = the rows x times the matrix job describes, computed by the C function at kernel (rows_kernel's
     signature, given handle's address for its input) over `chunks` chunks of tiles shared with the helper, after the
     C function at prepare made the handle's input of x (called as prepare(job, handle, rows, x, 0, 0, 0)): the int8
     decode rows of several sequences (int8_kernels.quantise_kernel quantises the rows into the handle's arrays,
-    once for both threads; pool_kernel multiplies them)."""
+    once for both threads; pool_kernel multiplies them). Offered to the helper only while it spins (BEAT), or as one
+    probe in PROBE_EVERY; returns PARKED_SEEN if the helper is parked (the caller wakes it: whole here meanwhile),
+    else the job the helper announced last (HELPER_SEQ: the caller holds this job's arrays while it may read them)."""
     rows = x.shape[0]
     _call(prepare, job.ctypes.data, handle.ctypes.data, rows, x.ctypes.data, 0, 0, 0)  # type: ignore[call-arg]
+    parked = _load(ctrl, PARKED) != 0
+    if parked:
+        _store(ctrl, PARKED, 0)
+        chunks = 1
+    elif tag % PROBE_EVERY and _clock_ns(ctrl[CLOCK]) - _load(ctrl, BEAT) > STALE_NS:
+        chunks = 1  # the helper is not spinning: whole here (count 0)
     count = _post(ctrl, job, tag, handle.ctypes.data, rows, out.shape[1], scratch, kernel, chunks)
     if count == 0:
         _call(kernel, job.ctypes.data, handle.ctypes.data, rows, 0, job[TILES], out.ctypes.data,
               out.shape[1])
-        return
-    run(ctrl, tag, count, carray(_f32(out.ctypes.data), (out.size,)), scratch)
-    _store(ctrl, OWNER, 0)
+    else:
+        run(ctrl, tag, count, carray(_f32(out.ctypes.data), (out.size,)), scratch)
+        _store(ctrl, OWNER, 0)
+    return PARKED_SEEN if parked else _load(ctrl, HELPER_SEQ)
 
 
 @njit("void(int64[::1], int64[::1], int64, int64[::1], float32[::1], float32[::1], int64, int64)", cache=True,
@@ -475,7 +491,7 @@ class SpinPool:
         # elsewhere) reads STOP from it, not from freed memory (1.4 KB, once a pool)
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.ctrl))
         self.scratch = np.empty(0, np.float32)
-        self.tag, self.skipped = 0, 0
+        self.tag = 0
         self.held: tuple | None = None  # (tag, what its addresses point into) while the helper may still read them
         self.wake = threading.Event()
         self.niceness = niceness
@@ -531,18 +547,18 @@ class SpinPool:
                        x: np.ndarray, out: np.ndarray, chunks: int) -> None:
         """out (rows, the matrix's tiles' rows) = the rows x times the matrix job describes, by the C function at
         kernel after the one at prepare made handle's input of x, its tiles in `chunks` chunks shared with the
-        helper (product_kernel; arrays: what job and handle point into, held while the helper may read them)."""
-        tag = self._ready(out.size)
-        product_kernel(self.ctrl, job, tag, handle, x, out, self.scratch, prepare, kernel, chunks)
-        self._hold(tag, (job, arrays, handle, self.scratch))
-
-    def helping(self) -> bool:
-        """Whether to offer the helper a product that costs the caller more cut into chunks (product_kernel's):
-        yes while it takes chunks; after PROBE_AFTER products in a row without it, one in PROBE_EVERY."""
-        if self.ctrl[MISSES] <= PROBE_AFTER:
-            return True
-        self.skipped += 1
-        return self.skipped % PROBE_EVERY == 0
+        helper (product_kernel; arrays: what job and handle point into, held while the helper may read them). The
+        pool's bookkeeping (_ready, _hold) in a few Python operations: this runs ~120 times a batched step."""
+        if self.scratch.size < out.size:
+            self.scratch = np.empty(out.size, np.float32)
+        self.tag = tag = self.tag % (1 << 30) + 1
+        seen = product_kernel(self.ctrl, job, tag, handle, x, out, self.scratch, prepare, kernel, chunks)
+        if seen == tag:
+            self.held = (tag, (job, arrays, handle, self.scratch))
+        elif seen == PARKED_SEEN:
+            self.wake.set()
+        elif seen < 0:
+            self.held = None
 
     def items(self, kernel: int, job: np.ndarray, handle: np.ndarray, arrays: tuple, out: np.ndarray,
               count: int) -> None:
