@@ -235,7 +235,8 @@ def _job(tiles: int) -> np.ndarray:
     return job
 
 
-@njit(cache=True, nogil=True)
+@njit("void(int64[::1], float32[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], int64[:, ::1], int64[::1], "
+      "float32[::1], int64[::1], int64[::1], int64, int64)", cache=True, nogil=True)
 def _fill(handle, q, k, v, tables, n_pages, bias, key_positions, positions, window, tiles):  # pragma: no cover
     """The handle's shapes and addresses (its SCALE word: attend_tables writes the float32's bits)."""
     handle[BATCH], handle[HEADS], handle[DIM] = q.shape
