@@ -31,7 +31,8 @@ def write_many(layer: LayerManager, seqs: list[SequenceCache], k: np.ndarray, v:
     windowed, can_allocate, budget = layer.window is not None, store.pages.can_allocate, layer.budget
     ps, index, step, events = layer.page_size, layer.layer, log.step, log.events
     shared, registered = store.pages.ref_counts, store.pages.frame_hash
-    for i, (seq, position) in enumerate(zip(seqs, positions.tolist(), strict=True)):
+    ints = positions.tolist()
+    for i, (seq, position) in enumerate(zip(seqs, ints, strict=True)):
         seq_id = seq.seq_id
         if position > seq.newest:  # (read by no write of this token: a local layer's slide takes `position`)
             seq.newest = position
@@ -68,17 +69,19 @@ def write_many(layer: LayerManager, seqs: list[SequenceCache], k: np.ndarray, v:
                 rows.append(i)
                 continue
         log.acting = seq_id
-        _write_held(layer, flats, rows, k, v, positions)
+        _write_held(layer, flats, rows, k, v, positions, ints)
         append_one(i)
         events = log.events
     if seqs:
         log.acting = seqs[-1].seq_id
-    _write_held(layer, flats, rows, k, v, positions)
+    _write_held(layer, flats, rows, k, v, positions, ints)
 
 
 def _write_held(layer: LayerManager, flats: list[int], rows: list[int], k: np.ndarray, v: np.ndarray,
-                positions: np.ndarray) -> None:
+                positions: np.ndarray, ints: list[int]) -> None:
+    """The held tokens' K/V in one store call (ints: positions as a list)."""
     if flats:
-        layer.store.write_rows(np.array(flats, np.int64), np.array(rows, np.int64), k, v, positions)
+        newest = max(ints) if len(rows) == len(ints) else max(ints[i] for i in rows)  # (commonly: every row)
+        layer.store.write_rows(np.array(flats, np.int64), np.array(rows, np.int64), k, v, positions, newest)
         flats.clear()
         rows.clear()

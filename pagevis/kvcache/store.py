@@ -173,14 +173,16 @@ class PageStore:
             np.minimum(self.key_min[:, page], k, out=self.key_min[:, page])
             np.maximum(self.key_max[:, page], k, out=self.key_max[:, page])
 
-    def write_rows(self, flats: np.ndarray, rows: np.ndarray, k: np.ndarray, v: np.ndarray,
-                   positions: np.ndarray) -> None:
+    def write_rows(self, flats: np.ndarray, rows: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray,
+                   newest: int) -> None:
         """`write` of several tokens at once: row rows[i] of k, v (B, n_kv_heads, head_dim) and positions (B,) into
-        flat slot flats[i] (distinct slots), in one numba call. Float32 RAM pages only (`in_place`: frames are page
-        ids, `k_rows` / `v_rows` the pool; no Quest bounds): kvcache/batch_writes.py."""
+        flat slot flats[i] (distinct slots), in one numba call; `newest`: the largest of positions[rows] (the caller
+        has them as ints). Float32 RAM pages only (`in_place`: frames are page ids, `k_rows` / `v_rows` the pool; no
+        Quest bounds): kvcache/batch_writes.py."""
         batch_decode_kernels().write_rows(self.k_rows, self.v_rows, self.positions, self.fill, self.tier.bias, flats,
                                           rows, k, v, positions, self.page_size)
-        self.newest = max(self.newest, int(positions[rows].max()))
+        if newest > self.newest:
+            self.newest = newest
 
     def mark_written(self, flat: int, page: int, frame: int, slot: int, position: int) -> None:
         """A token's K/V went into slot flat (`write`; the decode kernel, in place: `in_place`)."""
