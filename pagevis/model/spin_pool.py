@@ -66,9 +66,10 @@ SPIN_NS, SLEEP_US, IDLE_NS = 2_000_000, 50, 100_000_000
 # after PROBE_AFTER products in a row without the helper (its core is busy elsewhere), only one product in
 # PROBE_EVERY is shared, in two halves, until the helper takes one: the others cost the caller nothing more
 PROBE_AFTER, PROBE_EVERY = 16, 8
-# product_kernel's jobs (several rows) are offered to the helper while it spins: it last did so at most STALE_NS ago
-# (it notes the time each turn, ~1 us); else only one in PROBE_EVERY, so that a sleeping helper finds one and spins
-# again, and the others run whole on the caller at no cost (a descheduled helper notes nothing)
+# product_kernel's jobs (several rows) are offered to the helper while its BEAT is at most STALE_NS old: it notes the
+# time each turn it spins (~1 us), and before each sleep the time it will be back by (4 SLEEP_US: a sleeping helper
+# finds the next job and spins again); else (a descheduled helper notes nothing) only one in PROBE_EVERY, the others
+# whole on the caller at no cost
 STALE_NS = 20_000
 PARKED_SEEN = -2  # product_kernel's answer when the helper was parked
 
@@ -290,7 +291,8 @@ def serve(ctrl):
             _store(ctrl, BEAT, now)
             for _ in range(32):
                 _pause()
-        elif idle < IDLE_NS:
+        elif idle < IDLE_NS:  # asleep, but back within a few SLEEP_US: jobs are still worth offering
+            _store(ctrl, BEAT, now + 4_000 * SLEEP_US)
             _usleep(SLEEP_US)
         else:
             _store(ctrl, PARKED, 1)
