@@ -129,8 +129,9 @@ class LayerManager:
         """ConfigError when a child of the parent's first n tokens cannot be made here."""
 
     def gathers(self, seq: SequenceCache) -> bool:
-        """Whether a sole sequence's attention gathers its pages rather than reading the used prefix in place."""
-        return False
+        """Whether a sole sequence's attention gathers its pages rather than reading the used prefix in place: when
+        the prefix is over twice its pages (a pool aged by cached pages: docs/serving.md, issue 43)."""
+        return 2 * len(self.tables[seq.seq_id].pages) < self.store.high_water
 
     def mask(self, bias: np.ndarray, key_positions: np.ndarray, positions: np.ndarray) -> None:
         """Add -inf to `bias` (queries x keys) where a query at `positions` must not see a key here."""
@@ -454,11 +455,6 @@ class SlidingWindowManager(LayerManager):
             raise ConfigError("n_tokens", n, f"at least {slid + self.window} for sequence "
                               f"{parent.seq_id}: local layer {self.layer} (window {self.window}) no longer holds "
                               f"position {slid}")
-
-    def gathers(self, seq):
-        # the window may sit far above the pool's bottom (slid-out pages stay cached below it): gathering its few
-        # pages beats reading the whole used prefix
-        return 2 * len(self.tables[seq.seq_id].pages) < self.store.high_water
 
     def mask(self, bias, key_positions, positions):
         bias[key_positions <= positions[:, None] - self.window] = -np.inf
