@@ -181,8 +181,7 @@ class PageStore:
         Quest bounds): kvcache/batch_writes.py."""
         batch_decode_kernels().write_rows(self.k_rows, self.v_rows, self.positions, self.fill, self.tier.bias, flats,
                                           rows, k, v, positions, self.page_size)
-        if newest > self.newest:
-            self.newest = newest
+        self.newest = max(self.newest, newest)
 
     def mark_written(self, flat: int, page: int, frame: int, slot: int, position: int) -> None:
         """A token's K/V went into slot flat (`write`; the decode kernel, in place: `in_place`)."""
