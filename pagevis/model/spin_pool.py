@@ -262,14 +262,11 @@ def help_job(ctrl, seen):
     """Take chunks of the job seen (a NEXT word) until none is left, each into scratch, marked done."""
     tag = seen >> 32
     word = seen
-    job = np.empty(WORDS, np.int64)  # the claimed job's words, as ctrl lays them out (X on)
+    job = np.empty(WORDS, np.int64)  # the job's words (X on), copied before each claim: after it, a helper
+    # descheduled could read the next job's (its chunk taken back, another posted), whose arrays nothing holds for it
     while (word >> 32) == tag and (word & INDEX_MASK) < ((word >> COUNT_BITS) & INDEX_MASK):
-        # before the claim: the caller's side then keeps the job's arrays alive
-        _store(ctrl, HELPER_SEQ, tag)  # type: ignore[call-arg]
-        # read before the claim, not after: a helper descheduled between a claim and its reads could find the next
-        # job's words (the caller takes a late chunk back, ends the job, posts another), whose arrays nothing keeps
-        # alive for it; a claim that succeeds proves these were its job's (no job is posted while a chunk is unclaimed)
-        job[X:] = ctrl[X:]
+        _store(ctrl, HELPER_SEQ, tag)  # type: ignore[call-arg]  # before the claim: the caller then holds its arrays
+        job[X:] = ctrl[X:]  # a claim that succeeds proves them its job's: no job is posted while a chunk is unclaimed
         if _swap(ctrl, NEXT, word, word + 1) == word:
             index = word & INDEX_MASK
             _compute(job, index, job[SCRATCH])
