@@ -82,7 +82,7 @@ def batched(on: bool, masks: tuple[np.ndarray, ...] = ()) -> Iterator[None]:
     are in an all-exact step), a product of another count stays exact; no masks: every row in int8."""
     previous = getattr(_STATE, "on", False), getattr(_STATE, "masks", None)
     _STATE.on = bool(on) and route() == "vnni"
-    _STATE.masks = {len(mask): mask for mask in masks} if masks else None
+    _STATE.masks = {len(mask): mask for mask in masks} if masks and _STATE.on else None
     try:
         yield
     finally:
