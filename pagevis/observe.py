@@ -233,7 +233,7 @@ class EngineObserver:
         m, now = self.metrics, time.monotonic()
         fed = [seq for seq in record.seqs if seq.kind != "fork"]
         if fed:
-            prompt = sum(seq.kind == "prefill" or seq.n_tokens > 1 for seq in fed)
+            prompt = sum(seq.feeds_prompt for seq in fed)
             mix = STEP_MIXES[0 if not prompt else 1 if prompt == len(fed) else 2]
             m.engine_step_seconds.labels(mix).observe(record.seconds)
             m.iteration_tokens.labels(mix).observe(sum(seq.n_tokens for seq in fed))

@@ -76,7 +76,7 @@ class BareClients:
 
         def count(record) -> None:
             nonlocal prompt_rows
-            prompt_rows += sum(s.n_tokens for s in record.seqs if s.kind == "prefill" or s.n_tokens > 1)
+            prompt_rows += sum(s.n_tokens for s in record.seqs if s.feeds_prompt)
 
         started = time.perf_counter()
         for group in groups:

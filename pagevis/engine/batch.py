@@ -42,6 +42,11 @@ class SeqStep:
     n_tokens: int
     next_token: int  # -1 when this step did not end the sequence's known tokens
 
+    @property
+    def feeds_prompt(self) -> bool:
+        """Whether the step fed this sequence prompt rows (a prefill chunk, or more than one token)."""
+        return self.kind == "prefill" or self.n_tokens > 1
+
 
 @dataclass(frozen=True)
 class BatchRecord:

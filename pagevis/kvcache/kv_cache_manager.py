@@ -438,7 +438,7 @@ class KVCacheManager:
         (B, n_heads, head_dim) array and the AttentionResult of the rows in `wanted` (indices into seq_ids) only: a
         batched decode step's layer."""
         seqs = [self.sequences[s] for s in seq_ids]
-        if len(seqs) < 2 or not paged_attention.can_attend_many(self.layers[layer], seqs, self.select_pages):
+        if not paged_attention.can_attend_many(self.layers[layer], seqs, self.select_pages):  # (two or more)
             return None
         self._append_many(seqs, layer, k, v, positions)
         return paged_attention.attend_stacked(self.layers[layer], seqs, q, positions, wanted)
