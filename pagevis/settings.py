@@ -43,6 +43,7 @@ STORAGE_DTYPES = ("float32", "float16", "int8", "int4", "int2")
 MAX_RESIDUAL = 1 << 20
 SELECT_MODES = ("all", "quest")
 SAMPLING_MODES = ("greedy", "sample")
+INT8_ROWS = ("none", "batched", "prompts", "all")  # BatchConfig.int8_rows
 
 # Which dataclass holds a setting: the cache (CacheSettings, which SessionConfig extends), the session's own
 # fields (SessionConfig), sampling (SamplingConfig, held by SessionConfig.sampling) and many sequences
@@ -261,10 +262,12 @@ SETTINGS: dict[str, Setting] = _table(
             metavar="N", request=False, app=False, front_ends={"serve": 256, "server": 512}),
     Setting("ignore_eos", "bool", False, "decode max_new_tokens whatever is sampled (benchmarks of a fixed "
             "shape, as vLLM's)", "batch", "batch", request=False, app=False),
-    Setting("exact_batches", "bool", False, "keep every batched decode row exact (bit for bit the sequence "
-            "decoding alone) instead of int8 activations with integer dot products (AVX-512 VNNI, where the CPU has "
-            "it) for steps where several sequences decode together", "batch", "batch", flag="--exact-batches",
-            switch=True, request=False, app=False),
+    Setting("int8_rows", "str", "batched", "which rows multiply the quantised weights as int8 activations with "
+            "integer dot products (llama.cpp's arithmetic; AVX-512 VNNI, where the CPU has it: elsewhere every row "
+            "stays exact) instead of exact float32: none; batched (decode rows of several sequences decoding "
+            "together); prompts (those and every prompt row); all (every row, a lone sequence's too). Prompt "
+            "scoring (logprobs of the prompt, echo) is always exact", "batch", "batch", choices=INT8_ROWS,
+            flag="--int8-rows", request=False, app=False),
     # --- pagevis serve: ServeSettings (and the Server window's ServerConfig: max_chunk) -------------------------
     Setting("max_chunk", "int", 512, "prompt tokens one request feeds per step (bounds a step's activations)",
             "serve", "scheduler", low=1, high=1 << 20, flag="--max-chunk", metavar="N", front_ends={"server": 256},

@@ -46,9 +46,9 @@ def test_int8_rows_equal_the_float64_product_of_their_rounded_activations_and_st
     raw = random_blocks(kind, rows, n_in, rng)
     w = dequantize(raw, kind).reshape(rows, n_in).astype(np.float64)
     matrix = pack(kind, raw, n_in)
-    for m in (2, 5, 16):  # one block of rows, a partial one, four
+    for m in (1, 2, 5, 16):  # one row (a lone sequence's), one block of rows, a partial one, four
         x = rng.standard_normal((m, n_in)).astype(np.float32)
-        x[1] *= 1e4  # rows of very different sizes: each keeps its own scales
+        x[min(1, m - 1)] *= 1e4  # rows of very different sizes: each keeps its own scales
         x[-1, :32] = 0  # an all-zero group: scale 0
         with int8_rows.batched(True):
             got = (x @ matrix).astype(np.float64)
@@ -147,9 +147,9 @@ def test_a_product_is_offered_to_the_helper_only_while_it_spins_or_as_one_probe_
 
 
 @vnni
-def test_one_row_many_rows_and_products_outside_a_batch_stay_exact():
-    """Inside `batched(True)` every product of 2+ rows takes int8 (the engine enters it only for decode rows); one
-    row (a sequence alone) and every product outside are what they were, bit for bit."""
+def test_inside_a_batch_every_row_is_int8_and_every_product_outside_stays_exact():
+    """Inside `batched(True)` every product takes int8, one row too (the engine enters it only for the rows its
+    int8_rows setting chose); every product outside, or inside `batched(False)`, is what it was, bit for bit."""
     rng = np.random.default_rng(5)
     raw = random_blocks(Q.Q4_1, 64, 64, rng)
     matrix = pack(Q.Q4_1, raw, 64)
@@ -161,8 +161,8 @@ def test_one_row_many_rows_and_products_outside_a_batch_stay_exact():
             assert np.array_equal(x[:4] @ matrix, outside[2])
         assert int8_rows.active()
     assert not int8_rows.active()
-    assert np.array_equal(inside[0], outside[0]) and not np.array_equal(inside[1], outside[1])
-    assert not np.array_equal(inside[2], outside[2])
+    assert not any(np.array_equal(a, b) for a, b in zip(inside, outside, strict=True))
+    assert np.array_equal(inside[0][0], inside[1][0]) and np.array_equal(inside[2], inside[1][:4])  # row by row
 
 
 class Watching:
@@ -179,46 +179,58 @@ class Watching:
         return self.model.forward(token_ids, positions, attend, **kwargs)
 
 
-@pytest.mark.parametrize("exact", [False, True])
-def test_the_engine_asks_for_int8_rows_only_for_decode_rows_of_several_sequences(exact):
-    """One sequence decoding, prompt rows (alone or beside decode rows: masked out) and exact_batches stay exact."""
+ALL, NO = (True, None), (False, None)
+
+
+@pytest.mark.parametrize("mode", ["none", "batched", "prompts", "all"])
+def test_the_engine_asks_for_int8_rows_as_its_setting_says(mode):
+    """"none": no row; "batched": decode rows of several sequences (prompt rows beside them masked out, one sequence
+    decoding alone exact); "prompts": those and every prompt row; "all": every row, one sequence decoding too."""
     model = Watching(SyntheticModel(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, seed=1))
     config = SessionConfig(page_size=4, max_pages=16, policy="none", max_new_tokens=4, chat=False)
-    engine = Engine(model, config, BatchConfig(max_seqs=4, exact_batches=exact), max_chunk=4)
+    engine = Engine(model, config, BatchConfig(max_seqs=4, int8_rows=mode), max_chunk=4)
     engine.submit(list(range(3, 6)))
     engine.submit(list(range(6, 9)), max_new_tokens=5)
     engine.step()  # both prompts
     engine.step()  # both decode
     engine.submit(list(range(10, 16)), max_new_tokens=2)
     list(engine.run())
-    on = int8_rows.route() == "vnni" and not exact
-    assert model.seen == [
-        (6, False, None), (2, on, None),
-        (6, on, [True, True, False, False, False, False] if on else None),  # the third's first 4 prompt tokens
-        (4, on, [True, True, False, False] if on else None),  # its last 2 (its first token); the first's 4th
-        (2, on, None)]  # the second's fifth token and the third's second (the first ended at its fourth)
-    model.seen.clear()
     engine.submit(list(range(20, 23)), max_new_tokens=3)
-    list(engine.run())
-    assert model.seen == [(3, False, None), (1, False, None), (1, False, None)]  # one sequence alone
+    list(engine.run())  # one sequence alone: its prompt, then two decode rows
+    vnni = int8_rows.route() == "vnni"
+    expected = {
+        "none": [NO] * 8,
+        "batched": [NO, ALL, (True, [True, True, False, False, False, False]),  # the third's first 4 prompt tokens
+                    (True, [True, True, False, False]),  # its last 2 (its first token); the first's 4th
+                    ALL, NO, NO, NO],  # the second's fifth token and the third's second; one alone
+        "prompts": [ALL] * 6 + [NO] * 2,
+        "all": [ALL] * 8}[mode]
+    assert [rows for rows, _, _ in model.seen] == [6, 2, 6, 4, 2, 3, 1, 1]
+    assert [(on, mask) for _, on, mask in model.seen] == [(on and vnni, mask if vnni else None)
+                                                           for on, mask in expected]
 
 
-@vnni
-def test_masked_rows_are_int8_and_the_others_exact_each_as_it_would_be_alone():
-    """A mixed step's product: its decode rows equal their int8 product without the prompt rows, its prompt rows
-    the exact product bit for bit (every u4/i8 row is the row alone); a row count no mask names stays exact."""
-    rng = np.random.default_rng(8)
-    for kind in (Q.Q4_1, Q.Q8_0):
-        matrix = pack(kind, random_blocks(kind, 100, 64, rng), 64)
-        x = rng.standard_normal((6, 64)).astype(np.float32)
-        mask = np.array([True, False, True, False, False, True])
-        with int8_rows.batched(True, (mask, mask[:3])):
-            mixed, other = x @ matrix, x[:4] @ matrix
-        with int8_rows.batched(True):
-            decode = x[mask] @ matrix
-        assert np.array_equal(mixed[mask], decode)
-        assert np.array_equal(mixed[~mask], x[~mask] @ matrix) and np.array_equal(other, x[:4] @ matrix)
-        assert not np.array_equal(decode, x[mask] @ matrix)
+def test_int8_rows_of_a_step_by_setting():
+    """engine.batch.int8_rows_of on plans of decode rows (one token past the prompt) and prompt rows: which rows
+    are int8, as masks over the token rows and the logit rows when only some are; a scoring step none."""
+    from types import SimpleNamespace
+
+    from pagevis.engine.batch import int8_rows_of
+
+    request = SimpleNamespace(prompt_ids=(1, 2, 3))
+    decode, prompt = (request, [7], 3), (request, [1, 2, 3], 0)
+    for mode, plan, want in (
+            ("batched", [decode], (False, None, None)), ("batched", [decode, decode], (True, None, None)),
+            ("batched", [decode, prompt], (False, None, None)),
+            ("batched", [decode, prompt, decode], (True, [True, False, False, False, True], [True, False, True])),
+            ("prompts", [decode], (False, None, None)), ("prompts", [prompt], (True, None, None)),
+            ("prompts", [decode, prompt], (True, [False, True, True, True], [False, True])),
+            ("prompts", [decode, prompt, decode], (True, None, None)),
+            ("all", [decode], (True, None, None)), ("all", [decode, prompt], (True, None, None)),
+            ("none", [decode, decode, prompt], (False, None, None))):
+        on, masks = int8_rows_of(plan, mode)
+        assert (on, *([m.tolist() for m in masks] if masks else (None, None))) == want, (mode, plan)
+        assert int8_rows_of(plan, mode, scoring=True) == (False, ())
 
 
 def log_softmax(z: np.ndarray) -> np.ndarray:

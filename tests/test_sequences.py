@@ -204,8 +204,10 @@ def test_run_n_reports_pages_with_and_without_sharing(capsys):
     assert "--n 0" in capsys.readouterr().err
     assert main(["run", "--model", "synthetic", "--pool-pages", "3"]) == 2
     assert "--pool-pages only applies" in capsys.readouterr().err
-    assert main(["run", "--model", "synthetic", "--exact-batches"]) == 2
-    assert "--exact-batches only applies" in capsys.readouterr().err
+    assert main(["run", "--model", "synthetic", "--int8-rows", "none"]) == 2
+    assert "--int8-rows only applies" in capsys.readouterr().err
+    assert main(["run", "--model", "synthetic", "--n", "2", "--int8-rows", "some"]) == 2
+    assert "invalid choice: 'some' (choose from 'none', 'batched', 'prompts', 'all')" in capsys.readouterr().err
 
 
 def test_sequences_bench_rows_on_a_small_model():
@@ -249,7 +251,7 @@ def test_smollm2_parallel_samples_and_batched_logits(smollm2):  # noqa: F811
     cfg = SessionConfig(page_size=8, max_pages=16, policy="none", max_new_tokens=5,
                         sampling=SamplingConfig(mode="sample", temperature=1.0, seed=21))
     recording = RecordingModel(smollm2)
-    batch = Engine(recording, cfg, BatchConfig(exact_batches=True))  # (int8 rows: tests/test_int8_rows.py)
+    batch = Engine(recording, cfg, BatchConfig(int8_rows="none"))  # (int8 rows: tests/test_int8_rows.py)
     ids = batch.submit_parallel(batch.encode("Name one use of paging."), 3)
     list(batch.run())
     for i, seq_id in enumerate(ids):

@@ -8,10 +8,12 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 from serve_fixtures import SYNTH, running_server
 from test_serve_load import scrape, value
 
 from pagevis.engine import DecodeSession, SessionConfig
+from pagevis.errors import ConfigError
 from pagevis.serve.settings import ServeSettings
 
 PAGE = 16  # serve's default page size
@@ -118,19 +120,25 @@ def test_a_session_gets_a_cache_of_its_request():
     assert made["capacity"] == fixed.defaults.capacity == 12 * PAGE
 
 
-def test_rows_decoding_together_are_int8_by_default_and_exact_with_the_flag():
-    """`pagevis serve` gives its engines BatchConfig.exact_batches from --exact-batches (default: off, int8 rows for
-    requests decoding together where the CPU has VNNI)."""
+def test_the_servers_int8_rows_setting_reaches_its_engines():
+    """`pagevis serve` gives its engines BatchConfig.int8_rows from --int8-rows (serve's default from the settings
+    table; `run` and the app keep "batched"); a value not among the four is one line naming them."""
     import dataclasses
 
+    from pagevis import settings as table
     from pagevis.cli.main import command_parser
     from pagevis.cli.serve import settings_from_args
+    from pagevis.engine.batch import BatchConfig
 
     def settings(*flags):
         return settings_from_args(command_parser().parse_args(["serve", "--model", "synthetic", *flags]))
 
-    assert settings().exact_batches is False
-    with running_server(dataclasses.replace(settings("--exact-batches"), model_spec=SYNTH)) as running:
-        running.client.post("/v1/completions", json={"model": "synthetic", "prompt": "pages", "max_tokens": 2}
-                            ).raise_for_status()
-        assert [core.engine.batch.exact_batches for core in running.app.state.engines.cores.values()] == [True]
+    assert settings().int8_rows == table.setting("int8_rows").default_for("serve")
+    assert BatchConfig().int8_rows == "batched"
+    for mode in ("none", "all"):
+        with running_server(dataclasses.replace(settings("--int8-rows", mode), model_spec=SYNTH)) as running:
+            running.client.post("/v1/completions", json={"model": "synthetic", "prompt": "pages", "max_tokens": 2}
+                                ).raise_for_status()
+            assert [core.engine.batch.int8_rows for core in running.app.state.engines.cores.values()] == [mode]
+    with pytest.raises(ConfigError, match="int8_rows.*one of none, batched, prompts, all"):
+        BatchConfig(int8_rows="some")

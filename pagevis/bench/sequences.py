@@ -32,11 +32,12 @@ def batching_rows(model, kind: str, sizes=BATCH_SIZES, n_tokens: int = 12, exact
     """Aggregate decode tokens/s with B sequences decoding together (median step time of the steps in
     which all B decode one token), and its ratio to one sequence. Wall-clock and CPU time both: on a
     machine shared with other jobs the process waits for a core, which wall-clock counts and CPU time
-    (this process's own, memory stalls included) does not. exact: BatchConfig.exact_batches (float32 rows,
-    each the row alone), else the engine's default (int8 rows where the CPU has VNNI: model/int8_rows.py)."""
+    (this process's own, memory stalls included) does not. exact: BatchConfig.int8_rows "none" (float32 rows,
+    each the row alone), else "batched" (int8 rows where the CPU has VNNI: model/int8_rows.py)."""
     rows = []
     for size in sizes:
-        batch = Engine(model, _config(kind, n_tokens + 1), BatchConfig(max_seqs=size, exact_batches=exact))
+        batch = Engine(model, _config(kind, n_tokens + 1),
+                       BatchConfig(max_seqs=size, int8_rows="none" if exact else "batched"))
         for i in range(size):
             batch.submit(batch.encode(QUESTIONS[i % len(QUESTIONS)] + f" (#{i})"))
         wall, cpu, clock = [], [], [time.process_time()]

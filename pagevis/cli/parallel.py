@@ -17,7 +17,7 @@ def add_parallel_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--n", type=int, default=1, metavar="N",
                        help="sample N continuations of the prompt (seeds --seed .. --seed+N-1) sharing the "
                             "prompt's pages; implies --sample (default 1)")
-    settings.add_flags(group, "batch", front_end="run")  # --pool-pages, --exact-batches
+    settings.add_flags(group, "batch", front_end="run")  # --pool-pages, --int8-rows
 
 
 def check_parallel_options(args: argparse.Namespace) -> None:
@@ -25,7 +25,7 @@ def check_parallel_options(args: argparse.Namespace) -> None:
 
     if not 1 <= args.n <= MAX_SEQUENCES:
         raise options.UsageError(f"--n {args.n}: must be an integer from 1 to {MAX_SEQUENCES}")
-    for flag, given in (("--pool-pages", args.pool_pages is not None), ("--exact-batches", args.exact_batches)):
+    for flag, given in (("--pool-pages", args.pool_pages is not None), ("--int8-rows", args.int8_rows is not None)):
         if args.n == 1 and given:
             raise options.UsageError(f"{flag} only applies with --n 2 or more")
     if args.n > 1 and (args.trace or args.oracle or args.metrics_port is not None):
@@ -47,7 +47,7 @@ def run_parallel(args: argparse.Namespace, spec, config, prompt: str) -> int:
         config = replace(config, sampling=replace(config.sampling, mode="sample"))
     try:
         batch_config = BatchConfig(pool_pages=args.pool_pages, max_seqs=max(args.n, 1),
-                                   exact_batches=bool(args.exact_batches))
+                                   **({} if args.int8_rows is None else {"int8_rows": args.int8_rows}))
     except ConfigError as error:
         raise options.UsageError(f"--pool-pages {args.pool_pages}: {error.allowed}") from None
     model = spec.load()

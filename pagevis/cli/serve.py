@@ -22,15 +22,16 @@ def add_parser(commands) -> argparse.ArgumentParser:
         description="Serve POST /v1/attention, /v1/sessions, OpenAI-compatible /v1/completions and "
                     "/v1/chat/completions, /metrics (Prometheus) and /healthz; API docs at /docs. Cache and "
                     "decoding options set the defaults of sessions and completions that do not set them: by "
-                    "default a full cache per request (policy none), so nothing is evicted. Requests decoding "
-                    "together in a step multiply int8 activations by the weights (AVX-512 VNNI, where the CPU has "
-                    "it: the throughput path; each row within a tested bound of the request alone); a request alone "
-                    "and every prefill stay exact; --exact-batches keeps batched rows bit for bit as alone.")
+                    "default a full cache per request (policy none), so nothing is evicted. The rows --int8-rows "
+                    "names multiply int8 activations by the quantised weights (AVX-512 VNNI, where the CPU has it: "
+                    "the throughput path, llama.cpp's arithmetic; each row within a tested bound of the exact row); "
+                    "prompt scoring (echo, prompt logprobs) stays exact; --int8-rows none keeps every row exact, "
+                    "bit for bit a request alone.")
     for section in SECTIONS:
         group = parser.add_argument_group(settings.SECTIONS[section])
         settings.add_flags(group, section, front_end=FRONT_END)
         if section == "scheduler":
-            settings.add_flags(group, names=("pool_pages", "exact_batches"), front_end=FRONT_END)
+            settings.add_flags(group, names=("pool_pages", "int8_rows"), front_end=FRONT_END)
     options.add_model_options(parser)
     options.add_cache_options(parser, FRONT_END)
     options.add_decoding_options(parser, FRONT_END)

@@ -14,7 +14,7 @@ from pagevis.kvcache import CacheEvent
 from pagevis.kvcache.memory import HybridBytes
 from pagevis.settings import MAX_SEQUENCES, field_for
 
-__all__ = ["MAX_CHUNK", "MAX_SEQUENCES", "BatchConfig", "BatchRecord", "SeqStep", "int8_decode_rows"]
+__all__ = ["MAX_CHUNK", "MAX_SEQUENCES", "BatchConfig", "BatchRecord", "SeqStep", "int8_rows_of"]
 MAX_CHUNK = settings.setting("max_chunk").default  # prompt tokens one sequence feeds per step (the table's)
 
 
@@ -27,12 +27,13 @@ class BatchConfig:
     prefix_caching: bool = field_for("prefix_caching")
     ignore_eos: bool = field_for("ignore_eos")  # decode max_new_tokens whatever is sampled (fixed-shape benches)
     token_budget: int | None = field_for("token_budget")  # tokens one step feeds (chunked prefill); None: no limit
-    # rows of several sequences decoding together in one step: exact float32 (True), else int8 activations with
-    # integer dot products where the CPU has AVX-512 VNNI (model/int8_rows.py)
-    exact_batches: bool = field_for("exact_batches")
+    # which rows take int8 activations with integer dot products where the CPU has AVX-512 VNNI (model/int8_rows.py),
+    # the others exact float32: "none", "batched" (decode rows of several sequences), "prompts" (and every prompt
+    # row), "all" (every row); int8_rows_of
+    int8_rows: str = field_for("int8_rows")
 
     def __post_init__(self) -> None:
-        settings.check(self, ("max_seqs", "pool_pages", "token_budget"))
+        settings.check(self, ("max_seqs", "pool_pages", "token_budget", "int8_rows"))
 
 
 @dataclass(frozen=True)
@@ -78,15 +79,22 @@ class BatchRecord:
         return sum(1 for s in self.seqs if s.next_token >= 0)
 
 
-def int8_decode_rows(plan, exact: bool) -> tuple[bool, tuple[np.ndarray, ...]]:
-    """Whether a step's forward may take int8 rows (model/int8_rows.py), and the masks of its decode rows: a
-    step's plan (request, tokens fed, first position) has decode rows (one generated token fed) of two or more
-    sequences and `exact` (exact_batches, prompt scoring) is off. A step with prompt rows too gives masks (over its
-    token rows, and over its logit rows: one a request), so only its decode rows are int8; else none (all rows)."""
-    decoding = [len(tokens) == 1 and start >= len(request.prompt_ids) for request, tokens, start in plan]
-    if exact or sum(decoding) < 2:
+def int8_rows_of(plan, mode: str, scoring: bool = False) -> tuple[bool, tuple[np.ndarray, ...]]:
+    """Whether a step's forward takes int8 rows (model/int8_rows.py), and the masks of those rows when not all are:
+    a step's plan (request, tokens fed, first position) under BatchConfig.int8_rows `mode` -- "none": no row;
+    "batched": decode rows (one generated token fed) when two or more sequences decode in the step; "prompts": those
+    and every prompt row; "all": every row. scoring (a request scores its prompt): no row. Masks (over the token
+    rows, and over the logit rows: one a request) when some rows are int8 and others not; else none (all rows)."""
+    if mode == "none" or scoring:
         return False, ()
-    if all(decoding):
+    if mode == "all":
         return True, ()
-    rows = np.repeat(decoding, [len(tokens) for _, tokens, _ in plan])
-    return True, (rows, np.array(decoding))
+    decoding = [len(tokens) == 1 and start >= len(request.prompt_ids) for request, tokens, start in plan]
+    batched = sum(decoding) >= 2
+    chosen = [batched if decode else mode == "prompts" for decode in decoding]
+    if not any(chosen):
+        return False, ()
+    if all(chosen):
+        return True, ()
+    rows = np.repeat(chosen, [len(tokens) for _, tokens, _ in plan])
+    return True, (rows, np.array(chosen))

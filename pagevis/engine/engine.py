@@ -26,7 +26,7 @@ from pagevis.kvcache.memory import HybridBytes, hybrid_bytes
 from pagevis.kvcache.swap import SwapSpaceError
 from pagevis.errors import check_int
 from pagevis.engine import logprobs
-from pagevis.engine.batch import MAX_CHUNK, MAX_SEQUENCES, BatchConfig, BatchRecord, SeqStep, int8_decode_rows
+from pagevis.engine.batch import MAX_CHUNK, MAX_SEQUENCES, BatchConfig, BatchRecord, SeqStep, int8_rows_of
 from pagevis.engine.reconstruct import reconstruct_and_compress
 from pagevis.engine.request import Request
 from pagevis.engine.run_loop import RunControl, steps
@@ -273,7 +273,7 @@ class Engine:
             rows, ends = np.concatenate(wanted), np.cumsum([len(w) for w in wanted])
         else:
             rows = np.array([end - 1 for _, _, end in segments], dtype=np.int64)
-        int8, masks = int8_decode_rows(plan, self.batch.exact_batches or scoring)
+        int8, masks = int8_rows_of(plan, self.batch.int8_rows, scoring)
         forward_started = time.perf_counter()
         with int8_rows.batched(int8, masks):
             all_rows = self.model.forward(ids, positions, self._batched_attend(segments), logit_rows=rows)

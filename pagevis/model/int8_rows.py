@@ -1,13 +1,16 @@
-"""Decode rows of several sequences multiplied in int8: the activations quantised per group of 32 inputs, integer
-dot products with the packed weight codes (AVX-512 VNNI's vpdpbusd, int8_kernels.py), scaled once per group --
-llama.cpp's arithmetic for its quantised types.
+"""Rows multiplied in int8: the activations quantised per group of 32 inputs, integer dot products with the packed
+weight codes (AVX-512 VNNI's vpdpbusd, int8_kernels.py), scaled once per group -- llama.cpp's arithmetic for its
+quantised types.
 
-Where it applies: only inside `batched(True)`, which the engine enters for a forward whose rows are all decode rows
-of two or more different sequences (engine.Engine._execute; BatchConfig.exact_batches turns it off) -- in a step
-that also feeds a prompt chunk, for the decode rows only (`batched`'s masks) -- and only for rows times a u4 (Q4_0,
-Q4_1, Q4_K) or i8 (Q8_0, Q5_0, Q6_K) matrix. Everything else -- one sequence, every prompt row, the float32 tensors,
-u5 -- is the exact float32 product it always was (quantized.QuantMatrix.product).
-A row's result then differs from the row alone: tests/test_int8_rows.py bounds it against float64 references.
+Where it applies: only inside `batched(True)`, which the engine enters for the rows its setting `int8_rows`
+(BatchConfig; engine.batch.int8_rows_of) chooses: "none" -- no row; "batched" (the default of `pagevis run --n` and
+the app) -- decode rows of two or more different sequences; "prompts" -- those and every prompt row, alone or beside
+others; "all" -- every row, a lone sequence's decode row too. A step that scores its prompt (prompt_logprobs) is
+exact whatever the setting. In a step whose rows are not all chosen, `batched`'s masks say which are (the others
+take the exact kernels, each row as it is alone). Only rows times a u4 (Q4_0, Q4_1, Q4_K) or i8 (Q8_0, Q5_0, Q6_K)
+matrix; the float32 tensors and u5 stay the exact float32 product (quantized.QuantMatrix.product).
+An int8 row's result differs from the exact row: tests/test_int8_rows.py bounds it against float64 references. It
+does not depend on the other rows of its product (each row is quantised and summed on its own, in one order).
 
 The route is chosen once per process (`route()`): "vnni" where llvmlite reports avx512vnni for this CPU, else
 "exact" (the float32 batch kernels: a CPU without the instruction could not run the compiled kernels at all); the
@@ -16,8 +19,14 @@ environment variable PAGEVIS_NO_VNNI=1 forces "exact" (tests, comparisons). `des
 Every product goes through one compiled call: the rows quantised into this thread's arrays (int8_kernels'
 `_quantize_rows`), then its tiles multiplied (int8_kernels.pool_kernel) -- on one thread by int8_kernels.product, on
 two by spin_pool.product_kernel, which quantises first and then shares the tiles with the spin pool's helper, each
-output column computed whole by one thread, so the rows are bit for bit the one thread's. A product's handle (the
-matrix's arrays and the quantised rows' addresses) is built once per matrix, row count and thread (`handle`).
+output column computed whole by one thread, so the rows are bit for bit the one thread's.
+
+Memory, bounded whatever the row counts (prompt chunks have any size): a product of more than MAX_ROWS (256) rows is
+cut into pieces of at most MAX_ROWS, and a piece of n rows uses a handle and quantised arrays for `capacity(n)` rows,
+the next power of two (1, 2, 4, ..., 256: 9 capacities). So each matrix keeps at most 9 handles (`int8_handles`, 272
+bytes each), and each thread at most 9 sets of quantised arrays per (input size, sum group) -- kept for good, so a
+late helper never reads freed memory: under 2 x 256 x n_in x (1 + 4/32 + 4/size) bytes per input size, ~1.4 MiB a
+thread for SmolLM2 (inputs 576 and 1536; tests/test_int8_prompt_rows.py measures it).
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ TILE = 64
 # chunk's time more. A helper that is not spinning is offered few (spin_pool.STALE_NS)
 TILE_GROUP_NS, SHARE_NS, CHUNK_NS = (25.0, 6.5), 4_000.0, 16_000.0
 MAX_CHUNKS = 256  # spin_pool.MAX_CHUNKS (a job's chunk states)
+MAX_ROWS = 256  # a product of more rows is cut into pieces of at most this many (the docstring's bound)
 _STATE = threading.local()
 
 
@@ -65,21 +75,22 @@ def route() -> str:
 
 
 def describe() -> str:
-    """One line for the benches: which arithmetic several sequences' decode rows use on this machine."""
+    """One line for the benches: which arithmetic the int8 rows (`int8_rows` setting) use on this machine."""
     if route() == "vnni":
         return ("batched decode rows: int8 activations x packed codes, integer dot products (AVX-512 VNNI "
-                "vpdpbusd); --exact-batches keeps them float32")
+                "vpdpbusd); --int8-rows says which rows take int8 (none: every row float32)")
     why = "PAGEVIS_NO_VNNI is set" if host_has_vnni() else "this CPU has no avx512_vnni"
-    return f"batched decode rows: exact float32 ({why})"
+    return f"batched decode rows: exact float32, as every row whatever --int8-rows says ({why})"
 
 
 @contextmanager
 def batched(on: bool, masks: tuple[np.ndarray, ...] = ()) -> Iterator[None]:
     """Products inside take int8 rows (on, where the route is "vnni") on this thread; nested calls restore. masks:
-    for a step that feeds prompt rows too, which rows are decode rows, one boolean mask per row count the forward
-    multiplies (its token rows, its logit rows): a product of such a count takes int8 for its masked rows only
-    and the exact kernels for the others (each row of those is the row alone, so a prompt's rows are what they
-    are in an all-exact step), a product of another count stays exact; no masks: every row in int8."""
+    for a step where only some rows are int8 (engine.batch.int8_rows_of), which rows are, one boolean mask per row
+    count the forward multiplies (its token rows, its logit rows): a product of such a count takes int8 for its
+    masked rows only and the exact kernels for the others (each row of those is the row alone, so such rows are
+    what they are in an all-exact step), a product of another count stays exact; no masks: every row in int8, a
+    product of one row too."""
     previous = getattr(_STATE, "on", False), getattr(_STATE, "masks", None)
     _STATE.on = bool(on) and route() == "vnni"
     _STATE.masks = {len(mask): mask for mask in masks} if masks and _STATE.on else None
@@ -105,51 +116,60 @@ def _kernels() -> dict:
 _KERNELS: dict | None = None
 
 
+def capacity(rows: int) -> int:
+    """The rows a handle and its quantised arrays hold for a product of `rows` rows (at most MAX_ROWS): the next
+    power of two, so the few capacities serve every row count (a kernel takes its row count apart from the handle,
+    and the quantised arrays' row stride is the input size, so a capacity R serves any n <= R)."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
 def handle(matrix, rows: int) -> np.ndarray:
-    """int8_kernels' handle of `rows` rows times matrix (its arrays, and this thread's arrays the rows are quantised
-    into: `_quantised`), built once per matrix, row count and thread and kept on the matrix."""
-    return _entry(matrix, rows)[1]
+    """int8_kernels' handle of up to capacity(rows) rows times matrix (its arrays, and this thread's arrays the rows
+    are quantised into: `_quantised`), built once per matrix, capacity and thread and kept on the matrix."""
+    return _entry(matrix, capacity(rows))[1]
 
 
-def _entry(matrix, rows: int) -> tuple:
-    """(this thread's token, handle(), the quantised rows' arrays, `chunks` on two threads) of matrix and rows."""
+def _entry(matrix, held: int) -> tuple:
+    """(this thread's token, handle(), the quantised rows' arrays) of matrix and a capacity of `held` rows."""
     token = _STATE.__dict__.get("token")
     if token is None:
         token = _STATE.token = object()  # this thread's: a handle built by another thread holds that one's
     handles = matrix.__dict__.get("int8_handles")
     if handles is None:
         handles = matrix.int8_handles = {}
-    entry = handles.get(rows)
+    entry = handles.get(held)
     if entry is None or entry[0] is not token:
         size = 16 if matrix.fmt == "i8" and matrix.arrays[3] > 1 else 32
-        quantised = _quantised(rows, matrix.n_in, size)
-        entry = handles[rows] = (token, _kernels()["handle"](matrix.fmt, matrix.arrays, matrix.n_in, quantised),
-                                 quantised, chunks(matrix.tiles, matrix.n_in // 32, rows))
+        quantised = _quantised(held, matrix.n_in, size)
+        entry = handles[held] = (token, _kernels()["handle"](matrix.fmt, matrix.arrays, matrix.n_in, quantised),
+                                 quantised)
     return entry
 
 
-def _quantised(rows: int, n_in: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """This thread's arrays for rows quantised (codes, scales, sums of each group of size inputs): kept for good
-    (small), so a late helper never reads freed memory."""
+def _quantised(held: int, n_in: int, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This thread's arrays for up to `held` rows quantised (codes, scales, sums of each group of size inputs): kept
+    for good, so a late helper never reads freed memory -- bounded, as `capacity` gives few sizes (the docstring)."""
     buffers = _STATE.__dict__.setdefault("buffers", {})
-    if (key := (rows, n_in, size)) not in buffers:
-        buffers[key] = (np.empty((rows, n_in), np.int8), np.empty((rows, n_in // 32), np.float32),
-                        np.empty((rows, n_in // size), np.int32))
+    if (key := (held, n_in, size)) not in buffers:
+        buffers[key] = (np.empty((held, n_in), np.int8), np.empty((held, n_in // 32), np.float32),
+                        np.empty((held, n_in // size), np.int32))
     return buffers[key]
 
 
 def product(matrix, x: np.ndarray, pool=None) -> np.ndarray | None:
     """x (rows, in) float32 C-contiguous times a packed matrix (quantized.QuantMatrix) inside `batched(True)`:
-    (rows, n_out), the decode rows in int8; None where this format, row count or mask leaves every row exact (the
-    caller takes its exact path). pool: the spin pool (two weight threads) or None."""
+    (rows, n_out), the rows the engine chose in int8 (every row, or a mask's); None where this format or row count
+    leaves every row exact (the caller takes its exact path). pool: the spin pool (two weight threads) or None."""
     if matrix.fmt not in ("u4", "i8"):
         return None
     masks = getattr(_STATE, "masks", None)
     if masks is None:
-        return _int8(matrix, x, pool) if len(x) > 1 else None
+        return _int8(matrix, x, pool)
     mask = masks.get(len(x))
-    if mask is None or np.count_nonzero(mask) < 2:
+    if mask is None or not mask.any():
         return None
+    if mask.all():
+        return _int8(matrix, x, pool)
     out = np.empty((len(x), matrix.n_out), np.float32)
     with batched(False):
         out[~mask] = matrix.product(np.ascontiguousarray(x[~mask]))
@@ -158,13 +178,18 @@ def product(matrix, x: np.ndarray, pool=None) -> np.ndarray | None:
 
 
 def _int8(matrix, x: np.ndarray, pool) -> np.ndarray:
+    """The rows x in int8, in pieces of at most MAX_ROWS rows (a row's result is the same in any piece)."""
     kernels = _kernels()
     out = np.empty((len(x), matrix.tiles * TILE), np.float32)
-    _, h, _, count = _entry(matrix, len(x))
-    if pool is not None and count > 1:
-        pool.product_kernel(kernels["pool"], kernels["prepare"], matrix.descriptor, matrix.arrays, h, x, out, count)
-    else:  # one thread, or a product too small to share
-        kernels["product"](h, x, out, kernels["pool"])
+    for i in range(0, len(x), MAX_ROWS):
+        rows, part = x[i:i + MAX_ROWS], out[i:i + MAX_ROWS]
+        h = _entry(matrix, capacity(len(rows)))[1]
+        count = 1 if pool is None else chunks(matrix.tiles, matrix.n_in // 32, len(rows))
+        if count > 1:
+            pool.product_kernel(kernels["pool"], kernels["prepare"], matrix.descriptor, matrix.arrays, h, rows, part,
+                                count)
+        else:  # one thread, or a product too small to share
+            kernels["product"](h, rows, part, kernels["pool"])
     return out[:, :matrix.n_out]
 
 

@@ -176,13 +176,14 @@ class QuantMatrix:
         return self.product(np.asarray(x, dtype=np.float32))
 
     def product(self, x: np.ndarray) -> np.ndarray:
+        if x.ndim == 2 and int8_rows.active():  # the rows the engine chose for int8 (model/int8_rows.py)
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            if (int8 := int8_rows.product(self, x, spin_pool())) is not None:
+                return int8
         if x.ndim == 2 and len(x) == 1:
             return self.product(x[0])[None]
         matvec, matmul, _ = kernels()[self.fmt]
         x = np.ascontiguousarray(x, dtype=np.float32)
-        if x.ndim == 2 and int8_rows.active():  # decode rows of several sequences (the engine's batches)
-            if (int8 := int8_rows.product(self, x, spin_pool())) is not None:
-                return int8
         many = x.ndim == 2 and len(x) > SMALL_BATCH  # a prefill's rows: PREFILL_ROWS at a time
         if many and self.fmt in POOL_ROWS and (pool := spin_pool()) is not None:  # two threads: the spin pool's
             out = np.empty((len(x), self.tiles * TILE), np.float32)

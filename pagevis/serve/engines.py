@@ -78,7 +78,7 @@ class Engines:
                                           residual=config.residual, key_channels=config.key_channels,
                                           max_pages=config.max_pages if config.tiered else defaults.max_pages)
         batch = BatchConfig(max_seqs=self.settings.max_seqs, pool_pages=self.settings.pool_pages_for(config.page_size),
-                            token_budget=self.settings.token_budget, exact_batches=self.settings.exact_batches)
+                            token_budget=self.settings.token_budget, int8_rows=self.settings.int8_rows)
         engine = Engine(self.model, pool_config, batch, max_chunk=self.settings.max_chunk)
         engine.cache.take_memory()  # the pool's memory, taken now (as vLLM's): RSS is flat from the start
         if self.kv_events is not None:

@@ -40,7 +40,7 @@ class ServeSettings:
     token_budget: int | None = field_for("token_budget", "serve")  # tokens one step feeds over all requests
     max_chunk: int = field_for("max_chunk", "serve")  # prompt tokens one request feeds per step
     pool_pages: int | None = field_for("pool_pages", "serve")  # None: --max-cache-tokens of pages
-    exact_batches: bool = field_for("exact_batches", "serve")  # False: rows decoding together in int8 (VNNI CPUs)
+    int8_rows: str = field_for("int8_rows", "serve")  # which rows take int8 (VNNI CPUs): BatchConfig.int8_rows
     max_pools: int = field_for("max_pools", "serve")  # engines at once, one per cache layout
     drain_seconds: float = field_for("drain_seconds", "serve")  # on SIGTERM: how long in-flight requests go on
     kv_events_endpoint: str | None = field_for("kv_events_endpoint", "serve")  # vLLM KV events (ZMQ PUB) here
