@@ -4,7 +4,8 @@ batch, fused and spin-pool kernels) and the cache's (decode attention, batched d
 A kernel compiled with an explicit signature compiles, or loads from numba's on-disk cache, when its module is
 imported (a first compile takes seconds: ~25 for the weight kernels). So the import:
 - holds the compile lock: a thread lock within the process (of two threads, one imports, the other then finds the
-  module) and a file lock (fcntl) on LOCK_NAME in the cache folder, one a numba cache, between processes (of two
+  module) and a file lock (fcntl) in the cache folder, one a numba cache and family of kernel modules
+  (`lock_name`), between processes (of two
   processes starting on a new install, the app and `pagevis serve`, a test run's subprocesses, one compiles and the
   other waits, then loads what it wrote from numba's cache, instead of both compiling). A lock another process has held for LOCK_WAIT
   seconds (one stopped while holding it would make every launch wait) is given up on: the kernels compile in memory,
@@ -36,17 +37,28 @@ from typing import IO, Any, TypeVar, overload
 
 
 
-def _lock_name() -> str:
-    """One lock per numba cache of pagevis's kernels: numba keeps them beside the modules (or under NUMBA_CACHE_DIR),
-    so the processes of one install share it, and another checkout or install, compiling into its own cache, has its
-    own (it waited for the others' compiles when the lock was one a machine)."""
+# Kernel modules that import one another's kernels (a module's import compiles those too, under its lock) share one
+# lock; any other module has a lock of its own, so the attention kernels a test needs never wait for another process
+# compiling the weights' (tests/test_kernel_loader.py checks no kernel module imports another family's).
+FAMILIES = {
+    "weights": ("pagevis.model.weight_kernels", "pagevis.model.batch_kernels", "pagevis.model.spin_pool",
+                "pagevis.model.int8_kernels"),
+    "attention": ("pagevis.kvcache.decode_kernel", "pagevis.kvcache.batch_decode_kernel"),
+}
+_FAMILY_OF = {module: family for family, modules in FAMILIES.items() for module in modules}
+
+
+def lock_name(module_name: str) -> str:
+    """The lock file of a kernel module: one per numba cache of pagevis's kernels and family of modules (FAMILIES).
+    numba keeps the kernels beside the modules (or under NUMBA_CACHE_DIR), so the processes of one install share it,
+    and another checkout or install, compiling into its own cache, has its own (it waited for the others' compiles
+    when the lock was one a machine)."""
     import hashlib
 
     where = f"{Path(__file__).resolve().parent}|{os.environ.get('NUMBA_CACHE_DIR', '')}"
-    return f"kernels-{hashlib.sha256(where.encode()).hexdigest()[:12]}.lock"
+    family = _FAMILY_OF.get(module_name, module_name)
+    return f"kernels-{hashlib.sha256(where.encode()).hexdigest()[:12]}-{family}.lock"
 
-
-LOCK_NAME = _lock_name()
 # seconds an import waits for another process compiling kernels before compiling its own in memory; the test suite,
 # whose conftest compiles the weight kernels beside the first tests, waits longer
 LOCK_WAIT = float(os.environ.get("PAGEVIS_KERNEL_LOCK_WAIT", "15"))
@@ -109,7 +121,7 @@ def import_kernels(module_name: str, what: str, *, build: Callable[[ModuleType],
     with _THREADS:
         loaded = _LOADED.get(module_name)
         if loaded is None:
-            with _compile_lock() as held, _saying_when_compiling(what, seconds) as announce:
+            with _compile_lock(lock_name(module_name)) as held, _saying_when_compiling(what, seconds) as announce:
                 loaded = _load(module_name, what, build, held, announce)
             _LOADED[module_name] = loaded
     return loaded
@@ -159,8 +171,8 @@ def _say(announce, line: str) -> None:
 
 
 @contextlib.contextmanager
-def _compile_lock() -> Iterator[bool]:
-    """The cache folder's lock file held (fcntl.flock) while the caller imports, waiting LOCK_WAIT seconds at most
+def _compile_lock(name: str) -> Iterator[bool]:
+    """The cache folder's lock file `name` held (fcntl.flock) while the caller imports, waiting LOCK_WAIT seconds at most
     for another process: True once held, False if it stayed held elsewhere (the caller compiles in memory). True
     without a lock where there is no fcntl or no writable cache folder, or a file system without locks, and inside
     an import that holds it already (a kernel module importing another through import_kernels)."""
@@ -173,7 +185,7 @@ def _compile_lock() -> Iterator[bool]:
 
         folder = cache_dir()
         folder.mkdir(parents=True, exist_ok=True)
-        lock = open(folder / LOCK_NAME, "a")
+        lock = open(folder / name, "a")
     except (ImportError, OSError):
         yield True
         return

@@ -31,9 +31,10 @@ _LOADER_STEPS = (
     "set_weight_threads(2); spin_pool()",
     "from pagevis.model import int8_rows; int8_rows.route() == 'vnni' and int8_rows._kernels()",
 )
-# The loader lets go of the compile lock between its steps for this long: one lock covers every kernel module, and a
-# test waiting for one (polling every 0.1 s) lost the lock to the loader's next step each time it was let go -- on
-# a clean clone the first model test waited ~80 s for kernels compiled long before (kernel_loader._flock).
+# The loader lets go of the compile lock between its steps for this long: one lock covers the weights' kernel modules
+# (kernel_loader.FAMILIES), and a test waiting for one (polling every 0.1 s) lost the lock to the loader's next step
+# each time it was let go -- on a clean clone the first model test waited ~80 s for kernels compiled long before
+# (kernel_loader._flock). The attention, fused and policy kernels have locks of their own: the tests compile them.
 _LOADER_PAUSE = 0.4
 
 

@@ -77,11 +77,11 @@ def test_no_writable_cache_folder_compiles_in_memory_with_one_line(tmp_path):
 def test_a_held_compile_lock_is_waited_for_a_bounded_time(tmp_path):
     import fcntl
 
-    from pagevis.kernel_loader import LOCK_NAME  # (the subprocess's: the same checkout and NUMBA_CACHE_DIR)
+    from pagevis.kernel_loader import lock_name  # (the subprocess's: the same checkout and NUMBA_CACHE_DIR)
 
     env = {"PAGEVIS_CACHE_DIR": str(tmp_path / "pagevis")}
     (tmp_path / "pagevis").mkdir()
-    with open(tmp_path / "pagevis" / LOCK_NAME, "a") as lock:
+    with open(tmp_path / "pagevis" / lock_name("pagevis.model.weight_kernels"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a live process that never lets go
         done = load_kernels(env, "import pagevis.kernel_loader as loader\nloader.LOCK_WAIT = 1.0\n")
     assert done.returncode == 0, done.stderr

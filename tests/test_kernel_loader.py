@@ -158,8 +158,10 @@ def test_a_lock_another_process_holds_is_waited_for_a_bounded_time_then_compiled
     monkeypatch.setattr(kernel_loader, "LOCK_WAIT", 0.5)
     first, second = kernel_module(SUM), kernel_module(SUM.replace("v * v", "v"))
     (tmp_path / "pagevis").mkdir()
-    with open(tmp_path / "pagevis" / kernel_loader.LOCK_NAME, "a") as lock:
+    with open(tmp_path / "pagevis" / kernel_loader.lock_name(first), "a") as lock, \
+            open(tmp_path / "pagevis" / kernel_loader.lock_name(second), "a") as other_lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # (flock: another open file, as another process's, is refused it)
+        fcntl.flock(other_lock, fcntl.LOCK_EX)
         started = time.monotonic()
         module = import_kernels(first, "the test kernels")
         waited = time.monotonic() - started
@@ -177,13 +179,28 @@ def test_a_lock_another_process_holds_is_waited_for_a_bounded_time_then_compiled
 def test_the_file_lock_is_one_a_numba_cache_not_one_a_machine(monkeypatch):
     """Another checkout or NUMBA_CACHE_DIR compiles into its own cache: it takes its own lock, and never waits for
     this one's compiles (the helpers' checkouts on one machine did)."""
-    here = kernel_loader._lock_name()
-    assert here == kernel_loader.LOCK_NAME
+    weights = "pagevis.model.weight_kernels"
+    here = kernel_loader.lock_name(weights)
     monkeypatch.setenv("NUMBA_CACHE_DIR", "/another/numba/cache")
-    assert kernel_loader._lock_name() != here
+    assert kernel_loader.lock_name(weights) != here
     monkeypatch.setattr(kernel_loader, "__file__", "/another/checkout/pagevis/kernel_loader.py")
     monkeypatch.delenv("NUMBA_CACHE_DIR")
-    assert kernel_loader._lock_name() != here
+    assert kernel_loader.lock_name(weights) != here
+
+
+def test_a_kernel_module_imports_kernels_of_its_own_lock_family_only():
+    """A kernel module importing another compiles that one under its own lock: were they of two families, a process
+    compiling the other under the other's lock would compile it a second time beside it (or, nested the other way,
+    the two could wait for each other). Modules of one family share a lock; any other has its own, so the attention
+    kernels never wait for the weights' compile (a test run's first tests waited ~30 s for it)."""
+    modules = KERNEL_MODULES
+    assert {m for family in kernel_loader.FAMILIES.values() for m in family} <= modules  # no stale names
+    imports = {name: {imported for _, imported in found} for _, name, _, found in every_import()}
+    for module in modules:
+        for other in imports[module] & modules:
+            assert kernel_loader.lock_name(other) == kernel_loader.lock_name(module), f"{module} imports {other}"
+    assert len({kernel_loader.lock_name(m) for m in modules}) == len(modules) - sum(
+        len(family) - 1 for family in kernel_loader.FAMILIES.values())
 
 
 def test_a_module_numba_cannot_compile_is_an_error_naming_it(kernel_module, capsys):

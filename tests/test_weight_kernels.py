@@ -182,10 +182,10 @@ def test_a_second_process_waits_for_the_one_compiling_the_kernels():
     import sys
     import time
 
-    from pagevis.kernel_loader import LOCK_NAME, cache_dir
+    from pagevis.kernel_loader import cache_dir, lock_name
 
     cache_dir().mkdir(parents=True, exist_ok=True)
-    with open(cache_dir() / LOCK_NAME, "a") as lock:
+    with open(cache_dir() / lock_name("pagevis.model.weight_kernels"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # as a process compiling them would
         loader = subprocess.Popen([sys.executable, "-c", "from pagevis.model.quantized import kernels; kernels()"])
         try:
