@@ -41,9 +41,10 @@ _LOADER_PAUSE = 0.4
 # Modules whose first tests need the loader's kernels (SmolLM2 decoding on two weight threads) but sort among the
 # first: they run last, after tests that need none of them, so on a clean clone they find those kernels compiled
 # rather than wait for them (test_api's first test waited 40-100 s, test_batch_decode_kernel's pool test 160 s,
-# test_batched_append's watched sequence 34 s, test_bench_serving's engine alone 35 s).
+# test_batched_append's watched sequence 34 s, test_bench_serving's engine alone 35 s, test_cli_bench's quick bench
+# 41 s).
 _RUN_LAST = ("test_api.py", "test_batch_decode_kernel.py", "test_batch_kernels.py", "test_batched_append.py",
-             "test_bench_serving.py")
+             "test_bench_serving.py", "test_cli_bench.py")
 
 
 def pytest_collection_modifyitems(config, items):
