@@ -140,6 +140,31 @@ def test_the_helpers_row_chunks_come_from_its_scratch_and_a_stalled_one_is_taken
         assert np.array_equal(out.reshape(len(x), stride)[:, :matrix.n_out].view(np.int32), expected.view(np.int32))
 
 
+@pytest.mark.parametrize("stalled", [False, True])
+def test_a_chunk_the_helper_finished_is_copied_in_between_the_callers_own(stalled, pool_module):
+    """The helper finished chunk 0 (stalled: and claimed chunk 1, never finishing it) before the caller runs: the
+    caller copies chunk 0 from the scratch, laid out as the output's rows, after its first own chunk (its values, not
+    the caller's: marked), and takes chunk 1 back; every other chunk bit for bit one thread's."""
+    sp, rng = pool_module, np.random.default_rng(13)
+    matrix = list(matrices(Q.Q4_K, rng))[-1][0]
+    x = rng.standard_normal((quantized.PREFILL_ROWS, matrix.n_in)).astype(np.float32)
+    expected = one_thread_rows(matrix, x)
+    stride = matrix.tiles * TILE
+    ctrl, scratch = idle_control(sp), np.full((len(x), stride), np.nan, np.float32)
+    out = np.full(len(x) * stride, np.nan, np.float32)
+    count = sp.post_rows(ctrl, matrix.descriptor, 5, x, stride, scratch.reshape(-1))
+    width = int(ctrl[sp.CHUNK]) * TILE
+    assert count >= 3 and width < matrix.n_out
+    scratch[:, :width] = expected[:, :width] + 1  # the helper's chunk 0, told apart from the caller's
+    ctrl[sp.STATE] = (5 << 2) | sp.DONE
+    ctrl[sp.NEXT] += 1 + int(stalled)
+    sp.run(ctrl, 5, count, out, scratch.reshape(-1))
+    assert ctrl[sp.TAKEN_OVER] == int(stalled)
+    got = out.reshape(len(x), stride)[:, :matrix.n_out]
+    assert np.array_equal(got[:, :width], expected[:, :width] + 1)
+    assert np.array_equal(got[:, width:].view(np.int32), expected[:, width:].view(np.int32))
+
+
 def test_two_callers_at_once_stay_exact(pool_module):
     rng = np.random.default_rng(11)
     pairs = list(matrices(Q.Q4_1, rng)) + list(matrices(Q.Q8_0, rng))

@@ -7,10 +7,10 @@ The caller writes the product's arguments (its kernel's arrays, as addresses and
 and publishes a job word (NEXT: the job's tag, its count of chunks, the next chunk to take). Then the caller and
 the helper take chunks of tiles by atomic operations on NEXT until none is left: the caller computes its chunks
 into the output, the helper its own into a scratch buffer it owns, marking each chunk done (STATE). The caller
-copies the helper's chunks in; a chunk the helper took but has not finished within PATIENCE times the caller's
-own time per chunk (its core went to another process) the caller computes itself, and the helper's late copy is
-never read. So a product never waits for a descheduled helper, and a helper that is not running costs the caller
-one uncontended atomic operation a chunk: it takes every chunk, as one thread would.
+copies the helper's chunks in as they are done; one the helper took but has not finished within PATIENCE times the
+caller's own time per chunk (its core went to another process) the caller computes itself, and the helper's late
+copy is never read. So a product never waits for a descheduled helper, and a helper that is not running costs the
+caller one uncontended atomic operation a chunk: it takes every chunk, as one thread would.
 
 The helper's claim is a compare-and-swap on NEXT, tagged with the job, taken only while the job has chunks left:
 a claim that succeeds proves the job (its arguments, its arrays, its scratch) is live. It announces the job it
@@ -22,9 +22,7 @@ IDLE_NS without a job it returns to Python and waits on an Event (no CPU at all)
 at the lowest priority (nice 19): where another process wants its core it gets almost none of it, so two threads
 fall back to about one thread's rate instead of below it (a helper at normal priority spinning on a busy machine
 takes time from the caller and from everything else). Each row's arithmetic is the kernel's on one thread
-whichever thread computes its tile: the outputs are bit for bit one thread's. (A prefill's products went through
-weight_threads.split's Python helper until session 12: woken for each product, sharing the GIL between its kernel
-calls.)
+whichever thread computes its tile: the outputs are bit for bit one thread's.
 """
 
 from __future__ import annotations
@@ -55,9 +53,8 @@ CHUNK_TILES, MAX_CHUNK_TILES = 8, 32
 MAX_CHUNKS = 256  # Gemma 3's tied logits: 4,096 tiles
 # A prefill's job: up to JOB_ROWS rows cut into ROW_CHUNKS chunks of tiles, each computed KERNEL_ROWS rows a kernel call
 # (quantized.PREFILL_ROWS: X and the sums stay in cache; a row's result is the same at any count); the helper's scratch
-# holds a job's output rows. Each kernel call sums its rows' groups again and the two threads meet once a job: 64-row
-# jobs of 16 chunks took a SmolLM2 layer's 512-row products 16.0-17.2 ms on two threads (weight_threads.split:
-# 13.9-14.3), 256-row jobs of 8 chunks 12.7 (quiet machine, best of 15)
+# holds a job's output rows (a SmolLM2 layer's 512-row products, two threads: 64-row jobs of 16 chunks 16.0-17.2 ms,
+# 256-row jobs of 8 chunks 12.7; quiet machine, best of 15)
 JOB_ROWS, KERNEL_ROWS, ROW_CHUNKS = 256, 64, 8
 PROBE_TILES = 2 * MAX_CHUNK_TILES  # bigger products are not offered to a helper that is not running
 PATIENCE = 1.0  # the caller waits for the helper's chunk up to this times its own time a chunk (+ PATIENCE_NS)
@@ -73,8 +70,7 @@ PROBE_AFTER, PROBE_EVERY = 16, 8
 STALE_NS = 20_000
 PARKED_SEEN = -2  # product_kernel's answer when the helper was parked
 
-# A matrix's descriptor (describe()): its kernel's family and flags, tiles, input size and six arrays (address and
-# four dimensions each)
+# A matrix's descriptor (describe()): kernel family, flags, tiles, input size, six arrays (address, four dimensions)
 KIND, HIGH, PER, MODE, TILES, N_IN = range(6)
 ARRAYS = 6
 DESCRIPTOR = ARRAYS + 30
@@ -306,15 +302,26 @@ def serve(ctrl):
     return 0
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _copied(ctrl, index, tag, out, scratch, width, n, stride):
+    """Whether the helper's chunk index was done: then copied into out (whole slices: single floats ran at 2-4 GB/s)."""
+    if _load(ctrl, STATE + index) != (tag << 2) | DONE:  # type: ignore[call-arg]
+        return False
+    first, last = index * width, min(stride, (index + 1) * width)
+    for i in range(0, n * stride, stride):
+        out[i + first:i + last] = scratch[i + first:i + last]
+    ctrl[STATE + index] = (tag << 2) | MINE
+    return True
+
+
 @njit("void(int64[::1], int64, int64, float32[::1], float32[::1])", cache=True, nogil=True)
 def run(ctrl, tag, count, out, scratch):
-    """The caller's side of the job just published: chunks taken by atomic add until none is left, computed into
-    out; then the helper's chunks copied from scratch once marked done, or computed here if one is not done within
-    the patience (the helper's core went elsewhere: the caller never waits longer than about a chunk for it). out and
-    scratch are laid out alike: one row, or ctrl[ROWS] rows of ctrl[STRIDE] floats (post_rows)."""
+    """The caller's side of the job just published: chunks taken by atomic add until none is left, computed into out,
+    the helper's copied in after each once done, its last when done, or computed here if not done within the patience
+    (the caller never waits much longer than a chunk). out and scratch: one row, or ctrl[ROWS] rows of ctrl[STRIDE]."""
     clock, width = ctrl[CLOCK], ctrl[CHUNK] * TILE
     n, stride = max(1, ctrl[ROWS]), out.size // max(1, ctrl[ROWS])
-    own = 0
+    own, low, mine = 0, 0, (tag << 2) | MINE  # chunks below low are in out (low stops at the helper's current one)
     start = _clock_ns(clock)  # type: ignore[call-arg, var-annotated]
     while True:
         index = _add(ctrl, NEXT, 1) & INDEX_MASK
@@ -322,21 +329,15 @@ def run(ctrl, tag, count, out, scratch):
             break
         _compute(ctrl, index, out.ctypes.data)
         own += 1
-        ctrl[STATE + index] = (tag << 2) | MINE
+        ctrl[STATE + index] = mine
+        while low < index and (ctrl[STATE + low] == mine or _copied(ctrl, low, tag, out, scratch, width, n, stride)):
+            low += 1
     now = _clock_ns(clock)
     deadline = now + PATIENCE_NS + int(PATIENCE * (now - start) / max(own, 1))
     ctrl[MISSES] = ctrl[MISSES] + 1 if own == count else 0
-    done = (tag << 2) | DONE
-    for index in range(count):
-        if ctrl[STATE + index] == (tag << 2) | MINE:
-            continue
-        while True:
+    for index in range(low, count):
+        while ctrl[STATE + index] != mine and not _copied(ctrl, index, tag, out, scratch, width, n, stride):
             state = _load(ctrl, STATE + index)
-            if state == done:
-                for i in range(0, n * stride, stride):
-                    for r in range(i + index * width, i + min(stride, (index + 1) * width)):
-                        out[r] = scratch[r]
-                break
             if _clock_ns(clock) > deadline and _swap(ctrl, STATE + index, state, (tag << 2) | TAKEN) == state:
                 _compute(ctrl, index, out.ctypes.data)  # taken back: the helper's copy unread
                 ctrl[TAKEN_OVER] += 1
@@ -366,8 +367,7 @@ def _post(ctrl, job, tag, x_address, rows, stride, scratch, kernel, chunks):
     ctrl[X], ctrl[CHUNK], ctrl[SCRATCH], ctrl[ROWS], ctrl[STRIDE] = x_address, chunk, scratch.ctypes.data, rows, stride
     ctrl[JOB_KERNEL] = kernel
     ctrl[JOB:JOB + DESCRIPTOR] = job
-    for k in range(count):  # a late helper's DONE from an earlier job with this tag (2**30 jobs ago) is cleared
-        ctrl[STATE + k] = 0
+    ctrl[STATE:STATE + count] = 0  # a late helper's DONE from an earlier job with this tag (2**30 jobs ago) cleared
     _store(ctrl, NEXT, (tag << 32) | (count << COUNT_BITS))  # type: ignore[call-arg]
     return count
 
