@@ -163,9 +163,15 @@ def test_preemption_under_memory_pressure_keeps_results_and_is_counted():
     requests = [(f"Request number {i} asks about pages.", cache, 0, None, 60) for i in range(4)]
     expected = [alone(*request) for request in requests]
     with running_server(pool_pages=24, max_seqs=4) as running:
+        barrier = threading.Barrier(len(requests))  # sent together: one finished before the next was sent, under load
+
+        def run(request) -> str:
+            with httpx.Client(base_url=running.url, timeout=120) as client:
+                barrier.wait()
+                return complete(client, *request, stream=True)
+
         with ThreadPoolExecutor(len(requests)) as pool:
-            got = list(pool.map(lambda r: complete(httpx.Client(base_url=running.url, timeout=120), *r,
-                                                   stream=True), requests))
+            got = list(pool.map(run, requests))
         assert got == expected
         samples = scrape(running.metrics_text())
         assert value(samples, "pagevis_preemptions_total") > 0
