@@ -267,7 +267,7 @@ SETTINGS: dict[str, Setting] = _table(
             "stays exact) instead of exact float32: none; batched (decode rows of several sequences decoding "
             "together); prompts (those and every prompt row); all (every row, a lone sequence's too). Prompt "
             "scoring (logprobs of the prompt, echo) is always exact", "batch", "batch", choices=INT8_ROWS,
-            flag="--int8-rows", request=False, app=False),
+            flag="--int8-rows", request=False, app=False, front_ends={"serve": "all"}),  # docs/serving.md: measured
     # --- pagevis serve: ServeSettings (and the Server window's ServerConfig: max_chunk) -------------------------
     Setting("max_chunk", "int", 512, "prompt tokens one request feeds per step (bounds a step's activations)",
             "serve", "scheduler", low=1, high=1 << 20, flag="--max-chunk", metavar="N", front_ends={"server": 256},

@@ -71,11 +71,13 @@ def test_smollm2s_int8_arrays_are_bounded_as_the_docstring_says(smollm2):  # noq
 
 @vnni
 def test_smollm2_prompt_rows_in_int8_stay_within_bounds_of_the_exact_forward(smollm2):  # noqa: F811
-    """A 40-token prompt's every row in int8 (token rows and logits) against the exact float32 forward: max |diff|
-    of the logits <= 2 (they span ~+-30), KL(exact || int8) <= 0.02 nats a row, every top-1 disagreement a near tie
-    of the exact logits, and 90% agree."""
+    """A 27-token prompt's every row in int8 (token rows and logits) against the exact float32 forward: max |diff|
+    of the logits <= 2 (they span ~+-30; measured 1.23), KL(exact || int8) <= 0.05 nats a row (measured 0.017, mean
+    0.004; the chat prompt "What is the capital of France?" 0.037 at its last row, mean 0.008), every top-1
+    disagreement a near tie of the exact logits, and 85% agree (measured 25 of 27)."""
     ids = np.array(smollm2.tokenizer.encode("The kernel keeps a page table for every process, and a cache of "
-                                            "recently used pages; when memory runs short it evicts the")[:40])
+                                            "recently used pages; when memory runs short it evicts the"))
+    assert len(ids) == 27
     positions = np.arange(len(ids))
     exact = smollm2.forward(ids, positions, DenseAttention(smollm2.config), all_logits=True)
     with int8_rows.batched(True):
@@ -83,10 +85,11 @@ def test_smollm2_prompt_rows_in_int8_stay_within_bounds_of_the_exact_forward(smo
     diff = np.abs(got - exact).max()
     assert 0 < diff <= 2.0
     p, q = log_softmax(exact), log_softmax(got)
-    assert (np.exp(p) * (p - q)).sum(axis=-1).max() <= 0.02
+    kl = (np.exp(p) * (p - q)).sum(axis=-1)
+    assert kl.max() <= 0.05 and kl.mean() <= 0.01
     top = got.argmax(axis=-1)
     assert (exact[np.arange(len(got)), top] >= exact.max(axis=-1) - 2 * diff).all()
-    assert (top == exact.argmax(axis=-1)).mean() >= 0.9
+    assert (top == exact.argmax(axis=-1)).mean() >= 0.85
 
 
 def prompt_kv(engine: Engine, seq_id: int, n: int) -> list[np.ndarray]:

@@ -22,11 +22,11 @@ def add_parser(commands) -> argparse.ArgumentParser:
         description="Serve POST /v1/attention, /v1/sessions, OpenAI-compatible /v1/completions and "
                     "/v1/chat/completions, /metrics (Prometheus) and /healthz; API docs at /docs. Cache and "
                     "decoding options set the defaults of sessions and completions that do not set them: by "
-                    "default a full cache per request (policy none), so nothing is evicted. The rows --int8-rows "
-                    "names multiply int8 activations by the quantised weights (AVX-512 VNNI, where the CPU has it: "
-                    "the throughput path, llama.cpp's arithmetic; each row within a tested bound of the exact row); "
-                    "prompt scoring (echo, prompt logprobs) stays exact; --int8-rows none keeps every row exact, "
-                    "bit for bit a request alone.")
+                    "default a full cache per request (policy none), so nothing is evicted. By default every row "
+                    "(prompts, a request decoding alone, requests decoding together) multiplies int8 activations "
+                    "by the quantised weights (--int8-rows all; AVX-512 VNNI, where the CPU has it: llama.cpp's "
+                    "arithmetic, each row within a tested bound of the exact row); prompt scoring (echo, prompt "
+                    "logprobs) stays exact; --int8-rows none answers as `pagevis run` does, bit for bit.")
     for section in SECTIONS:
         group = parser.add_argument_group(settings.SECTIONS[section])
         settings.add_flags(group, section, front_end=FRONT_END)
