@@ -36,11 +36,11 @@ from pagevis.engine.session_config import SessionConfig, decode_ids, encode_prom
 from pagevis.engine.stop import StopMatcher
 from pagevis.kvcache.paged_attention import share_pool
 from pagevis.model import int8_rows
-from pagevis.model.quantized import spin_pool
+from pagevis.model.quantized import running_spin_pool
 from pagevis.model.resident import release_compiler_pages
 
 EngineHook = Callable[[BatchRecord], None]
-share_pool(spin_pool)  # batched decode attention's sequences shared with the weights' second thread (two threads)
+share_pool(running_spin_pool)  # batched decode attention's sequences shared with the weights' second thread
 
 
 class Engine:

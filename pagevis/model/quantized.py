@@ -116,6 +116,14 @@ def spin_pool():
     return _POOL
 
 
+def running_spin_pool():
+    """spin_pool() where the weights have started it (a packed model's products on two threads), else None, never
+    starting it: what batched decode attention shares its sequences with. A float32 model's batches (the synthetic
+    model's: the tests', a first launch's) then never wait for the spin pool's kernels to compile (~40 s of CPU
+    with the weights' others, kernel_loader.FAMILIES), for attention a second thread barely helps at that size."""
+    return _POOL if _POOL is not None and weight_threads() >= 2 else None
+
+
 def _forget_pool_in_child() -> None:
     global _POOL
     _POOL = None  # a forked child has no helper thread: it starts its own on its first product
