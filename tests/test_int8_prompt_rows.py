@@ -141,21 +141,33 @@ def test_a_prompts_kv_is_the_same_alone_or_beside_other_sequences_rows(smollm2, 
 
 
 @pytest.mark.parametrize("mode", ["prompts", "all"])
-def test_prompt_scoring_stays_exact_under_the_int8_settings(smollm2, mode):  # noqa: F811
-    """A request scoring its prompt (echo, prompt logprobs) beside another sequence decoding: its scores and first
-    token bit for bit what the exact engine ("none") gives."""
+def test_prompt_scoring_stays_exact_and_leaves_its_neighbours_int8(smollm2, mode):  # noqa: F811
+    """A request scoring its prompt (echo, prompt logprobs) in a step beside another sequence decoding and a third's
+    prompt: its scores and first token bit for bit what the exact engine ("none") gives, and the third's K/V bit
+    for bit what they are when its prompt is fed alone under the same setting (the scoring request's rows alone are
+    exact: a prompt's pages do not depend on who shares its step)."""
     prompt = smollm2.tokenizer.encode("The cache evicts the least recently used page when memory is full.")
-    results = []
+    third = smollm2.tokenizer.encode("Paged attention reads keys where they lie.")
+    results, kvs = [], []
     for engine_mode in (mode, "none"):
         engine = engine_for(smollm2, engine_mode)
         engine.submit(smollm2.tokenizer.encode("One two"))
         engine.step()
         seq_id = engine.submit(prompt, max_new_tokens=1, scores=(None, 2))
-        engine.step()  # the other's decode row and the scored prompt
+        other = engine.submit(third)
+        record = engine.step()  # the first's decode row, the scored prompt and the third's prompt
+        assert [s.kind for s in record.seqs] == ["decode", "prefill", "prefill"]
         scores = engine.requests[seq_id].prompt_scores
         results.append((scores.chosen.copy(), scores.top_ids.copy(), engine.last_logits[seq_id].copy()))
+        kvs.append(prompt_kv(engine, other, len(third)))
     for got, want in zip(*results, strict=True):
         assert np.array_equal(got, want)
+    alone = engine_for(smollm2, mode)
+    seq_id = alone.submit(third)
+    alone.step()
+    assert all(np.array_equal(a, b) for a, b in zip(kvs[0], prompt_kv(alone, seq_id, len(third)), strict=True))
+    same = all(np.array_equal(a, b) for a, b in zip(kvs[0], kvs[1], strict=True))
+    assert same is (int8_rows.route() != "vnni")  # (the third's rows took int8 beside the scoring request)
 
 
 def test_run_and_the_apps_sessions_never_take_int8_rows():

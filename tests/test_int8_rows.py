@@ -212,13 +212,15 @@ def test_the_engine_asks_for_int8_rows_as_its_setting_says(mode):
 
 def test_int8_rows_of_a_step_by_setting():
     """engine.batch.int8_rows_of on plans of decode rows (one token past the prompt) and prompt rows: which rows
-    are int8, as masks over the token rows and the logit rows when only some are; a scoring step none."""
+    are int8, as masks over the token rows and the logit rows when only some are; a request scoring its prompt
+    keeps its rows (all its logit rows) exact, and only its."""
     from types import SimpleNamespace
 
     from pagevis.engine.batch import int8_rows_of
 
-    request = SimpleNamespace(prompt_ids=(1, 2, 3))
-    decode, prompt = (request, [7], 3), (request, [1, 2, 3], 0)
+    request = SimpleNamespace(prompt_ids=(1, 2, 3), prompt_logprobs=None)
+    scored = SimpleNamespace(prompt_ids=(1, 2, 3), prompt_logprobs=2)
+    decode, prompt, scoring = (request, [7], 3), (request, [1, 2, 3], 0), (scored, [1, 2], 0)
     for mode, plan, want in (
             ("batched", [decode], (False, None, None)), ("batched", [decode, decode], (True, None, None)),
             ("batched", [decode, prompt], (False, None, None)),
@@ -227,10 +229,35 @@ def test_int8_rows_of_a_step_by_setting():
             ("prompts", [decode, prompt], (True, [False, True, True, True], [False, True])),
             ("prompts", [decode, prompt, decode], (True, None, None)),
             ("all", [decode], (True, None, None)), ("all", [decode, prompt], (True, None, None)),
+            ("all", [scoring], (False, None, None)),
+            ("all", [decode, scoring], (True, [True, False, False], [True, False, False])),
+            ("prompts", [scoring, prompt], (True, [False, False, True, True, True], [False, False, True])),
+            ("batched", [decode, scoring, (scored, [5], 3)], (False, None, None)),
             ("none", [decode, decode, prompt], (False, None, None))):
         on, masks = int8_rows_of(plan, mode)
         assert (on, *([m.tolist() for m in masks] if masks else (None, None))) == want, (mode, plan)
-        assert int8_rows_of(plan, mode, scoring=True) == (False, ())
+
+
+@vnni
+def test_masked_rows_are_int8_and_the_others_exact_each_as_it_would_be_alone():
+    """A mixed step's product: its decode rows equal their int8 product without the prompt rows, its prompt rows
+    the exact product bit for bit (every u4/i8 row is the row alone); a row count no mask names stays exact."""
+    rng = np.random.default_rng(8)
+    for kind in (Q.Q4_1, Q.Q8_0):
+        matrix = pack(kind, random_blocks(kind, 100, 64, rng), 64)
+        x = rng.standard_normal((6, 64)).astype(np.float32)
+        mask = np.array([True, False, True, False, False, True])
+        with int8_rows.batched(True, (mask, mask[:3])):
+            mixed, other = x @ matrix, x[:4] @ matrix
+        with int8_rows.batched(True):
+            decode = x[mask] @ matrix
+        assert np.array_equal(mixed[mask], decode)
+        assert np.array_equal(mixed[~mask], x[~mask] @ matrix) and np.array_equal(other, x[:4] @ matrix)
+        assert not np.array_equal(decode, x[mask] @ matrix)
+        one = np.array([False, False, True, False, False, False])  # one masked row: int8 too
+        with int8_rows.batched(True, (one,)):
+            single = x @ matrix
+        assert np.array_equal(single[one], decode[1:2]) and np.array_equal(single[~one], x[~one] @ matrix)
 
 
 def log_softmax(z: np.ndarray) -> np.ndarray:

@@ -79,22 +79,24 @@ class BatchRecord:
         return sum(1 for s in self.seqs if s.next_token >= 0)
 
 
-def int8_rows_of(plan, mode: str, scoring: bool = False) -> tuple[bool, tuple[np.ndarray, ...]]:
+def int8_rows_of(plan, mode: str) -> tuple[bool, tuple[np.ndarray, ...]]:
     """Whether a step's forward takes int8 rows (model/int8_rows.py), and the masks of those rows when not all are:
     a step's plan (request, tokens fed, first position) under BatchConfig.int8_rows `mode` -- "none": no row;
     "batched": decode rows (one generated token fed) when two or more sequences decode in the step; "prompts": those
-    and every prompt row; "all": every row. scoring (a request scores its prompt): no row. Masks (over the token
-    rows, and over the logit rows: one a request) when some rows are int8 and others not; else none (all rows)."""
-    if mode == "none" or scoring:
+    and every prompt row; "all": every row. A request scoring its prompt (prompt_logprobs) keeps every row exact,
+    and only it: the others' rows are what they would be without it. Masks (over the token rows, and over the logit
+    rows: every row of a scoring request, the last of another) when some rows are int8 and others not; else none."""
+    if mode == "none":
         return False, ()
-    if mode == "all":
-        return True, ()
+    scoring = [request.prompt_logprobs is not None for request, _, _ in plan]
     decoding = [len(tokens) == 1 and start >= len(request.prompt_ids) for request, tokens, start in plan]
-    batched = sum(decoding) >= 2
-    chosen = [batched if decode else mode == "prompts" for decode in decoding]
+    batched = sum(decode and not scores for decode, scores in zip(decoding, scoring, strict=True)) >= 2
+    chosen = [not scores and (mode == "all" or (batched if decode else mode == "prompts"))
+              for decode, scores in zip(decoding, scoring, strict=True)]
     if not any(chosen):
         return False, ()
     if all(chosen):
         return True, ()
     rows = np.repeat(chosen, [len(tokens) for _, tokens, _ in plan])
-    return True, (rows, np.array(chosen))
+    logits = np.repeat(chosen, [len(tokens) if scores else 1 for (_, tokens, _), scores in zip(plan, scoring, strict=True)])
+    return True, (rows, logits)

@@ -273,7 +273,7 @@ class Engine:
             rows, ends = np.concatenate(wanted), np.cumsum([len(w) for w in wanted])
         else:
             rows = np.array([end - 1 for _, _, end in segments], dtype=np.int64)
-        int8, masks = int8_rows_of(plan, self.batch.int8_rows, scoring)
+        int8, masks = int8_rows_of(plan, self.batch.int8_rows)
         forward_started = time.perf_counter()
         with int8_rows.batched(int8, masks):
             all_rows = self.model.forward(ids, positions, self._batched_attend(segments), logit_rows=rows)

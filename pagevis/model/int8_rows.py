@@ -5,8 +5,8 @@ quantised types.
 Where it applies: only inside `batched(True)`, which the engine enters for the rows its setting `int8_rows`
 (BatchConfig; engine.batch.int8_rows_of) chooses: "none" -- no row; "batched" (the default of `pagevis run --n` and
 the app) -- decode rows of two or more different sequences; "prompts" -- those and every prompt row, alone or beside
-others; "all" -- every row, a lone sequence's decode row too. A step that scores its prompt (prompt_logprobs) is
-exact whatever the setting. In a step whose rows are not all chosen, `batched`'s masks say which are (the others
+others; "all" -- every row, a lone sequence's decode row too. A request scoring its prompt (prompt_logprobs) keeps
+its own rows exact whatever the setting. In a step whose rows are not all chosen, `batched`'s masks say which are (the others
 take the exact kernels, each row as it is alone). Only rows times a u4 (Q4_0, Q4_1, Q4_K) or i8 (Q8_0, Q5_0, Q6_K)
 matrix; the float32 tensors and u5 stay the exact float32 product (quantized.QuantMatrix.product).
 An int8 row's result differs from the exact row: tests/test_int8_rows.py bounds it against float64 references. It
