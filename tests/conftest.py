@@ -38,13 +38,18 @@ _LOADER_STEPS = (
 _LOADER_PAUSE = 0.4
 
 
-# Modules whose first tests need the loader's kernels (SmolLM2 decoding on two weight threads) but sort among the
-# first: they run last, after tests that need none of them, so on a clean clone they find those kernels compiled
-# rather than wait for them (test_api's first test waited 40-100 s, test_batch_decode_kernel's pool test 160 s,
-# test_batched_append's watched sequence 34 s, test_bench_serving's engine alone 35 s, test_cli_bench's quick bench
-# 41 s).
-_RUN_LAST = ("test_api.py", "test_batch_decode_kernel.py", "test_batch_kernels.py", "test_batched_append.py",
-             "test_bench_serving.py", "test_cli_bench.py")
+# Modules that multiply packed weights (the loader's kernels), measured: a run with quantized.kernels, _rows_kernel,
+# spin_pool, QuantMatrix.product and int8_rows._kernels wrapped to note each test module calling them, plus
+# test_hostile_caches (its processes load them). They run last, after the ~100 s of tests that need none of them, so
+# on a clean clone they find those kernels compiled rather than wait for them (one at a time, moved behind the
+# others, each left the next waiting: test_api 40-100 s, test_batch_decode_kernel 160 s, test_cli's headless
+# commands 31 s, test_cli_bench 41 s, test_compare 22 s, test_engine_attention 42 s). A module missing here only
+# waits; one listed that needs none of them only runs later.
+_RUN_LAST = ("test_api.py", "test_batch_decode_kernel.py", "test_batch_kernels.py", "test_cli_bench.py",
+             "test_engine_bench.py", "test_engine_quant.py", "test_fused_kernels.py", "test_gui_demo.py",
+             "test_hostile_caches.py", "test_hostile_layout.py", "test_int8_prompt_rows.py", "test_int8_rows.py",
+             "test_model_reference.py", "test_preset_proofs.py", "test_resident.py", "test_spin_pool.py",
+             "test_weight_kernels.py", "test_weights_bench.py")
 
 
 def pytest_collection_modifyitems(config, items):
