@@ -102,10 +102,10 @@ def prompt_kv(engine: Engine, seq_id: int, n: int) -> list[np.ndarray]:
     return out
 
 
-def engine_for(model, mode: str) -> Engine:
+def engine_for(model, mode: str, prefix_caching: bool = False) -> Engine:
     config = SessionConfig(page_size=8, max_pages=16, policy="none", max_new_tokens=6, chat=False,
                            sampling=SamplingConfig(mode="greedy"))
-    return Engine(model, config, BatchConfig(max_seqs=4, int8_rows=mode, prefix_caching=False))
+    return Engine(model, config, BatchConfig(max_seqs=4, int8_rows=mode, prefix_caching=prefix_caching))
 
 
 @pytest.mark.parametrize("mode", ["prompts", "all"])
@@ -168,6 +168,26 @@ def test_prompt_scoring_stays_exact_and_leaves_its_neighbours_int8(smollm2, mode
     assert all(np.array_equal(a, b) for a, b in zip(kvs[0], prompt_kv(alone, seq_id, len(third)), strict=True))
     same = all(np.array_equal(a, b) for a, b in zip(kvs[0], kvs[1], strict=True))
     assert same is (int8_rows.route() != "vnni")  # (the third's rows took int8 beside the scoring request)
+
+
+@pytest.mark.parametrize("mode", ["batched", "all"])
+def test_a_scored_prompts_exact_pages_are_no_other_requests_prefix_hit(smollm2, mode):  # noqa: F811
+    """Under "all" (int8 prompt rows) a request scoring its prompt writes exact pages: they are cached under a salt of
+    their own, so a later request with the same prompt finds none of them (it writes the int8 pages it writes
+    alone); under "batched" every prompt row is exact, and the later request reuses the scored one's 3 full pages."""
+    prompt = smollm2.tokenizer.encode("A page table maps each virtual page to a frame; the cache keeps the keys "
+                                      "and values of every token the model has seen so far.")
+    engine = engine_for(smollm2, mode, prefix_caching=True)
+    scored = engine.submit(prompt, max_new_tokens=1, scores=(None, 2))
+    list(engine.run())
+    later = engine.submit(prompt, max_new_tokens=2)
+    engine.step()
+    vnni = int8_rows.route() == "vnni"
+    assert engine.requests[scored].exact_pages is (vnni and mode == "all")
+    assert engine.requests[later].prefix_hit_tokens == (0 if vnni and mode == "all" else 24)
+    again = engine.submit(prompt, max_new_tokens=2)  # the later request's int8 pages are a hit as any others
+    engine.step()
+    assert engine.requests[again].prefix_hit_tokens == 24
 
 
 def test_run_and_the_apps_sessions_never_take_int8_rows():

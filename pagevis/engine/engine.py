@@ -107,6 +107,8 @@ class Engine:
                 check_int(name, k, 0, logprobs.MAX_LOGPROBS)
         if request.prompt_logprobs is not None:
             request.prompt_scores = logprobs.Scores.empty(len(prompt_ids) - 1, request.prompt_logprobs)
+            # its prompt rows stay exact where others' are int8: its pages must not be another prompt's hit
+            request.exact_pages = self.batch.int8_rows in ("prompts", "all") and int8_rows.route() == "vnni"
         self.scheduler.add(request)
         return request.seq_id
 

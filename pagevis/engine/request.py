@@ -27,6 +27,9 @@ class Request:
     preemptions: int = 0
     prefix_hit_tokens: int = 0  # prompt tokens found in the prefix cache at its (last) admission
     cache_salt: str | None = None  # vLLM's cache_salt: only requests with the same salt share cached pages
+    # its prompt's K/V are exact where other requests' are int8 (it scores its prompt under BatchConfig.int8_rows
+    # "prompts" or "all"): its pages are cached under a salt of their own (`prefix_salt`), never another's hit
+    exact_pages: bool = False
     children: list[int] = field(default_factory=list)  # parallel samples waiting for this one's prefill
     paused: bool = False  # held between calls (a session stepped over HTTP): not scheduled, pages kept
     hold: bool = False  # keep its pages when it finishes, until Engine.release (a server's session records them)
@@ -43,6 +46,11 @@ class Request:
     def tokens(self) -> list[int]:
         """Every token so far, prompt then generated: a new list (the engine's step asks n_tokens and tokens_in)."""
         return [*self.prompt_ids, *self.generated]
+
+    @property
+    def prefix_salt(self) -> str | None:
+        """The salt its pages' prefix hashes start from: cache_salt, set apart for exact pages (`exact_pages`)."""
+        return f"{self.cache_salt or ''}\x00exact" if self.exact_pages else self.cache_salt
 
     @property
     def n_tokens(self) -> int:

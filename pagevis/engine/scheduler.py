@@ -92,7 +92,7 @@ class Scheduler:
         while self.waiting and self.n_active < self.max_running and (budget is None or used < budget):
             request = self.waiting[0]
             request.n_cached = self.admission.admit(request.seq_id, request.tokens, request.policy, self._longest(request),
-                                           request.cache_salt)
+                                           request.prefix_salt)
             if self.admission.is_full(request.seq_id):
                 self.start(self.waiting.popleft())  # its cached prefix already fills its budget
                 finish(request, "cache_full")

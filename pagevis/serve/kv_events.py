@@ -79,7 +79,7 @@ def _layer_events(engine, cache_events, layer: int, group: int | None) -> list:
         if run:
             seq, first, _, chain = run[0]
             request = engine.requests[seq]
-            tokens, salt = request.tokens, request.cache_salt
+            tokens, salt = request.tokens, request.prefix_salt
             out.append(BlockStored(block_hashes=[h for _, _, h, _ in run],
                                    parent_block_hash=chain[first - 1] if first else None,
                                    token_ids=[int(t) for t in tokens[first * ps: (first + len(run)) * ps]],
@@ -96,7 +96,7 @@ def _layer_events(engine, cache_events, layer: int, group: int | None) -> list:
                 continue
             chain = chains.get(event.seq)
             if chain is None:
-                chain = chains[event.seq] = prefix_hashes(request.tokens, ps, salt_root(request.cache_salt))
+                chain = chains[event.seq] = prefix_hashes(request.tokens, ps, salt_root(request.prefix_salt))
             if event.detail not in chain:
                 continue
             index = chain.index(event.detail)
