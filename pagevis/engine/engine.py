@@ -257,8 +257,7 @@ class Engine:
         return record
 
     def _execute(self, plan: Plan) -> None:
-        for request, tokens, _ in plan:
-            self.cache.admission.ensure_room(request.seq_id, len(tokens))
+        self.cache.admission.ensure_rooms([(request.seq_id, len(tokens)) for request, tokens, _ in plan])
         ids = np.array([t for _, tokens, _ in plan for t in tokens], dtype=np.int64)
         positions = _joined([np.arange(start, start + len(tokens), dtype=np.int64) for _, tokens, start in plan])
         segments, offset = [], 0

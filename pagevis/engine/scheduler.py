@@ -141,9 +141,11 @@ class Scheduler:
     def _chunk(self, request: Request, left: int | None) -> tuple[Request, list[int], int]:
         """The request's next tokens: its room (1 when its policy must evict to go on), the cache's own chunk
         limit (disk tier, Quest), the scheduler's, and what the step's budget leaves."""
-        limits = [request.n_tokens - request.n_cached, self.admission.chunk_limit(request.seq_id)]
-        limits += [limit for limit in (self.max_chunk, left) if limit is not None]
-        n = max(1, min(limits))
+        remaining, n = request.n_tokens - request.n_cached, 1
+        if remaining > 1:  # (else one token whatever the limits say: a decode token does not ask them)
+            limits = [remaining, self.admission.chunk_limit(request.seq_id)]
+            limits += [limit for limit in (self.max_chunk, left) if limit is not None]
+            n = max(1, min(limits))
         return request, request.tokens_in(request.n_cached, request.n_cached + n), request.n_cached
 
     def preempt(self, request: Request) -> None:

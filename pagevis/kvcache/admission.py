@@ -15,6 +15,7 @@ import numpy as np
 from dataclasses import dataclass
 
 from pagevis.kvcache.layer_managers import LayerManager
+from pagevis.kvcache.policies.base import EvictionPolicy
 from pagevis.kvcache.sequence import SequenceCache
 
 # With a disk tier, prefill chunks are cut so that their scores over a batch of frames, and their weights
@@ -42,6 +43,13 @@ class Admission:
     def __init__(self, cache):
         self.cache = cache  # the KVCacheManager that holds it (not imported here: it imports this module)
         self._kivi: bool | None = None  # whether a layer's store quantizes keys by groups (its stores, once made)
+        # (every step asks each sequence's room and free slots over every layer: `token_room` reads the tables
+        # of the layers whose budget is the policy's own capacity without asking each layer for it)
+        layers = cache.layers
+        self._tables = [layer.tables for layer in layers]
+        self._plain = [layer.tables for layer in layers if type(layer).budget is LayerManager.budget]
+        self._others = [layer for layer in layers if type(layer).budget is not LayerManager.budget]
+        self._pools = [store.pages for store in cache.stores]
 
     def admit(self, seq_id: int, tokens, policy=None, longest: int | None = None, cache_salt: str | None = None
               ) -> int:
@@ -87,15 +95,35 @@ class Admission:
 
     def free_slots(self, seq_id: int) -> int:
         """Tokens every layer of the sequence can take before its policy must evict: its budget (a policy
-        may give a layer less: pyramidkv), and the pool."""
-        return min(layer_free_slots(layer, self.cache.sequences[seq_id]) for layer in self.cache.layers)
+        may give a layer less: pyramidkv), and the pool: the least over the layers of its budget less its
+        resident tokens (`token_room`) and of its holes and its pool's free slots. The pool's term is counted
+        per layer only when its floor, the fewest free pages' slots, is below the budget's term: else the budget's
+        term is the least."""
+        seq = self.cache.sequences[seq_id]
+        room = self.token_room(seq)
+        if room <= min([pool.n_free() for pool in self._pools]) * self.cache.page_size:
+            return room
+        return min(room, min(len(tables[seq_id].holes) + pool.n_free() * self.cache.page_size
+                             for tables, pool in zip(self._tables, self._pools, strict=True)))
+
+    def token_room(self, seq: SequenceCache) -> int:
+        """The least over the layers of the sequence's budget less its resident tokens. A policy whose
+        budget is the same in every layer (`EvictionPolicy.layer_capacity` not overridden) is not asked per
+        layer where the layer's budget is the policy's (`LayerManager.budget`: a global layer)."""
+        seq_id, policy = seq.seq_id, seq.policy
+        if type(policy).layer_capacity is not EvictionPolicy.layer_capacity or not self._plain:
+            return min(layer.budget(seq) - layer.tables[seq_id].resident for layer in self.cache.layers)
+        room = policy.capacity - max([tables[seq_id].resident for tables in self._plain])
+        for layer in self._others:
+            room = min(room, layer.budget(seq) - layer.tables[seq_id].resident)
+        return room
 
     def room(self, seq_id: int) -> int:
         """Tokens the sequence can still add before its policy must evict (its budget, not the pool; for a
         per-head policy also before it must drop an entry, so that a prefill chunk never evicts mid-chunk on
         statistics that have not seen the chunk; likewise for a policy that prunes at any fill)."""
         seq = self.cache.sequences[seq_id]
-        rooms = [layer.budget(seq) - layer.tables[seq_id].resident for layer in self.cache.layers]
+        rooms = [self.token_room(seq)]
         if seq.policy.per_head:
             rooms += [seq.policy.head_room(layer.view(seq)) for layer in self.cache.layers]
         if seq.policy.prunes:
@@ -135,7 +163,7 @@ class Admission:
         if len(self.cache.sequences) == 1:
             return new_pages
         seq = self.cache.sequences[seq_id]
-        return self.copy_terms(seq) * max(len(layer.tables[seq_id].pages) for layer in self.cache.layers) + new_pages
+        return self.copy_terms(seq) * max([len(tables[seq_id].pages) for tables in self._tables]) + new_pages
 
     def copy_terms(self, seq: SequenceCache) -> int:
         """How many of `layer_pages_needed`'s terms that count shared pages can be non-zero for this sequence:
@@ -173,6 +201,21 @@ class Admission:
         return max(1, min(limits)) if limits else None
 
 
+    def ensure_rooms(self, chunks) -> None:
+        """`ensure_room` of each (seq_id, n_tokens) of a step in turn. Without a disk tier nothing changes the
+        pool between them, so its floor (the fewest free pages' slots) is counted once, and a sequence whose
+        policy never evicts and whose `token_room` and that floor both hold its tokens is not asked per layer
+        (`free_slots` is then at least its tokens: `can_append` holds)."""
+        floor = None
+        for seq_id, n in chunks:
+            seq = self.cache.sequences[seq_id]
+            if not self.cache.config.tiered and not seq.policy.evicts:
+                if floor is None:
+                    floor = self.n_free() * self.cache.page_size
+                if n <= floor and self.token_room(seq) >= n:
+                    continue
+            self.ensure_room(seq_id, n)
+
     def ensure_room(self, seq_id: int, n: int) -> None:
         """Raise before anything changes if n tokens cannot go in: CacheFullError from policy 'none',
         SwapSpaceError when the disk tier has no space for the pages they may need."""
@@ -181,12 +224,6 @@ class Admission:
         if self.cache.config.tiered:  # (a RAM-only store reserves nothing)
             for store, need in zip(self.cache.stores, self.pages_needed(seq_id, n), strict=True):
                 store.reserve(need)
-
-
-def layer_free_slots(layer: LayerManager, seq: SequenceCache) -> int:
-    """Tokens the layer takes before the sequence's policy must evict: its budget, and the pool."""
-    table = layer.tables[seq.seq_id]  # (ensure_room asks it of every layer and sequence each step)
-    return min(len(table.holes) + layer.store.pages.n_free() * layer.page_size, layer.budget(seq) - table.resident)
 
 
 def layer_pages_needed(layer: LayerManager, seq: SequenceCache, n_tokens: int) -> int:
