@@ -37,7 +37,11 @@ def append(layer: LayerManager, seq: SequenceCache, k: np.ndarray, v: np.ndarray
     if len(positions) == 1 and keep is None and not policy.prunes and table.resident < budget and holes:
         layer.write(seq, k[0], v[0], int(positions[0]))  # decoding, room in its own pages: nothing else to do
         return
-    for i, position in enumerate(positions):
+    start = 0
+    if len(positions) > 1 and keep is None and not policy.prunes and store.in_place and not store.kivi:
+        start = write_chunk(layer, seq, k, v, positions)  # a prompt chunk: its K/V in one store call
+    for i in range(start, len(positions)):
+        position = positions[i]
         if keep is not None:
             evict_heads(layer, seq)
         if policy.prunes:
@@ -48,6 +52,32 @@ def append(layer: LayerManager, seq: SequenceCache, k: np.ndarray, v: np.ndarray
                                      f"(sequence {seq.seq_id} needs one more)")
             evict(layer, seq)
         layer.write(seq, k[i], v[i], int(position))
+
+
+def write_chunk(layer: LayerManager, seq: SequenceCache, k: np.ndarray, v: np.ndarray, positions: np.ndarray) -> int:
+    """`append`'s loop for the first tokens of a chunk that need only a slot (under the budget, an empty slot or a
+    page to allocate: no eviction; the caller checked there are no per-head masks or pruning and that the pages are
+    float32 in RAM, `store.in_place`): each token's slot chosen, its table, policy statistics and event updated as
+    `LayerManager.write` does, in order, then the K/V, positions and occupancy of all of them in one store call
+    (`PageStore.write_rows`). Returns how many tokens it wrote (`append` writes the rest one by one). Each slot is
+    in a page of the sequence's own (`free_slot` copies a shared one first), so no copy reads a slot held here."""
+    store, table, ps = layer.store, layer.table(seq), layer.page_size
+    holes, budget, can_allocate = table.holes, layer.budget(seq), store.pages.can_allocate
+    shared, registered = store.pages.ref_counts, store.pages.frame_hash
+    ints, flats = positions.tolist(), []
+    for i, position in enumerate(ints):
+        if table.resident >= budget or not (holes or can_allocate()):
+            break
+        flat = min(holes) if holes else -1
+        if flat < 0 or shared[flat // ps] > 1 or flat // ps in registered:
+            flat = layer.free_slot(seq, table)  # a page allocated, or copied or forgotten first
+        layer.wrote(seq, table, flat, k[i], v[i], position)
+        flats.append(flat)
+    if flats:
+        n = len(flats)
+        store.write_rows(np.array(flats, np.int64), np.arange(n, dtype=np.int64), k, v,
+                         np.asarray(positions, dtype=np.int64), max(ints[:n]))
+    return len(flats)
 
 
 def evict(layer: LayerManager, seq: SequenceCache) -> None:
