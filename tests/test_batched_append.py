@@ -1,8 +1,8 @@
 """KVCacheManager.append_many (one call a layer for every decoding sequence) leaves the cache exactly as one
 `append` per sequence in the same order does: the same pages, block tables, holes, events and stored K/V bit for
-bit (and every policy statistic), through page allocation, a reclaimed cached page, copy-on-write of a shared page,
-a sliding window's slides, and sequences that take the one-at-a-time path (an evicting policy at its budget, a
-per-head policy's masks)."""
+bit (and every policy statistic, and each pool's peak against commits that ask every layer's own `commit`),
+through page allocation, a reclaimed cached page, copy-on-write of a shared page, a sliding window's slides, and
+sequences that take the one-at-a-time path (an evicting policy at its budget, a per-head policy's masks)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,16 @@ def _state(cache: KVCacheManager) -> tuple:
                        store.positions.tobytes(), store.fill.tobytes(), store.bias.tobytes(),
                        store.pages.ref_counts.tobytes(), store.newest, sorted(store.pages.frame_hash.items())))
     newest = {s: seq.newest for s, seq in cache.sequences.items()}
-    return layers, newest, repr(cache.take_events())
+    peaks = [cache.pool(layer).peak for layer in range(CONFIG.n_layers)]
+    return layers, newest, peaks, repr(cache.take_events())
+
+
+def _commit_per_layer(cache: KVCacheManager) -> KVCacheManager:
+    """The cache, its commits asking every layer's own `commit` in order (KVCacheManager.commit notes a plain
+    layer's pool peak itself: this is the rule it shortcuts)."""
+    assert cache._peak_stores and cache._committing  # (CONFIG: a global layer and a sliding-window one)
+    cache._committing, cache._peak_stores = list(cache.layers), []
+    return cache
 
 
 @pytest.mark.parametrize("policies", [
@@ -70,7 +79,7 @@ def _state(cache: KVCacheManager) -> tuple:
     {0: "none", 1: "keydiff", 2: "merge", 3: "none", 4: "keydiff"},  # statistics written with each token
 ])
 def test_append_many_equals_one_append_per_sequence(policies):
-    batched, single = _cache(policies), _cache(policies)
+    batched, single = _cache(policies), _commit_per_layer(_cache(policies))
     assert _state(batched) == _state(single)
     rng = np.random.default_rng(7)
     live = [1, 2, 3, 4]

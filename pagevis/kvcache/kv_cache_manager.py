@@ -43,7 +43,7 @@ from pagevis.kvcache.config import MAX_PAGES, CacheConfig
 from pagevis.kvcache.errors import ConfigError
 from pagevis.kvcache.events import CacheEvent, EventKind, EventLog
 from pagevis.kvcache.key_channels import KeyChannels
-from pagevis.kvcache.layer_managers import layer_manager
+from pagevis.kvcache.layer_managers import LayerManager, layer_manager
 from pagevis.kvcache.policies import make_policy
 from pagevis.kvcache.policies.wrappers import Policy
 from pagevis.kvcache.policy_state import LayerView
@@ -95,6 +95,12 @@ class KVCacheManager:
                        for spec, store in zip(config.layer_specs, self.stores, strict=True)]
         self.select_pages = config.select_pages if config.select == "quest" else None
         self.windows = tuple(layer.window for layer in self.layers)  # per layer: None (global) or W (local)
+        # (commit, per sequence and step: a layer that keeps no step bookkeeping of its own only notes its pool's
+        # peak, which `commit` does here without its two calls; every other layer commits itself, in order)
+        plain = [type(layer).commit is LayerManager.commit and type(layer).after_step is LayerManager.after_step
+                 for layer in self.layers]
+        self._committing = [layer for layer, own in zip(self.layers, plain, strict=True) if not own]
+        self._peak_stores = [layer.store for layer, own in zip(self.layers, plain, strict=True) if own]
         self.prefix_caching = prefix_caching
         self.prefix_stats = PrefixCacheStats()
         self.admission = Admission(self)  # what the scheduler asks (admission.py)
@@ -381,8 +387,13 @@ class KVCacheManager:
             seq.hashes.append(page_hash(parent, seq.token_ids[i * ps: (i + 1) * ps]))
             for layer in self.layers:
                 layer.register(seq, i, seq.hashes[-1])
-        for layer in self.layers:
+        for layer in self._committing:  # (each layer changes only its own store: the order between the two holds)
             layer.commit(seq)
+        for store in self._peak_stores:  # (LayerManager.commit without its calls)
+            pages = store.pages
+            used = pages.n_frames - len(pages.empty) - len(pages.cached)  # (BlockPool.n_used)
+            if used > store.used_peak:
+                store.used_peak = used
 
     def compress(self, seq_id: int, reconstructed: int, note: str) -> None:
         """A compressing policy's one-shot drops (kvzip), every layer at once, after its reconstruction pass
