@@ -52,6 +52,20 @@ def test_aligned_blocks_equal_one_block_bit_for_bit(monkeypatch, n_kv, group, d,
     assert np.array_equal(last.output, whole.output) and np.array_equal(last.weights, whole.weights[-1:])
 
 
+@pytest.mark.parametrize("n_kv, group, d, n, dtype", [(3, 3, 64, 35, "float32"), (2, 4, 16, 20, "float16")])
+def test_one_block_last_weights_only_are_the_whole_ones_last_row(n_kv, group, d, n, dtype):
+    """A prompt chunk's attention in one block (the engine's: the last query's weights only, the others left
+    unnormalised; the occupancy bias folded into the causal mask) gives every query's output and the last query's
+    weights bit for bit as all the weights do, and they match float64."""
+    q, keys, values, bias, key_positions, q_positions = _problem(n_kv, group, d, n, dtype, seed=5)
+    assert query_blocks.query_block(n_kv * group, keys.shape[1], n_kv) >= n
+    whole = kernels.attend(q, keys, values, bias, key_positions, q_positions)
+    last = kernels.attend(q, keys, values, bias, key_positions, q_positions, all_weights=False)
+    assert np.array_equal(last.output, whole.output) and np.array_equal(last.weights, whole.weights[-1:])
+    out, weights = reference(q, keys, values, bias, key_positions, q_positions)
+    assert np.abs(whole.output - out).max() < 1e-5 and np.abs(whole.weights - weights).max() < 1e-6
+
+
 def test_unaligned_blocks_down_to_one_query_keep_the_causal_mask_and_match_float64(monkeypatch):
     q, keys, values, bias, key_positions, q_positions = _problem(2, 3, 32, 40, "float32", seed=3)
     monkeypatch.setattr(query_blocks, "SCORE_BYTES", 1)  # one query a block

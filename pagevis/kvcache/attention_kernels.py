@@ -84,7 +84,8 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_bias: np.nda
                              key_positions if window and position >= 0 else None, position, window)
     rows = query_block(q.shape[1], keys.shape[1], keys.shape[0])
     if rows >= n:  # one block
-        weights, output, _, _ = _attention(q, keys, values, key_bias, key_positions, q_positions, window=window)
+        weights, output, _, _ = _attention(q, keys, values, key_bias, key_positions, q_positions, window=window,
+                                           last_only=not all_weights)
         return AttentionResult(_ungroup(output, n), _ungroup(weights, n) if all_weights else _last_row(weights, n))
     output = np.empty(q.shape, np.float32)
     every = np.empty((n, q.shape[1], keys.shape[1]), np.float32) if all_weights else None
@@ -94,7 +95,7 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_bias: np.nda
         t1 = min(t0 + rows, n)
         weights, part, _, _ = _attention(q[t0:t1], keys, values, key_bias, key_positions,
                                          None if q_positions is None else q_positions[t0:t1], sizes, window=window,
-                                         causal=True)
+                                         causal=True, last_only=not all_weights)
         _ungroup_into(part, output[t0:t1])
         if every is not None:
             _ungroup_into(weights, every[t0:t1])
@@ -246,12 +247,14 @@ def _share(part: Partial, peak: np.ndarray) -> np.ndarray:
 
 
 def _attention(q, keys, values, key_bias, key_positions, q_positions, blocks=None, chunk_bytes=CHUNK_BYTES,
-               window=None, causal=False):
+               window=None, causal=False, last_only=False):
     """The kernel (see the module docstring). Returns, grouped (n_kv, rows, ...): the weights (rows, T),
     normalised; the output (rows, d), normalised; each row's largest score (-inf: no key visible) and its
     sum of exp(score - max) (0: no key visible). `blocks` (score block, value block) overrides the measured
     sizes; chunk_bytes the float16 chunk length (tests use both to reach every path). causal: mask by positions
-    even a single query (a block of a prefill's; a lone decode query sees every resident key)."""
+    even a single query (a block of a prefill's; a lone decode query sees every resident key). last_only: only the
+    last query's weights are normalised (its `group` rows of each KV head; the others are left unnormalised: the
+    caller keeps the last query's only)."""
     n, n_heads, d = q.shape
     n_kv, n_keys, _ = keys.shape
     group = n_heads // n_kv
@@ -269,11 +272,13 @@ def _attention(q, keys, values, key_bias, key_positions, q_positions, blocks=Non
     for lo in range(0, n_keys, step):  # sweep 1: the keys, once per KV head
         _block_product(grouped, _as_float32(keys[:, lo:lo + step], buffer).transpose(0, 2, 1),
                        scores[:, :, lo:lo + step], score_block)
-    if key_bias is not None:
-        scores += key_bias
     if q_positions is not None and key_positions is not None and (n > 1 or window or causal):
-        hidden = position_mask(key_positions, q_positions, window)
+        hidden = position_mask(key_positions, q_positions, window)  # (0 or -inf: with the bias folded in, the
+        if key_bias is not None:  # same sums as adding each in turn)
+            hidden += key_bias
         scores.reshape(n_kv, n, group, n_keys)[...] += hidden[None, :, None, :]
+    elif key_bias is not None:
+        scores += key_bias
     peak = np.maximum.reduce(scores, axis=-1, keepdims=True) if n_keys else np.full((n_kv, rows, 1), -np.inf,
                                                                                     np.float32)
     with np.errstate(over="ignore"):  # a huge negative score minus the max: -inf, weight 0
@@ -289,7 +294,10 @@ def _attention(q, keys, values, key_bias, key_positions, q_positions, blocks=Non
     if output is None:
         output = np.zeros((n_kv, rows, d), np.float32)
     divisor = np.maximum(total, np.float32(1))  # a row's total is >= 1 if it sees a key (its max: exp 0), else 0
-    np.divide(scores, divisor, out=scores)
+    if last_only:
+        np.divide(scores[:, rows - group:], divisor[:, rows - group:], out=scores[:, rows - group:])
+    else:
+        np.divide(scores, divisor, out=scores)
     np.divide(output, divisor, out=output)
     return scores, output, peak[..., 0], total[..., 0]
 
