@@ -51,6 +51,7 @@ from pagevis.kvcache.prefix_cache import PrefixCacheStats, page_hash, prefix_has
 from pagevis.kvcache.quant import storage_summary
 from pagevis.kvcache.sequence import SequenceCache
 from pagevis.kvcache.snapshot import CacheSnapshot, LayerFrames, layer_frames, take
+from pagevis.kvcache.store import note_peak
 from pagevis.kvcache.store_kinds import make_store
 from pagevis.kvcache.ram_tier import TierCounts
 from pagevis.kvcache.swap import SwapSpace
@@ -389,11 +390,8 @@ class KVCacheManager:
                 layer.register(seq, i, seq.hashes[-1])
         for layer in self._committing:  # (each layer changes only its own store: the order between the two holds)
             layer.commit(seq)
-        for store in self._peak_stores:  # (LayerManager.commit without its calls)
-            pages = store.pages
-            used = pages.n_frames - len(pages.empty) - len(pages.cached)  # (BlockPool.n_used)
-            if used > store.used_peak:
-                store.used_peak = used
+        for store in self._peak_stores:  # (LayerManager.commit without its after_step call)
+            note_peak(store)
 
     def compress(self, seq_id: int, reconstructed: int, note: str) -> None:
         """A compressing policy's one-shot drops (kvzip), every layer at once, after its reconstruction pass

@@ -36,7 +36,7 @@ from pagevis.kvcache.rewrites import Rewrites
 from pagevis.kvcache.sequence import LayerTable, SequenceCache
 from pagevis.kvcache.slots import flat_slots, page_slots
 from pagevis.kvcache.layer_spec import FullAttentionSpec, LayerSpec, SlidingWindowSpec, first_kept_page, first_visible
-from pagevis.kvcache.store import PageStore
+from pagevis.kvcache.store import PageStore, note_peak
 
 E = EventKind
 
@@ -195,10 +195,7 @@ class LayerManager:
     def commit(self, seq: SequenceCache) -> None:
         """After a step: the layer's own bookkeeping, and the pool's peak."""
         self.after_step(seq)
-        pages = self.store.pages
-        used = pages.n_frames - len(pages.empty) - len(pages.cached)  # (BlockPool.n_used)
-        if used > self.store.used_peak:
-            self.store.used_peak = used
+        note_peak(self.store)
 
     def writable(self, seq: SequenceCache, page: int, keeps_prefix: bool = False) -> int:
         """The page the sequence is about to change (copy-on-write, for every change): a copy of its own when

@@ -30,6 +30,15 @@ from pagevis.kvcache.slots import page_slots
 from pagevis.kvcache.swap import SwapFile
 
 
+def note_peak(store: PageStore) -> None:
+    """store.used_peak: at least the pages in use now (BlockPool.n_used, inline: asked for every layer after every
+    sequence's step)."""
+    pages = store.pages
+    used = pages.n_frames - len(pages.empty) - len(pages.cached)
+    if used > store.used_peak:
+        store.used_peak = used
+
+
 class PageStore:
     """One layer's pages: positions, fill, the pool of page ids, Quest's bounds, and the tier it holds (`tier`:
     RamTier, or DiskTier with a swap file), which owns the RAM frames' side (which page each frame holds, its
