@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from pagevis.kvcache.errors import CacheFullError
-from pagevis.kvcache.layer_managers import LayerManager
+from pagevis.kvcache.layer_managers import LayerManager, own_hole
 from pagevis.kvcache.sequence import SequenceCache
 
 
@@ -61,15 +61,14 @@ def write_chunk(layer: LayerManager, seq: SequenceCache, k: np.ndarray, v: np.nd
     `LayerManager.write` does, in order, then the K/V, positions and occupancy of all of them in one store call
     (`PageStore.write_rows`). Returns how many tokens it wrote (`append` writes the rest one by one). Each slot is
     in a page of the sequence's own (`free_slot` copies a shared one first), so no copy reads a slot held here."""
-    store, table, ps = layer.store, layer.table(seq), layer.page_size
+    store, table = layer.store, layer.table(seq)
     holes, budget, can_allocate = table.holes, layer.budget(seq), store.pages.can_allocate
-    shared, registered = store.pages.ref_counts, store.pages.frame_hash
     ints, flats = positions.tolist(), []
     for i, position in enumerate(ints):
         if table.resident >= budget or not (holes or can_allocate()):
             break
-        flat = min(holes) if holes else -1
-        if flat < 0 or shared[flat // ps] > 1 or flat // ps in registered:
+        flat = own_hole(layer, table)
+        if flat is None:
             flat = layer.free_slot(seq, table)  # a page allocated, or copied or forgotten first
         layer.wrote(seq, table, flat, k[i], v[i], position)
         flats.append(flat)

@@ -461,6 +461,18 @@ MANAGERS: dict[type, type[LayerManager]] = {FullAttentionSpec: FullAttentionMana
                                             SlidingWindowSpec: SlidingWindowManager}
 
 
+def own_hole(layer: LayerManager, table: LayerTable) -> int | None:
+    """The sequence's lowest empty slot (`table`: its table here) when its page needs nothing before a write -- a
+    page of its own, neither shared, which `writable` would copy, nor named by a prefix hash, which it would forget:
+    the slot `free_slot` would give, without its calls; None when it has no empty slot or its page needs more.
+    (batch_writes.write_many inlines the same test: a 16-sequence step asks it of every layer.)"""
+    if not table.holes:
+        return None
+    flat = min(table.holes)
+    page, pages = flat // layer.page_size, layer.store.pages
+    return flat if pages.ref_counts[page] == 1 and page not in pages.frame_hash else None
+
+
 def layer_manager(spec: LayerSpec, *args) -> LayerManager:
     """The manager of a layer of this spec (then: the store, event log, sequences and pool size)."""
     return MANAGERS[type(spec)](spec, *args)

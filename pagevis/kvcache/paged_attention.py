@@ -19,11 +19,11 @@ import numpy as np
 
 from pagevis.kvcache import attention_kernels as kernels, eviction
 from pagevis.kvcache.attention_kernels import AttentionResult, attend_decode_batch
-from pagevis.kvcache.layer_managers import LayerManager
+from pagevis.kvcache.layer_managers import LayerManager, own_hole
 from pagevis.kvcache.policy_state import PolicyState
 from pagevis.kvcache.policies.lazy_kernels import kernels as kernels_of_policies
 from pagevis.kvcache.reader import read_attention
-from pagevis.kvcache.sequence import LayerTable, SequenceCache
+from pagevis.kvcache.sequence import SequenceCache
 from pagevis.kvcache.slots import flat_slots
 
 
@@ -94,7 +94,7 @@ def write_and_attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, k: 
     """A decode step's `append` and `attend` (one token: q (1, n_heads, d), k, v (n_kv, d) at positions (1,)) in one
     kernel call that writes the token's K/V into its slot and attends over the pool's used prefix in place, where
     nothing else is due: the layer's only sequence, float32 RAM pages (`store.in_place`), no ThinK channels or
-    pruning, room under its budget in a page of its own (`_slot_in_place`), no gathering; its policy's statistics
+    pruning, room under its budget in a page of its own (`own_hole`), no gathering; its policy's statistics
     see the token and the weights as `attend` gives them. None when any of that does not hold, before anything
     changed but a sliding window's slide and a per-head policy's drops (`before_write`, then `evict_heads`, which
     `append` does first too, and which then drops nothing more): append and attend then. (No page selection
@@ -107,23 +107,12 @@ def write_and_attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, k: 
         eviction.evict_heads(layer, seq)
     if own.resident >= layer.budget(seq) or layer.gathers(seq):
         return None
-    flat = _slot_in_place(layer, own)
+    flat = own_hole(layer, own)
     if flat is None:
         return None
     layer.wrote(seq, own, flat, k, v, position)
     store.mark_written(flat, flat // store.page_size, flat // store.page_size, flat % store.page_size, position)
     return attend(layer, seq, q, positions, None, (flat, k, v))
-
-
-def _slot_in_place(layer: LayerManager, own: LayerTable) -> int | None:
-    """The sequence's lowest empty slot when its page needs nothing before a write (`own`: its table; a page of its
-    own, neither shared, which `writable` would copy, nor named by a prefix hash, which it would forget); None when
-    it has no empty slot or its page needs more (`write` does it)."""
-    if not own.holes:
-        return None
-    flat = min(own.holes)
-    page, pages = flat // layer.page_size, layer.store.pages
-    return flat if pages.ref_counts[page] == 1 and page not in pages.frame_hash else None
 
 
 def observe_queries(seq: SequenceCache, state: PolicyState, layer: int, q: np.ndarray, positions: np.ndarray) -> None:
