@@ -62,6 +62,7 @@ def lock_name(module_name: str) -> str:
 # seconds an import waits for another process compiling kernels before compiling its own in memory; the test suite,
 # whose conftest compiles the weight kernels beside the first tests, waits longer
 LOCK_WAIT = float(os.environ.get("PAGEVIS_KERNEL_LOCK_WAIT", "15"))
+VECTOR_BITS_ENV = "PAGEVIS_VECTOR_BITS"  # 256: LLVM's own vector width for this CPU (wide_vectors)
 
 T = TypeVar("T")
 
@@ -127,9 +128,30 @@ def import_kernels(module_name: str, what: str, *, build: Callable[[ModuleType],
     return loaded
 
 
+def wide_vectors() -> None:
+    """Let LLVM vectorise the kernels' loops with 512-bit registers where the CPU has AVX-512F. For Intel's server
+    CPUs (Skylake-X to Emerald Rapids) LLVM's tuning prefers 256 bits ("prefer-256-bit", against the clock slowdown
+    of older cores), so numba's default halves the width the kernels' float loops (dequantise and multiply-add over a
+    64-weight tile, attention over keys) were written for; on an Emerald Rapids Xeon that made a SmolLM2 decode step
+    ~1.3x slower than with it off (docs/speed.md). Applied as numba's CPU features, the host's with that tuning off,
+    before the first kernel compiles; numba's on-disk cache is keyed by them, so each setting has its own entries.
+    A user's NUMBA_CPU_NAME or NUMBA_CPU_FEATURES wins, and PAGEVIS_VECTOR_BITS=256 keeps LLVM's choice."""
+    from numba.core import config
+
+    if getattr(config, "CPU_NAME", None) or getattr(config, "CPU_FEATURES", None) or \
+            os.environ.get(VECTOR_BITS_ENV, "") == "256":
+        return
+    from llvmlite import binding
+
+    features = binding.get_host_cpu_features()
+    if features.get("avx512f"):
+        setattr(config, "CPU_FEATURES", features.flatten() + ",-prefer-256-bit")  # (numba's config module: untyped)
+
+
 def _load(module_name: str, what: str, build: Callable[[ModuleType], Any] | None, held: bool, announce) -> Any:
     """The module (or build's result): from numba's cache or compiled into it; healed; in memory; else an error."""
     global _said_gave_up
+    wide_vectors()
     def attempt() -> Any:
         try:
             module = importlib.import_module(module_name)

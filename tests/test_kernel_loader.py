@@ -248,3 +248,34 @@ def test_every_kernel_module_is_loaded_through_import_kernels():
              for _line, target in targets if any(target == kernel or target.startswith(kernel + ".")
                                                  for kernel in KERNEL_MODULES)]
     assert set(found) <= allowed, sorted(set(found) - allowed)
+
+
+_VECTOR_PROBE = """
+import numpy as np
+from numba import njit
+from pagevis.kernel_loader import wide_vectors
+wide_vectors()
+@njit(fastmath=True)
+def axpy(a, x, y):
+    for i in range(x.size):
+        y[i] += a * x[i]
+x = np.ones(1024, np.float32)
+axpy(np.float32(2), x, x.copy())
+print("zmm" in next(iter(axpy.inspect_asm().values())))
+"""
+
+
+@pytest.mark.skipif(not __import__("llvmlite.binding").binding.get_host_cpu_features().get("avx512f"),
+                    reason="this CPU has no AVX-512F")
+def test_kernels_vectorise_with_512_bit_registers_where_the_cpu_has_avx512(tmp_path):
+    """LLVM's tuning for Intel's server CPUs prefers 256-bit vectors; wide_vectors turns that off for the kernels
+    (a float loop then uses zmm registers), unless a user's NUMBA_CPU_FEATURES says otherwise."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NUMBA_CPU", "PAGEVIS_VECTOR"))}
+    env.update(NUMBA_CACHE_DIR=str(tmp_path), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    wide = subprocess.run([sys.executable, "-c", _VECTOR_PROBE], env=env, capture_output=True, text=True, check=True)
+    assert wide.stdout.strip() == "True", wide.stderr
+    chosen = subprocess.run([sys.executable, "-c", _VECTOR_PROBE], env={**env, "NUMBA_CPU_FEATURES": "+avx2,+fma"},
+                            capture_output=True, text=True, check=True)
+    assert chosen.stdout.strip() == "False", "a user's NUMBA_CPU_FEATURES must win"

@@ -70,7 +70,11 @@ class DenseAttention:
             target = np.empty((t1 - t0, *q.shape[1:]), np.float32) if private else out[t0:t1]
             for b0 in range(t0, t1, block):
                 b1 = min(t1, b0 + block)
-                target[b0 - t0:b1 - t0] = self._attend(layer, q[b0:b1], positions[b0:b1])
+                # a short last block is computed whole, over the queries before it too: BLAS may take another
+                # kernel for a short product (OpenBLAS's small-matrix one on Intel's AVX-512 cores), whose rows
+                # round differently from the whole product's
+                start = max(0, b1 - block)
+                target[b0 - t0:b1 - t0] = self._attend(layer, q[start:b1], positions[start:b1])[b0 - start:]
             return target if private else None
 
         def place(t0: int, t1: int, part: np.ndarray) -> None:
