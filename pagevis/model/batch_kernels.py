@@ -5,15 +5,16 @@ alone (weight_kernels.py), so a batched decode is the same arithmetic as decodin
 of 64 output rows and group of G weights (32; Q6_K 16), the rows take their group sums in a register block of 16
 zmm registers, and each row's sum is scaled into its output as the matrix-vector kernel scales it:
     out[i, r] += d[g, r] * (sum_j q[g, j, r] x[i, j]) + m[g, r] * (sum_j x[i, j])
-every multiply and add in the matrix-vector kernel's order, none fused (an FMA rounds once where it rounds twice);
-the codes (4-bit ones in the matrix-vector kernel's order: weight j, then j + 16) are exact small integers in float32:
+each code times its input one FMA, in the matrix-vector kernel's order (both kernels' register blocks come from one
+generator, tile_sums.sums); the codes (4-bit ones: weight j, then j + 16) are exact small integers in float32:
 - up to FUSED_ROWS = 8 rows: per half tile (PART = 32 outputs, 2 registers a row) the block holds 8 rows' sums, the
   group's codes converted to float32 in registers as they are used, each conversion serving every row;
 - more rows (16, and a prefill's 64 at a time): the group's codes converted once into a (G, 64) float32 block that
   stays in L1, then read by blocks of ROWS = 4 rows x a whole tile (4 x 4 registers).
-The register blocks are written in LLVM IR (`_sums`: numba's loops spilled such blocks or left the code loop rolled),
-a multiply and an add per code and row: Zen's add pipes take the adds beside the multiplies on the FMA pipes, so
-they run at the FMA rate (~95-100 GMAC/s a core here).
+The register blocks are written in LLVM IR (tile_sums.py: numba's loops spilled such blocks or left the code loop
+rolled). Until session 15 they were a multiply and an add per code and row (Zen's add pipes took the adds beside the
+multiplies on the FMA pipes); on Intel's cores the adds share the two FMA ports, so one FMA is a third fewer
+instructions on them.
 
 Measured (one thread, CPU time of every SmolLM2 product of a token, best of 5, load 6-6.7, this kernel against the
 block-only one in one interleaved run, 2 rounds): 2 rows 8.6 / 10.0 -> 5.8 / 5.7 ms, 4 rows 12.0 / 13.4 -> 9.2 / 9.0,
@@ -28,15 +29,13 @@ Compiled on first use (under weight_kernels' compile lock) and kept in numba's o
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
 
+from pagevis.model.tile_sums import rows_switch, sums  # noqa: F401  (rows_switch: int8_kernels imports it from here)
 from pagevis.model.weight_kernels import (_I8, _MAT, _NIB, _OPTIONS, HALF, Q4_0, SUPER, _group_sums, _nib_scales,
                                          _prefetch_ahead, _scales)
 
 TILE = 64
-LANES = 16  # float32 lanes of a 512-bit register
 # up to FUSED_ROWS rows: the codes converted in the register block, which covers PART outputs of FUSED_ROWS rows
 # (8 x 2 registers of sums); more rows: each group's codes converted once into a float32 block, then read by
 # register blocks of a whole tile's outputs and ROWS rows (4 x 4 registers)
@@ -44,94 +43,12 @@ PART, FUSED_ROWS = 32, 8
 ROWS = 4
 
 
-def _sums(size: int, pairs: bool, offsets: bool, fused: bool):
-    """An intrinsic: for batch rows i < rows (1 to FUSED_ROWS (fused) or ROWS, read at run time) and PART (fused) or
-    TILE outputs r of a tile,
-        acc[i, r] = acc[i, r] + (d[r] * s[i, r] + m[r] * xsum[i])     (offsets; else acc[i, r] + d[r] * s[i, r])
-        s[i, r] = (((0 + c[0, r] x[i, k(0)]) + c[1, r] x[i, k(1)]) + ...)  over the group's `size` codes
-    where k(j) = j // 2 + 16 (j % 2) for 4-bit codes (pairs: c[j] is byte j // 2's low nibble for even j, its high
-    nibble for odd j, the matrix-vector kernel's order) and j otherwise (c[j] is byte j, signed); each code converted
-    to float32 in a register as it is used (fused; exact: the value the matrix-vector kernel multiplies) or read from
-    the group's float32 block (size, TILE) `_u4_codes` / `_i8_codes` wrote. Arguments are addresses (int64) and byte
-    strides: q, the first code byte (fused: a group's line of 64 bytes per byte row) or the float32 block; x,
-    row 0's first input of the group (row i at x + i * x_stride); d, m (PART) float32; xsum, row 0's group sum (stride
-    xsum_stride); acc, row 0's first sum (row i at acc + i * TILE * 4). Straight-line code for each row count, chosen
-    by a switch."""
-    order = [j // 2 + 16 * (j % 2) for j in range(size)] if pairs else list(range(size))
-    f32, i8, i32, i64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
-    vec, ints, bytes_ = ir.VectorType(f32, LANES), ir.VectorType(i32, LANES), ir.VectorType(i8, LANES)
-    vectors, most = (PART // LANES, FUSED_ROWS) if fused else (TILE // LANES, ROWS)
-
-    def block(builder, rows, q, x, x_stride, d, m, xsum, xsum_stride, acc):
-        def address(base, offset):
-            return builder.add(base, offset if isinstance(offset, ir.Value) else ir.Constant(i64, offset))
-
-        def load_vector(base, offset):
-            return builder.load(builder.inttoptr(address(base, offset), vec.as_pointer()), align=4)
-
-        def broadcast(base, offset):
-            scalar = builder.load(builder.inttoptr(address(base, offset), f32.as_pointer()), align=4)
-            one = builder.insert_element(ir.Constant(vec, None), scalar, ir.Constant(i32, 0))
-            return builder.shuffle_vector(one, ir.Constant(vec, None), ir.Constant(ints, [0] * LANES))
-
-        def codes_of(j, v):
-            if not fused:
-                return load_vector(q, (j * TILE + v * LANES) * 4)
-            packed = builder.load(builder.inttoptr(address(q, (j // 2 if pairs else j) * TILE + v * LANES),
-                                                   bytes_.as_pointer()), align=1)
-            if not pairs:
-                return builder.sitofp(builder.sext(packed, ints), vec)
-            wide = builder.zext(packed, ints)
-            nibble = (builder.and_(wide, ir.Constant(ints, [15] * LANES)) if j % 2 == 0
-                      else builder.lshr(wide, ir.Constant(ints, [4] * LANES)))
-            return builder.sitofp(nibble, vec)
-
-        x_rows = [address(x, builder.mul(x_stride, ir.Constant(i64, i))) for i in range(rows)]
-        sums = [[ir.Constant(vec, [0.0] * LANES) for _ in range(vectors)] for _ in range(rows)]
-        for j, k in enumerate(order):
-            codes = [codes_of(j, v) for v in range(vectors)]
-            for i in range(rows):
-                xv = broadcast(x_rows[i], k * 4)
-                for v, code in enumerate(codes):
-                    sums[i][v] = builder.fadd(sums[i][v], builder.fmul(code, xv))
-        for i in range(rows):
-            xs = broadcast(address(xsum, builder.mul(xsum_stride, ir.Constant(i64, i))), 0) if offsets else None
-            for v in range(vectors):
-                term = builder.fmul(load_vector(d, v * LANES * 4), sums[i][v])
-                if offsets:
-                    term = builder.fadd(term, builder.fmul(load_vector(m, v * LANES * 4), xs))
-                target = builder.inttoptr(address(acc, (i * TILE + v * LANES) * 4), vec.as_pointer())
-                builder.store(builder.fadd(builder.load(target, align=4), term), target, align=4)
-
-    def typer(typingctx, rows, q, x, x_stride, d, m, xsum, xsum_stride, acc):
-        return types.void(*([types.int64] * 9)), rows_switch(most, block)
-
-    return intrinsic(typer)
-
-
-def rows_switch(most: int, block):
-    """An intrinsic's codegen: straight-line code for each row count 1..most (block(builder, rows, *the other
-    arguments)), chosen by a switch on the first argument (int64)."""
-    def codegen(context, builder, signature, args):
-        done = builder.append_basic_block("done")
-        cases = [builder.append_basic_block(f"rows{rows}") for rows in range(1, most + 1)]
-        switch = builder.switch(args[0], cases[0])
-        for rows, case in enumerate(cases, 1):
-            switch.add_case(ir.Constant(ir.IntType(64), rows), case)
-            with builder.goto_block(case):
-                block(builder, rows, *args[1:])
-                builder.branch(done)
-        builder.position_at_end(done)
-        return context.get_dummy_value()
-
-    return codegen
-
-
 # u4 (Q4_0, Q4_1, Q4_K), i8 groups of 32 (Q8_0, Q5_0) and of 16 (Q6_K): converting, and from a float32 block
-_U4_FUSED, _I8_FUSED, _I8_16_FUSED = (_sums(32, True, True, True), _sums(32, False, False, True),
-                                      _sums(16, False, False, True))
-_U4_SUMS, _I8_SUMS, _I8_16_SUMS = (_sums(32, True, True, False), _sums(32, False, False, False),
-                                   _sums(16, False, False, False))
+_U4_FUSED, _I8_FUSED, _I8_16_FUSED = (sums(32, True, True, True, PART, FUSED_ROWS),
+                                      sums(32, False, False, True, PART, FUSED_ROWS),
+                                      sums(16, False, False, True, PART, FUSED_ROWS))
+_U4_SUMS, _I8_SUMS, _I8_16_SUMS = (sums(32, True, True, False, TILE, ROWS), sums(32, False, False, False, TILE, ROWS),
+                                   sums(16, False, False, False, TILE, ROWS))
 
 
 @njit(cache=True, nogil=True, inline="always")

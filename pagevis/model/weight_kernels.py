@@ -15,8 +15,9 @@ does not: ~4x slower). Per format three kernels:
   *_matvec(..., x, t0, t1, out): one row x, tiles t0..t1 into out (their rows) (decode); the group's codes times x
       summed first, then scaled:
       out[r] = sum_g d[g,r] * (sum_j q[g,j,r] x[j]) + m[g,r] * (sum_j x[j])
-      each row's group sum in a register (vectorised across rows, the loop over j unrolled), the codes asked for
-      ahead of their use (_prefetch_ahead)
+      u4 and i8: the tile's 64 group sums in 4 registers (tile_sums.sums, batch_kernels' generator: a batched row
+      is the row alone bit for bit), each code converted as it is used and multiplied-and-added in one FMA, the
+      codes asked for into L2 ahead of their use (_prefetch_l2_ahead); u5: numba's loop vectorised across rows
   *_matmul(..., X, t0, t1, out): a few rows (a batched decode step): each group dequantised to float32 once, used by
       all rows, each row's group sum first (as *_matvec), vectorised across the tile's rows
   *_dequant(..., t0, t1, out): tiles t0..t1 as float32 (in_features, rows), for sgemm (prefill, big batches)
@@ -35,9 +36,12 @@ from numba.core.typing import Signature
 from pagevis.kernel_intrinsics import NjitOptions
 from pagevis.kernel_intrinsics import bits_as_float32 as _bits_as_float32
 from pagevis.kernel_intrinsics import prefetch as _prefetch
+from pagevis.model.tile_sums import prefetch_l2 as _prefetch_l2
+from pagevis.model.tile_sums import sums
 
 TILE = 64
 PREFETCH_AHEAD = 8192  # bytes: 4-8 groups of codes ahead (4096 and 8192 measured alike)
+PREFETCH_L2_AHEAD = 16384  # bytes, the matrix-vector kernels' (8192-32768 measured alike on Emerald Rapids)
 TWO_112 = np.float32(2.0 ** 112)
 
 # The scales as the file holds them: float16 bit patterns (int16), converted in the kernels (_half) 64 rows at a time.
@@ -56,6 +60,9 @@ _I8 = "int8[:, :, :, ::1], int16[:, :, ::1], int8[:, :, ::1], int64"
 _VEC = "float32[::1], int64, int64, float32[::1]"
 _MAT = "float32[:, ::1], int64, int64, float32[:, :]"
 _DEQ = "int64, int64, float32[:, ::1]"
+# the matrix-vector kernels' register blocks: one row, a whole tile's 64 sums (tile_sums.sums)
+_U4_TILE = sums(32, True, True, True, TILE, 1)
+_I8_TILE, _I8_16_TILE = sums(32, False, False, True, TILE, 1), sums(16, False, False, True, TILE, 1)
 
 
 # One thread each (threads: weight_threads.py splits tiles between two callers); nogil so they run side by side.
@@ -134,22 +141,18 @@ def _prefetch_ahead(qs, t, g):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _u4_dot(qs, t, g, x, s):
-    """s[r] = sum over the group's 32 weights of code * x, for a tile's rows r (4-bit codes), in j's order. Row by
-    row with j's loop (a literal 16) unrolled: LLVM vectorises across rows with each sum in a register (summing
-    into s a j at a time kept s in memory: 1.2-1.8x slower per type, the same sums bit for bit)."""
-    b = g * 32
-    for r in range(TILE):
-        v = np.float32(0)
-        for j in range(16):
-            q = np.int32(qs[t, g, j, r])  # int32, not numba's int64: LLVM then converts 16 lanes at a time (2x)
-            v = v + np.float32(np.int32(q & 15)) * x[b + j] + np.float32(np.int32(q >> 4)) * x[b + 16 + j]
-        s[r] = v
+def _prefetch_l2_ahead(q_at, group_bytes):
+    """The lines PREFETCH_L2_AHEAD bytes past a group's codes (at address q_at) asked for into the second-level cache
+    (tile_sums.prefetch_l2): the matrix-vector kernels stream their matrix from memory once a product."""
+    for k in range(0, group_bytes, 64):
+        _prefetch_l2(q_at + PREFETCH_L2_AHEAD + k)  # type: ignore[call-arg]
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _u5_dot(qs, qh, t, g, x, s):
-    """_u4_dot with each code's fifth bit from qh (bit j: weight j)."""
+    """s[r] = sum over the group's 32 weights of code * x, for a tile's rows r (5-bit codes: a nibble and its fifth
+    bit from qh, bit j: weight j), in j's order. Row by row with j's loop (a literal 16) unrolled: LLVM vectorises
+    across rows with each sum in a register."""
     b = g * 32
     for r in range(TILE):
         v, h = np.float32(0), np.int32(qh[t, g, r])
@@ -202,17 +205,32 @@ def _nib_scale_sums(dh, ds, mh, ms, per, mode, t, g, s, xsg, acc, sup):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _nib_matvec_tiles(qs, qh, dh, ds, mh, ms, high, per, mode, x, xs, t0, t1, out):
+def _u5_matvec_tiles(qs, qh, dh, ds, mh, ms, per, mode, x, xs, t0, t1, out):
     sup, s = np.empty((2, TILE), np.float32), np.empty(TILE, np.float32)
     for t in range(t0, t1):
         acc = np.zeros(TILE, np.float32)
         for g in range(qs.shape[1]):
             _prefetch_ahead(qs, t, g)
-            if high:
-                _u5_dot(qs, qh, t, g, x, s)
-            else:
-                _u4_dot(qs, t, g, x, s)
+            _u5_dot(qs, qh, t, g, x, s)
             _nib_scale_sums(dh, ds, mh, ms, per, mode, t, g, s, xs[g], acc, sup)
+        out[(t - t0) * TILE:(t - t0 + 1) * TILE] = acc
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _u4_matvec_tiles(qs, dh, ds, mh, ms, per, mode, x, xs, t0, t1, out):
+    """Per tile and group: the scales converted (_nib_scales), then the register block of tile_sums (the tile's 64
+    sums in 4 registers, a code's conversion and one FMA per weight) adds d * s + m * xsum into acc."""
+    d, m, sup = np.empty(TILE, np.float32), np.empty(TILE, np.float32), np.empty((2, TILE), np.float32)
+    acc = np.empty(TILE, np.float32)
+    groups, group_bytes = qs.shape[1], qs.shape[2] * TILE
+    for t in range(t0, t1):
+        acc[:] = 0
+        for g in range(groups):
+            q_at = qs.ctypes.data + (t * groups + g) * group_bytes
+            _prefetch_l2_ahead(q_at, group_bytes)
+            _nib_scales(dh, ds, mh, ms, per, mode, t, g, d, m, sup)
+            _U4_TILE(1, q_at, x.ctypes.data + g * 128, 0, d.ctypes.data, m.ctypes.data, xs.ctypes.data + g * 4, 0,
+                     acc.ctypes.data)
         out[(t - t0) * TILE:(t - t0 + 1) * TILE] = acc
 
 
@@ -223,43 +241,33 @@ def nib_matvec(qs, qh, dh, ds, mh, ms, high, per, mode, x, t0, t1, out):
     xs = _group_sums(x, 32)
     if per > 1:  # Q4_K, Q5_K: 8 groups a super-block
         if high:
-            _nib_matvec_tiles(qs, qh, dh, ds, mh, ms, True, 8, SUPER, x, xs, t0, t1, out)
+            _u5_matvec_tiles(qs, qh, dh, ds, mh, ms, 8, SUPER, x, xs, t0, t1, out)
         else:
-            _nib_matvec_tiles(qs, qh, dh, ds, mh, ms, False, 8, SUPER, x, xs, t0, t1, out)
+            _u4_matvec_tiles(qs, dh, ds, mh, ms, 8, SUPER, x, xs, t0, t1, out)
     elif high:  # Q5_1
-        _nib_matvec_tiles(qs, qh, dh, ds, mh, ms, True, 1, HALF, x, xs, t0, t1, out)
+        _u5_matvec_tiles(qs, qh, dh, ds, mh, ms, 1, HALF, x, xs, t0, t1, out)
     elif mode == Q4_0:
-        _nib_matvec_tiles(qs, qh, dh, ds, mh, ms, False, 1, Q4_0, x, xs, t0, t1, out)
+        _u4_matvec_tiles(qs, dh, ds, mh, ms, 1, Q4_0, x, xs, t0, t1, out)
     else:  # Q4_1
-        _nib_matvec_tiles(qs, qh, dh, ds, mh, ms, False, 1, HALF, x, xs, t0, t1, out)
+        _u4_matvec_tiles(qs, dh, ds, mh, ms, 1, HALF, x, xs, t0, t1, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _i8_matvec_tiles(qs, dh, ds, per, size, x, t0, t1, out):
-    """As _nib_matvec_tiles for signed 8-bit codes, size (a literal: 32, or Q6_K's 16) weights a group, each row's
-    group sum in a register (_u4_dot)."""
-    groups = qs.shape[1]
-    sup = np.empty(TILE, np.float32)
-    s = np.empty(TILE, np.float32)
+    """As _u4_matvec_tiles for signed 8-bit codes, size (a literal: 32, or Q6_K's 16) weights a group."""
+    d, sup, acc = np.empty(TILE, np.float32), np.empty(TILE, np.float32), np.empty(TILE, np.float32)
+    groups, group_bytes = qs.shape[1], size * TILE
     for t in range(t0, t1):
-        acc = np.zeros(TILE, np.float32)
+        acc[:] = 0
         for g in range(groups):
-            _prefetch_ahead(qs, t, g)
-            b = g * size
-            for r in range(TILE):
-                v = np.float32(0)
-                for j in range(size):
-                    v += np.float32(qs[t, g, j, r]) * x[b + j]
-                s[r] = v
-            if per > 1:
-                if g % per == 0:
-                    for r in range(TILE):
-                        sup[r] = _half(dh[t, g // per, r])
-                for r in range(TILE):
-                    acc[r] += (sup[r] * np.float32(ds[t, g, r])) * s[r]
+            q_at = qs.ctypes.data + (t * groups + g) * group_bytes
+            _prefetch_l2_ahead(q_at, group_bytes)
+            _scales(dh, ds, per, t, g, d, sup)
+            x_at = x.ctypes.data + g * size * 4
+            if size == 32:
+                _I8_TILE(1, q_at, x_at, 0, d.ctypes.data, d.ctypes.data, d.ctypes.data, 0, acc.ctypes.data)
             else:
-                for r in range(TILE):
-                    acc[r] += _half(dh[t, g, r]) * s[r]
+                _I8_16_TILE(1, q_at, x_at, 0, d.ctypes.data, d.ctypes.data, d.ctypes.data, 0, acc.ctypes.data)
         out[(t - t0) * TILE:(t - t0 + 1) * TILE] = acc
 
 
