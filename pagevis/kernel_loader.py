@@ -72,6 +72,7 @@ _holding = 0  # imports under way in this process while it holds the file lock (
 _gave_up = False  # a wait for the file lock timed out: later imports take it only if it is free at once
 _said_gave_up = False  # ... and that was said
 _lock_file: IO[str] | None = None  # the lock file while it is open
+_checked_sources = False  # the kernels' sources were checked against the cache's (_drop_stale_kernels_once)
 
 
 def _new_lock_in_child() -> None:
@@ -122,10 +123,24 @@ def import_kernels(module_name: str, what: str, *, build: Callable[[ModuleType],
     with _THREADS:
         loaded = _LOADED.get(module_name)
         if loaded is None:
+            _drop_stale_kernels_once()
             with _compile_lock(lock_name(module_name)) as held, _saying_when_compiling(what, seconds) as announce:
                 loaded = _load(module_name, what, build, held, announce)
             _LOADED[module_name] = loaded
     return loaded
+
+
+def _drop_stale_kernels_once() -> None:
+    """kernel_sources.drop_stale_kernels, once a process, before its first kernel loads (said when it dropped any)."""
+    global _checked_sources
+    if _checked_sources:
+        return
+    _checked_sources = True
+    from pagevis.kernel_sources import drop_stale_kernels
+
+    if drop_stale_kernels():
+        print("pagevis: the kernels' sources changed since numba compiled them; compiling them again",
+              file=sys.stderr, flush=True)
 
 
 def wide_vectors() -> None:

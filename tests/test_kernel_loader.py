@@ -279,3 +279,36 @@ def test_kernels_vectorise_with_512_bit_registers_where_the_cpu_has_avx512(tmp_p
     chosen = subprocess.run([sys.executable, "-c", _VECTOR_PROBE], env={**env, "NUMBA_CPU_FEATURES": "+avx2,+fma"},
                             capture_output=True, text=True, check=True)
     assert chosen.stdout.strip() == "False", "a user's NUMBA_CPU_FEATURES must win"
+
+
+def test_a_change_to_any_kernel_source_drops_every_kernel_modules_numba_cache(tmp_path, monkeypatch):
+    """numba checks only a compiled function's own file; a kernel inlining another module's code must go too when
+    that module changes (kernel_sources.py)."""
+    from pagevis import kernel_sources
+
+    package = tmp_path / "pagevis"
+    cache = package / "model" / "__pycache__"
+    cache.mkdir(parents=True)
+    (package / "model" / "tile_sums.py").write_text("from numba import njit  # inlined by spin_pool\n")
+    (package / "model" / "spin_pool.py").write_text("import numba\n")
+    (package / "model" / "plain.py").write_text("x = 1\n")
+    monkeypatch.setattr(kernel_sources, "PACKAGE", package)
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+
+    def cached() -> list[str]:
+        for name in ("spin_pool.run-317.py311.nbi", "spin_pool.run-317.py311.1.nbc", "tile_sums.sums-40.py311.nbi"):
+            (cache / name).touch(exist_ok=True)
+        (cache / "plain.cpython-311.pyc").touch(exist_ok=True)
+        return sorted(p.name for p in cache.iterdir())
+
+    everything = cached()
+    assert kernel_sources.drop_stale_kernels()  # no record yet: what is there may be from any sources
+    assert sorted(p.name for p in cache.iterdir()) == ["plain.cpython-311.pyc"]
+    assert kernel_sources.record().is_file()
+    assert cached() == everything
+    assert not kernel_sources.drop_stale_kernels()  # the same sources: kept
+    assert sorted(p.name for p in cache.iterdir()) == everything
+    (package / "model" / "tile_sums.py").write_text("from numba import njit  # changed\n")
+    assert kernel_sources.drop_stale_kernels()
+    assert not any(p.suffix in (".nbi", ".nbc") for p in cache.iterdir())  # spin_pool's too, though unchanged

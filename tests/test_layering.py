@@ -27,7 +27,7 @@ QT = ("PySide6", "shiboken6", "pyqtgraph", "superqt", "qtpy", "PyQt5", "PyQt6")
 # An entry allows that package or module and everything under it; `pagevis` itself (the version string)
 # is allowed everywhere. Anything else is refused, and a new package must be given a row here.
 FOUNDATION = {"errors", "settings", "system_memory", "token_times", "kernel_intrinsics", "kernel_loader",
-              "query_blocks"}
+              "kernel_sources", "query_blocks"}
 ALLOWED: dict[str, set[str]] = {
     # One error type for a bad setting, used by every layer.
     "errors": set(),
@@ -41,7 +41,9 @@ ALLOWED: dict[str, set[str]] = {
     # LLVM's bitcast and prefetch for the compiled kernels of the model and of the cache.
     "kernel_intrinsics": set(),
     # The one way a kernel module is imported (a compile lock, a damaged cache healed), for the model and the cache.
-    "kernel_loader": set(),
+    "kernel_loader": {"kernel_sources"},
+    # Stale kernels dropped: numba's cache of every kernel module, when any kernel source changed (kernel_loader).
+    "kernel_sources": set(),
     # How many queries of a long prefill attend at once, alike in the cache's attention and the model's dense one.
     "query_blocks": set(),
     # The paged KV cache, its policies and attention: the bottom layer; it knows none of the layers above.
