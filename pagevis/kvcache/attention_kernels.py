@@ -23,7 +23,7 @@ import math
 import time
 from functools import lru_cache
 from types import ModuleType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -145,12 +145,15 @@ def batch_decode_kernels() -> ModuleType:
 
 def attend_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_keys: int, key_bias: np.ndarray | None,
                   key_positions: np.ndarray | None, position: int, window: int | None,
-                  write: tuple[int, np.ndarray, np.ndarray] | None = None) -> AttentionResult:
+                  write: tuple[int, np.ndarray, np.ndarray] | None = None, pool: Any = None) -> AttentionResult:
     """`attend` of one query (q: (1, n_heads, d)) over the first n_keys slots of C-contiguous float32 keys and values
     (n_kv, S, d), read where they lie (a page pool's frames), in one numba call for every head (decode_kernel.py).
     key_bias: (S,) for every head, or (n_kv, S) one row a KV head (per-head masks), or None.
     key_positions: the slots' positions, with a `window` (else None). write: (slot, k, v), the new token's key and
-    value (n_kv, d) written into that slot of keys and values first, in the same call (a decode step's)."""
+    value (n_kv, d) written into that slot of keys and values first, in the same call (a decode step's). pool: the
+    weights' spin pool (two threads) or None; with it and at least decode_kernel.SPLIT_KEYS keys, the keys are cut
+    into parts shared with its helper thread and merged (decode_kernel.attend_split: the same bits whoever computes a
+    part)."""
     load_decode_kernel()
     kernel = _decode_kernel
     assert kernel is not None
@@ -165,8 +168,13 @@ def attend_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_keys: i
         hidden = kernel.NO_POSITIONS, 0
     slot, k, v = (-1, kernel.NO_ROW, kernel.NO_ROW) if write is None else (
         write[0], np.ascontiguousarray(write[1], dtype=np.float32), np.ascontiguousarray(write[2], dtype=np.float32))
-    kernel.attend_one(np.ascontiguousarray(q[0], dtype=np.float32), np.float32(1.0 / math.sqrt(d)), keys, values, slot,
-                      k, v, n_keys, bias, hidden[0], position, hidden[1], out[0], weights[0])
+    query, scale = np.ascontiguousarray(q[0], dtype=np.float32), np.float32(1.0 / math.sqrt(d))
+    if pool is not None and n_keys >= kernel.SPLIT_KEYS:
+        kernel.attend_split(query, scale, keys, values, slot, k, v, n_keys, bias, hidden[0], position, hidden[1], out[0],
+                            weights[0], pool)
+    else:
+        kernel.attend_one(query, scale, keys, values, slot, k, v, n_keys, bias, hidden[0], position, hidden[1], out[0],
+                          weights[0])
     return AttentionResult(out, weights)
 
 

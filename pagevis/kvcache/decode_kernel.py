@@ -20,6 +20,16 @@ Cephes' float32 polynomial (within 2 ulp of exp; written as arithmetic, so the l
 per weight cost more than the rest of the softmax). Sums may be taken in any order (fastmath reassoc), so a score
 differs from NumPy's by float32 rounding only; the float64 reference tests and paged = dense hold it to that.
 
+`attend_split(..., pool)`: attend_one's result with the keys cut into PARTS fixed ranges (PART_ALIGN keys aligned)
+shared with the weights' spin pool's helper thread (two weight threads: the pool handed in by the engine, through
+paged_attention.share_pool; its `items`, each part one item): a part's scores, their max, the exponentials, their sum
+and the values weighted by them (flash-decoding's partials, `_part`) computed whole by one thread, then merged by the
+caller in part order (`_merge`: each part's share exp(max_p - max) / total, applied to its weights and values). A
+part is the same bits whichever thread computes it (the helper into the pool's scratch, copied in; one the helper is
+late on the caller computes again); the weights are divided by the sum after the values are weighted, not before:
+within float32 rounding of attend_one's. Below SPLIT_KEYS keys, attend_one (a split's fixed cost, ~6-8 us a call,
+outweighs half the keys' read).
+
 Compiled once with an explicit signature and kept in numba's on-disk cache (cache=True), as the weight kernels
 are (model/weight_kernels.py); this module is imported on the first decode step that uses it (engine.py loads it
 before, attention_kernels.load_decode_kernel).
@@ -27,10 +37,13 @@ before, attention_kernels.load_decode_kernel).
 
 from __future__ import annotations
 
-import numpy as np
-from numba import njit
+from functools import lru_cache
+from typing import Any
 
-from pagevis.kernel_intrinsics import exp_in_range, prefetch
+import numpy as np
+from numba import carray, cfunc, njit, types
+
+from pagevis.kernel_intrinsics import exp_in_range, pointer_to, prefetch
 
 _SIGNATURE = ("void(float32[:, ::1], float32, float32[:, :, ::1], float32[:, :, ::1], int64, float32[:, ::1], "
               "float32[:, ::1], int64, float32[:, ::1], int64[::1], int64, int64, float32[:, ::1], float32[:, ::1])")
@@ -44,23 +57,25 @@ EXP_FLOOR = np.float32(-87.33654)  # below, exp is under float32's smallest norm
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _ask_ahead(array, h, t, n_rows):  # pragma: no cover (numba)
-    """The cache lines PREFETCH_AHEAD bytes past rows t .. t + n_rows of array[h], asked for."""
+def _ask_ahead(array, h, t, n_rows, end):  # pragma: no cover (numba)
+    """The cache lines PREFETCH_AHEAD bytes past rows t .. t + n_rows of array[h], asked for, short of row end (a
+    part's keys end there: the other thread reads on)."""
     row_bytes = array.shape[2] * 4
-    at = array.ctypes.data + (h * array.shape[1] + t) * row_bytes + PREFETCH_AHEAD
-    for b in range(0, n_rows * row_bytes, 64):
-        prefetch(at + b)  # type: ignore[call-arg]
+    base = array.ctypes.data + h * array.shape[1] * row_bytes
+    at = base + t * row_bytes + PREFETCH_AHEAD
+    for line in range(at, min(at + n_rows * row_bytes, base + end * row_bytes), 64):
+        prefetch(line)  # type: ignore[call-arg]
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _ask_starts(array, n_keys):  # pragma: no cover (numba)
-    """The first PREFETCH_AHEAD bytes of every head's rows of array (up to n_keys rows), asked for at once: the
-    sweeps ask ahead only of where they read, and a stream's start from memory, one line after another, cost more
-    than the kernel's arithmetic when there are few keys (measured: a call after 23 tokens, 13 us against 4 warm)."""
+def _ask_starts(array, lo, hi):  # pragma: no cover (numba)
+    """The first PREFETCH_AHEAD bytes of every head's rows lo .. hi of array, asked for at once: the sweeps ask
+    ahead only of where they read, and a stream's start from memory, one line after another, cost more than the
+    kernel's arithmetic when there are few keys (measured: a call after 23 tokens, 13 us against 4 warm)."""
     row_bytes = array.shape[2] * 4
     for h in range(array.shape[0]):
-        at = array.ctypes.data + h * array.shape[1] * row_bytes
-        for b in range(0, min(n_keys * row_bytes, PREFETCH_AHEAD), 64):
+        at = array.ctypes.data + (h * array.shape[1] + lo) * row_bytes
+        for b in range(0, min((hi - lo) * row_bytes, PREFETCH_AHEAD), 64):
             prefetch(at + b)  # type: ignore[call-arg]
 
 
@@ -72,15 +87,15 @@ def _exp(x):  # pragma: no cover (numba)
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _scores(q, k, h, first, rows, n_keys, weights):  # pragma: no cover (numba)
-    """weights[first + i, t] = q[first + i] . k[h, t] for the chunk's rows, two keys at a time."""
+def _scores(q, k, h, first, rows, lo, hi, weights):  # pragma: no cover (numba)
+    """weights[first + i, t - lo] = q[first + i] . k[h, t] for the chunk's rows and keys lo .. hi, two at a time."""
     d = q.shape[1]
     last = first + rows - 1
     q0, q1, q2, q3 = q[first], q[min(first + 1, last)], q[min(first + 2, last)], q[min(first + 3, last)]
-    body = n_keys // 2 * 2
-    for t in range(0, body, 2):
+    body = lo + (hi - lo) // 2 * 2
+    for t in range(lo, body, 2):
         r0, r1 = k[h, t], k[h, t + 1]
-        _ask_ahead(k, h, t, 2)
+        _ask_ahead(k, h, t, 2, hi)
         s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = np.float32(0)
         for j in range(d):
             x, y = r0[j], r1[j]
@@ -92,19 +107,52 @@ def _scores(q, k, h, first, rows, n_keys, weights):  # pragma: no cover (numba)
             s21 += q2[j] * y
             s30 += q3[j] * x
             s31 += q3[j] * y
-        weights[first, t], weights[first, t + 1] = s00, s01
+        c = t - lo
+        weights[first, c], weights[first, c + 1] = s00, s01
         if rows > 1:
-            weights[first + 1, t], weights[first + 1, t + 1] = s10, s11
+            weights[first + 1, c], weights[first + 1, c + 1] = s10, s11
         if rows > 2:
-            weights[first + 2, t], weights[first + 2, t + 1] = s20, s21
+            weights[first + 2, c], weights[first + 2, c + 1] = s20, s21
         if rows > 3:
-            weights[first + 3, t], weights[first + 3, t + 1] = s30, s31
-    for t in range(body, n_keys):
+            weights[first + 3, c], weights[first + 3, c + 1] = s30, s31
+    for t in range(body, hi):
         for g in range(first, first + rows):
             s = np.float32(0)
             for j in range(d):
                 s += q[g, j] * k[h, t, j]
-            weights[g, t] = s
+            weights[g, t - lo] = s
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _hide(row, h, lo, hi, bias, key_positions, position, window):  # pragma: no cover (numba)
+    """Keys lo .. hi's scores in row (row[t - lo]): the bias added (bias's row h, or its only row; none if it has no
+    row), and with window > 0 the keys at or below position - window or after it set to -inf."""
+    if bias.shape[0] > 0:
+        head_bias = bias[h if bias.shape[0] > 1 else 0]
+        for t in range(lo, hi):
+            row[t - lo] += head_bias[t]
+    if window > 0:
+        for t in range(lo, hi):
+            if key_positions[t] <= position - window or key_positions[t] > position:
+                row[t - lo] = -np.inf
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _exps(row, n_keys):  # pragma: no cover (numba)
+    """row[:n_keys] = exp(row - its max), in place: (the max, the sum of the exponentials); a row with no visible
+    key (all -inf) into zeros: (-inf, 0)."""
+    peak = np.float32(-np.inf)
+    for t in range(n_keys):
+        peak = max(peak, row[t])
+    if peak == -np.inf:
+        row[:n_keys] = 0
+        return peak, np.float32(0)
+    total = np.float32(0)
+    for t in range(n_keys):
+        e = _exp(row[t] - peak)
+        row[t] = e
+        total += e
+    return peak, total
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
@@ -112,17 +160,9 @@ def _softmax(weights, g, n_keys):  # pragma: no cover (numba)
     """Row g of the scores into weights, in place; a row with no visible key (all -inf) into zeros. Whether it
     had one."""
     row = weights[g]
-    peak = np.float32(-np.inf)
-    for t in range(n_keys):
-        peak = max(peak, row[t])
+    peak, total = _exps(row, n_keys)
     if peak == -np.inf:
-        row[:n_keys] = 0
         return False
-    total = np.float32(0)
-    for t in range(n_keys):
-        e = _exp(row[t] - peak)
-        row[t] = e
-        total += e
     inverse = np.float32(1) / total
     for t in range(n_keys):
         row[t] *= inverse
@@ -130,32 +170,33 @@ def _softmax(weights, g, n_keys):  # pragma: no cover (numba)
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _values(weights, v, h, first, rows, n_keys, acc):  # pragma: no cover (numba)
-    """acc[i] = sum over t of weights[first + i, t] v[h, t] for the chunk's rows (acc: ROWS distinct rows, so
-    the compiler sees four outputs that do not overlap), four keys at a time."""
+def _values(weights, v, h, first, rows, lo, hi, acc):  # pragma: no cover (numba)
+    """acc[i] = sum over t in lo .. hi of weights[first + i, t - lo] v[h, t] for the chunk's rows (acc: ROWS
+    distinct rows, so the compiler sees four outputs that do not overlap), four keys at a time."""
     d = v.shape[2]
     last = first + rows - 1
     w0, w1, w2, w3 = weights[first], weights[min(first + 1, last)], weights[min(first + 2, last)], weights[
         min(first + 3, last)]
     o0, o1, o2, o3 = acc[0], acc[1], acc[2], acc[3]
     acc[:, :d] = 0
-    body = n_keys // 4 * 4
-    for t in range(0, body, 4):
+    body = lo + (hi - lo) // 4 * 4
+    for t in range(lo, body, 4):
         r0, r1, r2, r3 = v[h, t], v[h, t + 1], v[h, t + 2], v[h, t + 3]
-        _ask_ahead(v, h, t, 4)
-        a0, a1, a2, a3 = w0[t], w0[t + 1], w0[t + 2], w0[t + 3]
-        b0, b1, b2, b3 = w1[t], w1[t + 1], w1[t + 2], w1[t + 3]
-        c0, c1, c2, c3 = w2[t], w2[t + 1], w2[t + 2], w2[t + 3]
-        e0, e1, e2, e3 = w3[t], w3[t + 1], w3[t + 2], w3[t + 3]
+        _ask_ahead(v, h, t, 4, hi)
+        c = t - lo
+        a0, a1, a2, a3 = w0[c], w0[c + 1], w0[c + 2], w0[c + 3]
+        b0, b1, b2, b3 = w1[c], w1[c + 1], w1[c + 2], w1[c + 3]
+        c0, c1, c2, c3 = w2[c], w2[c + 1], w2[c + 2], w2[c + 3]
+        e0, e1, e2, e3 = w3[c], w3[c + 1], w3[c + 2], w3[c + 3]
         for j in range(d):
             x0, x1, x2, x3 = r0[j], r1[j], r2[j], r3[j]
             o0[j] += a0 * x0 + a1 * x1 + a2 * x2 + a3 * x3
             o1[j] += b0 * x0 + b1 * x1 + b2 * x2 + b3 * x3
             o2[j] += c0 * x0 + c1 * x1 + c2 * x2 + c3 * x3
             o3[j] += e0 * x0 + e1 * x1 + e2 * x2 + e3 * x3
-    for t in range(body, n_keys):
+    for t in range(body, hi):
         for i in range(rows):
-            w = weights[first + i, t]
+            w = weights[first + i, t - lo]
             for j in range(d):
                 acc[i, j] += w * v[h, t, j]
 
@@ -169,26 +210,18 @@ def attend_one(q, scale, k, v, slot, k_new, v_new, n_keys, bias, key_positions, 
     if slot >= 0:
         k[:, slot] = k_new
         v[:, slot] = v_new
-    _ask_starts(k, n_keys)
-    _ask_starts(v, n_keys)
+    _ask_starts(k, 0, n_keys)
+    _ask_starts(v, 0, n_keys)
     q = q * scale
     acc = np.empty((ROWS, d), np.float32)
     for h in range(n_kv):
         for first in range(h * group, (h + 1) * group, ROWS):
             rows = min(ROWS, (h + 1) * group - first)
-            _scores(q, k, h, first, rows, n_keys, weights)
+            _scores(q, k, h, first, rows, 0, n_keys, weights)
             for g in range(first, first + rows):
-                row = weights[g]
-                if bias.shape[0] > 0:
-                    head_bias = bias[h if bias.shape[0] > 1 else 0]
-                    for t in range(n_keys):
-                        row[t] += head_bias[t]
-                if window > 0:
-                    for t in range(n_keys):
-                        if key_positions[t] <= position - window or key_positions[t] > position:
-                            row[t] = -np.inf
+                _hide(weights[g], h, 0, n_keys, bias, key_positions, position, window)
                 _softmax(weights, g, n_keys)
-            _values(weights, v, h, first, rows, n_keys, acc)
+            _values(weights, v, h, first, rows, 0, n_keys, acc)
             for i in range(rows):
                 out[first + i] = acc[i]
 
@@ -196,3 +229,153 @@ def attend_one(q, scale, k, v, slot, k_new, v_new, n_keys, bias, key_positions, 
 NO_BIAS = np.zeros((0, 0), np.float32)
 NO_POSITIONS = np.zeros(0, np.int64)
 NO_ROW = np.zeros((0, 0), np.float32)  # k_new, v_new when nothing is written (slot -1)
+
+# A lone sequence's decode attention split over the weights' two threads (attend_split): the keys cut into parts
+# of PART_ALIGN-aligned ranges, each part's attention computed whole by one thread (its scores, their max, the
+# exponentials and their sum, the values weighted by them: flash-decoding's partials), merged by the caller.
+# model/spin_pool.py's, which the cache cannot import (tests/test_decode_split.py checks they agree): a part's
+# partial is a whole number of TILE floats, one item of the pool's job, whose word TILES_WORD counts the job's tiles
+# (its descriptor: DESCRIPTOR words)
+TILE, DESCRIPTOR, TILES_WORD = 64, 36, 4
+SPLIT_KEYS = 256  # fewer keys than this: attend_one on the caller (measured: see attend_split)
+PARTS = 2  # parts a split cuts the keys into
+PART_ALIGN = 16
+# pool_kernel's handle: the shapes, then the arrays' addresses
+HEADS, DIM, N_KV, SLOTS, N_KEYS, PART, BIAS_ROWS, BIAS_COLS, N_POSITIONS, POSITION, WINDOW, BLOCK = range(12)
+QUERY, K, V, BIAS, KEY_POSITIONS = range(12, 17)
+HANDLE = 17
+
+
+@njit("void(float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1], int64, int64, float32[:, ::1], int64[::1], int64, "
+      "int64, float32[:, ::1], float32[::1], float32[::1], float32[:, ::1])", cache=True, nogil=True, fastmath=_FAST,
+      error_model="numpy", boundscheck=False)
+def _part(q, k, v, lo, hi, bias, key_positions, position, window, out, peaks, totals,
+          weights):  # pragma: no cover (numba)
+    """Keys lo .. hi of every head (q scaled already): weights[g, :hi - lo] = exp(score - peaks[g]) (with the bias
+    and the window's -inf), totals[g] their sum, out[g] the values weighted by them (not divided by the sum). A
+    function of its own (not inlined into pool_kernel: the C function's loops came out ~40 % slower)."""
+    n_heads, d = q.shape
+    n_kv = k.shape[0]
+    group = n_heads // n_kv
+    _ask_starts(k, lo, hi)
+    _ask_starts(v, lo, hi)
+    acc = np.empty((ROWS, d), np.float32)
+    for h in range(n_kv):
+        for first in range(h * group, (h + 1) * group, ROWS):
+            rows = min(ROWS, (h + 1) * group - first)
+            _scores(q, k, h, first, rows, lo, hi, weights)
+            for g in range(first, first + rows):
+                _hide(weights[g], h, lo, hi, bias, key_positions, position, window)
+                peaks[g], totals[g] = _exps(weights[g], hi - lo)
+            _values(weights, v, h, first, rows, lo, hi, acc)
+            for i in range(rows):
+                out[first + i] = acc[i]
+
+
+_i64, _f32 = pointer_to(types.int64), pointer_to(types.float32)
+
+
+@cfunc(types.void(*(types.int64,) * 7), cache=True, error_model="numpy")
+def pool_kernel(job, at, n, t0, t1, target, stride):  # pragma: no cover (numba)
+    """Tiles t0..t1 of the partials at target, whole parts (`_part`) of the handle at address at: spin_pool's
+    rows-kernel signature (job, n and stride unused), so the pool's two threads share a layer's parts. A part's
+    partial: its output (n_heads, d), max (n_heads), sum (n_heads), then its weights (n_heads, PART)."""
+    h = carray(_i64(at), (HANDLE,))
+    n_heads, d, n_kv, n_keys, part, block = h[HEADS], h[DIM], h[N_KV], h[N_KEYS], h[PART], h[BLOCK]
+    q = carray(_f32(h[QUERY]), (n_heads, d))
+    k, v = carray(_f32(h[K]), (n_kv, h[SLOTS], d)), carray(_f32(h[V]), (n_kv, h[SLOTS], d))
+    bias = carray(_f32(h[BIAS]), (h[BIAS_ROWS], h[BIAS_COLS]))
+    key_positions = carray(_i64(h[KEY_POSITIONS]), (h[N_POSITIONS],))
+    for p in range(t0 * TILE // block, t1 * TILE // block):
+        at_part = target + 4 * p * block
+        lo = p * part
+        _part(q, k, v, lo, min(n_keys, lo + part), bias, key_positions, h[POSITION], h[WINDOW],
+              carray(_f32(at_part), (n_heads, d)), carray(_f32(at_part + 4 * n_heads * d), (n_heads,)),
+              carray(_f32(at_part + 4 * n_heads * (d + 1)), (n_heads,)),
+              carray(_f32(at_part + 4 * n_heads * (d + 2)), (n_heads, part)))
+
+
+_POOL_KERNEL = int(pool_kernel.address or 0)
+
+
+@njit("void(int64[::1], float32[:, ::1], float32, float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1], int64, "
+      "float32[:, ::1], float32[:, ::1], int64, float32[:, ::1], int64[::1], int64, int64, int64, int64)", cache=True,
+      nogil=True, boundscheck=False)
+def _prepare(handle, q, scale, query, k, v, slot, k_new, v_new, n_keys, bias, key_positions, position, window, part,
+             block):  # pragma: no cover (numba)
+    """The new token's K/V written into its slot (slot >= 0), query = q * scale (attend_one's product), and
+    pool_kernel's handle of the arrays (their addresses read in numba: NumPy's ctypes attribute costs ~2 us)."""
+    if slot >= 0:
+        k[:, slot] = k_new
+        v[:, slot] = v_new
+    query[:] = q * scale
+    handle[HEADS], handle[DIM] = q.shape
+    handle[N_KV], handle[SLOTS], handle[N_KEYS], handle[PART] = k.shape[0], k.shape[1], n_keys, part
+    handle[BIAS_ROWS], handle[BIAS_COLS], handle[N_POSITIONS] = bias.shape[0], bias.shape[1], key_positions.size
+    handle[POSITION], handle[WINDOW], handle[BLOCK] = position, window, block
+    handle[QUERY], handle[K], handle[V] = query.ctypes.data, k.ctypes.data, v.ctypes.data
+    handle[BIAS], handle[KEY_POSITIONS] = bias.ctypes.data, key_positions.ctypes.data
+
+
+@njit("void(float32[:, ::1], int64, int64, float32[:, ::1], float32[:, ::1])", cache=True, nogil=True,
+      fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _merge(partials, n_keys, part, out, weights):  # pragma: no cover (numba)
+    """out and weights (n_heads, n_keys), normalised, from the parts' partials (pool_kernel's layout), in part
+    order: m = the parts' largest max; each part's share exp(m_p - m) / sum over parts of l_p exp(m_p - m)."""
+    n_heads, d = out.shape
+    count = partials.shape[0]
+    at_peak, at_total, at_weights = n_heads * d, n_heads * (d + 1), n_heads * (d + 2)
+    factor = np.empty(count, np.float32)
+    for g in range(n_heads):
+        peak = np.float32(-np.inf)
+        for p in range(count):
+            peak = max(peak, partials[p, at_peak + g])
+        row = weights[g]
+        if peak == -np.inf:
+            out[g] = 0
+            row[:n_keys] = 0
+            continue
+        total = np.float32(0)
+        for p in range(count):
+            factor[p] = _exp(partials[p, at_peak + g] - peak)
+            total += partials[p, at_total + g] * factor[p]
+        inverse = np.float32(1) / total
+        mixed = out[g]
+        mixed[:] = 0
+        for p in range(count):
+            share = factor[p] * inverse
+            for j in range(d):
+                mixed[j] += partials[p, g * d + j] * share
+            lo = p * part
+            first = at_weights + g * part
+            for c in range(min(n_keys, lo + part) - lo):
+                row[lo + c] = partials[p, first + c] * share
+
+
+@lru_cache(maxsize=64)
+def _job(tiles: int) -> np.ndarray:
+    job = np.zeros(DESCRIPTOR, np.int64)
+    job[TILES_WORD] = tiles
+    return job
+
+
+def attend_split(q: np.ndarray, scale: np.float32, k: np.ndarray, v: np.ndarray, slot: int, k_new: np.ndarray,
+                 v_new: np.ndarray, n_keys: int, bias: np.ndarray, key_positions: np.ndarray, position: int,
+                 window: int, out: np.ndarray, weights: np.ndarray, pool: Any, parts: int = PARTS) -> None:
+    """attend_one's result (its arguments, the same meaning), the keys cut into `parts` parts of fixed ranges shared
+    with the spin pool's helper thread (pool: model/spin_pool.py's, handed in: SpinPool.items), each part computed
+    whole by one thread (the helper's into its scratch, copied in; one it is late on computed by the caller): the
+    same bits whoever computes a part, within float32 rounding of attend_one's (the weights divided by the sum
+    after the values, not before)."""
+    n_heads, d = q.shape
+    part = -(-n_keys // parts // PART_ALIGN) * PART_ALIGN if n_keys > parts * PART_ALIGN else -(-n_keys // parts)
+    count = -(-n_keys // part)
+    tiles = -(-n_heads * (d + 2 + part) // TILE)
+    partials = np.empty((count, tiles * TILE), np.float32)
+    query = np.empty((n_heads, d), np.float32)
+    handle = np.empty(HANDLE, np.int64)
+    _prepare(handle, q, scale, query, k, v, slot, k_new, v_new, n_keys, bias, key_positions, position, window, part,
+             tiles * TILE)
+    pool.items(_POOL_KERNEL, _job(count * tiles), handle, (query, k, v, bias, key_positions), partials.reshape(-1),
+               count)
+    _merge(partials, n_keys, part, out, weights)

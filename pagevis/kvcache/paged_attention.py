@@ -32,13 +32,15 @@ def _no_pool() -> Any:
 
 
 # The weights' second thread (model/spin_pool.py's pool, or None on one thread), as a function the engine hands in
-# (share_pool: the cache imports no model); batched decode attention shares its sequences with it.
+# (share_pool: the cache imports no model); batched decode attention shares its sequences with it, a lone sequence's
+# decode attention its keys.
 _pool: Callable[[], Any] = _no_pool
 
 
 def share_pool(pool: Callable[[], Any]) -> None:
     """Batched decode attention (`attend_stacked`) shares its sequences with pool()'s helper thread when it gives
-    one (model.quantized.spin_pool: None on one weight thread)."""
+    one (model.quantized.spin_pool: None on one weight thread), and a lone sequence's decode its keys' parts
+    (attention_kernels.attend_decode)."""
     global _pool
     _pool = pool
 
@@ -69,7 +71,7 @@ def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np
         if len(q) == 1 and store.k.dtype == np.float32 and n_slots:  # decode: one kernel call, per-head masks or not
             result = kernels.attend_decode(q, store.k_rows, store.v_rows, n_slots,
                                            bias if keep is None else kept_bias(keep[:, :n_slots], bias),
-                                           store.positions, int(positions[0]), layer.window, write)
+                                           store.positions, int(positions[0]), layer.window, write, _pool())
         else:
             keys = store.k[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
             values = store.v[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
