@@ -237,8 +237,13 @@ NO_ROW = np.zeros((0, 0), np.float32)  # k_new, v_new when nothing is written (s
 # partial is a whole number of TILE floats, one item of the pool's job, whose word TILES_WORD counts the job's tiles
 # (its descriptor: DESCRIPTOR words)
 TILE, DESCRIPTOR, TILES_WORD = 64, 36, 4
-SPLIT_KEYS = 256  # fewer keys than this: attend_one on the caller (measured: see attend_split)
-PARTS = 2  # parts a split cuts the keys into
+# fewer keys than this: attend_one on the caller. Measured (one layer, cold K/V, the helper spinning, load ~1.6),
+# attend_one / two parts / four parts in us: SmolLM2's shape at 128 keys 20.1 / 23.7 / 27.6, 256 38.4 / 33.8 / 37.3,
+# 512 73.3 / 58.6 / 68.0, 4096 711 / 430 / 448; Gemma 3's (one KV head of 256) at 128 25.6 / 25.1 / 27.9, 256
+# 54.2 / 40.5 / 43.4, 512 111 / 71 / 72, 4096 839 / 509 / 507. A helper that is not running (its core busy
+# elsewhere) costs the caller ~10 % more than attend_one: the line is where two threads clearly win
+SPLIT_KEYS = 256
+PARTS = 2  # parts a split cuts the keys into (four: no faster with two threads, more to merge)
 PART_ALIGN = 16
 # pool_kernel's handle: the shapes, then the arrays' addresses
 HEADS, DIM, N_KV, SLOTS, N_KEYS, PART, BIAS_ROWS, BIAS_COLS, N_POSITIONS, POSITION, WINDOW, BLOCK = range(12)
