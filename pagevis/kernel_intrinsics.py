@@ -58,18 +58,27 @@ def pointer_to(numba_type):
     return pointer
 
 
-@intrinsic
-def prefetch(typingctx, address):
-    """Ask for the cache line at an address (int64) ahead of its use (LLVM's prefetch: a hint, no fault whatever
-    the address)."""
-    def codegen(context, builder, signature, args):
-        pointer = ir.IntType(8).as_pointer()
-        kind = ir.FunctionType(ir.VoidType(), [pointer, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
-        function = builder.module.declare_intrinsic("llvm.prefetch", [pointer], kind)
-        read, keep, data = (ir.Constant(ir.IntType(32), v) for v in (0, 3, 1))
-        builder.call(function, [builder.inttoptr(args[0], pointer), read, keep, data])
-        return context.get_dummy_value()
-    return types.void(types.int64), codegen
+def _prefetch_into(locality: int):
+    """An intrinsic asking for the cache line at an address (int64) ahead of its use, with LLVM's prefetch locality
+    (3: every level, prefetcht0; 2: from the second level out, prefetcht1): a hint, no fault whatever the address."""
+    @intrinsic
+    def prefetch_line(typingctx, address):
+        def codegen(context, builder, signature, args):
+            pointer = ir.IntType(8).as_pointer()
+            kind = ir.FunctionType(ir.VoidType(), [pointer, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
+            function = builder.module.declare_intrinsic("llvm.prefetch", [pointer], kind)
+            read, keep, data = (ir.Constant(ir.IntType(32), v) for v in (0, locality, 1))
+            builder.call(function, [builder.inttoptr(args[0], pointer), read, keep, data])
+            return context.get_dummy_value()
+        return types.void(types.int64), codegen
+    return prefetch_line
+
+
+prefetch = _prefetch_into(3)
+# Into the second-level cache: a request that does not hold one of the first level's few miss buffers, so a core
+# streaming a matrix from memory keeps more lines in flight (Emerald Rapids, Gemma 3's 178 MB logits matrix, one
+# thread: 11.4-11.6 GB/s against 9.7 asking into the first level and 10.8 asking for nothing).
+prefetch_l2 = _prefetch_into(2)
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -108,19 +108,3 @@ def rows_switch(most: int, block):
         return context.get_dummy_value()
 
     return codegen
-
-
-@intrinsic
-def prefetch_l2(typingctx, address):
-    """Ask for the cache line at an address (int64) into the second-level cache (LLVM's prefetch, locality 2:
-    prefetcht1 on x86): a request that does not hold one of the first level's few miss buffers, so a core streaming
-    a matrix from memory keeps more lines in flight (Emerald Rapids, Gemma 3's 178 MB logits matrix, one thread:
-    11.4-11.6 GB/s against 9.7 asking into the first level and 10.8 asking for nothing)."""
-    def codegen(context, builder, signature, args):
-        pointer = ir.IntType(8).as_pointer()
-        kind = ir.FunctionType(ir.VoidType(), [pointer, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
-        function = builder.module.declare_intrinsic("llvm.prefetch", [pointer], kind)
-        read, keep, data = (ir.Constant(ir.IntType(32), v) for v in (0, 2, 1))
-        builder.call(function, [builder.inttoptr(args[0], pointer), read, keep, data])
-        return context.get_dummy_value()
-    return types.void(types.int64), codegen

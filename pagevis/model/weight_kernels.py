@@ -36,7 +36,7 @@ from numba.core.typing import Signature
 from pagevis.kernel_intrinsics import NjitOptions
 from pagevis.kernel_intrinsics import bits_as_float32 as _bits_as_float32
 from pagevis.kernel_intrinsics import prefetch as _prefetch
-from pagevis.model.tile_sums import prefetch_l2 as _prefetch_l2
+from pagevis.kernel_intrinsics import prefetch_l2 as _prefetch_l2
 from pagevis.model.tile_sums import sums
 
 TILE = 64
@@ -143,7 +143,7 @@ def _prefetch_ahead(qs, t, g):
 @njit(cache=True, nogil=True, inline="always")
 def _prefetch_l2_ahead(q_at, group_bytes):
     """The lines PREFETCH_L2_AHEAD bytes past a group's codes (at address q_at) asked for into the second-level cache
-    (tile_sums.prefetch_l2): the matrix-vector kernels stream their matrix from memory once a product."""
+    (kernel_intrinsics.prefetch_l2): the matrix-vector kernels stream their matrix from memory once a product."""
     for k in range(0, group_bytes, 64):
         _prefetch_l2(q_at + PREFETCH_L2_AHEAD + k)  # type: ignore[call-arg]
 
