@@ -68,7 +68,7 @@ def _page_scores(q, k, h, page, first, rows, at, weights, ahead, also):  # pragm
     for s in range(0, body, 4):
         r0, r1, r2, r3 = k[h, page, s], k[h, page, s + 1], k[h, page, s + 2], k[h, page, s + 3]
         for line in range(s * d * 4, s * d * 4 + step, 64):
-            prefetch(ahead + line)  # type: ignore[call-arg]
+            prefetch(ahead + line)
             prefetch(also + line)
         for g in range(first, first + rows):
             row = q[g]

@@ -64,7 +64,7 @@ def _ask_ahead(array, h, t, n_rows, end):  # pragma: no cover (numba)
     base = array.ctypes.data + h * array.shape[1] * row_bytes
     at = base + t * row_bytes + PREFETCH_AHEAD
     for line in range(at, min(at + n_rows * row_bytes, base + end * row_bytes), 64):
-        prefetch(line)  # type: ignore[call-arg]
+        prefetch(line)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -76,7 +76,7 @@ def _ask_starts(array, lo, hi):  # pragma: no cover (numba)
     for h in range(array.shape[0]):
         at = array.ctypes.data + (h * array.shape[1] + lo) * row_bytes
         for b in range(0, min((hi - lo) * row_bytes, PREFETCH_AHEAD), 64):
-            prefetch(at + b)  # type: ignore[call-arg]
+            prefetch(at + b)
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_FAST)

@@ -137,7 +137,7 @@ def _prefetch_ahead(qs, t, g):
     group_bytes = qs.shape[2] * TILE
     at = qs.ctypes.data + (t * qs.shape[1] + g) * group_bytes + PREFETCH_AHEAD
     for k in range(0, group_bytes, 64):
-        _prefetch(at + k)  # type: ignore[call-arg]
+        _prefetch(at + k)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -145,7 +145,7 @@ def _prefetch_l2_ahead(q_at, group_bytes):
     """The lines PREFETCH_L2_AHEAD bytes past a group's codes (at address q_at) asked for into the second-level cache
     (kernel_intrinsics.prefetch_l2): the matrix-vector kernels stream their matrix from memory once a product."""
     for k in range(0, group_bytes, 64):
-        _prefetch_l2(q_at + PREFETCH_L2_AHEAD + k)  # type: ignore[call-arg]
+        _prefetch_l2(q_at + PREFETCH_L2_AHEAD + k)
 
 
 @njit(cache=True, nogil=True, inline="always")
