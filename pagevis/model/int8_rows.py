@@ -53,6 +53,7 @@ TILE = 64
 TILE_GROUP_NS, SHARE_NS, CHUNK_NS = (25.0, 6.5), 4_000.0, 16_000.0
 MAX_CHUNKS = 256  # spin_pool.MAX_CHUNKS (a job's chunk states)
 MAX_ROWS = 256  # a product of more rows is cut into pieces of at most this many (the docstring's bound)
+PLAN_ROWS = 32  # row counts up to this (decode batches) keep their plan on the matrix (`_plan`)
 _STATE = threading.local()
 
 
@@ -178,7 +179,40 @@ def product(matrix, x: np.ndarray, pool=None) -> np.ndarray | None:
 
 
 def _int8(matrix, x: np.ndarray, pool) -> np.ndarray:
-    """The rows x in int8, in pieces of at most MAX_ROWS rows (a row's result is the same in any piece)."""
+    """The rows x in int8, in pieces of at most MAX_ROWS rows (a row's result is the same in any piece). A batched
+    decode step makes ~120 of these calls with one row count: each matrix keeps, per row count up to PLAN_ROWS, this
+    thread's handle and the product's chunks (`_plan`), so such a call is a lookup and one compiled call."""
+    plans = matrix.__dict__.get("int8_plans")
+    plan = None if plans is None else plans.get(len(x))
+    if plan is None or plan[0] is not _STATE.__dict__.get("token"):
+        if len(x) > PLAN_ROWS:
+            return _pieces(matrix, x, pool)
+        plan = _plan(matrix, len(x))
+    kernels = _KERNELS or _kernels()
+    out = np.empty((len(x), plan[2]), np.float32)
+    if pool is not None and plan[3] > 1:
+        pool.product_kernel(kernels["pool"], kernels["prepare"], matrix.descriptor, matrix.arrays, plan[1], x, out,
+                            plan[3])
+    else:  # one thread, or a product too small to share
+        kernels["product"](plan[1], x, out, kernels["pool"])
+    return out if plan[4] else out[:, :matrix.n_out]
+
+
+def _plan(matrix, rows: int) -> tuple:
+    """(this thread's token, the handle, the output's width, chunks on two threads, whether the width is n_out) of
+    rows (at most PLAN_ROWS) times matrix, kept on the matrix (`int8_plans`: at most PLAN_ROWS tuples, each holding
+    a handle of `int8_handles`)."""
+    token, h, _ = _entry(matrix, capacity(rows))
+    plans = matrix.__dict__.get("int8_plans")
+    if plans is None:
+        plans = matrix.int8_plans = {}
+    width = matrix.tiles * TILE
+    plan = plans[rows] = (token, h, width, chunks(matrix.tiles, matrix.n_in // 32, rows), width == matrix.n_out)
+    return plan
+
+
+def _pieces(matrix, x: np.ndarray, pool) -> np.ndarray:
+    """The rows x in int8, MAX_ROWS rows a piece (the handle and chunks looked up for each: prompt chunks)."""
     kernels = _kernels()
     out = np.empty((len(x), matrix.tiles * TILE), np.float32)
     for i in range(0, len(x), MAX_ROWS):
