@@ -26,6 +26,17 @@ these: 2 rows 5.9 / 4.6 ms, 4 rows 9.1 / 5.1, 8 rows 16.0 / 6.8, 16 rows 28.3 / 
 kernel: 5.2). A 3072 x 576 Q4_1 product at 16 rows runs at ~280-320 GMAC/s against vpdpbusd's ~505 alone (2 a
 cycle): the per-group scaling is ~17% of the time (measured without it), the turn of the codes and the scales'
 conversion shared by the rows most of the rest; blocks of 2, 4 or 6 rows measured alike.
+
+Measured (Intel Xeon, Emerald Rapids, KVM; one thread, the thread's CPU time, best of 21, load 3-3.6): vpdpbusd.512
+alone peaks at ~7.1 G a second (~455 GMAC/s, two a cycle: ports 0 and 5); these kernels run SmolLM2's Q4_1 products at
+~150-160 GMAC/s at 8 rows and ~210-235 at 16, its Q8_0 logits (28 MB, from memory) at ~145 / ~190; every product of a
+token ~6.2 ms at 8 rows, ~10.6 at 16. On these cores the scaling's float operations (a conversion, a multiply and
+two fused adds per 16 outputs, row and group) and the turn's shuffles share ports 0 and 5 with vpdpbusd: per row and
+group 32 vpdpbusd and 16 float operations, per group ~120 operations of the turn shared by the rows, and the kernels
+reach ~85% of that bound (measured without the scaling: 15-25% less time; turning a tile's codes once instead of
+each group's: 10-20% less at 8 rows). Tried here and dropped (no gain): blocks of 2, 5 or 6 rows, the work area
+aligned to 64 bytes, prefetching the codes into L2 16 KiB ahead as well. The row's term s qsum (u4) or -128 qsum
+(i8) is computed once when the row is quantised, not per tile: 2-5% less time at 8 and 16 rows.
 """
 
 from __future__ import annotations
@@ -138,8 +149,9 @@ def _dots(lines: int, nibbles: bool):
     """An intrinsic (rows, scratch, xq, xq_stride, sx, sx_stride, qsum, qsum_stride, acc): for rows i < rows (1 to
     ROWS) and the tile's 64 outputs (turned order), acc[i] += d s_i (codes . q_i) (+ m s_i qsum_i for u4; for i8 the
     integer sums start at -128 qsum_i), the codes `_split` left in scratch. Addresses (int64) and byte strides:
-    xq, row 0's first int8 input of the group; sx, its scale; qsum, its sum of the group's int8 inputs; acc, row 0's
-    64 float32 sums (row i at acc + 256 i)."""
+    xq, row 0's first int8 input of the group; sx, its scale; qsum, its term of the group's int8 inputs as
+    `_quantise_group` left it (u4: s_i qsum_i in float32; i8: -128 qsum_i); acc, row 0's 64 float32 sums (row i at
+    acc + 256 i)."""
     offsets = _offsets(lines, nibbles)
 
     def block(builder, rows, scratch, xq, xq_stride, sx, sx_stride, qsum, qsum_stride, acc):
@@ -153,11 +165,10 @@ def _dots(lines: int, nibbles: bool):
             one = builder.insert_element(ir.Constant(kind, None), value, ir.Constant(_I32T, 0))
             return builder.shuffle_vector(one, ir.Constant(kind, None), ir.Constant(_DWORDS, [0] * 16))
 
-        sums = [_load(builder, row(qsum, qsum_stride, i), 0, _I32T, 4) for i in range(rows)]
         if nibbles:
             accs = [[ir.Constant(_DWORDS, [0] * 16)] * 4 for _ in range(rows)]
-        else:
-            accs = [[splat(builder.mul(s, ir.Constant(_I32T, -128)), _DWORDS)] * 4 for s in sums]
+        else:  # the row's -128 qsum, as `_quantise_group` left it
+            accs = [[splat(_load(builder, row(qsum, qsum_stride, i), 0, _I32T, 4), _DWORDS)] * 4 for i in range(rows)]
         for b, offset in enumerate(offsets):
             inputs = [splat(_load(builder, row(xq, xq_stride, i), offset, _I32T), _DWORDS) for i in range(rows)]
             for k in range(4):
@@ -169,7 +180,7 @@ def _dots(lines: int, nibbles: bool):
         m = [_load(builder, scratch, (CODE_VECTORS + 4 + k) * 64, _FLOATS, 4) for k in range(4)] if nibbles else d
         for i in range(rows):
             s = splat(_load(builder, row(sx, sx_stride, i), 0, _F32T, 4), _FLOATS)
-            term = builder.fmul(s, splat(builder.sitofp(sums[i], _F32T), _FLOATS)) if nibbles else None
+            term = splat(_load(builder, row(qsum, qsum_stride, i), 0, _F32T, 4), _FLOATS) if nibbles else None
             for k in range(4):
                 target = _pointer(builder, row(acc, ir.Constant(_I64T, TILE * 4), i), k * 64, _FLOATS)
                 total = builder.call(fma, [builder.fmul(d[k], s), builder.sitofp(accs[i][k], _FLOATS),
@@ -206,11 +217,13 @@ _AS_I64, _AS_I32, _AS_I16 = pointer_to(types.int64), pointer_to(types.int32), po
 _AS_I8, _AS_U8, _AS_F32 = pointer_to(types.int8), pointer_to(types.uint8), pointer_to(types.float32)
 
 
-def _quantise_group(size: int):
+def _quantise_group(size: int, nibbles: bool):
     """An intrinsic (x, xq, scale, sums): the 32 float32 inputs at x as int8 codes q = x / s rounded half away from
-    zero into xq, s = max |x| / 127 into scale (0 for an all-zero group: codes 0), the sum of the codes of each
-    `size` inputs (32, or Q6_K's 16) into sums (int32): in registers, where numba's loops left the largest magnitude
-    a chain of 32 scalar compares (~0.6-0.9 ns an input). The magnitude is taken on the bits (a finite float's
+    zero into xq, s = max |x| / 127 into scale (0 for an all-zero group: codes 0), and the term `_dots` starts from
+    of each `size` inputs (32, or Q6_K's 16) into sums: for a u4 matrix (nibbles) s qsum (float32, the product the
+    kernel took per row and group before: computed once here), for i8 -128 qsum (int32), qsum the sum of the codes;
+    in registers, where numba's loops left the largest magnitude a chain of 32 scalar compares (~0.6-0.9 ns an
+    input). The magnitude is taken on the bits (a finite float's
     magnitude orders as its bits do); the arithmetic is a float32 loop's, unfused: s = top / 127, each code
     int(x (127 / top) +- 0.5), truncated."""
     def codegen(context, builder, signature, args):
@@ -221,7 +234,8 @@ def _quantise_group(size: int):
         larger = builder.select(builder.icmp_unsigned(">", *magnitude), *magnitude)
         reduce_max = builder.module.declare_intrinsic("llvm.vector.reduce.umax.v16i32", (), ir.FunctionType(_I32T, [_DWORDS]))
         top = builder.bitcast(builder.call(reduce_max, [larger]), _F32T)
-        builder.store(builder.fdiv(top, ir.Constant(_F32T, 127.0)), _pointer(builder, scale, 0, _F32T), align=4)
+        s = builder.fdiv(top, ir.Constant(_F32T, 127.0))
+        builder.store(s, _pointer(builder, scale, 0, _F32T), align=4)
         inverse = builder.select(builder.fcmp_ordered(">", top, ir.Constant(_F32T, 0.0)),
                                  builder.fdiv(ir.Constant(_F32T, 127.0), top), ir.Constant(_F32T, 0.0))
         spread = builder.shuffle_vector(builder.insert_element(ir.Constant(_FLOATS, None), inverse,
@@ -236,11 +250,15 @@ def _quantise_group(size: int):
             builder.store(builder.trunc(codes[-1], ir.VectorType(_I8T, 16)),
                           _pointer(builder, xq, 16 * v, ir.VectorType(_I8T, 16)), align=1)
         reduce_add = builder.module.declare_intrinsic("llvm.vector.reduce.add.v16i32", (), ir.FunctionType(_I32T, [_DWORDS]))
-        if size == 32:
-            builder.store(builder.call(reduce_add, [builder.add(*codes)]), _pointer(builder, sums, 0, _I32T), align=4)
-        else:
-            for v, c in enumerate(codes):
-                builder.store(builder.call(reduce_add, [c]), _pointer(builder, sums, 4 * v, _I32T), align=4)
+        totals = [builder.call(reduce_add, [builder.add(*codes)])] if size == 32 else [
+            builder.call(reduce_add, [c]) for c in codes]
+        for v, total in enumerate(totals):
+            if nibbles:
+                term = builder.fmul(s, builder.sitofp(total, _F32T))
+                builder.store(term, _pointer(builder, sums, 4 * v, _F32T), align=4)
+            else:
+                builder.store(builder.mul(total, ir.Constant(_I32T, -128)), _pointer(builder, sums, 4 * v, _I32T),
+                              align=4)
         return context.get_dummy_value()
 
     def typer(typingctx, x, xq, scale, sums):
@@ -249,20 +267,22 @@ def _quantise_group(size: int):
     return intrinsic(typer)
 
 
-_QUANTISE_32, _QUANTISE_16 = _quantise_group(32), _quantise_group(16)
+_QUANTISE_U4, _QUANTISE_I8, _QUANTISE_16 = _quantise_group(32, True), _quantise_group(32, False), _quantise_group(16, False)
 
 
 @njit(cache=True, nogil=True)
-def _quantize_rows(x, size, xq, scales, sums):
+def _quantize_rows(x, size, nibbles, xq, scales, sums):
     """Each row of x (C-contiguous) quantised into xq, scales, sums, a group of 32 inputs at a time
-    (`_quantise_group`: sums of each group of `size` inputs, 32 or 16)."""
+    (`_quantise_group`: the terms of each group of `size` inputs, 32 or 16, for a u4 matrix (nibbles) or i8)."""
     n, inputs = x.shape
     groups, at, codes = inputs // 32, x.ctypes.data, xq.ctypes.data
     for i in range(n):
         for g in range(groups):
             k = i * groups + g
-            if size == 32:
-                _QUANTISE_32(at + 128 * k, codes + 32 * k, scales.ctypes.data + 4 * k, sums.ctypes.data + 4 * k)
+            if nibbles:
+                _QUANTISE_U4(at + 128 * k, codes + 32 * k, scales.ctypes.data + 4 * k, sums.ctypes.data + 4 * k)
+            elif size == 32:
+                _QUANTISE_I8(at + 128 * k, codes + 32 * k, scales.ctypes.data + 4 * k, sums.ctypes.data + 4 * k)
             else:
                 _QUANTISE_16(at + 128 * k, codes + 32 * k, scales.ctypes.data + 4 * k, sums.ctypes.data + 8 * k)
 
@@ -360,8 +380,9 @@ def pool_kernel(job, at, n, t0, t1, target, stride):
 def _quantise(h, n, x_address):
     """The n rows (C-contiguous) at x_address quantised into the handle's arrays."""
     size, inputs = _group(h), h[N_IN]
-    _quantize_rows(carray(_AS_F32(x_address), (n, inputs)), size, carray(_AS_I8(h[XQ]), (n, inputs)),
-                   carray(_AS_F32(h[SX]), (n, inputs // 32)), carray(_AS_I32(h[SUMS]), (n, inputs // size)))
+    _quantize_rows(carray(_AS_F32(x_address), (n, inputs)), size, h[FAMILY] == 0,
+                   carray(_AS_I8(h[XQ]), (n, inputs)), carray(_AS_F32(h[SX]), (n, inputs // 32)),
+                   carray(_AS_I32(h[SUMS]), (n, inputs // size)))
 
 
 @cfunc(types.void(*(types.int64,) * 7), cache=True, error_model="numpy")
@@ -383,8 +404,9 @@ def product(h, x, out, kernel):
 def handle(fmt: str, arrays: tuple, n_in: int, quantised: tuple[np.ndarray, np.ndarray, np.ndarray]
            ) -> np.ndarray:
     """pool_kernel's handle of a u4 or i8 matrix's kernel arrays (QuantMatrix.arrays) and the arrays its rows are
-    quantised into (codes, scales, sums: rows x n_in int8, rows x n_in / 32 float32, rows x n_in / `_group` int32):
-    addresses, so the arrays must outlive its use."""
+    quantised into (codes, scales, sums: rows x n_in int8, rows x n_in / 32 float32, rows x n_in / `_group` int32,
+    which hold `_quantise_group`'s terms, float32 bits for a u4 matrix): addresses, so the arrays must outlive its
+    use."""
     h = np.zeros(HANDLE, np.int64)
     if fmt == "i8":
         held, h[FAMILY], h[PER] = (arrays[0], arrays[1], arrays[2], arrays[2], arrays[2]), 1, arrays[3]
