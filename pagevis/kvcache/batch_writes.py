@@ -28,21 +28,24 @@ def write_many(layer: LayerManager, seqs: list[SequenceCache], k: np.ndarray, v:
                append_one: Callable[[int], None]) -> None:
     """k, v (B, n_kv_heads, head_dim), positions (B,) int64: sequence i's token; see the module docstring."""
     store, tables, log, flats, rows = layer.store, layer.tables, layer.log, [], []
-    windowed, can_allocate, budget = layer.window is not None, store.pages.can_allocate, layer.budget
-    ps, index, step, events = layer.page_size, layer.layer, log.step, log.events
+    windowed, can_allocate, index = layer.window is not None, store.pages.can_allocate, layer.layer
+    # (a layer whose kind keeps the base `budget` is asked its policy's capacity directly: one call less a token)
+    capacity_of = None if type(layer).budget is not LayerManager.budget else index
+    ps, step, add = layer.page_size, log.step, log.events.append
     shared, registered = store.pages.ref_counts, store.pages.frame_hash
     ints = positions.tolist()
-    for i, (seq, position) in enumerate(zip(seqs, ints, strict=True)):
-        seq_id = seq.seq_id
+    for i, seq in enumerate(seqs):
+        position = ints[i]
         if position > seq.newest:  # (read by no write of this token: a local layer's slide takes `position`)
             seq.newest = position
         if windowed:
-            log.acting = seq_id
+            log.acting = seq.seq_id
             layer.before_write(seq, position)
-        table = tables[seq_id]
-        holes = table.holes
-        if (table.head_keep is None and seq.channels is None and not seq.policy.prunes
-                and table.resident < budget(seq)):
+        table = tables[seq.seq_id]
+        policy = seq.policy
+        if (table.head_keep is None and seq.channels is None and not policy.prunes and table.resident < (
+                policy.layer_capacity(capacity_of) if capacity_of is not None else layer.budget(seq))):
+            holes = table.holes
             if holes:
                 flat = min(holes)
                 page = flat // ps
@@ -55,23 +58,23 @@ def write_many(layer: LayerManager, seqs: list[SequenceCache], k: np.ndarray, v:
                     table.resident += 1
                     if position < table.floor:
                         table.floor = -1
-                    events.append(as_event(CacheEvent, (WRITE, step, index, page, flat - page * ps, position, "", "",
-                                                        NAN, -1, seq_id, -1)))
+                    add(as_event(CacheEvent, (WRITE, step, index, page, flat - page * ps, position, "", "", NAN, -1,
+                                              seq.seq_id, -1)))
                     flats.append(flat)
                     rows.append(i)
                     continue
             if holes or can_allocate():
-                log.acting = seq_id
+                log.acting = seq.seq_id
                 flat = layer.free_slot(seq, table)
                 layer.wrote(seq, table, flat, k[i], v[i], position)
-                events = log.events
+                add = log.events.append
                 flats.append(flat)
                 rows.append(i)
                 continue
-        log.acting = seq_id
+        log.acting = seq.seq_id
         _write_held(layer, flats, rows, k, v, positions, ints)
         append_one(i)
-        events = log.events
+        add = log.events.append
     if seqs:
         log.acting = seqs[-1].seq_id
     _write_held(layer, flats, rows, k, v, positions, ints)

@@ -185,28 +185,28 @@ def attend_stacked(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray
                    wanted) -> tuple[np.ndarray, dict[int, AttentionResult]]:
     """`attend_many`'s output as one (B, n_heads, d) array, and the AttentionResult of the rows in `wanted` only
     (indices: a decode step's watched sequences), so a step builds no per-sequence result nobody reads."""
-    store, index, ps = layer.store, layer.layer, layer.page_size
-    owns, tables, counts, built = [], [], [], set(wanted)  # built: the rows whose AttentionResult is made
+    store, index, ps, of = layer.store, layer.layer, layer.page_size, layer.tables
+    owns = [of[seq.seq_id] for seq in seqs]
+    tables = [own.pages for own in owns]
+    counts = [len(table) for table in tables]
+    built = set(wanted)  # the rows whose AttentionResult is made
     for i, seq in enumerate(seqs):
-        own = layer.tables[seq.seq_id]
-        own.read_slots = None
-        owns.append(own)
-        tables.append(own.pages)
-        counts.append(len(own.pages))
-        if seq.policy.uses_queries or seq.channels is not None:
-            observe_queries(seq, own.state, index, q[i: i + 1], positions[i: i + 1])
-        if seq.policy.uses_attention:
+        owns[i].read_slots = None
+        policy = seq.policy
+        if policy.uses_queries or seq.channels is not None:
+            observe_queries(seq, owns[i].state, index, q[i: i + 1], positions[i: i + 1])
+        if policy.uses_attention:
             built.add(i)
     widest = max(counts)
-    padded = np.array([table + [0] * (widest - n) for table, n in zip(tables, counts, strict=True)], dtype=np.int64)
+    padded, n_pages = _padded(tables, counts, widest)
     if store.k.dtype == np.float32:  # K/V read in place through the tables, the bias and the window's mask per slot
         output, weights = kernels.batch_decode_kernels().attend_tables(  # (layer.mask's), one numba call
-            q, store.k, store.v, padded, np.array(counts), store.bias, store.positions, positions, layer.window or 0,
+            q, store.k, store.v, padded, n_pages, store.bias, store.positions, positions, layer.window or 0,
             _pool())
     else:
         flat = flat_slots(padded, ps)
         bias = store.bias[flat]
-        bias[np.arange(widest * ps)[None, :] >= np.array(counts)[:, None] * ps] = -np.inf  # the padding
+        bias[np.arange(widest * ps)[None, :] >= n_pages[:, None] * ps] = -np.inf  # the padding
         layer.mask(bias, store.positions[flat], positions)
         n_kv, _, _, head_dim = store.k.shape
         keys = store.k[:, padded].reshape(n_kv, len(seqs), widest * ps, head_dim)
@@ -219,6 +219,28 @@ def attend_stacked(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray
         if seqs[i].policy.uses_attention:
             owns[i].state.observe(result.weights, slots)
     return output, {i: results[i] for i in wanted}
+
+
+_last_padded: tuple[list[list[int]], np.ndarray, np.ndarray] = ([], np.zeros((0, 0), np.int64), np.zeros(0, np.int64))
+
+
+def _padded(tables: list[list[int]], counts: list[int], widest: int) -> tuple[np.ndarray, np.ndarray]:
+    """The block tables as one (B, widest) array, each padded with page 0, and their lengths: the last call's arrays
+    again (never written) when the tables are the same (a step's layers commonly hold the same page ids: each layer's
+    pool allocates in the same order)."""
+    global _last_padded
+    last = _last_padded
+    if tables == last[0]:
+        return last[1], last[2]
+    padded = np.zeros((len(tables), widest), np.int64)
+    if min(counts) == widest:
+        padded[:] = tables
+    else:
+        for row, table in zip(padded, tables, strict=True):
+            row[: len(table)] = table
+    n_pages = np.array(counts, np.int64)
+    _last_padded = ([list(table) for table in tables], padded, n_pages)
+    return padded, n_pages
 
 
 def attend_kept(q: np.ndarray, keys: np.ndarray, values: np.ndarray, bias: np.ndarray | None,
