@@ -43,11 +43,12 @@ _LOADER_PAUSE = 0.4
 # test_hostile_caches (its processes load them). They run last, after the ~100 s of tests that need none of them, so
 # on a clean clone they find those kernels compiled rather than wait for them (one at a time, moved behind the
 # others, each left the next waiting: test_api 40-100 s, test_batch_decode_kernel 160 s, test_cli's headless
-# commands 31 s, test_cli_bench 41 s, test_compare 22 s, test_engine_attention 42 s). A module missing here only
-# waits; one listed that needs none of them only runs later.
-_RUN_LAST = ("test_api.py", "test_batch_decode_kernel.py", "test_batch_kernels.py", "test_cli_bench.py",
+# commands 31 s, test_cli_bench 41 s, test_compare 22 s, test_engine_attention 42 s; on session 16's Intel CPU,
+# test_gui's GGUF launch 74 s and test_attention_pool_handin's batches 71 s). A module missing here only waits; one
+# listed that needs none of them only runs later.
+_RUN_LAST = ("test_api.py", "test_attention_pool_handin.py", "test_batch_decode_kernel.py", "test_batch_kernels.py", "test_cli_bench.py",
              "test_decode_split.py", "test_engine_bench.py", "test_engine_quant.py", "test_fuzz_files.py",
-             "test_fused_kernels.py", "test_gui_demo.py", "test_hostile_caches.py", "test_hostile_layout.py",
+             "test_fused_kernels.py", "test_gui.py", "test_gui_demo.py", "test_hostile_caches.py", "test_hostile_layout.py",
              "test_int8_prompt_rows.py", "test_int8_rows.py", "test_model_reference.py", "test_preset_proofs.py",
              "test_resident.py", "test_spin_pool.py", "test_weight_kernels.py", "test_weights_bench.py")
 

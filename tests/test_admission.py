@@ -131,7 +131,7 @@ FAST_SETTINGS = [  # (model: sliding window, global every; settings): global and
     ((6, 2), dict(policy="none", max_pages=12), 20),
     ((6, 3), dict(policy="sinks", max_pages=4, policy_params={"n_sink": 2}), 24),
     ((0, 0), dict(policy="pyramidkv", max_pages=6, policy_params={"budget": 14, "window": 3, "beta": 4}), 30),
-    ((0, 0), dict(policy="adakv", max_pages=5), 24),
+    pytest.param(((0, 0), dict(policy="adakv", max_pages=5), 24), marks=pytest.mark.slow),  # per-head brute force: ~8 s
     ((0, 0), dict(policy="threshold", max_pages=6, policy_params={"window": 4, "threshold_pct": 60}), 24),
     ((0, 0), dict(policy="h2o", max_pages=5, key_channels=0.5), 24),
     ((6, 2), dict(policy="sinks", max_pages=5, policy_params={"n_sink": 2, "compress_every": 3}), 24),  # a wrapper

@@ -68,13 +68,13 @@ def test_every_kernel_matches_float64_on_the_vocabulary_projection():
             assert_close_to_float64(x, w, product(x, w, kernel))
 
 
-@pytest.mark.slow
 @lru_cache(maxsize=1)
 def smollm2_float32():
     """SmolLM2 with its matrices dequantised to float32 (--weights float32): the path the matmul plans serve."""
     return load_model(weights="float32")
 
 
+@pytest.mark.slow  # ~7 s (SmolLM2 in float32); 918cbef meant it slow, but its mark landed on smollm2_float32
 def test_smollm2_plan_matches_float64_on_its_own_weights():
     """The kernels load_model measured and chose, on the real matrices of one layer and the output."""
     model = smollm2_float32()
