@@ -12,7 +12,9 @@ small arrays.
 Per sequence and KV head, a page at a time (its keys are contiguous), four keys at a time: each of the group's
 query heads takes the four dot products sharing its loads (scores), or adds the four value rows, read again from
 the first level of cache, each times its weight (values); each head's softmax is decode_kernel's (`_softmax`:
-normalised before the values). The K/V come from memory (a step's weights pushed them out of every cache) and a
+normalised before the values). A page's slots above its last resident one (a sequence's newest page is commonly part
+full) are neither read nor multiplied, past the next multiple of four: their scores are -inf, their weights exactly 0,
+as the bias makes them. The K/V come from memory (a step's weights pushed them out of every cache) and a
 sequence's pages lie anywhere, where the hardware's prefetcher follows no stream: each page's scores ask for the
 next K page read and for its own values' page (measured, 16 sequences of 3 pages x 3 KV heads after 32 MB of other
 reads: 175-230 us a call before this kernel, 90-130 with it). Query head h reads KV head h // group; sums in any
@@ -58,13 +60,14 @@ def _page_at(array, h, page):  # pragma: no cover (numba)
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _page_scores(q, k, h, page, first, rows, at, weights, ahead, also):  # pragma: no cover (numba)
-    """weights[g, at + s] = q[g] . k[h, page, s] for the chunk's rows g, four slots at a time (each row's four dot
-    products sharing its loads); asking for the page at address ahead (the next K page read) and the one at also
-    (this page's values), four rows of each an iteration."""
+def _page_scores(q, k, h, page, top, first, rows, at, weights, ahead, also):  # pragma: no cover (numba)
+    """weights[g, at + s] = q[g] . k[h, page, s] for the chunk's rows g and the page's slots below top (rounded up to
+    four; -inf above: empty slots, never read), four slots at a time (each row's four dot products sharing its
+    loads); asking for the page at address ahead (the next K page read) and the one at also (this page's values),
+    four rows of each an iteration."""
     ps, d = k.shape[2], k.shape[3]
     step = 4 * d * 4
-    body = ps // 4 * 4
+    body = min(ps // 4 * 4, (top + 3) // 4 * 4)
     for s in range(0, body, 4):
         r0, r1, r2, r3 = k[h, page, s], k[h, page, s + 1], k[h, page, s + 2], k[h, page, s + 3]
         for line in range(s * d * 4, s * d * 4 + step, 64):
@@ -79,20 +82,24 @@ def _page_scores(q, k, h, page, first, rows, at, weights, ahead, also):  # pragm
                 x2 += row[j] * r2[j]
                 x3 += row[j] * r3[j]
             weights[g, at + s], weights[g, at + s + 1], weights[g, at + s + 2], weights[g, at + s + 3] = x0, x1, x2, x3
-    for s in range(body, ps):
+    for s in range(body, top):
         for g in range(first, first + rows):
             total = np.float32(0)
             for j in range(d):
                 total += q[g, j] * k[h, page, s, j]
             weights[g, at + s] = total
+    for s in range(max(body, top), ps):
+        for g in range(first, first + rows):
+            weights[g, at + s] = -np.inf
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _page_values(weights, v, h, page, first, rows, at, acc):  # pragma: no cover (numba)
-    """acc[i] += sum over the page's slots s of weights[first + i, at + s] v[h, page, s], four slots at a time (each
-    output row reading the four value rows again, from the first level of cache)."""
+def _page_values(weights, v, h, page, top, first, rows, at, acc):  # pragma: no cover (numba)
+    """acc[i] += sum over the page's slots s below top (rounded up to four: those above weigh 0, never read) of
+    weights[first + i, at + s] v[h, page, s], four slots at a time (each output row reading the four value rows again,
+    from the first level of cache)."""
     ps, d = v.shape[2], v.shape[3]
-    body = ps // 4 * 4
+    body = min(ps // 4 * 4, (top + 3) // 4 * 4)
     for s in range(0, body, 4):
         r0, r1, r2, r3 = v[h, page, s], v[h, page, s + 1], v[h, page, s + 2], v[h, page, s + 3]
         for i in range(rows):
@@ -100,7 +107,7 @@ def _page_values(weights, v, h, page, first, rows, at, acc):  # pragma: no cover
             a, b, c, e = w[at + s], w[at + s + 1], w[at + s + 2], w[at + s + 3]
             for j in range(d):
                 out[j] += a * r0[j] + b * r1[j] + c * r2[j] + e * r3[j]
-    for s in range(body, ps):
+    for s in range(body, top):
         for i in range(rows):
             w = weights[first + i, at + s]
             for j in range(d):
@@ -131,6 +138,7 @@ def _sequences(q, scale, k, v, tables, n_pages, bias, key_positions, positions, 
     width = tables.shape[1] * ps
     acc = np.empty((group, d), np.float32)
     query = np.empty((n_heads, d), np.float32)
+    tops = np.empty(tables.shape[1], np.int64)
     for b in range(b0, b1):
         for g in range(n_heads):
             for j in range(d):
@@ -140,6 +148,11 @@ def _sequences(q, scale, k, v, tables, n_pages, bias, key_positions, positions, 
         table, used = tables[b], n_pages[b]
         n = used * ps
         position = positions[b] if window > 0 else 0
+        for p in range(used):  # each page's slots above its last resident one are empty: never read
+            base, top = table[p] * ps, ps
+            while top > 0 and bias[base + top - 1] == -np.inf:
+                top -= 1
+            tops[p] = top
         for h in range(n_kv):
             # the K page read after this head's last: the next head's first, or the next sequence's
             after = (_page_at(k, h + 1, table[0] if used else 0) if h + 1 < n_kv else
@@ -147,13 +160,13 @@ def _sequences(q, scale, k, v, tables, n_pages, bias, key_positions, positions, 
             first = h * group
             for p in range(used):
                 ahead = _page_at(k, h, table[p + 1]) if p + 1 < used else after
-                _page_scores(query, k, h, table[p], first, group, p * ps, weights, ahead, _page_at(v, h, table[p]))
+                _page_scores(query, k, h, table[p], tops[p], first, group, p * ps, weights, ahead, _page_at(v, h, table[p]))
             for g in range(first, first + group):
                 _mask(weights[g], table, used, ps, bias, key_positions, position, window)
                 _softmax(weights, g, n)
             acc[:] = 0
             for p in range(used):
-                _page_values(weights, v, h, table[p], first, group, p * ps, acc)
+                _page_values(weights, v, h, table[p], tops[p], first, group, p * ps, acc)
             for i in range(group):
                 out[first + i] = acc[i]
                 weights[first + i, n:] = 0
