@@ -80,10 +80,10 @@ HELPED, TAKEN_OVER, CLOCK, MISSES, BEAT = 40, 41, 42, 43, 44  # chunks the helpe
 # back; the clock's id; products in a row the helper took no chunk of; when the helper last spun waiting for a job
 STATE = 48  # per chunk: tag << 2 | DONE once the helper's copy is in scratch
 # the job's input, tiles a chunk, the helper's scratch; a prefill's block of rows (0: one row), its output's row, and
-# the address of the rows kernel (rows_kernel: one compiled copy, called through its address); the kernel a job of
-# rows calls (rows_kernel, or product_kernel's: int8_kernels.pool_kernel)
-X, CHUNK, SCRATCH, ROWS, STRIDE, ROWS_KERNEL, JOB_KERNEL = range(STATE + MAX_CHUNKS, STATE + MAX_CHUNKS + 7)
-JOB = STATE + MAX_CHUNKS + 7  # the product's matrix descriptor
+# the address of the rows kernel (rows_kernel: one compiled copy, called through its address); the kernel a job
+# calls (row_kernel, rows_kernel, or product_kernel's: int8_kernels.pool_kernel); the one-row kernel's (row_kernel)
+X, CHUNK, SCRATCH, ROWS, STRIDE, ROWS_KERNEL, JOB_KERNEL, ROW_KERNEL = range(STATE + MAX_CHUNKS, STATE + MAX_CHUNKS + 8)
+JOB = STATE + MAX_CHUNKS + 8  # the product's matrix descriptor
 WORDS = JOB + DESCRIPTOR
 DONE, TAKEN, MINE = 1, 2, 3  # a chunk's state: the helper's copy is ready; the caller took it back; the caller's
 NIB, I8 = 0, 1
@@ -171,6 +171,7 @@ def _clock_ns(typingctx, clock):
 
 _u8, _u32, _i16, _i8 = (pointer_to(t) for t in (types.uint8, types.uint32, types.int16, types.int8))
 _f32, _i64 = pointer_to(types.float32), pointer_to(types.int64)
+_ROWS_SIGNATURE = types.void(*(types.int64,) * 7)  # the C functions a job calls (row_kernel, rows_kernel)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -178,17 +179,20 @@ def _shape3(words, at):
     return (words[at + 1], words[at + 2], words[at + 3])
 
 
-@njit(cache=True, nogil=True)
-def _kernel(words, at, x_address, t0, t1, target):
-    """Tiles t0..t1 of the matrix described at words[at:] times the row at x_address, into target (an address)."""
-    x = carray(_f32(x_address), (words[at + N_IN],))
-    out = carray(_f32(target), ((t1 - t0) * TILE,))
-    a = at + ARRAYS
-    if words[at + KIND] == I8:
+@cfunc(_ROWS_SIGNATURE, cache=True)
+def row_kernel(job, x_address, n, t0, t1, target, stride):
+    """Tiles t0..t1 of the matrix described at address job times the row at x_address, into the row at target (n,
+    stride unused): the matrix-vector kernel, compiled once, called through its address (ctrl[ROW_KERNEL]): numba
+    links a callee into each caller, compiled again in each (~3 s a caller on this 2-core machine's first compile)."""
+    words = carray(_i64(job), (DESCRIPTOR,))
+    x = carray(_f32(x_address), (words[N_IN],))
+    out = carray(_f32(target + 4 * t0 * TILE), ((t1 - t0) * TILE,))
+    a = ARRAYS
+    if words[KIND] == I8:
         qs = carray(_i8(words[a]), (words[a + 1], words[a + 2], words[a + 3], words[a + 4]))
         dh = carray(_i16(words[a + 5]), _shape3(words, a + 5))
         ds = carray(_i8(words[a + 10]), _shape3(words, a + 10))
-        i8_matvec(qs, dh, ds, words[at + PER], x, t0, t1, out)
+        i8_matvec(qs, dh, ds, words[PER], x, t0, t1, out)
     else:
         qs = carray(_u8(words[a]), (words[a + 1], words[a + 2], words[a + 3], words[a + 4]))
         qh = carray(_u32(words[a + 5]), _shape3(words, a + 5))
@@ -196,7 +200,7 @@ def _kernel(words, at, x_address, t0, t1, target):
         ds = carray(_i8(words[a + 15]), _shape3(words, a + 15))
         mh = carray(_i16(words[a + 20]), _shape3(words, a + 20))
         ms = carray(_i8(words[a + 25]), _shape3(words, a + 25))
-        nib_matvec(qs, qh, dh, ds, mh, ms, words[at + HIGH] != 0, words[at + PER], words[at + MODE], x, t0, t1, out)
+        nib_matvec(qs, qh, dh, ds, mh, ms, words[HIGH] != 0, words[PER], words[MODE], x, t0, t1, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -225,9 +229,6 @@ def _rows_tiles(words, X, t0, t1, out):
         _u4_rows_tiles(qs, dh, ds, mh, ms, 1, HALF, X, t0, t1, out)
 
 
-_ROWS_SIGNATURE = types.void(*(types.int64,) * 7)
-
-
 @cfunc(_ROWS_SIGNATURE, cache=True, error_model="numpy")
 def rows_kernel(job, x_address, n, t0, t1, target, stride):
     """Tiles t0..t1 of the matrix described at address job times the n rows at x_address (n, in), into the rows of
@@ -245,12 +246,9 @@ def rows_kernel(job, x_address, n, t0, t1, target, stride):
 def _compute(ctrl, index, base):
     """Chunk index of the job in ctrl into the output or the scratch at address base (laid out as the output)."""
     t0 = index * ctrl[CHUNK]
-    t1 = min(ctrl[JOB + TILES], t0 + ctrl[CHUNK])
-    if ctrl[ROWS]:
-        _call(ctrl[JOB_KERNEL], ctrl.ctypes.data + 8 * JOB, ctrl[X], ctrl[ROWS], t0, t1, base,  # type: ignore[call-arg]
-              ctrl[STRIDE])
-    else:
-        _kernel(ctrl, JOB, ctrl[X], t0, t1, base + 4 * t0 * TILE)
+    t1 = min(ctrl[JOB + TILES], t0 + ctrl[CHUNK])  # one row: JOB_KERNEL is row_kernel
+    _call(ctrl[JOB_KERNEL], ctrl.ctypes.data + 8 * JOB, ctrl[X], ctrl[ROWS], t0, t1, base,  # type: ignore[call-arg]
+          ctrl[STRIDE])
 
 
 @njit("void(int64[::1], int64)", cache=True, nogil=True)
@@ -377,7 +375,7 @@ def post(ctrl, job, tag, x, scratch):
     """Publish the product of x by the matrix job describes, cut into chunks for the caller and the helper: returns
     the count of chunks (then the caller holds the pool: run() next), or 0 if the product is too small to cut or
     another caller holds the pool."""
-    return _post(ctrl, job, tag, x.ctypes.data, 0, 0, scratch, 0, 0)
+    return _post(ctrl, job, tag, x.ctypes.data, 0, 0, scratch, ctrl[ROW_KERNEL], 0)
 
 
 @njit("int64(int64[::1], int64[::1], int64, float32[:, ::1], int64, float32[::1])", cache=True, nogil=True)
@@ -393,7 +391,8 @@ def product(ctrl, job, tag, x, out, scratch):
     product is too small to cut or another caller holds the pool)."""
     count = post(ctrl, job, tag, x, scratch)
     if count == 0:
-        _kernel(job, 0, x.ctypes.data, 0, job[TILES], out.ctypes.data)
+        _call(ctrl[ROW_KERNEL], job.ctypes.data, x.ctypes.data, 1, 0, job[TILES],  # type: ignore[call-arg]
+              out.ctypes.data, 0)
         return
     run(ctrl, tag, count, out, scratch)
     _store(ctrl, OWNER, 0)  # type: ignore[call-arg]
@@ -479,9 +478,10 @@ def describe(fmt: str, arrays: tuple, n_in: int) -> np.ndarray:
 
 
 def new_control() -> np.ndarray:
-    """A control array with no job: the clock's id, the rows kernel's address, no helper job announced."""
+    """A control array with no job: the clock's id, the row and rows kernels' addresses, no helper job announced."""
     ctrl = np.zeros(WORDS, np.int64)
     ctrl[HELPER_SEQ], ctrl[CLOCK], ctrl[ROWS_KERNEL] = -1, time.CLOCK_MONOTONIC, int(rows_kernel.address or 0)
+    ctrl[ROW_KERNEL] = int(row_kernel.address or 0)
     return ctrl
 
 
