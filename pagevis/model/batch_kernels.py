@@ -23,17 +23,24 @@ block's conversion is a pass of its own, ~4.6 ms a token at any row count; conve
 what that pass did at 16 rows (done for each 8, 30.5 -> 30.6-30.9 ms), since it shares the float pipes with the
 multiplies and adds, and converting once for 8 rows while storing the codes for the next 8 measured slower (32-35).
 
-Compiled on first use (under weight_kernels' compile lock) and kept in numba's on-disk cache like weight_kernels.py's.
+Compiled once, when imported (under weight_kernels' compile lock), and kept in numba's on-disk cache like
+weight_kernels.py's: rows_kernel, a C function that rows() (2 to SMALL_BATCH rows, a prefill's on one thread) and the
+spin pool's functions (a prefill's on two) call through its address, not compiled again into each (numba links a
+callee into every caller: the njit row kernels and the spin pool's copy took ~30 s and ~40 s of a first compile).
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
-from numba import njit
+from numba import carray, cfunc, njit, types
+
+from pagevis.kernel_intrinsics import call_address as _call
+from pagevis.kernel_intrinsics import pointer_to
 
 from pagevis.model.tile_sums import rows_switch, sums  # noqa: F401  (rows_switch: int8_kernels imports it from here)
-from pagevis.model.weight_kernels import (_I8, _MAT, _NIB, _OPTIONS, HALF, Q4_0, SUPER, _group_sums, _nib_scales,
-                                         _prefetch_ahead, _scales)
+from pagevis.model.weight_kernels import HALF, Q4_0, SUPER, _group_sums, _nib_scales, _prefetch_ahead, _scales
 
 TILE = 64
 # up to FUSED_ROWS rows: the codes converted in the register block, which covers PART outputs of FUSED_ROWS rows
@@ -41,6 +48,12 @@ TILE = 64
 # register blocks of a whole tile's outputs and ROWS rows (4 x 4 registers)
 PART, FUSED_ROWS = 32, 8
 ROWS = 4
+KERNEL_ROWS = 64  # rows_kernel's rows a call of the tiles' kernel (quantized.PREFILL_ROWS)
+# A matrix's descriptor (describe()): kernel family, flags, tiles, input size, six arrays (address, four dimensions)
+KIND, HIGH, PER, MODE, TILES, N_IN = range(6)
+ARRAYS = 6
+DESCRIPTOR = ARRAYS + 30
+NIB, I8 = 0, 1
 
 
 # u4 (Q4_0, Q4_1, Q4_K), i8 groups of 32 (Q8_0, Q5_0) and of 16 (Q6_K): converting, and from a float32 block
@@ -126,27 +139,84 @@ def _i8_rows_tiles(qs, dh, ds, per, size, X, t0, t1, out):
         out[:, (t - t0) * TILE:(t - t0 + 1) * TILE] = acc
 
 
-def _u4_rows(qs, qh, dh, ds, mh, ms, high, per, mode, X, t0, t1, out):
-    """One copy per type with its flags literal, as weight_kernels' kernels."""
-    if per > 1:  # Q4_K
+_u8, _i16, _i8 = (pointer_to(t) for t in (types.uint8, types.int16, types.int8))
+_f32, _i64 = pointer_to(types.float32), pointer_to(types.int64)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _shape3(words, at):
+    return (words[at + 1], words[at + 2], words[at + 3])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _rows_tiles(words, X, t0, t1, out):
+    """The kernel for the matrix words describes: tiles t0..t1 times the rows X, into out."""
+    a = ARRAYS
+    if words[KIND] == I8:
+        qs = carray(_i8(words[a]), (words[a + 1], words[a + 2], words[a + 3], words[a + 4]))
+        dh = carray(_i16(words[a + 5]), _shape3(words, a + 5))
+        ds = carray(_i8(words[a + 10]), _shape3(words, a + 10))
+        if words[PER] > 1:  # Q6_K
+            _i8_rows_tiles(qs, dh, ds, 16, 16, X, t0, t1, out)
+        else:
+            _i8_rows_tiles(qs, dh, ds, 1, 32, X, t0, t1, out)
+        return
+    qs = carray(_u8(words[a]), (words[a + 1], words[a + 2], words[a + 3], words[a + 4]))
+    dh = carray(_i16(words[a + 10]), _shape3(words, a + 10))
+    ds = carray(_i8(words[a + 15]), _shape3(words, a + 15))
+    mh = carray(_i16(words[a + 20]), _shape3(words, a + 20))
+    ms = carray(_i8(words[a + 25]), _shape3(words, a + 25))
+    if words[PER] > 1:  # Q4_K
         _u4_rows_tiles(qs, dh, ds, mh, ms, 8, SUPER, X, t0, t1, out)
-    elif mode == Q4_0:
+    elif words[MODE] == Q4_0:
         _u4_rows_tiles(qs, dh, ds, mh, ms, 1, Q4_0, X, t0, t1, out)
-    else:  # Q4_1
+    else:
         _u4_rows_tiles(qs, dh, ds, mh, ms, 1, HALF, X, t0, t1, out)
 
 
-def _i8_rows(qs, dh, ds, per, X, t0, t1, out):
-    if per > 1:  # Q6_K: groups of 16, 16 a super-block
-        _i8_rows_tiles(qs, dh, ds, 16, 16, X, t0, t1, out)
-    else:  # Q8_0, Q5_0
-        _i8_rows_tiles(qs, dh, ds, 1, 32, X, t0, t1, out)
+@cfunc(types.void(*(types.int64,) * 7), cache=True, error_model="numpy")
+def rows_kernel(job, x_address, n, t0, t1, target, stride):
+    """Tiles t0..t1 of the matrix described at address job times the n rows at x_address (n, in), into the rows of
+    stride floats at target: this module's kernel, each row bit for bit the matrix-vector kernel's (u4 and i8). A C
+    function, compiled once: numba links a callee's code into every function that calls it, and this one is big
+    (five kernels), so rows() and the spin pool's functions call it through its address (`_call`)."""
+    words = carray(_i64(job), (DESCRIPTOR,))
+    for i in range(0, n, KERNEL_ROWS):
+        rows = min(KERNEL_ROWS, n - i)
+        X = carray(_f32(x_address + 4 * i * words[N_IN]), (rows, words[N_IN]))
+        at = target + 4 * (i * stride + t0 * TILE)  # tile t0's outputs of row i (stride may be below t1 * TILE)
+        _rows_tiles(words, X, t0, t1, carray(_f32(at), (rows, stride))[:, :(t1 - t0) * TILE])
+
+
+@njit("void(int64, int64[::1], float32[:, ::1], int64, int64, float32[:, :])", cache=True, nogil=True)
+def rows(kernel, job, X, t0, t1, out):
+    """X times tiles t0..t1 of the matrix job describes (describe()) into out (X's rows of those tiles' outputs, any
+    row stride): rows_kernel, its address kernel."""
+    _call(kernel, job.ctypes.data, X.ctypes.data, X.shape[0], t0, t1,  # type: ignore[call-arg]
+          out.ctypes.data - 4 * t0 * TILE, out.strides[0] // 4)
+
+
+def describe(fmt: str, arrays: tuple, n_in: int) -> np.ndarray:
+    """A packed matrix's descriptor for product(): its kernel's family (u4 and u5 nib, i8), flags, tiles, input size
+    and arrays' addresses and shapes (the matrix must outlive it: QuantMatrix keeps both)."""
+    job = np.zeros(DESCRIPTOR, np.int64)
+    if fmt == "i8":
+        held, (job[KIND], job[PER]) = arrays[:3], (I8, arrays[3])
+    else:
+        held, (job[KIND], job[HIGH], job[PER], job[MODE]) = arrays[:6], (NIB, int(arrays[6]), arrays[7], arrays[8])
+    job[TILES], job[N_IN] = arrays[0].shape[0], n_in
+    for k, array in enumerate(held):
+        if not array.flags.c_contiguous:
+            raise ValueError("packed arrays are C-contiguous")
+        job[ARRAYS + 5 * k] = array.ctypes.data
+        job[ARRAYS + 5 * k + 1:ARRAYS + 5 * k + 1 + array.ndim] = array.shape
+    return job
 
 
 def compiled() -> dict:
     """The row kernels by packed format, for quantized.QuantMatrix.product's 2 to SMALL_BATCH rows (it calls this
     once, through kernel_loader.import_kernels: under the compile lock, a damaged cache healed, in memory where numba
-    cannot cache): compiled, or loaded from numba's on-disk cache. u4 (Q4_0, Q4_1, Q4_K) and i8 (Q8_0, Q5_0, Q6_K):
+    cannot cache): called as kernel(descriptor, X, t0, t1, out). u4 (Q4_0, Q4_1, Q4_K) and i8 (Q8_0, Q5_0, Q6_K):
     the types SmolLM2's and Gemma 3's files hold; u5 (Q5_1, Q5_K) keeps weight_kernels' small-batch kernel."""
-    return {"u4": njit(f"void({_NIB}, {_MAT})", **_OPTIONS)(_u4_rows),
-            "i8": njit(f"void({_I8}, {_MAT})", **_OPTIONS)(_i8_rows)}
+    kernel = partial(rows, int(rows_kernel.address or 0))
+    return {"u4": kernel, "i8": kernel}

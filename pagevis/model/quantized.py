@@ -85,10 +85,14 @@ def _rows_kernel(fmt: str, fallback):
     """The kernel for 2 to SMALL_BATCH rows: batch_kernels.py's (a weight read once for every row), else fallback."""
     global _ROWS_KERNELS
     if _ROWS_KERNELS is None:
-        _ROWS_KERNELS = import_kernels("pagevis.model.batch_kernels", "the batched weight kernels",
-                                       build=lambda module: module.compiled(), seconds=10)
+        _ROWS_KERNELS = _batch_kernels().compiled()
         release_compiler_pages()  # loading them linked again: ~9 MiB of llvmlite's code back in, out again
     return _ROWS_KERNELS.get(fmt, fallback)
+
+
+def _batch_kernels():
+    """batch_kernels.py, through kernel_loader.import_kernels (its one C function: ~30 s of a first compile here)."""
+    return import_kernels("pagevis.model.batch_kernels", "the batched weight kernels", seconds=30)
 
 
 _ROWS_KERNELS: dict | None = None
@@ -119,8 +123,8 @@ def spin_pool():
 def running_spin_pool():
     """spin_pool() where the weights have started it (a packed model's products on two threads), else None, never
     starting it: what batched decode attention shares its sequences with. A float32 model's batches (the synthetic
-    model's: the tests', a first launch's) then never wait for the spin pool's kernels to compile (~40 s of CPU
-    with the weights' others, kernel_loader.FAMILIES), for attention a second thread barely helps at that size."""
+    model's: the tests', a first launch's) then never wait for the spin pool's kernels to compile (~10 s of CPU,
+    ~70 with the weights' others, kernel_loader.FAMILIES), for attention a second thread barely helps at that size."""
     return _POOL if _POOL is not None and weight_threads() >= 2 else None
 
 
@@ -171,10 +175,9 @@ class QuantMatrix:
 
     @cached_property
     def descriptor(self) -> np.ndarray:
-        """The kernel's arrays as addresses and shapes, for spin_pool.product (the helper thread's view of them)."""
-        from pagevis.model.spin_pool import describe
-
-        return describe(self.fmt, self.arrays, self.n_in)
+        """The kernel's arrays as addresses and shapes, for spin_pool.product (the helper thread's view of them) and
+        batch_kernels' rows kernel."""
+        return _batch_kernels().describe(self.fmt, self.arrays, self.n_in)
 
     @property
     def tiles(self) -> int:
@@ -205,14 +208,15 @@ class QuantMatrix:
             pool.product(self.descriptor, self.arrays, x, out)  # shared with the second thread, every size
             return out[:self.n_out]
         kernel = matvec if x.ndim == 1 else rows or matmul
+        arrays = (self.descriptor,) if rows else self.arrays  # batch_kernels' takes the matrix's descriptor
 
         def work(t0: int, t1: int, private: bool) -> np.ndarray:
             target = np.empty((*x.shape[:-1], (t1 - t0) * TILE), np.float32) if private else out[..., t0 * TILE:t1 * TILE]
             if many:
                 for i in range(0, len(x), PREFILL_ROWS):
-                    kernel(*self.arrays, x[i:i + PREFILL_ROWS], t0, t1, target[i:i + PREFILL_ROWS])
+                    kernel(*arrays, x[i:i + PREFILL_ROWS], t0, t1, target[i:i + PREFILL_ROWS])
             else:
-                kernel(*self.arrays, x, t0, t1, target)
+                kernel(*arrays, x, t0, t1, target)
             return target
 
         def place(t0: int, t1: int, part: np.ndarray) -> None:

@@ -42,8 +42,9 @@ from numba.extending import intrinsic
 
 from pagevis.kernel_intrinsics import call_address as _call
 from pagevis.kernel_intrinsics import pointer_to
-from pagevis.model.batch_kernels import _i8_rows_tiles, _u4_rows_tiles
-from pagevis.model.weight_kernels import HALF, Q4_0, SUPER, i8_matvec, nib_matvec
+from pagevis.model.batch_kernels import (ARRAYS, DESCRIPTOR, HIGH, I8, KIND, MODE, N_IN, PER, TILES, _shape3,
+                                        rows_kernel)
+from pagevis.model.weight_kernels import i8_matvec, nib_matvec
 
 TILE = 64
 # Tiles a chunk: from CHUNK_TILES (a kernel call costs ~0.35-0.45 us: 4-tile chunks cost 4 us more over a 48-tile
@@ -55,7 +56,7 @@ MAX_CHUNKS = 256  # Gemma 3's tied logits: 4,096 tiles
 # (quantized.PREFILL_ROWS: X and the sums stay in cache; a row's result is the same at any count); the helper's scratch
 # holds a job's output rows (a SmolLM2 layer's 512-row products, two threads: 64-row jobs of 16 chunks 16.0-17.2 ms,
 # 256-row jobs of 8 chunks 12.7; quiet machine, best of 15)
-JOB_ROWS, KERNEL_ROWS, ROW_CHUNKS = 256, 64, 8
+JOB_ROWS, ROW_CHUNKS = 256, 8
 PROBE_TILES = 2 * MAX_CHUNK_TILES  # bigger products are not offered to a helper that is not running
 PATIENCE = 1.0  # the caller waits for the helper's chunk up to this times its own time a chunk (+ PATIENCE_NS)
 PATIENCE_NS = 5_000
@@ -70,10 +71,6 @@ PROBE_AFTER, PROBE_EVERY = 16, 8
 STALE_NS = 20_000
 PARKED_SEEN = -2  # product_kernel's answer when the helper was parked
 
-# A matrix's descriptor (describe()): kernel family, flags, tiles, input size, six arrays (address, four dimensions)
-KIND, HIGH, PER, MODE, TILES, N_IN = range(6)
-ARRAYS = 6
-DESCRIPTOR = ARRAYS + 30
 # the control array: words the two threads write often on cache lines of their own; then the job
 NEXT, HELPER_SEQ, STOP, PARKED, OWNER = 0, 8, 16, 24, 32
 HELPED, TAKEN_OVER, CLOCK, MISSES, BEAT = 40, 41, 42, 43, 44  # chunks the helper computed, chunks the caller took
@@ -86,7 +83,6 @@ X, CHUNK, SCRATCH, ROWS, STRIDE, ROWS_KERNEL, JOB_KERNEL, ROW_KERNEL = range(STA
 JOB = STATE + MAX_CHUNKS + 8  # the product's matrix descriptor
 WORDS = JOB + DESCRIPTOR
 DONE, TAKEN, MINE = 1, 2, 3  # a chunk's state: the helper's copy is ready; the caller took it back; the caller's
-NIB, I8 = 0, 1
 COUNT_BITS, INDEX_MASK = 16, 0xFFFF
 
 _X86 = platform.machine() in ("x86_64", "AMD64", "i686", "i386")
@@ -171,15 +167,9 @@ def _clock_ns(typingctx, clock):
 
 _u8, _u32, _i16, _i8 = (pointer_to(t) for t in (types.uint8, types.uint32, types.int16, types.int8))
 _f32, _i64 = pointer_to(types.float32), pointer_to(types.int64)
-_ROWS_SIGNATURE = types.void(*(types.int64,) * 7)  # the C functions a job calls (row_kernel, rows_kernel)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _shape3(words, at):
-    return (words[at + 1], words[at + 2], words[at + 3])
-
-
-@cfunc(_ROWS_SIGNATURE, cache=True)
+@cfunc(types.void(*(types.int64,) * 7), cache=True)
 def row_kernel(job, x_address, n, t0, t1, target, stride):
     """Tiles t0..t1 of the matrix described at address job times the row at x_address, into the row at target (n,
     stride unused): the matrix-vector kernel, compiled once, called through its address (ctrl[ROW_KERNEL]): numba
@@ -201,45 +191,6 @@ def row_kernel(job, x_address, n, t0, t1, target, stride):
         mh = carray(_i16(words[a + 20]), _shape3(words, a + 20))
         ms = carray(_i8(words[a + 25]), _shape3(words, a + 25))
         nib_matvec(qs, qh, dh, ds, mh, ms, words[HIGH] != 0, words[PER], words[MODE], x, t0, t1, out)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _rows_tiles(words, X, t0, t1, out):
-    """batch_kernels' kernel for the matrix words describes: tiles t0..t1 times the rows X, into out."""
-    a = ARRAYS
-    if words[KIND] == I8:
-        qs = carray(_i8(words[a]), (words[a + 1], words[a + 2], words[a + 3], words[a + 4]))
-        dh = carray(_i16(words[a + 5]), _shape3(words, a + 5))
-        ds = carray(_i8(words[a + 10]), _shape3(words, a + 10))
-        if words[PER] > 1:  # Q6_K
-            _i8_rows_tiles(qs, dh, ds, 16, 16, X, t0, t1, out)
-        else:
-            _i8_rows_tiles(qs, dh, ds, 1, 32, X, t0, t1, out)
-        return
-    qs = carray(_u8(words[a]), (words[a + 1], words[a + 2], words[a + 3], words[a + 4]))
-    dh = carray(_i16(words[a + 10]), _shape3(words, a + 10))
-    ds = carray(_i8(words[a + 15]), _shape3(words, a + 15))
-    mh = carray(_i16(words[a + 20]), _shape3(words, a + 20))
-    ms = carray(_i8(words[a + 25]), _shape3(words, a + 25))
-    if words[PER] > 1:  # Q4_K
-        _u4_rows_tiles(qs, dh, ds, mh, ms, 8, SUPER, X, t0, t1, out)
-    elif words[MODE] == Q4_0:
-        _u4_rows_tiles(qs, dh, ds, mh, ms, 1, Q4_0, X, t0, t1, out)
-    else:
-        _u4_rows_tiles(qs, dh, ds, mh, ms, 1, HALF, X, t0, t1, out)
-
-
-@cfunc(_ROWS_SIGNATURE, cache=True, error_model="numpy")
-def rows_kernel(job, x_address, n, t0, t1, target, stride):
-    """Tiles t0..t1 of the matrix described at address job times the n rows at x_address (n, in), into the rows of
-    stride floats at target: batch_kernels' kernel, each row bit for bit the matrix-vector kernel's (u4 and i8). A C
-    function, compiled once: numba links a callee's code into every function that calls it, and this one is big
-    (five kernels), so the pool's functions call it through its address (`_call`), held in the control array."""
-    words = carray(_i64(job), (DESCRIPTOR,))
-    for i in range(0, n, KERNEL_ROWS):
-        rows = min(KERNEL_ROWS, n - i)
-        X = carray(_f32(x_address + 4 * i * words[N_IN]), (rows, words[N_IN]))
-        _rows_tiles(words, X, t0, t1, carray(_f32(target + 4 * i * stride), (rows, stride))[:, t0 * TILE:t1 * TILE])
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -458,23 +409,6 @@ def items(ctrl, job, tag, handle, out, scratch, kernel, count):
         return
     run(ctrl, tag, count, out, scratch)
     _store(ctrl, OWNER, 0)  # type: ignore[call-arg]
-
-
-def describe(fmt: str, arrays: tuple, n_in: int) -> np.ndarray:
-    """A packed matrix's descriptor for product(): its kernel's family (u4 and u5 nib, i8), flags, tiles, input size
-    and arrays' addresses and shapes (the matrix must outlive it: QuantMatrix keeps both)."""
-    job = np.zeros(DESCRIPTOR, np.int64)
-    if fmt == "i8":
-        held, (job[KIND], job[PER]) = arrays[:3], (I8, arrays[3])
-    else:
-        held, (job[KIND], job[HIGH], job[PER], job[MODE]) = arrays[:6], (NIB, int(arrays[6]), arrays[7], arrays[8])
-    job[TILES], job[N_IN] = arrays[0].shape[0], n_in
-    for k, array in enumerate(held):
-        if not array.flags.c_contiguous:
-            raise ValueError("packed arrays are C-contiguous")
-        job[ARRAYS + 5 * k] = array.ctypes.data
-        job[ARRAYS + 5 * k + 1:ARRAYS + 5 * k + 1 + array.ndim] = array.shape
-    return job
 
 
 def new_control() -> np.ndarray:
