@@ -18,8 +18,9 @@ does not: ~4x slower). Per format three kernels:
       u4 and i8: the tile's 64 group sums in 4 registers (tile_sums.sums, batch_kernels' generator: a batched row
       is the row alone bit for bit), each code converted as it is used and multiplied-and-added in one FMA, the
       codes asked for into L2 ahead of their use (_prefetch_l2_ahead); u5: numba's loop vectorised across rows
-  *_matmul(..., X, t0, t1, out): a few rows (a batched decode step): each group dequantised to float32 once, used by
-      all rows, each row's group sum first (as *_matvec), vectorised across the tile's rows
+  nib_matmul(..., X, t0, t1, out): a few rows of u5 (a batched decode step; u4 and i8 take batch_kernels'): each
+      group dequantised to float32 once, used by all rows, each row's group sum first (as *_matvec), vectorised
+      across the tile's rows
   *_dequant(..., t0, t1, out): tiles t0..t1 as float32 (in_features, rows), for sgemm (prefill, big batches)
 and the repack kernels that fill the packed arrays from the file's blocks at load.
 All arithmetic is float32; every kernel is compiled once and kept in numba's on-disk cache (cache=True), with
@@ -293,17 +294,6 @@ def _accumulate32(w, X, column, acc):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _accumulate16(w, X, column, acc):
-    """_accumulate32 for 16-weight groups (Q6_K)."""
-    for i in range(X.shape[0]):
-        for r in range(TILE):
-            s = np.float32(0)
-            for j in range(16):
-                s += w[j, r] * X[i, column + j]
-            acc[i, r] += s
-
-
-@njit(cache=True, nogil=True, inline="always")
 def _nib_matmul_tiles(qs, qh, dh, ds, mh, ms, high, per, mode, X, t0, t1, out):
     d, m, sup = np.empty(TILE, np.float32), np.empty(TILE, np.float32), np.empty((2, TILE), np.float32)
     for t in range(t0, t1):
@@ -318,18 +308,13 @@ def _nib_matmul_tiles(qs, qh, dh, ds, mh, ms, high, per, mode, X, t0, t1, out):
 
 @njit(f"void({_NIB}, {_MAT})", **_BATCH_OPTIONS)
 def nib_matmul(qs, qh, dh, ds, mh, ms, high, per, mode, X, t0, t1, out):
-    """Per type family a copy with its flags literal, as nib_matvec (tested inside the loops: 1.2-1.5x slower)."""
+    """u5 only (Q5_1, Q5_K: u4 and i8 rows take batch_kernels' kernel; their copies here cost ~7 s of a first compile
+    and were never called); per type a copy with its flags literal, as nib_matvec (tested inside the loops: 1.2-1.5x
+    slower)."""
     if per > 1:
-        if high:
-            _nib_matmul_tiles(qs, qh, dh, ds, mh, ms, True, 8, SUPER, X, t0, t1, out)
-        else:
-            _nib_matmul_tiles(qs, qh, dh, ds, mh, ms, False, 8, SUPER, X, t0, t1, out)
-    elif high:
-        _nib_matmul_tiles(qs, qh, dh, ds, mh, ms, True, 1, HALF, X, t0, t1, out)
-    elif mode == Q4_0:
-        _nib_matmul_tiles(qs, qh, dh, ds, mh, ms, False, 1, Q4_0, X, t0, t1, out)
+        _nib_matmul_tiles(qs, qh, dh, ds, mh, ms, True, 8, SUPER, X, t0, t1, out)
     else:
-        _nib_matmul_tiles(qs, qh, dh, ds, mh, ms, False, 1, HALF, X, t0, t1, out)
+        _nib_matmul_tiles(qs, qh, dh, ds, mh, ms, True, 1, HALF, X, t0, t1, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -337,31 +322,6 @@ def _i8_weights(qs, t, g, d, w):
     for j in range(qs.shape[2]):
         for r in range(TILE):
             w[j, r] = d[r] * np.float32(qs[t, g, j, r])
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _i8_matmul_tiles(qs, dh, ds, per, X, t0, t1, out):
-    groups, size = qs.shape[1], qs.shape[2]
-    d, sup = np.empty(TILE, np.float32), np.empty(TILE, np.float32)
-    for t in range(t0, t1):
-        acc = np.zeros((X.shape[0], TILE), np.float32)
-        w = np.empty((size, TILE), np.float32)
-        for g in range(groups):
-            _scales(dh, ds, per, t, g, d, sup)
-            _i8_weights(qs, t, g, d, w)
-            if size == 32:
-                _accumulate32(w, X, g * size, acc)
-            else:
-                _accumulate16(w, X, g * size, acc)
-        out[:, (t - t0) * TILE:(t - t0 + 1) * TILE] = acc
-
-
-@njit(f"void({_I8}, {_MAT})", **_BATCH_OPTIONS)
-def i8_matmul(qs, dh, ds, per, X, t0, t1, out):
-    if per > 1:  # Q6_K
-        _i8_matmul_tiles(qs, dh, ds, 16, X, t0, t1, out)
-    else:
-        _i8_matmul_tiles(qs, dh, ds, 1, X, t0, t1, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -537,8 +497,8 @@ def repack_i8(src, row0, qs, dh, ds, per, kind):
 
 
 KERNELS = {
-    "u4": (nib_matvec, nib_matmul, nib_dequant),  # with high False (and a placeholder for qh)
+    "u4": (nib_matvec, None, nib_dequant),  # with high False (and a placeholder for qh); rows: batch_kernels'
     "u5": (nib_matvec, nib_matmul, nib_dequant),
-    "i8": (i8_matvec, i8_matmul, i8_dequant),
+    "i8": (i8_matvec, None, i8_dequant),
     "repack": (repack_nib, repack_k, repack_i8),
 }
