@@ -8,7 +8,7 @@ from hypothesis import settings
 
 # Tests never need a screen; `make test` sets this too, this covers a bare `pytest`.
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-# The kernels' compile lock is held by weight_kernels_ready_beside's process (a live compiler, ~25-60 s on a clean
+# The kernels' compile lock is held by weight_kernels_ready_beside's process (a live compiler, ~75 s on a clean
 # checkout): tests wait for it rather than compile their own in memory after the app's 15 s.
 os.environ.setdefault("PAGEVIS_KERNEL_LOCK_WAIT", "600")
 # The apps the tests launch as processes keep their settings (QSettings) here, never in the user's ~/.config: a
@@ -64,7 +64,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True, scope="session")
 def weight_kernels_ready_beside():
-    """Load (on a clean checkout: compile, ~60 s) the quantized-weight kernels in another process while the first
+    """Load (on a clean checkout: compile, ~75 s) the quantized-weight kernels in another process while the first
     tests run on this core: a test that needs them waits on their lock (kernel_loader._compile_lock) for what is
     left of the step compiling them (PAGEVIS_KERNEL_LOCK_WAIT above; the app waits 15 s, then compiles its own in
     memory), then loads them from numba's cache."""

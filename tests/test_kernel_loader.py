@@ -242,7 +242,7 @@ KERNEL_MODULES = {f"pagevis.{name}" for name in ("model.weight_kernels", "model.
 
 def test_every_kernel_module_is_loaded_through_import_kernels():
     """No module of pagevis imports a kernel module itself, but another kernel module (the inlined helpers they
-    share) and quantized.py's spin_pool names (a type; `describe`, called only once the pool is running)."""
+    share) and quantized.py's type-only import of spin_pool's SpinPool (under TYPE_CHECKING)."""
     allowed = {("pagevis.model.quantized", "pagevis.model.spin_pool")}
     found = [(name, target) for _path, name, _package, targets in every_import() if name not in KERNEL_MODULES
              for _line, target in targets if any(target == kernel or target.startswith(kernel + ".")
