@@ -23,13 +23,16 @@ settings.load_profile("pagevis")
 
 
 # What the background loader compiles, in the order the tests first need it: the weight kernels, the prefill rows'
-# kernels, the spin pool (two weight threads), the int8 batch kernels (where the CPU has VNNI).
+# kernels, the spin pool (two weight threads), the int8 batch kernels (where the CPU has VNNI), then the batched decode
+# attention (its own lock; first needed by test_attention_pool_handin's process, which compiled it there: 22 s of a
+# clean clone's make test on this Intel CPU).
 _LOADER_STEPS = (
     "from pagevis.model.quantized import kernels; kernels()",
     "from pagevis.model.quantized import _rows_kernel; _rows_kernel('u4', None)",
     "from pagevis.model.weight_threads import set_weight_threads; from pagevis.model.quantized import spin_pool; "
     "set_weight_threads(2); spin_pool()",
     "from pagevis.model import int8_rows; int8_rows.route() == 'vnni' and int8_rows._kernels()",
+    "from pagevis.kvcache.attention_kernels import batch_decode_kernels; batch_decode_kernels()",
 )
 # The loader lets go of the compile lock between its steps for this long: one lock covers the weights' kernel modules
 # (kernel_loader.FAMILIES), and a test waiting for one (polling every 0.1 s) lost the lock to the loader's next step

@@ -37,7 +37,9 @@ def _compiler_pages() -> tuple[int, int]:
 PROBE = """
 import json
 from tests.test_resident import _compiler_pages
-from pagevis.model import weight_kernels  # the kernels loaded and linked, nothing released yet
+from pagevis.kernel_loader import import_kernels
+import_kernels("pagevis.model.weight_kernels", "the weight kernels")  # loaded and linked as the app does (its CPU
+# features: a plain import compiled them again for LLVM's default ones, 18 s of a clean clone here); nothing released
 from pagevis.model.resident import release_compiler_pages, release_linking_modules
 release_linking_modules()  # (which release_compiler_pages does first: its bitcode writer's pages in before)
 before = _compiler_pages()
