@@ -28,10 +28,8 @@ def write_many(layer: LayerManager, seqs: list[SequenceCache], k: np.ndarray, v:
                append_one: Callable[[int], None]) -> None:
     """k, v (B, n_kv_heads, head_dim), positions (B,) int64: sequence i's token; see the module docstring."""
     store, tables, log, flats, rows = layer.store, layer.tables, layer.log, [], []
-    windowed, can_allocate, index = layer.window is not None, store.pages.can_allocate, layer.layer
-    # (a layer whose kind keeps the base `budget` is asked its policy's capacity directly: one call less a token)
-    capacity_of = None if type(layer).budget is not LayerManager.budget else index
-    ps, step, add = layer.page_size, log.step, log.events.append
+    windowed, can_allocate, budget = layer.window is not None, store.pages.can_allocate, layer.budget
+    ps, index, step, add = layer.page_size, layer.layer, log.step, log.events.append
     shared, registered = store.pages.ref_counts, store.pages.frame_hash
     ints = positions.tolist()
     for i, seq in enumerate(seqs):
@@ -42,9 +40,8 @@ def write_many(layer: LayerManager, seqs: list[SequenceCache], k: np.ndarray, v:
             log.acting = seq.seq_id
             layer.before_write(seq, position)
         table = tables[seq.seq_id]
-        policy = seq.policy
-        if (table.head_keep is None and seq.channels is None and not policy.prunes and table.resident < (
-                policy.layer_capacity(capacity_of) if capacity_of is not None else layer.budget(seq))):
+        if (table.head_keep is None and seq.channels is None and not seq.policy.prunes
+                and table.resident < budget(seq)):
             holes = table.holes
             if holes:
                 flat = min(holes)
