@@ -312,3 +312,18 @@ def test_a_change_to_any_kernel_source_drops_every_kernel_modules_numba_cache(tm
     (package / "model" / "tile_sums.py").write_text("from numba import njit  # changed\n")
     assert kernel_sources.drop_stale_kernels()
     assert not any(p.suffix in (".nbi", ".nbc") for p in cache.iterdir())  # spin_pool's too, though unchanged
+
+
+def test_the_matrix_descriptors_layout_is_a_kernel_source_and_loads_no_numba():
+    """matrix_descriptor.py holds the words' positions the kernels read (batch_kernels' `_nib_arrays` and
+    `_i8_arrays`, inlined into rows_kernel and the spin pool's row_kernel): numba compiles them in as constants, so a
+    change to it must drop the kernels' cache (kernel_sources fingerprints the modules that mention numba); and a
+    QuantMatrix builds its descriptor without numba (plain NumPy)."""
+    import subprocess
+
+    from pagevis import kernel_sources
+
+    assert kernel_sources.PACKAGE / "model" / "matrix_descriptor.py" in kernel_sources.kernel_sources()
+    code = "import sys, pagevis.model.matrix_descriptor; print(sorted(m for m in sys.modules if 'numba' in m))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert loaded.stdout.strip() == "[]"

@@ -39,6 +39,8 @@ from numba import carray, cfunc, njit, types
 from pagevis.kernel_intrinsics import call_address as _call
 from pagevis.kernel_intrinsics import pointer_to
 
+from pagevis.model.matrix_descriptor import (DESCRIPTOR, I8, I8_DH, I8_DS, I8_QS, KIND, MODE, N_IN, NIB_DH, NIB_DS,
+                                             NIB_MH, NIB_MS, NIB_QH, NIB_QS, PER)
 from pagevis.model.tile_sums import rows_switch, sums  # noqa: F401  (rows_switch: int8_kernels imports it from here)
 from pagevis.model.weight_kernels import HALF, Q4_0, SUPER, _group_sums, _nib_scales, _prefetch_ahead, _scales
 
@@ -49,11 +51,6 @@ TILE = 64
 PART, FUSED_ROWS = 32, 8
 ROWS = 4
 KERNEL_ROWS = 64  # rows_kernel's rows a call of the tiles' kernel (quantized.PREFILL_ROWS)
-# A matrix's descriptor (describe()): kernel family, flags, tiles, input size, six arrays (address, four dimensions)
-KIND, HIGH, PER, MODE, TILES, N_IN = range(6)
-ARRAYS = 6
-DESCRIPTOR = ARRAYS + 30
-NIB, I8 = 0, 1
 
 
 # u4 (Q4_0, Q4_1, Q4_K), i8 groups of 32 (Q8_0, Q5_0) and of 16 (Q6_K): converting, and from a float32 block
@@ -139,7 +136,7 @@ def _i8_rows_tiles(qs, dh, ds, per, size, X, t0, t1, out):
         out[:, (t - t0) * TILE:(t - t0 + 1) * TILE] = acc
 
 
-_u8, _i16, _i8 = (pointer_to(t) for t in (types.uint8, types.int16, types.int8))
+_u8, _u32, _i16, _i8 = (pointer_to(t) for t in (types.uint8, types.uint32, types.int16, types.int8))
 _f32, _i64 = pointer_to(types.float32), pointer_to(types.int64)
 
 
@@ -149,23 +146,37 @@ def _shape3(words, at):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _shape4(words, at):
+    return (words[at + 1], words[at + 2], words[at + 3], words[at + 4])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _i8_arrays(words):
+    """(qs, dh, ds) of the i8 matrix words describes (matrix_descriptor's layout): the one reading of its words,
+    inlined into this module's kernel and the spin pool's row_kernel."""
+    return (carray(_i8(words[I8_QS]), _shape4(words, I8_QS)), carray(_i16(words[I8_DH]), _shape3(words, I8_DH)),
+            carray(_i8(words[I8_DS]), _shape3(words, I8_DS)))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _nib_arrays(words):
+    """(qs, qh, dh, ds, mh, ms) of the u4 or u5 matrix words describes (matrix_descriptor's layout)."""
+    return (carray(_u8(words[NIB_QS]), _shape4(words, NIB_QS)), carray(_u32(words[NIB_QH]), _shape3(words, NIB_QH)),
+            carray(_i16(words[NIB_DH]), _shape3(words, NIB_DH)), carray(_i8(words[NIB_DS]), _shape3(words, NIB_DS)),
+            carray(_i16(words[NIB_MH]), _shape3(words, NIB_MH)), carray(_i8(words[NIB_MS]), _shape3(words, NIB_MS)))
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _rows_tiles(words, X, t0, t1, out):
     """The kernel for the matrix words describes: tiles t0..t1 times the rows X, into out."""
-    a = ARRAYS
     if words[KIND] == I8:
-        qs = carray(_i8(words[a]), (words[a + 1], words[a + 2], words[a + 3], words[a + 4]))
-        dh = carray(_i16(words[a + 5]), _shape3(words, a + 5))
-        ds = carray(_i8(words[a + 10]), _shape3(words, a + 10))
+        qs, dh, ds = _i8_arrays(words)
         if words[PER] > 1:  # Q6_K
             _i8_rows_tiles(qs, dh, ds, 16, 16, X, t0, t1, out)
         else:
             _i8_rows_tiles(qs, dh, ds, 1, 32, X, t0, t1, out)
         return
-    qs = carray(_u8(words[a]), (words[a + 1], words[a + 2], words[a + 3], words[a + 4]))
-    dh = carray(_i16(words[a + 10]), _shape3(words, a + 10))
-    ds = carray(_i8(words[a + 15]), _shape3(words, a + 15))
-    mh = carray(_i16(words[a + 20]), _shape3(words, a + 20))
-    ms = carray(_i8(words[a + 25]), _shape3(words, a + 25))
+    qs, _, dh, ds, mh, ms = _nib_arrays(words)
     if words[PER] > 1:  # Q4_K
         _u4_rows_tiles(qs, dh, ds, mh, ms, 8, SUPER, X, t0, t1, out)
     elif words[MODE] == Q4_0:
@@ -190,27 +201,10 @@ def rows_kernel(job, x_address, n, t0, t1, target, stride):
 
 @njit("void(int64, int64[::1], float32[:, ::1], int64, int64, float32[:, :])", cache=True, nogil=True)
 def rows(kernel, job, X, t0, t1, out):
-    """X times tiles t0..t1 of the matrix job describes (describe()) into out (X's rows of those tiles' outputs, any
-    row stride): rows_kernel, its address kernel."""
+    """X times tiles t0..t1 of the matrix job describes (matrix_descriptor.describe()) into out (X's rows of those
+    tiles' outputs, any row stride): rows_kernel, its address kernel."""
     _call(kernel, job.ctypes.data, X.ctypes.data, X.shape[0], t0, t1,  # type: ignore[call-arg]
           out.ctypes.data - 4 * t0 * TILE, out.strides[0] // 4)
-
-
-def describe(fmt: str, arrays: tuple, n_in: int) -> np.ndarray:
-    """A packed matrix's descriptor for product(): its kernel's family (u4 and u5 nib, i8), flags, tiles, input size
-    and arrays' addresses and shapes (the matrix must outlive it: QuantMatrix keeps both)."""
-    job = np.zeros(DESCRIPTOR, np.int64)
-    if fmt == "i8":
-        held, (job[KIND], job[PER]) = arrays[:3], (I8, arrays[3])
-    else:
-        held, (job[KIND], job[HIGH], job[PER], job[MODE]) = arrays[:6], (NIB, int(arrays[6]), arrays[7], arrays[8])
-    job[TILES], job[N_IN] = arrays[0].shape[0], n_in
-    for k, array in enumerate(held):
-        if not array.flags.c_contiguous:
-            raise ValueError("packed arrays are C-contiguous")
-        job[ARRAYS + 5 * k] = array.ctypes.data
-        job[ARRAYS + 5 * k + 1:ARRAYS + 5 * k + 1 + array.ndim] = array.shape
-    return job
 
 
 def compiled() -> dict:

@@ -28,6 +28,7 @@ from gguf import GGMLQuantizationType as Q
 
 from pagevis.kernel_loader import import_kernels
 from pagevis.model import int8_rows
+from pagevis.model.matrix_descriptor import describe
 from pagevis.model.resident import release_compiler_pages, release_mapped, release_whole_pages
 from pagevis.model.weight_threads import split, weight_threads
 
@@ -176,8 +177,8 @@ class QuantMatrix:
     @cached_property
     def descriptor(self) -> np.ndarray:
         """The kernel's arrays as addresses and shapes, for spin_pool.product (the helper thread's view of them) and
-        batch_kernels' rows kernel."""
-        return _batch_kernels().describe(self.fmt, self.arrays, self.n_in)
+        batch_kernels' rows kernel (matrix_descriptor.py: plain NumPy, no kernel loaded)."""
+        return describe(self.fmt, self.arrays, self.n_in)
 
     @property
     def tiles(self) -> int:

@@ -42,8 +42,8 @@ from numba.extending import intrinsic
 
 from pagevis.kernel_intrinsics import call_address as _call
 from pagevis.kernel_intrinsics import pointer_to
-from pagevis.model.batch_kernels import (ARRAYS, DESCRIPTOR, HIGH, I8, KIND, MODE, N_IN, PER, TILES, _shape3,
-                                        rows_kernel)
+from pagevis.model.batch_kernels import _i8_arrays, _nib_arrays, rows_kernel
+from pagevis.model.matrix_descriptor import DESCRIPTOR, HIGH, I8, KIND, MODE, N_IN, PER, TILES
 from pagevis.model.weight_kernels import i8_matvec, nib_matvec
 
 TILE = 64
@@ -165,7 +165,6 @@ def _clock_ns(typingctx, clock):
     return types.int64(types.int64), codegen
 
 
-_u8, _u32, _i16, _i8 = (pointer_to(t) for t in (types.uint8, types.uint32, types.int16, types.int8))
 _f32, _i64 = pointer_to(types.float32), pointer_to(types.int64)
 
 
@@ -177,19 +176,11 @@ def row_kernel(job, x_address, n, t0, t1, target, stride):
     words = carray(_i64(job), (DESCRIPTOR,))
     x = carray(_f32(x_address), (words[N_IN],))
     out = carray(_f32(target + 4 * t0 * TILE), ((t1 - t0) * TILE,))
-    a = ARRAYS
     if words[KIND] == I8:
-        qs = carray(_i8(words[a]), (words[a + 1], words[a + 2], words[a + 3], words[a + 4]))
-        dh = carray(_i16(words[a + 5]), _shape3(words, a + 5))
-        ds = carray(_i8(words[a + 10]), _shape3(words, a + 10))
+        qs, dh, ds = _i8_arrays(words)
         i8_matvec(qs, dh, ds, words[PER], x, t0, t1, out)
     else:
-        qs = carray(_u8(words[a]), (words[a + 1], words[a + 2], words[a + 3], words[a + 4]))
-        qh = carray(_u32(words[a + 5]), _shape3(words, a + 5))
-        dh = carray(_i16(words[a + 10]), _shape3(words, a + 10))
-        ds = carray(_i8(words[a + 15]), _shape3(words, a + 15))
-        mh = carray(_i16(words[a + 20]), _shape3(words, a + 20))
-        ms = carray(_i8(words[a + 25]), _shape3(words, a + 25))
+        qs, qh, dh, ds, mh, ms = _nib_arrays(words)
         nib_matvec(qs, qh, dh, ds, mh, ms, words[HIGH] != 0, words[PER], words[MODE], x, t0, t1, out)
 
 
@@ -338,8 +329,8 @@ def post_rows(ctrl, job, tag, x, stride, scratch):
 
 @njit("void(int64[::1], int64[::1], int64, float32[::1], float32[::1], float32[::1])", cache=True, nogil=True)
 def product(ctrl, job, tag, x, out, scratch):
-    """out = x times the matrix described by job (describe()), its chunks shared with the helper (alone if the
-    product is too small to cut or another caller holds the pool)."""
+    """out = x times the matrix described by job (matrix_descriptor.describe()), its chunks shared with the helper
+    (alone if the product is too small to cut or another caller holds the pool)."""
     count = post(ctrl, job, tag, x, scratch)
     if count == 0:
         _call(ctrl[ROW_KERNEL], job.ctypes.data, x.ctypes.data, 1, 0, job[TILES],  # type: ignore[call-arg]
