@@ -48,7 +48,7 @@ _LOADER_PAUSE = 0.4
 # others, each left the next waiting: test_api 40-100 s, test_batch_decode_kernel 160 s, test_cli's headless
 # commands 31 s, test_cli_bench 41 s, test_compare 22 s, test_engine_attention 42 s; on session 16's Intel CPU,
 # test_gui's GGUF launch 74 s, test_attention_pool_handin's batches 71 s, test_cli's headless commands 61 s,
-# test_hostile_prompts' SmolLM2 69 s, test_engine_disk's full swap folder 62 s, and
+# test_hostile_prompts' SmolLM2 69 s, test_engine_disk's full swap folder 62 s, test_rerotate's tiny GGUF 9-11 s, and
 # test_gui_presets' Gemma preset past its 30 s: its worker was still waiting for the spin pool's kernels when the test
 # ended, and every later two-thread test of that run found the pool unavailable -- quantized._POOL_FAILED, the
 # exception's line lost in a passing test's captured stderr). A module missing here only waits; one listed that
@@ -58,7 +58,8 @@ _RUN_LAST = ("test_api.py", "test_attention_pool_handin.py", "test_batch_decode_
              "test_engine_quant.py", "test_fuzz_files.py", "test_fused_kernels.py", "test_gui.py", "test_gui_demo.py",
              "test_gui_presets.py", "test_hostile_caches.py", "test_hostile_layout.py", "test_hostile_prompts.py",
              "test_int8_prompt_rows.py", "test_int8_rows.py", "test_model_reference.py", "test_preset_proofs.py",
-             "test_resident.py", "test_spin_pool.py", "test_weight_kernels.py", "test_weights_bench.py")
+             "test_rerotate.py", "test_resident.py", "test_spin_pool.py", "test_weight_kernels.py",
+             "test_weights_bench.py")
 
 
 def pytest_collection_modifyitems(config, items):
