@@ -61,6 +61,42 @@ def test_int8_rows_equal_the_float64_product_of_their_rounded_activations_and_st
         assert not np.array_equal(got, exact)  # (the int8 path really ran)
 
 
+def quantised_bits(x: np.ndarray, size: int, nibbles: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The kernel's quantisation of the rows x in float32 NumPy, as bits: the int8 codes, each group's scale
+    s = top / 127, and the term each `size` inputs' code sum gives the dots (u4: s qsum as float32 bits; i8:
+    -128 qsum)."""
+    groups = x.reshape(-1, 32)
+    top = np.abs(groups).max(axis=1)
+    scale = top / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inverse = np.where(top > 0, np.float32(127) / top, np.float32(0)).astype(np.float32)
+    scaled = groups * inverse[:, None]
+    codes = (scaled + np.where(scaled >= 0, np.float32(0.5), np.float32(-0.5))).astype(np.int32)  # truncated
+    totals = codes.reshape(len(groups), 32 // size, size).sum(axis=2, dtype=np.int32)
+    terms = (scale[:, None] * totals.astype(np.float32)).view(np.int32) if nibbles else totals * -128
+    return codes.astype(np.int8).reshape(x.shape), scale.reshape(len(x), -1), terms.reshape(len(x), -1)
+
+
+@vnni
+@pytest.mark.parametrize("kind", [Q.Q4_1, Q.Q8_0, Q.Q6_K], ids=["u4", "i8", "i8 by 16"])
+def test_rows_are_quantised_as_a_float32_loop_would_bit_for_bit(kind):
+    """16 groups at a time where the groups are 32 inputs (`_quantise_block`), the rest one at a time: the same bits
+    for every row count (a row of 18 groups: one block and two alone; rows one after another share blocks)."""
+    rng = np.random.default_rng(int(kind))
+    n_in = 768 if kind == Q.Q6_K else 576
+    matrix = pack(kind, random_blocks(kind, 64, n_in, rng), n_in)
+    kernels, size = int8_rows._kernels(), 16 if kind == Q.Q6_K else 32
+    for rows in (1, 2, 3, 8, 16, 17):
+        x = (rng.standard_normal((rows, n_in)) * rng.choice([1e-3, 1.0, 50.0], (rows, 1))).astype(np.float32)
+        x[-1, 32:64] = 0  # an all-zero group: scale 0, codes 0
+        _, handle, quantised = int8_rows._entry(matrix, int8_rows.capacity(rows))
+        kernels["product"](handle, x, np.empty((rows, 64), np.float32), kernels["pool"])
+        codes, scales, terms = (array[:rows] for array in quantised)
+        want = quantised_bits(x, size, FORMATS[kind][0] == "u4")
+        assert np.array_equal(codes, want[0]) and np.array_equal(scales.view(np.int32), want[1].view(np.int32))
+        assert np.array_equal(terms, want[2]), (kind.name, rows)
+
+
 @vnni
 @pytest.mark.parametrize("kind", KINDS, ids=[k.name for k in KINDS])
 def test_the_spin_pools_two_threads_give_the_one_thread_int8_rows_bit_for_bit(kind):
