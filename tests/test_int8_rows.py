@@ -90,7 +90,7 @@ def test_rows_are_quantised_as_a_float32_loop_would_bit_for_bit(kind):
         x = (rng.standard_normal((rows, n_in)) * rng.choice([1e-3, 1.0, 50.0], (rows, 1))).astype(np.float32)
         x[-1, 32:64] = 0  # an all-zero group: scale 0, codes 0
         _, handle, quantised = int8_rows._entry(matrix, int8_rows.capacity(rows))
-        kernels["product"](handle, x, np.empty((rows, 64), np.float32), kernels["pool"])
+        kernels["product"](matrix.descriptor, handle, x, np.empty((rows, 64), np.float32), kernels["pool"])
         codes, scales, terms = (array[:rows] for array in quantised)
         want = quantised_bits(x, size, FORMATS[kind][0] == "u4")
         assert np.array_equal(codes, want[0]) and np.array_equal(scales.view(np.int32), want[1].view(np.int32))
@@ -124,7 +124,7 @@ def test_the_spin_pools_two_threads_give_the_one_thread_int8_rows_bit_for_bit(ki
                 for stalled, count in ((False, 4), (True, 4), (False, 2), (True, 2)):
                     ctrl, scratch = sp.new_control(), np.full(rows * stride, np.nan, np.float32)
                     out = np.full((rows, stride), np.nan, np.float32)
-                    kernels["product"](handle, x, out, kernels["pool"])  # x quantised into the handle's arrays
+                    kernels["product"](matrix.descriptor, handle, x, out, kernels["pool"])  # x quantised into the handle's arrays
                     out[:] = np.nan
                     posted = sp._post(ctrl, matrix.descriptor, 5, handle.ctypes.data, rows, stride, scratch,
                                       kernels["pool"], count)

@@ -47,18 +47,18 @@ from numba import carray, cfunc, njit, types
 from numba.extending import intrinsic
 
 from pagevis.kernel_intrinsics import call_address, pointer_to
-from pagevis.model.batch_kernels import rows_switch
+from pagevis.model.batch_kernels import _i8_arrays, _nib_arrays, rows_switch
+from pagevis.model.matrix_descriptor import DESCRIPTOR, I8, KIND, MODE, N_IN, PER, TILES
 from pagevis.model.weight_kernels import HALF, Q4_0, SUPER, _nib_scales, _prefetch_ahead, _scales
 
 TILE = 64
 ROWS = 4  # rows whose accumulators (4 zmm each) a block holds
 CODE_VECTORS = 32  # at most: 32 codes x 64 rows / 64 bytes
 SCRATCH = (CODE_VECTORS + 8) * 64  # the turned codes, then d and m in turned order
-# A product's handle for `pool_kernel` (int64 words, `handle()`): the matrix's family (u4 0, i8 1), per, mode, input
-# size, the quantised rows' three arrays' addresses, the matrix's tiles, then qs, dh, ds, mh, ms as an address and
-# four dimensions each
-FAMILY, PER, MODE, N_IN, XQ, SX, SUMS, TILES, HELD = range(9)
-HANDLE = HELD + 5 * 5
+# A product's handle for `pool_kernel` (int64 words, `handle()`): the addresses of the arrays the rows are quantised
+# into (the matrix: its descriptor, matrix_descriptor.py, the kernels' job)
+XQ, SX, SUMS = range(3)
+HANDLE = 3
 
 _I8T, _I16T, _I32T, _I64T, _F32T = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 _BYTES, _WORDS = ir.VectorType(_I8T, 64), ir.VectorType(_I16T, 32)
@@ -433,88 +433,74 @@ def _quantised_tiles(qs, dh, ds, mh, ms, per, mode, size, nibbles, xq, sx, sums,
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _dims(h, k):
-    at = HELD + 5 * k
-    return (h[at + 1], h[at + 2], h[at + 3])
+def _group(words):
+    """The inputs a row's code sum covers: Q6_K's 16, else 32 (words: the matrix's descriptor)."""
+    return 16 if words[KIND] == I8 and words[PER] > 1 else 32
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _group(h):
-    """The inputs a row's code sum covers: Q6_K's 16, else 32."""
-    return 16 if h[FAMILY] == 1 and h[PER] > 1 else 32
+def _quantised(words, h, n):
+    """The arrays of the handle h that n rows times the matrix words describes are quantised into."""
+    size, inputs = _group(words), words[N_IN]
+    return (carray(_AS_I8(h[XQ]), (n, inputs)), carray(_AS_F32(h[SX]), (n, inputs // 32)),
+            carray(_AS_I32(h[SUMS]), (n, inputs // size)))
 
 
 @cfunc(types.void(*(types.int64,) * 7), cache=True, error_model="numpy")
 def pool_kernel(job, at, n, t0, t1, target, stride):
-    """Tiles t0..t1 of the handle's matrix (at: `handle()`'s address) times its n quantised rows, into the rows of
-    stride floats at target (columns t0 * TILE on): spin_pool's rows-kernel signature (job, its descriptor, unused),
-    so the pool's two threads share a product's tiles, each tile computed alike whichever thread computes it."""
-    h = carray(_AS_I64(at), (HANDLE,))
-    size, inputs = _group(h), h[N_IN]
-    xq = carray(_AS_I8(h[XQ]), (n, inputs))
-    sx = carray(_AS_F32(h[SX]), (n, inputs // 32))
-    sums = carray(_AS_I32(h[SUMS]), (n, inputs // size))
+    """Tiles t0..t1 of the matrix described at address job times its n rows quantised into the handle at `at`
+    (`handle()`), into the rows of stride floats at target (columns t0 * TILE on): spin_pool's rows-kernel
+    signature, so the pool's two threads share a product's tiles, each tile computed alike whichever thread
+    computes it."""
+    words = carray(_AS_I64(job), (DESCRIPTOR,))
+    xq, sx, sums = _quantised(words, carray(_AS_I64(at), (HANDLE,)), n)
     out = carray(_AS_F32(target), (n, stride))[:, t0 * TILE:t1 * TILE]
-    dh, ds = carray(_AS_I16(h[HELD + 5]), _dims(h, 1)), carray(_AS_I8(h[HELD + 10]), _dims(h, 2))
-    if h[FAMILY] == 1:
-        qs = carray(_AS_I8(h[HELD]), (h[HELD + 1], h[HELD + 2], h[HELD + 3], h[HELD + 4]))
-        if h[PER] > 1:  # Q6_K
+    if words[KIND] == I8:
+        qs, dh, ds = _i8_arrays(words)
+        if words[PER] > 1:  # Q6_K
             _quantised_tiles(qs, dh, ds, ds, ds, 16, HALF, 16, False, xq, sx, sums, t0, t1, out)
         else:
             _quantised_tiles(qs, dh, ds, ds, ds, 1, HALF, 32, False, xq, sx, sums, t0, t1, out)
         return
-    codes = carray(_AS_U8(h[HELD]), (h[HELD + 1], h[HELD + 2], h[HELD + 3], h[HELD + 4]))
-    mh, ms = carray(_AS_I16(h[HELD + 15]), _dims(h, 3)), carray(_AS_I8(h[HELD + 20]), _dims(h, 4))
-    if h[PER] > 1:  # Q4_K
+    codes, _, dh, ds, mh, ms = _nib_arrays(words)
+    if words[PER] > 1:  # Q4_K
         _quantised_tiles(codes, dh, ds, mh, ms, 8, SUPER, 32, True, xq, sx, sums, t0, t1, out)
-    elif h[MODE] == Q4_0:
+    elif words[MODE] == Q4_0:
         _quantised_tiles(codes, dh, ds, mh, ms, 1, Q4_0, 32, True, xq, sx, sums, t0, t1, out)
     else:
         _quantised_tiles(codes, dh, ds, mh, ms, 1, HALF, 32, True, xq, sx, sums, t0, t1, out)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _quantise(h, n, x_address):
-    """The n rows (C-contiguous) at x_address quantised into the handle's arrays."""
-    size, inputs = _group(h), h[N_IN]
-    _quantize_rows(carray(_AS_F32(x_address), (n, inputs)), size, h[FAMILY] == 0,
-                   carray(_AS_I8(h[XQ]), (n, inputs)), carray(_AS_F32(h[SX]), (n, inputs // 32)),
-                   carray(_AS_I32(h[SUMS]), (n, inputs // size)))
+def _quantise(job, at, n, x_address):
+    """The n rows (C-contiguous) at x_address quantised into the arrays of the handle at `at`, for the matrix
+    described at address job."""
+    words = carray(_AS_I64(job), (DESCRIPTOR,))
+    xq, sx, sums = _quantised(words, carray(_AS_I64(at), (HANDLE,)), n)
+    _quantize_rows(carray(_AS_F32(x_address), (n, words[N_IN])), _group(words), words[KIND] != I8, xq, sx, sums)
 
 
 @cfunc(types.void(*(types.int64,) * 7), cache=True, error_model="numpy")
 def quantise_kernel(job, at, n, x_address, unused0, unused1, unused2):
-    """The n rows at x_address quantised into the arrays of the handle at `at`: spin_pool's preparation of a job
-    (its caller runs it before sharing the tiles), in the rows kernel's signature (job unused)."""
-    _quantise(carray(_AS_I64(at), (HANDLE,)), n, x_address)
+    """The n rows at x_address quantised into the arrays of the handle at `at` (the matrix: job's): spin_pool's
+    preparation of a job (its caller runs it before sharing the tiles), in the rows kernel's signature."""
+    _quantise(job, at, n, x_address)
 
 
-@njit("void(int64[::1], float32[:, ::1], float32[:, ::1], int64)", cache=True, nogil=True)
-def product(h, x, out, kernel):
-    """out (rows, the matrix's tiles x TILE) = the rows x times the handle's matrix on this thread: x quantised into
-    the handle's arrays, every tile by pool_kernel (at address kernel), as the pool's two threads compute them."""
-    _quantise(h, x.shape[0], x.ctypes.data)
-    call_address(kernel, 0, h.ctypes.data, x.shape[0], 0, h[TILES], out.ctypes.data,  # type: ignore[call-arg]
-                 out.shape[1])
+@njit("void(int64[::1], int64[::1], float32[:, ::1], float32[:, ::1], int64)", cache=True, nogil=True)
+def product(job, h, x, out, kernel):
+    """out (rows, the matrix's tiles x TILE) = the rows x times the matrix job describes on this thread: x quantised
+    into the handle's arrays, every tile by pool_kernel (at address kernel), as the pool's two threads compute them."""
+    _quantise(job.ctypes.data, h.ctypes.data, x.shape[0], x.ctypes.data)
+    call_address(kernel, job.ctypes.data, h.ctypes.data, x.shape[0], 0, job[TILES],  # type: ignore[call-arg]
+                 out.ctypes.data, out.shape[1])
 
 
-def handle(fmt: str, arrays: tuple, n_in: int, quantised: tuple[np.ndarray, np.ndarray, np.ndarray]
-           ) -> np.ndarray:
-    """pool_kernel's handle of a u4 or i8 matrix's kernel arrays (QuantMatrix.arrays) and the arrays its rows are
-    quantised into (codes, scales, sums: rows x n_in int8, rows x n_in / 32 float32, rows x n_in / `_group` int32,
-    which hold `_quantise_group`'s terms, float32 bits for a u4 matrix): addresses, so the arrays must outlive its
-    use."""
-    h = np.zeros(HANDLE, np.int64)
-    if fmt == "i8":
-        held, h[FAMILY], h[PER] = (arrays[0], arrays[1], arrays[2], arrays[2], arrays[2]), 1, arrays[3]
-    else:
-        held, h[PER], h[MODE] = (arrays[0], *arrays[2:6]), arrays[7], arrays[8]
-    h[N_IN], h[TILES] = n_in, arrays[0].shape[0]
-    h[XQ:XQ + 3] = [array.ctypes.data for array in quantised]
-    for k, array in enumerate(held):
-        h[HELD + 5 * k] = array.ctypes.data
-        h[HELD + 5 * k + 1:HELD + 5 * k + 1 + array.ndim] = array.shape
-    return h
+def handle(quantised: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
+    """pool_kernel's handle of the arrays rows are quantised into (codes, scales, sums: rows x n_in int8, rows x
+    n_in / 32 float32, rows x n_in / `_group` int32, which hold `_quantise_group`'s terms, float32 bits for a u4
+    matrix): addresses, so the arrays must outlive its use."""
+    return np.array([array.ctypes.data for array in quantised], np.int64)
 
 
 def compiled() -> dict:

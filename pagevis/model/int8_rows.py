@@ -23,8 +23,8 @@ output column computed whole by one thread, so the rows are bit for bit the one 
 
 Memory, bounded whatever the row counts (prompt chunks have any size): a product of more than MAX_ROWS (256) rows is
 cut into pieces of at most MAX_ROWS, and a piece of n rows uses a handle and quantised arrays for `capacity(n)` rows,
-the next power of two (1, 2, 4, ..., 256: 9 capacities). So each matrix keeps at most 9 handles (`int8_handles`, 272
-bytes each), and each thread at most 9 sets of quantised arrays per (input size, sum group) -- kept for good, so a
+the next power of two (1, 2, 4, ..., 256: 9 capacities). So each matrix keeps at most 9 handles (`int8_handles`, 3 words
+each), and each thread at most 9 sets of quantised arrays per (input size, sum group) -- kept for good, so a
 late helper never reads freed memory: under 2 x 256 x n_in x (1 + 4/32 + 4/size) bytes per input size, ~1.4 MiB a
 thread for SmolLM2 (inputs 576 and 1536; tests/test_int8_prompt_rows.py measures it).
 """
@@ -125,8 +125,9 @@ def capacity(rows: int) -> int:
 
 
 def handle(matrix, rows: int) -> np.ndarray:
-    """int8_kernels' handle of up to capacity(rows) rows times matrix (its arrays, and this thread's arrays the rows
-    are quantised into: `_quantised`), built once per matrix, capacity and thread and kept on the matrix."""
+    """int8_kernels' handle of up to capacity(rows) rows times matrix (the addresses of this thread's arrays the rows
+    are quantised into: `_quantised`; the matrix's own arrays: its descriptor), built once per matrix, capacity and
+    thread and kept on the matrix."""
     return _entry(matrix, capacity(rows))[1]
 
 
@@ -142,8 +143,7 @@ def _entry(matrix, held: int) -> tuple:
     if entry is None or entry[0] is not token:
         size = 16 if matrix.fmt == "i8" and matrix.arrays[3] > 1 else 32
         quantised = _quantised(held, matrix.n_in, size)
-        entry = handles[held] = (token, _kernels()["handle"](matrix.fmt, matrix.arrays, matrix.n_in, quantised),
-                                 quantised)
+        entry = handles[held] = (token, _kernels()["handle"](quantised), quantised)
     return entry
 
 
@@ -194,7 +194,7 @@ def _int8(matrix, x: np.ndarray, pool) -> np.ndarray:
         pool.product_kernel(kernels["pool"], kernels["prepare"], matrix.descriptor, matrix.arrays, plan[1], x, out,
                             plan[3])
     else:  # one thread, or a product too small to share
-        kernels["product"](plan[1], x, out, kernels["pool"])
+        kernels["product"](matrix.descriptor, plan[1], x, out, kernels["pool"])
     return out if plan[4] else out[:, :matrix.n_out]
 
 
@@ -223,7 +223,7 @@ def _pieces(matrix, x: np.ndarray, pool) -> np.ndarray:
             pool.product_kernel(kernels["pool"], kernels["prepare"], matrix.descriptor, matrix.arrays, h, rows, part,
                                 count)
         else:  # one thread, or a product too small to share
-            kernels["product"](h, rows, part, kernels["pool"])
+            kernels["product"](matrix.descriptor, h, rows, part, kernels["pool"])
     return out[:, :matrix.n_out]
 
 
