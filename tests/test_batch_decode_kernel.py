@@ -102,3 +102,53 @@ def test_the_spin_pools_two_threads_give_one_threads_bits_whoever_computes_each_
             assert np.array_equal(rows[:, :n_heads * d].reshape(one[0].shape).view(np.int32), one[0].view(np.int32))
             assert np.array_equal(rows[:, n_heads * d:n_heads * (d + width)].reshape(one[1].shape).view(np.int32),
                                   one[1].view(np.int32))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_tokens_written_by_the_attention_call_are_write_rows_then_attention_bit_for_bit(threads):
+    """attend_tables' `write` (each sequence's decoding token into its slot: by the kernel on one thread, by the
+    caller before the pool's job on two) leaves the K/V, positions, fills and bias write_rows leaves, and attends to
+    the same bits as write_rows then attend_tables; the token's own slot included."""
+    from pagevis.kvcache.batch_decode_kernel import write_rows
+    from pagevis.model import quantized, weight_threads
+
+    rng = np.random.default_rng(11)
+    n_kv, group, d, page_size, frames, batch = 3, 3, 64, 16, 40, 6
+    k = rng.standard_normal((n_kv, frames, page_size, d)).astype(np.float32)
+    v = rng.standard_normal((n_kv, frames, page_size, d)).astype(np.float32)
+    q = rng.standard_normal((batch, n_kv * group, d)).astype(np.float32)
+    new_k, new_v = (rng.standard_normal((batch, n_kv, d)).astype(np.float32) for _ in range(2))
+    n_pages = rng.integers(1, 4, batch)
+    pages = rng.permutation(frames)
+    tables = np.zeros((batch, n_pages.max()), np.int64)
+    for b, n in enumerate(np.cumsum(n_pages)):
+        tables[b, :n_pages[b]] = pages[n - n_pages[b]:n]
+    last = tables[np.arange(batch), n_pages - 1]  # each sequence's own last page: its token's slot is its first hole
+    bias = np.zeros(frames * page_size, np.float32)
+    key_positions = rng.permutation(frames * page_size).astype(np.int64)
+    fill = np.full(frames, page_size, np.int64)
+    top = rng.integers(0, page_size, batch)
+    for b in range(batch):
+        bias[last[b] * page_size + top[b]:(last[b] + 1) * page_size] = -np.inf
+        key_positions[last[b] * page_size + top[b]:(last[b] + 1) * page_size] = -1
+        fill[last[b]] = top[b]
+    flats = last * page_size + top
+    positions = rng.integers(frames * page_size, 2 * frames * page_size, batch)
+    stores = [tuple(a.copy() for a in (k, v, key_positions, fill, bias)) for _ in range(2)]
+    weight_threads.set_weight_threads(threads)
+    try:
+        pool = quantized.spin_pool() if threads > 1 else None
+        assert (pool is None) == (threads == 1)
+        sk, sv, skp, sfill, sbias = stores[0]
+        write_rows(sk.reshape(n_kv, -1, d), sv.reshape(n_kv, -1, d), skp, sfill, sbias, flats, np.arange(batch),
+                   new_k, new_v, positions, page_size)
+        want = attend_tables(q, sk, sv, tables, n_pages, sbias, skp, positions, 0, pool)
+        hk, hv, hkp, hfill, hbias = stores[1]
+        got = attend_tables(q, hk, hv, tables, n_pages, hbias, hkp, positions, 0, pool, (flats, new_k, new_v, hfill))
+    finally:
+        weight_threads.set_weight_threads(1)
+    for a, b in zip(stores[0], stores[1], strict=True):
+        assert np.array_equal(a, b)
+    for g, w in zip(got, want, strict=True):
+        assert np.array_equal(g.view(np.int32), w.view(np.int32))
+    assert all(want[1][b, :, (n_pages[b] - 1) * page_size + top[b]].all() for b in range(batch))  # (each weighs its own)

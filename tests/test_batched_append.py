@@ -136,6 +136,50 @@ def test_append_many_covers_the_paths_it_claims(monkeypatch):
     assert 0 < len(slow) < writes - 20, (len(slow), writes)  # (every write but the inlined ones calls free_slot)
 
 
+@pytest.mark.parametrize("policies", [
+    {0: "none", 1: "none", 2: "none", 3: "none", 4: "sinks"},  # sequence 4 reaches its budget (32)
+    {0: "none", 1: "keydiff", 2: "merge", 3: "none", 4: "h2o"},  # statistics written with each token, evictions
+])
+def test_decode_many_equals_append_many_then_attend_many(policies, monkeypatch):
+    """KVCacheManager.decode_many, whose tokens that need only a slot the attention kernel's call writes
+    (write_many's `hold`), leaves the cache as append_many then attend_many do, and attends to the same bits; both of
+    its ways are taken (every token held, and some through `append` first: then nothing held)."""
+    from pagevis.kvcache import kv_cache_manager
+
+    held_then, write_many = [], kv_cache_manager.write_many
+    monkeypatch.setattr(kv_cache_manager, "write_many",
+                        lambda *a, **kw: held_then.append(write_many(*a, **kw)) or held_then[-1])
+    held, written = _cache(policies), _cache(policies)
+    rng = np.random.default_rng(5)
+    live = [1, 2, 3, 4]
+    for step in range(14):
+        if step == 6:
+            for cache in (held, written):
+                cache.free(2)
+            live.remove(2)
+        positions = np.array([held.n_tokens(s) for s in live], np.int64)
+        for cache in (held, written):
+            cache.step = step
+            for seq_id in live:
+                cache.extend(seq_id, [step])
+        for layer in range(CONFIG.n_layers):
+            k, v = (rng.standard_normal((len(live), N_KV, HEAD_DIM)).astype(np.float32) for _ in range(2))
+            q = rng.standard_normal((len(live), CONFIG.n_heads, HEAD_DIM)).astype(np.float32)
+            got = held.decode_many(live, layer, q, k, v, positions, range(len(live)))
+            assert got is not None
+            written.append_many(live, layer, k, v, positions)
+            want = written.attend_many(live, layer, q, positions)
+            assert np.array_equal(got[0].view(np.uint32), np.concatenate([r.output for r in want]).view(np.uint32))
+            for i, result in enumerate(want):
+                assert np.array_equal(got[1][i].weights.view(np.uint32), result.weights.view(np.uint32))
+                assert np.array_equal(got[1][i].slots, result.slots)
+        for cache in (held, written):
+            for seq_id in live:
+                cache.commit(seq_id)
+        assert _state(held) == _state(written), f"step {step}"
+    assert any(h is None for h in held_then) and any(h is not None for h in held_then)
+
+
 def _watched_weights(prompts: list[list[int]], watched: int) -> list[dict[int, dict[int, float]]]:
     """Per decode step of sequence `watched` (submitted index), per layer: its newest query's weight on each
     position (head 0), as the engine keeps them for a watched sequence (Engine.watch_attention)."""

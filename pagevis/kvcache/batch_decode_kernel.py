@@ -42,7 +42,10 @@ from pagevis.kvcache.decode_kernel import _softmax
 _FAST = {"reassoc", "contract"}
 NO_POSITIONS = np.zeros(0, np.int64)
 _SIGNATURE = ("void(float32[:, :, ::1], float32, float32[:, :, :, ::1], float32[:, :, :, ::1], int64[:, ::1], int64[::1], "
-              "float32[::1], int64[::1], int64[::1], int64, float32[:, ::1], int64, int64)")
+              "float32[::1], int64[::1], int64[::1], int64, float32[:, ::1], int64, int64, int64[::1], float32[:, :, ::1], "
+              "float32[:, :, ::1], int64[::1])")
+NO_WRITES = np.zeros(0, np.int64)  # `_sequences`' flats when it writes no token
+NO_ROWS = np.zeros((0, 1, 1), np.float32)
 # model/spin_pool.py's, which the cache cannot import (tests/test_batch_decode_kernel.py checks they agree): a
 # sequence's row of the result is a whole number of TILE floats, one item of the pool's job, whose word TILES_WORD
 # counts the job's tiles (its descriptor: DESCRIPTOR words)
@@ -127,11 +130,29 @@ def _mask(row, table, n_pages, ps, bias, key_positions, position, window):  # pr
                     row[at + s] = -np.inf
 
 
+@njit(cache=True, nogil=True, inline="always", boundscheck=False)
+def _write_token(k, v, key_positions, fill, bias, flat, new_k, new_v, row, position):  # pragma: no cover (numba)
+    """Row `row` of new_k, new_v (B, n_kv, d) into flat slot `flat` of k, v (n_kv, pages, page_size, d): its K/V, its
+    position, its page's fill and its occupancy bias (0): what PageStore.write_rows does for one token."""
+    ps = k.shape[2]
+    page, slot = flat // ps, flat % ps
+    for h in range(k.shape[0]):
+        for e in range(k.shape[3]):
+            k[h, page, slot, e] = new_k[row, h, e]
+            v[h, page, slot, e] = new_v[row, h, e]
+    key_positions[flat] = position
+    fill[page] += 1
+    bias[flat] = 0
+
+
 @njit(_SIGNATURE, cache=True, nogil=True, fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _sequences(q, scale, k, v, tables, n_pages, bias, key_positions, positions, window, result, b0, b1):  # pragma: no cover
+def _sequences(q, scale, k, v, tables, n_pages, bias, key_positions, positions, window, result, b0, b1, flats, new_k,
+               new_v, fill):  # pragma: no cover
     """Sequences b0 .. b1 into their rows of result (B, a whole number of TILE floats): the output (n_heads, d),
     then the weights (n_heads, widest * page_size); each sequence whole, the same bits whichever call computes it.
-    Each query scaled by scale first (one float32 product an element, as NumPy's)."""
+    Each query scaled by scale first (one float32 product an element, as NumPy's). With flats (B,) (else empty),
+    sequence b's token (row b of new_k, new_v, at positions[b]) is written into slot flats[b] first (one thread only:
+    `attend_tables`), the lines its attention reads next."""
     n_heads, d = q.shape[1], q.shape[2]
     n_kv, ps = k.shape[0], k.shape[2]
     group = n_heads // n_kv
@@ -140,6 +161,8 @@ def _sequences(q, scale, k, v, tables, n_pages, bias, key_positions, positions, 
     query = np.empty((n_heads, d), np.float32)
     tops = np.empty(tables.shape[1], np.int64)
     for b in range(b0, b1):
+        if flats.size:
+            _write_token(k, v, key_positions, fill, bias, flats[b], new_k, new_v, b, positions[b])
         for g in range(n_heads):
             for j in range(d):
                 query[g, j] = q[b, g, j] * scale
@@ -212,7 +235,8 @@ def pool_kernel(job, at, n, t0, t1, target, stride):  # pragma: no cover (numba)
                carray(_i64(h[TABLES]), (batch, h[WIDEST])), carray(_i64(h[N_PAGES]), (batch,)),
                carray(_f32(h[BIAS]), (h[SLOTS],)), carray(_i64(h[KEY_POSITIONS]), (h[N_KEY_POSITIONS],)),
                carray(_i64(h[POSITIONS]), (batch,)), h[WINDOW], carray(_f32(target), (batch, tiles * TILE)),
-               t0 // tiles, t1 // tiles)
+               t0 // tiles, t1 // tiles, np.empty(0, np.int64), np.empty((0, 1, 1), np.float32),
+               np.empty((0, 1, 1), np.float32), np.empty(0, np.int64))  # (the caller wrote the tokens: `_fill`)
 
 
 _POOL_KERNEL = int(pool_kernel.address or 0)
@@ -220,10 +244,15 @@ _POOL_KERNEL = int(pool_kernel.address or 0)
 
 def attend_tables(q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.ndarray, n_pages: np.ndarray,
                   bias: np.ndarray, key_positions: np.ndarray = NO_POSITIONS, positions: np.ndarray | None = None,
-                  window: int = 0, pool: Any = None) -> tuple[np.ndarray, np.ndarray]:
+                  window: int = 0, pool: Any = None, write: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
     """See the module docstring; q is scaled by 1 / sqrt(d) here, as attend_decode_batch scales it. pool: the weights'
     spin pool (model/spin_pool.py, handed in by the engine: the cache imports no model) or None; with it, the
-    sequences are shared with its helper thread, one a chunk (SpinPool.items), each computed whole: the same bits."""
+    sequences are shared with its helper thread, one a chunk (SpinPool.items), each computed whole: the same bits.
+    write: (flats, new_k, new_v, fill), each sequence's decoding token written first as PageStore.write_rows writes
+    them (row b of new_k, new_v (B, n_kv, d) into flat slot flats[b] (distinct slots, each in a page only sequence b
+    reads) at positions[b]: key_positions, fill (per page) and bias are the store's): by `_sequences` itself on one
+    thread, by the caller before the pool's job on two (the helper never writes: one it is late on may still run after
+    this call returned, and its write then would land in a slot that may have changed since)."""
     batch, n_heads, d = q.shape
     width = tables.shape[1] * k.shape[2]
     tiles = -(-n_heads * (d + width) // TILE)
@@ -233,10 +262,13 @@ def attend_tables(q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.ndarra
               np.ascontiguousarray(key_positions, dtype=np.int64),
               np.zeros(batch, np.int64) if positions is None else np.ascontiguousarray(positions, dtype=np.int64))
     scale = np.float32(1.0 / np.sqrt(d))
+    writes = (NO_WRITES, NO_ROWS, NO_ROWS, NO_WRITES) if write is None else (
+        np.ascontiguousarray(write[0], dtype=np.int64), np.ascontiguousarray(write[1], dtype=np.float32),
+        np.ascontiguousarray(write[2], dtype=np.float32), write[3])
     if pool is None or batch < 2:
-        _sequences(arrays[0], scale, *arrays[1:], window, result, 0, batch)
+        _sequences(arrays[0], scale, *arrays[1:], window, result, 0, batch, *writes)
     else:
-        pool.items(_POOL_KERNEL, _job(batch * tiles), _handle(arrays, scale, window, tiles), arrays,
+        pool.items(_POOL_KERNEL, _job(batch * tiles), _handle(arrays, scale, window, tiles, writes), arrays,
                    result.reshape(-1), batch)
     return (np.ascontiguousarray(result[:, :n_heads * d]).reshape(batch, n_heads, d),
             result[:, n_heads * d:n_heads * (d + width)].reshape(batch, n_heads, width))
@@ -249,9 +281,14 @@ def _job(tiles: int) -> np.ndarray:
 
 
 @njit("void(int64[::1], float32[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], int64[:, ::1], int64[::1], "
-      "float32[::1], int64[::1], int64[::1], int64, int64)", cache=True, nogil=True)
-def _fill(handle, q, k, v, tables, n_pages, bias, key_positions, positions, window, tiles):  # pragma: no cover
-    """The handle's shapes and addresses (its SCALE word: attend_tables writes the float32's bits)."""
+      "float32[::1], int64[::1], int64[::1], int64, int64, int64[::1], float32[:, :, ::1], float32[:, :, ::1], "
+      "int64[::1])", cache=True, nogil=True, boundscheck=False)
+def _fill(handle, q, k, v, tables, n_pages, bias, key_positions, positions, window, tiles, flats, new_k, new_v,
+          fill):  # pragma: no cover
+    """The handle's shapes and addresses (its SCALE word: attend_tables writes the float32's bits), after writing the
+    decoding tokens (flats: none if empty; see attend_tables' `write`) before the helper may read their pages."""
+    for b in range(flats.size):
+        _write_token(k, v, key_positions, fill, bias, flats[b], new_k, new_v, b, positions[b])
     handle[BATCH], handle[HEADS], handle[DIM] = q.shape
     handle[N_KV], handle[PAGES], handle[PAGE_SIZE] = k.shape[0], k.shape[1], k.shape[2]
     handle[WIDEST], handle[SLOTS], handle[WINDOW], handle[ROW_TILES] = tables.shape[1], bias.size, window, tiles
@@ -261,10 +298,12 @@ def _fill(handle, q, k, v, tables, n_pages, bias, key_positions, positions, wind
     handle[KEY_POSITIONS], handle[POSITIONS] = key_positions.ctypes.data, positions.ctypes.data
 
 
-def _handle(arrays: tuple, scale: np.float32, window: int, tiles: int) -> np.ndarray:
+def _handle(arrays: tuple, scale: np.float32, window: int, tiles: int, writes: tuple = (NO_WRITES, NO_ROWS, NO_ROWS,
+                                                                                      NO_WRITES)) -> np.ndarray:
     """pool_kernel's handle of attend_tables' arrays (q, k, v, tables, n_pages, bias, key_positions, positions): their
-    shapes and addresses (read in numba: NumPy's ctypes attribute costs ~2 us an array) and the queries' scale."""
+    shapes and addresses (read in numba: NumPy's ctypes attribute costs ~2 us an array) and the queries' scale; the
+    tokens of `writes` (flats, new_k, new_v, fill: attend_tables' `write`) written first."""
     handle = np.zeros(HANDLE, np.int64)
-    _fill(handle, *arrays, window, tiles)  # type: ignore[call-arg]
+    _fill(handle, *arrays, window, tiles, *writes)  # type: ignore[call-arg]
     handle[SCALE:SCALE + 1].view(np.float32)[0] = scale
     return handle

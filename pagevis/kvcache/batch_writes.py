@@ -10,6 +10,8 @@ occupancy of all of them are then written by one store call (`PageStore.write_ro
 `store.in_place`). Any other token goes through `append_one(i)` at its turn, after the K/V held so far are
 written, so every page, table, event and stored value is the single calls' (tests/test_batched_append.py). Each
 sequence's newest position is set here too, at its turn (`append_many` set it after them all: no write reads it).
+A batched decode step (KVCacheManager.decode_many) asks the held K/V not to be written here when every token was
+held (`hold`): the batched attention's numba call writes them (batch_decode_kernel.attend_tables' `write`).
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ from pagevis.kvcache.sequence import SequenceCache
 
 
 def write_many(layer: LayerManager, seqs: list[SequenceCache], k: np.ndarray, v: np.ndarray, positions: np.ndarray,
-               append_one: Callable[[int], None]) -> None:
-    """k, v (B, n_kv_heads, head_dim), positions (B,) int64: sequence i's token; see the module docstring."""
+               append_one: Callable[[int], None], hold: bool = False) -> np.ndarray | None:
+    """k, v (B, n_kv_heads, head_dim), positions (B,) int64: sequence i's token; see the module docstring. hold: when
+    every token took a slot here (none went through append_one), their K/V, positions, fills and bias are not
+    written but their flat slots returned (B,), sequence i's token's at i, for the batched attention kernel's call to
+    write (KVCacheManager.decode_many); else None, everything written."""
     store, tables, log, flats, rows = layer.store, layer.tables, layer.log, [], []
     windowed, can_allocate, budget = layer.window is not None, store.pages.can_allocate, layer.budget
     ps, index, step, add = layer.page_size, layer.layer, log.step, log.events.append
@@ -74,7 +79,11 @@ def write_many(layer: LayerManager, seqs: list[SequenceCache], k: np.ndarray, v:
         add = log.events.append
     if seqs:
         log.acting = seqs[-1].seq_id
+    if hold and seqs and len(rows) == len(seqs):  # (rows then is 0 .. B - 1: none went through append_one)
+        layer.store.newest = max(layer.store.newest, max(ints))  # (PageStore.write_rows' own bookkeeping)
+        return np.array(flats, np.int64)
     _write_held(layer, flats, rows, k, v, positions, ints)
+    return None
 
 
 def _write_held(layer: LayerManager, flats: list[int], rows: list[int], k: np.ndarray, v: np.ndarray,

@@ -363,18 +363,20 @@ class KVCacheManager:
         self._append_many([self.sequences[s] for s in seq_ids], layer, k, v, positions)
 
     def _append_many(self, seqs: list[SequenceCache], layer: int, k: np.ndarray, v: np.ndarray,
-                     positions: np.ndarray) -> None:
+                     positions: np.ndarray, hold: bool = False) -> np.ndarray | None:
+        """hold: batch_writes.write_many's (the flat slots of tokens whose K/V are left to the attention call, or
+        None: all written)."""
         manager = self.layers[layer]
         if manager.store.in_place:  # (which also sets each sequence's newest position)
-            write_many(manager, seqs, k, v, positions, lambda i: eviction.append(
-                manager, seqs[i], k[i: i + 1], v[i: i + 1], positions[i: i + 1]))
-            return
+            return write_many(manager, seqs, k, v, positions, lambda i: eviction.append(
+                manager, seqs[i], k[i: i + 1], v[i: i + 1], positions[i: i + 1]), hold)
         for i, seq in enumerate(seqs):
             self.log.acting = seq.seq_id
             eviction.append(manager, seq, k[i: i + 1], v[i: i + 1], positions[i: i + 1])
         for seq, position in zip(seqs, positions.tolist(), strict=True):
             if position > seq.newest:
                 seq.newest = position
+        return None
 
     def commit(self, seq_id: int, prompt_done: bool = False) -> None:
         """After a step: register the sequence's newly full pages under their prefix hashes. With key_channels
@@ -445,12 +447,14 @@ class KVCacheManager:
                     positions: np.ndarray, wanted=()) -> tuple[np.ndarray, dict[int, AttentionResult]] | None:
         """`append_many` then `attend_many` where `can_attend_many` (else None: nothing written), the output as one
         (B, n_heads, head_dim) array and the AttentionResult of the rows in `wanted` (indices into seq_ids) only: a
-        batched decode step's layer."""
+        batched decode step's layer. When every token needs only a slot (float32 RAM pages), the batched attention's
+        call writes their K/V (batch_writes.write_many's `hold`): the same cache, one numba call less."""
         seqs = [self.sequences[s] for s in seq_ids]
         if not paged_attention.can_attend_many(self.layers[layer], seqs, self.select_pages):  # (two or more)
             return None
-        self._append_many(seqs, layer, k, v, positions)
-        return paged_attention.attend_stacked(self.layers[layer], seqs, q, positions, wanted)
+        held = self._append_many(seqs, layer, k, v, positions, hold=True)  # (their K/V: the attention call writes them)
+        return paged_attention.attend_stacked(self.layers[layer], seqs, q, positions, wanted,
+                                              None if held is None else (held, k, v))
 
     def attend_many(self, seq_ids: list[int], layer: int, q: np.ndarray, positions: np.ndarray
                     ) -> list[AttentionResult]:

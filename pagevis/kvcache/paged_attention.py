@@ -182,9 +182,13 @@ def attend_many(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray, p
 
 
 def attend_stacked(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray, positions: np.ndarray,
-                   wanted) -> tuple[np.ndarray, dict[int, AttentionResult]]:
+                   wanted, write: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+                   ) -> tuple[np.ndarray, dict[int, AttentionResult]]:
     """`attend_many`'s output as one (B, n_heads, d) array, and the AttentionResult of the rows in `wanted` only
-    (indices: a decode step's watched sequences), so a step builds no per-sequence result nobody reads."""
+    (indices: a decode step's watched sequences), so a step builds no per-sequence result nobody reads. write: (flats,
+    k, v), the decoding tokens batch_writes.write_many held for the kernel (float32 RAM pages: `store.in_place`), which
+    writes them into their slots as PageStore.write_rows does before it reads them (batch_decode_kernel's
+    attend_tables)."""
     store, index, ps, of = layer.store, layer.layer, layer.page_size, layer.tables
     owns = [of[seq.seq_id] for seq in seqs]
     tables = [own.pages for own in owns]
@@ -202,8 +206,9 @@ def attend_stacked(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray
     if store.k.dtype == np.float32:  # K/V read in place through the tables, the bias and the window's mask per slot
         output, weights = kernels.batch_decode_kernels().attend_tables(  # (layer.mask's), one numba call
             q, store.k, store.v, padded, n_pages, store.bias, store.positions, positions, layer.window or 0,
-            _pool())
+            _pool(), None if write is None else (*write, store.fill))
     else:
+        assert write is None  # (only float32 RAM pages hold tokens back for the kernel)
         flat = flat_slots(padded, ps)
         bias = store.bias[flat]
         bias[np.arange(widest * ps)[None, :] >= n_pages[:, None] * ps] = -np.inf  # the padding
