@@ -37,15 +37,25 @@ def numba_cache_files(sources: list[Path]) -> Iterator[Path]:
     NUMBA_CACHE_DIR, or numba's per-user folder where the package's own is not writable. numba names each
     '<module stem>.<function>-<line>.py<version>.nb[ic]'."""
     stems = tuple(f"{path.stem}." for path in sources)
-    folders = {path.parent / "__pycache__" for path in sources}
-    for root in (os.environ.get("NUMBA_CACHE_DIR"), Path.home() / ".cache" / "numba"):
-        if root and Path(root).is_dir():
-            folders.update(folder for folder in Path(root).rglob("*") if folder.is_dir() and "pagevis" in str(folder))
+    homes = {path.parent for path in sources}
+    folders = {home / "__pycache__" for home in homes}
+    user_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "numba"
+    for root in (os.environ.get("NUMBA_CACHE_DIR"), user_cache):
+        if root:
+            folders.update(Path(root) / numba_folder_name(home) for home in homes)
     for folder in folders:
         if folder.is_dir():
             for file in folder.iterdir():
                 if file.suffix in (".nbi", ".nbc") and file.name.startswith(stems):
                     yield file
+
+
+def numba_folder_name(home: Path) -> str:
+    """The folder numba keeps a source folder's cache in under NUMBA_CACHE_DIR or its per-user cache: the folder's
+    name and the SHA-1 of its absolute path (numba.core.caching._CacheLocator.get_suitable_cache_subpath; the path
+    a module was imported by, which is this package's resolved one unless it was imported through a symlink)."""
+    path = os.path.abspath(home)
+    return f"{os.path.basename(path)}_{hashlib.sha1(path.encode()).hexdigest()}"
 
 
 def record() -> Path:

@@ -314,6 +314,48 @@ def test_a_change_to_any_kernel_source_drops_every_kernel_modules_numba_cache(tm
     assert not any(p.suffix in (".nbi", ".nbc") for p in cache.iterdir())  # spin_pool's too, though unchanged
 
 
+def test_stale_kernels_are_found_under_numba_cache_dir(tmp_path, monkeypatch):
+    """With NUMBA_CACHE_DIR set (or in numba's per-user cache), numba keeps a folder's kernels in '<folder
+    name>_<SHA-1 of its path>', named by numba's own locator here: no 'pagevis' in it, so until session 17 none of
+    them were found, and a changed source left the other modules' inlined copies of it running."""
+    from numba.core.caching import _CacheLocator
+
+    from pagevis import kernel_sources
+
+    sources = kernel_sources.kernel_sources()
+    cache = tmp_path / "numba"
+    placed = set()
+    for source in sources:
+        folder = cache / _CacheLocator.get_suitable_cache_subpath(str(source))
+        folder.mkdir(parents=True, exist_ok=True)
+        placed |= {folder / f"{source.stem}.kernel-10.py311.nbi", folder / f"{source.stem}.kernel-10.py311.1.nbc"}
+        for file in placed:
+            file.touch()
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(cache))
+    assert placed <= set(kernel_sources.numba_cache_files(sources))
+    monkeypatch.delenv("NUMBA_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # numba's per-user cache: $XDG_CACHE_HOME/numba
+    assert placed <= set(kernel_sources.numba_cache_files(sources))
+
+
+@pytest.mark.slow
+def test_a_kernel_compiled_under_numba_cache_dir_is_found(tmp_path, monkeypatch):
+    """The same, with the cache numba writes: a real process compiles a policy kernel under NUMBA_CACHE_DIR."""
+    import subprocess
+
+    from pagevis import kernel_sources
+
+    cache = tmp_path / "numba"
+    script = ("import numpy as np\nfrom pagevis.kvcache.policies.kernels import newest_mask\n"
+              "newest_mask(np.arange(4, dtype=np.int64), 2)\n")
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120,
+                   env={**os.environ, "NUMBA_CACHE_DIR": str(cache)})
+    compiled = {p for p in cache.rglob("*") if p.suffix in (".nbi", ".nbc")}
+    assert any(p.name.startswith("kernels.newest_mask") for p in compiled)
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(cache))
+    assert compiled <= set(kernel_sources.numba_cache_files(kernel_sources.kernel_sources()))
+
+
 def test_the_matrix_descriptors_layout_is_a_kernel_source_and_loads_no_numba():
     """matrix_descriptor.py holds the words' positions the kernels read (batch_kernels' `_nib_arrays` and
     `_i8_arrays`, inlined into rows_kernel and the spin pool's row_kernel): numba compiles them in as constants, so a
