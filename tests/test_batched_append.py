@@ -65,6 +65,29 @@ def _state(cache: KVCacheManager) -> tuple:
     return layers, newest, peaks, repr(cache.take_events())
 
 
+def _decode_steps(caches: tuple[KVCacheManager, ...], live: list[int]):
+    """The scenario's 14 steps over these caches (the live sequences: 1 to 4, 2 leaving at step 6): each step's
+    number set and each live sequence's token extended, then (step, positions) yielded; the caller writes and
+    attends, then `_commit`s."""
+    for step in range(14):
+        if step == 6:  # sequence 2 leaves: its pages go back (cached ones reclaimed later: uncache events)
+            for cache in caches:
+                cache.free(2)
+            live.remove(2)
+        positions = np.array([caches[0].n_tokens(s) for s in live], np.int64)
+        for cache in caches:
+            cache.step = step
+            for seq_id in live:
+                cache.extend(seq_id, [step])
+        yield step, positions
+
+
+def _commit(caches: tuple[KVCacheManager, ...], live: list[int]) -> None:
+    for cache in caches:
+        for seq_id in live:
+            cache.commit(seq_id)
+
+
 def _commit_per_layer(cache: KVCacheManager) -> KVCacheManager:
     """The cache, its commits asking every layer's own `commit` in order (KVCacheManager.commit notes a plain
     layer's pool peak itself: this is the rule it shortcuts)."""
@@ -83,26 +106,14 @@ def test_append_many_equals_one_append_per_sequence(policies):
     assert _state(batched) == _state(single)
     rng = np.random.default_rng(7)
     live = [1, 2, 3, 4]
-    for step in range(14):
-        if step == 6:  # sequence 2 leaves: its pages go back (cached ones reclaimed later: uncache events)
-            for cache in (batched, single):
-                cache.free(2)
-            live.remove(2)
-        for cache in (batched, single):
-            cache.step = step
-        positions = np.array([batched.n_tokens(s) for s in live], np.int64)
-        for cache in (batched, single):
-            for seq_id in live:
-                cache.extend(seq_id, [step])
+    for step, positions in _decode_steps((batched, single), live):
         for layer in range(CONFIG.n_layers):
             k, v = (rng.standard_normal((len(live), N_KV, HEAD_DIM)).astype(np.float32) for _ in range(2))
             batched.append_many(live, layer, k, v, positions)
             for i, seq_id in enumerate(live):
                 single.append(seq_id, layer, k[i: i + 1], v[i: i + 1], positions[i: i + 1])
             assert [batched.n_tokens(s) for s in live] == [single.n_tokens(s) for s in live]  # (newest, each layer)
-        for cache in (batched, single):
-            for seq_id in live:
-                cache.commit(seq_id)
+        _commit((batched, single), live)
         assert _state(batched) == _state(single), f"step {step}"
 
 
@@ -152,16 +163,7 @@ def test_decode_many_equals_append_many_then_attend_many(policies, monkeypatch):
     held, written = _cache(policies), _cache(policies)
     rng = np.random.default_rng(5)
     live = [1, 2, 3, 4]
-    for step in range(14):
-        if step == 6:
-            for cache in (held, written):
-                cache.free(2)
-            live.remove(2)
-        positions = np.array([held.n_tokens(s) for s in live], np.int64)
-        for cache in (held, written):
-            cache.step = step
-            for seq_id in live:
-                cache.extend(seq_id, [step])
+    for step, positions in _decode_steps((held, written), live):
         for layer in range(CONFIG.n_layers):
             k, v = (rng.standard_normal((len(live), N_KV, HEAD_DIM)).astype(np.float32) for _ in range(2))
             q = rng.standard_normal((len(live), CONFIG.n_heads, HEAD_DIM)).astype(np.float32)
@@ -173,11 +175,34 @@ def test_decode_many_equals_append_many_then_attend_many(policies, monkeypatch):
             for i, result in enumerate(want):
                 assert np.array_equal(got[1][i].weights.view(np.uint32), result.weights.view(np.uint32))
                 assert np.array_equal(got[1][i].slots, result.slots)
-        for cache in (held, written):
-            for seq_id in live:
-                cache.commit(seq_id)
+        _commit((held, written), live)
         assert _state(held) == _state(written), f"step {step}"
     assert any(h is None for h in held_then) and any(h is not None for h in held_then)
+
+
+def test_without_write_events_the_cache_logs_every_other_event_and_changes_the_same():
+    """KVCacheManager.record_writes(False): no WRITE event from any way a token is written (append_many's inlined
+    path and free_slot's, append's chunks, evictions' rewrites), every other event as with them, in order, and the
+    same pages, tables and stored values."""
+    policies = {0: "none", 1: "h2o", 2: "sinks", 3: "adakv", 4: "keydiff"}
+    logged, quiet = _cache(policies), _cache(policies)
+    quiet.record_writes(False)
+    rng = np.random.default_rng(3)
+    live = [1, 2, 3, 4]
+    for step, positions in _decode_steps((logged, quiet), live):
+        for layer in range(CONFIG.n_layers):
+            k, v = (rng.standard_normal((len(live), N_KV, HEAD_DIM)).astype(np.float32) for _ in range(2))
+            for cache in (logged, quiet):
+                if step % 3:
+                    cache.append_many(live, layer, k, v, positions)
+                else:
+                    for i, seq_id in enumerate(live):
+                        cache.append(seq_id, layer, k[i: i + 1], v[i: i + 1], positions[i: i + 1])
+        _commit((logged, quiet), live)
+        events, kept = logged.take_events(), quiet.take_events()
+        assert any(e.kind.value == "write" for e in events)
+        assert repr(kept) == repr([e for e in events if e.kind.value != "write"]), f"step {step}"
+        assert _state(logged)[:-1] == _state(quiet)[:-1], f"step {step}"
 
 
 def _watched_weights(prompts: list[list[int]], watched: int) -> list[dict[int, dict[int, float]]]:

@@ -34,7 +34,7 @@ def write_many(layer: LayerManager, seqs: list[SequenceCache], k: np.ndarray, v:
     write (KVCacheManager.decode_many); else None, everything written."""
     store, tables, log, flats, rows = layer.store, layer.tables, layer.log, [], []
     windowed, can_allocate, budget = layer.window is not None, store.pages.can_allocate, layer.budget
-    ps, index, step, add = layer.page_size, layer.layer, log.step, log.events.append
+    ps, index, step, add, writes = layer.page_size, layer.layer, log.step, log.events.append, log.writes
     shared, registered = store.pages.ref_counts, store.pages.frame_hash
     ints = positions.tolist()
     for i, seq in enumerate(seqs):
@@ -60,8 +60,9 @@ def write_many(layer: LayerManager, seqs: list[SequenceCache], k: np.ndarray, v:
                     table.resident += 1
                     if position < table.floor:
                         table.floor = -1
-                    add(as_event(CacheEvent, (WRITE, step, index, page, flat - page * ps, position, "", "", NAN, -1,
-                                              seq.seq_id, -1)))
+                    if writes:
+                        add(as_event(CacheEvent, (WRITE, step, index, page, flat - page * ps, position, "", "", NAN,
+                                                  -1, seq.seq_id, -1)))
                     flats.append(flat)
                     rows.append(i)
                     continue

@@ -58,6 +58,7 @@ class EventLog:
         self.events: list[CacheEvent] = []
         self.step = 0
         self.acting = -1
+        self.writes = True  # False: no WRITE events (KVCacheManager.record_writes), every other one as before
 
     def add(self, kind: EventKind, seq: int, layer: int = -1, page: int = -1, slot: int = -1, position: int = -1,
             policy: str = "", reason: str = "", score: float = float("nan"), frame: int = -1,
@@ -66,9 +67,10 @@ class EventLog:
                                       seq, detail))
 
     def add_write(self, seq: int, layer: int, page: int, slot: int, position: int) -> None:
-        """`add` of a WRITE event (one per token and layer: the commonest, made without add's keywords)."""
-        self.events.append(as_event(CacheEvent, (WRITE, self.step, layer, page, slot, position, "", "", NAN, -1, seq,
-                                                 -1)))
+        """`add` of a WRITE event (one per token and layer: the commonest, made without add's keywords), if `writes`."""
+        if self.writes:
+            self.events.append(as_event(CacheEvent, (WRITE, self.step, layer, page, slot, position, "", "", NAN, -1,
+                                                     seq, -1)))
 
     def take(self) -> list[CacheEvent]:
         """Events since the last call, oldest first."""

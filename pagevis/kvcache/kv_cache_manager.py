@@ -134,6 +134,11 @@ class KVCacheManager:
         self.log.step = 0
         self.log.events = []
 
+    def record_writes(self, on: bool) -> None:
+        """Whether WRITE events are logged (on by default: one per token and layer, a 16-sequence decode step's 480):
+        a caller whose records keep none may turn them off; every other event is logged as before, in order."""
+        self.log.writes = on
+
     def take_events(self) -> list[CacheEvent]:
         """Events since the last call, oldest first."""
         return self.log.take()
