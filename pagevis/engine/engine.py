@@ -57,6 +57,7 @@ class Engine:
         self.cache_config = cache_config or self.config.cache_config(model.config)
         pool_pages = self.batch.pool_pages or self.batch.max_seqs * self.cache_config.n_page_ids
         self.cache = KVCacheManager(self.cache_config, pool_pages, self.batch.prefix_caching)
+        self.cache.record_writes(False)  # BatchRecords keep no WRITE event (a DecodeSession's records turn them on)
         if load_decode_kernel():  # not in the first decode step; the linker's code pages go out again after it
             release_compiler_pages()
         self.scheduler = Scheduler(self.cache, self.batch.max_seqs, self.batch.token_budget, max_chunk)

@@ -97,6 +97,7 @@ class DecodeSession:
         self.engine = engine or Engine(model, self.config, BatchConfig(max_seqs=1), max_chunk=max_chunk,
                                        hold_finished=True, cache_config=self.cache_config)
         self.cache = self.engine.cache
+        self.cache.record_writes(True)  # the step record's events (on a shared engine too, from here on)
         self.pool = pool or PoolView()
         self.oracle = (FullCacheOracle(model, self.cache_config, len(self.prompt_ids) + self.config.max_new_tokens,
                                        self.record_layers) if self.config.oracle else None)
