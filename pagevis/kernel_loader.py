@@ -107,26 +107,28 @@ def import_kernels(module_name: str, what: str, *, seconds: int | None = None) -
 
 
 @overload
-def import_kernels(module_name: str, what: str, *, build: Callable[[ModuleType], T], seconds: int | None = None
-                   ) -> T: ...
+def import_kernels(module_name: str, what: str, *, build: Callable[[ModuleType], T], part: str = "",
+                   seconds: int | None = None) -> T: ...
 
 
-def import_kernels(module_name: str, what: str, *, build: Callable[[ModuleType], Any] | None = None,
+def import_kernels(module_name: str, what: str, *, build: Callable[[ModuleType], Any] | None = None, part: str = "",
                    seconds: int | None = None) -> Any:
     """The kernel module `module_name` imported under the compile lock, once a process (see the module docstring);
-    with `build`, what build(module) returns (kernels it compiles when called), built under the lock too. `what`
-    names the kernels in what is said ("the decode attention kernel"); `seconds`: a first compile's time on an idle
-    2-core machine, said when numba starts compiling (None: a few seconds, nothing said)."""
-    loaded = _LOADED.get(module_name)
+    with `build`, what build(module) returns (kernels it compiles when called), built under the lock too, once a
+    process for each `part` (a module's kernels compiled on demand, one part at a time: batch_kernels' families).
+    `what` names the kernels in what is said ("the decode attention kernel"); `seconds`: a first compile's time on
+    an idle 2-core machine, said when numba starts compiling (None: a few seconds, nothing said)."""
+    key = f"{module_name}:{part}" if part else module_name
+    loaded = _LOADED.get(key)
     if loaded is not None:
         return loaded
     with _THREADS:
-        loaded = _LOADED.get(module_name)
+        loaded = _LOADED.get(key)
         if loaded is None:
             _drop_stale_kernels_once()
             with _compile_lock(lock_name(module_name)) as held, _saying_when_compiling(what, seconds) as announce:
                 loaded = _load(module_name, what, build, held, announce)
-            _LOADED[module_name] = loaded
+            _LOADED[key] = loaded
     return loaded
 
 

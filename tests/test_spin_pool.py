@@ -128,7 +128,7 @@ def test_the_helpers_row_chunks_come_from_its_scratch_and_a_stalled_one_is_taken
     for stalled in (False, True):
         ctrl, scratch = idle_control(sp), np.full(len(x) * stride, np.nan, np.float32)
         out = np.full(len(x) * stride, np.nan, np.float32)
-        count = sp.post_rows(ctrl, matrix.descriptor, 5, x, stride, scratch)
+        count = sp.post_rows(ctrl, matrix.descriptor, 5, x, stride, scratch, matrix.rows_address)
         assert count >= 2
         if stalled:
             ctrl[sp.NEXT] += 1  # the helper's claim of chunk 0, its result never marked done
@@ -152,7 +152,7 @@ def test_a_chunk_the_helper_finished_is_copied_in_between_the_callers_own(stalle
     stride = matrix.tiles * TILE
     ctrl, scratch = idle_control(sp), np.full((len(x), stride), np.nan, np.float32)
     out = np.full(len(x) * stride, np.nan, np.float32)
-    count = sp.post_rows(ctrl, matrix.descriptor, 5, x, stride, scratch.reshape(-1))
+    count = sp.post_rows(ctrl, matrix.descriptor, 5, x, stride, scratch.reshape(-1), matrix.rows_address)
     width = int(ctrl[sp.CHUNK]) * TILE
     assert count >= 3 and width < matrix.n_out
     scratch[:, :width] = expected[:, :width] + 1  # the helper's chunk 0, told apart from the caller's

@@ -23,15 +23,14 @@ block's conversion is a pass of its own, ~4.6 ms a token at any row count; conve
 what that pass did at 16 rows (done for each 8, 30.5 -> 30.6-30.9 ms), since it shares the float pipes with the
 multiplies and adds, and converting once for 8 rows while storing the codes for the next 8 measured slower (32-35).
 
-Compiled once, when imported (under weight_kernels' compile lock), and kept in numba's on-disk cache like
-weight_kernels.py's: rows_kernel, a C function that rows() (2 to SMALL_BATCH rows, a prefill's on one thread) and the
-spin pool's functions (a prefill's on two) call through its address, not compiled again into each (numba links a
-callee into every caller: the njit row kernels and the spin pool's copy took ~30 s and ~40 s of a first compile).
+Kept in numba's on-disk cache like weight_kernels.py's: a C function a weight family (rows_kernel(family)),
+compiled when a model first multiplies rows by a matrix of that family (under the weights' compile lock), that rows()
+(2 to SMALL_BATCH rows, a prefill's on one thread) and the spin pool's functions (a prefill's on two) call through
+its address, not compiled again into each (numba links a callee into every caller: the njit row kernels and the spin
+pool's copy took ~30 s and ~40 s of a first compile).
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 import numpy as np
 from numba import carray, cfunc, njit, types
@@ -39,8 +38,8 @@ from numba import carray, cfunc, njit, types
 from pagevis.kernel_intrinsics import call_address as _call
 from pagevis.kernel_intrinsics import pointer_to
 
-from pagevis.model.matrix_descriptor import (DESCRIPTOR, I8, I8_DH, I8_DS, I8_QS, KIND, MODE, N_IN, NIB_DH, NIB_DS,
-                                             NIB_MH, NIB_MS, NIB_QH, NIB_QS, PER)
+from pagevis.model.matrix_descriptor import (DESCRIPTOR, I8_DH, I8_DS, I8_QS, N_IN, NIB_DH, NIB_DS,
+                                             NIB_MH, NIB_MS, NIB_QH, NIB_QS)
 from pagevis.model.tile_sums import rows_switch, sums  # noqa: F401  (rows_switch: int8_kernels imports it from here)
 from pagevis.model.weight_kernels import HALF, Q4_0, SUPER, _group_sums, _nib_scales, _prefetch_ahead, _scales
 
@@ -167,36 +166,56 @@ def _nib_arrays(words):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _rows_tiles(words, X, t0, t1, out):
-    """The kernel for the matrix words describes: tiles t0..t1 times the rows X, into out."""
-    if words[KIND] == I8:
-        qs, dh, ds = _i8_arrays(words)
-        if words[PER] > 1:  # Q6_K
-            _i8_rows_tiles(qs, dh, ds, 16, 16, X, t0, t1, out)
-        else:
-            _i8_rows_tiles(qs, dh, ds, 1, 32, X, t0, t1, out)
-        return
-    qs, _, dh, ds, mh, ms = _nib_arrays(words)
-    if words[PER] > 1:  # Q4_K
-        _u4_rows_tiles(qs, dh, ds, mh, ms, 8, SUPER, X, t0, t1, out)
-    elif words[MODE] == Q4_0:
-        _u4_rows_tiles(qs, dh, ds, mh, ms, 1, Q4_0, X, t0, t1, out)
-    else:
-        _u4_rows_tiles(qs, dh, ds, mh, ms, 1, HALF, X, t0, t1, out)
+def _block(words, x_address, i, n, t0, t1, target, stride):
+    """Rows i.. (KERNEL_ROWS at most) of the n rows at x_address, and their outputs of tiles t0..t1 at target."""
+    rows = min(KERNEL_ROWS, n - i)
+    X = carray(_f32(x_address + 4 * i * words[N_IN]), (rows, words[N_IN]))
+    at = target + 4 * (i * stride + t0 * TILE)  # tile t0's outputs of row i (stride may be below t1 * TILE)
+    return X, carray(_f32(at), (rows, stride))[:, :(t1 - t0) * TILE]
 
 
-@cfunc(types.void(*(types.int64,) * 7), cache=True, error_model="numpy")
-def rows_kernel(job, x_address, n, t0, t1, target, stride):
-    """Tiles t0..t1 of the matrix described at address job times the n rows at x_address (n, in), into the rows of
-    stride floats at target: this module's kernel, each row bit for bit the matrix-vector kernel's (u4 and i8). A C
-    function, compiled once: numba links a callee's code into every function that calls it, and this one is big
-    (five kernels), so rows() and the spin pool's functions call it through its address (`_call`)."""
-    words = carray(_i64(job), (DESCRIPTOR,))
-    for i in range(0, n, KERNEL_ROWS):
-        rows = min(KERNEL_ROWS, n - i)
-        X = carray(_f32(x_address + 4 * i * words[N_IN]), (rows, words[N_IN]))
-        at = target + 4 * (i * stride + t0 * TILE)  # tile t0's outputs of row i (stride may be below t1 * TILE)
-        _rows_tiles(words, X, t0, t1, carray(_f32(at), (rows, stride))[:, :(t1 - t0) * TILE])
+_SIGNATURE = types.void(*(types.int64,) * 7)
+
+
+def _kernel(i8: bool, per: int, mode: int):
+    """The rows kernel of one weight family (FAMILIES): a C function, tiles t0..t1 of the matrix described at address
+    job times the n rows at x_address (n, in), into the rows of stride floats at target, each row bit for bit the
+    matrix-vector kernel's. Compiled when a model first multiplies such a matrix by rows (rows_kernel), each family
+    on its own (a closure: numba's cache keys it by its constants), so a model's first launch compiles the families
+    its file holds (SmolLM2: two of five; the five in one C function took 23-30 s of a first compile here). rows() and
+    the spin pool's functions call it through its address: numba links a callee into every caller."""
+    if i8:
+        @cfunc(_SIGNATURE, cache=True, error_model="numpy")
+        def i8_rows(job, x_address, n, t0, t1, target, stride):
+            words = carray(_i64(job), (DESCRIPTOR,))
+            qs, dh, ds = _i8_arrays(words)
+            for i in range(0, n, KERNEL_ROWS):
+                X, out = _block(words, x_address, i, n, t0, t1, target, stride)
+                _i8_rows_tiles(qs, dh, ds, per, mode, X, t0, t1, out)
+        return i8_rows
+
+    @cfunc(_SIGNATURE, cache=True, error_model="numpy")
+    def u4_rows(job, x_address, n, t0, t1, target, stride):
+        words = carray(_i64(job), (DESCRIPTOR,))
+        qs, _, dh, ds, mh, ms = _nib_arrays(words)
+        for i in range(0, n, KERNEL_ROWS):
+            X, out = _block(words, x_address, i, n, t0, t1, target, stride)
+            _u4_rows_tiles(qs, dh, ds, mh, ms, per, mode, X, t0, t1, out)
+    return u4_rows
+
+
+# a family's kernel: (i8, per, mode), mode being i8's group size (matrix_descriptor.family names them)
+FAMILIES = {"u4": (False, 1, HALF), "q4_0": (False, 1, Q4_0), "q4_k": (False, 8, SUPER),
+            "i8": (True, 1, 32), "q6_k": (True, 16, 16)}
+_COMPILED: dict[str, int] = {}
+
+
+def rows_kernel(family: str) -> int:
+    """The address of a family's rows kernel (_kernel), compiled or loaded from numba's cache on first use
+    (quantized.rows_kernel asks through kernel_loader.import_kernels: under the compile lock)."""
+    if family not in _COMPILED:
+        _COMPILED[family] = int(_kernel(*FAMILIES[family]).address or 0)
+    return _COMPILED[family]
 
 
 @njit("void(int64, int64[::1], float32[:, ::1], int64, int64, float32[:, :])", cache=True, nogil=True)
@@ -208,9 +227,8 @@ def rows(kernel, job, X, t0, t1, out):
 
 
 def compiled() -> dict:
-    """The row kernels by packed format, for quantized.QuantMatrix.product's 2 to SMALL_BATCH rows (it calls this
-    once, through kernel_loader.import_kernels: under the compile lock, a damaged cache healed, in memory where numba
-    cannot cache): called as kernel(descriptor, X, t0, t1, out). u4 (Q4_0, Q4_1, Q4_K) and i8 (Q8_0, Q5_0, Q6_K):
-    the types SmolLM2's and Gemma 3's files hold; u5 (Q5_1, Q5_K) keeps weight_kernels' small-batch kernel."""
-    kernel = partial(rows, int(rows_kernel.address or 0))
-    return {"u4": kernel, "i8": kernel}
+    """The row kernels by packed format, for quantized.QuantMatrix.product's 2 to SMALL_BATCH rows: called as
+    kernel(address, descriptor, X, t0, t1, out), address the matrix's family's rows_kernel. u4 (Q4_0, Q4_1, Q4_K)
+    and i8 (Q8_0, Q5_0, Q6_K): the types SmolLM2's and Gemma 3's files hold; u5 (Q5_1, Q5_K) keeps weight_kernels'
+    small-batch kernel."""
+    return {"u4": rows, "i8": rows}

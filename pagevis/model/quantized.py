@@ -29,6 +29,7 @@ from gguf import GGMLQuantizationType as Q
 from pagevis.kernel_loader import import_kernels
 from pagevis.model import int8_rows
 from pagevis.model.matrix_descriptor import describe
+from pagevis.model.matrix_descriptor import family as matrix_family
 from pagevis.model.resident import release_compiler_pages, release_mapped, release_whole_pages
 from pagevis.model.weight_threads import split, weight_threads
 
@@ -93,8 +94,20 @@ def _rows_kernel(fmt: str, fallback):
 
 
 def _batch_kernels():
-    """batch_kernels.py, through kernel_loader.import_kernels (its one C function: ~30 s of a first compile here)."""
-    return import_kernels("pagevis.model.batch_kernels", "the batched weight kernels", seconds=30)
+    """batch_kernels.py, through kernel_loader.import_kernels (its rows kernels compile on demand: rows_kernel)."""
+    return import_kernels("pagevis.model.batch_kernels", "the batched weight kernels")
+
+
+def rows_kernel(descriptor: np.ndarray) -> int:
+    """The address of batch_kernels' rows kernel for the matrix's family (matrix_descriptor.family), compiled or loaded
+    the first time a matrix of that family is multiplied by rows, through kernel_loader.import_kernels (under the
+    compile lock, a damaged cache healed): a first launch compiles only the families its model's file holds (~5 s
+    each here; SmolLM2 two, Gemma 3 three)."""
+    family = matrix_family(descriptor)
+    address = import_kernels("pagevis.model.batch_kernels", f"the batched weight kernels ({family})", part=family,
+                             build=lambda module: module.rows_kernel(family), seconds=5)
+    release_compiler_pages()
+    return address
 
 
 _ROWS_KERNELS: dict | None = None
@@ -181,6 +194,11 @@ class QuantMatrix:
         batch_kernels' rows kernel (matrix_descriptor.py: plain NumPy, no kernel loaded)."""
         return describe(self.fmt, self.arrays, self.n_in)
 
+    @cached_property
+    def rows_address(self) -> int:
+        """The address of its family's rows kernel (u4, i8: rows_kernel), compiled on first use."""
+        return rows_kernel(self.descriptor)
+
     @property
     def tiles(self) -> int:
         return self.arrays[0].shape[0]
@@ -200,7 +218,7 @@ class QuantMatrix:
         many = x.ndim == 2 and len(x) > SMALL_BATCH  # a prefill's rows: PREFILL_ROWS at a time
         if many and self.fmt in POOL_ROWS and (pool := spin_pool()) is not None:  # two threads: the spin pool's
             out = np.empty((len(x), self.tiles * TILE), np.float32)
-            pool.product_rows(self.descriptor, self.arrays, x, out)
+            pool.product_rows(self.rows_address, self.descriptor, self.arrays, x, out)
             return out[:, :self.n_out]
         rows = None if x.ndim == 1 else _rows_kernel(self.fmt, None)
         if x.ndim == 2 and len(x) > SMALL_BATCH and rows is None:
@@ -210,7 +228,7 @@ class QuantMatrix:
             pool.product(self.descriptor, self.arrays, x, out)  # shared with the second thread, every size
             return out[:self.n_out]
         kernel = matvec if x.ndim == 1 else rows or matmul
-        arrays = (self.descriptor,) if rows else self.arrays  # batch_kernels' takes the matrix's descriptor
+        arrays = (self.rows_address, self.descriptor) if rows else self.arrays  # batch_kernels': its family's kernel
 
         def work(t0: int, t1: int, private: bool) -> np.ndarray:
             target = np.empty((*x.shape[:-1], (t1 - t0) * TILE), np.float32) if private else out[..., t0 * TILE:t1 * TILE]

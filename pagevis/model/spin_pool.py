@@ -42,7 +42,7 @@ from numba.extending import intrinsic
 
 from pagevis.kernel_intrinsics import call_address as _call
 from pagevis.kernel_intrinsics import pointer_to
-from pagevis.model.batch_kernels import _i8_arrays, _nib_arrays, rows_kernel
+from pagevis.model.batch_kernels import _i8_arrays, _nib_arrays
 from pagevis.model.matrix_descriptor import DESCRIPTOR, HIGH, I8, KIND, MODE, N_IN, PER, TILES
 from pagevis.model.weight_kernels import i8_matvec, nib_matvec
 
@@ -76,11 +76,11 @@ NEXT, HELPER_SEQ, STOP, PARKED, OWNER = 0, 8, 16, 24, 32
 HELPED, TAKEN_OVER, CLOCK, MISSES, BEAT = 40, 41, 42, 43, 44  # chunks the helper computed, chunks the caller took
 # back; the clock's id; products in a row the helper took no chunk of; when the helper last spun waiting for a job
 STATE = 48  # per chunk: tag << 2 | DONE once the helper's copy is in scratch
-# the job's input, tiles a chunk, the helper's scratch; a prefill's block of rows (0: one row), its output's row, and
-# the address of the rows kernel (rows_kernel: one compiled copy, called through its address); the kernel a job
-# calls (row_kernel, rows_kernel, or product_kernel's: int8_kernels.pool_kernel); the one-row kernel's (row_kernel)
-X, CHUNK, SCRATCH, ROWS, STRIDE, ROWS_KERNEL, JOB_KERNEL, ROW_KERNEL = range(STATE + MAX_CHUNKS, STATE + MAX_CHUNKS + 8)
-JOB = STATE + MAX_CHUNKS + 8  # the product's matrix descriptor
+# the job's input, tiles a chunk, the helper's scratch; a prefill's block of rows (0: one row), its output's row; the
+# kernel a job calls (row_kernel, the matrix family's batch_kernels.rows_kernel, or product_kernel's:
+# int8_kernels.pool_kernel); the one-row kernel's (row_kernel)
+X, CHUNK, SCRATCH, ROWS, STRIDE, JOB_KERNEL, ROW_KERNEL = range(STATE + MAX_CHUNKS, STATE + MAX_CHUNKS + 7)
+JOB = STATE + MAX_CHUNKS + 7  # the product's matrix descriptor
 WORDS = JOB + DESCRIPTOR
 DONE, TAKEN, MINE = 1, 2, 3  # a chunk's state: the helper's copy is ready; the caller took it back; the caller's
 COUNT_BITS, INDEX_MASK = 16, 0xFFFF
@@ -320,11 +320,11 @@ def post(ctrl, job, tag, x, scratch):
     return _post(ctrl, job, tag, x.ctypes.data, 0, 0, scratch, ctrl[ROW_KERNEL], 0)
 
 
-@njit("int64(int64[::1], int64[::1], int64, float32[:, ::1], int64, float32[::1])", cache=True, nogil=True)
-def post_rows(ctrl, job, tag, x, stride, scratch):
+@njit("int64(int64[::1], int64[::1], int64, float32[:, ::1], int64, float32[::1], int64)", cache=True, nogil=True)
+def post_rows(ctrl, job, tag, x, stride, scratch, kernel):
     """post() of a block of rows x (n, in), whose output rows are stride floats (the output and the scratch laid out
-    (n, stride): run() next, with both flattened)."""
-    return _post(ctrl, job, tag, x.ctypes.data, x.shape[0], stride, scratch, ctrl[ROWS_KERNEL], ROW_CHUNKS)
+    (n, stride): run() next, with both flattened), computed by the rows kernel at address kernel."""
+    return _post(ctrl, job, tag, x.ctypes.data, x.shape[0], stride, scratch, kernel, ROW_CHUNKS)
 
 
 @njit("void(int64[::1], int64[::1], int64, float32[::1], float32[::1], float32[::1])", cache=True, nogil=True)
@@ -340,19 +340,20 @@ def product(ctrl, job, tag, x, out, scratch):
     _store(ctrl, OWNER, 0)  # type: ignore[call-arg]
 
 
-@njit("void(int64[::1], int64[::1], int64, float32[:, ::1], float32[:, ::1], float32[::1], int64)", cache=True,
-      nogil=True)
-def product_rows(ctrl, job, tag, x, out, scratch, block):
-    """out = x (a prefill's rows) times the matrix job describes (u4 or i8: batch_kernels' kernel), block rows at a
-    time, each block's chunks of tiles shared with the helper: block i is job tag + i."""
+@njit("void(int64, int64[::1], int64[::1], int64, float32[:, ::1], float32[:, ::1], float32[::1], int64)",
+      cache=True, nogil=True)
+def product_rows(kernel, ctrl, job, tag, x, out, scratch, block):
+    """out = x (a prefill's rows) times the matrix job describes (u4 or i8: its family's batch_kernels.rows_kernel,
+    at address kernel), block rows at a time, each block's chunks of tiles shared with the helper: block i is job
+    tag + i."""
     n, n_in, stride = x.shape[0], x.shape[1], out.shape[1]
     for i in range(0, n, block):
         rows = min(block, n - i)
         part = carray(_f32(x.ctypes.data + 4 * i * n_in), (rows, n_in))
         target = carray(_f32(out.ctypes.data + 4 * i * stride), (rows * stride,))
-        count = post_rows(ctrl, job, tag + i // block, part, stride, scratch)
+        count = post_rows(ctrl, job, tag + i // block, part, stride, scratch, kernel)
         if count == 0:
-            _call(ctrl[ROWS_KERNEL], job.ctypes.data, part.ctypes.data, rows, 0, job[TILES],  # type: ignore[call-arg]
+            _call(kernel, job.ctypes.data, part.ctypes.data, rows, 0, job[TILES],  # type: ignore[call-arg]
                   target.ctypes.data, stride)
             continue
         run(ctrl, tag + i // block, count, target, scratch)
@@ -403,10 +404,9 @@ def items(ctrl, job, tag, handle, out, scratch, kernel, count):
 
 
 def new_control() -> np.ndarray:
-    """A control array with no job: the clock's id, the row and rows kernels' addresses, no helper job announced."""
+    """A control array with no job: the clock's id, the row kernel's address, no helper job announced."""
     ctrl = np.zeros(WORDS, np.int64)
-    ctrl[HELPER_SEQ], ctrl[CLOCK], ctrl[ROWS_KERNEL] = -1, time.CLOCK_MONOTONIC, int(rows_kernel.address or 0)
-    ctrl[ROW_KERNEL] = int(row_kernel.address or 0)
+    ctrl[HELPER_SEQ], ctrl[CLOCK], ctrl[ROW_KERNEL] = -1, time.CLOCK_MONOTONIC, int(row_kernel.address or 0)
     return ctrl
 
 
@@ -463,13 +463,14 @@ class SpinPool:
             self.held = None
         # else: an earlier job, held since it ended (or a claim that fails: never read)
 
-    def product_rows(self, job: np.ndarray, arrays: tuple, x: np.ndarray, out: np.ndarray, block: int = JOB_ROWS
-                     ) -> None:
-        """out (n, the matrix's tiles' rows) = x (n, in) times the packed u4 or i8 matrix that job describes, block
-        rows a job, each job's tiles shared with the helper (product_rows)."""
+    def product_rows(self, kernel: int, job: np.ndarray, arrays: tuple, x: np.ndarray, out: np.ndarray,
+                     block: int = JOB_ROWS) -> None:
+        """out (n, the matrix's tiles' rows) = x (n, in) times the packed u4 or i8 matrix that job describes, by its
+        family's rows kernel at address kernel (quantized.rows_kernel), block rows a job, each job's tiles shared
+        with the helper (product_rows)."""
         first = self._ready(min(block, len(x)) * out.shape[1])
         self.tag = first + (len(x) - 1) // block
-        product_rows(self.ctrl, job, first, x, out, self.scratch, block)
+        product_rows(kernel, self.ctrl, job, first, x, out, self.scratch, block)
         self._hold(first, (job, arrays, x, self.scratch))
 
     def product_kernel(self, kernel: int, prepare: int, job: np.ndarray, arrays: tuple, handle: np.ndarray,
