@@ -73,6 +73,7 @@ _gave_up = False  # a wait for the file lock timed out: later imports take it on
 _said_gave_up = False  # ... and that was said
 _lock_file: IO[str] | None = None  # the lock file while it is open
 _checked_sources = False  # the kernels' sources were checked against the cache's (_drop_stale_kernels_once)
+_said_unusable: set[str] = set()  # modules whose cache was said unusable (damaged, no locator)
 
 
 def _new_lock_in_child() -> None:
@@ -181,8 +182,12 @@ def _load(module_name: str, what: str, build: Callable[[ModuleType], Any] | None
         try:
             return attempt()
         except Exception as exc:  # numba's cache: unpickling a damaged file, "no locator available", ...
-            _say(announce, f"pagevis: numba's cache of {what} ({module_name}) cannot be used ({_reason(exc)}); "
-                           "compiling them again")
+            if module_name in _said_unusable:  # said once a module: its parts compiled on demand say no more
+                announce.said = True
+            else:
+                _say(announce, f"pagevis: numba's cache of {what} ({module_name}) cannot be used ({_reason(exc)}); "
+                               "compiling them again")
+                _said_unusable.add(module_name)
         with contextlib.suppress(Exception):
             with _damaged_cache_files_ignored():  # compiled and written over the damaged files: healed
                 return attempt()

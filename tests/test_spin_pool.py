@@ -32,7 +32,7 @@ def matrices(kind: Q, rng: np.random.Generator):
 
 def one_thread(matrix, x) -> np.ndarray:
     out = np.empty(matrix.tiles * TILE, np.float32)
-    kernels()[matrix.fmt][0](*matrix.arrays, x, 0, matrix.tiles, out)
+    kernels()[matrix.fmt](*matrix.arrays, x, 0, matrix.tiles, out)
     return out
 
 
@@ -198,7 +198,7 @@ rng = np.random.default_rng(0)
 matrix = pack(Q.Q8_0, random_blocks(Q.Q8_0, 48 * 64, 256, rng), 256)
 x = rng.standard_normal(256).astype(np.float32)
 expected = np.empty(matrix.tiles * TILE, np.float32)
-kernels()["i8"][0](*matrix.arrays, x, 0, matrix.tiles, expected)
+kernels()["i8"](*matrix.arrays, x, 0, matrix.tiles, expected)
 for _ in range(1000):
     assert np.array_equal(matrix.product(x), expected)
 pool = quantized.spin_pool()

@@ -41,7 +41,8 @@ from pagevis.kernel_intrinsics import pointer_to
 from pagevis.model.matrix_descriptor import (DESCRIPTOR, I8_DH, I8_DS, I8_QS, N_IN, NIB_DH, NIB_DS,
                                              NIB_MH, NIB_MS, NIB_QH, NIB_QS)
 from pagevis.model.tile_sums import rows_switch, sums  # noqa: F401  (rows_switch: int8_kernels imports it from here)
-from pagevis.model.weight_kernels import HALF, Q4_0, SUPER, _group_sums, _nib_scales, _prefetch_ahead, _scales
+from pagevis.model.weight_kernels import (HALF, Q4_0, SUPER, _group_sums, _nib_scales, _prefetch_ahead, _put, _put2,
+                                          _scales)
 
 TILE = 64
 # up to FUSED_ROWS rows: the codes converted in the register block, which covers PART outputs of FUSED_ROWS rows
@@ -83,7 +84,7 @@ def _u4_rows_tiles(qs, dh, ds, mh, ms, per, mode, X, t0, t1, out):
     n, groups = X.shape[0], qs.shape[1]
     xs = np.empty((n, groups), np.float32)
     for i in range(n):
-        xs[i] = _group_sums(X[i], 32)
+        _put(xs[i], 0, _group_sums(X[i], 32))
     d, m, sup = np.empty(TILE, np.float32), np.empty(TILE, np.float32), np.empty((2, TILE), np.float32)
     c, acc = np.empty((32, TILE), np.float32), np.empty((n, TILE), np.float32)
     stride, d_at, m_at, group_bytes = X.shape[1] * 4, d.ctypes.data, m.ctypes.data, qs.shape[2] * TILE
@@ -102,7 +103,7 @@ def _u4_rows_tiles(qs, dh, ds, mh, ms, per, mode, X, t0, t1, out):
                 for i in range(0, n, ROWS):
                     _U4_SUMS(min(ROWS, n - i), c.ctypes.data, x_at + i * stride, stride, d_at, m_at,
                              xs_at + i * groups * 4, groups * 4, acc_at + i * TILE * 4)
-        out[:, (t - t0) * TILE:(t - t0 + 1) * TILE] = acc
+        _put2(out, 0, (t - t0) * TILE, acc)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -132,7 +133,7 @@ def _i8_rows_tiles(qs, dh, ds, per, size, X, t0, t1, out):
                     _I8_SUMS(rows, c.ctypes.data, x_at + i * stride, stride, d_at, d_at, d_at, 0, at)
                 else:
                     _I8_16_SUMS(rows, c.ctypes.data, x_at + i * stride, stride, d_at, d_at, d_at, 0, at)
-        out[:, (t - t0) * TILE:(t - t0 + 1) * TILE] = acc
+        _put2(out, 0, (t - t0) * TILE, acc)
 
 
 _u8, _u32, _i16, _i8 = (pointer_to(t) for t in (types.uint8, types.uint32, types.int16, types.int8))

@@ -67,6 +67,8 @@ FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 NO_U32, NO_I16, NO_I8 = np.zeros((1, 1, 1), np.uint32), np.zeros((1, 1, 1), np.int16), np.zeros((1, 1, 1), np.int8)
 PLACEHOLDERS = (NO_U32, NO_I16, NO_I8)
 HALF, Q4_0_MODE, SUPER = 0, 1, 2  # the kernels' scale modes (weight_kernels.py)
+# weight_kernels' kernels by format, of those compiled on demand (weight_kernel): u5's rows, the sgemm's dequantisers
+MATMUL, DEQUANT = {"u5": "nib_matmul"}, {"u4": "nib_dequant", "u5": "nib_dequant", "i8": "i8_dequant"}
 
 
 def kernels() -> dict:
@@ -82,6 +84,15 @@ def kernels() -> dict:
 
 
 _KERNELS: dict | None = None
+
+
+def weight_kernel(name: str):
+    """weight_kernels' kernel `name` of its LAZY ones (the sgemm's dequantisers, the repack kernels, u5's rows),
+    compiled or loaded from numba's cache the first time it is needed, through kernel_loader.import_kernels (under the
+    compile lock, a damaged cache healed): a first launch compiles the ones its model's file uses (a second or two
+    each here)."""
+    return import_kernels("pagevis.model.weight_kernels", f"the quantized-weight kernels ({name})", part=name,
+                          build=lambda module: module.compiled(name))
 
 
 def _rows_kernel(fmt: str, fallback):
@@ -104,13 +115,16 @@ def rows_kernel(descriptor: np.ndarray) -> int:
     compile lock, a damaged cache healed): a first launch compiles only the families its model's file holds (~5 s
     each here; SmolLM2 two, Gemma 3 three)."""
     family = matrix_family(descriptor)
-    address = import_kernels("pagevis.model.batch_kernels", f"the batched weight kernels ({family})", part=family,
-                             build=lambda module: module.rows_kernel(family), seconds=5)
-    release_compiler_pages()
-    return address
+    if family not in _ROWS_ADDRESSES:
+        _ROWS_ADDRESSES[family] = import_kernels("pagevis.model.batch_kernels",
+                                                 f"the batched weight kernels ({family})", part=family,
+                                                 build=lambda module: module.rows_kernel(family), seconds=5)
+        release_compiler_pages()
+    return _ROWS_ADDRESSES[family]
 
 
 _ROWS_KERNELS: dict | None = None
+_ROWS_ADDRESSES: dict[str, int] = {}  # a family's rows kernel's address, once loaded
 
 
 def spin_pool():
@@ -213,7 +227,7 @@ class QuantMatrix:
                 return int8
         if x.ndim == 2 and len(x) == 1:
             return self.product(x[0])[None]
-        matvec, matmul, _ = kernels()[self.fmt]
+        matvec = kernels()[self.fmt]
         x = np.ascontiguousarray(x, dtype=np.float32)
         many = x.ndim == 2 and len(x) > SMALL_BATCH  # a prefill's rows: PREFILL_ROWS at a time
         if many and self.fmt in POOL_ROWS and (pool := spin_pool()) is not None:  # two threads: the spin pool's
@@ -227,7 +241,7 @@ class QuantMatrix:
         if x.ndim == 1 and len(x) == self.n_in and (pool := spin_pool()) is not None:
             pool.product(self.descriptor, self.arrays, x, out)  # shared with the second thread, every size
             return out[:self.n_out]
-        kernel = matvec if x.ndim == 1 else rows or matmul
+        kernel = matvec if x.ndim == 1 else rows or weight_kernel(MATMUL[self.fmt])
         arrays = (self.rows_address, self.descriptor) if rows else self.arrays  # batch_kernels': its family's kernel
 
         def work(t0: int, t1: int, private: bool) -> np.ndarray:
@@ -247,7 +261,7 @@ class QuantMatrix:
 
     def _sgemm(self, x: np.ndarray) -> np.ndarray:
         """Chunks of tiles dequantised into a float32 buffer and multiplied by BLAS (many rows: prefill)."""
-        dequant = kernels()[self.fmt][2]
+        dequant = weight_kernel(DEQUANT[self.fmt])
         chunk = SMALL_CHUNK_BYTES if len(x) <= SMALL_CHUNK_ROWS else CHUNK_BYTES
         step = max(1, chunk // (4 * self.n_in * TILE))
         out = np.empty((len(x), self.tiles * TILE), np.float32)
@@ -273,7 +287,7 @@ class QuantMatrix:
         """Tiles t0..t1 as float32 (in, rows)."""
         t1 = self.tiles if t1 is None else t1
         out = np.empty((self.n_in, (t1 - t0) * TILE), np.float32)
-        kernels()[self.fmt][2](*self.arrays, t0, t1, out)
+        weight_kernel(DEQUANT[self.fmt])(*self.arrays, t0, t1, out)
         return out
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
@@ -330,17 +344,17 @@ def pack(kind: Q, raw_rows: np.ndarray | list[np.ndarray], n_in: int) -> QuantMa
         ms = held(np.int8, groups) if per > 1 else NO_I8
         mode = {Q.Q4_0: Q4_0_MODE, Q.Q4_K: SUPER, Q.Q5_K: SUPER}.get(kind, HALF)
         arrays = (qs, qh, dh, ds, mh, ms, fmt == "u5", per, mode)
-    repack_nib, repack_k, repack_i8 = kernels()["repack"]
+    repack = weight_kernel("repack_i8" if fmt == "i8" else "repack_k" if per > 1 else "repack_nib")
     row0, inf_nan = 0, False
     for part in parts:
         for start in range(0, len(part), REPACK_ROWS):
             rows = np.ascontiguousarray(part[start:start + REPACK_ROWS], dtype=np.uint8)
             if fmt == "i8":
-                inf_nan |= repack_i8(rows, row0 + start, *arrays, {Q.Q8_0: 8, Q.Q5_0: 5, Q.Q6_K: 6}[kind])
+                inf_nan |= repack(rows, row0 + start, *arrays, {Q.Q8_0: 8, Q.Q5_0: 5, Q.Q6_K: 6}[kind])
             elif per > 1:
-                inf_nan |= repack_k(rows, row0 + start, *arrays[:6], kind == Q.Q5_K)
+                inf_nan |= repack(rows, row0 + start, *arrays[:6], kind == Q.Q5_K)
             else:
-                inf_nan |= repack_nib(rows, row0 + start, *arrays[:6], block_bytes, kind != Q.Q4_0, fmt == "u5")
+                inf_nan |= repack(rows, row0 + start, *arrays[:6], block_bytes, kind != Q.Q4_0, fmt == "u5")
             _drop_pages(part[start:start + REPACK_ROWS])
         row0 += len(part)
     if inf_nan:  # the kernels' conversion (weight_kernels._half) is for finite halves

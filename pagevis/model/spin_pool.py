@@ -44,7 +44,7 @@ from pagevis.kernel_intrinsics import call_address as _call
 from pagevis.kernel_intrinsics import pointer_to
 from pagevis.model.batch_kernels import _i8_arrays, _nib_arrays
 from pagevis.model.matrix_descriptor import DESCRIPTOR, HIGH, I8, KIND, MODE, N_IN, PER, TILES
-from pagevis.model.weight_kernels import i8_matvec, nib_matvec
+from pagevis.model.weight_kernels import _put, i8_matvec, nib_matvec
 
 TILE = 64
 # Tiles a chunk: from CHUNK_TILES (a kernel call costs ~0.35-0.45 us: 4-tile chunks cost 4 us more over a 48-tile
@@ -202,7 +202,7 @@ def help_job(ctrl, seen):
     # descheduled could read the next job's (its chunk taken back, another posted), whose arrays nothing holds for it
     while (word >> 32) == tag and (word & INDEX_MASK) < ((word >> COUNT_BITS) & INDEX_MASK):
         _store(ctrl, HELPER_SEQ, tag)  # type: ignore[call-arg]  # before the claim: the caller then holds its arrays
-        job[X:] = ctrl[X:]  # a claim that succeeds proves them its job's: no job is posted while a chunk is unclaimed
+        _put(job, X, ctrl[X:])  # a claim that succeeds proves them its job's: no job is posted while a chunk is unclaimed
         if _swap(ctrl, NEXT, word, word + 1) == word:
             index = word & INDEX_MASK
             _compute(job, index, job[SCRATCH])
@@ -306,7 +306,7 @@ def _post(ctrl, job, tag, x_address, rows, stride, scratch, kernel, chunks):
         return 0
     ctrl[X], ctrl[CHUNK], ctrl[SCRATCH], ctrl[ROWS], ctrl[STRIDE] = x_address, chunk, scratch.ctypes.data, rows, stride
     ctrl[JOB_KERNEL] = kernel
-    ctrl[JOB:JOB + DESCRIPTOR] = job
+    _put(ctrl, JOB, job)
     ctrl[STATE:STATE + count] = 0  # a late helper's DONE from an earlier job with this tag (2**30 jobs ago) cleared
     _store(ctrl, NEXT, (tag << 32) | (count << COUNT_BITS))  # type: ignore[call-arg]
     return count

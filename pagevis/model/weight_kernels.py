@@ -24,7 +24,8 @@ does not: ~4x slower). Per format three kernels:
   *_dequant(..., t0, t1, out): tiles t0..t1 as float32 (in_features, rows), for sgemm (prefill, big batches)
 and the repack kernels that fill the packed arrays from the file's blocks at load.
 All arithmetic is float32; every kernel is compiled once and kept in numba's on-disk cache (cache=True), with
-explicit signatures, so importing this module compiles (the first time) or loads them (every later time).
+explicit signatures: importing this module compiles (the first time) or loads the matrix-vector kernels (every later
+time), the others (LAZY) when first used (compiled()).
 """
 
 from __future__ import annotations
@@ -131,6 +132,22 @@ def halves_to_float32(h, out):
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _put(out, at, block):
+    """out[at:at + block.size] = block, element by element: a slice assignment compiles numba's shape-mismatch error
+    and its message's formatting into each kernel that has one (~1.5-2 s of a first compile each here)."""
+    for r in range(block.size):
+        out[at + r] = block[r]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _put2(out, row0, col0, block):
+    """out[row0:row0 + rows, col0:col0 + cols] = block (rows, cols), as _put."""
+    for i in range(block.shape[0]):
+        for r in range(block.shape[1]):
+            out[row0 + i, col0 + r] = block[i, r]
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _prefetch_ahead(qs, t, g):
     """The codes PREFETCH_AHEAD bytes past group g of tile t, asked for: the row-by-row dot products read a group's
     codes 64 bytes apart (one line per j), which the hardware prefetcher does not follow from memory (measured:
@@ -214,7 +231,7 @@ def _u5_matvec_tiles(qs, qh, dh, ds, mh, ms, per, mode, x, xs, t0, t1, out):
             _prefetch_ahead(qs, t, g)
             _u5_dot(qs, qh, t, g, x, s)
             _nib_scale_sums(dh, ds, mh, ms, per, mode, t, g, s, xs[g], acc, sup)
-        out[(t - t0) * TILE:(t - t0 + 1) * TILE] = acc
+        _put(out, (t - t0) * TILE, acc)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -232,7 +249,7 @@ def _u4_matvec_tiles(qs, dh, ds, mh, ms, per, mode, x, xs, t0, t1, out):
             _nib_scales(dh, ds, mh, ms, per, mode, t, g, d, m, sup)
             _U4_TILE(1, q_at, x.ctypes.data + g * 128, 0, d.ctypes.data, m.ctypes.data, xs.ctypes.data + g * 4, 0,
                      acc.ctypes.data)
-        out[(t - t0) * TILE:(t - t0 + 1) * TILE] = acc
+        _put(out, (t - t0) * TILE, acc)
 
 
 @njit(f"void({_NIB}, {_VEC})", **_OPTIONS)
@@ -269,7 +286,7 @@ def _i8_matvec_tiles(qs, dh, ds, per, size, x, t0, t1, out):
                 _I8_TILE(1, q_at, x_at, 0, d.ctypes.data, d.ctypes.data, d.ctypes.data, 0, acc.ctypes.data)
             else:
                 _I8_16_TILE(1, q_at, x_at, 0, d.ctypes.data, d.ctypes.data, d.ctypes.data, 0, acc.ctypes.data)
-        out[(t - t0) * TILE:(t - t0 + 1) * TILE] = acc
+        _put(out, (t - t0) * TILE, acc)
 
 
 @njit(f"void({_I8}, {_VEC})", **_OPTIONS)
@@ -303,10 +320,10 @@ def _nib_matmul_tiles(qs, qh, dh, ds, mh, ms, high, per, mode, X, t0, t1, out):
             _nib_scales(dh, ds, mh, ms, per, mode, t, g, d, m, sup)
             _nib_weights(qs, qh, high, t, g, d, m, w)
             _accumulate32(w, X, g * 32, acc)
-        out[:, (t - t0) * TILE:(t - t0 + 1) * TILE] = acc
+        _put2(out, 0, (t - t0) * TILE, acc)
 
 
-@njit(f"void({_NIB}, {_MAT})", **_BATCH_OPTIONS)
+@njit(**_BATCH_OPTIONS)
 def nib_matmul(qs, qh, dh, ds, mh, ms, high, per, mode, X, t0, t1, out):
     """u5 only (Q5_1, Q5_K: u4 and i8 rows take batch_kernels' kernel; their copies here cost ~7 s of a first compile
     and were never called); per type a copy with its flags literal, as nib_matvec (tested inside the loops: 1.2-1.5x
@@ -332,10 +349,10 @@ def _nib_dequant_tiles(qs, qh, dh, ds, mh, ms, high, per, mode, t0, t1, out):
         for g in range(qs.shape[1]):
             _nib_scales(dh, ds, mh, ms, per, mode, t, g, d, m, sup)
             _nib_weights(qs, qh, high, t, g, d, m, w)
-            out[g * 32:(g + 1) * 32, (t - t0) * TILE:(t - t0 + 1) * TILE] = w
+            _put2(out, g * 32, (t - t0) * TILE, w)
 
 
-@njit(f"void({_NIB}, {_DEQ})", **_OPTIONS)
+@njit(**_OPTIONS)
 def nib_dequant(qs, qh, dh, ds, mh, ms, high, per, mode, t0, t1, out):
     """One copy for every type (dequantising is a small part of the sgemm it feeds: compiled once, not per type)."""
     _nib_dequant_tiles(qs, qh, dh, ds, mh, ms, high, per, mode, t0, t1, out)
@@ -350,10 +367,10 @@ def _i8_dequant_tiles(qs, dh, ds, per, t0, t1, out):
         for g in range(groups):
             _scales(dh, ds, per, t, g, d, sup)
             _i8_weights(qs, t, g, d, w)
-            out[g * size:(g + 1) * size, (t - t0) * TILE:(t - t0 + 1) * TILE] = w
+            _put2(out, g * size, (t - t0) * TILE, w)
 
 
-@njit(f"void({_I8}, {_DEQ})", **_OPTIONS)
+@njit(**_OPTIONS)
 def i8_dequant(qs, dh, ds, per, t0, t1, out):
     _i8_dequant_tiles(qs, dh, ds, per, t0, t1, out)
 
@@ -392,7 +409,7 @@ def _u32(src, i, at):
                      | (np.uint32(src[i, at + 2]) << np.uint32(16)) | (np.uint32(src[i, at + 3]) << np.uint32(24)))
 
 
-@njit(_signature(_SRC, f"int64, {_NIB_ARRAYS}, int64, boolean, boolean"), **_OPTIONS)
+@njit(**_OPTIONS)
 def repack_nib(src, row0, qs, qh, dh, ds, mh, ms, block_bytes, has_m, has_h):
     """Q4_0 {d, qs[16]}, Q4_1 {d, m, qs[16]}, Q5_1 {d, m, qh[4], qs[16]}: the file's bytes are the packed ones (low
     nibble weight j, high nibble j + 16; qh bit j weight j), moved into tiles."""
@@ -416,7 +433,7 @@ def repack_nib(src, row0, qs, qh, dh, ds, mh, ms, block_bytes, has_m, has_h):
     return bad
 
 
-@njit(_signature(_SRC, f"int64, {_NIB_ARRAYS}, boolean"), **_OPTIONS)
+@njit(**_OPTIONS)
 def repack_k(src, row0, qs, qh, dh, ds, mh, ms, five):
     """Q4_K {d, dmin, scales[12], qs[128]}, Q5_K {d, dmin, scales[12], qh[32], qs[128]}: 8 groups of 32 a block,
     6-bit scales and mins (gguf-py's get_scale_min), mh = -dmin; qs bytes 32c..32c+31 hold weights 64c.. in their
@@ -461,7 +478,7 @@ def _signed(byte):
     return np.int8(v - ((v >> 7) << 8))
 
 
-@njit(_signature(_SRC, f"int64, {_I8}, int64"), **_OPTIONS)
+@njit(**_OPTIONS)
 def repack_i8(src, row0, qs, dh, ds, per, kind):
     """kind 8: Q8_0 {d, qs[32] int8}; 5: Q5_0 {d, qh[4], qs[16]}, codes (nibble | high bit << 4) - 16;
     6: Q6_K {ql[128], qh[64], scales[16] int8, d}: 16 groups of 16, code = ql's nibble | qh's 2 bits << 4, - 32."""
@@ -496,9 +513,23 @@ def repack_i8(src, row0, qs, dh, ds, per, kind):
     return bad
 
 
-KERNELS = {
-    "u4": (nib_matvec, None, nib_dequant),  # with high False (and a placeholder for qh); rows: batch_kernels'
-    "u5": (nib_matvec, nib_matmul, nib_dequant),
-    "i8": (i8_matvec, None, i8_dequant),
-    "repack": (repack_nib, repack_k, repack_i8),
+KERNELS = {"u4": nib_matvec, "u5": nib_matvec, "i8": i8_matvec}  # u4: high False (a placeholder for qh)
+# The kernels compiled on demand (compiled(name), through quantized.weight_kernel: under the compile lock), not when
+# the module is imported: a model's file needs some of them (SmolLM2's pagevis run: repack_nib, repack_i8 and
+# i8_dequant, for its Q4_1 and Q8_0 matrices and its embedding's rows; nib_matmul alone took ~5 s of a first compile)
+LAZY = {
+    "nib_matmul": f"void({_NIB}, {_MAT})",  # u5's rows (u4 and i8 rows: batch_kernels')
+    "nib_dequant": f"void({_NIB}, {_DEQ})", "i8_dequant": f"void({_I8}, {_DEQ})",
+    "repack_nib": _signature(_SRC, f"int64, {_NIB_ARRAYS}, int64, boolean, boolean"),
+    "repack_k": _signature(_SRC, f"int64, {_NIB_ARRAYS}, boolean"),
+    "repack_i8": _signature(_SRC, f"int64, {_I8}, int64"),
 }
+
+
+def compiled(name: str):
+    """The kernel `name` of LAZY compiled (or loaded from numba's cache) for its signature, and compiled no more: a
+    call with other argument types converts them as to an explicit signature's."""
+    kernel = globals()[name]
+    kernel.compile(LAZY[name])
+    kernel.disable_compile()
+    return kernel
