@@ -44,16 +44,19 @@ def test_damaged_cache_files_are_compiled_again_and_healed(tmp_path):
     env = {"NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PAGEVIS_CACHE_DIR": str(tmp_path / "pagevis")}
     first = load_kernels(env)
     assert first.returncode == 0 and first.stderr.count("pagevis: compiling the quantized-weight kernels") == 1
-    index = sorted((tmp_path / "numba").rglob("weight_kernels.i8_matvec-*.nbi"))
-    data = sorted((tmp_path / "numba").rglob("weight_kernels.nib_matvec-*.nbc"))
+    # a kernel the module's import loads, and one compiled on demand (the Q8_0 matrix-vector kernel, a C function)
+    index = sorted((tmp_path / "numba").rglob("weight_kernels._group_sums-*.nbi"))
+    data = sorted((tmp_path / "numba").rglob("batch_kernels._row_kernel*i8_row-*.nbc"))
     assert index and data
     index[0].write_bytes(b"garbage")
     data[0].write_bytes(data[0].read_bytes()[:100])
     damaged = load_kernels(env)
     assert damaged.returncode == 0, damaged.stderr
     lines = damaged.stderr.strip().splitlines()
-    assert len(lines) == 1 and ("numba's cache of the quantized-weight kernels (pagevis.model.weight_kernels) cannot "
-                                "be used") in lines[0]
+    assert len(lines) == 2, lines
+    assert ("numba's cache of the quantized-weight kernels (pagevis.model.weight_kernels) cannot be used") in lines[0]
+    assert ("numba's cache of the weights' matrix-vector kernel (i8) (pagevis.model.batch_kernels) cannot be "
+            "used") in lines[1]
     healed = load_kernels(env)
     assert healed.returncode == 0 and healed.stderr == "", healed.stderr
 

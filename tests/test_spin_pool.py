@@ -68,7 +68,7 @@ def test_the_helpers_chunks_come_from_its_scratch(kind, pool_module):
     for matrix, x in list(matrices(kind, rng))[1:]:
         ctrl, scratch = idle_control(sp), np.full(matrix.tiles * TILE, np.nan, np.float32)
         out = np.full(matrix.tiles * TILE, np.nan, np.float32)
-        count = sp.post(ctrl, matrix.descriptor, 5, x, scratch)
+        count = sp.post(ctrl, matrix.descriptor, 5, x, scratch, matrix.row_address)
         assert count >= 2
         sp.help_job(ctrl, int(ctrl[sp.NEXT]))
         assert ctrl[sp.HELPED] == count and ctrl[sp.HELPER_SEQ] == -1
@@ -83,7 +83,7 @@ def test_a_chunk_the_helper_stalls_on_is_computed_by_the_caller(pool_module):
     matrix, x = list(matrices(Q.Q4_1, rng))[-1]
     ctrl, scratch = idle_control(sp), np.zeros(matrix.tiles * TILE, np.float32)
     out = np.full(matrix.tiles * TILE, np.nan, np.float32)
-    count = sp.post(ctrl, matrix.descriptor, 9, x, scratch)
+    count = sp.post(ctrl, matrix.descriptor, 9, x, scratch, matrix.row_address)
     ctrl[sp.NEXT] += 1  # the helper's claim of chunk 0, its result never marked done
     started = time.perf_counter()
     sp.run(ctrl, 9, count, out, scratch)

@@ -41,8 +41,8 @@ from pagevis.kernel_intrinsics import pointer_to
 from pagevis.model.matrix_descriptor import (DESCRIPTOR, I8_DH, I8_DS, I8_QS, N_IN, NIB_DH, NIB_DS,
                                              NIB_MH, NIB_MS, NIB_QH, NIB_QS)
 from pagevis.model.tile_sums import rows_switch, sums  # noqa: F401  (rows_switch: int8_kernels imports it from here)
-from pagevis.model.weight_kernels import (HALF, Q4_0, SUPER, _group_sums, _nib_scales, _prefetch_ahead, _put, _put2,
-                                          _scales)
+from pagevis.model.weight_kernels import (HALF, Q4_0, SUPER, _group_sums, _i8_matvec_tiles, _nib_scales,
+                                          _prefetch_ahead, _put, _put2, _scales, _u4_matvec_tiles, _u5_matvec_tiles)
 
 TILE = 64
 # up to FUSED_ROWS rows: the codes converted in the register block, which covers PART outputs of FUSED_ROWS rows
@@ -205,18 +205,55 @@ def _kernel(i8: bool, per: int, mode: int):
     return u4_rows
 
 
-# a family's kernel: (i8, per, mode), mode being i8's group size (matrix_descriptor.family names them)
+def _row_kernel(code: str, per: int, mode: int):
+    """The matrix-vector kernel of one weight family (ROW_FAMILIES; code: its tiles' kernel, u4, u5 or i8), as
+    _kernel's rows kernel: a C function of the same arguments (n and stride unused), the one row at x_address,
+    weight_kernels' matrix-vector loops inlined with the family's constants. row() (one thread) and the spin pool (two)
+    call it through its address; weight_kernels' nib_matvec held five families' copies in one function (5-7 s of a
+    first compile here), and the spin pool's C function linked it again (~2 s)."""
+    if code == "i8":
+        @cfunc(_SIGNATURE, cache=True, error_model="numpy")
+        def i8_row(job, x_address, n, t0, t1, target, stride):
+            words = carray(_i64(job), (DESCRIPTOR,))
+            x, out = carray(_f32(x_address), (words[N_IN],)), carray(_f32(target + 4 * t0 * TILE), ((t1 - t0) * TILE,))
+            qs, dh, ds = _i8_arrays(words)
+            _i8_matvec_tiles(qs, dh, ds, per, mode, x, t0, t1, out)
+        return i8_row
+    if code == "u5":
+        @cfunc(_SIGNATURE, cache=True, error_model="numpy")
+        def u5_row(job, x_address, n, t0, t1, target, stride):
+            words = carray(_i64(job), (DESCRIPTOR,))
+            x, out = carray(_f32(x_address), (words[N_IN],)), carray(_f32(target + 4 * t0 * TILE), ((t1 - t0) * TILE,))
+            qs, qh, dh, ds, mh, ms = _nib_arrays(words)
+            _u5_matvec_tiles(qs, qh, dh, ds, mh, ms, per, mode, x, _group_sums(x, 32), t0, t1, out)
+        return u5_row
+
+    @cfunc(_SIGNATURE, cache=True, error_model="numpy")
+    def u4_row(job, x_address, n, t0, t1, target, stride):
+        words = carray(_i64(job), (DESCRIPTOR,))
+        x, out = carray(_f32(x_address), (words[N_IN],)), carray(_f32(target + 4 * t0 * TILE), ((t1 - t0) * TILE,))
+        qs, _, dh, ds, mh, ms = _nib_arrays(words)
+        _u4_matvec_tiles(qs, dh, ds, mh, ms, per, mode, x, _group_sums(x, 32), t0, t1, out)
+    return u4_row
+
+
+# a family's kernels (matrix_descriptor.family names them): rows (i8, per, mode), mode being i8's group size; one row
+# (tiles' kernel, per, mode)
 FAMILIES = {"u4": (False, 1, HALF), "q4_0": (False, 1, Q4_0), "q4_k": (False, 8, SUPER),
             "i8": (True, 1, 32), "q6_k": (True, 16, 16)}
-_COMPILED: dict[str, int] = {}
+ROW_FAMILIES = {"u4": ("u4", 1, HALF), "q4_0": ("u4", 1, Q4_0), "q4_k": ("u4", 8, SUPER), "u5": ("u5", 1, HALF),
+                "q5_k": ("u5", 8, SUPER), "i8": ("i8", 1, 32), "q6_k": ("i8", 16, 16)}
+_COMPILED: dict[tuple[bool, str], int] = {}
 
 
-def rows_kernel(family: str) -> int:
-    """The address of a family's rows kernel (_kernel), compiled or loaded from numba's cache on first use
-    (quantized.rows_kernel asks through kernel_loader.import_kernels: under the compile lock)."""
-    if family not in _COMPILED:
-        _COMPILED[family] = int(_kernel(*FAMILIES[family]).address or 0)
-    return _COMPILED[family]
+def rows_kernel(family: str, one_row: bool = False) -> int:
+    """The address of a family's rows kernel (_kernel), or with one_row its matrix-vector kernel (_row_kernel),
+    compiled or loaded from numba's cache on first use (quantized.family_kernel asks through
+    kernel_loader.import_kernels: under the compile lock)."""
+    if (one_row, family) not in _COMPILED:
+        kernel = _row_kernel(*ROW_FAMILIES[family]) if one_row else _kernel(*FAMILIES[family])
+        _COMPILED[one_row, family] = int(kernel.address or 0)
+    return _COMPILED[one_row, family]
 
 
 @njit("void(int64, int64[::1], float32[:, ::1], int64, int64, float32[:, :])", cache=True, nogil=True)
@@ -225,6 +262,14 @@ def rows(kernel, job, X, t0, t1, out):
     tiles' outputs, any row stride): rows_kernel, its address kernel."""
     _call(kernel, job.ctypes.data, X.ctypes.data, X.shape[0], t0, t1,  # type: ignore[call-arg]
           out.ctypes.data - 4 * t0 * TILE, out.strides[0] // 4)
+
+
+@njit("void(int64, int64[::1], float32[::1], int64, int64, float32[::1])", cache=True, nogil=True)
+def row(kernel, job, x, t0, t1, out):
+    """x times tiles t0..t1 of the matrix job describes into out (those tiles' outputs): its family's
+    matrix-vector kernel (_row_kernel), its address kernel."""
+    _call(kernel, job.ctypes.data, x.ctypes.data, 1, t0, t1, out.ctypes.data - 4 * t0 * TILE,  # type: ignore[call-arg]
+          0)
 
 
 def compiled() -> dict:

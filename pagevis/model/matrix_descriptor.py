@@ -45,8 +45,10 @@ def describe(fmt: str, arrays: tuple, n_in: int) -> np.ndarray:
 
 
 def family(job: np.ndarray) -> str:
-    """The weight family of a u4 or i8 matrix's descriptor, which batch_kernels compiles a rows kernel for: u4 (Q4_1),
-    q4_0, q4_k; i8 (Q8_0, Q5_0), q6_k."""
+    """The weight family of a matrix's descriptor, which batch_kernels compiles a matrix-vector kernel and (u4, i8) a
+    rows kernel for: u4 (Q4_1), q4_0, q4_k; u5 (Q5_1), q5_k; i8 (Q8_0, Q5_0), q6_k."""
     if job[KIND] == I8:
         return "q6_k" if job[PER] > 1 else "i8"
+    if job[HIGH]:
+        return "q5_k" if job[PER] > 1 else "u5"
     return "q4_k" if job[PER] > 1 else ("q4_0" if job[MODE] == 1 else "u4")  # weight_kernels' modes: Q4_0 = 1

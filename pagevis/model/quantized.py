@@ -109,22 +109,23 @@ def _batch_kernels():
     return import_kernels("pagevis.model.batch_kernels", "the batched weight kernels")
 
 
-def rows_kernel(descriptor: np.ndarray) -> int:
-    """The address of batch_kernels' rows kernel for the matrix's family (matrix_descriptor.family), compiled or loaded
-    the first time a matrix of that family is multiplied by rows, through kernel_loader.import_kernels (under the
-    compile lock, a damaged cache healed): a first launch compiles only the families its model's file holds (~5 s
-    each here; SmolLM2 two, Gemma 3 three)."""
+def family_kernel(descriptor: np.ndarray, one_row: bool) -> int:
+    """The address of batch_kernels' rows kernel for the matrix's family (matrix_descriptor.family), or with one_row
+    its matrix-vector kernel, compiled or loaded the first time a matrix of that family needs it, through
+    kernel_loader.import_kernels (under the compile lock, a damaged cache healed): a first launch compiles only the
+    families its model's file holds (a few seconds each here; SmolLM2 two, Gemma 3 three)."""
     family = matrix_family(descriptor)
-    if family not in _ROWS_ADDRESSES:
-        _ROWS_ADDRESSES[family] = import_kernels("pagevis.model.batch_kernels",
-                                                 f"the batched weight kernels ({family})", part=family,
-                                                 build=lambda module: module.rows_kernel(family), seconds=5)
+    if (one_row, family) not in _FAMILY_KERNELS:
+        what, part = ("matrix-vector kernel", f"row-{family}") if one_row else ("rows kernel", family)
+        _FAMILY_KERNELS[one_row, family] = import_kernels(
+            "pagevis.model.batch_kernels", f"the weights' {what} ({family})", part=part, seconds=5,
+            build=lambda module: module.rows_kernel(family, one_row))
         release_compiler_pages()
-    return _ROWS_ADDRESSES[family]
+    return _FAMILY_KERNELS[one_row, family]
 
 
 _ROWS_KERNELS: dict | None = None
-_ROWS_ADDRESSES: dict[str, int] = {}  # a family's rows kernel's address, once loaded
+_FAMILY_KERNELS: dict[tuple[bool, str], int] = {}  # (one_row, family) -> its kernel's address, once loaded
 
 
 def spin_pool():
@@ -210,8 +211,13 @@ class QuantMatrix:
 
     @cached_property
     def rows_address(self) -> int:
-        """The address of its family's rows kernel (u4, i8: rows_kernel), compiled on first use."""
-        return rows_kernel(self.descriptor)
+        """The address of its family's rows kernel (u4, i8: family_kernel), compiled on first use."""
+        return family_kernel(self.descriptor, False)
+
+    @cached_property
+    def row_address(self) -> int:
+        """The address of its family's matrix-vector kernel (family_kernel), compiled on first use."""
+        return family_kernel(self.descriptor, True)
 
     @property
     def tiles(self) -> int:
@@ -227,7 +233,6 @@ class QuantMatrix:
                 return int8
         if x.ndim == 2 and len(x) == 1:
             return self.product(x[0])[None]
-        matvec = kernels()[self.fmt]
         x = np.ascontiguousarray(x, dtype=np.float32)
         many = x.ndim == 2 and len(x) > SMALL_BATCH  # a prefill's rows: PREFILL_ROWS at a time
         if many and self.fmt in POOL_ROWS and (pool := spin_pool()) is not None:  # two threads: the spin pool's
@@ -239,10 +244,14 @@ class QuantMatrix:
             return self._sgemm(x)
         out = np.empty((*x.shape[:-1], self.tiles * TILE), np.float32)
         if x.ndim == 1 and len(x) == self.n_in and (pool := spin_pool()) is not None:
-            pool.product(self.descriptor, self.arrays, x, out)  # shared with the second thread, every size
+            pool.product(self.row_address, self.descriptor, self.arrays, x, out)  # shared with the second thread
             return out[:self.n_out]
-        kernel = matvec if x.ndim == 1 else rows or weight_kernel(MATMUL[self.fmt])
-        arrays = (self.rows_address, self.descriptor) if rows else self.arrays  # batch_kernels': its family's kernel
+        if x.ndim == 1:  # batch_kernels' take its family's kernel and the matrix's descriptor
+            kernel, arrays = _batch_kernels().row, (self.row_address, self.descriptor)
+        elif rows:
+            kernel, arrays = rows, (self.rows_address, self.descriptor)
+        else:
+            kernel, arrays = weight_kernel(MATMUL[self.fmt]), self.arrays
 
         def work(t0: int, t1: int, private: bool) -> np.ndarray:
             target = np.empty((*x.shape[:-1], (t1 - t0) * TILE), np.float32) if private else out[..., t0 * TILE:t1 * TILE]

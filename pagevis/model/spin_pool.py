@@ -36,15 +36,14 @@ import time
 
 import numpy as np
 from llvmlite import ir
-from numba import carray, cfunc, njit, types
+from numba import carray, njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from pagevis.kernel_intrinsics import call_address as _call
 from pagevis.kernel_intrinsics import pointer_to
-from pagevis.model.batch_kernels import _i8_arrays, _nib_arrays
-from pagevis.model.matrix_descriptor import DESCRIPTOR, HIGH, I8, KIND, MODE, N_IN, PER, TILES
-from pagevis.model.weight_kernels import _put, i8_matvec, nib_matvec
+from pagevis.model.matrix_descriptor import DESCRIPTOR, TILES
+from pagevis.model.weight_kernels import _put
 
 TILE = 64
 # Tiles a chunk: from CHUNK_TILES (a kernel call costs ~0.35-0.45 us: 4-tile chunks cost 4 us more over a 48-tile
@@ -77,10 +76,10 @@ HELPED, TAKEN_OVER, CLOCK, MISSES, BEAT = 40, 41, 42, 43, 44  # chunks the helpe
 # back; the clock's id; products in a row the helper took no chunk of; when the helper last spun waiting for a job
 STATE = 48  # per chunk: tag << 2 | DONE once the helper's copy is in scratch
 # the job's input, tiles a chunk, the helper's scratch; a prefill's block of rows (0: one row), its output's row; the
-# kernel a job calls (row_kernel, the matrix family's batch_kernels.rows_kernel, or product_kernel's:
-# int8_kernels.pool_kernel); the one-row kernel's (row_kernel)
-X, CHUNK, SCRATCH, ROWS, STRIDE, JOB_KERNEL, ROW_KERNEL = range(STATE + MAX_CHUNKS, STATE + MAX_CHUNKS + 7)
-JOB = STATE + MAX_CHUNKS + 7  # the product's matrix descriptor
+# kernel a job calls (the matrix family's batch_kernels.rows_kernel: its matrix-vector or rows kernel, or
+# product_kernel's: int8_kernels.pool_kernel)
+X, CHUNK, SCRATCH, ROWS, STRIDE, JOB_KERNEL = range(STATE + MAX_CHUNKS, STATE + MAX_CHUNKS + 6)
+JOB = STATE + MAX_CHUNKS + 6  # the product's matrix descriptor
 WORDS = JOB + DESCRIPTOR
 DONE, TAKEN, MINE = 1, 2, 3  # a chunk's state: the helper's copy is ready; the caller took it back; the caller's
 COUNT_BITS, INDEX_MASK = 16, 0xFFFF
@@ -165,30 +164,14 @@ def _clock_ns(typingctx, clock):
     return types.int64(types.int64), codegen
 
 
-_f32, _i64 = pointer_to(types.float32), pointer_to(types.int64)
-
-
-@cfunc(types.void(*(types.int64,) * 7), cache=True)
-def row_kernel(job, x_address, n, t0, t1, target, stride):
-    """Tiles t0..t1 of the matrix described at address job times the row at x_address, into the row at target (n,
-    stride unused): the matrix-vector kernel, compiled once, called through its address (ctrl[ROW_KERNEL]): numba
-    links a callee into each caller, compiled again in each (~3 s a caller on this 2-core machine's first compile)."""
-    words = carray(_i64(job), (DESCRIPTOR,))
-    x = carray(_f32(x_address), (words[N_IN],))
-    out = carray(_f32(target + 4 * t0 * TILE), ((t1 - t0) * TILE,))
-    if words[KIND] == I8:
-        qs, dh, ds = _i8_arrays(words)
-        i8_matvec(qs, dh, ds, words[PER], x, t0, t1, out)
-    else:
-        qs, qh, dh, ds, mh, ms = _nib_arrays(words)
-        nib_matvec(qs, qh, dh, ds, mh, ms, words[HIGH] != 0, words[PER], words[MODE], x, t0, t1, out)
+_f32 = pointer_to(types.float32)
 
 
 @njit(cache=True, nogil=True, inline="always")
 def _compute(ctrl, index, base):
     """Chunk index of the job in ctrl into the output or the scratch at address base (laid out as the output)."""
     t0 = index * ctrl[CHUNK]
-    t1 = min(ctrl[JOB + TILES], t0 + ctrl[CHUNK])  # one row: JOB_KERNEL is row_kernel
+    t1 = min(ctrl[JOB + TILES], t0 + ctrl[CHUNK])  # one row: JOB_KERNEL is a matrix-vector kernel
     _call(ctrl[JOB_KERNEL], ctrl.ctypes.data + 8 * JOB, ctrl[X], ctrl[ROWS], t0, t1, base,  # type: ignore[call-arg]
           ctrl[STRIDE])
 
@@ -312,12 +295,12 @@ def _post(ctrl, job, tag, x_address, rows, stride, scratch, kernel, chunks):
     return count
 
 
-@njit("int64(int64[::1], int64[::1], int64, float32[::1], float32[::1])", cache=True, nogil=True)
-def post(ctrl, job, tag, x, scratch):
-    """Publish the product of x by the matrix job describes, cut into chunks for the caller and the helper: returns
-    the count of chunks (then the caller holds the pool: run() next), or 0 if the product is too small to cut or
-    another caller holds the pool."""
-    return _post(ctrl, job, tag, x.ctypes.data, 0, 0, scratch, ctrl[ROW_KERNEL], 0)
+@njit("int64(int64[::1], int64[::1], int64, float32[::1], float32[::1], int64)", cache=True, nogil=True)
+def post(ctrl, job, tag, x, scratch, kernel):
+    """Publish the product of x by the matrix job describes (its family's matrix-vector kernel at address kernel),
+    cut into chunks for the caller and the helper: returns the count of chunks (then the caller holds the pool: run()
+    next), or 0 if the product is too small to cut or another caller holds the pool."""
+    return _post(ctrl, job, tag, x.ctypes.data, 0, 0, scratch, kernel, 0)
 
 
 @njit("int64(int64[::1], int64[::1], int64, float32[:, ::1], int64, float32[::1], int64)", cache=True, nogil=True)
@@ -327,13 +310,15 @@ def post_rows(ctrl, job, tag, x, stride, scratch, kernel):
     return _post(ctrl, job, tag, x.ctypes.data, x.shape[0], stride, scratch, kernel, ROW_CHUNKS)
 
 
-@njit("void(int64[::1], int64[::1], int64, float32[::1], float32[::1], float32[::1])", cache=True, nogil=True)
-def product(ctrl, job, tag, x, out, scratch):
-    """out = x times the matrix described by job (matrix_descriptor.describe()), its chunks shared with the helper
-    (alone if the product is too small to cut or another caller holds the pool)."""
-    count = post(ctrl, job, tag, x, scratch)
+@njit("void(int64[::1], int64[::1], int64, float32[::1], float32[::1], float32[::1], int64)", cache=True,
+      nogil=True)
+def product(ctrl, job, tag, x, out, scratch, kernel):
+    """out = x times the matrix described by job (matrix_descriptor.describe()), by its family's matrix-vector kernel
+    at address kernel, its chunks shared with the helper (alone if the product is too small to cut or another caller
+    holds the pool)."""
+    count = post(ctrl, job, tag, x, scratch, kernel)
     if count == 0:
-        _call(ctrl[ROW_KERNEL], job.ctypes.data, x.ctypes.data, 1, 0, job[TILES],  # type: ignore[call-arg]
+        _call(kernel, job.ctypes.data, x.ctypes.data, 1, 0, job[TILES],  # type: ignore[call-arg]
               out.ctypes.data, 0)
         return
     run(ctrl, tag, count, out, scratch)
@@ -404,9 +389,9 @@ def items(ctrl, job, tag, handle, out, scratch, kernel, count):
 
 
 def new_control() -> np.ndarray:
-    """A control array with no job: the clock's id, the row kernel's address, no helper job announced."""
+    """A control array with no job: the clock's id, no helper job announced."""
     ctrl = np.zeros(WORDS, np.int64)
-    ctrl[HELPER_SEQ], ctrl[CLOCK], ctrl[ROW_KERNEL] = -1, time.CLOCK_MONOTONIC, int(row_kernel.address or 0)
+    ctrl[HELPER_SEQ], ctrl[CLOCK] = -1, time.CLOCK_MONOTONIC
     return ctrl
 
 
@@ -436,11 +421,12 @@ class SpinPool:
             self.wake.wait()
             self.wake.clear()
 
-    def product(self, job: np.ndarray, arrays: tuple, x: np.ndarray, out: np.ndarray) -> None:
+    def product(self, kernel: int, job: np.ndarray, arrays: tuple, x: np.ndarray, out: np.ndarray) -> None:
         """out (the matrix's tiles' rows) = x times the packed matrix that job describes (arrays: what it points
-        into), its chunks shared with the helper."""
+        into), by its family's matrix-vector kernel at address kernel (quantized.family_kernel), its chunks shared
+        with the helper."""
         tag = self._ready(out.size)
-        product(self.ctrl, job, tag, x, out, self.scratch)
+        product(self.ctrl, job, tag, x, out, self.scratch, kernel)
         self._hold(tag, (job, arrays, x, self.scratch))
 
     def _ready(self, size: int) -> int:

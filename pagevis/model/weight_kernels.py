@@ -59,7 +59,6 @@ _NIB_ARRAYS = ("uint8[:, :, :, ::1], uint32[:, :, ::1], int16[:, :, ::1], int8[:
                "int8[:, :, ::1]")
 _NIB = f"{_NIB_ARRAYS}, boolean, int64, int64"
 _I8 = "int8[:, :, :, ::1], int16[:, :, ::1], int8[:, :, ::1], int64"
-_VEC = "float32[::1], int64, int64, float32[::1]"
 _MAT = "float32[:, ::1], int64, int64, float32[:, :]"
 _DEQ = "int64, int64, float32[:, ::1]"
 # the matrix-vector kernels' register blocks: one row, a whole tile's 64 sums (tile_sums.sums)
@@ -252,7 +251,7 @@ def _u4_matvec_tiles(qs, dh, ds, mh, ms, per, mode, x, xs, t0, t1, out):
         _put(out, (t - t0) * TILE, acc)
 
 
-@njit(f"void({_NIB}, {_VEC})", **_OPTIONS)
+@njit(**_OPTIONS)
 def nib_matvec(qs, qh, dh, ds, mh, ms, high, per, mode, x, t0, t1, out):
     """One copy of the loops per type family, its flags literal: with them tested inside the group loop, SmolLM2's
     Q4_1 products ran ~25% slower."""
@@ -289,7 +288,7 @@ def _i8_matvec_tiles(qs, dh, ds, per, size, x, t0, t1, out):
         _put(out, (t - t0) * TILE, acc)
 
 
-@njit(f"void({_I8}, {_VEC})", **_OPTIONS)
+@njit(**_OPTIONS)
 def i8_matvec(qs, dh, ds, per, x, t0, t1, out):
     if per > 1:  # Q6_K: 16 groups of 16 a super-block
         _i8_matvec_tiles(qs, dh, ds, 16, 16, x, t0, t1, out)
@@ -513,6 +512,8 @@ def repack_i8(src, row0, qs, dh, ds, per, kind):
     return bad
 
 
+# The matrix-vector kernels with their families' flags as arguments, for the tests (compiled when first called):
+# the app's are batch_kernels' C functions a family (_row_kernel), the same loops inlined with the flags as constants
 KERNELS = {"u4": nib_matvec, "u5": nib_matvec, "i8": i8_matvec}  # u4: high False (a placeholder for qh)
 # The kernels compiled on demand (compiled(name), through quantized.weight_kernel: under the compile lock), not when
 # the module is imported: a model's file needs some of them (SmolLM2's pagevis run: repack_nib, repack_i8 and
