@@ -49,6 +49,19 @@ def test_the_formats_with_a_batch_kernel_are_the_ones_the_models_use():
     assert {FORMATS[k][0] for k in KINDS} == {"u4", "u5", "i8"}
 
 
+def test_preloaded_families_are_the_kernels_their_matrices_use():
+    """quantized.preload_families (the test suite's background loader) loads the kernels a family's matrices call."""
+    from gguf import GGMLQuantizationType as Q
+
+    from pagevis.model import quantized
+
+    quantized.preload_families(("u4",))
+    rng = np.random.default_rng(3)
+    matrix = pack(Q.Q4_1, random_blocks(Q.Q4_1, 64, 64, rng), 64)
+    assert matrix.row_address == quantized._FAMILY_KERNELS[True, "u4"] != 0
+    assert matrix.rows_address == quantized._FAMILY_KERNELS[False, "u4"] != 0
+
+
 @pytest.mark.slow
 def test_smollm2_batched_greedy_decode_equals_each_sequence_alone(smollm2):  # noqa: F811
     """Eight sequences in one batch (every decode step a product of 8 rows by SmolLM2's Q4_1 and Q8_0 weights)

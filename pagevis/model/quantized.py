@@ -111,10 +111,14 @@ def _batch_kernels():
 
 def family_kernel(descriptor: np.ndarray, one_row: bool) -> int:
     """The address of batch_kernels' rows kernel for the matrix's family (matrix_descriptor.family), or with one_row
-    its matrix-vector kernel, compiled or loaded the first time a matrix of that family needs it, through
-    kernel_loader.import_kernels (under the compile lock, a damaged cache healed): a first launch compiles only the
-    families its model's file holds (a few seconds each here; SmolLM2 two, Gemma 3 three)."""
-    family = matrix_family(descriptor)
+    its matrix-vector kernel, compiled or loaded the first time a matrix of that family needs it (_family_address)."""
+    return _family_address(matrix_family(descriptor), one_row)
+
+
+def _family_address(family: str, one_row: bool) -> int:
+    """A family's kernel's address through kernel_loader.import_kernels (under the compile lock, a damaged cache
+    healed), once a process: a first launch compiles only the families its model's file holds (a few seconds each
+    here; SmolLM2 two, Gemma 3 three)."""
     if (one_row, family) not in _FAMILY_KERNELS:
         what, part = ("matrix-vector kernel", f"row-{family}") if one_row else ("rows kernel", family)
         _FAMILY_KERNELS[one_row, family] = import_kernels(
@@ -122,6 +126,15 @@ def family_kernel(descriptor: np.ndarray, one_row: bool) -> int:
             build=lambda module: module.rows_kernel(family, one_row))
         release_compiler_pages()
     return _FAMILY_KERNELS[one_row, family]
+
+
+def preload_families(families: tuple[str, ...] = ("u4", "i8")) -> None:
+    """The matrix-vector and rows kernels of these families (matrix_descriptor.family's names; by default SmolLM2's,
+    Q4_1 and Q8_0) compiled or loaded now, as the first products would: the test suite's background loader."""
+    for family in families:
+        _family_address(family, True)
+        if family not in ("u5", "q5_k"):  # u5's rows: weight_kernels' nib_matmul
+            _family_address(family, False)
 
 
 _ROWS_KERNELS: dict | None = None
