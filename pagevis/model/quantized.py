@@ -72,13 +72,14 @@ MATMUL, DEQUANT = {"u5": "nib_matmul"}, {"u4": "nib_dequant", "u5": "nib_dequant
 
 
 def kernels() -> dict:
-    """The kernels by packed format, imported on first use: loaded from numba's on-disk cache, or compiled (~25 s:
-    a first launch, a new numba or CPU; said on stderr when numba starts compiling, not before), through
+    """The kernels by packed format, imported on first use: loaded from numba's on-disk cache, or compiled (a few
+    seconds: a first launch, a new numba or CPU; said on stderr when numba starts compiling, not before; the kernels a
+    model's products call compile on demand: family_kernel, weight_kernel), through
     kernel_loader.import_kernels: under the compile lock, a damaged cache healed, in memory where numba cannot cache
     or another process holds the lock too long, each said in one line."""
     global _KERNELS
     if _KERNELS is None:
-        _KERNELS = import_kernels("pagevis.model.weight_kernels", "the quantized-weight kernels", seconds=25).KERNELS
+        _KERNELS = import_kernels("pagevis.model.weight_kernels", "the quantized-weight kernels", seconds=3).KERNELS
         release_compiler_pages()  # linked: the compiler's code is not run again
     return _KERNELS
 
