@@ -22,17 +22,24 @@ settings.register_profile("pagevis", derandomize=not os.environ.get("PAGEVIS_HYP
 settings.load_profile("pagevis")
 
 
-# What the background loader compiles, in the order the tests first need it: the weight kernels, the prefill rows'
-# kernels, the spin pool (two weight threads), the int8 batch kernels (where the CPU has VNNI), then the batched decode
-# attention (its own lock; first needed by test_attention_pool_handin's process, which compiled it there: 22 s of a
-# clean clone's make test on this Intel CPU).
+# What the background loader compiles, in the order the tests first need it: the weight kernels, SmolLM2's families'
+# kernels (one row and rows) and the repacking and dequantising ones its file needs, the spin pool (two weight
+# threads), the int8 batch kernels (where the CPU has VNNI), the batched decode attention (its own lock; first needed
+# by test_attention_pool_handin's process, which compiled it there: 22 s of a clean clone's make test on this Intel
+# CPU), then every other family's and on-demand kernel (the GGUF tests' other types, Gemma 3's), each compiled on
+# first use since session 17 (a first launch compiles only its model's).
 _LOADER_STEPS = (
     "from pagevis.model.quantized import kernels; kernels()",
-    "from pagevis.model.quantized import _rows_kernel; _rows_kernel('u4', None)",
+    "from pagevis.model.quantized import preload_families, weight_kernel; preload_families(('u4', 'i8')); "
+    "[weight_kernel(name) for name in ('repack_nib', 'repack_i8', 'i8_dequant')]",
     "from pagevis.model.weight_threads import set_weight_threads; from pagevis.model.quantized import spin_pool; "
     "set_weight_threads(2); spin_pool()",
     "from pagevis.model import int8_rows; int8_rows.route() == 'vnni' and int8_rows._kernels()",
     "from pagevis.kvcache.attention_kernels import batch_decode_kernels; batch_decode_kernels()",
+    "from pagevis.model.batch_kernels import ROW_FAMILIES; from pagevis.model.quantized import preload_families; "
+    "preload_families(tuple(ROW_FAMILIES))",
+    "from pagevis.model.quantized import weight_kernel; from pagevis.model.weight_kernels import LAZY; "
+    "[weight_kernel(name) for name in LAZY]",
 )
 # The loader lets go of the compile lock between its steps for this long: one lock covers the weights' kernel modules
 # (kernel_loader.FAMILIES), and a test waiting for one (polling every 0.1 s) lost the lock to the loader's next step
