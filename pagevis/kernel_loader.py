@@ -73,7 +73,7 @@ _gave_up = False  # a wait for the file lock timed out: later imports take it on
 _said_gave_up = False  # ... and that was said
 _lock_file: IO[str] | None = None  # the lock file while it is open
 _checked_sources = False  # the kernels' sources were checked against the cache's (_drop_stale_kernels_once)
-_said_unusable: set[str] = set()  # modules whose cache was said unusable (damaged, no locator)
+_said_unusable: set[str] = set()  # modules whose cache was said unusable (damaged), or 'no cache folder'
 
 
 def _new_lock_in_child() -> None:
@@ -182,12 +182,14 @@ def _load(module_name: str, what: str, build: Callable[[ModuleType], Any] | None
         try:
             return attempt()
         except Exception as exc:  # numba's cache: unpickling a damaged file, "no locator available", ...
-            if module_name in _said_unusable:  # said once a module: its parts compiled on demand say no more
+            # said once a module (its parts compiled on demand say no more), and no cache folder once a process
+            unusable = "no cache folder" if "no locator available" in str(exc) else module_name
+            if unusable in _said_unusable:
                 announce.said = True
             else:
                 _say(announce, f"pagevis: numba's cache of {what} ({module_name}) cannot be used ({_reason(exc)}); "
                                "compiling them again")
-                _said_unusable.add(module_name)
+                _said_unusable.add(unusable)
         with contextlib.suppress(Exception):
             with _damaged_cache_files_ignored():  # compiled and written over the damaged files: healed
                 return attempt()
@@ -318,10 +320,12 @@ def _damaged_cache_files_ignored():
 
 @contextlib.contextmanager
 def _numba_cache_off():
-    """cache=True ignored: the kernels compiled in memory only (no usable cache folder, a read-only install)."""
-    from numba.core import dispatcher
+    """cache=True ignored: the kernels compiled in memory only (no usable cache folder, a read-only install), the
+    njit functions' and the C functions' (cfunc: the weight families' kernels, compiled on demand)."""
+    from numba.core import ccallback, dispatcher
 
-    with _patched(dispatcher.Dispatcher, enable_caching=lambda self: None):
+    with _patched(dispatcher.Dispatcher, enable_caching=lambda self: None), \
+            _patched(ccallback.CFunc, enable_caching=lambda self: None):
         yield
 
 

@@ -33,16 +33,17 @@ def fingerprint(sources: list[Path]) -> str:
 
 
 def numba_cache_files(sources: list[Path]) -> Iterator[Path]:
-    """The numba cache files (index .nbi, data .nbc) of these modules: beside them (__pycache__), or under
-    NUMBA_CACHE_DIR, or numba's per-user folder where the package's own is not writable. numba names each
-    '<module stem>.<function>-<line>.py<version>.nb[ic]'."""
+    """The numba cache files (index .nbi, data .nbc) of these modules where numba keeps them: under NUMBA_CACHE_DIR
+    when it is set (numba then uses no other folder, and `record()` lies there too: a checkout's own cache is not
+    this one's to drop), else beside them (__pycache__), or in numba's per-user folder where the package's own is not
+    writable. numba names each '<module stem>.<function>-<line>.py<version>.nb[ic]'."""
     stems = tuple(f"{path.stem}." for path in sources)
     homes = {path.parent for path in sources}
-    folders = {home / "__pycache__" for home in homes}
-    user_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "numba"
-    for root in (os.environ.get("NUMBA_CACHE_DIR"), user_cache):
-        if root:
-            folders.update(Path(root) / numba_folder_name(home) for home in homes)
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        folders = {Path(os.environ["NUMBA_CACHE_DIR"]) / numba_folder_name(home) for home in homes}
+    else:
+        user_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "numba"
+        folders = {home / "__pycache__" for home in homes} | {user_cache / numba_folder_name(home) for home in homes}
     for folder in folders:
         if folder.is_dir():
             for file in folder.iterdir():

@@ -62,6 +62,21 @@ def test_preloaded_families_are_the_kernels_their_matrices_use():
     assert matrix.rows_address == quantized._FAMILY_KERNELS[False, "u4"] != 0
 
 
+def test_loading_a_model_loads_its_families_kernels_before_its_first_product(monkeypatch):
+    """gguf_loader preloads the kernels of the families a file's matrices hold (SmolLM2: Q4_1's u4 and Q8_0's i8,
+    one row and rows), so a first launch compiles them while it loads, not in its first step."""
+    from pagevis.model import gguf_loader, quantized
+    from pagevis.model.matrix_descriptor import family as matrix_family
+    from pagevis.model.quantized import QuantMatrix
+
+    preloaded = []
+    monkeypatch.setattr(quantized, "_FAMILY_KERNELS", {})
+    monkeypatch.setattr(quantized, "preload_families", lambda families: preloaded.append(families))
+    model = gguf_loader.load_model()
+    assert preloaded == [("i8", "u4")]
+    assert {matrix_family(m.descriptor) for m in model.weights.matrices() if isinstance(m, QuantMatrix)} == {"i8", "u4"}
+
+
 @pytest.mark.slow
 def test_smollm2_batched_greedy_decode_equals_each_sequence_alone(smollm2):  # noqa: F811
     """Eight sequences in one batch (every decode step a product of 8 rows by SmolLM2's Q4_1 and Q8_0 weights)

@@ -33,7 +33,7 @@ from pagevis.model.tokenizer_cache import cached_merges
 from pagevis.model.vocab_tokenizer import (TOKENIZER_KINDS, byte_level_backend, byte_to_unicode, check_spellable,
                                            sentencepiece_backend)
 from pagevis.model.quant_weights import held_bytes, quantized_weights, weight_format
-from pagevis.model.quantized import kernels, spin_pool
+from pagevis.model.quantized import kernels, preload_matrices, spin_pool
 from pagevis.model.resident import release_freed_heap
 from pagevis.model.weights import DecoderWeights, check_weight_shapes, layer_from_gguf_matrices
 
@@ -78,6 +78,7 @@ def load_model(path: str | Path | None = None, weights: str | None = None) -> De
                     if getattr(config.layout, field) for argument, name in parts.items()}
         held = quantized_weights(path, tensors, lambda name: tensor_as_float32(path, tensors[name], expected[name]),
                                  config.n_layers, LAYER_TENSORS, optional, lambda t: release_pages(reader, t))
+        preload_matrices(held.matrices())  # their families' kernels, likewise
         model = DecoderModel(config, held, tokenizer)
         # Products with these weights run on the weight threads (weight_threads.py), which never wait for a busy
         # core; BLAS (prefill's sgemm chunks, attention) stays on one thread per caller: two spinning OpenBLAS

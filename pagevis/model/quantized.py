@@ -138,6 +138,12 @@ def preload_families(families: tuple[str, ...] = ("u4", "i8")) -> None:
             _family_address(family, False)
 
 
+def preload_matrices(matrices) -> None:
+    """The kernels these matrices' products call (their families', preload_families) compiled or loaded now, not at
+    their first product: a model's load (gguf_loader), so its first step compiles nothing."""
+    preload_families(tuple(sorted({matrix_family(m.descriptor) for m in matrices if isinstance(m, QuantMatrix)})))
+
+
 _ROWS_KERNELS: dict | None = None
 _FAMILY_KERNELS: dict[tuple[bool, str], int] = {}  # (one_row, family) -> its kernel's address, once loaded
 
