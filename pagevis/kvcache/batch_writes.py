@@ -20,7 +20,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pagevis.kvcache.events import NAN, WRITE, CacheEvent, as_event
 from pagevis.kvcache.layer_managers import LayerManager
 from pagevis.kvcache.policy_state import PolicyState
 from pagevis.kvcache.sequence import SequenceCache
@@ -34,7 +33,7 @@ def write_many(layer: LayerManager, seqs: list[SequenceCache], k: np.ndarray, v:
     write (KVCacheManager.decode_many); else None, everything written."""
     store, tables, log, flats, rows = layer.store, layer.tables, layer.log, [], []
     windowed, can_allocate, budget = layer.window is not None, store.pages.can_allocate, layer.budget
-    ps, index, step, add, writes = layer.page_size, layer.layer, log.step, log.events.append, log.writes
+    ps, index, add_write = layer.page_size, layer.layer, log.add_write
     shared, registered = store.pages.ref_counts, store.pages.frame_hash
     ints = positions.tolist()
     for i, seq in enumerate(seqs):
@@ -60,9 +59,7 @@ def write_many(layer: LayerManager, seqs: list[SequenceCache], k: np.ndarray, v:
                     table.resident += 1
                     if position < table.floor:
                         table.floor = -1
-                    if writes:
-                        add(as_event(CacheEvent, (WRITE, step, index, page, flat - page * ps, position, "", "", NAN,
-                                                  -1, seq.seq_id, -1)))
+                    add_write(seq.seq_id, index, page, flat - page * ps, position)
                     flats.append(flat)
                     rows.append(i)
                     continue
@@ -70,14 +67,12 @@ def write_many(layer: LayerManager, seqs: list[SequenceCache], k: np.ndarray, v:
                 log.acting = seq.seq_id
                 flat = layer.free_slot(seq, table)
                 layer.wrote(seq, table, flat, k[i], v[i], position)
-                add = log.events.append
                 flats.append(flat)
                 rows.append(i)
                 continue
         log.acting = seq.seq_id
         _write_held(layer, flats, rows, k, v, positions, ints)
         append_one(i)
-        add = log.events.append
     if seqs:
         log.acting = seqs[-1].seq_id
     if hold and seqs and len(rows) == len(seqs):  # (rows then is 0 .. B - 1: none went through append_one)
