@@ -127,3 +127,16 @@ def test_a_first_launch_says_in_the_window_that_the_kernels_compile(qtbot, windo
     qtbot.waitUntil(lambda: window.runner.state == "ready" and len(said) >= 3, timeout=120_000)
     compiling = [line for line in said if line.startswith("Compiling the model's kernels")]
     assert len(compiling) == 2 and compiling[-1].split(": ")[1].startswith("2 so far")
+
+
+def test_a_change_still_debouncing_when_the_window_closes_starts_no_session(qtbot, window):
+    """A control changed just before the window closed armed the controls' 150 ms debounce; it fired after the
+    close had shut the runner down and started a load whose result then reached a deleted runner ('Signal source
+    has been deleted', in the next test's event loop on a clean clone)."""
+    timeline, state = window.runner.timeline, window.runner.state
+    window.controls.page_size.setValue(window.controls.page_size.value() * 2)
+    window.close()
+    qtbot.wait(400)  # past the debounce
+    assert window.runner.timeline is timeline and window.runner.state == state
+    window.runner.configure(window.runner.spec, window.runner.prompt, window.runner.config)
+    assert window.runner.timeline is timeline and window.runner._loader is None  # a shut runner starts nothing

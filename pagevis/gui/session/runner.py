@@ -173,12 +173,15 @@ class SessionRunner(QObject):
         self._loader = None
         self._pending: tuple | None = None  # a (spec, prompt, config) to start once the worker stops
         self._generation = 0  # bumps on every restart: results of older workers are dropped
+        self._shut = False  # after shutdown() (its window closed) nothing starts: a late debounced restart either
         self.previous: SessionSlot | None = None
         self.timeline_spec: ModelSpec | None = None  # the model spec of the current timeline
 
     # --- lifecycle -------------------------------------------------------------------------------
     def configure(self, spec: ModelSpec, prompt: str, config: SessionConfig, blocking: bool = False) -> None:
         """Start a new session (loading the model first if it changed). Stops a running worker first."""
+        if self._shut:
+            return
         self._generation += 1
         if self.busy:
             self._pending = (spec, prompt, config)
@@ -408,7 +411,9 @@ class SessionRunner(QObject):
             self.state_changed.emit(state)
 
     def shutdown(self, timeout_ms: int = 15000) -> bool:
-        """Stop the worker and wait for every pool thread to finish (call before the window goes)."""
+        """Stop the worker and wait for every pool thread to finish (call before the window goes); the runner
+        starts nothing after it."""
+        self._shut = True
         self._generation += 1
         self._pending = None
         self.stop()
