@@ -58,14 +58,16 @@ _LOADER_PAUSE = 0.4
 # test_hostile_prompts' SmolLM2 69 s, test_engine_disk's full swap folder 62 s, test_rerotate's tiny GGUF 9-11 s, and
 # test_gui_presets' Gemma preset past its 30 s: its worker was still waiting for the spin pool's kernels when the test
 # ended, and every later two-thread test of that run found the pool unavailable -- quantized._POOL_FAILED, the
-# exception's line lost in a passing test's captured stderr). A module missing here only waits; one listed that
-# needs none of them only runs later.
+# exception's line lost in a passing test's captured stderr; session 18: test_model_loading's SmolLM2 15 s,
+# test_rope_scaling's tiny GGUFs 4 s). A module missing here only waits; one listed that needs none of them only
+# runs later.
 _RUN_LAST = ("test_api.py", "test_attention_pool_handin.py", "test_batch_decode_kernel.py", "test_batch_kernels.py",
-             "test_cli.py", "test_cli_bench.py", "test_decode_split.py", "test_engine_bench.py", "test_engine_disk.py",
-             "test_engine_quant.py", "test_fuzz_files.py", "test_fused_kernels.py", "test_gui.py", "test_gui_demo.py",
-             "test_gui_presets.py", "test_hostile_caches.py", "test_hostile_layout.py", "test_hostile_prompts.py",
-             "test_int8_prompt_rows.py", "test_int8_rows.py", "test_model_reference.py", "test_preset_proofs.py",
-             "test_rerotate.py", "test_resident.py", "test_spin_pool.py", "test_weight_kernels.py",
+             "test_cli.py", "test_cli_bench.py", "test_decode_split.py", "test_engine_bench.py",
+             "test_engine_disk.py", "test_engine_quant.py", "test_fused_kernels.py", "test_fuzz_files.py",
+             "test_gui.py", "test_gui_demo.py", "test_gui_presets.py", "test_hostile_caches.py",
+             "test_hostile_layout.py", "test_hostile_prompts.py", "test_int8_prompt_rows.py", "test_int8_rows.py",
+             "test_model_loading.py", "test_model_reference.py", "test_preset_proofs.py", "test_rerotate.py",
+             "test_resident.py", "test_rope_scaling.py", "test_spin_pool.py", "test_weight_kernels.py",
              "test_weights_bench.py")
 
 

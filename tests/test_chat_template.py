@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pagevis.model import GGUFTokenizer
+from pagevis.model import GGUFTokenizer, chat_template
 from pagevis.model.chat_template import ChatTemplate, ChatTemplateError
 from pagevis.model.gguf_file import field_contents, open_gguf
 from pagevis.model.vocab_tokenizer import byte_level_backend
@@ -64,12 +64,49 @@ def test_a_template_that_writes_bos_gets_no_second_one():
     assert tok.decode(ids) == "<|endoftext|><|im_start|>hi<|im_end|>"  # the template's trim still applies
 
 
+# The sandbox's deadlines, cut for the tests that reach them (short_deadlines): what they test is that each deadline
+# stops its template and says so, not the default's length (2 s and 3 s: 8 s of make test).
+RENDER, KILL = 0.4, 1.2
+
+
+@pytest.fixture(scope="module")
+def short_deadlines():
+    """RENDER_SECONDS and KILL_SECONDS cut to RENDER and KILL, in a worker started with them (the worker gets its
+    render deadline when it starts); the default ones, in a worker of their own, afterwards."""
+    defaults = chat_template.RENDER_SECONDS, chat_template.KILL_SECONDS
+    _new_worker(RENDER, KILL)
+    yield
+    _new_worker(*defaults)
+
+
+def _new_worker(render: float, kill: float) -> None:
+    chat_template.RENDER_SECONDS, chat_template.KILL_SECONDS = render, kill
+    chat_template._stop_worker()
+    chat_template._WORKER = None  # the next render starts one
+
+
 @pytest.mark.parametrize("source, message", [
     ("{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}",
-     "ran longer than 2 s"),
+     f"ran longer than {RENDER:g} s"),
     # no call, no output: only the wall clock can stop it (the worker is killed and started again)
-    ("{% for a in 'x' * 100000 %}{% for b in 'x' * 100000 %}{% endfor %}{% endfor %}", "ran longer than 3 s"),
-    ("{{ lipsum(10**6) }}", "ran longer than 3 s"),  # unbounded work inside one call
+    ("{% for a in 'x' * 100000 %}{% for b in 'x' * 100000 %}{% endfor %}{% endfor %}", f"ran longer than {KILL:g} s"),
+    ("{{ lipsum(10**6) }}", f"ran longer than {KILL:g} s"),  # unbounded work inside one call
+])
+def test_a_template_past_a_deadline_is_stopped_with_a_reason(short_deadlines, source, message):
+    with pytest.raises(ChatTemplateError, match=message) as refused:
+        ChatTemplate(source, ["<|im_end|>"]).render([{"role": "user", "content": "hi"}])
+    assert "\n" not in str(refused.value)
+
+
+def test_a_template_over_its_bounds_is_refused_at_load_and_the_next_one_renders(short_deadlines):
+    started = time.monotonic()
+    with pytest.raises(ChatTemplateError, match="ran longer than"):
+        ChatTemplate("{% for a in 'x' * 99999 %}{% for b in 'x' * 99999 %}{% endfor %}{% endfor %}", [])
+    assert time.monotonic() - started < 10
+    assert ChatTemplate(CHATML, []).render([{"role": "user", "content": "hi"}]).startswith("<|im_start|>user")
+
+
+@pytest.mark.parametrize("source, message", [
     ("{{ 9 ** (9 ** 9) }}", "a number of more than 65536 bits"),  # jinja2 would fold it while compiling
     ("{{ 'x' * 10**9 }}", "a value of 1000000000 items"),
     ("{{ 'x' | center(10**9) }}", "ran out of memory \\(its limit is 512 MiB\\)"),
@@ -101,14 +138,6 @@ def test_sandbox_escapes_reach_nothing(source):
         assert "\n" not in str(refused) and "the chat template" in str(refused)
     else:
         assert "class" not in out and "module" not in out and "function" not in out
-
-
-def test_a_template_over_its_bounds_is_refused_at_load_and_the_next_one_renders():
-    started = time.monotonic()
-    with pytest.raises(ChatTemplateError, match="ran longer than"):
-        ChatTemplate("{% for a in 'x' * 99999 %}{% for b in 'x' * 99999 %}{% endfor %}{% endfor %}", [])
-    assert time.monotonic() - started < 10
-    assert ChatTemplate(CHATML, []).render([{"role": "user", "content": "hi"}]).startswith("<|im_start|>user")
 
 
 USER = "  Say <|IM_START|> Hi  "

@@ -10,6 +10,7 @@ controls, and empties it); an entry that is no longer over fails too, so the lis
 from __future__ import annotations
 
 import ast
+from functools import cache
 from pathlib import Path
 
 import pagevis
@@ -24,24 +25,31 @@ ALLOWED_OVER: set[str] = set()  # empty: the main window, its controls and the p
 KNOWN_MIXINS: dict[str, str] = {}  # empty: the main window and its controls hold their parts, as the stores their tier
 
 
+@cache
+def _modules() -> dict[str, tuple[int, ast.Module]]:
+    """Every module of pagevis ("path/under/pagevis.py") -> its lines and its parse, read once a run (each test
+    here reads them all)."""
+    found = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        found[path.relative_to(ROOT).as_posix()] = (len(text.splitlines()), ast.parse(text))
+    return found
+
+
 def sizes() -> dict[str, tuple[str, int, int]]:
     """Every module, class and function of pagevis: name -> (kind, lines, the most it may have)."""
     found = {}
-    for path in sorted(ROOT.rglob("*.py")):
-        module = path.relative_to(ROOT).as_posix()
-        text = path.read_text(encoding="utf-8")
-        found[module] = ("module", len(text.splitlines()), MAX_MODULE)
-        _walk(ast.parse(text), module + "::", found)
+    for module, (lines, tree) in _modules().items():
+        found[module] = ("module", lines, MAX_MODULE)
+        _walk(tree, module + "::", found)
     return found
 
 
 def class_sizes() -> dict[str, int]:
     """Every top-level class of pagevis ("path.py::Class") -> its lines and those of every pagevis class it
     inherits from (each once), bases found through the module's own classes and its `from pagevis... import`s."""
-    trees = {path.relative_to(ROOT).as_posix(): ast.parse(path.read_text(encoding="utf-8"))
-             for path in sorted(ROOT.rglob("*.py"))}
     own, bases, names = {}, {}, {}
-    for module, tree in trees.items():
+    for module, (_, tree) in _modules().items():
         local = names[module] = {}
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("pagevis."):
