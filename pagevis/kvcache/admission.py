@@ -103,7 +103,7 @@ class Admission:
         room = self.token_room(seq)
         if room <= min([pool.n_free() for pool in self._pools]) * self.cache.page_size:
             return room
-        return min(room, min(len(tables[seq_id].holes) + pool.n_free() * self.cache.page_size
+        return min(room, min(tables[seq_id].n_holes() + pool.n_free() * self.cache.page_size
                              for tables, pool in zip(self._tables, self._pools, strict=True)))
 
     def token_room(self, seq: SequenceCache) -> int:
@@ -233,7 +233,7 @@ def layer_pages_needed(layer: LayerManager, seq: SequenceCache, n_tokens: int) -
     table = own.pages
     fill = store.fill[table] if table else np.zeros(0, dtype=np.int64)
     shared = store.pages.ref_counts[table] > 1 if table else np.zeros(0, dtype=bool)
-    room = len(own.holes)
+    room = own.n_holes()
     n_evict = max(0, own.resident + n_tokens - layer.budget(seq)) if policy.evicts else 0
     if n_evict:  # a policy evicting N at once (periodic compression) evicts N each time the budget is reached
         n_evict += policy.evicted_at_once() - 1

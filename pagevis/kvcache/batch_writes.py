@@ -4,7 +4,9 @@ as one `append` per sequence in the same order writes them (eviction.append).
 A token that needs only a slot — no eviction at its budget, no pruning, per-head masks or ThinK channels — has it
 chosen and its table, policy statistics and event updated here, one sequence at a time in order: inlined where its
 lowest empty slot lies in a page of its own that stands for no prefix hash (what `LayerManager.free_slot` then
-`wrote` do there, without their calls: the common decode step), else through those two (a page allocated, or a
+`wrote` do there, without their calls: the common decode step), that slot known from the table's decode lane
+(LayerTable.lane_next: no min over its hole set, whose entries it takes out only when someone reads `holes`, so a
+decode step touches neither the set nor the policy), else through those two (a page allocated, or a
 shared or registered page copied or forgotten first, as a single write does). The K/V, positions and
 occupancy of all of them are then written by one store call (`PageStore.write_rows`: float32 RAM pages,
 `store.in_place`). Any other token goes through `append_one(i)` at its turn, after the K/V held so far are
@@ -22,7 +24,7 @@ import numpy as np
 
 from pagevis.kvcache.layer_managers import LayerManager
 from pagevis.kvcache.policy_state import PolicyState
-from pagevis.kvcache.sequence import SequenceCache
+from pagevis.kvcache.sequence import LayerTable, SequenceCache
 
 
 def write_many(layer: LayerManager, seqs: list[SequenceCache], k: np.ndarray, v: np.ndarray, positions: np.ndarray,
@@ -32,8 +34,8 @@ def write_many(layer: LayerManager, seqs: list[SequenceCache], k: np.ndarray, v:
     written but their flat slots returned (B,), sequence i's token's at i, for the batched attention kernel's call to
     write (KVCacheManager.decode_many); else None, everything written."""
     store, tables, log, flats, rows = layer.store, layer.tables, layer.log, [], []
-    windowed, can_allocate, budget = layer.window is not None, store.pages.can_allocate, layer.budget
-    ps, index, add_write = layer.page_size, layer.layer, log.add_write
+    windowed, can_allocate = layer.window is not None, store.pages.can_allocate
+    ps, index, add_write = layer.page_size, layer.layer, log.add_write if log.writes else None
     shared, registered = store.pages.ref_counts, store.pages.frame_hash
     ints = positions.tolist()
     for i, seq in enumerate(seqs):
@@ -44,32 +46,29 @@ def write_many(layer: LayerManager, seqs: list[SequenceCache], k: np.ndarray, v:
             log.acting = seq.seq_id
             layer.before_write(seq, position)
         table = tables[seq.seq_id]
-        if (table.head_keep is None and seq.channels is None and not seq.policy.prunes
-                and table.resident < budget(seq)):
-            holes = table.holes
-            if holes:
-                flat = min(holes)
-                page = flat // ps
-                if shared[page] <= 1 and page not in registered:  # `free_slot` takes it as it is: `wrote`, inlined
-                    state = table.state
-                    if type(state) is not PolicyState:  # (the base keeps no statistics)
-                        state.clear(flat)
-                        state.write(flat, k[i], v[i], position)
-                    holes.remove(flat)
-                    table.resident += 1
-                    if position < table.floor:
-                        table.floor = -1
-                    add_write(seq.seq_id, index, page, flat - page * ps, position)
-                    flats.append(flat)
-                    rows.append(i)
-                    continue
-            if holes or can_allocate():
-                log.acting = seq.seq_id
-                flat = layer.free_slot(seq, table)
-                layer.wrote(seq, table, flat, k[i], v[i], position)
-                flats.append(flat)
-                rows.append(i)
-                continue
+        flat = table.lane_next  # (its lowest empty slot, known: LayerTable's decode lane)
+        if not 0 <= flat < table.lane_end or table.resident >= table.lane_budget:
+            flat = _start_lane(layer, seq, table)
+        if flat >= 0 and shared[flat // ps] <= 1 and flat // ps not in registered:  # `free_slot`, `wrote` inlined
+            state = table.state
+            if type(state) is not PolicyState:  # (the base keeps no statistics)
+                state.took(flat, k[i], v[i], position)
+            table.lane_next = flat + 1
+            table.resident += 1
+            if position < table.floor:
+                table.floor = -1
+            if add_write is not None:
+                add_write(seq.seq_id, index, flat // ps, flat % ps, position)
+            flats.append(flat)
+            rows.append(i)
+            continue
+        if flat >= 0 or (flat == NO_HOLE and can_allocate()):  # (a page allocated, or copied or forgotten first)
+            log.acting = seq.seq_id
+            flat = layer.free_slot(seq, table)
+            layer.wrote(seq, table, flat, k[i], v[i], position)
+            flats.append(flat)
+            rows.append(i)
+            continue
         log.acting = seq.seq_id
         _write_held(layer, flats, rows, k, v, positions, ints)
         append_one(i)
@@ -80,6 +79,22 @@ def write_many(layer: LayerManager, seqs: list[SequenceCache], k: np.ndarray, v:
         return np.array(flats, np.int64)
     _write_held(layer, flats, rows, k, v, positions, ints)
     return None
+
+
+def _start_lane(layer: LayerManager, seq: SequenceCache, table: LayerTable) -> int:
+    """The sequence's lowest empty slot, its table's lane started there, when its token needs only a slot (no
+    eviction at its budget, no pruning, per-head masks or ThinK channels); NO_HOLE when it has no empty slot, NEEDS_MORE
+    when it needs more than a slot."""
+    if table.head_keep is not None or seq.channels is not None or seq.policy.prunes:
+        return NEEDS_MORE
+    budget = layer.budget(seq)
+    if table.resident >= budget:
+        return NEEDS_MORE
+    flat = table.start_lane(budget)
+    return flat if flat >= 0 else NO_HOLE
+
+
+NEEDS_MORE, NO_HOLE = -1, -2
 
 
 def _write_held(layer: LayerManager, flats: list[int], rows: list[int], k: np.ndarray, v: np.ndarray,

@@ -272,8 +272,7 @@ class LayerManager:
             table.floor = -1
         state = table.state
         if type(state) is not PolicyState:  # (the base keeps no statistics)
-            state.clear(flat)
-            state.write(flat, k, v, position)
+            state.took(flat, k, v, position)
         if table.head_keep is not None:
             table.head_keep[:, flat] = True
         page, slot = divmod(flat, self.page_size)

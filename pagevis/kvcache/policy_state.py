@@ -35,6 +35,11 @@ class PolicyState:
         for array in self.arrays.values():
             array[flat] = 0
 
+    def took(self, flat: int, k: np.ndarray, v: np.ndarray, position: int) -> None:
+        """A new token took slot flat: `clear` then `write` (what every write does; the base keeps nothing)."""
+        self.clear(flat)
+        self.write(flat, k, v, position)
+
     def observe(self, weights: np.ndarray, slots: slice | np.ndarray) -> None:
         """One attention call's weights, (n_queries, n_heads, m), over the flat slots `slots` (the
         tokens actually read; m of them). Slots not read got no attention this step. Called only for

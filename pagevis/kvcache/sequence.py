@@ -5,7 +5,8 @@
   wrote and their prefix hashes, its newest position, ThinK's key channels;
 - `LayerTable`: its share of one layer, held by that layer's manager (layer_managers.py, `LayerManager.tables`):
   the block table, the empty slots of its own pages, its resident tokens, its policy's statistics and per-head
-  masks, what its last attention read, and (local layers) what slid out of the window. Nothing else changes them
+  masks, what its last attention read, and (local layers) what slid out of the window; and its decode lane
+  (batch_writes.write_many's: its lowest empty slot while it decodes, its hole set brought up to date when read). Nothing else changes them
   but attention (paged_attention.py), which feeds the policy's statistics and notes the slots it read.
 """
 
@@ -31,7 +32,7 @@ class LayerTable:
     state: PolicyState
     head_keep: np.ndarray | None = None
     pages: list[int] = field(default_factory=list)
-    holes: set[int] = field(default_factory=set)
+    hole_set: set[int] = field(default_factory=set)  # `holes` but for the lane's writes (read it through `holes`)
     resident: int = 0
     read_slots: np.ndarray | None = None
     dropped: int = 0
@@ -39,6 +40,38 @@ class LayerTable:
     # a lower bound on each non-empty page's newest position (-1: unknown; a local layer slides nothing while its
     # window starts at or below it): unknown again whenever a page joins the table or a token leaves it
     floor: int = -1
+    # the decode lane (batch_writes.write_many; -1: stopped): while lane_next >= 0 the empty slots are hole_set less
+    # lane_from .. lane_next - 1 (the lane's writes), the lowest is lane_next and lane_next .. lane_end - 1 are all
+    # empty; lane_budget is the layer's budget of the sequence (LayerManager.budget) when the lane started
+    lane_next: int = -1
+    lane_from: int = -1
+    lane_end: int = -1
+    lane_budget: int = 0
+
+    @property
+    def holes(self) -> set[int]:
+        """The empty slots of its own pages: the lane's writes taken out, and the lane stopped (the caller may change
+        the set; `start_lane` starts it again)."""
+        if self.lane_next >= 0:
+            self.hole_set.difference_update(range(self.lane_from, self.lane_next))
+            self.lane_next = -1
+        return self.hole_set
+
+    def n_holes(self) -> int:
+        """len(holes), the lane left running."""
+        return len(self.hole_set) - (self.lane_next - self.lane_from if self.lane_next >= 0 else 0)
+
+    def start_lane(self, budget: int) -> int:
+        """Start the decode lane at the lowest empty slot (returned; -1: no empty slot, no lane), `budget` the layer's
+        budget of the sequence, which stays the same while the lane runs (a policy's layer_capacity once bound)."""
+        holes = self.holes
+        if not holes:
+            return -1
+        flat = end = min(holes)
+        while end in holes:
+            end += 1
+        self.lane_next, self.lane_from, self.lane_end, self.lane_budget = flat, flat, end, budget
+        return flat
 
     def clear(self) -> None:
         self.pages.clear()
