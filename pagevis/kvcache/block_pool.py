@@ -22,12 +22,17 @@ import numpy as np
 
 
 class BlockPool:
+    # how many times any pool's frames in use grew (or a pool was reset): a caller that noted its pools' peak
+    # (store.note_peak) when this stood where it stands now need not note it again (KVCacheManager.commit)
+    grown = 0
+
     def __init__(self, n_frames: int):
         self.n_frames = n_frames
         self.ref_counts = np.zeros(n_frames, dtype=np.int32)
         self.reset()
 
     def reset(self) -> None:
+        BlockPool.grown += 1
         self.ref_counts.fill(0)
         self.empty = list(range(self.n_frames))  # a heap of free frames holding nothing reusable
         self.cached: OrderedDict[int, None] = OrderedDict()  # free frames holding a hashed page, LRU first
@@ -75,6 +80,7 @@ class BlockPool:
             frame, _ = self.cached.popitem(last=False)
         else:
             raise RuntimeError("no free frame; preempt or evict first")
+        BlockPool.grown += 1
         self.ref_counts[frame] = 1
         return frame, self.forget(frame)
 
@@ -84,6 +90,7 @@ class BlockPool:
             if frame not in self.cached:
                 raise RuntimeError(f"frame {frame} is free and holds no cached page")
             del self.cached[frame]
+            BlockPool.grown += 1
         self.ref_counts[frame] += 1
 
     def release(self, frame: int) -> bool:

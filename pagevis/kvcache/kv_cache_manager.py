@@ -39,6 +39,7 @@ from pagevis.kvcache import eviction, paged_attention
 from pagevis.kvcache.admission import Admission
 from pagevis.kvcache.attention_kernels import AttentionResult
 from pagevis.kvcache.batch_writes import write_many
+from pagevis.kvcache.block_pool import BlockPool
 from pagevis.kvcache.config import MAX_PAGES, CacheConfig
 from pagevis.kvcache.errors import ConfigError
 from pagevis.kvcache.events import CacheEvent, EventKind, EventLog
@@ -102,6 +103,7 @@ class KVCacheManager:
                  for layer in self.layers]
         self._committing = [layer for layer, own in zip(self.layers, plain, strict=True) if not own]
         self._peak_stores = [layer.store for layer, own in zip(self.layers, plain, strict=True) if own]
+        self._peaks_noted = -1  # BlockPool.grown when commit last noted their peaks
         self.prefix_caching = prefix_caching
         self.prefix_stats = PrefixCacheStats()
         self.admission = Admission(self)  # what the scheduler asks (admission.py)
@@ -397,8 +399,10 @@ class KVCacheManager:
                 layer.register(seq, i, seq.hashes[-1])
         for layer in self._committing:  # (each layer changes only its own store: the order between the two holds)
             layer.commit(seq)
-        for store in self._peak_stores:  # (LayerManager.commit without its after_step call)
-            note_peak(store)
+        if BlockPool.grown != self._peaks_noted:  # (no pool grew since they were noted: none can be higher)
+            self._peaks_noted = BlockPool.grown
+            for store in self._peak_stores:  # (LayerManager.commit without its after_step call)
+                note_peak(store)
 
     def compress(self, seq_id: int, reconstructed: int, note: str) -> None:
         """A compressing policy's one-shot drops (kvzip), every layer at once, after its reconstruction pass
