@@ -1,6 +1,7 @@
 """What the compiled kernels of the model (model/weight_kernels.py, fused_kernels.py) and of the cache
 (kvcache/decode_kernel.py, policies/kernels.py) share: two LLVM operations numba does not spell, one float32 exp that
-vectorises, and the njit options' type. Imported by both, so it builds on nothing of pagevis.
+vectorises, float16 read and written through its bits (numba has no float16 on the CPU: `widen`, `narrow`), and the
+njit options' type. Imported by both, so it builds on nothing of pagevis.
 
 They are inlined into the kernels that call them, and numba's on-disk cache does not notice a change here: change
 one only together with the kernels' files (or clear the cache).
@@ -8,12 +9,14 @@ one only together with the kernels' files (or clear the cache).
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict
+import platform
+from collections.abc import Callable
+from typing import Any, Literal, TypedDict, cast
 
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 LOG2E = np.float32(1.4426950408889634)
 LN2_HI, LN2_LO = np.float32(0.693359375), np.float32(-2.12194440e-4)  # ln 2 in two parts (Cephes)
@@ -34,6 +37,93 @@ def bits_as_float32(typingctx, bits):
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.FloatType())
     return types.float32(types.int32), codegen
+
+
+@intrinsic
+def _float32_bits(typingctx, value):
+    """The int32 bits of the float32 value (LLVM's bitcast: no instruction)."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.int32(types.float32), codegen
+
+
+HALF_SCALE = 2.0 ** 112  # a float16's exponent bits read as a float32's: its value times 2^-112
+
+
+HALF_INSTRUCTIONS: bool | None = None  # widen's choice: None, by the CPU (`_converts_halves`); tests force the bits'
+
+
+def _converts_halves(context) -> bool:
+    """Whether the CPU numba compiles for converts float16 to float32 in one instruction (x86's F16C: vcvtph2ps;
+    AArch64's fcvt), which LLVM's fpext from half then is; elsewhere it would call a runtime function."""
+    if HALF_INSTRUCTIONS is not None:
+        return HALF_INSTRUCTIONS
+    features = getattr(context.codegen(), "_tm_features", "") or ""
+    return "+f16c" in features.split(",") or platform.machine().lower() in ("aarch64", "arm64")
+
+
+@intrinsic
+def _widen(typingctx, value):
+    """A stored K/V element as float32: a float32 itself; a uint16 (a float16's bits: float16 pages are read through a
+    uint16 view) exactly: LLVM's fpext from half where the CPU converts in one instruction (`_converts_halves`: F16C's
+    vcvtph2ps converts 16 a time), else as bits ((h & 0x7fff) << 13 | (h & 0x8000) << 16), a float32 2^112 times too
+    small for a normal, zero or subnormal float16 alike, times 2^112 (a float16 is never inf or NaN here: none is
+    stored): integer operations and one product carrying no fast-math flag (so no reassociation moves the 2^112 out of
+    it and under float32's range). LLVM vectorises either."""
+    if value == types.float32:
+        def same(context, builder, signature, args):
+            return args[0]
+        return types.float32(value), same
+    if value != types.uint16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        if _converts_halves(context):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        i32 = ir.IntType(32)
+        h = builder.zext(args[0], i32)
+        magnitude = builder.shl(builder.and_(h, ir.Constant(i32, 0x7FFF)), ir.Constant(i32, 13))
+        sign = builder.shl(builder.and_(h, ir.Constant(i32, 0x8000)), ir.Constant(i32, 16))
+        small = builder.bitcast(builder.or_(magnitude, sign), ir.FloatType())
+        return builder.fmul(small, ir.Constant(ir.FloatType(), HALF_SCALE))
+    return types.float32(value), codegen
+
+
+# numba's stub types an intrinsic's call with its typing function's parameters (typingctx first): these names give
+# the calls' own signature
+float32_bits: Callable[[Any], Any] = cast(Callable[[Any], Any], _float32_bits)
+widen: Callable[[Any], Any] = cast(Callable[[Any], Any], _widen)
+
+
+@njit(cache=True, nogil=True)
+def half_bits(value):  # pragma: no cover (numba)
+    """The bits (uint16) of float32 value rounded to float16 to the nearest, ties to even: NumPy's astype(float16), bit
+    for bit (beyond float16's range inf; a NaN a NaN). F. Giesen's float_to_half_fast3_rtne: a result that is
+    subnormal is rounded by a float32 sum (value + 0.5: its low bits are the float16's), any other by adding 0xfff
+    and the kept mantissa's lowest bit below the cut. Not inlined (no caller's fast-math flags on its sum)."""
+    bits = float32_bits(value)
+    sign = (bits >> 16) & 0x8000
+    f = bits & 0x7FFFFFFF
+    if f >= 0x47800000:  # 2^16 and above (and inf, NaN)
+        out = 0x7E00 if f > 0x7F800000 else 0x7C00
+    elif f < 0x38800000:  # below 2^-14: a subnormal float16 or zero
+        out = float32_bits(bits_as_float32(f) + np.float32(0.5)) - 0x3F000000  # type: ignore[call-arg]
+    else:
+        out = (f + (np.int32(-112) << 23) + 0xFFF + ((f >> 13) & 1)) >> 13
+    return np.uint16(out | sign)
+
+
+def narrow(value, array):
+    """value (float32) as an element of `array`: itself into float32, half_bits into uint16 (float16 pages' bits);
+    compiled code only (kernels writing K/V into float32 or float16 pages)."""
+    raise NotImplementedError
+
+
+@overload(narrow, inline="always")
+def _narrow(value, array):
+    if array.dtype == types.uint16:
+        return lambda value, array: half_bits(value)
+    return lambda value, array: value
 
 
 @intrinsic

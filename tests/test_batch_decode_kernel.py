@@ -86,7 +86,7 @@ def test_the_spin_pools_two_threads_give_one_threads_bits_whoever_computes_each_
         tiles = -(-n_kv * group * (d + width) // kernel.TILE)
         arrays = (q, k, v, tables, n_pages, bias, key_positions, positions)
         handle = kernel._handle(arrays, np.float32(1 / np.sqrt(d)), window, tiles)
-        address = kernel._POOL_KERNEL
+        address = kernel.FLOAT32.pool_kernel
         for stalled in (False, True):
             ctrl = sp.new_control()
             scratch, out = (np.full(batch * tiles * kernel.TILE, np.nan, np.float32) for _ in range(2))

@@ -146,8 +146,8 @@ def batch_decode_kernels() -> ModuleType:
 def attend_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_keys: int, key_bias: np.ndarray | None,
                   key_positions: np.ndarray | None, position: int, window: int | None,
                   write: tuple[int, np.ndarray, np.ndarray] | None = None, pool: Any = None) -> AttentionResult:
-    """`attend` of one query (q: (1, n_heads, d)) over the first n_keys slots of C-contiguous float32 keys and values
-    (n_kv, S, d), read where they lie (a page pool's frames), in one numba call for every head (decode_kernel.py).
+    """`attend` of one query (q: (1, n_heads, d)) over the first n_keys slots of C-contiguous float32 or float16 keys
+    and values (n_kv, S, d), read where they lie (float16 through its bits, converted exactly) (a page pool's frames), in one numba call for every head (decode_kernel.py).
     key_bias: (S,) for every head, or (n_kv, S) one row a KV head (per-head masks), or None.
     key_positions: the slots' positions, with a `window` (else None). write: (slot, k, v), the new token's key and
     value (n_kv, d) written into that slot of keys and values first, in the same call (a decode step's). pool: the
@@ -169,12 +169,14 @@ def attend_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_keys: i
     slot, k, v = (-1, kernel.NO_ROW, kernel.NO_ROW) if write is None else (
         write[0], np.ascontiguousarray(write[1], dtype=np.float32), np.ascontiguousarray(write[2], dtype=np.float32))
     query, scale = np.ascontiguousarray(q[0], dtype=np.float32), np.float32(1.0 / math.sqrt(d))
+    kit = kernel.FLOAT32 if keys.dtype == np.float32 else kernel.half_kernels()
+    keys, values = kernel.bits(keys), kernel.bits(values)
     if pool is not None and n_keys >= kernel.SPLIT_KEYS:
         kernel.attend_split(query, scale, keys, values, slot, k, v, n_keys, bias, hidden[0], position, hidden[1], out[0],
-                            weights[0], pool)
+                            weights[0], pool, kernels=kit)
     else:
-        kernel.attend_one(query, scale, keys, values, slot, k, v, n_keys, bias, hidden[0], position, hidden[1], out[0],
-                          weights[0])
+        kit.attend_one(query, scale, keys, values, slot, k, v, n_keys, bias, hidden[0], position, hidden[1], out[0],
+                       weights[0])
     return AttentionResult(out, weights)
 
 

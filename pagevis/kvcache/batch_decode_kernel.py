@@ -2,8 +2,8 @@
 
 `attend_tables(q, k, v, tables, n_pages, bias, key_positions, positions, window)`: one decode query for each of B
 sequences (q: (B, n_heads, d)), the pool's K and V as the page store holds them ((n_kv, pages, page_size, d)
-float32), each sequence's block table (tables: (B, widest) page ids, row b's first n_pages[b] used), the pool's
-occupancy bias per flat slot (page * page_size + slot: 0 resident, -inf empty) and, with window > 0, each slot's
+float32 or float16), each sequence's block table (tables: (B, widest) page ids, row b's first n_pages[b] used), the
+pool's occupancy bias per flat slot (page * page_size + slot: 0 resident, -inf empty) and, with window > 0, each slot's
 position and each query's: a key at or below position - window is hidden (a sliding window's layer). Returns the
 output (B, n_heads, d) and the weights (B, n_heads, widest * page_size), normalised, exactly 0 on hidden slots and
 padding; a sequence with no visible key gets zeros. What `attention_kernels.attend_decode_batch` computes over
@@ -26,18 +26,22 @@ one a chunk (model/spin_pool.py's `items`, calling `pool_kernel` through its add
 the pool's scratch, which the caller copies from once a sequence is marked done; one the helper is late on the caller
 computes itself, and the helper's late copy lands in the scratch (held by the pool with every array the handle
 points into while the helper may read them), never in the result.
+Float16 pages are read and written through their uint16 views, as decode_kernel.py's (`Kernels`: FLOAT32, and
+half_kernels, compiled the first time a float16 store needs them).
 Compiled once and kept in numba's on-disk cache, as decode_kernel.py is.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from numba import carray, cfunc, njit, types
+from numba.extending import overload
 
-from pagevis.kernel_intrinsics import pointer_to, prefetch
-from pagevis.kvcache.decode_kernel import _softmax
+from pagevis.kernel_intrinsics import narrow, pointer_to, prefetch, widen
+from pagevis.kernel_loader import import_kernels
+from pagevis.kvcache.decode_kernel import _softmax, bits
 
 _FAST = {"reassoc", "contract"}
 NO_POSITIONS = np.zeros(0, np.int64)
@@ -59,21 +63,40 @@ HANDLE = 20
 @njit(cache=True, nogil=True, inline="always")
 def _page_at(array, h, page):  # pragma: no cover (numba)
     """The address of KV head h's rows in a page of array (n_kv, pages, page_size, d)."""
-    return array.ctypes.data + (h * array.shape[1] + page) * array.shape[2] * array.shape[3] * 4
+    return array.ctypes.data + (h * array.shape[1] + page) * array.shape[2] * array.shape[3] * array.itemsize
+
+
+def _page_rows(array, h, page, top, scratch):
+    """KV head h's rows of a page of array (n_kv, pages, page_size, d) as float32 (page_size, d), those read (below top
+    rounded up to four): array[h, page] itself (float32 pages), or widened into scratch once (float16's bits: each row
+    is read by every query row of the group); compiled code only."""
+    raise NotImplementedError
+
+
+@overload(_page_rows, inline="always")
+def _page_rows_float32(array, h, page, top, scratch):
+    if array.dtype == types.float32:
+        return lambda array, h, page, top, scratch: array[h, page]
+
+    def widened(array, h, page, top, scratch):  # pragma: no cover (numba)
+        for s in range(min(array.shape[2], (top + 3) // 4 * 4)):
+            for j in range(array.shape[3]):
+                scratch[s, j] = widen(array[h, page, s, j])
+        return scratch
+    return widened
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _page_scores(q, k, h, page, top, first, rows, at, weights, ahead, also):  # pragma: no cover (numba)
-    """weights[g, at + s] = q[g] . k[h, page, s] for the chunk's rows g and the page's slots below top (rounded up to
-    four; -inf above: empty slots, never read), four slots at a time (each row's four dot products sharing its
-    loads); asking for the page at address ahead (the next K page read) and the one at also (this page's values),
-    four rows of each an iteration."""
-    ps, d = k.shape[2], k.shape[3]
-    step = 4 * d * 4
+def _page_scores(q, k, top, first, rows, at, weights, ahead, also, row_bytes):  # pragma: no cover (numba)
+    """weights[g, at + s] = q[g] . k[s] for the chunk's rows g and a page's slots below top (k: its (page_size, d)
+    float32 rows, `_page_rows`; rounded up to four; -inf above: empty slots, never read), four slots at a time (each
+    row's four dot products sharing its loads); asking for the page at address ahead (the next K page read) and the one
+    at also (this page's values), four rows of each (row_bytes each, as stored) an iteration."""
+    ps, d = k.shape
     body = min(ps // 4 * 4, (top + 3) // 4 * 4)
     for s in range(0, body, 4):
-        r0, r1, r2, r3 = k[h, page, s], k[h, page, s + 1], k[h, page, s + 2], k[h, page, s + 3]
-        for line in range(s * d * 4, s * d * 4 + step, 64):
+        r0, r1, r2, r3 = k[s], k[s + 1], k[s + 2], k[s + 3]
+        for line in range(s * row_bytes, (s + 4) * row_bytes, 64):
             prefetch(ahead + line)
             prefetch(also + line)
         for g in range(first, first + rows):
@@ -89,7 +112,7 @@ def _page_scores(q, k, h, page, top, first, rows, at, weights, ahead, also):  # 
         for g in range(first, first + rows):
             total = np.float32(0)
             for j in range(d):
-                total += q[g, j] * k[h, page, s, j]
+                total += q[g, j] * k[s, j]
             weights[g, at + s] = total
     for s in range(max(body, top), ps):
         for g in range(first, first + rows):
@@ -97,14 +120,14 @@ def _page_scores(q, k, h, page, top, first, rows, at, weights, ahead, also):  # 
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _page_values(weights, v, h, page, top, first, rows, at, acc):  # pragma: no cover (numba)
-    """acc[i] += sum over the page's slots s below top (rounded up to four: those above weigh 0, never read) of
-    weights[first + i, at + s] v[h, page, s], four slots at a time (each output row reading the four value rows again,
-    from the first level of cache)."""
-    ps, d = v.shape[2], v.shape[3]
+def _page_values(weights, v, top, first, rows, at, acc):  # pragma: no cover (numba)
+    """acc[i] += sum over a page's slots s below top (v: its (page_size, d) float32 rows, `_page_rows`; rounded up to
+    four: those above weigh 0, never read) of weights[first + i, at + s] v[s], four slots at a time (each output row
+    reading the four value rows again, from the first level of cache)."""
+    ps, d = v.shape
     body = min(ps // 4 * 4, (top + 3) // 4 * 4)
     for s in range(0, body, 4):
-        r0, r1, r2, r3 = v[h, page, s], v[h, page, s + 1], v[h, page, s + 2], v[h, page, s + 3]
+        r0, r1, r2, r3 = v[s], v[s + 1], v[s + 2], v[s + 3]
         for i in range(rows):
             w, out = weights[first + i], acc[i]
             a, b, c, e = w[at + s], w[at + s + 1], w[at + s + 2], w[at + s + 3]
@@ -114,7 +137,7 @@ def _page_values(weights, v, h, page, top, first, rows, at, acc):  # pragma: no 
         for i in range(rows):
             w = weights[first + i, at + s]
             for j in range(d):
-                acc[i, j] += w * v[h, page, s, j]
+                acc[i, j] += w * v[s, j]
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
@@ -138,8 +161,8 @@ def _write_token(k, v, key_positions, fill, bias, flat, new_k, new_v, row, posit
     page, slot = flat // ps, flat % ps
     for h in range(k.shape[0]):
         for e in range(k.shape[3]):
-            k[h, page, slot, e] = new_k[row, h, e]
-            v[h, page, slot, e] = new_v[row, h, e]
+            k[h, page, slot, e] = narrow(new_k[row, h, e], k)
+            v[h, page, slot, e] = narrow(new_v[row, h, e], v)
     key_positions[flat] = position
     fill[page] += 1
     bias[flat] = 0
@@ -160,6 +183,8 @@ def _sequences(q, scale, k, v, tables, n_pages, bias, key_positions, positions, 
     acc = np.empty((group, d), np.float32)
     query = np.empty((n_heads, d), np.float32)
     tops = np.empty(tables.shape[1], np.int64)
+    k_page, v_page = np.empty((ps, d), np.float32), np.empty((ps, d), np.float32)  # (float16 pages' rows, widened)
+    row_bytes = d * k.itemsize
     for b in range(b0, b1):
         if flats.size:
             _write_token(k, v, key_positions, fill, bias, flats[b], new_k, new_v, b, positions[b])
@@ -183,29 +208,34 @@ def _sequences(q, scale, k, v, tables, n_pages, bias, key_positions, positions, 
             first = h * group
             for p in range(used):
                 ahead = _page_at(k, h, table[p + 1]) if p + 1 < used else after
-                _page_scores(query, k, h, table[p], tops[p], first, group, p * ps, weights, ahead, _page_at(v, h, table[p]))
+                _page_scores(query, _page_rows(k, h, table[p], tops[p], k_page), tops[p], first, group, p * ps, weights,
+                             ahead, _page_at(v, h, table[p]), row_bytes)
             for g in range(first, first + group):
                 _mask(weights[g], table, used, ps, bias, key_positions, position, window)
                 _softmax(weights, g, n)
             acc[:] = 0
             for p in range(used):
-                _page_values(weights, v, h, table[p], tops[p], first, group, p * ps, acc)
+                _page_values(weights, _page_rows(v, h, table[p], tops[p], v_page), tops[p], first, group, p * ps, acc)
             for i in range(group):
-                out[first + i] = acc[i]
+                for j in range(d):
+                    out[first + i, j] = acc[i, j]
                 weights[first + i, n:] = 0
 
 
-@njit("void(float32[:, :, ::1], float32[:, :, ::1], int64[::1], int64[::1], float32[::1], int64[::1], int64[::1], "
-      "float32[:, :, ::1], float32[:, :, ::1], int64[::1], int64)", cache=True, nogil=True, boundscheck=False)
+_WRITE_ROWS_SIGNATURE = ("void(float32[:, :, ::1], float32[:, :, ::1], int64[::1], int64[::1], float32[::1], int64[::1], "
+                         "int64[::1], float32[:, :, ::1], float32[:, :, ::1], int64[::1], int64)")
+
+
+@njit(_WRITE_ROWS_SIGNATURE, cache=True, nogil=True, boundscheck=False)
 def _write_rows(k_rows, v_rows, positions, fill, bias, flats, rows, k, v, token_positions, page_size):  # pragma: no cover
     """Row rows[i] of k, v (B, n_kv, d) and of token_positions into flat slot flats[i] of the pool's rows (n_kv,
-    slots, d): its K/V, position, page fill and occupancy bias (0)."""
+    slots, d): its K/V (rounded to the pool's element: narrow), position, page fill and occupancy bias (0)."""
     for i in range(flats.size):
         flat, row = flats[i], rows[i]
         for h in range(k_rows.shape[0]):
             for e in range(k_rows.shape[2]):
-                k_rows[h, flat, e] = k[row, h, e]
-                v_rows[h, flat, e] = v[row, h, e]
+                k_rows[h, flat, e] = narrow(k[row, h, e], k_rows)
+                v_rows[h, flat, e] = narrow(v[row, h, e], v_rows)
         positions[flat] = token_positions[row]
         fill[flat // page_size] += 1
         bias[flat] = 0
@@ -214,75 +244,46 @@ def _write_rows(k_rows, v_rows, positions, fill, bias, flats, rows, k, v, token_
 def write_rows(k_rows: np.ndarray, v_rows: np.ndarray, positions: np.ndarray, fill: np.ndarray, bias: np.ndarray,
                flats: np.ndarray, rows: np.ndarray, k: np.ndarray, v: np.ndarray, token_positions: np.ndarray,
                page_size: int) -> None:
-    """A page store's `write` of several tokens in one call (PageStore.write_rows): see _write_rows."""
-    _write_rows(k_rows, v_rows, positions, fill, bias, flats, rows, np.ascontiguousarray(k, dtype=np.float32),
-                np.ascontiguousarray(v, dtype=np.float32), np.ascontiguousarray(token_positions, dtype=np.int64),
-                page_size)
+    """A page store's `write` of several tokens in one call (PageStore.write_rows): see _write_rows. k_rows, v_rows:
+    float32 or float16 (rounded as NumPy's astype rounds)."""
+    kernels_for(k_rows).write_rows(bits(k_rows), bits(v_rows), positions, fill, bias, flats, rows,
+                                   np.ascontiguousarray(k, dtype=np.float32), np.ascontiguousarray(v, dtype=np.float32),
+                                   np.ascontiguousarray(token_positions, dtype=np.int64), page_size)
 
 
-_i64, _f32 = pointer_to(types.int64), pointer_to(types.float32)
+_i64, _f32, _u16 = pointer_to(types.int64), pointer_to(types.float32), pointer_to(types.uint16)
+_POOL_SIGNATURE = types.void(*(types.int64,) * 7)
 
 
-@cfunc(types.void(*(types.int64,) * 7), cache=True, error_model="numpy")
+@njit(cache=True, nogil=True, inline="always")
+def _pool_sequences(sequences, h, k, v, t0, t1, target):  # pragma: no cover (numba)
+    """pool_kernel's work: `sequences` (_sequences, or its float16 twin) over the handle h's arrays, k and v read from
+    it by the caller (float32, or float16's bits). Writes nothing: empty write arrays, at address 0 (none allocated)."""
+    batch, n_heads, d, tiles = h[BATCH], h[HEADS], h[DIM], h[ROW_TILES]
+    scale = carray(_f32(h.ctypes.data + 8 * SCALE), (1,))[0]  # (its float32's bits)
+    none, no_rows = carray(_i64(0), (0,)), carray(_f32(0), (0, 1, 1))
+    sequences(carray(_f32(h[Q]), (batch, n_heads, d)), scale, k, v, carray(_i64(h[TABLES]), (batch, h[WIDEST])),
+              carray(_i64(h[N_PAGES]), (batch,)), carray(_f32(h[BIAS]), (h[SLOTS],)),
+              carray(_i64(h[KEY_POSITIONS]), (h[N_KEY_POSITIONS],)), carray(_i64(h[POSITIONS]), (batch,)), h[WINDOW],
+              carray(_f32(target), (batch, tiles * TILE)), t0 // tiles, t1 // tiles, none, no_rows, no_rows,
+              none)  # (the caller wrote the tokens: `_fill`)
+
+
+@cfunc(_POOL_SIGNATURE, cache=True, error_model="numpy")
 def pool_kernel(job, at, n, t0, t1, target, stride):  # pragma: no cover (numba)
     """Tiles t0..t1 of the result at target, whole sequences (`_sequences`) of the handle at address at: spin_pool's
     rows-kernel signature (job, n and stride unused), so the pool's two threads share a layer's sequences."""
     h = carray(_i64(at), (HANDLE,))
-    batch, n_heads, d, n_kv, tiles = h[BATCH], h[HEADS], h[DIM], h[N_KV], h[ROW_TILES]
-    shape = (n_kv, h[PAGES], h[PAGE_SIZE], d)
-    scale = carray(_f32(at + 8 * SCALE), (1,))[0]  # (its float32's bits)
-    _sequences(carray(_f32(h[Q]), (batch, n_heads, d)), scale, carray(_f32(h[K]), shape), carray(_f32(h[V]), shape),
-               carray(_i64(h[TABLES]), (batch, h[WIDEST])), carray(_i64(h[N_PAGES]), (batch,)),
-               carray(_f32(h[BIAS]), (h[SLOTS],)), carray(_i64(h[KEY_POSITIONS]), (h[N_KEY_POSITIONS],)),
-               carray(_i64(h[POSITIONS]), (batch,)), h[WINDOW], carray(_f32(target), (batch, tiles * TILE)),
-               t0 // tiles, t1 // tiles, np.empty(0, np.int64), np.empty((0, 1, 1), np.float32),
-               np.empty((0, 1, 1), np.float32), np.empty(0, np.int64))  # (the caller wrote the tokens: `_fill`)
+    shape = (h[N_KV], h[PAGES], h[PAGE_SIZE], h[DIM])
+    _pool_sequences(_sequences, h, carray(_f32(h[K]), shape), carray(_f32(h[V]), shape), t0, t1, target)
 
 
-_POOL_KERNEL = int(pool_kernel.address or 0)
+_FILL_SIGNATURE = ("void(int64[::1], float32[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], int64[:, ::1], "
+                   "int64[::1], float32[::1], int64[::1], int64[::1], int64, int64, int64[::1], float32[:, :, ::1], "
+                   "float32[:, :, ::1], int64[::1])")
 
 
-def attend_tables(q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.ndarray, n_pages: np.ndarray,
-                  bias: np.ndarray, key_positions: np.ndarray = NO_POSITIONS, positions: np.ndarray | None = None,
-                  window: int = 0, pool: Any = None, write: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """See the module docstring; q is scaled by 1 / sqrt(d) here, as attend_decode_batch scales it. pool: the weights'
-    spin pool (model/spin_pool.py, handed in by the engine: the cache imports no model) or None; with it, the
-    sequences are shared with its helper thread, one a chunk (SpinPool.items), each computed whole: the same bits.
-    write: (flats, new_k, new_v, fill), each sequence's decoding token written first as PageStore.write_rows writes
-    them (row b of new_k, new_v (B, n_kv, d) into flat slot flats[b] (distinct slots, each in a page only sequence b
-    reads) at positions[b]: key_positions, fill (per page) and bias are the store's): by `_sequences` itself on one
-    thread, by the caller before the pool's job on two (the helper never writes: one it is late on may still run after
-    this call returned, and its write then would land in a slot that may have changed since)."""
-    batch, n_heads, d = q.shape
-    width = tables.shape[1] * k.shape[2]
-    tiles = -(-n_heads * (d + width) // TILE)
-    result = np.empty((batch, tiles * TILE), np.float32)
-    arrays = (np.ascontiguousarray(q, dtype=np.float32), k, v, np.ascontiguousarray(tables, dtype=np.int64),
-              np.ascontiguousarray(n_pages, dtype=np.int64), np.ascontiguousarray(bias, dtype=np.float32),
-              np.ascontiguousarray(key_positions, dtype=np.int64),
-              np.zeros(batch, np.int64) if positions is None else np.ascontiguousarray(positions, dtype=np.int64))
-    scale = np.float32(1.0 / np.sqrt(d))
-    writes = (NO_WRITES, NO_ROWS, NO_ROWS, NO_WRITES) if write is None else (
-        np.ascontiguousarray(write[0], dtype=np.int64), np.ascontiguousarray(write[1], dtype=np.float32),
-        np.ascontiguousarray(write[2], dtype=np.float32), write[3])
-    if pool is None or batch < 2:
-        _sequences(arrays[0], scale, *arrays[1:], window, result, 0, batch, *writes)
-    else:
-        pool.items(_POOL_KERNEL, _job(batch * tiles), _handle(arrays, scale, window, tiles, writes), arrays,
-                   result.reshape(-1), batch)
-    return (np.ascontiguousarray(result[:, :n_heads * d]).reshape(batch, n_heads, d),
-            result[:, n_heads * d:n_heads * (d + width)].reshape(batch, n_heads, width))
-
-
-def _job(tiles: int) -> np.ndarray:
-    job = np.zeros(DESCRIPTOR, np.int64)
-    job[TILES_WORD] = tiles
-    return job
-
-
-@njit("void(int64[::1], float32[:, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], int64[:, ::1], int64[::1], "
-      "float32[::1], int64[::1], int64[::1], int64, int64, int64[::1], float32[:, :, ::1], float32[:, :, ::1], "
-      "int64[::1])", cache=True, nogil=True, boundscheck=False)
+@njit(_FILL_SIGNATURE, cache=True, nogil=True, boundscheck=False)
 def _fill(handle, q, k, v, tables, n_pages, bias, key_positions, positions, window, tiles, flats, new_k, new_v,
           fill):  # pragma: no cover
     """The handle's shapes and addresses (its SCALE word: attend_tables writes the float32's bits), after writing the
@@ -298,12 +299,105 @@ def _fill(handle, q, k, v, tables, n_pages, bias, key_positions, positions, wind
     handle[KEY_POSITIONS], handle[POSITIONS] = key_positions.ctypes.data, positions.ctypes.data
 
 
-def _handle(arrays: tuple, scale: np.float32, window: int, tiles: int, writes: tuple = (NO_WRITES, NO_ROWS, NO_ROWS,
-                                                                                      NO_WRITES)) -> np.ndarray:
+class Kernels(NamedTuple):
+    """This module's kernels for one element type of the pages: FLOAT32's, or float16's read and written through
+    their bits (uint16 views: half_kernels)."""
+    sequences: Any
+    write_rows: Any
+    fill: Any
+    pool_kernel: int
+
+
+FLOAT32 = Kernels(_sequences, _write_rows, _fill, int(pool_kernel.address or 0))
+
+
+_HALF_SEQUENCES: Any = None  # _sequences of float16 pages, once built (a global, not a closure's: numba's cache keys a
+# closure by its values, and a dispatcher's pickle differs in every process)
+
+
+def half_kernels() -> Kernels:
+    """The kernels of float16 pages, compiled or loaded from numba's cache the first time a float16 store needs them
+    (through kernel_loader.import_kernels: under the compile lock), not when this module is imported."""
+    return import_kernels(__name__, "the batched decode kernels (float16 pages)", part="float16",
+                          build=lambda module: module.build_half_kernels())
+
+
+def build_half_kernels() -> Kernels:
+    """half_kernels' compile: the same Python functions with uint16 K/V (numba's cache keeps them beside float32's)."""
+    def half(signature: str, kv: str) -> str:  # (the pages' K and V: the first arrays of that type)
+        return signature.replace(kv, kv.replace("float32", "uint16"), 1)
+    global _HALF_SEQUENCES
+    four, three = "float32[:, :, :, ::1], float32[:, :, :, ::1]", "float32[:, :, ::1], float32[:, :, ::1], int64[::1]"
+    _HALF_SEQUENCES = njit(half(_SIGNATURE, four), cache=True, nogil=True, fastmath=_FAST, error_model="numpy",
+                           boundscheck=False)(_sequences.py_func)
+
+    @cfunc(_POOL_SIGNATURE, cache=True, error_model="numpy")
+    def half_pool_kernel(job, at, n, t0, t1, target, stride):  # pragma: no cover (numba)
+        h = carray(_i64(at), (HANDLE,))
+        shape = (h[N_KV], h[PAGES], h[PAGE_SIZE], h[DIM])
+        _pool_sequences(_HALF_SEQUENCES, h, carray(_u16(h[K]), shape), carray(_u16(h[V]), shape), t0, t1, target)
+
+    return Kernels(_HALF_SEQUENCES, njit(half(_WRITE_ROWS_SIGNATURE, three), cache=True, nogil=True,
+                                   boundscheck=False)(_write_rows.py_func),
+                   njit(half(_FILL_SIGNATURE, four), cache=True, nogil=True, boundscheck=False)(_fill.py_func),
+                   int(half_pool_kernel.address or 0))
+
+
+def kernels_for(k: np.ndarray) -> Kernels:
+    """The kernels of pages of k's element type: float32 (FLOAT32) or float16 (half_kernels)."""
+    return FLOAT32 if k.dtype == np.float32 else half_kernels()
+
+
+_NO_WRITES = (NO_WRITES, NO_ROWS, NO_ROWS, NO_WRITES)
+
+
+def attend_tables(q: np.ndarray, k: np.ndarray, v: np.ndarray, tables: np.ndarray, n_pages: np.ndarray,
+                  bias: np.ndarray, key_positions: np.ndarray = NO_POSITIONS, positions: np.ndarray | None = None,
+                  window: int = 0, pool: Any = None, write: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """See the module docstring; q is scaled by 1 / sqrt(d) here, as attend_decode_batch scales it. k, v: float32 or
+    float16 pages (read through their bits, the tokens of `write` rounded as NumPy's astype rounds). pool: the
+    weights' spin pool (model/spin_pool.py, handed in by the engine: the cache imports no model) or None; with it, the
+    sequences are shared with its helper thread, one a chunk (SpinPool.items), each computed whole: the same bits.
+    write: (flats, new_k, new_v, fill), each sequence's decoding token written first as PageStore.write_rows writes
+    them (row b of new_k, new_v (B, n_kv, d) into flat slot flats[b] (distinct slots, each in a page only sequence b
+    reads) at positions[b]: key_positions, fill (per page) and bias are the store's): by `_sequences` itself on one
+    thread, by the caller before the pool's job on two (the helper never writes: one it is late on may still run after
+    this call returned, and its write then would land in a slot that may have changed since)."""
+    batch, n_heads, d = q.shape
+    width = tables.shape[1] * k.shape[2]
+    tiles = -(-n_heads * (d + width) // TILE)
+    result = np.empty((batch, tiles * TILE), np.float32)
+    kernels = kernels_for(k)
+    arrays = (np.ascontiguousarray(q, dtype=np.float32), bits(k), bits(v), np.ascontiguousarray(tables, dtype=np.int64),
+              np.ascontiguousarray(n_pages, dtype=np.int64), np.ascontiguousarray(bias, dtype=np.float32),
+              np.ascontiguousarray(key_positions, dtype=np.int64),
+              np.zeros(batch, np.int64) if positions is None else np.ascontiguousarray(positions, dtype=np.int64))
+    scale = np.float32(1.0 / np.sqrt(d))
+    writes = _NO_WRITES if write is None else (
+        np.ascontiguousarray(write[0], dtype=np.int64), np.ascontiguousarray(write[1], dtype=np.float32),
+        np.ascontiguousarray(write[2], dtype=np.float32), write[3])
+    if pool is None or batch < 2:
+        kernels.sequences(arrays[0], scale, *arrays[1:], window, result, 0, batch, *writes)
+    else:
+        pool.items(kernels.pool_kernel, _job(batch * tiles), _handle(arrays, scale, window, tiles, writes, kernels),
+                   arrays, result.reshape(-1), batch)
+    return (np.ascontiguousarray(result[:, :n_heads * d]).reshape(batch, n_heads, d),
+            result[:, n_heads * d:n_heads * (d + width)].reshape(batch, n_heads, width))
+
+
+def _job(tiles: int) -> np.ndarray:
+    job = np.zeros(DESCRIPTOR, np.int64)
+    job[TILES_WORD] = tiles
+    return job
+
+
+def _handle(arrays: tuple, scale: np.float32, window: int, tiles: int, writes: tuple = _NO_WRITES,
+            kernels: Kernels = FLOAT32) -> np.ndarray:
     """pool_kernel's handle of attend_tables' arrays (q, k, v, tables, n_pages, bias, key_positions, positions): their
     shapes and addresses (read in numba: NumPy's ctypes attribute costs ~2 us an array) and the queries' scale; the
-    tokens of `writes` (flats, new_k, new_v, fill: attend_tables' `write`) written first."""
+    tokens of `writes` (flats, new_k, new_v, fill: attend_tables' `write`) written first (kernels: those of k's
+    element type)."""
     handle = np.zeros(HANDLE, np.int64)
-    _fill(handle, *arrays, window, tiles, *writes)  # type: ignore[call-arg]
+    kernels.fill(handle, *arrays, window, tiles, *writes)
     handle[SCALE:SCALE + 1].view(np.float32)[0] = scale
     return handle

@@ -1,9 +1,9 @@
 """Decode attention in one numba call per layer: one query token, every head, K/V read where they lie.
 
 `attend_one(q, scale, k, v, slot, k_new, v_new, n_keys, bias, key_positions, position, window, out, weights)`:
-  q (n_heads, d) float32, scaled here by `scale` (1/sqrt(d)); k, v (n_kv, S, d) float32, C-contiguous: the pool's
-  frames as one array (a page-store's (n_kv, pages, page_size, d) reshaped, free), of which the first n_keys
-  slots are read; with slot >= 0, the new token's k_new, v_new (n_kv, d) are written into that slot first (a
+  q (n_heads, d) float32, scaled here by `scale` (1/sqrt(d)); k, v (n_kv, S, d) float32 (or float16's bits: below),
+  C-contiguous: the pool's frames as one array (a page-store's (n_kv, pages, page_size, d) reshaped, free), of which
+  the first n_keys slots are read; with slot >= 0, the new token's k_new, v_new (n_kv, d) are written into that slot first (a
   decode step's write and attention in one call); bias additive (0 resident, -inf empty or dropped): (1, n_keys)
   for every KV head, (n_kv, n_keys) one row a KV head (a per-head policy's masks: all heads in one call), or
   (0, 0), none; with window > 0, key_positions (n_keys,) and the query's position: keys at or below position - window (or after it)
@@ -30,20 +30,26 @@ late on the caller computes again); the weights are divided by the sum after the
 within float32 rounding of attend_one's. Below SPLIT_KEYS keys, attend_one (a split's fixed cost, ~6-8 us a call,
 outweighs half the keys' read).
 
+Float16 pages are read and written in place too, through their uint16 views (`bits`: numba has no float16 on the
+CPU): each element widened to float32 exactly where it is loaded (kernel_intrinsics.widen: integer operations and one
+product, vectorised), the new token rounded as NumPy's astype(float16) rounds (kernel_intrinsics.half_bits); all
+arithmetic float32, as over float32 pages (`Kernels`: FLOAT32, half_kernels).
+
 Compiled once with an explicit signature and kept in numba's on-disk cache (cache=True), as the weight kernels
 are (model/weight_kernels.py); this module is imported on the first decode step that uses it (engine.py loads it
-before, attention_kernels.load_decode_kernel).
+before, attention_kernels.load_decode_kernel); float16's kernels the first time a float16 store decodes.
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from numba import carray, cfunc, njit, types
 
-from pagevis.kernel_intrinsics import exp_in_range, pointer_to, prefetch
+from pagevis.kernel_intrinsics import exp_in_range, narrow, pointer_to, prefetch, widen
+from pagevis.kernel_loader import import_kernels
 
 _SIGNATURE = ("void(float32[:, ::1], float32, float32[:, :, ::1], float32[:, :, ::1], int64, float32[:, ::1], "
               "float32[:, ::1], int64, float32[:, ::1], int64[::1], int64, int64, float32[:, ::1], float32[:, ::1])")
@@ -60,7 +66,7 @@ EXP_FLOOR = np.float32(-87.33654)  # below, exp is under float32's smallest norm
 def _ask_ahead(array, h, t, n_rows, end):  # pragma: no cover (numba)
     """The cache lines PREFETCH_AHEAD bytes past rows t .. t + n_rows of array[h], asked for, short of row end (a
     part's keys end there: the other thread reads on)."""
-    row_bytes = array.shape[2] * 4
+    row_bytes = array.shape[2] * array.itemsize
     base = array.ctypes.data + h * array.shape[1] * row_bytes
     at = base + t * row_bytes + PREFETCH_AHEAD
     for line in range(at, min(at + n_rows * row_bytes, base + end * row_bytes), 64):
@@ -72,7 +78,7 @@ def _ask_starts(array, lo, hi):  # pragma: no cover (numba)
     """The first PREFETCH_AHEAD bytes of every head's rows lo .. hi of array, asked for at once: the sweeps ask
     ahead only of where they read, and a stream's start from memory, one line after another, cost more than the
     kernel's arithmetic when there are few keys (measured: a call after 23 tokens, 13 us against 4 warm)."""
-    row_bytes = array.shape[2] * 4
+    row_bytes = array.shape[2] * array.itemsize
     for h in range(array.shape[0]):
         at = array.ctypes.data + (h * array.shape[1] + lo) * row_bytes
         for b in range(0, min((hi - lo) * row_bytes, PREFETCH_AHEAD), 64):
@@ -98,7 +104,7 @@ def _scores(q, k, h, first, rows, lo, hi, weights):  # pragma: no cover (numba)
         _ask_ahead(k, h, t, 2, hi)
         s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = np.float32(0)
         for j in range(d):
-            x, y = r0[j], r1[j]
+            x, y = widen(r0[j]), widen(r1[j])
             s00 += q0[j] * x
             s01 += q0[j] * y
             s10 += q1[j] * x
@@ -119,7 +125,7 @@ def _scores(q, k, h, first, rows, lo, hi, weights):  # pragma: no cover (numba)
         for g in range(first, first + rows):
             s = np.float32(0)
             for j in range(d):
-                s += q[g, j] * k[h, t, j]
+                s += q[g, j] * widen(k[h, t, j])
             weights[g, t - lo] = s
 
 
@@ -189,7 +195,7 @@ def _values(weights, v, h, first, rows, lo, hi, acc):  # pragma: no cover (numba
         c0, c1, c2, c3 = w2[c], w2[c + 1], w2[c + 2], w2[c + 3]
         e0, e1, e2, e3 = w3[c], w3[c + 1], w3[c + 2], w3[c + 3]
         for j in range(d):
-            x0, x1, x2, x3 = r0[j], r1[j], r2[j], r3[j]
+            x0, x1, x2, x3 = widen(r0[j]), widen(r1[j]), widen(r2[j]), widen(r3[j])
             o0[j] += a0 * x0 + a1 * x1 + a2 * x2 + a3 * x3
             o1[j] += b0 * x0 + b1 * x1 + b2 * x2 + b3 * x3
             o2[j] += c0 * x0 + c1 * x1 + c2 * x2 + c3 * x3
@@ -198,7 +204,35 @@ def _values(weights, v, h, first, rows, lo, hi, acc):  # pragma: no cover (numba
         for i in range(rows):
             w = weights[first + i, t - lo]
             for j in range(d):
-                acc[i, j] += w * v[h, t, j]
+                acc[i, j] += w * widen(v[h, t, j])
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _write_slot(k, v, slot, k_new, v_new):  # pragma: no cover (numba)
+    """With slot >= 0, the new token's K/V (n_kv, d) float32 into that slot of k, v (n_kv, S, d), rounded to their
+    element (narrow: float16 pages round as NumPy does). Loops: a slice assignment compiles numba's shape-mismatch
+    error path (a second or two of a first launch each)."""
+    if slot >= 0:
+        for h in range(k.shape[0]):
+            for j in range(k.shape[2]):
+                k[h, slot, j] = narrow(k_new[h, j], k)
+                v[h, slot, j] = narrow(v_new[h, j], v)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _scaled(q, scale, query):  # pragma: no cover (numba)
+    """query = q * scale, one float32 product an element (NumPy's)."""
+    for g in range(q.shape[0]):
+        for j in range(q.shape[1]):
+            query[g, j] = q[g, j] * scale
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _rows_out(acc, rows, out, first):  # pragma: no cover (numba)
+    """out[first + i] = acc[i] for the chunk's rows (a loop: see _write_slot)."""
+    for i in range(rows):
+        for j in range(out.shape[1]):
+            out[first + i, j] = acc[i, j]
 
 
 @njit(_SIGNATURE, cache=True, nogil=True, fastmath=_FAST, error_model="numpy", boundscheck=False)
@@ -207,23 +241,21 @@ def attend_one(q, scale, k, v, slot, k_new, v_new, n_keys, bias, key_positions, 
     n_heads, d = q.shape
     n_kv = k.shape[0]
     group = n_heads // n_kv
-    if slot >= 0:
-        k[:, slot] = k_new
-        v[:, slot] = v_new
+    _write_slot(k, v, slot, k_new, v_new)
     _ask_starts(k, 0, n_keys)
     _ask_starts(v, 0, n_keys)
-    q = q * scale
+    query = np.empty((n_heads, d), np.float32)
+    _scaled(q, scale, query)
     acc = np.empty((ROWS, d), np.float32)
     for h in range(n_kv):
         for first in range(h * group, (h + 1) * group, ROWS):
             rows = min(ROWS, (h + 1) * group - first)
-            _scores(q, k, h, first, rows, 0, n_keys, weights)
+            _scores(query, k, h, first, rows, 0, n_keys, weights)
             for g in range(first, first + rows):
                 _hide(weights[g], h, 0, n_keys, bias, key_positions, position, window)
                 _softmax(weights, g, n_keys)
             _values(weights, v, h, first, rows, 0, n_keys, acc)
-            for i in range(rows):
-                out[first + i] = acc[i]
+            _rows_out(acc, rows, out, first)
 
 
 NO_BIAS = np.zeros((0, 0), np.float32)
@@ -251,14 +283,13 @@ QUERY, K, V, BIAS, KEY_POSITIONS = range(12, 17)
 HANDLE = 17
 
 
-@njit("void(float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1], int64, int64, float32[:, ::1], int64[::1], int64, "
-      "int64, float32[:, ::1], float32[::1], float32[::1], float32[:, ::1])", cache=True, nogil=True, fastmath=_FAST,
-      error_model="numpy", boundscheck=False)
+@njit(cache=True, nogil=True, fastmath=_FAST, error_model="numpy", boundscheck=False)
 def _part(q, k, v, lo, hi, bias, key_positions, position, window, out, peaks, totals,
           weights):  # pragma: no cover (numba)
     """Keys lo .. hi of every head (q scaled already): weights[g, :hi - lo] = exp(score - peaks[g]) (with the bias
     and the window's -inf), totals[g] their sum, out[g] the values weighted by them (not divided by the sum). A
-    function of its own (not inlined into pool_kernel: the C function's loops came out ~40 % slower)."""
+    function of its own (not inlined into pool_kernel: the C function's loops came out ~40 % slower), compiled for the
+    element type of the pages its pool kernel reads (float32, or float16's bits)."""
     n_heads, d = q.shape
     n_kv = k.shape[0]
     group = n_heads // n_kv
@@ -273,22 +304,18 @@ def _part(q, k, v, lo, hi, bias, key_positions, position, window, out, peaks, to
                 _hide(weights[g], h, lo, hi, bias, key_positions, position, window)
                 peaks[g], totals[g] = _exps(weights[g], hi - lo)
             _values(weights, v, h, first, rows, lo, hi, acc)
-            for i in range(rows):
-                out[first + i] = acc[i]
+            _rows_out(acc, rows, out, first)
 
 
-_i64, _f32 = pointer_to(types.int64), pointer_to(types.float32)
+_i64, _f32, _u16 = pointer_to(types.int64), pointer_to(types.float32), pointer_to(types.uint16)
+_POOL_SIGNATURE = types.void(*(types.int64,) * 7)
 
 
-@cfunc(types.void(*(types.int64,) * 7), cache=True, error_model="numpy")
-def pool_kernel(job, at, n, t0, t1, target, stride):  # pragma: no cover (numba)
-    """Tiles t0..t1 of the partials at target, whole parts (`_part`) of the handle at address at: spin_pool's
-    rows-kernel signature (job, n and stride unused), so the pool's two threads share a layer's parts. A part's
-    partial: its output (n_heads, d), max (n_heads), sum (n_heads), then its weights (n_heads, PART)."""
-    h = carray(_i64(at), (HANDLE,))
-    n_heads, d, n_kv, n_keys, part, block = h[HEADS], h[DIM], h[N_KV], h[N_KEYS], h[PART], h[BLOCK]
+@njit(cache=True, nogil=True, inline="always")
+def _parts(h, k, v, t0, t1, target):  # pragma: no cover (numba)
+    """pool_kernel's work, k and v (n_kv, slots, d) read from the handle h by the caller (float32 or float16's bits)."""
+    n_heads, d, n_keys, part, block = h[HEADS], h[DIM], h[N_KEYS], h[PART], h[BLOCK]
     q = carray(_f32(h[QUERY]), (n_heads, d))
-    k, v = carray(_f32(h[K]), (n_kv, h[SLOTS], d)), carray(_f32(h[V]), (n_kv, h[SLOTS], d))
     bias = carray(_f32(h[BIAS]), (h[BIAS_ROWS], h[BIAS_COLS]))
     key_positions = carray(_i64(h[KEY_POSITIONS]), (h[N_POSITIONS],))
     for p in range(t0 * TILE // block, t1 * TILE // block):
@@ -300,20 +327,31 @@ def pool_kernel(job, at, n, t0, t1, target, stride):  # pragma: no cover (numba)
               carray(_f32(at_part + 4 * n_heads * (d + 2)), (n_heads, part)))
 
 
+@cfunc(_POOL_SIGNATURE, cache=True, error_model="numpy")
+def pool_kernel(job, at, n, t0, t1, target, stride):  # pragma: no cover (numba)
+    """Tiles t0..t1 of the partials at target, whole parts (`_part`) of the handle at address at: spin_pool's
+    rows-kernel signature (job, n and stride unused), so the pool's two threads share a layer's parts. A part's
+    partial: its output (n_heads, d), max (n_heads), sum (n_heads), then its weights (n_heads, PART)."""
+    h = carray(_i64(at), (HANDLE,))
+    shape = (h[N_KV], h[SLOTS], h[DIM])
+    _parts(h, carray(_f32(h[K]), shape), carray(_f32(h[V]), shape), t0, t1, target)
+
+
 _POOL_KERNEL = int(pool_kernel.address or 0)
 
 
-@njit("void(int64[::1], float32[:, ::1], float32, float32[:, ::1], float32[:, :, ::1], float32[:, :, ::1], int64, "
-      "float32[:, ::1], float32[:, ::1], int64, float32[:, ::1], int64[::1], int64, int64, int64, int64)", cache=True,
-      nogil=True, boundscheck=False)
+_PREPARE_SIGNATURE = ("void(int64[::1], float32[:, ::1], float32, float32[:, ::1], float32[:, :, ::1], "
+                      "float32[:, :, ::1], int64, float32[:, ::1], float32[:, ::1], int64, float32[:, ::1], int64[::1], "
+                      "int64, int64, int64, int64)")
+
+
+@njit(_PREPARE_SIGNATURE, cache=True, nogil=True, boundscheck=False)
 def _prepare(handle, q, scale, query, k, v, slot, k_new, v_new, n_keys, bias, key_positions, position, window, part,
              block):  # pragma: no cover (numba)
     """The new token's K/V written into its slot (slot >= 0), query = q * scale (attend_one's product), and
     pool_kernel's handle of the arrays (their addresses read in numba: NumPy's ctypes attribute costs ~2 us)."""
-    if slot >= 0:
-        k[:, slot] = k_new
-        v[:, slot] = v_new
-    query[:] = q * scale
+    _write_slot(k, v, slot, k_new, v_new)
+    _scaled(q, scale, query)
     handle[HEADS], handle[DIM] = q.shape
     handle[N_KV], handle[SLOTS], handle[N_KEYS], handle[PART] = k.shape[0], k.shape[1], n_keys, part
     handle[BIAS_ROWS], handle[BIAS_COLS], handle[N_POSITIONS] = bias.shape[0], bias.shape[1], key_positions.size
@@ -364,14 +402,57 @@ def _job(tiles: int) -> np.ndarray:
     return job
 
 
+class Kernels(NamedTuple):
+    """attend_one, _prepare and pool_kernel's address for one element type of the pages: FLOAT32's, or float16's read
+    through their bits (uint16 views: half_kernels)."""
+    attend_one: Any
+    prepare: Any
+    pool_kernel: int
+
+
+FLOAT32 = Kernels(attend_one, _prepare, _POOL_KERNEL)
+
+
+def half_kernels() -> Kernels:
+    """The kernels of float16 pages (k, v passed as their uint16 views: `bits`), compiled or loaded from numba's cache
+    the first time a float16 store decodes (through kernel_loader.import_kernels: under the compile lock), not when
+    this module is: a float32 cache's first launch never compiles them."""
+    return import_kernels(__name__, "the decode attention kernel (float16 pages)", part="float16",
+                          build=lambda module: module.build_half_kernels())
+
+
+def build_half_kernels() -> Kernels:
+    """half_kernels' compile: the same Python functions with uint16 K/V (numba's cache keeps them beside float32's)."""
+    signature, prepare = (text.replace("float32[:, :, ::1], float32[:, :, ::1]", "uint16[:, :, ::1], uint16[:, :, ::1]")
+                          for text in (_SIGNATURE, _PREPARE_SIGNATURE))
+
+    @cfunc(_POOL_SIGNATURE, cache=True, error_model="numpy")
+    def half_pool_kernel(job, at, n, t0, t1, target, stride):  # pragma: no cover (numba)
+        h = carray(_i64(at), (HANDLE,))
+        shape = (h[N_KV], h[SLOTS], h[DIM])
+        _parts(h, carray(_u16(h[K]), shape), carray(_u16(h[V]), shape), t0, t1, target)
+
+    return Kernels(njit(signature, cache=True, nogil=True, fastmath=_FAST, error_model="numpy",
+                        boundscheck=False)(attend_one.py_func),
+                   njit(prepare, cache=True, nogil=True, boundscheck=False)(_prepare.py_func),
+                   int(half_pool_kernel.address or 0))
+
+
+def bits(array: np.ndarray) -> np.ndarray:
+    """K or V as the kernels read them: float32 itself, float16 as its uint16 view (numba has no float16 on the CPU)."""
+    return array if array.dtype == np.float32 else array.view(np.uint16)
+
+
 def attend_split(q: np.ndarray, scale: np.float32, k: np.ndarray, v: np.ndarray, slot: int, k_new: np.ndarray,
                  v_new: np.ndarray, n_keys: int, bias: np.ndarray, key_positions: np.ndarray, position: int,
-                 window: int, out: np.ndarray, weights: np.ndarray, pool: Any, parts: int = PARTS) -> None:
+                 window: int, out: np.ndarray, weights: np.ndarray, pool: Any, parts: int = PARTS,
+                 kernels: Kernels = FLOAT32) -> None:
     """attend_one's result (its arguments, the same meaning), the keys cut into `parts` parts of fixed ranges shared
     with the spin pool's helper thread (pool: model/spin_pool.py's, handed in: SpinPool.items), each part computed
     whole by one thread (the helper's into its scratch, copied in; one it is late on computed by the caller): the
     same bits whoever computes a part, within float32 rounding of attend_one's (the weights divided by the sum
-    after the values, not before)."""
+    after the values, not before). kernels: those of the pages' element type (k, v float32, or uint16: float16's
+    bits, half_kernels)."""
     n_heads, d = q.shape
     part = -(-n_keys // parts // PART_ALIGN) * PART_ALIGN if n_keys > parts * PART_ALIGN else -(-n_keys // parts)
     count = -(-n_keys // part)
@@ -379,8 +460,8 @@ def attend_split(q: np.ndarray, scale: np.float32, k: np.ndarray, v: np.ndarray,
     partials = np.empty((count, tiles * TILE), np.float32)
     query = np.empty((n_heads, d), np.float32)
     handle = np.empty(HANDLE, np.int64)
-    _prepare(handle, q, scale, query, k, v, slot, k_new, v_new, n_keys, bias, key_positions, position, window, part,
-             tiles * TILE)
-    pool.items(_POOL_KERNEL, _job(count * tiles), handle, (query, k, v, bias, key_positions), partials.reshape(-1),
+    kernels.prepare(handle, q, scale, query, k, v, slot, k_new, v_new, n_keys, bias, key_positions, position, window,
+                    part, tiles * TILE)
+    pool.items(kernels.pool_kernel, _job(count * tiles), handle, (query, k, v, bias, key_positions), partials.reshape(-1),
                count)
     _merge(partials, n_keys, part, out, weights)

@@ -24,6 +24,7 @@ from pagevis.kvcache.policy_state import PolicyState
 from pagevis.kvcache.policies.lazy_kernels import kernels as kernels_of_policies
 from pagevis.kvcache.reader import read_attention
 from pagevis.kvcache.sequence import SequenceCache
+from pagevis.kvcache.store import READS_IN_PLACE
 from pagevis.kvcache.slots import flat_slots
 
 
@@ -68,7 +69,7 @@ def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np
         # With no empty slot below the high-water mark the occupancy mask is all zeros: skip it.
         bias = None if own.resident == n_slots else store.bias[:n_slots]
         read_slots: slice | np.ndarray = slice(0, n_slots)
-        if len(q) == 1 and store.k.dtype == np.float32 and n_slots:  # decode: one kernel call, per-head masks or not
+        if len(q) == 1 and store.k.dtype in READS_IN_PLACE and n_slots:  # decode: one kernel call, per-head masks or not
             result = kernels.attend_decode(q, store.k_rows, store.v_rows, n_slots,
                                            bias if keep is None else kept_bias(keep[:, :n_slots], bias),
                                            store.positions, int(positions[0]), layer.window, write, _pool())
@@ -95,7 +96,7 @@ def write_and_attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, k: 
                      positions: np.ndarray) -> AttentionResult | None:
     """A decode step's `append` and `attend` (one token: q (1, n_heads, d), k, v (n_kv, d) at positions (1,)) in one
     kernel call that writes the token's K/V into its slot and attends over the pool's used prefix in place, where
-    nothing else is due: the layer's only sequence, float32 RAM pages (`store.in_place`), no ThinK channels or
+    nothing else is due: the layer's only sequence, float RAM pages (`store.in_place`), no ThinK channels or
     pruning, room under its budget in a page of its own (`own_hole`), no gathering; its policy's statistics
     see the token and the weights as `attend` gives them. None when any of that does not hold, before anything
     changed but a sliding window's slide and a per-head policy's drops (`before_write`, then `evict_heads`, which
@@ -186,7 +187,7 @@ def attend_stacked(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray
                    ) -> tuple[np.ndarray, dict[int, AttentionResult]]:
     """`attend_many`'s output as one (B, n_heads, d) array, and the AttentionResult of the rows in `wanted` only
     (indices: a decode step's watched sequences), so a step builds no per-sequence result nobody reads. write: (flats,
-    k, v), the decoding tokens batch_writes.write_many held for the kernel (float32 RAM pages: `store.in_place`), which
+    k, v), the decoding tokens batch_writes.write_many held for the kernel (float RAM pages: `store.in_place`), which
     writes them into their slots as PageStore.write_rows does before it reads them (batch_decode_kernel's
     attend_tables)."""
     store, index, ps, of = layer.store, layer.layer, layer.page_size, layer.tables
@@ -203,12 +204,12 @@ def attend_stacked(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray
             built.add(i)
     widest = max(counts)
     padded, n_pages = _padded(tables, counts, widest)
-    if store.k.dtype == np.float32:  # K/V read in place through the tables, the bias and the window's mask per slot
+    if store.k.dtype in READS_IN_PLACE:  # K/V read in place through the tables, the bias and the window's mask per slot
         output, weights = kernels.batch_decode_kernels().attend_tables(  # (layer.mask's), one numba call
             q, store.k, store.v, padded, n_pages, store.bias, store.positions, positions, layer.window or 0,
             _pool(), None if write is None else (*write, store.fill))
     else:
-        assert write is None  # (only float32 RAM pages hold tokens back for the kernel)
+        assert write is None  # (only float RAM pages hold tokens back for the kernel)
         flat = flat_slots(padded, ps)
         bias = store.bias[flat]
         bias[np.arange(widest * ps)[None, :] >= n_pages[:, None] * ps] = -np.inf  # the padding

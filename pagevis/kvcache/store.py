@@ -30,6 +30,9 @@ from pagevis.kvcache.slots import page_slots
 from pagevis.kvcache.swap import SwapFile
 
 
+READS_IN_PLACE = (np.float32, np.float16)  # the K/V element types the decode kernels read in place (`in_place`)
+
+
 def note_peak(store: PageStore) -> None:
     """store.used_peak: at least the pages in use now (BlockPool.n_used, inline: asked for every layer after every
     sequence's step)."""
@@ -74,9 +77,9 @@ class PageStore:
             self.key_min = np.zeros((config.n_kv_heads, self.n_pages, config.head_dim), np.float32)
             self.key_max = np.zeros_like(self.key_min)
         self.tier: RamTier | DiskTier = RamTier(self) if swap is None else DiskTier(self, swap)
-        # float32 pages in RAM whose frames are the page ids, no Quest bounds: a decode step's token may be written
-        # by the attention kernel itself, into `k_rows` / `v_rows` (paged_attention.write_and_attend)
-        self.in_place = not self.quantized and swap is None and not self.quest and self.k.dtype == np.float32
+        # float RAM pages whose frames are the page ids, no Quest bounds: the kernels read them in place, and a decode
+        # step's token may be written by the attention kernel itself (paged_attention.write_and_attend)
+        self.in_place = not self.quantized and swap is None and not self.quest and self.k.dtype in READS_IN_PLACE
         self.reset()
 
     def reset(self) -> None:
@@ -186,7 +189,7 @@ class PageStore:
                    newest: int) -> None:
         """`write` of several tokens at once: row rows[i] of k, v (B, n_kv_heads, head_dim) and positions (B,) into
         flat slot flats[i] (distinct slots), in one numba call; `newest`: the largest of positions[rows] (the caller
-        has them as ints). Float32 RAM pages only (`in_place`: frames are page ids, `k_rows` / `v_rows` the pool; no
+        has them as ints). Float RAM pages only (`in_place`: frames are page ids, `k_rows` / `v_rows` the pool; no
         Quest bounds): kvcache/batch_writes.py."""
         batch_decode_kernels().write_rows(self.k_rows, self.v_rows, self.positions, self.fill, self.tier.bias, flats,
                                           rows, k, v, positions, self.page_size)
