@@ -129,7 +129,7 @@ def test_the_lane_keeps_every_table_exact_through_random_steps(seed):
 
 def test_an_engines_decode_steps_keep_the_lanes_running(monkeypatch):
     """In an engine's decode steps (the scheduler's questions, commits, the batched attention) nothing reads a
-    table's `holes`: a lane starts about once per page a sequence fills, not at every write."""
+    table's `holes`: a lane starts once per page a sequence fills, not at every write."""
     from pagevis.engine import Engine, SamplingConfig, SessionConfig
     from pagevis.engine.batch import BatchConfig
     from pagevis.kvcache import batch_writes, kv_cache_manager
@@ -149,5 +149,5 @@ def test_an_engines_decode_steps_keep_the_lanes_running(monkeypatch):
     while not engine.done:
         engine.step()
     assert sum(writes) >= 4 * 30 * 2
-    # two a page and layer (the write that finds it full, the first in the next) and the first: not one a write
-    assert len(starts) <= 2 * sum(writes) // 8 + 4 * 2, (len(starts), sum(writes))
+    # one a page and layer (the write that finds it full: the next page's lane runs on) and the first: not one a write
+    assert len(starts) <= sum(writes) // 8 + 4 * 2, (len(starts), sum(writes))

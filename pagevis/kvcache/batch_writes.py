@@ -64,8 +64,11 @@ def write_many(layer: LayerManager, seqs: list[SequenceCache], k: np.ndarray, v:
             continue
         if flat >= 0 or (flat == NO_HOLE and can_allocate()):  # (a page allocated, or copied or forgotten first)
             log.acting = seq.seq_id
+            allocates = flat == NO_HOLE
             flat = layer.free_slot(seq, table)
             layer.wrote(seq, table, flat, k[i], v[i], position)
+            if allocates:  # (the new page's first slot: the lane runs on over the rest, with no min over them)
+                table.resume_lane(flat + 1, flat + ps)
             flats.append(flat)
             rows.append(i)
             continue

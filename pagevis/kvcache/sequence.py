@@ -64,14 +64,20 @@ class LayerTable:
     def start_lane(self, budget: int) -> int:
         """Start the decode lane at the lowest empty slot (returned; -1: no empty slot, no lane), `budget` the layer's
         budget of the sequence, which stays the same while the lane runs (a policy's layer_capacity once bound)."""
-        holes = self.holes
+        holes, self.lane_budget = self.holes, budget
         if not holes:
             return -1
         flat = end = min(holes)
         while end in holes:
             end += 1
-        self.lane_next, self.lane_from, self.lane_end, self.lane_budget = flat, flat, end, budget
+        self.lane_next, self.lane_from, self.lane_end = flat, flat, end
         return flat
+
+    def resume_lane(self, flat: int, end: int) -> None:
+        """Run the lane from flat when flat .. end - 1 are its only empty slots (the rest of a page just allocated
+        and its first slot written: `start_lane` found no empty slot), its budget `start_lane`'s."""
+        if len(self.holes) == end - flat:
+            self.lane_next, self.lane_from, self.lane_end = flat, flat, end
 
     def clear(self) -> None:
         self.pages.clear()
