@@ -13,8 +13,8 @@ from test_weight_kernels import bound, random_blocks
 
 from pagevis.engine import DecodeSession, Engine, SamplingConfig, SessionConfig
 from pagevis.engine.batch import BatchConfig
-from pagevis.model.batch_kernels import compiled
-from pagevis.model.quantized import FORMATS, SMALL_BATCH, pack
+from pagevis.model.batch_kernels import FAMILIES
+from pagevis.model.quantized import FORMATS, POOL_ROWS, SMALL_BATCH, pack
 
 KINDS = list(FORMATS)
 
@@ -44,8 +44,8 @@ def test_each_row_of_a_batch_equals_that_row_alone_and_the_float64_product(kind)
 
 def test_the_formats_with_a_batch_kernel_are_the_ones_the_models_use():
     """u4 (Q4_0, Q4_1, Q4_K) and i8 (Q8_0, Q5_0, Q6_K) here; u5 (Q5_1, Q5_K) keeps weight_kernels' small-batch
-    kernel (its result is checked above all the same)."""
-    assert set(compiled()) == {"u4", "i8"}
+    kernel (its result is checked above all the same). Each has a family's rows kernel (batch_kernels.FAMILIES)."""
+    assert set(POOL_ROWS) == {"u4", "i8"} <= set(FAMILIES)
     assert {FORMATS[k][0] for k in KINDS} == {"u4", "u5", "i8"}
 
 

@@ -175,6 +175,14 @@ def _block(words, x_address, i, n, t0, t1, target, stride):
     return X, carray(_f32(at), (rows, stride))[:, :(t1 - t0) * TILE]
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _one_row(job, x_address, t0, t1, target):
+    """The words of the matrix described at address job, the row at x_address and its outputs of tiles t0..t1 at
+    target: what each matrix-vector kernel (_row_kernel) reads."""
+    words = carray(_i64(job), (DESCRIPTOR,))
+    return words, carray(_f32(x_address), (words[N_IN],)), carray(_f32(target + 4 * t0 * TILE), ((t1 - t0) * TILE,))
+
+
 _SIGNATURE = types.void(*(types.int64,) * 7)
 
 
@@ -214,24 +222,21 @@ def _row_kernel(code: str, per: int, mode: int):
     if code == "i8":
         @cfunc(_SIGNATURE, cache=True, error_model="numpy")
         def i8_row(job, x_address, n, t0, t1, target, stride):
-            words = carray(_i64(job), (DESCRIPTOR,))
-            x, out = carray(_f32(x_address), (words[N_IN],)), carray(_f32(target + 4 * t0 * TILE), ((t1 - t0) * TILE,))
+            words, x, out = _one_row(job, x_address, t0, t1, target)
             qs, dh, ds = _i8_arrays(words)
             _i8_matvec_tiles(qs, dh, ds, per, mode, x, t0, t1, out)
         return i8_row
     if code == "u5":
         @cfunc(_SIGNATURE, cache=True, error_model="numpy")
         def u5_row(job, x_address, n, t0, t1, target, stride):
-            words = carray(_i64(job), (DESCRIPTOR,))
-            x, out = carray(_f32(x_address), (words[N_IN],)), carray(_f32(target + 4 * t0 * TILE), ((t1 - t0) * TILE,))
+            words, x, out = _one_row(job, x_address, t0, t1, target)
             qs, qh, dh, ds, mh, ms = _nib_arrays(words)
             _u5_matvec_tiles(qs, qh, dh, ds, mh, ms, per, mode, x, _group_sums(x, 32), t0, t1, out)
         return u5_row
 
     @cfunc(_SIGNATURE, cache=True, error_model="numpy")
     def u4_row(job, x_address, n, t0, t1, target, stride):
-        words = carray(_i64(job), (DESCRIPTOR,))
-        x, out = carray(_f32(x_address), (words[N_IN],)), carray(_f32(target + 4 * t0 * TILE), ((t1 - t0) * TILE,))
+        words, x, out = _one_row(job, x_address, t0, t1, target)
         qs, _, dh, ds, mh, ms = _nib_arrays(words)
         _u4_matvec_tiles(qs, dh, ds, mh, ms, per, mode, x, _group_sums(x, 32), t0, t1, out)
     return u4_row
@@ -272,9 +277,3 @@ def row(kernel, job, x, t0, t1, out):
           0)
 
 
-def compiled() -> dict:
-    """The row kernels by packed format, for quantized.QuantMatrix.product's 2 to SMALL_BATCH rows: called as
-    kernel(address, descriptor, X, t0, t1, out), address the matrix's family's rows_kernel. u4 (Q4_0, Q4_1, Q4_K)
-    and i8 (Q8_0, Q5_0, Q6_K): the types SmolLM2's and Gemma 3's files hold; u5 (Q5_1, Q5_K) keeps weight_kernels'
-    small-batch kernel."""
-    return {"u4": rows, "i8": rows}

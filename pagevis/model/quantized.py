@@ -21,7 +21,7 @@ import mmap
 import os
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
@@ -43,8 +43,10 @@ SMALL_BATCH = 16
 # row then equals the row alone bit for bit, and a 512-token prompt's products took 0.51 s of CPU against
 # dequantise-then-sgemm's 0.87 (Gemma 3 270M; SmolLM2 0.63 against 1.02; 32 and 128 rows alike, all 512 at once 0.56)
 PREFILL_ROWS = 64
-# formats whose prefill rows the spin pool's helper shares on two threads (batch_kernels' kernels, PREFILL_ROWS rows a
-# block, each block's tiles in chunks: spin_pool.product_rows); others go through weight_threads.split
+# formats batch_kernels has a rows kernel for (`rows`, a family's rows_kernel: u4 = Q4_0, Q4_1, Q4_K; i8 = Q8_0, Q5_0,
+# Q6_K, the types SmolLM2's and Gemma 3's files hold), for 2 to SMALL_BATCH rows and a prefill's; the spin pool's
+# helper shares their prefill rows on two threads (PREFILL_ROWS rows a block, each block's tiles in chunks:
+# spin_pool.product_rows). Others (u5: Q5_1, Q5_K) take weight_kernels' small-batch kernel and weight_threads.split
 POOL_ROWS = ("u4", "i8")
 CHUNK_BYTES = 2 << 20  # float32 bytes of dequantised weights per sgemm chunk, for many rows (prefill)
 # For a batch of a few rows the chunk must stay in L2 (1 MB here) between being written and read: 256 KB made
@@ -96,13 +98,13 @@ def weight_kernel(name: str):
                           build=lambda module: module.compiled(name))
 
 
-def _rows_kernel(fmt: str, fallback):
-    """The kernel for 2 to SMALL_BATCH rows: batch_kernels.py's (a weight read once for every row), else fallback."""
-    global _ROWS_KERNELS
-    if _ROWS_KERNELS is None:
-        _ROWS_KERNELS = _batch_kernels().compiled()
+def _rows_kernel():
+    """batch_kernels.rows (a weight read once for every row), the kernel of POOL_ROWS' formats' rows."""
+    global _ROWS_KERNEL
+    if _ROWS_KERNEL is None:
+        _ROWS_KERNEL = _batch_kernels().rows
         release_compiler_pages()  # loading them linked again: ~9 MiB of llvmlite's code back in, out again
-    return _ROWS_KERNELS.get(fmt, fallback)
+    return _ROWS_KERNEL
 
 
 def _batch_kernels():
@@ -144,7 +146,7 @@ def preload_matrices(matrices) -> None:
     preload_families(tuple(sorted({matrix_family(m.descriptor) for m in matrices if isinstance(m, QuantMatrix)})))
 
 
-_ROWS_KERNELS: dict | None = None
+_ROWS_KERNEL: Any = None
 _FAMILY_KERNELS: dict[tuple[bool, str], int] = {}  # (one_row, family) -> its kernel's address, once loaded
 
 
@@ -259,7 +261,7 @@ class QuantMatrix:
             out = np.empty((len(x), self.tiles * TILE), np.float32)
             pool.product_rows(self.rows_address, self.descriptor, self.arrays, x, out)
             return out[:, :self.n_out]
-        rows = None if x.ndim == 1 else _rows_kernel(self.fmt, None)
+        rows = _rows_kernel() if x.ndim == 2 and self.fmt in POOL_ROWS else None
         if x.ndim == 2 and len(x) > SMALL_BATCH and rows is None:
             return self._sgemm(x)
         out = np.empty((*x.shape[:-1], self.tiles * TILE), np.float32)
