@@ -6,6 +6,8 @@ import tempfile
 import pytest
 from hypothesis import settings
 
+from pagevis.kernel_loader import wide_vectors
+
 # Tests never need a screen; `make test` sets this too, this covers a bare `pytest`.
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # The kernels' compile lock is held by weight_kernels_ready_beside's process (a live compiler, ~75 s on a clean
@@ -15,6 +17,13 @@ os.environ.setdefault("PAGEVIS_KERNEL_LOCK_WAIT", "600")
 # `--screenshot` run saved its session there, and the next plain launch (CI's rehearsal) opened it. Absolute, since
 # Qt ignores a relative XDG_CONFIG_HOME.
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="pagevis-test-config-")
+
+# numba's CPU features as the app sets them before its first kernel (kernel_loader.wide_vectors: on AVX-512 CPUs,
+# 512-bit vectors), before any test module is imported: a module with a kernel, imported directly, makes numba's
+# code generator at its first @njit, with the CPU features of that moment, for the whole process. Without this the
+# tests ran kernels compiled for 256-bit vectors -- not what users run -- and on a clean clone compiled every kernel
+# again beside the background loader's (numba's cache is keyed by the features): ~3 min of compiling in make test.
+wide_vectors()
 
 # Property tests draw the same examples on every run, so a CI failure is reproducible from a clean clone (a random
 # draw failed CI once on an example no earlier run had met); PAGEVIS_HYPOTHESIS_EXPLORE=1 draws new ones each run.

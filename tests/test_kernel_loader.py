@@ -281,6 +281,20 @@ def test_kernels_vectorise_with_512_bit_registers_where_the_cpu_has_avx512(tmp_p
     assert chosen.stdout.strip() == "False", "a user's NUMBA_CPU_FEATURES must win"
 
 
+@pytest.mark.skipif(not __import__("llvmlite.binding").binding.get_host_cpu_features().get("avx512f"),
+                    reason="this CPU has no AVX-512F")
+def test_the_tests_run_the_kernels_the_app_runs():
+    """numba makes its code generator once a process, at the first @njit, with the CPU features of that moment; the
+    test modules import kernel modules directly (the app only through kernel_loader, after wide_vectors), so
+    conftest sets them first. Without it this process compiled every kernel for 256-bit vectors, again beside the
+    background loader's 512-bit ones (numba's cache is keyed by the features)."""
+    from numba.core.registry import cpu_target
+
+    if os.environ.get("NUMBA_CPU_FEATURES") or os.environ.get("PAGEVIS_VECTOR_BITS") == "256":
+        pytest.skip("the CPU features are the user's")
+    assert "-prefer-256-bit" in cpu_target.target_context.codegen().magic_tuple()[2]
+
+
 def test_a_change_to_any_kernel_source_drops_every_kernel_modules_numba_cache(tmp_path, monkeypatch):
     """numba checks only a compiled function's own file; a kernel inlining another module's code must go too when
     that module changes (kernel_sources.py)."""
