@@ -244,3 +244,41 @@ def test_tokens_written_into_float16_pages_round_as_numpy(threads):
                               if b.dtype == np.float16 else b)
     for g, w in zip(got, want, strict=True):
         assert np.array_equal(g.view(np.int32), w.view(np.int32))
+
+
+def test_a_float16_caches_batched_decode_is_single_appends_and_attention():
+    """KVCacheManager.decode_many on float16 pages (batch_writes.write_many's held tokens, written by attend_tables'
+    call) leaves the K/V bits, positions and fills that one `append` per sequence leaves (NumPy's rounding), and
+    attends within float32 rounding of each sequence's own `attend` (the one-sequence kernel)."""
+    from pagevis.kvcache import CacheConfig, KVCacheManager
+
+    config = CacheConfig(page_size=4, max_pages=8, n_layers=1, n_heads=6, n_kv_heads=2, head_dim=16, policy="none",
+                         dtype="float16")
+    rng = np.random.default_rng(29)
+    caches = [KVCacheManager(config, pool_pages=40) for _ in range(2)]
+    lengths = [3, 9, 6]
+    for cache in caches:
+        for seq, length in enumerate(lengths):
+            cache.add_sequence(seq)
+    for seq, length in enumerate(lengths):  # prompts, written alike
+        k, v = (rng.standard_normal((length, 2, 16)).astype(np.float32) for _ in range(2))
+        for cache in caches:
+            cache.append(seq, 0, k, v, np.arange(length))
+    seqs = list(range(len(lengths)))
+    for step in range(7):  # tokens across page boundaries
+        positions = np.array(lengths) + step
+        q = rng.standard_normal((len(seqs), 6, 16)).astype(np.float32)
+        k, v = (rng.standard_normal((len(seqs), 2, 16)).astype(np.float32) * scale for scale in (1, 50))
+        batched = caches[0].decode_many(seqs, 0, q, k, v, positions, wanted=tuple(seqs))
+        assert batched is not None
+        for seq in seqs:
+            caches[1].append(seq, 0, k[seq:seq + 1], v[seq:seq + 1], positions[seq:seq + 1])
+            alone = caches[1].attend(seq, 0, q[seq:seq + 1], positions[seq:seq + 1])
+            result = batched[1][seq]
+            np.testing.assert_array_equal(alone.slots, result.slots)
+            _assert_float32_rounding((result.output, result.weights), (alone.output, alone.weights))
+        stores = [cache.layers[0].store for cache in caches]
+        assert np.array_equal(stores[0].k.view(np.uint16), stores[1].k.view(np.uint16))
+        assert np.array_equal(stores[0].v.view(np.uint16), stores[1].v.view(np.uint16))
+        assert np.array_equal(stores[0].positions, stores[1].positions)
+        assert np.array_equal(stores[0].fill, stores[1].fill)
