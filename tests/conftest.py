@@ -35,7 +35,7 @@ settings.load_profile("pagevis")
 # kernels (one row and rows) and the repacking and dequantising ones its file needs, the spin pool (two weight
 # threads), the int8 batch kernels (where the CPU has VNNI), the batched decode attention (its own lock; first needed
 # by test_attention_pool_handin's process, which compiled it there: 22 s of a clean clone's make test on this Intel
-# CPU), then every other family's and on-demand kernel (the GGUF tests' other types, Gemma 3's), each compiled on
+# CPU), the decode kernels' float16 pages' variants (test_compare's float16 rows compiled them: 44 s), then every other family's and on-demand kernel (the GGUF tests' other types, Gemma 3's), each compiled on
 # first use since session 17 (a first launch compiles only its model's).
 _LOADER_STEPS = (
     "from pagevis.model.quantized import kernels; kernels()",
@@ -45,6 +45,8 @@ _LOADER_STEPS = (
     "set_weight_threads(2); spin_pool()",
     "from pagevis.model import int8_rows; int8_rows.route() == 'vnni' and int8_rows._kernels()",
     "from pagevis.kvcache.attention_kernels import batch_decode_kernels; batch_decode_kernels()",
+    "from pagevis.kvcache import decode_kernel; from pagevis.kvcache.attention_kernels import batch_decode_kernels; "
+    "decode_kernel.half_kernels(); batch_decode_kernels().half_kernels()",
     "from pagevis.model.batch_kernels import ROW_FAMILIES; from pagevis.model.quantized import preload_families; "
     "preload_families(tuple(ROW_FAMILIES))",
     "from pagevis.model.quantized import weight_kernel; from pagevis.model.weight_kernels import LAZY; "
@@ -68,10 +70,10 @@ _LOADER_PAUSE = 0.4
 # test_gui_presets' Gemma preset past its 30 s: its worker was still waiting for the spin pool's kernels when the test
 # ended, and every later two-thread test of that run found the pool unavailable -- quantized._POOL_FAILED, the
 # exception's line lost in a passing test's captured stderr; session 18: test_model_loading's SmolLM2 15 s,
-# test_rope_scaling's tiny GGUFs 4 s). A module missing here only waits; one listed that needs none of them only
+# test_rope_scaling's tiny GGUFs 4 s, test_compare's float16 rows 44 s). A module missing here only waits; one listed that needs none of them only
 # runs later.
 _RUN_LAST = ("test_api.py", "test_attention_pool_handin.py", "test_batch_decode_kernel.py", "test_batch_kernels.py",
-             "test_cli.py", "test_cli_bench.py", "test_decode_split.py", "test_engine_bench.py",
+             "test_cli.py", "test_cli_bench.py", "test_compare.py", "test_decode_split.py", "test_engine_bench.py",
              "test_engine_disk.py", "test_engine_quant.py", "test_fused_kernels.py", "test_fuzz_files.py",
              "test_gui.py", "test_gui_demo.py", "test_gui_presets.py", "test_hostile_caches.py",
              "test_hostile_layout.py", "test_hostile_prompts.py", "test_int8_prompt_rows.py", "test_int8_rows.py",
