@@ -34,6 +34,7 @@ CHUNK_BYTES = 1 << 20  # float16 keys (or values) of all KV heads converted to f
 DECODE_ROWS = 32  # up to this many rows (queries x group) per KV head, key blocks are measured; above, gemm
 BLOCK_CANDIDATES = (0, 32, 64, 128, 256)  # keys per block; 0: one product over the whole chunk
 LOWEST = np.finfo(np.float32).min
+DECODE_DTYPES = (np.float32, np.float16)  # the K/V element types the decode kernels read (float16 through its bits)
 MEASURE_BYTES = 4 << 20  # the most keys (or values) block_sizes times with
 
 
@@ -78,7 +79,7 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_bias: np.nda
     the same in any aligned block, so blocks change no bit of the result (with one BLAS thread, as pagevis runs).
     """
     n = q.shape[0]
-    if n == 1 and keys.dtype == values.dtype == np.float32 and keys.shape[1]:  # one query: the decode kernel
+    if n == 1 and keys.dtype == values.dtype and keys.dtype in DECODE_DTYPES and keys.shape[1]:  # the decode kernel
         position = -1 if q_positions is None else int(q_positions[0])
         return attend_decode(q, np.ascontiguousarray(keys), np.ascontiguousarray(values), keys.shape[1], key_bias,
                              key_positions if window and position >= 0 else None, position, window)

@@ -18,13 +18,12 @@ from typing import Any, Callable
 import numpy as np
 
 from pagevis.kvcache import attention_kernels as kernels, eviction
-from pagevis.kvcache.attention_kernels import AttentionResult, attend_decode_batch
+from pagevis.kvcache.attention_kernels import DECODE_DTYPES, AttentionResult, attend_decode_batch
 from pagevis.kvcache.layer_managers import LayerManager, own_hole
 from pagevis.kvcache.policy_state import PolicyState
 from pagevis.kvcache.policies.lazy_kernels import kernels as kernels_of_policies
 from pagevis.kvcache.reader import read_attention
 from pagevis.kvcache.sequence import SequenceCache
-from pagevis.kvcache.store import READS_IN_PLACE
 from pagevis.kvcache.slots import flat_slots
 
 
@@ -69,7 +68,7 @@ def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np
         # With no empty slot below the high-water mark the occupancy mask is all zeros: skip it.
         bias = None if own.resident == n_slots else store.bias[:n_slots]
         read_slots: slice | np.ndarray = slice(0, n_slots)
-        if len(q) == 1 and store.k.dtype in READS_IN_PLACE and n_slots:  # decode: one kernel call, per-head masks or not
+        if len(q) == 1 and store.k.dtype in DECODE_DTYPES and n_slots:  # decode: one kernel call, per-head masks or not
             result = kernels.attend_decode(q, store.k_rows, store.v_rows, n_slots,
                                            bias if keep is None else kept_bias(keep[:, :n_slots], bias),
                                            store.positions, int(positions[0]), layer.window, write, _pool())
@@ -204,7 +203,7 @@ def attend_stacked(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray
             built.add(i)
     widest = max(counts)
     padded, n_pages = _padded(tables, counts, widest)
-    if store.k.dtype in READS_IN_PLACE:  # K/V read in place through the tables, the bias and the window's mask per slot
+    if store.k.dtype in DECODE_DTYPES:  # K/V read in place through the tables, the bias and the window's mask per slot
         output, weights = kernels.batch_decode_kernels().attend_tables(  # (layer.mask's), one numba call
             q, store.k, store.v, padded, n_pages, store.bias, store.positions, positions, layer.window or 0,
             _pool(), None if write is None else (*write, store.fill))
@@ -254,11 +253,11 @@ def attend_kept(q: np.ndarray, keys: np.ndarray, values: np.ndarray, bias: np.nd
                 window: int | None = None, all_weights: bool = True) -> AttentionResult:
     """`attend`, where KV head h reads only the keys with keep[h] (per-head residency; None: all keys for
     every head). When some head dropped a resident token, each KV head's mask is added to the occupancy bias (-inf
-    on dropped entries): a decode query over float32 keys takes every head's in one decode kernel call (its bias
+    on dropped entries): a decode query over float32 or float16 keys takes every head's in one decode kernel call (its bias
     one row a KV head); otherwise each KV head's queries attend alone, joined in query-head order. all_weights:
     kernels.attend's (False: the last query's only)."""
     head_bias = bias if keep is None else kept_bias(keep, bias)
-    decode = len(q) == 1 and keys.dtype == values.dtype == np.float32 and keys.shape[1] > 0  # the decode kernel's
+    decode = len(q) == 1 and keys.dtype == values.dtype and keys.dtype in DECODE_DTYPES and keys.shape[1] > 0
     if head_bias is None or head_bias.ndim == 1 or decode:  # no head differs, or the decode kernel's: one call
         return kernels.attend(q, keys, values, head_bias, key_positions, positions, window, all_weights)
     n_kv = keys.shape[0]

@@ -22,15 +22,12 @@ import mmap
 import numpy as np
 
 from pagevis.kvcache import quant
-from pagevis.kvcache.attention_kernels import batch_decode_kernels
+from pagevis.kvcache.attention_kernels import DECODE_DTYPES, batch_decode_kernels
 from pagevis.kvcache.block_pool import BlockPool
 from pagevis.kvcache.disk_tier import DiskTier
 from pagevis.kvcache.ram_tier import RamTier, TierCounts
 from pagevis.kvcache.slots import page_slots
 from pagevis.kvcache.swap import SwapFile
-
-
-READS_IN_PLACE = (np.float32, np.float16)  # the K/V element types the decode kernels read in place (`in_place`)
 
 
 def note_peak(store: PageStore) -> None:
@@ -79,7 +76,7 @@ class PageStore:
         self.tier: RamTier | DiskTier = RamTier(self) if swap is None else DiskTier(self, swap)
         # float RAM pages whose frames are the page ids, no Quest bounds: the kernels read them in place, and a decode
         # step's token may be written by the attention kernel itself (paged_attention.write_and_attend)
-        self.in_place = not self.quantized and swap is None and not self.quest and self.k.dtype in READS_IN_PLACE
+        self.in_place = not self.quantized and swap is None and not self.quest and self.k.dtype in DECODE_DTYPES
         self.reset()
 
     def reset(self) -> None:
