@@ -18,7 +18,7 @@ import numpy as np
 from serve_fixtures import SYNTH, running_server
 from test_serve_load import scrape, value
 
-from pagevis.engine import DecodeSession, SamplingConfig, SessionConfig
+from pagevis.engine import DecodeSession, SamplingConfig
 from pagevis.serve.settings import serve_defaults
 
 SHARED = "A shared system prompt about pages of keys and values, long enough to fill several pages. "
@@ -186,9 +186,13 @@ def test_a_session_among_other_requests_records_only_its_own_pages():
     attention, events) equal those of a DecodeSession alone: its pages renumbered as a pool of its own."""
     from pagevis.trace import record_differences
 
-    config = {"page_size": 4, "max_pages": 6, "policy": "h2o", "max_tokens": 24, "record_layers": [0, 1]}
-    direct = DecodeSession(SYNTH.load(), "A session among others.", SessionConfig(
-        page_size=4, max_pages=6, policy="h2o", max_new_tokens=24, record_layers=(0, 1)))
+    # float32 pages: over float16 ones (serve's default) the h2o scores of the session among others drift from the
+    # session alone's by 2e-4 relative within 27 steps, the tokens the same (not yet explained: docs/serving.md)
+    config = {"page_size": 4, "max_pages": 6, "policy": "h2o", "max_tokens": 24, "record_layers": [0, 1],
+              "dtype": "float32"}
+    direct = DecodeSession(SYNTH.load(), "A session among others.", replace(
+        serve_defaults(), page_size=4, max_pages=6, policy="h2o", max_new_tokens=24, record_layers=(0, 1),
+        dtype="float32"))
     list(direct.run())
     with running_server(token_budget=None) as running:
         body = {"model": "synthetic", "prompt": "Another request in the pool.", "max_tokens": 300,
@@ -255,13 +259,22 @@ def _streamed_tokens(client: httpx.Client, body: dict) -> tuple[list, list]:
     return tokens, values
 
 
-def test_eight_streams_at_once_get_what_each_gets_alone_with_one_hand_off_a_step(monkeypatch):
-    """Eight greedy clients streaming at once get token for token (log-probabilities to float32 rounding) what
-    each gets alone, not streamed; the engine thread wakes the event loop once per step, not once per token."""
+# float32 pages: a batch's rows go through the float32 products together, log-probabilities equal to float32
+# rounding. float16 (serve's default): measured up to ~6e-5 apart, also between one request prefilled in one chunk
+# and in chunks of 4 alone (the cache's attention over float16 pages is chunk-invariant to float32 rounding; where
+# the rest comes from is not yet found: docs/serving.md)
+LOGPROB_TOLERANCE = {"float32": 1e-5, "float16": 2e-4}
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_eight_streams_at_once_get_what_each_gets_alone_with_one_hand_off_a_step(monkeypatch, dtype):
+    """Eight greedy clients streaming at once get token for token (log-probabilities within LOGPROB_TOLERANCE)
+    what each gets alone, not streamed; the engine thread wakes the event loop once per step, not once per token."""
     from pagevis.serve import core as core_module
 
     bodies = [{"model": "synthetic", "prompt": f"Client {i} asks about pages.", "max_tokens": 16, "temperature": 0,
-               "logprobs": 0, "ignore_eos": True, "pagevis": {"page_size": 4, "max_pages": 16}} for i in range(8)]
+               "logprobs": 0, "ignore_eos": True, "pagevis": {"page_size": 4, "max_pages": 16, "dtype": dtype}}
+              for i in range(8)]
     with running_server(max_seqs=8) as running:
         alone = []
         for body in bodies:
@@ -287,8 +300,7 @@ def test_eight_streams_at_once_get_what_each_gets_alone_with_one_hand_off_a_step
         steps = engine.n_steps - steps_before
     assert [tokens for tokens, _ in together] == [tokens for tokens, _ in alone]
     assert all(len(tokens) == 16 for tokens, _ in together)
-    # a batch's rows go through the float32 products together: log-probabilities equal to float32 rounding
     assert np.allclose([v for _, values in together for v in values], [v for _, values in alone for v in values],
-                       rtol=0, atol=1e-5)
+                       rtol=0, atol=LOGPROB_TOLERANCE[dtype])
     # 8 x 16 tokens and 8 ends went over in at most one hand-off a step (the old core: one a token, 136)
     assert hand_offs[0] <= steps < 8 * 16, (hand_offs[0], steps)

@@ -39,7 +39,7 @@ def complete(server, **body) -> dict:
 def test_echo_scores_the_prompt_as_a_dense_forward(server):
     ids = server.client.post("/tokenize", json={"prompt": "The cache holds pages"}).json()["tokens"]
     choice = complete(server, prompt="The cache holds pages", max_tokens=0, echo=True, logprobs=3,
-                      pagevis={"page_size": 4, "max_pages": 8, "policy": "none"})["choices"][0]
+                      pagevis={"page_size": 4, "max_pages": 8, "policy": "none", "dtype": "float32"})["choices"][0]
     lp = choice["logprobs"]
     assert choice["text"] == "The cache holds pages" and len(lp["tokens"]) == len(ids)
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
@@ -52,7 +52,7 @@ def test_echo_scores_the_prompt_as_a_dense_forward(server):
 
 def test_generated_logprobs_follow_the_greedy_tokens(server):
     prompt = "abc"
-    answer = complete(server, prompt=prompt, max_tokens=5, logprobs=2, echo=True)
+    answer = complete(server, prompt=prompt, max_tokens=5, logprobs=2, echo=True, pagevis={"dtype": "float32"})
     lp = answer["choices"][0]["logprobs"]
     ids = server.client.post("/tokenize", json={"prompt": answer["choices"][0]["text"]}).json()["tokens"]
     assert len(lp["tokens"]) == len(ids) == 3 + 5 and answer["usage"]["completion_tokens"] == 5

@@ -3,6 +3,8 @@ each other and with a DecodeSession; stop strings, seeds, the `pagevis` cache ob
 
 from __future__ import annotations
 
+import dataclasses
+
 import httpx
 import openai
 import pytest
@@ -123,15 +125,16 @@ def test_bad_requests_get_clear_errors(client, changes, status, words):
 
 @pytest.mark.slow
 def test_smollm2_streams_a_known_greedy_answer(smollm2):  # noqa: F811
-    """With --int8-rows none the server answers as `pagevis run` does, bit for bit; with serve's default ("all":
-    int8 rows) as the engine alone with that setting does (here a near tie of the exact first token, "The" 25.33
-    against "L" 25.24, goes the other way: docs/serving.md)."""
+    """With --int8-rows none --dtype float32 the server answers as `pagevis run` does, bit for bit; with serve's
+    defaults ("all": int8 rows; K/V in float16) as the engine alone with those settings does (here a near tie of the
+    exact first token, "The" 25.33 against "L" 25.24, goes the other way: docs/serving.md)."""
     from pagevis.engine import Engine, SamplingConfig
     from pagevis.engine.batch import BatchConfig
-    from pagevis.serve.settings import ServeSettings
+    from pagevis.serve.settings import ServeSettings, serve_defaults
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    with running_server(ServeSettings(int8_rows="none"), model=smollm2) as running:
+    exact = ServeSettings(int8_rows="none", defaults=dataclasses.replace(serve_defaults(), dtype="float32"))
+    with running_server(exact, model=smollm2) as running:
         client = openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0)
         text, finish = streamed_text(client.chat.completions.create(
             model="SmolLM2-135M-Instruct", messages=messages, max_tokens=8, temperature=0, stream=True), chat=True)
@@ -147,8 +150,8 @@ def test_smollm2_streams_a_known_greedy_answer(smollm2):  # noqa: F811
         client = openai.OpenAI(base_url=running.url + "/v1", api_key="x", max_retries=0)
         served = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=8,
                                                 temperature=0).choices[0].message.content
-    engine = Engine(smollm2, SessionConfig(policy="none", max_pages=64, sampling=SamplingConfig(mode="greedy")),
-                    BatchConfig(max_seqs=1, int8_rows="all"))
+    engine = Engine(smollm2, SessionConfig(policy="none", max_pages=64, dtype=serve_defaults().dtype,
+                                           sampling=SamplingConfig(mode="greedy")), BatchConfig(max_seqs=1, int8_rows="all"))
     seq_id = engine.submit(session.prompt_ids, max_new_tokens=8)
     list(engine.run())
     assert served == smollm2.tokenizer.decode(engine.requests[seq_id].generated)

@@ -115,10 +115,11 @@ def test_one_set_of_defaults_and_presets_override_it():
     assert SessionConfig() == DEFAULT_CONFIG == PRESETS[0].a
     assert (DEFAULT_CONFIG.page_size, DEFAULT_CONFIG.max_pages, DEFAULT_CONFIG.max_new_tokens) == (8, 12, 192)
     assert options.session_config(run_args()) == DEFAULT_CONFIG
-    # the server's requests: a full cache of --max-cache-tokens (4096) in pages of 16, nothing evicted
+    # the server's requests: a full cache of --max-cache-tokens (4096) in pages of 16, nothing evicted, K/V in
+    # float16 (as llama.cpp's and vLLM's servers keep them)
     served = request_config(ServeSettings(), {})
-    assert (served.policy, served.page_size, served.max_pages) == ("none", 16, 256)
-    assert served == dataclasses.replace(DEFAULT_CONFIG, policy="none", page_size=16, max_pages=256)
+    assert (served.policy, served.page_size, served.max_pages, served.dtype) == ("none", 16, 256, "float16")
+    assert served == dataclasses.replace(DEFAULT_CONFIG, policy="none", page_size=16, max_pages=256, dtype="float16")
     for preset in PRESETS:
         for config in (preset.a, preset.b):
             if config is not None:
@@ -161,9 +162,9 @@ def test_every_flag_comes_from_the_table():
 def test_the_cli_and_a_request_build_the_same_configuration():
     flags = ["--page-size", "4", "--max-pages", "6", "--policy", "h2o", "--policy-param", "recent=8",
              "--temperature", "0.5", "--seed", "3", "--max-tokens", "20", "--no-chat", "--record-layers", "0,1",
-             "--oracle"]
+             "--oracle", "--dtype", "int8"]
     request = {"page_size": 4, "max_pages": 6, "policy": "h2o", "policy_params": {"recent": 8}, "temperature": 0.5,
-               "seed": 3, "max_tokens": 20, "chat": False, "record_layers": [0, 1], "oracle": True}
+               "seed": 3, "max_tokens": 20, "chat": False, "record_layers": [0, 1], "oracle": True, "dtype": "int8"}
     from_flags = options.session_config(run_args(*flags))
     assert from_flags == request_config(ServeSettings(), request)
     assert from_flags.sampling.mode == "sample"  # a temperature implies sampling, in both
