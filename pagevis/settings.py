@@ -189,8 +189,7 @@ SETTINGS: dict[str, Setting] = _table(
                               "session's, its prompt + max tokens"}),
     Setting("dtype", "str", "float32", "K/V storage: float32, float16, int8 (a scale per token and KV head), int4 "
             "or int2 (KIVI: keys per channel, values per token, groups of 32, a full-precision residual window; "
-            "docs/quantization.md)", "cache", "cache", label="Storage", choices=STORAGE_DTYPES, flag="--dtype",
-            front_ends={"serve": "float16"}),  # llama.cpp's and vLLM's servers' K/V: half the bytes a step reads
+            "docs/quantization.md)", "cache", "cache", label="Storage", choices=STORAGE_DTYPES, flag="--dtype"),
     Setting("residual", "int", 128, "int4 / int2: the newest tokens kept in float32 (KIVI's residual window; the "
             "oldest 32 beyond it are quantized together once they have all arrived)", "cache", "cache",
             label="Residual window", low=0, high=MAX_RESIDUAL, flag="--residual", metavar="N", app_range=(0, 4096)),

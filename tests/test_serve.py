@@ -133,7 +133,7 @@ SESSION = {"prompt": "Pages of keys and values.", "page_size": 4, "max_pages": 5
 
 
 def direct_session() -> DecodeSession:
-    """SESSION as a DecodeSession, on the server's defaults for what SESSION does not set (K/V in float16)."""
+    """SESSION as a DecodeSession, on the server's defaults for what SESSION does not set."""
     config = dataclasses.replace(serve_defaults(), page_size=4, max_pages=5, policy="h2o", max_new_tokens=12,
                                  record_layers=(0,), sampling=SamplingConfig(mode="sample", temperature=0.9, seed=5))
     session = DecodeSession(SYNTH.load(), SESSION["prompt"], config)
@@ -182,7 +182,7 @@ def test_session_steps_equal_a_direct_decode_session(server, tmp_path):
 def test_session_text_equals_pagevis_run(server, capsys):
     flags = ["--model", "synthetic", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
              "--model-seed", "3", "--page-size", "4", "--max-pages", "3", "--policy", "sinks", "--max-tokens", "9",
-             "--prompt", "hello there", "--dtype", "float16", "--quiet", "--json"]  # (serve's default K/V)
+             "--prompt", "hello there", "--quiet", "--json"]
     assert main(["run", *flags]) == 0
     expected = json.loads(capsys.readouterr().out)
     sid = server.client.post("/v1/sessions", json={"prompt": "hello there", "page_size": 4, "max_pages": 3,

@@ -186,7 +186,7 @@ def test_a_session_among_other_requests_records_only_its_own_pages():
     attention, events) equal those of a DecodeSession alone: its pages renumbered as a pool of its own."""
     from pagevis.trace import record_differences
 
-    # float32 pages: over float16 ones (serve's default) the h2o scores of the session among others drift from the
+    # float32 pages (serve's default) named: over float16 ones the h2o scores of the session among others drift from the
     # session alone's by 2e-4 relative within 27 steps, the tokens the same (not yet explained: docs/serving.md)
     config = {"page_size": 4, "max_pages": 6, "policy": "h2o", "max_tokens": 24, "record_layers": [0, 1],
               "dtype": "float32"}
@@ -260,7 +260,7 @@ def _streamed_tokens(client: httpx.Client, body: dict) -> tuple[list, list]:
 
 
 # float32 pages: a batch's rows go through the float32 products together, log-probabilities equal to float32
-# rounding. float16 (serve's default): measured up to ~6e-5 apart, also between one request prefilled in one chunk
+# rounding. float16 (`--dtype float16`): measured up to ~6e-5 apart, also between one request prefilled in one chunk
 # and in chunks of 4 alone (the cache's attention over float16 pages is chunk-invariant to float32 rounding; where
 # the rest comes from is not yet found: docs/serving.md)
 LOGPROB_TOLERANCE = {"float32": 1e-5, "float16": 2e-4}

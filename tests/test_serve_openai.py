@@ -126,7 +126,7 @@ def test_bad_requests_get_clear_errors(client, changes, status, words):
 @pytest.mark.slow
 def test_smollm2_streams_a_known_greedy_answer(smollm2):  # noqa: F811
     """With --int8-rows none --dtype float32 the server answers as `pagevis run` does, bit for bit; with serve's
-    defaults ("all": int8 rows; K/V in float16) as the engine alone with those settings does (here a near tie of the
+    defaults ("all": int8 rows) as the engine alone with those settings does (here a near tie of the
     exact first token, "The" 25.33 against "L" 25.24, goes the other way: docs/serving.md)."""
     from pagevis.engine import Engine, SamplingConfig
     from pagevis.engine.batch import BatchConfig

@@ -115,11 +115,10 @@ def test_one_set_of_defaults_and_presets_override_it():
     assert SessionConfig() == DEFAULT_CONFIG == PRESETS[0].a
     assert (DEFAULT_CONFIG.page_size, DEFAULT_CONFIG.max_pages, DEFAULT_CONFIG.max_new_tokens) == (8, 12, 192)
     assert options.session_config(run_args()) == DEFAULT_CONFIG
-    # the server's requests: a full cache of --max-cache-tokens (4096) in pages of 16, nothing evicted, K/V in
-    # float16 (as llama.cpp's and vLLM's servers keep them)
+    # the server's requests: a full cache of --max-cache-tokens (4096) in pages of 16, nothing evicted
     served = request_config(ServeSettings(), {})
-    assert (served.policy, served.page_size, served.max_pages, served.dtype) == ("none", 16, 256, "float16")
-    assert served == dataclasses.replace(DEFAULT_CONFIG, policy="none", page_size=16, max_pages=256, dtype="float16")
+    assert (served.policy, served.page_size, served.max_pages) == ("none", 16, 256)
+    assert served == dataclasses.replace(DEFAULT_CONFIG, policy="none", page_size=16, max_pages=256)
     for preset in PRESETS:
         for config in (preset.a, preset.b):
             if config is not None:

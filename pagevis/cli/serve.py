@@ -22,13 +22,12 @@ def add_parser(commands) -> argparse.ArgumentParser:
         description="Serve POST /v1/attention, /v1/sessions, OpenAI-compatible /v1/completions and "
                     "/v1/chat/completions, /metrics (Prometheus) and /healthz; API docs at /docs. Cache and "
                     "decoding options set the defaults of sessions and completions that do not set them: by "
-                    "default a full cache per request (policy none), so nothing is evicted, its K/V kept in "
-                    "float16 (--dtype float16, as llama.cpp's and vLLM's servers keep them: half the bytes a step "
-                    "reads). By default every row (prompts, a request decoding alone, requests decoding together) "
-                    "multiplies int8 activations by the quantised weights (--int8-rows all; AVX-512 VNNI, where the "
-                    "CPU has it: llama.cpp's arithmetic, each row within a tested bound of the exact row); prompt "
-                    "scoring (echo, prompt logprobs) keeps exact rows; --int8-rows none --dtype float32 answers as "
-                    "`pagevis run` does, bit for bit.")
+                    "default a full cache per request (policy none), so nothing is evicted, its K/V in float32 "
+                    "(--dtype float16 halves their memory, at about the same speed: docs/serving.md). By default "
+                    "every row (prompts, a request decoding alone, requests decoding together) multiplies int8 "
+                    "activations by the quantised weights (--int8-rows all; AVX-512 VNNI, where the CPU has it: "
+                    "llama.cpp's arithmetic, each row within a tested bound of the exact row); prompt scoring (echo, "
+                    "prompt logprobs) stays exact; --int8-rows none answers as `pagevis run` does, bit for bit.")
     for section in SECTIONS:
         group = parser.add_argument_group(settings.SECTIONS[section])
         settings.add_flags(group, section, front_end=FRONT_END)
