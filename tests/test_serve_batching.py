@@ -186,8 +186,10 @@ def test_a_session_among_other_requests_records_only_its_own_pages():
     attention, events) equal those of a DecodeSession alone: its pages renumbered as a pool of its own."""
     from pagevis.trace import record_differences
 
-    # float32 pages (serve's default) named: over float16 ones the h2o scores of the session among others drift from the
-    # session alone's by 2e-4 relative within 27 steps, the tokens the same (not yet explained: docs/serving.md)
+    # float32 pages (serve's default) named, the completions' too (a pool is a page size and a dtype:
+    # engines.layout). Over float16 ones the h2o scores of the session among others drift from the session alone's by
+    # 2e-4 relative within 27 steps, the tokens the same, exactly as over float32 pages fed float16-rounded K/V: the
+    # rows' float32 differences flip a few stored roundings (docs/serving.md, tests/test_float16_engine.py)
     config = {"page_size": 4, "max_pages": 6, "policy": "h2o", "max_tokens": 24, "record_layers": [0, 1],
               "dtype": "float32"}
     direct = DecodeSession(SYNTH.load(), "A session among others.", replace(
@@ -196,7 +198,7 @@ def test_a_session_among_other_requests_records_only_its_own_pages():
     list(direct.run())
     with running_server(token_budget=None) as running:
         body = {"model": "synthetic", "prompt": "Another request in the pool.", "max_tokens": 300,
-                "temperature": 0, "stream": True, "ignore_eos": True, "pagevis": {"page_size": 4, "max_pages": 8, "policy": "sinks"}}
+                "temperature": 0, "stream": True, "ignore_eos": True, "pagevis": {"page_size": 4, "max_pages": 8, "policy": "sinks", "dtype": "float32"}}
         threads = [threading.Thread(target=complete, args=(httpx.Client(base_url=running.url, timeout=120),
                                                            body["prompt"] + str(i), body["pagevis"], 0, None, 300, True))
                    for i in range(3)]
@@ -211,6 +213,7 @@ def test_a_session_among_other_requests_records_only_its_own_pages():
         while not running.client.post(f"/v1/sessions/{sid}/step", json={"n": 3}).json()["done"]:
             others.append(running.client.get("/healthz").json()["running"])
         assert max(others) >= 1  # the session shared its steps with the completions
+        assert len(running.app.state.engines.cores) == 1  # in their pool
         for thread in threads:
             thread.join(120)
         records = served.session.records
@@ -260,9 +263,11 @@ def _streamed_tokens(client: httpx.Client, body: dict) -> tuple[list, list]:
 
 
 # float32 pages: a batch's rows go through the float32 products together, log-probabilities equal to float32
+# float32 pages: a batch's rows go through the float32 products together, log-probabilities equal to float32
 # rounding. float16 (`--dtype float16`): measured up to ~6e-5 apart, also between one request prefilled in one chunk
-# and in chunks of 4 alone (the cache's attention over float16 pages is chunk-invariant to float32 rounding; where
-# the rest comes from is not yet found: docs/serving.md)
+# and in chunks of 4 alone: the float32 differences of a token's fresh K/V between two batchings (~1e-6) flip a few
+# of their float16 roundings by a whole float16 step; over float32 pages fed float16-rounded K/V the same, bit for
+# bit (docs/serving.md, tests/test_float16_engine.py)
 LOGPROB_TOLERANCE = {"float32": 1e-5, "float16": 2e-4}
 
 
