@@ -26,6 +26,8 @@ from pagevis.kvcache.layer_managers import LayerManager
 from pagevis.kvcache.policy_state import PolicyState
 from pagevis.kvcache.sequence import LayerTable, SequenceCache
 
+NEEDS_MORE, NO_HOLE = -1, -2  # _start_lane's answers that are no slot
+
 
 def write_many(layer: LayerManager, seqs: list[SequenceCache], k: np.ndarray, v: np.ndarray, positions: np.ndarray,
                append_one: Callable[[int], None], hold: bool = False) -> np.ndarray | None:
@@ -95,9 +97,6 @@ def _start_lane(layer: LayerManager, seq: SequenceCache, table: LayerTable) -> i
         return NEEDS_MORE
     flat = table.start_lane(budget)
     return flat if flat >= 0 else NO_HOLE
-
-
-NEEDS_MORE, NO_HOLE = -1, -2
 
 
 def _write_held(layer: LayerManager, flats: list[int], rows: list[int], k: np.ndarray, v: np.ndarray,
