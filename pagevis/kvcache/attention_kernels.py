@@ -148,7 +148,8 @@ def attend_decode(q: np.ndarray, keys: np.ndarray, values: np.ndarray, n_keys: i
                   key_positions: np.ndarray | None, position: int, window: int | None,
                   write: tuple[int, np.ndarray, np.ndarray] | None = None, pool: Any = None) -> AttentionResult:
     """`attend` of one query (q: (1, n_heads, d)) over the first n_keys slots of C-contiguous float32 or float16 keys
-    and values (n_kv, S, d), read where they lie (float16 through its bits, converted exactly) (a page pool's frames), in one numba call for every head (decode_kernel.py).
+    and values (n_kv, S, d: a page pool's frames), read where they lie (float16 through its bits, converted exactly),
+    in one numba call for every head (decode_kernel.py).
     key_bias: (S,) for every head, or (n_kv, S) one row a KV head (per-head masks), or None.
     key_positions: the slots' positions, with a `window` (else None). write: (slot, k, v), the new token's key and
     value (n_kv, d) written into that slot of keys and values first, in the same call (a decode step's). pool: the

@@ -6,8 +6,9 @@
 - `LayerTable`: its share of one layer, held by that layer's manager (layer_managers.py, `LayerManager.tables`):
   the block table, the empty slots of its own pages, its resident tokens, its policy's statistics and per-head
   masks, what its last attention read, and (local layers) what slid out of the window; and its decode lane
-  (batch_writes.write_many's: its lowest empty slot while it decodes, its hole set brought up to date when read). Nothing else changes them
-  but attention (paged_attention.py), which feeds the policy's statistics and notes the slots it read.
+  (batch_writes.write_many's: its lowest empty slot while it decodes, its hole set brought up to date when read).
+  Nothing else changes them but attention (paged_attention.py), which feeds the policy's statistics and notes the
+  slots it read.
 """
 
 from __future__ import annotations
