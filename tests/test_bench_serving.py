@@ -48,3 +48,13 @@ def test_the_engine_alone_runs_one_and_eight_clients_requests():
     ratio = bare_over([one, eight], {"c8_over_c1": 3.0})
     assert ratio["bare_c8_over_c1"] == eight["output_throughput"] / one["output_throughput"]
     assert ratio["served_over_bare"] == pytest.approx(3.0 / ratio["bare_c8_over_c1"])
+
+
+def test_the_engine_alone_takes_the_servers_dtype():
+    """`bench serve --dtype` gives the engine alone the server's K/V storage; without it, serve's default."""
+    from pagevis.bench.serving_bare import bare_engine
+    from pagevis.serve.settings import serve_defaults
+
+    model = SYNTH.load()
+    assert bare_engine(model).cache.config.dtype == serve_defaults().dtype == "float32"
+    assert bare_engine(model, dtype="float16").cache.config.dtype == "float16"

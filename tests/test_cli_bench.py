@@ -104,8 +104,10 @@ def test_bench_serve_at_concurrencies_and_poisson_rates(tmp_path, capsys):
     from pagevis.bench import serving
 
     assert main(["bench", "serve", "--model", "synthetic", "--concurrency", "2", "--request-rate", "20",
-                 "--num-prompts", "4", "--output-tokens", "3", "--out", str(tmp_path), "--json"]) == 0
+                 "--num-prompts", "4", "--output-tokens", "3", "--dtype", "float16", "--out", str(tmp_path),
+                 "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
+    assert result["server_flags"][-2:] == ["--dtype", "float16"]  # the server's K/V storage, as given
     assert [level.get("concurrency", level.get("rate")) for level in result["levels"]] == [2, 20.0]
     assert all(level["completed"] == level["requests"] == 4 and level["output_tokens"] == 12
                for level in result["levels"])

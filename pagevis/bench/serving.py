@@ -206,12 +206,12 @@ def shared_tokens(tokenizer) -> list[int]:
 
 def run(model: str = "smollm2", concurrencies=CONCURRENCIES, rates=None, num_prompts: int | None = None,
         max_tokens: int = 32, seed: int = 0, flags: tuple[str, ...] = SERVER_FLAGS, progress=None,
-        rounds: int = 1, bare: bool = True, int8_rows: str | None = None) -> dict:
+        rounds: int = 1, bare: bool = True, int8_rows: str | None = None, dtype: str | None = None) -> dict:
     """Every level against one server process, the levels repeated `rounds` times in turn (so load from
     elsewhere hits each alike); the result (levels, system prompt sizes, 8 clients over 1). bare (when the levels
     hold 1 and 8 clients): after each round, the same kind of requests from 1 and 8 clients in the bare engine in
-    this process (serving_bare.py), and the server's c8/c1 over the engine's. int8_rows: the server's and that
-    engine's --int8-rows (None: serve's default)."""
+    this process (serving_bare.py), and the server's c8/c1 over the engine's. int8_rows, dtype: the server's and that
+    engine's --int8-rows and --dtype (None: serve's defaults)."""
     from pagevis.bench import serving_bare
     from pagevis.engine import ModelSpec
     from pagevis.serve.app import model_id
@@ -222,10 +222,11 @@ def run(model: str = "smollm2", concurrencies=CONCURRENCIES, rates=None, num_pro
     bare = bare and all(c in (concurrencies or ()) for c in serving_bare.BARE_LEVELS)
     shared = shared_tokens(tokenizer)
     name = model_id(spec)
-    flags = tuple(flags) + (() if int8_rows is None else ("--int8-rows", int8_rows))
+    flags = tuple(flags) + (() if int8_rows is None else ("--int8-rows", int8_rows)) + (
+        () if dtype is None else ("--dtype", dtype))
     result = {"model": spec.label, "max_tokens": max_tokens, "server_flags": list(flags), "cpu_count": os.cpu_count(),
               "system_prompt_tokens": shared, "rounds": rounds, "levels": []}
-    clients = serving_bare.BareClients(loaded, max_tokens, seed, int8_rows) if bare else None
+    clients = serving_bare.BareClients(loaded, max_tokens, seed, int8_rows, dtype) if bare else None
     with ServerProcess(model, flags=flags) as server:
         warm_up(server.url, name)
         levels = [("concurrency", c) for c in concurrencies or ()] + [("rate", r) for r in rates or ()]

@@ -22,9 +22,9 @@ from pagevis.simserver.workload import returning_turn
 BARE_LEVELS = (1, 8)
 
 
-def bare_engine(model, int8_rows: str | None = None):
+def bare_engine(model, int8_rows: str | None = None, dtype: str | None = None):
     """An Engine as `pagevis serve` makes its default pool's (engines.Engines._start with serve's defaults;
-    int8_rows: serve's --int8-rows, None for its default)."""
+    int8_rows, dtype: serve's --int8-rows and --dtype, None for their defaults)."""
     import dataclasses
 
     from pagevis.engine import Engine, SamplingConfig
@@ -32,7 +32,7 @@ def bare_engine(model, int8_rows: str | None = None):
     from pagevis.serve.settings import ServeSettings
 
     settings = ServeSettings() if int8_rows is None else ServeSettings(int8_rows=int8_rows)
-    defaults = settings.defaults
+    defaults = settings.defaults if dtype is None else dataclasses.replace(settings.defaults, dtype=dtype)
     page_size = defaults.page_size
     config = dataclasses.replace(defaults, max_pages=settings.full_cache_pages(page_size),
                                  sampling=SamplingConfig(mode="greedy"))  # the bench's requests: temperature 0
@@ -44,11 +44,12 @@ def bare_engine(model, int8_rows: str | None = None):
 class BareClients:
     """One engine, warmed with each system prompt's first request; `level(c, tag)` runs c clients' users on it."""
 
-    def __init__(self, model, max_tokens: int, seed: int = 0, int8_rows: str | None = None) -> None:
+    def __init__(self, model, max_tokens: int, seed: int = 0, int8_rows: str | None = None,
+                 dtype: str | None = None) -> None:
         from pagevis.engine import run
 
         self.model, self.max_tokens, self.seed = model, max_tokens, seed
-        self.engine = bare_engine(model, int8_rows)
+        self.engine = bare_engine(model, int8_rows, dtype)
         self.answers: dict[tuple[int, str], str] = {}
         warm = [self._submit(first_turn(system, "Hello?"), 4) for system in range(len(SYSTEM_PROMPTS))]
         run(self.engine)

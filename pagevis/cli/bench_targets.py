@@ -97,6 +97,8 @@ def _serve_parser(targets) -> argparse.ArgumentParser:
                      "server's c8/c1 over the engine's; this skips that")
     sub.add_argument("--int8-rows", choices=settings.INT8_ROWS, help="the server's --int8-rows (and the engine "
                      "alone's); default: serve's")
+    sub.add_argument("--dtype", choices=settings.STORAGE_DTYPES, help="the server's --dtype, its K/V storage (and the engine "
+                     "alone's); default: serve's (float32)")
     sub.add_argument("--out", default=".", metavar="DIR", help="folder for bench-serve.png (default .)")
     sub.add_argument("--no-files", action="store_true", help="write no PNG")
     return _common(sub, serve_main, 32)
@@ -221,7 +223,8 @@ def serve_main(args: argparse.Namespace) -> int:
     # --threads: the server's weight threads (its default: every core, up to 2)
     flags = serving.SERVER_FLAGS + (() if args.threads is None else ("--threads", str(args.threads)))
     result = serving.run(model, concurrencies, rates, args.num_prompts, args.output_tokens, progress=say,
-                         rounds=args.rounds, flags=flags, bare=not args.no_bare, int8_rows=args.int8_rows)
+                         rounds=args.rounds, flags=flags, bare=not args.no_bare, int8_rows=args.int8_rows,
+                         dtype=args.dtype)
     if not args.no_files:
         from pagevis.plots import line_plot
 
