@@ -22,7 +22,8 @@ os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="pagevis-test-config-")
 # 512-bit vectors), before any test module is imported: a module with a kernel, imported directly, makes numba's
 # code generator at its first @njit, with the CPU features of that moment, for the whole process. Without this the
 # tests ran kernels compiled for 256-bit vectors -- not what users run -- and on a clean clone compiled every kernel
-# again beside the background loader's (numba's cache is keyed by the features): ~3 min of compiling in make test.
+# again beside the background loader's (numba's cache is keyed by the features; measured: test_batch_kernels,
+# test_spin_pool and test_int8_prompt_rows after the loader's steps, 143 s before, ~25 s after).
 wide_vectors()
 
 # Property tests draw the same examples on every run, so a CI failure is reproducible from a clean clone (a random
@@ -35,8 +36,9 @@ settings.load_profile("pagevis")
 # kernels (one row and rows) and the repacking and dequantising ones its file needs, the spin pool (two weight
 # threads), the int8 batch kernels (where the CPU has VNNI), the batched decode attention (its own lock; first needed
 # by test_attention_pool_handin's process, which compiled it there: 22 s of a clean clone's make test on this Intel
-# CPU), the decode kernels' float16 pages' variants (test_compare's float16 rows compiled them: 44 s), then every other family's and on-demand kernel (the GGUF tests' other types, Gemma 3's), each compiled on
-# first use since session 17 (a first launch compiles only its model's).
+# CPU), the decode kernels' float16 pages' variants (test_compare's float16 rows compiled them: 44 s), then every
+# other family's and on-demand kernel (the GGUF tests' other types, Gemma 3's), each compiled on first use since
+# session 17 (a first launch compiles only its model's).
 _LOADER_STEPS = (
     "from pagevis.model.quantized import kernels; kernels()",
     "from pagevis.model.quantized import preload_families, weight_kernel; preload_families(('u4', 'i8')); "
@@ -70,8 +72,8 @@ _LOADER_PAUSE = 0.4
 # test_gui_presets' Gemma preset past its 30 s: its worker was still waiting for the spin pool's kernels when the test
 # ended, and every later two-thread test of that run found the pool unavailable -- quantized._POOL_FAILED, the
 # exception's line lost in a passing test's captured stderr; session 18: test_model_loading's SmolLM2 15 s,
-# test_rope_scaling's tiny GGUFs 4 s, test_compare's float16 rows 44 s). A module missing here only waits; one listed that needs none of them only
-# runs later.
+# test_rope_scaling's tiny GGUFs 4 s, test_compare's float16 rows 44 s). A module missing here only waits; one
+# listed that needs none of them only runs later.
 _RUN_LAST = ("test_api.py", "test_attention_pool_handin.py", "test_batch_decode_kernel.py", "test_batch_kernels.py",
              "test_cli.py", "test_cli_bench.py", "test_compare.py", "test_decode_split.py", "test_engine_bench.py",
              "test_engine_disk.py", "test_engine_quant.py", "test_fused_kernels.py", "test_fuzz_files.py",

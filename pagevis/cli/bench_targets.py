@@ -97,8 +97,8 @@ def _serve_parser(targets) -> argparse.ArgumentParser:
                      "server's c8/c1 over the engine's; this skips that")
     sub.add_argument("--int8-rows", choices=settings.INT8_ROWS, help="the server's --int8-rows (and the engine "
                      "alone's); default: serve's")
-    sub.add_argument("--dtype", choices=settings.STORAGE_DTYPES, help="the server's --dtype, its K/V storage (and the engine "
-                     "alone's); default: serve's (float32)")
+    sub.add_argument("--dtype", choices=settings.STORAGE_DTYPES, help="the server's --dtype, its K/V storage (and "
+                     "the engine alone's); default: serve's (float32)")
     sub.add_argument("--out", default=".", metavar="DIR", help="folder for bench-serve.png (default .)")
     sub.add_argument("--no-files", action="store_true", help="write no PNG")
     return _common(sub, serve_main, 32)

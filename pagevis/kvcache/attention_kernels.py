@@ -79,7 +79,7 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, key_bias: np.nda
     the same in any aligned block, so blocks change no bit of the result (with one BLAS thread, as pagevis runs).
     """
     n = q.shape[0]
-    if n == 1 and keys.dtype == values.dtype and keys.dtype in DECODE_DTYPES and keys.shape[1]:  # the decode kernel
+    if takes_decode_kernel(q, keys, values):
         position = -1 if q_positions is None else int(q_positions[0])
         return attend_decode(q, np.ascontiguousarray(keys), np.ascontiguousarray(values), keys.shape[1], key_bias,
                              key_positions if window and position >= 0 else None, position, window)
@@ -136,6 +136,12 @@ def load_decode_kernel() -> bool:
         return False
     _decode_kernel = import_kernels("pagevis.kvcache.decode_kernel", "the decode attention kernel")
     return True
+
+
+def takes_decode_kernel(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> bool:
+    """Whether `attend` of these goes to the decode kernel: one query over some keys of one element type it reads
+    (DECODE_DTYPES: float16 through its bits)."""
+    return len(q) == 1 and keys.dtype == values.dtype and keys.dtype in DECODE_DTYPES and keys.shape[1] > 0
 
 
 def batch_decode_kernels() -> ModuleType:

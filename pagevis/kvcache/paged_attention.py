@@ -253,12 +253,12 @@ def attend_kept(q: np.ndarray, keys: np.ndarray, values: np.ndarray, bias: np.nd
                 window: int | None = None, all_weights: bool = True) -> AttentionResult:
     """`attend`, where KV head h reads only the keys with keep[h] (per-head residency; None: all keys for
     every head). When some head dropped a resident token, each KV head's mask is added to the occupancy bias (-inf
-    on dropped entries): a decode query over float32 or float16 keys takes every head's in one decode kernel call (its bias
-    one row a KV head); otherwise each KV head's queries attend alone, joined in query-head order. all_weights:
-    kernels.attend's (False: the last query's only)."""
+    on dropped entries): a decode query over float32 or float16 keys takes every head's in one decode kernel call
+    (its bias one row a KV head); otherwise each KV head's queries attend alone, joined in query-head order.
+    all_weights: kernels.attend's (False: the last query's only)."""
     head_bias = bias if keep is None else kept_bias(keep, bias)
-    decode = len(q) == 1 and keys.dtype == values.dtype and keys.dtype in DECODE_DTYPES and keys.shape[1] > 0
-    if head_bias is None or head_bias.ndim == 1 or decode:  # no head differs, or the decode kernel's: one call
+    # no head differs, or the decode kernel's: one call
+    if head_bias is None or head_bias.ndim == 1 or kernels.takes_decode_kernel(q, keys, values):
         return kernels.attend(q, keys, values, head_bias, key_positions, positions, window, all_weights)
     n_kv = keys.shape[0]
     group = q.shape[1] // n_kv

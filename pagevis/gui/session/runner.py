@@ -173,7 +173,7 @@ class SessionRunner(QObject):
         self._loader = None
         self._pending: tuple | None = None  # a (spec, prompt, config) to start once the worker stops
         self._generation = 0  # bumps on every restart: results of older workers are dropped
-        self._shut = False  # after shutdown() (its window closed) nothing starts: a late debounced restart either
+        self._shut = False  # after shutdown() (its window closed) nothing starts, not even a late debounced restart
         self.previous: SessionSlot | None = None
         self.timeline_spec: ModelSpec | None = None  # the model spec of the current timeline
 
