@@ -2,7 +2,8 @@
 
 - A single live sequence in RAM reads the pool's used prefix in place (no gather), unless its layer prefers
   to gather (a sliding window far above the pool's bottom); with several sequences, each reads its own pages
-  through its block table (`attend`), or, decoding one token each, all at once (`attend_many`).
+  through its block table (`attend`: a decode query where they lie, through batch_decode_kernel; a chunk of several
+  queries gathered), or, decoding one token each, all at once (`attend_many`).
 - With a disk tier, a quantized dtype or Quest's page selection, through the reader (reader.py).
 - A per-head policy's masks: each KV head reads only the tokens it keeps (`attend_kept`).
 - kvzip's reconstruction pass reads the cache beside tokens that are not written (`attend_beside`).
@@ -77,6 +78,15 @@ def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np
             values = store.v[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
             result = attend_kept(q, keys, values, bias, store.positions[:n_slots], positions,
                                  None if keep is None else keep[:, read_slots], layer.window, all_weights)
+    elif len(q) == 1 and keep is None and store.k.dtype in DECODE_DTYPES and own.pages:
+        # decode through its block table: the pages read where they lie (a sole sequence in a pool aged by cached
+        # pages, the server's one client; or one of several outside a batched step), no gather copy
+        table = own.pages
+        read_slots = flat_slots(table, ps)
+        output, weights = kernels.batch_decode_kernels().attend_tables(
+            q, store.k, store.v, np.array([table], np.int64), np.array([len(table)], np.int64), store.bias,
+            store.positions, positions, layer.window or 0)
+        result = AttentionResult(output, weights, read_slots)
     else:  # gathered through its block table
         table = own.pages
         keys = store.k[:, table].reshape(n_kv, len(table) * ps, head_dim)
