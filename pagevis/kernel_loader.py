@@ -43,7 +43,8 @@ from typing import IO, Any, TypeVar, overload
 FAMILIES = {
     "weights": ("pagevis.model.weight_kernels", "pagevis.model.batch_kernels", "pagevis.model.spin_pool",
                 "pagevis.model.int8_kernels"),
-    "attention": ("pagevis.kvcache.decode_kernel", "pagevis.kvcache.batch_decode_kernel"),
+    "attention": ("pagevis.kvcache.decode_kernel", "pagevis.kvcache.batch_decode_kernel",
+                  "pagevis.kvcache.chunk_kernel"),
 }
 _FAMILY_OF = {module: family for family, modules in FAMILIES.items() for module in modules}
 

@@ -237,7 +237,8 @@ def test_run_says_which_kernels_numba_could_not_compile_in_one_line(monkeypatch,
 
 KERNEL_MODULES = {f"pagevis.{name}" for name in ("model.weight_kernels", "model.batch_kernels", "model.fused_kernels", "model.int8_kernels",
                                                  "model.spin_pool", "kvcache.decode_kernel",
-                                                 "kvcache.batch_decode_kernel", "kvcache.policies.kernels")}
+                                                 "kvcache.batch_decode_kernel", "kvcache.chunk_kernel",
+                                                 "kvcache.policies.kernels")}
 
 
 def test_every_kernel_module_is_loaded_through_import_kernels():
