@@ -36,9 +36,10 @@ settings.load_profile("pagevis")
 # kernels (one row and rows) and the repacking and dequantising ones its file needs, the spin pool (two weight
 # threads), the int8 batch kernels (where the CPU has VNNI), the batched decode attention (its own lock; first needed
 # by test_attention_pool_handin's process, which compiled it there: 22 s of a clean clone's make test on this Intel
-# CPU), the decode kernels' float16 pages' variants (test_compare's float16 rows compiled them: 44 s), then every
-# other family's and on-demand kernel (the GGUF tests' other types, Gemma 3's), each compiled on first use since
-# session 17 (a first launch compiles only its model's).
+# CPU) and the chunks' (chunk_kernel.py: an engine test's step of several prompts), the decode kernels' float16
+# pages' variants (test_compare's float16 rows compiled them: 44 s), then every other family's and on-demand kernel
+# (the GGUF tests' other types, Gemma 3's), each compiled on first use since session 17 (a first launch compiles only
+# its model's).
 _LOADER_STEPS = (
     "from pagevis.model.quantized import kernels; kernels()",
     "from pagevis.model.quantized import preload_families, weight_kernel; preload_families(('u4', 'i8')); "
@@ -47,8 +48,10 @@ _LOADER_STEPS = (
     "set_weight_threads(2); spin_pool()",
     "from pagevis.model import int8_rows; int8_rows.route() == 'vnni' and int8_rows._kernels()",
     "from pagevis.kvcache.attention_kernels import batch_decode_kernels; batch_decode_kernels()",
+    "from pagevis.kvcache.paged_attention import chunk_kernels; chunk_kernels()",
     "from pagevis.kvcache import decode_kernel; from pagevis.kvcache.attention_kernels import batch_decode_kernels; "
-    "decode_kernel.half_kernels(); batch_decode_kernels().half_kernels()",
+    "from pagevis.kvcache.paged_attention import chunk_kernels; "
+    "decode_kernel.half_kernels(); batch_decode_kernels().half_kernels(); chunk_kernels().half_kernels()",
     "from pagevis.model.batch_kernels import ROW_FAMILIES; from pagevis.model.quantized import preload_families; "
     "preload_families(tuple(ROW_FAMILIES))",
     "from pagevis.model.quantized import weight_kernel; from pagevis.model.weight_kernels import LAZY; "

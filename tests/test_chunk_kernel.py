@@ -2,7 +2,8 @@
 one call, against a float64 softmax over each row's visible keys (gathered here independently: resident, at or
 below the row's position, above position - window), with pages anywhere, holes, a part-full last page, padding, a
 row that sees no key, GQA groups and float16 pages; the same bits however the items are split (the spin pool's two
-threads).
+threads); and the engine's mixed steps (prompt chunks beside decoding rows) through it are each sequence's own
+`attend` (paged_attention.CHUNKS_IN_ONE_CALL off).
 
 Would fail on: a causal mask off by one (a row seeing its next key, or not its own), the window's bound, a hole or
 a slot above a page's last resident one weighing anything, a query head reading another KV head, a row's output in
@@ -143,3 +144,61 @@ def test_the_same_bits_however_the_items_are_split_and_on_the_spin_pools_two_thr
     finally:
         weight_threads.set_weight_threads(1)
 
+
+def _staggered(monkeypatch, chunks: bool, watched: bool = False):
+    """Eight greedy requests on the synthetic model sharing a system prompt (prefix hits after the first), submitted
+    two a step, prompts fed in chunks of 6: steps of prompt chunks beside decoding rows. Each step's logits by request,
+    the tokens, the watched layers' last-row weights, and how many layer calls took one chunk-kernel call."""
+    from pagevis.engine import Engine, ModelSpec, SamplingConfig, SessionConfig
+    from pagevis.kvcache import paged_attention
+
+    monkeypatch.setattr(paged_attention, "CHUNKS_IN_ONE_CALL", chunks)
+    calls = []
+    real = paged_attention.attend_chunks
+
+    def counted(*args, **kwargs):
+        result = real(*args, **kwargs)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(paged_attention, "attend_chunks", counted)
+    model = ModelSpec(kind="synthetic").load()
+    config = SessionConfig(page_size=4, max_pages=64, policy="none", max_new_tokens=6,
+                           sampling=SamplingConfig(mode="greedy"))
+    engine = Engine(model, config, max_chunk=6)
+    system = model.tokenizer.encode("You are a helpful assistant who answers about pages and caches. ")
+    prompts = [system + model.tokenizer.encode(f"Client {i} asks" + " more" * (i % 3)) for i in range(8)]
+    logits, weights, ids = [], [], []
+    while prompts or not engine.done:
+        for prompt in prompts[:2]:
+            ids.append(engine.submit(prompt, ignore_eos=True))
+            if watched:
+                engine.watch_attention(ids[-1], (0, 1))
+        prompts = prompts[2:]
+        engine.step()
+        logits.append({seq: row.copy() for seq, row in engine.last_logits.items()})
+        weights.append({seq: {layer: (w.copy(), None if s is None else s.copy()) for layer, (w, s) in kept.items()}
+                        for seq, kept in engine.attention.items()})
+    hits = sum(engine.requests[i].prefix_hit_tokens for i in ids)
+    return logits, [list(engine.requests[i].generated) for i in ids], weights, sum(calls), hits
+
+
+@pytest.mark.parametrize("watched", [False, True])
+def test_the_engines_mixed_steps_in_one_call_are_each_sequences_own_attention(monkeypatch, watched):
+    new_logits, new_tokens, new_weights, calls, hits = _staggered(monkeypatch, True, watched)
+    old_logits, old_tokens, old_weights, old_calls, old_hits = _staggered(monkeypatch, False, watched)
+    assert calls > 0 and old_calls == 0 and hits == old_hits > 0
+    assert new_tokens == old_tokens
+    assert len(new_logits) == len(old_logits)
+    for new, old in zip(new_logits, old_logits, strict=True):
+        assert new.keys() == old.keys()
+        for seq in new:
+            np.testing.assert_allclose(new[seq], old[seq], rtol=1e-5, atol=1e-5)
+    for new, old in zip(new_weights, old_weights, strict=True):
+        assert new.keys() == old.keys()
+        for seq in new:
+            assert new[seq].keys() == old[seq].keys()
+            for layer, (w, slots) in new[seq].items():
+                old_w, old_slots = old[seq][layer]
+                assert (slots is None) == (old_slots is None) and (slots is None or np.array_equal(slots, old_slots))
+                np.testing.assert_allclose(w, old_w, rtol=1e-5, atol=1e-6)

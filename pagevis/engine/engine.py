@@ -318,6 +318,7 @@ class Engine:
         cache, watched, attention = self.cache, self._watched, self.attention
         ids = [seq_id for seq_id, _, _ in segments]  # (once a step: every layer asks)
         decoding = len(ids) > 1 and all(end - start == 1 for _, start, end in segments)
+        starts = np.array([start for _, start, _ in segments] + [segments[-1][2]], np.int64)
 
         def attend(layer, q, k, v, positions):
             if len(segments) == 1:  # one request (every row its own, however the model splits its forward:
@@ -337,10 +338,18 @@ class Engine:
                     for i, result in kept.items():
                         attention.setdefault(ids[i], {})[layer] = (result.weights[-1].copy(), result.slots)
                     return np.asarray(output, dtype=q.dtype)
-            results = []
             for seq_id, start, end in segments:
                 cache.append(seq_id, layer, k[start:end], v[start:end], positions[start:end])
-                results.append(cache.attend(seq_id, layer, q[start:end], positions[start:end], all_weights=False))
+            # then every sequence's rows in one kernel call, where the cache can (`can_attend_chunks`: else None)
+            wanted = [i for i, seq_id in enumerate(ids) if layer in watched.get(seq_id, ())] if watched else ()
+            chunked = cache.attend_chunks(ids, layer, q, positions, starts, wanted)
+            if chunked is not None:
+                output, kept = chunked
+                for i, result in kept.items():
+                    attention.setdefault(ids[i], {})[layer] = (result.weights[-1].copy(), result.slots)
+                return np.asarray(output, dtype=q.dtype)
+            results = [cache.attend(seq_id, layer, q[start:end], positions[start:end], all_weights=False)
+                       for seq_id, start, end in segments]
             out = np.empty_like(q)
             for (seq_id, start, end), result in zip(segments, results, strict=True):
                 out[start:end] = result.output

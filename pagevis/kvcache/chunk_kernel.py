@@ -75,10 +75,10 @@ def _transposed(k, h, table, used, tops, kt):  # pragma: no cover (numba)
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
 def _scores(query, nq, kt, n, scores):  # pragma: no cover (numba)
-    """scores[i, :n] = query[i] . kt[:, :n] for rows i < nq, four rows at a time (sharing each load of kt's row), each
-    score one product a dimension added in order (the same bits in a quad or alone)."""
+    """scores[i, :n] = query[i] . kt[:, :n] for rows i < nq: four rows at a time sharing each load of kt's rows, four
+    dimensions a sweep over the keys (each score loaded and stored once for four products, not once a product)."""
     d = kt.shape[0]
-    body = nq // 4 * 4
+    body, dims = nq // 4 * 4, d // 4 * 4
     for i in range(0, body, 4):
         w0, w1, w2, w3 = scores[i], scores[i + 1], scores[i + 2], scores[i + 3]
         q0, q1, q2, q3 = query[i], query[i + 1], query[i + 2], query[i + 3]
@@ -86,20 +86,37 @@ def _scores(query, nq, kt, n, scores):  # pragma: no cover (numba)
         w1[:n] = 0
         w2[:n] = 0
         w3[:n] = 0
-        for j in range(d):
-            row, x0, x1, x2, x3 = kt[j], q0[j], q1[j], q2[j], q3[j]
+        for j in range(0, dims, 4):
+            k0, k1, k2, k3 = kt[j], kt[j + 1], kt[j + 2], kt[j + 3]
+            a0, a1, a2, a3 = q0[j], q0[j + 1], q0[j + 2], q0[j + 3]
+            b0, b1, b2, b3 = q1[j], q1[j + 1], q1[j + 2], q1[j + 3]
+            c0, c1, c2, c3 = q2[j], q2[j + 1], q2[j + 2], q2[j + 3]
+            e0, e1, e2, e3 = q3[j], q3[j + 1], q3[j + 2], q3[j + 3]
             for t in range(n):
-                w0[t] += x0 * row[t]
-                w1[t] += x1 * row[t]
-                w2[t] += x2 * row[t]
-                w3[t] += x3 * row[t]
+                x0, x1, x2, x3 = k0[t], k1[t], k2[t], k3[t]
+                w0[t] += a0 * x0 + a1 * x1 + a2 * x2 + a3 * x3
+                w1[t] += b0 * x0 + b1 * x1 + b2 * x2 + b3 * x3
+                w2[t] += c0 * x0 + c1 * x1 + c2 * x2 + c3 * x3
+                w3[t] += e0 * x0 + e1 * x1 + e2 * x2 + e3 * x3
+        for j in range(dims, d):
+            row, a, b, c, e = kt[j], q0[j], q1[j], q2[j], q3[j]
+            for t in range(n):
+                w0[t] += a * row[t]
+                w1[t] += b * row[t]
+                w2[t] += c * row[t]
+                w3[t] += e * row[t]
     for i in range(body, nq):
         w, x = scores[i], query[i]
         w[:n] = 0
-        for j in range(d):
-            row, x0 = kt[j], x[j]
+        for j in range(0, dims, 4):
+            k0, k1, k2, k3 = kt[j], kt[j + 1], kt[j + 2], kt[j + 3]
+            a0, a1, a2, a3 = x[j], x[j + 1], x[j + 2], x[j + 3]
             for t in range(n):
-                w[t] += x0 * row[t]
+                w[t] += a0 * k0[t] + a1 * k1[t] + a2 * k2[t] + a3 * k3[t]
+        for j in range(dims, d):
+            row, a = kt[j], x[j]
+            for t in range(n):
+                w[t] += a * row[t]
 
 
 @njit(cache=True, nogil=True, inline="always", boundscheck=False)

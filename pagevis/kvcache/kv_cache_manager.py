@@ -36,6 +36,7 @@ import numpy as np
 
 from pagevis.errors import check_int
 from pagevis.kvcache import eviction, paged_attention
+from pagevis.kvcache.paged_attention import Chunked
 from pagevis.kvcache.admission import Admission
 from pagevis.kvcache.attention_kernels import AttentionResult
 from pagevis.kvcache.batch_writes import write_many
@@ -464,6 +465,11 @@ class KVCacheManager:
         held = self._append_many(seqs, layer, k, v, positions, hold=True)  # (their K/V: the attention call writes them)
         return paged_attention.attend_stacked(self.layers[layer], seqs, q, positions, wanted,
                                               None if held is None else (held, k, v))
+
+    def attend_chunks(self, seq_ids: list[int], layer: int, q, positions, starts, wanted=()) -> Chunked:
+        """paged_attention.attend_chunks of these sequences' appended rows (q[starts[i]: starts[i + 1]]), or None."""
+        return paged_attention.attend_chunks(self.layers[layer], [self.sequences[s] for s in seq_ids], q, positions,
+                                             starts, wanted, self.select_pages)
 
     def attend_many(self, seq_ids: list[int], layer: int, q: np.ndarray, positions: np.ndarray
                     ) -> list[AttentionResult]:

@@ -3,7 +3,8 @@
 - A single live sequence in RAM reads the pool's used prefix in place (no gather), unless its layer prefers
   to gather (a sliding window far above the pool's bottom); with several sequences, each reads its own pages
   through its block table (`attend`: a decode query where they lie, through batch_decode_kernel; a chunk of several
-  queries gathered), or, decoding one token each, all at once (`attend_many`).
+  queries gathered), or, decoding one token each, all at once (`attend_many`), or, a step's chunks of several
+  queries beside them, all at once too, where they lie (`attend_chunks`).
 - With a disk tier, a quantized dtype or Quest's page selection, through the reader (reader.py).
 - A per-head policy's masks: each KV head reads only the tokens it keeps (`attend_kept`).
 - kvzip's reconstruction pass reads the cache beside tokens that are not written (`attend_beside`).
@@ -18,6 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from pagevis.kernel_loader import import_kernels
 from pagevis.kvcache import attention_kernels as kernels, eviction
 from pagevis.kvcache.attention_kernels import DECODE_DTYPES, AttentionResult, attend_decode_batch
 from pagevis.kvcache.layer_managers import LayerManager, own_hole
@@ -234,6 +236,61 @@ def attend_stacked(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray
         if seqs[i].policy.uses_attention:
             owns[i].state.observe(result.weights, slots)
     return output, {i: results[i] for i in wanted}
+
+
+# A step's chunks in one kernel call where `can_attend_chunks` (False: each sequence its own `attend`, as before:
+# the tests' and the benches' A/B, not a setting)
+CHUNKS_IN_ONE_CALL = True
+
+
+def can_attend_chunks(layer: LayerManager, seqs: list[SequenceCache], select_pages: int | None) -> bool:
+    """Whether `attend_chunks` serves these sequences: `attend`'s gathered path for each (several in a shared pool)
+    over float RAM pages (`store.in_place`), with no page selection, per-head residency or ThinK channels, and no
+    policy whose statistics read every query's weights (`uses_attention`: `attend` gives it them); not in a sliding
+    window's layer, which lets go of a chunk's pages below the window once it attended (`attended`), before the next
+    sequence's append may take them: one call after every append would change which pages those get."""
+    return (CHUNKS_IN_ONE_CALL and len(seqs) > 1 and len(layer.tables) > 1 and layer.store.in_place
+            and not layer.window and select_pages is None
+            and all(layer.tables[seq.seq_id].head_keep is None and seq.channels is None
+                    and not seq.policy.uses_attention for seq in seqs))
+
+
+def chunk_kernels() -> Any:
+    """chunk_kernel.py (several sequences' chunks of queries through their block tables in one call), imported on
+    first use through kernel_loader.import_kernels."""
+    return import_kernels("pagevis.kvcache.chunk_kernel", "the chunked attention kernels")
+
+
+Chunked = tuple[np.ndarray, dict[int, AttentionResult]] | None  # every row's output, the wanted ones' results; or None
+
+
+def attend_chunks(layer: LayerManager, seqs: list[SequenceCache], q: np.ndarray, positions: np.ndarray,
+                  starts: np.ndarray, wanted=(), select_pages: int | None = None) -> Chunked:
+    """`attend` of each sequence's rows (sequence i's: rows starts[i] .. starts[i + 1] of q (N, n_heads, d), at
+    positions (N,); their K/V appended), in one kernel call over their block tables (chunk_kernel.attend_chunks):
+    every row's output as one (N, n_heads, d) array, and the AttentionResult of the sequences in `wanted` (indices:
+    a step's watched ones) with their last row's weights (as `attend(..., all_weights=False)` keeps them) over their
+    flat slots. None (nothing done) where not `can_attend_chunks`: each sequence's `attend` then. (No sliding
+    window's layer: no `attended` is due after a chunk.)"""
+    if not can_attend_chunks(layer, seqs, select_pages):
+        return None
+    index, ps, of = layer.layer, layer.page_size, layer.tables
+    owns = [of[seq.seq_id] for seq in seqs]
+    tables = [own.pages for own in owns]
+    counts = [len(table) for table in tables]
+    for i, seq in enumerate(seqs):
+        owns[i].read_slots = None
+        if seq.policy.uses_queries:
+            observe_queries(seq, owns[i].state, index, q[starts[i]: starts[i + 1]], positions[starts[i]: starts[i + 1]])
+    padded, n_pages = _padded(tables, counts, max(counts))
+    store = layer.store
+    output, weights = chunk_kernels().attend_chunks(q, store.k, store.v, padded, n_pages, store.bias, store.positions,
+                                                    positions, starts, layer.window or 0, _pool(), wanted)
+    results = {}
+    for w, i in enumerate(wanted):
+        slots = flat_slots(tables[i], ps)
+        results[i] = AttentionResult(output[starts[i]: starts[i + 1]], weights[w: w + 1, :, :len(slots)], slots)
+    return output, results
 
 
 _last_padded: tuple[list[list[int]], np.ndarray, np.ndarray] = ([], np.zeros((0, 0), np.int64), np.zeros(0, np.int64))
