@@ -1,7 +1,8 @@
 """What the compiled kernels of the model (model/weight_kernels.py, fused_kernels.py) and of the cache
 (kvcache/decode_kernel.py, policies/kernels.py) share: two LLVM operations numba does not spell, one float32 exp that
-vectorises, float16 read and written through its bits (numba has no float16 on the CPU: `widen`, `narrow`), and the
-njit options' type. Imported by both, so it builds on nothing of pagevis.
+vectorises, float16 read and written through its bits (numba has no float16 on the CPU: `widen`, `narrow`), the
+njit options' type, and (the batched decode attention's) 16-lane vector loops spelt in LLVM's IR: dots16, weigh_rows,
+lanes_peak, lanes_exps. Imported by both, so it builds on nothing of pagevis.
 
 They are inlined into the kernels that call them, and numba's on-disk cache does not notice a change here: change
 one only together with the kernels' files (or clear the cache).
@@ -16,6 +17,7 @@ from typing import Any, Literal, TypedDict, cast
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 LOG2E = np.float32(1.4426950408889634)
@@ -186,3 +188,204 @@ def exp_in_range(x):  # pragma: no cover (numba)
     p = p * r + np.float32(5.0000001201e-1)
     p = p * r * r + r + np.float32(1)  # exp(r); times 2^n:
     return p * bits_as_float32((np.int32(n) + np.int32(127)) << np.int32(23))  # type: ignore[call-arg]
+
+
+# 16-lane float32 vectors spelt in LLVM's IR (numba has no vector type): the decode kernels' dot products and
+# weighted sums of a page's rows, whose loops LLVM's vectoriser lays out one reduction at a time
+_LANES = 16
+_FLOAT = ir.FloatType()
+_VECTOR = ir.VectorType(_FLOAT, _LANES)
+
+
+def _vector(builder, base, index):
+    """The 16 floats at base (float*) + index (i64) as a vector (an unaligned load)."""
+    return builder.load(builder.bitcast(builder.gep(base, [index]), _VECTOR.as_pointer()), align=4)
+
+
+def _fma(builder, a, b, c):
+    function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VECTOR, [_VECTOR] * 3),
+                                              "llvm.fma.v16f32")
+    return builder.call(function, [a, b, c])
+
+
+def _lane_sums(builder, vectors):
+    """One vector whose lane s is the sum of vectors[s]'s lanes (16 vectors): each step adds the halves of two
+    vectors' blocks side by side (two shuffles and one sum a pair: 15 pairs, where 16 horizontal sums take 64
+    shuffles and sums)."""
+    i32 = ir.IntType(32)
+    width = _LANES // 2
+    while width:
+        blocks, low, high = _LANES // width, list[int](), list[int]()
+        for block in range(blocks):  # the first half of the output's blocks from a, the second from b
+            start = (0 if block < blocks // 2 else _LANES) + block % (blocks // 2) * 2 * width
+            low += range(start, start + width)
+            high += range(start + width, start + 2 * width)
+        masks = [ir.Constant(ir.VectorType(i32, _LANES), [ir.Constant(i32, x) for x in m]) for m in (low, high)]
+        vectors = [builder.fadd(builder.shuffle_vector(a, b, masks[0]), builder.shuffle_vector(a, b, masks[1]))
+                   for a, b in zip(vectors[::2], vectors[1::2])]
+        width //= 2
+    return vectors[0]
+
+
+@intrinsic
+def _dots16(typingctx, out, q, k, d):
+    """out[s] = q . k[s] for 16 float32 rows k (d floats each, at address k) and the row q (d floats), d a multiple of
+    16 (addresses, int64; out: 16 floats): 16 accumulating vectors, then their lane sums side by side (`_lane_sums`)
+    rather than one horizontal sum a row. Products fused, sums in any order."""
+    def codegen(context, builder, signature, args):
+        pointer = _FLOAT.as_pointer()
+        out_at, q_at, k_at = (builder.inttoptr(a, pointer) for a in args[:3])
+        d = args[3]
+        zero = ir.Constant(_VECTOR, None)
+        sums = [cgutils.alloca_once_value(builder, zero) for _ in range(_LANES)]
+        with cgutils.for_range(builder, builder.udiv(d, ir.Constant(d.type, _LANES))) as loop:
+            at = builder.mul(loop.index, ir.Constant(d.type, _LANES))
+            row = _vector(builder, q_at, at)
+            for s in range(_LANES):
+                key = _vector(builder, k_at, builder.add(builder.mul(d, ir.Constant(d.type, s)), at))
+                builder.store(_fma(builder, row, key, builder.load(sums[s])), sums[s])
+        total = _lane_sums(builder, [builder.load(s) for s in sums])
+        builder.store(total, builder.bitcast(out_at, _VECTOR.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return types.void(types.int64, types.int64, types.int64, types.int64), codegen
+
+
+def _weigh_block(builder, acc, w, v, n, d, start, count):
+    """acc[start + 16 c + j] += sum over s < n of w[s] v[s d + start + 16 c + j] for c < count: count vectors summed
+    over the rows in registers, the even rows' and the odd rows' apart (twice the sums in flight), then together."""
+    def row_sums(sums, s):
+        weight = builder.load(builder.gep(w, [s]))
+        spread = builder.shuffle_vector(builder.insert_element(ir.Constant(_VECTOR, ir.Undefined), weight,
+                                                               ir.Constant(ir.IntType(32), 0)),
+                                        ir.Constant(_VECTOR, ir.Undefined),
+                                        ir.Constant(ir.VectorType(ir.IntType(32), _LANES), [0] * _LANES))
+        row = builder.add(builder.mul(s, d), start)
+        for c in range(count):
+            value = _vector(builder, v, builder.add(row, ir.Constant(d.type, 16 * c)))
+            builder.store(_fma(builder, spread, value, builder.load(sums[c])), sums[c])
+
+    one, two = ir.Constant(d.type, 1), ir.Constant(d.type, 2)
+    even = [cgutils.alloca_once_value(builder, _vector(builder, acc, builder.add(start, ir.Constant(d.type, 16 * c))))
+            for c in range(count)]
+    odd = [cgutils.alloca_once_value(builder, ir.Constant(_VECTOR, None)) for _ in range(count)]
+    with cgutils.for_range(builder, builder.udiv(n, two)) as loop:
+        s = builder.mul(loop.index, two)
+        row_sums(even, s)
+        row_sums(odd, builder.add(s, one))
+    with cgutils.if_unlikely(builder, builder.icmp_unsigned("!=", builder.urem(n, two), ir.Constant(d.type, 0))):
+        row_sums(even, builder.sub(n, one))
+    for c in range(count):
+        at = builder.gep(acc, [builder.add(start, ir.Constant(d.type, 16 * c))])
+        builder.store(builder.fadd(builder.load(even[c]), builder.load(odd[c])), builder.bitcast(at, _VECTOR.as_pointer()),
+                      align=4)
+
+
+@intrinsic
+def _weigh_rows(typingctx, acc, w, v, n, d):
+    """acc[j] += sum over s < n of w[s] v[s][j] for float32 rows v (d floats each, at address v; only the first n
+    read), d a multiple of 16 (addresses, int64): 64 columns at a time (four vectors summed in registers over the
+    rows), then 16. Products fused, sums in any order."""
+    def codegen(context, builder, signature, args):
+        pointer = _FLOAT.as_pointer()
+        acc_at, w_at, v_at = (builder.inttoptr(a, pointer) for a in args[:3])
+        n, d = args[3], args[4]
+        four = builder.udiv(d, ir.Constant(d.type, 4 * _LANES))
+        with cgutils.for_range(builder, four) as loop:
+            _weigh_block(builder, acc_at, w_at, v_at, n, d, builder.mul(loop.index, ir.Constant(d.type, 4 * _LANES)), 4)
+        rest = builder.udiv(builder.urem(d, ir.Constant(d.type, 4 * _LANES)), ir.Constant(d.type, _LANES))
+        with cgutils.for_range(builder, rest) as loop:
+            start = builder.add(builder.mul(four, ir.Constant(d.type, 4 * _LANES)),
+                                builder.mul(loop.index, ir.Constant(d.type, _LANES)))
+            _weigh_block(builder, acc_at, w_at, v_at, n, d, start, 1)
+        return context.get_dummy_value()
+    return types.void(*(types.int64,) * 5), codegen
+
+
+def _spread(builder, value, vector_type=_VECTOR):
+    """value in every lane of a vector."""
+    i32 = ir.IntType(32)
+    lanes = vector_type.count
+    one = builder.insert_element(ir.Constant(vector_type, ir.Undefined), value, ir.Constant(i32, 0))
+    return builder.shuffle_vector(one, ir.Constant(vector_type, ir.Undefined),
+                                  ir.Constant(ir.VectorType(i32, lanes), [0] * lanes))
+
+
+def _larger(builder, a, b):
+    return builder.select(builder.fcmp_ordered(">", a, b), a, b)
+
+
+@intrinsic
+def _lanes_peak(typingctx, row, blocks):
+    """The max of the 16 blocks floats at address row (float32; -inf if blocks is 0), 16 at a time: a running max one
+    float at a time does not vectorise (float32's max is not associative to LLVM without no-NaN flags)."""
+    def codegen(context, builder, signature, args):
+        at = builder.inttoptr(args[0], _FLOAT.as_pointer())
+        peak = cgutils.alloca_once_value(builder, _spread(builder, ir.Constant(_FLOAT, float("-inf"))))
+        with cgutils.for_range(builder, args[1]) as loop:
+            block = _vector(builder, at, builder.mul(loop.index, ir.Constant(args[1].type, _LANES)))
+            builder.store(_larger(builder, block, builder.load(peak)), peak)
+        lanes = builder.load(peak)
+        i32 = ir.IntType(32)
+        width = _LANES // 2
+        while width:  # halves folded onto each other
+            upper = builder.shuffle_vector(lanes, lanes, ir.Constant(ir.VectorType(i32, _LANES),
+                                                                     [(x + width) % _LANES for x in range(_LANES)]))
+            lanes = _larger(builder, lanes, upper)
+            width //= 2
+        return builder.extract_element(lanes, ir.Constant(i32, 0))
+    return types.float32(types.int64, types.int64), codegen
+
+
+@intrinsic
+def _lanes_exps(typingctx, row, blocks, peak, floor):
+    """row[t] = exp(row[t] - peak) for the 16 blocks floats at address row, 16 at a time (exp_in_range's Cephes
+    polynomial, on the difference clamped at floor; exactly 0 below floor and for -inf): their sum."""
+    def codegen(context, builder, signature, args):
+        at = builder.inttoptr(args[0], _FLOAT.as_pointer())
+        peak, floor = _spread(builder, args[2]), _spread(builder, args[3])
+        i32v = ir.VectorType(ir.IntType(32), _LANES)
+
+        def constant(x):
+            return _spread(builder, ir.Constant(_FLOAT, float(x)))
+        floor_function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VECTOR, [_VECTOR]),
+                                                        "llvm.floor.v16f32")
+        total = cgutils.alloca_once_value(builder, ir.Constant(_VECTOR, None))
+        with cgutils.for_range(builder, args[1]) as loop:
+            where = builder.bitcast(builder.gep(at, [builder.mul(loop.index, ir.Constant(args[1].type, _LANES))]),
+                                    _VECTOR.as_pointer())
+            x = builder.fsub(builder.load(where, align=4), peak)
+            kept = builder.fcmp_ordered(">=", x, floor)
+            x = _larger(builder, x, floor)
+            n = builder.call(floor_function, [_fma(builder, x, constant(LOG2E), constant(0.5))])
+            r = _fma(builder, builder.fneg(n), constant(LN2_HI), x)
+            r = _fma(builder, builder.fneg(n), constant(LN2_LO), r)
+            p = constant(1.9875691500e-4)
+            for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+                p = _fma(builder, p, r, constant(c))
+            p = builder.fadd(_fma(builder, builder.fmul(p, r), r, r), constant(1))
+            power = builder.shl(builder.add(builder.fptosi(n, i32v), _spread(builder, ir.Constant(ir.IntType(32), 127),
+                                                                            i32v)),
+                                _spread(builder, ir.Constant(ir.IntType(32), 23), i32v))
+            e = builder.select(kept, builder.fmul(p, builder.bitcast(power, _VECTOR)), ir.Constant(_VECTOR, None))
+            builder.store(e, where, align=4)
+            builder.store(builder.fadd(builder.load(total), e), total)
+        return _horizontal_sum(builder, builder.load(total))
+    return types.float32(types.int64, types.int64, types.float32, types.float32), codegen
+
+
+def _horizontal_sum(builder, lanes):
+    i32 = ir.IntType(32)
+    width = _LANES // 2
+    while width:
+        upper = builder.shuffle_vector(lanes, lanes, ir.Constant(ir.VectorType(i32, _LANES),
+                                                                 [(x + width) % _LANES for x in range(_LANES)]))
+        lanes = builder.fadd(lanes, upper)
+        width //= 2
+    return builder.extract_element(lanes, ir.Constant(i32, 0))
+
+
+# (as float32_bits and widen above: the calls' own signature)
+dots16: Callable[..., Any] = cast(Callable[..., Any], _dots16)
+weigh_rows: Callable[..., Any] = cast(Callable[..., Any], _weigh_rows)
+lanes_peak: Callable[..., Any] = cast(Callable[..., Any], _lanes_peak)
+lanes_exps: Callable[..., Any] = cast(Callable[..., Any], _lanes_exps)

@@ -10,11 +10,9 @@ import pytest
 from pagevis.kvcache.batch_decode_kernel import attend_tables
 
 
-@pytest.mark.parametrize("n_kv, group, page_size, window", [(1, 1, 1, 0), (3, 3, 16, 0), (2, 4, 4, 0), (1, 6, 3, 5),
-                                                            (2, 5, 7, 0), (3, 3, 16, 20)])
-def test_each_sequence_attends_over_its_own_pages_as_float64_does(n_kv, group, page_size, window):
-    rng = np.random.default_rng(n_kv * 100 + group * 10 + page_size)
-    d, frames, batch = 16, 24, 5
+def _pages_and_queries(rng, n_kv, group, page_size, d, frames, batch):
+    """Random K/V pages (n_kv, frames, page_size, d), queries (batch, n_kv * group, d), and each sequence's 1-4 pages
+    (n_pages, tables), no page in two tables."""
     k = rng.standard_normal((n_kv, frames, page_size, d)).astype(np.float32)
     v = rng.standard_normal((n_kv, frames, page_size, d)).astype(np.float32)
     q = (3 * rng.standard_normal((batch, n_kv * group, d))).astype(np.float32)
@@ -23,13 +21,33 @@ def test_each_sequence_attends_over_its_own_pages_as_float64_does(n_kv, group, p
     pages = rng.permutation(frames)
     for b, n in enumerate(np.cumsum(n_pages)):
         tables[b, :n_pages[b]] = pages[n - n_pages[b]:n]
+    return k, v, q, n_pages, tables
+
+
+@pytest.mark.parametrize("n_kv, group, page_size, window, d", [
+    (1, 1, 1, 0, 16), (3, 3, 16, 0, 16), (2, 4, 4, 0, 16), (1, 6, 3, 5, 16), (2, 5, 7, 0, 16), (3, 3, 16, 20, 16),
+    # pages of a multiple of LANES slots, heads of a multiple of LANES floats: the lanes path (_page_dots, _normalise,
+    # _page_weigh) with 4 + 0, 0 + 3, 4 + 1 and 16 + 0 vectors of values a block (kernel_intrinsics.weigh_rows)
+    (3, 3, 16, 0, 64), (2, 4, 32, 20, 48), (1, 4, 16, 0, 80), (1, 2, 16, 9, 256)])
+def test_each_sequence_attends_over_its_own_pages_as_float64_does(n_kv, group, page_size, window, d):
+    rng = np.random.default_rng(n_kv * 100 + group * 10 + page_size + d)
+    frames, batch = 24, 5
+    k, v, q, n_pages, tables = _pages_and_queries(rng, n_kv, group, page_size, d, frames, batch)
     bias = np.where(rng.random(frames * page_size) < 0.3, -np.inf, 0).astype(np.float32)  # per flat slot
     bias[(tables[1, :n_pages[1], None] * page_size + np.arange(page_size)).ravel()] = -np.inf  # sees no key
     key_positions = rng.permutation(frames * page_size).astype(np.int64)
     positions = rng.integers(0, frames * page_size, batch)
     out, weights = attend_tables(q, k, v, tables, n_pages, bias, key_positions, positions, window)
     assert out.shape == (batch, n_kv * group, d) and weights.shape == (batch, n_kv * group, tables.shape[1] * page_size)
-    for b in range(batch):
+    _assert_float64s(q, k, v, tables, n_pages, bias, key_positions, positions, window, out, weights)
+
+
+def _assert_float64s(q, k, v, tables, n_pages, bias, key_positions, positions, window, out, weights):
+    """out, weights: attend_tables' of the problem, within float32 rounding of float64 over each sequence's visible
+    keys (gathered here), exactly 0 on hidden slots and padding, zeros where a sequence sees no key."""
+    n_kv, _, page_size, d = k.shape
+    group = q.shape[1] // n_kv
+    for b in range(len(tables)):
         flats = (tables[b, :n_pages[b], None] * page_size + np.arange(page_size)).ravel()
         visible = np.isfinite(bias[flats])
         if window:
@@ -47,6 +65,28 @@ def test_each_sequence_attends_over_its_own_pages_as_float64_does(n_kv, group, p
             w /= w.sum()
             np.testing.assert_allclose(weights[b, h, :len(flats)][visible], w, rtol=1e-5, atol=1e-7)
             np.testing.assert_allclose(out[b, h], w @ values, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("page_size, d, window", [(16, 64, 0), (32, 48, 0), (16, 80, 30)])
+def test_the_lanes_path_reads_no_value_past_a_pages_last_resident_slot(page_size, d, window):
+    """Pages commonly end part full (a sequence's newest): the lanes path computes the scores of a whole block of
+    LANES slots (their keys read, their scores then -inf) but reads no value row past the page's last resident slot.
+    NaN in every key and value of the slots past each page's last resident one: the results as float64's."""
+    rng = np.random.default_rng(page_size + d)
+    frames, batch = 30, 6
+    k, v, q, n_pages, tables = _pages_and_queries(rng, 2, 3, page_size, d, frames, batch)
+    bias = np.where(rng.random(frames * page_size) < 0.1, -np.inf, 0).astype(np.float32)  # holes
+    tops = rng.integers(1, page_size + 1, frames)  # each page's last resident slot + 1
+    tops[rng.random(frames) < 0.3] = page_size
+    for page, top in enumerate(tops):
+        bias[page * page_size + top - 1] = 0
+        bias[page * page_size + top:(page + 1) * page_size] = -np.inf
+        k[:, page, top:], v[:, page, top:] = np.nan, np.nan
+    key_positions = rng.permutation(frames * page_size).astype(np.int64)
+    positions = rng.integers(0, frames * page_size, batch)
+    out, weights = attend_tables(q, k, v, tables, n_pages, bias, key_positions, positions, window)
+    assert np.isfinite(out).all() and np.isfinite(weights).all()
+    _assert_float64s(q, k, v, tables, n_pages, bias, key_positions, positions, window, out, weights)
 
 
 def test_the_spin_pools_two_threads_give_one_threads_bits_whoever_computes_each_sequence():

@@ -9,16 +9,24 @@ output (B, n_heads, d) and the weights (B, n_heads, widest * page_size), normali
 padding; a sequence with no visible key gets zeros. What `attention_kernels.attend_decode_batch` computes over
 gathered keys, without the gather (a copy of every sequence's pages a layer), the bias's gather or NumPy's calls on
 small arrays.
-Per sequence and KV head, a page at a time (its keys are contiguous), four keys at a time: each of the group's
-query heads takes the four dot products sharing its loads (scores), or adds the four value rows, read again from
-the first level of cache, each times its weight (values); each head's softmax is decode_kernel's (`_softmax`:
-normalised before the values). A page's slots above its last resident one (a sequence's newest page is commonly part
-full) are neither read nor multiplied, past the next multiple of four: their scores are -inf, their weights exactly 0,
-as the bias makes them. The K/V come from memory (a step's weights pushed them out of every cache) and a
-sequence's pages lie anywhere, where the hardware's prefetcher follows no stream: each page's scores ask for the
-next K page read and for its own values' page (measured, 16 sequences of 3 pages x 3 KV heads after 32 MB of other
-reads: 175-230 us a call before this kernel, 90-130 with it). Query head h reads KV head h // group; sums in any
-order (fastmath reassoc), so results agree with the one-sequence kernel and with float64 within float32 rounding.
+Per sequence and KV head, a page at a time (its keys are contiguous). Pages of a multiple of LANES (16) slots and
+heads of a multiple of 16 floats (every model here: pages of 16, heads of 64 or 256) take the lanes path, in 16-lane
+vectors spelt in LLVM's IR (kernel_intrinsics): each query head's scores 16 keys at a time, whose sums are added side
+by side (dots16: two shuffles and a sum a pair of vectors, where one horizontal sum a dot product took four shuffles
+and four sums), its softmax 16 columns at a time (`_normalise`: LLVM vectorised neither its running max nor the
+exponentials past its unrolled body), its values summed in registers over a page's rows (weigh_rows). Other shapes
+take the first kernel's loops: four keys at a time, each of the group's query heads taking the four dot products
+sharing its loads (scores), or adding the four value rows, read again from the first level of cache, each times its
+weight (values), then decode_kernel's `_softmax`. A page's slots above its last resident one (a sequence's newest page
+is commonly part full) weigh exactly 0, as the bias makes them: their values are never read (the lanes path reads the
+keys of a whole block of 16, then sets those scores to -inf; the loops read both up to the next multiple of four).
+The K/V come from memory (a step's weights pushed them out of every cache; one core reads them at about 25 GB/s here,
+measured) and a sequence's pages lie anywhere, where the hardware's prefetcher follows no stream: the lanes path asks
+for the page it reads next (K's next, then V's first; V's next, then the next head's or sequence's first K page) a
+part before each query head's work on the page before it (measured, 8 sequences x 224 keys, K/V 2.75 MB: the loops
+180 us a call, the lanes path with each page's V asked for during its scores 154, as here 123; the reads alone take
+80-120). Query head h reads KV head h // group; sums in any order (fastmath reassoc), so results agree with the
+one-sequence kernel and with float64 within float32 rounding.
 Each sequence is computed whole by one call of `_sequences`, so the same inputs give the same bits however the
 sequences are split among calls (threads). With two weight threads the engine hands in the weights' spin pool
 (paged_attention.share_pool; the cache imports no model) and a layer's sequences are shared with its helper thread,
@@ -39,9 +47,9 @@ import numpy as np
 from numba import carray, cfunc, njit, types
 from numba.extending import overload
 
-from pagevis.kernel_intrinsics import narrow, pointer_to, prefetch, widen
+from pagevis.kernel_intrinsics import dots16, lanes_exps, lanes_peak, narrow, pointer_to, prefetch, weigh_rows, widen
 from pagevis.kernel_loader import import_kernels
-from pagevis.kvcache.decode_kernel import _softmax, bits
+from pagevis.kvcache.decode_kernel import EXP_FLOOR, _exp, _softmax, bits
 
 _FAST = {"reassoc", "contract"}
 NO_POSITIONS = np.zeros(0, np.int64)
@@ -140,6 +148,69 @@ def _page_values(weights, v, top, first, rows, at, acc):  # pragma: no cover (nu
                 acc[i, j] += w * v[s, j]
 
 
+LANES = 16  # pages of a multiple of LANES slots and heads of a multiple of LANES floats take `_page_dots`, `_page_weigh`
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _ask_part(ahead, page_bytes, i, parts):  # pragma: no cover (numba)
+    """Asks for part i of parts of the page at address ahead (page_bytes): a page's lines spread over the work before
+    it, not all at once (the first level's few miss buffers would stall that work)."""
+    for line in range(page_bytes * i // parts // 64 * 64, page_bytes * (i + 1) // parts // 64 * 64, 64):
+        prefetch(ahead + line)
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _page_dots(query, rows_at, top, first, rows, at, weights, ahead, page_bytes, ps):  # pragma: no cover (numba)
+    """`_page_scores` of a page of a multiple of LANES slots and rows of a multiple of LANES floats (k: its float32
+    rows at address rows_at, `_page_rows`): each query row's scores LANES slots at a time (kernel_intrinsics.dots16:
+    their sums side by side, not one horizontal sum a dot product), the blocks below top (the slots above it in a
+    block read too: a page's own memory; their scores then -inf). Asks for the page at ahead (page_bytes), a part
+    before each row's."""
+    d = query.shape[1]
+    base, stride = weights.ctypes.data + at * 4, weights.shape[1] * 4
+    for g in range(first, first + rows):
+        _ask_part(ahead, page_bytes, g - first, rows)
+        for s in range(0, top, LANES):
+            dots16(base + g * stride + s * 4, query.ctypes.data + g * d * 4, rows_at + s * d * 4, d)
+        for s in range(top, ps):
+            weights[g, at + s] = -np.inf
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _page_weigh(weights, rows_at, top, first, rows, at, acc, ahead, page_bytes):  # pragma: no cover (numba)
+    """`_page_values` of rows of a multiple of LANES floats (v: its float32 rows at address rows_at, `_page_rows`):
+    each output row's sum over the slots below top in registers (kernel_intrinsics.weigh_rows), only those read.
+    Asks for the page at ahead (page_bytes), a part before each row's."""
+    d = acc.shape[1]
+    for i in range(rows):
+        _ask_part(ahead, page_bytes, i, rows)
+        weigh_rows(acc.ctypes.data + i * d * 4, weights.ctypes.data + ((first + i) * weights.shape[1] + at) * 4,
+                   rows_at, top, d)
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _normalise(row, n):  # pragma: no cover (numba)
+    """decode_kernel's `_softmax` of row[:n] in place (a row with no visible key into zeros), LANES columns at a time
+    (kernel_intrinsics.lanes_peak, lanes_exps: LLVM lays out neither the running max nor, past its unrolled
+    body, the exponentials as vectors), the columns past the last whole LANES one at a time."""
+    body = n // LANES * LANES
+    peak = lanes_peak(row.ctypes.data, n // LANES)
+    for t in range(body, n):
+        peak = max(peak, row[t])
+    if peak == -np.inf:
+        for t in range(n):
+            row[t] = 0
+        return
+    total = lanes_exps(row.ctypes.data, n // LANES, peak, EXP_FLOOR)
+    for t in range(body, n):
+        e = _exp(row[t] - peak)
+        row[t] = e
+        total += e
+    inverse = np.float32(1) / total
+    for t in range(n):
+        row[t] *= inverse
+
+
 @njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
 def _mask(row, table, n_pages, ps, bias, key_positions, position, window):  # pragma: no cover (numba)
     """The occupancy bias of the table's slots added to a row of scores, and with a window its hidden keys' -inf."""
@@ -185,6 +256,8 @@ def _sequences(q, scale, k, v, tables, n_pages, bias, key_positions, positions, 
     tops = np.empty(tables.shape[1], np.int64)
     k_page, v_page = np.empty((ps, d), np.float32), np.empty((ps, d), np.float32)  # (float16 pages' rows, widened)
     row_bytes = d * k.itemsize
+    page_bytes = ps * row_bytes
+    lanes_fit = ps % LANES == 0 and d % LANES == 0
     for b in range(b0, b1):
         if flats.size:
             _write_token(k, v, key_positions, fill, bias, flats[b], new_k, new_v, b, positions[b])
@@ -207,15 +280,28 @@ def _sequences(q, scale, k, v, tables, n_pages, bias, key_positions, positions, 
                      _page_at(k, 0, tables[b + 1, 0] if b + 1 < len(tables) and n_pages[b + 1] else 0))
             first = h * group
             for p in range(used):
-                ahead = _page_at(k, h, table[p + 1]) if p + 1 < used else after
-                _page_scores(query, _page_rows(k, h, table[p], tops[p], k_page), tops[p], first, group, p * ps, weights,
-                             ahead, _page_at(v, h, table[p]), row_bytes)
+                rows = _page_rows(k, h, table[p], tops[p], k_page)
+                if lanes_fit:
+                    _page_dots(query, rows.ctypes.data, tops[p], first, group, p * ps, weights,
+                               _page_at(k, h, table[p + 1]) if p + 1 < used else _page_at(v, h, table[0]), page_bytes, ps)
+                else:
+                    ahead = _page_at(k, h, table[p + 1]) if p + 1 < used else after
+                    _page_scores(query, rows, tops[p], first, group, p * ps, weights, ahead, _page_at(v, h, table[p]),
+                                 row_bytes)
             for g in range(first, first + group):
                 _mask(weights[g], table, used, ps, bias, key_positions, position, window)
-                _softmax(weights, g, n)
+                if lanes_fit:
+                    _normalise(weights[g], n)
+                else:
+                    _softmax(weights, g, n)
             acc[:] = 0
             for p in range(used):
-                _page_values(weights, _page_rows(v, h, table[p], tops[p], v_page), tops[p], first, group, p * ps, acc)
+                rows = _page_rows(v, h, table[p], tops[p], v_page)
+                if lanes_fit:
+                    _page_weigh(weights, rows.ctypes.data, tops[p], first, group, p * ps, acc,
+                                _page_at(v, h, table[p + 1]) if p + 1 < used else after, page_bytes)
+                else:
+                    _page_values(weights, rows, tops[p], first, group, p * ps, acc)
             for i in range(group):
                 for j in range(d):
                     out[first + i, j] = acc[i, j]
