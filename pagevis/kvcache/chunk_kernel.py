@@ -166,7 +166,9 @@ def _softmax_row(row, n, kpos, kbias, position, window, lanes):  # pragma: no co
         row[t] *= inverse
 
 
-@njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
+# (not inlined: one compiled function that _items and _last_rows call; inlined into both, a first compile of the
+# module took 18 s against 10.5)
+@njit(cache=True, nogil=True, fastmath=_FAST, error_model="numpy", boundscheck=False)
 def _block(q, scale, k, v, table, used, bias, key_positions, positions, r0, r1, window, out, weights,
            buffers):  # pragma: no cover (numba)
     """Rows r0 .. r1 of one sequence (its table's first `used` pages) into out (r1 - r0, n_heads, d); with weights
