@@ -51,20 +51,19 @@ def _arrays(tables):
     return padded, np.array([len(t) for t in tables], np.int64)
 
 
-@pytest.mark.parametrize("n_kv, group, page_size, window, dtype", [
-    (3, 3, 16, 0, np.float32), (1, 4, 4, 0, np.float32), (3, 3, 4, 7, np.float32), (1, 4, 16, 0, np.float16),
-    (3, 3, 5, 9, np.float16)])
-def test_every_row_attends_over_its_sequences_visible_keys_as_float64_does(n_kv, group, page_size, window, dtype):
+@pytest.mark.parametrize("n_kv, group, page_size, window, dtype, d", [
+    (3, 3, 16, 0, np.float32, 16), (1, 4, 4, 0, np.float32, 16), (3, 3, 4, 7, np.float32, 16),
+    (1, 4, 16, 0, np.float16, 16), (3, 3, 5, 9, np.float16, 16), (2, 3, 8, 0, np.float32, 24)])  # (24: no lanes)
+def test_every_row_attends_over_its_sequences_visible_keys_as_float64_does(n_kv, group, page_size, window, dtype, d):
     rng = np.random.default_rng(n_kv * 100 + group * 10 + page_size + window)
     rows = [1, 2, 17, 5, 33, 1]
-    q, k, v, tables, bias, key_positions, positions = _case(rng, n_kv, group, page_size, rows, dtype)
+    q, k, v, tables, bias, key_positions, positions = _case(rng, n_kv, group, page_size, rows, dtype, d)
     starts = np.concatenate([[0], np.cumsum(rows)])
     blank = 3  # a sequence whose slots are all empty: its rows see no key
     padded, n_pages = _arrays(tables)
     bias_seen = bias.copy()
     bias_seen[(tables[blank][:, None] * page_size + np.arange(page_size)).ravel()] = -np.inf
     out, weights = attend_chunks(q, k, v, padded, n_pages, bias_seen, key_positions, positions, starts, window)
-    d = q.shape[2]
     width = padded.shape[1] * page_size
     assert out.shape == q.shape and weights.shape == (len(rows), n_kv * group, width)
     k64, v64 = k.astype(np.float64), v.astype(np.float64)  # (float16 pages: the stored values, exactly)

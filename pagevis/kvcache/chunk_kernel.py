@@ -15,15 +15,16 @@ row with no visible key gets zeros. What `attention_kernels.attend` computes ove
 
 The rows are cut into items of ROWS consecutive rows (the last may be short; an item may hold the rows of several
 sequences), each computed whole by `_items`: per sequence and KV head, the group's query heads of the item's rows
-against the sequence's keys, transposed once into a (d, keys) buffer (float16 widened there), so each score row is
-a sweep over the keys of one product a dimension (the keys are the vector lanes, the query rows share each load);
-then the mask and decode_kernel's softmax a row, then the values a page at a time (batch_decode_kernel's
-`_page_values`). A page's slots above its last resident one are neither read nor multiplied. Each row's arithmetic is
-its own, the items' bounds fixed by the rows alone, so the same inputs give the same bits however the items are
-split among threads: with the weights' spin pool (two weight threads, paged_attention.share_pool) the items are
-shared with its helper thread, one a chunk (SpinPool.items, calling `pool_kernel` through its address), the helper
-writing only into the pool's scratch, as batch_decode_kernel's sequences are. The last rows' weights of `wanted` are
-computed again on the caller's thread (`_last_rows`: a row alone, the same code), only when asked (a watched layer).
+against the sequence's keys, transposed once into a (d, keys) buffer (float16 widened there), so the scores are sweeps
+over the keys (the vector lanes), four query rows sharing each load and four dimensions each score's load and store;
+then the mask and batch_decode_kernel's softmax a row (`_normalise`), then the values a page at a time, each row's sums
+in registers (kernel_intrinsics.weigh_rows, as batch_decode_kernel's lanes path). A page's slots above its last resident
+one are neither read nor multiplied. Each row's arithmetic is its own, the items' bounds fixed by the rows alone, so the
+same inputs give the same bits however the items are split among threads: with the weights' spin pool (two weight
+threads, paged_attention.share_pool) the items are shared with its helper thread, one a chunk (SpinPool.items, calling
+`pool_kernel` through its address), the helper writing only into the pool's scratch, as batch_decode_kernel's sequences
+are. The last rows' weights of `wanted` are computed again on the caller's thread (`_last_rows`: a row alone, the same
+code), only when asked (a watched layer).
 Query head h reads KV head h // group; sums in any order within a row (fastmath reassoc), so results agree with
 attention_kernels.attend and with float64 within float32 rounding.
 Float16 pages are read through their uint16 views (`Kernels`: FLOAT32, and half_kernels, compiled the first time a
@@ -37,13 +38,12 @@ from typing import Any, NamedTuple
 import numpy as np
 from numba import carray, cfunc, njit, types
 
-from pagevis.kernel_intrinsics import exp_in_range, pointer_to, widen
+from pagevis.kernel_intrinsics import pointer_to, weigh_rows, widen
 from pagevis.kernel_loader import import_kernels
-from pagevis.kvcache.batch_decode_kernel import TILE, _job, _page_rows, _page_values
-from pagevis.kvcache.decode_kernel import EXP_FLOOR, bits
+from pagevis.kvcache.batch_decode_kernel import LANES, TILE, _job, _normalise, _page_rows, _page_values
+from pagevis.kvcache.decode_kernel import bits
 
 _FAST = {"reassoc", "contract"}
-LANES = 16  # partial maxima of a row's softmax (a vector of float32)
 HIDDEN, MIN_POSITION = np.iinfo(np.int64).max, np.iinfo(np.int64).min  # an empty slot's position; no window's floor
 ROWS = 16  # rows an item (spin_pool.MAX_CHUNKS items at most are shared: 4,096 rows)
 _SIGNATURE = ("void(float32[:, :, ::1], float32, float32[:, :, :, ::1], float32[:, :, :, ::1], int64[:, ::1], "
@@ -132,38 +132,29 @@ def _gather_keys(table, used, tops, ps, bias, key_positions, kpos, kbias):  # pr
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
-def _softmax_row(row, n, kpos, kbias, position, window, lanes):  # pragma: no cover (numba)
+def _softmax_row(row, n, kpos, kbias, position, window):  # pragma: no cover (numba)
     """A row of n scores into its weights, in place: the keys it does not see (kpos above position, or with a window
-    at or below position - window) -inf, the others plus their bias, then exp(score - max) / sum; a row that sees
-    no key into zeros. Each loop vectorises (the max through `lanes`, LANES partial maxima)."""
+    at or below position - window) -inf, the others plus their bias, then batch_decode_kernel's softmax (`_normalise`:
+    exp(score - max) / sum in 16-lane vectors); a row that sees no key into zeros."""
     low = position - window if window > 0 else MIN_POSITION
     for t in range(n):
         key = kpos[t]
         row[t] = row[t] + kbias[t] if key <= position and key > low else -np.inf
-    lanes[:] = -np.inf
-    body = n // LANES * LANES
-    for t in range(0, body, LANES):
-        for lane in range(LANES):
-            x = row[t + lane]
-            lanes[lane] = x if x > lanes[lane] else lanes[lane]
-    peak = np.float32(-np.inf)
-    for lane in range(LANES):
-        peak = lanes[lane] if lanes[lane] > peak else peak
-    for t in range(body, n):
-        peak = row[t] if row[t] > peak else peak
-    if peak == -np.inf:
-        row[:n] = 0
+    _normalise(row, n)
+
+
+@njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
+def _values(scores, v_rows, top, nq, at, acc):  # pragma: no cover (numba)
+    """acc[i] += sum over a page's slots s below top of scores[i, at + s] v_rows[s] for rows i < nq (v_rows: its
+    float32 rows, `_page_rows`): each row's sums in registers (kernel_intrinsics.weigh_rows) where d is a multiple of
+    16, else batch_decode_kernel's `_page_values`."""
+    d = acc.shape[1]
+    if d % LANES:
+        _page_values(scores, v_rows, top, 0, nq, at, acc)
         return
-    total = np.float32(0)
-    for t in range(n):
-        x = row[t] - peak
-        e = exp_in_range(max(x, EXP_FLOOR))
-        e = e if x >= EXP_FLOOR else np.float32(0)
-        row[t] = e
-        total += e
-    inverse = np.float32(1) / total
-    for t in range(n):
-        row[t] *= inverse
+    for i in range(nq):
+        weigh_rows(acc.ctypes.data + i * d * 4, scores.ctypes.data + (i * scores.shape[1] + at) * 4, v_rows.ctypes.data,
+                   top, d)
 
 
 # (not inlined: one compiled function that _items and _last_rows call; inlined into both, a first compile of the
@@ -173,8 +164,8 @@ def _block(q, scale, k, v, table, used, bias, key_positions, positions, r0, r1, 
            buffers):  # pragma: no cover (numba)
     """Rows r0 .. r1 of one sequence (its table's first `used` pages) into out (r1 - r0, n_heads, d); with weights
     (n_heads, widest * page_size; else (0, 0)), the last row's weights there. buffers: (query, scores, kt, acc,
-    v_page, tops), `_buffers`'."""
-    query, scores, kt, acc, v_page, tops, kpos, kbias, lanes = buffers
+    v_page, tops, kpos, kbias), `_buffers`'."""
+    query, scores, kt, acc, v_page, tops, kpos, kbias = buffers
     n_heads, d = q.shape[1], q.shape[2]
     n_kv, ps = k.shape[0], k.shape[2]
     group, m = n_heads // n_kv, r1 - r0
@@ -194,10 +185,10 @@ def _block(q, scale, k, v, table, used, bias, key_positions, positions, r0, r1, 
         _scores(query, nq, kt, n, scores)
         for r in range(m):
             for g in range(group):
-                _softmax_row(scores[r * group + g], n, kpos, kbias, positions[r0 + r], window, lanes)
+                _softmax_row(scores[r * group + g], n, kpos, kbias, positions[r0 + r], window)
         acc[:nq] = 0
         for p in range(used):
-            _page_values(scores, _page_rows(v, h, table[p], tops[p], v_page), tops[p], 0, nq, p * ps, acc)
+            _values(scores, _page_rows(v, h, table[p], tops[p], v_page), tops[p], nq, p * ps, acc)
         for r in range(m):
             for g in range(group):
                 for j in range(d):
@@ -212,12 +203,11 @@ def _block(q, scale, k, v, table, used, bias, key_positions, positions, r0, r1, 
 def _buffers(n_heads, d, n_kv, ps, widest):  # pragma: no cover (numba)
     """`_block`'s scratch for up to ROWS rows: the scaled queries and the scores of one KV head's group, the keys
     transposed, the outputs' sums, a widened value page, each page's top, the slots' positions and biases
-    (`_gather_keys`), the softmax's partial maxima."""
+    (`_gather_keys`)."""
     rows = ROWS * (n_heads // n_kv)
     return (np.empty((rows, d), np.float32), np.empty((rows, widest * ps), np.float32),
             np.empty((d, widest * ps), np.float32), np.empty((rows, d), np.float32), np.empty((ps, d), np.float32),
-            np.empty(widest, np.int64), np.empty(widest * ps, np.int64), np.empty(widest * ps, np.float32),
-            np.empty(LANES, np.float32))
+            np.empty(widest, np.int64), np.empty(widest * ps, np.int64), np.empty(widest * ps, np.float32))
 
 
 @njit(_SIGNATURE, cache=True, nogil=True, fastmath=_FAST, error_model="numpy", boundscheck=False)
