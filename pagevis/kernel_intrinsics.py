@@ -389,3 +389,52 @@ dots16: Callable[..., Any] = cast(Callable[..., Any], _dots16)
 weigh_rows: Callable[..., Any] = cast(Callable[..., Any], _weigh_rows)
 lanes_peak: Callable[..., Any] = cast(Callable[..., Any], _lanes_peak)
 lanes_exps: Callable[..., Any] = cast(Callable[..., Any], _lanes_exps)
+
+
+def _weigh_heads_block(builder, acc, w, w_stride, heads, v, n, d, start, count):
+    """acc[h d + start + 16 c + j] += sum over s < n of w[h w_stride + s] v[s d + start + 16 c + j] for h < heads,
+    c < count: heads x count vectors summed over the rows in registers, each row's values read once for every head."""
+    sums = [[cgutils.alloca_once_value(builder, _vector(builder, acc, builder.add(
+        builder.mul(ir.Constant(d.type, h), d), builder.add(start, ir.Constant(d.type, 16 * c))))) for c in range(count)]
+        for h in range(heads)]
+    with cgutils.for_range(builder, n) as loop:
+        row = builder.add(builder.mul(loop.index, d), start)
+        values = [_vector(builder, v, builder.add(row, ir.Constant(d.type, 16 * c))) for c in range(count)]
+        for h in range(heads):
+            weight = builder.load(builder.gep(w, [builder.add(builder.mul(ir.Constant(d.type, h), w_stride), loop.index)]))
+            spread = _spread(builder, weight)
+            for c in range(count):
+                builder.store(_fma(builder, spread, values[c], builder.load(sums[h][c])), sums[h][c])
+    for h in range(heads):
+        for c in range(count):
+            at = builder.gep(acc, [builder.add(builder.mul(ir.Constant(d.type, h), d),
+                                               builder.add(start, ir.Constant(d.type, 16 * c)))])
+            builder.store(builder.load(sums[h][c]), builder.bitcast(at, _VECTOR.as_pointer()), align=4)
+
+
+def _weigh_heads(heads: int):
+    @intrinsic
+    def weigh(typingctx, acc, w, w_stride, v, n, d):
+        """weigh_rows for `heads` rows at once: acc[h][j] += sum over s < n of w[h w_stride + s] v[s][j] for h < heads
+        (acc: heads rows of d floats, each after the other), each value row read once for all of them: 64 columns at
+        a time (heads x 4 vectors in registers), then 16."""
+        def codegen(context, builder, signature, args):
+            pointer = _FLOAT.as_pointer()
+            acc_at, w_at = (builder.inttoptr(a, pointer) for a in args[:2])
+            w_stride, v_at, n, d = args[2], builder.inttoptr(args[3], pointer), args[4], args[5]
+            four = builder.udiv(d, ir.Constant(d.type, 4 * _LANES))
+            with cgutils.for_range(builder, four) as loop:
+                _weigh_heads_block(builder, acc_at, w_at, w_stride, heads, v_at, n, d,
+                                   builder.mul(loop.index, ir.Constant(d.type, 4 * _LANES)), 4)
+            rest = builder.udiv(builder.urem(d, ir.Constant(d.type, 4 * _LANES)), ir.Constant(d.type, _LANES))
+            with cgutils.for_range(builder, rest) as loop:
+                start = builder.add(builder.mul(four, ir.Constant(d.type, 4 * _LANES)),
+                                    builder.mul(loop.index, ir.Constant(d.type, _LANES)))
+                _weigh_heads_block(builder, acc_at, w_at, w_stride, heads, v_at, n, d, start, 1)
+            return context.get_dummy_value()
+        return types.void(*(types.int64,) * 6), codegen
+    return cast(Callable[..., Any], weigh)
+
+
+# a GQA group's query heads at once (SmolLM2's 3, Gemma 3's 4): each value row read once for the group
+weigh_heads3, weigh_heads4 = _weigh_heads(3), _weigh_heads(4)

@@ -27,8 +27,9 @@ def _pages_and_queries(rng, n_kv, group, page_size, d, frames, batch):
 @pytest.mark.parametrize("n_kv, group, page_size, window, d", [
     (1, 1, 1, 0, 16), (3, 3, 16, 0, 16), (2, 4, 4, 0, 16), (1, 6, 3, 5, 16), (2, 5, 7, 0, 16), (3, 3, 16, 20, 16),
     # pages of a multiple of LANES slots, heads of a multiple of LANES floats: the lanes path (_page_dots, _normalise,
-    # _page_weigh) with 4 + 0, 0 + 3, 4 + 1 and 16 + 0 vectors of values a block (kernel_intrinsics.weigh_rows)
-    (3, 3, 16, 0, 64), (2, 4, 32, 20, 48), (1, 4, 16, 0, 80), (1, 2, 16, 9, 256)])
+    # _page_weigh) with 4 + 0, 0 + 3, 4 + 1 and 16 + 0 vectors of values a block, groups of 3 and 4
+    # (kernel_intrinsics.weigh_heads3, 4), of 2, 1 and 5 (a head at a time: weigh_rows)
+    (3, 3, 16, 0, 64), (2, 4, 32, 20, 48), (1, 4, 16, 0, 80), (1, 2, 16, 9, 256), (2, 1, 16, 0, 64), (1, 5, 16, 7, 32)])
 def test_each_sequence_attends_over_its_own_pages_as_float64_does(n_kv, group, page_size, window, d):
     rng = np.random.default_rng(n_kv * 100 + group * 10 + page_size + d)
     frames, batch = 24, 5

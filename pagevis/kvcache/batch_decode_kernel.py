@@ -14,7 +14,8 @@ heads of a multiple of 16 floats (every model here: pages of 16, heads of 64 or 
 vectors spelt in LLVM's IR (kernel_intrinsics): each query head's scores 16 keys at a time, whose sums are added side
 by side (dots16: two shuffles and a sum a pair of vectors, where one horizontal sum a dot product took four shuffles
 and four sums), its softmax 16 columns at a time (`_normalise`: LLVM vectorised neither its running max nor the
-exponentials past its unrolled body), its values summed in registers over a page's rows (weigh_rows). Other shapes
+exponentials past its unrolled body), its values summed in registers over a page's rows, each row read once for a group of 3 or 4 query heads
+(weigh_heads3, 4; other groups a head at a time: weigh_rows). Other shapes
 take the first kernel's loops: four keys at a time, each of the group's query heads taking the four dot products
 sharing its loads (scores), or adding the four value rows, read again from the first level of cache, each times its
 weight (values), then decode_kernel's `_softmax`. A page's slots above its last resident one (a sequence's newest page
@@ -47,7 +48,8 @@ import numpy as np
 from numba import carray, cfunc, njit, types
 from numba.extending import overload
 
-from pagevis.kernel_intrinsics import dots16, lanes_exps, lanes_peak, narrow, pointer_to, prefetch, weigh_rows, widen
+from pagevis.kernel_intrinsics import (dots16, lanes_exps, lanes_peak, narrow, pointer_to, prefetch, weigh_heads3, weigh_heads4,
+                                       weigh_rows, widen)
 from pagevis.kernel_loader import import_kernels
 from pagevis.kvcache.decode_kernel import EXP_FLOOR, _exp, _softmax, bits
 
@@ -179,13 +181,24 @@ def _page_dots(query, rows_at, top, first, rows, at, weights, ahead, page_bytes,
 @njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
 def _page_weigh(weights, rows_at, top, first, rows, at, acc, ahead, page_bytes):  # pragma: no cover (numba)
     """`_page_values` of rows of a multiple of LANES floats (v: its float32 rows at address rows_at, `_page_rows`):
-    each output row's sum over the slots below top in registers (kernel_intrinsics.weigh_rows), only those read.
-    Asks for the page at ahead (page_bytes), a part before each row's."""
-    d = acc.shape[1]
+    each output row's sum over the slots below top in registers, only those read: a group of 3 or 4 query heads (SmolLM2's,
+    Gemma 3's) at once (kernel_intrinsics.weigh_heads3, 4: each value row read once for the group), other groups a head
+    at a time (weigh_rows: each more compiled variant costs ~1 s of a first launch). Asks for the page at ahead
+    (page_bytes), half before each half of the slots (a group of 3 or 4), a part before each head's (others)."""
+    d, width = acc.shape[1], weights.shape[1]
+    w_at = weights.ctypes.data + (first * width + at) * 4
+    if rows == 3 or rows == 4:
+        half = min(top, LANES // 2)
+        for lo, hi, part in ((0, half, 0), (half, top, 1)):
+            _ask_part(ahead, page_bytes, part, 2)
+            if rows == 3:
+                weigh_heads3(acc.ctypes.data, w_at + lo * 4, width, rows_at + lo * d * 4, hi - lo, d)
+            else:
+                weigh_heads4(acc.ctypes.data, w_at + lo * 4, width, rows_at + lo * d * 4, hi - lo, d)
+        return
     for i in range(rows):
         _ask_part(ahead, page_bytes, i, rows)
-        weigh_rows(acc.ctypes.data + i * d * 4, weights.ctypes.data + ((first + i) * weights.shape[1] + at) * 4,
-                   rows_at, top, d)
+        weigh_rows(acc.ctypes.data + i * d * 4, w_at + i * width * 4, rows_at, top, d)
 
 
 @njit(cache=True, nogil=True, inline="always", fastmath=_FAST, error_model="numpy", boundscheck=False)
