@@ -88,3 +88,59 @@ def test_a_sole_sequence_in_an_aged_pool_reads_its_pages_in_place(no_gather):
     expected = fresh.attend(0, 0, q, np.array([9]))
     result = aged.attend(0, 0, q, np.array([9]))
     np.testing.assert_allclose(result.output, expected.output, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_a_chunk_through_its_block_table_is_causal_and_matches_dense_float64(no_gather, data):
+    """A prompt chunk of one sequence among several (the chunk kernel, one sequence): each query against float64
+    dense attention over the resident tokens at or before it (and inside a window), the last query's weights."""
+    n_kv, group = data.draw(st.sampled_from([1, 3])), data.draw(st.sampled_from([1, 3]))
+    page_size, max_pages = data.draw(st.sampled_from([1, 4, 16])), data.draw(st.integers(2, 6))
+    window = data.draw(st.sampled_from([None, 3, 9]))
+    dtype = data.draw(st.sampled_from(["float32", "float16"]))
+    policy = data.draw(st.sampled_from(["oldest", "sinks"]))
+    config = CacheConfig(page_size=page_size, max_pages=max_pages, n_layers=1, n_heads=n_kv * group,
+                         n_kv_heads=n_kv, head_dim=16, dtype=dtype, policy=policy, sliding_windows=(window,),
+                         policy_params={"n_sink": 1} if policy == "sinks" else {})
+    capacity = page_size * max_pages
+    chunk = data.draw(st.integers(2, min(capacity, 20)))
+    n_before = data.draw(st.integers(0, capacity - chunk))
+    cache = KVCacheManager(config, pool_pages=3 * max_pages)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    stored: dict[int, tuple] = {}
+    for seq in (0, 1, 2):
+        cache.add_sequence(seq)
+
+    def token() -> tuple[np.ndarray, np.ndarray]:
+        return tuple(rng.standard_normal((1, n_kv, 16)).astype(np.float32) for _ in range(2))
+
+    others = [0, 0]
+    for seq in data.draw(st.lists(st.sampled_from([0, 1, 2]), max_size=40)) + [0] * n_before:
+        if seq == 0 and len(stored) >= n_before:
+            continue
+        k, v = token()
+        if seq == 0:
+            stored[len(stored)] = (k[0].astype(dtype), v[0].astype(dtype))
+            cache.append(0, 0, k, v, np.array([len(stored) - 1]))
+        else:
+            cache.append(seq, 0, k, v, np.array([others[seq - 1]]))
+            others[seq - 1] += 1
+    k, v = (rng.standard_normal((chunk, n_kv, 16)).astype(np.float32) for _ in range(2))
+    positions = np.arange(n_before, n_before + chunk)
+    for i, p in enumerate(positions):
+        stored[p] = (k[i].astype(dtype), v[i].astype(dtype))
+    cache.append(0, 0, k, v, positions)
+    q = (3 * rng.standard_normal((chunk, config.n_heads, 16))).astype(np.float32)
+    # (before: a window's layer lets go of what fell below it once it attended)
+    resident, slot_positions = cache.resident_positions(0, 0), cache.stores[0].positions.copy()
+    result = cache.attend(0, 0, q, positions, all_weights=False)
+    for i, p in enumerate(positions):
+        seen = [r for r in resident if r <= p and (window is None or r > p - window)]
+        out, weights = dense_attention_f64(q[i], np.stack([stored[r][0] for r in seen]),
+                                           np.stack([stored[r][1] for r in seen]))
+        assert relative_error(result.output[i], out) < 1e-5
+    slot_positions = slot_positions[result.slots]
+    shown = np.isin(slot_positions, seen)
+    assert relative_error(result.weights[0][:, shown][:, np.argsort(slot_positions[shown])], weights) < 1e-5
+    assert np.all(result.weights[0][:, ~shown] == 0)

@@ -2,9 +2,10 @@
 
 - A single live sequence in RAM reads the pool's used prefix in place (no gather), unless its layer prefers
   to gather (a sliding window far above the pool's bottom); with several sequences, each reads its own pages
-  through its block table (`attend`: a decode query where they lie, through batch_decode_kernel; a chunk of several
-  queries gathered), or, decoding one token each, all at once (`attend_many`), or, a step's chunks of several
-  queries beside them, all at once too, where they lie (`attend_chunks`).
+  through its block table (`attend`: where they lie, a decode query through batch_decode_kernel, a chunk through
+  chunk_kernel; gathered when a policy reads every query's weights or heads keep their own tokens), or, decoding
+  one token each, all at once (`attend_many`), or, a step's chunks of several queries beside them, all at once
+  too, where they lie (`attend_chunks`).
 - With a disk tier, a quantized dtype or Quest's page selection, through the reader (reader.py).
 - A per-head policy's masks: each KV head reads only the tokens it keeps (`attend_kept`).
 - kvzip's reconstruction pass reads the cache beside tokens that are not written (`attend_beside`).
@@ -80,14 +81,20 @@ def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np
             values = store.v[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
             result = attend_kept(q, keys, values, bias, store.positions[:n_slots], positions,
                                  None if keep is None else keep[:, read_slots], layer.window, all_weights)
-    elif len(q) == 1 and keep is None and store.k.dtype in DECODE_DTYPES and own.pages:
-        # decode through its block table: the pages read where they lie (a sole sequence in a pool aged by cached
-        # pages, the server's one client; or one of several outside a batched step), no gather copy
+    elif keep is None and store.k.dtype in DECODE_DTYPES and own.pages and (len(q) == 1 or not all_weights):
+        # through its block table, the pages read where they lie (no gather copy): a sole sequence in a pool aged by
+        # cached pages (the server's one client), or one of several outside a batched step; a decode query in the
+        # batched decode kernel, a chunk (its last query's weights only) in the chunk kernel
         table = own.pages
         read_slots = flat_slots(table, ps)
-        output, weights = kernels.batch_decode_kernels().attend_tables(
-            q, store.k, store.v, np.array([table], np.int64), np.array([len(table)], np.int64), store.bias,
-            store.positions, positions, layer.window or 0)
+        tables, counts = np.array([table], np.int64), np.array([len(table)], np.int64)
+        if len(q) == 1:
+            output, weights = kernels.batch_decode_kernels().attend_tables(
+                q, store.k, store.v, tables, counts, store.bias, store.positions, positions, layer.window or 0)
+        else:
+            output, weights = chunk_kernels().attend_chunks(
+                q, store.k, store.v, tables, counts, store.bias, store.positions, positions,
+                np.array([0, len(q)], np.int64), layer.window or 0, _pool(), (0,))
         result = AttentionResult(output, weights, read_slots)
     else:  # gathered through its block table
         table = own.pages
