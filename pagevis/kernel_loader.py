@@ -73,7 +73,7 @@ _holding = 0  # imports under way in this process while it holds the file lock (
 _gave_up = False  # a wait for the file lock timed out: later imports take it only if it is free at once
 _said_gave_up = False  # ... and that was said
 _lock_file: IO[str] | None = None  # the lock file while it is open
-_checked_sources = False  # the kernels' sources were checked against the cache's (_drop_stale_kernels_once)
+_checked_sources = False  # the kernels' sources were checked against the cache's (drop_stale_kernels_once)
 _said_unusable: set[str] = set()  # modules whose cache was said unusable (damaged), or 'no cache folder'
 
 
@@ -127,15 +127,16 @@ def import_kernels(module_name: str, what: str, *, build: Callable[[ModuleType],
     with _THREADS:
         loaded = _LOADED.get(key)
         if loaded is None:
-            _drop_stale_kernels_once()
+            drop_stale_kernels_once()
             with _compile_lock(lock_name(module_name)) as held, _saying_when_compiling(what, seconds) as announce:
                 loaded = _load(module_name, what, build, held, announce)
             _LOADED[key] = loaded
     return loaded
 
 
-def _drop_stale_kernels_once() -> None:
-    """kernel_sources.drop_stale_kernels, once a process, before its first kernel loads (said when it dropped any)."""
+def drop_stale_kernels_once() -> None:
+    """kernel_sources.drop_stale_kernels, once a process, before its first kernel loads (said when it dropped any); the
+    tests call it before their modules import kernel modules directly (which load numba's cached code unchecked)."""
     global _checked_sources
     if _checked_sources:
         return

@@ -6,7 +6,7 @@ import tempfile
 import pytest
 from hypothesis import settings
 
-from pagevis.kernel_loader import wide_vectors
+from pagevis.kernel_loader import drop_stale_kernels_once, wide_vectors
 
 # Tests never need a screen; `make test` sets this too, this covers a bare `pytest`.
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -25,6 +25,10 @@ os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="pagevis-test-config-")
 # again beside the background loader's (numba's cache is keyed by the features; measured: test_batch_kernels,
 # test_spin_pool and test_int8_prompt_rows after the loader's steps, 143 s before, ~25 s after).
 wide_vectors()
+# The kernels' sources checked against what numba's cache was compiled from, before a test module imports a kernel
+# module directly (which loads its cached code unchecked): numba checks only a function's own file, so a change to
+# kernel_intrinsics.py alone had the tests run the old inlined code (found by a mutant that passed).
+drop_stale_kernels_once()
 
 # Property tests draw the same examples on every run, so a CI failure is reproducible from a clean clone (a random
 # draw failed CI once on an example no earlier run had met); PAGEVIS_HYPOTHESIS_EXPLORE=1 draws new ones each run.

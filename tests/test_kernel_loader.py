@@ -296,6 +296,14 @@ def test_the_tests_run_the_kernels_the_app_runs():
     assert "-prefer-256-bit" in cpu_target.target_context.codegen().magic_tuple()[2]
 
 
+def test_the_tests_check_the_kernels_sources_before_any_kernel_loads():
+    """conftest runs the stale-source check before test modules import kernel modules directly (which load numba's
+    cached code unchecked): without it a change to kernel_intrinsics.py alone ran the old inlined code."""
+    from pagevis import kernel_loader
+
+    assert kernel_loader._checked_sources
+
+
 def test_a_change_to_any_kernel_source_drops_every_kernel_modules_numba_cache(tmp_path, monkeypatch):
     """numba checks only a compiled function's own file; a kernel inlining another module's code must go too when
     that module changes (kernel_sources.py)."""
