@@ -51,9 +51,13 @@ def _arrays(tables):
     return padded, np.array([len(t) for t in tables], np.int64)
 
 
+SLOW = pytest.mark.slow  # float16 pages: their chunk kernels compile in the test (~15 s): `make test-all`
+
+
 @pytest.mark.parametrize("n_kv, group, page_size, window, dtype, d", [
     (3, 3, 16, 0, np.float32, 16), (1, 4, 4, 0, np.float32, 16), (3, 3, 4, 7, np.float32, 16),
-    (1, 4, 16, 0, np.float16, 16), (3, 3, 5, 9, np.float16, 16), (2, 3, 8, 0, np.float32, 24)])  # (24: no lanes)
+    pytest.param(1, 4, 16, 0, np.float16, 16, marks=SLOW), pytest.param(3, 3, 5, 9, np.float16, 16, marks=SLOW),
+    (2, 3, 8, 0, np.float32, 24)])  # (24: no lanes)
 def test_every_row_attends_over_its_sequences_visible_keys_as_float64_does(n_kv, group, page_size, window, dtype, d):
     rng = np.random.default_rng(n_kv * 100 + group * 10 + page_size + window)
     rows = [1, 2, 17, 5, 33, 1]
@@ -107,7 +111,7 @@ def test_wanted_picks_the_last_rows_weights_of_those_sequences_only():
     assert np.array_equal(some, every[[2, 0]]) and none.shape == (0, 4, padded.shape[1] * 8)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("dtype", [np.float32, pytest.param(np.float16, marks=SLOW)])
 def test_the_same_bits_however_the_items_are_split_and_on_the_spin_pools_two_threads(dtype):
     """Items are fixed runs of ROWS rows, each computed whole: computed one a call (as the pool's two threads take
     them) or all in one, and through the spin pool (its helper taking some), the output is one thread's bit for bit."""

@@ -254,7 +254,9 @@ def test_the_oracle_keeps_whole_keys(capsys):
         assert main(["run", *synth, "--prompt", "hello paging", "--page-size", "4", "--max-pages", "8",
                      "--max-tokens", "8", "--key-channels", ratio, "--oracle", "--no-chat", "--json", "--quiet"]) == 0
         runs[ratio] = json.loads(capsys.readouterr().out)
-    assert runs["0"]["mean_kl"] == 0 and runs["0.5"]["mean_kl"] > 0  # no eviction: only the pruned channels differ
+    # no eviction: only the pruned channels differ (the oracle's prefill takes every row's weights through NumPy, the
+    # engine's the chunk kernel: float32 rounding apart, ~1e-13 here)
+    assert runs["0"]["mean_kl"] < 1e-9 and runs["0.5"]["mean_kl"] > 1e-6
 
 
 def test_the_app_says_how_narrow_the_keys_are_in_the_page_grid_and_status_bar(qtbot, tmp_path):

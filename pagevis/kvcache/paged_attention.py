@@ -67,11 +67,22 @@ def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np
     all_weights = all_weights or seq.policy.uses_attention
     n_kv, _, ps, head_dim = store.k.shape
     keep = own.head_keep
-    if len(layer.tables) == 1 and not layer.gathers(seq):  # the only owner: the pool's used prefix, in place
+    read_slots: slice | np.ndarray  # the slots weighed: the pool's used prefix in place, else the table's
+    through_table = keep is None and store.k.dtype in DECODE_DTYPES and bool(own.pages)
+    if len(q) > 1 and through_table and not all_weights:
+        # a chunk (its last query's weights only): through its block table, the pages read where they lie, in the
+        # chunk kernel however many sequences share the pool, as a step of several sequences' chunks takes it
+        # (attend_chunks), so a prompt's K/V are the same bits alone or beside others (a prefix cache holds one)
+        slots = flat_slots(own.pages, ps)
+        output, weights = chunk_kernels().attend_chunks(
+            q, store.k, store.v, np.array([own.pages], np.int64), np.array([len(own.pages)], np.int64), store.bias,
+            store.positions, positions, np.array([0, len(q)], np.int64), layer.window or 0, _pool(), (0,))
+        result, read_slots = AttentionResult(output, weights, slots), slots
+    elif len(layer.tables) == 1 and not layer.gathers(seq):  # the only owner: the pool's used prefix, in place
         n_slots = store.high_water * ps
         # With no empty slot below the high-water mark the occupancy mask is all zeros: skip it.
         bias = None if own.resident == n_slots else store.bias[:n_slots]
-        read_slots: slice | np.ndarray = slice(0, n_slots)
+        read_slots = slice(0, n_slots)
         if len(q) == 1 and store.k.dtype in DECODE_DTYPES and n_slots:  # decode: one kernel call, per-head masks or not
             result = kernels.attend_decode(q, store.k_rows, store.v_rows, n_slots,
                                            bias if keep is None else kept_bias(keep[:, :n_slots], bias),
@@ -81,20 +92,14 @@ def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np
             values = store.v[:, : store.high_water].reshape(n_kv, n_slots, head_dim)
             result = attend_kept(q, keys, values, bias, store.positions[:n_slots], positions,
                                  None if keep is None else keep[:, read_slots], layer.window, all_weights)
-    elif keep is None and store.k.dtype in DECODE_DTYPES and own.pages and (len(q) == 1 or not all_weights):
-        # through its block table, the pages read where they lie (no gather copy): a sole sequence in a pool aged by
-        # cached pages (the server's one client), or one of several outside a batched step; a decode query in the
-        # batched decode kernel, a chunk (its last query's weights only) in the chunk kernel
+    elif len(q) == 1 and through_table:
+        # decode through its block table, the pages read where they lie (no gather copy): a sole sequence in a pool
+        # aged by cached pages (the server's one client), or one of several outside a batched step
         table = own.pages
         read_slots = flat_slots(table, ps)
-        tables, counts = np.array([table], np.int64), np.array([len(table)], np.int64)
-        if len(q) == 1:
-            output, weights = kernels.batch_decode_kernels().attend_tables(
-                q, store.k, store.v, tables, counts, store.bias, store.positions, positions, layer.window or 0)
-        else:
-            output, weights = chunk_kernels().attend_chunks(
-                q, store.k, store.v, tables, counts, store.bias, store.positions, positions,
-                np.array([0, len(q)], np.int64), layer.window or 0, _pool(), (0,))
+        output, weights = kernels.batch_decode_kernels().attend_tables(
+            q, store.k, store.v, np.array([table], np.int64), np.array([len(table)], np.int64), store.bias,
+            store.positions, positions, layer.window or 0)
         result = AttentionResult(output, weights, read_slots)
     else:  # gathered through its block table
         table = own.pages
