@@ -73,11 +73,7 @@ def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np
         # a chunk (its last query's weights only): through its block table, the pages read where they lie, in the
         # chunk kernel however many sequences share the pool, as a step of several sequences' chunks takes it
         # (attend_chunks), so a prompt's K/V are the same bits alone or beside others (a prefix cache holds one)
-        slots = flat_slots(own.pages, ps)
-        output, weights = chunk_kernels().attend_chunks(
-            q, store.k, store.v, np.array([own.pages], np.int64), np.array([len(own.pages)], np.int64), store.bias,
-            store.positions, positions, np.array([0, len(q)], np.int64), layer.window or 0, _pool(), (0,))
-        result, read_slots = AttentionResult(output, weights, slots), slots
+        result, read_slots = _through_table(layer, own, q, positions)
     elif len(layer.tables) == 1 and not layer.gathers(seq):  # the only owner: the pool's used prefix, in place
         n_slots = store.high_water * ps
         # With no empty slot below the high-water mark the occupancy mask is all zeros: skip it.
@@ -95,12 +91,7 @@ def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np
     elif len(q) == 1 and through_table:
         # decode through its block table, the pages read where they lie (no gather copy): a sole sequence in a pool
         # aged by cached pages (the server's one client), or one of several outside a batched step
-        table = own.pages
-        read_slots = flat_slots(table, ps)
-        output, weights = kernels.batch_decode_kernels().attend_tables(
-            q, store.k, store.v, np.array([table], np.int64), np.array([len(table)], np.int64), store.bias,
-            store.positions, positions, layer.window or 0)
-        result = AttentionResult(output, weights, read_slots)
+        result, read_slots = _through_table(layer, own, q, positions)
     else:  # gathered through its block table
         table = own.pages
         keys = store.k[:, table].reshape(n_kv, len(table) * ps, head_dim)
@@ -113,6 +104,23 @@ def attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, positions: np
     if seq.policy.uses_attention:
         own.state.observe(result.weights, read_slots)
     return result
+
+
+def _through_table(layer: LayerManager, own: Any, q: np.ndarray, positions: np.ndarray
+                   ) -> tuple[AttentionResult, np.ndarray]:
+    """`attend` of one sequence's queries through its block table (own: its LayerTable), the pages read where they
+    lie: one query in the batched decode kernel, several (their last one's weights only) in the chunk kernel; and the
+    table's flat slots, which the weights are over (result.slots)."""
+    store, table, window = layer.store, own.pages, layer.window or 0
+    tables, counts = np.array([table], np.int64), np.array([len(table)], np.int64)
+    if len(q) == 1:
+        output, weights = kernels.batch_decode_kernels().attend_tables(
+            q, store.k, store.v, tables, counts, store.bias, store.positions, positions, window)
+    else:
+        output, weights = chunk_kernels().attend_chunks(q, store.k, store.v, tables, counts, store.bias, store.positions,
+                                                        positions, np.array([0, len(q)], np.int64), window, _pool(), (0,))
+    slots = flat_slots(table, layer.page_size)
+    return AttentionResult(output, weights, slots), slots
 
 
 def write_and_attend(layer: LayerManager, seq: SequenceCache, q: np.ndarray, k: np.ndarray, v: np.ndarray,
